@@ -1,0 +1,127 @@
+"""The chunkserver process: RPC handlers, registration and heartbeats."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from typing import Any
+
+from kvfs.chunkserver.store import ChunkStore
+
+from kvfs.address import parse_addr
+from kvfs.config import ChunkServerConfig, parse_hostport
+from kvfs.errors import AuthError, KVFSError
+from kvfs.protocol import Buffer, Limits
+from kvfs.rpc import Op, Service
+from kvfs.server import Reply, RpcServer
+from kvfs.transport import Connection
+
+log = logging.getLogger("kvfs.chunkserver")
+
+
+def chunkserver_token(config: ChunkServerConfig) -> str:
+    token = config.token or os.environ.get("KVFS_TOKEN")
+    if token:
+        return token
+    path = config.data / "token"
+    if path.exists():
+        return path.read_text().strip()
+    raise AuthError("chunkserver needs the cluster token: --token, $KVFS_TOKEN or DATA/token")
+
+
+class ChunkServer:
+    def __init__(self, config: ChunkServerConfig) -> None:
+        self.config = config
+        config.data.mkdir(parents=True, exist_ok=True)
+        self.token = chunkserver_token(config)
+        self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes, io_threads=config.io_threads,
+                                fsync=config.fsync, capacity_bytes=config.capacity_bytes,
+                                merge_gap_bytes=config.merge_gap_bytes)
+        self.rpc = RpcServer(self, Service.CHUNKSERVER, self.token, Limits())
+        self.addr = ""
+        self._meta: Connection | None = None
+        self._hb: asyncio.Task[None] | None = None
+        self.readv_calls = 0
+        self.append_calls = 0
+
+    @property
+    def server_id(self) -> int | None:
+        return self.store.server_id
+
+    async def start(self) -> str:
+        """Listen, register with meta; returns once clients can be sent here."""
+        host, port = parse_hostport(self.config.listen)
+        host, port = await self.rpc.start(host, port)
+        self.addr = self.config.advertise or f"{host}:{port}"
+        await self._register()
+        self._hb = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        return self.addr
+
+    async def close(self) -> None:
+        if self._hb is not None:
+            self._hb.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._hb
+        if self._meta is not None:
+            self._meta.close()
+        await self.rpc.close()
+        self.store.close()
+
+    async def _register(self) -> None:
+        if self._meta is None or self._meta.is_closed:
+            host, port = parse_addr(self.config.meta)
+            self._meta = await Connection.open(host, port, self.token)
+        capacity, free, _ = self.store.usage()
+        r = await self._meta.call(Op.REGISTER, {"server_id": self.store.server_id, "addr": self.addr,
+                                                "capacity": capacity, "free": free})
+        sid = int(r.header["server_id"])
+        if sid != self.store.server_id:
+            self.store.server_id = sid
+            self.store.save_state()
+        await self._heartbeat()
+
+    async def _heartbeat(self) -> None:
+        assert self._meta is not None
+        capacity, free, used = self.store.usage()
+        await self._meta.call(Op.HEARTBEAT, {
+            "server_id": self.store.server_id, "addr": self.addr, "capacity": capacity,
+            "free": free, "used": used, "chunks": dict(self.store.sizes)})
+
+    async def _heartbeat_loop(self) -> None:
+        interval = self.config.heartbeat_interval_s
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                if self._meta is None or self._meta.is_closed:
+                    await self._register()
+                else:
+                    await self._heartbeat()
+            except KVFSError as exc:
+                log.warning("heartbeat to meta failed: %s", exc)
+                if self._meta is not None:
+                    self._meta.close()
+                    self._meta = None
+
+    # RPCs ------------------------------------------------------------------
+    async def rpc_ping(self, h: dict[str, Any], p: memoryview) -> Reply:
+        return {"service": "chunkserver", "server_id": self.server_id}, ()
+
+    async def rpc_append(self, h: dict[str, Any], p: memoryview) -> Reply:
+        self.append_calls += 1
+        locs = await self.store.append(h["records"], p)
+        return {"locations": locs}, ()
+
+    async def rpc_readv(self, h: dict[str, Any], p: memoryview) -> Reply:
+        self.readv_calls += 1
+        ranges = [(int(c), int(o), int(n)) for c, o, n in h["ranges"]]
+        views, errors = await self.store.readv(ranges)
+        payload: list[Buffer] = [v for v in views if v is not None and v.nbytes]
+        return {"errors": {i: [e.code, e.message] for i, e in errors.items()}}, payload
+
+    async def rpc_chunk_stats(self, h: dict[str, Any], p: memoryview) -> Reply:
+        capacity, free, used = self.store.usage()
+        return {"chunks": dict(self.store.sizes), "capacity": capacity, "free": free, "used": used,
+                "spans_read": self.store.spans_read, "readv_calls": self.readv_calls,
+                "append_calls": self.append_calls}, ()

@@ -1,0 +1,5 @@
+import sys
+
+from kvfs.cli import main
+
+sys.exit(main())

@@ -1,0 +1,79 @@
+"""The asyncio side of the wire: one BufferedProtocol base for client and server."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import logging
+from collections.abc import Sequence
+
+from kvfs.errors import KVFSError, RemoteProtocolError
+from kvfs.protocol import Buffer, FrameDecoder, Limits, PayloadAllocator
+
+log = logging.getLogger("kvfs.wire")
+
+
+def auth_mac(token: str, nonce: bytes) -> bytes:
+    return hmac.new(token.encode(), b"kvfs-auth:" + nonce, hashlib.sha256).digest()
+
+
+class FrameProtocol(asyncio.BufferedProtocol):
+    """Receives frames into a :class:`FrameDecoder`; subclasses handle them."""
+
+    def __init__(self, limits: Limits | None = None, allocator: PayloadAllocator | None = None):
+        self.decoder = FrameDecoder(limits, allocator=allocator)
+        self.transport: asyncio.Transport | None = None
+        self._can_write = asyncio.Event()
+        self._can_write.set()
+        self.closed = asyncio.Event()
+
+    # asyncio callbacks -----------------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        self.transport.set_write_buffer_limits(high=4 * 1024 * 1024)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        return self.decoder.get_buffer(sizehint)
+
+    def buffer_updated(self, nbytes: int) -> None:
+        try:
+            self.decoder.buffer_updated(nbytes)
+            while True:
+                ev = self.decoder.next_event()
+                if not hasattr(ev, "op"):
+                    break
+                self.frame_received(ev)  # type: ignore[arg-type]
+        except RemoteProtocolError as exc:
+            self.protocol_failed(exc)
+
+    def pause_writing(self) -> None:
+        self._can_write.clear()
+
+    def resume_writing(self) -> None:
+        self._can_write.set()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._can_write.set()
+        self.closed.set()
+
+    # for subclasses --------------------------------------------------------
+    def frame_received(self, frame: object) -> None:
+        raise NotImplementedError
+
+    def protocol_failed(self, exc: KVFSError) -> None:
+        log.warning("closing connection: %s", exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    def write(self, buffers: Sequence[Buffer]) -> None:
+        assert self.transport is not None
+        if self.transport.is_closing():
+            return
+        if len(buffers) == 1:
+            self.transport.write(buffers[0])
+        else:
+            self.transport.writelines(buffers)
+
+    async def drain(self) -> None:
+        await self._can_write.wait()

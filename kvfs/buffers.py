@@ -1,0 +1,43 @@
+"""Turning caller objects into flat byte views (bytes, bytearray, memoryview, numpy, torch)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvfs.errors import InvalidArgument
+
+
+def _tensor_view(obj: Any, writable: bool) -> memoryview | None:
+    mod = type(obj).__module__
+    if not mod.startswith("torch"):
+        return None
+    t = obj.detach()
+    if t.device.type != "cpu":
+        raise InvalidArgument(f"tensor on {t.device} must be copied to CPU (or use kvfs.torch helpers)")
+    if not t.is_contiguous():
+        if writable:
+            raise InvalidArgument("destination tensor must be contiguous")
+        t = t.contiguous()
+    import torch
+
+    flat = t.reshape(-1).view(torch.uint8)
+    return memoryview(flat.numpy())
+
+
+def as_view(obj: Any, *, writable: bool = False, what: str = "value") -> memoryview:
+    """A flat unsigned-byte memoryview over ``obj`` without copying it."""
+    view = _tensor_view(obj, writable)
+    if view is None:
+        try:
+            view = memoryview(obj)
+        except TypeError:
+            raise InvalidArgument(
+                f"{what} must be bytes-like (bytes, bytearray, memoryview, numpy array, CPU tensor), "
+                f"got {type(obj).__name__}") from None
+    if writable and view.readonly:
+        raise InvalidArgument(f"{what} is read-only; pass a bytearray, writable memoryview or array")
+    if not view.c_contiguous:
+        raise InvalidArgument(f"{what} must be C-contiguous")
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    return view

@@ -1,0 +1,242 @@
+"""`kvfs` command line: services, the launcher and the everyday client commands."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from kvfs._loop import run
+from kvfs.client import AsyncClient
+from kvfs.config import ChunkServerConfig, MetaConfig, add_options, from_options
+from kvfs.errors import KVFSError
+from kvfs.units import format_size
+
+log = logging.getLogger("kvfs.cli")
+
+Command = Callable[[argparse.Namespace], Awaitable[int]]
+
+
+def _client_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
+    p.add_argument("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+
+
+async def _wait_for_signal() -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+
+
+# services ------------------------------------------------------------------------
+async def cmd_meta(ns: argparse.Namespace) -> int:
+    from kvfs.meta import MetaService
+
+    svc = MetaService(from_options(MetaConfig, ns))
+    addr = await svc.start()
+    print(f"kvfs meta ready {addr}", flush=True)
+    try:
+        await _wait_for_signal()
+    finally:
+        await svc.close()
+    return 0
+
+
+async def cmd_chunkserver(ns: argparse.Namespace) -> int:
+    from kvfs.chunkserver import ChunkServer
+
+    svc = ChunkServer(from_options(ChunkServerConfig, ns))
+    addr = await svc.start()
+    print(f"kvfs chunkserver ready id={svc.server_id} {addr}", flush=True)
+    try:
+        await _wait_for_signal()
+    finally:
+        await svc.close()
+    return 0
+
+
+async def cmd_up(ns: argparse.Namespace) -> int:
+    from kvfs.launcher import ProcessCluster
+
+    meta_args: list[str] = []
+    if ns.default_ttl is not None:
+        meta_args += ["--default-ttl", str(ns.default_ttl)]
+    cs_args: list[str] = []
+    if ns.capacity is not None:
+        cs_args += ["--capacity", str(ns.capacity)]
+    cluster = ProcessCluster(Path(ns.data), ns.chunkservers, listen=ns.listen,
+                             meta_args=tuple(meta_args), chunkserver_args=tuple(cs_args))
+    addr = await cluster.start()
+    try:
+        token_path = cluster.write_user_token()
+        print(addr, flush=True)
+        print(f"# {ns.chunkservers} chunkservers, data in {cluster.data}; token in {token_path} "
+              f"(mode 0600). Ctrl-C stops all.", file=sys.stderr, flush=True)
+        await _wait_for_signal()
+        print("# stopping", file=sys.stderr, flush=True)
+    finally:
+        await cluster.stop()
+    return 0
+
+
+# client commands ------------------------------------------------------------------
+def _client(ns: argparse.Namespace) -> AsyncClient:
+    return AsyncClient(ns.addr, token=ns.token)
+
+
+async def cmd_put(ns: argparse.Namespace) -> int:
+    data = sys.stdin.buffer.read() if ns.file == "-" else Path(ns.file).read_bytes()
+    async with _client(ns) as kv:
+        await kv.put(ns.key, data, ttl=ns.ttl, replicas=ns.replicas)
+    return 0
+
+
+async def cmd_get(ns: argparse.Namespace) -> int:
+    async with _client(ns) as kv:
+        value = await kv.get(ns.key)
+    if value is None:
+        print(f"kvfs: {ns.key}: not found", file=sys.stderr)
+        return 1
+    if ns.output and ns.output != "-":
+        Path(ns.output).write_bytes(value)
+    else:
+        sys.stdout.buffer.write(value)
+        sys.stdout.buffer.flush()
+    return 0
+
+
+async def cmd_rm(ns: argparse.Namespace) -> int:
+    async with _client(ns) as kv:
+        n = await kv.delete_many(ns.keys)
+    print(f"deleted {n} of {len(ns.keys)}")
+    return 0 if n == len(ns.keys) else 1
+
+
+def _ts(t: float | None) -> str:
+    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+async def cmd_ls(ns: argparse.Namespace) -> int:
+    async with _client(ns) as kv:
+        infos = await kv.list(ns.prefix or b"", limit=ns.limit)
+    if ns.json:
+        print(json.dumps([{"key": i.key.decode(errors="backslashreplace"), "size": i.size,
+                           "created": i.created, "expires_at": i.expires_at, "extents": i.extents}
+                          for i in infos]))
+        return 0
+    for i in infos:
+        key = i.key.decode(errors="backslashreplace")
+        if ns.long:
+            print(f"{i.size:>12}  {_ts(i.created)}  exp {_ts(i.expires_at)}  {i.extents:>4}  {key}")
+        else:
+            print(key)
+    return 0
+
+
+async def cmd_stat(ns: argparse.Namespace) -> int:
+    async with _client(ns) as kv:
+        st = await kv.stats()
+    if ns.json:
+        print(json.dumps(st, default=str))
+        return 0
+    print(f"keys: {st['keys']}   bytes: {format_size(st['bytes'])}")
+    print(f"{'id':>3} {'addr':<22} {'alive':<5} {'capacity':>11} {'free':>11} {'chunks':>6} "
+          f"{'written':>11} {'live':>11} {'garbage':>11}")
+    for s in st["servers"]:
+        print(f"{s['server_id']:>3} {s['addr']:<22} {'yes' if s['alive'] else 'NO':<5} "
+              f"{format_size(s['capacity']):>11} {format_size(s['free']):>11} {s['chunks']:>6} "
+              f"{format_size(s['written']):>11} {format_size(s['live']):>11} "
+              f"{format_size(s['garbage']):>11}")
+    return 0
+
+
+# parser -------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvfs", description="kvfs: a file-system-backed KV cache")
+    parser.add_argument("-v", "--verbose", action="count", default=0)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("up", help="start meta + N chunkservers on this machine (Ctrl-C stops)")
+    p.add_argument("--data", default="./kvfs-data", help="data directory (default ./kvfs-data)")
+    p.add_argument("--chunkservers", type=int, default=3)
+    p.add_argument("--listen", default="127.0.0.1:7070", help="meta address (default 127.0.0.1:7070)")
+    p.add_argument("--default-ttl", default=None, help="TTL for puts that give none (e.g. 1h)")
+    p.add_argument("--capacity", default=None, help="capacity per chunkserver (e.g. 10GiB)")
+    p.set_defaults(func=cmd_up)
+
+    p = sub.add_parser("meta", help="run the metadata service in the foreground")
+    add_options(p, MetaConfig)
+    p.set_defaults(func=cmd_meta)
+
+    p = sub.add_parser("chunkserver", help="run one chunkserver in the foreground")
+    add_options(p, ChunkServerConfig)
+    p.set_defaults(func=cmd_chunkserver)
+
+    p = sub.add_parser("put", help="store FILE (or - for stdin) under KEY")
+    p.add_argument("key")
+    p.add_argument("file")
+    p.add_argument("--ttl", type=float, default=None, help="seconds until it expires")
+    p.add_argument("--replicas", type=int, default=None)
+    _client_options(p)
+    p.set_defaults(func=cmd_put)
+
+    p = sub.add_parser("get", help="write the value of KEY to stdout (or -o FILE)")
+    p.add_argument("key")
+    p.add_argument("-o", "--output", default=None)
+    _client_options(p)
+    p.set_defaults(func=cmd_get)
+
+    p = sub.add_parser("rm", help="delete keys")
+    p.add_argument("keys", nargs="+")
+    _client_options(p)
+    p.set_defaults(func=cmd_rm)
+
+    p = sub.add_parser("ls", help="list keys starting with PREFIX")
+    p.add_argument("prefix", nargs="?", default="")
+    p.add_argument("-l", "--long", action="store_true", help="size, created, expiry, extents")
+    p.add_argument("--limit", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    _client_options(p)
+    p.set_defaults(func=cmd_ls)
+
+    p = sub.add_parser("stat", help="cluster totals and per-chunkserver usage")
+    p.add_argument("--json", action="store_true")
+    _client_options(p)
+    p.set_defaults(func=cmd_stat)
+
+    for hook in _EXTRA_COMMANDS:
+        hook(sub)
+    return parser
+
+
+_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING - 10 * ns.verbose,
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
+    try:
+        return run(ns.func(ns))
+    except KVFSError as exc:
+        print(f"kvfs {ns.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except (OSError, ValueError) as exc:
+        print(f"kvfs {ns.command}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        with contextlib.suppress(Exception):
+            sys.stdout.flush()

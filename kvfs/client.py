@@ -1,0 +1,497 @@
+"""The kvfs client: async API first, a blocking :class:`Client` on top.
+
+put_many: plan extents (stripe large values, r replicas on distinct servers)
+-> one APPEND per chunkserver carrying all its records -> one COMMIT to meta.
+get_many: layouts from the cache or one LOOKUP -> one READV per chunkserver
+-> CRC-32C of every extent verified -> bytes into the caller's buffers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections import OrderedDict, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import crc32c
+
+from kvfs.address import format_addr, parse_addr, resolve_token
+from kvfs.buffers import as_view
+from kvfs.config import ClientConfig
+from kvfs.errors import (
+    ChecksumMismatch,
+    InvalidArgument,
+    KVFSError,
+    StaleLayout,
+    Unavailable,
+    from_wire,
+)
+from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
+from kvfs.protocol import Buffer
+from kvfs.rpc import Op
+from kvfs.transport import Connection
+
+Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor
+
+
+@dataclass(slots=True)
+class ServerEntry:
+    server_id: int
+    addr: str
+    capacity: int
+    free: int
+    alive: bool
+
+
+@dataclass(slots=True)
+class _Job:
+    """One extent to read into ``dest``."""
+
+    slot: int
+    extent: Extent
+    dest: memoryview
+    tried: set[int] = field(default_factory=set)
+    error: KVFSError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    key: bytes
+    size: int
+    created: float
+    expires_at: float | None
+    extents: int
+
+
+class AsyncClient:
+    """``async with kvfs.connect(addr) as kv: ...``"""
+
+    def __init__(self, addr: str | None = None, *, token: str | None = None,
+                 config: ClientConfig | None = None) -> None:
+        self._host, self._port = parse_addr(addr)
+        self.addr = format_addr(self._host, self._port)
+        self.token = resolve_token(self.addr, token)
+        self.config = config or ClientConfig()
+        self._meta: Connection | None = None
+        self._meta_lock = asyncio.Lock()
+        self._conns: dict[int, Connection] = {}
+        self._conn_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._servers: dict[int, ServerEntry] = {}
+        self._servers_at = -1e18
+        self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
+        self.clock = time.time
+        self.rpc_counts: dict[str, int] = defaultdict(int)
+
+    # lifecycle -------------------------------------------------------------
+    async def __aenter__(self) -> AsyncClient:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        await self._meta_conn()
+
+    async def close(self) -> None:
+        for c in [self._meta, *self._conns.values()]:
+            if c is not None:
+                c.close()
+        self._meta = None
+        self._conns.clear()
+
+    # connections -------------------------------------------------------------
+    async def _meta_conn(self) -> Connection:
+        if self._meta is not None and not self._meta.is_closed:
+            return self._meta
+        async with self._meta_lock:
+            if self._meta is None or self._meta.is_closed:
+                self._meta = await Connection.open(
+                    self._host, self._port, self.token,
+                    connect_timeout_s=self.config.connect_timeout_s,
+                    request_timeout_s=self.config.request_timeout_s)
+        return self._meta
+
+    async def _meta_call(self, op: Op, header: dict[str, Any]) -> dict[str, Any]:
+        self.rpc_counts[op.name] += 1
+        for attempt in (0, 1):
+            conn = await self._meta_conn()
+            try:
+                return (await conn.call(op, header)).header
+            except Unavailable:
+                if attempt or not conn.is_closed:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _server_conn(self, sid: int) -> Connection:
+        conn = self._conns.get(sid)
+        if conn is not None and not conn.is_closed:
+            return conn
+        async with self._conn_locks[sid]:
+            conn = self._conns.get(sid)
+            if conn is None or conn.is_closed:
+                entry = self._servers.get(sid)
+                if entry is None:
+                    await self.servers(refresh=True)
+                    entry = self._servers.get(sid)
+                if entry is None:
+                    raise Unavailable(f"chunkserver {sid} is not known to meta")
+                host, port = parse_addr(entry.addr)
+                try:
+                    conn = await Connection.open(
+                        host, port, self.token, connect_timeout_s=self.config.connect_timeout_s,
+                        request_timeout_s=self.config.request_timeout_s)
+                except Unavailable as exc:
+                    entry.alive = False
+                    raise Unavailable(f"chunkserver {sid} at {entry.addr}: {exc}") from None
+                self._conns[sid] = conn
+        return conn
+
+    async def _server_call(self, sid: int, op: Op, header: dict[str, Any],
+                           payload: Sequence[Buffer] = ()) -> tuple[dict[str, Any], memoryview]:
+        self.rpc_counts[op.name] += 1
+        conn = await self._server_conn(sid)
+        try:
+            frame = await conn.call(op, header, payload)
+        except Unavailable as exc:
+            if sid in self._servers:
+                self._servers[sid].alive = False
+            raise Unavailable(f"chunkserver {sid} ({conn.name}): {exc}") from None
+        return frame.header, memoryview(frame.payload)
+
+    async def servers(self, *, refresh: bool = False) -> list[ServerEntry]:
+        """The chunkservers meta knows, refreshed every ``servers_refresh_s``."""
+        now = time.monotonic()
+        if refresh or now - self._servers_at > self.config.servers_refresh_s:
+            h = await self._meta_call(Op.SERVERS, {})
+            fresh = {int(s[0]): ServerEntry(int(s[0]), str(s[1]), int(s[2]), int(s[3]), bool(s[4]))
+                     for s in h["servers"]}
+            for sid, conn in list(self._conns.items()):
+                if sid not in fresh or fresh[sid].addr != self._servers.get(sid, fresh[sid]).addr:
+                    conn.close()
+                    del self._conns[sid]
+            self._servers, self._servers_at = fresh, now
+        return list(self._servers.values())
+
+    # layouts ---------------------------------------------------------------
+    def _cache(self, key: bytes, layout: Layout) -> None:
+        cache = self._layouts
+        cache[key] = layout
+        cache.move_to_end(key)
+        while len(cache) > self.config.layout_cache_entries:
+            cache.popitem(last=False)
+
+    async def _lookup(self, keys: Sequence[bytes], *, use_cache: bool = True) -> list[Layout | None]:
+        now = self.clock()
+        out: list[Layout | None] = [None] * len(keys)
+        missing: list[int] = []
+        cache = self._layouts
+        for i, k in enumerate(keys):
+            lay = cache.get(k) if use_cache else None
+            if lay is None:
+                missing.append(i)
+            elif lay.expired(now):
+                del cache[k]
+            else:
+                out[i] = lay
+        if missing:
+            h = await self._meta_call(Op.LOOKUP, {"keys": [keys[i] for i in missing]})
+            for i, w in zip(missing, h["layouts"], strict=True):
+                if w is not None:
+                    lay = Layout.from_wire(w)
+                    out[i] = lay
+                    self._cache(keys[i], lay)
+        return out
+
+    async def layout(self, key: Key) -> Layout | None:
+        """Where a value lives (extents, replicas); None on a miss."""
+        return (await self._lookup([norm_key(key)], use_cache=False))[0]
+
+    # writes ------------------------------------------------------------------
+    def _order(self, live: list[ServerEntry]) -> list[ServerEntry]:
+        """Servers in a random order weighted by free space (Efraimidis-Spirakis)."""
+        return sorted(live, key=lambda s: random.random() ** (1.0 / max(s.free, 1)), reverse=True)
+
+    async def put(self, key: Key, value: Value, *, ttl: float | None = None,
+                  replicas: int | None = None) -> None:
+        await self.put_many([(key, value)], ttl=ttl, replicas=replicas)
+
+    async def put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
+                       ttl: float | None = None, replicas: int | None = None) -> None:
+        """Store many values: one append per chunkserver, one commit to meta."""
+        pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
+        if not pairs:
+            raise InvalidArgument("empty key list")
+        keys = [norm_key(k) for k, _ in pairs]
+        views = [as_view(v) for _, v in pairs]
+        for k, v in zip(keys, views, strict=True):
+            if v.nbytes > MAX_VALUE_BYTES:
+                raise InvalidArgument(f"value of {v.nbytes} bytes for key {k[:64]!r} exceeds the "
+                                      f"limit of {MAX_VALUE_BYTES}")
+        r = self.config.replicas if replicas is None else replicas
+        if r < 1:
+            raise InvalidArgument(f"replicas must be >= 1, got {r}")
+        if ttl is not None and ttl <= 0:
+            raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
+        layouts: list[Layout] | None = None
+        for attempt in range(3):
+            live = [s for s in await self.servers(refresh=attempt > 0) if s.alive]
+            if len(live) < r:
+                raise Unavailable(f"{r} replicas need {r} live chunkservers; {len(live)} are live")
+            try:
+                layouts = await self._write(keys, views, self._order(live), r, ttl)
+                break
+            except Unavailable:
+                if attempt == 2:
+                    raise
+        assert layouts is not None
+        h = await self._meta_call(Op.COMMIT, {"items": [[k, lay.to_wire()] for k, lay in zip(keys, layouts, strict=True)],
+                                              "ttl_s": ttl})
+        created, expires_at = float(h["created"]), h["expires_at"]
+        for k, lay in zip(keys, layouts, strict=True):
+            self._cache(k, Layout(lay.size, lay.crc, created, expires_at, lay.extents))
+
+    async def _write(self, keys: list[bytes], views: list[memoryview], order: list[ServerEntry],
+                     r: int, ttl: float | None) -> list[Layout]:
+        stripe = self.config.stripe_bytes
+        expires_hint = None if ttl is None else self.clock() + ttl
+        n_srv = len(order)
+        # per server: records and payload parts, in call order
+        records: dict[int, list[list[Any]]] = defaultdict(list)
+        parts: dict[int, list[memoryview]] = defaultdict(list)
+        # per value: [(length, crc, [(sid, index into records[sid])...])]
+        plans: list[list[tuple[int, int, list[tuple[int, int]]]]] = []
+        crcs: list[int] = []
+        rr = 0
+        for key, v in zip(keys, views, strict=True):
+            n = v.nbytes
+            units = [v] if 0 < n <= stripe else [v[i : i + stripe] for i in range(0, n, stripe)]
+            plan = []
+            whole = 0
+            for ui, u in enumerate(units):
+                c = crc32c.crc32c(u)
+                whole = c if len(units) == 1 else crc32c.crc32c(u, whole)
+                start = 0 if len(units) == 1 else (rr + ui) % n_srv
+                targets = [order[(start + j) % n_srv].server_id for j in range(r)]
+                where = []
+                for sid in targets:
+                    where.append((sid, len(records[sid])))
+                    records[sid].append([key, u.nbytes, c, expires_hint])
+                    parts[sid].append(u)
+                plan.append((u.nbytes, c, where))
+            if len(units) > 1:
+                rr += len(units)
+            plans.append(plan)
+            crcs.append(whole)
+        locs: dict[int, list[tuple[int, int]]] = {}
+
+        async def send(sid: int) -> None:
+            out: list[tuple[int, int]] = []
+            recs, ps = records[sid], parts[sid]
+            i = 0
+            while i < len(recs):
+                j, total = i, 0
+                while j < len(recs) and (j == i or total + ps[j].nbytes <= self.config.max_rpc_bytes):
+                    total += ps[j].nbytes
+                    j += 1
+                h, _ = await self._server_call(sid, Op.APPEND, {"records": recs[i:j]}, ps[i:j])
+                out.extend((int(c), int(o)) for c, o in h["locations"])
+                i = j
+            locs[sid] = out
+
+        async with asyncio.TaskGroup() as tg:
+            for sid in records:
+                tg.create_task(send(sid))
+        layouts = []
+        for v, plan, whole in zip(views, plans, crcs, strict=True):
+            extents = tuple(
+                Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
+                for length, c, where in plan)
+            layouts.append(Layout(v.nbytes, whole, 0.0, None, extents))
+        return layouts
+
+    # reads -------------------------------------------------------------------
+    async def get(self, key: Key) -> bytes | None:
+        return (await self.get_many([key]))[0]
+
+    async def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
+        """Values in key order; None for a miss."""
+        ks = norm_keys(keys)
+        layouts = await self._lookup(ks)
+        bufs: list[bytearray | None] = [None if lay is None else bytearray(lay.size) for lay in layouts]
+        await self._read_into(ks, layouts, [None if b is None else memoryview(b) for b in bufs])
+        return [None if b is None else bytes(b) for b in bufs]
+
+    async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
+        """Read values into caller buffers; returns each size, -1 for a miss."""
+        ks = norm_keys(keys)
+        if len(buffers) != len(ks):
+            raise InvalidArgument(f"{len(ks)} keys but {len(buffers)} buffers")
+        views = [as_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
+        layouts = await self._lookup(ks)
+        dests: list[memoryview | None] = []
+        for k, lay, v in zip(ks, layouts, views, strict=True):
+            if lay is not None and lay.size > v.nbytes:
+                raise InvalidArgument(f"buffer of {v.nbytes} bytes is too small for {k[:64]!r} "
+                                      f"({lay.size} bytes)")
+            dests.append(None if lay is None else v[: lay.size])
+        await self._read_into(ks, layouts, dests)
+        return [-1 if lay is None else lay.size for lay in layouts]
+
+    async def _read_into(self, keys: list[bytes], layouts: list[Layout | None],
+                         dests: list[memoryview | None]) -> None:
+        stale = await self._fetch(keys, layouts, dests)
+        if stale:
+            for i in stale:
+                self._layouts.pop(keys[i], None)
+            fresh = await self._lookup([keys[i] for i in stale], use_cache=False)
+            retry_layouts: list[Layout | None] = [None] * len(keys)
+            retry_dests: list[memoryview | None] = [None] * len(keys)
+            for i, lay in zip(stale, fresh, strict=True):
+                old = layouts[i]
+                if lay is None or old is None or lay.size != old.size or lay == old:
+                    raise StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
+                                      "named by its layout (lost or reclaimed)")
+                retry_layouts[i], retry_dests[i] = lay, dests[i]
+            if await self._fetch(keys, retry_layouts, retry_dests):
+                raise StaleLayout("layouts changed twice during one read; retry")
+
+    async def _fetch(self, keys: list[bytes], layouts: list[Layout | None],
+                     dests: list[memoryview | None]) -> list[int]:
+        """Read every extent into its destination; returns the slots whose layout was stale."""
+        jobs: list[_Job] = []
+        for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
+            if lay is None or dest is None:
+                continue
+            pos = 0
+            for e in lay.extents:
+                jobs.append(_Job(slot, e, dest[pos : pos + e.length]))
+                pos += e.length
+        stale: set[int] = set()
+        failed: dict[int, KVFSError] = {}
+        alive = {s.server_id: s.alive for s in self._servers.values()}
+        pending = jobs
+        while pending:
+            by_server: dict[int, list[_Job]] = defaultdict(list)
+            for job in pending:
+                if job.slot in stale or job.slot in failed:
+                    continue
+                choices = [r for r in job.extent.replicas if r.server_id not in job.tried]
+                if not choices:
+                    failed[job.slot] = job.error or Unavailable("no replica left")
+                    continue
+                preferred = [r for r in choices if alive.get(r.server_id, True)]
+                rep = (preferred or choices)[0]
+                job.tried.add(rep.server_id)
+                by_server[rep.server_id].append(job)
+            if not by_server:
+                break
+            results = await asyncio.gather(
+                *(self._readv(sid, js, keys) for sid, js in by_server.items()), return_exceptions=True)
+            pending = []
+            for (sid, js), res in zip(by_server.items(), results, strict=True):
+                if isinstance(res, Unavailable):
+                    for job in js:
+                        job.error = Unavailable(
+                            f"key {keys[job.slot][:64]!r}: chunkserver {sid} holding its bytes is "
+                            f"unavailable ({res})")
+                    pending.extend(js)
+                elif isinstance(res, BaseException):
+                    raise res
+                else:
+                    st, retry = res
+                    stale.update(st)
+                    pending.extend(retry)
+        if failed:
+            raise next(iter(failed.values()))
+        return sorted(stale)
+
+    async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes]) -> tuple[list[int], list[_Job]]:
+        stale: list[int] = []
+        retry: list[_Job] = []
+        i = 0
+        while i < len(jobs):
+            j, total = i, 0
+            while j < len(jobs) and (j == i or total + jobs[j].extent.length <= self.config.max_rpc_bytes):
+                total += jobs[j].extent.length
+                j += 1
+            batch = jobs[i:j]
+            ranges = []
+            for job in batch:
+                rep = next(r for r in job.extent.replicas if r.server_id == sid)
+                ranges.append([rep.chunk_id, rep.offset, job.extent.length])
+            h, payload = await self._server_call(sid, Op.READV, {"ranges": ranges})
+            errors = h.get("errors") or {}
+            pos = 0
+            for idx, job in enumerate(batch):
+                err = errors.get(idx)
+                if err is not None:
+                    exc = from_wire({"code": err[0], "message": err[1]})
+                    if isinstance(exc, StaleLayout):
+                        stale.append(job.slot)
+                    else:
+                        job.error = exc
+                        retry.append(job)
+                    continue
+                n = job.extent.length
+                got = payload[pos : pos + n]
+                pos += n
+                if crc32c.crc32c(got) != job.extent.crc:
+                    job.error = ChecksumMismatch(
+                        f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
+                        f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
+                    retry.append(job)
+                    continue
+                job.dest[:] = got
+            i = j
+        return stale, retry
+
+    # meta-only queries ---------------------------------------------------------
+    async def exists_many(self, keys: Iterable[Key]) -> list[bool]:
+        h = await self._meta_call(Op.EXISTS, {"keys": norm_keys(keys)})
+        return [bool(x) for x in h["exists"]]
+
+    async def exists(self, key: Key) -> bool:
+        return (await self.exists_many([key]))[0]
+
+    async def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
+        """How many leading keys are present and unexpired (optionally leased)."""
+        h = await self._meta_call(Op.MATCH_PREFIX, {"keys": norm_keys(keys), "lease_s": lease_s})
+        return int(h["n"])
+
+    async def delete_many(self, keys: Iterable[Key]) -> int:
+        ks = norm_keys(keys)
+        for k in ks:
+            self._layouts.pop(k, None)
+        h = await self._meta_call(Op.DELETE, {"keys": ks})
+        return int(h["deleted"])
+
+    async def delete(self, key: Key) -> bool:
+        return await self.delete_many([key]) == 1
+
+    async def list(self, prefix: Key = b"", *, limit: int | None = None,
+                   page_size: int = 1000) -> list[KeyInfo]:
+        """Keys starting with ``prefix`` in key order (paginated under the hood)."""
+        p = prefix.encode() if isinstance(prefix, str) else bytes(prefix)
+        out: list[KeyInfo] = []
+        start_after: bytes | None = None
+        while limit is None or len(out) < limit:
+            h = await self._meta_call(Op.LIST, {"prefix": p, "start_after": start_after,
+                                                "limit": page_size})
+            out.extend(KeyInfo(bytes(k), int(s), float(c), e, int(n)) for k, s, c, e, n in h["entries"])
+            if not h["more"]:
+                break
+            start_after = h["last"]
+        return out if limit is None else out[:limit]
+
+    async def stats(self) -> dict[str, Any]:
+        return await self._meta_call(Op.STATS, {})
+
+
+def connect(addr: str | None = None, *, token: str | None = None,
+            config: ClientConfig | None = None) -> AsyncClient:
+    """``async with kvfs.connect("kvfs://127.0.0.1:7070") as kv: ...``"""
+    return AsyncClient(addr, token=token, config=config)

@@ -1,0 +1,112 @@
+"""Configuration, written once: a frozen dataclass per service.
+
+CLI options are derived from the fields (:func:`add_options` /
+:func:`from_options`): ``heartbeat_interval_s`` becomes
+``--heartbeat-interval`` and accepts ``500ms``/``5min``; ``*_bytes`` fields
+accept ``64MiB``.  Each field's ``help`` lives in its metadata.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar, get_type_hints
+
+from kvfs.units import parse_duration, parse_size
+
+
+def opt(help: str, default: Any = dataclasses.MISSING, **extra: Any) -> Any:
+    return field(default=default, metadata={"help": help, **extra})
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetaConfig:
+    data: Path = opt("data directory (SQLite store, token)")
+    listen: str = opt("HOST:PORT to listen on (port 0 picks a free one)", "127.0.0.1:7070")
+    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else DATA/token)", None)
+    heartbeat_timeout_s: float = opt("a chunkserver silent this long is dead", 10.0)
+    default_ttl_s: float | None = opt("TTL for puts that give none (default: no expiry)", None)
+    access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChunkServerConfig:
+    data: Path = opt("data directory (chunk files)")
+    meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
+    listen: str = opt("HOST:PORT to listen on (port 0 picks a free one)", "127.0.0.1:0")
+    advertise: str | None = opt("HOST:PORT clients should use (default: the listen address)", None)
+    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
+    chunk_bytes: int = opt("seal a chunk file at this size", 64 * 1024 * 1024)
+    capacity_bytes: int | None = opt("capacity to report (default: the disk's size)", None)
+    heartbeat_interval_s: float = opt("how often to report to meta", 1.0)
+    io_threads: int = opt("threads doing preadv/pwritev", 4)
+    merge_gap_bytes: int = opt("read ranges closer than this as one span", 64 * 1024)
+    fsync: bool = opt("fsync chunk files after each append", False)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClientConfig:
+    stripe_bytes: int = opt("values larger than this are striped across servers", 1024 * 1024)
+    replicas: int = opt("copies of each extent, on distinct servers", 1)
+    connect_timeout_s: float = opt("give up connecting after this long", 5.0)
+    request_timeout_s: float = opt("give up on an RPC after this long", 60.0)
+    layout_cache_entries: int = opt("immutable layouts kept to skip meta lookups", 100_000)
+    max_rpc_bytes: int = opt("split appends and reads larger than this", 256 * 1024 * 1024)
+    servers_refresh_s: float = opt("re-read the chunkserver list this often", 2.0)
+
+
+T = TypeVar("T")
+
+
+def _flag(name: str) -> str:
+    for suffix in ("_s",):
+        if name.endswith(suffix):
+            name = name[: -len(suffix)]
+    if name.endswith("_bytes") and name != "chunk_bytes" and name != "stripe_bytes":
+        name = name[: -len("_bytes")]
+    return "--" + name.replace("_", "-")
+
+
+def add_options(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tuple[str, ...] = ()) -> None:
+    hints = get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        if f.name in skip:
+            continue
+        typ = hints[f.name]
+        required = f.default is dataclasses.MISSING
+        kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata.get("help", "")}
+        if typ is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+            kwargs["default"] = f.default
+        else:
+            kwargs["required"] = required
+            kwargs["default"] = None if required else f.default
+            if f.name.endswith("_s"):
+                kwargs["type"] = parse_duration
+                kwargs["metavar"] = "DURATION"
+            elif f.name.endswith("_bytes"):
+                kwargs["type"] = parse_size
+                kwargs["metavar"] = "SIZE"
+            elif typ in (int, int | None):
+                kwargs["type"] = int
+            elif typ in (Path, Path | None):
+                kwargs["type"] = Path
+            if not required and f.default is not None:
+                kwargs["help"] += f" (default: {f.default})"
+        parser.add_argument(_flag(f.name), **kwargs)
+
+
+def from_options(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
+    values = {f.name: getattr(ns, f.name) for f in dataclasses.fields(cls)  # type: ignore[arg-type]
+              if hasattr(ns, f.name)}
+    values.update(overrides)
+    return cls(**values)
+
+
+def parse_hostport(text: str) -> tuple[str, int]:
+    host, _, port = text.removeprefix("kvfs://").rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"bad listen address {text!r}: expected HOST:PORT")
+    return host, int(port)

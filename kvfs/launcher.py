@@ -1,0 +1,221 @@
+"""Starting whole clusters: in-process (tests, notebooks) or as child processes (`kvfs up`).
+
+This is the only module that knows every service.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from kvfs.address import load_or_create_token, parse_addr, user_token_path, write_secret
+from kvfs.chunkserver import ChunkServer
+from kvfs.client import AsyncClient
+from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
+from kvfs.errors import Unavailable
+from kvfs.meta import MetaService
+
+READY_TIMEOUT_S = 60.0
+
+
+class LocalCluster:
+    """Meta and N chunkservers in this event loop, on 127.0.0.1 port 0."""
+
+    def __init__(self, root: Path, chunkservers: int = 3, *, clock: Callable[[], float] = time.time,
+                 meta: MetaConfig | None = None, chunkserver: ChunkServerConfig | None = None) -> None:
+        self.root = root
+        self.n = chunkservers
+        self.clock = clock
+        self.token = load_or_create_token(root)
+        self.meta_config = meta or MetaConfig(data=root / "meta", listen="127.0.0.1:0")
+        self.meta_config = replace(self.meta_config, token=self.token)
+        self.cs_template = chunkserver or ChunkServerConfig(data=root, heartbeat_interval_s=0.2)
+        self.meta: MetaService | None = None
+        self.chunkservers: list[ChunkServer | None] = []
+        self.addr = ""
+
+    async def __aenter__(self) -> LocalCluster:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def cs_config(self, i: int, listen: str = "127.0.0.1:0") -> ChunkServerConfig:
+        return replace(self.cs_template, data=self.root / f"cs{i}", meta=self.addr, token=self.token,
+                       listen=listen)
+
+    async def start(self) -> str:
+        await self.start_meta()
+        for i in range(self.n):
+            cs = ChunkServer(self.cs_config(i))
+            await cs.start()
+            self.chunkservers.append(cs)
+        return self.addr
+
+    async def start_meta(self) -> str:
+        self.meta = MetaService(self.meta_config, clock=self.clock)
+        self.addr = await self.meta.start()
+        _, port = parse_addr(self.addr)
+        self.meta_config = replace(self.meta_config, listen=f"127.0.0.1:{port}")
+        return self.addr
+
+    async def stop_meta(self) -> None:
+        if self.meta is not None:
+            await self.meta.close()
+            self.meta = None
+
+    async def stop_chunkserver(self, i: int) -> str:
+        cs = self.chunkservers[i]
+        assert cs is not None
+        addr = cs.addr
+        await cs.close()
+        self.chunkservers[i] = None
+        return addr
+
+    async def start_chunkserver(self, i: int, listen: str = "127.0.0.1:0") -> ChunkServer:
+        cs = ChunkServer(self.cs_config(i, listen))
+        await cs.start()
+        self.chunkservers[i] = cs
+        return cs
+
+    async def stop(self) -> None:
+        for i, cs in enumerate(self.chunkservers):
+            if cs is not None:
+                await cs.close()
+                self.chunkservers[i] = None
+        await self.stop_meta()
+
+    def client(self, config: ClientConfig | None = None) -> AsyncClient:
+        return AsyncClient(self.addr, token=self.token, config=config)
+
+
+class ServiceProcess:
+    """One service as a child process (`kvfs meta ...` / `kvfs chunkserver ...`)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.proc: asyncio.subprocess.Process | None = None
+        self.ready_line = ""
+
+    async def start(self) -> str:
+        self.proc = await asyncio.create_subprocess_exec(
+            *self.argv, stdout=asyncio.subprocess.PIPE, env=self.env, start_new_session=True)
+        assert self.proc.stdout is not None
+        try:
+            async with asyncio.timeout(READY_TIMEOUT_S):
+                while True:
+                    line = (await self.proc.stdout.readline()).decode()
+                    if not line:
+                        code = await self.proc.wait()
+                        raise Unavailable(f"{self.name} exited with code {code} while starting "
+                                          f"(command: {' '.join(self.argv)})")
+                    if " ready " in line:
+                        self.ready_line = line.strip()
+                        return self.ready_line
+        except TimeoutError:
+            self.kill()
+            raise Unavailable(f"{self.name} did not report ready within {READY_TIMEOUT_S}s") from None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.send_signal(sig)
+
+    async def stop(self, timeout_s: float = 10.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.returncode is None:
+            self.kill(signal.SIGTERM)
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self.proc.wait()
+            except TimeoutError:
+                self.kill(signal.SIGKILL)
+                await self.proc.wait()
+        return self.proc.returncode
+
+
+class ProcessCluster:
+    """Meta and N chunkservers as child processes; what `kvfs up` runs."""
+
+    def __init__(self, data: Path, chunkservers: int = 3, *, listen: str = "127.0.0.1:7070",
+                 meta_args: tuple[str, ...] = (), chunkserver_args: tuple[str, ...] = (),
+                 env: dict[str, str] | None = None) -> None:
+        self.data = data.resolve()
+        self.n = chunkservers
+        self.listen = listen
+        self.meta_args = meta_args
+        self.cs_args = chunkserver_args
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.token = load_or_create_token(self.data)
+        self.env = {**(env or os.environ), "KVFS_TOKEN": self.token}
+        self.meta: ServiceProcess | None = None
+        self.chunkservers: list[ServiceProcess] = []
+        self.addr = ""
+
+    def _kvfs(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "kvfs", *args]
+
+    async def start(self) -> str:
+        try:
+            await self.start_meta(self.listen)
+            for i in range(self.n):
+                self.chunkservers.append(self._cs_process(i))
+            await asyncio.gather(*(cs.start() for cs in self.chunkservers))
+        except BaseException:
+            await self.stop()
+            raise
+        return self.addr
+
+    async def start_meta(self, listen: str) -> str:
+        self.meta = ServiceProcess("meta", self._kvfs(
+            "meta", "--data", str(self.data / "meta"), "--listen", listen, *self.meta_args), self.env)
+        line = await self.meta.start()
+        self.addr = line.split()[-1]
+        return self.addr
+
+    def _cs_process(self, i: int) -> ServiceProcess:
+        return ServiceProcess(f"chunkserver {i}", self._kvfs(
+            "chunkserver", "--data", str(self.data / f"cs{i}"), "--meta", self.addr,
+            "--listen", "127.0.0.1:0", *self.cs_args), self.env)
+
+    async def restart_chunkserver(self, i: int) -> None:
+        await self.chunkservers[i].stop()
+        self.chunkservers[i] = self._cs_process(i)
+        await self.chunkservers[i].start()
+
+    async def restart_meta(self) -> None:
+        assert self.meta is not None
+        await self.meta.stop()
+        _, port = parse_addr(self.addr)
+        await self.start_meta(f"127.0.0.1:{port}")
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(cs.stop() for cs in self.chunkservers))
+        if self.meta is not None:
+            await self.meta.stop()
+
+    def write_user_token(self) -> Path:
+        host, port = parse_addr(self.addr)
+        path = user_token_path(host, port)
+        write_secret(path, self.token)
+        return path
+
+    def client(self, **kw: Any) -> AsyncClient:
+        return AsyncClient(self.addr, token=self.token, **kw)

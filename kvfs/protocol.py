@@ -1,0 +1,303 @@
+"""The kvfs wire protocol, sans-IO: bytes in, frames out.
+
+A frame is::
+
+    fixed header (28 B, little endian)
+        magic       4s   b"KVFS"
+        version     u8   PROTOCOL_VERSION
+        op          u8   an :class:`kvfs.rpc.Op`
+        flags       u16  :class:`Flag`
+        request_id  u64  matches a response to its request
+        header_len  u32  bytes of the msgpack header that follows
+        payload_len u64  raw payload bytes after the header (never msgpack)
+    msgpack header (a map)
+    payload
+
+Nothing here touches sockets or asyncio.  :class:`FrameDecoder` follows the
+``asyncio.BufferedProtocol`` shape (``get_buffer``/``buffer_updated``) so the
+transport can receive straight into the decoder's memory -- and large payloads
+straight into their own buffer -- while tests feed it plain bytes with
+:meth:`FrameDecoder.receive_data`.  Limits are checked on the fixed header,
+before any body byte is parsed or any memory is reserved for it.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from kvfs.errors import FrameTooLarge, RemoteProtocolError, VersionMismatch
+
+MAGIC = b"KVFS"
+PROTOCOL_VERSION = 1
+FIXED = struct.Struct("<4sBBHQIQ")
+FIXED_SIZE = FIXED.size  # 28
+
+Buffer = bytes | bytearray | memoryview
+
+
+class Flag(enum.IntFlag):
+    NONE = 0
+    RESPONSE = 1
+    ERROR = 2
+
+
+@dataclass(frozen=True, kw_only=True)
+class Limits:
+    max_header_bytes: int = 64 * 1024 * 1024
+    max_payload_bytes: int = 1536 * 1024 * 1024  # a 1 GiB value fits in one frame
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class Frame:
+    op: int
+    request_id: int
+    flags: Flag = Flag.NONE
+    header: dict[str, Any] = field(default_factory=dict)
+    payload: Buffer = b""
+
+    @property
+    def is_response(self) -> bool:
+        return bool(self.flags & Flag.RESPONSE)
+
+    @property
+    def is_error(self) -> bool:
+        return bool(self.flags & Flag.ERROR)
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHead:
+    """What the decoder knows once a frame's headers are parsed."""
+
+    op: int
+    flags: Flag
+    request_id: int
+    header: dict[str, Any]
+    payload_len: int
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+NEED_DATA = _NeedData()
+
+PayloadAllocator = Callable[[FrameHead], bytearray | memoryview]
+
+
+def _default_alloc(head: FrameHead) -> bytearray:
+    return bytearray(head.payload_len)
+
+
+def pack_header(header: dict[str, Any]) -> bytes:
+    return msgpack.packb(header, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def encode_frame(
+    op: int,
+    request_id: int,
+    header: dict[str, Any] | None = None,
+    payload: Sequence[Buffer] = (),
+    flags: Flag = Flag.NONE,
+    *,
+    version: int = PROTOCOL_VERSION,
+) -> list[Buffer]:
+    """The buffers to write, in order: one prefix, then the payload parts as given."""
+    hdr = pack_header(header or {})
+    plen = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in payload)
+    prefix = FIXED.pack(MAGIC, version, op, int(flags), request_id, len(hdr), plen) + hdr
+    return [prefix, *payload]
+
+
+def frame_bytes(*args: Any, **kwargs: Any) -> bytes:
+    """:func:`encode_frame` joined into one ``bytes`` (tests and small frames)."""
+    return b"".join(bytes(b) for b in encode_frame(*args, **kwargs))
+
+
+class FrameDecoder:
+    """Turns a byte stream into :class:`Frame` events.
+
+    Small frames are parsed out of one growing scratch buffer; a payload
+    larger than ``inline_payload_bytes`` gets its own buffer from
+    ``allocator`` and :meth:`get_buffer` hands out that buffer directly, so
+    bulk bytes are written once, by the kernel, into their final place.
+    After an error the decoder is dead: every later call raises it again.
+    """
+
+    def __init__(
+        self,
+        limits: Limits | None = None,
+        *,
+        allocator: PayloadAllocator | None = None,
+        scratch_bytes: int = 256 * 1024,
+        inline_payload_bytes: int = 64 * 1024,
+    ) -> None:
+        self.limits = limits or Limits()
+        self.allocator = allocator or _default_alloc
+        self._scratch = bytearray(scratch_bytes)
+        self._start = 0
+        self._end = 0
+        self._inline = inline_payload_bytes
+        self._head: FrameHead | None = None
+        self._head_size = 0  # fixed + msgpack bytes of the pending head
+        self._big: memoryview | None = None
+        self._big_owner: bytearray | memoryview | None = None
+        self._big_filled = 0
+        self._events: deque[Frame] = deque()
+        self._error: RemoteProtocolError | None = None
+
+    # -- BufferedProtocol shape ------------------------------------------
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        if self._error is not None:
+            raise self._error
+        if self._big is not None:
+            return self._big[self._big_filled :]
+        if self._end == len(self._scratch):
+            self._compact(len(self._scratch))
+        return memoryview(self._scratch)[self._end :]
+
+    def buffer_updated(self, nbytes: int) -> None:
+        if self._error is not None:
+            raise self._error
+        try:
+            if self._big is not None:
+                self._big_filled += nbytes
+                if self._big_filled < len(self._big):
+                    return
+                self._finish_big()
+            else:
+                self._end += nbytes
+            self._parse()
+        except RemoteProtocolError as exc:
+            self._error = exc
+            raise
+
+    def receive_data(self, data: Buffer) -> None:
+        """Feed bytes from anywhere (tests, non-buffered transports)."""
+        view = memoryview(data).cast("B")
+        while view.nbytes:
+            buf = self.get_buffer(view.nbytes)
+            n = min(len(buf), view.nbytes)
+            buf[:n] = view[:n]
+            view = view[n:]
+            self.buffer_updated(n)
+
+    def next_event(self) -> Frame | _NeedData:
+        if self._events:
+            return self._events.popleft()
+        if self._error is not None:
+            raise self._error
+        return NEED_DATA
+
+    @property
+    def buffered_bytes(self) -> int:
+        return self._end - self._start + self._big_filled
+
+    # -- internals ---------------------------------------------------------
+    def _compact(self, need: int) -> None:
+        """Move unparsed bytes to the front; grow so ``need`` bytes fit."""
+        avail = self._end - self._start
+        if self._start:
+            self._scratch[:avail] = self._scratch[self._start : self._end]
+            self._start, self._end = 0, avail
+        if need > len(self._scratch) or self._end == len(self._scratch):
+            grown = bytearray(max(need, 2 * len(self._scratch)))
+            grown[:avail] = self._scratch[:avail]
+            self._scratch = grown
+
+    def _parse_head(self) -> FrameHead | None:
+        avail = self._end - self._start
+        if avail < FIXED_SIZE:
+            if len(self._scratch) - self._start < FIXED_SIZE:
+                self._compact(FIXED_SIZE)
+            return None
+        magic, version, op, flags, rid, hlen, plen = FIXED.unpack_from(self._scratch, self._start)
+        if magic != MAGIC:
+            raise RemoteProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not a kvfs peer?")
+        if version != PROTOCOL_VERSION:
+            raise VersionMismatch(
+                f"peer speaks kvfs protocol version {version}, this side speaks {PROTOCOL_VERSION}"
+            )
+        if hlen > self.limits.max_header_bytes:
+            raise FrameTooLarge(
+                f"frame header of {hlen} bytes exceeds the limit of {self.limits.max_header_bytes}"
+            )
+        if plen > self.limits.max_payload_bytes:
+            raise FrameTooLarge(
+                f"frame payload of {plen} bytes exceeds the limit of {self.limits.max_payload_bytes}"
+            )
+        size = FIXED_SIZE + hlen
+        if avail < size:
+            if len(self._scratch) - self._start < size:
+                self._compact(size)
+            return None
+        raw = memoryview(self._scratch)[self._start + FIXED_SIZE : self._start + size]
+        try:
+            header = msgpack.unpackb(raw, raw=False, strict_map_key=False) if hlen else {}
+        except Exception as exc:  # msgpack raises many types on garbage
+            raise RemoteProtocolError(f"undecodable frame header: {exc}") from None
+        finally:
+            raw.release()
+        if not isinstance(header, dict):
+            raise RemoteProtocolError(f"frame header must be a map, got {type(header).__name__}")
+        try:
+            flag = Flag(flags)
+        except ValueError:
+            raise RemoteProtocolError(f"unknown frame flags {flags:#x}") from None
+        self._head_size = size
+        return FrameHead(op, flag, rid, header, plen)
+
+    def _parse(self) -> None:
+        while True:
+            if self._head is None:
+                self._head = self._parse_head()
+                if self._head is None:
+                    return
+            head = self._head
+            body_at = self._start + self._head_size
+            avail = self._end - body_at
+            if head.payload_len <= self._inline:
+                if avail < head.payload_len:
+                    need = self._head_size + head.payload_len
+                    if len(self._scratch) - self._start < need:
+                        self._compact(need)
+                    return
+                payload = bytes(self._scratch[body_at : body_at + head.payload_len])
+                self._start = body_at + head.payload_len
+                self._emit(head, payload)
+                continue
+            owner = self.allocator(head)
+            big = memoryview(owner).cast("B")
+            if big.nbytes != head.payload_len:
+                raise RemoteProtocolError("payload allocator returned a buffer of the wrong size")
+            take = min(avail, head.payload_len)
+            big[:take] = self._scratch[body_at : body_at + take]
+            self._start = body_at + take
+            self._big, self._big_owner, self._big_filled = big, owner, take
+            if take == head.payload_len:
+                self._finish_big()
+                continue
+            return
+
+    def _finish_big(self) -> None:
+        head, owner = self._head, self._big_owner
+        assert head is not None and owner is not None
+        self._big = self._big_owner = None
+        self._big_filled = 0
+        self._emit(head, owner)
+
+    def _emit(self, head: FrameHead, payload: Buffer) -> None:
+        self._head = None
+        if self._start == self._end:
+            self._start = self._end = 0
+        self._events.append(
+            Frame(op=head.op, flags=head.flags, request_id=head.request_id, header=head.header,
+                  payload=payload)
+        )

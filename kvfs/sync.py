@@ -1,0 +1,98 @@
+"""The blocking client: the async client running on a dedicated IO thread."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Coroutine, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
+
+from kvfs._loop import new_event_loop
+from kvfs.client import AsyncClient, KeyInfo, Value
+from kvfs.config import ClientConfig
+from kvfs.errors import LocalProtocolError
+from kvfs.layout import Key, Layout
+
+T = TypeVar("T")
+
+
+class Client:
+    """``with kvfs.Client(addr) as kv: kv.put(b"k", b"v")`` -- the async API, blocking."""
+
+    def __init__(self, addr: str | None = None, *, token: str | None = None,
+                 config: ClientConfig | None = None) -> None:
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvfs-io", daemon=True)
+        self._thread.start()
+        try:
+            self.aio = AsyncClient(addr, token=token, config=config)
+            self._run(self.aio.open())
+        except BaseException:
+            self._stop()
+            raise
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        if threading.current_thread() is self._thread:
+            coro.close()
+            raise LocalProtocolError("blocking kvfs call made on the client's own IO loop; "
+                                     "use kvfs.connect() there")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._run(self.aio.close())
+        finally:
+            self._stop()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def put(self, key: Key, value: Value, *, ttl: float | None = None, replicas: int | None = None) -> None:
+        self._run(self.aio.put(key, value, ttl=ttl, replicas=replicas))
+
+    def put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
+                 ttl: float | None = None, replicas: int | None = None) -> None:
+        self._run(self.aio.put_many(items, ttl=ttl, replicas=replicas))
+
+    def get(self, key: Key) -> bytes | None:
+        return self._run(self.aio.get(key))
+
+    def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
+        return self._run(self.aio.get_many(keys))
+
+    def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
+        return self._run(self.aio.get_into(keys, buffers))
+
+    def exists(self, key: Key) -> bool:
+        return self._run(self.aio.exists(key))
+
+    def exists_many(self, keys: Iterable[Key]) -> list[bool]:
+        return self._run(self.aio.exists_many(keys))
+
+    def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
+        return self._run(self.aio.match_prefix(keys, lease_s=lease_s))
+
+    def delete(self, key: Key) -> bool:
+        return self._run(self.aio.delete(key))
+
+    def delete_many(self, keys: Iterable[Key]) -> int:
+        return self._run(self.aio.delete_many(keys))
+
+    def list(self, prefix: Key = b"", *, limit: int | None = None) -> list[KeyInfo]:
+        return self._run(self.aio.list(prefix, limit=limit))
+
+    def stats(self) -> dict[str, Any]:
+        return self._run(self.aio.stats())
+
+    def layout(self, key: Key) -> Layout | None:
+        return self._run(self.aio.layout(key))

@@ -1,0 +1,153 @@
+"""Client connections: one persistent, multiplexed connection per server."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from kvfs._wire import FrameProtocol, auth_mac
+from kvfs.errors import (
+    KVFSError,
+    RemoteProtocolError,
+    Timeout,
+    Unavailable,
+    from_wire,
+)
+from kvfs.protocol import PROTOCOL_VERSION, Buffer, Frame, Limits, encode_frame
+from kvfs.rpc import Op
+
+
+class _ClientProtocol(FrameProtocol):
+    def __init__(self, name: str, limits: Limits | None) -> None:
+        super().__init__(limits)
+        self.name = name
+        self.pending: dict[int, asyncio.Future[Frame]] = {}
+        self.hello: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        self.error: KVFSError | None = None
+
+    def frame_received(self, frame: object) -> None:
+        assert isinstance(frame, Frame)
+        if frame.op == Op.HELLO and not frame.is_response:
+            if not self.hello.done():
+                self.hello.set_result(frame)
+            return
+        fut = self.pending.pop(frame.request_id, None)
+        if fut is None:
+            if frame.is_error:  # a connection-level error (request id 0)
+                self.error = from_wire(frame.header)
+                if not self.hello.done():
+                    self.hello.set_exception(self.error)
+            return
+        if not fut.done():
+            fut.set_result(frame)
+
+    def protocol_failed(self, exc: KVFSError) -> None:
+        self.error = exc
+        super().protocol_failed(exc)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        err = self.error or Unavailable(f"connection to {self.name} lost" + (f": {exc}" if exc else ""))
+        if not self.hello.done():
+            self.hello.set_exception(err)
+        for fut in self.pending.values():
+            if not fut.done():
+                fut.set_exception(err)
+        self.pending.clear()
+
+
+class Connection:
+    """An authenticated connection carrying many requests in flight."""
+
+    def __init__(self, proto: _ClientProtocol, name: str, request_timeout_s: float) -> None:
+        self._proto = proto
+        self.name = name
+        self.request_timeout_s = request_timeout_s
+        self._ids = itertools.count(1)
+        self.service = ""
+
+    @classmethod
+    async def open(
+        cls,
+        host: str,
+        port: int,
+        token: str,
+        *,
+        connect_timeout_s: float = 5.0,
+        request_timeout_s: float = 60.0,
+        limits: Limits | None = None,
+    ) -> Connection:
+        name = f"{host}:{port}"
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                _, proto = await loop.create_connection(
+                    lambda: _ClientProtocol(name, limits), host, port
+                )
+        except TimeoutError:
+            raise Timeout(f"connecting to {name} timed out after {connect_timeout_s}s") from None
+        except OSError as exc:
+            raise Unavailable(f"cannot connect to {name}: {exc.strerror or exc}") from None
+        conn = cls(proto, name, request_timeout_s)
+        try:
+            async with asyncio.timeout(connect_timeout_s):
+                hello = await proto.hello
+                version = hello.header.get("version")
+                if version != PROTOCOL_VERSION:
+                    raise RemoteProtocolError(f"{name} speaks protocol {version}, we speak {PROTOCOL_VERSION}")
+                nonce = hello.header.get("nonce")
+                if not isinstance(nonce, bytes):
+                    raise RemoteProtocolError(f"{name} sent a HELLO without a nonce")
+                await conn.call(Op.AUTH, {"version": PROTOCOL_VERSION, "mac": auth_mac(token, nonce)})
+                conn.service = str(hello.header.get("service", ""))
+        except TimeoutError:
+            conn.close()
+            raise Timeout(f"handshake with {name} timed out after {connect_timeout_s}s") from None
+        except BaseException:
+            conn.close()
+            raise
+        return conn
+
+    @property
+    def is_closed(self) -> bool:
+        return self._proto.closed.is_set()
+
+    async def call(
+        self,
+        op: Op,
+        header: dict[str, Any] | None = None,
+        payload: Sequence[Buffer] = (),
+        *,
+        timeout_s: float | None = None,
+    ) -> Frame:
+        """Send one request and wait for its response; error frames raise."""
+        proto = self._proto
+        if proto.closed.is_set():
+            raise proto.error or Unavailable(f"connection to {self.name} is closed")
+        rid = next(self._ids)
+        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        proto.pending[rid] = fut
+        proto.write(encode_frame(op, rid, header, payload))
+        try:
+            if not proto._can_write.is_set():
+                await proto.drain()
+            async with asyncio.timeout(timeout_s or self.request_timeout_s):
+                frame = await fut
+        except TimeoutError:
+            proto.pending.pop(rid, None)
+            raise Timeout(f"{op.name} to {self.name} got no answer within "
+                          f"{timeout_s or self.request_timeout_s}s") from None
+        finally:
+            proto.pending.pop(rid, None)
+        if frame.is_error:
+            raise from_wire(frame.header)
+        return frame
+
+    def close(self) -> None:
+        if self._proto.transport is not None:
+            self._proto.transport.close()
+
+    async def wait_closed(self) -> None:
+        await self._proto.closed.wait()

@@ -1,0 +1,273 @@
+"""Meta's RPC handlers over an in-memory index backed by :class:`MetaStore`.
+
+Invariants:
+- a key is visible only after its COMMIT transaction is durable in SQLite;
+  the in-memory index is updated in the same event-loop step, so the two never
+  disagree for a reader;
+- ``chunk_live`` is derived from the layouts (rebuilt at start), never stored;
+- an expired key is a miss for every RPC, before GC removes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvfs.meta.store import MetaStore, pack_layout
+
+from kvfs.address import load_or_create_token
+from kvfs.config import MetaConfig, parse_hostport
+from kvfs.errors import InvalidArgument
+from kvfs.layout import MAX_VALUE_BYTES, Layout, norm_key, norm_keys
+from kvfs.protocol import Limits
+from kvfs.rpc import Service
+from kvfs.server import Reply, RpcServer
+
+log = logging.getLogger("kvfs.meta")
+
+MAX_LIST = 10_000
+
+
+@dataclass(slots=True)
+class Entry:
+    layout: Layout
+    wire: list[Any]
+    last_access: float
+
+
+@dataclass(slots=True)
+class ServerInfo:
+    server_id: int
+    addr: str
+    capacity: int = 0
+    free: int = 0
+    used: int = 0
+    last_heartbeat: float = -1e18  # monotonic
+    chunks: dict[int, int] = field(default_factory=dict)  # chunk_id -> bytes written
+
+
+class MetaService:
+    def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.clock = clock
+        config.data.mkdir(parents=True, exist_ok=True)
+        self.token = config.token or os.environ.get("KVFS_TOKEN") or load_or_create_token(config.data)
+        self.store = MetaStore(config.data / "meta.sqlite3")
+        self.entries: dict[bytes, Entry] = {}
+        self.chunk_live: dict[int, int] = {}
+        self.servers: dict[int, ServerInfo] = {}
+        self.leases: dict[bytes, float] = {}
+        self._dirty_access: dict[bytes, float] = {}
+        self.rpc = RpcServer(self, Service.META, self.token, Limits())
+        self._bg: list[asyncio.Task[None]] = []
+        self._load()
+
+    # lifecycle ---------------------------------------------------------------
+    def _load(self) -> None:
+        for key, wire, last_access in self.store.load():
+            layout = Layout.from_wire(wire)
+            self.entries[key] = Entry(layout, wire, last_access)
+            self._add_live(layout, +1)
+        for sid, addr, capacity, free in self.store.load_servers():
+            self.servers[sid] = ServerInfo(sid, addr, capacity, free)
+        log.info("meta loaded %d keys, %d chunkservers", len(self.entries), len(self.servers))
+
+    async def start(self) -> str:
+        host, port = parse_hostport(self.config.listen)
+        host, port = await self.rpc.start(host, port)
+        self._bg.append(asyncio.get_running_loop().create_task(self._flush_loop()))
+        return f"kvfs://{host}:{port}"
+
+    async def close(self) -> None:
+        for t in self._bg:
+            t.cancel()
+        for t in self._bg:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        await self.rpc.close()
+        self.flush_access()
+        self.store.close()
+
+    async def _flush_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.access_flush_interval_s)
+            self.flush_access()
+
+    def flush_access(self) -> None:
+        if self._dirty_access:
+            rows = [(t, k) for k, t in self._dirty_access.items()]
+            self._dirty_access.clear()
+            self.store.touch_many(rows)
+
+    # helpers -------------------------------------------------------------------
+    def _add_live(self, layout: Layout, sign: int) -> None:
+        live = self.chunk_live
+        for cid, n in layout.chunk_bytes():
+            live[cid] = live.get(cid, 0) + sign * n
+
+    def _get(self, key: bytes, now: float) -> Entry | None:
+        e = self.entries.get(key)
+        if e is None or e.layout.expired(now):
+            return None
+        return e
+
+    def alive(self, s: ServerInfo) -> bool:
+        return time.monotonic() - s.last_heartbeat < self.config.heartbeat_timeout_s
+
+    # client RPCs -------------------------------------------------------------
+    async def rpc_ping(self, h: dict[str, Any], p: memoryview) -> Reply:
+        return {"service": "meta"}, ()
+
+    async def rpc_lookup(self, h: dict[str, Any], p: memoryview) -> Reply:
+        keys = norm_keys(h["keys"])
+        now = self.clock()
+        out: list[Any] = []
+        dirty = self._dirty_access
+        for k in keys:
+            e = self._get(k, now)
+            if e is None:
+                out.append(None)
+            else:
+                out.append(e.wire)
+                e.last_access = now
+                dirty[k] = now
+        return {"layouts": out}, ()
+
+    async def rpc_exists(self, h: dict[str, Any], p: memoryview) -> Reply:
+        now = self.clock()
+        return {"exists": [self._get(k, now) is not None for k in norm_keys(h["keys"])]}, ()
+
+    async def rpc_match_prefix(self, h: dict[str, Any], p: memoryview) -> Reply:
+        keys = norm_keys(h["keys"])
+        lease_s = h.get("lease_s")
+        now = self.clock()
+        n = 0
+        for k in keys:
+            if self._get(k, now) is None:
+                break
+            n += 1
+        if lease_s:
+            until = now + float(lease_s)
+            for k in keys[:n]:
+                self.leases[k] = max(self.leases.get(k, 0.0), until)
+        return {"n": n}, ()
+
+    async def rpc_commit(self, h: dict[str, Any], p: memoryview) -> Reply:
+        items = h["items"]
+        if not items:
+            raise InvalidArgument("empty commit")
+        ttl = h.get("ttl_s")
+        if ttl is None:
+            ttl = self.config.default_ttl_s
+        elif float(ttl) <= 0:
+            raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
+        now = self.clock()
+        expires_at = None if ttl is None else now + float(ttl)
+        staged: list[tuple[bytes, Layout, list[Any]]] = []
+        for key, wire in items:
+            key = norm_key(key)
+            lay = Layout.from_wire(wire)
+            if lay.size > MAX_VALUE_BYTES:
+                raise InvalidArgument(f"value of {lay.size} bytes for {key[:64]!r} exceeds {MAX_VALUE_BYTES}")
+            for e in lay.extents:
+                for r in e.replicas:
+                    if r.server_id not in self.servers:
+                        raise InvalidArgument(f"layout for {key[:64]!r} names unknown chunkserver {r.server_id}")
+            lay = Layout(lay.size, lay.crc, now, expires_at, lay.extents)
+            staged.append((key, lay, lay.to_wire()))
+        self.store.put_many((k, pack_layout(w), expires_at, now) for k, _, w in staged)
+        for key, lay, wire in staged:
+            old = self.entries.get(key)
+            if old is not None:
+                self._add_live(old.layout, -1)
+            self.entries[key] = Entry(lay, wire, now)
+            self._add_live(lay, +1)
+            self._dirty_access.pop(key, None)
+        return {"created": now, "expires_at": expires_at}, ()
+
+    async def rpc_delete(self, h: dict[str, Any], p: memoryview) -> Reply:
+        keys = norm_keys(h["keys"])
+        gone = [k for k in keys if k in self.entries]
+        if gone:
+            self.store.delete_many(gone)
+        for k in gone:
+            self._add_live(self.entries.pop(k).layout, -1)
+            self._dirty_access.pop(k, None)
+            self.leases.pop(k, None)
+        return {"deleted": len(gone)}, ()
+
+    async def rpc_list(self, h: dict[str, Any], p: memoryview) -> Reply:
+        prefix = h.get("prefix") or b""
+        if isinstance(prefix, str):
+            prefix = prefix.encode()
+        start_after = h.get("start_after")
+        if isinstance(start_after, str):
+            start_after = start_after.encode()
+        limit = int(h.get("limit", 1000))
+        if not 0 < limit <= MAX_LIST:
+            raise InvalidArgument(f"list limit must be 1..{MAX_LIST}, got {limit}")
+        rows = self.store.list(prefix, start_after, limit)
+        now = self.clock()
+        entries = [[k, w[0], w[2], w[3], len(w[4])] for k, w in rows
+                   if w[3] is None or w[3] > now]
+        last = rows[-1][0] if rows else None
+        return {"entries": entries, "more": len(rows) == limit, "last": last}, ()
+
+    async def rpc_stats(self, h: dict[str, Any], p: memoryview) -> Reply:
+        now = self.clock()
+        live_keys = sum(1 for e in self.entries.values() if not e.layout.expired(now))
+        servers = []
+        for s in sorted(self.servers.values(), key=lambda s: s.server_id):
+            written = sum(s.chunks.values())
+            live = sum(self.chunk_live.get(c, 0) for c in s.chunks)
+            servers.append({
+                "server_id": s.server_id, "addr": s.addr, "alive": self.alive(s),
+                "capacity": s.capacity, "free": s.free, "used": s.used,
+                "chunks": len(s.chunks), "written": written, "live": live,
+                "garbage": max(0, written - live),
+            })
+        return {
+            "keys": live_keys,
+            "keys_stored": len(self.entries),
+            "bytes": sum(e.layout.size for e in self.entries.values() if not e.layout.expired(now)),
+            "servers": servers,
+            "time": now,
+        }, ()
+
+    # chunkserver RPCs ----------------------------------------------------------
+    async def rpc_register(self, h: dict[str, Any], p: memoryview) -> Reply:
+        addr = str(h["addr"])
+        sid = h.get("server_id")
+        if sid is None:
+            sid = max(self.servers, default=0) + 1
+        sid = int(sid)
+        s = self.servers.get(sid) or ServerInfo(sid, addr)
+        s.addr = addr
+        s.capacity, s.free = int(h.get("capacity", 0)), int(h.get("free", 0))
+        s.last_heartbeat = time.monotonic()
+        self.servers[sid] = s
+        self.store.put_server(sid, addr, s.capacity, s.free)
+        log.info("chunkserver %d registered at %s", sid, addr)
+        return {"server_id": sid}, ()
+
+    async def rpc_heartbeat(self, h: dict[str, Any], p: memoryview) -> Reply:
+        sid = int(h["server_id"])
+        s = self.servers.get(sid)
+        if s is None:
+            raise InvalidArgument(f"unknown chunkserver {sid}: register first")
+        s.capacity, s.free, s.used = int(h["capacity"]), int(h["free"]), int(h["used"])
+        if "chunks" in h:
+            s.chunks = {int(c): int(n) for c, n in h["chunks"].items()}
+        s.last_heartbeat = time.monotonic()
+        return {}, ()
+
+    async def rpc_servers(self, h: dict[str, Any], p: memoryview) -> Reply:
+        return {"servers": [[s.server_id, s.addr, s.capacity, s.free, self.alive(s)]
+                            for s in self.servers.values()]}, ()
+

@@ -1,0 +1,94 @@
+"""Meta's persistent store: SQLite in WAL mode, one transaction per batch."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS kv (
+    key BLOB PRIMARY KEY,
+    layout BLOB NOT NULL,
+    expires_at REAL,
+    last_access REAL NOT NULL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS kv_expiry ON kv(expires_at) WHERE expires_at IS NOT NULL;
+CREATE TABLE IF NOT EXISTS servers (
+    server_id INTEGER PRIMARY KEY,
+    addr TEXT NOT NULL,
+    capacity INTEGER NOT NULL DEFAULT 0,
+    free INTEGER NOT NULL DEFAULT 0
+);
+"""
+
+
+def pack_layout(wire: list[Any]) -> bytes:
+    return msgpack.packb(wire, use_bin_type=True)  # type: ignore[no-any-return]
+
+
+def unpack_layout(blob: bytes) -> list[Any]:
+    return msgpack.unpackb(blob, raw=False)  # type: ignore[no-any-return]
+
+
+def prefix_upper_bound(prefix: bytes) -> bytes | None:
+    """The smallest key greater than every key starting with ``prefix``."""
+    p = bytearray(prefix)
+    while p:
+        if p[-1] < 0xFF:
+            p[-1] += 1
+            return bytes(p)
+        p.pop()
+    return None
+
+
+class MetaStore:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.db.execute("PRAGMA journal_mode=WAL")
+        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self.db.close()
+
+    def load(self) -> Iterator[tuple[bytes, list[Any], float]]:
+        for key, blob, last_access in self.db.execute("SELECT key, layout, last_access FROM kv"):
+            yield bytes(key), unpack_layout(blob), last_access
+
+    def put_many(self, rows: Iterable[tuple[bytes, bytes, float | None, float]]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany(
+                "INSERT OR REPLACE INTO kv(key, layout, expires_at, last_access) VALUES (?,?,?,?)", rows)
+
+    def delete_many(self, keys: Iterable[bytes]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany("DELETE FROM kv WHERE key = ?", ((k,) for k in keys))
+
+    def touch_many(self, rows: Iterable[tuple[float, bytes]]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany("UPDATE kv SET last_access = ? WHERE key = ?", rows)
+
+    def list(self, prefix: bytes, start_after: bytes | None, limit: int) -> list[tuple[bytes, list[Any]]]:
+        lo = max(prefix, start_after + b"\x00") if start_after is not None else prefix
+        hi = prefix_upper_bound(prefix)
+        if hi is None:
+            q = self.db.execute("SELECT key, layout FROM kv WHERE key >= ? ORDER BY key LIMIT ?", (lo, limit))
+        else:
+            q = self.db.execute("SELECT key, layout FROM kv WHERE key >= ? AND key < ? ORDER BY key LIMIT ?",
+                                (lo, hi, limit))
+        return [(bytes(k), unpack_layout(b)) for k, b in q]
+
+    def load_servers(self) -> list[tuple[int, str, int, int]]:
+        return list(self.db.execute("SELECT server_id, addr, capacity, free FROM servers"))
+
+    def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None:
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO servers VALUES (?,?,?,?)", (server_id, addr, capacity, free))
