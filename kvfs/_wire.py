@@ -8,7 +8,7 @@ import hmac
 import logging
 from collections.abc import Sequence
 
-from kvfs.errors import KVFSError, RemoteProtocolError
+from kvfs.errors import KVFSError, ProtocolError
 from kvfs.protocol import Buffer, FrameDecoder, Limits, PayloadAllocator
 
 log = logging.getLogger("kvfs.wire")
@@ -31,7 +31,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     # asyncio callbacks -----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        self.transport.set_write_buffer_limits(high=4 * 1024 * 1024)
+        transport.set_write_buffer_limits(high=4 * 1024 * 1024)  # type: ignore[attr-defined]
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.decoder.get_buffer(sizehint)
@@ -43,8 +43,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
                 ev = self.decoder.next_event()
                 if not hasattr(ev, "op"):
                     break
-                self.frame_received(ev)  # type: ignore[arg-type]
-        except RemoteProtocolError as exc:
+                self.frame_received(ev)
+        except ProtocolError as exc:
             self.protocol_failed(exc)
 
     def pause_writing(self) -> None:

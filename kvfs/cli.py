@@ -12,7 +12,6 @@ import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 from kvfs._loop import run
 from kvfs.client import AsyncClient
@@ -214,12 +213,21 @@ def build_parser() -> argparse.ArgumentParser:
     _client_options(p)
     p.set_defaults(func=cmd_stat)
 
-    for hook in _EXTRA_COMMANDS:
-        hook(sub)
+    import importlib
+
+    for mod in _EXTRA_COMMAND_MODULES:
+        try:
+            module = importlib.import_module(mod)
+        except ImportError as exc:  # an optional part missing its extra must not break the rest
+            log.debug("%s not available: %s", mod, exc)
+            continue
+        module.add_commands(sub)
     return parser
 
 
-_EXTRA_COMMANDS: list[Callable[[Any], None]] = []
+# Modules that add subcommands: each has ``add_commands(subparsers)`` and sets
+# ``func`` (an ``async def f(ns) -> int``) on its parsers.
+_EXTRA_COMMAND_MODULES = ("kvfs.gc.cli", "kvfs.bench.cli", "kvfs.mount")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -133,22 +133,30 @@ class AsyncClient:
         async with self._conn_locks[sid]:
             conn = self._conns.get(sid)
             if conn is None or conn.is_closed:
-                entry = self._servers.get(sid)
-                if entry is None:
-                    await self.servers(refresh=True)
-                    entry = self._servers.get(sid)
-                if entry is None:
-                    raise Unavailable(f"chunkserver {sid} is not known to meta")
-                host, port = parse_addr(entry.addr)
-                try:
-                    conn = await Connection.open(
-                        host, port, self.token, connect_timeout_s=self.config.connect_timeout_s,
-                        request_timeout_s=self.config.request_timeout_s)
-                except Unavailable as exc:
-                    entry.alive = False
-                    raise Unavailable(f"chunkserver {sid} at {entry.addr}: {exc}") from None
+                conn = await self._open_server(sid)
                 self._conns[sid] = conn
         return conn
+
+    async def _open_server(self, sid: int) -> Connection:
+        # a second try after re-reading the server list: a restarted server may have moved
+        for attempt in (0, 1):
+            entry = self._servers.get(sid)
+            if entry is None or attempt:
+                await self.servers(refresh=True)
+                if attempt and entry is not None and self._servers.get(sid) == entry:
+                    break
+                entry = self._servers.get(sid)
+            if entry is None:
+                raise Unavailable(f"chunkserver {sid} is not known to meta")
+            host, port = parse_addr(entry.addr)
+            try:
+                return await Connection.open(
+                    host, port, self.token, connect_timeout_s=self.config.connect_timeout_s,
+                    request_timeout_s=self.config.request_timeout_s)
+            except Unavailable as exc:
+                entry.alive = False
+                error = Unavailable(f"chunkserver {sid} at {entry.addr}: {exc}")
+        raise error
 
     async def _server_call(self, sid: int, op: Op, header: dict[str, Any],
                            payload: Sequence[Buffer] = ()) -> tuple[dict[str, Any], memoryview]:

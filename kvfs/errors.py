@@ -43,7 +43,7 @@ class RemoteProtocolError(ProtocolError):
     code = 4
 
 
-class VersionMismatch(ProtocolError):
+class VersionMismatch(RemoteProtocolError):
     code = 5
 
 

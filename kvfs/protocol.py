@@ -97,7 +97,7 @@ def _default_alloc(head: FrameHead) -> bytearray:
 
 
 def pack_header(header: dict[str, Any]) -> bytes:
-    return msgpack.packb(header, use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb(header, use_bin_type=True)
 
 
 def encode_frame(
@@ -247,10 +247,9 @@ class FrameDecoder:
             raw.release()
         if not isinstance(header, dict):
             raise RemoteProtocolError(f"frame header must be a map, got {type(header).__name__}")
-        try:
-            flag = Flag(flags)
-        except ValueError:
-            raise RemoteProtocolError(f"unknown frame flags {flags:#x}") from None
+        if flags & ~int(Flag.RESPONSE | Flag.ERROR):
+            raise RemoteProtocolError(f"unknown frame flags {flags:#x}")
+        flag = Flag(flags)
         self._head_size = size
         return FrameHead(op, flag, rid, header, plen)
 

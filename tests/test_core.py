@@ -1,0 +1,146 @@
+"""The core cluster end to end: in-process servers over real sockets, real files, real SQLite."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import kvfs
+from kvfs.client import AsyncClient
+from kvfs.errors import InvalidArgument
+from kvfs.launcher import LocalCluster
+from kvfs.layout import MAX_KEY_BYTES
+
+
+async def test_20mib_value_is_striped_over_servers(kv: AsyncClient) -> None:
+    big = os.urandom(20 << 20)
+    await kv.put(b"big", big)
+    layout = await kv.layout(b"big")
+    assert layout is not None and layout.size == len(big)
+    servers = {r.server_id for e in layout.extents for r in e.replicas}
+    assert len(layout.extents) == 20 and len(servers) >= 2
+    kv._layouts.clear()
+    assert await kv.get(b"big") == big
+
+
+async def test_10k_small_keys(kv: AsyncClient) -> None:
+    items = {f"blk/{i:05d}".encode(): os.urandom(64 + i % 200) for i in range(10_000)}
+    await kv.put_many(items)
+    kv._layouts.clear()
+    assert await kv.get_many(list(items)) == list(items.values())
+    # values written together land contiguously in one chunk, in call order
+    first, second = await kv.layout(b"blk/00000"), await kv.layout(b"blk/00001")
+    assert first is not None and second is not None
+    r0, r1 = first.extents[0].replicas[0], second.extents[0].replicas[0]
+    assert r0.chunk_id == r1.chunk_id and r0.offset < r1.offset
+
+
+async def test_match_prefix_stops_at_first_missing(kv: AsyncClient) -> None:
+    chain = [f"h{i}".encode() for i in range(10)]
+    await kv.put_many({k: b"x" * 100 for i, k in enumerate(chain) if i != 7})
+    assert await kv.match_prefix(chain) == 7
+    assert await kv.match_prefix([b"nope", *chain]) == 0
+    assert await kv.exists_many([chain[0], chain[7], chain[9]]) == [True, False, True]
+
+
+async def test_get_many_with_misses_and_empty_value(kv: AsyncClient) -> None:
+    await kv.put_many([(b"a", b"1"), ("b", b""), (b"c", bytearray(b"333"))])
+    assert await kv.get_many([b"a", b"b", b"nope", "c"]) == [b"1", b"", None, b"333"]
+
+
+async def test_get_into_caller_buffers(kv: AsyncClient) -> None:
+    vals = [os.urandom(1000), os.urandom(3 << 20)]
+    await kv.put_many({b"x": vals[0], b"y": vals[1]})
+    buf = bytearray(1000)
+    arr = np.zeros(4 << 20, dtype=np.uint8)
+    sizes = await kv.get_into([b"x", b"y", b"z"], [buf, arr, bytearray(10)])
+    assert sizes == [1000, 3 << 20, -1]
+    assert buf == vals[0] and arr[: 3 << 20].tobytes() == vals[1]
+    with pytest.raises(InvalidArgument, match="too small"):
+        await kv.get_into([b"y"], [bytearray(10)])
+    with pytest.raises(InvalidArgument, match="read-only"):
+        await kv.get_into([b"x"], [b"immutable"])
+    with pytest.raises(InvalidArgument, match="2 buffers"):
+        await kv.get_into([b"x"], [bytearray(1), bytearray(1)])
+
+
+async def test_overwrite_and_delete(kv: AsyncClient) -> None:
+    await kv.put(b"k", b"old")
+    await kv.put(b"k", b"new")
+    assert await kv.get(b"k") == b"new"
+    assert await kv.delete_many([b"k", b"never"]) == 1
+    assert await kv.get(b"k") is None
+
+
+async def test_list_is_paginated_and_sorted(kv: AsyncClient) -> None:
+    await kv.put_many({f"p/{i:04d}".encode(): b"v" for i in range(2500)})
+    await kv.put(b"q/other", b"v")
+    infos = await kv.list(b"p/", page_size=1000)
+    assert [i.key for i in infos] == [f"p/{i:04d}".encode() for i in range(2500)]
+    assert (await kv.list("p/", limit=3))[2].key == b"p/0002"
+
+
+async def test_ttl_expires_via_clock(kv: AsyncClient, clock: object) -> None:
+    await kv.put(b"short", b"v", ttl=10)
+    await kv.put(b"long", b"v")
+    assert await kv.get(b"short") == b"v"
+    clock.advance(11)  # type: ignore[attr-defined]
+    assert await kv.get_many([b"short", b"long"]) == [None, b"v"]
+    assert await kv.match_prefix([b"long", b"short"]) == 1
+
+
+async def test_replicas_survive_a_lost_server(cluster: LocalCluster, kv: AsyncClient) -> None:
+    data = os.urandom(3 << 20)
+    await kv.put(b"r", data, replicas=2)
+    layout = await kv.layout(b"r")
+    assert layout is not None
+    assert all(len({r.server_id for r in e.replicas}) == 2 for e in layout.extents)
+    victim = layout.extents[0].replicas[0].server_id
+    idx = next(i for i, cs in enumerate(cluster.chunkservers) if cs and cs.server_id == victim)
+    await cluster.stop_chunkserver(idx)
+    assert await kv.get(b"r") == data
+
+
+async def test_sync_client(cluster: LocalCluster) -> None:
+    import asyncio
+
+    def work() -> None:
+        with kvfs.Client(cluster.addr, token=cluster.token) as kv:
+            kv.put(b"s", b"sync")
+            kv.put_many({b"s1": b"1", b"s2": b"2"})
+            assert kv.get(b"s") == b"sync"
+            assert kv.get_many([b"s1", b"s2", b"s3"]) == [b"1", b"2", None]
+            assert kv.match_prefix([b"s1", b"s2"]) == 2
+            assert kv.delete(b"s")
+
+    await asyncio.to_thread(work)
+
+
+@pytest.mark.parametrize("key", [b"", b"k" * (MAX_KEY_BYTES + 1), 123])
+async def test_bad_keys(kv: AsyncClient, key: object) -> None:
+    with pytest.raises(InvalidArgument, match="key"):
+        await kv.put(key, b"v")  # type: ignore[arg-type]
+
+
+async def test_empty_key_list(kv: AsyncClient) -> None:
+    for call in (kv.get_many([]), kv.put_many({}), kv.match_prefix([]), kv.delete_many([])):
+        with pytest.raises(InvalidArgument, match="empty key list"):
+            await call
+
+
+async def test_value_too_large(kv: AsyncClient, tmp_path: object) -> None:
+    import mmap
+
+    path = os.path.join(str(tmp_path), "sparse")
+    with open(path, "wb") as f:
+        f.truncate((1 << 30) + 1)  # sparse: no memory, no disk
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        with pytest.raises(InvalidArgument, match="exceeds the limit"):
+            await kv.put(b"huge", m)
+
+
+async def test_not_bytes_value(kv: AsyncClient) -> None:
+    with pytest.raises(InvalidArgument, match="bytes-like"):
+        await kv.put(b"k", "a str")

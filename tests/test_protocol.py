@@ -1,0 +1,187 @@
+"""The sans-IO wire protocol, byte by byte."""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvfs.errors import FrameTooLarge, RemoteProtocolError, VersionMismatch
+from kvfs.protocol import (
+    FIXED,
+    MAGIC,
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    Flag,
+    Frame,
+    FrameDecoder,
+    Limits,
+    encode_frame,
+    frame_bytes,
+)
+from kvfs.rpc import HANDLER_NAMES, RPCS, Op
+
+
+def drain(dec: FrameDecoder) -> list[Frame]:
+    out = []
+    while True:
+        ev = dec.next_event()
+        if ev is NEED_DATA:
+            return out
+        assert isinstance(ev, Frame)
+        out.append(ev)
+
+
+def test_golden_bytes() -> None:
+    data = frame_bytes(Op.PING, 7, {"a": 1}, [b"xyz"], Flag.RESPONSE)
+    # magic, version 1, op 3, flags 1, request id 7, header 4 bytes (msgpack {"a": 1}), payload 3
+    assert data == (b"KVFS\x01\x03\x01\x00" + (7).to_bytes(8, "little") + (4).to_bytes(4, "little")
+                    + (3).to_bytes(8, "little") + b"\x81\xa1a\x01" + b"xyz")
+
+
+FRAMES = [
+    (Op.LOOKUP, 1, {"keys": [b"a", b"b"]}, b""),
+    (Op.APPEND, 2, {"records": [[b"k", 5, 123, None]]}, b"hello"),
+    (Op.READV, 3, {}, bytes(range(256)) * 1000),  # a "big" payload with its own buffer
+    (Op.PING, 4, {}, b""),
+]
+
+
+def _stream() -> bytes:
+    return b"".join(frame_bytes(op, rid, h, [p] if p else []) for op, rid, h, p in FRAMES)
+
+
+def _check(frames: list[Frame]) -> None:
+    assert [(f.op, f.request_id, f.header, bytes(f.payload)) for f in frames] == [
+        (int(op), rid, h, p) for op, rid, h, p in FRAMES]
+
+
+def test_whole() -> None:
+    dec = FrameDecoder()
+    dec.receive_data(_stream())
+    _check(drain(dec))
+
+
+def test_one_byte_at_a_time() -> None:
+    dec = FrameDecoder()
+    frames: list[Frame] = []
+    for b in _stream():
+        dec.receive_data(bytes([b]))
+        frames.extend(drain(dec))
+    _check(frames)
+
+
+def test_trailing_partial_frame_waits() -> None:
+    dec = FrameDecoder()
+    extra = frame_bytes(Op.PING, 9, {}, [b"tail"])
+    dec.receive_data(_stream() + extra[:-2])
+    _check(drain(dec))
+    assert dec.next_event() is NEED_DATA
+    dec.receive_data(extra[-2:])
+    (f,) = drain(dec)
+    assert f.request_id == 9 and bytes(f.payload) == b"tail"
+
+
+def test_big_payload_lands_in_allocated_buffer() -> None:
+    target = bytearray(300_000)
+    dec = FrameDecoder(allocator=lambda head: target)
+    dec.receive_data(frame_bytes(Op.READV, 1, {}, [b"\x07" * 300_000]))
+    (f,) = drain(dec)
+    assert f.payload is target and target == b"\x07" * 300_000
+
+
+def test_get_buffer_hands_out_payload_buffer() -> None:
+    dec = FrameDecoder()
+    data = frame_bytes(Op.READV, 1, {}, [b"z" * 1_000_000])
+    pos, calls = 0, 0
+    while pos < len(data):
+        buf = dec.get_buffer(-1)
+        n = min(len(buf), len(data) - pos)
+        buf[:n] = data[pos : pos + n]
+        dec.buffer_updated(n)
+        pos += n
+        calls += 1
+    (f,) = drain(dec)
+    assert bytes(f.payload) == b"z" * 1_000_000
+    assert calls <= 3  # scratch, then the payload's own buffer in one piece
+
+
+def test_bad_magic() -> None:
+    dec = FrameDecoder()
+    with pytest.raises(RemoteProtocolError, match="magic"):
+        dec.receive_data(b"GET / HTTP/1.1\r\n\r\n" + b"\x00" * 20)
+    with pytest.raises(RemoteProtocolError):  # dead after an error
+        dec.receive_data(b"x")
+
+
+def test_wrong_version() -> None:
+    dec = FrameDecoder()
+    with pytest.raises(VersionMismatch, match="version 9"):
+        dec.receive_data(frame_bytes(Op.PING, 1, {}, version=9))
+
+
+def test_huge_payload_refused_before_reading_it() -> None:
+    dec = FrameDecoder(Limits(max_payload_bytes=1 << 30))
+    head = FIXED.pack(MAGIC, PROTOCOL_VERSION, Op.APPEND, 0, 1, 0, 100 << 30)
+    with pytest.raises(FrameTooLarge, match="107374182400 bytes exceeds"):
+        dec.receive_data(head)
+
+
+def test_header_must_be_a_map() -> None:
+    hdr = b"\x93\x01\x02\x03"  # msgpack [1, 2, 3]
+    data = FIXED.pack(MAGIC, PROTOCOL_VERSION, Op.PING, 0, 1, len(hdr), 0) + hdr
+    with pytest.raises(RemoteProtocolError, match="must be a map"):
+        FrameDecoder().receive_data(data)
+
+
+def test_undecodable_header() -> None:
+    hdr = b"\xc1\xc1\xc1"  # never-used msgpack byte
+    data = FIXED.pack(MAGIC, PROTOCOL_VERSION, Op.PING, 0, 1, len(hdr), 0) + hdr
+    with pytest.raises(RemoteProtocolError, match="undecodable"):
+        FrameDecoder().receive_data(data)
+
+
+def test_unknown_flags() -> None:
+    data = FIXED.pack(MAGIC, PROTOCOL_VERSION, Op.PING, 0x80, 1, 0, 0)
+    with pytest.raises(RemoteProtocolError, match="flags"):
+        FrameDecoder().receive_data(data)
+
+
+def test_encode_frame_keeps_payload_buffers() -> None:
+    payload = memoryview(bytearray(b"abc"))
+    bufs = encode_frame(Op.APPEND, 1, {}, [payload])
+    assert bufs[1] is payload  # never re-packed
+    assert struct.unpack_from("<Q", bufs[0], 20)[0] == 3
+
+
+def test_rpc_table_is_consistent() -> None:
+    assert len({int(op) for op in RPCS}) == len(RPCS)
+    assert set(HANDLER_NAMES) == set(RPCS)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=200), st.integers(min_value=1, max_value=50))
+def test_fuzz_only_protocol_errors(data: bytes, step: int) -> None:
+    dec = FrameDecoder(Limits(max_header_bytes=1 << 16, max_payload_bytes=1 << 20))
+    try:
+        for i in range(0, len(data), step):
+            dec.receive_data(data[i : i + step])
+            drain(dec)
+    except RemoteProtocolError:
+        pass
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.binary(max_size=100_000)), max_size=5),
+       st.integers(min_value=1, max_value=70_000))
+def test_fuzz_roundtrip_any_split(frames: list[tuple[int, bytes]], step: int) -> None:
+    data = b"".join(frame_bytes(op, i, {"i": i}, [p]) for i, (op, p) in enumerate(frames))
+    dec = FrameDecoder()
+    got: list[Frame] = []
+    for i in range(0, len(data), step):
+        dec.receive_data(data[i : i + step])
+        got.extend(drain(dec))
+    assert [(f.op, f.header["i"], bytes(f.payload)) for f in got] == [
+        (op, i, p) for i, (op, p) in enumerate(frames)]
