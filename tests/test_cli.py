@@ -1,0 +1,86 @@
+"""The CLI as a new user runs it: `kvfs up` in the background, then put/get/ls/stat/rm."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+
+def kvfs(*args: str, env: dict[str, str], stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "kvfs", *args], env=env, input=stdin,
+                          capture_output=True, timeout=60)
+
+
+@pytest.fixture
+def up(tmp_path: Path) -> Iterator[tuple[str, dict[str, str], subprocess.Popen[bytes]]]:
+    env = {**os.environ, "KVFS_CONFIG_DIR": str(tmp_path / "config")}
+    env.pop("KVFS_TOKEN", None)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvfs", "up", "--data", str(tmp_path / "data"), "--chunkservers", "3",
+         "--listen", "127.0.0.1:0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        addr = proc.stdout.readline().decode().strip()  # the launcher prints it once all are ready
+        assert addr.startswith("kvfs://127.0.0.1:"), addr
+        yield addr, {**env, "KVFS_ADDR": addr}, proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        assert proc.stdout is not None
+        proc.stdout.close()
+
+
+@pytest.mark.subprocess
+def test_up_put_get_ls_stat_rm(up: tuple[str, dict[str, str], subprocess.Popen[bytes]],
+                               tmp_path: Path) -> None:
+    addr, env, proc = up
+    token_file = tmp_path / "config" / "tokens" / f"127.0.0.1_{addr.rsplit(':', 1)[1]}"
+    assert token_file.stat().st_mode & 0o777 == 0o600
+    data = os.urandom(3 << 20)
+    (tmp_path / "file.bin").write_bytes(data)
+    r = kvfs("put", "mykey", str(tmp_path / "file.bin"), env=env)
+    assert r.returncode == 0, r.stderr
+    assert kvfs("put", "other/key", "-", env=env, stdin=b"hello").returncode == 0
+    r = kvfs("get", "mykey", env=env)
+    assert r.returncode == 0 and r.stdout == data
+    r = kvfs("ls", env=env)
+    assert r.stdout.decode().split() == ["mykey", "other/key"]
+    r = kvfs("ls", "other/", "--json", env=env)
+    assert [e["key"] for e in json.loads(r.stdout)] == ["other/key"]
+    r = kvfs("stat", "--json", env=env)
+    st = json.loads(r.stdout)
+    assert st["keys"] == 2 and len(st["servers"]) == 3
+    assert "garbage" in kvfs("stat", env=env).stdout.decode()
+    r = kvfs("get", "nope", env=env)
+    assert r.returncode == 1 and b"not found" in r.stderr
+    assert kvfs("rm", "mykey", env=env).returncode == 0
+    assert kvfs("get", "mykey", env=env).returncode == 1
+    # a wrong token is refused with a clear, one-line error
+    r = kvfs("get", "other/key", "--token", "wrong", env=env)
+    assert r.returncode == 1 and b"wrong cluster token" in r.stderr
+    # Ctrl-C stops every service cleanly
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=30) == 0
+    r = kvfs("stat", env=env)
+    assert r.returncode == 1 and b"Unavailable" in r.stderr
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
+    env = {**os.environ, "KVFS_CONFIG_DIR": str(tmp_path)}
+    env.pop("KVFS_TOKEN", None)
+    r = kvfs("get", "k", "--addr", "kvfs://127.0.0.1:1", env=env)
+    assert r.returncode == 1 and b"no token for kvfs://127.0.0.1:1" in r.stderr
+    r = kvfs("get", "k", "--addr", "nonsense", "--token", "t", env=env)
+    assert r.returncode == 1 and b"bad address" in r.stderr
