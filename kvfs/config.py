@@ -55,6 +55,10 @@ class ClientConfig:
     layout_cache_entries: int = opt("immutable layouts kept to skip meta lookups", 100_000)
     max_rpc_bytes: int = opt("split appends and reads larger than this", 256 * 1024 * 1024)
     servers_refresh_s: float = opt("re-read the chunkserver list this often", 2.0)
+    batch: bool = opt("coalesce concurrent single-key get()/exists() calls into batches", True)
+    batch_window_s: float = opt("wait this long for more keys (0: those issued this loop tick)", 0.0)
+    batch_max_keys: int = opt("flush a batch at this many keys, without waiting", 128)
+    batch_max_bytes: int = opt("flush a batch when its known value sizes reach this", 64 * 1024 * 1024)
 
 
 T = TypeVar("T")
@@ -110,3 +114,16 @@ def parse_hostport(text: str) -> tuple[str, int]:
     if not host or not port.isdigit():
         raise ValueError(f"bad listen address {text!r}: expected HOST:PORT")
     return host, int(port)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GcConfig:
+    meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
+    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
+    interval_s: float = opt("time between background GC passes", 10.0)
+    expire_batch: int = opt("expired keys removed per meta transaction", 10_000)
+    compact_threshold: float = opt("compact a sealed chunk whose garbage ratio passes this", 0.3)
+    high_watermark: float = opt("evict when a chunkserver's used/capacity passes this", 0.9)
+    low_watermark: float = opt("evict least recently used keys down to this used/capacity", 0.8)
+    grace_s: float = opt("keep an unreferenced chunk this long so in-flight reads finish", 30.0)
+    rate_bytes: int | None = opt("compaction copy rate limit in bytes/s (default: unlimited)", None)
