@@ -18,13 +18,13 @@ import collections
 import os
 import struct
 import sys
-from typing import Final
+from typing import Final, cast
 
 HEADER: Final = struct.Struct(">cQ")
 ACK: Final = struct.Struct(">Q")
 OP_GET: Final = b"G"
 OP_PUT: Final = b"P"
-DEFAULT_BUFFER_BYTES: Final = 4 << 20
+DEFAULT_BUFFER_BYTES: Final = 1048576
 WRITE_HIGH_WATER: Final = 4 << 20
 
 
@@ -44,9 +44,9 @@ class LoopbackServerProtocol(asyncio.BufferedProtocol):
         self._transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
-        transport.set_write_buffer_limits(high=WRITE_HIGH_WATER)
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self._transport = tr = cast(asyncio.Transport, transport)
+        tr.set_write_buffer_limits(high=WRITE_HIGH_WATER)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None

@@ -30,7 +30,7 @@ import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Final, Literal, Protocol, runtime_checkable
+from typing import Any, Final, Literal, Protocol, cast, runtime_checkable
 
 from ._loopback_server import ACK, HEADER, OP_GET, OP_PUT, LoopbackServer
 
@@ -151,7 +151,10 @@ class FilePerKeyStore:
         loop = asyncio.get_running_loop()
         pool = self._executor()
         await asyncio.gather(
-            *(loop.run_in_executor(pool, self._put_slice, items[s]) for s in self._slices(len(items)))
+            *(
+                loop.run_in_executor(pool, self._put_slice, items[s])
+                for s in self._slices(len(items))
+            )
         )
 
     async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
@@ -174,13 +177,22 @@ class FilePerKeyStore:
 # Redis
 
 REDIS_PORT_RANGE: Final = (20000, 60000)
+
+
+def _no_retry() -> Any:
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return Retry(NoBackoff(), 0)
+
+
 _ADDR_IN_USE = "Address already in use"
 
 
 class RedisStore:
     """A private ``redis-server`` subprocess; MSET per put batch, MGET per get batch.
 
-    Use ``await RedisStore.start(...)``. ``transport="tcp"`` (the default: kvfs
+    Use ``await RedisStore.open(...)``. ``transport="tcp"`` (the default: kvfs
     talks TCP) listens on 127.0.0.1 at a port Redis binds itself: ports are tried
     from a random start in 20000-60000, and a start that fails with "Address
     already in use" moves to the next port (``port_attempts`` tries). Redis
@@ -194,11 +206,32 @@ class RedisStore:
     in one pipeline.
     """
 
-    def __init__(self) -> None:
-        raise TypeError("use `await RedisStore.start(...)`")
+    def __init__(
+        self,
+        *,
+        transport: Literal["tcp", "unix"] = "tcp",
+        redis_server: str = "redis-server",
+        start_timeout_s: float = 10.0,
+        port_attempts: int = 20,
+        max_command_bytes: int = 64 << 20,
+        seed: int | None = None,
+    ) -> None:
+        """Configure only; ``start()`` launches the server (or use ``RedisStore.open``)."""
+        self.name = "redis"
+        self.transport = transport
+        self.redis_server = redis_server
+        self.start_timeout_s = start_timeout_s
+        self.port_attempts = port_attempts
+        self.max_command_bytes = max_command_bytes
+        self.seed = seed
+        self.port = 0
+        self.unix_socket = ""
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self._client: Any = None
 
     @classmethod
-    async def start(
+    async def open(
         cls,
         *,
         transport: Literal["tcp", "unix"] = "tcp",
@@ -208,32 +241,43 @@ class RedisStore:
         max_command_bytes: int = 64 << 20,
         seed: int | None = None,
     ) -> RedisStore:
-        exe = shutil.which(redis_server)
+        """Configure and start; raises ``PeerUnavailable`` if Redis cannot run here."""
+        store = cls(
+            transport=transport,
+            redis_server=redis_server,
+            start_timeout_s=start_timeout_s,
+            port_attempts=port_attempts,
+            max_command_bytes=max_command_bytes,
+            seed=seed,
+        )
+        await store.start()
+        return store
+
+    async def start(self) -> RedisStore:
+        exe = shutil.which(self.redis_server)
         if exe is None:
-            raise PeerUnavailable(f"{redis_server} not installed")
+            raise PeerUnavailable(f"{self.redis_server} not installed")
         try:
             import redis.asyncio as aioredis
         except ImportError as e:  # pragma: no cover - redis-py is a bench dependency
             raise PeerUnavailable(f"redis-py not installed ({e})") from e
-        self = object.__new__(cls)
-        self.name = "redis"
-        self.transport = transport
-        self._max_command_bytes = max_command_bytes
+        if self._tmp is not None:
+            raise RuntimeError("RedisStore already started")
         self._tmp = tempfile.TemporaryDirectory(prefix="kvfs-bench-redis-")
         self.unix_socket = os.path.join(self._tmp.name, "redis.sock")
-        self.port = 0
-        self._proc: asyncio.subprocess.Process | None = None
-        self._client: Any = None
         try:
-            await self._launch(exe, transport, start_timeout_s, port_attempts, seed)
-            if transport == "tcp":
-                self._client = aioredis.Redis(
-                    host="127.0.0.1", port=self.port, socket_timeout=60, socket_connect_timeout=10
-                )
+            await self._launch(exe)
+            # No retries (redis-py retries with backoff by default): a bench must
+            # not hide failures, and SHUTDOWN's dropped connection is expected.
+            common: dict[str, Any] = {
+                "socket_timeout": 60,
+                "socket_connect_timeout": 10,
+                "retry": _no_retry(),
+            }
+            if self.transport == "tcp":
+                self._client = aioredis.Redis(host="127.0.0.1", port=self.port, **common)
             else:
-                self._client = aioredis.Redis(
-                    unix_socket_path=self.unix_socket, socket_timeout=60, socket_connect_timeout=10
-                )
+                self._client = aioredis.Redis(unix_socket_path=self.unix_socket, **common)
             await self._client.ping()
         except BaseException:
             await self.close()
@@ -241,6 +285,7 @@ class RedisStore:
         return self
 
     def _args(self, exe: str, port: int) -> list[str]:
+        assert self._tmp is not None
         return [
             exe,
             "--port", str(port),
@@ -257,6 +302,8 @@ class RedisStore:
         ]  # fmt: skip
 
     def _log_tail(self, nbytes: int = 2000) -> str:
+        if self._tmp is None:
+            return ""
         try:
             with open(os.path.join(self._tmp.name, "redis.log"), "rb") as f:
                 f.seek(0, os.SEEK_END)
@@ -265,16 +312,19 @@ class RedisStore:
         except OSError:
             return ""
 
-    async def _launch(
-        self, exe: str, transport: str, timeout_s: float, attempts: int, seed: int | None
-    ) -> None:
+    async def _launch(self, exe: str) -> None:
         import redis.asyncio as aioredis
         from redis.exceptions import BusyLoadingError
         from redis.exceptions import ConnectionError as RedisConnectionError
 
+        transport, timeout_s = self.transport, self.start_timeout_s
         lo, hi = REDIS_PORT_RANGE
-        start = random.Random(seed).randrange(lo, hi)
-        ports = [0] if transport == "unix" else [lo + (start - lo + i) % (hi - lo) for i in range(attempts)]
+        first = random.Random(self.seed).randrange(lo, hi)
+        ports = (
+            [0]
+            if transport == "unix"
+            else [lo + (first - lo + i) % (hi - lo) for i in range(self.port_attempts)]
+        )
         for port in ports:
             deadline = time.monotonic() + timeout_s
             with contextlib.suppress(FileNotFoundError):
@@ -285,7 +335,9 @@ class RedisStore:
                 stdout=asyncio.subprocess.DEVNULL,
                 stderr=asyncio.subprocess.PIPE,
             )
-            probe = aioredis.Redis(unix_socket_path=self.unix_socket, socket_connect_timeout=1)
+            probe = aioredis.Redis(
+                unix_socket_path=self.unix_socket, socket_connect_timeout=1, retry=_no_retry()
+            )
             try:
                 # Poll PING with a deadline; stop early if the process exits.
                 while True:
@@ -318,7 +370,7 @@ class RedisStore:
     async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         if not items:
             return
-        groups = self._split(items, lambda kv: len(kv[0]) + len(kv[1]) + 32)
+        groups = self._split(items)
         if len(groups) == 1:
             await self._client.execute_command("MSET", *itertools.chain.from_iterable(items))
             return
@@ -341,14 +393,12 @@ class RedisStore:
             parts: list[list[bytes | None]] = await pipe.execute()
         return [v for part in parts for v in part]
 
-    def _split(
-        self, items: list[tuple[bytes, bytes]], size: Any
-    ) -> list[list[tuple[bytes, bytes]]]:
+    def _split(self, items: list[tuple[bytes, bytes]]) -> list[list[tuple[bytes, bytes]]]:
         groups: list[list[tuple[bytes, bytes]]] = [[]]
         acc = 0
         for kv in items:
-            n = size(kv)
-            if groups[-1] and acc + n > self._max_command_bytes:
+            n = len(kv[0]) + len(kv[1]) + 32
+            if groups[-1] and acc + n > self.max_command_bytes:
                 groups.append([])
                 acc = 0
             groups[-1].append(kv)
@@ -374,7 +424,9 @@ class RedisStore:
                     await proc.wait()
             if proc.stderr is not None:
                 await proc.stderr.read()
-        self._tmp.cleanup()
+        tmp, self._tmp = self._tmp, None
+        if tmp is not None:
+            tmp.cleanup()
 
 
 # ---------------------------------------------------------------------------
@@ -395,9 +447,9 @@ class _LoopbackClientProtocol(asyncio.BufferedProtocol):
         self.lost: BaseException | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
-        transport.set_write_buffer_limits(high=4 << 20)
+        # uvloop's transports are not asyncio.Transport subclasses, only alike.
+        self.transport = tr = cast(asyncio.Transport, transport)
+        tr.set_write_buffer_limits(high=4 << 20)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = exc or ConnectionResetError("loopback server closed the connection")
@@ -468,20 +520,18 @@ class LoopbackLimit:
     caller's event loop (no subprocess; both ends then share one core).
     """
 
-    def __init__(self) -> None:
-        raise TypeError("use `await LoopbackLimit.start(...)`")
-
-    @classmethod
-    async def start(
-        cls,
+    def __init__(
+        self,
         *,
         server: Literal["process", "inprocess"] = "process",
         copy_out: bool = False,
         start_timeout_s: float = 10.0,
-    ) -> LoopbackLimit:
-        self = object.__new__(cls)
+    ) -> None:
+        """Configure only; ``start()`` connects (or use ``LoopbackLimit.open``)."""
         self.name = "loopback"
+        self.server = server
         self.copy_out = copy_out
+        self.start_timeout_s = start_timeout_s
         self.bytes_sent = 0
         self.bytes_received = 0
         self._sizes: dict[bytes, int] = {}
@@ -490,13 +540,28 @@ class LoopbackLimit:
         self._proc: asyncio.subprocess.Process | None = None
         self._server: LoopbackServer | None = None
         self._proto: _LoopbackClientProtocol | None = None
-        self._ack = bytearray(ACK.size)
+
+    @classmethod
+    async def open(
+        cls,
+        *,
+        server: Literal["process", "inprocess"] = "process",
+        copy_out: bool = False,
+        start_timeout_s: float = 10.0,
+    ) -> LoopbackLimit:
+        limit = cls(server=server, copy_out=copy_out, start_timeout_s=start_timeout_s)
+        await limit.start()
+        return limit
+
+    async def start(self) -> LoopbackLimit:
+        if self._proto is not None or self._proc is not None or self._server is not None:
+            raise RuntimeError("LoopbackLimit already started")
         try:
-            if server == "inprocess":
+            if self.server == "inprocess":
                 self._server = LoopbackServer()
                 port = await self._server.start()
             else:
-                port = await self._spawn(start_timeout_s)
+                port = await self._spawn(self.start_timeout_s)
             loop = asyncio.get_running_loop()
             _, proto = await loop.create_connection(_LoopbackClientProtocol, "127.0.0.1", port)
             self._proto = proto
@@ -519,6 +584,7 @@ class LoopbackLimit:
         except TimeoutError:
             raise PeerUnavailable(f"loopback server did not start within {timeout_s:g}s") from None
         if not line.startswith(b"PORT "):
+            # The child died before binding: nothing more to wait for.
             raise PeerUnavailable(f"loopback server failed to start: {line!r}")
         return int(line.split()[1])
 
@@ -555,9 +621,11 @@ class LoopbackLimit:
         total = sum(s for s in sizes if s is not None)
         buf = self._buffer(total)
         try:
-            done = proto.expect(memoryview(buf)[:total])
-            proto.transport.write(HEADER.pack(OP_GET, total))
-            self.bytes_received += await done
+            if total:
+                done = proto.expect(memoryview(buf)[:total])
+                proto.transport.write(HEADER.pack(OP_GET, total))
+                received = await done  # not `+= await`: that reads the counter before awaiting
+                self.bytes_received += received
             out: list[bytes | None] = []
             if self.copy_out:
                 view = memoryview(buf)

@@ -58,7 +58,7 @@ FIO_VERSION: Final = "kvfs-bench-0.1"
 PERCENTILES: Final[tuple[float, ...]] = (
     1.0, 5.0, 10.0, 20.0, 30.0, 40.0, 50.0, 60.0, 70.0, 80.0, 90.0,
     95.0, 99.0, 99.5, 99.9, 99.95, 99.99,
-)
+)  # fmt: skip
 
 #: fio's ``bw_avg_time`` / ``iops_avg_time`` default: one bw/iops sample per 500 ms.
 SAMPLE_INTERVAL_NS: Final = 500_000_000
@@ -70,6 +70,7 @@ LAT_MS_LABELS: Final = (*LAT_NS_LABELS, "2000", ">=2000")
 _LAT_EDGES: Final = np.array([2, 4, 10, 20, 50, 100, 250, 500, 750, 1000, 2000], dtype=np.int64)
 
 I64 = npt.NDArray[np.int64]
+F64 = npt.NDArray[np.float64]
 
 
 class LatencyRecorder:
@@ -214,7 +215,10 @@ def latency_buckets(values: I64, weights: I64 | None = None) -> dict[str, dict[s
             counts += np.bincount(idx, weights=w[sel], minlength=len(counts)).astype(np.int64)
 
     def pct(counts: I64, labels: Sequence[str]) -> dict[str, float]:
-        return {lab: (100.0 * int(c) / total if total else 0.0) for lab, c in zip(labels, counts, strict=True)}
+        return {
+            lab: (100.0 * int(c) / total if total else 0.0)
+            for lab, c in zip(labels, counts, strict=True)
+        }
 
     return {
         "latency_ns": pct(n_counts, LAT_NS_LABELS),
@@ -223,7 +227,7 @@ def latency_buckets(values: I64, weights: I64 | None = None) -> dict[str, dict[s
     }
 
 
-def _sample_stats(per_window: npt.NDArray[np.float64]) -> tuple[int, int, float, float, int]:
+def _sample_stats(per_window: F64) -> tuple[int, int, float, float, int]:
     n = len(per_window)
     if n == 0:
         return 0, 0, 0.0, 0.0, 0
@@ -264,12 +268,12 @@ def direction_json(
         win = rec.done_ns() // sample_interval_ns
         keep = win < nwin
         secs = sample_interval_ns / 1e9
-        ios_w = np.bincount(win[keep], weights=ios[keep], minlength=nwin) / secs
-        kib_w = np.bincount(win[keep], weights=rec.bytes_per_call()[keep], minlength=nwin)
-        kib_w = kib_w / 1024.0 / secs
+        ios_w: F64 = np.bincount(win[keep], weights=ios[keep], minlength=nwin) / secs
+        nbytes_w = np.bincount(win[keep], weights=rec.bytes_per_call()[keep], minlength=nwin)
+        kib_w: F64 = nbytes_w.astype(np.float64) / 1024.0 / secs
     else:
-        ios_w = np.zeros(0)
-        kib_w = np.zeros(0)
+        ios_w = np.zeros(0, dtype=np.float64)
+        kib_w = np.zeros(0, dtype=np.float64)
     bw_min, bw_max, bw_mean, bw_dev, bw_n = _sample_stats(kib_w)
     io_min, io_max, io_mean, io_dev, io_n = _sample_stats(ios_w)
     bw_kib = bw_bytes // 1024
@@ -446,9 +450,7 @@ def _show_percentiles(pre: str, pct: Mapping[str, int], precision: int = 2) -> s
             v = (v + 999) // 1000
         last = j == len(items) - 1
         out.append(f" {p:{precision + 3}.{precision}f}th=[{v:{width}d}]{'' if last else ','}")
-        if last:
-            out.append("\n")
-        elif j % per_line == per_line - 1:
+        if last or j % per_line == per_line - 1:
             out.append("\n")
     return "".join(out)
 
@@ -532,13 +534,27 @@ def format_report_text(report: Mapping[str, Any]) -> str:
     out = [format_job_text(j) for j in jobs]
     lines: list[str] = []
     for ddir, label in (("read", "READ"), ("write", "WRITE")):
-        io = sum(int(j[ddir]["io_bytes"]) for j in jobs if isinstance(j.get(ddir), Mapping))
-        runs = [int(j[ddir]["runtime"]) for j in jobs if int(j.get(ddir, {}).get("runtime", 0))]
-        if not io or not runs:
+        used = [
+            j[ddir]
+            for j in jobs
+            if isinstance(j.get(ddir), Mapping)
+            and int(j[ddir].get("runtime", 0))
+            and int(j[ddir].get("io_bytes", 0))
+        ]
+        if not used:
             continue
+        io = sum(int(d["io_bytes"]) for d in used)
+        runs = [int(d["runtime"]) for d in used]
+        per_job = [1000 * int(d["io_bytes"]) // int(d["runtime"]) for d in used]
         bw = 1000 * io // max(runs)
+
+        def b(n: int, pow2: bool) -> str:
+            return num2str(n, pow2=pow2, unit="B/s")
+
         lines.append(
-            f"  {label:>5}: bw={num2str(bw, pow2=True, unit='B/s')} ({num2str(bw, unit='B/s')}), "
+            f"  {label:>5}: bw={b(bw, True)} ({b(bw, False)}), "
+            f"{b(min(per_job), True)}-{b(max(per_job), True)} "
+            f"({b(min(per_job), False)}-{b(max(per_job), False)}), "
             f"io={num2str(io, pow2=True, unit='B')} ({num2str(io, unit='B')}), "
             f"run={min(runs)}-{max(runs)}msec\n"
         )

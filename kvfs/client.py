@@ -36,6 +36,9 @@ from kvfs.transport import Connection
 
 Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor
 
+# A destination meaning "the extent is the whole value: hand it back as bytes".
+_WHOLE = memoryview(b"")
+
 
 @dataclass(slots=True)
 class ServerEntry:
@@ -409,9 +412,15 @@ class AsyncClient:
         """Values in key order; None for a miss."""
         ks = norm_keys(keys)
         layouts = await self._lookup(ks)
-        bufs: list[bytearray | None] = [None if lay is None else bytearray(lay.size) for lay in layouts]
-        await self._read_into(ks, layouts, [None if b is None else memoryview(b) for b in bufs])
-        return [None if b is None else bytes(b) for b in bufs]
+        # one-extent values become bytes straight from the receive buffer (one copy);
+        # striped ones are assembled in a bytearray first
+        bufs: list[bytearray | None] = [
+            None if lay is None or len(lay.extents) < 2 else bytearray(lay.size) for lay in layouts]
+        out: list[bytes | None] = [None if lay is None else b"" for lay in layouts]
+        dests = [memoryview(b) if b is not None else (_WHOLE if lay is not None and lay.size else None)
+                 for b, lay in zip(bufs, layouts, strict=True)]
+        await self._read_into(ks, layouts, dests, out)
+        return [bytes(b) if b is not None else o for b, o in zip(bufs, out, strict=True)]
 
     async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
         """Read values into caller buffers; returns each size, -1 for a miss."""
@@ -430,8 +439,8 @@ class AsyncClient:
         return [-1 if lay is None else lay.size for lay in layouts]
 
     async def _read_into(self, keys: list[bytes], layouts: list[Layout | None],
-                         dests: list[memoryview | None]) -> None:
-        stale = await self._fetch(keys, layouts, dests)
+                         dests: list[memoryview | None], out: list[bytes | None] | None = None) -> None:
+        stale = await self._fetch(keys, layouts, dests, out)
         if stale:
             for i in stale:
                 self._layouts.pop(keys[i], None)
@@ -444,15 +453,18 @@ class AsyncClient:
                     raise StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
                                       "named by its layout (lost or reclaimed)")
                 retry_layouts[i], retry_dests[i] = lay, dests[i]
-            if await self._fetch(keys, retry_layouts, retry_dests):
+            if await self._fetch(keys, retry_layouts, retry_dests, out):
                 raise StaleLayout("layouts changed twice during one read; retry")
 
     async def _fetch(self, keys: list[bytes], layouts: list[Layout | None],
-                     dests: list[memoryview | None]) -> list[int]:
+                     dests: list[memoryview | None], out: list[bytes | None] | None) -> list[int]:
         """Read every extent into its destination; returns the slots whose layout was stale."""
         jobs: list[_Job] = []
         for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
             if lay is None or dest is None:
+                continue
+            if dest is _WHOLE:
+                jobs.append(_Job(slot, lay.extents[0], _WHOLE))
                 continue
             pos = 0
             for e in lay.extents:
@@ -478,7 +490,8 @@ class AsyncClient:
             if not by_server:
                 break
             results = await asyncio.gather(
-                *(self._readv(sid, js, keys) for sid, js in by_server.items()), return_exceptions=True)
+                *(self._readv(sid, js, keys, out) for sid, js in by_server.items()),
+                return_exceptions=True)
             pending = []
             for (sid, js), res in zip(by_server.items(), results, strict=True):
                 if isinstance(res, Unavailable):
@@ -497,7 +510,8 @@ class AsyncClient:
             raise next(iter(failed.values()))
         return sorted(stale)
 
-    async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes]) -> tuple[list[int], list[_Job]]:
+    async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes],
+                     out: list[bytes | None] | None) -> tuple[list[int], list[_Job]]:
         stale: list[int] = []
         retry: list[_Job] = []
         i = 0
@@ -533,7 +547,11 @@ class AsyncClient:
                         f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
                     retry.append(job)
                     continue
-                job.dest[:] = got
+                if job.dest is _WHOLE:
+                    assert out is not None
+                    out[job.slot] = bytes(got)
+                else:
+                    job.dest[:] = got
             i = j
         return stale, retry
 

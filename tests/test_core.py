@@ -136,11 +136,20 @@ async def test_value_too_large(kv: AsyncClient, tmp_path: object) -> None:
     path = os.path.join(str(tmp_path), "sparse")
     with open(path, "wb") as f:
         f.truncate((1 << 30) + 1)  # sparse: no memory, no disk
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        with pytest.raises(InvalidArgument, match="exceeds the limit"):
-            await kv.put(b"huge", m)
+    with (open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m,
+          pytest.raises(InvalidArgument, match="exceeds the limit")):
+        await kv.put(b"huge", m)
 
 
 async def test_not_bytes_value(kv: AsyncClient) -> None:
     with pytest.raises(InvalidArgument, match="bytes-like"):
         await kv.put(b"k", "a str")
+
+
+async def test_torch_tensors_in_and_out(kv: AsyncClient) -> None:
+    torch = pytest.importorskip("torch")
+    src = torch.randn(4, 256, dtype=torch.bfloat16)
+    await kv.put(b"tensor", src)
+    dst = torch.empty_like(src)
+    assert await kv.get_into([b"tensor"], [dst]) == [src.numel() * 2]
+    assert torch.equal(src, dst)

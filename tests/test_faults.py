@@ -25,7 +25,15 @@ from kvfs.errors import (
     from_wire,
 )
 from kvfs.launcher import LocalCluster, ProcessCluster
-from kvfs.protocol import FIXED, MAGIC, NEED_DATA, PROTOCOL_VERSION, Frame, FrameDecoder, frame_bytes
+from kvfs.protocol import (
+    FIXED,
+    MAGIC,
+    NEED_DATA,
+    PROTOCOL_VERSION,
+    Frame,
+    FrameDecoder,
+    frame_bytes,
+)
 from kvfs.rpc import Op
 from kvfs.transport import Connection
 

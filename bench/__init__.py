@@ -1,0 +1,42 @@
+"""fio-style benchmark harness for kvfs and the stores it is compared with.
+
+One io = one key (one value) read or written; a batched call of B keys records
+B ios, each with the call's latency. Reports use fio's JSON field names.
+"""
+
+from .compare import Comparison, KvfsStore, StoreFactory, compare, kvfs_store, peer_factories
+from .peers import FilePerKeyStore, LoopbackLimit, PeerUnavailable, RedisStore, Store, run_fio_file
+from .runner import BenchError, JobResult, Workload, run_workload
+from .stats import (
+    FIO_VERSION,
+    LatencyRecorder,
+    format_job_text,
+    format_report_text,
+    job_json,
+    report_json,
+)
+
+__all__ = [
+    "FIO_VERSION",
+    "BenchError",
+    "Comparison",
+    "FilePerKeyStore",
+    "JobResult",
+    "KvfsStore",
+    "LatencyRecorder",
+    "LoopbackLimit",
+    "PeerUnavailable",
+    "RedisStore",
+    "Store",
+    "StoreFactory",
+    "Workload",
+    "compare",
+    "format_job_text",
+    "format_report_text",
+    "job_json",
+    "kvfs_store",
+    "peer_factories",
+    "report_json",
+    "run_fio_file",
+    "run_workload",
+]

@@ -1,0 +1,450 @@
+"""fio-style workload runner, independent of the store it drives.
+
+A workload is fio's job in key/value terms: ``bs`` is the value size, one io
+is one key, ``batch`` keys go in one call (``put_many``/``get_many``), and
+``iodepth`` calls are in flight at once. ``nkeys`` keys make the key space
+(fio's ``size`` = ``nkeys * bs``).
+
+Every loop here stops by itself: the measured phase ends at ``runtime_s``
+(after ``ramp_time_s``) or after ``max_ios`` keys (one pass over the key space
+when not ``time_based``), whichever comes first; the prefill is bounded by
+``nkeys`` and ``prefill_timeout_s``; the whole run sits under one
+``asyncio.timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import operator
+import os
+import random
+import sys
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Final, Literal, TextIO
+
+import numpy as np
+
+from .peers import Store
+from .stats import LatencyRecorder, job_json, num2str
+
+__all__ = [
+    "RW",
+    "BenchError",
+    "JobResult",
+    "Workload",
+    "make_keys",
+    "run_workload",
+    "workload_dict",
+]
+
+RW = Literal["read", "randread", "write", "randwrite", "randrw"]
+_RWS: Final = ("read", "randread", "write", "randwrite", "randrw")
+PROGRESS_INTERVAL_S: Final = 0.5
+
+
+class BenchError(Exception):
+    """A run could not complete (prefill too slow, store failed, ...)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Workload:
+    """One fio-style job. Sizes in bytes, durations in seconds."""
+
+    name: str
+    rw: RW = "randread"
+    bs: int = 4096
+    batch: int = 1
+    iodepth: int = 1
+    nkeys: int = 4096
+    runtime_s: float = 5.0
+    time_based: bool = True
+    ramp_time_s: float = 0.0
+    rwmixread: int = 50
+    max_ios: int = 1 << 40
+    seed: int = 1
+    key_prefix: bytes = b"kvfs-bench/"
+    verify: bool = False
+    prefill: bool | None = None
+    prefill_timeout_s: float = 600.0
+    grace_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.rw not in _RWS:
+            raise ValueError(f"rw must be one of {_RWS}, got {self.rw!r}")
+        for name in ("bs", "batch", "iodepth", "nkeys", "max_ios"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch > self.nkeys:
+            raise ValueError(f"batch ({self.batch}) must be <= nkeys ({self.nkeys})")
+        if not self.runtime_s > 0:
+            raise ValueError(f"runtime_s must be > 0, got {self.runtime_s}")
+        if self.ramp_time_s < 0:
+            raise ValueError(f"ramp_time_s must be >= 0, got {self.ramp_time_s}")
+        if not 0 <= self.rwmixread <= 100:
+            raise ValueError(f"rwmixread must be in 0..100, got {self.rwmixread}")
+        if self.verify and self.bs < 8:
+            raise ValueError("verify needs bs >= 8 (an 8-byte key tag starts each value)")
+
+    @property
+    def size_bytes(self) -> int:
+        return self.nkeys * self.bs
+
+    @property
+    def reads(self) -> bool:
+        return self.rw in ("read", "randread", "randrw")
+
+    @property
+    def writes(self) -> bool:
+        return self.rw in ("write", "randwrite", "randrw")
+
+    @property
+    def needs_prefill(self) -> bool:
+        return self.reads if self.prefill is None else self.prefill
+
+    def job_options(self) -> dict[str, str]:
+        """fio's ``job options`` (strings), plus our ``batch`` and ``nkeys``."""
+        opts = {
+            "name": self.name,
+            "rw": self.rw,
+            "bs": str(self.bs),
+            "batch": str(self.batch),
+            "iodepth": str(self.iodepth),
+            "nkeys": str(self.nkeys),
+            "size": str(self.size_bytes),
+            "runtime": f"{self.runtime_s:g}",
+        }
+        if self.time_based:
+            opts["time_based"] = ""
+        if self.ramp_time_s:
+            opts["ramp_time"] = f"{self.ramp_time_s:g}"
+        if self.rw == "randrw":
+            opts["rwmixread"] = str(self.rwmixread)
+        return opts
+
+
+@dataclass
+class JobResult:
+    """What one run measured; ``to_json()`` is fio's job object."""
+
+    workload: Workload
+    store_name: str
+    read: LatencyRecorder
+    write: LatencyRecorder
+    runtime_ns: int
+    job_start_ms: int
+    missing: int = 0
+    mismatched: int = 0
+    prefill_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def total_ios(self) -> int:
+        return self.read.total_ios + self.write.total_ios
+
+    @property
+    def io_bytes(self) -> int:
+        return self.read.io_bytes + self.write.io_bytes
+
+    @property
+    def ios_per_s(self) -> float:
+        """Keys per second, both directions."""
+        return self.total_ios * 1e9 / self.runtime_ns if self.runtime_ns else 0.0
+
+    @property
+    def bytes_per_s(self) -> float:
+        return self.io_bytes * 1e9 / self.runtime_ns if self.runtime_ns else 0.0
+
+    @property
+    def error(self) -> int:
+        return errno.EIO if self.mismatched else errno.ENODATA if self.missing else 0
+
+    def to_json(self) -> dict[str, Any]:
+        wl = self.workload
+        extra = {
+            "kvfs": {
+                "store": self.store_name,
+                "batch": wl.batch,
+                "iodepth": wl.iodepth,
+                "missing": self.missing,
+                "mismatched": self.mismatched,
+                "prefill_s": self.prefill_s,
+                "note": "one io = one key; each key of a batched call gets the call's latency",
+                **self.extra,
+            }
+        }
+        return job_json(
+            wl.name,
+            read=self.read if wl.reads else None,
+            write=self.write if wl.writes else None,
+            runtime_ns=self.runtime_ns,
+            options=wl.job_options(),
+            error=self.error,
+            job_start_ms=self.job_start_ms,
+            extra=extra,
+        )
+
+
+def make_keys(prefix: bytes, n: int) -> list[bytes]:
+    """``prefix`` + 16 hex digits of the index: stable, sortable, distinct."""
+    return [prefix + b"%016x" % i for i in range(n)]
+
+
+class _KeyStream:
+    """Batches of key indices in fio order: sequential, or a fresh permutation per pass."""
+
+    def __init__(self, nkeys: int, batch: int, rand: bool, seed: int) -> None:
+        self._n = nkeys
+        self._batch = batch
+        self._rand = rand
+        self._rng = np.random.default_rng(seed)
+        self._order: np.ndarray[Any, np.dtype[np.int64]] = (
+            self._rng.permutation(nkeys) if rand else np.arange(nkeys)
+        )
+        self._pos = 0
+
+    def next(self) -> list[int]:
+        end = self._pos + self._batch
+        if end <= self._n:
+            idx = self._order[self._pos : end]
+            self._pos = end % self._n
+            if self._pos == 0 and self._rand:
+                self._order = self._rng.permutation(self._n)
+            return idx.tolist()
+        head = self._order[self._pos :].tolist()
+        if self._rand:
+            self._order = self._rng.permutation(self._n)
+        self._pos = end - self._n
+        return head + self._order[: self._pos].tolist()
+
+
+def _value_for(filler: bytes, i: int, verify: bool) -> bytes:
+    return i.to_bytes(8, "big") + filler[8:] if verify else filler
+
+
+class _Progress:
+    def __init__(self, stream: TextIO, name: str, total_s: float) -> None:
+        self._stream = stream
+        self._name = name
+        self._total_s = total_s
+
+    def show(self, elapsed_s: float, phase: str, ios: int, nbytes: int, window_s: float) -> None:
+        rate = ios / window_s if window_s > 0 else 0.0
+        bw = nbytes / window_s if window_s > 0 else 0.0
+        self._stream.write(
+            f"\r{self._name}: {phase} [{num2str(int(rate))} keys/s, "
+            f"{num2str(int(bw), pow2=True, unit='B/s')}] "
+            f"[{elapsed_s:.1f}/{self._total_s:.1f}s]\x1b[K"
+        )
+        self._stream.flush()
+
+    def clear(self) -> None:
+        self._stream.write("\r\x1b[K")
+        self._stream.flush()
+
+
+async def _tick_until(done: asyncio.Event, deadline: float, fn: Callable[[], None]) -> None:
+    """Call ``fn`` every PROGRESS_INTERVAL_S until ``done`` or ``deadline`` (monotonic)."""
+    while not done.is_set() and time.monotonic() < deadline:
+        try:
+            await asyncio.wait_for(done.wait(), PROGRESS_INTERVAL_S)
+        except TimeoutError:
+            fn()
+
+
+async def _run_all(worker: Callable[[], Coroutine[Any, Any, None]], n: int) -> None:
+    """Run ``n`` copies of ``worker``; the first failure cancels the others and is raised."""
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for _ in range(n):
+                tg.create_task(worker())
+    except BaseExceptionGroup as eg:
+        raise eg.exceptions[0] from None
+
+
+async def _prefill(
+    store: Store, keys: Sequence[bytes], filler: bytes, wl: Workload, progress: _Progress | None
+) -> float:
+    """Write every key once, ``iodepth`` calls in flight, at most ``prefill_timeout_s``."""
+    per_call = max(wl.batch, min(4096, (4 << 20) // wl.bs))
+    starts = list(range(0, len(keys), per_call))
+    cursor = iter(starts)
+    written = 0
+    t0 = time.monotonic()
+    deadline = t0 + wl.prefill_timeout_s
+
+    async def worker() -> None:
+        nonlocal written
+        for start in cursor:  # bounded: shared iterator over len(keys)/per_call starts
+            if time.monotonic() > deadline:
+                raise BenchError(
+                    f"prefill of {len(keys)} keys did not finish in {wl.prefill_timeout_s:g}s"
+                )
+            stop = min(start + per_call, len(keys))
+            await store.put_many(
+                [(keys[i], _value_for(filler, i, wl.verify)) for i in range(start, stop)]
+            )
+            written += stop - start
+
+    done = asyncio.Event()
+    ticker = None
+    if progress is not None:
+        p = progress
+
+        def show() -> None:
+            el = time.monotonic() - t0
+            p.show(el, "prefill", written, written * wl.bs, el)
+
+        ticker = asyncio.create_task(_tick_until(done, deadline, show))
+    try:
+        async with asyncio.timeout(wl.prefill_timeout_s + wl.grace_s):
+            await _run_all(worker, min(wl.iodepth, len(starts)))
+    except TimeoutError:
+        raise BenchError(
+            f"prefill of {len(keys)} keys did not finish in {wl.prefill_timeout_s:g}s"
+        ) from None
+    finally:
+        done.set()
+        if ticker is not None:
+            await ticker
+    return time.monotonic() - t0
+
+
+async def run_workload(
+    store: Store,
+    wl: Workload,
+    *,
+    progress: bool | None = None,
+    progress_stream: TextIO | None = None,
+) -> JobResult:
+    """Run ``wl`` against ``store`` and return what was measured.
+
+    Reads are served by a prefill (all ``nkeys`` keys written first, not timed).
+    A call that starts during ramp-up is not recorded. ``progress=None`` shows
+    a ``\\r`` progress line on stderr only when stderr is a tty.
+    """
+    stream = progress_stream if progress_stream is not None else sys.stderr
+    show = stream.isatty() if progress is None else progress
+    prog = _Progress(stream, wl.name, wl.ramp_time_s + wl.runtime_s) if show else None
+    keys = make_keys(wl.key_prefix, wl.nkeys)
+    filler = os.urandom(wl.bs)
+    job_start_ms = int(time.time() * 1000)
+
+    prefill_s = 0.0
+    if wl.needs_prefill:
+        prefill_s = await _prefill(store, keys, filler, wl, prog)
+
+    rand = wl.rw in ("randread", "randwrite", "randrw")
+    stream_keys = _KeyStream(wl.nkeys, wl.batch, rand, wl.seed)
+    mix = random.Random(wl.seed)
+    read_rec = LatencyRecorder()
+    write_rec = LatencyRecorder()
+    count_limit = wl.max_ios if wl.time_based else min(wl.max_ios, wl.nkeys)
+    bs = wl.bs
+    issued = 0
+    missing = 0
+    mismatched = 0
+    clock = time.perf_counter_ns
+    t_start = clock()
+    measure_start = t_start + int(wl.ramp_time_s * 1e9)
+    t_end = measure_start + int(wl.runtime_s * 1e9)
+
+    def pick(n: int) -> tuple[bool, list[bytes], list[int]]:
+        idx = stream_keys.next()[:n]
+        if wl.rw in ("read", "randread"):
+            is_read = True
+        elif wl.rw in ("write", "randwrite"):
+            is_read = False
+        else:
+            is_read = mix.random() * 100 < wl.rwmixread
+        batch_keys = list(operator.itemgetter(*idx)(keys)) if len(idx) > 1 else [keys[idx[0]]]
+        return is_read, batch_keys, idx
+
+    async def worker() -> None:
+        nonlocal issued, missing, mismatched
+        for _ in range(count_limit):  # bounded by count; the clock check bounds time
+            if clock() >= t_end or issued >= count_limit:
+                return
+            n = min(wl.batch, count_limit - issued)
+            issued += n
+            is_read, batch_keys, idx = pick(n)
+            if is_read:
+                t0 = clock()
+                values = await store.get_many(batch_keys)
+                t1 = clock()
+                if t0 >= measure_start:
+                    read_rec.record(t1 - t0, n, n * bs, t1 - measure_start)
+                missing += values.count(None)
+                if wl.verify:
+                    mismatched += _check(values, idx, bs)
+            else:
+                items = [
+                    (k, _value_for(filler, i, wl.verify))
+                    for k, i in zip(batch_keys, idx, strict=True)
+                ]
+                t0 = clock()
+                await store.put_many(items)
+                t1 = clock()
+                if t0 >= measure_start:
+                    write_rec.record(t1 - t0, n, n * bs, t1 - measure_start)
+
+    done = asyncio.Event()
+    ticker = None
+    if prog is not None:
+        p = prog
+        last = [clock(), 0, 0]
+
+        def tick() -> None:
+            now = clock()
+            ios = read_rec.total_ios + write_rec.total_ios
+            nbytes = read_rec.io_bytes + write_rec.io_bytes
+            window = (now - last[0]) / 1e9
+            phase = "ramp" if now < measure_start else "run"
+            p.show((now - t_start) / 1e9, phase, ios - last[1], nbytes - last[2], window)
+            last[:] = [now, ios, nbytes]
+
+        ticker = asyncio.create_task(
+            _tick_until(done, time.monotonic() + wl.ramp_time_s + wl.runtime_s + wl.grace_s, tick)
+        )
+    try:
+        async with asyncio.timeout(wl.ramp_time_s + wl.runtime_s + wl.grace_s):
+            await _run_all(worker, wl.iodepth)
+        t_finish = clock()
+    except TimeoutError:
+        raise BenchError(
+            f"{wl.name}: calls still in flight {wl.grace_s:g}s after the end of the run"
+        ) from None
+    finally:
+        done.set()
+        if ticker is not None:
+            await ticker
+        if prog is not None:
+            prog.clear()
+    return JobResult(
+        workload=wl,
+        store_name=getattr(store, "name", type(store).__name__),
+        read=read_rec,
+        write=write_rec,
+        runtime_ns=max(0, t_finish - measure_start),
+        job_start_ms=job_start_ms,
+        missing=missing,
+        mismatched=mismatched,
+        prefill_s=prefill_s,
+    )
+
+
+def _check(values: list[bytes | None], idx: list[int], bs: int) -> int:
+    bad = 0
+    for v, i in zip(values, idx, strict=True):
+        if v is not None and (len(v) != bs or v[:8] != i.to_bytes(8, "big")):
+            bad += 1
+    return bad
+
+
+def workload_dict(wl: Workload) -> dict[str, Any]:
+    """The workload as plain JSON-able values."""
+    d = asdict(wl)
+    d["key_prefix"] = wl.key_prefix.decode("latin-1")
+    return d

@@ -1,0 +1,213 @@
+"""kvfs.bench.peers: every baseline store round-trips bytes; the loopback moves the bytes."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvfs.bench.peers import (
+    FilePerKeyStore,
+    LoopbackLimit,
+    PeerUnavailable,
+    RedisStore,
+    Store,
+    run_fio_file,
+)
+
+HAVE_REDIS = shutil.which("redis-server") is not None
+HAVE_FIO = shutil.which("fio") is not None
+needs_redis = pytest.mark.skipif(not HAVE_REDIS, reason="redis-server not installed")
+needs_fio = pytest.mark.skipif(not HAVE_FIO, reason="fio not installed")
+
+
+def _items() -> list[tuple[bytes, bytes]]:
+    rnd = os.urandom
+    return [
+        (b"k-small", rnd(100)),
+        (b"k-4k", rnd(4096)),
+        (b"k-empty", b""),
+        (b"k-1m", rnd(1 << 20)),
+        (bytes(range(256)), rnd(513)),  # every byte value in the key
+        (b"long-" + b"x" * 300, rnd(64)),  # hex name too long: hashed
+        *((b"batch-%04d" % i, rnd(4096)) for i in range(200)),
+    ]
+
+
+async def _roundtrip(store: Store) -> None:
+    items = _items()
+    await store.put_many(items)
+    keys = [k for k, _ in items]
+    got = await store.get_many([*keys, b"never-written"])
+    assert got[:-1] == [v for _, v in items]
+    assert got[-1] is None
+    # Overwrite replaces the value.
+    await store.put_many([(b"k-small", b"new value")])
+    assert await store.get_many([b"k-small", b"k-4k"]) == [b"new value", items[1][1]]
+    assert await store.get_many([]) == []
+    await store.put_many([])
+
+
+@pytest.fixture
+async def file_store(tmp_path: Path) -> AsyncIterator[FilePerKeyStore]:
+    store = FilePerKeyStore(tmp_path / "store", threads=3)
+    try:
+        yield store
+    finally:
+        await store.close()
+
+
+async def test_file_per_key_roundtrip(file_store: FilePerKeyStore) -> None:
+    assert isinstance(file_store, Store)
+    await _roundtrip(file_store)
+
+
+async def test_file_per_key_layout(file_store: FilePerKeyStore) -> None:
+    await file_store.put_many([(b"abc", b"v")])
+    path = file_store.path_for(b"abc")
+    assert path.name == b"abc".hex()
+    assert path.parent.parent == file_store.root
+    assert len(path.parent.name) == 2
+    assert path.read_bytes() == b"v"
+    assert not [p for p in path.parent.iterdir() if ".tmp" in p.name]  # renamed, no leftovers
+    assert len([p for p in file_store.root.iterdir() if p.is_dir()]) == 256
+    assert len(file_store.path_for(b"y" * 1000).name) < 100
+
+
+async def test_file_per_key_closed(tmp_path: Path) -> None:
+    store = FilePerKeyStore(tmp_path)
+    await store.close()
+    await store.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        await store.get_many([b"k"])
+
+
+@needs_redis
+@pytest.mark.subprocess
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+async def test_redis_roundtrip(transport: str) -> None:
+    store = await RedisStore.open(transport="tcp" if transport == "tcp" else "unix")
+    try:
+        assert isinstance(store, Store)
+        if transport == "tcp":
+            assert 20000 <= store.port < 60000
+        else:
+            assert store.port == 0
+        await _roundtrip(store)
+    finally:
+        await store.close()
+    await store.close()  # idempotent
+
+
+@needs_redis
+@pytest.mark.subprocess
+async def test_redis_large_batches_are_split() -> None:
+    store = await RedisStore.open(transport="unix", max_command_bytes=64 << 10)
+    try:
+        items = [(b"k%05d" % i, os.urandom(1000)) for i in range(5000)]
+        await store.put_many(items)  # ~80 MSETs in one pipeline
+        got = await store.get_many([k for k, _ in items])  # 2 MGETs (4096 keys each at most)
+        assert got == [v for _, v in items]
+    finally:
+        await store.close()
+
+
+async def test_redis_missing_binary_is_unavailable(tmp_path: Path) -> None:
+    with pytest.raises(PeerUnavailable, match="not installed") as ei:
+        await RedisStore.open(redis_server=str(tmp_path / "no-such-redis-server"))
+    assert "not installed" in ei.value.reason
+
+
+@needs_redis
+@pytest.mark.subprocess
+async def test_redis_port_retry_after_address_in_use() -> None:
+    """Two stores seeded alike try the same first port; the second moves on."""
+    first = await RedisStore.open(seed=1234)
+    try:
+        second = await RedisStore.open(seed=1234)
+        try:
+            assert second.port != first.port
+            await second.put_many([(b"a", b"b")])
+            assert await second.get_many([b"a"]) == [b"b"]
+        finally:
+            await second.close()
+    finally:
+        await first.close()
+
+
+@pytest.mark.parametrize(
+    "server", ["inprocess", pytest.param("process", marks=pytest.mark.subprocess)]
+)
+async def test_loopback_moves_the_bytes(server: str) -> None:
+    lim = await LoopbackLimit.open(server="process" if server == "process" else "inprocess")
+    try:
+        items = [(b"k%03d" % i, os.urandom(4096)) for i in range(128)] + [(b"big", bytes(3 << 20))]
+        await lim.put_many(items)
+        sent = sum(len(v) for _, v in items)
+        assert lim.bytes_sent == sent
+        keys = [k for k, _ in items]
+        got = await lim.get_many([*keys, b"never-put"])
+        assert lim.bytes_received == sent
+        assert [None if v is None else len(v) for v in got] == [len(v) for _, v in items] + [None]
+        # A second round reuses the preallocated receive buffer.
+        await lim.get_many(keys[:10])
+        assert lim.bytes_received == sent + 10 * 4096
+        assert await lim.get_many([b"never-put"]) == [None]
+        assert lim.bytes_received == sent + 10 * 4096
+    finally:
+        await lim.close()
+
+
+async def test_loopback_pipelines_concurrent_calls() -> None:
+    import asyncio
+
+    lim = await LoopbackLimit.open(server="inprocess", copy_out=True)
+    try:
+        await lim.put_many([(b"a", b"x" * 1000), (b"b", b"y" * 5000)])
+        results = await asyncio.gather(*(lim.get_many([b"a", b"b"]) for _ in range(16)))
+        for got in results:
+            assert [len(v) if v is not None else None for v in got] == [1000, 5000]
+        assert lim.bytes_received == 16 * 6000
+    finally:
+        await lim.close()
+
+
+@needs_fio
+def test_run_fio_file_returns_fio_json(tmp_path: Path) -> None:
+    res = run_fio_file("4k", "1m", "randread", 0.2, tmp_path, name="fio-check", time_based=False)
+    (job,) = res["jobs"]
+    assert job["jobname"] == "fio-check"
+    rd = job["read"]
+    assert rd["total_ios"] == 256
+    for key in ("iops", "bw_bytes", "bw", "runtime", "io_bytes", "clat_ns", "lat_ns"):
+        assert key in rd
+    assert "99.000000" in rd["clat_ns"]["percentile"]
+    assert not list(tmp_path.iterdir())  # --unlink=1
+
+
+@needs_fio
+def test_our_json_is_a_subset_of_real_fio(tmp_path: Path) -> None:
+    from kvfs.bench.stats import LatencyRecorder, format_job_text, job_json
+
+    real = run_fio_file("4k", "256k", "read", 0.2, tmp_path, time_based=False)["jobs"][0]
+    rec = LatencyRecorder()
+    rec.record(1000, 1, 4096, 0)
+    ours = job_json("x", read=rec, runtime_ns=1_000_000)
+    for ddir in ("read", "write"):
+        missing = set(ours[ddir]) - set(real[ddir])
+        assert not missing, f"{ddir}: our keys fio does not have: {missing}"
+        assert set(ours[ddir]["clat_ns"]) <= set(real[ddir]["clat_ns"])
+    for key in ("jobname", "groupid", "error", "job options", "latency_us", "latency_ms"):
+        assert key in real
+        assert key in ours
+    assert list(ours["latency_ms"]) == list(real["latency_ms"])
+    # The text formatter reads real fio JSON too.
+    assert "  read: IOPS=" in format_job_text(real)
+
+
+def test_run_fio_missing_binary(tmp_path: Path) -> None:
+    with pytest.raises(PeerUnavailable, match="not installed"):
+        run_fio_file(4096, 4096, "read", 0.1, tmp_path, fio=str(tmp_path / "no-fio"))

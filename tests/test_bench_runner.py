@@ -1,0 +1,267 @@
+"""kvfs.bench.runner and kvfs.bench.compare against in-memory stores (no timing asserts)."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any, cast
+
+import pytest
+
+from kvfs.bench.compare import (
+    Comparison,
+    StoreFactory,
+    build_parser,
+    compare,
+    kvfs_store,
+    main,
+    workloads_from_args,
+)
+from kvfs.bench.peers import LoopbackLimit, PeerUnavailable, Store
+from kvfs.bench.runner import RW, BenchError, Workload, make_keys, run_workload
+
+
+class MemStore:
+    """A dict behind the Store interface; counts calls."""
+
+    def __init__(self, name: str = "mem") -> None:
+        self.name = name
+        self.data: dict[bytes, bytes] = {}
+        self.put_calls = 0
+        self.get_calls = 0
+        self.closed = False
+
+    async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
+        self.put_calls += 1
+        self.data.update(items)
+
+    async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        self.get_calls += 1
+        return [self.data.get(k) for k in keys]
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+class FakeKvfsClient:
+    """Shaped like the kvfs client API: put_many(dict), get_many(list)."""
+
+    def __init__(self) -> None:
+        self.data: dict[bytes, bytes] = {}
+
+    async def put_many(self, items: dict[bytes, bytes]) -> None:
+        self.data.update(items)
+
+    async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        return [self.data.get(k) for k in keys]
+
+
+def test_workload_validation() -> None:
+    with pytest.raises(ValueError, match="rw"):
+        Workload(name="x", rw=cast(Any, "trim"))
+    with pytest.raises(ValueError, match="batch"):
+        Workload(name="x", batch=10, nkeys=5)
+    with pytest.raises(ValueError, match="runtime_s"):
+        Workload(name="x", runtime_s=0)
+    assert Workload(name="x", bs=4096, nkeys=10).size_bytes == 40960
+
+
+def test_keys_are_distinct() -> None:
+    keys = make_keys(b"p/", 1000)
+    assert len(set(keys)) == 1000
+    assert keys[0] == b"p/0000000000000000"
+
+
+@pytest.mark.parametrize("rw", ["read", "randread"])
+async def test_one_pass_read_counts_every_key(rw: RW) -> None:
+    store = MemStore()
+    wl = Workload(
+        name=f"{rw}-one-pass",
+        rw=rw,
+        bs=64,
+        batch=8,
+        iodepth=3,
+        nkeys=100,
+        time_based=False,
+        runtime_s=60,
+        verify=True,
+    )
+    res = await run_workload(store, wl, progress=False)
+    assert len(store.data) == 100  # prefilled
+    assert res.read.total_ios == 100  # one pass: count-bounded, not time-bounded
+    assert res.read.io_bytes == 100 * 64
+    assert res.write.total_ios == 0
+    assert (res.missing, res.mismatched, res.error) == (0, 0, 0)
+    # 100 keys in batches of 8: 12 full calls + one of 4.
+    assert res.read.calls == 13
+    job = json.loads(json.dumps(res.to_json()))
+    assert job["read"]["total_ios"] == 100
+    assert job["job options"]["batch"] == "8"
+    assert job["kvfs"]["store"] == "mem"
+
+
+async def test_write_then_read_back_with_max_ios() -> None:
+    store = MemStore()
+    wl = Workload(
+        name="randwrite", rw="randwrite", bs=16, batch=4, nkeys=64, max_ios=40, runtime_s=60
+    )
+    res = await run_workload(store, wl, progress=False)
+    assert res.write.total_ios == 40
+    assert res.read.total_ios == 0
+    assert len(store.data) == 40  # a permutation: distinct keys in one pass
+    assert all(len(v) == 16 for v in store.data.values())
+
+
+async def test_randrw_mixes_directions() -> None:
+    store = MemStore()
+    wl = Workload(name="mix", rw="randrw", bs=8, batch=2, nkeys=50, max_ios=400, runtime_s=60)
+    res = await run_workload(store, wl, progress=False)
+    assert res.read.total_ios + res.write.total_ios == 400
+    assert res.read.total_ios > 0
+    assert res.write.total_ios > 0
+    job = res.to_json()
+    assert job["read"]["total_ios"] == res.read.total_ios
+    assert job["write"]["total_ios"] == res.write.total_ios
+
+
+async def test_missing_values_are_reported() -> None:
+    store = MemStore()
+    wl = Workload(name="cold", rw="read", bs=8, nkeys=10, time_based=False, prefill=False)
+    res = await run_workload(store, wl, progress=False)
+    assert res.missing == 10
+    assert res.to_json()["error"] != 0
+
+
+async def test_progress_line_goes_to_the_stream() -> None:
+    out = io.StringIO()
+    wl = Workload(name="prog", rw="read", bs=8, nkeys=10, time_based=False)
+    await run_workload(MemStore(), wl, progress=True, progress_stream=out)
+    assert out.getvalue().endswith("\r\x1b[K")  # line cleared at the end
+
+
+async def test_failing_store_raises() -> None:
+    class Broken(MemStore):
+        async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+            raise OSError("disk on fire")
+
+    wl = Workload(name="broken", rw="read", bs=8, nkeys=16, iodepth=4, time_based=False)
+    with pytest.raises(OSError, match="fire"):
+        await run_workload(Broken(), wl, progress=False)
+
+
+async def test_kvfs_adapter() -> None:
+    client = FakeKvfsClient()
+    store = kvfs_store(client)
+    assert isinstance(store, Store)
+    assert store.name == "kvfs"
+    await store.put_many([(b"a", b"1"), (b"b", b"2")])
+    assert client.data == {b"a": b"1", b"b": b"2"}
+    assert await store.get_many([b"b", b"zz"]) == [b"2", None]
+    await store.close()
+
+
+async def test_compare_table_with_subject_peer_and_skipped() -> None:
+    made: list[MemStore] = []
+
+    async def subject() -> Store:
+        return kvfs_store(FakeKvfsClient())
+
+    async def mem() -> Store:
+        made.append(MemStore("mem"))
+        return made[-1]
+
+    async def loopback() -> Store:
+        return await LoopbackLimit.open(server="inprocess")
+
+    async def absent() -> Store:
+        raise PeerUnavailable("redis-server not installed")
+
+    factories: dict[str, StoreFactory] = {
+        "kvfs": subject,
+        "mem": mem,
+        "loopback": loopback,
+        "redis": absent,
+    }
+    workloads = [
+        Workload(name="r", rw="randread", bs=32, batch=4, nkeys=64, time_based=False),
+        Workload(name="w", rw="randwrite", bs=32, batch=4, nkeys=64, time_based=False),
+    ]
+    out = io.StringIO()
+    comp = await compare(factories, workloads, out=out, progress=False)
+    assert isinstance(comp, Comparison)
+    assert comp.subject == "kvfs"
+    assert len(made) == 2 and all(s.closed for s in made)  # a fresh store per workload
+    table = out.getvalue()
+    header = table.splitlines()[0]
+    for col in ("workload", "kvfs", "mem", "kvfs/mem", "loopback", "kvfs/loopback", "kvfs/redis"):
+        assert col in header
+    assert table.count("skipped: redis-server not installed") == 2
+    assert "randread bs=32B batch=4 qd=1" in table
+    assert comp.ratio("r", "mem") is not None
+    assert comp.ratio("r", "redis") is None
+    assert comp.cell("r", "mem").result is not None
+    data = json.loads(json.dumps(comp.to_json()))
+    assert data["stores"]["kvfs"]["report"]["jobs"][0]["read"]["total_ios"] == 64
+    assert data["stores"]["redis"]["skipped"] == {
+        "r": "redis-server not installed",
+        "w": "redis-server not installed",
+    }
+
+
+async def test_compare_records_a_failed_run() -> None:
+    class Broken(MemStore):
+        async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
+            raise BenchError("nope")
+
+    async def good() -> Store:
+        return MemStore()
+
+    async def bad() -> Store:
+        return Broken()
+
+    wl = Workload(name="w", rw="write", bs=8, nkeys=8, time_based=False)
+    comp = await compare({"good": good, "bad": bad}, [wl])
+    assert comp.cell("w", "bad").skipped == "failed: BenchError: nope"
+    assert comp.cell("w", "good").result is not None
+
+
+def test_cli_workloads() -> None:
+    args = build_parser().parse_args(
+        ["--rw", "randread,write", "--bs", "4k,1m", "--batch", "128", "--size", "8m"]
+    )
+    wls = workloads_from_args(args)
+    assert [(w.rw, w.bs, w.nkeys) for w in wls] == [
+        ("randread", 4096, 2048),
+        ("randread", 1 << 20, 128),  # at least one batch of keys
+        ("write", 4096, 2048),
+        ("write", 1 << 20, 128),
+    ]
+
+
+def test_cli_unknown_store(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--stores", "nosuch", "--runtime", "0.1"]) == 2
+    assert "unknown store" in capsys.readouterr().err
+
+
+def test_cli_runs_a_tiny_comparison(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "out.json"
+    rc = main(
+        [
+            "--stores", "file,loopback",
+            "--rw", "randread",
+            "--bs", "4k",
+            "--batch", "4",
+            "--size", "64k",
+            "--runtime", "0.2",
+            "--dir", str(tmp_path / "work"),
+            "--json", str(out_json),
+            "--no-progress",
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    table = capsys.readouterr().out
+    assert "file/loopback" in table
+    data = json.loads(out_json.read_text())
+    assert data["subject"] == "file"
+    assert data["stores"]["file"]["report"]["jobs"][0]["jobname"] == "randread-4k-b4-qd4"
