@@ -405,7 +405,7 @@ class AsyncClient:
         """One value, or None on a miss; concurrent calls are batched together."""
         k = norm_key(key)
         if self.config.batch:
-            return await self._get_batcher.submit(k)  # type: ignore[no-any-return]
+            return await self._get_batcher.submit(k)
         return (await self.get_many([k]))[0]
 
     async def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
