@@ -8,9 +8,8 @@ import logging
 import os
 from typing import Any
 
-from kvfs.chunkserver.store import ChunkStore
-
 from kvfs.address import parse_addr
+from kvfs.chunkserver.store import ChunkStore
 from kvfs.config import ChunkServerConfig, parse_hostport
 from kvfs.errors import AuthError, KVFSError
 from kvfs.protocol import Buffer, Limits
@@ -87,7 +86,8 @@ class ChunkServer:
         capacity, free, used = self.store.usage()
         await self._meta.call(Op.HEARTBEAT, {
             "server_id": self.store.server_id, "addr": self.addr, "capacity": capacity,
-            "free": free, "used": used, "chunks": dict(self.store.sizes)})
+            "free": free, "used": used, "chunks": dict(self.store.sizes), "open": self.store.open_chunk,
+            "wanted": self.store.wanted_bytes})
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -124,4 +124,27 @@ class ChunkServer:
         capacity, free, used = self.store.usage()
         return {"chunks": dict(self.store.sizes), "capacity": capacity, "free": free, "used": used,
                 "spans_read": self.store.spans_read, "readv_calls": self.readv_calls,
-                "append_calls": self.append_calls}, ()
+                "append_calls": self.append_calls, "open": self.store.open_chunk,
+                "wanted": self.store.wanted_bytes,
+                "server_id": self.server_id, "addr": self.addr,
+                "mtimes": self.store.mtimes() if h.get("mtimes") else {}}, ()
+
+    async def rpc_chunk_compact(self, h: dict[str, Any], p: memoryview) -> Reply:
+        sources = [(int(c), [(int(o), int(n)) for o, n in wanted]) for c, wanted in h["sources"]]
+        new, size, locations = await self.store.compact(sources)
+        if new is not None:
+            log.info("compacted %d chunks into %016x (%d bytes)", len(sources), new, size)
+        return {"chunk_id": new, "size": size, "locations": locations}, ()
+
+    async def rpc_chunk_delete(self, h: dict[str, Any], p: memoryview) -> Reply:
+        deleted = self.store.delete_chunks([int(c) for c in h["chunks"]])
+        if deleted:
+            log.info("deleted %d chunks (%d bytes)", len(deleted), sum(deleted.values()))
+        return {"deleted": deleted}, ()
+
+    async def rpc_chunk_seal(self, h: dict[str, Any], p: memoryview) -> Reply:
+        return {"sealed": await self.store.seal(int(h["chunk_id"]), float(h.get("idle_s", 0.0)))}, ()
+
+    async def rpc_chunk_verify(self, h: dict[str, Any], p: memoryview) -> Reply:
+        missing, bad = await self.store.verify([(int(c), int(o), int(n), int(k)) for c, o, n, k in h["ranges"]])
+        return {"missing": missing, "bad": bad}, ()

@@ -17,6 +17,7 @@ import logging
 import os
 import shutil
 import struct
+import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from pathlib import Path
 
 import crc32c
 
-from kvfs.errors import ChecksumMismatch, InvalidArgument, StaleLayout
+from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout
 from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
 
 log = logging.getLogger("kvfs.chunkserver")
@@ -97,7 +98,8 @@ def plan_spans(ranges: Sequence[tuple[int, int, int]], merge_gap: int) -> list[S
     """
     order = sorted(range(len(ranges)), key=lambda i: (ranges[i][0], ranges[i][1]))
     spans: list[Span] = []
-    cur_c, cur_s, cur_e, members = -1, 0, 0, []  # type: ignore[var-annotated]
+    members: list[int] = []
+    cur_c, cur_s, cur_e = -1, 0, 0
     for i in order:
         c, off, ln = ranges[i]
         s, e = align_down(off), align_up(off + ln)
@@ -167,6 +169,10 @@ class ChunkStore:
         self.next_seq = 1
         self.spans_read = 0
         self.bytes_read = 0
+        self._reads_in_flight = 0
+        self._last_append = time.monotonic()
+        self.wanted_bytes = 0  # the last append refused for space: GC evicts to make it fit
+        self._close_later: list[int] = []
         self._load_state()
         self._scan_dir()
 
@@ -236,12 +242,28 @@ class ChunkStore:
         free = max(0, min(capacity - used, disk.free))
         return capacity, free, used
 
+    @property
+    def open_chunk(self) -> int | None:
+        """The chunk appends go to; every other chunk is sealed."""
+        return self._open
+
+    def _check_space(self, nbytes: int) -> None:
+        capacity, free, used = self.usage()
+        if nbytes > free:
+            self.wanted_bytes = nbytes
+            raise NoSpace(f"chunkserver {self.server_id} is full: {nbytes} bytes do not fit "
+                          f"({used} of {capacity} used, {free} free); nothing left to evict or GC behind")
+
     # append ----------------------------------------------------------------
-    def _roll(self) -> int:
+    def _new_chunk_id(self) -> int:
         assert self.server_id is not None, "chunkserver is not registered yet"
         cid = make_chunk_id(self.server_id, self.next_seq)
         self.next_seq += 1
         self.save_state()
+        return cid
+
+    def _roll(self) -> int:
+        cid = self._new_chunk_id()
         self._fd(cid)
         self.sizes[cid] = 0
         self._open = cid
@@ -273,6 +295,7 @@ class ChunkStore:
         if pos != payload.nbytes:
             raise InvalidArgument(f"append sent {payload.nbytes} bytes but its records describe {pos}")
         loop = asyncio.get_running_loop()
+        self._check_space(total)
         async with self._lock:
             cid = self._open
             if cid is None or (self.sizes[cid] and self.sizes[cid] + total > self.chunk_bytes):
@@ -283,7 +306,19 @@ class ChunkStore:
             if self.fsync:
                 await loop.run_in_executor(self.pool, os.fsync, fd)
             self.sizes[cid] = base + total
+            self._last_append = time.monotonic()
+            self.wanted_bytes = 0
         return [(cid, base + r) for r in rel]
+
+    async def seal(self, chunk_id: int, idle_s: float) -> bool:
+        """Stop appending to ``chunk_id`` if it is open and saw no append for ``idle_s``."""
+        async with self._lock:
+            if self._open != chunk_id:
+                return True
+            if time.monotonic() - self._last_append < idle_s:
+                return False
+            self._open = None
+            return True
 
     # read ------------------------------------------------------------------
     async def readv(self, ranges: Sequence[tuple[int, int, int]]) -> tuple[list[memoryview | None], dict[int, StaleLayout]]:
@@ -305,7 +340,11 @@ class ChunkStore:
             return out, errors
         spans = plan_spans(ok, self.merge_gap)
         fds = {sp.chunk_id: self._fd(sp.chunk_id) for sp in spans}
-        bufs = await asyncio.get_running_loop().run_in_executor(self.pool, _read_spans, fds, spans)
+        self._reads_in_flight += 1
+        try:
+            bufs = await asyncio.get_running_loop().run_in_executor(self.pool, _read_spans, fds, spans)
+        finally:
+            self._reads_done()
         self.spans_read += len(spans)
         for sp, buf in zip(spans, bufs, strict=True):
             self.bytes_read += len(buf)
@@ -314,3 +353,122 @@ class ChunkStore:
                 _, off, ln = ok[j]
                 out[ok_idx[j]] = view[off - sp.start : off - sp.start + ln]
         return out, errors
+
+    # garbage collection ----------------------------------------------------
+    def _reads_done(self) -> None:
+        self._reads_in_flight -= 1
+        if not self._reads_in_flight and self._close_later:
+            for fd in self._close_later:
+                os.close(fd)
+            self._close_later.clear()
+
+    def mtimes(self) -> dict[int, float]:
+        out = {}
+        for cid in self.sizes:
+            try:
+                out[cid] = self.chunk_path(cid).stat().st_mtime
+            except FileNotFoundError:
+                continue
+        return out
+
+    async def compact(self, sources: Sequence[tuple[int, Sequence[tuple[int, int]]]]
+                      ) -> tuple[int | None, int, list[list[int | None]]]:
+        """Copy the records whose values start at the given (offset, length) of each source
+        chunk into one new sealed chunk (fsynced before returning).
+
+        Returns (new chunk id or None when nothing was copied, its size, per source the new
+        value offset of each wanted range or None where the record is gone or corrupt).
+        """
+        loop = asyncio.get_running_loop()
+        bufs: list[bytes | memoryview] = []
+        locations: list[list[int | None]] = []
+        total = 0
+        for cid, wanted in sources:
+            if cid == self._open:
+                raise InvalidArgument(f"chunk {cid:016x} is open for appends; it cannot be compacted")
+            if cid not in self.sizes:
+                locations.append([None] * len(wanted))
+                continue
+            try:
+                data = await loop.run_in_executor(self.pool, self.chunk_path(cid).read_bytes)
+            except FileNotFoundError:
+                locations.append([None] * len(wanted))
+                continue
+            recs = {r.value_offset: r for r in scan_records(data)}
+            locs: list[int | None] = []
+            for off, ln in wanted:
+                rec = recs.get(off)
+                if rec is None or rec.length != ln or not rec.value_ok:
+                    locs.append(None)
+                    continue
+                head = record_header(rec.key, rec.length, rec.crc, rec.expires_at)
+                bufs.append(head)
+                if rec.length:
+                    bufs.append(memoryview(data)[rec.value_offset : rec.value_offset + rec.length])
+                locs.append(total + len(head))
+                total += len(head) + rec.length
+            locations.append(locs)
+        if not bufs:
+            return None, 0, locations
+        self._check_space(total)
+        new = self._new_chunk_id()
+        path = self.chunk_path(new)
+        tmp = path.with_suffix(".tmp")
+
+        def write() -> None:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _pwritev_all(fd, bufs, 0)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+
+        await loop.run_in_executor(self.pool, write)
+        self.sizes[new] = total
+        return new, total, locations
+
+    def delete_chunks(self, chunk_ids: Sequence[int]) -> dict[int, int]:
+        """Unlink sealed chunks; reads already running finish on their open fds."""
+        deleted: dict[int, int] = {}
+        for cid in chunk_ids:
+            if cid == self._open:
+                continue
+            size = self.sizes.pop(cid, None)
+            fd = self._fds.pop(cid, None)
+            if fd is not None:
+                if self._reads_in_flight:
+                    self._close_later.append(fd)
+                else:
+                    os.close(fd)
+            try:
+                st = self.chunk_path(cid).stat()
+                os.unlink(self.chunk_path(cid))
+                deleted[cid] = st.st_size
+            except FileNotFoundError:
+                if size is not None:
+                    deleted[cid] = size
+        return deleted
+
+    async def verify(self, ranges: Sequence[tuple[int, int, int, int]]) -> tuple[list[int], list[int]]:
+        """(missing, bad): indices of ranges not on this server / failing their CRC-32C."""
+        missing: list[int] = []
+        bad: list[int] = []
+        plain = []
+        idx = []
+        for i, (c, off, ln, _crc) in enumerate(ranges):
+            size = self.sizes.get(c)
+            if size is None or off < 0 or off + ln > size:
+                missing.append(i)
+            else:
+                plain.append((c, off, ln))
+                idx.append(i)
+        if plain:
+            views, _ = await self.readv(plain)
+            for j, v in enumerate(views):
+                i = idx[j]
+                if v is None:
+                    missing.append(i)
+                elif crc32c.crc32c(v) != ranges[i][3]:
+                    bad.append(i)
+        return sorted(missing), bad

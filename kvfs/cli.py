@@ -73,14 +73,18 @@ async def cmd_up(ns: argparse.Namespace) -> int:
     cs_args: list[str] = []
     if ns.capacity is not None:
         cs_args += ["--capacity", str(ns.capacity)]
+    gc_args: list[str] = []
+    if getattr(ns, "gc_interval", None) is not None:
+        gc_args += ["--interval", str(ns.gc_interval)]
     cluster = ProcessCluster(Path(ns.data), ns.chunkservers, listen=ns.listen,
-                             meta_args=tuple(meta_args), chunkserver_args=tuple(cs_args))
+                             meta_args=tuple(meta_args), chunkserver_args=tuple(cs_args),
+                             gc=not getattr(ns, "no_gc", False), gc_args=tuple(gc_args))
     addr = await cluster.start()
     try:
         token_path = cluster.write_user_token()
         print(addr, flush=True)
-        print(f"# {ns.chunkservers} chunkservers, data in {cluster.data}; token in {token_path} "
-              f"(mode 0600). Ctrl-C stops all.", file=sys.stderr, flush=True)
+        print(f"# {ns.chunkservers} chunkservers + gc daemon, data in {cluster.data}; token in "
+              f"{token_path} (mode 0600). Ctrl-C stops all.", file=sys.stderr, flush=True)
         await _wait_for_signal()
         print("# stopping", file=sys.stderr, flush=True)
     finally:

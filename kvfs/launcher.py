@@ -19,7 +19,7 @@ from typing import Any
 from kvfs.address import load_or_create_token, parse_addr, user_token_path, write_secret
 from kvfs.chunkserver import ChunkServer
 from kvfs.client import AsyncClient
-from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
+from kvfs.config import ChunkServerConfig, ClientConfig, GcConfig, MetaConfig
 from kvfs.errors import Unavailable
 from kvfs.meta import MetaService
 
@@ -30,7 +30,8 @@ class LocalCluster:
     """Meta and N chunkservers in this event loop, on 127.0.0.1 port 0."""
 
     def __init__(self, root: Path, chunkservers: int = 3, *, clock: Callable[[], float] = time.time,
-                 meta: MetaConfig | None = None, chunkserver: ChunkServerConfig | None = None) -> None:
+                 meta: MetaConfig | None = None, chunkserver: ChunkServerConfig | None = None,
+                 gc: GcConfig | None = None) -> None:
         self.root = root
         self.n = chunkservers
         self.clock = clock
@@ -41,6 +42,9 @@ class LocalCluster:
         self.meta: MetaService | None = None
         self.chunkservers: list[ChunkServer | None] = []
         self.addr = ""
+        self.gc_config = gc
+        self._gc_task: asyncio.Task[None] | None = None
+        self._gc_stop = asyncio.Event()
 
     async def __aenter__(self) -> LocalCluster:
         await self.start()
@@ -59,7 +63,26 @@ class LocalCluster:
             cs = ChunkServer(self.cs_config(i))
             await cs.start()
             self.chunkservers.append(cs)
+        if self.gc_config is not None:
+            self.start_gc(self.gc_config)
         return self.addr
+
+    def start_gc(self, config: GcConfig) -> None:
+        """Run the GC daemon loop as a task of this event loop (optional in-process GC)."""
+        from kvfs.gc import PassOptions, run_daemon
+
+        opts = PassOptions(apply=True, threshold=config.compact_threshold, high=config.high_watermark,
+                           low=config.low_watermark, grace_s=config.grace_s,
+                           rate_bytes=config.rate_bytes, expire_batch=config.expire_batch)
+        self._gc_stop = asyncio.Event()
+        self._gc_task = asyncio.get_running_loop().create_task(
+            run_daemon(self.addr, self.token, opts, config.interval_s, self._gc_stop))
+
+    async def stop_gc(self) -> None:
+        if self._gc_task is not None:
+            self._gc_stop.set()
+            task, self._gc_task = self._gc_task, None
+            await task
 
     async def start_meta(self) -> str:
         self.meta = MetaService(self.meta_config, clock=self.clock)
@@ -88,6 +111,7 @@ class LocalCluster:
         return cs
 
     async def stop(self) -> None:
+        await self.stop_gc()
         for i, cs in enumerate(self.chunkservers):
             if cs is not None:
                 await cs.close()
@@ -156,7 +180,8 @@ class ProcessCluster:
 
     def __init__(self, data: Path, chunkservers: int = 3, *, listen: str = "127.0.0.1:7070",
                  meta_args: tuple[str, ...] = (), chunkserver_args: tuple[str, ...] = (),
-                 env: dict[str, str] | None = None) -> None:
+                 env: dict[str, str] | None = None, gc: bool = False,
+                 gc_args: tuple[str, ...] = ()) -> None:
         self.data = data.resolve()
         self.n = chunkservers
         self.listen = listen
@@ -168,6 +193,9 @@ class ProcessCluster:
         self.meta: ServiceProcess | None = None
         self.chunkservers: list[ServiceProcess] = []
         self.addr = ""
+        self.gc_enabled = gc
+        self.gc_args = gc_args
+        self.gc: ServiceProcess | None = None
 
     def _kvfs(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "kvfs", *args]
@@ -178,6 +206,8 @@ class ProcessCluster:
             for i in range(self.n):
                 self.chunkservers.append(self._cs_process(i))
             await asyncio.gather(*(cs.start() for cs in self.chunkservers))
+            if self.gc_enabled:
+                await self.start_gc()
         except BaseException:
             await self.stop()
             raise
@@ -195,6 +225,12 @@ class ProcessCluster:
             "chunkserver", "--data", str(self.data / f"cs{i}"), "--meta", self.addr,
             "--listen", "127.0.0.1:0", *self.cs_args), self.env)
 
+    async def start_gc(self) -> None:
+        """The GC daemon (`kvfs gc daemon`) as one more child process."""
+        self.gc = ServiceProcess("gc", self._kvfs("gc", "daemon", "--meta", self.addr, *self.gc_args),
+                                 self.env)
+        await self.gc.start()
+
     async def restart_chunkserver(self, i: int) -> None:
         await self.chunkservers[i].stop()
         self.chunkservers[i] = self._cs_process(i)
@@ -207,6 +243,8 @@ class ProcessCluster:
         await self.start_meta(f"127.0.0.1:{port}")
 
     async def stop(self) -> None:
+        if self.gc is not None:
+            await self.gc.stop()
         await asyncio.gather(*(cs.stop() for cs in self.chunkservers))
         if self.meta is not None:
             await self.meta.stop()

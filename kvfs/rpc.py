@@ -38,6 +38,24 @@ class Op(enum.IntEnum):
     APPEND = 32
     READV = 33
     CHUNK_STATS = 34
+    # garbage collection: meta (40-55)
+    GC_STATUS = 40
+    GC_EXPIRE = 41
+    GC_EVICT = 42
+    GC_PLAN = 43
+    GC_CHUNK_REFS = 44
+    GC_RELOCATE = 45
+    GC_RETIRE = 46
+    GC_DELETED = 47
+    GC_CONTROL = 48
+    GC_REPORT = 49
+    GC_DROP_REPLICAS = 50
+    TOUCH = 51
+    # garbage collection: chunkserver (56-63)
+    CHUNK_COMPACT = 56
+    CHUNK_DELETE = 57
+    CHUNK_VERIFY = 58
+    CHUNK_SEAL = 59
 
 
 @dataclass(frozen=True)
@@ -70,7 +88,36 @@ RPCS: dict[Op, Rpc] = {
             "{locations: [[chunk_id, offset]]}"),
         Rpc(Op.READV, Service.CHUNKSERVER, "{ranges: [[chunk_id, offset, length]]}",
             "{errors: {index: [code, message]}, spans: int} + payload: the ok ranges in order"),
-        Rpc(Op.CHUNK_STATS, Service.CHUNKSERVER, "{}", "{chunks: {id: size}, capacity, free}"),
+        Rpc(Op.CHUNK_STATS, Service.CHUNKSERVER, "{}",
+            "{chunks: {id: size}, capacity, free, used, open: chunk_id | nil, mtimes: {id: mtime}}"),
+        # garbage collection (driven by kvfs.gc; every destructive step is compare-and-swap)
+        Rpc(Op.GC_STATUS, Service.META, "{}",
+            "{paused, time, servers: [{server_id, capacity, used, live, garbage, ratio, "
+            "expired_keys, ...}], metrics, last_run, expired_keys, dead_chunks}"),
+        Rpc(Op.GC_EXPIRE, Service.META, "{limit, apply}", "{keys, bytes, more}"),
+        Rpc(Op.GC_EVICT, Service.META, "{high, low, apply, server_id?}",
+            "{keys, bytes, leased, servers: {id: [live_before, target]}}"),
+        Rpc(Op.GC_PLAN, Service.META, "{threshold, grace_s, high, low}",
+            "{compact: [[server_id, chunk_id, written, live]], delete: [[server_id, chunk_id, written]], "
+            "seal: [[server_id, chunk_id]], waiting: int}"),
+        Rpc(Op.GC_CHUNK_REFS, Service.META, "{chunk_id}", "{refs: [[key, offset, length, crc]]}"),
+        Rpc(Op.GC_RELOCATE, Service.META,
+            "{server_id, new_chunk, new_size, moves: [[key, old_chunk, old_offset, new_offset]]}",
+            "{moved, skipped}"),
+        Rpc(Op.GC_RETIRE, Service.META, "{server_id, chunks: [id]}", "{retired: [id]}"),
+        Rpc(Op.GC_DELETED, Service.META, "{server_id, deleted: {id: size}, compacted?, copied?}", "{}"),
+        Rpc(Op.GC_CONTROL, Service.META, "{paused?: bool}", "{paused}"),
+        Rpc(Op.GC_REPORT, Service.META, "{run: {...}}", "{}"),
+        Rpc(Op.GC_DROP_REPLICAS, Service.META, "{items: [[key, server_id, chunk_id, offset]]}",
+            "{dropped, deleted_keys}"),
+        Rpc(Op.TOUCH, Service.META, "{keys}", "{} (marks keys read: last_access for LRU eviction)"),
+        Rpc(Op.CHUNK_COMPACT, Service.CHUNKSERVER, "{sources: [[chunk_id, [[offset, length]]]]}",
+            "{chunk_id | nil, size, locations: [[new_offset | nil]] per source}"),
+        Rpc(Op.CHUNK_DELETE, Service.CHUNKSERVER, "{chunks: [id]}", "{deleted: {id: size}}"),
+        Rpc(Op.CHUNK_VERIFY, Service.CHUNKSERVER, "{ranges: [[chunk_id, offset, length, crc]]}",
+            "{missing: [index], bad: [index]}"),
+        Rpc(Op.CHUNK_SEAL, Service.CHUNKSERVER, "{chunk_id, idle_s}",
+            "{sealed: bool} (the open chunk is sealed only after idle_s without appends)"),
     )
 }
 

@@ -19,12 +19,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfs.meta.store import MetaStore, pack_layout
-
 from kvfs.address import load_or_create_token
 from kvfs.config import MetaConfig, parse_hostport
-from kvfs.errors import InvalidArgument
+from kvfs.errors import InvalidArgument, StaleLayout
 from kvfs.layout import MAX_VALUE_BYTES, Layout, norm_key, norm_keys
+from kvfs.meta.gc import RECORD_OVERHEAD_BYTES, MetaGc
+from kvfs.meta.store import MetaStore, pack_layout
 from kvfs.protocol import Limits
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
@@ -50,9 +50,11 @@ class ServerInfo:
     used: int = 0
     last_heartbeat: float = -1e18  # monotonic
     chunks: dict[int, int] = field(default_factory=dict)  # chunk_id -> bytes written
+    open_chunk: int | None = None  # the chunk appends go to (never compacted or deleted)
+    wanted: int = 0  # bytes of the last append refused for lack of space (evict to fit it)
 
 
-class MetaService:
+class MetaService(MetaGc):
     def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time) -> None:
         self.config = config
         self.clock = clock
@@ -67,13 +69,14 @@ class MetaService:
         self.rpc = RpcServer(self, Service.META, self.token, Limits())
         self._bg: list[asyncio.Task[None]] = []
         self._load()
+        self._init_gc()
 
     # lifecycle ---------------------------------------------------------------
     def _load(self) -> None:
         for key, wire, last_access in self.store.load():
             layout = Layout.from_wire(wire)
             self.entries[key] = Entry(layout, wire, last_access)
-            self._add_live(layout, +1)
+            self._add_live(layout, +1, key)
         for sid, addr, capacity, free in self.store.load_servers():
             self.servers[sid] = ServerInfo(sid, addr, capacity, free)
         log.info("meta loaded %d keys, %d chunkservers", len(self.entries), len(self.servers))
@@ -106,10 +109,13 @@ class MetaService:
             self.store.touch_many(rows)
 
     # helpers -------------------------------------------------------------------
-    def _add_live(self, layout: Layout, sign: int) -> None:
+    def _add_live(self, layout: Layout, sign: int, key: bytes) -> None:
+        """Live bytes per chunk: each replica's value plus its record header and key, so a
+        chunk of only live records has zero garbage."""
         live = self.chunk_live
+        overhead = RECORD_OVERHEAD_BYTES + len(key)
         for cid, n in layout.chunk_bytes():
-            live[cid] = live.get(cid, 0) + sign * n
+            live[cid] = live.get(cid, 0) + sign * (n + overhead)
 
     def _get(self, key: bytes, now: float) -> Entry | None:
         e = self.entries.get(key)
@@ -180,14 +186,17 @@ class MetaService:
                     if r.server_id not in self.servers:
                         raise InvalidArgument(f"layout for {key[:64]!r} names unknown chunkserver {r.server_id}")
             lay = Layout(lay.size, lay.crc, now, expires_at, lay.extents)
+            if not self.check_not_dead(lay):
+                raise StaleLayout(f"layout for {key[:64]!r} names a chunk garbage collection already "
+                                  "reclaimed (the put took longer than the GC grace period); retry the put")
             staged.append((key, lay, lay.to_wire()))
         self.store.put_many((k, pack_layout(w), expires_at, now) for k, _, w in staged)
         for key, lay, wire in staged:
             old = self.entries.get(key)
             if old is not None:
-                self._add_live(old.layout, -1)
+                self._add_live(old.layout, -1, key)
             self.entries[key] = Entry(lay, wire, now)
-            self._add_live(lay, +1)
+            self._add_live(lay, +1, key)
             self._dirty_access.pop(key, None)
         return {"created": now, "expires_at": expires_at}, ()
 
@@ -197,7 +206,7 @@ class MetaService:
         if gone:
             self.store.delete_many(gone)
         for k in gone:
-            self._add_live(self.entries.pop(k).layout, -1)
+            self._add_live(self.entries.pop(k).layout, -1, k)
             self._dirty_access.pop(k, None)
             self.leases.pop(k, None)
         return {"deleted": len(gone)}, ()
@@ -238,6 +247,7 @@ class MetaService:
             "bytes": sum(e.layout.size for e in self.entries.values() if not e.layout.expired(now)),
             "servers": servers,
             "time": now,
+            "gc": self.gc_summary(),
         }, ()
 
     # chunkserver RPCs ----------------------------------------------------------
@@ -264,6 +274,9 @@ class MetaService:
         s.capacity, s.free, s.used = int(h["capacity"]), int(h["free"]), int(h["used"])
         if "chunks" in h:
             s.chunks = {int(c): int(n) for c, n in h["chunks"].items()}
+        if "open" in h:
+            s.open_chunk = None if h["open"] is None else int(h["open"])
+        s.wanted = int(h.get("wanted", 0))
         s.last_heartbeat = time.monotonic()
         return {}, ()
 

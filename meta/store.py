@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import sqlite3
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -23,15 +24,24 @@ CREATE TABLE IF NOT EXISTS servers (
     capacity INTEGER NOT NULL DEFAULT 0,
     free INTEGER NOT NULL DEFAULT 0
 );
+CREATE TABLE IF NOT EXISTS dead_chunks (
+    chunk_id INTEGER PRIMARY KEY,
+    server_id INTEGER NOT NULL,
+    retired_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS gc_state (
+    name TEXT PRIMARY KEY,
+    value BLOB NOT NULL
+);
 """
 
 
 def pack_layout(wire: list[Any]) -> bytes:
-    return msgpack.packb(wire, use_bin_type=True)  # type: ignore[no-any-return]
+    return msgpack.packb(wire, use_bin_type=True)
 
 
 def unpack_layout(blob: bytes) -> list[Any]:
-    return msgpack.unpackb(blob, raw=False)  # type: ignore[no-any-return]
+    return msgpack.unpackb(blob, raw=False)
 
 
 def prefix_upper_bound(prefix: bytes) -> bytes | None:
@@ -86,9 +96,38 @@ class MetaStore:
                                 (lo, hi, limit))
         return [(bytes(k), unpack_layout(b)) for k, b in q]
 
-    def load_servers(self) -> list[tuple[int, str, int, int]]:
+    def load_servers(self) -> builtins.list[tuple[int, str, int, int]]:
         return list(self.db.execute("SELECT server_id, addr, capacity, free FROM servers"))
 
     def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None:
         with self.db:
             self.db.execute("INSERT OR REPLACE INTO servers VALUES (?,?,?,?)", (server_id, addr, capacity, free))
+
+    # garbage collection ------------------------------------------------------
+    def expired(self, now: float, limit: int) -> builtins.list[bytes]:
+        """Keys whose expiry has passed, oldest first (the ``kv_expiry`` index)."""
+        q = self.db.execute("SELECT key FROM kv WHERE expires_at IS NOT NULL AND expires_at <= ? "
+                            "ORDER BY expires_at LIMIT ?", (now, limit))
+        return [bytes(k) for (k,) in q]
+
+    def count_expired(self, now: float) -> int:
+        (n,) = self.db.execute("SELECT count(*) FROM kv WHERE expires_at IS NOT NULL AND expires_at <= ?",
+                               (now,)).fetchone()
+        return int(n)
+
+    def load_dead(self) -> builtins.list[tuple[int, int, float]]:
+        return list(self.db.execute("SELECT chunk_id, server_id, retired_at FROM dead_chunks"))
+
+    def add_dead(self, rows: Iterable[tuple[int, int, float]]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany("INSERT OR IGNORE INTO dead_chunks VALUES (?,?,?)", rows)
+
+    def get_state(self, name: str) -> Any:
+        row = self.db.execute("SELECT value FROM gc_state WHERE name = ?", (name,)).fetchone()
+        return None if row is None else msgpack.unpackb(row[0], raw=False)
+
+    def put_state(self, name: str, value: Any) -> None:
+        with self.db:
+            self.db.execute("INSERT OR REPLACE INTO gc_state VALUES (?,?)",
+                            (name, msgpack.packb(value, use_bin_type=True)))

@@ -1,0 +1,217 @@
+"""`kvfs gc ...`: status, run, fsck, pause/resume, daemon.
+
+Anything that deletes is a dry run unless ``--apply``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+from kvfs.config import GcConfig, add_options, from_options
+from kvfs.gc.driver import GarbageCollector, PassOptions, PassReport, run_daemon
+from kvfs.units import format_size, parse_duration, parse_size
+
+
+def parse_fraction(text: str) -> float:
+    """``80%`` or ``0.8`` -> 0.8."""
+    t = text.strip()
+    v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    if not 0.0 <= v <= 1.0:
+        raise argparse.ArgumentTypeError(f"not a fraction between 0 and 1 (or 0%..100%): {text!r}")
+    return v
+
+
+def parse_rate(text: str) -> int:
+    """``200MiB/s`` (or ``200MiB``) -> bytes per second."""
+    return parse_size(text.strip().removesuffix("/s"))
+
+
+def _options(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
+    p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
+    p.add_argument("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    if json_flag:
+        p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _progress(phase: str, done: int, total: int) -> None:
+    if sys.stderr.isatty():
+        width = 30
+        filled = width * done // max(total, 1)
+        print(f"\r{phase:<10} [{'#' * filled}{'.' * (width - filled)}] {done}/{total}",
+              end="", file=sys.stderr, flush=True)
+
+
+def _ts(t: float | None) -> str:
+    return "never" if not t else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
+
+
+def format_status(st: dict[str, Any]) -> str:
+    lines = []
+    last = st.get("last_run")
+    m = st["metrics"]
+    lines.append(f"gc: {'PAUSED' if st['paused'] else 'active'}   expired keys not yet swept: "
+                 f"{st['expired_keys']}   chunks retired: {st['dead_chunks']}")
+    if last:
+        lines.append(f"last run: {_ts(last.get('started'))} took {last.get('duration_s', 0):.2f}s: "
+                     f"expired {last.get('expired_keys', 0)} keys, evicted {last.get('evicted_keys', 0)}, "
+                     f"compacted {last.get('chunks_compacted', 0)} chunks, deleted "
+                     f"{last.get('chunks_deleted', 0)}, freed {format_size(last.get('bytes_reclaimed', 0))}")
+    else:
+        lines.append("last run: never")
+    lines.append(f"totals: expired {int(m['keys_expired'])} keys, evicted {int(m['keys_evicted'])}, "
+                 f"compacted {int(m['chunks_compacted'])} chunks, deleted {int(m['chunks_deleted'])}, "
+                 f"reclaimed {format_size(m['bytes_reclaimed'])} in {int(m['passes'])} passes")
+    lines.append(f"{'id':>3} {'addr':<21} {'alive':<5} {'capacity':>10} {'used':>10} {'fill':>5} "
+                 f"{'live':>10} {'garbage':>10} {'ratio':>5} {'expired':>7} {'chunks':>6}")
+    for s in st["servers"]:
+        lines.append(
+            f"{s['server_id']:>3} {s['addr']:<21} {'yes' if s['alive'] else 'NO':<5} "
+            f"{format_size(s['capacity']):>10} {format_size(s['used']):>10} {s['fill']:>5.0%} "
+            f"{format_size(s['live']):>10} {format_size(s['garbage']):>10} {s['ratio']:>5.2f} "
+            f"{s['expired_keys']:>7} {s['chunks']:>6}")
+    return "\n".join(lines)
+
+
+def format_pass(r: PassReport) -> str:
+    verb = "freed" if r.apply else "would free"
+    out = [f"{'applied' if r.apply else 'dry run (add --apply to act)'}, {r.duration_s:.2f}s",
+           f"expire:  {r.expired_keys} keys ({format_size(r.expired_bytes)} become garbage)",
+           f"evict:   {r.evicted_keys} keys ({format_size(r.evicted_bytes)}); {r.leased_skipped} leased keys kept",
+           f"compact: {r.compact_candidates} chunks over the threshold, {r.delete_candidates} with no live "
+           f"bytes, {r.waiting_grace} waiting out the grace period"]
+    if r.apply:
+        out.append(f"done:    compacted {r.chunks_compacted} chunks ({format_size(r.bytes_copied)} copied, "
+                   f"{r.keys_relocated} keys moved, {r.relocations_lost} lost to newer writes), deleted "
+                   f"{r.chunks_deleted} chunks: {verb} {format_size(r.bytes_reclaimed)}")
+    else:
+        out.append(f"total:   {verb} {format_size(r.reclaimable_bytes)} of chunk files now "
+                   "(expired/evicted bytes follow in a later pass)")
+    return "\n".join(out)
+
+
+async def cmd_status(ns: argparse.Namespace) -> int:
+    async with GarbageCollector(ns.addr, token=ns.token) as gc:
+        await gc.sync_usage()
+        st = await gc.status()
+    print(json.dumps(st, default=str) if ns.json else format_status(st))
+    return 0
+
+
+async def cmd_run(ns: argparse.Namespace) -> int:
+    phases = ns.expire or ns.compact or ns.evict_to is not None
+    opts = PassOptions(
+        apply=ns.apply, expire=ns.expire or not phases, compact=ns.compact or not phases,
+        evict=ns.evict_to is not None or not phases, threshold=ns.threshold,
+        high=ns.high, low=ns.evict_to if ns.evict_to is not None else min(0.8, ns.high),
+        grace_s=ns.grace, rate_bytes=ns.rate, expire_batch=ns.batch)
+    if opts.low > opts.high:
+        opts = dataclasses.replace(opts, high=opts.low)
+    async with GarbageCollector(ns.addr, token=ns.token, progress=_progress) as gc:
+        if ns.apply and await gc.set_paused(None) and not ns.force:
+            print("kvfs gc run: GC is paused (kvfs gc resume, or --force)", file=sys.stderr)
+            return 1
+        report = await gc.run_pass(opts)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(json.dumps(report.to_dict()) if ns.json else format_pass(report))
+    return 0
+
+
+async def cmd_fsck(ns: argparse.Namespace) -> int:
+    async with GarbageCollector(ns.addr, token=ns.token, progress=_progress) as gc:
+        rep = await gc.fsck(cutoff_s=ns.cutoff, apply=ns.apply, verify=not ns.no_verify)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    if ns.json:
+        print(json.dumps(rep.to_dict()))
+    else:
+        print(f"{'repairing' if rep.apply else 'dry run (add --apply to repair)'}; "
+              f"checked {rep.ranges_checked} referenced ranges")
+        print(f"orphan chunks (no layout references them, older than {rep.cutoff_s:g}s): "
+              f"{len(rep.orphan_chunks)} ({format_size(sum(c[2] for c in rep.orphan_chunks))})")
+        print(f"chunks with unreferenced bytes older than the cutoff: {len(rep.garbage_chunks)} "
+              f"({format_size(sum(c[2] for c in rep.garbage_chunks))})")
+        print(f"layouts pointing at missing bytes: {len(rep.missing_refs)}; failing checksum: "
+              f"{len(rep.corrupt_refs)}")
+        for k, sid, cid, off in (rep.missing_refs + rep.corrupt_refs)[:20]:
+            print(f"  {k.decode(errors='backslashreplace')}: server {sid} chunk {cid:016x} offset {off}")
+        if rep.repaired:
+            print("repaired: " + ", ".join(f"{k} {v}" for k, v in rep.repaired.items()))
+    return 0 if rep.apply or not rep.problems else 2
+
+
+async def cmd_pause(ns: argparse.Namespace) -> int:
+    async with GarbageCollector(ns.addr, token=ns.token) as gc:
+        paused = await gc.set_paused(ns.paused)
+    print("gc paused" if paused else "gc active")
+    return 0
+
+
+async def cmd_daemon(ns: argparse.Namespace) -> int:
+    cfg = from_options(GcConfig, ns, compact_threshold=float(ns.compact_threshold),
+                       high_watermark=float(ns.high_watermark), low_watermark=float(ns.low_watermark))
+    opts = PassOptions(apply=True, threshold=cfg.compact_threshold, high=cfg.high_watermark,
+                       low=cfg.low_watermark, grace_s=cfg.grace_s, rate_bytes=cfg.rate_bytes,
+                       expire_batch=cfg.expire_batch)
+    async with GarbageCollector(cfg.meta, token=cfg.token):
+        pass  # fail fast on a wrong address or token
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"kvfs gc ready {cfg.meta}", flush=True)
+    await run_daemon(cfg.meta, cfg.token, opts, cfg.interval_s, stop)
+    return 0
+
+
+def add_commands(sub: Any) -> None:
+    gc = sub.add_parser("gc", help="garbage collection: status, run, fsck, pause/resume, daemon")
+    gsub = gc.add_subparsers(dest="gc_command", required=True)
+
+    p = gsub.add_parser("status", help="per chunkserver: capacity, used, live, garbage, expired keys")
+    _options(p)
+    p.set_defaults(func=cmd_status)
+
+    p = gsub.add_parser("run", help="one GC pass (dry run unless --apply); no phase flag = all phases")
+    p.add_argument("--expire", action="store_true", help="remove expired keys")
+    p.add_argument("--compact", action="store_true", help="compact chunks over --threshold, delete empty ones")
+    p.add_argument("--threshold", type=parse_fraction, default=0.3, help="garbage ratio (default 0.3)")
+    p.add_argument("--evict-to", type=parse_fraction, default=None, metavar="PCT",
+                   help="evict LRU keys of servers over --high down to PCT (e.g. 80%%)")
+    p.add_argument("--high", type=parse_fraction, default=0.9, help="high watermark (default 90%%)")
+    p.add_argument("--grace", type=parse_duration, default=30.0,
+                   help="keep unreferenced chunks this long first (default 30s)")
+    p.add_argument("--rate", type=parse_rate, default=None, help="compaction copy limit, e.g. 200MiB/s")
+    p.add_argument("--batch", type=int, default=10_000, help="expired keys per meta transaction")
+    p.add_argument("--apply", action="store_true", help="act (default: dry run)")
+    p.add_argument("--force", action="store_true", help="run even while GC is paused")
+    _options(p)
+    p.set_defaults(func=cmd_run)
+
+    p = gsub.add_parser("fsck", help="orphan chunks, unreferenced bytes, missing/corrupt layouts")
+    p.add_argument("--cutoff", type=parse_duration, default=3600.0,
+                   help="only chunk files older than this (default 1h)")
+    p.add_argument("--no-verify", action="store_true", help="skip reading back every referenced range")
+    p.add_argument("--apply", action="store_true", help="repair (default: report)")
+    _options(p)
+    p.set_defaults(func=cmd_fsck)
+
+    p = gsub.add_parser("pause", help="stop background GC passes (maintenance)")
+    _options(p, json_flag=False)
+    p.set_defaults(func=cmd_pause, paused=True)
+
+    p = gsub.add_parser("resume", help="resume background GC passes")
+    _options(p, json_flag=False)
+    p.set_defaults(func=cmd_pause, paused=False)
+
+    p = gsub.add_parser("daemon", help="run GC passes in the background (what kvfs up starts)")
+    add_options(p, GcConfig)
+    p.add_argument("--addr", dest="meta", default=argparse.SUPPRESS, help="same as --meta")
+    p.set_defaults(func=cmd_daemon)

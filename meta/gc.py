@@ -1,0 +1,406 @@
+"""Meta's side of garbage collection: expiry, eviction, compaction switches, chunk retirement.
+
+Meta never touches chunk files; :mod:`kvfs.gc` drives a pass and meta answers
+with plans and applies each destructive step as a compare-and-swap inside one
+SQLite transaction (and one event-loop step, so no other RPC sees half of it):
+
+- GC_EXPIRE removes keys whose ``expires_at`` passed (the ``kv_expiry`` index);
+- GC_EVICT removes least-recently-used, unleased keys of servers over the high
+  watermark until their live bytes fit under the low watermark;
+- GC_RELOCATE points a replica at its compacted copy only if the layout still
+  names the old (chunk, offset): a concurrent overwrite or delete wins;
+- GC_RETIRE marks a chunk dead only if no layout references it; a dead chunk
+  id is refused by COMMIT forever after (ids are never reused), so a late
+  commit can never produce a dangling key.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from kvfs.config import MetaConfig
+from kvfs.errors import InvalidArgument
+from kvfs.layout import Extent, Layout, Replica, norm_keys
+from kvfs.meta.store import MetaStore, pack_layout
+from kvfs.server import Reply
+
+log = logging.getLogger("kvfs.meta.gc")
+
+METRIC_NAMES = (
+    "keys_expired", "bytes_expired", "keys_evicted", "bytes_evicted", "chunks_compacted",
+    "bytes_copied", "keys_relocated", "chunks_deleted", "bytes_reclaimed", "replicas_dropped",
+    "passes", "pass_duration_s", "last_pass_duration_s",
+)
+MAX_REFS_CHUNKS = 4096
+RECORD_OVERHEAD_BYTES = 32  # a chunk record's fixed header (kvfs.chunkserver.store.RECORD), key follows
+
+
+def _disk_bytes(layout: Layout) -> int:
+    return sum(n for _, n in layout.chunk_bytes())
+
+
+class MetaGc:
+    """Mixin of :class:`kvfs.meta.MetaService` holding the GC RPC handlers."""
+
+    # provided by MetaService
+    config: MetaConfig
+    clock: Callable[[], float]
+    store: MetaStore
+    entries: dict[bytes, Any]
+    chunk_live: dict[int, int]
+    servers: dict[int, Any]
+    leases: dict[bytes, float]
+    _dirty_access: dict[bytes, float]
+
+    def alive(self, s: Any) -> bool:
+        raise NotImplementedError
+
+    def _add_live(self, layout: Layout, sign: int, key: bytes) -> None:
+        raise NotImplementedError
+
+    # state ---------------------------------------------------------------------
+    def _init_gc(self) -> None:
+        self.gc_paused = bool(self.store.get_state("paused") or False)
+        saved = self.store.get_state("metrics") or {}
+        self.gc_metrics: dict[str, float] = {n: saved.get(n, 0) for n in METRIC_NAMES}
+        self.gc_last_run: dict[str, Any] | None = self.store.get_state("last_run")
+        self.dead_chunks: dict[int, float] = {c: t for c, _, t in self.store.load_dead()}
+        self.zero_since: dict[int, float] = {}
+
+    def _count(self, **inc: float) -> None:
+        for k, v in inc.items():
+            self.gc_metrics[k] = self.gc_metrics.get(k, 0) + v
+        self.store.put_state("metrics", self.gc_metrics)
+
+    def gc_summary(self) -> dict[str, Any]:
+        return {"paused": self.gc_paused, "metrics": dict(self.gc_metrics), "last_run": self.gc_last_run,
+                "dead_chunks": len(self.dead_chunks)}
+
+    def check_not_dead(self, layout: Layout) -> bool:
+        dead = self.dead_chunks
+        return not dead or all(r.chunk_id not in dead for e in layout.extents for r in e.replicas)
+
+    def _remove(self, keys: Iterable[bytes]) -> tuple[int, int]:
+        """Delete keys from SQLite (one transaction) and the index; returns (keys, disk bytes)."""
+        gone = [k for k in keys if k in self.entries]
+        if not gone:
+            return 0, 0
+        self.store.delete_many(gone)
+        nbytes = 0
+        for k in gone:
+            lay = self.entries.pop(k).layout
+            nbytes += _disk_bytes(lay)
+            self._add_live(lay, -1, k)
+            self._dirty_access.pop(k, None)
+            self.leases.pop(k, None)
+        return len(gone), nbytes
+
+    def _used(self, s: Any) -> int:
+        return int(sum(s.chunks.values()))
+
+    def _server_live(self, s: Any) -> int:
+        live = self.chunk_live
+        return int(sum(live.get(c, 0) for c in s.chunks))
+
+    # RPCs ------------------------------------------------------------------------
+    async def rpc_touch(self, h: dict[str, Any], p: memoryview) -> Reply:
+        now = self.clock()
+        for k in norm_keys(h["keys"]):
+            e = self.entries.get(k)
+            if e is not None:
+                e.last_access = now
+                self._dirty_access[k] = now
+        return {}, ()
+
+    async def rpc_gc_control(self, h: dict[str, Any], p: memoryview) -> Reply:
+        paused = h.get("paused")
+        if paused is not None and bool(paused) != self.gc_paused:
+            self.gc_paused = bool(paused)
+            self.store.put_state("paused", self.gc_paused)
+            log.info("gc %s", "paused" if self.gc_paused else "resumed")
+        return {"paused": self.gc_paused}, ()
+
+    async def rpc_gc_report(self, h: dict[str, Any], p: memoryview) -> Reply:
+        run = dict(h["run"])
+        self.gc_last_run = run
+        self.store.put_state("last_run", run)
+        if run.get("apply"):
+            d = float(run.get("duration_s", 0.0))
+            self.gc_metrics["last_pass_duration_s"] = d
+            self._count(passes=1, pass_duration_s=d)
+        return {}, ()
+
+    async def rpc_gc_status(self, h: dict[str, Any], p: memoryview) -> Reply:
+        now = self.clock()
+        expired: dict[int, int] = defaultdict(int)
+        expired_total = 0
+        for e in self.entries.values():
+            if e.layout.expired(now):
+                expired_total += 1
+                for sid in {r.server_id for x in e.layout.extents for r in x.replicas}:
+                    expired[sid] += 1
+        servers = []
+        for s in sorted(self.servers.values(), key=lambda s: s.server_id):
+            used = self._used(s)
+            live = self._server_live(s)
+            garbage = max(0, used - live)
+            servers.append({
+                "server_id": s.server_id, "addr": s.addr, "alive": self.alive(s),
+                "capacity": s.capacity, "used": used, "live": live, "garbage": garbage,
+                "ratio": garbage / used if used else 0.0, "chunks": len(s.chunks),
+                "dead_chunks": sum(1 for c in s.chunks if c in self.dead_chunks),
+                "expired_keys": expired.get(s.server_id, 0),
+                "fill": used / s.capacity if s.capacity else 0.0,
+            })
+        return {"time": now, "servers": servers, "expired_keys": expired_total, **self.gc_summary()}, ()
+
+    async def rpc_gc_expire(self, h: dict[str, Any], p: memoryview) -> Reply:
+        limit = int(h.get("limit", 10_000))
+        if not 0 < limit <= 1_000_000:
+            raise InvalidArgument(f"expire limit must be 1..1000000, got {limit}")
+        now = self.clock()
+        if not h.get("apply"):
+            n = nbytes = 0
+            for e in self.entries.values():
+                if e.layout.expired(now):
+                    n += 1
+                    nbytes += _disk_bytes(e.layout)
+            return {"keys": n, "bytes": nbytes, "more": False}, ()
+        keys = self.store.expired(now, limit)
+        n, nbytes = self._remove(k for k in keys if self.entries.get(k) is None
+                                 or self.entries[k].layout.expired(now))
+        if n:
+            self._count(keys_expired=n, bytes_expired=nbytes)
+        return {"keys": n, "bytes": nbytes, "more": len(keys) == limit}, ()
+
+    async def rpc_gc_evict(self, h: dict[str, Any], p: memoryview) -> Reply:
+        high, low = float(h.get("high", 0.9)), float(h.get("low", 0.8))
+        if not 0.0 < low <= high <= 1.0:
+            raise InvalidArgument(f"watermarks need 0 < low <= high <= 1, got low={low} high={high}")
+        only = h.get("server_id")
+        now = self.clock()
+        need: dict[int, int] = {}
+        report: dict[int, list[int]] = {}
+        for s in self.servers.values():
+            if s.capacity <= 0 or (only is not None and s.server_id != int(only)):
+                continue
+            wanted = int(getattr(s, "wanted", 0))
+            if self._used(s) > high * s.capacity or wanted:
+                live, target = self._server_live(s), int(low * s.capacity)
+                report[s.server_id] = [live, target]
+                short = max(live - target, live + wanted - s.capacity)
+                if short > 0:
+                    need[s.server_id] = short
+        victims: list[bytes] = []
+        leased = 0
+        if need:
+            for k, v in list(self.leases.items()):
+                if v <= now:
+                    del self.leases[k]
+            order = sorted(self.entries.items(), key=lambda kv: kv[1].last_access)
+            for k, e in order:
+                if all(v <= 0 for v in need.values()):
+                    break
+                per: dict[int, int] = defaultdict(int)
+                for x in e.layout.extents:
+                    for r in x.replicas:
+                        per[r.server_id] += x.length
+                if not any(need.get(sid, 0) > 0 for sid in per):
+                    continue
+                if self.leases.get(k, 0.0) > now and not e.layout.expired(now):
+                    leased += 1
+                    continue
+                victims.append(k)
+                for sid, n in per.items():
+                    if sid in need:
+                        need[sid] -= n
+        if h.get("apply"):
+            n, nbytes = self._remove(victims)
+            if n:
+                self._count(keys_evicted=n, bytes_evicted=nbytes)
+                log.info("evicted %d keys (%d bytes)", n, nbytes)
+        else:
+            n, nbytes = len(victims), sum(_disk_bytes(self.entries[k].layout) for k in victims)
+        return {"keys": n, "bytes": nbytes, "leased": leased, "servers": report,
+                "short": {sid: v for sid, v in need.items() if v > 0}}, ()
+
+    async def rpc_gc_plan(self, h: dict[str, Any], p: memoryview) -> Reply:
+        threshold = float(h.get("threshold", 0.3))
+        grace_s = float(h.get("grace_s", 30.0))
+        high = float(h.get("high", 0.9))
+        now = self.clock()
+        compact: list[list[int]] = []
+        delete: list[list[int]] = []
+        seal: list[list[int]] = []
+        waiting = 0
+        live_map = self.chunk_live
+        for s in self.servers.values():
+            pressure = s.capacity > 0 and (self._used(s) > high * s.capacity or getattr(s, "wanted", 0))
+            open_chunk = getattr(s, "open_chunk", None)
+            for cid, written in s.chunks.items():
+                if cid == open_chunk:
+                    live = live_map.get(cid, 0)
+                    if live <= 0 and written > 0:
+                        since = self.zero_since.setdefault(cid, now)
+                        if now - since >= grace_s:
+                            seal.append([s.server_id, cid])
+                    elif written > 0 and written - live > 0 and (
+                            (written - live) / written > threshold or pressure):
+                        seal.append([s.server_id, cid])
+                    continue
+                if cid in self.dead_chunks:  # retired, file still there: delete again
+                    delete.append([s.server_id, cid, written])
+                    continue
+                live = live_map.get(cid, 0)
+                if live <= 0:
+                    since = self.zero_since.setdefault(cid, now)
+                    if now - since >= grace_s:
+                        delete.append([s.server_id, cid, written])
+                    else:
+                        waiting += 1
+                    continue
+                self.zero_since.pop(cid, None)
+                garbage = written - live
+                if written > 0 and garbage > 0 and (garbage / written > threshold or pressure):
+                    compact.append([s.server_id, cid, written, live])
+        compact.sort(key=lambda c: c[3] - c[2])  # most garbage first
+        return {"compact": compact, "delete": delete, "seal": seal, "waiting": waiting}, ()
+
+    async def rpc_gc_chunk_refs(self, h: dict[str, Any], p: memoryview) -> Reply:
+        """References into the given chunks, or (``server_id``) into every chunk of a server."""
+        chunks = {int(c) for c in h.get("chunks") or ()}
+        if len(chunks) > MAX_REFS_CHUNKS:
+            raise InvalidArgument(f"at most {MAX_REFS_CHUNKS} chunks per GC_CHUNK_REFS")
+        sid = h.get("server_id")
+        now = self.clock()
+        refs: dict[int, list[list[Any]]] = {c: [] for c in chunks}
+        for k, e in self.entries.items():
+            if e.layout.expired(now):
+                continue
+            for x in e.layout.extents:
+                for r in x.replicas:
+                    if r.chunk_id in chunks or r.server_id == sid:
+                        refs.setdefault(r.chunk_id, []).append([k, r.offset, x.length, x.crc])
+        return {"refs": refs}, ()
+
+    async def rpc_gc_relocate(self, h: dict[str, Any], p: memoryview) -> Reply:
+        sid = int(h["server_id"])
+        new_chunk = int(h["new_chunk"])
+        moves = h["moves"]
+        if new_chunk in self.dead_chunks:
+            return {"moved": 0, "skipped": len(moves)}, ()
+        now = self.clock()
+        by_key: dict[bytes, dict[tuple[int, int], int]] = defaultdict(dict)
+        for key, old_chunk, old_off, new_off in moves:
+            by_key[bytes(key)][(int(old_chunk), int(old_off))] = int(new_off)
+        staged: list[tuple[bytes, Any, Layout]] = []
+        moved = 0
+        for key, mapping in by_key.items():
+            e = self.entries.get(key)
+            if e is None or e.layout.expired(now):
+                continue
+            exts = []
+            changed = 0
+            for x in e.layout.extents:
+                reps = []
+                for r in x.replicas:
+                    no = mapping.get((r.chunk_id, r.offset)) if r.server_id == sid else None
+                    if no is None:
+                        reps.append(r)
+                    else:
+                        reps.append(Replica(sid, new_chunk, no))
+                        changed += 1
+                exts.append(Extent(x.length, x.crc, tuple(reps)))
+            if changed:
+                old = e.layout
+                staged.append((key, e, Layout(old.size, old.crc, old.created, old.expires_at, tuple(exts))))
+                moved += changed
+        if staged:
+            self.store.put_many((k, pack_layout(lay.to_wire()), lay.expires_at, e.last_access)
+                                for k, e, lay in staged)
+            for k, e, lay in staged:
+                self._add_live(e.layout, -1, k)
+                e.layout, e.wire = lay, lay.to_wire()
+                self._add_live(lay, +1, k)
+            s = self.servers.get(sid)
+            if s is not None and "new_size" in h:
+                s.chunks[new_chunk] = int(h["new_size"])
+            self._count(keys_relocated=len(staged))
+        for old_chunk, _ in {k for m in by_key.values() for k in m}:
+            if self.chunk_live.get(old_chunk, 0) <= 0:
+                self.zero_since.setdefault(old_chunk, now)
+        return {"moved": moved, "skipped": len(moves) - moved}, ()
+
+    async def rpc_gc_retire(self, h: dict[str, Any], p: memoryview) -> Reply:
+        sid = int(h["server_id"])
+        s = self.servers.get(sid)
+        open_chunk = getattr(s, "open_chunk", None) if s is not None else None
+        now = self.clock()
+        retired = [int(c) for c in h["chunks"]
+                   if int(c) in self.dead_chunks
+                   or (self.chunk_live.get(int(c), 0) <= 0 and int(c) != open_chunk)]
+        fresh = [c for c in retired if c not in self.dead_chunks]
+        if fresh:
+            self.store.add_dead((c, sid, now) for c in fresh)
+            for c in fresh:
+                self.dead_chunks[c] = now
+                self.zero_since.pop(c, None)
+                self.chunk_live.pop(c, None)
+        return {"retired": retired}, ()
+
+    async def rpc_gc_deleted(self, h: dict[str, Any], p: memoryview) -> Reply:
+        s = self.servers.get(int(h["server_id"]))
+        deleted = {int(c): int(n) for c, n in h["deleted"].items()}
+        if s is not None:
+            for c in deleted:
+                s.chunks.pop(c, None)
+        inc: dict[str, float] = {}
+        if deleted:
+            inc.update(chunks_deleted=len(deleted), bytes_reclaimed=sum(deleted.values()))
+        if h.get("compacted"):
+            inc.update(chunks_compacted=int(h["compacted"]), bytes_copied=int(h.get("copied", 0)))
+        if inc:
+            self._count(**inc)
+        return {}, ()
+
+    async def rpc_gc_drop_replicas(self, h: dict[str, Any], p: memoryview) -> Reply:
+        """fsck repair: forget replicas whose bytes are missing or corrupt; a key left with an
+        extent without replicas is deleted (a cache miss is correct, wrong bytes never are)."""
+        bad: dict[bytes, set[tuple[int, int, int]]] = defaultdict(set)
+        for key, sid, cid, off in h["items"]:
+            bad[bytes(key)].add((int(sid), int(cid), int(off)))
+        staged: list[tuple[bytes, Any, Layout]] = []
+        doomed: list[bytes] = []
+        dropped = 0
+        for key, which in bad.items():
+            e = self.entries.get(key)
+            if e is None:
+                continue
+            exts = []
+            n = 0
+            for x in e.layout.extents:
+                reps = tuple(r for r in x.replicas if (r.server_id, r.chunk_id, r.offset) not in which)
+                n += len(x.replicas) - len(reps)
+                exts.append(Extent(x.length, x.crc, reps))
+            if not n:
+                continue
+            dropped += n
+            if any(not x.replicas for x in exts):
+                doomed.append(key)
+            else:
+                old = e.layout
+                staged.append((key, e, Layout(old.size, old.crc, old.created, old.expires_at, tuple(exts))))
+        if staged:
+            self.store.put_many((k, pack_layout(lay.to_wire()), lay.expires_at, e.last_access)
+                                for k, e, lay in staged)
+            for k, e, lay in staged:
+                self._add_live(e.layout, -1, k)
+                e.layout, e.wire = lay, lay.to_wire()
+                self._add_live(lay, +1, k)
+        n_deleted, _ = self._remove(doomed)
+        if dropped:
+            self._count(replicas_dropped=dropped)
+        return {"dropped": dropped, "deleted_keys": n_deleted}, ()

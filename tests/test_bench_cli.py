@@ -1,0 +1,102 @@
+"""`kvfs bench`: option parsing, a tiny job against an in-process cluster, fio JSON fields."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from kvfs.bench import cli as bench_cli
+from kvfs.cli import build_parser
+from kvfs.launcher import LocalCluster
+
+TINY = ["--size", "256k", "--runtime", "1", "--no-progress"]
+
+
+def _ns(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["bench", *argv])
+
+
+def test_fio_option_names_parse() -> None:
+    ns = _ns("--rw=randread,write", "--bs=4k,64k,1m,16m", "--iodepth=8", "--numjobs=2",
+             "--size=1m", "--runtime=2", "--time_based", "--ramp_time=1", "--batch=16",
+             "--prefix-chain=4", "--output-format=json", "--compare", "--plot", "x.png",
+             "--addr", "kvfs://127.0.0.1:1", "--token", "t")
+    assert ns.rw == ["randread", "write"]
+    assert ns.bs == [4096, 65536, 1 << 20, 16 << 20]
+    assert (ns.iodepth, ns.numjobs, ns.size, ns.runtime) == (8, 2, 1 << 20, 2.0)
+    assert ns.time_based and ns.ramp_time == 1.0 and ns.batch == 16 and ns.prefix_chain == 4
+    assert ns.output_format == "json" and ns.compare and ns.plot == Path("x.png")
+    wls = bench_cli.build_workloads(ns)
+    assert len(wls) == 8
+    reads = [w for w in wls if w.reads]
+    assert all(w.batch == 4 and w.rw == "read" and w.nkeys % 4 == 0 for w in reads)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--rw=sideways"])
+
+
+def test_default_job_set() -> None:
+    wls = bench_cli.build_workloads(_ns())
+    got = [(w.rw, w.bs, w.batch) for w in wls]
+    assert got == [(rw, bs, b) for rw, bs, b, _, _ in bench_cli.DEFAULT_JOBS]
+    assert all(w.time_based for w in wls)
+
+
+async def test_tiny_json_run_has_fio_fields(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ns = _ns("--rw=randread,write", "--bs=4k", "--batch=8", "--output-format=json",
+             "--dir", str(tmp_path), *TINY)
+    assert await bench_cli.cmd_bench(ns) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "fio version" in report
+    jobs = report["jobs"]
+    assert [j["job options"]["rw"] for j in jobs] == ["randread", "write"]
+    for job, ddir in zip(jobs, ("read", "write"), strict=True):
+        d = job[ddir]
+        assert d["total_ios"] == 64  # one pass over 256k / 4k keys
+        assert d["io_bytes"] == 64 * 4096
+        assert d["iops"] > 0 and d["bw_bytes"] > 0 and d["runtime"] >= 0
+        pct = d["clat_ns"]["percentile"]
+        assert {"1.000000", "50.000000", "99.000000", "99.990000"} <= set(pct)
+        assert job["error"] == 0 and job["kvfs"]["missing"] == 0
+
+
+async def test_text_output_against_running_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async with LocalCluster(tmp_path / "c", 3) as cluster:
+        ns = _ns("--rw=read", "--bs=64k", "--prefix-chain=4", "--addr", cluster.addr,
+                 "--token", cluster.token, "--size", "256k", "--time_based",
+                 "--runtime", "0.3", "--no-progress")
+        assert await bench_cli.cmd_bench(ns) == 0
+    out = capsys.readouterr().out
+    assert "read-64k-b4-chain4: (groupid=0, jobs=1)" in out
+    assert "read: IOPS=" in out and "clat percentiles (usec)" in out
+    assert "Run status group 0 (all jobs):" in out
+
+
+async def test_plot_without_matplotlib_is_a_clear_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    ns = _ns("--plot", str(tmp_path / "p.png"), *TINY)
+    assert await bench_cli.cmd_bench(ns) == 2
+    assert "matplotlib" in capsys.readouterr().err
+
+
+async def test_internal_comparisons_count_server_reads(tmp_path: Path) -> None:
+    async with LocalCluster(tmp_path / "c", 3) as cluster:
+        target = bench_cli.BenchTarget(cluster.addr, cluster.token, cluster, "inproc")
+        ns = _ns("--runtime", "0.2", "--no-progress", "--output-format", "json")
+        internal = await bench_cli._internal(ns, target, nchains=2, get_keys=256)
+    assert internal.batcher is not None and internal.chains is not None
+    assert internal.batcher.cell("get128", "batcher on").result is not None
+    per_chain = internal.chain_reads["chain put_many"].per_chain()
+    assert per_chain is not None and len(per_chain) == 3
+    text = bench_cli.render_internal(internal)
+    assert "chain put_many" in text

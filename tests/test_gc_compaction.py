@@ -1,0 +1,209 @@
+"""GC: compaction, zero-live chunk deletion, races with reads/overwrites, crash between copy and switch."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import random
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from conftest import FakeClock
+
+from kvfs.client import AsyncClient
+from kvfs.config import ChunkServerConfig
+from kvfs.gc.driver import GarbageCollector, PassOptions
+from kvfs.launcher import LocalCluster, ProcessCluster
+from kvfs.rpc import Op
+
+
+def du(root: Path) -> int:
+    return sum(os.stat(p).st_blocks * 512 for p in root.glob("cs*/chunks/*.chunk"))
+
+
+def value_of(key: str, size: int = 4096) -> bytes:
+    seed = hashlib.sha256(key.encode()).digest()
+    return (seed * (size // len(seed) + 1))[:size]
+
+
+@pytest.fixture
+async def small(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
+    """Three chunkservers with 256 KiB chunks, so a few puts seal several chunks."""
+    root = tmp_path / "small"
+    c = LocalCluster(root, 3, clock=clock, chunkserver=ChunkServerConfig(
+        data=root, heartbeat_interval_s=0.2, chunk_bytes=256 * 1024))
+    await c.start()
+    try:
+        yield c
+    finally:
+        await c.stop()
+
+
+async def fill(kv: AsyncClient, n: int = 400, batch: int = 20) -> list[str]:
+    keys = [f"k{i:04d}" for i in range(n)]
+    for i in range(0, n, batch):
+        await kv.put_many([(k, value_of(k)) for k in keys[i : i + batch]])
+    return keys
+
+
+def client(c: LocalCluster, clock: FakeClock) -> AsyncClient:
+    kv = c.client()
+    kv.clock = clock
+    return kv
+
+
+async def test_compaction_keeps_live_keys_and_shrinks_disk(small: LocalCluster, clock: FakeClock) -> None:
+    async with client(small, clock) as kv:
+        keys = await fill(kv)
+        rng = random.Random(1)
+        dead = set(rng.sample(keys, 280))
+        await kv.delete_many(sorted(dead))
+        before = du(small.root)
+        async with GarbageCollector(small.addr, token=small.token) as gc:
+            dry = await gc.run_pass(PassOptions(apply=False, grace_s=0))
+            assert dry.compact_candidates > 0 and dry.reclaimable_bytes > 0
+            assert du(small.root) == before
+            r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
+            assert r.chunks_compacted > 0 and r.chunks_deleted > 0
+            assert r.relocations_lost == 0
+            st = await gc.status()
+        after = du(small.root)
+        assert after < before * 0.6, (before, after)
+        assert st["metrics"]["chunks_compacted"] == r.chunks_compacted
+    async with client(small, clock) as fresh:
+        live = [k for k in keys if k not in dead]
+        assert await fresh.get_many(live) == [value_of(k) for k in live]
+        assert await fresh.get_many(sorted(dead)) == [None] * len(dead)
+
+
+async def test_grace_period_keeps_old_chunk_for_in_flight_reads(small: LocalCluster, clock: FakeClock) -> None:
+    async with client(small, clock) as kv:
+        keys = await fill(kv, 200)
+        await kv.delete_many(keys[::2])
+        async with GarbageCollector(small.addr, token=small.token) as gc:
+            r = await gc.run_pass(PassOptions(apply=True, grace_s=60))
+            assert r.chunks_compacted > 0
+            assert r.waiting_grace > 0
+            # a reader holding a pre-compaction layout still reads the old chunk
+            assert await kv.get_many(keys[1::2]) == [value_of(k) for k in keys[1::2]]
+            clock.advance(61)
+            r2 = await gc.run_pass(PassOptions(apply=True, grace_s=60))
+            assert r2.chunks_deleted > 0
+        # the cached layouts now name deleted chunks: StaleLayout -> re-lookup -> right bytes
+        assert await kv.get_many(keys[1::2]) == [value_of(k) for k in keys[1::2]]
+
+
+async def test_reads_racing_compaction_return_right_bytes(small: LocalCluster, clock: FakeClock) -> None:
+    async with client(small, clock) as kv:
+        keys = await fill(kv)
+        await kv.delete_many(keys[::2])
+        live = keys[1::2]
+        done = asyncio.Event()
+        reads = 0
+
+        async def reader(seed: int) -> None:
+            nonlocal reads
+            rng = random.Random(seed)
+            async with client(small, clock) as r:
+                while not done.is_set():
+                    sample = rng.sample(live, 16)
+                    got = await r.get_many(sample)
+                    for k, v in zip(sample, got, strict=True):
+                        assert v is None or v == value_of(k), k
+                    reads += 1
+                    await asyncio.sleep(0)
+
+        tasks = [asyncio.create_task(reader(i)) for i in range(4)]
+        try:
+            async with GarbageCollector(small.addr, token=small.token) as gc:
+                r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
+                assert r.chunks_compacted > 0 and r.chunks_deleted > 0
+        finally:
+            done.set()
+            await asyncio.gather(*tasks)
+        assert reads > 0
+    async with client(small, clock) as fresh:
+        assert await fresh.get_many(live) == [value_of(k) for k in live]
+
+
+async def copy_only(gc: GarbageCollector, kv: AsyncClient) -> tuple[int, int, dict[str, object], list[list[object]]]:
+    """The first half of a compaction: copy one chunk's live records, do not switch yet."""
+    await gc.sync_usage()
+    plan = await gc.meta(Op.GC_PLAN, {"threshold": 0.0, "grace_s": 1e9, "high": 1.0})
+    sid, cid, _, _ = plan["compact"][0]
+    refs = (await gc.meta(Op.GC_CHUNK_REFS, {"chunks": [cid]}))["refs"][cid]
+    res = await gc.chunkserver(sid, Op.CHUNK_COMPACT, {"sources": [[cid, [[o, n] for _, o, n, _ in refs]]]})
+    assert res["chunk_id"] is not None
+    return sid, cid, res, refs
+
+
+async def test_overwrite_and_delete_racing_compaction_win(small: LocalCluster, clock: FakeClock) -> None:
+    async with client(small, clock) as kv:
+        keys = await fill(kv)
+        await kv.delete_many(keys[::3])
+        async with GarbageCollector(small.addr, token=small.token) as gc:
+            sid, cid, res, refs = await copy_only(gc, kv)
+            over, gone = refs[0][0].decode(), refs[1][0].decode()
+            await kv.put(over, b"newer value")  # lands between copy and switch
+            await kv.delete(gone)
+            moves = [[k, cid, off, loc] for (k, off, _, _), loc in zip(refs, res["locations"][0], strict=True)]
+            rel = await gc.meta(Op.GC_RELOCATE, {"server_id": sid, "new_chunk": res["chunk_id"],
+                                                 "new_size": res["size"], "moves": moves})
+            assert rel["skipped"] == 2 and rel["moved"] == len(refs) - 2
+            await gc.run_pass(PassOptions(apply=True, grace_s=0))
+        async with client(small, clock) as fresh:
+            assert await fresh.get(over) == b"newer value"
+            assert await fresh.get(gone) is None
+            rest = [k for k in keys[1:] if k not in (over, gone) and k not in keys[::3]]
+            assert await fresh.get_many(rest) == [value_of(k) for k in rest]
+
+
+async def test_gc_abandoned_after_copy_leaves_reclaimable_leftover(small: LocalCluster, clock: FakeClock) -> None:
+    async with client(small, clock) as kv:
+        keys = await fill(kv)
+        await kv.delete_many(keys[::2])
+        async with GarbageCollector(small.addr, token=small.token) as gc:
+            _, _, res, _ = await copy_only(gc, kv)  # ... and the GC dies here
+        (leftover,) = small.root.glob(f"cs*/chunks/{res['chunk_id']:016x}.chunk")
+        assert leftover.exists()
+        async with client(small, clock) as fresh:
+            assert await fresh.get_many(keys[1::2]) == [value_of(k) for k in keys[1::2]]
+        async with GarbageCollector(small.addr, token=small.token) as gc:
+            await gc.run_pass(PassOptions(apply=True, grace_s=0))
+        assert not leftover.exists()
+        async with client(small, clock) as fresh:
+            assert await fresh.get_many(keys[1::2]) == [value_of(k) for k in keys[1::2]]
+
+
+@pytest.mark.subprocess
+async def test_kill_9_meta_between_copy_and_switch(proc_cluster: ProcessCluster) -> None:
+    async with proc_cluster.client() as kv:
+        keys = [f"p{i:03d}" for i in range(120)]
+        for i in range(0, len(keys), 10):
+            await kv.put_many([(k, value_of(k, 8192)) for k in keys[i : i + 10]])
+        await kv.delete_many(keys[::2])
+        async with GarbageCollector(proc_cluster.addr, token=proc_cluster.token) as gc:
+            stats = await gc.sync_usage()
+            for sid, st in stats.items():  # seal the open chunks so they can be compacted
+                assert (await gc.chunkserver(sid, Op.CHUNK_SEAL, {"chunk_id": st["open"], "idle_s": 0}))["sealed"]
+            _, _, res, _ = await copy_only(gc, kv)
+        (leftover,) = proc_cluster.data.glob(f"cs*/chunks/{res['chunk_id']:016x}.chunk")
+        assert leftover.exists()
+        assert proc_cluster.meta is not None
+        proc_cluster.meta.kill()  # SIGKILL
+        await proc_cluster.meta.stop()
+        await proc_cluster.start_meta(proc_cluster.addr.removeprefix("kvfs://"))
+    async with proc_cluster.client() as fresh:
+        live = keys[1::2]
+        assert await fresh.get_many(live) == [value_of(k, 8192) for k in live]
+        async with GarbageCollector(proc_cluster.addr, token=proc_cluster.token) as gc:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while len([s for s in await gc.servers() if s[2]]) < 3:  # chunkservers re-register
+                assert loop.time() < deadline, "chunkservers did not come back"
+                await asyncio.sleep(0.05)
+            await gc.run_pass(PassOptions(apply=True, grace_s=0))
+        assert not leftover.exists()
+        assert await fresh.get_many(live) == [value_of(k, 8192) for k in live]

@@ -1,0 +1,136 @@
+"""GC: eviction over the high watermark (LRU, leases), NoSpace when nothing is evictable."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from conftest import FakeClock
+
+from kvfs.client import AsyncClient
+from kvfs.config import ChunkServerConfig
+from kvfs.errors import NoSpace
+from kvfs.gc.driver import GarbageCollector, PassOptions
+from kvfs.launcher import LocalCluster
+
+CAP = 1024 * 1024
+VALUE = 8 * 1024
+GC = PassOptions(apply=True, grace_s=0, high=0.9, low=0.8)
+
+
+def make(tmp_path: Path, clock: FakeClock, n: int, capacity: int) -> LocalCluster:
+    root = tmp_path / "evict"
+    return LocalCluster(root, n, clock=clock, chunkserver=ChunkServerConfig(
+        data=root, heartbeat_interval_s=0.2, chunk_bytes=64 * 1024, capacity_bytes=capacity))
+
+
+@pytest.fixture
+async def full(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
+    c = make(tmp_path, clock, 3, CAP)
+    await c.start()
+    try:
+        yield c
+    finally:
+        await c.stop()
+
+
+def client(c: LocalCluster, clock: FakeClock) -> AsyncClient:
+    kv = c.client()
+    kv.clock = clock
+    return kv
+
+
+async def read_fresh(c: LocalCluster, clock: FakeClock, keys: list[str]) -> list[bytes | None]:
+    """Read through a new client: no cached layouts, so meta sees the access."""
+    async with client(c, clock) as r:
+        return await r.get_many(keys)
+
+
+async def test_eviction_keeps_cluster_under_watermark_lru_first(full: LocalCluster, clock: FakeClock) -> None:
+    hot = [f"hot{i}" for i in range(20)]
+    written: dict[str, int] = {}  # key -> round written
+    server: dict[str, int] = {}
+    async with client(full, clock) as kv, GarbageCollector(full.addr, token=full.token) as gc:
+        await kv.put_many([(k, k.encode().ljust(VALUE, b".")) for k in hot])
+        for rnd in range(90):  # 90 rounds x 8 x 8 KiB = 5.6 MiB into 3 MiB of capacity
+            clock.advance(10)
+            keys = [f"cold{rnd:02d}-{i}" for i in range(8)]
+            await kv.put_many([(k, k.encode().ljust(VALUE, b".")) for k in keys])
+            for k in keys:
+                lay = await kv.layout(k)
+                assert lay is not None
+                written[k], server[k] = rnd, lay.extents[0].replicas[0].server_id
+            assert await read_fresh(full, clock, hot) == [k.encode().ljust(VALUE, b".") for k in hot]
+            await gc.run_pass(GC)
+            st = await gc.status()
+            for s in st["servers"]:
+                assert s["used"] <= 0.9 * s["capacity"], s
+        assert st["metrics"]["keys_evicted"] > 0
+    present = dict(zip(written, await read_fresh(full, clock, list(written)), strict=True))
+    assert await read_fresh(full, clock, hot) == [k.encode().ljust(VALUE, b".") for k in hot]
+    # least recently read first: on each server, every evicted key is older than every survivor
+    evicted_any = False
+    for sid in set(server.values()):
+        mine = [k for k in written if server[k] == sid]
+        gone = [written[k] for k in mine if present[k] is None]
+        kept = [written[k] for k in mine if present[k] is not None]
+        if gone and kept:
+            evicted_any = True
+            assert max(gone) <= min(kept), (sid, sorted(gone), sorted(kept))
+    assert evicted_any
+
+
+async def test_lease_holds_eviction_off_until_it_ends(tmp_path: Path, clock: FakeClock) -> None:
+    c = make(tmp_path, clock, 1, 512 * 1024)
+    await c.start()
+    try:
+        async with client(c, clock) as kv, GarbageCollector(c.addr, token=c.token) as gc:
+            leased = [f"l{i}" for i in range(10)]
+            await kv.put_many([(k, b"L" * VALUE) for k in leased])
+            assert await kv.match_prefix(leased, lease_s=30) == 10
+            clock.advance(1)
+            for i in range(5):  # 6 x 80 KiB: past the 90 % watermark of 512 KiB
+                await kv.put_many([(f"o{i}-{j}", b"O" * VALUE) for j in range(10)])
+            clock.advance(1)
+            r = await gc.run_pass(GC)
+            assert r.evicted_keys > 0 and r.leased_skipped == 10
+            assert await kv.exists_many(leased) == [True] * 10  # EXISTS does not count as a read
+            clock.advance(30)  # the lease ends; the leased keys are the least recently used
+            evicted = 0
+            for i in range(5, 8):
+                await kv.put_many([(f"o{i}-{j}", b"O" * VALUE) for j in range(10)])
+                r = await gc.run_pass(GC)
+                assert r.leased_skipped == 0
+                evicted += r.evicted_keys
+            assert evicted > 0
+            assert await read_fresh(c, clock, leased) == [None] * 10
+    finally:
+        await c.stop()
+
+
+async def test_full_cluster_nothing_evictable_raises_nospace(tmp_path: Path, clock: FakeClock) -> None:
+    c = make(tmp_path, clock, 1, 256 * 1024)
+    await c.start()
+    try:
+        async with client(c, clock) as kv, GarbageCollector(c.addr, token=c.token) as gc:
+            keys: list[str] = []
+            with pytest.raises((NoSpace, ExceptionGroup)) as info:
+                for i in range(100):
+                    batch = [f"n{i}-{j}" for j in range(4)]
+                    await kv.put_many([(k, b"N" * VALUE) for k in batch])
+                    keys += batch
+                    assert await kv.match_prefix(batch, lease_s=60) == 4
+                    r = await gc.run_pass(GC)
+                    assert r.evicted_keys == 0
+            # the client's TaskGroup may wrap it: kvfs.client should re-raise the NoSpace itself
+            exc = info.value
+            assert isinstance(exc, NoSpace) or exc.subgroup(NoSpace) is not None, exc
+            assert keys
+            clock.advance(61)  # leases over: evictable again, and writes fit after a pass
+            r = await gc.run_pass(GC)
+            assert r.evicted_keys > 0
+            await kv.put_many([("after", b"A" * VALUE)])
+            assert await kv.get("after") == b"A" * VALUE
+    finally:
+        await c.stop()
