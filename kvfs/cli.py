@@ -74,11 +74,11 @@ async def cmd_up(ns: argparse.Namespace) -> int:
     if ns.capacity is not None:
         cs_args += ["--capacity", str(ns.capacity)]
     gc_args: list[str] = []
-    if getattr(ns, "gc_interval", None) is not None:
+    if ns.gc_interval is not None:
         gc_args += ["--interval", str(ns.gc_interval)]
     cluster = ProcessCluster(Path(ns.data), ns.chunkservers, listen=ns.listen,
                              meta_args=tuple(meta_args), chunkserver_args=tuple(cs_args),
-                             gc=not getattr(ns, "no_gc", False), gc_args=tuple(gc_args))
+                             gc=ns.gc, gc_args=tuple(gc_args))
     addr = await cluster.start()
     try:
         token_path = cluster.write_user_token()
@@ -175,6 +175,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:7070", help="meta address (default 127.0.0.1:7070)")
     p.add_argument("--default-ttl", default=None, help="TTL for puts that give none (e.g. 1h)")
     p.add_argument("--capacity", default=None, help="capacity per chunkserver (e.g. 10GiB)")
+    p.add_argument("--gc", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the GC daemon (default: yes)")
+    p.add_argument("--gc-interval", default=None, help="time between GC passes (e.g. 10s)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("meta", help="run the metadata service in the foreground")

@@ -9,6 +9,7 @@ get_many: layouts from the cache or one LOOKUP -> one READV per chunkserver
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections import OrderedDict, defaultdict
@@ -33,6 +34,9 @@ from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key,
 from kvfs.protocol import Buffer
 from kvfs.rpc import Op
 from kvfs.transport import Connection
+
+log = logging.getLogger("kvfs.client")
+TOUCH_INTERVAL_S = 5.0
 
 Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor
 
@@ -157,6 +161,9 @@ class AsyncClient:
         self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
         self.clock = time.time
         self.rpc_counts: dict[str, int] = defaultdict(int)
+        self._touched: set[bytes] = set()  # keys read via the layout cache, not yet told to meta
+        self._touch_at = time.monotonic()
+        self._touch_task: asyncio.Task[None] | None = None
         self._get_batcher = _Batcher(self.get_many, self.config, self._known_size)
         self._exists_batcher = _Batcher(self.exists_many, self.config, lambda k: 0)
 
@@ -176,6 +183,10 @@ class AsyncClient:
         await self._meta_conn()
 
     async def close(self) -> None:
+        if self._touched and self._meta is not None and not self._meta.is_closed:
+            self._flush_touches()
+        if self._touch_task is not None:
+            await asyncio.wait([self._touch_task], timeout=self.config.request_timeout_s)
         for c in [self._meta, *self._conns.values()]:
             if c is not None:
                 c.close()
@@ -284,6 +295,10 @@ class AsyncClient:
                 del cache[k]
             else:
                 out[i] = lay
+                self._touched.add(k)
+        if self._touched and (len(self._touched) >= 4096
+                              or time.monotonic() - self._touch_at > TOUCH_INTERVAL_S):
+            self._flush_touches()
         if missing:
             h = await self._meta_call(Op.LOOKUP, {"keys": [keys[i] for i in missing]})
             for i, w in zip(missing, h["layouts"], strict=True):
@@ -292,6 +307,21 @@ class AsyncClient:
                     out[i] = lay
                     self._cache(keys[i], lay)
         return out
+
+    def _flush_touches(self) -> None:
+        """Tell meta, in one batch, which keys were read from cached layouts (LRU eviction)."""
+        if self._touch_task is not None and not self._touch_task.done():
+            return
+        keys, self._touched = list(self._touched), set()
+        self._touch_at = time.monotonic()
+
+        async def send() -> None:
+            try:
+                await self._meta_call(Op.TOUCH, {"keys": keys})
+            except KVFSError as exc:  # best effort: access times are advisory
+                log.debug("touch of %d keys failed: %s", len(keys), exc)
+
+        self._touch_task = asyncio.get_running_loop().create_task(send())
 
     async def layout(self, key: Key) -> Layout | None:
         """Where a value lives (extents, replicas); None on a miss."""
@@ -389,9 +419,10 @@ class AsyncClient:
                 i = j
             locs[sid] = out
 
-        async with asyncio.TaskGroup() as tg:
-            for sid in records:
-                tg.create_task(send(sid))
+        results = await asyncio.gather(*(send(sid) for sid in records), return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
         layouts = []
         for v, plan, whole in zip(views, plans, crcs, strict=True):
             extents = tuple(
@@ -419,8 +450,9 @@ class AsyncClient:
         out: list[bytes | None] = [None if lay is None else b"" for lay in layouts]
         dests = [memoryview(b) if b is not None else (_WHOLE if lay is not None and lay.size else None)
                  for b, lay in zip(bufs, layouts, strict=True)]
-        await self._read_into(ks, layouts, dests, out)
-        return [bytes(b) if b is not None else o for b, o in zip(bufs, out, strict=True)]
+        misses = await self._read_into(ks, layouts, dests, out)
+        return [None if i in misses else bytes(b) if b is not None else o
+                for i, (b, o) in enumerate(zip(bufs, out, strict=True))]
 
     async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
         """Read values into caller buffers; returns each size, -1 for a miss."""
@@ -435,11 +467,15 @@ class AsyncClient:
                 raise InvalidArgument(f"buffer of {v.nbytes} bytes is too small for {k[:64]!r} "
                                       f"({lay.size} bytes)")
             dests.append(None if lay is None else v[: lay.size])
-        await self._read_into(ks, layouts, dests)
-        return [-1 if lay is None else lay.size for lay in layouts]
+        misses = await self._read_into(ks, layouts, dests)
+        return [-1 if lay is None or i in misses else lay.size for i, lay in enumerate(layouts)]
 
     async def _read_into(self, keys: list[bytes], layouts: list[Layout | None],
-                         dests: list[memoryview | None], out: list[bytes | None] | None = None) -> None:
+                         dests: list[memoryview | None], out: list[bytes | None] | None = None,
+                         ) -> set[int]:
+        """Fill ``dests``; returns the slots that turned out to be misses (deleted or
+        expired while being read)."""
+        misses: set[int] = set()
         stale = await self._fetch(keys, layouts, dests, out)
         if stale:
             for i in stale:
@@ -449,12 +485,16 @@ class AsyncClient:
             retry_dests: list[memoryview | None] = [None] * len(keys)
             for i, lay in zip(stale, fresh, strict=True):
                 old = layouts[i]
-                if lay is None or old is None or lay.size != old.size or lay == old:
+                if lay is None:
+                    misses.add(i)
+                    continue
+                if old is None or lay.size != old.size or lay == old:
                     raise StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
                                       "named by its layout (lost or reclaimed)")
                 retry_layouts[i], retry_dests[i] = lay, dests[i]
             if await self._fetch(keys, retry_layouts, retry_dests, out):
                 raise StaleLayout("layouts changed twice during one read; retry")
+        return misses
 
     async def _fetch(self, keys: list[bytes], layouts: list[Layout | None],
                      dests: list[memoryview | None], out: list[bytes | None] | None) -> list[int]:

@@ -265,3 +265,34 @@ async def test_restarts_keep_committed_data(proc_cluster: ProcessCluster) -> Non
         assert await kv.get_many(list(items)) == list(items.values())
         st = await kv.stats()
         assert st["keys"] == len(items)
+
+
+async def test_key_deleted_while_its_bytes_vanish_is_a_miss(cluster: LocalCluster, kv: AsyncClient) -> None:
+    await kv.put(b"d", b"x" * 5000)
+    layout = await kv.layout(b"d")  # cached by kv
+    assert layout is not None
+    rep = layout.extents[0].replicas[0]
+    idx = next(i for i, c in enumerate(cluster.chunkservers) if c and c.server_id == rep.server_id)
+    cs = cluster.chunkservers[idx]
+    assert cs is not None
+    path = cs.store.chunk_path(rep.chunk_id)
+    async with cluster.client() as other:
+        assert await other.delete(b"d")
+    await cluster.stop_chunkserver(idx)
+    os.truncate(path, rep.offset)  # as if GC reclaimed the chunk after the delete
+    await cluster.start_chunkserver(idx)
+    assert await kv.get_many([b"d"]) == [None]  # the stale cached layout is refreshed: a clean miss
+    assert await kv.get_into([b"d"], [bytearray(5000)]) == [-1]
+
+
+async def test_reads_from_cached_layouts_reach_meta_lru(cluster: LocalCluster, kv: AsyncClient,
+                                                        clock: object) -> None:
+    await kv.put(b"hot", b"v")
+    meta = cluster.meta
+    assert meta is not None
+    before = meta.entries[b"hot"].last_access
+    clock.advance(100)  # type: ignore[attr-defined]
+    for _ in range(3):
+        assert await kv.get_many([b"hot"]) == [b"v"]  # served from the layout cache
+    await kv.close()  # flushes pending touches
+    assert meta.entries[b"hot"].last_access == before + 100
