@@ -26,6 +26,7 @@ from kvfs.errors import (
     ChecksumMismatch,
     InvalidArgument,
     KVFSError,
+    NoSpace,
     StaleLayout,
     Unavailable,
     from_wire,
@@ -354,6 +355,7 @@ class AsyncClient:
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
         layouts: list[Layout] | None = None
+        collected = False
         for attempt in range(3):
             live = [s for s in await self.servers(refresh=attempt > 0) if s.alive]
             if len(live) < r:
@@ -364,12 +366,27 @@ class AsyncClient:
             except Unavailable:
                 if attempt == 2:
                     raise
+            except NoSpace:
+                if collected or not self.config.evict_on_full:
+                    raise
+                await self._make_room()
+                collected = True
         assert layouts is not None
         h = await self._meta_call(Op.COMMIT, {"items": [[k, lay.to_wire()] for k, lay in zip(keys, layouts, strict=True)],
                                               "ttl_s": ttl})
         created, expires_at = float(h["created"]), h["expires_at"]
         for k, lay in zip(keys, layouts, strict=True):
             self._cache(k, Layout(lay.size, lay.crc, created, expires_at, lay.extents))
+
+    async def _make_room(self) -> None:
+        """A write found the cluster full: run one GC pass (expire, evict LRU down to the
+        low watermark and to fit the refused write, compact, delete) and let the caller retry."""
+        from kvfs.gc.driver import GarbageCollector, PassOptions
+
+        log.info("cluster full: running a GC pass before retrying the write")
+        async with GarbageCollector(self.addr, token=self.token) as gc:
+            await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
+        await self.servers(refresh=True)
 
     async def _write(self, keys: list[bytes], views: list[memoryview], order: list[ServerEntry],
                      r: int, ttl: float | None) -> list[Layout]:
