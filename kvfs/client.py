@@ -14,7 +14,7 @@ import random
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import crc32c
@@ -61,7 +61,8 @@ class _Job:
     slot: int
     extent: Extent
     dest: memoryview
-    tried: set[int] = field(default_factory=set)
+    rep: Replica | None = None  # the replica being read
+    tried: tuple[int, ...] = ()  # servers that already failed this extent
     error: KVFSError | None = None
 
 
@@ -536,13 +537,17 @@ class AsyncClient:
             for job in pending:
                 if job.slot in stale or job.slot in failed:
                     continue
-                choices = [r for r in job.extent.replicas if r.server_id not in job.tried]
-                if not choices:
+                reps = job.extent.replicas
+                if len(reps) == 1 and not job.tried:  # the common case, no choice to make
+                    rep: Replica | None = reps[0]
+                else:
+                    choices = [r for r in reps if r.server_id not in job.tried]
+                    rep = next((r for r in choices if alive.get(r.server_id, True)),
+                               choices[0] if choices else None)
+                if rep is None:
                     failed[job.slot] = job.error or Unavailable("no replica left")
                     continue
-                preferred = [r for r in choices if alive.get(r.server_id, True)]
-                rep = (preferred or choices)[0]
-                job.tried.add(rep.server_id)
+                job.rep = rep
                 by_server[rep.server_id].append(job)
             if not by_server:
                 break
@@ -553,6 +558,7 @@ class AsyncClient:
             for (sid, js), res in zip(by_server.items(), results, strict=True):
                 if isinstance(res, Unavailable):
                     for job in js:
+                        job.tried += (sid,)
                         job.error = Unavailable(
                             f"key {keys[job.slot][:64]!r}: chunkserver {sid} holding its bytes is "
                             f"unavailable ({res})")
@@ -578,27 +584,29 @@ class AsyncClient:
                 total += jobs[j].extent.length
                 j += 1
             batch = jobs[i:j]
-            ranges = []
-            for job in batch:
-                rep = next(r for r in job.extent.replicas if r.server_id == sid)
-                ranges.append([rep.chunk_id, rep.offset, job.extent.length])
+            ranges = [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+                      for job in batch]
             h, payload = await self._server_call(sid, Op.READV, {"ranges": ranges})
             errors = h.get("errors") or {}
             pos = 0
+            crc = crc32c.crc32c
             for idx, job in enumerate(batch):
-                err = errors.get(idx)
-                if err is not None:
-                    exc = from_wire({"code": err[0], "message": err[1]})
-                    if isinstance(exc, StaleLayout):
-                        stale.append(job.slot)
-                    else:
-                        job.error = exc
-                        retry.append(job)
-                    continue
+                if errors:
+                    err = errors.get(idx)
+                    if err is not None:
+                        exc = from_wire({"code": err[0], "message": err[1]})
+                        if isinstance(exc, StaleLayout):
+                            stale.append(job.slot)
+                        else:
+                            job.tried += (sid,)
+                            job.error = exc
+                            retry.append(job)
+                        continue
                 n = job.extent.length
                 got = payload[pos : pos + n]
                 pos += n
-                if crc32c.crc32c(got) != job.extent.crc:
+                if crc(got) != job.extent.crc:
+                    job.tried += (sid,)
                     job.error = ChecksumMismatch(
                         f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
                         f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")

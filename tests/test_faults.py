@@ -296,3 +296,16 @@ async def test_reads_from_cached_layouts_reach_meta_lru(cluster: LocalCluster, k
         assert await kv.get_many([b"hot"]) == [b"v"]  # served from the layout cache
     await kv.close()  # flushes pending touches
     assert meta.entries[b"hot"].last_access == before + 100
+
+
+async def test_corrupt_replica_falls_back_to_a_good_one(cluster: LocalCluster, kv: AsyncClient) -> None:
+    value = os.urandom(50_000)
+    await kv.put(b"two", value, replicas=2)
+    layout = await kv.layout(b"two")
+    assert layout is not None
+    rep = layout.extents[0].replicas[0]
+    cs = next(c for c in cluster.chunkservers if c and c.server_id == rep.server_id)
+    with open(cs.store.chunk_path(rep.chunk_id), "r+b") as f:
+        f.seek(rep.offset + 10)
+        f.write(b"\xff\xfe")
+    assert await kv.get(b"two") == value  # the first replica fails its CRC; the second is read
