@@ -307,5 +307,5 @@ async def test_corrupt_replica_falls_back_to_a_good_one(cluster: LocalCluster, k
     cs = next(c for c in cluster.chunkservers if c and c.server_id == rep.server_id)
     with open(cs.store.chunk_path(rep.chunk_id), "r+b") as f:
         f.seek(rep.offset + 10)
-        f.write(b"\xff\xfe")
+        f.write(bytes([value[10] ^ 0x01]))
     assert await kv.get(b"two") == value  # the first replica fails its CRC; the second is read
