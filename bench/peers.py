@@ -724,7 +724,10 @@ def run_fio_file(
     args.extend(extra_args)
     limit = timeout_s if timeout_s is not None else runtime_s + ramp_time_s + 120.0
     try:
-        proc = subprocess.run(args, capture_output=True, text=True, timeout=limit, check=False)
+        # cwd: fio drops ``local-<job>-<n>-verify.state`` files in its working dir
+        proc = subprocess.run(
+            args, capture_output=True, text=True, timeout=limit, check=False, cwd=directory
+        )
     except subprocess.TimeoutExpired as e:
         raise PeerUnavailable(f"fio did not finish within {limit:g}s") from e
     start = proc.stdout.find("{")

@@ -213,6 +213,11 @@ class KVFileSystem(AsyncFileSystem):
     existing :class:`~kvfs.client.AsyncClient` to use, only with
     ``asynchronous=True`` on that client's loop), ``batch_max_keys`` /
     ``batch_max_bytes`` (bounds of a coalesced write).
+
+    Without ``config`` the client keeps no layout cache, so every read looks
+    its keys up in meta (one lookup per batch) and sees overwrites by other
+    clients at once.  For write-once data (KV pages) pass a ``ClientConfig``
+    with a layout cache to skip that lookup.
     """
 
     protocol: ClassVar[str] = "kvfs"
@@ -234,7 +239,9 @@ class KVFileSystem(AsyncFileSystem):
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive seconds or None, got {ttl}")
         self.ttl = ttl
-        self.config = config
+        # No layout cache by default: a path may be overwritten by another client, and a cached
+        # (immutable) layout would keep serving the old bytes until they are reclaimed.
+        self.config = config or ClientConfig(layout_cache_entries=0)
         self._client = client
         self._batch_max_keys = batch_max_keys
         self._batch_max_bytes = batch_max_bytes
@@ -323,12 +330,12 @@ class KVFileSystem(AsyncFileSystem):
             return _dir_info("")
         check_path(p)
         c = self._session().client
-        with _errors(p):
-            lay, under = await asyncio.gather(c.layout(_kb(p)), c.list(_kb(p + "/"), limit=1, page_size=1))
-        if lay is not None:
-            return _file_info(p, lay.size, lay.created, lay.expires_at, len(lay.extents))
-        if under:
-            return _dir_info(p)
+        with _errors(p):  # a file is the common case: its lookup alone answers
+            lay = await c.layout(_kb(p))
+            if lay is not None:
+                return _file_info(p, lay.size, lay.created, lay.expires_at, len(lay.extents))
+            if await c.list(_kb(p + "/"), limit=1, page_size=1):
+                return _dir_info(p)
         raise FileNotFoundError(errno.ENOENT, "no such kvfs file or directory", p)
 
     async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Info] | list[str]:
@@ -425,8 +432,10 @@ class KVFileSystem(AsyncFileSystem):
         with _errors(p):
             files = await c.exists_many([_kb(lv) for lv in levels])
             for lv, is_file in zip(levels, files, strict=True):
+                if is_file and lv == p:
+                    raise FileExistsError(errno.EEXIST, "a kvfs file has this name", lv)
                 if is_file:
-                    raise FileExistsError(errno.ENOTDIR, "a file is in the way of this directory", lv)
+                    raise NotADirectoryError(errno.ENOTDIR, "a kvfs file is in the way", lv)
             await c.put_many([(_kb(lv + "/"), b"") for lv in levels])
 
     async def _rmdir(self, path: str) -> None:

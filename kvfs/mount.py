@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar, cast
 
 from kvfs.config import ClientConfig
 from kvfs.errors import KVFSError
-from kvfs.fs import InvalidPathError, KVFileSystem, check_path
+from kvfs.fs import InvalidPathError, KVFileSystem, _errors, check_path
 from kvfs.layout import MAX_KEY_BYTES, MAX_VALUE_BYTES
 from kvfs.units import parse_duration
 
@@ -95,6 +95,71 @@ class _Handle:
     dirty: bool = False  # has writes (or a truncation) not yet committed
     orphan: bool = False  # unlinked while open: never committed
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one fetch of the old value
+
+
+class _ReadBatcher:
+    """Adaptive batching of whole-value reads, for FUSE's one-request-at-a-time arrivals.
+
+    FUSE requests reach the loop one by one, so reads that overlap in time
+    rarely start in the same loop tick (what the client's batcher joins).
+    Here a read goes out at once while fewer than ``max_inflight`` are
+    outstanding; otherwise it waits, and everything that queued up goes out
+    as one ``get_many`` when a slot frees.  Idle: no added latency; busy:
+    batches as large as the backlog (one lookup + one readv per server).
+    """
+
+    def __init__(self, fs: KVFileSystem, *, max_inflight: int = 2, max_keys: int = 128) -> None:
+        self._fs = fs
+        self._max_inflight = max_inflight
+        self._max_keys = max_keys
+        self._inflight = 0
+        self._queue: list[tuple[bytes, asyncio.Future[bytes | None]]] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.batches = 0
+
+    async def get(self, key: bytes) -> bytes | None:
+        fut: asyncio.Future[bytes | None] = asyncio.get_running_loop().create_future()
+        self._queue.append((key, fut))
+        self._pump()
+        return await fut
+
+    def _pump(self) -> None:
+        while self._queue and self._inflight < self._max_inflight:
+            batch, self._queue = self._queue[: self._max_keys], self._queue[self._max_keys :]
+            self._inflight += 1
+            self.batches += 1
+            task = asyncio.get_running_loop().create_task(self._run(batch))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _run(self, batch: list[tuple[bytes, asyncio.Future[bytes | None]]]) -> None:
+        try:
+            client = self._fs.client
+            try:
+                values = await client.get_many([k for k, _ in batch])
+            except Exception as exc:
+                if len(batch) == 1:
+                    _settle(batch[0][1], exc)
+                    return
+                results = await asyncio.gather(*(client.get_many([k]) for k, _ in batch),
+                                               return_exceptions=True)
+                for (_, fut), res in zip(batch, results, strict=True):
+                    _settle(fut, res if isinstance(res, BaseException) else res[0])
+                return
+            for (_, fut), v in zip(batch, values, strict=True):
+                _settle(fut, v)
+        finally:
+            self._inflight -= 1
+            self._pump()
+
+
+def _settle(fut: asyncio.Future[bytes | None], res: bytes | BaseException | None) -> None:
+    if fut.done():
+        return
+    if isinstance(res, BaseException):
+        fut.set_exception(res)
+    else:
+        fut.set_result(res)
 
 
 def _errno_of(exc: BaseException) -> int:
@@ -161,6 +226,7 @@ class KVFSOperations(_Operations):
         self._handles: dict[int, _Handle] = {}
         self._dirs: dict[int, tuple[str, list[tuple[str, Info]]]] = {}
         self._next_fh = 1
+        self._reads = _ReadBatcher(fs)
 
     # inodes ------------------------------------------------------------------
     def _path(self, ino: int) -> str:
@@ -370,10 +436,11 @@ class KVFSOperations(_Operations):
         if h.value is None:
             async with h.lock:
                 if h.value is None:
-                    try:
-                        h.value = await self.fs._get_value(self._path(h.ino))
-                    except FileNotFoundError:
-                        raise OSError(errno.ENOENT, "deleted or expired since it was opened") from None
+                    with _errors(self._path(h.ino)):
+                        value = await self._reads.get(os.fsencode(self._path(h.ino)))
+                    if value is None:
+                        raise OSError(errno.ENOENT, "deleted or expired since it was opened")
+                    h.value = value
         return h.value[off : off + size]
 
     @_op
@@ -471,25 +538,37 @@ class KVFSOperations(_Operations):
         if ino is not None:
             for h in self._writers(ino):
                 await self._commit(h)
-        src_info = await self.fs._info(src)
-        try:
-            dst_info: Info | None = await self.fs._info(dst)
-        except FileNotFoundError:
-            dst_info = None
+        # a file (the common case: tmp + rename) is read while the target is looked at
+        value, dst_info = await asyncio.gather(self._value_or_none(src), self._info_or_none(dst))
         if dst_info is not None and flags & pyfuse3.RENAME_NOREPLACE:
             raise pyfuse3.FUSEError(errno.EEXIST)
-        if src_info["type"] == "file":
+        if value is not None:
             if dst_info is not None and dst_info["type"] == "directory":
                 raise pyfuse3.FUSEError(errno.EISDIR)
-            await self.fs._put_value(dst, await self.fs._get_value(src))
+            await self.fs._put_value(dst, value)
             await self.fs._rm_file(src)
         else:
+            await self.fs._info(src)  # ENOENT unless a directory
             if dst_info is not None and dst_info["type"] == "file":
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
             if dst_info is not None and await self.fs._ls(dst, detail=False):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)
             await self._move_tree(src, dst)
         self._renamed(src, dst)
+
+    async def _value_or_none(self, path: str) -> bytes | None:
+        try:
+            v: bytes = await self.fs._get_value(path)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        return v
+
+    async def _info_or_none(self, path: str) -> Info | None:
+        try:
+            info: Info = await self.fs._info(path)
+        except FileNotFoundError:
+            return None
+        return info
 
     async def _move_tree(self, src: str, dst: str) -> None:
         """Every key under ``src/`` to ``dst/``: batched get_many, put_many, delete_many."""
@@ -650,7 +729,8 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
               "--device /dev/fuse)", file=sys.stderr)
         return 2
     timeout_s = float(ns.timeout)
-    cfg = ClientConfig(connect_timeout_s=min(5.0, timeout_s), request_timeout_s=timeout_s)
+    cfg = ClientConfig(connect_timeout_s=min(5.0, timeout_s), request_timeout_s=timeout_s,
+                       layout_cache_entries=0)  # files are overwritten: always look keys up
     fs = KVFileSystem(ns.addr, token=ns.token, config=cfg, ttl=ns.ttl, asynchronous=True,
                       skip_instance_cache=True)
     try:
@@ -675,9 +755,20 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     sigs = (signal.SIGINT, signal.SIGTERM)
 
+    stopping = False
+
     def stop(sig: signal.Signals) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
         log.info("%s: unmounting %s", sig.name, mnt)
-        pyfuse3.terminate()
+        try:
+            pyfuse3.terminate()
+        except asyncio.InvalidStateError:
+            # pyfuse3's asyncio shim wakes the one task waiting on /dev/fuse; it was already
+            # woken and sees the session's exit flag on its own
+            pass
 
     for sig in sigs:
         loop.add_signal_handler(sig, stop, sig)

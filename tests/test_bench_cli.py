@@ -62,6 +62,12 @@ async def test_tiny_json_run_has_fio_fields(
         pct = d["clat_ns"]["percentile"]
         assert {"1.000000", "50.000000", "99.000000", "99.990000"} <= set(pct)
         assert job["error"] == 0 and job["kvfs"]["missing"] == 0
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    bench_cli.plot(jobs, tmp_path / "p.png")
+    assert (tmp_path / "p.png").stat().st_size > 0
 
 
 async def test_text_output_against_running_cluster(

@@ -245,8 +245,10 @@ def test_directories_are_prefixes_with_markers(kvfs_sync: KVFileSystem) -> None:
     with pytest.raises(OSError) as ei:
         fs.rmdir("dirs")
     assert ei.value.errno == errno.ENOTEMPTY
-    with pytest.raises(FileExistsError):
+    with pytest.raises(NotADirectoryError):
         fs.makedirs("dirs/file/sub")
+    with pytest.raises(FileExistsError):
+        fs.makedirs("dirs/file", exist_ok=True)
     assert fs.find("dirs", withdirs=True) == ["dirs", "dirs/file"]
     assert fs.find("", maxdepth=1, withdirs=True, detail=False)  # the root lists
     fs.rm("dirs", recursive=True)

@@ -1,0 +1,431 @@
+"""The FUSE mount (``kvfs mount``): shell tools, real fio, a KV-page workload, signals, outages.
+
+The cluster runs in this process on a loop of its own thread; the mount is a
+real ``python -m kvfs mount`` child process; the test thread uses the mount
+with plain system calls, as any program would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import IO, Any, TypeVar
+
+import pytest
+
+from kvfs._loop import new_event_loop
+from kvfs.client import AsyncClient
+from kvfs.fs import KVFileSystem
+from kvfs.launcher import LocalCluster
+from kvfs.mount import _ReadBatcher, is_mounted
+
+T = TypeVar("T")
+
+pytestmark = pytest.mark.fuse
+
+
+def _skip_reason() -> str | None:
+    if not os.path.exists("/dev/fuse"):
+        return "/dev/fuse is missing: this kernel or container has no FUSE"
+    if os.geteuid() != 0:
+        return "FUSE mount tests run as root (they mount and unmount)"
+    return None
+
+
+needs_fuse = pytest.mark.skipif(_skip_reason() is not None, reason=_skip_reason() or "")
+
+
+def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll ``pred`` until it holds; fail after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.02)
+
+
+class ThreadCluster:
+    """A LocalCluster on its own event-loop thread, for synchronous callers."""
+
+    def __init__(self, root: Path, chunkservers: int = 3) -> None:
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="cluster", daemon=True)
+        self.thread.start()
+        self.cluster = LocalCluster(root, chunkservers)
+        self.addr = self.call(self.cluster.start())
+        self.token = self.cluster.token
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def stop_services(self) -> None:
+        self.call(self.cluster.stop())
+
+    def start_services(self) -> None:
+        """Meta on its old port, the chunkservers on new ones (they re-register)."""
+        self.call(self.cluster.start_meta())
+        for i in range(self.cluster.n):
+            self.call(self.cluster.start_chunkserver(i))
+
+    def close(self) -> None:
+        try:
+            self.call(self.cluster.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(30)
+            self.loop.close()
+
+
+class Mount:
+    """``python -m kvfs mount`` as a child process; ``cleanup()`` always leaves nothing mounted."""
+
+    def __init__(self, mnt: Path, cluster: ThreadCluster, logs: Path, *args: str) -> None:
+        self.mnt = mnt
+        mnt.mkdir(parents=True, exist_ok=True)
+        logs.mkdir(parents=True, exist_ok=True)
+        self.err_path = logs / f"mount-{mnt.name}.err"
+        self._out: IO[bytes] = open(logs / f"mount-{mnt.name}.out", "wb")  # noqa: SIM115
+        self._err: IO[bytes] = open(self.err_path, "wb")  # noqa: SIM115
+        env = {**os.environ, "KVFS_TOKEN": cluster.token}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvfs", "mount", str(mnt), "--addr", cluster.addr,
+             "--timeout", "3s", *args], stdout=self._out, stderr=self._err, env=env)
+        try:
+            wait_until(lambda: is_mounted(str(mnt)) or self.proc.poll() is not None, 30, "the mount")
+            if not is_mounted(str(mnt)):
+                raise AssertionError(f"kvfs mount exited with {self.proc.returncode}: {self.stderr()}")
+        except BaseException:
+            self.cleanup()
+            raise
+
+    def stderr(self) -> str:
+        self._err.flush()
+        return self.err_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout_s: float = 20.0) -> int:
+        self.proc.send_signal(sig)
+        return self.proc.wait(timeout_s)
+
+    def cleanup(self) -> None:
+        try:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+        finally:
+            if is_mounted(str(self.mnt)):
+                tool = shutil.which("fusermount3") or shutil.which("fusermount")
+                argv = [tool, "-u", "-z", str(self.mnt)] if tool else ["umount", "-l", str(self.mnt)]
+                subprocess.run(argv, check=False, capture_output=True, timeout=30)
+            self._out.close()
+            self._err.close()
+
+
+@pytest.fixture(scope="module")
+def tcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadCluster]:
+    c = ThreadCluster(tmp_path_factory.mktemp("fuse-cluster"))
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(scope="module")
+def mount(tcluster: ThreadCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+    if _skip_reason():
+        pytest.skip(_skip_reason() or "")
+    root = tmp_path_factory.mktemp("fuse")
+    m = Mount(root / "mnt", tcluster, root / "logs")
+    try:
+        yield m
+    finally:
+        m.cleanup()
+
+
+@pytest.fixture
+def mnt(mount: Mount) -> Path:
+    return mount.mnt
+
+
+@pytest.fixture(scope="module")
+def fs(tcluster: ThreadCluster) -> Iterator[KVFileSystem]:
+    """The same cluster through fsspec: what other clients see."""
+    f = KVFileSystem(tcluster.addr, token=tcluster.token, skip_instance_cache=True)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+# everyday use -------------------------------------------------------------------
+@needs_fuse
+def test_shell_session(mnt: Path, fs: KVFileSystem, tmp_path: Path) -> None:
+    src = tmp_path / "src.bin"
+    src.write_bytes(os.urandom(3 * 1024 * 1024 + 17))
+    script = f"""
+    set -eu
+    cd {mnt}
+    mkdir -p sh/d
+    cp {src} sh/d/a.bin
+    cmp {src} sh/d/a.bin
+    echo hello > sh/hello.txt
+    test "$(cat sh/hello.txt)" = hello
+    test "$(stat -c %s sh/d/a.bin)" = {src.stat().st_size}
+    ls sh
+    mv sh/d/a.bin sh/b.bin
+    test ! -e sh/d/a.bin
+    cmp {src} sh/b.bin
+    cp sh/b.bin sh/c.bin
+    rm sh/b.bin
+    rmdir sh/d
+    ls sh
+    """
+    res = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split() == ["d", "hello.txt", "c.bin", "hello.txt"]
+    assert fs.cat_file("sh/c.bin") == src.read_bytes()  # another client sees the committed files
+    assert fs.cat_file("sh/hello.txt") == b"hello\n"
+    assert not fs.exists("sh/d") and not fs.exists("sh/b.bin")
+    info = fs.info("sh/c.bin")
+    assert info["size"] == src.stat().st_size and info["extents"] == 4
+    fs.pipe_file("sh/from-fsspec", b"made elsewhere")
+    assert (mnt / "sh" / "from-fsspec").read_bytes() == b"made elsewhere"
+
+
+@needs_fuse
+def test_write_is_invisible_until_close(mnt: Path, fs: KVFileSystem) -> None:
+    (mnt / "vis").mkdir()
+    fd = os.open(mnt / "vis" / "f.bin", os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, b"a" * 100_000)
+        os.write(fd, b"b" * 100_000)
+        assert os.stat(mnt / "vis" / "f.bin").st_size == 200_000  # this mount shows it
+        assert not fs.exists("vis/f.bin")  # nobody else does
+    finally:
+        os.close(fd)  # the commit point
+    assert fs.cat_file("vis/f.bin") == b"a" * 100_000 + b"b" * 100_000
+
+
+@needs_fuse
+def test_overwrite_in_place_and_truncate(mnt: Path, fs: KVFileSystem) -> None:
+    fs.pipe_file("ow/f", b"0123456789")
+    p = mnt / "ow" / "f"
+    with open(p, "r+b") as f:  # no O_TRUNC: the old value is read, patched, written whole
+        f.seek(3)
+        f.write(b"abc")
+    assert fs.cat_file("ow/f") == b"012abc6789"
+    os.truncate(p, 4)
+    assert fs.cat_file("ow/f") == b"012a"
+    p.write_bytes(b"new")  # O_TRUNC
+    assert fs.cat_file("ow/f") == b"new" and p.read_bytes() == b"new"
+    fs.pipe_file("ow/f", b"changed by someone else")
+    wait_until(lambda: p.read_bytes() == b"changed by someone else", 10, "the new value")
+
+
+# bad input ------------------------------------------------------------------------
+@needs_fuse
+def test_append_to_existing_file_is_eopnotsupp(mnt: Path, fs: KVFileSystem) -> None:
+    (mnt / "app").mkdir()
+    with open(mnt / "app" / "new", "ab") as f:  # a new file may be opened for append
+        f.write(b"one")
+    with pytest.raises(OSError) as ei:
+        open(mnt / "app" / "new", "ab")  # noqa: SIM115
+    assert ei.value.errno == errno.EOPNOTSUPP
+    assert fs.cat_file("app/new") == b"one"
+
+
+@needs_fuse
+def test_path_over_key_limit_is_enametoolong(mnt: Path) -> None:
+    deep = mnt / "long"
+    with pytest.raises(OSError) as ei:
+        for _ in range(6):  # 6 x 201 bytes > 1 KiB
+            deep = deep / ("x" * 200)
+            deep.mkdir(parents=True)
+    assert ei.value.errno == errno.ENAMETOOLONG
+    with pytest.raises(OSError) as ei:
+        (deep.parent / ("y" * 250)).write_bytes(b"v")
+    assert ei.value.errno == errno.ENAMETOOLONG
+
+
+@needs_fuse
+def test_missing_file_and_nonempty_rmdir(mnt: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        (mnt / "nope" / "x").read_bytes()
+    (mnt / "ne").mkdir()
+    (mnt / "ne" / "f").write_bytes(b"1")
+    with pytest.raises(OSError) as ei:
+        (mnt / "ne").rmdir()
+    assert ei.value.errno == errno.ENOTEMPTY
+
+
+# a KV-page directory (SGLang HiCacheFile style) ------------------------------------------
+@needs_fuse
+def test_hicache_style_pages(mnt: Path, fs: KVFileSystem) -> None:
+    """Thousands of page files, each written to a tmp name and renamed; every byte read back."""
+    n, page = 2000, 4096
+    d = mnt / "hicache"
+    d.mkdir()
+
+    def page_bytes(i: int) -> bytes:
+        return hashlib.blake2b(i.to_bytes(4, "little"), digest_size=64).digest() * (page // 64)
+
+    def name(i: int) -> str:
+        return hashlib.sha256(f"block{i}".encode()).hexdigest() + ".bin"
+
+    def write(i: int) -> None:
+        tmp = d / (name(i) + ".tmp")
+        with open(tmp, "wb") as f:
+            f.write(page_bytes(i))
+        os.replace(tmp, d / name(i))
+
+    def check(i: int) -> bool:
+        with open(d / name(i), "rb") as f:
+            return f.read() == page_bytes(i)
+
+    with ThreadPoolExecutor(4) as ex:  # four writers (tensor-parallel ranks)
+        list(ex.map(write, range(n)))
+    listing = os.listdir(d)
+    assert len(listing) == n and not [x for x in listing if x.endswith(".tmp")]
+    with ThreadPoolExecutor(16) as ex:  # parallel small reads: batched by the mount
+        assert all(ex.map(check, range(n)))
+    got = fs.cat([f"hicache/{name(i)}" for i in range(n)])  # and another client agrees
+    assert all(got[f"hicache/{name(i)}"] == page_bytes(i) for i in range(n))
+    shutil.rmtree(d)
+    assert not fs.exists("hicache")
+
+
+# fio ------------------------------------------------------------------------------
+def _fio(directory: Path, out: Path, *args: str) -> dict[str, Any]:
+    res = subprocess.run(["fio", "--ioengine=psync", "--iodepth=1", f"--directory={directory}",
+                          "--output-format=json", f"--output={out}", *args],
+                         capture_output=True, text=True, timeout=120)
+    report = json.loads(out.read_text()) if out.exists() and out.stat().st_size else {}
+    report["rc"] = res.returncode
+    report["stderr"] = res.stderr
+    return report
+
+
+@needs_fuse
+def test_fio_on_the_mount(mnt: Path, tmp_path: Path) -> None:
+    assert shutil.which("fio"), "fio is not installed (apt-get install fio)"
+    d = mnt / "fio"
+    d.mkdir()
+    for bs, size in (("1m", "8m"), ("4k", "4m")):
+        f = f"--filename=data-{bs}"
+        runs = [("write", ["--rw=write", "--do_verify=1"]), ("read", ["--rw=read"]),
+                ("randread", ["--rw=randread"])]
+        for rw, extra in runs:
+            r = _fio(d, tmp_path / f"{rw}-{bs}.json", f"--name={rw}-{bs}", f, f"--bs={bs}",
+                     f"--size={size}", "--verify=crc32c", *extra)
+            assert r["rc"] == 0, r["stderr"]
+            (job,) = r["jobs"]
+            assert job["error"] == 0
+            io = job["write" if rw == "write" else "read"]["io_bytes"]
+            assert io == int(size[:-1]) * 1024 * 1024
+        assert os.path.getsize(d / f"data-{bs}") == int(size[:-1]) * 1024 * 1024
+    # the read jobs really verify: bytes fio did not write fail
+    (d / "random").write_bytes(os.urandom(1024 * 1024))
+    r = _fio(d, tmp_path / "bad.json", "--name=bad", "--filename=random", "--rw=read", "--bs=1m",
+             "--size=1m", "--verify=crc32c")
+    assert r["rc"] != 0
+
+
+# lifecycle ----------------------------------------------------------------------------
+@needs_fuse
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_unmounts_cleanly(tcluster: ThreadCluster, tmp_path: Path, sig: int) -> None:
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs")
+    try:
+        (m.mnt / "sig.txt").write_bytes(b"x")
+        assert m.stop(sig) == 0, m.stderr()
+        assert not is_mounted(str(m.mnt))
+        assert "Traceback" not in m.stderr()
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
+def test_killed_mount_is_cleared_by_umount(tcluster: ThreadCluster, tmp_path: Path) -> None:
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs")
+    try:
+        m.stop(signal.SIGKILL)
+        assert is_mounted(str(m.mnt))  # a dead endpoint, not a hang
+        with pytest.raises(OSError) as ei:
+            os.listdir(m.mnt)
+        assert ei.value.errno == errno.ENOTCONN
+        res = subprocess.run([sys.executable, "-m", "kvfs", "umount", str(m.mnt)],
+                             capture_output=True, text=True, timeout=30)
+        assert res.returncode == 0, res.stderr
+        assert not is_mounted(str(m.mnt))
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
+def test_cluster_gone_gives_eio_then_recovers(tmp_path: Path) -> None:
+    c = ThreadCluster(tmp_path / "cluster")
+    m: Mount | None = None
+    try:
+        m = Mount(tmp_path / "mnt", c, tmp_path / "logs", "--timeout", "2s")
+        (m.mnt / "before.bin").write_bytes(b"before")
+        c.stop_services()
+        t0 = time.monotonic()
+        with pytest.raises(OSError) as ei:
+            (m.mnt / "during.bin").write_bytes(b"during")
+        assert ei.value.errno == errno.EIO
+        with pytest.raises(OSError) as ei:
+            os.stat(m.mnt / "other.bin")
+        assert ei.value.errno == errno.EIO
+        assert time.monotonic() - t0 < 15  # bounded, no hang
+        c.start_services()
+
+        def works() -> bool:
+            try:
+                (m.mnt / "after.bin").write_bytes(b"after")
+                return (m.mnt / "after.bin").read_bytes() == b"after"
+            except OSError:
+                return False
+
+        wait_until(works, 30, "the mount to work again")
+        assert (m.mnt / "before.bin").read_bytes() == b"before"
+        assert m.proc.poll() is None
+    finally:
+        if m is not None:
+            m.cleanup()
+        c.close()
+
+
+async def test_overlapping_reads_are_batched(kv: AsyncClient) -> None:
+    """The mount's read batcher: while reads are outstanding, new ones queue and go out together."""
+    fs = KVFileSystem(client=kv, asynchronous=True)
+    await kv.put_many({f"rb/{i}": str(i).encode() for i in range(300)})
+    rb = _ReadBatcher(fs, max_inflight=2, max_keys=128)
+    got = await asyncio.gather(*(rb.get(f"rb/{i}".encode()) for i in range(300)), rb.get(b"rb/none"))
+    assert got == [str(i).encode() for i in range(300)] + [None]
+    assert rb.batches == 5  # 1 + 1 alone while idle, then 128 + 128 + 45 queued
+    assert await rb.get(b"rb/7") == b"7"
+
+
+def test_mount_without_pyfuse3_says_what_to_install(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['pyfuse3'] = None; from kvfs.cli import main; "
+            f"sys.exit(main(['mount', {str(tmp_path)!r}, '--addr', 'kvfs://127.0.0.1:9']))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "pyfuse3" in res.stderr and "pip install" in res.stderr
+
+
+def test_umount_of_something_not_mounted(tmp_path: Path) -> None:
+    res = subprocess.run([sys.executable, "-m", "kvfs", "umount", str(tmp_path)],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "not mounted" in res.stderr
