@@ -11,8 +11,7 @@ names)::
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvfs.errors import InvalidArgument
 
@@ -45,22 +44,22 @@ def norm_keys(keys: Iterable[Key]) -> list[bytes]:
     return out
 
 
-@dataclass(frozen=True, slots=True)
-class Replica:
+class Replica(NamedTuple):
     server_id: int
     chunk_id: int
     offset: int
 
 
-@dataclass(frozen=True, slots=True)
-class Extent:
+class Extent(NamedTuple):
     length: int
     crc: int
     replicas: tuple[Replica, ...]
 
 
-@dataclass(frozen=True, slots=True)
-class Layout:
+class Layout(NamedTuple):
+    """Immutable; tuples are much cheaper to build than frozen dataclasses (meta builds
+    one per committed key)."""
+
     size: int
     crc: int
     created: float
@@ -76,21 +75,28 @@ class Layout:
                  for e in self.extents]]
 
     @classmethod
-    def from_wire(cls, w: list[Any]) -> Layout:
+    def from_wire(cls, w: list[Any], *, created: float | None = None,
+                  expires_at: float | None | bool = False) -> Layout:
+        """Parse and check a wire layout; ``created``/``expires_at`` override its own."""
         try:
-            size, crc, created, expires_at, exts = w
-            extents = tuple(
-                Extent(int(length), int(ecrc), tuple(Replica(int(s), int(c), int(o)) for s, c, o in reps))
-                for length, ecrc, reps in exts
-            )
+            size, crc, wcreated, wexpires, exts = w
+            extents = []
+            total = 0
+            for length, ecrc, reps in exts:
+                if not reps:
+                    raise InvalidArgument("layout has an extent with no replica")
+                extents.append(Extent(int(length), int(ecrc),
+                                      tuple([Replica(int(s), int(c), int(o)) for s, c, o in reps])))
+                total += length
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"malformed layout: {exc}") from None
-        if sum(e.length for e in extents) != size:
-            raise InvalidArgument(f"layout extents add up to {sum(e.length for e in extents)}, not {size}")
-        if any(not e.replicas for e in extents):
-            raise InvalidArgument("layout has an extent with no replica")
-        return cls(int(size), int(crc), float(created),
-                   None if expires_at is None else float(expires_at), extents)
+        if total != size:
+            raise InvalidArgument(f"layout extents add up to {total}, not {size}")
+        if expires_at is False:
+            expires_at = None if wexpires is None else float(wexpires)
+        return cls(int(size), int(crc), float(wcreated if created is None else created),
+                   expires_at,
+                   tuple(extents))
 
     def chunk_bytes(self) -> Iterable[tuple[int, int]]:
         """(chunk_id, bytes) for every replica of every extent."""

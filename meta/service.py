@@ -176,20 +176,21 @@ class MetaService(MetaGc):
         now = self.clock()
         expires_at = None if ttl is None else now + float(ttl)
         staged: list[tuple[bytes, Layout, list[Any]]] = []
+        servers = self.servers
         for key, wire in items:
             key = norm_key(key)
-            lay = Layout.from_wire(wire)
+            lay = Layout.from_wire(wire, created=now, expires_at=expires_at)
             if lay.size > MAX_VALUE_BYTES:
                 raise InvalidArgument(f"value of {lay.size} bytes for {key[:64]!r} exceeds {MAX_VALUE_BYTES}")
             for e in lay.extents:
                 for r in e.replicas:
-                    if r.server_id not in self.servers:
+                    if r.server_id not in servers:
                         raise InvalidArgument(f"layout for {key[:64]!r} names unknown chunkserver {r.server_id}")
-            lay = Layout(lay.size, lay.crc, now, expires_at, lay.extents)
             if not self.check_not_dead(lay):
                 raise StaleLayout(f"layout for {key[:64]!r} names a chunk garbage collection already "
                                   "reclaimed (the put took longer than the GC grace period); retry the put")
-            staged.append((key, lay, lay.to_wire()))
+            wire[2], wire[3] = now, expires_at  # the checked wire form, re-stamped: no re-encoding
+            staged.append((key, lay, wire))
         self.store.put_many((k, pack_layout(w), expires_at, now) for k, _, w in staged)
         for key, lay, wire in staged:
             old = self.entries.get(key)
