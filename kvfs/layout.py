@@ -75,9 +75,8 @@ class Layout(NamedTuple):
                  for e in self.extents]]
 
     @classmethod
-    def from_wire(cls, w: list[Any], *, created: float | None = None,
-                  expires_at: float | None | bool = False) -> Layout:
-        """Parse and check a wire layout; ``created``/``expires_at`` override its own."""
+    def from_wire(cls, w: list[Any], *, stamp: tuple[float, float | None] | None = None) -> Layout:
+        """Parse and check a wire layout; ``stamp`` = (created, expires_at) overrides its own."""
         try:
             size, crc, wcreated, wexpires, exts = w
             extents = []
@@ -92,11 +91,9 @@ class Layout(NamedTuple):
             raise InvalidArgument(f"malformed layout: {exc}") from None
         if total != size:
             raise InvalidArgument(f"layout extents add up to {total}, not {size}")
-        if expires_at is False:
-            expires_at = None if wexpires is None else float(wexpires)
-        return cls(int(size), int(crc), float(wcreated if created is None else created),
-                   expires_at,
-                   tuple(extents))
+        if stamp is None:
+            stamp = (float(wcreated), None if wexpires is None else float(wexpires))
+        return cls(int(size), int(crc), stamp[0], stamp[1], tuple(extents))
 
     def chunk_bytes(self) -> Iterable[tuple[int, int]]:
         """(chunk_id, bytes) for every replica of every extent."""

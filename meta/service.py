@@ -179,7 +179,7 @@ class MetaService(MetaGc):
         servers = self.servers
         for key, wire in items:
             key = norm_key(key)
-            lay = Layout.from_wire(wire, created=now, expires_at=expires_at)
+            lay = Layout.from_wire(wire, stamp=(now, expires_at))
             if lay.size > MAX_VALUE_BYTES:
                 raise InvalidArgument(f"value of {lay.size} bytes for {key[:64]!r} exceeds {MAX_VALUE_BYTES}")
             for e in lay.extents:
