@@ -355,14 +355,14 @@ class AsyncClient:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        layouts: list[Layout] | None = None
+        wires: list[list[Any]] | None = None
         collected = False
         for attempt in range(3):
             live = [s for s in await self.servers(refresh=attempt > 0) if s.alive]
             if len(live) < r:
                 raise Unavailable(f"{r} replicas need {r} live chunkservers; {len(live)} are live")
             try:
-                layouts = await self._write(keys, views, self._order(live), r, ttl)
+                wires = await self._write(keys, views, self._order(live), r, ttl)
                 break
             except Unavailable:
                 if attempt == 2:
@@ -372,12 +372,12 @@ class AsyncClient:
                     raise
                 await self._make_room()
                 collected = True
-        assert layouts is not None
-        h = await self._meta_call(Op.COMMIT, {"items": [[k, lay.to_wire()] for k, lay in zip(keys, layouts, strict=True)],
+        assert wires is not None
+        h = await self._meta_call(Op.COMMIT, {"items": list(zip(keys, wires, strict=True)),
                                               "ttl_s": ttl})
-        created, expires_at = float(h["created"]), h["expires_at"]
-        for k, lay in zip(keys, layouts, strict=True):
-            self._cache(k, Layout(lay.size, lay.crc, created, expires_at, lay.extents))
+        stamp = (float(h["created"]), h["expires_at"])
+        for k, w in zip(keys, wires, strict=True):
+            self._cache(k, Layout.from_wire(w, stamp=stamp))
 
     async def _make_room(self) -> None:
         """A write found the cluster full: run one GC pass (expire, evict LRU down to the
@@ -390,41 +390,54 @@ class AsyncClient:
         await self.servers(refresh=True)
 
     async def _write(self, keys: list[bytes], views: list[memoryview], order: list[ServerEntry],
-                     r: int, ttl: float | None) -> list[Layout]:
+                     r: int, ttl: float | None) -> list[list[Any]]:
+        """Append every value (one APPEND per server); returns the layouts in wire form."""
         stripe = self.config.stripe_bytes
         expires_hint = None if ttl is None else self.clock() + ttl
         n_srv = len(order)
+        crc = crc32c.crc32c
         # per server: records and payload parts, in call order
         records: dict[int, list[list[Any]]] = defaultdict(list)
         parts: dict[int, list[memoryview]] = defaultdict(list)
-        # per value: [(length, crc, [(sid, index into records[sid])...])]
+        # per value and unit: (length, crc, [(sid, index into records[sid]), ...])
         plans: list[list[tuple[int, int, list[tuple[int, int]]]]] = []
         crcs: list[int] = []
+        small = [s.server_id for s in order[:r]]  # where every value <= one stripe goes
         rr = 0
         for key, v in zip(keys, views, strict=True):
             n = v.nbytes
-            units = [v] if 0 < n <= stripe else [v[i : i + stripe] for i in range(0, n, stripe)]
+            if 0 < n <= stripe:  # the common case: one extent
+                c = crc(v)
+                where = []
+                for sid in small:
+                    recs = records[sid]
+                    where.append((sid, len(recs)))
+                    recs.append([key, n, c, expires_hint])
+                    parts[sid].append(v)
+                plans.append([(n, c, where)])
+                crcs.append(c)
+                continue
+            units = [v[i : i + stripe] for i in range(0, n, stripe)]
             plan = []
             whole = 0
             for ui, u in enumerate(units):
-                c = crc32c.crc32c(u)
-                whole = c if len(units) == 1 else crc32c.crc32c(u, whole)
-                start = 0 if len(units) == 1 else (rr + ui) % n_srv
-                targets = [order[(start + j) % n_srv].server_id for j in range(r)]
+                c = crc(u)
+                whole = crc(u, whole)
+                start = (rr + ui) % n_srv
                 where = []
-                for sid in targets:
+                for j in range(r):
+                    sid = order[(start + j) % n_srv].server_id
                     where.append((sid, len(records[sid])))
                     records[sid].append([key, u.nbytes, c, expires_hint])
                     parts[sid].append(u)
                 plan.append((u.nbytes, c, where))
-            if len(units) > 1:
-                rr += len(units)
+            rr += len(units)
             plans.append(plan)
             crcs.append(whole)
-        locs: dict[int, list[tuple[int, int]]] = {}
+        locs: dict[int, list[list[int]]] = {}
 
         async def send(sid: int) -> None:
-            out: list[tuple[int, int]] = []
+            out: list[list[int]] = []
             recs, ps = records[sid], parts[sid]
             i = 0
             while i < len(recs):
@@ -433,7 +446,7 @@ class AsyncClient:
                     total += ps[j].nbytes
                     j += 1
                 h, _ = await self._server_call(sid, Op.APPEND, {"records": recs[i:j]}, ps[i:j])
-                out.extend((int(c), int(o)) for c, o in h["locations"])
+                out.extend(h["locations"])
                 i = j
             locs[sid] = out
 
@@ -441,13 +454,13 @@ class AsyncClient:
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        layouts = []
+        wires = []
         for v, plan, whole in zip(views, plans, crcs, strict=True):
-            extents = tuple(
-                Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
-                for length, c, where in plan)
-            layouts.append(Layout(v.nbytes, whole, 0.0, None, extents))
-        return layouts
+            exts = []
+            for length, c, where in plan:
+                exts.append([length, c, [[sid, *locs[sid][idx]] for sid, idx in where]])
+            wires.append([v.nbytes, whole, 0.0, None, exts])
+        return wires
 
     # reads -------------------------------------------------------------------
     async def get(self, key: Key) -> bytes | None:
