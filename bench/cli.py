@@ -146,8 +146,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
       help="draw throughput vs value size and latency percentiles (needs matplotlib)")
     a("--progress", action=argparse.BooleanOptionalAction, default=None,
       help="progress line on stderr (default: when stderr is a terminal)")
-    a("--cluster", choices=("inproc", "processes"), default="inproc",
-      help="embedded cluster: in this process (default) or meta+chunkservers as child processes")
+    a("--cluster", choices=("inproc", "processes"), default="processes",
+      help="embedded cluster: meta+chunkservers as child processes, as deployed (default), "
+           "or in this process and event loop")
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
     a("--addr", default=None, help="cluster address (default: start an embedded cluster)")
     a("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
