@@ -152,6 +152,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
     a("--addr", default=None, help="cluster address (default: start an embedded cluster)")
     a("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    a("--gc", action="store_true",
+      help="GC bench: reclaim rate after keys expire (--bs, --size per run), and randread 4k p99 "
+           "with GC idle vs running against a churn (see bench/gcbench.py)")
+    a("--gc-ttl", dest="gc_ttl", type=_seconds, default=1.0, help="--gc: ttl of the expiring keys")
+    a("--gc-churn-rate", dest="gc_churn_rate", type=parse_size, default=16 << 20,
+      help="--gc: bytes/s the background churn writes (default 16MiB)")
     a("--job-spec", dest="job_spec", default=None, help=argparse.SUPPRESS)  # numjobs child
 
 
@@ -420,6 +426,8 @@ async def cmd_bench(ns: argparse.Namespace) -> int:
             print("kvfs bench: --plot needs matplotlib (pip install 'kvfs[bench]' or "
                   "pip install matplotlib)", file=sys.stderr)
             return 2
+    if ns.gc:
+        return await _gc_bench(ns)
     if ns.compare and ns.numjobs != 1:
         print("kvfs bench: --compare runs 1 client process (numjobs=1)", file=sys.stderr)
         return 2
@@ -441,6 +449,29 @@ async def cmd_bench(ns: argparse.Namespace) -> int:
         except BenchError as e:
             print(f"kvfs bench: {e}", file=sys.stderr)
             return 1
+
+
+async def _gc_bench(ns: argparse.Namespace) -> int:
+    from .gcbench import render, run_gc_bench
+
+    with contextlib.ExitStack() as stack:
+        workdir = ns.dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvfs-bench-")))
+        workdir.mkdir(parents=True, exist_ok=True)
+        try:
+            async with open_target(ns, workdir) as target:
+                c = target.cluster
+                data = getattr(c, "data", None) or getattr(c, "root", None)
+                report = await run_gc_bench(ns, target.addr, target.token, data,
+                                            child=target.embedded != "inproc")
+        except BenchError as e:
+            print(f"kvfs bench: {e}", file=sys.stderr)
+            return 1
+    if ns.output_format == "json":
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+    else:
+        sys.stdout.write(render(report))
+    sys.stdout.flush()
+    return 0
 
 
 async def _plain(ns: argparse.Namespace, target: BenchTarget, workloads: list[Workload]) -> int:

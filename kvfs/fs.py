@@ -494,8 +494,14 @@ class KVFileSystem(AsyncFileSystem):
 
     async def _cat_file(self, path: str, start: int | None = None, end: int | None = None,
                         **kwargs: Any) -> bytes:
-        v = await self._get_value(self._key(path))
-        return v if start is None and end is None else v[start:end]
+        if start is None and end is None:
+            return await self._get_value(self._key(path))
+        p = self._key(path)
+        with _errors(p):
+            (v,) = await self._session().client.get_ranges([(_kb(p), start, end)])
+        if v is None:
+            raise await self._missing(p)
+        return v
 
     async def _get_many(self, paths: Sequence[str]) -> list[bytes | BaseException]:
         """Whole values of many paths in one ``get_many``; an error in place of each failure."""
@@ -544,9 +550,10 @@ class KVFileSystem(AsyncFileSystem):
                           ends: int | list[int] | None, max_gap: int | None = None,
                           batch_size: int | None = None, on_error: str = "return",
                           **kwargs: Any) -> list[bytes | BaseException]:
-        """Byte ranges of many files: one ``get_many`` for all distinct paths, then slices.
+        """Byte ranges of many files in one batch (one lookup + one readv per server);
+        only the extents covering each range are read.
 
-        ``max_gap`` is accepted and ignored: every value is fetched whole.
+        ``max_gap`` is accepted and ignored: the chunkservers merge nearby reads themselves.
         """
         if not isinstance(paths, list):
             raise TypeError("paths must be a list")
@@ -555,12 +562,22 @@ class KVFileSystem(AsyncFileSystem):
         en = ends if isinstance(ends, list) else [ends] * n
         if len(st) != n or len(en) != n:
             raise ValueError("paths, starts and ends must have the same length")
-        uniq = list(dict.fromkeys(paths))
-        values = dict(zip(uniq, await self._get_many(uniq), strict=True))
         out: list[bytes | BaseException] = []
-        for p, s, e in zip(paths, st, en, strict=True):
-            v = values[p]
-            out.append(v if isinstance(v, BaseException) else v[s:e])
+        try:
+            keys = [self._key(p) for p in paths]
+            with _errors(keys[0] if keys else ""):
+                got = await self._session().client.get_ranges(
+                    [(_kb(k), s, e) for k, s, e in zip(keys, st, en, strict=True)])
+            for k, r in zip(keys, got, strict=True):
+                out.append(await self._missing(k) if r is None else r)
+        except (OSError, ValueError):
+            # one bad path: fall back to whole values, an error in place of each failure
+            uniq = list(dict.fromkeys(paths))
+            values = dict(zip(uniq, await self._get_many(uniq), strict=True))
+            out = []
+            for p, s, e in zip(paths, st, en, strict=True):
+                v = values[p]
+                out.append(v if isinstance(v, BaseException) else v[s:e])
         if on_error != "return":
             for v in out:
                 if isinstance(v, BaseException):

@@ -70,6 +70,9 @@ class Client:
     def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
         return self._run(self.aio.get_many(keys))
 
+    def get_ranges(self, requests: Sequence[tuple[Key, int | None, int | None]]) -> list[bytes | None]:
+        return self._run(self.aio.get_ranges(requests))
+
     def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
         return self._run(self.aio.get_into(keys, buffers))
 

@@ -153,3 +153,17 @@ async def test_torch_tensors_in_and_out(kv: AsyncClient) -> None:
     dst = torch.empty_like(src)
     assert await kv.get_into([b"tensor"], [dst]) == [src.numel() * 2]
     assert torch.equal(src, dst)
+
+
+async def test_get_ranges_reads_only_covering_extents(cluster: LocalCluster, kv: AsyncClient) -> None:
+    big = os.urandom(5 << 20)  # 5 stripe units
+    await kv.put_many({b"big": big, b"small": b"0123456789"})
+    stores = [cs.store for cs in cluster.chunkservers if cs is not None]
+    before = sum(s.bytes_read for s in stores)
+    got = await kv.get_ranges([(b"big", (2 << 20) + 10, (2 << 20) + 4106), (b"small", 2, 5),
+                               (b"small", -3, None), (b"nope", 0, 1), (b"big", 10, 5)])
+    assert got == [big[(2 << 20) + 10 : (2 << 20) + 4106], b"234", b"789", None, b""]
+    read = sum(s.bytes_read for s in stores) - before
+    assert read < (1 << 20) + 64 * 1024  # one unit of big (plus alignment), never all 5 MiB
+    span = await kv.get_ranges([(b"big", (1 << 20) - 5, (1 << 20) + 5)])  # crosses two units
+    assert span == [big[(1 << 20) - 5 : (1 << 20) + 5]]
