@@ -32,9 +32,9 @@ from kvfs.errors import (
     from_wire,
 )
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
-from kvfs.protocol import Buffer
+from kvfs.protocol import Buffer, FrameHead, Scatter
 from kvfs.rpc import Op
-from kvfs.transport import Connection
+from kvfs.transport import Connection, Sink
 
 log = logging.getLogger("kvfs.client")
 TOUCH_INTERVAL_S = 5.0
@@ -251,16 +251,18 @@ class AsyncClient:
         raise error
 
     async def _server_call(self, sid: int, op: Op, header: dict[str, Any],
-                           payload: Sequence[Buffer] = ()) -> tuple[dict[str, Any], memoryview]:
+                           payload: Sequence[Buffer] = (), sink: Sink | None = None,
+                           ) -> tuple[dict[str, Any], memoryview | Scatter]:
         self.rpc_counts[op.name] += 1
         conn = await self._server_conn(sid)
         try:
-            frame = await conn.call(op, header, payload)
+            frame = await conn.call(op, header, payload, sink=sink)
         except Unavailable as exc:
             if sid in self._servers:
                 self._servers[sid].alive = False
             raise Unavailable(f"chunkserver {sid} ({conn.name}): {exc}") from None
-        return frame.header, memoryview(frame.payload)
+        body = frame.payload
+        return frame.header, body if isinstance(body, Scatter) else memoryview(body)
 
     async def servers(self, *, refresh: bool = False) -> list[ServerEntry]:
         """The chunkservers meta knows, refreshed every ``servers_refresh_s``."""
@@ -640,8 +642,19 @@ class AsyncClient:
             batch = jobs[i:j]
             ranges = [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
                       for job in batch]
-            h, payload = await self._server_call(sid, Op.READV, {"ranges": ranges})
+            sink = None
+            if all(job.dest is not _WHOLE for job in batch):
+                def sink(head: FrameHead, batch: list[_Job] = batch) -> Scatter | None:
+                    # the answer lands straight in each destination (e.g. the caller's buffers)
+                    errs = head.header.get("errors") or {}
+                    return Scatter([job.dest for i, job in enumerate(batch) if i not in errs])
+            h, payload = await self._server_call(sid, Op.READV, {"ranges": ranges}, sink=sink)
             errors = h.get("errors") or {}
+            if isinstance(payload, Scatter):
+                in_place = True
+                payload = memoryview(b"")
+            else:
+                in_place = False
             pos = 0
             crc = crc32c.crc32c
             for idx, job in enumerate(batch):
@@ -657,8 +670,11 @@ class AsyncClient:
                             retry.append(job)
                         continue
                 n = job.extent.length
-                got = payload[pos : pos + n]
-                pos += n
+                if in_place:
+                    got = job.dest
+                else:
+                    got = payload[pos : pos + n]
+                    pos += n
                 if crc(got) != job.extent.crc:
                     job.tried += (sid,)
                     job.error = ChecksumMismatch(
@@ -669,7 +685,7 @@ class AsyncClient:
                 if job.dest is _WHOLE:
                     assert out is not None
                     out[job.slot] = bytes(got)
-                else:
+                elif not in_place:
                     job.dest[:] = got
             i = j
         return stale, retry

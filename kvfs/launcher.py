@@ -58,11 +58,15 @@ class LocalCluster:
                        listen=listen)
 
     async def start(self) -> str:
-        await self.start_meta()
-        for i in range(self.n):
-            cs = ChunkServer(self.cs_config(i))
-            await cs.start()
-            self.chunkservers.append(cs)
+        try:
+            await self.start_meta()
+            for i in range(self.n):
+                cs = ChunkServer(self.cs_config(i))
+                self.chunkservers.append(cs)
+                await cs.start()
+        except BaseException:
+            await self.stop()  # nothing half-started is left running
+            raise
         if self.gc_config is not None:
             self.start_gc(self.gc_config)
         return self.addr

@@ -60,7 +60,7 @@ class Frame:
     request_id: int
     flags: Flag = Flag.NONE
     header: dict[str, Any] = field(default_factory=dict)
-    payload: Buffer = b""
+    payload: Buffer | Scatter = b""
 
     @property
     def is_response(self) -> bool:
@@ -89,7 +89,20 @@ class _NeedData:
 
 NEED_DATA = _NeedData()
 
-PayloadAllocator = Callable[[FrameHead], bytearray | memoryview]
+class Scatter:
+    """A payload received straight into several buffers, in order (e.g. the caller's
+    destination for each range of a READV answer): no intermediate copy."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[memoryview]) -> None:
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+
+PayloadAllocator = Callable[[FrameHead], "bytearray | memoryview | Scatter"]
 
 
 def _default_alloc(head: FrameHead) -> bytearray:
@@ -147,9 +160,12 @@ class FrameDecoder:
         self._inline = inline_payload_bytes
         self._head: FrameHead | None = None
         self._head_size = 0  # fixed + msgpack bytes of the pending head
-        self._big: memoryview | None = None
-        self._big_owner: bytearray | memoryview | None = None
+        # a large payload being received into its own buffer(s)
+        self._segs: list[memoryview] | None = None
+        self._seg_i = 0
+        self._seg_filled = 0
         self._big_filled = 0
+        self._big_owner: bytearray | memoryview | Scatter | None = None
         self._events: deque[Frame] = deque()
         self._error: RemoteProtocolError | None = None
 
@@ -157,8 +173,12 @@ class FrameDecoder:
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._error is not None:
             raise self._error
-        if self._big is not None:
-            return self._big[self._big_filled :]
+        segs = self._segs
+        if segs is not None:
+            while self._seg_filled == segs[self._seg_i].nbytes:  # skip full (or empty) parts
+                self._seg_i += 1
+                self._seg_filled = 0
+            return segs[self._seg_i][self._seg_filled :]
         if self._end == len(self._scratch):
             self._compact(len(self._scratch))
         return memoryview(self._scratch)[self._end :]
@@ -167,9 +187,11 @@ class FrameDecoder:
         if self._error is not None:
             raise self._error
         try:
-            if self._big is not None:
+            if self._segs is not None:
+                self._seg_filled += nbytes
                 self._big_filled += nbytes
-                if self._big_filled < len(self._big):
+                assert self._head is not None
+                if self._big_filled < self._head.payload_len:
                     return
                 self._finish_big()
             else:
@@ -273,26 +295,33 @@ class FrameDecoder:
                 self._emit(head, payload)
                 continue
             owner = self.allocator(head)
-            big = memoryview(owner).cast("B")
-            if big.nbytes != head.payload_len:
-                raise RemoteProtocolError("payload allocator returned a buffer of the wrong size")
+            segs = owner.parts if isinstance(owner, Scatter) else [memoryview(owner).cast("B")]
+            if sum(p.nbytes for p in segs) != head.payload_len:
+                raise RemoteProtocolError("payload allocator returned buffers of the wrong size")
             take = min(avail, head.payload_len)
-            big[:take] = self._scratch[body_at : body_at + take]
+            pos, i = body_at, 0
+            while pos < body_at + take:  # what already arrived with the header
+                n = min(segs[i].nbytes, body_at + take - pos)
+                segs[i][:n] = self._scratch[pos : pos + n]
+                pos += n
+                i += n == segs[i].nbytes
             self._start = body_at + take
-            self._big, self._big_owner, self._big_filled = big, owner, take
+            self._big_owner, self._big_filled = owner, take
             if take == head.payload_len:
                 self._finish_big()
                 continue
+            self._segs, self._seg_i = segs, i
+            self._seg_filled = (pos - body_at) - sum(p.nbytes for p in segs[:i])
             return
 
     def _finish_big(self) -> None:
         head, owner = self._head, self._big_owner
         assert head is not None and owner is not None
-        self._big = self._big_owner = None
-        self._big_filled = 0
+        self._segs = self._big_owner = None
+        self._seg_i = self._seg_filled = self._big_filled = 0
         self._emit(head, owner)
 
-    def _emit(self, head: FrameHead, payload: Buffer) -> None:
+    def _emit(self, head: FrameHead, payload: Buffer | Scatter) -> None:
         self._head = None
         if self._start == self._end:
             self._start = self._end = 0

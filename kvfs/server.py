@@ -25,7 +25,7 @@ from kvfs.errors import (
     ServerError,
     VersionMismatch,
 )
-from kvfs.protocol import PROTOCOL_VERSION, Buffer, Flag, Frame, Limits, encode_frame
+from kvfs.protocol import PROTOCOL_VERSION, Buffer, Flag, Frame, Limits, Scatter, encode_frame
 from kvfs.rpc import HANDLER_NAMES, RPCS, Op, Service
 
 log = logging.getLogger("kvfs.server")
@@ -142,6 +142,7 @@ class _ServerProtocol(FrameProtocol):
 
     async def _run(self, handler: Handler, frame: Frame) -> None:
         try:
+            assert not isinstance(frame.payload, Scatter)  # servers use the default allocator
             header, payload = await handler(frame.header, memoryview(frame.payload))
         except KVFSError as exc:
             self._reply_error(frame, exc)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvfs._wire import FrameProtocol, auth_mac
@@ -15,17 +15,37 @@ from kvfs.errors import (
     Unavailable,
     from_wire,
 )
-from kvfs.protocol import PROTOCOL_VERSION, Buffer, Frame, Limits, encode_frame
+from kvfs.protocol import (
+    PROTOCOL_VERSION,
+    Buffer,
+    Frame,
+    FrameHead,
+    Limits,
+    Scatter,
+    encode_frame,
+)
 from kvfs.rpc import Op
+
+Sink = Callable[[FrameHead], "bytearray | memoryview | Scatter | None"]
 
 
 class _ClientProtocol(FrameProtocol):
     def __init__(self, name: str, limits: Limits | None) -> None:
-        super().__init__(limits)
+        super().__init__(limits, allocator=self._allocate)
         self.name = name
         self.pending: dict[int, asyncio.Future[Frame]] = {}
+        self.sinks: dict[int, Sink] = {}
         self.hello: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         self.error: KVFSError | None = None
+
+    def _allocate(self, head: FrameHead) -> bytearray | memoryview | Scatter:
+        """A response's large payload goes where its caller asked (see ``call(sink=)``)."""
+        sink = self.sinks.pop(head.request_id, None)
+        if sink is not None:
+            where = sink(head)
+            if where is not None:
+                return where
+        return bytearray(head.payload_len)
 
     def frame_received(self, frame: object) -> None:
         assert isinstance(frame, Frame)
@@ -121,14 +141,22 @@ class Connection:
         payload: Sequence[Buffer] = (),
         *,
         timeout_s: float | None = None,
+        sink: Sink | None = None,
     ) -> Frame:
-        """Send one request and wait for its response; error frames raise."""
+        """Send one request and wait for its response; error frames raise.
+
+        ``sink(head)`` may name where a large response payload is received (one buffer
+        or a :class:`Scatter` of buffers whose sizes add up to the payload); None = a
+        new buffer.  Small payloads always arrive as ``bytes``.
+        """
         proto = self._proto
         if proto.closed.is_set():
             raise proto.error or Unavailable(f"connection to {self.name} is closed")
         rid = next(self._ids)
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         proto.pending[rid] = fut
+        if sink is not None:
+            proto.sinks[rid] = sink
         proto.write(encode_frame(op, rid, header, payload))
         try:
             if not proto._can_write.is_set():
@@ -137,10 +165,13 @@ class Connection:
                 frame = await fut
         except TimeoutError:
             proto.pending.pop(rid, None)
+            # the answer may still be arriving into a caller's buffer: stop the stream
+            self.close()
             raise Timeout(f"{op.name} to {self.name} got no answer within "
                           f"{timeout_s or self.request_timeout_s}s") from None
         finally:
             proto.pending.pop(rid, None)
+            proto.sinks.pop(rid, None)
         if frame.is_error:
             raise from_wire(frame.header)
         return frame

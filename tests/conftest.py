@@ -38,8 +38,8 @@ def clock() -> FakeClock:
 @pytest.fixture
 async def cluster(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
     c = LocalCluster(tmp_path / "cluster", 3, clock=clock)
-    await c.start()
     try:
+        await c.start()
         yield c
     finally:
         await c.stop()
@@ -59,8 +59,8 @@ async def kv(cluster: LocalCluster, clock: FakeClock) -> AsyncIterator[AsyncClie
 @pytest.fixture
 async def proc_cluster(tmp_path: Path) -> AsyncIterator[ProcessCluster]:
     c = ProcessCluster(tmp_path / "pcluster", 3, listen="127.0.0.1:0")
-    await c.start()
     try:
+        await c.start()
         yield c
     finally:
         await c.stop()

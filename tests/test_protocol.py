@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 
 import pytest
@@ -185,3 +186,27 @@ def test_fuzz_roundtrip_any_split(frames: list[tuple[int, bytes]], step: int) ->
         got.extend(drain(dec))
     assert [(f.op, f.header["i"], bytes(f.payload)) for f in got] == [
         (op, i, p) for i, (op, p) in enumerate(frames)]
+
+
+@pytest.mark.parametrize("step", [1, 7, 4096, 1 << 20])
+def test_scatter_payload_lands_in_each_buffer(step: int) -> None:
+    from kvfs.protocol import Scatter
+
+    parts = [bytearray(100_000), bytearray(0), bytearray(3), bytearray(200_000)]
+    payload = os.urandom(300_003)
+    dec = FrameDecoder(allocator=lambda head: Scatter([memoryview(p) for p in parts]))
+    data = frame_bytes(Op.READV, 5, {"x": 1}, [payload]) + frame_bytes(Op.PING, 6, {})
+    for i in range(0, len(data), step):
+        dec.receive_data(data[i : i + step])
+    f, g = drain(dec)
+    assert isinstance(f.payload, Scatter) and g.request_id == 6
+    assert b"".join(parts) == payload
+    assert [bytes(p) for p in f.payload.parts] == [bytes(p) for p in parts]
+
+
+def test_scatter_of_the_wrong_size_is_refused() -> None:
+    from kvfs.protocol import Scatter
+
+    dec = FrameDecoder(allocator=lambda head: Scatter([memoryview(bytearray(10))]))
+    with pytest.raises(RemoteProtocolError, match="wrong size"):
+        dec.receive_data(frame_bytes(Op.READV, 1, {}, [b"x" * 100_000]))
