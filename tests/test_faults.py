@@ -25,6 +25,7 @@ from kvfs.errors import (
     from_wire,
 )
 from kvfs.launcher import LocalCluster, ProcessCluster
+from kvfs.layout import Replica
 from kvfs.protocol import (
     FIXED,
     MAGIC,
@@ -63,6 +64,17 @@ async def _assert_serving(cluster: LocalCluster) -> None:
     async with cluster.client() as kv:
         await kv.put(b"still", b"alive")
         assert await kv.get(b"still") == b"alive"
+
+
+async def _first_replica(cluster: LocalCluster, kv: AsyncClient, key: bytes) -> tuple[int, Replica, Path]:
+    """(chunkserver index, replica, chunk file) of the first extent of ``key``."""
+    layout = await kv.layout(key)
+    assert layout is not None
+    rep = layout.extents[0].replicas[0]
+    idx = next(i for i, c in enumerate(cluster.chunkservers) if c and c.server_id == rep.server_id)
+    cs = cluster.chunkservers[idx]
+    assert cs is not None
+    return idx, rep, cs.store.chunk_path(rep.chunk_id)
 
 
 async def test_wrong_token(cluster: LocalCluster) -> None:
@@ -191,13 +203,7 @@ async def test_flipped_byte_is_a_checksum_error(cluster: LocalCluster, kv: Async
 
 async def test_torn_tail_is_truncated_on_restart(cluster: LocalCluster, kv: AsyncClient) -> None:
     await kv.put_many({b"t1": b"a" * 5000, b"t2": b"b" * 5000})
-    layout = await kv.layout(b"t2")
-    assert layout is not None
-    rep = layout.extents[0].replicas[0]
-    idx = next(i for i, c in enumerate(cluster.chunkservers) if c and c.server_id == rep.server_id)
-    cs = cluster.chunkservers[idx]
-    assert cs is not None
-    path = cs.store.chunk_path(rep.chunk_id)
+    idx, _, path = await _first_replica(cluster, kv, b"t2")
     await cluster.stop_chunkserver(idx)
     with open(path, "ab") as f:  # a record header with half its value: a crash mid-append
         f.write(RECORD.pack(b"KVR1", 1, 0, 0, 4096, 0.0, 0) + b"k" + b"z" * 100)
@@ -210,13 +216,7 @@ async def test_torn_tail_is_truncated_on_restart(cluster: LocalCluster, kv: Asyn
 
 async def test_missing_bytes_are_detected(cluster: LocalCluster, kv: AsyncClient) -> None:
     await kv.put(b"gone", b"x" * 5000)
-    layout = await kv.layout(b"gone")
-    assert layout is not None
-    rep = layout.extents[0].replicas[0]
-    idx = next(i for i, c in enumerate(cluster.chunkservers) if c and c.server_id == rep.server_id)
-    cs = cluster.chunkservers[idx]
-    assert cs is not None
-    path = cs.store.chunk_path(rep.chunk_id)
+    idx, rep, path = await _first_replica(cluster, kv, b"gone")
     await cluster.stop_chunkserver(idx)
     os.truncate(path, rep.offset)  # the committed bytes are lost
     await cluster.start_chunkserver(idx)
@@ -269,13 +269,7 @@ async def test_restarts_keep_committed_data(proc_cluster: ProcessCluster) -> Non
 
 async def test_key_deleted_while_its_bytes_vanish_is_a_miss(cluster: LocalCluster, kv: AsyncClient) -> None:
     await kv.put(b"d", b"x" * 5000)
-    layout = await kv.layout(b"d")  # cached by kv
-    assert layout is not None
-    rep = layout.extents[0].replicas[0]
-    idx = next(i for i, c in enumerate(cluster.chunkservers) if c and c.server_id == rep.server_id)
-    cs = cluster.chunkservers[idx]
-    assert cs is not None
-    path = cs.store.chunk_path(rep.chunk_id)
+    idx, rep, path = await _first_replica(cluster, kv, b"d")  # the layout is now cached by kv
     async with cluster.client() as other:
         assert await other.delete(b"d")
     await cluster.stop_chunkserver(idx)
