@@ -38,6 +38,7 @@ from kvfs.transport import Connection, Sink
 
 log = logging.getLogger("kvfs.client")
 TOUCH_INTERVAL_S = 5.0
+RX_POOL_BUFFERS = 8  # receive buffers kept for reuse (values returned as bytes are copied out)
 
 Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor
 
@@ -163,6 +164,7 @@ class AsyncClient:
         self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
         self.clock = time.time
         self.rpc_counts: dict[str, int] = defaultdict(int)
+        self._rx_pool: list[bytearray] = []
         self._touched: set[bytes] = set()  # keys read via the layout cache, not yet told to meta
         self._touch_at = time.monotonic()
         self._touch_task: asyncio.Task[None] | None = None
@@ -263,6 +265,19 @@ class AsyncClient:
             raise Unavailable(f"chunkserver {sid} ({conn.name}): {exc}") from None
         body = frame.payload
         return frame.header, body if isinstance(body, Scatter) else memoryview(body)
+
+    def _rx_take(self, n: int) -> bytearray:
+        pool = self._rx_pool
+        for i, buf in enumerate(pool):
+            if len(buf) >= n:
+                return pool.pop(i)
+        return bytearray(max(n, 1 << 20))
+
+    def _rx_give(self, bufs: list[bytearray]) -> None:
+        for buf in bufs:
+            if len(self._rx_pool) < RX_POOL_BUFFERS:
+                self._rx_pool.append(buf)
+        bufs.clear()
 
     async def servers(self, *, refresh: bool = False) -> list[ServerEntry]:
         """The chunkservers meta knows, refreshed every ``servers_refresh_s``."""
@@ -642,13 +657,25 @@ class AsyncClient:
             batch = jobs[i:j]
             ranges = [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
                       for job in batch]
-            sink = None
-            if all(job.dest is not _WHOLE for job in batch):
-                def sink(head: FrameHead, batch: list[_Job] = batch) -> Scatter | None:
-                    # the answer lands straight in each destination (e.g. the caller's buffers)
-                    errs = head.header.get("errors") or {}
-                    return Scatter([job.dest for i, job in enumerate(batch) if i not in errs])
-            h, payload = await self._server_call(sid, Op.READV, {"ranges": ranges}, sink=sink)
+            rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
+
+            def scatter(head: FrameHead, batch: list[_Job] = batch) -> Scatter:
+                # the answer lands straight in each destination (e.g. the caller's buffers)
+                errs = head.header.get("errors") or {}
+                return Scatter([job.dest for i, job in enumerate(batch) if i not in errs])
+
+            def pooled(head: FrameHead, rx: list[bytearray] = rx) -> memoryview:
+                # values handed back as bytes are copied out of a reused buffer: no fresh
+                # pages to fault in for every answer
+                rx.append(self._rx_take(head.payload_len))
+                return memoryview(rx[0])[: head.payload_len]
+
+            sink = scatter if all(job.dest is not _WHOLE for job in batch) else pooled
+            try:
+                h, payload = await self._server_call(sid, Op.READV, {"ranges": ranges}, sink=sink)
+            except BaseException:
+                self._rx_give(rx)
+                raise
             errors = h.get("errors") or {}
             if isinstance(payload, Scatter):
                 in_place = True
@@ -687,6 +714,8 @@ class AsyncClient:
                     out[job.slot] = bytes(got)
                 elif not in_place:
                     job.dest[:] = got
+            got = payload = _WHOLE  # drop views of the receive buffer before reusing it
+            self._rx_give(rx)
             i = j
         return stale, retry
 

@@ -45,3 +45,13 @@ async def test_chain_written_together_is_read_with_one_span(cluster: LocalCluste
     assert await kv.get_many(list(chain)) == list(chain.values())
     assert sum(s.spans_read for s in stores) - sum(before) == 1  # 64 blocks, one sequential read
     assert sum(s.inline_spans for s in stores) >= 1  # served from the page cache, no thread hop
+
+
+async def test_receive_buffer_is_reused_for_values_returned_as_bytes(kv: AsyncClient) -> None:
+    values = {f"rx{i}".encode(): os.urandom(300_000) for i in range(4)}
+    await kv.put_many(values)
+    assert await kv.get_many(list(values)) == list(values.values())
+    pooled = list(kv._rx_pool)
+    assert pooled  # the answer's buffer went back to the pool
+    assert await kv.get_many(list(values)) == list(values.values())
+    assert all(any(b is p for p in kv._rx_pool) for b in pooled)  # and was used again
