@@ -83,6 +83,18 @@ class MetaGc:
         dead = self.dead_chunks
         return not dead or all(r.chunk_id not in dead for e in layout.extents for r in e.replicas)
 
+    def _switch_layouts(self, staged: list[tuple[bytes, Any, Layout]]) -> None:
+        """Replace the layouts of existing entries: one SQLite transaction, then the index."""
+        if not staged:
+            return
+        wires = [lay.to_wire() for _, _, lay in staged]
+        self.store.put_many((k, pack_layout(w), lay.expires_at, e.last_access)
+                            for (k, e, lay), w in zip(staged, wires, strict=True))
+        for (k, e, lay), w in zip(staged, wires, strict=True):
+            self._add_live(e.layout, -1, k)
+            e.layout, e.wire = lay, w
+            self._add_live(lay, +1, k)
+
     def _remove(self, keys: Iterable[bytes]) -> tuple[int, int]:
         """Delete keys from SQLite (one transaction) and the index; returns (keys, disk bytes)."""
         gone = [k for k in keys if k in self.entries]
@@ -319,12 +331,7 @@ class MetaGc:
                 staged.append((key, e, Layout(old.size, old.crc, old.created, old.expires_at, tuple(exts))))
                 moved += changed
         if staged:
-            self.store.put_many((k, pack_layout(lay.to_wire()), lay.expires_at, e.last_access)
-                                for k, e, lay in staged)
-            for k, e, lay in staged:
-                self._add_live(e.layout, -1, k)
-                e.layout, e.wire = lay, lay.to_wire()
-                self._add_live(lay, +1, k)
+            self._switch_layouts(staged)
             s = self.servers.get(sid)
             if s is not None and "new_size" in h:
                 s.chunks[new_chunk] = int(h["new_size"])
@@ -393,13 +400,7 @@ class MetaGc:
             else:
                 old = e.layout
                 staged.append((key, e, Layout(old.size, old.crc, old.created, old.expires_at, tuple(exts))))
-        if staged:
-            self.store.put_many((k, pack_layout(lay.to_wire()), lay.expires_at, e.last_access)
-                                for k, e, lay in staged)
-            for k, e, lay in staged:
-                self._add_live(e.layout, -1, k)
-                e.layout, e.wire = lay, lay.to_wire()
-                self._add_live(lay, +1, k)
+        self._switch_layouts(staged)
         n_deleted, _ = self._remove(doomed)
         if dropped:
             self._count(replicas_dropped=dropped)

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
+from typing import Any, TypeVar
 
 import pytest
 
 from kvfs._loop import new_event_loop
 from kvfs.client import AsyncClient
 from kvfs.launcher import LocalCluster, ProcessCluster
+
+T = TypeVar("T")
 
 
 class FakeClock:
@@ -66,4 +71,36 @@ async def proc_cluster(tmp_path: Path) -> AsyncIterator[ProcessCluster]:
         await c.stop()
 
 
-__all__ = ["FakeClock", "new_event_loop"]
+class ThreadCluster:
+    """A LocalCluster on its own event-loop thread, for synchronous callers (fsspec, FUSE)."""
+
+    def __init__(self, root: Path, chunkservers: int = 3) -> None:
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="cluster", daemon=True)
+        self.thread.start()
+        self.cluster = LocalCluster(root, chunkservers)
+        self.addr = self.call(self.cluster.start())
+        self.token = self.cluster.token
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def stop_services(self) -> None:
+        self.call(self.cluster.stop())
+
+    def start_services(self) -> None:
+        """Meta on its old port, the chunkservers on new ones (they re-register)."""
+        self.call(self.cluster.start_meta())
+        for i in range(self.cluster.n):
+            self.call(self.cluster.start_chunkserver(i))
+
+    def close(self) -> None:
+        try:
+            self.call(self.cluster.stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(30)
+            self.loop.close()
+
+
+__all__ = ["FakeClock", "ThreadCluster", "new_event_loop"]

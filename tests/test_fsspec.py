@@ -10,44 +10,17 @@ import asyncio
 import errno
 import hashlib
 import posixpath
-import threading
-from collections.abc import Callable, Coroutine, Iterator
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import fsspec
 import pytest
+from conftest import ThreadCluster
 from fsspec.tests import abstract
 
-from kvfs._loop import new_event_loop
 from kvfs.client import AsyncClient
 from kvfs.fs import InvalidPathError, KVFileSystem
 from kvfs.launcher import LocalCluster
-
-T = TypeVar("T")
-
-
-class ThreadCluster:
-    """A LocalCluster on its own event-loop thread, for synchronous callers."""
-
-    def __init__(self, root: Path, chunkservers: int = 3) -> None:
-        self.loop = new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="cluster", daemon=True)
-        self.thread.start()
-        self.cluster = LocalCluster(root, chunkservers)
-        self.addr = self.call(self.cluster.start())
-        self.token = self.cluster.token
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def close(self) -> None:
-        try:
-            self.call(self.cluster.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(30)
-            self.loop.close()
 
 
 @pytest.fixture(scope="module")

@@ -16,22 +16,18 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import IO, Any, TypeVar
+from typing import IO, Any
 
 import pytest
+from conftest import ThreadCluster
 
-from kvfs._loop import new_event_loop
 from kvfs.client import AsyncClient
 from kvfs.fs import KVFileSystem
-from kvfs.launcher import LocalCluster
 from kvfs.mount import _ReadBatcher, is_mounted
-
-T = TypeVar("T")
 
 pytestmark = pytest.mark.fuse
 
@@ -54,38 +50,6 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
         time.sleep(0.02)
-
-
-class ThreadCluster:
-    """A LocalCluster on its own event-loop thread, for synchronous callers."""
-
-    def __init__(self, root: Path, chunkservers: int = 3) -> None:
-        self.loop = new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="cluster", daemon=True)
-        self.thread.start()
-        self.cluster = LocalCluster(root, chunkservers)
-        self.addr = self.call(self.cluster.start())
-        self.token = self.cluster.token
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
-
-    def stop_services(self) -> None:
-        self.call(self.cluster.stop())
-
-    def start_services(self) -> None:
-        """Meta on its old port, the chunkservers on new ones (they re-register)."""
-        self.call(self.cluster.start_meta())
-        for i in range(self.cluster.n):
-            self.call(self.cluster.start_chunkserver(i))
-
-    def close(self) -> None:
-        try:
-            self.call(self.cluster.stop())
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(30)
-            self.loop.close()
 
 
 class Mount:
