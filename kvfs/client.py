@@ -19,6 +19,7 @@ from typing import Any
 
 import crc32c
 
+from kvfs._batch import Batcher
 from kvfs.address import format_addr, parse_addr, resolve_token
 from kvfs.buffers import as_view
 from kvfs.config import ClientConfig
@@ -76,76 +77,6 @@ class KeyInfo:
     extents: int
 
 
-class _Batcher:
-    """Coalesces concurrent single-key calls into one batched call.
-
-    Calls made before the event loop runs again (or within ``batch_window_s``)
-    share one lookup and one readv per chunkserver.  A batch is flushed at
-    once when it reaches ``batch_max_keys`` keys or ``batch_max_bytes`` of
-    known value sizes.  If the batched call fails, each key is retried alone so
-    one bad key cannot fail its neighbours.
-    """
-
-    def __init__(self, run: Any, config: ClientConfig, size_of: Any) -> None:
-        self._run = run  # async (list[bytes]) -> list[result]
-        self._config = config
-        self._size_of = size_of  # (key) -> known size or 0
-        self._keys: list[bytes] = []
-        self._futs: list[asyncio.Future[Any]] = []
-        self._bytes = 0
-        self._handle: asyncio.Handle | asyncio.TimerHandle | None = None
-        self.batches = 0
-
-    async def submit(self, key: bytes) -> Any:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[Any] = loop.create_future()
-        self._keys.append(key)
-        self._futs.append(fut)
-        self._bytes += self._size_of(key)
-        cfg = self._config
-        if len(self._keys) >= cfg.batch_max_keys or self._bytes >= cfg.batch_max_bytes:
-            self._flush()
-        elif self._handle is None:
-            w = cfg.batch_window_s
-            self._handle = loop.call_later(w, self._flush) if w > 0 else loop.call_soon(self._flush)
-        return await fut
-
-    def _flush(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        if not self._keys:
-            return
-        keys, futs = self._keys, self._futs
-        self._keys, self._futs, self._bytes = [], [], 0
-        self.batches += 1
-        task = asyncio.get_running_loop().create_task(self._complete(keys, futs))
-        task.add_done_callback(lambda t: None)
-
-    async def _complete(self, keys: list[bytes], futs: list[asyncio.Future[Any]]) -> None:
-        try:
-            results = await self._run(keys)
-        except BaseException as exc:
-            if len(keys) == 1 or isinstance(exc, asyncio.CancelledError):
-                for f in futs:
-                    if not f.done():
-                        f.set_exception(exc)
-                return
-            for key, f in zip(keys, futs, strict=True):  # isolate the failing key(s)
-                try:
-                    res = (await self._run([key]))[0]
-                except BaseException as one:
-                    if not f.done():
-                        f.set_exception(one)
-                else:
-                    if not f.done():
-                        f.set_result(res)
-            return
-        for f, res in zip(futs, results, strict=True):
-            if not f.done():
-                f.set_result(res)
-
-
 class AsyncClient:
     """``async with kvfs.connect(addr) as kv: ...``"""
 
@@ -168,8 +99,13 @@ class AsyncClient:
         self._touched: set[bytes] = set()  # keys read via the layout cache, not yet told to meta
         self._touch_at = time.monotonic()
         self._touch_task: asyncio.Task[None] | None = None
-        self._get_batcher = _Batcher(self.get_many, self.config, self._known_size)
-        self._exists_batcher = _Batcher(self.exists_many, self.config, lambda k: 0)
+        cfg = self.config
+        self._get_batcher: Batcher[bytes, bytes | None] = Batcher(
+            self.get_many, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
+            window_s=cfg.batch_window_s)
+        self._exists_batcher: Batcher[bytes, bool] = Batcher(
+            self.exists_many, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
+            window_s=cfg.batch_window_s)
 
     def _known_size(self, key: bytes) -> int:
         lay = self._layouts.get(key)
@@ -484,7 +420,7 @@ class AsyncClient:
         """One value, or None on a miss; concurrent calls are batched together."""
         k = norm_key(key)
         if self.config.batch:
-            return await self._get_batcher.submit(k)
+            return await self._get_batcher.submit(k, self._known_size(k))
         return (await self.get_many([k]))[0]
 
     async def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
@@ -727,7 +663,7 @@ class AsyncClient:
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
         if self.config.batch:
-            return bool(await self._exists_batcher.submit(k))
+            return await self._exists_batcher.submit(k)
         return (await self.exists_many([k]))[0]
 
     async def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:

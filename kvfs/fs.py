@@ -51,6 +51,7 @@ from fsspec.callbacks import DEFAULT_CALLBACK, Callback
 from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import stringify_path
 
+from kvfs._batch import Batcher
 from kvfs.address import format_addr, parse_addr, resolve_token
 from kvfs.client import AsyncClient, KeyInfo
 from kvfs.config import ClientConfig
@@ -115,76 +116,6 @@ def _errors(path: str) -> Iterator[None]:
         raise new from exc
 
 
-class _PutBatcher:
-    """Coalesces concurrent single-value puts into one ``put_many``.
-
-    Puts issued before the event loop runs again share one append per
-    chunkserver and one meta commit; a batch is sent at once when it reaches
-    ``max_keys`` values or ``max_bytes``.  If the batch fails, each value is
-    retried alone so one bad value cannot fail its neighbours.  A waiter that
-    is cancelled does not cancel the batch: the value may still be committed.
-    """
-
-    def __init__(self, client: AsyncClient, ttl: float | None, max_keys: int, max_bytes: int) -> None:
-        self._client = client
-        self._ttl = ttl
-        self._max_keys = max_keys
-        self._max_bytes = max_bytes
-        self._items: list[tuple[bytes, Any]] = []
-        self._futs: list[asyncio.Future[None]] = []
-        self._bytes = 0
-        self._handle: asyncio.Handle | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
-        self.batches = 0
-
-    async def submit(self, key: bytes, value: Any) -> None:
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
-        self._items.append((key, value))
-        self._futs.append(fut)
-        self._bytes += memoryview(value).nbytes
-        if len(self._items) >= self._max_keys or self._bytes >= self._max_bytes:
-            self._flush()
-        elif self._handle is None:
-            self._handle = loop.call_soon(self._flush)
-        await fut
-
-    def _flush(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
-            self._handle = None
-        if not self._items:
-            return
-        items, futs = self._items, self._futs
-        self._items, self._futs, self._bytes = [], [], 0
-        self.batches += 1
-        task = asyncio.get_running_loop().create_task(self._complete(items, futs))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def _complete(self, items: list[tuple[bytes, Any]], futs: list[asyncio.Future[None]]) -> None:
-        try:
-            await self._client.put_many(items, ttl=self._ttl)
-        except BaseException as exc:
-            if len(items) == 1 or isinstance(exc, asyncio.CancelledError):
-                for f in futs:
-                    if not f.done():
-                        f.set_exception(exc)
-                return
-            results = await asyncio.gather(
-                *(self._client.put_many([item], ttl=self._ttl) for item in items), return_exceptions=True)
-            for f, res in zip(futs, results, strict=True):
-                if not f.done():
-                    if isinstance(res, BaseException):
-                        f.set_exception(res)
-                    else:
-                        f.set_result(None)
-            return
-        for f in futs:
-            if not f.done():
-                f.set_result(None)
-
-
 class _Session:
     """The client and the write batchers of one event loop (a client lives on one loop)."""
 
@@ -194,13 +125,19 @@ class _Session:
         self.owned = owned
         self._max_keys = max_keys
         self._max_bytes = max_bytes
-        self._puts: dict[float | None, _PutBatcher] = {}
+        # concurrent single-value puts share one put_many (one append per server, one commit)
+        self._puts: dict[float | None, Batcher[tuple[bytes, Any], None]] = {}
 
     async def put(self, key: bytes, value: Any, ttl: float | None) -> None:
         b = self._puts.get(ttl)
         if b is None:
-            b = self._puts[ttl] = _PutBatcher(self.client, ttl, self._max_keys, self._max_bytes)
-        await b.submit(key, value)
+            async def put_many(items: list[tuple[bytes, Any]], ttl: float | None = ttl) -> list[None]:
+                await self.client.put_many(items, ttl=ttl)
+                return [None] * len(items)
+
+            b = self._puts[ttl] = Batcher(put_many, max_items=self._max_keys,
+                                          max_bytes=self._max_bytes)
+        await b.submit((key, value), memoryview(value).nbytes)
 
 
 class KVFileSystem(AsyncFileSystem):
