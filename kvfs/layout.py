@@ -84,13 +84,17 @@ class Layout(NamedTuple):
             for length, ecrc, reps in exts:
                 if not reps:
                     raise InvalidArgument("layout has an extent with no replica")
-                extents.append(Extent(int(length), int(ecrc),
-                                      tuple([Replica(int(s), int(c), int(o)) for s, c, o in reps])))
+                rs = tuple([Replica(int(s), int(c), int(o)) for s, c, o in reps])
+                if length < 0 or not 0 <= ecrc < 2**32 or any(min(r) < 0 or max(r) >= 2**63 for r in rs):
+                    raise InvalidArgument("layout has a negative or out-of-range field")
+                extents.append(Extent(int(length), int(ecrc), rs))
                 total += length
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"malformed layout: {exc}") from None
         if total != size:
             raise InvalidArgument(f"layout extents add up to {total}, not {size}")
+        if not 0 <= size < 2**63 or not 0 <= crc < 2**32:
+            raise InvalidArgument("layout size or checksum out of range")
         if stamp is None:
             stamp = (float(wcreated), None if wexpires is None else float(wexpires))
         return cls(int(size), int(crc), stamp[0], stamp[1], tuple(extents))

@@ -147,7 +147,7 @@ class _ServerProtocol(FrameProtocol):
         except KVFSError as exc:
             self._reply_error(frame, exc)
             return
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError) as exc:
+        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
             self._reply_error(frame, InvalidArgument(
                 f"malformed {Op(frame.op).name} request: {type(exc).__name__}: {exc}"))
             return
@@ -157,7 +157,13 @@ class _ServerProtocol(FrameProtocol):
             log.exception("%s failed", Op(frame.op).name)
             self._reply_error(frame, ServerError(f"{Op(frame.op).name} failed on the server: {exc}"))
             return
+        try:
+            reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE)
+        except (TypeError, ValueError, OverflowError) as exc:  # e.g. a value msgpack cannot hold
+            self._reply_error(frame, InvalidArgument(
+                f"{Op(frame.op).name} request led to an answer that cannot be encoded: {exc}"))
+            return
         self.server.requests_served += 1
-        self.write(encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE))
+        self.write(reply)
         if not self._can_write.is_set():
             await self.drain()

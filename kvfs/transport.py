@@ -10,6 +10,7 @@ from typing import Any
 from kvfs._wire import FrameProtocol, auth_mac
 from kvfs.errors import (
     KVFSError,
+    LocalProtocolError,
     RemoteProtocolError,
     Timeout,
     Unavailable,
@@ -153,11 +154,15 @@ class Connection:
         if proto.closed.is_set():
             raise proto.error or Unavailable(f"connection to {self.name} is closed")
         rid = next(self._ids)
+        try:
+            frame_out = encode_frame(op, rid, header, payload)
+        except (TypeError, ValueError, OverflowError) as exc:  # msgpack refuses the header
+            raise LocalProtocolError(f"cannot encode {op.name} request: {exc}") from None
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         proto.pending[rid] = fut
         if sink is not None:
             proto.sinks[rid] = sink
-        proto.write(encode_frame(op, rid, header, payload))
+        proto.write(frame_out)
         try:
             if not proto._can_write.is_set():
                 await proto.drain()

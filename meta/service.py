@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfs.address import load_or_create_token
+from kvfs.address import load_or_create_token, parse_addr
 from kvfs.config import MetaConfig, parse_hostport
 from kvfs.errors import InvalidArgument, StaleLayout
 from kvfs.layout import MAX_VALUE_BYTES, Layout, norm_key, norm_keys
@@ -52,6 +52,14 @@ class ServerInfo:
     chunks: dict[int, int] = field(default_factory=dict)  # chunk_id -> bytes written
     open_chunk: int | None = None  # the chunk appends go to (never compacted or deleted)
     wanted: int = 0  # bytes of the last append refused for lack of space (evict to fit it)
+
+
+def _count(value: Any, what: str, limit: int = 2**62) -> int:
+    """A non-negative integer field of a request (sizes, ids), bounded so every answer
+    that carries it can be encoded again."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+        raise InvalidArgument(f"{what} must be an integer in [0, {limit}), got {value!r:.40}")
+    return value
 
 
 class MetaService(MetaGc):
@@ -253,14 +261,15 @@ class MetaService(MetaGc):
 
     # chunkserver RPCs ----------------------------------------------------------
     async def rpc_register(self, h: dict[str, Any], p: memoryview) -> Reply:
-        addr = str(h["addr"])
+        addr = h["addr"]
+        if not isinstance(addr, str) or len(addr) > 256:
+            raise InvalidArgument(f"chunkserver address must be HOST:PORT, got {addr!r:.80}")
+        parse_addr(addr)
         sid = h.get("server_id")
-        if sid is None:
-            sid = max(self.servers, default=0) + 1
-        sid = int(sid)
+        sid = max(self.servers, default=0) + 1 if sid is None else _count(sid, "server_id", 2**31)
         s = self.servers.get(sid) or ServerInfo(sid, addr)
         s.addr = addr
-        s.capacity, s.free = int(h.get("capacity", 0)), int(h.get("free", 0))
+        s.capacity, s.free = _count(h.get("capacity", 0), "capacity"), _count(h.get("free", 0), "free")
         s.last_heartbeat = time.monotonic()
         self.servers[sid] = s
         self.store.put_server(sid, addr, s.capacity, s.free)
@@ -272,12 +281,14 @@ class MetaService(MetaGc):
         s = self.servers.get(sid)
         if s is None:
             raise InvalidArgument(f"unknown chunkserver {sid}: register first")
-        s.capacity, s.free, s.used = int(h["capacity"]), int(h["free"]), int(h["used"])
-        if "chunks" in h:
-            s.chunks = {int(c): int(n) for c, n in h["chunks"].items()}
+        capacity, free, used = (_count(h[f], f) for f in ("capacity", "free", "used"))
+        chunks = ({_count(c, "chunk id"): _count(n, "chunk size") for c, n in h["chunks"].items()}
+                  if "chunks" in h else s.chunks)
+        open_chunk = s.open_chunk
         if "open" in h:
-            s.open_chunk = None if h["open"] is None else int(h["open"])
-        s.wanted = int(h.get("wanted", 0))
+            open_chunk = None if h["open"] is None else _count(h["open"], "open chunk")
+        s.capacity, s.free, s.used, s.chunks, s.open_chunk = capacity, free, used, chunks, open_chunk
+        s.wanted = _count(h.get("wanted", 0), "wanted")
         s.last_heartbeat = time.monotonic()
         return {}, ()
 
