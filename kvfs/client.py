@@ -40,6 +40,7 @@ from kvfs.transport import Connection, Sink
 log = logging.getLogger("kvfs.client")
 TOUCH_INTERVAL_S = 5.0
 RX_POOL_BUFFERS = 8  # receive buffers kept for reuse (values returned as bytes are copied out)
+READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
 
 Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor
 
@@ -582,78 +583,94 @@ class AsyncClient:
 
     async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes],
                      out: list[bytes | None] | None) -> tuple[list[int], list[_Job]]:
+        """Read ``jobs`` from one server: one READV, or several (at most
+        ``max_read_rpc_bytes`` each, a few in flight) for large reads, so the server's
+        reads, the transfer and the client's checks overlap."""
         stale: list[int] = []
         retry: list[_Job] = []
+        limit = self.config.max_read_rpc_bytes
+        batches: list[list[_Job]] = []
         i = 0
         while i < len(jobs):
             j, total = i, 0
-            while j < len(jobs) and (j == i or total + jobs[j].extent.length <= self.config.max_rpc_bytes):
+            while j < len(jobs) and (j == i or total + jobs[j].extent.length <= limit):
                 total += jobs[j].extent.length
                 j += 1
-            batch = jobs[i:j]
-            ranges = [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
-                      for job in batch]
-            rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
-
-            def scatter(head: FrameHead, batch: list[_Job] = batch) -> Scatter:
-                # the answer lands straight in each destination (e.g. the caller's buffers)
-                errs = head.header.get("errors") or {}
-                return Scatter([job.dest for i, job in enumerate(batch) if i not in errs])
-
-            def pooled(head: FrameHead, rx: list[bytearray] = rx) -> memoryview:
-                # values handed back as bytes are copied out of a reused buffer: no fresh
-                # pages to fault in for every answer
-                rx.append(self._rx_take(head.payload_len))
-                return memoryview(rx[0])[: head.payload_len]
-
-            sink = scatter if all(job.dest is not _WHOLE for job in batch) else pooled
-            try:
-                h, payload = await self._server_call(sid, Op.READV, {"ranges": ranges}, sink=sink)
-            except BaseException:
-                self._rx_give(rx)
-                raise
-            errors = h.get("errors") or {}
-            if isinstance(payload, Scatter):
-                in_place = True
-                payload = memoryview(b"")
-            else:
-                in_place = False
-            pos = 0
-            crc = crc32c.crc32c
-            for idx, job in enumerate(batch):
-                if errors:
-                    err = errors.get(idx)
-                    if err is not None:
-                        exc = from_wire({"code": err[0], "message": err[1]})
-                        if isinstance(exc, StaleLayout):
-                            stale.append(job.slot)
-                        else:
-                            job.tried += (sid,)
-                            job.error = exc
-                            retry.append(job)
-                        continue
-                n = job.extent.length
-                if in_place:
-                    got = job.dest
-                else:
-                    got = payload[pos : pos + n]
-                    pos += n
-                if crc(got) != job.extent.crc:
-                    job.tried += (sid,)
-                    job.error = ChecksumMismatch(
-                        f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
-                        f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
-                    retry.append(job)
-                    continue
-                if job.dest is _WHOLE:
-                    assert out is not None
-                    out[job.slot] = bytes(got)
-                elif not in_place:
-                    job.dest[:] = got
-            got = payload = _WHOLE  # drop views of the receive buffer before reusing it
-            self._rx_give(rx)
+            batches.append(jobs[i:j])
             i = j
+        if len(batches) == 1:
+            await self._readv_batch(sid, batches[0], keys, out, stale, retry)
+            return stale, retry
+        gate = asyncio.Semaphore(READV_IN_FLIGHT)
+
+        async def one(batch: list[_Job]) -> None:
+            async with gate:
+                await self._readv_batch(sid, batch, keys, out, stale, retry)
+
+        await asyncio.gather(*(one(b) for b in batches))
         return stale, retry
+
+    async def _readv_batch(self, sid: int, batch: list[_Job], keys: list[bytes],
+                           out: list[bytes | None] | None, stale: list[int],
+                           retry: list[_Job]) -> None:
+        ranges = [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+                  for job in batch]
+        rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
+
+        def scatter(head: FrameHead) -> Scatter:
+            # the answer lands straight in each destination (e.g. the caller's buffers)
+            errs = head.header.get("errors") or {}
+            return Scatter([job.dest for i, job in enumerate(batch) if i not in errs])
+
+        def pooled(head: FrameHead) -> memoryview:
+            # values handed back as bytes are copied out of a reused buffer: no fresh
+            # pages to fault in for every answer
+            rx.append(self._rx_take(head.payload_len))
+            return memoryview(rx[0])[: head.payload_len]
+
+        sink = scatter if all(job.dest is not _WHOLE for job in batch) else pooled
+        try:
+            h, payload = await self._server_call(sid, Op.READV, {"ranges": ranges}, sink=sink)
+        except BaseException:
+            self._rx_give(rx)
+            raise
+        errors = h.get("errors") or {}
+        in_place = isinstance(payload, Scatter)
+        view = _WHOLE if isinstance(payload, Scatter) else payload
+        pos = 0
+        crc = crc32c.crc32c
+        for idx, job in enumerate(batch):
+            if errors:
+                err = errors.get(idx)
+                if err is not None:
+                    exc = from_wire({"code": err[0], "message": err[1]})
+                    if isinstance(exc, StaleLayout):
+                        stale.append(job.slot)
+                    else:
+                        job.tried += (sid,)
+                        job.error = exc
+                        retry.append(job)
+                    continue
+            n = job.extent.length
+            if in_place:
+                got = job.dest
+            else:
+                got = view[pos : pos + n]
+                pos += n
+            if crc(got) != job.extent.crc:
+                job.tried += (sid,)
+                job.error = ChecksumMismatch(
+                    f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
+                    f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
+                retry.append(job)
+                continue
+            if job.dest is _WHOLE:
+                assert out is not None
+                out[job.slot] = bytes(got)
+            elif not in_place:
+                job.dest[:] = got
+        got = view = payload = _WHOLE  # drop views of the receive buffer before reusing it
+        self._rx_give(rx)
 
     # meta-only queries ---------------------------------------------------------
     async def exists_many(self, keys: Iterable[Key]) -> list[bool]:
