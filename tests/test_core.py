@@ -167,3 +167,16 @@ async def test_get_ranges_reads_only_covering_extents(cluster: LocalCluster, kv:
     assert read < (1 << 20) + 64 * 1024  # one unit of big (plus alignment), never all 5 MiB
     span = await kv.get_ranges([(b"big", (1 << 20) - 5, (1 << 20) + 5)])  # crosses two units
     assert span == [big[(1 << 20) - 5 : (1 << 20) + 5]]
+
+
+async def test_one_gib_value(kv: AsyncClient) -> None:
+    """The largest value the API promises, written and read back byte-identical."""
+    block = np.frombuffer(os.urandom(1 << 20), dtype=np.uint8)
+    value = np.tile(block, 1024)
+    value[:: 1 << 20] = np.arange(1024) % 251  # every stripe unit differs
+    await kv.put(b"gib", value)
+    layout = await kv.layout(b"gib")
+    assert layout is not None and layout.size == 1 << 30 and len(layout.extents) == 1024
+    out = np.empty(1 << 30, dtype=np.uint8)
+    assert await kv.get_into([b"gib"], [out]) == [1 << 30]
+    assert np.array_equal(value, out)
