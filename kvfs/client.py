@@ -356,11 +356,20 @@ class AsyncClient:
         # per value and unit: (length, crc, [(sid, index into records[sid]), ...])
         plans: list[list[tuple[int, int, list[tuple[int, int]]]]] = []
         crcs: list[int] = []
-        small = [s.server_id for s in order[:r]]  # where every value <= one stripe goes
+        # Values <= one stripe go, in call order, to runs of up to ``put_group_bytes`` on one
+        # server (a prefix chain stays contiguous: one sequential read later); successive runs
+        # of a large call go to the next servers, so a big batch is spread and written in parallel.
+        group_limit = self.config.put_group_bytes
+        group, group_bytes = 0, 0
+        small = [order[j % n_srv].server_id for j in range(r)]
         rr = 0
         for key, v in zip(keys, views, strict=True):
             n = v.nbytes
             if 0 < n <= stripe:  # the common case: one extent
+                if group_bytes and group_bytes + n > group_limit:
+                    group, group_bytes = group + 1, 0
+                    small = [order[(group + j) % n_srv].server_id for j in range(r)]
+                group_bytes += n
                 c = crc(v)
                 where = []
                 for sid in small:

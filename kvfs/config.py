@@ -53,6 +53,9 @@ class ClientConfig:
     connect_timeout_s: float = opt("give up connecting after this long", 5.0)
     request_timeout_s: float = opt("give up on an RPC after this long", 60.0)
     layout_cache_entries: int = opt("immutable layouts kept to skip meta lookups", 100_000)
+    put_group_bytes: int = opt("small values of one put_many stay together on one server in "
+                               "runs up to this size; further runs go to the next servers",
+                               16 * 1024 * 1024)
     max_rpc_bytes: int = opt("split appends larger than this", 256 * 1024 * 1024)
     max_read_rpc_bytes: int = opt("split reads from one server larger than this", 16 * 1024 * 1024)
     servers_refresh_s: float = opt("re-read the chunkserver list this often", 2.0)

@@ -180,3 +180,16 @@ async def test_one_gib_value(kv: AsyncClient) -> None:
     out = np.empty(1 << 30, dtype=np.uint8)
     assert await kv.get_into([b"gib"], [out]) == [1 << 30]
     assert np.array_equal(value, out)
+
+
+async def test_a_large_put_many_is_spread_in_contiguous_runs(kv: AsyncClient) -> None:
+    items = {f"run/{i:04d}".encode(): os.urandom(256 * 1024) for i in range(256)}  # 64 MiB
+    await kv.put_many(items)
+    servers = []
+    for k in items:
+        lay = await kv.layout(k)
+        assert lay is not None
+        servers.append(lay.extents[0].replicas[0].server_id)
+    assert len(set(servers)) == 3  # 4 runs of 16 MiB over the 3 servers
+    runs = [servers[i : i + 64] for i in range(0, 256, 64)]
+    assert all(len(set(run)) == 1 for run in runs)  # each run of 64 values on one server
