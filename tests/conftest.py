@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -101,6 +101,17 @@ class ThreadCluster:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(30)
             self.loop.close()
+
+
+
+@pytest.fixture(scope="module")
+def tcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadCluster]:
+    """One threaded cluster per test module (the fsspec suite and the FUSE tests)."""
+    c = ThreadCluster(tmp_path_factory.mktemp("tcluster"))
+    try:
+        yield c
+    finally:
+        c.close()
 
 
 __all__ = ["FakeClock", "ThreadCluster", "new_event_loop"]

@@ -23,15 +23,6 @@ from kvfs.fs import InvalidPathError, KVFileSystem
 from kvfs.launcher import LocalCluster
 
 
-@pytest.fixture(scope="module")
-def tcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadCluster]:
-    c = ThreadCluster(tmp_path_factory.mktemp("fsspec-cluster"))
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 @pytest.fixture
 def kvfs_sync(tcluster: ThreadCluster) -> Iterator[KVFileSystem]:
     fs = KVFileSystem(tcluster.addr, token=tcluster.token, skip_instance_cache=True)

@@ -97,15 +97,6 @@ class Mount:
 
 
 @pytest.fixture(scope="module")
-def tcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadCluster]:
-    c = ThreadCluster(tmp_path_factory.mktemp("fuse-cluster"))
-    try:
-        yield c
-    finally:
-        c.close()
-
-
-@pytest.fixture(scope="module")
 def mount(tcluster: ThreadCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
     if _skip_reason():
         pytest.skip(_skip_reason() or "")
