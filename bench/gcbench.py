@@ -116,6 +116,10 @@ class ChurnOptions:
     ttl: float = 1.0  # every other batch is new keys with this ttl
 
 
+PASS_TOTALS = ("expired_keys", "chunks_compacted", "chunks_deleted", "bytes_copied",
+               "keys_relocated", "relocations_lost", "bytes_reclaimed")
+
+
 @dataclass
 class ChurnStats:
     written_bytes: int = 0
@@ -180,13 +184,8 @@ async def churn(addr: str, token: str | None, opts: ChurnOptions, stop: asyncio.
                 r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
                 st.passes += 1
                 st.pass_s.append(r.duration_s)
-                st.expired_keys += r.expired_keys
-                st.chunks_compacted += r.chunks_compacted
-                st.chunks_deleted += r.chunks_deleted
-                st.bytes_copied += r.bytes_copied
-                st.keys_relocated += r.keys_relocated
-                st.relocations_lost += r.relocations_lost
-                st.bytes_reclaimed += r.bytes_reclaimed
+                for name in PASS_TOTALS:  # the PassReport counters this bench sums
+                    setattr(st, name, getattr(st, name) + getattr(r, name))
                 await asyncio.sleep(0)
 
     try:
