@@ -297,7 +297,7 @@ class AsyncClient:
         """Store many values: one append per chunkserver, one commit to meta."""
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
-            raise InvalidArgument("empty key list")
+            return
         keys = [norm_key(k) for k, _ in pairs]
         views = [as_view(v) for _, v in pairs]
         for k, v in zip(keys, views, strict=True):
@@ -436,6 +436,8 @@ class AsyncClient:
     async def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
         """Values in key order; None for a miss."""
         ks = norm_keys(keys)
+        if not ks:
+            return []
         layouts = await self._lookup(ks)
         # one-extent values become bytes straight from the receive buffer (one copy);
         # striped ones are assembled in a bytearray first
@@ -456,6 +458,8 @@ class AsyncClient:
         verified): a 4 KiB range of a 1 GiB value reads one stripe unit, not 1 GiB.
         """
         keys = norm_keys(k for k, _, _ in requests)
+        if not keys:
+            return []
         for attempt in (0, 1):
             layouts = await self._lookup(keys, use_cache=attempt == 0)
             subs: list[Layout | None] = []
@@ -494,6 +498,8 @@ class AsyncClient:
         ks = norm_keys(keys)
         if len(buffers) != len(ks):
             raise InvalidArgument(f"{len(ks)} keys but {len(buffers)} buffers")
+        if not ks:
+            return []
         views = [as_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
         layouts = await self._lookup(ks)
         dests: list[memoryview | None] = []
@@ -683,7 +689,10 @@ class AsyncClient:
 
     # meta-only queries ---------------------------------------------------------
     async def exists_many(self, keys: Iterable[Key]) -> list[bool]:
-        h = await self._meta_call(Op.EXISTS, {"keys": norm_keys(keys)})
+        ks = norm_keys(keys)
+        if not ks:
+            return []
+        h = await self._meta_call(Op.EXISTS, {"keys": ks})
         return [bool(x) for x in h["exists"]]
 
     async def exists(self, key: Key) -> bool:
@@ -694,11 +703,16 @@ class AsyncClient:
 
     async def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         """How many leading keys are present and unexpired (optionally leased)."""
-        h = await self._meta_call(Op.MATCH_PREFIX, {"keys": norm_keys(keys), "lease_s": lease_s})
+        ks = norm_keys(keys)
+        if not ks:
+            return 0
+        h = await self._meta_call(Op.MATCH_PREFIX, {"keys": ks, "lease_s": lease_s})
         return int(h["n"])
 
     async def delete_many(self, keys: Iterable[Key]) -> int:
         ks = norm_keys(keys)
+        if not ks:
+            return 0
         for k in ks:
             self._layouts.pop(k, None)
         h = await self._meta_call(Op.DELETE, {"keys": ks})

@@ -124,10 +124,17 @@ async def test_bad_keys(kv: AsyncClient, key: object) -> None:
         await kv.put(key, b"v")  # type: ignore[arg-type]
 
 
-async def test_empty_key_list(kv: AsyncClient) -> None:
-    for call in (kv.get_many([]), kv.put_many({}), kv.match_prefix([]), kv.delete_many([])):
-        with pytest.raises(InvalidArgument, match="empty key list"):
-            await call
+async def test_empty_key_list_is_an_empty_answer_without_an_rpc(kv: AsyncClient) -> None:
+    before = dict(kv.rpc_counts)
+    assert await kv.get_many([]) == []
+    assert await kv.put_many({}) is None
+    assert await kv.put_many([]) is None
+    assert await kv.get_into([], []) == []
+    assert await kv.get_ranges([]) == []
+    assert await kv.exists_many([]) == []
+    assert await kv.match_prefix([]) == 0
+    assert await kv.delete_many([]) == 0
+    assert dict(kv.rpc_counts) == before
 
 
 async def test_value_too_large(kv: AsyncClient, tmp_path: object) -> None:
