@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 from collections import OrderedDict, defaultdict
@@ -27,6 +28,7 @@ from kvfs.errors import (
     ChecksumMismatch,
     InvalidArgument,
     KVFSError,
+    LocalProtocolError,
     NoSpace,
     StaleLayout,
     Unavailable,
@@ -87,10 +89,6 @@ class AsyncClient:
         self.addr = format_addr(self._host, self._port)
         self.token = resolve_token(self.addr, token)
         self.config = config or ClientConfig()
-        self._meta: Connection | None = None
-        self._meta_lock = asyncio.Lock()
-        self._conns: dict[int, Connection] = {}
-        self._conn_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._servers: dict[int, ServerEntry] = {}
         self._servers_at = -1e18
         self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
@@ -100,6 +98,18 @@ class AsyncClient:
         self._touched: set[bytes] = set()  # keys read via the layout cache, not yet told to meta
         self._touch_at = time.monotonic()
         self._touch_task: asyncio.Task[None] | None = None
+        self._pid = os.getpid()
+        self._orphans: list[object] = []  # a parent's connections, kept (never closed) after fork()
+        self._bind(None)
+
+    def _bind(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Fresh per-loop state: connections, locks and batchers belong to one event loop."""
+        self._loop = loop
+        self._meta: Connection | None = None
+        self._meta_lock = asyncio.Lock()
+        self._conns: dict[int, Connection] = {}
+        self._conn_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._touch_task = None
         cfg = self.config
         self._get_batcher: Batcher[bytes, bytes | None] = Batcher(
             self.get_many, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
@@ -135,7 +145,29 @@ class AsyncClient:
         self._conns.clear()
 
     # connections -------------------------------------------------------------
+    def _check_loop(self) -> None:
+        """The client follows the loop that uses it: it binds to the first one, moves to
+        another once nothing is open, and refuses at once (instead of hanging until a
+        timeout) while connections of another live loop are open.  In a child after
+        ``fork()`` the parent's connections are dropped, never touched, and it reconnects."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        pid = os.getpid()
+        if pid != self._pid:
+            self._orphans.append((self._meta, self._conns))
+            self._pid = pid
+        elif self._loop is not None and (
+                (self._meta is not None and not self._meta.is_closed)
+                or any(not c.is_closed for c in self._conns.values())) and not self._loop.is_closed():
+            raise LocalProtocolError(
+                f"this AsyncClient has connections open on another event loop ({self._loop!r}) "
+                f"and was called from {loop!r}; close() it first, make one client per loop, "
+                "or use the blocking kvfs.Client (thread-safe, submit_* futures)")
+        self._bind(loop)
+
     async def _meta_conn(self) -> Connection:
+        self._check_loop()
         if self._meta is not None and not self._meta.is_closed:
             return self._meta
         async with self._meta_lock:
@@ -158,6 +190,7 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     async def _server_conn(self, sid: int) -> Connection:
+        self._check_loop()
         conn = self._conns.get(sid)
         if conn is not None and not conn.is_closed:
             return conn
@@ -430,6 +463,7 @@ class AsyncClient:
         """One value, or None on a miss; concurrent calls are batched together."""
         k = norm_key(key)
         if self.config.batch:
+            self._check_loop()
             return await self._get_batcher.submit(k, self._known_size(k))
         return (await self.get_many([k]))[0]
 
@@ -698,6 +732,7 @@ class AsyncClient:
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
         if self.config.batch:
+            self._check_loop()
             return await self._exists_batcher.submit(k)
         return (await self.exists_many([k]))[0]
 
