@@ -9,12 +9,11 @@ import threading
 import time
 
 import pytest
+from conftest import ThreadCluster
 
 import kvfs
 from kvfs import AsyncClient, LocalProtocolError
 from kvfs._loop import run
-
-from conftest import ThreadCluster
 
 
 def test_submit_from_many_threads(tcluster: ThreadCluster) -> None:
@@ -26,7 +25,7 @@ def test_submit_from_many_threads(tcluster: ThreadCluster) -> None:
             assert isinstance(stores, concurrent.futures.Future)
             stores.result(30)
             bufs = [bytearray(5000) for _ in keys]
-            loads = kv.submit_get_into(keys + [f"sub/{t}/nope"], bufs + [bytearray(1)])
+            loads = kv.submit_get_into([*keys, f"sub/{t}/nope"], [*bufs, bytearray(1)])
             sizes = loads.result(30)
             assert sizes == [len(v) for v in vals] + [-1]
             assert [bytes(b[:n]) for b, n in zip(bufs, sizes, strict=False)] == vals
