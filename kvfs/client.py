@@ -22,7 +22,7 @@ import crc32c
 
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, parse_addr, resolve_token
-from kvfs.buffers import as_view
+from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.config import ClientConfig
 from kvfs.errors import (
     ChecksumMismatch,
@@ -44,10 +44,17 @@ TOUCH_INTERVAL_S = 5.0
 RX_POOL_BUFFERS = 8  # receive buffers kept for reuse (values returned as bytes are copied out)
 READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
 
-Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor
+Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor,
+#               or a list of them: one value gathered from (or scattered into) several buffers
+
+# get_into's per-key results besides a size (>= 0)
+MISS = -1  # no such key (or it expired / was deleted while being read)
+TOO_SMALL = -2  # the value is larger than the key's buffer(s): nothing was read for it
+FAILED = -3  # its bytes could not be read (server down, corrupt): neighbours are unaffected
 
 # A destination meaning "the extent is the whole value: hand it back as bytes".
-_WHOLE = memoryview(b"")
+_WHOLE_VIEW = memoryview(b"")
+_WHOLE = [_WHOLE_VIEW]
 
 
 @dataclass(slots=True)
@@ -61,11 +68,12 @@ class ServerEntry:
 
 @dataclass(slots=True)
 class _Job:
-    """One extent to read into ``dest``."""
+    """One extent to read into ``dest`` (one view, or several when the caller scatters a
+    value over several buffers), or handed back as bytes when ``dest`` is ``_WHOLE``."""
 
     slot: int
     extent: Extent
-    dest: memoryview
+    dest: list[memoryview]
     rep: Replica | None = None  # the replica being read
     tried: tuple[int, ...] = ()  # servers that already failed this extent
     error: KVFSError | None = None
@@ -332,10 +340,10 @@ class AsyncClient:
         if not pairs:
             return
         keys = [norm_key(k) for k, _ in pairs]
-        views = [as_view(v) for _, v in pairs]
+        views = [as_parts(v, what=f"value for key {k[:64]!r}") for k, (_, v) in zip(keys, pairs, strict=True)]
         for k, v in zip(keys, views, strict=True):
-            if v.nbytes > MAX_VALUE_BYTES:
-                raise InvalidArgument(f"value of {v.nbytes} bytes for key {k[:64]!r} exceeds the "
+            if nbytes(v) > MAX_VALUE_BYTES:
+                raise InvalidArgument(f"value of {nbytes(v)} bytes for key {k[:64]!r} exceeds the "
                                       f"limit of {MAX_VALUE_BYTES}")
         r = self.config.replicas if replicas is None else replicas
         if r < 1:
@@ -376,7 +384,7 @@ class AsyncClient:
             await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
         await self.servers(refresh=True)
 
-    async def _write(self, keys: list[bytes], views: list[memoryview], order: list[ServerEntry],
+    async def _write(self, keys: list[bytes], views: list[list[memoryview]], order: list[ServerEntry],
                      r: int, ttl: float | None) -> list[list[Any]]:
         """Append every value (one APPEND per server); returns the layouts in wire form."""
         stripe = self.config.stripe_bytes
@@ -385,7 +393,7 @@ class AsyncClient:
         crc = crc32c.crc32c
         # per server: records and payload parts, in call order
         records: dict[int, list[list[Any]]] = defaultdict(list)
-        parts: dict[int, list[memoryview]] = defaultdict(list)
+        parts: dict[int, list[list[memoryview]]] = defaultdict(list)  # per record: its buffers
         # per value and unit: (length, crc, [(sid, index into records[sid]), ...])
         plans: list[list[tuple[int, int, list[tuple[int, int]]]]] = []
         crcs: list[int] = []
@@ -397,13 +405,15 @@ class AsyncClient:
         small = [order[j % n_srv].server_id for j in range(r)]
         rr = 0
         for key, v in zip(keys, views, strict=True):
-            n = v.nbytes
+            n = nbytes(v)
             if 0 < n <= stripe:  # the common case: one extent
                 if group_bytes and group_bytes + n > group_limit:
                     group, group_bytes = group + 1, 0
                     small = [order[(group + j) % n_srv].server_id for j in range(r)]
                 group_bytes += n
-                c = crc(v)
+                c = 0
+                for p in v:
+                    c = crc(p, c)
                 where = []
                 for sid in small:
                     recs = records[sid]
@@ -413,20 +423,23 @@ class AsyncClient:
                 plans.append([(n, c, where)])
                 crcs.append(c)
                 continue
-            units = [v[i : i + stripe] for i in range(0, n, stripe)]
+            units = [cut(v, i, stripe) for i in range(0, n, stripe)]
             plan = []
             whole = 0
             for ui, u in enumerate(units):
-                c = crc(u)
-                whole = crc(u, whole)
+                c = 0
+                for p in u:
+                    c = crc(p, c)
+                    whole = crc(p, whole)
+                un = nbytes(u)
                 start = (rr + ui) % n_srv
                 where = []
                 for j in range(r):
                     sid = order[(start + j) % n_srv].server_id
                     where.append((sid, len(records[sid])))
-                    records[sid].append([key, u.nbytes, c, expires_hint])
+                    records[sid].append([key, un, c, expires_hint])
                     parts[sid].append(u)
-                plan.append((u.nbytes, c, where))
+                plan.append((un, c, where))
             rr += len(units)
             plans.append(plan)
             crcs.append(whole)
@@ -438,10 +451,11 @@ class AsyncClient:
             i = 0
             while i < len(recs):
                 j, total = i, 0
-                while j < len(recs) and (j == i or total + ps[j].nbytes <= self.config.max_rpc_bytes):
-                    total += ps[j].nbytes
+                while j < len(recs) and (j == i or total + recs[j][1] <= self.config.max_rpc_bytes):
+                    total += recs[j][1]
                     j += 1
-                h, _ = await self._server_call(sid, Op.APPEND, {"records": recs[i:j]}, ps[i:j])
+                payload = [p for rec in ps[i:j] for p in rec]  # gathered, never copied
+                h, _ = await self._server_call(sid, Op.APPEND, {"records": recs[i:j]}, payload)
                 out.extend(h["locations"])
                 i = j
             locs[sid] = out
@@ -455,7 +469,7 @@ class AsyncClient:
             exts = []
             for length, c, where in plan:
                 exts.append([length, c, [[sid, *locs[sid][idx]] for sid, idx in where]])
-            wires.append([v.nbytes, whole, 0.0, None, exts])
+            wires.append([nbytes(v), whole, 0.0, None, exts])
         return wires
 
     # reads -------------------------------------------------------------------
@@ -478,7 +492,7 @@ class AsyncClient:
         bufs: list[bytearray | None] = [
             None if lay is None or len(lay.extents) < 2 else bytearray(lay.size) for lay in layouts]
         out: list[bytes | None] = [None if lay is None else b"" for lay in layouts]
-        dests = [memoryview(b) if b is not None else (_WHOLE if lay is not None and lay.size else None)
+        dests = [[memoryview(b)] if b is not None else (_WHOLE if lay is not None and lay.size else None)
                  for b, lay in zip(bufs, layouts, strict=True)]
         misses = await self._read_into(ks, layouts, dests, out)
         return [None if i in misses else bytes(b) if b is not None else o
@@ -497,7 +511,7 @@ class AsyncClient:
         for attempt in (0, 1):
             layouts = await self._lookup(keys, use_cache=attempt == 0)
             subs: list[Layout | None] = []
-            dests: list[memoryview | None] = []
+            dests: list[list[memoryview] | None] = []
             cuts: list[tuple[bytearray, int, int]] = []
             for (_, start, end), lay in zip(requests, layouts, strict=True):
                 if lay is None:
@@ -517,9 +531,9 @@ class AsyncClient:
                 size = sum(e.length for e in chosen)
                 buf = bytearray(size)
                 subs.append(Layout(size, 0, lay.created, lay.expires_at, tuple(chosen)))
-                dests.append(memoryview(buf))
+                dests.append([memoryview(buf)])
                 cuts.append((buf, lo - first, max(lo, hi) - first))
-            stale = await self._fetch(keys, subs, dests, None)
+            stale = await self._fetch(keys, subs, dests, None, None)
             if not stale:
                 return [None if sub is None else bytes(buf[a:b])
                         for sub, (buf, a, b) in zip(subs, cuts, strict=True)]
@@ -528,36 +542,56 @@ class AsyncClient:
         raise StaleLayout("layouts changed twice during one ranged read; retry")
 
     async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
-        """Read values into caller buffers; returns each size, -1 for a miss."""
+        """Read values into caller buffers, without copies; one result per key.
+
+        A key's buffer may be a list of buffers: its value is scattered over them in order
+        (e.g. ``[k_half, v_half]``).  Each result is the value's size (a hit: that many
+        leading bytes of the buffer(s) were written), ``kvfs.MISS`` (-1),
+        ``kvfs.TOO_SMALL`` (-2: the value is larger than the buffers; nothing read) or
+        ``kvfs.FAILED`` (-3: its bytes could not be read from any replica).  No key's
+        outcome affects another's.
+        """
         ks = norm_keys(keys)
         if len(buffers) != len(ks):
             raise InvalidArgument(f"{len(ks)} keys but {len(buffers)} buffers")
         if not ks:
             return []
-        views = [as_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
+        views = [as_parts(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
         layouts = await self._lookup(ks)
-        dests: list[memoryview | None] = []
-        for k, lay, v in zip(ks, layouts, views, strict=True):
-            if lay is not None and lay.size > v.nbytes:
-                raise InvalidArgument(f"buffer of {v.nbytes} bytes is too small for {k[:64]!r} "
-                                      f"({lay.size} bytes)")
-            dests.append(None if lay is None else v[: lay.size])
-        misses = await self._read_into(ks, layouts, dests)
-        return [-1 if lay is None or i in misses else lay.size for i, lay in enumerate(layouts)]
+        dests: list[list[memoryview] | None] = []
+        result = [MISS] * len(ks)
+        for i, (lay, v) in enumerate(zip(layouts, views, strict=True)):
+            if lay is None:
+                dests.append(None)
+            elif lay.size > nbytes(v):
+                result[i] = TOO_SMALL
+                dests.append(None)
+            else:
+                result[i] = lay.size
+                dests.append(cut(v, 0, lay.size))
+        failed: dict[int, KVFSError] = {}
+        misses = await self._read_into(ks, layouts, dests, failed=failed)
+        for i in misses:
+            result[i] = MISS
+        for i, exc in failed.items():
+            log.warning("get_into: %s", exc)
+            result[i] = FAILED
+        return result
 
     async def _read_into(self, keys: list[bytes], layouts: list[Layout | None],
-                         dests: list[memoryview | None], out: list[bytes | None] | None = None,
-                         ) -> set[int]:
+                         dests: list[list[memoryview] | None], out: list[bytes | None] | None = None,
+                         *, failed: dict[int, KVFSError] | None = None) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
-        expired while being read)."""
+        expired while being read).  With ``failed`` given, a key whose bytes cannot be
+        read is recorded there instead of failing the call."""
         misses: set[int] = set()
-        stale = await self._fetch(keys, layouts, dests, out)
+        stale = await self._fetch(keys, layouts, dests, out, failed)
         if stale:
             for i in stale:
                 self._layouts.pop(keys[i], None)
             fresh = await self._lookup([keys[i] for i in stale], use_cache=False)
             retry_layouts: list[Layout | None] = [None] * len(keys)
-            retry_dests: list[memoryview | None] = [None] * len(keys)
+            retry_dests: list[list[memoryview] | None] = [None] * len(keys)
             for i, lay in zip(stale, fresh, strict=True):
                 old = layouts[i]
                 if lay is None:
@@ -567,13 +601,15 @@ class AsyncClient:
                     raise StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
                                       "named by its layout (lost or reclaimed)")
                 retry_layouts[i], retry_dests[i] = lay, dests[i]
-            if await self._fetch(keys, retry_layouts, retry_dests, out):
+            if await self._fetch(keys, retry_layouts, retry_dests, out, failed):
                 raise StaleLayout("layouts changed twice during one read; retry")
         return misses
 
     async def _fetch(self, keys: list[bytes], layouts: list[Layout | None],
-                     dests: list[memoryview | None], out: list[bytes | None] | None) -> list[int]:
-        """Read every extent into its destination; returns the slots whose layout was stale."""
+                     dests: list[list[memoryview] | None], out: list[bytes | None] | None,
+                     failed_out: dict[int, KVFSError] | None) -> list[int]:
+        """Read every extent into its destination; returns the slots whose layout was stale.
+        A slot no replica could serve raises, or lands in ``failed_out`` when given."""
         jobs: list[_Job] = []
         for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
             if lay is None or dest is None:
@@ -583,7 +619,7 @@ class AsyncClient:
                 continue
             pos = 0
             for e in lay.extents:
-                jobs.append(_Job(slot, e, dest[pos : pos + e.length]))
+                jobs.append(_Job(slot, e, cut(dest, pos, e.length)))
                 pos += e.length
         stale: set[int] = set()
         failed: dict[int, KVFSError] = {}
@@ -627,7 +663,9 @@ class AsyncClient:
                     stale.update(st)
                     pending.extend(retry)
         if failed:
-            raise next(iter(failed.values()))
+            if failed_out is None:
+                raise next(iter(failed.values()))
+            failed_out.update(failed)
         return sorted(stale)
 
     async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes],
@@ -669,7 +707,7 @@ class AsyncClient:
         def scatter(head: FrameHead) -> Scatter:
             # the answer lands straight in each destination (e.g. the caller's buffers)
             errs = head.header.get("errors") or {}
-            return Scatter([job.dest for i, job in enumerate(batch) if i not in errs])
+            return Scatter([p for i, job in enumerate(batch) if i not in errs for p in job.dest])
 
         def pooled(head: FrameHead) -> memoryview:
             # values handed back as bytes are copied out of a reused buffer: no fresh
@@ -685,7 +723,7 @@ class AsyncClient:
             raise
         errors = h.get("errors") or {}
         in_place = isinstance(payload, Scatter)
-        view = _WHOLE if isinstance(payload, Scatter) else payload
+        view = _WHOLE_VIEW if isinstance(payload, Scatter) else payload
         pos = 0
         crc = crc32c.crc32c
         for idx, job in enumerate(batch):
@@ -702,11 +740,14 @@ class AsyncClient:
                     continue
             n = job.extent.length
             if in_place:
-                got = job.dest
+                c = 0
+                for p in job.dest:
+                    c = crc(p, c)
             else:
                 got = view[pos : pos + n]
                 pos += n
-            if crc(got) != job.extent.crc:
+                c = crc(got)
+            if c != job.extent.crc:
                 job.tried += (sid,)
                 job.error = ChecksumMismatch(
                     f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
@@ -717,8 +758,11 @@ class AsyncClient:
                 assert out is not None
                 out[job.slot] = bytes(got)
             elif not in_place:
-                job.dest[:] = got
-        got = view = payload = _WHOLE  # drop views of the receive buffer before reusing it
+                at = 0
+                for p in job.dest:
+                    p[:] = got[at : at + p.nbytes]
+                    at += p.nbytes
+        got = view = payload = _WHOLE_VIEW  # drop views of the receive buffer before reusing it
         self._rx_give(rx)
 
     # meta-only queries ---------------------------------------------------------
