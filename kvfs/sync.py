@@ -128,6 +128,10 @@ class Client:
     def submit_get_many(self, keys: Iterable[Key]) -> concurrent.futures.Future[list[bytes | None]]:
         return self._submit(self.aio.get_many([*keys]))
 
+    def submit_get_ranges(self, requests: Sequence[tuple[Key, int | None, int | None]],
+                          ) -> concurrent.futures.Future[list[bytes | None]]:
+        return self._submit(self.aio.get_ranges([*requests]))
+
     def submit_get_into(self, keys: Iterable[Key], buffers: Sequence[Any],
                         ) -> concurrent.futures.Future[list[int]]:
         """Start a ``get_into``; the buffers must stay alive until the future is done."""
