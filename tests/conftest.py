@@ -34,8 +34,9 @@ class FakeClock:
 
 # tests driven by an inference engine's own package run only in that engine's venv
 # (.ci/engines.sh, .ci/run): elsewhere they are not even collected
-collect_ignore_glob = [f"engines/test_{name}.py" for name in ("sglang", "lmcache", "vllm")
-                       if importlib.util.find_spec(name) is None]
+_ENGINE_TESTS = {"sglang": "sglang", "lmcache": "lmcache", "demo": "transformers"}
+collect_ignore_glob = [f"engines/test_{name}.py" for name, module in _ENGINE_TESTS.items()
+                       if importlib.util.find_spec(module) is None]
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
