@@ -23,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, TextIO
 
+from kvfs.units import parse_duration, parse_size
+
 from .compare import Cell, Comparison, StoreFactory, compare, describe, human_bs, peer_factories
 from .peers import Store
 from .runner import RW, BenchError, JobResult, Workload, run_workload, workload_dict
@@ -58,25 +60,15 @@ CHAIN_BS: Final = 64 << 10
 # argument parsing
 
 
-def parse_size(text: str) -> int:
-    """fio sizes: ``4k`` = 4096, ``1m``, ``16MiB``, ``512`` (k, m, g = powers of 1024)."""
-    t = text.strip().lower().removesuffix("b").removesuffix("i")
-    mult = 1
-    for suffix, m in (("k", 1 << 10), ("m", 1 << 20), ("g", 1 << 30), ("t", 1 << 40)):
-        if t.endswith(suffix):
-            t, mult = t[:-1], m
-            break
-    try:
-        value = int(float(t) * mult)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 4k, 64KiB, 1m)") from None
+def _positive_size(text: str) -> int:
+    value = parse_size(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
     return value
 
 
 def _size_list(text: str) -> list[int]:
-    return [parse_size(t) for t in text.split(",") if t.strip()]
+    return [_positive_size(t) for t in text.split(",") if t.strip()]
 
 
 def _rw_list(text: str) -> list[str]:
@@ -97,19 +89,6 @@ def _positive_int(text: str) -> int:
     return v
 
 
-def _seconds(text: str) -> float:
-    t = text.strip().lower()
-    mult = 1.0
-    for suffix, m in (("ms", 1e-3), ("s", 1.0), ("m", 60.0)):
-        if t.endswith(suffix):
-            t, mult = t[: -len(suffix)], m
-            break
-    try:
-        return float(t) * mult
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (e.g. 5, 5s, 500ms)") from None
-
-
 def add_commands(sub: Any) -> None:
     """Add ``kvfs bench`` to the ``kvfs`` subcommands."""
     p = sub.add_parser(
@@ -128,11 +107,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
     a("--bs", type=_size_list, default=None, help="value size(s), e.g. 4k,64k,1m,16m")
     a("--iodepth", type=_positive_int, default=None, help="calls in flight per job (default 4, 2 for >=1m)")
     a("--numjobs", type=_positive_int, default=1, help="client processes per job (default 1)")
-    a("--size", type=parse_size, default=None, help="key space per job in bytes (default 32-128MiB)")
-    a("--runtime", type=_seconds, default=None, help=f"seconds per job (default {DEFAULT_RUNTIME_S:g})")
+    a("--size", type=_positive_size, default=None, help="key space per job in bytes (default 32-128MiB)")
+    a("--runtime", type=parse_duration, default=None, help=f"seconds per job (default {DEFAULT_RUNTIME_S:g})")
     a("--time_based", "--time-based", dest="time_based", action="store_true",
       help="run for --runtime even after one pass over the key space (default job set: on)")
-    a("--ramp_time", "--ramp-time", dest="ramp_time", type=_seconds, default=0.0,
+    a("--ramp_time", "--ramp-time", dest="ramp_time", type=parse_duration, default=0.0,
       help="seconds run before measuring")
     a("--rwmixread", type=int, default=50, help="randrw: percent of calls that read")
     a("--batch", type=_positive_int, default=None, help="keys per call (default 128 <=4k, 32 <=64k, ...)")
@@ -155,7 +134,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     a("--gc", action="store_true",
       help="GC bench: reclaim rate after keys expire (--bs, --size per run), and randread 4k p99 "
            "with GC idle vs running against a churn (see bench/gcbench.py)")
-    a("--gc-ttl", dest="gc_ttl", type=_seconds, default=1.0, help="--gc: ttl of the expiring keys")
+    a("--gc-ttl", dest="gc_ttl", type=parse_duration, default=1.0, help="--gc: ttl of the expiring keys")
     a("--gc-churn-rate", dest="gc_churn_rate", type=parse_size, default=16 << 20,
       help="--gc: bytes/s the background churn writes (default 16MiB)")
     a("--job-spec", dest="job_spec", default=None, help=argparse.SUPPRESS)  # numjobs child

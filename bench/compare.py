@@ -18,13 +18,14 @@ import asyncio
 import contextlib
 import itertools
 import json
-import re
 import sys
 import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, TextIO
+
+from kvfs.units import parse_duration, parse_size
 
 from .peers import FilePerKeyStore, LoopbackLimit, PeerUnavailable, RedisStore, Store, run_fio_file
 from .runner import RW, BenchError, JobResult, Workload, run_workload
@@ -338,18 +339,6 @@ async def _fio_cell(wl: Workload, fio_dir: Path, unavailable: dict[str, str]) ->
 # ---------------------------------------------------------------------------
 # CLI
 
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def _size(text: str) -> int:
-    """``4k``/``4KiB`` -> 4096 (fio style: k, m, g are powers of 1024)."""
-    m = _SIZE_RE.match(text)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 4k, 64KiB, 1m)")
-    mult = 1024 ** " kmgt".index(m.group(2).lower() or " ")
-    return int(float(m.group(1)) * mult)
-
-
 def _csv(conv: Callable[[str], Any]) -> Callable[[str], list[Any]]:
     def parse(text: str) -> list[Any]:
         return [conv(t) for t in text.split(",") if t.strip()]
@@ -375,12 +364,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="comma list; the first is the subject (default: file,redis,loopback)",
     )
     p.add_argument("--rw", type=_csv(_rw), default=["randread", "randwrite"])
-    p.add_argument("--bs", type=_csv(_size), default=[4096, 65536], help="value sizes, e.g. 4k,64k")
+    p.add_argument("--bs", type=_csv(parse_size), default=[4096, 65536], help="value sizes, e.g. 4k,64k")
     p.add_argument("--batch", type=_csv(int), default=[128], help="keys per call")
     p.add_argument("--iodepth", type=_csv(int), default=[4], help="calls in flight")
-    p.add_argument("--size", type=_size, default=64 << 20, help="key space bytes per job (64MiB)")
-    p.add_argument("--runtime", type=float, default=5.0, help="seconds per job")
-    p.add_argument("--ramp", type=float, default=0.0, help="ramp-up seconds (not measured)")
+    p.add_argument("--size", type=parse_size, default=64 << 20, help="key space bytes per job (64MiB)")
+    p.add_argument("--runtime", type=parse_duration, default=5.0, help="seconds per job")
+    p.add_argument("--ramp", type=parse_duration, default=0.0, help="ramp-up seconds (not measured)")
     p.add_argument("--dir", type=Path, default=None, help="work dir for file stores and fio")
     p.add_argument("--fio", action="store_true", help="add a column: real fio, psync, on a file")
     p.add_argument("--redis-transport", choices=("tcp", "unix"), default="tcp")

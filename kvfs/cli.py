@@ -17,7 +17,7 @@ from kvfs._loop import run
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, MetaConfig, add_options, from_options
 from kvfs.errors import KVFSError
-from kvfs.units import format_size
+from kvfs.units import format_size, parse_duration, parse_size
 
 log = logging.getLogger("kvfs.cli")
 
@@ -173,11 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data", default="./kvfs-data", help="data directory (default ./kvfs-data)")
     p.add_argument("--chunkservers", type=int, default=3)
     p.add_argument("--listen", default="127.0.0.1:7070", help="meta address (default 127.0.0.1:7070)")
-    p.add_argument("--default-ttl", default=None, help="TTL for puts that give none (e.g. 1h)")
-    p.add_argument("--capacity", default=None, help="capacity per chunkserver (e.g. 10GiB)")
+    p.add_argument("--default-ttl", type=parse_duration, default=None, help="TTL for puts that give none (e.g. 1h)")
+    p.add_argument("--capacity", type=parse_size, default=None, help="capacity per chunkserver (e.g. 10GiB)")
     p.add_argument("--gc", action=argparse.BooleanOptionalAction, default=True,
                    help="run the GC daemon (default: yes)")
-    p.add_argument("--gc-interval", default=None, help="time between GC passes (e.g. 10s)")
+    p.add_argument("--gc-interval", type=parse_duration, default=None, help="time between GC passes (e.g. 10s)")
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("meta", help="run the metadata service in the foreground")
@@ -191,7 +191,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("put", help="store FILE (or - for stdin) under KEY")
     p.add_argument("key")
     p.add_argument("file")
-    p.add_argument("--ttl", type=float, default=None, help="seconds until it expires")
+    p.add_argument("--ttl", type=parse_duration, default=None, metavar="DURATION",
+                   help="time until it expires (e.g. 1h, 30s)")
     p.add_argument("--replicas", type=int, default=None)
     _client_options(p)
     p.set_defaults(func=cmd_put)
