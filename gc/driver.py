@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvfs.address import parse_addr, resolve_token
+from kvfs.address import lookup_token, parse_addr
 from kvfs.errors import KVFSError, Unavailable
 from kvfs.rpc import Op
 from kvfs.transport import Connection
@@ -100,7 +100,7 @@ class GarbageCollector:
                  progress: Progress | None = None, request_timeout_s: float = 300.0) -> None:
         self.addr = addr
         self._host, self._port = parse_addr(addr)
-        self.token = resolve_token(addr, token)
+        self.token = lookup_token(token, addr=addr)
         self.progress = progress
         self.request_timeout_s = request_timeout_s
         self._meta: Connection | None = None
@@ -140,7 +140,7 @@ class GarbageCollector:
                 await self.servers()
             if sid not in self._addrs:
                 raise Unavailable(f"chunkserver {sid} is not known to meta")
-            host, port = parse_addr(self._addrs[sid])
+            host, port = parse_addr(self._addrs[sid], what="chunkserver address")
             conn = await Connection.open(host, port, self.token, request_timeout_s=self.request_timeout_s)
             self._conns[sid] = conn
         return (await conn.call(op, header)).header

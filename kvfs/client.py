@@ -20,7 +20,7 @@ from typing import Any
 import crc32c
 
 from kvfs._batch import Batcher
-from kvfs.address import format_addr, parse_addr, resolve_token
+from kvfs.address import format_addr, lookup_token, parse_addr
 from kvfs.buffers import as_view
 from kvfs.config import ClientConfig
 from kvfs.errors import (
@@ -85,7 +85,7 @@ class AsyncClient:
                  config: ClientConfig | None = None) -> None:
         self._host, self._port = parse_addr(addr)
         self.addr = format_addr(self._host, self._port)
-        self.token = resolve_token(self.addr, token)
+        self.token = lookup_token(token, addr=self.addr)
         self.config = config or ClientConfig()
         self._meta: Connection | None = None
         self._meta_lock = asyncio.Lock()
@@ -179,7 +179,7 @@ class AsyncClient:
                 entry = self._servers.get(sid)
             if entry is None:
                 raise Unavailable(f"chunkserver {sid} is not known to meta")
-            host, port = parse_addr(entry.addr)
+            host, port = parse_addr(entry.addr, what="chunkserver address")
             try:
                 return await Connection.open(
                     host, port, self.token, connect_timeout_s=self.config.connect_timeout_s,

@@ -114,13 +114,6 @@ def from_options(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
     return cls(**values)
 
 
-def parse_hostport(text: str) -> tuple[str, int]:
-    host, _, port = text.removeprefix("kvfs://").rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"bad listen address {text!r}: expected HOST:PORT")
-    return host, int(port)
-
-
 @dataclass(frozen=True, kw_only=True)
 class GcConfig:
     meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
