@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfs.address import lookup_token, parse_addr
+from kvfs.config import GcConfig
 from kvfs.errors import KVFSError, Unavailable
 from kvfs.rpc import Op
 from kvfs.transport import Connection
@@ -43,6 +44,13 @@ class PassOptions:
     grace_s: float = 30.0
     rate_bytes: int | None = None
     expire_batch: int = 10_000
+
+    @classmethod
+    def from_config(cls, config: GcConfig) -> PassOptions:
+        """The daemon's pass (``kvfs gc daemon``, ``kvfs up``): every phase, applied."""
+        return cls(apply=True, threshold=config.compact_threshold, high=config.high_watermark,
+                   low=config.low_watermark, grace_s=config.grace_s, rate_bytes=config.rate_bytes,
+                   expire_batch=config.expire_batch)
 
 
 @dataclass(kw_only=True)

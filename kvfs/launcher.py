@@ -75,9 +75,7 @@ class LocalCluster:
         """Run the GC daemon loop as a task of this event loop (optional in-process GC)."""
         from kvfs.gc import PassOptions, run_daemon
 
-        opts = PassOptions(apply=True, threshold=config.compact_threshold, high=config.high_watermark,
-                           low=config.low_watermark, grace_s=config.grace_s,
-                           rate_bytes=config.rate_bytes, expire_batch=config.expire_batch)
+        opts = PassOptions.from_config(config)
         self._gc_stop = asyncio.Event()
         self._gc_task = asyncio.get_running_loop().create_task(
             run_daemon(self.addr, self.token, opts, config.interval_s, self._gc_stop))

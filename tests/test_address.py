@@ -59,7 +59,7 @@ def test_token_lookup_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_service_token_lives_in_its_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("KVFS_TOKEN", raising=False)
-    with pytest.raises(AuthError, match="no cluster token: .*copy meta's token file"):
+    with pytest.raises(AuthError, match=r"no cluster token: .*copy meta's token file"):
         lookup_token(data_dir=tmp_path)
     made = lookup_token(data_dir=tmp_path, create=True)
     assert (tmp_path / "token").stat().st_mode & 0o777 == 0o600
