@@ -60,7 +60,7 @@ def test_every_cli_size_and_duration_uses_the_one_rule() -> None:
     ns = build_parser().parse_args(["put", "k", "-", "--ttl", "1h"])
     assert ns.ttl == 3600.0
     ns = build_parser().parse_args(["up", "--capacity", "1GB", "--default-ttl", "5min"])
-    assert (ns.capacity, ns.default_ttl) == (1 << 30, 300.0)
+    assert (ns.capacity_bytes, ns.default_ttl_s) == (1 << 30, 300.0)
     ns = build_parser().parse_args(["bench", "--bs", "4k,1m", "--size", "1g", "--runtime", "500ms"])
     assert (ns.bs, ns.size, ns.runtime) == ([4096, 1 << 20], 1 << 30, 0.5)
     ns = compare.build_parser().parse_args(["--bs", "4KiB", "--size", "1GB", "--runtime", "1min"])
