@@ -51,11 +51,7 @@ def test_argparse_shows_the_parser_message() -> None:
 
 
 def test_every_cli_size_and_duration_uses_the_one_rule() -> None:
-    import importlib
-
     from kvfs.cli import build_parser
-
-    compare = importlib.import_module("kvfs.bench.compare")  # kvfs.bench.compare is also a function
 
     ns = build_parser().parse_args(["put", "k", "-", "--ttl", "1h"])
     assert ns.ttl == 3600.0
@@ -63,8 +59,10 @@ def test_every_cli_size_and_duration_uses_the_one_rule() -> None:
     assert (ns.capacity_bytes, ns.default_ttl_s) == (1 << 30, 300.0)
     ns = build_parser().parse_args(["bench", "--bs", "4k,1m", "--size", "1g", "--runtime", "500ms"])
     assert (ns.bs, ns.size, ns.runtime) == ([4096, 1 << 20], 1 << 30, 0.5)
-    ns = compare.build_parser().parse_args(["--bs", "4KiB", "--size", "1GB", "--runtime", "1min"])
+    ns = build_parser().parse_args(["bench", "--bs", "4KiB", "--size", "1GB", "--runtime", "1min"])
     assert (ns.bs, ns.size, ns.runtime) == ([4096], 1 << 30, 60.0)
+    ns = build_parser().parse_args(["gc", "run", "--grace", "2min", "--rate", "1GB/s"])
+    assert (ns.grace, ns.rate) == (120.0, 1 << 30)
 
 
 def test_format_size() -> None:
