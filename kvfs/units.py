@@ -10,7 +10,7 @@ number is bytes; fractions are allowed (``1.5m``) and rounded down.
 Durations: a bare number is seconds; units ``us``, ``ms``, ``s``/``sec``,
 ``m``/``min``, ``h``, ``d`` (so ``30s``, ``5min``, ``1h``, ``1.5h``).
 
-Both raise :class:`BadUnit`, an :class:`~kvfs.errors.InvalidArgument` that
+Both raise :class:`BadUnitValue`, an :class:`~kvfs.errors.InvalidArgument` that
 argparse also shows as is (``argument --size: not a size: 'x' ...``), so the
 parsers are used directly as ``type=`` of every size and duration flag.
 """
@@ -31,24 +31,27 @@ _NUM = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _SIZE_UNIT = re.compile(r"^(?:([kmgtp])i?)?b?$")
 
 
-class BadUnit(InvalidArgument, argparse.ArgumentTypeError):
-    """A size or duration that does not parse (argparse prints the message as is)."""
+class BadUnitValue(InvalidArgument, argparse.ArgumentTypeError):
+    """Text that is not a size or a duration. An ``InvalidArgument`` (so a ``ValueError``);
+    as an ``ArgumentTypeError``, argparse prints its message (``argument --capacity: not a
+    size: 'lots' ...``) instead of ``invalid parse_size value``, wherever a parser here is
+    an option's ``type``."""
 
 
 def parse_size(text: str | int) -> int:
     """Bytes in ``text``: ``"4k"`` -> 4096, ``"1GB"`` = ``"1GiB"`` = ``"1g"`` -> 2**30.
 
     Every unit is a power of 1024 (fio's rule; see the module docstring);
-    ints pass through unchanged. Raises :class:`BadUnit`.
+    ints pass through unchanged. Raises :class:`BadUnitValue`.
     """
     if isinstance(text, int) and not isinstance(text, bool):
         if text < 0:
-            raise BadUnit(f"not a size: {text!r} (a size is >= 0)")
+            raise BadUnitValue(f"not a size: {text!r} (a size is >= 0)")
         return text
     m = _NUM.match(text) if isinstance(text, str) else None
     unit = _SIZE_UNIT.match(m.group(2).lower()) if m else None
     if m is None or unit is None:
-        raise BadUnit(f"not a size: {text!r} (examples: 4096, 4k, 64KiB, 1m, 2g; "
+        raise BadUnitValue(f"not a size: {text!r} (examples: 4096, 4k, 64KiB, 1m, 2g; "
                       "k, m, g are powers of 1024)")
     return int(float(m.group(1)) * 1024 ** _POW[unit.group(1) or ""])
 
@@ -56,16 +59,16 @@ def parse_size(text: str | int) -> int:
 def parse_duration(text: str | float | int) -> float:
     """Seconds in ``text``: ``"5min"`` -> 300.0, ``"250ms"`` -> 0.25, ``"1h"`` -> 3600.0.
 
-    Numbers are seconds and pass through. Raises :class:`BadUnit`.
+    Numbers are seconds and pass through. Raises :class:`BadUnitValue`.
     """
     if isinstance(text, (int, float)) and not isinstance(text, bool):
         if text < 0:
-            raise BadUnit(f"not a duration: {text!r} (a duration is >= 0)")
+            raise BadUnitValue(f"not a duration: {text!r} (a duration is >= 0)")
         return float(text)
     m = _NUM.match(text) if isinstance(text, str) else None
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _TIME:
-        raise BadUnit(f"not a duration: {text!r} (examples: 30, 30s, 250ms, 5min, 1h)")
+        raise BadUnitValue(f"not a duration: {text!r} (examples: 30, 30s, 250ms, 5min, 1h)")
     return float(m.group(1)) * _TIME[unit]
 
 

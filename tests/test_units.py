@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from kvfs.errors import InvalidArgument
-from kvfs.units import BadUnit, format_size, parse_duration, parse_size
+from kvfs.units import BadUnitValue, format_size, parse_duration, parse_size
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -23,7 +23,7 @@ def test_sizes_follow_fio(text: str | int, expected: int) -> None:
 
 @pytest.mark.parametrize("text", ["", "k", "1x", "1kk", "1ib", "-1", "1 GB/s", "1e3", "1..5k", -1, True])
 def test_bad_sizes_name_the_input(text: object) -> None:
-    with pytest.raises(BadUnit, match="not a size") as err:
+    with pytest.raises(BadUnitValue, match="not a size") as err:
         parse_size(text)  # type: ignore[arg-type]
     assert isinstance(err.value, InvalidArgument) and isinstance(err.value, ValueError)
 
@@ -39,7 +39,7 @@ def test_durations(text: str | float, expected: float) -> None:
 
 @pytest.mark.parametrize("text", ["", "h", "1hour", "1y", "-5s", -1])
 def test_bad_durations_name_the_input(text: object) -> None:
-    with pytest.raises(BadUnit, match="not a duration"):
+    with pytest.raises(BadUnitValue, match="not a duration"):
         parse_duration(text)  # type: ignore[arg-type]
 
 
