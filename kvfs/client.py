@@ -9,6 +9,7 @@ get_many: layouts from the cache or one LOOKUP -> one READV per chunkserver
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import os
 import random
@@ -16,12 +17,12 @@ import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final, cast
 
 import crc32c
 
 from kvfs._batch import Batcher
-from kvfs.address import format_addr, parse_addr, resolve_token
+from kvfs.address import format_addr, lookup_token, parse_addr
 from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.config import ClientConfig
 from kvfs.errors import (
@@ -52,9 +53,15 @@ MISS = -1  # no such key (or it expired / was deleted while being read)
 TOO_SMALL = -2  # the value is larger than the key's buffer(s): nothing was read for it
 FAILED = -3  # its bytes could not be read (server down, corrupt): neighbours are unaffected
 
-# A destination meaning "the extent is the whole value: hand it back as bytes".
-_WHOLE_VIEW = memoryview(b"")
-_WHOLE = [_WHOLE_VIEW]
+class _Dest(enum.Enum):
+    WHOLE = "whole"
+
+
+# A destination marker: "the extent is the whole value: hand it back as bytes".
+_WHOLE: Final = _Dest.WHOLE
+# where an extent's (or a value's) bytes go: views filled in order (a value may be scattered
+# over several buffers), _WHOLE, or None: not read
+Dest = list[memoryview] | _Dest | None
 
 
 @dataclass(slots=True)
@@ -73,7 +80,7 @@ class _Job:
 
     slot: int
     extent: Extent
-    dest: list[memoryview]
+    dest: list[memoryview] | _Dest
     rep: Replica | None = None  # the replica being read
     tried: tuple[int, ...] = ()  # servers that already failed this extent
     error: KVFSError | None = None
@@ -95,7 +102,7 @@ class AsyncClient:
                  config: ClientConfig | None = None) -> None:
         self._host, self._port = parse_addr(addr)
         self.addr = format_addr(self._host, self._port)
-        self.token = resolve_token(self.addr, token)
+        self.token = lookup_token(token, addr=self.addr)
         self.config = config or ClientConfig()
         self._servers: dict[int, ServerEntry] = {}
         self._servers_at = -1e18
@@ -220,7 +227,7 @@ class AsyncClient:
                 entry = self._servers.get(sid)
             if entry is None:
                 raise Unavailable(f"chunkserver {sid} is not known to meta")
-            host, port = parse_addr(entry.addr)
+            host, port = parse_addr(entry.addr, what="chunkserver address")
             try:
                 return await Connection.open(
                     host, port, self.token, connect_timeout_s=self.config.connect_timeout_s,
@@ -579,7 +586,7 @@ class AsyncClient:
         return result
 
     async def _read_into(self, keys: list[bytes], layouts: list[Layout | None],
-                         dests: list[list[memoryview] | None], out: list[bytes | None] | None = None,
+                         dests: Sequence[Dest], out: list[bytes | None] | None = None,
                          *, failed: dict[int, KVFSError] | None = None) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
         expired while being read).  With ``failed`` given, a key whose bytes cannot be
@@ -591,7 +598,7 @@ class AsyncClient:
                 self._layouts.pop(keys[i], None)
             fresh = await self._lookup([keys[i] for i in stale], use_cache=False)
             retry_layouts: list[Layout | None] = [None] * len(keys)
-            retry_dests: list[list[memoryview] | None] = [None] * len(keys)
+            retry_dests: list[Dest] = [None] * len(keys)
             for i, lay in zip(stale, fresh, strict=True):
                 old = layouts[i]
                 if lay is None:
@@ -606,7 +613,7 @@ class AsyncClient:
         return misses
 
     async def _fetch(self, keys: list[bytes], layouts: list[Layout | None],
-                     dests: list[list[memoryview] | None], out: list[bytes | None] | None,
+                     dests: Sequence[Dest], out: list[bytes | None] | None,
                      failed_out: dict[int, KVFSError] | None) -> list[int]:
         """Read every extent into its destination; returns the slots whose layout was stale.
         A slot no replica could serve raises, or lands in ``failed_out`` when given."""
@@ -707,7 +714,8 @@ class AsyncClient:
         def scatter(head: FrameHead) -> Scatter:
             # the answer lands straight in each destination (e.g. the caller's buffers)
             errs = head.header.get("errors") or {}
-            return Scatter([p for i, job in enumerate(batch) if i not in errs for p in job.dest])
+            return Scatter([p for i, job in enumerate(batch) if i not in errs
+                            for p in cast(list[memoryview], job.dest)])  # no dest is _WHOLE here
 
         def pooled(head: FrameHead) -> memoryview:
             # values handed back as bytes are copied out of a reused buffer: no fresh
@@ -723,7 +731,7 @@ class AsyncClient:
             raise
         errors = h.get("errors") or {}
         in_place = isinstance(payload, Scatter)
-        view = _WHOLE_VIEW if isinstance(payload, Scatter) else payload
+        view = payload if isinstance(payload, memoryview) else memoryview(b"")
         pos = 0
         crc = crc32c.crc32c
         for idx, job in enumerate(batch):
@@ -739,9 +747,11 @@ class AsyncClient:
                         retry.append(job)
                     continue
             n = job.extent.length
+            dest = job.dest
             if in_place:
+                assert dest is not _WHOLE  # scatter is chosen only when no dest is _WHOLE
                 c = 0
-                for p in job.dest:
+                for p in dest:
                     c = crc(p, c)
             else:
                 got = view[pos : pos + n]
@@ -754,15 +764,15 @@ class AsyncClient:
                     f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
                 retry.append(job)
                 continue
-            if job.dest is _WHOLE:
+            if dest is _WHOLE:
                 assert out is not None
                 out[job.slot] = bytes(got)
             elif not in_place:
                 at = 0
-                for p in job.dest:
+                for p in dest:
                     p[:] = got[at : at + p.nbytes]
                     at += p.nbytes
-        got = view = payload = _WHOLE_VIEW  # drop views of the receive buffer before reusing it
+        got = view = memoryview(b"")  # drop views of the receive buffer before reusing it
         self._rx_give(rx)
 
     # meta-only queries ---------------------------------------------------------
