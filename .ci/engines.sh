@@ -40,9 +40,10 @@ engine_deps() {
 build() {
     local name=$1 venv="$dir/$1"
     local stamp
-    stamp="$(cat "$0" "$PIP_CONSTRAINT" "$root/pyproject.toml" | sha256sum | cut -c1-16)"
+    stamp="$(cat "$0" "$PIP_CONSTRAINT" | sha256sum | cut -c1-16)"
     if [[ -f "$venv/.kvfs-stamp" && "$(cat "$venv/.kvfs-stamp")" == "$stamp" ]]; then
         echo "== $name: $venv is up to date"
+        "$venv/bin/python" -m pip install -q --no-deps -e "$root"   # this tree's kvfs
         return
     fi
     echo "== $name: building $venv"
