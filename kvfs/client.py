@@ -319,16 +319,24 @@ class AsyncClient:
         await self._commit(keys, await self._append(keys, views, r, ttl), ttl)
 
     async def _append(self, keys: list[bytes], views: list[memoryview], r: int,
-                      ttl: float | None) -> list[Layout]:
+                      ttl: float | None, *, first: int | None = None) -> list[Layout]:
         """Write the values' bytes (not yet visible): placement, retries on a dead server, one
-        GC pass when the cluster is full.  Returns their layouts, to commit."""
+        GC pass when the cluster is full.  Returns their layouts, to commit.  ``first``: start
+        at the live server of that index (mod their count, in id order) instead of a random
+        draw, so the units of a stream go round-robin over the servers as stripes do."""
         collected = False
         for attempt in range(3):
             live = [s for s in await self.servers(refresh=attempt > 0) if s.alive]
             if len(live) < r:
                 raise Unavailable(f"{r} replicas need {r} live chunkservers; {len(live)} are live")
             try:
-                wires = await self._write(keys, views, self._order(live), r, ttl)
+                if first is None:
+                    order = self._order(live)
+                else:
+                    live.sort(key=lambda e: e.server_id)
+                    k = first % len(live)
+                    order = live[k:] + live[:k]
+                wires = await self._write(keys, views, order, r, ttl)
                 return [Layout.from_wire(w) for w in wires]
             except Unavailable:
                 if attempt == 2:

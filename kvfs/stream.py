@@ -12,6 +12,7 @@ Memory: about ``stream_window_units`` times ``stripe_bytes`` per stream, whateve
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import AsyncIterable, AsyncIterator, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -59,7 +60,7 @@ async def put_stream(client: AsyncClient, key: Key, chunks: Chunks, *, size: int
 
     async def write(i: int, unit: memoryview) -> None:
         try:
-            (lay,) = await client._append([k], [unit], r, ttl)
+            (lay,) = await client._append([k], [unit], r, ttl, first=start + i)
             (extents[i],) = lay.extents
         except BaseException as exc:
             failed.append(exc)
@@ -79,6 +80,7 @@ async def put_stream(client: AsyncClient, key: Key, chunks: Chunks, *, size: int
         tasks.add(t)
         t.add_done_callback(tasks.discard)
 
+    start = random.randrange(1 << 16)  # units go round-robin over the servers from here
     buf, fill = bytearray(stripe), 0
     try:
         async for piece in _aiter(chunks):
