@@ -10,12 +10,21 @@ from __future__ import annotations
 import asyncio
 import errno
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = ["ROOT_INODE", "Handle", "Info", "InodeTable"]
 
 ROOT_INODE = 1
 Info = dict[str, Any]
+V = TypeVar("V")
+
+
+def _known(table: dict[int, V], number: int, err: int, what: str) -> V:
+    """``table[number]``, or the ``OSError(err)`` a request for a stale number answers."""
+    try:
+        return table[number]
+    except KeyError:
+        raise OSError(err, f"{what} {number} is not known (any more)") from None
 
 
 @dataclass(eq=False)
@@ -51,10 +60,7 @@ class InodeTable:
 
     # inodes --------------------------------------------------------------------
     def path(self, ino: int) -> str:
-        try:
-            return self._paths[ino]
-        except KeyError:
-            raise OSError(errno.ESTALE, f"inode {ino} is not known (any more)") from None
+        return _known(self._paths, ino, errno.ESTALE, "inode")
 
     def path_or_none(self, ino: int) -> str | None:
         return self._paths.get(ino)
@@ -146,10 +152,7 @@ class InodeTable:
         return fh
 
     def handle(self, fh: int) -> Handle:
-        try:
-            return self._handles[fh]
-        except KeyError:
-            raise OSError(errno.EBADF, f"file handle {fh} is not open") from None
+        return _known(self._handles, fh, errno.EBADF, "file handle")
 
     def handle_or_none(self, fh: int) -> Handle | None:
         return self._handles.get(fh)
@@ -183,10 +186,7 @@ class InodeTable:
         return fh
 
     def dir(self, fh: int) -> tuple[str, list[tuple[str, Info]]]:
-        try:
-            return self._dirs[fh]
-        except KeyError:
-            raise OSError(errno.EBADF, f"directory handle {fh} is not open") from None
+        return _known(self._dirs, fh, errno.EBADF, "directory handle")
 
     def releasedir(self, fh: int) -> None:
         self._dirs.pop(fh, None)
