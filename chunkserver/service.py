@@ -63,7 +63,8 @@ class ChunkServer:
             self._meta = await Connection.open(host, port, self.token)
         capacity, free, _ = self.store.usage()
         r = await self._meta.call(Op.REGISTER, {"server_id": self.store.server_id, "addr": self.addr,
-                                                "capacity": capacity, "free": free})
+                                                "capacity": capacity, "free": free,
+                                                "disk": self.store.disk_id})
         sid = int(r.header["server_id"])
         if sid != self.store.server_id:
             self.store.server_id = sid
@@ -76,7 +77,7 @@ class ChunkServer:
         await self._meta.call(Op.HEARTBEAT, {
             "server_id": self.store.server_id, "addr": self.addr, "capacity": capacity,
             "free": free, "used": used, "chunks": dict(self.store.sizes), "open": self.store.open_chunk,
-            "wanted": self.store.wanted_bytes})
+            "wanted": self.store.wanted_bytes, "disk": self.store.disk_id})
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s

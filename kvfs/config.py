@@ -41,7 +41,8 @@ class ChunkServerConfig:
     advertise: str | None = opt("HOST:PORT clients should use (default: the listen address)", None)
     token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
     chunk_bytes: int = opt("seal a chunk file at this size", 64 * 1024 * 1024)
-    capacity_bytes: int | None = opt("capacity to report (default: the disk's size)", None)
+    capacity_bytes: int | None = opt("capacity to report (default: the disk's size, which meta "
+                                     "splits between the chunkservers on that disk)", None)
     heartbeat_interval_s: float = opt("how often to report to meta", 1.0)
     io_threads: int = opt("threads doing preadv/pwritev", 4)
     merge_gap_bytes: int = opt("read ranges closer than this as one span", 64 * 1024)
@@ -66,6 +67,8 @@ class ClientConfig:
     batch_window_s: float = opt("wait this long for more keys (0: those issued this loop tick)", 0.0)
     batch_max_keys: int = opt("flush a batch at this many keys, without waiting", 128)
     batch_max_bytes: int = opt("flush a batch when its known value sizes reach this", 64 * 1024 * 1024)
+    stream_window_units: int = opt("stripe units a streaming put or read keeps in flight (its "
+                                   "memory: this many stripe_bytes)", 4)
 
 
 T = TypeVar("T")
@@ -166,8 +169,8 @@ class UpConfig:
     listen: str = opt("HOST:PORT for meta (port 0 picks a free one)", "127.0.0.1:7070")
     default_ttl_s: float | None = opt("TTL for puts that give none, e.g. 1h (default: no expiry)",
                                       None)
-    capacity_bytes: int | None = opt("capacity per chunkserver, e.g. 10GiB (default: the disk's "
-                                     "size)", None)
+    capacity_bytes: int | None = opt("capacity per chunkserver, e.g. 10GiB (default: an even "
+                                     "share of the disk they are on)", None)
     gc: bool = opt("run the GC daemon", True)
     gc_interval_s: float | None = opt("time between GC passes, e.g. 10s (default: the daemon's)",
                                       None)
