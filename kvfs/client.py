@@ -360,7 +360,7 @@ class AsyncClient:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
         await self._commit(keys, await self._append(keys, views, r, ttl), ttl)
 
-    async def _append(self, keys: list[bytes], views: list[memoryview], r: int,
+    async def _append(self, keys: list[bytes], views: list[list[memoryview]], r: int,
                       ttl: float | None, *, first: int | None = None) -> list[Layout]:
         """Write the values' bytes (not yet visible): placement, retries on a dead server, one
         GC pass when the cluster is full.  Returns their layouts, to commit.  ``first``: start
