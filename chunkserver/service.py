@@ -9,10 +9,10 @@ import os
 from typing import Any
 
 from kvfs.address import parse_addr
-from kvfs.chunkserver.store import ChunkStore
+from kvfs.chunkserver.store import ChunkStore, check_ranges
 from kvfs.config import ChunkServerConfig, parse_hostport
 from kvfs.errors import AuthError, KVFSError
-from kvfs.protocol import Buffer, Limits
+from kvfs.protocol import Buffer
 from kvfs.rpc import Op, Service
 from kvfs.server import Reply, RpcServer
 from kvfs.transport import Connection
@@ -38,7 +38,7 @@ class ChunkServer:
         self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes, io_threads=config.io_threads,
                                 fsync=config.fsync, capacity_bytes=config.capacity_bytes,
                                 merge_gap_bytes=config.merge_gap_bytes)
-        self.rpc = RpcServer(self, Service.CHUNKSERVER, self.token, Limits())
+        self.rpc = RpcServer(self, Service.CHUNKSERVER, self.token, config)
         self.addr = ""
         self._meta: Connection | None = None
         self._hb: asyncio.Task[None] | None = None
@@ -113,9 +113,16 @@ class ChunkServer:
         locs = await self.store.append(h["records"], p)
         return {"locations": locs}, ()
 
+    def reply_cost(self, op: int, h: dict[str, Any]) -> int:
+        """Reply bytes a request will produce, charged to its connection before it runs."""
+        if op == Op.READV:
+            cfg = self.config
+            return sum(r[2] for r in check_ranges(h["ranges"], cfg.max_ranges, cfg.max_read_rpc_bytes))
+        return 0
+
     async def rpc_readv(self, h: dict[str, Any], p: memoryview) -> Reply:
         self.readv_calls += 1
-        ranges = [(int(c), int(o), int(n)) for c, o, n in h["ranges"]]
+        ranges = check_ranges(h["ranges"], self.config.max_ranges, self.config.max_read_rpc_bytes)
         views, errors = await self.store.readv(ranges)
         payload: list[Buffer] = [v for v in views if v is not None and v.nbytes]
         return {"errors": {i: [e.code, e.message] for i, e in errors.items()}}, payload

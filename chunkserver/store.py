@@ -22,6 +22,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import crc32c
 
@@ -88,6 +89,37 @@ class Span:
     start: int
     end: int
     members: tuple[int, ...]  # indices into the request's ranges
+
+
+def check_ranges(raw: Any, max_ranges: int, max_bytes: int) -> list[tuple[int, int, int]]:
+    """A READV's ``[[chunk_id, offset, length], ...]`` as int triples, refused with
+    :class:`InvalidArgument` when it names more than ``max_ranges`` ranges, ranges that
+    overlap, or more than ``max_bytes`` in total (so one small request can never ask for
+    a reply many times its size)."""
+    if not isinstance(raw, (list, tuple)):
+        raise InvalidArgument(f"READV ranges must be a list, got {type(raw).__name__}")
+    if len(raw) > max_ranges:
+        raise InvalidArgument(f"READV names {len(raw)} ranges; the limit is {max_ranges} (max_ranges)")
+    ranges: list[tuple[int, int, int]] = []
+    total = 0
+    for r in raw:
+        c, off, ln = r
+        if not (type(c) is int and type(off) is int and type(ln) is int):
+            raise InvalidArgument(f"READV range must be three integers, got {r!r:.80}")
+        if c < 0 or off < 0 or ln < 0:
+            raise InvalidArgument(f"READV range has a negative field: {r!r:.80}")
+        total += ln
+        ranges.append((c, off, ln))
+    if total > max_bytes:
+        raise InvalidArgument(f"READV asks for {total} bytes; the limit is {max_bytes} "
+                              "(max_read_rpc_bytes): split it")
+    prev_c, prev_end = -1, 0
+    for c, off, ln in sorted(ranges):
+        if ln and c == prev_c and off < prev_end:
+            raise InvalidArgument(f"READV ranges overlap in chunk {c:016x} at offset {off}")
+        if ln:
+            prev_c, prev_end = c, off + ln
+    return ranges
 
 
 def plan_spans(ranges: Sequence[tuple[int, int, int]], merge_gap: int) -> list[Span]:

@@ -21,12 +21,14 @@ def auth_mac(token: str, nonce: bytes) -> bytes:
 class FrameProtocol(asyncio.BufferedProtocol):
     """Receives frames into a :class:`FrameDecoder`; subclasses handle them."""
 
-    def __init__(self, limits: Limits | None = None, allocator: PayloadAllocator | None = None):
-        self.decoder = FrameDecoder(limits, allocator=allocator)
+    def __init__(self, limits: Limits | None = None, allocator: PayloadAllocator | None = None,
+                 *, scratch_bytes: int = 256 * 1024):
+        self.decoder = FrameDecoder(limits, allocator=allocator, scratch_bytes=scratch_bytes)
         self.transport: asyncio.Transport | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
         self.closed = asyncio.Event()
+        self.holding = False  # frames already decoded wait in the decoder (backpressure)
 
     # asyncio callbacks -----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -39,13 +41,23 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         try:
             self.decoder.buffer_updated(nbytes)
-            while True:
+        except ProtocolError as exc:
+            self.deliver()  # the frames before the bad one still count
+            self.protocol_failed(exc)
+            return
+        self.deliver()
+
+    def deliver(self) -> None:
+        """Hand decoded frames to :meth:`frame_received` until none is left or
+        :attr:`holding` is set."""
+        try:
+            while not self.holding:
                 ev = self.decoder.next_event()
                 if not hasattr(ev, "op"):
                     break
                 self.frame_received(ev)
-        except ProtocolError as exc:
-            self.protocol_failed(exc)
+        except ProtocolError:
+            pass  # the decoder's error: buffer_updated reports it
 
     def pause_writing(self) -> None:
         self._can_write.clear()

@@ -597,16 +597,23 @@ class AsyncClient:
         reads, the transfer and the client's checks overlap."""
         stale: list[int] = []
         retry: list[_Job] = []
-        limit = self.config.max_read_rpc_bytes
+        limit, max_ranges = self.config.max_read_rpc_bytes, self.config.max_read_ranges
         batches: list[list[_Job]] = []
-        i = 0
-        while i < len(jobs):
-            j, total = i, 0
-            while j < len(jobs) and (j == i or total + jobs[j].extent.length <= limit):
-                total += jobs[j].extent.length
-                j += 1
-            batches.append(jobs[i:j])
-            i = j
+        batch: list[_Job] = []
+        seen: set[tuple[int, int]] = set()  # a server refuses overlapping ranges: the same
+        total = 0  # extent asked twice (the same key twice in one call) goes in another READV
+        for job in jobs:
+            where = (job.rep.chunk_id, job.rep.offset)  # type: ignore[union-attr]
+            if batch and (total + job.extent.length > limit or len(batch) >= max_ranges
+                          or where in seen):
+                batches.append(batch)
+                batch, total = [], 0
+                seen.clear()
+            batch.append(job)
+            seen.add(where)
+            total += job.extent.length
+        if batch:
+            batches.append(batch)
         if len(batches) == 1:
             await self._readv_batch(sid, batches[0], keys, out, stale, retry)
             return stale, retry

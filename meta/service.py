@@ -25,7 +25,6 @@ from kvfs.errors import InvalidArgument, StaleLayout
 from kvfs.layout import MAX_VALUE_BYTES, Layout, norm_key, norm_keys
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES, MetaGc
 from kvfs.meta.store import MetaStore, pack_layout
-from kvfs.protocol import Limits
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
 
@@ -74,7 +73,7 @@ class MetaService(MetaGc):
         self.servers: dict[int, ServerInfo] = {}
         self.leases: dict[bytes, float] = {}
         self._dirty_access: dict[bytes, float] = {}
-        self.rpc = RpcServer(self, Service.META, self.token, Limits())
+        self.rpc = RpcServer(self, Service.META, self.token, config)
         self._bg: list[asyncio.Task[None]] = []
         self._load()
         self._init_gc()
