@@ -16,12 +16,15 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import sys
 import tempfile
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final, TextIO
+
+from kvfs.address import TOKEN_FILE_HELP, token_from_file
 
 from .compare import Cell, Comparison, StoreFactory, compare, describe, human_bs, peer_factories
 from .peers import Store
@@ -151,7 +154,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
            "or in this process and event loop")
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
     a("--addr", default=None, help="cluster address (default: start an embedded cluster)")
-    a("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    a("--token-file", default=None, help=TOKEN_FILE_HELP)
     a("--gc", action="store_true",
       help="GC bench: reclaim rate after keys expire (--bs, --size per run), and randread 4k p99 "
            "with GC idle vs running against a churn (see bench/gcbench.py)")
@@ -322,7 +325,7 @@ class BenchTarget:
 @contextlib.asynccontextmanager
 async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[BenchTarget]:
     if ns.addr is not None:
-        yield BenchTarget(ns.addr, ns.token)
+        yield BenchTarget(ns.addr, token_from_file(ns.token_file))
         return
     if ns.cluster == "processes":
         from kvfs.launcher import ProcessCluster
@@ -371,8 +374,6 @@ async def _run_one(target: BenchTarget, wl: Workload, ns: argparse.Namespace) ->
 def _child_argv(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> list[str]:
     argv = [sys.executable, "-m", "kvfs", "bench", "--addr", target.addr,
             "--output-format", "json", "--no-progress", "--job-spec", json.dumps(workload_dict(wl))]
-    if target.token:
-        argv += ["--token", target.token]
     if ns.prefix_chain:
         argv += ["--prefix-chain", str(ns.prefix_chain)]
     return argv
@@ -383,9 +384,10 @@ async def _run_numjobs(target: BenchTarget, wl: Workload, ns: argparse.Namespace
     procs = []
     for i in range(ns.numjobs):
         job = replace(wl, name=f"{wl.name}.{i}", key_prefix=wl.key_prefix + b"%d/" % i, seed=wl.seed + i)
-        procs.append(await asyncio.create_subprocess_exec(
+        env = {**os.environ, "KVFS_TOKEN": target.token} if target.token else None
+        procs.append(await asyncio.create_subprocess_exec(  # the token in env, never on argv
             *_child_argv(target, job, ns), stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE))
+            stderr=asyncio.subprocess.PIPE, env=env))
     jobs: list[dict[str, Any]] = []
     limit = wl.prefill_timeout_s + wl.ramp_time_s + wl.runtime_s + wl.grace_s
     for i, proc in enumerate(procs):
@@ -403,7 +405,7 @@ async def _child(ns: argparse.Namespace) -> int:
     d = json.loads(ns.job_spec)
     d["key_prefix"] = d["key_prefix"].encode("latin-1")
     wl = Workload(**d)
-    target = BenchTarget(ns.addr, ns.token)
+    target = BenchTarget(ns.addr, token_from_file(ns.token_file))
     res = await _run_one(target, wl, ns)
     print(json.dumps(report_json([res.to_json()])))
     return 0

@@ -32,9 +32,9 @@ from typing import Any
 import msgpack
 
 from kvfs._loop import run
-from kvfs._wire import auth_mac
 from kvfs.address import parse_addr
 from kvfs.client import AsyncClient
+from kvfs.handshake import check_server_proof, client_auth, endpoint, new_nonce
 from kvfs.protocol import FIXED, MAGIC, PROTOCOL_VERSION, Flag, FrameDecoder, Limits, frame_bytes
 from kvfs.rpc import Op
 
@@ -160,10 +160,13 @@ def authed_socket(host: str, port: int, token: str) -> socket.socket:
             dec.receive_data(data)
 
     hello = next_frame()
-    s.sendall(frame_bytes(Op.AUTH, 1, {"version": PROTOCOL_VERSION,
-                                       "mac": auth_mac(token, hello.header["nonce"])}))
-    if next_frame().is_error:
-        raise ConnectionError("AUTH refused")
+    auth = client_auth(token, hello.header, new_nonce(), endpoint(s.getsockname()),
+                       endpoint(s.getpeername()))
+    s.sendall(frame_bytes(Op.AUTH, 1, auth))
+    reply = next_frame()
+    if reply.is_error:
+        raise ConnectionError(f"AUTH refused: {reply.header.get('message')}")
+    check_server_proof(token, hello.header, auth, reply.header, f"{host}:{port}")
     assert dec.buffered_bytes == 0
     s.setblocking(False)
     return s

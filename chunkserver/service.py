@@ -5,13 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
+from collections.abc import Mapping
 from typing import Any
 
-from kvfs.address import parse_addr
+from kvfs.address import parse_addr, service_tokens
 from kvfs.chunkserver.store import ChunkStore, check_ranges
 from kvfs.config import ChunkServerConfig, parse_hostport
-from kvfs.errors import AuthError, KVFSError
+from kvfs.errors import KVFSError
+from kvfs.handshake import Role
 from kvfs.protocol import Buffer
 from kvfs.rpc import Op, Service
 from kvfs.server import Reply, RpcServer
@@ -20,25 +21,16 @@ from kvfs.transport import Connection
 log = logging.getLogger("kvfs.chunkserver")
 
 
-def chunkserver_token(config: ChunkServerConfig) -> str:
-    token = config.token or os.environ.get("KVFS_TOKEN")
-    if token:
-        return token
-    path = config.data / "token"
-    if path.exists():
-        return path.read_text().strip()
-    raise AuthError("chunkserver needs the cluster token: --token, $KVFS_TOKEN or DATA/token")
-
-
 class ChunkServer:
-    def __init__(self, config: ChunkServerConfig) -> None:
+    def __init__(self, config: ChunkServerConfig, *,
+                 tokens: Mapping[Role, str] | None = None) -> None:
         self.config = config
         config.data.mkdir(parents=True, exist_ok=True)
-        self.token = chunkserver_token(config)
+        self.tokens = dict(tokens) if tokens else service_tokens(config.data)
         self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes, io_threads=config.io_threads,
                                 fsync=config.fsync, capacity_bytes=config.capacity_bytes,
                                 merge_gap_bytes=config.merge_gap_bytes)
-        self.rpc = RpcServer(self, Service.CHUNKSERVER, self.token, config)
+        self.rpc = RpcServer(self, Service.CHUNKSERVER, self.tokens, config)
         self.addr = ""
         self._meta: Connection | None = None
         self._hb: asyncio.Task[None] | None = None
@@ -71,7 +63,7 @@ class ChunkServer:
     async def _register(self) -> None:
         if self._meta is None or self._meta.is_closed:
             host, port = parse_addr(self.config.meta)
-            self._meta = await Connection.open(host, port, self.token)
+            self._meta = await Connection.open(host, port, self.tokens[Role.SERVER])
         capacity, free, _ = self.store.usage()
         r = await self._meta.call(Op.REGISTER, {"server_id": self.store.server_id, "addr": self.addr,
                                                 "capacity": capacity, "free": free})

@@ -20,6 +20,7 @@ from typing import Any
 
 from kvfs.address import parse_addr, resolve_token
 from kvfs.errors import KVFSError, Unavailable
+from kvfs.handshake import Role
 from kvfs.rpc import Op
 from kvfs.transport import Connection
 
@@ -100,7 +101,7 @@ class GarbageCollector:
                  progress: Progress | None = None, request_timeout_s: float = 300.0) -> None:
         self.addr = addr
         self._host, self._port = parse_addr(addr)
-        self.token = resolve_token(addr, token)
+        self.token = resolve_token(addr, token, Role.ADMIN)
         self.progress = progress
         self.request_timeout_s = request_timeout_s
         self._meta: Connection | None = None

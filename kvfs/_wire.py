@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 from collections.abc import Sequence
 
@@ -12,10 +10,6 @@ from kvfs.errors import KVFSError, ProtocolError
 from kvfs.protocol import Buffer, FrameDecoder, Limits, PayloadAllocator
 
 log = logging.getLogger("kvfs.wire")
-
-
-def auth_mac(token: str, nonce: bytes) -> bytes:
-    return hmac.new(token.encode(), b"kvfs-auth:" + nonce, hashlib.sha256).digest()
 
 
 class FrameProtocol(asyncio.BufferedProtocol):

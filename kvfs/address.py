@@ -1,4 +1,4 @@
-"""Cluster addresses (``kvfs://host:port``) and the cluster token."""
+"""Cluster addresses (``kvfs://host:port``) and the role tokens (client, admin, server)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import secrets
 from pathlib import Path
 
 from kvfs.errors import AuthError, InvalidArgument
+from kvfs.handshake import Role
 
 DEFAULT_ADDR = "kvfs://127.0.0.1:7070"
 
@@ -30,8 +31,14 @@ def config_dir() -> Path:
     return Path(env) if env else Path.home() / ".config" / "kvfs"
 
 
-def user_token_path(host: str, port: int) -> Path:
-    return config_dir() / "tokens" / f"{host}_{port}"
+TOKEN_FILES = {Role.CLIENT: "token", Role.ADMIN: "admin.token", Role.SERVER: "server.token"}
+TOKEN_ENV = {Role.CLIENT: "KVFS_TOKEN", Role.ADMIN: "KVFS_ADMIN_TOKEN",
+             Role.SERVER: "KVFS_SERVER_TOKEN"}
+
+
+def user_token_path(host: str, port: int, role: Role = Role.CLIENT) -> Path:
+    suffix = "" if role == Role.CLIENT else f".{role.value}"
+    return config_dir() / "tokens" / f"{host}_{port}{suffix}"
 
 
 def new_token() -> str:
@@ -40,36 +47,70 @@ def new_token() -> str:
 
 def write_secret(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` with mode 0600 from the first byte on."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text + "\n")
     os.chmod(path, 0o600)
 
 
+TOKEN_FILE_HELP = ("file holding the token (default: $KVFS_TOKEN, else the file kvfs up wrote); "
+                   "tokens never go on a command line")
+
+
+def token_from_file(path: str | Path | None) -> str | None:
+    """``--token-file PATH`` -> the token in it (None: look it up the usual way)."""
+    return None if path is None else read_secret(Path(path))
+
+
+def read_secret(path: Path) -> str:
+    text = path.read_text().strip()
+    if not text:
+        raise AuthError(f"token file {path} is empty")
+    return text
+
+
+def service_tokens(data_dir: Path, *, create: bool = False) -> dict[Role, str]:
+    """The three role tokens a server checks: each from its environment variable, else
+    its file in ``data_dir`` (created, mode 0600, when ``create``: meta and `kvfs up`)."""
+    out: dict[Role, str] = {}
+    missing = []
+    for role, name in TOKEN_FILES.items():
+        env = os.environ.get(TOKEN_ENV[role])
+        path = data_dir / name
+        if env:
+            out[role] = env
+        elif path.exists():
+            out[role] = read_secret(path)
+        elif create:
+            out[role] = new_token()
+            write_secret(path, out[role])
+        else:
+            missing.append(f"${TOKEN_ENV[role]} or {path}")
+    if missing:
+        raise AuthError("missing tokens: " + ", ".join(missing))
+    return out
+
+
 def load_or_create_token(data_dir: Path) -> str:
-    """The cluster token kept in a data dir (created on first start)."""
-    path = data_dir / "token"
-    if path.exists():
-        return path.read_text().strip()
-    token = new_token()
-    write_secret(path, token)
-    return token
+    """The client token kept in a data dir (created with the others on first start)."""
+    return service_tokens(data_dir, create=True)[Role.CLIENT]
 
 
-def resolve_token(addr: str | None, token: str | None = None) -> str:
-    """``token=``, else ``$KVFS_TOKEN``, else the file ``kvfs up`` wrote for this address."""
+def resolve_token(addr: str | None, token: str | None = None, role: Role = Role.CLIENT) -> str:
+    """``token=``, else the role's environment variable (``$KVFS_TOKEN`` for a client),
+    else the file ``kvfs up`` wrote for this address."""
     if token:
         return token
-    env = os.environ.get("KVFS_TOKEN")
+    env = os.environ.get(TOKEN_ENV[role])
     if env:
         return env
     host, port = parse_addr(addr)
-    path = user_token_path(host, port)
+    path = user_token_path(host, port, role)
     try:
-        return path.read_text().strip()
+        return read_secret(path)
     except FileNotFoundError:
         raise AuthError(
-            f"no token for {format_addr(host, port)}: pass token=, set KVFS_TOKEN, "
-            f"or start the cluster with `kvfs up` (which writes {path})"
+            f"no token for {format_addr(host, port)} ({role.value} role): pass token=, set "
+            f"{TOKEN_ENV[role]}, or start the cluster with `kvfs up` (which writes {path})"
         ) from None

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kvfs._loop import run
 from kvfs._parent import die_with_parent
+from kvfs.address import TOKEN_FILE_HELP, token_from_file
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, MetaConfig, UpConfig, add_options, from_options
 from kvfs.errors import KVFSError
@@ -28,7 +29,7 @@ Command = Callable[[argparse.Namespace], Awaitable[int]]
 
 def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
-    p.add_argument("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
 
 
 def _stop_event() -> asyncio.Event:
@@ -117,7 +118,7 @@ async def cmd_up(ns: argparse.Namespace) -> int:
 
 # client commands ------------------------------------------------------------------
 def _client(ns: argparse.Namespace) -> AsyncClient:
-    return AsyncClient(ns.addr, token=ns.token)
+    return AsyncClient(ns.addr, token=token_from_file(ns.token_file))
 
 
 async def cmd_put(ns: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from kvfs.address import format_addr, parse_addr, resolve_token
 from kvfs.buffers import as_view
 from kvfs.config import ClientConfig
 from kvfs.errors import (
+    AuthError,
     ChecksumMismatch,
     InvalidArgument,
     KVFSError,
@@ -32,6 +33,7 @@ from kvfs.errors import (
     Unavailable,
     from_wire,
 )
+from kvfs.handshake import Role
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
 from kvfs.protocol import Buffer, FrameHead, Scatter
 from kvfs.rpc import Op
@@ -82,10 +84,14 @@ class AsyncClient:
     """``async with kvfs.connect(addr) as kv: ...``"""
 
     def __init__(self, addr: str | None = None, *, token: str | None = None,
-                 config: ClientConfig | None = None) -> None:
+                 config: ClientConfig | None = None, admin_token: str | None = None) -> None:
+        """``token``: the client token (default ``$KVFS_TOKEN`` or the file `kvfs up`
+        wrote); ``admin_token``: only for the GC pass a write runs when it finds the
+        cluster full (``evict_on_full``; default ``$KVFS_ADMIN_TOKEN`` or its file)."""
         self._host, self._port = parse_addr(addr)
         self.addr = format_addr(self._host, self._port)
         self.token = resolve_token(self.addr, token)
+        self.admin_token = admin_token
         self.config = config or ClientConfig()
         self._meta: Connection | None = None
         self._meta_lock = asyncio.Lock()
@@ -338,8 +344,13 @@ class AsyncClient:
         low watermark and to fit the refused write, compact, delete) and let the caller retry."""
         from kvfs.gc.driver import GarbageCollector, PassOptions
 
+        try:
+            admin = resolve_token(self.addr, self.admin_token, Role.ADMIN)
+        except AuthError:
+            raise NoSpace("the cluster is full, and this client has no admin token to run a GC "
+                          "pass (KVFS_ADMIN_TOKEN); the GC daemon makes room") from None
         log.info("cluster full: running a GC pass before retrying the write")
-        async with GarbageCollector(self.addr, token=self.token) as gc:
+        async with GarbageCollector(self.addr, token=admin) as gc:
             await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
         await self.servers(refresh=True)
 

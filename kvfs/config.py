@@ -40,15 +40,18 @@ class ServerConfig:
                                      "pauses until replies drain", 64)
     max_inflight_bytes: int = opt("request and reply bytes held per connection; past it, reading "
                                   "pauses until replies drain", 64 * MiB)
+    bind_auth_to_addresses: bool = opt("refuse a handshake made for other addresses than this "
+                                       "connection's (a relay); turn off behind NAT or a proxy",
+                                       True)
     bad_request_log_interval_s: float = opt("log bad requests from one peer host at most this "
                                             "often", 60.0)
 
 
 @dataclass(frozen=True, kw_only=True)
 class MetaConfig(ServerConfig):
-    data: Path = opt("data directory (SQLite store, token)")
+    data: Path = opt("data directory (SQLite store; token files unless $KVFS_TOKEN, "
+                     "$KVFS_ADMIN_TOKEN, $KVFS_SERVER_TOKEN are set)")
     listen: str = opt("HOST:PORT to listen on (port 0 picks a free one)", "127.0.0.1:7070")
-    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else DATA/token)", None)
     heartbeat_timeout_s: float = opt("a chunkserver silent this long is dead", 10.0)
     default_ttl_s: float | None = opt("TTL for puts that give none (default: no expiry)", None)
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
@@ -56,11 +59,11 @@ class MetaConfig(ServerConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class ChunkServerConfig(ServerConfig):
-    data: Path = opt("data directory (chunk files)")
+    data: Path = opt("data directory (chunk files; token files unless $KVFS_TOKEN, "
+                     "$KVFS_ADMIN_TOKEN, $KVFS_SERVER_TOKEN are set)")
     meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
     listen: str = opt("HOST:PORT to listen on (port 0 picks a free one)", "127.0.0.1:0")
     advertise: str | None = opt("HOST:PORT clients should use (default: the listen address)", None)
-    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
     chunk_bytes: int = opt("seal a chunk file at this size", 64 * 1024 * 1024)
     capacity_bytes: int | None = opt("capacity to report (default: the disk's size)", None)
     heartbeat_interval_s: float = opt("how often to report to meta", 1.0)
@@ -181,7 +184,6 @@ def parse_hostport(text: str) -> tuple[str, int]:
 @dataclass(frozen=True, kw_only=True)
 class GcConfig:
     meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
-    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
     interval_s: float = opt("time between background GC passes", 10.0)
     expire_batch: int = opt("expired keys removed per meta transaction", 10_000)
     compact_threshold: float = opt("compact a sealed chunk whose garbage ratio passes this", 0.3)

@@ -1,7 +1,8 @@
 """The asyncio RPC server shared by meta and chunkservers.
 
 One protocol object per connection owning one :class:`FrameDecoder`; the
-first frame must be AUTH (HMAC of the server's nonce with the cluster token).
+first frame must be AUTH (:mod:`kvfs.handshake`: the token's role, both sides
+proven, bound to the connection); each op then needs a role the RPC table grants.
 Each request runs as its own task, so many are in flight per connection.  A
 bad request gets an error frame and the server keeps serving; a frame that
 breaks the protocol gets an error frame and closes that connection only.
@@ -10,14 +11,12 @@ breaks the protocol gets an error frame and closes that connection only.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import os
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from kvfs._wire import FrameProtocol, auth_mac
+from kvfs._wire import FrameProtocol
 from kvfs.config import ServerConfig
 from kvfs.errors import (
     AuthError,
@@ -29,6 +28,7 @@ from kvfs.errors import (
     Unavailable,
     VersionMismatch,
 )
+from kvfs.handshake import Role, endpoint, new_nonce, server_check
 from kvfs.protocol import (
     FIXED_SIZE,
     PROTOCOL_VERSION,
@@ -79,10 +79,10 @@ class RpcServer:
     request will produce; they count against ``max_inflight_bytes`` before it runs.
     """
 
-    def __init__(self, handler: object, service: Service, token: str,
+    def __init__(self, handler: object, service: Service, tokens: Mapping[Role, str],
                  config: ServerConfig | None = None):
         self.service = service
-        self.token = token
+        self.tokens = dict(tokens)
         self.config = config = config or ServerConfig()
         self.limits = Limits(max_header_bytes=config.max_header_bytes,
                              max_payload_bytes=config.max_payload_bytes)
@@ -137,8 +137,9 @@ class _ServerProtocol(FrameProtocol):
         cfg = server.config
         super().__init__(server.handshake_limits, scratch_bytes=cfg.max_handshake_bytes)
         self.server = server
-        self.nonce = os.urandom(16)
+        self.nonce = new_nonce()
         self.authed = False
+        self.role: Role | None = None
         self.tasks: set[asyncio.Task[None]] = set()
         self.inflight_requests = 0
         self.inflight_bytes = 0
@@ -222,8 +223,16 @@ class _ServerProtocol(FrameProtocol):
             return
         handler = self.server.handlers.get(frame.op)
         if handler is None:
-            self._reply_error(frame, InvalidArgument(
+            self._bad_request(frame, InvalidArgument(
                 f"op {frame.op} is not served by the {self.server.service.value} service"))
+            return
+        roles = RPCS[Op(frame.op)].roles
+        if self.role not in roles:
+            assert self.role is not None
+            self._bad_request(frame, AuthError(
+                f"this token may not call {Op(frame.op).name}: it needs the "
+                f"{' or '.join(r.value for r in roles)} token, this connection authenticated "
+                f"with the {self.role.value} token"))
             return
         cost = len(frame.payload)
         if self.server.reply_cost is not None:
@@ -258,6 +267,7 @@ class _ServerProtocol(FrameProtocol):
 
     def _authenticate(self, frame: Frame) -> None:
         err: KVFSError | None = None
+        reply: dict[str, Any] = {}
         if frame.op != Op.AUTH:
             err = LocalProtocolError(f"expected AUTH as the first frame, got op {frame.op}")
         elif frame.header.get("version") != PROTOCOL_VERSION:
@@ -265,10 +275,15 @@ class _ServerProtocol(FrameProtocol):
                 f"client speaks protocol version {frame.header.get('version')!r}; "
                 f"this server speaks {PROTOCOL_VERSION}")
         else:
-            mac = frame.header.get("mac")
-            good = auth_mac(self.server.token, self.nonce)
-            if not isinstance(mac, bytes) or not hmac.compare_digest(mac, good):
-                err = AuthError("wrong cluster token (check KVFS_TOKEN or the token file)")
+            assert self.transport is not None
+            try:
+                self.role, reply = server_check(
+                    self.server.tokens, self.nonce, self.server.service.value, frame.header,
+                    local=endpoint(self.transport.get_extra_info("sockname")),
+                    peer=endpoint(self.transport.get_extra_info("peername")),
+                    bind_addresses=self.server.config.bind_auth_to_addresses)
+            except KVFSError as exc:
+                err = exc
         if err is not None:
             self.server.peer_log.warning(self._host(), "refusing connection from %s: %s",
                                          self._peer(), err)
@@ -281,7 +296,7 @@ class _ServerProtocol(FrameProtocol):
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self._loop.call_later(self.server.config.idle_timeout_s, self._expired)
-        self.write(encode_frame(frame.op, frame.request_id, {}, flags=Flag.RESPONSE))
+        self.write(encode_frame(frame.op, frame.request_id, reply, flags=Flag.RESPONSE))
 
     def _peer(self) -> str:
         return str(self.transport.get_extra_info("peername")) if self.transport else "?"

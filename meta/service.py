@@ -13,15 +13,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfs.address import load_or_create_token, parse_addr
+from kvfs.address import parse_addr, service_tokens
 from kvfs.config import MetaConfig, parse_hostport
 from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.handshake import Role
 from kvfs.layout import MAX_VALUE_BYTES, Layout, norm_key, norm_keys
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES, MetaGc
 from kvfs.meta.store import MetaStore, pack_layout
@@ -62,18 +62,19 @@ def _count(value: Any, what: str, limit: int = 2**62) -> int:
 
 
 class MetaService(MetaGc):
-    def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time,
+                 tokens: Mapping[Role, str] | None = None) -> None:
         self.config = config
         self.clock = clock
         config.data.mkdir(parents=True, exist_ok=True)
-        self.token = config.token or os.environ.get("KVFS_TOKEN") or load_or_create_token(config.data)
+        self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
         self.store = MetaStore(config.data / "meta.sqlite3")
         self.entries: dict[bytes, Entry] = {}
         self.chunk_live: dict[int, int] = {}
         self.servers: dict[int, ServerInfo] = {}
         self.leases: dict[bytes, float] = {}
         self._dirty_access: dict[bytes, float] = {}
-        self.rpc = RpcServer(self, Service.META, self.token, config)
+        self.rpc = RpcServer(self, Service.META, self.tokens, config)
         self._bg: list[asyncio.Task[None]] = []
         self._load()
         self._init_gc()

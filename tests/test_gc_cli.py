@@ -23,7 +23,7 @@ async def kvfs(cluster: LocalCluster, *args: str) -> tuple[int, str]:
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvfs", *args, "--addr", cluster.addr,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-        env={**os.environ, "KVFS_TOKEN": cluster.token})
+        env={**os.environ, "KVFS_ADMIN_TOKEN": cluster.admin_token, "KVFS_TOKEN": cluster.token})
     out, _ = await proc.communicate()
     return await proc.wait(), out.decode()
 
