@@ -22,6 +22,7 @@ class BenchTarget:
     token: str | None
     cluster: Any = None
     embedded: str = ""
+    admin_token: str | None = None  # the GC bench's (None: $KVFS_ADMIN_TOKEN or its file)
 
     def client(self, **config: Any) -> Any:
         from kvfs.client import AsyncClient
@@ -49,7 +50,7 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
         pc = ProcessCluster(workdir / "cluster", 3, listen="127.0.0.1:0")
         await pc.start()
         try:
-            yield BenchTarget(pc.addr, pc.token, pc, "processes")
+            yield BenchTarget(pc.addr, pc.token, pc, "processes", pc.admin_token)
         finally:
             await pc.stop()
         return
@@ -58,6 +59,6 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
     lc = LocalCluster(workdir / "cluster", 3)
     await lc.start()
     try:
-        yield BenchTarget(lc.addr, lc.token, lc, "inproc")
+        yield BenchTarget(lc.addr, lc.token, lc, "inproc", lc.admin_token)
     finally:
         await lc.stop()
