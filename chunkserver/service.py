@@ -11,6 +11,7 @@ from typing import Any
 from kvfs.address import parse_addr, service_tokens
 from kvfs.chunkserver.store import ChunkStore, check_ranges
 from kvfs.config import ChunkServerConfig, parse_hostport
+from kvfs.datadir import DirLock, private_dir, raise_nofile_limit
 from kvfs.errors import KVFSError
 from kvfs.handshake import Role
 from kvfs.protocol import Buffer
@@ -25,11 +26,19 @@ class ChunkServer:
     def __init__(self, config: ChunkServerConfig, *,
                  tokens: Mapping[Role, str] | None = None) -> None:
         self.config = config
-        config.data.mkdir(parents=True, exist_ok=True)
-        self.tokens = dict(tokens) if tokens else service_tokens(config.data)
-        self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes, io_threads=config.io_threads,
-                                fsync=config.fsync, capacity_bytes=config.capacity_bytes,
-                                merge_gap_bytes=config.merge_gap_bytes)
+        private_dir(config.data)
+        self.lock = DirLock(config.data, "chunkserver").acquire()  # before any file is touched
+        try:
+            self.tokens = dict(tokens) if tokens else service_tokens(config.data)
+            open_files = min(config.max_open_chunks, raise_nofile_limit() // 2)
+            self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes,
+                                    io_threads=config.io_threads, fsync=config.fsync,
+                                    capacity_bytes=config.capacity_bytes,
+                                    merge_gap_bytes=config.merge_gap_bytes,
+                                    max_open_files=open_files)
+        except BaseException:
+            self.lock.release()
+            raise
         self.rpc = RpcServer(self, Service.CHUNKSERVER, self.tokens, config)
         self.addr = ""
         self._meta: Connection | None = None
@@ -59,14 +68,18 @@ class ChunkServer:
             self._meta.close()
         await self.rpc.close()
         self.store.close()
+        self.lock.release()
 
     async def _register(self) -> None:
         if self._meta is None or self._meta.is_closed:
             host, port = parse_addr(self.config.meta)
             self._meta = await Connection.open(host, port, self.tokens[Role.SERVER])
         capacity, free, _ = self.store.usage()
+        if not self.store.key:
+            self.store.save_state()  # creates the key that proves this data dir to meta
         r = await self._meta.call(Op.REGISTER, {"server_id": self.store.server_id, "addr": self.addr,
-                                                "capacity": capacity, "free": free})
+                                                "capacity": capacity, "free": free,
+                                                "key": self.store.key})
         sid = int(r.header["server_id"])
         if sid != self.store.server_id:
             self.store.server_id = sid

@@ -6,6 +6,7 @@ import os
 import secrets
 from pathlib import Path
 
+from kvfs.datadir import private_dir
 from kvfs.errors import AuthError, InvalidArgument
 from kvfs.handshake import Role
 
@@ -47,7 +48,7 @@ def new_token() -> str:
 
 def write_secret(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` with mode 0600 from the first byte on."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    private_dir(path.parent)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text + "\n")

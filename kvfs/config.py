@@ -71,6 +71,8 @@ class ChunkServerConfig(ServerConfig):
     merge_gap_bytes: int = opt("read ranges closer than this as one span", 64 * 1024)
     fsync: bool = opt("fsync chunk files after each append", False)
     max_ranges: int = opt("most ranges one READV may name", 16384)
+    max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
+                               "file limit, which is raised to its hard limit at start)", 4096)
     max_read_rpc_bytes: int = opt("most bytes one READV may ask for, in total", 64 * MiB)
 
 

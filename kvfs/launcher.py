@@ -22,6 +22,7 @@ from kvfs.address import TOKEN_ENV, parse_addr, service_tokens, user_token_path,
 from kvfs.chunkserver import ChunkServer
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, ClientConfig, GcConfig, MetaConfig, parse_hostport
+from kvfs.datadir import private_dir
 from kvfs.errors import KVFSError, Unavailable
 from kvfs.handshake import Role
 from kvfs.meta import MetaService
@@ -217,7 +218,7 @@ class DataDirLock:
         self._fd: int | None = None
 
     def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -270,7 +271,7 @@ class ProcessCluster:
         return [sys.executable, "-m", "kvfs", *args]
 
     async def start(self) -> str:
-        self.data.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data)
         self.lock.acquire()
         self._stopping = False
         try:

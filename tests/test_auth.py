@@ -7,16 +7,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from pathlib import Path
 
 import pytest
 
 from kvfs.address import parse_addr
+from kvfs.chunkserver import ChunkServer
 from kvfs.client import AsyncClient
 from kvfs.config import MetaConfig
-from kvfs.errors import AuthError
+from kvfs.datadir import DataDirInUse
+from kvfs.errors import AuthError, InvalidArgument
 from kvfs.handshake import Role
 from kvfs.launcher import LocalCluster
+from kvfs.meta import MetaService
 from kvfs.protocol import PROTOCOL_VERSION, Flag, FrameDecoder, encode_frame
 from kvfs.rpc import RPCS, Op, Service
 from kvfs.transport import Connection
@@ -165,3 +169,37 @@ async def test_address_binding_can_be_turned_off_for_nat(tmp_path: Path) -> None
         conn = await Connection.open("127.0.0.1", relay.port, c.token)
         assert conn.role == Role.CLIENT  # what a NAT or proxy looks like: accepted
         conn.close()
+
+
+async def test_a_server_id_alive_at_another_address_is_refused(cluster: LocalCluster) -> None:
+    """A second chunkserver (another data dir) claiming a live server's id: refused."""
+    cs = cluster.chunkservers[0]
+    assert cs is not None and cs.server_id is not None
+    other = cluster.root / "impostor"
+    other.mkdir()
+    (other / "state.json").write_text(
+        f'{{"server_id": {cs.server_id}, "next_seq": 1, "key": "not-its-key"}}')
+    impostor = ChunkServer(cluster.cs_config(0).__class__(
+        data=other, meta=cluster.addr, listen="127.0.0.1:0"), tokens=cluster.tokens)
+    try:
+        with pytest.raises(InvalidArgument, match=f"chunkserver {cs.server_id} is alive at"):
+            await impostor.start()
+    finally:
+        await impostor.close()
+    async with cluster.client() as kv:  # the real one still owns its id and address
+        servers = {s.server_id: s.addr for s in await kv.servers(refresh=True)}
+        assert servers[cs.server_id] == cs.addr
+    # the same data dir restarted on a new port keeps its id (its key matches)
+    await cluster.stop_chunkserver(0)
+    again = await cluster.start_chunkserver(0)
+    assert again.server_id == cs.server_id and again.addr != cs.addr
+
+
+async def test_two_servers_cannot_share_a_data_dir(cluster: LocalCluster) -> None:
+    cs = cluster.chunkservers[0]
+    assert cs is not None
+    with pytest.raises(DataDirInUse, match=f"in use by another chunkserver \\(pid {os.getpid()}\\)"):
+        ChunkServer(cluster.cs_config(0), tokens=cluster.tokens)
+    assert cluster.meta is not None
+    with pytest.raises(DataDirInUse, match="in use by another meta"):
+        MetaService(cluster.meta_config, tokens=cluster.tokens)

@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 from conftest import raw_connect, read_frame
+from crc32c import crc32c
 
 from kvfs.address import parse_addr
+from kvfs.chunkserver.store import ChunkStore
 from kvfs.config import ChunkServerConfig, MetaConfig
+from kvfs.datadir import raise_nofile_limit
 from kvfs.errors import (
     FrameTooLarge,
     InvalidArgument,
@@ -26,7 +29,7 @@ from kvfs.errors import (
     Unavailable,
     from_wire,
 )
-from kvfs.launcher import LocalCluster
+from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.protocol import FIXED, MAGIC, PROTOCOL_VERSION, frame_bytes
 from kvfs.rpc import Op
 from kvfs.server import PeerLog
@@ -213,3 +216,58 @@ def test_bad_requests_are_logged_once_per_peer_per_interval(
     with caplog.at_level(logging.WARNING, logger="kvfs.server"):
         plog.warning("10.0.0.1", "bad request from %s", "x")
     assert "999 more from this host" in caplog.records[-1].getMessage()
+
+
+@pytest.mark.subprocess
+async def test_everything_kvfs_up_creates_is_private(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data dirs 0700; chunk files, meta's SQLite files, state, locks and tokens 0600."""
+    monkeypatch.setenv("KVFS_CONFIG_DIR", str(tmp_path / "config"))
+    pc = ProcessCluster(tmp_path / "data", 2, listen="127.0.0.1:0", gc=True)
+    await pc.start()
+    try:
+        pc.write_user_token()
+        async with pc.client() as kv:
+            await kv.put_many({f"k{i}": os.urandom(4096) for i in range(10)})
+    finally:
+        await pc.stop()
+    seen = {".chunk": 0, ".sqlite3": 0, "token": 0}
+    for root in (tmp_path / "data", tmp_path / "config" / "tokens"):
+        for p in [root, *root.rglob("*")]:
+            mode = p.stat().st_mode & 0o777
+            if p.is_dir():
+                assert mode == 0o700, f"{p} is {mode:o}"
+            else:
+                assert mode == 0o600, f"{p} is {mode:o}"
+                for end in seen:
+                    seen[end] += p.name.endswith(end)
+    assert seen[".chunk"] >= 1 and seen[".sqlite3"] == 1 and seen["token"] == 3
+
+
+def test_chunk_files_are_kept_open_in_an_lru(tmp_path: Path) -> None:
+    async def main() -> None:
+        store = ChunkStore(tmp_path / "cs", chunk_bytes=8192, max_open_files=2)
+        try:
+            locs = []
+            for i in range(6):  # each append fills a chunk: 6 chunk files
+                value = bytes([i]) * 6000
+                (loc,) = await store.append([[b"k%d" % i, len(value), crc32c(value), None]],
+                                            memoryview(value))
+                locs.append((loc, value))
+            assert len(store.sizes) == 6
+            for (cid, off), value in locs * 2:
+                views, errors = await store.readv([(cid, off, len(value))])
+                assert not errors and views[0] == value
+                assert len(store._fds) <= 2
+        finally:
+            store.close()
+
+    asyncio.run(main())
+
+
+def test_a_server_raises_its_file_limit_to_the_hard_limit() -> None:
+    import resource
+
+    raise_nofile_limit()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft == hard or hard == resource.RLIM_INFINITY
