@@ -10,7 +10,7 @@ from typing import Any
 
 from kvfs.address import parse_addr, service_tokens
 from kvfs.chunkserver.store import ChunkStore, check_ranges
-from kvfs.config import ChunkServerConfig, parse_hostport
+from kvfs.config import ChunkServerConfig
 from kvfs.datadir import DirLock, private_dir, raise_nofile_limit
 from kvfs.errors import KVFSError
 from kvfs.handshake import Role
@@ -52,7 +52,7 @@ class ChunkServer:
 
     async def start(self) -> str:
         """Listen, register with meta; returns once clients can be sent here."""
-        host, port = parse_hostport(self.config.listen)
+        host, port = parse_addr(self.config.listen, what="listen address")
         host, port = await self.rpc.start(host, port)
         self.addr = self.config.advertise or f"{host}:{port}"
         await self._register()
@@ -72,7 +72,7 @@ class ChunkServer:
 
     async def _register(self) -> None:
         if self._meta is None or self._meta.is_closed:
-            host, port = parse_addr(self.config.meta)
+            host, port = parse_addr(self.config.meta, what="meta address")
             self._meta = await Connection.open(host, port, self.tokens[Role.SERVER])
         capacity, free, _ = self.store.usage()
         if not self.store.key:

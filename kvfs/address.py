@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from pathlib import Path
 
@@ -12,19 +13,44 @@ from kvfs.handshake import Role
 
 DEFAULT_ADDR = "kvfs://127.0.0.1:7070"
 
+# HOST:PORT, HOST a name, an IPv4 address or a bracketed IPv6 one (a bare IPv6 host also
+# parses: the port is after the last colon). The one address grammar of kvfs.
+_HOSTPORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.%a-z]+)\]|(?P<host>[^/\s\[\]]+)):(?P<port>[0-9]{1,5})$")
 
-def parse_addr(addr: str | None) -> tuple[str, int]:
-    """``kvfs://host:port`` (or ``host:port``) -> ``(host, port)``; None -> $KVFS_ADDR."""
-    text = addr or os.environ.get("KVFS_ADDR") or DEFAULT_ADDR
-    rest = text.removeprefix("kvfs://").split("/", 1)[0]
-    host, sep, port = rest.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise InvalidArgument(f"bad address {text!r}: expected kvfs://HOST:PORT")
-    return host.strip("[]"), int(port)
+
+def parse_addr(addr: str | None, *, what: str = "address") -> tuple[str, int]:
+    """``kvfs://HOST:PORT[/path]`` or ``HOST:PORT`` -> ``(host, port)``.
+
+    The one address parser: cluster addresses (``None`` -> ``$KVFS_ADDR``,
+    else ``kvfs://127.0.0.1:7070``), listen and advertised addresses, and
+    the head of a ``kvfs://`` URL. Raises :class:`InvalidArgument` naming
+    ``what`` and the text.
+    """
+    text = (os.environ.get("KVFS_ADDR") or DEFAULT_ADDR) if addr is None else addr
+    hit = _match(text) if isinstance(text, str) else None
+    if hit is None:
+        raise InvalidArgument(f"bad {what} {text!r:.300}: expected kvfs://HOST:PORT or HOST:PORT")
+    return hit
+
+
+def is_addr(text: str) -> bool:
+    """Whether ``text`` (the part of a ``kvfs://`` URL before the first ``/``) is HOST:PORT."""
+    return "/" not in text and _match(text) is not None
+
+
+def _match(text: str) -> tuple[str, int] | None:
+    rest = text.removeprefix("kvfs://")
+    if "://" in rest:
+        return None
+    m = _HOSTPORT.match(rest.split("/", 1)[0])
+    if m is None or int(m["port"]) > 65535:
+        return None
+    return m["v6"] or m["host"], int(m["port"])
 
 
 def format_addr(host: str, port: int) -> str:
-    return f"kvfs://{host}:{port}"
+    """``kvfs://host:port`` (an IPv6 host in brackets): what :func:`parse_addr` reads back."""
+    return f"kvfs://[{host}]:{port}" if ":" in host else f"kvfs://{host}:{port}"
 
 
 def config_dir() -> Path:
@@ -35,6 +61,8 @@ def config_dir() -> Path:
 TOKEN_FILES = {Role.CLIENT: "token", Role.ADMIN: "admin.token", Role.SERVER: "server.token"}
 TOKEN_ENV = {Role.CLIENT: "KVFS_TOKEN", Role.ADMIN: "KVFS_ADMIN_TOKEN",
              Role.SERVER: "KVFS_SERVER_TOKEN"}
+TOKEN_FILE_HELP = ("file holding the token (default: $KVFS_TOKEN, else the file kvfs up wrote); "
+                   "tokens never go on a command line")
 
 
 def user_token_path(host: str, port: int, role: Role = Role.CLIENT) -> Path:
@@ -47,21 +75,12 @@ def new_token() -> str:
 
 
 def write_secret(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` with mode 0600 from the first byte on."""
+    """Write ``text`` to ``path`` with mode 0600 from the first byte on (its folder 0700)."""
     private_dir(path.parent)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text + "\n")
     os.chmod(path, 0o600)
-
-
-TOKEN_FILE_HELP = ("file holding the token (default: $KVFS_TOKEN, else the file kvfs up wrote); "
-                   "tokens never go on a command line")
-
-
-def token_from_file(path: str | Path | None) -> str | None:
-    """``--token-file PATH`` -> the token in it (None: look it up the usual way)."""
-    return None if path is None else read_secret(Path(path))
 
 
 def read_secret(path: Path) -> str:
@@ -71,47 +90,61 @@ def read_secret(path: Path) -> str:
     return text
 
 
-def service_tokens(data_dir: Path, *, create: bool = False) -> dict[Role, str]:
-    """The three role tokens a server checks: each from its environment variable, else
-    its file in ``data_dir`` (created, mode 0600, when ``create``: meta and `kvfs up`)."""
-    out: dict[Role, str] = {}
-    missing = []
-    for role, name in TOKEN_FILES.items():
-        env = os.environ.get(TOKEN_ENV[role])
-        path = data_dir / name
-        if env:
-            out[role] = env
-        elif path.exists():
-            out[role] = read_secret(path)
-        elif create:
-            out[role] = new_token()
-            write_secret(path, out[role])
-        else:
-            missing.append(f"${TOKEN_ENV[role]} or {path}")
-    if missing:
-        raise AuthError("missing tokens: " + ", ".join(missing))
-    return out
+def token_from_file(path: str | Path | None) -> str | None:
+    """``--token-file PATH`` -> the token in it (None: look it up the usual way)."""
+    return None if path is None else read_secret(Path(path))
 
 
-def load_or_create_token(data_dir: Path) -> str:
-    """The client token kept in a data dir (created with the others on first start)."""
-    return service_tokens(data_dir, create=True)[Role.CLIENT]
+def load_or_create_token(data_dir: Path, role: Role = Role.CLIENT) -> str:
+    """A role's token kept in a data dir (created, mode 0600, on first start)."""
+    path = data_dir / TOKEN_FILES[role]
+    if path.exists():
+        return read_secret(path)
+    token = new_token()
+    write_secret(path, token)
+    return token
 
 
-def resolve_token(addr: str | None, token: str | None = None, role: Role = Role.CLIENT) -> str:
-    """``token=``, else the role's environment variable (``$KVFS_TOKEN`` for a client),
-    else the file ``kvfs up`` wrote for this address."""
+def lookup_token(token: str | None = None, *, addr: str | None = None,
+                 data_dir: Path | None = None, create: bool = False,
+                 role: Role = Role.CLIENT) -> str:
+    """A role's token (client, admin or server), looked up in one order by every client
+    and service.
+
+    1. ``token`` (a ``token=`` argument or a ``--token-file``);
+    2. the role's environment variable: ``$KVFS_TOKEN``, ``$KVFS_ADMIN_TOKEN``,
+       ``$KVFS_SERVER_TOKEN``;
+    3. a service (``data_dir`` given): the file ``data_dir/token`` (``admin.token``,
+       ``server.token``), written first when ``create`` (meta makes the cluster's
+       tokens on first start);
+    4. a client (no ``data_dir``): the file ``kvfs up`` wrote for ``addr``,
+       ``$KVFS_CONFIG_DIR/tokens/HOST_PORT`` (``.admin`` for the admin token).
+
+    Raises :class:`AuthError` naming where it looked.
+    """
     if token:
         return token
-    env = os.environ.get(TOKEN_ENV[role])
+    env_name = TOKEN_ENV[role]
+    env = os.environ.get(env_name)
     if env:
         return env
-    host, port = parse_addr(addr)
-    path = user_token_path(host, port, role)
+    if data_dir is not None and create:
+        return load_or_create_token(data_dir, role)
+    what = "cluster token" if role == Role.CLIENT else f"{role.value} token"
+    if data_dir is not None:
+        path = data_dir / TOKEN_FILES[role]
+        missing = (f"no {what}: set {env_name}, or copy meta's token file to {path}")
+    else:
+        host, port = parse_addr(addr)
+        path = user_token_path(host, port, role)
+        missing = (f"no token for {format_addr(host, port)} ({role.value} role): pass token=, "
+                   f"set {env_name}, or start the cluster with `kvfs up` (which writes {path})")
     try:
         return read_secret(path)
     except FileNotFoundError:
-        raise AuthError(
-            f"no token for {format_addr(host, port)} ({role.value} role): pass token=, set "
-            f"{TOKEN_ENV[role]}, or start the cluster with `kvfs up` (which writes {path})"
-        ) from None
+        raise AuthError(missing) from None
+
+
+def service_tokens(data_dir: Path, *, create: bool = False) -> dict[Role, str]:
+    """The three role tokens a server checks (see :func:`lookup_token`)."""
+    return {role: lookup_token(data_dir=data_dir, create=create, role=role) for role in Role}

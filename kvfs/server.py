@@ -16,7 +16,6 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
-from kvfs._wire import FrameProtocol
 from kvfs.config import ServerConfig
 from kvfs.errors import (
     AuthError,
@@ -28,6 +27,7 @@ from kvfs.errors import (
     Unavailable,
     VersionMismatch,
 )
+from kvfs.frame_protocol import FrameProtocol
 from kvfs.handshake import Role, endpoint, new_nonce, server_check
 from kvfs.protocol import (
     FIXED_SIZE,

@@ -7,7 +7,6 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvfs._wire import FrameProtocol
 from kvfs.errors import (
     KVFSError,
     LocalProtocolError,
@@ -16,6 +15,7 @@ from kvfs.errors import (
     Unavailable,
     from_wire,
 )
+from kvfs.frame_protocol import FrameProtocol
 from kvfs.handshake import Role, check_server_proof, client_auth, endpoint, new_nonce
 from kvfs.protocol import (
     PROTOCOL_VERSION,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfs.address import parse_addr, service_tokens
-from kvfs.config import MetaConfig, parse_hostport
+from kvfs.config import MetaConfig
 from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
 from kvfs.errors import InvalidArgument, StaleLayout
 from kvfs.handshake import Role
@@ -95,7 +95,7 @@ class MetaService(MetaGc):
         log.info("meta loaded %d keys, %d chunkservers", len(self.entries), len(self.servers))
 
     async def start(self) -> str:
-        host, port = parse_hostport(self.config.listen)
+        host, port = parse_addr(self.config.listen, what="listen address")
         host, port = await self.rpc.start(host, port)
         self._bg.append(asyncio.get_running_loop().create_task(self._flush_loop()))
         return f"kvfs://{host}:{port}"

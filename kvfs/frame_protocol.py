@@ -1,4 +1,7 @@
-"""The asyncio side of the wire: one BufferedProtocol base for client and server."""
+"""The asyncio side of the wire: :class:`FrameProtocol`, the ``asyncio.BufferedProtocol``
+base of client connections (``kvfs/transport.py``) and server connections
+(``kvfs/server.py``) around the sans-IO :class:`kvfs.protocol.FrameDecoder` (the
+handshake's MACs are in :mod:`kvfs.handshake`)."""
 
 from __future__ import annotations
 
