@@ -247,6 +247,7 @@ async def test_everything_kvfs_up_creates_is_private(tmp_path: Path,
 def test_chunk_files_are_kept_open_in_an_lru(tmp_path: Path) -> None:
     async def main() -> None:
         store = ChunkStore(tmp_path / "cs", chunk_bytes=8192, max_open_files=2)
+        store.server_id = 1
         try:
             locs = []
             for i in range(6):  # each append fills a chunk: 6 chunk files
