@@ -6,7 +6,8 @@ processes (``kvfs up``'s :class:`~kvfs.launcher.ProcessCluster`), stores one
 client keeps reading that value.  For each attack it reports whether the
 server is still alive, the peak growth of the server's RSS (sampled from
 ``/proc/PID/status`` every 20 ms), how many of the attack's connections the
-server closed within ``--wait`` seconds and when the last one was closed.
+server closed within ``--wait`` seconds and when the last one was closed (for the
+idle connections, counted from the last connect).
 
 Every attack is bounded in connections, bytes and time.  The tests
 (``tests/test_hostile.py``) run the same functions with short timeouts.
@@ -186,13 +187,13 @@ def attack_idle(host: str, port: int, n: int, wait_s: float) -> tuple[int, int, 
     """``n`` connections that never send a byte."""
     socks: list[socket.socket] = []
     with _sockets(socks):
-        t0 = time.monotonic()
         for _ in range(n):
             try:
                 socks.append(_open(host, port))
             except OSError:  # refused at accept (max_connections) counts as closed
                 break
         refused = n - len(socks)
+        t0 = time.monotonic()  # times from the last connect (opening 1,000 takes a while)
         closed, last = _wait_closed(socks, t0, wait_s)
         return closed + refused, n, last
 

@@ -118,7 +118,7 @@ async def test_dry_run_reports_what_apply_does(cluster: LocalCluster, kv: AsyncC
         assert await kv.delete_many(keys) == len(keys)
     else:
         clock.advance(6)
-    async with GarbageCollector(cluster.addr, token=cluster.token) as gc:
+    async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
         dry = await gc.run_pass(PassOptions(apply=False, grace_s=0))
         applied = await gc.run_pass(PassOptions(apply=True, grace_s=0))
     assert dry.compact_candidates > 0
