@@ -79,7 +79,8 @@ class ChunkServer:
             self.store.save_state()  # creates the key that proves this data dir to meta
         r = await self._meta.call(Op.REGISTER, {"server_id": self.store.server_id, "addr": self.addr,
                                                 "capacity": capacity, "free": free,
-                                                "key": self.store.key})
+                                                "key": self.store.key,
+                                                "disk": self.store.disk_id})
         sid = int(r.header["server_id"])
         if sid != self.store.server_id:
             self.store.server_id = sid
@@ -92,7 +93,7 @@ class ChunkServer:
         await self._meta.call(Op.HEARTBEAT, {
             "server_id": self.store.server_id, "addr": self.addr, "capacity": capacity,
             "free": free, "used": used, "chunks": dict(self.store.sizes), "open": self.store.open_chunk,
-            "wanted": self.store.wanted_bytes})
+            "wanted": self.store.wanted_bytes, "disk": self.store.disk_id})
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s

@@ -17,6 +17,7 @@ import logging
 import os
 import secrets
 import shutil
+import socket
 import struct
 import time
 from collections import OrderedDict
@@ -317,6 +318,15 @@ class ChunkStore:
             self._close_later.clear()
 
     # capacity --------------------------------------------------------------
+    @property
+    def disk_id(self) -> str | None:
+        """The filesystem the chunk files live on (``host:st_dev``), so meta can count a disk
+        several chunkservers share once; None with a configured capacity (that one is this
+        server's own, not shared)."""
+        if self.capacity_bytes:
+            return None
+        return f"{socket.gethostname()}:{os.stat(self.dir).st_dev}"
+
     def usage(self) -> tuple[int, int, int]:
         """(capacity, free, used) in bytes."""
         used = sum(self.sizes.values())
