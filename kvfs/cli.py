@@ -18,6 +18,7 @@ from typing import BinaryIO
 from kvfs import __version__
 from kvfs._loop import run
 from kvfs._parent import die_with_parent
+from kvfs.address import TOKEN_FILE_HELP, token_from_file
 from kvfs.client import AsyncClient
 from kvfs.config import (
     DURATION,
@@ -37,7 +38,7 @@ Command = Callable[[argparse.Namespace], Awaitable[int]]
 
 def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
-    p.add_argument("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
 
 
 def _stop_event() -> asyncio.Event:
@@ -126,7 +127,7 @@ async def cmd_up(ns: argparse.Namespace) -> int:
 
 # client commands ------------------------------------------------------------------
 def _client(ns: argparse.Namespace) -> AsyncClient:
-    return AsyncClient(ns.addr, token=ns.token)
+    return AsyncClient(ns.addr, token=token_from_file(ns.token_file))
 
 
 async def _read_chunks(f: BinaryIO, n: int) -> AsyncIterator[bytes]:

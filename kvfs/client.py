@@ -26,6 +26,7 @@ from kvfs.address import format_addr, lookup_token, parse_addr
 from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.config import ClientConfig
 from kvfs.errors import (
+    AuthError,
     ChecksumMismatch,
     InvalidArgument,
     KVFSError,
@@ -35,6 +36,7 @@ from kvfs.errors import (
     Unavailable,
     from_wire,
 )
+from kvfs.handshake import Role
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
 from kvfs.protocol import Buffer, FrameHead, Scatter
 from kvfs.rpc import Op
@@ -100,10 +102,14 @@ class AsyncClient:
     """``async with kvfs.connect(addr) as kv: ...``"""
 
     def __init__(self, addr: str | None = None, *, token: str | None = None,
-                 config: ClientConfig | None = None) -> None:
+                 config: ClientConfig | None = None, admin_token: str | None = None) -> None:
+        """``token``: the client token (default ``$KVFS_TOKEN`` or the file `kvfs up`
+        wrote); ``admin_token``: only for the GC pass a write runs when it finds the
+        cluster full (``evict_on_full``; default ``$KVFS_ADMIN_TOKEN`` or its file)."""
         self._host, self._port = parse_addr(addr)
         self.addr = format_addr(self._host, self._port)
         self.token = lookup_token(token, addr=self.addr)
+        self.admin_token = admin_token
         self.config = config or ClientConfig()
         self._servers: dict[int, ServerEntry] = {}
         self._servers_at = -1e18
@@ -417,8 +423,13 @@ class AsyncClient:
         low watermark and to fit the refused write, compact, delete) and let the caller retry."""
         from kvfs.gc.driver import GarbageCollector, PassOptions
 
+        try:
+            admin = lookup_token(self.admin_token, addr=self.addr, role=Role.ADMIN)
+        except AuthError:
+            raise NoSpace("the cluster is full, and this client has no admin token to run a GC "
+                          "pass (KVFS_ADMIN_TOKEN); the GC daemon makes room") from None
         log.info("cluster full: running a GC pass before retrying the write")
-        async with GarbageCollector(self.addr, token=self.token) as gc:
+        async with GarbageCollector(self.addr, token=admin) as gc:
             await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
         await self.servers(refresh=True)
 
@@ -713,16 +724,23 @@ class AsyncClient:
         reads, the transfer and the client's checks overlap."""
         stale: list[int] = []
         retry: list[_Job] = []
-        limit = self.config.max_read_rpc_bytes
+        limit, max_ranges = self.config.max_read_rpc_bytes, self.config.max_read_ranges
         batches: list[list[_Job]] = []
-        i = 0
-        while i < len(jobs):
-            j, total = i, 0
-            while j < len(jobs) and (j == i or total + jobs[j].extent.length <= limit):
-                total += jobs[j].extent.length
-                j += 1
-            batches.append(jobs[i:j])
-            i = j
+        batch: list[_Job] = []
+        seen: set[tuple[int, int]] = set()  # a server refuses overlapping ranges: the same
+        total = 0  # extent asked twice (the same key twice in one call) goes in another READV
+        for job in jobs:
+            where = (job.rep.chunk_id, job.rep.offset)  # type: ignore[union-attr]
+            if batch and (total + job.extent.length > limit or len(batch) >= max_ranges
+                          or where in seen):
+                batches.append(batch)
+                batch, total = [], 0
+                seen.clear()
+            batch.append(job)
+            seen.add(where)
+            total += job.extent.length
+        if batch:
+            batches.append(batch)
         if len(batches) == 1:
             await self._readv_batch(sid, batches[0], keys, out, stale, retry)
             return stale, retry
