@@ -1,12 +1,7 @@
 """Chunk files: append-only, records packed back to back, each self-describing.
 
-A record is ``header | key | value`` where the header is::
-
-    magic b"KVR1" | key_len u16 | flags u16 | value_crc u32 | value_len u64
-    | expires_at f64 (0 = never) | header_crc u32 (CRC-32C of header[:28] + key)
-
-A layout's extent points at the *value* (offset past header and key), so a
-read never touches record headers; a scan (recovery, fsck) needs no meta.
+The record format and the scan live in :mod:`kvfs.chunkserver.records`.
+A layout's extent points at the *value*, so a read never touches record headers.
 """
 
 from __future__ import annotations
@@ -16,22 +11,20 @@ import json
 import logging
 import os
 import shutil
-import struct
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
 
+from kvfs.chunkserver.records import Damage, record_header, recovery_point, scan_records
 from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout
 from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
 
 log = logging.getLogger("kvfs.chunkserver")
 
-RECORD = struct.Struct("<4sHHIQdI")
-REC_MAGIC = b"KVR1"
 ALIGN = 4096
 IOV_MAX = 512
 
@@ -42,44 +35,6 @@ def align_down(n: int) -> int:
 
 def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
-
-
-def record_header(key: bytes, length: int, crc: int, expires_at: float | None) -> bytes:
-    head = RECORD.pack(REC_MAGIC, len(key), 0, crc, length, expires_at or 0.0, 0)
-    hcrc = crc32c.crc32c(key, crc32c.crc32c(head[:-4]))
-    return head[:-4] + struct.pack("<I", hcrc) + key
-
-
-@dataclass(frozen=True, slots=True)
-class ScannedRecord:
-    record_offset: int
-    value_offset: int
-    key: bytes
-    length: int
-    crc: int
-    expires_at: float | None
-    value_ok: bool
-
-
-def scan_records(data: bytes | memoryview, *, verify: bool = True) -> Iterator[ScannedRecord]:
-    """Records in a chunk's bytes, stopping at the first that is torn or corrupt."""
-    pos, n = 0, len(data)
-    while pos + RECORD.size <= n:
-        magic, klen, _flags, crc, vlen, exp, hcrc = RECORD.unpack_from(data, pos)
-        if magic != REC_MAGIC or klen > MAX_KEY_BYTES:
-            return
-        key_end = pos + RECORD.size + klen
-        if key_end > n:
-            return
-        key = bytes(data[pos + RECORD.size : key_end])
-        if crc32c.crc32c(key, crc32c.crc32c(bytes(data[pos : pos + RECORD.size - 4]))) != hcrc:
-            return
-        end = key_end + vlen
-        if end > n:
-            return
-        ok = (crc32c.crc32c(data[key_end:end]) == crc) if verify else True
-        yield ScannedRecord(pos, key_end, key, vlen, crc, exp or None, ok)
-        pos = end
 
 
 @dataclass(frozen=True, slots=True)
@@ -196,6 +151,8 @@ class ChunkStore:
         self._last_append = time.monotonic()
         self.wanted_bytes = 0  # the last append refused for space: GC evicts to make it fit
         self._close_later: list[int] = []
+        self.damage: dict[int, list[Damage]] = {}  # found by recovery: runs without a valid record
+        self.bad_records = 0  # records recovery found with a bad value CRC (kept, reported)
         self._load_state()
         self._scan_dir()
 
@@ -230,18 +187,22 @@ class ChunkStore:
             self._recover_tail(newest)
 
     def _recover_tail(self, chunk_id: int) -> None:
-        """Truncate a torn or corrupt record at the end of the newest chunk."""
+        """Cut a torn last record of the newest chunk; report damage before it, cut nothing else."""
         path = self.chunk_path(chunk_id)
         data = path.read_bytes()
-        good = 0
-        for rec in scan_records(data):
-            if not rec.value_ok:
-                break
-            good = rec.value_offset + rec.length
-        if good < len(data):
-            log.warning("chunk %016x: truncating torn tail at %d (file had %d bytes)", chunk_id, good, len(data))
-            os.truncate(path, good)
-            self.sizes[chunk_id] = good
+        keep, damage, bad = recovery_point(data)
+        for d in damage:
+            log.warning("chunk %016x: bytes %d..%d hold no valid record; skipped, the records after "
+                        "them are kept", chunk_id, d.start, d.end)
+        for rec in bad:
+            log.warning("chunk %016x: record of key %r at %d fails its CRC-32C; kept (reads of it "
+                        "fail their check)", chunk_id, rec.key[:64], rec.record_offset)
+        self.damage[chunk_id] = damage
+        self.bad_records += len(bad)
+        if keep < len(data):
+            log.warning("chunk %016x: truncating torn tail at %d (file had %d bytes)", chunk_id, keep, len(data))
+            os.truncate(path, keep)
+            self.sizes[chunk_id] = keep
 
     def close(self) -> None:
         for fd in self._fds.values():

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvfs.address import parse_addr
-from kvfs.chunkserver.store import RECORD
+from kvfs.chunkserver.records import RECORD
 from kvfs.client import AsyncClient
 from kvfs.errors import (
     AuthError,
