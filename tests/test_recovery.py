@@ -18,9 +18,8 @@ def _record(key: bytes, value: bytes) -> bytes:
     return record_header(key, len(value), crc32c.crc32c(value), None) + value
 
 
-def _chunk(n: int = 3, size: int = 5000) -> tuple[bytes, list[bytes]]:
-    values = [bytes([65 + i]) * size for i in range(n)]
-    return b"".join(_record(b"k%d" % i, v) for i, v in enumerate(values)), values
+def _chunk(n: int = 3, size: int = 5000) -> bytes:
+    return b"".join(_record(b"k%d" % i, bytes([65 + i]) * size) for i in range(n))
 
 
 def _flip(data: bytes, at: int) -> bytes:
@@ -28,7 +27,7 @@ def _flip(data: bytes, at: int) -> bytes:
 
 
 def test_scan_clean_chunk() -> None:
-    data, values = _chunk()
+    data = _chunk()
     damage: list[Damage] = []
     recs = list(scan_records(data, damage=damage))
     assert [r.key for r in recs] == [b"k0", b"k1", b"k2"]
@@ -37,7 +36,7 @@ def test_scan_clean_chunk() -> None:
 
 
 def test_bad_value_in_the_middle_is_reported_and_kept() -> None:
-    data, _ = _chunk()
+    data = _chunk()
     first = next(scan_records(data))
     bad = _flip(data, first.value_offset + 7)
     keep, damage, badrecs = recovery_point(bad)
@@ -49,7 +48,7 @@ def test_bad_value_in_the_middle_is_reported_and_kept() -> None:
 
 @pytest.mark.parametrize("where", [0, 5, RECORD.size - 1, RECORD.size + 1])  # magic, crc, header crc, key
 def test_bad_header_is_skipped_by_resyncing_on_the_magic(where: int) -> None:
-    data, _ = _chunk()
+    data = _chunk()
     second = list(scan_records(data))[1]
     bad = _flip(data, second.record_offset + where)
     damage: list[Damage] = []
@@ -68,7 +67,7 @@ def test_garbage_between_records_is_skipped() -> None:
 
 
 def test_only_a_torn_last_record_is_cut() -> None:
-    data, _ = _chunk()
+    data = _chunk()
     recs = list(scan_records(data))
     # a header with half its value: the tail after the last whole record goes
     torn = data + _record(b"t", b"z" * 4096)[: RECORD.size + 1 + 100]
