@@ -7,12 +7,14 @@ A layout's extent points at the *value*, so a read never touches record headers.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +96,19 @@ def _pwritev_all(fd: int, bufs: list[bytes | memoryview], offset: int) -> None:
 
 INLINE_READ_BYTES = 8 * 1024 * 1024
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
+# what preadv(RWF_NOWAIT) raises where a filesystem refuses the flag (tmpfs: EOPNOTSUPP)
+_NOWAIT_REFUSED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+
+
+@contextlib.contextmanager
+def _full_is_nospace(what: str) -> Iterator[None]:
+    """ENOSPC/EDQUOT from a write becomes :class:`NoSpace`, never a server error."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise NoSpace(f"{what}: the disk is full ({exc.strerror})") from exc
+        raise
 
 
 def _read_spans(fds: dict[int, int], spans: Sequence[Span], needs: Sequence[int],
@@ -151,6 +166,7 @@ class ChunkStore:
         self._last_append = time.monotonic()
         self.wanted_bytes = 0  # the last append refused for space: GC evicts to make it fit
         self._close_later: list[int] = []
+        self.nowait = bool(_NOWAIT)  # read page-cache hits inline; off where the filesystem refuses it
         self.damage: dict[int, list[Damage]] = {}  # found by recovery: runs without a valid record
         self.bad_records = 0  # records recovery found with a bad value CRC (kept, reported)
         self._load_state()
@@ -167,8 +183,9 @@ class ChunkStore:
 
     def save_state(self) -> None:
         tmp = self.root / "state.json.tmp"
-        tmp.write_text(json.dumps({"server_id": self.server_id, "next_seq": self.next_seq}))
-        os.replace(tmp, self.root / "state.json")
+        with _full_is_nospace("writing state.json"):
+            tmp.write_text(json.dumps({"server_id": self.server_id, "next_seq": self.next_seq}))
+            os.replace(tmp, self.root / "state.json")
 
     def chunk_path(self, chunk_id: int) -> Path:
         return self.dir / f"{chunk_id:016x}.chunk"
@@ -279,14 +296,22 @@ class ChunkStore:
         if pos != payload.nbytes:
             raise InvalidArgument(f"append sent {payload.nbytes} bytes but its records describe {pos}")
         loop = asyncio.get_running_loop()
-        self._check_space(total)
+        self._check_space(total)  # refuse early without waiting for the lock ...
         async with self._lock:
+            self._check_space(total)  # ... and for sure: writes ahead of us took space
             cid = self._open
             if cid is None or (self.sizes[cid] and self.sizes[cid] + total > self.chunk_bytes):
                 cid = self._roll()
             base = self.sizes[cid]
             fd = self._fd(cid)
-            await loop.run_in_executor(self.pool, _pwritev_all, fd, bufs, base)
+            try:
+                with _full_is_nospace(f"chunkserver {self.server_id} appending {total} bytes"):
+                    await loop.run_in_executor(self.pool, _pwritev_all, fd, bufs, base)
+            except NoSpace:
+                self.wanted_bytes = total
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, base)  # give back what the half-done write took
+                raise
             if self.fsync:
                 await loop.run_in_executor(self.pool, os.fsync, fd)
             self.sizes[cid] = base + total
@@ -329,8 +354,15 @@ class ChunkStore:
         try:
             # page-cache hits are read right here (no thread hop); the rest in the pool
             bufs: list[bytearray | None] = [None] * len(spans)
-            if _NOWAIT and sum(needs) <= INLINE_READ_BYTES:
-                bufs = _read_spans(fds, spans, needs, nowait=True)
+            if self.nowait and sum(needs) <= INLINE_READ_BYTES:
+                try:
+                    bufs = _read_spans(fds, spans, needs, nowait=True)
+                except OSError as exc:
+                    if exc.errno not in _NOWAIT_REFUSED:
+                        raise
+                    log.info("%s refuses RWF_NOWAIT reads (%s); reading in the thread pool",
+                             self.dir, exc.strerror)
+                    self.nowait = False
                 self.inline_spans += sum(b is not None for b in bufs)
             todo = [i for i, b in enumerate(bufs) if b is None]
             if todo:
@@ -416,11 +448,15 @@ class ChunkStore:
             try:
                 _pwritev_all(fd, bufs, 0)
                 os.fsync(fd)
-            finally:
+            except BaseException:
                 os.close(fd)
+                tmp.unlink(missing_ok=True)
+                raise
+            os.close(fd)
             os.replace(tmp, path)
 
-        await loop.run_in_executor(self.pool, write)
+        with _full_is_nospace(f"chunkserver {self.server_id} compacting into a new chunk"):
+            await loop.run_in_executor(self.pool, write)
         self.sizes[new] = total
         return new, total, locations
 
