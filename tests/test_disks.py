@@ -50,10 +50,10 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
 async def test_a_data_dir_on_tmpfs_serves_reads(shm_dir: Path, tmp_path: Path) -> None:
     items = {f"shm/{i}".encode(): os.urandom(3000 + i) for i in range(50)}
     items[b"big"] = os.urandom(3 << 20)
-    async with LocalCluster(shm_dir, 2, meta=MetaConfig(data=tmp_path / "meta", listen="127.0.0.1:0")) as c:
-        async with c.client() as kv:
-            await kv.put_many(items)
-            assert await kv.get_many(list(items)) == list(items.values())
+    meta = MetaConfig(data=tmp_path / "meta", listen="127.0.0.1:0")
+    async with LocalCluster(shm_dir, 2, meta=meta) as c, c.client() as kv:
+        await kv.put_many(items)
+        assert await kv.get_many(list(items)) == list(items.values())
 
 
 async def test_a_filesystem_refusing_nowait_reads_falls_back(cluster: LocalCluster, kv: object,
@@ -87,20 +87,19 @@ async def test_full_disk_under_8_writers_is_always_nospace(small_fs: Path, tmp_p
     value = os.urandom(1 << 20)
     stored: list[bytes] = []
     errors: list[BaseException] = []
-    async with LocalCluster(small_fs, 1, meta=meta) as c:
-        async with c.client(ClientConfig(evict_on_full=False)) as kv:
+    async with LocalCluster(small_fs, 1, meta=meta) as c, c.client(ClientConfig(evict_on_full=False)) as kv:
 
-            async def writer(w: int) -> None:
-                for i in range(24):  # 8 x 24 MiB: three times what fits
-                    key = f"w{w}/{i}".encode()
-                    try:
-                        await kv.put(key, value)
-                        stored.append(key)
-                    except Exception as exc:
-                        errors.append(exc)
+        async def writer(w: int) -> None:
+            for i in range(24):  # 8 x 24 MiB: three times what fits
+                key = f"w{w}/{i}".encode()
+                try:
+                    await kv.put(key, value)
+                    stored.append(key)
+                except Exception as exc:
+                    errors.append(exc)
 
-            await asyncio.gather(*(writer(w) for w in range(8)))
-            assert errors, "the 64 MiB filesystem never filled up"
-            assert all(isinstance(e, NoSpace) for e in errors), {repr(e)[:200] for e in errors}
-            assert stored
-            assert await kv.get_many(stored) == [value] * len(stored)
+        await asyncio.gather(*(writer(w) for w in range(8)))
+        assert errors, "the 64 MiB filesystem never filled up"
+        assert all(isinstance(e, NoSpace) for e in errors), {repr(e)[:200] for e in errors}
+        assert stored
+        assert await kv.get_many(stored) == [value] * len(stored)
