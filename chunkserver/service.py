@@ -36,7 +36,8 @@ class ChunkServer:
         config.data.mkdir(parents=True, exist_ok=True)
         self.token = chunkserver_token(config)
         self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes, io_threads=config.io_threads,
-                                fsync=config.fsync, capacity_bytes=config.capacity_bytes,
+                                fsync=config.fsync, fsync_window_s=config.fsync_window_s,
+                                capacity_bytes=config.capacity_bytes,
                                 merge_gap_bytes=config.merge_gap_bytes)
         self.rpc = RpcServer(self, Service.CHUNKSERVER, self.token, Limits())
         self.addr = ""

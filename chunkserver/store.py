@@ -21,7 +21,9 @@ from pathlib import Path
 
 import crc32c
 
+from kvfs.chunkserver.durability import GroupSync, fsync_dir, replace_durably
 from kvfs.chunkserver.records import Damage, record_header, recovery_point, scan_records
+from kvfs.config import FsyncMode
 from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout
 from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
 
@@ -143,16 +145,18 @@ def _read_spans(fds: dict[int, int], spans: Sequence[Span], needs: Sequence[int]
 class ChunkStore:
     """The chunk files of one chunkserver data dir."""
 
-    def __init__(self, root: Path, *, chunk_bytes: int, io_threads: int = 4, fsync: bool = False,
+    def __init__(self, root: Path, *, chunk_bytes: int, io_threads: int = 4,
+                 fsync: FsyncMode = FsyncMode.BATCH, fsync_window_s: float = 0.0,
                  capacity_bytes: int | None = None, merge_gap_bytes: int = 64 * 1024) -> None:
         self.root = root
         self.dir = root / "chunks"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.chunk_bytes = chunk_bytes
-        self.fsync = fsync
+        self.fsync = FsyncMode(fsync)
         self.capacity_bytes = capacity_bytes
         self.merge_gap = merge_gap_bytes
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-io")
+        self.syncer = GroupSync(self.pool, self.dir, fsync_window_s)
         self.sizes: dict[int, int] = {}
         self._fds: dict[int, int] = {}
         self._open: int | None = None
@@ -182,10 +186,9 @@ class ChunkStore:
         self.next_seq = int(st.get("next_seq", 1))
 
     def save_state(self) -> None:
-        tmp = self.root / "state.json.tmp"
+        state = json.dumps({"server_id": self.server_id, "next_seq": self.next_seq}).encode()
         with _full_is_nospace("writing state.json"):
-            tmp.write_text(json.dumps({"server_id": self.server_id, "next_seq": self.next_seq}))
-            os.replace(tmp, self.root / "state.json")
+            replace_durably(self.root / "state.json", state)
 
     def chunk_path(self, chunk_id: int) -> Path:
         return self.dir / f"{chunk_id:016x}.chunk"
@@ -300,8 +303,10 @@ class ChunkStore:
         async with self._lock:
             self._check_space(total)  # ... and for sure: writes ahead of us took space
             cid = self._open
-            if cid is None or (self.sizes[cid] and self.sizes[cid] + total > self.chunk_bytes):
+            rolled = cid is None or bool(self.sizes[cid] and self.sizes[cid] + total > self.chunk_bytes)
+            if rolled:
                 cid = self._roll()
+            assert cid is not None
             base = self.sizes[cid]
             fd = self._fd(cid)
             try:
@@ -312,11 +317,17 @@ class ChunkStore:
                 with contextlib.suppress(OSError):
                     os.ftruncate(fd, base)  # give back what the half-done write took
                 raise
-            if self.fsync:
-                await loop.run_in_executor(self.pool, os.fsync, fd)
+            if self.fsync is FsyncMode.ALWAYS:
+                with _full_is_nospace(f"chunkserver {self.server_id} syncing an append"):
+                    await loop.run_in_executor(self.pool, os.fdatasync, fd)
+                    if rolled:
+                        await loop.run_in_executor(self.pool, fsync_dir, self.dir)
             self.sizes[cid] = base + total
             self._last_append = time.monotonic()
             self.wanted_bytes = 0
+        if self.fsync is FsyncMode.BATCH:  # outside the lock: later appends join this sync
+            with _full_is_nospace(f"chunkserver {self.server_id} syncing an append"):
+                await self.syncer.sync(fd, new_file=rolled)
         return [(cid, base + r) for r in rel]
 
     async def seal(self, chunk_id: int, idle_s: float) -> bool:
@@ -454,6 +465,7 @@ class ChunkStore:
                 raise
             os.close(fd)
             os.replace(tmp, path)
+            fsync_dir(self.dir)  # the new chunk survives a crash before meta switches to it
 
         with _full_is_nospace(f"chunkserver {self.server_id} compacting into a new chunk"):
             await loop.run_in_executor(self.pool, write)

@@ -68,7 +68,8 @@ class MetaService(MetaGc):
         self.clock = clock
         config.data.mkdir(parents=True, exist_ok=True)
         self.token = config.token or os.environ.get("KVFS_TOKEN") or load_or_create_token(config.data)
-        self.store = MetaStore(config.data / "meta.sqlite3")
+        self.store = MetaStore(config.data / "meta.sqlite3",
+                               synchronous="NORMAL" if config.fsync == "never" else "FULL")
         self.entries: dict[bytes, Entry] = {}
         self.chunk_live: dict[int, int] = {}
         self.servers: dict[int, ServerInfo] = {}
