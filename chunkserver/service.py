@@ -11,7 +11,7 @@ from typing import Any
 from kvfs.address import parse_addr
 from kvfs.chunkserver.store import ChunkStore
 from kvfs.config import ChunkServerConfig, parse_hostport
-from kvfs.errors import AuthError, KVFSError
+from kvfs.errors import AuthError, KVFSError, WrongCluster
 from kvfs.protocol import Buffer, Limits
 from kvfs.rpc import Op, Service
 from kvfs.server import Reply, RpcServer
@@ -75,10 +75,16 @@ class ChunkServer:
             self._meta = await Connection.open(host, port, self.token)
         capacity, free, _ = self.store.usage()
         r = await self._meta.call(Op.REGISTER, {"server_id": self.store.server_id, "addr": self.addr,
-                                                "capacity": capacity, "free": free})
+                                                "capacity": capacity, "free": free,
+                                                "cluster_id": self.store.cluster_id,
+                                                "nchunks": len(self.store.sizes)})
         sid = int(r.header["server_id"])
-        if sid != self.store.server_id:
-            self.store.server_id = sid
+        cluster_id = str(r.header["cluster_id"])
+        if self.store.cluster_id not in (None, cluster_id):
+            raise WrongCluster(f"meta answered for cluster {cluster_id[:64]}; this chunkserver "
+                               f"belongs to cluster {self.store.cluster_id}")
+        if sid != self.store.server_id or cluster_id != self.store.cluster_id:
+            self.store.server_id, self.store.cluster_id = sid, cluster_id
             self.store.save_state()
         await self._heartbeat()
 
@@ -138,6 +144,9 @@ class ChunkServer:
         return {"chunk_id": new, "size": size, "locations": locations}, ()
 
     async def rpc_chunk_delete(self, h: dict[str, Any], p: memoryview) -> Reply:
+        if self.store.cluster_id is None or h.get("cluster_id") != self.store.cluster_id:
+            raise WrongCluster(f"chunk deletion for cluster {str(h.get('cluster_id'))[:64]} refused: "
+                               f"this chunkserver belongs to cluster {self.store.cluster_id}")
         deleted = self.store.delete_chunks([int(c) for c in h["chunks"]])
         if deleted:
             log.info("deleted %d chunks (%d bytes)", len(deleted), sum(deleted.values()))

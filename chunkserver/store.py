@@ -162,6 +162,7 @@ class ChunkStore:
         self._open: int | None = None
         self._lock = asyncio.Lock()
         self.server_id: int | None = None
+        self.cluster_id: str | None = None  # the meta's, stored at the first registration
         self.next_seq = 1
         self.spans_read = 0
         self.inline_spans = 0
@@ -183,10 +184,12 @@ class ChunkStore:
         except FileNotFoundError:
             return
         self.server_id = st.get("server_id")
+        self.cluster_id = st.get("cluster_id")
         self.next_seq = int(st.get("next_seq", 1))
 
     def save_state(self) -> None:
-        state = json.dumps({"server_id": self.server_id, "next_seq": self.next_seq}).encode()
+        state = json.dumps({"server_id": self.server_id, "next_seq": self.next_seq,
+                            "cluster_id": self.cluster_id}).encode()
         with _full_is_nospace("writing state.json"):
             replace_durably(self.root / "state.json", state)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import sqlite3
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,9 @@ CREATE TABLE IF NOT EXISTS dead_chunks (
     chunk_id INTEGER PRIMARY KEY,
     server_id INTEGER NOT NULL,
     retired_at REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS cluster (
+    id TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS gc_state (
     name TEXT PRIMARY KEY,
@@ -74,6 +78,17 @@ class MetaStore:
 
     def close(self) -> None:
         self.db.close()
+
+    def cluster_id(self, *, create: str | None = None) -> str:
+        """This cluster's id, made once when the database is created (``create`` gives it,
+        e.g. a rebuild adopting the chunkservers' id; default: a fresh random one)."""
+        row = self.db.execute("SELECT id FROM cluster").fetchone()
+        if row is not None:
+            return str(row[0])
+        cid = create or uuid.uuid4().hex
+        with self.db:
+            self.db.execute("INSERT INTO cluster VALUES (?)", (cid,))
+        return cid
 
     @contextlib.contextmanager
     def durable(self) -> Iterator[None]:
