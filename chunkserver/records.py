@@ -1,9 +1,17 @@
 """The chunk record format, and scanning a chunk's bytes without meta.
 
-A record is ``header | key | value`` where the header is::
+A record is ``header | key | value`` where the header (56 bytes) is::
 
-    magic b"KVR1" | key_len u16 | flags u16 | value_crc u32 | value_len u64
-    | expires_at f64 (0 = never) | header_crc u32 (CRC-32C of header[:28] + key)
+    magic b"KVR2" | key_len u16 | flags u16 | value_crc u32 | value_len u64
+    | expires_at f64 (0 = never) | write_id u64 | total_size u64 | total_crc u32
+    | extent_index u32 | header_crc u32 (CRC-32C of header[:52] + key)
+
+``write_id`` orders the writes of one key (newest wins); ``total_size``,
+``total_crc`` and ``extent_index`` say which part of which value this record
+is, so meta's index can be rebuilt from the chunks alone
+(:mod:`kvfs.meta.rebuild`).  Flag ``TOMBSTONE`` marks a delete (no value).
+Records of the first format (magic ``KVR1``, 32-byte header without the
+rebuild fields) are still read.
 
 A layout's extent points at the *value* (offset past header and key), so a
 read never touches record headers.  A scan needs no meta and loses no more
@@ -23,14 +31,29 @@ import crc32c
 
 from kvfs.layout import MAX_KEY_BYTES
 
-RECORD = struct.Struct("<4sHHIQdI")
-REC_MAGIC = b"KVR1"
+RECORD = struct.Struct("<4sHHIQdQQIII")
+REC_MAGIC = b"KVR2"
+RECORD_V1 = struct.Struct("<4sHHIQdI")  # the first format: no write id, size or index
+REC_MAGIC_V1 = b"KVR1"
+TOMBSTONE = 1  # flag: the key was deleted at write_id; the record has no value
 
 
-def record_header(key: bytes, length: int, crc: int, expires_at: float | None) -> bytes:
-    head = RECORD.pack(REC_MAGIC, len(key), 0, crc, length, expires_at or 0.0, 0)
+def record_header(key: bytes, length: int, crc: int, expires_at: float | None, *, write_id: int = 0,
+                  total_size: int | None = None, total_crc: int | None = None, index: int = 0,
+                  tombstone: bool = False) -> bytes:
+    """The header and key of a record; ``total_*`` default to this extent's (an unstriped value)."""
+    head = RECORD.pack(REC_MAGIC, len(key), TOMBSTONE if tombstone else 0, crc, length,
+                       expires_at or 0.0, write_id, length if total_size is None else total_size,
+                       crc if total_crc is None else total_crc, index, 0)
     hcrc = crc32c.crc32c(key, crc32c.crc32c(head[:-4]))
     return head[:-4] + struct.pack("<I", hcrc) + key
+
+
+def copy_header(rec: ScannedRecord) -> bytes:
+    """A record's header and key as they were (compaction copies records whole)."""
+    return record_header(rec.key, rec.length, rec.crc, rec.expires_at, write_id=rec.write_id,
+                         total_size=rec.total_size, total_crc=rec.total_crc, index=rec.index,
+                         tombstone=rec.tombstone)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +65,11 @@ class ScannedRecord:
     crc: int
     expires_at: float | None
     value_ok: bool
+    write_id: int = 0
+    total_size: int = 0
+    total_crc: int = 0
+    index: int = 0
+    tombstone: bool = False
 
     @property
     def end(self) -> int:
@@ -60,21 +88,30 @@ def _record_at(data: bytes, pos: int, verify: bool) -> ScannedRecord | None:
     """The record whose header starts at ``pos``, or None when none checks out there
     (wrong magic, header CRC mismatch, or a value running past the end of the data)."""
     n = len(data)
-    if pos + RECORD.size > n:
+    magic = data[pos : pos + 4]
+    st = RECORD if magic == REC_MAGIC else RECORD_V1 if magic == REC_MAGIC_V1 else None
+    if st is None or pos + st.size > n:
         return None
-    magic, klen, _flags, crc, vlen, exp, hcrc = RECORD.unpack_from(data, pos)
-    if magic != REC_MAGIC or not 0 < klen <= MAX_KEY_BYTES:
+    fields = st.unpack_from(data, pos)
+    _, klen, flags, crc, vlen, exp = fields[:6]
+    hcrc = fields[-1]
+    if not 0 < klen <= MAX_KEY_BYTES:
         return None
-    key_end = pos + RECORD.size + klen
+    key_end = pos + st.size + klen
     if key_end > n:
         return None
-    if crc32c.crc32c(data[pos + RECORD.size : key_end], crc32c.crc32c(data[pos : pos + RECORD.size - 4])) != hcrc:
+    if crc32c.crc32c(data[pos + st.size : key_end], crc32c.crc32c(data[pos : pos + st.size - 4])) != hcrc:
         return None
     end = key_end + vlen
     if end > n:
         return None
     ok = (crc32c.crc32c(memoryview(data)[key_end:end]) == crc) if verify else True
-    return ScannedRecord(pos, key_end, bytes(data[pos + RECORD.size : key_end]), vlen, crc, exp or None, ok)
+    key = bytes(data[pos + st.size : key_end])
+    if st is RECORD_V1:
+        return ScannedRecord(pos, key_end, key, vlen, crc, exp or None, ok, 0, vlen, crc, 0, False)
+    write_id, total_size, total_crc, index = fields[6:10]
+    return ScannedRecord(pos, key_end, key, vlen, crc, exp or None, ok, write_id, total_size, total_crc,
+                         index, bool(flags & TOMBSTONE))
 
 
 def scan_records(data: bytes, *, verify: bool = True,
@@ -94,7 +131,8 @@ def scan_records(data: bytes, *, verify: bool = True,
             continue
         nxt = pos + 1
         while True:
-            nxt = data.find(REC_MAGIC, nxt)
+            nxt = min((i for i in (data.find(REC_MAGIC, nxt), data.find(REC_MAGIC_V1, nxt)) if i >= 0),
+                      default=-1)
             if nxt < 0:
                 nxt = n
                 break

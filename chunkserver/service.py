@@ -133,7 +133,7 @@ class ChunkServer:
                 "spans_read": self.store.spans_read, "readv_calls": self.readv_calls,
                 "append_calls": self.append_calls, "open": self.store.open_chunk,
                 "wanted": self.store.wanted_bytes,
-                "server_id": self.server_id, "addr": self.addr,
+                "server_id": self.server_id, "addr": self.addr, "cluster_id": self.store.cluster_id,
                 "mtimes": self.store.mtimes() if h.get("mtimes") else {}}, ()
 
     async def rpc_chunk_compact(self, h: dict[str, Any], p: memoryview) -> Reply:
@@ -151,6 +151,11 @@ class ChunkServer:
         if deleted:
             log.info("deleted %d chunks (%d bytes)", len(deleted), sum(deleted.values()))
         return {"deleted": deleted}, ()
+
+    async def rpc_chunk_scan(self, h: dict[str, Any], p: memoryview) -> Reply:
+        recs = await self.store.scan(int(h["chunk_id"]))
+        return {"records": [[r.key, r.write_id, r.index, r.total_size, r.total_crc, r.length, r.crc,
+                             r.expires_at, r.tombstone, r.value_ok, r.value_offset] for r in recs]}, ()
 
     async def rpc_chunk_seal(self, h: dict[str, Any], p: memoryview) -> Reply:
         return {"sealed": await self.store.seal(int(h["chunk_id"]), float(h.get("idle_s", 0.0)),

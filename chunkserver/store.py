@@ -18,11 +18,19 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import crc32c
 
 from kvfs.chunkserver.durability import GroupSync, fsync_dir, replace_durably
-from kvfs.chunkserver.records import Damage, record_header, recovery_point, scan_records
+from kvfs.chunkserver.records import (
+    Damage,
+    ScannedRecord,
+    copy_header,
+    record_header,
+    recovery_point,
+    scan_records,
+)
 from kvfs.config import FsyncMode
 from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout
 from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
@@ -276,23 +284,27 @@ class ChunkStore:
         self._open = cid
         return cid
 
-    async def append(self, records: Sequence[Sequence[object]], payload: memoryview) -> list[tuple[int, int]]:
+    async def append(self, records: Sequence[Sequence[Any]], payload: memoryview) -> list[tuple[int, int]]:
         """Write all records with one vectored write; return each value's (chunk_id, offset)."""
         bufs: list[bytes | memoryview] = []
         rel: list[int] = []
         pos = 0
         total = 0
         for rec in records:
-            key, length, crc, expires_at = rec
+            key, length, crc, expires_at, *more = rec
             if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
                 raise InvalidArgument("append record with a bad key")
-            length, crc = int(length), int(crc)  # type: ignore[call-overload]
+            length, crc = int(length), int(crc)
             if length < 0 or pos + length > payload.nbytes:
                 raise InvalidArgument(f"append records describe more bytes than the {payload.nbytes} sent")
             value = payload[pos : pos + length]
             if crc32c.crc32c(value) != crc:
                 raise ChecksumMismatch(f"value for key {key[:64]!r} arrived corrupted (CRC-32C mismatch)")
-            head = record_header(key, length, crc, expires_at)  # type: ignore[arg-type]
+            # the rebuild fields (write id, whole value's size and CRC, extent index, tombstone)
+            write_id, total_size, total_crc, index, tombstone = (more + [0, None, None, 0, False][len(more):])[:5]
+            head = record_header(key, length, crc, expires_at,
+                                 write_id=int(write_id), total_size=total_size, total_crc=total_crc,
+                                 index=int(index), tombstone=bool(tombstone))
             bufs.append(head)
             if length:
                 bufs.append(value)
@@ -445,7 +457,7 @@ class ChunkStore:
                 if rec is None or rec.length != ln or not rec.value_ok:
                     locs.append(None)
                     continue
-                head = record_header(rec.key, rec.length, rec.crc, rec.expires_at)
+                head = copy_header(rec)
                 bufs.append(head)
                 if rec.length:
                     bufs.append(memoryview(data)[rec.value_offset : rec.value_offset + rec.length])
@@ -476,6 +488,18 @@ class ChunkStore:
             await loop.run_in_executor(self.pool, write)
         self.sizes[new] = total
         return new, total, locations
+
+    async def scan(self, chunk_id: int) -> list[ScannedRecord]:
+        """Every record of a chunk, each value checked against its CRC (meta rebuild, scrub)."""
+        if chunk_id not in self.sizes:
+            raise StaleLayout(f"chunk {chunk_id:016x} is not on this server")
+        size = self.sizes[chunk_id]
+
+        def read() -> list[ScannedRecord]:
+            with open(self.chunk_path(chunk_id), "rb") as f:
+                return list(scan_records(f.read(size)))
+
+        return await asyncio.get_running_loop().run_in_executor(self.pool, read)
 
     def delete_chunks(self, chunk_ids: Sequence[int]) -> dict[int, int]:
         """Unlink sealed chunks; reads already running finish on their open fds."""

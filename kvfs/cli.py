@@ -56,6 +56,8 @@ async def _wait_for_signal() -> None:
 async def cmd_meta(ns: argparse.Namespace) -> int:
     from kvfs.meta import MetaService
 
+    if ns.data is None:
+        raise ValueError("--data is required")
     svc = MetaService(from_options(MetaConfig, ns))
     addr = await svc.start()
     print(f"kvfs meta ready {addr}", flush=True)
@@ -63,6 +65,33 @@ async def cmd_meta(ns: argparse.Namespace) -> int:
         await _wait_for_signal()
     finally:
         await svc.close()
+    return 0
+
+
+async def cmd_meta_rebuild(ns: argparse.Namespace) -> int:
+    from kvfs.meta.rebuild import rebuild
+
+    addrs = [a.strip() for a in ns.from_chunkservers.split(",") if a.strip()]
+    token = ns.token or os.environ.get("KVFS_TOKEN")
+    if not token and (ns.data / "token").exists():
+        token = (ns.data / "token").read_text().strip()
+    if not token:
+        raise ValueError("the cluster token is needed: --token, $KVFS_TOKEN or DATA/token")
+    rep = await rebuild(ns.data, addrs, token)
+    print(f"rebuilt {ns.data / 'meta.sqlite3'} from {rep.servers} chunkservers, {rep.chunks} chunks, "
+          f"{rep.records} records: {rep.keys} keys ({format_size(rep.value_bytes)}); skipped "
+          f"{rep.deleted} deleted, {rep.expired} expired, {rep.incomplete} incomplete "
+          f"(no good copy of an extent), {rep.bad_records} records failing their CRC")
+    for key in rep.dropped_keys[:20]:
+        print(f"  dropped {key[:80].decode(errors='backslashreplace')}")
+    return 0
+
+
+async def cmd_meta_backup(ns: argparse.Namespace) -> int:
+    from kvfs.meta.rebuild import backup
+
+    pages = backup(ns.data, ns.file)
+    print(f"backed up {ns.data / 'meta.sqlite3'} to {ns.file} ({pages} pages)")
     return 0
 
 
@@ -208,9 +237,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, UpConfig)
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("meta", help="run the metadata service in the foreground")
-    add_options(p, MetaConfig)
+    p = sub.add_parser("meta", help="run the metadata service in the foreground; "
+                       "or rebuild / back up its database")
+    add_options(p, MetaConfig, skip=("data",))
+    p.add_argument("--data", type=Path, default=None, help="data directory (SQLite store, token)")
     p.set_defaults(func=cmd_meta)
+    msub = p.add_subparsers(dest="meta_command", metavar="{rebuild,backup}")
+    q = msub.add_parser("rebuild", help="write a new meta database from the chunkservers' records "
+                        "(after meta's database was lost)")
+    q.add_argument("--data", type=Path, required=True, help="meta's data directory (the new database)")
+    q.add_argument("--from-chunkservers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="every chunkserver of the cluster")
+    q.add_argument("--token", default=None, help="cluster token (default: $KVFS_TOKEN, else DATA/token)")
+    q.set_defaults(func=cmd_meta_rebuild)
+    q = msub.add_parser("backup", help="copy the live database to FILE (SQLite online backup)")
+    q.add_argument("file", type=Path)
+    q.add_argument("--data", type=Path, required=True, help="meta's data directory")
+    q.set_defaults(func=cmd_meta_backup)
 
     p = sub.add_parser("chunkserver", help="run one chunkserver in the foreground")
     add_options(p, ChunkServerConfig)

@@ -94,6 +94,7 @@ class AsyncClient:
         self._servers: dict[int, ServerEntry] = {}
         self._servers_at = -1e18
         self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
+        self._write_id = 0  # last write id handed out (see _next_write_id)
         self.clock = time.time
         self.rpc_counts: dict[str, int] = defaultdict(int)
         self._rx_pool: list[bytearray] = []
@@ -348,6 +349,7 @@ class AsyncClient:
         """Append every value (one APPEND per server); returns the layouts in wire form."""
         stripe = self.config.stripe_bytes
         expires_hint = None if ttl is None else self.clock() + ttl
+        wid = self._next_write_id()  # records carry it: a rebuild of meta keeps the newest write
         n_srv = len(order)
         crc = crc32c.crc32c
         # per server: records and payload parts, in call order
@@ -375,7 +377,7 @@ class AsyncClient:
                 for sid in small:
                     recs = records[sid]
                     where.append((sid, len(recs)))
-                    recs.append([key, n, c, expires_hint])
+                    recs.append([key, n, c, expires_hint, wid, n, c, 0])
                     parts[sid].append(v)
                 plans.append([(n, c, where)])
                 crcs.append(c)
@@ -383,6 +385,7 @@ class AsyncClient:
             units = [v[i : i + stripe] for i in range(0, n, stripe)]
             plan = []
             whole = 0
+            unit_recs: list[list[Any]] = []
             for ui, u in enumerate(units):
                 c = crc(u)
                 whole = crc(u, whole)
@@ -391,9 +394,12 @@ class AsyncClient:
                 for j in range(r):
                     sid = order[(start + j) % n_srv].server_id
                     where.append((sid, len(records[sid])))
-                    records[sid].append([key, u.nbytes, c, expires_hint])
+                    unit_recs.append([key, u.nbytes, c, expires_hint, wid, n, 0, ui])
+                    records[sid].append(unit_recs[-1])
                     parts[sid].append(u)
                 plan.append((u.nbytes, c, where))
+            for rec in unit_recs:
+                rec[6] = whole  # the whole value's CRC, known once every unit is summed
             rr += len(units)
             plans.append(plan)
             crcs.append(whole)
@@ -702,7 +708,27 @@ class AsyncClient:
         for k in ks:
             self._layouts.pop(k, None)
         h = await self._meta_call(Op.DELETE, {"keys": ks})
+        await self._tombstones(ks)
         return int(h["deleted"])
+
+    def _next_write_id(self) -> int:
+        """Write ids order the writes of a key for a rebuild of meta: nanoseconds, increasing."""
+        self._write_id = max(self._write_id + 1, time.time_ns())
+        return self._write_id
+
+    async def _tombstones(self, keys: list[bytes]) -> None:
+        """Record the deletes in a chunk (one APPEND of empty records) so a rebuild of meta
+        from the chunks does not bring the keys back.  Best effort: meta's delete stands."""
+        wid = self._next_write_id()
+        try:
+            live = [s for s in await self.servers() if s.alive]
+            if not live:
+                return
+            sid = self._order(live)[0].server_id
+            await self._server_call(sid, Op.APPEND, {"records": [[k, 0, 0, None, wid, 0, 0, 0, True]
+                                                                 for k in keys]}, [])
+        except KVFSError as exc:
+            log.warning("deleted %d keys, but could not record their tombstones: %s", len(keys), exc)
 
     async def delete(self, key: Key) -> bool:
         return await self.delete_many([key]) == 1

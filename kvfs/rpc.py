@@ -56,6 +56,7 @@ class Op(enum.IntEnum):
     CHUNK_DELETE = 57
     CHUNK_VERIFY = 58
     CHUNK_SEAL = 59
+    CHUNK_SCAN = 60
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ RPCS: dict[Op, Rpc] = {
         Rpc(Op.HEARTBEAT, Service.META, "{server_id, addr, capacity, free, used, chunks}", "{}"),
         Rpc(Op.SERVERS, Service.META, "{}", "{servers: [[id, addr, capacity, free, alive]], cluster_id}"),
         Rpc(Op.APPEND, Service.CHUNKSERVER,
-            "{records: [[key, length, crc, expires_at]]} + payload: the values back to back",
+            "{records: [[key, length, crc, expires_at, write_id?, total_size?, total_crc?, index?, "
+            "tombstone?]]} + payload: the values back to back",
             "{locations: [[chunk_id, offset]]}"),
         Rpc(Op.READV, Service.CHUNKSERVER, "{ranges: [[chunk_id, offset, length]]}",
             "{errors: {index: [code, message]}, spans: int} + payload: the ok ranges in order"),
@@ -120,6 +122,9 @@ RPCS: dict[Op, Rpc] = {
             "{deleted: {id: size}} (WrongCluster unless cluster_id is the chunkserver's)"),
         Rpc(Op.CHUNK_VERIFY, Service.CHUNKSERVER, "{ranges: [[chunk_id, offset, length, crc]]}",
             "{missing: [index], bad: [index]}"),
+        Rpc(Op.CHUNK_SCAN, Service.CHUNKSERVER, "{chunk_id}",
+            "{records: [[key, write_id, index, total_size, total_crc, length, crc, expires_at, "
+            "tombstone, value_ok, value_offset]]} (every record of the chunk, values checked)"),
         Rpc(Op.CHUNK_SEAL, Service.CHUNKSERVER, "{chunk_id, idle_s, apply?}",
             "{sealed: bool} (the open chunk is sealed only after idle_s without appends; "
             "apply=false only says whether it would be)"),

@@ -35,7 +35,7 @@ METRIC_NAMES = (
     "passes", "pass_duration_s", "last_pass_duration_s",
 )
 MAX_REFS_CHUNKS = 4096
-RECORD_OVERHEAD_BYTES = 32  # a chunk record's fixed header (kvfs.chunkserver.store.RECORD), key follows
+RECORD_OVERHEAD_BYTES = 56  # a chunk record's fixed header (kvfs.chunkserver.records.RECORD), key follows
 
 
 def _disk_bytes(layout: Layout) -> int:
