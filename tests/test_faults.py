@@ -206,7 +206,7 @@ async def test_torn_tail_is_truncated_on_restart(cluster: LocalCluster, kv: Asyn
     idx, _, path = await _first_replica(cluster, kv, b"t2")
     await cluster.stop_chunkserver(idx)
     with open(path, "ab") as f:  # a record header with half its value: a crash mid-append
-        f.write(RECORD.pack(b"KVR1", 1, 0, 0, 4096, 0.0, 0) + b"k" + b"z" * 100)
+        f.write(RECORD.pack(b"KVR2", 1, 0, 0, 4096, 0.0, 0, 4096, 0, 0, 0) + b"k" + b"z" * 100)
     size_with_torn = path.stat().st_size
     await cluster.start_chunkserver(idx)
     assert path.stat().st_size == size_with_torn - RECORD.size - 101
