@@ -36,6 +36,7 @@ from kvfs.errors import (
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
 from kvfs.protocol import Buffer, FrameHead, Scatter
 from kvfs.rpc import Op
+from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.transport import Connection, Sink
 
 log = logging.getLogger("kvfs.client")
@@ -316,15 +317,28 @@ class AsyncClient:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        wires: list[list[Any]] | None = None
+        await self._commit(keys, await self._append(keys, views, r, ttl), ttl)
+
+    async def _append(self, keys: list[bytes], views: list[memoryview], r: int,
+                      ttl: float | None, *, first: int | None = None) -> list[Layout]:
+        """Write the values' bytes (not yet visible): placement, retries on a dead server, one
+        GC pass when the cluster is full.  Returns their layouts, to commit.  ``first``: start
+        at the live server of that index (mod their count, in id order) instead of a random
+        draw, so the units of a stream go round-robin over the servers as stripes do."""
         collected = False
         for attempt in range(3):
             live = [s for s in await self.servers(refresh=attempt > 0) if s.alive]
             if len(live) < r:
                 raise Unavailable(f"{r} replicas need {r} live chunkservers; {len(live)} are live")
             try:
-                wires = await self._write(keys, views, self._order(live), r, ttl)
-                break
+                if first is None:
+                    order = self._order(live)
+                else:
+                    live.sort(key=lambda e: e.server_id)
+                    k = first % len(live)
+                    order = live[k:] + live[:k]
+                wires = await self._write(keys, views, order, r, ttl, stream_unit=first is not None)
+                return [Layout.from_wire(w) for w in wires]
             except Unavailable:
                 if attempt == 2:
                     raise
@@ -333,12 +347,29 @@ class AsyncClient:
                     raise
                 await self._make_room()
                 collected = True
-        assert wires is not None
-        h = await self._meta_call(Op.COMMIT, {"items": list(zip(keys, wires, strict=True)),
-                                              "ttl_s": ttl})
+        raise AssertionError("unreachable")
+
+    async def _commit(self, keys: list[bytes], layouts: list[Layout], ttl: float | None) -> None:
+        """Make written values visible: one COMMIT to meta (the linearisation point)."""
+        h = await self._meta_call(Op.COMMIT, {
+            "items": [[k, lay.to_wire()] for k, lay in zip(keys, layouts, strict=True)],
+            "ttl_s": ttl})
         stamp = (float(h["created"]), h["expires_at"])
-        for k, w in zip(keys, wires, strict=True):
-            self._cache(k, Layout.from_wire(w, stamp=stamp))
+        for k, lay in zip(keys, layouts, strict=True):
+            self._cache(k, lay._replace(created=stamp[0], expires_at=stamp[1]))
+
+    # streaming (kvfs/stream.py) ----------------------------------------------------
+    async def put_stream(self, key: Key, chunks: Chunks, *, size: int | None = None,
+                         ttl: float | None = None, replicas: int | None = None) -> int:
+        """Store the concatenation of ``chunks`` (an async or plain iterable of bytes-like
+        objects) under ``key``, holding only a few stripe units in memory; committed at the
+        end, so readers see all of it or nothing.  Returns the size."""
+        return await put_stream(self, key, chunks, size=size, ttl=ttl, replicas=replicas)
+
+    async def open_read(self, key: Key) -> ValueReader | None:
+        """A reader of ``key``'s value by ranges (``await r.read(start, end)``, ``async for
+        part in r.chunks()``), or None on a miss."""
+        return await open_read(self, key)
 
     async def _make_room(self) -> None:
         """A write found the cluster full: run one GC pass (expire, evict LRU down to the
@@ -351,7 +382,7 @@ class AsyncClient:
         await self.servers(refresh=True)
 
     async def _write(self, keys: list[bytes], views: list[memoryview], order: list[ServerEntry],
-                     r: int, ttl: float | None) -> list[list[Any]]:
+                     r: int, ttl: float | None, *, stream_unit: bool = False) -> list[list[Any]]:
         """Append every value (one APPEND per server); returns the layouts in wire form."""
         stripe = self.config.stripe_bytes
         expires_hint = None if ttl is None else self.clock() + ttl
@@ -383,7 +414,8 @@ class AsyncClient:
                 for sid in small:
                     recs = records[sid]
                     where.append((sid, len(recs)))
-                    recs.append([key, n, c, expires_hint, wid, n, c, 0])
+                    # a stream's unit does not know its whole value (total size 0): a rebuild drops it
+                    recs.append([key, n, c, expires_hint, wid, 0 if stream_unit else n, c, 0])
                     parts[sid].append(v)
                 plans.append([(n, c, where)])
                 crcs.append(c)

@@ -103,6 +103,9 @@ def pick_layouts(records: Iterable[FoundRecord], now: float,
 
 def _assemble(group: list[FoundRecord]) -> Layout | None:
     first = group[0]
+    if any(r.total_size < r.length or (r.total_size, r.total_crc) != (first.total_size, first.total_crc)
+           for r in group if not r.tombstone):
+        return None  # a record that does not know its whole value (a stream's unit), or disagreement
     by_index: dict[int, dict[int, FoundRecord]] = defaultdict(dict)  # index -> server -> record
     for r in group:
         if not r.value_ok:
@@ -117,6 +120,8 @@ def _assemble(group: list[FoundRecord]) -> Layout | None:
         if not reps:
             return None
         one = next(iter(reps.values()))
+        if any((r.length, r.crc) != (one.length, one.crc) for r in reps.values()):
+            return None  # copies of one extent that disagree: never guess
         extents.append(Extent(one.length, one.crc, tuple(
             Replica(r.server_id, r.chunk_id, r.offset) for _, r in sorted(reps.items()))))
         total += one.length

@@ -59,6 +59,15 @@ def test_striped_values_need_every_extent_and_take_every_good_copy() -> None:
     assert rep.incomplete == 1 and rep.dropped_keys == [b"s"]
 
 
+def test_records_that_do_not_know_their_value_are_never_assembled() -> None:
+    rep = RebuildReport()
+    # a streamed value: each unit its own write, total size unknown (0)
+    units = [_rec(b"st", 10 + i, total=0, length=10, off=10 * i) for i in range(3)]
+    assert pick_layouts(units, NOW, rep) == {} and rep.incomplete == 1
+    clash = [_rec(b"c", 1, sid=1), _rec(b"c", 1, sid=2)._replace(crc=8)]
+    assert pick_layouts(clash, NOW) == {}
+
+
 async def _wait_registered(cluster: LocalCluster) -> None:
     meta = cluster.meta
     assert meta is not None
