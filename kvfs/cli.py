@@ -13,6 +13,7 @@ import stat as stat_mod
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import BinaryIO
 
 from kvfs import __version__
