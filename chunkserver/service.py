@@ -66,7 +66,8 @@ class ChunkServer:
         r = await self._meta.call(Op.REGISTER, {"server_id": self.store.server_id, "addr": self.addr,
                                                 "capacity": capacity, "free": free,
                                                 "cluster_id": self.store.cluster_id,
-                                                "nchunks": len(self.store.sizes)})
+                                                "nchunks": len(self.store.sizes),
+                                                "disk": self.store.disk_id})
         sid = int(r.header["server_id"])
         cluster_id = str(r.header["cluster_id"])
         if self.store.cluster_id not in (None, cluster_id):
@@ -83,7 +84,7 @@ class ChunkServer:
         await self._meta.call(Op.HEARTBEAT, {
             "server_id": self.store.server_id, "addr": self.addr, "capacity": capacity,
             "free": free, "used": used, "chunks": dict(self.store.sizes), "open": self.store.open_chunk,
-            "wanted": self.store.wanted_bytes})
+            "wanted": self.store.wanted_bytes, "disk": self.store.disk_id})
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s

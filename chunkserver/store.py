@@ -13,6 +13,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import time
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -249,6 +250,15 @@ class ChunkStore:
         return fd
 
     # capacity --------------------------------------------------------------
+    @property
+    def disk_id(self) -> str | None:
+        """The filesystem the chunk files live on (``host:st_dev``), so meta can count a disk
+        several chunkservers share once; None with a configured capacity (that one is this
+        server's own, not shared)."""
+        if self.capacity_bytes:
+            return None
+        return f"{socket.gethostname()}:{os.stat(self.dir).st_dev}"
+
     def usage(self) -> tuple[int, int, int]:
         """(capacity, free, used) in bytes."""
         used = sum(self.sizes.values())

@@ -247,6 +247,10 @@ async def cmd_stat(ns: argparse.Namespace) -> int:
               f"{format_size(s['capacity']):>11} {format_size(s['free']):>11} {s['chunks']:>6} "
               f"{format_size(s['written']):>11} {format_size(s['live']):>11} "
               f"{format_size(s['garbage']):>11}")
+    shared = max((int(s.get("shared_by", 1)) for s in st["servers"]), default=1)
+    if shared > 1:
+        print(f"# chunkservers sharing a disk each show their share of its capacity and free "
+              f"space (up to {shared} share one); totals count each disk once")
     return 0
 
 

@@ -54,7 +54,8 @@ class ChunkServerConfig:
     advertise: str | None = opt("HOST:PORT clients should use (default: the listen address)", None)
     token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
     chunk_bytes: int = opt("seal a chunk file at this size", 64 * 1024 * 1024)
-    capacity_bytes: int | None = opt("capacity to report (default: the disk's size)", None)
+    capacity_bytes: int | None = opt("capacity to report (default: the disk's size, which meta "
+                                     "splits between the chunkservers on that disk)", None)
     heartbeat_interval_s: float = opt("how often to report to meta", 1.0)
     io_threads: int = opt("threads doing preadv/pwritev", 4)
     merge_gap_bytes: int = opt("read ranges closer than this as one span", 64 * 1024)
@@ -188,8 +189,8 @@ class UpConfig:
     listen: str = opt("HOST:PORT for meta (port 0 picks a free one)", "127.0.0.1:7070")
     default_ttl_s: float | None = opt("TTL for puts that give none, e.g. 1h (default: no expiry)",
                                       None)
-    capacity_bytes: int | None = opt("capacity per chunkserver, e.g. 10GiB (default: the disk's "
-                                     "size)", None)
+    capacity_bytes: int | None = opt("capacity per chunkserver, e.g. 10GiB (default: an even "
+                                     "share of the disk they are on)", None)
     gc: bool = opt("run the GC daemon", True)
     gc_interval_s: float | None = opt("time between GC passes, e.g. 10s (default: the daemon's)",
                                       None)

@@ -51,6 +51,16 @@ class ServerInfo:
     chunks: dict[int, int] = field(default_factory=dict)  # chunk_id -> bytes written
     open_chunk: int | None = None  # the chunk appends go to (never compacted or deleted)
     wanted: int = 0  # bytes of the last append refused for lack of space (evict to fit it)
+    disk: str | None = None  # the filesystem it stores on (host:st_dev); None: own --capacity
+    reported_capacity: int = 0  # as the server reported them; capacity/free are its share
+    reported_free: int = 0
+    shared_by: int = 1  # servers on its disk (each gets 1/shared_by of its space)
+
+
+def _disk(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and 0 < len(value) <= 256):
+        return value
+    raise InvalidArgument(f"disk must be a short string or nil, got {value!r:.80}")
 
 
 def _count(value: Any, what: str, limit: int = 2**62) -> int:
@@ -87,7 +97,8 @@ class MetaService(MetaGc):
             self.entries[key] = Entry(layout, wire, last_access)
             self._add_live(layout, +1, key)
         for sid, addr, capacity, free in self.store.load_servers():
-            self.servers[sid] = ServerInfo(sid, addr, capacity, free)
+            self.servers[sid] = ServerInfo(sid, addr, capacity, free, reported_capacity=capacity,
+                                           reported_free=free)
         log.info("meta loaded %d keys, %d chunkservers", len(self.entries), len(self.servers))
 
     async def start(self) -> str:
@@ -249,7 +260,7 @@ class MetaService(MetaGc):
             servers.append({
                 "server_id": s.server_id, "addr": s.addr, "alive": self.alive(s),
                 "capacity": s.capacity, "free": s.free, "used": s.used,
-                "chunks": len(s.chunks), "written": written, "live": live,
+                "shared_by": s.shared_by, "chunks": len(s.chunks), "written": written, "live": live,
                 "garbage": max(0, written - live),
             })
         return {
@@ -272,10 +283,13 @@ class MetaService(MetaGc):
         self._check_cluster(sid, addr, h.get("cluster_id"), _count(h.get("nchunks", 0), "nchunks"))
         s = self.servers.get(sid) or ServerInfo(sid, addr)
         s.addr = addr
-        s.capacity, s.free = _count(h.get("capacity", 0), "capacity"), _count(h.get("free", 0), "free")
+        s.reported_capacity = _count(h.get("capacity", 0), "capacity")
+        s.reported_free = _count(h.get("free", 0), "free")
+        s.disk = _disk(h.get("disk"))
         s.last_heartbeat = time.monotonic()
         self.servers[sid] = s
-        self.store.put_server(sid, addr, s.capacity, s.free)
+        self._share_disks()
+        self.store.put_server(sid, addr, s.reported_capacity, s.reported_free)
         log.info("chunkserver %d registered at %s", sid, addr)
         return {"server_id": sid, "cluster_id": self.cluster_id}, ()
 
@@ -305,10 +319,26 @@ class MetaService(MetaGc):
         open_chunk = s.open_chunk
         if "open" in h:
             open_chunk = None if h["open"] is None else _count(h["open"], "open chunk")
-        s.capacity, s.free, s.used, s.chunks, s.open_chunk = capacity, free, used, chunks, open_chunk
+        s.reported_capacity, s.reported_free, s.used = capacity, free, used
+        s.chunks, s.open_chunk = chunks, open_chunk
         s.wanted = _count(h.get("wanted", 0), "wanted")
+        s.disk = _disk(h.get("disk", s.disk))
         s.last_heartbeat = time.monotonic()
+        self._share_disks()
         return {}, ()
+
+    def _share_disks(self) -> None:
+        """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
+        capacity and free space they report, so every total (``kvfs stat``, ``kvfs gc
+        status``, the mount's ``df``) counts the disk once and fill ratios are the disk's."""
+        on_disk: dict[str, int] = {}
+        for s in self.servers.values():
+            if s.disk is not None:
+                on_disk[s.disk] = on_disk.get(s.disk, 0) + 1
+        for s in self.servers.values():
+            n = on_disk.get(s.disk, 1) if s.disk is not None else 1
+            s.shared_by = n
+            s.capacity, s.free = s.reported_capacity // n, s.reported_free // n
 
     async def rpc_servers(self, h: dict[str, Any], p: memoryview) -> Reply:
         return {"servers": [[s.server_id, s.addr, s.capacity, s.free, self.alive(s)]
