@@ -12,7 +12,7 @@ from kvfs.address import parse_addr, service_tokens
 from kvfs.chunkserver.store import ChunkStore, check_ranges
 from kvfs.config import ChunkServerConfig
 from kvfs.datadir import DirLock, private_dir, raise_nofile_limit
-from kvfs.errors import KVFSError
+from kvfs.errors import KVFSError, WrongCluster
 from kvfs.handshake import Role
 from kvfs.protocol import Buffer
 from kvfs.rpc import Op, Service
@@ -33,6 +33,7 @@ class ChunkServer:
             open_files = min(config.max_open_chunks, raise_nofile_limit() // 2)
             self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes,
                                     io_threads=config.io_threads, fsync=config.fsync,
+                                    fsync_window_s=config.fsync_window_s,
                                     capacity_bytes=config.capacity_bytes,
                                     merge_gap_bytes=config.merge_gap_bytes,
                                     max_open_files=open_files)
@@ -80,10 +81,16 @@ class ChunkServer:
         r = await self._meta.call(Op.REGISTER, {"server_id": self.store.server_id, "addr": self.addr,
                                                 "capacity": capacity, "free": free,
                                                 "key": self.store.key,
+                                                "cluster_id": self.store.cluster_id,
+                                                "nchunks": len(self.store.sizes),
                                                 "disk": self.store.disk_id})
         sid = int(r.header["server_id"])
-        if sid != self.store.server_id:
-            self.store.server_id = sid
+        cluster_id = str(r.header["cluster_id"])
+        if self.store.cluster_id not in (None, cluster_id):
+            raise WrongCluster(f"meta answered for cluster {cluster_id[:64]}; this chunkserver "
+                               f"belongs to cluster {self.store.cluster_id}")
+        if sid != self.store.server_id or cluster_id != self.store.cluster_id:
+            self.store.server_id, self.store.cluster_id = sid, cluster_id
             self.store.save_state()
         await self._heartbeat()
 
@@ -139,7 +146,7 @@ class ChunkServer:
                 "spans_read": self.store.spans_read, "readv_calls": self.readv_calls,
                 "append_calls": self.append_calls, "open": self.store.open_chunk,
                 "wanted": self.store.wanted_bytes,
-                "server_id": self.server_id, "addr": self.addr,
+                "server_id": self.server_id, "addr": self.addr, "cluster_id": self.store.cluster_id,
                 "mtimes": self.store.mtimes() if h.get("mtimes") else {}}, ()
 
     async def rpc_chunk_compact(self, h: dict[str, Any], p: memoryview) -> Reply:
@@ -150,10 +157,18 @@ class ChunkServer:
         return {"chunk_id": new, "size": size, "locations": locations}, ()
 
     async def rpc_chunk_delete(self, h: dict[str, Any], p: memoryview) -> Reply:
+        if self.store.cluster_id is None or h.get("cluster_id") != self.store.cluster_id:
+            raise WrongCluster(f"chunk deletion for cluster {str(h.get('cluster_id'))[:64]} refused: "
+                               f"this chunkserver belongs to cluster {self.store.cluster_id}")
         deleted = self.store.delete_chunks([int(c) for c in h["chunks"]])
         if deleted:
             log.info("deleted %d chunks (%d bytes)", len(deleted), sum(deleted.values()))
         return {"deleted": deleted}, ()
+
+    async def rpc_chunk_scan(self, h: dict[str, Any], p: memoryview) -> Reply:
+        recs = await self.store.scan(int(h["chunk_id"]))
+        return {"records": [[r.key, r.write_id, r.index, r.total_size, r.total_crc, r.length, r.crc,
+                             r.expires_at, r.tombstone, r.value_ok, r.value_offset] for r in recs]}, ()
 
     async def rpc_chunk_seal(self, h: dict[str, Any], p: memoryview) -> Reply:
         return {"sealed": await self.store.seal(int(h["chunk_id"]), float(h.get("idle_s", 0.0)),

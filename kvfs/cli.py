@@ -13,12 +13,13 @@ import stat as stat_mod
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import BinaryIO
 
 from kvfs import __version__
 from kvfs._loop import run
 from kvfs._parent import die_with_parent
-from kvfs.address import TOKEN_FILE_HELP, token_from_file
+from kvfs.address import TOKEN_FILE_HELP, lookup_token, token_from_file
 from kvfs.client import AsyncClient
 from kvfs.config import (
     DURATION,
@@ -29,6 +30,7 @@ from kvfs.config import (
     from_options,
 )
 from kvfs.errors import KVFSError
+from kvfs.handshake import Role
 from kvfs.units import format_size
 
 log = logging.getLogger("kvfs.cli")
@@ -58,6 +60,8 @@ async def _wait_for_signal() -> None:
 async def cmd_meta(ns: argparse.Namespace) -> int:
     from kvfs.meta import MetaService
 
+    if ns.data is None:
+        raise ValueError("--data is required")
     svc = MetaService(from_options(MetaConfig, ns))
     addr = await svc.start()
     print(f"kvfs meta ready {addr}", flush=True)
@@ -65,6 +69,30 @@ async def cmd_meta(ns: argparse.Namespace) -> int:
         await _wait_for_signal()
     finally:
         await svc.close()
+    return 0
+
+
+async def cmd_meta_rebuild(ns: argparse.Namespace) -> int:
+    from kvfs.meta.rebuild import rebuild
+
+    addrs = [a.strip() for a in ns.from_chunkservers.split(",") if a.strip()]
+    # reading every chunk's records (CHUNK_SCAN) is an admin operation
+    token = lookup_token(token_from_file(ns.token_file), data_dir=ns.data, role=Role.ADMIN)
+    rep = await rebuild(ns.data, addrs, token)
+    print(f"rebuilt {ns.data / 'meta.sqlite3'} from {rep.servers} chunkservers, {rep.chunks} chunks, "
+          f"{rep.records} records: {rep.keys} keys ({format_size(rep.value_bytes)}); skipped "
+          f"{rep.deleted} deleted, {rep.expired} expired, {rep.incomplete} incomplete "
+          f"(no good copy of an extent), {rep.bad_records} records failing their CRC")
+    for key in rep.dropped_keys[:20]:
+        print(f"  dropped {key[:80].decode(errors='backslashreplace')}")
+    return 0
+
+
+async def cmd_meta_backup(ns: argparse.Namespace) -> int:
+    from kvfs.meta.rebuild import backup
+
+    pages = backup(ns.data, ns.file)
+    print(f"backed up {ns.data / 'meta.sqlite3'} to {ns.file} ({pages} pages)")
     return 0
 
 
@@ -237,9 +265,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, UpConfig)
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("meta", help="run the metadata service in the foreground")
-    add_options(p, MetaConfig)
+    p = sub.add_parser("meta", help="run the metadata service in the foreground; "
+                       "or rebuild / back up its database")
+    add_options(p, MetaConfig, skip=("data",))
+    p.add_argument("--data", type=Path, default=None, help="data directory (SQLite store, token)")
     p.set_defaults(func=cmd_meta)
+    msub = p.add_subparsers(dest="meta_command", metavar="{rebuild,backup}")
+    q = msub.add_parser("rebuild", help="write a new meta database from the chunkservers' records "
+                        "(after meta's database was lost)")
+    q.add_argument("--data", type=Path, required=True, help="meta's data directory (the new database)")
+    q.add_argument("--from-chunkservers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="every chunkserver of the cluster")
+    q.add_argument("--token-file", default=None,
+                   help="the admin token's file (default: $KVFS_ADMIN_TOKEN, else DATA/admin.token)")
+    q.set_defaults(func=cmd_meta_rebuild)
+    q = msub.add_parser("backup", help="copy the live database to FILE (SQLite online backup)")
+    q.add_argument("file", type=Path)
+    q.add_argument("--data", type=Path, required=True, help="meta's data directory")
+    q.set_defaults(func=cmd_meta_backup)
 
     p = sub.add_parser("chunkserver", help="run one chunkserver in the foreground")
     add_options(p, ChunkServerConfig)

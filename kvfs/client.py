@@ -114,6 +114,7 @@ class AsyncClient:
         self._servers: dict[int, ServerEntry] = {}
         self._servers_at = -1e18
         self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
+        self._write_id = 0  # last write id handed out (see _next_write_id)
         self.clock = time.time
         self.rpc_counts: dict[str, int] = defaultdict(int)
         self._rx_pool: list[bytearray] = []
@@ -384,7 +385,7 @@ class AsyncClient:
                     live.sort(key=lambda e: e.server_id)
                     k = first % len(live)
                     order = live[k:] + live[:k]
-                wires = await self._write(keys, views, order, r, ttl)
+                wires = await self._write(keys, views, order, r, ttl, stream_unit=first is not None)
                 return [Layout.from_wire(w) for w in wires]
             except Unavailable:
                 if attempt == 2:
@@ -434,10 +435,11 @@ class AsyncClient:
         await self.servers(refresh=True)
 
     async def _write(self, keys: list[bytes], views: list[list[memoryview]], order: list[ServerEntry],
-                     r: int, ttl: float | None) -> list[list[Any]]:
+                     r: int, ttl: float | None, *, stream_unit: bool = False) -> list[list[Any]]:
         """Append every value (one APPEND per server); returns the layouts in wire form."""
         stripe = self.config.stripe_bytes
         expires_hint = None if ttl is None else self.clock() + ttl
+        wid = self._next_write_id()  # records carry it: a rebuild of meta keeps the newest write
         n_srv = len(order)
         crc = crc32c.crc32c
         # per server: records and payload parts, in call order
@@ -467,7 +469,8 @@ class AsyncClient:
                 for sid in small:
                     recs = records[sid]
                     where.append((sid, len(recs)))
-                    recs.append([key, n, c, expires_hint])
+                    # a stream's unit does not know its whole value (total size 0): a rebuild drops it
+                    recs.append([key, n, c, expires_hint, wid, 0 if stream_unit else n, c, 0])
                     parts[sid].append(v)
                 plans.append([(n, c, where)])
                 crcs.append(c)
@@ -475,6 +478,7 @@ class AsyncClient:
             units = [cut(v, i, stripe) for i in range(0, n, stripe)]
             plan = []
             whole = 0
+            unit_recs: list[list[Any]] = []
             for ui, u in enumerate(units):
                 c = 0
                 for p in u:
@@ -486,9 +490,12 @@ class AsyncClient:
                 for j in range(r):
                     sid = order[(start + j) % n_srv].server_id
                     where.append((sid, len(records[sid])))
-                    records[sid].append([key, un, c, expires_hint])
+                    unit_recs.append([key, un, c, expires_hint, wid, n, 0, ui])
+                    records[sid].append(unit_recs[-1])
                     parts[sid].append(u)
                 plan.append((un, c, where))
+            for rec in unit_recs:
+                rec[6] = whole  # the whole value's CRC, known once every unit is summed
             rr += len(units)
             plans.append(plan)
             crcs.append(whole)
@@ -854,7 +861,27 @@ class AsyncClient:
         for k in ks:
             self._layouts.pop(k, None)
         h = await self._meta_call(Op.DELETE, {"keys": ks})
+        await self._tombstones(ks)
         return int(h["deleted"])
+
+    def _next_write_id(self) -> int:
+        """Write ids order the writes of a key for a rebuild of meta: nanoseconds, increasing."""
+        self._write_id = max(self._write_id + 1, time.time_ns())
+        return self._write_id
+
+    async def _tombstones(self, keys: list[bytes]) -> None:
+        """Record the deletes in a chunk (one APPEND of empty records) so a rebuild of meta
+        from the chunks does not bring the keys back.  Best effort: meta's delete stands."""
+        wid = self._next_write_id()
+        try:
+            live = [s for s in await self.servers() if s.alive]
+            if not live:
+                return
+            sid = self._order(live)[0].server_id
+            await self._server_call(sid, Op.APPEND, {"records": [[k, 0, 0, None, wid, 0, 0, 0, True]
+                                                                 for k in keys]}, [])
+        except KVFSError as exc:
+            log.warning("deleted %d keys, but could not record their tombstones: %s", len(keys), exc)
 
     async def delete(self, key: Key) -> bool:
         return await self.delete_many([key]) == 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,14 @@ def opt(help: str, default: Any = dataclasses.MISSING, **extra: Any) -> Any:
 
 
 MiB = 1024 * 1024
+
+
+class FsyncMode(enum.StrEnum):
+    """When written bytes reach the disk (README: what each setting risks)."""
+
+    ALWAYS = "always"  # fdatasync each append before answering it
+    BATCH = "batch"  # group commit: durable before answered, concurrent appends share one sync
+    NEVER = "never"  # answered from the page cache: a power loss can lose acknowledged values
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -56,6 +65,10 @@ class MetaConfig(ServerConfig):
     heartbeat_timeout_s: float = opt("a chunkserver silent this long is dead", 10.0)
     default_ttl_s: float | None = opt("TTL for puts that give none (default: no expiry)", None)
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
+    fsync: FsyncMode = opt("always/batch: a commit is on disk before it is answered (SQLite "
+                           "synchronous=FULL); never: synchronous=NORMAL, a power loss can undo "
+                           "the last commits (GC transactions are FULL in every mode)",
+                           FsyncMode.BATCH)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,7 +84,11 @@ class ChunkServerConfig(ServerConfig):
     heartbeat_interval_s: float = opt("how often to report to meta", 1.0)
     io_threads: int = opt("threads doing preadv/pwritev", 4)
     merge_gap_bytes: int = opt("read ranges closer than this as one span", 64 * 1024)
-    fsync: bool = opt("fsync chunk files after each append", False)
+    fsync: FsyncMode = opt("when appended bytes reach the disk before the append is answered: "
+                           "always (one fdatasync each), batch (group commit: concurrent appends "
+                           "share one fdatasync), never (page cache only)", FsyncMode.BATCH)
+    fsync_window_s: float = opt("batch: wait this long for more appends before a group sync "
+                                "(0: the appends that arrive during a sync share the next)", 0.0)
     max_ranges: int = opt("most ranges one READV may name", 16384)
     max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
                                "file limit, which is raised to its hard limit at start)", 4096)
@@ -168,6 +185,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tuple[
                 kwargs["type"] = POSITIVE_INT if f.metadata.get("positive") else int
             elif typ in (Path, Path | None):
                 kwargs["type"] = Path
+            elif isinstance(typ, type) and issubclass(typ, enum.Enum):
+                kwargs["type"] = typ
+                kwargs["choices"] = list(typ)
             if not required and f.default is not None:
                 kwargs["help"] += f" (default: {f.default})"
         parser.add_argument(_flag(f.name), **kwargs)

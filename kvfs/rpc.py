@@ -59,6 +59,7 @@ class Op(enum.IntEnum):
     CHUNK_DELETE = 57
     CHUNK_VERIFY = 58
     CHUNK_SEAL = 59
+    CHUNK_SCAN = 60
 
 
 ANYONE = (Role.CLIENT, Role.ADMIN, Role.SERVER)
@@ -92,11 +93,17 @@ RPCS: dict[Op, Rpc] = {
         Rpc(Op.LIST, Service.META, "{prefix, start_after?, limit}",
             "{entries: [[key, size, created, expires_at]], more: bool}", roles=DATA),
         Rpc(Op.STATS, Service.META, "{}", "{keys, bytes, servers: [...], chunks}", roles=DATA),
-        Rpc(Op.REGISTER, Service.META, "{server_id?, addr, capacity, free}", "{server_id}", roles=SERVER),
-        Rpc(Op.HEARTBEAT, Service.META, "{server_id, addr, capacity, free, used, chunks}", "{}", roles=SERVER_OR_ADMIN),
-        Rpc(Op.SERVERS, Service.META, "{}", "{servers: [[id, addr, capacity, free, alive]]}", roles=DATA),
+        Rpc(Op.REGISTER, Service.META,
+            "{server_id?, addr, capacity, free, key, disk, cluster_id?, nchunks}",
+            "{server_id, cluster_id} (WrongCluster: another cluster's chunkserver, or one holding "
+            "chunks this meta never saw)", roles=SERVER),
+        Rpc(Op.HEARTBEAT, Service.META, "{server_id, addr, capacity, free, used, chunks}", "{}",
+            roles=SERVER_OR_ADMIN),
+        Rpc(Op.SERVERS, Service.META, "{}",
+            "{servers: [[id, addr, capacity, free, alive]], cluster_id}", roles=DATA),
         Rpc(Op.APPEND, Service.CHUNKSERVER,
-            "{records: [[key, length, crc, expires_at]]} + payload: the values back to back",
+            "{records: [[key, length, crc, expires_at, write_id?, total_size?, total_crc?, index?, "
+            "tombstone?]]} + payload: the values back to back",
             "{locations: [[chunk_id, offset]]}", roles=DATA),
         Rpc(Op.READV, Service.CHUNKSERVER, "{ranges: [[chunk_id, offset, length]]}",
             "{errors: {index: [code, message]}, spans: int} + payload: the ok ranges in order", roles=DATA),
@@ -127,9 +134,14 @@ RPCS: dict[Op, Rpc] = {
         Rpc(Op.TOUCH, Service.META, "{keys}", "{} (marks keys read: last_access for LRU eviction)", roles=DATA),
         Rpc(Op.CHUNK_COMPACT, Service.CHUNKSERVER, "{sources: [[chunk_id, [[offset, length]]]]}",
             "{chunk_id | nil, size, locations: [[new_offset | nil]] per source}", roles=ADMIN),
-        Rpc(Op.CHUNK_DELETE, Service.CHUNKSERVER, "{chunks: [id]}", "{deleted: {id: size}}", roles=ADMIN),
+        Rpc(Op.CHUNK_DELETE, Service.CHUNKSERVER, "{chunks: [id], cluster_id}",
+            "{deleted: {id: size}} (WrongCluster unless cluster_id is the chunkserver's)", roles=ADMIN),
         Rpc(Op.CHUNK_VERIFY, Service.CHUNKSERVER, "{ranges: [[chunk_id, offset, length, crc]]}",
             "{missing: [index], bad: [index]}", roles=ADMIN),
+        Rpc(Op.CHUNK_SCAN, Service.CHUNKSERVER, "{chunk_id}",
+            "{records: [[key, write_id, index, total_size, total_crc, length, crc, expires_at, "
+            "tombstone, value_ok, value_offset]]} (every record of the chunk, values checked)",
+            roles=ADMIN),
         Rpc(Op.CHUNK_SEAL, Service.CHUNKSERVER, "{chunk_id, idle_s, apply?}",
             "{sealed: bool} (the open chunk is sealed only after idle_s without appends; "
             "apply=false only says whether it would be)", roles=ADMIN),

@@ -21,7 +21,7 @@ from typing import Any
 from kvfs.address import parse_addr, service_tokens
 from kvfs.config import MetaConfig
 from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
-from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.errors import InvalidArgument, StaleLayout, WrongCluster
 from kvfs.handshake import Role
 from kvfs.layout import MAX_VALUE_BYTES, Layout, norm_key, norm_keys
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES, MetaGc
@@ -83,7 +83,9 @@ class MetaService(MetaGc):
         raise_nofile_limit()
         create_private_file(config.data / "meta.sqlite3")  # SQLite's -wal/-shm copy its mode
         self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
-        self.store = MetaStore(config.data / "meta.sqlite3")
+        self.store = MetaStore(config.data / "meta.sqlite3",
+                               synchronous="NORMAL" if config.fsync == "never" else "FULL")
+        self.cluster_id = self.store.cluster_id()
         self.entries: dict[bytes, Entry] = {}
         self.chunk_live: dict[int, int] = {}
         self.servers: dict[int, ServerInfo] = {}
@@ -288,6 +290,7 @@ class MetaService(MetaGc):
             raise InvalidArgument("chunkserver key must be a short string")
         sid = h.get("server_id")
         sid = max(self.servers, default=0) + 1 if sid is None else _count(sid, "server_id", 2**31)
+        self._check_cluster(sid, addr, h.get("cluster_id"), _count(h.get("nchunks", 0), "nchunks"))
         old = self.servers.get(sid)
         if old is not None and old.addr != addr and self.alive(old) and old.key != key:
             raise InvalidArgument(
@@ -304,7 +307,22 @@ class MetaService(MetaGc):
         self._share_disks()
         self.store.put_server(sid, addr, s.reported_capacity, s.reported_free)
         log.info("chunkserver %d registered at %s", sid, addr)
-        return {"server_id": sid}, ()
+        return {"server_id": sid, "cluster_id": self.cluster_id}, ()
+
+    def _check_cluster(self, sid: int, addr: str, cluster_id: Any, nchunks: int) -> None:
+        """A chunkserver of another cluster, or one holding chunks this meta never saw, is
+        refused: this meta (fresh, or restored from elsewhere) must never GC its chunks."""
+        if cluster_id is None:
+            if nchunks and sid not in self.servers:
+                raise WrongCluster(
+                    f"chunkserver {sid} at {addr} holds {nchunks} chunks but no cluster id, and this "
+                    f"meta (cluster {self.cluster_id}) has never seen it; if meta's database was "
+                    "lost, rebuild it: kvfs meta rebuild --from-chunkservers")
+        elif cluster_id != self.cluster_id:
+            raise WrongCluster(
+                f"chunkserver {sid} at {addr} belongs to cluster {str(cluster_id)[:64]}, this meta "
+                f"is cluster {self.cluster_id}; if meta's database was lost or replaced, rebuild it: "
+                "kvfs meta rebuild --from-chunkservers")
 
     async def rpc_heartbeat(self, h: dict[str, Any], p: memoryview) -> Reply:
         sid = int(h["server_id"])
@@ -340,5 +358,5 @@ class MetaService(MetaGc):
 
     async def rpc_servers(self, h: dict[str, Any], p: memoryview) -> Reply:
         return {"servers": [[s.server_id, s.addr, s.capacity, s.free, self.alive(s)]
-                            for s in self.servers.values()]}, ()
+                            for s in self.servers.values()], "cluster_id": self.cluster_id}, ()
 

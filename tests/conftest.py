@@ -14,7 +14,7 @@ import pytest
 from kvfs._loop import new_event_loop
 from kvfs.address import parse_addr
 from kvfs.client import AsyncClient
-from kvfs.config import MetaConfig
+from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig
 from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
 from kvfs.rpc import Op
@@ -120,7 +120,13 @@ class ThreadCluster:
         self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="cluster", daemon=True)
         self.thread.start()
-        self.cluster = LocalCluster(root, chunkservers)
+        # the fsspec/FUSE suites test behaviour with thousands of single-file puts; syncing
+        # each one (the default, tested in test_durability.py) only makes them slow
+        self.cluster = LocalCluster(root, chunkservers,
+                                    meta=MetaConfig(data=root / "meta", listen="127.0.0.1:0",
+                                                    fsync=FsyncMode.NEVER),
+                                    chunkserver=ChunkServerConfig(data=root, heartbeat_interval_s=0.2,
+                                                                  fsync=FsyncMode.NEVER))
         self.addr = self.call(self.cluster.start())
         self.token = self.cluster.token
 

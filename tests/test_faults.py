@@ -13,7 +13,7 @@ from conftest import raw_connect as _raw
 from conftest import read_frame as _read_frame
 
 from kvfs.address import parse_addr
-from kvfs.chunkserver.store import RECORD
+from kvfs.chunkserver.records import RECORD
 from kvfs.client import AsyncClient
 from kvfs.errors import (
     AuthError,
@@ -184,7 +184,7 @@ async def test_torn_tail_is_truncated_on_restart(cluster: LocalCluster, kv: Asyn
     idx, _, path = await _first_replica(cluster, kv, b"t2")
     await cluster.stop_chunkserver(idx)
     with open(path, "ab") as f:  # a record header with half its value: a crash mid-append
-        f.write(RECORD.pack(b"KVR1", 1, 0, 0, 4096, 0.0, 0) + b"k" + b"z" * 100)
+        f.write(RECORD.pack(b"KVR2", 1, 0, 0, 4096, 0.0, 0, 4096, 0, 0, 0) + b"k" + b"z" * 100)
     size_with_torn = path.stat().st_size
     await cluster.start_chunkserver(idx)
     assert path.stat().st_size == size_with_torn - RECORD.size - 101
