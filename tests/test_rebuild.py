@@ -102,7 +102,8 @@ async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvfs", "meta", "rebuild", "--data", str(tmp_path / "c" / "meta"),
             "--from-chunkservers", ",".join(addrs),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "KVFS_ADMIN_TOKEN": cluster.admin_token})
         out, err = await proc.communicate()
         assert proc.returncode == 0, err.decode()
         assert f"{len(expect)} keys" in out.decode() and "skipped 2 deleted" in out.decode()
