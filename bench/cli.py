@@ -41,6 +41,7 @@ __all__ = ["add_commands", "cmd_bench"]
 _PEER_TEXT = {
     "file": "file-per-key",
     "redis": "redis (TCP, MSET/MGET)",
+    "mooncake": "mooncake (TCP, batch_put_from/batch_get_into)",
     "loopback": "loopback socket limit",
     "fio": "fio psync",
 }

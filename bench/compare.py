@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from .jobs import describe
-from .peers import FilePerKeyStore, LoopbackLimit, RedisStore, run_fio_file
+from .peers import FilePerKeyStore, LoopbackLimit, MooncakeStore, RedisStore, run_fio_file
 from .runner import BenchError, JobResult, Workload, run_workload
 from .stats import format_job_text, num2str, percentile_key, report_json
 from .store import PeerUnavailable, Store
@@ -59,7 +59,10 @@ def peer_factories(
     async def loopback() -> Store:
         return await LoopbackLimit.open(copy_out=loopback_copy_out)
 
-    return {"file": file_store, "redis": redis_store, "loopback": loopback}
+    async def mooncake_store() -> Store:
+        return await MooncakeStore.open()
+
+    return {"file": file_store, "redis": redis_store, "mooncake": mooncake_store, "loopback": loopback}
 
 
 @dataclass

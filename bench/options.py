@@ -18,7 +18,7 @@ __all__ = ["DEFAULT_RUNTIME_S", "PEERS", "add_options", "size_arg"]
 
 DEFAULT_RUNTIME_S: Final = 4.0
 #: ``--compare`` peers, in column order.
-PEERS: Final = ("file", "redis", "loopback", "fio")
+PEERS: Final = ("file", "redis", "mooncake", "loopback", "fio")
 
 
 def size_arg(text: str) -> int:
