@@ -16,9 +16,11 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
@@ -28,7 +30,7 @@ from .compare import Cell, StoreFactory, compare, peer_factories
 from .internal import run_internal
 from .jobs import build_workloads, describe, human_bs
 from .options import add_options
-from .plot import plot
+from .plot import plot, plot_families
 from .render import render_compare
 from .runner import BenchError, JobResult, Workload, run_workload, workload_dict
 from .stats import format_report_text, report_json
@@ -71,10 +73,11 @@ def _store_for(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> Sto
     return KvfsStore(client)
 
 
-async def _run_one(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> JobResult:
+async def _run_one(target: BenchTarget, wl: Workload, ns: argparse.Namespace,
+                   label: str | None = None, eta_after_s: float = 0.0) -> JobResult:
     store = _store_for(target, wl, ns)
     try:
-        return await run_workload(store, wl, progress=ns.progress)
+        return await run_workload(store, wl, progress=ns.progress, label=label, eta_after_s=eta_after_s)
     finally:
         await store.close()
 
@@ -89,8 +92,9 @@ def _child_argv(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> li
     return argv
 
 
-async def _run_numjobs(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> list[dict[str, Any]]:
-    """``numjobs`` client processes, each its own key space; their fio jobs, in order."""
+async def _run_numjobs(target: BenchTarget, wl: Workload, ns: argparse.Namespace,
+                       group: int) -> list[dict[str, Any]]:
+    """``numjobs`` client processes, each its own key space, run at once: one fio group."""
     procs = []
     for i in range(ns.numjobs):
         job = replace(wl, name=f"{wl.name}.{i}", key_prefix=wl.key_prefix + b"%d/" % i, seed=wl.seed + i)
@@ -105,7 +109,7 @@ async def _run_numjobs(target: BenchTarget, wl: Workload, ns: argparse.Namespace
             raise BenchError(f"job {wl.name}.{i} exited {proc.returncode}: {err.decode()[-2000:]}")
         jobs.extend(json.loads(out)["jobs"])
     for n, fio_job in enumerate(jobs):
-        fio_job["groupid"] = 0
+        fio_job["groupid"] = group
         fio_job["job"] = n
     return jobs
 
@@ -190,14 +194,19 @@ async def _plain(ns: argparse.Namespace, target: BenchTarget, workloads: list[Wo
     for i, wl in enumerate(workloads, 1):
         _say(ns, f"[{i}/{len(workloads)}] {describe(wl)} size={human_bs(wl.size_bytes)} "
                  f"runtime={wl.runtime_s:g}s")
+        # jobs that run one after another are groups of their own (fio sums a group)
         if ns.numjobs == 1:
-            jobs.append((await _run_one(target, wl, ns)).to_json())
+            label = f"[{i}/{len(workloads)}] kvfs {wl.rw} {human_bs(wl.bs)}"
+            after = sum(w.ramp_time_s + w.runtime_s for w in workloads[i:])
+            job = (await _run_one(target, wl, ns, label, after)).to_json()
+            job["groupid"] = i - 1
+            jobs.append(job)
         else:
-            jobs.extend(await _run_numjobs(target, wl, ns))
+            jobs.extend(await _run_numjobs(target, wl, ns, i - 1))
     report = report_json(jobs, global_options=_options_of(ns))
     _emit(ns, report, sys.stdout)
     if ns.plot is not None:
-        plot(report["jobs"], ns.plot)
+        plot(report["jobs"], ns.plot, _title(ns, target))
         _say(ns, f"plot written to {ns.plot}")
     return 0
 
@@ -248,6 +257,15 @@ async def _compare(
     sys.stdout.flush()
     if ns.plot is not None:
         jobs = [c.result.to_json() for (_, s), c in comp.cells.items() if s == "kvfs" and c.result]
-        plot(jobs, ns.plot)
-        _say(ns, f"plot written to {ns.plot}")
+        title = _title(ns, target)
+        plot(jobs, ns.plot, title)
+        more = plot_families(comp, ns.plot, title)
+        _say(ns, f"plots written to {', '.join(str(p) for p in [ns.plot, *more])}")
     return 0
+
+
+def _title(ns: argparse.Namespace, target: BenchTarget) -> str:
+    """Names the run on every plot: command, cluster, host cores, date."""
+    what = "kvfs bench --compare" if ns.compare else "kvfs bench"
+    where = f"embedded {target.embedded} cluster, 3 chunkservers" if target.embedded else target.addr
+    return f"{what}: {where}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"

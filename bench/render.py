@@ -4,23 +4,17 @@ from __future__ import annotations
 
 from .compare import Comparison
 from .internal import Internal
-from .jobs import describe
 
 __all__ = ["render_compare", "render_internal"]
 
 
 def render_compare(comp: Comparison, internal: Internal | None) -> str:
-    """One table kvfs / each peer / ratio per workload, then the kvfs-internal ones."""
-    lines = ["", "kvfs vs peers (cells: keys/s, bandwidth, p99 per-key latency; ratio = kvfs keys/s / peer keys/s)",
-             comp.table()]
-    lines.append("MB/s ratios (kvfs MB/s / peer MB/s):")
-    for wl in comp.workloads:
-        kv = comp.cell(wl, "kvfs").bytes_per_s
-        parts = []
-        for peer in comp.stores[1:]:
-            pb = comp.cell(wl, peer).bytes_per_s
-            parts.append(f"{peer}={'-' if not kv or not pb else f'{kv / pb:.2f}x'}")
-        lines.append(f"  {describe(wl)}: " + " ".join(parts))
+    """The narrow table (a row per workload and store), the ratio table, the kvfs-internal ones."""
+    lines = ["", "kvfs vs peers: one row per workload and store (one io = one key; MB/s = 10^6 B/s;",
+             "p99/key = p99 of a call's latency / its keys, p99/call = p99 of one call's latency;",
+             f"{comp.subject}/x = kvfs keys/s / that store's keys/s)", "", comp.table(),
+             f"ratios: {comp.subject} keys/s / peer keys/s (the same as the MB/s ratio)", "",
+             comp.ratio_table()]
     return "\n".join(lines) + "\n" + (render_internal(internal) if internal is not None else "")
 
 
@@ -28,7 +22,7 @@ def render_internal(internal: Internal) -> str:
     """The kvfs-internal comparisons: batcher on/off, prefix chains, server reads per chain."""
     lines: list[str] = []
     if internal.batcher is not None:
-        lines += ["", "kvfs: 128 concurrent single-key get() (ratio = batcher on / batch=False keys/s)",
+        lines += ["", "kvfs: 128 concurrent single-key get() (batcher on/x = batcher on / batch=False keys/s)",
                   internal.batcher.table()]
     if internal.chains is not None:
         lines += ["", "kvfs: prefix chains of 64 x 64KiB (ratio = per-chain keys/s / separate-puts keys/s)",

@@ -27,7 +27,7 @@ from typing import Any, Final, Literal, TextIO
 
 import numpy as np
 
-from .stats import LatencyRecorder, job_json, num2str
+from .stats import LatencyRecorder, job_json
 from .store import Store
 
 __all__ = [
@@ -36,7 +36,9 @@ __all__ = [
     "BenchError",
     "JobResult",
     "Workload",
+    "format_eta",
     "make_keys",
+    "progress_text",
     "run_workload",
     "workload_dict",
 ]
@@ -225,20 +227,37 @@ def _value_for(filler: bytes, i: int, verify: bool) -> bytes:
     return i.to_bytes(8, "big") + filler[8:] if verify else filler
 
 
-class _Progress:
-    def __init__(self, stream: TextIO, name: str, total_s: float) -> None:
-        self._stream = stream
-        self._name = name
-        self._total_s = total_s
+def format_eta(seconds: float) -> str:
+    """``1m52s``, ``45s``, ``1h03m``: the ETA of a progress line."""
+    s = max(0, round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
 
-    def show(self, elapsed_s: float, phase: str, ios: int, nbytes: int, window_s: float) -> None:
-        rate = ios / window_s if window_s > 0 else 0.0
-        bw = nbytes / window_s if window_s > 0 else 0.0
-        self._stream.write(
-            f"\r{self._name}: {phase} [{num2str(int(rate))} keys/s, "
-            f"{num2str(int(bw), pow2=True, unit='B/s')}] "
-            f"[{elapsed_s:.1f}/{self._total_s:.1f}s]\x1b[K"
-        )
+
+def progress_text(label: str, phase: str, done: float, eta_s: float) -> str:
+    """``[3/24] redis randread 4k: 41%  ETA 1m52s`` (``prefill 41%`` while prefilling)."""
+    pct = int(max(0.0, min(1.0, done)) * 100)
+    return f"{label}: {'prefill ' if phase == 'prefill' else ''}{pct}%  ETA {format_eta(eta_s)}"
+
+
+class _Progress:
+    """One ``\r`` line: ``label: pct%  ETA``; the ETA adds ``after_s`` (work queued after this job)."""
+
+    def __init__(self, stream: TextIO, label: str, total_s: float, after_s: float) -> None:
+        self._stream = stream
+        self._label = label
+        self._total_s = total_s
+        self._after_s = after_s
+
+    def show(self, elapsed_s: float, phase: str, done: float) -> None:
+        if phase == "prefill":  # the run itself is still ahead
+            eta = self._total_s + self._after_s + (elapsed_s / done - elapsed_s if done > 0 else 0.0)
+        else:
+            eta = max(0.0, self._total_s - elapsed_s) + self._after_s
+        self._stream.write("\r" + progress_text(self._label, phase, done, eta) + "\x1b[K")
         self._stream.flush()
 
     def clear(self) -> None:
@@ -295,8 +314,7 @@ async def _prefill(
         p = progress
 
         def show() -> None:
-            el = time.monotonic() - t0
-            p.show(el, "prefill", written, written * wl.bs, el)
+            p.show(time.monotonic() - t0, "prefill", written / max(1, len(keys)))
 
         ticker = asyncio.create_task(_tick_until(done, deadline, show))
     try:
@@ -319,16 +337,21 @@ async def run_workload(
     *,
     progress: bool | None = None,
     progress_stream: TextIO | None = None,
+    label: str | None = None,
+    eta_after_s: float = 0.0,
 ) -> JobResult:
     """Run ``wl`` against ``store`` and return what was measured.
 
     Reads are served by a prefill (all ``nkeys`` keys written first, not timed).
     A call that starts during ramp-up is not recorded. ``progress=None`` shows
-    a ``\\r`` progress line on stderr only when stderr is a tty.
+    a ``\\r`` progress line on stderr only when stderr is a tty:
+    ``<label>: 41%  ETA 1m52s`` (label defaults to the job name; the ETA adds
+    ``eta_after_s``, the time the caller expects its later jobs to take).
     """
     stream = progress_stream if progress_stream is not None else sys.stderr
     show = stream.isatty() if progress is None else progress
-    prog = _Progress(stream, wl.name, wl.ramp_time_s + wl.runtime_s) if show else None
+    total_s = wl.ramp_time_s + wl.runtime_s
+    prog = _Progress(stream, label or wl.name, total_s, eta_after_s) if show else None
     keys = make_keys(wl.key_prefix, wl.nkeys)
     filler = os.urandom(wl.bs)
     job_start_ms = int(time.time() * 1000)
@@ -395,16 +418,14 @@ async def run_workload(
     ticker = None
     if prog is not None:
         p = prog
-        last = [clock(), 0, 0]
 
         def tick() -> None:
-            now = clock()
-            ios = read_rec.total_ios + write_rec.total_ios
-            nbytes = read_rec.io_bytes + write_rec.io_bytes
-            window = (now - last[0]) / 1e9
-            phase = "ramp" if now < measure_start else "run"
-            p.show((now - t_start) / 1e9, phase, ios - last[1], nbytes - last[2], window)
-            last[:] = [now, ios, nbytes]
+            elapsed = (clock() - t_start) / 1e9
+            if wl.time_based:
+                done = elapsed / total_s
+            else:  # a pass over the key space may end before the runtime
+                done = max(elapsed / total_s, (read_rec.total_ios + write_rec.total_ios) / count_limit)
+            p.show(elapsed, "run", done)
 
         ticker = asyncio.create_task(
             _tick_until(done, time.monotonic() + wl.ramp_time_s + wl.runtime_s + wl.grace_s, tick)

@@ -15,6 +15,13 @@ from kvfs.bench.target import BenchTarget
 from kvfs.cli import build_parser
 from kvfs.launcher import LocalCluster
 
+try:
+    import matplotlib  # noqa: F401
+
+    HAVE_MPL = True
+except ImportError:
+    HAVE_MPL = False
+
 TINY = ["--size", "256k", "--runtime", "1", "--no-progress"]
 
 
@@ -119,9 +126,14 @@ def test_unknown_peer_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
 
 async def test_tiny_comparison_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ns = _ns("--compare", "--cluster", "inproc", "--peers", "file,loopback", "--no-internal",
-             "--rw", "randread", "--bs", "4k", "--batch", "4", "--size", "64k", "--runtime", "0.2",
-             "--dir", str(tmp_path), "--output-format", "json", "--no-progress")
+             "--bs", "4k", "--batch", "4", "--size", "64k", "--runtime", "0.2",
+             "--rw", "randread,write",
+             "--dir", str(tmp_path), "--output-format", "json", "--no-progress",
+             *(["--plot", str(tmp_path / "c.png")] if HAVE_MPL else []))
     assert await bench_cli.cmd_bench(ns) == 0
+    if HAVE_MPL:  # the run's plot, and one bar chart per workload family
+        for name in ("c.png", "c-reads.png", "c-writes.png"):
+            assert (tmp_path / name).stat().st_size > 0
     report = json.loads(capsys.readouterr().out)
     peers = report["kvfs compare"]["peers"]
     assert peers["subject"] == "kvfs" and list(peers["stores"]) == ["kvfs", "file", "loopback"]
