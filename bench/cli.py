@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from .adapters import ChainStore, KvfsStore
-from .compare import Cell, StoreFactory, compare, peer_factories
+from .compare import Cell, StoreFactory, compare, peer_factories, store_cpu_probe
 from .internal import run_internal
 from .jobs import build_workloads, describe, human_bs
 from .options import add_options
@@ -70,14 +70,15 @@ def _store_for(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> Sto
     client = target.client()
     if ns.prefix_chain and wl.reads:
         return ChainStore(client, ns.prefix_chain)
-    return KvfsStore(client)
+    return KvfsStore(client, server_pids=target.server_pids())
 
 
 async def _run_one(target: BenchTarget, wl: Workload, ns: argparse.Namespace,
                    label: str | None = None, eta_after_s: float = 0.0) -> JobResult:
     store = _store_for(target, wl, ns)
     try:
-        return await run_workload(store, wl, progress=ns.progress, label=label, eta_after_s=eta_after_s)
+        return await run_workload(store, wl, progress=ns.progress, label=label, eta_after_s=eta_after_s,
+                                  cpu=store_cpu_probe(store) if ns.cpu else None)
     finally:
         await store.close()
 
@@ -224,7 +225,7 @@ async def _compare(
 ) -> int:
     def kvfs_factory() -> StoreFactory:
         async def make() -> Store:
-            return KvfsStore(target.client())
+            return KvfsStore(target.client(), server_pids=target.server_pids())
 
         return make
 
@@ -237,7 +238,7 @@ async def _compare(
     _say(ns, "peers: " + ", ".join(_PEER_TEXT[p] for p in ns.peers)
              + ("" if fio_dir or not want_fio else " (fio not installed: skipped)"))
     comp = await compare(factories, workloads, fio_dir=fio_dir, progress=ns.progress,
-                         text_out=text_out)
+                         text_out=text_out, cpu=ns.cpu)
     if want_fio and fio_dir is None:  # show fio as skipped rather than leaving the column out
         comp.stores.append("fio-psync")
         for wl in workloads:

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from .cpu import CpuProbe
 from .jobs import human_bs
 from .peers import FilePerKeyStore, LoopbackLimit, MooncakeStore, RedisStore, run_fio_file
 from .runner import BenchError, JobResult, Workload, run_workload
@@ -238,6 +240,7 @@ async def compare(
     progress: bool | None = None,
     out: TextIO | None = None,
     text_out: TextIO | None = None,
+    cpu: bool = False,
 ) -> Comparison:
     """Run every workload against every store (a fresh store per workload).
 
@@ -246,7 +249,8 @@ async def compare(
     ``skipped: failed: ...``. With ``fio_dir`` a ``fio-psync`` column runs the
     real fio on a file of the same size there (``bs`` = value size, no
     batching). The table is printed to ``out`` if given; fio's text blocks of
-    each job to ``text_out`` if given.
+    each job to ``text_out`` if given. With ``cpu`` each cell also records the
+    CPU time of this process and of the store's processes (``--cpu``).
     """
     if not factories:
         raise ValueError("compare needs at least one store factory")
@@ -268,7 +272,7 @@ async def compare(
             per_cell = (time.monotonic() - t0) / (n - 1) if n > 1 else wl.ramp_time_s + wl.runtime_s
             label = f"[{n}/{total}] {name} {wl.rw} {human_bs(wl.bs)}"
             comp.cells[(wl.name, name)] = cell = await _run_cell(
-                name, factory, wl, progress, label, per_cell * (total - n))
+                name, factory, wl, progress, label, per_cell * (total - n), cpu)
             if cell.skipped is not None and not cell.skipped.startswith("failed"):
                 unavailable[name] = cell.skipped
             if text_out is not None and cell.result is not None:
@@ -282,14 +286,21 @@ async def compare(
     return comp
 
 
+def store_cpu_probe(store: Store) -> CpuProbe:
+    """This process as ``client`` plus the store's own processes (``pids()``), if it names any."""
+    pids = getattr(store, "pids", None)
+    return CpuProbe({"client": os.getpid(), **(pids() if pids is not None else {})})
+
+
 async def _run_cell(name: str, factory: StoreFactory, wl: Workload, progress: bool | None,
-                    label: str | None = None, eta_after_s: float = 0.0) -> Cell:
+                    label: str | None = None, eta_after_s: float = 0.0, cpu: bool = False) -> Cell:
     try:
         store = await factory()
     except PeerUnavailable as e:
         return Cell(name, skipped=e.reason)
     try:
-        result = await run_workload(store, wl, progress=progress, label=label, eta_after_s=eta_after_s)
+        result = await run_workload(store, wl, progress=progress, label=label, eta_after_s=eta_after_s,
+                                    cpu=store_cpu_probe(store) if cpu else None)
         return Cell(name, result=result)
     except (BenchError, OSError, RuntimeError, ValueError) as e:
         return Cell(name, skipped=f"failed: {type(e).__name__}: {e}")

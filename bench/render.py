@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from .compare import Comparison
+from typing import Any
+
+from .compare import Comparison, short_name
 from .internal import Internal
 
 __all__ = ["render_compare", "render_internal"]
@@ -15,7 +17,48 @@ def render_compare(comp: Comparison, internal: Internal | None) -> str:
              f"{comp.subject}/x = kvfs keys/s / that store's keys/s)", "", comp.table(),
              f"ratios: {comp.subject} keys/s / peer keys/s (the same as the MB/s ratio)", "",
              comp.ratio_table()]
+    cpu = cpu_table(comp)
+    if cpu:
+        lines += ["CPU per key (us) and per GB moved (s), each process's own counters "
+                  "(/proc/PID/stat) over the measured phase; client = the bench process", "", cpu]
     return "\n".join(lines) + "\n" + (render_internal(internal) if internal is not None else "")
+
+
+def cpu_table(comp: Comparison) -> str:
+    """workload, store, process: us/key and s/GB; "" when the run had no ``--cpu``."""
+    rows: list[list[str]] = []
+    for wl in comp.workloads:
+        first = True
+        for store in comp.stores:
+            res = comp.cell(wl, store).result
+            cpu = res.extra.get("cpu") if res is not None else None
+            if not cpu:
+                continue
+            procs = dict(cpu)
+            cs = [v for k, v in cpu.items() if k.startswith("cs")]
+            if len(cs) > 1:
+                procs["all cs"] = {"us_per_key": _sum(c.get("us_per_key") for c in cs),
+                                   "s_per_gb": _sum(c.get("s_per_gb") for c in cs)}
+            for proc, c in procs.items():
+                rows.append([short_name(wl) if first else "", store, proc, _num(c.get("us_per_key")),
+                             _num(c.get("s_per_gb"))])
+                first = False
+    if not rows:
+        return ""
+    head = ["workload", "store", "process", "us/key", "s/GB"]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+    return "\n".join("  ".join(c.rjust(w) if i >= 3 else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+                     for r in [head, *rows]) + "\n"
+
+
+def _sum(xs: Any) -> float | None:
+    vals = list(xs)
+    return None if any(v is None for v in vals) else float(sum(vals))
+
+
+def _num(x: Any) -> str:
+    return "-" if x is None else f"{x:.3g}"
 
 
 def render_internal(internal: Internal) -> str:

@@ -27,6 +27,7 @@ from typing import Any, Final, Literal, TextIO
 
 import numpy as np
 
+from .cpu import CpuProbe
 from .stats import LatencyRecorder, job_json
 from .store import Store
 
@@ -339,6 +340,7 @@ async def run_workload(
     progress_stream: TextIO | None = None,
     label: str | None = None,
     eta_after_s: float = 0.0,
+    cpu: CpuProbe | None = None,
 ) -> JobResult:
     """Run ``wl`` against ``store`` and return what was measured.
 
@@ -347,6 +349,8 @@ async def run_workload(
     a ``\\r`` progress line on stderr only when stderr is a tty:
     ``<label>: 41%  ETA 1m52s`` (label defaults to the job name; the ETA adds
     ``eta_after_s``, the time the caller expects its later jobs to take).
+    With ``cpu``, the processes' CPU time over the run (after the prefill) is
+    charged to its keys and bytes, in ``to_json()["kvfs"]["cpu"]``.
     """
     stream = progress_stream if progress_stream is not None else sys.stderr
     show = stream.isatty() if progress is None else progress
@@ -430,10 +434,14 @@ async def run_workload(
         ticker = asyncio.create_task(
             _tick_until(done, time.monotonic() + wl.ramp_time_s + wl.runtime_s + wl.grace_s, tick)
         )
+    if cpu is not None:
+        cpu.start()
     try:
         async with asyncio.timeout(wl.ramp_time_s + wl.runtime_s + wl.grace_s):
             await _run_all(worker, wl.iodepth)
         t_finish = clock()
+        if cpu is not None:
+            cpu.stop()
     except TimeoutError:
         raise BenchError(
             f"{wl.name}: calls still in flight {wl.grace_s:g}s after the end of the run"
@@ -444,7 +452,12 @@ async def run_workload(
             await ticker
         if prog is not None:
             prog.clear()
+    extra: dict[str, Any] = {}
+    if cpu is not None:
+        extra["cpu"] = cpu.report(read_rec.total_ios + write_rec.total_ios,
+                                  read_rec.io_bytes + write_rec.io_bytes)
     return JobResult(
+        extra=extra,
         workload=wl,
         store_name=getattr(store, "name", type(store).__name__),
         read=read_rec,

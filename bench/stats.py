@@ -552,7 +552,21 @@ def format_job_text(job: Mapping[str, Any], pid: int | None = None) -> str:
         b = job.get(key)
         if isinstance(b, Mapping):
             out.append(_show_lat_buckets(b, unit))
+    cpu = job.get("kvfs", {}).get("cpu") if isinstance(job.get("kvfs"), Mapping) else None
+    if cpu:
+        out.append(format_cpu(cpu))
     return "".join(out)
+
+
+def format_cpu(cpu: Mapping[str, Mapping[str, Any]]) -> str:
+    """``  cpu: client=2.9us/key 0.71s/GB, cs0=...`` (``--cpu``: each process's own counters)."""
+    parts = []
+    for name, c in cpu.items():
+        per_key = c.get("us_per_key")
+        per_gb = c.get("s_per_gb")
+        parts.append(f"{name}={'-' if per_key is None else f'{per_key:.3g}us/key'}"
+                     + ("" if per_gb is None else f" {per_gb:.3g}s/GB"))
+    return "  cpu (per process, measured phase): " + ", ".join(parts) + "\n"
 
 
 def format_report_text(report: Mapping[str, Any]) -> str:

@@ -27,6 +27,14 @@ class BenchTarget:
 
         return AsyncClient(self.addr, token=self.token, config=ClientConfig(**config))
 
+    def server_pids(self) -> dict[str, int]:
+        """meta and each chunkserver by pid, for ``--cpu``; {} unless they are our child processes."""
+        if self.embedded != "processes":
+            return {}
+        out = {"meta": self.cluster.meta.pid}
+        out.update((f"cs{i}", cs.pid) for i, cs in enumerate(self.cluster.chunkservers))
+        return out
+
     def server_reads(self) -> list[tuple[int, int]] | None:
         """(spans_read, readv_calls) per chunkserver, for an in-process cluster."""
         css = getattr(self.cluster, "chunkservers", None)

@@ -170,6 +170,10 @@ class LoopbackLimit:
             raise PeerUnavailable(f"loopback server failed to start: {line!r}")
         return int(line.split()[1])
 
+    def pids(self) -> dict[str, int]:
+        """The server process, for ``--cpu``."""
+        return {"loopback-server": self._proc.pid} if self._proc is not None else {}
+
     def _buffer(self, n: int) -> bytearray:
         for i, buf in enumerate(self._free):
             if len(buf) >= n:
