@@ -37,7 +37,8 @@ class ChunkServer:
         self.token = chunkserver_token(config)
         self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes, io_threads=config.io_threads,
                                 fsync=config.fsync, capacity_bytes=config.capacity_bytes,
-                                merge_gap_bytes=config.merge_gap_bytes)
+                                merge_gap_bytes=config.merge_gap_bytes,
+                                preallocate=config.preallocate)
         self.rpc = RpcServer(self, Service.CHUNKSERVER, self.token, Limits())
         self.addr = ""
         self._meta: Connection | None = None

@@ -12,6 +12,8 @@ read never touches record headers; a scan (recovery, fsck) needs no meta.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import functools
 import json
 import logging
 import os
@@ -22,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import crc32c
 
@@ -170,16 +173,37 @@ def _read_spans(fds: dict[int, int], spans: Sequence[Span], needs: Sequence[int]
     return out
 
 
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+@functools.cache
+def _fallocate() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn
+
+
+def preallocate(fd: int, nbytes: int) -> bool:
+    """Reserve ``nbytes`` of blocks for ``fd`` without changing its size; False where unsupported."""
+    fn = _fallocate()
+    return fn is not None and int(fn(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes)) == 0
+
+
 class ChunkStore:
     """The chunk files of one chunkserver data dir."""
 
     def __init__(self, root: Path, *, chunk_bytes: int, io_threads: int = 4, fsync: bool = False,
-                 capacity_bytes: int | None = None, merge_gap_bytes: int = 64 * 1024) -> None:
+                 capacity_bytes: int | None = None, merge_gap_bytes: int = 64 * 1024,
+                 preallocate: bool = True) -> None:
         self.root = root
         self.dir = root / "chunks"
         self.dir.mkdir(parents=True, exist_ok=True)
         self.chunk_bytes = chunk_bytes
         self.fsync = fsync
+        self.preallocate = preallocate
         self.capacity_bytes = capacity_bytes
         self.merge_gap = merge_gap_bytes
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-io")
@@ -286,11 +310,24 @@ class ChunkStore:
         return cid
 
     def _roll(self) -> int:
+        if self._open is not None:
+            self._release(self._open)
         cid = self._new_chunk_id()
-        self._fd(cid)
+        fd = self._fd(cid)
+        if self.preallocate:
+            # Appends into blocks reserved up front skip the filesystem's block allocation:
+            # 16 MiB appends ran 2.5x faster here (bench/RESULTS.md). KEEP_SIZE leaves the
+            # file's size, so recovery and range checks see only what was written.
+            preallocate(fd, self.chunk_bytes)
         self.sizes[cid] = 0
         self._open = cid
         return cid
+
+    def _release(self, cid: int) -> None:
+        """A chunk stops taking appends: give back the blocks reserved past its end."""
+        fd = self._fds.get(cid)
+        if self.preallocate and fd is not None:
+            os.ftruncate(fd, self.sizes[cid])
 
     async def append(self, records: Sequence[Sequence[object]], payload: memoryview) -> list[tuple[int, int]]:
         """Write all records with one vectored write; return each value's (chunk_id, offset)."""
@@ -342,6 +379,7 @@ class ChunkStore:
             if time.monotonic() - self._last_append < idle_s:
                 return False
             if apply:
+                self._release(chunk_id)
                 self._open = None
             return True
 

@@ -45,6 +45,8 @@ class ChunkServerConfig:
     io_threads: int = opt("threads doing preadv/pwritev", 4)
     merge_gap_bytes: int = opt("read ranges closer than this as one span", 64 * 1024)
     fsync: bool = opt("fsync chunk files after each append", False)
+    preallocate: bool = opt("reserve chunk_bytes of disk blocks when a chunk is opened for appends "
+                            "(fallocate KEEP_SIZE; the rest is released when it is sealed)", True)
 
 
 @dataclass(frozen=True, kw_only=True)
