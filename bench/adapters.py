@@ -52,6 +52,11 @@ class KvfsStore:
     async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         return list(await self.client.get_many(keys))
 
+    async def get_into(self, keys: list[bytes], buffers: Sequence[memoryview]) -> list[int]:
+        """Each value into its caller buffer; sizes, -1 for a miss."""
+        out: list[int] = await self.client.get_into(keys, buffers)
+        return out
+
     async def close(self) -> None:
         if not self._close_client:
             return

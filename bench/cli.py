@@ -128,7 +128,7 @@ async def _child(ns: argparse.Namespace) -> int:
 def _options_of(ns: argparse.Namespace) -> dict[str, str]:
     out = {"numjobs": str(ns.numjobs)}
     if ns.addr is None:
-        out["cluster"] = f"embedded {ns.cluster}, 3 chunkservers"
+        out["cluster"] = f"embedded {ns.cluster}, {ns.chunkservers} chunkservers"
     return out
 
 
@@ -157,7 +157,7 @@ async def cmd_bench(ns: argparse.Namespace) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         try:
             async with open_target(ns, workdir) as target:
-                where = f"embedded {target.embedded} cluster, 3 chunkservers" if target.embedded else target.addr
+                where = f"embedded {target.embedded} cluster, {ns.chunkservers} chunkservers" if target.embedded else target.addr
                 _say(ns, f"kvfs bench: {len(workloads)} job(s) x numjobs={ns.numjobs} against {where}")
                 if ns.compare:
                     return await _compare(ns, target, workloads, workdir)
@@ -268,5 +268,5 @@ async def _compare(
 def _title(ns: argparse.Namespace, target: BenchTarget) -> str:
     """Names the run on every plot: command, cluster, host cores, date."""
     what = "kvfs bench --compare" if ns.compare else "kvfs bench"
-    where = f"embedded {target.embedded} cluster, 3 chunkservers" if target.embedded else target.addr
+    where = f"embedded {target.embedded} cluster, {ns.chunkservers} chunkservers" if target.embedded else target.addr
     return f"{what}: {where}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"

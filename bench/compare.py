@@ -161,7 +161,8 @@ def _grid(head: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -
 
 def short_name(wl: Workload) -> str:
     """``randread 4k b128 qd4``: what a row or a progress line calls a workload."""
-    return f"{wl.rw} {human_bs(wl.bs)} b{wl.batch} qd{wl.iodepth}"
+    into = " into" if wl.api == "get_into" and wl.reads else ""
+    return f"{wl.rw} {human_bs(wl.bs)} b{wl.batch} qd{wl.iodepth}{into}"
 
 
 @dataclass
@@ -298,6 +299,9 @@ async def _run_cell(name: str, factory: StoreFactory, wl: Workload, progress: bo
         store = await factory()
     except PeerUnavailable as e:
         return Cell(name, skipped=e.reason)
+    if wl.api == "get_into" and wl.reads and not hasattr(store, "get_into"):
+        await store.close()
+        return Cell(name, skipped="no get_into API")
     try:
         result = await run_workload(store, wl, progress=progress, label=label, eta_after_s=eta_after_s,
                                     cpu=store_cpu_probe(store) if cpu else None)
@@ -311,6 +315,8 @@ async def _run_cell(name: str, factory: StoreFactory, wl: Workload, progress: bo
 async def _fio_cell(wl: Workload, fio_dir: Path, unavailable: dict[str, str]) -> Cell:
     if FIO_COLUMN in unavailable:
         return Cell(FIO_COLUMN, skipped=unavailable[FIO_COLUMN])
+    if wl.api == "get_into" and wl.reads:
+        return Cell(FIO_COLUMN, skipped="see the get_many row (fio reads into its buffers)")
     fio_dir.mkdir(parents=True, exist_ok=True)
     try:
         res = await asyncio.to_thread(

@@ -12,7 +12,7 @@ from typing import Final
 
 from kvfs.units import parse_duration, parse_size
 
-from .runner import RWS
+from .runner import APIS, RWS
 
 __all__ = ["DEFAULT_RUNTIME_S", "PEERS", "add_options", "size_arg"]
 
@@ -52,6 +52,14 @@ def _peer_list(text: str) -> list[str]:
     return out
 
 
+def _api_list(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    for api in out:
+        if api not in APIS:
+            raise argparse.ArgumentTypeError(f"--api must be one of {'|'.join(APIS)}, got {api!r}")
+    return out
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -83,6 +91,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
       help="seconds run before measuring")
     a("--rwmixread", type=int, default=50, help="randrw: percent of calls that read")
     a("--batch", type=_positive_int, default=None, help="keys per call (default 128 <=4k, 32 <=64k, ...)")
+    a("--api", type=_api_list, default=None,
+      help="reads: get_many (values returned as bytes, default) and/or get_into (into "
+           "preallocated buffers; Mooncake's registered ones), comma list")
     a("--prefix-chain", "--prefix_chain", dest="prefix_chain", type=_positive_int, default=None,
       metavar="N", help="reads: chains of N blocks written by one put_many, read one chain per call")
     a("--output-format", "--output_format", dest="output_format", choices=("normal", "json"),
@@ -103,6 +114,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
     a("--cluster", choices=("inproc", "processes"), default="processes",
       help="embedded cluster: meta+chunkservers as child processes, as deployed (default), "
            "or in this process and event loop")
+    a("--chunkservers", type=_positive_int, default=3,
+      help="chunkservers of the embedded cluster (default 3)")
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
     a("--addr", default=None, help="cluster address (default: start an embedded cluster)")
     a("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")

@@ -32,6 +32,8 @@ from .stats import LatencyRecorder, job_json
 from .store import Store
 
 __all__ = [
+    "API",
+    "APIS",
     "RW",
     "RWS",
     "BenchError",
@@ -45,6 +47,8 @@ __all__ = [
 ]
 
 RW = Literal["read", "randread", "write", "randwrite", "randrw"]
+API = Literal["get_many", "get_into"]
+APIS: Final = ("get_many", "get_into")
 RWS: Final = ("read", "randread", "write", "randwrite", "randrw")
 PROGRESS_INTERVAL_S: Final = 0.5
 
@@ -74,6 +78,7 @@ class Workload:
     prefill: bool | None = None
     prefill_timeout_s: float = 600.0
     grace_s: float = 60.0
+    api: API = "get_many"
 
     def __post_init__(self) -> None:
         if self.rw not in RWS:
@@ -89,6 +94,8 @@ class Workload:
             raise ValueError(f"ramp_time_s must be >= 0, got {self.ramp_time_s}")
         if not 0 <= self.rwmixread <= 100:
             raise ValueError(f"rwmixread must be in 0..100, got {self.rwmixread}")
+        if self.api not in APIS:
+            raise ValueError(f"api must be one of {APIS}, got {self.api!r}")
         if self.verify and self.bs < 8:
             raise ValueError("verify needs bs >= 8 (an 8-byte key tag starts each value)")
 
@@ -126,6 +133,8 @@ class Workload:
             opts["ramp_time"] = f"{self.ramp_time_s:g}"
         if self.rw == "randrw":
             opts["rwmixread"] = str(self.rwmixread)
+        if self.api != "get_many":
+            opts["api"] = self.api
         return opts
 
 
@@ -390,15 +399,34 @@ async def run_workload(
         batch_keys = list(operator.itemgetter(*idx)(keys)) if len(idx) > 1 else [keys[idx[0]]]
         return is_read, batch_keys, idx
 
+    into = wl.api == "get_into" and wl.reads
+    get_into: Any = getattr(store, "get_into", None)
+    if into and get_into is None:
+        raise BenchError(f"{getattr(store, 'name', store)!r} has no get_into")
+    make_buffer = getattr(store, "buffer", None) or (lambda n: memoryview(bytearray(n)))
+
     async def worker() -> None:
         nonlocal issued, missing, mismatched
+        # get_into: each worker reads into its own buffers, allocated (registered) once
+        region = make_buffer(wl.batch * bs) if into else None
+        bufs = [region[i * bs : (i + 1) * bs] for i in range(wl.batch)] if region is not None else []
         for _ in range(count_limit):  # bounded by count; the clock check bounds time
             if clock() >= t_end or issued >= count_limit:
                 return
             n = min(wl.batch, count_limit - issued)
             issued += n
             is_read, batch_keys, idx = pick(n)
-            if is_read:
+            if is_read and into:
+                t0 = clock()
+                sizes = await get_into(batch_keys, bufs[:n])
+                t1 = clock()
+                if t0 >= measure_start:
+                    read_rec.record(t1 - t0, n, n * bs, t1 - measure_start)
+                missing += sum(1 for s in sizes if s < 0)
+                if wl.verify:
+                    mismatched += _check([bytes(b) if s >= 0 else None
+                                          for b, s in zip(bufs, sizes, strict=False)], idx, bs)
+            elif is_read:
                 t0 = clock()
                 values = await store.get_many(batch_keys)
                 t1 = clock()

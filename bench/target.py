@@ -52,7 +52,7 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
     if ns.cluster == "processes":
         from kvfs.launcher import ProcessCluster
 
-        pc = ProcessCluster(workdir / "cluster", 3, listen="127.0.0.1:0")
+        pc = ProcessCluster(workdir / "cluster", ns.chunkservers, listen="127.0.0.1:0")
         await pc.start()
         try:
             yield BenchTarget(pc.addr, pc.token, pc, "processes")
@@ -61,7 +61,7 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
         return
     from kvfs.launcher import LocalCluster
 
-    lc = LocalCluster(workdir / "cluster", 3)
+    lc = LocalCluster(workdir / "cluster", ns.chunkservers)
     await lc.start()
     try:
         yield BenchTarget(lc.addr, lc.token, lc, "inproc")

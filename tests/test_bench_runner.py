@@ -251,3 +251,39 @@ async def test_compare_records_a_failed_run() -> None:
     comp = await compare({"good": good, "bad": bad}, [wl])
     assert comp.cell("w", "bad").skipped == "failed: BenchError: nope"
     assert comp.cell("w", "good").result is not None
+
+
+class IntoStore(MemStore):
+    """MemStore with get_into; ``broken`` leaves the buffers untouched."""
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__("into")
+        self.broken = broken
+
+    async def get_into(self, keys: list[bytes], buffers: list[memoryview]) -> list[int]:
+        out = []
+        for k, b in zip(keys, buffers, strict=True):
+            v = self.data.get(k)
+            if v is not None and not self.broken:
+                b[: len(v)] = v
+            out.append(-1 if v is None else len(v))
+        return out
+
+
+async def test_get_into_reads_into_buffers_and_is_verified() -> None:
+    wl = Workload(name="into", rw="randread", bs=64, batch=8, nkeys=64, time_based=False,
+                  verify=True, api="get_into")
+    res = await run_workload(IntoStore(), wl, progress=False)
+    assert (res.read.total_ios, res.missing, res.mismatched) == (64, 0, 0)
+    assert res.to_json()["job options"]["api"] == "get_into"
+    bad = await run_workload(IntoStore(broken=True), wl, progress=False)
+    assert bad.mismatched >= 63  # buffers never written (key 0's 8-byte tag is zeros, as they are)
+
+
+async def test_get_into_against_a_store_without_it_is_skipped() -> None:
+    async def mem() -> Store:
+        return MemStore()
+
+    wl = Workload(name="into", rw="read", bs=8, nkeys=8, time_based=False, api="get_into")
+    comp = await compare({"mem": mem}, [wl])
+    assert comp.cell("into", "mem").skipped == "no get_into API"
