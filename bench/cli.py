@@ -205,6 +205,8 @@ async def _plain(ns: argparse.Namespace, target: BenchTarget, workloads: list[Wo
         else:
             jobs.extend(await _run_numjobs(target, wl, ns, i - 1))
     report = report_json(jobs, global_options=_options_of(ns))
+    if ns.json_out is not None:
+        ns.json_out.write_text(json.dumps(report, indent=2) + "\n")
     _emit(ns, report, sys.stdout)
     if ns.plot is not None:
         plot(report["jobs"], ns.plot, _title(ns, target))
@@ -247,11 +249,13 @@ async def _compare(
     if ns.internal:
         internal = await run_internal(target, runtime_s=ns.runtime, progress=ns.progress,
                                       say=lambda m: _say(ns, m))
+    jobs = [comp.cell(wl, "kvfs").result.to_json() for wl in workloads  # type: ignore[union-attr]
+            if comp.cell(wl, "kvfs").result is not None]
+    report = report_json(jobs, global_options=_options_of(ns))
+    report["kvfs compare"] = {"peers": comp.to_json(), **(internal.to_json() if internal else {})}
+    if ns.json_out is not None:
+        ns.json_out.write_text(json.dumps(report, indent=2) + "\n")
     if ns.output_format == "json":
-        jobs = [comp.cell(wl, "kvfs").result.to_json() for wl in workloads  # type: ignore[union-attr]
-                if comp.cell(wl, "kvfs").result is not None]
-        report = report_json(jobs, global_options=_options_of(ns))
-        report["kvfs compare"] = {"peers": comp.to_json(), **(internal.to_json() if internal else {})}
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
         sys.stdout.write(render_compare(comp, internal))

@@ -77,6 +77,7 @@ class Cell:
     result: JobResult | None = None
     fio: dict[str, Any] | None = None
     skipped: str | None = None
+    unavailable: bool = False  # skipped because the store cannot run here (not this workload)
 
     @property
     def ios_per_s(self) -> float | None:
@@ -274,7 +275,7 @@ async def compare(
             label = f"[{n}/{total}] {name} {wl.rw} {human_bs(wl.bs)}"
             comp.cells[(wl.name, name)] = cell = await _run_cell(
                 name, factory, wl, progress, label, per_cell * (total - n), cpu)
-            if cell.skipped is not None and not cell.skipped.startswith("failed"):
+            if cell.skipped is not None and cell.unavailable:  # the peer cannot run here at all
                 unavailable[name] = cell.skipped
             if text_out is not None and cell.result is not None:
                 text_out.write(f"[{name}] " + format_job_text(cell.result.to_json()) + "\n")
@@ -298,7 +299,7 @@ async def _run_cell(name: str, factory: StoreFactory, wl: Workload, progress: bo
     try:
         store = await factory()
     except PeerUnavailable as e:
-        return Cell(name, skipped=e.reason)
+        return Cell(name, skipped=e.reason, unavailable=True)
     if wl.api == "get_into" and wl.reads and not hasattr(store, "get_into"):
         await store.close()
         return Cell(name, skipped="no get_into API")

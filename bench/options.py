@@ -98,6 +98,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
       metavar="N", help="reads: chains of N blocks written by one put_many, read one chain per call")
     a("--output-format", "--output_format", dest="output_format", choices=("normal", "json"),
       default="normal")
+    a("--json-out", "--json_out", dest="json_out", type=Path, default=None, metavar="FILE",
+      help="also write the JSON report to FILE (the text still goes to stdout)")
     a("--compare", action="store_true",
       help="run the same jobs against redis, a file-per-key store, the loopback limit and fio")
     a("--peers", type=_peer_list, default=list(PEERS), metavar="LIST",
