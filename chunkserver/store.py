@@ -17,9 +17,12 @@ import functools
 import json
 import logging
 import os
+import secrets
 import shutil
+import socket
 import struct
 import time
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -28,6 +31,7 @@ from typing import Any
 
 import crc32c
 
+from kvfs.datadir import FILE_MODE, private_dir
 from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout
 from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
 
@@ -91,6 +95,37 @@ class Span:
     start: int
     end: int
     members: tuple[int, ...]  # indices into the request's ranges
+
+
+def check_ranges(raw: Any, max_ranges: int, max_bytes: int) -> list[tuple[int, int, int]]:
+    """A READV's ``[[chunk_id, offset, length], ...]`` as int triples, refused with
+    :class:`InvalidArgument` when it names more than ``max_ranges`` ranges, ranges that
+    overlap, or more than ``max_bytes`` in total (so one small request can never ask for
+    a reply many times its size)."""
+    if not isinstance(raw, (list, tuple)):
+        raise InvalidArgument(f"READV ranges must be a list, got {type(raw).__name__}")
+    if len(raw) > max_ranges:
+        raise InvalidArgument(f"READV names {len(raw)} ranges; the limit is {max_ranges} (max_ranges)")
+    ranges: list[tuple[int, int, int]] = []
+    total = 0
+    for r in raw:
+        c, off, ln = r
+        if not (type(c) is int and type(off) is int and type(ln) is int):
+            raise InvalidArgument(f"READV range must be three integers, got {r!r:.80}")
+        if c < 0 or off < 0 or ln < 0:
+            raise InvalidArgument(f"READV range has a negative field: {r!r:.80}")
+        total += ln
+        ranges.append((c, off, ln))
+    if total > max_bytes:
+        raise InvalidArgument(f"READV asks for {total} bytes; the limit is {max_bytes} "
+                              "(max_read_rpc_bytes): split it")
+    prev_c, prev_end = -1, 0
+    for c, off, ln in sorted(ranges):
+        if ln and c == prev_c and off < prev_end:
+            raise InvalidArgument(f"READV ranges overlap in chunk {c:016x} at offset {off}")
+        if ln:
+            prev_c, prev_end = c, off + ln
+    return ranges
 
 
 def plan_spans(ranges: Sequence[tuple[int, int, int]], merge_gap: int) -> list[Span]:
@@ -197,10 +232,10 @@ class ChunkStore:
 
     def __init__(self, root: Path, *, chunk_bytes: int, io_threads: int = 4, fsync: bool = False,
                  capacity_bytes: int | None = None, merge_gap_bytes: int = 64 * 1024,
-                 preallocate: bool = True) -> None:
+                 max_open_files: int = 4096, preallocate: bool = True) -> None:
         self.root = root
-        self.dir = root / "chunks"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = private_dir(root / "chunks")
+        self.max_open_files = max(max_open_files, 2)
         self.chunk_bytes = chunk_bytes
         self.fsync = fsync
         self.preallocate = preallocate
@@ -208,10 +243,11 @@ class ChunkStore:
         self.merge_gap = merge_gap_bytes
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-io")
         self.sizes: dict[int, int] = {}
-        self._fds: dict[int, int] = {}
+        self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
         self._open: int | None = None
         self._lock = asyncio.Lock()
         self.server_id: int | None = None
+        self.key = ""  # proves to meta that a re-registration comes from this data dir
         self.next_seq = 1
         self.spans_read = 0
         self.inline_spans = 0
@@ -231,10 +267,16 @@ class ChunkStore:
             return
         self.server_id = st.get("server_id")
         self.next_seq = int(st.get("next_seq", 1))
+        self.key = str(st.get("key", ""))
 
     def save_state(self) -> None:
+        if not self.key:
+            self.key = secrets.token_hex(16)
         tmp = self.root / "state.json.tmp"
-        tmp.write_text(json.dumps({"server_id": self.server_id, "next_seq": self.next_seq}))
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"server_id": self.server_id, "next_seq": self.next_seq,
+                                "key": self.key}))
         os.replace(tmp, self.root / "state.json")
 
     def chunk_path(self, chunk_id: int) -> Path:
@@ -274,13 +316,39 @@ class ChunkStore:
         self.pool.shutdown(wait=True)
 
     def _fd(self, chunk_id: int) -> int:
-        fd = self._fds.get(chunk_id)
-        if fd is None:
-            fd = os.open(self.chunk_path(chunk_id), os.O_RDWR | os.O_CREAT, 0o644)
-            self._fds[chunk_id] = fd
+        """The chunk's open file, from an LRU of ``max_open_files``; a file pushed out
+        while a read or an append runs is closed once none does (it may be theirs)."""
+        fds = self._fds
+        fd = fds.get(chunk_id)
+        if fd is not None:
+            fds.move_to_end(chunk_id)
+            return fd
+        fd = os.open(self.chunk_path(chunk_id), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, FILE_MODE)
+        fds[chunk_id] = fd
+        while len(fds) > self.max_open_files:  # least recently used first; appends keep theirs
+            victim = next((c for c in fds if c != self._open and c != chunk_id), None)
+            if victim is None:
+                break
+            self._close_later.append(fds.pop(victim))
+        self._close_idle()
         return fd
 
+    def _close_idle(self) -> None:
+        if self._close_later and not self._reads_in_flight and not self._lock.locked():
+            for fd in self._close_later:
+                os.close(fd)
+            self._close_later.clear()
+
     # capacity --------------------------------------------------------------
+    @property
+    def disk_id(self) -> str | None:
+        """The filesystem the chunk files live on (``host:st_dev``), so meta can count a disk
+        several chunkservers share once; None with a configured capacity (that one is this
+        server's own, not shared)."""
+        if self.capacity_bytes:
+            return None
+        return f"{socket.gethostname()}:{os.stat(self.dir).st_dev}"
+
     def usage(self) -> tuple[int, int, int]:
         """(capacity, free, used) in bytes."""
         used = sum(self.sizes.values())
@@ -325,9 +393,8 @@ class ChunkStore:
 
     def _release(self, cid: int) -> None:
         """A chunk stops taking appends: give back the blocks reserved past its end."""
-        fd = self._fds.get(cid)
-        if self.preallocate and fd is not None:
-            os.ftruncate(fd, self.sizes[cid])
+        if self.preallocate:  # by path: the fd may have left the LRU of open files
+            os.truncate(self.chunk_path(cid), self.sizes[cid])
 
     async def append(self, records: Sequence[Sequence[object]], payload: memoryview) -> list[tuple[int, int]]:
         """Write all records with one vectored write; return each value's (chunk_id, offset)."""
@@ -368,6 +435,7 @@ class ChunkStore:
             self.sizes[cid] = base + total
             self._last_append = time.monotonic()
             self.wanted_bytes = 0
+        self._close_idle()
         return [(cid, base + r) for r in rel]
 
     async def seal(self, chunk_id: int, idle_s: float, *, apply: bool = True) -> bool:
@@ -402,10 +470,10 @@ class ChunkStore:
         if not ok:
             return out, errors
         spans = plan_spans(ok, self.merge_gap)
-        fds = {sp.chunk_id: self._fd(sp.chunk_id) for sp in spans}
-        needs = [min(sp.end, self.sizes[sp.chunk_id]) - sp.start for sp in spans]
-        self._reads_in_flight += 1
+        self._reads_in_flight += 1  # before taking fds: none of them is closed under us
         try:
+            fds = {sp.chunk_id: self._fd(sp.chunk_id) for sp in spans}
+            needs = [min(sp.end, self.sizes[sp.chunk_id]) - sp.start for sp in spans]
             # page-cache hits are read right here (no thread hop); the rest in the pool
             bufs: list[bytearray | None] = [None] * len(spans)
             if _NOWAIT and sum(needs) <= INLINE_READ_BYTES:
@@ -432,10 +500,7 @@ class ChunkStore:
     # garbage collection ----------------------------------------------------
     def _reads_done(self) -> None:
         self._reads_in_flight -= 1
-        if not self._reads_in_flight and self._close_later:
-            for fd in self._close_later:
-                os.close(fd)
-            self._close_later.clear()
+        self._close_idle()
 
     def mtimes(self) -> dict[int, float]:
         out = {}
@@ -491,7 +556,7 @@ class ChunkStore:
         tmp = path.with_suffix(".tmp")
 
         def write() -> None:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
             try:
                 _pwritev_all(fd, bufs, 0)
                 os.fsync(fd)
@@ -512,10 +577,8 @@ class ChunkStore:
             size = self.sizes.pop(cid, None)
             fd = self._fds.pop(cid, None)
             if fd is not None:
-                if self._reads_in_flight:
-                    self._close_later.append(fd)
-                else:
-                    os.close(fd)
+                self._close_later.append(fd)
+                self._close_idle()
             try:
                 st = self.chunk_path(cid).stat()
                 os.unlink(self.chunk_path(cid))

@@ -21,6 +21,7 @@ from typing import Any
 from kvfs.address import lookup_token, parse_addr
 from kvfs.config import GcConfig
 from kvfs.errors import KVFSError, Unavailable
+from kvfs.handshake import Role
 from kvfs.rpc import Op
 from kvfs.transport import Connection
 
@@ -108,7 +109,7 @@ class GarbageCollector:
                  progress: Progress | None = None, request_timeout_s: float = 300.0) -> None:
         self.addr = addr
         self._host, self._port = parse_addr(addr)
-        self.token = lookup_token(token, addr=addr)
+        self.token = lookup_token(token, addr=addr, role=Role.ADMIN)
         self.progress = progress
         self.request_timeout_s = request_timeout_s
         self._meta: Connection | None = None

@@ -25,6 +25,7 @@ from kvfs.address import format_addr, lookup_token, parse_addr
 from kvfs.buffers import as_view
 from kvfs.config import ClientConfig
 from kvfs.errors import (
+    AuthError,
     ChecksumMismatch,
     InvalidArgument,
     KVFSError,
@@ -33,9 +34,11 @@ from kvfs.errors import (
     Unavailable,
     from_wire,
 )
+from kvfs.handshake import Role
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
 from kvfs.protocol import Buffer, FrameHead, Scatter
 from kvfs.rpc import Op
+from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.transport import Connection, Sink
 
 log = logging.getLogger("kvfs.client")
@@ -88,10 +91,14 @@ class AsyncClient:
     """``async with kvfs.connect(addr) as kv: ...``"""
 
     def __init__(self, addr: str | None = None, *, token: str | None = None,
-                 config: ClientConfig | None = None) -> None:
+                 config: ClientConfig | None = None, admin_token: str | None = None) -> None:
+        """``token``: the client token (default ``$KVFS_TOKEN`` or the file `kvfs up`
+        wrote); ``admin_token``: only for the GC pass a write runs when it finds the
+        cluster full (``evict_on_full``; default ``$KVFS_ADMIN_TOKEN`` or its file)."""
         self._host, self._port = parse_addr(addr)
         self.addr = format_addr(self._host, self._port)
         self.token = lookup_token(token, addr=self.addr)
+        self.admin_token = admin_token
         self.config = config or ClientConfig()
         self._meta: Connection | None = None
         self._meta_lock = asyncio.Lock()
@@ -315,15 +322,28 @@ class AsyncClient:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        wires: list[list[Any]] | None = None
+        await self._commit(keys, await self._append(keys, views, r, ttl), ttl)
+
+    async def _append(self, keys: list[bytes], views: list[memoryview], r: int,
+                      ttl: float | None, *, first: int | None = None) -> list[Layout]:
+        """Write the values' bytes (not yet visible): placement, retries on a dead server, one
+        GC pass when the cluster is full.  Returns their layouts, to commit.  ``first``: start
+        at the live server of that index (mod their count, in id order) instead of a random
+        draw, so the units of a stream go round-robin over the servers as stripes do."""
         collected = False
         for attempt in range(3):
             live = [s for s in await self.servers(refresh=attempt > 0) if s.alive]
             if len(live) < r:
                 raise Unavailable(f"{r} replicas need {r} live chunkservers; {len(live)} are live")
             try:
-                wires = await self._write(keys, views, self._order(live), r, ttl)
-                break
+                if first is None:
+                    order = self._order(live)
+                else:
+                    live.sort(key=lambda e: e.server_id)
+                    k = first % len(live)
+                    order = live[k:] + live[:k]
+                wires = await self._write(keys, views, order, r, ttl)
+                return [Layout.from_wire(w) for w in wires]
             except Unavailable:
                 if attempt == 2:
                     raise
@@ -332,20 +352,42 @@ class AsyncClient:
                     raise
                 await self._make_room()
                 collected = True
-        assert wires is not None
-        h = await self._meta_call(Op.COMMIT, {"items": list(zip(keys, wires, strict=True)),
-                                              "ttl_s": ttl})
+        raise AssertionError("unreachable")
+
+    async def _commit(self, keys: list[bytes], layouts: list[Layout], ttl: float | None) -> None:
+        """Make written values visible: one COMMIT to meta (the linearisation point)."""
+        h = await self._meta_call(Op.COMMIT, {
+            "items": [[k, lay.to_wire()] for k, lay in zip(keys, layouts, strict=True)],
+            "ttl_s": ttl})
         stamp = (float(h["created"]), h["expires_at"])
-        for k, w in zip(keys, wires, strict=True):
-            self._cache(k, Layout.from_wire(w, stamp=stamp))
+        for k, lay in zip(keys, layouts, strict=True):
+            self._cache(k, lay._replace(created=stamp[0], expires_at=stamp[1]))
+
+    # streaming (kvfs/stream.py) ----------------------------------------------------
+    async def put_stream(self, key: Key, chunks: Chunks, *, size: int | None = None,
+                         ttl: float | None = None, replicas: int | None = None) -> int:
+        """Store the concatenation of ``chunks`` (an async or plain iterable of bytes-like
+        objects) under ``key``, holding only a few stripe units in memory; committed at the
+        end, so readers see all of it or nothing.  Returns the size."""
+        return await put_stream(self, key, chunks, size=size, ttl=ttl, replicas=replicas)
+
+    async def open_read(self, key: Key) -> ValueReader | None:
+        """A reader of ``key``'s value by ranges (``await r.read(start, end)``, ``async for
+        part in r.chunks()``), or None on a miss."""
+        return await open_read(self, key)
 
     async def _make_room(self) -> None:
         """A write found the cluster full: run one GC pass (expire, evict LRU down to the
         low watermark and to fit the refused write, compact, delete) and let the caller retry."""
         from kvfs.gc.driver import GarbageCollector, PassOptions
 
+        try:
+            admin = lookup_token(self.admin_token, addr=self.addr, role=Role.ADMIN)
+        except AuthError:
+            raise NoSpace("the cluster is full, and this client has no admin token to run a GC "
+                          "pass (KVFS_ADMIN_TOKEN); the GC daemon makes room") from None
         log.info("cluster full: running a GC pass before retrying the write")
-        async with GarbageCollector(self.addr, token=self.token) as gc:
+        async with GarbageCollector(self.addr, token=admin) as gc:
             await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
         await self.servers(refresh=True)
 
@@ -603,16 +645,23 @@ class AsyncClient:
         reads, the transfer and the client's checks overlap."""
         stale: list[int] = []
         retry: list[_Job] = []
-        limit = self.config.max_read_rpc_bytes
+        limit, max_ranges = self.config.max_read_rpc_bytes, self.config.max_read_ranges
         batches: list[list[_Job]] = []
-        i = 0
-        while i < len(jobs):
-            j, total = i, 0
-            while j < len(jobs) and (j == i or total + jobs[j].extent.length <= limit):
-                total += jobs[j].extent.length
-                j += 1
-            batches.append(jobs[i:j])
-            i = j
+        batch: list[_Job] = []
+        seen: set[tuple[int, int]] = set()  # a server refuses overlapping ranges: the same
+        total = 0  # extent asked twice (the same key twice in one call) goes in another READV
+        for job in jobs:
+            where = (job.rep.chunk_id, job.rep.offset)  # type: ignore[union-attr]
+            if batch and (total + job.extent.length > limit or len(batch) >= max_ranges
+                          or where in seen):
+                batches.append(batch)
+                batch, total = [], 0
+                seen.clear()
+            batch.append(job)
+            seen.add(where)
+            total += job.extent.length
+        if batch:
+            batches.append(batch)
         if len(batches) == 1:
             await self._readv_batch(sid, batches[0], keys, out, stale, retry)
             return stale, retry

@@ -23,29 +23,59 @@ def opt(help: str, default: Any = dataclasses.MISSING, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
+MiB = 1024 * 1024
+
+
 @dataclass(frozen=True, kw_only=True)
-class MetaConfig:
-    data: Path = opt("data directory (SQLite store, token)")
+class ServerConfig:
+    """What every RPC server (meta, chunkserver) limits, per connection unless stated."""
+
+    max_connections: int = opt("connections per server; past it, new ones are closed at accept",
+                               1024)
+    handshake_timeout_s: float = opt("close a connection that has not authenticated by then", 5.0)
+    idle_timeout_s: float = opt("close an authenticated connection idle this long", 300.0)
+    max_handshake_bytes: int = opt("largest frame accepted before a peer authenticated", 4096)
+    max_header_bytes: int = opt("largest msgpack header of a request", 16 * MiB)
+    max_payload_bytes: int = opt("largest raw payload of a request (an append)", 256 * MiB)
+    max_inflight_requests: int = opt("requests being served per connection; past it, reading "
+                                     "pauses until replies drain", 64)
+    max_inflight_bytes: int = opt("request and reply bytes held per connection; past it, reading "
+                                  "pauses until replies drain", 64 * MiB)
+    bind_auth_to_addresses: bool = opt("refuse a handshake made for other addresses than this "
+                                       "connection's (a relay); turn off behind NAT or a proxy",
+                                       True)
+    bad_request_log_interval_s: float = opt("log bad requests from one peer host at most this "
+                                            "often", 60.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetaConfig(ServerConfig):
+    data: Path = opt("data directory (SQLite store; token files unless $KVFS_TOKEN, "
+                     "$KVFS_ADMIN_TOKEN, $KVFS_SERVER_TOKEN are set)")
     listen: str = opt("HOST:PORT to listen on (port 0 picks a free one)", "127.0.0.1:7070")
-    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else DATA/token)", None)
     heartbeat_timeout_s: float = opt("a chunkserver silent this long is dead", 10.0)
     default_ttl_s: float | None = opt("TTL for puts that give none (default: no expiry)", None)
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ChunkServerConfig:
-    data: Path = opt("data directory (chunk files)")
+class ChunkServerConfig(ServerConfig):
+    data: Path = opt("data directory (chunk files; token files unless $KVFS_TOKEN, "
+                     "$KVFS_ADMIN_TOKEN, $KVFS_SERVER_TOKEN are set)")
     meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
     listen: str = opt("HOST:PORT to listen on (port 0 picks a free one)", "127.0.0.1:0")
     advertise: str | None = opt("HOST:PORT clients should use (default: the listen address)", None)
-    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
     chunk_bytes: int = opt("seal a chunk file at this size", 64 * 1024 * 1024)
-    capacity_bytes: int | None = opt("capacity to report (default: the disk's size)", None)
+    capacity_bytes: int | None = opt("capacity to report (default: the disk's size, which meta "
+                                     "splits between the chunkservers on that disk)", None)
     heartbeat_interval_s: float = opt("how often to report to meta", 1.0)
     io_threads: int = opt("threads doing preadv/pwritev", 4)
     merge_gap_bytes: int = opt("read ranges closer than this as one span", 64 * 1024)
     fsync: bool = opt("fsync chunk files after each append", False)
+    max_ranges: int = opt("most ranges one READV may name", 16384)
+    max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
+                               "file limit, which is raised to its hard limit at start)", 4096)
+    max_read_rpc_bytes: int = opt("most bytes one READV may ask for, in total", 64 * MiB)
     preallocate: bool = opt("reserve chunk_bytes of disk blocks when a chunk is opened for appends "
                             "(fallocate KEEP_SIZE; the rest is released when it is sealed)", True)
 
@@ -60,14 +90,20 @@ class ClientConfig:
     put_group_bytes: int = opt("small values of one put_many stay together on one server in "
                                "runs up to this size; further runs go to the next servers",
                                16 * 1024 * 1024)
-    max_rpc_bytes: int = opt("split appends larger than this", 256 * 1024 * 1024)
-    max_read_rpc_bytes: int = opt("split reads from one server larger than this", 16 * 1024 * 1024)
+    max_rpc_bytes: int = opt("split appends larger than this (at most the servers' "
+                             "--max-payload)", 256 * MiB)
+    max_read_rpc_bytes: int = opt("split reads from one server larger than this (at most the "
+                                  "server's --max-read-rpc)", 16 * MiB)
+    max_read_ranges: int = opt("split reads from one server naming more ranges than this (at "
+                               "most the server's --max-ranges)", 4096)
     servers_refresh_s: float = opt("re-read the chunkserver list this often", 2.0)
     evict_on_full: bool = opt("when a write finds the cluster full, run a GC pass and retry", True)
     batch: bool = opt("coalesce concurrent single-key get()/exists() calls into batches", True)
     batch_window_s: float = opt("wait this long for more keys (0: those issued this loop tick)", 0.0)
     batch_max_keys: int = opt("flush a batch at this many keys, without waiting", 128)
     batch_max_bytes: int = opt("flush a batch when its known value sizes reach this", 64 * 1024 * 1024)
+    stream_window_units: int = opt("stripe units a streaming put or read keeps in flight (its "
+                                   "memory: this many stripe_bytes)", 4)
 
 
 T = TypeVar("T")
@@ -149,7 +185,6 @@ def from_options(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
 @dataclass(frozen=True, kw_only=True)
 class GcConfig:
     meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
-    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
     interval_s: float = opt("time between background GC passes", 10.0)
     expire_batch: int = opt("expired keys removed per meta transaction", 10_000)
     compact_threshold: float = opt("compact a sealed chunk whose garbage ratio passes this", 0.3)
@@ -168,8 +203,8 @@ class UpConfig:
     listen: str = opt("HOST:PORT for meta (port 0 picks a free one)", "127.0.0.1:7070")
     default_ttl_s: float | None = opt("TTL for puts that give none, e.g. 1h (default: no expiry)",
                                       None)
-    capacity_bytes: int | None = opt("capacity per chunkserver, e.g. 10GiB (default: the disk's "
-                                     "size)", None)
+    capacity_bytes: int | None = opt("capacity per chunkserver, e.g. 10GiB (default: an even "
+                                     "share of the disk they are on)", None)
     gc: bool = opt("run the GC daemon", True)
     gc_interval_s: float | None = opt("time between GC passes, e.g. 10s (default: the daemon's)",
                                       None)

@@ -11,11 +11,36 @@ from typing import Any, TypeVar
 import pytest
 
 from kvfs._loop import new_event_loop
+from kvfs.address import parse_addr
 from kvfs.client import AsyncClient
 from kvfs.config import MetaConfig
 from kvfs.launcher import LocalCluster, ProcessCluster
+from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
+from kvfs.rpc import Op
 
 T = TypeVar("T")
+
+
+async def raw_connect(addr: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Frame]:
+    """A plain socket to a kvfs server, its HELLO read (for tests that send raw bytes)."""
+    host, port = parse_addr(addr)
+    reader, writer = await asyncio.open_connection(host, port)
+    hello = await read_frame(reader)
+    assert hello.op == Op.HELLO
+    return reader, writer, hello
+
+
+async def read_frame(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> Frame:
+    dec = FrameDecoder()
+    async with asyncio.timeout(timeout_s):
+        while True:
+            ev = dec.next_event()
+            if ev is not NEED_DATA:
+                assert isinstance(ev, Frame)
+                return ev
+            data = await reader.read(65536)
+            assert data, "connection closed before a frame arrived"
+            dec.receive_data(data)
 
 
 class FakeClock:

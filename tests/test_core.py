@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import numpy as np
 import pytest
@@ -146,8 +147,14 @@ async def test_not_bytes_value(kv: AsyncClient) -> None:
         await kv.put(b"k", "a str")
 
 
-async def test_torch_tensors_in_and_out(kv: AsyncClient) -> None:
-    torch = pytest.importorskip("torch")
+@pytest.fixture
+def torch() -> Any:
+    """Imported before the cluster starts: on a loaded machine the import can block the
+    loop past the heartbeat timeout and every chunkserver would look dead."""
+    return pytest.importorskip("torch")
+
+
+async def test_torch_tensors_in_and_out(torch: Any, kv: AsyncClient) -> None:
     src = torch.randn(4, 256, dtype=torch.bfloat16)
     await kv.put(b"tensor", src)
     dst = torch.empty_like(src)
@@ -169,11 +176,19 @@ async def test_get_ranges_reads_only_covering_extents(cluster: LocalCluster, kv:
     assert span == [big[(1 << 20) - 5 : (1 << 20) + 5]]
 
 
-async def test_one_gib_value(kv: AsyncClient) -> None:
-    """The largest value the API promises, written and read back byte-identical."""
+@pytest.fixture
+def gib_value() -> Any:
+    """Made before the cluster starts (on a loaded machine, building 1 GiB can block the
+    loop past the heartbeat timeout and every chunkserver would look dead)."""
     block = np.frombuffer(os.urandom(1 << 20), dtype=np.uint8)
     value = np.tile(block, 1024)
     value[:: 1 << 20] = np.arange(1024) % 251  # every stripe unit differs
+    return value
+
+
+async def test_one_gib_value(gib_value: Any, kv: AsyncClient) -> None:
+    """The largest value the API promises, written and read back byte-identical."""
+    value = gib_value
     await kv.put(b"gib", value)
     layout = await kv.layout(b"gib")
     assert layout is not None and layout.size == 1 << 30 and len(layout.extents) == 1024

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import raw_connect as _raw
+from conftest import read_frame as _read_frame
 
 from kvfs.address import parse_addr
 from kvfs.chunkserver.store import RECORD
@@ -29,35 +31,11 @@ from kvfs.layout import Replica
 from kvfs.protocol import (
     FIXED,
     MAGIC,
-    NEED_DATA,
     PROTOCOL_VERSION,
-    Frame,
-    FrameDecoder,
     frame_bytes,
 )
 from kvfs.rpc import Op
 from kvfs.transport import Connection
-
-
-async def _raw(addr: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Frame]:
-    host, port = parse_addr(addr)
-    reader, writer = await asyncio.open_connection(host, port)
-    hello = await _read_frame(reader)
-    assert hello.op == Op.HELLO
-    return reader, writer, hello
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> Frame:
-    dec = FrameDecoder()
-    async with asyncio.timeout(10):
-        while True:
-            ev = dec.next_event()
-            if ev is not NEED_DATA:
-                assert isinstance(ev, Frame)
-                return ev
-            data = await reader.read(65536)
-            assert data, "connection closed before a frame arrived"
-            dec.receive_data(data)
 
 
 async def _assert_serving(cluster: LocalCluster) -> None:
