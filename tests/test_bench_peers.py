@@ -114,7 +114,10 @@ async def test_redis_roundtrip(transport: str) -> None:
 @needs_mooncake
 @pytest.mark.subprocess
 async def test_mooncake_roundtrip_over_tcp() -> None:
-    store = await MooncakeStore.open(segment_bytes=64 << 20)
+    try:
+        store = await MooncakeStore.open(segment_bytes=64 << 20)
+    except PeerUnavailable as e:  # e.g. its fixed ports kept colliding on a busy machine
+        pytest.skip(f"mooncake could not start here: {e.reason[:300]}")
     try:
         assert isinstance(store, Store)
         assert set(store.pids()) == {"mooncake_master", "mooncake_client"}
