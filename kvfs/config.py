@@ -220,3 +220,59 @@ class UpConfig:
         for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_stable_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """The kvfs plug-ins for inference engines (``kvfs.integrations``), read from the
+    engine's own configuration (SGLang ``extra_config``, LMCache ``extra_config`` with a
+    ``kvfs_`` prefix, vLLM's tier config)."""
+
+    addr: str | None = opt("kvfs://HOST:PORT of meta (default: $KVFS_ADDR)", None)
+    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
+    namespace: str | None = opt("key prefix keeping models and ranks apart (default: from the "
+                                "engine's model name and rank)", None)
+    timeout_s: float = opt("an engine call waits at most this long on kvfs, then reports a "
+                           "miss or failure", 5.0)
+    connect_timeout_s: float = opt("give up connecting after this long", 2.0)
+    lease_s: float = opt("blocks found by a lookup are kept from eviction this long", 30.0)
+    ttl_s: float | None = opt("TTL of stored blocks (default: the cluster's)", None)
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "connect_timeout_s", "lease_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive or unset, got {self.ttl_s}")
+
+
+def from_mapping(cls: type[T], mapping: Any, *, prefix: str = "",
+                 ignore: tuple[str, ...] = ()) -> T:
+    """``cls`` from a plain dict (an engine's config): keys are the field names after
+    ``prefix``; ``*_s`` accept ``500ms``/``5min`` and ``*_bytes`` accept ``64MiB``.  Keys
+    with the prefix that name no field are refused, by name."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for key, raw in (mapping or {}).items():
+        if not isinstance(key, str) or not key.startswith(prefix) or key in ignore:
+            continue
+        name = key[len(prefix):]
+        if name not in fields:
+            raise ValueError(f"unknown setting {key!r}; known: "
+                             + ", ".join(prefix + n for n in fields))
+        if raw is None:
+            values[name] = None
+        elif name.endswith("_s"):
+            values[name] = parse_duration(raw) if isinstance(raw, str) else float(raw)
+        elif name.endswith("_bytes"):
+            values[name] = parse_size(raw) if isinstance(raw, str) else int(raw)
+        elif hints[name] in (int, int | None):
+            values[name] = int(raw)
+        elif hints[name] in (float, float | None):
+            values[name] = float(raw)
+        elif hints[name] is bool:
+            values[name] = raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
+        else:
+            values[name] = str(raw)
+    return cls(**values)
