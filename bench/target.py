@@ -30,6 +30,14 @@ class BenchTarget:
 
         return AsyncClient(self.addr, token=self.token, config=ClientConfig(**config))
 
+    def server_pids(self) -> dict[str, int]:
+        """meta and each chunkserver by pid, for ``--cpu``; {} unless they are our child processes."""
+        if self.embedded != "processes":
+            return {}
+        out = {"meta": self.cluster.meta.pid}
+        out.update((f"cs{i}", cs.pid) for i, cs in enumerate(self.cluster.chunkservers))
+        return out
+
     def server_reads(self) -> list[tuple[int, int]] | None:
         """(spans_read, readv_calls) per chunkserver, for an in-process cluster."""
         css = getattr(self.cluster, "chunkservers", None)
@@ -47,7 +55,7 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
     if ns.cluster == "processes":
         from kvfs.launcher import ProcessCluster
 
-        pc = ProcessCluster(workdir / "cluster", 3, listen="127.0.0.1:0")
+        pc = ProcessCluster(workdir / "cluster", ns.chunkservers, listen="127.0.0.1:0")
         await pc.start()
         try:
             yield BenchTarget(pc.addr, pc.token, pc, "processes", pc.admin_token)
@@ -56,7 +64,7 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
         return
     from kvfs.launcher import LocalCluster
 
-    lc = LocalCluster(workdir / "cluster", 3)
+    lc = LocalCluster(workdir / "cluster", ns.chunkservers)
     await lc.start()
     try:
         yield BenchTarget(lc.addr, lc.token, lc, "inproc", lc.admin_token)

@@ -36,7 +36,8 @@ class ChunkServer:
                                     fsync_window_s=config.fsync_window_s,
                                     capacity_bytes=config.capacity_bytes,
                                     merge_gap_bytes=config.merge_gap_bytes,
-                                    max_open_files=open_files)
+                                    max_open_files=open_files,
+                                    preallocate=config.preallocate)
         except BaseException:
             self.lock.release()
             raise

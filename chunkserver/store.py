@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
+import functools
 import json
 import logging
 import os
@@ -185,18 +187,38 @@ def _read_spans(fds: dict[int, int], spans: Sequence[Span], needs: Sequence[int]
     return out
 
 
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+@functools.cache
+def _fallocate() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn
+
+
+def preallocate(fd: int, nbytes: int) -> bool:
+    """Reserve ``nbytes`` of blocks for ``fd`` without changing its size; False where unsupported."""
+    fn = _fallocate()
+    return fn is not None and int(fn(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes)) == 0
+
+
 class ChunkStore:
     """The chunk files of one chunkserver data dir."""
 
     def __init__(self, root: Path, *, chunk_bytes: int, io_threads: int = 4,
                  fsync: FsyncMode = FsyncMode.BATCH, fsync_window_s: float = 0.0,
                  capacity_bytes: int | None = None, merge_gap_bytes: int = 64 * 1024,
-                 max_open_files: int = 4096) -> None:
+                 max_open_files: int = 4096, preallocate: bool = True) -> None:
         self.root = root
         self.dir = private_dir(root / "chunks")
         self.max_open_files = max(max_open_files, 2)
         self.chunk_bytes = chunk_bytes
         self.fsync = FsyncMode(fsync)
+        self.preallocate = preallocate
         self.capacity_bytes = capacity_bytes
         self.merge_gap = merge_gap_bytes
         self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-io")
@@ -344,11 +366,23 @@ class ChunkStore:
         return cid
 
     def _roll(self) -> int:
+        if self._open is not None:
+            self._release(self._open)
         cid = self._new_chunk_id()
-        self._fd(cid)
+        fd = self._fd(cid)
+        if self.preallocate:
+            # Appends into blocks reserved up front skip the filesystem's block allocation:
+            # 16 MiB appends ran 2.5x faster here (bench/RESULTS.md). KEEP_SIZE leaves the
+            # file's size, so recovery and range checks see only what was written.
+            preallocate(fd, self.chunk_bytes)
         self.sizes[cid] = 0
         self._open = cid
         return cid
+
+    def _release(self, cid: int) -> None:
+        """A chunk stops taking appends: give back the blocks reserved past its end."""
+        if self.preallocate:  # by path: the fd may have left the LRU of open files
+            os.truncate(self.chunk_path(cid), self.sizes[cid])
 
     async def append(self, records: Sequence[Sequence[Any]], payload: memoryview) -> list[tuple[int, int]]:
         """Write all records with one vectored write; return each value's (chunk_id, offset)."""
@@ -421,6 +455,7 @@ class ChunkStore:
             if time.monotonic() - self._last_append < idle_s:
                 return False
             if apply:
+                self._release(chunk_id)
                 self._open = None
             return True
 

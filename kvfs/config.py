@@ -93,6 +93,8 @@ class ChunkServerConfig(ServerConfig):
     max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
                                "file limit, which is raised to its hard limit at start)", 4096)
     max_read_rpc_bytes: int = opt("most bytes one READV may ask for, in total", 64 * MiB)
+    preallocate: bool = opt("reserve chunk_bytes of disk blocks when a chunk is opened for appends "
+                            "(fallocate KEEP_SIZE; the rest is released when it is sealed)", True)
 
 
 @dataclass(frozen=True, kw_only=True)
