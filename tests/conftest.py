@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -14,6 +14,8 @@ from kvfs._loop import new_event_loop
 from kvfs.client import AsyncClient
 from kvfs.config import MetaConfig
 from kvfs.launcher import LocalCluster, ProcessCluster
+from kvfs.rpc import Op
+from kvfs.server import RpcServer
 
 T = TypeVar("T")
 
@@ -29,6 +31,39 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+class Hold:
+    """Holds every request of one op in a server's dispatch until :meth:`release`.
+
+    Fault injection for ordering: ``arrived`` is set when the first request
+    reaches the server, which then applies nothing of it until released."""
+
+    def __init__(self, server: RpcServer, op: Op) -> None:
+        self.op = op
+        self.arrived = asyncio.Event()
+        self._open = asyncio.Event()
+        inner: Callable[..., Awaitable[Any]] = server.handlers[int(op)]
+
+        async def held(*args: Any) -> Any:
+            self.arrived.set()
+            await self._open.wait()
+            return await inner(*args)
+
+        server.handlers[int(op)] = held
+
+    async def reached(self) -> None:
+        async with asyncio.timeout(30):  # a deadline, never a sleep
+            await self.arrived.wait()
+
+    def release(self) -> None:
+        self._open.set()
+
+
+def hold(cluster: LocalCluster, op: Op) -> Hold:
+    """Hold ``op`` in the cluster's meta (the test then picks what meta applies first)."""
+    assert cluster.meta is not None
+    return Hold(cluster.meta.rpc, op)
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
@@ -123,4 +158,4 @@ def tcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadCluster
         c.close()
 
 
-__all__ = ["FakeClock", "ThreadCluster", "new_event_loop"]
+__all__ = ["FakeClock", "Hold", "ThreadCluster", "hold", "new_event_loop"]
