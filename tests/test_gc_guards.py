@@ -157,3 +157,26 @@ async def test_relocate_refuses_a_copy_another_gc_reclaimed(one: LocalCluster, c
         assert report.chunks_deleted == 0 and chunk_files(one) < copies
     async with client(one, clock) as fresh:
         assert await fresh.get_many(live) == [value_of(k) for k in live]
+
+
+async def test_a_restarted_chunkserver_never_reuses_a_retired_chunk_id(
+        one: LocalCluster, clock: FakeClock) -> None:
+    """COMMIT refuses retired chunk ids forever, so they must never come back: after GC
+    deleted every chunk file, a restarted chunkserver continues its sequence (state.json)."""
+    async with client(one, clock) as kv:
+        await kv.put("old", value_of("old"))
+        before = await kv.layout("old")
+        assert before is not None
+        await kv.delete("old")
+        async with GarbageCollector(one.addr, token=one.token) as gc:
+            assert (await gc.run_pass(NOW)).chunks_deleted == 1
+        assert chunk_files(one) == set()
+        await one.stop_chunkserver(0)
+        await one.start_chunkserver(0)
+        await kv.servers(refresh=True)
+        await kv.put("new", value_of("new"))  # refused (StaleLayout) if it reused the dead id
+        after = await kv.layout("new")
+        assert after is not None
+        assert after.extents[0].replicas[0].chunk_id > before.extents[0].replicas[0].chunk_id
+    async with client(one, clock) as fresh:
+        assert await fresh.get("new") == value_of("new")
