@@ -143,7 +143,8 @@ class ChunkServer:
         return {"deleted": deleted}, ()
 
     async def rpc_chunk_seal(self, h: dict[str, Any], p: memoryview) -> Reply:
-        return {"sealed": await self.store.seal(int(h["chunk_id"]), float(h.get("idle_s", 0.0)))}, ()
+        return {"sealed": await self.store.seal(int(h["chunk_id"]), float(h.get("idle_s", 0.0)),
+                                                apply=bool(h.get("apply", True)))}, ()
 
     async def rpc_chunk_verify(self, h: dict[str, Any], p: memoryview) -> Reply:
         missing, bad = await self.store.verify([(int(c), int(o), int(n), int(k)) for c, o, n, k in h["ranges"]])

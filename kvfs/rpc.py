@@ -97,9 +97,10 @@ RPCS: dict[Op, Rpc] = {
         Rpc(Op.GC_EXPIRE, Service.META, "{limit, apply}", "{keys, bytes, more}"),
         Rpc(Op.GC_EVICT, Service.META, "{high, low, apply, server_id?}",
             "{keys, bytes, leased, servers: {id: [live_before, target]}}"),
-        Rpc(Op.GC_PLAN, Service.META, "{threshold, grace_s, high, low}",
+        Rpc(Op.GC_PLAN, Service.META, "{threshold, grace_s, high, low, after_expire?}",
             "{compact: [[server_id, chunk_id, written, live]], delete: [[server_id, chunk_id, written]], "
-            "seal: [[server_id, chunk_id]], waiting: int}"),
+            "seal: [[server_id, chunk_id, written, live]] (open chunks that become compact (live > 0) "
+            "or delete candidates once sealed), waiting: int}"),
         Rpc(Op.GC_CHUNK_REFS, Service.META, "{chunk_id}", "{refs: [[key, offset, length, crc]]}"),
         Rpc(Op.GC_RELOCATE, Service.META,
             "{server_id, new_chunk, new_size, moves: [[key, old_chunk, old_offset, new_offset]]}",
@@ -116,8 +117,9 @@ RPCS: dict[Op, Rpc] = {
         Rpc(Op.CHUNK_DELETE, Service.CHUNKSERVER, "{chunks: [id]}", "{deleted: {id: size}}"),
         Rpc(Op.CHUNK_VERIFY, Service.CHUNKSERVER, "{ranges: [[chunk_id, offset, length, crc]]}",
             "{missing: [index], bad: [index]}"),
-        Rpc(Op.CHUNK_SEAL, Service.CHUNKSERVER, "{chunk_id, idle_s}",
-            "{sealed: bool} (the open chunk is sealed only after idle_s without appends)"),
+        Rpc(Op.CHUNK_SEAL, Service.CHUNKSERVER, "{chunk_id, idle_s, apply?}",
+            "{sealed: bool} (the open chunk is sealed only after idle_s without appends; "
+            "apply=false only says whether it would be)"),
     )
 }
 
