@@ -9,18 +9,19 @@ get_many: layouts from the cache or one LOOKUP -> one READV per chunkserver
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import crc32c
 
 from kvfs._batch import Batcher
-from kvfs.address import format_addr, parse_addr, resolve_token
+from kvfs.address import format_addr, lookup_token, parse_addr
 from kvfs.buffers import as_view
 from kvfs.config import ClientConfig
 from kvfs.errors import (
@@ -35,6 +36,7 @@ from kvfs.errors import (
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
 from kvfs.protocol import Buffer, FrameHead, Scatter
 from kvfs.rpc import Op
+from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.transport import Connection, Sink
 
 log = logging.getLogger("kvfs.client")
@@ -44,8 +46,13 @@ READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
 
 Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor
 
-# A destination meaning "the extent is the whole value: hand it back as bytes".
-_WHOLE = memoryview(b"")
+class _Dest(enum.Enum):
+    WHOLE = "whole"
+
+
+# A destination marker: "the extent is the whole value: hand it back as bytes".
+_WHOLE: Final = _Dest.WHOLE
+Dest = memoryview | _Dest | None  # where an extent's bytes go; None: not read
 
 
 @dataclass(slots=True)
@@ -63,7 +70,7 @@ class _Job:
 
     slot: int
     extent: Extent
-    dest: memoryview
+    dest: memoryview | _Dest
     rep: Replica | None = None  # the replica being read
     tried: tuple[int, ...] = ()  # servers that already failed this extent
     error: KVFSError | None = None
@@ -85,7 +92,7 @@ class AsyncClient:
                  config: ClientConfig | None = None) -> None:
         self._host, self._port = parse_addr(addr)
         self.addr = format_addr(self._host, self._port)
-        self.token = resolve_token(self.addr, token)
+        self.token = lookup_token(token, addr=self.addr)
         self.config = config or ClientConfig()
         self._meta: Connection | None = None
         self._meta_lock = asyncio.Lock()
@@ -179,7 +186,7 @@ class AsyncClient:
                 entry = self._servers.get(sid)
             if entry is None:
                 raise Unavailable(f"chunkserver {sid} is not known to meta")
-            host, port = parse_addr(entry.addr)
+            host, port = parse_addr(entry.addr, what="chunkserver address")
             try:
                 return await Connection.open(
                     host, port, self.token, connect_timeout_s=self.config.connect_timeout_s,
@@ -309,15 +316,28 @@ class AsyncClient:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        wires: list[list[Any]] | None = None
+        await self._commit(keys, await self._append(keys, views, r, ttl), ttl)
+
+    async def _append(self, keys: list[bytes], views: list[memoryview], r: int,
+                      ttl: float | None, *, first: int | None = None) -> list[Layout]:
+        """Write the values' bytes (not yet visible): placement, retries on a dead server, one
+        GC pass when the cluster is full.  Returns their layouts, to commit.  ``first``: start
+        at the live server of that index (mod their count, in id order) instead of a random
+        draw, so the units of a stream go round-robin over the servers as stripes do."""
         collected = False
         for attempt in range(3):
             live = [s for s in await self.servers(refresh=attempt > 0) if s.alive]
             if len(live) < r:
                 raise Unavailable(f"{r} replicas need {r} live chunkservers; {len(live)} are live")
             try:
-                wires = await self._write(keys, views, self._order(live), r, ttl)
-                break
+                if first is None:
+                    order = self._order(live)
+                else:
+                    live.sort(key=lambda e: e.server_id)
+                    k = first % len(live)
+                    order = live[k:] + live[:k]
+                wires = await self._write(keys, views, order, r, ttl)
+                return [Layout.from_wire(w) for w in wires]
             except Unavailable:
                 if attempt == 2:
                     raise
@@ -326,12 +346,29 @@ class AsyncClient:
                     raise
                 await self._make_room()
                 collected = True
-        assert wires is not None
-        h = await self._meta_call(Op.COMMIT, {"items": list(zip(keys, wires, strict=True)),
-                                              "ttl_s": ttl})
+        raise AssertionError("unreachable")
+
+    async def _commit(self, keys: list[bytes], layouts: list[Layout], ttl: float | None) -> None:
+        """Make written values visible: one COMMIT to meta (the linearisation point)."""
+        h = await self._meta_call(Op.COMMIT, {
+            "items": [[k, lay.to_wire()] for k, lay in zip(keys, layouts, strict=True)],
+            "ttl_s": ttl})
         stamp = (float(h["created"]), h["expires_at"])
-        for k, w in zip(keys, wires, strict=True):
-            self._cache(k, Layout.from_wire(w, stamp=stamp))
+        for k, lay in zip(keys, layouts, strict=True):
+            self._cache(k, lay._replace(created=stamp[0], expires_at=stamp[1]))
+
+    # streaming (kvfs/stream.py) ----------------------------------------------------
+    async def put_stream(self, key: Key, chunks: Chunks, *, size: int | None = None,
+                         ttl: float | None = None, replicas: int | None = None) -> int:
+        """Store the concatenation of ``chunks`` (an async or plain iterable of bytes-like
+        objects) under ``key``, holding only a few stripe units in memory; committed at the
+        end, so readers see all of it or nothing.  Returns the size."""
+        return await put_stream(self, key, chunks, size=size, ttl=ttl, replicas=replicas)
+
+    async def open_read(self, key: Key) -> ValueReader | None:
+        """A reader of ``key``'s value by ranges (``await r.read(start, end)``, ``async for
+        part in r.chunks()``), or None on a miss."""
+        return await open_read(self, key)
 
     async def _make_room(self) -> None:
         """A write found the cluster full: run one GC pass (expire, evict LRU down to the
@@ -506,7 +543,7 @@ class AsyncClient:
         return [-1 if lay is None or i in misses else lay.size for i, lay in enumerate(layouts)]
 
     async def _read_into(self, keys: list[bytes], layouts: list[Layout | None],
-                         dests: list[memoryview | None], out: list[bytes | None] | None = None,
+                         dests: Sequence[Dest], out: list[bytes | None] | None = None,
                          ) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
         expired while being read)."""
@@ -517,7 +554,7 @@ class AsyncClient:
                 self._layouts.pop(keys[i], None)
             fresh = await self._lookup([keys[i] for i in stale], use_cache=False)
             retry_layouts: list[Layout | None] = [None] * len(keys)
-            retry_dests: list[memoryview | None] = [None] * len(keys)
+            retry_dests: list[Dest] = [None] * len(keys)
             for i, lay in zip(stale, fresh, strict=True):
                 old = layouts[i]
                 if lay is None:
@@ -532,7 +569,7 @@ class AsyncClient:
         return misses
 
     async def _fetch(self, keys: list[bytes], layouts: list[Layout | None],
-                     dests: list[memoryview | None], out: list[bytes | None] | None) -> list[int]:
+                     dests: Sequence[Dest], out: list[bytes | None] | None) -> list[int]:
         """Read every extent into its destination; returns the slots whose layout was stale."""
         jobs: list[_Job] = []
         for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
@@ -629,7 +666,8 @@ class AsyncClient:
         def scatter(head: FrameHead) -> Scatter:
             # the answer lands straight in each destination (e.g. the caller's buffers)
             errs = head.header.get("errors") or {}
-            return Scatter([job.dest for i, job in enumerate(batch) if i not in errs])
+            return Scatter([job.dest for i, job in enumerate(batch)  # type: ignore[misc]
+                            if i not in errs])  # chosen only when no dest is _WHOLE
 
         def pooled(head: FrameHead) -> memoryview:
             # values handed back as bytes are copied out of a reused buffer: no fresh
@@ -645,7 +683,7 @@ class AsyncClient:
             raise
         errors = h.get("errors") or {}
         in_place = isinstance(payload, Scatter)
-        view = _WHOLE if isinstance(payload, Scatter) else payload
+        view = payload if isinstance(payload, memoryview) else memoryview(b"")
         pos = 0
         crc = crc32c.crc32c
         for idx, job in enumerate(batch):
@@ -661,8 +699,10 @@ class AsyncClient:
                         retry.append(job)
                     continue
             n = job.extent.length
+            dest = job.dest
             if in_place:
-                got = job.dest
+                assert dest is not _WHOLE  # scatter is chosen only when no dest is _WHOLE
+                got = dest
             else:
                 got = view[pos : pos + n]
                 pos += n
@@ -673,12 +713,12 @@ class AsyncClient:
                     f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
                 retry.append(job)
                 continue
-            if job.dest is _WHOLE:
+            if dest is _WHOLE:
                 assert out is not None
                 out[job.slot] = bytes(got)
             elif not in_place:
-                job.dest[:] = got
-        got = view = payload = _WHOLE  # drop views of the receive buffer before reusing it
+                dest[:] = got
+        got = view = memoryview(b"")  # drop views of the receive buffer before reusing it
         self._rx_give(rx)
 
     # meta-only queries ---------------------------------------------------------

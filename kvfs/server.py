@@ -16,7 +16,6 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from kvfs._wire import FrameProtocol, auth_mac
 from kvfs.errors import (
     AuthError,
     InvalidArgument,
@@ -25,6 +24,7 @@ from kvfs.errors import (
     ServerError,
     VersionMismatch,
 )
+from kvfs.frame_protocol import FrameProtocol, auth_mac
 from kvfs.protocol import PROTOCOL_VERSION, Buffer, Flag, Frame, Limits, Scatter, encode_frame
 from kvfs.rpc import HANDLER_NAMES, RPCS, Op, Service
 

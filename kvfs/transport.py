@@ -7,7 +7,6 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvfs._wire import FrameProtocol, auth_mac
 from kvfs.errors import (
     KVFSError,
     LocalProtocolError,
@@ -16,6 +15,7 @@ from kvfs.errors import (
     Unavailable,
     from_wire,
 )
+from kvfs.frame_protocol import FrameProtocol, auth_mac
 from kvfs.protocol import (
     PROTOCOL_VERSION,
     Buffer,

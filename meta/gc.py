@@ -21,6 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvfs.chunkserver.store import RECORD  # the record format: meta counts its bytes
 from kvfs.config import MetaConfig
 from kvfs.errors import InvalidArgument
 from kvfs.layout import Extent, Layout, Replica, norm_keys
@@ -35,7 +36,7 @@ METRIC_NAMES = (
     "passes", "pass_duration_s", "last_pass_duration_s",
 )
 MAX_REFS_CHUNKS = 4096
-RECORD_OVERHEAD_BYTES = 32  # a chunk record's fixed header (kvfs.chunkserver.store.RECORD), key follows
+RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
 
 
 def _disk_bytes(layout: Layout) -> int:
