@@ -16,12 +16,15 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
+
+from kvfs.address import token_from_file
 
 from .adapters import ChainStore, KvfsStore
 from .compare import Cell, StoreFactory, compare, peer_factories
@@ -81,8 +84,6 @@ async def _run_one(target: BenchTarget, wl: Workload, ns: argparse.Namespace) ->
 def _child_argv(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> list[str]:
     argv = [sys.executable, "-m", "kvfs", "bench", "--addr", target.addr,
             "--output-format", "json", "--no-progress", "--job-spec", json.dumps(workload_dict(wl))]
-    if target.token:
-        argv += ["--token", target.token]
     if ns.prefix_chain:
         argv += ["--prefix-chain", str(ns.prefix_chain)]
     return argv
@@ -93,9 +94,10 @@ async def _run_numjobs(target: BenchTarget, wl: Workload, ns: argparse.Namespace
     procs = []
     for i in range(ns.numjobs):
         job = replace(wl, name=f"{wl.name}.{i}", key_prefix=wl.key_prefix + b"%d/" % i, seed=wl.seed + i)
-        procs.append(await asyncio.create_subprocess_exec(
+        env = {**os.environ, "KVFS_TOKEN": target.token} if target.token else None
+        procs.append(await asyncio.create_subprocess_exec(  # the token in env, never on argv
             *_child_argv(target, job, ns), stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE))
+            stderr=asyncio.subprocess.PIPE, env=env))
     jobs: list[dict[str, Any]] = []
     limit = wl.prefill_timeout_s + wl.ramp_time_s + wl.runtime_s + wl.grace_s
     for i, proc in enumerate(procs):
@@ -113,7 +115,7 @@ async def _child(ns: argparse.Namespace) -> int:
     d = json.loads(ns.job_spec)
     d["key_prefix"] = d["key_prefix"].encode("latin-1")
     wl = Workload(**d)
-    target = BenchTarget(ns.addr, ns.token)
+    target = BenchTarget(ns.addr, token_from_file(ns.token_file))
     res = await _run_one(target, wl, ns)
     print(json.dumps(report_json([res.to_json()])))
     return 0
@@ -171,7 +173,7 @@ async def _gc_bench(ns: argparse.Namespace) -> int:
             async with open_target(ns, workdir) as target:
                 c = target.cluster
                 data = getattr(c, "data", None) or getattr(c, "root", None)
-                report = await run_gc_bench(ns, target.addr, target.token, data,
+                report = await run_gc_bench(ns, target.addr, target.admin_token, data,
                                             child=target.embedded != "inproc")
         except BenchError as e:
             print(f"kvfs bench: {e}", file=sys.stderr)

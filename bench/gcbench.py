@@ -220,10 +220,11 @@ class _Background:
             if self._task.done():
                 self._task.result()  # raises what went wrong
             return
-        spec = json.dumps({"addr": self.addr, "token": self.token, **self.opts.__dict__})
-        self._proc = await asyncio.create_subprocess_exec(
+        spec = json.dumps({"addr": self.addr, **self.opts.__dict__})
+        env = {**os.environ, "KVFS_ADMIN_TOKEN": self.token} if self.token else None
+        self._proc = await asyncio.create_subprocess_exec(  # the token in env, never on argv
             sys.executable, "-m", "kvfs.bench.gcbench", spec, stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env)
         assert self._proc.stdout is not None
         async with asyncio.timeout(120):
             line = await self._proc.stdout.readline()
@@ -249,7 +250,7 @@ def _child_main(spec_json: str) -> int:
     from kvfs._loop import new_event_loop
 
     spec = json.loads(spec_json)
-    addr, token = spec.pop("addr"), spec.pop("token")
+    addr, token = spec.pop("addr"), os.environ.get("KVFS_ADMIN_TOKEN")
     opts = ChurnOptions(**spec)
 
     async def main() -> ChurnStats:
@@ -318,7 +319,8 @@ async def foreground(addr: str, token: str | None, runtime_s: float, child: bool
 
 async def run_gc_bench(ns: argparse.Namespace, addr: str, token: str | None, data: Path | None,
                        child: bool, *, fg_keys: int | None = None) -> dict[str, Any]:
-    """Both parts; the JSON ``--output-format=json`` prints (fio jobs under ``jobs``)."""
+    """Both parts; the JSON ``--output-format=json`` prints (fio jobs under ``jobs``).
+    ``token``: an admin token (the bench both runs GC and reads/writes keys)."""
     size = ns.size or DEFAULT_SIZE
     ttl = ns.gc_ttl
     runtime = ns.runtime if ns.runtime is not None else 4.0

@@ -10,6 +10,7 @@ import argparse
 from pathlib import Path
 from typing import Final
 
+from kvfs.address import TOKEN_FILE_HELP
 from kvfs.units import parse_duration, parse_size
 
 from .runner import RWS
@@ -102,7 +103,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
            "or in this process and event loop")
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
     a("--addr", default=None, help="cluster address (default: start an embedded cluster)")
-    a("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    a("--token-file", default=None, help=TOKEN_FILE_HELP)
     a("--gc", action="store_true",
       help="GC bench: reclaim rate after keys expire (--bs, --size per run), and randread 4k p99 "
            "with GC idle vs running against a churn (see bench/gcbench.py)")

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfs.address import token_from_file
+
 __all__ = ["BenchTarget", "open_target"]
 
 
@@ -20,6 +22,7 @@ class BenchTarget:
     token: str | None
     cluster: Any = None
     embedded: str = ""
+    admin_token: str | None = None  # the GC bench's (None: $KVFS_ADMIN_TOKEN or its file)
 
     def client(self, **config: Any) -> Any:
         from kvfs.client import AsyncClient
@@ -39,7 +42,7 @@ class BenchTarget:
 async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[BenchTarget]:
     """``--addr``'s cluster, or an embedded one (``--cluster``) in ``workdir``, stopped on exit."""
     if ns.addr is not None:
-        yield BenchTarget(ns.addr, ns.token)
+        yield BenchTarget(ns.addr, token_from_file(ns.token_file))
         return
     if ns.cluster == "processes":
         from kvfs.launcher import ProcessCluster
@@ -47,7 +50,7 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
         pc = ProcessCluster(workdir / "cluster", 3, listen="127.0.0.1:0")
         await pc.start()
         try:
-            yield BenchTarget(pc.addr, pc.token, pc, "processes")
+            yield BenchTarget(pc.addr, pc.token, pc, "processes", pc.admin_token)
         finally:
             await pc.stop()
         return
@@ -56,6 +59,6 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
     lc = LocalCluster(workdir / "cluster", 3)
     await lc.start()
     try:
-        yield BenchTarget(lc.addr, lc.token, lc, "inproc")
+        yield BenchTarget(lc.addr, lc.token, lc, "inproc", lc.admin_token)
     finally:
         await lc.stop()

@@ -5,13 +5,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 from typing import Any
 
-from kvfs.address import lookup_token, parse_addr
-from kvfs.chunkserver.store import ChunkStore
+from kvfs.address import parse_addr, service_tokens
+from kvfs.chunkserver.store import ChunkStore, check_ranges
 from kvfs.config import ChunkServerConfig
-from kvfs.errors import KVFSError
-from kvfs.protocol import Buffer, Limits
+from kvfs.datadir import DirLock, private_dir, raise_nofile_limit
+from kvfs.errors import KVFSError, WrongCluster
+from kvfs.handshake import Role
+from kvfs.protocol import Buffer
 from kvfs.rpc import Op, Service
 from kvfs.server import Reply, RpcServer
 from kvfs.transport import Connection
@@ -20,14 +23,24 @@ log = logging.getLogger("kvfs.chunkserver")
 
 
 class ChunkServer:
-    def __init__(self, config: ChunkServerConfig) -> None:
+    def __init__(self, config: ChunkServerConfig, *,
+                 tokens: Mapping[Role, str] | None = None) -> None:
         self.config = config
-        config.data.mkdir(parents=True, exist_ok=True)
-        self.token = lookup_token(config.token, data_dir=config.data)
-        self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes, io_threads=config.io_threads,
-                                fsync=config.fsync, capacity_bytes=config.capacity_bytes,
-                                merge_gap_bytes=config.merge_gap_bytes)
-        self.rpc = RpcServer(self, Service.CHUNKSERVER, self.token, Limits())
+        private_dir(config.data)
+        self.lock = DirLock(config.data, "chunkserver").acquire()  # before any file is touched
+        try:
+            self.tokens = dict(tokens) if tokens else service_tokens(config.data)
+            open_files = min(config.max_open_chunks, raise_nofile_limit() // 2)
+            self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes,
+                                    io_threads=config.io_threads, fsync=config.fsync,
+                                    fsync_window_s=config.fsync_window_s,
+                                    capacity_bytes=config.capacity_bytes,
+                                    merge_gap_bytes=config.merge_gap_bytes,
+                                    max_open_files=open_files)
+        except BaseException:
+            self.lock.release()
+            raise
+        self.rpc = RpcServer(self, Service.CHUNKSERVER, self.tokens, config)
         self.addr = ""
         self._meta: Connection | None = None
         self._hb: asyncio.Task[None] | None = None
@@ -56,17 +69,28 @@ class ChunkServer:
             self._meta.close()
         await self.rpc.close()
         self.store.close()
+        self.lock.release()
 
     async def _register(self) -> None:
         if self._meta is None or self._meta.is_closed:
             host, port = parse_addr(self.config.meta, what="meta address")
-            self._meta = await Connection.open(host, port, self.token)
+            self._meta = await Connection.open(host, port, self.tokens[Role.SERVER])
         capacity, free, _ = self.store.usage()
+        if not self.store.key:
+            self.store.save_state()  # creates the key that proves this data dir to meta
         r = await self._meta.call(Op.REGISTER, {"server_id": self.store.server_id, "addr": self.addr,
-                                                "capacity": capacity, "free": free})
+                                                "capacity": capacity, "free": free,
+                                                "key": self.store.key,
+                                                "cluster_id": self.store.cluster_id,
+                                                "nchunks": len(self.store.sizes),
+                                                "disk": self.store.disk_id})
         sid = int(r.header["server_id"])
-        if sid != self.store.server_id:
-            self.store.server_id = sid
+        cluster_id = str(r.header["cluster_id"])
+        if self.store.cluster_id not in (None, cluster_id):
+            raise WrongCluster(f"meta answered for cluster {cluster_id[:64]}; this chunkserver "
+                               f"belongs to cluster {self.store.cluster_id}")
+        if sid != self.store.server_id or cluster_id != self.store.cluster_id:
+            self.store.server_id, self.store.cluster_id = sid, cluster_id
             self.store.save_state()
         await self._heartbeat()
 
@@ -76,7 +100,7 @@ class ChunkServer:
         await self._meta.call(Op.HEARTBEAT, {
             "server_id": self.store.server_id, "addr": self.addr, "capacity": capacity,
             "free": free, "used": used, "chunks": dict(self.store.sizes), "open": self.store.open_chunk,
-            "wanted": self.store.wanted_bytes})
+            "wanted": self.store.wanted_bytes, "disk": self.store.disk_id})
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -102,9 +126,16 @@ class ChunkServer:
         locs = await self.store.append(h["records"], p)
         return {"locations": locs}, ()
 
+    def reply_cost(self, op: int, h: dict[str, Any]) -> int:
+        """Reply bytes a request will produce, charged to its connection before it runs."""
+        if op == Op.READV:
+            cfg = self.config
+            return sum(r[2] for r in check_ranges(h["ranges"], cfg.max_ranges, cfg.max_read_rpc_bytes))
+        return 0
+
     async def rpc_readv(self, h: dict[str, Any], p: memoryview) -> Reply:
         self.readv_calls += 1
-        ranges = [(int(c), int(o), int(n)) for c, o, n in h["ranges"]]
+        ranges = check_ranges(h["ranges"], self.config.max_ranges, self.config.max_read_rpc_bytes)
         views, errors = await self.store.readv(ranges)
         payload: list[Buffer] = [v for v in views if v is not None and v.nbytes]
         return {"errors": {i: [e.code, e.message] for i, e in errors.items()}}, payload
@@ -115,7 +146,7 @@ class ChunkServer:
                 "spans_read": self.store.spans_read, "readv_calls": self.readv_calls,
                 "append_calls": self.append_calls, "open": self.store.open_chunk,
                 "wanted": self.store.wanted_bytes,
-                "server_id": self.server_id, "addr": self.addr,
+                "server_id": self.server_id, "addr": self.addr, "cluster_id": self.store.cluster_id,
                 "mtimes": self.store.mtimes() if h.get("mtimes") else {}}, ()
 
     async def rpc_chunk_compact(self, h: dict[str, Any], p: memoryview) -> Reply:
@@ -126,10 +157,18 @@ class ChunkServer:
         return {"chunk_id": new, "size": size, "locations": locations}, ()
 
     async def rpc_chunk_delete(self, h: dict[str, Any], p: memoryview) -> Reply:
+        if self.store.cluster_id is None or h.get("cluster_id") != self.store.cluster_id:
+            raise WrongCluster(f"chunk deletion for cluster {str(h.get('cluster_id'))[:64]} refused: "
+                               f"this chunkserver belongs to cluster {self.store.cluster_id}")
         deleted = self.store.delete_chunks([int(c) for c in h["chunks"]])
         if deleted:
             log.info("deleted %d chunks (%d bytes)", len(deleted), sum(deleted.values()))
         return {"deleted": deleted}, ()
+
+    async def rpc_chunk_scan(self, h: dict[str, Any], p: memoryview) -> Reply:
+        recs = await self.store.scan(int(h["chunk_id"]))
+        return {"records": [[r.key, r.write_id, r.index, r.total_size, r.total_crc, r.length, r.crc,
+                             r.expires_at, r.tombstone, r.value_ok, r.value_offset] for r in recs]}, ()
 
     async def rpc_chunk_seal(self, h: dict[str, Any], p: memoryview) -> Reply:
         return {"sealed": await self.store.seal(int(h["chunk_id"]), float(h.get("idle_s", 0.0)),

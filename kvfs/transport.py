@@ -15,7 +15,8 @@ from kvfs.errors import (
     Unavailable,
     from_wire,
 )
-from kvfs.frame_protocol import FrameProtocol, auth_mac
+from kvfs.frame_protocol import FrameProtocol
+from kvfs.handshake import Role, check_server_proof, client_auth, endpoint, new_nonce
 from kvfs.protocol import (
     PROTOCOL_VERSION,
     Buffer,
@@ -88,6 +89,7 @@ class Connection:
         self.request_timeout_s = request_timeout_s
         self._ids = itertools.count(1)
         self.service = ""
+        self.role: Role | None = None  # what the server granted this connection's token
 
     @classmethod
     async def open(
@@ -118,10 +120,12 @@ class Connection:
                 version = hello.header.get("version")
                 if version != PROTOCOL_VERSION:
                     raise RemoteProtocolError(f"{name} speaks protocol {version}, we speak {PROTOCOL_VERSION}")
-                nonce = hello.header.get("nonce")
-                if not isinstance(nonce, bytes):
-                    raise RemoteProtocolError(f"{name} sent a HELLO without a nonce")
-                await conn.call(Op.AUTH, {"version": PROTOCOL_VERSION, "mac": auth_mac(token, nonce)})
+                assert proto.transport is not None
+                auth = client_auth(token, hello.header, new_nonce(),
+                                   local=endpoint(proto.transport.get_extra_info("sockname")),
+                                   peer=endpoint(proto.transport.get_extra_info("peername")))
+                reply = await conn.call(Op.AUTH, auth)
+                conn.role = check_server_proof(token, hello.header, auth, reply.header, name)
                 conn.service = str(hello.header.get("service", ""))
         except TimeoutError:
             conn.close()

@@ -21,7 +21,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from kvfs.chunkserver.store import RECORD  # the record format: meta counts its bytes
+from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import MetaConfig
 from kvfs.errors import InvalidArgument
 from kvfs.layout import Extent, Layout, Replica, norm_keys
@@ -90,8 +90,9 @@ class MetaGc:
         if not staged:
             return
         wires = [lay.to_wire() for _, _, lay in staged]
-        self.store.put_many((k, pack_layout(w), lay.expires_at, e.last_access)
-                            for (k, e, lay), w in zip(staged, wires, strict=True))
+        with self.store.durable():
+            self.store.put_many((k, pack_layout(w), lay.expires_at, e.last_access)
+                                for (k, e, lay), w in zip(staged, wires, strict=True))
         for (k, e, lay), w in zip(staged, wires, strict=True):
             self._add_live(e.layout, -1, k)
             e.layout, e.wire = lay, w
@@ -102,7 +103,8 @@ class MetaGc:
         gone = [k for k in keys if k in self.entries]
         if not gone:
             return 0, 0
-        self.store.delete_many(gone)
+        with self.store.durable():
+            self.store.delete_many(gone)
         nbytes = 0
         for k in gone:
             lay = self.entries.pop(k).layout
@@ -360,7 +362,8 @@ class MetaGc:
                    or (self.chunk_live.get(int(c), 0) <= 0 and int(c) != open_chunk)]
         fresh = [c for c in retired if c not in self.dead_chunks]
         if fresh:
-            self.store.add_dead((c, sid, now) for c in fresh)
+            with self.store.durable():  # on disk before the GC driver unlinks anything
+                self.store.add_dead((c, sid, now) for c in fresh)
             for c in fresh:
                 self.dead_chunks[c] = now
                 self.zero_since.pop(c, None)

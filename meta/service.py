@@ -14,17 +14,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfs.address import lookup_token, parse_addr
+from kvfs.address import parse_addr, service_tokens
 from kvfs.config import MetaConfig
-from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
+from kvfs.errors import InvalidArgument, StaleLayout, WrongCluster
+from kvfs.handshake import Role
 from kvfs.layout import MAX_VALUE_BYTES, Layout, norm_key, norm_keys
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES, MetaGc
 from kvfs.meta.store import MetaStore, pack_layout
-from kvfs.protocol import Limits
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
 
@@ -51,6 +52,17 @@ class ServerInfo:
     chunks: dict[int, int] = field(default_factory=dict)  # chunk_id -> bytes written
     open_chunk: int | None = None  # the chunk appends go to (never compacted or deleted)
     wanted: int = 0  # bytes of the last append refused for lack of space (evict to fit it)
+    key: str = ""  # the chunkserver's data-dir key: only it may move its id to a new address
+    disk: str | None = None  # the filesystem it stores on (host:st_dev); None: own --capacity
+    reported_capacity: int = 0  # as the server reported them; capacity/free are its share
+    reported_free: int = 0
+    shared_by: int = 1  # servers on its disk (each gets 1/shared_by of its space)
+
+
+def _disk(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and 0 < len(value) <= 256):
+        return value
+    raise InvalidArgument(f"disk must be a short string or nil, got {value!r:.80}")
 
 
 def _count(value: Any, what: str, limit: int = 2**62) -> int:
@@ -62,18 +74,24 @@ def _count(value: Any, what: str, limit: int = 2**62) -> int:
 
 
 class MetaService(MetaGc):
-    def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time,
+                 tokens: Mapping[Role, str] | None = None) -> None:
         self.config = config
         self.clock = clock
-        config.data.mkdir(parents=True, exist_ok=True)
-        self.token = lookup_token(config.token, data_dir=config.data, create=True)
-        self.store = MetaStore(config.data / "meta.sqlite3")
+        private_dir(config.data)
+        self.lock = DirLock(config.data, "meta").acquire()
+        raise_nofile_limit()
+        create_private_file(config.data / "meta.sqlite3")  # SQLite's -wal/-shm copy its mode
+        self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
+        self.store = MetaStore(config.data / "meta.sqlite3",
+                               synchronous="NORMAL" if config.fsync == "never" else "FULL")
+        self.cluster_id = self.store.cluster_id()
         self.entries: dict[bytes, Entry] = {}
         self.chunk_live: dict[int, int] = {}
         self.servers: dict[int, ServerInfo] = {}
         self.leases: dict[bytes, float] = {}
         self._dirty_access: dict[bytes, float] = {}
-        self.rpc = RpcServer(self, Service.META, self.token, Limits())
+        self.rpc = RpcServer(self, Service.META, self.tokens, config)
         self._bg: list[asyncio.Task[None]] = []
         self._load()
         self._init_gc()
@@ -85,7 +103,8 @@ class MetaService(MetaGc):
             self.entries[key] = Entry(layout, wire, last_access)
             self._add_live(layout, +1, key)
         for sid, addr, capacity, free in self.store.load_servers():
-            self.servers[sid] = ServerInfo(sid, addr, capacity, free)
+            self.servers[sid] = ServerInfo(sid, addr, capacity, free, reported_capacity=capacity,
+                                           reported_free=free)
         log.info("meta loaded %d keys, %d chunkservers", len(self.entries), len(self.servers))
 
     async def start(self) -> str:
@@ -103,6 +122,7 @@ class MetaService(MetaGc):
         await self.rpc.close()
         self.flush_access()
         self.store.close()
+        self.lock.release()
 
     async def _flush_loop(self) -> None:
         while True:
@@ -247,7 +267,7 @@ class MetaService(MetaGc):
             servers.append({
                 "server_id": s.server_id, "addr": s.addr, "alive": self.alive(s),
                 "capacity": s.capacity, "free": s.free, "used": s.used,
-                "chunks": len(s.chunks), "written": written, "live": live,
+                "shared_by": s.shared_by, "chunks": len(s.chunks), "written": written, "live": live,
                 "garbage": max(0, written - live),
             })
         return {
@@ -265,16 +285,44 @@ class MetaService(MetaGc):
         if not isinstance(addr, str) or len(addr) > 256:
             raise InvalidArgument(f"chunkserver address must be HOST:PORT, got {addr!r:.80}")
         parse_addr(addr)
+        key = h.get("key") or ""
+        if not isinstance(key, str) or len(key) > 128:
+            raise InvalidArgument("chunkserver key must be a short string")
         sid = h.get("server_id")
         sid = max(self.servers, default=0) + 1 if sid is None else _count(sid, "server_id", 2**31)
-        s = self.servers.get(sid) or ServerInfo(sid, addr)
+        self._check_cluster(sid, addr, h.get("cluster_id"), _count(h.get("nchunks", 0), "nchunks"))
+        old = self.servers.get(sid)
+        if old is not None and old.addr != addr and self.alive(old) and old.key != key:
+            raise InvalidArgument(
+                f"chunkserver {sid} is alive at {old.addr}; a server at {addr} with another data "
+                "dir cannot take its id (stop the other one, or wait for it to time out)")
+        s = old or ServerInfo(sid, addr)
+        s.key = key
         s.addr = addr
-        s.capacity, s.free = _count(h.get("capacity", 0), "capacity"), _count(h.get("free", 0), "free")
+        s.reported_capacity = _count(h.get("capacity", 0), "capacity")
+        s.reported_free = _count(h.get("free", 0), "free")
+        s.disk = _disk(h.get("disk"))
         s.last_heartbeat = time.monotonic()
         self.servers[sid] = s
-        self.store.put_server(sid, addr, s.capacity, s.free)
+        self._share_disks()
+        self.store.put_server(sid, addr, s.reported_capacity, s.reported_free)
         log.info("chunkserver %d registered at %s", sid, addr)
-        return {"server_id": sid}, ()
+        return {"server_id": sid, "cluster_id": self.cluster_id}, ()
+
+    def _check_cluster(self, sid: int, addr: str, cluster_id: Any, nchunks: int) -> None:
+        """A chunkserver of another cluster, or one holding chunks this meta never saw, is
+        refused: this meta (fresh, or restored from elsewhere) must never GC its chunks."""
+        if cluster_id is None:
+            if nchunks and sid not in self.servers:
+                raise WrongCluster(
+                    f"chunkserver {sid} at {addr} holds {nchunks} chunks but no cluster id, and this "
+                    f"meta (cluster {self.cluster_id}) has never seen it; if meta's database was "
+                    "lost, rebuild it: kvfs meta rebuild --from-chunkservers")
+        elif cluster_id != self.cluster_id:
+            raise WrongCluster(
+                f"chunkserver {sid} at {addr} belongs to cluster {str(cluster_id)[:64]}, this meta "
+                f"is cluster {self.cluster_id}; if meta's database was lost or replaced, rebuild it: "
+                "kvfs meta rebuild --from-chunkservers")
 
     async def rpc_heartbeat(self, h: dict[str, Any], p: memoryview) -> Reply:
         sid = int(h["server_id"])
@@ -287,12 +335,28 @@ class MetaService(MetaGc):
         open_chunk = s.open_chunk
         if "open" in h:
             open_chunk = None if h["open"] is None else _count(h["open"], "open chunk")
-        s.capacity, s.free, s.used, s.chunks, s.open_chunk = capacity, free, used, chunks, open_chunk
+        s.reported_capacity, s.reported_free, s.used = capacity, free, used
+        s.chunks, s.open_chunk = chunks, open_chunk
         s.wanted = _count(h.get("wanted", 0), "wanted")
+        s.disk = _disk(h.get("disk", s.disk))
         s.last_heartbeat = time.monotonic()
+        self._share_disks()
         return {}, ()
+
+    def _share_disks(self) -> None:
+        """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
+        capacity and free space they report, so every total (``kvfs stat``, ``kvfs gc
+        status``, the mount's ``df``) counts the disk once and fill ratios are the disk's."""
+        on_disk: dict[str, int] = {}
+        for s in self.servers.values():
+            if s.disk is not None:
+                on_disk[s.disk] = on_disk.get(s.disk, 0) + 1
+        for s in self.servers.values():
+            n = on_disk.get(s.disk, 1) if s.disk is not None else 1
+            s.shared_by = n
+            s.capacity, s.free = s.reported_capacity // n, s.reported_free // n
 
     async def rpc_servers(self, h: dict[str, Any], p: memoryview) -> Reply:
         return {"servers": [[s.server_id, s.addr, s.capacity, s.free, self.alive(s)]
-                            for s in self.servers.values()]}, ()
+                            for s in self.servers.values()], "cluster_id": self.cluster_id}, ()
 

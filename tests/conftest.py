@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -11,13 +12,37 @@ from typing import Any, TypeVar
 import pytest
 
 from kvfs._loop import new_event_loop
+from kvfs.address import parse_addr
 from kvfs.client import AsyncClient
-from kvfs.config import MetaConfig
+from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig
 from kvfs.launcher import LocalCluster, ProcessCluster
+from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
 from kvfs.rpc import Op
 from kvfs.server import RpcServer
 
 T = TypeVar("T")
+
+
+async def raw_connect(addr: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Frame]:
+    """A plain socket to a kvfs server, its HELLO read (for tests that send raw bytes)."""
+    host, port = parse_addr(addr)
+    reader, writer = await asyncio.open_connection(host, port)
+    hello = await read_frame(reader)
+    assert hello.op == Op.HELLO
+    return reader, writer, hello
+
+
+async def read_frame(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> Frame:
+    dec = FrameDecoder()
+    async with asyncio.timeout(timeout_s):
+        while True:
+            ev = dec.next_event()
+            if ev is not NEED_DATA:
+                assert isinstance(ev, Frame)
+                return ev
+            data = await reader.read(65536)
+            assert data, "connection closed before a frame arrived"
+            dec.receive_data(data)
 
 
 class FakeClock:
@@ -64,6 +89,13 @@ def hold(cluster: LocalCluster, op: Op) -> Hold:
     """Hold ``op`` in the cluster's meta (the test then picks what meta applies first)."""
     assert cluster.meta is not None
     return Hold(cluster.meta.rpc, op)
+
+
+# tests driven by an inference engine's own package run only in that engine's venv
+# (.ci/engines.sh, .ci/run): elsewhere they are not even collected
+_ENGINE_TESTS = {"sglang": "sglang", "lmcache": "lmcache", "demo": "transformers"}
+collect_ignore_glob = [f"engines/test_{name}.py" for name, module in _ENGINE_TESTS.items()
+                       if importlib.util.find_spec(module) is None]
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
@@ -122,7 +154,13 @@ class ThreadCluster:
         self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="cluster", daemon=True)
         self.thread.start()
-        self.cluster = LocalCluster(root, chunkservers)
+        # the fsspec/FUSE suites test behaviour with thousands of single-file puts; syncing
+        # each one (the default, tested in test_durability.py) only makes them slow
+        self.cluster = LocalCluster(root, chunkservers,
+                                    meta=MetaConfig(data=root / "meta", listen="127.0.0.1:0",
+                                                    fsync=FsyncMode.NEVER),
+                                    chunkserver=ChunkServerConfig(data=root, heartbeat_interval_s=0.2,
+                                                                  fsync=FsyncMode.NEVER))
         self.addr = self.call(self.cluster.start())
         self.token = self.cluster.token
 

@@ -26,7 +26,7 @@ def test_fio_option_names_parse() -> None:
     ns = _ns("--rw=randread,write", "--bs=4k,64k,1m,16m", "--iodepth=8", "--numjobs=2",
              "--size=1m", "--runtime=2", "--time_based", "--ramp_time=1", "--batch=16",
              "--prefix-chain=4", "--output-format=json", "--compare", "--plot", "x.png",
-             "--addr", "kvfs://127.0.0.1:1", "--token", "t")
+             "--addr", "kvfs://127.0.0.1:1", "--token-file", "t")
     assert ns.rw == ["randread", "write"]
     assert ns.bs == [4096, 65536, 1 << 20, 16 << 20]
     assert (ns.iodepth, ns.numjobs, ns.size, ns.runtime) == (8, 2, 1 << 20, 2.0)
@@ -78,7 +78,7 @@ async def test_text_output_against_running_cluster(
 ) -> None:
     async with LocalCluster(tmp_path / "c", 3) as cluster:
         ns = _ns("--rw=read", "--bs=64k", "--prefix-chain=4", "--addr", cluster.addr,
-                 "--token", cluster.token, "--size", "256k", "--time_based",
+                 "--token-file", str(tmp_path / "c" / "token"), "--size", "256k", "--time_based",
                  "--runtime", "0.3", "--no-progress")
         assert await bench_cli.cmd_bench(ns) == 0
     out = capsys.readouterr().out

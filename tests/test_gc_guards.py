@@ -67,7 +67,7 @@ async def test_retire_refuses_a_chunk_a_commit_made_live(one: LocalCluster, cloc
     then GC_RETIRE arrives: it must see the new reference and retire nothing."""
     commit = hold(one, Op.COMMIT)
     retire = hold(one, Op.GC_RETIRE)
-    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.token) as gc:
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
         put = asyncio.create_task(kv.put("k", value_of("k")))
         await commit.reached()  # the bytes are appended, meta has not seen them
         gc_pass = asyncio.create_task(gc.run_pass(NOW))
@@ -88,7 +88,7 @@ async def test_commit_refuses_a_layout_naming_a_retired_chunk(one: LocalCluster,
     """put appends; a whole GC pass retires and deletes the unreferenced chunk; then the commit
     arrives: it must be refused (StaleLayout), never make a key whose bytes are gone."""
     commit = hold(one, Op.COMMIT)
-    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.token) as gc:
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
         put = asyncio.create_task(kv.put("k", value_of("k")))
         await commit.reached()
         report = await gc.run_pass(NOW)
@@ -109,7 +109,7 @@ async def test_relocate_never_undoes_an_overwrite_made_during_compaction(
     arrives: the overwritten key keeps its new bytes, the deleted key stays deleted."""
     keys = [f"k{i:03d}" for i in range(60)]
     newer = b""
-    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.token) as gc:
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
         await kv.put_many([(k, value_of(k)) for k in keys], ttl=3600)  # the clock stands still
         await kv.delete_many(keys[::2])  # half garbage: the chunk is compacted
         live = keys[1::2]
@@ -142,8 +142,8 @@ async def test_relocate_refuses_a_copy_another_gc_reclaimed(one: LocalCluster, c
         await kv.delete_many(keys[::2])
         live = keys[1::2]
         relocate = hold(one, Op.GC_RELOCATE)
-        async with GarbageCollector(one.addr, token=one.token) as a, \
-                GarbageCollector(one.addr, token=one.token) as b:
+        async with GarbageCollector(one.addr, token=one.admin_token) as a, \
+                GarbageCollector(one.addr, token=one.admin_token) as b:
             stalled = asyncio.create_task(a.run_pass(NOW))
             await relocate.reached()
             copies = chunk_files(one)
@@ -168,7 +168,7 @@ async def test_a_restarted_chunkserver_never_reuses_a_retired_chunk_id(
         before = await kv.layout("old")
         assert before is not None
         await kv.delete("old")
-        async with GarbageCollector(one.addr, token=one.token) as gc:
+        async with GarbageCollector(one.addr, token=one.admin_token) as gc:
             assert (await gc.run_pass(NOW)).chunks_deleted == 1
         assert chunk_files(one) == set()
         await one.stop_chunkserver(0)

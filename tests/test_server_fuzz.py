@@ -43,7 +43,7 @@ async def _fuzz(addr: str, token: str, service: Service, rng: random.Random) -> 
 
 async def test_meta_survives_malformed_requests(cluster: LocalCluster) -> None:
     rng = random.Random(1)
-    assert await _fuzz(cluster.addr, cluster.token, Service.META, rng) == 400
+    assert await _fuzz(cluster.addr, cluster.admin_token, Service.META, rng) == 400
     async with cluster.client() as kv:  # and still works for a real client
         await kv.put(b"after-fuzz", b"ok")
         assert await kv.get(b"after-fuzz") == b"ok"
@@ -53,7 +53,7 @@ async def test_chunkserver_survives_malformed_requests(cluster: LocalCluster) ->
     rng = random.Random(2)
     cs = cluster.chunkservers[0]
     assert cs is not None
-    assert await _fuzz("kvfs://" + cs.addr, cluster.token, Service.CHUNKSERVER, rng) == 400
+    assert await _fuzz("kvfs://" + cs.addr, cluster.admin_token, Service.CHUNKSERVER, rng) == 400
     async with cluster.client() as kv:
         await kv.put_many({f"f{i}": b"v" * 100 for i in range(30)})
         assert await kv.get_many([f"f{i}" for i in range(30)]) == [b"v" * 100] * 30
