@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import threading
-from collections.abc import AsyncIterator, Coroutine, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,6 +18,7 @@ from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig
 from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
 from kvfs.rpc import Op
+from kvfs.server import RpcServer
 
 T = TypeVar("T")
 
@@ -55,6 +56,39 @@ class FakeClock:
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
+
+
+class Hold:
+    """Holds every request of one op in a server's dispatch until :meth:`release`.
+
+    Fault injection for ordering: ``arrived`` is set when the first request
+    reaches the server, which then applies nothing of it until released."""
+
+    def __init__(self, server: RpcServer, op: Op) -> None:
+        self.op = op
+        self.arrived = asyncio.Event()
+        self._open = asyncio.Event()
+        inner: Callable[..., Awaitable[Any]] = server.handlers[int(op)]
+
+        async def held(*args: Any) -> Any:
+            self.arrived.set()
+            await self._open.wait()
+            return await inner(*args)
+
+        server.handlers[int(op)] = held
+
+    async def reached(self) -> None:
+        async with asyncio.timeout(30):  # a deadline, never a sleep
+            await self.arrived.wait()
+
+    def release(self) -> None:
+        self._open.set()
+
+
+def hold(cluster: LocalCluster, op: Op) -> Hold:
+    """Hold ``op`` in the cluster's meta (the test then picks what meta applies first)."""
+    assert cluster.meta is not None
+    return Hold(cluster.meta.rpc, op)
 
 
 # tests driven by an inference engine's own package run only in that engine's venv
@@ -162,4 +196,4 @@ def tcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadCluster
         c.close()
 
 
-__all__ = ["FakeClock", "ThreadCluster", "new_event_loop"]
+__all__ = ["FakeClock", "Hold", "ThreadCluster", "hold", "new_event_loop"]

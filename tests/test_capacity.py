@@ -33,7 +33,7 @@ async def test_chunkservers_on_one_disk_count_it_once(cluster: LocalCluster,
     async with cluster.client() as other:  # gc status reads the same shares
         from kvfs.gc.driver import GarbageCollector
 
-        async with GarbageCollector(cluster.addr, token=cluster.token) as gc:
+        async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
             st = await gc.status()
         assert sum(s["capacity"] for s in st["servers"]) <= disk.total
         del other

@@ -14,6 +14,7 @@ from conftest import FakeClock
 
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig
+from kvfs.errors import ChecksumMismatch
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.rpc import Op
@@ -140,6 +141,40 @@ async def test_reads_racing_compaction_return_right_bytes(small: LocalCluster, c
         assert all(n > 1 for n in lookups), lookups  # each reader re-looked-up stale layouts
     async with client(small, clock) as fresh:
         assert await fresh.get_many(live) == want
+
+
+async def test_compaction_leaves_a_corrupt_record_behind(small: LocalCluster, clock: FakeClock) -> None:
+    """A live value whose bytes rotted on disk is not copied forward (its key keeps pointing
+    at the old chunk, which is then kept); every other record of that chunk is copied."""
+    async with client(small, clock) as kv:
+        keys = await fill(kv, 100)
+        await kv.delete_many(keys[::2])
+        live = keys[1::2]
+        bad = live[len(live) // 2]
+        before = {k: await kv.layout(k) for k in live}
+        lay = before[bad]
+        assert lay is not None
+        rep = lay.extents[0].replicas[0]
+        neighbours = [k for k, v in before.items() if k != bad and v is not None
+                      and v.extents[0].replicas[0].chunk_id == rep.chunk_id]
+        assert neighbours
+        (path,) = small.root.glob(f"cs*/chunks/{rep.chunk_id:016x}.chunk")
+        with open(path, "r+b") as f:
+            f.seek(rep.offset + 100)
+            f.write(b"\x00" if value_of(bad)[100] else b"\x01")
+        async with GarbageCollector(small.addr, token=small.admin_token) as gc:
+            r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
+        assert r.chunks_compacted > 0 and r.relocations_lost == 0
+        assert path.exists()  # still referenced by the corrupt key
+    async with client(small, clock) as fresh:
+        assert await fresh.layout(bad) == lay
+        for k in neighbours:
+            moved = await fresh.layout(k)
+            assert moved is not None and moved.extents[0].replicas[0].chunk_id != rep.chunk_id
+        good = [k for k in live if k != bad]
+        assert await fresh.get_many(good) == [value_of(k) for k in good]
+        with pytest.raises(ChecksumMismatch):
+            await fresh.get(bad)
 
 
 async def copy_only(gc: GarbageCollector, kv: AsyncClient) -> tuple[int, int, dict[str, object], list[list[object]]]:
