@@ -170,13 +170,11 @@ async def _dry_run_matches_apply(cluster: LocalCluster, kv: AsyncClient, clock: 
     from kvfs.gc.driver import GarbageCollector, PassOptions
 
     keys = [f"g{i:03d}" for i in range(300)]
-    # chunks holding some live keys among many dead ones; 3 replicas on the 3 servers, so
-    # random placement cannot put the live and the dead keys in different chunks
+    # chunks holding some live keys among many dead ones (one chunkserver: they share chunks)
     for b in range(3):
         await kv.put_many([(k, os.urandom(8192)) for k in keys[b * 100:(b + 1) * 100]],
-                          ttl=5 if how == "expire" else None, replicas=3)
-        await kv.put_many([(f"keep{i}", os.urandom(8192)) for i in range(b * 10, (b + 1) * 10)],
-                          replicas=3)
+                          ttl=5 if how == "expire" else None)
+        await kv.put_many([(f"keep{i}", os.urandom(8192)) for i in range(b * 10, (b + 1) * 10)])
     if how == "delete":
         assert await kv.delete_many(keys) == len(keys)
     else:
