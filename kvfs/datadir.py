@@ -42,9 +42,11 @@ class DirLock:
     The kernel drops the lock when the holder dies, however it dies.
     """
 
-    def __init__(self, directory: Path, what: str) -> None:
-        self.path = directory / "lock"
+    def __init__(self, directory: Path, what: str, *, name: str = "lock",
+                 hint: str = "two processes cannot share one") -> None:
+        self.path = directory / name
         self.what = what
+        self.hint = hint
         self._fd: int | None = None
 
     def acquire(self) -> DirLock:
@@ -55,8 +57,7 @@ class DirLock:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
             raise DataDirInUse(f"data directory {self.path.parent} is in use by another "
-                               f"{self.what} (pid {holder}); two processes cannot share one"
-                               ) from None
+                               f"{self.what} (pid {holder}); {self.hint}") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd

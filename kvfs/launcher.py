@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import os
 import signal
 import sys
@@ -22,8 +21,8 @@ from kvfs.address import TOKEN_ENV, parse_addr, service_tokens, user_token_path,
 from kvfs.chunkserver import ChunkServer
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, ClientConfig, GcConfig, MetaConfig
-from kvfs.datadir import private_dir
-from kvfs.errors import KVFSError, Unavailable
+from kvfs.datadir import DirLock, private_dir
+from kvfs.errors import Unavailable
 from kvfs.handshake import Role
 from kvfs.meta import MetaService
 
@@ -200,46 +199,10 @@ class ServiceProcess:
         return self.proc.returncode
 
 
-class DataDirInUse(KVFSError):
-    """Another `kvfs up` holds this data directory."""
-
-
-class DataDirLock:
-    """``DATA/up.pid``, held with ``flock`` while a `kvfs up` runs on DATA; it names that pid.
-
-    The kernel drops the lock when the holder dies, however it dies, so a stale file never
-    blocks a restart.
-    """
-
-    def __init__(self, data: Path) -> None:
-        self.path = data / "up.pid"
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise DataDirInUse(f"data directory {self.path.parent} is in use by another kvfs up "
-                               f"(pid {holder}); stop that one first") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)
-            os.close(self._fd)  # closing drops the flock
-            self._fd = None
-
-
 class ProcessCluster:
     """Meta and N chunkservers as child processes; what `kvfs up` runs.
 
-    The data directory is locked (:class:`DataDirLock`) from :meth:`start` to :meth:`stop`.
+    The data directory is locked (``DATA/up.pid``, a :class:`DirLock`) from :meth:`start` to :meth:`stop`.
     :meth:`supervise` reports a child that exits and restarts it with backoff.
     """
 
@@ -262,7 +225,7 @@ class ProcessCluster:
         self.gc_enabled = gc
         self.gc_args = gc_args
         self.gc: ServiceProcess | None = None
-        self.lock = DataDirLock(self.data)
+        self.lock = DirLock(self.data, "kvfs up", name="up.pid", hint="stop that one first")
         self._stopping = False
 
     def _kvfs(self, *args: str) -> list[str]:
