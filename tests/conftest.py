@@ -85,6 +85,13 @@ class Hold:
         self._open.set()
 
 
+def clocked_client(c: LocalCluster, clock: FakeClock) -> AsyncClient:
+    """A client of ``c`` on the test's fake clock (TTLs and leases follow ``clock``)."""
+    kv = c.client()
+    kv.clock = clock
+    return kv
+
+
 def hold(cluster: LocalCluster, op: Op) -> Hold:
     """Hold ``op`` in the cluster's meta (the test then picks what meta applies first)."""
     assert cluster.meta is not None

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from conftest import FakeClock
+from conftest import clocked_client as client
 
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig
@@ -47,12 +48,6 @@ async def fill(kv: AsyncClient, n: int = 400, batch: int = 20) -> list[str]:
     for i in range(0, n, batch):
         await kv.put_many([(k, value_of(k)) for k in keys[i : i + batch]])
     return keys
-
-
-def client(c: LocalCluster, clock: FakeClock) -> AsyncClient:
-    kv = c.client()
-    kv.clock = clock
-    return kv
 
 
 async def test_compaction_keeps_live_keys_and_shrinks_disk(small: LocalCluster, clock: FakeClock) -> None:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from conftest import FakeClock
+from conftest import clocked_client as client
 
-from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig
 from kvfs.errors import NoSpace
 from kvfs.gc.driver import GarbageCollector, PassOptions
@@ -33,12 +33,6 @@ async def full(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
         yield c
     finally:
         await c.stop()
-
-
-def client(c: LocalCluster, clock: FakeClock) -> AsyncClient:
-    kv = c.client()
-    kv.clock = clock
-    return kv
 
 
 async def read_fresh(c: LocalCluster, clock: FakeClock, keys: list[str]) -> list[bytes | None]:

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import pytest
 from conftest import FakeClock, hold
+from conftest import clocked_client as client
 
-from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig
 from kvfs.errors import StaleLayout
 from kvfs.gc.driver import GarbageCollector, PassOptions
@@ -50,12 +50,6 @@ async def one(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
         yield c
     finally:
         await c.stop()
-
-
-def client(c: LocalCluster, clock: FakeClock) -> AsyncClient:
-    kv = c.client()
-    kv.clock = clock
-    return kv
 
 
 def chunk_files(c: LocalCluster) -> set[str]:
