@@ -6,14 +6,14 @@ import asyncio
 import contextlib
 import logging
 import os
-from typing import Any
 
+from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.chunkserver.store import ChunkStore
 from kvfs.config import ChunkServerConfig, parse_hostport
 from kvfs.errors import AuthError, KVFSError
 from kvfs.protocol import Buffer, Limits
-from kvfs.rpc import Op, Service
+from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
 from kvfs.transport import Connection
 
@@ -73,21 +73,26 @@ class ChunkServer:
             host, port = parse_addr(self.config.meta)
             self._meta = await Connection.open(host, port, self.token)
         capacity, free, _ = self.store.usage()
-        r = await self._meta.call(Op.REGISTER, {"server_id": self.store.server_id, "addr": self.addr,
-                                                "capacity": capacity, "free": free})
-        sid = int(r.header["server_id"])
-        if sid != self.store.server_id:
-            self.store.server_id = sid
+        r = await self._meta.call(rpc.Register(server_id=self.store.server_id, addr=self.addr,
+                                               capacity=capacity, free=free))
+        if r.server_id != self.store.server_id:
+            self.store.server_id = r.server_id
             self.store.save_state()
         await self._heartbeat()
 
     async def _heartbeat(self) -> None:
-        assert self._meta is not None
+        assert self._meta is not None and self.server_id is not None
+        await self._meta.call(rpc.Heartbeat.of(self.chunk_stats(), server_id=self.server_id,
+                                               addr=self.addr))
+
+    def chunk_stats(self, *, mtimes: bool = False) -> rpc.ChunkStatsReply:
         capacity, free, used = self.store.usage()
-        await self._meta.call(Op.HEARTBEAT, {
-            "server_id": self.store.server_id, "addr": self.addr, "capacity": capacity,
-            "free": free, "used": used, "chunks": dict(self.store.sizes), "open": self.store.open_chunk,
-            "wanted": self.store.wanted_bytes})
+        return rpc.ChunkStatsReply(
+            chunks=dict(self.store.sizes), capacity=capacity, free=free, used=used,
+            spans_read=self.store.spans_read, readv_calls=self.readv_calls,
+            append_calls=self.append_calls, open=self.store.open_chunk,
+            wanted=self.store.wanted_bytes, server_id=self.server_id, addr=self.addr,
+            mtimes=self.store.mtimes() if mtimes else {})
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -105,46 +110,38 @@ class ChunkServer:
                     self._meta = None
 
     # RPCs ------------------------------------------------------------------
-    async def rpc_ping(self, h: dict[str, Any], p: memoryview) -> Reply:
-        return {"service": "chunkserver", "server_id": self.server_id}, ()
+    async def rpc_ping(self, req: rpc.Ping, payload: memoryview) -> Reply:
+        return rpc.Pong(service="chunkserver", server_id=self.server_id), ()
 
-    async def rpc_append(self, h: dict[str, Any], p: memoryview) -> Reply:
+    async def rpc_append(self, req: rpc.Append, payload: memoryview) -> Reply:
         self.append_calls += 1
-        locs = await self.store.append(h["records"], p)
-        return {"locations": locs}, ()
+        locs = await self.store.append(req.records, payload)
+        return rpc.Appended(locations=[rpc.Location(c, o) for c, o in locs]), ()
 
-    async def rpc_readv(self, h: dict[str, Any], p: memoryview) -> Reply:
+    async def rpc_readv(self, req: rpc.ReadV, payload: memoryview) -> Reply:
         self.readv_calls += 1
-        ranges = [(int(c), int(o), int(n)) for c, o, n in h["ranges"]]
-        views, errors = await self.store.readv(ranges)
-        payload: list[Buffer] = [v for v in views if v is not None and v.nbytes]
-        return {"errors": {i: [e.code, e.message] for i, e in errors.items()}}, payload
+        views, errors = await self.store.readv(req.ranges)
+        parts: list[Buffer] = [v for v in views if v is not None and v.nbytes]
+        return rpc.ReadVReply(errors={i: rpc.WireError(e.code, e.message) for i, e in errors.items()}), parts
 
-    async def rpc_chunk_stats(self, h: dict[str, Any], p: memoryview) -> Reply:
-        capacity, free, used = self.store.usage()
-        return {"chunks": dict(self.store.sizes), "capacity": capacity, "free": free, "used": used,
-                "spans_read": self.store.spans_read, "readv_calls": self.readv_calls,
-                "append_calls": self.append_calls, "open": self.store.open_chunk,
-                "wanted": self.store.wanted_bytes,
-                "server_id": self.server_id, "addr": self.addr,
-                "mtimes": self.store.mtimes() if h.get("mtimes") else {}}, ()
+    async def rpc_chunk_stats(self, req: rpc.ChunkStats, payload: memoryview) -> Reply:
+        return self.chunk_stats(mtimes=req.mtimes), ()
 
-    async def rpc_chunk_compact(self, h: dict[str, Any], p: memoryview) -> Reply:
-        sources = [(int(c), [(int(o), int(n)) for o, n in wanted]) for c, wanted in h["sources"]]
-        new, size, locations = await self.store.compact(sources)
+    async def rpc_chunk_compact(self, req: rpc.ChunkCompact, payload: memoryview) -> Reply:
+        new, size, locations = await self.store.compact(req.sources)
         if new is not None:
-            log.info("compacted %d chunks into %016x (%d bytes)", len(sources), new, size)
-        return {"chunk_id": new, "size": size, "locations": locations}, ()
+            log.info("compacted %d chunks into %016x (%d bytes)", len(req.sources), new, size)
+        return rpc.Compacted(chunk_id=new, size=size, locations=locations), ()
 
-    async def rpc_chunk_delete(self, h: dict[str, Any], p: memoryview) -> Reply:
-        deleted = self.store.delete_chunks([int(c) for c in h["chunks"]])
+    async def rpc_chunk_delete(self, req: rpc.ChunkDelete, payload: memoryview) -> Reply:
+        deleted = self.store.delete_chunks(req.chunks)
         if deleted:
             log.info("deleted %d chunks (%d bytes)", len(deleted), sum(deleted.values()))
-        return {"deleted": deleted}, ()
+        return rpc.ChunksDeleted(deleted=deleted), ()
 
-    async def rpc_chunk_seal(self, h: dict[str, Any], p: memoryview) -> Reply:
-        return {"sealed": await self.store.seal(int(h["chunk_id"]), float(h.get("idle_s", 0.0)))}, ()
+    async def rpc_chunk_seal(self, req: rpc.ChunkSeal, payload: memoryview) -> Reply:
+        return rpc.Sealed(sealed=await self.store.seal(req.chunk_id, req.idle_s)), ()
 
-    async def rpc_chunk_verify(self, h: dict[str, Any], p: memoryview) -> Reply:
-        missing, bad = await self.store.verify([(int(c), int(o), int(n), int(k)) for c, o, n, k in h["ranges"]])
-        return {"missing": missing, "bad": bad}, ()
+    async def rpc_chunk_verify(self, req: rpc.ChunkVerify, payload: memoryview) -> Reply:
+        missing, bad = await self.store.verify(req.ranges)
+        return rpc.Verified(missing=missing, bad=bad), ()

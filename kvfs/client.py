@@ -19,6 +19,7 @@ from typing import Any
 
 import crc32c
 
+from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, parse_addr, resolve_token
 from kvfs.buffers import as_view
@@ -34,7 +35,7 @@ from kvfs.errors import (
 )
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
 from kvfs.protocol import Buffer, FrameHead, Scatter
-from kvfs.rpc import Op
+from kvfs.rpc import OP_OF, R, Request
 from kvfs.transport import Connection, Sink
 
 log = logging.getLogger("kvfs.client")
@@ -146,12 +147,12 @@ class AsyncClient:
                     request_timeout_s=self.config.request_timeout_s)
         return self._meta
 
-    async def _meta_call(self, op: Op, header: dict[str, Any]) -> dict[str, Any]:
-        self.rpc_counts[op.name] += 1
+    async def _meta_call(self, request: Request[R]) -> R:
+        self.rpc_counts[OP_OF[type(request)].name] += 1
         for attempt in (0, 1):
             conn = await self._meta_conn()
             try:
-                return (await conn.call(op, header)).header
+                return await conn.call(request)
             except Unavailable:
                 if attempt or not conn.is_closed:
                     raise
@@ -189,19 +190,17 @@ class AsyncClient:
                 error = Unavailable(f"chunkserver {sid} at {entry.addr}: {exc}")
         raise error
 
-    async def _server_call(self, sid: int, op: Op, header: dict[str, Any],
-                           payload: Sequence[Buffer] = (), sink: Sink | None = None,
-                           ) -> tuple[dict[str, Any], memoryview | Scatter]:
-        self.rpc_counts[op.name] += 1
+    async def _server_call(self, sid: int, request: Request[R], payload: Sequence[Buffer] = (),
+                           sink: Sink | None = None) -> tuple[R, memoryview | Scatter]:
+        self.rpc_counts[OP_OF[type(request)].name] += 1
         conn = await self._server_conn(sid)
         try:
-            frame = await conn.call(op, header, payload, sink=sink)
+            answer, body = await conn.exchange(request, payload, sink=sink)
         except Unavailable as exc:
             if sid in self._servers:
                 self._servers[sid].alive = False
             raise Unavailable(f"chunkserver {sid} ({conn.name}): {exc}") from None
-        body = frame.payload
-        return frame.header, body if isinstance(body, Scatter) else memoryview(body)
+        return answer, body if isinstance(body, Scatter) else memoryview(body)
 
     def _rx_take(self, n: int) -> bytearray:
         pool = self._rx_pool
@@ -220,9 +219,9 @@ class AsyncClient:
         """The chunkservers meta knows, refreshed every ``servers_refresh_s``."""
         now = time.monotonic()
         if refresh or now - self._servers_at > self.config.servers_refresh_s:
-            h = await self._meta_call(Op.SERVERS, {})
-            fresh = {int(s[0]): ServerEntry(int(s[0]), str(s[1]), int(s[2]), int(s[3]), bool(s[4]))
-                     for s in h["servers"]}
+            h = await self._meta_call(rpc.Servers())
+            fresh = {s.server_id: ServerEntry(s.server_id, s.addr, s.capacity, s.free, s.alive)
+                     for s in h.servers}
             for sid, conn in list(self._conns.items()):
                 if sid not in fresh or fresh[sid].addr != self._servers.get(sid, fresh[sid]).addr:
                     conn.close()
@@ -256,10 +255,9 @@ class AsyncClient:
                               or time.monotonic() - self._touch_at > TOUCH_INTERVAL_S):
             self._flush_touches()
         if missing:
-            h = await self._meta_call(Op.LOOKUP, {"keys": [keys[i] for i in missing]})
-            for i, w in zip(missing, h["layouts"], strict=True):
-                if w is not None:
-                    lay = Layout.from_wire(w)
+            h = await self._meta_call(rpc.Lookup(keys=[keys[i] for i in missing]))
+            for i, lay in zip(missing, h.layouts, strict=True):
+                if lay is not None:
                     out[i] = lay
                     self._cache(keys[i], lay)
         return out
@@ -273,7 +271,7 @@ class AsyncClient:
 
         async def send() -> None:
             try:
-                await self._meta_call(Op.TOUCH, {"keys": keys})
+                await self._meta_call(rpc.Touch(keys=keys))
             except KVFSError as exc:  # best effort: access times are advisory
                 log.debug("touch of %d keys failed: %s", len(keys), exc)
 
@@ -309,14 +307,14 @@ class AsyncClient:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        wires: list[list[Any]] | None = None
+        layouts: list[Layout] | None = None
         collected = False
         for attempt in range(3):
             live = [s for s in await self.servers(refresh=attempt > 0) if s.alive]
             if len(live) < r:
                 raise Unavailable(f"{r} replicas need {r} live chunkservers; {len(live)} are live")
             try:
-                wires = await self._write(keys, views, self._order(live), r, ttl)
+                layouts = await self._write(keys, views, self._order(live), r, ttl)
                 break
             except Unavailable:
                 if attempt == 2:
@@ -326,12 +324,11 @@ class AsyncClient:
                     raise
                 await self._make_room()
                 collected = True
-        assert wires is not None
-        h = await self._meta_call(Op.COMMIT, {"items": list(zip(keys, wires, strict=True)),
-                                              "ttl_s": ttl})
-        stamp = (float(h["created"]), h["expires_at"])
-        for k, w in zip(keys, wires, strict=True):
-            self._cache(k, Layout.from_wire(w, stamp=stamp))
+        assert layouts is not None
+        h = await self._meta_call(rpc.Commit(
+            items=[rpc.CommitItem(k, lay) for k, lay in zip(keys, layouts, strict=True)], ttl_s=ttl))
+        for k, lay in zip(keys, layouts, strict=True):
+            self._cache(k, lay.stamped(h.created, h.expires_at))
 
     async def _make_room(self) -> None:
         """A write found the cluster full: run one GC pass (expire, evict LRU down to the
@@ -344,14 +341,14 @@ class AsyncClient:
         await self.servers(refresh=True)
 
     async def _write(self, keys: list[bytes], views: list[memoryview], order: list[ServerEntry],
-                     r: int, ttl: float | None) -> list[list[Any]]:
-        """Append every value (one APPEND per server); returns the layouts in wire form."""
+                     r: int, ttl: float | None) -> list[Layout]:
+        """Append every value (one APPEND per server); returns the layouts to commit."""
         stripe = self.config.stripe_bytes
         expires_hint = None if ttl is None else self.clock() + ttl
         n_srv = len(order)
         crc = crc32c.crc32c
         # per server: records and payload parts, in call order
-        records: dict[int, list[list[Any]]] = defaultdict(list)
+        records: dict[int, list[rpc.RecordHead]] = defaultdict(list)
         parts: dict[int, list[memoryview]] = defaultdict(list)
         # per value and unit: (length, crc, [(sid, index into records[sid]), ...])
         plans: list[list[tuple[int, int, list[tuple[int, int]]]]] = []
@@ -375,7 +372,7 @@ class AsyncClient:
                 for sid in small:
                     recs = records[sid]
                     where.append((sid, len(recs)))
-                    recs.append([key, n, c, expires_hint])
+                    recs.append(rpc.RecordHead(key, n, c, expires_hint))
                     parts[sid].append(v)
                 plans.append([(n, c, where)])
                 crcs.append(c)
@@ -391,16 +388,16 @@ class AsyncClient:
                 for j in range(r):
                     sid = order[(start + j) % n_srv].server_id
                     where.append((sid, len(records[sid])))
-                    records[sid].append([key, u.nbytes, c, expires_hint])
+                    records[sid].append(rpc.RecordHead(key, u.nbytes, c, expires_hint))
                     parts[sid].append(u)
                 plan.append((u.nbytes, c, where))
             rr += len(units)
             plans.append(plan)
             crcs.append(whole)
-        locs: dict[int, list[list[int]]] = {}
+        locs: dict[int, list[rpc.Location]] = {}
 
         async def send(sid: int) -> None:
-            out: list[list[int]] = []
+            out: list[rpc.Location] = []
             recs, ps = records[sid], parts[sid]
             i = 0
             while i < len(recs):
@@ -408,8 +405,8 @@ class AsyncClient:
                 while j < len(recs) and (j == i or total + ps[j].nbytes <= self.config.max_rpc_bytes):
                     total += ps[j].nbytes
                     j += 1
-                h, _ = await self._server_call(sid, Op.APPEND, {"records": recs[i:j]}, ps[i:j])
-                out.extend(h["locations"])
+                h, _ = await self._server_call(sid, rpc.Append(records=recs[i:j]), ps[i:j])
+                out.extend(h.locations)
                 i = j
             locs[sid] = out
 
@@ -417,13 +414,10 @@ class AsyncClient:
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        wires = []
-        for v, plan, whole in zip(views, plans, crcs, strict=True):
-            exts = []
-            for length, c, where in plan:
-                exts.append([length, c, [[sid, *locs[sid][idx]] for sid, idx in where]])
-            wires.append([v.nbytes, whole, 0.0, None, exts])
-        return wires
+        return [Layout(v.nbytes, whole, 0.0, None, tuple(
+                    Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
+                    for length, c, where in plan))
+                for v, plan, whole in zip(views, plans, crcs, strict=True)]
 
     # reads -------------------------------------------------------------------
     async def get(self, key: Key) -> bytes | None:
@@ -622,12 +616,13 @@ class AsyncClient:
     async def _readv_batch(self, sid: int, batch: list[_Job], keys: list[bytes],
                            out: list[bytes | None] | None, stale: list[int],
                            retry: list[_Job]) -> None:
-        ranges = [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+        ranges = [rpc.Range(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
                   for job in batch]
         rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
 
         def scatter(head: FrameHead) -> Scatter:
-            # the answer lands straight in each destination (e.g. the caller's buffers)
+            # the answer lands straight in each destination (e.g. the caller's buffers); this
+            # peeks at the header before it is checked: exchange() checks it once received
             errs = head.header.get("errors") or {}
             return Scatter([job.dest for i, job in enumerate(batch) if i not in errs])
 
@@ -639,11 +634,11 @@ class AsyncClient:
 
         sink = scatter if all(job.dest is not _WHOLE for job in batch) else pooled
         try:
-            h, payload = await self._server_call(sid, Op.READV, {"ranges": ranges}, sink=sink)
+            h, payload = await self._server_call(sid, rpc.ReadV(ranges=ranges), sink=sink)
         except BaseException:
             self._rx_give(rx)
             raise
-        errors = h.get("errors") or {}
+        errors = h.errors
         in_place = isinstance(payload, Scatter)
         view = _WHOLE if isinstance(payload, Scatter) else payload
         pos = 0
@@ -652,7 +647,7 @@ class AsyncClient:
             if errors:
                 err = errors.get(idx)
                 if err is not None:
-                    exc = from_wire({"code": err[0], "message": err[1]})
+                    exc = from_wire({"code": err.code, "message": err.message})
                     if isinstance(exc, StaleLayout):
                         stale.append(job.slot)
                     else:
@@ -670,7 +665,7 @@ class AsyncClient:
                 job.tried += (sid,)
                 job.error = ChecksumMismatch(
                     f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
-                    f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
+                    f"{ranges[idx].chunk_id:016x} offset {ranges[idx].offset}) fail their CRC-32C")
                 retry.append(job)
                 continue
             if job.dest is _WHOLE:
@@ -683,8 +678,7 @@ class AsyncClient:
 
     # meta-only queries ---------------------------------------------------------
     async def exists_many(self, keys: Iterable[Key]) -> list[bool]:
-        h = await self._meta_call(Op.EXISTS, {"keys": norm_keys(keys)})
-        return [bool(x) for x in h["exists"]]
+        return (await self._meta_call(rpc.Exists(keys=norm_keys(keys)))).exists
 
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
@@ -694,15 +688,13 @@ class AsyncClient:
 
     async def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         """How many leading keys are present and unexpired (optionally leased)."""
-        h = await self._meta_call(Op.MATCH_PREFIX, {"keys": norm_keys(keys), "lease_s": lease_s})
-        return int(h["n"])
+        return (await self._meta_call(rpc.MatchPrefix(keys=norm_keys(keys), lease_s=lease_s))).n
 
     async def delete_many(self, keys: Iterable[Key]) -> int:
         ks = norm_keys(keys)
         for k in ks:
             self._layouts.pop(k, None)
-        h = await self._meta_call(Op.DELETE, {"keys": ks})
-        return int(h["deleted"])
+        return (await self._meta_call(rpc.Delete(keys=ks))).deleted
 
     async def delete(self, key: Key) -> bool:
         return await self.delete_many([key]) == 1
@@ -714,16 +706,15 @@ class AsyncClient:
         out: list[KeyInfo] = []
         start_after: bytes | None = None
         while limit is None or len(out) < limit:
-            h = await self._meta_call(Op.LIST, {"prefix": p, "start_after": start_after,
-                                                "limit": page_size})
-            out.extend(KeyInfo(bytes(k), int(s), float(c), e, int(n)) for k, s, c, e, n in h["entries"])
-            if not h["more"]:
+            h = await self._meta_call(rpc.ListKeys(prefix=p, start_after=start_after, limit=page_size))
+            out.extend(KeyInfo(*e) for e in h.entries)
+            if not h.more:
                 break
-            start_after = h["last"]
+            start_after = h.last
         return out if limit is None else out[:limit]
 
     async def stats(self) -> dict[str, Any]:
-        return await self._meta_call(Op.STATS, {})
+        return rpc.to_dict(await self._meta_call(rpc.Stats()))
 
 
 def connect(addr: str | None = None, *, token: str | None = None,

@@ -2,8 +2,11 @@
 
 One protocol object per connection owning one :class:`FrameDecoder`; the
 first frame must be AUTH (HMAC of the server's nonce with the cluster token).
-Each request runs as its own task, so many are in flight per connection.  A
-bad request gets an error frame and the server keeps serving; a frame that
+Each request is decoded and checked against its type in :data:`kvfs.rpc.RPCS`
+before dispatch: a bad request gets ``InvalidArgument`` naming the field and
+the server keeps serving.  It then runs as its own task, so many are in flight
+per connection; an exception other than a :class:`KVFSError` inside a handler
+is a server bug and answers ``ServerError``, never "bad input".  A frame that
 breaks the protocol gets an error frame and closes that connection only.
 """
 
@@ -16,6 +19,8 @@ import os
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from kvfs._wire import FrameProtocol, auth_mac
 from kvfs.errors import (
     AuthError,
@@ -26,26 +31,32 @@ from kvfs.errors import (
     VersionMismatch,
 )
 from kvfs.protocol import PROTOCOL_VERSION, Buffer, Flag, Frame, Limits, Scatter, encode_frame
-from kvfs.rpc import HANDLER_NAMES, RPCS, Op, Service
+from kvfs.rpc import RPCS, Auth, Empty, Hello, Op, Request, Response, Service, decode
 
 log = logging.getLogger("kvfs.server")
 
-Reply = tuple[dict[str, Any], Sequence[Buffer]]
-Handler = Callable[[dict[str, Any], memoryview], Awaitable[Reply]]
+Reply = tuple[Response, Sequence[Buffer]]
+Handler = Callable[[Any, memoryview], Awaitable[Reply]]
 
 
 class RpcServer:
-    """Serves ``handler.rpc_<name>(header, payload)`` coroutines for one service."""
+    """Serves ``handler.rpc_<name>(request, payload)`` coroutines for one service; each
+    handler object may serve part of the service's RPCs (e.g. meta's GC component)."""
 
-    def __init__(self, handler: object, service: Service, token: str, limits: Limits | None = None):
+    def __init__(self, handlers: object | Sequence[object], service: Service, token: str,
+                 limits: Limits | None = None):
         self.service = service
         self.token = token
         self.limits = limits or Limits()
-        self.handlers: dict[int, Handler] = {}
-        for op, name in HANDLER_NAMES.items():
-            fn = getattr(handler, name, None)
-            if fn is not None and RPCS[op].service in (service, Service.ANY):
-                self.handlers[int(op)] = fn
+        self.handlers: dict[int, tuple[Handler, type[Request[Any]]]] = {}
+        objs = handlers if isinstance(handlers, (list, tuple)) else [handlers]
+        for op, rpc in RPCS.items():
+            if rpc.service not in (service, Service.ANY):
+                continue
+            for obj in objs:
+                fn = getattr(obj, rpc.handler, None)
+                if fn is not None:
+                    self.handlers[int(op)] = (fn, rpc.request)
         self._server: asyncio.base_events.Server | None = None
         self.connections: set[_ServerProtocol] = set()
         self.host = ""
@@ -86,7 +97,7 @@ class _ServerProtocol(FrameProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
         self.server.connections.add(self)
-        hello = {"version": PROTOCOL_VERSION, "nonce": self.nonce, "service": self.server.service.value}
+        hello = Hello(version=PROTOCOL_VERSION, nonce=self.nonce, service=self.server.service.value)
         self.write(encode_frame(Op.HELLO, 0, hello))
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -102,12 +113,18 @@ class _ServerProtocol(FrameProtocol):
         if not self.authed:
             self._authenticate(frame)
             return
-        handler = self.server.handlers.get(frame.op)
-        if handler is None:
+        entry = self.server.handlers.get(frame.op)
+        if entry is None:
             self._reply_error(frame, InvalidArgument(
                 f"op {frame.op} is not served by the {self.server.service.value} service"))
             return
-        task = asyncio.get_running_loop().create_task(self._run(handler, frame))
+        handler, typ = entry
+        try:
+            request = decode(frame.header, typ)
+        except msgspec.ValidationError as exc:
+            self._reply_error(frame, InvalidArgument(f"bad {Op(frame.op).name} request: {exc}"))
+            return
+        task = asyncio.get_running_loop().create_task(self._run(handler, request, frame))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -120,9 +137,13 @@ class _ServerProtocol(FrameProtocol):
                 f"client speaks protocol version {frame.header.get('version')!r}; "
                 f"this server speaks {PROTOCOL_VERSION}")
         else:
-            mac = frame.header.get("mac")
+            try:
+                mac = decode(frame.header, Auth).mac
+            except msgspec.ValidationError as exc:
+                mac = b""
+                err = InvalidArgument(f"bad AUTH request: {exc}")
             good = auth_mac(self.server.token, self.nonce)
-            if not isinstance(mac, bytes) or not hmac.compare_digest(mac, good):
+            if err is None and not hmac.compare_digest(mac, good):
                 err = AuthError("wrong cluster token (check KVFS_TOKEN or the token file)")
         if err is not None:
             log.warning("refusing connection from %s: %s", self._peer(), err)
@@ -131,7 +152,7 @@ class _ServerProtocol(FrameProtocol):
             self.transport.close()
             return
         self.authed = True
-        self.write(encode_frame(frame.op, frame.request_id, {}, flags=Flag.RESPONSE))
+        self.write(encode_frame(frame.op, frame.request_id, Empty(), flags=Flag.RESPONSE))
 
     def _peer(self) -> str:
         return str(self.transport.get_extra_info("peername")) if self.transport else "?"
@@ -140,28 +161,20 @@ class _ServerProtocol(FrameProtocol):
         self.write(encode_frame(frame.op, frame.request_id, err.to_wire(),
                                 flags=Flag.RESPONSE | Flag.ERROR))
 
-    async def _run(self, handler: Handler, frame: Frame) -> None:
+    async def _run(self, handler: Handler, request: Request[Any], frame: Frame) -> None:
+        name = Op(frame.op).name
         try:
             assert not isinstance(frame.payload, Scatter)  # servers use the default allocator
-            header, payload = await handler(frame.header, memoryview(frame.payload))
+            header, payload = await handler(request, memoryview(frame.payload))
+            reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE)
         except KVFSError as exc:
             self._reply_error(frame, exc)
             return
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
-            self._reply_error(frame, InvalidArgument(
-                f"malformed {Op(frame.op).name} request: {type(exc).__name__}: {exc}"))
-            return
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
-            log.exception("%s failed", Op(frame.op).name)
-            self._reply_error(frame, ServerError(f"{Op(frame.op).name} failed on the server: {exc}"))
-            return
-        try:
-            reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE)
-        except (TypeError, ValueError, OverflowError) as exc:  # e.g. a value msgpack cannot hold
-            self._reply_error(frame, InvalidArgument(
-                f"{Op(frame.op).name} request led to an answer that cannot be encoded: {exc}"))
+        except Exception as exc:  # a bug in the handler: never relabelled as bad input
+            log.exception("%s failed", name)
+            self._reply_error(frame, ServerError(f"{name} failed on the server: {type(exc).__name__}: {exc}"))
             return
         self.server.requests_served += 1
         self.write(reply)
