@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import signal
 import sys
 import time
@@ -14,8 +15,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 from kvfs._loop import run
+from kvfs._parent import die_with_parent
 from kvfs.client import AsyncClient
-from kvfs.config import ChunkServerConfig, MetaConfig, add_options, from_options
+from kvfs.config import ChunkServerConfig, MetaConfig, UpConfig, add_options, from_options
 from kvfs.errors import KVFSError
 from kvfs.units import format_size
 
@@ -29,12 +31,17 @@ def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
 
 
-async def _wait_for_signal() -> None:
+def _stop_event() -> asyncio.Event:
+    """Set on SIGINT, SIGTERM or SIGHUP (a closed terminal stops a service too)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    return stop
+
+
+async def _wait_for_signal() -> None:
+    await _stop_event().wait()
 
 
 # services ------------------------------------------------------------------------
@@ -67,27 +74,43 @@ async def cmd_chunkserver(ns: argparse.Namespace) -> int:
 async def cmd_up(ns: argparse.Namespace) -> int:
     from kvfs.launcher import ProcessCluster
 
+    cfg = from_options(UpConfig, ns)  # every argument checked before anything starts
     meta_args: list[str] = []
-    if ns.default_ttl is not None:
-        meta_args += ["--default-ttl", str(ns.default_ttl)]
+    if cfg.default_ttl_s is not None:
+        meta_args += ["--default-ttl", repr(cfg.default_ttl_s)]
     cs_args: list[str] = []
-    if ns.capacity is not None:
-        cs_args += ["--capacity", str(ns.capacity)]
+    if cfg.capacity_bytes is not None:
+        cs_args += ["--capacity", str(cfg.capacity_bytes)]
     gc_args: list[str] = []
-    if ns.gc_interval is not None:
-        gc_args += ["--interval", str(ns.gc_interval)]
-    cluster = ProcessCluster(Path(ns.data), ns.chunkservers, listen=ns.listen,
+    if cfg.gc_interval_s is not None:
+        gc_args += ["--interval", repr(cfg.gc_interval_s)]
+    cluster = ProcessCluster(cfg.data, cfg.chunkservers, listen=cfg.listen,
                              meta_args=tuple(meta_args), chunkserver_args=tuple(cs_args),
-                             gc=ns.gc, gc_args=tuple(gc_args))
+                             gc=cfg.gc, gc_args=tuple(gc_args))
+
+    def report(msg: str) -> None:
+        print(f"kvfs up: {msg}", file=sys.stderr, flush=True)
+
+    stop = _stop_event()  # before anything starts: a signal during start-up stops it cleanly
     addr = await cluster.start()
+    supervisor: asyncio.Task[None] | None = None
     try:
         token_path = cluster.write_user_token()
         print(addr, flush=True)
-        print(f"# {ns.chunkservers} chunkservers + gc daemon, data in {cluster.data}; token in "
-              f"{token_path} (mode 0600). Ctrl-C stops all.", file=sys.stderr, flush=True)
-        await _wait_for_signal()
-        print("# stopping", file=sys.stderr, flush=True)
+        pids = ", ".join(f"{p.name} {p.pid}" for p in cluster.services())
+        report(f"{cfg.chunkservers} chunkservers{' + gc daemon' if cfg.gc else ''}, data in "
+               f"{cluster.data}; token in {token_path} (mode 0600); pid {os.getpid()} "
+               f"({pids}). Ctrl-C stops all.")
+        supervisor = asyncio.create_task(cluster.supervise(
+            report, restart=cfg.restart, backoff_s=cfg.restart_backoff_s,
+            backoff_max_s=cfg.restart_backoff_max_s, stable_s=cfg.restart_stable_s))
+        await stop.wait()
+        report("stopping")
     finally:
+        if supervisor is not None:
+            supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await supervisor
         await cluster.stop()
     return 0
 
@@ -169,15 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="count", default=0)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("up", help="start meta + N chunkservers on this machine (Ctrl-C stops)")
-    p.add_argument("--data", default="./kvfs-data", help="data directory (default ./kvfs-data)")
-    p.add_argument("--chunkservers", type=int, default=3)
-    p.add_argument("--listen", default="127.0.0.1:7070", help="meta address (default 127.0.0.1:7070)")
-    p.add_argument("--default-ttl", default=None, help="TTL for puts that give none (e.g. 1h)")
-    p.add_argument("--capacity", default=None, help="capacity per chunkserver (e.g. 10GiB)")
-    p.add_argument("--gc", action=argparse.BooleanOptionalAction, default=True,
-                   help="run the GC daemon (default: yes)")
-    p.add_argument("--gc-interval", default=None, help="time between GC passes (e.g. 10s)")
+    p = sub.add_parser("up", help="start meta + N chunkservers + GC on this machine, supervised "
+                       "(Ctrl-C stops)")
+    add_options(p, UpConfig)
     p.set_defaults(func=cmd_up)
 
     p = sub.add_parser("meta", help="run the metadata service in the foreground")
@@ -238,6 +255,7 @@ _EXTRA_COMMAND_MODULES = ("kvfs.gc.cli", "kvfs.bench.cli", "kvfs.mount")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    die_with_parent()
     parser = build_parser()
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * ns.verbose,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
@@ -78,6 +79,33 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+def arg_type(parse: Callable[[str], Any], what: str) -> Callable[[str], Any]:
+    """``parse`` as an argparse ``type``: its ValueError becomes the option's one-line message
+    (argparse would otherwise print ``invalid <function name> value``)."""
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    convert.__name__ = what
+    return convert
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"not a whole number: {text!r}") from None
+    if n < 1:
+        raise ValueError(f"must be at least 1, got {n}")
+    return n
+
+
+SIZE = arg_type(parse_size, "size")
+DURATION = arg_type(parse_duration, "duration")
+POSITIVE_INT = arg_type(_positive_int, "count")
+
+
 def add_options(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tuple[str, ...] = ()) -> None:
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
@@ -89,17 +117,18 @@ def add_options(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tuple[
         if typ is bool:
             kwargs["action"] = argparse.BooleanOptionalAction
             kwargs["default"] = f.default
+            kwargs["help"] += f" (default: {'yes' if f.default else 'no'})"
         else:
             kwargs["required"] = required
             kwargs["default"] = None if required else f.default
             if f.name.endswith("_s"):
-                kwargs["type"] = parse_duration
+                kwargs["type"] = DURATION
                 kwargs["metavar"] = "DURATION"
             elif f.name.endswith("_bytes"):
-                kwargs["type"] = parse_size
+                kwargs["type"] = SIZE
                 kwargs["metavar"] = "SIZE"
             elif typ in (int, int | None):
-                kwargs["type"] = int
+                kwargs["type"] = POSITIVE_INT if f.metadata.get("positive") else int
             elif typ in (Path, Path | None):
                 kwargs["type"] = Path
             if not required and f.default is not None:
@@ -132,3 +161,31 @@ class GcConfig:
     low_watermark: float = opt("evict least recently used keys down to this used/capacity", 0.8)
     grace_s: float = opt("keep an unreferenced chunk this long so in-flight reads finish", 30.0)
     rate_bytes: int | None = opt("compaction copy rate limit in bytes/s (default: unlimited)", None)
+
+
+@dataclass(frozen=True, kw_only=True)
+class UpConfig:
+    """`kvfs up`: meta, N chunkservers and the GC daemon as supervised child processes."""
+
+    data: Path = opt("data directory (one sub-directory per service)", Path("kvfs-data"))
+    chunkservers: int = opt("number of chunkserver processes", 3, positive=True)
+    listen: str = opt("HOST:PORT for meta (port 0 picks a free one)", "127.0.0.1:7070")
+    default_ttl_s: float | None = opt("TTL for puts that give none, e.g. 1h (default: no expiry)",
+                                      None)
+    capacity_bytes: int | None = opt("capacity per chunkserver, e.g. 10GiB (default: the disk's "
+                                     "size)", None)
+    gc: bool = opt("run the GC daemon", True)
+    gc_interval_s: float | None = opt("time between GC passes, e.g. 10s (default: the daemon's)",
+                                      None)
+    restart: bool = opt("restart a service that exits, on the same data dir", True)
+    restart_backoff_s: float = opt("wait before the first restart; doubled per quick failure", 0.5)
+    restart_backoff_max_s: float = opt("longest wait between restarts", 30.0)
+    restart_stable_s: float = opt("a service up this long counts as healthy (backoff resets)", 10.0)
+
+    def __post_init__(self) -> None:
+        if self.chunkservers < 1:
+            raise ValueError(f"--chunkservers must be at least 1, got {self.chunkservers}")
+        parse_hostport(self.listen)
+        for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_stable_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{_flag(name)} must not be negative")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import os
 import signal
 import sys
@@ -16,11 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from kvfs._parent import ENV as PARENT_ENV
 from kvfs.address import load_or_create_token, parse_addr, user_token_path, write_secret
 from kvfs.chunkserver import ChunkServer
 from kvfs.client import AsyncClient
-from kvfs.config import ChunkServerConfig, ClientConfig, GcConfig, MetaConfig
-from kvfs.errors import Unavailable
+from kvfs.config import ChunkServerConfig, ClientConfig, GcConfig, MetaConfig, parse_hostport
+from kvfs.errors import KVFSError, Unavailable
 from kvfs.meta import MetaService
 
 READY_TIMEOUT_S = 60.0
@@ -126,8 +128,22 @@ class LocalCluster:
         return AsyncClient(self.addr, token=self.token, config=config)
 
 
+def describe_exit(returncode: int) -> str:
+    """``-9`` -> ``killed by SIGKILL``, ``2`` -> ``exited with status 2``."""
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        return f"killed by {name}"
+    return f"exited with status {returncode}"
+
+
 class ServiceProcess:
-    """One service as a child process (`kvfs meta ...` / `kvfs chunkserver ...`)."""
+    """One service as a child process (`kvfs meta ...` / `kvfs chunkserver ...`).
+
+    The child gets ``$KVFS_PARENT_PID`` and so dies with this process (:mod:`kvfs._parent`).
+    """
 
     def __init__(self, name: str, argv: list[str], env: dict[str, str]) -> None:
         self.name = name
@@ -135,10 +151,13 @@ class ServiceProcess:
         self.env = env
         self.proc: asyncio.subprocess.Process | None = None
         self.ready_line = ""
+        self.started_at = 0.0
 
     async def start(self) -> str:
         self.proc = await asyncio.create_subprocess_exec(
-            *self.argv, stdout=asyncio.subprocess.PIPE, env=self.env, start_new_session=True)
+            *self.argv, stdout=asyncio.subprocess.PIPE,
+            env={**self.env, PARENT_ENV: str(os.getpid())}, start_new_session=True)
+        self.started_at = time.monotonic()
         assert self.proc.stdout is not None
         try:
             async with asyncio.timeout(READY_TIMEOUT_S):
@@ -146,13 +165,14 @@ class ServiceProcess:
                     line = (await self.proc.stdout.readline()).decode()
                     if not line:
                         code = await self.proc.wait()
-                        raise Unavailable(f"{self.name} exited with code {code} while starting "
+                        raise Unavailable(f"{self.name} {describe_exit(code)} while starting "
                                           f"(command: {' '.join(self.argv)})")
                     if " ready " in line:
                         self.ready_line = line.strip()
                         return self.ready_line
         except TimeoutError:
             self.kill()
+            await self.proc.wait()
             raise Unavailable(f"{self.name} did not report ready within {READY_TIMEOUT_S}s") from None
 
     @property
@@ -179,8 +199,48 @@ class ServiceProcess:
         return self.proc.returncode
 
 
+class DataDirInUse(KVFSError):
+    """Another `kvfs up` holds this data directory."""
+
+
+class DataDirLock:
+    """``DATA/up.pid``, held with ``flock`` while a `kvfs up` runs on DATA; it names that pid.
+
+    The kernel drops the lock when the holder dies, however it dies, so a stale file never
+    blocks a restart.
+    """
+
+    def __init__(self, data: Path) -> None:
+        self.path = data / "up.pid"
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise DataDirInUse(f"data directory {self.path.parent} is in use by another kvfs up "
+                               f"(pid {holder}); stop that one first") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # closing drops the flock
+            self._fd = None
+
+
 class ProcessCluster:
-    """Meta and N chunkservers as child processes; what `kvfs up` runs."""
+    """Meta and N chunkservers as child processes; what `kvfs up` runs.
+
+    The data directory is locked (:class:`DataDirLock`) from :meth:`start` to :meth:`stop`.
+    :meth:`supervise` reports a child that exits and restarts it with backoff.
+    """
 
     def __init__(self, data: Path, chunkservers: int = 3, *, listen: str = "127.0.0.1:7070",
                  meta_args: tuple[str, ...] = (), chunkserver_args: tuple[str, ...] = (),
@@ -191,21 +251,28 @@ class ProcessCluster:
         self.listen = listen
         self.meta_args = meta_args
         self.cs_args = chunkserver_args
-        self.data.mkdir(parents=True, exist_ok=True)
-        self.token = load_or_create_token(self.data)
-        self.env = {**(env or os.environ), "KVFS_TOKEN": self.token}
+        self.env_base = env
+        self.token = ""
+        self.env: dict[str, str] = {}
         self.meta: ServiceProcess | None = None
         self.chunkservers: list[ServiceProcess] = []
         self.addr = ""
         self.gc_enabled = gc
         self.gc_args = gc_args
         self.gc: ServiceProcess | None = None
+        self.lock = DataDirLock(self.data)
+        self._stopping = False
 
     def _kvfs(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "kvfs", *args]
 
     async def start(self) -> str:
+        self.data.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()
+        self._stopping = False
         try:
+            self.token = load_or_create_token(self.data)
+            self.env = {**(self.env_base or os.environ), "KVFS_TOKEN": self.token}
             await self.start_meta(self.listen)
             for i in range(self.n):
                 self.chunkservers.append(self._cs_process(i))
@@ -218,21 +285,27 @@ class ProcessCluster:
         return self.addr
 
     async def start_meta(self, listen: str) -> str:
-        self.meta = ServiceProcess("meta", self._kvfs(
-            "meta", "--data", str(self.data / "meta"), "--listen", listen, *self.meta_args), self.env)
+        self.meta = self._meta_process(listen)
         line = await self.meta.start()
         self.addr = line.split()[-1]
         return self.addr
+
+    def _meta_process(self, listen: str) -> ServiceProcess:
+        return ServiceProcess("meta", self._kvfs(
+            "meta", "--data", str(self.data / "meta"), "--listen", listen, *self.meta_args), self.env)
 
     def _cs_process(self, i: int) -> ServiceProcess:
         return ServiceProcess(f"chunkserver {i}", self._kvfs(
             "chunkserver", "--data", str(self.data / f"cs{i}"), "--meta", self.addr,
             "--listen", "127.0.0.1:0", *self.cs_args), self.env)
 
+    def _gc_process(self) -> ServiceProcess:
+        return ServiceProcess("gc", self._kvfs("gc", "daemon", "--meta", self.addr, *self.gc_args),
+                              self.env)
+
     async def start_gc(self) -> None:
         """The GC daemon (`kvfs gc daemon`) as one more child process."""
-        self.gc = ServiceProcess("gc", self._kvfs("gc", "daemon", "--meta", self.addr, *self.gc_args),
-                                 self.env)
+        self.gc = self._gc_process()
         await self.gc.start()
 
     async def restart_chunkserver(self, i: int) -> None:
@@ -243,15 +316,91 @@ class ProcessCluster:
     async def restart_meta(self) -> None:
         assert self.meta is not None
         await self.meta.stop()
+        await self.start_meta(self._meta_listen())
+
+    def _meta_listen(self) -> str:
+        """Meta restarts on the port it had, so clients and chunkservers find it again."""
+        host, _ = parse_hostport(self.listen)
         _, port = parse_addr(self.addr)
-        await self.start_meta(f"127.0.0.1:{port}")
+        return f"{host}:{port}"
+
+    def services(self) -> list[ServiceProcess]:
+        return [p for p in (self.meta, *self.chunkservers, self.gc) if p is not None]
+
+    async def supervise(self, report: Callable[[str], None], *, restart: bool = True,
+                        backoff_s: float = 0.5, backoff_max_s: float = 30.0,
+                        stable_s: float = 10.0) -> None:
+        """Watch every child until :meth:`stop`: report one that exits (name, pid, status or
+        signal) at once, and, with ``restart``, start it again on the same data dir after a
+        backoff that doubles while it keeps failing (reset once it stayed up ``stable_s``).
+        Runs until cancelled."""
+        slots = ["meta", *(f"cs{i}" for i in range(len(self.chunkservers)))]
+        if self.gc is not None:
+            slots.append("gc")
+
+        async def watch(slot: str) -> None:
+            failures = 0
+            while True:
+                svc = self._slot(slot)
+                if svc is None or svc.proc is None:
+                    return
+                code = await svc.proc.wait()
+                if self._stopping:
+                    return
+                quick = time.monotonic() - svc.started_at < stable_s
+                failures = failures + 1 if quick else 0
+                if not restart:
+                    report(f"{svc.name} (pid {svc.pid}) {describe_exit(code)}; not restarted "
+                           f"(--no-restart)")
+                    return
+                while True:
+                    delay = min(backoff_max_s, backoff_s * 2 ** max(failures - 1, 0))
+                    report(f"{svc.name} (pid {svc.pid}) {describe_exit(code)}; restarting in "
+                           f"{delay:g}s")
+                    await asyncio.sleep(delay)
+                    new = self._replace(slot)
+                    try:
+                        line = await new.start()
+                    except Unavailable as exc:
+                        failures += 1
+                        report(f"{svc.name}: restart failed: {exc}")
+                        code = new.proc.returncode if new.proc and new.proc.returncode is not None else -9
+                        svc = new
+                        continue
+                    report(f"{new.name} restarted (pid {new.pid}): {line}")
+                    break
+
+        await asyncio.gather(*(watch(slot) for slot in slots))
+
+    def _slot(self, slot: str) -> ServiceProcess | None:
+        if slot == "meta":
+            return self.meta
+        if slot == "gc":
+            return self.gc
+        return self.chunkservers[int(slot.removeprefix("cs"))]
+
+    def _replace(self, slot: str) -> ServiceProcess:
+        """A fresh (not yet started) process for ``slot``, put in its place so stop() sees it."""
+        if slot == "meta":
+            self.meta = self._meta_process(self._meta_listen())
+            return self.meta
+        if slot == "gc":
+            self.gc = self._gc_process()
+            return self.gc
+        i = int(slot.removeprefix("cs"))
+        self.chunkservers[i] = self._cs_process(i)
+        return self.chunkservers[i]
 
     async def stop(self) -> None:
-        if self.gc is not None:
-            await self.gc.stop()
-        await asyncio.gather(*(cs.stop() for cs in self.chunkservers))
-        if self.meta is not None:
-            await self.meta.stop()
+        self._stopping = True
+        try:
+            if self.gc is not None:
+                await self.gc.stop()
+            await asyncio.gather(*(cs.stop() for cs in self.chunkservers))
+            if self.meta is not None:
+                await self.meta.stop()
+        finally:
+            self.lock.release()
 
     def write_user_token(self) -> Path:
         host, port = parse_addr(self.addr)

@@ -12,6 +12,7 @@ import pytest
 
 from kvfs._loop import new_event_loop
 from kvfs.client import AsyncClient
+from kvfs.config import MetaConfig
 from kvfs.launcher import LocalCluster, ProcessCluster
 
 T = TypeVar("T")
@@ -40,9 +41,17 @@ def clock() -> FakeClock:
     return FakeClock()
 
 
+# A test that blocks the event loop (importing torch, building a 1 GiB array: 10 s each on a
+# loaded 2-core machine) also stops the chunkservers' heartbeats; a timeout as long as pytest's
+# keeps them alive through it.
+TEST_HEARTBEAT_TIMEOUT_S = 120.0
+
+
 @pytest.fixture
 async def cluster(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
-    c = LocalCluster(tmp_path / "cluster", 3, clock=clock)
+    root = tmp_path / "cluster"
+    c = LocalCluster(root, 3, clock=clock, meta=MetaConfig(
+        data=root / "meta", listen="127.0.0.1:0", heartbeat_timeout_s=TEST_HEARTBEAT_TIMEOUT_S))
     try:
         await c.start()
         yield c

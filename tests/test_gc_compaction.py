@@ -96,27 +96,40 @@ async def test_grace_period_keeps_old_chunk_for_in_flight_reads(small: LocalClus
 
 
 async def test_reads_racing_compaction_return_right_bytes(small: LocalCluster, clock: FakeClock) -> None:
+    """Readers holding pre-compaction layouts read during and after a pass that copies and
+    deletes (no grace) every chunk: a live key always comes back with its exact bytes,
+    through StaleLayout -> re-lookup, never as a miss."""
     async with client(small, clock) as kv:
         keys = await fill(kv)
         await kv.delete_many(keys[::2])
         live = keys[1::2]
+        want = [value_of(k) for k in live]
+        warm = [asyncio.Event() for _ in range(4)]
         done = asyncio.Event()
         reads = 0
+        lookups: list[int] = []
 
         async def reader(seed: int) -> None:
             nonlocal reads
             rng = random.Random(seed)
             async with client(small, clock) as r:
+                assert await r.get_many(live) == want  # every live layout cached, pre-compaction
+                warm[seed].set()
                 while not done.is_set():
                     sample = rng.sample(live, 16)
                     got = await r.get_many(sample)
                     for k, v in zip(sample, got, strict=True):
-                        assert v is None or v == value_of(k), k
+                        assert v == value_of(k), k  # a live key: never a miss
                     reads += 1
                     await asyncio.sleep(0)
+                # after the pass every chunk of the cached layouts is gone
+                assert await r.get_many(live) == want
+                lookups.append(r.rpc_counts["LOOKUP"])
 
         tasks = [asyncio.create_task(reader(i)) for i in range(4)]
         try:
+            async with asyncio.timeout(60):
+                await asyncio.gather(*(w.wait() for w in warm))
             async with GarbageCollector(small.addr, token=small.token) as gc:
                 r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
                 assert r.chunks_compacted > 0 and r.chunks_deleted > 0
@@ -124,8 +137,9 @@ async def test_reads_racing_compaction_return_right_bytes(small: LocalCluster, c
             done.set()
             await asyncio.gather(*tasks)
         assert reads > 0
+        assert all(n > 1 for n in lookups), lookups  # each reader re-looked-up stale layouts
     async with client(small, clock) as fresh:
-        assert await fresh.get_many(live) == [value_of(k) for k in live]
+        assert await fresh.get_many(live) == want
 
 
 async def copy_only(gc: GarbageCollector, kv: AsyncClient) -> tuple[int, int, rpc.Compacted, list[rpc.Ref]]:

@@ -1,0 +1,185 @@
+"""`kvfs up` as a supervisor, with real processes: children die with it, a dead child is
+reported and restarted, a data dir in use is refused, bad arguments stop it before it starts."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+DEADLINE_S = 60.0
+
+
+def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = DEADLINE_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@dataclass
+class Up:
+    proc: subprocess.Popen[bytes]
+    stderr_path: Path
+    env: dict[str, str]
+
+    def stderr(self) -> str:
+        return self.stderr_path.read_text()
+
+    def children(self) -> dict[str, int]:
+        """``{"meta": pid, "chunkserver 0": pid, ...}`` from the line `kvfs up` prints once ready."""
+        line = next(ln for ln in self.stderr().splitlines() if "Ctrl-C stops all" in ln)
+        inner = re.search(r"\(meta .*?\)\.", line)
+        assert inner, line
+        return {m[1]: int(m[2]) for m in re.finditer(r"([a-z]+(?: \d+)?) (\d+)", inner[0])}
+
+
+def start_up(tmp_path: Path, data: Path, *args: str) -> Up:
+    env = {**os.environ, "KVFS_CONFIG_DIR": str(tmp_path / "config")}
+    env.pop("KVFS_TOKEN", None)
+    err = tmp_path / f"up-{time.monotonic_ns()}.err"
+    with err.open("wb") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "kvfs", "up", "--data", str(data),
+                                 "--listen", "127.0.0.1:0", *args],
+                                env=env, stdout=subprocess.PIPE, stderr=f)
+    up = Up(proc, err, env)
+    assert proc.stdout is not None
+    addr = proc.stdout.readline().decode().strip()
+    assert addr.startswith("kvfs://"), up.stderr()
+    up.env["KVFS_ADDR"] = addr
+    wait_for(lambda: "Ctrl-C stops all" in up.stderr(), "the ready line")
+    return up
+
+
+@pytest.fixture
+def ups(tmp_path: Path) -> Iterator[list[Up]]:
+    started: list[Up] = []
+    try:
+        yield started
+    finally:
+        for up in started:
+            pids = up.children().values() if "Ctrl-C" in up.stderr() else []
+            if up.proc.poll() is None:
+                up.proc.send_signal(signal.SIGTERM)
+                try:
+                    up.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    up.proc.kill()
+                    up.proc.wait()
+            for pid in pids:  # never leave a service behind, even when a test failed
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+            assert up.proc.stdout is not None
+            up.proc.stdout.close()
+
+
+def kvfs(up: Up, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run([sys.executable, "-m", "kvfs", *args], env=up.env, input=stdin,
+                          capture_output=True, timeout=60)
+
+
+@pytest.mark.subprocess
+def test_killed_chunkserver_is_reported_and_restarted(tmp_path: Path, ups: list[Up]) -> None:
+    up = start_up(tmp_path, tmp_path / "data", "--chunkservers", "2", "--no-gc")
+    ups.append(up)
+    assert kvfs(up, "put", "k", "-", stdin=b"v" * 3_000_000).returncode == 0
+    victim = up.children()["chunkserver 1"]
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: "chunkserver 1 restarted" in up.stderr(), "the restart")
+    err = up.stderr()
+    assert f"chunkserver 1 (pid {victim}) killed by SIGKILL; restarting in" in err
+    new_pid = int(re.search(r"chunkserver 1 restarted \(pid (\d+)\)", err)[1])  # type: ignore[index]
+    assert new_pid != victim and alive(new_pid) and not alive(victim)
+    # the same data dir: the value written before the kill reads back
+    wait_for(lambda: kvfs(up, "get", "k").stdout == b"v" * 3_000_000, "the value after restart")
+
+
+@pytest.mark.subprocess
+def test_no_restart_only_reports(tmp_path: Path, ups: list[Up]) -> None:
+    up = start_up(tmp_path, tmp_path / "data", "--chunkservers", "1", "--no-gc", "--no-restart")
+    ups.append(up)
+    victim = up.children()["chunkserver 0"]
+    os.kill(victim, signal.SIGTERM)
+    wait_for(lambda: "not restarted" in up.stderr(), "the report")
+    assert f"chunkserver 0 (pid {victim}) exited with status 0; not restarted (--no-restart)" \
+        in up.stderr()
+    assert up.proc.poll() is None  # the rest keeps running
+
+
+@pytest.mark.subprocess
+def test_kill_9_of_up_leaves_no_child(tmp_path: Path, ups: list[Up]) -> None:
+    up = start_up(tmp_path, tmp_path / "data", "--chunkservers", "2")
+    ups.append(up)
+    pids = up.children()
+    assert set(pids) == {"meta", "chunkserver 0", "chunkserver 1", "gc"}
+    assert all(alive(p) for p in pids.values())
+    up.proc.kill()
+    up.proc.wait()
+    wait_for(lambda: not any(alive(p) for p in pids.values()), "the children to exit")
+    # the lock died with it: a new `kvfs up` on the same dir starts
+    again = start_up(tmp_path, tmp_path / "data", "--chunkservers", "2")
+    ups.append(again)
+    assert again.proc.poll() is None
+
+
+@pytest.mark.subprocess
+def test_sighup_stops_everything(tmp_path: Path, ups: list[Up]) -> None:
+    up = start_up(tmp_path, tmp_path / "data", "--chunkservers", "1")
+    ups.append(up)
+    pids = up.children()
+    up.proc.send_signal(signal.SIGHUP)  # the terminal closed
+    assert up.proc.wait(30) == 0
+    assert not any(alive(p) for p in pids.values())
+
+
+@pytest.mark.subprocess
+def test_second_up_on_same_dir_is_refused_with_pid(tmp_path: Path, ups: list[Up]) -> None:
+    up = start_up(tmp_path, tmp_path / "data", "--chunkservers", "1", "--no-gc")
+    ups.append(up)
+    r = subprocess.run([sys.executable, "-m", "kvfs", "up", "--data", str(tmp_path / "data"),
+                        "--listen", "127.0.0.1:0"], env=up.env, capture_output=True, timeout=60)
+    assert r.returncode == 1
+    assert f"is in use by another kvfs up (pid {up.proc.pid})" in r.stderr.decode()
+    assert len(r.stderr.decode().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--capacity", "lots"], "argument --capacity: not a size: 'lots'"),
+    (["--chunkservers", "0"], "argument --chunkservers: must be at least 1, got 0"),
+    (["--chunkservers", "many"], "argument --chunkservers: not a whole number: 'many'"),
+    (["--default-ttl", "soon"], "argument --default-ttl: not a duration: 'soon'"),
+    (["--listen", "nowhere"], "bad listen address 'nowhere'"),
+])
+def test_up_checks_every_argument_before_starting(tmp_path: Path, args: list[str],
+                                                   message: str) -> None:
+    data = tmp_path / "data"
+    r = subprocess.run([sys.executable, "-m", "kvfs", "up", "--data", str(data), *args],
+                       capture_output=True, timeout=60)
+    err = r.stderr.decode()
+    assert r.returncode != 0 and message in err, err
+    assert "parse_" not in err and "usage:" not in err.replace("usage: kvfs up", "", 1)
+    assert not data.exists()  # nothing was started
+
+
+def test_up_help_shows_chunkservers_default() -> None:
+    r = subprocess.run([sys.executable, "-m", "kvfs", "up", "--help"], capture_output=True,
+                       timeout=60)
+    out = " ".join(r.stdout.decode().split())
+    assert "--chunkservers CHUNKSERVERS number of chunkserver processes (default: 3)" in out
