@@ -53,14 +53,15 @@ class Hold:
         self.op = op
         self.arrived = asyncio.Event()
         self._open = asyncio.Event()
-        inner: Callable[..., Awaitable[Any]] = server.handlers[int(op)]
+        inner: Callable[..., Awaitable[Any]]
+        inner, request_type = server.handlers[int(op)]
 
         async def held(*args: Any) -> Any:
             self.arrived.set()
             await self._open.wait()
             return await inner(*args)
 
-        server.handlers[int(op)] = held
+        server.handlers[int(op)] = (held, request_type)
 
     async def reached(self) -> None:
         async with asyncio.timeout(WAIT_S):
