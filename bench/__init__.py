@@ -4,8 +4,9 @@ One io = one key (one value) read or written; a batched call of B keys records
 B ios, each with the call's latency. Reports use fio's JSON field names.
 """
 
-from .compare import Comparison, KvfsStore, StoreFactory, compare, kvfs_store, peer_factories
-from .peers import FilePerKeyStore, LoopbackLimit, PeerUnavailable, RedisStore, Store, run_fio_file
+from .adapters import KvfsStore, kvfs_store
+from .compare import Comparison, StoreFactory, compare, peer_factories
+from .peers import FilePerKeyStore, LoopbackLimit, RedisStore, run_fio_file
 from .runner import BenchError, JobResult, Workload, run_workload
 from .stats import (
     FIO_VERSION,
@@ -15,6 +16,7 @@ from .stats import (
     job_json,
     report_json,
 )
+from .store import PeerUnavailable, Store
 
 __all__ = [
     "FIO_VERSION",

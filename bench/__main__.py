@@ -1,5 +1,7 @@
-"""``python -m kvfs.bench``: run a comparison (see ``kvfs.bench.compare``)."""
+"""``python -m kvfs.bench ARGS`` is ``kvfs bench ARGS``."""
 
-from .compare import main
+import sys
 
-raise SystemExit(main())
+from kvfs.cli import main
+
+raise SystemExit(main(["bench", *sys.argv[1:]]))

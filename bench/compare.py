@@ -1,11 +1,8 @@
-"""Run the same workloads against several stores in one run and print one table.
+"""Run the same workloads against several stores in one run and collect every cell.
 
-The first store is the *subject* (kvfs, once its adapter is plugged in); every
-other store is a peer and gets a ``subject/peer`` ratio column. A peer that
-cannot run here shows ``skipped: <reason>``.
-
-    python -m kvfs.bench --stores file,redis,loopback --rw randread,randwrite \\
-        --bs 4k,64k --batch 128 --iodepth 4 --runtime 5 --fio
+The first store is the *subject* (kvfs); every other store is a peer and gets
+a ``subject/peer`` ratio. A peer that cannot run here shows
+``skipped: <reason>``. ``kvfs bench --compare`` drives this.
 
 Each cell is keys/s (one key = one io), bandwidth, and the p99 of per-key
 latency (= the latency of the call that carried the key).
@@ -13,80 +10,29 @@ latency (= the latency of the call that carried the key).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
-import contextlib
 import itertools
-import json
-import re
-import sys
-import tempfile
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol, TextIO
+from typing import Any, Literal, TextIO
 
-from .peers import FilePerKeyStore, LoopbackLimit, PeerUnavailable, RedisStore, Store, run_fio_file
-from .runner import RW, BenchError, JobResult, Workload, run_workload
+from .jobs import describe
+from .peers import FilePerKeyStore, LoopbackLimit, RedisStore, run_fio_file
+from .runner import BenchError, JobResult, Workload, run_workload
 from .stats import format_job_text, num2str, percentile_key, report_json
+from .store import PeerUnavailable, Store
 
 __all__ = [
     "Cell",
     "Comparison",
-    "KvfsClientLike",
-    "KvfsStore",
     "StoreFactory",
     "compare",
-    "human_bs",
-    "kvfs_store",
-    "main",
     "peer_factories",
 ]
 
 StoreFactory = Callable[[], Awaitable[Store]]
 FIO_COLUMN = "fio-psync"
-
-
-class KvfsClientLike(Protocol):
-    """The part of the kvfs client API the bench needs."""
-
-    async def put_many(self, items: dict[bytes, bytes], /) -> Any: ...
-
-    async def get_many(self, keys: list[bytes], /) -> Sequence[bytes | None]: ...
-
-
-class KvfsStore:
-    """Adapts a kvfs client (``put_many(dict)``, ``get_many(list)``) to ``Store``.
-
-    ``close()`` leaves the client open unless ``close_client=True``: the caller
-    that made the client usually owns it.
-    """
-
-    def __init__(self, client: KvfsClientLike, *, name: str = "kvfs", close_client: bool = False):
-        self.name = name
-        self.client = client
-        self._close_client = close_client
-
-    async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        await self.client.put_many(dict(items))
-
-    async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        return list(await self.client.get_many(keys))
-
-    async def close(self) -> None:
-        if self._close_client:
-            closer = getattr(self.client, "close", None) or getattr(self.client, "aclose", None)
-            if closer is not None:
-                res = closer()
-                if asyncio.iscoroutine(res):
-                    await res
-
-
-def kvfs_store(
-    client: KvfsClientLike, *, name: str = "kvfs", close_client: bool = False
-) -> KvfsStore:
-    """Wrap a kvfs client as a bench ``Store``."""
-    return KvfsStore(client, name=name, close_client=close_client)
 
 
 def peer_factories(
@@ -178,18 +124,6 @@ def _fmt_ns(ns: int) -> str:
     if ns >= 10_000:
         return f"{ns / 1e3:.0f}us"
     return f"{ns / 1e3:.1f}us"
-
-
-def human_bs(nbytes: int, *, iec: bool = False) -> str:
-    """fio-style block size: 4096 -> ``4k`` (``4KiB`` with ``iec``), 1048576 -> ``1m``."""
-    for shift, short, long in ((30, "g", "GiB"), (20, "m", "MiB"), (10, "k", "KiB")):
-        if nbytes >= 1 << shift and nbytes % (1 << shift) == 0:
-            return f"{nbytes >> shift}{long if iec else short}"
-    return f"{nbytes}B" if iec else str(nbytes)
-
-
-def describe(wl: Workload) -> str:
-    return f"{wl.rw} bs={human_bs(wl.bs, iec=True)} batch={wl.batch} qd={wl.iodepth}"
 
 
 @dataclass
@@ -333,119 +267,3 @@ async def _fio_cell(wl: Workload, fio_dir: Path, unavailable: dict[str, str]) ->
             unavailable[FIO_COLUMN] = e.reason
         return Cell(FIO_COLUMN, skipped=e.reason)
     return Cell(FIO_COLUMN, fio=res)
-
-
-# ---------------------------------------------------------------------------
-# CLI
-
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-
-
-def _size(text: str) -> int:
-    """``4k``/``4KiB`` -> 4096 (fio style: k, m, g are powers of 1024)."""
-    m = _SIZE_RE.match(text)
-    if m is None:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 4096, 4k, 64KiB, 1m)")
-    mult = 1024 ** " kmgt".index(m.group(2).lower() or " ")
-    return int(float(m.group(1)) * mult)
-
-
-def _csv(conv: Callable[[str], Any]) -> Callable[[str], list[Any]]:
-    def parse(text: str) -> list[Any]:
-        return [conv(t) for t in text.split(",") if t.strip()]
-
-    return parse
-
-
-def _rw(text: str) -> str:
-    if text not in ("read", "randread", "write", "randwrite", "randrw"):
-        raise argparse.ArgumentTypeError(f"unknown rw {text!r}")
-    return text
-
-
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m kvfs.bench",
-        description="fio-style comparison of kvfs with baseline stores (one key = one io).",
-    )
-    p.add_argument(
-        "--stores",
-        type=_csv(str),
-        default=["file", "redis", "loopback"],
-        help="comma list; the first is the subject (default: file,redis,loopback)",
-    )
-    p.add_argument("--rw", type=_csv(_rw), default=["randread", "randwrite"])
-    p.add_argument("--bs", type=_csv(_size), default=[4096, 65536], help="value sizes, e.g. 4k,64k")
-    p.add_argument("--batch", type=_csv(int), default=[128], help="keys per call")
-    p.add_argument("--iodepth", type=_csv(int), default=[4], help="calls in flight")
-    p.add_argument("--size", type=_size, default=64 << 20, help="key space bytes per job (64MiB)")
-    p.add_argument("--runtime", type=float, default=5.0, help="seconds per job")
-    p.add_argument("--ramp", type=float, default=0.0, help="ramp-up seconds (not measured)")
-    p.add_argument("--dir", type=Path, default=None, help="work dir for file stores and fio")
-    p.add_argument("--fio", action="store_true", help="add a column: real fio, psync, on a file")
-    p.add_argument("--redis-transport", choices=("tcp", "unix"), default="tcp")
-    p.add_argument("--json", type=Path, default=None, help="write all results as JSON here")
-    p.add_argument("--text", action="store_true", help="print fio's text block for each job")
-    p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None)
-    return p  # fmt: skip
-
-
-def workloads_from_args(args: argparse.Namespace) -> list[Workload]:
-    out: list[Workload] = []
-    for rw, bs, batch, qd in itertools.product(args.rw, args.bs, args.batch, args.iodepth):
-        rw_t: RW = rw
-        nkeys = max(batch, args.size // bs)
-        out.append(
-            Workload(
-                name=f"{rw}-{human_bs(bs)}-b{batch}-qd{qd}",
-                rw=rw_t,
-                bs=bs,
-                batch=batch,
-                iodepth=qd,
-                nkeys=nkeys,
-                runtime_s=args.runtime,
-                ramp_time_s=args.ramp,
-            )
-        )
-    return out
-
-
-async def _amain(args: argparse.Namespace, extra: Mapping[str, StoreFactory]) -> Comparison:
-    with contextlib.ExitStack() as stack:
-        workdir = args.dir or Path(
-            stack.enter_context(tempfile.TemporaryDirectory(prefix="kvfs-bench-"))
-        )
-        available = {**extra, **peer_factories(workdir, redis_transport=args.redis_transport)}
-        unknown = [s for s in args.stores if s not in available]
-        if unknown:
-            raise BenchError(f"unknown store(s) {unknown}; available: {sorted(available)}")
-        factories = {s: available[s] for s in args.stores}
-        return await compare(
-            factories,
-            workloads_from_args(args),
-            fio_dir=(workdir / "fio") if args.fio else None,
-            progress=args.progress,
-            out=sys.stdout,
-            text_out=sys.stdout if args.text else None,
-        )
-
-
-def main(argv: Sequence[str] | None = None, extra: Mapping[str, StoreFactory] | None = None) -> int:
-    """CLI entry. ``extra`` adds store factories by name (e.g. ``{"kvfs": ...}``)."""
-    args = build_parser().parse_args(argv)
-    try:
-        try:
-            import uvloop
-        except ImportError:  # pragma: no cover
-            comp = asyncio.run(_amain(args, extra or {}))
-        else:
-            with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-                comp = runner.run(_amain(args, extra or {}))
-    except (BenchError, ValueError) as e:
-        print(f"kvfs-bench: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    if args.json is not None:
-        args.json.write_text(json.dumps(comp.to_json(), indent=2))
-    return 0

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from .compare import human_bs
+from .jobs import human_bs
 from .runner import BenchError, Workload, make_keys, run_workload
 from .stats import report_json
 
@@ -281,7 +281,7 @@ async def foreground(addr: str, token: str | None, runtime_s: float, child: bool
                      churn_opts: ChurnOptions, fg_keys: int | None = None,
                      progress: bool | None = None) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The randread 4k b128 job: GC idle, churn without GC, churn + GC. (phases, fio jobs)."""
-    from .cli import KvfsBenchStore
+    from .adapters import KvfsStore
 
     fg_keys = fg_keys or FG_KEYS
     phases: list[dict[str, Any]] = []
@@ -298,7 +298,7 @@ async def foreground(addr: str, token: str | None, runtime_s: float, child: bool
         bg = _Background(addr, token, opts, child) if opts is not None else None
         if bg is not None:
             await bg.start()
-        store = KvfsBenchStore(_client(addr, token))
+        store = KvfsStore(_client(addr, token))
         try:
             res = await run_workload(store, wl, progress=progress)
         finally:

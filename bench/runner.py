@@ -27,11 +27,12 @@ from typing import Any, Final, Literal, TextIO
 
 import numpy as np
 
-from .peers import Store
 from .stats import LatencyRecorder, job_json, num2str
+from .store import Store
 
 __all__ = [
     "RW",
+    "RWS",
     "BenchError",
     "JobResult",
     "Workload",
@@ -41,7 +42,7 @@ __all__ = [
 ]
 
 RW = Literal["read", "randread", "write", "randwrite", "randrw"]
-_RWS: Final = ("read", "randread", "write", "randwrite", "randrw")
+RWS: Final = ("read", "randread", "write", "randwrite", "randrw")
 PROGRESS_INTERVAL_S: Final = 0.5
 
 
@@ -72,8 +73,8 @@ class Workload:
     grace_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.rw not in _RWS:
-            raise ValueError(f"rw must be one of {_RWS}, got {self.rw!r}")
+        if self.rw not in RWS:
+            raise ValueError(f"rw must be one of {RWS}, got {self.rw!r}")
         for name in ("bs", "batch", "iodepth", "nkeys", "max_ios"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")

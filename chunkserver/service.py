@@ -140,7 +140,7 @@ class ChunkServer:
         return rpc.ChunksDeleted(deleted=deleted), ()
 
     async def rpc_chunk_seal(self, req: rpc.ChunkSeal, payload: memoryview) -> Reply:
-        return rpc.Sealed(sealed=await self.store.seal(req.chunk_id, req.idle_s)), ()
+        return rpc.Sealed(sealed=await self.store.seal(req.chunk_id, req.idle_s, apply=req.apply)), ()
 
     async def rpc_chunk_verify(self, req: rpc.ChunkVerify, payload: memoryview) -> Reply:
         missing, bad = await self.store.verify(req.ranges)

@@ -333,14 +333,16 @@ class ChunkStore:
             self.wanted_bytes = 0
         return [(cid, base + r) for r in rel]
 
-    async def seal(self, chunk_id: int, idle_s: float) -> bool:
-        """Stop appending to ``chunk_id`` if it is open and saw no append for ``idle_s``."""
+    async def seal(self, chunk_id: int, idle_s: float, *, apply: bool = True) -> bool:
+        """Stop appending to ``chunk_id`` if it is open and saw no append for ``idle_s``.
+        With ``apply=False`` only say whether it would (a GC dry run)."""
         async with self._lock:
             if self._open != chunk_id:
                 return True
             if time.monotonic() - self._last_append < idle_s:
                 return False
-            self._open = None
+            if apply:
+                self._open = None
             return True
 
     # read ------------------------------------------------------------------

@@ -92,7 +92,7 @@ def format_pass(r: PassReport) -> str:
                    f"{r.chunks_deleted} chunks: {verb} {format_size(r.bytes_reclaimed)}")
     else:
         out.append(f"total:   {verb} {format_size(r.reclaimable_bytes)} of chunk files now "
-                   "(expired/evicted bytes follow in a later pass)")
+                   "(keys the evict phase would pick are not counted)")
     return "\n".join(out)
 
 

@@ -215,15 +215,33 @@ class GarbageCollector:
         if h.keys:
             self._progress("evict", h.keys, h.keys)
 
-    async def _plan(self, opts: PassOptions, threshold: float | None = None) -> rpc.Plan:
+    async def _plan(self, opts: PassOptions, threshold: float | None = None, *,
+                    after_expire: bool = False) -> rpc.Plan:
         return await self.meta(rpc.GcPlan(threshold=opts.threshold if threshold is None else threshold,
-                                          grace_s=opts.grace_s, high=opts.high))
+                                          grace_s=opts.grace_s, high=opts.high, after_expire=after_expire))
+
+    async def _would_seal(self, plan: rpc.Plan, opts: PassOptions) -> None:
+        """Dry run: count the open chunks ``--apply`` would seal as what they then become
+        (meta plans them as compact candidates if they hold live bytes, else as deletes)."""
+        for sid, cid, written, live in plan.seal:
+            try:
+                h = await self.chunkserver(sid, rpc.ChunkSeal(chunk_id=cid, idle_s=opts.grace_s, apply=False))
+            except Unavailable:
+                continue  # --apply could not seal it either
+            if h.sealed:
+                if live > 0:
+                    plan.compact.append(rpc.CompactCandidate(sid, cid, written, live))
+                else:
+                    plan.delete.append(rpc.DeleteCandidate(sid, cid, written))
 
     async def compact(self, opts: PassOptions, report: PassReport) -> None:
-        plan = await self._plan(opts)
+        # a dry run skipped the expire phase: plan as if it had run, as --apply would
+        plan = await self._plan(opts, after_expire=not opts.apply and opts.expire)
+        if not opts.apply and plan.seal:
+            await self._would_seal(plan, opts)
         if opts.apply and plan.seal:
             sealed = 0
-            for sid, cid in plan.seal:
+            for sid, cid, _written, _live in plan.seal:
                 try:
                     h = await self.chunkserver(sid, rpc.ChunkSeal(chunk_id=cid, idle_s=opts.grace_s))
                     sealed += h.sealed

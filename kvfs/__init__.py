@@ -1,5 +1,13 @@
 """kvfs: a distributed, file-system-backed KV cache for LLM inference."""
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+try:
+    __version__ = _version("kvfs")  # one place: pyproject.toml's [project] version
+except PackageNotFoundError:  # pragma: no cover - a source tree that was never installed
+    __version__ = "0+unknown"
+
 from kvfs.client import AsyncClient, KeyInfo, connect
 from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
 from kvfs.errors import (
@@ -41,5 +49,6 @@ __all__ = [
     "Timeout",
     "Unavailable",
     "VersionMismatch",
+    "__version__",
     "connect",
 ]

@@ -14,10 +14,18 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
+from kvfs import __version__
 from kvfs._loop import run
 from kvfs._parent import die_with_parent
 from kvfs.client import AsyncClient
-from kvfs.config import ChunkServerConfig, MetaConfig, UpConfig, add_options, from_options
+from kvfs.config import (
+    DURATION,
+    ChunkServerConfig,
+    MetaConfig,
+    UpConfig,
+    add_options,
+    from_options,
+)
 from kvfs.errors import KVFSError
 from kvfs.units import format_size
 
@@ -160,10 +168,12 @@ async def cmd_ls(ns: argparse.Namespace) -> int:
                            "created": i.created, "expires_at": i.expires_at, "extents": i.extents}
                           for i in infos]))
         return 0
+    if ns.long:
+        print(f"{'size':>12}  {'created':<19}  {'expires':<19}  {'extents':>7}  key")
     for i in infos:
         key = i.key.decode(errors="backslashreplace")
         if ns.long:
-            print(f"{i.size:>12}  {_ts(i.created)}  exp {_ts(i.expires_at)}  {i.extents:>4}  {key}")
+            print(f"{i.size:>12}  {_ts(i.created):<19}  {_ts(i.expires_at):<19}  {i.extents:>7}  {key}")
         else:
             print(key)
     return 0
@@ -190,6 +200,7 @@ async def cmd_stat(ns: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvfs", description="kvfs: a file-system-backed KV cache")
     parser.add_argument("-v", "--verbose", action="count", default=0)
+    parser.add_argument("--version", action="version", version=f"kvfs {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("up", help="start meta + N chunkservers + GC on this machine, supervised "
@@ -208,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("put", help="store FILE (or - for stdin) under KEY")
     p.add_argument("key")
     p.add_argument("file")
-    p.add_argument("--ttl", type=float, default=None, help="seconds until it expires")
+    p.add_argument("--ttl", type=DURATION, default=None, metavar="DURATION",
+                   help="time until it expires, e.g. 90, 30s, 5min, 1h (default: the cluster's)")
     p.add_argument("--replicas", type=int, default=None)
     _client_options(p)
     p.set_defaults(func=cmd_put)
@@ -226,7 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ls", help="list keys starting with PREFIX")
     p.add_argument("prefix", nargs="?", default="")
-    p.add_argument("-l", "--long", action="store_true", help="size, created, expiry, extents")
+    p.add_argument("-l", "--long", action="store_true",
+                   help="size, created, expires, extents, key (with a header line)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--json", action="store_true")
     _client_options(p)
@@ -262,6 +275,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
         return run(ns.func(ns))
+    except BrokenPipeError:
+        return _closed_stdout()
     except KVFSError as exc:
         print(f"kvfs {ns.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
@@ -271,5 +286,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     finally:
-        with contextlib.suppress(Exception):
+        try:
             sys.stdout.flush()
+        except BrokenPipeError:
+            _closed_stdout()
+        except Exception:
+            pass
+
+
+def _closed_stdout() -> int:
+    """The reader of our stdout went away (``kvfs ls | head -1``): stop quietly, as a process
+    killed by SIGPIPE would (exit status 141), without Python's "Broken pipe" message when it
+    flushes stdout at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return 128 + signal.SIGPIPE

@@ -428,6 +428,7 @@ class ChunkSeal(Request[Sealed], frozen=True, kw_only=True):
 
     chunk_id: ChunkId
     idle_s: Seconds = 0.0
+    apply: bool = True  # False: only say whether it would be sealed
 
 
 # -- meta: garbage collection -------------------------------------------------------------------
@@ -506,8 +507,12 @@ class DeleteCandidate(NamedTuple):
 
 
 class SealCandidate(NamedTuple):
+    """An open chunk to seal; once sealed it is a compact (live > 0) or delete candidate."""
+
     server_id: ServerId
     chunk_id: ChunkId
+    written: Count
+    live: Count
 
 
 class Plan(Response, frozen=True, kw_only=True):
@@ -521,6 +526,7 @@ class GcPlan(Request[Plan], frozen=True, kw_only=True):
     threshold: Fraction = 0.3
     grace_s: Seconds = 30.0
     high: Fraction = 0.9
+    after_expire: bool = False  # a dry run: plan as if the expire phase had run first
 
 
 class Ref(NamedTuple):

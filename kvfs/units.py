@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 _SIZE = {
@@ -15,6 +16,12 @@ _TIME = {
     "": 1.0, "s": 1.0, "sec": 1.0, "ms": 1e-3, "us": 1e-6,
     "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0,
 }
+class BadUnitValue(ValueError, argparse.ArgumentTypeError):
+    """Text that is not a size or a duration. A ``ValueError``; as an ``ArgumentTypeError``,
+    argparse prints its message (``argument --capacity: not a size: 'lots' ...``) instead
+    of ``invalid parse_size value``, wherever a parser here is an option's ``type``."""
+
+
 _NUM = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
@@ -25,7 +32,7 @@ def parse_size(text: str | int) -> int:
     m = _NUM.match(text)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _SIZE:
-        raise ValueError(f"not a size: {text!r} (examples: 4096, 64KiB, 1MiB, 2GB)")
+        raise BadUnitValue(f"not a size: {text!r} (examples: 4096, 64KiB, 1MiB, 2GB)")
     return int(float(m.group(1)) * _SIZE[unit])
 
 
@@ -36,7 +43,7 @@ def parse_duration(text: str | float | int) -> float:
     m = _NUM.match(text)
     unit = m.group(2).lower() if m else None
     if m is None or unit not in _TIME:
-        raise ValueError(f"not a duration: {text!r} (examples: 30, 250ms, 5min, 1h)")
+        raise BadUnitValue(f"not a duration: {text!r} (examples: 30, 250ms, 5min, 1h)")
     return float(m.group(1)) * _TIME[unit]
 
 

@@ -57,7 +57,8 @@ class MetaGc:
     def alive(self, s: Any) -> bool:
         raise NotImplementedError
 
-    def _add_live(self, layout: Layout, sign: int, key: bytes) -> None:
+    def _add_live(self, layout: Layout, sign: int, key: bytes,
+                  live: dict[int, int] | None = None) -> None:
         raise NotImplementedError
 
     # state ---------------------------------------------------------------------
@@ -241,6 +242,13 @@ class MetaGc:
         seal: list[rpc.SealCandidate] = []
         waiting = 0
         live_map = self.chunk_live
+        zero_since = self.zero_since
+        if req.after_expire:  # a dry run: plan as if the expire phase had run first
+            live_map = dict(live_map)
+            zero_since = dict(zero_since)  # and start no grace clocks for it
+            for k, e in self.entries.items():
+                if e.layout.expired(now):
+                    self._add_live(e.layout, -1, k, live_map)
         for s in self.servers.values():
             pressure = s.capacity > 0 and (self._used(s) > high * s.capacity or s.wanted)
             open_chunk = s.open_chunk
@@ -248,25 +256,25 @@ class MetaGc:
                 if cid == open_chunk:
                     live = live_map.get(cid, 0)
                     if live <= 0 and written > 0:
-                        since = self.zero_since.setdefault(cid, now)
+                        since = zero_since.setdefault(cid, now)
                         if now - since >= grace_s:
-                            seal.append(rpc.SealCandidate(s.server_id, cid))
+                            seal.append(rpc.SealCandidate(s.server_id, cid, written, max(live, 0)))
                     elif written > 0 and written - live > 0 and (
                             (written - live) / written > threshold or pressure):
-                        seal.append(rpc.SealCandidate(s.server_id, cid))
+                        seal.append(rpc.SealCandidate(s.server_id, cid, written, live))
                     continue
                 if cid in self.dead_chunks:  # retired, file still there: delete again
                     delete.append(rpc.DeleteCandidate(s.server_id, cid, written))
                     continue
                 live = live_map.get(cid, 0)
                 if live <= 0:
-                    since = self.zero_since.setdefault(cid, now)
+                    since = zero_since.setdefault(cid, now)
                     if now - since >= grace_s:
                         delete.append(rpc.DeleteCandidate(s.server_id, cid, written))
                     else:
                         waiting += 1
                     continue
-                self.zero_since.pop(cid, None)
+                zero_since.pop(cid, None)
                 garbage = written - live
                 if written > 0 and garbage > 0 and (garbage / written > threshold or pressure):
                     compact.append(rpc.CompactCandidate(s.server_id, cid, written, live))

@@ -105,10 +105,11 @@ class MetaService(MetaGc):
             self.store.touch_many(rows)
 
     # helpers -------------------------------------------------------------------
-    def _add_live(self, layout: Layout, sign: int, key: bytes) -> None:
-        """Live bytes per chunk: each replica's value plus its record header and key, so a
-        chunk of only live records has zero garbage."""
-        live = self.chunk_live
+    def _add_live(self, layout: Layout, sign: int, key: bytes,
+                  live: dict[int, int] | None = None) -> None:
+        """Live bytes per chunk (into ``live``, default ``chunk_live``): each replica's value
+        plus its record header and key, so a chunk of only live records has zero garbage."""
+        live = self.chunk_live if live is None else live
         overhead = RECORD_OVERHEAD_BYTES + len(key)
         for cid, n in layout.chunk_bytes():
             live[cid] = live.get(cid, 0) + sign * (n + overhead)

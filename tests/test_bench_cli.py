@@ -9,6 +9,9 @@ from pathlib import Path
 import pytest
 
 from kvfs.bench import cli as bench_cli
+from kvfs.bench import internal, jobs, render
+from kvfs.bench.plot import plot
+from kvfs.bench.target import BenchTarget
 from kvfs.cli import build_parser
 from kvfs.launcher import LocalCluster
 
@@ -29,7 +32,7 @@ def test_fio_option_names_parse() -> None:
     assert (ns.iodepth, ns.numjobs, ns.size, ns.runtime) == (8, 2, 1 << 20, 2.0)
     assert ns.time_based and ns.ramp_time == 1.0 and ns.batch == 16 and ns.prefix_chain == 4
     assert ns.output_format == "json" and ns.compare and ns.plot == Path("x.png")
-    wls = bench_cli.build_workloads(ns)
+    wls = jobs.build_workloads(ns)
     assert len(wls) == 8
     reads = [w for w in wls if w.reads]
     assert all(w.batch == 4 and w.rw == "read" and w.nkeys % 4 == 0 for w in reads)
@@ -38,9 +41,9 @@ def test_fio_option_names_parse() -> None:
 
 
 def test_default_job_set() -> None:
-    wls = bench_cli.build_workloads(_ns())
+    wls = jobs.build_workloads(_ns())
     got = [(w.rw, w.bs, w.batch) for w in wls]
-    assert got == [(rw, bs, b) for rw, bs, b, _, _ in bench_cli.DEFAULT_JOBS]
+    assert got == [(rw, bs, b) for rw, bs, b, _, _ in jobs.DEFAULT_JOBS]
     assert all(w.time_based for w in wls)
 
 
@@ -66,7 +69,7 @@ async def test_tiny_json_run_has_fio_fields(
         import matplotlib  # noqa: F401
     except ImportError:
         return
-    bench_cli.plot(jobs, tmp_path / "p.png")
+    plot(jobs, tmp_path / "p.png")
     assert (tmp_path / "p.png").stat().st_size > 0
 
 
@@ -97,12 +100,30 @@ async def test_plot_without_matplotlib_is_a_clear_error(
 
 async def test_internal_comparisons_count_server_reads(tmp_path: Path) -> None:
     async with LocalCluster(tmp_path / "c", 3) as cluster:
-        target = bench_cli.BenchTarget(cluster.addr, cluster.token, cluster, "inproc")
-        ns = _ns("--runtime", "0.2", "--no-progress", "--output-format", "json")
-        internal = await bench_cli._internal(ns, target, nchains=2, get_keys=256)
-    assert internal.batcher is not None and internal.chains is not None
-    assert internal.batcher.cell("get128", "batcher on").result is not None
-    per_chain = internal.chain_reads["chain put_many"].per_chain()
+        target = BenchTarget(cluster.addr, cluster.token, cluster, "inproc")
+        result = await internal.run_internal(target, runtime_s=0.2, progress=False, nchains=2,
+                                             get_keys=256)
+    assert result.batcher is not None and result.chains is not None
+    assert result.batcher.cell("get128", "batcher on").result is not None
+    per_chain = result.chain_reads["chain put_many"].per_chain()
     assert per_chain is not None and len(per_chain) == 3
-    text = bench_cli.render_internal(internal)
+    text = render.render_internal(result)
     assert "chain put_many" in text
+
+
+def test_unknown_peer_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        _ns("--compare", "--peers", "nosuch")
+    assert "unknown peer 'nosuch'" in capsys.readouterr().err
+
+
+async def test_tiny_comparison_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ns = _ns("--compare", "--cluster", "inproc", "--peers", "file,loopback", "--no-internal",
+             "--rw", "randread", "--bs", "4k", "--batch", "4", "--size", "64k", "--runtime", "0.2",
+             "--dir", str(tmp_path), "--output-format", "json", "--no-progress")
+    assert await bench_cli.cmd_bench(ns) == 0
+    report = json.loads(capsys.readouterr().out)
+    peers = report["kvfs compare"]["peers"]
+    assert peers["subject"] == "kvfs" and list(peers["stores"]) == ["kvfs", "file", "loopback"]
+    assert peers["stores"]["file"]["report"]["jobs"][0]["jobname"] == "randread-4k-b4"
+    assert peers["ratios"]["randread-4k-b4"]["file"] is not None

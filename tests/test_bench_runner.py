@@ -4,20 +4,12 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 from typing import Any, cast
 
 import pytest
 
-from kvfs.bench.compare import (
-    Comparison,
-    StoreFactory,
-    build_parser,
-    compare,
-    kvfs_store,
-    main,
-    workloads_from_args,
-)
+from kvfs.bench.adapters import kvfs_store
+from kvfs.bench.compare import Comparison, StoreFactory, compare
 from kvfs.bench.peers import LoopbackLimit, PeerUnavailable, Store
 from kvfs.bench.runner import RW, BenchError, Workload, make_keys, run_workload
 
@@ -224,44 +216,3 @@ async def test_compare_records_a_failed_run() -> None:
     comp = await compare({"good": good, "bad": bad}, [wl])
     assert comp.cell("w", "bad").skipped == "failed: BenchError: nope"
     assert comp.cell("w", "good").result is not None
-
-
-def test_cli_workloads() -> None:
-    args = build_parser().parse_args(
-        ["--rw", "randread,write", "--bs", "4k,1m", "--batch", "128", "--size", "8m"]
-    )
-    wls = workloads_from_args(args)
-    assert [(w.rw, w.bs, w.nkeys) for w in wls] == [
-        ("randread", 4096, 2048),
-        ("randread", 1 << 20, 128),  # at least one batch of keys
-        ("write", 4096, 2048),
-        ("write", 1 << 20, 128),
-    ]
-
-
-def test_cli_unknown_store(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["--stores", "nosuch", "--runtime", "0.1"]) == 2
-    assert "unknown store" in capsys.readouterr().err
-
-
-def test_cli_runs_a_tiny_comparison(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    out_json = tmp_path / "out.json"
-    rc = main(
-        [
-            "--stores", "file,loopback",
-            "--rw", "randread",
-            "--bs", "4k",
-            "--batch", "4",
-            "--size", "64k",
-            "--runtime", "0.2",
-            "--dir", str(tmp_path / "work"),
-            "--json", str(out_json),
-            "--no-progress",
-        ]
-    )  # fmt: skip
-    assert rc == 0
-    table = capsys.readouterr().out
-    assert "file/loopback" in table
-    data = json.loads(out_json.read_text())
-    assert data["subject"] == "file"
-    assert data["stores"]["file"]["report"]["jobs"][0]["jobname"] == "randread-4k-b4-qd4"

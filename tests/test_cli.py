@@ -57,6 +57,26 @@ def test_up_put_get_ls_stat_rm(up: tuple[str, dict[str, str], subprocess.Popen[b
     assert r.returncode == 0 and r.stdout == data
     r = kvfs("ls", env=env)
     assert r.stdout.decode().split() == ["mykey", "other/key"]
+    r = kvfs("ls", "-l", env=env)
+    header, *rows = r.stdout.decode().splitlines()
+    assert header.split() == ["size", "created", "expires", "extents", "key"]
+    assert rows[0].split()[0] == str(len(data)) and rows[0].endswith("mykey")
+    # durations take units everywhere
+    assert kvfs("put", "ttl/key", "-", "--ttl", "1h", env=env, stdin=b"t").returncode == 0
+    r = kvfs("ls", "ttl/", "--json", env=env)
+    (info,) = json.loads(r.stdout)
+    assert 3590 < info["expires_at"] - info["created"] <= 3600
+    r = kvfs("put", "ttl/key", "-", "--ttl", "soon", env=env, stdin=b"t")
+    assert r.returncode == 2 and b"argument --ttl: not a duration: 'soon'" in r.stderr
+    assert kvfs("rm", "ttl/key", env=env).returncode == 0
+    # a reader that went away (`kvfs stat | head -1`): a quiet exit, as with SIGPIPE
+    p = subprocess.Popen([sys.executable, "-m", "kvfs", "stat"], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stderr is not None
+    p.stdout.close()
+    assert p.wait(60) == 141
+    assert p.stderr.read() == b""
+    p.stderr.close()
     r = kvfs("ls", "other/", "--json", env=env)
     assert [e["key"] for e in json.loads(r.stdout)] == ["other/key"]
     r = kvfs("stat", "--json", env=env)
@@ -84,3 +104,11 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
     assert r.returncode == 1 and b"no token for kvfs://127.0.0.1:1" in r.stderr
     r = kvfs("get", "k", "--addr", "nonsense", "--token", "t", env=env)
     assert r.returncode == 1 and b"bad address" in r.stderr
+
+
+def test_version() -> None:
+    import kvfs as pkg
+
+    r = kvfs("--version", env=dict(os.environ))
+    assert r.returncode == 0 and r.stdout.decode().strip() == f"kvfs {pkg.__version__}"
+    assert pkg.__version__.count(".") >= 2

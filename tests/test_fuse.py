@@ -264,7 +264,8 @@ def test_hicache_style_pages(mnt: Path, fs: KVFileSystem) -> None:
 def _fio(directory: Path, out: Path, *args: str) -> dict[str, Any]:
     res = subprocess.run(["fio", "--ioengine=psync", "--iodepth=1", f"--directory={directory}",
                           "--output-format=json", f"--output={out}", *args],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=120,
+                         cwd=out.parent)  # fio writes its *-verify.state files in its cwd
     report = json.loads(out.read_text()) if out.exists() and out.stat().st_size else {}
     report["rc"] = res.returncode
     report["stderr"] = res.stderr
@@ -289,6 +290,7 @@ def test_fio_on_the_mount(mnt: Path, tmp_path: Path) -> None:
             io = job["write" if rw == "write" else "read"]["io_bytes"]
             assert io == int(size[:-1]) * 1024 * 1024
         assert os.path.getsize(d / f"data-{bs}") == int(size[:-1]) * 1024 * 1024
+    assert list(tmp_path.glob("*-verify.state"))  # fio's state files went to the temp dir
     # the read jobs really verify: bytes fio did not write fail
     (d / "random").write_bytes(os.urandom(1024 * 1024))
     r = _fio(d, tmp_path / "bad.json", "--name=bad", "--filename=random", "--rw=read", "--bs=1m",

@@ -1,0 +1,112 @@
+"""``kvfs bench`` options: fio's names (``--rw``, ``--bs``, ``--iodepth``, ...) and their parsers.
+
+Sizes and durations use the one parser in ``kvfs.units`` (fio's rule:
+``4k`` = 4096).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Final
+
+from kvfs.units import parse_duration, parse_size
+
+from .runner import RWS
+
+__all__ = ["DEFAULT_RUNTIME_S", "PEERS", "add_options", "size_arg"]
+
+DEFAULT_RUNTIME_S: Final = 4.0
+#: ``--compare`` peers, in column order.
+PEERS: Final = ("file", "redis", "loopback", "fio")
+
+
+def size_arg(text: str) -> int:
+    """A positive size, ``4k`` = 4096 (``kvfs.units.parse_size``), as an argparse type."""
+    try:
+        value = parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be positive: {text!r}")
+    return value
+
+
+def _size_list(text: str) -> list[int]:
+    return [size_arg(t) for t in text.split(",") if t.strip()]
+
+
+def _rw_list(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    for rw in out:
+        if rw not in RWS:
+            raise argparse.ArgumentTypeError(f"--rw must be one of {'|'.join(RWS)}, got {rw!r}")
+    return out
+
+
+def _peer_list(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    for peer in out:
+        if peer not in PEERS:
+            raise argparse.ArgumentTypeError(f"--peers: unknown peer {peer!r} (known: {','.join(PEERS)})")
+    return out
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return v
+
+
+def _seconds(text: str) -> float:
+    try:
+        return parse_duration(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_options(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--rw", type=_rw_list, default=None, help="read|randread|write|randwrite|randrw (comma list)")
+    a("--bs", type=_size_list, default=None, help="value size(s), e.g. 4k,64k,1m,16m")
+    a("--iodepth", type=_positive_int, default=None, help="calls in flight per job (default 4, 2 for >=1m)")
+    a("--numjobs", type=_positive_int, default=1, help="client processes per job (default 1)")
+    a("--size", type=size_arg, default=None, help="key space per job in bytes (default 32-128MiB)")
+    a("--runtime", type=_seconds, default=None, help=f"seconds per job (default {DEFAULT_RUNTIME_S:g})")
+    a("--time_based", "--time-based", dest="time_based", action="store_true",
+      help="run for --runtime even after one pass over the key space (default job set: on)")
+    a("--ramp_time", "--ramp-time", dest="ramp_time", type=_seconds, default=0.0,
+      help="seconds run before measuring")
+    a("--rwmixread", type=int, default=50, help="randrw: percent of calls that read")
+    a("--batch", type=_positive_int, default=None, help="keys per call (default 128 <=4k, 32 <=64k, ...)")
+    a("--prefix-chain", "--prefix_chain", dest="prefix_chain", type=_positive_int, default=None,
+      metavar="N", help="reads: chains of N blocks written by one put_many, read one chain per call")
+    a("--output-format", "--output_format", dest="output_format", choices=("normal", "json"),
+      default="normal")
+    a("--compare", action="store_true",
+      help="run the same jobs against redis, a file-per-key store, the loopback limit and fio")
+    a("--peers", type=_peer_list, default=list(PEERS), metavar="LIST",
+      help=f"--compare: the peers to run, comma list of {','.join(PEERS)} (default: all)")
+    a("--internal", action=argparse.BooleanOptionalAction, default=True,
+      help="--compare: also the kvfs-internal comparisons (batcher on/off, prefix chains)")
+    a("--plot", type=Path, default=None, metavar="FILE.png",
+      help="draw throughput vs value size and latency percentiles (needs matplotlib)")
+    a("--progress", action=argparse.BooleanOptionalAction, default=None,
+      help="progress line on stderr (default: when stderr is a terminal)")
+    a("--cluster", choices=("inproc", "processes"), default="processes",
+      help="embedded cluster: meta+chunkservers as child processes, as deployed (default), "
+           "or in this process and event loop")
+    a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
+    a("--addr", default=None, help="cluster address (default: start an embedded cluster)")
+    a("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    a("--gc", action="store_true",
+      help="GC bench: reclaim rate after keys expire (--bs, --size per run), and randread 4k p99 "
+           "with GC idle vs running against a churn (see bench/gcbench.py)")
+    a("--gc-ttl", dest="gc_ttl", type=_seconds, default=1.0, help="--gc: ttl of the expiring keys")
+    a("--gc-churn-rate", dest="gc_churn_rate", type=size_arg, default=16 << 20,
+      help="--gc: bytes/s the background churn writes (default 16MiB)")
+    a("--job-spec", dest="job_spec", default=None, help=argparse.SUPPRESS)  # numjobs child

@@ -1,0 +1,61 @@
+"""The cluster under test: a running one (``--addr``) or an embedded one started for the run."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["BenchTarget", "open_target"]
+
+
+@dataclass
+class BenchTarget:
+    """Where the kvfs clients connect; server read counters when the cluster is ours."""
+
+    addr: str
+    token: str | None
+    cluster: Any = None
+    embedded: str = ""
+
+    def client(self, **config: Any) -> Any:
+        from kvfs.client import AsyncClient
+        from kvfs.config import ClientConfig
+
+        return AsyncClient(self.addr, token=self.token, config=ClientConfig(**config))
+
+    def server_reads(self) -> list[tuple[int, int]] | None:
+        """(spans_read, readv_calls) per chunkserver, for an in-process cluster."""
+        css = getattr(self.cluster, "chunkservers", None)
+        if self.embedded != "inproc" or not css:
+            return None
+        return [(cs.store.spans_read, cs.readv_calls) for cs in css if cs is not None]
+
+
+@contextlib.asynccontextmanager
+async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[BenchTarget]:
+    """``--addr``'s cluster, or an embedded one (``--cluster``) in ``workdir``, stopped on exit."""
+    if ns.addr is not None:
+        yield BenchTarget(ns.addr, ns.token)
+        return
+    if ns.cluster == "processes":
+        from kvfs.launcher import ProcessCluster
+
+        pc = ProcessCluster(workdir / "cluster", 3, listen="127.0.0.1:0")
+        await pc.start()
+        try:
+            yield BenchTarget(pc.addr, pc.token, pc, "processes")
+        finally:
+            await pc.stop()
+        return
+    from kvfs.launcher import LocalCluster
+
+    lc = LocalCluster(workdir / "cluster", 3)
+    await lc.start()
+    try:
+        yield BenchTarget(lc.addr, lc.token, lc, "inproc")
+    finally:
+        await lc.stop()
