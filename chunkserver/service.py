@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 
 from kvfs import rpc
-from kvfs.address import parse_addr
+from kvfs.address import lookup_token, parse_addr
 from kvfs.chunkserver.store import ChunkStore
-from kvfs.config import ChunkServerConfig, parse_hostport
-from kvfs.errors import AuthError, KVFSError
+from kvfs.config import ChunkServerConfig
+from kvfs.errors import KVFSError
 from kvfs.protocol import Buffer, Limits
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
@@ -20,21 +19,11 @@ from kvfs.transport import Connection
 log = logging.getLogger("kvfs.chunkserver")
 
 
-def chunkserver_token(config: ChunkServerConfig) -> str:
-    token = config.token or os.environ.get("KVFS_TOKEN")
-    if token:
-        return token
-    path = config.data / "token"
-    if path.exists():
-        return path.read_text().strip()
-    raise AuthError("chunkserver needs the cluster token: --token, $KVFS_TOKEN or DATA/token")
-
-
 class ChunkServer:
     def __init__(self, config: ChunkServerConfig) -> None:
         self.config = config
         config.data.mkdir(parents=True, exist_ok=True)
-        self.token = chunkserver_token(config)
+        self.token = lookup_token(config.token, data_dir=config.data)
         self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes, io_threads=config.io_threads,
                                 fsync=config.fsync, capacity_bytes=config.capacity_bytes,
                                 merge_gap_bytes=config.merge_gap_bytes)
@@ -51,7 +40,7 @@ class ChunkServer:
 
     async def start(self) -> str:
         """Listen, register with meta; returns once clients can be sent here."""
-        host, port = parse_hostport(self.config.listen)
+        host, port = parse_addr(self.config.listen, what="listen address")
         host, port = await self.rpc.start(host, port)
         self.addr = self.config.advertise or f"{host}:{port}"
         await self._register()
@@ -70,7 +59,7 @@ class ChunkServer:
 
     async def _register(self) -> None:
         if self._meta is None or self._meta.is_closed:
-            host, port = parse_addr(self.config.meta)
+            host, port = parse_addr(self.config.meta, what="meta address")
             self._meta = await Connection.open(host, port, self.token)
         capacity, free, _ = self.store.usage()
         r = await self._meta.call(rpc.Register(server_id=self.store.server_id, addr=self.addr,

@@ -157,9 +157,7 @@ async def cmd_pause(ns: argparse.Namespace) -> int:
 async def cmd_daemon(ns: argparse.Namespace) -> int:
     cfg = from_options(GcConfig, ns, compact_threshold=float(ns.compact_threshold),
                        high_watermark=float(ns.high_watermark), low_watermark=float(ns.low_watermark))
-    opts = PassOptions(apply=True, threshold=cfg.compact_threshold, high=cfg.high_watermark,
-                       low=cfg.low_watermark, grace_s=cfg.grace_s, rate_bytes=cfg.rate_bytes,
-                       expire_batch=cfg.expire_batch)
+    opts = PassOptions.from_config(cfg)
     async with GarbageCollector(cfg.meta, token=cfg.token):
         pass  # fail fast on a wrong address or token
     stop = asyncio.Event()

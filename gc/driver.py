@@ -19,7 +19,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfs import rpc
-from kvfs.address import parse_addr, resolve_token
+from kvfs.address import lookup_token, parse_addr
+from kvfs.config import GcConfig
 from kvfs.errors import KVFSError, Unavailable
 from kvfs.rpc import R, Request
 from kvfs.transport import Connection
@@ -44,6 +45,13 @@ class PassOptions:
     grace_s: float = 30.0
     rate_bytes: int | None = None
     expire_batch: int = 10_000
+
+    @classmethod
+    def from_config(cls, config: GcConfig) -> PassOptions:
+        """The daemon's pass (``kvfs gc daemon``, ``kvfs up``): every phase, applied."""
+        return cls(apply=True, threshold=config.compact_threshold, high=config.high_watermark,
+                   low=config.low_watermark, grace_s=config.grace_s, rate_bytes=config.rate_bytes,
+                   expire_batch=config.expire_batch)
 
 
 @dataclass(kw_only=True)
@@ -101,7 +109,7 @@ class GarbageCollector:
                  progress: Progress | None = None, request_timeout_s: float = 300.0) -> None:
         self.addr = addr
         self._host, self._port = parse_addr(addr)
-        self.token = resolve_token(addr, token)
+        self.token = lookup_token(token, addr=addr)
         self.progress = progress
         self.request_timeout_s = request_timeout_s
         self._meta: Connection | None = None
@@ -141,7 +149,7 @@ class GarbageCollector:
                 await self.servers()
             if sid not in self._addrs:
                 raise Unavailable(f"chunkserver {sid} is not known to meta")
-            host, port = parse_addr(self._addrs[sid])
+            host, port = parse_addr(self._addrs[sid], what="chunkserver address")
             conn = await Connection.open(host, port, self.token, request_timeout_s=self.request_timeout_s)
             self._conns[sid] = conn
         return await conn.call(request)

@@ -9,19 +9,20 @@ get_many: layouts from the cache or one LOOKUP -> one READV per chunkserver
 from __future__ import annotations
 
 import asyncio
+import enum
 import logging
 import random
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import crc32c
 
 from kvfs import rpc
 from kvfs._batch import Batcher
-from kvfs.address import format_addr, parse_addr, resolve_token
+from kvfs.address import format_addr, lookup_token, parse_addr
 from kvfs.buffers import as_view
 from kvfs.config import ClientConfig
 from kvfs.errors import (
@@ -45,8 +46,13 @@ READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
 
 Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor
 
-# A destination meaning "the extent is the whole value: hand it back as bytes".
-_WHOLE = memoryview(b"")
+class _Dest(enum.Enum):
+    WHOLE = "whole"
+
+
+# A destination marker: "the extent is the whole value: hand it back as bytes".
+_WHOLE: Final = _Dest.WHOLE
+Dest = memoryview | _Dest | None  # where an extent's bytes go; None: not read
 
 
 @dataclass(slots=True)
@@ -64,7 +70,7 @@ class _Job:
 
     slot: int
     extent: Extent
-    dest: memoryview
+    dest: memoryview | _Dest
     rep: Replica | None = None  # the replica being read
     tried: tuple[int, ...] = ()  # servers that already failed this extent
     error: KVFSError | None = None
@@ -86,7 +92,7 @@ class AsyncClient:
                  config: ClientConfig | None = None) -> None:
         self._host, self._port = parse_addr(addr)
         self.addr = format_addr(self._host, self._port)
-        self.token = resolve_token(self.addr, token)
+        self.token = lookup_token(token, addr=self.addr)
         self.config = config or ClientConfig()
         self._meta: Connection | None = None
         self._meta_lock = asyncio.Lock()
@@ -180,7 +186,7 @@ class AsyncClient:
                 entry = self._servers.get(sid)
             if entry is None:
                 raise Unavailable(f"chunkserver {sid} is not known to meta")
-            host, port = parse_addr(entry.addr)
+            host, port = parse_addr(entry.addr, what="chunkserver address")
             try:
                 return await Connection.open(
                     host, port, self.token, connect_timeout_s=self.config.connect_timeout_s,
@@ -500,7 +506,7 @@ class AsyncClient:
         return [-1 if lay is None or i in misses else lay.size for i, lay in enumerate(layouts)]
 
     async def _read_into(self, keys: list[bytes], layouts: list[Layout | None],
-                         dests: list[memoryview | None], out: list[bytes | None] | None = None,
+                         dests: Sequence[Dest], out: list[bytes | None] | None = None,
                          ) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
         expired while being read)."""
@@ -511,7 +517,7 @@ class AsyncClient:
                 self._layouts.pop(keys[i], None)
             fresh = await self._lookup([keys[i] for i in stale], use_cache=False)
             retry_layouts: list[Layout | None] = [None] * len(keys)
-            retry_dests: list[memoryview | None] = [None] * len(keys)
+            retry_dests: list[Dest] = [None] * len(keys)
             for i, lay in zip(stale, fresh, strict=True):
                 old = layouts[i]
                 if lay is None:
@@ -526,7 +532,7 @@ class AsyncClient:
         return misses
 
     async def _fetch(self, keys: list[bytes], layouts: list[Layout | None],
-                     dests: list[memoryview | None], out: list[bytes | None] | None) -> list[int]:
+                     dests: Sequence[Dest], out: list[bytes | None] | None) -> list[int]:
         """Read every extent into its destination; returns the slots whose layout was stale."""
         jobs: list[_Job] = []
         for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
@@ -624,7 +630,8 @@ class AsyncClient:
             # the answer lands straight in each destination (e.g. the caller's buffers); this
             # peeks at the header before it is checked: exchange() checks it once received
             errs = head.header.get("errors") or {}
-            return Scatter([job.dest for i, job in enumerate(batch) if i not in errs])
+            return Scatter([job.dest for i, job in enumerate(batch)  # type: ignore[misc]
+                            if i not in errs])  # chosen only when no dest is _WHOLE
 
         def pooled(head: FrameHead) -> memoryview:
             # values handed back as bytes are copied out of a reused buffer: no fresh
@@ -640,7 +647,7 @@ class AsyncClient:
             raise
         errors = h.errors
         in_place = isinstance(payload, Scatter)
-        view = _WHOLE if isinstance(payload, Scatter) else payload
+        view = payload if isinstance(payload, memoryview) else memoryview(b"")
         pos = 0
         crc = crc32c.crc32c
         for idx, job in enumerate(batch):
@@ -656,8 +663,10 @@ class AsyncClient:
                         retry.append(job)
                     continue
             n = job.extent.length
+            dest = job.dest
             if in_place:
-                got = job.dest
+                assert dest is not _WHOLE  # scatter is chosen only when no dest is _WHOLE
+                got = dest
             else:
                 got = view[pos : pos + n]
                 pos += n
@@ -668,12 +677,12 @@ class AsyncClient:
                     f"{ranges[idx].chunk_id:016x} offset {ranges[idx].offset}) fail their CRC-32C")
                 retry.append(job)
                 continue
-            if job.dest is _WHOLE:
+            if dest is _WHOLE:
                 assert out is not None
                 out[job.slot] = bytes(got)
             elif not in_place:
-                job.dest[:] = got
-        got = view = payload = _WHOLE  # drop views of the receive buffer before reusing it
+                dest[:] = got
+        got = view = memoryview(b"")  # drop views of the receive buffer before reusing it
         self._rx_give(rx)
 
     # meta-only queries ---------------------------------------------------------

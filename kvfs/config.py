@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
+from kvfs.address import parse_addr
 from kvfs.units import parse_duration, parse_size
 
 
@@ -143,13 +144,6 @@ def from_options(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
     return cls(**values)
 
 
-def parse_hostport(text: str) -> tuple[str, int]:
-    host, _, port = text.removeprefix("kvfs://").rpartition(":")
-    if not host or not port.isdigit():
-        raise ValueError(f"bad listen address {text!r}: expected HOST:PORT")
-    return host, int(port)
-
-
 @dataclass(frozen=True, kw_only=True)
 class GcConfig:
     meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
@@ -185,7 +179,7 @@ class UpConfig:
     def __post_init__(self) -> None:
         if self.chunkservers < 1:
             raise ValueError(f"--chunkservers must be at least 1, got {self.chunkservers}")
-        parse_hostport(self.listen)
+        parse_addr(self.listen, what="listen address")
         for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_stable_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")

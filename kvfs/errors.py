@@ -92,8 +92,7 @@ class NoSpace(KVFSError, OSError):
     code = 13
 
 
-class QuotaExceeded(KVFSError):
-    code = 14
+# code 14 was QuotaExceeded (never raised, removed): wire codes are never reused.
 
 
 class Timeout(Unavailable, TimeoutError):

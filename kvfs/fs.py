@@ -40,7 +40,6 @@ import asyncio
 import contextlib
 import errno
 import os
-import re
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from datetime import UTC, datetime
@@ -52,7 +51,7 @@ from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import stringify_path
 
 from kvfs._batch import Batcher
-from kvfs.address import format_addr, parse_addr, resolve_token
+from kvfs.address import format_addr, is_addr, lookup_token, parse_addr
 from kvfs.client import AsyncClient, KeyInfo
 from kvfs.config import ClientConfig
 from kvfs.errors import KVFSError, NotFound
@@ -62,7 +61,6 @@ __all__ = ["InvalidPathError", "KVFile", "KVFileSystem"]
 
 Info = dict[str, Any]
 
-_ADDR = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[^/:\[\]]+):\d{1,5}$")
 DELETE_BATCH = 10_000
 
 
@@ -172,7 +170,7 @@ class KVFileSystem(AsyncFileSystem):
             self.addr, self.token = client.addr, client.token
         else:
             self.addr = format_addr(*parse_addr(addr))
-            self.token = resolve_token(self.addr, token)
+            self.token = lookup_token(token, addr=self.addr)
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive seconds or None, got {ttl}")
         self.ttl = ttl
@@ -233,7 +231,7 @@ class KVFileSystem(AsyncFileSystem):
         if path.startswith("kvfs://"):
             path = path[len("kvfs://"):]
             head, _, rest = path.partition("/")
-            if _ADDR.match(head):
+            if is_addr(head):
                 path = rest
         elif path.startswith("kvfs::"):
             path = path[len("kvfs::"):]
@@ -243,7 +241,7 @@ class KVFileSystem(AsyncFileSystem):
     def _get_kwargs_from_urls(path: str) -> dict[str, Any]:
         if path.startswith("kvfs://"):
             head = path[len("kvfs://"):].partition("/")[0]
-            if _ADDR.match(head):
+            if is_addr(head):
                 return {"addr": f"kvfs://{head}"}
         return {}
 

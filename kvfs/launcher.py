@@ -21,7 +21,7 @@ from kvfs._parent import ENV as PARENT_ENV
 from kvfs.address import load_or_create_token, parse_addr, user_token_path, write_secret
 from kvfs.chunkserver import ChunkServer
 from kvfs.client import AsyncClient
-from kvfs.config import ChunkServerConfig, ClientConfig, GcConfig, MetaConfig, parse_hostport
+from kvfs.config import ChunkServerConfig, ClientConfig, GcConfig, MetaConfig
 from kvfs.errors import KVFSError, Unavailable
 from kvfs.meta import MetaService
 
@@ -77,9 +77,7 @@ class LocalCluster:
         """Run the GC daemon loop as a task of this event loop (optional in-process GC)."""
         from kvfs.gc import PassOptions, run_daemon
 
-        opts = PassOptions(apply=True, threshold=config.compact_threshold, high=config.high_watermark,
-                           low=config.low_watermark, grace_s=config.grace_s,
-                           rate_bytes=config.rate_bytes, expire_batch=config.expire_batch)
+        opts = PassOptions.from_config(config)
         self._gc_stop = asyncio.Event()
         self._gc_task = asyncio.get_running_loop().create_task(
             run_daemon(self.addr, self.token, opts, config.interval_s, self._gc_stop))
@@ -320,7 +318,7 @@ class ProcessCluster:
 
     def _meta_listen(self) -> str:
         """Meta restarts on the port it had, so clients and chunkservers find it again."""
-        host, _ = parse_hostport(self.listen)
+        host, _ = parse_addr(self.listen, what="listen address")
         _, port = parse_addr(self.addr)
         return f"{host}:{port}"
 

@@ -21,7 +21,6 @@ from typing import Any
 
 import msgspec
 
-from kvfs._wire import FrameProtocol, auth_mac
 from kvfs.errors import (
     AuthError,
     InvalidArgument,
@@ -30,6 +29,7 @@ from kvfs.errors import (
     ServerError,
     VersionMismatch,
 )
+from kvfs.frame_protocol import FrameProtocol, auth_mac
 from kvfs.protocol import PROTOCOL_VERSION, Buffer, Flag, Frame, Limits, Scatter, encode_frame
 from kvfs.rpc import RPCS, Auth, Empty, Hello, Op, Request, Response, Service, decode
 

@@ -9,7 +9,6 @@ from typing import Any
 
 import msgspec
 
-from kvfs._wire import FrameProtocol, auth_mac
 from kvfs.errors import (
     KVFSError,
     LocalProtocolError,
@@ -18,6 +17,7 @@ from kvfs.errors import (
     Unavailable,
     from_wire,
 )
+from kvfs.frame_protocol import FrameProtocol, auth_mac
 from kvfs.protocol import (
     PROTOCOL_VERSION,
     Buffer,

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvfs import rpc
+from kvfs.chunkserver.store import RECORD  # the record format: meta counts its bytes
 from kvfs.config import MetaConfig
 from kvfs.layout import Extent, Layout, Replica, encode_layout
 from kvfs.meta.store import MetaStore
@@ -34,7 +35,7 @@ METRIC_NAMES = (
     "bytes_copied", "keys_relocated", "chunks_deleted", "bytes_reclaimed", "replicas_dropped",
     "passes", "pass_duration_s", "last_pass_duration_s",
 )
-RECORD_OVERHEAD_BYTES = 32  # a chunk record's fixed header (kvfs.chunkserver.store.RECORD), key follows
+RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
 
 
 def _disk_bytes(layout: Layout) -> int:

@@ -13,14 +13,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvfs import rpc
-from kvfs.address import load_or_create_token, parse_addr
-from kvfs.config import MetaConfig, parse_hostport
+from kvfs.address import lookup_token, parse_addr
+from kvfs.config import MetaConfig
 from kvfs.errors import InvalidArgument, StaleLayout
 from kvfs.layout import Layout, encode_layout
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES, MetaGc
@@ -56,7 +55,7 @@ class MetaService(MetaGc):
         self.config = config
         self.clock = clock
         config.data.mkdir(parents=True, exist_ok=True)
-        self.token = config.token or os.environ.get("KVFS_TOKEN") or load_or_create_token(config.data)
+        self.token = lookup_token(config.token, data_dir=config.data, create=True)
         self.store = MetaStore(config.data / "meta.sqlite3")
         self.entries: dict[bytes, Entry] = {}
         self.chunk_live: dict[int, int] = {}
@@ -78,7 +77,7 @@ class MetaService(MetaGc):
         log.info("meta loaded %d keys, %d chunkservers", len(self.entries), len(self.servers))
 
     async def start(self) -> str:
-        host, port = parse_hostport(self.config.listen)
+        host, port = parse_addr(self.config.listen, what="listen address")
         host, port = await self.rpc.start(host, port)
         self._bg.append(asyncio.get_running_loop().create_task(self._flush_loop()))
         return f"kvfs://{host}:{port}"

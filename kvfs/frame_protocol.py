@@ -1,4 +1,7 @@
-"""The asyncio side of the wire: one BufferedProtocol base for client and server."""
+"""The asyncio side of the wire: :class:`FrameProtocol`, the ``asyncio.BufferedProtocol``
+base of client connections (``kvfs/transport.py``) and server connections
+(``kvfs/server.py``) around the sans-IO :class:`kvfs.protocol.FrameDecoder`; and
+``auth_mac``, the HMAC both sides compute for the AUTH handshake."""
 
 from __future__ import annotations
 
