@@ -3,34 +3,71 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 I = TypeVar("I")  # noqa: E741
 R = TypeVar("R")
 
 
-class Batcher(Generic[I, R]):
-    """Items submitted before the event loop runs again (or within ``window_s``) go to
-    ``run`` together, as one list; each submitter gets its own result back.
+def run_end(sizes: Sequence[int], start: int, *, max_items: int, max_bytes: int) -> int:
+    """The end of the batch that starts at ``sizes[start]``: at most ``max_items`` items
+    of at most ``max_bytes`` in all, and always at least one item (a larger one goes alone)."""
+    end, total = start + 1, sizes[start]
+    while end < len(sizes) and end - start < max_items and total + sizes[end] <= max_bytes:
+        total += sizes[end]
+        end += 1
+    return end
 
-    A batch is sent at once when it reaches ``max_items`` items or ``max_bytes`` of
-    (declared) size.  If the batched call fails, every item is retried alone, so one
-    bad item cannot fail its neighbours.  A submitter that is cancelled does not
-    cancel the batch.
+
+def split_batches(sizes: Sequence[int], *, max_items: int, max_bytes: int) -> list[range]:
+    """Consecutive index ranges of ``sizes``, each a batch as :func:`run_end` bounds it."""
+    out, start = [], 0
+    while start < len(sizes):
+        end = run_end(sizes, start, max_items=max_items, max_bytes=max_bytes)
+        out.append(range(start, end))
+        start = end
+    return out
+
+
+class Batcher(Generic[I, R]):
+    """Concurrent single-item calls go to ``run`` together, as one list; each
+    submitter gets its own result back.
+
+    Two ways to decide when a batch goes out:
+
+    - by time (``max_inflight=None``, the client's get/exists and fsspec
+      puts): items submitted before the event loop runs again (or within
+      ``window_s``) go together; a batch is sent at once when it reaches
+      ``max_items`` items or ``max_bytes`` of (declared) size.
+    - by load (``max_inflight=N``, the FUSE mount's reads, which reach the
+      loop one request at a time and rarely share a tick): an item goes out
+      at once while fewer than N batches are running; otherwise it waits,
+      and what queued up goes out together (up to ``max_items`` /
+      ``max_bytes`` per batch) when a batch finishes. Idle: no added
+      latency; busy: batches as large as the backlog.
+
+    If the batched call fails, every item is retried alone, so one bad item
+    cannot fail its neighbours. A submitter that is cancelled does not cancel
+    the batch.
     """
 
     def __init__(self, run: Callable[[list[I]], Awaitable[list[R]]], *, max_items: int,
-                 max_bytes: int, window_s: float = 0.0) -> None:
+                 max_bytes: int, window_s: float = 0.0, max_inflight: int | None = None) -> None:
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError(f"Batcher: max_inflight must be at least 1, got {max_inflight}")
         self._run = run
         self._max_items = max_items
         self._max_bytes = max_bytes
         self._window_s = window_s
+        self._max_inflight = max_inflight
         self._items: list[I] = []
         self._futs: list[asyncio.Future[R]] = []
+        self._sizes: list[int] = []
         self._bytes = 0
         self._handle: asyncio.Handle | asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # keep running batches referenced
+        self.inflight = 0
         self.batches = 0
 
     async def submit(self, item: I, nbytes: int = 0) -> R:
@@ -38,8 +75,11 @@ class Batcher(Generic[I, R]):
         fut: asyncio.Future[R] = loop.create_future()
         self._items.append(item)
         self._futs.append(fut)
+        self._sizes.append(nbytes)
         self._bytes += nbytes
-        if len(self._items) >= self._max_items or self._bytes >= self._max_bytes:
+        if self._max_inflight is not None:
+            self._pump()
+        elif len(self._items) >= self._max_items or self._bytes >= self._max_bytes:
             self._flush()
         elif self._handle is None:
             self._handle = (loop.call_later(self._window_s, self._flush) if self._window_s > 0
@@ -47,19 +87,39 @@ class Batcher(Generic[I, R]):
         return await fut
 
     def _flush(self) -> None:
+        """By time: everything queued goes out now."""
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        if not self._items:
-            return
-        items, futs = self._items, self._futs
-        self._items, self._futs, self._bytes = [], [], 0
+        if self._items:
+            self._send(len(self._items))
+
+    def _pump(self) -> None:
+        """By load: send batches from the queue while fewer than ``max_inflight`` run."""
+        assert self._max_inflight is not None
+        while self._items and self.inflight < self._max_inflight:
+            self._send(run_end(self._sizes, 0, max_items=self._max_items, max_bytes=self._max_bytes))
+
+    def _send(self, n: int) -> None:
+        items, futs = self._items[:n], self._futs[:n]
+        del self._items[:n], self._futs[:n]
+        self._bytes -= sum(self._sizes[:n])
+        del self._sizes[:n]
         self.batches += 1
+        self.inflight += 1
         task = asyncio.get_running_loop().create_task(self._complete(items, futs))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _complete(self, items: list[I], futs: list[asyncio.Future[R]]) -> None:
+        try:
+            await self._answer(items, futs)
+        finally:
+            self.inflight -= 1
+            if self._max_inflight is not None:
+                self._pump()
+
+    async def _answer(self, items: list[I], futs: list[asyncio.Future[R]]) -> None:
         try:
             results = await self._run(items)
         except BaseException as exc:

@@ -9,10 +9,11 @@ import json
 import logging
 import os
 import signal
+import stat as stat_mod
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import BinaryIO
 
 from kvfs import __version__
 from kvfs._loop import run
@@ -128,24 +129,47 @@ def _client(ns: argparse.Namespace) -> AsyncClient:
     return AsyncClient(ns.addr, token=ns.token)
 
 
+async def _read_chunks(f: BinaryIO, n: int) -> AsyncIterator[bytes]:
+    """``f`` in pieces of ``n`` bytes, each read in a thread while the loop keeps writing."""
+    while True:
+        piece = await asyncio.to_thread(f.read, n)
+        if not piece:
+            return
+        yield piece
+
+
 async def cmd_put(ns: argparse.Namespace) -> int:
-    data = sys.stdin.buffer.read() if ns.file == "-" else Path(ns.file).read_bytes()
+    """Streams: memory stays a few stripe units, whatever the file's size."""
     async with _client(ns) as kv:
-        await kv.put(ns.key, data, ttl=ns.ttl, replicas=ns.replicas)
+        stripe = kv.config.stripe_bytes
+        if ns.file == "-":
+            await kv.put_stream(ns.key, _read_chunks(sys.stdin.buffer, stripe), ttl=ns.ttl,
+                                replicas=ns.replicas)
+            return 0
+        with open(ns.file, "rb") as f:
+            st = os.fstat(f.fileno())
+            size = st.st_size if stat_mod.S_ISREG(st.st_mode) else None
+            await kv.put_stream(ns.key, _read_chunks(f, stripe), size=size, ttl=ns.ttl,
+                                replicas=ns.replicas)
     return 0
 
 
 async def cmd_get(ns: argparse.Namespace) -> int:
+    """Streams: one stripe unit at a time (a few read ahead) to the file or stdout."""
     async with _client(ns) as kv:
-        value = await kv.get(ns.key)
-    if value is None:
-        print(f"kvfs: {ns.key}: not found", file=sys.stderr)
-        return 1
-    if ns.output and ns.output != "-":
-        Path(ns.output).write_bytes(value)
-    else:
-        sys.stdout.buffer.write(value)
-        sys.stdout.buffer.flush()
+        reader = await kv.open_read(ns.key)
+        if reader is None:
+            print(f"kvfs: {ns.key}: not found", file=sys.stderr)
+            return 1
+        to_file = bool(ns.output and ns.output != "-")
+        out = open(ns.output, "wb") if to_file else sys.stdout.buffer  # noqa: SIM115
+        try:
+            async for part in reader.chunks():
+                out.write(part)
+            out.flush()
+        finally:
+            if to_file:
+                out.close()
     return 0
 
 

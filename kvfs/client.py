@@ -37,6 +37,7 @@ from kvfs.errors import (
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
 from kvfs.protocol import Buffer, FrameHead, Scatter
 from kvfs.rpc import OP_OF, R, Request
+from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.transport import Connection, Sink
 
 log = logging.getLogger("kvfs.client")
@@ -313,15 +314,27 @@ class AsyncClient:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        layouts: list[Layout] | None = None
+        await self._commit(keys, await self._append(keys, views, r, ttl), ttl)
+
+    async def _append(self, keys: list[bytes], views: list[memoryview], r: int,
+                      ttl: float | None, *, first: int | None = None) -> list[Layout]:
+        """Write the values' bytes (not yet visible): placement, retries on a dead server, one
+        GC pass when the cluster is full.  Returns their layouts, to commit.  ``first``: start
+        at the live server of that index (mod their count, in id order) instead of a random
+        draw, so the units of a stream go round-robin over the servers as stripes do."""
         collected = False
         for attempt in range(3):
             live = [s for s in await self.servers(refresh=attempt > 0) if s.alive]
             if len(live) < r:
                 raise Unavailable(f"{r} replicas need {r} live chunkservers; {len(live)} are live")
             try:
-                layouts = await self._write(keys, views, self._order(live), r, ttl)
-                break
+                if first is None:
+                    order = self._order(live)
+                else:
+                    live.sort(key=lambda e: e.server_id)
+                    k = first % len(live)
+                    order = live[k:] + live[:k]
+                return await self._write(keys, views, order, r, ttl)
             except Unavailable:
                 if attempt == 2:
                     raise
@@ -330,11 +343,27 @@ class AsyncClient:
                     raise
                 await self._make_room()
                 collected = True
-        assert layouts is not None
+        raise AssertionError("unreachable")
+
+    async def _commit(self, keys: list[bytes], layouts: list[Layout], ttl: float | None) -> None:
+        """Make written values visible: one COMMIT to meta (the linearisation point)."""
         h = await self._meta_call(rpc.Commit(
             items=[rpc.CommitItem(k, lay) for k, lay in zip(keys, layouts, strict=True)], ttl_s=ttl))
         for k, lay in zip(keys, layouts, strict=True):
             self._cache(k, lay.stamped(h.created, h.expires_at))
+
+    # streaming (kvfs/stream.py) ----------------------------------------------------
+    async def put_stream(self, key: Key, chunks: Chunks, *, size: int | None = None,
+                         ttl: float | None = None, replicas: int | None = None) -> int:
+        """Store the concatenation of ``chunks`` (an async or plain iterable of bytes-like
+        objects) under ``key``, holding only a few stripe units in memory; committed at the
+        end, so readers see all of it or nothing.  Returns the size."""
+        return await put_stream(self, key, chunks, size=size, ttl=ttl, replicas=replicas)
+
+    async def open_read(self, key: Key) -> ValueReader | None:
+        """A reader of ``key``'s value by ranges (``await r.read(start, end)``, ``async for
+        part in r.chunks()``), or None on a miss."""
+        return await open_read(self, key)
 
     async def _make_room(self) -> None:
         """A write found the cluster full: run one GC pass (expire, evict LRU down to the

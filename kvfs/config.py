@@ -66,6 +66,8 @@ class ClientConfig:
     batch_window_s: float = opt("wait this long for more keys (0: those issued this loop tick)", 0.0)
     batch_max_keys: int = opt("flush a batch at this many keys, without waiting", 128)
     batch_max_bytes: int = opt("flush a batch when its known value sizes reach this", 64 * 1024 * 1024)
+    stream_window_units: int = opt("stripe units a streaming put or read keeps in flight (its "
+                                   "memory: this many stripe_bytes)", 4)
 
 
 T = TypeVar("T")
