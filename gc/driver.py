@@ -22,6 +22,7 @@ from kvfs import rpc
 from kvfs.address import lookup_token, parse_addr
 from kvfs.config import GcConfig
 from kvfs.errors import KVFSError, Unavailable
+from kvfs.handshake import Role
 from kvfs.rpc import R, Request
 from kvfs.transport import Connection
 
@@ -109,13 +110,14 @@ class GarbageCollector:
                  progress: Progress | None = None, request_timeout_s: float = 300.0) -> None:
         self.addr = addr
         self._host, self._port = parse_addr(addr)
-        self.token = lookup_token(token, addr=addr)
+        self.token = lookup_token(token, addr=addr, role=Role.ADMIN)
         self.progress = progress
         self.request_timeout_s = request_timeout_s
         self._meta: Connection | None = None
         self._conns: dict[int, Connection] = {}
         self._addrs: dict[int, str] = {}
         self._usage: dict[int, rpc.ChunkStatsReply] = {}
+        self.cluster_id: str | None = None  # meta's, sent with every chunk deletion
 
     async def __aenter__(self) -> GarbageCollector:
         await self.meta(rpc.Ping())
@@ -156,6 +158,7 @@ class GarbageCollector:
 
     async def servers(self) -> list[tuple[int, str, bool]]:
         h = await self.meta(rpc.Servers())
+        self.cluster_id = h.cluster_id
         out = [(s.server_id, s.addr, s.alive) for s in h.servers]
         for sid, addr, _ in out:
             if self._addrs.get(sid) not in (None, addr) and sid in self._conns:
@@ -341,7 +344,8 @@ class GarbageCollector:
             if not retired:
                 continue
             try:
-                deleted = (await self.chunkserver(sid, rpc.ChunkDelete(chunks=retired))).deleted
+                deleted = (await self.chunkserver(sid, rpc.ChunkDelete(
+                    chunks=retired, cluster_id=self.cluster_id))).deleted
             except Unavailable as exc:
                 log.warning("cannot delete %d chunks on server %d now: %s", len(retired), sid, exc)
                 continue

@@ -13,11 +13,13 @@ import stat as stat_mod
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
 from typing import BinaryIO
 
 from kvfs import __version__
 from kvfs._loop import run
 from kvfs._parent import die_with_parent
+from kvfs.address import TOKEN_FILE_HELP, lookup_token, token_from_file
 from kvfs.client import AsyncClient
 from kvfs.config import (
     DURATION,
@@ -28,6 +30,7 @@ from kvfs.config import (
     from_options,
 )
 from kvfs.errors import KVFSError
+from kvfs.handshake import Role
 from kvfs.units import format_size
 
 log = logging.getLogger("kvfs.cli")
@@ -37,7 +40,7 @@ Command = Callable[[argparse.Namespace], Awaitable[int]]
 
 def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
-    p.add_argument("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
 
 
 def _stop_event() -> asyncio.Event:
@@ -57,6 +60,8 @@ async def _wait_for_signal() -> None:
 async def cmd_meta(ns: argparse.Namespace) -> int:
     from kvfs.meta import MetaService
 
+    if ns.data is None:
+        raise ValueError("--data is required")
     svc = MetaService(from_options(MetaConfig, ns))
     addr = await svc.start()
     print(f"kvfs meta ready {addr}", flush=True)
@@ -64,6 +69,30 @@ async def cmd_meta(ns: argparse.Namespace) -> int:
         await _wait_for_signal()
     finally:
         await svc.close()
+    return 0
+
+
+async def cmd_meta_rebuild(ns: argparse.Namespace) -> int:
+    from kvfs.meta.rebuild import rebuild
+
+    addrs = [a.strip() for a in ns.from_chunkservers.split(",") if a.strip()]
+    # reading every chunk's records (CHUNK_SCAN) is an admin operation
+    token = lookup_token(token_from_file(ns.token_file), data_dir=ns.data, role=Role.ADMIN)
+    rep = await rebuild(ns.data, addrs, token)
+    print(f"rebuilt {ns.data / 'meta.sqlite3'} from {rep.servers} chunkservers, {rep.chunks} chunks, "
+          f"{rep.records} records: {rep.keys} keys ({format_size(rep.value_bytes)}); skipped "
+          f"{rep.deleted} deleted, {rep.expired} expired, {rep.incomplete} incomplete "
+          f"(no good copy of an extent), {rep.bad_records} records failing their CRC")
+    for key in rep.dropped_keys[:20]:
+        print(f"  dropped {key[:80].decode(errors='backslashreplace')}")
+    return 0
+
+
+async def cmd_meta_backup(ns: argparse.Namespace) -> int:
+    from kvfs.meta.rebuild import backup
+
+    pages = backup(ns.data, ns.file)
+    print(f"backed up {ns.data / 'meta.sqlite3'} to {ns.file} ({pages} pages)")
     return 0
 
 
@@ -126,7 +155,7 @@ async def cmd_up(ns: argparse.Namespace) -> int:
 
 # client commands ------------------------------------------------------------------
 def _client(ns: argparse.Namespace) -> AsyncClient:
-    return AsyncClient(ns.addr, token=ns.token)
+    return AsyncClient(ns.addr, token=token_from_file(ns.token_file))
 
 
 async def _read_chunks(f: BinaryIO, n: int) -> AsyncIterator[bytes]:
@@ -217,6 +246,10 @@ async def cmd_stat(ns: argparse.Namespace) -> int:
               f"{format_size(s['capacity']):>11} {format_size(s['free']):>11} {s['chunks']:>6} "
               f"{format_size(s['written']):>11} {format_size(s['live']):>11} "
               f"{format_size(s['garbage']):>11}")
+    shared = max((int(s.get("shared_by", 1)) for s in st["servers"]), default=1)
+    if shared > 1:
+        print(f"# chunkservers sharing a disk each show their share of its capacity and free "
+              f"space (up to {shared} share one); totals count each disk once")
     return 0
 
 
@@ -232,9 +265,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, UpConfig)
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("meta", help="run the metadata service in the foreground")
-    add_options(p, MetaConfig)
+    p = sub.add_parser("meta", help="run the metadata service in the foreground; "
+                       "or rebuild / back up its database")
+    add_options(p, MetaConfig, skip=("data",))
+    p.add_argument("--data", type=Path, default=None, help="data directory (SQLite store, token)")
     p.set_defaults(func=cmd_meta)
+    msub = p.add_subparsers(dest="meta_command", metavar="{rebuild,backup}")
+    q = msub.add_parser("rebuild", help="write a new meta database from the chunkservers' records "
+                        "(after meta's database was lost)")
+    q.add_argument("--data", type=Path, required=True, help="meta's data directory (the new database)")
+    q.add_argument("--from-chunkservers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="every chunkserver of the cluster")
+    q.add_argument("--token-file", default=None,
+                   help="the admin token's file (default: $KVFS_ADMIN_TOKEN, else DATA/admin.token)")
+    q.set_defaults(func=cmd_meta_rebuild)
+    q = msub.add_parser("backup", help="copy the live database to FILE (SQLite online backup)")
+    q.add_argument("file", type=Path)
+    q.add_argument("--data", type=Path, required=True, help="meta's data directory")
+    q.set_defaults(func=cmd_meta_backup)
 
     p = sub.add_parser("chunkserver", help="run one chunkserver in the foreground")
     add_options(p, ChunkServerConfig)

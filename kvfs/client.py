@@ -11,29 +11,33 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import os
 import random
 import time
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import crc32c
 
 from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, lookup_token, parse_addr
-from kvfs.buffers import as_view
+from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.config import ClientConfig
 from kvfs.errors import (
+    AuthError,
     ChecksumMismatch,
     InvalidArgument,
     KVFSError,
+    LocalProtocolError,
     NoSpace,
     StaleLayout,
     Unavailable,
     from_wire,
 )
+from kvfs.handshake import Role
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
 from kvfs.protocol import Buffer, FrameHead, Scatter
 from kvfs.rpc import OP_OF, R, Request
@@ -45,7 +49,13 @@ TOUCH_INTERVAL_S = 5.0
 RX_POOL_BUFFERS = 8  # receive buffers kept for reuse (values returned as bytes are copied out)
 READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
 
-Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor
+Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor,
+#               or a list of them: one value gathered from (or scattered into) several buffers
+
+# get_into's per-key results besides a size (>= 0)
+MISS = -1  # no such key (or it expired / was deleted while being read)
+TOO_SMALL = -2  # the value is larger than the key's buffer(s): nothing was read for it
+FAILED = -3  # its bytes could not be read (server down, corrupt): neighbours are unaffected
 
 class _Dest(enum.Enum):
     WHOLE = "whole"
@@ -53,7 +63,9 @@ class _Dest(enum.Enum):
 
 # A destination marker: "the extent is the whole value: hand it back as bytes".
 _WHOLE: Final = _Dest.WHOLE
-Dest = memoryview | _Dest | None  # where an extent's bytes go; None: not read
+# where an extent's (or a value's) bytes go: views filled in order (a value may be scattered
+# over several buffers), _WHOLE, or None: not read
+Dest = list[memoryview] | _Dest | None
 
 
 @dataclass(slots=True)
@@ -67,11 +79,12 @@ class ServerEntry:
 
 @dataclass(slots=True)
 class _Job:
-    """One extent to read into ``dest``."""
+    """One extent to read into ``dest`` (one view, or several when the caller scatters a
+    value over several buffers), or handed back as bytes when ``dest`` is ``_WHOLE``."""
 
     slot: int
     extent: Extent
-    dest: memoryview | _Dest
+    dest: list[memoryview] | _Dest
     rep: Replica | None = None  # the replica being read
     tried: tuple[int, ...] = ()  # servers that already failed this extent
     error: KVFSError | None = None
@@ -90,24 +103,37 @@ class AsyncClient:
     """``async with kvfs.connect(addr) as kv: ...``"""
 
     def __init__(self, addr: str | None = None, *, token: str | None = None,
-                 config: ClientConfig | None = None) -> None:
+                 config: ClientConfig | None = None, admin_token: str | None = None) -> None:
+        """``token``: the client token (default ``$KVFS_TOKEN`` or the file `kvfs up`
+        wrote); ``admin_token``: only for the GC pass a write runs when it finds the
+        cluster full (``evict_on_full``; default ``$KVFS_ADMIN_TOKEN`` or its file)."""
         self._host, self._port = parse_addr(addr)
         self.addr = format_addr(self._host, self._port)
         self.token = lookup_token(token, addr=self.addr)
+        self.admin_token = admin_token
         self.config = config or ClientConfig()
-        self._meta: Connection | None = None
-        self._meta_lock = asyncio.Lock()
-        self._conns: dict[int, Connection] = {}
-        self._conn_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._servers: dict[int, ServerEntry] = {}
         self._servers_at = -1e18
         self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
+        self._write_id = 0  # last write id handed out (see _next_write_id)
         self.clock = time.time
         self.rpc_counts: dict[str, int] = defaultdict(int)
         self._rx_pool: list[bytearray] = []
         self._touched: set[bytes] = set()  # keys read via the layout cache, not yet told to meta
         self._touch_at = time.monotonic()
         self._touch_task: asyncio.Task[None] | None = None
+        self._pid = os.getpid()
+        self._orphans: list[object] = []  # a parent's connections, kept (never closed) after fork()
+        self._bind(None)
+
+    def _bind(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Fresh per-loop state: connections, locks and batchers belong to one event loop."""
+        self._loop = loop
+        self._meta: Connection | None = None
+        self._meta_lock = asyncio.Lock()
+        self._conns: dict[int, Connection] = {}
+        self._conn_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+        self._touch_task = None
         cfg = self.config
         self._get_batcher: Batcher[bytes, bytes | None] = Batcher(
             self.get_many, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
@@ -143,7 +169,29 @@ class AsyncClient:
         self._conns.clear()
 
     # connections -------------------------------------------------------------
+    def _check_loop(self) -> None:
+        """The client follows the loop that uses it: it binds to the first one, moves to
+        another once nothing is open, and refuses at once (instead of hanging until a
+        timeout) while connections of another live loop are open.  In a child after
+        ``fork()`` the parent's connections are dropped, never touched, and it reconnects."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        pid = os.getpid()
+        if pid != self._pid:
+            self._orphans.append((self._meta, self._conns))
+            self._pid = pid
+        elif self._loop is not None and (
+                (self._meta is not None and not self._meta.is_closed)
+                or any(not c.is_closed for c in self._conns.values())) and not self._loop.is_closed():
+            raise LocalProtocolError(
+                f"this AsyncClient has connections open on another event loop ({self._loop!r}) "
+                f"and was called from {loop!r}; close() it first, make one client per loop, "
+                "or use the blocking kvfs.Client (thread-safe, submit_* futures)")
+        self._bind(loop)
+
     async def _meta_conn(self) -> Connection:
+        self._check_loop()
         if self._meta is not None and not self._meta.is_closed:
             return self._meta
         async with self._meta_lock:
@@ -166,6 +214,7 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     async def _server_conn(self, sid: int) -> Connection:
+        self._check_loop()
         conn = self._conns.get(sid)
         if conn is not None and not conn.is_closed:
             return conn
@@ -302,12 +351,12 @@ class AsyncClient:
         """Store many values: one append per chunkserver, one commit to meta."""
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
-            raise InvalidArgument("empty key list")
+            return
         keys = [norm_key(k) for k, _ in pairs]
-        views = [as_view(v) for _, v in pairs]
+        views = [as_parts(v, what=f"value for key {k[:64]!r}") for k, (_, v) in zip(keys, pairs, strict=True)]
         for k, v in zip(keys, views, strict=True):
-            if v.nbytes > MAX_VALUE_BYTES:
-                raise InvalidArgument(f"value of {v.nbytes} bytes for key {k[:64]!r} exceeds the "
+            if nbytes(v) > MAX_VALUE_BYTES:
+                raise InvalidArgument(f"value of {nbytes(v)} bytes for key {k[:64]!r} exceeds the "
                                       f"limit of {MAX_VALUE_BYTES}")
         r = self.config.replicas if replicas is None else replicas
         if r < 1:
@@ -316,7 +365,7 @@ class AsyncClient:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
         await self._commit(keys, await self._append(keys, views, r, ttl), ttl)
 
-    async def _append(self, keys: list[bytes], views: list[memoryview], r: int,
+    async def _append(self, keys: list[bytes], views: list[list[memoryview]], r: int,
                       ttl: float | None, *, first: int | None = None) -> list[Layout]:
         """Write the values' bytes (not yet visible): placement, retries on a dead server, one
         GC pass when the cluster is full.  Returns their layouts, to commit.  ``first``: start
@@ -334,7 +383,7 @@ class AsyncClient:
                     live.sort(key=lambda e: e.server_id)
                     k = first % len(live)
                     order = live[k:] + live[:k]
-                return await self._write(keys, views, order, r, ttl)
+                return await self._write(keys, views, order, r, ttl, stream_unit=first is not None)
             except Unavailable:
                 if attempt == 2:
                     raise
@@ -370,21 +419,27 @@ class AsyncClient:
         low watermark and to fit the refused write, compact, delete) and let the caller retry."""
         from kvfs.gc.driver import GarbageCollector, PassOptions
 
+        try:
+            admin = lookup_token(self.admin_token, addr=self.addr, role=Role.ADMIN)
+        except AuthError:
+            raise NoSpace("the cluster is full, and this client has no admin token to run a GC "
+                          "pass (KVFS_ADMIN_TOKEN); the GC daemon makes room") from None
         log.info("cluster full: running a GC pass before retrying the write")
-        async with GarbageCollector(self.addr, token=self.token) as gc:
+        async with GarbageCollector(self.addr, token=admin) as gc:
             await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
         await self.servers(refresh=True)
 
-    async def _write(self, keys: list[bytes], views: list[memoryview], order: list[ServerEntry],
-                     r: int, ttl: float | None) -> list[Layout]:
+    async def _write(self, keys: list[bytes], views: list[list[memoryview]], order: list[ServerEntry],
+                     r: int, ttl: float | None, *, stream_unit: bool = False) -> list[Layout]:
         """Append every value (one APPEND per server); returns the layouts to commit."""
         stripe = self.config.stripe_bytes
         expires_hint = None if ttl is None else self.clock() + ttl
+        wid = self._next_write_id()  # records carry it: a rebuild of meta keeps the newest write
         n_srv = len(order)
         crc = crc32c.crc32c
         # per server: records and payload parts, in call order
         records: dict[int, list[rpc.RecordHead]] = defaultdict(list)
-        parts: dict[int, list[memoryview]] = defaultdict(list)
+        parts: dict[int, list[list[memoryview]]] = defaultdict(list)  # per record: its buffers
         # per value and unit: (length, crc, [(sid, index into records[sid]), ...])
         plans: list[list[tuple[int, int, list[tuple[int, int]]]]] = []
         crcs: list[int] = []
@@ -396,36 +451,46 @@ class AsyncClient:
         small = [order[j % n_srv].server_id for j in range(r)]
         rr = 0
         for key, v in zip(keys, views, strict=True):
-            n = v.nbytes
+            n = nbytes(v)
             if 0 < n <= stripe:  # the common case: one extent
                 if group_bytes and group_bytes + n > group_limit:
                     group, group_bytes = group + 1, 0
                     small = [order[(group + j) % n_srv].server_id for j in range(r)]
                 group_bytes += n
-                c = crc(v)
+                c = 0
+                for p in v:
+                    c = crc(p, c)
                 where = []
                 for sid in small:
                     recs = records[sid]
                     where.append((sid, len(recs)))
-                    recs.append(rpc.RecordHead(key, n, c, expires_hint))
+                    # a stream's unit does not know its whole value (total size 0): a rebuild drops it
+                    recs.append(rpc.RecordHead(key, n, c, expires_hint, wid, 0 if stream_unit else n, c, 0))
                     parts[sid].append(v)
                 plans.append([(n, c, where)])
                 crcs.append(c)
                 continue
-            units = [v[i : i + stripe] for i in range(0, n, stripe)]
+            units = [cut(v, i, stripe) for i in range(0, n, stripe)]
             plan = []
             whole = 0
+            unit_recs: list[tuple[int, int]] = []  # (server, index into its records)
             for ui, u in enumerate(units):
-                c = crc(u)
-                whole = crc(u, whole)
+                c = 0
+                for p in u:
+                    c = crc(p, c)
+                    whole = crc(p, whole)
+                un = nbytes(u)
                 start = (rr + ui) % n_srv
                 where = []
                 for j in range(r):
                     sid = order[(start + j) % n_srv].server_id
                     where.append((sid, len(records[sid])))
-                    records[sid].append(rpc.RecordHead(key, u.nbytes, c, expires_hint))
+                    unit_recs.append((sid, len(records[sid])))
+                    records[sid].append(rpc.RecordHead(key, un, c, expires_hint, wid, n, 0, ui))
                     parts[sid].append(u)
-                plan.append((u.nbytes, c, where))
+                plan.append((un, c, where))
+            for sid, idx in unit_recs:  # the whole value's CRC, known once every unit is summed
+                records[sid][idx] = records[sid][idx]._replace(total_crc=whole)
             rr += len(units)
             plans.append(plan)
             crcs.append(whole)
@@ -437,10 +502,11 @@ class AsyncClient:
             i = 0
             while i < len(recs):
                 j, total = i, 0
-                while j < len(recs) and (j == i or total + ps[j].nbytes <= self.config.max_rpc_bytes):
-                    total += ps[j].nbytes
+                while j < len(recs) and (j == i or total + recs[j][1] <= self.config.max_rpc_bytes):
+                    total += recs[j][1]
                     j += 1
-                h, _ = await self._server_call(sid, rpc.Append(records=recs[i:j]), ps[i:j])
+                payload = [p for rec in ps[i:j] for p in rec]  # gathered, never copied
+                h, _ = await self._server_call(sid, rpc.Append(records=recs[i:j]), payload)
                 out.extend(h.locations)
                 i = j
             locs[sid] = out
@@ -449,7 +515,7 @@ class AsyncClient:
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        return [Layout(v.nbytes, whole, 0.0, None, tuple(
+        return [Layout(nbytes(v), whole, 0.0, None, tuple(
                     Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
                     for length, c, where in plan))
                 for v, plan, whole in zip(views, plans, crcs, strict=True)]
@@ -459,19 +525,22 @@ class AsyncClient:
         """One value, or None on a miss; concurrent calls are batched together."""
         k = norm_key(key)
         if self.config.batch:
+            self._check_loop()
             return await self._get_batcher.submit(k, self._known_size(k))
         return (await self.get_many([k]))[0]
 
     async def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
         """Values in key order; None for a miss."""
         ks = norm_keys(keys)
+        if not ks:
+            return []
         layouts = await self._lookup(ks)
         # one-extent values become bytes straight from the receive buffer (one copy);
         # striped ones are assembled in a bytearray first
         bufs: list[bytearray | None] = [
             None if lay is None or len(lay.extents) < 2 else bytearray(lay.size) for lay in layouts]
         out: list[bytes | None] = [None if lay is None else b"" for lay in layouts]
-        dests = [memoryview(b) if b is not None else (_WHOLE if lay is not None and lay.size else None)
+        dests = [[memoryview(b)] if b is not None else (_WHOLE if lay is not None and lay.size else None)
                  for b, lay in zip(bufs, layouts, strict=True)]
         misses = await self._read_into(ks, layouts, dests, out)
         return [None if i in misses else bytes(b) if b is not None else o
@@ -485,10 +554,12 @@ class AsyncClient:
         verified): a 4 KiB range of a 1 GiB value reads one stripe unit, not 1 GiB.
         """
         keys = norm_keys(k for k, _, _ in requests)
+        if not keys:
+            return []
         for attempt in (0, 1):
             layouts = await self._lookup(keys, use_cache=attempt == 0)
             subs: list[Layout | None] = []
-            dests: list[memoryview | None] = []
+            dests: list[list[memoryview] | None] = []
             cuts: list[tuple[bytearray, int, int]] = []
             for (_, start, end), lay in zip(requests, layouts, strict=True):
                 if lay is None:
@@ -508,9 +579,9 @@ class AsyncClient:
                 size = sum(e.length for e in chosen)
                 buf = bytearray(size)
                 subs.append(Layout(size, 0, lay.created, lay.expires_at, tuple(chosen)))
-                dests.append(memoryview(buf))
+                dests.append([memoryview(buf)])
                 cuts.append((buf, lo - first, max(lo, hi) - first))
-            stale = await self._fetch(keys, subs, dests, None)
+            stale = await self._fetch(keys, subs, dests, None, None)
             if not stale:
                 return [None if sub is None else bytes(buf[a:b])
                         for sub, (buf, a, b) in zip(subs, cuts, strict=True)]
@@ -519,28 +590,50 @@ class AsyncClient:
         raise StaleLayout("layouts changed twice during one ranged read; retry")
 
     async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
-        """Read values into caller buffers; returns each size, -1 for a miss."""
+        """Read values into caller buffers, without copies; one result per key.
+
+        A key's buffer may be a list of buffers: its value is scattered over them in order
+        (e.g. ``[k_half, v_half]``).  Each result is the value's size (a hit: that many
+        leading bytes of the buffer(s) were written), ``kvfs.MISS`` (-1),
+        ``kvfs.TOO_SMALL`` (-2: the value is larger than the buffers; nothing read) or
+        ``kvfs.FAILED`` (-3: its bytes could not be read from any replica).  No key's
+        outcome affects another's.
+        """
         ks = norm_keys(keys)
         if len(buffers) != len(ks):
             raise InvalidArgument(f"{len(ks)} keys but {len(buffers)} buffers")
-        views = [as_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
+        if not ks:
+            return []
+        views = [as_parts(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
         layouts = await self._lookup(ks)
-        dests: list[memoryview | None] = []
-        for k, lay, v in zip(ks, layouts, views, strict=True):
-            if lay is not None and lay.size > v.nbytes:
-                raise InvalidArgument(f"buffer of {v.nbytes} bytes is too small for {k[:64]!r} "
-                                      f"({lay.size} bytes)")
-            dests.append(None if lay is None else v[: lay.size])
-        misses = await self._read_into(ks, layouts, dests)
-        return [-1 if lay is None or i in misses else lay.size for i, lay in enumerate(layouts)]
+        dests: list[list[memoryview] | None] = []
+        result = [MISS] * len(ks)
+        for i, (lay, v) in enumerate(zip(layouts, views, strict=True)):
+            if lay is None:
+                dests.append(None)
+            elif lay.size > nbytes(v):
+                result[i] = TOO_SMALL
+                dests.append(None)
+            else:
+                result[i] = lay.size
+                dests.append(cut(v, 0, lay.size))
+        failed: dict[int, KVFSError] = {}
+        misses = await self._read_into(ks, layouts, dests, failed=failed)
+        for i in misses:
+            result[i] = MISS
+        for i, exc in failed.items():
+            log.warning("get_into: %s", exc)
+            result[i] = FAILED
+        return result
 
     async def _read_into(self, keys: list[bytes], layouts: list[Layout | None],
                          dests: Sequence[Dest], out: list[bytes | None] | None = None,
-                         ) -> set[int]:
+                         *, failed: dict[int, KVFSError] | None = None) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
-        expired while being read)."""
+        expired while being read).  With ``failed`` given, a key whose bytes cannot be
+        read is recorded there instead of failing the call."""
         misses: set[int] = set()
-        stale = await self._fetch(keys, layouts, dests, out)
+        stale = await self._fetch(keys, layouts, dests, out, failed)
         if stale:
             for i in stale:
                 self._layouts.pop(keys[i], None)
@@ -556,13 +649,15 @@ class AsyncClient:
                     raise StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
                                       "named by its layout (lost or reclaimed)")
                 retry_layouts[i], retry_dests[i] = lay, dests[i]
-            if await self._fetch(keys, retry_layouts, retry_dests, out):
+            if await self._fetch(keys, retry_layouts, retry_dests, out, failed):
                 raise StaleLayout("layouts changed twice during one read; retry")
         return misses
 
     async def _fetch(self, keys: list[bytes], layouts: list[Layout | None],
-                     dests: Sequence[Dest], out: list[bytes | None] | None) -> list[int]:
-        """Read every extent into its destination; returns the slots whose layout was stale."""
+                     dests: Sequence[Dest], out: list[bytes | None] | None,
+                     failed_out: dict[int, KVFSError] | None) -> list[int]:
+        """Read every extent into its destination; returns the slots whose layout was stale.
+        A slot no replica could serve raises, or lands in ``failed_out`` when given."""
         jobs: list[_Job] = []
         for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
             if lay is None or dest is None:
@@ -572,7 +667,7 @@ class AsyncClient:
                 continue
             pos = 0
             for e in lay.extents:
-                jobs.append(_Job(slot, e, dest[pos : pos + e.length]))
+                jobs.append(_Job(slot, e, cut(dest, pos, e.length)))
                 pos += e.length
         stale: set[int] = set()
         failed: dict[int, KVFSError] = {}
@@ -616,7 +711,9 @@ class AsyncClient:
                     stale.update(st)
                     pending.extend(retry)
         if failed:
-            raise next(iter(failed.values()))
+            if failed_out is None:
+                raise next(iter(failed.values()))
+            failed_out.update(failed)
         return sorted(stale)
 
     async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes],
@@ -626,16 +723,23 @@ class AsyncClient:
         reads, the transfer and the client's checks overlap."""
         stale: list[int] = []
         retry: list[_Job] = []
-        limit = self.config.max_read_rpc_bytes
+        limit, max_ranges = self.config.max_read_rpc_bytes, self.config.max_read_ranges
         batches: list[list[_Job]] = []
-        i = 0
-        while i < len(jobs):
-            j, total = i, 0
-            while j < len(jobs) and (j == i or total + jobs[j].extent.length <= limit):
-                total += jobs[j].extent.length
-                j += 1
-            batches.append(jobs[i:j])
-            i = j
+        batch: list[_Job] = []
+        seen: set[tuple[int, int]] = set()  # a server refuses overlapping ranges: the same
+        total = 0  # extent asked twice (the same key twice in one call) goes in another READV
+        for job in jobs:
+            where = (job.rep.chunk_id, job.rep.offset)  # type: ignore[union-attr]
+            if batch and (total + job.extent.length > limit or len(batch) >= max_ranges
+                          or where in seen):
+                batches.append(batch)
+                batch, total = [], 0
+                seen.clear()
+            batch.append(job)
+            seen.add(where)
+            total += job.extent.length
+        if batch:
+            batches.append(batch)
         if len(batches) == 1:
             await self._readv_batch(sid, batches[0], keys, out, stale, retry)
             return stale, retry
@@ -659,8 +763,8 @@ class AsyncClient:
             # the answer lands straight in each destination (e.g. the caller's buffers); this
             # peeks at the header before it is checked: exchange() checks it once received
             errs = head.header.get("errors") or {}
-            return Scatter([job.dest for i, job in enumerate(batch)  # type: ignore[misc]
-                            if i not in errs])  # chosen only when no dest is _WHOLE
+            return Scatter([p for i, job in enumerate(batch) if i not in errs
+                            for p in cast(list[memoryview], job.dest)])  # no dest is _WHOLE here
 
         def pooled(head: FrameHead) -> memoryview:
             # values handed back as bytes are copied out of a reused buffer: no fresh
@@ -695,11 +799,14 @@ class AsyncClient:
             dest = job.dest
             if in_place:
                 assert dest is not _WHOLE  # scatter is chosen only when no dest is _WHOLE
-                got = dest
+                c = 0
+                for p in dest:
+                    c = crc(p, c)
             else:
                 got = view[pos : pos + n]
                 pos += n
-            if crc(got) != job.extent.crc:
+                c = crc(got)
+            if c != job.extent.crc:
                 job.tried += (sid,)
                 job.error = ChecksumMismatch(
                     f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
@@ -710,29 +817,62 @@ class AsyncClient:
                 assert out is not None
                 out[job.slot] = bytes(got)
             elif not in_place:
-                dest[:] = got
+                at = 0
+                for p in dest:
+                    p[:] = got[at : at + p.nbytes]
+                    at += p.nbytes
         got = view = memoryview(b"")  # drop views of the receive buffer before reusing it
         self._rx_give(rx)
 
     # meta-only queries ---------------------------------------------------------
     async def exists_many(self, keys: Iterable[Key]) -> list[bool]:
-        return (await self._meta_call(rpc.Exists(keys=norm_keys(keys)))).exists
+        ks = norm_keys(keys)
+        if not ks:
+            return []
+        return (await self._meta_call(rpc.Exists(keys=ks))).exists
 
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
         if self.config.batch:
+            self._check_loop()
             return await self._exists_batcher.submit(k)
         return (await self.exists_many([k]))[0]
 
     async def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         """How many leading keys are present and unexpired (optionally leased)."""
-        return (await self._meta_call(rpc.MatchPrefix(keys=norm_keys(keys), lease_s=lease_s))).n
+        ks = norm_keys(keys)
+        if not ks:
+            return 0
+        return (await self._meta_call(rpc.MatchPrefix(keys=ks, lease_s=lease_s))).n
 
     async def delete_many(self, keys: Iterable[Key]) -> int:
         ks = norm_keys(keys)
+        if not ks:
+            return 0
         for k in ks:
             self._layouts.pop(k, None)
-        return (await self._meta_call(rpc.Delete(keys=ks))).deleted
+        h = await self._meta_call(rpc.Delete(keys=ks))
+        await self._tombstones(ks)
+        return h.deleted
+
+    def _next_write_id(self) -> int:
+        """Write ids order the writes of a key for a rebuild of meta: nanoseconds, increasing."""
+        self._write_id = max(self._write_id + 1, time.time_ns())
+        return self._write_id
+
+    async def _tombstones(self, keys: list[bytes]) -> None:
+        """Record the deletes in a chunk (one APPEND of empty records) so a rebuild of meta
+        from the chunks does not bring the keys back.  Best effort: meta's delete stands."""
+        wid = self._next_write_id()
+        try:
+            live = [s for s in await self.servers() if s.alive]
+            if not live:
+                return
+            sid = self._order(live)[0].server_id
+            await self._server_call(sid, rpc.Append(records=[
+                rpc.RecordHead(k, 0, 0, None, wid, 0, 0, 0, True) for k in keys]), [])
+        except KVFSError as exc:
+            log.warning("deleted %d keys, but could not record their tombstones: %s", len(keys), exc)
 
     async def delete(self, key: Key) -> bool:
         return await self.delete_many([key]) == 1

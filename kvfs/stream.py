@@ -60,7 +60,7 @@ async def put_stream(client: AsyncClient, key: Key, chunks: Chunks, *, size: int
 
     async def write(i: int, unit: memoryview) -> None:
         try:
-            (lay,) = await client._append([k], [unit], r, ttl, first=start + i)
+            (lay,) = await client._append([k], [[unit]], r, ttl, first=start + i)
             (extents[i],) = lay.extents
         except BaseException as exc:
             failed.append(exc)
@@ -153,7 +153,7 @@ class ValueReader:
             n = sum(e.length for e in chosen)
             buf = bytearray(n)
             sub = Layout(n, 0, self.layout.created, self.layout.expires_at, chosen)
-            if not await self.client._fetch([self.key], [sub], [memoryview(buf)], None):
+            if not await self.client._fetch([self.key], [sub], [[memoryview(buf)]], None, None):
                 return bytes(memoryview(buf)[lo - first:hi - first])
             await self._follow()
         raise StaleLayout(f"key {self.key[:64]!r}: its bytes moved twice during one read; retry")

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvfs import rpc
-from kvfs.chunkserver.store import RECORD  # the record format: meta counts its bytes
+from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import MetaConfig
 from kvfs.layout import Extent, Layout, Replica, encode_layout
 from kvfs.meta.store import MetaStore
@@ -88,8 +88,9 @@ class MetaGc:
         """Replace the layouts of existing entries: one SQLite transaction, then the index."""
         if not staged:
             return
-        self.store.put_many((k, encode_layout(lay), lay.expires_at, e.last_access)
-                            for k, e, lay in staged)
+        with self.store.durable():
+            self.store.put_many((k, encode_layout(lay), lay.expires_at, e.last_access)
+                                for k, e, lay in staged)
         for k, e, lay in staged:
             self._add_live(e.layout, -1, k)
             e.layout = lay
@@ -100,7 +101,8 @@ class MetaGc:
         gone = [k for k in keys if k in self.entries]
         if not gone:
             return 0, 0
-        self.store.delete_many(gone)
+        with self.store.durable():
+            self.store.delete_many(gone)
         nbytes = 0
         for k in gone:
             lay = self.entries.pop(k).layout
@@ -348,7 +350,8 @@ class MetaGc:
                    or (self.chunk_live.get(c, 0) <= 0 and c != open_chunk)]
         fresh = [c for c in retired if c not in self.dead_chunks]
         if fresh:
-            self.store.add_dead((c, sid, now) for c in fresh)
+            with self.store.durable():  # on disk before the GC driver unlinks anything
+                self.store.add_dead((c, sid, now) for c in fresh)
             for c in fresh:
                 self.dead_chunks[c] = now
                 self.zero_since.pop(c, None)

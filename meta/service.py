@@ -14,17 +14,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvfs import rpc
-from kvfs.address import lookup_token, parse_addr
+from kvfs.address import parse_addr, service_tokens
 from kvfs.config import MetaConfig
-from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
+from kvfs.errors import InvalidArgument, StaleLayout, WrongCluster
+from kvfs.handshake import Role
 from kvfs.layout import Layout, encode_layout
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES, MetaGc
 from kvfs.meta.store import MetaStore
-from kvfs.protocol import Limits
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
 
@@ -48,21 +49,32 @@ class ServerInfo:
     chunks: dict[int, int] = field(default_factory=dict)  # chunk_id -> bytes written
     open_chunk: int | None = None  # the chunk appends go to (never compacted or deleted)
     wanted: int = 0  # bytes of the last append refused for lack of space (evict to fit it)
+    key: str = ""  # the chunkserver's data-dir key: only it may move its id to a new address
+    disk: str | None = None  # the filesystem it stores on (host:st_dev); None: own --capacity
+    reported_capacity: int = 0  # as the server reported them; capacity/free are its share
+    reported_free: int = 0
+    shared_by: int = 1  # servers on its disk (each gets 1/shared_by of its space)
 
 
 class MetaService(MetaGc):
-    def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time,
+                 tokens: Mapping[Role, str] | None = None) -> None:
         self.config = config
         self.clock = clock
-        config.data.mkdir(parents=True, exist_ok=True)
-        self.token = lookup_token(config.token, data_dir=config.data, create=True)
-        self.store = MetaStore(config.data / "meta.sqlite3")
+        private_dir(config.data)
+        self.lock = DirLock(config.data, "meta").acquire()
+        raise_nofile_limit()
+        create_private_file(config.data / "meta.sqlite3")  # SQLite's -wal/-shm copy its mode
+        self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
+        self.store = MetaStore(config.data / "meta.sqlite3",
+                               synchronous="NORMAL" if config.fsync == "never" else "FULL")
+        self.cluster_id = self.store.cluster_id()
         self.entries: dict[bytes, Entry] = {}
         self.chunk_live: dict[int, int] = {}
         self.servers: dict[int, ServerInfo] = {}
         self.leases: dict[bytes, float] = {}
         self._dirty_access: dict[bytes, float] = {}
-        self.rpc = RpcServer(self, Service.META, self.token, Limits())
+        self.rpc = RpcServer(self, Service.META, self.tokens, config)
         self._bg: list[asyncio.Task[None]] = []
         self._load()
         self._init_gc()
@@ -73,7 +85,8 @@ class MetaService(MetaGc):
             self.entries[key] = Entry(layout, last_access)
             self._add_live(layout, +1, key)
         for sid, addr, capacity, free in self.store.load_servers():
-            self.servers[sid] = ServerInfo(sid, addr, capacity, free)
+            self.servers[sid] = ServerInfo(sid, addr, capacity, free, reported_capacity=capacity,
+                                           reported_free=free)
         log.info("meta loaded %d keys, %d chunkservers", len(self.entries), len(self.servers))
 
     async def start(self) -> str:
@@ -91,6 +104,7 @@ class MetaService(MetaGc):
         await self.rpc.close()
         self.flush_access()
         self.store.close()
+        self.lock.release()
 
     async def _flush_loop(self) -> None:
         while True:
@@ -210,7 +224,7 @@ class MetaService(MetaGc):
             live = sum(self.chunk_live.get(c, 0) for c in s.chunks)
             servers.append(rpc.ServerStats(
                 server_id=s.server_id, addr=s.addr, alive=self.alive(s),
-                capacity=s.capacity, free=s.free, used=s.used,
+                capacity=s.capacity, free=s.free, used=s.used, shared_by=s.shared_by,
                 chunks=len(s.chunks), written=written, live=live,
                 garbage=max(0, written - live)))
         return rpc.StatsReply(
@@ -224,26 +238,67 @@ class MetaService(MetaGc):
 
     # chunkserver RPCs ----------------------------------------------------------
     async def rpc_register(self, req: rpc.Register, payload: memoryview) -> Reply:
-        parse_addr(req.addr)
+        addr = req.addr
+        parse_addr(addr)
         sid = max(self.servers, default=0) + 1 if req.server_id is None else req.server_id
-        s = self.servers.get(sid) or ServerInfo(sid, req.addr)
-        s.addr = req.addr
-        s.capacity, s.free = req.capacity, req.free
+        self._check_cluster(sid, addr, req.cluster_id, req.nchunks)
+        old = self.servers.get(sid)
+        if old is not None and old.addr != addr and self.alive(old) and old.key != req.key:
+            raise InvalidArgument(
+                f"chunkserver {sid} is alive at {old.addr}; a server at {addr} with another data "
+                "dir cannot take its id (stop the other one, or wait for it to time out)")
+        s = old or ServerInfo(sid, addr)
+        s.key = req.key
+        s.addr = addr
+        s.reported_capacity = req.capacity
+        s.reported_free = req.free
+        s.disk = req.disk
         s.last_heartbeat = time.monotonic()
         self.servers[sid] = s
-        self.store.put_server(sid, req.addr, s.capacity, s.free)
-        log.info("chunkserver %d registered at %s", sid, req.addr)
-        return rpc.Registered(server_id=sid), ()
+        self._share_disks()
+        self.store.put_server(sid, addr, s.reported_capacity, s.reported_free)
+        log.info("chunkserver %d registered at %s", sid, addr)
+        return rpc.Registered(server_id=sid, cluster_id=self.cluster_id), ()
+
+    def _check_cluster(self, sid: int, addr: str, cluster_id: str | None, nchunks: int) -> None:
+        """A chunkserver of another cluster, or one holding chunks this meta never saw, is
+        refused: this meta (fresh, or restored from elsewhere) must never GC its chunks."""
+        if cluster_id is None:
+            if nchunks and sid not in self.servers:
+                raise WrongCluster(
+                    f"chunkserver {sid} at {addr} holds {nchunks} chunks but no cluster id, and this "
+                    f"meta (cluster {self.cluster_id}) has never seen it; if meta's database was "
+                    "lost, rebuild it: kvfs meta rebuild --from-chunkservers")
+        elif cluster_id != self.cluster_id:
+            raise WrongCluster(
+                f"chunkserver {sid} at {addr} belongs to cluster {cluster_id}, this meta "
+                f"is cluster {self.cluster_id}; if meta's database was lost or replaced, rebuild it: "
+                "kvfs meta rebuild --from-chunkservers")
 
     async def rpc_heartbeat(self, req: rpc.Heartbeat, payload: memoryview) -> Reply:
         s = self.servers.get(req.server_id)
         if s is None:
             raise InvalidArgument(f"unknown chunkserver {req.server_id}: register first")
-        s.capacity, s.free, s.used = req.capacity, req.free, req.used
+        s.reported_capacity, s.reported_free, s.used = req.capacity, req.free, req.used
         s.chunks, s.open_chunk, s.wanted = dict(req.chunks), req.open, req.wanted
+        s.disk = req.disk
         s.last_heartbeat = time.monotonic()
+        self._share_disks()
         return rpc.Empty(), ()
+
+    def _share_disks(self) -> None:
+        """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
+        capacity and free space they report, so every total (``kvfs stat``, ``kvfs gc
+        status``, the mount's ``df``) counts the disk once and fill ratios are the disk's."""
+        on_disk: dict[str, int] = {}
+        for s in self.servers.values():
+            if s.disk is not None:
+                on_disk[s.disk] = on_disk.get(s.disk, 0) + 1
+        for s in self.servers.values():
+            n = on_disk.get(s.disk, 1) if s.disk is not None else 1
+            s.shared_by = n
+            s.capacity, s.free = s.reported_capacity // n, s.reported_free // n
 
     async def rpc_servers(self, req: rpc.Servers, payload: memoryview) -> Reply:
         return rpc.ServerList(servers=[rpc.ServerRow(s.server_id, s.addr, s.capacity, s.free, self.alive(s))
-                                       for s in self.servers.values()]), ()
+                                       for s in self.servers.values()], cluster_id=self.cluster_id), ()

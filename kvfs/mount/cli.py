@@ -11,6 +11,7 @@ import signal
 import sys
 from typing import Any
 
+from kvfs.address import TOKEN_FILE_HELP, token_from_file
 from kvfs.config import ClientConfig
 from kvfs.errors import KVFSError
 from kvfs.fs import KVFileSystem
@@ -31,7 +32,7 @@ def add_commands(sub: Any) -> None:
                        "when it is closed.")
     p.add_argument("mountpoint")
     p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
-    p.add_argument("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
     p.add_argument("--timeout", type=parse_duration, default=10.0, metavar="DURATION",
                    help="fail a request with EIO after this long (default 10s)")
     p.add_argument("--attr-timeout", type=parse_duration, default=1.0, metavar="DURATION",
@@ -64,7 +65,7 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
     timeout_s = float(ns.timeout)
     cfg = ClientConfig(connect_timeout_s=min(5.0, timeout_s), request_timeout_s=timeout_s,
                        layout_cache_entries=0)  # files are overwritten: always look keys up
-    fs = KVFileSystem(ns.addr, token=ns.token, config=cfg, ttl=ns.ttl, asynchronous=True,
+    fs = KVFileSystem(ns.addr, token=token_from_file(ns.token_file), config=cfg, ttl=ns.ttl, asynchronous=True,
                       skip_instance_cache=True)
     try:
         async with asyncio.timeout(timeout_s):
