@@ -40,6 +40,7 @@ from kvfs.protocol import (
     encode_frame,
 )
 from kvfs.rpc import HANDLER_NAMES, RPCS, Op, Service
+from kvfs.tls import server_context, server_options
 
 log = logging.getLogger("kvfs.server")
 
@@ -96,6 +97,7 @@ class RpcServer:
         self.reply_cost: Callable[[int, dict[str, Any]], int] | None = getattr(
             handler, "reply_cost", None)
         self.peer_log = PeerLog(config.bad_request_log_interval_s)
+        self.tls = server_context(config, f"{service.value} server")  # None: plaintext
         self._server: asyncio.base_events.Server | None = None
         self.connections: set[_ServerProtocol] = set()
         self.host = ""
@@ -105,7 +107,9 @@ class RpcServer:
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _ServerProtocol(self), host, port)
+        self._server = await loop.create_server(
+            lambda: _ServerProtocol(self), host, port,
+            **server_options(self.tls, self.config.handshake_timeout_s))
         sock = self._server.sockets[0]
         self.host, self.port = sock.getsockname()[:2]
         return self.host, self.port
