@@ -54,6 +54,15 @@ def tls_fields(cfg: TlsConfig) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TlsConfig)}
 
 
+def tls_argv(cfg: TlsConfig) -> list[str]:
+    """The TLS fields of ``cfg`` as command-line flags (absolute paths), for a child process."""
+    out: list[str] = []
+    for name, path in tls_fields(cfg).items():
+        if path is not None:
+            out += [_flag(name), str(Path(path).resolve())]
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class ServerConfig(TlsConfig):
     """What every RPC server (meta, chunkserver) limits, per connection unless stated."""

@@ -25,6 +25,7 @@ from kvfs.datadir import DirLock, private_dir
 from kvfs.errors import Unavailable
 from kvfs.handshake import Role
 from kvfs.meta import MetaService
+from kvfs.tls import TLS_ENV
 
 READY_TIMEOUT_S = 60.0
 
@@ -250,7 +251,9 @@ class ProcessCluster:
             self.tokens = service_tokens(self.data, create=True)
             self.token, self.admin_token = self.tokens[Role.CLIENT], self.tokens[Role.ADMIN]
             # tokens travel to the children in the environment, never on a command line
-            self.env = {**(self.env_base or os.environ),
+            # TLS files go as flags (kvfs up's own), never from a client's $KVFS_TLS_*
+            self.env = {**{k: v for k, v in (self.env_base or os.environ).items()
+                           if k not in TLS_ENV.values()},
                         **{TOKEN_ENV[r]: t for r, t in self.tokens.items()}}
             await self.start_meta(self.listen)
             for i in range(self.n):

@@ -218,3 +218,43 @@ def test_client_tls_from_the_environment(monkeypatch: pytest.MonkeyPatch, certs:
     ctx = client_context(ClientConfig())
     assert ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
     assert client_context(ClientConfig(), env=False) is None  # services never read it
+
+
+@pytest.mark.subprocess
+def test_kvfs_up_with_tls_end_to_end(tmp_path: Path, certs: Certs) -> None:
+    """`kvfs up --tls-*` hands the files to meta, the chunkservers and the GC daemon; the
+    CLI's client commands speak TLS with --tls-* or $KVFS_TLS_*, and refuse plaintext."""
+    from test_up import alive, kvfs, start_up
+
+    up = start_up(tmp_path, tmp_path / "data", "--chunkservers", "2", "--gc-interval", "1s",
+                  "--tls-cert", str(certs.cert), "--tls-key", str(certs.key),
+                  "--tls-ca", str(certs.ca))
+    pids: dict[str, int] = {}
+    try:
+        pids = up.children()
+        assert set(pids) == {"meta", "chunkserver 0", "chunkserver 1", "gc"}
+        assert "TLS with" in up.stderr() and "mutual" in up.stderr()
+        mine = ["--tls-ca", str(certs.ca), "--tls-cert", str(certs.client_cert),
+                "--tls-key", str(certs.client_key)]
+        value = os.urandom(3_000_000)
+        r = kvfs(up, "put", "k", "-", *mine, stdin=value)
+        assert r.returncode == 0, r.stderr.decode()
+        r = kvfs(up, "get", "k", *mine)
+        assert r.returncode == 0 and r.stdout == value, r.stderr.decode()
+        up.env.update(KVFS_TLS_CA=str(certs.ca), KVFS_TLS_CERT=str(certs.client_cert),
+                      KVFS_TLS_KEY=str(certs.client_key))
+        r = kvfs(up, "gc", "status", "--json")  # the admin path, TLS from the environment
+        assert r.returncode == 0, r.stderr.decode()
+        for name in TLS_ENV.values():
+            del up.env[name]
+        r = kvfs(up, "stat")  # plaintext against TLS: refused, naming TLS, no hang
+        assert r.returncode == 1 and b"--tls-ca" in r.stderr, r.stderr.decode()
+        assert "gc pass failed" not in up.stderr() and "restarting" not in up.stderr()
+    finally:
+        up.proc.terminate()
+        up.proc.wait(30)
+        assert up.proc.stdout is not None
+        up.proc.stdout.close()
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, 9)
