@@ -258,3 +258,54 @@ def test_kvfs_up_with_tls_end_to_end(tmp_path: Path, certs: Certs) -> None:
         for pid in pids.values():
             if alive(pid):
                 os.kill(pid, 9)
+
+
+def test_engine_config_and_fsspec_options_carry_tls(tmp_path: Path, certs: Certs) -> None:
+    """The engines' config (``kvfs_tls_*`` keys) and fsspec's storage options (``tls_*``)
+    reach the client; a filesystem without them is refused by the TLS cluster."""
+    import threading
+
+    import fsspec
+
+    from kvfs._loop import new_event_loop
+    from kvfs.config import EngineConfig, from_mapping
+    from kvfs.integrations._common import open_client
+
+    loop = new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    c = LocalCluster(tmp_path / "c", 1, tls=certs.services())
+    try:
+        call(c.start())
+        files = {"tls_ca": str(certs.ca), "tls_cert": str(certs.client_cert),
+                 "tls_key": str(certs.client_key)}
+        cfg = from_mapping(EngineConfig, {"kvfs_addr": c.addr, "kvfs_token": c.token,
+                                          **{f"kvfs_{k}": v for k, v in files.items()}},
+                           prefix="kvfs_")
+        assert cfg.tls_ca == certs.ca
+        kv = open_client(cfg)
+        try:
+            kv.put("e", b"engine")
+            assert kv.get("e") == b"engine"
+        finally:
+            kv.close()
+        fs = fsspec.filesystem("kvfs", addr=c.addr, token=c.token, skip_instance_cache=True,
+                               **files)
+        fs.pipe_file("f", b"fsspec")
+        assert fs.cat_file("f") == b"fsspec"
+        fs.close()
+        plain = fsspec.filesystem("kvfs", addr=c.addr, token=c.token, skip_instance_cache=True,
+                                  config=ClientConfig(connect_timeout_s=0.5))
+        with pytest.raises(OSError) as err:  # fsspec's FSTimeoutError: ours is its cause
+            plain.cat_file("f")
+        assert "--tls-ca" in str(err.value.__cause__ or err.value), repr(err.value)
+        plain.close()
+    finally:
+        call(c.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
