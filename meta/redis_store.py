@@ -71,9 +71,9 @@ from redis.asyncio.cluster import ClusterNode, RedisCluster
 
 from kvfs.address import parse_addr
 from kvfs.errors import InvalidArgument, StaleLayout
-from kvfs.layout import Layout
+from kvfs.layout import Layout, decode_layout, encode_layout
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES
-from kvfs.meta.store import pack_layout, prefix_upper_bound, unpack_layout
+from kvfs.meta.store import prefix_upper_bound
 
 URL_SCHEME = "redis-cluster://"
 DEFAULT_BUCKETS = 256
@@ -231,11 +231,11 @@ def live_contrib(key: bytes, layout: Layout) -> dict[int, int]:
 def encode_value(key: bytes, layout: Layout) -> bytes:
     exp = "" if layout.expires_at is None else _num(layout.expires_at)
     contrib = ",".join(f"{c}:{n}" for c, n in live_contrib(key, layout).items())
-    return f"{exp};{contrib}|".encode() + pack_layout(layout.to_wire())
+    return f"{exp};{contrib}|".encode() + encode_layout(layout)
 
 
 def decode_value(v: bytes) -> Layout:
-    return Layout.from_wire(unpack_layout(v[v.index(b"|") + 1:]))
+    return decode_layout(v[v.index(b"|") + 1:])
 
 
 def value_expired(v: bytes, now: float) -> bool:
