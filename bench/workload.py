@@ -126,6 +126,15 @@ class MixedWorkload:
             except TimeoutError:
                 pass
 
+    async def wait_committed(self, n: int, timeout_s: float) -> None:
+        """Until at least ``n`` keys are committed (or the timeout)."""
+        async with self._progress:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._progress.wait_for(lambda: len(self.committed) >= n)
+            except TimeoutError:
+                pass
+
     async def _notify(self) -> None:
         async with self._progress:
             self._progress.notify_all()
@@ -150,6 +159,7 @@ class MixedWorkload:
                 continue
             fig.puts_ok += 1
             self.committed.extend(keys)
+            await self._notify()
             await asyncio.sleep(self.write_pause_s)
 
     async def _read_loop(self) -> None:

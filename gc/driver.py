@@ -14,14 +14,16 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfs.address import lookup_token, parse_addr
 from kvfs.config import GcConfig
 from kvfs.errors import KVFSError, Unavailable
+from kvfs.gc.repair import RepairReport, repair_step
 from kvfs.handshake import Role
+from kvfs.protocol import Buffer, Frame
 from kvfs.rpc import Op
 from kvfs.transport import Connection
 
@@ -45,13 +47,15 @@ class PassOptions:
     grace_s: float = 30.0
     rate_bytes: int | None = None
     expire_batch: int = 10_000
+    repair: bool = True
+    repair_rate_bytes: int | None = None
 
     @classmethod
     def from_config(cls, config: GcConfig) -> PassOptions:
         """The daemon's pass (``kvfs gc daemon``, ``kvfs up``): every phase, applied."""
         return cls(apply=True, threshold=config.compact_threshold, high=config.high_watermark,
                    low=config.low_watermark, grace_s=config.grace_s, rate_bytes=config.rate_bytes,
-                   expire_batch=config.expire_batch)
+                   expire_batch=config.expire_batch, repair_rate_bytes=config.repair_rate_bytes)
 
 
 @dataclass(kw_only=True)
@@ -74,6 +78,7 @@ class PassReport:
     delete_candidates: int = 0
     reclaimable_bytes: int = 0  # dry run: what compaction + deletion would free
     waiting_grace: int = 0
+    repair: RepairReport | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -144,6 +149,11 @@ class GarbageCollector:
         return (await self._meta.call(op, header)).header
 
     async def chunkserver(self, sid: int, op: Op, header: dict[str, Any]) -> dict[str, Any]:
+        return (await self.chunkserver_call(sid, op, header)).header
+
+    async def chunkserver_call(self, sid: int, op: Op, header: dict[str, Any],
+                               payload: Sequence[Buffer] = ()) -> Frame:
+        """One RPC to chunkserver ``sid``, the whole answer (header and payload)."""
         conn = self._conns.get(sid)
         if conn is None or conn.is_closed:
             if sid not in self._addrs:
@@ -153,7 +163,7 @@ class GarbageCollector:
             host, port = parse_addr(self._addrs[sid], what="chunkserver address")
             conn = await Connection.open(host, port, self.token, request_timeout_s=self.request_timeout_s)
             self._conns[sid] = conn
-        return (await conn.call(op, header)).header
+        return await conn.call(op, header, payload)
 
     async def servers(self) -> list[tuple[int, str, bool]]:
         h = await self.meta(Op.SERVERS, {})
@@ -199,6 +209,8 @@ class GarbageCollector:
             await self.expire(opts, report)
         if opts.evict:
             await self.evict(opts, report)
+        if opts.repair:
+            report.repair = await repair_step(self, apply=opts.apply, rate_bytes=opts.repair_rate_bytes)
         if opts.compact:
             await self.compact(opts, report)
         report.duration_s = time.perf_counter() - t0
@@ -423,6 +435,9 @@ async def run_daemon(addr: str | None, token: str | None, opts: PassOptions, int
                 paused = await gc.set_paused(None)
                 if not paused:
                     report = await gc.run_pass(opts)
+                    if report.repair is not None and report.repair.extents_repaired:
+                        log.info("gc repair: %d extents copied to live servers (%d bytes)",
+                                 report.repair.extents_repaired, report.repair.bytes_copied)
                     if report.expired_keys or report.evicted_keys or report.chunks_deleted:
                         log.info("gc pass: expired %d, evicted %d, compacted %d chunks, reclaimed %d bytes",
                                  report.expired_keys, report.evicted_keys, report.chunks_compacted,

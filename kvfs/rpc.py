@@ -54,6 +54,9 @@ class Op(enum.IntEnum):
     GC_REPORT = 49
     GC_DROP_REPLICAS = 50
     TOUCH = 51
+    # 52: MAKE_ROOM (branch rpc-m2)
+    GC_REPAIR_PLAN = 53
+    GC_REPAIR = 54
     # garbage collection: chunkserver (56-63)
     CHUNK_COMPACT = 56
     CHUNK_DELETE = 57
@@ -131,6 +134,14 @@ RPCS: dict[Op, Rpc] = {
         Rpc(Op.GC_REPORT, Service.META, "{run: {...}}", "{}", roles=ADMIN),
         Rpc(Op.GC_DROP_REPLICAS, Service.META, "{items: [[key, server_id, chunk_id, offset]]}",
             "{dropped, deleted_keys}", roles=ADMIN),
+        Rpc(Op.GC_REPAIR_PLAN, Service.META, "{limit_bytes}",
+            "{items: [[key, index, length, crc, expires_at, sources: [[server_id, chunk_id, offset]], "
+            "lost: [server_id, chunk_id, offset], holders: [server_id]]], under_replicated_extents, "
+            "under_replicated_bytes, unrepairable_extents}", roles=ADMIN),
+        Rpc(Op.GC_REPAIR, Service.META,
+            "{items: [[key, index, lost: [server_id, chunk_id, offset], new: [...]]]}",
+            "{repaired, skipped} (each switch only if the layout still holds the lost replica)",
+            roles=ADMIN),
         Rpc(Op.TOUCH, Service.META, "{keys}", "{} (marks keys read: last_access for LRU eviction)", roles=DATA),
         Rpc(Op.CHUNK_COMPACT, Service.CHUNKSERVER, "{sources: [[chunk_id, [[offset, length]]]]}",
             "{chunk_id | nil, size, locations: [[new_offset | nil]] per source}", roles=ADMIN),

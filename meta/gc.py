@@ -25,6 +25,7 @@ from kvfs.chunkserver.records import RECORD  # the record format: meta counts it
 from kvfs.config import MetaConfig
 from kvfs.errors import InvalidArgument
 from kvfs.layout import Extent, Layout, Replica, norm_keys
+from kvfs.meta.repair import RepairSummary, plan_repairs, replace_replica
 from kvfs.meta.store import MetaStore, pack_layout
 from kvfs.server import Reply
 
@@ -33,8 +34,9 @@ log = logging.getLogger("kvfs.meta.gc")
 METRIC_NAMES = (
     "keys_expired", "bytes_expired", "keys_evicted", "bytes_evicted", "chunks_compacted",
     "bytes_copied", "keys_relocated", "chunks_deleted", "bytes_reclaimed", "replicas_dropped",
-    "passes", "pass_duration_s", "last_pass_duration_s",
+    "passes", "pass_duration_s", "last_pass_duration_s", "extents_repaired", "bytes_repaired",
 )
+MAX_REPAIR_BATCH_BYTES = 1 << 30
 MAX_REFS_CHUNKS = 4096
 RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
 
@@ -59,6 +61,9 @@ class MetaGc:
     def alive(self, s: Any) -> bool:
         raise NotImplementedError
 
+    def gone_servers(self) -> set[int]:
+        raise NotImplementedError
+
     def _add_live(self, layout: Layout, sign: int, key: bytes,
                   live: dict[int, int] | None = None) -> None:
         raise NotImplementedError
@@ -79,7 +84,18 @@ class MetaGc:
 
     def gc_summary(self) -> dict[str, Any]:
         return {"paused": self.gc_paused, "metrics": dict(self.gc_metrics), "last_run": self.gc_last_run,
-                "dead_chunks": len(self.dead_chunks)}
+                "dead_chunks": len(self.dead_chunks), "repair": self.repair_summary().to_dict()}
+
+    def _repair_plan(self, limit_bytes: int, summary: RepairSummary | None) -> list[Any]:
+        alive = {sid for sid, s in self.servers.items() if self.alive(s)}
+        return plan_repairs(((k, e.layout) for k, e in self.entries.items()), self.gone_servers(),
+                            alive, limit_bytes=limit_bytes, now=self.clock(), summary=summary)
+
+    def repair_summary(self) -> RepairSummary:
+        """Under-replicated extents now (a scan of the index, only while a server is gone)."""
+        summary = RepairSummary()
+        self._repair_plan(0, summary)
+        return summary
 
     def check_not_dead(self, layout: Layout) -> bool:
         dead = self.dead_chunks
@@ -384,6 +400,39 @@ class MetaGc:
         if inc:
             self._count(**inc)
         return {}, ()
+
+    async def rpc_gc_repair_plan(self, h: dict[str, Any], p: memoryview) -> Reply:
+        """Extents with a replica on a gone server, readable from a live one (kvfs.meta.repair)."""
+        limit = h.get("limit_bytes", 64 << 20)
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 0 < limit <= MAX_REPAIR_BATCH_BYTES:
+            raise InvalidArgument(f"repair limit_bytes must be 1..{MAX_REPAIR_BATCH_BYTES}, got {limit!r:.40}")
+        summary = RepairSummary()
+        items = self._repair_plan(limit, summary)
+        return {"items": [i.to_wire() for i in items], **summary.to_dict()}, ()
+
+    async def rpc_gc_repair(self, h: dict[str, Any], p: memoryview) -> Reply:
+        """Switch each lost replica to its new copy, compare-and-swap (kvfs.meta.repair)."""
+        staged: dict[bytes, tuple[Any, Layout]] = {}
+        repaired = skipped = nbytes = 0
+        for key, index, lost, new in h["items"]:
+            key = bytes(key)
+            e = self.entries.get(key)
+            lost_r, new_r = Replica(*map(int, lost)), Replica(*map(int, new))
+            lay = None if e is None else staged.get(key, (e, e.layout))[1]
+            if e is None or new_r.server_id not in self.servers:
+                skipped += 1
+                continue
+            switched = replace_replica(lay, int(index), lost_r, new_r) if lay is not None else None
+            if switched is None or not self.check_not_dead(switched):
+                skipped += 1
+                continue
+            staged[key] = (e, switched)
+            repaired += 1
+            nbytes += switched.extents[int(index)].length
+        self._switch_layouts([(k, e, lay) for k, (e, lay) in staged.items()])
+        if repaired:
+            self._count(extents_repaired=repaired, bytes_repaired=nbytes)
+        return {"repaired": repaired, "skipped": skipped}, ()
 
     async def rpc_gc_drop_replicas(self, h: dict[str, Any], p: memoryview) -> Reply:
         """fsck repair: forget replicas whose bytes are missing or corrupt; a key left with an

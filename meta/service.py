@@ -25,6 +25,7 @@ from kvfs.errors import InvalidArgument, StaleLayout, WrongCluster
 from kvfs.handshake import Role
 from kvfs.layout import MAX_VALUE_BYTES, Layout, norm_key, norm_keys
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES, MetaGc
+from kvfs.meta.repair import readable
 from kvfs.meta.store import MetaStore, pack_layout
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
@@ -93,6 +94,7 @@ class MetaService(MetaGc):
         self._dirty_access: dict[bytes, float] = {}
         self.rpc = RpcServer(self, Service.META, self.tokens, config)
         self._bg: list[asyncio.Task[None]] = []
+        self.started = time.monotonic()  # servers known before a restart get dead_after_s from here
         self._load()
         self._init_gc()
 
@@ -154,6 +156,15 @@ class MetaService(MetaGc):
     def alive(self, s: ServerInfo) -> bool:
         return time.monotonic() - s.last_heartbeat < self.config.heartbeat_timeout_s
 
+    def dead(self, s: ServerInfo) -> bool:
+        """Silent for ``dead_after_s`` (since meta started, for a server not seen since)."""
+        after = max(self.config.dead_after_s, self.config.heartbeat_timeout_s)
+        return time.monotonic() - max(s.last_heartbeat, self.started) >= after
+
+    def gone_servers(self) -> set[int]:
+        """Servers whose replicas count as lost: dead ones."""
+        return {sid for sid, s in self.servers.items() if self.dead(s)}
+
     # client RPCs -------------------------------------------------------------
     async def rpc_ping(self, h: dict[str, Any], p: memoryview) -> Reply:
         return {"service": "meta"}, ()
@@ -173,17 +184,23 @@ class MetaService(MetaGc):
                 dirty[k] = now
         return {"layouts": out}, ()
 
+    def _readable(self, k: bytes, now: float, gone: set[int]) -> bool:
+        e = self._get(k, now)
+        return e is not None and readable(e.layout, gone)
+
     async def rpc_exists(self, h: dict[str, Any], p: memoryview) -> Reply:
         now = self.clock()
-        return {"exists": [self._get(k, now) is not None for k in norm_keys(h["keys"])]}, ()
+        gone = self.gone_servers()
+        return {"exists": [self._readable(k, now, gone) for k in norm_keys(h["keys"])]}, ()
 
     async def rpc_match_prefix(self, h: dict[str, Any], p: memoryview) -> Reply:
         keys = norm_keys(h["keys"])
         lease_s = h.get("lease_s")
         now = self.clock()
+        gone = self.gone_servers()
         n = 0
         for k in keys:
-            if self._get(k, now) is None:
+            if not self._readable(k, now, gone):
                 break
             n += 1
         if lease_s:
@@ -266,7 +283,7 @@ class MetaService(MetaGc):
             live = sum(self.chunk_live.get(c, 0) for c in s.chunks)
             servers.append({
                 "server_id": s.server_id, "addr": s.addr, "alive": self.alive(s),
-                "capacity": s.capacity, "free": s.free, "used": s.used,
+                "dead": self.dead(s), "capacity": s.capacity, "free": s.free, "used": s.used,
                 "shared_by": s.shared_by, "chunks": len(s.chunks), "written": written, "live": live,
                 "garbage": max(0, written - live),
             })

@@ -23,16 +23,20 @@ from netns import NetLab, NetnsCluster, netns_unavailable
 from kvfs.bench.workload import Figures, MixedWorkload, Values, under_replicated, verify_all
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
+from kvfs.layout import Layout
 
+NO_LAYOUT = Layout(0, 0, 0.0, None, ())
 pytestmark = [pytest.mark.netns, pytest.mark.subprocess, pytest.mark.timeout(600)]
 
 HEARTBEAT_TIMEOUT_S = 2.0  # meta: a chunkserver silent this long is not placed on or read from
+DEAD_AFTER_S = 4.0  # meta: ... and this long is dead: the GC daemon's repair copies its extents
 CONNECT_TIMEOUT_S = 1.0
 REQUEST_TIMEOUT_S = 2.0
 # a read of a value that cannot be read ends (one connect and one request timeout per
 # replica tried, and a refreshed server list) within this
 READ_BOUND_S = 2 * (CONNECT_TIMEOUT_S + REQUEST_TIMEOUT_S) + 2.0
 VALUES = Values(max_small=32 * 1024, large_every=100)
+BASELINE_KEYS = 400
 FAULT_READS = 600  # values read while a fault is on, at least
 FAULT_HOLD_S = 3 * HEARTBEAT_TIMEOUT_S  # and this long: meta marks the server dead meanwhile
 RESTORE_DEADLINE_S = 90.0
@@ -58,8 +62,10 @@ def client_config(replicas: int) -> ClientConfig:
 @pytest.fixture
 async def cluster(lab: NetLab, tmp_path: Path) -> AsyncIterator[NetnsCluster]:
     c = NetnsCluster(lab, tmp_path / "c", 4,
-                     meta_args=("--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S}s"),
-                     chunkserver_args=("--heartbeat-interval", "250ms"))
+                     meta_args=("--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S}s",
+                                "--dead-after", f"{DEAD_AFTER_S}s"),
+                     chunkserver_args=("--heartbeat-interval", "250ms"),
+                     gc=True, gc_args=("--interval", "1s"))
     try:
         await c.start()
         yield c
@@ -101,18 +107,22 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
                          max_keys=20_000)
 
     async def fault(name: str, on: Callable[[], Awaitable[None]],
-                    off: Callable[[], Awaitable[None]]) -> None:
+                    off: Callable[[], Awaitable[None]], *, heals: bool = True) -> None:
+        """``heals``: the restore time counts from ``off``, else from ``on`` (repair)."""
         load.phase(name)
         await on()
         t0 = time.monotonic()
         await load.wait_reads(FAULT_READS, timeout_s=120)
         await asyncio.sleep(max(0.0, FAULT_HOLD_S - (time.monotonic() - t0)))  # the fault's length
         await off()
-        healed = time.monotonic()
+        healed = time.monotonic() if heals else t0
         during = load.phase(f"after {name}")
         check(name, during)
         keys = list(load.committed)
-        restore_s = await restore_time(admin, keys, replicas, healed)
+        if replicas == 1 and not heals:  # nothing can restore what had its only copy there
+            restore_s = float("nan")
+        else:
+            restore_s = await restore_time(admin, keys, replicas, healed)
         row = {"replicas": replicas, "fault": name, **during.to_dict(),
                "keys_committed": len(keys), "restore_s": round(restore_s, 2)}
         record(row)
@@ -120,6 +130,7 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
 
     try:
         load.start()
+        await load.wait_committed(BASELINE_KEYS, timeout_s=120)  # spread over every server
         await load.wait_reads(FAULT_READS, timeout_s=120)
         base = load.phase("baseline")
         assert base.reads > 0 and base.wrong == 0 and base.misses == 0 and base.read_errors == 0, base
@@ -152,6 +163,15 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
             await cluster.start_meta_again()
 
         await fault("meta SIGKILLed, restarted on its port", meta_down, meta_up)
+
+        async def kill3() -> None:
+            await cluster.kill_chunkserver(3)
+
+        async def nothing() -> None:
+            pass
+
+        await fault(f"SIGKILL of chunkserver 3, never restarted (dead after {DEAD_AFTER_S:g}s, "
+                    "the GC daemon repairs)", kill3, nothing, heals=False)
         await load.stop()
     finally:
         for c in (writer, reader, admin):
@@ -167,7 +187,7 @@ async def test_replicas_2_every_committed_value_stays_readable(cluster: NetnsClu
             assert f.read_errors == 0, (name, f)
 
     load, rows = await run_faults(cluster, 2, check)
-    assert len(rows) == 3
+    assert len(rows) == 4
     fresh = cluster.client(config=client_config(2))
     try:
         misses, wrong, failed = await verify_all(fresh, load.committed, VALUES)
@@ -185,13 +205,23 @@ async def test_replicas_1_lost_values_end_within_a_bound(cluster: NetnsCluster) 
         assert f.longest_read_s < READ_BOUND_S, (name, f)
 
     load, rows = await run_faults(cluster, 1, check)
-    assert len(rows) == 3
+    assert len(rows) == 4
     fresh = cluster.client(config=client_config(1))
     try:
+        dead = {s.server_id for s in await fresh.servers(refresh=True) if not s.alive}
+        on_dead = [k for k in load.committed
+                   if any(r.server_id in dead for e in (await fresh.layout(k) or NO_LAYOUT).extents
+                          for r in e.replicas)]
+        t0 = time.monotonic()
         misses, wrong, failed = await verify_all(fresh, load.committed, VALUES)
+        verify_s = time.monotonic() - t0
+        exists = await fresh.exists_many(on_dead) if on_dead else []
     finally:
         await fresh.close()
     record({"replicas": 1, "fault": "final check", "keys_committed": len(load.committed),
-            "misses": misses, "wrong": wrong, "failed": failed})
+            "keys_on_the_dead_server": len(on_dead), "misses": misses, "wrong": wrong,
+            "failed": failed, "verify_s": round(verify_s, 2)})
     assert wrong == 0
-    assert misses == failed == 0  # every fault here heals: nothing stays lost
+    # only the values whose one copy was on the server that never came back are lost
+    assert misses + failed == len(on_dead) > 0
+    assert not any(exists)  # and exists() does not count them
