@@ -18,12 +18,12 @@ from collections import defaultdict
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from kvfs import rpc
 from kvfs.chunkserver.records import RECORD, ScannedRecord, parse_record
 from kvfs.errors import KVFSError
 from kvfs.layout import Replica
-from kvfs.meta.repair import RepairItem
 from kvfs.protocol import Scatter
-from kvfs.rpc import Op
+from kvfs.rpc import RepairItem
 
 if TYPE_CHECKING:
     from kvfs.gc.driver import GarbageCollector
@@ -49,10 +49,10 @@ class RepairReport:
         return asdict(self)
 
 
-def _record_range(item: RepairItem, src: Replica) -> list[int]:
-    """[chunk, offset, length] of the whole record whose value ``src`` points at."""
+def _record_range(item: RepairItem, src: Replica) -> rpc.Range:
+    """The whole record whose value ``src`` points at."""
     head = RECORD.size + len(item.key)
-    return [src.chunk_id, src.offset - head, head + item.length]
+    return rpc.Range(src.chunk_id, src.offset - head, head + item.length)
 
 
 def _checks_out(rec: ScannedRecord | None, item: RepairItem) -> bool:
@@ -77,14 +77,14 @@ async def _read(gc: GarbageCollector, items: list[RepairItem],
             for i in idx:
                 tried[i] += 1
             try:
-                frame = await gc.chunkserver_call(sid, Op.READV, {"ranges": ranges})
+                answer, body = await gc.chunkserver_exchange(sid, rpc.ReadV(ranges=ranges))
             except KVFSError as exc:
                 log.warning("repair: reading %d records from server %d failed: %s", len(idx), sid, exc)
                 report.bad_sources += len(idx)
                 continue
-            errors = {int(k) for k in frame.header.get("errors", {})}
-            assert not isinstance(frame.payload, Scatter)
-            payload = memoryview(frame.payload)
+            errors = set(answer.errors)
+            assert not isinstance(body, Scatter)
+            payload = memoryview(body)
             pos = 0
             for n, (i, (_, _, length)) in enumerate(zip(idx, ranges, strict=True)):
                 if n in errors:
@@ -120,17 +120,17 @@ async def repair_step(gc: GarbageCollector, *, apply: bool, rate_bytes: int | No
     t0 = time.monotonic()
     report = RepairReport()
     for rnd in range(MAX_ROUNDS):
-        h = await gc.meta(Op.GC_REPAIR_PLAN, {"limit_bytes": batch_bytes})
+        plan = await gc.meta(rpc.GcRepairPlan(limit_bytes=batch_bytes))
         if rnd == 0:
-            report.under_replicated_extents = int(h["under_replicated_extents"])
-            report.under_replicated_bytes = int(h["under_replicated_bytes"])
-            report.unrepairable_extents = int(h["unrepairable_extents"])
-        items = [RepairItem.from_wire(w) for w in h["items"]]
+            report.under_replicated_extents = plan.under_replicated_extents
+            report.under_replicated_bytes = plan.under_replicated_bytes
+            report.unrepairable_extents = plan.unrepairable_extents
+        items = plan.items
         if not apply or not items:
             break
         live = {sid for sid, _, alive in await gc.servers() if alive}
-        usage = gc._usage
-        free = {sid: int(usage.get(sid, {}).get("free", 0)) for sid in live}
+        known = gc.free_bytes()
+        free = {sid: known.get(sid, 0) for sid in live}
         got = await _read(gc, items, report)
         targets = _targets(items, free)
         by_target: dict[int, list[int]] = defaultdict(list)
@@ -139,27 +139,28 @@ async def repair_step(gc: GarbageCollector, *, apply: bool, rate_bytes: int | No
                 by_target[targets[i]].append(i)
             else:
                 report.skipped += 1
-        switches: list[list[Any]] = []
+        switches: list[rpc.ReplicaSwitch] = []
         for sid, idx in by_target.items():
             records = []
             for i in idx:
                 rec, _ = got[i]
-                records.append([rec.key, rec.length, rec.crc, rec.expires_at, rec.write_id,
-                                rec.total_size, rec.total_crc, rec.index, False])
+                records.append(rpc.RecordHead(rec.key, rec.length, rec.crc, rec.expires_at,
+                                              rec.write_id, rec.total_size, rec.total_crc, rec.index))
             try:
-                frame = await gc.chunkserver_call(sid, Op.APPEND, {"records": records},
-                                                  [got[i][1] for i in idx])
+                appended = await gc.chunkserver(sid, rpc.Append(records=records),
+                                                [got[i][1] for i in idx])
             except KVFSError as exc:
                 log.warning("repair: writing %d copies to server %d failed: %s", len(idx), sid, exc)
                 report.skipped += len(idx)
                 continue
-            for i, (cid, off) in zip(idx, frame.header["locations"], strict=True):
-                switches.append([items[i].key, items[i].index, list(items[i].lost), [sid, cid, off]])
+            for i, (cid, off) in zip(idx, appended.locations, strict=True):
+                switches.append(rpc.ReplicaSwitch(items[i].key, items[i].extent, items[i].lost,
+                                                  Replica(sid, cid, off)))
         done = 0
         if switches:
-            r = await gc.meta(Op.GC_REPAIR, {"items": switches})
-            done = int(r["repaired"])
-            report.skipped += int(r["skipped"])
+            r = await gc.meta(rpc.GcRepair(items=switches))
+            done = r.repaired
+            report.skipped += r.skipped
             report.extents_repaired += done
             report.bytes_copied += sum(items[i].length for idx in by_target.values() for i in idx)
         gc._progress("repair", report.extents_repaired, max(report.under_replicated_extents, 1))

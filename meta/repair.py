@@ -17,36 +17,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+
+import msgspec
 
 from kvfs.layout import Extent, Layout, Replica
-
-
-@dataclass(frozen=True, slots=True)
-class RepairItem:
-    """One extent to copy: read it from ``sources`` (replicas on live servers), write it to
-    a live server not in ``holders``, then switch ``lost`` to the copy."""
-
-    key: bytes
-    index: int
-    length: int
-    crc: int
-    expires_at: float | None
-    sources: tuple[Replica, ...]
-    lost: Replica
-    holders: tuple[int, ...]  # servers holding a replica of this extent (lost ones too)
-
-    def to_wire(self) -> list[Any]:
-        return [self.key, self.index, self.length, self.crc, self.expires_at,
-                [list(r) for r in self.sources], list(self.lost), list(self.holders)]
-
-    @classmethod
-    def from_wire(cls, w: list[Any]) -> RepairItem:
-        key, index, length, crc, expires_at, sources, lost, holders = w
-        return cls(bytes(key), int(index), int(length), int(crc),
-                   None if expires_at is None else float(expires_at),
-                   tuple(Replica(*map(int, r)) for r in sources), Replica(*map(int, lost)),
-                   tuple(int(s) for s in holders))
+from kvfs.rpc import RepairItem, RepairState
 
 
 @dataclass(slots=True)
@@ -58,10 +33,10 @@ class RepairSummary:
     unrepairable_extents: int = 0  # every replica on a gone or silent server: lost unless one returns
     unrepairable_keys: list[bytes] = field(default_factory=list)  # the first few, for the report
 
-    def to_dict(self) -> dict[str, Any]:
-        return {"under_replicated_extents": self.under_replicated_extents,
-                "under_replicated_bytes": self.under_replicated_bytes,
-                "unrepairable_extents": self.unrepairable_extents}
+    def state(self) -> RepairState:
+        return RepairState(under_replicated_extents=self.under_replicated_extents,
+                           under_replicated_bytes=self.under_replicated_bytes,
+                           unrepairable_extents=self.unrepairable_extents)
 
 
 def plan_repairs(entries: Iterable[tuple[bytes, Layout]], gone: set[int], alive: set[int],
@@ -91,8 +66,8 @@ def plan_repairs(entries: Iterable[tuple[bytes, Layout]], gone: set[int], alive:
                         summary.unrepairable_keys.append(key)
             if not sources or (items and planned + e.length > limit_bytes):
                 continue
-            items.append(RepairItem(key, i, e.length, e.crc, lay.expires_at, sources, lost,
-                                    tuple(r.server_id for r in e.replicas)))
+            items.append(RepairItem(key, i, e.length, e.crc, lay.expires_at, list(sources), lost,
+                                    [r.server_id for r in e.replicas]))
             planned += e.length
     return items
 
@@ -108,7 +83,7 @@ def replace_replica(layout: Layout, index: int, lost: Replica, new: Replica) -> 
         return None
     reps = tuple(new if r == lost else r for r in e.replicas)
     extents = (*layout.extents[:index], Extent(e.length, e.crc, reps), *layout.extents[index + 1:])
-    return layout._replace(extents=extents)
+    return msgspec.structs.replace(layout, extents=extents)
 
 
 def readable(layout: Layout, gone: set[int]) -> bool:

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from kvfs import rpc
 from kvfs.config import ClientConfig, MetaConfig
 from kvfs.gc import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
 from kvfs.meta.repair import RepairSummary, plan_repairs, readable, replace_replica
-from kvfs.rpc import Op
 
 DEAD_AFTER_S = 1.0
 REPAIR_ONLY = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=True)
@@ -34,7 +34,7 @@ def test_plan_lists_extents_with_a_lost_replica_and_a_live_one() -> None:
     entries = [(b"a", lay((1, 2))), (b"b", lay((2, 3), (3, 4))), (b"c", lay((1,))), (b"d", lay((1, 4)))]
     summary = RepairSummary()
     items = plan_repairs(entries, gone={1}, alive={2, 3}, limit_bytes=1 << 20, now=0.0, summary=summary)
-    assert [(i.key, i.index, i.lost.server_id, [r.server_id for r in i.sources]) for i in items] == [
+    assert [(i.key, i.extent, i.lost.server_id, [r.server_id for r in i.sources]) for i in items] == [
         (b"a", 0, 1, [2])]  # c: no copy left; d: its other copy is not alive (silent, not dead yet)
     assert (summary.under_replicated_extents, summary.under_replicated_bytes,
             summary.unrepairable_extents, summary.unrepairable_keys) == (3, 30, 2, [b"c", b"d"])
@@ -155,14 +155,15 @@ async def test_repair_loses_to_a_racing_overwrite(cluster: LocalCluster) -> None
         spare = next(cs.server_id for cs in cluster.chunkservers
                      if cs is not None and cs.server_id not in holders)
         async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
-            h = await gc.meta(Op.GC_REPAIR_PLAN, {"limit_bytes": 1 << 20})
-            (item,) = h["items"]
-            switch = [item[0], item[1], item[6], [spare, make_chunk_id(spare, 1), 0]]
+            plan = await gc.meta(rpc.GcRepairPlan(limit_bytes=1 << 20))
+            (item,) = plan.items
+            switch = rpc.ReplicaSwitch(item.key, item.extent, item.lost,
+                                       Replica(spare, make_chunk_id(spare, 1), 0))
             async with cluster.client(ClientConfig(replicas=1)) as kv1:
                 await kv1.put("k", b"new")  # an overwrite between the plan and the switch
-            r = await gc.meta(Op.GC_REPAIR, {"items": [switch]})
-            assert (r["repaired"], r["skipped"]) == (0, 1)
+            r = await gc.meta(rpc.GcRepair(items=[switch]))
+            assert (r.repaired, r.skipped) == (0, 1)
         async with cluster.client() as fresh:
             assert await fresh.get("k") == b"new"
             now = await fresh.layout("k")
-            assert now is not None and switch[3] not in [list(r) for r in now.extents[0].replicas]
+            assert now is not None and switch.new not in now.extents[0].replicas
