@@ -221,7 +221,9 @@ class GarbageCollector:
                 break
 
     async def evict(self, opts: PassOptions, report: PassReport) -> None:
-        h = await self.meta(Op.GC_EVICT, {"high": opts.high, "low": opts.low, "apply": opts.apply})
+        # a dry run skipped the expire phase: pick as if it had run, as --apply would
+        h = await self.meta(Op.GC_EVICT, {"high": opts.high, "low": opts.low, "apply": opts.apply,
+                                          "after_expire": not opts.apply and opts.expire})
         report.evicted_keys += int(h["keys"])
         report.evicted_bytes += int(h["bytes"])
         report.leased_skipped += int(h["leased"])
@@ -229,10 +231,14 @@ class GarbageCollector:
             self._progress("evict", int(h["keys"]), int(h["keys"]))
 
     async def _plan(self, opts: PassOptions, threshold: float | None = None, *,
-                    after_expire: bool = False) -> dict[str, Any]:
-        return await self.meta(Op.GC_PLAN, {
-            "threshold": opts.threshold if threshold is None else threshold,
-            "grace_s": opts.grace_s, "high": opts.high, "after_expire": after_expire})
+                    dry: bool = False) -> dict[str, Any]:
+        """Meta's compaction plan; ``dry``: as if this pass's expire and evict phases had run."""
+        h: dict[str, Any] = {"threshold": opts.threshold if threshold is None else threshold,
+                             "grace_s": opts.grace_s, "high": opts.high,
+                             "after_expire": dry and opts.expire}
+        if dry and opts.evict:
+            h["after_evict"] = [opts.high, opts.low]
+        return await self.meta(Op.GC_PLAN, h)
 
     async def _would_seal(self, plan: dict[str, Any], opts: PassOptions) -> None:
         """Dry run: count the open chunks ``--apply`` would seal as what they then become
@@ -250,8 +256,8 @@ class GarbageCollector:
                     plan["delete"].append([sid, cid, written])
 
     async def compact(self, opts: PassOptions, report: PassReport) -> None:
-        # a dry run skipped the expire phase: plan as if it had run, as --apply would
-        plan = await self._plan(opts, after_expire=not opts.apply and opts.expire)
+        # a dry run skipped the expire and evict phases: plan as if they had run, as --apply would
+        plan = await self._plan(opts, dry=not opts.apply)
         if not opts.apply and plan["seal"]:
             await self._would_seal(plan, opts)
         if opts.apply and plan["seal"]:

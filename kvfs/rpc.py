@@ -114,9 +114,9 @@ RPCS: dict[Op, Rpc] = {
             "{paused, time, servers: [{server_id, capacity, used, live, garbage, ratio, "
             "expired_keys, ...}], metrics, last_run, expired_keys, dead_chunks}", roles=ADMIN),
         Rpc(Op.GC_EXPIRE, Service.META, "{limit, apply}", "{keys, bytes, more}", roles=ADMIN),
-        Rpc(Op.GC_EVICT, Service.META, "{high, low, apply, server_id?}",
+        Rpc(Op.GC_EVICT, Service.META, "{high, low, apply, server_id?, after_expire?}",
             "{keys, bytes, leased, servers: {id: [live_before, target]}}", roles=ADMIN),
-        Rpc(Op.GC_PLAN, Service.META, "{threshold, grace_s, high, low, after_expire?}",
+        Rpc(Op.GC_PLAN, Service.META, "{threshold, grace_s, high, low, after_expire?, after_evict?: [high, low]}",
             "{compact: [[server_id, chunk_id, written, live]], delete: [[server_id, chunk_id, written]], "
             "seal: [[server_id, chunk_id, written, live]] (open chunks that become compact (live > 0) "
             "or delete candidates once sealed), waiting: int}", roles=ADMIN),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
@@ -117,9 +117,28 @@ class MetaGc:
     def _used(self, s: Any) -> int:
         return int(sum(s.chunks.values()))
 
-    def _server_live(self, s: Any) -> int:
-        live = self.chunk_live
+    def _server_live(self, s: Any, live_map: dict[int, int] | None = None) -> int:
+        live = self.chunk_live if live_map is None else live_map
         return int(sum(live.get(c, 0) for c in s.chunks))
+
+    def _live_after(self, now: float, *, expire: bool,
+                    evict: tuple[float, float] | None) -> tuple[dict[int, int], set[bytes]]:
+        """A dry run: each chunk's live bytes as the phases before it would leave them
+        (``expire``: expired keys gone; ``evict``: the keys GC_EVICT with those watermarks
+        would pick gone too), and the keys they would remove; nothing changes."""
+        live_map = dict(self.chunk_live)
+        gone: set[bytes] = set()
+        if expire:
+            for k, e in self.entries.items():
+                if e.layout.expired(now):
+                    self._add_live(e.layout, -1, k, live_map)
+                    gone.add(k)
+        if evict is not None:
+            victims, _, _, _ = self._evict_victims(evict[0], evict[1], None, now, live_map, gone)
+            for k in victims:
+                self._add_live(self.entries[k].layout, -1, k, live_map)
+                gone.add(k)
+        return live_map, gone
 
     # RPCs ------------------------------------------------------------------------
     async def rpc_touch(self, h: dict[str, Any], p: memoryview) -> Reply:
@@ -192,12 +211,12 @@ class MetaGc:
             self._count(keys_expired=n, bytes_expired=nbytes)
         return {"keys": n, "bytes": nbytes, "more": len(keys) == limit}, ()
 
-    async def rpc_gc_evict(self, h: dict[str, Any], p: memoryview) -> Reply:
-        high, low = float(h.get("high", 0.9)), float(h.get("low", 0.8))
-        if not 0.0 < low <= high <= 1.0:
-            raise InvalidArgument(f"watermarks need 0 < low <= high <= 1, got low={low} high={high}")
-        only = h.get("server_id")
-        now = self.clock()
+    def _evict_victims(self, high: float, low: float, only: Any, now: float,
+                       live_map: dict[int, int] | None = None, gone: Collection[bytes] = (),
+                       ) -> tuple[list[bytes], int, dict[int, list[int]], dict[int, int]]:
+        """Least recently used, unleased keys of the servers over ``high`` until they fit under
+        ``low``: (victims, leased keys skipped, [live, target] per server, bytes still short).
+        ``live_map`` and ``gone``: a dry run's view after the expire phase."""
         need: dict[int, int] = {}
         report: dict[int, list[int]] = {}
         for s in self.servers.values():
@@ -205,7 +224,7 @@ class MetaGc:
                 continue
             wanted = int(getattr(s, "wanted", 0))
             if self._used(s) > high * s.capacity or wanted:
-                live, target = self._server_live(s), int(low * s.capacity)
+                live, target = self._server_live(s, live_map), int(low * s.capacity)
                 report[s.server_id] = [live, target]
                 short = max(live - target, live + wanted - s.capacity)
                 if short > 0:
@@ -213,10 +232,8 @@ class MetaGc:
         victims: list[bytes] = []
         leased = 0
         if need:
-            for k, v in list(self.leases.items()):
-                if v <= now:
-                    del self.leases[k]
-            order = sorted(self.entries.items(), key=lambda kv: kv[1].last_access)
+            order = sorted(((k, e) for k, e in self.entries.items() if k not in gone),
+                           key=lambda kv: kv[1].last_access)
             for k, e in order:
                 if all(v <= 0 for v in need.values()):
                     break
@@ -233,7 +250,22 @@ class MetaGc:
                 for sid, n in per.items():
                     if sid in need:
                         need[sid] -= n
-        if h.get("apply"):
+        return victims, leased, report, need
+
+    async def rpc_gc_evict(self, h: dict[str, Any], p: memoryview) -> Reply:
+        high, low = float(h.get("high", 0.9)), float(h.get("low", 0.8))
+        if not 0.0 < low <= high <= 1.0:
+            raise InvalidArgument(f"watermarks need 0 < low <= high <= 1, got low={low} high={high}")
+        now = self.clock()
+        for k, v in list(self.leases.items()):
+            if v <= now:
+                del self.leases[k]
+        apply = bool(h.get("apply"))
+        live_map, gone = (self._live_after(now, expire=True, evict=None)  # as --apply would see it
+                          if not apply and h.get("after_expire") else (None, set()))
+        victims, leased, report, need = self._evict_victims(high, low, h.get("server_id"), now,
+                                                            live_map, gone)
+        if apply:
             n, nbytes = self._remove(victims)
             if n:
                 self._count(keys_evicted=n, bytes_evicted=nbytes)
@@ -254,12 +286,11 @@ class MetaGc:
         waiting = 0
         live_map = self.chunk_live
         zero_since = self.zero_since
-        if h.get("after_expire"):  # a dry run: plan as if the expire phase had run first
-            live_map = dict(live_map)
+        evict = h.get("after_evict")  # [high, low] of the evict phase
+        if h.get("after_expire") or evict:  # a dry run: plan as if those phases had run first
+            live_map, _ = self._live_after(now, expire=bool(h.get("after_expire")),
+                                           evict=None if not evict else (float(evict[0]), float(evict[1])))
             zero_since = dict(zero_since)  # and start no grace clocks for it
-            for k, e in self.entries.items():
-                if e.layout.expired(now):
-                    self._add_live(e.layout, -1, k, live_map)
         for s in self.servers.values():
             pressure = s.capacity > 0 and (self._used(s) > high * s.capacity or getattr(s, "wanted", 0))
             open_chunk = getattr(s, "open_chunk", None)
