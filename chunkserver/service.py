@@ -6,8 +6,8 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Mapping
-from typing import Any
 
+from kvfs import rpc
 from kvfs.address import parse_addr, service_tokens
 from kvfs.chunkserver.store import ChunkStore, check_ranges
 from kvfs.config import ChunkServerConfig
@@ -79,29 +79,32 @@ class ChunkServer:
         capacity, free, _ = self.store.usage()
         if not self.store.key:
             self.store.save_state()  # creates the key that proves this data dir to meta
-        r = await self._meta.call(Op.REGISTER, {"server_id": self.store.server_id, "addr": self.addr,
-                                                "capacity": capacity, "free": free,
-                                                "key": self.store.key,
-                                                "cluster_id": self.store.cluster_id,
-                                                "nchunks": len(self.store.sizes),
-                                                "disk": self.store.disk_id})
-        sid = int(r.header["server_id"])
-        cluster_id = str(r.header["cluster_id"])
-        if self.store.cluster_id not in (None, cluster_id):
-            raise WrongCluster(f"meta answered for cluster {cluster_id[:64]}; this chunkserver "
+        r = await self._meta.call(rpc.Register(
+            server_id=self.store.server_id, addr=self.addr, capacity=capacity, free=free,
+            key=self.store.key, cluster_id=self.store.cluster_id, nchunks=len(self.store.sizes),
+            disk=self.store.disk_id))
+        if self.store.cluster_id not in (None, r.cluster_id):
+            raise WrongCluster(f"meta answered for cluster {r.cluster_id}; this chunkserver "
                                f"belongs to cluster {self.store.cluster_id}")
-        if sid != self.store.server_id or cluster_id != self.store.cluster_id:
-            self.store.server_id, self.store.cluster_id = sid, cluster_id
+        if r.server_id != self.store.server_id or r.cluster_id != self.store.cluster_id:
+            self.store.server_id, self.store.cluster_id = r.server_id, r.cluster_id
             self.store.save_state()
         await self._heartbeat()
 
     async def _heartbeat(self) -> None:
-        assert self._meta is not None
+        assert self._meta is not None and self.server_id is not None
+        await self._meta.call(rpc.Heartbeat.of(self.chunk_stats(), server_id=self.server_id,
+                                               addr=self.addr))
+
+    def chunk_stats(self, *, mtimes: bool = False) -> rpc.ChunkStatsReply:
         capacity, free, used = self.store.usage()
-        await self._meta.call(Op.HEARTBEAT, {
-            "server_id": self.store.server_id, "addr": self.addr, "capacity": capacity,
-            "free": free, "used": used, "chunks": dict(self.store.sizes), "open": self.store.open_chunk,
-            "wanted": self.store.wanted_bytes, "disk": self.store.disk_id})
+        return rpc.ChunkStatsReply(
+            chunks=dict(self.store.sizes), capacity=capacity, free=free, used=used,
+            spans_read=self.store.spans_read, readv_calls=self.readv_calls,
+            append_calls=self.append_calls, open=self.store.open_chunk,
+            wanted=self.store.wanted_bytes, server_id=self.server_id, addr=self.addr,
+            cluster_id=self.store.cluster_id, disk=self.store.disk_id,
+            mtimes=self.store.mtimes() if mtimes else {})
 
     async def _heartbeat_loop(self) -> None:
         interval = self.config.heartbeat_interval_s
@@ -119,62 +122,58 @@ class ChunkServer:
                     self._meta = None
 
     # RPCs ------------------------------------------------------------------
-    async def rpc_ping(self, h: dict[str, Any], p: memoryview) -> Reply:
-        return {"service": "chunkserver", "server_id": self.server_id}, ()
+    async def rpc_ping(self, req: rpc.Ping, payload: memoryview) -> Reply:
+        return rpc.Pong(service="chunkserver", server_id=self.server_id), ()
 
-    async def rpc_append(self, h: dict[str, Any], p: memoryview) -> Reply:
+    async def rpc_append(self, req: rpc.Append, payload: memoryview) -> Reply:
         self.append_calls += 1
-        locs = await self.store.append(h["records"], p)
-        return {"locations": locs}, ()
+        locs = await self.store.append(req.records, payload)
+        return rpc.Appended(locations=[rpc.Location(c, o) for c, o in locs]), ()
 
-    def reply_cost(self, op: int, h: dict[str, Any]) -> int:
-        """Reply bytes a request will produce, charged to its connection before it runs."""
+    def reply_cost(self, op: int, req: object) -> int:
+        """Reply bytes a request will produce, charged to its connection before it runs;
+        a READV past ``max_ranges``/``max_read_rpc_bytes`` or with overlapping ranges is
+        refused here, before it is read."""
         if op == Op.READV:
+            assert isinstance(req, rpc.ReadV)
             cfg = self.config
-            return sum(r[2] for r in check_ranges(h["ranges"], cfg.max_ranges, cfg.max_read_rpc_bytes))
+            return sum(r[2] for r in check_ranges(req.ranges, cfg.max_ranges, cfg.max_read_rpc_bytes))
         return 0
 
-    async def rpc_readv(self, h: dict[str, Any], p: memoryview) -> Reply:
+    async def rpc_readv(self, req: rpc.ReadV, payload: memoryview) -> Reply:
         self.readv_calls += 1
-        ranges = check_ranges(h["ranges"], self.config.max_ranges, self.config.max_read_rpc_bytes)
+        ranges = check_ranges(req.ranges, self.config.max_ranges, self.config.max_read_rpc_bytes)
         views, errors = await self.store.readv(ranges)
-        payload: list[Buffer] = [v for v in views if v is not None and v.nbytes]
-        return {"errors": {i: [e.code, e.message] for i, e in errors.items()}}, payload
+        parts: list[Buffer] = [v for v in views if v is not None and v.nbytes]
+        return rpc.ReadVReply(errors={i: rpc.WireError(e.code, e.message) for i, e in errors.items()}), parts
 
-    async def rpc_chunk_stats(self, h: dict[str, Any], p: memoryview) -> Reply:
-        capacity, free, used = self.store.usage()
-        return {"chunks": dict(self.store.sizes), "capacity": capacity, "free": free, "used": used,
-                "spans_read": self.store.spans_read, "readv_calls": self.readv_calls,
-                "append_calls": self.append_calls, "open": self.store.open_chunk,
-                "wanted": self.store.wanted_bytes,
-                "server_id": self.server_id, "addr": self.addr, "cluster_id": self.store.cluster_id,
-                "mtimes": self.store.mtimes() if h.get("mtimes") else {}}, ()
+    async def rpc_chunk_stats(self, req: rpc.ChunkStats, payload: memoryview) -> Reply:
+        return self.chunk_stats(mtimes=req.mtimes), ()
 
-    async def rpc_chunk_compact(self, h: dict[str, Any], p: memoryview) -> Reply:
-        sources = [(int(c), [(int(o), int(n)) for o, n in wanted]) for c, wanted in h["sources"]]
-        new, size, locations = await self.store.compact(sources)
+    async def rpc_chunk_compact(self, req: rpc.ChunkCompact, payload: memoryview) -> Reply:
+        new, size, locations = await self.store.compact(req.sources)
         if new is not None:
-            log.info("compacted %d chunks into %016x (%d bytes)", len(sources), new, size)
-        return {"chunk_id": new, "size": size, "locations": locations}, ()
+            log.info("compacted %d chunks into %016x (%d bytes)", len(req.sources), new, size)
+        return rpc.Compacted(chunk_id=new, size=size, locations=locations), ()
 
-    async def rpc_chunk_delete(self, h: dict[str, Any], p: memoryview) -> Reply:
-        if self.store.cluster_id is None or h.get("cluster_id") != self.store.cluster_id:
-            raise WrongCluster(f"chunk deletion for cluster {str(h.get('cluster_id'))[:64]} refused: "
+    async def rpc_chunk_delete(self, req: rpc.ChunkDelete, payload: memoryview) -> Reply:
+        if self.store.cluster_id is None or req.cluster_id != self.store.cluster_id:
+            raise WrongCluster(f"chunk deletion for cluster {req.cluster_id} refused: "
                                f"this chunkserver belongs to cluster {self.store.cluster_id}")
-        deleted = self.store.delete_chunks([int(c) for c in h["chunks"]])
+        deleted = self.store.delete_chunks(req.chunks)
         if deleted:
             log.info("deleted %d chunks (%d bytes)", len(deleted), sum(deleted.values()))
-        return {"deleted": deleted}, ()
+        return rpc.ChunksDeleted(deleted=deleted), ()
 
-    async def rpc_chunk_scan(self, h: dict[str, Any], p: memoryview) -> Reply:
-        recs = await self.store.scan(int(h["chunk_id"]))
-        return {"records": [[r.key, r.write_id, r.index, r.total_size, r.total_crc, r.length, r.crc,
-                             r.expires_at, r.tombstone, r.value_ok, r.value_offset] for r in recs]}, ()
+    async def rpc_chunk_scan(self, req: rpc.ChunkScan, payload: memoryview) -> Reply:
+        recs = await self.store.scan(req.chunk_id)
+        return rpc.Scanned(records=[
+            rpc.ScanRecord(r.key, r.write_id, r.index, r.total_size, r.total_crc, r.length, r.crc,
+                           r.expires_at, r.tombstone, r.value_ok, r.value_offset) for r in recs]), ()
 
-    async def rpc_chunk_seal(self, h: dict[str, Any], p: memoryview) -> Reply:
-        return {"sealed": await self.store.seal(int(h["chunk_id"]), float(h.get("idle_s", 0.0)),
-                                                apply=bool(h.get("apply", True)))}, ()
+    async def rpc_chunk_seal(self, req: rpc.ChunkSeal, payload: memoryview) -> Reply:
+        return rpc.Sealed(sealed=await self.store.seal(req.chunk_id, req.idle_s, apply=req.apply)), ()
 
-    async def rpc_chunk_verify(self, h: dict[str, Any], p: memoryview) -> Reply:
-        missing, bad = await self.store.verify([(int(c), int(o), int(n), int(k)) for c, o, n, k in h["ranges"]])
-        return {"missing": missing, "bad": bad}, ()
+    async def rpc_chunk_verify(self, req: rpc.ChunkVerify, payload: memoryview) -> Reply:
+        missing, bad = await self.store.verify(req.ranges)
+        return rpc.Verified(missing=missing, bad=bad), ()

@@ -14,15 +14,16 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvfs import rpc
 from kvfs.address import lookup_token, parse_addr
 from kvfs.config import GcConfig
 from kvfs.errors import KVFSError, Unavailable
 from kvfs.handshake import Role
-from kvfs.rpc import Op
+from kvfs.rpc import R, Request
 from kvfs.transport import Connection
 
 log = logging.getLogger("kvfs.gc")
@@ -85,8 +86,8 @@ class FsckReport:
     cutoff_s: float
     orphan_chunks: list[list[int]] = field(default_factory=list)  # [server_id, chunk_id, bytes]
     garbage_chunks: list[list[int]] = field(default_factory=list)  # [server_id, chunk_id, garbage]
-    missing_refs: list[list[Any]] = field(default_factory=list)  # [key, server_id, chunk_id, offset]
-    corrupt_refs: list[list[Any]] = field(default_factory=list)
+    missing_refs: list[rpc.BadReplica] = field(default_factory=list)
+    corrupt_refs: list[rpc.BadReplica] = field(default_factory=list)
     ranges_checked: int = 0
     repaired: dict[str, int] = field(default_factory=dict)
 
@@ -115,11 +116,11 @@ class GarbageCollector:
         self._meta: Connection | None = None
         self._conns: dict[int, Connection] = {}
         self._addrs: dict[int, str] = {}
-        self._usage: dict[int, dict[str, Any]] = {}
+        self._usage: dict[int, rpc.ChunkStatsReply] = {}
         self.cluster_id: str | None = None  # meta's, sent with every chunk deletion
 
     async def __aenter__(self) -> GarbageCollector:
-        await self.meta(Op.PING, {})
+        await self.meta(rpc.Ping())
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -137,13 +138,13 @@ class GarbageCollector:
             self.progress(phase, done, total)
 
     # connections -----------------------------------------------------------------
-    async def meta(self, op: Op, header: dict[str, Any]) -> dict[str, Any]:
+    async def meta(self, request: Request[R]) -> R:
         if self._meta is None or self._meta.is_closed:
             self._meta = await Connection.open(self._host, self._port, self.token,
                                                request_timeout_s=self.request_timeout_s)
-        return (await self._meta.call(op, header)).header
+        return await self._meta.call(request)
 
-    async def chunkserver(self, sid: int, op: Op, header: dict[str, Any]) -> dict[str, Any]:
+    async def chunkserver(self, sid: int, request: Request[R]) -> R:
         conn = self._conns.get(sid)
         if conn is None or conn.is_closed:
             if sid not in self._addrs:
@@ -153,42 +154,39 @@ class GarbageCollector:
             host, port = parse_addr(self._addrs[sid], what="chunkserver address")
             conn = await Connection.open(host, port, self.token, request_timeout_s=self.request_timeout_s)
             self._conns[sid] = conn
-        return (await conn.call(op, header)).header
+        return await conn.call(request)
 
     async def servers(self) -> list[tuple[int, str, bool]]:
-        h = await self.meta(Op.SERVERS, {})
-        self.cluster_id = h.get("cluster_id")
-        out = [(int(s[0]), str(s[1]), bool(s[4])) for s in h["servers"]]
+        h = await self.meta(rpc.Servers())
+        self.cluster_id = h.cluster_id
+        out = [(s.server_id, s.addr, s.alive) for s in h.servers]
         for sid, addr, _ in out:
             if self._addrs.get(sid) not in (None, addr) and sid in self._conns:
                 self._conns.pop(sid).close()
             self._addrs[sid] = addr
         return out
 
-    async def sync_usage(self, *, mtimes: bool = False) -> dict[int, dict[str, Any]]:
+    async def sync_usage(self, *, mtimes: bool = False) -> dict[int, rpc.ChunkStatsReply]:
         """Fresh chunk tables from every live chunkserver, forwarded to meta as a heartbeat."""
-        out: dict[int, dict[str, Any]] = {}
+        out: dict[int, rpc.ChunkStatsReply] = {}
         for sid, addr, alive in await self.servers():
             if not alive:
                 continue
             try:
-                st = await self.chunkserver(sid, Op.CHUNK_STATS, {"mtimes": mtimes})
+                st = await self.chunkserver(sid, rpc.ChunkStats(mtimes=mtimes))
             except Unavailable as exc:
                 log.warning("chunkserver %d (%s) unavailable: %s", sid, addr, exc)
                 continue
             out[sid] = self._usage[sid] = st
-            await self.meta(Op.HEARTBEAT, {"server_id": sid, "addr": addr, "capacity": st["capacity"],
-                                           "free": st["free"], "used": st["used"],
-                                           "chunks": st["chunks"], "open": st.get("open"),
-                                           "wanted": st.get("wanted", 0)})
+            await self.meta(rpc.Heartbeat.of(st, server_id=sid, addr=addr))
         return out
 
     # admin ---------------------------------------------------------------------
     async def status(self) -> dict[str, Any]:
-        return await self.meta(Op.GC_STATUS, {})
+        return rpc.to_dict(await self.meta(rpc.GcStatus()))
 
     async def set_paused(self, paused: bool | None) -> bool:
-        return bool((await self.meta(Op.GC_CONTROL, {"paused": paused}))["paused"])
+        return (await self.meta(rpc.GcControl(paused=paused))).paused
 
     # one pass --------------------------------------------------------------------
     async def run_pass(self, opts: PassOptions) -> PassReport:
@@ -203,89 +201,85 @@ class GarbageCollector:
             await self.compact(opts, report)
         report.duration_s = time.perf_counter() - t0
         if opts.apply:
-            await self.meta(Op.GC_REPORT, {"run": report.to_dict()})
+            await self.meta(rpc.GcReport(run=report.to_dict()))
         return report
 
     async def expire(self, opts: PassOptions, report: PassReport) -> None:
         if not opts.apply:
-            h = await self.meta(Op.GC_EXPIRE, {"apply": False})
-            report.expired_keys, report.expired_bytes = int(h["keys"]), int(h["bytes"])
+            h = await self.meta(rpc.GcExpire(apply=False))
+            report.expired_keys, report.expired_bytes = h.keys, h.bytes
             return
-        total = int((await self.meta(Op.GC_EXPIRE, {"apply": False}))["keys"])
+        total = (await self.meta(rpc.GcExpire(apply=False))).keys
         while True:
-            h = await self.meta(Op.GC_EXPIRE, {"apply": True, "limit": opts.expire_batch})
-            report.expired_keys += int(h["keys"])
-            report.expired_bytes += int(h["bytes"])
+            h = await self.meta(rpc.GcExpire(apply=True, limit=opts.expire_batch))
+            report.expired_keys += h.keys
+            report.expired_bytes += h.bytes
             self._progress("expire", report.expired_keys, max(total, report.expired_keys))
-            if not h["more"] or not h["keys"]:
+            if not h.more or not h.keys:
                 break
 
     async def evict(self, opts: PassOptions, report: PassReport) -> None:
         # a dry run skipped the expire phase: pick as if it had run, as --apply would
-        h = await self.meta(Op.GC_EVICT, {"high": opts.high, "low": opts.low, "apply": opts.apply,
-                                          "after_expire": not opts.apply and opts.expire})
-        report.evicted_keys += int(h["keys"])
-        report.evicted_bytes += int(h["bytes"])
-        report.leased_skipped += int(h["leased"])
-        if h["keys"]:
-            self._progress("evict", int(h["keys"]), int(h["keys"]))
+        h = await self.meta(rpc.GcEvict(high=opts.high, low=opts.low, apply=opts.apply,
+                                        after_expire=not opts.apply and opts.expire))
+        report.evicted_keys += h.keys
+        report.evicted_bytes += h.bytes
+        report.leased_skipped += h.leased
+        if h.keys:
+            self._progress("evict", h.keys, h.keys)
 
     async def _plan(self, opts: PassOptions, threshold: float | None = None, *,
-                    dry: bool = False) -> dict[str, Any]:
+                    dry: bool = False) -> rpc.Plan:
         """Meta's compaction plan; ``dry``: as if this pass's expire and evict phases had run."""
-        h: dict[str, Any] = {"threshold": opts.threshold if threshold is None else threshold,
-                             "grace_s": opts.grace_s, "high": opts.high,
-                             "after_expire": dry and opts.expire}
-        if dry and opts.evict:
-            h["after_evict"] = [opts.high, opts.low]
-        return await self.meta(Op.GC_PLAN, h)
+        return await self.meta(rpc.GcPlan(
+            threshold=opts.threshold if threshold is None else threshold, grace_s=opts.grace_s,
+            high=opts.high, after_expire=dry and opts.expire,
+            after_evict=rpc.Watermarks(opts.high, opts.low) if dry and opts.evict else None))
 
-    async def _would_seal(self, plan: dict[str, Any], opts: PassOptions) -> None:
+    async def _would_seal(self, plan: rpc.Plan, opts: PassOptions) -> None:
         """Dry run: count the open chunks ``--apply`` would seal as what they then become
         (meta plans them as compact candidates if they hold live bytes, else as deletes)."""
-        for sid, cid, written, live in plan["seal"]:
+        for sid, cid, written, live in plan.seal:
             try:
-                h = await self.chunkserver(int(sid), Op.CHUNK_SEAL, {
-                    "chunk_id": cid, "idle_s": opts.grace_s, "apply": False})
+                h = await self.chunkserver(sid, rpc.ChunkSeal(chunk_id=cid, idle_s=opts.grace_s, apply=False))
             except Unavailable:
                 continue  # --apply could not seal it either
-            if h["sealed"]:
+            if h.sealed:
                 if live > 0:
-                    plan["compact"].append([sid, cid, written, live])
+                    plan.compact.append(rpc.CompactCandidate(sid, cid, written, live))
                 else:
-                    plan["delete"].append([sid, cid, written])
+                    plan.delete.append(rpc.DeleteCandidate(sid, cid, written))
 
     async def compact(self, opts: PassOptions, report: PassReport) -> None:
         # a dry run skipped the expire and evict phases: plan as if they had run, as --apply would
         plan = await self._plan(opts, dry=not opts.apply)
-        if not opts.apply and plan["seal"]:
+        if not opts.apply and plan.seal:
             await self._would_seal(plan, opts)
-        if opts.apply and plan["seal"]:
+        if opts.apply and plan.seal:
             sealed = 0
-            for sid, cid, _written, _live in plan["seal"]:
+            for sid, cid, _written, _live in plan.seal:
                 try:
-                    h = await self.chunkserver(int(sid), Op.CHUNK_SEAL, {"chunk_id": cid,
-                                                                      "idle_s": opts.grace_s})
-                    sealed += bool(h["sealed"])
+                    h = await self.chunkserver(sid, rpc.ChunkSeal(chunk_id=cid, idle_s=opts.grace_s))
+                    sealed += h.sealed
                 except Unavailable as exc:
                     log.warning("cannot seal chunk %016x on server %d: %s", cid, sid, exc)
             if sealed:
                 await self.sync_usage()
                 plan = await self._plan(opts)
-        report.compact_candidates = len(plan["compact"])
-        report.delete_candidates = len(plan["delete"])
-        report.waiting_grace = int(plan["waiting"])
+        report.compact_candidates = len(plan.compact)
+        report.delete_candidates = len(plan.delete)
+        report.waiting_grace = plan.waiting
         if not opts.apply:
-            report.reclaimable_bytes = (sum(w - live for _, _, w, live in plan["compact"])
-                                        + sum(w for _, _, w in plan["delete"]))
+            report.reclaimable_bytes = (sum(c.written - c.live for c in plan.compact)
+                                        + sum(d.written for d in plan.delete))
             return
         by_server: dict[int, list[tuple[int, int]]] = defaultdict(list)
-        for sid, cid, _written, live in plan["compact"]:
-            by_server[int(sid)].append((int(cid), int(live)))
+        for c in plan.compact:
+            by_server[c.server_id].append((c.chunk_id, c.live))
         await self.compact_chunks(by_server, opts, report)
         plan = await self._plan(opts)
-        report.waiting_grace = int(plan["waiting"])
-        await self.delete_chunks(plan["delete"], report)
+        report.waiting_grace = plan.waiting
+        await self.delete_chunks([(d.server_id, d.chunk_id) for d in plan.delete], report)
 
     async def compact_chunks(self, by_server: dict[int, list[tuple[int, int]]], opts: PassOptions,
                              report: PassReport) -> None:
@@ -294,7 +288,8 @@ class GarbageCollector:
         t0 = time.monotonic()
         for sid, chunks in by_server.items():
             # under space pressure copy a little at a time: each batch needs its live bytes free
-            free = int(self._usage.get(sid, {}).get("free", COMPACT_BATCH_BYTES))
+            usage = self._usage.get(sid)
+            free = COMPACT_BATCH_BYTES if usage is None else usage.free
             cap = max(1, min(COMPACT_BATCH_BYTES, free // 2))
             batches: list[list[int]] = [[]]
             size = 0
@@ -308,7 +303,7 @@ class GarbageCollector:
                 try:
                     await self._compact_batch(sid, batch, report)
                     if opts.grace_s <= 0:  # no grace: free the space before the next batch
-                        await self.delete_chunks([[sid, c] for c in batch], report)
+                        await self.delete_chunks([(sid, c) for c in batch], report)
                 except KVFSError as exc:
                     log.warning("compaction of %d chunks on server %d failed: %s", len(batch), sid, exc)
                     continue
@@ -319,50 +314,50 @@ class GarbageCollector:
                         await asyncio.sleep(ahead)
 
     async def _compact_batch(self, sid: int, chunks: list[int], report: PassReport) -> None:
-        refs = (await self.meta(Op.GC_CHUNK_REFS, {"chunks": chunks}))["refs"]
-        sources: list[tuple[int, list[list[int]]]] = []
+        refs = (await self.meta(rpc.GcChunkRefs(chunks=chunks))).refs
+        sources: list[rpc.CompactSource] = []
         keys: list[list[bytes]] = []
         for cid in chunks:
-            rs = sorted(refs.get(cid, []), key=lambda r: r[1])
-            sources.append((cid, [[off, ln] for _, off, ln, _ in rs]))
-            keys.append([k for k, _, _, _ in rs])
-        res = await self.chunkserver(sid, Op.CHUNK_COMPACT, {"sources": [list(x) for x in sources]})
-        new = res["chunk_id"]
+            rs = sorted(refs.get(cid, []), key=lambda r: r.offset)
+            sources.append(rpc.CompactSource(cid, [rpc.Span(r.offset, r.length) for r in rs]))
+            keys.append([r.key for r in rs])
+        res = await self.chunkserver(sid, rpc.ChunkCompact(sources=sources))
+        new = res.chunk_id
         if new is None:
             return
         moves = []
-        for (cid, wanted), ks, locs in zip(sources, keys, res["locations"], strict=True):
-            for k, (off, _), loc in zip(ks, wanted, locs, strict=True):
+        for (cid, wanted), ks, locs in zip(sources, keys, res.locations, strict=True):
+            for k, span, loc in zip(ks, wanted, locs, strict=True):
                 if loc is not None:
-                    moves.append([k, cid, off, loc])
-        rel = await self.meta(Op.GC_RELOCATE, {"server_id": sid, "new_chunk": new,
-                                               "new_size": res["size"], "moves": moves})
+                    moves.append(rpc.Move(k, cid, span.offset, loc))
+        rel = await self.meta(rpc.GcRelocate(server_id=sid, new_chunk=new, new_size=res.size, moves=moves))
         report.chunks_compacted += len(chunks)
-        report.bytes_copied += int(res["size"])
-        report.keys_relocated += int(rel["moved"])
-        report.relocations_lost += int(rel["skipped"])
-        await self.meta(Op.GC_DELETED, {"server_id": sid, "deleted": {}, "compacted": len(chunks),
-                                         "copied": int(res["size"])})
+        report.bytes_copied += res.size
+        report.keys_relocated += rel.moved
+        report.relocations_lost += rel.skipped
+        await self.meta(rpc.GcDeleted(server_id=sid, deleted={}, compacted=len(chunks), copied=res.size))
 
-    async def delete_chunks(self, items: list[list[int]], report: PassReport) -> None:
-        """Retire chunks no layout references (CAS in meta), then unlink their files."""
+    async def delete_chunks(self, items: Iterable[tuple[int, int]], report: PassReport) -> None:
+        """Retire chunks (server id, chunk id) no layout references (CAS in meta), then unlink
+        their files."""
         by_server: dict[int, list[int]] = defaultdict(list)
-        for sid, cid, *_ in items:
-            by_server[int(sid)].append(int(cid))
+        for sid, cid in items:
+            by_server[sid].append(cid)
+        total = sum(len(v) for v in by_server.values())
         for sid, cids in by_server.items():
-            retired = (await self.meta(Op.GC_RETIRE, {"server_id": sid, "chunks": cids}))["retired"]
+            retired = (await self.meta(rpc.GcRetire(server_id=sid, chunks=cids))).retired
             if not retired:
                 continue
             try:
-                deleted = (await self.chunkserver(sid, Op.CHUNK_DELETE, {
-                    "chunks": retired, "cluster_id": self.cluster_id}))["deleted"]
+                deleted = (await self.chunkserver(sid, rpc.ChunkDelete(
+                    chunks=retired, cluster_id=self.cluster_id))).deleted
             except Unavailable as exc:
                 log.warning("cannot delete %d chunks on server %d now: %s", len(retired), sid, exc)
                 continue
-            await self.meta(Op.GC_DELETED, {"server_id": sid, "deleted": deleted})
+            await self.meta(rpc.GcDeleted(server_id=sid, deleted=deleted))
             report.chunks_deleted += len(deleted)
-            report.bytes_reclaimed += sum(int(n) for n in deleted.values())
-            self._progress("delete", report.chunks_deleted, len(items))
+            report.bytes_reclaimed += sum(deleted.values())
+            self._progress("delete", report.chunks_deleted, total)
 
     # fsck ------------------------------------------------------------------------
     async def fsck(self, *, cutoff_s: float = 3600.0, apply: bool = False,
@@ -372,17 +367,17 @@ class GarbageCollector:
         rep = FsckReport(apply=apply, cutoff_s=cutoff_s)
         stats = await self.sync_usage(mtimes=True)
         now = time.time()
-        old = {(sid, int(c)) for sid, st in stats.items()
-               for c, t in st.get("mtimes", {}).items() if now - float(t) >= cutoff_s}
-        plan = await self.meta(Op.GC_PLAN, {"threshold": 0.0, "grace_s": 0.0, "high": 1.0})
-        rep.orphan_chunks = [[int(s), int(c), int(w)] for s, c, w in plan["delete"] if (int(s), int(c)) in old]
-        rep.garbage_chunks = [[int(s), int(c), int(w) - int(live)] for s, c, w, live in plan["compact"]
-                              if (int(s), int(c)) in old]
+        old = {(sid, c) for sid, st in stats.items()
+               for c, t in st.mtimes.items() if now - t >= cutoff_s}
+        plan = await self.meta(rpc.GcPlan(threshold=0.0, grace_s=0.0, high=1.0))
+        rep.orphan_chunks = [[d.server_id, d.chunk_id, d.written] for d in plan.delete
+                             if (d.server_id, d.chunk_id) in old]
+        rep.garbage_chunks = [[c.server_id, c.chunk_id, c.written - c.live] for c in plan.compact
+                              if (c.server_id, c.chunk_id) in old]
         if verify:
             for sid in stats:
-                refs = (await self.meta(Op.GC_CHUNK_REFS, {"server_id": sid}))["refs"]
-                flat = [(k, int(c), int(off), int(ln), int(crc))
-                        for c, rs in refs.items() for k, off, ln, crc in rs]
+                refs = (await self.meta(rpc.GcChunkRefs(server_id=sid))).refs
+                flat = [(r.key, c, r.offset, r.length, r.crc) for c, rs in refs.items() for r in rs]
                 i = 0
                 while i < len(flat):
                     j, size = i, 0
@@ -390,14 +385,14 @@ class GarbageCollector:
                         size += flat[j][3]
                         j += 1
                     batch = flat[i:j]
-                    h = await self.chunkserver(sid, Op.CHUNK_VERIFY, {
-                        "ranges": [[c, off, ln, crc] for _, c, off, ln, crc in batch]})
-                    for idx in h["missing"]:
+                    h = await self.chunkserver(sid, rpc.ChunkVerify(
+                        ranges=[rpc.VerifyRange(c, off, ln, crc) for _, c, off, ln, crc in batch]))
+                    for idx in h.missing:
                         k, c, off, _, _ = batch[idx]
-                        rep.missing_refs.append([k, sid, c, off])
-                    for idx in h["bad"]:
+                        rep.missing_refs.append(rpc.BadReplica(k, sid, c, off))
+                    for idx in h.bad:
                         k, c, off, _, _ = batch[idx]
-                        rep.corrupt_refs.append([k, sid, c, off])
+                        rep.corrupt_refs.append(rpc.BadReplica(k, sid, c, off))
                     rep.ranges_checked += len(batch)
                     self._progress(f"verify server {sid}", j, len(flat))
                     i = j
@@ -405,14 +400,14 @@ class GarbageCollector:
             pr = PassReport(apply=True)
             bad = rep.missing_refs + rep.corrupt_refs
             if bad:
-                h = await self.meta(Op.GC_DROP_REPLICAS, {"items": bad})
-                rep.repaired["replicas_dropped"] = int(h["dropped"])
-                rep.repaired["keys_deleted"] = int(h["deleted_keys"])
+                dropped = await self.meta(rpc.GcDropReplicas(items=bad))
+                rep.repaired["replicas_dropped"] = dropped.dropped
+                rep.repaired["keys_deleted"] = dropped.deleted_keys
             by_server: dict[int, list[tuple[int, int]]] = defaultdict(list)
             for sid, cid, _ in rep.garbage_chunks:
                 by_server[sid].append((cid, 0))
             await self.compact_chunks(by_server, PassOptions(apply=True), pr)
-            await self.delete_chunks(rep.orphan_chunks, pr)
+            await self.delete_chunks([(s, c) for s, c, _ in rep.orphan_chunks], pr)
             rep.repaired["chunks_compacted"] = pr.chunks_compacted
             rep.repaired["chunks_deleted"] = pr.chunks_deleted
             rep.repaired["bytes_reclaimed"] = pr.bytes_reclaimed

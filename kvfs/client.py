@@ -21,6 +21,7 @@ from typing import Any, Final, cast
 
 import crc32c
 
+from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, lookup_token, parse_addr
 from kvfs.buffers import as_parts, cut, nbytes
@@ -39,7 +40,7 @@ from kvfs.errors import (
 from kvfs.handshake import Role
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
 from kvfs.protocol import Buffer, FrameHead, Scatter
-from kvfs.rpc import Op
+from kvfs.rpc import OP_OF, R, Request
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.transport import Connection, Sink
 
@@ -201,12 +202,12 @@ class AsyncClient:
                     request_timeout_s=self.config.request_timeout_s)
         return self._meta
 
-    async def _meta_call(self, op: Op, header: dict[str, Any]) -> dict[str, Any]:
-        self.rpc_counts[op.name] += 1
+    async def _meta_call(self, request: Request[R]) -> R:
+        self.rpc_counts[OP_OF[type(request)].name] += 1
         for attempt in (0, 1):
             conn = await self._meta_conn()
             try:
-                return (await conn.call(op, header)).header
+                return await conn.call(request)
             except Unavailable:
                 if attempt or not conn.is_closed:
                     raise
@@ -245,19 +246,17 @@ class AsyncClient:
                 error = Unavailable(f"chunkserver {sid} at {entry.addr}: {exc}")
         raise error
 
-    async def _server_call(self, sid: int, op: Op, header: dict[str, Any],
-                           payload: Sequence[Buffer] = (), sink: Sink | None = None,
-                           ) -> tuple[dict[str, Any], memoryview | Scatter]:
-        self.rpc_counts[op.name] += 1
+    async def _server_call(self, sid: int, request: Request[R], payload: Sequence[Buffer] = (),
+                           sink: Sink | None = None) -> tuple[R, memoryview | Scatter]:
+        self.rpc_counts[OP_OF[type(request)].name] += 1
         conn = await self._server_conn(sid)
         try:
-            frame = await conn.call(op, header, payload, sink=sink)
+            answer, body = await conn.exchange(request, payload, sink=sink)
         except Unavailable as exc:
             if sid in self._servers:
                 self._servers[sid].alive = False
             raise Unavailable(f"chunkserver {sid} ({conn.name}): {exc}") from None
-        body = frame.payload
-        return frame.header, body if isinstance(body, Scatter) else memoryview(body)
+        return answer, body if isinstance(body, Scatter) else memoryview(body)
 
     def _rx_take(self, n: int) -> bytearray:
         pool = self._rx_pool
@@ -276,9 +275,9 @@ class AsyncClient:
         """The chunkservers meta knows, refreshed every ``servers_refresh_s``."""
         now = time.monotonic()
         if refresh or now - self._servers_at > self.config.servers_refresh_s:
-            h = await self._meta_call(Op.SERVERS, {})
-            fresh = {int(s[0]): ServerEntry(int(s[0]), str(s[1]), int(s[2]), int(s[3]), bool(s[4]))
-                     for s in h["servers"]}
+            h = await self._meta_call(rpc.Servers())
+            fresh = {s.server_id: ServerEntry(s.server_id, s.addr, s.capacity, s.free, s.alive)
+                     for s in h.servers}
             for sid, conn in list(self._conns.items()):
                 if sid not in fresh or fresh[sid].addr != self._servers.get(sid, fresh[sid]).addr:
                     conn.close()
@@ -312,10 +311,9 @@ class AsyncClient:
                               or time.monotonic() - self._touch_at > TOUCH_INTERVAL_S):
             self._flush_touches()
         if missing:
-            h = await self._meta_call(Op.LOOKUP, {"keys": [keys[i] for i in missing]})
-            for i, w in zip(missing, h["layouts"], strict=True):
-                if w is not None:
-                    lay = Layout.from_wire(w)
+            h = await self._meta_call(rpc.Lookup(keys=[keys[i] for i in missing]))
+            for i, lay in zip(missing, h.layouts, strict=True):
+                if lay is not None:
                     out[i] = lay
                     self._cache(keys[i], lay)
         return out
@@ -329,7 +327,7 @@ class AsyncClient:
 
         async def send() -> None:
             try:
-                await self._meta_call(Op.TOUCH, {"keys": keys})
+                await self._meta_call(rpc.Touch(keys=keys))
             except KVFSError as exc:  # best effort: access times are advisory
                 log.debug("touch of %d keys failed: %s", len(keys), exc)
 
@@ -385,8 +383,7 @@ class AsyncClient:
                     live.sort(key=lambda e: e.server_id)
                     k = first % len(live)
                     order = live[k:] + live[:k]
-                wires = await self._write(keys, views, order, r, ttl, stream_unit=first is not None)
-                return [Layout.from_wire(w) for w in wires]
+                return await self._write(keys, views, order, r, ttl, stream_unit=first is not None)
             except Unavailable:
                 if attempt == 2:
                     raise
@@ -399,12 +396,10 @@ class AsyncClient:
 
     async def _commit(self, keys: list[bytes], layouts: list[Layout], ttl: float | None) -> None:
         """Make written values visible: one COMMIT to meta (the linearisation point)."""
-        h = await self._meta_call(Op.COMMIT, {
-            "items": [[k, lay.to_wire()] for k, lay in zip(keys, layouts, strict=True)],
-            "ttl_s": ttl})
-        stamp = (float(h["created"]), h["expires_at"])
+        h = await self._meta_call(rpc.Commit(
+            items=[rpc.CommitItem(k, lay) for k, lay in zip(keys, layouts, strict=True)], ttl_s=ttl))
         for k, lay in zip(keys, layouts, strict=True):
-            self._cache(k, lay._replace(created=stamp[0], expires_at=stamp[1]))
+            self._cache(k, lay.stamped(h.created, h.expires_at))
 
     # streaming (kvfs/stream.py) ----------------------------------------------------
     async def put_stream(self, key: Key, chunks: Chunks, *, size: int | None = None,
@@ -435,15 +430,15 @@ class AsyncClient:
         await self.servers(refresh=True)
 
     async def _write(self, keys: list[bytes], views: list[list[memoryview]], order: list[ServerEntry],
-                     r: int, ttl: float | None, *, stream_unit: bool = False) -> list[list[Any]]:
-        """Append every value (one APPEND per server); returns the layouts in wire form."""
+                     r: int, ttl: float | None, *, stream_unit: bool = False) -> list[Layout]:
+        """Append every value (one APPEND per server); returns the layouts to commit."""
         stripe = self.config.stripe_bytes
         expires_hint = None if ttl is None else self.clock() + ttl
         wid = self._next_write_id()  # records carry it: a rebuild of meta keeps the newest write
         n_srv = len(order)
         crc = crc32c.crc32c
         # per server: records and payload parts, in call order
-        records: dict[int, list[list[Any]]] = defaultdict(list)
+        records: dict[int, list[rpc.RecordHead]] = defaultdict(list)
         parts: dict[int, list[list[memoryview]]] = defaultdict(list)  # per record: its buffers
         # per value and unit: (length, crc, [(sid, index into records[sid]), ...])
         plans: list[list[tuple[int, int, list[tuple[int, int]]]]] = []
@@ -470,7 +465,7 @@ class AsyncClient:
                     recs = records[sid]
                     where.append((sid, len(recs)))
                     # a stream's unit does not know its whole value (total size 0): a rebuild drops it
-                    recs.append([key, n, c, expires_hint, wid, 0 if stream_unit else n, c, 0])
+                    recs.append(rpc.RecordHead(key, n, c, expires_hint, wid, 0 if stream_unit else n, c, 0))
                     parts[sid].append(v)
                 plans.append([(n, c, where)])
                 crcs.append(c)
@@ -478,7 +473,7 @@ class AsyncClient:
             units = [cut(v, i, stripe) for i in range(0, n, stripe)]
             plan = []
             whole = 0
-            unit_recs: list[list[Any]] = []
+            unit_recs: list[tuple[int, int]] = []  # (server, index into its records)
             for ui, u in enumerate(units):
                 c = 0
                 for p in u:
@@ -490,19 +485,19 @@ class AsyncClient:
                 for j in range(r):
                     sid = order[(start + j) % n_srv].server_id
                     where.append((sid, len(records[sid])))
-                    unit_recs.append([key, un, c, expires_hint, wid, n, 0, ui])
-                    records[sid].append(unit_recs[-1])
+                    unit_recs.append((sid, len(records[sid])))
+                    records[sid].append(rpc.RecordHead(key, un, c, expires_hint, wid, n, 0, ui))
                     parts[sid].append(u)
                 plan.append((un, c, where))
-            for rec in unit_recs:
-                rec[6] = whole  # the whole value's CRC, known once every unit is summed
+            for sid, idx in unit_recs:  # the whole value's CRC, known once every unit is summed
+                records[sid][idx] = records[sid][idx]._replace(total_crc=whole)
             rr += len(units)
             plans.append(plan)
             crcs.append(whole)
-        locs: dict[int, list[list[int]]] = {}
+        locs: dict[int, list[rpc.Location]] = {}
 
         async def send(sid: int) -> None:
-            out: list[list[int]] = []
+            out: list[rpc.Location] = []
             recs, ps = records[sid], parts[sid]
             i = 0
             while i < len(recs):
@@ -511,8 +506,8 @@ class AsyncClient:
                     total += recs[j][1]
                     j += 1
                 payload = [p for rec in ps[i:j] for p in rec]  # gathered, never copied
-                h, _ = await self._server_call(sid, Op.APPEND, {"records": recs[i:j]}, payload)
-                out.extend(h["locations"])
+                h, _ = await self._server_call(sid, rpc.Append(records=recs[i:j]), payload)
+                out.extend(h.locations)
                 i = j
             locs[sid] = out
 
@@ -520,13 +515,10 @@ class AsyncClient:
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        wires = []
-        for v, plan, whole in zip(views, plans, crcs, strict=True):
-            exts = []
-            for length, c, where in plan:
-                exts.append([length, c, [[sid, *locs[sid][idx]] for sid, idx in where]])
-            wires.append([nbytes(v), whole, 0.0, None, exts])
-        return wires
+        return [Layout(nbytes(v), whole, 0.0, None, tuple(
+                    Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
+                    for length, c, where in plan))
+                for v, plan, whole in zip(views, plans, crcs, strict=True)]
 
     # reads -------------------------------------------------------------------
     async def get(self, key: Key) -> bytes | None:
@@ -763,12 +755,13 @@ class AsyncClient:
     async def _readv_batch(self, sid: int, batch: list[_Job], keys: list[bytes],
                            out: list[bytes | None] | None, stale: list[int],
                            retry: list[_Job]) -> None:
-        ranges = [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+        ranges = [rpc.Range(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
                   for job in batch]
         rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
 
         def scatter(head: FrameHead) -> Scatter:
-            # the answer lands straight in each destination (e.g. the caller's buffers)
+            # the answer lands straight in each destination (e.g. the caller's buffers); this
+            # peeks at the header before it is checked: exchange() checks it once received
             errs = head.header.get("errors") or {}
             return Scatter([p for i, job in enumerate(batch) if i not in errs
                             for p in cast(list[memoryview], job.dest)])  # no dest is _WHOLE here
@@ -781,11 +774,11 @@ class AsyncClient:
 
         sink = scatter if all(job.dest is not _WHOLE for job in batch) else pooled
         try:
-            h, payload = await self._server_call(sid, Op.READV, {"ranges": ranges}, sink=sink)
+            h, payload = await self._server_call(sid, rpc.ReadV(ranges=ranges), sink=sink)
         except BaseException:
             self._rx_give(rx)
             raise
-        errors = h.get("errors") or {}
+        errors = h.errors
         in_place = isinstance(payload, Scatter)
         view = payload if isinstance(payload, memoryview) else memoryview(b"")
         pos = 0
@@ -794,7 +787,7 @@ class AsyncClient:
             if errors:
                 err = errors.get(idx)
                 if err is not None:
-                    exc = from_wire({"code": err[0], "message": err[1]})
+                    exc = from_wire({"code": err.code, "message": err.message})
                     if isinstance(exc, StaleLayout):
                         stale.append(job.slot)
                     else:
@@ -817,7 +810,7 @@ class AsyncClient:
                 job.tried += (sid,)
                 job.error = ChecksumMismatch(
                     f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
-                    f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
+                    f"{ranges[idx].chunk_id:016x} offset {ranges[idx].offset}) fail their CRC-32C")
                 retry.append(job)
                 continue
             if dest is _WHOLE:
@@ -836,8 +829,7 @@ class AsyncClient:
         ks = norm_keys(keys)
         if not ks:
             return []
-        h = await self._meta_call(Op.EXISTS, {"keys": ks})
-        return [bool(x) for x in h["exists"]]
+        return (await self._meta_call(rpc.Exists(keys=ks))).exists
 
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
@@ -851,8 +843,7 @@ class AsyncClient:
         ks = norm_keys(keys)
         if not ks:
             return 0
-        h = await self._meta_call(Op.MATCH_PREFIX, {"keys": ks, "lease_s": lease_s})
-        return int(h["n"])
+        return (await self._meta_call(rpc.MatchPrefix(keys=ks, lease_s=lease_s))).n
 
     async def delete_many(self, keys: Iterable[Key]) -> int:
         ks = norm_keys(keys)
@@ -860,9 +851,9 @@ class AsyncClient:
             return 0
         for k in ks:
             self._layouts.pop(k, None)
-        h = await self._meta_call(Op.DELETE, {"keys": ks})
+        h = await self._meta_call(rpc.Delete(keys=ks))
         await self._tombstones(ks)
-        return int(h["deleted"])
+        return h.deleted
 
     def _next_write_id(self) -> int:
         """Write ids order the writes of a key for a rebuild of meta: nanoseconds, increasing."""
@@ -878,8 +869,8 @@ class AsyncClient:
             if not live:
                 return
             sid = self._order(live)[0].server_id
-            await self._server_call(sid, Op.APPEND, {"records": [[k, 0, 0, None, wid, 0, 0, 0, True]
-                                                                 for k in keys]}, [])
+            await self._server_call(sid, rpc.Append(records=[
+                rpc.RecordHead(k, 0, 0, None, wid, 0, 0, 0, True) for k in keys]), [])
         except KVFSError as exc:
             log.warning("deleted %d keys, but could not record their tombstones: %s", len(keys), exc)
 
@@ -893,16 +884,15 @@ class AsyncClient:
         out: list[KeyInfo] = []
         start_after: bytes | None = None
         while limit is None or len(out) < limit:
-            h = await self._meta_call(Op.LIST, {"prefix": p, "start_after": start_after,
-                                                "limit": page_size})
-            out.extend(KeyInfo(bytes(k), int(s), float(c), e, int(n)) for k, s, c, e, n in h["entries"])
-            if not h["more"]:
+            h = await self._meta_call(rpc.ListKeys(prefix=p, start_after=start_after, limit=page_size))
+            out.extend(KeyInfo(*e) for e in h.entries)
+            if not h.more:
                 break
-            start_after = h["last"]
+            start_after = h.last
         return out if limit is None else out[:limit]
 
     async def stats(self) -> dict[str, Any]:
-        return await self._meta_call(Op.STATS, {})
+        return rpc.to_dict(await self._meta_call(rpc.Stats()))
 
 
 def connect(addr: str | None = None, *, token: str | None = None,

@@ -1,17 +1,21 @@
 """Keys and layouts: where a value's bytes live.
 
 A layout is immutable: overwriting a key commits a new one.  On the wire and
-in meta's store a layout is a plain list (msgpack-friendly, no per-field
-names)::
+in meta's store a layout is a msgpack array (no per-field names)::
 
     [size, crc32c, created, expires_at | None, [extent, ...]]
     extent = [length, crc32c, [[server_id, chunk_id, offset], ...replicas]]
+
+:class:`Layout` declares that shape once; :func:`encode_layout` and
+:func:`decode_layout` are its only codec.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Annotated
+
+import msgspec
 
 from kvfs.errors import InvalidArgument
 
@@ -42,60 +46,47 @@ def norm_keys(keys: Iterable[Key]) -> list[bytes]:
     return [norm_key(k) for k in keys]
 
 
-class Replica(NamedTuple):
-    server_id: int
-    chunk_id: int
-    offset: int
+U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Crc32 = Annotated[int, msgspec.Meta(ge=0, lt=2**32)]
+MAX_REPLICAS = 16
+MAX_EXTENTS = MAX_VALUE_BYTES // 4096 + 1  # one per stripe unit; units are at least 4 KiB
 
 
-class Extent(NamedTuple):
-    length: int
-    crc: int
-    replicas: tuple[Replica, ...]
+class Replica(msgspec.Struct, frozen=True, array_like=True, gc=False, order=True):
+    server_id: U63
+    chunk_id: U63
+    offset: U63
 
 
-class Layout(NamedTuple):
-    """Immutable; tuples are much cheaper to build than frozen dataclasses (meta builds
-    one per committed key)."""
+class Extent(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    length: U63
+    crc: Crc32
+    replicas: Annotated[tuple[Replica, ...], msgspec.Meta(min_length=1, max_length=MAX_REPLICAS)]
 
-    size: int
-    crc: int
-    created: float
-    expires_at: float | None
-    extents: tuple[Extent, ...]
+
+class Layout(msgspec.Struct, frozen=True, array_like=True, gc=False):
+    """Immutable.  This class is the only layout codec: on the wire and in meta's store a
+    layout is its msgpack array form ``[size, crc, created, expires_at, extents]`` with
+    ``extent = [length, crc, [[server_id, chunk_id, offset], ...]]``, encoded and decoded
+    (and checked, field by field) by msgspec from these declarations."""
+
+    size: Annotated[int, msgspec.Meta(ge=0, le=MAX_VALUE_BYTES)]
+    crc: Crc32
+    created: Annotated[float, msgspec.Meta(ge=0.0)]
+    expires_at: Annotated[float, msgspec.Meta(ge=0.0)] | None
+    extents: Annotated[tuple[Extent, ...], msgspec.Meta(max_length=MAX_EXTENTS)]
+
+    def __post_init__(self) -> None:
+        total = sum(e.length for e in self.extents)
+        if total != self.size:
+            raise ValueError(f"layout extents add up to {total}, not {self.size}")
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and self.expires_at <= now
 
-    def to_wire(self) -> list[Any]:
-        return [self.size, self.crc, self.created, self.expires_at,
-                [[e.length, e.crc, [[r.server_id, r.chunk_id, r.offset] for r in e.replicas]]
-                 for e in self.extents]]
-
-    @classmethod
-    def from_wire(cls, w: list[Any], *, stamp: tuple[float, float | None] | None = None) -> Layout:
-        """Parse and check a wire layout; ``stamp`` = (created, expires_at) overrides its own."""
-        try:
-            size, crc, wcreated, wexpires, exts = w
-            extents = []
-            total = 0
-            for length, ecrc, reps in exts:
-                if not reps:
-                    raise InvalidArgument("layout has an extent with no replica")
-                rs = tuple([Replica(int(s), int(c), int(o)) for s, c, o in reps])
-                if length < 0 or not 0 <= ecrc < 2**32 or any(min(r) < 0 or max(r) >= 2**63 for r in rs):
-                    raise InvalidArgument("layout has a negative or out-of-range field")
-                extents.append(Extent(int(length), int(ecrc), rs))
-                total += length
-        except (TypeError, ValueError) as exc:
-            raise InvalidArgument(f"malformed layout: {exc}") from None
-        if total != size:
-            raise InvalidArgument(f"layout extents add up to {total}, not {size}")
-        if not 0 <= size < 2**63 or not 0 <= crc < 2**32:
-            raise InvalidArgument("layout size or checksum out of range")
-        if stamp is None:
-            stamp = (float(wcreated), None if wexpires is None else float(wexpires))
-        return cls(int(size), int(crc), stamp[0], stamp[1], tuple(extents))
+    def stamped(self, created: float, expires_at: float | None) -> Layout:
+        """The same layout with meta's commit time and expiry."""
+        return msgspec.structs.replace(self, created=created, expires_at=expires_at)
 
     def chunk_bytes(self) -> Iterable[tuple[int, int]]:
         """(chunk_id, bytes) for every replica of every extent."""
@@ -111,3 +102,21 @@ def server_of_chunk(chunk_id: int) -> int:
 
 def make_chunk_id(server_id: int, seq: int) -> int:
     return (server_id << 40) | seq
+
+
+_ENCODE = msgspec.msgpack.Encoder()
+_DECODE = msgspec.msgpack.Decoder(Layout)
+
+
+def encode_layout(layout: Layout) -> bytes:
+    return _ENCODE.encode(layout)
+
+
+def decode_layout(blob: bytes) -> Layout:
+    """A stored layout, checked field by field (``InvalidArgument`` names the bad field)."""
+    try:
+        return _DECODE.decode(blob)
+    except msgspec.ValidationError as exc:
+        raise InvalidArgument(f"bad layout: {exc}") from None
+    except msgspec.DecodeError as exc:
+        raise InvalidArgument(f"undecodable layout: {exc}") from None

@@ -31,11 +31,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import msgspec
 
 from kvfs.errors import FrameTooLarge, RemoteProtocolError, VersionMismatch
 
 MAGIC = b"KVFS"
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: typed messages (kvfs.rpc)
 FIXED = struct.Struct("<4sBBHQIQ")
 FIXED_SIZE = FIXED.size  # 28
 
@@ -114,21 +115,25 @@ def _default_alloc(head: FrameHead) -> bytearray:
     return bytearray(head.payload_len)
 
 
-def pack_header(header: dict[str, Any]) -> bytes:
-    return msgpack.packb(header, use_bin_type=True)
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def pack_header(header: dict[str, Any] | msgspec.Struct) -> bytes:
+    """A header (a plain map or a typed message of :mod:`kvfs.rpc`) as msgpack."""
+    return _ENCODER.encode(header)
 
 
 def encode_frame(
     op: int,
     request_id: int,
-    header: dict[str, Any] | None = None,
+    header: dict[str, Any] | msgspec.Struct | None = None,
     payload: Sequence[Buffer] = (),
     flags: Flag = Flag.NONE,
     *,
     version: int = PROTOCOL_VERSION,
 ) -> list[Buffer]:
     """The buffers to write, in order: one prefix, then the payload parts as given."""
-    hdr = pack_header(header or {})
+    hdr = pack_header({} if header is None else header)
     plen = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in payload)
     prefix = FIXED.pack(MAGIC, version, op, int(flags), request_id, len(hdr), plen) + hdr
     return [prefix, *payload]

@@ -1,18 +1,74 @@
-"""Every RPC, described once, with the token roles that may call it
-(:class:`kvfs.handshake.Role`: client, admin, server).
+"""Every RPC, declared once: ``op -> (request type, response type, roles)``; the roles
+are the token roles that may call it (:class:`kvfs.handshake.Role`: client, admin,
+server).
 
-Op numbers are stable and never reused.  Client stubs
-(:meth:`kvfs.transport.Connection.call`), server dispatch
-(:class:`kvfs.server.RpcServer` calls ``handler.rpc_<name>``) and test fakes
-all derive from :data:`RPCS`.
+Op numbers are stable and never reused.  Each request is a frozen, keyword-only
+``msgspec.Struct`` whose generic parameter names its response type, and every
+field carries a type and a bound (length caps, ranges).  Rows inside a message
+(a record head, a range, a move) are typed ``NamedTuple``\\ s: positional
+msgpack arrays on the wire.  From :data:`RPCS` derive:
+
+- server dispatch (:class:`kvfs.server.RpcServer` decodes and checks a request
+  against its type, then calls ``handler.rpc_<name>(request, payload)``);
+- the typed client call (:meth:`kvfs.transport.Connection.call`: a request in,
+  its response type out, checked by mypy);
+- the fuzz test (every field of every request missing, mistyped, out of bounds);
+- the RPC table in README.md and ARCHITECTURE.md (``python -m kvfs.rpcdoc``).
+
+The wire stays msgpack: a message is a map of its fields; raw payloads (values,
+read bytes) never enter the header.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Annotated, Any, Generic, NamedTuple, TypeVar, get_args
 
-from kvfs.handshake import Role
+import msgspec
+
+from kvfs.handshake import NONCE_BYTES, Role
+from kvfs.layout import MAX_KEY_BYTES, Crc32, Layout
+
+# -- field types and their bounds ---------------------------------------------------------
+MAX_ITEMS = 1 << 20  # keys, records, ranges, moves... in one message
+MAX_SECONDS = 100.0 * 365 * 24 * 3600  # ttl, lease, grace: a century
+MAX_ADDR_CHARS = 256
+MAX_TEXT_CHARS = 4096
+MAX_LIST = 10_000  # keys per LIST page
+MAX_REFS_CHUNKS = 4096  # chunks per GC_CHUNK_REFS
+MAX_EXPIRE_BATCH = 1_000_000
+SERVER_ID_LIMIT = 1 << 23  # chunk ids embed the server id in their top bits (see kvfs.layout)
+
+U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
+Count = Annotated[int, msgspec.Meta(ge=0, lt=2**62)]  # sizes and counts: room to add them up
+Index = Annotated[int, msgspec.Meta(ge=0, lt=MAX_ITEMS)]
+ServerId = Annotated[int, msgspec.Meta(ge=0, lt=SERVER_ID_LIMIT)]
+ChunkId = U63
+Key = Annotated[bytes, msgspec.Meta(min_length=1, max_length=MAX_KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(min_length=1, max_length=MAX_ITEMS)]
+Seconds = Annotated[float, msgspec.Meta(ge=0.0, le=MAX_SECONDS)]
+PositiveSeconds = Annotated[float, msgspec.Meta(gt=0.0, le=MAX_SECONDS)]
+Timestamp = Annotated[float, msgspec.Meta(ge=0.0)]
+Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
+Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ADDR_CHARS)]
+Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
+Name = Annotated[str, msgspec.Meta(max_length=64)]
+ClusterId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+DiskId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]  # host:st_dev
+Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+Mac = Annotated[bytes, msgspec.Meta(max_length=64)]
+
+T = TypeVar("T")
+
+
+K = TypeVar("K")
+V = TypeVar("V")
+Items = Annotated[list[T], msgspec.Meta(max_length=MAX_ITEMS)]
+NonEmpty = Annotated[list[T], msgspec.Meta(min_length=1, max_length=MAX_ITEMS)]
+Table = Annotated[dict[K, V], msgspec.Meta(max_length=MAX_ITEMS)]
+Counters = Annotated[dict[Name, float], msgspec.Meta(max_length=64)]
+RunCounters = Annotated[dict[Name, float | bool], msgspec.Meta(max_length=64)]
 
 
 class Service(enum.Enum):
@@ -23,8 +79,8 @@ class Service(enum.Enum):
 
 class Op(enum.IntEnum):
     # connection
-    HELLO = 1  # server -> client on connect: {version, nonce, service}
-    AUTH = 2  # client -> server: {version, mac}; reply {} or an error frame
+    HELLO = 1
+    AUTH = 2
     PING = 3
     # meta
     LOOKUP = 16
@@ -69,83 +125,661 @@ SERVER = (Role.SERVER,)
 SERVER_OR_ADMIN = (Role.SERVER, Role.ADMIN)  # the GC refreshes meta's view of a chunkserver
 
 
+# -- message bases ----------------------------------------------------------------------------
+class Response(msgspec.Struct, frozen=True, kw_only=True):
+    """An answer's header."""
+
+
+R = TypeVar("R", bound=Response)
+
+
+class Request(msgspec.Struct, Generic[R], frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A request's header; ``R`` is the type of its answer.  Unknown fields are refused:
+    a misspelled field is an error, not a silent default."""
+
+
+class Empty(Response, frozen=True, kw_only=True):
+    pass
+
+
+class Hello(Request[Empty], frozen=True, kw_only=True):
+    """Sent by the server as soon as a connection opens; never answered."""
+
+    version: Annotated[int, msgspec.Meta(ge=0, le=255)]
+    nonce: Annotated[bytes, msgspec.Meta(min_length=16, max_length=64)]
+    service: Name
+
+
+class Endpoint(NamedTuple):
+    host: Addr
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class AuthReply(Response, frozen=True, kw_only=True):
+    role: Name  # the role of the token the client proved (kvfs.handshake.Role)
+    mac: Mac  # the server's proof that it holds the same token
+
+
+class Auth(Request[AuthReply], frozen=True, kw_only=True):
+    """The first frame of a client (:mod:`kvfs.handshake`): its nonce, the connection's
+    two ends as its socket sees them, and an HMAC over both nonces and those ends."""
+
+    version: Annotated[int, msgspec.Meta(ge=0, le=255)]
+    nonce: Nonce
+    client: Endpoint
+    server: Endpoint
+    mac: Mac
+
+
+class Pong(Response, frozen=True, kw_only=True):
+    service: Name
+    server_id: ServerId | None = None
+
+
+class Ping(Request[Pong], frozen=True, kw_only=True):
+    pass
+
+
+# -- meta: keys ---------------------------------------------------------------------------
+class Layouts(Response, frozen=True, kw_only=True):
+    layouts: Items[Layout | None]
+
+
+class Lookup(Request[Layouts], frozen=True, kw_only=True):
+    keys: Keys
+
+
+class CommitItem(NamedTuple):
+    key: Key
+    layout: Layout
+
+
+class Committed(Response, frozen=True, kw_only=True):
+    created: Timestamp
+    expires_at: Timestamp | None
+
+
+class Commit(Request[Committed], frozen=True, kw_only=True):
+    """Layouts' ``created``/``expires_at`` are ignored: meta stamps them at commit."""
+
+    items: NonEmpty[CommitItem]
+    ttl_s: PositiveSeconds | None = None  # None: meta's default_ttl_s
+
+
+class Deleted(Response, frozen=True, kw_only=True):
+    deleted: Count
+
+
+class Delete(Request[Deleted], frozen=True, kw_only=True):
+    keys: Keys
+
+
+class Matched(Response, frozen=True, kw_only=True):
+    n: Count
+
+
+class MatchPrefix(Request[Matched], frozen=True, kw_only=True):
+    """How many leading keys are present and unexpired; ``lease_s`` keeps them from GC."""
+
+    keys: Keys
+    lease_s: Seconds | None = None
+
+
+class Existing(Response, frozen=True, kw_only=True):
+    exists: Items[bool]
+
+
+class Exists(Request[Existing], frozen=True, kw_only=True):
+    keys: Keys
+
+
+class KeyEntry(NamedTuple):
+    key: Key
+    size: Count
+    created: Timestamp
+    expires_at: Timestamp | None
+    extents: Count
+
+
+class Listing(Response, frozen=True, kw_only=True):
+    entries: Annotated[list[KeyEntry], msgspec.Meta(max_length=MAX_LIST)]
+    more: bool
+    last: Key | None  # the key to pass as ``start_after`` for the next page
+
+
+class ListKeys(Request[Listing], frozen=True, kw_only=True):
+    prefix: Annotated[bytes, msgspec.Meta(max_length=MAX_KEY_BYTES)] = b""
+    start_after: Key | None = None
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_LIST)] = 1000
+
+
+class Touch(Request[Empty], frozen=True, kw_only=True):
+    """Marks keys read (from a client's layout cache): last_access for LRU eviction."""
+
+    keys: Keys
+
+
+# -- meta: cluster --------------------------------------------------------------------------
+class GcSummary(Response, frozen=True, kw_only=True):
+    paused: bool
+    metrics: Counters
+    last_run: RunCounters | None
+    dead_chunks: Count
+
+
+class ServerStats(msgspec.Struct, frozen=True, kw_only=True):
+    server_id: ServerId
+    addr: Addr
+    alive: bool
+    capacity: Count
+    free: Count
+    used: Count
+    shared_by: Count  # chunkservers on its disk (capacity and free are its share)
+    chunks: Count
+    written: Count
+    live: Count
+    garbage: Count
+
+
+class StatsReply(Response, frozen=True, kw_only=True):
+    keys: Count
+    keys_stored: Count
+    bytes: Count
+    servers: Items[ServerStats]
+    time: Timestamp
+    gc: GcSummary
+
+
+class Stats(Request[StatsReply], frozen=True, kw_only=True):
+    pass
+
+
+class Registered(Response, frozen=True, kw_only=True):
+    server_id: ServerId
+    cluster_id: ClusterId
+
+
+class Register(Request[Registered], frozen=True, kw_only=True):
+    """WrongCluster: a chunkserver of another cluster, or one holding chunks (``nchunks``)
+    without a cluster id that this meta never saw."""
+
+    server_id: ServerId | None = None  # None: meta assigns the next free id
+    addr: Addr
+    capacity: Count = 0
+    free: Count = 0
+    key: Annotated[str, msgspec.Meta(max_length=128)] = ""  # proves the data dir (state.json)
+    disk: DiskId | None = None  # the filesystem it stores on; None: its own --capacity
+    cluster_id: ClusterId | None = None  # None: a fresh chunkserver
+    nchunks: Count = 0
+
+
+class Heartbeat(Request[Empty], frozen=True, kw_only=True):
+    """A chunkserver's usage and chunk table (sent by it, and forwarded by the GC)."""
+
+    server_id: ServerId
+    addr: Addr
+    capacity: Count
+    free: Count
+    used: Count
+    chunks: Table[ChunkId, Count]  # chunk id -> bytes written
+    open: ChunkId | None = None  # the chunk appends go to
+    wanted: Count = 0  # bytes of the last append refused for lack of space
+    disk: DiskId | None = None  # the filesystem it stores on; None: its own --capacity
+
+    @classmethod
+    def of(cls, stats: ChunkStatsReply, *, server_id: int, addr: str) -> Heartbeat:
+        """The one way to build a heartbeat: from a chunkserver's own figures."""
+        return cls(server_id=server_id, addr=addr, capacity=stats.capacity, free=stats.free,
+                   used=stats.used, chunks=stats.chunks, open=stats.open, wanted=stats.wanted,
+                   disk=stats.disk)
+
+
+class ServerRow(NamedTuple):
+    server_id: ServerId
+    addr: Addr
+    capacity: Count
+    free: Count
+    alive: bool
+
+
+class ServerList(Response, frozen=True, kw_only=True):
+    servers: Items[ServerRow]
+    cluster_id: ClusterId
+
+
+class Servers(Request[ServerList], frozen=True, kw_only=True):
+    pass
+
+
+# -- chunkserver -------------------------------------------------------------------------------
+class RecordHead(NamedTuple):
+    """One record of an APPEND; the trailing fields let ``kvfs meta rebuild`` re-derive
+    meta from the chunks (:mod:`kvfs.chunkserver.records`)."""
+
+    key: Key
+    length: Count
+    crc: Crc32
+    expires_at: Timestamp | None
+    write_id: U63 = 0  # orders the writes of one key: newest wins
+    total_size: Count | None = None  # the whole value's; None: this extent's (0: unknown)
+    total_crc: Crc32 | None = None
+    extent: Index = 0  # the extent's index in the value (a value is striped in extents)
+    tombstone: bool = False  # a delete: no value
+
+
+class Location(NamedTuple):
+    chunk_id: ChunkId
+    offset: U63
+
+
+class Appended(Response, frozen=True, kw_only=True):
+    locations: Items[Location]
+
+
+class Append(Request[Appended], frozen=True, kw_only=True):
+    """Payload: the values back to back, in record order."""
+
+    records: NonEmpty[RecordHead]
+
+
+class Range(NamedTuple):
+    chunk_id: ChunkId
+    offset: U63
+    length: Count
+
+
+class WireError(NamedTuple):
+    code: Annotated[int, msgspec.Meta(ge=0, lt=2**16)]
+    message: Text
+
+
+class ReadVReply(Response, frozen=True, kw_only=True):
+    """Payload: the bytes of every range not in ``errors``, in order."""
+
+    errors: Table[Index, WireError] = {}
+
+
+class ReadV(Request[ReadVReply], frozen=True, kw_only=True):
+    ranges: NonEmpty[Range]
+
+
+class ChunkStatsReply(Response, frozen=True, kw_only=True):
+    chunks: Table[ChunkId, Count]
+    capacity: Count
+    free: Count
+    used: Count
+    spans_read: Count
+    readv_calls: Count
+    append_calls: Count
+    open: ChunkId | None
+    wanted: Count
+    server_id: ServerId | None
+    addr: Annotated[str, msgspec.Meta(max_length=MAX_ADDR_CHARS)]
+    cluster_id: ClusterId | None
+    disk: DiskId | None
+    mtimes: Table[ChunkId, float]
+
+
+class ChunkStats(Request[ChunkStatsReply], frozen=True, kw_only=True):
+    mtimes: bool = False  # also each chunk file's mtime (fsck's age cutoff)
+
+
+class Span(NamedTuple):
+    offset: U63
+    length: Count
+
+
+class CompactSource(NamedTuple):
+    chunk_id: ChunkId
+    ranges: Items[Span]
+
+
+class Compacted(Response, frozen=True, kw_only=True):
+    chunk_id: ChunkId | None  # None: nothing was copied
+    size: Count
+    locations: Items[Items[U63 | None]]  # per source, each range's new offset (None: gone)
+
+
+class ChunkCompact(Request[Compacted], frozen=True, kw_only=True):
+    """Copy the records at the given ranges into one new sealed chunk."""
+
+    sources: Annotated[list[CompactSource], msgspec.Meta(min_length=1, max_length=MAX_REFS_CHUNKS)]
+
+
+class ChunksDeleted(Response, frozen=True, kw_only=True):
+    deleted: Table[ChunkId, Count]  # chunk id -> bytes freed
+
+
+class ChunkDelete(Request[ChunksDeleted], frozen=True, kw_only=True):
+    """WrongCluster unless ``cluster_id`` is the chunkserver's."""
+
+    chunks: Items[ChunkId]
+    cluster_id: ClusterId | None
+
+
+class ScanRecord(NamedTuple):
+    key: Key
+    write_id: U63
+    extent: Index  # the extent's index in its value
+    total_size: Count
+    total_crc: Crc32
+    length: Count
+    crc: Crc32
+    expires_at: Timestamp | None
+    tombstone: bool
+    value_ok: bool  # the value's CRC-32C checked out
+    value_offset: U63
+
+
+class Scanned(Response, frozen=True, kw_only=True):
+    records: Items[ScanRecord]
+
+
+class ChunkScan(Request[Scanned], frozen=True, kw_only=True):
+    """Every record of one chunk, values checked (``kvfs meta rebuild``)."""
+
+    chunk_id: ChunkId
+
+
+class VerifyRange(NamedTuple):
+    chunk_id: ChunkId
+    offset: U63
+    length: Count
+    crc: Crc32
+
+
+class Verified(Response, frozen=True, kw_only=True):
+    missing: Items[Index]
+    bad: Items[Index]
+
+
+class ChunkVerify(Request[Verified], frozen=True, kw_only=True):
+    ranges: Items[VerifyRange]
+
+
+class Sealed(Response, frozen=True, kw_only=True):
+    sealed: bool
+
+
+class ChunkSeal(Request[Sealed], frozen=True, kw_only=True):
+    """Seal the open chunk, only after ``idle_s`` without appends."""
+
+    chunk_id: ChunkId
+    idle_s: Seconds = 0.0
+    apply: bool = True  # False: only say whether it would be sealed
+
+
+# -- meta: garbage collection -------------------------------------------------------------------
+class GcServerStatus(msgspec.Struct, frozen=True, kw_only=True):
+    server_id: ServerId
+    addr: Addr
+    alive: bool
+    capacity: Count
+    used: Count
+    live: Count
+    garbage: Count
+    ratio: float
+    chunks: Count
+    dead_chunks: Count
+    expired_keys: Count
+    fill: float
+
+
+class GcStatusReply(GcSummary, frozen=True, kw_only=True):
+    time: Timestamp
+    servers: Items[GcServerStatus]
+    expired_keys: Count
+
+
+class GcStatus(Request[GcStatusReply], frozen=True, kw_only=True):
+    pass
+
+
+class Expired(Response, frozen=True, kw_only=True):
+    keys: Count
+    bytes: Count
+    more: bool
+
+
+class GcExpire(Request[Expired], frozen=True, kw_only=True):
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_EXPIRE_BATCH)] = 10_000
+    apply: bool = False
+
+
+class EvictTarget(NamedTuple):
+    live: Count  # live bytes before eviction
+    target: Count  # the low watermark in bytes
+
+
+class Evicted(Response, frozen=True, kw_only=True):
+    keys: Count
+    bytes: Count
+    leased: Count
+    servers: Table[ServerId, EvictTarget]
+    short: Table[ServerId, Count]  # bytes still to free after eviction
+
+
+class GcEvict(Request[Evicted], frozen=True, kw_only=True):
+    high: Fraction = 0.9
+    low: Fraction = 0.8
+    apply: bool = False
+    server_id: ServerId | None = None
+    after_expire: bool = False  # a dry run: pick as if the expire phase had run first
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.low <= self.high:
+            raise ValueError(f"watermarks need 0 < low <= high <= 1, got low={self.low} high={self.high}"
+                             " - at `$.low`")
+
+
+class CompactCandidate(NamedTuple):
+    server_id: ServerId
+    chunk_id: ChunkId
+    written: Count
+    live: Count
+
+
+class DeleteCandidate(NamedTuple):
+    server_id: ServerId
+    chunk_id: ChunkId
+    written: Count
+
+
+class SealCandidate(NamedTuple):
+    """An open chunk to seal; once sealed it is a compact (live > 0) or delete candidate."""
+
+    server_id: ServerId
+    chunk_id: ChunkId
+    written: Count
+    live: Count
+
+
+class Plan(Response, frozen=True, kw_only=True):
+    compact: Items[CompactCandidate]  # most garbage first
+    delete: Items[DeleteCandidate]
+    seal: Items[SealCandidate]
+    waiting: Count  # chunks without live bytes still inside the grace period
+
+
+class Watermarks(NamedTuple):
+    high: Fraction
+    low: Fraction
+
+
+class GcPlan(Request[Plan], frozen=True, kw_only=True):
+    threshold: Fraction = 0.3
+    grace_s: Seconds = 30.0
+    high: Fraction = 0.9
+    after_expire: bool = False  # a dry run: plan as if the expire phase had run first
+    after_evict: Watermarks | None = None  # a dry run: ... and the evict phase with these
+
+
+class Ref(NamedTuple):
+    key: Key
+    offset: U63
+    length: Count
+    crc: Crc32
+
+
+class ChunkRefs(Response, frozen=True, kw_only=True):
+    refs: Table[ChunkId, Items[Ref]]
+
+
+class GcChunkRefs(Request[ChunkRefs], frozen=True, kw_only=True):
+    """References into the given chunks, or (``server_id``) into every chunk of a server."""
+
+    chunks: Annotated[list[ChunkId], msgspec.Meta(max_length=MAX_REFS_CHUNKS)] = []
+    server_id: ServerId | None = None
+
+
+class Move(NamedTuple):
+    key: Key
+    old_chunk: ChunkId
+    old_offset: U63
+    new_offset: U63
+
+
+class Relocated(Response, frozen=True, kw_only=True):
+    moved: Count
+    skipped: Count
+
+
+class GcRelocate(Request[Relocated], frozen=True, kw_only=True):
+    server_id: ServerId
+    new_chunk: ChunkId
+    new_size: Count | None = None
+    moves: Items[Move]
+
+
+class Retired(Response, frozen=True, kw_only=True):
+    retired: Items[ChunkId]
+
+
+class GcRetire(Request[Retired], frozen=True, kw_only=True):
+    server_id: ServerId
+    chunks: Items[ChunkId]
+
+
+class GcDeleted(Request[Empty], frozen=True, kw_only=True):
+    server_id: ServerId
+    deleted: Table[ChunkId, Count]
+    compacted: Count = 0
+    copied: Count = 0
+
+
+class GcControlled(Response, frozen=True, kw_only=True):
+    paused: bool
+
+
+class GcControl(Request[GcControlled], frozen=True, kw_only=True):
+    paused: bool | None = None  # None: only ask
+
+
+class GcReport(Request[Empty], frozen=True, kw_only=True):
+    run: RunCounters  # a finished pass's counters (kvfs.gc.driver.PassReport)
+
+
+class BadReplica(NamedTuple):
+    key: Key
+    server_id: ServerId
+    chunk_id: ChunkId
+    offset: U63
+
+
+class Dropped(Response, frozen=True, kw_only=True):
+    dropped: Count
+    deleted_keys: Count
+
+
+class GcDropReplicas(Request[Dropped], frozen=True, kw_only=True):
+    """fsck repair: forget replicas whose bytes are missing or corrupt."""
+
+    items: Items[BadReplica]
+
+
+# -- the table -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Rpc:
     op: Op
     service: Service
-    request: str  # msgpack header fields of the request (and what the payload holds)
-    response: str
+    request: type[Request[Any]]
+    doc: str
     roles: tuple[Role, ...] = ADMIN  # the token roles that may call it
 
+    @property
+    def response(self) -> type[Response]:
+        return response_type(self.request)
 
-RPCS: dict[Op, Rpc] = {
-    r.op: r
-    for r in (
-        Rpc(Op.HELLO, Service.ANY, "{version, nonce, service}", "-", roles=ANYONE),
-        Rpc(Op.AUTH, Service.ANY, "{version, nonce, client, server, mac} (kvfs.handshake)",
-            "{role, mac}", roles=ANYONE),
-        Rpc(Op.PING, Service.ANY, "{}", "{service}", roles=ANYONE),
-        Rpc(Op.LOOKUP, Service.META, "{keys: [bytes]}", "{layouts: [layout | nil]}", roles=DATA),
-        Rpc(Op.COMMIT, Service.META, "{items: [[key, layout]]}", "{}", roles=DATA),
-        Rpc(Op.DELETE, Service.META, "{keys}", "{deleted: int}", roles=DATA),
-        Rpc(Op.MATCH_PREFIX, Service.META, "{keys, lease_s?}", "{n: int}", roles=DATA),
-        Rpc(Op.EXISTS, Service.META, "{keys}", "{exists: [bool]}", roles=DATA),
-        Rpc(Op.LIST, Service.META, "{prefix, start_after?, limit}",
-            "{entries: [[key, size, created, expires_at]], more: bool}", roles=DATA),
-        Rpc(Op.STATS, Service.META, "{}", "{keys, bytes, servers: [...], chunks}", roles=DATA),
-        Rpc(Op.REGISTER, Service.META,
-            "{server_id?, addr, capacity, free, key, disk, cluster_id?, nchunks}",
-            "{server_id, cluster_id} (WrongCluster: another cluster's chunkserver, or one holding "
-            "chunks this meta never saw)", roles=SERVER),
-        Rpc(Op.HEARTBEAT, Service.META, "{server_id, addr, capacity, free, used, chunks}", "{}",
-            roles=SERVER_OR_ADMIN),
-        Rpc(Op.SERVERS, Service.META, "{}",
-            "{servers: [[id, addr, capacity, free, alive]], cluster_id}", roles=DATA),
-        Rpc(Op.APPEND, Service.CHUNKSERVER,
-            "{records: [[key, length, crc, expires_at, write_id?, total_size?, total_crc?, index?, "
-            "tombstone?]]} + payload: the values back to back",
-            "{locations: [[chunk_id, offset]]}", roles=DATA),
-        Rpc(Op.READV, Service.CHUNKSERVER, "{ranges: [[chunk_id, offset, length]]}",
-            "{errors: {index: [code, message]}, spans: int} + payload: the ok ranges in order", roles=DATA),
-        Rpc(Op.CHUNK_STATS, Service.CHUNKSERVER, "{}",
-            "{chunks: {id: size}, capacity, free, used, open: chunk_id | nil, mtimes: {id: mtime}}", roles=ADMIN),
-        # garbage collection (driven by kvfs.gc; every destructive step is compare-and-swap)
-        Rpc(Op.GC_STATUS, Service.META, "{}",
-            "{paused, time, servers: [{server_id, capacity, used, live, garbage, ratio, "
-            "expired_keys, ...}], metrics, last_run, expired_keys, dead_chunks}", roles=ADMIN),
-        Rpc(Op.GC_EXPIRE, Service.META, "{limit, apply}", "{keys, bytes, more}", roles=ADMIN),
-        Rpc(Op.GC_EVICT, Service.META, "{high, low, apply, server_id?, after_expire?}",
-            "{keys, bytes, leased, servers: {id: [live_before, target]}}", roles=ADMIN),
-        Rpc(Op.GC_PLAN, Service.META, "{threshold, grace_s, high, low, after_expire?, after_evict?: [high, low]}",
-            "{compact: [[server_id, chunk_id, written, live]], delete: [[server_id, chunk_id, written]], "
-            "seal: [[server_id, chunk_id, written, live]] (open chunks that become compact (live > 0) "
-            "or delete candidates once sealed), waiting: int}", roles=ADMIN),
-        Rpc(Op.GC_CHUNK_REFS, Service.META, "{chunk_id}", "{refs: [[key, offset, length, crc]]}",
-            roles=ADMIN),
-        Rpc(Op.GC_RELOCATE, Service.META,
-            "{server_id, new_chunk, new_size, moves: [[key, old_chunk, old_offset, new_offset]]}",
-            "{moved, skipped}", roles=ADMIN),
-        Rpc(Op.GC_RETIRE, Service.META, "{server_id, chunks: [id]}", "{retired: [id]}", roles=ADMIN),
-        Rpc(Op.GC_DELETED, Service.META, "{server_id, deleted: {id: size}, compacted?, copied?}", "{}", roles=ADMIN),
-        Rpc(Op.GC_CONTROL, Service.META, "{paused?: bool}", "{paused}", roles=ADMIN),
-        Rpc(Op.GC_REPORT, Service.META, "{run: {...}}", "{}", roles=ADMIN),
-        Rpc(Op.GC_DROP_REPLICAS, Service.META, "{items: [[key, server_id, chunk_id, offset]]}",
-            "{dropped, deleted_keys}", roles=ADMIN),
-        Rpc(Op.TOUCH, Service.META, "{keys}", "{} (marks keys read: last_access for LRU eviction)", roles=DATA),
-        Rpc(Op.CHUNK_COMPACT, Service.CHUNKSERVER, "{sources: [[chunk_id, [[offset, length]]]]}",
-            "{chunk_id | nil, size, locations: [[new_offset | nil]] per source}", roles=ADMIN),
-        Rpc(Op.CHUNK_DELETE, Service.CHUNKSERVER, "{chunks: [id], cluster_id}",
-            "{deleted: {id: size}} (WrongCluster unless cluster_id is the chunkserver's)", roles=ADMIN),
-        Rpc(Op.CHUNK_VERIFY, Service.CHUNKSERVER, "{ranges: [[chunk_id, offset, length, crc]]}",
-            "{missing: [index], bad: [index]}", roles=ADMIN),
-        Rpc(Op.CHUNK_SCAN, Service.CHUNKSERVER, "{chunk_id}",
-            "{records: [[key, write_id, index, total_size, total_crc, length, crc, expires_at, "
-            "tombstone, value_ok, value_offset]]} (every record of the chunk, values checked)",
-            roles=ADMIN),
-        Rpc(Op.CHUNK_SEAL, Service.CHUNKSERVER, "{chunk_id, idle_s, apply?}",
-            "{sealed: bool} (the open chunk is sealed only after idle_s without appends; "
-            "apply=false only says whether it would be)", roles=ADMIN),
-    )
-}
+    @property
+    def handler(self) -> str:
+        return "rpc_" + self.op.name.lower()
 
-HANDLER_NAMES: dict[Op, str] = {op: "rpc_" + op.name.lower() for op in RPCS}
+
+def response_type(request: type[Request[Any]]) -> type[Response]:
+    """The ``R`` of ``class X(Request[R])``."""
+    for base in getattr(request, "__orig_bases__", ()):
+        args = get_args(base)
+        if args and isinstance(args[0], type) and issubclass(args[0], Response):
+            return args[0]
+    raise TypeError(f"{request.__name__} does not declare its response type")
+
+
+def _rpcs(*rpcs: Rpc) -> dict[Op, Rpc]:
+    return {r.op: r for r in rpcs}
+
+
+RPCS: dict[Op, Rpc] = _rpcs(
+    Rpc(Op.HELLO, Service.ANY, Hello, "server -> client on connect: protocol version and a nonce", ANYONE),
+    Rpc(Op.AUTH, Service.ANY, Auth, "client's first frame: both sides prove a token (kvfs.handshake)",
+        ANYONE),
+    Rpc(Op.PING, Service.ANY, Ping, "liveness; names the service", ANYONE),
+    Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss)", DATA),
+    Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction", DATA),
+    Rpc(Op.DELETE, Service.META, Delete, "forget keys; their bytes become garbage", DATA),
+    Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease", DATA),
+    Rpc(Op.LIST, Service.META, ListKeys, "keys under a prefix, one page in key order", DATA),
+    Rpc(Op.STATS, Service.META, Stats, "keys, bytes, per-server usage, GC summary", DATA),
+    Rpc(Op.REGISTER, Service.META, Register, "a chunkserver joins (or rejoins) the cluster", SERVER),
+    Rpc(Op.HEARTBEAT, Service.META, Heartbeat, "a chunkserver's usage and chunk table", SERVER_OR_ADMIN),
+    Rpc(Op.SERVERS, Service.META, Servers, "the chunkservers meta knows", DATA),
+    Rpc(Op.EXISTS, Service.META, Exists, "which keys are present and unexpired", DATA),
+    Rpc(Op.APPEND, Service.CHUNKSERVER, Append,
+        "write records (values in the payload) to the open chunk", DATA),
+    Rpc(Op.READV, Service.CHUNKSERVER, ReadV, "read many ranges; bytes in the payload", DATA),
+    Rpc(Op.CHUNK_STATS, Service.CHUNKSERVER, ChunkStats, "chunk table and usage", ADMIN),
+    Rpc(Op.GC_STATUS, Service.META, GcStatus, "garbage per server, metrics, last pass", ADMIN),
+    Rpc(Op.GC_EXPIRE, Service.META, GcExpire, "remove keys whose TTL passed (dry run unless apply)", ADMIN),
+    Rpc(Op.GC_EVICT, Service.META, GcEvict,
+        "remove LRU unleased keys of servers over the high watermark", ADMIN),
+    Rpc(Op.GC_PLAN, Service.META, GcPlan, "chunks to compact, delete, seal", ADMIN),
+    Rpc(Op.GC_CHUNK_REFS, Service.META, GcChunkRefs, "live references into chunks", ADMIN),
+    Rpc(Op.GC_RELOCATE, Service.META, GcRelocate,
+        "switch layouts to compacted copies (compare-and-swap)", ADMIN),
+    Rpc(Op.GC_RETIRE, Service.META, GcRetire, "mark unreferenced chunks dead (compare-and-swap)", ADMIN),
+    Rpc(Op.GC_DELETED, Service.META, GcDeleted, "chunks a chunkserver deleted; GC counters", ADMIN),
+    Rpc(Op.GC_CONTROL, Service.META, GcControl, "pause or resume GC", ADMIN),
+    Rpc(Op.GC_REPORT, Service.META, GcReport, "a finished pass's report", ADMIN),
+    Rpc(Op.GC_DROP_REPLICAS, Service.META, GcDropReplicas, "fsck repair: forget bad replicas", ADMIN),
+    Rpc(Op.TOUCH, Service.META, Touch, "mark keys read (LRU)", DATA),
+    Rpc(Op.CHUNK_COMPACT, Service.CHUNKSERVER, ChunkCompact, "copy live records into a new chunk", ADMIN),
+    Rpc(Op.CHUNK_DELETE, Service.CHUNKSERVER, ChunkDelete, "unlink retired chunks", ADMIN),
+    Rpc(Op.CHUNK_VERIFY, Service.CHUNKSERVER, ChunkVerify, "check ranges' CRC-32C", ADMIN),
+    Rpc(Op.CHUNK_SCAN, Service.CHUNKSERVER, ChunkScan, "every record of a chunk (meta rebuild)", ADMIN),
+    Rpc(Op.CHUNK_SEAL, Service.CHUNKSERVER, ChunkSeal, "seal the open chunk after idle_s", ADMIN),
+)
+
+OP_OF: dict[type[Request[Any]], Op] = {r.request: r.op for r in RPCS.values()}
+
+
+# -- decoding --------------------------------------------------------------------------------------
+def decode(header: dict[str, Any], typ: type[T]) -> T:
+    """A decoded msgpack header checked against ``typ``; raises ``msgspec.ValidationError``
+    naming the field path (``$.items[3].layout``)."""
+    return msgspec.convert(header, typ)
+
+
+def to_dict(msg: msgspec.Struct) -> dict[str, Any]:
+    """A message as plain Python (bytes stay bytes), e.g. for ``--json`` output."""
+    out = msgspec.to_builtins(msg, builtin_types=(bytes, bytearray, memoryview))
+    assert isinstance(out, dict)
+    return out

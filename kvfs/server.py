@@ -3,8 +3,11 @@
 One protocol object per connection owning one :class:`FrameDecoder`; the
 first frame must be AUTH (:mod:`kvfs.handshake`: the token's role, both sides
 proven, bound to the connection); each op then needs a role the RPC table grants.
-Each request runs as its own task, so many are in flight per connection.  A
-bad request gets an error frame and the server keeps serving; a frame that
+Each request is decoded and checked against its type in :data:`kvfs.rpc.RPCS`
+before dispatch: a bad request gets ``InvalidArgument`` naming the field and
+the server keeps serving.  It then runs as its own task, so many are in flight
+per connection; an exception other than a :class:`KVFSError` inside a handler
+is a server bug and answers ``ServerError``, never "bad input".  A frame that
 breaks the protocol gets an error frame and closes that connection only.
 """
 
@@ -15,6 +18,8 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
+
+import msgspec
 
 from kvfs.config import ServerConfig
 from kvfs.errors import (
@@ -39,12 +44,12 @@ from kvfs.protocol import (
     Scatter,
     encode_frame,
 )
-from kvfs.rpc import HANDLER_NAMES, RPCS, Op, Service
+from kvfs.rpc import RPCS, Auth, Hello, Op, Request, Response, Service, decode
 
 log = logging.getLogger("kvfs.server")
 
-Reply = tuple[dict[str, Any], Sequence[Buffer]]
-Handler = Callable[[dict[str, Any], memoryview], Awaitable[Reply]]
+Reply = tuple[Response, Sequence[Buffer]]
+Handler = Callable[[Any, memoryview], Awaitable[Reply]]
 
 
 class PeerLog:
@@ -73,14 +78,15 @@ class PeerLog:
 
 
 class RpcServer:
-    """Serves ``handler.rpc_<name>(header, payload)`` coroutines for one service.
+    """Serves ``handler.rpc_<name>(request, payload)`` coroutines for one service; each
+    handler object may serve part of the service's RPCs (e.g. meta's GC component).
 
-    ``handler.reply_cost(op, header)``, when defined, says how many reply bytes a
+    ``handler.reply_cost(op, request)``, when defined, says how many reply bytes a
     request will produce; they count against ``max_inflight_bytes`` before it runs.
     """
 
-    def __init__(self, handler: object, service: Service, tokens: Mapping[Role, str],
-                 config: ServerConfig | None = None):
+    def __init__(self, handlers: object | Sequence[object], service: Service,
+                 tokens: Mapping[Role, str], config: ServerConfig | None = None):
         self.service = service
         self.tokens = dict(tokens)
         self.config = config = config or ServerConfig()
@@ -88,13 +94,18 @@ class RpcServer:
                              max_payload_bytes=config.max_payload_bytes)
         self.handshake_limits = Limits(max_header_bytes=config.max_handshake_bytes - FIXED_SIZE,
                                        max_payload_bytes=0, ops=frozenset({int(Op.AUTH)}))
-        self.handlers: dict[int, Handler] = {}
-        for op, name in HANDLER_NAMES.items():
-            fn = getattr(handler, name, None)
-            if fn is not None and RPCS[op].service in (service, Service.ANY):
-                self.handlers[int(op)] = fn
-        self.reply_cost: Callable[[int, dict[str, Any]], int] | None = getattr(
-            handler, "reply_cost", None)
+        self.handlers: dict[int, tuple[Handler, type[Request[Any]]]] = {}
+        objs = handlers if isinstance(handlers, (list, tuple)) else [handlers]
+        self.reply_cost: Callable[[int, Any], int] | None = None
+        for obj in objs:
+            self.reply_cost = self.reply_cost or getattr(obj, "reply_cost", None)
+        for op, rpc in RPCS.items():
+            if rpc.service not in (service, Service.ANY):
+                continue
+            for obj in objs:
+                fn = getattr(obj, rpc.handler, None)
+                if fn is not None:
+                    self.handlers[int(op)] = (fn, rpc.request)
         self.peer_log = PeerLog(config.bad_request_log_interval_s)
         self._server: asyncio.base_events.Server | None = None
         self.connections: set[_ServerProtocol] = set()
@@ -165,7 +176,7 @@ class _ServerProtocol(FrameProtocol):
         self._accepted = True
         server.connections.add(self)
         self._timer = self._loop.call_later(server.config.handshake_timeout_s, self._expired)
-        hello = {"version": PROTOCOL_VERSION, "nonce": self.nonce, "service": server.service.value}
+        hello = Hello(version=PROTOCOL_VERSION, nonce=self.nonce, service=server.service.value)
         self.write(encode_frame(Op.HELLO, 0, hello))
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -221,8 +232,8 @@ class _ServerProtocol(FrameProtocol):
         if not self.authed:
             self._authenticate(frame)
             return
-        handler = self.server.handlers.get(frame.op)
-        if handler is None:
+        entry = self.server.handlers.get(frame.op)
+        if entry is None:
             self._bad_request(frame, InvalidArgument(
                 f"op {frame.op} is not served by the {self.server.service.value} service"))
             return
@@ -234,16 +245,23 @@ class _ServerProtocol(FrameProtocol):
                 f"{' or '.join(r.value for r in roles)} token, this connection authenticated "
                 f"with the {self.role.value} token"))
             return
+        handler, typ = entry
+        try:
+            request = decode(frame.header, typ)
+        except msgspec.ValidationError as exc:
+            self._bad_request(frame, InvalidArgument(f"bad {Op(frame.op).name} request: {exc}"))
+            return
         cost = len(frame.payload)
         if self.server.reply_cost is not None:
             try:
-                cost += self.server.reply_cost(frame.op, frame.header)
-            except Exception:  # the handler reports a malformed request itself
-                pass
+                cost += self.server.reply_cost(frame.op, request)
+            except KVFSError as exc:  # e.g. READV past max_ranges: refused before it runs
+                self._bad_request(frame, exc)
+                return
         self.inflight_requests += 1
         self.inflight_bytes += cost
         self._check_backpressure()
-        task = self._loop.create_task(self._run(handler, frame, cost))
+        task = self._loop.create_task(self._run(handler, request, frame, cost))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
@@ -277,11 +295,14 @@ class _ServerProtocol(FrameProtocol):
         else:
             assert self.transport is not None
             try:
+                decode(frame.header, Auth)
                 self.role, reply = server_check(
                     self.server.tokens, self.nonce, self.server.service.value, frame.header,
                     local=endpoint(self.transport.get_extra_info("sockname")),
                     peer=endpoint(self.transport.get_extra_info("peername")),
                     bind_addresses=self.server.config.bind_auth_to_addresses)
+            except msgspec.ValidationError as exc:
+                err = InvalidArgument(f"bad AUTH request: {exc}")
             except KVFSError as exc:
                 err = exc
         if err is not None:
@@ -309,38 +330,30 @@ class _ServerProtocol(FrameProtocol):
         self.write(encode_frame(frame.op, frame.request_id, err.to_wire(),
                                 flags=Flag.RESPONSE | Flag.ERROR))
 
-    async def _run(self, handler: Handler, frame: Frame, charged: int) -> None:
+    async def _run(self, handler: Handler, request: Request[Any], frame: Frame, charged: int) -> None:
         try:
-            charged = await self._serve(handler, frame, charged)
+            charged = await self._serve(handler, request, frame, charged)
         finally:
             self.inflight_requests -= 1
             self.inflight_bytes -= charged
             self._check_backpressure()
 
-    async def _serve(self, handler: Handler, frame: Frame, charged: int) -> int:
+    async def _serve(self, handler: Handler, request: Request[Any], frame: Frame, charged: int) -> int:
         """Runs one request and writes its answer once the transport can take it; returns
         the bytes charged to this request (grown to the answer's real size)."""
+        name = Op(frame.op).name
         try:
             assert not isinstance(frame.payload, Scatter)  # servers use the default allocator
-            header, payload = await handler(frame.header, memoryview(frame.payload))
+            header, payload = await handler(request, memoryview(frame.payload))
+            reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE)
         except KVFSError as exc:
             self._bad_request(frame, exc)
             return charged
-        except (KeyError, TypeError, ValueError, IndexError, AttributeError, OverflowError) as exc:
-            self._bad_request(frame, InvalidArgument(
-                f"malformed {Op(frame.op).name} request: {type(exc).__name__}: {exc}"))
-            return charged
         except asyncio.CancelledError:
             raise
-        except Exception as exc:
-            log.exception("%s failed", Op(frame.op).name)
-            self._reply_error(frame, ServerError(f"{Op(frame.op).name} failed on the server: {exc}"))
-            return charged
-        try:
-            reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE)
-        except (TypeError, ValueError, OverflowError) as exc:  # e.g. a value msgpack cannot hold
-            self._reply_error(frame, InvalidArgument(
-                f"{Op(frame.op).name} request led to an answer that cannot be encoded: {exc}"))
+        except Exception as exc:  # a bug in the handler: never relabelled as bad input
+            log.exception("%s failed", name)
+            self._reply_error(frame, ServerError(f"{name} failed on the server: {type(exc).__name__}: {exc}"))
             return charged
         size = sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in reply)
         if size > charged:

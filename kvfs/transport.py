@@ -7,6 +7,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
+
 from kvfs.errors import (
     KVFSError,
     LocalProtocolError,
@@ -26,7 +28,7 @@ from kvfs.protocol import (
     Scatter,
     encode_frame,
 )
-from kvfs.rpc import Op
+from kvfs.rpc import OP_OF, RPCS, Auth, Hello, Op, R, Request, decode, to_dict
 
 Sink = Callable[[FrameHead], "bytearray | memoryview | Scatter | None"]
 
@@ -116,17 +118,21 @@ class Connection:
         conn = cls(proto, name, request_timeout_s)
         try:
             async with asyncio.timeout(connect_timeout_s):
-                hello = await proto.hello
-                version = hello.header.get("version")
+                frame = await proto.hello
+                version = frame.header.get("version")
                 if version != PROTOCOL_VERSION:
                     raise RemoteProtocolError(f"{name} speaks protocol {version}, we speak {PROTOCOL_VERSION}")
+                try:
+                    hello = decode(frame.header, Hello)
+                except msgspec.ValidationError as exc:
+                    raise RemoteProtocolError(f"{name} sent a bad HELLO: {exc}") from None
                 assert proto.transport is not None
-                auth = client_auth(token, hello.header, new_nonce(),
+                auth = client_auth(token, frame.header, new_nonce(),
                                    local=endpoint(proto.transport.get_extra_info("sockname")),
                                    peer=endpoint(proto.transport.get_extra_info("peername")))
-                reply = await conn.call(Op.AUTH, auth)
-                conn.role = check_server_proof(token, hello.header, auth, reply.header, name)
-                conn.service = str(hello.header.get("service", ""))
+                reply = await conn.call(decode(auth, Auth))
+                conn.role = check_server_proof(token, frame.header, auth, to_dict(reply), name)
+                conn.service = hello.service
         except TimeoutError:
             conn.close()
             raise Timeout(f"handshake with {name} timed out after {connect_timeout_s}s") from None
@@ -139,21 +145,40 @@ class Connection:
     def is_closed(self) -> bool:
         return self._proto.closed.is_set()
 
-    async def call(
-        self,
-        op: Op,
-        header: dict[str, Any] | None = None,
-        payload: Sequence[Buffer] = (),
-        *,
-        timeout_s: float | None = None,
-        sink: Sink | None = None,
-    ) -> Frame:
-        """Send one request and wait for its response; error frames raise.
+    async def call(self, request: Request[R], payload: Sequence[Buffer] = (), *,
+                   timeout_s: float | None = None) -> R:
+        """Send one typed request (:mod:`kvfs.rpc`) and return its typed answer; error
+        frames raise."""
+        return (await self.exchange(request, payload, timeout_s=timeout_s))[0]
+
+    async def exchange(self, request: Request[R], payload: Sequence[Buffer] = (), *,
+                       timeout_s: float | None = None, sink: Sink | None = None,
+                       ) -> tuple[R, bytes | bytearray | memoryview | Scatter]:
+        """:meth:`call` that also returns the answer's raw payload.
 
         ``sink(head)`` may name where a large response payload is received (one buffer
         or a :class:`Scatter` of buffers whose sizes add up to the payload); None = a
         new buffer.  Small payloads always arrive as ``bytes``.
         """
+        op = OP_OF[type(request)]
+        frame = await self.call_raw(op, request, payload, timeout_s=timeout_s, sink=sink)
+        try:
+            answer: R = decode(frame.header, RPCS[op].response)  # type: ignore[assignment]
+        except msgspec.ValidationError as exc:
+            raise RemoteProtocolError(f"{self.name} sent a bad {op.name} answer: {exc}") from None
+        return answer, frame.payload
+
+    async def call_raw(
+        self,
+        op: Op,
+        header: dict[str, Any] | msgspec.Struct | None = None,
+        payload: Sequence[Buffer] = (),
+        *,
+        timeout_s: float | None = None,
+        sink: Sink | None = None,
+    ) -> Frame:
+        """Send one request with any header (tests feed servers malformed ones) and wait
+        for its response frame; error frames raise."""
         proto = self._proto
         if proto.closed.is_set():
             raise proto.error or Unavailable(f"connection to {self.name} is closed")

@@ -21,11 +21,11 @@ from collections import defaultdict
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
+from kvfs import rpc
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import MetaConfig
-from kvfs.errors import InvalidArgument
-from kvfs.layout import Extent, Layout, Replica, norm_keys
-from kvfs.meta.store import MetaStore, pack_layout
+from kvfs.layout import Extent, Layout, Replica, encode_layout
+from kvfs.meta.store import MetaStore
 from kvfs.server import Reply
 
 log = logging.getLogger("kvfs.meta.gc")
@@ -35,7 +35,6 @@ METRIC_NAMES = (
     "bytes_copied", "keys_relocated", "chunks_deleted", "bytes_reclaimed", "replicas_dropped",
     "passes", "pass_duration_s", "last_pass_duration_s",
 )
-MAX_REFS_CHUNKS = 4096
 RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
 
 
@@ -77,9 +76,9 @@ class MetaGc:
             self.gc_metrics[k] = self.gc_metrics.get(k, 0) + v
         self.store.put_state("metrics", self.gc_metrics)
 
-    def gc_summary(self) -> dict[str, Any]:
-        return {"paused": self.gc_paused, "metrics": dict(self.gc_metrics), "last_run": self.gc_last_run,
-                "dead_chunks": len(self.dead_chunks)}
+    def gc_summary(self) -> rpc.GcSummary:
+        return rpc.GcSummary(paused=self.gc_paused, metrics=dict(self.gc_metrics),
+                             last_run=self.gc_last_run, dead_chunks=len(self.dead_chunks))
 
     def check_not_dead(self, layout: Layout) -> bool:
         dead = self.dead_chunks
@@ -89,13 +88,12 @@ class MetaGc:
         """Replace the layouts of existing entries: one SQLite transaction, then the index."""
         if not staged:
             return
-        wires = [lay.to_wire() for _, _, lay in staged]
         with self.store.durable():
-            self.store.put_many((k, pack_layout(w), lay.expires_at, e.last_access)
-                                for (k, e, lay), w in zip(staged, wires, strict=True))
-        for (k, e, lay), w in zip(staged, wires, strict=True):
+            self.store.put_many((k, encode_layout(lay), lay.expires_at, e.last_access)
+                                for k, e, lay in staged)
+        for k, e, lay in staged:
             self._add_live(e.layout, -1, k)
-            e.layout, e.wire = lay, w
+            e.layout = lay
             self._add_live(lay, +1, k)
 
     def _remove(self, keys: Iterable[bytes]) -> tuple[int, int]:
@@ -122,7 +120,7 @@ class MetaGc:
         return int(sum(live.get(c, 0) for c in s.chunks))
 
     def _live_after(self, now: float, *, expire: bool,
-                    evict: tuple[float, float] | None) -> tuple[dict[int, int], set[bytes]]:
+                    evict: rpc.Watermarks | None) -> tuple[dict[int, int], set[bytes]]:
         """A dry run: each chunk's live bytes as the phases before it would leave them
         (``expire``: expired keys gone; ``evict``: the keys GC_EVICT with those watermarks
         would pick gone too), and the keys they would remove; nothing changes."""
@@ -134,98 +132,27 @@ class MetaGc:
                     self._add_live(e.layout, -1, k, live_map)
                     gone.add(k)
         if evict is not None:
-            victims, _, _, _ = self._evict_victims(evict[0], evict[1], None, now, live_map, gone)
+            victims, _, _, _ = self._evict_victims(evict.high, evict.low, None, now, live_map, gone)
             for k in victims:
                 self._add_live(self.entries[k].layout, -1, k, live_map)
                 gone.add(k)
         return live_map, gone
 
-    # RPCs ------------------------------------------------------------------------
-    async def rpc_touch(self, h: dict[str, Any], p: memoryview) -> Reply:
-        now = self.clock()
-        for k in norm_keys(h["keys"]):
-            e = self.entries.get(k)
-            if e is not None:
-                e.last_access = now
-                self._dirty_access[k] = now
-        return {}, ()
-
-    async def rpc_gc_control(self, h: dict[str, Any], p: memoryview) -> Reply:
-        paused = h.get("paused")
-        if paused is not None and bool(paused) != self.gc_paused:
-            self.gc_paused = bool(paused)
-            self.store.put_state("paused", self.gc_paused)
-            log.info("gc %s", "paused" if self.gc_paused else "resumed")
-        return {"paused": self.gc_paused}, ()
-
-    async def rpc_gc_report(self, h: dict[str, Any], p: memoryview) -> Reply:
-        run = dict(h["run"])
-        self.gc_last_run = run
-        self.store.put_state("last_run", run)
-        if run.get("apply"):
-            d = float(run.get("duration_s", 0.0))
-            self.gc_metrics["last_pass_duration_s"] = d
-            self._count(passes=1, pass_duration_s=d)
-        return {}, ()
-
-    async def rpc_gc_status(self, h: dict[str, Any], p: memoryview) -> Reply:
-        now = self.clock()
-        expired: dict[int, int] = defaultdict(int)
-        expired_total = 0
-        for e in self.entries.values():
-            if e.layout.expired(now):
-                expired_total += 1
-                for sid in {r.server_id for x in e.layout.extents for r in x.replicas}:
-                    expired[sid] += 1
-        servers = []
-        for s in sorted(self.servers.values(), key=lambda s: s.server_id):
-            used = self._used(s)
-            live = self._server_live(s)
-            garbage = max(0, used - live)
-            servers.append({
-                "server_id": s.server_id, "addr": s.addr, "alive": self.alive(s),
-                "capacity": s.capacity, "used": used, "live": live, "garbage": garbage,
-                "ratio": garbage / used if used else 0.0, "chunks": len(s.chunks),
-                "dead_chunks": sum(1 for c in s.chunks if c in self.dead_chunks),
-                "expired_keys": expired.get(s.server_id, 0),
-                "fill": used / s.capacity if s.capacity else 0.0,
-            })
-        return {"time": now, "servers": servers, "expired_keys": expired_total, **self.gc_summary()}, ()
-
-    async def rpc_gc_expire(self, h: dict[str, Any], p: memoryview) -> Reply:
-        limit = int(h.get("limit", 10_000))
-        if not 0 < limit <= 1_000_000:
-            raise InvalidArgument(f"expire limit must be 1..1000000, got {limit}")
-        now = self.clock()
-        if not h.get("apply"):
-            n = nbytes = 0
-            for e in self.entries.values():
-                if e.layout.expired(now):
-                    n += 1
-                    nbytes += _disk_bytes(e.layout)
-            return {"keys": n, "bytes": nbytes, "more": False}, ()
-        keys = self.store.expired(now, limit)
-        n, nbytes = self._remove(k for k in keys if self.entries.get(k) is None
-                                 or self.entries[k].layout.expired(now))
-        if n:
-            self._count(keys_expired=n, bytes_expired=nbytes)
-        return {"keys": n, "bytes": nbytes, "more": len(keys) == limit}, ()
-
-    def _evict_victims(self, high: float, low: float, only: Any, now: float,
+    def _evict_victims(self, high: float, low: float, only: int | None, now: float,
                        live_map: dict[int, int] | None = None, gone: Collection[bytes] = (),
-                       ) -> tuple[list[bytes], int, dict[int, list[int]], dict[int, int]]:
+                       ) -> tuple[list[bytes], int, dict[int, rpc.EvictTarget], dict[int, int]]:
         """Least recently used, unleased keys of the servers over ``high`` until they fit under
-        ``low``: (victims, leased keys skipped, [live, target] per server, bytes still short).
+        ``low``: (victims, leased keys skipped, live and target per server, bytes still short).
         ``live_map`` and ``gone``: a dry run's view after the expire phase."""
         need: dict[int, int] = {}
-        report: dict[int, list[int]] = {}
+        report: dict[int, rpc.EvictTarget] = {}
         for s in self.servers.values():
-            if s.capacity <= 0 or (only is not None and s.server_id != int(only)):
+            if s.capacity <= 0 or (only is not None and s.server_id != only):
                 continue
-            wanted = int(getattr(s, "wanted", 0))
+            wanted = s.wanted
             if self._used(s) > high * s.capacity or wanted:
                 live, target = self._server_live(s, live_map), int(low * s.capacity)
-                report[s.server_id] = [live, target]
+                report[s.server_id] = rpc.EvictTarget(live, target)
                 short = max(live - target, live + wanted - s.capacity)
                 if short > 0:
                     need[s.server_id] = short
@@ -252,104 +179,162 @@ class MetaGc:
                         need[sid] -= n
         return victims, leased, report, need
 
-    async def rpc_gc_evict(self, h: dict[str, Any], p: memoryview) -> Reply:
-        high, low = float(h.get("high", 0.9)), float(h.get("low", 0.8))
-        if not 0.0 < low <= high <= 1.0:
-            raise InvalidArgument(f"watermarks need 0 < low <= high <= 1, got low={low} high={high}")
+    # RPCs ------------------------------------------------------------------------
+    async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
+        now = self.clock()
+        for k in req.keys:
+            e = self.entries.get(k)
+            if e is not None:
+                e.last_access = now
+                self._dirty_access[k] = now
+        return rpc.Empty(), ()
+
+    async def rpc_gc_control(self, req: rpc.GcControl, payload: memoryview) -> Reply:
+        paused = req.paused
+        if paused is not None and paused != self.gc_paused:
+            self.gc_paused = paused
+            self.store.put_state("paused", self.gc_paused)
+            log.info("gc %s", "paused" if self.gc_paused else "resumed")
+        return rpc.GcControlled(paused=self.gc_paused), ()
+
+    async def rpc_gc_report(self, req: rpc.GcReport, payload: memoryview) -> Reply:
+        run = dict(req.run)
+        self.gc_last_run = run
+        self.store.put_state("last_run", run)
+        if run.get("apply"):
+            d = float(run.get("duration_s", 0.0))
+            self.gc_metrics["last_pass_duration_s"] = d
+            self._count(passes=1, pass_duration_s=d)
+        return rpc.Empty(), ()
+
+    async def rpc_gc_status(self, req: rpc.GcStatus, payload: memoryview) -> Reply:
+        now = self.clock()
+        expired: dict[int, int] = defaultdict(int)
+        expired_total = 0
+        for e in self.entries.values():
+            if e.layout.expired(now):
+                expired_total += 1
+                for sid in {r.server_id for x in e.layout.extents for r in x.replicas}:
+                    expired[sid] += 1
+        servers = []
+        for s in sorted(self.servers.values(), key=lambda s: s.server_id):
+            used = self._used(s)
+            live = self._server_live(s)
+            garbage = max(0, used - live)
+            servers.append(rpc.GcServerStatus(
+                server_id=s.server_id, addr=s.addr, alive=self.alive(s),
+                capacity=s.capacity, used=used, live=live, garbage=garbage,
+                ratio=garbage / used if used else 0.0, chunks=len(s.chunks),
+                dead_chunks=sum(1 for c in s.chunks if c in self.dead_chunks),
+                expired_keys=expired.get(s.server_id, 0),
+                fill=used / s.capacity if s.capacity else 0.0))
+        summary = self.gc_summary()
+        return rpc.GcStatusReply(time=now, servers=servers, expired_keys=expired_total,
+                                 paused=summary.paused, metrics=summary.metrics,
+                                 last_run=summary.last_run, dead_chunks=summary.dead_chunks), ()
+
+    async def rpc_gc_expire(self, req: rpc.GcExpire, payload: memoryview) -> Reply:
+        now = self.clock()
+        if not req.apply:
+            n = nbytes = 0
+            for e in self.entries.values():
+                if e.layout.expired(now):
+                    n += 1
+                    nbytes += _disk_bytes(e.layout)
+            return rpc.Expired(keys=n, bytes=nbytes, more=False), ()
+        keys = self.store.expired(now, req.limit)
+        n, nbytes = self._remove(k for k in keys if self.entries.get(k) is None
+                                 or self.entries[k].layout.expired(now))
+        if n:
+            self._count(keys_expired=n, bytes_expired=nbytes)
+        return rpc.Expired(keys=n, bytes=nbytes, more=len(keys) == req.limit), ()
+
+    async def rpc_gc_evict(self, req: rpc.GcEvict, payload: memoryview) -> Reply:
         now = self.clock()
         for k, v in list(self.leases.items()):
             if v <= now:
                 del self.leases[k]
-        apply = bool(h.get("apply"))
         live_map, gone = (self._live_after(now, expire=True, evict=None)  # as --apply would see it
-                          if not apply and h.get("after_expire") else (None, set()))
-        victims, leased, report, need = self._evict_victims(high, low, h.get("server_id"), now,
+                          if not req.apply and req.after_expire else (None, set()))
+        victims, leased, report, need = self._evict_victims(req.high, req.low, req.server_id, now,
                                                             live_map, gone)
-        if apply:
+        if req.apply:
             n, nbytes = self._remove(victims)
             if n:
                 self._count(keys_evicted=n, bytes_evicted=nbytes)
                 log.info("evicted %d keys (%d bytes)", n, nbytes)
         else:
             n, nbytes = len(victims), sum(_disk_bytes(self.entries[k].layout) for k in victims)
-        return {"keys": n, "bytes": nbytes, "leased": leased, "servers": report,
-                "short": {sid: v for sid, v in need.items() if v > 0}}, ()
+        return rpc.Evicted(keys=n, bytes=nbytes, leased=leased, servers=report,
+                           short={sid: v for sid, v in need.items() if v > 0}), ()
 
-    async def rpc_gc_plan(self, h: dict[str, Any], p: memoryview) -> Reply:
-        threshold = float(h.get("threshold", 0.3))
-        grace_s = float(h.get("grace_s", 30.0))
-        high = float(h.get("high", 0.9))
+    async def rpc_gc_plan(self, req: rpc.GcPlan, payload: memoryview) -> Reply:
+        threshold, grace_s, high = req.threshold, req.grace_s, req.high
         now = self.clock()
-        compact: list[list[int]] = []
-        delete: list[list[int]] = []
-        seal: list[list[int]] = []
+        compact: list[rpc.CompactCandidate] = []
+        delete: list[rpc.DeleteCandidate] = []
+        seal: list[rpc.SealCandidate] = []
         waiting = 0
         live_map = self.chunk_live
         zero_since = self.zero_since
-        evict = h.get("after_evict")  # [high, low] of the evict phase
-        if h.get("after_expire") or evict:  # a dry run: plan as if those phases had run first
-            live_map, _ = self._live_after(now, expire=bool(h.get("after_expire")),
-                                           evict=None if not evict else (float(evict[0]), float(evict[1])))
+        if req.after_expire or req.after_evict:  # a dry run: as if those phases had run first
+            live_map, _ = self._live_after(now, expire=req.after_expire, evict=req.after_evict)
             zero_since = dict(zero_since)  # and start no grace clocks for it
         for s in self.servers.values():
-            pressure = s.capacity > 0 and (self._used(s) > high * s.capacity or getattr(s, "wanted", 0))
-            open_chunk = getattr(s, "open_chunk", None)
+            pressure = s.capacity > 0 and (self._used(s) > high * s.capacity or s.wanted)
+            open_chunk = s.open_chunk
             for cid, written in s.chunks.items():
                 if cid == open_chunk:
                     live = live_map.get(cid, 0)
                     if live <= 0 and written > 0:
                         since = zero_since.setdefault(cid, now)
                         if now - since >= grace_s:
-                            seal.append([s.server_id, cid, written, live])
+                            seal.append(rpc.SealCandidate(s.server_id, cid, written, max(live, 0)))
                     elif written > 0 and written - live > 0 and (
                             (written - live) / written > threshold or pressure):
-                        seal.append([s.server_id, cid, written, live])
+                        seal.append(rpc.SealCandidate(s.server_id, cid, written, live))
                     continue
                 if cid in self.dead_chunks:  # retired, file still there: delete again
-                    delete.append([s.server_id, cid, written])
+                    delete.append(rpc.DeleteCandidate(s.server_id, cid, written))
                     continue
                 live = live_map.get(cid, 0)
                 if live <= 0:
                     since = zero_since.setdefault(cid, now)
                     if now - since >= grace_s:
-                        delete.append([s.server_id, cid, written])
+                        delete.append(rpc.DeleteCandidate(s.server_id, cid, written))
                     else:
                         waiting += 1
                     continue
                 zero_since.pop(cid, None)
                 garbage = written - live
                 if written > 0 and garbage > 0 and (garbage / written > threshold or pressure):
-                    compact.append([s.server_id, cid, written, live])
-        compact.sort(key=lambda c: c[3] - c[2])  # most garbage first
-        return {"compact": compact, "delete": delete, "seal": seal, "waiting": waiting}, ()
+                    compact.append(rpc.CompactCandidate(s.server_id, cid, written, live))
+        compact.sort(key=lambda c: c.live - c.written)  # most garbage first
+        return rpc.Plan(compact=compact, delete=delete, seal=seal, waiting=waiting), ()
 
-    async def rpc_gc_chunk_refs(self, h: dict[str, Any], p: memoryview) -> Reply:
+    async def rpc_gc_chunk_refs(self, req: rpc.GcChunkRefs, payload: memoryview) -> Reply:
         """References into the given chunks, or (``server_id``) into every chunk of a server."""
-        chunks = {int(c) for c in h.get("chunks") or ()}
-        if len(chunks) > MAX_REFS_CHUNKS:
-            raise InvalidArgument(f"at most {MAX_REFS_CHUNKS} chunks per GC_CHUNK_REFS")
-        sid = h.get("server_id")
+        chunks = set(req.chunks)
+        sid = req.server_id
         now = self.clock()
-        refs: dict[int, list[list[Any]]] = {c: [] for c in chunks}
+        refs: dict[int, list[rpc.Ref]] = {c: [] for c in chunks}
         for k, e in self.entries.items():
             if e.layout.expired(now):
                 continue
             for x in e.layout.extents:
                 for r in x.replicas:
                     if r.chunk_id in chunks or r.server_id == sid:
-                        refs.setdefault(r.chunk_id, []).append([k, r.offset, x.length, x.crc])
-        return {"refs": refs}, ()
+                        refs.setdefault(r.chunk_id, []).append(rpc.Ref(k, r.offset, x.length, x.crc))
+        return rpc.ChunkRefs(refs=refs), ()
 
-    async def rpc_gc_relocate(self, h: dict[str, Any], p: memoryview) -> Reply:
-        sid = int(h["server_id"])
-        new_chunk = int(h["new_chunk"])
-        moves = h["moves"]
+    async def rpc_gc_relocate(self, req: rpc.GcRelocate, payload: memoryview) -> Reply:
+        sid, new_chunk, moves = req.server_id, req.new_chunk, req.moves
         if new_chunk in self.dead_chunks:
-            return {"moved": 0, "skipped": len(moves)}, ()
+            return rpc.Relocated(moved=0, skipped=len(moves)), ()
         now = self.clock()
         by_key: dict[bytes, dict[tuple[int, int], int]] = defaultdict(dict)
         for key, old_chunk, old_off, new_off in moves:
-            by_key[bytes(key)][(int(old_chunk), int(old_off))] = int(new_off)
+            by_key[key][(old_chunk, old_off)] = new_off
         staged: list[tuple[bytes, Any, Layout]] = []
         moved = 0
         for key, mapping in by_key.items():
@@ -375,22 +360,22 @@ class MetaGc:
         if staged:
             self._switch_layouts(staged)
             s = self.servers.get(sid)
-            if s is not None and "new_size" in h:
-                s.chunks[new_chunk] = int(h["new_size"])
+            if s is not None and req.new_size is not None:
+                s.chunks[new_chunk] = req.new_size
             self._count(keys_relocated=len(staged))
         for old_chunk, _ in {k for m in by_key.values() for k in m}:
             if self.chunk_live.get(old_chunk, 0) <= 0:
                 self.zero_since.setdefault(old_chunk, now)
-        return {"moved": moved, "skipped": len(moves) - moved}, ()
+        return rpc.Relocated(moved=moved, skipped=len(moves) - moved), ()
 
-    async def rpc_gc_retire(self, h: dict[str, Any], p: memoryview) -> Reply:
-        sid = int(h["server_id"])
+    async def rpc_gc_retire(self, req: rpc.GcRetire, payload: memoryview) -> Reply:
+        sid = req.server_id
         s = self.servers.get(sid)
-        open_chunk = getattr(s, "open_chunk", None) if s is not None else None
+        open_chunk = s.open_chunk if s is not None else None
         now = self.clock()
-        retired = [int(c) for c in h["chunks"]
-                   if int(c) in self.dead_chunks
-                   or (self.chunk_live.get(int(c), 0) <= 0 and int(c) != open_chunk)]
+        retired = [c for c in req.chunks
+                   if c in self.dead_chunks
+                   or (self.chunk_live.get(c, 0) <= 0 and c != open_chunk)]
         fresh = [c for c in retired if c not in self.dead_chunks]
         if fresh:
             with self.store.durable():  # on disk before the GC driver unlinks anything
@@ -399,29 +384,29 @@ class MetaGc:
                 self.dead_chunks[c] = now
                 self.zero_since.pop(c, None)
                 self.chunk_live.pop(c, None)
-        return {"retired": retired}, ()
+        return rpc.Retired(retired=retired), ()
 
-    async def rpc_gc_deleted(self, h: dict[str, Any], p: memoryview) -> Reply:
-        s = self.servers.get(int(h["server_id"]))
-        deleted = {int(c): int(n) for c, n in h["deleted"].items()}
+    async def rpc_gc_deleted(self, req: rpc.GcDeleted, payload: memoryview) -> Reply:
+        s = self.servers.get(req.server_id)
+        deleted = req.deleted
         if s is not None:
             for c in deleted:
                 s.chunks.pop(c, None)
         inc: dict[str, float] = {}
         if deleted:
             inc.update(chunks_deleted=len(deleted), bytes_reclaimed=sum(deleted.values()))
-        if h.get("compacted"):
-            inc.update(chunks_compacted=int(h["compacted"]), bytes_copied=int(h.get("copied", 0)))
+        if req.compacted:
+            inc.update(chunks_compacted=req.compacted, bytes_copied=req.copied)
         if inc:
             self._count(**inc)
-        return {}, ()
+        return rpc.Empty(), ()
 
-    async def rpc_gc_drop_replicas(self, h: dict[str, Any], p: memoryview) -> Reply:
+    async def rpc_gc_drop_replicas(self, req: rpc.GcDropReplicas, payload: memoryview) -> Reply:
         """fsck repair: forget replicas whose bytes are missing or corrupt; a key left with an
         extent without replicas is deleted (a cache miss is correct, wrong bytes never are)."""
         bad: dict[bytes, set[tuple[int, int, int]]] = defaultdict(set)
-        for key, sid, cid, off in h["items"]:
-            bad[bytes(key)].add((int(sid), int(cid), int(off)))
+        for key, sid, cid, off in req.items:
+            bad[key].add((sid, cid, off))
         staged: list[tuple[bytes, Any, Layout]] = []
         doomed: list[bytes] = []
         dropped = 0
@@ -447,4 +432,4 @@ class MetaGc:
         n_deleted, _ = self._remove(doomed)
         if dropped:
             self._count(replicas_dropped=dropped)
-        return {"dropped": dropped, "deleted_keys": n_deleted}, ()
+        return rpc.Dropped(dropped=dropped, deleted_keys=n_deleted), ()

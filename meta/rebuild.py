@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.errors import InvalidArgument, WrongCluster
-from kvfs.layout import Extent, Layout, Replica
-from kvfs.meta.store import MetaStore, pack_layout
-from kvfs.rpc import Op
+from kvfs.layout import Extent, Layout, Replica, encode_layout
+from kvfs.meta.store import MetaStore
 from kvfs.transport import Connection
 
 DB_NAME = "meta.sqlite3"
@@ -141,18 +141,20 @@ async def scan_chunkservers(addrs: list[str], token: str,
         host, port = parse_addr(addr)
         conn = await Connection.open(host, port, token, request_timeout_s=600.0)
         try:
-            st = (await conn.call(Op.CHUNK_STATS, {})).header
-            sid = int(st["server_id"])
-            if st.get("cluster_id"):
-                cluster_ids.add(str(st["cluster_id"]))
-            servers.append([sid, f"{host}:{port}", int(st["capacity"]), int(st["free"])])
-            for cid in st["chunks"]:
-                h = (await conn.call(Op.CHUNK_SCAN, {"chunk_id": int(cid)})).header
+            st = await conn.call(rpc.ChunkStats())
+            if st.server_id is None:
+                raise InvalidArgument(f"chunkserver {addr} never registered: it has no server id")
+            sid = st.server_id
+            if st.cluster_id:
+                cluster_ids.add(st.cluster_id)
+            servers.append([sid, f"{host}:{port}", st.capacity, st.free])
+            for cid in st.chunks:
+                scanned = await conn.call(rpc.ChunkScan(chunk_id=cid))
                 report.chunks += 1
-                for (key, wid, idx, tsize, tcrc, length, crc, exp, tomb, ok, off) in h["records"]:
-                    found.append(FoundRecord(bytes(key), int(wid), int(idx), int(tsize), int(tcrc),
-                                             int(length), int(crc), exp, bool(tomb), bool(ok), sid,
-                                             int(cid), int(off)))
+                for r in scanned.records:
+                    found.append(FoundRecord(r.key, r.write_id, r.extent, r.total_size, r.total_crc,
+                                             r.length, r.crc, r.expires_at, r.tombstone, r.value_ok,
+                                             sid, cid, r.value_offset))
         finally:
             conn.close()
     report.servers = len(servers)
@@ -178,7 +180,7 @@ async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None
     store = MetaStore(path)
     try:
         store.cluster_id(create=cluster_id)
-        store.put_many((k, pack_layout(lay.to_wire()), lay.expires_at, now) for k, lay in layouts.items())
+        store.put_many((k, encode_layout(lay), lay.expires_at, now) for k, lay in layouts.items())
         for sid, addr, capacity, free in servers:
             store.put_server(sid, addr, capacity, free)
     finally:

@@ -16,28 +16,25 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
 
+from kvfs import rpc
 from kvfs.address import parse_addr, service_tokens
 from kvfs.config import MetaConfig
 from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
 from kvfs.errors import InvalidArgument, StaleLayout, WrongCluster
 from kvfs.handshake import Role
-from kvfs.layout import MAX_VALUE_BYTES, Layout, norm_key, norm_keys
+from kvfs.layout import Layout, encode_layout
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES, MetaGc
-from kvfs.meta.store import MetaStore, pack_layout
+from kvfs.meta.store import MetaStore
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
 
 log = logging.getLogger("kvfs.meta")
 
-MAX_LIST = 10_000
-
 
 @dataclass(slots=True)
 class Entry:
     layout: Layout
-    wire: list[Any]
     last_access: float
 
 
@@ -57,20 +54,6 @@ class ServerInfo:
     reported_capacity: int = 0  # as the server reported them; capacity/free are its share
     reported_free: int = 0
     shared_by: int = 1  # servers on its disk (each gets 1/shared_by of its space)
-
-
-def _disk(value: Any) -> str | None:
-    if value is None or (isinstance(value, str) and 0 < len(value) <= 256):
-        return value
-    raise InvalidArgument(f"disk must be a short string or nil, got {value!r:.80}")
-
-
-def _count(value: Any, what: str, limit: int = 2**62) -> int:
-    """A non-negative integer field of a request (sizes, ids), bounded so every answer
-    that carries it can be encoded again."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
-        raise InvalidArgument(f"{what} must be an integer in [0, {limit}), got {value!r:.40}")
-    return value
 
 
 class MetaService(MetaGc):
@@ -98,9 +81,8 @@ class MetaService(MetaGc):
 
     # lifecycle ---------------------------------------------------------------
     def _load(self) -> None:
-        for key, wire, last_access in self.store.load():
-            layout = Layout.from_wire(wire)
-            self.entries[key] = Entry(layout, wire, last_access)
+        for key, layout, last_access in self.store.load():
+            self.entries[key] = Entry(layout, last_access)
             self._add_live(layout, +1, key)
         for sid, addr, capacity, free in self.store.load_servers():
             self.servers[sid] = ServerInfo(sid, addr, capacity, free, reported_capacity=capacity,
@@ -155,61 +137,48 @@ class MetaService(MetaGc):
         return time.monotonic() - s.last_heartbeat < self.config.heartbeat_timeout_s
 
     # client RPCs -------------------------------------------------------------
-    async def rpc_ping(self, h: dict[str, Any], p: memoryview) -> Reply:
-        return {"service": "meta"}, ()
+    async def rpc_ping(self, req: rpc.Ping, payload: memoryview) -> Reply:
+        return rpc.Pong(service="meta"), ()
 
-    async def rpc_lookup(self, h: dict[str, Any], p: memoryview) -> Reply:
-        keys = norm_keys(h["keys"])
+    async def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply:
         now = self.clock()
-        out: list[Any] = []
+        out: list[Layout | None] = []
         dirty = self._dirty_access
-        for k in keys:
+        for k in req.keys:
             e = self._get(k, now)
             if e is None:
                 out.append(None)
             else:
-                out.append(e.wire)
+                out.append(e.layout)
                 e.last_access = now
                 dirty[k] = now
-        return {"layouts": out}, ()
+        return rpc.Layouts(layouts=out), ()
 
-    async def rpc_exists(self, h: dict[str, Any], p: memoryview) -> Reply:
+    async def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply:
         now = self.clock()
-        return {"exists": [self._get(k, now) is not None for k in norm_keys(h["keys"])]}, ()
+        return rpc.Existing(exists=[self._get(k, now) is not None for k in req.keys]), ()
 
-    async def rpc_match_prefix(self, h: dict[str, Any], p: memoryview) -> Reply:
-        keys = norm_keys(h["keys"])
-        lease_s = h.get("lease_s")
+    async def rpc_match_prefix(self, req: rpc.MatchPrefix, payload: memoryview) -> Reply:
         now = self.clock()
         n = 0
-        for k in keys:
+        for k in req.keys:
             if self._get(k, now) is None:
                 break
             n += 1
-        if lease_s:
-            until = now + float(lease_s)
-            for k in keys[:n]:
+        if req.lease_s:
+            until = now + req.lease_s
+            for k in req.keys[:n]:
                 self.leases[k] = max(self.leases.get(k, 0.0), until)
-        return {"n": n}, ()
+        return rpc.Matched(n=n), ()
 
-    async def rpc_commit(self, h: dict[str, Any], p: memoryview) -> Reply:
-        items = h["items"]
-        if not items:
-            raise InvalidArgument("empty commit")
-        ttl = h.get("ttl_s")
-        if ttl is None:
-            ttl = self.config.default_ttl_s
-        elif float(ttl) <= 0:
-            raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
+    async def rpc_commit(self, req: rpc.Commit, payload: memoryview) -> Reply:
+        ttl = self.config.default_ttl_s if req.ttl_s is None else req.ttl_s
         now = self.clock()
         expires_at = None if ttl is None else now + float(ttl)
-        staged: list[tuple[bytes, Layout, list[Any]]] = []
+        staged: list[tuple[bytes, Layout]] = []
         servers = self.servers
-        for key, wire in items:
-            key = norm_key(key)
-            lay = Layout.from_wire(wire, stamp=(now, expires_at))
-            if lay.size > MAX_VALUE_BYTES:
-                raise InvalidArgument(f"value of {lay.size} bytes for {key[:64]!r} exceeds {MAX_VALUE_BYTES}")
+        for key, wire in req.items:
+            lay = wire.stamped(now, expires_at)
             for e in lay.extents:
                 for r in e.replicas:
                     if r.server_id not in servers:
@@ -217,99 +186,81 @@ class MetaService(MetaGc):
             if not self.check_not_dead(lay):
                 raise StaleLayout(f"layout for {key[:64]!r} names a chunk garbage collection already "
                                   "reclaimed (the put took longer than the GC grace period); retry the put")
-            wire[2], wire[3] = now, expires_at  # the checked wire form, re-stamped: no re-encoding
-            staged.append((key, lay, wire))
-        self.store.put_many((k, pack_layout(w), expires_at, now) for k, _, w in staged)
-        for key, lay, wire in staged:
+            staged.append((key, lay))
+        self.store.put_many((k, encode_layout(lay), expires_at, now) for k, lay in staged)
+        for key, lay in staged:
             old = self.entries.get(key)
             if old is not None:
                 self._add_live(old.layout, -1, key)
-            self.entries[key] = Entry(lay, wire, now)
+            self.entries[key] = Entry(lay, now)
             self._add_live(lay, +1, key)
             self._dirty_access.pop(key, None)
-        return {"created": now, "expires_at": expires_at}, ()
+        return rpc.Committed(created=now, expires_at=expires_at), ()
 
-    async def rpc_delete(self, h: dict[str, Any], p: memoryview) -> Reply:
-        keys = norm_keys(h["keys"])
-        gone = [k for k in keys if k in self.entries]
+    async def rpc_delete(self, req: rpc.Delete, payload: memoryview) -> Reply:
+        gone = [k for k in req.keys if k in self.entries]
         if gone:
             self.store.delete_many(gone)
         for k in gone:
             self._add_live(self.entries.pop(k).layout, -1, k)
             self._dirty_access.pop(k, None)
             self.leases.pop(k, None)
-        return {"deleted": len(gone)}, ()
+        return rpc.Deleted(deleted=len(gone)), ()
 
-    async def rpc_list(self, h: dict[str, Any], p: memoryview) -> Reply:
-        prefix = h.get("prefix") or b""
-        if isinstance(prefix, str):
-            prefix = prefix.encode()
-        start_after = h.get("start_after")
-        if isinstance(start_after, str):
-            start_after = start_after.encode()
-        limit = int(h.get("limit", 1000))
-        if not 0 < limit <= MAX_LIST:
-            raise InvalidArgument(f"list limit must be 1..{MAX_LIST}, got {limit}")
-        rows = self.store.list(prefix, start_after, limit)
+    async def rpc_list(self, req: rpc.ListKeys, payload: memoryview) -> Reply:
+        rows = self.store.list(req.prefix, req.start_after, req.limit)
         now = self.clock()
-        entries = [[k, w[0], w[2], w[3], len(w[4])] for k, w in rows
-                   if w[3] is None or w[3] > now]
+        entries = [rpc.KeyEntry(k, lay.size, lay.created, lay.expires_at, len(lay.extents))
+                   for k, lay in rows if not lay.expired(now)]
         last = rows[-1][0] if rows else None
-        return {"entries": entries, "more": len(rows) == limit, "last": last}, ()
+        return rpc.Listing(entries=entries, more=len(rows) == req.limit, last=last), ()
 
-    async def rpc_stats(self, h: dict[str, Any], p: memoryview) -> Reply:
+    async def rpc_stats(self, req: rpc.Stats, payload: memoryview) -> Reply:
         now = self.clock()
         live_keys = sum(1 for e in self.entries.values() if not e.layout.expired(now))
         servers = []
         for s in sorted(self.servers.values(), key=lambda s: s.server_id):
             written = sum(s.chunks.values())
             live = sum(self.chunk_live.get(c, 0) for c in s.chunks)
-            servers.append({
-                "server_id": s.server_id, "addr": s.addr, "alive": self.alive(s),
-                "capacity": s.capacity, "free": s.free, "used": s.used,
-                "shared_by": s.shared_by, "chunks": len(s.chunks), "written": written, "live": live,
-                "garbage": max(0, written - live),
-            })
-        return {
-            "keys": live_keys,
-            "keys_stored": len(self.entries),
-            "bytes": sum(e.layout.size for e in self.entries.values() if not e.layout.expired(now)),
-            "servers": servers,
-            "time": now,
-            "gc": self.gc_summary(),
-        }, ()
+            servers.append(rpc.ServerStats(
+                server_id=s.server_id, addr=s.addr, alive=self.alive(s),
+                capacity=s.capacity, free=s.free, used=s.used, shared_by=s.shared_by,
+                chunks=len(s.chunks), written=written, live=live,
+                garbage=max(0, written - live)))
+        return rpc.StatsReply(
+            keys=live_keys,
+            keys_stored=len(self.entries),
+            bytes=sum(e.layout.size for e in self.entries.values() if not e.layout.expired(now)),
+            servers=servers,
+            time=now,
+            gc=self.gc_summary(),
+        ), ()
 
     # chunkserver RPCs ----------------------------------------------------------
-    async def rpc_register(self, h: dict[str, Any], p: memoryview) -> Reply:
-        addr = h["addr"]
-        if not isinstance(addr, str) or len(addr) > 256:
-            raise InvalidArgument(f"chunkserver address must be HOST:PORT, got {addr!r:.80}")
+    async def rpc_register(self, req: rpc.Register, payload: memoryview) -> Reply:
+        addr = req.addr
         parse_addr(addr)
-        key = h.get("key") or ""
-        if not isinstance(key, str) or len(key) > 128:
-            raise InvalidArgument("chunkserver key must be a short string")
-        sid = h.get("server_id")
-        sid = max(self.servers, default=0) + 1 if sid is None else _count(sid, "server_id", 2**31)
-        self._check_cluster(sid, addr, h.get("cluster_id"), _count(h.get("nchunks", 0), "nchunks"))
+        sid = max(self.servers, default=0) + 1 if req.server_id is None else req.server_id
+        self._check_cluster(sid, addr, req.cluster_id, req.nchunks)
         old = self.servers.get(sid)
-        if old is not None and old.addr != addr and self.alive(old) and old.key != key:
+        if old is not None and old.addr != addr and self.alive(old) and old.key != req.key:
             raise InvalidArgument(
                 f"chunkserver {sid} is alive at {old.addr}; a server at {addr} with another data "
                 "dir cannot take its id (stop the other one, or wait for it to time out)")
         s = old or ServerInfo(sid, addr)
-        s.key = key
+        s.key = req.key
         s.addr = addr
-        s.reported_capacity = _count(h.get("capacity", 0), "capacity")
-        s.reported_free = _count(h.get("free", 0), "free")
-        s.disk = _disk(h.get("disk"))
+        s.reported_capacity = req.capacity
+        s.reported_free = req.free
+        s.disk = req.disk
         s.last_heartbeat = time.monotonic()
         self.servers[sid] = s
         self._share_disks()
         self.store.put_server(sid, addr, s.reported_capacity, s.reported_free)
         log.info("chunkserver %d registered at %s", sid, addr)
-        return {"server_id": sid, "cluster_id": self.cluster_id}, ()
+        return rpc.Registered(server_id=sid, cluster_id=self.cluster_id), ()
 
-    def _check_cluster(self, sid: int, addr: str, cluster_id: Any, nchunks: int) -> None:
+    def _check_cluster(self, sid: int, addr: str, cluster_id: str | None, nchunks: int) -> None:
         """A chunkserver of another cluster, or one holding chunks this meta never saw, is
         refused: this meta (fresh, or restored from elsewhere) must never GC its chunks."""
         if cluster_id is None:
@@ -320,28 +271,20 @@ class MetaService(MetaGc):
                     "lost, rebuild it: kvfs meta rebuild --from-chunkservers")
         elif cluster_id != self.cluster_id:
             raise WrongCluster(
-                f"chunkserver {sid} at {addr} belongs to cluster {str(cluster_id)[:64]}, this meta "
+                f"chunkserver {sid} at {addr} belongs to cluster {cluster_id}, this meta "
                 f"is cluster {self.cluster_id}; if meta's database was lost or replaced, rebuild it: "
                 "kvfs meta rebuild --from-chunkservers")
 
-    async def rpc_heartbeat(self, h: dict[str, Any], p: memoryview) -> Reply:
-        sid = int(h["server_id"])
-        s = self.servers.get(sid)
+    async def rpc_heartbeat(self, req: rpc.Heartbeat, payload: memoryview) -> Reply:
+        s = self.servers.get(req.server_id)
         if s is None:
-            raise InvalidArgument(f"unknown chunkserver {sid}: register first")
-        capacity, free, used = (_count(h[f], f) for f in ("capacity", "free", "used"))
-        chunks = ({_count(c, "chunk id"): _count(n, "chunk size") for c, n in h["chunks"].items()}
-                  if "chunks" in h else s.chunks)
-        open_chunk = s.open_chunk
-        if "open" in h:
-            open_chunk = None if h["open"] is None else _count(h["open"], "open chunk")
-        s.reported_capacity, s.reported_free, s.used = capacity, free, used
-        s.chunks, s.open_chunk = chunks, open_chunk
-        s.wanted = _count(h.get("wanted", 0), "wanted")
-        s.disk = _disk(h.get("disk", s.disk))
+            raise InvalidArgument(f"unknown chunkserver {req.server_id}: register first")
+        s.reported_capacity, s.reported_free, s.used = req.capacity, req.free, req.used
+        s.chunks, s.open_chunk, s.wanted = dict(req.chunks), req.open, req.wanted
+        s.disk = req.disk
         s.last_heartbeat = time.monotonic()
         self._share_disks()
-        return {}, ()
+        return rpc.Empty(), ()
 
     def _share_disks(self) -> None:
         """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
@@ -356,7 +299,6 @@ class MetaService(MetaGc):
             s.shared_by = n
             s.capacity, s.free = s.reported_capacity // n, s.reported_free // n
 
-    async def rpc_servers(self, h: dict[str, Any], p: memoryview) -> Reply:
-        return {"servers": [[s.server_id, s.addr, s.capacity, s.free, self.alive(s)]
-                            for s in self.servers.values()], "cluster_id": self.cluster_id}, ()
-
+    async def rpc_servers(self, req: rpc.Servers, payload: memoryview) -> Reply:
+        return rpc.ServerList(servers=[rpc.ServerRow(s.server_id, s.addr, s.capacity, s.free, self.alive(s))
+                                       for s in self.servers.values()], cluster_id=self.cluster_id), ()

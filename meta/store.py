@@ -12,6 +12,8 @@ from typing import Any
 
 import msgpack
 
+from kvfs.layout import Layout, decode_layout
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS kv (
     key BLOB PRIMARY KEY,
@@ -39,14 +41,6 @@ CREATE TABLE IF NOT EXISTS gc_state (
     value BLOB NOT NULL
 );
 """
-
-
-def pack_layout(wire: list[Any]) -> bytes:
-    return msgpack.packb(wire, use_bin_type=True)
-
-
-def unpack_layout(blob: bytes) -> list[Any]:
-    return msgpack.unpackb(blob, raw=False)
 
 
 def prefix_upper_bound(prefix: bytes) -> bytes | None:
@@ -102,9 +96,9 @@ class MetaStore:
         finally:
             self.db.execute(f"PRAGMA synchronous={self.synchronous}")
 
-    def load(self) -> Iterator[tuple[bytes, list[Any], float]]:
+    def load(self) -> Iterator[tuple[bytes, Layout, float]]:
         for key, blob, last_access in self.db.execute("SELECT key, layout, last_access FROM kv"):
-            yield bytes(key), unpack_layout(blob), last_access
+            yield bytes(key), decode_layout(blob), last_access
 
     def put_many(self, rows: Iterable[tuple[bytes, bytes, float | None, float]]) -> None:
         with self.db:
@@ -122,7 +116,7 @@ class MetaStore:
             self.db.execute("BEGIN")
             self.db.executemany("UPDATE kv SET last_access = ? WHERE key = ?", rows)
 
-    def list(self, prefix: bytes, start_after: bytes | None, limit: int) -> list[tuple[bytes, list[Any]]]:
+    def list(self, prefix: bytes, start_after: bytes | None, limit: int) -> list[tuple[bytes, Layout]]:
         lo = max(prefix, start_after + b"\x00") if start_after is not None else prefix
         hi = prefix_upper_bound(prefix)
         if hi is None:
@@ -130,7 +124,7 @@ class MetaStore:
         else:
             q = self.db.execute("SELECT key, layout FROM kv WHERE key >= ? AND key < ? ORDER BY key LIMIT ?",
                                 (lo, hi, limit))
-        return [(bytes(k), unpack_layout(b)) for k, b in q]
+        return [(bytes(k), decode_layout(b)) for k, b in q]
 
     def load_servers(self) -> builtins.list[tuple[int, str, int, int]]:
         return list(self.db.execute("SELECT server_id, addr, capacity, free FROM servers"))

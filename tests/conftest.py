@@ -68,14 +68,15 @@ class Hold:
         self.op = op
         self.arrived = asyncio.Event()
         self._open = asyncio.Event()
-        inner: Callable[..., Awaitable[Any]] = server.handlers[int(op)]
+        inner: Callable[..., Awaitable[Any]]
+        inner, request_type = server.handlers[int(op)]  # (handler, request type)
 
         async def held(*args: Any) -> Any:
             self.arrived.set()
             await self._open.wait()
             return await inner(*args)
 
-        server.handlers[int(op)] = held
+        server.handlers[int(op)] = (held, request_type)
 
     async def reached(self) -> None:
         async with asyncio.timeout(30):  # a deadline, never a sleep

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.chunkserver import ChunkServer
 from kvfs.client import AsyncClient
@@ -43,8 +44,8 @@ async def test_a_client_token_may_not_call_any_admin_or_server_rpc(
         assert ops  # GC_*, CHUNK_DELETE, REGISTER, ...
         for op in ops:
             with pytest.raises(AuthError, match=f"this token may not call {op.name}"):
-                await conn.call(op, {})
-        assert (await conn.call(Op.PING, {})).header["service"] == service.value
+                await conn.call_raw(op, {})
+        assert (await conn.call(rpc.Ping())).service == service.value
     finally:
         conn.close()
 
@@ -54,10 +55,10 @@ async def test_an_admin_token_may_call_admin_and_data_rpcs_but_not_register(
     conn = await Connection.open(*parse_addr(cluster.addr), cluster.admin_token)
     try:
         assert conn.role == Role.ADMIN
-        assert "paused" in (await conn.call(Op.GC_STATUS, {})).header
-        assert (await conn.call(Op.EXISTS, {"keys": [b"k"]})).header == {"exists": [False]}
+        assert (await conn.call(rpc.GcStatus())).paused is False
+        assert (await conn.call(rpc.Exists(keys=[b"k"]))).exists == [False]
         with pytest.raises(AuthError, match="may not call REGISTER: it needs the server token"):
-            await conn.call(Op.REGISTER, {"addr": "127.0.0.1:1"})
+            await conn.call(rpc.Register(addr="127.0.0.1:1"))
     finally:
         conn.close()
 
@@ -68,7 +69,7 @@ async def test_a_server_token_may_only_register_and_heartbeat(cluster: LocalClus
         assert conn.role == Role.SERVER
         for op in (Op.LOOKUP, Op.GC_EXPIRE, Op.SERVERS):
             with pytest.raises(AuthError, match=f"may not call {op.name}"):
-                await conn.call(op, {})
+                await conn.call_raw(op, {})
     finally:
         conn.close()
 

@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.chunkserver import ChunkServer
 from kvfs.errors import Unavailable, WrongCluster
 from kvfs.gc import GarbageCollector, PassOptions
 from kvfs.handshake import Role
 from kvfs.launcher import LocalCluster
-from kvfs.rpc import Op
 from kvfs.transport import Connection
 
 
@@ -64,7 +64,7 @@ async def test_a_chunkserver_refuses_deletes_for_another_cluster(cluster: LocalC
     try:
         for cid in (None, "0" * 32):
             with pytest.raises(WrongCluster, match="refused"):
-                await conn.call(Op.CHUNK_DELETE, {"chunks": list(cs.store.sizes), "cluster_id": cid})
+                await conn.call(rpc.ChunkDelete(chunks=list(cs.store.sizes), cluster_id=cid))
     finally:
         conn.close()
 
@@ -74,14 +74,14 @@ async def test_meta_refuses_an_unknown_chunkserver_that_holds_chunks(cluster: Lo
     conn = await Connection.open(host, port, cluster.tokens[Role.SERVER])
     try:
         with pytest.raises(WrongCluster, match="never seen"):
-            await conn.call(Op.REGISTER, {"server_id": 99, "addr": "127.0.0.1:1", "capacity": 1,
-                                          "free": 1, "cluster_id": None, "nchunks": 5})
+            await conn.call(rpc.Register(server_id=99, addr="127.0.0.1:1", capacity=1, free=1,
+                                         cluster_id=None, nchunks=5))
         with pytest.raises(WrongCluster, match="belongs to cluster"):
-            await conn.call(Op.REGISTER, {"server_id": 1, "addr": "127.0.0.1:1", "capacity": 1,
-                                          "free": 1, "cluster_id": "other", "nchunks": 0})
+            await conn.call(rpc.Register(server_id=1, addr="127.0.0.1:1", capacity=1, free=1,
+                                         cluster_id="other", nchunks=0))
         # a new, empty chunkserver joins and learns the id
-        r = await conn.call(Op.REGISTER, {"addr": "127.0.0.1:1", "capacity": 1, "free": 1})
-        assert r.header["cluster_id"] == cluster.meta.cluster_id  # type: ignore[union-attr]
+        r = await conn.call(rpc.Register(addr="127.0.0.1:1", capacity=1, free=1))
+        assert r.cluster_id == cluster.meta.cluster_id  # type: ignore[union-attr]
     finally:
         conn.close()
 

@@ -12,6 +12,7 @@ import pytest
 from conftest import raw_connect as _raw
 from conftest import read_frame as _read_frame
 
+from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.chunkserver.records import RECORD
 from kvfs.client import AsyncClient
@@ -124,13 +125,15 @@ async def test_malformed_request_gets_error_and_server_keeps_serving(cluster: Lo
     host, port = parse_addr(cluster.addr)
     conn = await Connection.open(host, port, cluster.token)
     try:
-        with pytest.raises(InvalidArgument, match="malformed LOOKUP"):
-            await conn.call(Op.LOOKUP, {"no_keys": 1})
+        with pytest.raises(InvalidArgument, match=r"bad LOOKUP request.*no_keys"):
+            await conn.call_raw(Op.LOOKUP, {"no_keys": 1})
+        with pytest.raises(InvalidArgument, match=r"bad LOOKUP request.*\$\.keys\[1\]"):
+            await conn.call_raw(Op.LOOKUP, {"keys": [b"a", 7]})
         with pytest.raises(InvalidArgument, match="not served"):
-            await conn.call(Op.READV, {"ranges": []})
+            await conn.call_raw(Op.READV, {"ranges": []})
         with pytest.raises(InvalidArgument, match="unknown chunkserver"):
-            await conn.call(Op.COMMIT, {"items": [[b"k", [1, 0, 0.0, None, [[1, 0, [[999, 1, 0]]]]]]]})
-        assert (await conn.call(Op.PING, {})).header["service"] == "meta"
+            await conn.call_raw(Op.COMMIT, {"items": [[b"k", [1, 0, 0.0, None, [[1, 0, [[999, 1, 0]]]]]]]})
+        assert (await conn.call(rpc.Ping())).service == "meta"
     finally:
         conn.close()
 
@@ -142,9 +145,9 @@ async def test_append_with_bad_crc_is_refused(cluster: LocalCluster) -> None:
     conn = await Connection.open(host, port, cluster.token)
     try:
         with pytest.raises(ChecksumMismatch, match="arrived corrupted"):
-            await conn.call(Op.APPEND, {"records": [[b"k", 3, 12345, None]]}, [b"abc"])
+            await conn.call(rpc.Append(records=[rpc.RecordHead(b"k", 3, 12345, None)]), [b"abc"])
         with pytest.raises(InvalidArgument, match="describe"):
-            await conn.call(Op.APPEND, {"records": [[b"k", 30, 0, None]]}, [b"abc"])
+            await conn.call(rpc.Append(records=[rpc.RecordHead(b"k", 30, 0, None)]), [b"abc"])
     finally:
         conn.close()
 

@@ -13,12 +13,12 @@ import pytest
 from conftest import FakeClock
 from conftest import clocked_client as client
 
+from kvfs import rpc
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig
 from kvfs.errors import ChecksumMismatch
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster, ProcessCluster
-from kvfs.rpc import Op
 
 
 def du(root: Path) -> int:
@@ -172,14 +172,15 @@ async def test_compaction_leaves_a_corrupt_record_behind(small: LocalCluster, cl
             await fresh.get(bad)
 
 
-async def copy_only(gc: GarbageCollector, kv: AsyncClient) -> tuple[int, int, dict[str, object], list[list[object]]]:
+async def copy_only(gc: GarbageCollector, kv: AsyncClient) -> tuple[int, int, rpc.Compacted, list[rpc.Ref]]:
     """The first half of a compaction: copy one chunk's live records, do not switch yet."""
     await gc.sync_usage()
-    plan = await gc.meta(Op.GC_PLAN, {"threshold": 0.0, "grace_s": 1e9, "high": 1.0})
-    sid, cid, _, _ = plan["compact"][0]
-    refs = (await gc.meta(Op.GC_CHUNK_REFS, {"chunks": [cid]}))["refs"][cid]
-    res = await gc.chunkserver(sid, Op.CHUNK_COMPACT, {"sources": [[cid, [[o, n] for _, o, n, _ in refs]]]})
-    assert res["chunk_id"] is not None
+    plan = await gc.meta(rpc.GcPlan(threshold=0.0, grace_s=1e9, high=1.0))
+    sid, cid, _, _ = plan.compact[0]
+    refs = (await gc.meta(rpc.GcChunkRefs(chunks=[cid]))).refs[cid]
+    res = await gc.chunkserver(sid, rpc.ChunkCompact(
+        sources=[rpc.CompactSource(cid, [rpc.Span(r.offset, r.length) for r in refs])]))
+    assert res.chunk_id is not None
     return sid, cid, res, refs
 
 
@@ -189,13 +190,15 @@ async def test_overwrite_and_delete_racing_compaction_win(small: LocalCluster, c
         await kv.delete_many(keys[::3])
         async with GarbageCollector(small.addr, token=small.admin_token) as gc:
             sid, cid, res, refs = await copy_only(gc, kv)
-            over, gone = refs[0][0].decode(), refs[1][0].decode()
+            over, gone = refs[0].key.decode(), refs[1].key.decode()
             await kv.put(over, b"newer value")  # lands between copy and switch
             await kv.delete(gone)
-            moves = [[k, cid, off, loc] for (k, off, _, _), loc in zip(refs, res["locations"][0], strict=True)]
-            rel = await gc.meta(Op.GC_RELOCATE, {"server_id": sid, "new_chunk": res["chunk_id"],
-                                                 "new_size": res["size"], "moves": moves})
-            assert rel["skipped"] == 2 and rel["moved"] == len(refs) - 2
+            assert res.chunk_id is not None
+            moves = [rpc.Move(r.key, cid, r.offset, loc) for r, loc in zip(refs, res.locations[0], strict=True)
+                     if loc is not None]
+            rel = await gc.meta(rpc.GcRelocate(server_id=sid, new_chunk=res.chunk_id, new_size=res.size,
+                                               moves=moves))
+            assert rel.skipped == 2 and rel.moved == len(refs) - 2
             await gc.run_pass(PassOptions(apply=True, grace_s=0))
         async with client(small, clock) as fresh:
             assert await fresh.get(over) == b"newer value"
@@ -210,7 +213,7 @@ async def test_gc_abandoned_after_copy_leaves_reclaimable_leftover(small: LocalC
         await kv.delete_many(keys[::2])
         async with GarbageCollector(small.addr, token=small.admin_token) as gc:
             _, _, res, _ = await copy_only(gc, kv)  # ... and the GC dies here
-        (leftover,) = small.root.glob(f"cs*/chunks/{res['chunk_id']:016x}.chunk")
+        (leftover,) = small.root.glob(f"cs*/chunks/{res.chunk_id:016x}.chunk")
         assert leftover.exists()
         async with client(small, clock) as fresh:
             assert await fresh.get_many(keys[1::2]) == [value_of(k) for k in keys[1::2]]
@@ -231,11 +234,11 @@ async def test_kill_9_meta_between_copy_and_switch(proc_cluster: ProcessCluster)
         async with GarbageCollector(proc_cluster.addr, token=proc_cluster.admin_token) as gc:
             stats = await gc.sync_usage()
             for sid, st in stats.items():  # seal the open chunks so they can be compacted
-                if st["open"] is None:  # placement is random: a server may have got no batch
+                if st.open is None:  # placement is random: a server may have got no batch
                     continue
-                assert (await gc.chunkserver(sid, Op.CHUNK_SEAL, {"chunk_id": st["open"], "idle_s": 0}))["sealed"]
+                assert (await gc.chunkserver(sid, rpc.ChunkSeal(chunk_id=st.open, idle_s=0))).sealed
             _, _, res, _ = await copy_only(gc, kv)
-        (leftover,) = proc_cluster.data.glob(f"cs*/chunks/{res['chunk_id']:016x}.chunk")
+        (leftover,) = proc_cluster.data.glob(f"cs*/chunks/{res.chunk_id:016x}.chunk")
         assert leftover.exists()
         assert proc_cluster.meta is not None
         proc_cluster.meta.kill()  # SIGKILL

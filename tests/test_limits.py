@@ -17,6 +17,7 @@ import pytest
 from conftest import raw_connect, read_frame
 from crc32c import crc32c
 
+from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.chunkserver.store import ChunkStore
 from kvfs.config import ChunkServerConfig, MetaConfig
@@ -144,21 +145,21 @@ async def test_readv_limits(tight: LocalCluster) -> None:
         lay = await kv.layout(b"one")
         assert lay is not None
         rep = lay.extents[0].replicas[0]
-        rng = [rep.chunk_id, rep.offset, MiB]
+        rng = rpc.Range(rep.chunk_id, rep.offset, MiB)
         cs = tight.chunkservers[0]
         assert cs is not None
         conn = await Connection.open(*parse_addr(_cs_addr(tight)), tight.token)
         try:
             with pytest.raises(InvalidArgument, match="overlap"):
-                await conn.call(Op.READV, {"ranges": [rng, rng]})
+                await conn.call(rpc.ReadV(ranges=[rng, rng]))
             with pytest.raises(InvalidArgument, match="1000 ranges; the limit is 64"):
-                await conn.call(Op.READV, {"ranges": [rng] * 1000})
+                await conn.call(rpc.ReadV(ranges=[rng] * 1000))
             with pytest.raises(InvalidArgument, match="the limit is 4194304"):
-                await conn.call(Op.READV, {"ranges": [[rep.chunk_id, i * MiB, MiB]
-                                                      for i in range(5)]})
-            with pytest.raises(InvalidArgument, match="three integers"):
-                await conn.call(Op.READV, {"ranges": [[rep.chunk_id, "0", 1]]})
-            ok = await conn.call(Op.READV, {"ranges": [rng]})
+                await conn.call(rpc.ReadV(ranges=[rpc.Range(rep.chunk_id, i * MiB, MiB)
+                                                  for i in range(5)]))
+            with pytest.raises(InvalidArgument, match=r"Expected `int`, got `str` - at `\$.ranges\[0\]\[1\]`"):
+                await conn.call_raw(Op.READV, {"ranges": [[rep.chunk_id, "0", 1]]})
+            ok = await conn.call_raw(Op.READV, rpc.ReadV(ranges=[rng]))
             assert len(ok.payload) == MiB
         finally:
             conn.close()

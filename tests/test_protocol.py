@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 import struct
-from typing import Any
+from typing import Any, get_type_hints
 
 import msgpack
 import pytest
 from hypothesis import Phase, event, given, settings
 from hypothesis import strategies as st
 
+from kvfs.chunkserver.service import ChunkServer
 from kvfs.errors import FrameTooLarge, RemoteProtocolError, VersionMismatch
+from kvfs.meta.service import MetaService
 from kvfs.protocol import (
     FIXED,
     MAGIC,
@@ -24,7 +27,7 @@ from kvfs.protocol import (
     encode_frame,
     frame_bytes,
 )
-from kvfs.rpc import HANDLER_NAMES, RPCS, Op
+from kvfs.rpc import OP_OF, RPCS, Op, Request, Response, Service
 
 
 def drain(dec: FrameDecoder) -> list[Frame]:
@@ -39,8 +42,8 @@ def drain(dec: FrameDecoder) -> list[Frame]:
 
 def test_golden_bytes() -> None:
     data = frame_bytes(Op.PING, 7, {"a": 1}, [b"xyz"], Flag.RESPONSE)
-    # magic, version 1, op 3, flags 1, request id 7, header 4 bytes (msgpack {"a": 1}), payload 3
-    assert data == (b"KVFS\x01\x03\x01\x00" + (7).to_bytes(8, "little") + (4).to_bytes(4, "little")
+    # magic, version 2, op 3, flags 1, request id 7, header 4 bytes (msgpack {"a": 1}), payload 3
+    assert data == (b"KVFS\x02\x03\x01\x00" + (7).to_bytes(8, "little") + (4).to_bytes(4, "little")
                     + (3).to_bytes(8, "little") + b"\x81\xa1a\x01" + b"xyz")
 
 
@@ -159,9 +162,36 @@ def test_encode_frame_keeps_payload_buffers() -> None:
     assert struct.unpack_from("<Q", bufs[0], 20)[0] == 3
 
 
+# the classes whose rpc_* methods serve each service (kvfs.server.RpcServer dispatches to them)
+SERVICE_CLASSES: dict[Service, list[type]] = {Service.META: [MetaService], Service.CHUNKSERVER: [ChunkServer]}
+CONNECTION_OPS = {Op.HELLO, Op.AUTH}  # answered by the connection itself, before dispatch
+
+
 def test_rpc_table_is_consistent() -> None:
-    assert len({int(op) for op in RPCS}) == len(RPCS)
-    assert set(HANDLER_NAMES) == set(RPCS)
+    """Every op has one request type, a response type, and one handler per service it is
+    served by, taking exactly that request type; every handler belongs to an op."""
+    assert set(RPCS) == set(Op)
+    assert len(OP_OF) == len(RPCS)  # a request type names one op
+    handlers = {r.handler: r for r in RPCS.values()}
+    for op, r in RPCS.items():
+        assert r.op is op
+        assert issubclass(r.request, Request) and issubclass(r.response, Response)
+        if op in CONNECTION_OPS:
+            continue
+        services = list(SERVICE_CLASSES) if r.service is Service.ANY else [r.service]
+        for svc in services:
+            found = [c for c in SERVICE_CLASSES[svc] if hasattr(c, r.handler)]
+            assert len(found) == 1, f"{op.name}: {svc.value} needs exactly one {r.handler}, has {found}"
+            fn = getattr(found[0], r.handler)
+            params = list(inspect.signature(fn).parameters)
+            assert params[0] == "self" and len(params) == 3, f"{r.handler}{params}"
+            assert get_type_hints(fn)[params[1]] is r.request, f"{r.handler} takes {r.request.__name__}"
+    for svc, classes in SERVICE_CLASSES.items():
+        for cls in classes:
+            for name in dir(cls):
+                if name.startswith("rpc_"):
+                    assert name in handlers, f"{cls.__name__}.{name} is no RPC of kvfs.rpc.RPCS"
+                    assert handlers[name].service in (svc, Service.ANY), f"{name} served by {svc.value}"
 
 
 FUZZ_LIMITS = Limits(max_header_bytes=1 << 12, max_payload_bytes=1 << 16)
