@@ -514,3 +514,18 @@ def test_streamed_writes_in_order_fsync_and_out_of_order(tcluster: ThreadCluster
         assert "Traceback" not in m.stderr()
     finally:
         m.cleanup()
+
+
+async def test_closes_share_commits(kv: AsyncClient) -> None:
+    """The mount's small-file commits: while commits are outstanding, new closes queue and go
+    out together as one put_many (one APPEND per server, one COMMIT)."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import InodeTable
+
+    io = FileIO(KVFileSystem(client=kv, asynchronous=True), InodeTable(), MountConfig())
+    await asyncio.gather(*(io.put(f"cc/{i}", str(i).encode()) for i in range(300)),
+                         io.put("cc/7", b"seven"))
+    assert io.puts.batches == 5  # 1 + 1 alone while idle, then 128 + 128 + 45 queued
+    assert await kv.get_many([f"cc/{i}" for i in range(300)]) == [
+        b"seven" if i == 7 else str(i).encode() for i in range(300)]

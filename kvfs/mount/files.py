@@ -17,6 +17,8 @@ Memory per open file is bounded whatever the file's size:
   files' first reads) and each read fetches the stripe units it overlaps, batched
   across files; a sequential reader gets ``read_ahead_units`` units fetched ahead.
   An open file keeps at most ``read_ahead_units + 2`` units.
+- **Closes share commits** as reads share batches: the small files closed while
+  earlier commits are in flight go out together, one ``put_many``.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ __all__ = ["FileIO"]
 READ_BATCH_ITEMS = 128
 READ_BATCH_BYTES = 64 * 1024 * 1024
 READS_IN_FLIGHT = 2
+PUT_BATCH_ITEMS = 128
+PUT_BATCH_BYTES = 64 * 1024 * 1024
+PUTS_IN_FLIGHT = 2
 
 Unit = tuple[ValueReader, int, bytes] | None
 
@@ -55,7 +60,22 @@ class FileIO:
         self.reads: Batcher[tuple[ValueReader | bytes, int], Unit] = Batcher(
             self._read_units, max_items=READ_BATCH_ITEMS, max_bytes=READ_BATCH_BYTES,
             max_inflight=READS_IN_FLIGHT)
+        # closes of small files share commits the same way: one put_many (one APPEND per
+        # server, one COMMIT) for the files closed while earlier batches were running
+        self.puts: Batcher[tuple[bytes, bytes], None] = Batcher(
+            self._put_many, max_items=PUT_BATCH_ITEMS, max_bytes=PUT_BATCH_BYTES,
+            max_inflight=PUTS_IN_FLIGHT)
         self._tasks: set[asyncio.Task[bytes]] = set()  # read-ahead in flight
+
+    async def _put_many(self, items: list[tuple[bytes, bytes]]) -> list[None]:
+        last = dict(items)  # a path closed twice in one batch: its last value wins
+        await self.fs.client.put_many(list(last.items()), ttl=self.fs.ttl)
+        return [None] * len(items)
+
+    async def put(self, path: str, value: bytes) -> None:
+        """One small file's value, committed in a batch with other files' closes."""
+        with builtin_errors(path):
+            await self.puts.submit((os.fsencode(path), value), len(value))
 
     async def _read_units(self, wants: list[tuple[ValueReader | bytes, int]]) -> list[Unit]:
         return await read_units(self.fs.client, wants)
@@ -269,7 +289,7 @@ class FileIO:
             d = h.data
             assert d is not None
             if h.stream is None and not h.prefix:  # small: one put, the stream never started
-                await self.fs._put_value(self.table.path(h.ino), bytes(d))
+                await self.put(self.table.path(h.ino), bytes(d))
                 h.dirty = False
                 return
             try:
@@ -305,7 +325,7 @@ class FileIO:
         """``truncate(2)`` of a file nobody here has open: its first ``size`` bytes (zero
         padded) become its new value."""
         if size == 0:
-            await self.fs._put_value(path, b"")
+            await self.put(path, b"")
             return
         reader = await self.reader(path)
         if reader is None:
@@ -316,7 +336,7 @@ class FileIO:
         if size <= self.config.write_buffer_bytes:  # small: one put (rebuildable records)
             value = bytearray(await reader.read(0, size))
             value.extend(bytes(size - len(value)))
-            await self.fs._put_value(dst, value)
+            await self.put(dst, bytes(value))
             return
 
         async def pieces() -> AsyncIterator[bytes]:
