@@ -17,6 +17,7 @@ from kvfs.handshake import Role
 from kvfs.protocol import Buffer
 from kvfs.rpc import Op, Service
 from kvfs.server import Reply, RpcServer
+from kvfs.tls import client_context
 from kvfs.transport import Connection
 
 log = logging.getLogger("kvfs.chunkserver")
@@ -38,10 +39,14 @@ class ChunkServer:
                                     merge_gap_bytes=config.merge_gap_bytes,
                                     max_open_files=open_files,
                                     preallocate=config.preallocate)
+            self.rpc = RpcServer(self, Service.CHUNKSERVER, self.tokens, config)
+            # to meta: this server's certificate as its client certificate, verified by its CA
+            self._meta_tls = client_context(config, env=False, who="chunkserver (to meta)")
         except BaseException:
+            if hasattr(self, "store"):
+                self.store.close()
             self.lock.release()
             raise
-        self.rpc = RpcServer(self, Service.CHUNKSERVER, self.tokens, config)
         self.addr = ""
         self._meta: Connection | None = None
         self._hb: asyncio.Task[None] | None = None
@@ -75,7 +80,8 @@ class ChunkServer:
     async def _register(self) -> None:
         if self._meta is None or self._meta.is_closed:
             host, port = parse_addr(self.config.meta, what="meta address")
-            self._meta = await Connection.open(host, port, self.tokens[Role.SERVER])
+            self._meta = await Connection.open(host, port, self.tokens[Role.SERVER],
+                                               tls=self._meta_tls)
         capacity, free, _ = self.store.usage()
         if not self.store.key:
             self.store.save_state()  # creates the key that proves this data dir to meta

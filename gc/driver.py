@@ -20,10 +20,11 @@ from typing import Any
 
 from kvfs import rpc
 from kvfs.address import lookup_token, parse_addr
-from kvfs.config import GcConfig
+from kvfs.config import GcConfig, TlsConfig
 from kvfs.errors import KVFSError, Unavailable
 from kvfs.handshake import Role
 from kvfs.rpc import R, Request
+from kvfs.tls import client_context
 from kvfs.transport import Connection
 
 log = logging.getLogger("kvfs.gc")
@@ -107,12 +108,15 @@ class GarbageCollector:
     """``async with GarbageCollector(addr) as gc: await gc.run_pass(PassOptions(apply=True))``"""
 
     def __init__(self, addr: str | None = None, *, token: str | None = None,
-                 progress: Progress | None = None, request_timeout_s: float = 300.0) -> None:
+                 progress: Progress | None = None, request_timeout_s: float = 300.0,
+                 tls: TlsConfig | None = None) -> None:
+        """``tls``: the TLS files to connect with (default: none, or $KVFS_TLS_*)."""
         self.addr = addr
         self._host, self._port = parse_addr(addr)
         self.token = lookup_token(token, addr=addr, role=Role.ADMIN)
         self.progress = progress
         self.request_timeout_s = request_timeout_s
+        self._tls = client_context(tls)
         self._meta: Connection | None = None
         self._conns: dict[int, Connection] = {}
         self._addrs: dict[int, str] = {}
@@ -141,7 +145,8 @@ class GarbageCollector:
     async def meta(self, request: Request[R]) -> R:
         if self._meta is None or self._meta.is_closed:
             self._meta = await Connection.open(self._host, self._port, self.token,
-                                               request_timeout_s=self.request_timeout_s)
+                                               request_timeout_s=self.request_timeout_s,
+                                               tls=self._tls)
         return await self._meta.call(request)
 
     async def chunkserver(self, sid: int, request: Request[R]) -> R:
@@ -152,7 +157,8 @@ class GarbageCollector:
             if sid not in self._addrs:
                 raise Unavailable(f"chunkserver {sid} is not known to meta")
             host, port = parse_addr(self._addrs[sid], what="chunkserver address")
-            conn = await Connection.open(host, port, self.token, request_timeout_s=self.request_timeout_s)
+            conn = await Connection.open(host, port, self.token,
+                                         request_timeout_s=self.request_timeout_s, tls=self._tls)
             self._conns[sid] = conn
         return await conn.call(request)
 
@@ -415,9 +421,10 @@ class GarbageCollector:
 
 
 async def run_daemon(addr: str | None, token: str | None, opts: PassOptions, interval_s: float,
-                     stop: asyncio.Event, *, on_pass: Callable[[PassReport], None] | None = None) -> None:
+                     stop: asyncio.Event, *, on_pass: Callable[[PassReport], None] | None = None,
+                     tls: TlsConfig | None = None) -> None:
     """Run a pass every ``interval_s`` until ``stop`` is set; skips passes while GC is paused."""
-    gc = GarbageCollector(addr, token=token)
+    gc = GarbageCollector(addr, token=token, tls=tls)
     try:
         while not stop.is_set():
             try:

@@ -42,6 +42,7 @@ from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key,
 from kvfs.protocol import Buffer, FrameHead, Scatter
 from kvfs.rpc import OP_OF, R, Request
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
+from kvfs.tls import client_context
 from kvfs.transport import Connection, Sink
 
 log = logging.getLogger("kvfs.client")
@@ -112,6 +113,7 @@ class AsyncClient:
         self.token = lookup_token(token, addr=self.addr)
         self.admin_token = admin_token
         self.config = config or ClientConfig()
+        self._tls = client_context(self.config)  # None: plaintext
         self._servers: dict[int, ServerEntry] = {}
         self._servers_at = -1e18
         self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
@@ -199,7 +201,7 @@ class AsyncClient:
                 self._meta = await Connection.open(
                     self._host, self._port, self.token,
                     connect_timeout_s=self.config.connect_timeout_s,
-                    request_timeout_s=self.config.request_timeout_s)
+                    request_timeout_s=self.config.request_timeout_s, tls=self._tls)
         return self._meta
 
     async def _meta_call(self, request: Request[R]) -> R:
@@ -240,7 +242,7 @@ class AsyncClient:
             try:
                 return await Connection.open(
                     host, port, self.token, connect_timeout_s=self.config.connect_timeout_s,
-                    request_timeout_s=self.config.request_timeout_s)
+                    request_timeout_s=self.config.request_timeout_s, tls=self._tls)
             except Unavailable as exc:
                 entry.alive = False
                 error = Unavailable(f"chunkserver {sid} at {entry.addr}: {exc}")
@@ -425,7 +427,7 @@ class AsyncClient:
             raise NoSpace("the cluster is full, and this client has no admin token to run a GC "
                           "pass (KVFS_ADMIN_TOKEN); the GC daemon makes room") from None
         log.info("cluster full: running a GC pass before retrying the write")
-        async with GarbageCollector(self.addr, token=admin) as gc:
+        async with GarbageCollector(self.addr, token=admin, tls=self.config) as gc:
             await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
         await self.servers(refresh=True)
 
