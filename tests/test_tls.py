@@ -362,3 +362,13 @@ def test_kvfs_up_checks_its_tls_files_before_starting(tmp_path: Path, certs: Cer
                            timeout=60)
         assert r.returncode == 1 and said in r.stderr, r.stderr
         assert not (tmp_path / "d").exists()  # nothing was started or created
+
+
+def test_a_tls_hello_to_a_plaintext_decoder_is_named() -> None:
+    from kvfs.errors import RemoteProtocolError
+    from kvfs.protocol import FrameDecoder
+
+    dec = FrameDecoder()
+    with pytest.raises(RemoteProtocolError, match="the peer speaks TLS and this side does not"):
+        dec.receive_data(b"\x16\x03\x01\x02\x00" + bytes(64))
+        dec.next_event()
