@@ -58,22 +58,28 @@ way over ``x`` and ``a``.  :meth:`scan` (GC status, chunk references) reads ever
 from __future__ import annotations
 
 import builtins
+import contextlib
 import heapq
 import math
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import crc32c
 import msgpack
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.exceptions import ClusterError, TryAgainError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvfs.address import parse_addr
-from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
 from kvfs.layout import Layout, decode_layout, encode_layout
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES
 from kvfs.meta.store import prefix_upper_bound
+
+T = TypeVar("T")
 
 URL_SCHEME = "redis-cluster://"
 DEFAULT_BUCKETS = 256
@@ -205,6 +211,9 @@ return 0
 """
 
 
+_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterError, TryAgainError)
+
+
 def parse_url(url: str) -> list[tuple[str, int]]:
     """``redis-cluster://h1:p1,h2:p2,...`` -> the startup nodes."""
     if not url.startswith(URL_SCHEME):
@@ -277,8 +286,8 @@ class RedisMetaStore:
                          decode_responses=False)
         await r.initialize()
         self._r = r
-        await self.r.set(self._g["buckets"], str(self.buckets), nx=True)
-        self.buckets = int(await self.r.get(self._g["buckets"]))
+        await self._run(self.r.set(self._g["buckets"], str(self.buckets), nx=True))
+        self.buckets = int(await self._run(self.r.get(self._g["buckets"])))
         self._tags = [f"{{{self.ns}.{b}}}".encode() for b in range(self.buckets)]
 
     async def close(self) -> None:
@@ -287,9 +296,20 @@ class RedisMetaStore:
             await self._r.aclose()
             self._r = None
 
+    async def _run(self, aw: Awaitable[T]) -> T:
+        """A Redis call; the cluster unreachable or failing over is :class:`Unavailable`,
+        and the slot map is read again (redis-py's pipelines keep sending a dead master's
+        slots to it otherwise), so the call after a failover reaches the new master."""
+        try:
+            return await aw
+        except _DOWN as exc:
+            with contextlib.suppress(*_DOWN, OSError):
+                await self.r.nodes_manager.initialize()
+            raise Unavailable(f"redis cluster: {type(exc).__name__}: {exc}") from exc
+
     async def cluster_id(self, *, create: str | None = None) -> str:
-        await self.r.set(self._g["cluster"], create or uuid.uuid4().hex, nx=True)
-        return (await self.r.get(self._g["cluster"])).decode()
+        await self._run(self.r.set(self._g["cluster"], create or uuid.uuid4().hex, nx=True))
+        return (await self._run(self.r.get(self._g["cluster"]))).decode()
 
     # buckets ---------------------------------------------------------------------------
     def bucket(self, key: bytes) -> int:
@@ -317,7 +337,7 @@ class RedisMetaStore:
         for b, idx in groups.items():
             add(p, b, [keys[i] for i in idx])
             order.append((b, idx))
-        res = await p.execute()
+        res = await self._run(p.execute())
         return [(b, idx, r) for (b, idx), r in zip(order, res, strict=True)]
 
     # keys ---------------------------------------------------------------------------------
@@ -444,7 +464,7 @@ class RedisMetaStore:
                 p = self.r.pipeline()
                 for b in need:
                     fetch(p, b, state.get(b), m)
-                for b, r in zip(need, await p.execute(), strict=True):
+                for b, r in zip(need, await self._run(p.execute()), strict=True):
                     items, state[b] = parse(r, state.get(b))
                     if len(r) < m:
                         done.add(b)
@@ -481,7 +501,7 @@ class RedisMetaStore:
         for b in range(self.buckets):
             cur = 0
             while True:
-                cur, got = await self.r.hscan(self._k(b, b"h"), cur, count=batch)
+                cur, got = await self._run(self.r.hscan(self._k(b, b"h"), cur, count=batch))
                 if got:
                     yield [(k, decode_value(v)) for k, v in got.items()]
                 if cur == 0:
@@ -491,7 +511,7 @@ class RedisMetaStore:
         p = self.r.pipeline()
         for b in range(self.buckets):
             p.hlen(self._k(b, b"h"))
-        return sum(await p.execute())
+        return sum(await self._run(p.execute()))
 
     # garbage collection ----------------------------------------------------------------
     async def _by_score(self, suffix: bytes, max_score: str, limit: int,
@@ -539,7 +559,7 @@ class RedisMetaStore:
             else:
                 p.hmget(self._k(b, b"L"), [str(c) for c in chunks])
         total: dict[int, int] = defaultdict(int)
-        for r in await p.execute():
+        for r in await self._run(p.execute()):
             if chunks is None:
                 for c, n in r.items():
                     total[int(c)] += int(n)
@@ -563,7 +583,7 @@ class RedisMetaStore:
             p.eval(_LUA_SWITCH, 3, self._k(b, b"h"), self._k(b, b"L"), self._k(b, b"D"), *args)
             order.append(idx)
         out = [False] * len(rows)
-        for idx, res in zip(order, await p.execute(), strict=True):
+        for idx, res in zip(order, await self._run(p.execute()), strict=True):
             for i, ok in zip(idx, res, strict=True):
                 out[i] = bool(ok)
         return out
@@ -576,35 +596,35 @@ class RedisMetaStore:
             return already
         token = uuid.uuid4().hex
         lock = self._g["retire_lock"]
-        if not await self.r.set(lock, token, nx=True, px=RETIRE_LOCK_MS):
+        if not await self._run(self.r.set(lock, token, nx=True, px=RETIRE_LOCK_MS)):
             return already  # another GC is retiring: try again next pass
         try:
             args = [str(c) for c in fresh]
             p = self.r.pipeline()
             for b in range(self.buckets):
                 p.eval(_LUA_RETIRE_MARK, 2, self._k(b, b"L"), self._k(b, b"D"), *args)
-            live = {int(c) for r in await p.execute() for c in r}
+            live = {int(c) for r in await self._run(p.execute()) for c in r}
             if live:  # undo: every bucket must refuse nothing of a chunk some key still uses
                 undo = [str(c) for c in live]
                 p = self.r.pipeline()
                 for b in range(self.buckets):
                     p.srem(self._k(b, b"D"), *undo)
-                await p.execute()
+                await self._run(p.execute())
             retired = [c for c in fresh if c not in live]
             if retired:
-                await self.r.hset(self._g["dead"], mapping={
-                    str(c): msgpack.packb([server_id, now]) for c in retired})
+                await self._run(self.r.hset(self._g["dead"], mapping={
+                    str(c): msgpack.packb([server_id, now]) for c in retired}))
         finally:
-            await self.r.eval(_LUA_UNLOCK, 1, lock, token)
+            await self._run(self.r.eval(_LUA_UNLOCK, 1, lock, token))
         return already + retired
 
     async def dead_chunks(self) -> dict[int, float]:
-        got = await self.r.hgetall(self._g["dead"])
+        got = await self._run(self.r.hgetall(self._g["dead"]))
         return {int(c): float(msgpack.unpackb(v)[1]) for c, v in got.items()}
 
     # registry and state ----------------------------------------------------------------
     async def servers(self) -> builtins.list[tuple[int, str, int, int]]:
-        got = await self.r.hgetall(self._g["servers"])
+        got = await self._run(self.r.hgetall(self._g["servers"]))
         out = []
         for sid, v in got.items():
             addr, capacity, free = msgpack.unpackb(v, raw=False)
@@ -612,12 +632,12 @@ class RedisMetaStore:
         return sorted(out)
 
     async def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None:
-        await self.r.hset(self._g["servers"], str(server_id),
-                          msgpack.packb([addr, capacity, free], use_bin_type=True))
+        await self._run(self.r.hset(self._g["servers"], str(server_id),
+                          msgpack.packb([addr, capacity, free], use_bin_type=True)))
 
     async def get_state(self, name: str) -> Any:
-        v = await self.r.hget(self._g["state"], name)
+        v = await self._run(self.r.hget(self._g["state"], name))
         return None if v is None else msgpack.unpackb(v, raw=False)
 
     async def put_state(self, name: str, value: Any) -> None:
-        await self.r.hset(self._g["state"], name, msgpack.packb(value, use_bin_type=True))
+        await self._run(self.r.hset(self._g["state"], name, msgpack.packb(value, use_bin_type=True)))
