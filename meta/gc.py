@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
 from kvfs import rpc
@@ -115,9 +115,69 @@ class MetaGc:
     def _used(self, s: Any) -> int:
         return int(sum(s.chunks.values()))
 
-    def _server_live(self, s: Any) -> int:
-        live = self.chunk_live
+    def _server_live(self, s: Any, live_map: dict[int, int] | None = None) -> int:
+        live = self.chunk_live if live_map is None else live_map
         return int(sum(live.get(c, 0) for c in s.chunks))
+
+    def _live_after(self, now: float, *, expire: bool,
+                    evict: rpc.Watermarks | None) -> tuple[dict[int, int], set[bytes]]:
+        """A dry run: each chunk's live bytes as the phases before it would leave them
+        (``expire``: expired keys gone; ``evict``: the keys GC_EVICT with those watermarks
+        would pick gone too), and the keys they would remove; nothing changes."""
+        live_map = dict(self.chunk_live)
+        gone: set[bytes] = set()
+        if expire:
+            for k, e in self.entries.items():
+                if e.layout.expired(now):
+                    self._add_live(e.layout, -1, k, live_map)
+                    gone.add(k)
+        if evict is not None:
+            victims, _, _, _ = self._evict_victims(evict.high, evict.low, None, now, live_map, gone)
+            for k in victims:
+                self._add_live(self.entries[k].layout, -1, k, live_map)
+                gone.add(k)
+        return live_map, gone
+
+    def _evict_victims(self, high: float, low: float, only: int | None, now: float,
+                       live_map: dict[int, int] | None = None, gone: Collection[bytes] = (),
+                       ) -> tuple[list[bytes], int, dict[int, rpc.EvictTarget], dict[int, int]]:
+        """Least recently used, unleased keys of the servers over ``high`` until they fit under
+        ``low``: (victims, leased keys skipped, live and target per server, bytes still short).
+        ``live_map`` and ``gone``: a dry run's view after the expire phase."""
+        need: dict[int, int] = {}
+        report: dict[int, rpc.EvictTarget] = {}
+        for s in self.servers.values():
+            if s.capacity <= 0 or (only is not None and s.server_id != only):
+                continue
+            wanted = s.wanted
+            if self._used(s) > high * s.capacity or wanted:
+                live, target = self._server_live(s, live_map), int(low * s.capacity)
+                report[s.server_id] = rpc.EvictTarget(live, target)
+                short = max(live - target, live + wanted - s.capacity)
+                if short > 0:
+                    need[s.server_id] = short
+        victims: list[bytes] = []
+        leased = 0
+        if need:
+            order = sorted(((k, e) for k, e in self.entries.items() if k not in gone),
+                           key=lambda kv: kv[1].last_access)
+            for k, e in order:
+                if all(v <= 0 for v in need.values()):
+                    break
+                per: dict[int, int] = defaultdict(int)
+                for x in e.layout.extents:
+                    for r in x.replicas:
+                        per[r.server_id] += x.length
+                if not any(need.get(sid, 0) > 0 for sid in per):
+                    continue
+                if self.leases.get(k, 0.0) > now and not e.layout.expired(now):
+                    leased += 1
+                    continue
+                victims.append(k)
+                for sid, n in per.items():
+                    if sid in need:
+                        need[sid] -= n
+        return victims, leased, report, need
 
     # RPCs ------------------------------------------------------------------------
     async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
@@ -190,43 +250,14 @@ class MetaGc:
         return rpc.Expired(keys=n, bytes=nbytes, more=len(keys) == req.limit), ()
 
     async def rpc_gc_evict(self, req: rpc.GcEvict, payload: memoryview) -> Reply:
-        high, low, only = req.high, req.low, req.server_id
         now = self.clock()
-        need: dict[int, int] = {}
-        report: dict[int, rpc.EvictTarget] = {}
-        for s in self.servers.values():
-            if s.capacity <= 0 or (only is not None and s.server_id != only):
-                continue
-            wanted = s.wanted
-            if self._used(s) > high * s.capacity or wanted:
-                live, target = self._server_live(s), int(low * s.capacity)
-                report[s.server_id] = rpc.EvictTarget(live, target)
-                short = max(live - target, live + wanted - s.capacity)
-                if short > 0:
-                    need[s.server_id] = short
-        victims: list[bytes] = []
-        leased = 0
-        if need:
-            for k, v in list(self.leases.items()):
-                if v <= now:
-                    del self.leases[k]
-            order = sorted(self.entries.items(), key=lambda kv: kv[1].last_access)
-            for k, e in order:
-                if all(v <= 0 for v in need.values()):
-                    break
-                per: dict[int, int] = defaultdict(int)
-                for x in e.layout.extents:
-                    for r in x.replicas:
-                        per[r.server_id] += x.length
-                if not any(need.get(sid, 0) > 0 for sid in per):
-                    continue
-                if self.leases.get(k, 0.0) > now and not e.layout.expired(now):
-                    leased += 1
-                    continue
-                victims.append(k)
-                for sid, n in per.items():
-                    if sid in need:
-                        need[sid] -= n
+        for k, v in list(self.leases.items()):
+            if v <= now:
+                del self.leases[k]
+        live_map, gone = (self._live_after(now, expire=True, evict=None)  # as --apply would see it
+                          if not req.apply and req.after_expire else (None, set()))
+        victims, leased, report, need = self._evict_victims(req.high, req.low, req.server_id, now,
+                                                            live_map, gone)
         if req.apply:
             n, nbytes = self._remove(victims)
             if n:
@@ -246,12 +277,9 @@ class MetaGc:
         waiting = 0
         live_map = self.chunk_live
         zero_since = self.zero_since
-        if req.after_expire:  # a dry run: plan as if the expire phase had run first
-            live_map = dict(live_map)
+        if req.after_expire or req.after_evict:  # a dry run: as if those phases had run first
+            live_map, _ = self._live_after(now, expire=req.after_expire, evict=req.after_evict)
             zero_since = dict(zero_since)  # and start no grace clocks for it
-            for k, e in self.entries.items():
-                if e.layout.expired(now):
-                    self._add_live(e.layout, -1, k, live_map)
         for s in self.servers.values():
             pressure = s.capacity > 0 and (self._used(s) > high * s.capacity or s.wanted)
             open_chunk = s.open_chunk

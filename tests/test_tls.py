@@ -309,3 +309,41 @@ def test_engine_config_and_fsspec_options_carry_tls(tmp_path: Path, certs: Certs
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+@pytest.mark.fuse
+@pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() != 0,
+                    reason="FUSE mount tests run as root with /dev/fuse")
+def test_fuse_mount_over_tls(tmp_path: Path, certs: Certs) -> None:
+    """`kvfs mount --tls-*` against a mutual-TLS cluster; without them it refuses to mount."""
+    import subprocess
+    import sys
+
+    from conftest import ThreadCluster
+    from test_fuse import Mount
+
+    from kvfs.fs import KVFileSystem
+
+    c = ThreadCluster(tmp_path / "cluster", 1, tls=certs.services())
+    m: Mount | None = None
+    try:
+        flags = ["--tls-ca", str(certs.ca), "--tls-cert", str(certs.client_cert),
+                 "--tls-key", str(certs.client_key)]
+        m = Mount(tmp_path / "mnt", c, tmp_path / "logs", *flags)
+        (m.mnt / "over-tls.bin").write_bytes(b"through the mount, over TLS")
+        fs = KVFileSystem(c.addr, token=c.token, skip_instance_cache=True, tls_ca=str(certs.ca),
+                          tls_cert=str(certs.client_cert), tls_key=str(certs.client_key))
+        try:
+            assert fs.cat_file("over-tls.bin") == b"through the mount, over TLS"
+        finally:
+            fs.close()
+        (tmp_path / "plain").mkdir()
+        r = subprocess.run([sys.executable, "-m", "kvfs", "mount", str(tmp_path / "plain"),
+                            "--addr", c.addr, "--timeout", "2s"],
+                           env={**os.environ, "KVFS_TOKEN": c.token}, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 1 and "--tls-ca" in r.stderr, r.stderr
+    finally:
+        if m is not None:
+            m.cleanup()
+        c.close()
