@@ -298,6 +298,11 @@ class ChunkStore:
             self.sizes[chunk_id] = keep
 
     def close(self) -> None:
+        if self._open is not None:  # a stopped server keeps no reservation (64 MiB per data dir)
+            try:
+                self._release(self._open)
+            except OSError as e:
+                log.warning("chunk %016x: could not give back its reserved blocks: %s", self._open, e)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
