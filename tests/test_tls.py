@@ -233,7 +233,7 @@ def test_kvfs_up_with_tls_end_to_end(tmp_path: Path, certs: Certs) -> None:
     try:
         pids = up.children()
         assert set(pids) == {"meta", "chunkserver 0", "chunkserver 1", "gc"}
-        assert "TLS with" in up.stderr() and "mutual" in up.stderr()
+        assert "TLS with" in up.stderr() and "mutual TLS" in up.stderr()
         mine = ["--tls-ca", str(certs.ca), "--tls-cert", str(certs.client_cert),
                 "--tls-key", str(certs.client_key)]
         value = os.urandom(3_000_000)
@@ -347,3 +347,28 @@ def test_fuse_mount_over_tls(tmp_path: Path, certs: Certs) -> None:
         if m is not None:
             m.cleanup()
         c.close()
+
+
+@pytest.mark.subprocess
+def test_kvfs_up_checks_its_tls_files_before_starting(tmp_path: Path, certs: Certs) -> None:
+    import subprocess
+    import sys
+
+    for args, said in ((["--tls-key", str(certs.key)], "--tls-key/--tls-ca need --tls-cert"),
+                       (["--tls-cert", str(tmp_path / "nope.pem")], "no such file"),
+                       (["--tls-cert", str(certs.ca)], "cannot load")):
+        r = subprocess.run([sys.executable, "-m", "kvfs", "up", "--data", str(tmp_path / "d"),
+                            "--listen", "127.0.0.1:0", *args], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 1 and said in r.stderr, r.stderr
+        assert not (tmp_path / "d").exists()  # nothing was started or created
+
+
+def test_a_tls_hello_to_a_plaintext_decoder_is_named() -> None:
+    from kvfs.errors import RemoteProtocolError
+    from kvfs.protocol import FrameDecoder
+
+    dec = FrameDecoder()
+    with pytest.raises(RemoteProtocolError, match="the peer speaks TLS and this side does not"):
+        dec.receive_data(b"\x16\x03\x01\x02\x00" + bytes(64))
+        dec.next_event()
