@@ -9,12 +9,12 @@ import logging
 from kvfs import rpc
 from kvfs.address import lookup_token, parse_addr
 from kvfs.chunkserver.store import ChunkStore
+from kvfs.cluster import ClusterLink
 from kvfs.config import ChunkServerConfig
 from kvfs.errors import KVFSError
 from kvfs.protocol import Buffer, Limits
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
-from kvfs.transport import Connection
 
 log = logging.getLogger("kvfs.chunkserver")
 
@@ -29,7 +29,8 @@ class ChunkServer:
                                 merge_gap_bytes=config.merge_gap_bytes)
         self.rpc = RpcServer(self, Service.CHUNKSERVER, self.token, Limits())
         self.addr = ""
-        self._meta: Connection | None = None
+        # registration and heartbeats
+        self._meta = ClusterLink(*parse_addr(config.meta, what="meta address"), self.token)
         self._hb: asyncio.Task[None] | None = None
         self.readv_calls = 0
         self.append_calls = 0
@@ -52,27 +53,23 @@ class ChunkServer:
             self._hb.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._hb
-        if self._meta is not None:
-            self._meta.close()
+        self._meta.close()
         await self.rpc.close()
         self.store.close()
 
     async def _register(self) -> None:
-        if self._meta is None or self._meta.is_closed:
-            host, port = parse_addr(self.config.meta, what="meta address")
-            self._meta = await Connection.open(host, port, self.token)
         capacity, free, _ = self.store.usage()
-        r = await self._meta.call(rpc.Register(server_id=self.store.server_id, addr=self.addr,
-                                               capacity=capacity, free=free))
+        r = await self._meta.call_meta(rpc.Register(server_id=self.store.server_id, addr=self.addr,
+                                                    capacity=capacity, free=free))
         if r.server_id != self.store.server_id:
             self.store.server_id = r.server_id
             self.store.save_state()
         await self._heartbeat()
 
     async def _heartbeat(self) -> None:
-        assert self._meta is not None and self.server_id is not None
-        await self._meta.call(rpc.Heartbeat.of(self.chunk_stats(), server_id=self.server_id,
-                                               addr=self.addr))
+        assert self.server_id is not None
+        await self._meta.call_meta(rpc.Heartbeat.of(self.chunk_stats(), server_id=self.server_id,
+                                                    addr=self.addr))
 
     def chunk_stats(self, *, mtimes: bool = False) -> rpc.ChunkStatsReply:
         capacity, free, used = self.store.usage()
@@ -88,15 +85,13 @@ class ChunkServer:
         while True:
             await asyncio.sleep(interval)
             try:
-                if self._meta is None or self._meta.is_closed:
-                    await self._register()
-                else:
+                if self._meta.meta_open:
                     await self._heartbeat()
+                else:  # meta restarted (or never answered): register again
+                    await self._register()
             except KVFSError as exc:
                 log.warning("heartbeat to meta failed: %s", exc)
-                if self._meta is not None:
-                    self._meta.close()
-                    self._meta = None
+                self._meta.close()
 
     # RPCs ------------------------------------------------------------------
     async def rpc_ping(self, req: rpc.Ping, payload: memoryview) -> Reply:

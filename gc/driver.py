@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfs import rpc
+from kvfs._batch import byte_batches
 from kvfs.address import lookup_token, parse_addr
+from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import GcConfig
 from kvfs.errors import KVFSError, Unavailable
 from kvfs.rpc import R, Request
-from kvfs.transport import Connection
 
 log = logging.getLogger("kvfs.gc")
 
@@ -108,13 +109,11 @@ class GarbageCollector:
     def __init__(self, addr: str | None = None, *, token: str | None = None,
                  progress: Progress | None = None, request_timeout_s: float = 300.0) -> None:
         self.addr = addr
-        self._host, self._port = parse_addr(addr)
+        host, port = parse_addr(addr)
         self.token = lookup_token(token, addr=addr)
         self.progress = progress
         self.request_timeout_s = request_timeout_s
-        self._meta: Connection | None = None
-        self._conns: dict[int, Connection] = {}
-        self._addrs: dict[int, str] = {}
+        self._link = ClusterLink(host, port, self.token, request_timeout_s=request_timeout_s)
         self._usage: dict[int, rpc.ChunkStatsReply] = {}
 
     async def __aenter__(self) -> GarbageCollector:
@@ -125,11 +124,7 @@ class GarbageCollector:
         self.close()
 
     def close(self) -> None:
-        for c in [self._meta, *self._conns.values()]:
-            if c is not None:
-                c.close()
-        self._meta = None
-        self._conns.clear()
+        self._link.close()
 
     def _progress(self, phase: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -137,37 +132,21 @@ class GarbageCollector:
 
     # connections -----------------------------------------------------------------
     async def meta(self, request: Request[R]) -> R:
-        if self._meta is None or self._meta.is_closed:
-            self._meta = await Connection.open(self._host, self._port, self.token,
-                                               request_timeout_s=self.request_timeout_s)
-        return await self._meta.call(request)
+        return await self._link.call_meta(request)
 
     async def chunkserver(self, sid: int, request: Request[R]) -> R:
-        conn = self._conns.get(sid)
-        if conn is None or conn.is_closed:
-            if sid not in self._addrs:
-                await self.servers()
-            if sid not in self._addrs:
-                raise Unavailable(f"chunkserver {sid} is not known to meta")
-            host, port = parse_addr(self._addrs[sid], what="chunkserver address")
-            conn = await Connection.open(host, port, self.token, request_timeout_s=self.request_timeout_s)
-            self._conns[sid] = conn
-        return await conn.call(request)
+        return (await self._link.call_server(sid, request))[0]
 
-    async def servers(self) -> list[tuple[int, str, bool]]:
-        h = await self.meta(rpc.Servers())
-        out = [(s.server_id, s.addr, s.alive) for s in h.servers]
-        for sid, addr, _ in out:
-            if self._addrs.get(sid) not in (None, addr) and sid in self._conns:
-                self._conns.pop(sid).close()
-            self._addrs[sid] = addr
-        return out
+    async def servers(self) -> list[ServerEntry]:
+        """The chunkservers meta knows, read now."""
+        return await self._link.servers(refresh=True)
 
     async def sync_usage(self, *, mtimes: bool = False) -> dict[int, rpc.ChunkStatsReply]:
         """Fresh chunk tables from every live chunkserver, forwarded to meta as a heartbeat."""
         out: dict[int, rpc.ChunkStatsReply] = {}
-        for sid, addr, alive in await self.servers():
-            if not alive:
+        for server in await self.servers():
+            sid, addr = server.server_id, server.addr
+            if not server.alive:
                 continue
             try:
                 st = await self.chunkserver(sid, rpc.ChunkStats(mtimes=mtimes))
@@ -369,13 +348,8 @@ class GarbageCollector:
             for sid in stats:
                 refs = (await self.meta(rpc.GcChunkRefs(server_id=sid))).refs
                 flat = [(r.key, c, r.offset, r.length, r.crc) for c, rs in refs.items() for r in rs]
-                i = 0
-                while i < len(flat):
-                    j, size = i, 0
-                    while j < len(flat) and (j == i or size + flat[j][3] <= VERIFY_BATCH_BYTES):
-                        size += flat[j][3]
-                        j += 1
-                    batch = flat[i:j]
+                for run in byte_batches([f[3] for f in flat], VERIFY_BATCH_BYTES):
+                    batch = flat[run.start : run.stop]
                     h = await self.chunkserver(sid, rpc.ChunkVerify(
                         ranges=[rpc.VerifyRange(c, off, ln, crc) for _, c, off, ln, crc in batch]))
                     for idx in h.missing:
@@ -385,8 +359,7 @@ class GarbageCollector:
                         k, c, off, _, _ = batch[idx]
                         rep.corrupt_refs.append(rpc.BadReplica(k, sid, c, off))
                     rep.ranges_checked += len(batch)
-                    self._progress(f"verify server {sid}", j, len(flat))
-                    i = j
+                    self._progress(f"verify server {sid}", run.stop, len(flat))
         if apply:
             pr = PassReport(apply=True)
             bad = rep.missing_refs + rep.corrupt_refs

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
 
 I = TypeVar("I")  # noqa: E741
@@ -81,3 +81,19 @@ class Batcher(Generic[I, R]):
         for f, r in zip(futs, results, strict=True):
             if not f.done():
                 f.set_result(r)
+
+
+def byte_batches(sizes: Sequence[int], limit: int) -> list[range]:
+    """Consecutive runs of items whose sizes add up to at most ``limit`` bytes (an item
+    larger than ``limit`` is a run of its own): how a large APPEND, READV or CHUNK_VERIFY
+    is split into RPCs."""
+    out: list[range] = []
+    i, n = 0, len(sizes)
+    while i < n:
+        j, total = i, 0
+        while j < n and (j == i or total + sizes[j] <= limit):
+            total += sizes[j]
+            j += 1
+        out.append(range(i, j))
+        i = j
+    return out

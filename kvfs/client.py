@@ -1,79 +1,38 @@
 """The kvfs client: async API first, a blocking :class:`Client` on top.
 
-put_many: plan extents (stripe large values, r replicas on distinct servers)
--> one APPEND per chunkserver carrying all its records -> one COMMIT to meta.
-get_many: layouts from the cache or one LOOKUP -> one READV per chunkserver
--> CRC-32C of every extent verified -> bytes into the caller's buffers.
+:class:`AsyncClient` is a thin front over the modules that do the work:
+
+- :mod:`kvfs.cluster`: connections to meta and the chunkservers, the live server list;
+- :mod:`kvfs.layoutcache`: immutable layouts cached, reads told to meta (LRU);
+- :mod:`kvfs.placement` + :mod:`kvfs.writepath`: put_many -> one APPEND per
+  chunkserver -> one COMMIT;
+- :mod:`kvfs.readpath`: get_many -> one READV per chunkserver, replica failover,
+  CRC-32C of every extent, bytes into the caller's buffers;
+- :mod:`kvfs._batch`: concurrent single-key calls coalesced into batches.
 """
 
 from __future__ import annotations
 
-import asyncio
-import enum
-import logging
-import random
 import time
-from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Final
-
-import crc32c
+from typing import Any
 
 from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, lookup_token, parse_addr
 from kvfs.buffers import as_view
+from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig
-from kvfs.errors import (
-    ChecksumMismatch,
-    InvalidArgument,
-    KVFSError,
-    NoSpace,
-    StaleLayout,
-    Unavailable,
-    from_wire,
-)
-from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, Replica, norm_key, norm_keys
-from kvfs.protocol import Buffer, FrameHead, Scatter
-from kvfs.rpc import OP_OF, R, Request
-from kvfs.transport import Connection, Sink
-
-log = logging.getLogger("kvfs.client")
-TOUCH_INTERVAL_S = 5.0
-RX_POOL_BUFFERS = 8  # receive buffers kept for reuse (values returned as bytes are copied out)
-READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
+from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
+from kvfs.layoutcache import LayoutCache
+from kvfs.readpath import WHOLE, ReadPath
+from kvfs.writepath import WritePath
 
 Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor
 
-class _Dest(enum.Enum):
-    WHOLE = "whole"
-
-
-# A destination marker: "the extent is the whole value: hand it back as bytes".
-_WHOLE: Final = _Dest.WHOLE
-Dest = memoryview | _Dest | None  # where an extent's bytes go; None: not read
-
-
-@dataclass(slots=True)
-class ServerEntry:
-    server_id: int
-    addr: str
-    capacity: int
-    free: int
-    alive: bool
-
-
-@dataclass(slots=True)
-class _Job:
-    """One extent to read into ``dest``."""
-
-    slot: int
-    extent: Extent
-    dest: memoryview | _Dest
-    rep: Replica | None = None  # the replica being read
-    tried: tuple[int, ...] = ()  # servers that already failed this extent
-    error: KVFSError | None = None
+__all__ = ["AsyncClient", "KeyInfo", "ServerEntry", "connect"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,28 +45,29 @@ class KeyInfo:
 
 
 class AsyncClient:
-    """``async with kvfs.connect(addr) as kv: ...``"""
+    """``async with kvfs.connect(addr) as kv: ...``
+
+    Public counters: ``rpc_counts`` (RPCs sent, by op name), ``layout_cache`` (its
+    ``clear()`` makes the next read ask meta), ``rx_pool_buffers`` and
+    ``rx_buffers_reused`` (the read path's pooled receive buffers).
+    """
 
     def __init__(self, addr: str | None = None, *, token: str | None = None,
                  config: ClientConfig | None = None) -> None:
-        self._host, self._port = parse_addr(addr)
-        self.addr = format_addr(self._host, self._port)
+        host, port = parse_addr(addr)
+        self.addr = format_addr(host, port)
         self.token = lookup_token(token, addr=self.addr)
-        self.config = config or ClientConfig()
-        self._meta: Connection | None = None
-        self._meta_lock = asyncio.Lock()
-        self._conns: dict[int, Connection] = {}
-        self._conn_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._servers: dict[int, ServerEntry] = {}
-        self._servers_at = -1e18
-        self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
+        self.config = cfg = config or ClientConfig()
         self.clock = time.time
-        self.rpc_counts: dict[str, int] = defaultdict(int)
-        self._rx_pool: list[bytearray] = []
-        self._touched: set[bytes] = set()  # keys read via the layout cache, not yet told to meta
-        self._touch_at = time.monotonic()
-        self._touch_task: asyncio.Task[None] | None = None
-        cfg = self.config
+        self._link = ClusterLink(host, port, self.token, connect_timeout_s=cfg.connect_timeout_s,
+                                 request_timeout_s=cfg.request_timeout_s,
+                                 servers_refresh_s=cfg.servers_refresh_s)
+        self.rpc_counts = self._link.rpc_counts
+        self.layout_cache = LayoutCache(self._link, cfg.layout_cache_entries)
+        self._writer = WritePath(self._link, cfg, lambda: self.clock())
+        self._reader = ReadPath(self._link, max_rpc_bytes=cfg.max_read_rpc_bytes,
+                                relookup=lambda keys: self._lookup(keys, use_cache=False),
+                                forget=self.layout_cache.pop)
         self._get_batcher: Batcher[bytes, bytes | None] = Batcher(
             self.get_many, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
             window_s=cfg.batch_window_s)
@@ -115,9 +75,18 @@ class AsyncClient:
             self.exists_many, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
             window_s=cfg.batch_window_s)
 
-    def _known_size(self, key: bytes) -> int:
-        lay = self._layouts.get(key)
-        return 0 if lay is None else lay.size
+    @property
+    def rx_pool_buffers(self) -> int:
+        return self._reader.rx_pool_buffers
+
+    @property
+    def rx_buffers_reused(self) -> int:
+        return self._reader.rx_buffers_reused
+
+    @property
+    def get_batches(self) -> int:
+        """Batches the ``get()`` batcher has sent."""
+        return self._get_batcher.batches
 
     # lifecycle -------------------------------------------------------------
     async def __aenter__(self) -> AsyncClient:
@@ -128,170 +97,35 @@ class AsyncClient:
         await self.close()
 
     async def open(self) -> None:
-        await self._meta_conn()
+        await self._link.meta_conn()
 
     async def close(self) -> None:
-        if self._touched and self._meta is not None and not self._meta.is_closed:
-            self._flush_touches()
-        if self._touch_task is not None:
-            await asyncio.wait([self._touch_task], timeout=self.config.request_timeout_s)
-        for c in [self._meta, *self._conns.values()]:
-            if c is not None:
-                c.close()
-        self._meta = None
-        self._conns.clear()
-
-    # connections -------------------------------------------------------------
-    async def _meta_conn(self) -> Connection:
-        if self._meta is not None and not self._meta.is_closed:
-            return self._meta
-        async with self._meta_lock:
-            if self._meta is None or self._meta.is_closed:
-                self._meta = await Connection.open(
-                    self._host, self._port, self.token,
-                    connect_timeout_s=self.config.connect_timeout_s,
-                    request_timeout_s=self.config.request_timeout_s)
-        return self._meta
-
-    async def _meta_call(self, request: Request[R]) -> R:
-        self.rpc_counts[OP_OF[type(request)].name] += 1
-        for attempt in (0, 1):
-            conn = await self._meta_conn()
-            try:
-                return await conn.call(request)
-            except Unavailable:
-                if attempt or not conn.is_closed:
-                    raise
-        raise AssertionError("unreachable")
-
-    async def _server_conn(self, sid: int) -> Connection:
-        conn = self._conns.get(sid)
-        if conn is not None and not conn.is_closed:
-            return conn
-        async with self._conn_locks[sid]:
-            conn = self._conns.get(sid)
-            if conn is None or conn.is_closed:
-                conn = await self._open_server(sid)
-                self._conns[sid] = conn
-        return conn
-
-    async def _open_server(self, sid: int) -> Connection:
-        # a second try after re-reading the server list: a restarted server may have moved
-        for attempt in (0, 1):
-            entry = self._servers.get(sid)
-            if entry is None or attempt:
-                await self.servers(refresh=True)
-                if attempt and entry is not None and self._servers.get(sid) == entry:
-                    break
-                entry = self._servers.get(sid)
-            if entry is None:
-                raise Unavailable(f"chunkserver {sid} is not known to meta")
-            host, port = parse_addr(entry.addr, what="chunkserver address")
-            try:
-                return await Connection.open(
-                    host, port, self.token, connect_timeout_s=self.config.connect_timeout_s,
-                    request_timeout_s=self.config.request_timeout_s)
-            except Unavailable as exc:
-                entry.alive = False
-                error = Unavailable(f"chunkserver {sid} at {entry.addr}: {exc}")
-        raise error
-
-    async def _server_call(self, sid: int, request: Request[R], payload: Sequence[Buffer] = (),
-                           sink: Sink | None = None) -> tuple[R, memoryview | Scatter]:
-        self.rpc_counts[OP_OF[type(request)].name] += 1
-        conn = await self._server_conn(sid)
-        try:
-            answer, body = await conn.exchange(request, payload, sink=sink)
-        except Unavailable as exc:
-            if sid in self._servers:
-                self._servers[sid].alive = False
-            raise Unavailable(f"chunkserver {sid} ({conn.name}): {exc}") from None
-        return answer, body if isinstance(body, Scatter) else memoryview(body)
-
-    def _rx_take(self, n: int) -> bytearray:
-        pool = self._rx_pool
-        for i, buf in enumerate(pool):
-            if len(buf) >= n:
-                return pool.pop(i)
-        return bytearray(max(n, 1 << 20))
-
-    def _rx_give(self, bufs: list[bytearray]) -> None:
-        for buf in bufs:
-            if len(self._rx_pool) < RX_POOL_BUFFERS:
-                self._rx_pool.append(buf)
-        bufs.clear()
+        await self.layout_cache.close(self.config.request_timeout_s)
+        self._link.close()
 
     async def servers(self, *, refresh: bool = False) -> list[ServerEntry]:
         """The chunkservers meta knows, refreshed every ``servers_refresh_s``."""
-        now = time.monotonic()
-        if refresh or now - self._servers_at > self.config.servers_refresh_s:
-            h = await self._meta_call(rpc.Servers())
-            fresh = {s.server_id: ServerEntry(s.server_id, s.addr, s.capacity, s.free, s.alive)
-                     for s in h.servers}
-            for sid, conn in list(self._conns.items()):
-                if sid not in fresh or fresh[sid].addr != self._servers.get(sid, fresh[sid]).addr:
-                    conn.close()
-                    del self._conns[sid]
-            self._servers, self._servers_at = fresh, now
-        return list(self._servers.values())
+        return await self._link.servers(refresh=refresh)
 
     # layouts ---------------------------------------------------------------
-    def _cache(self, key: bytes, layout: Layout) -> None:
-        cache = self._layouts
-        cache[key] = layout
-        cache.move_to_end(key)
-        while len(cache) > self.config.layout_cache_entries:
-            cache.popitem(last=False)
-
     async def _lookup(self, keys: Sequence[bytes], *, use_cache: bool = True) -> list[Layout | None]:
-        now = self.clock()
-        out: list[Layout | None] = [None] * len(keys)
-        missing: list[int] = []
-        cache = self._layouts
-        for i, k in enumerate(keys):
-            lay = cache.get(k) if use_cache else None
-            if lay is None:
-                missing.append(i)
-            elif lay.expired(now):
-                del cache[k]
-            else:
-                out[i] = lay
-                self._touched.add(k)
-        if self._touched and (len(self._touched) >= 4096
-                              or time.monotonic() - self._touch_at > TOUCH_INTERVAL_S):
-            self._flush_touches()
+        if use_cache:
+            out, missing = self.layout_cache.get_many(keys, self.clock())
+        else:
+            out, missing = [None] * len(keys), list(range(len(keys)))
         if missing:
-            h = await self._meta_call(rpc.Lookup(keys=[keys[i] for i in missing]))
+            h = await self._link.call_meta(rpc.Lookup(keys=[keys[i] for i in missing]))
             for i, lay in zip(missing, h.layouts, strict=True):
                 if lay is not None:
                     out[i] = lay
-                    self._cache(keys[i], lay)
+                    self.layout_cache.put(keys[i], lay)
         return out
-
-    def _flush_touches(self) -> None:
-        """Tell meta, in one batch, which keys were read from cached layouts (LRU eviction)."""
-        if self._touch_task is not None and not self._touch_task.done():
-            return
-        keys, self._touched = list(self._touched), set()
-        self._touch_at = time.monotonic()
-
-        async def send() -> None:
-            try:
-                await self._meta_call(rpc.Touch(keys=keys))
-            except KVFSError as exc:  # best effort: access times are advisory
-                log.debug("touch of %d keys failed: %s", len(keys), exc)
-
-        self._touch_task = asyncio.get_running_loop().create_task(send())
 
     async def layout(self, key: Key) -> Layout | None:
         """Where a value lives (extents, replicas); None on a miss."""
         return (await self._lookup([norm_key(key)], use_cache=False))[0]
 
     # writes ------------------------------------------------------------------
-    def _order(self, live: list[ServerEntry]) -> list[ServerEntry]:
-        """Servers in a random order weighted by free space (Efraimidis-Spirakis)."""
-        return sorted(live, key=lambda s: random.random() ** (1.0 / max(s.free, 1)), reverse=True)
-
     async def put(self, key: Key, value: Value, *, ttl: float | None = None,
                   replicas: int | None = None) -> None:
         await self.put_many([(key, value)], ttl=ttl, replicas=replicas)
@@ -313,124 +147,16 @@ class AsyncClient:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        layouts: list[Layout] | None = None
-        collected = False
-        for attempt in range(3):
-            live = [s for s in await self.servers(refresh=attempt > 0) if s.alive]
-            if len(live) < r:
-                raise Unavailable(f"{r} replicas need {r} live chunkservers; {len(live)} are live")
-            try:
-                layouts = await self._write(keys, views, self._order(live), r, ttl)
-                break
-            except Unavailable:
-                if attempt == 2:
-                    raise
-            except NoSpace:
-                if collected or not self.config.evict_on_full:
-                    raise
-                await self._make_room()
-                collected = True
-        assert layouts is not None
-        h = await self._meta_call(rpc.Commit(
-            items=[rpc.CommitItem(k, lay) for k, lay in zip(keys, layouts, strict=True)], ttl_s=ttl))
+        layouts = await self._writer.put(keys, views, replicas=r, ttl=ttl)
         for k, lay in zip(keys, layouts, strict=True):
-            self._cache(k, lay.stamped(h.created, h.expires_at))
-
-    async def _make_room(self) -> None:
-        """A write found the cluster full: run one GC pass (expire, evict LRU down to the
-        low watermark and to fit the refused write, compact, delete) and let the caller retry."""
-        from kvfs.gc.driver import GarbageCollector, PassOptions
-
-        log.info("cluster full: running a GC pass before retrying the write")
-        async with GarbageCollector(self.addr, token=self.token) as gc:
-            await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
-        await self.servers(refresh=True)
-
-    async def _write(self, keys: list[bytes], views: list[memoryview], order: list[ServerEntry],
-                     r: int, ttl: float | None) -> list[Layout]:
-        """Append every value (one APPEND per server); returns the layouts to commit."""
-        stripe = self.config.stripe_bytes
-        expires_hint = None if ttl is None else self.clock() + ttl
-        n_srv = len(order)
-        crc = crc32c.crc32c
-        # per server: records and payload parts, in call order
-        records: dict[int, list[rpc.RecordHead]] = defaultdict(list)
-        parts: dict[int, list[memoryview]] = defaultdict(list)
-        # per value and unit: (length, crc, [(sid, index into records[sid]), ...])
-        plans: list[list[tuple[int, int, list[tuple[int, int]]]]] = []
-        crcs: list[int] = []
-        # Values <= one stripe go, in call order, to runs of up to ``put_group_bytes`` on one
-        # server (a prefix chain stays contiguous: one sequential read later); successive runs
-        # of a large call go to the next servers, so a big batch is spread and written in parallel.
-        group_limit = self.config.put_group_bytes
-        group, group_bytes = 0, 0
-        small = [order[j % n_srv].server_id for j in range(r)]
-        rr = 0
-        for key, v in zip(keys, views, strict=True):
-            n = v.nbytes
-            if 0 < n <= stripe:  # the common case: one extent
-                if group_bytes and group_bytes + n > group_limit:
-                    group, group_bytes = group + 1, 0
-                    small = [order[(group + j) % n_srv].server_id for j in range(r)]
-                group_bytes += n
-                c = crc(v)
-                where = []
-                for sid in small:
-                    recs = records[sid]
-                    where.append((sid, len(recs)))
-                    recs.append(rpc.RecordHead(key, n, c, expires_hint))
-                    parts[sid].append(v)
-                plans.append([(n, c, where)])
-                crcs.append(c)
-                continue
-            units = [v[i : i + stripe] for i in range(0, n, stripe)]
-            plan = []
-            whole = 0
-            for ui, u in enumerate(units):
-                c = crc(u)
-                whole = crc(u, whole)
-                start = (rr + ui) % n_srv
-                where = []
-                for j in range(r):
-                    sid = order[(start + j) % n_srv].server_id
-                    where.append((sid, len(records[sid])))
-                    records[sid].append(rpc.RecordHead(key, u.nbytes, c, expires_hint))
-                    parts[sid].append(u)
-                plan.append((u.nbytes, c, where))
-            rr += len(units)
-            plans.append(plan)
-            crcs.append(whole)
-        locs: dict[int, list[rpc.Location]] = {}
-
-        async def send(sid: int) -> None:
-            out: list[rpc.Location] = []
-            recs, ps = records[sid], parts[sid]
-            i = 0
-            while i < len(recs):
-                j, total = i, 0
-                while j < len(recs) and (j == i or total + ps[j].nbytes <= self.config.max_rpc_bytes):
-                    total += ps[j].nbytes
-                    j += 1
-                h, _ = await self._server_call(sid, rpc.Append(records=recs[i:j]), ps[i:j])
-                out.extend(h.locations)
-                i = j
-            locs[sid] = out
-
-        results = await asyncio.gather(*(send(sid) for sid in records), return_exceptions=True)
-        for res in results:
-            if isinstance(res, BaseException):
-                raise res
-        return [Layout(v.nbytes, whole, 0.0, None, tuple(
-                    Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
-                    for length, c, where in plan))
-                for v, plan, whole in zip(views, plans, crcs, strict=True)]
+            self.layout_cache.put(k, lay)
 
     # reads -------------------------------------------------------------------
     async def get(self, key: Key) -> bytes | None:
         """One value, or None on a miss; concurrent calls are batched together."""
         k = norm_key(key)
         if self.config.batch:
-            return await self._get_batcher.submit(k, self._known_size(k))
+            return await self._get_batcher.submit(k, self.layout_cache.size_of(k))
         return (await self.get_many([k]))[0]
 
     async def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
@@ -442,9 +168,9 @@ class AsyncClient:
         bufs: list[bytearray | None] = [
             None if lay is None or len(lay.extents) < 2 else bytearray(lay.size) for lay in layouts]
         out: list[bytes | None] = [None if lay is None else b"" for lay in layouts]
-        dests = [memoryview(b) if b is not None else (_WHOLE if lay is not None and lay.size else None)
+        dests = [memoryview(b) if b is not None else (WHOLE if lay is not None and lay.size else None)
                  for b, lay in zip(bufs, layouts, strict=True)]
-        misses = await self._read_into(ks, layouts, dests, out)
+        misses = await self._reader.read_into(ks, layouts, dests, out)
         return [None if i in misses else bytes(b) if b is not None else o
                 for i, (b, o) in enumerate(zip(bufs, out, strict=True))]
 
@@ -481,12 +207,12 @@ class AsyncClient:
                 subs.append(Layout(size, 0, lay.created, lay.expires_at, tuple(chosen)))
                 dests.append(memoryview(buf))
                 cuts.append((buf, lo - first, max(lo, hi) - first))
-            stale = await self._fetch(keys, subs, dests, None)
+            stale = await self._reader.fetch(keys, subs, dests, None)
             if not stale:
                 return [None if sub is None else bytes(buf[a:b])
                         for sub, (buf, a, b) in zip(subs, cuts, strict=True)]
             for i in stale:
-                self._layouts.pop(keys[i], None)
+                self.layout_cache.pop(keys[i])
         raise StaleLayout("layouts changed twice during one ranged read; retry")
 
     async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
@@ -502,192 +228,12 @@ class AsyncClient:
                 raise InvalidArgument(f"buffer of {v.nbytes} bytes is too small for {k[:64]!r} "
                                       f"({lay.size} bytes)")
             dests.append(None if lay is None else v[: lay.size])
-        misses = await self._read_into(ks, layouts, dests)
+        misses = await self._reader.read_into(ks, layouts, dests)
         return [-1 if lay is None or i in misses else lay.size for i, lay in enumerate(layouts)]
-
-    async def _read_into(self, keys: list[bytes], layouts: list[Layout | None],
-                         dests: Sequence[Dest], out: list[bytes | None] | None = None,
-                         ) -> set[int]:
-        """Fill ``dests``; returns the slots that turned out to be misses (deleted or
-        expired while being read)."""
-        misses: set[int] = set()
-        stale = await self._fetch(keys, layouts, dests, out)
-        if stale:
-            for i in stale:
-                self._layouts.pop(keys[i], None)
-            fresh = await self._lookup([keys[i] for i in stale], use_cache=False)
-            retry_layouts: list[Layout | None] = [None] * len(keys)
-            retry_dests: list[Dest] = [None] * len(keys)
-            for i, lay in zip(stale, fresh, strict=True):
-                old = layouts[i]
-                if lay is None:
-                    misses.add(i)
-                    continue
-                if old is None or lay.size != old.size or lay == old:
-                    raise StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
-                                      "named by its layout (lost or reclaimed)")
-                retry_layouts[i], retry_dests[i] = lay, dests[i]
-            if await self._fetch(keys, retry_layouts, retry_dests, out):
-                raise StaleLayout("layouts changed twice during one read; retry")
-        return misses
-
-    async def _fetch(self, keys: list[bytes], layouts: list[Layout | None],
-                     dests: Sequence[Dest], out: list[bytes | None] | None) -> list[int]:
-        """Read every extent into its destination; returns the slots whose layout was stale."""
-        jobs: list[_Job] = []
-        for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
-            if lay is None or dest is None:
-                continue
-            if dest is _WHOLE:
-                jobs.append(_Job(slot, lay.extents[0], _WHOLE))
-                continue
-            pos = 0
-            for e in lay.extents:
-                jobs.append(_Job(slot, e, dest[pos : pos + e.length]))
-                pos += e.length
-        stale: set[int] = set()
-        failed: dict[int, KVFSError] = {}
-        alive = {s.server_id: s.alive for s in self._servers.values()}
-        pending = jobs
-        while pending:
-            by_server: dict[int, list[_Job]] = defaultdict(list)
-            for job in pending:
-                if job.slot in stale or job.slot in failed:
-                    continue
-                reps = job.extent.replicas
-                if len(reps) == 1 and not job.tried:  # the common case, no choice to make
-                    rep: Replica | None = reps[0]
-                else:
-                    choices = [r for r in reps if r.server_id not in job.tried]
-                    rep = next((r for r in choices if alive.get(r.server_id, True)),
-                               choices[0] if choices else None)
-                if rep is None:
-                    failed[job.slot] = job.error or Unavailable("no replica left")
-                    continue
-                job.rep = rep
-                by_server[rep.server_id].append(job)
-            if not by_server:
-                break
-            results = await asyncio.gather(
-                *(self._readv(sid, js, keys, out) for sid, js in by_server.items()),
-                return_exceptions=True)
-            pending = []
-            for (sid, js), res in zip(by_server.items(), results, strict=True):
-                if isinstance(res, Unavailable):
-                    for job in js:
-                        job.tried += (sid,)
-                        job.error = Unavailable(
-                            f"key {keys[job.slot][:64]!r}: chunkserver {sid} holding its bytes is "
-                            f"unavailable ({res})")
-                    pending.extend(js)
-                elif isinstance(res, BaseException):
-                    raise res
-                else:
-                    st, retry = res
-                    stale.update(st)
-                    pending.extend(retry)
-        if failed:
-            raise next(iter(failed.values()))
-        return sorted(stale)
-
-    async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes],
-                     out: list[bytes | None] | None) -> tuple[list[int], list[_Job]]:
-        """Read ``jobs`` from one server: one READV, or several (at most
-        ``max_read_rpc_bytes`` each, a few in flight) for large reads, so the server's
-        reads, the transfer and the client's checks overlap."""
-        stale: list[int] = []
-        retry: list[_Job] = []
-        limit = self.config.max_read_rpc_bytes
-        batches: list[list[_Job]] = []
-        i = 0
-        while i < len(jobs):
-            j, total = i, 0
-            while j < len(jobs) and (j == i or total + jobs[j].extent.length <= limit):
-                total += jobs[j].extent.length
-                j += 1
-            batches.append(jobs[i:j])
-            i = j
-        if len(batches) == 1:
-            await self._readv_batch(sid, batches[0], keys, out, stale, retry)
-            return stale, retry
-        gate = asyncio.Semaphore(READV_IN_FLIGHT)
-
-        async def one(batch: list[_Job]) -> None:
-            async with gate:
-                await self._readv_batch(sid, batch, keys, out, stale, retry)
-
-        await asyncio.gather(*(one(b) for b in batches))
-        return stale, retry
-
-    async def _readv_batch(self, sid: int, batch: list[_Job], keys: list[bytes],
-                           out: list[bytes | None] | None, stale: list[int],
-                           retry: list[_Job]) -> None:
-        ranges = [rpc.Range(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
-                  for job in batch]
-        rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
-
-        def scatter(head: FrameHead) -> Scatter:
-            # the answer lands straight in each destination (e.g. the caller's buffers); this
-            # peeks at the header before it is checked: exchange() checks it once received
-            errs = head.header.get("errors") or {}
-            return Scatter([job.dest for i, job in enumerate(batch)  # type: ignore[misc]
-                            if i not in errs])  # chosen only when no dest is _WHOLE
-
-        def pooled(head: FrameHead) -> memoryview:
-            # values handed back as bytes are copied out of a reused buffer: no fresh
-            # pages to fault in for every answer
-            rx.append(self._rx_take(head.payload_len))
-            return memoryview(rx[0])[: head.payload_len]
-
-        sink = scatter if all(job.dest is not _WHOLE for job in batch) else pooled
-        try:
-            h, payload = await self._server_call(sid, rpc.ReadV(ranges=ranges), sink=sink)
-        except BaseException:
-            self._rx_give(rx)
-            raise
-        errors = h.errors
-        in_place = isinstance(payload, Scatter)
-        view = payload if isinstance(payload, memoryview) else memoryview(b"")
-        pos = 0
-        crc = crc32c.crc32c
-        for idx, job in enumerate(batch):
-            if errors:
-                err = errors.get(idx)
-                if err is not None:
-                    exc = from_wire({"code": err.code, "message": err.message})
-                    if isinstance(exc, StaleLayout):
-                        stale.append(job.slot)
-                    else:
-                        job.tried += (sid,)
-                        job.error = exc
-                        retry.append(job)
-                    continue
-            n = job.extent.length
-            dest = job.dest
-            if in_place:
-                assert dest is not _WHOLE  # scatter is chosen only when no dest is _WHOLE
-                got = dest
-            else:
-                got = view[pos : pos + n]
-                pos += n
-            if crc(got) != job.extent.crc:
-                job.tried += (sid,)
-                job.error = ChecksumMismatch(
-                    f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
-                    f"{ranges[idx].chunk_id:016x} offset {ranges[idx].offset}) fail their CRC-32C")
-                retry.append(job)
-                continue
-            if dest is _WHOLE:
-                assert out is not None
-                out[job.slot] = bytes(got)
-            elif not in_place:
-                dest[:] = got
-        got = view = memoryview(b"")  # drop views of the receive buffer before reusing it
-        self._rx_give(rx)
 
     # meta-only queries ---------------------------------------------------------
     async def exists_many(self, keys: Iterable[Key]) -> list[bool]:
-        return (await self._meta_call(rpc.Exists(keys=norm_keys(keys)))).exists
+        return (await self._link.call_meta(rpc.Exists(keys=norm_keys(keys)))).exists
 
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
@@ -697,13 +243,13 @@ class AsyncClient:
 
     async def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         """How many leading keys are present and unexpired (optionally leased)."""
-        return (await self._meta_call(rpc.MatchPrefix(keys=norm_keys(keys), lease_s=lease_s))).n
+        return (await self._link.call_meta(rpc.MatchPrefix(keys=norm_keys(keys), lease_s=lease_s))).n
 
     async def delete_many(self, keys: Iterable[Key]) -> int:
         ks = norm_keys(keys)
         for k in ks:
-            self._layouts.pop(k, None)
-        return (await self._meta_call(rpc.Delete(keys=ks))).deleted
+            self.layout_cache.pop(k)
+        return (await self._link.call_meta(rpc.Delete(keys=ks))).deleted
 
     async def delete(self, key: Key) -> bool:
         return await self.delete_many([key]) == 1
@@ -715,7 +261,7 @@ class AsyncClient:
         out: list[KeyInfo] = []
         start_after: bytes | None = None
         while limit is None or len(out) < limit:
-            h = await self._meta_call(rpc.ListKeys(prefix=p, start_after=start_after, limit=page_size))
+            h = await self._link.call_meta(rpc.ListKeys(prefix=p, start_after=start_after, limit=page_size))
             out.extend(KeyInfo(*e) for e in h.entries)
             if not h.more:
                 break
@@ -723,7 +269,7 @@ class AsyncClient:
         return out if limit is None else out[:limit]
 
     async def stats(self) -> dict[str, Any]:
-        return rpc.to_dict(await self._meta_call(rpc.Stats()))
+        return rpc.to_dict(await self._link.call_meta(rpc.Stats()))
 
 
 def connect(addr: str | None = None, *, token: str | None = None,

@@ -103,6 +103,7 @@ class Op(enum.IntEnum):
     GC_REPORT = 49
     GC_DROP_REPLICAS = 50
     TOUCH = 51
+    MAKE_ROOM = 52
     # garbage collection: chunkserver (56-63)
     CHUNK_COMPACT = 56
     CHUNK_DELETE = 57
@@ -612,6 +613,18 @@ class GcDropReplicas(Request[Dropped], frozen=True, kw_only=True):
     items: Items[BadReplica]
 
 
+class RoomMade(Response, frozen=True, kw_only=True):
+    expired_keys: Count
+    evicted_keys: Count
+    bytes_reclaimed: Count
+
+
+class MakeRoom(Request[RoomMade], frozen=True, kw_only=True):
+    """A write found the cluster full: meta runs one GC pass (expire, evict to the low
+    watermark and to fit the refused write, compact, delete) before answering.
+    Concurrent requests share one pass."""
+
+
 # -- the table -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Rpc:
@@ -671,6 +684,7 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.GC_REPORT, Service.META, GcReport, "a finished pass's report"),
     Rpc(Op.GC_DROP_REPLICAS, Service.META, GcDropReplicas, "fsck repair: forget bad replicas"),
     Rpc(Op.TOUCH, Service.META, Touch, "mark keys read (LRU)"),
+    Rpc(Op.MAKE_ROOM, Service.META, MakeRoom, "a write found the cluster full: meta runs one GC pass"),
     Rpc(Op.CHUNK_COMPACT, Service.CHUNKSERVER, ChunkCompact, "copy live records into a new chunk"),
     Rpc(Op.CHUNK_DELETE, Service.CHUNKSERVER, ChunkDelete, "unlink retired chunks"),
     Rpc(Op.CHUNK_VERIFY, Service.CHUNKSERVER, ChunkVerify, "check ranges' CRC-32C"),
