@@ -31,19 +31,31 @@ class KvfsStore:
     """A kvfs client as a bench ``Store``: one ``put_many``/``get_many`` per call.
 
     ``close()`` closes the client too unless ``close_client=False`` (for a
-    client the caller owns and keeps using).
+    client the caller owns and keeps using). ``server_pids`` names the
+    cluster's processes for ``--cpu``.
     """
 
-    def __init__(self, client: Any, *, name: str = "kvfs", close_client: bool = True) -> None:
+    def __init__(self, client: Any, *, name: str = "kvfs", close_client: bool = True,
+                 server_pids: dict[str, int] | None = None) -> None:
         self.name = name
         self.client = client
         self._close_client = close_client
+        self._server_pids = dict(server_pids or {})
+
+    def pids(self) -> dict[str, int]:
+        """The cluster's processes (meta, cs0, ...), when known, for ``--cpu``."""
+        return dict(self._server_pids)
 
     async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         await self.client.put_many(items)
 
     async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         return list(await self.client.get_many(keys))
+
+    async def get_into(self, keys: list[bytes], buffers: Sequence[memoryview]) -> list[int]:
+        """Each value into its caller buffer; sizes, -1 for a miss."""
+        out: list[int] = await self.client.get_into(keys, buffers)
+        return out
 
     async def close(self) -> None:
         if not self._close_client:

@@ -16,19 +16,23 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import shutil
 import sys
 import tempfile
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvfs.address import token_from_file
+
 from .adapters import ChainStore, KvfsStore
-from .compare import Cell, StoreFactory, compare, peer_factories
+from .compare import Cell, StoreFactory, compare, peer_factories, store_cpu_probe
 from .internal import run_internal
 from .jobs import build_workloads, describe, human_bs
 from .options import add_options
-from .plot import plot
+from .plot import plot, plot_families
 from .render import render_compare
 from .runner import BenchError, JobResult, Workload, run_workload, workload_dict
 from .stats import format_report_text, report_json
@@ -41,6 +45,7 @@ __all__ = ["add_commands", "cmd_bench"]
 _PEER_TEXT = {
     "file": "file-per-key",
     "redis": "redis (TCP, MSET/MGET)",
+    "mooncake": "mooncake (TCP, batch_put_from/batch_get_into)",
     "loopback": "loopback socket limit",
     "fio": "fio psync",
 }
@@ -67,13 +72,15 @@ def _store_for(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> Sto
     client = target.client()
     if ns.prefix_chain and wl.reads:
         return ChainStore(client, ns.prefix_chain)
-    return KvfsStore(client)
+    return KvfsStore(client, server_pids=target.server_pids())
 
 
-async def _run_one(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> JobResult:
+async def _run_one(target: BenchTarget, wl: Workload, ns: argparse.Namespace,
+                   label: str | None = None, eta_after_s: float = 0.0) -> JobResult:
     store = _store_for(target, wl, ns)
     try:
-        return await run_workload(store, wl, progress=ns.progress)
+        return await run_workload(store, wl, progress=ns.progress, label=label, eta_after_s=eta_after_s,
+                                  cpu=store_cpu_probe(store) if ns.cpu else None)
     finally:
         await store.close()
 
@@ -81,21 +88,21 @@ async def _run_one(target: BenchTarget, wl: Workload, ns: argparse.Namespace) ->
 def _child_argv(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> list[str]:
     argv = [sys.executable, "-m", "kvfs", "bench", "--addr", target.addr,
             "--output-format", "json", "--no-progress", "--job-spec", json.dumps(workload_dict(wl))]
-    if target.token:
-        argv += ["--token", target.token]
     if ns.prefix_chain:
         argv += ["--prefix-chain", str(ns.prefix_chain)]
     return argv
 
 
-async def _run_numjobs(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> list[dict[str, Any]]:
-    """``numjobs`` client processes, each its own key space; their fio jobs, in order."""
+async def _run_numjobs(target: BenchTarget, wl: Workload, ns: argparse.Namespace,
+                       group: int) -> list[dict[str, Any]]:
+    """``numjobs`` client processes, each its own key space, run at once: one fio group."""
     procs = []
     for i in range(ns.numjobs):
         job = replace(wl, name=f"{wl.name}.{i}", key_prefix=wl.key_prefix + b"%d/" % i, seed=wl.seed + i)
-        procs.append(await asyncio.create_subprocess_exec(
+        env = {**os.environ, "KVFS_TOKEN": target.token} if target.token else None
+        procs.append(await asyncio.create_subprocess_exec(  # the token in env, never on argv
             *_child_argv(target, job, ns), stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE))
+            stderr=asyncio.subprocess.PIPE, env=env))
     jobs: list[dict[str, Any]] = []
     limit = wl.prefill_timeout_s + wl.ramp_time_s + wl.runtime_s + wl.grace_s
     for i, proc in enumerate(procs):
@@ -104,7 +111,7 @@ async def _run_numjobs(target: BenchTarget, wl: Workload, ns: argparse.Namespace
             raise BenchError(f"job {wl.name}.{i} exited {proc.returncode}: {err.decode()[-2000:]}")
         jobs.extend(json.loads(out)["jobs"])
     for n, fio_job in enumerate(jobs):
-        fio_job["groupid"] = 0
+        fio_job["groupid"] = group
         fio_job["job"] = n
     return jobs
 
@@ -113,7 +120,7 @@ async def _child(ns: argparse.Namespace) -> int:
     d = json.loads(ns.job_spec)
     d["key_prefix"] = d["key_prefix"].encode("latin-1")
     wl = Workload(**d)
-    target = BenchTarget(ns.addr, ns.token)
+    target = BenchTarget(ns.addr, token_from_file(ns.token_file))
     res = await _run_one(target, wl, ns)
     print(json.dumps(report_json([res.to_json()])))
     return 0
@@ -122,7 +129,7 @@ async def _child(ns: argparse.Namespace) -> int:
 def _options_of(ns: argparse.Namespace) -> dict[str, str]:
     out = {"numjobs": str(ns.numjobs)}
     if ns.addr is None:
-        out["cluster"] = f"embedded {ns.cluster}, 3 chunkservers"
+        out["cluster"] = f"embedded {ns.cluster}, {ns.chunkservers} chunkservers"
     return out
 
 
@@ -151,7 +158,7 @@ async def cmd_bench(ns: argparse.Namespace) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         try:
             async with open_target(ns, workdir) as target:
-                where = f"embedded {target.embedded} cluster, 3 chunkservers" if target.embedded else target.addr
+                where = f"embedded {target.embedded} cluster, {ns.chunkservers} chunkservers" if target.embedded else target.addr
                 _say(ns, f"kvfs bench: {len(workloads)} job(s) x numjobs={ns.numjobs} against {where}")
                 if ns.compare:
                     return await _compare(ns, target, workloads, workdir)
@@ -171,7 +178,7 @@ async def _gc_bench(ns: argparse.Namespace) -> int:
             async with open_target(ns, workdir) as target:
                 c = target.cluster
                 data = getattr(c, "data", None) or getattr(c, "root", None)
-                report = await run_gc_bench(ns, target.addr, target.token, data,
+                report = await run_gc_bench(ns, target.addr, target.admin_token, data,
                                             child=target.embedded != "inproc")
         except BenchError as e:
             print(f"kvfs bench: {e}", file=sys.stderr)
@@ -189,14 +196,21 @@ async def _plain(ns: argparse.Namespace, target: BenchTarget, workloads: list[Wo
     for i, wl in enumerate(workloads, 1):
         _say(ns, f"[{i}/{len(workloads)}] {describe(wl)} size={human_bs(wl.size_bytes)} "
                  f"runtime={wl.runtime_s:g}s")
+        # jobs that run one after another are groups of their own (fio sums a group)
         if ns.numjobs == 1:
-            jobs.append((await _run_one(target, wl, ns)).to_json())
+            label = f"[{i}/{len(workloads)}] kvfs {wl.rw} {human_bs(wl.bs)}"
+            after = sum(w.ramp_time_s + w.runtime_s for w in workloads[i:])
+            job = (await _run_one(target, wl, ns, label, after)).to_json()
+            job["groupid"] = i - 1
+            jobs.append(job)
         else:
-            jobs.extend(await _run_numjobs(target, wl, ns))
+            jobs.extend(await _run_numjobs(target, wl, ns, i - 1))
     report = report_json(jobs, global_options=_options_of(ns))
+    if ns.json_out is not None:
+        ns.json_out.write_text(json.dumps(report, indent=2) + "\n")
     _emit(ns, report, sys.stdout)
     if ns.plot is not None:
-        plot(report["jobs"], ns.plot)
+        plot(report["jobs"], ns.plot, _title(ns, target))
         _say(ns, f"plot written to {ns.plot}")
     return 0
 
@@ -214,7 +228,7 @@ async def _compare(
 ) -> int:
     def kvfs_factory() -> StoreFactory:
         async def make() -> Store:
-            return KvfsStore(target.client())
+            return KvfsStore(target.client(), server_pids=target.server_pids())
 
         return make
 
@@ -227,7 +241,7 @@ async def _compare(
     _say(ns, "peers: " + ", ".join(_PEER_TEXT[p] for p in ns.peers)
              + ("" if fio_dir or not want_fio else " (fio not installed: skipped)"))
     comp = await compare(factories, workloads, fio_dir=fio_dir, progress=ns.progress,
-                         text_out=text_out)
+                         text_out=text_out, cpu=ns.cpu)
     if want_fio and fio_dir is None:  # show fio as skipped rather than leaving the column out
         comp.stores.append("fio-psync")
         for wl in workloads:
@@ -236,17 +250,28 @@ async def _compare(
     if ns.internal:
         internal = await run_internal(target, runtime_s=ns.runtime, progress=ns.progress,
                                       say=lambda m: _say(ns, m))
+    jobs = [comp.cell(wl, "kvfs").result.to_json() for wl in workloads  # type: ignore[union-attr]
+            if comp.cell(wl, "kvfs").result is not None]
+    report = report_json(jobs, global_options=_options_of(ns))
+    report["kvfs compare"] = {"peers": comp.to_json(), **(internal.to_json() if internal else {})}
+    if ns.json_out is not None:
+        ns.json_out.write_text(json.dumps(report, indent=2) + "\n")
     if ns.output_format == "json":
-        jobs = [comp.cell(wl, "kvfs").result.to_json() for wl in workloads  # type: ignore[union-attr]
-                if comp.cell(wl, "kvfs").result is not None]
-        report = report_json(jobs, global_options=_options_of(ns))
-        report["kvfs compare"] = {"peers": comp.to_json(), **(internal.to_json() if internal else {})}
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
     else:
         sys.stdout.write(render_compare(comp, internal))
     sys.stdout.flush()
     if ns.plot is not None:
         jobs = [c.result.to_json() for (_, s), c in comp.cells.items() if s == "kvfs" and c.result]
-        plot(jobs, ns.plot)
-        _say(ns, f"plot written to {ns.plot}")
+        title = _title(ns, target)
+        plot(jobs, ns.plot, title)
+        more = plot_families(comp, ns.plot, title)
+        _say(ns, f"plots written to {', '.join(str(p) for p in [ns.plot, *more])}")
     return 0
+
+
+def _title(ns: argparse.Namespace, target: BenchTarget) -> str:
+    """Names the run on every plot: command, cluster, host cores, date."""
+    what = "kvfs bench --compare" if ns.compare else "kvfs bench"
+    where = f"embedded {target.embedded} cluster, {ns.chunkservers} chunkservers" if target.embedded else target.addr
+    return f"{what}: {where}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import os
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
-from .jobs import describe
-from .peers import FilePerKeyStore, LoopbackLimit, RedisStore, run_fio_file
+from .cpu import CpuProbe
+from .jobs import human_bs
+from .peers import FilePerKeyStore, LoopbackLimit, MooncakeStore, RedisStore, run_fio_file
 from .runner import BenchError, JobResult, Workload, run_workload
 from .stats import format_job_text, num2str, percentile_key, report_json
 from .store import PeerUnavailable, Store
@@ -29,6 +32,7 @@ __all__ = [
     "StoreFactory",
     "compare",
     "peer_factories",
+    "short_name",
 ]
 
 StoreFactory = Callable[[], Awaitable[Store]]
@@ -59,7 +63,10 @@ def peer_factories(
     async def loopback() -> Store:
         return await LoopbackLimit.open(copy_out=loopback_copy_out)
 
-    return {"file": file_store, "redis": redis_store, "loopback": loopback}
+    async def mooncake_store() -> Store:
+        return await MooncakeStore.open()
+
+    return {"file": file_store, "redis": redis_store, "mooncake": mooncake_store, "loopback": loopback}
 
 
 @dataclass
@@ -70,6 +77,7 @@ class Cell:
     result: JobResult | None = None
     fio: dict[str, Any] | None = None
     skipped: str | None = None
+    unavailable: bool = False  # skipped because the store cannot run here (not this workload)
 
     @property
     def ios_per_s(self) -> float | None:
@@ -89,31 +97,42 @@ class Cell:
             return float(job["read"]["bw_bytes"]) + float(job["write"]["bw_bytes"])
         return None
 
-    def p99_ns(self) -> int | None:
-        key = percentile_key(99.0)
+    def _job(self) -> dict[str, Any] | None:
         if self.result is not None:
-            job = self.result.to_json()
-        elif self.fio is not None:
-            job = self.fio["jobs"][0]
-        else:
+            return self.result.to_json()
+        if self.fio is not None:
+            job: dict[str, Any] = self.fio["jobs"][0]
+            return job
+        return None
+
+    def p99_ns(self, field: str = "clat_ns") -> int | None:
+        """p99 per key (``clat_ns``) or per call (``call_lat_ns``; fio's one-io calls: ``clat_ns``)."""
+        job = self._job()
+        if job is None:
             return None
-        vals = [
-            int(job[d]["clat_ns"]["percentile"][key])
-            for d in ("read", "write")
-            if int(job[d].get("total_ios", 0)) and "percentile" in job[d]["clat_ns"]
-        ]
+        key = percentile_key(99.0)
+        vals = []
+        for d in ("read", "write"):
+            if not int(job[d].get("total_ios", 0)):
+                continue
+            lat = job[d].get(field) or job[d]["clat_ns"]
+            if "percentile" in lat:
+                vals.append(int(lat["percentile"][key]))
         return max(vals) if vals else None
 
-    def text(self) -> str:
+    def row(self) -> list[str]:
+        """keys/s, MB/s, p99 per key, p99 per call; or the reason it was skipped."""
         if self.skipped is not None:
-            return f"skipped: {self.skipped}"
-        ios, bw, p99 = self.ios_per_s, self.bytes_per_s, self.p99_ns()
+            return [f"skipped: {self.skipped}"]
+        ios, bw = self.ios_per_s, self.bytes_per_s
         if ios is None or bw is None:
-            return "-"
-        s = f"{num2str(int(ios))}/s {num2str(int(bw), pow2=True, unit='B/s')}"
-        if p99 is not None:
-            s += f" p99={_fmt_ns(p99)}"
-        return s
+            return ["-"]
+        return [num2str(int(ios)), f"{bw / 1e6:.0f}" if bw >= 1e8 else f"{bw / 1e6:.1f}",
+                _fmt_opt(self.p99_ns("clat_ns")), _fmt_opt(self.p99_ns("call_lat_ns"))]
+
+
+def _fmt_opt(ns: int | None) -> str:
+    return "-" if ns is None else _fmt_ns(ns)
 
 
 def _fmt_ns(ns: int) -> str:
@@ -124,6 +143,27 @@ def _fmt_ns(ns: int) -> str:
     if ns >= 10_000:
         return f"{ns / 1e3:.0f}us"
     return f"{ns / 1e3:.1f}us"
+
+
+def _grid(head: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -> str:
+    """Columns two spaces apart; a short row's last cell runs on past the columns it lacks."""
+    n = len(head)
+    widths = [max([len(head[i])] + [len(r[i]) for r in rows if len(r) == n]) for i in range(n)]
+
+    def line(r: list[str]) -> str:
+        cells = [c.rjust(widths[i]) if i in right and len(r) == n else c.ljust(widths[i])
+                 for i, c in enumerate(r)]
+        if len(r) < n:
+            cells[-1] = r[-1]
+        return "  ".join(cells).rstrip()
+
+    return "\n".join([line(head), *(line(r) for r in rows)]) + "\n"
+
+
+def short_name(wl: Workload) -> str:
+    """``randread 4k b128 qd4``: what a row or a progress line calls a workload."""
+    into = " into" if wl.api == "get_into" and wl.reads else ""
+    return f"{wl.rw} {human_bs(wl.bs)} b{wl.batch} qd{wl.iodepth}{into}"
 
 
 @dataclass
@@ -151,23 +191,29 @@ class Comparison:
         return a / b
 
     def table(self) -> str:
-        """workload | subject | peer | subject/peer | peer | subject/peer ..."""
-        head = ["workload", self.subject]
-        for peer in self.stores[1:]:
-            head += [peer, f"{self.subject}/{peer}"]
-        rows = [head]
+        """One row per workload and store: keys/s, MB/s, p99 per key and per call, subject/store."""
+        head = ["workload", "store", "keys/s", "MB/s", "p99/key", "p99/call", f"{self.subject}/x"]
+        rows: list[list[str]] = []
         for wl in self.workloads:
-            row = [describe(wl), self.cell(wl, self.subject).text()]
-            for peer in self.stores[1:]:
-                r = self.ratio(wl, peer)
-                row += [self.cell(wl, peer).text(), "-" if r is None else f"{r:.2f}x"]
-            rows.append(row)
-        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-        lines = [
-            " | ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
-        ]
-        lines.insert(1, "-+-".join("-" * w for w in widths))
-        return "\n".join(lines) + "\n"
+            for i, store in enumerate(self.stores):
+                cell = self.cell(wl, store)
+                r = None if i == 0 else self.ratio(wl, store)
+                cells = cell.row()
+                if len(cells) == 1:  # skipped: the reason spans the figure columns
+                    rows.append([short_name(wl) if i == 0 else "", store, cells[0]])
+                    continue
+                rows.append([short_name(wl) if i == 0 else "", store, *cells,
+                             "" if i == 0 else "-" if r is None else f"{r:.2f}x"])
+        return _grid(head, rows, right=(2, 3, 4, 5, 6))
+
+    def ratio_table(self) -> str:
+        """workload x peer: subject keys/s / peer keys/s (= the MB/s ratio: same value size)."""
+        head = ["workload", *(f"/{p}" for p in self.stores[1:])]
+        rows = []
+        for wl in self.workloads:
+            rs = [self.ratio(wl, p) for p in self.stores[1:]]
+            rows.append([short_name(wl), *("-" if r is None else f"{r:.2f}x" for r in rs)])
+        return _grid(head, rows, right=tuple(range(1, len(head))))
 
     def to_json(self) -> dict[str, Any]:
         """Per store, a fio-shaped report of its jobs; skipped cells listed apart."""
@@ -196,6 +242,7 @@ async def compare(
     progress: bool | None = None,
     out: TextIO | None = None,
     text_out: TextIO | None = None,
+    cpu: bool = False,
 ) -> Comparison:
     """Run every workload against every store (a fresh store per workload).
 
@@ -204,7 +251,8 @@ async def compare(
     ``skipped: failed: ...``. With ``fio_dir`` a ``fio-psync`` column runs the
     real fio on a file of the same size there (``bs`` = value size, no
     batching). The table is printed to ``out`` if given; fio's text blocks of
-    each job to ``text_out`` if given.
+    each job to ``text_out`` if given. With ``cpu`` each cell also records the
+    CPU time of this process and of the store's processes (``--cpu``).
     """
     if not factories:
         raise ValueError("compare needs at least one store factory")
@@ -213,17 +261,26 @@ async def compare(
         names.append(FIO_COLUMN)
     comp = Comparison(stores=names, workloads=list(workloads))
     unavailable: dict[str, str] = {}
+    total = len(workloads) * len(names)
+    n = 0
+    t0 = time.monotonic()
     for wl in workloads:
         for name, factory in factories.items():
+            n += 1
             if name in unavailable:
                 comp.cells[(wl.name, name)] = Cell(name, skipped=unavailable[name])
                 continue
-            comp.cells[(wl.name, name)] = cell = await _run_cell(name, factory, wl, progress)
-            if cell.skipped is not None and not cell.skipped.startswith("failed"):
+            # ETA: the cells still to run at the mean wall time of the cells run so far
+            per_cell = (time.monotonic() - t0) / (n - 1) if n > 1 else wl.ramp_time_s + wl.runtime_s
+            label = f"[{n}/{total}] {name} {wl.rw} {human_bs(wl.bs)}"
+            comp.cells[(wl.name, name)] = cell = await _run_cell(
+                name, factory, wl, progress, label, per_cell * (total - n), cpu)
+            if cell.skipped is not None and cell.unavailable:  # the peer cannot run here at all
                 unavailable[name] = cell.skipped
             if text_out is not None and cell.result is not None:
                 text_out.write(f"[{name}] " + format_job_text(cell.result.to_json()) + "\n")
         if fio_dir is not None:
+            n += 1
             comp.cells[(wl.name, FIO_COLUMN)] = await _fio_cell(wl, Path(fio_dir), unavailable)
     if out is not None:
         out.write(comp.table())
@@ -231,13 +288,24 @@ async def compare(
     return comp
 
 
-async def _run_cell(name: str, factory: StoreFactory, wl: Workload, progress: bool | None) -> Cell:
+def store_cpu_probe(store: Store) -> CpuProbe:
+    """This process as ``client`` plus the store's own processes (``pids()``), if it names any."""
+    pids = getattr(store, "pids", None)
+    return CpuProbe({"client": os.getpid(), **(pids() if pids is not None else {})})
+
+
+async def _run_cell(name: str, factory: StoreFactory, wl: Workload, progress: bool | None,
+                    label: str | None = None, eta_after_s: float = 0.0, cpu: bool = False) -> Cell:
     try:
         store = await factory()
     except PeerUnavailable as e:
-        return Cell(name, skipped=e.reason)
+        return Cell(name, skipped=e.reason, unavailable=True)
+    if wl.api == "get_into" and wl.reads and not hasattr(store, "get_into"):
+        await store.close()
+        return Cell(name, skipped="no get_into API")
     try:
-        result = await run_workload(store, wl, progress=progress)
+        result = await run_workload(store, wl, progress=progress, label=label, eta_after_s=eta_after_s,
+                                    cpu=store_cpu_probe(store) if cpu else None)
         return Cell(name, result=result)
     except (BenchError, OSError, RuntimeError, ValueError) as e:
         return Cell(name, skipped=f"failed: {type(e).__name__}: {e}")
@@ -248,6 +316,8 @@ async def _run_cell(name: str, factory: StoreFactory, wl: Workload, progress: bo
 async def _fio_cell(wl: Workload, fio_dir: Path, unavailable: dict[str, str]) -> Cell:
     if FIO_COLUMN in unavailable:
         return Cell(FIO_COLUMN, skipped=unavailable[FIO_COLUMN])
+    if wl.api == "get_into" and wl.reads:
+        return Cell(FIO_COLUMN, skipped="see the get_many row (fio reads into its buffers)")
     fio_dir.mkdir(parents=True, exist_ok=True)
     try:
         res = await asyncio.to_thread(

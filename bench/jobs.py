@@ -50,7 +50,8 @@ def _default_size(bs: int) -> int:
 
 
 def _job(
-    rw: str, bs: int, batch: int, iodepth: int, size: int, ns: argparse.Namespace, time_based: bool
+    rw: str, bs: int, batch: int, iodepth: int, size: int, ns: argparse.Namespace, time_based: bool,
+    api: str = "get_many",
 ) -> Workload:
     rw_t: RW = rw  # type: ignore[assignment]
     runtime = ns.runtime if ns.runtime is not None else DEFAULT_RUNTIME_S
@@ -60,7 +61,8 @@ def _job(
     nkeys = max(batch, size // bs)
     if chain is not None:
         nkeys = max(chain, nkeys // chain * chain)
-    name = f"{rw}-{human_bs(bs)}-b{batch}" + (f"-chain{chain}" if chain else "")
+    name = (f"{rw}-{human_bs(bs)}-b{batch}" + (f"-chain{chain}" if chain else "")
+            + ("-into" if api == "get_into" else ""))
     return Workload(
         name=name,
         rw="read" if chain is not None else rw_t,
@@ -75,11 +77,22 @@ def _job(
         key_prefix=f"kvfs-bench/{name}/".encode(),
         prefill_timeout_s=max(120.0, 4 * runtime),
         grace_s=30.0,
+        api=api,  # type: ignore[arg-type]
     )
 
 
 def build_workloads(ns: argparse.Namespace) -> list[Workload]:
-    """The jobs to run: ``--rw`` x ``--bs``, or the default job set when neither is given."""
+    """``--rw`` x ``--bs`` (or the default job set), each read once per ``--api``."""
+    apis = getattr(ns, "api", None) or ["get_many"]
+    return [
+        _job(wl.rw, wl.bs, wl.batch, wl.iodepth, wl.size_bytes, ns, wl.time_based, api)
+        if api != "get_many" else wl
+        for wl in _base_workloads(ns)
+        for api in (apis if wl.reads and wl.rw != "randrw" else ["get_many"])
+    ]
+
+
+def _base_workloads(ns: argparse.Namespace) -> list[Workload]:
     if ns.rw is None and ns.bs is None:
         # the default job set is time based unless --size alone bounds it
         tb = ns.time_based or ns.size is None

@@ -10,15 +10,16 @@ import argparse
 from pathlib import Path
 from typing import Final
 
+from kvfs.address import TOKEN_FILE_HELP
 from kvfs.units import parse_duration, parse_size
 
-from .runner import RWS
+from .runner import APIS, RWS
 
 __all__ = ["DEFAULT_RUNTIME_S", "PEERS", "add_options", "size_arg"]
 
 DEFAULT_RUNTIME_S: Final = 4.0
 #: ``--compare`` peers, in column order.
-PEERS: Final = ("file", "redis", "loopback", "fio")
+PEERS: Final = ("file", "redis", "mooncake", "loopback", "fio")
 
 
 def size_arg(text: str) -> int:
@@ -49,6 +50,14 @@ def _peer_list(text: str) -> list[str]:
     for peer in out:
         if peer not in PEERS:
             raise argparse.ArgumentTypeError(f"--peers: unknown peer {peer!r} (known: {','.join(PEERS)})")
+    return out
+
+
+def _api_list(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    for api in out:
+        if api not in APIS:
+            raise argparse.ArgumentTypeError(f"--api must be one of {'|'.join(APIS)}, got {api!r}")
     return out
 
 
@@ -83,16 +92,24 @@ def add_options(p: argparse.ArgumentParser) -> None:
       help="seconds run before measuring")
     a("--rwmixread", type=int, default=50, help="randrw: percent of calls that read")
     a("--batch", type=_positive_int, default=None, help="keys per call (default 128 <=4k, 32 <=64k, ...)")
+    a("--api", type=_api_list, default=None,
+      help="reads: get_many (values returned as bytes, default) and/or get_into (into "
+           "preallocated buffers; Mooncake's registered ones), comma list")
     a("--prefix-chain", "--prefix_chain", dest="prefix_chain", type=_positive_int, default=None,
       metavar="N", help="reads: chains of N blocks written by one put_many, read one chain per call")
     a("--output-format", "--output_format", dest="output_format", choices=("normal", "json"),
       default="normal")
+    a("--json-out", "--json_out", dest="json_out", type=Path, default=None, metavar="FILE",
+      help="also write the JSON report to FILE (the text still goes to stdout)")
     a("--compare", action="store_true",
       help="run the same jobs against redis, a file-per-key store, the loopback limit and fio")
     a("--peers", type=_peer_list, default=list(PEERS), metavar="LIST",
       help=f"--compare: the peers to run, comma list of {','.join(PEERS)} (default: all)")
     a("--internal", action=argparse.BooleanOptionalAction, default=True,
       help="--compare: also the kvfs-internal comparisons (batcher on/off, prefix chains)")
+    a("--cpu", action="store_true",
+      help="CPU per key (us) and per GB (s) of the client, each chunkserver and meta (and of each "
+           "peer's processes with --compare), from /proc/PID/stat over each job's measured phase")
     a("--plot", type=Path, default=None, metavar="FILE.png",
       help="draw throughput vs value size and latency percentiles (needs matplotlib)")
     a("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -100,9 +117,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
     a("--cluster", choices=("inproc", "processes"), default="processes",
       help="embedded cluster: meta+chunkservers as child processes, as deployed (default), "
            "or in this process and event loop")
+    a("--chunkservers", type=_positive_int, default=3,
+      help="chunkservers of the embedded cluster (default 3)")
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
     a("--addr", default=None, help="cluster address (default: start an embedded cluster)")
-    a("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    a("--token-file", default=None, help=TOKEN_FILE_HELP)
     a("--gc", action="store_true",
       help="GC bench: reclaim rate after keys expire (--bs, --size per run), and randread 4k p99 "
            "with GC idle vs running against a churn (see bench/gcbench.py)")

@@ -2,33 +2,70 @@
 
 from __future__ import annotations
 
-from .compare import Comparison
+from typing import Any
+
+from .compare import Comparison, short_name
 from .internal import Internal
-from .jobs import describe
 
 __all__ = ["render_compare", "render_internal"]
 
 
 def render_compare(comp: Comparison, internal: Internal | None) -> str:
-    """One table kvfs / each peer / ratio per workload, then the kvfs-internal ones."""
-    lines = ["", "kvfs vs peers (cells: keys/s, bandwidth, p99 per-key latency; ratio = kvfs keys/s / peer keys/s)",
-             comp.table()]
-    lines.append("MB/s ratios (kvfs MB/s / peer MB/s):")
-    for wl in comp.workloads:
-        kv = comp.cell(wl, "kvfs").bytes_per_s
-        parts = []
-        for peer in comp.stores[1:]:
-            pb = comp.cell(wl, peer).bytes_per_s
-            parts.append(f"{peer}={'-' if not kv or not pb else f'{kv / pb:.2f}x'}")
-        lines.append(f"  {describe(wl)}: " + " ".join(parts))
+    """The narrow table (a row per workload and store), the ratio table, the kvfs-internal ones."""
+    lines = ["", "kvfs vs peers: one row per workload and store (one io = one key; MB/s = 10^6 B/s;",
+             "p99/key = p99 of a call's latency / its keys, p99/call = p99 of one call's latency;",
+             f"{comp.subject}/x = kvfs keys/s / that store's keys/s)", "", comp.table(),
+             f"ratios: {comp.subject} keys/s / peer keys/s (the same as the MB/s ratio)", "",
+             comp.ratio_table()]
+    cpu = cpu_table(comp)
+    if cpu:
+        lines += ["CPU per key (us) and per GB moved (s), each process's own counters "
+                  "(/proc/PID/stat) over the measured phase; client = the bench process", "", cpu]
     return "\n".join(lines) + "\n" + (render_internal(internal) if internal is not None else "")
+
+
+def cpu_table(comp: Comparison) -> str:
+    """workload, store, process: us/key and s/GB; "" when the run had no ``--cpu``."""
+    rows: list[list[str]] = []
+    for wl in comp.workloads:
+        first = True
+        for store in comp.stores:
+            res = comp.cell(wl, store).result
+            cpu = res.extra.get("cpu") if res is not None else None
+            if not cpu:
+                continue
+            procs = dict(cpu)
+            cs = [v for k, v in cpu.items() if k.startswith("cs")]
+            if len(cs) > 1:
+                procs["all cs"] = {"us_per_key": _sum(c.get("us_per_key") for c in cs),
+                                   "s_per_gb": _sum(c.get("s_per_gb") for c in cs)}
+            for proc, c in procs.items():
+                rows.append([short_name(wl) if first else "", store, proc, _num(c.get("us_per_key")),
+                             _num(c.get("s_per_gb"))])
+                first = False
+    if not rows:
+        return ""
+    head = ["workload", "store", "process", "us/key", "s/GB"]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+    return "\n".join("  ".join(c.rjust(w) if i >= 3 else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
+                     for r in [head, *rows]) + "\n"
+
+
+def _sum(xs: Any) -> float | None:
+    vals = list(xs)
+    return None if any(v is None for v in vals) else float(sum(vals))
+
+
+def _num(x: Any) -> str:
+    return "-" if x is None else f"{x:.3g}"
 
 
 def render_internal(internal: Internal) -> str:
     """The kvfs-internal comparisons: batcher on/off, prefix chains, server reads per chain."""
     lines: list[str] = []
     if internal.batcher is not None:
-        lines += ["", "kvfs: 128 concurrent single-key get() (ratio = batcher on / batch=False keys/s)",
+        lines += ["", "kvfs: 128 concurrent single-key get() (batcher on/x = batcher on / batch=False keys/s)",
                   internal.batcher.table()]
     if internal.chains is not None:
         lines += ["", "kvfs: prefix chains of 64 x 64KiB (ratio = per-chain keys/s / separate-puts keys/s)",

@@ -27,21 +27,28 @@ from typing import Any, Final, Literal, TextIO
 
 import numpy as np
 
-from .stats import LatencyRecorder, job_json, num2str
+from .cpu import CpuProbe
+from .stats import LatencyRecorder, job_json
 from .store import Store
 
 __all__ = [
+    "API",
+    "APIS",
     "RW",
     "RWS",
     "BenchError",
     "JobResult",
     "Workload",
+    "format_eta",
     "make_keys",
+    "progress_text",
     "run_workload",
     "workload_dict",
 ]
 
 RW = Literal["read", "randread", "write", "randwrite", "randrw"]
+API = Literal["get_many", "get_into"]
+APIS: Final = ("get_many", "get_into")
 RWS: Final = ("read", "randread", "write", "randwrite", "randrw")
 PROGRESS_INTERVAL_S: Final = 0.5
 
@@ -71,6 +78,7 @@ class Workload:
     prefill: bool | None = None
     prefill_timeout_s: float = 600.0
     grace_s: float = 60.0
+    api: API = "get_many"
 
     def __post_init__(self) -> None:
         if self.rw not in RWS:
@@ -86,6 +94,8 @@ class Workload:
             raise ValueError(f"ramp_time_s must be >= 0, got {self.ramp_time_s}")
         if not 0 <= self.rwmixread <= 100:
             raise ValueError(f"rwmixread must be in 0..100, got {self.rwmixread}")
+        if self.api not in APIS:
+            raise ValueError(f"api must be one of {APIS}, got {self.api!r}")
         if self.verify and self.bs < 8:
             raise ValueError("verify needs bs >= 8 (an 8-byte key tag starts each value)")
 
@@ -123,6 +133,8 @@ class Workload:
             opts["ramp_time"] = f"{self.ramp_time_s:g}"
         if self.rw == "randrw":
             opts["rwmixread"] = str(self.rwmixread)
+        if self.api != "get_many":
+            opts["api"] = self.api
         return opts
 
 
@@ -225,20 +237,37 @@ def _value_for(filler: bytes, i: int, verify: bool) -> bytes:
     return i.to_bytes(8, "big") + filler[8:] if verify else filler
 
 
-class _Progress:
-    def __init__(self, stream: TextIO, name: str, total_s: float) -> None:
-        self._stream = stream
-        self._name = name
-        self._total_s = total_s
+def format_eta(seconds: float) -> str:
+    """``1m52s``, ``45s``, ``1h03m``: the ETA of a progress line."""
+    s = max(0, round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
 
-    def show(self, elapsed_s: float, phase: str, ios: int, nbytes: int, window_s: float) -> None:
-        rate = ios / window_s if window_s > 0 else 0.0
-        bw = nbytes / window_s if window_s > 0 else 0.0
-        self._stream.write(
-            f"\r{self._name}: {phase} [{num2str(int(rate))} keys/s, "
-            f"{num2str(int(bw), pow2=True, unit='B/s')}] "
-            f"[{elapsed_s:.1f}/{self._total_s:.1f}s]\x1b[K"
-        )
+
+def progress_text(label: str, phase: str, done: float, eta_s: float) -> str:
+    """``[3/24] redis randread 4k: 41%  ETA 1m52s`` (``prefill 41%`` while prefilling)."""
+    pct = int(max(0.0, min(1.0, done)) * 100)
+    return f"{label}: {'prefill ' if phase == 'prefill' else ''}{pct}%  ETA {format_eta(eta_s)}"
+
+
+class _Progress:
+    """One ``\r`` line: ``label: pct%  ETA``; the ETA adds ``after_s`` (work queued after this job)."""
+
+    def __init__(self, stream: TextIO, label: str, total_s: float, after_s: float) -> None:
+        self._stream = stream
+        self._label = label
+        self._total_s = total_s
+        self._after_s = after_s
+
+    def show(self, elapsed_s: float, phase: str, done: float) -> None:
+        if phase == "prefill":  # the run itself is still ahead
+            eta = self._total_s + self._after_s + (elapsed_s / done - elapsed_s if done > 0 else 0.0)
+        else:
+            eta = max(0.0, self._total_s - elapsed_s) + self._after_s
+        self._stream.write("\r" + progress_text(self._label, phase, done, eta) + "\x1b[K")
         self._stream.flush()
 
     def clear(self) -> None:
@@ -295,8 +324,7 @@ async def _prefill(
         p = progress
 
         def show() -> None:
-            el = time.monotonic() - t0
-            p.show(el, "prefill", written, written * wl.bs, el)
+            p.show(time.monotonic() - t0, "prefill", written / max(1, len(keys)))
 
         ticker = asyncio.create_task(_tick_until(done, deadline, show))
     try:
@@ -319,16 +347,24 @@ async def run_workload(
     *,
     progress: bool | None = None,
     progress_stream: TextIO | None = None,
+    label: str | None = None,
+    eta_after_s: float = 0.0,
+    cpu: CpuProbe | None = None,
 ) -> JobResult:
     """Run ``wl`` against ``store`` and return what was measured.
 
     Reads are served by a prefill (all ``nkeys`` keys written first, not timed).
     A call that starts during ramp-up is not recorded. ``progress=None`` shows
-    a ``\\r`` progress line on stderr only when stderr is a tty.
+    a ``\\r`` progress line on stderr only when stderr is a tty:
+    ``<label>: 41%  ETA 1m52s`` (label defaults to the job name; the ETA adds
+    ``eta_after_s``, the time the caller expects its later jobs to take).
+    With ``cpu``, the processes' CPU time over the run (after the prefill) is
+    charged to its keys and bytes, in ``to_json()["kvfs"]["cpu"]``.
     """
     stream = progress_stream if progress_stream is not None else sys.stderr
     show = stream.isatty() if progress is None else progress
-    prog = _Progress(stream, wl.name, wl.ramp_time_s + wl.runtime_s) if show else None
+    total_s = wl.ramp_time_s + wl.runtime_s
+    prog = _Progress(stream, label or wl.name, total_s, eta_after_s) if show else None
     keys = make_keys(wl.key_prefix, wl.nkeys)
     filler = os.urandom(wl.bs)
     job_start_ms = int(time.time() * 1000)
@@ -363,15 +399,34 @@ async def run_workload(
         batch_keys = list(operator.itemgetter(*idx)(keys)) if len(idx) > 1 else [keys[idx[0]]]
         return is_read, batch_keys, idx
 
+    into = wl.api == "get_into" and wl.reads
+    get_into: Any = getattr(store, "get_into", None)
+    if into and get_into is None:
+        raise BenchError(f"{getattr(store, 'name', store)!r} has no get_into")
+    make_buffer = getattr(store, "buffer", None) or (lambda n: memoryview(bytearray(n)))
+
     async def worker() -> None:
         nonlocal issued, missing, mismatched
+        # get_into: each worker reads into its own buffers, allocated (registered) once
+        region = make_buffer(wl.batch * bs) if into else None
+        bufs = [region[i * bs : (i + 1) * bs] for i in range(wl.batch)] if region is not None else []
         for _ in range(count_limit):  # bounded by count; the clock check bounds time
             if clock() >= t_end or issued >= count_limit:
                 return
             n = min(wl.batch, count_limit - issued)
             issued += n
             is_read, batch_keys, idx = pick(n)
-            if is_read:
+            if is_read and into:
+                t0 = clock()
+                sizes = await get_into(batch_keys, bufs[:n])
+                t1 = clock()
+                if t0 >= measure_start:
+                    read_rec.record(t1 - t0, n, n * bs, t1 - measure_start)
+                missing += sum(1 for s in sizes if s < 0)
+                if wl.verify:
+                    mismatched += _check([bytes(b) if s >= 0 else None
+                                          for b, s in zip(bufs, sizes, strict=False)], idx, bs)
+            elif is_read:
                 t0 = clock()
                 values = await store.get_many(batch_keys)
                 t1 = clock()
@@ -395,24 +450,26 @@ async def run_workload(
     ticker = None
     if prog is not None:
         p = prog
-        last = [clock(), 0, 0]
 
         def tick() -> None:
-            now = clock()
-            ios = read_rec.total_ios + write_rec.total_ios
-            nbytes = read_rec.io_bytes + write_rec.io_bytes
-            window = (now - last[0]) / 1e9
-            phase = "ramp" if now < measure_start else "run"
-            p.show((now - t_start) / 1e9, phase, ios - last[1], nbytes - last[2], window)
-            last[:] = [now, ios, nbytes]
+            elapsed = (clock() - t_start) / 1e9
+            if wl.time_based:
+                done = elapsed / total_s
+            else:  # a pass over the key space may end before the runtime
+                done = max(elapsed / total_s, (read_rec.total_ios + write_rec.total_ios) / count_limit)
+            p.show(elapsed, "run", done)
 
         ticker = asyncio.create_task(
             _tick_until(done, time.monotonic() + wl.ramp_time_s + wl.runtime_s + wl.grace_s, tick)
         )
+    if cpu is not None:
+        cpu.start()
     try:
         async with asyncio.timeout(wl.ramp_time_s + wl.runtime_s + wl.grace_s):
             await _run_all(worker, wl.iodepth)
         t_finish = clock()
+        if cpu is not None:
+            cpu.stop()
     except TimeoutError:
         raise BenchError(
             f"{wl.name}: calls still in flight {wl.grace_s:g}s after the end of the run"
@@ -423,7 +480,12 @@ async def run_workload(
             await ticker
         if prog is not None:
             prog.clear()
+    extra: dict[str, Any] = {}
+    if cpu is not None:
+        extra["cpu"] = cpu.report(read_rec.total_ios + write_rec.total_ios,
+                                  read_rec.io_bytes + write_rec.io_bytes)
     return JobResult(
+        extra=extra,
         workload=wl,
         store_name=getattr(store, "name", type(store).__name__),
         read=read_rec,

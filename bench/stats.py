@@ -1,22 +1,32 @@
 """Latency recording and fio-compatible reporting (JSON and the human text block).
 
 One *io* in this bench is one key (one value) read or written, the way one fio
-io is one block. A batched call that carries B keys is recorded once with
-``ios=B``: each of its B keys gets the call's latency, so percentiles are
-per-key (weighted by the keys a call carried), and ``total_ios``/``iops`` count
-keys, not calls.
+io is one block. A batched call that carries B keys is recorded once, with its
+latency and ``ios=B``; ``total_ios``/``iops`` count keys, not calls. Two
+latency figures come out of that, each labelled:
+
+* per io (``clat_ns``, ``lat_ns``; text ``clat``): each key of a call is one
+  io whose latency is the call's latency divided by the keys it carried, i.e.
+  the time the call spent per key. Percentiles are over keys. This is the
+  figure to hold against fio's per-io ``clat`` at ``iodepth=1``.
+* per call (``call_lat_ns``, a kvfs addition; text ``call lat``): the latency
+  of one whole call of B keys, percentiles over calls. With ``iodepth`` calls
+  in flight, Little's law links the two: call latency ~ iodepth x B / iops.
 
 Field names and the shapes of the JSON follow fio 3.x ``--output-format=json``
 (``stat.c``: ``add_ddir_status_json``, ``show_thread_status_json``); the text
 follows ``show_thread_status_normal``. Differences from fio, on purpose:
 
-* ``clat_ns``: the time from issuing a call to its completion (measured with
-  ``time.perf_counter_ns``). There is no separate submission stage, so
-  ``slat_ns`` is all zeros (N=0) and ``lat_ns`` equals ``clat_ns``.
+* ``clat_ns``: measured with ``time.perf_counter_ns`` from issuing a call to
+  its completion, divided per key as above. There is no separate submission
+  stage, so ``slat_ns`` is all zeros (N=0) and ``lat_ns`` equals ``clat_ns``.
 * Percentiles are exact (nearest rank over the recorded values) instead of
   fio's log-linear histogram approximation.
 * ``bw_bytes`` and ``iops`` are computed from the runtime in nanoseconds;
   ``runtime`` itself is reported in whole milliseconds, as fio does.
+* Jobs that ran one after another have their own ``groupid``; only jobs that
+  ran at the same time (``--numjobs``) share one and are summed in one
+  ``Run status group``.
 """
 
 from __future__ import annotations
@@ -118,7 +128,14 @@ class LatencyRecorder:
         return self._total_bytes
 
     def latencies_ns(self) -> I64:
+        """Per call."""
         return np.frombuffer(self._lat, dtype=np.int64) if self._lat else _EMPTY
+
+    def per_key_ns(self) -> I64:
+        """Per call, the call's latency divided by the keys it carried (at least 1 ns)."""
+        if not self._lat:
+            return _EMPTY
+        return np.maximum(self.latencies_ns() // np.maximum(self.ios(), 1), 1)
 
     def ios(self) -> I64:
         return np.frombuffer(self._ios, dtype=np.int64) if self._ios else _EMPTY
@@ -261,7 +278,7 @@ def direction_json(
         bw_bytes, iops = 0, 0.0
     lat = rec.latencies_ns()
     ios = rec.ios()
-    summary = lat_summary(lat, ios, percentiles)
+    summary = lat_summary(rec.per_key_ns(), ios, percentiles)
     # bw / iops samples per full window, as fio's add_bw_samples / add_iops_samples.
     nwin = runtime_ns // sample_interval_ns if sample_interval_ns > 0 else 0
     if nwin and len(lat):
@@ -291,6 +308,8 @@ def direction_json(
         "slat_ns": lat_summary(_EMPTY, None, None),
         "clat_ns": summary,
         "lat_ns": dict(summary),
+        "call_lat_ns": {**lat_summary(lat, None, percentiles),
+                        "keys_per_call": total_ios / len(lat) if len(lat) else 0.0},
         "bw_min": bw_min,
         "bw_max": bw_max,
         "bw_agg": agg,
@@ -322,7 +341,7 @@ def job_json(
     wr = direction_json(write, runtime_ns) if write is not None else empty_direction_json()
     recs = [r for r in (read, write) if r is not None and r.calls]
     if recs:
-        all_lat = np.concatenate([r.latencies_ns() for r in recs])
+        all_lat = np.concatenate([r.per_key_ns() for r in recs])
         all_ios = np.concatenate([r.ios() for r in recs])
     else:
         all_lat, all_ios = _EMPTY, _EMPTY
@@ -488,6 +507,14 @@ def _ddir_text(ddir: str, d: Mapping[str, Any]) -> str:
     clat = d.get("clat_ns")
     if isinstance(clat, Mapping) and isinstance(clat.get("percentile"), Mapping):
         out.append(_show_percentiles("clat", clat["percentile"]))
+    call = d.get("call_lat_ns")
+    if isinstance(call, Mapping) and int(call.get("N", 0)):
+        per = float(call.get("keys_per_call", 0.0))
+        out.append(f"    (one io = one key: clat = the call's latency / its keys; "
+                   f"call lat = one call of {per:.4g} keys)\n")
+        out.append(_display_lat("call lat", call))
+        if isinstance(call.get("percentile"), Mapping):
+            out.append(_show_percentiles("call lat", call["percentile"]))
     if int(d.get("bw_samples", 0)):
         mn, mx = int(d["bw_min"]), int(d["bw_max"])
         mean, dev = float(d["bw_mean"]), float(d["bw_dev"])
@@ -525,13 +552,43 @@ def format_job_text(job: Mapping[str, Any], pid: int | None = None) -> str:
         b = job.get(key)
         if isinstance(b, Mapping):
             out.append(_show_lat_buckets(b, unit))
+    cpu = job.get("kvfs", {}).get("cpu") if isinstance(job.get("kvfs"), Mapping) else None
+    if cpu:
+        out.append(format_cpu(cpu))
     return "".join(out)
 
 
+def format_cpu(cpu: Mapping[str, Mapping[str, Any]]) -> str:
+    """``  cpu: client=2.9us/key 0.71s/GB, cs0=...`` (``--cpu``: each process's own counters)."""
+    parts = []
+    for name, c in cpu.items():
+        per_key = c.get("us_per_key")
+        per_gb = c.get("s_per_gb")
+        parts.append(f"{name}={'-' if per_key is None else f'{per_key:.3g}us/key'}"
+                     + ("" if per_gb is None else f" {per_gb:.3g}s/GB"))
+    return "  cpu (per process, measured phase): " + ", ".join(parts) + "\n"
+
+
 def format_report_text(report: Mapping[str, Any]) -> str:
-    """All jobs, then fio's ``Run status group 0`` summary lines."""
+    """All jobs, then one ``Run status group N`` summary per group of concurrent jobs.
+
+    As fio: jobs that share a ``groupid`` ran at the same time and are summed;
+    jobs that ran one after another are in groups of their own.
+    """
     jobs: Sequence[Mapping[str, Any]] = report.get("jobs", [])
     out = [format_job_text(j) for j in jobs]
+    groups: dict[int, list[Mapping[str, Any]]] = {}
+    for j in jobs:
+        groups.setdefault(int(j.get("groupid", 0)), []).append(j)
+    for gid, members in groups.items():
+        lines = _group_lines(members)
+        if lines:
+            out.append(f"\nRun status group {gid} (all jobs):\n")
+            out.extend(lines)
+    return "".join(out)
+
+
+def _group_lines(jobs: Sequence[Mapping[str, Any]]) -> list[str]:
     lines: list[str] = []
     for ddir, label in (("read", "READ"), ("write", "WRITE")):
         used = [
@@ -558,7 +615,4 @@ def format_report_text(report: Mapping[str, Any]) -> str:
             f"io={num2str(io, pow2=True, unit='B')} ({num2str(io, unit='B')}), "
             f"run={min(runs)}-{max(runs)}msec\n"
         )
-    if lines:
-        out.append("\nRun status group 0 (all jobs):\n")
-        out.extend(lines)
-    return "".join(out)
+    return lines

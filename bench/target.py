@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvfs.address import token_from_file
+
 __all__ = ["BenchTarget", "open_target"]
 
 
@@ -20,12 +22,21 @@ class BenchTarget:
     token: str | None
     cluster: Any = None
     embedded: str = ""
+    admin_token: str | None = None  # the GC bench's (None: $KVFS_ADMIN_TOKEN or its file)
 
     def client(self, **config: Any) -> Any:
         from kvfs.client import AsyncClient
         from kvfs.config import ClientConfig
 
         return AsyncClient(self.addr, token=self.token, config=ClientConfig(**config))
+
+    def server_pids(self) -> dict[str, int]:
+        """meta and each chunkserver by pid, for ``--cpu``; {} unless they are our child processes."""
+        if self.embedded != "processes":
+            return {}
+        out = {"meta": self.cluster.meta.pid}
+        out.update((f"cs{i}", cs.pid) for i, cs in enumerate(self.cluster.chunkservers))
+        return out
 
     def server_reads(self) -> list[tuple[int, int]] | None:
         """(spans_read, readv_calls) per chunkserver, for an in-process cluster."""
@@ -39,23 +50,23 @@ class BenchTarget:
 async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[BenchTarget]:
     """``--addr``'s cluster, or an embedded one (``--cluster``) in ``workdir``, stopped on exit."""
     if ns.addr is not None:
-        yield BenchTarget(ns.addr, ns.token)
+        yield BenchTarget(ns.addr, token_from_file(ns.token_file))
         return
     if ns.cluster == "processes":
         from kvfs.launcher import ProcessCluster
 
-        pc = ProcessCluster(workdir / "cluster", 3, listen="127.0.0.1:0")
+        pc = ProcessCluster(workdir / "cluster", ns.chunkservers, listen="127.0.0.1:0")
         await pc.start()
         try:
-            yield BenchTarget(pc.addr, pc.token, pc, "processes")
+            yield BenchTarget(pc.addr, pc.token, pc, "processes", pc.admin_token)
         finally:
             await pc.stop()
         return
     from kvfs.launcher import LocalCluster
 
-    lc = LocalCluster(workdir / "cluster", 3)
+    lc = LocalCluster(workdir / "cluster", ns.chunkservers)
     await lc.start()
     try:
-        yield BenchTarget(lc.addr, lc.token, lc, "inproc")
+        yield BenchTarget(lc.addr, lc.token, lc, "inproc", lc.admin_token)
     finally:
         await lc.stop()

@@ -5,32 +5,46 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Mapping
 
 from kvfs import rpc
-from kvfs.address import lookup_token, parse_addr
-from kvfs.chunkserver.store import ChunkStore
+from kvfs.address import parse_addr, service_tokens
+from kvfs.chunkserver.store import ChunkStore, check_ranges
 from kvfs.cluster import ClusterLink
 from kvfs.config import ChunkServerConfig
-from kvfs.errors import KVFSError
-from kvfs.protocol import Buffer, Limits
-from kvfs.rpc import Service
+from kvfs.datadir import DirLock, private_dir, raise_nofile_limit
+from kvfs.errors import KVFSError, WrongCluster
+from kvfs.handshake import Role
+from kvfs.protocol import Buffer
+from kvfs.rpc import Op, Service
 from kvfs.server import Reply, RpcServer
 
 log = logging.getLogger("kvfs.chunkserver")
 
 
 class ChunkServer:
-    def __init__(self, config: ChunkServerConfig) -> None:
+    def __init__(self, config: ChunkServerConfig, *,
+                 tokens: Mapping[Role, str] | None = None) -> None:
         self.config = config
-        config.data.mkdir(parents=True, exist_ok=True)
-        self.token = lookup_token(config.token, data_dir=config.data)
-        self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes, io_threads=config.io_threads,
-                                fsync=config.fsync, capacity_bytes=config.capacity_bytes,
-                                merge_gap_bytes=config.merge_gap_bytes)
-        self.rpc = RpcServer(self, Service.CHUNKSERVER, self.token, Limits())
+        private_dir(config.data)
+        self.lock = DirLock(config.data, "chunkserver").acquire()  # before any file is touched
+        try:
+            self.tokens = dict(tokens) if tokens else service_tokens(config.data)
+            open_files = min(config.max_open_chunks, raise_nofile_limit() // 2)
+            self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes,
+                                    io_threads=config.io_threads, fsync=config.fsync,
+                                    fsync_window_s=config.fsync_window_s,
+                                    capacity_bytes=config.capacity_bytes,
+                                    merge_gap_bytes=config.merge_gap_bytes,
+                                    max_open_files=open_files,
+                                    preallocate=config.preallocate)
+        except BaseException:
+            self.lock.release()
+            raise
+        self.rpc = RpcServer(self, Service.CHUNKSERVER, self.tokens, config)
         self.addr = ""
         # registration and heartbeats
-        self._meta = ClusterLink(*parse_addr(config.meta, what="meta address"), self.token)
+        self._meta = ClusterLink(*parse_addr(config.meta, what="meta address"), self.tokens[Role.SERVER])
         self._hb: asyncio.Task[None] | None = None
         self.readv_calls = 0
         self.append_calls = 0
@@ -56,13 +70,21 @@ class ChunkServer:
         self._meta.close()
         await self.rpc.close()
         self.store.close()
+        self.lock.release()
 
     async def _register(self) -> None:
         capacity, free, _ = self.store.usage()
-        r = await self._meta.call_meta(rpc.Register(server_id=self.store.server_id, addr=self.addr,
-                                                    capacity=capacity, free=free))
-        if r.server_id != self.store.server_id:
-            self.store.server_id = r.server_id
+        if not self.store.key:
+            self.store.save_state()  # creates the key that proves this data dir to meta
+        r = await self._meta.call_meta(rpc.Register(
+            server_id=self.store.server_id, addr=self.addr, capacity=capacity, free=free,
+            key=self.store.key, cluster_id=self.store.cluster_id, nchunks=len(self.store.sizes),
+            disk=self.store.disk_id))
+        if self.store.cluster_id not in (None, r.cluster_id):
+            raise WrongCluster(f"meta answered for cluster {r.cluster_id}; this chunkserver "
+                               f"belongs to cluster {self.store.cluster_id}")
+        if r.server_id != self.store.server_id or r.cluster_id != self.store.cluster_id:
+            self.store.server_id, self.store.cluster_id = r.server_id, r.cluster_id
             self.store.save_state()
         await self._heartbeat()
 
@@ -78,6 +100,7 @@ class ChunkServer:
             spans_read=self.store.spans_read, readv_calls=self.readv_calls,
             append_calls=self.append_calls, open=self.store.open_chunk,
             wanted=self.store.wanted_bytes, server_id=self.server_id, addr=self.addr,
+            cluster_id=self.store.cluster_id, disk=self.store.disk_id,
             mtimes=self.store.mtimes() if mtimes else {})
 
     async def _heartbeat_loop(self) -> None:
@@ -102,9 +125,20 @@ class ChunkServer:
         locs = await self.store.append(req.records, payload)
         return rpc.Appended(locations=[rpc.Location(c, o) for c, o in locs]), ()
 
+    def reply_cost(self, op: int, req: object) -> int:
+        """Reply bytes a request will produce, charged to its connection before it runs;
+        a READV past ``max_ranges``/``max_read_rpc_bytes`` or with overlapping ranges is
+        refused here, before it is read."""
+        if op == Op.READV:
+            assert isinstance(req, rpc.ReadV)
+            cfg = self.config
+            return sum(r[2] for r in check_ranges(req.ranges, cfg.max_ranges, cfg.max_read_rpc_bytes))
+        return 0
+
     async def rpc_readv(self, req: rpc.ReadV, payload: memoryview) -> Reply:
         self.readv_calls += 1
-        views, errors = await self.store.readv(req.ranges)
+        ranges = check_ranges(req.ranges, self.config.max_ranges, self.config.max_read_rpc_bytes)
+        views, errors = await self.store.readv(ranges)
         parts: list[Buffer] = [v for v in views if v is not None and v.nbytes]
         return rpc.ReadVReply(errors={i: rpc.WireError(e.code, e.message) for i, e in errors.items()}), parts
 
@@ -118,10 +152,19 @@ class ChunkServer:
         return rpc.Compacted(chunk_id=new, size=size, locations=locations), ()
 
     async def rpc_chunk_delete(self, req: rpc.ChunkDelete, payload: memoryview) -> Reply:
+        if self.store.cluster_id is None or req.cluster_id != self.store.cluster_id:
+            raise WrongCluster(f"chunk deletion for cluster {req.cluster_id} refused: "
+                               f"this chunkserver belongs to cluster {self.store.cluster_id}")
         deleted = self.store.delete_chunks(req.chunks)
         if deleted:
             log.info("deleted %d chunks (%d bytes)", len(deleted), sum(deleted.values()))
         return rpc.ChunksDeleted(deleted=deleted), ()
+
+    async def rpc_chunk_scan(self, req: rpc.ChunkScan, payload: memoryview) -> Reply:
+        recs = await self.store.scan(req.chunk_id)
+        return rpc.Scanned(records=[
+            rpc.ScanRecord(r.key, r.write_id, r.index, r.total_size, r.total_crc, r.length, r.crc,
+                           r.expires_at, r.tombstone, r.value_ok, r.value_offset) for r in recs]), ()
 
     async def rpc_chunk_seal(self, req: rpc.ChunkSeal, payload: memoryview) -> Reply:
         return rpc.Sealed(sealed=await self.store.seal(req.chunk_id, req.idle_s, apply=req.apply)), ()

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from kvfs.address import token_from_file
 from kvfs.config import GcConfig, add_options, from_options
 from kvfs.gc.driver import GarbageCollector, PassOptions, PassReport, run_daemon
 from kvfs.units import format_size, parse_duration, parse_size
@@ -35,7 +36,9 @@ def parse_rate(text: str) -> int:
 
 def _options(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
     p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
-    p.add_argument("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    p.add_argument("--token-file", default=None,
+                   help="file holding the admin token (default: $KVFS_ADMIN_TOKEN, else the file "
+                        "kvfs up wrote); tokens never go on a command line")
     if json_flag:
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
@@ -97,7 +100,7 @@ def format_pass(r: PassReport) -> str:
 
 
 async def cmd_status(ns: argparse.Namespace) -> int:
-    async with GarbageCollector(ns.addr, token=ns.token) as gc:
+    async with GarbageCollector(ns.addr, token=token_from_file(ns.token_file)) as gc:
         await gc.sync_usage()
         st = await gc.status()
     print(json.dumps(st, default=str) if ns.json else format_status(st))
@@ -113,7 +116,7 @@ async def cmd_run(ns: argparse.Namespace) -> int:
         grace_s=ns.grace, rate_bytes=ns.rate, expire_batch=ns.batch)
     if opts.low > opts.high:
         opts = dataclasses.replace(opts, high=opts.low)
-    async with GarbageCollector(ns.addr, token=ns.token, progress=_progress) as gc:
+    async with GarbageCollector(ns.addr, token=token_from_file(ns.token_file), progress=_progress) as gc:
         if ns.apply and await gc.set_paused(None) and not ns.force:
             print("kvfs gc run: GC is paused (kvfs gc resume, or --force)", file=sys.stderr)
             return 1
@@ -125,7 +128,7 @@ async def cmd_run(ns: argparse.Namespace) -> int:
 
 
 async def cmd_fsck(ns: argparse.Namespace) -> int:
-    async with GarbageCollector(ns.addr, token=ns.token, progress=_progress) as gc:
+    async with GarbageCollector(ns.addr, token=token_from_file(ns.token_file), progress=_progress) as gc:
         rep = await gc.fsck(cutoff_s=ns.cutoff, apply=ns.apply, verify=not ns.no_verify)
     if sys.stderr.isatty():
         print(file=sys.stderr)
@@ -148,7 +151,7 @@ async def cmd_fsck(ns: argparse.Namespace) -> int:
 
 
 async def cmd_pause(ns: argparse.Namespace) -> int:
-    async with GarbageCollector(ns.addr, token=ns.token) as gc:
+    async with GarbageCollector(ns.addr, token=token_from_file(ns.token_file)) as gc:
         paused = await gc.set_paused(ns.paused)
     print("gc paused" if paused else "gc active")
     return 0
@@ -158,14 +161,14 @@ async def cmd_daemon(ns: argparse.Namespace) -> int:
     cfg = from_options(GcConfig, ns, compact_threshold=float(ns.compact_threshold),
                        high_watermark=float(ns.high_watermark), low_watermark=float(ns.low_watermark))
     opts = PassOptions.from_config(cfg)
-    async with GarbageCollector(cfg.meta, token=cfg.token):
+    async with GarbageCollector(cfg.meta, token=None):
         pass  # fail fast on a wrong address or token
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print(f"kvfs gc ready {cfg.meta}", flush=True)
-    await run_daemon(cfg.meta, cfg.token, opts, cfg.interval_s, stop)
+    await run_daemon(cfg.meta, None, opts, cfg.interval_s, stop)
     return 0
 
 

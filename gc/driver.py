@@ -19,11 +19,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfs import rpc
-from kvfs._batch import byte_batches
+from kvfs._batch import split_batches
 from kvfs.address import lookup_token, parse_addr
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import GcConfig
 from kvfs.errors import KVFSError, Unavailable
+from kvfs.handshake import Role
 from kvfs.rpc import R, Request
 
 log = logging.getLogger("kvfs.gc")
@@ -110,7 +111,7 @@ class GarbageCollector:
                  progress: Progress | None = None, request_timeout_s: float = 300.0) -> None:
         self.addr = addr
         host, port = parse_addr(addr)
-        self.token = lookup_token(token, addr=addr)
+        self.token = lookup_token(token, addr=addr, role=Role.ADMIN)
         self.progress = progress
         self.request_timeout_s = request_timeout_s
         self._link = ClusterLink(host, port, self.token, request_timeout_s=request_timeout_s)
@@ -138,7 +139,7 @@ class GarbageCollector:
         return (await self._link.call_server(sid, request))[0]
 
     async def servers(self) -> list[ServerEntry]:
-        """The chunkservers meta knows, read now."""
+        """The chunkservers meta knows, read now (and meta's cluster id with them)."""
         return await self._link.servers(refresh=True)
 
     async def sync_usage(self, *, mtimes: bool = False) -> dict[int, rpc.ChunkStatsReply]:
@@ -320,7 +321,8 @@ class GarbageCollector:
             if not retired:
                 continue
             try:
-                deleted = (await self.chunkserver(sid, rpc.ChunkDelete(chunks=retired))).deleted
+                deleted = (await self.chunkserver(sid, rpc.ChunkDelete(
+                    chunks=retired, cluster_id=self._link.cluster_id))).deleted
             except Unavailable as exc:
                 log.warning("cannot delete %d chunks on server %d now: %s", len(retired), sid, exc)
                 continue
@@ -348,7 +350,7 @@ class GarbageCollector:
             for sid in stats:
                 refs = (await self.meta(rpc.GcChunkRefs(server_id=sid))).refs
                 flat = [(r.key, c, r.offset, r.length, r.crc) for c, rs in refs.items() for r in rs]
-                for run in byte_batches([f[3] for f in flat], VERIFY_BATCH_BYTES):
+                for run in split_batches([f[3] for f in flat], max_bytes=VERIFY_BATCH_BYTES):
                     batch = flat[run.start : run.stop]
                     h = await self.chunkserver(sid, rpc.ChunkVerify(
                         ranges=[rpc.VerifyRange(c, off, ln, crc) for _, c, off, ln, crc in batch]))

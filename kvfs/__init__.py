@@ -8,7 +8,7 @@ try:
 except PackageNotFoundError:  # pragma: no cover - a source tree that was never installed
     __version__ = "0+unknown"
 
-from kvfs.client import AsyncClient, KeyInfo, connect
+from kvfs.client import FAILED, MISS, TOO_SMALL, AsyncClient, KeyInfo, connect
 from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
 from kvfs.errors import (
     AuthError,
@@ -29,6 +29,9 @@ from kvfs.layout import Layout
 from kvfs.sync import Client
 
 __all__ = [
+    "FAILED",
+    "MISS",
+    "TOO_SMALL",
     "AsyncClient",
     "AuthError",
     "ChecksumMismatch",

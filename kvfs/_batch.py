@@ -3,34 +3,83 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 I = TypeVar("I")  # noqa: E741
 R = TypeVar("R")
 
 
-class Batcher(Generic[I, R]):
-    """Items submitted before the event loop runs again (or within ``window_s``) go to
-    ``run`` together, as one list; each submitter gets its own result back.
+def run_end(sizes: Sequence[int], start: int, *, max_bytes: int, max_items: int | None = None,
+            keys: Sequence[Hashable] | None = None) -> int:
+    """The end of the batch that starts at ``sizes[start]``: at most ``max_items`` items
+    of at most ``max_bytes`` in all, and always at least one item (a larger one goes alone).
+    With ``keys``, a batch also ends before an item whose key is already in it (a
+    chunkserver refuses a READV with overlapping ranges: the same extent asked twice goes
+    in another one)."""
+    end, total = start + 1, sizes[start]
+    seen = None if keys is None else {keys[start]}
+    while (end < len(sizes) and (max_items is None or end - start < max_items)
+           and total + sizes[end] <= max_bytes):
+        if seen is not None and keys is not None:
+            if keys[end] in seen:
+                break
+            seen.add(keys[end])
+        total += sizes[end]
+        end += 1
+    return end
 
-    A batch is sent at once when it reaches ``max_items`` items or ``max_bytes`` of
-    (declared) size.  If the batched call fails, every item is retried alone, so one
-    bad item cannot fail its neighbours.  A submitter that is cancelled does not
-    cancel the batch.
+
+def split_batches(sizes: Sequence[int], *, max_bytes: int, max_items: int | None = None,
+                  keys: Sequence[Hashable] | None = None) -> list[range]:
+    """Consecutive index ranges of ``sizes``, each a batch as :func:`run_end` bounds it: the
+    one splitter of a large request (APPEND, READV, CHUNK_VERIFY, the mount's moves)."""
+    out, start = [], 0
+    while start < len(sizes):
+        end = run_end(sizes, start, max_items=max_items, max_bytes=max_bytes, keys=keys)
+        out.append(range(start, end))
+        start = end
+    return out
+
+
+class Batcher(Generic[I, R]):
+    """Concurrent single-item calls go to ``run`` together, as one list; each
+    submitter gets its own result back.
+
+    Two ways to decide when a batch goes out:
+
+    - by time (``max_inflight=None``, the client's get/exists and fsspec
+      puts): items submitted before the event loop runs again (or within
+      ``window_s``) go together; a batch is sent at once when it reaches
+      ``max_items`` items or ``max_bytes`` of (declared) size.
+    - by load (``max_inflight=N``, the FUSE mount's reads, which reach the
+      loop one request at a time and rarely share a tick): an item goes out
+      at once while fewer than N batches are running; otherwise it waits,
+      and what queued up goes out together (up to ``max_items`` /
+      ``max_bytes`` per batch) when a batch finishes. Idle: no added
+      latency; busy: batches as large as the backlog.
+
+    If the batched call fails, every item is retried alone, so one bad item
+    cannot fail its neighbours. A submitter that is cancelled does not cancel
+    the batch.
     """
 
     def __init__(self, run: Callable[[list[I]], Awaitable[list[R]]], *, max_items: int,
-                 max_bytes: int, window_s: float = 0.0) -> None:
+                 max_bytes: int, window_s: float = 0.0, max_inflight: int | None = None) -> None:
+        if max_inflight is not None and max_inflight < 1:
+            raise ValueError(f"Batcher: max_inflight must be at least 1, got {max_inflight}")
         self._run = run
         self._max_items = max_items
         self._max_bytes = max_bytes
         self._window_s = window_s
+        self._max_inflight = max_inflight
         self._items: list[I] = []
         self._futs: list[asyncio.Future[R]] = []
+        self._sizes: list[int] = []
         self._bytes = 0
         self._handle: asyncio.Handle | asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # keep running batches referenced
+        self.inflight = 0
         self.batches = 0
 
     async def submit(self, item: I, nbytes: int = 0) -> R:
@@ -38,8 +87,11 @@ class Batcher(Generic[I, R]):
         fut: asyncio.Future[R] = loop.create_future()
         self._items.append(item)
         self._futs.append(fut)
+        self._sizes.append(nbytes)
         self._bytes += nbytes
-        if len(self._items) >= self._max_items or self._bytes >= self._max_bytes:
+        if self._max_inflight is not None:
+            self._pump()
+        elif len(self._items) >= self._max_items or self._bytes >= self._max_bytes:
             self._flush()
         elif self._handle is None:
             self._handle = (loop.call_later(self._window_s, self._flush) if self._window_s > 0
@@ -47,19 +99,39 @@ class Batcher(Generic[I, R]):
         return await fut
 
     def _flush(self) -> None:
+        """By time: everything queued goes out now."""
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
-        if not self._items:
-            return
-        items, futs = self._items, self._futs
-        self._items, self._futs, self._bytes = [], [], 0
+        if self._items:
+            self._send(len(self._items))
+
+    def _pump(self) -> None:
+        """By load: send batches from the queue while fewer than ``max_inflight`` run."""
+        assert self._max_inflight is not None
+        while self._items and self.inflight < self._max_inflight:
+            self._send(run_end(self._sizes, 0, max_items=self._max_items, max_bytes=self._max_bytes))
+
+    def _send(self, n: int) -> None:
+        items, futs = self._items[:n], self._futs[:n]
+        del self._items[:n], self._futs[:n]
+        self._bytes -= sum(self._sizes[:n])
+        del self._sizes[:n]
         self.batches += 1
+        self.inflight += 1
         task = asyncio.get_running_loop().create_task(self._complete(items, futs))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _complete(self, items: list[I], futs: list[asyncio.Future[R]]) -> None:
+        try:
+            await self._answer(items, futs)
+        finally:
+            self.inflight -= 1
+            if self._max_inflight is not None:
+                self._pump()
+
+    async def _answer(self, items: list[I], futs: list[asyncio.Future[R]]) -> None:
         try:
             results = await self._run(items)
         except BaseException as exc:
@@ -81,19 +153,3 @@ class Batcher(Generic[I, R]):
         for f, r in zip(futs, results, strict=True):
             if not f.done():
                 f.set_result(r)
-
-
-def byte_batches(sizes: Sequence[int], limit: int) -> list[range]:
-    """Consecutive runs of items whose sizes add up to at most ``limit`` bytes (an item
-    larger than ``limit`` is a run of its own): how a large APPEND, READV or CHUNK_VERIFY
-    is split into RPCs."""
-    out: list[range] = []
-    i, n = 0, len(sizes)
-    while i < n:
-        j, total = i, 0
-        while j < n and (j == i or total + sizes[j] <= limit):
-            total += sizes[j]
-            j += 1
-        out.append(range(i, j))
-        i = j
-    return out

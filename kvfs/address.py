@@ -1,4 +1,4 @@
-"""Cluster addresses (``kvfs://host:port``) and the cluster token."""
+"""Cluster addresses (``kvfs://host:port``) and the role tokens (client, admin, server)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import re
 import secrets
 from pathlib import Path
 
+from kvfs.datadir import private_dir
 from kvfs.errors import AuthError, InvalidArgument
+from kvfs.handshake import Role
 
 DEFAULT_ADDR = "kvfs://127.0.0.1:7070"
 
@@ -56,8 +58,16 @@ def config_dir() -> Path:
     return Path(env) if env else Path.home() / ".config" / "kvfs"
 
 
-def user_token_path(host: str, port: int) -> Path:
-    return config_dir() / "tokens" / f"{host}_{port}"
+TOKEN_FILES = {Role.CLIENT: "token", Role.ADMIN: "admin.token", Role.SERVER: "server.token"}
+TOKEN_ENV = {Role.CLIENT: "KVFS_TOKEN", Role.ADMIN: "KVFS_ADMIN_TOKEN",
+             Role.SERVER: "KVFS_SERVER_TOKEN"}
+TOKEN_FILE_HELP = ("file holding the token (default: $KVFS_TOKEN, else the file kvfs up wrote); "
+                   "tokens never go on a command line")
+
+
+def user_token_path(host: str, port: int, role: Role = Role.CLIENT) -> Path:
+    suffix = "" if role == Role.CLIENT else f".{role.value}"
+    return config_dir() / "tokens" / f"{host}_{port}{suffix}"
 
 
 def new_token() -> str:
@@ -65,53 +75,76 @@ def new_token() -> str:
 
 
 def write_secret(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` with mode 0600 from the first byte on."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write ``text`` to ``path`` with mode 0600 from the first byte on (its folder 0700)."""
+    private_dir(path.parent)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(text + "\n")
     os.chmod(path, 0o600)
 
 
-def load_or_create_token(data_dir: Path) -> str:
-    """The cluster token kept in a data dir (created, mode 0600, on first start)."""
-    path = data_dir / "token"
+def read_secret(path: Path) -> str:
+    text = path.read_text().strip()
+    if not text:
+        raise AuthError(f"token file {path} is empty")
+    return text
+
+
+def token_from_file(path: str | Path | None) -> str | None:
+    """``--token-file PATH`` -> the token in it (None: look it up the usual way)."""
+    return None if path is None else read_secret(Path(path))
+
+
+def load_or_create_token(data_dir: Path, role: Role = Role.CLIENT) -> str:
+    """A role's token kept in a data dir (created, mode 0600, on first start)."""
+    path = data_dir / TOKEN_FILES[role]
     if path.exists():
-        return path.read_text().strip()
+        return read_secret(path)
     token = new_token()
     write_secret(path, token)
     return token
 
 
 def lookup_token(token: str | None = None, *, addr: str | None = None,
-                 data_dir: Path | None = None, create: bool = False) -> str:
-    """The cluster token, looked up in one order by every client and service.
+                 data_dir: Path | None = None, create: bool = False,
+                 role: Role = Role.CLIENT) -> str:
+    """A role's token (client, admin or server), looked up in one order by every client
+    and service.
 
-    1. ``token`` (a ``token=`` argument or a ``--token`` flag);
-    2. ``$KVFS_TOKEN``;
-    3. a service (``data_dir`` given): the file ``data_dir/token``, written
-       first when ``create`` (meta makes the cluster's token on first start);
+    1. ``token`` (a ``token=`` argument or a ``--token-file``);
+    2. the role's environment variable: ``$KVFS_TOKEN``, ``$KVFS_ADMIN_TOKEN``,
+       ``$KVFS_SERVER_TOKEN``;
+    3. a service (``data_dir`` given): the file ``data_dir/token`` (``admin.token``,
+       ``server.token``), written first when ``create`` (meta makes the cluster's
+       tokens on first start);
     4. a client (no ``data_dir``): the file ``kvfs up`` wrote for ``addr``,
-       ``$KVFS_CONFIG_DIR/tokens/HOST_PORT`` (default ``~/.config/kvfs``).
+       ``$KVFS_CONFIG_DIR/tokens/HOST_PORT`` (``.admin`` for the admin token).
 
     Raises :class:`AuthError` naming where it looked.
     """
     if token:
         return token
-    env = os.environ.get("KVFS_TOKEN")
+    env_name = TOKEN_ENV[role]
+    env = os.environ.get(env_name)
     if env:
         return env
     if data_dir is not None and create:
-        return load_or_create_token(data_dir)
+        return load_or_create_token(data_dir, role)
+    what = "cluster token" if role == Role.CLIENT else f"{role.value} token"
     if data_dir is not None:
-        path = data_dir / "token"
-        missing = f"no cluster token: pass --token, set KVFS_TOKEN, or copy meta's token file to {path}"
+        path = data_dir / TOKEN_FILES[role]
+        missing = (f"no {what}: set {env_name}, or copy meta's token file to {path}")
     else:
         host, port = parse_addr(addr)
-        path = user_token_path(host, port)
-        missing = (f"no token for {format_addr(host, port)}: pass token=, set KVFS_TOKEN, "
-                f"or start the cluster with `kvfs up` (which writes {path})")
+        path = user_token_path(host, port, role)
+        missing = (f"no token for {format_addr(host, port)} ({role.value} role): pass token=, "
+                   f"set {env_name}, or start the cluster with `kvfs up` (which writes {path})")
     try:
-        return path.read_text().strip()
+        return read_secret(path)
     except FileNotFoundError:
         raise AuthError(missing) from None
+
+
+def service_tokens(data_dir: Path, *, create: bool = False) -> dict[Role, str]:
+    """The three role tokens a server checks (see :func:`lookup_token`)."""
+    return {role: lookup_token(data_dir=data_dir, create=create, role=role) for role in Role}

@@ -41,3 +41,32 @@ def as_view(obj: Any, *, writable: bool = False, what: str = "value") -> memoryv
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
     return view
+
+
+def as_parts(obj: Any, *, writable: bool = False, what: str = "value") -> list[memoryview]:
+    """A value as a gather/scatter list: one view, or one per element of a list/tuple of
+    buffers (e.g. a page's K half and V half), none of them copied."""
+    if isinstance(obj, (list, tuple)):
+        return [as_view(p, writable=writable, what=f"{what} part {i}") for i, p in enumerate(obj)]
+    return [as_view(obj, writable=writable, what=what)]
+
+
+def nbytes(parts: list[memoryview]) -> int:
+    return sum(p.nbytes for p in parts)
+
+
+def cut(parts: list[memoryview], start: int, length: int) -> list[memoryview]:
+    """The views covering bytes ``[start, start + length)`` of the concatenation of ``parts``."""
+    if len(parts) == 1:
+        return [parts[0][start : start + length]]
+    out: list[memoryview] = []
+    pos = 0
+    end = start + length
+    for p in parts:
+        n = p.nbytes
+        if pos + n > start and pos < end:
+            out.append(p[max(start - pos, 0) : min(end - pos, n)])
+        pos += n
+        if pos >= end:
+            break
+    return out

@@ -9,14 +9,17 @@ import json
 import logging
 import os
 import signal
+import stat as stat_mod
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from kvfs import __version__
 from kvfs._loop import run
 from kvfs._parent import die_with_parent
+from kvfs.address import TOKEN_FILE_HELP, lookup_token, token_from_file
 from kvfs.client import AsyncClient
 from kvfs.config import (
     DURATION,
@@ -27,6 +30,7 @@ from kvfs.config import (
     from_options,
 )
 from kvfs.errors import KVFSError
+from kvfs.handshake import Role
 from kvfs.units import format_size
 
 log = logging.getLogger("kvfs.cli")
@@ -36,7 +40,7 @@ Command = Callable[[argparse.Namespace], Awaitable[int]]
 
 def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
-    p.add_argument("--token", default=None, help="cluster token (default: $KVFS_TOKEN or the file kvfs up wrote)")
+    p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
 
 
 def _stop_event() -> asyncio.Event:
@@ -56,6 +60,8 @@ async def _wait_for_signal() -> None:
 async def cmd_meta(ns: argparse.Namespace) -> int:
     from kvfs.meta import MetaService
 
+    if ns.data is None:
+        raise ValueError("--data is required")
     svc = MetaService(from_options(MetaConfig, ns))
     addr = await svc.start()
     print(f"kvfs meta ready {addr}", flush=True)
@@ -63,6 +69,30 @@ async def cmd_meta(ns: argparse.Namespace) -> int:
         await _wait_for_signal()
     finally:
         await svc.close()
+    return 0
+
+
+async def cmd_meta_rebuild(ns: argparse.Namespace) -> int:
+    from kvfs.meta.rebuild import rebuild
+
+    addrs = [a.strip() for a in ns.from_chunkservers.split(",") if a.strip()]
+    # reading every chunk's records (CHUNK_SCAN) is an admin operation
+    token = lookup_token(token_from_file(ns.token_file), data_dir=ns.data, role=Role.ADMIN)
+    rep = await rebuild(ns.data, addrs, token)
+    print(f"rebuilt {ns.data / 'meta.sqlite3'} from {rep.servers} chunkservers, {rep.chunks} chunks, "
+          f"{rep.records} records: {rep.keys} keys ({format_size(rep.value_bytes)}); skipped "
+          f"{rep.deleted} deleted, {rep.expired} expired, {rep.incomplete} incomplete "
+          f"(no good copy of an extent), {rep.bad_records} records failing their CRC")
+    for key in rep.dropped_keys[:20]:
+        print(f"  dropped {key[:80].decode(errors='backslashreplace')}")
+    return 0
+
+
+async def cmd_meta_backup(ns: argparse.Namespace) -> int:
+    from kvfs.meta.rebuild import backup
+
+    pages = backup(ns.data, ns.file)
+    print(f"backed up {ns.data / 'meta.sqlite3'} to {ns.file} ({pages} pages)")
     return 0
 
 
@@ -125,27 +155,50 @@ async def cmd_up(ns: argparse.Namespace) -> int:
 
 # client commands ------------------------------------------------------------------
 def _client(ns: argparse.Namespace) -> AsyncClient:
-    return AsyncClient(ns.addr, token=ns.token)
+    return AsyncClient(ns.addr, token=token_from_file(ns.token_file))
+
+
+async def _read_chunks(f: BinaryIO, n: int) -> AsyncIterator[bytes]:
+    """``f`` in pieces of ``n`` bytes, each read in a thread while the loop keeps writing."""
+    while True:
+        piece = await asyncio.to_thread(f.read, n)
+        if not piece:
+            return
+        yield piece
 
 
 async def cmd_put(ns: argparse.Namespace) -> int:
-    data = sys.stdin.buffer.read() if ns.file == "-" else Path(ns.file).read_bytes()
+    """Streams: memory stays a few stripe units, whatever the file's size."""
     async with _client(ns) as kv:
-        await kv.put(ns.key, data, ttl=ns.ttl, replicas=ns.replicas)
+        stripe = kv.config.stripe_bytes
+        if ns.file == "-":
+            await kv.put_stream(ns.key, _read_chunks(sys.stdin.buffer, stripe), ttl=ns.ttl,
+                                replicas=ns.replicas)
+            return 0
+        with open(ns.file, "rb") as f:
+            st = os.fstat(f.fileno())
+            size = st.st_size if stat_mod.S_ISREG(st.st_mode) else None
+            await kv.put_stream(ns.key, _read_chunks(f, stripe), size=size, ttl=ns.ttl,
+                                replicas=ns.replicas)
     return 0
 
 
 async def cmd_get(ns: argparse.Namespace) -> int:
+    """Streams: one stripe unit at a time (a few read ahead) to the file or stdout."""
     async with _client(ns) as kv:
-        value = await kv.get(ns.key)
-    if value is None:
-        print(f"kvfs: {ns.key}: not found", file=sys.stderr)
-        return 1
-    if ns.output and ns.output != "-":
-        Path(ns.output).write_bytes(value)
-    else:
-        sys.stdout.buffer.write(value)
-        sys.stdout.buffer.flush()
+        reader = await kv.open_read(ns.key)
+        if reader is None:
+            print(f"kvfs: {ns.key}: not found", file=sys.stderr)
+            return 1
+        to_file = bool(ns.output and ns.output != "-")
+        out = open(ns.output, "wb") if to_file else sys.stdout.buffer  # noqa: SIM115
+        try:
+            async for part in reader.chunks():
+                out.write(part)
+            out.flush()
+        finally:
+            if to_file:
+                out.close()
     return 0
 
 
@@ -193,6 +246,10 @@ async def cmd_stat(ns: argparse.Namespace) -> int:
               f"{format_size(s['capacity']):>11} {format_size(s['free']):>11} {s['chunks']:>6} "
               f"{format_size(s['written']):>11} {format_size(s['live']):>11} "
               f"{format_size(s['garbage']):>11}")
+    shared = max((int(s.get("shared_by", 1)) for s in st["servers"]), default=1)
+    if shared > 1:
+        print(f"# chunkservers sharing a disk each show their share of its capacity and free "
+              f"space (up to {shared} share one); totals count each disk once")
     return 0
 
 
@@ -208,9 +265,24 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, UpConfig)
     p.set_defaults(func=cmd_up)
 
-    p = sub.add_parser("meta", help="run the metadata service in the foreground")
-    add_options(p, MetaConfig)
+    p = sub.add_parser("meta", help="run the metadata service in the foreground; "
+                       "or rebuild / back up its database")
+    add_options(p, MetaConfig, skip=("data",))
+    p.add_argument("--data", type=Path, default=None, help="data directory (SQLite store, token)")
     p.set_defaults(func=cmd_meta)
+    msub = p.add_subparsers(dest="meta_command", metavar="{rebuild,backup}")
+    q = msub.add_parser("rebuild", help="write a new meta database from the chunkservers' records "
+                        "(after meta's database was lost)")
+    q.add_argument("--data", type=Path, required=True, help="meta's data directory (the new database)")
+    q.add_argument("--from-chunkservers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
+                   help="every chunkserver of the cluster")
+    q.add_argument("--token-file", default=None,
+                   help="the admin token's file (default: $KVFS_ADMIN_TOKEN, else DATA/admin.token)")
+    q.set_defaults(func=cmd_meta_rebuild)
+    q = msub.add_parser("backup", help="copy the live database to FILE (SQLite online backup)")
+    q.add_argument("file", type=Path)
+    q.add_argument("--data", type=Path, required=True, help="meta's data directory")
+    q.set_defaults(func=cmd_meta_backup)
 
     p = sub.add_parser("chunkserver", help="run one chunkserver in the foreground")
     add_options(p, ChunkServerConfig)

@@ -8,11 +8,14 @@
   chunkserver -> one COMMIT;
 - :mod:`kvfs.readpath`: get_many -> one READV per chunkserver, replica failover,
   CRC-32C of every extent, bytes into the caller's buffers;
+- :mod:`kvfs.stream`: values that never sit whole in memory (put_stream, open_read),
+  over the write path, the read path and :meth:`AsyncClient.lookup`;
 - :mod:`kvfs._batch`: concurrent single-key calls coalesced into batches.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -21,18 +24,27 @@ from typing import Any
 from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, lookup_token, parse_addr
-from kvfs.buffers import as_view
+from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig
-from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.errors import InvalidArgument, KVFSError, StaleLayout
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
 from kvfs.layoutcache import LayoutCache
-from kvfs.readpath import WHOLE, ReadPath
+from kvfs.readpath import WHOLE, Dest, ReadPath
+from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.writepath import WritePath
 
-Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor
+log = logging.getLogger("kvfs.client")
 
-__all__ = ["AsyncClient", "KeyInfo", "ServerEntry", "connect"]
+Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch tensor,
+#               or a list of them: one value gathered from (or scattered into) several buffers
+
+# get_into's per-key results besides a size (>= 0)
+MISS = -1  # no such key (or it expired / was deleted while being read)
+TOO_SMALL = -2  # the value is larger than the key's buffer(s): nothing was read for it
+FAILED = -3  # its bytes could not be read (server down, corrupt): neighbours are unaffected
+
+__all__ = ["FAILED", "MISS", "TOO_SMALL", "AsyncClient", "KeyInfo", "ServerEntry", "connect"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,11 +61,18 @@ class AsyncClient:
 
     Public counters: ``rpc_counts`` (RPCs sent, by op name), ``layout_cache`` (its
     ``clear()`` makes the next read ask meta), ``rx_pool_buffers`` and
-    ``rx_buffers_reused`` (the read path's pooled receive buffers).
+    ``rx_buffers_reused`` (the read path's pooled receive buffers).  ``writer``
+    (:class:`kvfs.writepath.WritePath`), ``reader`` (:class:`kvfs.readpath.ReadPath`)
+    and :meth:`lookup` are what :mod:`kvfs.stream` builds on.
+
+    The client follows the event loop that uses it (:meth:`kvfs.cluster.ClusterLink.bind_loop`).
     """
 
     def __init__(self, addr: str | None = None, *, token: str | None = None,
                  config: ClientConfig | None = None) -> None:
+        """``token``: the client token (default ``$KVFS_TOKEN`` or the file `kvfs up`
+        wrote).  A client never runs GC: a write that finds the cluster full asks meta to
+        make room (MAKE_ROOM) and retries once."""
         host, port = parse_addr(addr)
         self.addr = format_addr(host, port)
         self.token = lookup_token(token, addr=self.addr)
@@ -64,10 +83,17 @@ class AsyncClient:
                                  servers_refresh_s=cfg.servers_refresh_s)
         self.rpc_counts = self._link.rpc_counts
         self.layout_cache = LayoutCache(self._link, cfg.layout_cache_entries)
-        self._writer = WritePath(self._link, cfg, lambda: self.clock())
-        self._reader = ReadPath(self._link, max_rpc_bytes=cfg.max_read_rpc_bytes,
-                                relookup=lambda keys: self._lookup(keys, use_cache=False),
-                                forget=self.layout_cache.pop)
+        self.writer = WritePath(self._link, cfg, lambda: self.clock())
+        self.reader = ReadPath(self._link, max_rpc_bytes=cfg.max_read_rpc_bytes,
+                               max_ranges=cfg.max_read_ranges,
+                               relookup=lambda keys: self.lookup(keys, use_cache=False),
+                               forget=self.layout_cache.pop)
+        self._link.on_rebind.append(self._new_batchers)
+        self._new_batchers()
+
+    def _new_batchers(self) -> None:
+        """Batchers belong to one event loop: made anew when the client moves to another."""
+        cfg = self.config
         self._get_batcher: Batcher[bytes, bytes | None] = Batcher(
             self.get_many, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
             window_s=cfg.batch_window_s)
@@ -77,11 +103,11 @@ class AsyncClient:
 
     @property
     def rx_pool_buffers(self) -> int:
-        return self._reader.rx_pool_buffers
+        return self.reader.rx_pool_buffers
 
     @property
     def rx_buffers_reused(self) -> int:
-        return self._reader.rx_buffers_reused
+        return self.reader.rx_buffers_reused
 
     @property
     def get_batches(self) -> int:
@@ -108,7 +134,8 @@ class AsyncClient:
         return await self._link.servers(refresh=refresh)
 
     # layouts ---------------------------------------------------------------
-    async def _lookup(self, keys: Sequence[bytes], *, use_cache: bool = True) -> list[Layout | None]:
+    async def lookup(self, keys: Sequence[bytes], *, use_cache: bool = True) -> list[Layout | None]:
+        """The layouts of normalised keys (None: a miss), from the cache where it holds them."""
         if use_cache:
             out, missing = self.layout_cache.get_many(keys, self.clock())
         else:
@@ -123,7 +150,7 @@ class AsyncClient:
 
     async def layout(self, key: Key) -> Layout | None:
         """Where a value lives (extents, replicas); None on a miss."""
-        return (await self._lookup([norm_key(key)], use_cache=False))[0]
+        return (await self.lookup([norm_key(key)], use_cache=False))[0]
 
     # writes ------------------------------------------------------------------
     async def put(self, key: Key, value: Value, *, ttl: float | None = None,
@@ -135,42 +162,59 @@ class AsyncClient:
         """Store many values: one append per chunkserver, one commit to meta."""
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
-            raise InvalidArgument("empty key list")
+            return
         keys = [norm_key(k) for k, _ in pairs]
-        views = [as_view(v) for _, v in pairs]
+        views = [as_parts(v, what=f"value for key {k[:64]!r}") for k, (_, v) in zip(keys, pairs, strict=True)]
         for k, v in zip(keys, views, strict=True):
-            if v.nbytes > MAX_VALUE_BYTES:
-                raise InvalidArgument(f"value of {v.nbytes} bytes for key {k[:64]!r} exceeds the "
+            if nbytes(v) > MAX_VALUE_BYTES:
+                raise InvalidArgument(f"value of {nbytes(v)} bytes for key {k[:64]!r} exceeds the "
                                       f"limit of {MAX_VALUE_BYTES}")
         r = self.config.replicas if replicas is None else replicas
         if r < 1:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        layouts = await self._writer.put(keys, views, replicas=r, ttl=ttl)
+        layouts = await self.writer.put(keys, views, replicas=r, ttl=ttl)
         for k, lay in zip(keys, layouts, strict=True):
             self.layout_cache.put(k, lay)
+
+    # streaming (kvfs/stream.py) ----------------------------------------------------
+    async def put_stream(self, key: Key, chunks: Chunks, *, size: int | None = None,
+                         ttl: float | None = None, replicas: int | None = None) -> int:
+        """Store the concatenation of ``chunks`` (an async or plain iterable of bytes-like
+        objects) under ``key``, holding only a few stripe units in memory; committed at the
+        end, so readers see all of it or nothing.  Returns the size."""
+        return await put_stream(self, key, chunks, size=size, ttl=ttl, replicas=replicas)
+
+    async def open_read(self, key: Key) -> ValueReader | None:
+        """A reader of ``key``'s value by ranges (``await r.read(start, end)``, ``async for
+        part in r.chunks()``), or None on a miss."""
+        return await open_read(self, key)
 
     # reads -------------------------------------------------------------------
     async def get(self, key: Key) -> bytes | None:
         """One value, or None on a miss; concurrent calls are batched together."""
         k = norm_key(key)
         if self.config.batch:
+            self._link.bind_loop()
             return await self._get_batcher.submit(k, self.layout_cache.size_of(k))
         return (await self.get_many([k]))[0]
 
     async def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
         """Values in key order; None for a miss."""
         ks = norm_keys(keys)
-        layouts = await self._lookup(ks)
+        if not ks:
+            return []
+        layouts = await self.lookup(ks)
         # one-extent values become bytes straight from the receive buffer (one copy);
         # striped ones are assembled in a bytearray first
         bufs: list[bytearray | None] = [
             None if lay is None or len(lay.extents) < 2 else bytearray(lay.size) for lay in layouts]
         out: list[bytes | None] = [None if lay is None else b"" for lay in layouts]
-        dests = [memoryview(b) if b is not None else (WHOLE if lay is not None and lay.size else None)
-                 for b, lay in zip(bufs, layouts, strict=True)]
-        misses = await self._reader.read_into(ks, layouts, dests, out)
+        dests: list[Dest] = [
+            [memoryview(b)] if b is not None else (WHOLE if lay is not None and lay.size else None)
+            for b, lay in zip(bufs, layouts, strict=True)]
+        misses = await self.reader.read_into(ks, layouts, dests, out)
         return [None if i in misses else bytes(b) if b is not None else o
                 for i, (b, o) in enumerate(zip(bufs, out, strict=True))]
 
@@ -182,10 +226,12 @@ class AsyncClient:
         verified): a 4 KiB range of a 1 GiB value reads one stripe unit, not 1 GiB.
         """
         keys = norm_keys(k for k, _, _ in requests)
+        if not keys:
+            return []
         for attempt in (0, 1):
-            layouts = await self._lookup(keys, use_cache=attempt == 0)
+            layouts = await self.lookup(keys, use_cache=attempt == 0)
             subs: list[Layout | None] = []
-            dests: list[memoryview | None] = []
+            dests: list[Dest] = []
             cuts: list[tuple[bytearray, int, int]] = []
             for (_, start, end), lay in zip(requests, layouts, strict=True):
                 if lay is None:
@@ -205,9 +251,9 @@ class AsyncClient:
                 size = sum(e.length for e in chosen)
                 buf = bytearray(size)
                 subs.append(Layout(size, 0, lay.created, lay.expires_at, tuple(chosen)))
-                dests.append(memoryview(buf))
+                dests.append([memoryview(buf)])
                 cuts.append((buf, lo - first, max(lo, hi) - first))
-            stale = await self._reader.fetch(keys, subs, dests, None)
+            stale = await self.reader.fetch(keys, subs, dests, None)
             if not stale:
                 return [None if sub is None else bytes(buf[a:b])
                         for sub, (buf, a, b) in zip(subs, cuts, strict=True)]
@@ -216,40 +262,72 @@ class AsyncClient:
         raise StaleLayout("layouts changed twice during one ranged read; retry")
 
     async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
-        """Read values into caller buffers; returns each size, -1 for a miss."""
+        """Read values into caller buffers, without copies; one result per key.
+
+        A key's buffer may be a list of buffers: its value is scattered over them in order
+        (e.g. ``[k_half, v_half]``).  Each result is the value's size (a hit: that many
+        leading bytes of the buffer(s) were written), ``kvfs.MISS`` (-1),
+        ``kvfs.TOO_SMALL`` (-2: the value is larger than the buffers; nothing read) or
+        ``kvfs.FAILED`` (-3: its bytes could not be read from any replica).  No key's
+        outcome affects another's.
+        """
         ks = norm_keys(keys)
         if len(buffers) != len(ks):
             raise InvalidArgument(f"{len(ks)} keys but {len(buffers)} buffers")
-        views = [as_view(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
-        layouts = await self._lookup(ks)
-        dests: list[memoryview | None] = []
-        for k, lay, v in zip(ks, layouts, views, strict=True):
-            if lay is not None and lay.size > v.nbytes:
-                raise InvalidArgument(f"buffer of {v.nbytes} bytes is too small for {k[:64]!r} "
-                                      f"({lay.size} bytes)")
-            dests.append(None if lay is None else v[: lay.size])
-        misses = await self._reader.read_into(ks, layouts, dests)
-        return [-1 if lay is None or i in misses else lay.size for i, lay in enumerate(layouts)]
+        if not ks:
+            return []
+        views = [as_parts(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
+        layouts = await self.lookup(ks)
+        dests: list[Dest] = []
+        result = [MISS] * len(ks)
+        for i, (lay, v) in enumerate(zip(layouts, views, strict=True)):
+            if lay is None:
+                dests.append(None)
+            elif lay.size > nbytes(v):
+                result[i] = TOO_SMALL
+                dests.append(None)
+            else:
+                result[i] = lay.size
+                dests.append(cut(v, 0, lay.size))
+        failed: dict[int, KVFSError] = {}
+        misses = await self.reader.read_into(ks, layouts, dests, failed=failed)
+        for i in misses:
+            result[i] = MISS
+        for i, exc in failed.items():
+            log.warning("get_into: %s", exc)
+            result[i] = FAILED
+        return result
 
     # meta-only queries ---------------------------------------------------------
     async def exists_many(self, keys: Iterable[Key]) -> list[bool]:
-        return (await self._link.call_meta(rpc.Exists(keys=norm_keys(keys)))).exists
+        ks = norm_keys(keys)
+        if not ks:
+            return []
+        return (await self._link.call_meta(rpc.Exists(keys=ks))).exists
 
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
         if self.config.batch:
+            self._link.bind_loop()
             return await self._exists_batcher.submit(k)
         return (await self.exists_many([k]))[0]
 
     async def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         """How many leading keys are present and unexpired (optionally leased)."""
-        return (await self._link.call_meta(rpc.MatchPrefix(keys=norm_keys(keys), lease_s=lease_s))).n
+        ks = norm_keys(keys)
+        if not ks:
+            return 0
+        return (await self._link.call_meta(rpc.MatchPrefix(keys=ks, lease_s=lease_s))).n
 
     async def delete_many(self, keys: Iterable[Key]) -> int:
         ks = norm_keys(keys)
+        if not ks:
+            return 0
         for k in ks:
             self.layout_cache.pop(k)
-        return (await self._link.call_meta(rpc.Delete(keys=ks))).deleted
+        h = await self._link.call_meta(rpc.Delete(keys=ks))
+        await self.writer.tombstones(ks)
+        return h.deleted
 
     async def delete(self, key: Key) -> bool:
         return await self.delete_many([key]) == 1

@@ -5,19 +5,28 @@ the GC driver (:mod:`kvfs.gc.driver`) and a chunkserver's registration and
 heartbeats (only its meta connection).  Connections are opened on first use,
 one persistent multiplexed connection per peer, and re-opened after a peer
 restarts; the server list is re-read from meta every ``servers_refresh_s``.
+:mod:`kvfs.transport` is the one connection underneath; this module is the only
+place that pools them.
+
+A link belongs to one event loop at a time (:meth:`ClusterLink.bind_loop`): it binds
+to the first loop that uses it, moves to another once nothing is open, and refuses
+at once (instead of hanging until a timeout) while connections of another live loop
+are open.  In a child after ``fork()`` the parent's connections are dropped, never
+touched, and it reconnects.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvfs import rpc
 from kvfs.address import parse_addr
-from kvfs.errors import Unavailable
+from kvfs.errors import LocalProtocolError, Unavailable
 from kvfs.protocol import Buffer, Scatter
 from kvfs.rpc import OP_OF, R, Request
 from kvfs.transport import Connection, Sink
@@ -44,12 +53,42 @@ class ClusterLink:
         self.request_timeout_s = request_timeout_s
         self.servers_refresh_s = servers_refresh_s
         self.rpc_counts: dict[str, int] = defaultdict(int)  # calls sent, by op name
+        self.on_rebind: list[Callable[[], None]] = []  # users' per-loop state to make anew
+        self._pid = os.getpid()
+        self._orphans: list[object] = []  # a parent's connections, kept (never closed) after fork()
+        self._reset(None)
+        self._servers: dict[int, ServerEntry] = {}
+        self._servers_at = -1e18
+        self.cluster_id: str | None = None  # meta's, as of the last server list
+
+    def _reset(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Fresh per-loop state: connections and locks belong to one event loop."""
+        self._loop = loop
         self._meta: Connection | None = None
         self._meta_lock = asyncio.Lock()
         self._conns: dict[int, Connection] = {}
         self._conn_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._servers: dict[int, ServerEntry] = {}
-        self._servers_at = -1e18
+
+    def bind_loop(self) -> None:
+        """Follow the running loop (see the module's doc); on a move, ``on_rebind``
+        callbacks remake their users' per-loop state (batchers, tasks)."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        pid = os.getpid()
+        if pid != self._pid:
+            self._orphans.append((self._meta, self._conns))
+            self._pid = pid
+        elif self._loop is not None and (
+                (self._meta is not None and not self._meta.is_closed)
+                or any(not c.is_closed for c in self._conns.values())) and not self._loop.is_closed():
+            raise LocalProtocolError(
+                f"this AsyncClient has connections open on another event loop ({self._loop!r}) "
+                f"and was called from {loop!r}; close() it first, make one client per loop, "
+                "or use the blocking kvfs.Client (thread-safe, submit_* futures)")
+        self._reset(loop)
+        for fn in self.on_rebind:
+            fn()
 
     @property
     def meta_open(self) -> bool:
@@ -68,6 +107,7 @@ class ClusterLink:
 
     # meta ----------------------------------------------------------------------------
     async def meta_conn(self) -> Connection:
+        self.bind_loop()
         if self._meta is not None and not self._meta.is_closed:
             return self._meta
         async with self._meta_lock:
@@ -93,6 +133,7 @@ class ClusterLink:
         now = time.monotonic()
         if refresh or now - self._servers_at > self.servers_refresh_s:
             h = await self.call_meta(rpc.Servers())
+            self.cluster_id = h.cluster_id
             fresh = {s.server_id: ServerEntry(s.server_id, s.addr, s.capacity, s.free, s.alive)
                      for s in h.servers}
             for sid, conn in list(self._conns.items()):
@@ -108,6 +149,7 @@ class ClusterLink:
 
     # chunkservers ---------------------------------------------------------------------
     async def server_conn(self, sid: int) -> Connection:
+        self.bind_loop()
         conn = self._conns.get(sid)
         if conn is not None and not conn.is_closed:
             return conn

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,29 +24,77 @@ def opt(help: str, default: Any = dataclasses.MISSING, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
+MiB = 1024 * 1024
+
+
+class FsyncMode(enum.StrEnum):
+    """When written bytes reach the disk (README: what each setting risks)."""
+
+    ALWAYS = "always"  # fdatasync each append before answering it
+    BATCH = "batch"  # group commit: durable before answered, concurrent appends share one sync
+    NEVER = "never"  # answered from the page cache: a power loss can lose acknowledged values
+
+
 @dataclass(frozen=True, kw_only=True)
-class MetaConfig:
-    data: Path = opt("data directory (SQLite store, token)")
+class ServerConfig:
+    """What every RPC server (meta, chunkserver) limits, per connection unless stated."""
+
+    max_connections: int = opt("connections per server; past it, new ones are closed at accept",
+                               1024)
+    handshake_timeout_s: float = opt("close a connection that has not authenticated by then", 5.0)
+    idle_timeout_s: float = opt("close an authenticated connection idle this long", 300.0)
+    max_handshake_bytes: int = opt("largest frame accepted before a peer authenticated", 4096)
+    max_header_bytes: int = opt("largest msgpack header of a request", 16 * MiB)
+    max_payload_bytes: int = opt("largest raw payload of a request (an append)", 256 * MiB)
+    max_inflight_requests: int = opt("requests being served per connection; past it, reading "
+                                     "pauses until replies drain", 64)
+    max_inflight_bytes: int = opt("request and reply bytes held per connection; past it, reading "
+                                  "pauses until replies drain", 64 * MiB)
+    bind_auth_to_addresses: bool = opt("refuse a handshake made for other addresses than this "
+                                       "connection's (a relay); turn off behind NAT or a proxy",
+                                       True)
+    bad_request_log_interval_s: float = opt("log bad requests from one peer host at most this "
+                                            "often", 60.0)
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetaConfig(ServerConfig):
+    data: Path = opt("data directory (SQLite store; token files unless $KVFS_TOKEN, "
+                     "$KVFS_ADMIN_TOKEN, $KVFS_SERVER_TOKEN are set)")
     listen: str = opt("HOST:PORT to listen on (port 0 picks a free one)", "127.0.0.1:7070")
-    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else DATA/token)", None)
     heartbeat_timeout_s: float = opt("a chunkserver silent this long is dead", 10.0)
     default_ttl_s: float | None = opt("TTL for puts that give none (default: no expiry)", None)
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
+    fsync: FsyncMode = opt("always/batch: a commit is on disk before it is answered (SQLite "
+                           "synchronous=FULL); never: synchronous=NORMAL, a power loss can undo "
+                           "the last commits (GC transactions are FULL in every mode)",
+                           FsyncMode.BATCH)
 
 
 @dataclass(frozen=True, kw_only=True)
-class ChunkServerConfig:
-    data: Path = opt("data directory (chunk files)")
+class ChunkServerConfig(ServerConfig):
+    data: Path = opt("data directory (chunk files; token files unless $KVFS_TOKEN, "
+                     "$KVFS_ADMIN_TOKEN, $KVFS_SERVER_TOKEN are set)")
     meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
     listen: str = opt("HOST:PORT to listen on (port 0 picks a free one)", "127.0.0.1:0")
     advertise: str | None = opt("HOST:PORT clients should use (default: the listen address)", None)
-    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
     chunk_bytes: int = opt("seal a chunk file at this size", 64 * 1024 * 1024)
-    capacity_bytes: int | None = opt("capacity to report (default: the disk's size)", None)
+    capacity_bytes: int | None = opt("capacity to report (default: the disk's size, which meta "
+                                     "splits between the chunkservers on that disk)", None)
     heartbeat_interval_s: float = opt("how often to report to meta", 1.0)
     io_threads: int = opt("threads doing preadv/pwritev", 4)
     merge_gap_bytes: int = opt("read ranges closer than this as one span", 64 * 1024)
-    fsync: bool = opt("fsync chunk files after each append", False)
+    fsync: FsyncMode = opt("when appended bytes reach the disk before the append is answered: "
+                           "always (one fdatasync each), batch (group commit: concurrent appends "
+                           "share one fdatasync), never (page cache only)", FsyncMode.BATCH)
+    fsync_window_s: float = opt("batch: wait this long for more appends before a group sync "
+                                "(0: the appends that arrive during a sync share the next)", 0.0)
+    max_ranges: int = opt("most ranges one READV may name", 16384)
+    max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
+                               "file limit, which is raised to its hard limit at start)", 4096)
+    max_read_rpc_bytes: int = opt("most bytes one READV may ask for, in total", 64 * MiB)
+    preallocate: bool = opt("reserve chunk_bytes of disk blocks when a chunk is opened for appends "
+                            "(fallocate KEEP_SIZE; the rest is released when it is sealed)", True)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,14 +107,20 @@ class ClientConfig:
     put_group_bytes: int = opt("small values of one put_many stay together on one server in "
                                "runs up to this size; further runs go to the next servers",
                                16 * 1024 * 1024)
-    max_rpc_bytes: int = opt("split appends larger than this", 256 * 1024 * 1024)
-    max_read_rpc_bytes: int = opt("split reads from one server larger than this", 16 * 1024 * 1024)
+    max_rpc_bytes: int = opt("split appends larger than this (at most the servers' "
+                             "--max-payload)", 256 * MiB)
+    max_read_rpc_bytes: int = opt("split reads from one server larger than this (at most the "
+                                  "server's --max-read-rpc)", 16 * MiB)
+    max_read_ranges: int = opt("split reads from one server naming more ranges than this (at "
+                               "most the server's --max-ranges)", 4096)
     servers_refresh_s: float = opt("re-read the chunkserver list this often", 2.0)
     evict_on_full: bool = opt("when a write finds the cluster full, ask meta for a GC pass and retry once", True)
     batch: bool = opt("coalesce concurrent single-key get()/exists() calls into batches", True)
     batch_window_s: float = opt("wait this long for more keys (0: those issued this loop tick)", 0.0)
     batch_max_keys: int = opt("flush a batch at this many keys, without waiting", 128)
     batch_max_bytes: int = opt("flush a batch when its known value sizes reach this", 64 * 1024 * 1024)
+    stream_window_units: int = opt("stripe units a streaming put or read keeps in flight (its "
+                                   "memory: this many stripe_bytes)", 4)
 
 
 T = TypeVar("T")
@@ -132,6 +187,9 @@ def add_options(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tuple[
                 kwargs["type"] = POSITIVE_INT if f.metadata.get("positive") else int
             elif typ in (Path, Path | None):
                 kwargs["type"] = Path
+            elif isinstance(typ, type) and issubclass(typ, enum.Enum):
+                kwargs["type"] = typ
+                kwargs["choices"] = list(typ)
             if not required and f.default is not None:
                 kwargs["help"] += f" (default: {f.default})"
         parser.add_argument(_flag(f.name), **kwargs)
@@ -147,7 +205,6 @@ def from_options(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
 @dataclass(frozen=True, kw_only=True)
 class GcConfig:
     meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
-    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
     interval_s: float = opt("time between background GC passes", 10.0)
     expire_batch: int = opt("expired keys removed per meta transaction", 10_000)
     compact_threshold: float = opt("compact a sealed chunk whose garbage ratio passes this", 0.3)
@@ -166,8 +223,8 @@ class UpConfig:
     listen: str = opt("HOST:PORT for meta (port 0 picks a free one)", "127.0.0.1:7070")
     default_ttl_s: float | None = opt("TTL for puts that give none, e.g. 1h (default: no expiry)",
                                       None)
-    capacity_bytes: int | None = opt("capacity per chunkserver, e.g. 10GiB (default: the disk's "
-                                     "size)", None)
+    capacity_bytes: int | None = opt("capacity per chunkserver, e.g. 10GiB (default: an even "
+                                     "share of the disk they are on)", None)
     gc: bool = opt("run the GC daemon", True)
     gc_interval_s: float | None = opt("time between GC passes, e.g. 10s (default: the daemon's)",
                                       None)
@@ -183,3 +240,59 @@ class UpConfig:
         for name in ("restart_backoff_s", "restart_backoff_max_s", "restart_stable_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """The kvfs plug-ins for inference engines (``kvfs.integrations``), read from the
+    engine's own configuration (SGLang ``extra_config``, LMCache ``extra_config`` with a
+    ``kvfs_`` prefix, vLLM's tier config)."""
+
+    addr: str | None = opt("kvfs://HOST:PORT of meta (default: $KVFS_ADDR)", None)
+    token: str | None = opt("cluster token (default: $KVFS_TOKEN, else the token file)", None)
+    namespace: str | None = opt("key prefix keeping models and ranks apart (default: from the "
+                                "engine's model name and rank)", None)
+    timeout_s: float = opt("an engine call waits at most this long on kvfs, then reports a "
+                           "miss or failure", 5.0)
+    connect_timeout_s: float = opt("give up connecting after this long", 2.0)
+    lease_s: float = opt("blocks found by a lookup are kept from eviction this long", 30.0)
+    ttl_s: float | None = opt("TTL of stored blocks (default: the cluster's)", None)
+
+    def __post_init__(self) -> None:
+        for name in ("timeout_s", "connect_timeout_s", "lease_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.ttl_s is not None and self.ttl_s <= 0:
+            raise ValueError(f"ttl_s must be positive or unset, got {self.ttl_s}")
+
+
+def from_mapping(cls: type[T], mapping: Any, *, prefix: str = "",
+                 ignore: tuple[str, ...] = ()) -> T:
+    """``cls`` from a plain dict (an engine's config): keys are the field names after
+    ``prefix``; ``*_s`` accept ``500ms``/``5min`` and ``*_bytes`` accept ``64MiB``.  Keys
+    with the prefix that name no field are refused, by name."""
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for key, raw in (mapping or {}).items():
+        if not isinstance(key, str) or not key.startswith(prefix) or key in ignore:
+            continue
+        name = key[len(prefix):]
+        if name not in fields:
+            raise ValueError(f"unknown setting {key!r}; known: "
+                             + ", ".join(prefix + n for n in fields))
+        if raw is None:
+            values[name] = None
+        elif name.endswith("_s"):
+            values[name] = parse_duration(raw) if isinstance(raw, str) else float(raw)
+        elif name.endswith("_bytes"):
+            values[name] = parse_size(raw) if isinstance(raw, str) else int(raw)
+        elif hints[name] in (int, int | None):
+            values[name] = int(raw)
+        elif hints[name] in (float, float | None):
+            values[name] = float(raw)
+        elif hints[name] is bool:
+            values[name] = raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
+        else:
+            values[name] = str(raw)
+    return cls(**values)

@@ -105,6 +105,13 @@ class ServerError(KVFSError):
     code = 16
 
 
+class WrongCluster(KVFSError):
+    """A chunkserver and a meta (or a GC) that belong to different clusters: a meta whose
+    database was lost or replaced must never direct a chunkserver it does not know."""
+
+    code = 24
+
+
 def _all_subclasses(cls: type[KVFSError]) -> list[type[KVFSError]]:
     out = [cls]
     for sub in cls.__subclasses__():

@@ -1,13 +1,11 @@
 """The asyncio side of the wire: :class:`FrameProtocol`, the ``asyncio.BufferedProtocol``
 base of client connections (``kvfs/transport.py``) and server connections
-(``kvfs/server.py``) around the sans-IO :class:`kvfs.protocol.FrameDecoder`; and
-``auth_mac``, the HMAC both sides compute for the AUTH handshake."""
+(``kvfs/server.py``) around the sans-IO :class:`kvfs.protocol.FrameDecoder` (the
+handshake's MACs are in :mod:`kvfs.handshake`)."""
 
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import hmac
 import logging
 from collections.abc import Sequence
 
@@ -17,19 +15,17 @@ from kvfs.protocol import Buffer, FrameDecoder, Limits, PayloadAllocator
 log = logging.getLogger("kvfs.wire")
 
 
-def auth_mac(token: str, nonce: bytes) -> bytes:
-    return hmac.new(token.encode(), b"kvfs-auth:" + nonce, hashlib.sha256).digest()
-
-
 class FrameProtocol(asyncio.BufferedProtocol):
     """Receives frames into a :class:`FrameDecoder`; subclasses handle them."""
 
-    def __init__(self, limits: Limits | None = None, allocator: PayloadAllocator | None = None):
-        self.decoder = FrameDecoder(limits, allocator=allocator)
+    def __init__(self, limits: Limits | None = None, allocator: PayloadAllocator | None = None,
+                 *, scratch_bytes: int = 256 * 1024):
+        self.decoder = FrameDecoder(limits, allocator=allocator, scratch_bytes=scratch_bytes)
         self.transport: asyncio.Transport | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
         self.closed = asyncio.Event()
+        self.holding = False  # frames already decoded wait in the decoder (backpressure)
 
     # asyncio callbacks -----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -42,13 +38,23 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def buffer_updated(self, nbytes: int) -> None:
         try:
             self.decoder.buffer_updated(nbytes)
-            while True:
+        except ProtocolError as exc:
+            self.deliver()  # the frames before the bad one still count
+            self.protocol_failed(exc)
+            return
+        self.deliver()
+
+    def deliver(self) -> None:
+        """Hand decoded frames to :meth:`frame_received` until none is left or
+        :attr:`holding` is set."""
+        try:
+            while not self.holding:
                 ev = self.decoder.next_event()
                 if not hasattr(ev, "op"):
                     break
                 self.frame_received(ev)
-        except ProtocolError as exc:
-            self.protocol_failed(exc)
+        except ProtocolError:
+            pass  # the decoder's error: buffer_updated reports it
 
     def pause_writing(self) -> None:
         self._can_write.clear()

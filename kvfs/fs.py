@@ -41,7 +41,7 @@ import contextlib
 import errno
 import os
 import weakref
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
@@ -54,8 +54,8 @@ from kvfs._batch import Batcher
 from kvfs.address import format_addr, is_addr, lookup_token, parse_addr
 from kvfs.client import AsyncClient, KeyInfo
 from kvfs.config import ClientConfig
-from kvfs.errors import KVFSError, NotFound
 from kvfs.layout import MAX_KEY_BYTES, MAX_VALUE_BYTES
+from kvfs.oserrors import builtin_errors
 
 __all__ = ["InvalidPathError", "KVFile", "KVFileSystem"]
 
@@ -92,26 +92,6 @@ def _dir_info(name: str) -> Info:
 
 def _info_of(name: str, ki: KeyInfo) -> Info:
     return _file_info(name, ki.size, ki.created, ki.expires_at, ki.extents)
-
-
-def _translate(exc: KVFSError, path: str) -> BaseException:
-    """A builtin error for fsspec callers (memory.py raises builtins too)."""
-    if isinstance(exc, NotFound):
-        return FileNotFoundError(errno.ENOENT, str(exc), path)
-    if isinstance(exc, (OSError, ValueError)):  # Unavailable, Timeout, NoSpace, AuthError, InvalidArgument
-        return exc
-    return OSError(errno.EIO, f"{type(exc).__name__}: {exc}", path)
-
-
-@contextlib.contextmanager
-def _errors(path: str) -> Iterator[None]:
-    try:
-        yield
-    except KVFSError as exc:
-        new = _translate(exc, path)
-        if new is exc:
-            raise
-        raise new from exc
 
 
 class _Session:
@@ -265,7 +245,7 @@ class KVFileSystem(AsyncFileSystem):
             return _dir_info("")
         check_path(p)
         c = self._session().client
-        with _errors(p):  # a file is the common case: its lookup alone answers
+        with builtin_errors(p):  # a file is the common case: its lookup alone answers
             lay = await c.layout(_kb(p))
             if lay is not None:
                 return _file_info(p, lay.size, lay.created, lay.expires_at, len(lay.extents))
@@ -276,7 +256,7 @@ class KVFileSystem(AsyncFileSystem):
     async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Info] | list[str]:
         p = self._strip_protocol(path)
         prefix = p + "/" if p else ""
-        with _errors(p):
+        with builtin_errors(p):
             infos = await self._session().client.list(_kb(prefix))
         out: dict[str, Info] = {}
         for ki in infos:
@@ -305,7 +285,7 @@ class KVFileSystem(AsyncFileSystem):
         stem = kwargs.pop("prefix", "") or ""
         p = self._strip_protocol(path)
         base = p + "/" if p else ""
-        with _errors(p):
+        with builtin_errors(p):
             infos = await self._session().client.list(_kb(base + stem))
         out: dict[str, Info] = {}
         for ki in infos:
@@ -364,7 +344,7 @@ class KVFileSystem(AsyncFileSystem):
         parts = p.split("/")
         levels = ["/".join(parts[: i + 1]) for i in range(len(parts))]
         c = self._session().client
-        with _errors(p):
+        with builtin_errors(p):
             files = await c.exists_many([_kb(lv) for lv in levels])
             for lv, is_file in zip(levels, files, strict=True):
                 if is_file and lv == p:
@@ -377,7 +357,7 @@ class KVFileSystem(AsyncFileSystem):
         """Remove an empty directory (its marker key); ``OSError(ENOTEMPTY)`` if it holds keys."""
         p = self._key(path, limit=MAX_KEY_BYTES - 1)
         c = self._session().client
-        with _errors(p):
+        with builtin_errors(p):
             under = await c.list(_kb(p + "/"), limit=2, page_size=2)
             if any(ki.key != _kb(p + "/") for ki in under):
                 raise OSError(errno.ENOTEMPTY, "kvfs directory is not empty", p)
@@ -392,7 +372,7 @@ class KVFileSystem(AsyncFileSystem):
 
     async def _rm_file(self, path: str, **kwargs: Any) -> None:
         p = self._key(path)
-        with _errors(p):
+        with builtin_errors(p):
             n = await self._session().client.delete_many([_kb(p), _kb(p + "/")])
         if n == 0:
             raise FileNotFoundError(errno.ENOENT, "no such kvfs file", p)
@@ -407,7 +387,7 @@ class KVFileSystem(AsyncFileSystem):
                 keys += [_kb(p), _kb(p + "/")]
         c = self._session().client
         n = 0
-        with _errors(str(path)):
+        with builtin_errors(str(path)):
             for i in range(0, len(keys), DELETE_BATCH):
                 n += await c.delete_many(keys[i : i + DELETE_BATCH])
         if n == 0 and keys:
@@ -421,7 +401,7 @@ class KVFileSystem(AsyncFileSystem):
 
     async def _get_value(self, p: str) -> bytes:
         """The whole value of key ``p`` through the client's batcher."""
-        with _errors(p):
+        with builtin_errors(p):
             v = await self._session().client.get(_kb(p))
         if v is None:
             raise await self._missing(p)
@@ -432,7 +412,7 @@ class KVFileSystem(AsyncFileSystem):
         if start is None and end is None:
             return await self._get_value(self._key(path))
         p = self._key(path)
-        with _errors(p):
+        with builtin_errors(p):
             (v,) = await self._session().client.get_ranges([(_kb(p), start, end)])
         if v is None:
             raise await self._missing(p)
@@ -452,7 +432,7 @@ class KVFileSystem(AsyncFileSystem):
                 out.append(exc)
         if keys:
             try:
-                with _errors(str(paths[0])):
+                with builtin_errors(str(paths[0])):
                     values = await self._session().client.get_many(keys)
             except (ValueError, OSError) as exc:
                 for i in slots:
@@ -500,7 +480,7 @@ class KVFileSystem(AsyncFileSystem):
         out: list[bytes | BaseException] = []
         try:
             keys = [self._key(p) for p in paths]
-            with _errors(keys[0] if keys else ""):
+            with builtin_errors(keys[0] if keys else ""):
                 got = await self._session().client.get_ranges(
                     [(_kb(k), s, e) for k, s, e in zip(keys, st, en, strict=True)])
             for k, r in zip(keys, got, strict=True):
@@ -544,14 +524,14 @@ class KVFileSystem(AsyncFileSystem):
         n = memoryview(value).nbytes
         if n > MAX_VALUE_BYTES:
             raise OSError(errno.EFBIG, f"kvfs values are limited to {MAX_VALUE_BYTES} bytes, got {n}", p)
-        with _errors(p):
+        with builtin_errors(p):
             await self._session().put(_kb(p), value, self._ttl(ttl))
 
     async def _pipe_file(self, path: str, value: Any, mode: str = "overwrite",
                          ttl: float | None = None, **kwargs: Any) -> None:
         p = self._key(path)
         if mode == "create":
-            with _errors(p):
+            with builtin_errors(p):
                 if await self._session().client.exists(_kb(p)):
                     raise FileExistsError(errno.EEXIST, "kvfs file exists", p)
         elif mode != "overwrite":
@@ -565,7 +545,7 @@ class KVFileSystem(AsyncFileSystem):
         keys = [self._key(p) for p in items]
         values = list(items.values())
         c = self._session().client
-        with _errors(str(keys[0]) if keys else ""):
+        with builtin_errors(str(keys[0]) if keys else ""):
             if mode == "create" and keys:
                 for k, there in zip(keys, await c.exists_many([_kb(k) for k in keys]), strict=True):
                     if there:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import os
 import signal
 import sys
@@ -18,11 +17,13 @@ from pathlib import Path
 from typing import Any
 
 from kvfs._parent import ENV as PARENT_ENV
-from kvfs.address import load_or_create_token, parse_addr, user_token_path, write_secret
+from kvfs.address import TOKEN_ENV, parse_addr, service_tokens, user_token_path, write_secret
 from kvfs.chunkserver import ChunkServer
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, ClientConfig, GcConfig, MetaConfig
-from kvfs.errors import KVFSError, Unavailable
+from kvfs.datadir import DirLock, private_dir
+from kvfs.errors import Unavailable
+from kvfs.handshake import Role
 from kvfs.meta import MetaService
 
 READY_TIMEOUT_S = 60.0
@@ -37,9 +38,10 @@ class LocalCluster:
         self.root = root
         self.n = chunkservers
         self.clock = clock
-        self.token = load_or_create_token(root)
+        self.tokens = service_tokens(root, create=True)
+        self.token = self.tokens[Role.CLIENT]
+        self.admin_token = self.tokens[Role.ADMIN]
         self.meta_config = meta or MetaConfig(data=root / "meta", listen="127.0.0.1:0")
-        self.meta_config = replace(self.meta_config, token=self.token)
         self.cs_template = chunkserver or ChunkServerConfig(data=root, heartbeat_interval_s=0.2)
         self.meta: MetaService | None = None
         self.chunkservers: list[ChunkServer | None] = []
@@ -56,14 +58,14 @@ class LocalCluster:
         await self.stop()
 
     def cs_config(self, i: int, listen: str = "127.0.0.1:0") -> ChunkServerConfig:
-        return replace(self.cs_template, data=self.root / f"cs{i}", meta=self.addr, token=self.token,
+        return replace(self.cs_template, data=self.root / f"cs{i}", meta=self.addr,
                        listen=listen)
 
     async def start(self) -> str:
         try:
             await self.start_meta()
             for i in range(self.n):
-                cs = ChunkServer(self.cs_config(i))
+                cs = ChunkServer(self.cs_config(i), tokens=self.tokens)
                 self.chunkservers.append(cs)
                 await cs.start()
         except BaseException:
@@ -80,7 +82,7 @@ class LocalCluster:
         opts = PassOptions.from_config(config)
         self._gc_stop = asyncio.Event()
         self._gc_task = asyncio.get_running_loop().create_task(
-            run_daemon(self.addr, self.token, opts, config.interval_s, self._gc_stop))
+            run_daemon(self.addr, self.admin_token, opts, config.interval_s, self._gc_stop))
 
     async def stop_gc(self) -> None:
         if self._gc_task is not None:
@@ -89,7 +91,7 @@ class LocalCluster:
             await task
 
     async def start_meta(self) -> str:
-        self.meta = MetaService(self.meta_config, clock=self.clock)
+        self.meta = MetaService(self.meta_config, clock=self.clock, tokens=self.tokens)
         self.addr = await self.meta.start()
         _, port = parse_addr(self.addr)
         self.meta_config = replace(self.meta_config, listen=f"127.0.0.1:{port}")
@@ -109,7 +111,7 @@ class LocalCluster:
         return addr
 
     async def start_chunkserver(self, i: int, listen: str = "127.0.0.1:0") -> ChunkServer:
-        cs = ChunkServer(self.cs_config(i, listen))
+        cs = ChunkServer(self.cs_config(i, listen), tokens=self.tokens)
         await cs.start()
         self.chunkservers[i] = cs
         return cs
@@ -197,46 +199,10 @@ class ServiceProcess:
         return self.proc.returncode
 
 
-class DataDirInUse(KVFSError):
-    """Another `kvfs up` holds this data directory."""
-
-
-class DataDirLock:
-    """``DATA/up.pid``, held with ``flock`` while a `kvfs up` runs on DATA; it names that pid.
-
-    The kernel drops the lock when the holder dies, however it dies, so a stale file never
-    blocks a restart.
-    """
-
-    def __init__(self, data: Path) -> None:
-        self.path = data / "up.pid"
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise DataDirInUse(f"data directory {self.path.parent} is in use by another kvfs up "
-                               f"(pid {holder}); stop that one first") from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-        self._fd = fd
-
-    def release(self) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)
-            os.close(self._fd)  # closing drops the flock
-            self._fd = None
-
-
 class ProcessCluster:
     """Meta and N chunkservers as child processes; what `kvfs up` runs.
 
-    The data directory is locked (:class:`DataDirLock`) from :meth:`start` to :meth:`stop`.
+    The data directory is locked (``DATA/up.pid``, a :class:`DirLock`) from :meth:`start` to :meth:`stop`.
     :meth:`supervise` reports a child that exits and restarts it with backoff.
     """
 
@@ -250,7 +216,8 @@ class ProcessCluster:
         self.meta_args = meta_args
         self.cs_args = chunkserver_args
         self.env_base = env
-        self.token = ""
+        self.token = self.admin_token = ""
+        self.tokens: dict[Role, str] = {}
         self.env: dict[str, str] = {}
         self.meta: ServiceProcess | None = None
         self.chunkservers: list[ServiceProcess] = []
@@ -258,19 +225,22 @@ class ProcessCluster:
         self.gc_enabled = gc
         self.gc_args = gc_args
         self.gc: ServiceProcess | None = None
-        self.lock = DataDirLock(self.data)
+        self.lock = DirLock(self.data, "kvfs up", name="up.pid", hint="stop that one first")
         self._stopping = False
 
     def _kvfs(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "kvfs", *args]
 
     async def start(self) -> str:
-        self.data.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data)
         self.lock.acquire()
         self._stopping = False
         try:
-            self.token = load_or_create_token(self.data)
-            self.env = {**(self.env_base or os.environ), "KVFS_TOKEN": self.token}
+            self.tokens = service_tokens(self.data, create=True)
+            self.token, self.admin_token = self.tokens[Role.CLIENT], self.tokens[Role.ADMIN]
+            # tokens travel to the children in the environment, never on a command line
+            self.env = {**(self.env_base or os.environ),
+                        **{TOKEN_ENV[r]: t for r, t in self.tokens.items()}}
             await self.start_meta(self.listen)
             for i in range(self.n):
                 self.chunkservers.append(self._cs_process(i))
@@ -401,9 +371,12 @@ class ProcessCluster:
             self.lock.release()
 
     def write_user_token(self) -> Path:
+        """The client and admin tokens for this address, where clients look (mode 0600);
+        returns the client token's path."""
         host, port = parse_addr(self.addr)
-        path = user_token_path(host, port)
-        write_secret(path, self.token)
+        for role in (Role.ADMIN, Role.CLIENT):
+            path = user_token_path(host, port, role)
+            write_secret(path, self.tokens[role])
         return path
 
     def client(self, **kw: Any) -> AsyncClient:

@@ -51,8 +51,13 @@ class Flag(enum.IntFlag):
 
 @dataclass(frozen=True, kw_only=True)
 class Limits:
+    """What one frame may announce, checked on its fixed header before anything is
+    allocated for it.  ``ops``: the only op numbers accepted (None: any), e.g. AUTH
+    alone before a peer has authenticated."""
+
     max_header_bytes: int = 64 * 1024 * 1024
-    max_payload_bytes: int = 1536 * 1024 * 1024  # a 1 GiB value fits in one frame
+    max_payload_bytes: int = 1024 * 1024 * 1024 + 1024 * 1024  # a 1 GiB value + slack
+    ops: frozenset[int] | None = None
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -174,6 +179,13 @@ class FrameDecoder:
         self._events: deque[Frame] = deque()
         self._error: RemoteProtocolError | None = None
 
+    def set_limits(self, limits: Limits, scratch_bytes: int | None = None) -> None:
+        """New limits from the next frame on (e.g. once a peer authenticated); grows the
+        scratch buffer to ``scratch_bytes``."""
+        self.limits = limits
+        if scratch_bytes is not None and scratch_bytes > len(self._scratch):
+            self._compact(scratch_bytes)
+
     # -- BufferedProtocol shape ------------------------------------------
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         if self._error is not None:
@@ -260,6 +272,9 @@ class FrameDecoder:
             raise FrameTooLarge(
                 f"frame payload of {plen} bytes exceeds the limit of {self.limits.max_payload_bytes}"
             )
+        ops = self.limits.ops
+        if ops is not None and op not in ops:
+            raise RemoteProtocolError(f"op {op} is not accepted here (expected one of {sorted(ops)})")
         size = FIXED_SIZE + hlen
         if avail < size:
             if len(self._scratch) - self._start < size:

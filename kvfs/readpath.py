@@ -16,12 +16,13 @@ import enum
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, cast
 
 import crc32c
 
 from kvfs import rpc
-from kvfs._batch import byte_batches
+from kvfs._batch import split_batches
+from kvfs.buffers import cut
 from kvfs.cluster import ClusterLink
 from kvfs.errors import ChecksumMismatch, KVFSError, StaleLayout, Unavailable, from_wire
 from kvfs.layout import Extent, Layout, Replica
@@ -37,16 +38,19 @@ class _Dest(enum.Enum):
 
 # A destination marker: "the extent is the whole value: hand it back as bytes".
 WHOLE: Final = _Dest.WHOLE
-Dest = memoryview | _Dest | None  # where an extent's bytes go; None: not read
+# where an extent's (or a value's) bytes go: views filled in order (a value may be scattered
+# over several buffers), WHOLE, or None: not read
+Dest = list[memoryview] | _Dest | None
 
 
 @dataclass(slots=True)
 class _Job:
-    """One extent to read into ``dest``."""
+    """One extent to read into ``dest`` (one view, or several when the caller scatters a
+    value over several buffers), or handed back as bytes when ``dest`` is ``WHOLE``."""
 
     slot: int
     extent: Extent
-    dest: memoryview | _Dest
+    dest: list[memoryview] | _Dest
     rep: Replica | None = None  # the replica being read
     tried: tuple[int, ...] = ()  # servers that already failed this extent
     error: KVFSError | None = None
@@ -56,11 +60,12 @@ class ReadPath:
     """Reads extents for :class:`kvfs.client.AsyncClient`.  ``relookup(keys)`` fetches
     fresh layouts from meta, ``forget(key)`` drops a cached one."""
 
-    def __init__(self, link: ClusterLink, *, max_rpc_bytes: int,
+    def __init__(self, link: ClusterLink, *, max_rpc_bytes: int, max_ranges: int,
                  relookup: Callable[[list[bytes]], Awaitable[list[Layout | None]]],
                  forget: Callable[[bytes], None]) -> None:
         self._link = link
         self._max_rpc_bytes = max_rpc_bytes
+        self._max_ranges = max_ranges
         self._relookup = relookup
         self._forget = forget
         self._rx_pool: list[bytearray] = []
@@ -86,12 +91,13 @@ class ReadPath:
         bufs.clear()
 
     async def read_into(self, keys: list[bytes], layouts: list[Layout | None],
-                         dests: Sequence[Dest], out: list[bytes | None] | None = None,
-                         ) -> set[int]:
+                        dests: Sequence[Dest], out: list[bytes | None] | None = None,
+                        *, failed: dict[int, KVFSError] | None = None) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
-        expired while being read)."""
+        expired while being read).  With ``failed`` given, a key whose bytes cannot be
+        read is recorded there instead of failing the call."""
         misses: set[int] = set()
-        stale = await self.fetch(keys, layouts, dests, out)
+        stale = await self.fetch(keys, layouts, dests, out, failed)
         if stale:
             for i in stale:
                 self._forget(keys[i])
@@ -107,13 +113,15 @@ class ReadPath:
                     raise StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
                                       "named by its layout (lost or reclaimed)")
                 retry_layouts[i], retry_dests[i] = lay, dests[i]
-            if await self.fetch(keys, retry_layouts, retry_dests, out):
+            if await self.fetch(keys, retry_layouts, retry_dests, out, failed):
                 raise StaleLayout("layouts changed twice during one read; retry")
         return misses
 
     async def fetch(self, keys: list[bytes], layouts: list[Layout | None],
-                    dests: Sequence[Dest], out: list[bytes | None] | None) -> list[int]:
-        """Read every extent into its destination; returns the slots whose layout was stale."""
+                    dests: Sequence[Dest], out: list[bytes | None] | None,
+                    failed_out: dict[int, KVFSError] | None = None) -> list[int]:
+        """Read every extent into its destination; returns the slots whose layout was stale.
+        A slot no replica could serve raises, or lands in ``failed_out`` when given."""
         jobs: list[_Job] = []
         for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
             if lay is None or dest is None:
@@ -123,7 +131,7 @@ class ReadPath:
                 continue
             pos = 0
             for e in lay.extents:
-                jobs.append(_Job(slot, e, dest[pos : pos + e.length]))
+                jobs.append(_Job(slot, e, cut(dest, pos, e.length)))
                 pos += e.length
         stale: set[int] = set()
         failed: dict[int, KVFSError] = {}
@@ -167,7 +175,9 @@ class ReadPath:
                     stale.update(st)
                     pending.extend(retry)
         if failed:
-            raise next(iter(failed.values()))
+            if failed_out is None:
+                raise next(iter(failed.values()))
+            failed_out.update(failed)
         return sorted(stale)
 
     async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes],
@@ -177,8 +187,11 @@ class ReadPath:
         reads, the transfer and the client's checks overlap."""
         stale: list[int] = []
         retry: list[_Job] = []
-        batches = [jobs[r.start : r.stop] for r in
-                   byte_batches([job.extent.length for job in jobs], self._max_rpc_bytes)]
+        # a server refuses overlapping ranges: the same extent asked twice (the same key
+        # twice in one call) goes in another READV
+        batches = [jobs[r.start : r.stop] for r in split_batches(
+            [job.extent.length for job in jobs], max_bytes=self._max_rpc_bytes, max_items=self._max_ranges,
+            keys=[(job.rep.chunk_id, job.rep.offset) for job in jobs])]  # type: ignore[union-attr]
         if len(batches) == 1:
             await self._readv_batch(sid, batches[0], keys, out, stale, retry)
             return stale, retry
@@ -202,8 +215,8 @@ class ReadPath:
             # the answer lands straight in each destination (e.g. the caller's buffers); this
             # peeks at the header before it is checked: exchange() checks it once received
             errs = head.header.get("errors") or {}
-            return Scatter([job.dest for i, job in enumerate(batch)  # type: ignore[misc]
-                            if i not in errs])  # chosen only when no dest is WHOLE
+            return Scatter([p for i, job in enumerate(batch) if i not in errs
+                            for p in cast(list[memoryview], job.dest)])  # no dest is WHOLE here
 
         def pooled(head: FrameHead) -> memoryview:
             # values handed back as bytes are copied out of a reused buffer: no fresh
@@ -238,11 +251,14 @@ class ReadPath:
             dest = job.dest
             if in_place:
                 assert dest is not WHOLE  # scatter is chosen only when no dest is WHOLE
-                got = dest
+                c = 0
+                for p in dest:
+                    c = crc(p, c)
             else:
                 got = view[pos : pos + n]
                 pos += n
-            if crc(got) != job.extent.crc:
+                c = crc(got)
+            if c != job.extent.crc:
                 job.tried += (sid,)
                 job.error = ChecksumMismatch(
                     f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
@@ -253,6 +269,9 @@ class ReadPath:
                 assert out is not None
                 out[job.slot] = bytes(got)
             elif not in_place:
-                dest[:] = got
+                at = 0
+                for p in dest:
+                    p[:] = got[at : at + p.nbytes]
+                    at += p.nbytes
         got = view = memoryview(b"")  # drop views of the receive buffer before reusing it
         self._rx_give(rx)

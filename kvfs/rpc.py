@@ -1,4 +1,6 @@
-"""Every RPC, declared once: ``op -> (request type, response type)``.
+"""Every RPC, declared once: ``op -> (request type, response type, roles)``; the roles
+are the token roles that may call it (:class:`kvfs.handshake.Role`: client, admin,
+server).
 
 Op numbers are stable and never reused.  Each request is a frozen, keyword-only
 ``msgspec.Struct`` whose generic parameter names its response type, and every
@@ -25,6 +27,7 @@ from typing import Annotated, Any, Generic, NamedTuple, TypeVar, get_args
 
 import msgspec
 
+from kvfs.handshake import NONCE_BYTES, Role
 from kvfs.layout import MAX_KEY_BYTES, Crc32, Layout
 
 # -- field types and their bounds ---------------------------------------------------------
@@ -51,6 +54,10 @@ Fraction = Annotated[float, msgspec.Meta(ge=0.0, le=1.0)]
 Addr = Annotated[str, msgspec.Meta(min_length=1, max_length=MAX_ADDR_CHARS)]
 Text = Annotated[str, msgspec.Meta(max_length=MAX_TEXT_CHARS)]
 Name = Annotated[str, msgspec.Meta(max_length=64)]
+ClusterId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
+DiskId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]  # host:st_dev
+Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
+Mac = Annotated[bytes, msgspec.Meta(max_length=64)]
 
 T = TypeVar("T")
 
@@ -109,6 +116,14 @@ class Op(enum.IntEnum):
     CHUNK_DELETE = 57
     CHUNK_VERIFY = 58
     CHUNK_SEAL = 59
+    CHUNK_SCAN = 60
+
+
+ANYONE = (Role.CLIENT, Role.ADMIN, Role.SERVER)
+DATA = (Role.CLIENT, Role.ADMIN)  # an admin token may do what a client token may
+ADMIN = (Role.ADMIN,)
+SERVER = (Role.SERVER,)
+SERVER_OR_ADMIN = (Role.SERVER, Role.ADMIN)  # the GC refreshes meta's view of a chunkserver
 
 
 # -- message bases ----------------------------------------------------------------------------
@@ -136,11 +151,25 @@ class Hello(Request[Empty], frozen=True, kw_only=True):
     service: Name
 
 
-class Auth(Request[Empty], frozen=True, kw_only=True):
-    """The first frame of a client: ``mac`` = HMAC-SHA256(token, b"kvfs-auth:" + nonce)."""
+class Endpoint(NamedTuple):
+    host: Addr
+    port: Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+class AuthReply(Response, frozen=True, kw_only=True):
+    role: Name  # the role of the token the client proved (kvfs.handshake.Role)
+    mac: Mac  # the server's proof that it holds the same token
+
+
+class Auth(Request[AuthReply], frozen=True, kw_only=True):
+    """The first frame of a client (:mod:`kvfs.handshake`): its nonce, the connection's
+    two ends as its socket sees them, and an HMAC over both nonces and those ends."""
 
     version: Annotated[int, msgspec.Meta(ge=0, le=255)]
-    mac: Annotated[bytes, msgspec.Meta(max_length=64)]
+    nonce: Nonce
+    client: Endpoint
+    server: Endpoint
+    mac: Mac
 
 
 class Pong(Response, frozen=True, kw_only=True):
@@ -246,6 +275,7 @@ class ServerStats(msgspec.Struct, frozen=True, kw_only=True):
     capacity: Count
     free: Count
     used: Count
+    shared_by: Count  # chunkservers on its disk (capacity and free are its share)
     chunks: Count
     written: Count
     live: Count
@@ -267,13 +297,21 @@ class Stats(Request[StatsReply], frozen=True, kw_only=True):
 
 class Registered(Response, frozen=True, kw_only=True):
     server_id: ServerId
+    cluster_id: ClusterId
 
 
 class Register(Request[Registered], frozen=True, kw_only=True):
+    """WrongCluster: a chunkserver of another cluster, or one holding chunks (``nchunks``)
+    without a cluster id that this meta never saw."""
+
     server_id: ServerId | None = None  # None: meta assigns the next free id
     addr: Addr
     capacity: Count = 0
     free: Count = 0
+    key: Annotated[str, msgspec.Meta(max_length=128)] = ""  # proves the data dir (state.json)
+    disk: DiskId | None = None  # the filesystem it stores on; None: its own --capacity
+    cluster_id: ClusterId | None = None  # None: a fresh chunkserver
+    nchunks: Count = 0
 
 
 class Heartbeat(Request[Empty], frozen=True, kw_only=True):
@@ -287,12 +325,14 @@ class Heartbeat(Request[Empty], frozen=True, kw_only=True):
     chunks: Table[ChunkId, Count]  # chunk id -> bytes written
     open: ChunkId | None = None  # the chunk appends go to
     wanted: Count = 0  # bytes of the last append refused for lack of space
+    disk: DiskId | None = None  # the filesystem it stores on; None: its own --capacity
 
     @classmethod
     def of(cls, stats: ChunkStatsReply, *, server_id: int, addr: str) -> Heartbeat:
         """The one way to build a heartbeat: from a chunkserver's own figures."""
         return cls(server_id=server_id, addr=addr, capacity=stats.capacity, free=stats.free,
-                   used=stats.used, chunks=stats.chunks, open=stats.open, wanted=stats.wanted)
+                   used=stats.used, chunks=stats.chunks, open=stats.open, wanted=stats.wanted,
+                   disk=stats.disk)
 
 
 class ServerRow(NamedTuple):
@@ -305,6 +345,7 @@ class ServerRow(NamedTuple):
 
 class ServerList(Response, frozen=True, kw_only=True):
     servers: Items[ServerRow]
+    cluster_id: ClusterId
 
 
 class Servers(Request[ServerList], frozen=True, kw_only=True):
@@ -313,10 +354,18 @@ class Servers(Request[ServerList], frozen=True, kw_only=True):
 
 # -- chunkserver -------------------------------------------------------------------------------
 class RecordHead(NamedTuple):
+    """One record of an APPEND; the trailing fields let ``kvfs meta rebuild`` re-derive
+    meta from the chunks (:mod:`kvfs.chunkserver.records`)."""
+
     key: Key
     length: Count
     crc: Crc32
     expires_at: Timestamp | None
+    write_id: U63 = 0  # orders the writes of one key: newest wins
+    total_size: Count | None = None  # the whole value's; None: this extent's (0: unknown)
+    total_crc: Crc32 | None = None
+    extent: Index = 0  # the extent's index in the value (a value is striped in extents)
+    tombstone: bool = False  # a delete: no value
 
 
 class Location(NamedTuple):
@@ -367,6 +416,8 @@ class ChunkStatsReply(Response, frozen=True, kw_only=True):
     wanted: Count
     server_id: ServerId | None
     addr: Annotated[str, msgspec.Meta(max_length=MAX_ADDR_CHARS)]
+    cluster_id: ClusterId | None
+    disk: DiskId | None
     mtimes: Table[ChunkId, float]
 
 
@@ -401,7 +452,34 @@ class ChunksDeleted(Response, frozen=True, kw_only=True):
 
 
 class ChunkDelete(Request[ChunksDeleted], frozen=True, kw_only=True):
+    """WrongCluster unless ``cluster_id`` is the chunkserver's."""
+
     chunks: Items[ChunkId]
+    cluster_id: ClusterId | None
+
+
+class ScanRecord(NamedTuple):
+    key: Key
+    write_id: U63
+    extent: Index  # the extent's index in its value
+    total_size: Count
+    total_crc: Crc32
+    length: Count
+    crc: Crc32
+    expires_at: Timestamp | None
+    tombstone: bool
+    value_ok: bool  # the value's CRC-32C checked out
+    value_offset: U63
+
+
+class Scanned(Response, frozen=True, kw_only=True):
+    records: Items[ScanRecord]
+
+
+class ChunkScan(Request[Scanned], frozen=True, kw_only=True):
+    """Every record of one chunk, values checked (``kvfs meta rebuild``)."""
+
+    chunk_id: ChunkId
 
 
 class VerifyRange(NamedTuple):
@@ -632,6 +710,7 @@ class Rpc:
     service: Service
     request: type[Request[Any]]
     doc: str
+    roles: tuple[Role, ...] = ADMIN  # the token roles that may call it
 
     @property
     def response(self) -> type[Response]:
@@ -656,39 +735,45 @@ def _rpcs(*rpcs: Rpc) -> dict[Op, Rpc]:
 
 
 RPCS: dict[Op, Rpc] = _rpcs(
-    Rpc(Op.HELLO, Service.ANY, Hello, "server -> client on connect: protocol version and a nonce"),
-    Rpc(Op.AUTH, Service.ANY, Auth, "client's first frame: proves the cluster token"),
-    Rpc(Op.PING, Service.ANY, Ping, "liveness; names the service"),
-    Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss)"),
-    Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction"),
-    Rpc(Op.DELETE, Service.META, Delete, "forget keys; their bytes become garbage"),
-    Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease"),
-    Rpc(Op.LIST, Service.META, ListKeys, "keys under a prefix, one page in key order"),
-    Rpc(Op.STATS, Service.META, Stats, "keys, bytes, per-server usage, GC summary"),
-    Rpc(Op.REGISTER, Service.META, Register, "a chunkserver joins (or rejoins) the cluster"),
-    Rpc(Op.HEARTBEAT, Service.META, Heartbeat, "a chunkserver's usage and chunk table"),
-    Rpc(Op.SERVERS, Service.META, Servers, "the chunkservers meta knows"),
-    Rpc(Op.EXISTS, Service.META, Exists, "which keys are present and unexpired"),
-    Rpc(Op.APPEND, Service.CHUNKSERVER, Append, "write records (values in the payload) to the open chunk"),
-    Rpc(Op.READV, Service.CHUNKSERVER, ReadV, "read many ranges; bytes in the payload"),
-    Rpc(Op.CHUNK_STATS, Service.CHUNKSERVER, ChunkStats, "chunk table and usage"),
-    Rpc(Op.GC_STATUS, Service.META, GcStatus, "garbage per server, metrics, last pass"),
-    Rpc(Op.GC_EXPIRE, Service.META, GcExpire, "remove keys whose TTL passed (dry run unless apply)"),
-    Rpc(Op.GC_EVICT, Service.META, GcEvict, "remove LRU unleased keys of servers over the high watermark"),
-    Rpc(Op.GC_PLAN, Service.META, GcPlan, "chunks to compact, delete, seal"),
-    Rpc(Op.GC_CHUNK_REFS, Service.META, GcChunkRefs, "live references into chunks"),
-    Rpc(Op.GC_RELOCATE, Service.META, GcRelocate, "switch layouts to compacted copies (compare-and-swap)"),
-    Rpc(Op.GC_RETIRE, Service.META, GcRetire, "mark unreferenced chunks dead (compare-and-swap)"),
-    Rpc(Op.GC_DELETED, Service.META, GcDeleted, "chunks a chunkserver deleted; GC counters"),
-    Rpc(Op.GC_CONTROL, Service.META, GcControl, "pause or resume GC"),
-    Rpc(Op.GC_REPORT, Service.META, GcReport, "a finished pass's report"),
-    Rpc(Op.GC_DROP_REPLICAS, Service.META, GcDropReplicas, "fsck repair: forget bad replicas"),
-    Rpc(Op.TOUCH, Service.META, Touch, "mark keys read (LRU)"),
-    Rpc(Op.MAKE_ROOM, Service.META, MakeRoom, "a write found the cluster full: meta runs one GC pass"),
-    Rpc(Op.CHUNK_COMPACT, Service.CHUNKSERVER, ChunkCompact, "copy live records into a new chunk"),
-    Rpc(Op.CHUNK_DELETE, Service.CHUNKSERVER, ChunkDelete, "unlink retired chunks"),
-    Rpc(Op.CHUNK_VERIFY, Service.CHUNKSERVER, ChunkVerify, "check ranges' CRC-32C"),
-    Rpc(Op.CHUNK_SEAL, Service.CHUNKSERVER, ChunkSeal, "seal the open chunk after idle_s"),
+    Rpc(Op.HELLO, Service.ANY, Hello, "server -> client on connect: protocol version and a nonce", ANYONE),
+    Rpc(Op.AUTH, Service.ANY, Auth, "client's first frame: both sides prove a token (kvfs.handshake)",
+        ANYONE),
+    Rpc(Op.PING, Service.ANY, Ping, "liveness; names the service", ANYONE),
+    Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss)", DATA),
+    Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction", DATA),
+    Rpc(Op.DELETE, Service.META, Delete, "forget keys; their bytes become garbage", DATA),
+    Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease", DATA),
+    Rpc(Op.LIST, Service.META, ListKeys, "keys under a prefix, one page in key order", DATA),
+    Rpc(Op.STATS, Service.META, Stats, "keys, bytes, per-server usage, GC summary", DATA),
+    Rpc(Op.REGISTER, Service.META, Register, "a chunkserver joins (or rejoins) the cluster", SERVER),
+    Rpc(Op.HEARTBEAT, Service.META, Heartbeat, "a chunkserver's usage and chunk table", SERVER_OR_ADMIN),
+    Rpc(Op.SERVERS, Service.META, Servers, "the chunkservers meta knows", DATA),
+    Rpc(Op.EXISTS, Service.META, Exists, "which keys are present and unexpired", DATA),
+    Rpc(Op.APPEND, Service.CHUNKSERVER, Append,
+        "write records (values in the payload) to the open chunk", DATA),
+    Rpc(Op.READV, Service.CHUNKSERVER, ReadV, "read many ranges; bytes in the payload", DATA),
+    Rpc(Op.CHUNK_STATS, Service.CHUNKSERVER, ChunkStats, "chunk table and usage", ADMIN),
+    Rpc(Op.GC_STATUS, Service.META, GcStatus, "garbage per server, metrics, last pass", ADMIN),
+    Rpc(Op.GC_EXPIRE, Service.META, GcExpire, "remove keys whose TTL passed (dry run unless apply)", ADMIN),
+    Rpc(Op.GC_EVICT, Service.META, GcEvict,
+        "remove LRU unleased keys of servers over the high watermark", ADMIN),
+    Rpc(Op.GC_PLAN, Service.META, GcPlan, "chunks to compact, delete, seal", ADMIN),
+    Rpc(Op.GC_CHUNK_REFS, Service.META, GcChunkRefs, "live references into chunks", ADMIN),
+    Rpc(Op.GC_RELOCATE, Service.META, GcRelocate,
+        "switch layouts to compacted copies (compare-and-swap)", ADMIN),
+    Rpc(Op.GC_RETIRE, Service.META, GcRetire, "mark unreferenced chunks dead (compare-and-swap)", ADMIN),
+    Rpc(Op.GC_DELETED, Service.META, GcDeleted, "chunks a chunkserver deleted; GC counters", ADMIN),
+    Rpc(Op.GC_CONTROL, Service.META, GcControl, "pause or resume GC", ADMIN),
+    Rpc(Op.GC_REPORT, Service.META, GcReport, "a finished pass's report", ADMIN),
+    Rpc(Op.GC_DROP_REPLICAS, Service.META, GcDropReplicas, "fsck repair: forget bad replicas", ADMIN),
+    Rpc(Op.TOUCH, Service.META, Touch, "mark keys read (LRU)", DATA),
+    Rpc(Op.MAKE_ROOM, Service.META, MakeRoom, "a write found the cluster full: meta runs one GC pass",
+        DATA),
+    Rpc(Op.CHUNK_COMPACT, Service.CHUNKSERVER, ChunkCompact, "copy live records into a new chunk", ADMIN),
+    Rpc(Op.CHUNK_DELETE, Service.CHUNKSERVER, ChunkDelete, "unlink retired chunks", ADMIN),
+    Rpc(Op.CHUNK_VERIFY, Service.CHUNKSERVER, ChunkVerify, "check ranges' CRC-32C", ADMIN),
+    Rpc(Op.CHUNK_SCAN, Service.CHUNKSERVER, ChunkScan, "every record of a chunk (meta rebuild)", ADMIN),
+    Rpc(Op.CHUNK_SEAL, Service.CHUNKSERVER, ChunkSeal, "seal the open chunk after idle_s", ADMIN),
 )
 
 OP_OF: dict[type[Request[Any]], Op] = {r.request: r.op for r in RPCS.values()}

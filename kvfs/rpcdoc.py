@@ -25,9 +25,11 @@ def _fields(t: type[msgspec.Struct]) -> str:
 
 def markdown_table() -> str:
     """The RPC table of README.md and ARCHITECTURE.md (``python -m kvfs.rpcdoc``)."""
-    lines = ["| op | name | service | request | response | what |", "|---|---|---|---|---|---|"]
+    lines = ["| op | name | service | roles | request | response | what |",
+             "|---|---|---|---|---|---|---|"]
     for r in sorted(RPCS.values(), key=lambda r: r.op):
-        lines.append(f"| {int(r.op)} | {r.op.name} | {r.service.value} | `{r.request.__name__}` "
+        roles = ", ".join(role.value for role in r.roles)
+        lines.append(f"| {int(r.op)} | {r.op.name} | {r.service.value} | {roles} | `{r.request.__name__}` "
                      f"`{_fields(r.request)}` | `{r.response.__name__}` `{_fields(r.response)}` | {r.doc} |")
     return "\n".join(lines) + "\n"
 

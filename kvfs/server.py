@@ -1,7 +1,8 @@
 """The asyncio RPC server shared by meta and chunkservers.
 
 One protocol object per connection owning one :class:`FrameDecoder`; the
-first frame must be AUTH (HMAC of the server's nonce with the cluster token).
+first frame must be AUTH (:mod:`kvfs.handshake`: the token's role, both sides
+proven, bound to the connection); each op then needs a role the RPC table grants.
 Each request is decoded and checked against its type in :data:`kvfs.rpc.RPCS`
 before dispatch: a bad request gets ``InvalidArgument`` naming the field and
 the server keeps serving.  It then runs as its own task, so many are in flight
@@ -13,25 +14,37 @@ breaks the protocol gets an error frame and closes that connection only.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
-import os
-from collections.abc import Awaitable, Callable, Sequence
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
+from kvfs.config import ServerConfig
 from kvfs.errors import (
     AuthError,
     InvalidArgument,
     KVFSError,
     LocalProtocolError,
     ServerError,
+    Timeout,
+    Unavailable,
     VersionMismatch,
 )
-from kvfs.frame_protocol import FrameProtocol, auth_mac
-from kvfs.protocol import PROTOCOL_VERSION, Buffer, Flag, Frame, Limits, Scatter, encode_frame
-from kvfs.rpc import RPCS, Auth, Empty, Hello, Op, Request, Response, Service, decode
+from kvfs.frame_protocol import FrameProtocol
+from kvfs.handshake import Role, endpoint, new_nonce, server_check
+from kvfs.protocol import (
+    FIXED_SIZE,
+    PROTOCOL_VERSION,
+    Buffer,
+    Flag,
+    Frame,
+    Limits,
+    Scatter,
+    encode_frame,
+)
+from kvfs.rpc import RPCS, Auth, Hello, Op, Request, Response, Service, decode
 
 log = logging.getLogger("kvfs.server")
 
@@ -39,17 +52,53 @@ Reply = tuple[Response, Sequence[Buffer]]
 Handler = Callable[[Any, memoryview], Awaitable[Reply]]
 
 
+class PeerLog:
+    """Logs trouble from one peer host at most once per ``interval_s`` (with a count of
+    what it held back), never once per frame."""
+
+    def __init__(self, interval_s: float, max_peers: int = 10_000) -> None:
+        self.interval_s = interval_s
+        self.max_peers = max_peers
+        self._last: dict[str, tuple[float, int]] = {}  # host -> (logged at, held back since)
+
+    def warning(self, host: str, msg: str, *args: object) -> bool:
+        now = time.monotonic()
+        last, held = self._last.get(host, (-1e18, 0))
+        if now - last < self.interval_s:
+            self._last[host] = (last, held + 1)
+            return False
+        if len(self._last) >= self.max_peers:
+            self._last = {h: v for h, v in self._last.items() if now - v[0] < self.interval_s}
+        self._last[host] = (now, 0)
+        if held:
+            msg += " (%d more from this host since the last message)"
+            args = (*args, held)
+        log.warning(msg, *args)
+        return True
+
+
 class RpcServer:
     """Serves ``handler.rpc_<name>(request, payload)`` coroutines for one service; each
-    handler object may serve part of the service's RPCs (e.g. meta's GC component)."""
+    handler object may serve part of the service's RPCs (e.g. meta's GC component).
 
-    def __init__(self, handlers: object | Sequence[object], service: Service, token: str,
-                 limits: Limits | None = None):
+    ``handler.reply_cost(op, request)``, when defined, says how many reply bytes a
+    request will produce; they count against ``max_inflight_bytes`` before it runs.
+    """
+
+    def __init__(self, handlers: object | Sequence[object], service: Service,
+                 tokens: Mapping[Role, str], config: ServerConfig | None = None):
         self.service = service
-        self.token = token
-        self.limits = limits or Limits()
+        self.tokens = dict(tokens)
+        self.config = config = config or ServerConfig()
+        self.limits = Limits(max_header_bytes=config.max_header_bytes,
+                             max_payload_bytes=config.max_payload_bytes)
+        self.handshake_limits = Limits(max_header_bytes=config.max_handshake_bytes - FIXED_SIZE,
+                                       max_payload_bytes=0, ops=frozenset({int(Op.AUTH)}))
         self.handlers: dict[int, tuple[Handler, type[Request[Any]]]] = {}
         objs = handlers if isinstance(handlers, (list, tuple)) else [handlers]
+        self.reply_cost: Callable[[int, Any], int] | None = None
+        for obj in objs:
+            self.reply_cost = self.reply_cost or getattr(obj, "reply_cost", None)
         for op, rpc in RPCS.items():
             if rpc.service not in (service, Service.ANY):
                 continue
@@ -57,11 +106,13 @@ class RpcServer:
                 fn = getattr(obj, rpc.handler, None)
                 if fn is not None:
                     self.handlers[int(op)] = (fn, rpc.request)
+        self.peer_log = PeerLog(config.bad_request_log_interval_s)
         self._server: asyncio.base_events.Server | None = None
         self.connections: set[_ServerProtocol] = set()
         self.host = ""
         self.port = 0
         self.requests_served = 0
+        self.refused_connections = 0
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
@@ -87,26 +138,94 @@ class RpcServer:
 
 
 class _ServerProtocol(FrameProtocol):
+    """One connection.  Before AUTH only a handshake frame of ``max_handshake_bytes`` is
+    accepted and the decoder's buffer stays that small; ``handshake_timeout_s`` closes a
+    connection that did not authenticate, ``idle_timeout_s`` one that went quiet.
+    Requests and reply bytes in flight are counted; past a limit reading pauses (and
+    frames already decoded wait) until replies drain."""
+
     def __init__(self, server: RpcServer) -> None:
-        super().__init__(server.limits)
+        cfg = server.config
+        super().__init__(server.handshake_limits, scratch_bytes=cfg.max_handshake_bytes)
         self.server = server
-        self.nonce = os.urandom(16)
+        self.nonce = new_nonce()
         self.authed = False
+        self.role: Role | None = None
         self.tasks: set[asyncio.Task[None]] = set()
+        self.inflight_requests = 0
+        self.inflight_bytes = 0
+        self.peak_inflight_requests = 0
+        self.peak_inflight_bytes = 0
+        self._loop = asyncio.get_running_loop()
+        self._last_rx = self._loop.time()
+        self._timer: asyncio.TimerHandle | None = None
+        self._accepted = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         super().connection_made(transport)
-        self.server.connections.add(self)
-        hello = Hello(version=PROTOCOL_VERSION, nonce=self.nonce, service=self.server.service.value)
+        server = self.server
+        if len(server.connections) >= server.config.max_connections:
+            server.refused_connections += 1
+            server.peer_log.warning(self._host(), "refusing a connection from %s: %d connections "
+                                    "open (max_connections)", self._peer(), len(server.connections))
+            self.write(encode_frame(0, 0, Unavailable(
+                f"server has {len(server.connections)} connections open (max_connections); "
+                "try again later").to_wire(), flags=Flag.RESPONSE | Flag.ERROR))
+            self.transport.close()  # type: ignore[union-attr]
+            return
+        self._accepted = True
+        server.connections.add(self)
+        self._timer = self._loop.call_later(server.config.handshake_timeout_s, self._expired)
+        hello = Hello(version=PROTOCOL_VERSION, nonce=self.nonce, service=server.service.value)
         self.write(encode_frame(Op.HELLO, 0, hello))
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
         self.server.connections.discard(self)
+        if self._timer is not None:
+            self._timer.cancel()
+
+    def buffer_updated(self, nbytes: int) -> None:
+        self._last_rx = self._loop.time()
+        super().buffer_updated(nbytes)
+
+    def get_buffer(self, sizehint: int) -> memoryview:
+        if not self._accepted:  # refused at accept: read nothing into memory
+            return memoryview(bytearray(64))
+        return super().get_buffer(sizehint)
+
+    def _expired(self) -> None:
+        """The handshake or idle timer fired."""
+        self._timer = None
+        cfg = self.server.config
+        if not self.authed:
+            self.server.peer_log.warning(self._host(), "closing %s: no AUTH within %ss "
+                                         "(handshake_timeout_s)", self._peer(),
+                                         cfg.handshake_timeout_s)
+            self._close_with(Timeout(f"no AUTH within {cfg.handshake_timeout_s}s"))
+            return
+        quiet = self._loop.time() - self._last_rx
+        if self.inflight_requests == 0 and quiet >= cfg.idle_timeout_s:
+            log.debug("closing %s: idle for %.0fs", self._peer(), quiet)
+            self._close_with(Unavailable(f"connection idle for {cfg.idle_timeout_s}s; closed"))
+            return
+        wait = max(cfg.idle_timeout_s - quiet, cfg.idle_timeout_s / 8)
+        self._timer = self._loop.call_later(wait, self._expired)
+
+    def _close_with(self, err: KVFSError) -> None:
+        """A connection-level error frame, then abort (never wait on a peer that does not
+        read)."""
+        if self.transport is None or self.transport.is_closing():
+            return
+        self.write(encode_frame(0, 0, err.to_wire(), flags=Flag.RESPONSE | Flag.ERROR))
+        self.transport.abort()
 
     def protocol_failed(self, exc: KVFSError) -> None:
-        self.write(encode_frame(0, 0, exc.to_wire(), flags=Flag.RESPONSE | Flag.ERROR))
-        super().protocol_failed(exc)
+        self.server.peer_log.warning(self._host(), "closing connection from %s: %s",
+                                     self._peer(), exc)
+        if self.transport is not None and not self.transport.is_closing():
+            self.write(encode_frame(0, 0, exc.to_wire(), flags=Flag.RESPONSE | Flag.ERROR))
+            self.transport.close()
 
     def frame_received(self, frame: object) -> None:
         assert isinstance(frame, Frame)
@@ -115,21 +234,58 @@ class _ServerProtocol(FrameProtocol):
             return
         entry = self.server.handlers.get(frame.op)
         if entry is None:
-            self._reply_error(frame, InvalidArgument(
+            self._bad_request(frame, InvalidArgument(
                 f"op {frame.op} is not served by the {self.server.service.value} service"))
+            return
+        roles = RPCS[Op(frame.op)].roles
+        if self.role not in roles:
+            assert self.role is not None
+            self._bad_request(frame, AuthError(
+                f"this token may not call {Op(frame.op).name}: it needs the "
+                f"{' or '.join(r.value for r in roles)} token, this connection authenticated "
+                f"with the {self.role.value} token"))
             return
         handler, typ = entry
         try:
             request = decode(frame.header, typ)
         except msgspec.ValidationError as exc:
-            self._reply_error(frame, InvalidArgument(f"bad {Op(frame.op).name} request: {exc}"))
+            self._bad_request(frame, InvalidArgument(f"bad {Op(frame.op).name} request: {exc}"))
             return
-        task = asyncio.get_running_loop().create_task(self._run(handler, request, frame))
+        cost = len(frame.payload)
+        if self.server.reply_cost is not None:
+            try:
+                cost += self.server.reply_cost(frame.op, request)
+            except KVFSError as exc:  # e.g. READV past max_ranges: refused before it runs
+                self._bad_request(frame, exc)
+                return
+        self.inflight_requests += 1
+        self.inflight_bytes += cost
+        self._check_backpressure()
+        task = self._loop.create_task(self._run(handler, request, frame, cost))
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
+    def _check_backpressure(self) -> None:
+        cfg = self.server.config
+        self.peak_inflight_requests = max(self.peak_inflight_requests, self.inflight_requests)
+        self.peak_inflight_bytes = max(self.peak_inflight_bytes, self.inflight_bytes)
+        full = (self.inflight_requests >= cfg.max_inflight_requests
+                or self.inflight_bytes >= cfg.max_inflight_bytes)
+        transport = self.transport
+        if transport is None or full == self.holding:
+            return
+        self.holding = full
+        if transport.is_closing():
+            return
+        if full:
+            transport.pause_reading()
+        else:
+            transport.resume_reading()
+            self.deliver()
+
     def _authenticate(self, frame: Frame) -> None:
         err: KVFSError | None = None
+        reply: dict[str, Any] = {}
         if frame.op != Op.AUTH:
             err = LocalProtocolError(f"expected AUTH as the first frame, got op {frame.op}")
         elif frame.header.get("version") != PROTOCOL_VERSION:
@@ -137,46 +293,82 @@ class _ServerProtocol(FrameProtocol):
                 f"client speaks protocol version {frame.header.get('version')!r}; "
                 f"this server speaks {PROTOCOL_VERSION}")
         else:
+            assert self.transport is not None
             try:
-                mac = decode(frame.header, Auth).mac
+                decode(frame.header, Auth)
+                self.role, reply = server_check(
+                    self.server.tokens, self.nonce, self.server.service.value, frame.header,
+                    local=endpoint(self.transport.get_extra_info("sockname")),
+                    peer=endpoint(self.transport.get_extra_info("peername")),
+                    bind_addresses=self.server.config.bind_auth_to_addresses)
             except msgspec.ValidationError as exc:
-                mac = b""
                 err = InvalidArgument(f"bad AUTH request: {exc}")
-            good = auth_mac(self.server.token, self.nonce)
-            if err is None and not hmac.compare_digest(mac, good):
-                err = AuthError("wrong cluster token (check KVFS_TOKEN or the token file)")
+            except KVFSError as exc:
+                err = exc
         if err is not None:
-            log.warning("refusing connection from %s: %s", self._peer(), err)
+            self.server.peer_log.warning(self._host(), "refusing connection from %s: %s",
+                                         self._peer(), err)
             self._reply_error(frame, err)
             assert self.transport is not None
             self.transport.close()
             return
         self.authed = True
-        self.write(encode_frame(frame.op, frame.request_id, Empty(), flags=Flag.RESPONSE))
+        self.decoder.set_limits(self.server.limits, scratch_bytes=256 * 1024)
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(self.server.config.idle_timeout_s, self._expired)
+        self.write(encode_frame(frame.op, frame.request_id, reply, flags=Flag.RESPONSE))
 
     def _peer(self) -> str:
         return str(self.transport.get_extra_info("peername")) if self.transport else "?"
+
+    def _host(self) -> str:
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        return str(peer[0]) if isinstance(peer, tuple) else str(peer)
 
     def _reply_error(self, frame: Frame, err: KVFSError) -> None:
         self.write(encode_frame(frame.op, frame.request_id, err.to_wire(),
                                 flags=Flag.RESPONSE | Flag.ERROR))
 
-    async def _run(self, handler: Handler, request: Request[Any], frame: Frame) -> None:
+    async def _run(self, handler: Handler, request: Request[Any], frame: Frame, charged: int) -> None:
+        try:
+            charged = await self._serve(handler, request, frame, charged)
+        finally:
+            self.inflight_requests -= 1
+            self.inflight_bytes -= charged
+            self._check_backpressure()
+
+    async def _serve(self, handler: Handler, request: Request[Any], frame: Frame, charged: int) -> int:
+        """Runs one request and writes its answer once the transport can take it; returns
+        the bytes charged to this request (grown to the answer's real size)."""
         name = Op(frame.op).name
         try:
             assert not isinstance(frame.payload, Scatter)  # servers use the default allocator
             header, payload = await handler(request, memoryview(frame.payload))
             reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE)
         except KVFSError as exc:
-            self._reply_error(frame, exc)
-            return
+            self._bad_request(frame, exc)
+            return charged
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a bug in the handler: never relabelled as bad input
             log.exception("%s failed", name)
             self._reply_error(frame, ServerError(f"{name} failed on the server: {type(exc).__name__}: {exc}"))
-            return
+            return charged
+        size = sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in reply)
+        if size > charged:
+            self.inflight_bytes += size - charged
+            charged = size
+            self._check_backpressure()
         self.server.requests_served += 1
+        await self.drain()  # answers wait here, counted, not in an unbounded write buffer
         self.write(reply)
-        if not self._can_write.is_set():
-            await self.drain()
+        await self.drain()
+        return charged
+
+    def _bad_request(self, frame: Frame, err: KVFSError) -> None:
+        if isinstance(err, (InvalidArgument, AuthError)):
+            self.server.peer_log.warning(self._host(), "bad %s request from %s: %s",
+                                         Op(frame.op).name if frame.op in Op._value2member_map_
+                                         else frame.op, self._peer(), err)
+        self._reply_error(frame, err)

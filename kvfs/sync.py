@@ -1,8 +1,16 @@
-"""The blocking client: the async client running on a dedicated IO thread."""
+"""The blocking client: the async client running on a dedicated IO thread.
+
+Every call blocks; every ``submit_*`` call returns a :class:`concurrent.futures.Future`
+at once, from any thread (an engine's scheduler, a worker pool, the IO loop itself),
+so engines can start loads and stores and collect them later.  A client inherited
+through ``fork()`` notices in the child and reconnects there on its next call.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import os
 import threading
 from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -21,9 +29,9 @@ class Client:
 
     def __init__(self, addr: str | None = None, *, token: str | None = None,
                  config: ClientConfig | None = None) -> None:
-        self._loop = new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, name="kvfs-io", daemon=True)
-        self._thread.start()
+        self._fork_lock = threading.Lock()
+        self._forked: list[object] = []  # the parent's loop and thread, never touched in a child
+        self._start_io()
         try:
             self.aio = AsyncClient(addr, token=token, config=config)
             self._run(self.aio.open())
@@ -31,12 +39,34 @@ class Client:
             self._stop()
             raise
 
+    def _start_io(self) -> None:
+        self._pid = os.getpid()
+        self._loop = new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="kvfs-io", daemon=True)
+        self._thread.start()
+
+    def _after_fork(self) -> None:
+        """In a child of ``fork()`` the IO thread does not exist: start a new one (the
+        async client then drops the parent's connections and reconnects)."""
+        with self._fork_lock:
+            if self._pid != os.getpid():
+                self._forked.append((self._loop, self._thread))
+                self._start_io()
+
+    def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        if self._pid != os.getpid():
+            self._after_fork()
+        if self._loop.is_closed():
+            coro.close()
+            raise LocalProtocolError("kvfs.Client is closed")
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         if threading.current_thread() is self._thread:
             coro.close()
             raise LocalProtocolError("blocking kvfs call made on the client's own IO loop; "
-                                     "use kvfs.connect() there")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+                                     "use kvfs.connect() there, or a submit_* call")
+        return self._submit(coro).result()
 
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -44,6 +74,8 @@ class Client:
         self._loop.close()
 
     def close(self) -> None:
+        if self._pid != os.getpid():
+            self._after_fork()
         if self._loop.is_closed():
             return
         try:
@@ -84,6 +116,36 @@ class Client:
 
     def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         return self._run(self.aio.match_prefix(keys, lease_s=lease_s))
+
+    # futures: start now, collect later (from any thread) ---------------------
+    def submit_put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
+                        ttl: float | None = None, replicas: int | None = None,
+                        ) -> concurrent.futures.Future[None]:
+        """Start a ``put_many``; the values must stay unchanged until the future is done."""
+        return self._submit(self.aio.put_many([*items.items()] if isinstance(items, Mapping)
+                                              else [*items], ttl=ttl, replicas=replicas))
+
+    def submit_get_many(self, keys: Iterable[Key]) -> concurrent.futures.Future[list[bytes | None]]:
+        return self._submit(self.aio.get_many([*keys]))
+
+    def submit_get_ranges(self, requests: Sequence[tuple[Key, int | None, int | None]],
+                          ) -> concurrent.futures.Future[list[bytes | None]]:
+        return self._submit(self.aio.get_ranges([*requests]))
+
+    def submit_get_into(self, keys: Iterable[Key], buffers: Sequence[Any],
+                        ) -> concurrent.futures.Future[list[int]]:
+        """Start a ``get_into``; the buffers must stay alive until the future is done."""
+        return self._submit(self.aio.get_into([*keys], [*buffers]))
+
+    def submit_exists_many(self, keys: Iterable[Key]) -> concurrent.futures.Future[list[bool]]:
+        return self._submit(self.aio.exists_many([*keys]))
+
+    def submit_match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None,
+                            ) -> concurrent.futures.Future[int]:
+        return self._submit(self.aio.match_prefix([*keys], lease_s=lease_s))
+
+    def submit_delete_many(self, keys: Iterable[Key]) -> concurrent.futures.Future[int]:
+        return self._submit(self.aio.delete_many([*keys]))
 
     def delete(self, key: Key) -> bool:
         return self._run(self.aio.delete(key))

@@ -17,7 +17,8 @@ from kvfs.errors import (
     Unavailable,
     from_wire,
 )
-from kvfs.frame_protocol import FrameProtocol, auth_mac
+from kvfs.frame_protocol import FrameProtocol
+from kvfs.handshake import Role, check_server_proof, client_auth, endpoint, new_nonce
 from kvfs.protocol import (
     PROTOCOL_VERSION,
     Buffer,
@@ -27,7 +28,7 @@ from kvfs.protocol import (
     Scatter,
     encode_frame,
 )
-from kvfs.rpc import OP_OF, RPCS, Auth, Hello, Op, R, Request, decode
+from kvfs.rpc import OP_OF, RPCS, Auth, Hello, Op, R, Request, decode, to_dict
 
 Sink = Callable[[FrameHead], "bytearray | memoryview | Scatter | None"]
 
@@ -90,6 +91,7 @@ class Connection:
         self.request_timeout_s = request_timeout_s
         self._ids = itertools.count(1)
         self.service = ""
+        self.role: Role | None = None  # what the server granted this connection's token
 
     @classmethod
     async def open(
@@ -124,7 +126,12 @@ class Connection:
                     hello = decode(frame.header, Hello)
                 except msgspec.ValidationError as exc:
                     raise RemoteProtocolError(f"{name} sent a bad HELLO: {exc}") from None
-                await conn.call(Auth(version=PROTOCOL_VERSION, mac=auth_mac(token, hello.nonce)))
+                assert proto.transport is not None
+                auth = client_auth(token, frame.header, new_nonce(),
+                                   local=endpoint(proto.transport.get_extra_info("sockname")),
+                                   peer=endpoint(proto.transport.get_extra_info("peername")))
+                reply = await conn.call(decode(auth, Auth))
+                conn.role = check_server_proof(token, frame.header, auth, to_dict(reply), name)
                 conn.service = hello.service
         except TimeoutError:
             conn.close()

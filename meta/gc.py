@@ -311,7 +311,8 @@ class MetaGc:
                    or (ix.chunk_live.get(c, 0) <= 0 and c != open_chunk)]
         fresh = [c for c in retired if c not in self.dead_chunks]
         if fresh:
-            ix.store.add_dead((c, sid, now) for c in fresh)
+            with ix.store.durable():  # on disk before the GC driver unlinks anything
+                ix.store.add_dead((c, sid, now) for c in fresh)
             for c in fresh:
                 self.dead_chunks[c] = now
                 self.zero_since.pop(c, None)

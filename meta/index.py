@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvfs.chunkserver.store import RECORD  # the record format: meta counts its bytes
+from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import MetaConfig
 from kvfs.layout import Layout, encode_layout
 from kvfs.meta.store import MetaStore
@@ -45,6 +45,11 @@ class ServerInfo:
     chunks: dict[int, int] = field(default_factory=dict)  # chunk_id -> bytes written
     open_chunk: int | None = None  # the chunk appends go to (never compacted or deleted)
     wanted: int = 0  # bytes of the last append refused for lack of space (evict to fit it)
+    key: str = ""  # the chunkserver's data-dir key: only it may move its id to a new address
+    disk: str | None = None  # the filesystem it stores on (host:st_dev); None: own --capacity
+    reported_capacity: int = 0  # as the server reported them; capacity/free are its share
+    reported_free: int = 0
+    shared_by: int = 1  # servers on its disk (each gets 1/shared_by of its space)
 
 
 def disk_bytes(layout: Layout) -> int:
@@ -68,7 +73,8 @@ class MetaIndex:
             self.entries[key] = Entry(layout, last_access)
             self.add_live(layout, +1, key)
         for sid, addr, capacity, free in self.store.load_servers():
-            self.servers[sid] = ServerInfo(sid, addr, capacity, free)
+            self.servers[sid] = ServerInfo(sid, addr, capacity, free, reported_capacity=capacity,
+                                           reported_free=free)
         log.info("meta loaded %d keys, %d chunkservers", len(self.entries), len(self.servers))
 
     def flush_access(self) -> None:
@@ -95,6 +101,19 @@ class MetaIndex:
         return sum(live.get(c, 0) for c in s.chunks)
 
     # changing -----------------------------------------------------------------------
+    def share_disks(self) -> None:
+        """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
+        capacity and free space they report, so every total (``kvfs stat``, ``kvfs gc
+        status``, the mount's ``df``) counts the disk once and fill ratios are the disk's."""
+        on_disk: dict[str, int] = {}
+        for s in self.servers.values():
+            if s.disk is not None:
+                on_disk[s.disk] = on_disk.get(s.disk, 0) + 1
+        for s in self.servers.values():
+            n = on_disk.get(s.disk, 1) if s.disk is not None else 1
+            s.shared_by = n
+            s.capacity, s.free = s.reported_capacity // n, s.reported_free // n
+
     def add_live(self, layout: Layout, sign: int, key: bytes, live: dict[int, int] | None = None) -> None:
         """Live bytes per chunk (into ``live``, default ``chunk_live``): each replica's value
         plus its record header and key, so a chunk of only live records has zero garbage."""
@@ -107,8 +126,9 @@ class MetaIndex:
         """Replace the layouts of existing entries: one SQLite transaction, then the index."""
         if not staged:
             return
-        self.store.put_many((k, encode_layout(lay), lay.expires_at, e.last_access)
-                            for k, e, lay in staged)
+        with self.store.durable():
+            self.store.put_many((k, encode_layout(lay), lay.expires_at, e.last_access)
+                                for k, e, lay in staged)
         for k, e, lay in staged:
             self.add_live(e.layout, -1, k)
             e.layout = lay
@@ -119,7 +139,8 @@ class MetaIndex:
         gone = [k for k in keys if k in self.entries]
         if not gone:
             return 0, 0
-        self.store.delete_many(gone)
+        with self.store.durable():
+            self.store.delete_many(gone)
         nbytes = 0
         for k in gone:
             lay = self.entries.pop(k).layout

@@ -11,17 +11,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from kvfs import rpc
-from kvfs.address import lookup_token, parse_addr
+from kvfs.address import parse_addr, service_tokens
 from kvfs.config import MetaConfig
-from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
+from kvfs.errors import InvalidArgument, StaleLayout, WrongCluster
+from kvfs.handshake import Role
 from kvfs.layout import Layout, encode_layout
 from kvfs.meta.gc import MetaGc
 from kvfs.meta.index import Entry, MetaIndex, ServerInfo
 from kvfs.meta.store import MetaStore
-from kvfs.protocol import Limits
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
 
@@ -29,16 +30,22 @@ log = logging.getLogger("kvfs.meta")
 
 
 class MetaService:
-    def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time,
+                 tokens: Mapping[Role, str] | None = None) -> None:
         self.config = config
         self.clock = clock
-        config.data.mkdir(parents=True, exist_ok=True)
-        self.token = lookup_token(config.token, data_dir=config.data, create=True)
-        self.store = MetaStore(config.data / "meta.sqlite3")
+        private_dir(config.data)
+        self.lock = DirLock(config.data, "meta").acquire()
+        raise_nofile_limit()
+        create_private_file(config.data / "meta.sqlite3")  # SQLite's -wal/-shm copy its mode
+        self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
+        self.store = MetaStore(config.data / "meta.sqlite3",
+                               synchronous="NORMAL" if config.fsync == "never" else "FULL")
+        self.cluster_id = self.store.cluster_id()
         self.index = MetaIndex(config, self.store, clock)
         self.index.load()
         self.gc = MetaGc(self.index)
-        self.rpc = RpcServer([self, self.gc], Service.META, self.token, Limits())
+        self.rpc = RpcServer([self, self.gc], Service.META, self.tokens, config)
         self._bg: list[asyncio.Task[None]] = []
 
     # lifecycle ---------------------------------------------------------------
@@ -47,7 +54,7 @@ class MetaService:
         host, port = await self.rpc.start(host, port)
         self._bg.append(asyncio.get_running_loop().create_task(self._flush_loop()))
         addr = f"kvfs://{host}:{port}"
-        self.gc.home = (addr, self.token)
+        self.gc.home = (addr, self.tokens[Role.ADMIN])
         return addr
 
     async def close(self) -> None:
@@ -59,6 +66,7 @@ class MetaService:
         await self.rpc.close()
         self.index.flush_access()
         self.store.close()
+        self.lock.release()
 
     async def _flush_loop(self) -> None:
         while True:
@@ -159,7 +167,7 @@ class MetaService:
             live = sum(ix.chunk_live.get(c, 0) for c in s.chunks)
             servers.append(rpc.ServerStats(
                 server_id=s.server_id, addr=s.addr, alive=ix.alive(s),
-                capacity=s.capacity, free=s.free, used=s.used,
+                capacity=s.capacity, free=s.free, used=s.used, shared_by=s.shared_by,
                 chunks=len(s.chunks), written=written, live=live,
                 garbage=max(0, written - live)))
         return rpc.StatsReply(
@@ -174,28 +182,56 @@ class MetaService:
     # chunkserver RPCs ----------------------------------------------------------
     async def rpc_register(self, req: rpc.Register, payload: memoryview) -> Reply:
         ix = self.index
-        parse_addr(req.addr)
+        addr = req.addr
+        parse_addr(addr)
         sid = max(ix.servers, default=0) + 1 if req.server_id is None else req.server_id
-        s = ix.servers.get(sid) or ServerInfo(sid, req.addr)
-        s.addr = req.addr
-        s.capacity, s.free = req.capacity, req.free
+        self._check_cluster(sid, addr, req.cluster_id, req.nchunks)
+        old = ix.servers.get(sid)
+        if old is not None and old.addr != addr and ix.alive(old) and old.key != req.key:
+            raise InvalidArgument(
+                f"chunkserver {sid} is alive at {old.addr}; a server at {addr} with another data "
+                "dir cannot take its id (stop the other one, or wait for it to time out)")
+        s = old or ServerInfo(sid, addr)
+        s.key = req.key
+        s.addr = addr
+        s.reported_capacity = req.capacity
+        s.reported_free = req.free
+        s.disk = req.disk
         s.last_heartbeat = time.monotonic()
         ix.servers[sid] = s
-        self.store.put_server(sid, req.addr, s.capacity, s.free)
-        log.info("chunkserver %d registered at %s", sid, req.addr)
-        return rpc.Registered(server_id=sid), ()
+        ix.share_disks()
+        self.store.put_server(sid, addr, s.reported_capacity, s.reported_free)
+        log.info("chunkserver %d registered at %s", sid, addr)
+        return rpc.Registered(server_id=sid, cluster_id=self.cluster_id), ()
+
+    def _check_cluster(self, sid: int, addr: str, cluster_id: str | None, nchunks: int) -> None:
+        """A chunkserver of another cluster, or one holding chunks this meta never saw, is
+        refused: this meta (fresh, or restored from elsewhere) must never GC its chunks."""
+        if cluster_id is None:
+            if nchunks and sid not in self.index.servers:
+                raise WrongCluster(
+                    f"chunkserver {sid} at {addr} holds {nchunks} chunks but no cluster id, and this "
+                    f"meta (cluster {self.cluster_id}) has never seen it; if meta's database was "
+                    "lost, rebuild it: kvfs meta rebuild --from-chunkservers")
+        elif cluster_id != self.cluster_id:
+            raise WrongCluster(
+                f"chunkserver {sid} at {addr} belongs to cluster {cluster_id}, this meta "
+                f"is cluster {self.cluster_id}; if meta's database was lost or replaced, rebuild it: "
+                "kvfs meta rebuild --from-chunkservers")
 
     async def rpc_heartbeat(self, req: rpc.Heartbeat, payload: memoryview) -> Reply:
         ix = self.index
         s = ix.servers.get(req.server_id)
         if s is None:
             raise InvalidArgument(f"unknown chunkserver {req.server_id}: register first")
-        s.capacity, s.free, s.used = req.capacity, req.free, req.used
+        s.reported_capacity, s.reported_free, s.used = req.capacity, req.free, req.used
         s.chunks, s.open_chunk, s.wanted = dict(req.chunks), req.open, req.wanted
+        s.disk = req.disk
         s.last_heartbeat = time.monotonic()
+        ix.share_disks()
         return rpc.Empty(), ()
 
     async def rpc_servers(self, req: rpc.Servers, payload: memoryview) -> Reply:
         ix = self.index
         return rpc.ServerList(servers=[rpc.ServerRow(s.server_id, s.addr, s.capacity, s.free, ix.alive(s))
-                                       for s in ix.servers.values()]), ()
+                                       for s in ix.servers.values()], cluster_id=self.cluster_id), ()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import builtins
+import contextlib
 import sqlite3
+import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +33,9 @@ CREATE TABLE IF NOT EXISTS dead_chunks (
     server_id INTEGER NOT NULL,
     retired_at REAL NOT NULL
 );
+CREATE TABLE IF NOT EXISTS cluster (
+    id TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS gc_state (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
@@ -50,15 +55,46 @@ def prefix_upper_bound(prefix: bytes) -> bytes | None:
 
 
 class MetaStore:
-    def __init__(self, path: Path) -> None:
+    """``synchronous``: FULL makes each transaction durable before it returns (WAL synced);
+    NORMAL may lose the last transactions to a power loss.  GC transactions run under
+    :meth:`durable` (FULL in every mode), so no chunk is unlinked on the strength of a
+    relocation or retirement that is not on disk yet."""
+
+    def __init__(self, path: Path, *, synchronous: str = "FULL") -> None:
+        if synchronous not in ("FULL", "NORMAL"):
+            raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         self.path = path
+        self.synchronous = synchronous
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
-        self.db.execute("PRAGMA synchronous=NORMAL")
+        self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.executescript(SCHEMA)
 
     def close(self) -> None:
         self.db.close()
+
+    def cluster_id(self, *, create: str | None = None) -> str:
+        """This cluster's id, made once when the database is created (``create`` gives it,
+        e.g. a rebuild adopting the chunkservers' id; default: a fresh random one)."""
+        row = self.db.execute("SELECT id FROM cluster").fetchone()
+        if row is not None:
+            return str(row[0])
+        cid = create or uuid.uuid4().hex
+        with self.db:
+            self.db.execute("INSERT INTO cluster VALUES (?)", (cid,))
+        return cid
+
+    @contextlib.contextmanager
+    def durable(self) -> Iterator[None]:
+        """Transactions inside are synced (synchronous=FULL) whatever the store's mode."""
+        if self.synchronous == "FULL":
+            yield
+            return
+        self.db.execute("PRAGMA synchronous=FULL")
+        try:
+            yield
+        finally:
+            self.db.execute(f"PRAGMA synchronous={self.synchronous}")
 
     def load(self) -> Iterator[tuple[bytes, Layout, float]]:
         for key, blob, last_access in self.db.execute("SELECT key, layout, last_access FROM kv"):

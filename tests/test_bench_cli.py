@@ -15,6 +15,13 @@ from kvfs.bench.target import BenchTarget
 from kvfs.cli import build_parser
 from kvfs.launcher import LocalCluster
 
+try:
+    import matplotlib  # noqa: F401
+
+    HAVE_MPL = True
+except ImportError:
+    HAVE_MPL = False
+
 TINY = ["--size", "256k", "--runtime", "1", "--no-progress"]
 
 
@@ -26,7 +33,7 @@ def test_fio_option_names_parse() -> None:
     ns = _ns("--rw=randread,write", "--bs=4k,64k,1m,16m", "--iodepth=8", "--numjobs=2",
              "--size=1m", "--runtime=2", "--time_based", "--ramp_time=1", "--batch=16",
              "--prefix-chain=4", "--output-format=json", "--compare", "--plot", "x.png",
-             "--addr", "kvfs://127.0.0.1:1", "--token", "t")
+             "--addr", "kvfs://127.0.0.1:1", "--token-file", "t")
     assert ns.rw == ["randread", "write"]
     assert ns.bs == [4096, 65536, 1 << 20, 16 << 20]
     assert (ns.iodepth, ns.numjobs, ns.size, ns.runtime) == (8, 2, 1 << 20, 2.0)
@@ -78,7 +85,7 @@ async def test_text_output_against_running_cluster(
 ) -> None:
     async with LocalCluster(tmp_path / "c", 3) as cluster:
         ns = _ns("--rw=read", "--bs=64k", "--prefix-chain=4", "--addr", cluster.addr,
-                 "--token", cluster.token, "--size", "256k", "--time_based",
+                 "--token-file", str(tmp_path / "c" / "token"), "--size", "256k", "--time_based",
                  "--runtime", "0.3", "--no-progress")
         assert await bench_cli.cmd_bench(ns) == 0
     out = capsys.readouterr().out
@@ -119,11 +126,48 @@ def test_unknown_peer_is_refused(capsys: pytest.CaptureFixture[str]) -> None:
 
 async def test_tiny_comparison_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ns = _ns("--compare", "--cluster", "inproc", "--peers", "file,loopback", "--no-internal",
-             "--rw", "randread", "--bs", "4k", "--batch", "4", "--size", "64k", "--runtime", "0.2",
-             "--dir", str(tmp_path), "--output-format", "json", "--no-progress")
+             "--bs", "4k", "--batch", "4", "--size", "64k", "--runtime", "0.2",
+             "--rw", "randread,write",
+             "--dir", str(tmp_path), "--output-format", "json", "--no-progress",
+             *(["--plot", str(tmp_path / "c.png")] if HAVE_MPL else []))
     assert await bench_cli.cmd_bench(ns) == 0
+    if HAVE_MPL:  # the run's plot, and one bar chart per workload family
+        for name in ("c.png", "c-reads.png", "c-writes.png"):
+            assert (tmp_path / name).stat().st_size > 0
     report = json.loads(capsys.readouterr().out)
     peers = report["kvfs compare"]["peers"]
     assert peers["subject"] == "kvfs" and list(peers["stores"]) == ["kvfs", "file", "loopback"]
     assert peers["stores"]["file"]["report"]["jobs"][0]["jobname"] == "randread-4k-b4"
     assert peers["ratios"]["randread-4k-b4"]["file"] is not None
+
+
+def test_cpu_seconds_reads_a_process_own_counters() -> None:
+    import os
+
+    from kvfs.bench.cpu import CpuProbe, cpu_seconds
+
+    assert cpu_seconds(os.getpid()) is not None
+    assert cpu_seconds(-1) is None
+    probe = CpuProbe({"me": os.getpid(), "gone": -1})
+    probe.start()
+    sum(i * i for i in range(3_000_000))  # burn some CPU (bounded by count)
+    probe.stop()
+    rep = probe.report(keys=1000, nbytes=10**9)
+    assert set(rep) == {"me"}  # a process that cannot be read is left out, not guessed
+    assert rep["me"]["cpu_s"] > 0
+    assert rep["me"]["us_per_key"] == pytest.approx(rep["me"]["cpu_s"] * 1e6 / 1000)
+    assert rep["me"]["s_per_gb"] == pytest.approx(rep["me"]["cpu_s"])
+
+
+@pytest.mark.subprocess
+async def test_cpu_per_process_of_a_process_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ns = _ns("--cpu", "--rw=write", "--bs=64k", "--batch=8", "--size=2m", "--runtime=0.5",
+             "--dir", str(tmp_path), "--no-progress")
+    assert await bench_cli.cmd_bench(ns) == 0
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("  cpu (per process")]
+    for name in ("client=", "meta=", "cs0=", "cs1=", "cs2="):
+        assert name in line
+    assert "us/key" in line and "s/GB" in line

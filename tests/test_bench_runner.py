@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 from typing import Any, cast
 
 import pytest
@@ -11,7 +12,15 @@ import pytest
 from kvfs.bench.adapters import kvfs_store
 from kvfs.bench.compare import Comparison, StoreFactory, compare
 from kvfs.bench.peers import LoopbackLimit, PeerUnavailable, Store
-from kvfs.bench.runner import RW, BenchError, Workload, make_keys, run_workload
+from kvfs.bench.runner import (
+    RW,
+    BenchError,
+    Workload,
+    format_eta,
+    make_keys,
+    progress_text,
+    run_workload,
+)
 
 
 class MemStore:
@@ -132,6 +141,24 @@ async def test_progress_line_goes_to_the_stream() -> None:
     assert out.getvalue().endswith("\r\x1b[K")  # line cleared at the end
 
 
+def test_progress_line_names_the_store_and_counts_down() -> None:
+    assert progress_text("[3/24] redis randread 4k", "run", 0.41, 112.4) == (
+        "[3/24] redis randread 4k: 41%  ETA 1m52s")
+    assert progress_text("[1/2] kvfs write 1m", "prefill", 0.5, 9) == (
+        "[1/2] kvfs write 1m: prefill 50%  ETA 9s")
+    assert [format_eta(s) for s in (0, 59.6, 60, 3725)] == ["0s", "1m00s", "1m00s", "1h02m"]
+
+
+async def test_progress_line_shows_label_and_eta() -> None:
+    out = io.StringIO()
+    wl = Workload(name="prog", rw="read", bs=8, nkeys=10, runtime_s=0.6, time_based=True)
+    await run_workload(MemStore(), wl, progress=True, progress_stream=out,
+                       label="[2/5] mem read 8", eta_after_s=90)
+    shown = [t.removesuffix("\x1b[K") for t in out.getvalue().split("\r") if t.strip("\x1b[K")]
+    assert shown, "one tick at least (every 0.5 s)"
+    assert all(re.fullmatch(r"\[2/5\] mem read 8: \d+%  ETA 1m3\ds", t) for t in shown), shown
+
+
 async def test_failing_store_raises() -> None:
     class Broken(MemStore):
         async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
@@ -185,11 +212,19 @@ async def test_compare_table_with_subject_peer_and_skipped() -> None:
     assert comp.subject == "kvfs"
     assert len(made) == 2 and all(s.closed for s in made)  # a fresh store per workload
     table = out.getvalue()
-    header = table.splitlines()[0]
-    for col in ("workload", "kvfs", "mem", "kvfs/mem", "loopback", "kvfs/loopback", "kvfs/redis"):
-        assert col in header
+    lines = table.splitlines()
+    assert lines[0].split() == ["workload", "store", "keys/s", "MB/s", "p99/key", "p99/call", "kvfs/x"]
+    assert len(lines) == 1 + len(workloads) * len(factories)  # a row per workload and store
+    assert [line.split()[0] for line in lines[1:] if not line.startswith(" ")] == [
+        "randread", "randwrite"]  # the workload is named once, on its first row
+    assert all(len(line) <= 100 for line in lines)
     assert table.count("skipped: redis-server not installed") == 2
-    assert "randread bs=32B batch=4 qd=1" in table
+    assert lines[1].split()[:5] == ["randread", "32", "b4", "qd1", "kvfs"]
+    mem_row = lines[2].split()
+    assert mem_row[0] == "mem" and mem_row[-1].endswith("x")
+    ratios = comp.ratio_table().splitlines()
+    assert ratios[0].split() == ["workload", "/mem", "/loopback", "/redis"]
+    assert ratios[1].split()[-1] == "-"  # redis was skipped
     assert comp.ratio("r", "mem") is not None
     assert comp.ratio("r", "redis") is None
     assert comp.cell("r", "mem").result is not None
@@ -216,3 +251,41 @@ async def test_compare_records_a_failed_run() -> None:
     comp = await compare({"good": good, "bad": bad}, [wl])
     assert comp.cell("w", "bad").skipped == "failed: BenchError: nope"
     assert comp.cell("w", "good").result is not None
+
+
+class IntoStore(MemStore):
+    """MemStore with get_into; ``broken`` leaves the buffers untouched."""
+
+    def __init__(self, broken: bool = False) -> None:
+        super().__init__("into")
+        self.broken = broken
+
+    async def get_into(self, keys: list[bytes], buffers: list[memoryview]) -> list[int]:
+        out = []
+        for k, b in zip(keys, buffers, strict=True):
+            v = self.data.get(k)
+            if v is not None and not self.broken:
+                b[: len(v)] = v
+            out.append(-1 if v is None else len(v))
+        return out
+
+
+async def test_get_into_reads_into_buffers_and_is_verified() -> None:
+    wl = Workload(name="into", rw="randread", bs=64, batch=8, nkeys=64, time_based=False,
+                  verify=True, api="get_into")
+    res = await run_workload(IntoStore(), wl, progress=False)
+    assert (res.read.total_ios, res.missing, res.mismatched) == (64, 0, 0)
+    assert res.to_json()["job options"]["api"] == "get_into"
+    bad = await run_workload(IntoStore(broken=True), wl, progress=False)
+    assert bad.mismatched >= 63  # buffers never written (key 0's 8-byte tag is zeros, as they are)
+
+
+async def test_get_into_against_a_store_without_it_is_skipped() -> None:
+    async def mem() -> Store:
+        return MemStore()
+
+    wl = Workload(name="into", rw="read", bs=8, nkeys=8, time_based=False, api="get_into")
+    wr = Workload(name="w", rw="write", bs=8, nkeys=8, time_based=False)
+    comp = await compare({"mem": mem}, [wl, wr])
+    assert comp.cell("into", "mem").skipped == "no get_into API"
+    assert comp.cell("w", "mem").result is not None  # the store still runs the other workloads

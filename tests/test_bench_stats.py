@@ -141,12 +141,15 @@ def test_job_json_carries_fio_field_names() -> None:
     assert rd["iops"] == pytest.approx(64_000.0)
     assert rd["bw_bytes"] == 128_000 * 4096 // 2
     assert rd["bw"] == rd["bw_bytes"] // 1024
-    for key in ("clat_ns", "lat_ns"):
+    for key in ("clat_ns", "lat_ns"):  # per io = per key: the call's latency / its 128 keys
         lat = rd[key]
         assert list(lat["percentile"]) == FIO_PERCENTILE_KEYS
         assert lat["N"] == 128_000
-        assert (lat["min"], lat["max"]) == (10_000, 19_990)
-        assert lat["percentile"]["50.000000"] == 14_990
+        assert (lat["min"], lat["max"]) == (10_000 // 128, 19_990 // 128)
+        assert lat["percentile"]["50.000000"] == 14_990 // 128
+    call = rd["call_lat_ns"]  # per call, over calls
+    assert (call["N"], call["min"], call["max"]) == (1000, 10_000, 19_990)
+    assert call["percentile"]["50.000000"] == 14_990 and call["keys_per_call"] == 128
     assert rd["slat_ns"]["N"] == 0
     # 1000 calls done 1 ms apart: 2 full 500 ms windows hold 500 calls each, rest none.
     assert rd["iops_samples"] == 4
@@ -154,7 +157,7 @@ def test_job_json_carries_fio_field_names() -> None:
     assert rd["bw_samples"] == 4
     wr = j["write"]
     assert (wr["total_ios"], wr["io_bytes"], wr["iops"], wr["runtime"]) == (0, 0, 0.0, 0)
-    assert j["latency_us"]["20"] == pytest.approx(100.0)
+    assert j["latency_ns"]["100"] + j["latency_ns"]["250"] == pytest.approx(100.0)
     assert set(j["latency_ms"]) >= {"2000", ">=2000"}
 
 
@@ -183,9 +186,26 @@ def test_text_block_looks_like_fio() -> None:
     assert "| 99.99th=[  200]" in text
     assert "  lat (usec)   : 50=80.00%, 100=19.00%, 250=1.00%" in lines
     assert "write:" not in text
+    assert "    call lat percentiles (usec):" in lines
+    assert any(line.startswith("    call lat (usec): min=45, max=200") for line in lines)
     summary = format_report_text(report_json([job]))
     assert "Run status group 0 (all jobs):" in summary
     assert "READ: bw=4000KiB/s (4096kB/s)" in summary
+
+
+def test_only_concurrent_jobs_share_a_status_group() -> None:
+    def job(name: str, group: int) -> dict[str, object]:
+        j = job_json(name, read=_recorder([50_000] * 100), runtime_ns=1_000_000_000)
+        j["groupid"] = group
+        return j
+
+    # two jobs that ran one after another, then two that ran at once (numjobs=2)
+    text = format_report_text(report_json([job("a", 0), job("b", 1), job("c.0", 2), job("c.1", 2)]))
+    groups = [line for line in text.splitlines() if line.startswith("Run status group")]
+    assert groups == [f"Run status group {g} (all jobs):" for g in (0, 1, 2)]
+    reads = [line.strip() for line in text.splitlines() if line.strip().startswith("READ:")]
+    assert reads[0].startswith("READ: bw=400KiB/s") and reads[1].startswith("READ: bw=400KiB/s")
+    assert reads[2].startswith("READ: bw=800KiB/s")  # the concurrent pair is summed
 
 
 def test_recorder_reset_and_totals() -> None:

@@ -88,7 +88,8 @@ def test_up_put_get_ls_stat_rm(up: tuple[str, dict[str, str], subprocess.Popen[b
     assert kvfs("rm", "mykey", env=env).returncode == 0
     assert kvfs("get", "mykey", env=env).returncode == 1
     # a wrong token is refused with a clear, one-line error
-    r = kvfs("get", "other/key", "--token", "wrong", env=env)
+    (tmp_path / "wrong").write_text("wrong\n")
+    r = kvfs("get", "other/key", "--token-file", str(tmp_path / "wrong"), env=env)
     assert r.returncode == 1 and b"wrong cluster token" in r.stderr
     # Ctrl-C stops every service cleanly
     proc.send_signal(signal.SIGINT)
@@ -102,7 +103,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path: Path) -> None:
     env.pop("KVFS_TOKEN", None)
     r = kvfs("get", "k", "--addr", "kvfs://127.0.0.1:1", env=env)
     assert r.returncode == 1 and b"no token for kvfs://127.0.0.1:1" in r.stderr
-    r = kvfs("get", "k", "--addr", "nonsense", "--token", "t", env=env)
+    r = kvfs("get", "k", "--addr", "nonsense", env={**env, "KVFS_TOKEN": "t"})
     assert r.returncode == 1 and b"bad address" in r.stderr
 
 

@@ -9,10 +9,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import raw_connect as _raw
+from conftest import read_frame as _read_frame
 
 from kvfs import rpc
 from kvfs.address import parse_addr
-from kvfs.chunkserver.store import RECORD
+from kvfs.chunkserver.records import RECORD
 from kvfs.client import AsyncClient
 from kvfs.errors import (
     AuthError,
@@ -30,35 +32,11 @@ from kvfs.layout import Replica
 from kvfs.protocol import (
     FIXED,
     MAGIC,
-    NEED_DATA,
     PROTOCOL_VERSION,
-    Frame,
-    FrameDecoder,
     frame_bytes,
 )
 from kvfs.rpc import Op
 from kvfs.transport import Connection
-
-
-async def _raw(addr: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, Frame]:
-    host, port = parse_addr(addr)
-    reader, writer = await asyncio.open_connection(host, port)
-    hello = await _read_frame(reader)
-    assert hello.op == Op.HELLO
-    return reader, writer, hello
-
-
-async def _read_frame(reader: asyncio.StreamReader) -> Frame:
-    dec = FrameDecoder()
-    async with asyncio.timeout(10):
-        while True:
-            ev = dec.next_event()
-            if ev is not NEED_DATA:
-                assert isinstance(ev, Frame)
-                return ev
-            data = await reader.read(65536)
-            assert data, "connection closed before a frame arrived"
-            dec.receive_data(data)
 
 
 async def _assert_serving(cluster: LocalCluster) -> None:
@@ -209,7 +187,7 @@ async def test_torn_tail_is_truncated_on_restart(cluster: LocalCluster, kv: Asyn
     idx, _, path = await _first_replica(cluster, kv, b"t2")
     await cluster.stop_chunkserver(idx)
     with open(path, "ab") as f:  # a record header with half its value: a crash mid-append
-        f.write(RECORD.pack(b"KVR1", 1, 0, 0, 4096, 0.0, 0) + b"k" + b"z" * 100)
+        f.write(RECORD.pack(b"KVR2", 1, 0, 0, 4096, 0.0, 0, 4096, 0, 0, 0) + b"k" + b"z" * 100)
     size_with_torn = path.stat().st_size
     await cluster.start_chunkserver(idx)
     assert path.stat().st_size == size_with_torn - RECORD.size - 101

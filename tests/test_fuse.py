@@ -25,9 +25,10 @@ from typing import IO, Any
 import pytest
 from conftest import ThreadCluster
 
+from kvfs._batch import Batcher
 from kvfs.client import AsyncClient
 from kvfs.fs import KVFileSystem
-from kvfs.mount import _ReadBatcher, is_mounted
+from kvfs.mount import is_mounted
 
 pytestmark = pytest.mark.fuse
 
@@ -367,11 +368,13 @@ async def test_overlapping_reads_are_batched(kv: AsyncClient) -> None:
     """The mount's read batcher: while reads are outstanding, new ones queue and go out together."""
     fs = KVFileSystem(client=kv, asynchronous=True)
     await kv.put_many({f"rb/{i}": str(i).encode() for i in range(300)})
-    rb = _ReadBatcher(fs, max_inflight=2, max_keys=128)
-    got = await asyncio.gather(*(rb.get(f"rb/{i}".encode()) for i in range(300)), rb.get(b"rb/none"))
+    rb: Batcher[bytes, bytes | None] = Batcher(fs.client.get_many, max_items=128,
+                                               max_bytes=1 << 30, max_inflight=2)
+    got = await asyncio.gather(*(rb.submit(f"rb/{i}".encode()) for i in range(300)),
+                               rb.submit(b"rb/none"))
     assert got == [str(i).encode() for i in range(300)] + [None]
     assert rb.batches == 5  # 1 + 1 alone while idle, then 128 + 128 + 45 queued
-    assert await rb.get(b"rb/7") == b"7"
+    assert await rb.submit(b"rb/7") == b"7"
 
 
 def test_mount_without_pyfuse3_says_what_to_install(tmp_path: Path) -> None:

@@ -11,10 +11,12 @@ from pathlib import Path
 
 import pytest
 from conftest import FakeClock
+from conftest import clocked_client as client
 
 from kvfs import rpc
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig
+from kvfs.errors import ChecksumMismatch
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster, ProcessCluster
 
@@ -48,12 +50,6 @@ async def fill(kv: AsyncClient, n: int = 400, batch: int = 20) -> list[str]:
     return keys
 
 
-def client(c: LocalCluster, clock: FakeClock) -> AsyncClient:
-    kv = c.client()
-    kv.clock = clock
-    return kv
-
-
 async def test_compaction_keeps_live_keys_and_shrinks_disk(small: LocalCluster, clock: FakeClock) -> None:
     async with client(small, clock) as kv:
         keys = await fill(kv)
@@ -61,7 +57,7 @@ async def test_compaction_keeps_live_keys_and_shrinks_disk(small: LocalCluster, 
         dead = set(rng.sample(keys, 280))
         await kv.delete_many(sorted(dead))
         before = du(small.root)
-        async with GarbageCollector(small.addr, token=small.token) as gc:
+        async with GarbageCollector(small.addr, token=small.admin_token) as gc:
             dry = await gc.run_pass(PassOptions(apply=False, grace_s=0))
             assert dry.compact_candidates > 0 and dry.reclaimable_bytes > 0
             assert du(small.root) == before
@@ -82,7 +78,7 @@ async def test_grace_period_keeps_old_chunk_for_in_flight_reads(small: LocalClus
     async with client(small, clock) as kv:
         keys = await fill(kv, 200)
         await kv.delete_many(keys[::2])
-        async with GarbageCollector(small.addr, token=small.token) as gc:
+        async with GarbageCollector(small.addr, token=small.admin_token) as gc:
             r = await gc.run_pass(PassOptions(apply=True, grace_s=60))
             assert r.chunks_compacted > 0
             assert r.waiting_grace > 0
@@ -130,7 +126,7 @@ async def test_reads_racing_compaction_return_right_bytes(small: LocalCluster, c
         try:
             async with asyncio.timeout(60):
                 await asyncio.gather(*(w.wait() for w in warm))
-            async with GarbageCollector(small.addr, token=small.token) as gc:
+            async with GarbageCollector(small.addr, token=small.admin_token) as gc:
                 r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
                 assert r.chunks_compacted > 0 and r.chunks_deleted > 0
         finally:
@@ -140,6 +136,40 @@ async def test_reads_racing_compaction_return_right_bytes(small: LocalCluster, c
         assert all(n > 1 for n in lookups), lookups  # each reader re-looked-up stale layouts
     async with client(small, clock) as fresh:
         assert await fresh.get_many(live) == want
+
+
+async def test_compaction_leaves_a_corrupt_record_behind(small: LocalCluster, clock: FakeClock) -> None:
+    """A live value whose bytes rotted on disk is not copied forward (its key keeps pointing
+    at the old chunk, which is then kept); every other record of that chunk is copied."""
+    async with client(small, clock) as kv:
+        keys = await fill(kv, 100)
+        await kv.delete_many(keys[::2])
+        live = keys[1::2]
+        bad = live[len(live) // 2]
+        before = {k: await kv.layout(k) for k in live}
+        lay = before[bad]
+        assert lay is not None
+        rep = lay.extents[0].replicas[0]
+        neighbours = [k for k, v in before.items() if k != bad and v is not None
+                      and v.extents[0].replicas[0].chunk_id == rep.chunk_id]
+        assert neighbours
+        (path,) = small.root.glob(f"cs*/chunks/{rep.chunk_id:016x}.chunk")
+        with open(path, "r+b") as f:
+            f.seek(rep.offset + 100)
+            f.write(b"\x00" if value_of(bad)[100] else b"\x01")
+        async with GarbageCollector(small.addr, token=small.admin_token) as gc:
+            r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
+        assert r.chunks_compacted > 0 and r.relocations_lost == 0
+        assert path.exists()  # still referenced by the corrupt key
+    async with client(small, clock) as fresh:
+        assert await fresh.layout(bad) == lay
+        for k in neighbours:
+            moved = await fresh.layout(k)
+            assert moved is not None and moved.extents[0].replicas[0].chunk_id != rep.chunk_id
+        good = [k for k in live if k != bad]
+        assert await fresh.get_many(good) == [value_of(k) for k in good]
+        with pytest.raises(ChecksumMismatch):
+            await fresh.get(bad)
 
 
 async def copy_only(gc: GarbageCollector, kv: AsyncClient) -> tuple[int, int, rpc.Compacted, list[rpc.Ref]]:
@@ -158,7 +188,7 @@ async def test_overwrite_and_delete_racing_compaction_win(small: LocalCluster, c
     async with client(small, clock) as kv:
         keys = await fill(kv)
         await kv.delete_many(keys[::3])
-        async with GarbageCollector(small.addr, token=small.token) as gc:
+        async with GarbageCollector(small.addr, token=small.admin_token) as gc:
             sid, cid, res, refs = await copy_only(gc, kv)
             over, gone = refs[0].key.decode(), refs[1].key.decode()
             await kv.put(over, b"newer value")  # lands between copy and switch
@@ -181,13 +211,13 @@ async def test_gc_abandoned_after_copy_leaves_reclaimable_leftover(small: LocalC
     async with client(small, clock) as kv:
         keys = await fill(kv)
         await kv.delete_many(keys[::2])
-        async with GarbageCollector(small.addr, token=small.token) as gc:
+        async with GarbageCollector(small.addr, token=small.admin_token) as gc:
             _, _, res, _ = await copy_only(gc, kv)  # ... and the GC dies here
         (leftover,) = small.root.glob(f"cs*/chunks/{res.chunk_id:016x}.chunk")
         assert leftover.exists()
         async with client(small, clock) as fresh:
             assert await fresh.get_many(keys[1::2]) == [value_of(k) for k in keys[1::2]]
-        async with GarbageCollector(small.addr, token=small.token) as gc:
+        async with GarbageCollector(small.addr, token=small.admin_token) as gc:
             await gc.run_pass(PassOptions(apply=True, grace_s=0))
         assert not leftover.exists()
         async with client(small, clock) as fresh:
@@ -201,7 +231,7 @@ async def test_kill_9_meta_between_copy_and_switch(proc_cluster: ProcessCluster)
         for i in range(0, len(keys), 10):
             await kv.put_many([(k, value_of(k, 8192)) for k in keys[i : i + 10]])
         await kv.delete_many(keys[::2])
-        async with GarbageCollector(proc_cluster.addr, token=proc_cluster.token) as gc:
+        async with GarbageCollector(proc_cluster.addr, token=proc_cluster.admin_token) as gc:
             stats = await gc.sync_usage()
             for sid, st in stats.items():  # seal the open chunks so they can be compacted
                 if st.open is None:  # placement is random: a server may have got no batch
@@ -217,7 +247,7 @@ async def test_kill_9_meta_between_copy_and_switch(proc_cluster: ProcessCluster)
     async with proc_cluster.client() as fresh:
         live = keys[1::2]
         assert await fresh.get_many(live) == [value_of(k, 8192) for k in live]
-        async with GarbageCollector(proc_cluster.addr, token=proc_cluster.token) as gc:
+        async with GarbageCollector(proc_cluster.addr, token=proc_cluster.admin_token) as gc:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 30
             while len([s for s in await gc.servers() if s.alive]) < 3:  # chunkservers re-register

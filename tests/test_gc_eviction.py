@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 from conftest import FakeClock
+from conftest import clocked_client as client
 
-from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig
 from kvfs.errors import NoSpace
 from kvfs.gc.driver import GarbageCollector, PassOptions
@@ -35,12 +35,6 @@ async def full(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
         await c.stop()
 
 
-def client(c: LocalCluster, clock: FakeClock) -> AsyncClient:
-    kv = c.client()
-    kv.clock = clock
-    return kv
-
-
 async def read_fresh(c: LocalCluster, clock: FakeClock, keys: list[str]) -> list[bytes | None]:
     """Read through a new client: no cached layouts, so meta sees the access."""
     async with client(c, clock) as r:
@@ -51,7 +45,7 @@ async def test_eviction_keeps_cluster_under_watermark_lru_first(full: LocalClust
     hot = [f"hot{i}" for i in range(20)]
     written: dict[str, int] = {}  # key -> round written
     server: dict[str, int] = {}
-    async with client(full, clock) as kv, GarbageCollector(full.addr, token=full.token) as gc:
+    async with client(full, clock) as kv, GarbageCollector(full.addr, token=full.admin_token) as gc:
         await kv.put_many([(k, k.encode().ljust(VALUE, b".")) for k in hot])
         for rnd in range(90):  # 90 rounds x 8 x 8 KiB = 5.6 MiB into 3 MiB of capacity
             clock.advance(10)
@@ -85,7 +79,7 @@ async def test_lease_holds_eviction_off_until_it_ends(tmp_path: Path, clock: Fak
     c = make(tmp_path, clock, 1, 512 * 1024)
     await c.start()
     try:
-        async with client(c, clock) as kv, GarbageCollector(c.addr, token=c.token) as gc:
+        async with client(c, clock) as kv, GarbageCollector(c.addr, token=c.admin_token) as gc:
             leased = [f"l{i}" for i in range(10)]
             await kv.put_many([(k, b"L" * VALUE) for k in leased])
             assert await kv.match_prefix(leased, lease_s=30) == 10
@@ -113,7 +107,7 @@ async def test_full_cluster_nothing_evictable_raises_nospace(tmp_path: Path, clo
     c = make(tmp_path, clock, 1, 256 * 1024)
     await c.start()
     try:
-        async with client(c, clock) as kv, GarbageCollector(c.addr, token=c.token) as gc:
+        async with client(c, clock) as kv, GarbageCollector(c.addr, token=c.admin_token) as gc:
             keys: list[str] = []
             with pytest.raises(NoSpace) as info:
                 for i in range(100):

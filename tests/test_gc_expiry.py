@@ -21,7 +21,7 @@ def du(root: Path) -> int:
 
 
 def gc_for(cluster: LocalCluster) -> GarbageCollector:
-    return GarbageCollector(cluster.addr, token=cluster.token)
+    return GarbageCollector(cluster.addr, token=cluster.admin_token)
 
 
 async def test_expire_10000_keys_reclaims_disk(cluster: LocalCluster, kv: AsyncClient,

@@ -7,7 +7,8 @@ client reads back. Each fails when its guard is removed (see tests/MUTATION.md):
 - GC_RETIRE refuses a chunk that a committed layout references
   (``chunk_live <= 0``);
 - COMMIT refuses a layout naming a retired chunk (``check_not_dead``);
-- GC_RELOCATE switches only a replica still at the copied (chunk, offset).
+- GC_RELOCATE switches only a replica still at the copied (chunk, offset),
+  and never into a chunk another GC has retired since the copy.
 
 One chunkserver, so every put lands on the server being collected: placement
 plays no part and every interleaving is deterministic. The cluster runs on a
@@ -19,61 +20,25 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import FakeClock
+from conftest import FakeClock, hold
+from conftest import clocked_client as client
 
-from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig
 from kvfs.errors import StaleLayout
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
 from kvfs.rpc import Op
-from kvfs.server import RpcServer
 
 NOW = PassOptions(apply=True, grace_s=0)
-WAIT_S = 30.0  # a deadline for an RPC to reach meta, never a sleep
 
 
 def value_of(key: str, size: int = 8192) -> bytes:
     seed = hashlib.sha256(key.encode()).digest()
     return (seed * (size // len(seed) + 1))[:size]
-
-
-class Hold:
-    """Holds every request of one op in a server's dispatch until :meth:`release`.
-
-    Fault injection for ordering: ``arrived`` is set when the first request
-    reaches the server, which then applies nothing of it until released."""
-
-    def __init__(self, server: RpcServer, op: Op) -> None:
-        self.op = op
-        self.arrived = asyncio.Event()
-        self._open = asyncio.Event()
-        inner: Callable[..., Awaitable[Any]]
-        inner, request_type = server.handlers[int(op)]
-
-        async def held(*args: Any) -> Any:
-            self.arrived.set()
-            await self._open.wait()
-            return await inner(*args)
-
-        server.handlers[int(op)] = (held, request_type)
-
-    async def reached(self) -> None:
-        async with asyncio.timeout(WAIT_S):
-            await self.arrived.wait()
-
-    def release(self) -> None:
-        self._open.set()
-
-
-def hold(cluster: LocalCluster, op: Op) -> Hold:
-    assert cluster.meta is not None
-    return Hold(cluster.meta.rpc, op)
 
 
 @pytest.fixture
@@ -87,12 +52,6 @@ async def one(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
         await c.stop()
 
 
-def client(c: LocalCluster, clock: FakeClock) -> AsyncClient:
-    kv = c.client()
-    kv.clock = clock
-    return kv
-
-
 def chunk_files(c: LocalCluster) -> set[str]:
     return {p.name for p in c.root.glob("cs*/chunks/*.chunk")}
 
@@ -102,7 +61,7 @@ async def test_retire_refuses_a_chunk_a_commit_made_live(one: LocalCluster, cloc
     then GC_RETIRE arrives: it must see the new reference and retire nothing."""
     commit = hold(one, Op.COMMIT)
     retire = hold(one, Op.GC_RETIRE)
-    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.token) as gc:
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
         put = asyncio.create_task(kv.put("k", value_of("k")))
         await commit.reached()  # the bytes are appended, meta has not seen them
         gc_pass = asyncio.create_task(gc.run_pass(NOW))
@@ -123,7 +82,7 @@ async def test_commit_refuses_a_layout_naming_a_retired_chunk(one: LocalCluster,
     """put appends; a whole GC pass retires and deletes the unreferenced chunk; then the commit
     arrives: it must be refused (StaleLayout), never make a key whose bytes are gone."""
     commit = hold(one, Op.COMMIT)
-    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.token) as gc:
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
         put = asyncio.create_task(kv.put("k", value_of("k")))
         await commit.reached()
         report = await gc.run_pass(NOW)
@@ -144,8 +103,8 @@ async def test_relocate_never_undoes_an_overwrite_made_during_compaction(
     arrives: the overwritten key keeps its new bytes, the deleted key stays deleted."""
     keys = [f"k{i:03d}" for i in range(60)]
     newer = b""
-    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.token) as gc:
-        await kv.put_many([(k, value_of(k)) for k in keys])
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
+        await kv.put_many([(k, value_of(k)) for k in keys], ttl=3600)  # the clock stands still
         await kv.delete_many(keys[::2])  # half garbage: the chunk is compacted
         live = keys[1::2]
         over, gone, rest = live[0], live[1], live[2:]
@@ -165,3 +124,53 @@ async def test_relocate_never_undoes_an_overwrite_made_during_compaction(
         assert await fresh.get(gone) is None
         assert await fresh.get_many(rest) == [value_of(k) for k in rest]
         assert await fresh.get_many(keys[::2]) == [None] * len(keys[::2])
+
+
+async def test_relocate_refuses_a_copy_another_gc_reclaimed(one: LocalCluster, clock: FakeClock) -> None:
+    """GC A copies a chunk's live records to a new chunk, then stalls; GC B finds the copy
+    unreferenced and deletes it; then A's GC_RELOCATE arrives: it must switch nothing (the
+    keys stay on the old chunk, which A then may not delete)."""
+    keys = [f"k{i:03d}" for i in range(60)]
+    async with client(one, clock) as kv:
+        await kv.put_many([(k, value_of(k)) for k in keys])
+        await kv.delete_many(keys[::2])
+        live = keys[1::2]
+        relocate = hold(one, Op.GC_RELOCATE)
+        async with GarbageCollector(one.addr, token=one.admin_token) as a, \
+                GarbageCollector(one.addr, token=one.admin_token) as b:
+            stalled = asyncio.create_task(a.run_pass(NOW))
+            await relocate.reached()
+            copies = chunk_files(one)
+            assert len(copies) == 2  # the old chunk and its compacted copy
+            # B compacts nothing (threshold 1: no chunk is all garbage) but deletes the copy
+            late = await b.run_pass(PassOptions(apply=True, grace_s=0, threshold=1.0))
+            assert late.chunks_deleted == 1 and len(chunk_files(one)) == 1
+            relocate.release()
+            report = await stalled
+        assert report.keys_relocated == 0 and report.relocations_lost == len(live)
+        assert report.chunks_deleted == 0 and chunk_files(one) < copies
+    async with client(one, clock) as fresh:
+        assert await fresh.get_many(live) == [value_of(k) for k in live]
+
+
+async def test_a_restarted_chunkserver_never_reuses_a_retired_chunk_id(
+        one: LocalCluster, clock: FakeClock) -> None:
+    """COMMIT refuses retired chunk ids forever, so they must never come back: after GC
+    deleted every chunk file, a restarted chunkserver continues its sequence (state.json)."""
+    async with client(one, clock) as kv:
+        await kv.put("old", value_of("old"))
+        before = await kv.layout("old")
+        assert before is not None
+        await kv.delete("old")
+        async with GarbageCollector(one.addr, token=one.admin_token) as gc:
+            assert (await gc.run_pass(NOW)).chunks_deleted == 1
+        assert chunk_files(one) == set()
+        await one.stop_chunkserver(0)
+        await one.start_chunkserver(0)
+        await kv.servers(refresh=True)
+        await kv.put("new", value_of("new"))  # refused (StaleLayout) if it reused the dead id
+        after = await kv.layout("new")
+        assert after is not None
+        assert after.extents[0].replicas[0].chunk_id > before.extents[0].replicas[0].chunk_id
+    async with client(one, clock) as fresh:
+        assert await fresh.get("new") == value_of("new")

@@ -5,10 +5,11 @@ from __future__ import annotations
 import inspect
 import os
 import struct
-from typing import get_type_hints
+from typing import Any, get_type_hints
 
+import msgpack
 import pytest
-from hypothesis import given, settings
+from hypothesis import Phase, event, given, settings
 from hypothesis import strategies as st
 
 from kvfs.chunkserver.service import ChunkServer
@@ -195,16 +196,109 @@ def test_rpc_table_is_consistent() -> None:
                     assert handlers[name].service in (svc, Service.ANY), f"{name} served by {svc.value}"
 
 
-@settings(max_examples=300, deadline=None)
-@given(st.binary(max_size=200), st.integers(min_value=1, max_value=50))
-def test_fuzz_only_protocol_errors(data: bytes, step: int) -> None:
-    dec = FrameDecoder(Limits(max_header_bytes=1 << 16, max_payload_bytes=1 << 20))
+FUZZ_LIMITS = Limits(max_header_bytes=1 << 12, max_payload_bytes=1 << 16)
+_ints = st.integers(-(2**63), 2**64 - 1)  # what msgpack encodes
+_maps = st.dictionaries(st.text(max_size=8), st.one_of(_ints, st.text(max_size=20),
+                                                       st.binary(max_size=20), st.none()), max_size=4)
+_headers = st.sampled_from([0, 0, 0, 1, 2]).flatmap(lambda kind: [
+    _maps.map(msgpack.packb),
+    st.one_of(_ints, st.text(max_size=10), st.lists(_ints, max_size=3)).map(msgpack.packb),  # no map
+    st.binary(max_size=40),  # anything
+][kind])
+
+
+@st.composite
+def mutated_frames(draw: st.DrawFn) -> tuple[bytes, tuple[int, ...], bytes, bytes]:
+    """A frame whose fixed-header fields are each valid or not, and its msgpack and payload."""
+    header = draw(_headers)
+    payload = draw(st.binary(max_size=300))
+    # mostly one broken field at a time, so every check is reached on its own
+    broken = draw(st.sets(st.sampled_from(["magic", "version", "flags", "hlen", "plen"]), max_size=2))
+
+    def field(name: str, valid: int | bytes, mutant: st.SearchStrategy[Any]) -> Any:
+        return draw(mutant) if name in broken else valid
+
+    fields = (
+        field("magic", MAGIC, st.binary(min_size=4, max_size=4)),
+        field("version", PROTOCOL_VERSION, st.integers(0, 255)),
+        draw(st.integers(0, 255)),  # op: any number is a frame (dispatch judges ops)
+        field("flags", draw(st.sampled_from([0, 1, 2, 3])), st.integers(4, 0xFFFF)),
+        draw(st.integers(0, 2**64 - 1)),
+        field("hlen", len(header), st.one_of(st.integers(0, 2**32 - 1),
+                                             st.integers(0, FUZZ_LIMITS.max_header_bytes + 1))),
+        field("plen", len(payload), st.one_of(st.integers(0, 2**64 - 1),
+                                              st.integers(0, FUZZ_LIMITS.max_payload_bytes + 1))),
+    )
+    return FIXED.pack(*fields), fields, header, payload
+
+
+def _expected_errors(data: bytes, fields: tuple[int, ...]) -> tuple[set[type], bool]:
+    """The error types the decoder may raise on the first frame of ``data``, and whether it must.
+
+    The fixed header's checks (magic, version, both size limits) must fire as soon as its
+    28 bytes are in, before any header byte is parsed; the msgpack header's checks and the
+    flags once the whole header is in. Anything not named here is a bug in the decoder.
+    """
+    magic, version, _op, flags, _rid, hlen, plen = fields
+    if len(data) < FIXED.size:
+        return set(), False
+    fixed: set[type] = set()
+    if magic != MAGIC:
+        fixed.add(RemoteProtocolError)
+    if version != PROTOCOL_VERSION:
+        fixed.add(VersionMismatch)
+    if hlen > FUZZ_LIMITS.max_header_bytes or plen > FUZZ_LIMITS.max_payload_bytes:
+        fixed.add(FrameTooLarge)
+    bad_flags = bool(flags & ~int(Flag.RESPONSE | Flag.ERROR))
+    if fixed:
+        return fixed | ({RemoteProtocolError} if bad_flags else set()), True
+    if len(data) < FIXED.size + hlen:
+        return {RemoteProtocolError} if bad_flags else set(), False
+    raw = data[FIXED.size : FIXED.size + hlen]
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=False) if hlen else {}
+        bad_header = not isinstance(header, dict)
+    except Exception:
+        bad_header = True
+    return ({RemoteProtocolError} if bad_flags or bad_header else set()), bad_flags or bad_header
+
+
+@settings(max_examples=400, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
+@given(mutated_frames(), st.one_of(st.none(), st.integers(0, 400)), st.integers(1, 50),
+       st.integers(0, 64))
+def test_fuzz_only_protocol_errors(frame: tuple[bytes, tuple[int, ...], bytes, bytes],
+                                   cut: int | None, step: int, inline: int) -> None:
+    """Frames with a valid prefix and mutated fields, cut anywhere and fed in pieces: the
+    decoder raises exactly the error a broken field calls for (and only once it has the
+    bytes to know), or returns the frame as sent. Nothing else ever comes out."""
+    prefix, fields, header, payload = frame
+    data = (prefix + header + payload)[:cut]  # cut None: whole
+    allowed, required = _expected_errors(data, fields)
+    dec = FrameDecoder(FUZZ_LIMITS, inline_payload_bytes=inline)
+    got: list[Frame] = []
     try:
         for i in range(0, len(data), step):
             dec.receive_data(data[i : i + step])
-            drain(dec)
-    except RemoteProtocolError:
-        pass
+            got.extend(drain(dec))
+    except RemoteProtocolError as exc:
+        if got:  # the first frame came out whole; what follows it is arbitrary bytes
+            return
+        event(f"{type(exc).__name__}: {str(exc)[:18]}")
+        assert type(exc) in allowed, f"{type(exc).__name__}: {exc}; expected one of {allowed}"
+        return
+    assert not required, f"no error, expected one of {allowed}"
+    _magic, _version, op, flags, rid, hlen, plen = fields
+    body = data[FIXED.size + hlen :]
+    if len(data) >= FIXED.size + hlen and len(body) >= plen:
+        first = got[0]
+        event("frame decoded")
+        assert (first.op, first.request_id, first.flags, bytes(first.payload)) == (
+            op, rid, flags, body[:plen])
+        assert first.header == (msgpack.unpackb(header[:hlen], raw=False, strict_map_key=False)
+                                if hlen else {})
+    else:
+        event("incomplete")
+        assert got == []  # an incomplete frame is never handed out
 
 
 @settings(max_examples=100, deadline=None)

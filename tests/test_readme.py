@@ -2,7 +2,7 @@
 
 A block runs unless the line above it is ``<!-- readme-test: skip: REASON -->``:
 Python blocks with this interpreter, bash blocks with ``bash -euo pipefail``, each in a
-fresh directory with ``$KVFS_ADDR``/``$KVFS_TOKEN`` naming the test cluster (the README's
+fresh directory with ``$KVFS_ADDR``/``$KVFS_TOKEN``/``$KVFS_ADMIN_TOKEN`` naming the test cluster (the README's
 commands default to them).
 """
 
@@ -56,6 +56,7 @@ def test_every_block_runs_or_says_why_not() -> None:
 @pytest.mark.parametrize("block", RUN, ids=[f"L{b.line}-{b.lang}" for b in RUN])
 def test_readme_block(block: Block, tcluster: ThreadCluster, tmp_path: Path) -> None:
     env = {**os.environ, "KVFS_ADDR": tcluster.addr, "KVFS_TOKEN": tcluster.token,
+           "KVFS_ADMIN_TOKEN": tcluster.cluster.admin_token,
            "KVFS_CONFIG_DIR": str(tmp_path / "config"),
            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
     argv = ([sys.executable, "-c", block.code] if block.lang == "python"

@@ -21,7 +21,8 @@ def test_docs_list_the_rpcs_of_the_table(doc: str) -> None:
 def test_table_names_every_rpc_and_field() -> None:
     table = markdown_table()
     for r in RPCS.values():
-        assert f"| {int(r.op)} | {r.op.name} |" in table
+        roles = ", ".join(role.value for role in r.roles)
+        assert f"| {int(r.op)} | {r.op.name} | {r.service.value} | {roles} |" in table
     assert "`Commit` `{items, ttl_s?}`" in table and "`Committed` `{created, expires_at}`" in table
 
 

@@ -6,6 +6,9 @@
   MSET / MGET per batch.
 * ``LoopbackLimit`` (``loopback``): not a store but the ceiling: the same bytes
   per batch moved over one loopback TCP connection with no storage behind it.
+* ``MooncakeStore`` (``mooncake``): Mooncake Store over TCP: a
+  ``mooncake_master`` and one ``mooncake_client`` segment process;
+  ``batch_put_from`` / ``batch_get_into`` with registered buffers.
 * ``run_fio_file`` (``fio``): the real ``fio`` binary on a file, for the
   raw-disk row.
 
@@ -17,11 +20,13 @@ from ..store import PeerUnavailable, Store
 from .file_per_key import FilePerKeyStore
 from .fio import run_fio_file
 from .loopback import LoopbackLimit
+from .mooncake import MooncakeStore
 from .redis_server import RedisStore
 
 __all__ = [
     "FilePerKeyStore",
     "LoopbackLimit",
+    "MooncakeStore",
     "PeerUnavailable",
     "RedisStore",
     "Store",

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import contextlib
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, cast
 
@@ -170,6 +171,10 @@ class LoopbackLimit:
             raise PeerUnavailable(f"loopback server failed to start: {line!r}")
         return int(line.split()[1])
 
+    def pids(self) -> dict[str, int]:
+        """The server process, for ``--cpu``."""
+        return {"loopback-server": self._proc.pid} if self._proc is not None else {}
+
     def _buffer(self, n: int) -> bytearray:
         for i, buf in enumerate(self._free):
             if len(buf) >= n:
@@ -225,6 +230,19 @@ class LoopbackLimit:
             return out
         finally:
             self._free.append(buf)
+
+    async def get_into(self, keys: list[bytes], buffers: Sequence[memoryview]) -> list[int]:
+        """The limit for reads into caller buffers: one request, received into each buffer in turn."""
+        proto = self._conn()
+        assert proto.transport is not None
+        sizes = [self._sizes.get(k, -1) for k in keys]
+        dests = [b[:s] for b, s in zip(buffers, sizes, strict=True) if s > 0]
+        total = sum(len(d) for d in dests)
+        if total:
+            done = [proto.expect(d) for d in dests]
+            proto.transport.write(HEADER.pack(OP_GET, total))
+            self.bytes_received += sum(await asyncio.gather(*done))
+        return sizes
 
     def _zero(self, n: int) -> bytes:
         z = self._zeros.get(n)

@@ -208,6 +208,10 @@ class RedisStore:
             raise PeerUnavailable(f"redis-server exited at start: {log.strip()[-500:]!r}")
         raise PeerUnavailable(f"redis-server: no free port in {len(ports)} attempts")
 
+    def pids(self) -> dict[str, int]:
+        """The server process, for ``--cpu``."""
+        return {"redis-server": self._proc.pid} if self._proc is not None else {}
+
     async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
         if not items:
             return

@@ -1,0 +1,68 @@
+"""``--cpu``: CPU time of each process of a run, from the processes' own counters.
+
+``/proc/PID/stat`` fields 14 and 15 (utime, stime; every thread of the
+process) are read when the measured phase starts and when it ends; the
+difference is charged to the keys and bytes the job moved: CPU microseconds
+per key, and CPU seconds per GB (10^9 B) for large values. Linux only; on a
+system without ``/proc`` the probe reports nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+__all__ = ["CpuProbe", "cpu_seconds"]
+
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def cpu_seconds(pid: int) -> float | None:
+    """utime + stime of ``pid`` in seconds, or None if it cannot be read."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
+    return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14 and 15 of the whole line
+
+
+class CpuProbe:
+    """Snapshots the CPU time of named processes; ``report`` charges it to keys and bytes."""
+
+    def __init__(self, pids: Mapping[str, int]) -> None:
+        self.pids = dict(pids)
+        self._start: dict[str, float] = {}
+        self._end: dict[str, float] = {}
+
+    def _snap(self) -> dict[str, float]:
+        out = {}
+        for name, pid in self.pids.items():
+            t = cpu_seconds(pid)
+            if t is not None:
+                out[name] = t
+        return out
+
+    def start(self) -> None:
+        self._start = self._snap()
+
+    def stop(self) -> None:
+        self._end = self._snap()
+
+    def report(self, keys: int, nbytes: int) -> dict[str, Any]:
+        """Per process: ``cpu_s``, ``us_per_key``, ``s_per_gb`` over the measured phase."""
+        out: dict[str, Any] = {}
+        for name, t1 in self._end.items():
+            t0 = self._start.get(name)
+            if t0 is None:
+                continue
+            cpu = t1 - t0
+            out[name] = {
+                "pid": self.pids[name],
+                "cpu_s": cpu,
+                "us_per_key": cpu * 1e6 / keys if keys else None,
+                "s_per_gb": cpu / (nbytes / 1e9) if nbytes else None,
+            }
+        return out

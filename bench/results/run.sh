@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# The runs behind bench/RESULTS.md (issue 11), one sitting: the same-run comparisons, then the cost curves.
+# Each command writes its text to <name>.txt and its JSON to <name>.json here.
+set -euo pipefail
+cd "$(dirname "$0")"
+R=${RUNTIME:-3}
+common=(--compare --cpu --no-internal --no-progress --runtime "$R" --peers file,redis,mooncake,loopback,fio)
+run() { local name=$1; shift; echo "== $name: kvfs bench $*" >&2; date -u >&2
+        kvfs bench "$@" --json-out "$name.json" > "$name.txt"; }
+run cmp-4k   "${common[@]}" --rw randread,write --bs 4k  --batch 128 --iodepth 4 --size 32m  --api get_many,get_into --plot cmp-4k.png
+run cmp-1m   "${common[@]}" --rw randread,write --bs 1m  --batch 32  --iodepth 2 --size 128m --api get_many,get_into --plot cmp-1m.png
+run cmp-8m   "${common[@]}" --rw randread,write --bs 8m  --batch 8   --iodepth 2 --size 256m --api get_many,get_into
+run cmp-32m  "${common[@]}" --rw randread,write --bs 32m --batch 2   --iodepth 2 --size 256m --api get_many,get_into
+# cost curves: throughput vs chunkservers, vs client processes; meta CPU per key vs batch size
+for n in 1 2 3 4; do
+  run curve-cs$n --chunkservers $n --rw read,write --bs 1m --batch 32 --iodepth 2 --size 128m --runtime "$R" --no-progress --cpu
+done
+for j in 1 2 4; do
+  run curve-jobs$j --numjobs $j --rw read,write --bs 1m --batch 32 --iodepth 2 --size 64m --runtime "$R" --no-progress
+done
+for b in 1 8 64 256 1024; do
+  run curve-batch$b --rw randread,write --bs 4k --batch $b --iodepth 4 --size 16m --runtime "$R" --no-progress --cpu \
+      --api get_many
+done
+date -u >&2

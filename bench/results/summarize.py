@@ -1,0 +1,91 @@
+"""Tables and PNGs of the cost curves from the JSON that run.sh wrote (python bench/results/summarize.py)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+
+
+def _load(name: str) -> dict[str, Any] | None:
+    p = HERE / f"{name}.json"
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def _bw(job: dict[str, Any], d: str) -> float:
+    return float(job[d]["bw_bytes"]) / 1e6
+
+
+def _curve(prefix: str, xs: list[int], label: str) -> list[tuple[int, float, float]]:
+    rows = []
+    for x in xs:
+        rep = _load(f"{prefix}{x}")
+        if rep is None:
+            continue
+        rd = sum(_bw(j, "read") for j in rep["jobs"] if j["job options"]["rw"] in ("read", "randread"))
+        wr = sum(_bw(j, "write") for j in rep["jobs"] if j["job options"]["rw"] == "write")
+        rows.append((x, rd, wr))
+    print(f"\n{label}\n| {label.split(' vs ')[-1]} | read MB/s | write MB/s |\n|---|---|---|")
+    for x, rd, wr in rows:
+        print(f"| {x} | {rd:.0f} | {wr:.0f} |")
+    return rows
+
+
+def _batch_curve() -> list[tuple[int, float, float, float, float]]:
+    rows = []
+    for b in (1, 8, 64, 256, 1024):
+        rep = _load(f"curve-batch{b}")
+        if rep is None:
+            continue
+        by = {j["job options"]["rw"]: j for j in rep["jobs"]}
+        w, r = by.get("write"), by.get("randread")
+        meta_w = w["kvfs"]["cpu"].get("meta", {}).get("us_per_key") if w else None
+        meta_r = r["kvfs"]["cpu"].get("meta", {}).get("us_per_key") if r else None
+        rows.append((b, r["read"]["iops"] if r else 0.0, w["write"]["iops"] if w else 0.0,
+                     meta_r or 0.0, meta_w or 0.0))
+    print("\nmeta CPU per key vs batch size (4 KiB values, iodepth 4)\n"
+          "| batch | get keys/s | put keys/s | meta us/key (get) | meta us/key (put: commit) |\n|---|---|---|---|---|")
+    for b, rk, wk, mr, mw in rows:
+        print(f"| {b} | {rk:,.0f} | {wk:,.0f} | {mr:.2f} | {mw:.2f} |")
+    return rows
+
+
+def main() -> int:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cs = _curve("curve-cs", [1, 2, 3, 4], "1 MiB values, batch 32, iodepth 2: throughput vs chunkservers")
+    jobs = _curve("curve-jobs", [1, 2, 4], "1 MiB values, batch 32, iodepth 2: throughput vs client processes")
+    batch = _batch_curve()
+    for rows, name, xl in ((cs, "curve-chunkservers", "chunkservers"), (jobs, "curve-numjobs", "client processes (--numjobs)")):
+        if not rows:
+            continue
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r[0] for r in rows], [r[1] for r in rows], marker="o", label="read 1m")
+        ax.plot([r[0] for r in rows], [r[2] for r in rows], marker="o", label="write 1m")
+        ax.set(xlabel=xl, ylabel="throughput (MB/s, 10^6 B/s)", xticks=[r[0] for r in rows],
+               title=f"kvfs bench: throughput vs {xl}\n2 vCPUs shared with 7 other sessions", ylim=(0, None))
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(HERE / f"{name}.png")
+        plt.close(fig)
+    if batch:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        ax.plot([r[0] for r in batch], [r[4] for r in batch], marker="o", label="commit (put)")
+        ax.plot([r[0] for r in batch], [r[3] for r in batch], marker="o", label="get (layouts cached)")
+        ax.set(xscale="log", yscale="log", xlabel="keys per call (log)", ylabel="meta CPU per key (us, log)",
+               title="kvfs bench --cpu: meta cost per key vs batch size\n4 KiB values, 2 vCPUs shared")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(HERE / "curve-meta-batch.png")
+        plt.close(fig)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

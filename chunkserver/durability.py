@@ -1,0 +1,121 @@
+"""When chunk bytes reach the disk: group commit, directory syncs, files replaced durably.
+
+``FsyncMode`` (``ChunkServerConfig.fsync``) picks the rule for appends:
+
+- ``always``: each append is ``fdatasync``-ed before it is answered;
+- ``batch`` (default): each append is durable before it is answered, and the
+  appends that finish while one ``fdatasync`` runs (or within
+  ``fsync_window_s``) share the next one (:class:`GroupSync`);
+- ``never``: appends are answered from the page cache; a power loss (not a
+  process crash) can lose acknowledged values, which then read as misses or
+  checksum errors, never as wrong bytes.
+
+In every mode a new chunk's directory entry is synced before an append to it
+is answered (``never`` excepted), compactions are synced before meta is told,
+and ``state.json`` is replaced by temp file + fsync + rename.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from concurrent.futures import Executor
+from pathlib import Path
+
+
+def fsync_dir(path: Path) -> None:
+    """Make the entries of directory ``path`` (new, renamed files) durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def replace_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that after a crash it holds either the old or the new bytes."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)  # private, like the data dir
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def _sync_files(fds: set[int], dir_path: Path | None) -> None:
+    for fd in fds:
+        try:
+            os.fdatasync(fd)
+        except OSError as exc:
+            if exc.errno != errno.EBADF:  # the chunk was deleted meanwhile: nothing to keep
+                raise
+    if dir_path is not None:
+        fsync_dir(dir_path)
+
+
+class GroupSync:
+    """Group commit for one chunk directory.
+
+    ``await sync(fd)`` returns once an ``fdatasync`` that started after the call covered
+    ``fd``.  Callers arriving while a sync runs share the next one, so N concurrent
+    appends cost about two syncs, not N.
+    """
+
+    def __init__(self, pool: Executor, directory: Path, window_s: float = 0.0) -> None:
+        self.pool = pool
+        self.directory = directory
+        self.window_s = window_s
+        self.rounds = 0  # fdatasync rounds run
+        self._fds: set[int] = set()
+        self._dir = False
+        self._waiters: list[asyncio.Future[None]] = []
+        self._inflight: list[asyncio.Future[None]] = []
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def waiting(self) -> int:
+        """Callers queued for the next round."""
+        return len(self._waiters)
+
+    async def sync(self, fd: int, *, new_file: bool = False) -> None:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[None] = loop.create_future()
+        self._fds.add(fd)
+        self._dir |= new_file
+        self._waiters.append(fut)
+        if self._task is None:
+            self._task = loop.create_task(self._run())
+        await fut
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while self._waiters:
+                if self.window_s > 0:
+                    await asyncio.sleep(self.window_s)
+                waiters, fds, new_dir = self._waiters, self._fds, self._dir
+                self._inflight = waiters
+                self._waiters, self._fds, self._dir = [], set(), False
+                try:
+                    await loop.run_in_executor(self.pool, _sync_files, fds,
+                                               self.directory if new_dir else None)
+                except OSError as exc:
+                    for w in waiters:
+                        if not w.done():
+                            w.set_exception(exc)
+                else:
+                    for w in waiters:
+                        if not w.done():
+                            w.set_result(None)
+                self.rounds += 1
+        finally:
+            self._task = None
+            for w in (*self._inflight, *self._waiters):  # cancelled (server closing): nobody hangs
+                if not w.done():
+                    w.cancel()

@@ -1,0 +1,52 @@
+"""What the engine plug-ins share: a client whose calls never outwait the engine, and
+byte views over engine tensors (no copies)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from kvfs.buffers import as_view
+from kvfs.config import ClientConfig, EngineConfig
+from kvfs.errors import KVFSError
+from kvfs.sync import Client
+
+log = logging.getLogger("kvfs.integrations")
+
+# What a plug-in turns into a miss/failure for its engine: kvfs errors, a call that ran past
+# its timeout, a closed client.  Anything else is a bug and propagates.
+SOFT_ERRORS: tuple[type[BaseException], ...] = (KVFSError, TimeoutError, OSError)
+
+
+def open_client(cfg: EngineConfig) -> Client:
+    """A blocking client tuned for an engine: RPCs give up after ``timeout_s``, so a dead
+    or slow cluster costs the engine a bounded wait, then a miss."""
+    return Client(cfg.addr, token=cfg.token, config=ClientConfig(
+        request_timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s))
+
+
+class TensorBytes:
+    """A flat byte view over one contiguous CPU tensor, addressed by data pointer."""
+
+    def __init__(self, tensor: Any) -> None:
+        if not tensor.is_contiguous():
+            raise ValueError("the engine's host buffer must be contiguous")
+        self.tensor = tensor  # keeps the memory alive while views exist
+        self.view = as_view(tensor, writable=True, what="host buffer")
+        self.base = int(tensor.data_ptr())
+
+    def at(self, ptr: int, size: int) -> memoryview:
+        off = int(ptr) - self.base
+        if off < 0 or off + size > self.view.nbytes:
+            raise ValueError(f"pointer {ptr:#x}+{size} is outside the host buffer")
+        return self.view[off : off + size]
+
+
+def wait(fut: Any, cfg: EngineConfig) -> Any:
+    """The result of a ``submit_*`` future, waiting at most a few RPC timeouts (a call may
+    take a lookup, a read and a retry); a late one is cancelled and raises TimeoutError."""
+    try:
+        return fut.result(3 * cfg.timeout_s)
+    except TimeoutError:
+        fut.cancel()
+        raise

@@ -1,0 +1,264 @@
+"""LMCache remote storage on kvfs: a ``RemoteConnector`` loaded as a remote storage plug-in::
+
+    remote_storage_plugins: [kvfs]
+    extra_config:
+      remote_storage_plugin.kvfs.module_path: kvfs.integrations.lmcache
+      remote_storage_plugin.kvfs.class_name: KvfsConnector
+      kvfs_addr: kvfs://10.0.0.1:7070
+
+(not ``remote_url: plugin://kvfs`` as well: LMCache would build a second backend and write
+every chunk twice).  Settings are flat ``kvfs_*`` keys of ``extra_config`` (LMCache does not
+tell a plug-in its name): ``kvfs_addr``, ``kvfs_token``, ``kvfs_namespace`` (default
+``lmcache``), ``kvfs_timeout_s``, ``kvfs_lease_s``, ``kvfs_ttl_s``.
+
+One value per chunk: LMCache's chunk header and the payload, gathered on put and scattered
+on get, never copied.  Gets, puts and lookups are batched (one ``get_into`` / ``put_many`` /
+``match_prefix`` per call).  A put reads the engine's CPU buffer from kvfs's IO thread, so
+the connector holds a reference on each memory object until kvfs is done with it, and
+LMCache's buffer pool -- which LMCache frees before it closes remote backends -- waits for
+the puts in flight before it is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import threading
+from typing import Any
+
+from lmcache.utils import CacheEngineKey
+from lmcache.v1.memory_management import MemoryObj
+from lmcache.v1.protocol import RemoteMetadata
+from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
+
+from kvfs.client import TOO_SMALL
+from kvfs.config import EngineConfig, from_mapping
+from kvfs.integrations._common import SOFT_ERRORS, log, open_client, wait
+from kvfs.prefix import namespaced
+
+
+class KvfsConnector(RemoteConnector):
+    def __init__(self, loop: asyncio.AbstractEventLoop, local_cpu_backend: Any,
+                 config: Any = None, **_: Any) -> None:
+        super().__init__(local_cpu_backend.config, local_cpu_backend.metadata)
+        extra = (config.extra_config if config is not None else None) or {}
+        self.config = from_mapping(EngineConfig, extra, prefix="kvfs_")
+        self.namespace = self.config.namespace or "lmcache"
+        self.loop = loop
+        self.local_cpu_backend = local_cpu_backend
+        self.client = open_client(self.config)
+        self._inflight: set[concurrent.futures.Future[Any]] = set()
+        self._lock = threading.Lock()
+        # LMCache closes (frees) its CPU buffer pool before the remote backends: make the
+        # pool wait for the puts that still read from it
+        alloc = local_cpu_backend.memory_allocator
+        free_pool = alloc.close
+
+        def close_after_puts() -> Any:
+            self._drain()
+            return free_pool()
+
+        alloc.close = close_after_puts
+
+    def _key(self, key: CacheEngineKey) -> bytes:
+        return namespaced(self.namespace, key.to_string())
+
+    def _header(self, obj: MemoryObj) -> bytes:
+        return bytes(RemoteMetadata(obj.get_size(), obj.get_shapes(), obj.get_dtypes(),
+                                    obj.get_memory_format()).serialize())
+
+    def _drain(self) -> None:
+        with self._lock:
+            pending = list(self._inflight)
+        _done, late = concurrent.futures.wait(pending, timeout=3 * self.config.timeout_s)
+        if late:
+            log.warning("kvfs LMCache: %d puts still running at close", len(late))
+
+    # puts --------------------------------------------------------------------------
+    async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
+        await self.batched_put([key], [memory_obj])
+
+    def support_batched_put(self) -> bool:
+        return True
+
+    async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
+        if not keys:
+            return
+        for obj in memory_objs:  # kvfs reads these from its IO thread: keep them allocated
+            obj.ref_count_up()
+        try:
+            items = []
+            for key, obj in zip(keys, memory_objs, strict=True):
+                payload = obj.byte_array
+                parts = [self._header(obj), payload] if self.save_chunk_meta else [payload]
+                items.append((self._key(key), parts))
+            fut = self.client.submit_put_many(items, ttl=self.config.ttl_s)
+            with self._lock:
+                self._inflight.add(fut)
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(fut), 3 * self.config.timeout_s)
+            finally:
+                with self._lock:
+                    self._inflight.discard(fut)
+        except SOFT_ERRORS as exc:
+            log.warning("kvfs LMCache put of %d chunks failed: %s", len(keys), exc)
+        finally:
+            for obj in memory_objs:
+                obj.ref_count_down()
+
+    # gets ----------------------------------------------------------------------------
+    def _allocate(self) -> Any:
+        return self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+
+    async def _get_objs(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        """One ``get_into`` for all keys, straight into newly allocated memory objects."""
+        objs: list[Any] = []
+        for _ in keys:
+            obj = self._allocate()
+            if obj is None:
+                break  # LMCache's buffer is full: the rest are misses
+            objs.append(obj)
+        headers = [bytearray(self.remote_metadata_bytes) for _ in objs]
+        bufs = [[h, o.byte_array] if self.save_chunk_meta else [o.byte_array]
+                for h, o in zip(headers, objs, strict=True)]
+        try:
+            fut = self.client.submit_get_into([self._key(k) for k in keys[: len(objs)]], bufs)
+            sizes = await asyncio.wait_for(asyncio.wrap_future(fut), 3 * self.config.timeout_s)
+        except SOFT_ERRORS as exc:
+            log.warning("kvfs LMCache get of %d chunks failed: %s", len(keys), exc)
+            sizes = [-1] * len(objs)
+        out: list[MemoryObj | None] = []
+        larger: list[int] = []
+        for i, (obj, header, n) in enumerate(zip(objs, headers, sizes, strict=True)):
+            got = self._finish(obj, header, n)
+            if got is None:
+                obj.ref_count_down()
+                if n == TOO_SMALL and self.save_chunk_meta:
+                    larger.append(i)
+            out.append(got)
+        if larger:  # chunks larger than this engine's full chunk: allocate what each header says
+            await self._get_larger([keys[i] for i in larger], larger, out)
+        return out + [None] * (len(keys) - len(objs))
+
+    async def _get_larger(self, keys: list[CacheEngineKey], slots: list[int],
+                          out: list[MemoryObj | None]) -> None:
+        try:
+            heads = await asyncio.wait_for(asyncio.wrap_future(self.client.submit_get_ranges(
+                [(self._key(k), 0, self.remote_metadata_bytes) for k in keys])),
+                3 * self.config.timeout_s)
+        except SOFT_ERRORS as exc:
+            log.warning("kvfs LMCache get of %d chunks failed: %s", len(keys), exc)
+            return
+        for key, slot, head in zip(keys, slots, heads, strict=True):
+            if head is None:
+                continue
+            meta = RemoteMetadata.deserialize(head)
+            obj = self.local_cpu_backend.allocate(meta.shapes, meta.dtypes, meta.fmt)
+            if obj is None:
+                continue
+            header = bytearray(self.remote_metadata_bytes)
+            try:
+                fut = self.client.submit_get_into([self._key(key)], [[header, obj.byte_array]])
+                n = (await asyncio.wait_for(asyncio.wrap_future(fut),
+                                            3 * self.config.timeout_s))[0]
+            except SOFT_ERRORS:
+                n = -1
+            if n == len(header) + obj.get_size() and RemoteMetadata.deserialize(header) == meta:
+                out[slot] = obj
+            else:
+                obj.ref_count_down()
+
+    def _finish(self, obj: Any, header: bytearray, n: int) -> Any:
+        if n < 0:
+            return None
+        if self.save_chunk_meta:
+            n -= len(header)
+            meta = RemoteMetadata.deserialize(header)
+            if meta.length != n or list(meta.dtypes) != list(self.meta_dtypes):
+                log.warning("kvfs LMCache: a stored chunk does not match this engine's format")
+                return None
+        if n <= 0:
+            return None
+        try:
+            return self.reshape_partial_chunk(obj, n)
+        except ValueError as exc:
+            log.warning("kvfs LMCache: %s", exc)
+            return None
+
+    async def get(self, key: CacheEngineKey) -> MemoryObj | None:
+        return (await self._get_objs([key]))[0]
+
+    def support_batched_get(self) -> bool:
+        return True
+
+    async def batched_get(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
+        return await self._get_objs(list(keys))
+
+    async def batched_get_non_blocking(self, lookup_id: str,
+                                       keys: list[CacheEngineKey]) -> list[MemoryObj]:
+        """The leading run of hits; the rest are released."""
+        objs = await self._get_objs(list(keys))
+        out: list[MemoryObj] = []
+        for i, obj in enumerate(objs):
+            if obj is None:
+                for rest in objs[i + 1 :]:
+                    if rest is not None:
+                        rest.ref_count_down()
+                break
+            out.append(obj)
+        return out
+
+    # lookups ---------------------------------------------------------------------------
+    def _match(self, keys: list[CacheEngineKey], lease: bool) -> int:
+        if not keys:
+            return 0
+        try:
+            return int(wait(self.client.submit_match_prefix(
+                [self._key(k) for k in keys],
+                lease_s=self.config.lease_s if lease else None), self.config))
+        except SOFT_ERRORS as exc:
+            log.warning("kvfs LMCache lookup of %d chunks failed: %s", len(keys), exc)
+            return 0
+
+    async def exists(self, key: CacheEngineKey) -> bool:
+        return await self.batched_async_contains("", [key]) == 1
+
+    def exists_sync(self, key: CacheEngineKey) -> bool:
+        return self._match([key], False) == 1
+
+    def support_batched_contains(self) -> bool:
+        return True
+
+    def batched_contains(self, keys: list[CacheEngineKey]) -> int:
+        return self._match(list(keys), True)
+
+    def support_batched_async_contains(self) -> bool:
+        return True
+
+    async def batched_async_contains(self, lookup_id: str, keys: list[CacheEngineKey],
+                                     pin: bool = False) -> int:
+        if not keys:
+            return 0
+        try:
+            fut = self.client.submit_match_prefix(
+                [self._key(k) for k in keys], lease_s=self.config.lease_s if pin else None)
+            n: int = await asyncio.wait_for(asyncio.wrap_future(fut), 3 * self.config.timeout_s)
+            return n
+        except SOFT_ERRORS as exc:
+            log.warning("kvfs LMCache lookup of %d chunks failed: %s", len(keys), exc)
+            return 0
+
+    # housekeeping --------------------------------------------------------------------
+    def remove_sync(self, key: CacheEngineKey) -> bool:
+        try:
+            return bool(wait(self.client.submit_delete_many([self._key(key)]), self.config))
+        except SOFT_ERRORS:
+            return False
+
+    async def list(self) -> list[str]:
+        infos = self.client.list(self.namespace + "/")
+        return [i.key[len(self.namespace) + 1 :].decode() for i in infos]
+
+    async def close(self) -> None:
+        self._drain()
+        self.client.close()

@@ -1,0 +1,168 @@
+"""SGLang HiCache storage on kvfs, loaded through SGLang's ``dynamic`` backend::
+
+    --hicache-storage-backend dynamic
+    --hicache-storage-backend-extra-config '{"backend_name": "kvfs",
+        "module_path": "kvfs.integrations.sglang", "class_name": "KvfsHiCacheStorage",
+        "interface_v1": 1, "addr": "kvfs://10.0.0.1:7070", "lease_s": 30}'
+
+One kvfs key per page: ``namespace/page_hash`` (see :func:`kvfs.prefix.chain_keys` with
+``style="sglang"``).  With ``interface_v1`` the pages move without copies in every host
+layout: a page's value is gathered from (and scattered back into) its regions of the host
+pool -- K then V for ``page_first``/``page_first_direct``, K and V of each layer for
+``layer_first``.  ``batch_exists`` is one ``match_prefix`` that leases the hit pages; a
+write skips the pages already stored.  A dead or slow cluster makes every call a miss or a
+failure within the configured timeout, never an exception into the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
+
+from kvfs.client import TOO_SMALL
+from kvfs.config import EngineConfig, from_mapping
+from kvfs.integrations._common import SOFT_ERRORS, TensorBytes, log, open_client, wait
+from kvfs.prefix import namespaced
+
+# keys of extra_config that belong to SGLang's dynamic loader, not to kvfs
+_LOADER_KEYS = ("backend_name", "module_path", "class_name", "interface_v1")
+
+
+def default_namespace(cfg: HiCacheStorageConfig) -> str:
+    """``sglang/<model>/tp<rank>of<size>`` (MLA pages are the same on every TP rank)."""
+    model = (cfg.model_name or "model").replace("/", "-")
+    if cfg.is_mla_model:
+        return f"sglang/{model}/mla/pp{cfg.pp_rank}of{cfg.pp_size}"
+    return f"sglang/{model}/tp{cfg.tp_rank}of{cfg.tp_size}/pp{cfg.pp_rank}of{cfg.pp_size}"
+
+
+class KvfsHiCacheStorage(HiCacheStorage):
+    def __init__(self, storage_config: HiCacheStorageConfig, kwargs: Any = None) -> None:
+        extra = dict(storage_config.extra_config or {})
+        self.config = from_mapping(EngineConfig, extra, ignore=_LOADER_KEYS)
+        self.namespace = self.config.namespace or default_namespace(storage_config)
+        self.storage_config = storage_config
+        self.client = open_client(self.config)
+        self.mem_pool_host: Any = None
+        self._host: TensorBytes | None = None
+
+    # keys and buffers --------------------------------------------------------
+    def _key(self, page_hash: str) -> bytes:
+        return namespaced(self.namespace, page_hash)
+
+    def register_mem_pool_host(self, mem_pool_host: Any) -> None:
+        super().register_mem_pool_host(mem_pool_host)
+        self._host = TensorBytes(mem_pool_host.kv_buffer)
+
+    def _page_parts(self, n_pages: int, host_indices: torch.Tensor) -> list[list[memoryview]]:
+        """Each page's regions of the host pool, in the order SGLang's zero-copy backends use
+        (``get_page_buffer_meta``): views, never copies."""
+        assert self._host is not None, "register_mem_pool_host() was not called"
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        per = len(ptrs) // n_pages
+        host = self._host
+        return [[host.at(ptrs[i * per + j], sizes[i * per + j]) for j in range(per)]
+                for i in range(n_pages)]
+
+    def _page_bytes(self) -> int:
+        pool = self.mem_pool_host
+        return int(pool.get_size_per_token()) * int(pool.page_size)
+
+    # zero-copy (v1) interface ---------------------------------------------------
+    def batch_get_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        if not keys:
+            return []
+        parts = self._page_parts(len(keys), host_indices)
+        want = self._page_bytes()
+        try:
+            sizes = wait(self.client.submit_get_into([self._key(k) for k in keys], parts),
+                         self.config)
+        except SOFT_ERRORS as exc:
+            log.warning("kvfs HiCache get of %d pages failed: %s", len(keys), exc)
+            return [False] * len(keys)
+        if TOO_SMALL in sizes:
+            log.warning("kvfs HiCache: a stored page is larger than the host page (%d bytes)", want)
+        return [n == want for n in sizes]
+
+    def batch_set_v1(self, keys: list[str], host_indices: torch.Tensor,
+                     extra_info: Any = None) -> list[bool]:
+        if not keys:
+            return []
+        parts = self._page_parts(len(keys), host_indices)
+        return self._put([self._key(k) for k in keys], parts)
+
+    def _put(self, keys: list[bytes], values: list[Any]) -> list[bool]:
+        """Store the pages not stored yet (write-once: a page with this hash holds these
+        bytes already)."""
+        try:
+            present = wait(self.client.submit_exists_many(keys), self.config)
+            todo = [(k, v) for k, v, p in zip(keys, values, present, strict=True) if not p]
+            if todo:
+                wait(self.client.submit_put_many(todo, ttl=self.config.ttl_s), self.config)
+        except SOFT_ERRORS as exc:
+            log.warning("kvfs HiCache set of %d pages failed: %s", len(keys), exc)
+            return [False] * len(keys)
+        return [True] * len(keys)
+
+    # lookups ---------------------------------------------------------------------
+    def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """How many leading pages are stored: one ``match_prefix``, leasing them for
+        ``lease_s`` so eviction leaves them until SGLang has read them."""
+        if not keys:
+            return 0
+        try:
+            return int(wait(self.client.submit_match_prefix(
+                [self._key(k) for k in keys], lease_s=self.config.lease_s), self.config))
+        except SOFT_ERRORS as exc:
+            log.warning("kvfs HiCache lookup of %d pages failed: %s", len(keys), exc)
+            return 0
+
+    def exists(self, key: str) -> bool:
+        return self.batch_exists([key]) == 1
+
+    # generic (copying) interface, used without interface_v1 ----------------------
+    def get(self, key: str, target_location: Any = None, target_sizes: Any = None) -> Any:
+        return self.batch_get([key], [target_location])[0]
+
+    def batch_get(self, keys: list[str], target_locations: Any = None,
+                  target_sizes: Any = None) -> list[Any]:
+        if not keys:
+            return []
+        if target_locations is None:
+            raise ValueError("kvfs HiCache batch_get needs target_locations (flat page tensors)")
+        try:
+            sizes = wait(self.client.submit_get_into([self._key(k) for k in keys],
+                                                     list(target_locations)), self.config)
+        except SOFT_ERRORS as exc:
+            log.warning("kvfs HiCache get of %d pages failed: %s", len(keys), exc)
+            return [None] * len(keys)
+        return [t if n == t.numel() * t.element_size() else None
+                for t, n in zip(target_locations, sizes, strict=True)]
+
+    def set(self, key: str, value: Any = None, target_location: Any = None,
+            target_sizes: Any = None) -> bool:
+        return self.batch_set([key], [value])
+
+    def batch_set(self, keys: list[str], values: Any = None, target_locations: Any = None,
+                  target_sizes: Any = None) -> bool:
+        if not keys:
+            return True
+        vals = [v if v.is_contiguous() else v.contiguous() for v in values]
+        return all(self._put([self._key(k) for k in keys], vals))
+
+    # housekeeping ----------------------------------------------------------------
+    def clear(self) -> None:
+        try:
+            infos = self.client.list(self.namespace + "/")
+            self.client.delete_many([i.key for i in infos])
+        except SOFT_ERRORS as exc:
+            log.warning("kvfs HiCache clear failed: %s", exc)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def get_stats(self) -> None:
+        return None

@@ -1,0 +1,36 @@
+"""``kvfs mount MOUNTPOINT`` / ``kvfs umount MOUNTPOINT``: a kvfs cluster as a FUSE filesystem.
+
+Built on pyfuse3 (libfuse3) in asyncio mode: FUSE requests are coroutines on
+the same event loop as the kvfs client, many in flight at once, so parallel
+reads of small files coalesce in the client's batcher.  Paths map to keys as
+in :mod:`kvfs.fs` (``/mnt/kv/a/b.bin`` is key ``a/b.bin``; directories are
+prefixes, ``mkdir`` records a marker key).
+
+What differs from a local disk:
+
+- **close() is the commit point.**  A file opened for writing is buffered in
+  this process and committed as one value on ``close()`` (FUSE flush) or
+  ``fsync()``; until then other clients, and other mounts, do not see it
+  (this mount shows it with its buffered size).  Errors of the commit are
+  returned by ``close()``/``fsync()``.  A file still open when the mount stops
+  is not committed.
+- Opening an existing file for writing without ``O_TRUNC`` reads its value
+  first (read-modify-write of the whole value); ``O_APPEND`` on an existing
+  file fails with ``EOPNOTSUPP``.
+- ``mv`` is read + put + delete (not atomic: for a moment both names exist,
+  never neither); renaming a directory moves every key under it.
+- A read-only open fetches the value on its first read and serves the rest of
+  that open from this snapshot.  No hard links, symlinks, devices or xattrs.
+- Every request is bounded by ``--timeout``: with the cluster gone a call
+  fails with ``EIO`` instead of hanging, and works again once it is back.
+
+SIGINT/SIGTERM unmount cleanly.  A mount whose process was killed (-9) leaves
+a dead mount point ("Transport endpoint is not connected"): remove it with
+``kvfs umount MOUNTPOINT`` (``fusermount3 -u``).
+"""
+
+from kvfs.mount.cli import add_commands
+from kvfs.mount.mtab import is_mounted
+from kvfs.mount.ops import KVFSOperations
+
+__all__ = ["KVFSOperations", "add_commands", "is_mounted"]

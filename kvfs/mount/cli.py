@@ -1,0 +1,141 @@
+"""``kvfs mount`` / ``kvfs umount``: the commands, signals and the mount's lifetime."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import sys
+from typing import Any
+
+from kvfs.address import TOKEN_FILE_HELP, token_from_file
+from kvfs.config import ClientConfig
+from kvfs.errors import KVFSError
+from kvfs.fs import KVFileSystem
+from kvfs.mount._fuse import IMPORT_ERROR, pyfuse3
+from kvfs.mount.mtab import is_mounted
+from kvfs.mount.ops import KVFSOperations
+from kvfs.units import parse_duration
+
+__all__ = ["add_commands", "cmd_mount", "cmd_umount"]
+
+log = logging.getLogger("kvfs.mount")
+
+
+def add_commands(sub: Any) -> None:
+    p = sub.add_parser("mount", help="mount the cluster as a filesystem (FUSE; runs until unmounted)",
+                       description="Mount a kvfs cluster at MOUNTPOINT. Runs in the foreground; "
+                       "Ctrl-C, SIGTERM or `kvfs umount MOUNTPOINT` unmounts. A file is committed "
+                       "when it is closed.")
+    p.add_argument("mountpoint")
+    p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
+    p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
+    p.add_argument("--timeout", type=parse_duration, default=10.0, metavar="DURATION",
+                   help="fail a request with EIO after this long (default 10s)")
+    p.add_argument("--attr-timeout", type=parse_duration, default=1.0, metavar="DURATION",
+                   help="how long the kernel may cache names and sizes (default 1s)")
+    p.add_argument("--ttl", type=parse_duration, default=None, metavar="DURATION",
+                   help="expiry of files written through the mount (default: the cluster's)")
+    p.add_argument("--allow-other", action="store_true", help="let other users use the mount")
+    p.set_defaults(func=cmd_mount)
+
+    p = sub.add_parser("umount", help="unmount a kvfs mount (also one whose process died)")
+    p.add_argument("mountpoint")
+    p.add_argument("-z", "--lazy", action="store_true", help="detach now even if busy")
+    p.set_defaults(func=cmd_umount)
+
+
+async def cmd_mount(ns: argparse.Namespace) -> int:
+    if pyfuse3 is None:
+        print(f"kvfs mount: the FUSE mount needs pyfuse3 and libfuse3 ({IMPORT_ERROR}); install them "
+              "with `apt-get install fuse3 libfuse3-dev pkg-config` and `pip install 'kvfs[fuse]'`",
+              file=sys.stderr)
+        return 2
+    mnt = os.path.abspath(ns.mountpoint)
+    if not os.path.isdir(mnt):
+        print(f"kvfs mount: {mnt} is not a directory", file=sys.stderr)
+        return 2
+    if not os.path.exists("/dev/fuse"):
+        print("kvfs mount: /dev/fuse is missing (load the fuse module, or run the container with "
+              "--device /dev/fuse)", file=sys.stderr)
+        return 2
+    timeout_s = float(ns.timeout)
+    cfg = ClientConfig(connect_timeout_s=min(5.0, timeout_s), request_timeout_s=timeout_s,
+                       layout_cache_entries=0)  # files are overwritten: always look keys up
+    fs = KVFileSystem(ns.addr, token=token_from_file(ns.token_file), config=cfg, ttl=ns.ttl, asynchronous=True,
+                      skip_instance_cache=True)
+    try:
+        async with asyncio.timeout(timeout_s):
+            await fs.client.stats()
+    except (KVFSError, OSError, TimeoutError) as exc:
+        await fs._close()
+        print(f"kvfs mount: cannot reach the cluster at {fs.addr}: {exc}", file=sys.stderr)
+        return 1
+    ops = KVFSOperations(fs, timeout_s=timeout_s, attr_timeout_s=float(ns.attr_timeout))
+    options = set(pyfuse3.default_options) | {"fsname=kvfs", "subtype=kvfs"}
+    if ns.allow_other:
+        options.add("allow_other")
+    pyfuse3.asyncio.enable()
+    try:
+        pyfuse3.init(ops, mnt, options)
+    except RuntimeError as exc:
+        await fs._close()
+        print(f"kvfs mount: cannot mount at {mnt}: {exc} (already mounted? not permitted?)",
+              file=sys.stderr)
+        return 1
+    loop = asyncio.get_running_loop()
+    sigs = (signal.SIGINT, signal.SIGTERM)
+
+    stopping = False
+
+    def stop(sig: signal.Signals) -> None:
+        nonlocal stopping
+        if stopping:
+            return
+        stopping = True
+        log.info("%s: unmounting %s", sig.name, mnt)
+        try:
+            pyfuse3.terminate()
+        except asyncio.InvalidStateError:
+            # pyfuse3's asyncio shim wakes the one task waiting on /dev/fuse; it was already
+            # woken and sees the session's exit flag on its own
+            pass
+
+    for sig in sigs:
+        loop.add_signal_handler(sig, stop, sig)
+    print(f"kvfs mount ready {mnt} {fs.addr}", flush=True)
+    try:
+        await pyfuse3.main()
+    finally:
+        for sig in sigs:
+            loop.remove_signal_handler(sig)
+        lost = ops.discard_open_writes()
+        if lost:
+            log.warning("%d file(s) still open for writing were not committed", lost)
+        pyfuse3.close(unmount=True)
+        await fs._close()
+    return 0
+
+
+async def cmd_umount(ns: argparse.Namespace) -> int:
+    mnt = os.path.abspath(ns.mountpoint)
+    if not is_mounted(mnt):
+        print(f"kvfs umount: {mnt} is not mounted", file=sys.stderr)
+        return 1
+    lazy = ["-z"] if ns.lazy else []
+    commands = [[tool, "-u", *lazy, mnt] for tool in ("fusermount3", "fusermount") if shutil.which(tool)]
+    if os.geteuid() == 0 or not commands:
+        commands.append(["umount", *(["-l"] if ns.lazy else []), mnt])
+    err = ""
+    for argv in commands:
+        proc = await asyncio.create_subprocess_exec(*argv, stdout=asyncio.subprocess.DEVNULL,
+                                                    stderr=asyncio.subprocess.PIPE)
+        _, stderr = await proc.communicate()
+        if proc.returncode == 0 or not is_mounted(mnt):
+            return 0
+        err = stderr.decode(errors="replace").strip()
+    print(f"kvfs umount: {mnt}: {err or 'failed'}", file=sys.stderr)
+    return 1

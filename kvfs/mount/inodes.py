@@ -1,0 +1,196 @@
+"""The mount's state: inode numbers of paths, the kernel's lookup counts, open handles.
+
+Pure bookkeeping, no FUSE and no I/O: errors are ``OSError`` with the errno
+the request answers (``ESTALE`` for an inode the kernel should not know any
+more, ``EBADF`` for a closed handle).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+__all__ = ["ROOT_INODE", "Handle", "Info", "InodeTable"]
+
+ROOT_INODE = 1
+Info = dict[str, Any]
+V = TypeVar("V")
+
+
+def _known(table: dict[int, V], number: int, err: int, what: str) -> V:
+    """``table[number]``, or the ``OSError(err)`` a request for a stale number answers."""
+    try:
+        return table[number]
+    except KeyError:
+        raise OSError(err, f"{what} {number} is not known (any more)") from None
+
+
+@dataclass(eq=False)
+class Handle:
+    """One open file."""
+
+    ino: int
+    writable: bool
+    data: bytearray | None = None  # writable: the whole new value (None until the old one is read)
+    value: bytes | None = None  # read-only: the value, fetched on the first read
+    dirty: bool = False  # has writes (or a truncation) not yet committed
+    orphan: bool = False  # unlinked while open: never committed
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one fetch of the old value
+
+
+class InodeTable:
+    """Paths <-> inode numbers, lookup counts, and the open file and directory handles.
+
+    An inode lives while the kernel holds a lookup of it or a handle is open
+    on it; a path that is unlinked or replaced is detached from its inode
+    (which stays readable through open handles).
+    """
+
+    def __init__(self) -> None:
+        self._paths: dict[int, str] = {ROOT_INODE: ""}
+        self._inos: dict[str, int] = {"": ROOT_INODE}
+        self._lookups: dict[int, int] = {}
+        self._unlinked: set[int] = set()
+        self._next_ino = ROOT_INODE + 1
+        self._handles: dict[int, Handle] = {}
+        self._dirs: dict[int, tuple[str, list[tuple[str, Info]]]] = {}
+        self._next_fh = 1
+
+    # inodes --------------------------------------------------------------------
+    def path(self, ino: int) -> str:
+        return _known(self._paths, ino, errno.ESTALE, "inode")
+
+    def path_or_none(self, ino: int) -> str | None:
+        return self._paths.get(ino)
+
+    def ino_of(self, path: str) -> int | None:
+        return self._inos.get(path)
+
+    def is_unlinked(self, ino: int) -> bool:
+        return ino in self._unlinked
+
+    def ino_for(self, path: str) -> int:
+        """The inode for ``path``, numbered now if it has none."""
+        ino = self._inos.get(path)
+        if ino is None:
+            ino = self._next_ino
+            self._next_ino += 1
+            self._inos[path] = ino
+            self._paths[ino] = path
+        return ino
+
+    def remember(self, path: str) -> int:
+        """The inode for ``path``, its lookup count raised: the kernel now knows it."""
+        ino = self.ino_for(path)
+        self._lookups[ino] = self._lookups.get(ino, 0) + 1
+        return ino
+
+    def relink(self, path: str) -> int:
+        """``path`` created anew: a fresh inode if its old one was unlinked; remembered."""
+        if path in self._inos and self._inos[path] in self._unlinked:
+            self._inos.pop(path)
+        ino = self.remember(path)
+        self._unlinked.discard(ino)
+        return ino
+
+    def forget(self, ino: int, n: int) -> None:
+        """The kernel dropped ``n`` lookups of ``ino``."""
+        left = self._lookups.get(ino, 0) - n
+        if left > 0:
+            self._lookups[ino] = left
+        else:
+            self._lookups.pop(ino, None)
+            self.maybe_drop(ino)
+
+    def maybe_drop(self, ino: int) -> None:
+        """Forget ``ino`` unless the kernel or an open handle still refers to it."""
+        if ino == ROOT_INODE or self._lookups.get(ino, 0) > 0:
+            return
+        if any(h.ino == ino for h in self._handles.values()):
+            return
+        path = self._paths.pop(ino, None)
+        self._unlinked.discard(ino)
+        if path is not None and self._inos.get(path) == ino:
+            del self._inos[path]
+
+    def detach(self, path: str) -> None:
+        """``path`` no longer names its inode (unlinked or replaced)."""
+        ino = self._inos.pop(path, None)
+        if ino is not None:
+            self._unlinked.add(ino)
+            self.maybe_drop(ino)
+
+    def renamed(self, src: str, dst: str) -> None:
+        """``src`` (a file, or a directory and everything under it) is now ``dst``."""
+        for path in [p for p in self._inos if p == dst or p.startswith(dst + "/")]:
+            self.detach(path)
+        moved = [(p, i) for p, i in self._inos.items() if p == src or p.startswith(src + "/")]
+        for p, _ in moved:
+            del self._inos[p]
+        for p, i in moved:
+            q = dst + p[len(src):]
+            self._inos[q] = i
+            self._paths[i] = q
+
+    def children(self, prefix: str) -> list[tuple[str, int]]:
+        """``(name, ino)`` of the known paths directly under ``prefix`` (``""`` or ``"dir/"``)."""
+        return [(p[len(prefix):], i) for p, i in self._inos.items()
+                if p.startswith(prefix) and p != prefix and "/" not in p[len(prefix):]]
+
+    def has_pending_under(self, prefix: str) -> bool:
+        """Whether a file under ``prefix`` is open with uncommitted data."""
+        return any(p.startswith(prefix) and self.pending_size(i) is not None
+                   for p, i in self._inos.items())
+
+    # file handles --------------------------------------------------------------
+    def open(self, h: Handle) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._handles[fh] = h
+        return fh
+
+    def handle(self, fh: int) -> Handle:
+        return _known(self._handles, fh, errno.EBADF, "file handle")
+
+    def handle_or_none(self, fh: int) -> Handle | None:
+        return self._handles.get(fh)
+
+    def close(self, fh: int) -> None:
+        h = self._handles.pop(fh, None)
+        if h is not None:
+            self.maybe_drop(h.ino)
+
+    def writers(self, ino: int) -> list[Handle]:
+        return [h for h in self._handles.values() if h.ino == ino and h.writable]
+
+    def pending_size(self, ino: int) -> int | None:
+        """The size an open, written file has in this mount (None: no writer, or not loaded)."""
+        for h in self.writers(ino):
+            if h.data is not None and not h.orphan:
+                return len(h.data)
+        return None
+
+    def discard_open_writes(self) -> int:
+        """At unmount: files still open for writing are not committed; how many."""
+        n = sum(1 for h in self._handles.values() if h.writable and h.dirty and not h.orphan)
+        self._handles.clear()
+        return n
+
+    # directory handles ---------------------------------------------------------
+    def opendir(self, prefix: str, entries: list[tuple[str, Info]]) -> int:
+        fh = self._next_fh
+        self._next_fh += 1
+        self._dirs[fh] = (prefix, entries)
+        return fh
+
+    def dir(self, fh: int) -> tuple[str, list[tuple[str, Info]]]:
+        return _known(self._dirs, fh, errno.EBADF, "directory handle")
+
+    def releasedir(self, fh: int) -> None:
+        self._dirs.pop(fh, None)
+
+    def readdir_reply(self, ino: int) -> None:
+        """The kernel was handed ``ino`` in a readdir reply: it counts as a lookup."""
+        self._lookups[ino] = self._lookups.get(ino, 0) + 1

@@ -1,0 +1,426 @@
+"""The FUSE request handlers: :class:`KVFSOperations` over :class:`~kvfs.fs.KVFileSystem`."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import functools
+import logging
+import os
+import stat
+import time
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, ParamSpec, TypeVar, cast
+
+from kvfs._batch import Batcher, split_batches
+from kvfs.fs import KVFileSystem, check_path
+from kvfs.layout import MAX_KEY_BYTES, MAX_VALUE_BYTES
+from kvfs.mount._fuse import Operations, pyfuse3
+from kvfs.mount.inodes import ROOT_INODE, Handle, Info, InodeTable
+from kvfs.oserrors import builtin_errors, errno_of
+
+__all__ = ["KVFSOperations"]
+
+log = logging.getLogger("kvfs.mount")
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+MOVE_BATCH_KEYS = 512
+MOVE_BATCH_BYTES = 64 * 1024 * 1024
+BLKSIZE = 128 * 1024
+READ_BATCH_KEYS = 128
+READ_BATCH_BYTES = 64 * 1024 * 1024
+READS_IN_FLIGHT = 2
+
+
+def _op(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """A FUSE handler: bounded by the mount's timeout; every failure becomes an errno.
+
+    pyfuse3 answers only ``FUSEError``; anything else would leave the request
+    unanswered and stop the mount.
+    """
+
+    @functools.wraps(fn)
+    async def handler(*args: P.args, **kwargs: P.kwargs) -> T:
+        ops: KVFSOperations = args[0]  # type: ignore[assignment]
+        try:
+            async with asyncio.timeout(ops.timeout_s):
+                return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            code = errno_of(exc)
+            if code == errno.EIO:
+                what = f"timed out after {ops.timeout_s}s" if isinstance(exc, TimeoutError) else exc
+                log.warning("%s%r: %s: %s", fn.__name__, args[1:3], type(exc).__name__, what)
+            elif code not in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY):
+                log.info("%s%r: %s", fn.__name__, args[1:3], exc)
+            raise pyfuse3.FUSEError(code) from None
+
+    return handler
+
+
+class KVFSOperations(Operations):
+    """FUSE request handlers over :class:`~kvfs.fs.KVFileSystem` (``asynchronous=True``)."""
+
+    supports_dot_lookup = False
+    enable_writeback_cache = False
+
+    def __init__(self, fs: KVFileSystem, *, timeout_s: float = 10.0, attr_timeout_s: float = 1.0,
+                 uid: int | None = None, gid: int | None = None) -> None:
+        super().__init__()
+        self.fs = fs
+        self.timeout_s = timeout_s
+        self.attr_timeout_s = attr_timeout_s
+        self.uid = os.getuid() if uid is None else uid
+        self.gid = os.getgid() if gid is None else gid
+        self._started_ns = time.time_ns()
+        self.table = InodeTable()
+        # FUSE requests reach the loop one at a time, so reads batch by load, not by tick
+        self.reads: Batcher[bytes, bytes | None] = Batcher(
+            self._get_many, max_items=READ_BATCH_KEYS, max_bytes=READ_BATCH_BYTES,
+            max_inflight=READS_IN_FLIGHT)
+
+    async def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        return await self.fs.client.get_many(keys)
+
+    def _child(self, parent: int, name: bytes, *, limit: int = MAX_KEY_BYTES) -> str:
+        pp = self.table.path(parent)
+        n = os.fsdecode(name)
+        path = f"{pp}/{n}" if pp else n
+        check_path(path, limit=limit)
+        return path
+
+    # attributes ----------------------------------------------------------------
+    def _attrs(self, ino: int, info: Info) -> pyfuse3.EntryAttributes:
+        a = pyfuse3.EntryAttributes()
+        a.st_ino = ino
+        a.generation = 0
+        a.entry_timeout = self.attr_timeout_s
+        a.attr_timeout = self.attr_timeout_s
+        if info["type"] == "directory":
+            a.st_mode = stat.S_IFDIR | 0o755
+            a.st_nlink = 2
+            a.st_size = 0
+            t = self._started_ns
+        else:
+            a.st_mode = stat.S_IFREG | 0o644
+            a.st_nlink = 1
+            a.st_size = int(info["size"])
+            t = int(float(info.get("created") or 0) * 1e9) or self._started_ns
+        a.st_uid = self.uid
+        a.st_gid = self.gid
+        a.st_blksize = BLKSIZE
+        a.st_blocks = (a.st_size + 511) // 512
+        a.st_atime_ns = a.st_mtime_ns = a.st_ctime_ns = t
+        return a
+
+    async def _info(self, ino: int, path: str) -> Info:
+        size = self.table.pending_size(ino)
+        if size is not None:
+            return {"name": path, "size": size, "type": "file", "created": time.time()}
+        if self.table.is_unlinked(ino):
+            raise FileNotFoundError(errno.ENOENT, "unlinked", path)
+        if ino == ROOT_INODE:
+            return {"name": "", "size": 0, "type": "directory"}
+        info: Info = await self.fs._info(path)
+        return info
+
+    @_op
+    async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
+                     ) -> pyfuse3.EntryAttributes:
+        path = self._child(parent_inode, name)
+        ino = self.table.ino_of(path)
+        info = await self._info(ino, path) if ino is not None else await self.fs._info(path)
+        return self._attrs(self.table.remember(path), info)
+
+    async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
+        for ino, n in inode_list:
+            self.table.forget(ino, n)
+
+    @_op
+    async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        return self._attrs(inode, await self._info(inode, self.table.path(inode)))
+
+    @_op
+    async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
+                      fh: int | None, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
+        path = self.table.path(inode)
+        if fields.update_size:
+            size = attr.st_size
+            if size > MAX_VALUE_BYTES:
+                raise pyfuse3.FUSEError(errno.EFBIG)
+            writers = self.table.writers(inode)
+            if writers:
+                for h in writers:
+                    if h.data is None and size == 0:
+                        h.data = bytearray()
+                    await self._load(h)
+                    assert h.data is not None
+                    _resize(h.data, size)
+                    h.dirty = True
+            else:  # truncate(2) on a file nobody here has open: a new value now
+                value = b"" if size == 0 else await self.fs._get_value(path)
+                if len(value) != size:
+                    buf = bytearray(value)
+                    _resize(buf, size)
+                    value = bytes(buf)
+                await self.fs._put_value(path, value)
+        # mode, owner and times are not stored: a value has only its creation time
+        return self._attrs(inode, await self._info(inode, path))
+
+    # files -------------------------------------------------------------------
+    async def _load(self, h: Handle) -> None:
+        """A writable handle opened without O_TRUNC starts from the committed value."""
+        if h.data is not None:
+            return
+        async with h.lock:
+            if h.data is not None:
+                return
+            for other in self.table.writers(h.ino):  # unflushed data of another open wins
+                if other is not h and other.data is not None and not other.orphan:
+                    h.data = bytearray(other.data)
+                    return
+            h.data = bytearray(await self.fs._get_value(self.table.path(h.ino)))
+
+    async def _commit(self, h: Handle) -> None:
+        if not h.dirty or h.orphan:
+            return
+        await self._load(h)
+        assert h.data is not None
+        await self.fs._put_value(self.table.path(h.ino), bytes(h.data))
+        h.dirty = False
+
+    @_op
+    async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
+        self.table.path(inode)
+        if flags & os.O_ACCMODE == os.O_RDONLY:
+            h = Handle(inode, writable=False)
+        elif flags & os.O_APPEND:
+            raise OSError(errno.EOPNOTSUPP, "kvfs values are immutable: append to an existing file")
+        elif flags & os.O_TRUNC:
+            h = Handle(inode, writable=True, data=bytearray(), dirty=True)
+        else:
+            h = Handle(inode, writable=True)
+        return pyfuse3.FileInfo(fh=self.table.open(h), keep_cache=False)
+
+    @_op
+    async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
+                     ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
+        path = self._child(parent_inode, name)
+        ino = self.table.relink(path)
+        fh = self.table.open(Handle(ino, writable=True, data=bytearray(), dirty=True))
+        info = {"name": path, "size": 0, "type": "file", "created": time.time()}
+        return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(ino, info)
+
+    @_op
+    async def read(self, fh: int, off: int, size: int) -> bytes:
+        h = self.table.handle(fh)
+        if h.writable:
+            await self._load(h)
+            assert h.data is not None
+            return bytes(h.data[off : off + size])
+        if h.value is None:
+            async with h.lock:
+                if h.value is None:
+                    path = self.table.path(h.ino)
+                    with builtin_errors(path):
+                        value = await self.reads.submit(os.fsencode(path))
+                    if value is None:
+                        raise OSError(errno.ENOENT, "deleted or expired since it was opened")
+                    h.value = value
+        return h.value[off : off + size]
+
+    @_op
+    async def write(self, fh: int, off: int, buf: bytes) -> int:
+        h = self.table.handle(fh)
+        if not h.writable:
+            raise pyfuse3.FUSEError(errno.EBADF)
+        end = off + len(buf)
+        if end > MAX_VALUE_BYTES:
+            raise pyfuse3.FUSEError(errno.EFBIG)
+        await self._load(h)
+        d = h.data
+        assert d is not None
+        if off > len(d):
+            d.extend(bytes(off - len(d)))
+        d[off:end] = buf
+        h.dirty = True
+        return len(buf)
+
+    @_op
+    async def flush(self, fh: int) -> None:
+        await self._commit(self.table.handle(fh))
+
+    @_op
+    async def fsync(self, fh: int, datasync: bool) -> None:
+        await self._commit(self.table.handle(fh))
+
+    async def release(self, fh: int) -> None:
+        h = self.table.handle_or_none(fh)
+        if h is None:
+            return
+        try:
+            if h.dirty and not h.orphan:  # normally committed by flush already
+                async with asyncio.timeout(self.timeout_s):
+                    await self._commit(h)
+        except Exception as exc:
+            log.error("release: %s: the written data is lost: %s", self.table.path_or_none(h.ino), exc)
+        finally:
+            self.table.close(fh)
+
+    def discard_open_writes(self) -> int:
+        """At unmount: files still open for writing are not committed; how many."""
+        return self.table.discard_open_writes()
+
+    # directories ---------------------------------------------------------------
+    @_op
+    async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
+                    ) -> pyfuse3.EntryAttributes:
+        path = self._child(parent_inode, name, limit=MAX_KEY_BYTES - 1)
+        await self.fs._put_markers(path)
+        return self._attrs(self.table.remember(path), {"name": path, "size": 0, "type": "directory"})
+
+    @_op
+    async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        path = self._child(parent_inode, name)
+        if self.table.has_pending_under(path + "/"):
+            raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+        try:
+            await self.fs._rmdir(path)
+        except FileNotFoundError:
+            pass  # an implicit directory whose last file went: nothing left to remove
+        self.table.detach(path)
+
+    @_op
+    async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
+        path = self._child(parent_inode, name)
+        ino = self.table.ino_of(path)
+        pending = False
+        if ino is not None:
+            for h in self.table.writers(ino):
+                pending = pending or h.dirty
+                h.orphan = True
+        try:
+            await self.fs._rm_file(path)
+        except FileNotFoundError:
+            if not pending:
+                raise
+        self.table.detach(path)
+
+    @_op
+    async def rename(self, parent_inode_old: int, name_old: bytes, parent_inode_new: int,
+                     name_new: bytes, flags: int, ctx: pyfuse3.RequestContext) -> None:
+        if flags & pyfuse3.RENAME_EXCHANGE:
+            raise pyfuse3.FUSEError(errno.EINVAL)
+        src = self._child(parent_inode_old, name_old)
+        dst = self._child(parent_inode_new, name_new)
+        if src == dst:
+            return
+        ino = self.table.ino_of(src)
+        if ino is not None:
+            for h in self.table.writers(ino):
+                await self._commit(h)
+        # a file (the common case: tmp + rename) is read while the target is looked at
+        value, dst_info = await asyncio.gather(self._value_or_none(src), self._info_or_none(dst))
+        if dst_info is not None and flags & pyfuse3.RENAME_NOREPLACE:
+            raise pyfuse3.FUSEError(errno.EEXIST)
+        if value is not None:
+            if dst_info is not None and dst_info["type"] == "directory":
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            await self.fs._put_value(dst, value)
+            await self.fs._rm_file(src)
+        else:
+            await self.fs._info(src)  # ENOENT unless a directory
+            if dst_info is not None and dst_info["type"] == "file":
+                raise pyfuse3.FUSEError(errno.ENOTDIR)
+            if dst_info is not None and await self.fs._ls(dst, detail=False):
+                raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+            await self._move_tree(src, dst)
+        self.table.renamed(src, dst)
+
+    async def _value_or_none(self, path: str) -> bytes | None:
+        try:
+            v: bytes = await self.fs._get_value(path)
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+        return v
+
+    async def _info_or_none(self, path: str) -> Info | None:
+        try:
+            info: Info = await self.fs._info(path)
+        except FileNotFoundError:
+            return None
+        return info
+
+    async def _move_tree(self, src: str, dst: str) -> None:
+        """Every key under ``src/`` to ``dst/``: batched get_many, put_many, delete_many."""
+        c = self.fs.client
+        infos = await c.list(os.fsencode(src + "/"))
+        n = len(src)
+        check_path(dst + "/", limit=MAX_KEY_BYTES)
+        for run in split_batches([ki.size for ki in infos], max_items=MOVE_BATCH_KEYS,
+                                 max_bytes=MOVE_BATCH_BYTES):
+            keys = [infos[i].key for i in run]
+            new = [os.fsencode(dst) + k[n:] for k in keys]
+            for k in new:
+                check_path(os.fsdecode(k))
+            values = await c.get_many(keys)
+            await c.put_many([(k, v) for k, v in zip(new, values, strict=True) if v is not None])
+            await c.delete_many(keys)
+        if not infos:  # an empty implicit directory: keep it as an empty one
+            await self.fs._put_markers(dst)
+
+    @_op
+    async def opendir(self, inode: int, ctx: pyfuse3.RequestContext) -> int:
+        path = self.table.path(inode)
+        listing = cast(list[Info], await self.fs._ls(path, detail=True))
+        if len(listing) == 1 and listing[0]["name"] == path and listing[0]["type"] == "file":
+            raise pyfuse3.FUSEError(errno.ENOTDIR)
+        n = len(path) + 1 if path else 0
+        entries = [(str(e["name"])[n:], e) for e in listing]
+        seen = {name for name, _ in entries}
+        prefix = path + "/" if path else ""
+        for name, ino in self.table.children(prefix):  # files created here, not yet committed
+            if name not in seen:
+                size = self.table.pending_size(ino)
+                if size is not None:
+                    entries.append((name, {"name": prefix + name, "size": size, "type": "file"}))
+        return self.table.opendir(prefix, entries)
+
+    @_op
+    async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
+        prefix, entries = self.table.dir(fh)
+        for i in range(start_id, len(entries)):
+            name, info = entries[i]
+            ino = self.table.ino_for(prefix + name)
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(ino, info), i + 1):
+                self.table.maybe_drop(ino)
+                break
+            self.table.readdir_reply(ino)
+
+    async def releasedir(self, fh: int) -> None:
+        self.table.releasedir(fh)
+
+    @_op
+    async def statfs(self, ctx: pyfuse3.RequestContext) -> pyfuse3.StatvfsData:
+        st = await self.fs.client.stats()
+        bs = 4096
+        s = pyfuse3.StatvfsData()
+        s.f_bsize = s.f_frsize = bs
+        s.f_blocks = sum(int(x["capacity"]) for x in st["servers"]) // bs
+        s.f_bfree = s.f_bavail = sum(int(x["free"]) for x in st["servers"] if x["alive"]) // bs
+        s.f_files = int(st["keys"])
+        s.f_ffree = s.f_favail = 1 << 32
+        s.f_namemax = 255
+        return s
+
+
+def _resize(d: bytearray, size: int) -> None:
+    if size < len(d):
+        del d[size:]
+    else:
+        d.extend(bytes(size - len(d)))

@@ -1,0 +1,206 @@
+"""Rebuild meta's index from the chunks alone, and back meta's database up.
+
+``kvfs meta rebuild --data DIR --from-chunkservers ADDR[,ADDR...]`` asks every
+chunkserver for the records of all its chunks (``CHUNK_SCAN``: each record
+carries its key, write id, extent index, the value's total size and CRC,
+expiry, and whether its value passes its CRC) and writes a new database in
+DIR:
+
+- per key, the newest write id wins; a tombstone there means deleted, and a
+  newest write that is incomplete (an extent with no good copy anywhere: a put
+  that never finished, or every copy corrupt) drops the key rather than
+  bring back older bytes;
+- each extent's replicas are its good copies, one per server (the newest chunk
+  when compaction left two);
+- expired values are skipped; live bytes per chunk follow from the layouts when
+  meta loads them, and the cluster id is the chunkservers'.
+
+``kvfs meta backup FILE`` copies a live database with SQLite's online backup
+API (consistent while meta runs).
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from kvfs import rpc
+from kvfs.address import parse_addr
+from kvfs.errors import InvalidArgument, WrongCluster
+from kvfs.layout import Extent, Layout, Replica, encode_layout
+from kvfs.meta.store import MetaStore
+from kvfs.transport import Connection
+
+DB_NAME = "meta.sqlite3"
+
+
+class FoundRecord(NamedTuple):
+    """One record as a chunkserver's CHUNK_SCAN reports it."""
+
+    key: bytes
+    write_id: int
+    extent: int  # the extent's index in its value
+    total_size: int
+    total_crc: int
+    length: int
+    crc: int
+    expires_at: float | None
+    tombstone: bool
+    value_ok: bool
+    server_id: int
+    chunk_id: int
+    offset: int  # of the value
+
+
+@dataclass(kw_only=True)
+class RebuildReport:
+    records: int = 0
+    keys: int = 0
+    value_bytes: int = 0
+    deleted: int = 0  # newest write is a tombstone
+    expired: int = 0
+    incomplete: int = 0  # newest write has an extent with no good copy: dropped
+    bad_records: int = 0  # values failing their CRC (not used)
+    servers: int = 0
+    chunks: int = 0
+    dropped_keys: list[bytes] = field(default_factory=list)
+
+
+def pick_layouts(records: Iterable[FoundRecord], now: float,
+                 report: RebuildReport | None = None) -> dict[bytes, Layout]:
+    """The layout of every key the records describe (newest write wins)."""
+    rep = report if report is not None else RebuildReport()
+    by_key: dict[bytes, dict[int, list[FoundRecord]]] = defaultdict(lambda: defaultdict(list))
+    for r in records:
+        rep.records += 1
+        if not r.tombstone and not r.value_ok:
+            rep.bad_records += 1
+        by_key[r.key][r.write_id].append(r)
+    out: dict[bytes, Layout] = {}
+    for key, versions in by_key.items():
+        newest = versions[max(versions)]
+        if any(r.tombstone for r in newest):
+            rep.deleted += 1
+            continue
+        layout = _assemble(newest)
+        if layout is None:
+            rep.incomplete += 1
+            rep.dropped_keys.append(key)
+            continue
+        if layout.expired(now):
+            rep.expired += 1
+            continue
+        out[key] = layout
+        rep.keys += 1
+        rep.value_bytes += layout.size
+    return out
+
+
+def _assemble(group: list[FoundRecord]) -> Layout | None:
+    first = group[0]
+    if any(r.total_size < r.length or (r.total_size, r.total_crc) != (first.total_size, first.total_crc)
+           for r in group if not r.tombstone):
+        return None  # a record that does not know its whole value (a stream's unit), or disagreement
+    by_index: dict[int, dict[int, FoundRecord]] = defaultdict(dict)  # index -> server -> record
+    for r in group:
+        if not r.value_ok:
+            continue
+        have = by_index[r.extent].get(r.server_id)
+        if have is None or r.chunk_id > have.chunk_id:  # compaction's copy is the newer chunk
+            by_index[r.extent][r.server_id] = r
+    extents: list[Extent] = []
+    total = 0
+    while total < first.total_size or (first.total_size == 0 and not extents):
+        reps = by_index.get(len(extents))
+        if not reps:
+            return None
+        one = next(iter(reps.values()))
+        if any((r.length, r.crc) != (one.length, one.crc) for r in reps.values()):
+            return None  # copies of one extent that disagree: never guess
+        extents.append(Extent(one.length, one.crc, tuple(
+            Replica(r.server_id, r.chunk_id, r.offset) for _, r in sorted(reps.items()))))
+        total += one.length
+    if total != first.total_size:
+        return None
+    created = first.write_id / 1e9 if first.write_id > 10**15 else time.time()
+    return Layout(first.total_size, first.total_crc, created, first.expires_at, tuple(extents))
+
+
+async def scan_chunkservers(addrs: list[str], token: str,
+                            report: RebuildReport) -> tuple[list[FoundRecord], list[list[Any]], str]:
+    """(records, servers as [id, addr, capacity, free], cluster id) from every chunkserver."""
+    found: list[FoundRecord] = []
+    servers: list[list[Any]] = []
+    cluster_ids: set[str] = set()
+    for addr in addrs:
+        host, port = parse_addr(addr)
+        conn = await Connection.open(host, port, token, request_timeout_s=600.0)
+        try:
+            st = await conn.call(rpc.ChunkStats())
+            if st.server_id is None:
+                raise InvalidArgument(f"chunkserver {addr} never registered: it has no server id")
+            sid = st.server_id
+            if st.cluster_id:
+                cluster_ids.add(st.cluster_id)
+            servers.append([sid, f"{host}:{port}", st.capacity, st.free])
+            for cid in st.chunks:
+                scanned = await conn.call(rpc.ChunkScan(chunk_id=cid))
+                report.chunks += 1
+                for r in scanned.records:
+                    found.append(FoundRecord(r.key, r.write_id, r.extent, r.total_size, r.total_crc,
+                                             r.length, r.crc, r.expires_at, r.tombstone, r.value_ok,
+                                             sid, cid, r.value_offset))
+        finally:
+            conn.close()
+    report.servers = len(servers)
+    if len(cluster_ids) > 1:
+        raise WrongCluster(f"the chunkservers belong to different clusters: {sorted(cluster_ids)}")
+    if not cluster_ids:
+        raise InvalidArgument("no chunkserver reported a cluster id: nothing to rebuild from")
+    return found, servers, cluster_ids.pop()
+
+
+async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None = None) -> RebuildReport:
+    """Write a new meta database in ``data`` from the chunkservers' records."""
+    path = data / DB_NAME
+    if path.exists():
+        raise InvalidArgument(f"{path} exists; move it away first (or back it up: kvfs meta backup)")
+    if not addrs:
+        raise InvalidArgument("--from-chunkservers needs at least one HOST:PORT")
+    report = RebuildReport()
+    records, servers, cluster_id = await scan_chunkservers(addrs, token, report)
+    now = time.time() if now is None else now
+    layouts = pick_layouts(records, now, report)
+    data.mkdir(parents=True, exist_ok=True)
+    store = MetaStore(path)
+    try:
+        store.cluster_id(create=cluster_id)
+        store.put_many((k, encode_layout(lay), lay.expires_at, now) for k, lay in layouts.items())
+        for sid, addr, capacity, free in servers:
+            store.put_server(sid, addr, capacity, free)
+    finally:
+        store.close()
+    return report
+
+
+def backup(data: Path, dest: Path) -> int:
+    """Copy ``data``'s live database to ``dest`` with SQLite's online backup; returns its pages."""
+    src_path = data / DB_NAME
+    if not src_path.exists():
+        raise InvalidArgument(f"no meta database at {src_path}")
+    if dest.exists():
+        raise InvalidArgument(f"{dest} exists; give a new file")
+    src = sqlite3.connect(src_path)
+    dst = sqlite3.connect(dest)
+    try:
+        src.backup(dst)
+        (pages,) = dst.execute("PRAGMA page_count").fetchone()
+        return int(pages)
+    finally:
+        dst.close()
+        src.close()

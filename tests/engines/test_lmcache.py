@@ -1,0 +1,152 @@
+"""LMCache 0.5.6 on kvfs, on CPU: its own checker, a StorageManager built from a config with
+``remote_storage_plugins: [kvfs]`` alone, shutdown with puts in flight, a dead cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    import torch
+    from lmcache.v1.check.utils import (
+        _get_default_metadata,
+        create_test_key,
+        create_test_memory_obj_for_storage_manager,
+        find_remote_backend,
+    )
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.event_manager import EventManager
+    from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+from conftest import ThreadCluster
+
+import kvfs
+
+pytestmark = pytest.mark.engines
+MODEL = "kvfs-test-model"
+
+
+def config_file(tmp: Path, tc: ThreadCluster, *, remote_url: bool = False,
+                **extra: Any) -> Path:
+    lines = "".join(f"  {k}: {v}\n" for k, v in extra.items())
+    path = tmp / "lmcache.yaml"
+    path.write_text(textwrap.dedent(f"""\
+        chunk_size: 256
+        local_cpu: true
+        max_local_cpu_size: 0.05
+        remote_serde: naive
+        {'remote_url: "plugin://kvfs"' if remote_url else ''}
+        remote_storage_plugins: ["kvfs"]
+        extra_config:
+          remote_storage_plugin.kvfs.module_path: kvfs.integrations.lmcache
+          remote_storage_plugin.kvfs.class_name: KvfsConnector
+          kvfs_addr: "{tc.addr}"
+          kvfs_token: "{tc.token}"
+        """) + lines)
+    return path
+
+
+def test_lmcache_basic_check_test_remote(tcluster: ThreadCluster, tmp_path: Path) -> None:
+    cfg = config_file(tmp_path, tcluster, remote_url=True)  # the checker builds one backend
+    env = {**os.environ, "LMCACHE_CONFIG_FILE": str(cfg), "PYTHONHASHSEED": "0"}
+    r = subprocess.run([sys.executable, "-m", "lmcache.v1.basic_check", "--mode", "test_remote"],
+                       env=env, capture_output=True, text=True, timeout=600)
+    print(r.stdout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("Validation: 5/5 passed (100.0%)") == 3  # no-exist, put, exist
+    assert "Validation (content correct): 5/5 passed (100.0%)" in r.stdout
+
+
+def storage_manager(cfg: Path) -> tuple[StorageManager, Any]:
+    config = LMCacheEngineConfig.from_file(str(cfg))
+    metadata = _get_default_metadata(MODEL)
+    sm = StorageManager(config=config, metadata=metadata, event_manager=EventManager())
+    return sm, metadata
+
+
+def test_storage_manager_round_trip_bit_exact(tcluster: ThreadCluster, tmp_path: Path) -> None:
+    sm, metadata = storage_manager(config_file(tmp_path, tcluster, kvfs_namespace="rt"))
+    try:
+        remotes = [n for n in sm.storage_backends if n.startswith("RemoteBackend")]
+        assert remotes == ["RemoteBackend-kvfs"]  # one backend: every chunk written once
+        keys = [create_test_key(MODEL, f"rt-{i}") for i in range(8)]
+        objs = [create_test_memory_obj_for_storage_manager(sm, metadata) for _ in keys]
+        gen = torch.Generator().manual_seed(3)
+        for o in objs:
+            o.tensor.copy_(torch.randn(o.tensor.shape, generator=gen).to(o.tensor.dtype))
+        want = [bytes(o.byte_array) for o in objs]
+        sm.batched_put(keys, objs)
+        with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+            deadline = time.monotonic() + 60
+            while len(kv.list(b"rt/")) < len(keys):
+                assert time.monotonic() < deadline, "puts did not reach kvfs"
+                time.sleep(0.05)
+            assert len(kv.list(b"rt/")) == len(keys)
+        remote = find_remote_backend(sm)
+        assert remote is not None
+        assert remote.batched_contains(keys) == len(keys)
+        got = remote.batched_get_blocking(keys)
+        assert got is not None and [bytes(g.byte_array) for g in got] == want  # bit-exact
+        for g in got:
+            g.ref_count_down()
+    finally:
+        sm.close()
+
+
+# Passed in its author's runs and in one clean-clone CI run, then crashed (SIGSEGV in one of its
+# 3 trials) in the next two clean-clone runs: the crash the issue names is not fixed.
+# Non-strict xfail so it keeps running and reporting (XPASS/XFAIL) without failing CI.
+@pytest.mark.xfail(strict=False, reason="issue 12: LMCache teardown with puts in flight still "
+                   "crashes (SIGSEGV) in some runs; cause not found yet")
+def test_destroy_with_puts_in_flight_does_not_crash(tcluster: ThreadCluster,
+                                                   tmp_path: Path) -> None:
+    cfg = config_file(tmp_path, tcluster, kvfs_namespace="destroy")
+    script = textwrap.dedent(f"""
+        import warnings; warnings.simplefilter("ignore")
+        from lmcache.v1.check.utils import (_get_default_metadata, create_test_key,
+            create_test_memory_obj_for_storage_manager)
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.event_manager import EventManager
+        from lmcache.v1.storage_backend.storage_manager import StorageManager
+        md = _get_default_metadata({MODEL!r})
+        for trial in range(3):
+            sm = StorageManager(config=LMCacheEngineConfig.from_file({str(cfg)!r}),
+                                metadata=md, event_manager=EventManager())
+            keys = [create_test_key({MODEL!r}, f"d{{trial}}-{{i}}") for i in range(24)]
+            objs = [create_test_memory_obj_for_storage_manager(sm, md) for _ in keys]
+            sm.batched_put(keys, [o for o in objs if o is not None])
+            sm.close()   # frees the CPU pool first, then the remote backends
+        print("survived")
+        """)
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                       timeout=300, env={**os.environ, "PYTHONHASHSEED": "0"})
+    assert r.returncode == 0 and "survived" in r.stdout, (r.returncode, r.stderr[-3000:])
+
+
+def test_cluster_down_is_a_miss_in_bounded_time(tmp_path: Path) -> None:
+    tc = ThreadCluster(tmp_path / "c")
+    sm, _metadata = storage_manager(config_file(tmp_path, tc, kvfs_namespace="down",
+                                               kvfs_timeout_s=1, kvfs_connect_timeout_s=1))
+    try:
+        remote = find_remote_backend(sm)
+        assert remote is not None
+        keys = [create_test_key(MODEL, f"down-{i}") for i in range(4)]
+        tc.stop_services()
+        started = time.monotonic()
+        assert remote.batched_contains(keys) == 0
+        assert not remote.contains(keys[0])
+        got = remote.batched_get_blocking(keys)
+        assert not got or all(g is None for g in got)
+        assert time.monotonic() - started < 60  # bounded, never a hang
+    finally:
+        sm.close()
+        tc.close()

@@ -1,0 +1,164 @@
+"""SGLang 0.5.23's own HiCache code paths on kvfs, on CPU: a real MHATokenToKVPoolHost in
+each host layout, the storage built by SGLang's dynamic backend factory, and the
+controller's page backup / prefetch functions (zero-copy v1 and the generic path)."""
+
+from __future__ import annotations
+
+import functools
+import queue
+import time
+import warnings
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+with warnings.catch_warnings():  # sglang warns about GPU-only quantizers at import
+    warnings.simplefilter("ignore")
+    import torch
+    from sglang.srt.managers.cache_controller import (
+        HiCacheController,
+        PrefetchOperation,
+        StorageOperation,
+    )
+    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+from conftest import ThreadCluster
+
+from kvfs.integrations.sglang import KvfsHiCacheStorage
+from kvfs.prefix import chain_keys
+
+pytestmark = pytest.mark.engines
+LAYERS, HEADS, DIM, PAGE = 3, 2, 16, 4
+LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
+
+
+def host_pool(layout: str, tokens: int = 64) -> MHATokenToKVPoolHost:
+    k = tuple(torch.zeros(tokens + PAGE, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    v = tuple(torch.zeros(tokens + PAGE, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, layout=KVBufferLayout.NHD,
+                          k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
+                          v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64)),
+        page_size=PAGE, head_num=HEADS, head_dim=DIM, v_head_dim=DIM, dtype=torch.bfloat16,
+        device=torch.device("cpu"))
+    pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=tokens, start_layer=0, end_layer=LAYERS)
+    gen = torch.Generator().manual_seed(7)
+    pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=gen).to(torch.bfloat16))
+    return pool
+
+
+def storage(tc: ThreadCluster, pool: Any, namespace: str, v1: bool = True,
+            **extra: Any) -> KvfsHiCacheStorage:
+    cfg = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False,
+        is_page_first_layout=pool.layout != "layer_first", model_name="test/llama",
+        extra_config={"backend_name": "kvfs", "module_path": "kvfs.integrations.sglang",
+                      "class_name": "KvfsHiCacheStorage", "interface_v1": int(v1),
+                      "addr": tc.addr, "token": tc.token, "namespace": namespace, **extra})
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    assert isinstance(backend, KvfsHiCacheStorage)
+    backend.register_mem_pool_host(pool)  # dynamic backends get the pool afterwards
+    return backend
+
+
+def controller(backend: KvfsHiCacheStorage, pool: Any, v1: bool) -> SimpleNamespace:
+    """The controller's page functions, unbound, on the state they read."""
+    ctl = SimpleNamespace(storage_backend=backend, mem_pool_host=pool, storage_host_pool=pool,
+                          page_size=PAGE, prefetch_sync_queue=queue.Queue())
+    get = HiCacheController._page_get_zero_copy if v1 else HiCacheController._generic_page_get
+    put = HiCacheController._page_set_zero_copy if v1 else HiCacheController._generic_page_set
+    ctl.page_get_func = functools.partial(get, ctl)
+    ctl.page_set_func = functools.partial(put, ctl)
+    ctl._page_transfer_kv_batch = functools.partial(HiCacheController._page_transfer_kv_batch, ctl)
+    return ctl
+
+
+def pages(pool: Any, first_token: int, n: int) -> list[torch.Tensor]:
+    return [pool.get_data_page(first_token + i * PAGE).clone() for i in range(n)]
+
+
+@pytest.mark.parametrize("v1", [True, False], ids=["zero-copy", "generic"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_backup_then_prefetch_bit_exact(tcluster: ThreadCluster, layout: str, v1: bool) -> None:
+    pool = host_pool(layout)
+    backend = storage(tcluster, pool, f"t/{layout}/{v1}", v1)
+    ctl = controller(backend, pool, v1)
+    tokens = list(range(100, 100 + 6 * PAGE))
+    hashes = [k.decode() for k in chain_keys(tokens, PAGE, style="sglang")]
+    src = torch.arange(0, 6 * PAGE)
+    before = pages(pool, 0, 6)
+    op = StorageOperation(src, tokens, hash_value=hashes)
+    HiCacheController._page_backup(ctl, op)
+    assert op.completed_tokens == 6 * PAGE
+    assert backend.batch_exists(hashes) == 6
+    assert backend.batch_exists([*hashes[:3], "f" * 64, hashes[4]]) == 3
+
+    dst = torch.arange(32, 32 + 6 * PAGE)  # other host slots, zeroed first
+    for i in range(6):
+        pool.set_from_flat_data_page(32 + i * PAGE, torch.zeros_like(before[i]))
+    fetch = PrefetchOperation("req-1", tokens)
+    fetch.hash_value, fetch.host_indices = hashes, dst
+    assert HiCacheController._page_transfer(ctl, fetch) == 6
+    for a, b in zip(before, pages(pool, 32, 6), strict=True):
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))  # bit-exact
+    backend.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_zero_copy_pages_are_one_key_each_and_written_once(tcluster: ThreadCluster,
+                                                           layout: str) -> None:
+    pool = host_pool(layout)
+    backend = storage(tcluster, pool, f"once/{layout}")
+    hashes = [k.decode() for k in chain_keys(range(8 * PAGE), PAGE, style="sglang")]
+    idx = torch.arange(0, 8 * PAGE)
+    assert backend.batch_set_v1(hashes, idx) == [True] * 8
+    counts = backend.client.aio.rpc_counts
+    appends = counts["APPEND"]
+    assert backend.batch_set_v1(hashes, idx) == [True] * 8  # already there: nothing written
+    assert counts["APPEND"] == appends
+    infos = backend.client.list(f"once/{layout}/")
+    assert len(infos) == 8  # K and V (and every layer) of a page in one value
+    assert {i.size for i in infos} == {pool.get_size_per_token() * PAGE}
+    assert backend.batch_get_v1([], idx[:0]) == [] and backend.batch_exists([]) == 0
+    backend.close()
+
+
+def test_cluster_down_is_a_miss_in_bounded_time(tmp_path: Any) -> None:
+    tc = ThreadCluster(tmp_path / "c")
+    try:
+        pool = host_pool("page_first")
+        backend = storage(tc, pool, "down", timeout_s=1, connect_timeout_s=1)
+        hashes = [k.decode() for k in chain_keys(range(4 * PAGE), PAGE, style="sglang")]
+        idx = torch.arange(0, 4 * PAGE)
+        assert backend.batch_set_v1(hashes, idx) == [True] * 4
+        tc.stop_services()  # the whole cluster dies mid-run
+        started = time.monotonic()
+        assert backend.batch_exists(hashes) == 0
+        assert backend.batch_get_v1(hashes, idx) == [False] * 4
+        assert backend.batch_set_v1(hashes, idx) == [False] * 4
+        assert time.monotonic() - started < 30  # bounded: never a hang
+        tc.start_services()
+        deadline = time.monotonic() + 30
+        while backend.batch_exists(hashes) != 4:  # served again once it is back
+            assert time.monotonic() < deadline, "kvfs did not come back"
+            time.sleep(0.1)
+        backend.close()
+    finally:
+        tc.close()
+
+
+def test_chain_keys_match_sglang_hashes() -> None:
+    from sglang.srt.mem_cache.utils import get_hash_str
+
+    tokens = list(range(5000, 5000 + 3 * 64))
+    try:
+        ours = get_hash_str(tokens, None, page_size=64)
+    except RuntimeError as exc:  # its native hash needs a C++ toolchain and libcrypto
+        pytest.skip(f"SGLang's native page hash is unavailable here: {exc}")
+    assert [k.decode() for k in chain_keys(tokens, 64, style="sglang")] == ours

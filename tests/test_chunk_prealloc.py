@@ -1,0 +1,82 @@
+"""Chunk files reserve their blocks up front (fallocate KEEP_SIZE) and give back the rest when sealed."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import crc32c
+import pytest
+
+from kvfs.chunkserver.store import ChunkStore, preallocate
+
+CHUNK = 8 << 20
+
+
+def _store(root: Path, prealloc: bool) -> ChunkStore:
+    st = ChunkStore(root, chunk_bytes=CHUNK, preallocate=prealloc)
+    st.server_id = 1
+    return st
+
+
+async def _put(st: ChunkStore, key: bytes, value: bytes) -> tuple[int, int]:
+    ((cid, off),) = await st.append([(key, len(value), crc32c.crc32c(value), None)], memoryview(value))
+    return cid, off
+
+
+def _blocks(st: ChunkStore, cid: int) -> int:
+    return os.stat(st.chunk_path(cid)).st_blocks * 512
+
+
+def _supported(tmp: Path) -> bool:
+    fd = os.open(tmp / "probe", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        return preallocate(fd, 1 << 20)
+    finally:
+        os.close(fd)
+
+
+async def test_open_chunk_reserves_blocks_and_sealing_releases_them(tmp_path: Path) -> None:
+    if not _supported(tmp_path):
+        pytest.skip("this filesystem has no fallocate")
+    st = _store(tmp_path / "cs", True)
+    try:
+        value = os.urandom(4096)
+        cid, off = await _put(st, b"k", value)
+        assert os.stat(st.chunk_path(cid)).st_size == st.sizes[cid]  # the size is what was written
+        assert _blocks(st, cid) >= CHUNK  # the blocks of the whole chunk are reserved
+        assert await st.seal(cid, 0.0)
+        assert _blocks(st, cid) < CHUNK // 4  # sealed: the reservation past the end is given back
+        views, stale = await st.readv([(cid, off, len(value))])
+        assert not stale and bytes(views[0]) == value  # type: ignore[arg-type]
+    finally:
+        st.close()
+    # a restart finds no torn tail: the reserved blocks were never part of the file
+    again = _store(tmp_path / "cs", True)
+    try:
+        assert again.sizes[cid] == os.stat(again.chunk_path(cid)).st_size
+    finally:
+        again.close()
+
+
+async def test_rolling_to_a_new_chunk_releases_the_old_one(tmp_path: Path) -> None:
+    if not _supported(tmp_path):
+        pytest.skip("this filesystem has no fallocate")
+    st = _store(tmp_path / "cs", True)
+    try:
+        first, _ = await _put(st, b"a", os.urandom(CHUNK // 2))
+        second, _ = await _put(st, b"b", os.urandom(CHUNK // 2 + (64 << 10)))  # does not fit: a new chunk
+        assert second != first
+        assert _blocks(st, first) < CHUNK * 3 // 4  # the unused half went back
+        assert _blocks(st, second) >= CHUNK
+    finally:
+        st.close()
+
+
+async def test_preallocate_off_reserves_nothing(tmp_path: Path) -> None:
+    st = _store(tmp_path / "cs", False)
+    try:
+        cid, _ = await _put(st, b"k", os.urandom(4096))
+        assert _blocks(st, cid) < CHUNK // 4
+    finally:
+        st.close()

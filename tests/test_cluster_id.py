@@ -1,0 +1,96 @@
+"""A meta that lost its database (or another cluster's meta) can never make chunkservers delete."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from kvfs import rpc
+from kvfs.address import parse_addr
+from kvfs.chunkserver import ChunkServer
+from kvfs.errors import Unavailable, WrongCluster
+from kvfs.gc import GarbageCollector, PassOptions
+from kvfs.handshake import Role
+from kvfs.launcher import LocalCluster
+from kvfs.transport import Connection
+
+
+def _chunk_files(cluster: LocalCluster) -> set[Path]:
+    return {p for i in range(cluster.n) for p in (cluster.root / f"cs{i}" / "chunks").glob("*.chunk")}
+
+
+async def _register_again(cs: ChunkServer) -> None:
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            await cs._register()
+            return
+        except Unavailable:  # the connection to the old meta, found closed: the next try reconnects
+            assert time.monotonic() < deadline
+
+
+async def test_a_fresh_meta_cannot_make_chunkservers_delete(tmp_path: Path) -> None:
+    """Before cluster ids: meta.sqlite3 deleted + restart, and GC deleted every chunk file."""
+    async with LocalCluster(tmp_path / "c", 3) as cluster:
+        async with cluster.client() as kv:
+            await kv.put_many({f"k{i}".encode(): os.urandom(20_000) for i in range(60)})
+        files = _chunk_files(cluster)
+        assert files
+        old_id = cluster.meta.cluster_id  # type: ignore[union-attr]
+        await cluster.stop_meta()
+        for p in (tmp_path / "c" / "meta").glob("meta.sqlite3*"):
+            p.unlink()
+        await cluster.start_meta()  # a fresh database: a new cluster id
+        assert cluster.meta is not None and cluster.meta.cluster_id != old_id
+        for cs in cluster.chunkservers:
+            assert cs is not None and cs.store.cluster_id == old_id
+            with pytest.raises(WrongCluster, match="rebuild"):
+                await _register_again(cs)  # what its heartbeat loop retries: refused every time
+        assert not cluster.meta.index.servers
+        async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            for _ in range(3):
+                await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
+        assert _chunk_files(cluster) == files
+
+
+async def test_a_chunkserver_refuses_deletes_for_another_cluster(cluster: LocalCluster) -> None:
+    cs = cluster.chunkservers[0]
+    assert cs is not None and cs.store.cluster_id == cluster.meta.cluster_id  # type: ignore[union-attr]
+    host, port = parse_addr(cs.addr)
+    conn = await Connection.open(host, port, cluster.admin_token)
+    try:
+        for cid in (None, "0" * 32):
+            with pytest.raises(WrongCluster, match="refused"):
+                await conn.call(rpc.ChunkDelete(chunks=list(cs.store.sizes), cluster_id=cid))
+    finally:
+        conn.close()
+
+
+async def test_meta_refuses_an_unknown_chunkserver_that_holds_chunks(cluster: LocalCluster) -> None:
+    host, port = parse_addr(cluster.addr)
+    conn = await Connection.open(host, port, cluster.tokens[Role.SERVER])
+    try:
+        with pytest.raises(WrongCluster, match="never seen"):
+            await conn.call(rpc.Register(server_id=99, addr="127.0.0.1:1", capacity=1, free=1,
+                                         cluster_id=None, nchunks=5))
+        with pytest.raises(WrongCluster, match="belongs to cluster"):
+            await conn.call(rpc.Register(server_id=1, addr="127.0.0.1:1", capacity=1, free=1,
+                                         cluster_id="other", nchunks=0))
+        # a new, empty chunkserver joins and learns the id
+        r = await conn.call(rpc.Register(addr="127.0.0.1:1", capacity=1, free=1))
+        assert r.cluster_id == cluster.meta.cluster_id  # type: ignore[union-attr]
+    finally:
+        conn.close()
+
+
+async def test_the_cluster_id_survives_restarts(cluster: LocalCluster) -> None:
+    before = cluster.meta.cluster_id  # type: ignore[union-attr]
+    await cluster.stop_meta()
+    await cluster.start_meta()
+    assert cluster.meta.cluster_id == before  # type: ignore[union-attr]
+    await cluster.stop_chunkserver(1)
+    cs = await cluster.start_chunkserver(1)
+    assert cs.store.cluster_id == before

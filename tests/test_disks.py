@@ -1,0 +1,105 @@
+"""Every local filesystem works (tmpfs refuses RWF_NOWAIT), and a full disk is always NoSpace."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfs.chunkserver import store as store_mod
+from kvfs.config import ClientConfig, MetaConfig
+from kvfs.errors import NoSpace
+from kvfs.launcher import LocalCluster
+
+
+@pytest.fixture
+def shm_dir() -> Iterator[Path]:
+    if not os.path.isdir("/dev/shm") or not os.access("/dev/shm", os.W_OK):
+        pytest.skip("no writable /dev/shm (tmpfs) on this machine")
+    d = Path(tempfile.mkdtemp(prefix="kvfs-test-", dir="/dev/shm"))
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs mounted for this test (needs root; skips with the reason otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a 64 MiB tmpfs needs root")
+    mnt = tmp_path / "small"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
+                       capture_output=True, text=True, check=False)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+async def test_a_data_dir_on_tmpfs_serves_reads(shm_dir: Path, tmp_path: Path) -> None:
+    items = {f"shm/{i}".encode(): os.urandom(3000 + i) for i in range(50)}
+    items[b"big"] = os.urandom(3 << 20)
+    meta = MetaConfig(data=tmp_path / "meta", listen="127.0.0.1:0")
+    async with LocalCluster(shm_dir, 2, meta=meta) as c, c.client() as kv:
+        await kv.put_many(items)
+        assert await kv.get_many(list(items)) == list(items.values())
+
+
+async def test_a_filesystem_refusing_nowait_reads_falls_back(cluster: LocalCluster, kv: object,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """What tmpfs does on the kernels that refuse RWF_NOWAIT, injected so every kernel tests it."""
+    real = os.preadv
+    refused = 0
+
+    def preadv(fd: int, bufs: list[memoryview], offset: int, flags: int = 0) -> int:
+        nonlocal refused
+        if flags:
+            refused += 1
+            raise OSError(errno.EOPNOTSUPP, os.strerror(errno.EOPNOTSUPP))
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(store_mod.os, "preadv", preadv)
+    items = {f"nw/{i}".encode(): os.urandom(5000) for i in range(20)}
+    async with cluster.client() as client:
+        await client.put_many(items)
+        assert await client.get_many(list(items)) == list(items.values())
+        assert await client.get_many(list(items)) == list(items.values())
+    if store_mod._NOWAIT:
+        assert refused >= 1
+        # remembered: each store asked once, then reads in its thread pool
+        assert refused <= sum(1 for cs in cluster.chunkservers if cs is not None)
+        assert all(not cs.store.nowait for cs in cluster.chunkservers if cs and cs.store.spans_read)
+
+
+async def test_full_disk_under_8_writers_is_always_nospace(small_fs: Path, tmp_path: Path) -> None:
+    meta = MetaConfig(data=tmp_path / "meta", listen="127.0.0.1:0")
+    value = os.urandom(1 << 20)
+    stored: list[bytes] = []
+    errors: list[BaseException] = []
+    async with LocalCluster(small_fs, 1, meta=meta) as c, c.client(ClientConfig(evict_on_full=False)) as kv:
+
+        async def writer(w: int) -> None:
+            for i in range(24):  # 8 x 24 MiB: three times what fits
+                key = f"w{w}/{i}".encode()
+                try:
+                    await kv.put(key, value)
+                    stored.append(key)
+                except Exception as exc:
+                    errors.append(exc)
+
+        await asyncio.gather(*(writer(w) for w in range(8)))
+        assert errors, "the 64 MiB filesystem never filled up"
+        assert all(isinstance(e, NoSpace) for e in errors), {repr(e)[:200] for e in errors}
+        assert stored
+        assert await kv.get_many(stored) == [value] * len(stored)

@@ -1,0 +1,137 @@
+"""Durability is a setting: always / batch (group commit) / never, and what each one syncs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import crc32c
+import pytest
+
+from kvfs.chunkserver import durability
+from kvfs.chunkserver.store import ChunkStore
+from kvfs.config import FsyncMode
+from kvfs.meta.store import MetaStore
+
+
+class SyncSpy:
+    """Counts fdatasync calls; with ``hold`` the first one blocks until released (a slow disk)."""
+
+    def __init__(self, hold: bool = False) -> None:
+        self.calls = 0
+        self.gate = threading.Event()
+        if not hold:
+            self.gate.set()
+        self.real = os.fdatasync
+
+    def __call__(self, fd: int) -> None:
+        self.calls += 1
+        if not self.gate.wait(30):
+            raise TimeoutError("the test never released the held fdatasync")
+        self.real(fd)
+
+
+@pytest.fixture
+async def make_store(tmp_path: Path) -> AsyncIterator[object]:
+    stores: list[ChunkStore] = []
+
+    def make(mode: FsyncMode) -> ChunkStore:
+        st = ChunkStore(tmp_path / f"cs-{mode}", chunk_bytes=1 << 20, fsync=mode)
+        st.server_id = 1
+        stores.append(st)
+        return st
+
+    yield make
+    for st in stores:
+        st.close()
+
+
+def _append_args(key: bytes, value: bytes) -> tuple[list[list[object]], memoryview]:
+    return [[key, len(value), crc32c.crc32c(value), None]], memoryview(value)
+
+
+async def _poll(cond: object, what: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():  # type: ignore[operator]
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.005)
+
+
+async def test_batch_appends_are_synced_before_they_are_answered_and_share_syncs(
+        make_store: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = SyncSpy(hold=True)
+    monkeypatch.setattr(durability.os, "fdatasync", spy)
+    st = make_store(FsyncMode.BATCH)  # type: ignore[operator]
+    first = asyncio.create_task(st.append(*_append_args(b"k0", b"v" * 100)))
+    await _poll(lambda: spy.calls == 1, "the first sync to start")
+    rest = [asyncio.create_task(st.append(*_append_args(b"k%d" % i, b"v" * 100))) for i in range(1, 8)]
+    await _poll(lambda: st.syncer.waiting == 7, "7 appends written and queued for the next sync")
+    assert not first.done() and not any(t.done() for t in rest)  # nothing answered before its sync
+    spy.gate.set()
+    await asyncio.gather(first, *rest)
+    assert spy.calls == 2  # 8 appends, 2 fdatasyncs: one for the first, one shared by the 7 others
+    assert st.syncer.rounds == 2
+
+
+async def test_always_syncs_each_append_and_never_syncs_none(make_store: object,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = SyncSpy()
+    monkeypatch.setattr(durability.os, "fdatasync", spy)
+    monkeypatch.setattr("kvfs.chunkserver.store.os.fdatasync", spy)
+    always = make_store(FsyncMode.ALWAYS)  # type: ignore[operator]
+    await asyncio.gather(*(always.append(*_append_args(b"a%d" % i, b"x" * 10)) for i in range(5)))
+    assert spy.calls == 5
+    spy.calls = 0
+    never = make_store(FsyncMode.NEVER)  # type: ignore[operator]
+    await asyncio.gather(*(never.append(*_append_args(b"n%d" % i, b"x" * 10)) for i in range(5)))
+    assert spy.calls == 0
+
+
+async def test_a_new_chunk_syncs_its_directory(make_store: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    dirs: list[Path] = []
+    real = durability.fsync_dir
+
+    def spy(path: Path) -> None:
+        dirs.append(path)
+        real(path)
+
+    monkeypatch.setattr(durability, "fsync_dir", spy)
+    st = make_store(FsyncMode.BATCH)  # type: ignore[operator]
+    await st.append(*_append_args(b"a", b"x" * 10))  # rolls the first chunk
+    assert st.dir in dirs
+    dirs.clear()
+    await st.append(*_append_args(b"b", b"x" * 10))  # same chunk: no directory sync
+    assert st.dir not in dirs
+
+
+def test_state_json_is_replaced_whole(tmp_path: Path) -> None:
+    st = ChunkStore(tmp_path, chunk_bytes=1 << 20)
+    try:
+        st.server_id = 7
+        st.save_state()
+        assert json.loads((tmp_path / "state.json").read_text())["server_id"] == 7
+        assert not list(tmp_path.glob("*.tmp"))
+    finally:
+        st.close()
+
+
+def test_meta_gc_transactions_are_full_sync_in_every_mode(tmp_path: Path) -> None:
+    full = MetaStore(tmp_path / "a.sqlite3")
+    assert full.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL by default
+    full.close()
+    ms = MetaStore(tmp_path / "b.sqlite3", synchronous="NORMAL")
+    try:
+        assert ms.db.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
+        with ms.durable():
+            assert ms.db.execute("PRAGMA synchronous").fetchone()[0] == 2
+            ms.add_dead([(1, 1, 0.0)])
+        assert ms.db.execute("PRAGMA synchronous").fetchone()[0] == 1
+    finally:
+        ms.close()
+    with pytest.raises(ValueError, match="synchronous"):
+        MetaStore(tmp_path / "c.sqlite3", synchronous="OFF")

@@ -1,0 +1,275 @@
+"""Limits before work: what an unauthenticated or overloading peer may cost a server.
+
+In-process servers with short timeouts and small limits, real sockets.  The
+heavier versions (1,000 connections, slow-loris, RSS from /proc of server
+processes) are in test_hostile.py (marker ``hostile``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from conftest import raw_connect, read_frame
+from crc32c import crc32c
+
+from kvfs import rpc
+from kvfs.address import parse_addr
+from kvfs.chunkserver.store import ChunkStore
+from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
+from kvfs.datadir import raise_nofile_limit
+from kvfs.errors import (
+    FrameTooLarge,
+    InvalidArgument,
+    RemoteProtocolError,
+    Timeout,
+    Unavailable,
+    from_wire,
+)
+from kvfs.launcher import LocalCluster, ProcessCluster
+from kvfs.protocol import FIXED, MAGIC, PROTOCOL_VERSION, frame_bytes
+from kvfs.rpc import Op
+from kvfs.server import PeerLog
+from kvfs.transport import Connection
+
+MiB = 1024 * 1024
+
+
+@pytest.fixture
+async def tight(tmp_path: Path) -> AsyncIterator[LocalCluster]:
+    """One chunkserver with short timeouts and small in-flight limits."""
+    limits = dict(handshake_timeout_s=0.5, idle_timeout_s=1.0, max_connections=8,
+                  max_inflight_requests=4, max_inflight_bytes=2 * MiB)
+    c = LocalCluster(tmp_path / "c", 1,
+                     meta=MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0", **limits),
+                     chunkserver=ChunkServerConfig(data=tmp_path / "c", heartbeat_interval_s=0.2,
+                                                   max_ranges=64, max_read_rpc_bytes=4 * MiB,
+                                                   **limits))
+    try:
+        await c.start()
+        yield c
+    finally:
+        await c.stop()
+
+
+async def _eof(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> bytes:
+    """Everything the server sends until it closes (fails if it never does)."""
+    async with asyncio.timeout(timeout_s):
+        return await reader.read()
+
+
+def _cs_addr(c: LocalCluster) -> str:
+    cs = c.chunkservers[0]
+    assert cs is not None
+    return "kvfs://" + cs.addr
+
+
+@pytest.mark.parametrize("payload", [512 * MiB, 100 << 30])
+async def test_a_header_announcing_a_large_payload_before_auth_is_refused(
+        tight: LocalCluster, payload: int) -> None:
+    reader, writer, _ = await raw_connect(_cs_addr(tight))
+    writer.write(FIXED.pack(MAGIC, PROTOCOL_VERSION, Op.AUTH, 0, 1, 0, payload))
+    err = await read_frame(reader)
+    assert isinstance(from_wire(err.header), FrameTooLarge)
+    assert str(payload) in err.header["message"]
+    await _eof(reader)
+    writer.close()
+
+
+async def test_only_auth_is_accepted_before_auth(tight: LocalCluster) -> None:
+    reader, writer, _ = await raw_connect(_cs_addr(tight))
+    writer.write(frame_bytes(Op.READV, 1, {"ranges": [[1, 0, 10]]}))
+    err = await read_frame(reader)
+    assert isinstance(from_wire(err.header), RemoteProtocolError)
+    assert "op 33 is not accepted" in err.header["message"]
+    await _eof(reader)
+    writer.close()
+
+
+async def test_a_large_msgpack_header_before_auth_is_refused(tight: LocalCluster) -> None:
+    reader, writer, _ = await raw_connect(tight.addr)
+    writer.write(FIXED.pack(MAGIC, PROTOCOL_VERSION, Op.AUTH, 0, 1, 64 * 1024, 0))
+    err = await read_frame(reader)
+    assert isinstance(from_wire(err.header), FrameTooLarge)
+    writer.close()
+
+
+async def test_a_connection_that_does_not_authenticate_is_closed(tight: LocalCluster) -> None:
+    reader, writer, _ = await raw_connect(tight.addr)
+    writer.write(frame_bytes(Op.AUTH, 1, {"version": PROTOCOL_VERSION})[:20])  # half a frame
+    err = await read_frame(reader)
+    assert isinstance(from_wire(err.header), Timeout)
+    assert "no AUTH within 0.5s" in err.header["message"]
+    await _eof(reader)
+    writer.close()
+
+
+async def test_an_idle_connection_is_closed_and_the_client_reconnects(tight: LocalCluster) -> None:
+    host, port = parse_addr(tight.addr)
+    conn = await Connection.open(host, port, tight.token)
+    async with asyncio.timeout(10):
+        await conn.wait_closed()
+    async with tight.client() as kv:
+        await kv.put(b"k", b"v")
+        cs = tight.chunkservers[0]
+        assert cs is not None
+        async with asyncio.timeout(10):  # the client's own connection goes idle too
+            while cs.rpc.connections:
+                await asyncio.sleep(0.05)
+        assert await kv.get(b"k") == b"v"
+
+
+async def test_connections_past_max_connections_are_refused_at_accept(tight: LocalCluster) -> None:
+    cs = tight.chunkservers[0]
+    assert cs is not None
+    open_now = len(cs.rpc.connections)
+    held = [await raw_connect(_cs_addr(tight)) for _ in range(8 - open_now)]
+    host, port = parse_addr(_cs_addr(tight))
+    reader, writer = await asyncio.open_connection(host, port)
+    err = await read_frame(reader)
+    assert isinstance(from_wire(err.header), Unavailable)
+    assert "max_connections" in err.header["message"]
+    await _eof(reader)
+    assert cs.rpc.refused_connections == 1
+    for _, w, _ in [*held, (reader, writer, None)]:
+        w.close()
+
+
+async def test_readv_limits(tight: LocalCluster) -> None:
+    async with tight.client() as kv:
+        await kv.put(b"one", os.urandom(MiB))
+        lay = await kv.layout(b"one")
+        assert lay is not None
+        rep = lay.extents[0].replicas[0]
+        rng = rpc.Range(rep.chunk_id, rep.offset, MiB)
+        cs = tight.chunkservers[0]
+        assert cs is not None
+        conn = await Connection.open(*parse_addr(_cs_addr(tight)), tight.token)
+        try:
+            with pytest.raises(InvalidArgument, match="overlap"):
+                await conn.call(rpc.ReadV(ranges=[rng, rng]))
+            with pytest.raises(InvalidArgument, match="1000 ranges; the limit is 64"):
+                await conn.call(rpc.ReadV(ranges=[rng] * 1000))
+            with pytest.raises(InvalidArgument, match="the limit is 4194304"):
+                await conn.call(rpc.ReadV(ranges=[rpc.Range(rep.chunk_id, i * MiB, MiB)
+                                                  for i in range(5)]))
+            with pytest.raises(InvalidArgument, match=r"Expected `int`, got `str` - at `\$.ranges\[0\]\[1\]`"):
+                await conn.call_raw(Op.READV, {"ranges": [[rep.chunk_id, "0", 1]]})
+            ok = await conn.call_raw(Op.READV, rpc.ReadV(ranges=[rng]))
+            assert len(ok.payload) == MiB
+        finally:
+            conn.close()
+        # the client splits what a server would refuse: the same key twice, many keys
+        assert await kv.get_many([b"one", b"one"]) == [await kv.get(b"one")] * 2
+        small = {f"s{i}".encode(): b"x" * 10 for i in range(200)}
+        await kv.put_many(small)
+    async with tight.client(ClientConfig(max_read_ranges=64)) as kv:
+        assert await kv.get_many(list(small)) == list(small.values())
+
+
+async def test_a_client_that_never_reads_is_paused_and_others_are_served(
+        tight: LocalCluster) -> None:
+    async with tight.client() as kv:
+        await kv.put_many({f"v{i}": os.urandom(MiB) for i in range(4)})
+        ranges = []
+        for i in range(4):
+            lay = await kv.layout(f"v{i}")
+            assert lay is not None
+            rep = lay.extents[0].replicas[0]
+            ranges.append([rep.chunk_id, rep.offset, MiB])
+        cs = tight.chunkservers[0]
+        assert cs is not None
+        host, port = parse_addr(_cs_addr(tight))
+        raw = await Connection.open(host, port, tight.token)
+        assert raw._proto.transport is not None
+        port_here = raw._proto.transport.get_extra_info("sockname")[1]
+        (proto,) = [c for c in cs.rpc.connections
+                    if c.transport is not None and c.transport.get_extra_info("peername")[1] == port_here]
+        raw._proto.transport.pause_reading()  # never reads a reply
+        for rid in range(1000, 1100):
+            raw._proto.write([frame_bytes(Op.READV, rid, {"ranges": ranges})])
+        async with asyncio.timeout(20):
+            while not proto.holding:
+                await asyncio.sleep(0.01)
+        for _ in range(20):
+            assert await kv.get("v1") is not None  # another client is served meanwhile
+        assert proto.holding  # still paused: nothing drained
+        assert proto.peak_inflight_requests <= 4
+        assert proto.peak_inflight_bytes <= 2 * MiB + 4 * MiB  # the limit + one request's answer
+        assert proto.inflight_requests < 100  # the rest wait unread in the socket
+        raw.close()
+
+
+def test_bad_requests_are_logged_once_per_peer_per_interval(
+        caplog: pytest.LogCaptureFixture) -> None:
+    plog = PeerLog(interval_s=60.0)
+    with caplog.at_level(logging.WARNING, logger="kvfs.server"):
+        for _ in range(1000):
+            plog.warning("10.0.0.1", "bad request from %s", "10.0.0.1:1234")
+        plog.warning("10.0.0.2", "bad request from %s", "10.0.0.2:99")
+    assert [r.getMessage() for r in caplog.records] == [
+        "bad request from 10.0.0.1:1234", "bad request from 10.0.0.2:99"]
+    plog.interval_s = 0.0
+    with caplog.at_level(logging.WARNING, logger="kvfs.server"):
+        plog.warning("10.0.0.1", "bad request from %s", "x")
+    assert "999 more from this host" in caplog.records[-1].getMessage()
+
+
+@pytest.mark.subprocess
+async def test_everything_kvfs_up_creates_is_private(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Data dirs 0700; chunk files, meta's SQLite files, state, locks and tokens 0600."""
+    monkeypatch.setenv("KVFS_CONFIG_DIR", str(tmp_path / "config"))
+    pc = ProcessCluster(tmp_path / "data", 2, listen="127.0.0.1:0", gc=True)
+    await pc.start()
+    try:
+        pc.write_user_token()
+        async with pc.client() as kv:
+            await kv.put_many({f"k{i}": os.urandom(4096) for i in range(10)})
+    finally:
+        await pc.stop()
+    seen = {".chunk": 0, ".sqlite3": 0, "token": 0}
+    for root in (tmp_path / "data", tmp_path / "config" / "tokens"):
+        for p in [root, *root.rglob("*")]:
+            mode = p.stat().st_mode & 0o777
+            if p.is_dir():
+                assert mode == 0o700, f"{p} is {mode:o}"
+            else:
+                assert mode == 0o600, f"{p} is {mode:o}"
+                for end in seen:
+                    seen[end] += p.name.endswith(end)
+    assert seen[".chunk"] >= 1 and seen[".sqlite3"] == 1 and seen["token"] == 3
+
+
+def test_chunk_files_are_kept_open_in_an_lru(tmp_path: Path) -> None:
+    async def main() -> None:
+        store = ChunkStore(tmp_path / "cs", chunk_bytes=8192, max_open_files=2)
+        store.server_id = 1
+        try:
+            locs = []
+            for i in range(6):  # each append fills a chunk: 6 chunk files
+                value = bytes([i]) * 6000
+                (loc,) = await store.append([[b"k%d" % i, len(value), crc32c(value), None]],
+                                            memoryview(value))
+                locs.append((loc, value))
+            assert len(store.sizes) == 6
+            for (cid, off), value in locs * 2:
+                views, errors = await store.readv([(cid, off, len(value))])
+                assert not errors and views[0] == value
+                assert len(store._fds) <= 2
+        finally:
+            store.close()
+
+    asyncio.run(main())
+
+
+def test_a_server_raises_its_file_limit_to_the_hard_limit() -> None:
+    import resource
+
+    raise_nofile_limit()
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    assert soft == hard or hard == resource.RLIM_INFINITY

@@ -1,0 +1,103 @@
+"""The mount's parts that need no FUSE: inode table, load-driven batching, errno mapping, mtab."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+from pathlib import Path
+
+import pytest
+
+from kvfs._batch import Batcher, split_batches
+from kvfs.errors import InvalidArgument, NoSpace, NotFound, Timeout, Unavailable
+from kvfs.fs import InvalidPathError
+from kvfs.mount.inodes import ROOT_INODE, Handle, InodeTable
+from kvfs.mount.mtab import is_mounted, unescape
+from kvfs.oserrors import builtin_errors, errno_of
+
+
+def test_inodes_live_while_looked_up_or_open() -> None:
+    t = InodeTable()
+    ino = t.remember("a/b")
+    assert t.path(ino) == "a/b" and t.ino_of("a/b") == ino and t.remember("a/b") == ino
+    fh = t.open(Handle(ino, writable=True, data=bytearray(b"xyz")))
+    assert t.pending_size(ino) == 3 and t.children("a/") == [("b", ino)]
+    t.forget(ino, 2)
+    assert t.path(ino) == "a/b"  # an open handle keeps it
+    t.detach("a/b")
+    assert t.is_unlinked(ino) and t.ino_of("a/b") is None
+    t.close(fh)
+    with pytest.raises(OSError) as err:
+        t.path(ino)
+    assert err.value.errno == errno.ESTALE
+    with pytest.raises(OSError) as err:
+        t.handle(fh)
+    assert err.value.errno == errno.EBADF
+    assert t.path(ROOT_INODE) == ""
+
+
+def test_rename_moves_a_tree_and_replaces_the_target() -> None:
+    t = InodeTable()
+    a, ab, old = t.remember("a"), t.remember("a/b"), t.remember("z/b")
+    t.renamed("a", "z")
+    assert (t.ino_of("z"), t.ino_of("z/b")) == (a, ab) and t.path(ab) == "z/b"
+    assert t.ino_of("a/b") is None and t.is_unlinked(old)
+
+
+def test_split_batches() -> None:
+    assert split_batches([], max_items=3, max_bytes=10) == []
+    runs = split_batches([4, 4, 4, 20, 1, 1, 1, 1], max_items=3, max_bytes=10)
+    assert [list(r) for r in runs] == [[0, 1], [2], [3], [4, 5, 6], [7]]
+
+
+async def test_batching_by_load_sends_at_once_when_idle_and_the_backlog_when_busy() -> None:
+    seen: list[list[int]] = []
+    gate, started = asyncio.Event(), asyncio.Event()
+
+    async def run(items: list[int]) -> list[int]:
+        seen.append(items)
+        started.set()
+        await gate.wait()
+        return [i * 10 for i in items]
+
+    b: Batcher[int, int] = Batcher(run, max_items=4, max_bytes=100, max_inflight=1)
+    first = asyncio.ensure_future(b.submit(0))
+    await started.wait()
+    assert seen == [[0]]  # idle: out at once, alone
+    rest = [asyncio.ensure_future(b.submit(i, nbytes=30)) for i in range(1, 7)]
+    for _ in range(3):  # loop turns (no timing): every submit runs, none is sent
+        await asyncio.sleep(0)
+    assert seen == [[0]] and b.inflight == 1  # busy: they queue
+    gate.set()
+    assert await first == 0 and await asyncio.gather(*rest) == [10, 20, 30, 40, 50, 60]
+    assert seen == [[0], [1, 2, 3], [4, 5, 6]]  # 3 x 30 bytes fit in 100, the 4th does not
+
+
+@pytest.mark.parametrize(("exc", "code"), [
+    (InvalidPathError("a/../b", "no .."), errno.EINVAL),
+    (InvalidPathError("x" * 2000, "too long", errno.ENAMETOOLONG), errno.ENAMETOOLONG),
+    (FileNotFoundError(errno.ENOENT, "gone"), errno.ENOENT),
+    (Timeout("slow"), errno.EIO), (Unavailable("down"), errno.EIO), (TimeoutError(), errno.EIO),
+    (NoSpace("full"), errno.EIO), (InvalidArgument("bad"), errno.EINVAL), (RuntimeError(), errno.EIO),
+])
+def test_errno_of(exc: BaseException, code: int) -> None:
+    assert errno_of(exc) == code
+
+
+def test_builtin_errors() -> None:
+    with pytest.raises(FileNotFoundError) as err, builtin_errors("k"):
+        raise NotFound("no such key")
+    assert err.value.filename == "k"
+    with pytest.raises(Unavailable), builtin_errors("k"):
+        raise Unavailable("down")  # already a builtin (ConnectionError): unchanged
+
+
+def test_mtab(tmp_path: Path) -> None:
+    assert unescape(r"/mnt/with\040space\134x") == "/mnt/with space\\x"
+    mounts = tmp_path / "mounts"
+    mounts.write_text("kvfs /mnt/with\\040space fuse.kvfs rw 0 0\nproc /proc proc rw 0 0\n")
+    assert is_mounted("/mnt/with space", mounts=str(mounts))
+    assert is_mounted("/mnt/with space", fstype="fuse.kvfs", mounts=str(mounts))
+    assert not is_mounted("/mnt/with space", fstype="ext4", mounts=str(mounts))
+    assert not is_mounted("/mnt", mounts=str(mounts))
+    assert not is_mounted("/x", mounts=str(tmp_path / "missing"))

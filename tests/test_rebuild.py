@@ -1,0 +1,167 @@
+"""A lost meta costs nothing the chunks can rebuild: records carry what a rebuild needs."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvfs.chunkserver.records import scan_records
+from kvfs.config import ClientConfig
+from kvfs.launcher import LocalCluster
+from kvfs.layout import Extent, Replica
+from kvfs.meta.rebuild import FoundRecord, RebuildReport, backup, pick_layouts, rebuild
+
+NOW = 1_800_000_000.0
+
+
+def _rec(key: bytes, wid: int, extent: int = 0, *, total: int = 10, length: int = 10, sid: int = 1,
+         chunk: int = 1, off: int = 0, ok: bool = True, tomb: bool = False,
+         exp: float | None = None) -> FoundRecord:
+    return FoundRecord(key, wid, extent, total, 99, length, 7, exp, tomb, ok, sid, chunk, off)
+
+
+def test_newest_write_wins_and_tombstones_delete() -> None:
+    rep = RebuildReport()
+    got = pick_layouts([
+        _rec(b"a", 1, off=0), _rec(b"a", 2, off=100),                   # overwritten
+        _rec(b"d", 1), _rec(b"d", 2, tomb=True, length=0, total=0),     # deleted
+        _rec(b"d2", 3), _rec(b"d2", 2, tomb=True, length=0, total=0),   # re-put after a delete
+        _rec(b"x", 1, exp=NOW - 1),                                     # expired
+    ], NOW, rep)
+    assert set(got) == {b"a", b"d2"}
+    assert got[b"a"].extents[0].replicas == (Replica(1, 1, 100),)
+    assert (rep.deleted, rep.expired, rep.keys) == (1, 1, 2)
+
+
+def test_striped_values_need_every_extent_and_take_every_good_copy() -> None:
+    recs = [_rec(b"s", 5, 0, total=25, length=10, sid=1, chunk=1, off=0),
+            _rec(b"s", 5, 0, total=25, length=10, sid=2, chunk=2, off=0),
+            _rec(b"s", 5, 1, total=25, length=10, sid=2, chunk=2, off=50, ok=False),
+            _rec(b"s", 5, 1, total=25, length=10, sid=3, chunk=3, off=0),
+            _rec(b"s", 5, 2, total=25, length=5, sid=1, chunk=1, off=40),
+            _rec(b"s", 5, 2, total=25, length=5, sid=1, chunk=9, off=0)]  # compaction's copy
+    lay = pick_layouts(recs, NOW)[b"s"]
+    assert (lay.size, lay.crc) == (25, 99)
+    assert lay.extents == (Extent(10, 7, (Replica(1, 1, 0), Replica(2, 2, 0))),
+                           Extent(10, 7, (Replica(3, 3, 0),)),
+                           Extent(5, 7, (Replica(1, 9, 0),)))
+    # the newest write lost an extent (every copy bad): the key is dropped, never an older value
+    rep = RebuildReport()
+    lost = [r._replace(value_ok=False) if r.extent == 1 else r for r in recs]
+    older = _rec(b"s", 4, total=10, length=10, sid=1, chunk=1, off=500)
+    assert pick_layouts([older, *lost], NOW, rep) == {}
+    assert rep.incomplete == 1 and rep.dropped_keys == [b"s"]
+
+
+def test_records_that_do_not_know_their_value_are_never_assembled() -> None:
+    rep = RebuildReport()
+    # a streamed value: each unit its own write, total size unknown (0)
+    units = [_rec(b"st", 10 + i, total=0, length=10, off=10 * i) for i in range(3)]
+    assert pick_layouts(units, NOW, rep) == {} and rep.incomplete == 1
+    clash = [_rec(b"c", 1, sid=1), _rec(b"c", 1, sid=2)._replace(crc=8)]
+    assert pick_layouts(clash, NOW) == {}
+
+
+async def _wait_registered(cluster: LocalCluster) -> None:
+    meta = cluster.meta
+    assert meta is not None
+    deadline = time.monotonic() + 60
+    while len([s for s in meta.index.servers.values() if meta.index.alive(s) and s.chunks]) < cluster.n:
+        assert time.monotonic() < deadline, "the chunkservers never registered with the rebuilt meta"
+        await asyncio.sleep(0.05)
+
+
+async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path) -> None:
+    async with LocalCluster(tmp_path / "c", 3) as cluster:
+        items = {f"p/{i}".encode(): os.urandom(1000 + 37 * i) for i in range(200)}
+        items[b"striped"] = os.urandom(3 * (1 << 20) + 12345)
+        async with cluster.client() as kv:
+            await kv.put_many(items)
+            await kv.put(b"twice", b"old" * 1000)
+            await kv.put(b"twice", b"new" * 1000)  # newest wins
+            await kv.put_many({b"r2": os.urandom(70_000), b"r2big": os.urandom(2_500_000)}, replicas=2)
+            await kv.delete_many([b"p/0", b"p/1"])
+            await kv.put(b"ttl", b"short", ttl=3600)
+            expect = {**items, b"twice": b"new" * 1000, b"r2": await kv.get(b"r2"),
+                      b"r2big": await kv.get(b"r2big"), b"ttl": b"short"}
+            del expect[b"p/0"], expect[b"p/1"]
+            before = {k: await kv.layout(k) for k in expect}
+        meta = cluster.meta
+        assert meta is not None
+        cluster_id, live_before = meta.cluster_id, dict(meta.index.chunk_live)
+        addrs = [cs.addr for cs in cluster.chunkservers if cs is not None]
+        await cluster.stop_meta()
+        for p in (tmp_path / "c" / "meta").glob("meta.sqlite3*"):
+            p.unlink()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvfs", "meta", "rebuild", "--data", str(tmp_path / "c" / "meta"),
+            "--from-chunkservers", ",".join(addrs),
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+            env={**os.environ, "KVFS_ADMIN_TOKEN": cluster.admin_token})
+        out, err = await proc.communicate()
+        assert proc.returncode == 0, err.decode()
+        assert f"{len(expect)} keys" in out.decode() and "skipped 2 deleted" in out.decode()
+        assert " 0 incomplete" in out.decode()
+        await cluster.start_meta()
+        assert cluster.meta is not None and cluster.meta.cluster_id == cluster_id
+        await _wait_registered(cluster)
+        assert dict(cluster.meta.index.chunk_live) == live_before  # live bytes per chunk, as before
+        async with cluster.client(ClientConfig(layout_cache_entries=0)) as kv:
+            assert await kv.get_many(list(expect)) == list(expect.values())
+            assert await kv.get_many([b"p/0", b"p/1"]) == [None, None]
+            for k, lay in before.items():
+                got = await kv.layout(k)
+                assert got is not None and lay is not None
+                assert (got.size, got.crc) == (lay.size, lay.crc)
+                assert [(x.length, x.crc, sorted(x.replicas)) for x in got.extents] == \
+                    [(x.length, x.crc, sorted(x.replicas)) for x in lay.extents]
+
+
+async def test_records_carry_write_id_size_and_index(cluster: LocalCluster) -> None:
+    async with cluster.client() as kv:
+        value = os.urandom(2 * (1 << 20) + 10)
+        await kv.put(b"big", value)
+        lay = await kv.layout(b"big")
+    assert lay is not None and len(lay.extents) == 3
+    seen = []
+    for i, x in enumerate(lay.extents):
+        rep = x.replicas[0]
+        cs = next(c for c in cluster.chunkservers if c and c.server_id == rep.server_id)
+        recs = {r.value_offset: r for r in scan_records(cs.store.chunk_path(rep.chunk_id).read_bytes())}
+        r = recs[rep.offset]
+        assert (r.key, r.index, r.total_size, r.total_crc) == (b"big", i, len(value), lay.crc)
+        seen.append(r.write_id)
+    assert len(set(seen)) == 1 and seen[0] > 10**18
+
+
+def test_backup_while_meta_runs(tcluster: object, tmp_path: Path) -> None:
+    data = tcluster.cluster.meta_config.data  # type: ignore[attr-defined]
+    dest = tmp_path / "backup.sqlite3"
+    assert backup(data, dest) > 0
+    out = subprocess.run([sys.executable, "-m", "kvfs", "meta", "backup", str(dest), "--data", str(data)],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 1 and "exists" in out.stderr
+    dest.unlink()
+    out = subprocess.run([sys.executable, "-m", "kvfs", "meta", "backup", str(dest), "--data", str(data)],
+                         capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    import sqlite3
+
+    db = sqlite3.connect(dest)
+    try:
+        assert db.execute("SELECT count(*) FROM cluster").fetchone() == (1,)
+        assert db.execute("PRAGMA integrity_check").fetchone() == ("ok",)
+    finally:
+        db.close()
+
+
+def test_rebuild_refuses_to_overwrite(tmp_path: Path) -> None:
+    (tmp_path / "meta.sqlite3").write_bytes(b"")
+    with pytest.raises(ValueError, match="exists"):
+        asyncio.run(rebuild(tmp_path, ["127.0.0.1:1"], "t"))
