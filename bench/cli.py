@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvfs.address import token_from_file
+from kvfs.config import TlsConfig, from_options, tls_argv
 
 from .adapters import ChainStore, KvfsStore
 from .compare import Cell, StoreFactory, compare, peer_factories, store_cpu_probe
@@ -90,6 +91,8 @@ def _child_argv(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> li
             "--output-format", "json", "--no-progress", "--job-spec", json.dumps(workload_dict(wl))]
     if ns.prefix_chain:
         argv += ["--prefix-chain", str(ns.prefix_chain)]
+    if target.tls is not None:
+        argv += tls_argv(target.tls)
     return argv
 
 
@@ -120,7 +123,7 @@ async def _child(ns: argparse.Namespace) -> int:
     d = json.loads(ns.job_spec)
     d["key_prefix"] = d["key_prefix"].encode("latin-1")
     wl = Workload(**d)
-    target = BenchTarget(ns.addr, token_from_file(ns.token_file))
+    target = BenchTarget(ns.addr, token_from_file(ns.token_file), tls=from_options(TlsConfig, ns))
     res = await _run_one(target, wl, ns)
     print(json.dumps(report_json([res.to_json()])))
     return 0

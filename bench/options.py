@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Final
 
 from kvfs.address import TOKEN_FILE_HELP
+from kvfs.config import TlsConfig
+from kvfs.config import add_options as add_config_options
 from kvfs.units import parse_duration, parse_size
 
 from .runner import APIS, RWS
@@ -122,6 +124,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
     a("--addr", default=None, help="cluster address (default: start an embedded cluster)")
     a("--token-file", default=None, help=TOKEN_FILE_HELP)
+    add_config_options(p, TlsConfig)  # --tls-*: the embedded cluster's too
     a("--gc", action="store_true",
       help="GC bench: reclaim rate after keys expire (--bs, --size per run), and randread 4k p99 "
            "with GC idle vs running against a churn (see bench/gcbench.py)")

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfs.address import token_from_file
+from kvfs.config import TlsConfig, from_options, tls_argv, tls_fields
 
 __all__ = ["BenchTarget", "open_target"]
 
@@ -23,12 +24,14 @@ class BenchTarget:
     cluster: Any = None
     embedded: str = ""
     admin_token: str | None = None  # the GC bench's (None: $KVFS_ADMIN_TOKEN or its file)
+    tls: TlsConfig | None = None  # --tls-* (None: none, or $KVFS_TLS_*)
 
     def client(self, **config: Any) -> Any:
         from kvfs.client import AsyncClient
         from kvfs.config import ClientConfig
 
-        return AsyncClient(self.addr, token=self.token, config=ClientConfig(**config))
+        tls = tls_fields(self.tls) if self.tls is not None else {}
+        return AsyncClient(self.addr, token=self.token, config=ClientConfig(**tls, **config))
 
     def server_pids(self) -> dict[str, int]:
         """meta and each chunkserver by pid, for ``--cpu``; {} unless they are our child processes."""
@@ -49,24 +52,28 @@ class BenchTarget:
 @contextlib.asynccontextmanager
 async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[BenchTarget]:
     """``--addr``'s cluster, or an embedded one (``--cluster``) in ``workdir``, stopped on exit."""
+    tls = from_options(TlsConfig, ns)
     if ns.addr is not None:
-        yield BenchTarget(ns.addr, token_from_file(ns.token_file))
+        yield BenchTarget(ns.addr, token_from_file(ns.token_file), tls=tls)
         return
     if ns.cluster == "processes":
         from kvfs.launcher import ProcessCluster
 
-        pc = ProcessCluster(workdir / "cluster", ns.chunkservers, listen="127.0.0.1:0")
+        args = tuple(tls_argv(tls))
+        pc = ProcessCluster(workdir / "cluster", ns.chunkservers, listen="127.0.0.1:0",
+                            meta_args=args, chunkserver_args=args)
         await pc.start()
         try:
-            yield BenchTarget(pc.addr, pc.token, pc, "processes", pc.admin_token)
+            yield BenchTarget(pc.addr, pc.token, pc, "processes", pc.admin_token, tls)
         finally:
             await pc.stop()
         return
     from kvfs.launcher import LocalCluster
 
-    lc = LocalCluster(workdir / "cluster", ns.chunkservers)
+    lc = LocalCluster(workdir / "cluster", ns.chunkservers,
+                      tls=tls if tls.tls_cert is not None else None)
     await lc.start()
     try:
-        yield BenchTarget(lc.addr, lc.token, lc, "inproc", lc.admin_token)
+        yield BenchTarget(lc.addr, lc.token, lc, "inproc", lc.admin_token, tls)
     finally:
         await lc.stop()

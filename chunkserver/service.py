@@ -18,6 +18,7 @@ from kvfs.handshake import Role
 from kvfs.protocol import Buffer
 from kvfs.rpc import Op, Service
 from kvfs.server import Reply, RpcServer
+from kvfs.tls import client_context
 
 log = logging.getLogger("kvfs.chunkserver")
 
@@ -38,13 +39,18 @@ class ChunkServer:
                                     merge_gap_bytes=config.merge_gap_bytes,
                                     max_open_files=open_files,
                                     preallocate=config.preallocate)
+            self.rpc = RpcServer(self, Service.CHUNKSERVER, self.tokens, config)
+            # to meta: this server's certificate as its client certificate, verified by its CA
+            self._meta_tls = client_context(config, env=False, who="chunkserver (to meta)")
         except BaseException:
+            if hasattr(self, "store"):
+                self.store.close()
             self.lock.release()
             raise
-        self.rpc = RpcServer(self, Service.CHUNKSERVER, self.tokens, config)
         self.addr = ""
         # registration and heartbeats
-        self._meta = ClusterLink(*parse_addr(config.meta, what="meta address"), self.tokens[Role.SERVER])
+        self._meta = ClusterLink(*parse_addr(config.meta, what="meta address"), self.tokens[Role.SERVER],
+                                 tls=self._meta_tls)
         self._hb: asyncio.Task[None] | None = None
         self.readv_calls = 0
         self.append_calls = 0

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from kvfs.address import token_from_file
-from kvfs.config import GcConfig, add_options, from_options
+from kvfs.config import GcConfig, TlsConfig, add_options, from_options
 from kvfs.gc.driver import GarbageCollector, PassOptions, PassReport, run_daemon
 from kvfs.units import format_size, parse_duration, parse_size
 
@@ -39,8 +39,14 @@ def _options(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
     p.add_argument("--token-file", default=None,
                    help="file holding the admin token (default: $KVFS_ADMIN_TOKEN, else the file "
                         "kvfs up wrote); tokens never go on a command line")
+    add_options(p, TlsConfig)
     if json_flag:
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+
+
+def _collector(ns: argparse.Namespace, progress: Any = None) -> GarbageCollector:
+    return GarbageCollector(ns.addr, token=token_from_file(ns.token_file), progress=progress,
+                            tls=from_options(TlsConfig, ns))
 
 
 def _progress(phase: str, done: int, total: int) -> None:
@@ -100,7 +106,7 @@ def format_pass(r: PassReport) -> str:
 
 
 async def cmd_status(ns: argparse.Namespace) -> int:
-    async with GarbageCollector(ns.addr, token=token_from_file(ns.token_file)) as gc:
+    async with _collector(ns) as gc:
         await gc.sync_usage()
         st = await gc.status()
     print(json.dumps(st, default=str) if ns.json else format_status(st))
@@ -116,7 +122,7 @@ async def cmd_run(ns: argparse.Namespace) -> int:
         grace_s=ns.grace, rate_bytes=ns.rate, expire_batch=ns.batch)
     if opts.low > opts.high:
         opts = dataclasses.replace(opts, high=opts.low)
-    async with GarbageCollector(ns.addr, token=token_from_file(ns.token_file), progress=_progress) as gc:
+    async with _collector(ns, _progress) as gc:
         if ns.apply and await gc.set_paused(None) and not ns.force:
             print("kvfs gc run: GC is paused (kvfs gc resume, or --force)", file=sys.stderr)
             return 1
@@ -128,7 +134,7 @@ async def cmd_run(ns: argparse.Namespace) -> int:
 
 
 async def cmd_fsck(ns: argparse.Namespace) -> int:
-    async with GarbageCollector(ns.addr, token=token_from_file(ns.token_file), progress=_progress) as gc:
+    async with _collector(ns, _progress) as gc:
         rep = await gc.fsck(cutoff_s=ns.cutoff, apply=ns.apply, verify=not ns.no_verify)
     if sys.stderr.isatty():
         print(file=sys.stderr)
@@ -151,7 +157,7 @@ async def cmd_fsck(ns: argparse.Namespace) -> int:
 
 
 async def cmd_pause(ns: argparse.Namespace) -> int:
-    async with GarbageCollector(ns.addr, token=token_from_file(ns.token_file)) as gc:
+    async with _collector(ns) as gc:
         paused = await gc.set_paused(ns.paused)
     print("gc paused" if paused else "gc active")
     return 0
@@ -161,14 +167,14 @@ async def cmd_daemon(ns: argparse.Namespace) -> int:
     cfg = from_options(GcConfig, ns, compact_threshold=float(ns.compact_threshold),
                        high_watermark=float(ns.high_watermark), low_watermark=float(ns.low_watermark))
     opts = PassOptions.from_config(cfg)
-    async with GarbageCollector(cfg.meta, token=None):
+    async with GarbageCollector(cfg.meta, token=None, tls=cfg):
         pass  # fail fast on a wrong address or token
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     print(f"kvfs gc ready {cfg.meta}", flush=True)
-    await run_daemon(cfg.meta, None, opts, cfg.interval_s, stop)
+    await run_daemon(cfg.meta, None, opts, cfg.interval_s, stop, tls=cfg)
     return 0
 
 

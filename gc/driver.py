@@ -22,10 +22,11 @@ from kvfs import rpc
 from kvfs._batch import split_batches
 from kvfs.address import lookup_token, parse_addr
 from kvfs.cluster import ClusterLink, ServerEntry
-from kvfs.config import GcConfig
+from kvfs.config import GcConfig, TlsConfig
 from kvfs.errors import KVFSError, Unavailable
 from kvfs.handshake import Role
 from kvfs.rpc import R, Request
+from kvfs.tls import client_context
 
 log = logging.getLogger("kvfs.gc")
 
@@ -108,13 +109,16 @@ class GarbageCollector:
     """``async with GarbageCollector(addr) as gc: await gc.run_pass(PassOptions(apply=True))``"""
 
     def __init__(self, addr: str | None = None, *, token: str | None = None,
-                 progress: Progress | None = None, request_timeout_s: float = 300.0) -> None:
+                 progress: Progress | None = None, request_timeout_s: float = 300.0,
+                 tls: TlsConfig | None = None) -> None:
+        """``tls``: the TLS files to connect with (default: none, or $KVFS_TLS_*)."""
         self.addr = addr
         host, port = parse_addr(addr)
         self.token = lookup_token(token, addr=addr, role=Role.ADMIN)
         self.progress = progress
         self.request_timeout_s = request_timeout_s
-        self._link = ClusterLink(host, port, self.token, request_timeout_s=request_timeout_s)
+        self._link = ClusterLink(host, port, self.token, request_timeout_s=request_timeout_s,
+                                 tls=client_context(tls))
         self._usage: dict[int, rpc.ChunkStatsReply] = {}
 
     async def __aenter__(self) -> GarbageCollector:
@@ -381,9 +385,10 @@ class GarbageCollector:
 
 
 async def run_daemon(addr: str | None, token: str | None, opts: PassOptions, interval_s: float,
-                     stop: asyncio.Event, *, on_pass: Callable[[PassReport], None] | None = None) -> None:
+                     stop: asyncio.Event, *, on_pass: Callable[[PassReport], None] | None = None,
+                     tls: TlsConfig | None = None) -> None:
     """Run a pass every ``interval_s`` until ``stop`` is set; skips passes while GC is paused."""
-    gc = GarbageCollector(addr, token=token)
+    gc = GarbageCollector(addr, token=token, tls=tls)
     try:
         while not stop.is_set():
             try:

@@ -22,6 +22,7 @@ from kvfs.errors import (
     RemoteProtocolError,
     StaleLayout,
     Timeout,
+    TlsError,
     Unavailable,
     VersionMismatch,
 )
@@ -50,6 +51,7 @@ __all__ = [
     "RemoteProtocolError",
     "StaleLayout",
     "Timeout",
+    "TlsError",
     "Unavailable",
     "VersionMismatch",
     "__version__",

@@ -24,10 +24,14 @@ from kvfs.client import AsyncClient
 from kvfs.config import (
     DURATION,
     ChunkServerConfig,
+    ClientConfig,
     MetaConfig,
+    TlsConfig,
     UpConfig,
     add_options,
     from_options,
+    tls_argv,
+    tls_fields,
 )
 from kvfs.errors import KVFSError
 from kvfs.handshake import Role
@@ -41,6 +45,7 @@ Command = Callable[[argparse.Namespace], Awaitable[int]]
 def _client_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
     p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
+    add_options(p, TlsConfig)
 
 
 def _stop_event() -> asyncio.Event:
@@ -78,7 +83,7 @@ async def cmd_meta_rebuild(ns: argparse.Namespace) -> int:
     addrs = [a.strip() for a in ns.from_chunkservers.split(",") if a.strip()]
     # reading every chunk's records (CHUNK_SCAN) is an admin operation
     token = lookup_token(token_from_file(ns.token_file), data_dir=ns.data, role=Role.ADMIN)
-    rep = await rebuild(ns.data, addrs, token)
+    rep = await rebuild(ns.data, addrs, token, tls=from_options(TlsConfig, ns))
     print(f"rebuilt {ns.data / 'meta.sqlite3'} from {rep.servers} chunkservers, {rep.chunks} chunks, "
           f"{rep.records} records: {rep.keys} keys ({format_size(rep.value_bytes)}); skipped "
           f"{rep.deleted} deleted, {rep.expired} expired, {rep.incomplete} incomplete "
@@ -122,6 +127,8 @@ async def cmd_up(ns: argparse.Namespace) -> int:
     gc_args: list[str] = []
     if cfg.gc_interval_s is not None:
         gc_args += ["--interval", repr(cfg.gc_interval_s)]
+    tls_args = tls_argv(cfg)  # every child: its server certificate, and its client one
+    meta_args, cs_args, gc_args = meta_args + tls_args, cs_args + tls_args, gc_args + tls_args
     cluster = ProcessCluster(cfg.data, cfg.chunkservers, listen=cfg.listen,
                              meta_args=tuple(meta_args), chunkserver_args=tuple(cs_args),
                              gc=cfg.gc, gc_args=tuple(gc_args))
@@ -136,8 +143,10 @@ async def cmd_up(ns: argparse.Namespace) -> int:
         token_path = cluster.write_user_token()
         print(addr, flush=True)
         pids = ", ".join(f"{p.name} {p.pid}" for p in cluster.services())
+        tls = (f"TLS with {cfg.tls_cert}" + (", mutual" if cfg.tls_ca else "")
+               if cfg.tls_cert else "no TLS")
         report(f"{cfg.chunkservers} chunkservers{' + gc daemon' if cfg.gc else ''}, data in "
-               f"{cluster.data}; token in {token_path} (mode 0600); pid {os.getpid()} "
+               f"{cluster.data}; token in {token_path} (mode 0600); {tls}; pid {os.getpid()} "
                f"({pids}). Ctrl-C stops all.")
         supervisor = asyncio.create_task(cluster.supervise(
             report, restart=cfg.restart, backoff_s=cfg.restart_backoff_s,
@@ -155,7 +164,8 @@ async def cmd_up(ns: argparse.Namespace) -> int:
 
 # client commands ------------------------------------------------------------------
 def _client(ns: argparse.Namespace) -> AsyncClient:
-    return AsyncClient(ns.addr, token=token_from_file(ns.token_file))
+    return AsyncClient(ns.addr, token=token_from_file(ns.token_file),
+                       config=ClientConfig(**tls_fields(from_options(TlsConfig, ns))))
 
 
 async def _read_chunks(f: BinaryIO, n: int) -> AsyncIterator[bytes]:
@@ -278,6 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="every chunkserver of the cluster")
     q.add_argument("--token-file", default=None,
                    help="the admin token's file (default: $KVFS_ADMIN_TOKEN, else DATA/admin.token)")
+    add_options(q, TlsConfig)
     q.set_defaults(func=cmd_meta_rebuild)
     q = msub.add_parser("backup", help="copy the live database to FILE (SQLite online backup)")
     q.add_argument("file", type=Path)

@@ -32,6 +32,7 @@ from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_key
 from kvfs.layoutcache import LayoutCache
 from kvfs.readpath import WHOLE, Dest, ReadPath
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
+from kvfs.tls import client_context
 from kvfs.writepath import WritePath
 
 log = logging.getLogger("kvfs.client")
@@ -80,7 +81,8 @@ class AsyncClient:
         self.clock = time.time
         self._link = ClusterLink(host, port, self.token, connect_timeout_s=cfg.connect_timeout_s,
                                  request_timeout_s=cfg.request_timeout_s,
-                                 servers_refresh_s=cfg.servers_refresh_s)
+                                 servers_refresh_s=cfg.servers_refresh_s,
+                                 tls=client_context(cfg))  # None: plaintext
         self.rpc_counts = self._link.rpc_counts
         self.layout_cache = LayoutCache(self._link, cfg.layout_cache_entries)
         self.writer = WritePath(self._link, cfg, lambda: self.clock())

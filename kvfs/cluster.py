@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import ssl
 import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -47,8 +48,12 @@ class ClusterLink:
     """Meta at ``host:port`` and, through it, the chunkservers."""
 
     def __init__(self, host: str, port: int, token: str, *, connect_timeout_s: float = 5.0,
-                 request_timeout_s: float = 60.0, servers_refresh_s: float = 2.0) -> None:
+                 request_timeout_s: float = 60.0, servers_refresh_s: float = 2.0,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: every connection speaks TLS with this context
+        (:func:`kvfs.tls.client_context`); None: plaintext."""
         self.host, self.port, self.token = host, port, token
+        self.tls = tls
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
         self.servers_refresh_s = servers_refresh_s
@@ -103,7 +108,7 @@ class ClusterLink:
 
     async def _open(self, host: str, port: int) -> Connection:
         return await Connection.open(host, port, self.token, connect_timeout_s=self.connect_timeout_s,
-                                     request_timeout_s=self.request_timeout_s)
+                                     request_timeout_s=self.request_timeout_s, tls=self.tls)
 
     # meta ----------------------------------------------------------------------------
     async def meta_conn(self) -> Connection:

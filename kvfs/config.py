@@ -36,7 +36,35 @@ class FsyncMode(enum.StrEnum):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ServerConfig:
+class TlsConfig:
+    """TLS on the wire, optional (:mod:`kvfs.tls`): the same three fields in every service's
+    and client's config, so each is the same ``--tls-*`` flag everywhere."""
+
+    tls_cert: Path | None = opt("PEM certificate (chain) to present: a server's own, a client's for "
+                                "mutual TLS; a server given one speaks only TLS", None)
+    tls_key: Path | None = opt("PEM private key of --tls-cert (default: read from the --tls-cert "
+                               "file)", None)
+    tls_ca: Path | None = opt("PEM CA certificates: a client (and a service calling another) "
+                              "verifies the server against them; a server given them requires "
+                              "client certificates they signed (mutual TLS)", None)
+
+
+def tls_fields(cfg: TlsConfig) -> dict[str, Any]:
+    """The TLS fields of any config, to carry into another (``dataclasses.replace``)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TlsConfig)}
+
+
+def tls_argv(cfg: TlsConfig) -> list[str]:
+    """The TLS fields of ``cfg`` as command-line flags (absolute paths), for a child process."""
+    out: list[str] = []
+    for name, path in tls_fields(cfg).items():
+        if path is not None:
+            out += [_flag(name), str(Path(path).resolve())]
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerConfig(TlsConfig):
     """What every RPC server (meta, chunkserver) limits, per connection unless stated."""
 
     max_connections: int = opt("connections per server; past it, new ones are closed at accept",
@@ -98,7 +126,7 @@ class ChunkServerConfig(ServerConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
-class ClientConfig:
+class ClientConfig(TlsConfig):
     stripe_bytes: int = opt("values larger than this are striped across servers", 1024 * 1024)
     replicas: int = opt("copies of each extent, on distinct servers", 1)
     connect_timeout_s: float = opt("give up connecting after this long", 5.0)
@@ -203,7 +231,7 @@ def from_options(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
 
 
 @dataclass(frozen=True, kw_only=True)
-class GcConfig:
+class GcConfig(TlsConfig):
     meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
     interval_s: float = opt("time between background GC passes", 10.0)
     expire_batch: int = opt("expired keys removed per meta transaction", 10_000)
@@ -215,7 +243,7 @@ class GcConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class UpConfig:
+class UpConfig(TlsConfig):
     """`kvfs up`: meta, N chunkservers and the GC daemon as supervised child processes."""
 
     data: Path = opt("data directory (one sub-directory per service)", Path("kvfs-data"))
@@ -243,7 +271,7 @@ class UpConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class EngineConfig:
+class EngineConfig(TlsConfig):
     """The kvfs plug-ins for inference engines (``kvfs.integrations``), read from the
     engine's own configuration (SGLang ``extra_config``, LMCache ``extra_config`` with a
     ``kvfs_`` prefix, vLLM's tier config)."""
@@ -293,6 +321,8 @@ def from_mapping(cls: type[T], mapping: Any, *, prefix: str = "",
             values[name] = float(raw)
         elif hints[name] is bool:
             values[name] = raw if isinstance(raw, bool) else str(raw).lower() in ("1", "true", "yes")
+        elif hints[name] in (Path, Path | None):
+            values[name] = Path(raw)
         else:
             values[name] = str(raw)
     return cls(**values)

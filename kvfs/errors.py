@@ -112,6 +112,14 @@ class WrongCluster(KVFSError):
     code = 24
 
 
+class TlsError(AuthError):
+    """TLS could not be set up: a certificate that failed verification, a peer that does
+    not speak TLS (or speaks it when this side does not), a missing client certificate.
+    Raised on this side only; never retried."""
+
+    code = 25
+
+
 def _all_subclasses(cls: type[KVFSError]) -> list[type[KVFSError]]:
     out = [cls]
     for sub in cls.__subclasses__():

@@ -38,11 +38,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import errno
 import os
 import weakref
 from collections.abc import Mapping, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, ClassVar
 
 from fsspec.asyn import AbstractAsyncStreamedFile, AsyncFileSystem, sync
@@ -127,7 +129,9 @@ class KVFileSystem(AsyncFileSystem):
     expiry for everything written through this filesystem), ``client`` (an
     existing :class:`~kvfs.client.AsyncClient` to use, only with
     ``asynchronous=True`` on that client's loop), ``batch_max_keys`` /
-    ``batch_max_bytes`` (bounds of a coalesced write).
+    ``batch_max_bytes`` (bounds of a coalesced write), ``tls_cert`` /
+    ``tls_key`` / ``tls_ca`` (TLS files, as the ``--tls-*`` flags; default
+    the config's, else ``$KVFS_TLS_*``).
 
     Without ``config`` the client keeps no layout cache, so every read looks
     its keys up in meta (one lookup per batch) and sees overwrites by other
@@ -143,8 +147,10 @@ class KVFileSystem(AsyncFileSystem):
     def __init__(self, addr: str | None = None, *, token: str | None = None,
                  config: ClientConfig | None = None, ttl: float | None = None,
                  client: AsyncClient | None = None, batch_max_keys: int = 256,
-                 batch_max_bytes: int = 64 * 1024 * 1024, asynchronous: bool = False,
-                 loop: asyncio.AbstractEventLoop | None = None, **storage_options: Any) -> None:
+                 batch_max_bytes: int = 64 * 1024 * 1024, tls_cert: str | None = None,
+                 tls_key: str | None = None, tls_ca: str | None = None,
+                 asynchronous: bool = False, loop: asyncio.AbstractEventLoop | None = None,
+                 **storage_options: Any) -> None:
         super().__init__(asynchronous=asynchronous, loop=loop, **storage_options)
         if client is not None:
             self.addr, self.token = client.addr, client.token
@@ -157,6 +163,10 @@ class KVFileSystem(AsyncFileSystem):
         # No layout cache by default: a path may be overwritten by another client, and a cached
         # (immutable) layout would keep serving the old bytes until they are reclaimed.
         self.config = config or ClientConfig(layout_cache_entries=0)
+        tls: dict[str, Any] = {k: Path(v) for k, v in (("tls_cert", tls_cert), ("tls_key", tls_key),
+                                                       ("tls_ca", tls_ca)) if v is not None}
+        if tls:  # storage options override the config's TLS files
+            self.config = dataclasses.replace(self.config, **tls)
         self._client = client
         self._batch_max_keys = batch_max_keys
         self._batch_max_bytes = batch_max_bytes

@@ -20,11 +20,12 @@ from kvfs._parent import ENV as PARENT_ENV
 from kvfs.address import TOKEN_ENV, parse_addr, service_tokens, user_token_path, write_secret
 from kvfs.chunkserver import ChunkServer
 from kvfs.client import AsyncClient
-from kvfs.config import ChunkServerConfig, ClientConfig, GcConfig, MetaConfig
+from kvfs.config import ChunkServerConfig, ClientConfig, GcConfig, MetaConfig, TlsConfig, tls_fields
 from kvfs.datadir import DirLock, private_dir
 from kvfs.errors import Unavailable
 from kvfs.handshake import Role
 from kvfs.meta import MetaService
+from kvfs.tls import TLS_ENV
 
 READY_TIMEOUT_S = 60.0
 
@@ -34,7 +35,9 @@ class LocalCluster:
 
     def __init__(self, root: Path, chunkservers: int = 3, *, clock: Callable[[], float] = time.time,
                  meta: MetaConfig | None = None, chunkserver: ChunkServerConfig | None = None,
-                 gc: GcConfig | None = None) -> None:
+                 gc: GcConfig | None = None, tls: TlsConfig | None = None) -> None:
+        """``tls``: the TLS files of every service, the GC and :meth:`client` (over the
+        ``meta``/``chunkserver``/``gc`` configs' own)."""
         self.root = root
         self.n = chunkservers
         self.clock = clock
@@ -43,6 +46,12 @@ class LocalCluster:
         self.admin_token = self.tokens[Role.ADMIN]
         self.meta_config = meta or MetaConfig(data=root / "meta", listen="127.0.0.1:0")
         self.cs_template = chunkserver or ChunkServerConfig(data=root, heartbeat_interval_s=0.2)
+        self.tls = tls
+        if tls is not None:
+            files = tls_fields(tls)
+            self.meta_config = replace(self.meta_config, **files)
+            self.cs_template = replace(self.cs_template, **files)
+            gc = None if gc is None else replace(gc, **files)
         self.meta: MetaService | None = None
         self.chunkservers: list[ChunkServer | None] = []
         self.addr = ""
@@ -82,7 +91,8 @@ class LocalCluster:
         opts = PassOptions.from_config(config)
         self._gc_stop = asyncio.Event()
         self._gc_task = asyncio.get_running_loop().create_task(
-            run_daemon(self.addr, self.admin_token, opts, config.interval_s, self._gc_stop))
+            run_daemon(self.addr, self.admin_token, opts, config.interval_s, self._gc_stop,
+                       tls=config))
 
     async def stop_gc(self) -> None:
         if self._gc_task is not None:
@@ -125,6 +135,8 @@ class LocalCluster:
         await self.stop_meta()
 
     def client(self, config: ClientConfig | None = None) -> AsyncClient:
+        if config is None and self.tls is not None:
+            config = ClientConfig(**tls_fields(self.tls))
         return AsyncClient(self.addr, token=self.token, config=config)
 
 
@@ -239,7 +251,9 @@ class ProcessCluster:
             self.tokens = service_tokens(self.data, create=True)
             self.token, self.admin_token = self.tokens[Role.CLIENT], self.tokens[Role.ADMIN]
             # tokens travel to the children in the environment, never on a command line
-            self.env = {**(self.env_base or os.environ),
+            # TLS files go as flags (kvfs up's own), never from a client's $KVFS_TLS_*
+            self.env = {**{k: v for k, v in (self.env_base or os.environ).items()
+                           if k not in TLS_ENV.values()},
                         **{TOKEN_ENV[r]: t for r, t in self.tokens.items()}}
             await self.start_meta(self.listen)
             for i in range(self.n):

@@ -45,6 +45,7 @@ from kvfs.protocol import (
     encode_frame,
 )
 from kvfs.rpc import RPCS, Auth, Hello, Op, Request, Response, Service, decode
+from kvfs.tls import server_context, server_options
 
 log = logging.getLogger("kvfs.server")
 
@@ -107,6 +108,7 @@ class RpcServer:
                 if fn is not None:
                     self.handlers[int(op)] = (fn, rpc.request)
         self.peer_log = PeerLog(config.bad_request_log_interval_s)
+        self.tls = server_context(config, f"{service.value} server")  # None: plaintext
         self._server: asyncio.base_events.Server | None = None
         self.connections: set[_ServerProtocol] = set()
         self.host = ""
@@ -116,7 +118,9 @@ class RpcServer:
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(lambda: _ServerProtocol(self), host, port)
+        self._server = await loop.create_server(
+            lambda: _ServerProtocol(self), host, port,
+            **server_options(self.tls, self.config.handshake_timeout_s))
         sock = self._server.sockets[0]
         self.host, self.port = sock.getsockname()[:2]
         return self.host, self.port

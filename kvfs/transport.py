@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,14 +30,16 @@ from kvfs.protocol import (
     encode_frame,
 )
 from kvfs.rpc import OP_OF, RPCS, Auth, Hello, Op, R, Request, decode, to_dict
+from kvfs.tls import MUTUAL_TLS_HINT, PLAINTEXT_HINT, connect_options, tls_failure
 
 Sink = Callable[[FrameHead], "bytearray | memoryview | Scatter | None"]
 
 
 class _ClientProtocol(FrameProtocol):
-    def __init__(self, name: str, limits: Limits | None) -> None:
+    def __init__(self, name: str, limits: Limits | None, tls: bool = False) -> None:
         super().__init__(limits, allocator=self._allocate)
         self.name = name
+        self.tls = tls
         self.pending: dict[int, asyncio.Future[Frame]] = {}
         self.sinks: dict[int, Sink] = {}
         self.hello: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
@@ -73,7 +76,16 @@ class _ClientProtocol(FrameProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         super().connection_lost(exc)
-        err = self.error or Unavailable(f"connection to {self.name} lost" + (f": {exc}" if exc else ""))
+        err = self.error
+        if err is None and isinstance(exc, ssl.SSLError):  # e.g. mutual TLS refused this client
+            err = tls_failure(exc, self.name)
+        elif err is None and not self.hello.done():
+            # TLS 1.3: a server refusing our client certificate (or its absence) closes the
+            # connection after the handshake, and asyncio reports no alert
+            err = Unavailable(f"{self.name} closed the connection before its HELLO ("
+                              + (MUTUAL_TLS_HINT if self.tls else PLAINTEXT_HINT) + ")")
+        if err is None:
+            err = Unavailable(f"connection to {self.name} lost" + (f": {exc}" if exc else ""))
         if not self.hello.done():
             self.hello.set_exception(err)
         for fut in self.pending.values():
@@ -103,16 +115,26 @@ class Connection:
         connect_timeout_s: float = 5.0,
         request_timeout_s: float = 60.0,
         limits: Limits | None = None,
+        tls: ssl.SSLContext | None = None,
     ) -> Connection:
+        """``tls``: speak TLS, verifying the server's certificate names ``host``
+        (:func:`kvfs.tls.client_context`); None: plaintext."""
         name = f"{host}:{port}"
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_timeout_s):
                 _, proto = await loop.create_connection(
-                    lambda: _ClientProtocol(name, limits), host, port
-                )
+                    lambda: _ClientProtocol(name, limits, tls is not None), host, port,
+                    **connect_options(tls, host, connect_timeout_s))
         except TimeoutError:
-            raise Timeout(f"connecting to {name} timed out after {connect_timeout_s}s") from None
+            raise Timeout(f"connecting to {name} timed out after {connect_timeout_s}s"
+                          + (" (in the TLS handshake?)" if tls is not None else "")) from None
+        except ssl.SSLError as exc:
+            raise tls_failure(exc, name) from None
+        except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as exc:
+            if tls is None:
+                raise Unavailable(f"cannot connect to {name}: {exc.strerror or exc}") from None
+            raise tls_failure(exc, name) from None
         except OSError as exc:
             raise Unavailable(f"cannot connect to {name}: {exc.strerror or exc}") from None
         conn = cls(proto, name, request_timeout_s)
@@ -135,7 +157,10 @@ class Connection:
                 conn.service = hello.service
         except TimeoutError:
             conn.close()
-            raise Timeout(f"handshake with {name} timed out after {connect_timeout_s}s") from None
+            no_hello = proto.hello.cancelled() or not proto.hello.done()
+            hint = f" ({PLAINTEXT_HINT})" if tls is None and no_hello else ""
+            raise Timeout(f"handshake with {name} timed out after {connect_timeout_s}s{hint}"
+                          ) from None
         except BaseException:
             conn.close()
             raise

@@ -383,7 +383,7 @@ class MetaGc:
                 self._room_started += 1
                 addr, token = self.home
                 log.info("cluster full: a GC pass on a writer's request")
-                async with GarbageCollector(addr, token=token) as gc:
+                async with GarbageCollector(addr, token=token, tls=self.index.config) as gc:
                     r = await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
                 self._room_made = rpc.RoomMade(expired_keys=r.expired_keys, evicted_keys=r.evicted_keys,
                                                bytes_reclaimed=r.bytes_reclaimed)

@@ -22,6 +22,7 @@ API (consistent while meta runs).
 from __future__ import annotations
 
 import sqlite3
+import ssl
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -31,9 +32,11 @@ from typing import Any, NamedTuple
 
 from kvfs import rpc
 from kvfs.address import parse_addr
+from kvfs.config import TlsConfig
 from kvfs.errors import InvalidArgument, WrongCluster
 from kvfs.layout import Extent, Layout, Replica, encode_layout
 from kvfs.meta.store import MetaStore
+from kvfs.tls import client_context
 from kvfs.transport import Connection
 
 DB_NAME = "meta.sqlite3"
@@ -131,15 +134,15 @@ def _assemble(group: list[FoundRecord]) -> Layout | None:
     return Layout(first.total_size, first.total_crc, created, first.expires_at, tuple(extents))
 
 
-async def scan_chunkservers(addrs: list[str], token: str,
-                            report: RebuildReport) -> tuple[list[FoundRecord], list[list[Any]], str]:
+async def scan_chunkservers(addrs: list[str], token: str, report: RebuildReport,
+                            tls: ssl.SSLContext | None = None) -> tuple[list[FoundRecord], list[list[Any]], str]:
     """(records, servers as [id, addr, capacity, free], cluster id) from every chunkserver."""
     found: list[FoundRecord] = []
     servers: list[list[Any]] = []
     cluster_ids: set[str] = set()
     for addr in addrs:
         host, port = parse_addr(addr)
-        conn = await Connection.open(host, port, token, request_timeout_s=600.0)
+        conn = await Connection.open(host, port, token, request_timeout_s=600.0, tls=tls)
         try:
             st = await conn.call(rpc.ChunkStats())
             if st.server_id is None:
@@ -165,7 +168,8 @@ async def scan_chunkservers(addrs: list[str], token: str,
     return found, servers, cluster_ids.pop()
 
 
-async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None = None) -> RebuildReport:
+async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None = None,
+                  tls: TlsConfig | None = None) -> RebuildReport:
     """Write a new meta database in ``data`` from the chunkservers' records."""
     path = data / DB_NAME
     if path.exists():
@@ -173,7 +177,8 @@ async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None
     if not addrs:
         raise InvalidArgument("--from-chunkservers needs at least one HOST:PORT")
     report = RebuildReport()
-    records, servers, cluster_id = await scan_chunkservers(addrs, token, report)
+    records, servers, cluster_id = await scan_chunkservers(addrs, token, report,
+                                                           client_context(tls))
     now = time.time() if now is None else now
     layouts = pick_layouts(records, now, report)
     data.mkdir(parents=True, exist_ok=True)

@@ -7,7 +7,7 @@ import logging
 from typing import Any
 
 from kvfs.buffers import as_view
-from kvfs.config import ClientConfig, EngineConfig
+from kvfs.config import ClientConfig, EngineConfig, tls_fields
 from kvfs.errors import KVFSError
 from kvfs.sync import Client
 
@@ -22,7 +22,8 @@ def open_client(cfg: EngineConfig) -> Client:
     """A blocking client tuned for an engine: RPCs give up after ``timeout_s``, so a dead
     or slow cluster costs the engine a bounded wait, then a miss."""
     return Client(cfg.addr, token=cfg.token, config=ClientConfig(
-        request_timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s))
+        request_timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s,
+        **tls_fields(cfg)))
 
 
 class TensorBytes:

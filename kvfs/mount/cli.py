@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from kvfs.address import TOKEN_FILE_HELP, token_from_file
-from kvfs.config import ClientConfig
+from kvfs.config import ClientConfig, TlsConfig, add_options, from_options, tls_fields
 from kvfs.errors import KVFSError
 from kvfs.fs import KVFileSystem
 from kvfs.mount._fuse import IMPORT_ERROR, pyfuse3
@@ -40,6 +40,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--ttl", type=parse_duration, default=None, metavar="DURATION",
                    help="expiry of files written through the mount (default: the cluster's)")
     p.add_argument("--allow-other", action="store_true", help="let other users use the mount")
+    add_options(p, TlsConfig)
     p.set_defaults(func=cmd_mount)
 
     p = sub.add_parser("umount", help="unmount a kvfs mount (also one whose process died)")
@@ -64,7 +65,8 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
         return 2
     timeout_s = float(ns.timeout)
     cfg = ClientConfig(connect_timeout_s=min(5.0, timeout_s), request_timeout_s=timeout_s,
-                       layout_cache_entries=0)  # files are overwritten: always look keys up
+                       layout_cache_entries=0,  # files are overwritten: always look keys up
+                       **tls_fields(from_options(TlsConfig, ns)))
     fs = KVFileSystem(ns.addr, token=token_from_file(ns.token_file), config=cfg, ttl=ns.ttl, asynchronous=True,
                       skip_instance_cache=True)
     try:

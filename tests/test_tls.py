@@ -1,0 +1,311 @@
+"""TLS (optional, stdlib ssl): a cluster whose every connection is TLS, with certificates
+made in the test (trustme: a CA, a certificate for 127.0.0.1/localhost, a client
+certificate); a wrong CA, a plaintext peer on either side and a missing client certificate
+are refused quickly with an error that names TLS."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trustme
+
+from kvfs.client import AsyncClient
+from kvfs.config import ClientConfig, MetaConfig, ServerConfig, TlsConfig, tls_fields
+from kvfs.errors import AuthError, InvalidArgument, TlsError, Unavailable
+from kvfs.handshake import Role
+from kvfs.launcher import LocalCluster
+from kvfs.rpc import Service
+from kvfs.server import RpcServer
+from kvfs.tls import TLS_ENV, client_context, server_context
+from kvfs.transport import Connection
+
+
+@dataclass(frozen=True)
+class Certs:
+    ca: Path  # the cluster's CA
+    cert: Path  # for 127.0.0.1 / localhost; the services use it as server and as client
+    key: Path
+    client_cert: Path  # a client's own (for mutual TLS)
+    client_key: Path
+    other_ca: Path  # a CA that signed none of them
+
+    def services(self, mutual: bool = True) -> TlsConfig:
+        return TlsConfig(tls_cert=self.cert, tls_key=self.key, tls_ca=self.ca if mutual else None)
+
+    def client(self, cert: bool = True, **over: Any) -> ClientConfig:
+        mine = {"tls_cert": self.client_cert, "tls_key": self.client_key} if cert else {}
+        return ClientConfig(**{"tls_ca": self.ca, **mine, **over})
+
+
+def write_chain(cert: trustme.LeafCert, path: Path) -> None:
+    for i, blob in enumerate(cert.cert_chain_pems):
+        blob.write_to_path(str(path), append=i > 0)
+
+
+def make_certs(d: Path) -> Certs:
+    d.mkdir(parents=True, exist_ok=True)
+    ca = trustme.CA()
+    c = Certs(d / "ca.pem", d / "kvfs.pem", d / "kvfs.key", d / "client.pem", d / "client.key",
+              d / "other-ca.pem")
+    ca.cert_pem.write_to_path(str(c.ca))
+    server = ca.issue_cert("127.0.0.1", "localhost")
+    write_chain(server, c.cert)
+    server.private_key_pem.write_to_path(str(c.key))
+    client = ca.issue_cert("kvfs-client.test")
+    write_chain(client, c.client_cert)
+    client.private_key_pem.write_to_path(str(c.client_key))
+    trustme.CA().cert_pem.write_to_path(str(c.other_ca))
+    return c
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Certs:
+    return make_certs(tmp_path_factory.mktemp("certs"))
+
+
+@pytest.fixture
+async def tls_cluster(tmp_path: Path, certs: Certs) -> AsyncIterator[LocalCluster]:
+    """Meta and 2 chunkservers, mutual TLS on every connection (also registration)."""
+    c = LocalCluster(tmp_path / "cluster", 2, tls=certs.services())
+    await c.start()
+    try:
+        yield c
+    finally:
+        await c.stop()
+
+
+def ssl_object(conn: Connection | None) -> ssl.SSLObject | None:
+    assert conn is not None and conn._proto.transport is not None
+    obj = conn._proto.transport.get_extra_info("ssl_object")
+    return obj if isinstance(obj, ssl.SSLObject) else None
+
+
+async def test_put_get_through_a_tls_cluster(tls_cluster: LocalCluster, certs: Certs) -> None:
+    """Every connection is TLS (client to meta and chunkservers, chunkserver to meta), and
+    the zero-copy receive path (BufferedProtocol into the caller's buffer) works through it."""
+    assert tls_cluster.meta is not None and tls_cluster.meta.rpc.tls is not None
+    big = os.urandom(3 * 1024 * 1024 + 17)  # striped over both chunkservers
+    async with tls_cluster.client(certs.client()) as kv:
+        await kv.put_many([("small", b"x" * 100), ("big", big)])
+        assert await kv.get("small") == b"x" * 100
+        assert await kv.get("big") == big
+        into = bytearray(len(big))
+        assert await kv.get_into(["big"], [into]) == [len(big)]
+        assert into == big
+        assert await kv.get_many(["small", "big", "nope"]) == [b"x" * 100, big, None]
+        sessions = [ssl_object(kv._meta), *(ssl_object(c) for c in kv._conns.values())]
+        assert len(sessions) == 3
+        assert all(s is not None and s.version() in ("TLSv1.2", "TLSv1.3") for s in sessions)
+    for cs in tls_cluster.chunkservers:
+        assert cs is not None and ssl_object(cs._meta) is not None  # registered over TLS
+
+
+async def test_server_only_tls_accepts_clients_without_certificates(
+        tmp_path: Path, certs: Certs) -> None:
+    async with LocalCluster(tmp_path / "c", 0, tls=certs.services(mutual=False)) as c:
+        async with c.client(certs.client(cert=False)) as kv:
+            assert (await kv.stats())["keys"] == 0
+            assert ssl_object(kv._meta) is not None
+        # no --tls-ca: the system's CAs, which never signed the test CA
+        kv = c.client(ClientConfig(tls_cert=certs.client_cert, tls_key=certs.client_key))
+        with pytest.raises(TlsError, match="failed verification"):
+            await kv.open()
+        await kv.close()
+
+
+async def test_a_wrong_ca_is_refused(tls_cluster: LocalCluster, certs: Certs) -> None:
+    kv = tls_cluster.client(certs.client(tls_ca=certs.other_ca))
+    with pytest.raises(TlsError, match=r"certificate of 127\.0\.0\.1:\d+ failed verification"):
+        await kv.open()
+    await kv.close()
+
+
+async def test_a_certificate_naming_another_host_is_refused(tmp_path: Path) -> None:
+    """The chunkserver checks meta's certificate names the host it dialled."""
+    ca = trustme.CA()
+    ca.cert_pem.write_to_path(str(tmp_path / "ca.pem"))
+    ca.issue_cert("elsewhere.test").private_key_and_cert_chain_pem.write_to_path(
+        str(tmp_path / "other.pem"))
+    c = LocalCluster(tmp_path / "c", 1, tls=TlsConfig(tls_cert=tmp_path / "other.pem",
+                                                      tls_ca=tmp_path / "ca.pem"))
+    with pytest.raises(TlsError, match=r"(?i)hostname mismatch|IP address mismatch"):
+        await c.start()
+
+
+async def test_plaintext_client_to_tls_server_fails_fast_naming_tls(
+        tls_cluster: LocalCluster) -> None:
+    """No silent fallback, no hang: the server waits for a TLS ClientHello, the client for
+    a HELLO; the client gives up at its connect timeout and says why."""
+    kv = tls_cluster.client(ClientConfig(connect_timeout_s=0.5))
+    async with asyncio.timeout(10):
+        with pytest.raises(Unavailable, match="--tls-cert, give this client --tls-ca"):
+            await kv.open()
+    await kv.close()
+
+
+async def test_plaintext_client_is_closed_by_the_servers_handshake_timeout(
+        tmp_path: Path, certs: Certs) -> None:
+    meta = MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0",
+                      handshake_timeout_s=0.3, **tls_fields(certs.services()))
+    async with LocalCluster(tmp_path / "c", 0, meta=meta) as c:
+        kv = c.client(ClientConfig(connect_timeout_s=30.0))
+        async with asyncio.timeout(10):
+            with pytest.raises(Unavailable, match=r"closed the connection before its HELLO .*"
+                               r"--tls-ca"):
+                await kv.open()
+        await kv.close()
+
+
+async def test_tls_client_to_plaintext_server_is_refused_naming_tls(
+        tmp_path: Path, certs: Certs) -> None:
+    async with LocalCluster(tmp_path / "plain", 0) as c:
+        kv = c.client(certs.client())
+        async with asyncio.timeout(10):
+            with pytest.raises(TlsError, match="does not speak TLS"):
+                await kv.open()
+        await kv.close()
+
+
+async def test_mutual_tls_refuses_a_client_without_a_good_certificate(
+        tls_cluster: LocalCluster, certs: Certs, tmp_path: Path) -> None:
+    """TLS 1.3 finishes the client's side of the handshake before the server checks the
+    client's certificate; the server then hangs up before any HELLO."""
+    kv = tls_cluster.client(certs.client(cert=False))
+    with pytest.raises(Unavailable, match=r"mutual TLS .* requires a client certificate"):
+        await kv.open()
+    await kv.close()
+    trustme.CA().issue_cert("kvfs-client.test").private_key_and_cert_chain_pem.write_to_path(
+        str(tmp_path / "stranger.pem"))
+    kv = tls_cluster.client(certs.client(tls_cert=tmp_path / "stranger.pem", tls_key=None))
+    with pytest.raises(Unavailable, match=r"mutual TLS .* requires a client certificate"):
+        await kv.open()
+    await kv.close()
+
+
+async def test_the_token_still_counts_inside_tls(tls_cluster: LocalCluster, certs: Certs) -> None:
+    kv = AsyncClient(tls_cluster.addr, token="0" * 32, config=certs.client())
+    with pytest.raises(AuthError, match="wrong cluster token"):
+        await kv.open()
+    await kv.close()
+
+
+def test_bad_tls_settings_are_refused_by_name(tmp_path: Path, certs: Certs) -> None:
+    with pytest.raises(InvalidArgument, match=r"no such file .*missing.pem"):
+        server_context(TlsConfig(tls_cert=tmp_path / "missing.pem"))
+    with pytest.raises(InvalidArgument, match="--tls-key/--tls-ca need --tls-cert"):
+        server_context(TlsConfig(tls_ca=certs.ca))
+    with pytest.raises(InvalidArgument, match="--tls-cert/--tls-key: cannot load"):
+        server_context(TlsConfig(tls_cert=certs.ca))  # a certificate without its key
+    with pytest.raises(InvalidArgument, match="needs --tls-cert"):
+        client_context(TlsConfig(tls_key=certs.key), env=False)
+    with pytest.raises(InvalidArgument, match="no such file"):
+        RpcServer(object(), Service.META, {Role.CLIENT: "t"},
+                  ServerConfig(tls_cert=tmp_path / "nope.pem", tls_key=certs.key))
+
+
+def test_client_tls_from_the_environment(monkeypatch: pytest.MonkeyPatch, certs: Certs) -> None:
+    for name in TLS_ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    assert client_context(None) is None
+    monkeypatch.setenv("KVFS_TLS_CA", str(certs.ca))
+    ctx = client_context(ClientConfig())
+    assert ctx is not None and ctx.verify_mode == ssl.CERT_REQUIRED and ctx.check_hostname
+    assert client_context(ClientConfig(), env=False) is None  # services never read it
+
+
+@pytest.mark.subprocess
+def test_kvfs_up_with_tls_end_to_end(tmp_path: Path, certs: Certs) -> None:
+    """`kvfs up --tls-*` hands the files to meta, the chunkservers and the GC daemon; the
+    CLI's client commands speak TLS with --tls-* or $KVFS_TLS_*, and refuse plaintext."""
+    from test_up import alive, kvfs, start_up
+
+    up = start_up(tmp_path, tmp_path / "data", "--chunkservers", "2", "--gc-interval", "1s",
+                  "--tls-cert", str(certs.cert), "--tls-key", str(certs.key),
+                  "--tls-ca", str(certs.ca))
+    pids: dict[str, int] = {}
+    try:
+        pids = up.children()
+        assert set(pids) == {"meta", "chunkserver 0", "chunkserver 1", "gc"}
+        assert "TLS with" in up.stderr() and "mutual" in up.stderr()
+        mine = ["--tls-ca", str(certs.ca), "--tls-cert", str(certs.client_cert),
+                "--tls-key", str(certs.client_key)]
+        value = os.urandom(3_000_000)
+        r = kvfs(up, "put", "k", "-", *mine, stdin=value)
+        assert r.returncode == 0, r.stderr.decode()
+        r = kvfs(up, "get", "k", *mine)
+        assert r.returncode == 0 and r.stdout == value, r.stderr.decode()
+        up.env.update(KVFS_TLS_CA=str(certs.ca), KVFS_TLS_CERT=str(certs.client_cert),
+                      KVFS_TLS_KEY=str(certs.client_key))
+        r = kvfs(up, "gc", "status", "--json")  # the admin path, TLS from the environment
+        assert r.returncode == 0, r.stderr.decode()
+        for name in TLS_ENV.values():
+            del up.env[name]
+        r = kvfs(up, "stat")  # plaintext against TLS: refused, naming TLS, no hang
+        assert r.returncode == 1 and b"--tls-ca" in r.stderr, r.stderr.decode()
+        assert "gc pass failed" not in up.stderr() and "restarting" not in up.stderr()
+    finally:
+        up.proc.terminate()
+        up.proc.wait(30)
+        assert up.proc.stdout is not None
+        up.proc.stdout.close()
+        for pid in pids.values():
+            if alive(pid):
+                os.kill(pid, 9)
+
+
+def test_engine_config_and_fsspec_options_carry_tls(tmp_path: Path, certs: Certs) -> None:
+    """The engines' config (``kvfs_tls_*`` keys) and fsspec's storage options (``tls_*``)
+    reach the client; a filesystem without them is refused by the TLS cluster."""
+    import threading
+
+    import fsspec
+
+    from kvfs._loop import new_event_loop
+    from kvfs.config import EngineConfig, from_mapping
+    from kvfs.integrations._common import open_client
+
+    loop = new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    def call(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(60)
+
+    c = LocalCluster(tmp_path / "c", 1, tls=certs.services())
+    try:
+        call(c.start())
+        files = {"tls_ca": str(certs.ca), "tls_cert": str(certs.client_cert),
+                 "tls_key": str(certs.client_key)}
+        cfg = from_mapping(EngineConfig, {"kvfs_addr": c.addr, "kvfs_token": c.token,
+                                          **{f"kvfs_{k}": v for k, v in files.items()}},
+                           prefix="kvfs_")
+        assert cfg.tls_ca == certs.ca
+        kv = open_client(cfg)
+        try:
+            kv.put("e", b"engine")
+            assert kv.get("e") == b"engine"
+        finally:
+            kv.close()
+        fs = fsspec.filesystem("kvfs", addr=c.addr, token=c.token, skip_instance_cache=True,
+                               **files)
+        fs.pipe_file("f", b"fsspec")
+        assert fs.cat_file("f") == b"fsspec"
+        fs.close()
+        plain = fsspec.filesystem("kvfs", addr=c.addr, token=c.token, skip_instance_cache=True,
+                                  config=ClientConfig(connect_timeout_s=0.5))
+        with pytest.raises(OSError) as err:  # fsspec's FSTimeoutError: ours is its cause
+            plain.cat_file("f")
+        assert "--tls-ca" in str(err.value.__cause__ or err.value), repr(err.value)
+        plain.close()
+    finally:
+        call(c.stop())
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
