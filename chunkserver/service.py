@@ -56,6 +56,11 @@ class ChunkServer:
         self.append_calls = 0
 
     @property
+    def meta_link(self) -> ClusterLink:
+        """Its link to meta (registration and heartbeats)."""
+        return self._meta
+
+    @property
     def server_id(self) -> int | None:
         return self.store.server_id
 

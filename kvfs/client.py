@@ -33,6 +33,7 @@ from kvfs.layoutcache import LayoutCache
 from kvfs.readpath import WHOLE, Dest, ReadPath
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.tls import client_context
+from kvfs.transport import Connection
 from kvfs.writepath import WritePath
 
 log = logging.getLogger("kvfs.client")
@@ -110,6 +111,10 @@ class AsyncClient:
     @property
     def rx_buffers_reused(self) -> int:
         return self.reader.rx_buffers_reused
+
+    def connections(self) -> list[Connection]:
+        """The open connections, meta's first (a debug hook: e.g. tests checking TLS)."""
+        return self._link.connections()
 
     @property
     def get_batches(self) -> int:

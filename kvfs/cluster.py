@@ -95,6 +95,11 @@ class ClusterLink:
         for fn in self.on_rebind:
             fn()
 
+    def connections(self) -> list[Connection]:
+        """The open connections, meta's first (a debug hook: e.g. tests checking TLS)."""
+        conns = [self._meta, *self._conns.values()]
+        return [c for c in conns if c is not None and not c.is_closed]
+
     @property
     def meta_open(self) -> bool:
         return self._meta is not None and not self._meta.is_closed
