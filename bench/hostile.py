@@ -35,6 +35,7 @@ import msgpack
 from kvfs._loop import run
 from kvfs.address import parse_addr
 from kvfs.client import AsyncClient
+from kvfs.config import ClientConfig, TlsConfig, add_options, from_options, tls_argv, tls_fields
 from kvfs.handshake import check_server_proof, client_auth, endpoint, new_nonce
 from kvfs.protocol import FIXED, MAGIC, PROTOCOL_VERSION, Flag, FrameDecoder, Limits, frame_bytes
 from kvfs.rpc import Op
@@ -283,10 +284,11 @@ def attack_readv_repeat(host: str, port: int, token: str, rng: list[int], times:
 
 
 # -- the harness -----------------------------------------------------------------------
-async def _good_reads(addr: str, token: str, key: str, stop: asyncio.Event) -> tuple[int, int]:
+async def _good_reads(addr: str, token: str, key: str, stop: asyncio.Event,
+                      config: ClientConfig | None = None) -> tuple[int, int]:
     """Reads ``key`` over and over with its own client; (ok, failed) counts."""
     ok = failed = 0
-    async with AsyncClient(addr, token=token) as kv:
+    async with AsyncClient(addr, token=token, config=config) as kv:
         while not stop.is_set():
             try:
                 async with asyncio.timeout(10):
@@ -301,26 +303,36 @@ async def _good_reads(addr: str, token: str, key: str, stop: asyncio.Event) -> t
 
 async def run_attacks(wait_s: float = 12.0, idle_n: int = 1000, loris_n: int = 50,
                       meta_args: tuple[str, ...] = (), cs_args: tuple[str, ...] = (),
-                      only: set[str] | None = None) -> list[Outcome]:
+                      only: set[str] | None = None, tls: TlsConfig | None = None,
+                      ) -> list[Outcome]:
     """Each attack against a fresh cluster (freed memory is not returned to the OS, so
-    a cluster that already served one attack would hide the cost of the next)."""
+    a cluster that already served one attack would hide the cost of the next).
+
+    ``tls``: the servers speak TLS (these files) and the good client too; the attacks
+    stay raw TCP, so they hit the TLS handshake, and the two that need a token (which
+    test the layer after TLS, unchanged by it) are left out."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft < hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     names = ["512 MiB header, no token", "100 GiB header, no token", f"{idle_n} idle connections",
              f"slow-loris, {loris_n} conns, 1 B / 0.5 s", "never-reading client, READV 4 x 1 MiB",
              "READV naming one 1 MiB range 1,000 times"]
+    if tls is not None:
+        names = [n for n in names if "READV" not in n]
+        meta_args, cs_args = (*meta_args, *tls_argv(tls)), (*cs_args, *tls_argv(tls))
     out: list[Outcome] = []
     for name in names:
         if only is None or any(w in name for w in only):
-            out.append(await _one_attack(name, wait_s, idle_n, loris_n, meta_args, cs_args))
+            out.append(await _one_attack(name, wait_s, idle_n, loris_n, meta_args, cs_args, tls))
     return out
 
 
 async def _one_attack(name: str, wait_s: float, idle_n: int, loris_n: int,
-                      meta_args: tuple[str, ...], cs_args: tuple[str, ...]) -> Outcome:
+                      meta_args: tuple[str, ...], cs_args: tuple[str, ...],
+                      tls: TlsConfig | None = None) -> Outcome:
     from kvfs.launcher import ProcessCluster
 
+    config = ClientConfig(**tls_fields(tls)) if tls is not None else None
     with tempfile.TemporaryDirectory(prefix="kvfs-hostile-") as tmp:
         cluster = ProcessCluster(Path(tmp), 1, listen="127.0.0.1:0", meta_args=meta_args,
                                  chunkserver_args=cs_args)
@@ -328,7 +340,7 @@ async def _one_attack(name: str, wait_s: float, idle_n: int, loris_n: int,
         try:
             token = cluster.token
             rngs = []
-            async with cluster.client() as kv:
+            async with cluster.client(config=config) as kv:
                 for i in range(4):
                     await kv.put(f"victim{i}", os.urandom(MiB))
                     lay = await kv.layout(f"victim{i}")
@@ -350,7 +362,7 @@ async def _one_attack(name: str, wait_s: float, idle_n: int, loris_n: int,
             }
             ((tname, pid, (host, port)), fn), = (v for k, v in attacks.items() if k in name)
             stop = asyncio.Event()
-            good = asyncio.create_task(_good_reads(cluster.addr, token, "victim0", stop))
+            good = asyncio.create_task(_good_reads(cluster.addr, token, "victim0", stop, config))
             await asyncio.sleep(0.2)
             with RssSampler(pid) as rss:
                 res = await asyncio.to_thread(fn, host, port)
@@ -390,8 +402,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--loris", type=int, default=50, help="slow-loris connections")
     p.add_argument("--only", action="append", default=None, help="run attacks whose name has this")
     p.add_argument("--json", action="store_true")
+    add_options(p, TlsConfig)  # --tls-*: TLS servers (and good client), attacks left raw
     ns = p.parse_args(argv)
-    rows = run(run_attacks(ns.wait, ns.idle, ns.loris, only=set(ns.only) if ns.only else None))
+    tls = from_options(TlsConfig, ns)
+    rows = run(run_attacks(ns.wait, ns.idle, ns.loris, only=set(ns.only) if ns.only else None,
+                           tls=tls if tls.tls_cert is not None else None))
     print(json.dumps([asdict(r) for r in rows], indent=1) if ns.json else format_table(rows))
     return 0
 

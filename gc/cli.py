@@ -98,10 +98,12 @@ def format_pass(r: PassReport) -> str:
     if r.apply:
         out.append(f"done:    compacted {r.chunks_compacted} chunks ({format_size(r.bytes_copied)} copied, "
                    f"{r.keys_relocated} keys moved, {r.relocations_lost} lost to newer writes), deleted "
-                   f"{r.chunks_deleted} chunks: {verb} {format_size(r.bytes_reclaimed)}")
+                   f"{r.chunks_deleted} chunks: {verb} {format_size(r.bytes_reclaimed)}, "
+                   f"{format_size(r.bytes_reclaimed - r.bytes_copied)} net of the copies")
     else:
-        out.append(f"total:   {verb} {format_size(r.reclaimable_bytes)} of chunk files now "
-                   "(keys the evict phase would pick are not counted)")
+        out.append(f"total:   {verb} {format_size(r.reclaimable_bytes)} net of the copies "
+                   "(after the expire and evict phases above; chunks compacted under a grace "
+                   "period are deleted by a later pass)")
     return "\n".join(out)
 
 

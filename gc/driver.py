@@ -200,7 +200,9 @@ class GarbageCollector:
                 break
 
     async def evict(self, opts: PassOptions, report: PassReport) -> None:
-        h = await self.meta(rpc.GcEvict(high=opts.high, low=opts.low, apply=opts.apply))
+        # a dry run skipped the expire phase: pick as if it had run, as --apply would
+        h = await self.meta(rpc.GcEvict(high=opts.high, low=opts.low, apply=opts.apply,
+                                        after_expire=not opts.apply and opts.expire))
         report.evicted_keys += h.keys
         report.evicted_bytes += h.bytes
         report.leased_skipped += h.leased
@@ -208,9 +210,12 @@ class GarbageCollector:
             self._progress("evict", h.keys, h.keys)
 
     async def _plan(self, opts: PassOptions, threshold: float | None = None, *,
-                    after_expire: bool = False) -> rpc.Plan:
-        return await self.meta(rpc.GcPlan(threshold=opts.threshold if threshold is None else threshold,
-                                          grace_s=opts.grace_s, high=opts.high, after_expire=after_expire))
+                    dry: bool = False) -> rpc.Plan:
+        """Meta's compaction plan; ``dry``: as if this pass's expire and evict phases had run."""
+        return await self.meta(rpc.GcPlan(
+            threshold=opts.threshold if threshold is None else threshold, grace_s=opts.grace_s,
+            high=opts.high, after_expire=dry and opts.expire,
+            after_evict=rpc.Watermarks(opts.high, opts.low) if dry and opts.evict else None))
 
     async def _would_seal(self, plan: rpc.Plan, opts: PassOptions) -> None:
         """Dry run: count the open chunks ``--apply`` would seal as what they then become
@@ -227,8 +232,8 @@ class GarbageCollector:
                     plan.delete.append(rpc.DeleteCandidate(sid, cid, written))
 
     async def compact(self, opts: PassOptions, report: PassReport) -> None:
-        # a dry run skipped the expire phase: plan as if it had run, as --apply would
-        plan = await self._plan(opts, after_expire=not opts.apply and opts.expire)
+        # a dry run skipped the expire and evict phases: plan as if they had run, as --apply would
+        plan = await self._plan(opts, dry=not opts.apply)
         if not opts.apply and plan.seal:
             await self._would_seal(plan, opts)
         if opts.apply and plan.seal:

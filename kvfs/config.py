@@ -243,6 +243,22 @@ class GcConfig(TlsConfig):
 
 
 @dataclass(frozen=True, kw_only=True)
+class MountConfig:
+    """`kvfs mount`: how much of a file an open handle holds in memory."""
+
+    write_buffer_bytes: int = opt("a file being written is held in memory up to this size (any "
+                                  "write pattern works); past it, its bytes stream to the "
+                                  "chunkservers as they come, and a write or read more than this "
+                                  "far behind the file's end fails with EOPNOTSUPP", 8 * MiB)
+    read_ahead_units: int = opt("stripe units a sequential read of a file fetches ahead (an open "
+                                "file keeps at most this many + 2 in memory)", 4)
+
+    def __post_init__(self) -> None:
+        if self.write_buffer_bytes < 0 or self.read_ahead_units < 0:
+            raise ValueError("--write-buffer and --read-ahead-units must not be negative")
+
+
+@dataclass(frozen=True, kw_only=True)
 class UpConfig(TlsConfig):
     """`kvfs up`: meta, N chunkservers and the GC daemon as supervised child processes."""
 

@@ -565,6 +565,7 @@ class GcEvict(Request[Evicted], frozen=True, kw_only=True):
     low: Fraction = 0.8
     apply: bool = False
     server_id: ServerId | None = None
+    after_expire: bool = False  # a dry run: pick as if the expire phase had run first
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low <= self.high:
@@ -601,11 +602,17 @@ class Plan(Response, frozen=True, kw_only=True):
     waiting: Count  # chunks without live bytes still inside the grace period
 
 
+class Watermarks(NamedTuple):
+    high: Fraction
+    low: Fraction
+
+
 class GcPlan(Request[Plan], frozen=True, kw_only=True):
     threshold: Fraction = 0.3
     grace_s: Seconds = 30.0
     high: Fraction = 0.9
     after_expire: bool = False  # a dry run: plan as if the expire phase had run first
+    after_evict: Watermarks | None = None  # a dry run: ... and the evict phase with these
 
 
 class Ref(NamedTuple):

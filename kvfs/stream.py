@@ -10,6 +10,9 @@ end: the commit is still the linearisation point, so a stream that fails half wa
 only garbage for the GC, never a partial value.  ``ValueReader`` pins the layout it opened
 and reads ranges of it; ``chunks()`` walks the whole value with the same bounded window.
 
+``StreamPut`` is the same put fed by pushes (the FUSE mount's writes), and ``read_units``
+reads the stripe units of many values in one batch (the mount's reads).
+
 Memory: about ``stream_window_units`` times ``stripe_bytes`` per stream, whatever the value's size.
 """
 
@@ -17,13 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterable, AsyncIterator, Iterable
+from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import crc32c
 
 from kvfs.buffers import as_view
-from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.errors import InvalidArgument, KVFSError, StaleLayout
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, norm_key
 
 if TYPE_CHECKING:
@@ -134,6 +137,16 @@ class ValueReader:
     def size(self) -> int:
         return self.layout.size
 
+    def unit_at(self, pos: int) -> tuple[int, Extent | None]:
+        """The value offset and extent of the stripe unit holding byte ``pos``;
+        ``(size, None)`` at or past the end."""
+        start = 0
+        for e in self.layout.extents:
+            if pos < start + e.length:
+                return start, e
+            start += e.length
+        return self.size, None
+
     def _extents(self, lo: int, hi: int) -> tuple[int, tuple[Extent, ...]]:
         """The extents covering ``[lo, hi)`` and the value offset of the first."""
         chosen: list[Extent] = []
@@ -196,3 +209,98 @@ async def open_read(client: AsyncClient, key: Key) -> ValueReader | None:
     k = norm_key(key)
     (lay,) = await client.lookup([k])
     return None if lay is None else ValueReader(client, k, lay)
+
+
+class StreamPut:
+    """:func:`put_stream` fed by pushes: ``await feed(piece)`` returns once the piece is
+    queued (it waits while the stream's window is full), ``finish()`` commits and returns
+    the size, ``abort()`` (or ``cancel()``) commits nothing.  An error of the stream comes
+    out of the next ``feed``/``finish``."""
+
+    def __init__(self, client: AsyncClient, key: Key, *, ttl: float | None = None,
+                 replicas: int | None = None) -> None:
+        self._queue: asyncio.Queue[Any] = asyncio.Queue(maxsize=1)
+        self._task = asyncio.get_running_loop().create_task(
+            put_stream(client, key, self._pieces(), ttl=ttl, replicas=replicas))
+
+    async def _pieces(self) -> AsyncIterator[Any]:
+        while (piece := await self._queue.get()) is not None:
+            yield piece
+
+    def _raise(self) -> None:
+        if self._task.cancelled():
+            raise KVFSError("the stream was aborted")
+        self._task.result()  # its error, if it failed
+        raise KVFSError("the stream has already been committed")
+
+    async def _push(self, item: Any) -> None:
+        if self._task.done():
+            self._raise()
+        put = asyncio.ensure_future(self._queue.put(item))
+        try:
+            await asyncio.wait({put, self._task}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not put.done():
+                put.cancel()
+        if not put.done() or put.cancelled():
+            self._raise()
+
+    async def feed(self, piece: Any) -> None:
+        """Queue ``piece`` (a bytes-like object the caller no longer changes)."""
+        await self._push(piece)
+
+    async def finish(self) -> int:
+        """Commit what was fed; returns the value's size."""
+        await self._push(None)
+        return await self._task
+
+    def cancel(self) -> None:
+        self._task.cancel()
+
+    async def abort(self) -> None:
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+
+
+async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | bytes, int]],
+                     ) -> list[tuple[ValueReader, int, bytes] | None]:
+    """For each ``(reader or key, offset)``: the stripe unit holding that offset, as
+    ``(reader, unit start, bytes)`` (``b""`` at or past the end), or None for a key that is
+    missing.  Keys are looked up in one call, to readers pinned to their layouts; every unit
+    is then read in one fetch."""
+    keys = [w for w, _ in wants if not isinstance(w, ValueReader)]
+    found = iter(await client.lookup(keys) if keys else [])
+    readers: list[ValueReader | None] = []
+    for w, _ in wants:
+        if isinstance(w, ValueReader):
+            readers.append(w)
+        else:
+            lay = next(found)
+            readers.append(None if lay is None else ValueReader(client, w, lay))
+    slots: list[int] = []
+    subs: list[Layout | None] = []
+    bufs: list[bytearray] = []
+    starts: list[int] = []
+    for i, (r, (_, pos)) in enumerate(zip(readers, wants, strict=True)):
+        start, e = (0, None) if r is None else r.unit_at(pos)
+        starts.append(start)
+        if r is not None and e is not None:
+            slots.append(i)
+            subs.append(Layout(e.length, 0, r.layout.created, r.layout.expires_at, (e,)))
+            bufs.append(bytearray(e.length))
+    got: dict[int, bytes] = {}
+    if slots:
+        stale = set(await client.reader.fetch([readers[i].key for i in slots],  # type: ignore[union-attr]
+                                              subs, [[memoryview(b)] for b in bufs], None))
+        for j, i in enumerate(slots):
+            if j in stale:  # relocated by the GC: followed, or StaleLayout if replaced
+                r = readers[i]
+                assert r is not None
+                await r._follow()
+                got[i] = await r.read(starts[i], starts[i] + len(bufs[j]))
+            else:
+                got[i] = bytes(bufs[j])
+    out: list[tuple[ValueReader, int, bytes] | None] = []
+    for i, r in enumerate(readers):
+        out.append(None if r is None else (r, starts[i], got.get(i, b"")))
+    return out

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
+from collections.abc import Collection
 
 from kvfs import rpc
 from kvfs.errors import Unavailable
@@ -69,6 +70,68 @@ class MetaGc:
     def check_not_dead(self, layout: Layout) -> bool:
         dead = self.dead_chunks
         return not dead or all(r.chunk_id not in dead for e in layout.extents for r in e.replicas)
+
+    def _live_after(self, now: float, *, expire: bool,
+                    evict: rpc.Watermarks | None) -> tuple[dict[int, int], set[bytes]]:
+        """A dry run: each chunk's live bytes as the phases before it would leave them
+        (``expire``: expired keys gone; ``evict``: the keys GC_EVICT with those watermarks
+        would pick gone too), and the keys they would remove; nothing changes."""
+        ix = self.index
+        live_map = dict(ix.chunk_live)
+        gone: set[bytes] = set()
+        if expire:
+            for k, e in ix.entries.items():
+                if e.layout.expired(now):
+                    ix.add_live(e.layout, -1, k, live_map)
+                    gone.add(k)
+        if evict is not None:
+            victims, _, _, _ = self._evict_victims(evict.high, evict.low, None, now, live_map, gone)
+            for k in victims:
+                ix.add_live(ix.entries[k].layout, -1, k, live_map)
+                gone.add(k)
+        return live_map, gone
+
+    def _evict_victims(self, high: float, low: float, only: int | None, now: float,
+                       live_map: dict[int, int] | None = None, gone: Collection[bytes] = (),
+                       ) -> tuple[list[bytes], int, dict[int, rpc.EvictTarget], dict[int, int]]:
+        """Least recently used, unleased keys of the servers over ``high`` until they fit under
+        ``low``: (victims, leased keys skipped, live and target per server, bytes still short).
+        ``live_map`` and ``gone``: a dry run's view after the expire phase."""
+        ix = self.index
+        need: dict[int, int] = {}
+        report: dict[int, rpc.EvictTarget] = {}
+        for s in ix.servers.values():
+            if s.capacity <= 0 or (only is not None and s.server_id != only):
+                continue
+            wanted = s.wanted
+            if ix.used(s) > high * s.capacity or wanted:
+                live, target = ix.server_live(s, live_map), int(low * s.capacity)
+                report[s.server_id] = rpc.EvictTarget(live, target)
+                short = max(live - target, live + wanted - s.capacity)
+                if short > 0:
+                    need[s.server_id] = short
+        victims: list[bytes] = []
+        leased = 0
+        if need:
+            order = sorted(((k, e) for k, e in ix.entries.items() if k not in gone),
+                           key=lambda kv: kv[1].last_access)
+            for k, e in order:
+                if all(v <= 0 for v in need.values()):
+                    break
+                per: dict[int, int] = defaultdict(int)
+                for x in e.layout.extents:
+                    for r in x.replicas:
+                        per[r.server_id] += x.length
+                if not any(need.get(sid, 0) > 0 for sid in per):
+                    continue
+                if ix.leases.get(k, 0.0) > now and not e.layout.expired(now):
+                    leased += 1
+                    continue
+                victims.append(k)
+                for sid, n in per.items():
+                    if sid in need:
+                        need[sid] -= n
+        return victims, leased, report, need
 
     # RPCs ------------------------------------------------------------------------
     async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
@@ -147,43 +210,14 @@ class MetaGc:
 
     async def rpc_gc_evict(self, req: rpc.GcEvict, payload: memoryview) -> Reply:
         ix = self.index
-        high, low, only = req.high, req.low, req.server_id
         now = ix.clock()
-        need: dict[int, int] = {}
-        report: dict[int, rpc.EvictTarget] = {}
-        for s in ix.servers.values():
-            if s.capacity <= 0 or (only is not None and s.server_id != only):
-                continue
-            wanted = s.wanted
-            if ix.used(s) > high * s.capacity or wanted:
-                live, target = ix.server_live(s), int(low * s.capacity)
-                report[s.server_id] = rpc.EvictTarget(live, target)
-                short = max(live - target, live + wanted - s.capacity)
-                if short > 0:
-                    need[s.server_id] = short
-        victims: list[bytes] = []
-        leased = 0
-        if need:
-            for k, v in list(ix.leases.items()):
-                if v <= now:
-                    del ix.leases[k]
-            order = sorted(ix.entries.items(), key=lambda kv: kv[1].last_access)
-            for k, e in order:
-                if all(v <= 0 for v in need.values()):
-                    break
-                per: dict[int, int] = defaultdict(int)
-                for x in e.layout.extents:
-                    for r in x.replicas:
-                        per[r.server_id] += x.length
-                if not any(need.get(sid, 0) > 0 for sid in per):
-                    continue
-                if ix.leases.get(k, 0.0) > now and not e.layout.expired(now):
-                    leased += 1
-                    continue
-                victims.append(k)
-                for sid, n in per.items():
-                    if sid in need:
-                        need[sid] -= n
+        for k, v in list(ix.leases.items()):
+            if v <= now:
+                del ix.leases[k]
+        live_map, gone = (self._live_after(now, expire=True, evict=None)  # as --apply would see it
+                          if not req.apply and req.after_expire else (None, set()))
+        victims, leased, report, need = self._evict_victims(req.high, req.low, req.server_id, now,
+                                                            live_map, gone)
         if req.apply:
             n, nbytes = ix.remove(victims)
             if n:
@@ -204,12 +238,9 @@ class MetaGc:
         waiting = 0
         live_map = ix.chunk_live
         zero_since = self.zero_since
-        if req.after_expire:  # a dry run: plan as if the expire phase had run first
-            live_map = dict(live_map)
+        if req.after_expire or req.after_evict:  # a dry run: as if those phases had run first
+            live_map, _ = self._live_after(now, expire=req.after_expire, evict=req.after_evict)
             zero_since = dict(zero_since)  # and start no grace clocks for it
-            for k, e in ix.entries.items():
-                if e.layout.expired(now):
-                    ix.add_live(e.layout, -1, k, live_map)
         for s in ix.servers.values():
             pressure = s.capacity > 0 and (ix.used(s) > high * s.capacity or s.wanted)
             open_chunk = s.open_chunk

@@ -96,8 +96,9 @@ class MetaIndex:
     def used(self, s: ServerInfo) -> int:
         return sum(s.chunks.values())
 
-    def server_live(self, s: ServerInfo) -> int:
-        live = self.chunk_live
+    def server_live(self, s: ServerInfo, live_map: dict[int, int] | None = None) -> int:
+        """Live bytes on a server, from ``chunk_live`` or a dry run's ``live_map``."""
+        live = self.chunk_live if live_map is None else live_map
         return sum(live.get(c, 0) for c in s.chunks)
 
     # changing -----------------------------------------------------------------------

@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import threading
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import pytest
 
@@ -19,6 +20,10 @@ from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
 from kvfs.rpc import Op
 from kvfs.server import RpcServer
+
+if TYPE_CHECKING:  # imported in the fixtures: redis-py is a test extra, absent in engine venvs
+    from kvfs.meta.redis_local import LocalRedisCluster
+    from kvfs.meta.redis_store import RedisMetaStore
 
 T = TypeVar("T")
 
@@ -205,3 +210,33 @@ def tcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadCluster
 
 
 __all__ = ["FakeClock", "Hold", "ThreadCluster", "hold", "new_event_loop"]
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster]:
+    """A real 3-master Redis Cluster from ``redis-server`` on 127.0.0.1 (marker ``redis``),
+    shared by the session: each test works in its own namespace of it."""
+    import shutil
+
+    from kvfs.meta.redis_local import LocalRedisCluster
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed (apt-get install redis-server)")
+    with LocalRedisCluster(tmp_path_factory.mktemp("redis")) as rc:
+        yield rc
+
+
+@pytest.fixture
+async def redis_store(redis_cluster: LocalRedisCluster, request: pytest.FixtureRequest,
+                      ) -> AsyncIterator[RedisMetaStore]:
+    """A :class:`RedisMetaStore` in a namespace of its own on the session's cluster."""
+    from kvfs.meta.redis_store import RedisMetaStore
+
+    ns = "t" + uuid.uuid4().hex[:12]
+    buckets = getattr(request, "param", 16)
+    store = RedisMetaStore(redis_cluster.url, namespace=ns, buckets=buckets)
+    await store.open()
+    try:
+        yield store
+    finally:
+        await store.close()

@@ -389,3 +389,143 @@ def test_umount_of_something_not_mounted(tmp_path: Path) -> None:
     res = subprocess.run([sys.executable, "-m", "kvfs", "umount", str(tmp_path)],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 1 and "not mounted" in res.stderr
+
+
+# a 1 GiB file through the mount in bounded memory ----------------------------------------
+def _vm_kib(pid: int, field: str) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        return int(next(line.split()[1] for line in f if line.startswith(field + ":")))
+
+
+def mount_round_trip(m: Mount, size_mib: int) -> tuple[int, int, int]:
+    """``dd`` size_mib MiB into the mount from a pipe, then ``cat`` it back, checked by hash;
+    returns the mount process's peak RSS (VmHWM, KiB) when it started, after the write, after
+    the read."""
+    start = _vm_kib(m.proc.pid, "VmHWM")
+    path = m.mnt / "big.bin"
+    seed = os.urandom(1024 * 1024)
+    want = hashlib.sha256()
+    dd = subprocess.Popen(["dd", f"of={path}", "bs=1M", "iflag=fullblock", "status=none"],
+                          stdin=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert dd.stdin is not None and dd.stderr is not None
+    for i in range(size_mib):
+        block = i.to_bytes(8, "big") + seed[8:]
+        want.update(block)
+        dd.stdin.write(block)
+    dd.stdin.close()
+    assert dd.wait(600) == 0, dd.stderr.read()
+    dd.stderr.close()
+    written = _vm_kib(m.proc.pid, "VmHWM")
+    assert path.stat().st_size == size_mib * 1024 * 1024
+    cat = subprocess.Popen(["cat", str(path)], stdout=subprocess.PIPE)
+    assert cat.stdout is not None
+    got, n = hashlib.sha256(), 0
+    for part in iter(lambda: cat.stdout.read(1024 * 1024), b""):  # type: ignore[union-attr]
+        got.update(part)
+        n += len(part)
+    assert cat.wait(600) == 0
+    cat.stdout.close()
+    assert n == size_mib * 1024 * 1024 and got.digest() == want.digest()
+    read = _vm_kib(m.proc.pid, "VmHWM")
+    path.unlink()
+    return start, written, read
+
+
+def _bounded_round_trip(tcluster: ThreadCluster, tmp_path: Path, size_mib: int) -> None:
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs")
+    try:
+        start, written, read = mount_round_trip(m, size_mib)
+        print(f"mount peak RSS, {size_mib} MiB: at start {start} KiB, after dd {written} KiB, "
+              f"after cat {read} KiB")
+        assert written - start < 64 * 1024, (start, written)
+        assert read - start < 64 * 1024, (start, read)
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
+def test_mount_128mib_file_in_bounded_memory(tcluster: ThreadCluster, tmp_path: Path) -> None:
+    """A mount holding the file would need > 128 MiB over its start; a streaming one a few
+    stripe units per open file."""
+    _bounded_round_trip(tcluster, tmp_path, 128)
+
+
+@needs_fuse
+@pytest.mark.big
+@pytest.mark.timeout(1200)
+def test_mount_1gib_file_in_bounded_memory(tcluster: ThreadCluster, tmp_path: Path) -> None:
+    _bounded_round_trip(tcluster, tmp_path, 1024)
+
+
+@needs_fuse
+def test_streamed_writes_in_order_fsync_and_out_of_order(tcluster: ThreadCluster, tmp_path: Path,
+                                                         fs: KVFileSystem) -> None:
+    """With a 1 MiB write buffer: a 6 MiB file streams; fsync in the middle commits what was
+    written and writing on still yields every byte; a write behind what was streamed fails
+    with EOPNOTSUPP (and changes nothing, as a failed write does); small files keep any write
+    pattern."""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--write-buffer", "1MiB")
+    try:
+        d = m.mnt / "st"
+        d.mkdir()
+        data = os.urandom(6 * 1024 * 1024 + 5)
+        fd = os.open(d / "a.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data[: 3 * 1024 * 1024])
+            os.fsync(fd)  # commits the first 3 MiB
+            assert fs.cat_file("st/a.bin") == data[: 3 * 1024 * 1024]
+            for i in range(3 * 1024 * 1024, len(data), 128 * 1024):
+                os.write(fd, data[i : i + 128 * 1024])
+            assert os.stat(d / "a.bin").st_size == len(data)
+        finally:
+            os.close(fd)
+        assert fs.cat_file("st/a.bin") == data
+        assert (d / "a.bin").read_bytes() == data
+        with open(d / "a.bin", "rb") as f:  # ranged reads of a pinned layout
+            f.seek(5 * 1024 * 1024 - 3)
+            assert f.read(10) == data[5 * 1024 * 1024 - 3 : 5 * 1024 * 1024 + 7]
+
+        fd = os.open(d / "b.bin", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.write(fd, data[: 4 * 1024 * 1024])
+            with pytest.raises(OSError) as ei:
+                os.pwrite(fd, b"header", 0)  # 4 MiB behind, past the 1 MiB buffer
+            assert ei.value.errno == errno.EOPNOTSUPP
+            os.pwrite(fd, b"recent", 4 * 1024 * 1024 - 100)  # within the buffer: fine
+        finally:
+            os.close(fd)  # the failed write changed nothing; the others are committed
+        want = bytearray(data[: 4 * 1024 * 1024])
+        want[-100:-94] = b"recent"
+        assert fs.cat_file("st/b.bin") == want
+
+        with open(d / "c.bin", "wb") as f:  # under the buffer: seeks back work
+            f.write(b"x" * 1000)
+            f.seek(0)
+            f.write(b"HEAD")
+        assert fs.cat_file("st/c.bin") == b"HEAD" + b"x" * 996
+        os.rename(d / "a.bin", d / "moved.bin")  # a large file moves by streaming
+        assert fs.cat_file("st/moved.bin") == data and not fs.exists("st/a.bin")
+        os.truncate(d / "moved.bin", 2 * 1024 * 1024 + 1)
+        assert fs.cat_file("st/moved.bin") == data[: 2 * 1024 * 1024 + 1]
+        # in place in a file over the buffer
+        with pytest.raises(OSError) as ei, open(d / "moved.bin", "r+b") as f:
+            f.write(b"patch")
+        assert ei.value.errno == errno.EOPNOTSUPP
+        assert "Traceback" not in m.stderr()
+    finally:
+        m.cleanup()
+
+
+async def test_closes_share_commits(kv: AsyncClient) -> None:
+    """The mount's small-file commits: while commits are outstanding, new closes queue and go
+    out together as one put_many (one APPEND per server, one COMMIT)."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import InodeTable
+
+    io = FileIO(KVFileSystem(client=kv, asynchronous=True), InodeTable(), MountConfig())
+    await asyncio.gather(*(io.put(f"cc/{i}", str(i).encode()) for i in range(300)),
+                         io.put("cc/7", b"seven"))
+    assert io.puts.batches == 5  # 1 + 1 alone while idle, then 128 + 128 + 45 queued
+    assert await kv.get_many([f"cc/{i}" for i in range(300)]) == [
+        b"seven" if i == 7 else str(i).encode() for i in range(300)]

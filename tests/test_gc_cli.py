@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -187,3 +188,41 @@ async def _dry_run_matches_apply(cluster: LocalCluster, kv: AsyncClient, clock: 
         applied.compact_candidates, applied.delete_candidates)
     assert applied.chunks_compacted == dry.compact_candidates
     assert [len(v or b"") for v in await kv.get_many([f"keep{i}" for i in range(30)])] == [8192] * 30
+
+
+async def test_dry_run_report_equals_apply_report(tmp_path: Path, clock: FakeClock) -> None:
+    """Expired, deleted, leased and least recently used keys on a server over its high
+    watermark: the dry run's counts and bytes (expire, evict, compact, delete) are the ones
+    --apply then reports, evictions included."""
+    from kvfs.config import ChunkServerConfig
+    from kvfs.gc.driver import PassOptions
+
+    root = tmp_path / "same"
+    async with LocalCluster(root, 1, clock=clock, chunkserver=ChunkServerConfig(
+            data=root, heartbeat_interval_s=0.2, chunk_bytes=64 * 1024,
+            capacity_bytes=2 * 1024 * 1024)) as cluster:
+        kv = cluster.client()
+        kv.clock = clock
+        async with kv:
+            value = 8 * 1024
+            await kv.put_many([(f"lease{i}", b"l" * value) for i in range(5)])  # the oldest
+            await kv.put_many([(f"old{i}", b"o" * value) for i in range(40)])
+            await kv.put_many([(f"ttl{i}", b"t" * value) for i in range(20)], ttl=5)
+            await kv.put_many([(f"gone{i}", b"g" * value) for i in range(20)])
+            assert await kv.match_prefix([f"lease{i}" for i in range(5)], lease_s=60) == 5
+            clock.advance(1)
+            await kv.put_many([(f"new{i}", b"n" * value) for i in range(25)])
+            assert await kv.delete_many([f"gone{i}" for i in range(20)]) == 20
+            clock.advance(6)  # the ttl keys expire
+            async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+                opts = PassOptions(apply=False, grace_s=0, high=0.3, low=0.2)
+                dry = await gc.run_pass(opts)
+                applied = await gc.run_pass(dataclasses.replace(opts, apply=True))
+    fields = ("expired_keys", "expired_bytes", "evicted_keys", "evicted_bytes", "leased_skipped",
+              "compact_candidates", "delete_candidates")
+    assert dry.expired_keys == 20 and dry.evicted_keys > 0 and dry.leased_skipped == 5
+    assert dry.compact_candidates + dry.delete_candidates > 0
+    assert {f: getattr(dry, f) for f in fields} == {f: getattr(applied, f) for f in fields}
+    # what the dry run says it would free is what --apply freed: chunk files deleted, less
+    # the live bytes compaction copied into new ones
+    assert dry.reclaimable_bytes == applied.bytes_reclaimed - applied.bytes_copied, (dry, applied)

@@ -8,19 +8,24 @@ prefixes, ``mkdir`` records a marker key).
 
 What differs from a local disk:
 
-- **close() is the commit point.**  A file opened for writing is buffered in
-  this process and committed as one value on ``close()`` (FUSE flush) or
-  ``fsync()``; until then other clients, and other mounts, do not see it
-  (this mount shows it with its buffered size).  Errors of the commit are
-  returned by ``close()``/``fsync()``.  A file still open when the mount stops
-  is not committed.
+- **close() is the commit point.**  A file opened for writing is committed as
+  one value on ``close()`` (FUSE flush) or ``fsync()``; until then other
+  clients, and other mounts, do not see it (this mount shows it with its size
+  so far).  Errors of the commit are returned by ``close()``/``fsync()``.  A
+  file still open when the mount stops is not committed.
+- **Memory is bounded per open file** (:mod:`kvfs.mount.files`): a file is
+  buffered up to ``--write-buffer``, then streamed in stripe units as written;
+  large files must be written in order (a write far behind the end fails with
+  ``EOPNOTSUPP``).  Reads fetch stripe units of the layout pinned at the first
+  read, batched across files, with read-ahead for sequential readers.
 - Opening an existing file for writing without ``O_TRUNC`` reads its value
-  first (read-modify-write of the whole value); ``O_APPEND`` on an existing
-  file fails with ``EOPNOTSUPP``.
+  first (read-modify-write; ``EOPNOTSUPP`` over ``--write-buffer``);
+  ``O_APPEND`` on an existing file fails with ``EOPNOTSUPP``.
 - ``mv`` is read + put + delete (not atomic: for a moment both names exist,
   never neither); renaming a directory moves every key under it.
-- A read-only open fetches the value on its first read and serves the rest of
-  that open from this snapshot.  No hard links, symlinks, devices or xattrs.
+- A read-only open pins the value's layout at its first read: a file replaced
+  meanwhile keeps reading the old bytes (until the GC reclaims them).  No hard
+  links, symlinks, devices or xattrs.
 - Every request is bounded by ``--timeout``: with the cluster gone a call
   fails with ``EIO`` instead of hanging, and works again once it is back.
 

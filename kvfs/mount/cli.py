@@ -12,7 +12,7 @@ import sys
 from typing import Any
 
 from kvfs.address import TOKEN_FILE_HELP, token_from_file
-from kvfs.config import ClientConfig, TlsConfig, add_options, from_options, tls_fields
+from kvfs.config import ClientConfig, MountConfig, TlsConfig, add_options, from_options, tls_fields
 from kvfs.errors import KVFSError
 from kvfs.fs import KVFileSystem
 from kvfs.mount._fuse import IMPORT_ERROR, pyfuse3
@@ -29,7 +29,8 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("mount", help="mount the cluster as a filesystem (FUSE; runs until unmounted)",
                        description="Mount a kvfs cluster at MOUNTPOINT. Runs in the foreground; "
                        "Ctrl-C, SIGTERM or `kvfs umount MOUNTPOINT` unmounts. A file is committed "
-                       "when it is closed.")
+                       "when it is closed; large files stream (written in order) and are read by "
+                       "stripe units, so memory stays bounded per open file.")
     p.add_argument("mountpoint")
     p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
     p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
@@ -40,6 +41,7 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--ttl", type=parse_duration, default=None, metavar="DURATION",
                    help="expiry of files written through the mount (default: the cluster's)")
     p.add_argument("--allow-other", action="store_true", help="let other users use the mount")
+    add_options(p, MountConfig)
     add_options(p, TlsConfig)
     p.set_defaults(func=cmd_mount)
 
@@ -63,6 +65,11 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
         print("kvfs mount: /dev/fuse is missing (load the fuse module, or run the container with "
               "--device /dev/fuse)", file=sys.stderr)
         return 2
+    try:
+        config = from_options(MountConfig, ns)
+    except ValueError as exc:
+        print(f"kvfs mount: {exc}", file=sys.stderr)
+        return 2
     timeout_s = float(ns.timeout)
     cfg = ClientConfig(connect_timeout_s=min(5.0, timeout_s), request_timeout_s=timeout_s,
                        layout_cache_entries=0,  # files are overwritten: always look keys up
@@ -76,7 +83,8 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
         await fs._close()
         print(f"kvfs mount: cannot reach the cluster at {fs.addr}: {exc}", file=sys.stderr)
         return 1
-    ops = KVFSOperations(fs, timeout_s=timeout_s, attr_timeout_s=float(ns.attr_timeout))
+    ops = KVFSOperations(fs, timeout_s=timeout_s, attr_timeout_s=float(ns.attr_timeout),
+                         config=config)
     options = set(pyfuse3.default_options) | {"fsname=kvfs", "subtype=kvfs"}
     if ns.allow_other:
         options.add("allow_other")

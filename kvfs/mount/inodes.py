@@ -9,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from kvfs.stream import StreamPut, ValueReader
 
 __all__ = ["ROOT_INODE", "Handle", "Info", "InodeTable"]
 
@@ -29,15 +33,29 @@ def _known(table: dict[int, V], number: int, err: int, what: str) -> V:
 
 @dataclass(eq=False)
 class Handle:
-    """One open file."""
+    """One open file (its bytes are handled by :class:`kvfs.mount.files.FileIO`)."""
 
     ino: int
     writable: bool
-    data: bytearray | None = None  # writable: the whole new value (None until the old one is read)
-    value: bytes | None = None  # read-only: the value, fetched on the first read
+    # writing: the file's bytes from `base` on (None until the old value is read); those
+    # before `base` went to `stream`, or were committed (the first `prefix` bytes)
+    data: bytearray | None = None
+    base: int = 0
+    prefix: int = 0
+    stream: StreamPut | None = None
+    failed: BaseException | None = None  # a write or commit failed: the data is lost
     dirty: bool = False  # has writes (or a truncation) not yet committed
     orphan: bool = False  # unlinked while open: never committed
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one fetch of the old value
+    # reading: the value pinned at the first read, and its last few stripe units by offset
+    reader: ValueReader | None = None
+    units: OrderedDict[int, asyncio.Future[bytes]] = field(default_factory=OrderedDict)
+    next_read: int = 0  # where a sequential read goes on (read-ahead)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one writer or first read at a time
+
+    @property
+    def size(self) -> int | None:
+        """The size written so far (None: not loaded)."""
+        return None if self.data is None else self.base + len(self.data)
 
 
 class InodeTable:
@@ -168,13 +186,16 @@ class InodeTable:
     def pending_size(self, ino: int) -> int | None:
         """The size an open, written file has in this mount (None: no writer, or not loaded)."""
         for h in self.writers(ino):
-            if h.data is not None and not h.orphan:
-                return len(h.data)
+            if h.size is not None and not h.orphan:
+                return h.size
         return None
 
     def discard_open_writes(self) -> int:
         """At unmount: files still open for writing are not committed; how many."""
         n = sum(1 for h in self._handles.values() if h.writable and h.dirty and not h.orphan)
+        for h in self._handles.values():
+            if h.stream is not None:
+                h.stream.cancel()
         self._handles.clear()
         return n
 

@@ -12,12 +12,14 @@ import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, ParamSpec, TypeVar, cast
 
-from kvfs._batch import Batcher, split_batches
+from kvfs._batch import split_batches
+from kvfs.config import MountConfig
 from kvfs.fs import KVFileSystem, check_path
 from kvfs.layout import MAX_KEY_BYTES, MAX_VALUE_BYTES
 from kvfs.mount._fuse import Operations, pyfuse3
+from kvfs.mount.files import FileIO
 from kvfs.mount.inodes import ROOT_INODE, Handle, Info, InodeTable
-from kvfs.oserrors import builtin_errors, errno_of
+from kvfs.oserrors import errno_of
 
 __all__ = ["KVFSOperations"]
 
@@ -29,9 +31,6 @@ T = TypeVar("T")
 MOVE_BATCH_KEYS = 512
 MOVE_BATCH_BYTES = 64 * 1024 * 1024
 BLKSIZE = 128 * 1024
-READ_BATCH_KEYS = 128
-READ_BATCH_BYTES = 64 * 1024 * 1024
-READS_IN_FLIGHT = 2
 
 
 def _op(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
@@ -70,7 +69,8 @@ class KVFSOperations(Operations):
     enable_writeback_cache = False
 
     def __init__(self, fs: KVFileSystem, *, timeout_s: float = 10.0, attr_timeout_s: float = 1.0,
-                 uid: int | None = None, gid: int | None = None) -> None:
+                 uid: int | None = None, gid: int | None = None,
+                 config: MountConfig | None = None) -> None:
         super().__init__()
         self.fs = fs
         self.timeout_s = timeout_s
@@ -79,13 +79,7 @@ class KVFSOperations(Operations):
         self.gid = os.getgid() if gid is None else gid
         self._started_ns = time.time_ns()
         self.table = InodeTable()
-        # FUSE requests reach the loop one at a time, so reads batch by load, not by tick
-        self.reads: Batcher[bytes, bytes | None] = Batcher(
-            self._get_many, max_items=READ_BATCH_KEYS, max_bytes=READ_BATCH_BYTES,
-            max_inflight=READS_IN_FLIGHT)
-
-    async def _get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        return await self.fs.client.get_many(keys)
+        self.io = FileIO(fs, self.table, config or MountConfig())
 
     def _child(self, parent: int, name: bytes, *, limit: int = MAX_KEY_BYTES) -> str:
         pp = self.table.path(parent)
@@ -154,46 +148,14 @@ class KVFSOperations(Operations):
             if size > MAX_VALUE_BYTES:
                 raise pyfuse3.FUSEError(errno.EFBIG)
             writers = self.table.writers(inode)
-            if writers:
-                for h in writers:
-                    if h.data is None and size == 0:
-                        h.data = bytearray()
-                    await self._load(h)
-                    assert h.data is not None
-                    _resize(h.data, size)
-                    h.dirty = True
-            else:  # truncate(2) on a file nobody here has open: a new value now
-                value = b"" if size == 0 else await self.fs._get_value(path)
-                if len(value) != size:
-                    buf = bytearray(value)
-                    _resize(buf, size)
-                    value = bytes(buf)
-                await self.fs._put_value(path, value)
+            for h in writers:
+                await self.io.truncate(h, size)
+            if not writers:  # truncate(2) on a file nobody here has open: a new value now
+                await self.io.resize(path, size)
         # mode, owner and times are not stored: a value has only its creation time
         return self._attrs(inode, await self._info(inode, path))
 
     # files -------------------------------------------------------------------
-    async def _load(self, h: Handle) -> None:
-        """A writable handle opened without O_TRUNC starts from the committed value."""
-        if h.data is not None:
-            return
-        async with h.lock:
-            if h.data is not None:
-                return
-            for other in self.table.writers(h.ino):  # unflushed data of another open wins
-                if other is not h and other.data is not None and not other.orphan:
-                    h.data = bytearray(other.data)
-                    return
-            h.data = bytearray(await self.fs._get_value(self.table.path(h.ino)))
-
-    async def _commit(self, h: Handle) -> None:
-        if not h.dirty or h.orphan:
-            return
-        await self._load(h)
-        assert h.data is not None
-        await self.fs._put_value(self.table.path(h.ino), bytes(h.data))
-        h.dirty = False
-
     @_op
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         self.table.path(inode)
@@ -218,46 +180,23 @@ class KVFSOperations(Operations):
 
     @_op
     async def read(self, fh: int, off: int, size: int) -> bytes:
-        h = self.table.handle(fh)
-        if h.writable:
-            await self._load(h)
-            assert h.data is not None
-            return bytes(h.data[off : off + size])
-        if h.value is None:
-            async with h.lock:
-                if h.value is None:
-                    path = self.table.path(h.ino)
-                    with builtin_errors(path):
-                        value = await self.reads.submit(os.fsencode(path))
-                    if value is None:
-                        raise OSError(errno.ENOENT, "deleted or expired since it was opened")
-                    h.value = value
-        return h.value[off : off + size]
+        return await self.io.read(self.table.handle(fh), off, size)
 
     @_op
     async def write(self, fh: int, off: int, buf: bytes) -> int:
         h = self.table.handle(fh)
         if not h.writable:
             raise pyfuse3.FUSEError(errno.EBADF)
-        end = off + len(buf)
-        if end > MAX_VALUE_BYTES:
-            raise pyfuse3.FUSEError(errno.EFBIG)
-        await self._load(h)
-        d = h.data
-        assert d is not None
-        if off > len(d):
-            d.extend(bytes(off - len(d)))
-        d[off:end] = buf
-        h.dirty = True
+        await self.io.write(h, off, buf)
         return len(buf)
 
     @_op
     async def flush(self, fh: int) -> None:
-        await self._commit(self.table.handle(fh))
+        await self.io.commit(self.table.handle(fh))
 
     @_op
     async def fsync(self, fh: int, datasync: bool) -> None:
-        await self._commit(self.table.handle(fh))
+        await self.io.commit(self.table.handle(fh))
 
     async def release(self, fh: int) -> None:
         h = self.table.handle_or_none(fh)
@@ -266,11 +205,12 @@ class KVFSOperations(Operations):
         try:
             if h.dirty and not h.orphan:  # normally committed by flush already
                 async with asyncio.timeout(self.timeout_s):
-                    await self._commit(h)
+                    await self.io.commit(h)
         except Exception as exc:
             log.error("release: %s: the written data is lost: %s", self.table.path_or_none(h.ino), exc)
         finally:
             self.table.close(fh)
+            await self.io.release(h)
 
     def discard_open_writes(self) -> int:
         """At unmount: files still open for writing are not committed; how many."""
@@ -304,6 +244,7 @@ class KVFSOperations(Operations):
             for h in self.table.writers(ino):
                 pending = pending or h.dirty
                 h.orphan = True
+                await self.io.release(h)
         try:
             await self.fs._rm_file(path)
         except FileNotFoundError:
@@ -323,15 +264,15 @@ class KVFSOperations(Operations):
         ino = self.table.ino_of(src)
         if ino is not None:
             for h in self.table.writers(ino):
-                await self._commit(h)
-        # a file (the common case: tmp + rename) is read while the target is looked at
-        value, dst_info = await asyncio.gather(self._value_or_none(src), self._info_or_none(dst))
+                await self.io.commit(h)
+        # a file (the common case: tmp + rename) is looked up while the target is looked at
+        reader, dst_info = await asyncio.gather(self.io.reader(src), self._info_or_none(dst))
         if dst_info is not None and flags & pyfuse3.RENAME_NOREPLACE:
             raise pyfuse3.FUSEError(errno.EEXIST)
-        if value is not None:
+        if reader is not None:
             if dst_info is not None and dst_info["type"] == "directory":
                 raise pyfuse3.FUSEError(errno.EISDIR)
-            await self.fs._put_value(dst, value)
+            await self.io.copy(reader, dst)
             await self.fs._rm_file(src)
         else:
             await self.fs._info(src)  # ENOENT unless a directory
@@ -341,13 +282,6 @@ class KVFSOperations(Operations):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)
             await self._move_tree(src, dst)
         self.table.renamed(src, dst)
-
-    async def _value_or_none(self, path: str) -> bytes | None:
-        try:
-            v: bytes = await self.fs._get_value(path)
-        except (FileNotFoundError, IsADirectoryError):
-            return None
-        return v
 
     async def _info_or_none(self, path: str) -> Info | None:
         try:
@@ -417,10 +351,3 @@ class KVFSOperations(Operations):
         s.f_ffree = s.f_favail = 1 << 32
         s.f_namemax = 255
         return s
-
-
-def _resize(d: bytearray, size: int) -> None:
-    if size < len(d):
-        del d[size:]
-    else:
-        d.extend(bytes(size - len(d)))

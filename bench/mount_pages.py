@@ -1,0 +1,169 @@
+"""Page files through the FUSE mount vs the async API, the way SGLang's HiCacheFile does it.
+
+    python -m kvfs.bench.mount_pages [--pages-128k N] [--pages-2m N] [--threads 8]
+
+Starts ``kvfs up`` (3 chunkservers, no GC) in a temp dir and ``kvfs mount`` on it (needs root
+and /dev/fuse), then per page size, in one sitting:
+
+- mount write: each of ``--threads`` threads writes its pages with numpy ``tofile``;
+- mount read: each thread reads its pages back with ``readinto`` (unbuffered), bytes checked;
+- API write / read: as many coroutines on one ``AsyncClient``, ``put_many`` / ``get_into`` in
+  batches of 64.
+
+Prints a markdown table (pages/s) and the ratios mount/API (issue 12's targets: >= 0.5 at
+128 KiB, >= 0.8 at 2 MiB, writes and reads).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+from kvfs.client import AsyncClient
+from kvfs.mount import is_mounted
+
+BATCH = 64
+
+
+def _wait(pred: object, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not pred():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            raise SystemExit(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _pages(n: int, size: int) -> list[np.ndarray]:
+    base = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    out = []
+    for i in range(n):
+        p = base.copy()
+        p[:8] = np.frombuffer(i.to_bytes(8, "little"), dtype=np.uint8)
+        out.append(p)
+    return out
+
+
+def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str) -> tuple[float, float]:
+    d = mnt / tag
+    d.mkdir()
+    names = [d / f"{i:08d}.bin" for i in range(len(pages))]
+    share = [range(t, len(pages), threads) for t in range(threads)]
+
+    def write(ids: range) -> None:
+        for i in ids:
+            pages[i].tofile(names[i])
+
+    def read(ids: range) -> int:
+        buf = np.empty_like(pages[0])
+        bad = 0
+        for i in ids:
+            with open(names[i], "rb", buffering=0) as f:
+                n = f.readinto(buf.data)
+            bad += n != buf.nbytes or not np.array_equal(buf, pages[i])
+        return bad
+
+    with ThreadPoolExecutor(threads) as ex:
+        t0 = time.perf_counter()
+        list(ex.map(write, share))
+        tw = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        bad = sum(ex.map(read, share))
+        tr = time.perf_counter() - t0
+    if bad:
+        raise SystemExit(f"{bad} pages read back wrong through the mount")
+    return len(pages) / tw, len(pages) / tr
+
+
+async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) -> tuple[float, float]:
+    keys = [f"{tag}/{i:08d}" for i in range(len(pages))]
+    batches = [range(s, min(s + BATCH, len(pages))) for s in range(0, len(pages), BATCH)]
+    async with AsyncClient(addr) as kv:
+        async def writer(t: int) -> None:
+            for b in batches[t::threads]:
+                await kv.put_many([(keys[i], pages[i]) for i in b])
+
+        async def reader(t: int) -> int:
+            bufs = [np.empty_like(pages[0]) for _ in range(BATCH)]
+            bad = 0
+            for b in batches[t::threads]:
+                got = await kv.get_into([keys[i] for i in b], bufs[: len(b)])
+                bad += sum(n != pages[0].nbytes or not np.array_equal(bufs[j], pages[i])
+                           for j, (i, n) in enumerate(zip(b, got, strict=True)))
+            return bad
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(writer(t) for t in range(threads)))
+        tw = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        bad = sum(await asyncio.gather(*(reader(t) for t in range(threads))))
+        tr = time.perf_counter() - t0
+    if bad:
+        raise SystemExit(f"{bad} pages read back wrong through the API")
+    return len(pages) / tw, len(pages) / tr
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvfs.bench.mount_pages", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--pages-128k", type=int, default=2048, help="128 KiB pages (default 2048)")
+    ap.add_argument("--pages-2m", type=int, default=256, help="2 MiB pages (default 256)")
+    ap.add_argument("--threads", type=int, default=8, help="threads / coroutines (default 8)")
+    ns = ap.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="kvfs-mount-pages-"))
+    up = mnt_proc = None
+    mnt = root / "mnt"
+    mnt.mkdir()
+    try:
+        up = subprocess.Popen([sys.executable, "-m", "kvfs", "up", "--data", str(root / "data"),
+                               "--listen", "127.0.0.1:0", "--no-gc"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        assert up.stdout is not None
+        addr = ""
+        for line in up.stdout:
+            m = re.match(r"(kvfs://\S+)", line)
+            if m:
+                addr = m.group(1)
+                break
+        if not addr:
+            raise SystemExit("kvfs up did not start")
+        mnt_proc = subprocess.Popen([sys.executable, "-m", "kvfs", "mount", str(mnt), "--addr", addr],
+                                    stdout=subprocess.DEVNULL)
+        _wait(lambda: is_mounted(str(mnt)) or mnt_proc.poll() is not None, 30, "the mount")
+        rows = []
+        for label, n, size in (("128 KiB", ns.pages_128k, 128 * 1024), ("2 MiB", ns.pages_2m, 2 << 20)):
+            pages = _pages(n, size)
+            tag = label.replace(" ", "")
+            mw, mr = mount_round(mnt, pages, ns.threads, "m" + tag)
+            aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
+            rows.append((label, n, mw, aw, mr, ar))
+        print(f"| page | pages | mount write | API write | mount/API | mount read | API read | "
+              f"mount/API |  ({ns.threads} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
+        print("|---|---|---|---|---|---|---|---|")
+        for label, n, mw, aw, mr, ar in rows:
+            print(f"| {label} | {n} | {mw:,.0f} files/s | {aw:,.0f} pages/s | {mw / aw:.2f} | "
+                  f"{mr:,.0f} files/s | {ar:,.0f} pages/s | {mr / ar:.2f} |")
+    finally:
+        if mnt_proc is not None and mnt_proc.poll() is None:
+            mnt_proc.send_signal(signal.SIGTERM)
+            mnt_proc.wait(30)
+        if up is not None and up.poll() is None:
+            up.send_signal(signal.SIGTERM)
+            up.wait(60)
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""The bytes of open files: writes buffered, then streamed; reads by stripe units.
+
+Memory per open file is bounded whatever the file's size:
+
+- **Writing.** A handle holds the file in memory up to ``write_buffer_bytes``; any
+  write pattern works there, and a file that stays that small is committed as one
+  ``put`` on close.  Past it, whole stripe units more than ``write_buffer_bytes``
+  behind the file's end go to a streaming put (:class:`kvfs.stream.StreamPut`) as they
+  come, and close commits the stream.  A write (or read, or truncation) before what
+  was streamed fails with ``EOPNOTSUPP``: write large files in order, as cp, dd,
+  numpy ``tofile`` and ``torch.save`` do.
+- **A commit in the middle** (``fsync``, or the close of one of several descriptors
+  of the file, e.g. a forked child's) commits what was written so far, as on a
+  small file.  Writing on after that streams the committed part again (read back
+  from the cluster) ahead of the new bytes: correct, at the cost of a copy.
+- **Reading.** The first read pins the value's layout (a lookup batched with other
+  files' first reads) and each read fetches the stripe units it overlaps, batched
+  across files; a sequential reader gets ``read_ahead_units`` units fetched ahead.
+  An open file keeps at most ``read_ahead_units + 2`` units.
+- **Closes share commits** as reads share batches: the small files closed while
+  earlier commits are in flight go out together, one ``put_many``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+from collections.abc import AsyncIterator
+
+from kvfs._batch import Batcher
+from kvfs.config import MountConfig
+from kvfs.fs import KVFileSystem
+from kvfs.layout import MAX_VALUE_BYTES
+from kvfs.mount.inodes import Handle, InodeTable
+from kvfs.oserrors import builtin_errors
+from kvfs.stream import StreamPut, ValueReader, open_read, put_stream, read_units
+
+__all__ = ["FileIO"]
+
+READ_BATCH_ITEMS = 128
+READ_BATCH_BYTES = 64 * 1024 * 1024
+READS_IN_FLIGHT = 2
+PUT_BATCH_ITEMS = 128
+PUT_BATCH_BYTES = 64 * 1024 * 1024
+PUTS_IN_FLIGHT = 2
+
+Unit = tuple[ValueReader, int, bytes] | None
+
+
+class FileIO:
+    """Reads, writes, truncations and commits of the mount's open files."""
+
+    def __init__(self, fs: KVFileSystem, table: InodeTable, config: MountConfig) -> None:
+        self.fs = fs
+        self.table = table
+        self.config = config
+        self.stripe = fs.client.config.stripe_bytes
+        # FUSE requests reach the loop one at a time, so reads batch by load, not by tick
+        self.reads: Batcher[tuple[ValueReader | bytes, int], Unit] = Batcher(
+            self._read_units, max_items=READ_BATCH_ITEMS, max_bytes=READ_BATCH_BYTES,
+            max_inflight=READS_IN_FLIGHT)
+        # closes of small files share commits the same way: one put_many (one APPEND per
+        # server, one COMMIT) for the files closed while earlier batches were running
+        self.puts: Batcher[tuple[bytes, bytes], None] = Batcher(
+            self._put_many, max_items=PUT_BATCH_ITEMS, max_bytes=PUT_BATCH_BYTES,
+            max_inflight=PUTS_IN_FLIGHT)
+        self._tasks: set[asyncio.Task[bytes]] = set()  # read-ahead in flight
+
+    async def _put_many(self, items: list[tuple[bytes, bytes]]) -> list[None]:
+        last = dict(items)  # a path closed twice in one batch: its last value wins
+        await self.fs.client.put_many(list(last.items()), ttl=self.fs.ttl)
+        return [None] * len(items)
+
+    async def put(self, path: str, value: bytes) -> None:
+        """One small file's value, committed in a batch with other files' closes."""
+        with builtin_errors(path):
+            await self.puts.submit((os.fsencode(path), value), len(value))
+
+    async def _read_units(self, wants: list[tuple[ValueReader | bytes, int]]) -> list[Unit]:
+        return await read_units(self.fs.client, wants)
+
+    def _key(self, h: Handle) -> bytes:
+        return os.fsencode(self.table.path(h.ino))
+
+    @staticmethod
+    def _behind(h: Handle, what: str, off: int) -> OSError:
+        return OSError(errno.EOPNOTSUPP, f"{what} at {off}: the bytes before {h.base} of this file "
+                       "have gone to the cluster already (write large files in order)")
+
+    # reading ---------------------------------------------------------------------
+    async def read(self, h: Handle, off: int, size: int) -> bytes:
+        if h.writable and h.data is not None:
+            self._check(h)
+            if off < h.base:
+                raise self._behind(h, "read", off)
+            return bytes(h.data[off - h.base : off - h.base + size])
+        if h.reader is None:
+            async with h.lock:
+                if h.reader is None:
+                    path = self.table.path(h.ino)
+                    with builtin_errors(path):
+                        unit = await self.reads.submit((os.fsencode(path), off), self.stripe)
+                    if unit is None:
+                        raise OSError(errno.ENOENT, "deleted or expired since it was opened")
+                    h.reader, start, data = unit
+                    self._keep(h, start, asyncio.get_running_loop().create_future()).set_result(data)
+        reader = h.reader
+        end = min(off + size, reader.size)
+        parts = []
+        pos = off
+        while pos < end:
+            start, data = await self._unit(h, pos)
+            if not data:
+                break
+            parts.append(data[pos - start : end - start])
+            pos = start + len(data)
+        if off == h.next_read:
+            self._read_ahead(h, pos)
+        h.next_read = end
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _keep(self, h: Handle, start: int, fut: asyncio.Future[bytes]) -> asyncio.Future[bytes]:
+        h.units[start] = fut
+        while len(h.units) > self.config.read_ahead_units + 2:
+            h.units.popitem(last=False)
+        return fut
+
+    def _fetch(self, h: Handle, pos: int) -> tuple[int, asyncio.Future[bytes]]:
+        """The unit holding ``pos``: cached, or being fetched from now on."""
+        assert h.reader is not None
+        start, e = h.reader.unit_at(pos)
+        fut = h.units.get(start)
+        if fut is not None:
+            h.units.move_to_end(start)
+            return start, fut
+        nbytes = 0 if e is None else e.length
+        task = asyncio.get_running_loop().create_task(self._fetch_unit(h.reader, pos, nbytes))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return start, self._keep(h, start, task)
+
+    async def _fetch_unit(self, reader: ValueReader, pos: int, nbytes: int) -> bytes:
+        unit = await self.reads.submit((reader, pos), nbytes)
+        assert unit is not None
+        return unit[2]
+
+    async def _unit(self, h: Handle, pos: int) -> tuple[int, bytes]:
+        start, fut = self._fetch(h, pos)
+        try:
+            return start, await asyncio.shield(fut)
+        except Exception:
+            if h.units.get(start) is fut:  # not cached: the next read tries again
+                del h.units[start]
+            raise
+
+    def _read_ahead(self, h: Handle, pos: int) -> None:
+        assert h.reader is not None
+        for _ in range(self.config.read_ahead_units):
+            start, e = h.reader.unit_at(pos)
+            if e is None:
+                return
+            self._fetch(h, start)
+            pos = start + e.length
+
+    # writing ---------------------------------------------------------------------
+    @staticmethod
+    def _check(h: Handle) -> None:
+        if h.failed is not None:
+            raise OSError(errno.EIO, f"an earlier write or commit of this open file failed ({h.failed}); "
+                          "what it wrote is lost")
+
+    async def write(self, h: Handle, off: int, buf: bytes) -> None:
+        if off + len(buf) > MAX_VALUE_BYTES:
+            raise OSError(errno.EFBIG, f"kvfs values are limited to {MAX_VALUE_BYTES} bytes")
+        async with h.lock:
+            self._check(h)
+            await self._load(h)
+            if off < h.base:
+                raise self._behind(h, "write", off)
+            await self._grow(h, off)
+            d = h.data
+            assert d is not None
+            d[off - h.base : off - h.base + len(buf)] = buf
+            h.dirty = True
+            await self._spill(h)
+
+    async def truncate(self, h: Handle, size: int) -> None:
+        """``ftruncate`` of an open file."""
+        async with h.lock:
+            if size == 0:  # a new, empty file: whatever was streamed is dropped
+                await self._drop_stream(h)
+                h.data, h.base, h.prefix, h.failed = bytearray(), 0, 0, None
+                h.dirty = True
+                return
+            self._check(h)
+            await self._load(h)
+            assert h.data is not None
+            if size < h.base:
+                raise self._behind(h, "truncate", size)
+            del h.data[size - h.base :]
+            await self._grow(h, size)
+            h.dirty = True
+            await self._spill(h)
+
+    async def _load(self, h: Handle) -> None:
+        """A writable handle opened without O_TRUNC starts from the committed value (lock held)."""
+        if h.data is not None:
+            return
+        for other in self.table.writers(h.ino):  # unflushed data of another open wins
+            if other is not h and other.data is not None and not other.orphan:
+                if other.base:
+                    raise OSError(errno.EOPNOTSUPP, "another open of this file is streaming it")
+                h.data = bytearray(other.data)
+                return
+        path = self.table.path(h.ino)
+        with builtin_errors(path):
+            reader = await open_read(self.fs.client, os.fsencode(path))
+            if reader is None:
+                raise await self.fs._missing(path)
+            if reader.size > self.config.write_buffer_bytes:
+                raise OSError(errno.EOPNOTSUPP, f"changing a file over {self.config.write_buffer_bytes} "
+                              "bytes in place is not supported: write it anew (O_TRUNC), as cp does")
+            h.data = bytearray(await reader.read())
+        h.reader = None
+        h.units.clear()
+
+    async def _grow(self, h: Handle, size: int) -> None:
+        """Zeros up to ``size`` (a hole), streamed as they pile up."""
+        d = h.data
+        assert d is not None
+        while h.base + len(d) < size:
+            d.extend(bytes(min(size - h.base - len(d), self.stripe)))
+            await self._spill(h)
+
+    async def _spill(self, h: Handle) -> None:
+        """Hand whole stripe units more than ``write_buffer_bytes`` behind the end to the stream."""
+        d = h.data
+        assert d is not None
+        n = (len(d) - self.config.write_buffer_bytes) // self.stripe * self.stripe
+        if n <= 0:
+            return
+        with memoryview(d) as view:
+            piece = bytes(view[:n])
+        del d[:n]
+        h.base += n
+        if h.orphan:  # unlinked: nobody will see it
+            return
+        try:
+            if h.stream is None:
+                await self._start(h)
+            assert h.stream is not None
+            await h.stream.feed(piece)
+        except BaseException as exc:
+            await self._fail(h, exc)
+            raise
+
+    async def _start(self, h: Handle) -> None:
+        """A stream for this file: first the part of it committed earlier, if any."""
+        h.stream = StreamPut(self.fs.client, self._key(h), ttl=self.fs.ttl)
+        if not h.prefix:
+            return
+        reader = await open_read(self.fs.client, self._key(h))
+        if reader is None or reader.size != h.prefix:
+            raise OSError(errno.ESTALE, "the part of this file committed earlier was replaced or "
+                          "deleted meanwhile")
+        async for piece in reader.chunks():
+            await h.stream.feed(piece)
+
+    async def _fail(self, h: Handle, exc: BaseException) -> None:
+        h.failed = exc if isinstance(exc, Exception) else OSError(errno.EINTR, "interrupted")
+        await self._drop_stream(h)
+
+    @staticmethod
+    async def _drop_stream(h: Handle) -> None:
+        if h.stream is not None:
+            stream, h.stream = h.stream, None
+            await stream.abort()
+
+    async def commit(self, h: Handle) -> None:
+        """Make what was written the file's value (close, fsync, rename)."""
+        if not h.dirty or h.orphan:
+            return
+        async with h.lock:
+            if not h.dirty or h.orphan:
+                return
+            self._check(h)
+            await self._load(h)
+            d = h.data
+            assert d is not None
+            if h.stream is None and not h.prefix:  # small: one put, the stream never started
+                await self.put(self.table.path(h.ino), bytes(d))
+                h.dirty = False
+                return
+            try:
+                if h.stream is None:
+                    await self._start(h)
+                assert h.stream is not None
+                if d:
+                    await h.stream.feed(bytes(d))
+                stream, h.stream = h.stream, None
+                with builtin_errors(self.table.path(h.ino)):
+                    size = await stream.finish()
+            except BaseException as exc:
+                await self._fail(h, exc)
+                raise
+            h.data, h.base, h.prefix = bytearray(), size, size
+            h.dirty = False
+
+    async def release(self, h: Handle) -> None:
+        """A handle closed: a stream still open (unlinked, failed) commits nothing."""
+        await self._drop_stream(h)
+
+    # whole values ------------------------------------------------------------------
+    async def reader(self, path: str) -> ValueReader | None:
+        """A reader of ``path``'s value, None if it has none (missing, or a directory)."""
+        with builtin_errors(path):
+            return await open_read(self.fs.client, os.fsencode(path))
+
+    async def copy(self, reader: ValueReader, dst: str) -> None:
+        """The value ``reader`` reads put under ``dst``, in bounded memory."""
+        await self._put_from(reader, dst, reader.size)
+
+    async def resize(self, path: str, size: int) -> None:
+        """``truncate(2)`` of a file nobody here has open: its first ``size`` bytes (zero
+        padded) become its new value."""
+        if size == 0:
+            await self.put(path, b"")
+            return
+        reader = await self.reader(path)
+        if reader is None:
+            raise await self.fs._missing(path)
+        await self._put_from(reader, path, size)
+
+    async def _put_from(self, reader: ValueReader, dst: str, size: int) -> None:
+        if size <= self.config.write_buffer_bytes:  # small: one put (rebuildable records)
+            value = bytearray(await reader.read(0, size))
+            value.extend(bytes(size - len(value)))
+            await self.put(dst, bytes(value))
+            return
+
+        async def pieces() -> AsyncIterator[bytes]:
+            left = size
+            async for piece in reader.chunks():
+                if left <= 0:
+                    return
+                yield piece[:left]
+                left -= len(piece)
+            while left > 0:
+                yield bytes(min(left, self.stripe))
+                left -= self.stripe
+
+        with builtin_errors(dst):
+            await put_stream(self.fs.client, os.fsencode(dst), pieces(), size=size, ttl=self.fs.ttl)

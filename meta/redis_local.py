@@ -1,0 +1,222 @@
+"""A local Redis Cluster from ``redis-server`` processes, for tests and for trying the Redis
+meta store on one machine (``kvfs up --meta-store redis-cluster`` will start one).
+
+:class:`LocalRedisCluster` starts N masters (and R replicas per master) on 127.0.0.1,
+each in its own folder of a data dir, joins them with ``redis-cli --cluster create``,
+waits with a deadline until every node reports ``cluster_state:ok`` and agrees on the
+slot map, and stops only the processes it started (by pid).
+
+Redis cannot listen on port 0 in cluster mode (a node announces its port to the
+others), so each node is started on a random port of ``port_range`` (and its cluster
+bus on ``port + bus_offset``); a node that fails to bind is started again on another
+port, up to ``start_tries`` times.  Nothing is picked, released and hoped for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvfs.errors import Unavailable
+
+log = logging.getLogger("kvfs.meta.redis")
+
+REDIS_SERVER = "redis-server"
+REDIS_CLI = "redis-cli"
+
+
+@dataclass
+class RedisNode:
+    port: int
+    dir: Path
+    proc: subprocess.Popen[bytes]
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+
+@dataclass
+class LocalRedisCluster:
+    """``masters`` masters with ``replicas`` replicas each, under ``data``.
+
+    ``start()`` returns once the cluster serves every slot; ``stop()`` ends the nodes it
+    started.  ``kill(node)`` (SIGKILL) is for failover tests."""
+
+    data: Path
+    masters: int = 3
+    replicas: int = 0
+    port_range: tuple[int, int] = (20000, 40000)
+    bus_offset: int = 10000
+    start_tries: int = 20
+    ready_timeout_s: float = 30.0
+    maxmemory: str | None = None
+    nodes: list[RedisNode] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        """``redis-cluster://h:p,h:p,...``: the store address meta takes."""
+        return "redis-cluster://" + ",".join(n.addr for n in self.nodes)
+
+    @property
+    def startup_nodes(self) -> list[tuple[str, int]]:
+        return [("127.0.0.1", n.port) for n in self.nodes]
+
+    # lifecycle ------------------------------------------------------------------------
+    def start(self) -> LocalRedisCluster:
+        if self.masters < 3:
+            raise ValueError(f"a Redis Cluster needs at least 3 masters, got {self.masters}")
+        if self.replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {self.replicas}")
+        for exe in (REDIS_SERVER, REDIS_CLI):
+            if shutil.which(exe) is None:
+                raise Unavailable(f"{exe} is not installed (Debian: apt-get install redis-server)")
+        self.data.mkdir(parents=True, exist_ok=True)
+        try:
+            for i in range(self.masters * (1 + self.replicas)):
+                self.nodes.append(self._start_node(self.data / f"node{i}"))
+            self._create()
+            self.wait_ok()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            if n.proc.poll() is None:
+                n.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10.0
+        for n in self.nodes:
+            try:
+                n.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                n.proc.kill()
+                n.proc.wait()
+        self.nodes.clear()
+
+    def __enter__(self) -> LocalRedisCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def kill(self, node: RedisNode) -> None:
+        """SIGKILL one node (its replica, if any, takes over after cluster-node-timeout)."""
+        node.proc.kill()
+        node.proc.wait()
+
+    # internals --------------------------------------------------------------------------
+    def _start_node(self, d: Path) -> RedisNode:
+        d.mkdir(parents=True, exist_ok=True)
+        lo, hi = self.port_range
+        rng = random.Random(os.getpid() ^ time.monotonic_ns())
+        last = ""
+        for _ in range(self.start_tries):
+            port = rng.randrange(lo, hi)
+            for f in ("nodes.conf", "redis.log"):
+                with contextlib.suppress(FileNotFoundError):
+                    (d / f).unlink()
+            args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1",
+                    "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                    "--cluster-port", str(port + self.bus_offset),
+                    "--cluster-node-timeout", "2000", "--dir", str(d), "--logfile", "redis.log",
+                    "--save", "", "--appendonly", "no", "--daemonize", "no",
+                    "--protected-mode", "no"]
+            if self.maxmemory:
+                args += ["--maxmemory", self.maxmemory]
+            proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL)
+            node = RedisNode(port, d, proc)
+            if self._wait_listening(node):
+                return node
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+            last = _tail(d / "redis.log")
+        raise Unavailable(f"redis-server would not start in {d} after {self.start_tries} ports: {last}")
+
+    def _wait_listening(self, node: RedisNode) -> bool:
+        """True once the node answers PING; False if it exited (a port in use)."""
+        deadline = time.monotonic() + self.ready_timeout_s
+        while time.monotonic() < deadline:
+            if node.proc.poll() is not None:
+                return False
+            if _command(node.port, b"PING") == b"+PONG":
+                return True
+            time.sleep(0.02)
+        raise Unavailable(f"redis-server on port {node.port} did not answer within "
+                          f"{self.ready_timeout_s} s: {_tail(node.dir / 'redis.log')}")
+
+    def _create(self) -> None:
+        args = [REDIS_CLI, "--cluster", "create", *(n.addr for n in self.nodes),
+                "--cluster-replicas", str(self.replicas), "--cluster-yes"]
+        r = subprocess.run(args, stdin=subprocess.DEVNULL, capture_output=True,
+                           timeout=self.ready_timeout_s)
+        if r.returncode != 0:
+            raise Unavailable(f"redis-cli --cluster create failed ({r.returncode}): "
+                              f"{(r.stdout + r.stderr).decode(errors='replace')[-2000:]}")
+
+    def wait_ok(self, timeout_s: float | None = None) -> None:
+        """Wait until every running node says ``cluster_state:ok`` and knows every node."""
+        deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
+        want = sum(1 for n in self.nodes if n.proc.poll() is None)
+        info: dict[int, bytes] = {}
+        while time.monotonic() < deadline:
+            info = {n.port: _command(n.port, b"CLUSTER", b"INFO") or b""
+                    for n in self.nodes if n.proc.poll() is None}
+            if all(b"cluster_state:ok" in v and b"cluster_slots_assigned:16384" in v
+                   and _field(v, b"cluster_known_nodes") >= want for v in info.values()):
+                return
+            time.sleep(0.05)
+        raise Unavailable(f"redis cluster not ok within the deadline: {info}")
+
+
+def _field(info: bytes, name: bytes) -> int:
+    for line in info.splitlines():
+        if line.startswith(name + b":"):
+            return int(line.split(b":", 1)[1])
+    return -1
+
+
+def _command(port: int, *args: bytes) -> bytes | None:
+    """One RESP command on a fresh socket (no client library needed to watch startup);
+    the reply's first line for simple replies, the bulk body for bulk replies."""
+    req = b"*%d\r\n" % len(args) + b"".join(b"$%d\r\n%s\r\n" % (len(a), a) for a in args)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=2.0) as s:
+            s.sendall(req)
+            buf = b""
+            while b"\r\n" not in buf:
+                chunk = s.recv(65536)
+                if not chunk:
+                    return None
+                buf += chunk
+            head, _, rest = buf.partition(b"\r\n")
+            if not head.startswith(b"$"):
+                return head
+            n = int(head[1:])
+            while len(rest) < n:
+                chunk = s.recv(65536)
+                if not chunk:
+                    return None
+                rest += chunk
+            return rest[:n]
+    except OSError:
+        return None
+
+
+def _tail(path: Path, n: int = 600) -> str:
+    try:
+        return path.read_bytes()[-n:].decode(errors="replace")
+    except OSError:
+        return "(no log)"

@@ -1,0 +1,105 @@
+"""The ``MetaStore`` interface: every operation meta needs from where its index lives.
+
+Two implementations: SQLite with meta's in-memory index in front (the embedded
+default; today ``kvfs.meta.store`` + ``kvfs.meta.service``'s index) and Redis Cluster
+(:mod:`kvfs.meta.redis_store`), where meta processes keep no index of their own and
+several can serve one store.
+
+Every call is batched and async.  Times are meta's clock (``now`` is passed in, so a
+test's fake clock governs expiry and leases on every backend).  Each destructive call
+is a compare-and-swap and says what it compares; on SQLite it is one transaction in one
+event-loop step, on Redis one Lua script per key bucket (see the backend's notes on
+what holds per key rather than per batch).
+"""
+
+from __future__ import annotations
+
+import builtins
+from collections.abc import AsyncIterator, Sequence
+from typing import Any, Protocol
+
+from kvfs.layout import Layout
+
+
+class MetaStore(Protocol):
+    async def open(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def cluster_id(self, *, create: str | None = None) -> str:
+        """This cluster's id, made once (``create`` gives it, default a random one)."""
+
+    # keys ------------------------------------------------------------------------------
+    async def commit(self, rows: Sequence[tuple[bytes, Layout]], now: float) -> None:
+        """Store stamped layouts (overwrites replace; the old layout's bytes stop being
+        live).  Raises :class:`kvfs.errors.StaleLayout` for a layout naming a retired
+        chunk: that key is not committed."""
+
+    async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+        """Layouts of unexpired keys (None for a miss); records the access (LRU)."""
+
+    async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]: ...
+
+    async def match_prefix(self, keys: Sequence[bytes], now: float,
+                           lease_until: float | None = None) -> int:
+        """How many leading keys are present and unexpired; leases them until
+        ``lease_until`` (never shortening a longer lease)."""
+
+    async def delete(self, keys: Sequence[bytes]) -> list[tuple[bytes, Layout]]:
+        """Remove keys; returns the removed ones with their layouts."""
+
+    async def list(self, prefix: bytes, start_after: bytes | None,
+                   limit: int) -> list[tuple[bytes, Layout]]:
+        """Keys starting with ``prefix`` after ``start_after``, in byte order, at most
+        ``limit`` (expired ones included: the caller filters)."""
+
+    async def touch(self, keys: Sequence[bytes], now: float) -> None: ...
+
+    async def flush_access(self) -> None:
+        """Write buffered access times (lookups record them in memory first)."""
+
+    def scan(self, batch: int = 1000) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
+        """Every stored key with its layout, in batches, no order (GC status, refs)."""
+
+    # garbage collection ----------------------------------------------------------------
+    async def expired(self, now: float, limit: int) -> builtins.list[bytes]:
+        """Keys whose expiry passed, oldest expiry first (approximately across buckets)."""
+
+    async def remove_expired(self, keys: Sequence[bytes], now: float) -> builtins.list[tuple[bytes, Layout]]:
+        """Remove those of ``keys`` still expired at ``now`` (an overwrite since wins)."""
+
+    async def lru(self, limit: int,
+                  after: tuple[float, bytes] | None = None) -> builtins.list[tuple[bytes, float]]:
+        """(key, last_access) least recently used first, after the ``after`` cursor."""
+
+    async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> builtins.list[tuple[bytes, Layout]]:
+        """Remove each victim only if it still has that layout and no lease past ``now``."""
+
+    async def chunk_live(self, chunks: Sequence[int] | None = None) -> dict[int, int]:
+        """Live bytes per chunk (every replica's value + record header + key), derived
+        from the layouts; only chunks with live bytes, or only ``chunks``."""
+
+    async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> builtins.list[bool]:
+        """Compare-and-swap (key, expected, new): replaced only where the key still has
+        exactly ``expected`` and ``new`` names no retired chunk (relocation, fsck)."""
+
+    async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> builtins.list[int]:
+        """Mark chunks dead, only those no layout references; a dead chunk is refused
+        by :meth:`commit` and :meth:`switch` forever after.  Returns the dead ones of
+        ``chunks`` (retired now or before)."""
+
+    async def dead_chunks(self) -> dict[int, float]:
+        """Retired chunk -> when."""
+
+    # registry and state ----------------------------------------------------------------
+    async def servers(self) -> builtins.list[tuple[int, str, int, int]]:
+        """(server_id, addr, capacity, free) of every registered chunkserver."""
+
+    async def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None: ...
+
+    async def get_state(self, name: str) -> Any: ...
+
+    async def put_state(self, name: str, value: Any) -> None: ...
+
+    async def count(self) -> int:
+        """Keys stored (expired ones included)."""

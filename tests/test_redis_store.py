@@ -1,0 +1,229 @@
+"""The Redis Cluster meta store against a real 3-master cluster (``redis-server``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.layout import Extent, Layout, Replica
+from kvfs.meta.redis_local import LocalRedisCluster
+from kvfs.meta.redis_store import (
+    RedisMetaStore,
+    decode_value,
+    encode_value,
+    live_contrib,
+    parse_url,
+)
+
+pytestmark = pytest.mark.redis
+
+NOW = 1_800_000_000.0
+BIG = (5000 << 40) | 12345  # a chunk id past 2**53: Lua must never turn it into a double
+
+
+def lay(*replicas: tuple[int, int, int], size: int = 100, expires_at: float | None = None,
+        created: float = NOW) -> Layout:
+    """One extent of ``size`` bytes with the given (server, chunk, offset) replicas."""
+    return Layout(size, 7, created, expires_at,
+                  (Extent(size, 9, tuple(Replica(*r) for r in replicas)),))
+
+
+def expected_live(rows: dict[bytes, Layout]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for k, v in rows.items():
+        for c, n in live_contrib(k, v).items():
+            out[c] = out.get(c, 0) + n
+    return out
+
+
+def test_value_codec_round_trips_big_chunk_ids() -> None:
+    v = lay((5000, BIG, 2**40), expires_at=NOW + 0.125)
+    enc = encode_value(b"k", v)
+    assert decode_value(enc) == v
+    assert str(BIG).encode() in enc.split(b"|")[0]
+
+
+def test_url_parsing() -> None:
+    assert parse_url("redis-cluster://127.0.0.1:7000,h:7001") == [("127.0.0.1", 7000), ("h", 7001)]
+    for bad in ("redis://h:1", "redis-cluster://", "redis-cluster://h"):
+        with pytest.raises(InvalidArgument):
+            parse_url(bad)
+
+
+def test_a_cluster_needs_three_masters(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="at least 3 masters"):
+        LocalRedisCluster(tmp_path, masters=2).start()
+
+
+async def test_layouts_round_trip_across_buckets(redis_store: RedisMetaStore) -> None:
+    s = redis_store
+    rows = {f"key-{i}".encode(): lay((1, 10 + i % 3, i * 100), size=i + 1) for i in range(60)}
+    rows[b"big"] = lay((5000, BIG, 0), (2, 20, 4096))
+    await s.commit(list(rows.items()), NOW)
+    assert len({s.bucket(k) for k in rows}) > 8  # the batch spans buckets (and so nodes)
+    keys = [*rows, b"missing"]
+    assert await s.lookup(keys, NOW) == [*rows.values(), None]
+    assert await s.exists(keys, NOW) == [True] * len(rows) + [False]
+    assert await s.count() == len(rows)
+    assert await s.match_prefix([b"key-0", b"key-1", b"nope", b"key-2"], NOW) == 2
+    seen = {k: v async for batch in s.scan(batch=7) for k, v in batch}
+    assert seen == rows
+
+
+async def test_expiry_is_exact_with_meta_clock(redis_store: RedisMetaStore) -> None:
+    s = redis_store
+    await s.commit([(b"a", lay((1, 1, 0), expires_at=NOW + 10)),
+                    (b"b", lay((1, 1, 200), expires_at=NOW + 10))], NOW)
+    await s.commit([(b"c", lay((1, 1, 400)))], NOW)
+    assert await s.exists([b"a", b"c"], NOW + 9.999) == [True, True]
+    assert await s.lookup([b"a", b"c"], NOW + 10) == [None, lay((1, 1, 400))]
+    assert await s.match_prefix([b"a"], NOW + 10) == 0
+    assert sorted(await s.expired(NOW + 10, 100)) == [b"a", b"b"]
+    assert await s.expired(NOW + 9, 100) == []
+    # b is overwritten without a TTL before the sweep: the sweep must not remove it
+    await s.commit([(b"b", lay((1, 2, 0)))], NOW + 11)
+    gone = await s.remove_expired([b"a", b"b"], NOW + 11)
+    assert [k for k, _ in gone] == [b"a"]
+    assert await s.lookup([b"a", b"b"], NOW + 11) == [None, lay((1, 2, 0))]
+    assert await s.expired(NOW + 100, 100) == []
+
+
+async def test_live_bytes_follow_commits_overwrites_and_deletes(redis_store: RedisMetaStore) -> None:
+    s = redis_store
+    rows = {f"k{i}".encode(): lay((1, 100 + i % 4, i * 512), (2, BIG + i % 2, i * 512), size=300 + i)
+            for i in range(40)}
+    await s.commit(list(rows.items()), NOW)
+    assert await s.chunk_live() == expected_live(rows)
+    over = {k: lay((3, 200, 0), size=50) for k in list(rows)[:10]}
+    await s.commit(list(over.items()), NOW)
+    rows.update(over)
+    assert await s.chunk_live() == expected_live(rows)
+    gone = await s.delete([*list(rows)[5:15], b"never"])
+    assert sorted(k for k, _ in gone) == sorted(list(rows)[5:15])
+    for k in list(rows)[5:15]:
+        del rows[k]
+    assert await s.chunk_live() == expected_live(rows)
+    assert await s.chunk_live([100, BIG, 999]) == {c: n for c, n in expected_live(rows).items()
+                                                   if c in (100, BIG)}
+    await s.delete(list(rows))
+    assert await s.chunk_live() == {}
+
+
+async def test_switch_is_a_compare_and_swap(redis_store: RedisMetaStore) -> None:
+    s = redis_store
+    old = lay((1, 10, 0))
+    await s.commit([(b"k", old), (b"j", old)], NOW)
+    moved = lay((1, 11, 64))
+    # a stale source (the key was overwritten since the copy) is refused
+    newer = lay((1, 12, 0))
+    await s.commit([(b"j", newer)], NOW + 1)
+    assert await s.switch([(b"k", old, moved), (b"j", old, moved), (b"gone", old, moved)]) == [
+        True, False, False]
+    assert await s.lookup([b"k", b"j"], NOW + 1) == [moved, newer]
+    assert await s.chunk_live() == expected_live({b"k": moved, b"j": newer})
+    # a switch into a retired chunk is refused too
+    assert await s.retire(1, [13], NOW) == [13]
+    assert await s.switch([(b"k", moved, lay((1, 13, 0)))]) == [False]
+    assert await s.lookup([b"k"], NOW + 1) == [moved]
+
+
+async def test_retire_refuses_live_chunks_and_commits_refuse_dead_ones(
+        redis_store: RedisMetaStore) -> None:
+    s = redis_store
+    await s.commit([(f"k{i}".encode(), lay((1, 10, i * 200))) for i in range(20)], NOW)
+    assert await s.retire(1, [10, 11, BIG], NOW) == [11, BIG]  # 10 is live in some bucket
+    assert set(await s.dead_chunks()) == {11, BIG}
+    assert await s.retire(1, [11], NOW + 5) == [11]  # already dead: still reported
+    assert (await s.dead_chunks())[11] == NOW
+    with pytest.raises(StaleLayout, match="chunk 11"):
+        await s.commit([(b"late", lay((1, 11, 0)))], NOW)
+    assert await s.lookup([b"late"], NOW) == [None]
+    # 10 stayed usable in every bucket (the refused retire undid its marks)
+    await s.commit([(f"n{i}".encode(), lay((1, 10, 9000 + i))) for i in range(20)], NOW)
+    await s.delete([f"k{i}".encode() for i in range(20)] + [f"n{i}".encode() for i in range(20)])
+    assert await s.retire(1, [10], NOW) == [10]
+
+
+async def test_list_pages_in_byte_order(redis_store: RedisMetaStore) -> None:
+    s = redis_store
+    # skewed: most keys in bucket 0, so its buffer runs dry and is refilled mid-page
+    keys = [k for i in range(0, 1800, 3) if s.bucket(k := f"p/{i:04d}".encode()) == 0 or i % 10 == 0]
+    keys += [b"q/1", b"p", b"o/9", b"p/\xff"]
+    await s.commit([(k, lay((1, 1, 0))) for k in keys], NOW)
+    want = sorted(k for k in keys if k.startswith(b"p/"))
+    got: list[bytes] = []
+    after = None
+    while True:
+        page = await s.list(b"p/", after, 50)
+        got += [k for k, _ in page]
+        if len(page) < 50:
+            break
+        after = page[-1][0]
+    assert got == want
+    assert [k for k, _ in await s.list(b"", None, 1000)] == sorted(keys)
+    tail = sorted(k for k in keys if k.startswith(b"p/1") and k > b"p/1050")[:3]
+    assert [k for k, _ in await s.list(b"p/1", b"p/1050", 3)] == tail
+
+
+async def test_lru_orders_by_access_and_pages_through_ties(redis_store: RedisMetaStore) -> None:
+    s = redis_store
+    keys = [f"k{i:03d}".encode() for i in range(300)]
+    await s.commit([(k, lay((1, 1, 0))) for k in keys], NOW)  # all tied at NOW
+    await s.lookup(keys[:5], NOW + 10)
+    await s.touch(keys[5:7], NOW + 5)
+    await s.flush_access()
+    order = await s.lru(1000)
+    assert [k for k, _ in order] == sorted(keys[7:]) + keys[5:7] + keys[:5]
+    pages: list[bytes] = []
+    after = None
+    while True:
+        page = await s.lru(4, after)
+        pages += [k for k, _ in page]
+        if len(page) < 4:
+            break
+        after = (page[-1][1], page[-1][0])
+    assert pages == [k for k, _ in order]
+
+
+async def test_evict_yields_to_leases_and_overwrites(redis_store: RedisMetaStore) -> None:
+    s = redis_store
+    rows = {k: lay((1, 1, i * 100)) for i, k in enumerate([b"a", b"b", b"c", b"d"])}
+    await s.commit(list(rows.items()), NOW)
+    assert await s.match_prefix([b"a", b"b"], NOW, lease_until=NOW + 30) == 2
+    await s.commit([(b"c", lay((1, 2, 0)))], NOW + 1)  # overwritten after the victim was chosen
+    gone = await s.evict(list(rows.items()), NOW + 1)
+    assert sorted(k for k, _ in gone) == [b"d"]
+    # a lease is only lengthened, and it lapses with meta's clock
+    assert await s.match_prefix([b"a"], NOW, lease_until=NOW + 5) == 1
+    assert await s.evict([(b"a", rows[b"a"])], NOW + 29) == []
+    assert [k for k, _ in await s.evict([(b"a", rows[b"a"])], NOW + 31)] == [b"a"]
+
+
+async def test_registry_state_and_cluster_id(redis_store: RedisMetaStore) -> None:
+    s = redis_store
+    cid = await s.cluster_id()
+    assert await s.cluster_id(create="other") == cid
+    await s.put_server(2, "127.0.0.1:9", 100, 50)
+    await s.put_server(1, "127.0.0.1:8", 10, 5)
+    await s.put_server(2, "127.0.0.1:10", 100, 40)
+    assert await s.servers() == [(1, "127.0.0.1:8", 10, 5), (2, "127.0.0.1:10", 100, 40)]
+    assert await s.get_state("metrics") is None
+    await s.put_state("metrics", {"passes": 3})
+    assert await s.get_state("metrics") == {"passes": 3}
+
+
+async def test_two_stores_share_one_namespace(redis_cluster: LocalRedisCluster,
+                                              redis_store: RedisMetaStore) -> None:
+    """Stateless meta: a second process on the same store sees every commit, and the
+    bucket count is the store's, not the opener's."""
+    await redis_store.commit([(b"shared", lay((1, 1, 0)))], NOW)
+    other = RedisMetaStore(redis_cluster.url, namespace=redis_store.ns, buckets=3)
+    await other.open()
+    try:
+        assert other.buckets == redis_store.buckets
+        assert await other.lookup([b"shared"], NOW) == [lay((1, 1, 0))]
+        assert await other.cluster_id() == await redis_store.cluster_id()
+    finally:
+        await other.close()
