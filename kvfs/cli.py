@@ -35,6 +35,7 @@ from kvfs.config import (
 )
 from kvfs.errors import KVFSError
 from kvfs.handshake import Role
+from kvfs.tls import server_context
 from kvfs.units import format_size
 
 log = logging.getLogger("kvfs.cli")
@@ -118,6 +119,7 @@ async def cmd_up(ns: argparse.Namespace) -> int:
     from kvfs.launcher import ProcessCluster
 
     cfg = from_options(UpConfig, ns)  # every argument checked before anything starts
+    server_context(cfg, "TLS")  # the TLS files load (the children load them again)
     meta_args: list[str] = []
     if cfg.default_ttl_s is not None:
         meta_args += ["--default-ttl", repr(cfg.default_ttl_s)]
@@ -143,8 +145,10 @@ async def cmd_up(ns: argparse.Namespace) -> int:
         token_path = cluster.write_user_token()
         print(addr, flush=True)
         pids = ", ".join(f"{p.name} {p.pid}" for p in cluster.services())
-        tls = (f"TLS with {cfg.tls_cert}" + (", mutual" if cfg.tls_ca else "")
-               if cfg.tls_cert else "no TLS")
+        tls = ("no TLS" if cfg.tls_cert is None else
+               f"TLS with {cfg.tls_cert} (clients: --tls-ca or $KVFS_TLS_CA"
+               + (f" {cfg.tls_ca}, and a client certificate it signed: mutual TLS)"
+                  if cfg.tls_ca else ")"))
         report(f"{cfg.chunkservers} chunkservers{' + gc daemon' if cfg.gc else ''}, data in "
                f"{cluster.data}; token in {token_path} (mode 0600); {tls}; pid {os.getpid()} "
                f"({pids}). Ctrl-C stops all.")
@@ -249,6 +253,9 @@ async def cmd_stat(ns: argparse.Namespace) -> int:
         print(json.dumps(st, default=str))
         return 0
     print(f"keys: {st['keys']}   bytes: {format_size(st['bytes'])}")
+    from kvfs.gc.cli import format_repair
+
+    print(format_repair(st.get("gc", {}).get("repair"), st.get("gc", {}).get("metrics", {})))
     print(f"{'id':>3} {'addr':<22} {'alive':<5} {'capacity':>11} {'free':>11} {'chunks':>6} "
           f"{'written':>11} {'live':>11} {'garbage':>11}")
     for s in st["servers"]:

@@ -259,7 +259,9 @@ class FrameDecoder:
             return None
         magic, version, op, flags, rid, hlen, plen = FIXED.unpack_from(self._scratch, self._start)
         if magic != MAGIC:
-            raise RemoteProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): not a kvfs peer?")
+            what = ("a TLS handshake: the peer speaks TLS and this side does not"
+                    if bytes(magic[:2]) == b"\x16\x03" else "not a kvfs peer?")
+            raise RemoteProtocolError(f"bad frame magic {bytes(magic)!r} (expected {MAGIC!r}): {what}")
         if version != PROTOCOL_VERSION:
             raise VersionMismatch(
                 f"peer speaks kvfs protocol version {version}, this side speaks {PROTOCOL_VERSION}"

@@ -29,6 +29,7 @@ from kvfs import rpc
 from kvfs.errors import Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.index import Entry, MetaIndex, disk_bytes
+from kvfs.meta.repair import RepairSummary, plan_repairs, replace_replica
 from kvfs.server import Reply
 
 log = logging.getLogger("kvfs.meta.gc")
@@ -36,7 +37,7 @@ log = logging.getLogger("kvfs.meta.gc")
 METRIC_NAMES = (
     "keys_expired", "bytes_expired", "keys_evicted", "bytes_evicted", "chunks_compacted",
     "bytes_copied", "keys_relocated", "chunks_deleted", "bytes_reclaimed", "replicas_dropped",
-    "passes", "pass_duration_s", "last_pass_duration_s",
+    "passes", "pass_duration_s", "last_pass_duration_s", "extents_repaired", "bytes_repaired",
 )
 
 
@@ -65,7 +66,20 @@ class MetaGc:
 
     def summary(self) -> rpc.GcSummary:
         return rpc.GcSummary(paused=self.paused, metrics=dict(self.metrics),
-                             last_run=self.last_run, dead_chunks=len(self.dead_chunks))
+                             last_run=self.last_run, dead_chunks=len(self.dead_chunks),
+                             repair=self.repair_summary().state())
+
+    def _repair_plan(self, limit_bytes: int, summary: RepairSummary | None) -> list[rpc.RepairItem]:
+        ix = self.index
+        alive = {sid for sid, s in ix.servers.items() if ix.alive(s)}
+        return plan_repairs(((k, e.layout) for k, e in ix.entries.items()), ix.gone_servers(),
+                            alive, limit_bytes=limit_bytes, now=ix.clock(), summary=summary)
+
+    def repair_summary(self) -> RepairSummary:
+        """Under-replicated extents now (a scan of the index, only while a server is gone)."""
+        summary = RepairSummary()
+        self._repair_plan(0, summary)
+        return summary
 
     def check_not_dead(self, layout: Layout) -> bool:
         dead = self.dead_chunks
@@ -189,7 +203,8 @@ class MetaGc:
         summary = self.summary()
         return rpc.GcStatusReply(time=now, servers=servers, expired_keys=expired_total,
                                  paused=summary.paused, metrics=summary.metrics,
-                                 last_run=summary.last_run, dead_chunks=summary.dead_chunks), ()
+                                 last_run=summary.last_run, dead_chunks=summary.dead_chunks,
+                                 repair=summary.repair), ()
 
     async def rpc_gc_expire(self, req: rpc.GcExpire, payload: memoryview) -> Reply:
         ix = self.index
@@ -366,6 +381,37 @@ class MetaGc:
             self._count(**inc)
         return rpc.Empty(), ()
 
+    async def rpc_gc_repair_plan(self, req: rpc.GcRepairPlan, payload: memoryview) -> Reply:
+        """Extents with a replica on a gone server, readable from a live one (kvfs.meta.repair)."""
+        summary = RepairSummary()
+        items = self._repair_plan(req.limit_bytes, summary)
+        st = summary.state()
+        return rpc.RepairPlan(items=items, under_replicated_extents=st.under_replicated_extents,
+                              under_replicated_bytes=st.under_replicated_bytes,
+                              unrepairable_extents=st.unrepairable_extents), ()
+
+    async def rpc_gc_repair(self, req: rpc.GcRepair, payload: memoryview) -> Reply:
+        """Switch each lost replica to its new copy, compare-and-swap (kvfs.meta.repair)."""
+        ix = self.index
+        staged: dict[bytes, tuple[Entry, Layout]] = {}
+        repaired = skipped = nbytes = 0
+        for key, extent, lost, new in req.items:
+            e = ix.entries.get(key)
+            if e is None or new.server_id not in ix.servers:
+                skipped += 1
+                continue
+            switched = replace_replica(staged.get(key, (e, e.layout))[1], extent, lost, new)
+            if switched is None or not self.check_not_dead(switched):
+                skipped += 1
+                continue
+            staged[key] = (e, switched)
+            repaired += 1
+            nbytes += switched.extents[extent].length
+        ix.switch_layouts([(k, e, lay) for k, (e, lay) in staged.items()])
+        if repaired:
+            self._count(extents_repaired=repaired, bytes_repaired=nbytes)
+        return rpc.Repaired(repaired=repaired, skipped=skipped), ()
+
     async def rpc_gc_drop_replicas(self, req: rpc.GcDropReplicas, payload: memoryview) -> Reply:
         """fsck repair: forget replicas whose bytes are missing or corrupt; a key left with an
         extent without replicas is deleted (a cache miss is correct, wrong bytes never are)."""
@@ -401,8 +447,8 @@ class MetaGc:
         return rpc.Dropped(dropped=dropped, deleted_keys=n_deleted), ()
 
     async def rpc_make_room(self, req: rpc.MakeRoom, payload: memoryview) -> Reply:
-        """One GC pass (apply, no grace period) on behalf of a writer that found the cluster
-        full.  Requests that arrive while a pass runs wait for the next one, which they
+        """One GC pass (apply, no grace period, no repair: copies would take room, not make
+        it) on behalf of a writer that found the cluster full.  Requests that arrive while a pass runs wait for the next one, which they
         share (it starts after their refused appends were reported)."""
         from kvfs.gc.driver import GarbageCollector, PassOptions  # the pass the daemon runs
 
@@ -415,7 +461,7 @@ class MetaGc:
                 addr, token = self.home
                 log.info("cluster full: a GC pass on a writer's request")
                 async with GarbageCollector(addr, token=token, tls=self.index.config) as gc:
-                    r = await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
+                    r = await gc.run_pass(PassOptions(apply=True, grace_s=0.0, repair=False))
                 self._room_made = rpc.RoomMade(expired_keys=r.expired_keys, evicted_keys=r.evicted_keys,
                                                bytes_reclaimed=r.bytes_reclaimed)
         return self._room_made, ()

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import MetaConfig
 from kvfs.layout import Layout, encode_layout
+from kvfs.meta.repair import readable
 from kvfs.meta.store import MetaStore
 
 log = logging.getLogger("kvfs.meta")
@@ -67,6 +68,7 @@ class MetaIndex:
         self.servers: dict[int, ServerInfo] = {}
         self.leases: dict[bytes, float] = {}
         self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
+        self.started = time.monotonic()  # servers known before a restart get dead_after_s from here
 
     def load(self) -> None:
         for key, layout, last_access in self.store.load():
@@ -92,6 +94,20 @@ class MetaIndex:
 
     def alive(self, s: ServerInfo) -> bool:
         return time.monotonic() - s.last_heartbeat < self.config.heartbeat_timeout_s
+
+    def dead(self, s: ServerInfo) -> bool:
+        """Silent for ``dead_after_s`` (since meta started, for a server not seen since)."""
+        after = max(self.config.dead_after_s, self.config.heartbeat_timeout_s)
+        return time.monotonic() - max(s.last_heartbeat, self.started) >= after
+
+    def gone_servers(self) -> set[int]:
+        """Servers whose replicas count as lost: dead ones."""
+        return {sid for sid, s in self.servers.items() if self.dead(s)}
+
+    def readable(self, key: bytes, now: float, gone: set[int]) -> bool:
+        """Unexpired, and every extent has a replica off the ``gone`` servers."""
+        e = self.get(key, now)
+        return e is not None and readable(e.layout, gone)
 
     def used(self, s: ServerInfo) -> int:
         return sum(s.chunks.values())

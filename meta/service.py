@@ -95,14 +95,16 @@ class MetaService:
     async def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply:
         ix = self.index
         now = self.clock()
-        return rpc.Existing(exists=[ix.get(k, now) is not None for k in req.keys]), ()
+        gone = ix.gone_servers()
+        return rpc.Existing(exists=[ix.readable(k, now, gone) for k in req.keys]), ()
 
     async def rpc_match_prefix(self, req: rpc.MatchPrefix, payload: memoryview) -> Reply:
         ix = self.index
         now = self.clock()
+        gone = ix.gone_servers()
         n = 0
         for k in req.keys:
-            if ix.get(k, now) is None:
+            if not ix.readable(k, now, gone):
                 break
             n += 1
         if req.lease_s:
@@ -166,7 +168,7 @@ class MetaService:
             written = sum(s.chunks.values())
             live = sum(ix.chunk_live.get(c, 0) for c in s.chunks)
             servers.append(rpc.ServerStats(
-                server_id=s.server_id, addr=s.addr, alive=ix.alive(s),
+                server_id=s.server_id, addr=s.addr, alive=ix.alive(s), dead=ix.dead(s),
                 capacity=s.capacity, free=s.free, used=s.used, shared_by=s.shared_by,
                 chunks=len(s.chunks), written=written, live=live,
                 garbage=max(0, written - live)))

@@ -15,7 +15,7 @@ import pytest
 from kvfs._loop import new_event_loop
 from kvfs.address import parse_addr
 from kvfs.client import AsyncClient
-from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig
+from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig, TlsConfig
 from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
 from kvfs.rpc import Op
@@ -163,7 +163,7 @@ async def proc_cluster(tmp_path: Path) -> AsyncIterator[ProcessCluster]:
 class ThreadCluster:
     """A LocalCluster on its own event-loop thread, for synchronous callers (fsspec, FUSE)."""
 
-    def __init__(self, root: Path, chunkservers: int = 3) -> None:
+    def __init__(self, root: Path, chunkservers: int = 3, tls: TlsConfig | None = None) -> None:
         self.loop = new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, name="cluster", daemon=True)
         self.thread.start()
@@ -173,7 +173,8 @@ class ThreadCluster:
                                     meta=MetaConfig(data=root / "meta", listen="127.0.0.1:0",
                                                     fsync=FsyncMode.NEVER),
                                     chunkserver=ChunkServerConfig(data=root, heartbeat_interval_s=0.2,
-                                                                  fsync=FsyncMode.NEVER))
+                                                                  fsync=FsyncMode.NEVER),
+                                    tls=tls)
         self.addr = self.call(self.cluster.start())
         self.token = self.cluster.token
 

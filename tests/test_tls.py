@@ -233,7 +233,7 @@ def test_kvfs_up_with_tls_end_to_end(tmp_path: Path, certs: Certs) -> None:
     try:
         pids = up.children()
         assert set(pids) == {"meta", "chunkserver 0", "chunkserver 1", "gc"}
-        assert "TLS with" in up.stderr() and "mutual" in up.stderr()
+        assert "TLS with" in up.stderr() and "mutual TLS" in up.stderr()
         mine = ["--tls-ca", str(certs.ca), "--tls-cert", str(certs.client_cert),
                 "--tls-key", str(certs.client_key)]
         value = os.urandom(3_000_000)
@@ -309,3 +309,66 @@ def test_engine_config_and_fsspec_options_carry_tls(tmp_path: Path, certs: Certs
         loop.call_soon_threadsafe(loop.stop)
         thread.join(30)
         loop.close()
+
+
+@pytest.mark.fuse
+@pytest.mark.skipif(not os.path.exists("/dev/fuse") or os.geteuid() != 0,
+                    reason="FUSE mount tests run as root with /dev/fuse")
+def test_fuse_mount_over_tls(tmp_path: Path, certs: Certs) -> None:
+    """`kvfs mount --tls-*` against a mutual-TLS cluster; without them it refuses to mount."""
+    import subprocess
+    import sys
+
+    from conftest import ThreadCluster
+    from test_fuse import Mount
+
+    from kvfs.fs import KVFileSystem
+
+    c = ThreadCluster(tmp_path / "cluster", 1, tls=certs.services())
+    m: Mount | None = None
+    try:
+        flags = ["--tls-ca", str(certs.ca), "--tls-cert", str(certs.client_cert),
+                 "--tls-key", str(certs.client_key)]
+        m = Mount(tmp_path / "mnt", c, tmp_path / "logs", *flags)
+        (m.mnt / "over-tls.bin").write_bytes(b"through the mount, over TLS")
+        fs = KVFileSystem(c.addr, token=c.token, skip_instance_cache=True, tls_ca=str(certs.ca),
+                          tls_cert=str(certs.client_cert), tls_key=str(certs.client_key))
+        try:
+            assert fs.cat_file("over-tls.bin") == b"through the mount, over TLS"
+        finally:
+            fs.close()
+        (tmp_path / "plain").mkdir()
+        r = subprocess.run([sys.executable, "-m", "kvfs", "mount", str(tmp_path / "plain"),
+                            "--addr", c.addr, "--timeout", "2s"],
+                           env={**os.environ, "KVFS_TOKEN": c.token}, capture_output=True,
+                           text=True, timeout=60)
+        assert r.returncode == 1 and "--tls-ca" in r.stderr, r.stderr
+    finally:
+        if m is not None:
+            m.cleanup()
+        c.close()
+
+
+@pytest.mark.subprocess
+def test_kvfs_up_checks_its_tls_files_before_starting(tmp_path: Path, certs: Certs) -> None:
+    import subprocess
+    import sys
+
+    for args, said in ((["--tls-key", str(certs.key)], "--tls-key/--tls-ca need --tls-cert"),
+                       (["--tls-cert", str(tmp_path / "nope.pem")], "no such file"),
+                       (["--tls-cert", str(certs.ca)], "cannot load")):
+        r = subprocess.run([sys.executable, "-m", "kvfs", "up", "--data", str(tmp_path / "d"),
+                            "--listen", "127.0.0.1:0", *args], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 1 and said in r.stderr, r.stderr
+        assert not (tmp_path / "d").exists()  # nothing was started or created
+
+
+def test_a_tls_hello_to_a_plaintext_decoder_is_named() -> None:
+    from kvfs.errors import RemoteProtocolError
+    from kvfs.protocol import FrameDecoder
+
+    dec = FrameDecoder()
+    with pytest.raises(RemoteProtocolError, match="the peer speaks TLS and this side does not"):
+        dec.receive_data(b"\x16\x03\x01\x02\x00" + bytes(64))
+        dec.next_event()

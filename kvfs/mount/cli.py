@@ -77,8 +77,8 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
     fs = KVFileSystem(ns.addr, token=token_from_file(ns.token_file), config=cfg, ttl=ns.ttl, asynchronous=True,
                       skip_instance_cache=True)
     try:
-        async with asyncio.timeout(timeout_s):
-            await fs.client.stats()
+        async with asyncio.timeout(cfg.connect_timeout_s + timeout_s):  # connect, then one call:
+            await fs.client.stats()  # the client's own error (e.g. naming TLS) comes first
     except (KVFSError, OSError, TimeoutError) as exc:
         await fs._close()
         print(f"kvfs mount: cannot reach the cluster at {fs.addr}: {exc}", file=sys.stderr)
