@@ -146,7 +146,7 @@ def sglang_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
         sl = slice(b.start * page, b.stop * page)
         assert backend.batch_set_v1(hashes[b.start : b.stop], idx[sl]) == [True] * len(b)
     flat.zero_()  # so the check below sees what the plug-in loaded
-    direct_bufs = np.empty((ns.pages, page_bytes), dtype=np.uint8)
+    direct_bufs = list(np.empty((ns.pages, page_bytes), dtype=np.uint8))  # one row per page
 
     def plugin(b: range) -> int:
         sl = slice(b.start * page, b.stop * page)
@@ -237,7 +237,7 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
             o.ref_count_down()
     page_bytes = len(want[0])
     value_bytes = conn.remote_metadata_bytes + page_bytes
-    direct_bufs = np.empty((ns.pages, value_bytes), dtype=np.uint8)
+    direct_bufs = list(np.empty((ns.pages, value_bytes), dtype=np.uint8))  # one row per page
     last: dict[int, bytes] = {}
 
     def plugin(b: range) -> int:
@@ -255,12 +255,12 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
         got = conn.client.get_into(keys[b.start : b.stop], direct_bufs[b.start : b.stop])
         return sum(n == value_bytes for n in got)
 
-    heads = [bytearray(conn.remote_metadata_bytes) for _ in range(ns.pages)]
+    headers = [bytearray(conn.remote_metadata_bytes) for _ in range(ns.pages)]
     payloads = np.empty((ns.pages, page_bytes), dtype=np.uint8)
 
     def direct_parts(b: range) -> int:
         got = conn.client.get_into(keys[b.start : b.stop],
-                                   [[heads[i], payloads[i]] for i in b])
+                                   [[headers[i], payloads[i]] for i in b])
         return sum(n == value_bytes for n in got)
 
     def check() -> None:
@@ -342,7 +342,7 @@ def vllm_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
         if transfer(b, load=False) != len(b):
             raise SystemExit("vllm: a store through the tier failed")
     prim[: ns.pages] = 0
-    direct_bufs = np.empty((ns.pages, block), dtype=np.uint8)
+    direct_bufs = list(np.empty((ns.pages, block), dtype=np.uint8))  # one row per page
 
     def direct(b: range) -> int:
         got = tier.client.get_into(keys[b.start : b.stop], direct_bufs[b.start : b.stop])
