@@ -122,8 +122,7 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int) -> dict[
     try:
         addr = await cluster.start()
         env = {**os.environ, TOKEN_ENV[Role.CLIENT]: cluster.token, PARENT_ENV: str(os.getpid())}
-        async with AsyncClient(addr, token=cluster.token, admin_token=cluster.admin_token,
-                               config=client_config(replicas)) as admin:
+        async with AsyncClient(addr, token=cluster.token, config=client_config(replicas)) as admin:
             await admin.put_many([(k, VALUES.of(k)) for k in seed_keys()])
             outs = [root / f"client{i}.json" for i in range(clients)]
             for i, out in enumerate(outs):
