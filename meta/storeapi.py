@@ -38,6 +38,9 @@ class MetaStore(Protocol):
     async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
         """Layouts of unexpired keys (None for a miss); records the access (LRU)."""
 
+    async def peek(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+        """Layouts of unexpired keys, recording no access."""
+
     async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]: ...
 
     async def match_prefix(self, keys: Sequence[bytes], now: float,
@@ -96,6 +99,12 @@ class MetaStore(Protocol):
         """(server_id, addr, capacity, free) of every registered chunkserver."""
 
     async def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None: ...
+
+    async def put_seen(self, server_id: int, at: float) -> None:
+        """A chunkserver's heartbeat reached a meta process at ``at`` (wall clock)."""
+
+    async def seen(self) -> dict[int, float]:
+        """server_id -> last heartbeat to any meta process sharing this store."""
 
     async def get_state(self, name: str) -> Any: ...
 
