@@ -86,6 +86,7 @@ from redis.exceptions import (
     ClusterDownError,
     ClusterError,
     MovedError,
+    RedisClusterException,
     ResponseError,
     TryAgainError,
 )
@@ -413,7 +414,12 @@ class RedisMetaStore:
     async def open(self) -> None:
         r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
                          decode_responses=False)
-        await r.initialize()
+        try:
+            await r.initialize()
+        except (*_DOWN, RedisClusterException, OSError) as exc:
+            await r.aclose()
+            nodes = ",".join(f"{h}:{p}" for h, p in self.nodes)
+            raise Unavailable(f"redis cluster at {nodes} unreachable: {type(exc).__name__}: {exc}") from exc
         self._r = r
         await self._run(self.r.set(self._g["buckets"], str(self.buckets), nx=True))
         self.buckets = int(await self._run(self.r.get(self._g["buckets"])))

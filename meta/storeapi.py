@@ -8,7 +8,7 @@ several can serve one store.
 Every call is batched and async.  Times are meta's clock (``now`` is passed in, so a
 test's fake clock governs expiry and leases on every backend).  Each destructive call
 is a compare-and-swap and says what it compares; on SQLite it is one transaction in one
-event-loop step, on Redis one Lua script per key bucket (see the backend's notes on
+event-loop step, on Redis one Lua script per Redis master (see the backend's notes on
 what holds per key rather than per batch).
 """
 
