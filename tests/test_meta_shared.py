@@ -74,3 +74,18 @@ async def test_two_metas_serve_one_store(tmp_path: Path, redis_cluster: LocalRed
     finally:
         await meta2.stop()
         await c.stop()
+
+
+async def test_a_bad_store_is_refused_by_name(tmp_path: Path) -> None:
+    from kvfs.config import MetaConfig
+    from kvfs.errors import InvalidArgument, Unavailable
+    from kvfs.meta import MetaService
+
+    with pytest.raises(InvalidArgument, match="bad meta store 'sqlite:/x': expected redis-cluster://"):
+        MetaService(MetaConfig(data=tmp_path / "a", store="sqlite:/x"))
+    meta = MetaService(MetaConfig(data=tmp_path / "b", listen="127.0.0.1:0", store="redis-cluster://127.0.0.1:1"))
+    try:
+        with pytest.raises(Unavailable, match=r"redis cluster at 127\.0\.0\.1:1 unreachable"):
+            await meta.start()
+    finally:
+        await meta.close()
