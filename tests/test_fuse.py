@@ -545,17 +545,23 @@ def test_streamed_writes_in_order_fsync_and_out_of_order(tcluster: ThreadCluster
         m.cleanup()
 
 
-async def test_closes_share_commits(kv: AsyncClient) -> None:
+@pytest.mark.parametrize(("limits", "batches"), [
+    ({}, 5),  # 1 + 1 alone while idle, then 128 + 128 + 43 queued
+    ({"max_batch_items": 50}, 8),  # 1 + 1, then 6 x 50 - 1
+    ({"max_batch_items": 50, "batches_in_flight": 1}, 7),  # 1, then 6 x 50
+])
+async def test_closes_share_commits(kv: AsyncClient, limits: dict[str, int], batches: int) -> None:
     """The mount's small-file commits: while commits are outstanding, new closes queue and go
-    out together as one put_many (one APPEND per server, one COMMIT)."""
+    out together as one put_many (one APPEND per server, one COMMIT), within the mount's
+    --max-batch-items and --batches-in-flight."""
     from kvfs.config import MountConfig
     from kvfs.mount.files import FileIO
     from kvfs.mount.inodes import InodeTable
 
-    io = FileIO(KVFileSystem(client=kv, asynchronous=True), InodeTable(), MountConfig())
+    io = FileIO(KVFileSystem(client=kv, asynchronous=True), InodeTable(), MountConfig(**limits))
     await asyncio.gather(*(io.put(f"cc/{i}", str(i).encode()) for i in range(300)),
                          io.put("cc/7", b"seven"))
-    assert io.puts.batches == 5  # 1 + 1 alone while idle, then 128 + 128 + 45 queued
+    assert io.puts.batches == batches
     assert await kv.get_many([f"cc/{i}" for i in range(300)]) == [
         b"seven" if i == 7 else str(i).encode() for i in range(300)]
 
@@ -622,3 +628,13 @@ async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> Non
         await io.info(ino, "lk/missing")
     await kv.put("lk/d/x", b"")
     assert (await io.info(table.ino_for("lk/d"), "lk/d"))["type"] == "directory"
+
+
+@pytest.mark.parametrize(("bad", "flag"), [
+    ({"max_batch_items": 0}, "--max-batch-items"), ({"batches_in_flight": 0}, "--batches-in-flight"),
+    ({"max_batch_bytes": 0}, "--max-batch"), ({"looked_up_layouts": -1}, "--looked-up-layouts")])
+def test_mount_limits_refuse_nonsense(bad: dict[str, int], flag: str) -> None:
+    from kvfs.config import MountConfig
+
+    with pytest.raises(ValueError, match=flag):
+        MountConfig(**bad)

@@ -39,14 +39,6 @@ from kvfs.stream import StreamPut, ValueReader, open_read, put_stream, read_unit
 
 __all__ = ["FileIO"]
 
-READ_BATCH_ITEMS = 128
-READ_BATCH_BYTES = 64 * 1024 * 1024
-READS_IN_FLIGHT = 2
-PUT_BATCH_ITEMS = 128
-PUT_BATCH_BYTES = 64 * 1024 * 1024
-PUTS_IN_FLIGHT = 2
-LOOKED_UP_ENTRIES = 4096
-
 Unit = tuple[ValueReader, int, bytes] | None
 
 
@@ -65,13 +57,13 @@ class FileIO:
         self.stripe = fs.client.config.stripe_bytes
         # FUSE requests reach the loop one at a time, so reads batch by load, not by tick
         self.reads: Batcher[tuple[ValueReader | bytes, int], Unit] = Batcher(
-            self._read_units, max_items=READ_BATCH_ITEMS, max_bytes=READ_BATCH_BYTES,
-            max_inflight=READS_IN_FLIGHT)
+            self._read_units, max_items=config.max_batch_items,
+            max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         # closes of small files share commits the same way: one put_many (one APPEND per
         # server, one COMMIT) for the files closed while earlier batches were running
         self.puts: Batcher[tuple[bytes, bytes], None] = Batcher(
-            self._put_many, max_items=PUT_BATCH_ITEMS, max_bytes=PUT_BATCH_BYTES,
-            max_inflight=PUTS_IN_FLIGHT)
+            self._put_many, max_items=config.max_batch_items,
+            max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         self._tasks: set[asyncio.Task[bytes]] = set()  # read-ahead in flight
 
     async def _put_many(self, items: list[tuple[bytes, bytes]]) -> list[None]:
@@ -98,7 +90,7 @@ class FileIO:
         if self.fresh_s > 0:
             self._looked_up.pop(ino, None)
             self._looked_up[ino] = (reader, asyncio.get_running_loop().time())
-            if len(self._looked_up) > LOOKED_UP_ENTRIES:
+            if len(self._looked_up) > self.config.looked_up_layouts:
                 del self._looked_up[next(iter(self._looked_up))]
         return layout_info(path, reader.layout)
 
