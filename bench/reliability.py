@@ -13,9 +13,11 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvfs import rpc
 from kvfs.config import ClientConfig
 from kvfs.errors import KVFSError
 from kvfs.gc import GarbageCollector, PassOptions
+from kvfs.gc.repair import repair_step
 from kvfs.gc.scrub import scrub
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Replica
@@ -144,6 +146,37 @@ async def scrubbed(root: Path, mib: int) -> None:
              f"repaired {r.repaired}, dropped {r.lost_keys}; the other {mib - 1} read back")
 
 
+async def decommissioned(root: Path, n: int) -> None:
+    """``kvfs gc decommission`` of one of 3 chunkservers holding ``n`` replicas=2 values and
+    ``n // 10`` replicas=1 values: drained with repair steps, forgotten, then stopped."""
+    async with LocalCluster(root, 3) as c:
+        items = {f"d/{i}".encode(): os.urandom(20_000) for i in range(n)}
+        ones = {f"one/{i}".encode(): os.urandom(20_000) for i in range(n // 10)}
+        async with c.client(ClientConfig(replicas=2)) as kv:
+            await kv.put_many(list(items.items()))
+        async with c.client(ClientConfig(replicas=1)) as kv:
+            await kv.put_many(list(ones.items()))
+            lay = await kv.layout(next(iter(ones)))
+        assert lay is not None
+        victim = lay.extents[0].replicas[0].server_id
+        async with GarbageCollector(c.addr, token=c.admin_token) as gc:
+            t0 = time.perf_counter()
+            st = await gc.meta(rpc.GcDecommission(server_id=victim))
+            left = st.bytes_left
+            while not st.forgotten:
+                await gc.sync_usage()
+                rep = await repair_step(gc, apply=True)
+                st = await gc.meta(rpc.GcDecommission(server_id=victim, start=False))
+                assert rep.extents_repaired or st.forgotten, "the drain is stuck"
+            drained = time.perf_counter() - t0
+        await c.stop_chunkserver(next(i for i, s in enumerate(c.chunkservers)
+                                      if s is not None and s.server_id == victim))
+        lost, wrong, stall = await _check(c, {**items, **ones})
+        _row(f"kvfs gc decommission of 1 of 3 chunkservers ({n} values replicas=2 + {n // 10} "
+             f"replicas=1, 20 KB each), drained, forgotten, then stopped", lost, wrong, stall, drained,
+             f"{left / 2**20:.1f} MiB copied away; time: decommission to forgotten")
+
+
 async def main_async(ns: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(dir=ns.dir) as d:
         print("| fault | values lost | wrong bytes | longest read | time to restore | notes |")
@@ -151,6 +184,7 @@ async def main_async(ns: argparse.Namespace) -> int:
         await flipped_bit(Path(d) / "bit", ns.keys)
         await lost_meta(Path(d) / "meta", ns.keys)
         await scrubbed(Path(d) / "scrub", ns.scrub_mib)
+        await decommissioned(Path(d) / "decommission", ns.keys)
     return 0
 
 

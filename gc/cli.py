@@ -1,4 +1,4 @@
-"""`kvfs gc ...`: status, run, fsck, scrub, pause/resume, daemon.
+"""`kvfs gc ...`: status, run, fsck, scrub, decommission, pause/resume, daemon.
 
 Anything that deletes is a dry run unless ``--apply``.
 """
@@ -14,9 +14,11 @@ import sys
 import time
 from typing import Any
 
+from kvfs import rpc
 from kvfs.address import token_from_file
 from kvfs.config import GcConfig, TlsConfig, add_options, from_options
 from kvfs.gc.driver import GarbageCollector, PassOptions, PassReport, run_daemon
+from kvfs.gc.repair import repair_step
 from kvfs.gc.scrub import ScrubReport, scrub
 from kvfs.units import format_size, parse_duration, parse_size
 
@@ -207,6 +209,31 @@ async def cmd_scrub(ns: argparse.Namespace) -> int:
     return 0 if rep.apply or not (rep.missing or rep.corrupt) else 2
 
 
+def format_drain(st: rpc.DrainState) -> str:
+    if st.forgotten:
+        return f"chunkserver {st.server_id}: drained and forgotten (stop it; its chunk files are garbage)"
+    what = "draining" if st.draining else "not draining"
+    return (f"chunkserver {st.server_id}: {what}, {st.extents_left} extents "
+            f"({format_size(st.bytes_left)}) still on it")
+
+
+async def cmd_decommission(ns: argparse.Namespace) -> int:
+    async with _collector(ns, _progress) as gc:
+        st = await gc.meta(rpc.GcDecommission(server_id=ns.server_id, start=not ns.status,
+                                              cancel=ns.cancel))
+        while ns.wait and not st.forgotten and st.draining:
+            print(format_drain(st), flush=True)
+            await gc.sync_usage()
+            rep = await repair_step(gc, apply=True, rate_bytes=ns.repair_rate)
+            st = await gc.meta(rpc.GcDecommission(server_id=ns.server_id, start=False))
+            if not rep.extents_repaired and not st.forgotten:
+                print(f"{format_drain(st)}: nothing more can be copied now (no live source or no "
+                      "room); the GC daemon's repair step keeps trying", file=sys.stderr)
+                return 1
+    print(json.dumps(rpc.to_dict(st)) if ns.json else format_drain(st))
+    return 0
+
+
 async def cmd_pause(ns: argparse.Namespace) -> int:
     async with _collector(ns) as gc:
         paused = await gc.set_paused(ns.paused)
@@ -230,7 +257,7 @@ async def cmd_daemon(ns: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    gc = sub.add_parser("gc", help="garbage collection: status, run, fsck, scrub, pause/resume, daemon")
+    gc = sub.add_parser("gc", help="garbage collection: status, run, fsck, scrub, decommission, pause/resume, daemon")
     gsub = gc.add_subparsers(dest="gc_command", required=True)
 
     p = gsub.add_parser("status", help="per chunkserver: capacity, used, live, garbage, expired keys")
@@ -272,6 +299,19 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--apply", action="store_true", help="repair and drop (default: report)")
     _options(p)
     p.set_defaults(func=cmd_scrub)
+
+    p = gsub.add_parser("decommission", help="drain a chunkserver (no new placements; repair "
+                                             "copies its extents away), then forget it")
+    p.add_argument("server_id", type=int, metavar="ID", help="the chunkserver's id (kvfs stat)")
+    p.add_argument("--wait", action="store_true",
+                   help="run repair steps here until it is drained and forgotten (else the GC "
+                        "daemon's passes drain it)")
+    p.add_argument("--repair-rate", type=parse_rate, default=None,
+                   help="with --wait: copy limit, e.g. 100MiB/s (default: unlimited)")
+    p.add_argument("--status", action="store_true", help="only show the drain's progress")
+    p.add_argument("--cancel", action="store_true", help="stop draining; it takes writes again")
+    _options(p)
+    p.set_defaults(func=cmd_decommission)
 
     p = gsub.add_parser("pause", help="stop background GC passes (maintenance)")
     _options(p, json_flag=False)

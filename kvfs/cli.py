@@ -259,10 +259,15 @@ async def cmd_stat(ns: argparse.Namespace) -> int:
     print(f"{'id':>3} {'addr':<22} {'alive':<5} {'capacity':>11} {'free':>11} {'chunks':>6} "
           f"{'written':>11} {'live':>11} {'garbage':>11}")
     for s in st["servers"]:
-        print(f"{s['server_id']:>3} {s['addr']:<22} {'yes' if s['alive'] else 'NO':<5} "
+        alive = ("drain" if s.get("draining") else "yes") if s["alive"] else "NO"
+        print(f"{s['server_id']:>3} {s['addr']:<22} {alive:<5} "
               f"{format_size(s['capacity']):>11} {format_size(s['free']):>11} {s['chunks']:>6} "
               f"{format_size(s['written']):>11} {format_size(s['live']):>11} "
               f"{format_size(s['garbage']):>11}")
+    for s in st["servers"]:
+        if s.get("draining"):
+            print(f"# server {s['server_id']} is draining (kvfs gc decommission): {format_size(s['live'])} "
+                  "live left to copy away; then meta forgets it")
     shared = max((int(s.get("shared_by", 1)) for s in st["servers"]), default=1)
     if shared > 1:
         print(f"# chunkservers sharing a disk each show their share of its capacity and free "

@@ -121,6 +121,8 @@ class Op(enum.IntEnum):
     CHUNK_VERIFY = 58
     CHUNK_SEAL = 59
     CHUNK_SCAN = 60
+    # garbage collection: meta, continued (64-)
+    GC_DECOMMISSION = 64
 
 
 ANYONE = (Role.CLIENT, Role.ADMIN, Role.SERVER)
@@ -286,6 +288,7 @@ class ServerStats(msgspec.Struct, frozen=True, kw_only=True):
     addr: Addr
     alive: bool
     dead: bool = False  # silent past dead_after_s: its replicas count as lost
+    draining: bool = False  # being decommissioned: no new placements, repair moves its extents
     capacity: Count
     free: Count
     used: Count
@@ -779,6 +782,24 @@ class GcScrubPlan(Request[ScrubPlanned], frozen=True, kw_only=True):
     bad: Items[BadReplica]
 
 
+class DrainState(Response, frozen=True, kw_only=True):
+    server_id: ServerId
+    draining: bool
+    forgotten: bool  # drained and forgotten: its id is never given out again
+    extents_left: Count  # extents with a replica still on it
+    bytes_left: Count
+
+
+class GcDecommission(Request[DrainState], frozen=True, kw_only=True):
+    """Drain a chunkserver (no new placements; the repair step copies its extents to other
+    servers; meta forgets it once nothing references it), ``cancel`` a drain, or only ask
+    (``start=False``)."""
+
+    server_id: ServerId
+    start: bool = True
+    cancel: bool = False
+
+
 # -- the table -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Rpc:
@@ -848,6 +869,8 @@ RPCS: dict[Op, Rpc] = _rpcs(
         "switch lost replicas to their copies (compare-and-swap)", ADMIN),
     Rpc(Op.GC_SCRUB_PLAN, Service.META, GcScrubPlan,
         "scrub: repair or drop the replicas found bad", ADMIN),
+    Rpc(Op.GC_DECOMMISSION, Service.META, GcDecommission,
+        "drain a chunkserver, then forget it (or cancel, or ask)", ADMIN),
     Rpc(Op.TOUCH, Service.META, Touch, "mark keys read (LRU)", DATA),
     Rpc(Op.MAKE_ROOM, Service.META, MakeRoom, "a write found the cluster full: meta runs one GC pass",
         DATA),

@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Collection
 
 from kvfs import rpc
-from kvfs.errors import Unavailable
+from kvfs.errors import InvalidArgument, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.index import Entry, MetaIndex, disk_bytes
 from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_replica
@@ -53,6 +53,8 @@ class MetaGc:
         self.metrics: dict[str, float] = {n: saved.get(n, 0) for n in METRIC_NAMES}
         self.last_run: dict[str, float | bool] | None = store.get_state("last_run")
         self.dead_chunks: dict[int, float] = {c: t for c, _, t in store.load_dead()}
+        self.draining: set[int] = set(store.get_state("draining") or [])  # being decommissioned
+        self.decommissioned: set[int] = set(store.get_state("decommissioned") or [])  # ids never reused
         self.zero_since: dict[int, float] = {}
         self.home: tuple[str, str] | None = None  # (meta's address, token), set once it listens
         self._room_lock = asyncio.Lock()
@@ -72,7 +74,8 @@ class MetaGc:
     def _repair_plan(self, limit_bytes: int, summary: RepairSummary | None) -> list[rpc.RepairItem]:
         ix = self.index
         alive = {sid for sid, s in ix.servers.items() if ix.alive(s)}
-        return plan_repairs(((k, e.layout) for k, e in ix.entries.items()), ix.gone_servers(),
+        return plan_repairs(((k, e.layout) for k, e in ix.entries.items()),
+                            ix.gone_servers() | self.draining,
                             alive, limit_bytes=limit_bytes, now=ix.clock(), summary=summary)
 
     def repair_summary(self) -> RepairSummary:
@@ -371,8 +374,60 @@ class MetaGc:
             self._count(**inc)
         return rpc.Empty(), ()
 
+    # decommission ------------------------------------------------------------------
+    def drain_left(self, sid: int) -> tuple[int, int]:
+        """(extents, bytes) with a replica on server ``sid``, expired keys too."""
+        n = nbytes = 0
+        for e in self.index.entries.values():
+            for x in e.layout.extents:
+                if any(r.server_id == sid for r in x.replicas):
+                    n += 1
+                    nbytes += x.length
+        return n, nbytes
+
+    def _save_drains(self) -> None:
+        store = self.index.store
+        store.put_state("draining", sorted(self.draining))
+        store.put_state("decommissioned", sorted(self.decommissioned))
+
+    def forget_drained(self) -> list[int]:
+        """Forget each draining server nothing references any more; its id is never reused."""
+        done = [sid for sid in sorted(self.draining) if self.drain_left(sid)[0] == 0]
+        for sid in done:
+            self.draining.discard(sid)
+            self.decommissioned.add(sid)
+            self.index.servers.pop(sid, None)
+            self.index.store.delete_server(sid)
+            log.info("chunkserver %d drained and forgotten", sid)
+        if done:
+            self._save_drains()
+        return done
+
+    async def rpc_gc_decommission(self, req: rpc.GcDecommission, payload: memoryview) -> Reply:
+        """Start (or cancel) draining a chunkserver; forget it once drained; its state now."""
+        sid = req.server_id
+        if sid in self.decommissioned:
+            return rpc.DrainState(server_id=sid, draining=False, forgotten=True, extents_left=0,
+                                  bytes_left=0), ()
+        if sid not in self.index.servers:
+            raise InvalidArgument(f"unknown chunkserver {sid} (kvfs stat lists them)")
+        if req.cancel and sid in self.draining:
+            self.draining.discard(sid)
+            self._save_drains()
+            log.info("chunkserver %d: drain cancelled", sid)
+        elif req.start and not req.cancel and sid not in self.draining:
+            self.draining.add(sid)
+            self._save_drains()
+            log.info("chunkserver %d draining: no new placements, repair copies its extents away", sid)
+        forgotten = sid in self.forget_drained()
+        n, nbytes = (0, 0) if forgotten else self.drain_left(sid)
+        return rpc.DrainState(server_id=sid, draining=sid in self.draining, forgotten=forgotten,
+                              extents_left=n, bytes_left=nbytes), ()
+
     async def rpc_gc_repair_plan(self, req: rpc.GcRepairPlan, payload: memoryview) -> Reply:
-        """Extents with a replica on a gone server, readable from a live one (kvfs.meta.repair)."""
+        """Extents with a replica on a gone server, readable from a live one (kvfs.meta.repair);
+        draining servers that nothing references any more are forgotten first."""
+        self.forget_drained()
         summary = RepairSummary()
         items = self._repair_plan(req.limit_bytes, summary)
         st = summary.state()

@@ -2,7 +2,7 @@
 puts a new copy in the place of a lost one.
 
 A replica is *lost* when its server is gone: declared dead (no heartbeat for
-``dead_after_s``) or being decommissioned, or when ``kvfs gc scrub`` found its bytes
+``dead_after_s``) or being decommissioned (draining: still read, as the copy's source), or when ``kvfs gc scrub`` found its bytes
 missing or failing their CRC (:func:`plan_scrub`).  An extent with a lost replica is
 under-replicated; it is *repairable* while one of its replicas is on a server that is
 alive (heartbeat within ``heartbeat_timeout_s``), which the GC's repair step reads and
@@ -57,7 +57,9 @@ def plan_repairs(entries: Iterable[tuple[bytes, Layout]], gone: set[int], alive:
             lost = next((r for r in e.replicas if r.server_id in gone), None)
             if lost is None:
                 continue
-            sources = tuple(r for r in e.replicas if r.server_id in alive and r.server_id not in gone)
+            # a draining server is gone yet alive: its replicas are read (last) to copy them away
+            sources = tuple(sorted((r for r in e.replicas if r.server_id in alive),
+                                   key=lambda r: r.server_id in gone))
             if summary is not None:
                 summary.under_replicated_extents += 1
                 summary.under_replicated_bytes += e.length

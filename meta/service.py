@@ -167,6 +167,7 @@ class MetaService:
             live = sum(chunk_live.get(c, 0) for c in s.chunks)
             servers.append(rpc.ServerStats(
                 server_id=s.server_id, addr=s.addr, alive=ix.alive(s), dead=ix.dead(s),
+                draining=s.server_id in self._draining(),
                 capacity=s.capacity, free=s.free, used=s.used, shared_by=s.shared_by,
                 chunks=len(s.chunks), written=written, live=live,
                 garbage=max(0, written - live)))
@@ -186,7 +187,9 @@ class MetaService:
         addr = req.addr
         parse_addr(addr)
         await ix.refresh()  # ids other metas sharing the store gave out
-        sid = max(ix.servers, default=0) + 1 if req.server_id is None else req.server_id
+        retired = set() if self.gc is None else self.gc.decommissioned
+        sid = max((*ix.servers, *retired), default=0) + 1 if req.server_id is None else req.server_id
+        self._check_not_decommissioned(sid)
         self._check_cluster(sid, addr, req.cluster_id, req.nchunks)
         old = ix.servers.get(sid)
         if old is not None and old.addr != addr and ix.alive(old) and old.key != req.key:
@@ -225,6 +228,7 @@ class MetaService:
         ix = self.index
         s = ix.servers.get(req.server_id)
         if s is None:
+            self._check_not_decommissioned(req.server_id)
             raise InvalidArgument(f"unknown chunkserver {req.server_id}: register first")
         s.reported_capacity, s.reported_free, s.used = req.capacity, req.free, req.used
         s.chunks, s.open_chunk, s.wanted = dict(req.chunks), req.open, req.wanted
@@ -234,7 +238,19 @@ class MetaService:
         await ix.save_server(s, registered=False)
         return rpc.Empty(), ()
 
+    def _draining(self) -> set[int]:
+        return set() if self.gc is None else self.gc.draining
+
+    def _check_not_decommissioned(self, sid: int) -> None:
+        if self.gc is not None and sid in self.gc.decommissioned:
+            raise InvalidArgument(f"chunkserver {sid} was decommissioned; stop it (its chunks are "
+                                  "garbage), or start it on an empty data dir to join as a new server")
+
     async def rpc_servers(self, req: rpc.Servers, payload: memoryview) -> Reply:
+        """A draining server is listed not alive: writers place nothing new on it (readers
+        still fall back to it)."""
         ix = self.index
-        return rpc.ServerList(servers=[rpc.ServerRow(s.server_id, s.addr, s.capacity, s.free, ix.alive(s))
+        draining = self._draining()
+        return rpc.ServerList(servers=[rpc.ServerRow(s.server_id, s.addr, s.capacity, s.free,
+                                                     ix.alive(s) and s.server_id not in draining)
                                        for s in ix.servers.values()], cluster_id=self.cluster_id), ()

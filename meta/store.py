@@ -133,6 +133,10 @@ class MetaStore:
         with self.db:
             self.db.execute("INSERT OR REPLACE INTO servers VALUES (?,?,?,?)", (server_id, addr, capacity, free))
 
+    def delete_server(self, server_id: int) -> None:
+        with self.db:
+            self.db.execute("DELETE FROM servers WHERE server_id = ?", (server_id,))
+
     # garbage collection ------------------------------------------------------
     def expired(self, now: float, limit: int) -> builtins.list[bytes]:
         """Keys whose expiry has passed, oldest first (the ``kv_expiry`` index)."""

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
+import sys
 import threading
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
@@ -89,6 +91,18 @@ class Hold:
 
     def release(self) -> None:
         self._open.set()
+
+
+async def kvfs_admin(cluster: LocalCluster, *args: str) -> tuple[int, str]:
+    """``python -m kvfs ARGS --addr CLUSTER`` with the admin token: exit status and stdout
+    (its stderr goes to the test's, which pytest shows when a test fails)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvfs", *args, "--addr", cluster.addr,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "KVFS_ADMIN_TOKEN": cluster.admin_token, "KVFS_TOKEN": cluster.token})
+    out, err = await proc.communicate()
+    sys.stderr.write(err.decode())
+    return await proc.wait(), out.decode()
 
 
 def clocked_client(c: LocalCluster, clock: FakeClock) -> AsyncClient:

@@ -6,11 +6,13 @@ back has its unreferenced chunks reclaimed."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from conftest import kvfs_admin
 
 from kvfs import rpc
 from kvfs.config import ClientConfig, MetaConfig
@@ -167,3 +169,48 @@ async def test_repair_loses_to_a_racing_overwrite(cluster: LocalCluster) -> None
             assert await fresh.get("k") == b"new"
             now = await fresh.layout("k")
             assert now is not None and switch.new not in now.extents[0].replicas
+
+
+async def test_decommission_drains_a_server_then_forgets_it(cluster: LocalCluster) -> None:
+    values = {f"d{i}": bytes([i % 251]) * (2000 + 977 * i) for i in range(40)}
+    values["big"] = b"D" * (3 * 1024 * 1024 + 11)  # striped: 4 extents
+    async with cluster.client(ClientConfig(replicas=2)) as kv:
+        for k, v in values.items():
+            await kv.put(k, v)
+        async with cluster.client(ClientConfig(replicas=1)) as kv1:
+            await kv1.put("single", b"s" * 5000)
+            lone = await kv1.layout("single")
+        assert lone is not None
+        values["single"] = b"s" * 5000
+        victim = lone.extents[0].replicas[0].server_id
+
+        def on_victim(layout: Layout | None) -> bool:
+            assert layout is not None
+            return any(r.server_id == victim for e in layout.extents for r in e.replicas)
+
+        rc, out = await kvfs_admin(cluster, "gc", "decommission", str(victim))
+        assert rc == 0 and f"chunkserver {victim}: draining" in out, out
+        rc, out = await kvfs_admin(cluster, "stat", "--json")
+        row = next(s for s in json.loads(out)["servers"] if s["server_id"] == victim)
+        assert row["draining"] and row["live"] > 0
+        async with cluster.client(ClientConfig(replicas=2)) as fresh:  # no new placements on it
+            for i in range(10):
+                await fresh.put(f"new{i}", b"n" * 3000)
+                assert not on_victim(await fresh.layout(f"new{i}"))
+                values[f"new{i}"] = b"n" * 3000
+
+        rc, out = await kvfs_admin(cluster, "gc", "decommission", str(victim), "--wait")
+        assert rc == 0 and "drained and forgotten" in out, out
+        rc, out = await kvfs_admin(cluster, "stat", "--json")
+        assert victim not in [s["server_id"] for s in json.loads(out)["servers"]]
+        rc, out = await kvfs_admin(cluster, "gc", "decommission", str(victim), "--status")
+        assert rc == 0 and "forgotten" in out, out
+
+    idx = next(i for i, cs in enumerate(cluster.chunkservers) if cs is not None and cs.server_id == victim)
+    await cluster.stop_chunkserver(idx)  # gone: every value is read from elsewhere
+    async with cluster.client(ClientConfig(replicas=2)) as kv:
+        for k in values:
+            assert not on_victim(await kv.layout(k)), k
+        assert await kv.get_many(list(values)) == list(values.values())
+    with pytest.raises(Exception, match="decommissioned"):
+        await cluster.start_chunkserver(idx)  # its id is not given back

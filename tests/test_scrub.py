@@ -3,14 +3,12 @@ repaired from a good copy (compare-and-swap), a key with no good copy is dropped
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from conftest import kvfs_admin
 
 from kvfs.config import ClientConfig
 from kvfs.launcher import LocalCluster
@@ -65,17 +63,6 @@ async def cluster(tmp_path: Path) -> AsyncIterator[LocalCluster]:
         await c.stop()
 
 
-async def kvfs(cluster: LocalCluster, *args: str) -> tuple[int, str]:
-    """Exit status and stdout (log lines go to stderr)."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "kvfs", *args, "--addr", cluster.addr,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "KVFS_ADMIN_TOKEN": cluster.admin_token})
-    out, err = await proc.communicate()
-    sys.stderr.write(err.decode())  # pytest shows it when a test fails
-    return await proc.wait(), out.decode()
-
-
 def flip(cluster: LocalCluster, replica: Replica, at: int) -> None:
     """Flip one byte of a replica's value, in its chunk file on disk."""
     cs = next(cs for cs in cluster.chunkservers if cs is not None and cs.server_id == replica.server_id)
@@ -97,13 +84,13 @@ async def test_scrub_repairs_one_bad_replica_and_drops_a_key_with_none(cluster: 
     flip(cluster, both.extents[0].replicas[0], 3)
     flip(cluster, both.extents[0].replicas[1], 7)
 
-    rc, out = await kvfs(cluster, "gc", "scrub")  # dry run: reports, changes nothing
+    rc, out = await kvfs_admin(cluster, "gc", "scrub")  # dry run: reports, changes nothing
     assert rc == 2 and "dry run" in out and "3 failing their checksum" in out, out
     assert "would repair 1 from a good copy" in out and "would drop: k5" in out, out
     async with cluster.client(ClientConfig(replicas=2)) as kv:
         assert await kv.layout("big") == one and await kv.layout("k5") == both
 
-    rc, out = await kvfs(cluster, "gc", "scrub", "--apply", "--json", "--rate", "1GiB/s")
+    rc, out = await kvfs_admin(cluster, "gc", "scrub", "--apply", "--json", "--rate", "1GiB/s")
     assert rc == 0, out
     rep = json.loads(out)
     assert (rep["corrupt"], rep["missing"], rep["repaired"], rep["keys_dropped"], rep["lost_keys"]) == (
@@ -120,5 +107,5 @@ async def test_scrub_repairs_one_bad_replica_and_drops_a_key_with_none(cluster: 
         del values["k5"]
         assert await kv.get_many(list(values)) == list(values.values())
 
-    rc, out = await kvfs(cluster, "gc", "scrub")
+    rc, out = await kvfs_admin(cluster, "gc", "scrub")
     assert rc == 0 and "0 failing their checksum, 0 missing" in out, out
