@@ -180,6 +180,7 @@ class Ping(Request[Pong], frozen=True, kw_only=True):
     pass
 
 
+# (duplicates: the message classes below pair up by shape, typed fields each; each is one RPC's own declaration)
 # -- meta: keys ---------------------------------------------------------------------------
 class Layouts(Response, frozen=True, kw_only=True):
     layouts: Items[Layout | None]
