@@ -28,17 +28,23 @@ class KvfsClientLike(Protocol):
 
 
 class KvfsStore:
-    """A kvfs client as a bench ``Store``: one ``put_many``/``get_many`` per call.
+    """A kvfs client as a bench ``Store``: one ``put_many``/``get_many``/... per call.
 
-    ``close()`` closes the client too unless ``close_client=False`` (for a
-    client the caller owns and keeps using). ``server_pids`` names the
-    cluster's processes for ``--cpu``.
+    ``client`` is an ``AsyncClient``, or the blocking ``kvfs.Client``: then
+    ``blocking`` is that client (the runner calls it from ``iodepth`` threads)
+    and the async methods go through its ``submit_*`` futures. ``close()``
+    closes the client too unless ``close_client=False`` (for a client the
+    caller owns and keeps using). ``server_pids`` names the cluster's
+    processes for ``--cpu``.
     """
 
     def __init__(self, client: Any, *, name: str = "kvfs", close_client: bool = True,
                  server_pids: dict[str, int] | None = None) -> None:
+        from kvfs import Client
+
         self.name = name
         self.client = client
+        self.blocking: Client | None = client if isinstance(client, Client) else None
         self._close_client = close_client
         self._server_pids = dict(server_pids or {})
 
@@ -46,19 +52,35 @@ class KvfsStore:
         """The cluster's processes (meta, cs0, ...), when known, for ``--cpu``."""
         return dict(self._server_pids)
 
+    async def _call(self, op: str, *args: Any) -> Any:
+        if self.blocking is not None:
+            return await asyncio.wrap_future(getattr(self.blocking, f"submit_{op}")(*args))
+        return await getattr(self.client, op)(*args)
+
     async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
-        await self.client.put_many(items)
+        await self._call("put_many", items)
 
     async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
-        return list(await self.client.get_many(keys))
+        return list(await self._call("get_many", keys))
 
     async def get_into(self, keys: list[bytes], buffers: Sequence[memoryview]) -> list[int]:
         """Each value into its caller buffer; sizes, -1 for a miss."""
-        out: list[int] = await self.client.get_into(keys, buffers)
+        out: list[int] = await self._call("get_into", keys, buffers)
         return out
+
+    async def exists_many(self, keys: list[bytes]) -> list[bool]:
+        out: list[bool] = await self._call("exists_many", keys)
+        return out
+
+    async def match_prefix(self, keys: list[bytes]) -> int:
+        """How many leading keys are present (one meta call)."""
+        return int(await self._call("match_prefix", keys))
 
     async def close(self) -> None:
         if not self._close_client:
+            return
+        if self.blocking is not None:
+            await asyncio.to_thread(self.blocking.close)
             return
         closer = getattr(self.client, "close", None) or getattr(self.client, "aclose", None)
         if closer is not None:
@@ -98,7 +120,7 @@ class ChainStore(KvfsStore):
         chains: dict[int, list[tuple[bytes, bytes]]] = {}
         for k, v in items:
             chains.setdefault(int(k[-16:], 16) // self.n, []).append((k, v))
-        await asyncio.gather(*(self.client.put_many(c) for c in chains.values()))
+        await asyncio.gather(*(self._call("put_many", c) for c in chains.values()))
 
 
 @dataclass

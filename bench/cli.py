@@ -43,6 +43,9 @@ from .target import BenchTarget, open_target
 __all__ = ["add_commands", "cmd_bench"]
 
 
+#: the store (and --compare column) name of each --client
+STORE_NAMES = {"async": "kvfs", "sync": "kvfs-sync"}
+
 _PEER_TEXT = {
     "file": "file-per-key",
     "redis": "redis (TCP, MSET/MGET)",
@@ -69,16 +72,17 @@ def _say(ns: argparse.Namespace, msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
 
-def _store_for(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> Store:
-    client = target.client()
+async def _store_for(target: BenchTarget, wl: Workload, ns: argparse.Namespace, client: str) -> Store:
+    """A fresh kvfs store for one job: ``client`` is ``async`` or ``sync`` (the blocking one)."""
+    kv = await target.blocking_client() if client == "sync" else target.client()
     if ns.prefix_chain and wl.reads:
-        return ChainStore(client, ns.prefix_chain)
-    return KvfsStore(client, server_pids=target.server_pids())
+        return ChainStore(kv, ns.prefix_chain, name=STORE_NAMES[client])
+    return KvfsStore(kv, name=STORE_NAMES[client], server_pids=target.server_pids())
 
 
-async def _run_one(target: BenchTarget, wl: Workload, ns: argparse.Namespace,
+async def _run_one(target: BenchTarget, wl: Workload, ns: argparse.Namespace, client: str = "async",
                    label: str | None = None, eta_after_s: float = 0.0) -> JobResult:
-    store = _store_for(target, wl, ns)
+    store = await _store_for(target, wl, ns, client)
     try:
         return await run_workload(store, wl, progress=ns.progress, label=label, eta_after_s=eta_after_s,
                                   cpu=store_cpu_probe(store) if ns.cpu else None)
@@ -86,25 +90,33 @@ async def _run_one(target: BenchTarget, wl: Workload, ns: argparse.Namespace,
         await store.close()
 
 
-def _child_argv(target: BenchTarget, wl: Workload, ns: argparse.Namespace) -> list[str]:
+def _for_client(wl: Workload, client: str) -> Workload:
+    """The job as run with ``client``: the blocking client's is ``<name>-sync``, its own keys."""
+    if client == "async":
+        return wl
+    return replace(wl, name=f"{wl.name}-{client}", key_prefix=wl.key_prefix + f"{client}/".encode())
+
+
+def _child_argv(target: BenchTarget, wl: Workload, ns: argparse.Namespace, client: str) -> list[str]:
     argv = [sys.executable, "-m", "kvfs", "bench", "--addr", target.addr,
             "--output-format", "json", "--no-progress", "--job-spec", json.dumps(workload_dict(wl))]
     if ns.prefix_chain:
         argv += ["--prefix-chain", str(ns.prefix_chain)]
+    argv += ["--client", client]
     if target.tls is not None:
         argv += tls_argv(target.tls)
     return argv
 
 
 async def _run_numjobs(target: BenchTarget, wl: Workload, ns: argparse.Namespace,
-                       group: int) -> list[dict[str, Any]]:
+                       group: int, client: str) -> list[dict[str, Any]]:
     """``numjobs`` client processes, each its own key space, run at once: one fio group."""
     procs = []
     for i in range(ns.numjobs):
         job = replace(wl, name=f"{wl.name}.{i}", key_prefix=wl.key_prefix + b"%d/" % i, seed=wl.seed + i)
         env = {**os.environ, "KVFS_TOKEN": target.token} if target.token else None
         procs.append(await asyncio.create_subprocess_exec(  # the token in env, never on argv
-            *_child_argv(target, job, ns), stdout=asyncio.subprocess.PIPE,
+            *_child_argv(target, job, ns, client), stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE, env=env))
     jobs: list[dict[str, Any]] = []
     limit = wl.prefill_timeout_s + wl.ramp_time_s + wl.runtime_s + wl.grace_s
@@ -124,13 +136,13 @@ async def _child(ns: argparse.Namespace) -> int:
     d["key_prefix"] = d["key_prefix"].encode("latin-1")
     wl = Workload(**d)
     target = BenchTarget(ns.addr, token_from_file(ns.token_file), tls=from_options(TlsConfig, ns))
-    res = await _run_one(target, wl, ns)
+    res = await _run_one(target, wl, ns, ns.client[0])
     print(json.dumps(report_json([res.to_json()])))
     return 0
 
 
 def _options_of(ns: argparse.Namespace) -> dict[str, str]:
-    out = {"numjobs": str(ns.numjobs)}
+    out = {"numjobs": str(ns.numjobs), "client": ",".join(ns.client)}
     if ns.addr is None:
         out["cluster"] = f"embedded {ns.cluster}, {ns.chunkservers} chunkservers"
     return out
@@ -196,18 +208,19 @@ async def _gc_bench(ns: argparse.Namespace) -> int:
 
 async def _plain(ns: argparse.Namespace, target: BenchTarget, workloads: list[Workload]) -> int:
     jobs: list[dict[str, Any]] = []
-    for i, wl in enumerate(workloads, 1):
-        _say(ns, f"[{i}/{len(workloads)}] {describe(wl)} size={human_bs(wl.size_bytes)} "
-                 f"runtime={wl.runtime_s:g}s")
+    runs = [(_for_client(wl, c), c) for wl in workloads for c in ns.client]
+    for i, (wl, client) in enumerate(runs, 1):
+        _say(ns, f"[{i}/{len(runs)}] {describe(wl)} size={human_bs(wl.size_bytes)} "
+                 f"runtime={wl.runtime_s:g}s" + ("" if client == "async" else f" client={client}"))
         # jobs that run one after another are groups of their own (fio sums a group)
         if ns.numjobs == 1:
-            label = f"[{i}/{len(workloads)}] kvfs {wl.rw} {human_bs(wl.bs)}"
-            after = sum(w.ramp_time_s + w.runtime_s for w in workloads[i:])
-            job = (await _run_one(target, wl, ns, label, after)).to_json()
+            label = f"[{i}/{len(runs)}] {STORE_NAMES[client]} {wl.rw} {human_bs(wl.bs)}"
+            after = sum(w.ramp_time_s + w.runtime_s for w, _ in runs[i:])
+            job = (await _run_one(target, wl, ns, client, label, after)).to_json()
             job["groupid"] = i - 1
             jobs.append(job)
         else:
-            jobs.extend(await _run_numjobs(target, wl, ns, i - 1))
+            jobs.extend(await _run_numjobs(target, wl, ns, i - 1, client))
     report = report_json(jobs, global_options=_options_of(ns))
     if ns.json_out is not None:
         ns.json_out.write_text(json.dumps(report, indent=2) + "\n")
@@ -229,14 +242,16 @@ def _emit(ns: argparse.Namespace, report: dict[str, Any], out: TextIO) -> None:
 async def _compare(
     ns: argparse.Namespace, target: BenchTarget, workloads: list[Workload], workdir: Path
 ) -> int:
-    def kvfs_factory() -> StoreFactory:
+    def kvfs_factory(client: str) -> StoreFactory:
         async def make() -> Store:
-            return KvfsStore(target.client(), server_pids=target.server_pids())
+            kv = await target.blocking_client() if client == "sync" else target.client()
+            return KvfsStore(kv, name=STORE_NAMES[client], server_pids=target.server_pids())
 
         return make
 
     peers = peer_factories(workdir)
-    factories: dict[str, StoreFactory] = {"kvfs": kvfs_factory()}
+    # the first kvfs client is the subject; the other (kvfs-sync) is a column like a peer
+    factories: dict[str, StoreFactory] = {STORE_NAMES[c]: kvfs_factory(c) for c in ns.client}
     factories.update((p, peers[p]) for p in ns.peers if p in peers)
     want_fio = "fio" in ns.peers
     fio_dir = workdir / "fio" if want_fio and shutil.which("fio") else None
@@ -253,8 +268,8 @@ async def _compare(
     if ns.internal:
         internal = await run_internal(target, runtime_s=ns.runtime, progress=ns.progress,
                                       say=lambda m: _say(ns, m))
-    jobs = [comp.cell(wl, "kvfs").result.to_json() for wl in workloads  # type: ignore[union-attr]
-            if comp.cell(wl, "kvfs").result is not None]
+    jobs = [comp.cell(wl, comp.subject).result.to_json()  # type: ignore[union-attr]
+            for wl in workloads if comp.cell(wl, comp.subject).result is not None]
     report = report_json(jobs, global_options=_options_of(ns))
     report["kvfs compare"] = {"peers": comp.to_json(), **(internal.to_json() if internal else {})}
     if ns.json_out is not None:
@@ -265,7 +280,7 @@ async def _compare(
         sys.stdout.write(render_compare(comp, internal))
     sys.stdout.flush()
     if ns.plot is not None:
-        jobs = [c.result.to_json() for (_, s), c in comp.cells.items() if s == "kvfs" and c.result]
+        jobs = [c.result.to_json() for (_, s), c in comp.cells.items() if s == comp.subject and c.result]
         title = _title(ns, target)
         plot(jobs, ns.plot, title)
         more = plot_families(comp, ns.plot, title)

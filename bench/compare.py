@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from .cpu import CpuProbe
-from .jobs import human_bs
+from .jobs import API_SUFFIX, human_bs
 from .peers import FilePerKeyStore, LoopbackLimit, MooncakeStore, RedisStore, run_fio_file
-from .runner import BenchError, JobResult, Workload, run_workload
+from .runner import LOOKUP_APIS, BenchError, JobResult, Workload, run_workload
 from .stats import format_job_text, num2str, percentile_key, report_json
 from .store import PeerUnavailable, Store
 
@@ -124,7 +124,8 @@ class Cell:
         ios, bw = self.ios_per_s, self.bytes_per_s
         if ios is None or bw is None:
             return ["-"]
-        return [num2str(int(ios)), f"{bw / 1e6:.0f}" if bw >= 1e8 else f"{bw / 1e6:.1f}",
+        mbs = "-" if bw == 0 and ios > 0 else f"{bw / 1e6:.0f}" if bw >= 1e8 else f"{bw / 1e6:.1f}"
+        return [num2str(int(ios)), mbs,
                 _fmt_opt(self.p99_ns("clat_ns")), _fmt_opt(self.p99_ns("call_lat_ns"))]
 
 
@@ -159,8 +160,8 @@ def _grid(head: list[str], rows: list[list[str]], right: tuple[int, ...] = ()) -
 
 def short_name(wl: Workload) -> str:
     """``randread 4k b128 qd4``: what a row or a progress line calls a workload."""
-    into = " into" if wl.api == "get_into" and wl.reads else ""
-    return f"{wl.rw} {human_bs(wl.bs)} b{wl.batch} qd{wl.iodepth}{into}"
+    api = API_SUFFIX[wl.api].replace("-", " ") if wl.reads else ""
+    return f"{wl.rw} {human_bs(wl.bs)} b{wl.batch} qd{wl.iodepth}{api}"
 
 
 @dataclass
@@ -297,9 +298,9 @@ async def _run_cell(name: str, factory: StoreFactory, wl: Workload, progress: bo
         store = await factory()
     except PeerUnavailable as e:
         return Cell(name, skipped=e.reason, unavailable=True)
-    if wl.api == "get_into" and wl.reads and not hasattr(store, "get_into"):
+    if wl.reads and not hasattr(store, wl.api):
         await store.close()
-        return Cell(name, skipped="no get_into API")
+        return Cell(name, skipped=f"no {wl.api} API")
     try:
         result = await run_workload(store, wl, progress=progress, label=label, eta_after_s=eta_after_s,
                                     cpu=store_cpu_probe(store) if cpu else None)
@@ -315,6 +316,8 @@ async def _fio_cell(wl: Workload, fio_dir: Path, unavailable: dict[str, str]) ->
         return Cell(FIO_COLUMN, skipped=unavailable[FIO_COLUMN])
     if wl.api == "get_into" and wl.reads:
         return Cell(FIO_COLUMN, skipped="see the get_many row (fio reads into its buffers)")
+    if wl.api in LOOKUP_APIS and wl.reads:
+        return Cell(FIO_COLUMN, skipped="no key lookups in fio")
     fio_dir.mkdir(parents=True, exist_ok=True)
     try:
         res = await asyncio.to_thread(

@@ -8,7 +8,7 @@ from typing import Final
 from .options import DEFAULT_RUNTIME_S
 from .runner import RW, Workload
 
-__all__ = ["CHAIN_BLOCKS", "CHAIN_BS", "DEFAULT_JOBS", "build_workloads", "describe", "human_bs"]
+__all__ = ["API_SUFFIX", "CHAIN_BLOCKS", "CHAIN_BS", "DEFAULT_JOBS", "build_workloads", "describe", "human_bs"]
 
 # (rw, bs, batch, iodepth, key-space bytes): the README's main job set.
 DEFAULT_JOBS: Final[tuple[tuple[RW, int, int, int, int], ...]] = (
@@ -19,6 +19,8 @@ DEFAULT_JOBS: Final[tuple[tuple[RW, int, int, int, int], ...]] = (
     ("write", 4 << 10, 128, 4, 32 << 20),
     ("write", 64 << 10, 128, 2, 64 << 20),
 )
+#: a read job's name says the API it reads with (get_many: nothing)
+API_SUFFIX: Final = {"get_many": "", "get_into": "-into", "exists_many": "-exists", "match_prefix": "-match"}
 CHAIN_BLOCKS: Final = 64
 CHAIN_BS: Final = 64 << 10
 
@@ -61,8 +63,7 @@ def _job(
     nkeys = max(batch, size // bs)
     if chain is not None:
         nkeys = max(chain, nkeys // chain * chain)
-    name = (f"{rw}-{human_bs(bs)}-b{batch}" + (f"-chain{chain}" if chain else "")
-            + ("-into" if api == "get_into" else ""))
+    name = f"{rw}-{human_bs(bs)}-b{batch}" + (f"-chain{chain}" if chain else "") + API_SUFFIX[api]
     return Workload(
         name=name,
         rw="read" if chain is not None else rw_t,

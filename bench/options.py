@@ -18,7 +18,7 @@ from kvfs.units import parse_duration, parse_size
 
 from .runner import APIS, RWS
 
-__all__ = ["DEFAULT_RUNTIME_S", "PEERS", "add_options", "size_arg"]
+__all__ = ["CLIENTS", "DEFAULT_RUNTIME_S", "PEERS", "add_options", "size_arg"]
 
 DEFAULT_RUNTIME_S: Final = 4.0
 #: ``--compare`` peers, in column order.
@@ -58,6 +58,20 @@ _peer_list = _choice_list("peer", PEERS)
 _api_list = _choice_list("api", APIS)
 
 
+#: ``--client``: kvfs's async client (``AsyncClient``) and/or the blocking one (``kvfs.Client``)
+CLIENTS: Final = ("async", "sync")
+
+
+def _client_list(text: str) -> list[str]:
+    out = [t.strip() for t in text.split(",") if t.strip()]
+    for c in out:
+        if c not in CLIENTS:
+            raise argparse.ArgumentTypeError(f"--client must be one of {'|'.join(CLIENTS)}, got {c!r}")
+    if not out:
+        raise argparse.ArgumentTypeError("--client needs at least one of async,sync")
+    return list(dict.fromkeys(out))
+
+
 def _positive_int(text: str) -> int:
     try:
         v = int(text)
@@ -90,8 +104,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
     a("--rwmixread", type=int, default=50, help="randrw: percent of calls that read")
     a("--batch", type=_positive_int, default=None, help="keys per call (default 128 <=4k, 32 <=64k, ...)")
     a("--api", type=_api_list, default=None,
-      help="reads: get_many (values returned as bytes, default) and/or get_into (into "
-           "preallocated buffers; Mooncake's registered ones), comma list")
+      help="reads: get_many (values returned as bytes, default), get_into (into "
+           "preallocated buffers; Mooncake's registered ones), exists_many (which keys exist; "
+           "Redis: pipelined EXISTS) and/or match_prefix (how many leading keys exist), comma list")
+    a("--client", type=_client_list, default=["async"], metavar="LIST",
+      help="kvfs client(s): async (AsyncClient, default) and/or sync (the blocking kvfs.Client, "
+           "called from --iodepth threads); with --compare, sync is the column kvfs-sync")
     a("--prefix-chain", "--prefix_chain", dest="prefix_chain", type=_positive_int, default=None,
       metavar="N", help="reads: chains of N blocks written by one put_many, read one chain per call")
     a("--output-format", "--output_format", dest="output_format", choices=("normal", "json"),

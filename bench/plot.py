@@ -4,7 +4,7 @@
   job on a log-scaled tail axis (50, 90, 99, 99.9, 99.99 equally spaced), per
   key and per call.
 * ``plot_families``: for a ``--compare`` run, one bar chart per workload
-  family (reads, writes): throughput per store for each workload, with the
+  family (reads, writes, lookups): throughput per store for each workload, with the
   loopback limit drawn as a line over each group of bars.
 
 Every figure has a title naming the run and units on its axes.
@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .compare import Comparison, short_name
+from .runner import LOOKUP_APIS, Workload
 
 __all__ = ["family_paths", "plot", "plot_families", "tail_x"]
 
@@ -48,7 +49,8 @@ def plot(jobs: Sequence[dict[str, Any]], path: Path, title: str = "kvfs bench") 
         opts = job.get("job options", {})
         bs = int(opts.get("bs", 0))
         bw = sum(float(job[d]["bw_bytes"]) for d in ("read", "write"))
-        by_rw.setdefault(opts.get("rw", "?"), []).append((bs, bw / 1e6))
+        if bw > 0:  # lookups (exists_many, match_prefix) move no value bytes
+            by_rw.setdefault(opts.get("rw", "?"), []).append((bs, bw / 1e6))
         for d in ("read", "write"):
             if not int(job[d].get("total_ios", 0)):
                 continue
@@ -75,43 +77,51 @@ def plot(jobs: Sequence[dict[str, Any]], path: Path, title: str = "kvfs bench") 
     plt.close(fig)
 
 
-def _family(rw: str) -> str:
+def _family(wl: Workload) -> str:
+    if wl.reads and wl.api in LOOKUP_APIS:
+        return "lookups"
+    rw = wl.rw
     return "reads" if rw in ("read", "randread") else "writes" if rw in ("write", "randwrite") else rw
 
 
 def family_paths(path: Path, comp: Comparison) -> dict[str, Path]:
-    """``out.png`` -> ``out-reads.png``, ``out-writes.png``: one per family in the run."""
-    fams = dict.fromkeys(_family(wl.rw) for wl in comp.workloads)
+    """``out.png`` -> ``out-reads.png``, ``out-writes.png``, ``out-lookups.png``: one per family."""
+    fams = dict.fromkeys(_family(wl) for wl in comp.workloads)
     return {f: path.with_name(f"{path.stem}-{f}{path.suffix or '.png'}") for f in fams}
 
 
 def plot_families(comp: Comparison, path: Path, title: str = "kvfs bench --compare") -> list[Path]:
-    """One bar chart per family: MB/s per store and workload, the loopback limit as a line."""
+    """One bar chart per family: MB/s per store and workload, the loopback limit as a line.
+
+    Lookups (exists_many, match_prefix) move no value bytes: their bars are keys/s.
+    """
     plt = _pyplot()
     written = []
     stores = [s for s in comp.stores if s != LIMIT_STORE]
     for fam, out in family_paths(path, comp).items():
-        wls = [wl for wl in comp.workloads if _family(wl.rw) == fam]
+        wls = [wl for wl in comp.workloads if _family(wl) == fam]
+        keys = fam == "lookups"
         fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(wls) * len(stores) / 3), 4.8))
         width = 0.8 / max(1, len(stores))
         for i, store in enumerate(stores):
             xs, ys = [], []
             for j, wl in enumerate(wls):
-                bw = comp.cell(wl, store).bytes_per_s
+                got = comp.cell(wl, store)
+                bw = got.ios_per_s if keys else got.bytes_per_s
                 if bw:
                     xs.append(j - 0.4 + (i + 0.5) * width)
-                    ys.append(bw / 1e6)
+                    ys.append(bw / 1e3 if keys else bw / 1e6)
             ax.bar(xs, ys, width, label=store)
         labelled = False
         for j, wl in enumerate(wls):
             cell = comp.cells.get((wl.name, LIMIT_STORE))
-            limit = cell.bytes_per_s if cell is not None else None
+            limit = cell.bytes_per_s if cell is not None and not keys else None
             if limit:
                 ax.hlines(limit / 1e6, j - 0.45, j + 0.45, colors="black", linestyles="--",
                           label=None if labelled else "loopback limit")
                 labelled = True
         ax.set_xticks(range(len(wls)), [short_name(wl) for wl in wls], fontsize="small")
-        ax.set(yscale="log", ylabel="throughput (MB/s, 10^6 B/s, log)",
+        ax.set(yscale="log", ylabel="keys/s (thousands, log)" if keys else "throughput (MB/s, 10^6 B/s, log)",
                title=f"{title}: {fam}, throughput per store")
         ax.legend(fontsize="small")
         fig.tight_layout()

@@ -7,7 +7,7 @@ from typing import Any
 from .compare import Comparison, short_name
 from .internal import Internal
 
-__all__ = ["render_compare", "render_internal"]
+__all__ = ["render_compare", "render_internal", "sync_lines"]
 
 
 def render_compare(comp: Comparison, internal: Internal | None) -> str:
@@ -17,11 +17,25 @@ def render_compare(comp: Comparison, internal: Internal | None) -> str:
              f"{comp.subject}/x = kvfs keys/s / that store's keys/s)", "", comp.table(),
              f"ratios: {comp.subject} keys/s / peer keys/s (the same as the MB/s ratio)", "",
              comp.ratio_table()]
+    lines += sync_lines(comp)
     cpu = cpu_table(comp)
     if cpu:
         lines += ["CPU per key (us) and per GB moved (s), each process's own counters "
                   "(/proc/PID/stat) over the measured phase; client = the bench process", "", cpu]
     return "\n".join(lines) + "\n" + (render_internal(internal) if internal is not None else "")
+
+
+def sync_lines(comp: Comparison, sync: str = "kvfs-sync", aio: str = "kvfs") -> list[str]:
+    """The blocking client against the async one, per workload (issue 11: >= 0.9x)."""
+    if sync not in comp.stores or aio not in comp.stores:
+        return []
+    out = [f"blocking client vs async: {sync} keys/s / {aio} keys/s", ""]
+    rows = []
+    for wl in comp.workloads:
+        a, b = comp.cell(wl, aio).ios_per_s, comp.cell(wl, sync).ios_per_s
+        rows.append([short_name(wl), "-" if not a or b is None else f"{b / a:.2f}x"])
+    width = max(len(r[0]) for r in rows)
+    return out + [f"{r[0].ljust(width)}  {r[1]}" for r in rows] + [""]
 
 
 def cpu_table(comp: Comparison) -> str:

@@ -20,8 +20,10 @@ import operator
 import os
 import random
 import sys
+import threading
 import time
 from collections.abc import Callable, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any, Final, Literal, TextIO
 
@@ -47,8 +49,11 @@ __all__ = [
 ]
 
 RW = Literal["read", "randread", "write", "randwrite", "randrw"]
-API = Literal["get_many", "get_into"]
-APIS: Final = ("get_many", "get_into")
+API = Literal["get_many", "get_into", "exists_many", "match_prefix"]
+#: how a read workload reads: values as bytes, into caller buffers, or only asks which keys exist
+APIS: Final = ("get_many", "get_into", "exists_many", "match_prefix")
+#: read APIs that move no value bytes (their jobs report keys/s; bandwidth 0)
+LOOKUP_APIS: Final = ("exists_many", "match_prefix")
 RWS: Final = ("read", "randread", "write", "randwrite", "randrw")
 PROGRESS_INTERVAL_S: Final = 0.5
 
@@ -360,6 +365,13 @@ async def run_workload(
     ``eta_after_s``, the time the caller expects its later jobs to take).
     With ``cpu``, the processes' CPU time over the run (after the prefill) is
     charged to its keys and bytes, in ``to_json()["kvfs"]["cpu"]``.
+
+    Reads call ``wl.api`` (``get_many``, ``get_into``, ``exists_many`` or
+    ``match_prefix``; a key ``exists_many`` denies, or past ``match_prefix``'s
+    count, is counted missing). A store with a ``blocking`` attribute (an object
+    with the same methods, blocking: kvfs's ``Client``) has its measured calls
+    made from ``iodepth`` threads, as a blocking client's users make them; the
+    prefill still goes through the store's async methods.
     """
     stream = progress_stream if progress_stream is not None else sys.stderr
     show = stream.isatty() if progress is None else progress
@@ -369,6 +381,9 @@ async def run_workload(
     filler = os.urandom(wl.bs)
     job_start_ms = int(time.time() * 1000)
 
+    read_api = wl.api if wl.reads else "get_many"
+    if read_api != "get_many" and getattr(store, read_api, None) is None:
+        raise BenchError(f"{getattr(store, 'name', store)!r} has no {read_api}")
     prefill_s = 0.0
     if wl.needs_prefill:
         prefill_s = await _prefill(store, keys, filler, wl, prog)
@@ -399,52 +414,103 @@ async def run_workload(
         batch_keys = list(operator.itemgetter(*idx)(keys)) if len(idx) > 1 else [keys[idx[0]]]
         return is_read, batch_keys, idx
 
-    into = wl.api == "get_into" and wl.reads
-    get_into: Any = getattr(store, "get_into", None)
-    if into and get_into is None:
-        raise BenchError(f"{getattr(store, 'name', store)!r} has no get_into")
+    # a blocking client: the measured calls are made from iodepth threads, as its users make them
+    blocking: Any = getattr(store, "blocking", None)
+    calls: Any = blocking if blocking is not None else store
+    value_bytes = 0 if read_api in LOOKUP_APIS else bs
     make_buffer = getattr(store, "buffer", None) or (lambda n: memoryview(bytearray(n)))
+    lock = threading.Lock()  # the bookkeeping below is shared by every worker (threads too)
+    failed = threading.Event()
 
-    async def worker() -> None:
-        nonlocal issued, missing, mismatched
-        # get_into: each worker reads into its own buffers, allocated (registered) once
-        region = make_buffer(wl.batch * bs) if into else None
-        bufs = [region[i * bs : (i + 1) * bs] for i in range(wl.batch)] if region is not None else []
-        for _ in range(count_limit):  # bounded by count; the clock check bounds time
-            if clock() >= t_end or issued >= count_limit:
-                return
+    def begin() -> tuple[bool, list[bytes], list[int]] | None:
+        """The next call's keys, or None once the run is over."""
+        nonlocal issued
+        with lock:
+            if failed.is_set() or clock() >= t_end or issued >= count_limit:
+                return None
             n = min(wl.batch, count_limit - issued)
             issued += n
-            is_read, batch_keys, idx = pick(n)
-            if is_read and into:
-                t0 = clock()
-                sizes = await get_into(batch_keys, bufs[:n])
-                t1 = clock()
-                if t0 >= measure_start:
-                    read_rec.record(t1 - t0, n, n * bs, t1 - measure_start)
-                missing += sum(1 for s in sizes if s < 0)
+            return pick(n)
+
+    def request(is_read: bool, batch_keys: list[bytes], idx: list[int],
+                bufs: list[memoryview]) -> tuple[str, tuple[Any, ...]]:
+        if not is_read:
+            items = [(k, _value_for(filler, i, wl.verify)) for k, i in zip(batch_keys, idx, strict=True)]
+            return "put_many", (items,)
+        if read_api == "get_into":
+            return read_api, (batch_keys, bufs[: len(batch_keys)])
+        return read_api, (batch_keys,)
+
+    def settle(is_read: bool, idx: list[int], bufs: list[memoryview], res: Any, t0: int, t1: int) -> None:
+        nonlocal missing, mismatched
+        n = len(idx)
+        with lock:
+            if t0 >= measure_start:
+                rec = read_rec if is_read else write_rec
+                rec.record(t1 - t0, n, n * (value_bytes if is_read else bs), t1 - measure_start)
+            if not is_read:
+                return
+            if read_api == "get_many":
+                missing += res.count(None)
+                if wl.verify:
+                    mismatched += _check(res, idx, bs)
+            elif read_api == "get_into":
+                missing += sum(1 for s in res if s < 0)
                 if wl.verify:
                     mismatched += _check([bytes(b) if s >= 0 else None
-                                          for b, s in zip(bufs, sizes, strict=False)], idx, bs)
-            elif is_read:
+                                          for b, s in zip(bufs, res, strict=False)], idx, bs)
+            elif read_api == "exists_many":
+                missing += n - sum(1 for e in res if e)
+            else:  # match_prefix: how many leading keys are present
+                missing += n - int(res)
+
+    def buffers() -> list[memoryview]:
+        # get_into: each worker reads into its own buffers, allocated (registered) once
+        if read_api != "get_into":
+            return []
+        region = make_buffer(wl.batch * bs)
+        return [region[i * bs : (i + 1) * bs] for i in range(wl.batch)]
+
+    async def worker() -> None:
+        bufs = buffers()
+        for _ in range(count_limit):  # bounded by count; begin() checks the clock
+            nxt = begin()
+            if nxt is None:
+                return
+            is_read, batch_keys, idx = nxt
+            op, args = request(is_read, batch_keys, idx, bufs)
+            fn = getattr(calls, op)
+            t0 = clock()
+            res = await fn(*args)
+            t1 = clock()
+            settle(is_read, idx, bufs, res, t0, t1)
+
+    def thread_worker() -> None:
+        try:
+            bufs = buffers()
+            for _ in range(count_limit):  # bounded by count; begin() checks the clock
+                nxt = begin()
+                if nxt is None:
+                    return
+                is_read, batch_keys, idx = nxt
+                op, args = request(is_read, batch_keys, idx, bufs)
+                fn = getattr(calls, op)
                 t0 = clock()
-                values = await store.get_many(batch_keys)
+                res = fn(*args)
                 t1 = clock()
-                if t0 >= measure_start:
-                    read_rec.record(t1 - t0, n, n * bs, t1 - measure_start)
-                missing += values.count(None)
-                if wl.verify:
-                    mismatched += _check(values, idx, bs)
-            else:
-                items = [
-                    (k, _value_for(filler, i, wl.verify))
-                    for k, i in zip(batch_keys, idx, strict=True)
-                ]
-                t0 = clock()
-                await store.put_many(items)
-                t1 = clock()
-                if t0 >= measure_start:
-                    write_rec.record(t1 - t0, n, n * bs, t1 - measure_start)
+                settle(is_read, idx, bufs, res, t0, t1)
+        except BaseException:
+            failed.set()  # the other threads stop at their next call
+            raise
+
+    async def run_threads() -> None:
+        pool = ThreadPoolExecutor(max_workers=wl.iodepth, thread_name_prefix="kvfs-bench")
+        loop = asyncio.get_running_loop()
+        try:
+            await asyncio.gather(*(loop.run_in_executor(pool, thread_worker) for _ in range(wl.iodepth)))
+        finally:
+            failed.set()
+            pool.shutdown(wait=False)
 
     done = asyncio.Event()
     ticker = None
@@ -466,7 +532,10 @@ async def run_workload(
         cpu.start()
     try:
         async with asyncio.timeout(wl.ramp_time_s + wl.runtime_s + wl.grace_s):
-            await _run_all(worker, wl.iodepth)
+            if blocking is not None:
+                await run_threads()
+            else:
+                await _run_all(worker, wl.iodepth)
         t_finish = clock()
         if cpu is not None:
             cpu.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -27,11 +28,21 @@ class BenchTarget:
     tls: TlsConfig | None = None  # --tls-* (None: none, or $KVFS_TLS_*)
 
     def client(self, **config: Any) -> Any:
-        from kvfs.client import AsyncClient
+        from kvfs import AsyncClient
+
+        return AsyncClient(self.addr, token=self.token, config=self._config(**config))
+
+    async def blocking_client(self, **config: Any) -> Any:
+        """The blocking ``kvfs.Client`` (its IO thread), connected off this event loop."""
+        from kvfs import Client
+
+        return await asyncio.to_thread(Client, self.addr, token=self.token, config=self._config(**config))
+
+    def _config(self, **config: Any) -> Any:
         from kvfs.config import ClientConfig
 
         tls = tls_fields(self.tls) if self.tls is not None else {}
-        return AsyncClient(self.addr, token=self.token, config=ClientConfig(**tls, **config))
+        return ClientConfig(**tls, **config)
 
     def server_pids(self) -> dict[str, int]:
         """meta and each chunkserver by pid, for ``--cpu``; {} unless they are our child processes."""

@@ -114,6 +114,12 @@ def _record_at(data: bytes, pos: int, verify: bool) -> ScannedRecord | None:
                          index, bool(flags & TOMBSTONE))
 
 
+def parse_record(data: bytes) -> ScannedRecord | None:
+    """The record at the start of ``data`` (header, key and whole value; the value's CRC
+    checked), or None when none checks out there (the GC's repair copies records whole)."""
+    return _record_at(data, 0, True)
+
+
 def scan_records(data: bytes, *, verify: bool = True,
                  damage: list[Damage] | None = None) -> Iterator[ScannedRecord]:
     """Every record in a chunk's bytes, in order.

@@ -40,6 +40,7 @@ from kvfs.config import FsyncMode
 from kvfs.datadir import FILE_MODE, private_dir
 from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout
 from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
+from kvfs.rpc import Range
 
 log = logging.getLogger("kvfs.chunkserver")
 
@@ -72,16 +73,20 @@ def check_ranges(raw: Any, max_ranges: int, max_bytes: int) -> list[tuple[int, i
         raise InvalidArgument(f"READV ranges must be a list, got {type(raw).__name__}")
     if len(raw) > max_ranges:
         raise InvalidArgument(f"READV names {len(raw)} ranges; the limit is {max_ranges} (max_ranges)")
-    ranges: list[tuple[int, int, int]] = []
-    total = 0
-    for r in raw:
-        c, off, ln = r
-        if not (type(c) is int and type(off) is int and type(ln) is int):
-            raise InvalidArgument(f"READV range must be three integers, got {r!r:.80}")
-        if c < 0 or off < 0 or ln < 0:
-            raise InvalidArgument(f"READV range has a negative field: {r!r:.80}")
-        total += ln
-        ranges.append((c, off, ln))
+    ranges: list[tuple[int, int, int]]
+    if all(type(r) is Range for r in raw):  # decoded by msgspec: three ints, none negative
+        ranges = list(raw)
+        total = sum([r[2] for r in ranges])
+    else:
+        ranges, total = [], 0
+        for r in raw:
+            c, off, ln = r
+            if not (type(c) is int and type(off) is int and type(ln) is int):
+                raise InvalidArgument(f"READV range must be three integers, got {r!r:.80}")
+            if c < 0 or off < 0 or ln < 0:
+                raise InvalidArgument(f"READV range has a negative field: {r!r:.80}")
+            total += ln
+            ranges.append((c, off, ln))
     if total > max_bytes:
         raise InvalidArgument(f"READV asks for {total} bytes; the limit is {max_bytes} "
                               "(max_read_rpc_bytes): split it")
@@ -100,15 +105,17 @@ def plan_spans(ranges: Sequence[tuple[int, int, int]], merge_gap: int) -> list[S
     Every range lies inside exactly one span; spans of one chunk never overlap,
     so each byte is read at most once.
     """
-    order = sorted(range(len(ranges)), key=lambda i: (ranges[i][0], ranges[i][1]))
+    order = sorted(range(len(ranges)), key=ranges.__getitem__)  # by (chunk, offset, length)
     spans: list[Span] = []
     members: list[int] = []
     cur_c, cur_s, cur_e = -1, 0, 0
+    mask = ALIGN - 1
     for i in order:
         c, off, ln = ranges[i]
-        s, e = align_down(off), align_up(off + ln)
+        s, e = off & ~mask, (off + ln + mask) & ~mask  # align_down, align_up
         if c == cur_c and s <= cur_e + merge_gap:
-            cur_e = max(cur_e, e)
+            if e > cur_e:
+                cur_e = e
             members.append(i)
             continue
         if members:
@@ -164,25 +171,27 @@ def _read_spans(fds: dict[int, int], spans: Sequence[Span], needs: Sequence[int]
     past the end of file).  With ``nowait`` (RWF_NOWAIT) a span that is not wholly in
     the page cache comes back as None instead of blocking, for the thread pool to read."""
     out: list[bytearray | None] = []
+    flags = _NOWAIT if nowait else 0
+    preadv = os.preadv
     for sp, need in zip(spans, needs, strict=True):
-        buf = bytearray(sp.end - sp.start)
-        got = 0
-        with memoryview(buf) as view:
-            try:
-                while got < need:
-                    n = (os.preadv(fds[sp.chunk_id], [view[got:]], sp.start + got, _NOWAIT) if nowait
-                         else os.preadv(fds[sp.chunk_id], [view[got:]], sp.start + got))
-                    if n == 0:
-                        break
-                    got += n
-            except BlockingIOError:
-                got = -1
+        buf = bytearray(need)  # the alignment past the end of file is never asked for
+        fd = fds[sp.chunk_id]
+        try:
+            got = preadv(fd, [buf], sp.start, flags) if need else 0
+            if 0 < got < need:  # a short read (rare): go on from where it stopped
+                with memoryview(buf) as view:
+                    while got < need:
+                        n = preadv(fd, [view[got:]], sp.start + got, flags)
+                        if n == 0:
+                            break
+                        got += n
+        except BlockingIOError:
+            got = -1
         if got < need:
             if nowait:
                 out.append(None)
                 continue
             raise OSError(f"chunk {sp.chunk_id:016x} ended at {sp.start + got}, expected {sp.start + need}")
-        del buf[need:]
         out.append(buf)
     return out
 
@@ -298,6 +307,11 @@ class ChunkStore:
             self.sizes[chunk_id] = keep
 
     def close(self) -> None:
+        if self._open is not None:  # a stopped server keeps no reservation (64 MiB per data dir)
+            try:
+                self._release(self._open)
+            except OSError as e:
+                log.warning("chunk %016x: could not give back its reserved blocks: %s", self._open, e)
         for fd in self._fds.values():
             os.close(fd)
         self._fds.clear()
@@ -480,7 +494,7 @@ class ChunkStore:
         spans = plan_spans(ok, self.merge_gap)
         self._reads_in_flight += 1  # before taking fds: none of them is closed under us
         try:
-            fds = {sp.chunk_id: self._fd(sp.chunk_id) for sp in spans}
+            fds = {c: self._fd(c) for c in {sp.chunk_id for sp in spans}}
             needs = [min(sp.end, self.sizes[sp.chunk_id]) - sp.start for sp in spans]
             # page-cache hits are read right here (no thread hop); the rest in the pool
             bufs: list[bytearray | None] = [None] * len(spans)

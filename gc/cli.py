@@ -77,6 +77,7 @@ def format_status(st: dict[str, Any]) -> str:
     lines.append(f"totals: expired {int(m['keys_expired'])} keys, evicted {int(m['keys_evicted'])}, "
                  f"compacted {int(m['chunks_compacted'])} chunks, deleted {int(m['chunks_deleted'])}, "
                  f"reclaimed {format_size(m['bytes_reclaimed'])} in {int(m['passes'])} passes")
+    lines.append(format_repair(st.get("repair"), m))
     lines.append(f"{'id':>3} {'addr':<21} {'alive':<5} {'capacity':>10} {'used':>10} {'fill':>5} "
                  f"{'live':>10} {'garbage':>10} {'ratio':>5} {'expired':>7} {'chunks':>6}")
     for s in st["servers"]:
@@ -88,6 +89,16 @@ def format_status(st: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_repair(rep: dict[str, Any] | None, metrics: dict[str, Any]) -> str:
+    """One line: what is under-replicated now, and what repair copied so far."""
+    rep = rep or {}
+    return (f"repair: {rep.get('under_replicated_extents', 0)} extents under-replicated "
+            f"({format_size(rep.get('under_replicated_bytes', 0))}), "
+            f"{rep.get('unrepairable_extents', 0)} with no live copy; repaired so far "
+            f"{int(metrics.get('extents_repaired', 0))} extents "
+            f"({format_size(metrics.get('bytes_repaired', 0))})")
+
+
 def format_pass(r: PassReport) -> str:
     verb = "freed" if r.apply else "would free"
     out = [f"{'applied' if r.apply else 'dry run (add --apply to act)'}, {r.duration_s:.2f}s",
@@ -95,6 +106,11 @@ def format_pass(r: PassReport) -> str:
            f"evict:   {r.evicted_keys} keys ({format_size(r.evicted_bytes)}); {r.leased_skipped} leased keys kept",
            f"compact: {r.compact_candidates} chunks over the threshold, {r.delete_candidates} with no live "
            f"bytes, {r.waiting_grace} waiting out the grace period"]
+    if r.repair is not None:
+        rp = r.repair
+        out.append(f"repair:  {rp.under_replicated_extents} extents under-replicated "
+                   f"({format_size(rp.under_replicated_bytes)}), {rp.unrepairable_extents} with no "
+                   f"live copy; copied {rp.extents_repaired} ({format_size(rp.bytes_copied)})")
     if r.apply:
         out.append(f"done:    compacted {r.chunks_compacted} chunks ({format_size(r.bytes_copied)} copied, "
                    f"{r.keys_relocated} keys moved, {r.relocations_lost} lost to newer writes), deleted "
@@ -116,12 +132,13 @@ async def cmd_status(ns: argparse.Namespace) -> int:
 
 
 async def cmd_run(ns: argparse.Namespace) -> int:
-    phases = ns.expire or ns.compact or ns.evict_to is not None
+    phases = ns.expire or ns.compact or ns.repair or ns.evict_to is not None
     opts = PassOptions(
         apply=ns.apply, expire=ns.expire or not phases, compact=ns.compact or not phases,
         evict=ns.evict_to is not None or not phases, threshold=ns.threshold,
         high=ns.high, low=ns.evict_to if ns.evict_to is not None else min(0.8, ns.high),
-        grace_s=ns.grace, rate_bytes=ns.rate, expire_batch=ns.batch)
+        grace_s=ns.grace, rate_bytes=ns.rate, expire_batch=ns.batch,
+        repair=ns.repair or not phases, repair_rate_bytes=ns.repair_rate)
     if opts.low > opts.high:
         opts = dataclasses.replace(opts, high=opts.low)
     async with _collector(ns, _progress) as gc:
@@ -198,6 +215,10 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--grace", type=parse_duration, default=30.0,
                    help="keep unreferenced chunks this long first (default 30s)")
     p.add_argument("--rate", type=parse_rate, default=None, help="compaction copy limit, e.g. 200MiB/s")
+    p.add_argument("--repair", action="store_true",
+                   help="copy extents that lost a replica (server dead) to live servers")
+    p.add_argument("--repair-rate", type=parse_rate, default=None,
+                   help="repair copy limit, e.g. 100MiB/s (default: unlimited)")
     p.add_argument("--batch", type=int, default=10_000, help="expired keys per meta transaction")
     p.add_argument("--apply", action="store_true", help="act (default: dry run)")
     p.add_argument("--force", action="store_true", help="run even while GC is paused")

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -22,7 +22,9 @@ from kvfs import rpc
 from kvfs.address import lookup_token, parse_addr
 from kvfs.config import GcConfig, TlsConfig
 from kvfs.errors import KVFSError, Unavailable
+from kvfs.gc.repair import RepairReport, repair_step
 from kvfs.handshake import Role
+from kvfs.protocol import Buffer, Scatter
 from kvfs.rpc import R, Request
 from kvfs.tls import client_context
 from kvfs.transport import Connection
@@ -47,13 +49,15 @@ class PassOptions:
     grace_s: float = 30.0
     rate_bytes: int | None = None
     expire_batch: int = 10_000
+    repair: bool = True
+    repair_rate_bytes: int | None = None
 
     @classmethod
     def from_config(cls, config: GcConfig) -> PassOptions:
         """The daemon's pass (``kvfs gc daemon``, ``kvfs up``): every phase, applied."""
         return cls(apply=True, threshold=config.compact_threshold, high=config.high_watermark,
                    low=config.low_watermark, grace_s=config.grace_s, rate_bytes=config.rate_bytes,
-                   expire_batch=config.expire_batch)
+                   expire_batch=config.expire_batch, repair_rate_bytes=config.repair_rate_bytes)
 
 
 @dataclass(kw_only=True)
@@ -76,9 +80,15 @@ class PassReport:
     delete_candidates: int = 0
     reclaimable_bytes: int = 0  # dry run: what compaction + deletion would free
     waiting_grace: int = 0
+    repair: RepairReport | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Flat counters (GC_REPORT); the repair step's as ``repair_*``."""
+        d = asdict(self)
+        rep = d.pop("repair")
+        for k, v in (rep or {}).items():
+            d[f"repair_{k}"] = v
+        return d
 
 
 @dataclass(kw_only=True)
@@ -149,7 +159,12 @@ class GarbageCollector:
                                                tls=self._tls)
         return await self._meta.call(request)
 
-    async def chunkserver(self, sid: int, request: Request[R]) -> R:
+    async def chunkserver(self, sid: int, request: Request[R], payload: Sequence[Buffer] = ()) -> R:
+        return (await self.chunkserver_exchange(sid, request, payload))[0]
+
+    async def chunkserver_exchange(self, sid: int, request: Request[R], payload: Sequence[Buffer] = (),
+                                   ) -> tuple[R, bytes | bytearray | memoryview | Scatter]:
+        """One RPC to chunkserver ``sid``: its typed answer and raw payload."""
         conn = self._conns.get(sid)
         if conn is None or conn.is_closed:
             if sid not in self._addrs:
@@ -160,7 +175,7 @@ class GarbageCollector:
             conn = await Connection.open(host, port, self.token,
                                          request_timeout_s=self.request_timeout_s, tls=self._tls)
             self._conns[sid] = conn
-        return await conn.call(request)
+        return await conn.exchange(request, payload)
 
     async def servers(self) -> list[tuple[int, str, bool]]:
         h = await self.meta(rpc.Servers())
@@ -171,6 +186,10 @@ class GarbageCollector:
                 self._conns.pop(sid).close()
             self._addrs[sid] = addr
         return out
+
+    def free_bytes(self) -> dict[int, int]:
+        """Free space per chunkserver, as of the last :meth:`sync_usage`."""
+        return {sid: st.free for sid, st in self._usage.items()}
 
     async def sync_usage(self, *, mtimes: bool = False) -> dict[int, rpc.ChunkStatsReply]:
         """Fresh chunk tables from every live chunkserver, forwarded to meta as a heartbeat."""
@@ -203,6 +222,8 @@ class GarbageCollector:
             await self.expire(opts, report)
         if opts.evict:
             await self.evict(opts, report)
+        if opts.repair:
+            report.repair = await repair_step(self, apply=opts.apply, rate_bytes=opts.repair_rate_bytes)
         if opts.compact:
             await self.compact(opts, report)
         report.duration_s = time.perf_counter() - t0
@@ -431,6 +452,9 @@ async def run_daemon(addr: str | None, token: str | None, opts: PassOptions, int
                 paused = await gc.set_paused(None)
                 if not paused:
                     report = await gc.run_pass(opts)
+                    if report.repair is not None and report.repair.extents_repaired:
+                        log.info("gc repair: %d extents copied to live servers (%d bytes)",
+                                 report.repair.extents_repaired, report.repair.bytes_copied)
                     if report.expired_keys or report.evicted_keys or report.chunks_deleted:
                         log.info("gc pass: expired %d, evicted %d, compacted %d chunks, reclaimed %d bytes",
                                  report.expired_keys, report.evicted_keys, report.chunks_compacted,

@@ -257,6 +257,9 @@ async def cmd_stat(ns: argparse.Namespace) -> int:
         print(json.dumps(st, default=str))
         return 0
     print(f"keys: {st['keys']}   bytes: {format_size(st['bytes'])}")
+    from kvfs.gc.cli import format_repair
+
+    print(format_repair(st.get("gc", {}).get("repair"), st.get("gc", {}).get("metrics", {})))
     print(f"{'id':>3} {'addr':<22} {'alive':<5} {'capacity':>11} {'free':>11} {'chunks':>6} "
           f"{'written':>11} {'live':>11} {'garbage':>11}")
     for s in st["servers"]:

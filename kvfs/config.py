@@ -90,7 +90,13 @@ class MetaConfig(ServerConfig):
     data: Path = opt("data directory (SQLite store; token files unless $KVFS_TOKEN, "
                      "$KVFS_ADMIN_TOKEN, $KVFS_SERVER_TOKEN are set)")
     listen: str = opt("HOST:PORT to listen on (port 0 picks a free one)", "127.0.0.1:7070")
-    heartbeat_timeout_s: float = opt("a chunkserver silent this long is dead", 10.0)
+    heartbeat_timeout_s: float = opt("a chunkserver silent this long is not written to or read "
+                                     "from", 10.0)
+    dead_after_s: float = opt("a chunkserver silent this long is declared dead: exists and "
+                              "match_prefix stop counting keys held only there, and the GC's "
+                              "repair step copies its extents to live servers (never before "
+                              "--heartbeat-timeout; counted from meta's start for servers meta "
+                              "knew before it)", 60.0)
     default_ttl_s: float | None = opt("TTL for puts that give none (default: no expiry)", None)
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
     fsync: FsyncMode = opt("always/batch: a commit is on disk before it is answered (SQLite "
@@ -240,6 +246,8 @@ class GcConfig(TlsConfig):
     low_watermark: float = opt("evict least recently used keys down to this used/capacity", 0.8)
     grace_s: float = opt("keep an unreferenced chunk this long so in-flight reads finish", 30.0)
     rate_bytes: int | None = opt("compaction copy rate limit in bytes/s (default: unlimited)", None)
+    repair_rate_bytes: int | None = opt("repair (re-replication) copy rate limit in bytes/s",
+                                        100 * MiB)
 
 
 @dataclass(frozen=True, kw_only=True)

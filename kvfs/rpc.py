@@ -28,7 +28,7 @@ from typing import Annotated, Any, Generic, NamedTuple, TypeVar, get_args
 import msgspec
 
 from kvfs.handshake import NONCE_BYTES, Role
-from kvfs.layout import MAX_KEY_BYTES, Crc32, Layout
+from kvfs.layout import MAX_KEY_BYTES, Crc32, Layout, Replica
 
 # -- field types and their bounds ---------------------------------------------------------
 MAX_ITEMS = 1 << 20  # keys, records, ranges, moves... in one message
@@ -38,6 +38,7 @@ MAX_TEXT_CHARS = 4096
 MAX_LIST = 10_000  # keys per LIST page
 MAX_REFS_CHUNKS = 4096  # chunks per GC_CHUNK_REFS
 MAX_EXPIRE_BATCH = 1_000_000
+MAX_REPAIR_BATCH_BYTES = 1 << 30  # extent bytes per GC_REPAIR_PLAN
 SERVER_ID_LIMIT = 1 << 23  # chunk ids embed the server id in their top bits (see kvfs.layout)
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
@@ -110,6 +111,9 @@ class Op(enum.IntEnum):
     GC_REPORT = 49
     GC_DROP_REPLICAS = 50
     TOUCH = 51
+    # 52: MAKE_ROOM (branch rpc-m2)
+    GC_REPAIR_PLAN = 53
+    GC_REPAIR = 54
     # garbage collection: chunkserver (56-63)
     CHUNK_COMPACT = 56
     CHUNK_DELETE = 57
@@ -261,17 +265,27 @@ class Touch(Request[Empty], frozen=True, kw_only=True):
 
 
 # -- meta: cluster --------------------------------------------------------------------------
+class RepairState(Response, frozen=True, kw_only=True):
+    """Extents with a replica on a dead server (:mod:`kvfs.meta.repair`)."""
+
+    under_replicated_extents: Count = 0
+    under_replicated_bytes: Count = 0
+    unrepairable_extents: Count = 0  # no replica on a live server: lost unless one returns
+
+
 class GcSummary(Response, frozen=True, kw_only=True):
     paused: bool
     metrics: Counters
     last_run: RunCounters | None
     dead_chunks: Count
+    repair: RepairState = RepairState()
 
 
 class ServerStats(msgspec.Struct, frozen=True, kw_only=True):
     server_id: ServerId
     addr: Addr
     alive: bool
+    dead: bool = False  # silent past dead_after_s: its replicas count as lost
     capacity: Count
     free: Count
     used: Count
@@ -698,6 +712,49 @@ class GcDropReplicas(Request[Dropped], frozen=True, kw_only=True):
     items: Items[BadReplica]
 
 
+class RepairItem(NamedTuple):
+    """An extent to copy: read it from a ``sources`` replica (on live servers), write it to
+    a live server not in ``holders``, then switch ``lost`` to the copy (GC_REPAIR)."""
+
+    key: Key
+    extent: Index  # the extent's index in the value
+    length: Count
+    crc: Crc32
+    expires_at: Timestamp | None
+    sources: Items[Replica]
+    lost: Replica
+    holders: Items[ServerId]  # servers holding a replica of this extent (the lost one too)
+
+
+class RepairPlan(RepairState, frozen=True, kw_only=True):
+    items: Items[RepairItem]
+
+
+class GcRepairPlan(Request[RepairPlan], frozen=True, kw_only=True):
+    """Extents with a replica on a dead server and one on a live server, up to
+    ``limit_bytes`` of them (at least one), and the totals of every under-replicated one."""
+
+    limit_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPAIR_BATCH_BYTES)] = 16 * 1024 * 1024
+
+
+class ReplicaSwitch(NamedTuple):
+    key: Key
+    extent: Index
+    lost: Replica
+    new: Replica
+
+
+class Repaired(Response, frozen=True, kw_only=True):
+    repaired: Count
+    skipped: Count  # the layout no longer held the lost replica (a racing write won)
+
+
+class GcRepair(Request[Repaired], frozen=True, kw_only=True):
+    """Switch each lost replica to its copy, compare-and-swap (:mod:`kvfs.meta.repair`)."""
+
+    items: Items[ReplicaSwitch]
+
+
 # -- the table -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Rpc:
@@ -761,6 +818,10 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.GC_CONTROL, Service.META, GcControl, "pause or resume GC", ADMIN),
     Rpc(Op.GC_REPORT, Service.META, GcReport, "a finished pass's report", ADMIN),
     Rpc(Op.GC_DROP_REPLICAS, Service.META, GcDropReplicas, "fsck repair: forget bad replicas", ADMIN),
+    Rpc(Op.GC_REPAIR_PLAN, Service.META, GcRepairPlan,
+        "extents that lost a replica to a dead server, to copy", ADMIN),
+    Rpc(Op.GC_REPAIR, Service.META, GcRepair,
+        "switch lost replicas to their copies (compare-and-swap)", ADMIN),
     Rpc(Op.TOUCH, Service.META, Touch, "mark keys read (LRU)", DATA),
     Rpc(Op.CHUNK_COMPACT, Service.CHUNKSERVER, ChunkCompact, "copy live records into a new chunk", ADMIN),
     Rpc(Op.CHUNK_DELETE, Service.CHUNKSERVER, ChunkDelete, "unlink retired chunks", ADMIN),

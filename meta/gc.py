@@ -25,6 +25,7 @@ from kvfs import rpc
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import MetaConfig
 from kvfs.layout import Extent, Layout, Replica, encode_layout
+from kvfs.meta.repair import RepairSummary, plan_repairs, replace_replica
 from kvfs.meta.store import MetaStore
 from kvfs.server import Reply
 
@@ -33,7 +34,7 @@ log = logging.getLogger("kvfs.meta.gc")
 METRIC_NAMES = (
     "keys_expired", "bytes_expired", "keys_evicted", "bytes_evicted", "chunks_compacted",
     "bytes_copied", "keys_relocated", "chunks_deleted", "bytes_reclaimed", "replicas_dropped",
-    "passes", "pass_duration_s", "last_pass_duration_s",
+    "passes", "pass_duration_s", "last_pass_duration_s", "extents_repaired", "bytes_repaired",
 )
 RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
 
@@ -58,6 +59,9 @@ class MetaGc:
     def alive(self, s: Any) -> bool:
         raise NotImplementedError
 
+    def gone_servers(self) -> set[int]:
+        raise NotImplementedError
+
     def _add_live(self, layout: Layout, sign: int, key: bytes,
                   live: dict[int, int] | None = None) -> None:
         raise NotImplementedError
@@ -78,7 +82,19 @@ class MetaGc:
 
     def gc_summary(self) -> rpc.GcSummary:
         return rpc.GcSummary(paused=self.gc_paused, metrics=dict(self.gc_metrics),
-                             last_run=self.gc_last_run, dead_chunks=len(self.dead_chunks))
+                             last_run=self.gc_last_run, dead_chunks=len(self.dead_chunks),
+                             repair=self.repair_summary().state())
+
+    def _repair_plan(self, limit_bytes: int, summary: RepairSummary | None) -> list[rpc.RepairItem]:
+        alive = {sid for sid, s in self.servers.items() if self.alive(s)}
+        return plan_repairs(((k, e.layout) for k, e in self.entries.items()), self.gone_servers(),
+                            alive, limit_bytes=limit_bytes, now=self.clock(), summary=summary)
+
+    def repair_summary(self) -> RepairSummary:
+        """Under-replicated extents now (a scan of the index, only while a server is gone)."""
+        summary = RepairSummary()
+        self._repair_plan(0, summary)
+        return summary
 
     def check_not_dead(self, layout: Layout) -> bool:
         dead = self.dead_chunks
@@ -231,7 +247,8 @@ class MetaGc:
         summary = self.gc_summary()
         return rpc.GcStatusReply(time=now, servers=servers, expired_keys=expired_total,
                                  paused=summary.paused, metrics=summary.metrics,
-                                 last_run=summary.last_run, dead_chunks=summary.dead_chunks), ()
+                                 last_run=summary.last_run, dead_chunks=summary.dead_chunks,
+                                 repair=summary.repair), ()
 
     async def rpc_gc_expire(self, req: rpc.GcExpire, payload: memoryview) -> Reply:
         now = self.clock()
@@ -400,6 +417,36 @@ class MetaGc:
         if inc:
             self._count(**inc)
         return rpc.Empty(), ()
+
+    async def rpc_gc_repair_plan(self, req: rpc.GcRepairPlan, payload: memoryview) -> Reply:
+        """Extents with a replica on a gone server, readable from a live one (kvfs.meta.repair)."""
+        summary = RepairSummary()
+        items = self._repair_plan(req.limit_bytes, summary)
+        st = summary.state()
+        return rpc.RepairPlan(items=items, under_replicated_extents=st.under_replicated_extents,
+                              under_replicated_bytes=st.under_replicated_bytes,
+                              unrepairable_extents=st.unrepairable_extents), ()
+
+    async def rpc_gc_repair(self, req: rpc.GcRepair, payload: memoryview) -> Reply:
+        """Switch each lost replica to its new copy, compare-and-swap (kvfs.meta.repair)."""
+        staged: dict[bytes, tuple[Any, Layout]] = {}
+        repaired = skipped = nbytes = 0
+        for key, index, lost, new in req.items:
+            e = self.entries.get(key)
+            if e is None or new.server_id not in self.servers:
+                skipped += 1
+                continue
+            switched = replace_replica(staged.get(key, (e, e.layout))[1], index, lost, new)
+            if switched is None or not self.check_not_dead(switched):
+                skipped += 1
+                continue
+            staged[key] = (e, switched)
+            repaired += 1
+            nbytes += switched.extents[index].length
+        self._switch_layouts([(k, e, lay) for k, (e, lay) in staged.items()])
+        if repaired:
+            self._count(extents_repaired=repaired, bytes_repaired=nbytes)
+        return rpc.Repaired(repaired=repaired, skipped=skipped), ()
 
     async def rpc_gc_drop_replicas(self, req: rpc.GcDropReplicas, payload: memoryview) -> Reply:
         """fsck repair: forget replicas whose bytes are missing or corrupt; a key left with an

@@ -131,6 +131,7 @@ class LocalRedisCluster:
                     "--cluster-port", str(port + self.bus_offset),
                     "--cluster-node-timeout", "2000", "--dir", str(d), "--logfile", "redis.log",
                     "--save", "", "--appendonly", "no", "--daemonize", "no",
+                    "--repl-diskless-sync-delay", "0",
                     "--protected-mode", "no"]
             if self.maxmemory:
                 args += ["--maxmemory", self.maxmemory]
@@ -167,7 +168,9 @@ class LocalRedisCluster:
                               f"{(r.stdout + r.stderr).decode(errors='replace')[-2000:]}")
 
     def wait_ok(self, timeout_s: float | None = None) -> None:
-        """Wait until every running node says ``cluster_state:ok`` and knows every node."""
+        """Wait until every running node says ``cluster_state:ok`` and knows every node, and
+        every replica has synced with its master (a replica that never synced cannot
+        take over)."""
         deadline = time.monotonic() + (timeout_s or self.ready_timeout_s)
         want = sum(1 for n in self.nodes if n.proc.poll() is None)
         info: dict[int, bytes] = {}
@@ -176,7 +179,10 @@ class LocalRedisCluster:
                     for n in self.nodes if n.proc.poll() is None}
             if all(b"cluster_state:ok" in v and b"cluster_slots_assigned:16384" in v
                    and _field(v, b"cluster_known_nodes") >= want for v in info.values()):
-                return
+                repl = [_command(n.port, b"INFO", b"replication") or b""
+                        for n in self.nodes if n.proc.poll() is None]
+                if all(b"role:master" in r or b"master_link_status:up" in r for r in repl):
+                    return
             time.sleep(0.05)
         raise Unavailable(f"redis cluster not ok within the deadline: {info}")
 

@@ -24,19 +24,26 @@ them together:
 
 What is atomic
 --------------
-- Per key, always: a commit, delete, expiry, eviction or relocation changes the layout,
-  the indexes and that key's live-bytes contribution in one script.  Relocation and
-  eviction are compare-and-swaps on the stored value; a commit or relocation naming a
-  retired chunk is refused in the same script (each bucket holds the dead set).
-- Per bucket: one script per bucket per call, so the keys of one batch that share a
-  bucket commit together.  **A batch spanning buckets is not all-or-nothing**: a
-  refused commit (a retired chunk) may leave the batch's other buckets committed.  Each
-  committed key is still whole (its bytes were written before the commit).
-- A chunk's live bytes are the sum over buckets (read with one pipelined round trip per
-  node).  Retiring a chunk marks it dead bucket by bucket, each only if that bucket has
-  no live bytes in it, and undoes the marks if any bucket had some; a commit racing it
-  is refused by a marked bucket, or makes an unmarked one refuse.  Retires are
-  serialised by a lock key (one GC at a time per store).
+Commit, lookup, exists, delete, expiry, eviction, relocation, lease, live bytes and
+retirement each run **one Lua script per involved node**, covering every bucket of the
+call that node serves (Redis 7's ``allow-cross-slot-keys`` script flag: one script may
+use keys of several slots, all on its node).  So:
+
+- per key, always: the layout, the indexes and that key's live-bytes contribution change
+  together.  Relocation and eviction compare the stored value; a commit or relocation
+  naming a retired chunk is refused in the same script (each bucket holds the dead set);
+- per node: the keys of one batch that one master holds commit together, all or none.
+  **A batch spanning masters is not all-or-nothing**: a refused commit (a retired chunk)
+  may leave the batch's part on other masters committed.  Each committed key is still
+  whole (its bytes were written before the commit);
+- a chunk's live bytes are the sum over buckets.  Retiring a chunk marks it dead on each
+  node only if none of that node's buckets has live bytes in it, and undoes every mark
+  if some node had; a commit racing it is refused by a marked node, or makes an
+  unmarked one refuse.  Retires are serialised by a lock key (one GC at a time).
+
+A slot that moves (failover, resharding) makes a script fail on its first touch of that
+bucket, before it wrote anything (Redis never rolls a script back); the store re-reads
+the slot map and sends those buckets again, once, then answers ``Unavailable``.
 
 Time
 ----
@@ -48,32 +55,50 @@ clock.
 
 Cost
 ----
-A commit or a lookup is one pipelined round trip per involved node (redis-py sends the
-per-node pipelines concurrently).  Listing merges the buckets' ``k`` indexes: each
-round fetches a few keys per bucket, ``buckets`` small commands per page, plus one round
-trip for the layouts of the page.  The expiry sweep and LRU candidates merge the same
-way over ``x`` and ``a``.  :meth:`scan` (GC status, chunk references) reads everything.
+A commit or a lookup is one script on each involved node, the nodes called at once:
+one round trip.  Listing merges the buckets' ``k`` indexes: each round fetches a few keys
+per bucket (one pipeline per node), plus one round trip for the layouts of the page.
+The expiry sweep and LRU candidates merge the same way over ``x`` and ``a``.
+:meth:`scan` (GC status, chunk references) reads everything.  The bucket count bounds
+how far the store spreads (a bucket is one slot) and what a list page costs; it is
+fixed when the store is created.
 """
 
 from __future__ import annotations
 
+import asyncio
 import builtins
+import contextlib
 import heapq
 import math
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import crc32c
 import msgpack
+from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.crc import key_slot
+from redis.exceptions import (
+    AskError,
+    ClusterDownError,
+    ClusterError,
+    MovedError,
+    ResponseError,
+    TryAgainError,
+)
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from kvfs.address import parse_addr
-from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
 from kvfs.layout import Layout, decode_layout, encode_layout
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES
 from kvfs.meta.store import prefix_upper_bound
+
+T = TypeVar("T")
 
 URL_SCHEME = "redis-cluster://"
 DEFAULT_BUCKETS = 256
@@ -105,95 +130,183 @@ local function dead_in(D, v)
 end
 """
 
-# KEYS: h k a x L D; ARGV: now, expires ('' = none), key1, value1, ...
-# All or nothing for the bucket: a dead chunk refuses every key of it.
-_LUA_COMMIT = _LUA_ADJUST + """
-local now, exp = ARGV[1], ARGV[2]
-for i = 3, #ARGV, 2 do
-  local cid = dead_in(KEYS[6], ARGV[i + 1])
-  if cid then return {ARGV[i], cid} end
+# The scripts below run once per node for every bucket of a call that node serves
+# (Redis 7's allow-cross-slot-keys: one script may use keys of several slots of its node).
+# ARGV holds groups: a bucket's tag, its item count n, then n items of a fixed width.
+# groups() touches every bucket first, so a bucket whose slot left the node fails the script
+# before it wrote anything (Redis does not roll a script back); the caller re-reads the slot
+# map and sends that node's buckets again.
+_SHEBANG = "#!lua flags=allow-cross-slot-keys\n"
+_LUA_GROUPS = """
+local function groups(first, width)
+  local gs = {}
+  local i = first
+  while i <= #ARGV do
+    local n = tonumber(ARGV[i + 1])
+    gs[#gs + 1] = {ARGV[i], i + 2, n}
+    i = i + 2 + n * width
+  end
+  for _, g in ipairs(gs) do redis.call('EXISTS', g[1] .. 'h') end
+  return gs
 end
-for i = 3, #ARGV, 2 do
-  local k, v = ARGV[i], ARGV[i + 1]
-  local old = redis.call('HGET', KEYS[1], k)
-  if old then adjust(KEYS[5], old, -1) end
-  adjust(KEYS[5], v, 1)
-  redis.call('HSET', KEYS[1], k, v)
-  redis.call('ZADD', KEYS[2], 0, k)
-  redis.call('ZADD', KEYS[3], now, k)
-  if exp == '' then redis.call('ZREM', KEYS[4], k) else redis.call('ZADD', KEYS[4], exp, k) end
+"""
+
+# ARGV: groups of keys.  Their stored values, in order (nil: absent).
+_LUA_GET = _SHEBANG + _LUA_GROUPS + """
+local out = {}
+for _, g in ipairs(groups(1, 1)) do
+  local h, s, n = g[1] .. 'h', g[2], g[3]
+  local j = 0
+  while j < n do
+    local m = math.min(n - j, 1000)
+    local vals = redis.call('HMGET', h, unpack(ARGV, s + j, s + j + m - 1))
+    for q = 1, m do out[#out + 1] = vals[q] end
+    j = j + m
+  end
+end
+return out
+"""
+
+# ARGV: now, expires ('' = none), groups of (key, value).  All or nothing for the node: a
+# value naming a dead chunk refuses the whole call there ({key, chunk} returned).
+_LUA_COMMIT = _SHEBANG + _LUA_GROUPS + _LUA_ADJUST + """
+local now, exp = ARGV[1], ARGV[2]
+local gs = groups(3, 2)
+for _, g in ipairs(gs) do
+  local D = g[1] .. 'D'
+  for j = 0, g[3] - 1 do
+    local cid = dead_in(D, ARGV[g[2] + 2 * j + 1])
+    if cid then return {ARGV[g[2] + 2 * j], cid} end
+  end
+end
+for _, g in ipairs(gs) do
+  local t = g[1]
+  local h, kk, a, x, L = t .. 'h', t .. 'k', t .. 'a', t .. 'x', t .. 'L'
+  for j = 0, g[3] - 1 do
+    local k, v = ARGV[g[2] + 2 * j], ARGV[g[2] + 2 * j + 1]
+    local old = redis.call('HGET', h, k)
+    if old then adjust(L, old, -1) end
+    adjust(L, v, 1)
+    redis.call('HSET', h, k, v)
+    redis.call('ZADD', kk, 0, k)
+    redis.call('ZADD', a, now, k)
+    if exp == '' then redis.call('ZREM', x, k) else redis.call('ZADD', x, exp, k) end
+  end
 end
 return {}
 """
 
-# KEYS: h k a x L, then one lease key per item; ARGV: mode, now, key1, expected1, ...
-# mode 'del': remove; 'exp': remove if still expired at now; 'evict': remove if the value is
-# still the expected one and no lease holds past now.  Returns key, value of each removed.
-_LUA_REMOVE = _LUA_ADJUST + """
+# ARGV: mode, now, groups of (key, expected).  mode 'del': remove; 'exp': remove if still
+# expired at now; 'evict': remove if the value is still the expected one and no lease holds
+# past now.  Returns key, value of each removed.
+_LUA_REMOVE = _SHEBANG + _LUA_GROUPS + _LUA_ADJUST + """
 local mode, now = ARGV[1], tonumber(ARGV[2])
 local out = {}
-local j = 6
-for i = 3, #ARGV, 2 do
-  local k, want = ARGV[i], ARGV[i + 1]
-  local v = redis.call('HGET', KEYS[1], k)
-  local ok = v ~= false
-  if ok and mode == 'exp' then
-    local e = redis.call('ZSCORE', KEYS[4], k)
-    ok = e ~= false and tonumber(e) <= now
-  elseif ok and mode == 'evict' then
-    ok = v == want
-    local lease = redis.call('GET', KEYS[j])
-    if ok and lease and tonumber(lease) > now then ok = false end
-  end
-  j = j + 1
-  if ok then
-    adjust(KEYS[5], v, -1)
-    redis.call('HDEL', KEYS[1], k)
-    redis.call('ZREM', KEYS[2], k)
-    redis.call('ZREM', KEYS[3], k)
-    redis.call('ZREM', KEYS[4], k)
-    out[#out + 1] = k
-    out[#out + 1] = v
+for _, g in ipairs(groups(3, 2)) do
+  local t = g[1]
+  local h, kk, a, x, L = t .. 'h', t .. 'k', t .. 'a', t .. 'x', t .. 'L'
+  for j = 0, g[3] - 1 do
+    local k, want = ARGV[g[2] + 2 * j], ARGV[g[2] + 2 * j + 1]
+    local v = redis.call('HGET', h, k)
+    local ok = v ~= false
+    if ok and mode == 'exp' then
+      local e = redis.call('ZSCORE', x, k)
+      ok = e ~= false and tonumber(e) <= now
+    elseif ok and mode == 'evict' then
+      ok = v == want
+      local lease = redis.call('GET', t .. 'l' .. k)
+      if ok and lease and tonumber(lease) > now then ok = false end
+    end
+    if ok then
+      adjust(L, v, -1)
+      redis.call('HDEL', h, k)
+      redis.call('ZREM', kk, k)
+      redis.call('ZREM', a, k)
+      redis.call('ZREM', x, k)
+      out[#out + 1] = k
+      out[#out + 1] = v
+    end
   end
 end
 return out
 """
 
-# KEYS: h L D; ARGV: key1, expected1, new1, ...  Returns 1/0 per item.
-_LUA_SWITCH = _LUA_ADJUST + """
+# ARGV: groups of (key, expected, new).  Returns 1/0 per item, in order.
+_LUA_SWITCH = _SHEBANG + _LUA_GROUPS + _LUA_ADJUST + """
 local out = {}
-for i = 1, #ARGV, 3 do
-  local k, want, new = ARGV[i], ARGV[i + 1], ARGV[i + 2]
-  if redis.call('HGET', KEYS[1], k) == want and not dead_in(KEYS[3], new) then
-    adjust(KEYS[2], want, -1)
-    adjust(KEYS[2], new, 1)
-    redis.call('HSET', KEYS[1], k, new)
-    out[#out + 1] = 1
-  else
-    out[#out + 1] = 0
+for _, g in ipairs(groups(1, 3)) do
+  local h, L, D = g[1] .. 'h', g[1] .. 'L', g[1] .. 'D'
+  for j = 0, g[3] - 1 do
+    local k, want, new = ARGV[g[2] + 3 * j], ARGV[g[2] + 3 * j + 1], ARGV[g[2] + 3 * j + 2]
+    if redis.call('HGET', h, k) == want and not dead_in(D, new) then
+      adjust(L, want, -1)
+      adjust(L, new, 1)
+      redis.call('HSET', h, k, new)
+      out[#out + 1] = 1
+    else
+      out[#out + 1] = 0
+    end
   end
 end
 return out
 """
 
-# KEYS: L D; ARGV: chunk ids.  Marks dead every chunk this bucket holds no live bytes of;
-# returns the ones it does (not marked).
-_LUA_RETIRE_MARK = """
+# ARGV: nc, nc chunk ids, groups of buckets (n = 0).  Marks dead, in every bucket, each chunk
+# that no bucket of this node holds live bytes of; returns the others (marked nowhere here).
+_LUA_RETIRE_MARK = _SHEBANG + _LUA_GROUPS + """
+local nc = tonumber(ARGV[1])
+local gs = groups(2 + nc, 0)
 local live = {}
-for i = 1, #ARGV do
-  local n = redis.call('HGET', KEYS[1], ARGV[i])
-  if n and tonumber(n) > 0 then live[#live + 1] = ARGV[i]
-  else redis.call('SADD', KEYS[2], ARGV[i]) end
+for c = 2, 1 + nc do
+  local used = false
+  for _, g in ipairs(gs) do
+    local n = redis.call('HGET', g[1] .. 'L', ARGV[c])
+    if n and tonumber(n) > 0 then used = true break end
+  end
+  if used then live[#live + 1] = ARGV[c]
+  else for _, g in ipairs(gs) do redis.call('SADD', g[1] .. 'D', ARGV[c]) end end
 end
 return live
 """
 
-# KEYS: lease keys; ARGV: until, px.  A lease is only ever lengthened.
-_LUA_LEASE = """
-for i = 1, #KEYS do
-  local cur = redis.call('GET', KEYS[i])
-  if not cur or tonumber(cur) < tonumber(ARGV[1]) then
-    redis.call('SET', KEYS[i], ARGV[1], 'PX', ARGV[2])
+# ARGV: nc, nc chunk ids (none: every chunk), groups of buckets (n = 0).  Returns chunk,
+# live bytes pairs summed over this node's buckets.
+_LUA_LIVE = _SHEBANG + _LUA_GROUPS + """
+local nc = tonumber(ARGV[1])
+local total = {}
+for _, g in ipairs(groups(2 + nc, 0)) do
+  local L = g[1] .. 'L'
+  if nc == 0 then
+    local kv = redis.call('HGETALL', L)
+    for i = 1, #kv, 2 do total[kv[i]] = (total[kv[i]] or 0) + tonumber(kv[i + 1]) end
+  else
+    local vals = redis.call('HMGET', L, unpack(ARGV, 2, 1 + nc))
+    for i = 1, nc do
+      if vals[i] then total[ARGV[1 + i]] = (total[ARGV[1 + i]] or 0) + tonumber(vals[i]) end
+    end
+  end
+end
+local out = {}
+for c, n in pairs(total) do out[#out + 1] = c out[#out + 1] = string.format('%d', n) end
+return out
+"""
+
+# ARGV: groups of buckets (n = 0).  Keys stored in this node's buckets.
+_LUA_COUNT = _SHEBANG + _LUA_GROUPS + """
+local n = 0
+for _, g in ipairs(groups(1, 0)) do n = n + redis.call('HLEN', g[1] .. 'h') end
+return n
+"""
+
+# ARGV: until, px, groups of keys.  A lease is only ever lengthened.
+_LUA_LEASE = _SHEBANG + _LUA_GROUPS + """
+for _, g in ipairs(groups(3, 1)) do
+  for j = 0, g[3] - 1 do
+    local l = g[1] .. 'l' .. ARGV[g[2] + j]
+    local cur = redis.call('GET', l)
+    if not cur or tonumber(cur) < tonumber(ARGV[1]) then
+      redis.call('SET', l, ARGV[1], 'PX', ARGV[2])
+    end
   end
 end
 return 0
@@ -203,6 +316,29 @@ _LUA_UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
+
+
+_DOWN = (RedisConnectionError, RedisTimeoutError, ClusterError, TryAgainError)
+
+
+async def _raise(exc: BaseException) -> None:
+    raise exc
+
+
+class _Pipe:
+    """Commands queued with redis-py's method names, sent by :meth:`RedisMetaStore._execute`."""
+
+    def __init__(self, store: RedisMetaStore) -> None:
+        self.store = store
+        self.calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        def queue(*args: Any, **kwargs: Any) -> None:
+            self.calls.append((name, args, kwargs))
+        return queue
+
+    async def execute(self) -> list[Any]:
+        return await self.store._execute(self.calls) if self.calls else []
 
 
 def parse_url(url: str) -> list[tuple[str, int]]:
@@ -262,6 +398,8 @@ class RedisMetaStore:
         self._g = {n: (g + n).encode() for n in
                    ("cluster", "buckets", "servers", "state", "dead", "retire_lock")}
         self._tags: builtins.list[bytes] = []
+        self._slots: builtins.list[int] = []
+        self._clients: dict[str, Redis] = {}  # one plain client per node (see _execute)
 
     # lifecycle ------------------------------------------------------------------------
     @property
@@ -277,19 +415,90 @@ class RedisMetaStore:
                          decode_responses=False)
         await r.initialize()
         self._r = r
-        await self.r.set(self._g["buckets"], str(self.buckets), nx=True)
-        self.buckets = int(await self.r.get(self._g["buckets"]))
+        await self._run(self.r.set(self._g["buckets"], str(self.buckets), nx=True))
+        self.buckets = int(await self._run(self.r.get(self._g["buckets"])))
         self._tags = [f"{{{self.ns}.{b}}}".encode() for b in range(self.buckets)]
+        self._slots = [key_slot(t) for t in self._tags]
 
     async def close(self) -> None:
         if self._r is not None:
             await self.flush_access()
+            for c in self._clients.values():
+                await c.aclose()
+            self._clients.clear()
             await self._r.aclose()
             self._r = None
 
+    def _pipe(self) -> _Pipe:
+        return _Pipe(self)
+
+    async def _execute(self, calls: builtins.list[tuple[str, tuple[Any, ...], dict[str, Any]]],
+                       ) -> builtins.list[Any]:
+        """Send queued commands as one plain pipeline per node, all nodes at once.
+
+        Every command names one bucket's key (an EVAL its first key), so its node is that
+        slot's master in redis-py's slot map.  redis-py's own cluster pipeline does the
+        same at several times the client CPU per command (it resolves a routing policy
+        per command).  A command answered MOVED (the slot moved: failover, resharding) is
+        sent again once after the slot map is read again; a node unreachable is
+        :class:`Unavailable` (the caller retries: every script is safe to run again)."""
+        out: builtins.list[Any] = [None] * len(calls)
+        todo = builtins.list(range(len(calls)))
+        nm = self.r.nodes_manager
+        for _attempt in range(2):
+            by_node: dict[str, tuple[Any, builtins.list[int]]] = {}
+            for i in todo:
+                name, args, _ = calls[i]
+                node = nm.get_node_from_slot(key_slot(args[2] if name == "eval" else args[0]))
+                by_node.setdefault(node.name, (node, []))[1].append(i)
+            results = await asyncio.gather(
+                *(self._node_pipeline(node, [calls[i] for i in idx]) for node, idx in by_node.values()),
+                return_exceptions=True)
+            moved: builtins.list[int] = []
+            for (_, idx), res in zip(by_node.values(), results, strict=True):
+                if isinstance(res, BaseException):
+                    await self._run(_raise(res))
+                    continue
+                for i, r in zip(idx, res, strict=True):
+                    if isinstance(r, (MovedError, AskError, TryAgainError)):
+                        moved.append(i)
+                    elif isinstance(r, Exception):
+                        await self._run(_raise(r))
+                    else:
+                        out[i] = r
+            if not moved:
+                return out
+            with contextlib.suppress(*_DOWN, OSError):
+                await nm.initialize()
+            todo = moved
+        raise Unavailable("redis cluster: slots still moving (resharding?); retry")
+
+    async def _node_pipeline(self, node: Any,
+                             calls: builtins.list[tuple[str, tuple[Any, ...], dict[str, Any]]],
+                             ) -> builtins.list[Any]:
+        client = self._clients.get(node.name)
+        if client is None:
+            client = self._clients[node.name] = Redis(host=node.host, port=node.port,
+                                                      decode_responses=False)
+        p = client.pipeline(transaction=False)
+        for name, args, kwargs in calls:
+            getattr(p, name)(*args, **kwargs)
+        return builtins.list(await p.execute(raise_on_error=False))
+
+    async def _run(self, aw: Awaitable[T]) -> T:
+        """A Redis call; the cluster unreachable or failing over is :class:`Unavailable`,
+        and the slot map is read again (redis-py's pipelines keep sending a dead master's
+        slots to it otherwise), so the call after a failover reaches the new master."""
+        try:
+            return await aw
+        except _DOWN as exc:
+            with contextlib.suppress(*_DOWN, OSError):
+                await self.r.nodes_manager.initialize()
+            raise Unavailable(f"redis cluster: {type(exc).__name__}: {exc}") from exc
+
     async def cluster_id(self, *, create: str | None = None) -> str:
-        await self.r.set(self._g["cluster"], create or uuid.uuid4().hex, nx=True)
-        return (await self.r.get(self._g["cluster"])).decode()
+        await self._run(self.r.set(self._g["cluster"], create or uuid.uuid4().hex, nx=True))
+        return (await self._run(self.r.get(self._g["cluster"]))).decode()
 
     # buckets ---------------------------------------------------------------------------
     def bucket(self, key: bytes) -> int:
@@ -308,51 +517,94 @@ class RedisMetaStore:
 
     async def _per_bucket(self, keys: Sequence[bytes], add: Callable[[Any, int, builtins.list[bytes]], None],
                           ) -> builtins.list[tuple[int, builtins.list[int], Any]]:
-        """One pipelined call per bucket of ``keys`` (one round trip per node)."""
+        """One pipelined command per bucket of ``keys`` (one round trip per node)."""
         groups = self._by_bucket(keys)
         if not groups:
             return []
-        p = self.r.pipeline()
+        p = self._pipe()
         order = []
         for b, idx in groups.items():
             add(p, b, [keys[i] for i in idx])
             order.append((b, idx))
-        res = await p.execute()
+        res = await self._run(p.execute())
         return [(b, idx, r) for (b, idx), r in zip(order, res, strict=True)]
+
+    async def _per_node(self, script: str, head: Sequence[Any], items: dict[int, builtins.list[Any]],
+                        width: int) -> builtins.list[tuple[builtins.list[int], Any]]:
+        """One EVAL of ``script`` per node for all of ``items``' buckets it serves (bucket ->
+        flat items, ``width`` values each), all nodes at once; (buckets in the order sent,
+        reply) per node.  A node whose buckets moved away answers with an error before
+        writing; those buckets are sent again, once, after the slot map is read again."""
+        out: builtins.list[tuple[builtins.list[int], Any]] = []
+        todo = builtins.list(items)
+        nm = self.r.nodes_manager
+        for _attempt in range(2):
+            by_node: dict[str, tuple[Any, builtins.list[int]]] = {}
+            for b in todo:
+                node = nm.get_node_from_slot(self._slots[b])
+                by_node.setdefault(node.name, (node, []))[1].append(b)
+            calls = []
+            for node, bs in by_node.values():
+                args: builtins.list[Any] = [*head]
+                for b in bs:
+                    args += [self._tags[b], len(items[b]) // width, *items[b]]
+                calls.append(self._node_pipeline(node, [("eval", (script, 0, *args), {})]))
+            results = await asyncio.gather(*calls, return_exceptions=True)
+            moved: builtins.list[int] = []
+            for (_, bs), res in zip(by_node.values(), results, strict=True):
+                if isinstance(res, BaseException):
+                    await self._run(_raise(res))
+                    continue
+                (r,) = res
+                if isinstance(r, (MovedError, AskError, TryAgainError, ClusterDownError)) or (
+                        isinstance(r, ResponseError) and "non local key" in str(r)):
+                    moved += bs
+                elif isinstance(r, Exception):
+                    await self._run(_raise(r))
+                else:
+                    out.append((bs, r))
+            if not moved:
+                return out
+            with contextlib.suppress(*_DOWN, OSError):
+                await nm.initialize()
+            todo = moved
+        raise Unavailable("redis cluster: slots still moving (resharding?); retry")
+
+    def _all_buckets(self) -> dict[int, builtins.list[Any]]:
+        return {b: [] for b in range(self.buckets)}
 
     # keys ---------------------------------------------------------------------------------
     async def commit(self, rows: Sequence[tuple[bytes, Layout]], now: float) -> None:
         if not rows:
             return
-        keys = [k for k, _ in rows]
-        values = {k: encode_value(k, lay) for k, lay in rows}  # the last of a repeated key wins
         exps = {lay.expires_at for _, lay in rows}
         if len(exps) != 1:
             raise InvalidArgument("one commit stamps every layout with one expiry")
         (exp,) = exps
-        exp_s = "" if exp is None else _num(exp)
-
-        def add(p: Any, b: int, ks: builtins.list[bytes]) -> None:
-            args: builtins.list[bytes | str] = [_num(now), exp_s]
-            for k in dict.fromkeys(ks):
-                args += [k, values[k]]
-            p.eval(_LUA_COMMIT, 6, *(self._k(b, s) for s in (b"h", b"k", b"a", b"x", b"L", b"D")), *args)
-
-        refused = [r for _, _, r in await self._per_bucket(keys, add) if r]
+        values = {k: encode_value(k, lay) for k, lay in rows}  # the last of a repeated key wins
+        items: dict[int, builtins.list[Any]] = defaultdict(list)
+        nb = self.buckets
+        for k, v in values.items():
+            items[crc32c.crc32c(k) % nb] += (k, v)
+        head = [_num(now), "" if exp is None else _num(exp)]
+        refused = [r for _, r in await self._per_node(_LUA_COMMIT, head, items, 2) if r]
         if refused:
             key, cid = refused[0][0], refused[0][1].decode()
             raise StaleLayout(f"layout for {key[:64]!r} names chunk {cid}, which garbage collection "
                               "already reclaimed (the put took longer than the GC grace period); "
                               "retry the put")
-        for k in keys:
+        for k in values:
             self._access.pop(k, None)
 
     async def _values(self, keys: Sequence[bytes]) -> builtins.list[bytes | None]:
+        groups = self._by_bucket(keys)
+        items = {b: [keys[i] for i in idx] for b, idx in groups.items()}
         out: builtins.list[bytes | None] = [None] * len(keys)
-        for _, idx, vals in await self._per_bucket(
-                keys, lambda p, b, ks: p.hmget(self._k(b, b"h"), ks)):
-            for i, v in zip(idx, vals, strict=True):
-                out[i] = v
+        for bs, vals in await self._per_node(_LUA_GET, (), items, 1):
+            it = iter(vals)
+            for b in bs:
+                for i in groups[b]:
+                    out[i] = next(it)
         return out
 
     async def lookup(self, keys: Sequence[bytes], now: float) -> builtins.list[Layout | None]:
@@ -377,25 +629,19 @@ class RedisMetaStore:
             n += 1
         if lease_until is not None and n:
             px = str(max(1, math.ceil((lease_until - now) * 1000)) + 1000)
-            await self._per_bucket(keys[:n], lambda p, b, ks: p.eval(
-                _LUA_LEASE, len(ks), *(self._k(b, b"l" + k) for k in ks), _num(lease_until), px))
+            groups = self._by_bucket(keys[:n])
+            await self._per_node(_LUA_LEASE, [_num(lease_until), px],
+                                 {b: [keys[i] for i in idx] for b, idx in groups.items()}, 1)
         return n
 
     async def _remove(self, mode: str, items: Sequence[tuple[bytes, bytes]],
                       now: float) -> builtins.list[tuple[bytes, Layout]]:
-        keys = [k for k, _ in items]
-        want = dict(items)
-
-        def add(p: Any, b: int, ks: builtins.list[bytes]) -> None:
-            ks = list(dict.fromkeys(ks))
-            args: builtins.list[bytes | str] = [mode, _num(now)]
-            for k in ks:
-                args += [k, want[k]]
-            p.eval(_LUA_REMOVE, 5 + len(ks), *(self._k(b, s) for s in (b"h", b"k", b"a", b"x", b"L")),
-                   *(self._k(b, b"l" + k) for k in ks), *args)
-
+        groups: dict[int, builtins.list[Any]] = defaultdict(list)
+        nb = self.buckets
+        for k, want in dict(items).items():
+            groups[crc32c.crc32c(k) % nb] += (k, want)
         out = []
-        for _, _, r in await self._per_bucket(keys, add):
+        for _, r in await self._per_node(_LUA_REMOVE, [mode, _num(now)], groups, 2):
             for i in range(0, len(r), 2):
                 out.append((r[i], decode_value(r[i + 1])))
                 self._access.pop(r[i], None)
@@ -441,10 +687,10 @@ class RedisMetaStore:
         out: builtins.list[Any] = []
         while True:
             if need:
-                p = self.r.pipeline()
+                p = self._pipe()
                 for b in need:
                     fetch(p, b, state.get(b), m)
-                for b, r in zip(need, await p.execute(), strict=True):
+                for b, r in zip(need, await self._run(p.execute()), strict=True):
                     items, state[b] = parse(r, state.get(b))
                     if len(r) < m:
                         done.add(b)
@@ -481,17 +727,14 @@ class RedisMetaStore:
         for b in range(self.buckets):
             cur = 0
             while True:
-                cur, got = await self.r.hscan(self._k(b, b"h"), cur, count=batch)
+                cur, got = await self._run(self.r.hscan(self._k(b, b"h"), cur, count=batch))
                 if got:
                     yield [(k, decode_value(v)) for k, v in got.items()]
                 if cur == 0:
                     break
 
     async def count(self) -> int:
-        p = self.r.pipeline()
-        for b in range(self.buckets):
-            p.hlen(self._k(b, b"h"))
-        return sum(await p.execute())
+        return sum(int(r) for _, r in await self._per_node(_LUA_COUNT, (), self._all_buckets(), 1))
 
     # garbage collection ----------------------------------------------------------------
     async def _by_score(self, suffix: bytes, max_score: str, limit: int,
@@ -532,40 +775,27 @@ class RedisMetaStore:
         return await self._remove("evict", [(k, encode_value(k, lay)) for k, lay in victims], now)
 
     async def chunk_live(self, chunks: Sequence[int] | None = None) -> dict[int, int]:
-        p = self.r.pipeline()
-        for b in range(self.buckets):
-            if chunks is None:
-                p.hgetall(self._k(b, b"L"))
-            else:
-                p.hmget(self._k(b, b"L"), [str(c) for c in chunks])
+        head = [0] if chunks is None else [len(chunks), *(str(c) for c in chunks)]
         total: dict[int, int] = defaultdict(int)
-        for r in await p.execute():
-            if chunks is None:
-                for c, n in r.items():
-                    total[int(c)] += int(n)
-            else:
-                for c, n in zip(chunks, r, strict=True):
-                    if n is not None:
-                        total[c] += int(n)
+        for _, r in await self._per_node(_LUA_LIVE, head, self._all_buckets(), 1):
+            for i in range(0, len(r), 2):
+                total[int(r[i])] += int(r[i + 1])
         return {c: n for c, n in total.items() if n}
 
     async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> builtins.list[bool]:
         groups = self._by_bucket([k for k, _, _ in rows])
-        if not groups:
-            return []
-        p = self.r.pipeline()
-        order = []
+        items: dict[int, builtins.list[Any]] = {}
         for b, idx in groups.items():
-            args: builtins.list[bytes] = []
+            items[b] = []
             for i in idx:
                 k, old, new = rows[i]
-                args += [k, encode_value(k, old), encode_value(k, new)]
-            p.eval(_LUA_SWITCH, 3, self._k(b, b"h"), self._k(b, b"L"), self._k(b, b"D"), *args)
-            order.append(idx)
+                items[b] += (k, encode_value(k, old), encode_value(k, new))
         out = [False] * len(rows)
-        for idx, res in zip(order, await p.execute(), strict=True):
-            for i, ok in zip(idx, res, strict=True):
-                out[i] = bool(ok)
+        for bs, res in await self._per_node(_LUA_SWITCH, (), items, 3):
+            it = iter(res)
+            for b in bs:
+                for i in groups[b]:
+                    out[i] = bool(next(it))
         return out
 
     async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> builtins.list[int]:
@@ -576,35 +806,33 @@ class RedisMetaStore:
             return already
         token = uuid.uuid4().hex
         lock = self._g["retire_lock"]
-        if not await self.r.set(lock, token, nx=True, px=RETIRE_LOCK_MS):
+        if not await self._run(self.r.set(lock, token, nx=True, px=RETIRE_LOCK_MS)):
             return already  # another GC is retiring: try again next pass
         try:
-            args = [str(c) for c in fresh]
-            p = self.r.pipeline()
-            for b in range(self.buckets):
-                p.eval(_LUA_RETIRE_MARK, 2, self._k(b, b"L"), self._k(b, b"D"), *args)
-            live = {int(c) for r in await p.execute() for c in r}
+            head = [len(fresh), *(str(c) for c in fresh)]
+            live = {int(c) for _, r in await self._per_node(_LUA_RETIRE_MARK, head,
+                                                            self._all_buckets(), 1) for c in r}
             if live:  # undo: every bucket must refuse nothing of a chunk some key still uses
                 undo = [str(c) for c in live]
-                p = self.r.pipeline()
+                p = self._pipe()
                 for b in range(self.buckets):
                     p.srem(self._k(b, b"D"), *undo)
-                await p.execute()
+                await self._run(p.execute())
             retired = [c for c in fresh if c not in live]
             if retired:
-                await self.r.hset(self._g["dead"], mapping={
-                    str(c): msgpack.packb([server_id, now]) for c in retired})
+                await self._run(self.r.hset(self._g["dead"], mapping={
+                    str(c): msgpack.packb([server_id, now]) for c in retired}))
         finally:
-            await self.r.eval(_LUA_UNLOCK, 1, lock, token)
+            await self._run(self.r.eval(_LUA_UNLOCK, 1, lock, token))
         return already + retired
 
     async def dead_chunks(self) -> dict[int, float]:
-        got = await self.r.hgetall(self._g["dead"])
+        got = await self._run(self.r.hgetall(self._g["dead"]))
         return {int(c): float(msgpack.unpackb(v)[1]) for c, v in got.items()}
 
     # registry and state ----------------------------------------------------------------
     async def servers(self) -> builtins.list[tuple[int, str, int, int]]:
-        got = await self.r.hgetall(self._g["servers"])
+        got = await self._run(self.r.hgetall(self._g["servers"]))
         out = []
         for sid, v in got.items():
             addr, capacity, free = msgpack.unpackb(v, raw=False)
@@ -612,12 +840,12 @@ class RedisMetaStore:
         return sorted(out)
 
     async def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None:
-        await self.r.hset(self._g["servers"], str(server_id),
-                          msgpack.packb([addr, capacity, free], use_bin_type=True))
+        await self._run(self.r.hset(self._g["servers"], str(server_id),
+                          msgpack.packb([addr, capacity, free], use_bin_type=True)))
 
     async def get_state(self, name: str) -> Any:
-        v = await self.r.hget(self._g["state"], name)
+        v = await self._run(self.r.hget(self._g["state"], name))
         return None if v is None else msgpack.unpackb(v, raw=False)
 
     async def put_state(self, name: str, value: Any) -> None:
-        await self.r.hset(self._g["state"], name, msgpack.packb(value, use_bin_type=True))
+        await self._run(self.r.hset(self._g["state"], name, msgpack.packb(value, use_bin_type=True)))

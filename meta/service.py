@@ -25,6 +25,7 @@ from kvfs.errors import InvalidArgument, StaleLayout, WrongCluster
 from kvfs.handshake import Role
 from kvfs.layout import Layout, encode_layout
 from kvfs.meta.gc import RECORD_OVERHEAD_BYTES, MetaGc
+from kvfs.meta.repair import readable
 from kvfs.meta.store import MetaStore
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
@@ -76,6 +77,7 @@ class MetaService(MetaGc):
         self._dirty_access: dict[bytes, float] = {}
         self.rpc = RpcServer(self, Service.META, self.tokens, config)
         self._bg: list[asyncio.Task[None]] = []
+        self.started = time.monotonic()  # servers known before a restart get dead_after_s from here
         self._load()
         self._init_gc()
 
@@ -136,6 +138,15 @@ class MetaService(MetaGc):
     def alive(self, s: ServerInfo) -> bool:
         return time.monotonic() - s.last_heartbeat < self.config.heartbeat_timeout_s
 
+    def dead(self, s: ServerInfo) -> bool:
+        """Silent for ``dead_after_s`` (since meta started, for a server not seen since)."""
+        after = max(self.config.dead_after_s, self.config.heartbeat_timeout_s)
+        return time.monotonic() - max(s.last_heartbeat, self.started) >= after
+
+    def gone_servers(self) -> set[int]:
+        """Servers whose replicas count as lost: dead ones."""
+        return {sid for sid, s in self.servers.items() if self.dead(s)}
+
     # client RPCs -------------------------------------------------------------
     async def rpc_ping(self, req: rpc.Ping, payload: memoryview) -> Reply:
         return rpc.Pong(service="meta"), ()
@@ -154,15 +165,21 @@ class MetaService(MetaGc):
                 dirty[k] = now
         return rpc.Layouts(layouts=out), ()
 
+    def _readable(self, k: bytes, now: float, gone: set[int]) -> bool:
+        e = self._get(k, now)
+        return e is not None and readable(e.layout, gone)
+
     async def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply:
         now = self.clock()
-        return rpc.Existing(exists=[self._get(k, now) is not None for k in req.keys]), ()
+        gone = self.gone_servers()
+        return rpc.Existing(exists=[self._readable(k, now, gone) for k in req.keys]), ()
 
     async def rpc_match_prefix(self, req: rpc.MatchPrefix, payload: memoryview) -> Reply:
         now = self.clock()
+        gone = self.gone_servers()
         n = 0
         for k in req.keys:
-            if self._get(k, now) is None:
+            if not self._readable(k, now, gone):
                 break
             n += 1
         if req.lease_s:
@@ -223,7 +240,7 @@ class MetaService(MetaGc):
             written = sum(s.chunks.values())
             live = sum(self.chunk_live.get(c, 0) for c in s.chunks)
             servers.append(rpc.ServerStats(
-                server_id=s.server_id, addr=s.addr, alive=self.alive(s),
+                server_id=s.server_id, addr=s.addr, alive=self.alive(s), dead=self.dead(s),
                 capacity=s.capacity, free=s.free, used=s.used, shared_by=s.shared_by,
                 chunks=len(s.chunks), written=written, live=live,
                 garbage=max(0, written - live)))

@@ -171,3 +171,52 @@ async def test_cpu_per_process_of_a_process_cluster(
     for name in ("client=", "meta=", "cs0=", "cs1=", "cs2="):
         assert name in line
     assert "us/key" in line and "s/GB" in line
+
+
+@pytest.mark.subprocess
+async def test_lookups_and_blocking_client_against_a_process_cluster(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--api exists_many,match_prefix and --client async,sync: every kvfs row has numbers."""
+    ns = _ns("--compare", "--peers", "redis,loopback", "--no-internal", "--rw", "randread",
+             "--bs", "4k", "--batch", "8", "--size", "64k", "--runtime", "0.3",
+             "--api", "get_many,exists_many,match_prefix", "--client", "async,sync",
+             "--dir", str(tmp_path), "--output-format", "json", "--no-progress",
+             *(["--plot", str(tmp_path / "c.png")] if HAVE_MPL else []))
+    assert await bench_cli.cmd_bench(ns) == 0
+    if HAVE_MPL:  # lookups get a bar chart of their own (keys/s: they move no value bytes)
+        assert (tmp_path / "c-lookups.png").stat().st_size > 0
+    peers = json.loads(capsys.readouterr().out)["kvfs compare"]["peers"]
+    assert list(peers["stores"]) == ["kvfs", "kvfs-sync", "redis", "loopback"]
+    names = ["randread-4k-b8", "randread-4k-b8-exists", "randread-4k-b8-match"]
+    for store in ("kvfs", "kvfs-sync"):
+        jobs = {j["jobname"]: j for j in peers["stores"][store]["report"]["jobs"]}
+        assert list(jobs) == names
+        for name in names:
+            read = jobs[name]["read"]
+            assert read["total_ios"] == 16 and read["iops"] > 0  # one pass over 64k / 4k keys
+            assert jobs[name]["error"] == 0 and jobs[name]["kvfs"]["missing"] == 0
+        assert jobs["randread-4k-b8-exists"]["read"]["io_bytes"] == 0  # lookups move no values
+        assert jobs["randread-4k-b8-exists"]["job options"]["api"] == "exists_many"
+    assert peers["ratios"]["randread-4k-b8-match"]["kvfs-sync"] is not None
+    # the loopback limit has no lookups: skipped for those rows only, with the reason
+    assert peers["stores"]["loopback"]["skipped"] == {
+        "randread-4k-b8-exists": "no exists_many API", "randread-4k-b8-match": "no match_prefix API"}
+    redis = peers["stores"]["redis"]
+    if "randread-4k-b8" not in redis["skipped"]:  # redis-server installed: pipelined EXISTS ran
+        assert [j["jobname"] for j in redis["report"]["jobs"]] == names
+
+
+@pytest.mark.subprocess
+async def test_blocking_client_plain_run_names_its_jobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    ns = _ns("--rw", "randread,write", "--bs", "4k", "--batch", "8", "--size", "64k",
+             "--api", "match_prefix", "--client", "sync", "--output-format", "json",
+             "--dir", str(tmp_path), "--runtime", "0.3", "--no-progress")
+    assert await bench_cli.cmd_bench(ns) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [j["jobname"] for j in report["jobs"]] == ["randread-4k-b8-match-sync", "write-4k-b8-sync"]
+    assert report["global options"]["client"] == "sync"
+    assert all(j["error"] == 0 and j["read" if j["jobname"].startswith("randread") else "write"][
+        "total_ios"] == 16 for j in report["jobs"])

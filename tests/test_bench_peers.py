@@ -6,6 +6,7 @@ import os
 import shutil
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -53,6 +54,12 @@ async def _roundtrip(store: Store, *, empty: bool = True) -> None:
     got = await store.get_many([*keys, b"never-written"])
     assert got[:-1] == [v for _, v in items]
     assert got[-1] is None
+    lookups: Any = store
+    if hasattr(lookups, "exists_many"):  # the --api exists_many / match_prefix reads
+        assert await lookups.exists_many([keys[0], b"never-written", keys[-1]]) == [True, False, True]
+        assert await lookups.match_prefix([*keys[:3], b"never-written", keys[3]]) == 3
+        assert await lookups.match_prefix(keys) == len(keys)
+        assert await lookups.exists_many([]) == []
     # Overwrite replaces the value.
     await store.put_many([(b"k-small", b"new value")])
     assert await store.get_many([b"k-small", b"k-4k"]) == [b"new value", items[1][1]]

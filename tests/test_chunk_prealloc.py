@@ -73,6 +73,28 @@ async def test_rolling_to_a_new_chunk_releases_the_old_one(tmp_path: Path) -> No
         st.close()
 
 
+async def test_close_gives_back_the_reservation_of_the_open_chunk(tmp_path: Path) -> None:
+    if not _supported(tmp_path):
+        pytest.skip("this filesystem has no fallocate")
+    st = _store(tmp_path / "cs", True)
+    value = os.urandom(4096)
+    try:
+        cid, off = await _put(st, b"k", value)
+        assert _blocks(st, cid) >= CHUNK
+    finally:
+        st.close()
+    assert _blocks(st, cid) < CHUNK // 4  # a stopped server holds no reserved blocks
+    again = _store(tmp_path / "cs", True)
+    try:  # the chunk is intact and still takes appends after the restart
+        views, stale = await again.readv([(cid, off, len(value))])
+        assert not stale and bytes(views[0]) == value  # type: ignore[arg-type]
+        cid2, _ = await _put(again, b"k2", value)
+        views, stale = await again.readv([(cid2, _, len(value))])
+        assert not stale and bytes(views[0]) == value  # type: ignore[arg-type]
+    finally:
+        again.close()
+
+
 async def test_preallocate_off_reserves_nothing(tmp_path: Path) -> None:
     st = _store(tmp_path / "cs", False)
     try:

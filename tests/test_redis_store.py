@@ -227,3 +227,22 @@ async def test_two_stores_share_one_namespace(redis_cluster: LocalRedisCluster,
         assert await other.cluster_id() == await redis_store.cluster_id()
     finally:
         await other.close()
+
+
+async def test_a_stale_slot_map_is_refreshed_and_nothing_runs_twice(redis_store: RedisMetaStore) -> None:
+    """Slots that moved (failover, resharding): the script reaching the wrong master fails
+    before writing anything, and the store sends those buckets again after re-reading the
+    slot map.  Here the client's map sends one master's slots to another."""
+    s = redis_store
+    rows = {f"k{i}".encode(): lay((1, 1, i * 100)) for i in range(60)}
+    await s.commit(list(rows.items()), NOW)
+    nm = s.r.nodes_manager
+    masters = sorted({nodes[0].name: nodes[0] for nodes in nm.slots_cache.values()}.items())
+    (_, a), (_, b) = masters[0], masters[1]
+    for nodes in nm.slots_cache.values():
+        if nodes[0].name == a.name:
+            nodes[0] = b
+    gone = await s.delete(list(rows))
+    assert sorted(k for k, _ in gone) == sorted(rows)  # each removed once, reported once
+    assert await s.chunk_live() == {}
+    assert await s.count() == 0

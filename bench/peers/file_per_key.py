@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from ..store import leading_present
+
 __all__ = ["FilePerKeyStore"]
 
 
@@ -111,6 +113,23 @@ class FilePerKeyStore:
             *(loop.run_in_executor(pool, self._get_slice, keys[s]) for s in self._slices(len(keys)))
         )
         return [v for part in parts for v in part]
+
+    async def exists_many(self, keys: list[bytes]) -> list[bool]:
+        """One ``stat`` per key, in the thread pool's slices."""
+        if not keys:
+            return []
+        loop = asyncio.get_running_loop()
+        pool = self._executor()
+        parts = await asyncio.gather(
+            *(loop.run_in_executor(pool, self._exists_slice, keys[s]) for s in self._slices(len(keys)))
+        )
+        return [v for part in parts for v in part]
+
+    async def match_prefix(self, keys: list[bytes]) -> int:
+        return leading_present(await self.exists_many(keys))
+
+    def _exists_slice(self, keys: Sequence[bytes]) -> list[bool]:
+        return [self.path_for(k).exists() for k in keys]
 
     async def close(self) -> None:
         pool, self._pool = self._pool, None

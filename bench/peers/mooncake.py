@@ -40,7 +40,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
-from ..store import PeerUnavailable
+from ..store import PeerUnavailable, leading_present
 from ._process import wait_or_kill
 
 __all__ = ["MooncakeStore"]
@@ -301,6 +301,10 @@ class MooncakeStore:
     async def exists_many(self, keys: list[bytes]) -> list[bool]:
         rcs = await self._call(self._store.batch_is_exist, [k.decode("latin-1") for k in keys])
         return [rc == 1 for rc in rcs]
+
+    async def match_prefix(self, keys: list[bytes]) -> int:
+        """How many leading keys exist (one ``batch_is_exist``)."""
+        return leading_present(await self.exists_many(keys))
 
     async def close(self) -> None:
         store, self._store = self._store, None

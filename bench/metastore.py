@@ -1,0 +1,198 @@
+"""Meta store cost: bytes per key and per-key cost of commit, lookup and match_prefix
+against batch size, for the Redis Cluster store (:mod:`kvfs.meta.redis_store`) and for
+today's SQLite meta.
+
+``python -m kvfs.bench.metastore --store redis --keys 1000000`` starts a local 3-master
+Redis Cluster (or uses ``--url redis-cluster://...``), reads ``used_memory`` of every
+master, commits ``--keys`` keys the way the issue measured SQLite meta (38-byte keys,
+layouts of 100-byte values with one replica, batches of 1,000), reads the memory again,
+and then times each operation at each ``--batches`` size.  It calls the store API in
+this process: no meta RPC in front of it, and the Redis servers share the machine's
+cores with the client.
+
+``--store sqlite`` does the same through meta's own RPC handlers (``MetaService``,
+in this process, no socket): its memory is this process's RSS growth (the in-memory
+index), the SQLite file's size is reported beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvfs.layout import Extent, Layout, Replica
+from kvfs.meta.redis_local import LocalRedisCluster
+from kvfs.meta.redis_store import RedisMetaStore
+
+NOW = 1_800_000_000.0
+
+
+def key(i: int, tag: str = "k") -> bytes:
+    return f"{tag}{i:037d}".encode()[:38]
+
+
+def layout(i: int) -> Layout:
+    chunk = (1 << 40) | (i // 500_000)
+    return Layout(100, 0xABCDEF, NOW, None, (Extent(100, 0x1234567, (Replica(1, chunk, (i % 500_000) * 160),)),))
+
+
+def rss_bytes() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+class SqliteMeta:
+    """Today's meta (SQLite + its in-memory index) driven through its RPC handlers."""
+
+    def __init__(self, data: Path) -> None:
+        from kvfs import rpc
+        from kvfs.config import MetaConfig
+        from kvfs.meta.service import MetaService
+
+        self.rpc = rpc
+        self.data = data
+        self.meta = MetaService(MetaConfig(data=data), clock=lambda: NOW)
+
+    async def open(self) -> None:
+        await self.meta.rpc_register(self.rpc.Register(server_id=1, addr="127.0.0.1:1"), memoryview(b""))
+
+    async def commit(self, rows: list[tuple[bytes, Layout]], now: float) -> None:
+        await self.meta.rpc_commit(self.rpc.Commit(items=[self.rpc.CommitItem(k, v) for k, v in rows]),
+                                   memoryview(b""))
+
+    async def lookup(self, keys: list[bytes], now: float) -> Any:
+        return await self.meta.rpc_lookup(self.rpc.Lookup(keys=keys), memoryview(b""))
+
+    async def match_prefix(self, keys: list[bytes], now: float) -> Any:
+        return await self.meta.rpc_match_prefix(self.rpc.MatchPrefix(keys=keys), memoryview(b""))
+
+    async def delete(self, keys: list[bytes]) -> Any:
+        return await self.meta.rpc_delete(self.rpc.Delete(keys=keys), memoryview(b""))
+
+    async def flush_access(self) -> None:
+        self.meta.flush_access()
+
+    async def close(self) -> None:
+        await self.meta.close()
+
+
+async def used_memory(store: RedisMetaStore) -> int:
+    info = await store.r.info("memory", target_nodes=store.r.PRIMARIES)
+    return sum(int(v["used_memory"]) for v in info.values())
+
+
+async def fill(store: Any, n: int, batch: int, tag: str) -> float:
+    t0 = time.perf_counter()
+    for lo in range(0, n, batch):
+        await store.commit([(key(i, tag), layout(i)) for i in range(lo, min(n, lo + batch))], NOW)
+    return time.perf_counter() - t0
+
+
+async def timed(fn: Any, min_s: float, min_calls: int) -> tuple[float, int]:
+    calls = 0
+    t0 = time.perf_counter()
+    while calls < min_calls or time.perf_counter() - t0 < min_s:
+        await fn(calls)
+        calls += 1
+    return time.perf_counter() - t0, calls
+
+
+async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: float,
+              buckets: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        rc = None
+        store: Any
+        if kind == "sqlite":
+            store = SqliteMeta(Path(tmp) / "meta")
+            memory: Any = rss_bytes
+        else:
+            if url is None:
+                rc = LocalRedisCluster(Path(tmp)).start()
+                url = rc.url
+            store = RedisMetaStore(url, namespace=f"bench{os.getpid()}", buckets=buckets)
+
+            async def memory() -> int:
+                return await used_memory(store)
+        await store.open()
+        try:
+            async def mem() -> int:
+                m = memory()
+                return int(await m) if asyncio.iscoroutine(m) else int(m)
+
+            mem0 = await mem()
+            fill_s = await fill(store, keys, 1000, "k")
+            await store.flush_access()
+            mem1 = await mem()
+            out: dict[str, Any] = {
+                "store": kind, "url": url, "buckets": getattr(store, "buckets", None), "keys": keys,
+                "sqlite_file_bytes": (sum(f.stat().st_size for f in (Path(tmp) / "meta").glob("meta.sqlite3*"))
+                                      if kind == "sqlite" else None),
+                "used_memory_before": mem0, "used_memory_after": mem1,
+                "bytes_per_key": (mem1 - mem0) / keys if keys else None,
+                "fill_keys_per_s": keys / fill_s if fill_s else None, "ops": []}
+            for b in batches:
+                fresh = 0
+
+                async def commit(c: int, b: int = b) -> None:
+                    nonlocal fresh
+                    await store.commit([(key(fresh + j, "n"), layout(j)) for j in range(b)], NOW)
+                    fresh += b
+
+                async def lookup(c: int, b: int = b) -> None:
+                    lo = (c * b) % max(1, keys - b)
+                    await store.lookup([key(i) for i in range(lo, lo + b)], NOW)
+
+                async def match(c: int, b: int = b) -> None:
+                    lo = (c * b) % max(1, keys - b)
+                    await store.match_prefix([key(i) for i in range(lo, lo + b)], NOW)
+
+                for name, fn in (("commit", commit), ("lookup", lookup), ("match_prefix", match)):
+                    dt, calls = await timed(fn, min_s, 3)
+                    out["ops"].append({"op": name, "batch": b, "calls": calls,
+                                       "us_per_key": dt / (calls * b) * 1e6,
+                                       "keys_per_s": calls * b / dt, "ms_per_call": dt / calls * 1e3})
+                for lo in range(0, fresh, 1000):
+                    await store.delete([key(i, "n") for i in range(lo, min(fresh, lo + 1000))])
+            return out
+        finally:
+            await store.close()
+            if rc is not None:
+                rc.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvfs.bench.metastore", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--store", choices=("redis", "sqlite"), default="redis")
+    ap.add_argument("--url", help="redis-cluster://h:p,... (default: start a local 3-master cluster)")
+    ap.add_argument("--keys", type=int, default=100_000)
+    ap.add_argument("--batches", default="1,16,128,1024")
+    ap.add_argument("--min-s", type=float, default=1.0, help="time each op at least this long")
+    ap.add_argument("--buckets", type=int, default=256)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    res = asyncio.run(run(a.store, a.url, a.keys, [int(x) for x in a.batches.split(",")], a.min_s, a.buckets))
+    if a.json:
+        print(json.dumps(res, indent=1))
+        return 0
+    what = (f"{res['buckets']} buckets: Redis used_memory" if res["store"] == "redis" else
+            f"SQLite file {res['sqlite_file_bytes']} B; meta RSS")
+    print(f"{res['store']}, {res['keys']} keys, {what} {res['used_memory_before']} -> "
+          f"{res['used_memory_after']} = {res['bytes_per_key']:.0f} B/key; "
+          f"fill {res['fill_keys_per_s']:.0f} keys/s (batches of 1000)")
+    print(f"{'op':<13} {'batch':>6} {'us/key':>9} {'keys/s':>10} {'ms/call':>9}")
+    for o in res["ops"]:
+        print(f"{o['op']:<13} {o['batch']:>6} {o['us_per_key']:>9.1f} {o['keys_per_s']:>10.0f} "
+              f"{o['ms_per_call']:>9.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

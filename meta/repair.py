@@ -1,0 +1,92 @@
+"""Re-replication, meta's side: which extents lost a copy, and the compare-and-swap that
+puts a new copy in the place of a lost one.
+
+A replica is *lost* when its server is gone: declared dead (no heartbeat for
+``dead_after_s``) or being decommissioned.  An extent with a lost replica is
+under-replicated; it is *repairable* while one of its replicas is on a server that is
+alive (heartbeat within ``heartbeat_timeout_s``), which the GC's repair step reads and
+copies to a live server holding no copy of it (:mod:`kvfs.gc.repair`).
+
+Invariant (:func:`replace_replica`): a repair switches a replica only if the key's
+current layout still holds the lost replica at the same (server, chunk, offset), so an
+overwrite, a delete or a compaction racing the copy wins, and the copy becomes garbage
+that compaction reclaims.  Pure functions: tested alone, called by :mod:`kvfs.meta.gc`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from kvfs.layout import Extent, Layout, Replica
+from kvfs.rpc import RepairItem, RepairState
+
+
+@dataclass(slots=True)
+class RepairSummary:
+    """What is under-replicated now (``kvfs gc status``, ``kvfs stat``)."""
+
+    under_replicated_extents: int = 0
+    under_replicated_bytes: int = 0
+    unrepairable_extents: int = 0  # every replica on a gone or silent server: lost unless one returns
+    unrepairable_keys: list[bytes] = field(default_factory=list)  # the first few, for the report
+
+    def state(self) -> RepairState:
+        return RepairState(under_replicated_extents=self.under_replicated_extents,
+                           under_replicated_bytes=self.under_replicated_bytes,
+                           unrepairable_extents=self.unrepairable_extents)
+
+
+def plan_repairs(entries: Iterable[tuple[bytes, Layout]], gone: set[int], alive: set[int],
+                 *, limit_bytes: int, now: float,
+                 summary: RepairSummary | None = None) -> list[RepairItem]:
+    """Extents of unexpired keys with a replica on a ``gone`` server and one on an
+    ``alive`` server, up to ``limit_bytes`` of them (at least one); ``summary`` counts
+    every under-replicated extent.  Nothing to scan when no server is gone."""
+    items: list[RepairItem] = []
+    if not gone:
+        return items
+    planned = 0
+    for key, lay in entries:
+        if lay.expired(now):
+            continue
+        for i, e in enumerate(lay.extents):
+            lost = next((r for r in e.replicas if r.server_id in gone), None)
+            if lost is None:
+                continue
+            sources = tuple(r for r in e.replicas if r.server_id in alive and r.server_id not in gone)
+            if summary is not None:
+                summary.under_replicated_extents += 1
+                summary.under_replicated_bytes += e.length
+                if not sources:
+                    summary.unrepairable_extents += 1
+                    if len(summary.unrepairable_keys) < 20:
+                        summary.unrepairable_keys.append(key)
+            if not sources or (items and planned + e.length > limit_bytes):
+                continue
+            items.append(RepairItem(key, i, e.length, e.crc, lay.expires_at, list(sources), lost,
+                                    [r.server_id for r in e.replicas]))
+            planned += e.length
+    return items
+
+
+def replace_replica(layout: Layout, index: int, lost: Replica, new: Replica) -> Layout | None:
+    """``layout`` with replica ``lost`` of extent ``index`` replaced by ``new``; None when the
+    layout no longer holds ``lost`` there (overwritten, compacted, already repaired) or when
+    ``new``'s server already holds a replica of that extent."""
+    if not 0 <= index < len(layout.extents):
+        return None
+    e = layout.extents[index]
+    if lost not in e.replicas or any(r.server_id == new.server_id for r in e.replicas):
+        return None
+    reps = tuple(new if r == lost else r for r in e.replicas)
+    extents = (*layout.extents[:index], Extent(e.length, e.crc, reps), *layout.extents[index + 1:])
+    return msgspec.structs.replace(layout, extents=extents)
+
+
+def readable(layout: Layout, gone: set[int]) -> bool:
+    """Every extent has a replica on a server that is not gone (exists, match_prefix)."""
+    return not gone or all(any(r.server_id not in gone for r in e.replicas)
+                           for e in layout.extents)

@@ -1,0 +1,169 @@
+"""Membership and repair: meta declares a silent chunkserver dead after ``dead_after_s``;
+exists/match_prefix stop counting keys held only there; the GC's repair step copies every
+extent that lost a replica to a live server (compare-and-swap), and a server that comes
+back has its unreferenced chunks reclaimed."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvfs import rpc
+from kvfs.config import ClientConfig, MetaConfig
+from kvfs.gc import GarbageCollector, PassOptions
+from kvfs.launcher import LocalCluster
+from kvfs.layout import Extent, Layout, Replica, make_chunk_id
+from kvfs.meta.repair import RepairSummary, plan_repairs, readable, replace_replica
+
+DEAD_AFTER_S = 1.0
+REPAIR_ONLY = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=True)
+
+
+def lay(*extents: tuple[int, ...]) -> Layout:
+    """One extent per argument: the server ids holding it (chunk = server * 100)."""
+    return Layout(10 * len(extents), 0, 0.0, None, tuple(
+        Extent(10, 0, tuple(Replica(s, s * 100, 8 * i) for s in servers))
+        for i, servers in enumerate(extents)))
+
+
+def test_plan_lists_extents_with_a_lost_replica_and_a_live_one() -> None:
+    entries = [(b"a", lay((1, 2))), (b"b", lay((2, 3), (3, 4))), (b"c", lay((1,))), (b"d", lay((1, 4)))]
+    summary = RepairSummary()
+    items = plan_repairs(entries, gone={1}, alive={2, 3}, limit_bytes=1 << 20, now=0.0, summary=summary)
+    assert [(i.key, i.extent, i.lost.server_id, [r.server_id for r in i.sources]) for i in items] == [
+        (b"a", 0, 1, [2])]  # c: no copy left; d: its other copy is not alive (silent, not dead yet)
+    assert (summary.under_replicated_extents, summary.under_replicated_bytes,
+            summary.unrepairable_extents, summary.unrepairable_keys) == (3, 30, 2, [b"c", b"d"])
+    assert plan_repairs(entries, gone=set(), alive={1, 2, 3, 4}, limit_bytes=1 << 20, now=0.0) == []
+    # a batch holds at least one item, then stops at the byte limit
+    two = [(b"a", lay((1, 2))), (b"e", lay((1, 3)))]
+    assert len(plan_repairs(two, gone={1}, alive={2, 3}, limit_bytes=1, now=0.0)) == 1
+
+
+def test_replace_replica_is_a_compare_and_swap() -> None:
+    old = lay((1, 2), (3, 4))
+    lost, new = Replica(3, 300, 8), Replica(5, 500, 0)
+    switched = replace_replica(old, 1, lost, new)
+    assert switched is not None and switched.extents[1].replicas == (new, Replica(4, 400, 8))
+    assert switched.extents[0] == old.extents[0]
+    assert replace_replica(switched, 1, lost, new) is None  # already repaired
+    assert replace_replica(old, 0, lost, new) is None  # not in that extent
+    assert replace_replica(old, 1, lost, Replica(4, 401, 0)) is None  # server 4 holds a copy
+    assert replace_replica(old, 7, lost, new) is None
+
+
+def test_readable_needs_a_replica_off_the_gone_servers_for_every_extent() -> None:
+    assert readable(lay((1, 2)), {1})
+    assert not readable(lay((1, 2)), {1, 2})
+    assert not readable(lay((2,), (1,)), {1})
+    assert readable(lay((1,)), set())
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[LocalCluster]:
+    root = tmp_path / "cluster"
+    c = LocalCluster(root, 3, meta=MetaConfig(data=root / "meta", listen="127.0.0.1:0",
+                                              heartbeat_timeout_s=0.5, dead_after_s=DEAD_AFTER_S))
+    try:
+        await c.start()
+        yield c
+    finally:
+        await c.stop()
+
+
+async def until_dead(cluster: LocalCluster, sid: int) -> None:
+    assert cluster.meta is not None
+    deadline = time.monotonic() + 30
+    while not cluster.meta.dead(cluster.meta.servers[sid]):
+        assert time.monotonic() < deadline, f"server {sid} never declared dead"
+        await asyncio.sleep(0.05)
+
+
+async def test_a_dead_server_is_repaired_and_reclaimed_when_it_returns(cluster: LocalCluster) -> None:
+    values = {f"k{i}": bytes([i % 251]) * (1000 + 997 * i) for i in range(60)}
+    values["big"] = b"B" * (3 * 1024 * 1024 + 5)  # striped: 4 extents
+    async with cluster.client(ClientConfig(replicas=2)) as kv:
+        for k, v in values.items():  # one put each: placement spreads them over the servers
+            await kv.put(k, v)
+        async with cluster.client(ClientConfig(replicas=1)) as kv1:
+            await kv1.put("only-on-one", b"x" * 100)
+            lone = await kv1.layout("only-on-one")
+        assert lone is not None
+        victim_sid = lone.extents[0].replicas[0].server_id
+        victim = next(i for i, cs in enumerate(cluster.chunkservers)
+                      if cs is not None and cs.server_id == victim_sid)
+        held = [k for k in values if any(r.server_id == victim_sid
+                                         for e in (await kv.layout(k)).extents for r in e.replicas)]
+        assert len(held) >= 2, "the victim holds too few replicas of the replicas=2 keys"
+        await cluster.stop_chunkserver(victim)
+        await until_dead(cluster, victim_sid)
+
+        # exists / match_prefix: a key whose every replica is on a dead server is not counted
+        assert await kv.exists_many(["only-on-one", held[0]]) == [False, True]
+        assert await kv.match_prefix([held[0], "only-on-one", held[1]]) == 1
+
+        async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            before = (await gc.status())["repair"]
+            assert before["under_replicated_extents"] >= len(held)
+            assert before["unrepairable_extents"] == 1  # only-on-one
+            report = await gc.run_pass(REPAIR_ONLY)
+            assert report.repair is not None
+            assert report.repair.extents_repaired == before["under_replicated_extents"] - 1
+            after = (await gc.status())["repair"]
+            assert after["under_replicated_extents"] == after["unrepairable_extents"] == 1
+
+        live = {cs.server_id for cs in cluster.chunkservers if cs is not None}
+        for k in values:
+            layout = await kv.layout(k)
+            assert layout is not None
+            assert all(len({r.server_id for r in e.replicas} & live) == 2 for e in layout.extents), k
+        async with cluster.client(ClientConfig(replicas=2)) as fresh:
+            assert await fresh.get_many(list(values)) == list(values.values())
+
+        # the victim returns: nothing references its old replicas; GC reclaims their chunks
+        returned = await cluster.start_chunkserver(victim)
+        assert returned.server_id == victim_sid
+        old_chunks = {r.chunk_id for k in held for e in (await kv.layout(k) or lone).extents
+                      for r in e.replicas if r.server_id == victim_sid}
+        assert not old_chunks
+        assert await kv.get("only-on-one") == b"x" * 100  # back with its server
+        async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            await gc.run_pass(PassOptions(apply=True, grace_s=0.0, repair=False))
+        # compacted or deleted: what the server keeps is only-on-one's record
+        now_lone = await kv.layout("only-on-one")
+        assert now_lone is not None
+        assert set(returned.store.sizes) <= {now_lone.extents[0].replicas[0].chunk_id,
+                                             returned.store.open_chunk}
+        assert await kv.get_many([*values, "only-on-one"]) == [*values.values(), b"x" * 100]
+
+
+async def test_repair_loses_to_a_racing_overwrite(cluster: LocalCluster) -> None:
+    async with cluster.client(ClientConfig(replicas=2)) as kv:
+        await kv.put("k", b"old" * 1000)
+        layout = await kv.layout("k")
+        assert layout is not None
+        victim_sid = layout.extents[0].replicas[0].server_id
+        victim = next(i for i, cs in enumerate(cluster.chunkservers)
+                      if cs is not None and cs.server_id == victim_sid)
+        await cluster.stop_chunkserver(victim)
+        await until_dead(cluster, victim_sid)
+        holders = {r.server_id for r in layout.extents[0].replicas}
+        spare = next(cs.server_id for cs in cluster.chunkservers
+                     if cs is not None and cs.server_id not in holders)
+        async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            plan = await gc.meta(rpc.GcRepairPlan(limit_bytes=1 << 20))
+            (item,) = plan.items
+            switch = rpc.ReplicaSwitch(item.key, item.extent, item.lost,
+                                       Replica(spare, make_chunk_id(spare, 1), 0))
+            async with cluster.client(ClientConfig(replicas=1)) as kv1:
+                await kv1.put("k", b"new")  # an overwrite between the plan and the switch
+            r = await gc.meta(rpc.GcRepair(items=[switch]))
+            assert (r.repaired, r.skipped) == (0, 1)
+        async with cluster.client() as fresh:
+            assert await fresh.get("k") == b"new"
+            now = await fresh.layout("k")
+            assert now is not None and switch.new not in now.extents[0].replicas
