@@ -94,7 +94,7 @@ async def lost_meta(root: Path, n: int) -> None:
         await c.start_meta()
         meta = c.meta
         assert meta is not None
-        while len([s for s in meta.servers.values() if meta.alive(s)]) < c.n:
+        while len([s for s in meta.index.servers.values() if meta.index.alive(s)]) < c.n:
             await asyncio.sleep(0.02)
         restore = time.perf_counter() - t0
         lost, wrong, stall = await _check(c, items)

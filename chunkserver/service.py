@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from kvfs import rpc
 from kvfs.address import parse_addr, service_tokens
 from kvfs.chunkserver.store import ChunkStore, check_ranges
+from kvfs.cluster import ClusterLink
 from kvfs.config import ChunkServerConfig
 from kvfs.datadir import DirLock, private_dir, raise_nofile_limit
 from kvfs.errors import KVFSError, WrongCluster
@@ -18,7 +19,6 @@ from kvfs.protocol import Buffer
 from kvfs.rpc import Op, Service
 from kvfs.server import Reply, RpcServer
 from kvfs.tls import client_context
-from kvfs.transport import Connection
 
 log = logging.getLogger("kvfs.chunkserver")
 
@@ -48,10 +48,17 @@ class ChunkServer:
             self.lock.release()
             raise
         self.addr = ""
-        self._meta: Connection | None = None
+        # registration and heartbeats
+        self._meta = ClusterLink(*parse_addr(config.meta, what="meta address"), self.tokens[Role.SERVER],
+                                 tls=self._meta_tls)
         self._hb: asyncio.Task[None] | None = None
         self.readv_calls = 0
         self.append_calls = 0
+
+    @property
+    def meta_link(self) -> ClusterLink:
+        """Its link to meta (registration and heartbeats)."""
+        return self._meta
 
     @property
     def server_id(self) -> int | None:
@@ -71,21 +78,16 @@ class ChunkServer:
             self._hb.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._hb
-        if self._meta is not None:
-            self._meta.close()
+        self._meta.close()
         await self.rpc.close()
         self.store.close()
         self.lock.release()
 
     async def _register(self) -> None:
-        if self._meta is None or self._meta.is_closed:
-            host, port = parse_addr(self.config.meta, what="meta address")
-            self._meta = await Connection.open(host, port, self.tokens[Role.SERVER],
-                                               tls=self._meta_tls)
         capacity, free, _ = self.store.usage()
         if not self.store.key:
             self.store.save_state()  # creates the key that proves this data dir to meta
-        r = await self._meta.call(rpc.Register(
+        r = await self._meta.call_meta(rpc.Register(
             server_id=self.store.server_id, addr=self.addr, capacity=capacity, free=free,
             key=self.store.key, cluster_id=self.store.cluster_id, nchunks=len(self.store.sizes),
             disk=self.store.disk_id))
@@ -98,9 +100,9 @@ class ChunkServer:
         await self._heartbeat()
 
     async def _heartbeat(self) -> None:
-        assert self._meta is not None and self.server_id is not None
-        await self._meta.call(rpc.Heartbeat.of(self.chunk_stats(), server_id=self.server_id,
-                                               addr=self.addr))
+        assert self.server_id is not None
+        await self._meta.call_meta(rpc.Heartbeat.of(self.chunk_stats(), server_id=self.server_id,
+                                                    addr=self.addr))
 
     def chunk_stats(self, *, mtimes: bool = False) -> rpc.ChunkStatsReply:
         capacity, free, used = self.store.usage()
@@ -117,15 +119,13 @@ class ChunkServer:
         while True:
             await asyncio.sleep(interval)
             try:
-                if self._meta is None or self._meta.is_closed:
-                    await self._register()
-                else:
+                if self._meta.meta_open:
                     await self._heartbeat()
+                else:  # meta restarted (or never answered): register again
+                    await self._register()
             except KVFSError as exc:
                 log.warning("heartbeat to meta failed: %s", exc)
-                if self._meta is not None:
-                    self._meta.close()
-                    self._meta = None
+                self._meta.close()
 
     # RPCs ------------------------------------------------------------------
     async def rpc_ping(self, req: rpc.Ping, payload: memoryview) -> Reply:

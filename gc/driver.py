@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfs import rpc
+from kvfs._batch import split_batches
 from kvfs.address import lookup_token, parse_addr
+from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import GcConfig, TlsConfig
 from kvfs.errors import KVFSError, Unavailable
 from kvfs.gc.repair import RepairReport, repair_step
@@ -27,7 +29,6 @@ from kvfs.handshake import Role
 from kvfs.protocol import Buffer, Scatter
 from kvfs.rpc import R, Request
 from kvfs.tls import client_context
-from kvfs.transport import Connection
 
 log = logging.getLogger("kvfs.gc")
 
@@ -122,16 +123,13 @@ class GarbageCollector:
                  tls: TlsConfig | None = None) -> None:
         """``tls``: the TLS files to connect with (default: none, or $KVFS_TLS_*)."""
         self.addr = addr
-        self._host, self._port = parse_addr(addr)
+        host, port = parse_addr(addr)
         self.token = lookup_token(token, addr=addr, role=Role.ADMIN)
         self.progress = progress
         self.request_timeout_s = request_timeout_s
-        self._tls = client_context(tls)
-        self._meta: Connection | None = None
-        self._conns: dict[int, Connection] = {}
-        self._addrs: dict[int, str] = {}
+        self._link = ClusterLink(host, port, self.token, request_timeout_s=request_timeout_s,
+                                 tls=client_context(tls))
         self._usage: dict[int, rpc.ChunkStatsReply] = {}
-        self.cluster_id: str | None = None  # meta's, sent with every chunk deletion
 
     async def __aenter__(self) -> GarbageCollector:
         await self.meta(rpc.Ping())
@@ -141,11 +139,7 @@ class GarbageCollector:
         self.close()
 
     def close(self) -> None:
-        for c in [self._meta, *self._conns.values()]:
-            if c is not None:
-                c.close()
-        self._meta = None
-        self._conns.clear()
+        self._link.close()
 
     def _progress(self, phase: str, done: int, total: int) -> None:
         if self.progress is not None:
@@ -153,39 +147,19 @@ class GarbageCollector:
 
     # connections -----------------------------------------------------------------
     async def meta(self, request: Request[R]) -> R:
-        if self._meta is None or self._meta.is_closed:
-            self._meta = await Connection.open(self._host, self._port, self.token,
-                                               request_timeout_s=self.request_timeout_s,
-                                               tls=self._tls)
-        return await self._meta.call(request)
+        return await self._link.call_meta(request)
 
     async def chunkserver(self, sid: int, request: Request[R], payload: Sequence[Buffer] = ()) -> R:
-        return (await self.chunkserver_exchange(sid, request, payload))[0]
+        return (await self._link.call_server(sid, request, payload))[0]
 
     async def chunkserver_exchange(self, sid: int, request: Request[R], payload: Sequence[Buffer] = (),
-                                   ) -> tuple[R, bytes | bytearray | memoryview | Scatter]:
+                                   ) -> tuple[R, memoryview | Scatter]:
         """One RPC to chunkserver ``sid``: its typed answer and raw payload."""
-        conn = self._conns.get(sid)
-        if conn is None or conn.is_closed:
-            if sid not in self._addrs:
-                await self.servers()
-            if sid not in self._addrs:
-                raise Unavailable(f"chunkserver {sid} is not known to meta")
-            host, port = parse_addr(self._addrs[sid], what="chunkserver address")
-            conn = await Connection.open(host, port, self.token,
-                                         request_timeout_s=self.request_timeout_s, tls=self._tls)
-            self._conns[sid] = conn
-        return await conn.exchange(request, payload)
+        return await self._link.call_server(sid, request, payload)
 
-    async def servers(self) -> list[tuple[int, str, bool]]:
-        h = await self.meta(rpc.Servers())
-        self.cluster_id = h.cluster_id
-        out = [(s.server_id, s.addr, s.alive) for s in h.servers]
-        for sid, addr, _ in out:
-            if self._addrs.get(sid) not in (None, addr) and sid in self._conns:
-                self._conns.pop(sid).close()
-            self._addrs[sid] = addr
-        return out
+    async def servers(self) -> list[ServerEntry]:
+        """The chunkservers meta knows, read now (and meta's cluster id with them)."""
+        return await self._link.servers(refresh=True)
 
     def free_bytes(self) -> dict[int, int]:
         """Free space per chunkserver, as of the last :meth:`sync_usage`."""
@@ -194,8 +168,9 @@ class GarbageCollector:
     async def sync_usage(self, *, mtimes: bool = False) -> dict[int, rpc.ChunkStatsReply]:
         """Fresh chunk tables from every live chunkserver, forwarded to meta as a heartbeat."""
         out: dict[int, rpc.ChunkStatsReply] = {}
-        for sid, addr, alive in await self.servers():
-            if not alive:
+        for server in await self.servers():
+            sid, addr = server.server_id, server.addr
+            if not server.alive:
                 continue
             try:
                 st = await self.chunkserver(sid, rpc.ChunkStats(mtimes=mtimes))
@@ -377,7 +352,7 @@ class GarbageCollector:
                 continue
             try:
                 deleted = (await self.chunkserver(sid, rpc.ChunkDelete(
-                    chunks=retired, cluster_id=self.cluster_id))).deleted
+                    chunks=retired, cluster_id=self._link.cluster_id))).deleted
             except Unavailable as exc:
                 log.warning("cannot delete %d chunks on server %d now: %s", len(retired), sid, exc)
                 continue
@@ -405,13 +380,8 @@ class GarbageCollector:
             for sid in stats:
                 refs = (await self.meta(rpc.GcChunkRefs(server_id=sid))).refs
                 flat = [(r.key, c, r.offset, r.length, r.crc) for c, rs in refs.items() for r in rs]
-                i = 0
-                while i < len(flat):
-                    j, size = i, 0
-                    while j < len(flat) and (j == i or size + flat[j][3] <= VERIFY_BATCH_BYTES):
-                        size += flat[j][3]
-                        j += 1
-                    batch = flat[i:j]
+                for run in split_batches([f[3] for f in flat], max_bytes=VERIFY_BATCH_BYTES):
+                    batch = flat[run.start : run.stop]
                     h = await self.chunkserver(sid, rpc.ChunkVerify(
                         ranges=[rpc.VerifyRange(c, off, ln, crc) for _, c, off, ln, crc in batch]))
                     for idx in h.missing:
@@ -421,8 +391,7 @@ class GarbageCollector:
                         k, c, off, _, _ = batch[idx]
                         rep.corrupt_refs.append(rpc.BadReplica(k, sid, c, off))
                     rep.ranges_checked += len(batch)
-                    self._progress(f"verify server {sid}", j, len(flat))
-                    i = j
+                    self._progress(f"verify server {sid}", run.stop, len(flat))
         if apply:
             pr = PassReport(apply=True)
             bad = rep.missing_refs + rep.corrupt_refs

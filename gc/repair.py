@@ -128,7 +128,7 @@ async def repair_step(gc: GarbageCollector, *, apply: bool, rate_bytes: int | No
         items = plan.items
         if not apply or not items:
             break
-        live = {sid for sid, _, alive in await gc.servers() if alive}
+        live = {s.server_id for s in await gc.servers() if s.alive}
         known = gc.free_bytes()
         free = {sid: known.get(sid, 0) for sid in live}
         got = await _read(gc, items, report)

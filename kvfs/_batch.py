@@ -3,28 +3,40 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from typing import Generic, TypeVar
 
 I = TypeVar("I")  # noqa: E741
 R = TypeVar("R")
 
 
-def run_end(sizes: Sequence[int], start: int, *, max_items: int, max_bytes: int) -> int:
+def run_end(sizes: Sequence[int], start: int, *, max_bytes: int, max_items: int | None = None,
+            keys: Sequence[Hashable] | None = None) -> int:
     """The end of the batch that starts at ``sizes[start]``: at most ``max_items`` items
-    of at most ``max_bytes`` in all, and always at least one item (a larger one goes alone)."""
+    of at most ``max_bytes`` in all, and always at least one item (a larger one goes alone).
+    With ``keys``, a batch also ends before an item whose key is already in it (a
+    chunkserver refuses a READV with overlapping ranges: the same extent asked twice goes
+    in another one)."""
     end, total = start + 1, sizes[start]
-    while end < len(sizes) and end - start < max_items and total + sizes[end] <= max_bytes:
+    seen = None if keys is None else {keys[start]}
+    while (end < len(sizes) and (max_items is None or end - start < max_items)
+           and total + sizes[end] <= max_bytes):
+        if seen is not None and keys is not None:
+            if keys[end] in seen:
+                break
+            seen.add(keys[end])
         total += sizes[end]
         end += 1
     return end
 
 
-def split_batches(sizes: Sequence[int], *, max_items: int, max_bytes: int) -> list[range]:
-    """Consecutive index ranges of ``sizes``, each a batch as :func:`run_end` bounds it."""
+def split_batches(sizes: Sequence[int], *, max_bytes: int, max_items: int | None = None,
+                  keys: Sequence[Hashable] | None = None) -> list[range]:
+    """Consecutive index ranges of ``sizes``, each a batch as :func:`run_end` bounds it: the
+    one splitter of a large request (APPEND, READV, CHUNK_VERIFY, the mount's moves)."""
     out, start = [], 0
     while start < len(sizes):
-        end = run_end(sizes, start, max_items=max_items, max_bytes=max_bytes)
+        end = run_end(sizes, start, max_items=max_items, max_bytes=max_bytes, keys=keys)
         out.append(range(start, end))
         start = end
     return out

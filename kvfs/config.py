@@ -148,7 +148,7 @@ class ClientConfig(TlsConfig):
     max_read_ranges: int = opt("split reads from one server naming more ranges than this (at "
                                "most the server's --max-ranges)", 4096)
     servers_refresh_s: float = opt("re-read the chunkserver list this often", 2.0)
-    evict_on_full: bool = opt("when a write finds the cluster full, run a GC pass and retry", True)
+    evict_on_full: bool = opt("when a write finds the cluster full, ask meta for a GC pass and retry once", True)
     batch: bool = opt("coalesce concurrent single-key get()/exists() calls into batches", True)
     batch_window_s: float = opt("wait this long for more keys (0: those issued this loop tick)", 0.0)
     batch_max_keys: int = opt("flush a batch at this many keys, without waiting", 128)

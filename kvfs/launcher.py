@@ -137,7 +137,7 @@ class LocalCluster:
     def client(self, config: ClientConfig | None = None) -> AsyncClient:
         if config is None and self.tls is not None:
             config = ClientConfig(**tls_fields(self.tls))
-        return AsyncClient(self.addr, token=self.token, config=config, admin_token=self.admin_token)
+        return AsyncClient(self.addr, token=self.token, config=config)
 
 
 def describe_exit(returncode: int) -> str:
@@ -394,4 +394,4 @@ class ProcessCluster:
         return path
 
     def client(self, **kw: Any) -> AsyncClient:
-        return AsyncClient(self.addr, token=self.token, admin_token=self.admin_token, **kw)
+        return AsyncClient(self.addr, token=self.token, **kw)

@@ -26,10 +26,10 @@ Key = bytes | str
 
 
 def norm_key(key: Key) -> bytes:
-    if isinstance(key, str):
-        key = key.encode()
-    elif not isinstance(key, bytes):
-        if isinstance(key, (bytearray, memoryview)):
+    if type(key) is not bytes:  # bytes, the common case, passes with one check
+        if isinstance(key, str):
+            key = key.encode()
+        elif isinstance(key, (bytes, bytearray, memoryview)):  # a bytes subclass too
             key = bytes(key)
         else:
             raise InvalidArgument(f"key must be bytes or str, got {type(key).__name__}")

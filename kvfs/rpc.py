@@ -111,7 +111,7 @@ class Op(enum.IntEnum):
     GC_REPORT = 49
     GC_DROP_REPLICAS = 50
     TOUCH = 51
-    # 52: MAKE_ROOM (branch rpc-m2)
+    MAKE_ROOM = 52
     GC_REPAIR_PLAN = 53
     GC_REPAIR = 54
     # garbage collection: chunkserver (56-63)
@@ -712,6 +712,18 @@ class GcDropReplicas(Request[Dropped], frozen=True, kw_only=True):
     items: Items[BadReplica]
 
 
+class RoomMade(Response, frozen=True, kw_only=True):
+    expired_keys: Count
+    evicted_keys: Count
+    bytes_reclaimed: Count
+
+
+class MakeRoom(Request[RoomMade], frozen=True, kw_only=True):
+    """A write found the cluster full: meta runs one GC pass (expire, evict to the low
+    watermark and to fit the refused write, compact, delete) before answering.
+    Concurrent requests share one pass."""
+
+
 class RepairItem(NamedTuple):
     """An extent to copy: read it from a ``sources`` replica (on live servers), write it to
     a live server not in ``holders``, then switch ``lost`` to the copy (GC_REPAIR)."""
@@ -823,6 +835,8 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.GC_REPAIR, Service.META, GcRepair,
         "switch lost replicas to their copies (compare-and-swap)", ADMIN),
     Rpc(Op.TOUCH, Service.META, Touch, "mark keys read (LRU)", DATA),
+    Rpc(Op.MAKE_ROOM, Service.META, MakeRoom, "a write found the cluster full: meta runs one GC pass",
+        DATA),
     Rpc(Op.CHUNK_COMPACT, Service.CHUNKSERVER, ChunkCompact, "copy live records into a new chunk", ADMIN),
     Rpc(Op.CHUNK_DELETE, Service.CHUNKSERVER, ChunkDelete, "unlink retired chunks", ADMIN),
     Rpc(Op.CHUNK_VERIFY, Service.CHUNKSERVER, ChunkVerify, "check ranges' CRC-32C", ADMIN),

@@ -1,5 +1,9 @@
 """Values that never sit whole in memory: a put fed by an iterator of buffers, a read by ranges.
 
+It uses the client's public parts: ``client.writer`` (:class:`kvfs.writepath.WritePath`:
+``append``, ``commit``), ``client.reader`` (:class:`kvfs.readpath.ReadPath`: ``fetch``)
+and ``client.lookup``.
+
 ``put_stream`` cuts what arrives into stripe units and appends each as soon as it is full
 (up to ``ClientConfig.stream_window_units`` units in flight), then commits one layout at the
 end: the commit is still the linearisation point, so a stream that fails half way leaves
@@ -63,7 +67,7 @@ async def put_stream(client: AsyncClient, key: Key, chunks: Chunks, *, size: int
 
     async def write(i: int, unit: memoryview) -> None:
         try:
-            (lay,) = await client._append([k], [[unit]], r, ttl, first=start + i)
+            (lay,) = await client.writer.append([k], [[unit]], replicas=r, ttl=ttl, first=start + i)
             (extents[i],) = lay.extents
         except BaseException as exc:
             failed.append(exc)
@@ -113,7 +117,8 @@ async def put_stream(client: AsyncClient, key: Key, chunks: Chunks, *, size: int
         raise InvalidArgument(f"stream for key {k[:64]!r} ended after {total} of {size} bytes")
     done = tuple(e for e in extents if e is not None)
     assert len(done) == len(extents)
-    await client._commit([k], [Layout(total, whole, 0.0, None, done)], ttl)
+    (lay,) = await client.writer.commit([k], [Layout(total, whole, 0.0, None, done)], ttl)
+    client.layout_cache.put(k, lay)
     return total
 
 
@@ -166,13 +171,13 @@ class ValueReader:
             n = sum(e.length for e in chosen)
             buf = bytearray(n)
             sub = Layout(n, 0, self.layout.created, self.layout.expires_at, chosen)
-            if not await self.client._fetch([self.key], [sub], [[memoryview(buf)]], None, None):
+            if not await self.client.reader.fetch([self.key], [sub], [[memoryview(buf)]], None):
                 return bytes(memoryview(buf)[lo - first:hi - first])
             await self._follow()
         raise StaleLayout(f"key {self.key[:64]!r}: its bytes moved twice during one read; retry")
 
     async def _follow(self) -> None:
-        (fresh,) = await self.client._lookup([self.key], use_cache=False)
+        (fresh,) = await self.client.lookup([self.key], use_cache=False)
         old = self.layout
         if fresh is None or fresh.size != old.size or fresh.crc != old.crc:
             raise StaleLayout(f"key {self.key[:64]!r} was replaced or deleted while being read")
@@ -202,7 +207,7 @@ class ValueReader:
 async def open_read(client: AsyncClient, key: Key) -> ValueReader | None:
     """A reader of ``key``'s current value, or None on a miss."""
     k = norm_key(key)
-    (lay,) = await client._lookup([k])
+    (lay,) = await client.lookup([k])
     return None if lay is None else ValueReader(client, k, lay)
 
 
@@ -264,7 +269,7 @@ async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | by
     missing.  Keys are looked up in one call, to readers pinned to their layouts; every unit
     is then read in one fetch."""
     keys = [w for w, _ in wants if not isinstance(w, ValueReader)]
-    found = iter(await client._lookup(keys) if keys else [])
+    found = iter(await client.lookup(keys) if keys else [])
     readers: list[ValueReader | None] = []
     for w, _ in wants:
         if isinstance(w, ValueReader):
@@ -285,8 +290,8 @@ async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | by
             bufs.append(bytearray(e.length))
     got: dict[int, bytes] = {}
     if slots:
-        stale = set(await client._fetch([readers[i].key for i in slots],  # type: ignore[union-attr]
-                                        subs, [[memoryview(b)] for b in bufs], None, None))
+        stale = set(await client.reader.fetch([readers[i].key for i in slots],  # type: ignore[union-attr]
+                                              subs, [[memoryview(b)] for b in bufs], None))
         for j, i in enumerate(slots):
             if j in stale:  # relocated by the GC: followed, or StaleLayout if replaced
                 r = readers[i]

@@ -95,7 +95,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from kvfs.address import parse_addr
 from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
 from kvfs.layout import Layout, decode_layout, encode_layout
-from kvfs.meta.gc import RECORD_OVERHEAD_BYTES
+from kvfs.meta.index import RECORD_OVERHEAD_BYTES
 from kvfs.meta.store import prefix_upper_bound
 
 T = TypeVar("T")

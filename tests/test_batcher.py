@@ -18,7 +18,7 @@ def _readv_calls(cluster: LocalCluster) -> int:
 async def test_128_concurrent_gets_share_rpcs(cluster: LocalCluster, kv: AsyncClient) -> None:
     items = {f"b{i}".encode(): os.urandom(4096) for i in range(128)}
     await kv.put_many(items)
-    kv._layouts.clear()
+    kv.layout_cache.clear()
     lookups, readvs = kv.rpc_counts["LOOKUP"], _readv_calls(cluster)
     got = await asyncio.gather(*(kv.get(k) for k in items))
     assert got == list(items.values())
@@ -30,16 +30,16 @@ async def test_batch_is_flushed_at_max_keys(cluster: LocalCluster) -> None:
     cfg = replace(ClientConfig(), batch_max_keys=32)
     async with cluster.client(cfg) as kv:
         await kv.put_many({f"m{i}".encode(): b"v" for i in range(100)})
-        kv._layouts.clear()
-        before = kv._get_batcher.batches
+        kv.layout_cache.clear()
+        before = kv.get_batches
         await asyncio.gather(*(kv.get(f"m{i}") for i in range(100)))
-        assert kv._get_batcher.batches - before == 4  # 32 + 32 + 32 + 4
+        assert kv.get_batches - before == 4  # 32 + 32 + 32 + 4
 
 
 async def test_batcher_disabled_sends_one_rpc_per_get(cluster: LocalCluster) -> None:
     async with cluster.client(replace(ClientConfig(), batch=False)) as kv:
         await kv.put_many({f"d{i}".encode(): b"v" for i in range(16)})
-        kv._layouts.clear()
+        kv.layout_cache.clear()
         before = kv.rpc_counts["LOOKUP"]
         await asyncio.gather(*(kv.get(f"d{i}") for i in range(16)))
         assert kv.rpc_counts["LOOKUP"] - before == 16

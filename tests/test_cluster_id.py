@@ -49,7 +49,7 @@ async def test_a_fresh_meta_cannot_make_chunkservers_delete(tmp_path: Path) -> N
             assert cs is not None and cs.store.cluster_id == old_id
             with pytest.raises(WrongCluster, match="rebuild"):
                 await _register_again(cs)  # what its heartbeat loop retries: refused every time
-        assert not cluster.meta.servers
+        assert not cluster.meta.index.servers
         async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
             for _ in range(3):
                 await gc.run_pass(PassOptions(apply=True, grace_s=0.0))

@@ -23,14 +23,14 @@ async def test_20mib_value_is_striped_over_servers(kv: AsyncClient) -> None:
     assert layout is not None and layout.size == len(big)
     servers = {r.server_id for e in layout.extents for r in e.replicas}
     assert len(layout.extents) == 20 and len(servers) >= 2
-    kv._layouts.clear()
+    kv.layout_cache.clear()
     assert await kv.get(b"big") == big
 
 
 async def test_10k_small_keys(kv: AsyncClient) -> None:
     items = {f"blk/{i:05d}".encode(): os.urandom(64 + i % 200) for i in range(10_000)}
     await kv.put_many(items)
-    kv._layouts.clear()
+    kv.layout_cache.clear()
     assert await kv.get_many(list(items)) == list(items.values())
     # values written together land contiguously in one chunk, in call order
     first, second = await kv.layout(b"blk/00000"), await kv.layout(b"blk/00001")

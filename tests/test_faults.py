@@ -191,7 +191,7 @@ async def test_torn_tail_is_truncated_on_restart(cluster: LocalCluster, kv: Asyn
     size_with_torn = path.stat().st_size
     await cluster.start_chunkserver(idx)
     assert path.stat().st_size == size_with_torn - RECORD.size - 101
-    kv._layouts.clear()
+    kv.layout_cache.clear()
     assert await kv.get_many([b"t1", b"t2"]) == [b"a" * 5000, b"b" * 5000]
 
 
@@ -265,12 +265,12 @@ async def test_reads_from_cached_layouts_reach_meta_lru(cluster: LocalCluster, k
     await kv.put(b"hot", b"v")
     meta = cluster.meta
     assert meta is not None
-    before = meta.entries[b"hot"].last_access
+    before = meta.index.entries[b"hot"].last_access
     clock.advance(100)  # type: ignore[attr-defined]
     for _ in range(3):
         assert await kv.get_many([b"hot"]) == [b"v"]  # served from the layout cache
     await kv.close()  # flushes pending touches
-    assert meta.entries[b"hot"].last_access == before + 100
+    assert meta.index.entries[b"hot"].last_access == before + 100
 
 
 async def test_corrupt_replica_falls_back_to_a_good_one(cluster: LocalCluster, kv: AsyncClient) -> None:

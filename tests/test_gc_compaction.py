@@ -244,7 +244,7 @@ async def test_kill_9_meta_between_copy_and_switch(proc_cluster: ProcessCluster)
         async with GarbageCollector(proc_cluster.addr, token=proc_cluster.admin_token) as gc:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + 30
-            while len([s for s in await gc.servers() if s[2]]) < 3:  # chunkservers re-register
+            while len([s for s in await gc.servers() if s.alive]) < 3:  # chunkservers re-register
                 assert loop.time() < deadline, "chunkservers did not come back"
                 await asyncio.sleep(0.05)
             await gc.run_pass(PassOptions(apply=True, grace_s=0))

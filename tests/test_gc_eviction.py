@@ -121,7 +121,8 @@ async def test_full_cluster_nothing_evictable_raises_nospace(tmp_path: Path, clo
 
 
 async def test_write_to_full_cluster_evicts_instead_of_failing(tmp_path: Path, clock: FakeClock) -> None:
-    """No GC daemon: the writer itself runs a pass when a server refuses for lack of space."""
+    """No GC daemon: a server refuses a write for lack of space, the writer asks meta to make
+    room (MAKE_ROOM: meta runs one GC pass) and retries once."""
     c = make(tmp_path, clock, 1, 256 * 1024)
     await c.start()
     try:

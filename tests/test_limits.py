@@ -20,7 +20,7 @@ from crc32c import crc32c
 from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.chunkserver.store import ChunkStore
-from kvfs.config import ChunkServerConfig, MetaConfig
+from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
 from kvfs.datadir import raise_nofile_limit
 from kvfs.errors import (
     FrameTooLarge,
@@ -168,7 +168,7 @@ async def test_readv_limits(tight: LocalCluster) -> None:
         assert await kv.get_many([b"one", b"one"]) == [await kv.get(b"one")] * 2
         small = {f"s{i}".encode(): b"x" * 10 for i in range(200)}
         await kv.put_many(small)
-        kv.config = kv.config.__class__(max_read_ranges=64)
+    async with tight.client(ClientConfig(max_read_ranges=64)) as kv:
         assert await kv.get_many(list(small)) == list(small.values())
 
 

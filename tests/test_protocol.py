@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvfs.chunkserver.service import ChunkServer
 from kvfs.errors import FrameTooLarge, RemoteProtocolError, VersionMismatch
+from kvfs.meta.gc import MetaGc
 from kvfs.meta.service import MetaService
 from kvfs.protocol import (
     FIXED,
@@ -163,7 +164,8 @@ def test_encode_frame_keeps_payload_buffers() -> None:
 
 
 # the classes whose rpc_* methods serve each service (kvfs.server.RpcServer dispatches to them)
-SERVICE_CLASSES: dict[Service, list[type]] = {Service.META: [MetaService], Service.CHUNKSERVER: [ChunkServer]}
+SERVICE_CLASSES: dict[Service, list[type]] = {Service.META: [MetaService, MetaGc],
+                                              Service.CHUNKSERVER: [ChunkServer]}
 CONNECTION_OPS = {Op.HELLO, Op.AUTH}  # answered by the connection itself, before dispatch
 
 

@@ -72,7 +72,7 @@ async def _wait_registered(cluster: LocalCluster) -> None:
     meta = cluster.meta
     assert meta is not None
     deadline = time.monotonic() + 60
-    while len([s for s in meta.servers.values() if meta.alive(s) and s.chunks]) < cluster.n:
+    while len([s for s in meta.index.servers.values() if meta.index.alive(s) and s.chunks]) < cluster.n:
         assert time.monotonic() < deadline, "the chunkservers never registered with the rebuilt meta"
         await asyncio.sleep(0.05)
 
@@ -94,7 +94,7 @@ async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path
             before = {k: await kv.layout(k) for k in expect}
         meta = cluster.meta
         assert meta is not None
-        cluster_id, live_before = meta.cluster_id, dict(meta.chunk_live)
+        cluster_id, live_before = meta.cluster_id, dict(meta.index.chunk_live)
         addrs = [cs.addr for cs in cluster.chunkservers if cs is not None]
         await cluster.stop_meta()
         for p in (tmp_path / "c" / "meta").glob("meta.sqlite3*"):
@@ -111,7 +111,7 @@ async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path
         await cluster.start_meta()
         assert cluster.meta is not None and cluster.meta.cluster_id == cluster_id
         await _wait_registered(cluster)
-        assert dict(cluster.meta.chunk_live) == live_before  # live bytes per chunk, as before
+        assert dict(cluster.meta.index.chunk_live) == live_before  # live bytes per chunk, as before
         async with cluster.client(ClientConfig(layout_cache_entries=0)) as kv:
             assert await kv.get_many(list(expect)) == list(expect.values())
             assert await kv.get_many([b"p/0", b"p/1"]) == [None, None]

@@ -107,7 +107,7 @@ async def test_flipped_bit_in_first_record_costs_only_that_record(cluster: Local
     cs = await cluster.start_chunkserver(idx)
     assert path.stat().st_size == size  # nothing truncated
     assert cs.store.bad_records == 1
-    kv._layouts.clear()
+    kv.layout_cache.clear()
     assert await kv.get_many([b"r1", b"r2"]) == [items[b"r1"], items[b"r2"]]
     with pytest.raises(ChecksumMismatch, match="r0"):
         await kv.get(b"r0")
@@ -126,5 +126,5 @@ async def test_damaged_header_in_the_middle_keeps_every_value(cluster: LocalClus
     cs = await cluster.start_chunkserver(idx)
     assert path.stat().st_size == size
     assert cs.store.damage[int(path.stem, 16)] == [Damage(head, offsets[1] + 20_000)]
-    kv._layouts.clear()
+    kv.layout_cache.clear()
     assert await kv.get_many(list(items)) == list(items.values())

@@ -78,7 +78,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[LocalCluster]:
 async def until_dead(cluster: LocalCluster, sid: int) -> None:
     assert cluster.meta is not None
     deadline = time.monotonic() + 30
-    while not cluster.meta.dead(cluster.meta.servers[sid]):
+    while not cluster.meta.index.dead(cluster.meta.index.servers[sid]):
         assert time.monotonic() < deadline, f"server {sid} never declared dead"
         await asyncio.sleep(0.05)
 

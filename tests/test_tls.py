@@ -100,11 +100,11 @@ async def test_put_get_through_a_tls_cluster(tls_cluster: LocalCluster, certs: C
         assert await kv.get_into(["big"], [into]) == [len(big)]
         assert into == big
         assert await kv.get_many(["small", "big", "nope"]) == [b"x" * 100, big, None]
-        sessions = [ssl_object(kv._meta), *(ssl_object(c) for c in kv._conns.values())]
+        sessions = [ssl_object(c) for c in kv.connections()]
         assert len(sessions) == 3
         assert all(s is not None and s.version() in ("TLSv1.2", "TLSv1.3") for s in sessions)
     for cs in tls_cluster.chunkservers:
-        assert cs is not None and ssl_object(cs._meta) is not None  # registered over TLS
+        assert cs is not None and ssl_object(cs.meta_link.connections()[0]) is not None  # over TLS
 
 
 async def test_server_only_tls_accepts_clients_without_certificates(
@@ -112,7 +112,7 @@ async def test_server_only_tls_accepts_clients_without_certificates(
     async with LocalCluster(tmp_path / "c", 0, tls=certs.services(mutual=False)) as c:
         async with c.client(certs.client(cert=False)) as kv:
             assert (await kv.stats())["keys"] == 0
-            assert ssl_object(kv._meta) is not None
+            assert ssl_object(kv.connections()[0]) is not None
         # no --tls-ca: the system's CAs, which never signed the test CA
         kv = c.client(ClientConfig(tls_cert=certs.client_cert, tls_key=certs.client_key))
         with pytest.raises(TlsError, match="failed verification"):

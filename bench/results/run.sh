@@ -4,13 +4,19 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 R=${RUNTIME:-3}
-common=(--compare --cpu --no-internal --no-progress --runtime "$R" --peers file,redis,mooncake,loopback,fio)
-run() { local name=$1; shift; echo "== $name: kvfs bench $*" >&2; date -u >&2
-        kvfs bench "$@" --json-out "$name.json" > "$name.txt"; }
-run cmp-4k   "${common[@]}" --rw randread,write --bs 4k  --batch 128 --iodepth 4 --size 32m  --api get_many,get_into --plot cmp-4k.png
+common=(--compare --cpu --no-internal --no-progress --runtime "$R" --peers file,redis,mooncake,loopback,fio
+        --client async,sync)
+# each run's command, start time and load average (this machine is shared) go to runs.log
+run() { local name=$1; shift; echo "== $name: kvfs bench $*" | tee -a runs.log >&2
+        echo "   start $(date -u '+%F %T UTC'), $(uptime | sed 's/.*load/load/')" | tee -a runs.log >&2
+        kvfs bench "$@" --json-out "$name.json" > "$name.txt"
+        echo "   end   $(date -u '+%F %T UTC'), $(uptime | sed 's/.*load/load/')" | tee -a runs.log >&2; }
+: > runs.log
+run cmp-4k   "${common[@]}" --rw randread,write --bs 4k  --batch 128 --iodepth 4 --size 32m  --api get_many,get_into,exists_many,match_prefix --plot cmp-4k.png
 run cmp-1m   "${common[@]}" --rw randread,write --bs 1m  --batch 32  --iodepth 2 --size 128m --api get_many,get_into --plot cmp-1m.png
 run cmp-8m   "${common[@]}" --rw randread,write --bs 8m  --batch 8   --iodepth 2 --size 256m --api get_many,get_into
 run cmp-32m  "${common[@]}" --rw randread,write --bs 32m --batch 2   --iodepth 2 --size 256m --api get_many,get_into
+[ "${CURVES:-1}" = 1 ] || exit 0  # CURVES=0: the comparisons only
 # cost curves: throughput vs chunkservers, vs client processes; meta CPU per key vs batch size
 for n in 1 2 3 4; do
   run curve-cs$n --chunkservers $n --rw read,write --bs 1m --batch 32 --iodepth 2 --size 128m --runtime "$R" --no-progress --cpu

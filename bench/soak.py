@@ -1,0 +1,207 @@
+"""A bounded soak (issue 10): meta, 4 chunkservers and the GC daemon (repair on) as processes,
+several client processes running the mixed workload of :mod:`kvfs.bench.workload` (every value
+read is compared with the bytes its key determines), and, midway:
+
+- one bit flipped in a stored value on a live chunkserver (a replica of a seed key),
+- a chunkserver SIGKILLed, kept down until meta declares it dead and the GC daemon has
+  repaired its extents onto the others, then restarted on its data dir.
+
+At the end a fresh client reads every committed key once.  Prints the operations done, wrong
+values (must be 0), committed values lost (must be 0 with ``--replicas 2``), read errors,
+failed puts, the longest read, and the seconds from the kill until every extent had its
+replicas again; ``--json FILE`` writes the same figures.  RELIABILITY.md has a run's figures.
+
+Usage: python -m kvfs.bench.soak [--seconds 180] [--clients 3] [--replicas 2] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvfs._parent import ENV as PARENT_ENV
+from kvfs._parent import die_with_parent
+from kvfs.address import TOKEN_ENV
+from kvfs.bench.workload import MixedWorkload, Values, verify_all
+from kvfs.client import AsyncClient
+from kvfs.config import ClientConfig
+from kvfs.handshake import Role
+from kvfs.launcher import ProcessCluster
+
+CHUNKSERVERS = 4
+SEED_KEYS = 64  # written first; every client also reads them; one of them gets the flipped bit
+VALUES = Values(max_small=32 * 1024, large_every=100)
+HEARTBEAT_TIMEOUT_S = 1.5
+DEAD_AFTER_S = 3.0
+RESTORE_DEADLINE_S = 120.0  # the kill's restore time past this: reported as not restored
+SUM_FIELDS = ("puts_ok", "puts_failed", "asked", "reads", "wrong", "misses", "read_errors")
+
+
+def client_config(replicas: int) -> ClientConfig:
+    return ClientConfig(replicas=replicas, connect_timeout_s=1.0, request_timeout_s=2.0,
+                        servers_refresh_s=0.5)
+
+
+# one client process -----------------------------------------------------------------
+async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out: Path) -> None:
+    """Run the workload for ``seconds`` (a writer and a reader client of its own), then write
+    its figures and committed keys to ``out`` (JSON)."""
+    cfg = client_config(replicas)
+    async with AsyncClient(addr, config=cfg) as writer, AsyncClient(addr, config=cfg) as reader:
+        load = MixedWorkload(writer, reader, prefix=prefix, values=VALUES, write_pause_s=0.05,
+                             max_keys=50_000)
+        load.committed.extend(seed_keys())
+        load.start()
+        await asyncio.sleep(seconds)  # the soak's length: the workload runs meanwhile
+        fig = await load.stop()
+    row = fig.to_dict()
+    row["keys"] = [k.decode() for k in load.committed[SEED_KEYS:]]
+    out.write_text(json.dumps(row))
+
+
+def seed_keys() -> list[bytes]:
+    return [f"seed/{i:04d}".encode() for i in range(SEED_KEYS)]
+
+
+# the parent -----------------------------------------------------------------------------
+def server_index(cluster: ProcessCluster) -> dict[int, int]:
+    """server id -> chunkserver index (from each data dir's state.json)."""
+    out = {}
+    for i in range(cluster.n):
+        st = json.loads((cluster.data / f"cs{i}" / "state.json").read_text())
+        out[int(st["server_id"])] = i
+    return out
+
+
+async def flip_bit(cluster: ProcessCluster, admin: AsyncClient, key: bytes) -> tuple[int, set[int]]:
+    """Flip one bit in the middle of ``key``'s first replica (on its live server); returns
+    that server's index and the indexes of every server holding ``key``."""
+    lay = await admin.layout(key)
+    assert lay is not None, key
+    rep = lay.extents[0].replicas[0]
+    idx = server_index(cluster)
+    holders = {idx[r.server_id] for e in lay.extents for r in e.replicas}
+    path = cluster.data / f"cs{idx[rep.server_id]}" / "chunks" / f"{rep.chunk_id:016x}.chunk"
+    at = rep.offset + lay.extents[0].length // 2
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0x10]))
+    return idx[rep.server_id], holders
+
+
+async def restored(admin: AsyncClient, sid: int, since: float) -> float | None:
+    """Seconds from ``since`` until meta declared server ``sid`` dead and no extent was left
+    under-replicated (polled), or None past RESTORE_DEADLINE_S."""
+    while time.monotonic() - since < RESTORE_DEADLINE_S:
+        st = await admin.stats()
+        dead = any(s["server_id"] == sid and s.get("dead") for s in st["servers"])
+        rep = st["gc"].get("repair") or {}
+        if dead and not rep.get("under_replicated_extents") and not rep.get("unrepairable_extents"):
+            return time.monotonic() - since
+        await asyncio.sleep(0.2)
+    return None
+
+
+async def soak(root: Path, seconds: float, clients: int, replicas: int) -> dict[str, Any]:
+    cluster = ProcessCluster(
+        root / "data", CHUNKSERVERS, listen="127.0.0.1:0",
+        meta_args=("--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S}s", "--dead-after", f"{DEAD_AFTER_S}s"),
+        chunkserver_args=("--heartbeat-interval", "250ms"),
+        gc=True, gc_args=("--interval", "1s", "--grace", "2s"))
+    procs: list[asyncio.subprocess.Process] = []
+    t_start = time.monotonic()
+    try:
+        addr = await cluster.start()
+        env = {**os.environ, TOKEN_ENV[Role.CLIENT]: cluster.token, PARENT_ENV: str(os.getpid())}
+        async with AsyncClient(addr, token=cluster.token, config=client_config(replicas)) as admin:
+            await admin.put_many([(k, VALUES.of(k)) for k in seed_keys()])
+            outs = [root / f"client{i}.json" for i in range(clients)]
+            for i, out in enumerate(outs):
+                procs.append(await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "kvfs.bench.soak", "--client-of", addr, "--prefix", f"c{i}",
+                    "--seconds", str(seconds), "--replicas", str(replicas), "--out", str(out), env=env))
+            await asyncio.sleep(seconds * 0.2)  # the workload runs; then the bit flip
+            flipped = seed_keys()[SEED_KEYS // 2]
+            flipped_on, holders = await flip_bit(cluster, admin, flipped)
+            print(f"flipped one bit of {flipped.decode()} on chunkserver {flipped_on}", flush=True)
+            await asyncio.sleep(seconds * 0.1)
+            # kill a server that holds no copy of the flipped key: its good copy stays readable
+            victim = next((i for i in range(CHUNKSERVERS) if i not in holders), (flipped_on + 1) % CHUNKSERVERS)
+            vsid = next(s for s, i in server_index(cluster).items() if i == victim)
+            cluster.chunkservers[victim].kill()
+            t_kill = time.monotonic()
+            print(f"SIGKILLed chunkserver {victim} at {t_kill - t_start:.1f}s", flush=True)
+            restore_s = await restored(admin, vsid, t_kill)
+            print(f"replicas restored {restore_s if restore_s is None else round(restore_s, 2)}s after "
+                  "the kill; restarting it", flush=True)
+            await cluster.restart_chunkserver(victim)
+            codes = [await p.wait() for p in procs]
+            if any(codes):
+                raise RuntimeError(f"a soak client failed (exit codes {codes})")
+            rows = [json.loads(out.read_text()) for out in outs]
+            keys = seed_keys() + [k.encode() for r in rows for k in r["keys"]]
+        async with AsyncClient(addr, token=cluster.token, config=client_config(replicas)) as fresh:
+            misses, wrong, failed = await verify_all(fresh, keys, VALUES)
+    finally:
+        for p in procs:
+            if p.returncode is None:
+                p.kill()
+                await p.wait()
+        await cluster.stop()
+    total: dict[str, Any] = {f: sum(r[f] for r in rows) for f in SUM_FIELDS}
+    errors: dict[str, int] = {}
+    for r in rows:
+        for k, v in r["errors"].items():
+            errors[k] = errors.get(k, 0) + v
+    return {"seconds": round(time.monotonic() - t_start, 1), "clients": clients, "replicas": replicas,
+            **total, "longest_read_s": max(r["longest_read_s"] for r in rows), "errors": errors,
+            "keys_committed": len(keys), "final_misses": misses, "final_wrong": wrong,
+            "final_failed": failed, "wrong_total": total["wrong"] + wrong,
+            "values_lost": misses + failed,
+            "restore_s": None if restore_s is None else round(restore_s, 2)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m kvfs.bench.soak", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seconds", type=float, default=180.0, help="how long the clients run")
+    p.add_argument("--clients", type=int, default=3, help="client processes")
+    p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--dir", type=Path, default=None, help="where the cluster's data goes (a temp dir in it)")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # one client process
+    p.add_argument("--prefix", default="c", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    ns = p.parse_args(argv)
+    if ns.seconds <= 0 or ns.clients < 1 or ns.replicas < 1:
+        p.error("--seconds must be positive, --clients and --replicas at least 1")
+    if ns.client_of:
+        die_with_parent()
+        asyncio.run(client_main(ns.client_of, ns.prefix, ns.seconds, ns.replicas, ns.out))
+        return 0
+    with tempfile.TemporaryDirectory(dir=ns.dir, prefix="kvfs-soak-") as d:
+        fig = asyncio.run(soak(Path(d), ns.seconds, ns.clients, ns.replicas))
+    print(f"operations: {fig['puts_ok']} put_many calls ok ({fig['puts_failed']} failed), "
+          f"{fig['reads']} values read and checked ({fig['read_errors']} get_many calls failed); "
+          f"{fig['keys_committed']} keys committed")
+    print(f"wrong values: {fig['wrong_total']}  committed values lost: {fig['values_lost']}  "
+          f"longest read: {fig['longest_read_s']}s  replicas restored {fig['restore_s']}s after the kill")
+    line = json.dumps(fig, sort_keys=True)
+    print(line)
+    if ns.json:
+        ns.json.write_text(line + "\n")
+    # wrong bytes are never allowed; with 2 replicas, no committed value may be lost either
+    return 0 if fig["wrong_total"] == 0 and (ns.replicas < 2 or fig["values_lost"] == 0) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

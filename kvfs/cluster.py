@@ -1,0 +1,204 @@
+"""Connections to a cluster: meta, the chunkservers, and the live server list.
+
+One :class:`ClusterLink` per user of the cluster: the client (:mod:`kvfs.client`),
+the GC driver (:mod:`kvfs.gc.driver`) and a chunkserver's registration and
+heartbeats (only its meta connection).  Connections are opened on first use,
+one persistent multiplexed connection per peer, and re-opened after a peer
+restarts; the server list is re-read from meta every ``servers_refresh_s``.
+:mod:`kvfs.transport` is the one connection underneath; this module is the only
+place that pools them.
+
+A link belongs to one event loop at a time (:meth:`ClusterLink.bind_loop`): it binds
+to the first loop that uses it, moves to another once nothing is open, and refuses
+at once (instead of hanging until a timeout) while connections of another live loop
+are open.  In a child after ``fork()`` the parent's connections are dropped, never
+touched, and it reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import ssl
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvfs import rpc
+from kvfs.address import parse_addr
+from kvfs.errors import LocalProtocolError, Unavailable
+from kvfs.protocol import Buffer, Scatter
+from kvfs.rpc import OP_OF, R, Request
+from kvfs.transport import Connection, Sink
+
+
+@dataclass(slots=True)
+class ServerEntry:
+    """A chunkserver as meta last reported it; ``alive`` drops to False when a call fails."""
+
+    server_id: int
+    addr: str
+    capacity: int
+    free: int
+    alive: bool
+
+
+class ClusterLink:
+    """Meta at ``host:port`` and, through it, the chunkservers."""
+
+    def __init__(self, host: str, port: int, token: str, *, connect_timeout_s: float = 5.0,
+                 request_timeout_s: float = 60.0, servers_refresh_s: float = 2.0,
+                 tls: ssl.SSLContext | None = None) -> None:
+        """``tls``: every connection speaks TLS with this context
+        (:func:`kvfs.tls.client_context`); None: plaintext."""
+        self.host, self.port, self.token = host, port, token
+        self.tls = tls
+        self.connect_timeout_s = connect_timeout_s
+        self.request_timeout_s = request_timeout_s
+        self.servers_refresh_s = servers_refresh_s
+        self.rpc_counts: dict[str, int] = defaultdict(int)  # calls sent, by op name
+        self.on_rebind: list[Callable[[], None]] = []  # users' per-loop state to make anew
+        self._pid = os.getpid()
+        self._orphans: list[object] = []  # a parent's connections, kept (never closed) after fork()
+        self._reset(None)
+        self._servers: dict[int, ServerEntry] = {}
+        self._servers_at = -1e18
+        self.cluster_id: str | None = None  # meta's, as of the last server list
+
+    def _reset(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """Fresh per-loop state: connections and locks belong to one event loop."""
+        self._loop = loop
+        self._meta: Connection | None = None
+        self._meta_lock = asyncio.Lock()
+        self._conns: dict[int, Connection] = {}
+        self._conn_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
+
+    def bind_loop(self) -> None:
+        """Follow the running loop (see the module's doc); on a move, ``on_rebind``
+        callbacks remake their users' per-loop state (batchers, tasks)."""
+        loop = asyncio.get_running_loop()
+        if loop is self._loop:
+            return
+        pid = os.getpid()
+        if pid != self._pid:
+            self._orphans.append((self._meta, self._conns))
+            self._pid = pid
+        elif self._loop is not None and (
+                (self._meta is not None and not self._meta.is_closed)
+                or any(not c.is_closed for c in self._conns.values())) and not self._loop.is_closed():
+            raise LocalProtocolError(
+                f"this AsyncClient has connections open on another event loop ({self._loop!r}) "
+                f"and was called from {loop!r}; close() it first, make one client per loop, "
+                "or use the blocking kvfs.Client (thread-safe, submit_* futures)")
+        self._reset(loop)
+        for fn in self.on_rebind:
+            fn()
+
+    def connections(self) -> list[Connection]:
+        """The open connections, meta's first (a debug hook: e.g. tests checking TLS)."""
+        conns = [self._meta, *self._conns.values()]
+        return [c for c in conns if c is not None and not c.is_closed]
+
+    @property
+    def meta_open(self) -> bool:
+        return self._meta is not None and not self._meta.is_closed
+
+    def close(self) -> None:
+        for c in [self._meta, *self._conns.values()]:
+            if c is not None:
+                c.close()
+        self._meta = None
+        self._conns.clear()
+
+    async def _open(self, host: str, port: int) -> Connection:
+        return await Connection.open(host, port, self.token, connect_timeout_s=self.connect_timeout_s,
+                                     request_timeout_s=self.request_timeout_s, tls=self.tls)
+
+    # meta ----------------------------------------------------------------------------
+    async def meta_conn(self) -> Connection:
+        self.bind_loop()
+        if self._meta is not None and not self._meta.is_closed:
+            return self._meta
+        async with self._meta_lock:
+            if self._meta is None or self._meta.is_closed:
+                self._meta = await self._open(self.host, self.port)
+        return self._meta
+
+    async def call_meta(self, request: Request[R]) -> R:
+        """One RPC to meta; a connection found closed (meta restarted) is re-opened once."""
+        self.rpc_counts[OP_OF[type(request)].name] += 1
+        for attempt in (0, 1):
+            conn = await self.meta_conn()
+            try:
+                return await conn.call(request)
+            except Unavailable:
+                if attempt or not conn.is_closed:
+                    raise
+        raise AssertionError("unreachable")
+
+    # the server list --------------------------------------------------------------------
+    async def servers(self, *, refresh: bool = False) -> list[ServerEntry]:
+        """The chunkservers meta knows, re-read every ``servers_refresh_s`` (or now)."""
+        now = time.monotonic()
+        if refresh or now - self._servers_at > self.servers_refresh_s:
+            h = await self.call_meta(rpc.Servers())
+            self.cluster_id = h.cluster_id
+            fresh = {s.server_id: ServerEntry(s.server_id, s.addr, s.capacity, s.free, s.alive)
+                     for s in h.servers}
+            for sid, conn in list(self._conns.items()):
+                if sid not in fresh or fresh[sid].addr != self._servers.get(sid, fresh[sid]).addr:
+                    conn.close()
+                    del self._conns[sid]
+            self._servers, self._servers_at = fresh, now
+        return list(self._servers.values())
+
+    def alive(self) -> dict[int, bool]:
+        """Liveness of each known server as last seen (no RPC)."""
+        return {s.server_id: s.alive for s in self._servers.values()}
+
+    # chunkservers ---------------------------------------------------------------------
+    async def server_conn(self, sid: int) -> Connection:
+        self.bind_loop()
+        conn = self._conns.get(sid)
+        if conn is not None and not conn.is_closed:
+            return conn
+        async with self._conn_locks[sid]:
+            conn = self._conns.get(sid)
+            if conn is None or conn.is_closed:
+                conn = await self._open_server(sid)
+                self._conns[sid] = conn
+        return conn
+
+    async def _open_server(self, sid: int) -> Connection:
+        # a second try after re-reading the server list: a restarted server may have moved
+        for attempt in (0, 1):
+            entry = self._servers.get(sid)
+            if entry is None or attempt:
+                await self.servers(refresh=True)
+                if attempt and entry is not None and self._servers.get(sid) == entry:
+                    break
+                entry = self._servers.get(sid)
+            if entry is None:
+                raise Unavailable(f"chunkserver {sid} is not known to meta")
+            host, port = parse_addr(entry.addr, what="chunkserver address")
+            try:
+                return await self._open(host, port)
+            except Unavailable as exc:
+                entry.alive = False
+                error = Unavailable(f"chunkserver {sid} at {entry.addr}: {exc}")
+        raise error
+
+    async def call_server(self, sid: int, request: Request[R], payload: Sequence[Buffer] = (),
+                          sink: Sink | None = None) -> tuple[R, memoryview | Scatter]:
+        """One RPC to chunkserver ``sid``: its answer and raw payload.  A failure marks the
+        server dead in the list until the next refresh."""
+        self.rpc_counts[OP_OF[type(request)].name] += 1
+        conn = await self.server_conn(sid)
+        try:
+            answer, body = await conn.exchange(request, payload, sink=sink)
+        except Unavailable as exc:
+            if sid in self._servers:
+                self._servers[sid].alive = False
+            raise Unavailable(f"chunkserver {sid} ({conn.name}): {exc}") from None
+        return answer, body if isinstance(body, Scatter) else memoryview(body)

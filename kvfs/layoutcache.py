@@ -1,0 +1,100 @@
+"""The client's cache of immutable layouts, and access tracking for LRU eviction.
+
+Layouts never change once committed, so a cached one stays right until it expires
+(dropped by ``expires_at``) or its bytes move (the chunkserver answers
+``StaleLayout`` and the reader forgets it).  Keys read through the cache are told to
+meta in one TOUCH now and then (every ``TOUCH_INTERVAL_S`` or 4096 keys), so
+eviction sees them as recently used.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+
+from kvfs import rpc
+from kvfs.cluster import ClusterLink
+from kvfs.errors import KVFSError
+from kvfs.layout import Layout
+
+log = logging.getLogger("kvfs.client")
+TOUCH_INTERVAL_S = 5.0
+TOUCH_BATCH_KEYS = 4096
+
+
+class LayoutCache:
+    """An LRU of at most ``entries`` layouts.  :meth:`clear` is the documented hook for
+    tests and tools that want the next read to ask meta."""
+
+    def __init__(self, link: ClusterLink, entries: int) -> None:
+        self._link = link
+        self.entries = entries
+        self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
+        self._touched: set[bytes] = set()  # keys read via the cache, not yet told to meta
+        self._touch_at = time.monotonic()
+        self._touch_task: asyncio.Task[None] | None = None
+
+    def __len__(self) -> int:
+        return len(self._layouts)
+
+    def size_of(self, key: bytes) -> int:
+        lay = self._layouts.get(key)
+        return 0 if lay is None else lay.size
+
+    def put(self, key: bytes, layout: Layout) -> None:
+        cache = self._layouts
+        cache[key] = layout
+        cache.move_to_end(key)
+        while len(cache) > self.entries:
+            cache.popitem(last=False)
+
+    def pop(self, key: bytes) -> None:
+        self._layouts.pop(key, None)
+
+    def clear(self) -> None:
+        self._layouts.clear()
+
+    def get_many(self, keys: Sequence[bytes], now: float) -> tuple[list[Layout | None], list[int]]:
+        """Cached layouts (marked read) and the indexes of the keys to look up.  A cached
+        layout that expired is a miss (None), not looked up: expiry is final."""
+        out: list[Layout | None] = [None] * len(keys)
+        missing: list[int] = []
+        cache = self._layouts
+        for i, k in enumerate(keys):
+            lay = cache.get(k)
+            if lay is None:
+                missing.append(i)
+            elif lay.expired(now):
+                del cache[k]
+            else:
+                out[i] = lay
+                self._touched.add(k)
+        if self._touched and (len(self._touched) >= TOUCH_BATCH_KEYS
+                              or time.monotonic() - self._touch_at > TOUCH_INTERVAL_S):
+            self.flush_touches()
+        return out, missing
+
+    def flush_touches(self) -> None:
+        """Tell meta, in one batch, which keys were read from cached layouts (LRU eviction)."""
+        if not self._touched or (self._touch_task is not None and not self._touch_task.done()):
+            return
+        keys, self._touched = list(self._touched), set()
+        self._touch_at = time.monotonic()
+
+        async def send() -> None:
+            try:
+                await self._link.call_meta(rpc.Touch(keys=keys))
+            except KVFSError as exc:  # best effort: access times are advisory
+                log.debug("touch of %d keys failed: %s", len(keys), exc)
+
+        self._touch_task = asyncio.get_running_loop().create_task(send())
+
+    async def close(self, timeout_s: float) -> None:
+        """Send what is pending (if meta is still connected) and wait for it."""
+        if self._link.meta_open:
+            self.flush_touches()
+        if self._touch_task is not None:
+            await asyncio.wait([self._touch_task], timeout=timeout_s)

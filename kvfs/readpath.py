@@ -1,0 +1,277 @@
+"""The read path: extents to READVs, replica failover, CRC-32C checks, into the caller's memory.
+
+Every extent of the values asked for goes to one READV per chunkserver (the first
+live replica; split past ``max_read_rpc_bytes``, a few in flight).  The answer is
+received straight into each destination (:class:`kvfs.protocol.Scatter`), or, for
+values returned as ``bytes``, into a pooled buffer they are copied out of.  A bad
+CRC or a dead server moves the extent to its next replica; a ``StaleLayout`` (bytes
+gone from the named chunk) gets one fresh lookup and retry; a key deleted meanwhile
+is a miss.  Wrong bytes are never returned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Final, cast
+
+import crc32c
+
+from kvfs import rpc
+from kvfs._batch import split_batches
+from kvfs.buffers import cut
+from kvfs.cluster import ClusterLink
+from kvfs.errors import ChecksumMismatch, KVFSError, StaleLayout, Unavailable, from_wire
+from kvfs.layout import Extent, Layout, Replica
+from kvfs.protocol import FrameHead, Scatter
+
+RX_POOL_BUFFERS = 8  # receive buffers kept for reuse (values returned as bytes are copied out)
+READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
+
+
+class _Dest(enum.Enum):
+    WHOLE = "whole"
+
+
+# A destination marker: "the extent is the whole value: hand it back as bytes".
+WHOLE: Final = _Dest.WHOLE
+# where an extent's (or a value's) bytes go: views filled in order (a value may be scattered
+# over several buffers), WHOLE, or None: not read
+Dest = list[memoryview] | _Dest | None
+
+
+@dataclass(slots=True)
+class _Job:
+    """One extent to read into ``dest`` (one view, or several when the caller scatters a
+    value over several buffers), or handed back as bytes when ``dest`` is ``WHOLE``."""
+
+    slot: int
+    extent: Extent
+    dest: list[memoryview] | _Dest
+    rep: Replica | None = None  # the replica being read
+    tried: tuple[int, ...] = ()  # servers that already failed this extent
+    error: KVFSError | None = None
+
+
+class ReadPath:
+    """Reads extents for :class:`kvfs.client.AsyncClient`.  ``relookup(keys)`` fetches
+    fresh layouts from meta, ``forget(key)`` drops a cached one."""
+
+    def __init__(self, link: ClusterLink, *, max_rpc_bytes: int, max_ranges: int,
+                 relookup: Callable[[list[bytes]], Awaitable[list[Layout | None]]],
+                 forget: Callable[[bytes], None]) -> None:
+        self._link = link
+        self._max_rpc_bytes = max_rpc_bytes
+        self._max_ranges = max_ranges
+        self._relookup = relookup
+        self._forget = forget
+        self._rx_pool: list[bytearray] = []
+        self.rx_buffers_reused = 0  # answers received into a pooled buffer (public counter)
+
+    @property
+    def rx_pool_buffers(self) -> int:
+        """Receive buffers kept for reuse now."""
+        return len(self._rx_pool)
+
+    def _rx_take(self, n: int) -> bytearray:
+        pool = self._rx_pool
+        for i, buf in enumerate(pool):
+            if len(buf) >= n:
+                self.rx_buffers_reused += 1
+                return pool.pop(i)
+        return bytearray(max(n, 1 << 20))
+
+    def _rx_give(self, bufs: list[bytearray]) -> None:
+        for buf in bufs:
+            if len(self._rx_pool) < RX_POOL_BUFFERS:
+                self._rx_pool.append(buf)
+        bufs.clear()
+
+    async def read_into(self, keys: list[bytes], layouts: list[Layout | None],
+                        dests: Sequence[Dest], out: list[bytes | None] | None = None,
+                        *, failed: dict[int, KVFSError] | None = None) -> set[int]:
+        """Fill ``dests``; returns the slots that turned out to be misses (deleted or
+        expired while being read).  With ``failed`` given, a key whose bytes cannot be
+        read is recorded there instead of failing the call."""
+        misses: set[int] = set()
+        stale = await self.fetch(keys, layouts, dests, out, failed)
+        if stale:
+            for i in stale:
+                self._forget(keys[i])
+            fresh = await self._relookup([keys[i] for i in stale])
+            retry_layouts: list[Layout | None] = [None] * len(keys)
+            retry_dests: list[Dest] = [None] * len(keys)
+            for i, lay in zip(stale, fresh, strict=True):
+                old = layouts[i]
+                if lay is None:
+                    misses.add(i)
+                    continue
+                if old is None or lay.size != old.size or lay == old:
+                    raise StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
+                                      "named by its layout (lost or reclaimed)")
+                retry_layouts[i], retry_dests[i] = lay, dests[i]
+            if await self.fetch(keys, retry_layouts, retry_dests, out, failed):
+                raise StaleLayout("layouts changed twice during one read; retry")
+        return misses
+
+    async def fetch(self, keys: list[bytes], layouts: list[Layout | None],
+                    dests: Sequence[Dest], out: list[bytes | None] | None,
+                    failed_out: dict[int, KVFSError] | None = None) -> list[int]:
+        """Read every extent into its destination; returns the slots whose layout was stale.
+        A slot no replica could serve raises, or lands in ``failed_out`` when given."""
+        jobs: list[_Job] = []
+        for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
+            if lay is None or dest is None:
+                continue
+            if dest is WHOLE:
+                jobs.append(_Job(slot, lay.extents[0], WHOLE))
+                continue
+            pos = 0
+            for e in lay.extents:
+                jobs.append(_Job(slot, e, cut(dest, pos, e.length)))
+                pos += e.length
+        stale: set[int] = set()
+        failed: dict[int, KVFSError] = {}
+        alive = self._link.alive()
+        pending = jobs
+        while pending:
+            by_server: dict[int, list[_Job]] = defaultdict(list)
+            for job in pending:
+                if job.slot in stale or job.slot in failed:
+                    continue
+                reps = job.extent.replicas
+                if len(reps) == 1 and not job.tried:  # the common case, no choice to make
+                    rep: Replica | None = reps[0]
+                else:
+                    choices = [r for r in reps if r.server_id not in job.tried]
+                    rep = next((r for r in choices if alive.get(r.server_id, True)),
+                               choices[0] if choices else None)
+                if rep is None:
+                    failed[job.slot] = job.error or Unavailable("no replica left")
+                    continue
+                job.rep = rep
+                by_server[rep.server_id].append(job)
+            if not by_server:
+                break
+            results = await asyncio.gather(
+                *(self._readv(sid, js, keys, out) for sid, js in by_server.items()),
+                return_exceptions=True)
+            pending = []
+            for (sid, js), res in zip(by_server.items(), results, strict=True):
+                if isinstance(res, Unavailable):
+                    for job in js:
+                        job.tried += (sid,)
+                        job.error = Unavailable(
+                            f"key {keys[job.slot][:64]!r}: chunkserver {sid} holding its bytes is "
+                            f"unavailable ({res})")
+                    pending.extend(js)
+                elif isinstance(res, BaseException):
+                    raise res
+                else:
+                    st, retry = res
+                    stale.update(st)
+                    pending.extend(retry)
+        if failed:
+            if failed_out is None:
+                raise next(iter(failed.values()))
+            failed_out.update(failed)
+        return sorted(stale)
+
+    async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes],
+                     out: list[bytes | None] | None) -> tuple[list[int], list[_Job]]:
+        """Read ``jobs`` from one server: one READV, or several (at most
+        ``max_read_rpc_bytes`` each, a few in flight) for large reads, so the server's
+        reads, the transfer and the client's checks overlap."""
+        stale: list[int] = []
+        retry: list[_Job] = []
+        # a server refuses overlapping ranges: the same extent asked twice (the same key
+        # twice in one call) goes in another READV
+        batches = [jobs[r.start : r.stop] for r in split_batches(
+            [job.extent.length for job in jobs], max_bytes=self._max_rpc_bytes, max_items=self._max_ranges,
+            keys=[(job.rep.chunk_id, job.rep.offset) for job in jobs])]  # type: ignore[union-attr]
+        if len(batches) == 1:
+            await self._readv_batch(sid, batches[0], keys, out, stale, retry)
+            return stale, retry
+        gate = asyncio.Semaphore(READV_IN_FLIGHT)
+
+        async def one(batch: list[_Job]) -> None:
+            async with gate:
+                await self._readv_batch(sid, batch, keys, out, stale, retry)
+
+        await asyncio.gather(*(one(b) for b in batches))
+        return stale, retry
+
+    async def _readv_batch(self, sid: int, batch: list[_Job], keys: list[bytes],
+                           out: list[bytes | None] | None, stale: list[int],
+                           retry: list[_Job]) -> None:
+        ranges = [rpc.Range(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+                  for job in batch]
+        rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
+
+        def scatter(head: FrameHead) -> Scatter:
+            # the answer lands straight in each destination (e.g. the caller's buffers); this
+            # peeks at the header before it is checked: exchange() checks it once received
+            errs = head.header.get("errors") or {}
+            return Scatter([p for i, job in enumerate(batch) if i not in errs
+                            for p in cast(list[memoryview], job.dest)])  # no dest is WHOLE here
+
+        def pooled(head: FrameHead) -> memoryview:
+            # values handed back as bytes are copied out of a reused buffer: no fresh
+            # pages to fault in for every answer
+            rx.append(self._rx_take(head.payload_len))
+            return memoryview(rx[0])[: head.payload_len]
+
+        sink = scatter if all(job.dest is not WHOLE for job in batch) else pooled
+        try:
+            h, payload = await self._link.call_server(sid, rpc.ReadV(ranges=ranges), sink=sink)
+        except BaseException:
+            self._rx_give(rx)
+            raise
+        errors = h.errors
+        in_place = isinstance(payload, Scatter)
+        view = payload if isinstance(payload, memoryview) else memoryview(b"")
+        pos = 0
+        crc = crc32c.crc32c
+        for idx, job in enumerate(batch):
+            if errors:
+                err = errors.get(idx)
+                if err is not None:
+                    exc = from_wire({"code": err.code, "message": err.message})
+                    if isinstance(exc, StaleLayout):
+                        stale.append(job.slot)
+                    else:
+                        job.tried += (sid,)
+                        job.error = exc
+                        retry.append(job)
+                    continue
+            n = job.extent.length
+            dest = job.dest
+            if in_place:
+                assert dest is not WHOLE  # scatter is chosen only when no dest is WHOLE
+                c = 0
+                for p in dest:
+                    c = crc(p, c)
+            else:
+                got = view[pos : pos + n]
+                pos += n
+                c = crc(got)
+            if c != job.extent.crc:
+                job.tried += (sid,)
+                job.error = ChecksumMismatch(
+                    f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
+                    f"{ranges[idx].chunk_id:016x} offset {ranges[idx].offset}) fail their CRC-32C")
+                retry.append(job)
+                continue
+            if dest is WHOLE:
+                assert out is not None
+                out[job.slot] = bytes(got)
+            elif not in_place:
+                at = 0
+                for p in dest:
+                    p[:] = got[at : at + p.nbytes]
+                    at += p.nbytes
+        got = view = memoryview(b"")  # drop views of the receive buffer before reusing it
+        self._rx_give(rx)

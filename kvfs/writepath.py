@@ -1,0 +1,167 @@
+"""The write path: placement -> one APPEND per chunkserver -> one COMMIT to meta.
+
+Values are placed by :func:`kvfs.placement.place`; each server gets all its records
+in one APPEND (split past ``max_rpc_bytes``), the payload being the callers'
+memoryviews, never re-packed.  The COMMIT of every layout in one transaction is the
+linearisation point.  A server refusing for lack of space (``NoSpace``) makes the
+writer ask meta to make room (``MAKE_ROOM``: meta runs one GC pass) and retry once;
+the client itself never runs GC.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+
+import crc32c
+
+from kvfs import rpc
+from kvfs._batch import split_batches
+from kvfs.buffers import cut, nbytes
+from kvfs.cluster import ClusterLink
+from kvfs.config import ClientConfig
+from kvfs.errors import KVFSError, NoSpace, Unavailable
+from kvfs.layout import Extent, Layout, Replica
+from kvfs.placement import order_by_free, place
+
+log = logging.getLogger("kvfs.client")
+
+
+class WritePath:
+    """Writes values for :class:`kvfs.client.AsyncClient` (and :mod:`kvfs.stream`);
+    ``clock()`` gives the expiry hint stored in each record."""
+
+    def __init__(self, link: ClusterLink, config: ClientConfig, clock: Callable[[], float]) -> None:
+        self._link = link
+        self.config = config
+        self._clock = clock
+        self._write_id = 0  # last write id handed out (see next_write_id)
+
+    async def put(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
+                  ttl: float | None) -> list[Layout]:
+        """Store the values; returns their committed layouts (stamped by meta)."""
+        return await self.commit(keys, await self.append(keys, views, replicas=replicas, ttl=ttl), ttl)
+
+    async def append(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
+                     ttl: float | None, first: int | None = None) -> list[Layout]:
+        """Write the values' bytes (not yet visible): placement, retries on a dead server,
+        one MAKE_ROOM when the cluster is full.  Returns their layouts, to commit.
+        ``first``: start at the live server of that index (mod their count, in id order)
+        instead of a random draw, so the units of a stream go round-robin over the
+        servers as stripes do (and, not knowing the whole value, its records say so)."""
+        asked = False
+        for attempt in range(3):
+            live = [s for s in await self._link.servers(refresh=attempt > 0) if s.alive]
+            if len(live) < replicas:
+                raise Unavailable(f"{replicas} replicas need {replicas} live chunkservers; "
+                                  f"{len(live)} are live")
+            if first is None:
+                order = [s.server_id for s in order_by_free(live)]
+            else:
+                ids = sorted(s.server_id for s in live)
+                k = first % len(ids)
+                order = ids[k:] + ids[:k]
+            try:
+                return await self._append(keys, views, order, replicas, ttl,
+                                          stream_unit=first is not None)
+            except Unavailable:
+                if attempt == 2:
+                    raise
+            except NoSpace:
+                if asked or not self.config.evict_on_full:
+                    raise
+                log.info("cluster full: asking meta to make room before retrying the write")
+                await self._link.call_meta(rpc.MakeRoom())
+                asked = True
+        raise AssertionError("unreachable")
+
+    async def commit(self, keys: list[bytes], layouts: list[Layout], ttl: float | None) -> list[Layout]:
+        """Make written values visible: one COMMIT to meta (the linearisation point);
+        returns the layouts as meta stamped them."""
+        h = await self._link.call_meta(rpc.Commit(
+            items=[rpc.CommitItem(k, lay) for k, lay in zip(keys, layouts, strict=True)], ttl_s=ttl))
+        return [lay.stamped(h.created, h.expires_at) for lay in layouts]
+
+    def next_write_id(self) -> int:
+        """Write ids order the writes of a key for a rebuild of meta: nanoseconds, increasing."""
+        self._write_id = max(self._write_id + 1, time.time_ns())
+        return self._write_id
+
+    async def tombstones(self, keys: list[bytes]) -> None:
+        """Record deletes in a chunk (one APPEND of empty records) so a rebuild of meta from
+        the chunks does not bring the keys back.  Best effort: meta's delete stands."""
+        wid = self.next_write_id()
+        try:
+            live = [s for s in await self._link.servers() if s.alive]
+            if not live:
+                return
+            sid = order_by_free(live)[0].server_id
+            await self._link.call_server(sid, rpc.Append(records=[
+                rpc.RecordHead(k, 0, 0, None, wid, 0, 0, 0, True) for k in keys]))
+        except KVFSError as exc:
+            log.warning("deleted %d keys, but could not record their tombstones: %s", len(keys), exc)
+
+    async def _append(self, keys: list[bytes], views: list[list[memoryview]], order: list[int],
+                      r: int, ttl: float | None, *, stream_unit: bool) -> list[Layout]:
+        """Append every value (one APPEND per server); returns the layouts to commit."""
+        expires_hint = None if ttl is None else self._clock() + ttl
+        wid = self.next_write_id()  # records carry it: a rebuild of meta keeps the newest write
+        crc = crc32c.crc32c
+        # per server: records and each record's buffers, in call order
+        records: dict[int, list[rpc.RecordHead]] = defaultdict(list)
+        parts: dict[int, list[list[memoryview]]] = defaultdict(list)
+        # per value and unit: (length, crc, [(server, index into records[server]), ...])
+        plans: list[list[tuple[int, int, list[tuple[int, int]]]]] = []
+        crcs: list[int] = []
+        sizes = [nbytes(v) for v in views]
+        placed = place(sizes, order, replicas=r, stripe_bytes=self.config.stripe_bytes,
+                       group_bytes=self.config.put_group_bytes)
+        for key, v, n, units in zip(keys, views, sizes, placed, strict=True):
+            plan = []
+            whole = 0
+            heads: list[tuple[int, int]] = []  # (server, index) of this value's records
+            for ui, unit in enumerate(units):
+                u = v if len(units) == 1 else cut(v, unit.start, unit.length)
+                c = 0
+                for p in u:
+                    c = crc(p, c)
+                    whole = crc(p, whole)
+                # a stream's unit does not know its whole value (total size 0): a rebuild drops it
+                head = rpc.RecordHead(key, unit.length, c, expires_hint, wid, 0 if stream_unit else n,
+                                      c, ui)
+                where = []
+                for sid in unit.servers:
+                    recs = records[sid]
+                    where.append((sid, len(recs)))
+                    recs.append(head)
+                    parts[sid].append(u)
+                heads.extend(where)
+                plan.append((unit.length, c, where))
+            if len(units) > 1:  # the whole value's CRC, known once every unit is summed
+                for sid, idx in heads:
+                    records[sid][idx] = records[sid][idx]._replace(total_crc=whole)
+            plans.append(plan)
+            crcs.append(whole)
+        locs: dict[int, list[rpc.Location]] = {}
+
+        async def send(sid: int) -> None:
+            out: list[rpc.Location] = []
+            recs, ps = records[sid], parts[sid]
+            for run in split_batches([nbytes(p) for p in ps], max_bytes=self.config.max_rpc_bytes):
+                payload = [p for rec in ps[run.start : run.stop] for p in rec]  # gathered, never copied
+                h, _ = await self._link.call_server(sid, rpc.Append(records=recs[run.start : run.stop]),
+                                                    payload)
+                out.extend(h.locations)
+            locs[sid] = out
+
+        results = await asyncio.gather(*(send(sid) for sid in records), return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        return [Layout(n, whole, 0.0, None, tuple(
+                    Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
+                    for length, c, where in plan))
+                for n, plan, whole in zip(sizes, plans, crcs, strict=True)]

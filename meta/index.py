@@ -1,0 +1,168 @@
+"""Meta's index: key -> layout in memory over SQLite, live bytes per chunk, chunkservers.
+
+Shared by meta's RPC handlers (:mod:`kvfs.meta.service`) and its GC component
+(:mod:`kvfs.meta.gc`), which is handed this index to work on.
+
+Invariants:
+- a key is visible only after its COMMIT transaction is durable in SQLite; the
+  in-memory index is updated in the same event-loop step, so the two never disagree
+  for a reader;
+- ``chunk_live`` is derived from the layouts (rebuilt at start), never stored;
+- an expired key is a miss for every RPC, before GC removes it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
+from kvfs.config import MetaConfig
+from kvfs.layout import Layout, encode_layout
+from kvfs.meta.repair import readable
+from kvfs.meta.store import MetaStore
+
+log = logging.getLogger("kvfs.meta")
+
+RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
+
+
+@dataclass(slots=True)
+class Entry:
+    layout: Layout
+    last_access: float
+
+
+@dataclass(slots=True)
+class ServerInfo:
+    server_id: int
+    addr: str
+    capacity: int = 0
+    free: int = 0
+    used: int = 0
+    last_heartbeat: float = -1e18  # monotonic
+    chunks: dict[int, int] = field(default_factory=dict)  # chunk_id -> bytes written
+    open_chunk: int | None = None  # the chunk appends go to (never compacted or deleted)
+    wanted: int = 0  # bytes of the last append refused for lack of space (evict to fit it)
+    key: str = ""  # the chunkserver's data-dir key: only it may move its id to a new address
+    disk: str | None = None  # the filesystem it stores on (host:st_dev); None: own --capacity
+    reported_capacity: int = 0  # as the server reported them; capacity/free are its share
+    reported_free: int = 0
+    shared_by: int = 1  # servers on its disk (each gets 1/shared_by of its space)
+
+
+def disk_bytes(layout: Layout) -> int:
+    """Bytes a layout occupies on disk, every replica counted."""
+    return sum(n for _, n in layout.chunk_bytes())
+
+
+class MetaIndex:
+    def __init__(self, config: MetaConfig, store: MetaStore, clock: Callable[[], float]) -> None:
+        self.config = config
+        self.store = store
+        self.clock = clock
+        self.entries: dict[bytes, Entry] = {}
+        self.chunk_live: dict[int, int] = {}
+        self.servers: dict[int, ServerInfo] = {}
+        self.leases: dict[bytes, float] = {}
+        self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
+        self.started = time.monotonic()  # servers known before a restart get dead_after_s from here
+
+    def load(self) -> None:
+        for key, layout, last_access in self.store.load():
+            self.entries[key] = Entry(layout, last_access)
+            self.add_live(layout, +1, key)
+        for sid, addr, capacity, free in self.store.load_servers():
+            self.servers[sid] = ServerInfo(sid, addr, capacity, free, reported_capacity=capacity,
+                                           reported_free=free)
+        log.info("meta loaded %d keys, %d chunkservers", len(self.entries), len(self.servers))
+
+    def flush_access(self) -> None:
+        if self.dirty_access:
+            rows = [(t, k) for k, t in self.dirty_access.items()]
+            self.dirty_access.clear()
+            self.store.touch_many(rows)
+
+    # reading ------------------------------------------------------------------------
+    def get(self, key: bytes, now: float) -> Entry | None:
+        e = self.entries.get(key)
+        if e is None or e.layout.expired(now):
+            return None
+        return e
+
+    def alive(self, s: ServerInfo) -> bool:
+        return time.monotonic() - s.last_heartbeat < self.config.heartbeat_timeout_s
+
+    def dead(self, s: ServerInfo) -> bool:
+        """Silent for ``dead_after_s`` (since meta started, for a server not seen since)."""
+        after = max(self.config.dead_after_s, self.config.heartbeat_timeout_s)
+        return time.monotonic() - max(s.last_heartbeat, self.started) >= after
+
+    def gone_servers(self) -> set[int]:
+        """Servers whose replicas count as lost: dead ones."""
+        return {sid for sid, s in self.servers.items() if self.dead(s)}
+
+    def readable(self, key: bytes, now: float, gone: set[int]) -> bool:
+        """Unexpired, and every extent has a replica off the ``gone`` servers."""
+        e = self.get(key, now)
+        return e is not None and readable(e.layout, gone)
+
+    def used(self, s: ServerInfo) -> int:
+        return sum(s.chunks.values())
+
+    def server_live(self, s: ServerInfo, live_map: dict[int, int] | None = None) -> int:
+        """Live bytes on a server, from ``chunk_live`` or a dry run's ``live_map``."""
+        live = self.chunk_live if live_map is None else live_map
+        return sum(live.get(c, 0) for c in s.chunks)
+
+    # changing -----------------------------------------------------------------------
+    def share_disks(self) -> None:
+        """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
+        capacity and free space they report, so every total (``kvfs stat``, ``kvfs gc
+        status``, the mount's ``df``) counts the disk once and fill ratios are the disk's."""
+        on_disk: dict[str, int] = {}
+        for s in self.servers.values():
+            if s.disk is not None:
+                on_disk[s.disk] = on_disk.get(s.disk, 0) + 1
+        for s in self.servers.values():
+            n = on_disk.get(s.disk, 1) if s.disk is not None else 1
+            s.shared_by = n
+            s.capacity, s.free = s.reported_capacity // n, s.reported_free // n
+
+    def add_live(self, layout: Layout, sign: int, key: bytes, live: dict[int, int] | None = None) -> None:
+        """Live bytes per chunk (into ``live``, default ``chunk_live``): each replica's value
+        plus its record header and key, so a chunk of only live records has zero garbage."""
+        live = self.chunk_live if live is None else live
+        overhead = RECORD_OVERHEAD_BYTES + len(key)
+        for cid, n in layout.chunk_bytes():
+            live[cid] = live.get(cid, 0) + sign * (n + overhead)
+
+    def switch_layouts(self, staged: list[tuple[bytes, Entry, Layout]]) -> None:
+        """Replace the layouts of existing entries: one SQLite transaction, then the index."""
+        if not staged:
+            return
+        with self.store.durable():
+            self.store.put_many((k, encode_layout(lay), lay.expires_at, e.last_access)
+                                for k, e, lay in staged)
+        for k, e, lay in staged:
+            self.add_live(e.layout, -1, k)
+            e.layout = lay
+            self.add_live(lay, +1, k)
+
+    def remove(self, keys: Iterable[bytes]) -> tuple[int, int]:
+        """Delete keys from SQLite (one transaction) and the index; returns (keys, disk bytes)."""
+        gone = [k for k in keys if k in self.entries]
+        if not gone:
+            return 0, 0
+        with self.store.durable():
+            self.store.delete_many(gone)
+        nbytes = 0
+        for k in gone:
+            lay = self.entries.pop(k).layout
+            nbytes += disk_bytes(lay)
+            self.add_live(lay, -1, k)
+            self.dirty_access.pop(k, None)
+            self.leases.pop(k, None)
+        return len(gone), nbytes
