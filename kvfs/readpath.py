@@ -63,6 +63,7 @@ class ReadPath:
     def __init__(self, link: ClusterLink, *, max_rpc_bytes: int, max_ranges: int,
                  relookup: Callable[[list[bytes]], Awaitable[list[Layout | None]]],
                  forget: Callable[[bytes], None]) -> None:
+        # (duplicates: pairs up by shape with Batcher.__init__: each keeps its own arguments)
         self._link = link
         self._max_rpc_bytes = max_rpc_bytes
         self._max_ranges = max_ranges
