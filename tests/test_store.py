@@ -7,16 +7,18 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from crc32c import crc32c
 
-from kvfs.chunkserver.store import ChunkStore
+from kvfs.chunkserver.store import ALIGN, ChunkStore, Span, check_ranges, plan_spans
 from kvfs.datadir import FILE_MODE
 from kvfs.errors import InvalidArgument, NoSpace, StaleLayout
 from kvfs.layout import make_chunk_id
+from kvfs.rpc import Range
 
 CHUNK = 64 * 1024
 
@@ -231,3 +233,98 @@ async def test_a_clean_restart_cuts_nothing_and_warns_of_nothing(
         assert await read(again, cid, off, 3000) == value_of(b"k")
     finally:
         again.close()
+
+
+# READV's pure parts: check_ranges, plan_spans ---------------------------------------------
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"a": 1}, "READV ranges must be a list, got dict"),
+    ([[1, 0, 1]] * 5, "READV names 5 ranges; the limit is 4 (max_ranges)"),
+    ([[1, "0", 1]], "READV range must be three integers, got [1, '0', 1]"),
+    ([[1, 0, 1.0]], "READV range must be three integers"),
+    ([[1.0, 0, 1]], "READV range must be three integers"),
+    ([[-1, 0, 1]], "READV range has a negative field: [-1, 0, 1]"),
+    ([[1, -1, 1]], "READV range has a negative field"),
+    ([[1, 0, -1]], "READV range has a negative field"),
+    ([[1, 0, 600], [2, 0, 500]], "READV asks for 1100 bytes; the limit is 1000 (max_read_rpc_bytes)"),
+    ([[1, 0, 100], [1, 99, 10]], "READV ranges overlap in chunk 0000000000000001 at offset 99"),
+])
+def test_check_ranges_refuses_naming_what_is_wrong(raw: object, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        check_ranges(raw, max_ranges=4, max_bytes=1000)
+
+
+def test_check_ranges_takes_zeros_touching_ranges_and_decoded_ranges() -> None:
+    raw = [[0, 0, 0], [0, 0, 10], [0, 10, 10], [1, 5, 0], [1, 5, 20]]  # chunk 0, empty, adjacent
+    assert check_ranges(raw, max_ranges=5, max_bytes=40) == [tuple(r) for r in raw]
+    decoded = [Range(3, 0, 10), Range(3, 10, 10)]
+    assert check_ranges(decoded, max_ranges=2, max_bytes=20) == decoded
+    with pytest.raises(InvalidArgument, match="overlap"):
+        check_ranges([Range(3, 0, 10), Range(3, 9, 1)], max_ranges=2, max_bytes=20)
+
+
+def test_plan_spans_exactly() -> None:
+    # the first span starts where its range does, not at 0
+    assert plan_spans([(1, 3 * ALIGN + 5, 100)], 64 * 1024) == [Span(1, 3 * ALIGN, 4 * ALIGN, (0,))]
+    # a span reaching exactly the next range's aligned start takes it in (merge gap 0) ...
+    assert plan_spans([(0, 0, ALIGN), (0, ALIGN, 10)], 0) == [Span(0, 0, 2 * ALIGN, (0, 1))]
+    # ... a gap of one page more than allowed does not; nor does another chunk
+    assert plan_spans([(0, 2 * ALIGN, 1), (0, 0, 1), (2, 0, 1)], ALIGN - 1) == [
+        Span(0, 0, ALIGN, (1,)), Span(0, 2 * ALIGN, 3 * ALIGN, (0,)), Span(2, 0, ALIGN, (2,))]
+
+
+# _read_spans: short reads, the page-cache probe, the LRU of open files -----------------------
+async def test_reads_survive_short_reads_and_a_file_ending_early(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, offs = await sealed(store, b"k1", b"k2")
+    real = os.preadv
+
+    def short(fd: int, bufs: list[bytearray | memoryview], offset: int, *flags: int) -> int:
+        return real(fd, [memoryview(bufs[0])[:1000]], offset, *flags)  # fault injection: 1000 bytes a call
+
+    monkeypatch.setattr(os, "preadv", short)
+    whole = (a, 0, store.sizes[a])
+    views, stale = await store.readv([whole, (a, offs[b"k2"], 3000)])
+    assert not stale
+    assert bytes(views[0]) == store.chunk_path(a).read_bytes()  # type: ignore[arg-type]
+    assert bytes(views[1]) == value_of(b"k2")  # type: ignore[arg-type]
+    os.truncate(store.chunk_path(a), store.sizes[a] - 1)  # the file lost its last byte
+    with pytest.raises(OSError, match=f"chunk {a:016x} ended at {store.sizes[a] - 1}, expected {store.sizes[a]}"):
+        await store.readv([whole])
+
+
+async def test_spans_not_in_the_page_cache_are_read_in_the_pool(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, offs = await sealed(store, b"k1")
+    b, _ = await sealed(store, b"k2")
+    if not store.nowait:
+        pytest.skip("no RWF_NOWAIT here")
+    real = os.preadv
+    probes: list[int] = []
+
+    def cold(fd: int, bufs: list[bytearray | memoryview], offset: int, *flags: int) -> int:
+        if flags and flags[0]:  # fault injection: chunk a is not in the page cache
+            probes.append(fd)
+            if os.readlink(f"/proc/self/fd/{fd}") == str(store.chunk_path(a)):
+                raise BlockingIOError(errno.EAGAIN, "would block")
+        return real(fd, bufs, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", cold)
+    views, stale = await store.readv([(a, offs[b"k1"], 1), (b, store.sizes[b] - 1, 1)])
+    assert not stale and len(probes) == 2
+    assert bytes(views[0]) == value_of(b"k1")[:1]  # type: ignore[arg-type]
+    assert bytes(views[1]) == store.chunk_path(b).read_bytes()[-1:]  # type: ignore[arg-type]
+    assert store.inline_spans == 1  # b from the page cache, a from the pool
+
+
+async def test_files_pushed_out_of_the_lru_are_closed_once_reads_end(tmp_path: Path) -> None:
+    st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK, preallocate=False, max_open_files=2)
+    st.server_id = 1
+    try:
+        chunks = [await sealed(st, k) for k in (b"a", b"b", b"c", b"d")]
+        for cid, offs in chunks:
+            ((key, off),) = offs.items()
+            assert await read(st, cid, off, 3000) == value_of(key)
+        open_chunks = [p for p in open_paths() if p.startswith(str(st.dir))]
+        assert len(open_chunks) == 2, open_chunks
+    finally:
+        st.close()
