@@ -132,14 +132,15 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int) -> dict[
             await asyncio.sleep(seconds * 0.2)  # the workload runs; then the bit flip
             flipped = seed_keys()[SEED_KEYS // 2]
             flipped_on, holders = await flip_bit(cluster, admin, flipped)
-            print(f"flipped one bit of {flipped.decode()} on chunkserver {flipped_on}", flush=True)
+            print(f"flipped one bit of {flipped.decode()} on cs{flipped_on}", flush=True)
             await asyncio.sleep(seconds * 0.1)
             # kill a server that holds no copy of the flipped key: its good copy stays readable
             victim = next((i for i in range(CHUNKSERVERS) if i not in holders), (flipped_on + 1) % CHUNKSERVERS)
             vsid = next(s for s, i in server_index(cluster).items() if i == victim)
             cluster.chunkservers[victim].kill()
             t_kill = time.monotonic()
-            print(f"SIGKILLed chunkserver {victim} at {t_kill - t_start:.1f}s", flush=True)
+            print(f"SIGKILLed cs{victim} (server id {vsid}; the GC daemon's log names servers by id) "
+                  f"at {t_kill - t_start:.1f}s", flush=True)
             restore_s = await restored(admin, vsid, t_kill)
             print(f"replicas restored {restore_s if restore_s is None else round(restore_s, 2)}s after "
                   "the kill; restarting it", flush=True)

@@ -260,10 +260,23 @@ class MountConfig:
                                   "far behind the file's end fails with EOPNOTSUPP", 8 * MiB)
     read_ahead_units: int = opt("stripe units a sequential read of a file fetches ahead (an open "
                                 "file keeps at most this many + 2 in memory)", 4)
+    max_batch_items: int = opt("most reads (stripe units) or small-file closes sent as one batch",
+                           128, positive=True)
+    max_batch_bytes: int = opt("most bytes in one batch of reads or of small-file closes", 64 * MiB,
+                           positive=True)
+    batches_in_flight: int = opt("batches of reads, and of closes, running at once; more wait in "
+                                 "line (held in memory: about batches-in-flight x batch-bytes "
+                                 "each)", 2, positive=True)
+    looked_up_layouts: int = opt("layouts of recently looked-up files kept for their first read "
+                                 "(within --attr-timeout)", 4096)
 
     def __post_init__(self) -> None:
-        if self.write_buffer_bytes < 0 or self.read_ahead_units < 0:
-            raise ValueError("--write-buffer and --read-ahead-units must not be negative")
+        for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{_flag(name)} must not be negative")
+        for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{_flag(name)} must be at least 1")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -56,7 +56,7 @@ from kvfs._batch import Batcher
 from kvfs.address import format_addr, is_addr, lookup_token, parse_addr
 from kvfs.client import AsyncClient, KeyInfo
 from kvfs.config import ClientConfig
-from kvfs.layout import MAX_KEY_BYTES, MAX_VALUE_BYTES
+from kvfs.layout import MAX_KEY_BYTES, MAX_VALUE_BYTES, Layout
 from kvfs.oserrors import builtin_errors
 
 __all__ = ["InvalidPathError", "KVFile", "KVFileSystem"]
@@ -90,6 +90,11 @@ def _file_info(name: str, size: int, created: float, expires_at: float | None, e
 
 def _dir_info(name: str) -> Info:
     return {"name": name, "size": 0, "type": "directory"}
+
+
+def layout_info(name: str, lay: Layout) -> Info:
+    """The info of file ``name`` whose value has layout ``lay``."""
+    return _file_info(name, lay.size, lay.created, lay.expires_at, len(lay.extents))
 
 
 def _info_of(name: str, ki: KeyInfo) -> Info:
@@ -257,9 +262,14 @@ class KVFileSystem(AsyncFileSystem):
         c = self._session().client
         with builtin_errors(p):  # a file is the common case: its lookup alone answers
             lay = await c.layout(_kb(p))
-            if lay is not None:
-                return _file_info(p, lay.size, lay.created, lay.expires_at, len(lay.extents))
-            if await c.list(_kb(p + "/"), limit=1, page_size=1):
+        if lay is not None:
+            return layout_info(p, lay)
+        return await self._dir_or_missing(p)
+
+    async def _dir_or_missing(self, p: str) -> Info:
+        """``p`` has no value: a directory's info if keys lie under it, else FileNotFoundError."""
+        with builtin_errors(p):
+            if await self._session().client.list(_kb(p + "/"), limit=1, page_size=1):
                 return _dir_info(p)
         raise FileNotFoundError(errno.ENOENT, "no such kvfs file or directory", p)
 

@@ -186,6 +186,35 @@ def test_overwrite_in_place_and_truncate(mnt: Path, fs: KVFileSystem) -> None:
     wait_until(lambda: p.read_bytes() == b"changed by someone else", 10, "the new value")
 
 
+def _gone(p: Path) -> bool:
+    try:
+        p.read_bytes()
+    except FileNotFoundError:
+        return True
+    return False
+
+
+@needs_fuse
+def test_looked_up_files_changed_here_or_elsewhere_are_not_read_stale(
+        mnt: Path, fs: KVFileSystem) -> None:
+    """The mount keeps the layout a LOOKUP saw for a first read soon after: this mount's own
+    changes are read at once, another client's once the attribute time has passed."""
+    p, q = mnt / "st" / "f", mnt / "st" / "g"
+    fs.pipe_file("st/f", b"first")
+    assert p.stat().st_size == 5 and p.read_bytes() == b"first"  # looked up, then read
+    p.write_bytes(b"second, longer")  # this mount's commit
+    assert p.read_bytes() == b"second, longer"
+    os.rename(p, q)
+    assert q.read_bytes() == b"second, longer" and _gone(p)
+    fs.pipe_file("st/f", b"third")
+    wait_until(lambda: p.exists() and p.read_bytes() == b"third", 10, "another client's file")
+    p.unlink()  # this mount's delete
+    assert _gone(p)
+    assert q.stat().st_size == 14
+    fs.rm_file("st/g")  # another client's delete
+    wait_until(lambda: _gone(q), 10, "another client's delete")
+
+
 # bad input ------------------------------------------------------------------------
 @needs_fuse
 def test_append_to_existing_file_is_eopnotsupp(mnt: Path, fs: KVFileSystem) -> None:
@@ -513,16 +542,96 @@ def test_streamed_writes_in_order_fsync_and_out_of_order(tcluster: ThreadCluster
         m.cleanup()
 
 
-async def test_closes_share_commits(kv: AsyncClient) -> None:
+@pytest.mark.parametrize(("limits", "batches"), [
+    ({}, 5),  # 1 + 1 alone while idle, then 128 + 128 + 43 queued
+    ({"max_batch_items": 50}, 8),  # 1 + 1, then 6 x 50 - 1
+    ({"max_batch_items": 50, "batches_in_flight": 1}, 7),  # 1, then 6 x 50
+])
+async def test_closes_share_commits(kv: AsyncClient, limits: dict[str, int], batches: int) -> None:
     """The mount's small-file commits: while commits are outstanding, new closes queue and go
-    out together as one put_many (one APPEND per server, one COMMIT)."""
+    out together as one put_many (one APPEND per server, one COMMIT), within the mount's
+    --max-batch-items and --batches-in-flight."""
     from kvfs.config import MountConfig
     from kvfs.mount.files import FileIO
     from kvfs.mount.inodes import InodeTable
 
-    io = FileIO(KVFileSystem(client=kv, asynchronous=True), InodeTable(), MountConfig())
+    io = FileIO(KVFileSystem(client=kv, asynchronous=True), InodeTable(), MountConfig(**limits))
     await asyncio.gather(*(io.put(f"cc/{i}", str(i).encode()) for i in range(300)),
                          io.put("cc/7", b"seven"))
-    assert io.puts.batches == 5  # 1 + 1 alone while idle, then 128 + 128 + 45 queued
+    assert io.puts.batches == batches
     assert await kv.get_many([f"cc/{i}" for i in range(300)]) == [
         b"seven" if i == 7 else str(i).encode() for i in range(300)]
+
+
+async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> None:
+    """A read soon after the kernel's LOOKUP reads the layout that lookup fetched (no second
+    lookup); once this mount changes the file, or after the attribute time, it looks up again."""
+    from kvfs.config import MountConfig
+    from kvfs.errors import StaleLayout
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import Handle, InodeTable
+    from kvfs.stream import ValueReader
+
+    table = InodeTable()
+    io = FileIO(KVFileSystem(client=kv, asynchronous=True), table, MountConfig(), fresh_s=60)
+    sent: list[object] = []
+    run = io.reads._run
+
+    async def spy(wants: list[tuple[ValueReader | bytes, int]]) -> list[Any]:
+        sent.extend(w for w, _ in wants)
+        return await run(wants)
+
+    io.reads._run = spy  # type: ignore[method-assign]
+    await kv.put("lk/f", b"one")
+    ino = table.remember("lk/f")  # the kernel knows it
+
+    async def read_once() -> bytes:
+        fh = table.open(Handle(ino, writable=False))
+        try:
+            return await io.read(table.handle(fh), 0, 100)
+        finally:
+            table.close(fh)
+
+    assert (await io.info(ino, "lk/f"))["size"] == 3
+    assert await read_once() == b"one" and isinstance(sent[-1], ValueReader)
+    await io.put("lk/f", b"two!")  # this mount's commit: the looked-up layout is stale
+    io.changed(ino)
+    assert await read_once() == b"two!" and sent[-1] == b"lk/f"
+    io.fresh_s = 0.0  # past the attribute time: looked up again
+    await io.info(ino, "lk/f")
+    assert await read_once() == b"two!" and sent[-1] == b"lk/f"
+    io.fresh_s = 60.0
+    await io.info(ino, "lk/f")  # another client replaces the value after this lookup and
+    await kv.put("lk/f", b"three")  # its old bytes are gone: the first read reads the new one
+
+    async def stale(wants: list[tuple[ValueReader | bytes, int]]) -> list[Any]:
+        if any(isinstance(w, ValueReader) for w, _ in wants):
+            raise StaleLayout("the bytes this layout names are gone")  # injected
+        return await spy(wants)
+
+    io.reads._run = stale  # type: ignore[method-assign]
+    assert await read_once() == b"three" and sent[-1] == b"lk/f"
+    io.reads._run = spy  # type: ignore[method-assign]
+    await io.info(ino, "lk/f")
+    assert await read_once() == b"three" and isinstance(sent[-1], ValueReader)
+    await io.info(ino, "lk/f")
+    await kv.delete("lk/f")  # another client's delete, seen once the attribute time is past
+    io.fresh_s = 0.0
+    with pytest.raises(FileNotFoundError):
+        await read_once()
+    with pytest.raises(FileNotFoundError):
+        await io.info(ino, "lk/f")
+    with pytest.raises(FileNotFoundError):
+        await io.info(ino, "lk/missing")
+    await kv.put("lk/d/x", b"")
+    assert (await io.info(table.ino_for("lk/d"), "lk/d"))["type"] == "directory"
+
+
+@pytest.mark.parametrize(("bad", "flag"), [
+    ({"max_batch_items": 0}, "--max-batch-items"), ({"batches_in_flight": 0}, "--batches-in-flight"),
+    ({"max_batch_bytes": 0}, "--max-batch"), ({"looked_up_layouts": -1}, "--looked-up-layouts")])
+def test_mount_limits_refuse_nonsense(bad: dict[str, int], flag: str) -> None:
+    from kvfs.config import MountConfig
+
+    with pytest.raises(ValueError, match=flag):
+        MountConfig(**bad)

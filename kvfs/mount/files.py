@@ -30,20 +30,14 @@ from collections.abc import AsyncIterator
 
 from kvfs._batch import Batcher
 from kvfs.config import MountConfig
-from kvfs.fs import KVFileSystem
+from kvfs.errors import StaleLayout
+from kvfs.fs import KVFileSystem, layout_info
 from kvfs.layout import MAX_VALUE_BYTES
-from kvfs.mount.inodes import Handle, InodeTable
+from kvfs.mount.inodes import Handle, Info, InodeTable
 from kvfs.oserrors import builtin_errors
 from kvfs.stream import StreamPut, ValueReader, open_read, put_stream, read_units
 
 __all__ = ["FileIO"]
-
-READ_BATCH_ITEMS = 128
-READ_BATCH_BYTES = 64 * 1024 * 1024
-READS_IN_FLIGHT = 2
-PUT_BATCH_ITEMS = 128
-PUT_BATCH_BYTES = 64 * 1024 * 1024
-PUTS_IN_FLIGHT = 2
 
 Unit = tuple[ValueReader, int, bytes] | None
 
@@ -51,20 +45,25 @@ Unit = tuple[ValueReader, int, bytes] | None
 class FileIO:
     """Reads, writes, truncations and commits of the mount's open files."""
 
-    def __init__(self, fs: KVFileSystem, table: InodeTable, config: MountConfig) -> None:
+    def __init__(self, fs: KVFileSystem, table: InodeTable, config: MountConfig, *,
+                 fresh_s: float = 0.0) -> None:
         self.fs = fs
         self.table = table
         self.config = config
+        # the layouts the last lookups saw (reader, when): a first read within fresh_s of its
+        # lookup (the kernel's own attribute cache time) reads them without looking up again
+        self.fresh_s = fresh_s
+        self._looked_up: dict[int, tuple[ValueReader, float]] = {}
         self.stripe = fs.client.config.stripe_bytes
         # FUSE requests reach the loop one at a time, so reads batch by load, not by tick
         self.reads: Batcher[tuple[ValueReader | bytes, int], Unit] = Batcher(
-            self._read_units, max_items=READ_BATCH_ITEMS, max_bytes=READ_BATCH_BYTES,
-            max_inflight=READS_IN_FLIGHT)
+            self._read_units, max_items=config.max_batch_items,
+            max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         # closes of small files share commits the same way: one put_many (one APPEND per
         # server, one COMMIT) for the files closed while earlier batches were running
         self.puts: Batcher[tuple[bytes, bytes], None] = Batcher(
-            self._put_many, max_items=PUT_BATCH_ITEMS, max_bytes=PUT_BATCH_BYTES,
-            max_inflight=PUTS_IN_FLIGHT)
+            self._put_many, max_items=config.max_batch_items,
+            max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         self._tasks: set[asyncio.Task[bytes]] = set()  # read-ahead in flight
 
     async def _put_many(self, items: list[tuple[bytes, bytes]]) -> list[None]:
@@ -79,6 +78,35 @@ class FileIO:
 
     async def _read_units(self, wants: list[tuple[ValueReader | bytes, int]]) -> list[Unit]:
         return await read_units(self.fs.client, wants)
+
+    # lookups --------------------------------------------------------------------
+    async def info(self, ino: int, path: str) -> Info:
+        """``path``'s info from one LOOKUP (a file), or a directory's, or FileNotFoundError;
+        a file's layout is kept for a first read soon after."""
+        reader = await self.reader(path)
+        if reader is None:
+            self._looked_up.pop(ino, None)
+            return await self.fs._dir_or_missing(path)
+        if self.fresh_s > 0:
+            self._looked_up.pop(ino, None)
+            self._looked_up[ino] = (reader, asyncio.get_running_loop().time())
+            if len(self._looked_up) > self.config.looked_up_layouts:
+                del self._looked_up[next(iter(self._looked_up))]
+        return layout_info(path, reader.layout)
+
+    def changed(self, ino: int | None) -> None:
+        """This mount changed or removed ``ino``'s value: its looked-up layout is stale."""
+        if ino is not None:
+            self._looked_up.pop(ino, None)
+
+    def forget_layouts(self) -> None:
+        self._looked_up.clear()
+
+    def _recent(self, ino: int) -> ValueReader | None:
+        seen = self._looked_up.get(ino)
+        if seen is None or asyncio.get_running_loop().time() - seen[1] > self.fresh_s:
+            return None
+        return ValueReader(self.fs.client, seen[0].key, seen[0].layout)
 
     def _key(self, h: Handle) -> bytes:
         return os.fsencode(self.table.path(h.ino))
@@ -99,8 +127,14 @@ class FileIO:
             async with h.lock:
                 if h.reader is None:
                     path = self.table.path(h.ino)
+                    key = os.fsencode(path)
+                    which: ValueReader | bytes = self._recent(h.ino) or key
                     with builtin_errors(path):
-                        unit = await self.reads.submit((os.fsencode(path), off), self.stripe)
+                        try:
+                            unit = await self.reads.submit((which, off), self.stripe)
+                        except StaleLayout:  # replaced since a lookup: read what is there now
+                            self.changed(h.ino)
+                            unit = await self.reads.submit((key, off), self.stripe)
                     if unit is None:
                         raise OSError(errno.ENOENT, "deleted or expired since it was opened")
                     h.reader, start, data = unit
@@ -288,6 +322,7 @@ class FileIO:
             await self._load(h)
             d = h.data
             assert d is not None
+            self.changed(h.ino)
             if h.stream is None and not h.prefix:  # small: one put, the stream never started
                 await self.put(self.table.path(h.ino), bytes(d))
                 h.dirty = False
@@ -319,11 +354,13 @@ class FileIO:
 
     async def copy(self, reader: ValueReader, dst: str) -> None:
         """The value ``reader`` reads put under ``dst``, in bounded memory."""
+        self.changed(self.table.ino_of(dst))
         await self._put_from(reader, dst, reader.size)
 
     async def resize(self, path: str, size: int) -> None:
         """``truncate(2)`` of a file nobody here has open: its first ``size`` bytes (zero
         padded) become its new value."""
+        self.changed(self.table.ino_of(path))
         if size == 0:
             await self.put(path, b"")
             return

@@ -79,7 +79,7 @@ class KVFSOperations(Operations):
         self.gid = os.getgid() if gid is None else gid
         self._started_ns = time.time_ns()
         self.table = InodeTable()
-        self.io = FileIO(fs, self.table, config or MountConfig())
+        self.io = FileIO(fs, self.table, config or MountConfig(), fresh_s=attr_timeout_s)
 
     def _child(self, parent: int, name: bytes, *, limit: int = MAX_KEY_BYTES) -> str:
         pp = self.table.path(parent)
@@ -120,15 +120,18 @@ class KVFSOperations(Operations):
             raise FileNotFoundError(errno.ENOENT, "unlinked", path)
         if ino == ROOT_INODE:
             return {"name": "", "size": 0, "type": "directory"}
-        info: Info = await self.fs._info(path)
-        return info
+        return await self.io.info(ino, path)
 
     @_op
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
                      ) -> pyfuse3.EntryAttributes:
         path = self._child(parent_inode, name)
-        ino = self.table.ino_of(path)
-        info = await self._info(ino, path) if ino is not None else await self.fs._info(path)
+        ino = self.table.ino_for(path)
+        try:
+            info = await self._info(ino, path)
+        except BaseException:
+            self.table.maybe_drop(ino)  # numbered for nothing: the kernel does not know it
+            raise
         return self._attrs(self.table.remember(path), info)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
@@ -240,6 +243,7 @@ class KVFSOperations(Operations):
         path = self._child(parent_inode, name)
         ino = self.table.ino_of(path)
         pending = False
+        self.io.changed(ino)
         if ino is not None:
             for h in self.table.writers(ino):
                 pending = pending or h.dirty
@@ -274,6 +278,7 @@ class KVFSOperations(Operations):
                 raise pyfuse3.FUSEError(errno.EISDIR)
             await self.io.copy(reader, dst)
             await self.fs._rm_file(src)
+            self.io.changed(ino)
         else:
             await self.fs._info(src)  # ENOENT unless a directory
             if dst_info is not None and dst_info["type"] == "file":
@@ -281,6 +286,7 @@ class KVFSOperations(Operations):
             if dst_info is not None and await self.fs._ls(dst, detail=False):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)
             await self._move_tree(src, dst)
+            self.io.forget_layouts()  # every key under it moved
         self.table.renamed(src, dst)
 
     async def _info_or_none(self, path: str) -> Info | None:
