@@ -14,7 +14,7 @@ from conftest import FakeClock
 from kvfs.config import ChunkServerConfig
 from kvfs.launcher import LocalCluster
 
-SIZE = 5000
+SIZE = 100_000  # above 64 KiB: answers go to a sink (get_into: in place)
 
 
 @pytest.fixture
