@@ -213,11 +213,19 @@ class AsyncClient:
         if not ks:
             return []
         layouts = await self.lookup(ks)
-        # one-extent values become bytes straight from the receive buffer (one copy);
-        # striped ones are assembled in a bytearray first
+        out: list[bytes | None]
+        if not any([lay is not None and len(lay.extents) > 1 for lay in layouts]):
+            # one-extent values (all of them here) become bytes straight from the receive
+            # buffer (one copy)
+            out = [None if lay is None else b"" for lay in layouts]
+            dests1: list[Dest] = [None if lay is None or not lay.size else WHOLE for lay in layouts]
+            for i in await self.reader.read_into(ks, layouts, dests1, out):
+                out[i] = None
+            return out
+        # striped values are assembled in a bytearray first
         bufs: list[bytearray | None] = [
             None if lay is None or len(lay.extents) < 2 else bytearray(lay.size) for lay in layouts]
-        out: list[bytes | None] = [None if lay is None else b"" for lay in layouts]
+        out = [None if lay is None else b"" for lay in layouts]
         dests: list[Dest] = [
             [memoryview(b)] if b is not None else (WHOLE if lay is not None and lay.size else None)
             for b, lay in zip(bufs, layouts, strict=True)]

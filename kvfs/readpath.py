@@ -122,44 +122,33 @@ class ReadPath:
                     failed_out: dict[int, KVFSError] | None = None) -> list[int]:
         """Read every extent into its destination; returns the slots whose layout was stale.
         A slot no replica could serve raises, or lands in ``failed_out`` when given."""
-        jobs: list[_Job] = []
+        stale: set[int] = set()
+        failed: dict[int, KVFSError] = {}
+        alive = self._link.alive()
+        # the first pass: an extent with one replica goes to its server with no choice to make
+        by_server: dict[int, list[_Job]] = defaultdict(list)
+        choose: list[_Job] = []
         for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
             if lay is None or dest is None:
                 continue
             if dest is WHOLE:
-                jobs.append(_Job(slot, lay.extents[0], WHOLE))
+                e = lay.extents[0]
+                reps = e.replicas
+                if len(reps) == 1:
+                    by_server[reps[0].server_id].append(_Job(slot, e, WHOLE, reps[0]))
+                else:
+                    choose.append(_Job(slot, e, WHOLE))
                 continue
             pos = 0
             for e in lay.extents:
-                jobs.append(_Job(slot, e, cut(dest, pos, e.length)))
+                choose.append(_Job(slot, e, cut(dest, pos, e.length)))
                 pos += e.length
-        stale: set[int] = set()
-        failed: dict[int, KVFSError] = {}
-        alive = self._link.alive()
-        pending = jobs
-        while pending:
-            by_server: dict[int, list[_Job]] = defaultdict(list)
-            for job in pending:
-                if job.slot in stale or job.slot in failed:
-                    continue
-                reps = job.extent.replicas
-                if len(reps) == 1 and not job.tried:  # the common case, no choice to make
-                    rep: Replica | None = reps[0]
-                else:
-                    choices = [r for r in reps if r.server_id not in job.tried]
-                    rep = next((r for r in choices if alive.get(r.server_id, True)),
-                               choices[0] if choices else None)
-                if rep is None:
-                    failed[job.slot] = job.error or Unavailable("no replica left")
-                    continue
-                job.rep = rep
-                by_server[rep.server_id].append(job)
-            if not by_server:
-                break
+        self._assign(choose, alive, stale, failed, by_server)
+        while by_server:
             results = await asyncio.gather(
                 *(self._readv(sid, js, keys, out) for sid, js in by_server.items()),
                 return_exceptions=True)
-            pending = []
+            pending: list[_Job] = []
             for (sid, js), res in zip(by_server.items(), results, strict=True):
                 if isinstance(res, Unavailable):
                     for job in js:
@@ -174,11 +163,34 @@ class ReadPath:
                     st, retry = res
                     stale.update(st)
                     pending.extend(retry)
+            by_server = defaultdict(list)
+            self._assign(pending, alive, stale, failed, by_server)
         if failed:
             if failed_out is None:
                 raise next(iter(failed.values()))
             failed_out.update(failed)
         return sorted(stale)
+
+    @staticmethod
+    def _assign(jobs: list[_Job], alive: dict[int, bool], stale: set[int],
+                failed: dict[int, KVFSError], by_server: dict[int, list[_Job]]) -> None:
+        """Each job to the server of its next replica to try (a live one first); a job with
+        none left fails its slot."""
+        for job in jobs:
+            if job.slot in stale or job.slot in failed:
+                continue
+            reps = job.extent.replicas
+            if len(reps) == 1 and not job.tried:  # no choice to make
+                rep: Replica | None = reps[0]
+            else:
+                choices = [r for r in reps if r.server_id not in job.tried]
+                rep = next((r for r in choices if alive.get(r.server_id, True)),
+                           choices[0] if choices else None)
+            if rep is None:
+                failed[job.slot] = job.error or Unavailable("no replica left")
+                continue
+            job.rep = rep
+            by_server[rep.server_id].append(job)
 
     async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes],
                      out: list[bytes | None] | None) -> tuple[list[int], list[_Job]]:
@@ -187,11 +199,16 @@ class ReadPath:
         reads, the transfer and the client's checks overlap."""
         stale: list[int] = []
         retry: list[_Job] = []
-        # a server refuses overlapping ranges: the same extent asked twice (the same key
-        # twice in one call) goes in another READV
-        batches = [jobs[r.start : r.stop] for r in split_batches(
-            [job.extent.length for job in jobs], max_bytes=self._max_rpc_bytes, max_items=self._max_ranges,
-            keys=[(job.rep.chunk_id, job.rep.offset) for job in jobs])]  # type: ignore[union-attr]
+        ranges = [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+                  for job in jobs]
+        if (len(ranges) <= self._max_ranges and len(set(ranges)) == len(ranges)
+                and sum([r[2] for r in ranges]) <= self._max_rpc_bytes):
+            batches = [jobs]  # the common case, checked in C: one READV
+        else:  # a server refuses overlapping ranges: the same extent asked twice (the same
+            # key twice in one call) goes in another READV
+            batches = [jobs[r.start : r.stop] for r in split_batches(
+                [r[2] for r in ranges], max_bytes=self._max_rpc_bytes, max_items=self._max_ranges,
+                keys=[r[:2] for r in ranges])]
         if len(batches) == 1:
             await self._readv_batch(sid, batches[0], keys, out, stale, retry)
             return stale, retry
@@ -207,8 +224,9 @@ class ReadPath:
     async def _readv_batch(self, sid: int, batch: list[_Job], keys: list[bytes],
                            out: list[bytes | None] | None, stale: list[int],
                            retry: list[_Job]) -> None:
-        ranges = [rpc.Range(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
-                  for job in batch]
+        # plain (chunk, offset, length) tuples: msgpack arrays, as rpc.Range encodes
+        ranges = cast(list[rpc.Range], [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+                                        for job in batch])
         rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
 
         def scatter(head: FrameHead) -> Scatter:
@@ -262,7 +280,7 @@ class ReadPath:
                 job.tried += (sid,)
                 job.error = ChecksumMismatch(
                     f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
-                    f"{ranges[idx].chunk_id:016x} offset {ranges[idx].offset}) fail their CRC-32C")
+                    f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
                 retry.append(job)
                 continue
             if dest is WHOLE:

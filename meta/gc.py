@@ -148,16 +148,6 @@ class MetaGc:
         return victims, leased, report, need
 
     # RPCs ------------------------------------------------------------------------
-    async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
-        ix = self.index
-        now = ix.clock()
-        for k in req.keys:
-            e = ix.entries.get(k)
-            if e is not None:
-                e.last_access = now
-                ix.dirty_access[k] = now
-        return rpc.Empty(), ()
-
     async def rpc_gc_control(self, req: rpc.GcControl, payload: memoryview) -> Reply:
         ix = self.index
         paused = req.paused
