@@ -89,6 +89,10 @@ class ServerRegistry:
     async def refresh(self) -> None:
         """Read servers other meta processes registered (none: this meta is the only one)."""
 
+    async def new_server_id(self, addr: str) -> int:
+        """An id no chunkserver has (one meta: the next after the largest)."""
+        return max(self.servers, default=0) + 1
+
     def share_disks(self) -> None:
         """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
         capacity and free space they report, so every total (``kvfs stat``, ``kvfs gc

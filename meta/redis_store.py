@@ -854,6 +854,11 @@ class RedisMetaStore:
         await self._run(self.r.hset(self._g["servers"], str(server_id),
                           msgpack.packb([addr, capacity, free], use_bin_type=True)))
 
+    async def claim_server(self, server_id: int, addr: str) -> bool:
+        """Register ``server_id`` at ``addr`` only if no server has that id (HSETNX)."""
+        return bool(await self._run(self.r.hsetnx(self._g["servers"], str(server_id),
+                                                  msgpack.packb([addr, 0, 0], use_bin_type=True))))
+
     async def put_seen(self, server_id: int, at: float) -> None:
         await self._run(self.r.hset(self._g["seen"], str(server_id), _num(at)))
 

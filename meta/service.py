@@ -186,7 +186,7 @@ class MetaService:
         addr = req.addr
         parse_addr(addr)
         await ix.refresh()  # ids other metas sharing the store gave out
-        sid = max(ix.servers, default=0) + 1 if req.server_id is None else req.server_id
+        sid = await ix.new_server_id(addr) if req.server_id is None else req.server_id
         self._check_cluster(sid, addr, req.cluster_id, req.nchunks)
         old = ix.servers.get(sid)
         if old is not None and old.addr != addr and ix.alive(old) and old.key != req.key:

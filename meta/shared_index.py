@@ -23,12 +23,15 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvfs.config import MetaConfig
+from kvfs.errors import Unavailable
 from kvfs.layout import Layout
 from kvfs.meta.index import ServerInfo, ServerRegistry
 from kvfs.meta.redis_store import RedisMetaStore
 from kvfs.meta.repair import readable
 
 log = logging.getLogger("kvfs.meta")
+
+MAX_ID_CLAIMS = 100  # a register racing this many others for the next id gives up
 
 
 class SharedIndex(ServerRegistry):
@@ -52,6 +55,16 @@ class SharedIndex(ServerRegistry):
     async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
         await self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
         await self.store.put_seen(s.server_id, time.time())
+
+    async def new_server_id(self, addr: str) -> int:
+        """The next free id, claimed in the store, so two metas registering new servers at
+        once never give out the same one."""
+        for _ in range(MAX_ID_CLAIMS):
+            sid = max(self.servers, default=0) + 1
+            if await self.store.claim_server(sid, addr):
+                return sid
+            await self.refresh()  # another meta took it
+        raise Unavailable(f"no free chunkserver id after {MAX_ID_CLAIMS} tries (registrations racing)")
 
     async def refresh(self) -> None:
         rows = await self.store.servers()
