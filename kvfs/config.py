@@ -99,6 +99,13 @@ class MetaConfig(ServerConfig):
                               "knew before it)", 60.0)
     default_ttl_s: float | None = opt("TTL for puts that give none (default: no expiry)", None)
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
+    store: str | None = opt("where the index lives: default the SQLite file under --data; "
+                            "redis-cluster://HOST:PORT[,HOST:PORT...] keeps it in a Redis Cluster, "
+                            "where several meta processes serve one index (no GC there yet)", None)
+    store_namespace: str = opt("--store redis-cluster: the prefix of this cluster's Redis keys "
+                               "(several kvfs clusters can share one Redis Cluster)", "kvfs")
+    registry_refresh_s: float = opt("--store redis-cluster: how often the chunkservers other metas "
+                                    "registered, and their heartbeats, are read again", 1.0)
     fsync: FsyncMode = opt("always/batch: a commit is on disk before it is answered (SQLite "
                            "synchronous=FULL); never: synchronous=NORMAL, a power loss can undo "
                            "the last commits (GC transactions are FULL in every mode)",

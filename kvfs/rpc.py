@@ -114,6 +114,7 @@ class Op(enum.IntEnum):
     MAKE_ROOM = 52
     GC_REPAIR_PLAN = 53
     GC_REPAIR = 54
+    GC_SCRUB_PLAN = 55
     # garbage collection: chunkserver (56-63)
     CHUNK_COMPACT = 56
     CHUNK_DELETE = 57
@@ -766,6 +767,18 @@ class GcRepair(Request[Repaired], frozen=True, kw_only=True):
     items: Items[ReplicaSwitch]
 
 
+class ScrubPlanned(Response, frozen=True, kw_only=True):
+    items: Items[RepairItem]  # copy a good replica over a bad one (then GC_REPAIR)
+    drop: Items[BadReplica]  # no good copy on a live server: forget (GC_DROP_REPLICAS)
+    lost: Items[Key]  # keys with an extent whose every replica is bad: dropping deletes them
+
+
+class GcScrubPlan(Request[ScrubPlanned], frozen=True, kw_only=True):
+    """What to do about replicas a scrub found missing or corrupt (:func:`kvfs.meta.repair.plan_scrub`)."""
+
+    bad: Items[BadReplica]
+
+
 # -- the table -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Rpc:
@@ -833,6 +846,8 @@ RPCS: dict[Op, Rpc] = _rpcs(
         "extents that lost a replica to a dead server, to copy", ADMIN),
     Rpc(Op.GC_REPAIR, Service.META, GcRepair,
         "switch lost replicas to their copies (compare-and-swap)", ADMIN),
+    Rpc(Op.GC_SCRUB_PLAN, Service.META, GcScrubPlan,
+        "scrub: repair or drop the replicas found bad", ADMIN),
     Rpc(Op.TOUCH, Service.META, Touch, "mark keys read (LRU)", DATA),
     Rpc(Op.MAKE_ROOM, Service.META, MakeRoom, "a write found the cluster full: meta runs one GC pass",
         DATA),

@@ -150,7 +150,7 @@ class WritePath:
         async def send(sid: int) -> None:
             out: list[rpc.Location] = []
             recs, ps = records[sid], parts[sid]
-            for run in split_batches([nbytes(p) for p in ps], max_bytes=self.config.max_rpc_bytes):
+            for run in split_batches([rec.length for rec in recs], max_bytes=self.config.max_rpc_bytes):
                 payload = [p for rec in ps[run.start : run.stop] for p in rec]  # gathered, never copied
                 h, _ = await self._link.call_server(sid, rpc.Append(records=recs[run.start : run.stop]),
                                                     payload)
