@@ -12,7 +12,8 @@ as processes (``kvfs.launcher.ProcessCluster``) in a temp dir, stores ``--pages`
 - **plug-in**: the engine's own call into the plug-in -- SGLang: ``batch_get_v1`` (zero-copy,
   into a real ``MHATokenToKVPoolHost``, ``--layout``); LMCache: the connector's
   ``batched_get`` on LMCache's event loop (allocating from its CPU pool, the chunk header
-  scattered off, objects released afterwards); vLLM: ``submit_load`` of a ``TransferJob``
+  scattered off; the objects are given back untimed, as LMCache frees a chunk it used
+  however it was read); vLLM: ``submit_load`` of a ``TransferJob``
   into the primary tier, ``drain_jobs``, ``get_finished_jobs``;
 - **direct**: ``get_into`` of the same keys on the plug-in's own ``kvfs.Client`` into one
   contiguous buffer per page (the value's size), the simplest way to read them;
@@ -65,6 +66,8 @@ class Case:
     close: Callable[[], None]
     # get_into into the very buffers the plug-in scatters each value over (None: one buffer)
     direct_parts: Callable[[range], int] | None = None
+    # after each timed call: give back what the engine would free once it used the pages
+    release: Callable[[], None] = lambda: None
 
 
 @contextlib.contextmanager
@@ -240,16 +243,19 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     direct_bufs = list(np.empty((ns.pages, value_bytes), dtype=np.uint8))  # one row per page
     last: dict[int, bytes] = {}
 
+    held: list[tuple[int, Any]] = []
+
     def plugin(b: range) -> int:
         objs = run(conn.batched_get(lm_keys[b.start : b.stop]))
-        n = 0
-        for i, o in zip(b, objs, strict=True):
-            if o is not None:
-                n += 1
-                if i % 17 == 0:
-                    last[i] = bytes(o.byte_array)
-                o.ref_count_down()
-        return n
+        held.extend((i, o) for i, o in zip(b, objs, strict=True) if o is not None)
+        return sum(o is not None for o in objs)
+
+    def release() -> None:  # untimed: LMCache frees a chunk once it used it, whoever read it
+        for i, o in held:
+            if i % 17 == 0:
+                last[i] = bytes(o.byte_array)
+            o.ref_count_down()
+        held.clear()
 
     def direct(b: range) -> int:
         got = conn.client.get_into(keys[b.start : b.stop], direct_bufs[b.start : b.stop])
@@ -275,7 +281,7 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
         shutil.rmtree(cfg_path.parent, ignore_errors=True)
 
     return Case(f"LMCache connector `batched_get` ({chunk}-token chunks)", page_bytes, batches,
-                plugin, direct, check, close, direct_parts)
+                plugin, direct, check, close, direct_parts, release)
 
 
 # vLLM -------------------------------------------------------------------------------------------
@@ -284,7 +290,7 @@ def vllm_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
         warnings.simplefilter("ignore")
         import hashlib
 
-        from vllm.v1.kv_offload.base import make_offload_key
+        from vllm.v1.kv_offload.base import ReqContext, make_offload_key
         from vllm.v1.kv_offload.config import (
             OffloadingCacheConfig,
             OffloadingConfig,
@@ -331,7 +337,8 @@ def vllm_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
 
     def transfer(b: range, load: bool) -> int:
         job = TransferJob(job_id=next(job_ids), keys=offload_keys[b.start : b.stop],
-                          chunk_ids=np.arange(b.start, b.stop, dtype=np.int64))
+                          chunk_ids=np.arange(b.start, b.stop, dtype=np.int64),
+                          is_promotion=load, req_context=ReqContext(req_id="bench"))
         (tier.submit_load if load else tier.submit_store)(job)
         tier.drain_jobs()
         results = list(tier.get_finished_jobs())
@@ -363,11 +370,12 @@ def vllm_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
 CASES = {"sglang": sglang_case, "lmcache": lmcache_case, "vllm": vllm_case}
 
 
-def timed(fn: Callable[[range], int], b: range, what: str) -> float:
-    """Seconds for one call on batch ``b``; every page of it must arrive."""
+def timed(fn: Callable[[range], int], b: range, what: str, after: Callable[[], None]) -> float:
+    """Seconds for one call on batch ``b`` (``after`` runs untimed); every page must arrive."""
     t0 = time.perf_counter()
     got = fn(b)
     dt = time.perf_counter() - t0
+    after()
     if got != len(b):
         raise SystemExit(f"{what}: {got} of {len(b)} pages arrived")
     return dt
@@ -381,7 +389,7 @@ def measure(case: Case, rounds: int) -> dict[str, list[float]]:
         ways["direct, the plug-in's buffers"] = case.direct_parts
     for b in case.batches:  # warm-up: connections and layouts cached alike
         for name, fn in ways.items():
-            timed(fn, b, name)
+            timed(fn, b, name, case.release)
     per: dict[str, list[float]] = {name: [] for name in ways}
     flip = False
     for _ in range(rounds):
@@ -389,7 +397,7 @@ def measure(case: Case, rounds: int) -> dict[str, list[float]]:
             order = list(reversed(ways)) if flip else list(ways)  # plug-in first or last
             flip = not flip
             for name in order:
-                per[name].append(timed(ways[name], b, name) / len(b))
+                per[name].append(timed(ways[name], b, name, case.release) / len(b))
     return per
 
 

@@ -35,6 +35,14 @@ class FsyncMode(enum.StrEnum):
     NEVER = "never"  # answered from the page cache: a power loss can lose acknowledged values
 
 
+class OnLost(enum.StrEnum):
+    """What a read does with a key whose value no replica can serve (gone, corrupt, or
+    its servers dead or unreachable)."""
+
+    MISS = "miss"  # a miss, like an absent key: the cache's answer (and meta is told)
+    RAISE = "raise"  # the error (Unavailable, ChecksumMismatch, StaleLayout) naming the key
+
+
 @dataclass(frozen=True, kw_only=True)
 class TlsConfig:
     """TLS on the wire, optional (:mod:`kvfs.tls`): the same three fields in every service's
@@ -162,6 +170,17 @@ class ClientConfig(TlsConfig):
     batch_max_bytes: int = opt("flush a batch when its known value sizes reach this", 64 * 1024 * 1024)
     stream_window_units: int = opt("stripe units a streaming put or read keeps in flight (its "
                                    "memory: this many stripe_bytes)", 4)
+    on_lost: OnLost = opt("a key whose value no replica can serve (gone, corrupt, its servers "
+                          "dead): miss (get/get_many return None, get_into MISS; the other keys "
+                          "of the batch are unaffected) or raise (the error, naming the key; "
+                          "get_into reports FAILED)", OnLost.MISS)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "on_lost", OnLost(self.on_lost))
+        except ValueError:
+            raise ValueError(f"on_lost must be one of {', '.join(OnLost)}, got "
+                             f"{self.on_lost!r}") from None
 
 
 T = TypeVar("T")

@@ -89,6 +89,10 @@ class ServerRegistry:
     async def refresh(self) -> None:
         """Read servers other meta processes registered (none: this meta is the only one)."""
 
+    async def new_server_id(self, addr: str) -> int:
+        """An id no chunkserver has (one meta: the next after the largest)."""
+        return max(self.servers, default=0) + 1
+
     def share_disks(self) -> None:
         """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
         capacity and free space they report, so every total (``kvfs stat``, ``kvfs gc
@@ -244,6 +248,16 @@ class MetaIndex(ServerRegistry):
             self.dirty_access.pop(k, None)
             self.leases.pop(k, None)
         return len(gone)
+
+    async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
+        """Remove each key that still has the given layout (compare-and-swap: a key
+        overwritten since is kept); returns how many were removed."""
+        doomed = []
+        for k, lay in rows:
+            e = self.entries.get(k)
+            if e is not None and e.layout == lay:
+                doomed.append(k)
+        return self.remove(doomed)[0]
 
     async def list_keys(self, prefix: bytes, start_after: bytes | None,
                         limit: int) -> list[tuple[bytes, Layout]]:

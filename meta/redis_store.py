@@ -546,6 +546,7 @@ class RedisMetaStore:
         nm = self.r.nodes_manager
         for _attempt in range(2):
             by_node: dict[str, tuple[Any, builtins.list[int]]] = {}
+            # (duplicates: _execute's MOVED retry, here per node and bucket (one EVAL each), not per command)
             for b in todo:
                 node = nm.get_node_from_slot(self._slots[b])
                 by_node.setdefault(node.name, (node, []))[1].append(b)
@@ -853,6 +854,11 @@ class RedisMetaStore:
     async def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None:
         await self._run(self.r.hset(self._g["servers"], str(server_id),
                           msgpack.packb([addr, capacity, free], use_bin_type=True)))
+
+    async def claim_server(self, server_id: int, addr: str) -> bool:
+        """Register ``server_id`` at ``addr`` only if no server has that id (HSETNX)."""
+        return bool(await self._run(self.r.hsetnx(self._g["servers"], str(server_id),
+                                                  msgpack.packb([addr, 0, 0], use_bin_type=True))))
 
     async def put_seen(self, server_id: int, at: float) -> None:
         await self._run(self.r.hset(self._g["seen"], str(server_id), _num(at)))

@@ -114,6 +114,13 @@ class MetaService:
         await self.index.touch(req.keys, self.clock())
         return rpc.Empty(), ()
 
+    async def rpc_report_lost(self, req: rpc.ReportLost, payload: memoryview) -> Reply:
+        n = await self.index.drop_lost([(it.key, it.layout) for it in req.items])
+        if n:
+            log.warning("dropped %d keys a reader found lost (every replica corrupt or gone), "
+                        "e.g. %r", n, req.items[0].key[:64])
+        return rpc.LostDropped(dropped=n), ()
+
     async def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply:
         return rpc.Existing(exists=await self.index.exists(req.keys, self.clock())), ()
 
@@ -187,8 +194,12 @@ class MetaService:
         addr = req.addr
         parse_addr(addr)
         await ix.refresh()  # ids other metas sharing the store gave out
-        retired = set() if self.gc is None else self.gc.decommissioned
-        sid = max((*ix.servers, *retired), default=0) + 1 if req.server_id is None else req.server_id
+        if req.server_id is not None:
+            sid = req.server_id
+        elif self.gc is not None:  # never give out a decommissioned server's id again
+            sid = max((*ix.servers, *self.gc.decommissioned), default=0) + 1
+        else:
+            sid = await ix.new_server_id(addr)
         self._check_not_decommissioned(sid)
         self._check_cluster(sid, addr, req.cluster_id, req.nchunks)
         old = ix.servers.get(sid)

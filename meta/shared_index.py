@@ -23,12 +23,16 @@ import time
 from collections.abc import Callable, Sequence
 
 from kvfs.config import MetaConfig
+from kvfs.errors import Unavailable
 from kvfs.layout import Layout
 from kvfs.meta.index import ServerInfo, ServerRegistry
 from kvfs.meta.redis_store import RedisMetaStore
 from kvfs.meta.repair import readable
 
 log = logging.getLogger("kvfs.meta")
+
+MAX_ID_CLAIMS = 100  # a register racing this many others for the next id gives up
+LEASES_IGNORED = 1e18  # an eviction "now" past every lease
 
 
 class SharedIndex(ServerRegistry):
@@ -52,6 +56,16 @@ class SharedIndex(ServerRegistry):
     async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
         await self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
         await self.store.put_seen(s.server_id, time.time())
+
+    async def new_server_id(self, addr: str) -> int:
+        """The next free id, claimed in the store, so two metas registering new servers at
+        once never give out the same one."""
+        for _ in range(MAX_ID_CLAIMS):
+            sid = max(self.servers, default=0) + 1
+            if await self.store.claim_server(sid, addr):
+                return sid
+            await self.refresh()  # another meta took it
+        raise Unavailable(f"no free chunkserver id after {MAX_ID_CLAIMS} tries (registrations racing)")
 
     async def refresh(self) -> None:
         rows = await self.store.servers()
@@ -99,6 +113,11 @@ class SharedIndex(ServerRegistry):
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         return len(await self.store.delete(keys))
+
+    async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
+        """Remove each key that still has the given layout (the store's compare-and-delete;
+        a lease does not keep a lost value)."""
+        return len(await self.store.evict(rows, LEASES_IGNORED))
 
     async def list_keys(self, prefix: bytes, start_after: bytes | None,
                         limit: int) -> list[tuple[bytes, Layout]]:

@@ -100,6 +100,9 @@ class MetaStore(Protocol):
 
     async def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None: ...
 
+    async def claim_server(self, server_id: int, addr: str) -> bool:
+        """Take ``server_id`` for a new chunkserver at ``addr``; False if it is taken."""
+
     async def put_seen(self, server_id: int, at: float) -> None:
         """A chunkserver's heartbeat reached a meta process at ``at`` (wall clock)."""
 

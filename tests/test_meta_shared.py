@@ -89,3 +89,27 @@ async def test_a_bad_store_is_refused_by_name(tmp_path: Path) -> None:
             await meta.start()
     finally:
         await meta.close()
+
+
+async def test_metas_registering_at_once_give_out_distinct_ids(tmp_path: Path,
+                                                              redis_cluster: LocalRedisCluster) -> None:
+    from kvfs import rpc
+    from kvfs.config import MetaConfig
+    from kvfs.meta import MetaService
+
+    ns = "r" + uuid.uuid4().hex[:10]
+    metas = [MetaService(MetaConfig(data=tmp_path / f"m{i}", listen="127.0.0.1:0", store=redis_cluster.url,
+                                    store_namespace=ns)) for i in range(2)]
+    try:
+        for m in metas:
+            await m.start()
+        regs = [m.rpc_register(rpc.Register(addr=f"127.0.0.1:{1000 + 10 * i + j}", key=f"k{i}.{j}"),
+                               memoryview(b"")) for i, m in enumerate(metas) for j in range(5)]
+        ids = [reply.server_id for reply, _ in await asyncio.gather(*regs)]
+        assert sorted(ids) == list(range(1, 11))  # ten servers, ten ids, none given twice
+        for m in metas:
+            await m.index.refresh()
+            assert sorted(m.index.servers) == list(range(1, 11))
+    finally:
+        for m in metas:
+            await m.close()
