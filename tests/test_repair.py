@@ -211,5 +211,3 @@ async def test_decommission_drains_a_server_then_forgets_it(cluster: LocalCluste
         for k in values:
             assert not on_victim(await kv.layout(k)), k
         assert await kv.get_many(list(values)) == list(values.values())
-    with pytest.raises(Exception, match="decommissioned"):
-        await cluster.start_chunkserver(idx)  # its id is not given back
