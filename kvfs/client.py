@@ -83,6 +83,7 @@ class AsyncClient:
         self._link = ClusterLink(host, port, self.token, connect_timeout_s=cfg.connect_timeout_s,
                                  request_timeout_s=cfg.request_timeout_s,
                                  servers_refresh_s=cfg.servers_refresh_s,
+                                 down_for_s=cfg.down_for_s,
                                  tls=client_context(cfg))  # None: plaintext
         self.rpc_counts = self._link.rpc_counts
         self.layout_cache = LayoutCache(self._link, cfg.layout_cache_entries)

@@ -148,6 +148,9 @@ class ClientConfig(TlsConfig):
     max_read_ranges: int = opt("split reads from one server naming more ranges than this (at "
                                "most the server's --max-ranges)", 4096)
     servers_refresh_s: float = opt("re-read the chunkserver list this often", 2.0)
+    down_for_s: float = opt("a chunkserver a call could not reach (refused, lost, timed out) is "
+                            "skipped by writes and reads for this long, whatever meta says "
+                            "(a call to it that succeeds ends it sooner)", 5.0)
     evict_on_full: bool = opt("when a write finds the cluster full, ask meta for a GC pass and retry once", True)
     batch: bool = opt("coalesce concurrent single-key get()/exists() calls into batches", True)
     batch_window_s: float = opt("wait this long for more keys (0: those issued this loop tick)", 0.0)
