@@ -78,7 +78,7 @@ class SqliteMeta:
         return await self.meta.rpc_delete(self.rpc.Delete(keys=keys), memoryview(b""))
 
     async def flush_access(self) -> None:
-        self.meta.index.flush_access()
+        await self.meta.index.flush()
 
     async def close(self) -> None:
         await self.meta.close()

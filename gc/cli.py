@@ -1,4 +1,4 @@
-"""`kvfs gc ...`: status, run, fsck, pause/resume, daemon.
+"""`kvfs gc ...`: status, run, fsck, scrub, pause/resume, daemon.
 
 Anything that deletes is a dry run unless ``--apply``.
 """
@@ -17,6 +17,7 @@ from typing import Any
 from kvfs.address import token_from_file
 from kvfs.config import GcConfig, TlsConfig, add_options, from_options
 from kvfs.gc.driver import GarbageCollector, PassOptions, PassReport, run_daemon
+from kvfs.gc.scrub import ScrubReport, scrub
 from kvfs.units import format_size, parse_duration, parse_size
 
 
@@ -175,6 +176,37 @@ async def cmd_fsck(ns: argparse.Namespace) -> int:
     return 0 if rep.apply or not rep.problems else 2
 
 
+def format_scrub(r: ScrubReport) -> str:
+    out = [f"{'applied' if r.apply else 'dry run (add --apply to repair and drop)'}, {r.seconds:.2f}s",
+           f"verified: {r.ranges_checked} replicas ({format_size(r.bytes_verified)}) on "
+           f"{r.servers_verified} servers"
+           + (f"; not verified (not alive): servers {', '.join(map(str, r.servers_skipped))}"
+              if r.servers_skipped else ""),
+           f"bad:      {r.corrupt} failing their checksum, {r.missing} missing"]
+    if r.apply:
+        out.append(f"repaired: {r.repaired} of {r.repairable} from a good copy "
+                   f"({format_size(r.bytes_copied)} copied; {r.repair_skipped} left for the next scrub)")
+        out.append(f"dropped:  {r.replicas_dropped} replicas with no good copy on a live server; "
+                   f"{r.keys_dropped} keys deleted")
+    else:
+        out.append(f"would repair {r.repairable} from a good copy; would drop {len(r.lost_keys)} "
+                   "keys with no good copy")
+    for k in r.lost_keys[:100]:
+        out.append(f"  {'dropped' if r.apply else 'would drop'}: {k.decode(errors='backslashreplace')}")
+    if len(r.lost_keys) > 100:
+        out.append(f"  ... and {len(r.lost_keys) - 100} more (--json lists them all)")
+    return "\n".join(out)
+
+
+async def cmd_scrub(ns: argparse.Namespace) -> int:
+    async with _collector(ns, _progress) as gc:
+        rep = await scrub(gc, apply=ns.apply, rate_bytes=ns.rate)
+    if sys.stderr.isatty():
+        print(file=sys.stderr)
+    print(json.dumps(rep.to_dict()) if ns.json else format_scrub(rep))
+    return 0 if rep.apply or not (rep.missing or rep.corrupt) else 2
+
+
 async def cmd_pause(ns: argparse.Namespace) -> int:
     async with _collector(ns) as gc:
         paused = await gc.set_paused(ns.paused)
@@ -198,7 +230,7 @@ async def cmd_daemon(ns: argparse.Namespace) -> int:
 
 
 def add_commands(sub: Any) -> None:
-    gc = sub.add_parser("gc", help="garbage collection: status, run, fsck, pause/resume, daemon")
+    gc = sub.add_parser("gc", help="garbage collection: status, run, fsck, scrub, pause/resume, daemon")
     gsub = gc.add_subparsers(dest="gc_command", required=True)
 
     p = gsub.add_parser("status", help="per chunkserver: capacity, used, live, garbage, expired keys")
@@ -232,6 +264,14 @@ def add_commands(sub: Any) -> None:
     p.add_argument("--apply", action="store_true", help="repair (default: report)")
     _options(p)
     p.set_defaults(func=cmd_fsck)
+
+    p = gsub.add_parser("scrub", help="verify every replica's checksum; repair bad ones, drop keys "
+                                      "with no good copy (dry run unless --apply)")
+    p.add_argument("--rate", type=parse_rate, default=parse_rate("100MiB/s"),
+                   help="read and copy limit, e.g. 100MiB/s (the default), 0 for unlimited")
+    p.add_argument("--apply", action="store_true", help="repair and drop (default: report)")
+    _options(p)
+    p.set_defaults(func=cmd_scrub)
 
     p = gsub.add_parser("pause", help="stop background GC passes (maintenance)")
     _options(p, json_flag=False)

@@ -24,6 +24,7 @@ from kvfs.address import lookup_token, parse_addr
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import GcConfig, TlsConfig
 from kvfs.errors import KVFSError, Unavailable
+from kvfs.gc.pace import Pacer
 from kvfs.gc.repair import RepairReport, repair_step
 from kvfs.handshake import Role
 from kvfs.protocol import Buffer, Scatter
@@ -90,6 +91,16 @@ class PassReport:
         for k, v in (rep or {}).items():
             d[f"repair_{k}"] = v
         return d
+
+
+@dataclass(kw_only=True)
+class Verification:
+    """One chunkserver's referenced ranges, read back (:meth:`GarbageCollector.verify_server`)."""
+
+    missing: list[rpc.BadReplica] = field(default_factory=list)
+    corrupt: list[rpc.BadReplica] = field(default_factory=list)
+    ranges: int = 0
+    bytes: int = 0
 
 
 @dataclass(kw_only=True)
@@ -287,7 +298,7 @@ class GarbageCollector:
                              report: PassReport) -> None:
         """Copy live records of each chunk into new chunks, then switch layouts (CAS)."""
         todo = sum(len(v) for v in by_server.values())
-        t0 = time.monotonic()
+        pacer = Pacer(opts.rate_bytes)
         for sid, chunks in by_server.items():
             # under space pressure copy a little at a time: each batch needs its live bytes free
             usage = self._usage.get(sid)
@@ -310,10 +321,7 @@ class GarbageCollector:
                     log.warning("compaction of %d chunks on server %d failed: %s", len(batch), sid, exc)
                     continue
                 self._progress("compact", report.chunks_compacted, todo)
-                if opts.rate_bytes:
-                    ahead = report.bytes_copied / opts.rate_bytes - (time.monotonic() - t0)
-                    if ahead > 0:
-                        await asyncio.sleep(ahead)
+                await pacer.spent(report.bytes_copied - pacer.bytes)
 
     async def _compact_batch(self, sid: int, chunks: list[int], report: PassReport) -> None:
         refs = (await self.meta(rpc.GcChunkRefs(chunks=chunks))).refs
@@ -361,6 +369,31 @@ class GarbageCollector:
             report.bytes_reclaimed += sum(deleted.values())
             self._progress("delete", report.chunks_deleted, total)
 
+    # verify ----------------------------------------------------------------------
+    async def verify_server(self, sid: int, pacer: Pacer | None = None) -> Verification:
+        """Read back every range meta's layouts reference on chunkserver ``sid`` and check its
+        CRC-32C there (CHUNK_VERIFY, in batches; ``pacer``: within its byte rate)."""
+        out = Verification()
+        refs = (await self.meta(rpc.GcChunkRefs(server_id=sid))).refs
+        flat = [(r.key, c, r.offset, r.length, r.crc) for c, rs in refs.items() for r in rs]
+        for run in split_batches([f[3] for f in flat], max_bytes=VERIFY_BATCH_BYTES):
+            batch = flat[run.start : run.stop]
+            h = await self.chunkserver(sid, rpc.ChunkVerify(
+                ranges=[rpc.VerifyRange(c, off, ln, crc) for _, c, off, ln, crc in batch]))
+            for idx in h.missing:
+                k, c, off, _, _ = batch[idx]
+                out.missing.append(rpc.BadReplica(k, sid, c, off))
+            for idx in h.bad:
+                k, c, off, _, _ = batch[idx]
+                out.corrupt.append(rpc.BadReplica(k, sid, c, off))
+            nbytes = sum(f[3] for f in batch)
+            out.ranges += len(batch)
+            out.bytes += nbytes
+            self._progress(f"verify server {sid}", run.stop, len(flat))
+            if pacer is not None:
+                await pacer.spent(nbytes)
+        return out
+
     # fsck ------------------------------------------------------------------------
     async def fsck(self, *, cutoff_s: float = 3600.0, apply: bool = False,
                    verify: bool = True) -> FsckReport:
@@ -378,20 +411,10 @@ class GarbageCollector:
                               if (c.server_id, c.chunk_id) in old]
         if verify:
             for sid in stats:
-                refs = (await self.meta(rpc.GcChunkRefs(server_id=sid))).refs
-                flat = [(r.key, c, r.offset, r.length, r.crc) for c, rs in refs.items() for r in rs]
-                for run in split_batches([f[3] for f in flat], max_bytes=VERIFY_BATCH_BYTES):
-                    batch = flat[run.start : run.stop]
-                    h = await self.chunkserver(sid, rpc.ChunkVerify(
-                        ranges=[rpc.VerifyRange(c, off, ln, crc) for _, c, off, ln, crc in batch]))
-                    for idx in h.missing:
-                        k, c, off, _, _ = batch[idx]
-                        rep.missing_refs.append(rpc.BadReplica(k, sid, c, off))
-                    for idx in h.bad:
-                        k, c, off, _, _ = batch[idx]
-                        rep.corrupt_refs.append(rpc.BadReplica(k, sid, c, off))
-                    rep.ranges_checked += len(batch)
-                    self._progress(f"verify server {sid}", run.stop, len(flat))
+                v = await self.verify_server(sid)
+                rep.missing_refs += v.missing
+                rep.corrupt_refs += v.corrupt
+                rep.ranges_checked += v.ranges
         if apply:
             pr = PassReport(apply=True)
             bad = rep.missing_refs + rep.corrupt_refs

@@ -11,7 +11,6 @@ racing overwrite or delete wins, the copy becomes garbage compaction reclaims).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import defaultdict
@@ -21,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvfs import rpc
 from kvfs.chunkserver.records import RECORD, ScannedRecord, parse_record
 from kvfs.errors import KVFSError
+from kvfs.gc.pace import Pacer
 from kvfs.layout import Replica
 from kvfs.protocol import Scatter
 from kvfs.rpc import RepairItem
@@ -114,61 +114,67 @@ def _targets(items: list[RepairItem], free: dict[int, int]) -> dict[int, int]:
     return out
 
 
+async def copy_extents(gc: GarbageCollector, items: list[RepairItem], report: RepairReport) -> int:
+    """Copy each item's record from a source that checks out to a live server outside its
+    ``holders``, then switch its ``lost`` replica to the copy (GC_REPAIR, compare-and-swap).
+    The repair step's copy and the scrub's; ``gc.free_bytes()`` must be fresh.  Returns the
+    extents switched; the bytes copied are added to ``report``."""
+    live = {s.server_id for s in await gc.servers() if s.alive}
+    known = gc.free_bytes()
+    free = {sid: known.get(sid, 0) for sid in live}
+    got = await _read(gc, items, report)
+    targets = _targets(items, free)
+    by_target: dict[int, list[int]] = defaultdict(list)
+    for i in got:
+        if i in targets:
+            by_target[targets[i]].append(i)
+        else:
+            report.skipped += 1
+    switches: list[rpc.ReplicaSwitch] = []
+    for sid, idx in by_target.items():
+        records = []
+        for i in idx:
+            rec, _ = got[i]
+            records.append(rpc.RecordHead(rec.key, rec.length, rec.crc, rec.expires_at,
+                                          rec.write_id, rec.total_size, rec.total_crc, rec.index))
+        try:
+            appended = await gc.chunkserver(sid, rpc.Append(records=records),
+                                            [got[i][1] for i in idx])
+        except KVFSError as exc:
+            log.warning("repair: writing %d copies to server %d failed: %s", len(idx), sid, exc)
+            report.skipped += len(idx)
+            continue
+        for i, (cid, off) in zip(idx, appended.locations, strict=True):
+            switches.append(rpc.ReplicaSwitch(items[i].key, items[i].extent, items[i].lost,
+                                              Replica(sid, cid, off)))
+        report.bytes_copied += sum(items[i].length for i in idx)
+    if not switches:
+        return 0
+    r = await gc.meta(rpc.GcRepair(items=switches))
+    report.skipped += r.skipped
+    report.extents_repaired += r.repaired
+    return r.repaired
+
+
 async def repair_step(gc: GarbageCollector, *, apply: bool, rate_bytes: int | None = None,
                       batch_bytes: int = REPAIR_BATCH_BYTES) -> RepairReport:
     """Copy every repairable extent (``apply``), or only count them (dry run)."""
     t0 = time.monotonic()
     report = RepairReport()
+    pacer = Pacer(rate_bytes)
     for rnd in range(MAX_ROUNDS):
         plan = await gc.meta(rpc.GcRepairPlan(limit_bytes=batch_bytes))
         if rnd == 0:
             report.under_replicated_extents = plan.under_replicated_extents
             report.under_replicated_bytes = plan.under_replicated_bytes
             report.unrepairable_extents = plan.unrepairable_extents
-        items = plan.items
-        if not apply or not items:
+        if not apply or not plan.items:
             break
-        live = {s.server_id for s in await gc.servers() if s.alive}
-        known = gc.free_bytes()
-        free = {sid: known.get(sid, 0) for sid in live}
-        got = await _read(gc, items, report)
-        targets = _targets(items, free)
-        by_target: dict[int, list[int]] = defaultdict(list)
-        for i in got:
-            if i in targets:
-                by_target[targets[i]].append(i)
-            else:
-                report.skipped += 1
-        switches: list[rpc.ReplicaSwitch] = []
-        for sid, idx in by_target.items():
-            records = []
-            for i in idx:
-                rec, _ = got[i]
-                records.append(rpc.RecordHead(rec.key, rec.length, rec.crc, rec.expires_at,
-                                              rec.write_id, rec.total_size, rec.total_crc, rec.index))
-            try:
-                appended = await gc.chunkserver(sid, rpc.Append(records=records),
-                                                [got[i][1] for i in idx])
-            except KVFSError as exc:
-                log.warning("repair: writing %d copies to server %d failed: %s", len(idx), sid, exc)
-                report.skipped += len(idx)
-                continue
-            for i, (cid, off) in zip(idx, appended.locations, strict=True):
-                switches.append(rpc.ReplicaSwitch(items[i].key, items[i].extent, items[i].lost,
-                                                  Replica(sid, cid, off)))
-        done = 0
-        if switches:
-            r = await gc.meta(rpc.GcRepair(items=switches))
-            done = r.repaired
-            report.skipped += r.skipped
-            report.extents_repaired += done
-            report.bytes_copied += sum(items[i].length for idx in by_target.values() for i in idx)
+        copied = report.bytes_copied
+        done = await copy_extents(gc, plan.items, report)
         gc._progress("repair", report.extents_repaired, max(report.under_replicated_extents, 1))
         if not done:
             break  # nothing more can be repaired now (no source, no room): the next pass retries
-        if rate_bytes:
-            ahead = report.bytes_copied / rate_bytes - (time.monotonic() - t0)
-            if ahead > 0:
-                await asyncio.sleep(ahead)
+        await pacer.spent(report.bytes_copied - copied)
     report.seconds = time.monotonic() - t0
     return report

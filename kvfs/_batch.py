@@ -34,6 +34,10 @@ def split_batches(sizes: Sequence[int], *, max_bytes: int, max_items: int | None
                   keys: Sequence[Hashable] | None = None) -> list[range]:
     """Consecutive index ranges of ``sizes``, each a batch as :func:`run_end` bounds it: the
     one splitter of a large request (APPEND, READV, CHUNK_VERIFY, the mount's moves)."""
+    n = len(sizes)
+    if (n > 1 and (max_items is None or n <= max_items) and sum(sizes) <= max_bytes
+            and (keys is None or len(set(keys)) == n)):
+        return [range(n)]  # the usual case, all in one batch: checked in C, not item by item
     out, start = [], 0
     while start < len(sizes):
         end = run_end(sizes, start, max_items=max_items, max_bytes=max_bytes, keys=keys)

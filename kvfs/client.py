@@ -26,7 +26,7 @@ from kvfs._batch import Batcher
 from kvfs.address import format_addr, lookup_token, parse_addr
 from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.cluster import ClusterLink, ServerEntry
-from kvfs.config import ClientConfig
+from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, StaleLayout
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
 from kvfs.layoutcache import LayoutCache
@@ -44,7 +44,7 @@ Value = Any  # bytes-like: bytes, bytearray, memoryview, numpy array, CPU torch 
 # get_into's per-key results besides a size (>= 0)
 MISS = -1  # no such key (or it expired / was deleted while being read)
 TOO_SMALL = -2  # the value is larger than the key's buffer(s): nothing was read for it
-FAILED = -3  # its bytes could not be read (server down, corrupt): neighbours are unaffected
+FAILED = -3  # its bytes could not be read (server down, corrupt) and on_lost="raise"
 
 __all__ = ["FAILED", "MISS", "TOO_SMALL", "AsyncClient", "KeyInfo", "ServerEntry", "connect"]
 
@@ -214,17 +214,56 @@ class AsyncClient:
         if not ks:
             return []
         layouts = await self.lookup(ks)
-        # one-extent values become bytes straight from the receive buffer (one copy);
-        # striped ones are assembled in a bytearray first
+        out: list[bytes | None]
+        failed: dict[int, KVFSError] = {}
+        lost: dict[int, Layout] = {}
+        if not any([lay is not None and len(lay.extents) > 1 for lay in layouts]):
+            # one-extent values (all of them here) become bytes straight from the receive
+            # buffer (one copy)
+            out = [None if lay is None else b"" for lay in layouts]
+            dests1: list[Dest] = [None if lay is None or not lay.size else WHOLE for lay in layouts]
+            for i in await self.reader.read_into(ks, layouts, dests1, out, failed=failed, lost=lost):
+                out[i] = None
+            if failed:
+                await self._unreadable("get_many", ks, failed, lost)
+                for i in failed:
+                    out[i] = None
+            return out
+        # striped values are assembled in a bytearray first
         bufs: list[bytearray | None] = [
             None if lay is None or len(lay.extents) < 2 else bytearray(lay.size) for lay in layouts]
-        out: list[bytes | None] = [None if lay is None else b"" for lay in layouts]
+        out = [None if lay is None else b"" for lay in layouts]
         dests: list[Dest] = [
             [memoryview(b)] if b is not None else (WHOLE if lay is not None and lay.size else None)
             for b, lay in zip(bufs, layouts, strict=True)]
-        misses = await self.reader.read_into(ks, layouts, dests, out)
+        misses = await self.reader.read_into(ks, layouts, dests, out, failed=failed, lost=lost)
+        if failed:
+            await self._unreadable("get_many", ks, failed, lost)
+            misses.update(failed)
         return [None if i in misses else bytes(b) if b is not None else o
                 for i, (b, o) in enumerate(zip(bufs, out, strict=True))]
+
+    async def _unreadable(self, what: str, keys: list[bytes], failed: dict[int, KVFSError],
+                          lost: dict[int, Layout], *, raises: bool = True) -> None:
+        """Keys of one read that no replica could serve: logged, their cached layouts
+        dropped, the ``lost`` ones (every replica answered without good bytes) reported to
+        meta (REPORT_LOST: it drops each key that still has the layout read), and raised
+        (the first one's error, naming its key) under ``on_lost="raise"`` when ``raises``."""
+        for i in failed:
+            self.layout_cache.pop(keys[i])
+        if lost:
+            try:
+                await self._link.call_meta(rpc.ReportLost(
+                    items=[rpc.LostItem(keys[i], lay) for i, lay in lost.items()]))
+            except KVFSError as exc:  # best effort: the GC's scrub finds them too
+                log.warning("%s: could not report %d lost keys to meta: %s", what, len(lost), exc)
+        first = next(iter(failed.values()))
+        log.warning("%s: %d of %d keys could not be read from any replica (%s); first: %s",
+                    what, len(failed), len(keys),
+                    "raised" if raises and self.config.on_lost is OnLost.RAISE else "a miss each",
+                    first)
+        if raises and self.config.on_lost is OnLost.RAISE:
+            raise first
 
     async def get_ranges(self, requests: Sequence[tuple[Key, int | None, int | None]],
                          ) -> list[bytes | None]:
@@ -236,6 +275,7 @@ class AsyncClient:
         keys = norm_keys(k for k, _, _ in requests)
         if not keys:
             return []
+        failed: dict[int, KVFSError] = {}
         for attempt in (0, 1):
             layouts = await self.lookup(keys, use_cache=attempt == 0)
             subs: list[Layout | None] = []
@@ -261,13 +301,19 @@ class AsyncClient:
                 subs.append(Layout(size, 0, lay.created, lay.expires_at, tuple(chosen)))
                 dests.append([memoryview(buf)])
                 cuts.append((buf, lo - first, max(lo, hi) - first))
-            stale = await self.reader.fetch(keys, subs, dests, None)
-            if not stale:
-                return [None if sub is None else bytes(buf[a:b])
-                        for sub, (buf, a, b) in zip(subs, cuts, strict=True)]
+            failed.clear()
+            stale = await self.reader.fetch(keys, subs, dests, None, failed)
+            if not stale or attempt:
+                for i in stale:
+                    failed[i] = StaleLayout(f"key {keys[i][:64]!r}: its layout changed twice "
+                                            "during one ranged read")
+                if failed:
+                    await self._unreadable("get_ranges", keys, failed, {})
+                return [None if sub is None or i in failed else bytes(buf[a:b])
+                        for i, (sub, (buf, a, b)) in enumerate(zip(subs, cuts, strict=True))]
             for i in stale:
                 self.layout_cache.pop(keys[i])
-        raise StaleLayout("layouts changed twice during one ranged read; retry")
+        raise AssertionError("unreachable")
 
     async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
         """Read values into caller buffers, without copies; one result per key.
@@ -275,9 +321,10 @@ class AsyncClient:
         A key's buffer may be a list of buffers: its value is scattered over them in order
         (e.g. ``[k_half, v_half]``).  Each result is the value's size (a hit: that many
         leading bytes of the buffer(s) were written), ``kvfs.MISS`` (-1),
-        ``kvfs.TOO_SMALL`` (-2: the value is larger than the buffers; nothing read) or
-        ``kvfs.FAILED`` (-3: its bytes could not be read from any replica).  No key's
-        outcome affects another's.
+        ``kvfs.TOO_SMALL`` (-2: the value is larger than the buffers; nothing read) or,
+        for a key whose bytes no replica could serve, ``kvfs.MISS`` (``on_lost="miss"``, the
+        default) or ``kvfs.FAILED`` (-3, ``on_lost="raise"``).  No key's outcome affects
+        another's.
         """
         ks = norm_keys(keys)
         if len(buffers) != len(ks):
@@ -298,12 +345,15 @@ class AsyncClient:
                 result[i] = lay.size
                 dests.append(cut(v, 0, lay.size))
         failed: dict[int, KVFSError] = {}
-        misses = await self.reader.read_into(ks, layouts, dests, failed=failed)
+        lost: dict[int, Layout] = {}
+        misses = await self.reader.read_into(ks, layouts, dests, failed=failed, lost=lost)
         for i in misses:
             result[i] = MISS
-        for i, exc in failed.items():
-            log.warning("get_into: %s", exc)
-            result[i] = FAILED
+        if failed:
+            await self._unreadable("get_into", ks, failed, lost, raises=False)
+            code = FAILED if self.config.on_lost is OnLost.RAISE else MISS
+            for i in failed:
+                result[i] = code
         return result
 
     # meta-only queries ---------------------------------------------------------

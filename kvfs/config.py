@@ -35,6 +35,14 @@ class FsyncMode(enum.StrEnum):
     NEVER = "never"  # answered from the page cache: a power loss can lose acknowledged values
 
 
+class OnLost(enum.StrEnum):
+    """What a read does with a key whose value no replica can serve (gone, corrupt, or
+    its servers dead or unreachable)."""
+
+    MISS = "miss"  # a miss, like an absent key: the cache's answer (and meta is told)
+    RAISE = "raise"  # the error (Unavailable, ChecksumMismatch, StaleLayout) naming the key
+
+
 @dataclass(frozen=True, kw_only=True)
 class TlsConfig:
     """TLS on the wire, optional (:mod:`kvfs.tls`): the same three fields in every service's
@@ -99,6 +107,13 @@ class MetaConfig(ServerConfig):
                               "knew before it)", 60.0)
     default_ttl_s: float | None = opt("TTL for puts that give none (default: no expiry)", None)
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
+    store: str | None = opt("where the index lives: default the SQLite file under --data; "
+                            "redis-cluster://HOST:PORT[,HOST:PORT...] keeps it in a Redis Cluster, "
+                            "where several meta processes serve one index (no GC there yet)", None)
+    store_namespace: str = opt("--store redis-cluster: the prefix of this cluster's Redis keys "
+                               "(several kvfs clusters can share one Redis Cluster)", "kvfs")
+    registry_refresh_s: float = opt("--store redis-cluster: how often the chunkservers other metas "
+                                    "registered, and their heartbeats, are read again", 1.0)
     fsync: FsyncMode = opt("always/batch: a commit is on disk before it is answered (SQLite "
                            "synchronous=FULL); never: synchronous=NORMAL, a power loss can undo "
                            "the last commits (GC transactions are FULL in every mode)",
@@ -158,6 +173,17 @@ class ClientConfig(TlsConfig):
     batch_max_bytes: int = opt("flush a batch when its known value sizes reach this", 64 * 1024 * 1024)
     stream_window_units: int = opt("stripe units a streaming put or read keeps in flight (its "
                                    "memory: this many stripe_bytes)", 4)
+    on_lost: OnLost = opt("a key whose value no replica can serve (gone, corrupt, its servers "
+                          "dead): miss (get/get_many return None, get_into MISS; the other keys "
+                          "of the batch are unaffected) or raise (the error, naming the key; "
+                          "get_into reports FAILED)", OnLost.MISS)
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "on_lost", OnLost(self.on_lost))
+        except ValueError:
+            raise ValueError(f"on_lost must be one of {', '.join(OnLost)}, got "
+                             f"{self.on_lost!r}") from None
 
 
 T = TypeVar("T")

@@ -60,18 +60,22 @@ class LayoutCache:
     def get_many(self, keys: Sequence[bytes], now: float) -> tuple[list[Layout | None], list[int]]:
         """Cached layouts (marked read) and the indexes of the keys to look up.  A cached
         layout that expired is a miss (None), not looked up: expiry is final."""
-        out: list[Layout | None] = [None] * len(keys)
-        missing: list[int] = []
         cache = self._layouts
-        for i, k in enumerate(keys):
-            lay = cache.get(k)
-            if lay is None:
-                missing.append(i)
-            elif lay.expired(now):
-                del cache[k]
-            else:
-                out[i] = lay
-                self._touched.add(k)
+        out: list[Layout | None] = [cache.get(k) for k in keys]
+        # one pass in C for the common case (all cached, none expired); the rest per key
+        odd = [i for i, lay in enumerate(out)
+               if lay is None or (lay.expires_at is not None and lay.expires_at <= now)]
+        missing: list[int] = []
+        if odd:
+            for i in odd:
+                if out[i] is None:
+                    missing.append(i)
+                else:
+                    cache.pop(keys[i], None)
+                    out[i] = None
+            self._touched.update([k for k, lay in zip(keys, out, strict=True) if lay is not None])
+        else:
+            self._touched.update(keys)
         if self._touched and (len(self._touched) >= TOUCH_BATCH_KEYS
                               or time.monotonic() - self._touch_at > TOUCH_INTERVAL_S):
             self.flush_touches()

@@ -4,9 +4,12 @@ Every extent of the values asked for goes to one READV per chunkserver (the firs
 live replica; split past ``max_read_rpc_bytes``, a few in flight).  The answer is
 received straight into each destination (:class:`kvfs.protocol.Scatter`), or, for
 values returned as ``bytes``, into a pooled buffer they are copied out of.  A bad
-CRC or a dead server moves the extent to its next replica; a ``StaleLayout`` (bytes
-gone from the named chunk) gets one fresh lookup and retry; a key deleted meanwhile
-is a miss.  Wrong bytes are never returned.
+CRC, a dead server or a ``StaleLayout`` (bytes gone from the named chunk) moves the
+extent to its next replica; when every replica said its bytes are gone, the key gets
+one fresh lookup and retry; a key deleted meanwhile is a miss.  A key no replica can
+serve fails alone (``failed``: the client makes it a miss or raises, its
+``on_lost``), and the read says which of those every replica answered for without good
+bytes (``lost``: truly lost, not merely unreachable).  Wrong bytes are never returned.
 """
 
 from __future__ import annotations
@@ -24,7 +27,14 @@ from kvfs import rpc
 from kvfs._batch import split_batches
 from kvfs.buffers import cut
 from kvfs.cluster import ClusterLink
-from kvfs.errors import ChecksumMismatch, KVFSError, StaleLayout, Unavailable, from_wire
+from kvfs.errors import (
+    ChecksumMismatch,
+    KVFSError,
+    ServerError,
+    StaleLayout,
+    Unavailable,
+    from_wire,
+)
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.protocol import FrameHead, Scatter
 
@@ -54,6 +64,8 @@ class _Job:
     rep: Replica | None = None  # the replica being read
     tried: tuple[int, ...] = ()  # servers that already failed this extent
     error: KVFSError | None = None
+    stale: bool = False  # a replica's server said the bytes are not there (StaleLayout)
+    unreachable: bool = False  # a replica's server could not be asked (or failed otherwise)
 
 
 class ReadPath:
@@ -92,12 +104,18 @@ class ReadPath:
 
     async def read_into(self, keys: list[bytes], layouts: list[Layout | None],
                         dests: Sequence[Dest], out: list[bytes | None] | None = None,
-                        *, failed: dict[int, KVFSError] | None = None) -> set[int]:
+                        *, failed: dict[int, KVFSError] | None = None,
+                        lost: dict[int, Layout] | None = None) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
         expired while being read).  With ``failed`` given, a key whose bytes cannot be
-        read is recorded there instead of failing the call."""
+        read is recorded there instead of failing the call; with ``lost`` given too, the
+        failed keys whose every replica answered without good bytes (CRC mismatch, record
+        gone: not merely an unreachable server) are recorded there with the layout read."""
         misses: set[int] = set()
-        stale = await self.fetch(keys, layouts, dests, out, failed)
+        bad: set[int] = set()
+        stale = await self.fetch(keys, layouts, dests, out, failed, bad)
+        retried: dict[int, Layout] = {}
+        bad2: set[int] = set()
         if stale:
             for i in stale:
                 self._forget(keys[i])
@@ -110,105 +128,156 @@ class ReadPath:
                     misses.add(i)
                     continue
                 if old is None or lay.size != old.size or lay == old:
-                    raise StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
+                    err = StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
                                       "named by its layout (lost or reclaimed)")
+                    if failed is None:
+                        raise err
+                    failed[i] = err
+                    if lay != old:
+                        bad.discard(i)  # overwritten meanwhile: not this layout's loss
+                    continue
                 retry_layouts[i], retry_dests[i] = lay, dests[i]
-            if await self.fetch(keys, retry_layouts, retry_dests, out, failed):
-                raise StaleLayout("layouts changed twice during one read; retry")
+                retried[i] = lay
+            if retried:
+                for i in await self.fetch(keys, retry_layouts, retry_dests, out, failed, bad2):
+                    err = StaleLayout(f"key {keys[i][:64]!r}: its layout changed twice during one "
+                                      "read")
+                    if failed is None:
+                        raise err
+                    failed[i] = err
+                    bad2.discard(i)  # a moving layout is no proof of loss
+        if lost is not None and failed:
+            for i in failed:
+                lay = retried.get(i, layouts[i])
+                if lay is not None and i in (bad2 if i in retried else bad):
+                    lost[i] = lay
         return misses
 
     async def fetch(self, keys: list[bytes], layouts: list[Layout | None],
                     dests: Sequence[Dest], out: list[bytes | None] | None,
-                    failed_out: dict[int, KVFSError] | None = None) -> list[int]:
-        """Read every extent into its destination; returns the slots whose layout was stale.
-        A slot no replica could serve raises, or lands in ``failed_out`` when given."""
-        jobs: list[_Job] = []
+                    failed_out: dict[int, KVFSError] | None = None,
+                    bad_out: set[int] | None = None) -> list[int]:
+        """Read every extent into its destination; returns the slots whose layout was stale
+        (an extent every replica of which answered that its bytes are not there).  A slot no
+        replica could serve raises, or lands in ``failed_out`` when given.  ``bad_out``
+        collects the stale or failed slots with an extent whose every replica answered
+        without good bytes (no server unreachable)."""
+        stale: set[int] = set()
+        failed: dict[int, KVFSError] = {}
+        alive = self._link.alive()
+        # the first pass: an extent with one replica goes to its server with no choice to make
+        by_server: dict[int, list[_Job]] = defaultdict(list)
+        choose: list[_Job] = []
         for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
             if lay is None or dest is None:
                 continue
             if dest is WHOLE:
-                jobs.append(_Job(slot, lay.extents[0], WHOLE))
+                e = lay.extents[0]
+                reps = e.replicas
+                if len(reps) == 1:
+                    by_server[reps[0].server_id].append(_Job(slot, e, WHOLE, reps[0]))
+                else:
+                    choose.append(_Job(slot, e, WHOLE))
                 continue
             pos = 0
             for e in lay.extents:
-                jobs.append(_Job(slot, e, cut(dest, pos, e.length)))
+                choose.append(_Job(slot, e, cut(dest, pos, e.length)))
                 pos += e.length
-        stale: set[int] = set()
-        failed: dict[int, KVFSError] = {}
-        alive = self._link.alive()
-        pending = jobs
-        while pending:
-            by_server: dict[int, list[_Job]] = defaultdict(list)
-            for job in pending:
-                if job.slot in stale or job.slot in failed:
-                    continue
-                reps = job.extent.replicas
-                if len(reps) == 1 and not job.tried:  # the common case, no choice to make
-                    rep: Replica | None = reps[0]
-                else:
-                    choices = [r for r in reps if r.server_id not in job.tried]
-                    rep = next((r for r in choices if alive.get(r.server_id, True)),
-                               choices[0] if choices else None)
-                if rep is None:
-                    failed[job.slot] = job.error or Unavailable("no replica left")
-                    continue
-                job.rep = rep
-                by_server[rep.server_id].append(job)
-            if not by_server:
-                break
+        bad: set[int] = set()
+        self._assign(keys, choose, alive, stale, failed, bad, by_server)
+        while by_server:
             results = await asyncio.gather(
                 *(self._readv(sid, js, keys, out) for sid, js in by_server.items()),
                 return_exceptions=True)
-            pending = []
+            pending: list[_Job] = []
             for (sid, js), res in zip(by_server.items(), results, strict=True):
-                if isinstance(res, Unavailable):
+                if isinstance(res, (Unavailable, ServerError)):
                     for job in js:
                         job.tried += (sid,)
-                        job.error = Unavailable(
-                            f"key {keys[job.slot][:64]!r}: chunkserver {sid} holding its bytes is "
-                            f"unavailable ({res})")
+                        job.unreachable = True
+                        job.error = type(res)(
+                            f"key {keys[job.slot][:64]!r}: chunkserver {sid} holding its bytes "
+                            f"failed to answer ({res})")
                     pending.extend(js)
                 elif isinstance(res, BaseException):
                     raise res
                 else:
-                    st, retry = res
-                    stale.update(st)
-                    pending.extend(retry)
+                    pending.extend(res)
+            by_server = defaultdict(list)
+            self._assign(keys, pending, alive, stale, failed, bad, by_server)
+        for slot in stale:
+            failed.pop(slot, None)  # another extent of it was stale: retried whole
+        if bad_out is not None:
+            bad_out.update(bad)
         if failed:
             if failed_out is None:
                 raise next(iter(failed.values()))
             failed_out.update(failed)
         return sorted(stale)
 
+    @staticmethod
+    def _assign(keys: list[bytes], jobs: list[_Job], alive: dict[int, bool], stale: set[int],
+                failed: dict[int, KVFSError], bad: set[int],
+                by_server: dict[int, list[_Job]]) -> None:
+        """Each job to the server of its next replica to try (a live one first).  A job with
+        none left makes its slot stale (a replica said its bytes are gone: a fresh layout
+        may name others) or fails it; ``bad`` collects those whose every replica answered."""
+        for job in jobs:
+            if job.slot in stale or job.slot in failed:
+                continue
+            reps = job.extent.replicas
+            if len(reps) == 1 and not job.tried:  # no choice to make
+                rep: Replica | None = reps[0]
+            else:
+                choices = [r for r in reps if r.server_id not in job.tried]
+                rep = next((r for r in choices if alive.get(r.server_id, True)),
+                           choices[0] if choices else None)
+            if rep is None:  # every replica tried
+                if job.stale:
+                    stale.add(job.slot)
+                else:
+                    failed[job.slot] = job.error or Unavailable(
+                        f"key {keys[job.slot][:64]!r}: no replica left to read")
+                if not job.unreachable:
+                    bad.add(job.slot)
+                continue
+            job.rep = rep
+            by_server[rep.server_id].append(job)
+
     async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes],
-                     out: list[bytes | None] | None) -> tuple[list[int], list[_Job]]:
+                     out: list[bytes | None] | None) -> list[_Job]:
         """Read ``jobs`` from one server: one READV, or several (at most
         ``max_read_rpc_bytes`` each, a few in flight) for large reads, so the server's
-        reads, the transfer and the client's checks overlap."""
-        stale: list[int] = []
+        reads, the transfer and the client's checks overlap.  Returns the jobs to retry on
+        their next replica."""
         retry: list[_Job] = []
-        # a server refuses overlapping ranges: the same extent asked twice (the same key
-        # twice in one call) goes in another READV
-        batches = [jobs[r.start : r.stop] for r in split_batches(
-            [job.extent.length for job in jobs], max_bytes=self._max_rpc_bytes, max_items=self._max_ranges,
-            keys=[(job.rep.chunk_id, job.rep.offset) for job in jobs])]  # type: ignore[union-attr]
+        ranges = [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+                  for job in jobs]
+        if (len(ranges) <= self._max_ranges and len(set(ranges)) == len(ranges)
+                and sum([r[2] for r in ranges]) <= self._max_rpc_bytes):
+            batches = [jobs]  # the common case, checked in C: one READV
+        else:  # a server refuses overlapping ranges: the same extent asked twice (the same
+            # key twice in one call) goes in another READV
+            batches = [jobs[r.start : r.stop] for r in split_batches(
+                [r[2] for r in ranges], max_bytes=self._max_rpc_bytes, max_items=self._max_ranges,
+                keys=[r[:2] for r in ranges])]
         if len(batches) == 1:
-            await self._readv_batch(sid, batches[0], keys, out, stale, retry)
-            return stale, retry
+            await self._readv_batch(sid, batches[0], keys, out, retry)
+            return retry
         gate = asyncio.Semaphore(READV_IN_FLIGHT)
 
         async def one(batch: list[_Job]) -> None:
             async with gate:
-                await self._readv_batch(sid, batch, keys, out, stale, retry)
+                await self._readv_batch(sid, batch, keys, out, retry)
 
         await asyncio.gather(*(one(b) for b in batches))
-        return stale, retry
+        return retry
 
     async def _readv_batch(self, sid: int, batch: list[_Job], keys: list[bytes],
-                           out: list[bytes | None] | None, stale: list[int],
-                           retry: list[_Job]) -> None:
-        ranges = [rpc.Range(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
-                  for job in batch]
+                           out: list[bytes | None] | None, retry: list[_Job]) -> None:
+        # plain (chunk, offset, length) tuples: msgpack arrays, as rpc.Range encodes
+        ranges = cast(list[rpc.Range], [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+                                        for job in batch])
         rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
 
         def scatter(head: FrameHead) -> Scatter:
@@ -240,12 +309,15 @@ class ReadPath:
                 err = errors.get(idx)
                 if err is not None:
                     exc = from_wire({"code": err.code, "message": err.message})
-                    if isinstance(exc, StaleLayout):
-                        stale.append(job.slot)
+                    job.tried += (sid,)
+                    if isinstance(exc, StaleLayout):  # the next replica may have it
+                        job.stale = True
+                        job.error = StaleLayout(f"key {keys[job.slot][:64]!r}: its bytes are gone "
+                                                f"from chunkserver {sid} ({exc})")
                     else:
-                        job.tried += (sid,)
+                        job.unreachable = True
                         job.error = exc
-                        retry.append(job)
+                    retry.append(job)
                     continue
             n = job.extent.length
             dest = job.dest
@@ -262,7 +334,7 @@ class ReadPath:
                 job.tried += (sid,)
                 job.error = ChecksumMismatch(
                     f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
-                    f"{ranges[idx].chunk_id:016x} offset {ranges[idx].offset}) fail their CRC-32C")
+                    f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
                 retry.append(job)
                 continue
             if dest is WHOLE:

@@ -94,6 +94,7 @@ class Op(enum.IntEnum):
     HEARTBEAT = 23
     SERVERS = 24
     EXISTS = 25
+    REPORT_LOST = 26
     # chunkserver
     APPEND = 32
     READV = 33
@@ -114,6 +115,7 @@ class Op(enum.IntEnum):
     MAKE_ROOM = 52
     GC_REPAIR_PLAN = 53
     GC_REPAIR = 54
+    GC_SCRUB_PLAN = 55
     # garbage collection: chunkserver (56-63)
     CHUNK_COMPACT = 56
     CHUNK_DELETE = 57
@@ -235,6 +237,22 @@ class Existing(Response, frozen=True, kw_only=True):
 
 class Exists(Request[Existing], frozen=True, kw_only=True):
     keys: Keys
+
+
+class LostItem(NamedTuple):
+    key: Key
+    layout: Layout  # the layout the reader read: the key is dropped only if it still has it
+
+
+class LostDropped(Response, frozen=True, kw_only=True):
+    dropped: Count
+
+
+class ReportLost(Request[LostDropped], frozen=True, kw_only=True):
+    """Keys a reader found lost: every replica answered without good bytes (CRC mismatch,
+    record gone), not merely unreachable."""
+
+    items: NonEmpty[LostItem]
 
 
 class KeyEntry(NamedTuple):
@@ -766,6 +784,18 @@ class GcRepair(Request[Repaired], frozen=True, kw_only=True):
     items: Items[ReplicaSwitch]
 
 
+class ScrubPlanned(Response, frozen=True, kw_only=True):
+    items: Items[RepairItem]  # copy a good replica over a bad one (then GC_REPAIR)
+    drop: Items[BadReplica]  # no good copy on a live server: forget (GC_DROP_REPLICAS)
+    lost: Items[Key]  # keys with an extent whose every replica is bad: dropping deletes them
+
+
+class GcScrubPlan(Request[ScrubPlanned], frozen=True, kw_only=True):
+    """What to do about replicas a scrub found missing or corrupt (:func:`kvfs.meta.repair.plan_scrub`)."""
+
+    bad: Items[BadReplica]
+
+
 # -- the table -----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Rpc:
@@ -812,6 +842,9 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.HEARTBEAT, Service.META, Heartbeat, "a chunkserver's usage and chunk table", SERVER_OR_ADMIN),
     Rpc(Op.SERVERS, Service.META, Servers, "the chunkservers meta knows", DATA),
     Rpc(Op.EXISTS, Service.META, Exists, "which keys are present and unexpired", DATA),
+    Rpc(Op.REPORT_LOST, Service.META, ReportLost,
+        "a reader found keys whose every replica is corrupt or gone: meta drops each key "
+        "that still has the layout read (an overwrite since is kept)", DATA),
     Rpc(Op.APPEND, Service.CHUNKSERVER, Append,
         "write records (values in the payload) to the open chunk", DATA),
     Rpc(Op.READV, Service.CHUNKSERVER, ReadV, "read many ranges; bytes in the payload", DATA),
@@ -833,6 +866,8 @@ RPCS: dict[Op, Rpc] = _rpcs(
         "extents that lost a replica to a dead server, to copy", ADMIN),
     Rpc(Op.GC_REPAIR, Service.META, GcRepair,
         "switch lost replicas to their copies (compare-and-swap)", ADMIN),
+    Rpc(Op.GC_SCRUB_PLAN, Service.META, GcScrubPlan,
+        "scrub: repair or drop the replicas found bad", ADMIN),
     Rpc(Op.TOUCH, Service.META, Touch, "mark keys read (LRU)", DATA),
     Rpc(Op.MAKE_ROOM, Service.META, MakeRoom, "a write found the cluster full: meta runs one GC pass",
         DATA),

@@ -134,12 +134,17 @@ class WritePath:
             plan = []
             whole = 0
             heads: list[tuple[int, int]] = []  # (server, index) of this value's records
+            single = len(units) == 1
             for ui, unit in enumerate(units):
-                u = v if len(units) == 1 else cut(v, unit.start, unit.length)
+                u = v if single else cut(v, unit.start, unit.length)
                 c = 0
                 for p in u:
                     c = crc(p, c)
-                    whole = crc(p, whole)
+                if single:
+                    whole = c  # one unit: its CRC is the value's (no second pass over the bytes)
+                else:
+                    for p in u:
+                        whole = crc(p, whole)
                 # a stream's unit does not know its whole value (total size 0): a rebuild drops it
                 head = rpc.RecordHead(key, unit.length, c, expires_hint, wid, 0 if stream_unit else n,
                                       c, ui)
@@ -161,7 +166,7 @@ class WritePath:
         async def send(sid: int) -> None:
             out: list[rpc.Location] = []
             recs, ps = records[sid], parts[sid]
-            for run in split_batches([nbytes(p) for p in ps], max_bytes=self.config.max_rpc_bytes):
+            for run in split_batches([rec.length for rec in recs], max_bytes=self.config.max_rpc_bytes):
                 payload = [p for rec in ps[run.start : run.stop] for p in rec]  # gathered, never copied
                 h, _ = await self._link.call_server(sid, rpc.Append(records=recs[run.start : run.stop]),
                                                     payload)

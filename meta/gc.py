@@ -29,7 +29,7 @@ from kvfs import rpc
 from kvfs.errors import Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.index import Entry, MetaIndex, disk_bytes
-from kvfs.meta.repair import RepairSummary, plan_repairs, replace_replica
+from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_replica
 from kvfs.server import Reply
 
 log = logging.getLogger("kvfs.meta.gc")
@@ -148,16 +148,6 @@ class MetaGc:
         return victims, leased, report, need
 
     # RPCs ------------------------------------------------------------------------
-    async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
-        ix = self.index
-        now = ix.clock()
-        for k in req.keys:
-            e = ix.entries.get(k)
-            if e is not None:
-                e.last_access = now
-                ix.dirty_access[k] = now
-        return rpc.Empty(), ()
-
     async def rpc_gc_control(self, req: rpc.GcControl, payload: memoryview) -> Reply:
         ix = self.index
         paused = req.paused
@@ -411,6 +401,19 @@ class MetaGc:
         if repaired:
             self._count(extents_repaired=repaired, bytes_repaired=nbytes)
         return rpc.Repaired(repaired=repaired, skipped=skipped), ()
+
+    async def rpc_gc_scrub_plan(self, req: rpc.GcScrubPlan, payload: memoryview) -> Reply:
+        """Replicas a scrub found bad: repair from a good copy, or drop (kvfs.meta.repair)."""
+        ix = self.index
+        now = ix.clock()
+        layouts = {}
+        for key, *_ in req.bad:
+            e = ix.get(key, now)
+            if e is not None:
+                layouts[key] = e.layout
+        alive = {sid for sid, s in ix.servers.items() if ix.alive(s)} - ix.gone_servers()
+        plan = plan_scrub(req.bad, layouts, alive)
+        return rpc.ScrubPlanned(items=plan.items, drop=plan.drop, lost=plan.lost), ()
 
     async def rpc_gc_drop_replicas(self, req: rpc.GcDropReplicas, payload: memoryview) -> Reply:
         """fsck repair: forget replicas whose bytes are missing or corrupt; a key left with an

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
@@ -58,17 +58,65 @@ def disk_bytes(layout: Layout) -> int:
     return sum(n for _, n in layout.chunk_bytes())
 
 
-class MetaIndex:
-    def __init__(self, config: MetaConfig, store: MetaStore, clock: Callable[[], float]) -> None:
+class ServerRegistry:
+    """The chunkservers meta knows and their liveness: what every meta keeps in memory,
+    whichever store holds the keys."""
+
+    def __init__(self, config: MetaConfig, clock: Callable[[], float]) -> None:
         self.config = config
-        self.store = store
         self.clock = clock
+        self.servers: dict[int, ServerInfo] = {}
+        self.started = time.monotonic()  # servers known before a restart get dead_after_s from here
+
+    def alive(self, s: ServerInfo) -> bool:
+        return time.monotonic() - s.last_heartbeat < self.config.heartbeat_timeout_s
+
+    def dead(self, s: ServerInfo) -> bool:
+        """Silent for ``dead_after_s`` (since meta started, for a server not seen since)."""
+        after = max(self.config.dead_after_s, self.config.heartbeat_timeout_s)
+        return time.monotonic() - max(s.last_heartbeat, self.started) >= after
+
+    def gone_servers(self) -> set[int]:
+        """Servers whose replicas count as lost: dead ones."""
+        return {sid for sid, s in self.servers.items() if self.dead(s)}
+
+    def used(self, s: ServerInfo) -> int:
+        return sum(s.chunks.values())
+
+    async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
+        """Record a registration (``registered``) or a heartbeat where the store keeps them."""
+
+    async def refresh(self) -> None:
+        """Read servers other meta processes registered (none: this meta is the only one)."""
+
+    async def new_server_id(self, addr: str) -> int:
+        """An id no chunkserver has (one meta: the next after the largest)."""
+        return max(self.servers, default=0) + 1
+
+    def share_disks(self) -> None:
+        """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
+        capacity and free space they report, so every total (``kvfs stat``, ``kvfs gc
+        status``, the mount's ``df``) counts the disk once and fill ratios are the disk's."""
+        on_disk: dict[str, int] = {}
+        for s in self.servers.values():
+            if s.disk is not None:
+                on_disk[s.disk] = on_disk.get(s.disk, 0) + 1
+        for s in self.servers.values():
+            n = on_disk.get(s.disk, 1) if s.disk is not None else 1
+            s.shared_by = n
+            s.capacity, s.free = s.reported_capacity // n, s.reported_free // n
+
+
+class MetaIndex(ServerRegistry):
+    """Every key in memory over the SQLite file (the embedded default)."""
+
+    def __init__(self, config: MetaConfig, store: MetaStore, clock: Callable[[], float]) -> None:
+        super().__init__(config, clock)
+        self.store = store
         self.entries: dict[bytes, Entry] = {}
         self.chunk_live: dict[int, int] = {}
-        self.servers: dict[int, ServerInfo] = {}
         self.leases: dict[bytes, float] = {}
         self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
-        self.started = time.monotonic()  # servers known before a restart get dead_after_s from here
 
     def load(self) -> None:
         for key, layout, last_access in self.store.load():
@@ -92,25 +140,10 @@ class MetaIndex:
             return None
         return e
 
-    def alive(self, s: ServerInfo) -> bool:
-        return time.monotonic() - s.last_heartbeat < self.config.heartbeat_timeout_s
-
-    def dead(self, s: ServerInfo) -> bool:
-        """Silent for ``dead_after_s`` (since meta started, for a server not seen since)."""
-        after = max(self.config.dead_after_s, self.config.heartbeat_timeout_s)
-        return time.monotonic() - max(s.last_heartbeat, self.started) >= after
-
-    def gone_servers(self) -> set[int]:
-        """Servers whose replicas count as lost: dead ones."""
-        return {sid for sid, s in self.servers.items() if self.dead(s)}
-
     def readable(self, key: bytes, now: float, gone: set[int]) -> bool:
         """Unexpired, and every extent has a replica off the ``gone`` servers."""
         e = self.get(key, now)
         return e is not None and readable(e.layout, gone)
-
-    def used(self, s: ServerInfo) -> int:
-        return sum(s.chunks.values())
 
     def server_live(self, s: ServerInfo, live_map: dict[int, int] | None = None) -> int:
         """Live bytes on a server, from ``chunk_live`` or a dry run's ``live_map``."""
@@ -118,19 +151,6 @@ class MetaIndex:
         return sum(live.get(c, 0) for c in s.chunks)
 
     # changing -----------------------------------------------------------------------
-    def share_disks(self) -> None:
-        """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
-        capacity and free space they report, so every total (``kvfs stat``, ``kvfs gc
-        status``, the mount's ``df``) counts the disk once and fill ratios are the disk's."""
-        on_disk: dict[str, int] = {}
-        for s in self.servers.values():
-            if s.disk is not None:
-                on_disk[s.disk] = on_disk.get(s.disk, 0) + 1
-        for s in self.servers.values():
-            n = on_disk.get(s.disk, 1) if s.disk is not None else 1
-            s.shared_by = n
-            s.capacity, s.free = s.reported_capacity // n, s.reported_free // n
-
     def add_live(self, layout: Layout, sign: int, key: bytes, live: dict[int, int] | None = None) -> None:
         """Live bytes per chunk (into ``live``, default ``chunk_live``): each replica's value
         plus its record header and key, so a chunk of only live records has zero garbage."""
@@ -166,3 +186,94 @@ class MetaIndex:
             self.dirty_access.pop(k, None)
             self.leases.pop(k, None)
         return len(gone), nbytes
+
+    # meta's key RPCs (service.py's handlers; the Redis-backed index has the same calls) --
+    async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
+        if registered:
+            self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
+
+    async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+        out: list[Layout | None] = []
+        dirty = self.dirty_access
+        for k in keys:
+            e = self.get(k, now)
+            if e is None:
+                out.append(None)
+            else:
+                out.append(e.layout)
+                e.last_access = now
+                dirty[k] = now
+        return out
+
+    async def touch(self, keys: Sequence[bytes], now: float) -> None:
+        for k in keys:
+            e = self.entries.get(k)
+            if e is not None:
+                e.last_access = now
+                self.dirty_access[k] = now
+
+    async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]:
+        gone = self.gone_servers()
+        return [self.readable(k, now, gone) for k in keys]
+
+    async def match_prefix(self, keys: Sequence[bytes], now: float, lease_until: float | None) -> int:
+        gone = self.gone_servers()
+        n = 0
+        for k in keys:
+            if not self.readable(k, now, gone):
+                break
+            n += 1
+        if lease_until is not None:
+            for k in keys[:n]:
+                self.leases[k] = max(self.leases.get(k, 0.0), lease_until)
+        return n
+
+    async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
+                     expires_at: float | None) -> None:
+        self.store.put_many((k, encode_layout(lay), expires_at, now) for k, lay in staged)
+        for key, lay in staged:
+            old = self.entries.get(key)
+            if old is not None:
+                self.add_live(old.layout, -1, key)
+            self.entries[key] = Entry(lay, now)
+            self.add_live(lay, +1, key)
+            self.dirty_access.pop(key, None)
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        gone = [k for k in keys if k in self.entries]
+        if gone:
+            self.store.delete_many(gone)
+        for k in gone:
+            self.add_live(self.entries.pop(k).layout, -1, k)
+            self.dirty_access.pop(k, None)
+            self.leases.pop(k, None)
+        return len(gone)
+
+    async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
+        """Remove each key that still has the given layout (compare-and-swap: a key
+        overwritten since is kept); returns how many were removed."""
+        doomed = []
+        for k, lay in rows:
+            e = self.entries.get(k)
+            if e is not None and e.layout == lay:
+                doomed.append(k)
+        return self.remove(doomed)[0]
+
+    async def list_keys(self, prefix: bytes, start_after: bytes | None,
+                        limit: int) -> list[tuple[bytes, Layout]]:
+        return self.store.list(prefix, start_after, limit)
+
+    async def key_stats(self, now: float) -> tuple[int, int, int]:
+        """(unexpired keys, stored keys, bytes of the unexpired values)."""
+        live = [e.layout.size for e in self.entries.values() if not e.layout.expired(now)]
+        return len(live), len(self.entries), sum(live)
+
+    async def live_bytes(self) -> dict[int, int]:
+        return self.chunk_live
+
+    async def flush(self) -> None:
+        self.flush_access()
+
+    async def close(self) -> None:
+        self.flush_access()
+        self.store.close()

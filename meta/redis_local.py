@@ -226,3 +226,33 @@ def _tail(path: Path, n: int = 600) -> str:
         return path.read_bytes()[-n:].decode(errors="replace")
     except OSError:
         return "(no log)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvfs.meta.redis_local DIR``: a local cluster until SIGINT/SIGTERM."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m kvfs.meta.redis_local",
+                                 description="run a local Redis Cluster (redis-server from apt) "
+                                 "until interrupted; prints 'redis cluster ready URL'")
+    ap.add_argument("dir", type=Path, help="data directory (one folder per node)")
+    ap.add_argument("--masters", type=int, default=3)
+    ap.add_argument("--replicas", type=int, default=0, help="replicas per master")
+    a = ap.parse_args(argv)
+    stop = False
+
+    def on_signal(signum: int, frame: object) -> None:
+        nonlocal stop
+        stop = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with LocalRedisCluster(a.dir, masters=a.masters, replicas=a.replicas) as rc:
+        print(f"redis cluster ready {rc.url}", flush=True)
+        while not stop:
+            signal.pause()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

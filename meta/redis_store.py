@@ -86,6 +86,7 @@ from redis.exceptions import (
     ClusterDownError,
     ClusterError,
     MovedError,
+    RedisClusterException,
     ResponseError,
     TryAgainError,
 )
@@ -396,7 +397,7 @@ class RedisMetaStore:
         self._access: dict[bytes, float] = {}
         g = "{" + namespace + "}"
         self._g = {n: (g + n).encode() for n in
-                   ("cluster", "buckets", "servers", "state", "dead", "retire_lock")}
+                   ("cluster", "buckets", "servers", "seen", "state", "dead", "retire_lock")}
         self._tags: builtins.list[bytes] = []
         self._slots: builtins.list[int] = []
         self._clients: dict[str, Redis] = {}  # one plain client per node (see _execute)
@@ -413,7 +414,12 @@ class RedisMetaStore:
     async def open(self) -> None:
         r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
                          decode_responses=False)
-        await r.initialize()
+        try:
+            await r.initialize()
+        except (*_DOWN, RedisClusterException, OSError) as exc:
+            await r.aclose()
+            nodes = ",".join(f"{h}:{p}" for h, p in self.nodes)
+            raise Unavailable(f"redis cluster at {nodes} unreachable: {type(exc).__name__}: {exc}") from exc
         self._r = r
         await self._run(self.r.set(self._g["buckets"], str(self.buckets), nx=True))
         self.buckets = int(await self._run(self.r.get(self._g["buckets"])))
@@ -616,6 +622,11 @@ class RedisMetaStore:
                 out.append(decode_value(v))
                 self._access[k] = now
         return out
+
+    async def peek(self, keys: Sequence[bytes], now: float) -> builtins.list[Layout | None]:
+        """Layouts of unexpired keys, recording no access."""
+        return [None if v is None or value_expired(v, now) else decode_value(v)
+                for v in await self._values(keys)]
 
     async def exists(self, keys: Sequence[bytes], now: float) -> builtins.list[bool]:
         return [v is not None and not value_expired(v, now) for v in await self._values(keys)]
@@ -842,6 +853,19 @@ class RedisMetaStore:
     async def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None:
         await self._run(self.r.hset(self._g["servers"], str(server_id),
                           msgpack.packb([addr, capacity, free], use_bin_type=True)))
+
+    async def claim_server(self, server_id: int, addr: str) -> bool:
+        """Register ``server_id`` at ``addr`` only if no server has that id (HSETNX)."""
+        return bool(await self._run(self.r.hsetnx(self._g["servers"], str(server_id),
+                                                  msgpack.packb([addr, 0, 0], use_bin_type=True))))
+
+    async def put_seen(self, server_id: int, at: float) -> None:
+        await self._run(self.r.hset(self._g["seen"], str(server_id), _num(at)))
+
+    async def seen(self) -> dict[int, float]:
+        """server_id -> wall-clock time of its last heartbeat to any meta process."""
+        got = await self._run(self.r.hgetall(self._g["seen"]))
+        return {int(sid): float(t) for sid, t in got.items()}
 
     async def get_state(self, name: str) -> Any:
         v = await self._run(self.r.hget(self._g["state"], name))

@@ -1,7 +1,10 @@
-"""Meta's RPC handlers for clients and chunkservers, over :class:`MetaIndex`.
+"""Meta's RPC handlers for clients and chunkservers, over an index.
 
-The GC's handlers live in the :class:`MetaGc` component, handed the same index;
-one :class:`RpcServer` dispatches to both.  The index's invariants are in
+The index is :class:`MetaIndex` (every key in memory over SQLite, the default) or, with
+``--store redis-cluster://...``, :class:`SharedIndex` (no key in this process; several
+metas serve one store).  The GC's handlers live in the :class:`MetaGc` component,
+handed the same :class:`MetaIndex`; one :class:`RpcServer` dispatches to both (a shared
+index has no GC yet: :mod:`kvfs.meta.shared_index`).  The index's invariants are in
 :mod:`kvfs.meta.index`.
 """
 
@@ -12,19 +15,23 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING
 
 from kvfs import rpc
 from kvfs.address import parse_addr, service_tokens
 from kvfs.config import MetaConfig
 from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
-from kvfs.errors import InvalidArgument, StaleLayout, WrongCluster
+from kvfs.errors import InvalidArgument, StaleLayout, Unavailable, WrongCluster
 from kvfs.handshake import Role
-from kvfs.layout import Layout, encode_layout
+from kvfs.layout import Layout
 from kvfs.meta.gc import MetaGc
-from kvfs.meta.index import Entry, MetaIndex, ServerInfo
+from kvfs.meta.index import MetaIndex, ServerInfo
 from kvfs.meta.store import MetaStore
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
+
+if TYPE_CHECKING:
+    from kvfs.meta.shared_index import SharedIndex
 
 log = logging.getLogger("kvfs.meta")
 
@@ -37,24 +44,41 @@ class MetaService:
         private_dir(config.data)
         self.lock = DirLock(config.data, "meta").acquire()
         raise_nofile_limit()
-        create_private_file(config.data / "meta.sqlite3")  # SQLite's -wal/-shm copy its mode
         self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
-        self.store = MetaStore(config.data / "meta.sqlite3",
-                               synchronous="NORMAL" if config.fsync == "never" else "FULL")
-        self.cluster_id = self.store.cluster_id()
-        self.index = MetaIndex(config, self.store, clock)
-        self.index.load()
-        self.gc = MetaGc(self.index)
-        self.rpc = RpcServer([self, self.gc], Service.META, self.tokens, config)
+        self.index: MetaIndex | SharedIndex
+        self.gc: MetaGc | None = None
+        if config.store is None:
+            create_private_file(config.data / "meta.sqlite3")  # SQLite's -wal/-shm copy its mode
+            self.store = MetaStore(config.data / "meta.sqlite3",
+                                   synchronous="NORMAL" if config.fsync == "never" else "FULL")
+            self.cluster_id = self.store.cluster_id()
+            self.index = MetaIndex(config, self.store, clock)
+            self.index.load()
+            self.gc = MetaGc(self.index)
+        else:  # opened by start(): the store is async; redis is an optional extra
+            from kvfs.meta.redis_store import RedisMetaStore
+            from kvfs.meta.shared_index import SharedIndex
+
+            self.index = SharedIndex(config, RedisMetaStore(config.store, namespace=config.store_namespace),
+                                     clock)
+            self.cluster_id = ""
+        self.rpc = RpcServer([self] if self.gc is None else [self, self.gc], Service.META,
+                             self.tokens, config)
         self._bg: list[asyncio.Task[None]] = []
 
     # lifecycle ---------------------------------------------------------------
     async def start(self) -> str:
         host, port = parse_addr(self.config.listen, what="listen address")
+        loop = asyncio.get_running_loop()
+        if not isinstance(self.index, MetaIndex):
+            await self.index.open()
+            self.cluster_id = await self.index.store.cluster_id()
+            self._bg.append(loop.create_task(self._refresh_loop()))
         host, port = await self.rpc.start(host, port)
-        self._bg.append(asyncio.get_running_loop().create_task(self._flush_loop()))
+        self._bg.append(loop.create_task(self._flush_loop()))
         addr = f"kvfs://{host}:{port}"
-        self.gc.home = (addr, self.tokens[Role.ADMIN])
+        if self.gc is not None:
+            self.gc.home = (addr, self.tokens[Role.ADMIN])
         return addr
 
     async def close(self) -> None:
@@ -64,53 +88,45 @@ class MetaService:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         await self.rpc.close()
-        self.index.flush_access()
-        self.store.close()
+        await self.index.close()
         self.lock.release()
 
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.access_flush_interval_s)
-            self.index.flush_access()
+            with contextlib.suppress(Unavailable):
+                await self.index.flush()
+
+    async def _refresh_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.registry_refresh_s)
+            with contextlib.suppress(Unavailable):
+                await self.index.refresh()
 
     # client RPCs -------------------------------------------------------------
     async def rpc_ping(self, req: rpc.Ping, payload: memoryview) -> Reply:
         return rpc.Pong(service="meta"), ()
 
     async def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply:
-        ix = self.index
-        now = self.clock()
-        out: list[Layout | None] = []
-        dirty = ix.dirty_access
-        for k in req.keys:
-            e = ix.get(k, now)
-            if e is None:
-                out.append(None)
-            else:
-                out.append(e.layout)
-                e.last_access = now
-                dirty[k] = now
-        return rpc.Layouts(layouts=out), ()
+        return rpc.Layouts(layouts=await self.index.lookup(req.keys, self.clock())), ()
+
+    async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
+        await self.index.touch(req.keys, self.clock())
+        return rpc.Empty(), ()
+
+    async def rpc_report_lost(self, req: rpc.ReportLost, payload: memoryview) -> Reply:
+        n = await self.index.drop_lost([(it.key, it.layout) for it in req.items])
+        if n:
+            log.warning("dropped %d keys a reader found lost (every replica corrupt or gone), "
+                        "e.g. %r", n, req.items[0].key[:64])
+        return rpc.LostDropped(dropped=n), ()
 
     async def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply:
-        ix = self.index
-        now = self.clock()
-        gone = ix.gone_servers()
-        return rpc.Existing(exists=[ix.readable(k, now, gone) for k in req.keys]), ()
+        return rpc.Existing(exists=await self.index.exists(req.keys, self.clock())), ()
 
     async def rpc_match_prefix(self, req: rpc.MatchPrefix, payload: memoryview) -> Reply:
-        ix = self.index
         now = self.clock()
-        gone = ix.gone_servers()
-        n = 0
-        for k in req.keys:
-            if not ix.readable(k, now, gone):
-                break
-            n += 1
-        if req.lease_s:
-            until = now + req.lease_s
-            for k in req.keys[:n]:
-                ix.leases[k] = max(ix.leases.get(k, 0.0), until)
+        n = await self.index.match_prefix(req.keys, now, now + req.lease_s if req.lease_s else None)
         return rpc.Matched(n=n), ()
 
     async def rpc_commit(self, req: rpc.Commit, payload: memoryview) -> Reply:
@@ -119,6 +135,9 @@ class MetaService:
         now = self.clock()
         expires_at = None if ttl is None else now + float(ttl)
         staged: list[tuple[bytes, Layout]] = []
+        named = {r.server_id for _, wire in req.items for e in wire.extents for r in e.replicas}
+        if not named <= ix.servers.keys():
+            await ix.refresh()  # registered with another meta sharing the store?
         servers = ix.servers
         for key, wire in req.items:
             lay = wire.stamped(now, expires_at)
@@ -126,33 +145,18 @@ class MetaService:
                 for r in e.replicas:
                     if r.server_id not in servers:
                         raise InvalidArgument(f"layout for {key[:64]!r} names unknown chunkserver {r.server_id}")
-            if not self.gc.check_not_dead(lay):
+            if self.gc is not None and not self.gc.check_not_dead(lay):
                 raise StaleLayout(f"layout for {key[:64]!r} names a chunk garbage collection already "
                                   "reclaimed (the put took longer than the GC grace period); retry the put")
             staged.append((key, lay))
-        self.store.put_many((k, encode_layout(lay), expires_at, now) for k, lay in staged)
-        for key, lay in staged:
-            old = ix.entries.get(key)
-            if old is not None:
-                ix.add_live(old.layout, -1, key)
-            ix.entries[key] = Entry(lay, now)
-            ix.add_live(lay, +1, key)
-            ix.dirty_access.pop(key, None)
+        await ix.commit(staged, now, expires_at)
         return rpc.Committed(created=now, expires_at=expires_at), ()
 
     async def rpc_delete(self, req: rpc.Delete, payload: memoryview) -> Reply:
-        ix = self.index
-        gone = [k for k in req.keys if k in ix.entries]
-        if gone:
-            self.store.delete_many(gone)
-        for k in gone:
-            ix.add_live(ix.entries.pop(k).layout, -1, k)
-            ix.dirty_access.pop(k, None)
-            ix.leases.pop(k, None)
-        return rpc.Deleted(deleted=len(gone)), ()
+        return rpc.Deleted(deleted=await self.index.delete(req.keys)), ()
 
     async def rpc_list(self, req: rpc.ListKeys, payload: memoryview) -> Reply:
-        rows = self.store.list(req.prefix, req.start_after, req.limit)
+        rows = await self.index.list_keys(req.prefix, req.start_after, req.limit)
         now = self.clock()
         entries = [rpc.KeyEntry(k, lay.size, lay.created, lay.expires_at, len(lay.extents))
                    for k, lay in rows if not lay.expired(now)]
@@ -162,11 +166,12 @@ class MetaService:
     async def rpc_stats(self, req: rpc.Stats, payload: memoryview) -> Reply:
         ix = self.index
         now = self.clock()
-        live_keys = sum(1 for e in ix.entries.values() if not e.layout.expired(now))
+        live_keys, stored, nbytes = await ix.key_stats(now)
+        chunk_live = await ix.live_bytes()
         servers = []
         for s in sorted(ix.servers.values(), key=lambda s: s.server_id):
             written = sum(s.chunks.values())
-            live = sum(ix.chunk_live.get(c, 0) for c in s.chunks)
+            live = sum(chunk_live.get(c, 0) for c in s.chunks)
             servers.append(rpc.ServerStats(
                 server_id=s.server_id, addr=s.addr, alive=ix.alive(s), dead=ix.dead(s),
                 capacity=s.capacity, free=s.free, used=s.used, shared_by=s.shared_by,
@@ -174,11 +179,12 @@ class MetaService:
                 garbage=max(0, written - live)))
         return rpc.StatsReply(
             keys=live_keys,
-            keys_stored=len(ix.entries),
-            bytes=sum(e.layout.size for e in ix.entries.values() if not e.layout.expired(now)),
+            keys_stored=stored,
+            bytes=nbytes,
             servers=servers,
             time=now,
-            gc=self.gc.summary(),
+            gc=(rpc.GcSummary(paused=True, metrics={}, last_run=None, dead_chunks=0)
+                if self.gc is None else self.gc.summary()),
         ), ()
 
     # chunkserver RPCs ----------------------------------------------------------
@@ -186,7 +192,8 @@ class MetaService:
         ix = self.index
         addr = req.addr
         parse_addr(addr)
-        sid = max(ix.servers, default=0) + 1 if req.server_id is None else req.server_id
+        await ix.refresh()  # ids other metas sharing the store gave out
+        sid = await ix.new_server_id(addr) if req.server_id is None else req.server_id
         self._check_cluster(sid, addr, req.cluster_id, req.nchunks)
         old = ix.servers.get(sid)
         if old is not None and old.addr != addr and ix.alive(old) and old.key != req.key:
@@ -202,7 +209,7 @@ class MetaService:
         s.last_heartbeat = time.monotonic()
         ix.servers[sid] = s
         ix.share_disks()
-        self.store.put_server(sid, addr, s.reported_capacity, s.reported_free)
+        await ix.save_server(s, registered=True)
         log.info("chunkserver %d registered at %s", sid, addr)
         return rpc.Registered(server_id=sid, cluster_id=self.cluster_id), ()
 
@@ -231,6 +238,7 @@ class MetaService:
         s.disk = req.disk
         s.last_heartbeat = time.monotonic()
         ix.share_disks()
+        await ix.save_server(s, registered=False)
         return rpc.Empty(), ()
 
     async def rpc_servers(self, req: rpc.Servers, payload: memoryview) -> Reply:

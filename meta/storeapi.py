@@ -8,7 +8,7 @@ several can serve one store.
 Every call is batched and async.  Times are meta's clock (``now`` is passed in, so a
 test's fake clock governs expiry and leases on every backend).  Each destructive call
 is a compare-and-swap and says what it compares; on SQLite it is one transaction in one
-event-loop step, on Redis one Lua script per key bucket (see the backend's notes on
+event-loop step, on Redis one Lua script per Redis master (see the backend's notes on
 what holds per key rather than per batch).
 """
 
@@ -37,6 +37,9 @@ class MetaStore(Protocol):
 
     async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
         """Layouts of unexpired keys (None for a miss); records the access (LRU)."""
+
+    async def peek(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+        """Layouts of unexpired keys, recording no access."""
 
     async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]: ...
 
@@ -96,6 +99,15 @@ class MetaStore(Protocol):
         """(server_id, addr, capacity, free) of every registered chunkserver."""
 
     async def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None: ...
+
+    async def claim_server(self, server_id: int, addr: str) -> bool:
+        """Take ``server_id`` for a new chunkserver at ``addr``; False if it is taken."""
+
+    async def put_seen(self, server_id: int, at: float) -> None:
+        """A chunkserver's heartbeat reached a meta process at ``at`` (wall clock)."""
+
+    async def seen(self) -> dict[int, float]:
+        """server_id -> last heartbeat to any meta process sharing this store."""
 
     async def get_state(self, name: str) -> Any: ...
 

@@ -106,7 +106,7 @@ def hold(cluster: LocalCluster, op: Op) -> Hold:
 
 # tests driven by an inference engine's own package run only in that engine's venv
 # (.ci/engines.sh, .ci/run): elsewhere they are not even collected
-_ENGINE_TESTS = {"sglang": "sglang", "lmcache": "lmcache", "demo": "transformers"}
+_ENGINE_TESTS = {"sglang": "sglang", "lmcache": "lmcache", "vllm": "vllm", "demo": "transformers"}
 collect_ignore_glob = [f"engines/test_{name}.py" for name, module in _ENGINE_TESTS.items()
                        if importlib.util.find_spec(module) is None]
 

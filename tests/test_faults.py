@@ -16,6 +16,7 @@ from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.chunkserver.records import RECORD
 from kvfs.client import AsyncClient
+from kvfs.config import ClientConfig
 from kvfs.errors import (
     AuthError,
     ChecksumMismatch,
@@ -178,8 +179,10 @@ async def test_flipped_byte_is_a_checksum_error(cluster: LocalCluster, kv: Async
         b = f.read(1)
         f.seek(rep.offset + 1234)
         f.write(bytes([b[0] ^ 0xFF]))
-    with pytest.raises(ChecksumMismatch, match="victim"):
-        await kv.get(b"victim")
+    async with cluster.client(ClientConfig(on_lost="raise")) as strict:
+        with pytest.raises(ChecksumMismatch, match="victim"):
+            await strict.get(b"victim")
+    assert await kv.get(b"victim") is None  # the default, on_lost="miss" (tests/test_lost.py)
 
 
 async def test_torn_tail_is_truncated_on_restart(cluster: LocalCluster, kv: AsyncClient) -> None:
@@ -201,14 +204,15 @@ async def test_missing_bytes_are_detected(cluster: LocalCluster, kv: AsyncClient
     await cluster.stop_chunkserver(idx)
     os.truncate(path, rep.offset)  # the committed bytes are lost
     await cluster.start_chunkserver(idx)
-    with pytest.raises(StaleLayout, match="gone"):
-        await kv.get(b"gone")
+    async with cluster.client(ClientConfig(on_lost="raise")) as strict:
+        with pytest.raises(StaleLayout, match="gone"):
+            await strict.get(b"gone")
 
 
 # real processes -----------------------------------------------------------------
 @pytest.mark.subprocess
 async def test_sigkill_chunkserver_while_reading(proc_cluster: ProcessCluster) -> None:
-    async with proc_cluster.client() as kv:
+    async with proc_cluster.client(config=ClientConfig(on_lost="raise")) as kv:
         for i in range(60):  # separate puts: placement spreads them over the servers
             await kv.put(f"k{i}", os.urandom(200_000))
         layouts = [await kv.layout(f"k{i}") for i in range(60)]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import random
 from pathlib import Path
 
 import pytest
 
-from kvfs._batch import Batcher, split_batches
+from kvfs._batch import Batcher, run_end, split_batches
 from kvfs.errors import InvalidArgument, NoSpace, NotFound, Timeout, Unavailable
 from kvfs.fs import InvalidPathError
 from kvfs.mount.inodes import ROOT_INODE, Handle, InodeTable
@@ -48,6 +49,25 @@ def test_split_batches() -> None:
     assert split_batches([], max_items=3, max_bytes=10) == []
     runs = split_batches([4, 4, 4, 20, 1, 1, 1, 1], max_items=3, max_bytes=10)
     assert [list(r) for r in runs] == [[0, 1], [2], [3], [4, 5, 6], [7]]
+    assert split_batches([1, 1, 1], max_bytes=10) == [range(3)]  # all fit: one batch
+    # the same key twice never shares a batch (a chunkserver refuses overlapping ranges)
+    assert split_batches([1, 1, 1], max_bytes=10, keys=["a", "b", "a"]) == [range(0, 2), range(2, 3)]
+
+
+def test_split_batches_whole_request_shortcut_matches_item_by_item() -> None:
+    rng = random.Random(8)
+    for _ in range(2000):
+        n = rng.randint(0, 10)
+        sizes = [rng.randint(0, 9) for _ in range(n)]
+        keys = [rng.randint(0, 12) for _ in range(n)] if rng.random() < 0.5 else None
+        max_items, max_bytes = rng.choice([None, 1, 3, 10]), rng.randint(1, 60)
+        want, start = [], 0
+        while start < n:
+            end = run_end(sizes, start, max_bytes=max_bytes, max_items=max_items, keys=keys)
+            want.append(range(start, end))
+            start = end
+        got = split_batches(sizes, max_bytes=max_bytes, max_items=max_items, keys=keys)
+        assert got == want, (sizes, keys, max_items, max_bytes)
 
 
 async def test_batching_by_load_sends_at_once_when_idle_and_the_backlog_when_busy() -> None:

@@ -13,10 +13,12 @@ tell a plug-in its name): ``kvfs_addr``, ``kvfs_token``, ``kvfs_namespace`` (def
 
 One value per chunk: LMCache's chunk header and the payload, gathered on put and scattered
 on get, never copied.  Gets, puts and lookups are batched (one ``get_into`` / ``put_many`` /
-``match_prefix`` per call).  A put reads the engine's CPU buffer from kvfs's IO thread, so
-the connector holds a reference on each memory object until kvfs is done with it, and
-LMCache's buffer pool -- which LMCache frees before it closes remote backends -- waits for
-the puts in flight before it is freed.
+``match_prefix`` per call).  kvfs's IO thread reads (puts) and writes (gets) LMCache's CPU
+buffers, so the connector holds a reference on each memory object until kvfs is done with
+it, and LMCache's buffer pool -- which LMCache frees before it closes the remote backends --
+is freed only once no kvfs call uses it: its ``close`` first lets LMCache's loop start the
+puts queued on it, then waits for every kvfs call in flight (bounded; past the bound the pool
+is left allocated, never freed under a running call).
 """
 
 from __future__ import annotations
@@ -24,7 +26,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import threading
-from typing import Any
+import time
+from typing import Any, TypeVar
 
 from lmcache.utils import CacheEngineKey
 from lmcache.v1.memory_management import MemoryObj
@@ -35,6 +38,15 @@ from kvfs.client import TOO_SMALL
 from kvfs.config import EngineConfig, from_mapping
 from kvfs.integrations._common import SOFT_ERRORS, log, open_client, wait
 from kvfs.prefix import namespaced
+
+T = TypeVar("T")
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop) -> bool:
+    try:
+        return asyncio.get_running_loop() is loop
+    except RuntimeError:
+        return False
 
 
 class KvfsConnector(RemoteConnector):
@@ -47,18 +59,22 @@ class KvfsConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.client = open_client(self.config)
+        # kvfs calls that read or write LMCache's CPU buffer pool, until they are done
         self._inflight: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
         # LMCache closes (frees) its CPU buffer pool before the remote backends: make the
-        # pool wait for the puts that still read from it
+        # pool wait until kvfs is done with it
         alloc = local_cpu_backend.memory_allocator
         free_pool = alloc.close
 
-        def close_after_puts() -> Any:
-            self._drain()
+        def close_after_io() -> Any:
+            if not self._drain():
+                log.error("kvfs LMCache: kvfs calls still use the CPU buffer pool at close; "
+                          "the pool is left allocated rather than freed under them")
+                return None
             return free_pool()
 
-        alloc.close = close_after_puts
+        alloc.close = close_after_io
 
     def _key(self, key: CacheEngineKey) -> bytes:
         return namespaced(self.namespace, key.to_string())
@@ -67,12 +83,51 @@ class KvfsConnector(RemoteConnector):
         return bytes(RemoteMetadata(obj.get_size(), obj.get_shapes(), obj.get_dtypes(),
                                     obj.get_memory_format()).serialize())
 
-    def _drain(self) -> None:
+    def _flush_loop(self, deadline: float) -> None:
+        """Let LMCache's loop run what was queued on it before now: a put that LMCache
+        scheduled but that has not started yet registers its kvfs call on its first step."""
+        if not self.loop.is_running() or _on_loop(self.loop):
+            return
+        fut = asyncio.run_coroutine_threadsafe(asyncio.sleep(0), self.loop)
+        try:
+            fut.result(max(0.0, deadline - time.monotonic()))
+        except (TimeoutError, concurrent.futures.CancelledError):
+            fut.cancel()
+
+    def _drain(self) -> bool:
+        """Wait until no kvfs call uses LMCache's memory (bounded); False if some still do."""
+        deadline = time.monotonic() + 3 * self.config.timeout_s
+        while True:
+            self._flush_loop(deadline)
+            with self._lock:
+                pending = list(self._inflight)
+            if not pending:
+                return True
+            _done, late = concurrent.futures.wait(
+                pending, timeout=max(0.0, deadline - time.monotonic()))
+            if late:
+                log.warning("kvfs LMCache: %d calls still running at close", len(late))
+                return False
+
+    async def _io(self, fut: concurrent.futures.Future[T], objs: list[MemoryObj]) -> T:
+        """Await a kvfs call that reads or writes the memory objects ``objs``.  Until kvfs
+        itself is done with them (a caller that gives up does not cancel it) each holds one
+        more reference, so LMCache cannot hand its memory to another chunk, and the call counts
+        as in flight, so the pool's close waits for it."""
+        for obj in objs:
+            obj.ref_count_up()
         with self._lock:
-            pending = list(self._inflight)
-        _done, late = concurrent.futures.wait(pending, timeout=3 * self.config.timeout_s)
-        if late:
-            log.warning("kvfs LMCache: %d puts still running at close", len(late))
+            self._inflight.add(fut)
+
+        def done(_: concurrent.futures.Future[T]) -> None:
+            with self._lock:
+                self._inflight.discard(fut)
+            for obj in objs:
+                obj.ref_count_down()
+
+        fut.add_done_callback(done)
+        return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)),
+                                      3 * self.config.timeout_s)
 
     # puts --------------------------------------------------------------------------
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
@@ -84,46 +139,44 @@ class KvfsConnector(RemoteConnector):
     async def batched_put(self, keys: list[CacheEngineKey], memory_objs: list[MemoryObj]) -> None:
         if not keys:
             return
-        for obj in memory_objs:  # kvfs reads these from its IO thread: keep them allocated
-            obj.ref_count_up()
+        items = []
+        for key, obj in zip(keys, memory_objs, strict=True):
+            payload = obj.byte_array
+            parts = [self._header(obj), payload] if self.save_chunk_meta else [payload]
+            items.append((self._key(key), parts))
         try:
-            items = []
-            for key, obj in zip(keys, memory_objs, strict=True):
-                payload = obj.byte_array
-                parts = [self._header(obj), payload] if self.save_chunk_meta else [payload]
-                items.append((self._key(key), parts))
-            fut = self.client.submit_put_many(items, ttl=self.config.ttl_s)
-            with self._lock:
-                self._inflight.add(fut)
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(fut), 3 * self.config.timeout_s)
-            finally:
-                with self._lock:
-                    self._inflight.discard(fut)
+            await self._io(self.client.submit_put_many(items, ttl=self.config.ttl_s), memory_objs)
         except SOFT_ERRORS as exc:
             log.warning("kvfs LMCache put of %d chunks failed: %s", len(keys), exc)
-        finally:
-            for obj in memory_objs:
-                obj.ref_count_down()
 
     # gets ----------------------------------------------------------------------------
-    def _allocate(self) -> Any:
-        return self.local_cpu_backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+    def _allocate(self, n: int) -> list[Any]:
+        """Up to ``n`` full-chunk memory objects from LMCache's CPU pool: one batched
+        allocation where the pool has the room (about half the CPU of one call per object
+        here), else one at a time, evicting as LMCache does; fewer when the pool is full."""
+        backend = self.local_cpu_backend
+        if n > 1:
+            objs = backend.batched_allocate(self.meta_shapes, self.meta_dtypes, n, self.meta_fmt,
+                                            eviction=False)  # its eviction assumes layer keys
+            if objs is not None:
+                return list(objs)
+        out = []
+        for _ in range(n):
+            obj = backend.allocate(self.meta_shapes, self.meta_dtypes, self.meta_fmt)
+            if obj is None:
+                break  # LMCache's buffer is full: the rest are misses
+            out.append(obj)
+        return out
 
     async def _get_objs(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """One ``get_into`` for all keys, straight into newly allocated memory objects."""
-        objs: list[Any] = []
-        for _ in keys:
-            obj = self._allocate()
-            if obj is None:
-                break  # LMCache's buffer is full: the rest are misses
-            objs.append(obj)
+        objs = self._allocate(len(keys))
         headers = [bytearray(self.remote_metadata_bytes) for _ in objs]
         bufs = [[h, o.byte_array] if self.save_chunk_meta else [o.byte_array]
                 for h, o in zip(headers, objs, strict=True)]
         try:
-            fut = self.client.submit_get_into([self._key(k) for k in keys[: len(objs)]], bufs)
-            sizes = await asyncio.wait_for(asyncio.wrap_future(fut), 3 * self.config.timeout_s)
+            sizes = await self._io(
+                self.client.submit_get_into([self._key(k) for k in keys[: len(objs)]], bufs), objs)
         except SOFT_ERRORS as exc:
             log.warning("kvfs LMCache get of %d chunks failed: %s", len(keys), exc)
             sizes = [-1] * len(objs)
@@ -158,9 +211,8 @@ class KvfsConnector(RemoteConnector):
                 continue
             header = bytearray(self.remote_metadata_bytes)
             try:
-                fut = self.client.submit_get_into([self._key(key)], [[header, obj.byte_array]])
-                n = (await asyncio.wait_for(asyncio.wrap_future(fut),
-                                            3 * self.config.timeout_s))[0]
+                n = (await self._io(self.client.submit_get_into(
+                    [self._key(key)], [[header, obj.byte_array]]), [obj]))[0]
             except SOFT_ERRORS:
                 n = -1
             if n == len(header) + obj.get_size() and RemoteMetadata.deserialize(header) == meta:

@@ -1,0 +1,452 @@
+"""Per-page cost of a load through an engine plug-in next to a direct ``get_into``, in one run.
+
+    .engines/sglang/bin/python -m kvfs.bench.plugins sglang     [--pages 256] [--batch 64]
+    .engines/lmcache/bin/python -m kvfs.bench.plugins lmcache   [--rounds 8] [--page-kib 128]
+    .engines/vllm/bin/python -m kvfs.bench.plugins vllm
+
+Run in the engine's venv (``.ci/engines.sh``).  Starts meta + ``--chunkservers`` chunkservers
+as processes (``kvfs.launcher.ProcessCluster``) in a temp dir, stores ``--pages`` pages of
+``--page-kib`` through the plug-in, then per round reads them all back in batches of
+``--batch`` two ways, each batch read both ways back to back (alternating which goes first):
+
+- **plug-in**: the engine's own call into the plug-in -- SGLang: ``batch_get_v1`` (zero-copy,
+  into a real ``MHATokenToKVPoolHost``, ``--layout``); LMCache: the connector's
+  ``batched_get`` on LMCache's event loop (allocating from its CPU pool, the chunk header
+  scattered off; the objects are given back untimed, as LMCache frees a chunk it used
+  however it was read); vLLM: ``submit_load`` of a ``TransferJob``
+  into the primary tier, ``drain_jobs``, ``get_finished_jobs``;
+- **direct**: ``get_into`` of the same keys on the plug-in's own ``kvfs.Client`` into one
+  contiguous buffer per page (the value's size), the simplest way to read them;
+- where the plug-in scatters a value over several buffers (SGLang: K and V regions, per layer
+  in ``layer_first``; LMCache: chunk header + payload), also ``get_into`` into those same
+  buffer lists, directly: what kvfs's scatter costs, apart from the plug-in's own code.
+
+Prints per-page microseconds (median and quartiles over the calls) and two ratios plug-in /
+direct: of the total times, and the median of each back-to-back pair's ratio (less moved by
+the load of a shared machine).  Issue 12's target: the plug-in adds at most 20 %, both
+<= 1.20.  Every page read through the plug-in is compared with what was stored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvfs.launcher import ProcessCluster
+
+TARGET = 1.20  # issue 12: a plug-in adds at most 20 % per page
+
+
+@dataclass
+class Case:
+    """One engine's two ways to read batch ``b`` (each returns the pages it got), what they
+    read, and how to check the plug-in's bytes."""
+
+    name: str
+    page_bytes: int
+    batches: list[range]
+    plugin: Callable[[range], int]
+    direct: Callable[[range], int]
+    check: Callable[[], None]
+    close: Callable[[], None]
+    # get_into into the very buffers the plug-in scatters each value over (None: one buffer)
+    direct_parts: Callable[[range], int] | None = None
+    # after each timed call: give back what the engine would free once it used the pages
+    release: Callable[[], None] = lambda: None
+
+
+@contextlib.contextmanager
+def cluster(root: Path, chunkservers: int) -> Iterator[tuple[str, str]]:
+    """Meta + chunkservers as child processes, driven from a loop on a thread of ours."""
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="cluster", daemon=True)
+    thread.start()
+    pc = ProcessCluster(root, chunkservers, listen="127.0.0.1:0")
+    try:
+        asyncio.run_coroutine_threadsafe(pc.start(), loop).result(180)
+        yield pc.addr, pc.token
+    finally:
+        asyncio.run_coroutine_threadsafe(pc.stop(), loop).result(180)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(30)
+        loop.close()
+
+
+def _split(n: int, batch: int) -> list[range]:
+    return [range(s, min(s + batch, n)) for s in range(0, n, batch)]
+
+
+def _random_bytes(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+# SGLang HiCache -----------------------------------------------------------------------------
+def sglang_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch
+        from sglang.srt.mem_cache.device_pool_info import (
+            KVBufferLayout,
+            KVBuffers,
+            MHABufferInfo,
+        )
+        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    from kvfs.integrations._common import TensorBytes
+    from kvfs.integrations.sglang import KvfsHiCacheStorage
+    from kvfs.prefix import chain_keys, namespaced
+
+    layers, heads, page = 4, 8, 16
+    dim = ns.page_kib * 1024 // (2 * layers * heads * page * 2)  # K+V, bf16
+    tokens = ns.pages * page
+    k = tuple(torch.zeros(tokens + page, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
+    v = tuple(torch.zeros(tokens + page, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
+    info = MHABufferInfo(
+        buffers=KVBuffers(k=k, v=v, layout=KVBufferLayout.NHD,
+                          k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
+                          v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64)),
+        page_size=page, head_num=heads, head_dim=dim, v_head_dim=dim, dtype=torch.bfloat16,
+        device=torch.device("cpu"))
+    pool = MHATokenToKVPoolHost(info, 1.0, 0, page, ns.layout, pin_memory=False, device="cpu",
+                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+    flat = pool.kv_buffer.view(torch.uint8).view(-1)
+    flat.copy_(torch.from_numpy(_random_bytes(flat.numel(), 1)))
+    page_bytes = int(pool.get_size_per_token()) * page
+    namespace = f"bench/sglang/{ns.layout}"
+    cfg = HiCacheStorageConfig(
+        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+        is_mla_model=False, enable_storage_metrics=False,
+        is_page_first_layout=ns.layout != "layer_first", model_name="bench/llama",
+        extra_config={"backend_name": "kvfs", "module_path": "kvfs.integrations.sglang",
+                      "class_name": "KvfsHiCacheStorage", "interface_v1": 1, "addr": addr,
+                      "token": token, "namespace": namespace})
+    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
+    assert isinstance(backend, KvfsHiCacheStorage)
+    backend.register_mem_pool_host(pool)
+    hashes = [h.decode() for h in chain_keys(range(tokens), page, style="sglang")]
+    keys = [namespaced(namespace, h) for h in hashes]
+    idx = torch.arange(0, tokens)
+    batches = _split(ns.pages, ns.batch)
+    want = [pool.get_data_page(i * page).clone() for i in range(ns.pages)]
+    for b in batches:
+        sl = slice(b.start * page, b.stop * page)
+        assert backend.batch_set_v1(hashes[b.start : b.stop], idx[sl]) == [True] * len(b)
+    flat.zero_()  # so the check below sees what the plug-in loaded
+    direct_bufs = list(np.empty((ns.pages, page_bytes), dtype=np.uint8))  # one row per page
+
+    def plugin(b: range) -> int:
+        sl = slice(b.start * page, b.stop * page)
+        return sum(backend.batch_get_v1(hashes[b.start : b.stop], idx[sl]))
+
+    def direct(b: range) -> int:
+        got = backend.client.get_into(keys[b.start : b.stop], direct_bufs[b.start : b.stop])
+        return sum(n == page_bytes for n in got)
+
+    host = TensorBytes(pool.kv_buffer)
+
+    def direct_parts(b: range) -> int:
+        ptrs, sizes = pool.get_page_buffer_meta(idx[b.start * page : b.stop * page])
+        per = len(ptrs) // len(b)
+        parts = [[host.at(ptrs[i * per + j], sizes[i * per + j]) for j in range(per)]
+                 for i in range(len(b))]
+        got = backend.client.get_into(keys[b.start : b.stop], parts)
+        return sum(n == page_bytes for n in got)
+
+    def check() -> None:
+        for i in range(ns.pages):
+            got = pool.get_data_page(i * page)
+            if not torch.equal(got.view(torch.int16), want[i].view(torch.int16)):
+                raise SystemExit(f"sglang: page {i} read back wrong through the plug-in")
+
+    return Case(f"SGLang HiCache `batch_get_v1` ({ns.layout})", page_bytes, batches, plugin,
+                direct, check, backend.close, direct_parts)
+
+
+# LMCache ---------------------------------------------------------------------------------------
+def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import torch
+        from lmcache.v1.check.utils import (
+            _get_default_metadata,
+            create_test_key,
+            create_test_memory_obj_for_storage_manager,
+            find_remote_backend,
+        )
+        from lmcache.v1.config import LMCacheEngineConfig
+        from lmcache.v1.event_manager import EventManager
+        from lmcache.v1.storage_backend.storage_manager import StorageManager
+
+    from kvfs.integrations.lmcache import KvfsConnector
+    from kvfs.prefix import namespaced
+
+    model = "bench-model"
+    metadata = _get_default_metadata(model)
+    # vLLM's KV shape [layers, 2, tokens, heads, head_size]: 4 layers, 256-token chunks, 2
+    # heads, head_size set by --page-kib (bf16)
+    chunk, layers, heads = 256, 4, 2
+    metadata.kv_shape = (layers, 2, chunk, heads, ns.page_kib * 1024 // (layers * 2 * chunk * heads * 2))
+    metadata.chunk_size = chunk
+    pool_gib = 2.5 * ns.pages * ns.page_kib / (1024 * 1024)
+    namespace = "bench-lmcache"
+    cfg_path = Path(tempfile.mkdtemp(prefix="kvfs-bench-lmcache-")) / "lmcache.yaml"
+    cfg_path.write_text(
+        f"chunk_size: {chunk}\nlocal_cpu: true\nmax_local_cpu_size: {pool_gib:.4f}\n"
+        "remote_serde: naive\nremote_storage_plugins: [\"kvfs\"]\nextra_config:\n"
+        "  remote_storage_plugin.kvfs.module_path: kvfs.integrations.lmcache\n"
+        "  remote_storage_plugin.kvfs.class_name: KvfsConnector\n"
+        f"  kvfs_addr: \"{addr}\"\n  kvfs_token: \"{token}\"\n  kvfs_namespace: {namespace}\n")
+    sm = StorageManager(config=LMCacheEngineConfig.from_file(str(cfg_path)), metadata=metadata,
+                        event_manager=EventManager())
+    remote = find_remote_backend(sm)
+    conn = getattr(remote, "connection", None)
+    conn = getattr(conn, "_connector", conn)  # inside LMCache's InstrumentedRemoteConnector
+    assert isinstance(conn, KvfsConnector), f"LMCache did not load the connector: {conn!r}"
+    loop = conn.loop
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
+
+    lm_keys = [create_test_key(model, f"bench-{i}") for i in range(ns.pages)]
+    keys = [namespaced(namespace, k.to_string()) for k in lm_keys]
+    batches = _split(ns.pages, ns.batch)
+    want: list[bytes] = []
+    for b in batches:
+        objs = [create_test_memory_obj_for_storage_manager(sm, metadata) for _ in b]
+        for j, o in enumerate(objs):
+            o.tensor.view(torch.uint8).view(-1).copy_(
+                torch.from_numpy(_random_bytes(o.get_size(), b.start + j)))
+        want += [bytes(o.byte_array) for o in objs]
+        run(conn.batched_put(lm_keys[b.start : b.stop], objs))
+        for o in objs:
+            o.ref_count_down()
+    page_bytes = len(want[0])
+    value_bytes = conn.remote_metadata_bytes + page_bytes
+    direct_bufs = list(np.empty((ns.pages, value_bytes), dtype=np.uint8))  # one row per page
+    last: dict[int, bytes] = {}
+
+    held: list[tuple[int, Any]] = []
+
+    def plugin(b: range) -> int:
+        objs = run(conn.batched_get(lm_keys[b.start : b.stop]))
+        held.extend((i, o) for i, o in zip(b, objs, strict=True) if o is not None)
+        return sum(o is not None for o in objs)
+
+    def release() -> None:  # untimed: LMCache frees a chunk once it used it, whoever read it
+        for i, o in held:
+            if i % 17 == 0:
+                last[i] = bytes(o.byte_array)
+            o.ref_count_down()
+        held.clear()
+
+    def direct(b: range) -> int:
+        got = conn.client.get_into(keys[b.start : b.stop], direct_bufs[b.start : b.stop])
+        return sum(n == value_bytes for n in got)
+
+    headers = [bytearray(conn.remote_metadata_bytes) for _ in range(ns.pages)]
+    payloads = np.empty((ns.pages, page_bytes), dtype=np.uint8)
+
+    def direct_parts(b: range) -> int:
+        got = conn.client.get_into(keys[b.start : b.stop],
+                                   [[headers[i], payloads[i]] for i in b])
+        return sum(n == value_bytes for n in got)
+
+    def check() -> None:
+        for i, got in last.items():
+            if got != want[i]:
+                raise SystemExit(f"lmcache: chunk {i} read back wrong through the plug-in")
+        if not last:
+            raise SystemExit("lmcache: nothing was checked")
+
+    def close() -> None:
+        sm.close()
+        shutil.rmtree(cfg_path.parent, ignore_errors=True)
+
+    return Case(f"LMCache connector `batched_get` ({chunk}-token chunks)", page_bytes, batches,
+                plugin, direct, check, close, direct_parts, release)
+
+
+# vLLM -------------------------------------------------------------------------------------------
+def vllm_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import hashlib
+
+        from vllm.v1.kv_offload.base import ReqContext, make_offload_key
+        from vllm.v1.kv_offload.config import (
+            OffloadingCacheConfig,
+            OffloadingConfig,
+            OffloadingGroupConfig,
+            OffloadingModelConfig,
+            OffloadingParallelConfig,
+        )
+        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
+        from vllm.v1.kv_offload.tiering.base import TransferJob
+
+    from kvfs.integrations.vllm import KvfsTier
+
+    block = ns.page_kib * 1024
+    tier_cfg = {"type": "KvfsTier", "module_path": "kvfs.integrations.vllm", "addr": addr,
+                "token": token, "namespace": "bench-vllm"}
+    cfg = OffloadingConfig(
+        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
+                                      group_id=0),),
+        worker_kv_bytes_per_block=block, enable_kv_cache_events=False,
+        extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": ns.pages * block,
+                      "secondary_tiers": [tier_cfg]},
+        engine_id="bench", model=OffloadingModelConfig(name="bench/llama", dtype="bfloat16"),
+        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
+        parallel=OffloadingParallelConfig(
+            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
+            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
+            is_parallelism_agnostic=True))
+    manager = OffloadingSpecFactory.create_spec(cfg).get_manager()
+    tier = manager.secondary_tiers[0]
+    assert isinstance(tier, KvfsTier), f"vLLM did not load the tier: {tier!r}"
+    view = manager.primary_tier.get_kv_memoryview()
+    prim = np.frombuffer(view, dtype=np.uint8).reshape(view.shape[0], -1)
+    if prim.shape[0] < ns.pages or prim.shape[1] != block:
+        raise SystemExit(f"vllm: primary tier is {prim.shape}, wanted {ns.pages} x {block}")
+    offload_keys, h = [], b"bench"
+    for i in range(ns.pages):
+        h = hashlib.sha256(h + i.to_bytes(4, "big")).digest()
+        offload_keys.append(make_offload_key(h, 0))
+    keys = [tier.kvfs_key(k) for k in offload_keys]
+    batches = _split(ns.pages, ns.batch)
+    prim[: ns.pages] = _random_bytes(ns.pages * block, 2).reshape(ns.pages, block)
+    want = prim[: ns.pages].copy()
+    job_ids = iter(range(1, 1 << 30))
+
+    def transfer(b: range, load: bool) -> int:
+        job = TransferJob(job_id=next(job_ids), keys=offload_keys[b.start : b.stop],
+                          chunk_ids=np.arange(b.start, b.stop, dtype=np.int64),
+                          is_promotion=load, req_context=ReqContext(req_id="bench"))
+        (tier.submit_load if load else tier.submit_store)(job)
+        tier.drain_jobs()
+        results = list(tier.get_finished_jobs())
+        assert len(results) == 1, results
+        return len(b) if results[0].success else len(results[0].successful_keys or ())
+
+    for b in batches:
+        if transfer(b, load=False) != len(b):
+            raise SystemExit("vllm: a store through the tier failed")
+    prim[: ns.pages] = 0
+    direct_bufs = list(np.empty((ns.pages, block), dtype=np.uint8))  # one row per page
+
+    def direct(b: range) -> int:
+        got = tier.client.get_into(keys[b.start : b.stop], direct_bufs[b.start : b.stop])
+        return sum(n == block for n in got)
+
+    def check() -> None:
+        bad = np.flatnonzero((prim[: ns.pages] != want).any(axis=1))
+        if bad.size:
+            raise SystemExit(f"vllm: chunks {bad[:5].tolist()} read back wrong through the tier")
+
+    def close() -> None:
+        tier.shutdown()
+
+    return Case("vLLM tier `submit_load` + `get_finished_jobs`", block, batches,
+                lambda b: transfer(b, load=True), direct, check, close)
+
+
+CASES = {"sglang": sglang_case, "lmcache": lmcache_case, "vllm": vllm_case}
+
+
+def timed(fn: Callable[[range], int], b: range, what: str, after: Callable[[], None]) -> float:
+    """Seconds for one call on batch ``b`` (``after`` runs untimed); every page must arrive."""
+    t0 = time.perf_counter()
+    got = fn(b)
+    dt = time.perf_counter() - t0
+    after()
+    if got != len(b):
+        raise SystemExit(f"{what}: {got} of {len(b)} pages arrived")
+    return dt
+
+
+def measure(case: Case, rounds: int) -> dict[str, list[float]]:
+    """Per batch, the plug-in and the direct read back to back (which goes first alternates),
+    ``rounds`` passes over every batch: seconds per call, the two ways' lists paired."""
+    ways = {"plug-in": case.plugin, "direct": case.direct}
+    if case.direct_parts is not None:
+        ways["direct, the plug-in's buffers"] = case.direct_parts
+    for b in case.batches:  # warm-up: connections and layouts cached alike
+        for name, fn in ways.items():
+            timed(fn, b, name, case.release)
+    per: dict[str, list[float]] = {name: [] for name in ways}
+    flip = False
+    for _ in range(rounds):
+        for b in case.batches:
+            order = list(reversed(ways)) if flip else list(ways)  # plug-in first or last
+            flip = not flip
+            for name in order:
+                per[name].append(timed(ways[name], b, name, case.release) / len(b))
+    return per
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvfs.bench.plugins", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("engine", choices=sorted(CASES))
+    ap.add_argument("--pages", type=int, default=256, help="pages stored and read (default 256)")
+    ap.add_argument("--page-kib", type=int, default=128, help="page size in KiB (default 128)")
+    ap.add_argument("--batch", type=int, default=64, help="pages per call (default 64)")
+    ap.add_argument("--rounds", type=int, default=8, help="passes over the pages (default 8)")
+    ap.add_argument("--chunkservers", type=int, default=3, help="chunkservers (default 3)")
+    ap.add_argument("--layout", default="page_first",
+                    choices=["layer_first", "page_first", "page_first_direct"],
+                    help="SGLang's host layout (default page_first)")
+    ns = ap.parse_args(argv)
+    root = Path(tempfile.mkdtemp(prefix="kvfs-bench-plugins-"))
+    try:
+        with cluster(root / "cluster", ns.chunkservers) as (addr, token):
+            case = CASES[ns.engine](addr, token, ns)
+            try:
+                per = measure(case, ns.rounds)
+                case.check()
+            finally:
+                case.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    us = {name: [x * 1e6 for x in xs] for name, xs in per.items()}
+    plug, direct = statistics.median(us["plug-in"]), statistics.median(us["direct"])
+    total = sum(us["plug-in"]) / sum(us["direct"])
+    paired = statistics.median(p / d for p, d in zip(us["plug-in"], us["direct"], strict=True))
+    print(f"{case.name}: {ns.pages} pages of {case.page_bytes / 1024:g} KiB, calls of "
+          f"{ns.batch} pages, {ns.rounds} rounds, {len(us['direct'])} calls each way back to "
+          f"back, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    for name, xs in us.items():
+        q = statistics.quantiles(xs, n=4)
+        print(f"  {name}: us/page median {statistics.median(xs):,.1f}, quartiles "
+              f"{q[0]:,.1f}-{q[2]:,.1f}, mean {statistics.mean(xs):,.1f}")
+    verdict = "met" if max(total, paired) <= TARGET else "MISSED"
+    parts = us.get("direct, the plug-in's buffers")
+    pcol = (f"{statistics.median(parts):,.1f} "
+            f"({sum(us['plug-in']) / sum(parts):.2f})" if parts else "-")
+    print("| engine | plug-in us/page | direct get_into us/page | plug-in/direct (totals) | "
+          "median of paired ratios | target <= 1.20 | get_into into the plug-in's buffers "
+          "(plug-in/that) |")
+    print(f"| {ns.engine} | {plug:,.1f} | {direct:,.1f} | {total:.2f} | {paired:.2f} | {verdict} "
+          f"| {pcol} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

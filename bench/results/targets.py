@@ -1,0 +1,146 @@
+"""Issue 11's targets, judged on the JSON that run.sh wrote (python bench/results/targets.py).
+
+Prints one markdown row per target: the figures of this run it rests on and
+"met" / "missed" (or "not measured" when a row is absent or was skipped, with
+the reason). Every ratio is taken inside one ``kvfs bench --compare`` run.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).parent
+LARGE = (("1m", 32), ("8m", 8), ("32m", 2))
+
+
+class Run:
+    """One cmp-<size>.json: every store's jobs by name, and what was skipped."""
+
+    def __init__(self, size: str, batch: int) -> None:
+        self.size, self.batch = size, batch
+        path = HERE / f"cmp-{size}.json"
+        self.peers: dict[str, Any] = json.loads(path.read_text())["kvfs compare"]["peers"] if path.exists() else {}
+
+    def job(self, store: str, suffix: str = "", rw: str = "randread") -> dict[str, Any] | None:
+        st = self.peers.get("stores", {}).get(store)
+        if st is None:
+            return None
+        name = f"{rw}-{self.size}-b{self.batch}{suffix}"
+        return next((j for j in st["report"]["jobs"] if j["jobname"] == name), None)
+
+    def skipped(self, store: str, suffix: str = "", rw: str = "randread") -> str:
+        st = self.peers.get("stores", {}).get(store)
+        if st is None:
+            return "not in the run" if self.peers else f"no cmp-{self.size}.json"
+        return str(st["skipped"].get(f"{rw}-{self.size}-b{self.batch}{suffix}", "no row"))
+
+
+def _rate(job: dict[str, Any] | None, d: str, what: str) -> float | None:
+    if job is None or int(job[d]["total_ios"]) == 0:
+        return None
+    return float(job[d]["iops"]) if what == "keys" else float(job[d]["bw_bytes"]) / 1e6
+
+
+def _fmt(x: float) -> str:
+    return f"{x / 1e3:.1f}k" if x >= 1e4 else f"{x:.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def ratio_row(run: Run, a: tuple[str, str, str], b: tuple[str, str, str], goal: float,
+              what: str = "MB/s") -> tuple[str, bool | None]:
+    """a / b for (store, name suffix, rw) pairs: the figures and whether a/b >= goal."""
+    d = {"randread": "read", "write": "write"}
+    ja, jb = run.job(a[0], a[1], a[2]), run.job(b[0], b[1], b[2])
+    ra = _rate(ja, d[a[2]], "keys" if what == "keys/s" else "mb")
+    rb = _rate(jb, d[b[2]], "keys" if what == "keys/s" else "mb")
+    if ra is None:
+        return f"{a[0]}: {run.skipped(*a)}", None
+    if rb is None or rb <= 0:
+        return f"{b[0]}: {run.skipped(*b)}", None
+    r = ra / rb
+    return f"{_fmt(ra)} vs {_fmt(rb)} {what}: {r:.2f}x", r >= goal
+
+
+def cpu(run: Run, store: str, suffix: str, rw: str) -> dict[str, float] | None:
+    job = run.job(store, suffix, rw)
+    c = job.get("kvfs", {}).get("cpu") if job is not None else None
+    if not c:
+        return None
+    out = {p: float(v["us_per_key"]) for p, v in c.items()}
+    out["cs"] = sum(v for p, v in out.items() if p.startswith("cs"))
+    return out
+
+
+def verdict(ok: bool | None) -> str:
+    return "not measured" if ok is None else "met" if ok else "missed"
+
+
+def rows() -> list[tuple[str, str, str]]:
+    out: list[tuple[str, str, str]] = []
+    small = Run("4k", 128)
+    large = [Run(s, b) for s, b in LARGE]
+
+    def each(label: str, fn: Callable[[Run], tuple[str, bool | None]]) -> None:
+        for run in large:
+            text, ok = fn(run)
+            out.append((f"{label}, {run.size} x {run.batch}", text, verdict(ok)))
+
+    each("put_many >= 1.0x Mooncake put", lambda r: ratio_row(
+        r, ("kvfs", "", "write"), ("mooncake", "", "write"), 1.0))
+    each("put_many >= 80 % of fio's write (psync, page cache)", lambda r: ratio_row(
+        r, ("kvfs", "", "write"), ("fio-psync", "", "write"), 0.8))
+    each("get_into >= 1.5x Mooncake batch_get_into", lambda r: ratio_row(
+        r, ("kvfs", "-into", "randread"), ("mooncake", "-into", "randread"), 1.5))
+    each("get_into >= 60 % of the loopback limit", lambda r: ratio_row(
+        r, ("kvfs", "-into", "randread"), ("loopback", "-into", "randread"), 0.6))
+    for label, a, b, what in (
+        ("4 KiB x 128 get_many >= 1.0x Redis MGET", ("kvfs", "", "randread"), ("redis", "", "randread"), "keys/s"),
+        ("4 KiB x 128 put_many >= 1.0x Redis MSET", ("kvfs", "", "write"), ("redis", "", "write"), "keys/s"),
+        ("exists_many of 128 keys >= 1.0x pipelined Redis EXISTS", ("kvfs", "-exists", "randread"),
+         ("redis", "-exists", "randread"), "keys/s"),
+        ("match_prefix of 128 keys >= 1.0x pipelined Redis EXISTS", ("kvfs", "-match", "randread"),
+         ("redis", "-exists", "randread"), "keys/s"),
+    ):
+        text, ok = ratio_row(small, a, b, 1.0, what)
+        out.append((label, text, verdict(ok)))
+    for run in [small, *large]:
+        text, ok = ratio_row(run, ("kvfs", "-into", "randread"), ("kvfs", "", "randread"), 1.0)
+        out.append((f"get_into >= 1.0x get_many, {run.size}", text, verdict(ok)))
+    for run in [small, *large]:
+        names = [("", "randread"), ("-into", "randread"), ("", "write")]
+        if run is small:
+            names[2:2] = [("-exists", "randread"), ("-match", "randread")]
+        for suffix, rw in names:
+            text, ok = ratio_row(run, ("kvfs-sync", suffix, rw), ("kvfs", suffix, rw), 0.9,
+                                 "keys/s")
+            what = {"": "get_many" if rw == "randread" else "put_many", "-into": "get_into",
+                    "-exists": "exists_many", "-match": "match_prefix"}[suffix]
+            out.append((f"blocking Client >= 0.9x async, {what} {run.size}", text, verdict(ok)))
+    rd, wr = cpu(small, "kvfs", "", "randread"), cpu(small, "kvfs", "", "write")
+    for label, src, proc, goal in (
+        ("CPU 4 KiB x 128: client <= 3 us/key (get_many)", rd, "client", 3.0),
+        ("CPU 4 KiB x 128: client <= 3 us/key (put_many)", wr, "client", 3.0),
+        ("CPU 4 KiB x 128: chunkservers together <= 2 us/key (get_many)", rd, "cs", 2.0),
+        ("CPU 4 KiB x 128: chunkservers together <= 2 us/key (put_many)", wr, "cs", 2.0),
+        ("CPU 4 KiB x 128: meta <= 4 us per committed key", wr, "meta", 4.0),
+        ("CPU 4 KiB x 128: meta <= 1 us per looked-up key (get_many; the client's layout cache "
+         "answers most lookups, meta sees its TOUCH batches)", rd, "meta", 1.0),
+    ):
+        if src is None or proc not in src:
+            out.append((label, "no --cpu figures", "not measured"))
+        else:
+            out.append((label, f"{src[proc]:.1f} us/key", verdict(src[proc] <= goal)))
+    return out
+
+
+def main() -> None:
+    print("| target | figure (same run) | verdict |")
+    print("|---|---|---|")
+    for label, text, v in rows():
+        print(f"| {label} | {text} | {v} |")
+
+
+if __name__ == "__main__":
+    main()

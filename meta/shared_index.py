@@ -1,0 +1,137 @@
+"""Meta's index in a shared store (``kvfs meta --store redis-cluster://...``): the meta
+process keeps no keys, so several can serve one store at once.
+
+Every key RPC is one call to the store (:mod:`kvfs.meta.redis_store`: one round trip per
+involved Redis master).  The chunkserver registry is written through as well: a
+registration stores the server's address, every heartbeat its reported space and the
+wall-clock time it arrived.  Each meta reads them again every ``registry_refresh_s``
+(and at once when a commit names a server it does not know), so a meta that no
+chunkserver reports to still knows which servers are alive: a heartbeat counts from when
+any meta received it, so the meta hosts' clocks must agree to well within
+``heartbeat_timeout_s``.
+
+What this meta does not do yet (issue 14): garbage collection.  Its GC RPCs are not
+served (``kvfs gc`` gets "unknown op" from it), so nothing expires, is evicted or
+compacted; the store's GC operations exist and are tested on their own
+(``tests/test_redis_store.py``).  ``kvfs stat`` reads every key (O(keys)).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+from kvfs.config import MetaConfig
+from kvfs.errors import Unavailable
+from kvfs.layout import Layout
+from kvfs.meta.index import ServerInfo, ServerRegistry
+from kvfs.meta.redis_store import RedisMetaStore
+from kvfs.meta.repair import readable
+
+log = logging.getLogger("kvfs.meta")
+
+MAX_ID_CLAIMS = 100  # a register racing this many others for the next id gives up
+LEASES_IGNORED = 1e18  # an eviction "now" past every lease
+
+
+class SharedIndex(ServerRegistry):
+    def __init__(self, config: MetaConfig, store: RedisMetaStore, clock: Callable[[], float]) -> None:
+        super().__init__(config, clock)
+        self.store = store
+
+    async def open(self) -> None:
+        await self.store.open()
+        await self.refresh()
+        log.info("meta on %s: %d keys, %d chunkservers", self.config.store,
+                 await self.store.count(), len(self.servers))
+
+    async def close(self) -> None:
+        await self.store.close()  # writes the buffered access times first
+
+    async def flush(self) -> None:
+        await self.store.flush_access()
+
+    # registry ------------------------------------------------------------------------
+    async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
+        await self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
+        await self.store.put_seen(s.server_id, time.time())
+
+    async def new_server_id(self, addr: str) -> int:
+        """The next free id, claimed in the store, so two metas registering new servers at
+        once never give out the same one."""
+        for _ in range(MAX_ID_CLAIMS):
+            sid = max(self.servers, default=0) + 1
+            if await self.store.claim_server(sid, addr):
+                return sid
+            await self.refresh()  # another meta took it
+        raise Unavailable(f"no free chunkserver id after {MAX_ID_CLAIMS} tries (registrations racing)")
+
+    async def refresh(self) -> None:
+        rows = await self.store.servers()
+        seen = await self.store.seen()
+        wall, mono = time.time(), time.monotonic()
+        for sid, addr, capacity, free in rows:
+            s = self.servers.get(sid)
+            if s is None:
+                s = self.servers[sid] = ServerInfo(sid, addr)
+            s.addr, s.reported_capacity, s.reported_free = addr, capacity, free
+            t = seen.get(sid)
+            if t is not None:
+                s.last_heartbeat = max(s.last_heartbeat, mono - max(0.0, wall - t))
+        self.share_disks()
+
+    # keys ----------------------------------------------------------------------------
+    async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+        return await self.store.lookup(keys, now)
+
+    async def touch(self, keys: Sequence[bytes], now: float) -> None:
+        await self.store.touch(keys, now)
+
+    async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]:
+        gone = self.gone_servers()
+        if not gone:
+            return await self.store.exists(keys, now)
+        return [lay is not None and readable(lay, gone) for lay in await self.store.peek(keys, now)]
+
+    async def match_prefix(self, keys: Sequence[bytes], now: float, lease_until: float | None) -> int:
+        gone = self.gone_servers()
+        if not gone:
+            return await self.store.match_prefix(keys, now, lease_until)
+        n = 0
+        for lay in await self.store.peek(keys, now):
+            if lay is None or not readable(lay, gone):
+                break
+            n += 1
+        if lease_until is not None and n:
+            n = await self.store.match_prefix(keys[:n], now, lease_until)
+        return n
+
+    async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
+                     expires_at: float | None) -> None:
+        await self.store.commit(staged, now)  # refuses a retired chunk itself (StaleLayout)
+
+    async def delete(self, keys: Sequence[bytes]) -> int:
+        return len(await self.store.delete(keys))
+
+    async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
+        """Remove each key that still has the given layout (the store's compare-and-delete;
+        a lease does not keep a lost value)."""
+        return len(await self.store.evict(rows, LEASES_IGNORED))
+
+    async def list_keys(self, prefix: bytes, start_after: bytes | None,
+                        limit: int) -> list[tuple[bytes, Layout]]:
+        return await self.store.list(prefix, start_after, limit)
+
+    async def live_bytes(self) -> dict[int, int]:
+        return await self.store.chunk_live()
+
+    async def key_stats(self, now: float) -> tuple[int, int, int]:
+        live = stored = nbytes = 0
+        async for rows in self.store.scan():
+            for _, lay in rows:
+                stored += 1
+                if not lay.expired(now):
+                    live += 1
+                    nbytes += lay.size
+        return live, stored, nbytes

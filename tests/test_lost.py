@@ -1,0 +1,178 @@
+"""Failures are misses: a value no replica can serve (its server killed, its record
+corrupt or gone) is a miss for that key alone, never wrong bytes; ``on_lost="raise"``
+keeps the errors, naming the key."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+import kvfs
+from kvfs import rpc
+from kvfs.client import AsyncClient
+from kvfs.config import ClientConfig
+from kvfs.errors import ChecksumMismatch, StaleLayout, Unavailable
+from kvfs.launcher import LocalCluster, ProcessCluster
+from kvfs.layout import Replica
+
+RAISE = ClientConfig(on_lost="raise")
+
+
+def test_on_lost_is_checked() -> None:
+    assert ClientConfig().on_lost == "miss"
+    with pytest.raises(ValueError, match="on_lost must be one of miss, raise, got 'ignore'"):
+        ClientConfig(on_lost="ignore")  # type: ignore[arg-type]
+
+
+async def _replica_file(cluster: LocalCluster, kv: AsyncClient, key: bytes,
+                        which: int = 0) -> tuple[int, Replica, Path]:
+    """(chunkserver index, replica, chunk file) of replica ``which`` of ``key``'s first extent."""
+    layout = await kv.layout(key)
+    assert layout is not None
+    rep = layout.extents[0].replicas[which]
+    idx = next(i for i, c in enumerate(cluster.chunkservers) if c and c.server_id == rep.server_id)
+    cs = cluster.chunkservers[idx]
+    assert cs is not None
+    return idx, rep, cs.store.chunk_path(rep.chunk_id)
+
+
+def _flip(path: Path, at: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.mark.subprocess
+async def test_batch_with_a_killed_only_replica_misses_that_key_alone(
+        proc_cluster: ProcessCluster) -> None:
+    items = {f"k{i}".encode(): os.urandom(20_000 + i) for i in range(30)}
+    async with proc_cluster.client() as kv, proc_cluster.client(config=RAISE) as strict:
+        for k, v in items.items():  # separate puts: placement spreads them over the servers
+            await kv.put(k, v, replicas=1)
+        where = {k: (await kv.layout(k)).extents[0].replicas[0].server_id  # type: ignore[union-attr]
+                 for k in items}
+        victim_sid = where[b"k0"]
+        lost = [k for k in items if where[k] == victim_sid]
+        kept = [k for k in items if where[k] != victim_sid]
+        assert kept, "every key landed on one server"
+        victim_addr = next(s.addr for s in await kv.servers() if s.server_id == victim_sid)
+        victim = next(p for p in proc_cluster.chunkservers if victim_addr in p.ready_line)
+        victim.kill(signal.SIGKILL)
+        await asyncio.wait_for(victim.proc.wait(), 30)
+
+        keys = list(items)
+        got = await kv.get_many(keys)
+        assert got == [None if k in lost else items[k] for k in keys]
+        assert await kv.get(b"k0") is None
+        bufs = [bytearray(len(items[k])) for k in keys]
+        sizes = await kv.get_into(keys, bufs)
+        assert sizes == [kvfs.MISS if k in lost else len(items[k]) for k in keys]
+        assert [bytes(b) for b, k in zip(bufs, keys, strict=True) if k in kept] == [items[k] for k in kept]
+
+        with pytest.raises(Unavailable, match="k0"):
+            await strict.get_many(keys)
+        assert await strict.get_many(kept) == [items[k] for k in kept]
+        sizes = await strict.get_into(keys, [bytearray(len(items[k])) for k in keys])
+        assert sizes == [kvfs.FAILED if k in lost else len(items[k]) for k in keys]
+
+    def blocking() -> list[bytes | None]:
+        with kvfs.Client(proc_cluster.addr, token=proc_cluster.token) as c:
+            return c.get_many(keys)
+
+    assert await asyncio.to_thread(blocking) == [None if k in lost else items[k] for k in keys]
+
+
+async def test_corrupt_record_is_a_miss_never_wrong_bytes(cluster: LocalCluster,
+                                                          kv: AsyncClient) -> None:
+    items = {b"victim": os.urandom(10_000), b"n1": os.urandom(3000), b"n2": os.urandom(5000)}
+    await kv.put_many(items)
+    _, rep, path = await _replica_file(cluster, kv, b"victim")
+    _flip(path, rep.offset + 1234)
+    keys = list(items)
+    async with cluster.client(RAISE) as strict:
+        with pytest.raises(ChecksumMismatch, match="victim"):
+            await strict.get_ranges([(b"victim", 0, 10)])  # (a range read reports nothing)
+    assert await kv.get_ranges([(b"victim", 0, 10), (b"n1", 5, 9)]) == [None, items[b"n1"][5:9]]
+    assert await kv.get_many(keys) == [None, items[b"n1"], items[b"n2"]]  # (meta drops it now)
+    assert await kv.get(b"victim") is None
+    bufs = [bytearray(10_000), bytearray(3000), bytearray(5000)]
+    assert await kv.get_into(keys, bufs) == [kvfs.MISS, 3000, 5000]
+    assert [bytes(b) for b in bufs[1:]] == [items[b"n1"], items[b"n2"]]
+
+
+async def test_one_corrupt_replica_of_two_reads_the_other(cluster: LocalCluster,
+                                                          kv: AsyncClient) -> None:
+    value = os.urandom(10_000)
+    await kv.put(b"twice", value, replicas=2)
+    _, rep, path = await _replica_file(cluster, kv, b"twice", 0)
+    _flip(path, rep.offset + 10)
+    assert await kv.get(b"twice") == value
+    _, rep, path = await _replica_file(cluster, kv, b"twice", 1)
+    _flip(path, rep.offset + 10)
+    kv.layout_cache.clear()
+    assert await kv.get_many([b"twice"]) == [None]
+
+
+async def test_missing_record_is_a_miss(cluster: LocalCluster, kv: AsyncClient) -> None:
+    await kv.put_many({b"gone": b"x" * 5000, b"other": b"y" * 5000})
+    idx, rep, path = await _replica_file(cluster, kv, b"gone")
+    other = await kv.layout(b"other")
+    assert other is not None
+    await cluster.stop_chunkserver(idx)
+    os.truncate(path, rep.offset)  # the committed bytes are lost (and any after them)
+    await cluster.start_chunkserver(idx)
+    kv.layout_cache.clear()
+    async with cluster.client(RAISE) as strict:
+        with pytest.raises(StaleLayout, match="gone"):
+            await strict.get(b"gone")
+    got = await kv.get_many([b"gone", b"other"])
+    assert got[0] is None and got[1] in (None, b"y" * 5000)  # "other" may follow it in the chunk
+
+
+# telling meta (REPORT_LOST) ------------------------------------------------------------
+async def test_a_lost_key_is_dropped_from_meta(cluster: LocalCluster, kv: AsyncClient) -> None:
+    await kv.put_many({b"bad": os.urandom(8000), b"good": os.urandom(8000)})
+    _, rep, path = await _replica_file(cluster, kv, b"bad")
+    _flip(path, rep.offset + 77)
+    assert await kv.exists_many([b"bad", b"good"]) == [True, True]
+    assert await kv.get_many([b"bad", b"good"]) == [None, await kv.get(b"good")]
+    assert await kv.exists_many([b"bad", b"good"]) == [False, True]  # meta dropped it
+    assert await kv.layout(b"bad") is None
+
+
+async def test_an_unreachable_key_is_not_dropped(cluster: LocalCluster, kv: AsyncClient) -> None:
+    await kv.put(b"away", os.urandom(8000))
+    idx, _, _ = await _replica_file(cluster, kv, b"away")
+    await cluster.stop_chunkserver(idx)
+    assert await kv.get(b"away") is None  # a miss now...
+    assert await kv.layout(b"away") is not None  # ...but kept: the server may come back
+    await cluster.start_chunkserver(idx)
+    assert (await kv.get(b"away")) is not None
+
+
+async def test_a_lost_report_never_drops_an_overwrite(cluster: LocalCluster, kv: AsyncClient) -> None:
+    """The reader read the old layout (corrupt); a writer overwrote the key meanwhile: the
+    report names the old layout, so meta keeps the new value."""
+    await kv.put(b"race", b"o" * 8000)
+    old = await kv.layout(b"race")
+    assert old is not None
+    _, rep, path = await _replica_file(cluster, kv, b"race")
+    _flip(path, rep.offset + 5)
+    async with cluster.client() as writer:
+        await writer.put(b"race", b"n" * 8000)
+    assert kv.layout_cache.get_many([b"race"], kv.clock())[0] == [old]  # kv still holds the old one
+    assert await kv.get(b"race") is None  # it read the old, corrupt bytes: a miss, not wrong bytes
+    assert await kv.get(b"race") == b"n" * 8000  # the overwrite was kept; the stale layout forgotten
+    # the RPC itself: a compare-and-swap on the layout
+    meta = kv._link  # the client token may call it
+    assert (await meta.call_meta(rpc.ReportLost(items=[rpc.LostItem(b"race", old)]))).dropped == 0
+    new = await kv.layout(b"race")
+    assert new is not None
+    assert (await meta.call_meta(rpc.ReportLost(items=[rpc.LostItem(b"race", new)]))).dropped == 1
+    assert await kv.layout(b"race") is None

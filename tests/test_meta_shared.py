@@ -1,0 +1,115 @@
+"""Two meta processes over one Redis Cluster (``kvfs meta --store redis-cluster://...``):
+real ``kvfs meta`` and ``kvfs chunkserver`` processes, a real 3-master Redis Cluster.
+
+The chunkservers register and report to the first meta only; the second learns them
+from the store.  Clients on both metas write and read the same keys."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kvfs.client import AsyncClient
+from kvfs.launcher import ProcessCluster, ServiceProcess
+from kvfs.meta.redis_local import LocalRedisCluster
+
+pytestmark = pytest.mark.redis
+
+
+def value(key: bytes, gen: int) -> bytes:
+    return (key + b":%d:" % gen) * 37
+
+
+async def test_two_metas_serve_one_store(tmp_path: Path, redis_cluster: LocalRedisCluster) -> None:
+    ns = "m" + uuid.uuid4().hex[:10]
+    store = ("--store", redis_cluster.url, "--store-namespace", ns)
+    c = ProcessCluster(tmp_path / "c", 2, listen="127.0.0.1:0", meta_args=store)
+    await c.start()
+    meta2 = ServiceProcess("meta 2", [sys.executable, "-m", "kvfs", "meta", "--data", str(tmp_path / "meta2"),
+                                      "--listen", "127.0.0.1:0", *store], c.env)
+    try:
+        addr2 = (await meta2.start()).split()[-1]
+        a = AsyncClient(c.addr, token=c.token)
+        b = AsyncClient(addr2, token=c.token)
+        try:
+            # meta 2 knows the chunkservers (registered with meta 1) through the store
+            deadline = time.monotonic() + 30
+            while sum(s.alive for s in await b.servers(refresh=True)) < 2:
+                assert time.monotonic() < deadline, "meta 2 never saw the chunkservers alive"
+                await asyncio.sleep(0.1)
+            own = {b"a/%03d" % i: value(b"a/%03d" % i, 0) for i in range(100)}
+            other = {b"b/%03d" % i: value(b"b/%03d" % i, 0) for i in range(100)}
+            both = [b"s/%03d" % i for i in range(50)]  # written through both metas at once
+            await asyncio.gather(
+                a.put_many(list(own.items())), b.put_many(list(other.items())),
+                a.put_many([(k, value(k, 1)) for k in both]), b.put_many([(k, value(k, 2)) for k in both]))
+            everything = {**own, **other}
+            for kv in (a, b):
+                got = await kv.get_many(list(everything))
+                assert got == list(everything.values())
+                shared = await kv.get_many(both)
+                assert all(v in (value(k, 1), value(k, 2)) for k, v in zip(both, shared, strict=True))
+            # one layout per shared key, the same through either meta (each client's layout
+            # cache holds the layout it committed itself: read past it)
+            assert await a.lookup(both, use_cache=False) == await b.lookup(both, use_cache=False)
+            # no lost or duplicate commits: each key listed once, through either meta
+            for kv in (a, b):
+                listed = [e.key for e in await kv.list(b"", page_size=64)]  # pages across buckets
+                assert listed == sorted({*everything, *both})
+                assert await kv.match_prefix([b"a/000", b"b/000", b"s/000", b"x"]) == 3
+            # a delete through one meta is a miss through the other
+            assert await b.delete_many([b"a/000", b"a/001"]) == 2
+            assert await a.exists_many([b"a/000", b"a/001", b"a/002"]) == [False, False, True]
+            stats = await b.stats()
+            assert stats["keys"] == len(everything) + len(both) - 2
+            assert [s["alive"] for s in stats["servers"]] == [True, True]
+        finally:
+            await a.close()
+            await b.close()
+    finally:
+        await meta2.stop()
+        await c.stop()
+
+
+async def test_a_bad_store_is_refused_by_name(tmp_path: Path) -> None:
+    from kvfs.config import MetaConfig
+    from kvfs.errors import InvalidArgument, Unavailable
+    from kvfs.meta import MetaService
+
+    with pytest.raises(InvalidArgument, match="bad meta store 'sqlite:/x': expected redis-cluster://"):
+        MetaService(MetaConfig(data=tmp_path / "a", store="sqlite:/x"))
+    meta = MetaService(MetaConfig(data=tmp_path / "b", listen="127.0.0.1:0", store="redis-cluster://127.0.0.1:1"))
+    try:
+        with pytest.raises(Unavailable, match=r"redis cluster at 127\.0\.0\.1:1 unreachable"):
+            await meta.start()
+    finally:
+        await meta.close()
+
+
+async def test_metas_registering_at_once_give_out_distinct_ids(tmp_path: Path,
+                                                              redis_cluster: LocalRedisCluster) -> None:
+    from kvfs import rpc
+    from kvfs.config import MetaConfig
+    from kvfs.meta import MetaService
+
+    ns = "r" + uuid.uuid4().hex[:10]
+    metas = [MetaService(MetaConfig(data=tmp_path / f"m{i}", listen="127.0.0.1:0", store=redis_cluster.url,
+                                    store_namespace=ns)) for i in range(2)]
+    try:
+        for m in metas:
+            await m.start()
+        regs = [m.rpc_register(rpc.Register(addr=f"127.0.0.1:{1000 + 10 * i + j}", key=f"k{i}.{j}"),
+                               memoryview(b"")) for i, m in enumerate(metas) for j in range(5)]
+        ids = [reply.server_id for reply, _ in await asyncio.gather(*regs)]
+        assert sorted(ids) == list(range(1, 11))  # ten servers, ten ids, none given twice
+        for m in metas:
+            await m.index.refresh()
+            assert sorted(m.index.servers) == list(range(1, 11))
+    finally:
+        for m in metas:
+            await m.close()

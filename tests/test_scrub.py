@@ -1,0 +1,124 @@
+"""`kvfs gc scrub`: every referenced replica is read back and checked; a corrupt one is
+repaired from a good copy (compare-and-swap), a key with no good copy is dropped and named."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from kvfs.config import ClientConfig
+from kvfs.launcher import LocalCluster
+from kvfs.layout import Extent, Layout, Replica
+from kvfs.meta.repair import plan_scrub, replace_replica
+from kvfs.rpc import BadReplica
+
+
+def lay(*extents: tuple[int, ...]) -> Layout:
+    """One extent per argument: the server ids holding it (chunk = server * 100)."""
+    return Layout(10 * len(extents), 0, 0.0, None, tuple(
+        Extent(10, 0, tuple(Replica(s, s * 100, 8 * i) for s in servers))
+        for i, servers in enumerate(extents)))
+
+
+def bad(key: bytes, layout: Layout, extent: int, sid: int) -> BadReplica:
+    r = next(r for r in layout.extents[extent].replicas if r.server_id == sid)
+    return BadReplica(key, r.server_id, r.chunk_id, r.offset)
+
+
+def test_plan_repairs_from_a_good_copy_and_drops_keys_with_none() -> None:
+    layouts = {b"one": lay((1, 2)), b"both": lay((1, 2), (1, 2)), b"silent": lay((1, 3)),
+               b"mixed": lay((1, 2), (2, 3))}
+    found = [bad(b"one", layouts[b"one"], 0, 1),
+             bad(b"both", layouts[b"both"], 1, 1), bad(b"both", layouts[b"both"], 1, 2),
+             bad(b"silent", layouts[b"silent"], 0, 1),  # its other copy: on a silent server
+             bad(b"mixed", layouts[b"mixed"], 0, 2),
+             bad(b"gone", lay((1, 2)), 0, 1)]  # deleted since the scrub read it
+    plan = plan_scrub(found, layouts, alive={1, 2})
+    assert [(i.key, i.extent, i.lost.server_id, [s.server_id for s in i.sources], i.holders)
+            for i in plan.items] == [(b"one", 0, 1, [2], [2]), (b"mixed", 0, 2, [1], [1])]
+    assert plan.lost == [b"both"]
+    assert sorted((d.key, d.server_id) for d in plan.drop) == [
+        (b"both", 1), (b"both", 2), (b"silent", 1)]
+
+
+def test_a_copy_may_replace_a_bad_replica_on_its_own_server() -> None:
+    old = lay((1, 2))
+    lost, new = Replica(1, 100, 0), Replica(1, 101, 0)
+    switched = replace_replica(old, 0, lost, new)
+    assert switched is not None and switched.extents[0].replicas == (new, Replica(2, 200, 0))
+    assert replace_replica(old, 0, lost, Replica(2, 201, 0)) is None  # server 2 holds the other
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path) -> AsyncIterator[LocalCluster]:
+    c = LocalCluster(tmp_path / "cluster", 2)
+    try:
+        await c.start()
+        yield c
+    finally:
+        await c.stop()
+
+
+async def kvfs(cluster: LocalCluster, *args: str) -> tuple[int, str]:
+    """Exit status and stdout (log lines go to stderr)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvfs", *args, "--addr", cluster.addr,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "KVFS_ADMIN_TOKEN": cluster.admin_token})
+    out, err = await proc.communicate()
+    sys.stderr.write(err.decode())  # pytest shows it when a test fails
+    return await proc.wait(), out.decode()
+
+
+def flip(cluster: LocalCluster, replica: Replica, at: int) -> None:
+    """Flip one byte of a replica's value, in its chunk file on disk."""
+    cs = next(cs for cs in cluster.chunkservers if cs is not None and cs.server_id == replica.server_id)
+    with open(cs.store.chunk_path(replica.chunk_id), "r+b") as f:
+        f.seek(replica.offset + at)
+        b = f.read(1)
+        f.seek(replica.offset + at)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+async def test_scrub_repairs_one_bad_replica_and_drops_a_key_with_none(cluster: LocalCluster) -> None:
+    values = {f"k{i}": bytes([i]) * (1000 + 331 * i) for i in range(20)}
+    values["big"] = bytes(range(256)) * (12 * 1024 + 7)  # 3 MiB: striped over 3 extents
+    async with cluster.client(ClientConfig(replicas=2)) as kv:
+        await kv.put_many(list(values.items()))
+        one, both = await kv.layout("big"), await kv.layout("k5")
+    assert one is not None and both is not None and len(one.extents) >= 2
+    flip(cluster, one.extents[1].replicas[0], 1000)
+    flip(cluster, both.extents[0].replicas[0], 3)
+    flip(cluster, both.extents[0].replicas[1], 7)
+
+    rc, out = await kvfs(cluster, "gc", "scrub")  # dry run: reports, changes nothing
+    assert rc == 2 and "dry run" in out and "3 failing their checksum" in out, out
+    assert "would repair 1 from a good copy" in out and "would drop: k5" in out, out
+    async with cluster.client(ClientConfig(replicas=2)) as kv:
+        assert await kv.layout("big") == one and await kv.layout("k5") == both
+
+    rc, out = await kvfs(cluster, "gc", "scrub", "--apply", "--json", "--rate", "1GiB/s")
+    assert rc == 0, out
+    rep = json.loads(out)
+    assert (rep["corrupt"], rep["missing"], rep["repaired"], rep["keys_dropped"], rep["lost_keys"]) == (
+        3, 0, 1, 1, ["k5"]), rep
+    assert rep["servers_verified"] == 2 and rep["ranges_checked"] >= 2 * 22
+
+    async with cluster.client(ClientConfig(replicas=2)) as kv:
+        fixed = await kv.layout("big")
+        assert fixed is not None
+        assert fixed.extents[1].replicas[0] != one.extents[1].replicas[0]  # a fresh copy ...
+        assert fixed.extents[1].replicas[0].server_id == one.extents[1].replicas[0].server_id
+        assert fixed.extents[0] == one.extents[0]  # ... of that extent only
+        assert await kv.get("k5") is None  # no good copy: a miss, never wrong bytes
+        del values["k5"]
+        assert await kv.get_many(list(values)) == list(values.values())
+
+    rc, out = await kvfs(cluster, "gc", "scrub")
+    assert rc == 0 and "0 failing their checksum, 0 missing" in out, out
