@@ -77,7 +77,7 @@ async def test_sigkill_during_put_many_stream_fails_no_put(tmp_path: Path) -> No
                     batch = {f"c{call}-{j}".encode(): os.urandom(1024 * (1 + (call + j) % 32))
                              for j in range(8)}
                     try:
-                        await kv.put_many(list(batch), list(batch.values()))
+                        await kv.put_many(batch)
                         written.update(batch)
                     except KVFSError as exc:
                         failures.append(exc)
@@ -85,7 +85,9 @@ async def test_sigkill_during_put_many_stream_fails_no_put(tmp_path: Path) -> No
                         halfway.set()
 
             task = asyncio.create_task(writer())
-            await halfway.wait()
+            await asyncio.wait([task, asyncio.create_task(halfway.wait())],
+                               return_when=asyncio.FIRST_COMPLETED)  # a writer that died fails below
+            assert halfway.is_set(), task.exception()
             victim = cluster.chunkservers[1]
             victim.kill(signal.SIGKILL)
             await task
