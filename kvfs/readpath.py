@@ -103,6 +103,7 @@ class ReadPath:
         """``hedge_after_s``: a server that has not begun to answer a READV by then is
         given up for this read, and its extents are asked of their next replicas (None:
         wait up to the request timeout)."""
+        # (duplicates: pairs up by shape with Batcher.__init__: each keeps its own arguments)
         self._link = link
         self._hedge_after_s = hedge_after_s
         self.hedged = 0  # READVs given up on after hedge_after_s (public counter)
