@@ -90,7 +90,7 @@ class AsyncClient:
         self.reader = ReadPath(self._link, max_rpc_bytes=cfg.max_read_rpc_bytes,
                                max_ranges=cfg.max_read_ranges,
                                relookup=lambda keys: self.lookup(keys, use_cache=False),
-                               forget=self.layout_cache.pop)
+                               forget=self.layout_cache.pop, hedge_after_s=cfg.hedge_after_s)
         self._link.on_rebind.append(self._new_batchers)
         self._new_batchers()
 
@@ -244,8 +244,18 @@ class AsyncClient:
 
     async def _unreadable(self, what: str, keys: list[bytes], failed: dict[int, KVFSError],
                           lost: dict[int, Layout], *, raises: bool = True) -> None:
-        """Keys of one read that no replica could serve: logged, and raised (the first
-        one's error, naming its key) under ``on_lost="raise"`` when ``raises``."""
+        """Keys of one read that no replica could serve: logged, their cached layouts
+        dropped, the ``lost`` ones (every replica answered without good bytes) reported to
+        meta (REPORT_LOST: it drops each key that still has the layout read), and raised
+        (the first one's error, naming its key) under ``on_lost="raise"`` when ``raises``."""
+        for i in failed:
+            self.layout_cache.pop(keys[i])
+        if lost:
+            try:
+                await self._link.call_meta(rpc.ReportLost(
+                    items=[rpc.LostItem(keys[i], lay) for i, lay in lost.items()]))
+            except KVFSError as exc:  # best effort: the GC's scrub finds them too
+                log.warning("%s: could not report %d lost keys to meta: %s", what, len(lost), exc)
         first = next(iter(failed.values()))
         log.warning("%s: %d of %d keys could not be read from any replica (%s); first: %s",
                     what, len(failed), len(keys),

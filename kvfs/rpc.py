@@ -94,6 +94,7 @@ class Op(enum.IntEnum):
     HEARTBEAT = 23
     SERVERS = 24
     EXISTS = 25
+    REPORT_LOST = 26
     # chunkserver
     APPEND = 32
     READV = 33
@@ -185,6 +186,7 @@ class Ping(Request[Pong], frozen=True, kw_only=True):
     pass
 
 
+# (duplicates: the message classes below pair up by shape, typed fields each; each is one RPC's own declaration)
 # -- meta: keys ---------------------------------------------------------------------------
 class Layouts(Response, frozen=True, kw_only=True):
     layouts: Items[Layout | None]
@@ -236,6 +238,22 @@ class Existing(Response, frozen=True, kw_only=True):
 
 class Exists(Request[Existing], frozen=True, kw_only=True):
     keys: Keys
+
+
+class LostItem(NamedTuple):
+    key: Key
+    layout: Layout  # the layout the reader read: the key is dropped only if it still has it
+
+
+class LostDropped(Response, frozen=True, kw_only=True):
+    dropped: Count
+
+
+class ReportLost(Request[LostDropped], frozen=True, kw_only=True):
+    """Keys a reader found lost: every replica answered without good bytes (CRC mismatch,
+    record gone), not merely unreachable."""
+
+    items: NonEmpty[LostItem]
 
 
 class KeyEntry(NamedTuple):
@@ -810,6 +828,7 @@ def _rpcs(*rpcs: Rpc) -> dict[Op, Rpc]:
     return {r.op: r for r in rpcs}
 
 
+# (duplicates: the rows below pair up by shape; each is one RPC, declared once)
 RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.HELLO, Service.ANY, Hello, "server -> client on connect: protocol version and a nonce", ANYONE),
     Rpc(Op.AUTH, Service.ANY, Auth, "client's first frame: both sides prove a token (kvfs.handshake)",
@@ -825,6 +844,9 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.HEARTBEAT, Service.META, Heartbeat, "a chunkserver's usage and chunk table", SERVER_OR_ADMIN),
     Rpc(Op.SERVERS, Service.META, Servers, "the chunkservers meta knows", DATA),
     Rpc(Op.EXISTS, Service.META, Exists, "which keys are present and unexpired", DATA),
+    Rpc(Op.REPORT_LOST, Service.META, ReportLost,
+        "a reader found keys whose every replica is corrupt or gone: meta drops each key "
+        "that still has the layout read (an overwrite since is kept)", DATA),
     Rpc(Op.APPEND, Service.CHUNKSERVER, Append,
         "write records (values in the payload) to the open chunk", DATA),
     Rpc(Op.READV, Service.CHUNKSERVER, ReadV, "read many ranges; bytes in the payload", DATA),

@@ -123,12 +123,17 @@ class WritePath:
             plan = []
             whole = 0
             heads: list[tuple[int, int]] = []  # (server, index) of this value's records
+            single = len(units) == 1
             for ui, unit in enumerate(units):
-                u = v if len(units) == 1 else cut(v, unit.start, unit.length)
+                u = v if single else cut(v, unit.start, unit.length)
                 c = 0
                 for p in u:
                     c = crc(p, c)
-                    whole = crc(p, whole)
+                if single:
+                    whole = c  # one unit: its CRC is the value's (no second pass over the bytes)
+                else:
+                    for p in u:
+                        whole = crc(p, whole)
                 # a stream's unit does not know its whole value (total size 0): a rebuild drops it
                 head = rpc.RecordHead(key, unit.length, c, expires_hint, wid, 0 if stream_unit else n,
                                       c, ui)

@@ -249,6 +249,16 @@ class MetaIndex(ServerRegistry):
             self.leases.pop(k, None)
         return len(gone)
 
+    async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
+        """Remove each key that still has the given layout (compare-and-swap: a key
+        overwritten since is kept); returns how many were removed."""
+        doomed = []
+        for k, lay in rows:
+            e = self.entries.get(k)
+            if e is not None and e.layout == lay:
+                doomed.append(k)
+        return self.remove(doomed)[0]
+
     async def list_keys(self, prefix: bytes, start_after: bytes | None,
                         limit: int) -> list[tuple[bytes, Layout]]:
         return self.store.list(prefix, start_after, limit)

@@ -114,6 +114,13 @@ class MetaService:
         await self.index.touch(req.keys, self.clock())
         return rpc.Empty(), ()
 
+    async def rpc_report_lost(self, req: rpc.ReportLost, payload: memoryview) -> Reply:
+        n = await self.index.drop_lost([(it.key, it.layout) for it in req.items])
+        if n:
+            log.warning("dropped %d keys a reader found lost (every replica corrupt or gone), "
+                        "e.g. %r", n, req.items[0].key[:64])
+        return rpc.LostDropped(dropped=n), ()
+
     async def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply:
         return rpc.Existing(exists=await self.index.exists(req.keys, self.clock())), ()
 

@@ -32,6 +32,7 @@ from kvfs.meta.repair import readable
 log = logging.getLogger("kvfs.meta")
 
 MAX_ID_CLAIMS = 100  # a register racing this many others for the next id gives up
+LEASES_IGNORED = 1e18  # an eviction "now" past every lease
 
 
 class SharedIndex(ServerRegistry):
@@ -112,6 +113,11 @@ class SharedIndex(ServerRegistry):
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         return len(await self.store.delete(keys))
+
+    async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
+        """Remove each key that still has the given layout (the store's compare-and-delete;
+        a lease does not keep a lost value)."""
+        return len(await self.store.evict(rows, LEASES_IGNORED))
 
     async def list_keys(self, prefix: bytes, start_after: bytes | None,
                         limit: int) -> list[tuple[bytes, Layout]]:

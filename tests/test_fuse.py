@@ -117,11 +117,8 @@ def mnt(mount: Mount) -> Path:
 @pytest.fixture(scope="module")
 def fs(tcluster: ThreadCluster) -> Iterator[KVFileSystem]:
     """The same cluster through fsspec: what other clients see."""
-    f = KVFileSystem(tcluster.addr, token=tcluster.token, skip_instance_cache=True)
-    try:
+    with tcluster.fsspec() as f:
         yield f
-    finally:
-        f.close()
 
 
 # everyday use -------------------------------------------------------------------

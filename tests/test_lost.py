@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 import kvfs
+from kvfs import rpc
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
 from kvfs.errors import ChecksumMismatch, StaleLayout, Unavailable
@@ -94,17 +95,15 @@ async def test_corrupt_record_is_a_miss_never_wrong_bytes(cluster: LocalCluster,
     _, rep, path = await _replica_file(cluster, kv, b"victim")
     _flip(path, rep.offset + 1234)
     keys = list(items)
-    assert await kv.get_many(keys) == [None, items[b"n1"], items[b"n2"]]
+    async with cluster.client(RAISE) as strict:
+        with pytest.raises(ChecksumMismatch, match="victim"):
+            await strict.get_ranges([(b"victim", 0, 10)])  # (a range read reports nothing)
+    assert await kv.get_ranges([(b"victim", 0, 10), (b"n1", 5, 9)]) == [None, items[b"n1"][5:9]]
+    assert await kv.get_many(keys) == [None, items[b"n1"], items[b"n2"]]  # (meta drops it now)
     assert await kv.get(b"victim") is None
     bufs = [bytearray(10_000), bytearray(3000), bytearray(5000)]
     assert await kv.get_into(keys, bufs) == [kvfs.MISS, 3000, 5000]
     assert [bytes(b) for b in bufs[1:]] == [items[b"n1"], items[b"n2"]]
-    assert await kv.get_ranges([(b"victim", 0, 10), (b"n1", 5, 9)]) == [None, items[b"n1"][5:9]]
-    async with cluster.client(RAISE) as strict:
-        with pytest.raises(ChecksumMismatch, match="victim"):
-            await strict.get_many(keys)
-        with pytest.raises(ChecksumMismatch, match="victim"):
-            await strict.get_ranges([(b"victim", 0, 10)])
 
 
 async def test_one_corrupt_replica_of_two_reads_the_other(cluster: LocalCluster,
@@ -129,8 +128,84 @@ async def test_missing_record_is_a_miss(cluster: LocalCluster, kv: AsyncClient) 
     os.truncate(path, rep.offset)  # the committed bytes are lost (and any after them)
     await cluster.start_chunkserver(idx)
     kv.layout_cache.clear()
-    got = await kv.get_many([b"gone", b"other"])
-    assert got[0] is None and got[1] in (None, b"y" * 5000)  # "other" may follow it in the chunk
     async with cluster.client(RAISE) as strict:
         with pytest.raises(StaleLayout, match="gone"):
             await strict.get(b"gone")
+    got = await kv.get_many([b"gone", b"other"])
+    assert got[0] is None and got[1] in (None, b"y" * 5000)  # "other" may follow it in the chunk
+
+
+# telling meta (REPORT_LOST) ------------------------------------------------------------
+async def test_a_lost_key_is_dropped_from_meta(cluster: LocalCluster, kv: AsyncClient) -> None:
+    await kv.put_many({b"bad": os.urandom(8000), b"good": os.urandom(8000)})
+    _, rep, path = await _replica_file(cluster, kv, b"bad")
+    _flip(path, rep.offset + 77)
+    assert await kv.exists_many([b"bad", b"good"]) == [True, True]
+    assert await kv.get_many([b"bad", b"good"]) == [None, await kv.get(b"good")]
+    assert await kv.exists_many([b"bad", b"good"]) == [False, True]  # meta dropped it
+    assert await kv.layout(b"bad") is None
+
+
+async def test_an_unreachable_key_is_not_dropped(cluster: LocalCluster, kv: AsyncClient) -> None:
+    await kv.put(b"away", os.urandom(8000))
+    idx, _, _ = await _replica_file(cluster, kv, b"away")
+    await cluster.stop_chunkserver(idx)
+    assert await kv.get(b"away") is None  # a miss now...
+    assert await kv.layout(b"away") is not None  # ...but kept: the server may come back
+    await cluster.start_chunkserver(idx)
+    assert (await kv.get(b"away")) is not None
+
+
+async def test_a_lost_report_never_drops_an_overwrite(cluster: LocalCluster, kv: AsyncClient) -> None:
+    """The reader read the old layout (corrupt); a writer overwrote the key meanwhile: the
+    report names the old layout, so meta keeps the new value."""
+    await kv.put(b"race", b"o" * 8000)
+    old = await kv.layout(b"race")
+    assert old is not None
+    _, rep, path = await _replica_file(cluster, kv, b"race")
+    _flip(path, rep.offset + 5)
+    async with cluster.client() as writer:
+        await writer.put(b"race", b"n" * 8000)
+    assert kv.layout_cache.get_many([b"race"], kv.clock())[0] == [old]  # kv still holds the old one
+    assert await kv.get(b"race") is None  # it read the old, corrupt bytes: a miss, not wrong bytes
+    assert await kv.get(b"race") == b"n" * 8000  # the overwrite was kept; the stale layout forgotten
+    # the RPC itself: a compare-and-swap on the layout
+    meta = kv._link  # the client token may call it
+    assert (await meta.call_meta(rpc.ReportLost(items=[rpc.LostItem(b"race", old)]))).dropped == 0
+    new = await kv.layout(b"race")
+    assert new is not None
+    assert (await meta.call_meta(rpc.ReportLost(items=[rpc.LostItem(b"race", new)]))).dropped == 1
+    assert await kv.layout(b"race") is None
+
+
+# hedged reads ------------------------------------------------------------------------------
+@pytest.mark.subprocess
+async def test_a_hung_replica_is_hedged(proc_cluster: ProcessCluster) -> None:
+    """A chunkserver stopped (SIGSTOP: connections open, nothing answered): reads of values
+    with a second replica complete from it after hedge_after_s, right bytes, and the
+    counter says the hedge happened."""
+    items = {f"h{i}".encode(): os.urandom(30_000 + i) for i in range(12)}
+    cfg = ClientConfig(hedge_after_s=0.3)
+    async with proc_cluster.client(config=cfg) as kv:
+        await kv.put_many(items, replicas=2)
+        first = (await kv.layout(b"h0")).extents[0].replicas[0].server_id  # type: ignore[union-attr]
+        assert await kv.get_many(list(items)) == list(items.values())  # connections open
+        assert kv.reader.hedged == 0
+        addr = next(s.addr for s in await kv.servers() if s.server_id == first)
+        victim = next(p for p in proc_cluster.chunkservers if addr in p.ready_line)
+        victim.kill(signal.SIGSTOP)
+        try:
+            kv.layout_cache.clear()
+            assert await kv.get_many(list(items)) == list(items.values())
+            assert kv.reader.hedged >= 1
+            bufs = [bytearray(len(v)) for v in items.values()]
+            assert await kv.get_into(list(items), bufs) == [len(v) for v in items.values()]
+            assert [bytes(b) for b in bufs] == list(items.values())
+        finally:
+            victim.kill(signal.SIGCONT)
+
+
+def test_hedge_after_is_checked() -> None:
+    assert ClientConfig().hedge_after_s == 2.0 and ClientConfig(hedge_after_s=None).hedge_after_s is None
+    with pytest.raises(ValueError, match="hedge_after_s must be positive"):
+        ClientConfig(hedge_after_s=0)

@@ -246,3 +246,18 @@ async def test_a_stale_slot_map_is_refreshed_and_nothing_runs_twice(redis_store:
     assert sorted(k for k, _ in gone) == sorted(rows)  # each removed once, reported once
     assert await s.chunk_live() == {}
     assert await s.count() == 0
+
+
+async def test_drop_lost_ignores_leases_and_keeps_overwrites(redis_store: RedisMetaStore,
+                                                             tmp_path: Path) -> None:
+    """REPORT_LOST on the shared index: a compare-and-delete on the layout read."""
+    from kvfs.config import MetaConfig
+    from kvfs.meta.shared_index import SharedIndex
+
+    ix = SharedIndex(MetaConfig(data=tmp_path), redis_store, lambda: NOW)
+    rows = {k: lay((1, 1, i * 100)) for i, k in enumerate([b"a", b"b", b"c"])}
+    await redis_store.commit(list(rows.items()), NOW)
+    assert await redis_store.match_prefix([b"a"], NOW, lease_until=NOW + 30) == 1
+    await redis_store.commit([(b"c", lay((1, 2, 0)))], NOW + 1)  # overwritten meanwhile
+    assert await ix.drop_lost(list(rows.items())) == 2
+    assert await redis_store.lookup([b"a", b"b", b"c"], NOW + 2) == [None, None, lay((1, 2, 0))]
