@@ -134,7 +134,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self.layout_cache.close(self.config.request_timeout_s)
-        self._link.close()
+        await self._link.aclose()
 
     async def servers(self, *, refresh: bool = False) -> list[ServerEntry]:
         """The chunkservers meta knows, refreshed every ``servers_refresh_s``."""
