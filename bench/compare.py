@@ -81,21 +81,18 @@ class Cell:
 
     @property
     def ios_per_s(self) -> float | None:
-        if self.result is not None:
-            return self.result.ios_per_s
-        if self.fio is not None:
-            job = self.fio["jobs"][0]
-            return float(job["read"]["iops"]) + float(job["write"]["iops"])
-        return None
+        return self.result.ios_per_s if self.result is not None else self._fio_sum("iops")
 
     @property
     def bytes_per_s(self) -> float | None:
-        if self.result is not None:
-            return self.result.bytes_per_s
-        if self.fio is not None:
-            job = self.fio["jobs"][0]
-            return float(job["read"]["bw_bytes"]) + float(job["write"]["bw_bytes"])
-        return None
+        return self.result.bytes_per_s if self.result is not None else self._fio_sum("bw_bytes")
+
+    def _fio_sum(self, field: str) -> float | None:
+        """fio's read + write figure of ``field`` (fio measures both sides of a randrw)."""
+        if self.fio is None:
+            return None
+        job = self.fio["jobs"][0]
+        return float(job["read"][field]) + float(job["write"][field])
 
     def _job(self) -> dict[str, Any] | None:
         if self.result is not None:

@@ -126,23 +126,14 @@ class ChurnStats:
     puts: int = 0
     passes: int = 0
     pass_s: list[float] = field(default_factory=list)
-    expired_keys: int = 0
-    chunks_compacted: int = 0
-    chunks_deleted: int = 0
-    bytes_copied: int = 0
-    keys_relocated: int = 0
-    relocations_lost: int = 0
-    bytes_reclaimed: int = 0
+    totals: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PASS_TOTALS, 0))  # PassReport's
 
     def to_json(self) -> dict[str, Any]:
         ps = sorted(self.pass_s)
         return {
             "written_bytes": self.written_bytes, "puts": self.puts, "gc_passes": self.passes,
             "pass_s_median": ps[len(ps) // 2] if ps else None, "pass_s_max": ps[-1] if ps else None,
-            "expired_keys": self.expired_keys, "chunks_compacted": self.chunks_compacted,
-            "chunks_deleted": self.chunks_deleted, "bytes_copied": self.bytes_copied,
-            "keys_relocated": self.keys_relocated, "relocations_lost": self.relocations_lost,
-            "bytes_reclaimed": self.bytes_reclaimed,
+            **self.totals,
         }
 
 
@@ -185,7 +176,7 @@ async def churn(addr: str, token: str | None, opts: ChurnOptions, stop: asyncio.
                 st.passes += 1
                 st.pass_s.append(r.duration_s)
                 for name in PASS_TOTALS:  # the PassReport counters this bench sums
-                    setattr(st, name, getattr(st, name) + getattr(r, name))
+                    st.totals[name] += getattr(r, name)
                 await asyncio.sleep(0)
 
     try:

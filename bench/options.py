@@ -7,6 +7,7 @@ Sizes and durations use the one parser in ``kvfs.units`` (fio's rule:
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -39,28 +40,22 @@ def _size_list(text: str) -> list[int]:
     return [size_arg(t) for t in text.split(",") if t.strip()]
 
 
-def _rw_list(text: str) -> list[str]:
-    out = [t.strip() for t in text.split(",") if t.strip()]
-    for rw in out:
-        if rw not in RWS:
-            raise argparse.ArgumentTypeError(f"--rw must be one of {'|'.join(RWS)}, got {rw!r}")
-    return out
+def _choice_list(what: str, known: tuple[str, ...]) -> Callable[[str], list[str]]:
+    """An argparse type: a comma list whose every item is one of ``known`` (argparse names the flag)."""
+
+    def parse(text: str) -> list[str]:
+        out = [t.strip() for t in text.split(",") if t.strip()]
+        for item in out:
+            if item not in known:
+                raise argparse.ArgumentTypeError(f"unknown {what} {item!r} (known: {','.join(known)})")
+        return out
+
+    return parse
 
 
-def _peer_list(text: str) -> list[str]:
-    out = [t.strip() for t in text.split(",") if t.strip()]
-    for peer in out:
-        if peer not in PEERS:
-            raise argparse.ArgumentTypeError(f"--peers: unknown peer {peer!r} (known: {','.join(PEERS)})")
-    return out
-
-
-def _api_list(text: str) -> list[str]:
-    out = [t.strip() for t in text.split(",") if t.strip()]
-    for api in out:
-        if api not in APIS:
-            raise argparse.ArgumentTypeError(f"--api must be one of {'|'.join(APIS)}, got {api!r}")
-    return out
+_rw_list = _choice_list("workload", RWS)
+_peer_list = _choice_list("peer", PEERS)
+_api_list = _choice_list("api", APIS)
 
 
 #: ``--client``: kvfs's async client (``AsyncClient``) and/or the blocking one (``kvfs.Client``)

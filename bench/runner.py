@@ -485,6 +485,7 @@ async def run_workload(
             t1 = clock()
             settle(is_read, idx, bufs, res, t0, t1)
 
+    # (duplicates: worker() above for the blocking client: the same loop without await)
     def thread_worker() -> None:
         try:
             bufs = buffers()

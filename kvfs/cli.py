@@ -14,7 +14,7 @@ import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Protocol
 
 from kvfs import __version__
 from kvfs._loop import run
@@ -62,6 +62,22 @@ async def _wait_for_signal() -> None:
     await _stop_event().wait()
 
 
+class _Service(Protocol):
+    async def start(self) -> str: ...
+    async def close(self) -> None: ...
+
+
+async def _serve(svc: _Service, ready_line: Callable[[str], str]) -> int:
+    """Start ``svc``, print its ready line (launchers wait for it), serve until a signal."""
+    addr = await svc.start()
+    print(ready_line(addr), flush=True)
+    try:
+        await _wait_for_signal()
+    finally:
+        await svc.close()
+    return 0
+
+
 # services ------------------------------------------------------------------------
 async def cmd_meta(ns: argparse.Namespace) -> int:
     from kvfs.meta import MetaService
@@ -69,13 +85,7 @@ async def cmd_meta(ns: argparse.Namespace) -> int:
     if ns.data is None:
         raise ValueError("--data is required")
     svc = MetaService(from_options(MetaConfig, ns))
-    addr = await svc.start()
-    print(f"kvfs meta ready {addr}", flush=True)
-    try:
-        await _wait_for_signal()
-    finally:
-        await svc.close()
-    return 0
+    return await _serve(svc, lambda addr: f"kvfs meta ready {addr}")
 
 
 async def cmd_meta_rebuild(ns: argparse.Namespace) -> int:
@@ -106,13 +116,7 @@ async def cmd_chunkserver(ns: argparse.Namespace) -> int:
     from kvfs.chunkserver import ChunkServer
 
     svc = ChunkServer(from_options(ChunkServerConfig, ns))
-    addr = await svc.start()
-    print(f"kvfs chunkserver ready id={svc.server_id} {addr}", flush=True)
-    try:
-        await _wait_for_signal()
-    finally:
-        await svc.close()
-    return 0
+    return await _serve(svc, lambda addr: f"kvfs chunkserver ready id={svc.server_id} {addr}")
 
 
 async def cmd_up(ns: argparse.Namespace) -> int:
@@ -315,6 +319,7 @@ def build_parser() -> argparse.ArgumentParser:
     _client_options(p)
     p.set_defaults(func=cmd_put)
 
+    # (duplicates: the sub-parsers below pair up by shape; each declares its own command's arguments)
     p = sub.add_parser("get", help="write the value of KEY to stdout (or -o FILE)")
     p.add_argument("key")
     p.add_argument("-o", "--output", default=None)

@@ -91,7 +91,7 @@ class AsyncClient:
         self.reader = ReadPath(self._link, max_rpc_bytes=cfg.max_read_rpc_bytes,
                                max_ranges=cfg.max_read_ranges,
                                relookup=lambda keys: self.lookup(keys, use_cache=False),
-                               forget=self.layout_cache.pop)
+                               forget=self.layout_cache.pop, hedge_after_s=cfg.hedge_after_s)
         self._link.on_rebind.append(self._new_batchers)
         self._new_batchers()
 
@@ -135,7 +135,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self.layout_cache.close(self.config.request_timeout_s)
-        self._link.close()
+        await self._link.aclose()
 
     async def servers(self, *, refresh: bool = False) -> list[ServerEntry]:
         """The chunkservers meta knows, refreshed every ``servers_refresh_s``."""

@@ -124,6 +124,18 @@ class ClusterLink:
         self._meta = None
         self._conns.clear()
 
+    async def aclose(self) -> None:
+        """Close every connection and wait, within ``connect_timeout_s``, until each has closed:
+        a TLS connection's shutdown takes loop turns, and a loop stopped and closed before
+        them still holds their sockets (uvloop's close then fails with EBUSY)."""
+        conns = [c for c in [self._meta, *self._conns.values()] if c is not None]
+        self.close()
+        waits = [asyncio.ensure_future(c.wait_closed()) for c in conns]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=self.connect_timeout_s)
+            for w in pending:
+                w.cancel()
+
     async def _open(self, host: str, port: int) -> Connection:
         return await Connection.open(host, port, self.token, connect_timeout_s=self.connect_timeout_s,
                                      request_timeout_s=self.request_timeout_s, tls=self.tls)

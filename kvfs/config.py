@@ -177,8 +177,15 @@ class ClientConfig(TlsConfig):
                           "dead): miss (get/get_many return None, get_into MISS; the other keys "
                           "of the batch are unaffected) or raise (the error, naming the key; "
                           "get_into reports FAILED)", OnLost.MISS)
+    hedge_after_s: float | None = opt("a chunkserver that has not begun to answer a read by then "
+                                      "is given up for that read, and the extents it holds are "
+                                      "asked of their next replica (replicas >= 2; its late "
+                                      "answer is discarded); none: wait up to "
+                                      "request_timeout_s", 2.0)
 
     def __post_init__(self) -> None:
+        if self.hedge_after_s is not None and not self.hedge_after_s > 0:
+            raise ValueError(f"hedge_after_s must be positive or None, got {self.hedge_after_s}")
         try:
             object.__setattr__(self, "on_lost", OnLost(self.on_lost))
         except ValueError:

@@ -37,6 +37,7 @@ class LocalProtocolError(ProtocolError):
     code = 3
 
 
+# (duplicates: the classes below pair up by shape; each is one wire error code, declared once)
 class RemoteProtocolError(ProtocolError):
     """The peer sent bytes that break the protocol."""
 

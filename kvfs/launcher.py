@@ -112,6 +112,11 @@ class LocalCluster:
             await self.meta.close()
             self.meta = None
 
+    def index_of(self, server_id: int) -> int:
+        """The slot (for stop/start_chunkserver) of the running chunkserver meta knows as ``server_id``."""
+        return next(i for i, cs in enumerate(self.chunkservers)
+                    if cs is not None and cs.server_id == server_id)
+
     async def stop_chunkserver(self, i: int) -> str:
         cs = self.chunkservers[i]
         assert cs is not None

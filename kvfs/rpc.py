@@ -186,6 +186,7 @@ class Ping(Request[Pong], frozen=True, kw_only=True):
     pass
 
 
+# (duplicates: the message classes below pair up by shape, typed fields each; each is one RPC's own declaration)
 # -- meta: keys ---------------------------------------------------------------------------
 class Layouts(Response, frozen=True, kw_only=True):
     layouts: Items[Layout | None]
@@ -827,6 +828,7 @@ def _rpcs(*rpcs: Rpc) -> dict[Op, Rpc]:
     return {r.op: r for r in rpcs}
 
 
+# (duplicates: the rows below pair up by shape; each is one RPC, declared once)
 RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.HELLO, Service.ANY, Hello, "server -> client on connect: protocol version and a nonce", ANYONE),
     Rpc(Op.AUTH, Service.ANY, Auth, "client's first frame: both sides prove a token (kvfs.handshake)",

@@ -546,6 +546,7 @@ class RedisMetaStore:
         nm = self.r.nodes_manager
         for _attempt in range(2):
             by_node: dict[str, tuple[Any, builtins.list[int]]] = {}
+            # (duplicates: _execute's MOVED retry, here per node and bucket (one EVAL each), not per command)
             for b in todo:
                 node = nm.get_node_from_slot(self._slots[b])
                 by_node.setdefault(node.name, (node, []))[1].append(b)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import crc32c
@@ -36,11 +38,25 @@ def _supported(tmp: Path) -> bool:
         os.close(fd)
 
 
-async def test_open_chunk_reserves_blocks_and_sealing_releases_them(tmp_path: Path) -> None:
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    """A data dir on a filesystem with fallocate (the test is skipped elsewhere)."""
     if not _supported(tmp_path):
         pytest.skip("this filesystem has no fallocate")
-    st = _store(tmp_path / "cs", True)
+    return tmp_path / "cs"
+
+
+@contextlib.contextmanager
+def opened(root: Path, prealloc: bool = True) -> Iterator[ChunkStore]:
+    st = _store(root, prealloc)
     try:
+        yield st
+    finally:
+        st.close()
+
+
+async def test_open_chunk_reserves_blocks_and_sealing_releases_them(root: Path) -> None:
+    with opened(root) as st:
         value = os.urandom(4096)
         cid, off = await _put(st, b"k", value)
         assert os.stat(st.chunk_path(cid)).st_size == st.sizes[cid]  # the size is what was written
@@ -49,56 +65,35 @@ async def test_open_chunk_reserves_blocks_and_sealing_releases_them(tmp_path: Pa
         assert _blocks(st, cid) < CHUNK // 4  # sealed: the reservation past the end is given back
         views, stale = await st.readv([(cid, off, len(value))])
         assert not stale and bytes(views[0]) == value  # type: ignore[arg-type]
-    finally:
-        st.close()
     # a restart finds no torn tail: the reserved blocks were never part of the file
-    again = _store(tmp_path / "cs", True)
-    try:
+    with opened(root) as again:
         assert again.sizes[cid] == os.stat(again.chunk_path(cid)).st_size
-    finally:
-        again.close()
 
 
-async def test_rolling_to_a_new_chunk_releases_the_old_one(tmp_path: Path) -> None:
-    if not _supported(tmp_path):
-        pytest.skip("this filesystem has no fallocate")
-    st = _store(tmp_path / "cs", True)
-    try:
+async def test_rolling_to_a_new_chunk_releases_the_old_one(root: Path) -> None:
+    with opened(root) as st:
         first, _ = await _put(st, b"a", os.urandom(CHUNK // 2))
         second, _ = await _put(st, b"b", os.urandom(CHUNK // 2 + (64 << 10)))  # does not fit: a new chunk
         assert second != first
         assert _blocks(st, first) < CHUNK * 3 // 4  # the unused half went back
         assert _blocks(st, second) >= CHUNK
-    finally:
-        st.close()
 
 
-async def test_close_gives_back_the_reservation_of_the_open_chunk(tmp_path: Path) -> None:
-    if not _supported(tmp_path):
-        pytest.skip("this filesystem has no fallocate")
-    st = _store(tmp_path / "cs", True)
+async def test_close_gives_back_the_reservation_of_the_open_chunk(root: Path) -> None:
     value = os.urandom(4096)
-    try:
+    with opened(root) as st:
         cid, off = await _put(st, b"k", value)
         assert _blocks(st, cid) >= CHUNK
-    finally:
-        st.close()
     assert _blocks(st, cid) < CHUNK // 4  # a stopped server holds no reserved blocks
-    again = _store(tmp_path / "cs", True)
-    try:  # the chunk is intact and still takes appends after the restart
+    with opened(root) as again:  # the chunk is intact and still takes appends after the restart
         views, stale = await again.readv([(cid, off, len(value))])
         assert not stale and bytes(views[0]) == value  # type: ignore[arg-type]
-        cid2, _ = await _put(again, b"k2", value)
-        views, stale = await again.readv([(cid2, _, len(value))])
+        cid2, off2 = await _put(again, b"k2", value)
+        views, stale = await again.readv([(cid2, off2, len(value))])
         assert not stale and bytes(views[0]) == value  # type: ignore[arg-type]
-    finally:
-        again.close()
 
 
 async def test_preallocate_off_reserves_nothing(tmp_path: Path) -> None:
-    st = _store(tmp_path / "cs", False)
-    try:
+    with opened(tmp_path / "cs", False) as st:
         cid, _ = await _put(st, b"k", os.urandom(4096))
         assert _blocks(st, cid) < CHUNK // 4
-    finally:
-        st.close()

@@ -106,8 +106,7 @@ async def test_get_into_one_unreadable_key_fails_alone(cluster: LocalCluster,
             break
     else:
         raise AssertionError("50 puts all landed on one server")
-    idx = next(i for i, cs in enumerate(cluster.chunkservers) if cs and cs.server_id == sb)
-    await cluster.stop_chunkserver(idx)
+    await cluster.stop_chunkserver(cluster.index_of(sb))
     bufs = [bytearray(5000), bytearray(6000)]
     assert await kv.get_into([b"a", b], bufs) == [5000, kvfs.MISS]  # on_lost="miss"
     assert bytes(bufs[0]) == await kv.get(b"a")
@@ -146,8 +145,7 @@ async def test_replicas_survive_a_lost_server(cluster: LocalCluster, kv: AsyncCl
     assert layout is not None
     assert all(len({r.server_id for r in e.replicas}) == 2 for e in layout.extents)
     victim = layout.extents[0].replicas[0].server_id
-    idx = next(i for i, cs in enumerate(cluster.chunkservers) if cs and cs.server_id == victim)
-    await cluster.stop_chunkserver(idx)
+    await cluster.stop_chunkserver(cluster.index_of(victim))
     assert await kv.get(b"r") == data
 
 

@@ -51,7 +51,7 @@ async def _first_replica(cluster: LocalCluster, kv: AsyncClient, key: bytes) -> 
     layout = await kv.layout(key)
     assert layout is not None
     rep = layout.extents[0].replicas[0]
-    idx = next(i for i, c in enumerate(cluster.chunkservers) if c and c.server_id == rep.server_id)
+    idx = cluster.index_of(rep.server_id)
     cs = cluster.chunkservers[idx]
     assert cs is not None
     return idx, rep, cs.store.chunk_path(rep.chunk_id)

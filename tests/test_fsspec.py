@@ -25,11 +25,8 @@ from kvfs.launcher import LocalCluster
 
 @pytest.fixture
 def kvfs_sync(tcluster: ThreadCluster) -> Iterator[KVFileSystem]:
-    fs = KVFileSystem(tcluster.addr, token=tcluster.token, skip_instance_cache=True)
-    try:
+    with tcluster.fsspec() as fs:
         yield fs
-    finally:
-        fs.close()
 
 
 # fsspec's conformance suite ---------------------------------------------------------

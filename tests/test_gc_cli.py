@@ -115,7 +115,7 @@ async def test_fsck_repair_drops_only_bad_replicas_and_yields_to_racing_writes(
         deleted, overwritten, repaired = order
         drop = hold(cluster, Op.GC_DROP_REPLICAS)
         fsck = asyncio.create_task(gc.fsck(cutoff_s=0, apply=True))
-        await drop.reached()
+        await drop.reached(fsck)
         await kv.delete(deleted)
         await kv.put(overwritten, b"new", replicas=2)
         drop.release()

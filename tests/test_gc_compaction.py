@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import random
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from conftest import FakeClock
+from conftest import FakeClock, value_of
 from conftest import clocked_client as client
 
 from kvfs import rpc
@@ -22,11 +21,6 @@ from kvfs.launcher import LocalCluster, ProcessCluster
 
 def du(root: Path) -> int:
     return sum(os.stat(p).st_blocks * 512 for p in root.glob("cs*/chunks/*.chunk"))
-
-
-def value_of(key: str, size: int = 4096) -> bytes:
-    seed = hashlib.sha256(key.encode()).digest()
-    return (seed * (size // len(seed) + 1))[:size]
 
 
 @pytest.fixture

@@ -76,56 +76,48 @@ async def test_eviction_keeps_cluster_under_watermark_lru_first(full: LocalClust
 
 
 async def test_lease_holds_eviction_off_until_it_ends(tmp_path: Path, clock: FakeClock) -> None:
-    c = make(tmp_path, clock, 1, 512 * 1024)
-    await c.start()
-    try:
-        async with client(c, clock) as kv, GarbageCollector(c.addr, token=c.admin_token) as gc:
-            leased = [f"l{i}" for i in range(10)]
-            await kv.put_many([(k, b"L" * VALUE) for k in leased])
-            assert await kv.match_prefix(leased, lease_s=30) == 10
-            clock.advance(1)
-            for i in range(5):  # 6 x 80 KiB: past the 90 % watermark of 512 KiB
-                await kv.put_many([(f"o{i}-{j}", b"O" * VALUE) for j in range(10)])
-            clock.advance(1)
+    async with (make(tmp_path, clock, 1, 512 * 1024) as c, client(c, clock) as kv,
+                GarbageCollector(c.addr, token=c.admin_token) as gc):
+        leased = [f"l{i}" for i in range(10)]
+        await kv.put_many([(k, b"L" * VALUE) for k in leased])
+        assert await kv.match_prefix(leased, lease_s=30) == 10
+        clock.advance(1)
+        for i in range(5):  # 6 x 80 KiB: past the 90 % watermark of 512 KiB
+            await kv.put_many([(f"o{i}-{j}", b"O" * VALUE) for j in range(10)])
+        clock.advance(1)
+        r = await gc.run_pass(GC)
+        assert r.evicted_keys > 0 and r.leased_skipped == 10
+        assert await kv.exists_many(leased) == [True] * 10  # EXISTS does not count as a read
+        clock.advance(30)  # the lease ends; the leased keys are the least recently used
+        evicted = 0
+        for i in range(5, 8):
+            await kv.put_many([(f"o{i}-{j}", b"O" * VALUE) for j in range(10)])
             r = await gc.run_pass(GC)
-            assert r.evicted_keys > 0 and r.leased_skipped == 10
-            assert await kv.exists_many(leased) == [True] * 10  # EXISTS does not count as a read
-            clock.advance(30)  # the lease ends; the leased keys are the least recently used
-            evicted = 0
-            for i in range(5, 8):
-                await kv.put_many([(f"o{i}-{j}", b"O" * VALUE) for j in range(10)])
-                r = await gc.run_pass(GC)
-                assert r.leased_skipped == 0
-                evicted += r.evicted_keys
-            assert evicted > 0
-            assert await read_fresh(c, clock, leased) == [None] * 10
-    finally:
-        await c.stop()
+            assert r.leased_skipped == 0
+            evicted += r.evicted_keys
+        assert evicted > 0
+        assert await read_fresh(c, clock, leased) == [None] * 10
 
 
 async def test_full_cluster_nothing_evictable_raises_nospace(tmp_path: Path, clock: FakeClock) -> None:
-    c = make(tmp_path, clock, 1, 256 * 1024)
-    await c.start()
-    try:
-        async with client(c, clock) as kv, GarbageCollector(c.addr, token=c.admin_token) as gc:
-            keys: list[str] = []
-            with pytest.raises(NoSpace) as info:
-                for i in range(100):
-                    batch = [f"n{i}-{j}" for j in range(4)]
-                    await kv.put_many([(k, b"N" * VALUE) for k in batch])
-                    keys += batch
-                    assert await kv.match_prefix(batch, lease_s=60) == 4
-                    r = await gc.run_pass(GC)
-                    assert r.evicted_keys == 0
-            assert "is full" in str(info.value)
-            assert keys
-            clock.advance(61)  # leases over: evictable again, and writes fit after a pass
-            r = await gc.run_pass(GC)
-            assert r.evicted_keys > 0
-            await kv.put_many([("after", b"A" * VALUE)])
-            assert await kv.get("after") == b"A" * VALUE
-    finally:
-        await c.stop()
+    async with (make(tmp_path, clock, 1, 256 * 1024) as c, client(c, clock) as kv,
+                GarbageCollector(c.addr, token=c.admin_token) as gc):
+        keys: list[str] = []
+        with pytest.raises(NoSpace) as info:
+            for i in range(100):
+                batch = [f"n{i}-{j}" for j in range(4)]
+                await kv.put_many([(k, b"N" * VALUE) for k in batch])
+                keys += batch
+                assert await kv.match_prefix(batch, lease_s=60) == 4
+                r = await gc.run_pass(GC)
+                assert r.evicted_keys == 0
+        assert "is full" in str(info.value)
+        assert keys
+        clock.advance(61)  # leases over: evictable again, and writes fit after a pass
+        r = await gc.run_pass(GC)
+        assert r.evicted_keys > 0
+        await kv.put_many([("after", b"A" * VALUE)])
+        assert await kv.get("after") == b"A" * VALUE
 
 
 async def test_write_to_full_cluster_evicts_instead_of_failing(tmp_path: Path, clock: FakeClock) -> None:

@@ -19,10 +19,11 @@ real monotonic clock), so no step waits on time.
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import functools
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import conftest
 import pytest
 from conftest import FakeClock, hold
 from conftest import clocked_client as client
@@ -36,9 +37,7 @@ from kvfs.rpc import Op
 NOW = PassOptions(apply=True, grace_s=0)
 
 
-def value_of(key: str, size: int = 8192) -> bytes:
-    seed = hashlib.sha256(key.encode()).digest()
-    return (seed * (size // len(seed) + 1))[:size]
+value_of = functools.partial(conftest.value_of, size=8192)
 
 
 @pytest.fixture
@@ -63,9 +62,9 @@ async def test_retire_refuses_a_chunk_a_commit_made_live(one: LocalCluster, cloc
     retire = hold(one, Op.GC_RETIRE)
     async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
         put = asyncio.create_task(kv.put("k", value_of("k")))
-        await commit.reached()  # the bytes are appended, meta has not seen them
+        await commit.reached(put)  # the bytes are appended, meta has not seen them
         gc_pass = asyncio.create_task(gc.run_pass(NOW))
-        await retire.reached()  # sealed, planned for deletion as unreferenced
+        await retire.reached(gc_pass)  # sealed, planned for deletion as unreferenced
         files = chunk_files(one)
         assert len(files) == 1
         commit.release()
@@ -84,7 +83,7 @@ async def test_commit_refuses_a_layout_naming_a_retired_chunk(one: LocalCluster,
     commit = hold(one, Op.COMMIT)
     async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
         put = asyncio.create_task(kv.put("k", value_of("k")))
-        await commit.reached()
+        await commit.reached(put)
         report = await gc.run_pass(NOW)
         assert report.chunks_deleted == 1 and chunk_files(one) == set()
         commit.release()
@@ -110,7 +109,7 @@ async def test_relocate_never_undoes_an_overwrite_made_during_compaction(
         over, gone, rest = live[0], live[1], live[2:]
         relocate = hold(one, Op.GC_RELOCATE)
         gc_pass = asyncio.create_task(gc.run_pass(NOW))
-        await relocate.reached()  # live records copied to a new chunk, layouts not switched
+        await relocate.reached(gc_pass)  # live records copied to a new chunk, layouts not switched
         newer = value_of("newer")  # as long as the copied value: only its CRC tells them apart
         await kv.put(over, newer)  # on the same server: the only one
         await kv.delete(gone)
@@ -139,7 +138,7 @@ async def test_relocate_refuses_a_copy_another_gc_reclaimed(one: LocalCluster, c
         async with GarbageCollector(one.addr, token=one.admin_token) as a, \
                 GarbageCollector(one.addr, token=one.admin_token) as b:
             stalled = asyncio.create_task(a.run_pass(NOW))
-            await relocate.reached()
+            await relocate.reached(stalled)
             copies = chunk_files(one)
             assert len(copies) == 2  # the old chunk and its compacted copy
             # B compacts nothing (threshold 1: no chunk is all garbage) but deletes the copy

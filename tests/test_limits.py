@@ -98,6 +98,7 @@ async def test_a_large_msgpack_header_before_auth_is_refused(tight: LocalCluster
     writer.close()
 
 
+# (duplicates: the raw-frame tests read alike on purpose: each sends one bad frame and checks the answer)
 async def test_a_connection_that_does_not_authenticate_is_closed(tight: LocalCluster) -> None:
     reader, writer, _ = await raw_connect(tight.addr)
     writer.write(frame_bytes(Op.AUTH, 1, {"version": PROTOCOL_VERSION})[:20])  # half a frame

@@ -94,8 +94,7 @@ async def test_a_dead_server_is_repaired_and_reclaimed_when_it_returns(cluster: 
             lone = await kv1.layout("only-on-one")
         assert lone is not None
         victim_sid = lone.extents[0].replicas[0].server_id
-        victim = next(i for i, cs in enumerate(cluster.chunkservers)
-                      if cs is not None and cs.server_id == victim_sid)
+        victim = cluster.index_of(victim_sid)
         held = [k for k in values if any(r.server_id == victim_sid
                                          for e in (await kv.layout(k)).extents for r in e.replicas)]
         assert len(held) >= 2, "the victim holds too few replicas of the replicas=2 keys"
@@ -142,13 +141,13 @@ async def test_a_dead_server_is_repaired_and_reclaimed_when_it_returns(cluster: 
 
 
 async def test_repair_loses_to_a_racing_overwrite(cluster: LocalCluster) -> None:
+    # (duplicates: picks its victim as the test above does: the server of a key's first replica)
     async with cluster.client(ClientConfig(replicas=2)) as kv:
         await kv.put("k", b"old" * 1000)
         layout = await kv.layout("k")
         assert layout is not None
         victim_sid = layout.extents[0].replicas[0].server_id
-        victim = next(i for i, cs in enumerate(cluster.chunkservers)
-                      if cs is not None and cs.server_id == victim_sid)
+        victim = cluster.index_of(victim_sid)
         await cluster.stop_chunkserver(victim)
         await until_dead(cluster, victim_sid)
         holders = {r.server_id for r in layout.extents[0].replicas}

@@ -7,11 +7,14 @@ import hashlib
 import itertools
 import os
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TypeVar
 
 from ..store import leading_present
+
+T = TypeVar("T")
 
 __all__ = ["FilePerKeyStore"]
 
@@ -104,26 +107,21 @@ class FilePerKeyStore:
             )
         )
 
-    async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+    async def _per_slice(self, fn: Callable[[Sequence[bytes]], list[T]], keys: list[bytes]) -> list[T]:
+        """``fn`` over the keys, one slice a pool thread, the answers in key order."""
         if not keys:
             return []
         loop = asyncio.get_running_loop()
         pool = self._executor()
-        parts = await asyncio.gather(
-            *(loop.run_in_executor(pool, self._get_slice, keys[s]) for s in self._slices(len(keys)))
-        )
+        parts = await asyncio.gather(*(loop.run_in_executor(pool, fn, keys[s]) for s in self._slices(len(keys))))
         return [v for part in parts for v in part]
+
+    async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
+        return await self._per_slice(self._get_slice, keys)
 
     async def exists_many(self, keys: list[bytes]) -> list[bool]:
         """One ``stat`` per key, in the thread pool's slices."""
-        if not keys:
-            return []
-        loop = asyncio.get_running_loop()
-        pool = self._executor()
-        parts = await asyncio.gather(
-            *(loop.run_in_executor(pool, self._exists_slice, keys[s]) for s in self._slices(len(keys)))
-        )
-        return [v for part in parts for v in part]
+        return await self._per_slice(self._exists_slice, keys)
 
     async def match_prefix(self, keys: list[bytes]) -> int:
         return leading_present(await self.exists_many(keys))

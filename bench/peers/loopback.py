@@ -12,6 +12,7 @@ from typing import Literal, cast
 
 from ..store import PeerUnavailable
 from ._loopback_server import ACK, HEADER, OP_GET, OP_PUT, LoopbackServer
+from ._process import wait_or_kill
 
 __all__ = ["LoopbackLimit"]
 
@@ -263,10 +264,6 @@ class LoopbackLimit:
                 proc.stdin.close()
                 with contextlib.suppress(ConnectionError):
                     await proc.stdin.wait_closed()
-            try:
-                await asyncio.wait_for(proc.wait(), 5.0)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+            await wait_or_kill(proc, 5.0)
             if proc.stdout is not None:
                 await proc.stdout.read()

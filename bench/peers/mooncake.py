@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..store import PeerUnavailable, leading_present
+from ._process import wait_or_kill
 
 __all__ = ["MooncakeStore"]
 
@@ -320,11 +321,7 @@ class MooncakeStore:
         for proc in reversed(procs):  # the segment client first, then the master
             if proc.returncode is None:
                 proc.terminate()
-                try:
-                    await asyncio.wait_for(proc.wait(), 10.0)
-                except TimeoutError:
-                    proc.kill()
-                    await proc.wait()
+                await wait_or_kill(proc, 10.0)
         tmp, self._tmp = self._tmp, None
         if tmp is not None:
             tmp.cleanup()

@@ -13,6 +13,7 @@ import time
 from typing import Any, Final, Literal
 
 from ..store import PeerUnavailable, leading_present
+from ._process import wait_or_kill
 
 __all__ = ["RedisStore"]
 
@@ -60,6 +61,7 @@ class RedisStore:
         seed: int | None = None,
     ) -> None:
         """Configure only; ``start()`` launches the server (or use ``RedisStore.open``)."""
+        # (duplicates: pairs up by shape with MooncakeStore.__init__: each peer keeps its own options)
         self.name = "redis"
         self.transport = transport
         self.redis_server = redis_server
@@ -77,25 +79,10 @@ class RedisStore:
         self._lookup_free: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
 
     @classmethod
-    async def open(
-        cls,
-        *,
-        transport: Literal["tcp", "unix"] = "tcp",
-        redis_server: str = "redis-server",
-        start_timeout_s: float = 10.0,
-        port_attempts: int = 20,
-        max_command_bytes: int = 64 << 20,
-        seed: int | None = None,
-    ) -> RedisStore:
-        """Configure and start; raises ``PeerUnavailable`` if Redis cannot run here."""
-        store = cls(
-            transport=transport,
-            redis_server=redis_server,
-            start_timeout_s=start_timeout_s,
-            port_attempts=port_attempts,
-            max_command_bytes=max_command_bytes,
-            seed=seed,
-        )
+    async def open(cls, **kwargs: Any) -> RedisStore:
+        """Configure (the constructor's keywords) and start; raises ``PeerUnavailable`` if
+        Redis cannot run here."""
+        store = cls(**kwargs)
         await store.start()
         return store
 
@@ -318,11 +305,7 @@ class RedisStore:
             await client.aclose()
         if proc is not None:
             if proc.returncode is None:
-                try:
-                    await asyncio.wait_for(proc.wait(), 5.0)
-                except TimeoutError:
-                    proc.kill()
-                    await proc.wait()
+                await wait_or_kill(proc, 5.0)
             if proc.stderr is not None:
                 await proc.stderr.read()
         tmp, self._tmp = self._tmp, None

@@ -1,0 +1,330 @@
+"""ChunkStore on real files, without a server: the edges of compact, delete, scan, seal,
+verify and recovery that the cluster tests do not reach. The mutation pass found them
+(tests/MUTATION.md): each test here fails under at least one mutant that survived before."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from crc32c import crc32c
+
+from kvfs.chunkserver.store import ALIGN, ChunkStore, Span, check_ranges, plan_spans
+from kvfs.datadir import FILE_MODE
+from kvfs.errors import InvalidArgument, NoSpace, StaleLayout
+from kvfs.layout import make_chunk_id
+from kvfs.rpc import Range
+
+CHUNK = 64 * 1024
+
+
+def open_store(root: Path) -> ChunkStore:
+    st = ChunkStore(root, chunk_bytes=CHUNK, preallocate=False)
+    st.server_id = 1
+    return st
+
+
+@pytest.fixture
+async def store(tmp_path: Path) -> AsyncIterator[ChunkStore]:
+    st = open_store(tmp_path / "cs")
+    try:
+        yield st
+    finally:
+        st.close()
+
+
+def value_of(key: bytes, size: int = 3000) -> bytes:
+    return (key * (size // len(key) + 1))[:size]
+
+
+async def put(st: ChunkStore, key: bytes, value: bytes) -> tuple[int, int]:
+    ((cid, off),) = await st.append([(key, len(value), crc32c(value), None)], memoryview(value))
+    return cid, off
+
+
+async def sealed(st: ChunkStore, *keys: bytes) -> tuple[int, dict[bytes, int]]:
+    """Append ``keys`` (value_of each) into one chunk and seal it: (chunk id, value offsets)."""
+    offsets: dict[bytes, int] = {}
+    cids = set()
+    for k in keys:
+        cid, offsets[k] = await put(st, k, value_of(k))
+        cids.add(cid)
+    (cid,) = cids
+    assert await st.seal(cid, 0.0)
+    return cid, offsets
+
+
+async def read(st: ChunkStore, cid: int, off: int, length: int) -> bytes:
+    views, stale = await st.readv([(cid, off, length)])
+    assert not stale, stale
+    view = views[0]
+    assert view is not None
+    return bytes(view)
+
+
+def open_paths() -> list[str]:
+    """What this process's open file descriptors point at."""
+    out = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.append(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:
+            continue
+    return out
+
+
+def temp_files(st: ChunkStore) -> list[str]:
+    return sorted(p.name for p in st.dir.iterdir() if not p.name.endswith(".chunk"))
+
+
+# compact -----------------------------------------------------------------------------------
+async def test_compact_skips_unknown_and_vanished_sources_and_copies_the_rest(store: ChunkStore) -> None:
+    a, a_offs = await sealed(store, b"a1", b"a2")
+    b, b_offs = await sealed(store, b"b1")
+    os.unlink(store.chunk_path(b))  # gone from disk while meta still plans with it
+    unknown = make_chunk_id(1, 999)
+    new, size, locations = await store.compact([
+        (unknown, [(100, 10)]),
+        (b, [(b_offs[b"b1"], 3000)]),
+        (a, [(a_offs[b"a1"], 3000), (a_offs[b"a2"], 3000)]),
+    ])
+    assert new is not None
+    assert locations[0] == [None] and locations[1] == [None]
+    at1, at2 = locations[2]
+    assert at1 is not None and at2 is not None
+    assert await read(store, new, at1, 3000) == value_of(b"a1")
+    assert await read(store, new, at2, 3000) == value_of(b"a2")
+    assert size == store.sizes[new] == os.stat(store.chunk_path(new)).st_size
+    assert os.stat(store.chunk_path(new)).st_mode & 0o777 == FILE_MODE  # private, as appended chunks
+    assert temp_files(store) == []
+
+
+async def test_compact_copies_only_whole_intact_records(store: ChunkStore) -> None:
+    a, offs = await sealed(store, b"k1", b"k2", b"k3")
+    with open(store.chunk_path(a), "r+b") as f:  # k3's value no longer matches its CRC
+        f.seek(offs[b"k3"] + 7)
+        f.write(b"\xff")
+    wanted = [(offs[b"k1"] + 1, 2999),  # not where a value starts
+              (offs[b"k2"], 2999),  # a record, but not its length
+              (offs[b"k3"], 3000),  # a record whose value is corrupt
+              (offs[b"k1"], 3000)]
+    new, size, [locs] = await store.compact([(a, wanted)])
+    assert locs[:3] == [None, None, None] and locs[3] is not None and new is not None
+    assert await read(store, new, locs[3], 3000) == value_of(b"k1")
+    assert size == store.sizes[new]
+    # nothing to copy: no new chunk, nothing written
+    chunks = set(store.sizes)
+    assert await store.compact([(a, wanted[:3])]) == (None, 0, [[None, None, None]])
+    assert set(store.sizes) == chunks
+
+
+async def test_compact_refuses_the_chunk_open_for_appends(store: ChunkStore) -> None:
+    cid, off = await put(store, b"k", value_of(b"k"))
+    with pytest.raises(InvalidArgument, match=f"chunk {cid:016x} is open for appends"):
+        await store.compact([(cid, [(off, 3000)])])
+
+
+async def test_compact_on_a_full_disk_is_nospace_and_leaves_nothing_behind(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, offs = await sealed(store, b"k1")
+    fds_before = len(open_paths())
+
+    real_fsync = os.fsync
+
+    def full(fd: int) -> None:  # fault injection: the disk fills while the copy is synced
+        if os.path.dirname(os.readlink(f"/proc/self/fd/{fd}")) == str(store.dir):  # the copy
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(NoSpace, match="compacting into a new chunk: the disk is full"):
+        await store.compact([(a, [(offs[b"k1"], 3000)])])
+    monkeypatch.undo()
+    assert temp_files(store) == []
+    assert len(open_paths()) == fds_before  # the temp file's fd was closed
+    assert set(store.sizes) == {a}
+    assert await read(store, a, offs[b"k1"], 3000) == value_of(b"k1")
+
+
+# delete ------------------------------------------------------------------------------------
+async def test_delete_chunks_skips_the_open_chunk_and_unknown_ids(store: ChunkStore) -> None:
+    a, a_offs = await sealed(store, b"a")
+    gone, _ = await sealed(store, b"g")
+    gone_size = store.sizes[gone]
+    os.unlink(store.chunk_path(gone))  # already unlinked (a crash between unlink and answer)
+    assert await read(store, a, a_offs[b"a"], 3000) == value_of(b"a")  # a's fd is open now
+    a_size = store.sizes[a]
+    o, o_off = await put(store, b"o", value_of(b"o"))
+    deleted = store.delete_chunks([o, a, gone, make_chunk_id(1, 999)])
+    assert deleted == {a: a_size, gone: gone_size}
+    assert not store.chunk_path(a).exists()
+    assert not any(str(store.chunk_path(a)) in p for p in open_paths())  # its blocks are freed
+    assert await read(store, o, o_off, 3000) == value_of(b"o")  # the open chunk stays
+    views, stale = await store.readv([(a, a_offs[b"a"], 3000)])
+    assert views == [None] and isinstance(stale[0], StaleLayout)
+
+
+# scan, seal, verify, mtimes ----------------------------------------------------------------
+async def test_scan_reads_only_the_bytes_appends_were_answered_for(store: ChunkStore) -> None:
+    cid, _ = await put(store, b"k", value_of(b"k"))
+    with open(store.chunk_path(cid), "rb") as f:
+        record = f.read()
+    with open(store.chunk_path(cid), "ab") as f:  # an append in flight: written, not answered
+        f.write(record)
+    assert [r.key for r in await store.scan(cid)] == [b"k"]
+    with pytest.raises(StaleLayout, match=f"chunk {cid + 1:016x} is not on this server"):
+        await store.scan(cid + 1)
+
+
+async def test_seal_needs_the_open_chunk_to_be_idle(store: ChunkStore) -> None:
+    cid, _ = await put(store, b"k", value_of(b"k"))
+    assert await store.seal(make_chunk_id(1, 999), 60.0)  # not open: sealed already
+    assert not await store.seal(cid, 60.0)  # appended to just now
+    assert store.open_chunk == cid
+    assert await store.seal(cid, 0.0, apply=False)  # a dry run says it would ...
+    assert store.open_chunk == cid  # ... and changes nothing
+    assert await store.seal(cid, 0.0)
+    assert store.open_chunk is None
+    cid2, _ = await put(store, b"k2", value_of(b"k2"))
+    assert cid2 != cid  # a sealed chunk takes no more appends
+
+
+async def test_verify_names_missing_and_corrupt_ranges(store: ChunkStore) -> None:
+    a, offs = await sealed(store, b"k1", b"k2")
+    with open(store.chunk_path(a), "r+b") as f:
+        f.seek(offs[b"k2"])
+        f.write(b"\x00")
+    good = (a, offs[b"k1"], 3000, crc32c(value_of(b"k1")))
+    bad = (a, offs[b"k2"], 3000, crc32c(value_of(b"k2")))
+    past_end = (a, store.sizes[a] - 10, 20, 0)
+    unknown = (make_chunk_id(1, 999), 0, 10, 0)
+    assert await store.verify([unknown, good, bad, past_end]) == ([0, 3], [2])
+    assert await store.verify([past_end, unknown]) == ([0, 1], [])
+    assert await store.verify([good]) == ([], [])
+
+
+async def test_mtimes_of_the_chunks_on_disk(store: ChunkStore) -> None:
+    a, _ = await sealed(store, b"a")
+    b, _ = await sealed(store, b"b")
+    assert store.mtimes() == {c: os.stat(store.chunk_path(c)).st_mtime for c in (a, b)}
+    os.unlink(store.chunk_path(b))
+    assert store.mtimes() == {a: os.stat(store.chunk_path(a)).st_mtime}
+
+
+# recovery ----------------------------------------------------------------------------------
+async def test_a_clean_restart_cuts_nothing_and_warns_of_nothing(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    st = open_store(tmp_path / "cs")
+    try:
+        cid, off = await put(st, b"k", value_of(b"k"))
+        size = st.sizes[cid]
+    finally:
+        st.close()
+    with caplog.at_level(logging.WARNING, logger="kvfs.chunkserver"):
+        again = open_store(tmp_path / "cs")
+    try:
+        assert caplog.records == []
+        assert again.sizes[cid] == size and again.bad_records == 0 and again.damage[cid] == []
+        assert await read(again, cid, off, 3000) == value_of(b"k")
+    finally:
+        again.close()
+
+
+# READV's pure parts: check_ranges, plan_spans ---------------------------------------------
+@pytest.mark.parametrize(("raw", "message"), [
+    ({"a": 1}, "READV ranges must be a list, got dict"),
+    ([[1, 0, 1]] * 5, "READV names 5 ranges; the limit is 4 (max_ranges)"),
+    ([[1, "0", 1]], "READV range must be three integers, got [1, '0', 1]"),
+    ([[1, 0, 1.0]], "READV range must be three integers"),
+    ([[1.0, 0, 1]], "READV range must be three integers"),
+    ([[-1, 0, 1]], "READV range has a negative field: [-1, 0, 1]"),
+    ([[1, -1, 1]], "READV range has a negative field"),
+    ([[1, 0, -1]], "READV range has a negative field"),
+    ([[1, 0, 600], [2, 0, 500]], "READV asks for 1100 bytes; the limit is 1000 (max_read_rpc_bytes)"),
+    ([[1, 0, 100], [1, 99, 10]], "READV ranges overlap in chunk 0000000000000001 at offset 99"),
+])
+def test_check_ranges_refuses_naming_what_is_wrong(raw: object, message: str) -> None:
+    with pytest.raises(InvalidArgument, match=re.escape(message)):
+        check_ranges(raw, max_ranges=4, max_bytes=1000)
+
+
+def test_check_ranges_takes_zeros_touching_ranges_and_decoded_ranges() -> None:
+    raw = [[0, 0, 0], [0, 0, 10], [0, 10, 10], [1, 5, 0], [1, 5, 20]]  # chunk 0, empty, adjacent
+    assert check_ranges(raw, max_ranges=5, max_bytes=40) == [tuple(r) for r in raw]
+    decoded = [Range(3, 0, 10), Range(3, 10, 10)]
+    assert check_ranges(decoded, max_ranges=2, max_bytes=20) == decoded
+    with pytest.raises(InvalidArgument, match="overlap"):
+        check_ranges([Range(3, 0, 10), Range(3, 9, 1)], max_ranges=2, max_bytes=20)
+
+
+def test_plan_spans_exactly() -> None:
+    # the first span starts where its range does, not at 0
+    assert plan_spans([(1, 3 * ALIGN + 5, 100)], 64 * 1024) == [Span(1, 3 * ALIGN, 4 * ALIGN, (0,))]
+    # a span reaching exactly the next range's aligned start takes it in (merge gap 0) ...
+    assert plan_spans([(0, 0, ALIGN), (0, ALIGN, 10)], 0) == [Span(0, 0, 2 * ALIGN, (0, 1))]
+    # ... a gap of one page more than allowed does not; nor does another chunk
+    assert plan_spans([(0, 2 * ALIGN, 1), (0, 0, 1), (2, 0, 1)], ALIGN - 1) == [
+        Span(0, 0, ALIGN, (1,)), Span(0, 2 * ALIGN, 3 * ALIGN, (0,)), Span(2, 0, ALIGN, (2,))]
+
+
+# _read_spans: short reads, the page-cache probe, the LRU of open files -----------------------
+async def test_reads_survive_short_reads_and_a_file_ending_early(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, offs = await sealed(store, b"k1", b"k2")
+    real = os.preadv
+
+    def short(fd: int, bufs: list[bytearray | memoryview], offset: int, *flags: int) -> int:
+        return real(fd, [memoryview(bufs[0])[:1000]], offset, *flags)  # fault injection: 1000 bytes a call
+
+    monkeypatch.setattr(os, "preadv", short)
+    whole = (a, 0, store.sizes[a])
+    views, stale = await store.readv([whole, (a, offs[b"k2"], 3000)])
+    assert not stale
+    assert bytes(views[0]) == store.chunk_path(a).read_bytes()  # type: ignore[arg-type]
+    assert bytes(views[1]) == value_of(b"k2")  # type: ignore[arg-type]
+    os.truncate(store.chunk_path(a), store.sizes[a] - 1)  # the file lost its last byte
+    with pytest.raises(OSError, match=f"chunk {a:016x} ended at {store.sizes[a] - 1}, expected {store.sizes[a]}"):
+        await store.readv([whole])
+
+
+async def test_spans_not_in_the_page_cache_are_read_in_the_pool(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    a, offs = await sealed(store, b"k1")
+    b, _ = await sealed(store, b"k2")
+    if not store.nowait:
+        pytest.skip("no RWF_NOWAIT here")
+    real = os.preadv
+    probes: list[int] = []
+
+    def cold(fd: int, bufs: list[bytearray | memoryview], offset: int, *flags: int) -> int:
+        if flags and flags[0]:  # fault injection: chunk a is not in the page cache
+            probes.append(fd)
+            if os.readlink(f"/proc/self/fd/{fd}") == str(store.chunk_path(a)):
+                raise BlockingIOError(errno.EAGAIN, "would block")
+        return real(fd, bufs, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", cold)
+    views, stale = await store.readv([(a, offs[b"k1"], 1), (b, store.sizes[b] - 1, 1)])
+    assert not stale and len(probes) == 2
+    assert bytes(views[0]) == value_of(b"k1")[:1]  # type: ignore[arg-type]
+    assert bytes(views[1]) == store.chunk_path(b).read_bytes()[-1:]  # type: ignore[arg-type]
+    assert store.inline_spans == 1  # b from the page cache, a from the pool
+
+
+async def test_files_pushed_out_of_the_lru_are_closed_once_reads_end(tmp_path: Path) -> None:
+    st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK, preallocate=False, max_open_files=2)
+    st.server_id = 1
+    try:
+        chunks = [await sealed(st, k) for k in (b"a", b"b", b"c", b"d")]
+        for cid, offs in chunks:
+            ((key, off),) = offs.items()
+            assert await read(st, cid, off, 3000) == value_of(key)
+        open_chunks = [p for p in open_paths() if p.startswith(str(st.dir))]
+        assert len(open_chunks) == 2, open_chunks
+    finally:
+        st.close()
