@@ -147,7 +147,7 @@ class GarbageCollector:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.close()
+        await self._link.aclose()
 
     def close(self) -> None:
         self._link.close()

@@ -83,6 +83,7 @@ class AsyncClient:
         self._link = ClusterLink(host, port, self.token, connect_timeout_s=cfg.connect_timeout_s,
                                  request_timeout_s=cfg.request_timeout_s,
                                  servers_refresh_s=cfg.servers_refresh_s,
+                                 down_for_s=cfg.down_for_s,
                                  tls=client_context(cfg))  # None: plaintext
         self.rpc_counts = self._link.rpc_counts
         self.layout_cache = LayoutCache(self._link, cfg.layout_cache_entries)
@@ -90,7 +91,7 @@ class AsyncClient:
         self.reader = ReadPath(self._link, max_rpc_bytes=cfg.max_read_rpc_bytes,
                                max_ranges=cfg.max_read_ranges,
                                relookup=lambda keys: self.lookup(keys, use_cache=False),
-                               forget=self.layout_cache.pop)
+                               forget=self.layout_cache.pop, hedge_after_s=cfg.hedge_after_s)
         self._link.on_rebind.append(self._new_batchers)
         self._new_batchers()
 
@@ -134,7 +135,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self.layout_cache.close(self.config.request_timeout_s)
-        self._link.close()
+        await self._link.aclose()
 
     async def servers(self, *, refresh: bool = False) -> list[ServerEntry]:
         """The chunkservers meta knows, refreshed every ``servers_refresh_s``."""

@@ -5,6 +5,10 @@ the GC driver (:mod:`kvfs.gc.driver`) and a chunkserver's registration and
 heartbeats (only its meta connection).  Connections are opened on first use,
 one persistent multiplexed connection per peer, and re-opened after a peer
 restarts; the server list is re-read from meta every ``servers_refresh_s``.
+A chunkserver a call could not reach (connection refused or lost, timeout) is
+marked down here for ``down_for_s``: placement and reads skip it at once instead
+of waiting for meta to notice, and a refresh from meta does not undo the mark
+(a call to it that succeeds does; see :meth:`ClusterLink.mark_down`).
 :mod:`kvfs.transport` is the one connection underneath; this module is the only
 place that pools them.
 
@@ -35,13 +39,19 @@ from kvfs.transport import Connection, Sink
 
 @dataclass(slots=True)
 class ServerEntry:
-    """A chunkserver as meta last reported it; ``alive`` drops to False when a call fails."""
+    """A chunkserver as meta last reported it (``alive``), and whether this link saw a
+    call to it fail within ``down_for_s`` (``down``: placement and reads skip it)."""
 
     server_id: int
     addr: str
     capacity: int
     free: int
     alive: bool
+    down: bool = False
+
+    @property
+    def usable(self) -> bool:
+        return self.alive and not self.down
 
 
 class ClusterLink:
@@ -49,14 +59,17 @@ class ClusterLink:
 
     def __init__(self, host: str, port: int, token: str, *, connect_timeout_s: float = 5.0,
                  request_timeout_s: float = 60.0, servers_refresh_s: float = 2.0,
-                 tls: ssl.SSLContext | None = None) -> None:
+                 down_for_s: float = 5.0, tls: ssl.SSLContext | None = None) -> None:
         """``tls``: every connection speaks TLS with this context
-        (:func:`kvfs.tls.client_context`); None: plaintext."""
+        (:func:`kvfs.tls.client_context`); None: plaintext.  ``down_for_s``: how long a
+        server a call could not reach stays marked down (:meth:`mark_down`)."""
         self.host, self.port, self.token = host, port, token
         self.tls = tls
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
         self.servers_refresh_s = servers_refresh_s
+        self.down_for_s = down_for_s
+        self._down_until: dict[int, float] = {}  # server id -> monotonic end of its mark; known ids only
         self.rpc_counts: dict[str, int] = defaultdict(int)  # calls sent, by op name
         self.on_rebind: list[Callable[[], None]] = []  # users' per-loop state to make anew
         self._pid = os.getpid()
@@ -111,6 +124,18 @@ class ClusterLink:
         self._meta = None
         self._conns.clear()
 
+    async def aclose(self) -> None:
+        """Close every connection and wait, within ``connect_timeout_s``, until each has closed:
+        a TLS connection's shutdown takes loop turns, and a loop stopped and closed before
+        them still holds their sockets (uvloop's close then fails with EBUSY)."""
+        conns = [c for c in [self._meta, *self._conns.values()] if c is not None]
+        self.close()
+        waits = [asyncio.ensure_future(c.wait_closed()) for c in conns]
+        if waits:
+            _, pending = await asyncio.wait(waits, timeout=self.connect_timeout_s)
+            for w in pending:
+                w.cancel()
+
     async def _open(self, host: str, port: int) -> Connection:
         return await Connection.open(host, port, self.token, connect_timeout_s=self.connect_timeout_s,
                                      request_timeout_s=self.request_timeout_s, tls=self.tls)
@@ -150,12 +175,39 @@ class ClusterLink:
                 if sid not in fresh or fresh[sid].addr != self._servers.get(sid, fresh[sid]).addr:
                     conn.close()
                     del self._conns[sid]
+            for sid in list(self._down_until):  # a forgotten or moved server: its mark goes too
+                if sid not in fresh or fresh[sid].addr != self._servers.get(sid, fresh[sid]).addr:
+                    del self._down_until[sid]
             self._servers, self._servers_at = fresh, now
+        self._expire_marks(now)
         return list(self._servers.values())
 
     def alive(self) -> dict[int, bool]:
-        """Liveness of each known server as last seen (no RPC)."""
-        return {s.server_id: s.alive for s in self._servers.values()}
+        """Whether each known server is usable: alive as meta last said and not marked
+        down here (no RPC)."""
+        self._expire_marks(time.monotonic())
+        return {s.server_id: s.usable for s in self._servers.values()}
+
+    def mark_down(self, sid: int) -> None:
+        """Skip server ``sid`` for ``down_for_s``: a call to it could not reach it.  The mark
+        outlives refreshes from meta (which may still call it alive) and ends early when
+        a call to it succeeds or meta moves or forgets it.  One mark per known server."""
+        entry = self._servers.get(sid)
+        if entry is None:
+            return
+        self._down_until[sid] = time.monotonic() + self.down_for_s
+        entry.down = True
+
+    def _expire_marks(self, now: float) -> None:
+        for sid, entry in self._servers.items():
+            until = self._down_until.get(sid)
+            if until is not None and now >= until:
+                del self._down_until[sid]
+            entry.down = sid in self._down_until
+
+    def _mark_up(self, sid: int) -> None:
+        if self._down_until.pop(sid, None) is not None and sid in self._servers:
+            self._servers[sid].down = False
 
     # chunkservers ---------------------------------------------------------------------
     async def server_conn(self, sid: int) -> Connection:
@@ -185,20 +237,21 @@ class ClusterLink:
             try:
                 return await self._open(host, port)
             except Unavailable as exc:
-                entry.alive = False
+                self.mark_down(sid)
                 error = Unavailable(f"chunkserver {sid} at {entry.addr}: {exc}")
         raise error
 
     async def call_server(self, sid: int, request: Request[R], payload: Sequence[Buffer] = (),
                           sink: Sink | None = None) -> tuple[R, memoryview | Scatter]:
-        """One RPC to chunkserver ``sid``: its answer and raw payload.  A failure marks the
-        server dead in the list until the next refresh."""
+        """One RPC to chunkserver ``sid``: its answer and raw payload.  A connection that
+        fails (refused, lost, timed out: ``Unavailable``) marks the server down
+        (:meth:`mark_down`); an answer clears the mark."""
         self.rpc_counts[OP_OF[type(request)].name] += 1
         conn = await self.server_conn(sid)
         try:
             answer, body = await conn.exchange(request, payload, sink=sink)
         except Unavailable as exc:
-            if sid in self._servers:
-                self._servers[sid].alive = False
+            self.mark_down(sid)
             raise Unavailable(f"chunkserver {sid} ({conn.name}): {exc}") from None
+        self._mark_up(sid)
         return answer, body if isinstance(body, Scatter) else memoryview(body)

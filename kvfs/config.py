@@ -163,6 +163,9 @@ class ClientConfig(TlsConfig):
     max_read_ranges: int = opt("split reads from one server naming more ranges than this (at "
                                "most the server's --max-ranges)", 4096)
     servers_refresh_s: float = opt("re-read the chunkserver list this often", 2.0)
+    down_for_s: float = opt("a chunkserver a call could not reach (refused, lost, timed out) is "
+                            "skipped by writes and reads for this long, whatever meta says "
+                            "(a call to it that succeeds ends it sooner)", 5.0)
     evict_on_full: bool = opt("when a write finds the cluster full, ask meta for a GC pass and retry once", True)
     batch: bool = opt("coalesce concurrent single-key get()/exists() calls into batches", True)
     batch_window_s: float = opt("wait this long for more keys (0: those issued this loop tick)", 0.0)
@@ -174,8 +177,15 @@ class ClientConfig(TlsConfig):
                           "dead): miss (get/get_many return None, get_into MISS; the other keys "
                           "of the batch are unaffected) or raise (the error, naming the key; "
                           "get_into reports FAILED)", OnLost.MISS)
+    hedge_after_s: float | None = opt("a chunkserver that has not begun to answer a read by then "
+                                      "is given up for that read, and the extents it holds are "
+                                      "asked of their next replica (replicas >= 2; its late "
+                                      "answer is discarded); none: wait up to "
+                                      "request_timeout_s", 2.0)
 
     def __post_init__(self) -> None:
+        if self.hedge_after_s is not None and not self.hedge_after_s > 0:
+            raise ValueError(f"hedge_after_s must be positive or None, got {self.hedge_after_s}")
         try:
             object.__setattr__(self, "on_lost", OnLost(self.on_lost))
         except ValueError:

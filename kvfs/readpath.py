@@ -9,7 +9,10 @@ extent to its next replica; when every replica said its bytes are gone, the key 
 one fresh lookup and retry; a key deleted meanwhile is a miss.  A key no replica can
 serve fails alone (``failed``: the client makes it a miss or raises, its
 ``on_lost``), and the read says which of those every replica answered for without good
-bytes (``lost``: truly lost, not merely unreachable).  Wrong bytes are never returned.
+bytes (``lost``: truly lost, not merely unreachable).  With ``hedge_after_s``, a server
+that has not begun to answer by then is given up for the read when every extent it was
+asked for has another replica: they go to their next replica, and its late answer lands
+in a scratch buffer (:class:`_Watch`).  Wrong bytes are never returned.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from kvfs.errors import (
     KVFSError,
     ServerError,
     StaleLayout,
+    Timeout,
     Unavailable,
     from_wire,
 )
@@ -68,15 +72,41 @@ class _Job:
     unreachable: bool = False  # a replica's server could not be asked (or failed otherwise)
 
 
+@dataclass(slots=True)
+class _Watch:
+    """One server's READVs of a round, for hedging: ``started`` once an answer's header
+    arrived (its bytes are landing in the destinations); ``abandoned`` once the round
+    gave up on it (its answer, if one comes, goes to a scratch buffer and is ignored)."""
+
+    started: bool = False
+    abandoned: bool = False
+
+
+def _retrieve(task: asyncio.Future[list[_Job]]) -> None:
+    """Done-callback of an abandoned READV: its outcome is not wanted."""
+    if not task.cancelled():
+        task.exception()
+
+
+def _can_hedge(jobs: list[_Job]) -> bool:
+    """Every job has a replica left besides the one being asked."""
+    return all(len(job.extent.replicas) > len(job.tried) + 1 for job in jobs)
+
+
 class ReadPath:
     """Reads extents for :class:`kvfs.client.AsyncClient`.  ``relookup(keys)`` fetches
     fresh layouts from meta, ``forget(key)`` drops a cached one."""
 
     def __init__(self, link: ClusterLink, *, max_rpc_bytes: int, max_ranges: int,
                  relookup: Callable[[list[bytes]], Awaitable[list[Layout | None]]],
-                 forget: Callable[[bytes], None]) -> None:
+                 forget: Callable[[bytes], None], hedge_after_s: float | None = None) -> None:
+        """``hedge_after_s``: a server that has not begun to answer a READV by then is
+        given up for this read, and its extents are asked of their next replicas (None:
+        wait up to the request timeout)."""
         # (duplicates: pairs up by shape with Batcher.__init__: each keeps its own arguments)
         self._link = link
+        self._hedge_after_s = hedge_after_s
+        self.hedged = 0  # READVs given up on after hedge_after_s (public counter)
         self._max_rpc_bytes = max_rpc_bytes
         self._max_ranges = max_ranges
         self._relookup = relookup
@@ -187,9 +217,14 @@ class ReadPath:
         bad: set[int] = set()
         self._assign(keys, choose, alive, stale, failed, bad, by_server)
         while by_server:
-            results = await asyncio.gather(
-                *(self._readv(sid, js, keys, out) for sid, js in by_server.items()),
-                return_exceptions=True)
+            hedge = self._hedge_after_s
+            results: list[list[_Job] | BaseException]
+            if hedge is not None and any(_can_hedge(js) for js in by_server.values()):
+                results = await self._hedged_round(by_server, keys, out, hedge)
+            else:
+                results = await asyncio.gather(
+                    *(self._readv(sid, js, keys, out) for sid, js in by_server.items()),
+                    return_exceptions=True)
             pending: list[_Job] = []
             for (sid, js), res in zip(by_server.items(), results, strict=True):
                 if isinstance(res, (Unavailable, ServerError)):
@@ -215,6 +250,40 @@ class ReadPath:
                 raise next(iter(failed.values()))
             failed_out.update(failed)
         return sorted(stale)
+
+    async def _hedged_round(self, by_server: dict[int, list[_Job]], keys: list[bytes],
+                            out: list[bytes | None] | None,
+                            hedge: float) -> list[list[_Job] | BaseException]:
+        """One round of READVs (as ``gather(..., return_exceptions=True)`` answers); a
+        server that has not begun to answer within ``hedge`` seconds, whose extents all have
+        another replica, is answered ``Timeout`` at once: its extents go to their next
+        replica and its READV is left to finish (or time out) with its bytes discarded."""
+        watches = [_Watch() for _ in by_server]
+        tasks = [asyncio.ensure_future(self._readv(sid, js, keys, out, w))
+                 for (sid, js), w in zip(by_server.items(), watches, strict=True)]
+        try:
+            await asyncio.wait(tasks, timeout=hedge)
+            results: list[asyncio.Future[list[_Job]] | BaseException] = []
+            waiting = []
+            for js, w, t in zip(by_server.values(), watches, tasks, strict=True):
+                if not t.done() and not w.started and _can_hedge(js):
+                    w.abandoned = True
+                    t.add_done_callback(_retrieve)
+                    self.hedged += 1
+                    results.append(Timeout(f"no answer within hedge_after_s={hedge:g}; asked "
+                                           "the next replica"))
+                else:
+                    results.append(t)
+                    waiting.append(t)
+            if waiting:
+                await asyncio.wait(waiting)
+        except BaseException:
+            for w, t in zip(watches, tasks, strict=True):
+                if not w.abandoned:
+                    t.cancel()
+            raise
+        return [r.exception() or r.result() if isinstance(r, asyncio.Future) else r
+                for r in results]
 
     @staticmethod
     def _assign(keys: list[bytes], jobs: list[_Job], alive: dict[int, bool], stale: set[int],
@@ -246,7 +315,7 @@ class ReadPath:
             by_server[rep.server_id].append(job)
 
     async def _readv(self, sid: int, jobs: list[_Job], keys: list[bytes],
-                     out: list[bytes | None] | None) -> list[_Job]:
+                     out: list[bytes | None] | None, watch: _Watch | None = None) -> list[_Job]:
         """Read ``jobs`` from one server: one READV, or several (at most
         ``max_read_rpc_bytes`` each, a few in flight) for large reads, so the server's
         reads, the transfer and the client's checks overlap.  Returns the jobs to retry on
@@ -263,27 +332,32 @@ class ReadPath:
                 [r[2] for r in ranges], max_bytes=self._max_rpc_bytes, max_items=self._max_ranges,
                 keys=[r[:2] for r in ranges])]
         if len(batches) == 1:
-            await self._readv_batch(sid, batches[0], keys, out, retry)
+            await self._readv_batch(sid, batches[0], keys, out, retry, watch)
             return retry
         gate = asyncio.Semaphore(READV_IN_FLIGHT)
 
         async def one(batch: list[_Job]) -> None:
             async with gate:
-                await self._readv_batch(sid, batch, keys, out, retry)
+                await self._readv_batch(sid, batch, keys, out, retry, watch)
 
         await asyncio.gather(*(one(b) for b in batches))
         return retry
 
     async def _readv_batch(self, sid: int, batch: list[_Job], keys: list[bytes],
-                           out: list[bytes | None] | None, retry: list[_Job]) -> None:
+                           out: list[bytes | None] | None, retry: list[_Job],
+                           watch: _Watch | None = None) -> None:
         # plain (chunk, offset, length) tuples: msgpack arrays, as rpc.Range encodes
         ranges = cast(list[rpc.Range], [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
                                         for job in batch])
         rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
 
-        def scatter(head: FrameHead) -> Scatter:
+        def scatter(head: FrameHead) -> Scatter | memoryview:
             # the answer lands straight in each destination (e.g. the caller's buffers); this
             # peeks at the header before it is checked: exchange() checks it once received
+            if watch is not None:
+                if watch.abandoned:  # the read went on without this server: bytes discarded
+                    return memoryview(bytearray(head.payload_len))
+                watch.started = True
             errs = head.header.get("errors") or {}
             return Scatter([p for i, job in enumerate(batch) if i not in errs
                             for p in cast(list[memoryview], job.dest)])  # no dest is WHOLE here
@@ -291,6 +365,10 @@ class ReadPath:
         def pooled(head: FrameHead) -> memoryview:
             # values handed back as bytes are copied out of a reused buffer: no fresh
             # pages to fault in for every answer
+            if watch is not None:
+                if watch.abandoned:
+                    return memoryview(bytearray(head.payload_len))
+                watch.started = True
             rx.append(self._rx_take(head.payload_len))
             return memoryview(rx[0])[: head.payload_len]
 
@@ -300,6 +378,9 @@ class ReadPath:
         except BaseException:
             self._rx_give(rx)
             raise
+        if watch is not None and watch.abandoned:
+            self._rx_give(rx)
+            return
         errors = h.errors
         in_place = isinstance(payload, Scatter)
         view = payload if isinstance(payload, memoryview) else memoryview(b"")

@@ -5,7 +5,9 @@ in one APPEND (split past ``max_rpc_bytes``), the payload being the callers'
 memoryviews, never re-packed.  The COMMIT of every layout in one transaction is the
 linearisation point.  A server refusing for lack of space (``NoSpace``) makes the
 writer ask meta to make room (``MAKE_ROOM``: meta runs one GC pass) and retry once;
-the client itself never runs GC.
+the client itself never runs GC.  A server that cannot be reached mid-write is left
+out for the rest of the call and the values are placed again on the live others
+(a degraded write; the link also marks it down, :meth:`kvfs.cluster.ClusterLink.mark_down`).
 """
 
 from __future__ import annotations
@@ -47,17 +49,23 @@ class WritePath:
 
     async def append(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
                      ttl: float | None, first: int | None = None) -> list[Layout]:
-        """Write the values' bytes (not yet visible): placement, retries on a dead server,
-        one MAKE_ROOM when the cluster is full.  Returns their layouts, to commit.
+        """Write the values' bytes (not yet visible): placement, one MAKE_ROOM when the
+        cluster is full, and degraded writes: a server that cannot be reached is left out
+        and the values are placed again on the live others (up to 3 tries).  Returns their layouts, to commit.
         ``first``: start at the live server of that index (mod their count, in id order)
         instead of a random draw, so the units of a stream go round-robin over the
         servers as stripes do (and, not knowing the whole value, its records say so)."""
         asked = False
+        failed: set[int] = set()  # servers this call could not reach: left out of its retries
         for attempt in range(3):
-            live = [s for s in await self._link.servers(refresh=attempt > 0) if s.alive]
+            known = await self._link.servers(refresh=attempt > 0)
+            live = [s for s in known if s.usable and s.server_id not in failed]
+            if len(live) < replicas:  # servers only marked down by this link, rather than none
+                live += [s for s in known if s.alive and s.down and s.server_id not in failed]
             if len(live) < replicas:
+                left_out = f" ({len(failed)} left out after failing this call)" if failed else ""
                 raise Unavailable(f"{replicas} replicas need {replicas} live chunkservers; "
-                                  f"{len(live)} are live")
+                                  f"{len(live)} are live{left_out}")
             if first is None:
                 order = [s.server_id for s in order_by_free(live)]
             else:
@@ -66,10 +74,12 @@ class WritePath:
                 order = ids[k:] + ids[:k]
             try:
                 return await self._append(keys, views, order, replicas, ttl,
-                                          stream_unit=first is not None)
-            except Unavailable:
+                                          stream_unit=first is not None, failed=failed)
+            except Unavailable as exc:
                 if attempt == 2:
                     raise
+                log.info("a write could not reach chunkservers %s (%s): placing it again on the "
+                         "others", sorted(failed), exc)
             except NoSpace:
                 if asked or not self.config.evict_on_full:
                     raise
@@ -95,7 +105,7 @@ class WritePath:
         the chunks does not bring the keys back.  Best effort: meta's delete stands."""
         wid = self.next_write_id()
         try:
-            live = [s for s in await self._link.servers() if s.alive]
+            live = [s for s in await self._link.servers() if s.usable]
             if not live:
                 return
             sid = order_by_free(live)[0].server_id
@@ -105,8 +115,9 @@ class WritePath:
             log.warning("deleted %d keys, but could not record their tombstones: %s", len(keys), exc)
 
     async def _append(self, keys: list[bytes], views: list[list[memoryview]], order: list[int],
-                      r: int, ttl: float | None, *, stream_unit: bool) -> list[Layout]:
-        """Append every value (one APPEND per server); returns the layouts to commit."""
+                      r: int, ttl: float | None, *, stream_unit: bool, failed: set[int]) -> list[Layout]:
+        """Append every value (one APPEND per server); returns the layouts to commit.
+        Servers that could not be reached (``Unavailable``) are added to ``failed``."""
         expires_hint = None if ttl is None else self._clock() + ttl
         wid = self.next_write_id()  # records carry it: a rebuild of meta keeps the newest write
         crc = crc32c.crc32c
@@ -163,6 +174,8 @@ class WritePath:
             locs[sid] = out
 
         results = await asyncio.gather(*(send(sid) for sid in records), return_exceptions=True)
+        failed.update(sid for sid, res in zip(records, results, strict=True)
+                      if isinstance(res, Unavailable))
         for res in results:
             if isinstance(res, BaseException):
                 raise res

@@ -26,6 +26,8 @@ from kvfs.rpc import Op
 from kvfs.server import RpcServer
 
 if TYPE_CHECKING:  # imported in the fixtures: redis-py is a test extra, absent in engine venvs
+    from fuse_mount import Mount
+
     from kvfs.fs import KVFileSystem  # fsspec: imported where used
     from kvfs.meta.redis_local import LocalRedisCluster
     from kvfs.meta.redis_store import RedisMetaStore
@@ -141,6 +143,8 @@ def hold(cluster: LocalCluster, op: Op) -> Hold:
 _ENGINE_TESTS = {"sglang": "sglang", "lmcache": "lmcache", "vllm": "vllm", "demo": "transformers"}
 collect_ignore_glob = [f"engines/test_{name}.py" for name, module in _ENGINE_TESTS.items()
                        if importlib.util.find_spec(module) is None]
+if all(importlib.util.find_spec(m) is None for m in ("sglang", "lmcache")):  # one half each
+    collect_ignore_glob.append("engines/test_mount_backends.py")
 
 
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
@@ -251,6 +255,21 @@ def tcluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ThreadCluster
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture(scope="module")
+def mount(tcluster: ThreadCluster, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mount]:
+    """A real ``kvfs mount`` of the module's ``tcluster`` (FUSE, root; skipped elsewhere)."""
+    from fuse_mount import Mount, _skip_reason
+
+    if _skip_reason():
+        pytest.skip(_skip_reason() or "")
+    root = tmp_path_factory.mktemp("fuse")
+    m = Mount(root / "mnt", tcluster, root / "logs")
+    try:
+        yield m
+    finally:
+        m.cleanup()
 
 
 __all__ = ["FakeClock", "Hold", "ThreadCluster", "hold", "new_event_loop", "value_of"]

@@ -176,3 +176,36 @@ async def test_a_lost_report_never_drops_an_overwrite(cluster: LocalCluster, kv:
     assert new is not None
     assert (await meta.call_meta(rpc.ReportLost(items=[rpc.LostItem(b"race", new)]))).dropped == 1
     assert await kv.layout(b"race") is None
+
+
+# hedged reads ------------------------------------------------------------------------------
+@pytest.mark.subprocess
+async def test_a_hung_replica_is_hedged(proc_cluster: ProcessCluster) -> None:
+    """A chunkserver stopped (SIGSTOP: connections open, nothing answered): reads of values
+    with a second replica complete from it after hedge_after_s, right bytes, and the
+    counter says the hedge happened."""
+    items = {f"h{i}".encode(): os.urandom(30_000 + i) for i in range(12)}
+    cfg = ClientConfig(hedge_after_s=0.3)
+    async with proc_cluster.client(config=cfg) as kv:
+        await kv.put_many(items, replicas=2)
+        first = (await kv.layout(b"h0")).extents[0].replicas[0].server_id  # type: ignore[union-attr]
+        assert await kv.get_many(list(items)) == list(items.values())  # connections open
+        assert kv.reader.hedged == 0
+        addr = next(s.addr for s in await kv.servers() if s.server_id == first)
+        victim = next(p for p in proc_cluster.chunkservers if addr in p.ready_line)
+        victim.kill(signal.SIGSTOP)
+        try:
+            kv.layout_cache.clear()
+            assert await kv.get_many(list(items)) == list(items.values())
+            assert kv.reader.hedged >= 1
+            bufs = [bytearray(len(v)) for v in items.values()]
+            assert await kv.get_into(list(items), bufs) == [len(v) for v in items.values()]
+            assert [bytes(b) for b in bufs] == list(items.values())
+        finally:
+            victim.kill(signal.SIGCONT)
+
+
+def test_hedge_after_is_checked() -> None:
+    assert ClientConfig().hedge_after_s == 2.0 and ClientConfig(hedge_after_s=None).hedge_after_s is None
+    with pytest.raises(ValueError, match="hedge_after_s must be positive"):
+        ClientConfig(hedge_after_s=0)

@@ -320,7 +320,7 @@ def test_fuse_mount_over_tls(tmp_path: Path, certs: Certs) -> None:
     import sys
 
     from conftest import ThreadCluster
-    from test_fuse import Mount
+    from fuse_mount import Mount
 
     from kvfs.fs import KVFileSystem
 

@@ -4,7 +4,7 @@
 set -euo pipefail
 cd "$(dirname "$0")"
 R=${RUNTIME:-3}
-common=(--compare --cpu --no-internal --no-progress --runtime "$R" --peers file,redis,mooncake,loopback,fio
+common=(--compare --cpu --no-internal --no-progress --runtime "$R" --time-based --peers file,redis,mooncake,loopback,fio
         --client async,sync)
 # each run's command, start time and load average (this machine is shared) go to runs.log
 run() { local name=$1; shift; echo "== $name: kvfs bench $*" | tee -a runs.log >&2

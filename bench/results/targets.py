@@ -1,4 +1,4 @@
-"""Issue 11's targets, judged on the JSON that run.sh wrote (python bench/results/targets.py).
+"""Issue 11's targets, judged on the JSON that run.sh wrote (python bench/results/targets.py [DIR]).
 
 Prints one markdown row per target: the figures of this run it rests on and
 "met" / "missed" (or "not measured" when a row is absent or was skipped, with
@@ -8,6 +8,7 @@ the reason). Every ratio is taken inside one ``kvfs bench --compare`` run.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ class Run:
 
     def __init__(self, size: str, batch: int) -> None:
         self.size, self.batch = size, batch
-        path = HERE / f"cmp-{size}.json"
+        path = (Path(sys.argv[1]) if len(sys.argv) > 1 else HERE) / f"cmp-{size}.json"
         self.peers: dict[str, Any] = json.loads(path.read_text())["kvfs compare"]["peers"] if path.exists() else {}
 
     def job(self, store: str, suffix: str = "", rw: str = "randread") -> dict[str, Any] | None:
