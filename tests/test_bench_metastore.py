@@ -20,7 +20,11 @@ def _redis_installed() -> None:
 @pytest.mark.parametrize("store", ["redis", "sqlite"])
 async def test_metastore_bench_reports_every_op(store: str) -> None:
     res = await metastore.run(store, None, 2000, [1, 16], 0.01, 16)
-    assert res["keys"] == 2000 and res["bytes_per_key"] > 0
+    assert res["keys"] == 2000
+    if store == "redis":  # Redis's used_memory grows with every key
+        assert res["bytes_per_key"] > 0
+    else:  # in-process RSS growth may be 0 where earlier tests warmed the heap; the file grows
+        assert res["bytes_per_key"] >= 0 and res["sqlite_file_bytes"] > 0
     assert [(o["op"], o["batch"]) for o in res["ops"]] == [
         (op, b) for b in (1, 16) for op in ("commit", "lookup", "match_prefix")]
     assert all(o["keys_per_s"] > 0 for o in res["ops"])
