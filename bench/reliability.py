@@ -106,14 +106,15 @@ async def lost_meta(root: Path, n: int) -> None:
              stall, restore, "time: rebuild + restart + all chunkservers registered")
 
 
-def _flip(cluster: LocalCluster, rep: Replica, at: int) -> None:
-    """Flip one byte of a replica's value in its chunk file, the server running."""
+def flip_byte(cluster: LocalCluster, rep: Replica, at: int, mask: int = 1) -> None:
+    """Fault injection: XOR byte ``at`` of a replica's value with ``mask`` in its chunk file,
+    the server running (also used by tests/test_scrub.py)."""
     cs = next(s for s in cluster.chunkservers if s is not None and s.server_id == rep.server_id)
     with open(cs.store.chunk_path(rep.chunk_id), "r+b") as f:
         f.seek(rep.offset + at)
         b = f.read(1)
         f.seek(rep.offset + at)
-        f.write(bytes([b[0] ^ 1]))
+        f.write(bytes([b[0] ^ mask]))
 
 
 async def scrubbed(root: Path, mib: int) -> None:
@@ -127,9 +128,9 @@ async def scrubbed(root: Path, mib: int) -> None:
             lays = [await kv.layout(f"s/{i}") for i in range(5)]
         for lay in lays:
             assert lay is not None
-            _flip(c, lay.extents[0].replicas[0], 12345)
+            flip_byte(c, lay.extents[0].replicas[0], 12345)
         assert lays[4] is not None
-        _flip(c, lays[4].extents[0].replicas[1], 777)
+        flip_byte(c, lays[4].extents[0].replicas[1], 777)
         async with GarbageCollector(c.addr, token=c.admin_token) as gc:
             for rate in (None, 32 << 20):
                 r = await scrub(gc, apply=False, rate_bytes=rate)

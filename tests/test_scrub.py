@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from conftest import kvfs_admin
 
+from kvfs.bench.reliability import flip_byte
 from kvfs.config import ClientConfig
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Extent, Layout, Replica
@@ -64,13 +65,7 @@ async def cluster(tmp_path: Path) -> AsyncIterator[LocalCluster]:
 
 
 def flip(cluster: LocalCluster, replica: Replica, at: int) -> None:
-    """Flip one byte of a replica's value, in its chunk file on disk."""
-    cs = next(cs for cs in cluster.chunkservers if cs is not None and cs.server_id == replica.server_id)
-    with open(cs.store.chunk_path(replica.chunk_id), "r+b") as f:
-        f.seek(replica.offset + at)
-        b = f.read(1)
-        f.seek(replica.offset + at)
-        f.write(bytes([b[0] ^ 0x10]))
+    flip_byte(cluster, replica, at, 0x10)
 
 
 async def test_scrub_repairs_one_bad_replica_and_drops_a_key_with_none(cluster: LocalCluster) -> None:
