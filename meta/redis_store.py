@@ -457,33 +457,51 @@ class RedisMetaStore:
         Every command names one bucket's key (an EVAL its first key), so its node is that
         slot's master in redis-py's slot map.  redis-py's own cluster pipeline does the
         same at several times the client CPU per command (it resolves a routing policy
-        per command).  A command answered MOVED (the slot moved: failover, resharding) is
-        sent again once after the slot map is read again; a node unreachable is
-        :class:`Unavailable` (the caller retries: every script is safe to run again)."""
+        per command).  Failover and resharding as in :meth:`_by_owner`."""
         out: builtins.list[Any] = [None] * len(calls)
-        todo = builtins.list(range(len(calls)))
+
+        async def send(node: Any, idx: builtins.list[int]) -> builtins.list[tuple[builtins.list[int], Any]]:
+            return [([i], r) for i, r in zip(idx, await self._node_pipeline(node, [calls[i] for i in idx]),
+                                             strict=True)]
+
+        for (i,), r in await self._by_owner(
+                builtins.list(range(len(calls))),
+                lambda i: key_slot(calls[i][1][2] if calls[i][0] == "eval" else calls[i][1][0]), send):
+            out[i] = r
+        return out
+
+    async def _by_owner(self, todo: builtins.list[int], slot: Callable[[int], int],
+                        send: Callable[[Any, builtins.list[int]],
+                                       Awaitable[builtins.list[tuple[builtins.list[int], Any]]]],
+                        ) -> builtins.list[tuple[builtins.list[int], Any]]:
+        """Send the units ``todo`` (commands, buckets) grouped by the master of each one's
+        ``slot``, all nodes at once: ``send(node, units)`` answers (units, reply) pairs.  Units
+        whose reply says their slot moved (failover, resharding) are sent again, once, after
+        the slot map is read again; a node unreachable or another error reply is raised
+        (:class:`Unavailable` for the cluster's own faults: the caller retries, every script
+        is safe to run again).  Returns the other pairs, in no set order."""
+        out: builtins.list[tuple[builtins.list[int], Any]] = []
         nm = self.r.nodes_manager
         for _attempt in range(2):
             by_node: dict[str, tuple[Any, builtins.list[int]]] = {}
-            for i in todo:
-                name, args, _ = calls[i]
-                node = nm.get_node_from_slot(key_slot(args[2] if name == "eval" else args[0]))
-                by_node.setdefault(node.name, (node, []))[1].append(i)
-            results = await asyncio.gather(
-                *(self._node_pipeline(node, [calls[i] for i in idx]) for node, idx in by_node.values()),
-                return_exceptions=True)
+            for u in todo:
+                node = nm.get_node_from_slot(slot(u))
+                by_node.setdefault(node.name, (node, []))[1].append(u)
+            results = await asyncio.gather(*(send(node, us) for node, us in by_node.values()),
+                                           return_exceptions=True)
             moved: builtins.list[int] = []
-            for (_, idx), res in zip(by_node.values(), results, strict=True):
+            for res in results:
                 if isinstance(res, BaseException):
                     await self._run(_raise(res))
                     continue
-                for i, r in zip(idx, res, strict=True):
-                    if isinstance(r, (MovedError, AskError, TryAgainError)):
-                        moved.append(i)
+                for us, r in res:
+                    if isinstance(r, (MovedError, AskError, TryAgainError, ClusterDownError)) or (
+                            isinstance(r, ResponseError) and "non local key" in str(r)):
+                        moved += us
                     elif isinstance(r, Exception):
                         await self._run(_raise(r))
                     else:
-                        out[i] = r
+                        out.append((us, r))
             if not moved:
                 return out
             with contextlib.suppress(*_DOWN, OSError):
@@ -553,41 +571,15 @@ class RedisMetaStore:
         flat items, ``width`` values each), all nodes at once; (buckets in the order sent,
         reply) per node.  A node whose buckets moved away answers with an error before
         writing; those buckets are sent again, once, after the slot map is read again."""
-        out: builtins.list[tuple[builtins.list[int], Any]] = []
-        todo = builtins.list(items)
-        nm = self.r.nodes_manager
-        for _attempt in range(2):
-            by_node: dict[str, tuple[Any, builtins.list[int]]] = {}
-            # (duplicates: _execute's MOVED retry, here per node and bucket (one EVAL each), not per command)
-            for b in todo:
-                node = nm.get_node_from_slot(self._slots[b])
-                by_node.setdefault(node.name, (node, []))[1].append(b)
-            calls = []
-            for node, bs in by_node.values():
-                args: builtins.list[Any] = [*head]
-                for b in bs:
-                    args += [self._tags[b], len(items[b]) // width, *items[b]]
-                calls.append(self._node_pipeline(node, [("eval", (script, 0, *args), {})]))
-            results = await asyncio.gather(*calls, return_exceptions=True)
-            moved: builtins.list[int] = []
-            for (_, bs), res in zip(by_node.values(), results, strict=True):
-                if isinstance(res, BaseException):
-                    await self._run(_raise(res))
-                    continue
-                (r,) = res
-                if isinstance(r, (MovedError, AskError, TryAgainError, ClusterDownError)) or (
-                        isinstance(r, ResponseError) and "non local key" in str(r)):
-                    moved += bs
-                elif isinstance(r, Exception):
-                    await self._run(_raise(r))
-                else:
-                    out.append((bs, r))
-            if not moved:
-                return out
-            with contextlib.suppress(*_DOWN, OSError):
-                await nm.initialize()
-            todo = moved
-        raise Unavailable("redis cluster: slots still moving (resharding?); retry")
+
+        async def send(node: Any, bs: builtins.list[int]) -> builtins.list[tuple[builtins.list[int], Any]]:
+            args: builtins.list[Any] = [*head]
+            for b in bs:
+                args += [self._tags[b], len(items[b]) // width, *items[b]]
+            (reply,) = await self._node_pipeline(node, [("eval", (script, 0, *args), {})])
+            return [(bs, reply)]
+
+        return await self._by_owner(builtins.list(items), self._slots.__getitem__, send)
 
     def _all_buckets(self) -> dict[int, builtins.list[Any]]:
         return {b: [] for b in range(self.buckets)}
