@@ -149,8 +149,8 @@ class MetaService:
                 raise StaleLayout(f"layout for {key[:64]!r} names a chunk garbage collection already "
                                   "reclaimed (the put took longer than the GC grace period); retry the put")
             staged.append((key, lay))
-        await ix.commit(staged, now, expires_at)
-        return rpc.Committed(created=now, expires_at=expires_at), ()
+        present = await ix.commit(staged, now, expires_at, if_absent=req.if_absent)
+        return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
 
     async def rpc_delete(self, req: rpc.Delete, payload: memoryview) -> Reply:
         return rpc.Deleted(deleted=await self.index.delete(req.keys)), ()
