@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from kvfs.config import MetaConfig
 from kvfs.errors import Unavailable
 from kvfs.layout import Layout
-from kvfs.meta.index import ServerInfo, ServerRegistry
+from kvfs.meta.index import CommitCheck, ServerInfo, ServerRegistry
 from kvfs.meta.redis_store import RedisMetaStore
 from kvfs.meta.repair import readable
 
@@ -108,7 +108,9 @@ class SharedIndex(ServerRegistry):
         return n
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
-                     expires_at: float | None) -> None:
+                     expires_at: float | None, check: CommitCheck | None = None) -> None:
+        if check is not None:
+            check(staged)
         await self.store.commit(staged, now)  # refuses a retired chunk itself (StaleLayout)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
