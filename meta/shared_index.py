@@ -82,17 +82,25 @@ class SharedIndex(ServerRegistry):
         self.share_disks()
 
     # keys ----------------------------------------------------------------------------
-    async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
-        return await self.store.lookup(keys, now)
+    async def lookup(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[Layout | None]:
+        return await self.store.lookup(keys, now, lease_until)
+
+    async def release(self, keys: Sequence[bytes]) -> int:
+        return await self.store.release(keys)
 
     async def touch(self, keys: Sequence[bytes], now: float) -> None:
         await self.store.touch(keys, now)
 
-    async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]:
+    async def exists(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[bool]:
         gone = self.gone_servers()
         if not gone:
-            return await self.store.exists(keys, now)
-        return [lay is not None and readable(lay, gone) for lay in await self.store.peek(keys, now)]
+            return await self.store.exists(keys, now, lease_until)
+        out = [lay is not None and readable(lay, gone) for lay in await self.store.peek(keys, now)]
+        if lease_until is not None:
+            await self.store.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease_until)
+        return out
 
     async def match_prefix(self, keys: Sequence[bytes], now: float, lease_until: float | None) -> int:
         gone = self.gone_servers()
