@@ -74,6 +74,8 @@ class PendingCommit:
     now: float
     expires_at: float | None
     check: CommitCheck | None
+    if_absent: bool
+    present: list[int]  # indexes of the COMMIT's rows not written: their key was present
     done: asyncio.Future[None]
 
 
@@ -221,7 +223,19 @@ class MetaIndex(ServerRegistry):
         if registered:
             self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
 
-    async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+    def lease(self, keys: Iterable[bytes], until: float) -> None:
+        """Keep keys from eviction until ``until`` (a lease is only ever lengthened)."""
+        leases = self.leases
+        for k in keys:
+            if leases.get(k, 0.0) < until:
+                leases[k] = until
+
+    async def release(self, keys: Sequence[bytes]) -> int:
+        """End keys' leases; returns how many had one."""
+        return sum(self.leases.pop(k, None) is not None for k in keys)
+
+    async def lookup(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[Layout | None]:
         out: list[Layout | None] = []
         dirty = self.dirty_access
         for k in keys:
@@ -232,6 +246,8 @@ class MetaIndex(ServerRegistry):
                 out.append(e.layout)
                 e.last_access = now
                 dirty[k] = now
+        if lease_until is not None:
+            self.lease([k for k, lay in zip(keys, out, strict=True) if lay is not None], lease_until)
         return out
 
     async def touch(self, keys: Sequence[bytes], now: float) -> None:
@@ -241,9 +257,13 @@ class MetaIndex(ServerRegistry):
                 e.last_access = now
                 self.dirty_access[k] = now
 
-    async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]:
+    async def exists(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[bool]:
         gone = self.gone_servers()
-        return [self.readable(k, now, gone) for k in keys]
+        out = [self.readable(k, now, gone) for k in keys]
+        if lease_until is not None:
+            self.lease([k for k, ok in zip(keys, out, strict=True) if ok], lease_until)
+        return out
 
     async def match_prefix(self, keys: Sequence[bytes], now: float, lease_until: float | None) -> int:
         gone = self.gone_servers()
@@ -253,23 +273,27 @@ class MetaIndex(ServerRegistry):
                 break
             n += 1
         if lease_until is not None:
-            for k in keys[:n]:
-                self.leases[k] = max(self.leases.get(k, 0.0), lease_until)
+            self.lease(keys[:n], lease_until)
         return n
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
-                     expires_at: float | None, check: CommitCheck | None = None) -> None:
-        """Durable once it returns.  ``check(staged)`` runs in the step that writes the
-        rows (a chunk may be retired while the commit waits for its group); what it
-        raises is this commit's answer, and nothing of it is written."""
+                     expires_at: float | None, check: CommitCheck | None = None, *,
+                     if_absent: bool = False) -> list[int]:
+        """Store the layouts, durable once it returns; returns the indexes of ``staged`` not
+        committed: with ``if_absent``, those whose key is present (readable, earlier in
+        ``staged``, or written by an earlier COMMIT of the same group).  ``check(staged)``
+        runs in the step that writes the rows (a chunk may be retired while the commit
+        waits for its group); what it raises is this commit's answer, and nothing of it
+        is written."""
         rows = [(k, lay, encode_layout(lay)) for k, lay in staged]
         loop = asyncio.get_running_loop()
         pending = PendingCommit(rows, sum(len(k) + len(b) for k, _, b in rows), now, expires_at,
-                                check, loop.create_future())
+                                check, if_absent, [], loop.create_future())
         self._commits.append(pending)
         if self._commit_handle is None:  # after the COMMITs read in this step have queued too
             self._commit_handle = loop.call_soon(self._write_commits)
         await pending.done
+        return pending.present
 
     def _take_group(self) -> list[PendingCommit]:
         """The next group: whole COMMITs in arrival order, up to the bounds (at least one)."""
@@ -277,6 +301,8 @@ class MetaIndex(ServerRegistry):
         one = cfg.fsync == FsyncMode.ALWAYS
         group: list[PendingCommit] = []
         keys = nbytes = 0
+        written: set[bytes] | None = None  # the group's keys so far, once an if_absent needs them
+        gone: set[int] | None = None
         while self._commits:
             c = self._commits[0]
             if group and (one or keys + len(c.rows) > cfg.commit_group_max_keys
@@ -291,6 +317,21 @@ class MetaIndex(ServerRegistry):
                 except Exception as exc:
                     c.done.set_exception(exc)
                     continue
+            if c.if_absent:
+                if written is None:
+                    written = {k for g in group for k, _, _ in g.rows}
+                if gone is None:
+                    gone = self.gone_servers()
+                kept = []
+                for i, row in enumerate(c.rows):
+                    if row[0] in written or self.readable(row[0], c.now, gone):
+                        c.present.append(i)
+                    else:
+                        written.add(row[0])
+                        kept.append(row)
+                c.rows = kept
+            elif written is not None:
+                written.update(k for k, _, _ in c.rows)
             group.append(c)
             keys += len(c.rows)
             nbytes += c.nbytes
@@ -320,8 +361,10 @@ class MetaIndex(ServerRegistry):
 
     def _write_group(self, group: list[PendingCommit]) -> None:
         """One transaction for the group's rows, then the index, then the answers."""
-        self.store.put_many([(k, blob, c.expires_at, c.now) for c in group for k, _, blob in c.rows])
-        self.commit_groups += 1
+        rows = [(k, blob, c.expires_at, c.now) for c in group for k, _, blob in c.rows]
+        if rows:  # (if_absent may have left nothing to write)
+            self.store.put_many(rows)
+            self.commit_groups += 1
         entries, dirty, add_live = self.entries, self.dirty_access, self.add_live
         for c in group:
             now = c.now

@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvfs.meta")
 
 
+def _until(now: float, lease_s: float | None) -> float | None:
+    """When a lease asked for ``lease_s`` seconds ends (None: no lease asked)."""
+    return now + lease_s if lease_s else None
+
+
 class MetaService:
     def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time,
                  tokens: Mapping[Role, str] | None = None) -> None:
@@ -108,7 +113,11 @@ class MetaService:
         return rpc.Pong(service="meta"), ()
 
     async def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply:
-        return rpc.Layouts(layouts=await self.index.lookup(req.keys, self.clock())), ()
+        now = self.clock()
+        return rpc.Layouts(layouts=await self.index.lookup(req.keys, now, _until(now, req.lease_s))), ()
+
+    async def rpc_release(self, req: rpc.Release, payload: memoryview) -> Reply:
+        return rpc.Released(released=await self.index.release(req.keys)), ()
 
     async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
         await self.index.touch(req.keys, self.clock())
@@ -122,12 +131,12 @@ class MetaService:
         return rpc.LostDropped(dropped=n), ()
 
     async def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply:
-        return rpc.Existing(exists=await self.index.exists(req.keys, self.clock())), ()
+        now = self.clock()
+        return rpc.Existing(exists=await self.index.exists(req.keys, now, _until(now, req.lease_s))), ()
 
     async def rpc_match_prefix(self, req: rpc.MatchPrefix, payload: memoryview) -> Reply:
         now = self.clock()
-        n = await self.index.match_prefix(req.keys, now, now + req.lease_s if req.lease_s else None)
-        return rpc.Matched(n=n), ()
+        return rpc.Matched(n=await self.index.match_prefix(req.keys, now, _until(now, req.lease_s))), ()
 
     async def rpc_commit(self, req: rpc.Commit, payload: memoryview) -> Reply:
         ix = self.index
@@ -138,8 +147,8 @@ class MetaService:
         if not named <= ix.servers.keys():
             await ix.refresh()  # registered with another meta sharing the store?
         staged = [(key, wire.stamped(now, expires_at)) for key, wire in req.items]
-        await ix.commit(staged, now, expires_at, self._check_commit)
-        return rpc.Committed(created=now, expires_at=expires_at), ()
+        present = await ix.commit(staged, now, expires_at, self._check_commit, if_absent=req.if_absent)
+        return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
 
     def _check_commit(self, staged: Sequence[tuple[bytes, Layout]]) -> None:
         """Every layout names registered chunkservers and no retired chunk (run by the index

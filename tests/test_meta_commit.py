@@ -158,3 +158,14 @@ async def test_the_same_key_twice_in_a_group_keeps_the_later_commit(make_index: 
         assert [lay for k, lay, _ in reopened.load()] == [later]
     finally:
         reopened.close()
+
+
+async def test_if_absent_sees_the_keys_of_earlier_commits_in_its_group(make_index: Any, tmp_path: Path) -> None:
+    ix = make_index()
+    first = rows("a", 2)
+    tasks = [asyncio.ensure_future(ix.commit(first, 100.0, None)),
+             asyncio.ensure_future(ix.commit([*rows("a", 3)[1:], *rows("b", 1)], 100.0, None, if_absent=True))]
+    assert await asyncio.gather(*tasks) == [[], [0]]  # a1 was written by the first commit
+    assert ix.commit_groups == 1
+    assert stored_keys(tmp_path / "meta.sqlite3") == {b"a0", b"a1", b"a2", b"b0"}
+    assert ix.entries[b"a1"].layout == first[1][1]
