@@ -111,7 +111,9 @@ class SharedIndex(ServerRegistry):
                      expires_at: float | None) -> None:
         await self.store.commit(staged, now)  # refuses a retired chunk itself (StaleLayout)
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
+    async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
+        """``tombstones`` are not kept: nothing compacts or deletes chunks here yet (no GC),
+        so every tombstone stays on its chunkserver (:mod:`kvfs.meta.tombstones`)."""
         return len(await self.store.delete(keys))
 
     async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
