@@ -168,33 +168,45 @@ end
 return out
 """
 
-# ARGV: now, expires ('' = none), groups of (key, value).  All or nothing for the node: a
-# value naming a dead chunk refuses the whole call there ({key, chunk} returned).
+# ARGV: now, expires ('' = none), if_absent ('1' or ''), groups of (key, value).  All or
+# nothing for the node: a value naming a dead chunk refuses the whole call there ({0, key,
+# chunk} returned).  Otherwise {1, keys not committed...}: with if_absent, a key already
+# present and unexpired at now keeps its value.
 _LUA_COMMIT = _SHEBANG + _LUA_GROUPS + _LUA_ADJUST + """
-local now, exp = ARGV[1], ARGV[2]
-local gs = groups(3, 2)
+local now, exp, absent = ARGV[1], ARGV[2], ARGV[3] == '1'
+local gs = groups(4, 2)
 for _, g in ipairs(gs) do
   local D = g[1] .. 'D'
   for j = 0, g[3] - 1 do
     local cid = dead_in(D, ARGV[g[2] + 2 * j + 1])
-    if cid then return {ARGV[g[2] + 2 * j], cid} end
+    if cid then return {0, ARGV[g[2] + 2 * j], cid} end
   end
 end
+local out = {1}
 for _, g in ipairs(gs) do
   local t = g[1]
   local h, kk, a, x, L = t .. 'h', t .. 'k', t .. 'a', t .. 'x', t .. 'L'
   for j = 0, g[3] - 1 do
     local k, v = ARGV[g[2] + 2 * j], ARGV[g[2] + 2 * j + 1]
     local old = redis.call('HGET', h, k)
-    if old then adjust(L, old, -1) end
-    adjust(L, v, 1)
-    redis.call('HSET', h, k, v)
-    redis.call('ZADD', kk, 0, k)
-    redis.call('ZADD', a, now, k)
-    if exp == '' then redis.call('ZREM', x, k) else redis.call('ZADD', x, exp, k) end
+    local keep = false
+    if old and absent then
+      local e = string.sub(old, 1, string.find(old, ';', 1, true) - 1)
+      keep = e == '' or tonumber(e) > tonumber(now)
+    end
+    if keep then
+      out[#out + 1] = k
+    else
+      if old then adjust(L, old, -1) end
+      adjust(L, v, 1)
+      redis.call('HSET', h, k, v)
+      redis.call('ZADD', kk, 0, k)
+      redis.call('ZADD', a, now, k)
+      if exp == '' then redis.call('ZREM', x, k) else redis.call('ZADD', x, exp, k) end
+    end
   end
 end
-return {}
+return out
 """
 
 # ARGV: mode, now, groups of (key, expected).  mode 'del': remove; 'exp': remove if still
@@ -311,6 +323,15 @@ for _, g in ipairs(groups(3, 1)) do
   end
 end
 return 0
+"""
+
+# ARGV: groups of keys.  Ends their leases; returns how many there were.
+_LUA_UNLEASE = _SHEBANG + _LUA_GROUPS + """
+local n = 0
+for _, g in ipairs(groups(1, 1)) do
+  for j = 0, g[3] - 1 do n = n + redis.call('DEL', g[1] .. 'l' .. ARGV[g[2] + j]) end
+end
+return n
 """
 
 _LUA_UNLOCK = """
@@ -573,27 +594,37 @@ class RedisMetaStore:
         return {b: [] for b in range(self.buckets)}
 
     # keys ---------------------------------------------------------------------------------
-    async def commit(self, rows: Sequence[tuple[bytes, Layout]], now: float) -> None:
+    async def commit(self, rows: Sequence[tuple[bytes, Layout]], now: float, *,
+                     if_absent: bool = False) -> builtins.list[int]:
         if not rows:
-            return
+            return []
         exps = {lay.expires_at for _, lay in rows}
         if len(exps) != 1:
             raise InvalidArgument("one commit stamps every layout with one expiry")
         (exp,) = exps
-        values = {k: encode_value(k, lay) for k, lay in rows}  # the last of a repeated key wins
+        values: dict[bytes, bytes] = {}
+        first: dict[bytes, int] = {}  # if_absent: the first of a repeated key is the one tried
+        for i, (k, lay) in enumerate(rows):
+            if not if_absent or k not in values:  # else the last of a repeated key wins
+                values[k] = encode_value(k, lay)
+                first[k] = i
         items: dict[int, builtins.list[Any]] = defaultdict(list)
         nb = self.buckets
         for k, v in values.items():
             items[crc32c.crc32c(k) % nb] += (k, v)
-        head = [_num(now), "" if exp is None else _num(exp)]
-        refused = [r for _, r in await self._per_node(_LUA_COMMIT, head, items, 2) if r]
+        head = [_num(now), "" if exp is None else _num(exp), "1" if if_absent else ""]
+        replies = [r for _, r in await self._per_node(_LUA_COMMIT, head, items, 2)]
+        refused = [r for r in replies if not r[0]]
         if refused:
-            key, cid = refused[0][0], refused[0][1].decode()
+            key, cid = refused[0][1], refused[0][2].decode()
             raise StaleLayout(f"layout for {key[:64]!r} names chunk {cid}, which garbage collection "
                               "already reclaimed (the put took longer than the GC grace period); "
                               "retry the put")
+        kept = {k for r in replies for k in r[1:]}
         for k in values:
-            self._access.pop(k, None)
+            if k not in kept:
+                self._access.pop(k, None)
+        return [i for i, (k, _) in enumerate(rows) if k in kept or first[k] != i]
 
     async def _values(self, keys: Sequence[bytes]) -> builtins.list[bytes | None]:
         groups = self._by_bucket(keys)
@@ -606,7 +637,8 @@ class RedisMetaStore:
                     out[i] = next(it)
         return out
 
-    async def lookup(self, keys: Sequence[bytes], now: float) -> builtins.list[Layout | None]:
+    async def lookup(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> builtins.list[Layout | None]:
         out: builtins.list[Layout | None] = []
         for k, v in zip(keys, await self._values(keys), strict=True):
             if v is None or value_expired(v, now):
@@ -614,6 +646,9 @@ class RedisMetaStore:
             else:
                 out.append(decode_value(v))
                 self._access[k] = now
+        if lease_until is not None:
+            await self.lease([k for k, lay in zip(keys, out, strict=True) if lay is not None], now,
+                             lease_until)
         return out
 
     async def peek(self, keys: Sequence[bytes], now: float) -> builtins.list[Layout | None]:
@@ -621,8 +656,12 @@ class RedisMetaStore:
         return [None if v is None or value_expired(v, now) else decode_value(v)
                 for v in await self._values(keys)]
 
-    async def exists(self, keys: Sequence[bytes], now: float) -> builtins.list[bool]:
-        return [v is not None and not value_expired(v, now) for v in await self._values(keys)]
+    async def exists(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> builtins.list[bool]:
+        out = [v is not None and not value_expired(v, now) for v in await self._values(keys)]
+        if lease_until is not None:
+            await self.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease_until)
+        return out
 
     async def match_prefix(self, keys: Sequence[bytes], now: float,
                            lease_until: float | None = None) -> int:
@@ -631,12 +670,22 @@ class RedisMetaStore:
             if v is None or value_expired(v, now):
                 break
             n += 1
-        if lease_until is not None and n:
-            px = str(max(1, math.ceil((lease_until - now) * 1000)) + 1000)
-            groups = self._by_bucket(keys[:n])
-            await self._per_node(_LUA_LEASE, [_num(lease_until), px],
-                                 {b: [keys[i] for i in idx] for b, idx in groups.items()}, 1)
+        if lease_until is not None:
+            await self.lease(keys[:n], now, lease_until)
         return n
+
+    async def lease(self, keys: Sequence[bytes], now: float, until: float) -> None:
+        if not keys:
+            return
+        px = str(max(1, math.ceil((until - now) * 1000)) + 1000)
+        groups = self._by_bucket(keys)
+        await self._per_node(_LUA_LEASE, [_num(until), px],
+                             {b: [keys[i] for i in idx] for b, idx in groups.items()}, 1)
+
+    async def release(self, keys: Sequence[bytes]) -> int:
+        groups = self._by_bucket(keys)
+        items = {b: [keys[i] for i in idx] for b, idx in groups.items()}
+        return sum(int(r) for _, r in await self._per_node(_LUA_UNLEASE, (), items, 1))
 
     async def _remove(self, mode: str, items: Sequence[tuple[bytes, bytes]],
                       now: float) -> builtins.list[tuple[bytes, Layout]]:
