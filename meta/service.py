@@ -148,7 +148,11 @@ class MetaService:
         if not named <= ix.servers.keys():
             await ix.refresh()  # registered with another meta sharing the store?
         servers = ix.servers
+        limit = self.config.max_key_meta_bytes
         for key, wire in req.items:
+            if wire.meta is not None and len(wire.meta) > limit:
+                raise InvalidArgument(f"metadata of {len(wire.meta)} bytes for key {key[:64]!r} is "
+                                      f"larger than this meta's limit of {limit} (--max-key-meta)")
             lay = wire.stamped(now, expires_at)
             for e in lay.extents:
                 for r in e.replicas:
