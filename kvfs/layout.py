@@ -77,7 +77,8 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, gc=False):
     extents: Annotated[tuple[Extent, ...], msgspec.Meta(max_length=MAX_EXTENTS)]
 
     def __post_init__(self) -> None:
-        total = sum(e.length for e in self.extents)
+        ext = self.extents  # one extent is the common case (values up to stripe_bytes)
+        total = ext[0].length if len(ext) == 1 else sum(e.length for e in ext)
         if total != self.size:
             raise ValueError(f"layout extents add up to {total}, not {self.size}")
 
