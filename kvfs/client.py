@@ -184,7 +184,10 @@ class AsyncClient:
         if not pairs:
             return []
         keys = [norm_key(k) for k, _ in pairs]
-        views = [as_parts(v, what=f"value for key {k[:64]!r}") for k, (_, v) in zip(keys, pairs, strict=True)]
+        try:
+            views = [as_parts(v) for _, v in pairs]
+        except InvalidArgument:  # again, naming the key (not built for every good value)
+            views = [as_parts(v, what=f"value for key {k[:64]!r}") for k, (_, v) in zip(keys, pairs, strict=True)]
         for k, v in zip(keys, views, strict=True):
             if nbytes(v) > MAX_VALUE_BYTES:
                 raise InvalidArgument(f"value of {nbytes(v)} bytes for key {k[:64]!r} exceeds the "
@@ -195,9 +198,7 @@ class AsyncClient:
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
         layouts = await self.writer.put(keys, views, replicas=r, ttl=ttl, if_absent=if_absent)
-        for k, lay in zip(keys, layouts, strict=True):
-            if lay is not None:
-                self.layout_cache.put(k, lay)
+        self.layout_cache.put_many(keys, layouts)
         return [lay is not None for lay in layouts]
 
     # streaming (kvfs/stream.py) ----------------------------------------------------
