@@ -106,6 +106,9 @@ class MetaConfig(ServerConfig):
                               "--heartbeat-timeout; counted from meta's start for servers meta "
                               "knew before it)", 60.0)
     default_ttl_s: float | None = opt("TTL for puts that give none (default: no expiry)", None)
+    max_key_meta_bytes: int = opt("largest metadata of one key (put's meta=, msgpack-encoded; "
+                                  "at most 64KiB): a commit with more is refused naming the key",
+                                  1024)
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
     store: str | None = opt("where the index lives: default the SQLite file under --data; "
                             "redis-cluster://HOST:PORT[,HOST:PORT...] keeps it in a Redis Cluster, "

@@ -148,6 +148,17 @@ async def test_puts_with_other_options_or_the_same_key_are_not_merged(kv: AsyncC
     assert kv.rpc_counts["COMMIT"] - commits == 1
 
 
+async def test_coalesced_puts_keep_each_keys_meta(kv: AsyncClient) -> None:
+    commits = kv.rpc_counts["COMMIT"]
+    await asyncio.gather(kv.put_many({b"m-a": b"1", b"m-b": b"2"}, meta=[{"layer": 1}, None]),
+                         kv.put_many({b"m-c": b"3"}),
+                         kv.put_many({b"m-d": b"4"}, meta=[{"dtype": "bf16"}]))
+    assert kv.rpc_counts["COMMIT"] - commits == 1
+    kv.layout_cache.clear()
+    assert await kv.get_meta([b"m-a", b"m-b", b"m-c", b"m-d"]) == [{"layer": 1}, {}, {},
+                                                                   {"dtype": "bf16"}]
+
+
 async def test_a_failed_shared_put_fails_only_its_own_call(kv: AsyncClient,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     real = kv.writer.put
