@@ -350,8 +350,20 @@ class UpConfig(TlsConfig):
     restart_backoff_s: float = opt("wait before the first restart; doubled per quick failure", 0.5)
     restart_backoff_max_s: float = opt("longest wait between restarts", 30.0)
     restart_stable_s: float = opt("a service up this long counts as healthy (backoff resets)", 10.0)
+    meta_store: str = opt("where meta keeps its index: sqlite (a file under DATA/meta) or "
+                          "redis-cluster (a local 3-master Redis Cluster under DATA/redis, "
+                          "redis-server from apt, supervised like the other services)", "sqlite")
+    redis_replicas: bool = opt("--meta-store redis-cluster: one replica per master (6 redis-server "
+                               "processes), so a master that dies fails over to its replica", False)
+    redis_maxmemory_bytes: int | None = opt("--meta-store redis-cluster: each redis-server's "
+                                            "maxmemory; commits fail once a master is full "
+                                            "(default: no limit)", None)
 
     def __post_init__(self) -> None:
+        if self.meta_store not in ("sqlite", "redis-cluster"):
+            raise ValueError(f"--meta-store must be sqlite or redis-cluster, got {self.meta_store!r}")
+        if self.meta_store != "redis-cluster" and (self.redis_replicas or self.redis_maxmemory_bytes):
+            raise ValueError("--redis-replicas and --redis-maxmemory need --meta-store redis-cluster")
         if self.chunkservers < 1:
             raise ValueError(f"--chunkservers must be at least 1, got {self.chunkservers}")
         parse_addr(self.listen, what="listen address")
