@@ -146,6 +146,11 @@ class MetaService:
         named = {r.server_id for _, wire in req.items for e in wire.extents for r in e.replicas}
         if not named <= ix.servers.keys():
             await ix.refresh()  # registered with another meta sharing the store?
+        limit = self.config.max_key_meta_bytes
+        for key, wire in req.items:
+            if wire.meta is not None and len(wire.meta) > limit:
+                raise InvalidArgument(f"metadata of {len(wire.meta)} bytes for key {key[:64]!r} is "
+                                      f"larger than this meta's limit of {limit} (--max-key-meta)")
         staged = [(key, wire.stamped(now, expires_at)) for key, wire in req.items]
         present = await ix.commit(staged, now, expires_at, self._check_commit, if_absent=req.if_absent)
         return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
