@@ -108,7 +108,24 @@ class MetaService:
         return rpc.Pong(service="meta"), ()
 
     async def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply:
-        return rpc.Layouts(layouts=await self.index.lookup(req.keys, self.clock())), ()
+        now = self.clock()
+        layouts = await self.index.lookup(req.keys, now)
+        if not req.dirs:
+            return rpc.Layouts(layouts=layouts), ()
+        dirs = [lay is None and await self._has_under(k + b"/", now)
+                for k, lay in zip(req.keys, layouts, strict=True)]
+        return rpc.Layouts(layouts=layouts, dirs=dirs), ()
+
+    async def _has_under(self, prefix: bytes, now: float) -> bool:
+        """Whether an unexpired key starts with ``prefix``."""
+        after = None
+        while True:
+            rows = await self.index.list_keys(prefix, after, 64)
+            if any(not lay.expired(now) for _, lay in rows):
+                return True
+            if len(rows) < 64:
+                return False
+            after = rows[-1][0]
 
     async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
         await self.index.touch(req.keys, self.clock())
