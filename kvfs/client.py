@@ -142,14 +142,17 @@ class AsyncClient:
         return await self._link.servers(refresh=refresh)
 
     # layouts ---------------------------------------------------------------
-    async def lookup(self, keys: Sequence[bytes], *, use_cache: bool = True) -> list[Layout | None]:
-        """The layouts of normalised keys (None: a miss), from the cache where it holds them."""
-        if use_cache:
+    async def lookup(self, keys: Sequence[bytes], *, use_cache: bool = True,
+                     lease_s: float | None = None) -> list[Layout | None]:
+        """The layouts of normalised keys (None: a miss), from the cache where it holds them.
+        ``lease_s``: every key is looked up in meta, which leases the ones it finds."""
+        if use_cache and lease_s is None:
             out, missing = self.layout_cache.get_many(keys, self.clock())
         else:
+            _check_lease(lease_s)
             out, missing = [None] * len(keys), list(range(len(keys)))
         if missing:
-            h = await self._link.call_meta(rpc.Lookup(keys=[keys[i] for i in missing]))
+            h = await self._link.call_meta(rpc.Lookup(keys=[keys[i] for i in missing], lease_s=lease_s))
             for i, lay in zip(missing, h.layouts, strict=True):
                 if lay is not None:
                     out[i] = lay
@@ -170,15 +173,24 @@ class AsyncClient:
 
     # writes ------------------------------------------------------------------
     async def put(self, key: Key, value: Value, *, ttl: float | None = None,
-                  replicas: int | None = None) -> None:
-        await self.put_many([(key, value)], ttl=ttl, replicas=replicas)
+                  replicas: int | None = None, if_absent: bool = False) -> bool:
+        """Store one value; False only with ``if_absent`` and the key already present."""
+        return (await self.put_many([(key, value)], ttl=ttl, replicas=replicas,
+                                    if_absent=if_absent))[0]
 
     async def put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
-                       ttl: float | None = None, replicas: int | None = None) -> None:
-        """Store many values: one append per chunkserver, one commit to meta."""
+                       ttl: float | None = None, replicas: int | None = None,
+                       if_absent: bool = False) -> list[bool]:
+        """Store many values: one append per chunkserver, one commit to meta.  Returns,
+        per item, whether this call stored it.
+
+        ``if_absent``: keys already present (unexpired and readable) keep their value and
+        are not written (False); meta says which in one ``EXISTS`` before the appends, and
+        the commit is conditional, so of two writers racing on a key one value stays and
+        the other writer gets False, with no error."""
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
-            return
+            return []
         keys = [norm_key(k) for k, _ in pairs]
         views = [as_parts(v, what=f"value for key {k[:64]!r}") for k, (_, v) in zip(keys, pairs, strict=True)]
         for k, v in zip(keys, views, strict=True):
@@ -190,9 +202,11 @@ class AsyncClient:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        layouts = await self.writer.put(keys, views, replicas=r, ttl=ttl)
+        layouts = await self.writer.put(keys, views, replicas=r, ttl=ttl, if_absent=if_absent)
         for k, lay in zip(keys, layouts, strict=True):
-            self.layout_cache.put(k, lay)
+            if lay is not None:
+                self.layout_cache.put(k, lay)
+        return [lay is not None for lay in layouts]
 
     # streaming (kvfs/stream.py) ----------------------------------------------------
     async def put_stream(self, key: Key, chunks: Chunks, *, size: int | None = None,
@@ -216,12 +230,13 @@ class AsyncClient:
             return await self._get_batcher.submit(k, self.layout_cache.size_of(k))
         return (await self.get_many([k]))[0]
 
-    async def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
-        """Values in key order; None for a miss."""
+    async def get_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bytes | None]:
+        """Values in key order; None for a miss.  ``lease_s``: the keys found are kept
+        from eviction that long, or until :meth:`release` (their lookup goes to meta)."""
         ks = norm_keys(keys)
         if not ks:
             return []
-        layouts = await self.lookup(ks)
+        layouts = await self.lookup(ks, lease_s=lease_s)
         out: list[bytes | None]
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
@@ -323,8 +338,10 @@ class AsyncClient:
                 self.layout_cache.pop(keys[i])
         raise AssertionError("unreachable")
 
-    async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
+    async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any], *,
+                       lease_s: float | None = None) -> list[int]:
         """Read values into caller buffers, without copies; one result per key.
+        ``lease_s``: as for :meth:`get_many`.
 
         A key's buffer may be a list of buffers: its value is scattered over them in order
         (e.g. ``[k_half, v_half]``).  Each result is the value's size (a hit: that many
@@ -340,7 +357,7 @@ class AsyncClient:
         if not ks:
             return []
         views = [as_parts(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
-        layouts = await self.lookup(ks)
+        layouts = await self.lookup(ks, lease_s=lease_s)
         dests: list[Dest] = []
         result = [MISS] * len(ks)
         for i, (lay, v) in enumerate(zip(layouts, views, strict=True)):
@@ -365,11 +382,23 @@ class AsyncClient:
         return result
 
     # meta-only queries ---------------------------------------------------------
-    async def exists_many(self, keys: Iterable[Key]) -> list[bool]:
+    async def exists_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bool]:
+        """Which keys are present (unexpired and readable).  ``lease_s``: those are kept
+        from eviction that long, or until :meth:`release`."""
         ks = norm_keys(keys)
         if not ks:
             return []
-        return (await self._link.call_meta(rpc.Exists(keys=ks))).exists
+        _check_lease(lease_s)
+        return (await self._link.call_meta(rpc.Exists(keys=ks, lease_s=lease_s))).exists
+
+    async def release(self, keys: Iterable[Key]) -> int:
+        """End the leases of keys (taken by ``lease_s`` on any lookup) before they expire,
+        so GC may evict them again; returns how many keys had one.  A lease is the key's,
+        not the caller's: this ends it for every holder."""
+        ks = norm_keys(keys)
+        if not ks:
+            return 0
+        return (await self._link.call_meta(rpc.Release(keys=ks))).released
 
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
@@ -383,6 +412,7 @@ class AsyncClient:
         ks = norm_keys(keys)
         if not ks:
             return 0
+        _check_lease(lease_s)
         return (await self._link.call_meta(rpc.MatchPrefix(keys=ks, lease_s=lease_s))).n
 
     async def delete_many(self, keys: Iterable[Key]) -> int:
@@ -414,6 +444,11 @@ class AsyncClient:
 
     async def stats(self) -> dict[str, Any]:
         return rpc.to_dict(await self._link.call_meta(rpc.Stats()))
+
+
+def _check_lease(lease_s: float | None) -> None:
+    if lease_s is not None and not 0 <= lease_s <= rpc.MAX_SECONDS:
+        raise InvalidArgument(f"lease_s must be seconds >= 0 (0 or None: no lease), got {lease_s}")
 
 
 def connect(addr: str | None = None, *, token: str | None = None,

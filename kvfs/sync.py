@@ -89,30 +89,36 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def put(self, key: Key, value: Value, *, ttl: float | None = None, replicas: int | None = None) -> None:
-        self._run(self.aio.put(key, value, ttl=ttl, replicas=replicas))
+    def put(self, key: Key, value: Value, *, ttl: float | None = None, replicas: int | None = None,
+            if_absent: bool = False) -> bool:
+        return self._run(self.aio.put(key, value, ttl=ttl, replicas=replicas, if_absent=if_absent))
 
     def put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
-                 ttl: float | None = None, replicas: int | None = None) -> None:
-        self._run(self.aio.put_many(items, ttl=ttl, replicas=replicas))
+                 ttl: float | None = None, replicas: int | None = None,
+                 if_absent: bool = False) -> list[bool]:
+        return self._run(self.aio.put_many(items, ttl=ttl, replicas=replicas, if_absent=if_absent))
 
     def get(self, key: Key) -> bytes | None:
         return self._run(self.aio.get(key))
 
-    def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
-        return self._run(self.aio.get_many(keys))
+    def get_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bytes | None]:
+        return self._run(self.aio.get_many(keys, lease_s=lease_s))
 
     def get_ranges(self, requests: Sequence[tuple[Key, int | None, int | None]]) -> list[bytes | None]:
         return self._run(self.aio.get_ranges(requests))
 
-    def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
-        return self._run(self.aio.get_into(keys, buffers))
+    def get_into(self, keys: Iterable[Key], buffers: Sequence[Any], *,
+                 lease_s: float | None = None) -> list[int]:
+        return self._run(self.aio.get_into(keys, buffers, lease_s=lease_s))
 
     def exists(self, key: Key) -> bool:
         return self._run(self.aio.exists(key))
 
-    def exists_many(self, keys: Iterable[Key]) -> list[bool]:
-        return self._run(self.aio.exists_many(keys))
+    def exists_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bool]:
+        return self._run(self.aio.exists_many(keys, lease_s=lease_s))
+
+    def release(self, keys: Iterable[Key]) -> int:
+        return self._run(self.aio.release(keys))
 
     def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         return self._run(self.aio.match_prefix(keys, lease_s=lease_s))
@@ -120,25 +126,31 @@ class Client:
     # futures: start now, collect later (from any thread) ---------------------
     def submit_put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
                         ttl: float | None = None, replicas: int | None = None,
-                        ) -> concurrent.futures.Future[None]:
+                        if_absent: bool = False) -> concurrent.futures.Future[list[bool]]:
         """Start a ``put_many``; the values must stay unchanged until the future is done."""
         return self._submit(self.aio.put_many([*items.items()] if isinstance(items, Mapping)
-                                              else [*items], ttl=ttl, replicas=replicas))
+                                              else [*items], ttl=ttl, replicas=replicas,
+                                              if_absent=if_absent))
 
-    def submit_get_many(self, keys: Iterable[Key]) -> concurrent.futures.Future[list[bytes | None]]:
-        return self._submit(self.aio.get_many([*keys]))
+    def submit_get_many(self, keys: Iterable[Key], *, lease_s: float | None = None,
+                        ) -> concurrent.futures.Future[list[bytes | None]]:
+        return self._submit(self.aio.get_many([*keys], lease_s=lease_s))
 
     def submit_get_ranges(self, requests: Sequence[tuple[Key, int | None, int | None]],
                           ) -> concurrent.futures.Future[list[bytes | None]]:
         return self._submit(self.aio.get_ranges([*requests]))
 
-    def submit_get_into(self, keys: Iterable[Key], buffers: Sequence[Any],
-                        ) -> concurrent.futures.Future[list[int]]:
+    def submit_get_into(self, keys: Iterable[Key], buffers: Sequence[Any], *,
+                        lease_s: float | None = None) -> concurrent.futures.Future[list[int]]:
         """Start a ``get_into``; the buffers must stay alive until the future is done."""
-        return self._submit(self.aio.get_into([*keys], [*buffers]))
+        return self._submit(self.aio.get_into([*keys], [*buffers], lease_s=lease_s))
 
-    def submit_exists_many(self, keys: Iterable[Key]) -> concurrent.futures.Future[list[bool]]:
-        return self._submit(self.aio.exists_many([*keys]))
+    def submit_exists_many(self, keys: Iterable[Key], *, lease_s: float | None = None,
+                           ) -> concurrent.futures.Future[list[bool]]:
+        return self._submit(self.aio.exists_many([*keys], lease_s=lease_s))
+
+    def submit_release(self, keys: Iterable[Key]) -> concurrent.futures.Future[int]:
+        return self._submit(self.aio.release([*keys]))
 
     def submit_match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None,
                             ) -> concurrent.futures.Future[int]:

@@ -192,7 +192,19 @@ class MetaIndex(ServerRegistry):
         if registered:
             self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
 
-    async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+    def lease(self, keys: Iterable[bytes], until: float) -> None:
+        """Keep keys from eviction until ``until`` (a lease is only ever lengthened)."""
+        leases = self.leases
+        for k in keys:
+            if leases.get(k, 0.0) < until:
+                leases[k] = until
+
+    async def release(self, keys: Sequence[bytes]) -> int:
+        """End keys' leases; returns how many had one."""
+        return sum(self.leases.pop(k, None) is not None for k in keys)
+
+    async def lookup(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[Layout | None]:
         out: list[Layout | None] = []
         dirty = self.dirty_access
         for k in keys:
@@ -203,6 +215,8 @@ class MetaIndex(ServerRegistry):
                 out.append(e.layout)
                 e.last_access = now
                 dirty[k] = now
+        if lease_until is not None:
+            self.lease([k for k, lay in zip(keys, out, strict=True) if lay is not None], lease_until)
         return out
 
     async def touch(self, keys: Sequence[bytes], now: float) -> None:
@@ -212,9 +226,13 @@ class MetaIndex(ServerRegistry):
                 e.last_access = now
                 self.dirty_access[k] = now
 
-    async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]:
+    async def exists(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[bool]:
         gone = self.gone_servers()
-        return [self.readable(k, now, gone) for k in keys]
+        out = [self.readable(k, now, gone) for k in keys]
+        if lease_until is not None:
+            self.lease([k for k, ok in zip(keys, out, strict=True) if ok], lease_until)
+        return out
 
     async def match_prefix(self, keys: Sequence[bytes], now: float, lease_until: float | None) -> int:
         gone = self.gone_servers()
@@ -224,12 +242,27 @@ class MetaIndex(ServerRegistry):
                 break
             n += 1
         if lease_until is not None:
-            for k in keys[:n]:
-                self.leases[k] = max(self.leases.get(k, 0.0), lease_until)
+            self.lease(keys[:n], lease_until)
         return n
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
-                     expires_at: float | None) -> None:
+                     expires_at: float | None, *, if_absent: bool = False) -> list[int]:
+        """Store the layouts; returns the indexes of ``staged`` not committed: with
+        ``if_absent``, those whose key is present (readable, or earlier in ``staged``)."""
+        present: list[int] = []
+        if if_absent:
+            gone = self.gone_servers()
+            taken: set[bytes] = set()
+            kept = []
+            for i, (k, lay) in enumerate(staged):
+                if k in taken or self.readable(k, now, gone):
+                    present.append(i)
+                else:
+                    taken.add(k)
+                    kept.append((k, lay))
+            staged = kept
+        if not staged:
+            return present
         self.store.put_many((k, encode_layout(lay), expires_at, now) for k, lay in staged)
         for key, lay in staged:
             old = self.entries.get(key)
@@ -238,6 +271,7 @@ class MetaIndex(ServerRegistry):
             self.entries[key] = Entry(lay, now)
             self.add_live(lay, +1, key)
             self.dirty_access.pop(key, None)
+        return present
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         gone = [k for k in keys if k in self.entries]

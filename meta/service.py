@@ -36,6 +36,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvfs.meta")
 
 
+def _until(now: float, lease_s: float | None) -> float | None:
+    """When a lease asked for ``lease_s`` seconds ends (None: no lease asked)."""
+    return now + lease_s if lease_s else None
+
+
 class MetaService:
     def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time,
                  tokens: Mapping[Role, str] | None = None) -> None:
@@ -109,7 +114,7 @@ class MetaService:
 
     async def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply:
         now = self.clock()
-        layouts = await self.index.lookup(req.keys, now)
+        layouts = await self.index.lookup(req.keys, now, _until(now, req.lease_s))
         if not req.dirs:
             return rpc.Layouts(layouts=layouts), ()
         dirs = [lay is None and await self._has_under(k + b"/", now)
@@ -127,6 +132,9 @@ class MetaService:
                 return False
             after = rows[-1][0]
 
+    async def rpc_release(self, req: rpc.Release, payload: memoryview) -> Reply:
+        return rpc.Released(released=await self.index.release(req.keys)), ()
+
     async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
         await self.index.touch(req.keys, self.clock())
         return rpc.Empty(), ()
@@ -139,12 +147,12 @@ class MetaService:
         return rpc.LostDropped(dropped=n), ()
 
     async def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply:
-        return rpc.Existing(exists=await self.index.exists(req.keys, self.clock())), ()
+        now = self.clock()
+        return rpc.Existing(exists=await self.index.exists(req.keys, now, _until(now, req.lease_s))), ()
 
     async def rpc_match_prefix(self, req: rpc.MatchPrefix, payload: memoryview) -> Reply:
         now = self.clock()
-        n = await self.index.match_prefix(req.keys, now, now + req.lease_s if req.lease_s else None)
-        return rpc.Matched(n=n), ()
+        return rpc.Matched(n=await self.index.match_prefix(req.keys, now, _until(now, req.lease_s))), ()
 
     async def rpc_commit(self, req: rpc.Commit, payload: memoryview) -> Reply:
         ix = self.index
@@ -166,8 +174,8 @@ class MetaService:
                 raise StaleLayout(f"layout for {key[:64]!r} names a chunk garbage collection already "
                                   "reclaimed (the put took longer than the GC grace period); retry the put")
             staged.append((key, lay))
-        await ix.commit(staged, now, expires_at)
-        return rpc.Committed(created=now, expires_at=expires_at), ()
+        present = await ix.commit(staged, now, expires_at, if_absent=req.if_absent)
+        return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
 
     async def rpc_delete(self, req: rpc.Delete, payload: memoryview) -> Reply:
         return rpc.Deleted(deleted=await self.index.delete(req.keys)), ()

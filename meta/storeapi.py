@@ -30,18 +30,31 @@ class MetaStore(Protocol):
         """This cluster's id, made once (``create`` gives it, default a random one)."""
 
     # keys ------------------------------------------------------------------------------
-    async def commit(self, rows: Sequence[tuple[bytes, Layout]], now: float) -> None:
+    async def commit(self, rows: Sequence[tuple[bytes, Layout]], now: float, *,
+                     if_absent: bool = False) -> builtins.list[int]:
         """Store stamped layouts (overwrites replace; the old layout's bytes stop being
         live).  Raises :class:`kvfs.errors.StaleLayout` for a layout naming a retired
-        chunk: that key is not committed."""
+        chunk: that key is not committed.  ``if_absent``: a key present and unexpired at
+        ``now`` keeps its value, as does a repeated key after its first row; returns the
+        indexes of the rows not committed (always none without ``if_absent``)."""
 
-    async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
-        """Layouts of unexpired keys (None for a miss); records the access (LRU)."""
+    async def lookup(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[Layout | None]:
+        """Layouts of unexpired keys (None for a miss); records the access (LRU); leases
+        the keys found until ``lease_until``."""
 
     async def peek(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
         """Layouts of unexpired keys, recording no access."""
 
-    async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]: ...
+    async def exists(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[bool]:
+        """Which keys are present and unexpired; leases those until ``lease_until``."""
+
+    async def lease(self, keys: Sequence[bytes], now: float, until: float) -> None:
+        """Keep keys from eviction until ``until`` (never shortening a longer lease)."""
+
+    async def release(self, keys: Sequence[bytes]) -> int:
+        """End keys' leases; returns how many had one."""
 
     async def match_prefix(self, keys: Sequence[bytes], now: float,
                            lease_until: float | None = None) -> int:
