@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, lookup_token, parse_addr
@@ -28,7 +30,7 @@ from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
-from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
+from kvfs.layout import MAX_META_BYTES, MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
 from kvfs.layoutcache import LayoutCache
 from kvfs.readpath import WHOLE, Dest, ReadPath
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
@@ -173,16 +175,22 @@ class AsyncClient:
 
     # writes ------------------------------------------------------------------
     async def put(self, key: Key, value: Value, *, ttl: float | None = None,
-                  replicas: int | None = None, if_absent: bool = False) -> bool:
+                  replicas: int | None = None, if_absent: bool = False,
+                  meta: Mapping[str, Any] | None = None) -> bool:
         """Store one value; False only with ``if_absent`` and the key already present."""
         return (await self.put_many([(key, value)], ttl=ttl, replicas=replicas,
-                                    if_absent=if_absent))[0]
+                                    if_absent=if_absent, meta=None if meta is None else [meta]))[0]
 
     async def put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
                        ttl: float | None = None, replicas: int | None = None,
-                       if_absent: bool = False) -> list[bool]:
+                       if_absent: bool = False,
+                       meta: Sequence[Mapping[str, Any] | None] | None = None) -> list[bool]:
         """Store many values: one append per chunkserver, one commit to meta.  Returns,
         per item, whether this call stored it.
+
+        ``meta``: one small dict (or None) per item, in item order, stored with the key
+        and returned by :meth:`get_meta` (msgpack types: str keys; str, bytes, int, float,
+        bool, None, lists and dicts of them; meta's ``--max-key-meta`` bounds its size).
 
         ``if_absent``: keys already present (unexpired and readable) keep their value and
         are not written (False); meta says which in one ``EXISTS`` before the appends, and
@@ -202,7 +210,13 @@ class AsyncClient:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        layouts = await self.writer.put(keys, views, replicas=r, ttl=ttl, if_absent=if_absent)
+        metas = None
+        if meta is not None:
+            if len(meta) != len(keys):
+                raise InvalidArgument(f"{len(keys)} items but {len(meta)} meta entries")
+            metas = [_encode_meta(k, m) for k, m in zip(keys, meta, strict=True)]
+        layouts = await self.writer.put(keys, views, replicas=r, ttl=ttl, if_absent=if_absent,
+                                        metas=metas)
         for k, lay in zip(keys, layouts, strict=True):
             if lay is not None:
                 self.layout_cache.put(k, lay)
@@ -391,6 +405,16 @@ class AsyncClient:
         _check_lease(lease_s)
         return (await self._link.call_meta(rpc.Exists(keys=ks, lease_s=lease_s))).exists
 
+    async def get_meta(self, keys: Iterable[Key]) -> list[dict[str, Any] | None]:
+        """Each key's metadata (``put(..., meta=)``): a dict, ``{}`` for a key stored
+        without any, None for a miss.  From the layout cache where it holds the key (the
+        metadata is part of the immutable layout), so after a read it costs no RPC."""
+        ks = norm_keys(keys)
+        if not ks:
+            return []
+        return [None if lay is None else {} if lay.meta is None else _META_DECODE.decode(lay.meta)
+                for lay in await self.lookup(ks)]
+
     async def release(self, keys: Iterable[Key]) -> int:
         """End the leases of keys (taken by ``lease_s`` on any lookup) before they expire,
         so GC may evict them again; returns how many keys had one.  A lease is the key's,
@@ -444,6 +468,30 @@ class AsyncClient:
 
     async def stats(self) -> dict[str, Any]:
         return rpc.to_dict(await self._link.call_meta(rpc.Stats()))
+
+
+_META_ENCODE = msgspec.msgpack.Encoder()
+_META_DECODE = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+def _encode_meta(key: bytes, meta: Mapping[str, Any] | None) -> bytes | None:
+    """A key's metadata as msgpack (None: none), checked; errors name the key."""
+    if meta is None:
+        return None
+    if not isinstance(meta, Mapping) or not all(isinstance(k, str) for k in meta):
+        raise InvalidArgument(f"meta for key {key[:64]!r} must be a dict with str keys, "
+                              f"got {type(meta).__name__}")
+    if not meta:
+        return None
+    try:
+        blob = _META_ENCODE.encode(dict(meta))
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise InvalidArgument(f"meta for key {key[:64]!r} is not msgpack (str, bytes, int, float, "
+                              f"bool, None, lists and dicts of them): {exc}") from None
+    if len(blob) > MAX_META_BYTES:
+        raise InvalidArgument(f"meta for key {key[:64]!r} is {len(blob)} bytes encoded; the "
+                              f"protocol's limit is {MAX_META_BYTES} (meta's --max-key-meta is lower)")
+    return blob
 
 
 def _check_lease(lease_s: float | None) -> None:

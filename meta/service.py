@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvfs import rpc
@@ -159,13 +159,23 @@ class MetaService:
         ttl = self.config.default_ttl_s if req.ttl_s is None else req.ttl_s
         now = self.clock()
         expires_at = None if ttl is None else now + float(ttl)
-        staged: list[tuple[bytes, Layout]] = []
         named = {r.server_id for _, wire in req.items for e in wire.extents for r in e.replicas}
         if not named <= ix.servers.keys():
             await ix.refresh()  # registered with another meta sharing the store?
-        servers = ix.servers
+        limit = self.config.max_key_meta_bytes
         for key, wire in req.items:
-            lay = wire.stamped(now, expires_at)
+            if wire.meta is not None and len(wire.meta) > limit:
+                raise InvalidArgument(f"metadata of {len(wire.meta)} bytes for key {key[:64]!r} is "
+                                      f"larger than this meta's limit of {limit} (--max-key-meta)")
+        staged = [(key, wire.stamped(now, expires_at)) for key, wire in req.items]
+        present = await ix.commit(staged, now, expires_at, self._check_commit, if_absent=req.if_absent)
+        return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
+
+    def _check_commit(self, staged: Sequence[tuple[bytes, Layout]]) -> None:
+        """Every layout names registered chunkservers and no retired chunk (run by the index
+        in the step that writes the commit)."""
+        servers = self.index.servers
+        for key, lay in staged:
             for e in lay.extents:
                 for r in e.replicas:
                     if r.server_id not in servers:
@@ -173,9 +183,6 @@ class MetaService:
             if self.gc is not None and not self.gc.check_not_dead(lay):
                 raise StaleLayout(f"layout for {key[:64]!r} names a chunk garbage collection already "
                                   "reclaimed (the put took longer than the GC grace period); retry the put")
-            staged.append((key, lay))
-        present = await ix.commit(staged, now, expires_at, if_absent=req.if_absent)
-        return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
 
     async def rpc_delete(self, req: rpc.Delete, payload: memoryview) -> Reply:
         return rpc.Deleted(deleted=await self.index.delete(req.keys)), ()

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from kvfs.config import MetaConfig
 from kvfs.errors import Unavailable
 from kvfs.layout import Layout
-from kvfs.meta.index import ServerInfo, ServerRegistry
+from kvfs.meta.index import CommitCheck, ServerInfo, ServerRegistry
 from kvfs.meta.redis_store import RedisMetaStore
 from kvfs.meta.repair import readable
 
@@ -116,12 +116,15 @@ class SharedIndex(ServerRegistry):
         return n
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
-                     expires_at: float | None, *, if_absent: bool = False) -> list[int]:
+                     expires_at: float | None, check: CommitCheck | None = None, *,
+                     if_absent: bool = False) -> list[int]:
         """As :meth:`kvfs.meta.index.MetaIndex.commit` (the store refuses a retired chunk
         itself: StaleLayout).  With ``if_absent`` and dead servers, a key whose stored value
         is unreadable (an extent with every replica on them) counts as absent: it is
         overwritten without the condition (a commit racing that overwrite may lose its value,
         each writer told it wrote)."""
+        if check is not None:
+            check(staged)
         gone = self.gone_servers() if if_absent else set()
         if not gone:
             return await self.store.commit(staged, now, if_absent=if_absent)
