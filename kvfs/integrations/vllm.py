@@ -139,8 +139,9 @@ class KvfsTier(SecondaryTierManager):
             if is_load:
                 fut: concurrent.futures.Future[Any] = self.client.submit_get_into(kv, rows)
             else:
+                # block keys name their content: one stored already (another engine) is skipped
                 fut = self.client.submit_put_many(zip(kv, rows, strict=True),
-                                                  ttl=self.config.ttl_s)
+                                                  ttl=self.config.ttl_s, if_absent=True)
         except SOFT_ERRORS as exc:  # a closed client: the job fails, reported as usual
             fut = concurrent.futures.Future()
             fut.set_exception(exc)
@@ -172,9 +173,10 @@ class KvfsTier(SecondaryTierManager):
             if job.is_load:
                 self._lookups.mark_miss(job.keys)
             return JobResult(job_id=job_id, success=False, transfer_time=took)
-        if not job.is_load:
+        if not job.is_load:  # bytes sent: the blocks not stored already
+            written: list[bool] = job.future.result()
             return JobResult(job_id=job_id, success=True, transfer_time=took,
-                             transfer_bytes=size * len(job.keys))
+                             transfer_bytes=size * sum(written))
         sizes: list[int] = job.future.result()
         ok = [k for k, n in zip(job.keys, sizes, strict=True) if n == size]
         if len(ok) == len(job.keys):
