@@ -28,6 +28,8 @@ import logging
 from collections import defaultdict
 from collections.abc import Collection
 
+import msgspec
+
 from kvfs import rpc
 from kvfs.errors import InvalidArgument, Unavailable
 from kvfs.layout import Extent, Layout, Replica
@@ -364,7 +366,7 @@ class MetaGc:
                 exts.append(Extent(x.length, x.crc, tuple(reps)))
             if changed:
                 old = e.layout
-                staged.append((key, e, Layout(old.size, old.crc, old.created, old.expires_at, tuple(exts))))
+                staged.append((key, e, msgspec.structs.replace(old, extents=tuple(exts))))  # meta kept
                 moved += changed
         if tombs:
             ix.move_tombstones(tombs)
@@ -546,7 +548,7 @@ class MetaGc:
                 doomed.append(key)
             else:
                 old = e.layout
-                staged.append((key, e, Layout(old.size, old.crc, old.created, old.expires_at, tuple(exts))))
+                staged.append((key, e, msgspec.structs.replace(old, extents=tuple(exts))))  # meta kept
         ix.switch_layouts(staged)
         n_deleted, _ = ix.remove(doomed)
         if dropped:

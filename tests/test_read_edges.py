@@ -93,11 +93,15 @@ async def two(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
         yield c
 
 
-@pytest.mark.parametrize("size", [1000, SIZE], ids=["inline", "in-place"])
-async def test_a_corrupt_value_ahead_of_good_ones_in_one_readv(two: LocalCluster, size: int) -> None:
+@pytest.mark.parametrize(("size", "ranges"), [(1000, 4096), (SIZE, 4096), (1000, 1)],
+                         ids=["inline", "in-place", "one-range-per-readv"])
+async def test_a_corrupt_value_ahead_of_good_ones_in_one_readv(two: LocalCluster, size: int,
+                                                              ranges: int) -> None:
     """One READV to one server answers a corrupt value first and good ones after it: the
     corrupt one is read again from its other replica, and the ones after it are still
-    served from this answer, with their own bytes (get_many and get_into alike)."""
+    served from this answer, with their own bytes (get_many and get_into alike).  With
+    ``max_read_ranges=1`` the read is split in one READV per value, run side by side."""
+    read = ClientConfig(replicas=2, max_read_ranges=ranges)
     values = {f"r{i}".encode(): os.urandom(size) for i in range(4)}
     async with two.client(ClientConfig(replicas=2)) as kv:
         await kv.put_many(values)
@@ -108,7 +112,7 @@ async def test_a_corrupt_value_ahead_of_good_ones_in_one_readv(two: LocalCluster
     assert after, "no other value is read from the corrupt one's server first"
     flip_byte(two, firsts[bad], size // 2)
     keys = [bad, *after]
-    async with two.client(ClientConfig(replicas=2)) as kv:
+    async with two.client(read) as kv:
         assert await kv.get_many(keys) == [values[k] for k in keys]
         bufs = [bytearray(size) for _ in keys]
         assert await kv.get_into(keys, bufs) == [size] * len(keys)
@@ -117,7 +121,7 @@ async def test_a_corrupt_value_ahead_of_good_ones_in_one_readv(two: LocalCluster
     # ones beside it still arrive
     other = next(r for r in (await _layout(two, bad)).extents[0].replicas if r.server_id != sid)
     flip_byte(two, other, size // 3)
-    async with two.client(ClientConfig(replicas=2)) as kv:
+    async with two.client(read) as kv:
         assert await kv.get_many(keys) == [None, *(values[k] for k in after)]
 
 
