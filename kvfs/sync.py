@@ -136,13 +136,19 @@ class Client:
         self.close()
 
     def put(self, key: Key, value: Value, *, ttl: float | None = None, replicas: int | None = None,
-            if_absent: bool = False) -> bool:
-        return self._run(self.aio.put(key, value, ttl=ttl, replicas=replicas, if_absent=if_absent))
+            if_absent: bool = False, meta: Mapping[str, Any] | None = None) -> bool:
+        return self._run(self.aio.put(key, value, ttl=ttl, replicas=replicas, if_absent=if_absent,
+                                      meta=meta))
 
     def put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
                  ttl: float | None = None, replicas: int | None = None,
-                 if_absent: bool = False) -> list[bool]:
-        return self._run(self.aio.put_many(items, ttl=ttl, replicas=replicas, if_absent=if_absent))
+                 if_absent: bool = False, meta: Sequence[Mapping[str, Any] | None] | None = None,
+                 ) -> list[bool]:
+        return self._run(self.aio.put_many(items, ttl=ttl, replicas=replicas, if_absent=if_absent,
+                                           meta=meta))
+
+    def get_meta(self, keys: Iterable[Key]) -> list[dict[str, Any] | None]:
+        return self._run(self.aio.get_meta(keys))
 
     def get(self, key: Key) -> bytes | None:
         return self._run(self.aio.get(key))
@@ -172,11 +178,17 @@ class Client:
     # futures: start now, collect later (from any thread) ---------------------
     def submit_put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
                         ttl: float | None = None, replicas: int | None = None,
-                        if_absent: bool = False) -> concurrent.futures.Future[list[bool]]:
+                        if_absent: bool = False,
+                        meta: Sequence[Mapping[str, Any] | None] | None = None,
+                        ) -> concurrent.futures.Future[list[bool]]:
         """Start a ``put_many``; the values must stay unchanged until the future is done."""
         return self._submit(self.aio.put_many([*items.items()] if isinstance(items, Mapping)
                                               else [*items], ttl=ttl, replicas=replicas,
-                                              if_absent=if_absent))
+                                              if_absent=if_absent,
+                                              meta=None if meta is None else [*meta]))
+
+    def submit_get_meta(self, keys: Iterable[Key]) -> concurrent.futures.Future[list[dict[str, Any] | None]]:
+        return self._submit(self.aio.get_meta([*keys]))
 
     def submit_get_many(self, keys: Iterable[Key], *, lease_s: float | None = None,
                         ) -> concurrent.futures.Future[list[bytes | None]]:
