@@ -42,7 +42,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.deliver()  # the frames before the bad one still count
             self.protocol_failed(exc)
             return
-        self.deliver()
+        if self.decoder.has_events:  # not while a large payload is still arriving
+            self.deliver()
 
     def deliver(self) -> None:
         """Hand decoded frames to :meth:`frame_received` until none is left or
