@@ -30,7 +30,7 @@ from kvfs.address import format_addr, lookup_token, parse_addr
 from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
-from kvfs.errors import InvalidArgument, KVFSError, StaleLayout
+from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
 from kvfs.layout import MAX_META_BYTES, MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
 from kvfs.layoutcache import LayoutCache
 from kvfs.readpath import WHOLE, Dest, ReadPath
@@ -195,6 +195,14 @@ class AsyncClient:
                     out[i] = lay
                     self.layout_cache.put(keys[i], lay)
         return out
+
+    async def lookup_dirs(self, keys: Sequence[bytes]) -> list[Layout | bool]:
+        """Fresh layouts of normalised keys, and for each miss whether keys lie under
+        ``key + b"/"`` (True: a directory of :mod:`kvfs.fs`, False: nothing), in one LOOKUP."""
+        h = await self._link.call_meta(rpc.Lookup(keys=list(keys), dirs=True))
+        if h.dirs is None or len(h.dirs) != len(keys):
+            raise RemoteProtocolError("LOOKUP with dirs: meta did not say which misses are directories")
+        return [lay if lay is not None else d for lay, d in zip(h.layouts, h.dirs, strict=True)]
 
     async def layout(self, key: Key) -> Layout | None:
         """Where a value lives (extents, replicas); None on a miss."""
@@ -560,8 +568,8 @@ class AsyncClient:
             return 0
         for k in ks:
             self.layout_cache.pop(k)
-        h = await self._link.call_meta(rpc.Delete(keys=ks))
-        await self.writer.tombstones(ks)
+        # tombstones first: a delete meta made is always on the chunks (kvfs.meta.tombstones)
+        h = await self._link.call_meta(rpc.Delete(keys=ks, tombstones=await self.writer.tombstones(ks)))
         return h.deleted
 
     async def delete(self, key: Key) -> bool:

@@ -322,9 +322,15 @@ class MountConfig:
                                  "each)", 2, positive=True)
     looked_up_layouts: int = opt("layouts of recently looked-up files kept for their first read "
                                  "(within --attr-timeout)", 4096)
+    kernel_read_ahead_bytes: int = opt("the kernel's read-ahead for the mount (its "
+                                       "/sys/class/bdi/*/read_ahead_kb, set when permitted; 0 "
+                                       "leaves the kernel's 128 KiB): a large file's reads reach "
+                                       "the mount as requests this big (the kernel caps them at "
+                                       "1 MiB)", 1 * MiB)
 
     def __post_init__(self) -> None:
-        for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts"):
+        for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
+                     "kernel_read_ahead_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
         for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight"):
