@@ -183,10 +183,13 @@ class ClientConfig(TlsConfig):
                             "skipped by writes and reads for this long, whatever meta says "
                             "(a call to it that succeeds ends it sooner)", 5.0)
     evict_on_full: bool = opt("when a write finds the cluster full, ask meta for a GC pass and retry once", True)
-    batch: bool = opt("coalesce concurrent single-key get()/exists() calls into batches", True)
+    batch: bool = opt("coalesce concurrent get()/exists() calls, and get_into()/put_many() calls "
+                      "of fewer than batch_max_keys keys, into batches", True)
     batch_window_s: float = opt("wait this long for more keys (0: those issued this loop tick)", 0.0)
-    batch_max_keys: int = opt("flush a batch at this many keys, without waiting", 128)
-    batch_max_bytes: int = opt("flush a batch when its known value sizes reach this", 64 * 1024 * 1024)
+    batch_max_keys: int = opt("flush a batch at this many keys, without waiting (a call of this "
+                              "many keys goes alone)", 128)
+    batch_max_bytes: int = opt("flush a batch when its known value (or get_into buffer) sizes reach "
+                               "this (a call of this many bytes goes alone)", 64 * 1024 * 1024)
     stream_window_units: int = opt("stripe units a streaming put or read keeps in flight (its "
                                    "memory: this many stripe_bytes)", 4)
     on_lost: OnLost = opt("a key whose value no replica can serve (gone, corrupt, its servers "
@@ -323,9 +326,15 @@ class MountConfig:
                                  "each)", 2, positive=True)
     looked_up_layouts: int = opt("layouts of recently looked-up files kept for their first read "
                                  "(within --attr-timeout)", 4096)
+    kernel_read_ahead_bytes: int = opt("the kernel's read-ahead for the mount (its "
+                                       "/sys/class/bdi/*/read_ahead_kb, set when permitted; 0 "
+                                       "leaves the kernel's 128 KiB): a large file's reads reach "
+                                       "the mount as requests this big (the kernel caps them at "
+                                       "1 MiB)", 1 * MiB)
 
     def __post_init__(self) -> None:
-        for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts"):
+        for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
+                     "kernel_read_ahead_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
         for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight"):

@@ -193,6 +193,7 @@ class Ping(Request[Pong], frozen=True, kw_only=True):
 # -- meta: keys ---------------------------------------------------------------------------
 class Layouts(Response, frozen=True, kw_only=True):
     layouts: Items[Layout | None]
+    dirs: Items[bool] | None = None  # asked for: per key, a miss with keys under ``key + b"/"``
 
 
 class Lookup(Request[Layouts], frozen=True, kw_only=True):
@@ -200,6 +201,7 @@ class Lookup(Request[Layouts], frozen=True, kw_only=True):
 
     keys: Keys
     lease_s: Seconds | None = None
+    dirs: bool = False  # also say which misses are directories (kvfs.fs): one round trip
 
 
 class CommitItem(NamedTuple):
@@ -876,7 +878,8 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.AUTH, Service.ANY, Auth, "client's first frame: both sides prove a token (kvfs.handshake)",
         ANYONE),
     Rpc(Op.PING, Service.ANY, Ping, "liveness; names the service", ANYONE),
-    Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss), optional lease", DATA),
+    Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss), optional lease; "
+        "with `dirs`, which misses have keys under `key/`", DATA),
     Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction; if_absent: only keys not present", DATA),
     Rpc(Op.DELETE, Service.META, Delete, "forget keys; their bytes become garbage", DATA),
     Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease", DATA),

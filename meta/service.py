@@ -114,7 +114,23 @@ class MetaService:
 
     async def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply:
         now = self.clock()
-        return rpc.Layouts(layouts=await self.index.lookup(req.keys, now, _until(now, req.lease_s))), ()
+        layouts = await self.index.lookup(req.keys, now, _until(now, req.lease_s))
+        if not req.dirs:
+            return rpc.Layouts(layouts=layouts), ()
+        dirs = [lay is None and await self._has_under(k + b"/", now)
+                for k, lay in zip(req.keys, layouts, strict=True)]
+        return rpc.Layouts(layouts=layouts, dirs=dirs), ()
+
+    async def _has_under(self, prefix: bytes, now: float) -> bool:
+        """Whether an unexpired key starts with ``prefix``."""
+        after = None
+        while True:
+            rows = await self.index.list_keys(prefix, after, 64)
+            if any(not lay.expired(now) for _, lay in rows):
+                return True
+            if len(rows) < 64:
+                return False
+            after = rows[-1][0]
 
     async def rpc_release(self, req: rpc.Release, payload: memoryview) -> Reply:
         return rpc.Released(released=await self.index.release(req.keys)), ()

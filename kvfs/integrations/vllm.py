@@ -20,7 +20,8 @@ Nothing blocks the scheduler: a store is one ``put_many`` and a load one ``get_i
 submitted to kvfs's IO thread and collected by ``get_finished_jobs``; a load reports which
 keys arrived (``successful_keys``) when only some did.  Lookups go through vLLM's
 ``AsyncLookupManager``: the keys looked up in a step are checked with one ``exists_many`` per
-request, off the scheduler thread, and answer ``RETRY`` until then.  A dead or slow cluster
+request (leasing the hits for ``lease_s``, so eviction leaves them until they are loaded),
+off the scheduler thread, and answer ``RETRY`` until then.  A dead or slow cluster
 turns into misses and failed jobs within a few ``timeout_s``, never an exception into vLLM.
 """
 
@@ -77,8 +78,8 @@ class _Lookups(AsyncLookupManager):
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         tier = self._tier
         try:
-            found: list[bool] = wait(tier.client.submit_exists_many(
-                [tier.kvfs_key(k) for k in keys]), tier.config)
+            found: list[bool] = wait(tier.client.submit_exists_many(  # hits leased until loaded
+                [tier.kvfs_key(k) for k in keys], lease_s=tier.config.lease_s), tier.config)
             return found
         except SOFT_ERRORS as exc:
             log.warning("kvfs vLLM tier: lookup of %d chunks failed (misses): %s", len(keys), exc)
