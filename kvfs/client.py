@@ -566,8 +566,8 @@ class AsyncClient:
             return 0
         for k in ks:
             self.layout_cache.pop(k)
-        h = await self._link.call_meta(rpc.Delete(keys=ks))
-        await self.writer.tombstones(ks)
+        # tombstones first: a delete meta made is always on the chunks (kvfs.meta.tombstones)
+        h = await self._link.call_meta(rpc.Delete(keys=ks, tombstones=await self.writer.tombstones(ks)))
         return h.deleted
 
     async def delete(self, key: Key) -> bool:

@@ -11,7 +11,10 @@ SQLite transaction (and one event-loop step, so no other RPC sees half of it):
   names the old (chunk, offset): a concurrent overwrite or delete wins;
 - GC_RETIRE marks a chunk dead only if no layout references it; a dead chunk
   id is refused by COMMIT forever after (ids are never reused), so a late
-  commit can never produce a dangling key.
+  commit can never produce a dangling key;
+- the tombstones meta keeps (:mod:`kvfs.meta.tombstones`) are live data: GC_CHUNK_REFS
+  names them, GC_RELOCATE moves them, and GC_DELETED drops those no older record of
+  their key can outlive any more.
 
 MAKE_ROOM (a client's write found the cluster full) is the one exception to
 "driven from outside": meta runs one :mod:`kvfs.gc` pass against itself, the
@@ -32,6 +35,7 @@ from kvfs.errors import InvalidArgument, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.index import Entry, MetaIndex, disk_bytes
 from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_replica
+from kvfs.meta.tombstones import floors, passed, raise_horizon, tomb_layout
 from kvfs.server import Reply
 
 log = logging.getLogger("kvfs.meta.gc")
@@ -40,6 +44,7 @@ METRIC_NAMES = (
     "keys_expired", "bytes_expired", "keys_evicted", "bytes_evicted", "chunks_compacted",
     "bytes_copied", "keys_relocated", "chunks_deleted", "bytes_reclaimed", "replicas_dropped",
     "passes", "pass_duration_s", "last_pass_duration_s", "extents_repaired", "bytes_repaired",
+    "tombstones_dropped",
 )
 
 
@@ -284,7 +289,8 @@ class MetaGc:
         return rpc.Plan(compact=compact, delete=delete, seal=seal, waiting=waiting), ()
 
     async def rpc_gc_chunk_refs(self, req: rpc.GcChunkRefs, payload: memoryview) -> Reply:
-        """References into the given chunks, or (``server_id``) into every chunk of a server."""
+        """References into the given chunks (kept tombstones too: length 0, for compaction to
+        copy), or (``server_id``) into every chunk of a server (values only)."""
         ix = self.index
         chunks = set(req.chunks)
         sid = req.server_id
@@ -297,21 +303,53 @@ class MetaGc:
                 for r in x.replicas:
                     if r.chunk_id in chunks or r.server_id == sid:
                         refs.setdefault(r.chunk_id, []).append(rpc.Ref(k, r.offset, x.length, x.crc))
+        if chunks and ix.tombstones:
+            floor = floors(ix.servers)
+            done = []
+            for k, t in ix.tombstones.items():
+                mine = [r for r in t.layout.extents[0].replicas if r.chunk_id in chunks]
+                if not mine:
+                    continue
+                if any(passed(t, floor, compacting=r.chunk_id) for r in mine):
+                    done.append(k)  # needed no more: not copied
+                    continue
+                for r in mine:
+                    refs[r.chunk_id].append(rpc.Ref(k, r.offset, 0, 0))
+            if done:
+                with ix.store.durable():
+                    ix.forget_tombstones(done)
+                self._count(tombstones_dropped=len(done))
         return rpc.ChunkRefs(refs=refs), ()
 
     async def rpc_gc_relocate(self, req: rpc.GcRelocate, payload: memoryview) -> Reply:
         ix = self.index
         sid, new_chunk, moves = req.server_id, req.new_chunk, req.moves
-        if new_chunk in self.dead_chunks:
-            return rpc.Relocated(moved=0, skipped=len(moves)), ()
+        if new_chunk in self.dead_chunks:  # (kept tombstones' copies are not counted)
+            return rpc.Relocated(moved=0, skipped=sum(m[0] not in ix.tombstones for m in moves)), ()
         now = ix.clock()
         by_key: dict[bytes, dict[tuple[int, int], int]] = defaultdict(dict)
         for key, old_chunk, old_off, new_off in moves:
             by_key[key][(old_chunk, old_off)] = new_off
         staged: list[tuple[bytes, Entry, Layout]] = []
-        moved = 0
+        tombs: list[tuple[bytes, Layout]] = []
+        raised: list[bytes] = []
+        moved = tomb_moves = 0  # tombstones moved count as neither moved keys nor lost ones
         for key, mapping in by_key.items():
             e = ix.entries.get(key)
+            t = ix.tombstones.get(key) if e is None else None
+            if t is not None:  # a tombstone copied forward, or a record of the key copied
+                reps = []          # while the key was deleted
+                n = 0
+                for r in t.layout.extents[0].replicas:
+                    no = mapping.get((r.chunk_id, r.offset)) if r.server_id == sid else None
+                    reps.append(r if no is None else Replica(sid, new_chunk, no))
+                    n += no is not None
+                if n:
+                    tombs.append((key, tomb_layout(reps, t.layout.created)))
+                    tomb_moves += n
+                elif raise_horizon(t, new_chunk):  # an older record now in new_chunk
+                    raised.append(key)
+                continue
             if e is None or e.layout.expired(now):
                 continue
             exts = []
@@ -330,7 +368,11 @@ class MetaGc:
                 old = e.layout
                 staged.append((key, e, msgspec.structs.replace(old, extents=tuple(exts))))  # meta kept
                 moved += changed
-        if staged:
+        if tombs:
+            ix.move_tombstones(tombs)
+        if raised:
+            ix.save_tombstones(raised)
+        if staged or tombs:
             ix.switch_layouts(staged)
             s = ix.servers.get(sid)
             if s is not None and req.new_size is not None:
@@ -339,7 +381,7 @@ class MetaGc:
         for old_chunk, _ in {k for m in by_key.values() for k in m}:
             if ix.chunk_live.get(old_chunk, 0) <= 0:
                 self.zero_since.setdefault(old_chunk, now)
-        return rpc.Relocated(moved=moved, skipped=len(moves) - moved), ()
+        return rpc.Relocated(moved=moved, skipped=len(moves) - moved - tomb_moves), ()
 
     async def rpc_gc_retire(self, req: rpc.GcRetire, payload: memoryview) -> Reply:
         ix = self.index
@@ -370,6 +412,9 @@ class MetaGc:
         inc: dict[str, float] = {}
         if deleted:
             inc.update(chunks_deleted=len(deleted), bytes_reclaimed=sum(deleted.values()))
+            dropped = ix.drop_passed_tombstones()  # chunks gone: horizons may have passed
+            if dropped:
+                inc.update(tombstones_dropped=dropped)
         if req.compacted:
             inc.update(chunks_compacted=req.compacted, bytes_copied=req.copied)
         if inc:
@@ -442,8 +487,11 @@ class MetaGc:
         ix = self.index
         staged: dict[bytes, tuple[Entry, Layout]] = {}
         repaired = skipped = nbytes = 0
+        raised: list[bytes] = []
         for key, extent, lost, new in req.items:
             e = ix.entries.get(key)
+            if e is None and (t := ix.tombstones.get(key)) is not None and raise_horizon(t, new.chunk_id):
+                raised.append(key)  # deleted since the plan: its copy is an older record
             if e is None or new.server_id not in ix.servers:
                 skipped += 1
                 continue
@@ -455,6 +503,7 @@ class MetaGc:
             repaired += 1
             nbytes += switched.extents[extent].length
         ix.switch_layouts([(k, e, lay) for k, (e, lay) in staged.items()])
+        ix.save_tombstones(raised)
         if repaired:
             self._count(extents_repaired=repaired, bytes_repaired=nbytes)
         return rpc.Repaired(repaired=repaired, skipped=skipped), ()

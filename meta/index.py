@@ -14,7 +14,8 @@ Invariants:
   writes one COMMIT per transaction).  Each is checked (unknown server, retired
   chunk) in the step that writes it, and answered only once that transaction
   returned;
-- ``chunk_live`` is derived from the layouts (rebuilt at start), never stored;
+- ``chunk_live`` is derived from the layouts and the tombstones kept
+  (:mod:`kvfs.meta.tombstones`; rebuilt at start), never stored;
 - an expired key is a miss for every RPC, before GC removes it.
 """
 
@@ -29,9 +30,18 @@ from dataclasses import dataclass, field
 
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import FsyncMode, MetaConfig
-from kvfs.layout import Layout, encode_layout
+from kvfs.layout import Layout, encode_layout, server_of_chunk
 from kvfs.meta.repair import readable
 from kvfs.meta.store import MetaStore
+from kvfs.meta.tombstones import (
+    Tomb,
+    chunk_seq,
+    decode_horizon,
+    encode_horizon,
+    floors,
+    horizon_now,
+    passed,
+)
 
 log = logging.getLogger("kvfs.meta")
 
@@ -141,6 +151,8 @@ class MetaIndex(ServerRegistry):
         self.store = store
         self.entries: dict[bytes, Entry] = {}
         self.chunk_live: dict[int, int] = {}
+        self.tombstones: dict[bytes, Tomb] = {}  # deleted keys' tombstones kept (kvfs.meta.tombstones)
+        self.seq_high: dict[int, int] = {}  # server id -> highest chunk seq a layout named
         self.leases: dict[bytes, float] = {}
         self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
         self.commit_groups = 0  # group transactions written (each one sync)
@@ -151,6 +163,20 @@ class MetaIndex(ServerRegistry):
         for key, layout, last_access in self.store.load():
             self.entries[key] = Entry(layout, last_access)
             self.add_live(layout, +1, key)
+        since = time.monotonic()
+        stale = []  # put again after the delete (the put's own forget did not reach the disk)
+        for key, layout, horizon in self.store.load_tombstones():
+            if key in self.entries:
+                stale.append(key)
+                continue
+            h = decode_horizon(horizon)
+            for sid, seq in h.items():
+                if seq is not None:
+                    self.seq_high[sid] = max(self.seq_high.get(sid, -1), seq)
+            self.tombstones[key] = Tomb(layout, h, since)
+            self.add_live(layout, +1, key)
+        if stale:
+            self.store.forget_tombstones(stale)
         for sid, addr, capacity, free in self.store.load_servers():
             self.servers[sid] = ServerInfo(sid, addr, capacity, free, reported_capacity=capacity,
                                            reported_free=free)
@@ -183,12 +209,23 @@ class MetaIndex(ServerRegistry):
     def add_live(self, layout: Layout, sign: int, key: bytes, live: dict[int, int] | None = None) -> None:
         """Live bytes per chunk (into ``live``, default ``chunk_live``): each replica's value
         plus its record header and key, so a chunk of only live records has zero garbage."""
-        live = self.chunk_live if live is None else live
+        if live is None:
+            live = self.chunk_live
+            if sign > 0:
+                self.note_chunks(layout)
         overhead = RECORD_OVERHEAD_BYTES + len(key)
         for e in layout.extents:  # layout.chunk_bytes(), inlined: this runs per committed key
             n = sign * (e.length + overhead)
             for r in e.replicas:
                 live[r.chunk_id] = live.get(r.chunk_id, 0) + n
+
+    def note_chunks(self, layout: Layout) -> None:
+        """Raise ``seq_high`` to the chunks a layout names (tombstones' horizons)."""
+        high = self.seq_high
+        for cid, _ in layout.chunk_bytes():
+            sid, seq = server_of_chunk(cid), chunk_seq(cid)
+            if high.get(sid, -1) < seq:
+                high[sid] = seq
 
     def switch_layouts(self, staged: list[tuple[bytes, Entry, Layout]]) -> None:
         """Replace the layouts of existing entries: one SQLite transaction, then the index."""
@@ -365,6 +402,8 @@ class MetaIndex(ServerRegistry):
         if rows:  # (if_absent may have left nothing to write)
             self.store.put_many(rows)
             self.commit_groups += 1
+        if self.tombstones:  # a put of a deleted key: its new record is newer than the tombstone
+            self.forget_tombstones([k for c in group for k, _, _ in c.rows if k in self.tombstones])
         entries, dirty, add_live = self.entries, self.dirty_access, self.add_live
         for c in group:
             now = c.now
@@ -377,15 +416,67 @@ class MetaIndex(ServerRegistry):
                 dirty.pop(key, None)
             c.done.set_result(None)
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        gone = [k for k in keys if k in self.entries]
+    async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
+        """Remove keys; ``tombstones[i]`` (if given): where key ``i``'s tombstone was
+        written, kept for each key removed (:mod:`kvfs.meta.tombstones`)."""
+        gone = list(dict.fromkeys(k for k in keys if k in self.entries))
+        keep: dict[bytes, Layout] = {}
+        if tombstones:
+            where = dict(zip(keys, tombstones, strict=True))
+            keep = {k: where[k] for k in gone}
+        for lay in keep.values():  # the horizon covers the tombstones' own chunks
+            self.note_chunks(lay)
+        horizon = horizon_now(self.servers, self.seq_high, self.started) if keep else {}
+        blob = encode_horizon(horizon)
         if gone:
-            self.store.delete_many(gone)
+            self.store.delete_many(gone, ((k, encode_layout(lay), blob) for k, lay in keep.items()))
+        since = time.monotonic()
+        for k, lay in keep.items():
+            self.tombstones[k] = Tomb(lay, dict(horizon), since)
+            self.add_live(lay, +1, k)
         for k in gone:
             self.add_live(self.entries.pop(k).layout, -1, k)
             self.dirty_access.pop(k, None)
             self.leases.pop(k, None)
         return len(gone)
+
+    # tombstones (kvfs.meta.tombstones) -------------------------------------------------
+    def forget_tombstones(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        self.store.forget_tombstones(keys)
+        for k in keys:
+            t = self.tombstones.pop(k, None)
+            if t is not None:
+                self.add_live(t.layout, -1, k)
+
+    def save_tombstones(self, keys: Iterable[bytes]) -> None:
+        """Write moved tombstones, or raised horizons, through (one transaction)."""
+        keys = list(keys)
+        if not keys:
+            return
+        with self.store.durable():
+            self.store.put_tombstones((k, encode_layout(t.layout), encode_horizon(t.horizon))
+                                      for k in keys if (t := self.tombstones.get(k)) is not None)
+
+    def move_tombstones(self, staged: Sequence[tuple[bytes, Layout]]) -> None:
+        """Point tombstones at their compacted copies (a GC relocation)."""
+        for k, lay in staged:
+            t = self.tombstones[k]
+            self.add_live(t.layout, -1, k)
+            t.layout = lay
+            self.add_live(lay, +1, k)
+        self.save_tombstones(k for k, _ in staged)
+
+    def drop_passed_tombstones(self) -> int:
+        """Forget the tombstones no older record of their key can outlive any more
+        (:func:`kvfs.meta.tombstones.passed`); their bytes become garbage."""
+        floor = floors(self.servers)
+        done = [k for k, t in self.tombstones.items() if passed(t, floor)]
+        if done:
+            with self.store.durable():
+                self.forget_tombstones(done)
+        return len(done)
 
     async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
         """Remove each key that still has the given layout (compare-and-swap: a key

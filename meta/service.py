@@ -27,6 +27,7 @@ from kvfs.layout import Layout
 from kvfs.meta.gc import MetaGc
 from kvfs.meta.index import MetaIndex, ServerInfo
 from kvfs.meta.store import MetaStore
+from kvfs.meta.tombstones import tomb_layout
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
 
@@ -185,7 +186,31 @@ class MetaService:
                                   "reclaimed (the put took longer than the GC grace period); retry the put")
 
     async def rpc_delete(self, req: rpc.Delete, payload: memoryview) -> Reply:
-        return rpc.Deleted(deleted=await self.index.delete(req.keys)), ()
+        """Tombstones (where the client wrote them) are checked like a commit's layouts;
+        meta keeps those of the keys it removes (:mod:`kvfs.meta.tombstones`)."""
+        keys, where = req.keys, req.tombstones
+        tombs: list[Layout] = []
+        if where:
+            if len(where) != len(keys):
+                raise InvalidArgument(f"DELETE names {len(where)} tombstones for {len(keys)} keys: "
+                                      "give one per key, or none")
+            if not {r.server_id for reps in where for r in reps} <= self.index.servers.keys():
+                await self.index.refresh()
+            now = self.clock()
+            for key, reps in zip(keys, where, strict=True):
+                if len({r.server_id for r in reps}) != len(reps):
+                    raise InvalidArgument(f"tombstone of {key[:64]!r} names one chunkserver twice")
+                for r in reps:
+                    if r.server_id not in self.index.servers:
+                        raise InvalidArgument(f"tombstone of {key[:64]!r} names unknown chunkserver "
+                                              f"{r.server_id}")
+                lay = tomb_layout(reps, now)
+                if self.gc is not None and not self.gc.check_not_dead(lay):
+                    raise StaleLayout(f"tombstone of {key[:64]!r} is in a chunk garbage collection "
+                                      "already reclaimed (the delete took longer than the GC grace "
+                                      "period); retry the delete")
+                tombs.append(lay)
+        return rpc.Deleted(deleted=await self.index.delete(keys, tombs)), ()
 
     async def rpc_list(self, req: rpc.ListKeys, payload: memoryview) -> Reply:
         rows = await self.index.list_keys(req.prefix, req.start_after, req.limit)

@@ -137,7 +137,9 @@ class SharedIndex(ServerRegistry):
         present = await self.store.commit([staged[i] for i in rest], now, if_absent=True)
         return [rest[j] for j in present]
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
+    async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
+        """``tombstones`` are not kept: nothing compacts or deletes chunks here yet (no GC),
+        so every tombstone stays on its chunkserver (:mod:`kvfs.meta.tombstones`)."""
         return len(await self.store.delete(keys))
 
     async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:

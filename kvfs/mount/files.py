@@ -67,7 +67,7 @@ class FileIO:
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         # closes of small files share commits the same way: one put_many (one APPEND per
         # server, one COMMIT) for the files closed while earlier batches were running
-        self.puts: Batcher[tuple[bytes, bytes], None] = Batcher(
+        self.puts: Batcher[tuple[bytes, bytes | bytearray], None] = Batcher(
             self._put_many, max_items=config.max_batch_items,
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         # lookups (the kernel's LOOKUP and GETATTR) share LOOKUPs the same way; a miss says
@@ -77,13 +77,14 @@ class FileIO:
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         self._tasks: set[asyncio.Task[bytes]] = set()  # read-ahead in flight
 
-    async def _put_many(self, items: list[tuple[bytes, bytes]]) -> list[None]:
+    async def _put_many(self, items: list[tuple[bytes, bytes | bytearray]]) -> list[None]:
         last = dict(items)  # a path closed twice in one batch: its last value wins
         await self.fs.client.put_many(list(last.items()), ttl=self.fs.ttl)
         return [None] * len(items)
 
-    async def put(self, path: str, value: bytes) -> None:
-        """One small file's value, committed in a batch with other files' closes."""
+    async def put(self, path: str, value: bytes | bytearray) -> None:
+        """One small file's value, committed in a batch with other files' closes (``value``
+        is sent as it is: the caller does not change it until this returns)."""
         with builtin_errors(path):
             await self.puts.submit((os.fsencode(path), value), len(value))
 
@@ -338,7 +339,7 @@ class FileIO:
             assert d is not None
             self.changed(h.ino)
             if h.stream is None and not h.prefix:  # small: one put, the stream never started
-                await self.put(self.table.path(h.ino), bytes(d))
+                await self.put(self.table.path(h.ino), d)  # no copy: h.lock keeps writes out
                 h.dirty = False
                 return
             try:
