@@ -5,6 +5,9 @@ What moves: every unexpired key with its layout (so its TTL) and its last access
 LRU order), the cluster id, the chunkserver registry, the retired chunks (a late commit
 naming one is still refused) and the GC state (paused, metrics, draining and
 decommissioned servers).  Chunkservers' heartbeat times do not: they report again.
+Nor do the delete tombstones a SQLite meta tracks (:mod:`kvfs.meta.tombstones`): the
+Redis store keeps none yet, so a later ``kvfs meta rebuild`` may bring back keys
+deleted before the migration.
 
 Memory stays bounded: keys stream in batches of ``batch`` (SQLite pages by key, Redis by
 its LRU index), each batch written before the next is read.
