@@ -258,7 +258,7 @@ class AsyncClient:
         call = _PutCall(keys, views, metas, r, ttl, if_absent)
         total = sum([nbytes(v) for v in views])
         if self._coalesce(len(keys), total):
-            layouts = await self._put_batcher.submit(call, total, count=len(keys))
+            layouts = await self._put_batcher.submit(call, total, count=len(keys), eager=True)
             if isinstance(layouts, KVFSError):
                 raise layouts
         else:
@@ -460,11 +460,15 @@ class AsyncClient:
             raise InvalidArgument(f"{len(ks)} keys but {len(buffers)} buffers")
         if not ks:
             return []
-        views = [as_parts(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
+        try:
+            views = [as_parts(b, writable=True) for b in buffers]
+        except InvalidArgument:  # again, naming the buffer (not built for every good one)
+            views = [as_parts(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
         _check_lease(lease_s)
         total = sum([nbytes(v) for v in views])
         if self._coalesce(len(ks), total):
-            return await self._into_batcher.submit((ks, views, lease_s), total, count=len(ks))
+            return await self._into_batcher.submit((ks, views, lease_s), total, count=len(ks),
+                                                   eager=True)
         return await self._get_into(ks, views, lease_s)
 
     async def _get_into_calls(self, calls: list[_IntoCall]) -> list[list[int]]:
@@ -498,12 +502,12 @@ class AsyncClient:
         for i, (lay, v) in enumerate(zip(layouts, views, strict=True)):
             if lay is None:
                 dests.append(None)
-            elif lay.size > nbytes(v):
+            elif lay.size > (room := nbytes(v)):
                 result[i] = TOO_SMALL
                 dests.append(None)
             else:
                 result[i] = lay.size
-                dests.append(cut(v, 0, lay.size))
+                dests.append(v if lay.size == room else cut(v, 0, lay.size))
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
         misses = await self.reader.read_into(ks, layouts, dests, failed=failed, lost=lost)
