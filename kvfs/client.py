@@ -26,7 +26,7 @@ import msgspec
 
 from kvfs import rpc
 from kvfs._batch import Batcher
-from kvfs.address import format_addr, lookup_token, parse_addr
+from kvfs.address import format_addr, format_addrs, lookup_token, parse_addrs
 from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
@@ -82,7 +82,8 @@ class KeyInfo:
 class AsyncClient:
     """``async with kvfs.connect(addr) as kv: ...``
 
-    Public counters: ``rpc_counts`` (RPCs sent, by op name), ``layout_cache`` (its
+    Public counters: ``rpc_counts`` (RPCs sent, by op name), ``meta_calls`` (meta calls
+    answered, by meta ``HOST:PORT``: several metas share the calls), ``layout_cache`` (its
     ``clear()`` makes the next read ask meta), ``rx_pool_buffers`` and
     ``rx_buffers_reused`` (the read path's pooled receive buffers).  ``writer``
     (:class:`kvfs.writepath.WritePath`), ``reader`` (:class:`kvfs.readpath.ReadPath`)
@@ -96,17 +97,18 @@ class AsyncClient:
         """``token``: the client token (default ``$KVFS_TOKEN`` or the file `kvfs up`
         wrote).  A client never runs GC: a write that finds the cluster full asks meta to
         make room (MAKE_ROOM) and retries once."""
-        host, port = parse_addr(addr)
-        self.addr = format_addr(host, port)
-        self.token = lookup_token(token, addr=self.addr)
+        metas = parse_addrs(addr)  # several metas of one Redis-backed store: calls spread over them
+        self.addr = format_addrs(metas)
+        self.token = lookup_token(token, addr=format_addr(*metas[0]))
         self.config = cfg = config or ClientConfig()
         self.clock = time.time
-        self._link = ClusterLink(host, port, self.token, connect_timeout_s=cfg.connect_timeout_s,
+        self._link = ClusterLink(metas, self.token, connect_timeout_s=cfg.connect_timeout_s,
                                  request_timeout_s=cfg.request_timeout_s,
                                  servers_refresh_s=cfg.servers_refresh_s,
                                  down_for_s=cfg.down_for_s,
                                  tls=client_context(cfg))  # None: plaintext
         self.rpc_counts = self._link.rpc_counts
+        self.meta_calls = self._link.meta_calls
         self.layout_cache = LayoutCache(self._link, cfg.layout_cache_entries)
         self.writer = WritePath(self._link, cfg, lambda: self.clock())
         self.reader = ReadPath(self._link, max_rpc_bytes=cfg.max_read_rpc_bytes,
