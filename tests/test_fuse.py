@@ -178,6 +178,18 @@ def test_missing_file_and_nonempty_rmdir(mnt: Path) -> None:
 
 # a KV-page directory (SGLang HiCacheFile style) ------------------------------------------
 @needs_fuse
+def test_kernel_read_ahead_of_the_mount(mnt: Path) -> None:
+    """The mount sets the kernel's read-ahead for itself to --kernel-read-ahead (1 MiB), so
+    large files reach it as 1 MiB reads."""
+    dev = [line.split()[2] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+           if line.split()[4] == str(mnt)][-1]
+    ra = Path("/sys/class/bdi") / dev / "read_ahead_kb"
+    if not os.access(ra, os.W_OK):
+        pytest.skip(f"{ra} is not writable here (a read-only /sys): the mount leaves it")
+    wait_until(lambda: ra.read_text().strip() == "1024", 10, "the mount's read-ahead")
+
+
+@needs_fuse
 def test_lost_file_reads_as_a_miss(mnt: Path, fs: KVFileSystem, tcluster: ThreadCluster) -> None:
     """A file whose every replica is lost behaves as a miss (the client's on_lost="miss"):
     ENOENT from its read, never EIO or wrong bytes; meta forgets it, so it is gone from the
