@@ -44,6 +44,9 @@ from kvfs.protocol import FrameHead, Scatter
 
 RX_POOL_BUFFERS = 8  # receive buffers kept for reuse (values returned as bytes are copied out)
 READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
+# a READV answer lands in place in the callers' buffers when its extents average at least
+# this (below it, receiving each in its own buffer costs more than one receive and a copy)
+SCATTER_MIN_BYTES = 64 * 1024
 
 
 class _Dest(enum.Enum):
@@ -372,7 +375,10 @@ class ReadPath:
             rx.append(self._rx_take(head.payload_len))
             return memoryview(rx[0])[: head.payload_len]
 
-        sink = scatter if all(job.dest is not WHOLE for job in batch) else pooled
+        # large destinations receive in place; small ones (e.g. 4 KiB values) share one
+        # receive into a pooled buffer and are copied out, as values returned as bytes are
+        sink = (scatter if sum([r[2] for r in ranges]) >= SCATTER_MIN_BYTES * len(ranges)
+                and all([job.dest is not WHOLE for job in batch]) else pooled)
         try:
             h, payload = await self._link.call_server(sid, rpc.ReadV(ranges=ranges), sink=sink)
         except BaseException:
@@ -422,7 +428,10 @@ class ReadPath:
             if dest is WHOLE:
                 assert out is not None
                 out[job.slot] = bytes(got)
-            elif not in_place:
+            elif not in_place:  # checked in the receive buffer, copied to the caller's
+                if len(dest) == 1:
+                    dest[0][:] = got
+                    continue
                 at = 0
                 for p in dest:
                     p[:] = got[at : at + p.nbytes]
