@@ -3,7 +3,8 @@
 Every extent of the values asked for goes to one READV per chunkserver (the first
 live replica; split past ``max_read_rpc_bytes``, a few in flight).  The answer is
 received straight into each destination (:class:`kvfs.protocol.Scatter`), or, for
-values returned as ``bytes``, into a pooled buffer they are copied out of.  A bad
+values returned as ``bytes`` and destinations averaging under ``SCATTER_MIN_BYTES``,
+into a pooled buffer they are copied out of (after their CRC check).  A bad
 CRC, a dead server or a ``StaleLayout`` (bytes gone from the named chunk) moves the
 extent to its next replica; when every replica said its bytes are gone, the key gets
 one fresh lookup and retry; a key deleted meanwhile is a miss.  A key no replica can
