@@ -139,6 +139,22 @@ async def test_get_into_reads_in_place_and_get_reuses_one_pooled_buffer(one: Loc
         assert kv.rx_pool_buffers == 1
 
 
+async def test_small_get_into_destinations_share_one_pooled_receive(one: LocalCluster) -> None:
+    """Values below 64 KiB on average are received into one pooled buffer per READV answer
+    and copied to the caller's buffers after their CRC check (not one receive each)."""
+    values = {f"s{i}".encode(): os.urandom(4096) for i in range(40)}
+    async with one.client() as kv:
+        await kv.put_many(values)
+        bufs = [bytearray(4096) for _ in values]
+        assert await kv.get_into(list(values), bufs) == [4096] * 40
+        assert bufs == list(values.values())
+        assert kv.rx_pool_buffers == 1 and kv.rx_buffers_reused == 0
+        bufs = [bytearray(5000) for _ in values]  # larger buffers: the value's leading bytes
+        assert await kv.get_into(list(values), bufs) == [4096] * 40
+        assert [b[:4096] for b in bufs] == list(values.values())
+        assert kv.rx_pool_buffers == 1 and kv.rx_buffers_reused == 1
+
+
 # (duplicates: the fixture `one` above with two chunkservers; two small fixtures read plainer than a factory)
 @pytest.fixture
 async def two(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
@@ -149,8 +165,8 @@ async def two(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
         yield c
 
 
-@pytest.mark.parametrize(("size", "ranges"), [(1000, 4096), (SIZE, 4096), (1000, 1)],
-                         ids=["inline", "in-place", "one-range-per-readv"])
+@pytest.mark.parametrize(("size", "ranges"), [(1000, 4096), (SIZE, 4096), (20_000, 4096), (1000, 1)],
+                         ids=["inline", "in-place", "pooled", "one-range-per-readv"])
 async def test_a_corrupt_value_ahead_of_good_ones_in_one_readv(two: LocalCluster, size: int,
                                                               ranges: int) -> None:
     """One READV to one server answers a corrupt value first and good ones after it: the
