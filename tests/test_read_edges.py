@@ -120,6 +120,29 @@ async def test_a_layout_that_goes_stale_twice_in_one_read(one: LocalCluster, sec
             await r.close()
 
 
+async def test_a_lost_key_ahead_of_an_overwritten_one_in_one_read(one: LocalCluster) -> None:
+    """A reader holds the layouts of x and y (chunk A); y is overwritten (chunk B), then A's
+    bytes vanish. One read of both: x, whose fresh layout is the one read, is a miss; y,
+    after it, is still looked up again and read from B."""
+    async with one.client() as kv:
+        await kv.put_many({b"x": b"X" * SIZE, b"y": b"Y" * SIZE})
+        chunk_a = (await _layout(one, b"x")).extents[0].replicas[0].chunk_id
+    async with one.client() as reader:
+        assert await reader.get_many([b"x", b"y"]) == [b"X" * SIZE, b"Y" * SIZE]  # cached
+        await one.stop_chunkserver(0)
+        await one.start_chunkserver(0)  # appends go to a new chunk B from here
+        async with one.client() as kv:
+            await kv.put(b"y", b"N" * SIZE)
+        cs = one.chunkservers[0]
+        assert cs is not None
+        path = cs.store.chunk_path(chunk_a)
+        await one.stop_chunkserver(0)
+        os.truncate(path, 0)
+        await one.start_chunkserver(0)
+        await reader.servers(refresh=True)
+        assert await reader.get_many([b"x", b"y"]) == [None, b"N" * SIZE]
+
+
 async def test_get_into_reads_in_place_and_get_reuses_one_pooled_buffer(one: LocalCluster) -> None:
     n = 100_000  # answers above 64 KiB go to a sink (smaller ones are parsed inline)
     values = {f"p{i}".encode(): os.urandom(n) for i in range(3)}
