@@ -8,13 +8,15 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import FakeClock
 
 from kvfs.bench.reliability import flip_byte
 from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.launcher import LocalCluster
-from kvfs.layout import Layout
+from kvfs.layout import Extent, Layout, Replica
+from kvfs.readpath import _Job, _Pieces
 
 SIZE = 100_000  # above 64 KiB: answers go to a sink (get_into: in place)
 
@@ -34,7 +36,7 @@ async def test_stale_layouts_of_deleted_and_overwritten_keys_beside_good_ones(on
     must answer d as a miss, o with its new bytes and s intact, all in one call."""
     async with one.client() as kv:
         await kv.put_many({b"d": b"D" * SIZE, b"o": b"O" * SIZE})
-    readers = [one.client(), one.client()]
+    readers = [one.client(), one.client(), one.client()]
     try:
         for r in readers:
             assert await r.get_many([b"d", b"o"]) == [b"D" * SIZE, b"O" * SIZE]  # layouts cached
@@ -56,6 +58,11 @@ async def test_stale_layouts_of_deleted_and_overwritten_keys_beside_good_ones(on
         bufs = [bytearray(SIZE) for _ in range(3)]
         assert await readers[0].get_into([b"d", b"s", b"o"], bufs) == [-1, SIZE, SIZE]
         assert bufs[1:] == [b"S" * SIZE, b"N" * SIZE]
+        # the same, each value scattered over two halves: d's two ranges fail, the others'
+        # halves land in place beside them
+        halves = [[bytearray(SIZE // 2), bytearray(SIZE - SIZE // 2)] for _ in range(3)]
+        assert await readers[2].get_into([b"d", b"s", b"o"], halves) == [-1, SIZE, SIZE]
+        assert [a + b for a, b in halves[1:]] == [b"S" * SIZE, b"N" * SIZE]
         # get_many: the miss first must not stop the overwritten key's re-read
         assert await readers[1].get_many([b"d", b"o", b"s"]) == [None, b"N" * SIZE, b"S" * SIZE]
         _, missing = readers[1].layout_cache.get_many([b"d"], 0.0)
@@ -63,6 +70,56 @@ async def test_stale_layouts_of_deleted_and_overwritten_keys_beside_good_ones(on
     finally:
         for r in readers:
             await r.close()
+
+
+async def test_values_scattered_over_interleaved_regions_arrive_in_place(one: LocalCluster) -> None:
+    """SGLang's layer_first host pool: page i's value is its 16 KiB region of each of 8
+    rows, and the regions of consecutive pages are adjacent.  The read asks for the pieces
+    in address order (one range each) and receives each row's run as one buffer; every
+    byte lands where it belongs, and nothing outside the asked regions is written."""
+    pages, rows, region = 6, 8, 16 * 1024
+    pool = np.full((rows, pages + 1, region), 7, dtype=np.uint8)  # a spare page, never read
+    flat = memoryview(pool.reshape(-1))
+
+    def parts(i: int) -> list[memoryview]:
+        return [flat[(r * (pages + 1) + i) * region : (r * (pages + 1) + i + 1) * region]
+                for r in range(rows)]
+
+    values = {f"pg{i}".encode(): os.urandom(rows * region) for i in range(pages)}
+    async with one.client() as kv:
+        await kv.put_many(values)
+        order = [3, 0, 5, 1, 4, 2]  # asked out of address order
+        keys = [list(values)[i] for i in order]
+        assert await kv.get_into(keys, [parts(i) for i in order]) == [rows * region] * pages
+    for i, v in enumerate(values.values()):
+        assert b"".join(bytes(p) for p in parts(i)) == v
+    assert (pool[:, pages] == 7).all()
+
+
+def test_scattered_pieces_go_in_address_order_as_runs() -> None:
+    """The pieces of a READV of scattered values, by address: adjacent pieces of one
+    buffer make one receive buffer; a piece the server answered with an error is left out
+    and splits its run; a piece of another buffer stays apart."""
+    buf, other = bytearray(64), bytearray(8)
+    view = memoryview(buf)
+    dests = [[view[0:8], view[32:40], view[56:64]], [view[8:16], view[40:48], memoryview(other)]]
+    jobs = [_Job(slot, Extent(24, 0, (Replica(1, 9, 100 * slot),)), dest, Replica(1, 9, 100 * slot))
+            for slot, dest in enumerate(dests)]
+    pieces = _Pieces(jobs)
+    mine = [(r, j) for r, j, v in zip(pieces.ranges, pieces.jobs, pieces.views, strict=True)
+            if v.obj is buf]
+    assert mine == [((9, 0, 8), 0), ((9, 100, 8), 1), ((9, 8, 8), 0), ((9, 108, 8), 1),
+                    ((9, 16, 8), 0)]
+    assert (9, 116, 8) in pieces.ranges
+    runs = pieces.runs()
+    assert sorted((r.nbytes, r.obj is buf) for r in runs) == [(8, False), (8, True), (16, True),
+                                                              (16, True)]
+    for r in runs:  # each run is the very memory of its pieces: written in place
+        r[:] = b"\xff" * r.nbytes
+    assert buf == b"\xff" * 16 + bytes(16) + b"\xff" * 16 + bytes(8) + b"\xff" * 8
+    assert other == b"\xff" * 8
+    first = next(i for i, v in enumerate(pieces.views) if v is dests[0][0])  # not ==: by bytes
+    assert sorted(r.nbytes for r in pieces.runs({first})) == [8, 8, 8, 16]
 
 
 async def test_get_into_reads_in_place_and_get_reuses_one_pooled_buffer(one: LocalCluster) -> None:
