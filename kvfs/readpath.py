@@ -3,7 +3,8 @@
 Every extent of the values asked for goes to one READV per chunkserver (the first
 live replica; split past ``max_read_rpc_bytes``, a few in flight).  The answer is
 received straight into each destination (:class:`kvfs.protocol.Scatter`), or, for
-values returned as ``bytes``, into a pooled buffer they are copied out of.  A bad
+values returned as ``bytes`` and destinations averaging under ``SCATTER_MIN_BYTES``,
+into a pooled buffer they are copied out of (after their CRC check).  A bad
 CRC, a dead server or a ``StaleLayout`` (bytes gone from the named chunk) moves the
 extent to its next replica; when every replica said its bytes are gone, the key gets
 one fresh lookup and retry; a key deleted meanwhile is a miss.  A key no replica can
@@ -18,10 +19,9 @@ in a scratch buffer (:class:`_Watch`).  Wrong bytes are never returned.
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import enum
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, cast
 
@@ -45,6 +45,9 @@ from kvfs.protocol import FrameHead, Scatter
 
 RX_POOL_BUFFERS = 8  # receive buffers kept for reuse (values returned as bytes are copied out)
 READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
+# a READV answer lands in place in the callers' buffers when its extents average at least
+# this (below it, receiving each in its own buffer costs more than one receive and a copy)
+SCATTER_MIN_BYTES = 64 * 1024
 
 
 class _Dest(enum.Enum):
@@ -347,17 +350,9 @@ class ReadPath:
     async def _readv_batch(self, sid: int, batch: list[_Job], keys: list[bytes],
                            out: list[bytes | None] | None, retry: list[_Job],
                            watch: _Watch | None = None) -> None:
-        in_place = all(job.dest is not WHOLE for job in batch)
-        # a value scattered over several buffers (e.g. an engine's per-layer regions) is
-        # asked for as one range per destination part, in the parts' address order
-        pieces = (_Pieces(batch) if in_place and any(len(job.dest) > 1 for job in batch)  # type: ignore[arg-type]
-                  else None)
-        if pieces is not None and len(pieces.ranges) > self._max_ranges:
-            pieces = None
         # plain (chunk, offset, length) tuples: msgpack arrays, as rpc.Range encodes
-        ranges = cast(list[rpc.Range], pieces.ranges if pieces is not None else
-                      [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
-                       for job in batch])
+        ranges = cast(list[rpc.Range], [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+                                        for job in batch])
         rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
 
         def scatter(head: FrameHead) -> Scatter | memoryview:
@@ -368,8 +363,6 @@ class ReadPath:
                     return memoryview(bytearray(head.payload_len))
                 watch.started = True
             errs = head.header.get("errors") or {}
-            if pieces is not None:
-                return Scatter(pieces.runs(errs))
             return Scatter([p for i, job in enumerate(batch) if i not in errs
                             for p in cast(list[memoryview], job.dest)])  # no dest is WHOLE here
 
@@ -383,9 +376,12 @@ class ReadPath:
             rx.append(self._rx_take(head.payload_len))
             return memoryview(rx[0])[: head.payload_len]
 
+        # large destinations receive in place; small ones (e.g. 4 KiB values) share one
+        # receive into a pooled buffer and are copied out, as values returned as bytes are
+        sink = (scatter if sum([r[2] for r in ranges]) >= SCATTER_MIN_BYTES * len(ranges)
+                and all([job.dest is not WHOLE for job in batch]) else pooled)
         try:
-            h, payload = await self._link.call_server(sid, rpc.ReadV(ranges=ranges),
-                                                      sink=scatter if in_place else pooled)
+            h, payload = await self._link.call_server(sid, rpc.ReadV(ranges=ranges), sink=sink)
         except BaseException:
             self._rx_give(rx)
             raise
@@ -394,12 +390,6 @@ class ReadPath:
             return
         errors = h.errors
         in_place = isinstance(payload, Scatter)
-        if pieces is not None:
-            if not in_place:  # a small answer, parsed with its header: copied to its pieces
-                pieces.fill(memoryview(payload), errors or {})
-                in_place = True
-            if errors:  # by range: a job fails with any of its pieces
-                errors = {pieces.jobs[i]: e for i, e in errors.items()}
         view = payload if isinstance(payload, memoryview) else memoryview(b"")
         pos = 0
         crc = crc32c.crc32c
@@ -433,99 +423,19 @@ class ReadPath:
                 job.tried += (sid,)
                 job.error = ChecksumMismatch(
                     f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
-                    f"{job.rep.chunk_id:016x} offset {job.rep.offset}) fail their CRC-32C")  # type: ignore[union-attr]
+                    f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
                 retry.append(job)
                 continue
             if dest is WHOLE:
                 assert out is not None
                 out[job.slot] = bytes(got)
-            elif not in_place:
+            elif not in_place:  # checked in the receive buffer, copied to the caller's
+                if len(dest) == 1:
+                    dest[0][:] = got
+                    continue
                 at = 0
                 for p in dest:
                     p[:] = got[at : at + p.nbytes]
                     at += p.nbytes
         got = view = memoryview(b"")  # drop views of the receive buffer before reusing it
         self._rx_give(rx)
-
-
-
-_addressof = ctypes.addressof
-_char_at = ctypes.c_char.from_buffer
-
-
-class _Pieces:
-    """A READV of values scattered over several buffers, asked as one range per
-    destination part, in the parts' address order.  It is answered in that order, so
-    parts adjacent in memory (an engine's layer-``l`` region of consecutive pages) are
-    received as one run (:meth:`runs`): a few receives instead of one per part."""
-
-    __slots__ = ("addrs", "jobs", "ranges", "views")
-
-    def __init__(self, batch: list[_Job]) -> None:
-        views: list[memoryview] = []
-        ranges: list[tuple[int, int, int]] = []  # (chunk, offset, length), as rpc.Range encodes
-        jobs: list[int] = []
-        for bi, job in enumerate(batch):
-            rep = job.rep
-            assert rep is not None
-            chunk, off = rep.chunk_id, rep.offset
-            for p in cast(list[memoryview], job.dest):
-                n = p.nbytes
-                if n:
-                    views.append(p)
-                    ranges.append((chunk, off, n))
-                    jobs.append(bi)
-                    off += n
-        addrs = [_addressof(_char_at(p)) for p in views]
-        order = sorted(range(len(views)), key=addrs.__getitem__)
-        self.addrs = [addrs[i] for i in order]
-        self.views = [views[i] for i in order]
-        self.ranges = [ranges[i] for i in order]
-        self.jobs = [jobs[i] for i in order]
-
-    def fill(self, payload: memoryview, skip: Collection[int]) -> None:
-        """Copy an answer received whole into the pieces (but those in ``skip``)."""
-        at = 0
-        for i, v in enumerate(self.views):
-            if i not in skip:
-                v[:] = payload[at : at + v.nbytes]
-                at += v.nbytes
-
-    def runs(self, skip: Collection[int] = ()) -> list[memoryview]:
-        """The receive buffers of the answer (the pieces but those in ``skip``, which the
-        server answered with an error): each run of pieces adjacent in one exporter's
-        memory as one view of it (no copy either way)."""
-        out: list[memoryview] = []
-        addrs, views = self.addrs, self.views
-        first = end = -1
-        for i, p in enumerate(views):
-            if i in skip:
-                continue
-            a = addrs[i]
-            if a != end or p.obj is not views[first].obj:
-                if first >= 0:
-                    self._close(first, i, end, out, skip)
-                first = i
-            end = a + p.nbytes
-        if first >= 0:
-            self._close(first, len(views), end, out, skip)
-        return out
-
-    def _close(self, first: int, stop: int, end: int, out: list[memoryview],
-               skip: Collection[int]) -> None:
-        """Pieces ``first`` up to ``stop`` (but ``skip``), adjacent, end at address ``end``."""
-        start = self.addrs[first]
-        head = self.views[first]
-        if end - start == head.nbytes:  # one piece
-            out.append(head)
-            return
-        try:
-            base = memoryview(head.obj).cast("B")
-            at = _addressof(_char_at(base))
-        except (TypeError, ValueError):  # not one flat writable buffer: piece by piece
-            out.extend(v for i, v in enumerate(self.views[first:stop], first) if i not in skip)
-            return
-        if at <= start and end <= at + base.nbytes:
-            out.append(base[start - at : end - at])
-        else:
-            out.extend(v for i, v in enumerate(self.views[first:stop], first) if i not in skip)

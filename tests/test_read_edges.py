@@ -15,8 +15,7 @@ from conftest import FakeClock
 from kvfs.bench.reliability import flip_byte
 from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.launcher import LocalCluster
-from kvfs.layout import Extent, Layout, Replica
-from kvfs.readpath import _Job, _Pieces
+from kvfs.layout import Layout
 
 SIZE = 100_000  # above 64 KiB: answers go to a sink (get_into: in place)
 
@@ -74,9 +73,9 @@ async def test_stale_layouts_of_deleted_and_overwritten_keys_beside_good_ones(on
 
 async def test_values_scattered_over_interleaved_regions_arrive_in_place(one: LocalCluster) -> None:
     """SGLang's layer_first host pool: page i's value is its 16 KiB region of each of 8
-    rows, and the regions of consecutive pages are adjacent.  The read asks for the pieces
-    in address order (one range each) and receives each row's run as one buffer; every
-    byte lands where it belongs, and nothing outside the asked regions is written."""
+    rows, and the regions of consecutive pages are adjacent.  The answer is received
+    straight into the regions (vectored receives of many regions at once); every byte
+    lands where it belongs, and nothing outside the asked regions is written."""
     pages, rows, region = 6, 8, 16 * 1024
     pool = np.full((rows, pages + 1, region), 7, dtype=np.uint8)  # a spare page, never read
     flat = memoryview(pool.reshape(-1))
@@ -94,32 +93,6 @@ async def test_values_scattered_over_interleaved_regions_arrive_in_place(one: Lo
     for i, v in enumerate(values.values()):
         assert b"".join(bytes(p) for p in parts(i)) == v
     assert (pool[:, pages] == 7).all()
-
-
-def test_scattered_pieces_go_in_address_order_as_runs() -> None:
-    """The pieces of a READV of scattered values, by address: adjacent pieces of one
-    buffer make one receive buffer; a piece the server answered with an error is left out
-    and splits its run; a piece of another buffer stays apart."""
-    buf, other = bytearray(64), bytearray(8)
-    view = memoryview(buf)
-    dests = [[view[0:8], view[32:40], view[56:64]], [view[8:16], view[40:48], memoryview(other)]]
-    jobs = [_Job(slot, Extent(24, 0, (Replica(1, 9, 100 * slot),)), dest, Replica(1, 9, 100 * slot))
-            for slot, dest in enumerate(dests)]
-    pieces = _Pieces(jobs)
-    mine = [(r, j) for r, j, v in zip(pieces.ranges, pieces.jobs, pieces.views, strict=True)
-            if v.obj is buf]
-    assert mine == [((9, 0, 8), 0), ((9, 100, 8), 1), ((9, 8, 8), 0), ((9, 108, 8), 1),
-                    ((9, 16, 8), 0)]
-    assert (9, 116, 8) in pieces.ranges
-    runs = pieces.runs()
-    assert sorted((r.nbytes, r.obj is buf) for r in runs) == [(8, False), (8, True), (16, True),
-                                                              (16, True)]
-    for r in runs:  # each run is the very memory of its pieces: written in place
-        r[:] = b"\xff" * r.nbytes
-    assert buf == b"\xff" * 16 + bytes(16) + b"\xff" * 16 + bytes(8) + b"\xff" * 8
-    assert other == b"\xff" * 8
-    first = next(i for i, v in enumerate(pieces.views) if v is dests[0][0])  # not ==: by bytes
-    assert sorted(r.nbytes for r in pieces.runs({first})) == [8, 8, 8, 16]
 
 
 async def test_get_into_reads_in_place_and_get_reuses_one_pooled_buffer(one: LocalCluster) -> None:
