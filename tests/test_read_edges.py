@@ -18,10 +18,11 @@ from conftest import FakeClock, Hold
 
 from kvfs.bench.reliability import flip_byte
 from kvfs.config import ChunkServerConfig, ClientConfig
-from kvfs.errors import ChecksumMismatch, ServerError, StaleLayout
+from kvfs.errors import ChecksumMismatch, ServerError, StaleLayout, Unavailable
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Layout
 from kvfs.rpc import Op
+from kvfs.stream import ValueReader
 
 SIZE = 100_000  # above 64 KiB: answers go to a sink (get_into: in place)
 
@@ -356,3 +357,84 @@ async def test_an_abandoned_readv_that_fails_leaves_no_unretrieved_error(two: Lo
         assert [c.get("message") for c in reported] == []
     finally:
         loop.set_exception_handler(None)
+
+
+async def test_a_read_skips_a_replica_whose_server_it_found_down(two: LocalCluster) -> None:
+    """A server a call could not reach is marked down (``down_for_s``): later reads ask
+    each value's other replica first, without calling the down server again."""
+    values, order = await _put_two_copies(two, 4)
+    sid = order[b"h0"][0]
+    firsts = [k for k in values if order[k][0] == sid]
+    async with two.client(ClientConfig(replicas=2, down_for_s=3600)) as kv:
+        assert await kv.get_many(firsts) == [values[k] for k in firsts]
+        await two.stop_chunkserver(two.index_of(sid))
+        assert await kv.get_many(firsts) == [values[k] for k in firsts]  # found down here
+        assert next(s for s in await kv.servers(refresh=True) if s.server_id == sid).down
+        before = kv.rpc_counts["READV"]
+        assert await kv.get_many(firsts) == [values[k] for k in firsts]
+        assert kv.rpc_counts["READV"] - before == 1  # one READV, to the other server
+
+
+async def test_a_value_gone_from_both_replicas_is_a_miss_and_dropped(two: LocalCluster) -> None:
+    """Every replica answers that the bytes are gone (and a fresh lookup names the same
+    layout): a miss, not an endless round of retries, and, every server having answered,
+    the key is reported lost and meta drops it."""
+    await _put_two_copies(two, 1)
+    async with two.client(HEDGED) as kv:
+        lay = await _layout(two, b"h0")
+        paths = [cs.store.chunk_path(r.chunk_id) for r in lay.extents[0].replicas
+                 for cs in two.chunkservers if cs is not None and cs.server_id == r.server_id]
+        for i in range(2):
+            await two.stop_chunkserver(i)
+        for path in paths:
+            os.truncate(path, 0)
+        for i in range(2):
+            await two.start_chunkserver(i)
+        await kv.servers(refresh=True)
+        async with asyncio.timeout(30):
+            assert await kv.get(b"h0") is None
+        assert await kv.layout(b"h0") is None
+
+
+async def test_a_value_whose_servers_are_all_down_is_a_miss_and_kept(two: LocalCluster) -> None:
+    """Both servers of a value down: a miss (on_lost="raise": the error names the key and
+    the server), not an endless round of retries; meta keeps the key (unreachable is not
+    lost). Back up, the value is read though the client still marks both servers down:
+    with no replica left on a live server, the first is tried all the same."""
+    values, _ = await _put_two_copies(two, 1)
+    sticky = ClientConfig(replicas=2, down_for_s=3600)
+    async with two.client(sticky) as kv, two.client(ClientConfig(replicas=2, on_lost="raise")) as strict:
+        assert await kv.get(b"h0") == await strict.get(b"h0") == values[b"h0"]
+        for i in range(2):
+            await two.stop_chunkserver(i)
+        async with asyncio.timeout(30):
+            assert await kv.get(b"h0") is None
+            with pytest.raises(Unavailable, match=r"^key b'h0': chunkserver \d+ holding its bytes failed to answer"):
+                await strict.get(b"h0")
+        assert all(s.down for s in await kv.servers(refresh=True))
+        assert await kv.layout(b"h0") is not None
+        for i in range(2):
+            await two.start_chunkserver(i)
+        assert await kv.get(b"h0") == values[b"h0"]
+
+
+async def test_get_into_scatters_a_small_value_over_several_buffers(one: LocalCluster) -> None:
+    """A key's buffer given as a list: the value fills them in order (an answer small enough
+    to be parsed whole, then copied out part by part)."""
+    value = os.urandom(1000)
+    async with one.client() as kv:
+        await kv.put(b"s", value)
+        parts = [bytearray(100), bytearray(200), bytearray(700)]
+        assert await kv.get_into([b"s"], [parts]) == [1000]
+        assert b"".join(parts) == value
+
+
+async def test_a_streamed_read_of_a_corrupt_value_raises_naming_the_key(one: LocalCluster) -> None:
+    """ValueReader (the mount's reads of large values) reads one replica's bytes that fail
+    their CRC, with no replica left: the ChecksumMismatch is raised, naming the key."""
+    async with one.client() as kv:
+        await kv.put(b"c", os.urandom(SIZE))
+        lay = await _layout(one, b"c")
+        flip_byte(one, lay.extents[0].replicas[0], 7)
+        with pytest.raises(ChecksumMismatch, match=r"^key b'c': bytes from chunkserver"):
+            await ValueReader(kv, b"c", lay).read(0, 10)
