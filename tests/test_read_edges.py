@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import FakeClock, Hold
 
@@ -41,7 +42,7 @@ async def test_stale_layouts_of_deleted_and_overwritten_keys_beside_good_ones(on
     must answer d as a miss, o with its new bytes and s intact, all in one call."""
     async with one.client() as kv:
         await kv.put_many({b"d": b"D" * SIZE, b"o": b"O" * SIZE})
-    readers = [one.client(), one.client()]
+    readers = [one.client(), one.client(), one.client()]
     try:
         for r in readers:
             assert await r.get_many([b"d", b"o"]) == [b"D" * SIZE, b"O" * SIZE]  # layouts cached
@@ -63,6 +64,11 @@ async def test_stale_layouts_of_deleted_and_overwritten_keys_beside_good_ones(on
         bufs = [bytearray(SIZE) for _ in range(3)]
         assert await readers[0].get_into([b"d", b"s", b"o"], bufs) == [-1, SIZE, SIZE]
         assert bufs[1:] == [b"S" * SIZE, b"N" * SIZE]
+        # the same, each value scattered over two halves: d's two ranges fail, the others'
+        # halves land in place beside them
+        halves = [[bytearray(SIZE // 2), bytearray(SIZE - SIZE // 2)] for _ in range(3)]
+        assert await readers[2].get_into([b"d", b"s", b"o"], halves) == [-1, SIZE, SIZE]
+        assert [a + b for a, b in halves[1:]] == [b"S" * SIZE, b"N" * SIZE]
         # get_many: the miss first must not stop the overwritten key's re-read
         assert await readers[1].get_many([b"d", b"o", b"s"]) == [None, b"N" * SIZE, b"S" * SIZE]
         _, missing = readers[1].layout_cache.get_many([b"d"], 0.0)
@@ -70,6 +76,30 @@ async def test_stale_layouts_of_deleted_and_overwritten_keys_beside_good_ones(on
     finally:
         for r in readers:
             await r.close()
+
+
+async def test_values_scattered_over_interleaved_regions_arrive_in_place(one: LocalCluster) -> None:
+    """SGLang's layer_first host pool: page i's value is its 16 KiB region of each of 8
+    rows, and the regions of consecutive pages are adjacent.  The answer is received
+    straight into the regions (vectored receives of many regions at once); every byte
+    lands where it belongs, and nothing outside the asked regions is written."""
+    pages, rows, region = 6, 8, 16 * 1024
+    pool = np.full((rows, pages + 1, region), 7, dtype=np.uint8)  # a spare page, never read
+    flat = memoryview(pool.reshape(-1))
+
+    def parts(i: int) -> list[memoryview]:
+        return [flat[(r * (pages + 1) + i) * region : (r * (pages + 1) + i + 1) * region]
+                for r in range(rows)]
+
+    values = {f"pg{i}".encode(): os.urandom(rows * region) for i in range(pages)}
+    async with one.client() as kv:
+        await kv.put_many(values)
+        order = [3, 0, 5, 1, 4, 2]  # asked out of address order
+        keys = [list(values)[i] for i in order]
+        assert await kv.get_into(keys, [parts(i) for i in order]) == [rows * region] * pages
+    for i, v in enumerate(values.values()):
+        assert b"".join(bytes(p) for p in parts(i)) == v
+    assert (pool[:, pages] == 7).all()
 
 
 @pytest.mark.parametrize("second", ["gone", "corrupt"])
