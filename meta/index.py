@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import MetaConfig
+from kvfs.errors import StaleLayout
 from kvfs.layout import Layout, encode_layout
 from kvfs.meta.repair import readable
 from kvfs.meta.store import MetaStore
@@ -58,6 +60,19 @@ def disk_bytes(layout: Layout) -> int:
     return sum(n for _, n in layout.chunk_bytes())
 
 
+def add_live(live: dict[int, int], layout: Layout, sign: int, key: bytes) -> None:
+    """Live bytes per chunk: each replica's value plus its record header and key, so a
+    chunk of only live records has zero garbage."""
+    overhead = RECORD_OVERHEAD_BYTES + len(key)
+    for cid, n in layout.chunk_bytes():
+        live[cid] = live.get(cid, 0) + sign * (n + overhead)
+
+
+def stale(key: bytes, chunk: int | str) -> StaleLayout:
+    return StaleLayout(f"layout for {key[:64]!r} names chunk {chunk}, which garbage collection "
+                       "already reclaimed (the put took longer than the GC grace period); retry the put")
+
+
 class ServerRegistry:
     """The chunkservers meta knows and their liveness: what every meta keeps in memory,
     whichever store holds the keys."""
@@ -89,9 +104,9 @@ class ServerRegistry:
     async def refresh(self) -> None:
         """Read servers other meta processes registered (none: this meta is the only one)."""
 
-    async def new_server_id(self, addr: str) -> int:
-        """An id no chunkserver has (one meta: the next after the largest)."""
-        return max(self.servers, default=0) + 1
+    async def new_server_id(self, addr: str, taken: Iterable[int] = ()) -> int:
+        """An id no chunkserver has, nor ``taken`` (one meta: the next after the largest)."""
+        return max((*self.servers, *taken), default=0) + 1
 
     def share_disks(self) -> None:
         """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
@@ -117,11 +132,14 @@ class MetaIndex(ServerRegistry):
         self.chunk_live: dict[int, int] = {}
         self.leases: dict[bytes, float] = {}
         self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
+        self.retired: dict[int, float] = {}  # retired chunks: refused by commit and switch forever
+        self.claims: dict[str, tuple[str, float]] = {}  # lease name -> (holder, monotonic end)
 
     def load(self) -> None:
         for key, layout, last_access in self.store.load():
             self.entries[key] = Entry(layout, last_access)
             self.add_live(layout, +1, key)
+        self.retired = {c: t for c, _, t in self.store.load_dead()}
         for sid, addr, capacity, free in self.store.load_servers():
             self.servers[sid] = ServerInfo(sid, addr, capacity, free, reported_capacity=capacity,
                                            reported_free=free)
@@ -145,19 +163,19 @@ class MetaIndex(ServerRegistry):
         e = self.get(key, now)
         return e is not None and readable(e.layout, gone)
 
-    def server_live(self, s: ServerInfo, live_map: dict[int, int] | None = None) -> int:
-        """Live bytes on a server, from ``chunk_live`` or a dry run's ``live_map``."""
-        live = self.chunk_live if live_map is None else live_map
-        return sum(live.get(c, 0) for c in s.chunks)
-
     # changing -----------------------------------------------------------------------
-    def add_live(self, layout: Layout, sign: int, key: bytes, live: dict[int, int] | None = None) -> None:
-        """Live bytes per chunk (into ``live``, default ``chunk_live``): each replica's value
-        plus its record header and key, so a chunk of only live records has zero garbage."""
-        live = self.chunk_live if live is None else live
-        overhead = RECORD_OVERHEAD_BYTES + len(key)
-        for cid, n in layout.chunk_bytes():
-            live[cid] = live.get(cid, 0) + sign * (n + overhead)
+    def add_live(self, layout: Layout, sign: int, key: bytes) -> None:
+        add_live(self.chunk_live, layout, sign, key)
+
+    def dead_in(self, layout: Layout) -> int | None:
+        """A retired chunk the layout names, if any."""
+        dead = self.retired
+        if dead:
+            for e in layout.extents:
+                for r in e.replicas:
+                    if r.chunk_id in dead:
+                        return r.chunk_id
+        return None
 
     def switch_layouts(self, staged: list[tuple[bytes, Entry, Layout]]) -> None:
         """Replace the layouts of existing entries: one SQLite transaction, then the index."""
@@ -171,21 +189,21 @@ class MetaIndex(ServerRegistry):
             e.layout = lay
             self.add_live(lay, +1, k)
 
-    def remove(self, keys: Iterable[bytes]) -> tuple[int, int]:
-        """Delete keys from SQLite (one transaction) and the index; returns (keys, disk bytes)."""
+    def remove(self, keys: Iterable[bytes]) -> list[tuple[bytes, Layout]]:
+        """Delete keys from SQLite (one transaction) and the index; returns the removed ones."""
         gone = [k for k in keys if k in self.entries]
         if not gone:
-            return 0, 0
+            return []
         with self.store.durable():
             self.store.delete_many(gone)
-        nbytes = 0
+        out = []
         for k in gone:
             lay = self.entries.pop(k).layout
-            nbytes += disk_bytes(lay)
+            out.append((k, lay))
             self.add_live(lay, -1, k)
             self.dirty_access.pop(k, None)
             self.leases.pop(k, None)
-        return len(gone), nbytes
+        return out
 
     # meta's key RPCs (service.py's handlers; the Redis-backed index has the same calls) --
     async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
@@ -230,6 +248,10 @@ class MetaIndex(ServerRegistry):
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
                      expires_at: float | None) -> None:
+        for key, lay in staged:
+            cid = self.dead_in(lay)
+            if cid is not None:
+                raise stale(key, cid)
         self.store.put_many((k, encode_layout(lay), expires_at, now) for k, lay in staged)
         for key, lay in staged:
             old = self.entries.get(key)
@@ -257,7 +279,7 @@ class MetaIndex(ServerRegistry):
             e = self.entries.get(k)
             if e is not None and e.layout == lay:
                 doomed.append(k)
-        return self.remove(doomed)[0]
+        return len(self.remove(doomed))
 
     async def list_keys(self, prefix: bytes, start_after: bytes | None,
                         limit: int) -> list[tuple[bytes, Layout]]:
@@ -268,8 +290,122 @@ class MetaIndex(ServerRegistry):
         live = [e.layout.size for e in self.entries.values() if not e.layout.expired(now)]
         return len(live), len(self.entries), sum(live)
 
-    async def live_bytes(self) -> dict[int, int]:
-        return self.chunk_live
+    async def live_bytes(self, chunks: Sequence[int] | None = None) -> dict[int, int]:
+        if chunks is None:
+            return self.chunk_live
+        live = self.chunk_live
+        return {c: live[c] for c in chunks if c in live}
+
+    async def peek(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+        out: list[Layout | None] = []
+        for k in keys:
+            e = self.get(k, now)
+            out.append(None if e is None else e.layout)
+        return out
+
+    # GC's operations (storeapi.GcIndex; SharedIndex has them over its store) ----------
+    async def scan(self, batch: int = 10_000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        keys = list(self.entries)  # the entries may change while the caller awaits
+        for i in range(0, len(keys), batch):
+            rows = []
+            for k in keys[i:i + batch]:
+                e = self.entries.get(k)
+                if e is not None:
+                    rows.append((k, e.layout))
+            yield rows
+
+    async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        order = sorted(self.entries.items(), key=lambda kv: kv[1].last_access)
+        for i in range(0, len(order), batch):
+            yield [(k, e.layout) for k, e in order[i:i + batch]]
+
+    async def layouts(self, keys: Sequence[bytes]) -> list[Layout | None]:
+        out: list[Layout | None] = []
+        for k in keys:
+            e = self.entries.get(k)
+            out.append(None if e is None else e.layout)
+        return out
+
+    async def leased(self, keys: Sequence[bytes], now: float) -> set[bytes]:
+        leases = self.leases
+        for k, v in list(leases.items()):
+            if v <= now:
+                del leases[k]
+        return {k for k in keys if leases.get(k, 0.0) > now} if leases else set()
+
+    async def expire(self, now: float, limit: int) -> tuple[list[tuple[bytes, Layout]], bool]:
+        keys = self.store.expired(now, limit)
+        gone = []
+        for k in keys:
+            e = self.entries.get(k)
+            if e is None or e.layout.expired(now):
+                gone.append(k)
+        return self.remove(gone), len(keys) == limit
+
+    async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> list[tuple[bytes, Layout]]:
+        doomed = []
+        for k, lay in victims:
+            e = self.entries.get(k)
+            if e is not None and e.layout == lay and (
+                    self.leases.get(k, 0.0) <= now or lay.expired(now)):
+                doomed.append(k)
+        return self.remove(doomed)
+
+    async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> list[bool]:
+        staged: list[tuple[bytes, Entry, Layout]] = []
+        out = []
+        for k, old, new in rows:
+            e = self.entries.get(k)
+            ok = e is not None and e.layout == old and self.dead_in(new) is None
+            out.append(ok)
+            if ok:
+                assert e is not None
+                staged.append((k, e, new))
+        self.switch_layouts(staged)
+        return out
+
+    async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> list[int]:
+        live, dead = self.chunk_live, self.retired
+        retired = [c for c in dict.fromkeys(chunks) if c in dead or live.get(c, 0) <= 0]
+        fresh = [c for c in retired if c not in dead]
+        if fresh:
+            with self.store.durable():  # on disk before the GC driver unlinks anything
+                self.store.add_dead((c, server_id, now) for c in fresh)
+            for c in fresh:
+                dead[c] = now
+                live.pop(c, None)
+        return retired
+
+    async def dead_chunks(self) -> dict[int, float]:
+        return self.retired
+
+    async def delete_server(self, server_id: int) -> None:
+        self.servers.pop(server_id, None)
+        self.store.delete_server(server_id)
+
+    async def get_state(self, name: str) -> Any:
+        return self.store.get_state(name)
+
+    async def put_state(self, name: str, value: Any) -> None:
+        self.store.put_state(name, value)
+
+    async def add_counts(self, inc: dict[str, float], put: dict[str, float] | None = None) -> None:
+        counts = self.store.get_state("metrics") or {}
+        for k, v in inc.items():
+            counts[k] = counts.get(k, 0) + v
+        counts.update(put or {})
+        self.store.put_state("metrics", counts)
+
+    async def counts(self) -> dict[str, float]:
+        return dict(self.store.get_state("metrics") or {})
+
+    async def claim(self, name: str, holder: str, ttl_s: float) -> bool:
+        t = time.monotonic()
+        cur = self.claims.get(name)
+        if cur is not None and cur[0] != holder and cur[1] > t:
+            return False
+        self.claims[name] = (holder, t + ttl_s)
+        return True
 
     async def flush(self) -> None:
         self.flush_access()

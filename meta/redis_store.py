@@ -104,6 +104,7 @@ T = TypeVar("T")
 URL_SCHEME = "redis-cluster://"
 DEFAULT_BUCKETS = 256
 RETIRE_LOCK_MS = 30_000
+SCAN_MIN_COUNT = 64  # HSCAN's COUNT hint per bucket and round of scan()
 
 # --- Lua ----------------------------------------------------------------------------------
 # The value prefix: "EXPIRES;CID:N,CID:N|". Numbers stay strings in Lua (chunk ids exceed
@@ -313,6 +314,14 @@ end
 return 0
 """
 
+# KEYS: the lease.  ARGV: holder, ttl ms.  Taken (1) if free or already this holder's.
+_LUA_CLAIM = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
 _LUA_UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -397,7 +406,8 @@ class RedisMetaStore:
         self._access: dict[bytes, float] = {}
         g = "{" + namespace + "}"
         self._g = {n: (g + n).encode() for n in
-                   ("cluster", "buckets", "servers", "seen", "state", "dead", "retire_lock")}
+                   ("cluster", "buckets", "servers", "seen", "state", "dead", "retire_lock",
+                    "counts", "claim:")}
         self._tags: builtins.list[bytes] = []
         self._slots: builtins.list[int] = []
         self._clients: dict[str, Redis] = {}  # one plain client per node (see _execute)
@@ -632,6 +642,20 @@ class RedisMetaStore:
     async def exists(self, keys: Sequence[bytes], now: float) -> builtins.list[bool]:
         return [v is not None and not value_expired(v, now) for v in await self._values(keys)]
 
+    async def get(self, keys: Sequence[bytes]) -> builtins.list[Layout | None]:
+        """Stored layouts, expired ones included, recording no access (GC)."""
+        return [None if v is None else decode_value(v) for v in await self._values(keys)]
+
+    async def leases(self, keys: Sequence[bytes]) -> dict[bytes, float]:
+        """key -> lease end (meta's clock) of those of ``keys`` with a lease key left."""
+        out: dict[bytes, float] = {}
+        for _, idx, r in await self._per_bucket(keys, lambda p, b, ks: p.mget(
+                *[self._k(b, b"l" + k) for k in ks])):
+            for i, v in zip(idx, r, strict=True):
+                if v is not None:
+                    out[keys[i]] = float(v)
+        return out
+
     async def match_prefix(self, keys: Sequence[bytes], now: float,
                            lease_until: float | None = None) -> int:
         n = 0
@@ -736,14 +760,23 @@ class RedisMetaStore:
             self._k(b, b"a"), {k: acc[k] for k in ks}, xx=True))
 
     async def scan(self, batch: int = 1000) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
-        for b in range(self.buckets):
-            cur = 0
-            while True:
-                cur, got = await self._run(self.r.hscan(self._k(b, b"h"), cur, count=batch))
-                if got:
-                    yield [(k, decode_value(v)) for k, v in got.items()]
+        """Rounds of one pipelined HSCAN per unfinished bucket (one round trip per node each)."""
+        cursors = dict.fromkeys(range(self.buckets), 0)
+        while cursors:
+            order = builtins.list(cursors)
+            count = max(SCAN_MIN_COUNT, batch // len(order))
+            p = self._pipe()
+            for b in order:
+                p.hscan(self._k(b, b"h"), cursors[b], count=count)
+            rows: builtins.list[tuple[bytes, Layout]] = []
+            for b, (cur, got) in zip(order, await self._run(p.execute()), strict=True):
+                rows += [(k, decode_value(v)) for k, v in got.items()]
                 if cur == 0:
-                    break
+                    del cursors[b]
+                else:
+                    cursors[b] = cur
+            if rows:
+                yield rows
 
     async def count(self) -> int:
         return sum(int(r) for _, r in await self._per_node(_LUA_COUNT, (), self._all_buckets(), 1))
@@ -867,6 +900,35 @@ class RedisMetaStore:
         """server_id -> wall-clock time of its last heartbeat to any meta process."""
         got = await self._run(self.r.hgetall(self._g["seen"]))
         return {int(sid): float(t) for sid, t in got.items()}
+
+    async def delete_server(self, server_id: int) -> None:
+        p = self._pipe()
+        p.hdel(self._g["servers"], str(server_id))
+        p.hdel(self._g["seen"], str(server_id))
+        await self._run(p.execute())
+
+    async def add_counts(self, inc: dict[str, float], put: dict[str, float] | None = None) -> None:
+        """GC's counters: one hash, HINCRBYFLOAT (several metas add to it at once)."""
+        p = self._pipe()
+        for k, v in inc.items():
+            p.hincrbyfloat(self._g["counts"], k, v)
+        if put:
+            p.hset(self._g["counts"], mapping={k: _num(v) for k, v in put.items()})
+        await self._run(p.execute())
+
+    async def counts(self) -> dict[str, float]:
+        got = await self._run(self.r.hgetall(self._g["counts"]))
+        out: dict[str, float] = {}
+        for k, v in got.items():
+            x = float(v)
+            out[k.decode()] = int(x) if x.is_integer() else x  # counts print as integers
+        return out
+
+    async def claim(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Take or renew the lease ``name`` for ``holder`` (a key with a Redis expiry)."""
+        key = self._g["claim:"] + name.encode()
+        return bool(await self._run(self.r.eval(_LUA_CLAIM, 1, key, holder,
+                                                str(max(1, math.ceil(ttl_s * 1000))))))
 
     async def get_state(self, name: str) -> Any:
         v = await self._run(self.r.hget(self._g["state"], name))

@@ -3,8 +3,8 @@
 The index is :class:`MetaIndex` (every key in memory over SQLite, the default) or, with
 ``--store redis-cluster://...``, :class:`SharedIndex` (no key in this process; several
 metas serve one store).  The GC's handlers live in the :class:`MetaGc` component,
-handed the same :class:`MetaIndex`; one :class:`RpcServer` dispatches to both (a shared
-index has no GC yet: :mod:`kvfs.meta.shared_index`).  The index's invariants are in
+handed the same index (both are a :class:`kvfs.meta.storeapi.GcIndex`); one
+:class:`RpcServer` dispatches to both.  The index's invariants are in
 :mod:`kvfs.meta.index`.
 """
 
@@ -21,7 +21,7 @@ from kvfs import rpc
 from kvfs.address import parse_addr, service_tokens
 from kvfs.config import MetaConfig
 from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
-from kvfs.errors import InvalidArgument, StaleLayout, Unavailable, WrongCluster
+from kvfs.errors import InvalidArgument, Unavailable, WrongCluster
 from kvfs.handshake import Role
 from kvfs.layout import Layout
 from kvfs.meta.gc import MetaGc
@@ -46,7 +46,6 @@ class MetaService:
         raise_nofile_limit()
         self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
         self.index: MetaIndex | SharedIndex
-        self.gc: MetaGc | None = None
         if config.store is None:
             create_private_file(config.data / "meta.sqlite3")  # SQLite's -wal/-shm copy its mode
             self.store = MetaStore(config.data / "meta.sqlite3",
@@ -54,7 +53,6 @@ class MetaService:
             self.cluster_id = self.store.cluster_id()
             self.index = MetaIndex(config, self.store, clock)
             self.index.load()
-            self.gc = MetaGc(self.index)
         else:  # opened by start(): the store is async; redis is an optional extra
             from kvfs.meta.redis_store import RedisMetaStore
             from kvfs.meta.shared_index import SharedIndex
@@ -62,8 +60,8 @@ class MetaService:
             self.index = SharedIndex(config, RedisMetaStore(config.store, namespace=config.store_namespace),
                                      clock)
             self.cluster_id = ""
-        self.rpc = RpcServer([self] if self.gc is None else [self, self.gc], Service.META,
-                             self.tokens, config)
+        self.gc = MetaGc(self.index)
+        self.rpc = RpcServer([self, self.gc], Service.META, self.tokens, config)
         self._bg: list[asyncio.Task[None]] = []
 
     # lifecycle ---------------------------------------------------------------
@@ -74,11 +72,11 @@ class MetaService:
             await self.index.open()
             self.cluster_id = await self.index.store.cluster_id()
             self._bg.append(loop.create_task(self._refresh_loop()))
+        await self.gc.refresh()
         host, port = await self.rpc.start(host, port)
         self._bg.append(loop.create_task(self._flush_loop()))
         addr = f"kvfs://{host}:{port}"
-        if self.gc is not None:
-            self.gc.home = (addr, self.tokens[Role.ADMIN])
+        self.gc.home = (addr, self.tokens[Role.ADMIN])
         return addr
 
     async def close(self) -> None:
@@ -102,6 +100,7 @@ class MetaService:
             await asyncio.sleep(self.config.registry_refresh_s)
             with contextlib.suppress(Unavailable):
                 await self.index.refresh()
+                await self.gc.refresh()  # decommissions started through another meta
 
     # client RPCs -------------------------------------------------------------
     async def rpc_ping(self, req: rpc.Ping, payload: memoryview) -> Reply:
@@ -145,11 +144,8 @@ class MetaService:
                 for r in e.replicas:
                     if r.server_id not in servers:
                         raise InvalidArgument(f"layout for {key[:64]!r} names unknown chunkserver {r.server_id}")
-            if self.gc is not None and not self.gc.check_not_dead(lay):
-                raise StaleLayout(f"layout for {key[:64]!r} names a chunk garbage collection already "
-                                  "reclaimed (the put took longer than the GC grace period); retry the put")
             staged.append((key, lay))
-        await ix.commit(staged, now, expires_at)
+        await ix.commit(staged, now, expires_at)  # refuses a retired chunk (StaleLayout)
         return rpc.Committed(created=now, expires_at=expires_at), ()
 
     async def rpc_delete(self, req: rpc.Delete, payload: memoryview) -> Reply:
@@ -184,8 +180,7 @@ class MetaService:
             bytes=nbytes,
             servers=servers,
             time=now,
-            gc=(rpc.GcSummary(paused=True, metrics={}, last_run=None, dead_chunks=0)
-                if self.gc is None else self.gc.summary()),
+            gc=await self.gc.summary(),
         ), ()
 
     # chunkserver RPCs ----------------------------------------------------------
@@ -196,10 +191,8 @@ class MetaService:
         await ix.refresh()  # ids other metas sharing the store gave out
         if req.server_id is not None:
             sid = req.server_id
-        elif self.gc is not None:  # never give out a decommissioned server's id again
-            sid = max((*ix.servers, *self.gc.decommissioned), default=0) + 1
-        else:
-            sid = await ix.new_server_id(addr)
+        else:  # never give out a decommissioned server's id again
+            sid = await ix.new_server_id(addr, self.gc.decommissioned)
         self._check_not_decommissioned(sid)
         self._check_cluster(sid, addr, req.cluster_id, req.nchunks)
         old = ix.servers.get(sid)
@@ -250,10 +243,10 @@ class MetaService:
         return rpc.Empty(), ()
 
     def _draining(self) -> set[int]:
-        return set() if self.gc is None else self.gc.draining
+        return self.gc.draining
 
     def _check_not_decommissioned(self, sid: int) -> None:
-        if self.gc is not None and sid in self.gc.decommissioned:
+        if sid in self.gc.decommissioned:
             raise InvalidArgument(f"chunkserver {sid} was decommissioned; stop it (its chunks are "
                                   "garbage), or start it on an empty data dir to join as a new server")
 

@@ -10,17 +10,21 @@ chunkserver reports to still knows which servers are alive: a heartbeat counts f
 any meta received it, so the meta hosts' clocks must agree to well within
 ``heartbeat_timeout_s``.
 
-What this meta does not do yet (issue 14): garbage collection.  Its GC RPCs are not
-served (``kvfs gc`` gets "unknown op" from it), so nothing expires, is evicted or
-compacted; the store's GC operations exist and are tested on their own
-(``tests/test_redis_store.py``).  ``kvfs stat`` reads every key (O(keys)).
+Garbage collection is the same :class:`kvfs.meta.gc.MetaGc` as over SQLite, working on
+this index's GC calls (:class:`kvfs.meta.storeapi.GcIndex`): each destructive one is a
+compare-and-swap in one Lua script per master, so the GCs of several metas never undo
+each other's work nor a writer's.  Their daemons take turns by a lease key in the store
+(``claim``).  A chunkserver's chunk table lives in the memory of the metas it (or a GC
+pass's usage sync) reports to.  ``kvfs stat`` and ``kvfs gc status`` read every key
+(O(keys)).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from typing import Any
 
 from kvfs.config import MetaConfig
 from kvfs.errors import Unavailable
@@ -57,11 +61,12 @@ class SharedIndex(ServerRegistry):
         await self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
         await self.store.put_seen(s.server_id, time.time())
 
-    async def new_server_id(self, addr: str) -> int:
-        """The next free id, claimed in the store, so two metas registering new servers at
-        once never give out the same one."""
+    async def new_server_id(self, addr: str, taken: Iterable[int] = ()) -> int:
+        """The next free id (past ``taken`` too), claimed in the store, so two metas
+        registering new servers at once never give out the same one."""
+        taken = set(taken)
         for _ in range(MAX_ID_CLAIMS):
-            sid = max(self.servers, default=0) + 1
+            sid = max((*self.servers, *taken), default=0) + 1
             if await self.store.claim_server(sid, addr):
                 return sid
             await self.refresh()  # another meta took it
@@ -71,6 +76,8 @@ class SharedIndex(ServerRegistry):
         rows = await self.store.servers()
         seen = await self.store.seen()
         wall, mono = time.time(), time.monotonic()
+        for sid in self.servers.keys() - {r[0] for r in rows}:  # forgotten (decommissioned)
+            del self.servers[sid]
         for sid, addr, capacity, free in rows:
             s = self.servers.get(sid)
             if s is None:
@@ -123,8 +130,74 @@ class SharedIndex(ServerRegistry):
                         limit: int) -> list[tuple[bytes, Layout]]:
         return await self.store.list(prefix, start_after, limit)
 
-    async def live_bytes(self) -> dict[int, int]:
-        return await self.store.chunk_live()
+    async def live_bytes(self, chunks: Sequence[int] | None = None) -> dict[int, int]:
+        return await self.store.chunk_live(chunks)
+
+    async def peek(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+        return await self.store.peek(keys, now)
+
+    # GC's operations (storeapi.GcIndex) ------------------------------------------------
+    async def scan(self, batch: int = 10_000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        async for rows in self.store.scan(batch):
+            yield rows
+
+    async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        after: tuple[float, bytes] | None = None
+        while True:
+            page = await self.store.lru(batch, after)
+            if not page:
+                return
+            after = (page[-1][1], page[-1][0])
+            keys = [k for k, _ in page]
+            yield [(k, lay) for k, lay in zip(keys, await self.store.get(keys), strict=True)
+                   if lay is not None]
+            if len(page) < batch:
+                return
+
+    async def layouts(self, keys: Sequence[bytes]) -> list[Layout | None]:
+        return await self.store.get(keys)
+
+    async def leased(self, keys: Sequence[bytes], now: float) -> set[bytes]:
+        return {k for k, until in (await self.store.leases(keys)).items() if until > now}
+
+    async def expire(self, now: float, limit: int) -> tuple[list[tuple[bytes, Layout]], bool]:
+        keys = await self.store.expired(now, limit)
+        return await self.store.remove_expired(keys, now), len(keys) == limit
+
+    async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> list[tuple[bytes, Layout]]:
+        # an expired key's lease keeps nothing: evict it as if unleased
+        expired = [(k, lay) for k, lay in victims if lay.expired(now)]
+        rest = [(k, lay) for k, lay in victims if not lay.expired(now)]
+        out = await self.store.evict(expired, LEASES_IGNORED) if expired else []
+        return out + (await self.store.evict(rest, now) if rest else [])
+
+    async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> list[bool]:
+        return await self.store.switch(rows) if rows else []
+
+    async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> list[int]:
+        return await self.store.retire(server_id, chunks, now)
+
+    async def dead_chunks(self) -> dict[int, float]:
+        return await self.store.dead_chunks()
+
+    async def delete_server(self, server_id: int) -> None:
+        self.servers.pop(server_id, None)
+        await self.store.delete_server(server_id)
+
+    async def get_state(self, name: str) -> Any:
+        return await self.store.get_state(name)
+
+    async def put_state(self, name: str, value: Any) -> None:
+        await self.store.put_state(name, value)
+
+    async def add_counts(self, inc: dict[str, float], put: dict[str, float] | None = None) -> None:
+        await self.store.add_counts(inc, put)
+
+    async def counts(self) -> dict[str, float]:
+        return await self.store.counts()
+
+    async def claim(self, name: str, holder: str, ttl_s: float) -> bool:
+        return await self.store.claim(name, holder, ttl_s)
 
     async def key_stats(self, now: float) -> tuple[int, int, int]:
         live = stored = nbytes = 0

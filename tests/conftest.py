@@ -20,7 +20,7 @@ from kvfs._loop import new_event_loop
 from kvfs.address import parse_addr
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig, TlsConfig
-from kvfs.launcher import LocalCluster, ProcessCluster
+from kvfs.launcher import LocalCluster, ProcessCluster, ServiceProcess
 from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
 from kvfs.rpc import Op
 from kvfs.server import RpcServer
@@ -287,6 +287,39 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     with LocalRedisCluster(tmp_path_factory.mktemp("redis")) as rc:
         yield rc
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=[pytest.mark.redis, pytest.mark.meta_redis])])
+def meta_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test over each meta backend: SQLite (the default), and Redis Cluster, where every
+    :class:`LocalCluster` or :class:`ProcessCluster` the test starts puts its meta on the
+    session's Redis Cluster, in a namespace of its own (kept across that cluster's meta
+    restarts).  A module opts in with ``pytestmark = pytest.mark.usefixtures("meta_backend")``;
+    the Redis half is marker ``meta_redis`` (not in the default run: .ci/run runs it)."""
+    if request.param == "sqlite":
+        return "sqlite"
+    from dataclasses import replace
+
+    rc: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+    start_meta = LocalCluster.start_meta
+
+    async def on_redis(self: LocalCluster) -> str:
+        if self.meta_config.store is None:
+            self.meta_config = replace(self.meta_config, store=rc.url,
+                                       store_namespace="c" + uuid.uuid4().hex[:12])
+        return await start_meta(self)
+
+    meta_process = ProcessCluster._meta_process
+
+    def process_on_redis(self: ProcessCluster, listen: str) -> ServiceProcess:
+        if "--store" not in self.meta_args:
+            self.meta_args = (*self.meta_args, "--store", rc.url,
+                              "--store-namespace", "p" + uuid.uuid4().hex[:12])
+        return meta_process(self, listen)
+
+    monkeypatch.setattr(LocalCluster, "start_meta", on_redis)
+    monkeypatch.setattr(ProcessCluster, "_meta_process", process_on_redis)
+    return "redis"
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@ from kvfs.errors import InvalidArgument
 from kvfs.launcher import LocalCluster
 from kvfs.layout import MAX_KEY_BYTES
 
+pytestmark = pytest.mark.usefixtures("meta_backend")  # each test over SQLite and Redis
+
 
 async def test_20mib_value_is_striped_over_servers(kv: AsyncClient) -> None:
     big = os.urandom(20 << 20)

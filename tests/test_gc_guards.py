@@ -34,6 +34,8 @@ from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
 from kvfs.rpc import Op
 
+pytestmark = pytest.mark.usefixtures("meta_backend")  # each test over SQLite and Redis
+
 NOW = PassOptions(apply=True, grace_s=0)
 
 
