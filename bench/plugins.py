@@ -39,7 +39,6 @@ import sys
 import tempfile
 import threading
 import time
-import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -47,6 +46,16 @@ from typing import Any
 
 import numpy as np
 
+from kvfs.bench.engines import (
+    lmcache_config,
+    lmcache_storage_manager,
+    quiet_import,
+    sglang_host_pool,
+    sglang_storage,
+    vllm_manager,
+    vllm_offload_keys,
+    vllm_offloading_config,
+)
 from kvfs.launcher import ProcessCluster
 
 TARGET = 1.20  # issue 12: a plug-in adds at most 20 % per page
@@ -97,49 +106,20 @@ def _random_bytes(n: int, seed: int) -> np.ndarray:
 
 # SGLang HiCache -----------------------------------------------------------------------------
 def sglang_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import torch
-        from sglang.srt.mem_cache.device_pool_info import (
-            KVBufferLayout,
-            KVBuffers,
-            MHABufferInfo,
-        )
-        from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
-        from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-        from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
-
+    torch = quiet_import("torch")
     from kvfs.integrations._common import TensorBytes
-    from kvfs.integrations.sglang import KvfsHiCacheStorage
     from kvfs.prefix import chain_keys, namespaced
 
     layers, heads, page = 4, 8, 16
     dim = ns.page_kib * 1024 // (2 * layers * heads * page * 2)  # K+V, bf16
     tokens = ns.pages * page
-    k = tuple(torch.zeros(tokens + page, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
-    v = tuple(torch.zeros(tokens + page, heads, dim, dtype=torch.bfloat16) for _ in range(layers))
-    info = MHABufferInfo(
-        buffers=KVBuffers(k=k, v=v, layout=KVBufferLayout.NHD,
-                          k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
-                          v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64)),
-        page_size=page, head_num=heads, head_dim=dim, v_head_dim=dim, dtype=torch.bfloat16,
-        device=torch.device("cpu"))
-    pool = MHATokenToKVPoolHost(info, 1.0, 0, page, ns.layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0, end_layer=layers)
+    pool = sglang_host_pool(ns.layout, tokens=tokens, layers=layers, heads=heads, dim=dim, page=page,
+                            host_ratio=1.0)
     flat = pool.kv_buffer.view(torch.uint8).view(-1)
     flat.copy_(torch.from_numpy(_random_bytes(flat.numel(), 1)))
     page_bytes = int(pool.get_size_per_token()) * page
     namespace = f"bench/sglang/{ns.layout}"
-    cfg = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False,
-        is_page_first_layout=ns.layout != "layer_first", model_name="bench/llama",
-        extra_config={"backend_name": "kvfs", "module_path": "kvfs.integrations.sglang",
-                      "class_name": "KvfsHiCacheStorage", "interface_v1": 1, "addr": addr,
-                      "token": token, "namespace": namespace})
-    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
-    assert isinstance(backend, KvfsHiCacheStorage)
-    backend.register_mem_pool_host(pool)
+    backend = sglang_storage(addr, token, pool, namespace, model_name="bench/llama")
     hashes = [h.decode() for h in chain_keys(range(tokens), page, style="sglang")]
     keys = [namespaced(namespace, h) for h in hashes]
     idx = torch.arange(0, tokens)
@@ -182,24 +162,13 @@ def sglang_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
 # LMCache ---------------------------------------------------------------------------------------
 def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     os.environ.setdefault("PYTHONHASHSEED", "0")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import torch
-        from lmcache.v1.check.utils import (
-            _get_default_metadata,
-            create_test_key,
-            create_test_memory_obj_for_storage_manager,
-            find_remote_backend,
-        )
-        from lmcache.v1.config import LMCacheEngineConfig
-        from lmcache.v1.event_manager import EventManager
-        from lmcache.v1.storage_backend.storage_manager import StorageManager
-
+    torch = quiet_import("torch")
+    check_utils = quiet_import("lmcache.v1.check.utils")
     from kvfs.integrations.lmcache import KvfsConnector
     from kvfs.prefix import namespaced
 
     model = "bench-model"
-    metadata = _get_default_metadata(model)
+    metadata = check_utils._get_default_metadata(model)
     # vLLM's KV shape [layers, 2, tokens, heads, head_size]: 4 layers, 256-token chunks, 2
     # heads, head_size set by --page-kib (bf16)
     chunk, layers, heads = 256, 4, 2
@@ -207,16 +176,11 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     metadata.chunk_size = chunk
     pool_gib = 2.5 * ns.pages * ns.page_kib / (1024 * 1024)
     namespace = "bench-lmcache"
-    cfg_path = Path(tempfile.mkdtemp(prefix="kvfs-bench-lmcache-")) / "lmcache.yaml"
-    cfg_path.write_text(
-        f"chunk_size: {chunk}\nlocal_cpu: true\nmax_local_cpu_size: {pool_gib:.4f}\n"
-        "remote_serde: naive\nremote_storage_plugins: [\"kvfs\"]\nextra_config:\n"
-        "  remote_storage_plugin.kvfs.module_path: kvfs.integrations.lmcache\n"
-        "  remote_storage_plugin.kvfs.class_name: KvfsConnector\n"
-        f"  kvfs_addr: \"{addr}\"\n  kvfs_token: \"{token}\"\n  kvfs_namespace: {namespace}\n")
-    sm = StorageManager(config=LMCacheEngineConfig.from_file(str(cfg_path)), metadata=metadata,
-                        event_manager=EventManager())
-    remote = find_remote_backend(sm)
+    cfg_path = lmcache_config(Path(tempfile.mkdtemp(prefix="kvfs-bench-lmcache-")) / "lmcache.yaml",
+                              addr, token, chunk_size=chunk, max_local_cpu_gib=pool_gib,
+                              kvfs_namespace=namespace)
+    sm = lmcache_storage_manager(cfg_path, metadata)
+    remote = check_utils.find_remote_backend(sm)
     conn = getattr(remote, "connection", None)
     conn = getattr(conn, "_connector", conn)  # inside LMCache's InstrumentedRemoteConnector
     assert isinstance(conn, KvfsConnector), f"LMCache did not load the connector: {conn!r}"
@@ -225,12 +189,12 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     def run(coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
 
-    lm_keys = [create_test_key(model, f"bench-{i}") for i in range(ns.pages)]
+    lm_keys = [check_utils.create_test_key(model, f"bench-{i}") for i in range(ns.pages)]
     keys = [namespaced(namespace, k.to_string()) for k in lm_keys]
     batches = _split(ns.pages, ns.batch)
     want: list[bytes] = []
     for b in batches:
-        objs = [create_test_memory_obj_for_storage_manager(sm, metadata) for _ in b]
+        objs = [check_utils.create_test_memory_obj_for_storage_manager(sm, metadata) for _ in b]
         for j, o in enumerate(objs):
             o.tensor.view(torch.uint8).view(-1).copy_(
                 torch.from_numpy(_random_bytes(o.get_size(), b.start + j)))
@@ -286,49 +250,21 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
 
 # vLLM -------------------------------------------------------------------------------------------
 def vllm_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        import hashlib
-
-        from vllm.v1.kv_offload.base import ReqContext, make_offload_key
-        from vllm.v1.kv_offload.config import (
-            OffloadingCacheConfig,
-            OffloadingConfig,
-            OffloadingGroupConfig,
-            OffloadingModelConfig,
-            OffloadingParallelConfig,
-        )
-        from vllm.v1.kv_offload.factory import OffloadingSpecFactory
-        from vllm.v1.kv_offload.tiering.base import TransferJob
-
+    base = quiet_import("vllm.v1.kv_offload.base")
+    TransferJob = quiet_import("vllm.v1.kv_offload.tiering.base").TransferJob
     from kvfs.integrations.vllm import KvfsTier
 
     block = ns.page_kib * 1024
-    tier_cfg = {"type": "KvfsTier", "module_path": "kvfs.integrations.vllm", "addr": addr,
-                "token": token, "namespace": "bench-vllm"}
-    cfg = OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
-                                      group_id=0),),
-        worker_kv_bytes_per_block=block, enable_kv_cache_events=False,
-        extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": ns.pages * block,
-                      "secondary_tiers": [tier_cfg]},
-        engine_id="bench", model=OffloadingModelConfig(name="bench/llama", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=True))
-    manager = OffloadingSpecFactory.create_spec(cfg).get_manager()
+    manager = vllm_manager(vllm_offloading_config(
+        addr, token, engine_id="bench", block_bytes=block, cpu_blocks=ns.pages, model_name="bench/llama",
+        namespace="bench-vllm"))
     tier = manager.secondary_tiers[0]
     assert isinstance(tier, KvfsTier), f"vLLM did not load the tier: {tier!r}"
     view = manager.primary_tier.get_kv_memoryview()
     prim = np.frombuffer(view, dtype=np.uint8).reshape(view.shape[0], -1)
     if prim.shape[0] < ns.pages or prim.shape[1] != block:
         raise SystemExit(f"vllm: primary tier is {prim.shape}, wanted {ns.pages} x {block}")
-    offload_keys, h = [], b"bench"
-    for i in range(ns.pages):
-        h = hashlib.sha256(h + i.to_bytes(4, "big")).digest()
-        offload_keys.append(make_offload_key(h, 0))
+    offload_keys = vllm_offload_keys(ns.pages, b"bench")
     keys = [tier.kvfs_key(k) for k in offload_keys]
     batches = _split(ns.pages, ns.batch)
     prim[: ns.pages] = _random_bytes(ns.pages * block, 2).reshape(ns.pages, block)
@@ -338,7 +274,7 @@ def vllm_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     def transfer(b: range, load: bool) -> int:
         job = TransferJob(job_id=next(job_ids), keys=offload_keys[b.start : b.stop],
                           chunk_ids=np.arange(b.start, b.stop, dtype=np.int64),
-                          is_promotion=load, req_context=ReqContext(req_id="bench"))
+                          is_promotion=load, req_context=base.ReqContext(req_id="bench"))
         (tier.submit_load if load else tier.submit_store)(job)
         tier.drain_jobs()
         results = list(tier.get_finished_jobs())

@@ -158,7 +158,9 @@ class GarbageCollector:
     def close(self) -> None:
         self._link.close()
 
-    def _progress(self, phase: str, done: int, total: int) -> None:
+    def report_progress(self, phase: str, done: int, total: int) -> None:
+        """Tell ``progress`` (if given) how far ``phase`` is; also for phases run outside
+        this class (``kvfs.gc.repair``)."""
         if self.progress is not None:
             self.progress(phase, done, total)
 
@@ -233,7 +235,7 @@ class GarbageCollector:
             h = await self.meta(rpc.GcExpire(apply=True, limit=opts.expire_batch))
             report.expired_keys += h.keys
             report.expired_bytes += h.bytes
-            self._progress("expire", report.expired_keys, max(total, report.expired_keys))
+            self.report_progress("expire", report.expired_keys, max(total, report.expired_keys))
             if not h.more or not h.keys:
                 break
 
@@ -245,7 +247,7 @@ class GarbageCollector:
         report.evicted_bytes += h.bytes
         report.leased_skipped += h.leased
         if h.keys:
-            self._progress("evict", h.keys, h.keys)
+            self.report_progress("evict", h.keys, h.keys)
 
     async def _plan(self, opts: PassOptions, threshold: float | None = None, *,
                     dry: bool = False) -> rpc.Plan:
@@ -326,7 +328,7 @@ class GarbageCollector:
                 except KVFSError as exc:
                     log.warning("compaction of %d chunks on server %d failed: %s", len(batch), sid, exc)
                     continue
-                self._progress("compact", report.chunks_compacted, todo)
+                self.report_progress("compact", report.chunks_compacted, todo)
                 await pacer.spent(report.bytes_copied - pacer.bytes)
 
     async def _compact_batch(self, sid: int, chunks: list[int], report: PassReport) -> None:
@@ -373,7 +375,7 @@ class GarbageCollector:
             await self.meta(rpc.GcDeleted(server_id=sid, deleted=deleted))
             report.chunks_deleted += len(deleted)
             report.bytes_reclaimed += sum(deleted.values())
-            self._progress("delete", report.chunks_deleted, total)
+            self.report_progress("delete", report.chunks_deleted, total)
 
     # verify ----------------------------------------------------------------------
     async def verify_server(self, sid: int, pacer: Pacer | None = None) -> Verification:
@@ -395,7 +397,7 @@ class GarbageCollector:
             nbytes = sum(f[3] for f in batch)
             out.ranges += len(batch)
             out.bytes += nbytes
-            self._progress(f"verify server {sid}", run.stop, len(flat))
+            self.report_progress(f"verify server {sid}", run.stop, len(flat))
             if pacer is not None:
                 await pacer.spent(nbytes)
         return out

@@ -172,7 +172,7 @@ async def repair_step(gc: GarbageCollector, *, apply: bool, rate_bytes: int | No
             break
         copied = report.bytes_copied
         done = await copy_extents(gc, plan.items, report)
-        gc._progress("repair", report.extents_repaired, max(report.under_replicated_extents, 1))
+        gc.report_progress("repair", report.extents_repaired, max(report.under_replicated_extents, 1))
         if not done:
             break  # nothing more can be repaired now (no source, no room): the next pass retries
         await pacer.spent(report.bytes_copied - copied)

@@ -162,15 +162,24 @@ class AsyncClient:
 
     # writes ------------------------------------------------------------------
     async def put(self, key: Key, value: Value, *, ttl: float | None = None,
-                  replicas: int | None = None) -> None:
-        await self.put_many([(key, value)], ttl=ttl, replicas=replicas)
+                  replicas: int | None = None, if_absent: bool = False) -> bool:
+        """Store one value; False only with ``if_absent`` and the key already present."""
+        return (await self.put_many([(key, value)], ttl=ttl, replicas=replicas,
+                                    if_absent=if_absent))[0]
 
     async def put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
-                       ttl: float | None = None, replicas: int | None = None) -> None:
-        """Store many values: one append per chunkserver, one commit to meta."""
+                       ttl: float | None = None, replicas: int | None = None,
+                       if_absent: bool = False) -> list[bool]:
+        """Store many values: one append per chunkserver, one commit to meta.  Returns,
+        per item, whether this call stored it.
+
+        ``if_absent``: keys already present (unexpired and readable) keep their value and
+        are not written (False); meta says which in one ``EXISTS`` before the appends, and
+        the commit is conditional, so of two writers racing on a key one value stays and
+        the other writer gets False, with no error."""
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
-            return
+            return []
         keys = [norm_key(k) for k, _ in pairs]
         views = [as_parts(v, what=f"value for key {k[:64]!r}") for k, (_, v) in zip(keys, pairs, strict=True)]
         for k, v in zip(keys, views, strict=True):
@@ -182,9 +191,11 @@ class AsyncClient:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        layouts = await self.writer.put(keys, views, replicas=r, ttl=ttl)
+        layouts = await self.writer.put(keys, views, replicas=r, ttl=ttl, if_absent=if_absent)
         for k, lay in zip(keys, layouts, strict=True):
-            self.layout_cache.put(k, lay)
+            if lay is not None:
+                self.layout_cache.put(k, lay)
+        return [lay is not None for lay in layouts]
 
     # streaming (kvfs/stream.py) ----------------------------------------------------
     async def put_stream(self, key: Key, chunks: Chunks, *, size: int | None = None,

@@ -206,13 +206,17 @@ class CommitItem(NamedTuple):
 class Committed(Response, frozen=True, kw_only=True):
     created: Timestamp
     expires_at: Timestamp | None
+    present: Items[Index] = []  # if_absent: items not committed, their key being present
 
 
 class Commit(Request[Committed], frozen=True, kw_only=True):
-    """Layouts' ``created``/``expires_at`` are ignored: meta stamps them at commit."""
+    """Layouts' ``created``/``expires_at`` are ignored: meta stamps them at commit.
+    ``if_absent``: an item whose key is present (unexpired and readable, or committed by
+    an earlier item of this call) is not committed; the key keeps its value."""
 
     items: NonEmpty[CommitItem]
     ttl_s: PositiveSeconds | None = None  # None: meta's default_ttl_s
+    if_absent: bool = False
 
 
 class Deleted(Response, frozen=True, kw_only=True):
@@ -859,7 +863,7 @@ RPCS: dict[Op, Rpc] = _rpcs(
         ANYONE),
     Rpc(Op.PING, Service.ANY, Ping, "liveness; names the service", ANYONE),
     Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss)", DATA),
-    Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction", DATA),
+    Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction; if_absent: only keys not present", DATA),
     Rpc(Op.DELETE, Service.META, Delete, "forget keys; their bytes become garbage", DATA),
     Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease", DATA),
     Rpc(Op.LIST, Service.META, ListKeys, "keys under a prefix, one page in key order", DATA),

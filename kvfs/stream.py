@@ -118,7 +118,8 @@ async def put_stream(client: AsyncClient, key: Key, chunks: Chunks, *, size: int
     done = tuple(e for e in extents if e is not None)
     assert len(done) == len(extents)
     (lay,) = await client.writer.commit([k], [Layout(total, whole, 0.0, None, done)], ttl)
-    client.layout_cache.put(k, lay)
+    if lay is not None:  # always (no if_absent)
+        client.layout_cache.put(k, lay)
     return total
 
 

@@ -89,12 +89,14 @@ class Client:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def put(self, key: Key, value: Value, *, ttl: float | None = None, replicas: int | None = None) -> None:
-        self._run(self.aio.put(key, value, ttl=ttl, replicas=replicas))
+    def put(self, key: Key, value: Value, *, ttl: float | None = None, replicas: int | None = None,
+            if_absent: bool = False) -> bool:
+        return self._run(self.aio.put(key, value, ttl=ttl, replicas=replicas, if_absent=if_absent))
 
     def put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
-                 ttl: float | None = None, replicas: int | None = None) -> None:
-        self._run(self.aio.put_many(items, ttl=ttl, replicas=replicas))
+                 ttl: float | None = None, replicas: int | None = None,
+                 if_absent: bool = False) -> list[bool]:
+        return self._run(self.aio.put_many(items, ttl=ttl, replicas=replicas, if_absent=if_absent))
 
     def get(self, key: Key) -> bytes | None:
         return self._run(self.aio.get(key))
@@ -120,10 +122,11 @@ class Client:
     # futures: start now, collect later (from any thread) ---------------------
     def submit_put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
                         ttl: float | None = None, replicas: int | None = None,
-                        ) -> concurrent.futures.Future[None]:
+                        if_absent: bool = False) -> concurrent.futures.Future[list[bool]]:
         """Start a ``put_many``; the values must stay unchanged until the future is done."""
         return self._submit(self.aio.put_many([*items.items()] if isinstance(items, Mapping)
-                                              else [*items], ttl=ttl, replicas=replicas))
+                                              else [*items], ttl=ttl, replicas=replicas,
+                                              if_absent=if_absent))
 
     def submit_get_many(self, keys: Iterable[Key]) -> concurrent.futures.Future[list[bytes | None]]:
         return self._submit(self.aio.get_many([*keys]))

@@ -43,9 +43,25 @@ class WritePath:
         self._write_id = 0  # last write id handed out (see next_write_id)
 
     async def put(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
-                  ttl: float | None) -> list[Layout]:
-        """Store the values; returns their committed layouts (stamped by meta)."""
-        return await self.commit(keys, await self.append(keys, views, replicas=replicas, ttl=ttl), ttl)
+                  ttl: float | None, if_absent: bool = False) -> list[Layout | None]:
+        """Store the values; returns their committed layouts (stamped by meta).
+
+        ``if_absent``: one ``EXISTS`` to meta first, and only the absent keys' values are
+        appended; their ``COMMIT`` is conditional too, so a writer that raced past the check
+        keeps the value that committed first.  None for a key not written (present)."""
+        out: list[Layout | None] = [None] * len(keys)
+        todo: list[int] | range = range(len(keys))
+        if if_absent:
+            present = (await self._link.call_meta(rpc.Exists(keys=keys))).exists
+            todo = [i for i, p in enumerate(present) if not p]
+            if not todo:
+                return out
+            keys, views = [keys[i] for i in todo], [views[i] for i in todo]
+        written = await self.commit(keys, await self.append(keys, views, replicas=replicas, ttl=ttl),
+                                    ttl, if_absent=if_absent)
+        for i, lay in zip(todo, written, strict=True):
+            out[i] = lay
+        return out
 
     async def append(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
                      ttl: float | None, first: int | None = None) -> list[Layout]:
@@ -88,12 +104,18 @@ class WritePath:
                 asked = True
         raise AssertionError("unreachable")
 
-    async def commit(self, keys: list[bytes], layouts: list[Layout], ttl: float | None) -> list[Layout]:
+    async def commit(self, keys: list[bytes], layouts: list[Layout], ttl: float | None, *,
+                     if_absent: bool = False) -> list[Layout | None]:
         """Make written values visible: one COMMIT to meta (the linearisation point);
-        returns the layouts as meta stamped them."""
+        returns the layouts as meta stamped them, None where ``if_absent`` found the key
+        present (its appended bytes are garbage)."""
         h = await self._link.call_meta(rpc.Commit(
-            items=[rpc.CommitItem(k, lay) for k, lay in zip(keys, layouts, strict=True)], ttl_s=ttl))
-        return [lay.stamped(h.created, h.expires_at) for lay in layouts]
+            items=[rpc.CommitItem(k, lay) for k, lay in zip(keys, layouts, strict=True)], ttl_s=ttl,
+            if_absent=if_absent))
+        out: list[Layout | None] = [lay.stamped(h.created, h.expires_at) for lay in layouts]
+        for i in h.present:
+            out[i] = None
+        return out
 
     def next_write_id(self) -> int:
         """Write ids order the writes of a key for a rebuild of meta: nanoseconds, increasing."""

@@ -247,7 +247,23 @@ class MetaIndex(ServerRegistry):
         return n
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
-                     expires_at: float | None) -> None:
+                     expires_at: float | None, *, if_absent: bool = False) -> list[int]:
+        """Store the layouts; returns the indexes of ``staged`` not committed: with
+        ``if_absent``, those whose key is present (readable, or earlier in ``staged``)."""
+        present: list[int] = []
+        if if_absent:
+            gone = self.gone_servers()
+            taken: set[bytes] = set()
+            kept = []
+            for i, (k, lay) in enumerate(staged):
+                if k in taken or self.readable(k, now, gone):
+                    present.append(i)
+                else:
+                    taken.add(k)
+                    kept.append((k, lay))
+            staged = kept
+        if not staged:
+            return present
         for key, lay in staged:
             cid = self.dead_in(lay)
             if cid is not None:
@@ -260,6 +276,7 @@ class MetaIndex(ServerRegistry):
             self.entries[key] = Entry(lay, now)
             self.add_live(lay, +1, key)
             self.dirty_access.pop(key, None)
+        return present
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         gone = [k for k in keys if k in self.entries]

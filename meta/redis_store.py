@@ -169,33 +169,45 @@ end
 return out
 """
 
-# ARGV: now, expires ('' = none), groups of (key, value).  All or nothing for the node: a
-# value naming a dead chunk refuses the whole call there ({key, chunk} returned).
+# ARGV: now, expires ('' = none), if_absent ('1' or ''), groups of (key, value).  All or
+# nothing for the node: a value naming a dead chunk refuses the whole call there ({0, key,
+# chunk} returned).  Otherwise {1, keys not committed...}: with if_absent, a key already
+# present and unexpired at now keeps its value.
 _LUA_COMMIT = _SHEBANG + _LUA_GROUPS + _LUA_ADJUST + """
-local now, exp = ARGV[1], ARGV[2]
-local gs = groups(3, 2)
+local now, exp, absent = ARGV[1], ARGV[2], ARGV[3] == '1'
+local gs = groups(4, 2)
 for _, g in ipairs(gs) do
   local D = g[1] .. 'D'
   for j = 0, g[3] - 1 do
     local cid = dead_in(D, ARGV[g[2] + 2 * j + 1])
-    if cid then return {ARGV[g[2] + 2 * j], cid} end
+    if cid then return {0, ARGV[g[2] + 2 * j], cid} end
   end
 end
+local out = {1}
 for _, g in ipairs(gs) do
   local t = g[1]
   local h, kk, a, x, L = t .. 'h', t .. 'k', t .. 'a', t .. 'x', t .. 'L'
   for j = 0, g[3] - 1 do
     local k, v = ARGV[g[2] + 2 * j], ARGV[g[2] + 2 * j + 1]
     local old = redis.call('HGET', h, k)
-    if old then adjust(L, old, -1) end
-    adjust(L, v, 1)
-    redis.call('HSET', h, k, v)
-    redis.call('ZADD', kk, 0, k)
-    redis.call('ZADD', a, now, k)
-    if exp == '' then redis.call('ZREM', x, k) else redis.call('ZADD', x, exp, k) end
+    local keep = false
+    if old and absent then
+      local e = string.sub(old, 1, string.find(old, ';', 1, true) - 1)
+      keep = e == '' or tonumber(e) > tonumber(now)
+    end
+    if keep then
+      out[#out + 1] = k
+    else
+      if old then adjust(L, old, -1) end
+      adjust(L, v, 1)
+      redis.call('HSET', h, k, v)
+      redis.call('ZADD', kk, 0, k)
+      redis.call('ZADD', a, now, k)
+      if exp == '' then redis.call('ZREM', x, k) else redis.call('ZADD', x, exp, k) end
+    end
   end
 end
-return {}
+return out
 """
 
 # ARGV: mode, now, groups of (key, expected).  mode 'del': remove; 'exp': remove if still
@@ -455,33 +467,51 @@ class RedisMetaStore:
         Every command names one bucket's key (an EVAL its first key), so its node is that
         slot's master in redis-py's slot map.  redis-py's own cluster pipeline does the
         same at several times the client CPU per command (it resolves a routing policy
-        per command).  A command answered MOVED (the slot moved: failover, resharding) is
-        sent again once after the slot map is read again; a node unreachable is
-        :class:`Unavailable` (the caller retries: every script is safe to run again)."""
+        per command).  Failover and resharding as in :meth:`_by_owner`."""
         out: builtins.list[Any] = [None] * len(calls)
-        todo = builtins.list(range(len(calls)))
+
+        async def send(node: Any, idx: builtins.list[int]) -> builtins.list[tuple[builtins.list[int], Any]]:
+            return [([i], r) for i, r in zip(idx, await self._node_pipeline(node, [calls[i] for i in idx]),
+                                             strict=True)]
+
+        for (i,), r in await self._by_owner(
+                builtins.list(range(len(calls))),
+                lambda i: key_slot(calls[i][1][2] if calls[i][0] == "eval" else calls[i][1][0]), send):
+            out[i] = r
+        return out
+
+    async def _by_owner(self, todo: builtins.list[int], slot: Callable[[int], int],
+                        send: Callable[[Any, builtins.list[int]],
+                                       Awaitable[builtins.list[tuple[builtins.list[int], Any]]]],
+                        ) -> builtins.list[tuple[builtins.list[int], Any]]:
+        """Send the units ``todo`` (commands, buckets) grouped by the master of each one's
+        ``slot``, all nodes at once: ``send(node, units)`` answers (units, reply) pairs.  Units
+        whose reply says their slot moved (failover, resharding) are sent again, once, after
+        the slot map is read again; a node unreachable or another error reply is raised
+        (:class:`Unavailable` for the cluster's own faults: the caller retries, every script
+        is safe to run again).  Returns the other pairs, in no set order."""
+        out: builtins.list[tuple[builtins.list[int], Any]] = []
         nm = self.r.nodes_manager
         for _attempt in range(2):
             by_node: dict[str, tuple[Any, builtins.list[int]]] = {}
-            for i in todo:
-                name, args, _ = calls[i]
-                node = nm.get_node_from_slot(key_slot(args[2] if name == "eval" else args[0]))
-                by_node.setdefault(node.name, (node, []))[1].append(i)
-            results = await asyncio.gather(
-                *(self._node_pipeline(node, [calls[i] for i in idx]) for node, idx in by_node.values()),
-                return_exceptions=True)
+            for u in todo:
+                node = nm.get_node_from_slot(slot(u))
+                by_node.setdefault(node.name, (node, []))[1].append(u)
+            results = await asyncio.gather(*(send(node, us) for node, us in by_node.values()),
+                                           return_exceptions=True)
             moved: builtins.list[int] = []
-            for (_, idx), res in zip(by_node.values(), results, strict=True):
+            for res in results:
                 if isinstance(res, BaseException):
                     await self._run(_raise(res))
                     continue
-                for i, r in zip(idx, res, strict=True):
-                    if isinstance(r, (MovedError, AskError, TryAgainError)):
-                        moved.append(i)
+                for us, r in res:
+                    if isinstance(r, (MovedError, AskError, TryAgainError, ClusterDownError)) or (
+                            isinstance(r, ResponseError) and "non local key" in str(r)):
+                        moved += us
                     elif isinstance(r, Exception):
                         await self._run(_raise(r))
                     else:
-                        out[i] = r
+                        out.append((us, r))
             if not moved:
                 return out
             with contextlib.suppress(*_DOWN, OSError):
@@ -551,67 +581,51 @@ class RedisMetaStore:
         flat items, ``width`` values each), all nodes at once; (buckets in the order sent,
         reply) per node.  A node whose buckets moved away answers with an error before
         writing; those buckets are sent again, once, after the slot map is read again."""
-        out: builtins.list[tuple[builtins.list[int], Any]] = []
-        todo = builtins.list(items)
-        nm = self.r.nodes_manager
-        for _attempt in range(2):
-            by_node: dict[str, tuple[Any, builtins.list[int]]] = {}
-            # (duplicates: _execute's MOVED retry, here per node and bucket (one EVAL each), not per command)
-            for b in todo:
-                node = nm.get_node_from_slot(self._slots[b])
-                by_node.setdefault(node.name, (node, []))[1].append(b)
-            calls = []
-            for node, bs in by_node.values():
-                args: builtins.list[Any] = [*head]
-                for b in bs:
-                    args += [self._tags[b], len(items[b]) // width, *items[b]]
-                calls.append(self._node_pipeline(node, [("eval", (script, 0, *args), {})]))
-            results = await asyncio.gather(*calls, return_exceptions=True)
-            moved: builtins.list[int] = []
-            for (_, bs), res in zip(by_node.values(), results, strict=True):
-                if isinstance(res, BaseException):
-                    await self._run(_raise(res))
-                    continue
-                (r,) = res
-                if isinstance(r, (MovedError, AskError, TryAgainError, ClusterDownError)) or (
-                        isinstance(r, ResponseError) and "non local key" in str(r)):
-                    moved += bs
-                elif isinstance(r, Exception):
-                    await self._run(_raise(r))
-                else:
-                    out.append((bs, r))
-            if not moved:
-                return out
-            with contextlib.suppress(*_DOWN, OSError):
-                await nm.initialize()
-            todo = moved
-        raise Unavailable("redis cluster: slots still moving (resharding?); retry")
+
+        async def send(node: Any, bs: builtins.list[int]) -> builtins.list[tuple[builtins.list[int], Any]]:
+            args: builtins.list[Any] = [*head]
+            for b in bs:
+                args += [self._tags[b], len(items[b]) // width, *items[b]]
+            (reply,) = await self._node_pipeline(node, [("eval", (script, 0, *args), {})])
+            return [(bs, reply)]
+
+        return await self._by_owner(builtins.list(items), self._slots.__getitem__, send)
 
     def _all_buckets(self) -> dict[int, builtins.list[Any]]:
         return {b: [] for b in range(self.buckets)}
 
     # keys ---------------------------------------------------------------------------------
-    async def commit(self, rows: Sequence[tuple[bytes, Layout]], now: float) -> None:
+    async def commit(self, rows: Sequence[tuple[bytes, Layout]], now: float, *,
+                     if_absent: bool = False) -> builtins.list[int]:
         if not rows:
-            return
+            return []
         exps = {lay.expires_at for _, lay in rows}
         if len(exps) != 1:
             raise InvalidArgument("one commit stamps every layout with one expiry")
         (exp,) = exps
-        values = {k: encode_value(k, lay) for k, lay in rows}  # the last of a repeated key wins
+        values: dict[bytes, bytes] = {}
+        first: dict[bytes, int] = {}  # if_absent: the first of a repeated key is the one tried
+        for i, (k, lay) in enumerate(rows):
+            if not if_absent or k not in values:  # else the last of a repeated key wins
+                values[k] = encode_value(k, lay)
+                first[k] = i
         items: dict[int, builtins.list[Any]] = defaultdict(list)
         nb = self.buckets
         for k, v in values.items():
             items[crc32c.crc32c(k) % nb] += (k, v)
-        head = [_num(now), "" if exp is None else _num(exp)]
-        refused = [r for _, r in await self._per_node(_LUA_COMMIT, head, items, 2) if r]
+        head = [_num(now), "" if exp is None else _num(exp), "1" if if_absent else ""]
+        replies = [r for _, r in await self._per_node(_LUA_COMMIT, head, items, 2)]
+        refused = [r for r in replies if not r[0]]
         if refused:
-            key, cid = refused[0][0], refused[0][1].decode()
+            key, cid = refused[0][1], refused[0][2].decode()
             raise StaleLayout(f"layout for {key[:64]!r} names chunk {cid}, which garbage collection "
                               "already reclaimed (the put took longer than the GC grace period); "
                               "retry the put")
+        kept = {k for r in replies for k in r[1:]}
         for k in values:
-            self._access.pop(k, None)
+            if k not in kept:
+                self._access.pop(k, None)
+        return [i for i, (k, _) in enumerate(rows) if k in kept or first[k] != i]
 
     async def _values(self, keys: Sequence[bytes]) -> builtins.list[bytes | None]:
         groups = self._by_bucket(keys)

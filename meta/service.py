@@ -145,8 +145,8 @@ class MetaService:
                     if r.server_id not in servers:
                         raise InvalidArgument(f"layout for {key[:64]!r} names unknown chunkserver {r.server_id}")
             staged.append((key, lay))
-        await ix.commit(staged, now, expires_at)  # refuses a retired chunk (StaleLayout)
-        return rpc.Committed(created=now, expires_at=expires_at), ()
+        present = await ix.commit(staged, now, expires_at, if_absent=req.if_absent)  # refuses a retired chunk
+        return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
 
     async def rpc_delete(self, req: rpc.Delete, payload: memoryview) -> Reply:
         return rpc.Deleted(deleted=await self.index.delete(req.keys)), ()

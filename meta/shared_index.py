@@ -115,8 +115,23 @@ class SharedIndex(ServerRegistry):
         return n
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
-                     expires_at: float | None) -> None:
-        await self.store.commit(staged, now)  # refuses a retired chunk itself (StaleLayout)
+                     expires_at: float | None, *, if_absent: bool = False) -> list[int]:
+        """As :meth:`kvfs.meta.index.MetaIndex.commit` (the store refuses a retired chunk
+        itself: StaleLayout).  With ``if_absent`` and dead servers, a key whose stored value
+        is unreadable (an extent with every replica on them) counts as absent: it is
+        overwritten without the condition (a commit racing that overwrite may lose its value,
+        each writer told it wrote)."""
+        gone = self.gone_servers() if if_absent else set()
+        if not gone:
+            return await self.store.commit(staged, now, if_absent=if_absent)
+        cur = await self.store.peek([k for k, _ in staged], now)
+        dead = {k for (k, _), lay in zip(staged, cur, strict=True)
+                if lay is not None and not readable(lay, gone)}
+        over = [i for i, (k, _) in enumerate(staged) if k in dead]
+        rest = [i for i, (k, _) in enumerate(staged) if k not in dead]
+        await self.store.commit([staged[i] for i in over], now)
+        present = await self.store.commit([staged[i] for i in rest], now, if_absent=True)
+        return [rest[j] for j in present]
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         return len(await self.store.delete(keys))

@@ -34,10 +34,13 @@ class MetaStore(Protocol):
         """This cluster's id, made once (``create`` gives it, default a random one)."""
 
     # keys ------------------------------------------------------------------------------
-    async def commit(self, rows: Sequence[tuple[bytes, Layout]], now: float) -> None:
+    async def commit(self, rows: Sequence[tuple[bytes, Layout]], now: float, *,
+                     if_absent: bool = False) -> builtins.list[int]:
         """Store stamped layouts (overwrites replace; the old layout's bytes stop being
         live).  Raises :class:`kvfs.errors.StaleLayout` for a layout naming a retired
-        chunk: that key is not committed."""
+        chunk: that key is not committed.  ``if_absent``: a key present and unexpired at
+        ``now`` keeps its value, as does a repeated key after its first row; returns the
+        indexes of the rows not committed (always none without ``if_absent``)."""
 
     async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
         """Layouts of unexpired keys (None for a miss); records the access (LRU)."""

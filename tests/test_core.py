@@ -175,8 +175,9 @@ async def test_bad_keys(kv: AsyncClient, key: object) -> None:
 async def test_empty_key_list_is_an_empty_answer_without_an_rpc(kv: AsyncClient) -> None:
     before = dict(kv.rpc_counts)
     assert await kv.get_many([]) == []
-    assert await kv.put_many({}) is None
-    assert await kv.put_many([]) is None
+    assert await kv.put_many({}) == []
+    assert await kv.put_many([]) == []
+    assert await kv.put_many([], if_absent=True) == []
     assert await kv.get_into([], []) == []
     assert await kv.get_ranges([]) == []
     assert await kv.exists_many([]) == []

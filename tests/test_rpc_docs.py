@@ -23,7 +23,8 @@ def test_table_names_every_rpc_and_field() -> None:
     for r in RPCS.values():
         roles = ", ".join(role.value for role in r.roles)
         assert f"| {int(r.op)} | {r.op.name} | {r.service.value} | {roles} |" in table
-    assert "`Commit` `{items, ttl_s?}`" in table and "`Committed` `{created, expires_at}`" in table
+    assert "`Commit` `{items, ttl_s?, if_absent?}`" in table
+    assert "`Committed` `{created, expires_at, present?}`" in table
 
 
 def test_stale_docs_are_detected() -> None:

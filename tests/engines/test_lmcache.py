@@ -23,13 +23,11 @@ with warnings.catch_warnings():
         create_test_memory_obj_for_storage_manager,
         find_remote_backend,
     )
-    from lmcache.v1.config import LMCacheEngineConfig
-    from lmcache.v1.event_manager import EventManager
-    from lmcache.v1.storage_backend.storage_manager import StorageManager
 
 from conftest import ThreadCluster
 
 import kvfs
+from kvfs.bench.engines import lmcache_config, lmcache_storage_manager
 
 pytestmark = pytest.mark.engines
 MODEL = "kvfs-test-model"
@@ -37,22 +35,8 @@ MODEL = "kvfs-test-model"
 
 def config_file(tmp: Path, tc: ThreadCluster, *, remote_url: bool = False,
                 **extra: Any) -> Path:
-    lines = "".join(f"  {k}: {v}\n" for k, v in extra.items())
-    path = tmp / "lmcache.yaml"
-    path.write_text(textwrap.dedent(f"""\
-        chunk_size: 256
-        local_cpu: true
-        max_local_cpu_size: 0.05
-        remote_serde: naive
-        {'remote_url: "plugin://kvfs"' if remote_url else ''}
-        remote_storage_plugins: ["kvfs"]
-        extra_config:
-          remote_storage_plugin.kvfs.module_path: kvfs.integrations.lmcache
-          remote_storage_plugin.kvfs.class_name: KvfsConnector
-          kvfs_addr: "{tc.addr}"
-          kvfs_token: "{tc.token}"
-        """) + lines)
-    return path
+    return lmcache_config(tmp / "lmcache.yaml", tc.addr, tc.token, max_local_cpu_gib=0.05,
+                          remote_url=remote_url, **extra)
 
 
 def test_lmcache_basic_check_test_remote(tcluster: ThreadCluster, tmp_path: Path) -> None:
@@ -66,11 +50,9 @@ def test_lmcache_basic_check_test_remote(tcluster: ThreadCluster, tmp_path: Path
     assert "Validation (content correct): 5/5 passed (100.0%)" in r.stdout
 
 
-def storage_manager(cfg: Path) -> tuple[StorageManager, Any]:
-    config = LMCacheEngineConfig.from_file(str(cfg))
+def storage_manager(cfg: Path) -> tuple[Any, Any]:
     metadata = _get_default_metadata(MODEL)
-    sm = StorageManager(config=config, metadata=metadata, event_manager=EventManager())
-    return sm, metadata
+    return lmcache_storage_manager(cfg, metadata), metadata
 
 
 def test_storage_manager_round_trip_bit_exact(tcluster: ThreadCluster, tmp_path: Path) -> None:

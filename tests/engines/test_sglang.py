@@ -21,13 +21,11 @@ with warnings.catch_warnings():  # sglang warns about GPU-only quantizers at imp
         PrefetchOperation,
         StorageOperation,
     )
-    from sglang.srt.mem_cache.device_pool_info import KVBufferLayout, KVBuffers, MHABufferInfo
-    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
-    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
 
 from conftest import ThreadCluster
 
+from kvfs.bench.engines import sglang_host_pool, sglang_storage
 from kvfs.integrations.sglang import KvfsHiCacheStorage
 from kvfs.prefix import chain_keys
 
@@ -37,16 +35,8 @@ LAYOUTS = ["layer_first", "page_first", "page_first_direct"]
 
 
 def host_pool(layout: str, tokens: int = 64) -> MHATokenToKVPoolHost:
-    k = tuple(torch.zeros(tokens + PAGE, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-    v = tuple(torch.zeros(tokens + PAGE, HEADS, DIM, dtype=torch.bfloat16) for _ in range(LAYERS))
-    info = MHABufferInfo(
-        buffers=KVBuffers(k=k, v=v, layout=KVBufferLayout.NHD,
-                          k_data_ptrs=torch.tensor([t.data_ptr() for t in k], dtype=torch.uint64),
-                          v_data_ptrs=torch.tensor([t.data_ptr() for t in v], dtype=torch.uint64)),
-        page_size=PAGE, head_num=HEADS, head_dim=DIM, v_head_dim=DIM, dtype=torch.bfloat16,
-        device=torch.device("cpu"))
-    pool = MHATokenToKVPoolHost(info, 2.0, 0, PAGE, layout, pin_memory=False, device="cpu",
-                                device_capacity_tokens=tokens, start_layer=0, end_layer=LAYERS)
+    pool = sglang_host_pool(layout, tokens=tokens, layers=LAYERS, heads=HEADS, dim=DIM, page=PAGE,
+                            host_ratio=2.0)
     gen = torch.Generator().manual_seed(7)
     pool.kv_buffer.copy_(torch.randn(pool.kv_buffer.shape, generator=gen).to(torch.bfloat16))
     return pool
@@ -54,16 +44,8 @@ def host_pool(layout: str, tokens: int = 64) -> MHATokenToKVPoolHost:
 
 def storage(tc: ThreadCluster, pool: Any, namespace: str, v1: bool = True,
             **extra: Any) -> KvfsHiCacheStorage:
-    cfg = HiCacheStorageConfig(
-        tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
-        is_mla_model=False, enable_storage_metrics=False,
-        is_page_first_layout=pool.layout != "layer_first", model_name="test/llama",
-        extra_config={"backend_name": "kvfs", "module_path": "kvfs.integrations.sglang",
-                      "class_name": "KvfsHiCacheStorage", "interface_v1": int(v1),
-                      "addr": tc.addr, "token": tc.token, "namespace": namespace, **extra})
-    backend = StorageBackendFactory.create_backend("dynamic", cfg, pool)
-    assert isinstance(backend, KvfsHiCacheStorage)
-    backend.register_mem_pool_host(pool)  # dynamic backends get the pool afterwards
+    backend: KvfsHiCacheStorage = sglang_storage(tc.addr, tc.token, pool, namespace,
+                                                 model_name="test/llama", v1=v1, **extra)
     return backend
 
 

@@ -6,10 +6,10 @@ look up, promote, read the primary tier), and every byte is compared."""
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,21 +22,13 @@ with warnings.catch_warnings():
         LookupResult,
         ReqContext,
         ScheduleEndContext,
-        make_offload_key,
     )
-    from vllm.v1.kv_offload.config import (
-        OffloadingCacheConfig,
-        OffloadingConfig,
-        OffloadingGroupConfig,
-        OffloadingModelConfig,
-        OffloadingParallelConfig,
-    )
-    from vllm.v1.kv_offload.factory import OffloadingSpecFactory
     from vllm.v1.kv_offload.tiering.manager import TieringOffloadingManager
 
 from conftest import ThreadCluster
 
 import kvfs
+from kvfs.bench.engines import vllm_manager, vllm_offload_keys, vllm_offloading_config
 from kvfs.integrations.vllm import KvfsTier
 
 pytestmark = pytest.mark.engines
@@ -45,39 +37,48 @@ CHUNKS = 16  # primary (CPU) tier slots per engine
 END_STEP = ScheduleEndContext(new_req_ids=(), preempted_req_ids=())
 
 
-def spec_config(tc: ThreadCluster, engine_id: str, **tier: Any) -> OffloadingConfig:
-    tier_cfg = {"type": "KvfsTier", "module_path": "kvfs.integrations.vllm",
-                "addr": tc.addr, "token": tc.token, **tier}
-    return OffloadingConfig(
-        groups=(OffloadingGroupConfig(tokens_per_block=16, layer_names=("l0", "l1"),
-                                      group_id=0),),
-        worker_kv_bytes_per_block=BLOCK_BYTES, enable_kv_cache_events=False,
-        # kv_connector_extra_config of vLLM's OffloadingConnector, as in the README
-        extra_config={"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": CHUNKS * BLOCK_BYTES,
-                      "secondary_tiers": [tier_cfg]},
-        engine_id=engine_id,
-        model=OffloadingModelConfig(name="test/llama", dtype="bfloat16"),
-        cache=OffloadingCacheConfig(tokens_per_hash=16, blocks_per_chunk=1),
-        parallel=OffloadingParallelConfig(
-            rank=0, world_size=1, tp_size=1, pp_size=1, pcp_size=1, dcp_size=1,
-            data_parallel_index=0, data_parallel_size=1, data_parallel_rank_local=None,
-            is_parallelism_agnostic=True))
-
-
 def engine(tc: ThreadCluster, engine_id: str, **tier: Any) -> TieringOffloadingManager:
-    manager = OffloadingSpecFactory.create_spec(spec_config(tc, engine_id, **tier)).get_manager()
+    # kv_connector_extra_config of vLLM's OffloadingConnector, as in the README
+    manager = vllm_manager(vllm_offloading_config(tc.addr, tc.token, engine_id=engine_id,
+                                                  block_bytes=BLOCK_BYTES, cpu_blocks=CHUNKS,
+                                                  model_name="test/llama", **tier))
     assert isinstance(manager, TieringOffloadingManager)
     assert [type(t) for t in manager.secondary_tiers] == [KvfsTier]  # loaded by module path
     return manager
 
 
+@contextlib.contextmanager
+def two_engines(tc: ThreadCluster, name: str, **tier: Any,
+                ) -> Iterator[tuple[TieringOffloadingManager, TieringOffloadingManager]]:
+    """Engines ``name-a`` and ``name-b`` on one cluster, shut down after."""
+    a = engine(tc, f"{name}-a", **tier)
+    b = engine(tc, f"{name}-b", **tier)
+    try:
+        yield a, b
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
+def kvfs_tier(manager: TieringOffloadingManager) -> KvfsTier:
+    tier = manager.secondary_tiers[0]
+    assert isinstance(tier, KvfsTier)
+    return tier
+
+
+@contextlib.contextmanager
+def request(manager: TieringOffloadingManager, req_id: str) -> Iterator[ReqContext]:
+    """A request's context, begun and finished on ``manager`` as vLLM's scheduler does."""
+    ctx = ReqContext(req_id=req_id)
+    with manager.lock:
+        manager.on_new_request(ctx)
+    yield ctx
+    with manager.lock:
+        manager.on_request_finished(ctx)
+
+
 def chain(n: int, seed: str) -> list[Any]:
-    """Offload keys of a prefix chain (block hashes chained, KV-cache group 0)."""
-    keys, h = [], seed.encode()
-    for i in range(n):
-        h = hashlib.sha256(h + i.to_bytes(4, "big")).digest()
-        keys.append(make_offload_key(h, 0))
-    return keys
+    return vllm_offload_keys(n, seed.encode())
 
 
 def rows(manager: TieringOffloadingManager) -> np.ndarray:
@@ -151,43 +152,27 @@ def read_primary(manager: TieringOffloadingManager, keys: list[Any], ctx: ReqCon
 
 
 def test_store_lookup_promote_bit_exact_across_engines(tcluster: ThreadCluster) -> None:
-    a = engine(tcluster, "store-a")
-    b = engine(tcluster, "store-b")
-    try:
+    with two_engines(tcluster, "store") as (a, b):
         keys = chain(6, "round-trip")
         want = store_through_primary(a, keys, "req-a", seed=1)
-        tier = a.secondary_tiers[0]
-        assert isinstance(tier, KvfsTier)
+        tier = kvfs_tier(a)
         with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:  # in kvfs, as stored
             assert kv.get_many([tier.kvfs_key(k) for k in keys]) == [want[k] for k in keys]
 
         # another engine with the same layout: its lookups find the chunks in kvfs, promote
         # them into its own CPU tier, and its reads see the same bytes
-        ctx = ReqContext(req_id="req-b")
-        with b.lock:
-            b.on_new_request(ctx)
-        other = chain(2, "never-stored")
-        got = promote(b, keys + other, ctx)
-        assert got == [LookupResult.HIT] * len(keys) + [LookupResult.MISS] * len(other)
-        assert read_primary(b, keys, ctx) == [want[k] for k in keys]  # bit-exact
-        with b.lock:
-            b.on_request_finished(ctx)
-    finally:
-        a.shutdown()
-        b.shutdown()
+        with request(b, "req-b") as ctx:
+            other = chain(2, "never-stored")
+            got = promote(b, keys + other, ctx)
+            assert got == [LookupResult.HIT] * len(keys) + [LookupResult.MISS] * len(other)
+            assert read_primary(b, keys, ctx) == [want[k] for k in keys]  # bit-exact
 
 
 def test_partial_load_reports_the_keys_that_arrived(tcluster: ThreadCluster) -> None:
-    a = engine(tcluster, "partial-a")
-    b = engine(tcluster, "partial-b")
-    try:
+    with two_engines(tcluster, "partial") as (a, b), request(b, "req-b") as ctx:
         keys = chain(5, "partial")
         want = store_through_primary(a, keys, "req-a", seed=2)
-        tier = b.secondary_tiers[0]
-        assert isinstance(tier, KvfsTier)
-        ctx = ReqContext(req_id="req-b")
-        with b.lock:
-            b.on_new_request(ctx)
+        tier = kvfs_tier(b)
         lookup_all(b, keys, ctx, lambda r: LookupResult.RETRY not in r)  # all promoted...
         gone = [keys[1], keys[3]]
         with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:  # ...then two vanish
@@ -209,48 +194,36 @@ def test_partial_load_reports_the_keys_that_arrived(tcluster: ThreadCluster) -> 
         assert got == [LookupResult.MISS if k in gone else LookupResult.HIT for k in keys]
         kept = [k for k in keys if k not in gone]
         assert read_primary(b, kept, ctx) == [want[k] for k in kept]
-        with b.lock:
-            b.on_request_finished(ctx)
-    finally:
-        a.shutdown()
-        b.shutdown()
 
 
 def test_cluster_killed_mid_run_is_misses_and_failed_jobs_in_bounded_time(
         tmp_path: Path) -> None:
     tc = ThreadCluster(tmp_path / "c")
-    a = engine(tc, "down-a", timeout_s=1, connect_timeout_s=1)
-    b = engine(tc, "down-b", timeout_s=1, connect_timeout_s=1)
     try:
-        stored = chain(4, "down")
-        store_through_primary(a, stored, "req-a", seed=3)
-        tc.stop_services()  # the whole cluster dies mid-run
-        started = time.monotonic()
-        failed: list[Any] = []
-        tier = a.secondary_tiers[0]
-        finished = tier.get_finished_jobs
+        with two_engines(tc, "down", timeout_s=1, connect_timeout_s=1) as (a, b):
+            stored = chain(4, "down")
+            store_through_primary(a, stored, "req-a", seed=3)
+            tc.stop_services()  # the whole cluster dies mid-run
+            started = time.monotonic()
+            failed: list[Any] = []
+            tier = kvfs_tier(a)
+            finished = tier.get_finished_jobs
 
-        def spy() -> Any:
-            out = list(finished())
-            failed.extend(r for r in out if not r.success)
-            return out
+            def spy() -> Any:
+                out = list(finished())
+                failed.extend(r for r in out if not r.success)
+                return out
 
-        tier.get_finished_jobs = spy
-        # a store now fails, reported as a failed job (vLLM's back-pressure counts it)
-        store_through_primary(a, chain(2, "after-death"), "req-a2", seed=4)
-        assert len(failed) == 1
-        # lookups on another engine are misses: the engine recomputes
-        ctx = ReqContext(req_id="req-b")
-        with b.lock:
-            b.on_new_request(ctx)
-        got = lookup_all(b, stored, ctx, lambda r: LookupResult.RETRY not in r)
-        assert got == [LookupResult.MISS] * len(stored)
-        with b.lock:
-            b.on_request_finished(ctx)
-        assert time.monotonic() - started < 60  # bounded: never a hang
+            tier.get_finished_jobs = spy
+            # a store now fails, reported as a failed job (vLLM's back-pressure counts it)
+            store_through_primary(a, chain(2, "after-death"), "req-a2", seed=4)
+            assert len(failed) == 1
+            # lookups on another engine are misses: the engine recomputes
+            with request(b, "req-b") as ctx:
+                got = lookup_all(b, stored, ctx, lambda r: LookupResult.RETRY not in r)
+            assert got == [LookupResult.MISS] * len(stored)
+            assert time.monotonic() - started < 60  # bounded: never a hang
     finally:
-        a.shutdown()
-        b.shutdown()
         tc.close()
 
 

@@ -1,0 +1,153 @@
+"""``put_many(..., if_absent=True)``: present keys are neither written nor committed, and
+two writers racing on a key leave one value and no error (SQLite meta, and two meta
+processes over one Redis Cluster store)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import FakeClock, value_of
+
+from kvfs.client import AsyncClient
+from kvfs.launcher import LocalCluster, ProcessCluster, ServiceProcess
+from kvfs.layout import Extent, Layout, Replica
+from kvfs.meta.redis_local import LocalRedisCluster
+from kvfs.meta.redis_store import RedisMetaStore
+from kvfs.rpc import Op
+
+NOW = 1_800_000_000.0
+
+
+def written_bytes(c: LocalCluster) -> int:
+    """Bytes appended to every chunkserver's chunks (their own count, not a heartbeat's)."""
+    return sum(sum(cs.store.sizes.values()) for cs in c.chunkservers if cs is not None)
+
+
+async def test_present_keys_are_not_written(cluster: LocalCluster, kv: AsyncClient,
+                                            clock: FakeClock) -> None:
+    old = {f"p{i}": value_of(f"p{i}") for i in range(4)}
+    await kv.put_many(old)
+    before, sent = written_bytes(cluster), dict(kv.rpc_counts)
+    new = {**{k: b"N" * 4096 for k in old}, "fresh0": value_of("fresh0"), "fresh1": value_of("fresh1")}
+    assert await kv.put_many(new, if_absent=True) == [False] * 4 + [True, True]
+    assert await kv.get_many([*old, "fresh0", "fresh1"]) == [*old.values(), value_of("fresh0"),
+                                                            value_of("fresh1")]
+    # only the two absent values reached a chunkserver: 2 x (4 KiB + record header + key)
+    grew = written_bytes(cluster) - before
+    assert 2 * 4096 < grew < 2 * 4096 + 2 * 200
+    assert kv.rpc_counts["EXISTS"] == sent.get("EXISTS", 0) + 1
+    assert kv.rpc_counts["COMMIT"] == sent.get("COMMIT", 0) + 1
+    # all present: the EXISTS alone, no APPEND and no COMMIT
+    sent = dict(kv.rpc_counts)
+    assert await kv.put_many(new, if_absent=True) == [False] * 6
+    assert kv.rpc_counts["APPEND"] == sent["APPEND"] and kv.rpc_counts["COMMIT"] == sent["COMMIT"]
+    # an expired key is absent; a repeated key is written once (its first value)
+    await kv.put("short", b"s1", ttl=5)
+    clock.advance(6)
+    assert await kv.put_many([("short", b"s2"), ("twice", b"t1"), ("twice", b"t2")],
+                             if_absent=True) == [True, True, False]
+    assert await kv.get_many(["short", "twice"]) == [b"s2", b"t1"]
+    assert await kv.put("short", b"s3", if_absent=True) is False
+    assert await kv.put("short", b"s3") is True  # without if_absent: an overwrite
+    assert await kv.put_many([], if_absent=True) == []
+
+
+def commit_barrier(c: LocalCluster, n: int) -> asyncio.Event:
+    """Meta applies no COMMIT until ``n`` have arrived (so every writer passed its EXISTS
+    check and appended before any commits); then each runs in arrival order.  Returns an
+    event set when the ``n``-th arrived."""
+    assert c.meta is not None
+    handlers = c.meta.rpc.handlers
+    inner: Callable[..., Awaitable[Any]]
+    inner, request_type = handlers[int(Op.COMMIT)]
+    all_in = asyncio.Event()
+    arrived = 0
+
+    async def held(*args: Any) -> Any:
+        nonlocal arrived
+        arrived += 1
+        if arrived >= n:
+            all_in.set()
+        await all_in.wait()
+        return await inner(*args)
+
+    handlers[int(Op.COMMIT)] = (held, request_type)
+    return all_in
+
+
+async def test_two_writers_racing_leave_one_value_and_no_error(cluster: LocalCluster,
+                                                               clock: FakeClock) -> None:
+    keys = [f"race{i}" for i in range(32)]
+    async with cluster.client() as a, cluster.client() as b:
+        await a.put_many({k: value_of(k + "old") for k in keys[:8]})  # some already there
+        all_in = commit_barrier(cluster, 2)
+        got_a, got_b = await asyncio.wait_for(asyncio.gather(
+            a.put_many([(k, value_of(k + "a")) for k in keys], if_absent=True),
+            b.put_many([(k, value_of(k + "b")) for k in keys], if_absent=True)), 30)
+        assert all_in.is_set()  # both commits were in flight together: a real race
+        async with cluster.client() as r:
+            stored = await r.get_many(keys)
+    assert got_a[:8] == got_b[:8] == [False] * 8
+    for k, wa, wb, v in zip(keys, got_a, got_b, stored, strict=True):
+        if k in keys[:8]:
+            assert v == value_of(k + "old")
+        else:  # exactly one writer stored it, and its value is the one read back
+            assert wa != wb, k
+            assert v == value_of(k + ("a" if wa else "b")), k
+    assert sum(got_a) + sum(got_b) == 24
+
+
+def lay(chunk: int, expires_at: float | None = None) -> Layout:
+    return Layout(10, 7, NOW, expires_at, (Extent(10, 9, (Replica(1, chunk, 0),)),))
+
+
+@pytest.mark.redis
+async def test_redis_store_commit_if_absent(redis_store: RedisMetaStore) -> None:
+    await redis_store.commit([(b"a", lay(1))], NOW)
+    await redis_store.commit([(b"e", lay(2, NOW + 1))], NOW)
+    rows = [(b"a", lay(3)), (b"e", lay(4)), (b"n", lay(5)), (b"n", lay(6))]
+    assert await redis_store.commit(rows, NOW + 2, if_absent=True) == [0, 3]
+    assert await redis_store.peek([b"a", b"e", b"n"], NOW + 2) == [lay(1), lay(4), lay(5)]
+    assert set(await redis_store.chunk_live()) == {1, 4, 5}  # the kept values' bytes only
+    assert await redis_store.commit([(b"a", lay(7))], NOW + 2) == []  # plain: an overwrite
+    assert await redis_store.peek([b"a"], NOW + 2) == [lay(7)]
+
+
+@pytest.mark.redis
+async def test_writers_on_two_metas_racing_leave_one_value(tmp_path: Path,
+                                                           redis_cluster: LocalRedisCluster) -> None:
+    """Real processes: two ``kvfs meta`` over one Redis store, a client on each, the same
+    keys put ``if_absent`` at once, several rounds."""
+    ns = "r" + uuid.uuid4().hex[:10]
+    store = ("--store", redis_cluster.url, "--store-namespace", ns)
+    c = ProcessCluster(tmp_path / "c", 2, listen="127.0.0.1:0", meta_args=store)
+    await c.start()
+    meta2 = ServiceProcess("meta 2", [sys.executable, "-m", "kvfs", "meta", "--data", str(tmp_path / "meta2"),
+                                      "--listen", "127.0.0.1:0", *store], c.env)
+    try:
+        addr2 = (await meta2.start()).split()[-1]
+        async with AsyncClient(c.addr, token=c.token) as a, AsyncClient(addr2, token=c.token) as b:
+            deadline = time.monotonic() + 30
+            while sum(s.alive for s in await b.servers(refresh=True)) < 2:
+                assert time.monotonic() < deadline, "meta 2 never saw the chunkservers alive"
+                await asyncio.sleep(0.1)
+            for rnd in range(5):
+                keys = [f"r{rnd}/{i}" for i in range(64)]
+                got_a, got_b = await asyncio.gather(
+                    a.put_many([(k, value_of(k + "a")) for k in keys], if_absent=True),
+                    b.put_many([(k, value_of(k + "b")) for k in keys], if_absent=True))
+                stored = await b.get_many(keys)
+                for k, wa, wb, v in zip(keys, got_a, got_b, stored, strict=True):
+                    assert wa != wb, k
+                    assert v == value_of(k + ("a" if wa else "b")), k
+                assert await a.put_many([(k, b"x") for k in keys], if_absent=True) == [False] * 64
+    finally:
+        await meta2.stop()
+        await c.stop()
