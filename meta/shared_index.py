@@ -43,6 +43,7 @@ class SharedIndex(ServerRegistry):
     def __init__(self, config: MetaConfig, store: RedisMetaStore, clock: Callable[[], float]) -> None:
         super().__init__(config, clock)
         self.store = store
+        self._stored: set[int] = set()  # server ids in the store at the last refresh
 
     async def open(self) -> None:
         await self.store.open()
@@ -76,8 +77,10 @@ class SharedIndex(ServerRegistry):
         rows = await self.store.servers()
         seen = await self.store.seen()
         wall, mono = time.time(), time.monotonic()
-        for sid in self.servers.keys() - {r[0] for r in rows}:  # forgotten (decommissioned)
-            del self.servers[sid]
+        stored = {r[0] for r in rows}
+        for sid in self._stored - stored:  # forgotten (decommissioned) through another meta
+            self.servers.pop(sid, None)
+        self._stored = stored
         for sid, addr, capacity, free in rows:
             s = self.servers.get(sid)
             if s is None:

@@ -6,7 +6,7 @@ client reads back. Each fails when its guard is removed (see tests/MUTATION.md):
 
 - GC_RETIRE refuses a chunk that a committed layout references
   (``chunk_live <= 0``);
-- COMMIT refuses a layout naming a retired chunk (``check_not_dead``);
+- COMMIT refuses a layout naming a retired chunk (``MetaIndex.dead_in``);
 - GC_RELOCATE switches only a replica still at the copied (chunk, offset),
   and never into a chunk another GC has retired since the copy.
 
