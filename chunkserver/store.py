@@ -64,11 +64,11 @@ class Span:
     members: tuple[int, ...]  # indices into the request's ranges
 
 
-def check_ranges(raw: Any, max_ranges: int, max_bytes: int) -> list[tuple[int, int, int]]:
-    """A READV's ``[[chunk_id, offset, length], ...]`` as int triples, refused with
-    :class:`InvalidArgument` when it names more than ``max_ranges`` ranges, ranges that
-    overlap, or more than ``max_bytes`` in total (so one small request can never ask for
-    a reply many times its size)."""
+def check_ranges(raw: Any, max_ranges: int, max_bytes: int) -> tuple[list[tuple[int, int, int]], int]:
+    """A READV's ``[[chunk_id, offset, length], ...]`` as int triples and their total
+    length, refused with :class:`InvalidArgument` when it names more than ``max_ranges``
+    ranges, ranges that overlap, or more than ``max_bytes`` in total (so one small request
+    can never ask for a reply many times its size)."""
     if not isinstance(raw, (list, tuple)):
         raise InvalidArgument(f"READV ranges must be a list, got {type(raw).__name__}")
     if len(raw) > max_ranges:
@@ -96,7 +96,7 @@ def check_ranges(raw: Any, max_ranges: int, max_bytes: int) -> list[tuple[int, i
             raise InvalidArgument(f"READV ranges overlap in chunk {c:016x} at offset {off}")
         if ln:
             prev_c, prev_end = c, off + ln
-    return ranges
+    return ranges, total
 
 
 def plan_spans(ranges: Sequence[tuple[int, int, int]], merge_gap: int) -> list[Span]:

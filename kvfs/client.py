@@ -21,6 +21,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
+
 from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, lookup_token, parse_addr
@@ -28,7 +30,7 @@ from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, StaleLayout
-from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
+from kvfs.layout import MAX_META_BYTES, MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
 from kvfs.layoutcache import LayoutCache
 from kvfs.readpath import WHOLE, Dest, ReadPath
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
@@ -142,14 +144,17 @@ class AsyncClient:
         return await self._link.servers(refresh=refresh)
 
     # layouts ---------------------------------------------------------------
-    async def lookup(self, keys: Sequence[bytes], *, use_cache: bool = True) -> list[Layout | None]:
-        """The layouts of normalised keys (None: a miss), from the cache where it holds them."""
-        if use_cache:
+    async def lookup(self, keys: Sequence[bytes], *, use_cache: bool = True,
+                     lease_s: float | None = None) -> list[Layout | None]:
+        """The layouts of normalised keys (None: a miss), from the cache where it holds them.
+        ``lease_s``: every key is looked up in meta, which leases the ones it finds."""
+        if use_cache and lease_s is None:
             out, missing = self.layout_cache.get_many(keys, self.clock())
         else:
+            _check_lease(lease_s)
             out, missing = [None] * len(keys), list(range(len(keys)))
         if missing:
-            h = await self._link.call_meta(rpc.Lookup(keys=[keys[i] for i in missing]))
+            h = await self._link.call_meta(rpc.Lookup(keys=[keys[i] for i in missing], lease_s=lease_s))
             for i, lay in zip(missing, h.layouts, strict=True):
                 if lay is not None:
                     out[i] = lay
@@ -162,16 +167,22 @@ class AsyncClient:
 
     # writes ------------------------------------------------------------------
     async def put(self, key: Key, value: Value, *, ttl: float | None = None,
-                  replicas: int | None = None, if_absent: bool = False) -> bool:
+                  replicas: int | None = None, if_absent: bool = False,
+                  meta: Mapping[str, Any] | None = None) -> bool:
         """Store one value; False only with ``if_absent`` and the key already present."""
         return (await self.put_many([(key, value)], ttl=ttl, replicas=replicas,
-                                    if_absent=if_absent))[0]
+                                    if_absent=if_absent, meta=None if meta is None else [meta]))[0]
 
     async def put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
                        ttl: float | None = None, replicas: int | None = None,
-                       if_absent: bool = False) -> list[bool]:
+                       if_absent: bool = False,
+                       meta: Sequence[Mapping[str, Any] | None] | None = None) -> list[bool]:
         """Store many values: one append per chunkserver, one commit to meta.  Returns,
         per item, whether this call stored it.
+
+        ``meta``: one small dict (or None) per item, in item order, stored with the key
+        and returned by :meth:`get_meta` (msgpack types: str keys; str, bytes, int, float,
+        bool, None, lists and dicts of them; meta's ``--max-key-meta`` bounds its size).
 
         ``if_absent``: keys already present (unexpired and readable) keep their value and
         are not written (False); meta says which in one ``EXISTS`` before the appends, and
@@ -191,7 +202,13 @@ class AsyncClient:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
         if ttl is not None and ttl <= 0:
             raise InvalidArgument(f"ttl must be positive seconds or None, got {ttl}")
-        layouts = await self.writer.put(keys, views, replicas=r, ttl=ttl, if_absent=if_absent)
+        metas = None
+        if meta is not None:
+            if len(meta) != len(keys):
+                raise InvalidArgument(f"{len(keys)} items but {len(meta)} meta entries")
+            metas = [_encode_meta(k, m) for k, m in zip(keys, meta, strict=True)]
+        layouts = await self.writer.put(keys, views, replicas=r, ttl=ttl, if_absent=if_absent,
+                                        metas=metas)
         for k, lay in zip(keys, layouts, strict=True):
             if lay is not None:
                 self.layout_cache.put(k, lay)
@@ -219,12 +236,13 @@ class AsyncClient:
             return await self._get_batcher.submit(k, self.layout_cache.size_of(k))
         return (await self.get_many([k]))[0]
 
-    async def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
-        """Values in key order; None for a miss."""
+    async def get_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bytes | None]:
+        """Values in key order; None for a miss.  ``lease_s``: the keys found are kept
+        from eviction that long, or until :meth:`release` (their lookup goes to meta)."""
         ks = norm_keys(keys)
         if not ks:
             return []
-        layouts = await self.lookup(ks)
+        layouts = await self.lookup(ks, lease_s=lease_s)
         out: list[bytes | None]
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
@@ -326,8 +344,10 @@ class AsyncClient:
                 self.layout_cache.pop(keys[i])
         raise AssertionError("unreachable")
 
-    async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
+    async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any], *,
+                       lease_s: float | None = None) -> list[int]:
         """Read values into caller buffers, without copies; one result per key.
+        ``lease_s``: as for :meth:`get_many`.
 
         A key's buffer may be a list of buffers: its value is scattered over them in order
         (e.g. ``[k_half, v_half]``).  Each result is the value's size (a hit: that many
@@ -343,7 +363,7 @@ class AsyncClient:
         if not ks:
             return []
         views = [as_parts(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
-        layouts = await self.lookup(ks)
+        layouts = await self.lookup(ks, lease_s=lease_s)
         dests: list[Dest] = []
         result = [MISS] * len(ks)
         for i, (lay, v) in enumerate(zip(layouts, views, strict=True)):
@@ -368,11 +388,33 @@ class AsyncClient:
         return result
 
     # meta-only queries ---------------------------------------------------------
-    async def exists_many(self, keys: Iterable[Key]) -> list[bool]:
+    async def exists_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bool]:
+        """Which keys are present (unexpired and readable).  ``lease_s``: those are kept
+        from eviction that long, or until :meth:`release`."""
         ks = norm_keys(keys)
         if not ks:
             return []
-        return (await self._link.call_meta(rpc.Exists(keys=ks))).exists
+        _check_lease(lease_s)
+        return (await self._link.call_meta(rpc.Exists(keys=ks, lease_s=lease_s))).exists
+
+    async def get_meta(self, keys: Iterable[Key]) -> list[dict[str, Any] | None]:
+        """Each key's metadata (``put(..., meta=)``): a dict, ``{}`` for a key stored
+        without any, None for a miss.  From the layout cache where it holds the key (the
+        metadata is part of the immutable layout), so after a read it costs no RPC."""
+        ks = norm_keys(keys)
+        if not ks:
+            return []
+        return [None if lay is None else {} if lay.meta is None else _META_DECODE.decode(lay.meta)
+                for lay in await self.lookup(ks)]
+
+    async def release(self, keys: Iterable[Key]) -> int:
+        """End the leases of keys (taken by ``lease_s`` on any lookup) before they expire,
+        so GC may evict them again; returns how many keys had one.  A lease is the key's,
+        not the caller's: this ends it for every holder."""
+        ks = norm_keys(keys)
+        if not ks:
+            return 0
+        return (await self._link.call_meta(rpc.Release(keys=ks))).released
 
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
@@ -386,6 +428,7 @@ class AsyncClient:
         ks = norm_keys(keys)
         if not ks:
             return 0
+        _check_lease(lease_s)
         return (await self._link.call_meta(rpc.MatchPrefix(keys=ks, lease_s=lease_s))).n
 
     async def delete_many(self, keys: Iterable[Key]) -> int:
@@ -417,6 +460,35 @@ class AsyncClient:
 
     async def stats(self) -> dict[str, Any]:
         return rpc.to_dict(await self._link.call_meta(rpc.Stats()))
+
+
+_META_ENCODE = msgspec.msgpack.Encoder()
+_META_DECODE = msgspec.msgpack.Decoder(dict[str, Any])
+
+
+def _encode_meta(key: bytes, meta: Mapping[str, Any] | None) -> bytes | None:
+    """A key's metadata as msgpack (None: none), checked; errors name the key."""
+    if meta is None:
+        return None
+    if not isinstance(meta, Mapping) or not all(isinstance(k, str) for k in meta):
+        raise InvalidArgument(f"meta for key {key[:64]!r} must be a dict with str keys, "
+                              f"got {type(meta).__name__}")
+    if not meta:
+        return None
+    try:
+        blob = _META_ENCODE.encode(dict(meta))
+    except (TypeError, msgspec.EncodeError) as exc:
+        raise InvalidArgument(f"meta for key {key[:64]!r} is not msgpack (str, bytes, int, float, "
+                              f"bool, None, lists and dicts of them): {exc}") from None
+    if len(blob) > MAX_META_BYTES:
+        raise InvalidArgument(f"meta for key {key[:64]!r} is {len(blob)} bytes encoded; the "
+                              f"protocol's limit is {MAX_META_BYTES} (meta's --max-key-meta is lower)")
+    return blob
+
+
+def _check_lease(lease_s: float | None) -> None:
+    if lease_s is not None and not 0 <= lease_s <= rpc.MAX_SECONDS:
+        raise InvalidArgument(f"lease_s must be seconds >= 0 (0 or None: no lease), got {lease_s}")
 
 
 def connect(addr: str | None = None, *, token: str | None = None,

@@ -106,6 +106,9 @@ class MetaConfig(ServerConfig):
                               "--heartbeat-timeout; counted from meta's start for servers meta "
                               "knew before it)", 60.0)
     default_ttl_s: float | None = opt("TTL for puts that give none (default: no expiry)", None)
+    max_key_meta_bytes: int = opt("largest metadata of one key (put's meta=, msgpack-encoded; "
+                                  "at most 64KiB): a commit with more is refused naming the key",
+                                  1024)
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
     store: str | None = opt("where the index lives: default the SQLite file under --data; "
                             "redis-cluster://HOST:PORT[,HOST:PORT...] keeps it in a Redis Cluster, "
@@ -118,6 +121,17 @@ class MetaConfig(ServerConfig):
                            "synchronous=FULL); never: synchronous=NORMAL, a power loss can undo "
                            "the last commits (GC transactions are FULL in every mode)",
                            FsyncMode.BATCH)
+    commit_group_max_keys: int = opt("group commit: most keys written by one SQLite transaction "
+                                     "(the COMMITs that arrive while one is written share the "
+                                     "next; a larger COMMIT is written alone; --fsync always: one "
+                                     "COMMIT per transaction)", 16384, positive=True)
+    commit_group_max_bytes: int = opt("group commit: most bytes (keys + encoded layouts) written "
+                                      "by one SQLite transaction", 16 * MiB, positive=True)
+
+    def __post_init__(self) -> None:
+        for name in ("commit_group_max_keys", "commit_group_max_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,8 +3,11 @@
 A layout is immutable: overwriting a key commits a new one.  On the wire and
 in meta's store a layout is a msgpack array (no per-field names)::
 
-    [size, crc32c, created, expires_at | None, [extent, ...]]
+    [size, crc32c, created, expires_at | None, [extent, ...], meta?]
     extent = [length, crc32c, [[server_id, chunk_id, offset], ...replicas]]
+
+``meta`` is the key's small metadata (``put(..., meta={...})``, msgpack bytes), absent
+when there is none.
 
 :class:`Layout` declares that shape once; :func:`encode_layout` and
 :func:`decode_layout` are its only codec.
@@ -21,6 +24,7 @@ from kvfs.errors import InvalidArgument
 
 MAX_KEY_BYTES = 1024
 MAX_VALUE_BYTES = 1 << 30  # 1 GiB
+MAX_META_BYTES = 64 * 1024  # a key's metadata on the wire; meta's --max-key-meta (1 KiB) is lower
 
 Key = bytes | str
 
@@ -66,7 +70,7 @@ class Extent(msgspec.Struct, frozen=True, array_like=True, gc=False):
 
 class Layout(msgspec.Struct, frozen=True, array_like=True, gc=False):
     """Immutable.  This class is the only layout codec: on the wire and in meta's store a
-    layout is its msgpack array form ``[size, crc, created, expires_at, extents]`` with
+    layout is its msgpack array form ``[size, crc, created, expires_at, extents, meta?]`` with
     ``extent = [length, crc, [[server_id, chunk_id, offset], ...]]``, encoded and decoded
     (and checked, field by field) by msgspec from these declarations."""
 
@@ -75,9 +79,11 @@ class Layout(msgspec.Struct, frozen=True, array_like=True, gc=False):
     created: Annotated[float, msgspec.Meta(ge=0.0)]
     expires_at: Annotated[float, msgspec.Meta(ge=0.0)] | None
     extents: Annotated[tuple[Extent, ...], msgspec.Meta(max_length=MAX_EXTENTS)]
+    meta: Annotated[bytes, msgspec.Meta(max_length=MAX_META_BYTES)] | None = None
 
     def __post_init__(self) -> None:
-        total = sum(e.length for e in self.extents)
+        ext = self.extents  # one extent is the common case (values up to stripe_bytes)
+        total = ext[0].length if len(ext) == 1 else sum(e.length for e in ext)
         if total != self.size:
             raise ValueError(f"layout extents add up to {total}, not {self.size}")
 
@@ -109,7 +115,14 @@ _DECODE = msgspec.msgpack.Decoder(Layout)
 
 
 def encode_layout(layout: Layout) -> bytes:
-    return _ENCODE.encode(layout)
+    """A layout without metadata is stored as the 5-element array it always was (msgspec
+    writes a trailing nil): the bytes of stored layouts, which compare-and-swaps on the
+    Redis store compare, do not change."""
+    b = _ENCODE.encode(layout)
+    if layout.meta is None:
+        assert b[0] == 0x96 and b[-1] == 0xC0  # fixarray of 6, ending in nil
+        return b"\x95" + b[1:-1]
+    return b
 
 
 def decode_layout(blob: bytes) -> Layout:

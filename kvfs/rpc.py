@@ -95,6 +95,7 @@ class Op(enum.IntEnum):
     SERVERS = 24
     EXISTS = 25
     REPORT_LOST = 26
+    RELEASE = 27
     # chunkserver
     APPEND = 32
     READV = 33
@@ -195,7 +196,10 @@ class Layouts(Response, frozen=True, kw_only=True):
 
 
 class Lookup(Request[Layouts], frozen=True, kw_only=True):
+    """``lease_s``: the keys found are kept from eviction that long (until RELEASE)."""
+
     keys: Keys
+    lease_s: Seconds | None = None
 
 
 class CommitItem(NamedTuple):
@@ -243,6 +247,19 @@ class Existing(Response, frozen=True, kw_only=True):
 
 
 class Exists(Request[Existing], frozen=True, kw_only=True):
+    """``lease_s``: the keys present are kept from eviction that long (until RELEASE)."""
+
+    keys: Keys
+    lease_s: Seconds | None = None
+
+
+class Released(Response, frozen=True, kw_only=True):
+    released: Count  # keys whose lease this ended
+
+
+class Release(Request[Released], frozen=True, kw_only=True):
+    """End the leases of keys early (leases are per key, not per holder)."""
+
     keys: Keys
 
 
@@ -862,7 +879,7 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.AUTH, Service.ANY, Auth, "client's first frame: both sides prove a token (kvfs.handshake)",
         ANYONE),
     Rpc(Op.PING, Service.ANY, Ping, "liveness; names the service", ANYONE),
-    Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss)", DATA),
+    Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss), optional lease", DATA),
     Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction; if_absent: only keys not present", DATA),
     Rpc(Op.DELETE, Service.META, Delete, "forget keys; their bytes become garbage", DATA),
     Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease", DATA),
@@ -871,7 +888,8 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.REGISTER, Service.META, Register, "a chunkserver joins (or rejoins) the cluster", SERVER),
     Rpc(Op.HEARTBEAT, Service.META, Heartbeat, "a chunkserver's usage and chunk table", SERVER_OR_ADMIN),
     Rpc(Op.SERVERS, Service.META, Servers, "the chunkservers meta knows", DATA),
-    Rpc(Op.EXISTS, Service.META, Exists, "which keys are present and unexpired", DATA),
+    Rpc(Op.EXISTS, Service.META, Exists, "which keys are present and unexpired, optional lease", DATA),
+    Rpc(Op.RELEASE, Service.META, Release, "end keys' leases early: GC may evict them again", DATA),
     Rpc(Op.REPORT_LOST, Service.META, ReportLost,
         "a reader found keys whose every replica is corrupt or gone: meta drops each key "
         "that still has the layout read (an overwrite since is kept)", DATA),

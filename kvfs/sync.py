@@ -24,6 +24,34 @@ from kvfs.layout import Key, Layout
 T = TypeVar("T")
 
 
+class _Call:
+    """One blocking call: its task on the IO loop, and the lock its caller waits on."""
+
+    __slots__ = ("cancelled", "coro", "done", "task")
+
+    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+        self.coro = coro
+        self.done = threading.Lock()
+        self.done.acquire()
+        self.task: asyncio.Task[Any] | None = None
+        self.cancelled = False
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self.cancelled:
+            self.coro.close()
+            return
+        self.task = loop.create_task(self.coro)
+        self.task.add_done_callback(self._finished)
+
+    def _finished(self, task: asyncio.Task[Any]) -> None:
+        self.done.release()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        if self.task is not None:
+            self.task.cancel()
+
+
 class Client:
     """``with kvfs.Client(addr) as kv: kv.put(b"k", b"v")`` -- the async API, blocking."""
 
@@ -62,11 +90,29 @@ class Client:
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Runs ``coro`` on the IO loop and blocks until it is done.  The hop is one
+        ``call_soon_threadsafe`` there and one lock release back (no
+        ``concurrent.futures.Future``, whose condition variable and chained callbacks
+        cost about as much CPU as a 128-key ``exists_many``)."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise LocalProtocolError("blocking kvfs call made on the client's own IO loop; "
                                      "use kvfs.connect() there, or a submit_* call")
-        return self._submit(coro).result()
+        if self._pid != os.getpid():
+            self._after_fork()
+        loop = self._loop
+        if loop.is_closed():
+            coro.close()
+            raise LocalProtocolError("kvfs.Client is closed")
+        call = _Call(coro)
+        loop.call_soon_threadsafe(call.start, loop)
+        try:
+            call.done.acquire()
+        except BaseException:  # e.g. KeyboardInterrupt in the caller: stop the call too
+            loop.call_soon_threadsafe(call.cancel)
+            raise
+        assert call.task is not None
+        return call.task.result()
 
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
@@ -90,31 +136,41 @@ class Client:
         self.close()
 
     def put(self, key: Key, value: Value, *, ttl: float | None = None, replicas: int | None = None,
-            if_absent: bool = False) -> bool:
-        return self._run(self.aio.put(key, value, ttl=ttl, replicas=replicas, if_absent=if_absent))
+            if_absent: bool = False, meta: Mapping[str, Any] | None = None) -> bool:
+        return self._run(self.aio.put(key, value, ttl=ttl, replicas=replicas, if_absent=if_absent,
+                                      meta=meta))
 
     def put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
                  ttl: float | None = None, replicas: int | None = None,
-                 if_absent: bool = False) -> list[bool]:
-        return self._run(self.aio.put_many(items, ttl=ttl, replicas=replicas, if_absent=if_absent))
+                 if_absent: bool = False, meta: Sequence[Mapping[str, Any] | None] | None = None,
+                 ) -> list[bool]:
+        return self._run(self.aio.put_many(items, ttl=ttl, replicas=replicas, if_absent=if_absent,
+                                           meta=meta))
+
+    def get_meta(self, keys: Iterable[Key]) -> list[dict[str, Any] | None]:
+        return self._run(self.aio.get_meta(keys))
 
     def get(self, key: Key) -> bytes | None:
         return self._run(self.aio.get(key))
 
-    def get_many(self, keys: Iterable[Key]) -> list[bytes | None]:
-        return self._run(self.aio.get_many(keys))
+    def get_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bytes | None]:
+        return self._run(self.aio.get_many(keys, lease_s=lease_s))
 
     def get_ranges(self, requests: Sequence[tuple[Key, int | None, int | None]]) -> list[bytes | None]:
         return self._run(self.aio.get_ranges(requests))
 
-    def get_into(self, keys: Iterable[Key], buffers: Sequence[Any]) -> list[int]:
-        return self._run(self.aio.get_into(keys, buffers))
+    def get_into(self, keys: Iterable[Key], buffers: Sequence[Any], *,
+                 lease_s: float | None = None) -> list[int]:
+        return self._run(self.aio.get_into(keys, buffers, lease_s=lease_s))
 
     def exists(self, key: Key) -> bool:
         return self._run(self.aio.exists(key))
 
-    def exists_many(self, keys: Iterable[Key]) -> list[bool]:
-        return self._run(self.aio.exists_many(keys))
+    def exists_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bool]:
+        return self._run(self.aio.exists_many(keys, lease_s=lease_s))
+
+    def release(self, keys: Iterable[Key]) -> int:
+        return self._run(self.aio.release(keys))
 
     def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         return self._run(self.aio.match_prefix(keys, lease_s=lease_s))
@@ -122,26 +178,37 @@ class Client:
     # futures: start now, collect later (from any thread) ---------------------
     def submit_put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
                         ttl: float | None = None, replicas: int | None = None,
-                        if_absent: bool = False) -> concurrent.futures.Future[list[bool]]:
+                        if_absent: bool = False,
+                        meta: Sequence[Mapping[str, Any] | None] | None = None,
+                        ) -> concurrent.futures.Future[list[bool]]:
         """Start a ``put_many``; the values must stay unchanged until the future is done."""
         return self._submit(self.aio.put_many([*items.items()] if isinstance(items, Mapping)
                                               else [*items], ttl=ttl, replicas=replicas,
-                                              if_absent=if_absent))
+                                              if_absent=if_absent,
+                                              meta=None if meta is None else [*meta]))
 
-    def submit_get_many(self, keys: Iterable[Key]) -> concurrent.futures.Future[list[bytes | None]]:
-        return self._submit(self.aio.get_many([*keys]))
+    def submit_get_meta(self, keys: Iterable[Key]) -> concurrent.futures.Future[list[dict[str, Any] | None]]:
+        return self._submit(self.aio.get_meta([*keys]))
+
+    def submit_get_many(self, keys: Iterable[Key], *, lease_s: float | None = None,
+                        ) -> concurrent.futures.Future[list[bytes | None]]:
+        return self._submit(self.aio.get_many([*keys], lease_s=lease_s))
 
     def submit_get_ranges(self, requests: Sequence[tuple[Key, int | None, int | None]],
                           ) -> concurrent.futures.Future[list[bytes | None]]:
         return self._submit(self.aio.get_ranges([*requests]))
 
-    def submit_get_into(self, keys: Iterable[Key], buffers: Sequence[Any],
-                        ) -> concurrent.futures.Future[list[int]]:
+    def submit_get_into(self, keys: Iterable[Key], buffers: Sequence[Any], *,
+                        lease_s: float | None = None) -> concurrent.futures.Future[list[int]]:
         """Start a ``get_into``; the buffers must stay alive until the future is done."""
-        return self._submit(self.aio.get_into([*keys], [*buffers]))
+        return self._submit(self.aio.get_into([*keys], [*buffers], lease_s=lease_s))
 
-    def submit_exists_many(self, keys: Iterable[Key]) -> concurrent.futures.Future[list[bool]]:
-        return self._submit(self.aio.exists_many([*keys]))
+    def submit_exists_many(self, keys: Iterable[Key], *, lease_s: float | None = None,
+                           ) -> concurrent.futures.Future[list[bool]]:
+        return self._submit(self.aio.exists_many([*keys], lease_s=lease_s))
+
+    def submit_release(self, keys: Iterable[Key]) -> concurrent.futures.Future[int]:
+        return self._submit(self.aio.release([*keys]))
 
     def submit_match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None,
                             ) -> concurrent.futures.Future[int]:

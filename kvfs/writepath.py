@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 import crc32c
+import msgspec
 
 from kvfs import rpc
 from kvfs._batch import split_batches
@@ -43,8 +44,10 @@ class WritePath:
         self._write_id = 0  # last write id handed out (see next_write_id)
 
     async def put(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
-                  ttl: float | None, if_absent: bool = False) -> list[Layout | None]:
+                  ttl: float | None, if_absent: bool = False,
+                  metas: list[bytes | None] | None = None) -> list[Layout | None]:
         """Store the values; returns their committed layouts (stamped by meta).
+        ``metas``: each key's metadata (encoded), committed in its layout.
 
         ``if_absent``: one ``EXISTS`` to meta first, and only the absent keys' values are
         appended; their ``COMMIT`` is conditional too, so a writer that raced past the check
@@ -57,8 +60,11 @@ class WritePath:
             if not todo:
                 return out
             keys, views = [keys[i] for i in todo], [views[i] for i in todo]
-        written = await self.commit(keys, await self.append(keys, views, replicas=replicas, ttl=ttl),
-                                    ttl, if_absent=if_absent)
+        layouts = await self.append(keys, views, replicas=replicas, ttl=ttl)
+        if metas is not None:
+            layouts = [lay if metas[i] is None else msgspec.structs.replace(lay, meta=metas[i])
+                       for i, lay in zip(todo, layouts, strict=True)]
+        written = await self.commit(keys, layouts, ttl, if_absent=if_absent)
         for i, lay in zip(todo, written, strict=True):
             out[i] = lay
         return out

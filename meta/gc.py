@@ -35,6 +35,8 @@ import logging
 from collections import defaultdict
 from collections.abc import Collection, Sequence
 
+import msgspec
+
 from kvfs import rpc
 from kvfs.errors import InvalidArgument, Unavailable
 from kvfs.layout import Extent, Layout, Replica
@@ -366,7 +368,7 @@ class MetaGc:
                         changed += 1
                 exts.append(Extent(x.length, x.crc, tuple(reps)))
             if changed:
-                rows.append((key, lay, Layout(lay.size, lay.crc, lay.created, lay.expires_at, tuple(exts))))
+                rows.append((key, lay, msgspec.structs.replace(lay, extents=tuple(exts))))
                 changes.append(changed)
         switched = await ix.switch(rows)
         moved = sum(n for n, ok in zip(changes, switched, strict=True) if ok)
@@ -549,7 +551,7 @@ class MetaGc:
             if any(not x.replicas for x in exts):
                 doomed.append((key, old))
             else:
-                staged.append((key, old, Layout(old.size, old.crc, old.created, old.expires_at, tuple(exts))))
+                staged.append((key, old, msgspec.structs.replace(old, extents=tuple(exts))))
         done = await self._switch_by_key(staged)
         n_deleted = await ix.drop_lost(doomed) if doomed else 0
         dropped = sum(drops[k] for k in done) + sum(drops[k] for k, _ in doomed)

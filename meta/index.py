@@ -7,12 +7,21 @@ Invariants:
 - a key is visible only after its COMMIT transaction is durable in SQLite; the
   in-memory index is updated in the same event-loop step, so the two never disagree
   for a reader;
+- group commit: the COMMITs that arrive while one transaction is written (meta's
+  loop is blocked in SQLite's fsync meanwhile, so they are read together) are
+  written by the next one, together, in one transaction and one sync, in arrival
+  order (``commit_group_max_keys``/``_bytes`` bound a group; ``--fsync always``
+  writes one COMMIT per transaction).  Each is checked (unknown server, retired
+  chunk) in the step that writes it, and answered only once that transaction
+  returned;
 - ``chunk_live`` is derived from the layouts (rebuilt at start), never stored;
 - an expired key is a miss for every RPC, before GC removes it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
@@ -20,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
-from kvfs.config import MetaConfig
+from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import StaleLayout
 from kvfs.layout import Layout, encode_layout
 from kvfs.meta.repair import readable
@@ -55,6 +64,23 @@ class ServerInfo:
     shared_by: int = 1  # servers on its disk (each gets 1/shared_by of its space)
 
 
+CommitCheck = Callable[[Sequence[tuple[bytes, Layout]]], None]  # raises for a layout it refuses
+
+
+@dataclass(slots=True)
+class PendingCommit:
+    """One COMMIT waiting for the next group transaction."""
+
+    rows: list[tuple[bytes, Layout, bytes]]  # key, stamped layout, its encoded form
+    nbytes: int  # keys + encoded layouts
+    now: float
+    expires_at: float | None
+    check: CommitCheck | None
+    if_absent: bool
+    present: list[int]  # indexes of the COMMIT's rows not written: their key was present
+    done: asyncio.Future[None]
+
+
 def disk_bytes(layout: Layout) -> int:
     """Bytes a layout occupies on disk, every replica counted."""
     return sum(n for _, n in layout.chunk_bytes())
@@ -64,8 +90,10 @@ def add_live(live: dict[int, int], layout: Layout, sign: int, key: bytes) -> Non
     """Live bytes per chunk: each replica's value plus its record header and key, so a
     chunk of only live records has zero garbage."""
     overhead = RECORD_OVERHEAD_BYTES + len(key)
-    for cid, n in layout.chunk_bytes():
-        live[cid] = live.get(cid, 0) + sign * (n + overhead)
+    for e in layout.extents:  # layout.chunk_bytes(), inlined: this runs per committed key
+        n = sign * (e.length + overhead)
+        for r in e.replicas:
+            live[r.chunk_id] = live.get(r.chunk_id, 0) + n
 
 
 def stale(key: bytes, chunk: int | str) -> StaleLayout:
@@ -134,6 +162,9 @@ class MetaIndex(ServerRegistry):
         self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
         self.retired: dict[int, float] = {}  # retired chunks: refused by commit and switch forever
         self.claims: dict[str, tuple[str, float]] = {}  # lease name -> (holder, monotonic end)
+        self.commit_groups = 0  # group transactions written (each one sync)
+        self._commits: collections.deque[PendingCommit] = collections.deque()
+        self._commit_handle: asyncio.Handle | None = None
 
     def load(self) -> None:
         for key, layout, last_access in self.store.load():
@@ -164,8 +195,17 @@ class MetaIndex(ServerRegistry):
         return e is not None and readable(e.layout, gone)
 
     # changing -----------------------------------------------------------------------
-    def add_live(self, layout: Layout, sign: int, key: bytes) -> None:
-        add_live(self.chunk_live, layout, sign, key)
+    def add_live(self, layout: Layout, sign: int, key: bytes, live: dict[int, int] | None = None) -> None:
+        add_live(self.chunk_live if live is None else live, layout, sign, key)
+
+    def check_not_dead(self, rows: Iterable[tuple[bytes, Layout]]) -> None:
+        """StaleLayout for a layout naming a retired chunk (a put that outlasted the grace
+        period: its chunk was reclaimed before the commit)."""
+        if self.retired:
+            for key, lay in rows:
+                cid = self.dead_in(lay)
+                if cid is not None:
+                    raise stale(key, cid)
 
     def dead_in(self, layout: Layout) -> int | None:
         """A retired chunk the layout names, if any."""
@@ -210,7 +250,19 @@ class MetaIndex(ServerRegistry):
         if registered:
             self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
 
-    async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+    def lease(self, keys: Iterable[bytes], until: float) -> None:
+        """Keep keys from eviction until ``until`` (a lease is only ever lengthened)."""
+        leases = self.leases
+        for k in keys:
+            if leases.get(k, 0.0) < until:
+                leases[k] = until
+
+    async def release(self, keys: Sequence[bytes]) -> int:
+        """End keys' leases; returns how many had one."""
+        return sum(self.leases.pop(k, None) is not None for k in keys)
+
+    async def lookup(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[Layout | None]:
         out: list[Layout | None] = []
         dirty = self.dirty_access
         for k in keys:
@@ -221,6 +273,8 @@ class MetaIndex(ServerRegistry):
                 out.append(e.layout)
                 e.last_access = now
                 dirty[k] = now
+        if lease_until is not None:
+            self.lease([k for k, lay in zip(keys, out, strict=True) if lay is not None], lease_until)
         return out
 
     async def touch(self, keys: Sequence[bytes], now: float) -> None:
@@ -230,9 +284,13 @@ class MetaIndex(ServerRegistry):
                 e.last_access = now
                 self.dirty_access[k] = now
 
-    async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]:
+    async def exists(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[bool]:
         gone = self.gone_servers()
-        return [self.readable(k, now, gone) for k in keys]
+        out = [self.readable(k, now, gone) for k in keys]
+        if lease_until is not None:
+            self.lease([k for k, ok in zip(keys, out, strict=True) if ok], lease_until)
+        return out
 
     async def match_prefix(self, keys: Sequence[bytes], now: float, lease_until: float | None) -> int:
         gone = self.gone_servers()
@@ -242,41 +300,110 @@ class MetaIndex(ServerRegistry):
                 break
             n += 1
         if lease_until is not None:
-            for k in keys[:n]:
-                self.leases[k] = max(self.leases.get(k, 0.0), lease_until)
+            self.lease(keys[:n], lease_until)
         return n
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
-                     expires_at: float | None, *, if_absent: bool = False) -> list[int]:
-        """Store the layouts; returns the indexes of ``staged`` not committed: with
-        ``if_absent``, those whose key is present (readable, or earlier in ``staged``)."""
-        present: list[int] = []
-        if if_absent:
-            gone = self.gone_servers()
-            taken: set[bytes] = set()
-            kept = []
-            for i, (k, lay) in enumerate(staged):
-                if k in taken or self.readable(k, now, gone):
-                    present.append(i)
-                else:
-                    taken.add(k)
-                    kept.append((k, lay))
-            staged = kept
-        if not staged:
-            return present
-        for key, lay in staged:
-            cid = self.dead_in(lay)
-            if cid is not None:
-                raise stale(key, cid)
-        self.store.put_many((k, encode_layout(lay), expires_at, now) for k, lay in staged)
-        for key, lay in staged:
-            old = self.entries.get(key)
-            if old is not None:
-                self.add_live(old.layout, -1, key)
-            self.entries[key] = Entry(lay, now)
-            self.add_live(lay, +1, key)
-            self.dirty_access.pop(key, None)
-        return present
+                     expires_at: float | None, check: CommitCheck | None = None, *,
+                     if_absent: bool = False) -> list[int]:
+        """Store the layouts, durable once it returns; returns the indexes of ``staged`` not
+        committed: with ``if_absent``, those whose key is present (readable, earlier in
+        ``staged``, or written by an earlier COMMIT of the same group).  ``check(staged)``
+        runs in the step that writes the rows (a chunk may be retired while the commit
+        waits for its group); what it raises is this commit's answer, and nothing of it
+        is written."""
+        rows = [(k, lay, encode_layout(lay)) for k, lay in staged]
+        loop = asyncio.get_running_loop()
+        pending = PendingCommit(rows, sum(len(k) + len(b) for k, _, b in rows), now, expires_at,
+                                check, if_absent, [], loop.create_future())
+        self._commits.append(pending)
+        if self._commit_handle is None:  # after the COMMITs read in this step have queued too
+            self._commit_handle = loop.call_soon(self._write_commits)
+        await pending.done
+        return pending.present
+
+    def _take_group(self) -> list[PendingCommit]:
+        """The next group: whole COMMITs in arrival order, up to the bounds (at least one)."""
+        cfg = self.config
+        one = cfg.fsync == FsyncMode.ALWAYS
+        group: list[PendingCommit] = []
+        keys = nbytes = 0
+        written: set[bytes] | None = None  # the group's keys so far, once an if_absent needs them
+        gone: set[int] | None = None
+        while self._commits:
+            c = self._commits[0]
+            if group and (one or keys + len(c.rows) > cfg.commit_group_max_keys
+                          or nbytes + c.nbytes > cfg.commit_group_max_bytes):
+                break
+            self._commits.popleft()
+            if c.done.done():  # its handler was cancelled (server closing): not written
+                continue
+            try:
+                if c.check is not None:
+                    c.check([(k, lay) for k, lay, _ in c.rows])
+                self.check_not_dead([(k, lay) for k, lay, _ in c.rows])
+            except Exception as exc:
+                c.done.set_exception(exc)
+                continue
+            if c.if_absent:
+                if written is None:
+                    written = {k for g in group for k, _, _ in g.rows}
+                if gone is None:
+                    gone = self.gone_servers()
+                kept = []
+                for i, row in enumerate(c.rows):
+                    if row[0] in written or self.readable(row[0], c.now, gone):
+                        c.present.append(i)
+                    else:
+                        written.add(row[0])
+                        kept.append(row)
+                c.rows = kept
+            elif written is not None:
+                written.update(k for k, _, _ in c.rows)
+            group.append(c)
+            keys += len(c.rows)
+            nbytes += c.nbytes
+        return group
+
+    def _write_commits(self) -> None:
+        self._commit_handle = None
+        self._write_next_group()
+        if self._commits:  # past the bounds: the rest in the next step
+            self._commit_handle = asyncio.get_running_loop().call_soon(self._write_commits)
+
+    def _write_next_group(self) -> None:
+        group = self._take_group()
+        if not group:
+            return
+        try:
+            self._write_group(group)
+        except Exception as exc:
+            if len(group) == 1:
+                group[0].done.set_exception(exc)
+                return
+            for c in group:  # the shared transaction failed: each COMMIT alone, its own answer
+                try:
+                    self._write_group([c])
+                except Exception as exc1:
+                    c.done.set_exception(exc1)
+
+    def _write_group(self, group: list[PendingCommit]) -> None:
+        """One transaction for the group's rows, then the index, then the answers."""
+        rows = [(k, blob, c.expires_at, c.now) for c in group for k, _, blob in c.rows]
+        if rows:  # (if_absent may have left nothing to write)
+            self.store.put_many(rows)
+            self.commit_groups += 1
+        entries, dirty, add_live = self.entries, self.dirty_access, self.add_live
+        for c in group:
+            now = c.now
+            for key, lay, _ in c.rows:
+                old = entries.get(key)
+                if old is not None:
+                    add_live(old.layout, -1, key)
+                entries[key] = Entry(lay, now)
+                add_live(lay, +1, key)
+                dirty.pop(key, None)
+            c.done.set_result(None)
 
     async def delete(self, keys: Sequence[bytes]) -> int:
         gone = [k for k in keys if k in self.entries]
@@ -428,5 +555,9 @@ class MetaIndex(ServerRegistry):
         self.flush_access()
 
     async def close(self) -> None:
+        if self._commit_handle is not None:
+            self._commit_handle.cancel()
+        while self._commits:  # queued COMMITs whose handlers still wait: written, not dropped
+            self._write_next_group()
         self.flush_access()
         self.store.close()

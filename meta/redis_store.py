@@ -334,6 +334,15 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
+# ARGV: groups of keys.  Ends their leases; returns how many there were.
+_LUA_UNLEASE = _SHEBANG + _LUA_GROUPS + """
+local n = 0
+for _, g in ipairs(groups(1, 1)) do
+  for j = 0, g[3] - 1 do n = n + redis.call('DEL', g[1] .. 'l' .. ARGV[g[2] + j]) end
+end
+return n
+"""
+
 _LUA_UNLOCK = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -638,7 +647,8 @@ class RedisMetaStore:
                     out[i] = next(it)
         return out
 
-    async def lookup(self, keys: Sequence[bytes], now: float) -> builtins.list[Layout | None]:
+    async def lookup(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> builtins.list[Layout | None]:
         out: builtins.list[Layout | None] = []
         for k, v in zip(keys, await self._values(keys), strict=True):
             if v is None or value_expired(v, now):
@@ -646,6 +656,9 @@ class RedisMetaStore:
             else:
                 out.append(decode_value(v))
                 self._access[k] = now
+        if lease_until is not None:
+            await self.lease([k for k, lay in zip(keys, out, strict=True) if lay is not None], now,
+                             lease_until)
         return out
 
     async def peek(self, keys: Sequence[bytes], now: float) -> builtins.list[Layout | None]:
@@ -653,8 +666,12 @@ class RedisMetaStore:
         return [None if v is None or value_expired(v, now) else decode_value(v)
                 for v in await self._values(keys)]
 
-    async def exists(self, keys: Sequence[bytes], now: float) -> builtins.list[bool]:
-        return [v is not None and not value_expired(v, now) for v in await self._values(keys)]
+    async def exists(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> builtins.list[bool]:
+        out = [v is not None and not value_expired(v, now) for v in await self._values(keys)]
+        if lease_until is not None:
+            await self.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease_until)
+        return out
 
     async def get(self, keys: Sequence[bytes]) -> builtins.list[Layout | None]:
         """Stored layouts, expired ones included, recording no access (GC)."""
@@ -677,12 +694,22 @@ class RedisMetaStore:
             if v is None or value_expired(v, now):
                 break
             n += 1
-        if lease_until is not None and n:
-            px = str(max(1, math.ceil((lease_until - now) * 1000)) + 1000)
-            groups = self._by_bucket(keys[:n])
-            await self._per_node(_LUA_LEASE, [_num(lease_until), px],
-                                 {b: [keys[i] for i in idx] for b, idx in groups.items()}, 1)
+        if lease_until is not None:
+            await self.lease(keys[:n], now, lease_until)
         return n
+
+    async def lease(self, keys: Sequence[bytes], now: float, until: float) -> None:
+        if not keys:
+            return
+        px = str(max(1, math.ceil((until - now) * 1000)) + 1000)
+        groups = self._by_bucket(keys)
+        await self._per_node(_LUA_LEASE, [_num(until), px],
+                             {b: [keys[i] for i in idx] for b, idx in groups.items()}, 1)
+
+    async def release(self, keys: Sequence[bytes]) -> int:
+        groups = self._by_bucket(keys)
+        items = {b: [keys[i] for i in idx] for b, idx in groups.items()}
+        return sum(int(r) for _, r in await self._per_node(_LUA_UNLEASE, (), items, 1))
 
     async def _remove(self, mode: str, items: Sequence[tuple[bytes, bytes]],
                       now: float) -> builtins.list[tuple[bytes, Layout]]:

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvfs import rpc
@@ -34,6 +34,11 @@ if TYPE_CHECKING:
     from kvfs.meta.shared_index import SharedIndex
 
 log = logging.getLogger("kvfs.meta")
+
+
+def _until(now: float, lease_s: float | None) -> float | None:
+    """When a lease asked for ``lease_s`` seconds ends (None: no lease asked)."""
+    return now + lease_s if lease_s else None
 
 
 class MetaService:
@@ -107,7 +112,11 @@ class MetaService:
         return rpc.Pong(service="meta"), ()
 
     async def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply:
-        return rpc.Layouts(layouts=await self.index.lookup(req.keys, self.clock())), ()
+        now = self.clock()
+        return rpc.Layouts(layouts=await self.index.lookup(req.keys, now, _until(now, req.lease_s))), ()
+
+    async def rpc_release(self, req: rpc.Release, payload: memoryview) -> Reply:
+        return rpc.Released(released=await self.index.release(req.keys)), ()
 
     async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
         await self.index.touch(req.keys, self.clock())
@@ -121,32 +130,39 @@ class MetaService:
         return rpc.LostDropped(dropped=n), ()
 
     async def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply:
-        return rpc.Existing(exists=await self.index.exists(req.keys, self.clock())), ()
+        now = self.clock()
+        return rpc.Existing(exists=await self.index.exists(req.keys, now, _until(now, req.lease_s))), ()
 
     async def rpc_match_prefix(self, req: rpc.MatchPrefix, payload: memoryview) -> Reply:
         now = self.clock()
-        n = await self.index.match_prefix(req.keys, now, now + req.lease_s if req.lease_s else None)
-        return rpc.Matched(n=n), ()
+        return rpc.Matched(n=await self.index.match_prefix(req.keys, now, _until(now, req.lease_s))), ()
 
     async def rpc_commit(self, req: rpc.Commit, payload: memoryview) -> Reply:
         ix = self.index
         ttl = self.config.default_ttl_s if req.ttl_s is None else req.ttl_s
         now = self.clock()
         expires_at = None if ttl is None else now + float(ttl)
-        staged: list[tuple[bytes, Layout]] = []
         named = {r.server_id for _, wire in req.items for e in wire.extents for r in e.replicas}
         if not named <= ix.servers.keys():
             await ix.refresh()  # registered with another meta sharing the store?
-        servers = ix.servers
+        limit = self.config.max_key_meta_bytes
         for key, wire in req.items:
-            lay = wire.stamped(now, expires_at)
+            if wire.meta is not None and len(wire.meta) > limit:
+                raise InvalidArgument(f"metadata of {len(wire.meta)} bytes for key {key[:64]!r} is "
+                                      f"larger than this meta's limit of {limit} (--max-key-meta)")
+        staged = [(key, wire.stamped(now, expires_at)) for key, wire in req.items]
+        present = await ix.commit(staged, now, expires_at, self._check_commit, if_absent=req.if_absent)
+        return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
+
+    def _check_commit(self, staged: Sequence[tuple[bytes, Layout]]) -> None:
+        """Every layout names registered chunkservers (run by the index in the step that
+        writes the commit, where it also refuses a retired chunk: StaleLayout)."""
+        servers = self.index.servers
+        for key, lay in staged:
             for e in lay.extents:
                 for r in e.replicas:
                     if r.server_id not in servers:
                         raise InvalidArgument(f"layout for {key[:64]!r} names unknown chunkserver {r.server_id}")
-            staged.append((key, lay))
-        present = await ix.commit(staged, now, expires_at, if_absent=req.if_absent)  # refuses a retired chunk
-        return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
 
     async def rpc_delete(self, req: rpc.Delete, payload: memoryview) -> Reply:
         return rpc.Deleted(deleted=await self.index.delete(req.keys)), ()

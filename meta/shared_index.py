@@ -29,7 +29,7 @@ from typing import Any
 from kvfs.config import MetaConfig
 from kvfs.errors import Unavailable
 from kvfs.layout import Layout
-from kvfs.meta.index import ServerInfo, ServerRegistry
+from kvfs.meta.index import CommitCheck, ServerInfo, ServerRegistry
 from kvfs.meta.redis_store import RedisMetaStore
 from kvfs.meta.repair import readable
 
@@ -92,17 +92,25 @@ class SharedIndex(ServerRegistry):
         self.share_disks()
 
     # keys ----------------------------------------------------------------------------
-    async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
-        return await self.store.lookup(keys, now)
+    async def lookup(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[Layout | None]:
+        return await self.store.lookup(keys, now, lease_until)
+
+    async def release(self, keys: Sequence[bytes]) -> int:
+        return await self.store.release(keys)
 
     async def touch(self, keys: Sequence[bytes], now: float) -> None:
         await self.store.touch(keys, now)
 
-    async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]:
+    async def exists(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[bool]:
         gone = self.gone_servers()
         if not gone:
-            return await self.store.exists(keys, now)
-        return [lay is not None and readable(lay, gone) for lay in await self.store.peek(keys, now)]
+            return await self.store.exists(keys, now, lease_until)
+        out = [lay is not None and readable(lay, gone) for lay in await self.store.peek(keys, now)]
+        if lease_until is not None:
+            await self.store.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease_until)
+        return out
 
     async def match_prefix(self, keys: Sequence[bytes], now: float, lease_until: float | None) -> int:
         gone = self.gone_servers()
@@ -118,12 +126,15 @@ class SharedIndex(ServerRegistry):
         return n
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
-                     expires_at: float | None, *, if_absent: bool = False) -> list[int]:
+                     expires_at: float | None, check: CommitCheck | None = None, *,
+                     if_absent: bool = False) -> list[int]:
         """As :meth:`kvfs.meta.index.MetaIndex.commit` (the store refuses a retired chunk
         itself: StaleLayout).  With ``if_absent`` and dead servers, a key whose stored value
         is unreadable (an extent with every replica on them) counts as absent: it is
         overwritten without the condition (a commit racing that overwrite may lose its value,
         each writer told it wrote)."""
+        if check is not None:
+            check(staged)
         gone = self.gone_servers() if if_absent else set()
         if not gone:
             return await self.store.commit(staged, now, if_absent=if_absent)

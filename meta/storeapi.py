@@ -42,13 +42,23 @@ class MetaStore(Protocol):
         ``now`` keeps its value, as does a repeated key after its first row; returns the
         indexes of the rows not committed (always none without ``if_absent``)."""
 
-    async def lookup(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
-        """Layouts of unexpired keys (None for a miss); records the access (LRU)."""
+    async def lookup(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[Layout | None]:
+        """Layouts of unexpired keys (None for a miss); records the access (LRU); leases
+        the keys found until ``lease_until``."""
 
     async def peek(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
         """Layouts of unexpired keys, recording no access."""
 
-    async def exists(self, keys: Sequence[bytes], now: float) -> list[bool]: ...
+    async def exists(self, keys: Sequence[bytes], now: float,
+                     lease_until: float | None = None) -> list[bool]:
+        """Which keys are present and unexpired; leases those until ``lease_until``."""
+
+    async def lease(self, keys: Sequence[bytes], now: float, until: float) -> None:
+        """Keep keys from eviction until ``until`` (never shortening a longer lease)."""
+
+    async def release(self, keys: Sequence[bytes]) -> int:
+        """End keys' leases; returns how many had one."""
 
     async def get(self, keys: Sequence[bytes]) -> list[Layout | None]:
         """Stored layouts, expired ones included, recording no access (GC)."""

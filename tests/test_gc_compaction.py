@@ -47,6 +47,9 @@ async def fill(kv: AsyncClient, n: int = 400, batch: int = 20) -> list[str]:
 
 async def test_compaction_keeps_live_keys_and_shrinks_disk(small: LocalCluster, clock: FakeClock) -> None:
     async with client(small, clock) as kv:
+        ttl = [f"ttl{i}" for i in range(3)]
+        await kv.put_many([(k, value_of(k)) for k in ttl], ttl=3600)
+        ttl_before = {k: await kv.layout(k) for k in ttl}
         keys = await fill(kv)
         rng = random.Random(1)
         dead = set(rng.sample(keys, 280))
@@ -67,6 +70,15 @@ async def test_compaction_keeps_live_keys_and_shrinks_disk(small: LocalCluster, 
         live = [k for k in keys if k not in dead]
         assert await fresh.get_many(live) == [value_of(k) for k in live]
         assert await fresh.get_many(sorted(dead)) == [None] * len(dead)
+        # TTL keys moved by compaction keep their expiry: still there until it, gone after
+        for k, lay in ttl_before.items():
+            moved = await fresh.layout(k)
+            assert lay is not None and moved is not None and moved.extents != lay.extents
+            assert moved.expires_at == lay.expires_at
+        assert await fresh.get_many(ttl) == [value_of(k) for k in ttl]
+    clock.advance(3601)
+    async with client(small, clock) as fresh:
+        assert await fresh.get_many(ttl) == [None] * len(ttl)
 
 
 async def test_grace_period_keeps_old_chunk_for_in_flight_reads(small: LocalCluster, clock: FakeClock) -> None:

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from conftest import FakeClock
 
-from kvfs.config import ChunkServerConfig
+from kvfs.bench.reliability import flip_byte
+from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.launcher import LocalCluster
+from kvfs.layout import Layout
 
 SIZE = 100_000  # above 64 KiB: answers go to a sink (get_into: in place)
 
@@ -80,3 +82,51 @@ async def test_get_into_reads_in_place_and_get_reuses_one_pooled_buffer(one: Loc
         assert await kv.get_many([b"big"]) == [big]
         assert kv.rx_buffers_reused == 3  # a pooled buffer holds at least 1 MiB: no new one
         assert kv.rx_pool_buffers == 1
+
+
+@pytest.fixture
+async def two(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
+    """Two chunkservers: with replicas=2 every value is on both."""
+    root = tmp_path / "two"
+    async with LocalCluster(root, 2, clock=clock,
+                            chunkserver=ChunkServerConfig(data=root, heartbeat_interval_s=0.2)) as c:
+        yield c
+
+
+@pytest.mark.parametrize(("size", "ranges"), [(1000, 4096), (SIZE, 4096), (1000, 1)],
+                         ids=["inline", "in-place", "one-range-per-readv"])
+async def test_a_corrupt_value_ahead_of_good_ones_in_one_readv(two: LocalCluster, size: int,
+                                                              ranges: int) -> None:
+    """One READV to one server answers a corrupt value first and good ones after it: the
+    corrupt one is read again from its other replica, and the ones after it are still
+    served from this answer, with their own bytes (get_many and get_into alike).  With
+    ``max_read_ranges=1`` the read is split in one READV per value, run side by side."""
+    read = ClientConfig(replicas=2, max_read_ranges=ranges)
+    values = {f"r{i}".encode(): os.urandom(size) for i in range(4)}
+    async with two.client(ClientConfig(replicas=2)) as kv:
+        await kv.put_many(values)
+        firsts = {k: (await kv.layout(k)).extents[0].replicas[0] for k in values}  # type: ignore[union-attr]
+    bad = next(iter(values))
+    sid = firsts[bad].server_id
+    after = [k for k in values if k != bad and firsts[k].server_id == sid]
+    assert after, "no other value is read from the corrupt one's server first"
+    flip_byte(two, firsts[bad], size // 2)
+    keys = [bad, *after]
+    async with two.client(read) as kv:
+        assert await kv.get_many(keys) == [values[k] for k in keys]
+        bufs = [bytearray(size) for _ in keys]
+        assert await kv.get_into(keys, bufs) == [size] * len(keys)
+        assert bufs == [values[k] for k in keys]
+    # corrupt on both replicas: a miss (on_lost="miss"), never wrong bytes, and the good
+    # ones beside it still arrive
+    other = next(r for r in (await _layout(two, bad)).extents[0].replicas if r.server_id != sid)
+    flip_byte(two, other, size // 3)
+    async with two.client(read) as kv:
+        assert await kv.get_many(keys) == [None, *(values[k] for k in after)]
+
+
+async def _layout(c: LocalCluster, key: bytes) -> Layout:
+    async with c.client() as kv:
+        lay = await kv.layout(key)
+    assert lay is not None
+    return lay

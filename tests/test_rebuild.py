@@ -90,8 +90,9 @@ async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path
             await kv.put_many({b"r2": os.urandom(70_000), b"r2big": os.urandom(2_500_000)}, replicas=2)
             await kv.delete_many([b"p/0", b"p/1"])
             await kv.put(b"ttl", b"short", ttl=3600)
+            await kv.put(b"tagged", b"with meta", meta={"dtype": "f16"})  # records do not carry it
             expect = {**items, b"twice": b"new" * 1000, b"r2": await kv.get(b"r2"),
-                      b"r2big": await kv.get(b"r2big"), b"ttl": b"short"}
+                      b"r2big": await kv.get(b"r2big"), b"ttl": b"short", b"tagged": b"with meta"}
             del expect[b"p/0"], expect[b"p/1"]
             before = {k: await kv.layout(k) for k in expect}
         meta = cluster.meta
@@ -117,6 +118,7 @@ async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path
         async with cluster.client(ClientConfig(layout_cache_entries=0)) as kv:
             assert await kv.get_many(list(expect)) == list(expect.values())
             assert await kv.get_many([b"p/0", b"p/1"]) == [None, None]
+            assert await kv.get_meta([b"tagged"]) == [{}]  # a rebuild loses keys' metadata (README)
             for k, lay in before.items():
                 got = await kv.layout(k)
                 assert got is not None and lay is not None

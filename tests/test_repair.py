@@ -15,6 +15,7 @@ import pytest
 from conftest import kvfs_admin
 
 from kvfs import rpc
+from kvfs.bench.reliability import flip_byte
 from kvfs.config import ClientConfig, MetaConfig
 from kvfs.gc import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
@@ -211,3 +212,30 @@ async def test_decommission_drains_a_server_then_forgets_it(cluster: LocalCluste
         for k in values:
             assert not on_victim(await kv.layout(k)), k
         assert await kv.get_many(list(values)) == list(values.values())
+
+
+async def test_a_ttl_key_keeps_its_expiry_through_fsck_and_repair(cluster: LocalCluster) -> None:
+    """fsck --apply forgets a corrupt replica, then repair copies the extent whose replica's
+    server died: each rewrites the key's layout, and each keeps its expiry."""
+    async with cluster.client(ClientConfig(replicas=3)) as kv:
+        await kv.put("ttl", b"t" * 5000, ttl=3600)
+        before = await kv.layout("ttl")
+        assert before is not None and before.expires_at is not None
+        corrupt, dies, stays = before.extents[0].replicas
+        flip_byte(cluster, corrupt, 10)
+        async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            report = await gc.fsck(cutoff_s=0, apply=True)
+        assert report.repaired["replicas_dropped"] == 1
+        dropped = await kv.layout("ttl")
+        assert dropped is not None and dropped.extents[0].replicas == (dies, stays)
+        assert dropped.expires_at == before.expires_at
+        await cluster.stop_chunkserver(cluster.index_of(dies.server_id))
+        await until_dead(cluster, dies.server_id)
+        async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            report = await gc.run_pass(REPAIR_ONLY)
+        assert report.repair is not None and report.repair.extents_repaired == 1
+        repaired = await kv.layout("ttl")
+        assert repaired is not None and dies not in repaired.extents[0].replicas
+        assert stays in repaired.extents[0].replicas and len(repaired.extents[0].replicas) == 2
+        assert repaired.expires_at == before.expires_at
+        assert await kv.get("ttl") == b"t" * 5000

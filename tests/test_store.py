@@ -255,9 +255,9 @@ def test_check_ranges_refuses_naming_what_is_wrong(raw: object, message: str) ->
 
 def test_check_ranges_takes_zeros_touching_ranges_and_decoded_ranges() -> None:
     raw = [[0, 0, 0], [0, 0, 10], [0, 10, 10], [1, 5, 0], [1, 5, 20]]  # chunk 0, empty, adjacent
-    assert check_ranges(raw, max_ranges=5, max_bytes=40) == [tuple(r) for r in raw]
+    assert check_ranges(raw, max_ranges=5, max_bytes=40) == ([tuple(r) for r in raw], 40)
     decoded = [Range(3, 0, 10), Range(3, 10, 10)]
-    assert check_ranges(decoded, max_ranges=2, max_bytes=20) == decoded
+    assert check_ranges(decoded, max_ranges=2, max_bytes=20) == (decoded, 20)
     with pytest.raises(InvalidArgument, match="overlap"):
         check_ranges([Range(3, 0, 10), Range(3, 9, 1)], max_ranges=2, max_bytes=20)
 

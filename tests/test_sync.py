@@ -14,6 +14,7 @@ from conftest import ThreadCluster
 import kvfs
 from kvfs import AsyncClient, LocalProtocolError
 from kvfs._loop import run
+from kvfs.errors import InvalidArgument
 
 
 def test_submit_from_many_threads(tcluster: ThreadCluster) -> None:
@@ -36,6 +37,26 @@ def test_submit_from_many_threads(tcluster: ThreadCluster) -> None:
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             for f in [pool.submit(worker, t) for t in range(8)]:
                 f.result(60)
+
+
+def test_blocking_calls_from_many_threads_get_their_own_answers_and_errors(tcluster: ThreadCluster) -> None:
+    with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+        def worker(t: int) -> None:
+            keys = [f"blk/{t}/{i}".encode() for i in range(4)]
+            kv.put_many({k: k * 100 for k in keys})
+            for _ in range(20):
+                assert kv.get_many([*keys, b"blk/none"]) == [k * 100 for k in keys] + [None]
+                assert kv.exists_many(keys) == [True] * 4
+                assert kv.match_prefix([*keys[:2], b"blk/none", keys[2]]) == 2
+            with pytest.raises(InvalidArgument, match="empty key"):  # raised on the IO loop
+                kv.get(b"")
+
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            for f in [pool.submit(worker, t) for t in range(8)]:
+                f.result(60)
+        kv.close()
+        with pytest.raises(LocalProtocolError, match="closed"):
+            kv.get(b"blk/0/0")
 
 
 def test_submit_from_the_io_thread_does_not_block(tcluster: ThreadCluster) -> None:

@@ -17,7 +17,14 @@ import pytest
 import trustme
 
 from kvfs.client import AsyncClient
-from kvfs.config import ClientConfig, MetaConfig, ServerConfig, TlsConfig, tls_fields
+from kvfs.config import (
+    ChunkServerConfig,
+    ClientConfig,
+    MetaConfig,
+    ServerConfig,
+    TlsConfig,
+    tls_fields,
+)
 from kvfs.errors import AuthError, InvalidArgument, TlsError, Unavailable
 from kvfs.handshake import Role
 from kvfs.launcher import LocalCluster
@@ -372,3 +379,20 @@ def test_a_tls_hello_to_a_plaintext_decoder_is_named() -> None:
     with pytest.raises(RemoteProtocolError, match="the peer speaks TLS and this side does not"):
         dec.receive_data(b"\x16\x03\x01\x02\x00" + bytes(64))
         dec.next_event()
+
+
+async def test_a_full_tls_cluster_makes_room_for_a_write(tmp_path: Path, certs: Certs) -> None:
+    """MAKE_ROOM over TLS: meta's own GC pass connects to meta and the chunkservers with the
+    cluster's TLS settings, evicts, and the refused write then goes through."""
+    root = tmp_path / "full"
+    c = LocalCluster(root, 1, tls=certs.services(), chunkserver=ChunkServerConfig(
+        data=root, heartbeat_interval_s=0.2, chunk_bytes=64 * 1024, capacity_bytes=256 * 1024))
+    await c.start()
+    try:
+        async with c.client(certs.client()) as kv:
+            for i in range(40):  # 40 x 4 x 8 KiB = 1.25 MiB through 256 KiB of capacity
+                await kv.put_many([(f"w{i}-{j}", bytes([i]) * 8192) for j in range(4)])
+            assert await kv.get_many(["w39-0", "w39-3"]) == [bytes([39]) * 8192] * 2
+            assert await kv.get_many(["w0-0"]) == [None]  # the oldest were evicted (no GC daemon)
+    finally:
+        await c.stop()
