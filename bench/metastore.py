@@ -13,14 +13,24 @@ cores with the client.
 ``--store sqlite`` does the same through meta's own RPC handlers (``MetaService``,
 in this process, no socket): its memory is this process's RSS growth (the in-memory
 index), the SQLite file's size is reported beside it.
+
+``--restart`` then starts a real ``kvfs meta`` process on the filled store (the SQLite
+file, or the Redis Cluster) and reports the seconds until it prints its ready line and
+its RSS then, beside the same figures for a meta on an empty store (the baseline).
+``--batches ''`` skips the per-op timings (the 10M runs), ``--fill-deadline-s`` stops
+the fill early (the figures are then for the keys that fit), ``--progress`` prints a
+line per million keys to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -89,11 +99,49 @@ async def used_memory(store: RedisMetaStore) -> int:
     return sum(int(v["used_memory"]) for v in info.values())
 
 
-async def fill(store: Any, n: int, batch: int, tag: str) -> float:
+async def fill(store: Any, n: int, batch: int, tag: str, deadline_s: float | None = None,
+               progress: bool = False) -> tuple[int, float]:
+    """Commit ``n`` keys (fewer if ``deadline_s`` passes first); (keys, seconds)."""
     t0 = time.perf_counter()
-    for lo in range(0, n, batch):
-        await store.commit([(key(i, tag), layout(i)) for i in range(lo, min(n, lo + batch))], NOW)
-    return time.perf_counter() - t0
+    lo = 0
+    while lo < n:
+        if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
+            break
+        hi = min(n, lo + batch)
+        await store.commit([(key(i, tag), layout(i)) for i in range(lo, hi)], NOW)
+        if progress and hi // 1_000_000 != lo // 1_000_000:
+            print(f"filled {hi} keys in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+        lo = hi
+    return lo, time.perf_counter() - t0
+
+
+def start_meta(data: Path, url: str | None, namespace: str,
+               timeout_s: float = 3600.0) -> tuple[float, int]:
+    """Start ``kvfs meta`` on ``data`` (or on ``url``'s Redis Cluster); the seconds until it
+    prints its ready line, and its RSS then.  It is stopped before returning."""
+    args = [sys.executable, "-m", "kvfs", "meta", "--data", str(data), "--listen", "127.0.0.1:0"]
+    if url is not None:
+        args += ["--store", url, "--store-namespace", namespace]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()  # the ready line, or b"" if it exited
+        ready_s = time.perf_counter() - t0
+        if b"ready" not in line:
+            raise RuntimeError(f"kvfs meta exited before it was ready (rc {proc.wait()})")
+        rss = 0
+        for row in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+            if row.startswith("VmRSS:"):
+                rss = int(row.split()[1]) * 1024
+        return ready_s, rss
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 async def timed(fn: Any, min_s: float, min_calls: int) -> tuple[float, int]:
@@ -106,8 +154,10 @@ async def timed(fn: Any, min_s: float, min_calls: int) -> tuple[float, int]:
 
 
 async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: float,
-              buckets: int) -> dict[str, Any]:
+              buckets: int, *, restart: bool = False, fill_deadline_s: float | None = None,
+              progress: bool = False) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
+        namespace = f"bench{os.getpid()}"
         rc = None
         store: Any
         if kind == "sqlite":
@@ -117,22 +167,25 @@ async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: 
             if url is None:
                 rc = LocalRedisCluster(Path(tmp)).start()
                 url = rc.url
-            store = RedisMetaStore(url, namespace=f"bench{os.getpid()}", buckets=buckets)
+            store = RedisMetaStore(url, namespace=namespace, buckets=buckets)
 
             async def memory() -> int:
                 return await used_memory(store)
         await store.open()
+        closed = False
         try:
             async def mem() -> int:
                 m = memory()
                 return int(await m) if asyncio.iscoroutine(m) else int(m)
 
             mem0 = await mem()
-            fill_s = await fill(store, keys, 1000, "k")
+            keys, fill_s = await fill(store, keys, 1000, "k", fill_deadline_s, progress)
             await store.flush_access()
             mem1 = await mem()
             out: dict[str, Any] = {
                 "store": kind, "url": url, "buckets": getattr(store, "buckets", None), "keys": keys,
+                "machine": f"{os.cpu_count()} cpus, load {os.getloadavg()[0]:.2f} after the fill",
+                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "sqlite_file_bytes": (sum(f.stat().st_size for f in (Path(tmp) / "meta").glob("meta.sqlite3*"))
                                       if kind == "sqlite" else None),
                 "used_memory_before": mem0, "used_memory_after": mem1,
@@ -161,9 +214,21 @@ async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: 
                                        "keys_per_s": calls * b / dt, "ms_per_call": dt / calls * 1e3})
                 for lo in range(0, fresh, 1000):
                     await store.delete([key(i, "n") for i in range(lo, min(fresh, lo + 1000))])
+            if restart:
+                await store.close()
+                closed = True
+                del store
+                importlib.import_module("gc").collect()  # (kvfs.gc shadows the name for mypy)
+                empty_s, empty_rss = start_meta(Path(tmp) / "empty", url, namespace + "empty")
+                ready_s, rss = start_meta(Path(tmp) / ("meta" if kind == "sqlite" else "redismeta"),
+                                          url if kind == "redis" else None, namespace)
+                out["restart"] = {"empty_ready_s": empty_s, "empty_rss": empty_rss,
+                                  "ready_s": ready_s, "rss": rss,
+                                  "rss_per_key": (rss - empty_rss) / keys if keys else None}
             return out
         finally:
-            await store.close()
+            if not closed:
+                await store.close()
             if rc is not None:
                 rc.stop()
 
@@ -176,9 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,16,128,1024")
     ap.add_argument("--min-s", type=float, default=1.0, help="time each op at least this long")
     ap.add_argument("--buckets", type=int, default=256)
+    ap.add_argument("--restart", action="store_true",
+                    help="then time a kvfs meta process's start on the filled store")
+    ap.add_argument("--fill-deadline-s", type=float, default=None,
+                    help="stop filling after this long (the figures are for the keys that fit)")
+    ap.add_argument("--progress", action="store_true", help="a line per million keys on stderr")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    res = asyncio.run(run(a.store, a.url, a.keys, [int(x) for x in a.batches.split(",")], a.min_s, a.buckets))
+    res = asyncio.run(run(a.store, a.url, a.keys, [int(x) for x in a.batches.split(",") if x],
+                          a.min_s, a.buckets, restart=a.restart, fill_deadline_s=a.fill_deadline_s,
+                          progress=a.progress))
     if a.json:
         print(json.dumps(res, indent=1))
         return 0
@@ -187,6 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{res['store']}, {res['keys']} keys, {what} {res['used_memory_before']} -> "
           f"{res['used_memory_after']} = {res['bytes_per_key']:.0f} B/key; "
           f"fill {res['fill_keys_per_s']:.0f} keys/s (batches of 1000)")
+    if "restart" in res:
+        r = res["restart"]
+        print(f"kvfs meta start: ready in {r['ready_s']:.1f} s, RSS {r['rss']} B "
+              f"(empty store: {r['empty_ready_s']:.1f} s, {r['empty_rss']} B) = "
+              f"{r['rss_per_key']:.0f} B/key")
     print(f"{'op':<13} {'batch':>6} {'us/key':>9} {'keys/s':>10} {'ms/call':>9}")
     for o in res["ops"]:
         print(f"{o['op']:<13} {o['batch']:>6} {o['us_per_key']:>9.1f} {o['keys_per_s']:>10.0f} "

@@ -148,8 +148,10 @@ def main(argv: list[str] | None = None) -> int:
             mw, mr = mount_round(mnt, pages, ns.threads, "m" + tag)
             aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
             rows.append((label, n, mw, aw, mr, ar))
+        load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"| page | pages | mount write | API write | mount/API | mount read | API read | "
-              f"mount/API |  ({ns.threads} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())})")
+              f"mount/API |  ({ns.threads} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+              f"load average {load})")
         print("|---|---|---|---|---|---|---|---|")
         for label, n, mw, aw, mr, ar in rows:
             print(f"| {label} | {n} | {mw:,.0f} files/s | {aw:,.0f} pages/s | {mw / aw:.2f} | "

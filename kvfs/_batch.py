@@ -63,6 +63,10 @@ class Batcher(Generic[I, R]):
       ``max_bytes`` per batch) when a batch finishes. Idle: no added
       latency; busy: batches as large as the backlog.
 
+    An item may stand for several keys (a whole ``get_into`` or ``put_many``
+    call): ``submit(..., count=n)`` counts it as ``n`` towards ``max_items`` in
+    the by-time mode (by load, an item counts one).
+
     If the batched call fails, every item is retried alone, so one bad item
     cannot fail its neighbours. A submitter that is cancelled does not cancel
     the batch.
@@ -80,22 +84,29 @@ class Batcher(Generic[I, R]):
         self._items: list[I] = []
         self._futs: list[asyncio.Future[R]] = []
         self._sizes: list[int] = []
+        self._counts: list[int] = []
         self._bytes = 0
+        self._count = 0
         self._handle: asyncio.Handle | asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()  # keep running batches referenced
         self.inflight = 0
         self.batches = 0
 
-    async def submit(self, item: I, nbytes: int = 0) -> R:
+    async def submit(self, item: I, nbytes: int = 0, *, count: int = 1) -> R:
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[R] = loop.create_future()
+        if (self._max_inflight is None and self._items
+                and (self._count + count > self._max_items or self._bytes + nbytes > self._max_bytes)):
+            self._flush()  # what is queued goes first: a batch stays within the limits
         self._items.append(item)
         self._futs.append(fut)
         self._sizes.append(nbytes)
+        self._counts.append(count)
         self._bytes += nbytes
+        self._count += count
         if self._max_inflight is not None:
             self._pump()
-        elif len(self._items) >= self._max_items or self._bytes >= self._max_bytes:
+        elif self._count >= self._max_items or self._bytes >= self._max_bytes:
             self._flush()
         elif self._handle is None:
             self._handle = (loop.call_later(self._window_s, self._flush) if self._window_s > 0
@@ -120,7 +131,8 @@ class Batcher(Generic[I, R]):
         items, futs = self._items[:n], self._futs[:n]
         del self._items[:n], self._futs[:n]
         self._bytes -= sum(self._sizes[:n])
-        del self._sizes[:n]
+        self._count -= sum(self._counts[:n])
+        del self._sizes[:n], self._counts[:n]
         self.batches += 1
         self.inflight += 1
         task = asyncio.get_running_loop().create_task(self._complete(items, futs))

@@ -46,13 +46,18 @@ def as_view(obj: Any, *, writable: bool = False, what: str = "value") -> memoryv
 def as_parts(obj: Any, *, writable: bool = False, what: str = "value") -> list[memoryview]:
     """A value as a gather/scatter list: one view, or one per element of a list/tuple of
     buffers (e.g. a page's K half and V half), none of them copied."""
+    kind = type(obj)
+    if kind is bytearray or (kind is bytes and not writable):  # the common case, one check
+        return [memoryview(obj)]
     if isinstance(obj, (list, tuple)):
         return [as_view(p, writable=writable, what=f"{what} part {i}") for i, p in enumerate(obj)]
     return [as_view(obj, writable=writable, what=what)]
 
 
 def nbytes(parts: list[memoryview]) -> int:
-    return sum(p.nbytes for p in parts)
+    if len(parts) == 1:
+        return parts[0].nbytes
+    return sum([p.nbytes for p in parts])
 
 
 def cut(parts: list[memoryview], start: int, length: int) -> list[memoryview]:

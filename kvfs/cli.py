@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import os
+import shutil
 import signal
 import stat as stat_mod
 import sys
@@ -135,9 +136,19 @@ async def cmd_up(ns: argparse.Namespace) -> int:
         gc_args += ["--interval", repr(cfg.gc_interval_s)]
     tls_args = tls_argv(cfg)  # every child: its server certificate, and its client one
     meta_args, cs_args, gc_args = meta_args + tls_args, cs_args + tls_args, gc_args + tls_args
+    redis_args: tuple[str, ...] | None = None
+    if cfg.meta_store == "redis-cluster":
+        from kvfs.meta.redis_local import REDIS_SERVER
+
+        if shutil.which(REDIS_SERVER) is None:
+            raise ValueError(f"--meta-store redis-cluster needs {REDIS_SERVER} (Debian: apt-get "
+                             "install redis-server) and the redis extra (pip install 'kvfs[redis]')")
+        redis_args = ("--replicas", "1" if cfg.redis_replicas else "0")
+        if cfg.redis_maxmemory_bytes is not None:
+            redis_args += ("--maxmemory", str(cfg.redis_maxmemory_bytes))
     cluster = ProcessCluster(cfg.data, cfg.chunkservers, listen=cfg.listen,
                              meta_args=tuple(meta_args), chunkserver_args=tuple(cs_args),
-                             gc=cfg.gc, gc_args=tuple(gc_args))
+                             gc=cfg.gc, gc_args=tuple(gc_args), redis_args=redis_args)
 
     def report(msg: str) -> None:
         print(f"kvfs up: {msg}", file=sys.stderr, flush=True)
@@ -153,7 +164,10 @@ async def cmd_up(ns: argparse.Namespace) -> int:
                f"TLS with {cfg.tls_cert} (clients: --tls-ca or $KVFS_TLS_CA"
                + (f" {cfg.tls_ca}, and a client certificate it signed: mutual TLS)"
                   if cfg.tls_ca else ")"))
-        report(f"{cfg.chunkservers} chunkservers{' + gc daemon' if cfg.gc else ''}, data in "
+        store = ("" if cluster.store_url is None else
+                 f", meta on a {'3+3' if cfg.redis_replicas else '3'}-node Redis Cluster "
+                 f"{cluster.store_url}")
+        report(f"{cfg.chunkservers} chunkservers{' + gc daemon' if cfg.gc else ''}{store}, data in "
                f"{cluster.data}; token in {token_path} (mode 0600); {tls}; pid {os.getpid()} "
                f"({pids}). Ctrl-C stops all.")
         supervisor = asyncio.create_task(cluster.supervise(

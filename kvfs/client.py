@@ -15,11 +15,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
@@ -29,7 +30,7 @@ from kvfs.address import format_addr, lookup_token, parse_addr
 from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
-from kvfs.errors import InvalidArgument, KVFSError, StaleLayout
+from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
 from kvfs.layout import MAX_META_BYTES, MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
 from kvfs.layoutcache import LayoutCache
 from kvfs.readpath import WHOLE, Dest, ReadPath
@@ -49,6 +50,24 @@ TOO_SMALL = -2  # the value is larger than the key's buffer(s): nothing was read
 FAILED = -3  # its bytes could not be read (server down, corrupt) and on_lost="raise"
 
 __all__ = ["FAILED", "MISS", "TOO_SMALL", "AsyncClient", "KeyInfo", "ServerEntry", "connect"]
+
+
+_IntoCall = tuple[list[bytes], list[list[memoryview]], float | None]  # keys, buffers, lease_s
+
+
+class _PutCall(NamedTuple):
+    """One put_many call, checked, waiting in the put batcher."""
+
+    keys: list[bytes]
+    views: list[list[memoryview]]
+    metas: list[bytes | None] | None  # each key's encoded meta; None: none at all
+    replicas: int  # options: calls with the same ones may share a put
+    ttl: float | None
+    if_absent: bool
+
+    @property
+    def options(self) -> tuple[int, float | None, bool]:
+        return self.replicas, self.ttl, self.if_absent
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +125,22 @@ class AsyncClient:
         self._exists_batcher: Batcher[bytes, bool] = Batcher(
             self.exists_many, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
             window_s=cfg.batch_window_s)
+        # whole calls, each counted as its keys
+        self._into_batcher: Batcher[_IntoCall, list[int]] = Batcher(
+            self._get_into_calls, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
+            window_s=cfg.batch_window_s)
+        self._put_batcher: Batcher[_PutCall, list[Layout | None] | KVFSError] = Batcher(
+            self._put_calls, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
+            window_s=cfg.batch_window_s)
+
+    def _coalesce(self, keys: int, nbytes: int) -> bool:
+        """Whether a call of this many keys and bytes joins a batcher (with other calls of
+        this loop tick) rather than going out alone: only smaller than one batch."""
+        cfg = self.config
+        if cfg.batch and keys < cfg.batch_max_keys and nbytes < cfg.batch_max_bytes:
+            self._link.bind_loop()
+            return True
+        return False
 
     @property
     def rx_pool_buffers(self) -> int:
@@ -161,6 +196,14 @@ class AsyncClient:
                     self.layout_cache.put(keys[i], lay)
         return out
 
+    async def lookup_dirs(self, keys: Sequence[bytes]) -> list[Layout | bool]:
+        """Fresh layouts of normalised keys, and for each miss whether keys lie under
+        ``key + b"/"`` (True: a directory of :mod:`kvfs.fs`, False: nothing), in one LOOKUP."""
+        h = await self._link.call_meta(rpc.Lookup(keys=list(keys), dirs=True))
+        if h.dirs is None or len(h.dirs) != len(keys):
+            raise RemoteProtocolError("LOOKUP with dirs: meta did not say which misses are directories")
+        return [lay if lay is not None else d for lay, d in zip(h.layouts, h.dirs, strict=True)]
+
     async def layout(self, key: Key) -> Layout | None:
         """Where a value lives (extents, replicas); None on a miss."""
         return (await self.lookup([norm_key(key)], use_cache=False))[0]
@@ -192,7 +235,10 @@ class AsyncClient:
         if not pairs:
             return []
         keys = [norm_key(k) for k, _ in pairs]
-        views = [as_parts(v, what=f"value for key {k[:64]!r}") for k, (_, v) in zip(keys, pairs, strict=True)]
+        try:
+            views = [as_parts(v) for _, v in pairs]
+        except InvalidArgument:  # again, naming the key (not built for every good value)
+            views = [as_parts(v, what=f"value for key {k[:64]!r}") for k, (_, v) in zip(keys, pairs, strict=True)]
         for k, v in zip(keys, views, strict=True):
             if nbytes(v) > MAX_VALUE_BYTES:
                 raise InvalidArgument(f"value of {nbytes(v)} bytes for key {k[:64]!r} exceeds the "
@@ -207,12 +253,61 @@ class AsyncClient:
             if len(meta) != len(keys):
                 raise InvalidArgument(f"{len(keys)} items but {len(meta)} meta entries")
             metas = [_encode_meta(k, m) for k, m in zip(keys, meta, strict=True)]
-        layouts = await self.writer.put(keys, views, replicas=r, ttl=ttl, if_absent=if_absent,
-                                        metas=metas)
-        for k, lay in zip(keys, layouts, strict=True):
-            if lay is not None:
-                self.layout_cache.put(k, lay)
+        call = _PutCall(keys, views, metas, r, ttl, if_absent)
+        total = sum([nbytes(v) for v in views])
+        if self._coalesce(len(keys), total):
+            layouts = await self._put_batcher.submit(call, total, count=len(keys))
+            if isinstance(layouts, KVFSError):
+                raise layouts
+        else:
+            layouts = await self._put(call)
         return [lay is not None for lay in layouts]
+
+    async def _put(self, call: _PutCall) -> list[Layout | None]:
+        layouts = await self.writer.put(call.keys, call.views, replicas=call.replicas, ttl=call.ttl,
+                                        if_absent=call.if_absent, metas=call.metas)
+        self.layout_cache.put_many(call.keys, layouts)
+        return layouts
+
+    async def _put_calls(self, calls: list[_PutCall]) -> list[list[Layout | None] | KVFSError]:
+        """Concurrent put_many calls as few writes as can be: consecutive calls with the same
+        options and no key in common are one put (one APPEND per server, one COMMIT); the
+        groups go one after another, in call order.  A group that fails is retried call by
+        call, and each call gets its own layouts or error: no call fails its neighbours."""
+        groups: list[list[_PutCall]] = []
+        seen: set[bytes] = set()
+        for c in calls:
+            g = groups[-1] if groups else None
+            if (g is None or c.options != g[0].options
+                    or len(seen) + len(c.keys) != len(seen.union(c.keys))):
+                groups.append([c])
+                seen = set(c.keys)
+            else:
+                g.append(c)
+                seen.update(c.keys)
+        out: list[list[Layout | None] | KVFSError] = []
+        for g in groups:
+            if len(g) > 1:
+                metas = (None if all(c.metas is None for c in g) else
+                         [m for c in g for m in (c.metas or [None] * len(c.keys))])
+                joined = _PutCall([k for c in g for k in c.keys], [v for c in g for v in c.views],
+                                  metas, *g[0].options)
+                try:
+                    layouts = await self._put(joined)
+                except KVFSError:
+                    pass  # each call alone, below
+                else:
+                    at = 0
+                    for c in g:
+                        out.append(layouts[at : at + len(c.keys)])
+                        at += len(c.keys)
+                    continue
+            for c in g:
+                try:
+                    out.append(await self._put(c))
+                except KVFSError as exc:
+                    out.append(exc)
+        return out
 
     # streaming (kvfs/stream.py) ----------------------------------------------------
     async def put_stream(self, key: Key, chunks: Chunks, *, size: int | None = None,
@@ -355,7 +450,8 @@ class AsyncClient:
         ``kvfs.TOO_SMALL`` (-2: the value is larger than the buffers; nothing read) or,
         for a key whose bytes no replica could serve, ``kvfs.MISS`` (``on_lost="miss"``, the
         default) or ``kvfs.FAILED`` (-3, ``on_lost="raise"``).  No key's outcome affects
-        another's.
+        another's.  Concurrent calls smaller than a batch share one batch (one LOOKUP,
+        one READV per server); each gets its own results.
         """
         ks = norm_keys(keys)
         if len(buffers) != len(ks):
@@ -363,6 +459,37 @@ class AsyncClient:
         if not ks:
             return []
         views = [as_parts(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
+        _check_lease(lease_s)
+        total = sum([nbytes(v) for v in views])
+        if self._coalesce(len(ks), total):
+            return await self._into_batcher.submit((ks, views, lease_s), total, count=len(ks))
+        return await self._get_into(ks, views, lease_s)
+
+    async def _get_into_calls(self, calls: list[_IntoCall]) -> list[list[int]]:
+        """Concurrent get_into calls as one read per ``lease_s`` asked; each call's results
+        cut out of it."""
+        if len(calls) == 1:
+            return [await self._get_into(*calls[0])]
+        groups: dict[float | None, list[int]] = {}
+        for i, (_, _, lease_s) in enumerate(calls):
+            groups.setdefault(lease_s, []).append(i)
+
+        async def read(lease_s: float | None, idx: list[int]) -> list[int]:
+            return await self._get_into([k for i in idx for k in calls[i][0]],
+                                        [v for i in idx for v in calls[i][1]], lease_s)
+
+        out: list[list[int]] = [[] for _ in calls]
+        reads = await asyncio.gather(*(read(ls, idx) for ls, idx in groups.items()))
+        for idx, results in zip(groups.values(), reads, strict=True):
+            at = 0
+            for i in idx:
+                n = len(calls[i][0])
+                out[i] = results[at : at + n]
+                at += n
+        return out
+
+    async def _get_into(self, ks: list[bytes], views: list[list[memoryview]],
+                        lease_s: float | None) -> list[int]:
         layouts = await self.lookup(ks, lease_s=lease_s)
         dests: list[Dest] = []
         result = [MISS] * len(ks)
@@ -437,8 +564,8 @@ class AsyncClient:
             return 0
         for k in ks:
             self.layout_cache.pop(k)
-        h = await self._link.call_meta(rpc.Delete(keys=ks))
-        await self.writer.tombstones(ks)
+        # tombstones first: a delete meta made is always on the chunks (kvfs.meta.tombstones)
+        h = await self._link.call_meta(rpc.Delete(keys=ks, tombstones=await self.writer.tombstones(ks)))
         return h.deleted
 
     async def delete(self, key: Key) -> bool:

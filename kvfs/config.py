@@ -181,10 +181,13 @@ class ClientConfig(TlsConfig):
                             "skipped by writes and reads for this long, whatever meta says "
                             "(a call to it that succeeds ends it sooner)", 5.0)
     evict_on_full: bool = opt("when a write finds the cluster full, ask meta for a GC pass and retry once", True)
-    batch: bool = opt("coalesce concurrent single-key get()/exists() calls into batches", True)
+    batch: bool = opt("coalesce concurrent get()/exists() calls, and get_into()/put_many() calls "
+                      "of fewer than batch_max_keys keys, into batches", True)
     batch_window_s: float = opt("wait this long for more keys (0: those issued this loop tick)", 0.0)
-    batch_max_keys: int = opt("flush a batch at this many keys, without waiting", 128)
-    batch_max_bytes: int = opt("flush a batch when its known value sizes reach this", 64 * 1024 * 1024)
+    batch_max_keys: int = opt("flush a batch at this many keys, without waiting (a call of this "
+                              "many keys goes alone)", 128)
+    batch_max_bytes: int = opt("flush a batch when its known value (or get_into buffer) sizes reach "
+                               "this (a call of this many bytes goes alone)", 64 * 1024 * 1024)
     stream_window_units: int = opt("stripe units a streaming put or read keeps in flight (its "
                                    "memory: this many stripe_bytes)", 4)
     on_lost: OnLost = opt("a key whose value no replica can serve (gone, corrupt, its servers "
@@ -319,9 +322,15 @@ class MountConfig:
                                  "each)", 2, positive=True)
     looked_up_layouts: int = opt("layouts of recently looked-up files kept for their first read "
                                  "(within --attr-timeout)", 4096)
+    kernel_read_ahead_bytes: int = opt("the kernel's read-ahead for the mount (its "
+                                       "/sys/class/bdi/*/read_ahead_kb, set when permitted; 0 "
+                                       "leaves the kernel's 128 KiB): a large file's reads reach "
+                                       "the mount as requests this big (the kernel caps them at "
+                                       "1 MiB)", 1 * MiB)
 
     def __post_init__(self) -> None:
-        for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts"):
+        for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
+                     "kernel_read_ahead_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
         for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight"):
@@ -347,8 +356,20 @@ class UpConfig(TlsConfig):
     restart_backoff_s: float = opt("wait before the first restart; doubled per quick failure", 0.5)
     restart_backoff_max_s: float = opt("longest wait between restarts", 30.0)
     restart_stable_s: float = opt("a service up this long counts as healthy (backoff resets)", 10.0)
+    meta_store: str = opt("where meta keeps its index: sqlite (a file under DATA/meta) or "
+                          "redis-cluster (a local 3-master Redis Cluster under DATA/redis, "
+                          "redis-server from apt, supervised like the other services)", "sqlite")
+    redis_replicas: bool = opt("--meta-store redis-cluster: one replica per master (6 redis-server "
+                               "processes), so a master that dies fails over to its replica", False)
+    redis_maxmemory_bytes: int | None = opt("--meta-store redis-cluster: each redis-server's "
+                                            "maxmemory; commits fail once a master is full "
+                                            "(default: no limit)", None)
 
     def __post_init__(self) -> None:
+        if self.meta_store not in ("sqlite", "redis-cluster"):
+            raise ValueError(f"--meta-store must be sqlite or redis-cluster, got {self.meta_store!r}")
+        if self.meta_store != "redis-cluster" and (self.redis_replicas or self.redis_maxmemory_bytes):
+            raise ValueError("--redis-replicas and --redis-maxmemory need --meta-store redis-cluster")
         if self.chunkservers < 1:
             raise ValueError(f"--chunkservers must be at least 1, got {self.chunkservers}")
         parse_addr(self.listen, what="listen address")

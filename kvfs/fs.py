@@ -97,6 +97,16 @@ def layout_info(name: str, lay: Layout) -> Info:
     return _file_info(name, lay.size, lay.created, lay.expires_at, len(lay.extents))
 
 
+def path_info(name: str, found: Layout | bool) -> Info:
+    """The info of ``name`` from :meth:`AsyncClient.lookup_dirs`'s answer for it (a file's
+    layout, True for a directory); FileNotFoundError for nothing."""
+    if isinstance(found, Layout):
+        return layout_info(name, found)
+    if found:
+        return _dir_info(name)
+    raise FileNotFoundError(errno.ENOENT, "no such kvfs file or directory", name)
+
+
 def _info_of(name: str, ki: KeyInfo) -> Info:
     return _file_info(name, ki.size, ki.created, ki.expires_at, ki.extents)
 
@@ -259,19 +269,9 @@ class KVFileSystem(AsyncFileSystem):
         if not p:
             return _dir_info("")
         check_path(p)
-        c = self._session().client
-        with builtin_errors(p):  # a file is the common case: its lookup alone answers
-            lay = await c.layout(_kb(p))
-        if lay is not None:
-            return layout_info(p, lay)
-        return await self._dir_or_missing(p)
-
-    async def _dir_or_missing(self, p: str) -> Info:
-        """``p`` has no value: a directory's info if keys lie under it, else FileNotFoundError."""
-        with builtin_errors(p):
-            if await self._session().client.list(_kb(p + "/"), limit=1, page_size=1):
-                return _dir_info(p)
-        raise FileNotFoundError(errno.ENOENT, "no such kvfs file or directory", p)
+        with builtin_errors(p):  # a file, a directory or nothing: one LOOKUP says which
+            (found,) = await self._session().client.lookup_dirs([_kb(p)])
+        return path_info(p, found)
 
     async def _ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Info] | list[str]:
         p = self._strip_protocol(path)

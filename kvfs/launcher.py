@@ -219,6 +219,10 @@ class ServiceProcess:
 class ProcessCluster:
     """Meta and N chunkservers as child processes; what `kvfs up` runs.
 
+    ``redis_args`` (not None): meta keeps its index in a local Redis Cluster, one more
+    child (``python -m kvfs.meta.redis_local DATA/redis --persistent ...``, which runs the
+    ``redis-server`` nodes, restarts one that exits, and takes them down with it); meta
+    gets its address as ``--store``.
     The data directory is locked (``DATA/up.pid``, a :class:`DirLock`) from :meth:`start` to :meth:`stop`.
     :meth:`supervise` reports a child that exits and restarts it with backoff.
     """
@@ -226,7 +230,7 @@ class ProcessCluster:
     def __init__(self, data: Path, chunkservers: int = 3, *, listen: str = "127.0.0.1:7070",
                  meta_args: tuple[str, ...] = (), chunkserver_args: tuple[str, ...] = (),
                  env: dict[str, str] | None = None, gc: bool = False,
-                 gc_args: tuple[str, ...] = ()) -> None:
+                 gc_args: tuple[str, ...] = (), redis_args: tuple[str, ...] | None = None) -> None:
         self.data = data.resolve()
         self.n = chunkservers
         self.listen = listen
@@ -242,6 +246,9 @@ class ProcessCluster:
         self.gc_enabled = gc
         self.gc_args = gc_args
         self.gc: ServiceProcess | None = None
+        self.redis_args = redis_args
+        self.redis: ServiceProcess | None = None
+        self.store_url: str | None = None  # redis-cluster://... of the local Redis Cluster
         self.lock = DirLock(self.data, "kvfs up", name="up.pid", hint="stop that one first")
         self._stopping = False
 
@@ -260,6 +267,8 @@ class ProcessCluster:
             self.env = {**{k: v for k, v in (self.env_base or os.environ).items()
                            if k not in TLS_ENV.values()},
                         **{TOKEN_ENV[r]: t for r, t in self.tokens.items()}}
+            if self.redis_args is not None:
+                await self.start_redis()
             await self.start_meta(self.listen)
             for i in range(self.n):
                 self.chunkservers.append(self._cs_process(i))
@@ -277,9 +286,23 @@ class ProcessCluster:
         self.addr = line.split()[-1]
         return self.addr
 
+    async def start_redis(self) -> str:
+        """The local Redis Cluster (its ports are kept in DATA/redis: a restart finds it again)."""
+        self.redis = self._redis_process()
+        line = await self.redis.start()
+        self.store_url = line.split()[-1]
+        return self.store_url
+
+    def _redis_process(self) -> ServiceProcess:
+        return ServiceProcess("redis", [sys.executable, "-m", "kvfs.meta.redis_local",
+                                        str(self.data / "redis"), "--persistent",
+                                        *(self.redis_args or ())], self.env)
+
     def _meta_process(self, listen: str) -> ServiceProcess:
+        store = () if self.store_url is None else ("--store", self.store_url)
         return ServiceProcess("meta", self._kvfs(
-            "meta", "--data", str(self.data / "meta"), "--listen", listen, *self.meta_args), self.env)
+            "meta", "--data", str(self.data / "meta"), "--listen", listen, *store, *self.meta_args),
+            self.env)
 
     def _cs_process(self, i: int) -> ServiceProcess:
         return ServiceProcess(f"chunkserver {i}", self._kvfs(
@@ -312,7 +335,7 @@ class ProcessCluster:
         return f"{host}:{port}"
 
     def services(self) -> list[ServiceProcess]:
-        return [p for p in (self.meta, *self.chunkservers, self.gc) if p is not None]
+        return [p for p in (self.meta, *self.chunkservers, self.gc, self.redis) if p is not None]
 
     async def supervise(self, report: Callable[[str], None], *, restart: bool = True,
                         backoff_s: float = 0.5, backoff_max_s: float = 30.0,
@@ -324,6 +347,8 @@ class ProcessCluster:
         slots = ["meta", *(f"cs{i}" for i in range(len(self.chunkservers)))]
         if self.gc is not None:
             slots.append("gc")
+        if self.redis is not None:
+            slots.append("redis")
 
         async def watch(slot: str) -> None:
             failures = 0
@@ -364,6 +389,8 @@ class ProcessCluster:
             return self.meta
         if slot == "gc":
             return self.gc
+        if slot == "redis":
+            return self.redis
         return self.chunkservers[int(slot.removeprefix("cs"))]
 
     def _replace(self, slot: str) -> ServiceProcess:
@@ -374,6 +401,9 @@ class ProcessCluster:
         if slot == "gc":
             self.gc = self._gc_process()
             return self.gc
+        if slot == "redis":
+            self.redis = self._redis_process()
+            return self.redis
         i = int(slot.removeprefix("cs"))
         self.chunkservers[i] = self._cs_process(i)
         return self.chunkservers[i]
@@ -386,6 +416,8 @@ class ProcessCluster:
             await asyncio.gather(*(cs.stop() for cs in self.chunkservers))
             if self.meta is not None:
                 await self.meta.stop()
+            if self.redis is not None:
+                await self.redis.stop(timeout_s=30.0)  # it stops its nodes (each writes its file)
         finally:
             self.lock.release()
 

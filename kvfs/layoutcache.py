@@ -45,9 +45,17 @@ class LayoutCache:
         return 0 if lay is None else lay.size
 
     def put(self, key: bytes, layout: Layout) -> None:
+        self.put_many([key], [layout])
+
+    def put_many(self, keys: Sequence[bytes], layouts: Sequence[Layout | None]) -> None:
+        """Cache the layouts of a write (None: a key it did not write), the most recently
+        used last."""
         cache = self._layouts
-        cache[key] = layout
-        cache.move_to_end(key)
+        move = cache.move_to_end
+        for key, layout in zip(keys, layouts, strict=True):
+            if layout is not None:
+                cache[key] = layout
+                move(key)
         while len(cache) > self.entries:
             cache.popitem(last=False)
 

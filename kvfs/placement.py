@@ -39,14 +39,20 @@ def order_by_free(servers: Sequence[S], rand: Callable[[], float] = random.rando
     return sorted(servers, key=lambda s: rand() ** (1.0 / max(s.free, 1)), reverse=True)
 
 
+Placed = tuple[int, ...] | list[Unit]
+
+
 def place(sizes: Sequence[int], order: Sequence[int], *, replicas: int, stripe_bytes: int,
-          group_bytes: int) -> list[list[Unit]]:
-    """The units of each value (by size) on the server ids of ``order``; an empty value
-    has no unit."""
+          group_bytes: int) -> list[Placed]:
+    """Where each value (by size) goes, on the server ids of ``order``: for a value of one
+    unit (the whole value, at most one stripe) the tuple of its servers, shared by the
+    values of its run (nothing is built per value: the write path's common case); for a
+    larger value the list of its units; an empty value has no unit (``[]``).
+    :func:`units` gives the units of either form."""
     n_srv = len(order)
     if not 1 <= replicas <= n_srv:
         raise ValueError(f"{replicas} replicas need as many servers; {n_srv} given")
-    out: list[list[Unit]] = []
+    out: list[Placed] = []
     group, group_used = 0, 0
     small = tuple(order[j % n_srv] for j in range(replicas))
     rr = 0
@@ -56,7 +62,7 @@ def place(sizes: Sequence[int], order: Sequence[int], *, replicas: int, stripe_b
                 group, group_used = group + 1, 0
                 small = tuple(order[(group + j) % n_srv] for j in range(replicas))
             group_used += n
-            out.append([Unit(0, n, small)])
+            out.append(small)
             continue
         units = []
         for ui, start in enumerate(range(0, n, stripe_bytes)):
@@ -66,3 +72,8 @@ def place(sizes: Sequence[int], order: Sequence[int], *, replicas: int, stripe_b
         rr += len(units)
         out.append(units)
     return out
+
+
+def units(size: int, placed: Placed) -> list[Unit]:
+    """The units of a value of ``size`` bytes placed as ``placed`` (by :func:`place`)."""
+    return [Unit(0, size, placed)] if isinstance(placed, tuple) else placed

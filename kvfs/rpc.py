@@ -28,7 +28,7 @@ from typing import Annotated, Any, Generic, NamedTuple, TypeVar, get_args
 import msgspec
 
 from kvfs.handshake import NONCE_BYTES, Role
-from kvfs.layout import MAX_KEY_BYTES, Crc32, Layout, Replica
+from kvfs.layout import MAX_KEY_BYTES, MAX_REPLICAS, Crc32, Layout, Replica
 
 # -- field types and their bounds ---------------------------------------------------------
 MAX_ITEMS = 1 << 20  # keys, records, ranges, moves... in one message
@@ -193,6 +193,7 @@ class Ping(Request[Pong], frozen=True, kw_only=True):
 # -- meta: keys ---------------------------------------------------------------------------
 class Layouts(Response, frozen=True, kw_only=True):
     layouts: Items[Layout | None]
+    dirs: Items[bool] | None = None  # asked for: per key, a miss with keys under ``key + b"/"``
 
 
 class Lookup(Request[Layouts], frozen=True, kw_only=True):
@@ -200,6 +201,7 @@ class Lookup(Request[Layouts], frozen=True, kw_only=True):
 
     keys: Keys
     lease_s: Seconds | None = None
+    dirs: bool = False  # also say which misses are directories (kvfs.fs): one round trip
 
 
 class CommitItem(NamedTuple):
@@ -228,7 +230,12 @@ class Deleted(Response, frozen=True, kw_only=True):
 
 
 class Delete(Request[Deleted], frozen=True, kw_only=True):
+    """``tombstones[i]``: where the client wrote key ``i``'s tombstone (one replica per
+    server), so meta keeps it until no older record of the key can survive it
+    (:mod:`kvfs.meta.tombstones`); empty: none written (nothing is kept)."""
+
     keys: Keys
+    tombstones: Items[Annotated[list[Replica], msgspec.Meta(min_length=1, max_length=MAX_REPLICAS)]] = []
 
 
 class Matched(Response, frozen=True, kw_only=True):
@@ -879,9 +886,10 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.AUTH, Service.ANY, Auth, "client's first frame: both sides prove a token (kvfs.handshake)",
         ANYONE),
     Rpc(Op.PING, Service.ANY, Ping, "liveness; names the service", ANYONE),
-    Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss), optional lease", DATA),
+    Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss), optional lease; "
+        "with `dirs`, which misses have keys under `key/`", DATA),
     Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction; if_absent: only keys not present", DATA),
-    Rpc(Op.DELETE, Service.META, Delete, "forget keys; their bytes become garbage", DATA),
+    Rpc(Op.DELETE, Service.META, Delete, "forget keys (keeping the tombstones named); their bytes become garbage", DATA),
     Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease", DATA),
     Rpc(Op.LIST, Service.META, ListKeys, "keys under a prefix, one page in key order", DATA),
     Rpc(Op.STATS, Service.META, Stats, "keys, bytes, per-server usage, GC summary", DATA),

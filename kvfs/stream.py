@@ -268,7 +268,9 @@ async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | by
     """For each ``(reader or key, offset)``: the stripe unit holding that offset, as
     ``(reader, unit start, bytes)`` (``b""`` at or past the end), or None for a key that is
     missing.  Keys are looked up in one call, to readers pinned to their layouts; every unit
-    is then read in one fetch."""
+    is then read in one fetch.  A unit no replica can serve follows the client's
+    ``on_lost``: None, as a miss (``miss``), or its error (``raise``); either way it is
+    logged and, when every replica answered without good bytes, reported to meta."""
     keys = [w for w, _ in wants if not isinstance(w, ValueReader)]
     found = iter(await client.lookup(keys) if keys else [])
     readers: list[ValueReader | None] = []
@@ -290,10 +292,21 @@ async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | by
             subs.append(Layout(e.length, 0, r.layout.created, r.layout.expires_at, (e,)))
             bufs.append(bytearray(e.length))
     got: dict[int, bytes] = {}
+    lost: set[int] = set()
     if slots:
-        stale = set(await client.reader.fetch([readers[i].key for i in slots],  # type: ignore[union-attr]
-                                              subs, [[memoryview(b)] for b in bufs], None))
+        ours = [readers[i] for i in slots]
+        unit_keys = [r.key for r in ours if r is not None]
+        failed: dict[int, KVFSError] = {}
+        bad: set[int] = set()
+        stale = set(await client.reader.fetch(unit_keys, subs, [[memoryview(b)] for b in bufs],
+                                              None, failed, bad))
+        if failed:  # raises under on_lost="raise"
+            await client._unreadable("mount read", unit_keys, failed, {
+                j: r.layout for j, r in enumerate(ours) if j in failed and j in bad and r is not None})
+            lost = {slots[j] for j in failed}
         for j, i in enumerate(slots):
+            if j in failed:
+                continue
             if j in stale:  # relocated by the GC: followed, or StaleLayout if replaced
                 r = readers[i]
                 assert r is not None
@@ -303,5 +316,5 @@ async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | by
                 got[i] = bytes(bufs[j])
     out: list[tuple[ValueReader, int, bytes] | None] = []
     for i, r in enumerate(readers):
-        out.append(None if r is None else (r, starts[i], got.get(i, b"")))
+        out.append(None if r is None or i in lost else (r, starts[i], got.get(i, b"")))
     return out

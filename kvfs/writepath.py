@@ -128,19 +128,35 @@ class WritePath:
         self._write_id = max(self._write_id + 1, time.time_ns())
         return self._write_id
 
-    async def tombstones(self, keys: list[bytes]) -> None:
-        """Record deletes in a chunk (one APPEND of empty records) so a rebuild of meta from
-        the chunks does not bring the keys back.  Best effort: meta's delete stands."""
+    async def tombstones(self, keys: list[bytes]) -> list[list[Replica]]:
+        """Record deletes in chunks before meta forgets the keys (one APPEND of empty
+        records per server, on ``replicas`` servers or as many as are live), so a rebuild of
+        meta from the chunks keeps them deleted; returns where each key's went, for DELETE
+        (meta keeps them: :mod:`kvfs.meta.tombstones`).  Raises when no server took them:
+        the delete is then not made."""
         wid = self.next_write_id()
-        try:
-            live = [s for s in await self._link.servers() if s.usable]
-            if not live:
-                return
-            sid = order_by_free(live)[0].server_id
-            await self._link.call_server(sid, rpc.Append(records=[
-                rpc.RecordHead(k, 0, 0, None, wid, 0, 0, 0, True) for k in keys]))
-        except KVFSError as exc:
-            log.warning("deleted %d keys, but could not record their tombstones: %s", len(keys), exc)
+        live = [s for s in await self._link.servers() if s.usable]
+        if not live:
+            raise Unavailable(f"no live chunkserver to record the tombstones of {len(keys)} deleted "
+                              "keys on: nothing was deleted")
+        targets = [s.server_id for s in order_by_free(live)[: max(1, self.config.replicas)]]
+        recs = [rpc.RecordHead(k, 0, 0, None, wid, 0, 0, 0, True) for k in keys]
+        results = await asyncio.gather(*(self._link.call_server(sid, rpc.Append(records=recs))
+                                         for sid in targets), return_exceptions=True)
+        out: list[list[Replica]] = [[] for _ in keys]
+        errors: list[BaseException] = []
+        for sid, res in zip(targets, results, strict=True):
+            if isinstance(res, BaseException):
+                errors.append(res)
+                continue
+            for where, loc in zip(out, res[0].locations, strict=True):
+                where.append(Replica(sid, loc.chunk_id, loc.offset))
+        for exc in errors:
+            if not isinstance(exc, KVFSError) or not out[0]:
+                raise exc
+            log.warning("a delete's tombstones reached %d of %d chunkservers: %s", len(out[0]),
+                        len(targets), exc)
+        return out
 
     async def _append(self, keys: list[bytes], views: list[list[memoryview]], order: list[int],
                       r: int, ttl: float | None, *, stream_unit: bool, failed: set[int]) -> list[Layout]:
@@ -158,24 +174,36 @@ class WritePath:
         sizes = [nbytes(v) for v in views]
         placed = place(sizes, order, replicas=r, stripe_bytes=self.config.stripe_bytes,
                        group_bytes=self.config.put_group_bytes)
-        for key, v, n, units in zip(keys, views, sizes, placed, strict=True):
+        for key, v, n, servers in zip(keys, views, sizes, placed, strict=True):
+            if isinstance(servers, tuple):  # one unit, the whole value (the common case): one CRC
+                if len(v) == 1:
+                    c = crc(v[0], 0)
+                else:
+                    c = 0
+                    for p in v:
+                        c = crc(p, c)
+                # a stream's unit does not know its whole value (total size 0): a rebuild drops it
+                head = rpc.RecordHead(key, n, c, expires_hint, wid, 0 if stream_unit else n, c, 0)
+                where = []
+                for sid in servers:
+                    recs = records[sid]
+                    where.append((sid, len(recs)))
+                    recs.append(head)
+                    parts[sid].append(v)
+                plans.append([(n, c, where)])
+                crcs.append(c)
+                continue
             plan = []
             whole = 0
             heads: list[tuple[int, int]] = []  # (server, index) of this value's records
-            single = len(units) == 1
-            for ui, unit in enumerate(units):
-                u = v if single else cut(v, unit.start, unit.length)
+            for ui, unit in enumerate(servers):
+                u = cut(v, unit.start, unit.length)
                 c = 0
                 for p in u:
                     c = crc(p, c)
-                if single:
-                    whole = c  # one unit: its CRC is the value's (no second pass over the bytes)
-                else:
-                    for p in u:
-                        whole = crc(p, whole)
-                # a stream's unit does not know its whole value (total size 0): a rebuild drops it
+                    whole = crc(p, whole)
                 head = rpc.RecordHead(key, unit.length, c, expires_hint, wid, 0 if stream_unit else n,
-                                      c, ui)
+                                      0, ui)  # total_crc: set below, once every unit is summed
                 where = []
                 for sid in unit.servers:
                     recs = records[sid]
@@ -184,9 +212,8 @@ class WritePath:
                     parts[sid].append(u)
                 heads.extend(where)
                 plan.append((unit.length, c, where))
-            if len(units) > 1:  # the whole value's CRC, known once every unit is summed
-                for sid, idx in heads:
-                    records[sid][idx] = records[sid][idx]._replace(total_crc=whole)
+            for sid, idx in heads:
+                records[sid][idx] = records[sid][idx]._replace(total_crc=whole)
             plans.append(plan)
             crcs.append(whole)
         locs: dict[int, list[rpc.Location]] = {}
@@ -207,7 +234,14 @@ class WritePath:
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        return [Layout(n, whole, 0.0, None, tuple(
+        out = []
+        for n, plan, whole in zip(sizes, plans, crcs, strict=True):
+            if len(plan) == 1 and len(plan[0][2]) == 1:  # one extent, one replica: built directly
+                length, c, ((sid, idx),) = plan[0]
+                chunk, offset = locs[sid][idx]
+                out.append(Layout(n, whole, 0.0, None, (Extent(length, c, (Replica(sid, chunk, offset),)),)))
+            else:
+                out.append(Layout(n, whole, 0.0, None, tuple(
                     Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
-                    for length, c, where in plan))
-                for n, plan, whole in zip(sizes, plans, crcs, strict=True)]
+                    for length, c, where in plan)))
+        return out

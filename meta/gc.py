@@ -14,7 +14,10 @@ never undo each other's work:
   names the old (chunk, offset): a concurrent overwrite or delete wins;
 - GC_RETIRE marks a chunk dead only if no layout references it; a dead chunk
   id is refused by COMMIT forever after (ids are never reused), so a late
-  commit can never produce a dangling key.
+  commit can never produce a dangling key;
+- the tombstones meta keeps (:mod:`kvfs.meta.tombstones`) are live data: GC_CHUNK_REFS
+  names them, GC_RELOCATE moves them, and GC_DELETED drops those no older record of
+  their key can outlive any more.
 
 MAKE_ROOM (a client's write found the cluster full) is the one exception to
 "driven from outside": meta runs one :mod:`kvfs.gc` pass against itself, the
@@ -51,6 +54,7 @@ METRIC_NAMES = (
     "keys_expired", "bytes_expired", "keys_evicted", "bytes_evicted", "chunks_compacted",
     "bytes_copied", "keys_relocated", "chunks_deleted", "bytes_reclaimed", "replicas_dropped",
     "passes", "pass_duration_s", "last_pass_duration_s", "extents_repaired", "bytes_repaired",
+    "tombstones_dropped",
 )
 DAEMON_LEASE = "gc-daemon"  # the lease GC daemons take turns by (GC_CONTROL's holder)
 
@@ -323,7 +327,8 @@ class MetaGc:
         return rpc.Plan(compact=compact, delete=delete, seal=seal, waiting=waiting), ()
 
     async def rpc_gc_chunk_refs(self, req: rpc.GcChunkRefs, payload: memoryview) -> Reply:
-        """References into the given chunks, or (``server_id``) into every chunk of a server."""
+        """References into the given chunks (kept tombstones too: length 0, for compaction to
+        copy), or (``server_id``) into every chunk of a server (values only)."""
         ix = self.index
         chunks = set(req.chunks)
         sid = req.server_id
@@ -337,6 +342,11 @@ class MetaGc:
                     for r in x.replicas:
                         if r.chunk_id in chunks or r.server_id == sid:
                             refs.setdefault(r.chunk_id, []).append(rpc.Ref(k, r.offset, x.length, x.crc))
+        tombs, dropped = await ix.tombstone_refs(chunks)
+        for cid, k, off in tombs:
+            refs[cid].append(rpc.Ref(k, off, 0, 0))
+        if dropped:
+            await self._count(tombstones_dropped=dropped)
         return rpc.ChunkRefs(refs=refs), ()
 
     async def rpc_gc_relocate(self, req: rpc.GcRelocate, payload: memoryview) -> Reply:
@@ -348,7 +358,11 @@ class MetaGc:
         by_key: dict[bytes, dict[tuple[int, int], int]] = defaultdict(dict)
         for key, old_chunk, old_off, new_off in moves:
             by_key[key][(old_chunk, old_off)] = new_off
-        keys = list(by_key)
+        if new_chunk in await ix.dead_chunks():  # (kept tombstones' copies are not counted)
+            tombed = await ix.tombstoned(by_key)
+            return rpc.Relocated(moved=0, skipped=sum(m[0] not in tombed for m in moves)), ()
+        handled, tomb_moves = await ix.relocate_tombstones(sid, new_chunk, by_key)
+        keys = [k for k in by_key if k not in handled]
         rows: list[tuple[bytes, Layout, Layout]] = []
         changes: list[int] = []
         for key, lay in zip(keys, await ix.layouts(keys), strict=True):
@@ -372,17 +386,18 @@ class MetaGc:
                 changes.append(changed)
         switched = await ix.switch(rows)
         moved = sum(n for n, ok in zip(changes, switched, strict=True) if ok)
-        if moved:
+        if moved or tomb_moves:
             s = ix.servers.get(sid)
             if s is not None and req.new_size is not None:
                 s.chunks[new_chunk] = req.new_size
+        if moved:
             await self._count(keys_relocated=sum(switched))
         old_chunks = list({c for m in by_key.values() for c, _ in m})
         live = await ix.live_bytes(old_chunks)
         for old_chunk in old_chunks:
             if live.get(old_chunk, 0) <= 0:
                 self.zero_since.setdefault(old_chunk, now)
-        return rpc.Relocated(moved=moved, skipped=len(moves) - moved), ()
+        return rpc.Relocated(moved=moved, skipped=len(moves) - moved - tomb_moves), ()
 
     async def rpc_gc_retire(self, req: rpc.GcRetire, payload: memoryview) -> Reply:
         """Mark dead the chunks no layout references (compare-and-swap in the index; never the
@@ -407,6 +422,9 @@ class MetaGc:
         inc: dict[str, float] = {}
         if deleted:
             inc.update(chunks_deleted=len(deleted), bytes_reclaimed=sum(deleted.values()))
+            dropped = await ix.drop_passed()  # chunks gone: tombstones' horizons may have passed
+            if dropped:
+                inc.update(tombstones_dropped=dropped)
         if req.compacted:
             inc.update(chunks_compacted=req.compacted, bytes_copied=req.copied)
         if inc:
@@ -503,6 +521,8 @@ class MetaGc:
                 continue
             staged[key] = (old, switched, n + 1, nb + switched.extents[extent].length)
         done = await self._switch_by_key([(k, old, new) for k, (old, new, _, _) in staged.items()])
+        # a key deleted since the plan: its copy is an older record its tombstone must outlive
+        await ix.raise_horizons((k, new.chunk_id) for k, _, _, new in req.items if current.get(k) is None)
         repaired = nbytes = 0
         for k, (_, _, n, nb) in staged.items():
             if k in done:

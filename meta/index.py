@@ -14,7 +14,8 @@ Invariants:
   writes one COMMIT per transaction).  Each is checked (unknown server, retired
   chunk) in the step that writes it, and answered only once that transaction
   returned;
-- ``chunk_live`` is derived from the layouts (rebuilt at start), never stored;
+- ``chunk_live`` is derived from the layouts and the tombstones kept
+  (:mod:`kvfs.meta.tombstones`; rebuilt at start), never stored;
 - an expired key is a miss for every RPC, before GC removes it.
 """
 
@@ -24,16 +25,27 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import StaleLayout
-from kvfs.layout import Layout, encode_layout
+from kvfs.layout import Layout, Replica, encode_layout, server_of_chunk
 from kvfs.meta.repair import readable
 from kvfs.meta.store import MetaStore
+from kvfs.meta.tombstones import (
+    Tomb,
+    chunk_seq,
+    decode_horizon,
+    encode_horizon,
+    floors,
+    horizon_now,
+    passed,
+    raise_horizon,
+    tomb_layout,
+)
 
 log = logging.getLogger("kvfs.meta")
 
@@ -158,6 +170,8 @@ class MetaIndex(ServerRegistry):
         self.store = store
         self.entries: dict[bytes, Entry] = {}
         self.chunk_live: dict[int, int] = {}
+        self.tombstones: dict[bytes, Tomb] = {}  # deleted keys' tombstones kept (kvfs.meta.tombstones)
+        self.seq_high: dict[int, int] = {}  # server id -> highest chunk seq a layout named
         self.leases: dict[bytes, float] = {}
         self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
         self.retired: dict[int, float] = {}  # retired chunks: refused by commit and switch forever
@@ -171,6 +185,20 @@ class MetaIndex(ServerRegistry):
             self.entries[key] = Entry(layout, last_access)
             self.add_live(layout, +1, key)
         self.retired = {c: t for c, _, t in self.store.load_dead()}
+        since = time.monotonic()
+        stale = []  # put again after the delete (the put's own forget did not reach the disk)
+        for key, layout, horizon in self.store.load_tombstones():
+            if key in self.entries:
+                stale.append(key)
+                continue
+            h = decode_horizon(horizon)
+            for sid, seq in h.items():
+                if seq is not None:
+                    self.seq_high[sid] = max(self.seq_high.get(sid, -1), seq)
+            self.tombstones[key] = Tomb(layout, h, since)
+            self.add_live(layout, +1, key)
+        if stale:
+            self.store.forget_tombstones(stale)
         for sid, addr, capacity, free in self.store.load_servers():
             self.servers[sid] = ServerInfo(sid, addr, capacity, free, reported_capacity=capacity,
                                            reported_free=free)
@@ -196,7 +224,11 @@ class MetaIndex(ServerRegistry):
 
     # changing -----------------------------------------------------------------------
     def add_live(self, layout: Layout, sign: int, key: bytes, live: dict[int, int] | None = None) -> None:
-        add_live(self.chunk_live if live is None else live, layout, sign, key)
+        if live is None:
+            live = self.chunk_live
+            if sign > 0:
+                self.note_chunks(layout)
+        add_live(live, layout, sign, key)
 
     def check_not_dead(self, rows: Iterable[tuple[bytes, Layout]]) -> None:
         """StaleLayout for a layout naming a retired chunk (a put that outlasted the grace
@@ -216,6 +248,14 @@ class MetaIndex(ServerRegistry):
                     if r.chunk_id in dead:
                         return r.chunk_id
         return None
+
+    def note_chunks(self, layout: Layout) -> None:
+        """Raise ``seq_high`` to the chunks a layout names (tombstones' horizons)."""
+        high = self.seq_high
+        for cid, _ in layout.chunk_bytes():
+            sid, seq = server_of_chunk(cid), chunk_seq(cid)
+            if high.get(sid, -1) < seq:
+                high[sid] = seq
 
     def switch_layouts(self, staged: list[tuple[bytes, Entry, Layout]]) -> None:
         """Replace the layouts of existing entries: one SQLite transaction, then the index."""
@@ -393,6 +433,8 @@ class MetaIndex(ServerRegistry):
         if rows:  # (if_absent may have left nothing to write)
             self.store.put_many(rows)
             self.commit_groups += 1
+        if self.tombstones:  # a put of a deleted key: its new record is newer than the tombstone
+            self.forget_tombstones([k for c in group for k, _, _ in c.rows if k in self.tombstones])
         entries, dirty, add_live = self.entries, self.dirty_access, self.add_live
         for c in group:
             now = c.now
@@ -405,15 +447,134 @@ class MetaIndex(ServerRegistry):
                 dirty.pop(key, None)
             c.done.set_result(None)
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
-        gone = [k for k in keys if k in self.entries]
+    async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
+        """Remove keys; ``tombstones[i]`` (if given): where key ``i``'s tombstone was
+        written, kept for each key removed (:mod:`kvfs.meta.tombstones`)."""
+        gone = list(dict.fromkeys(k for k in keys if k in self.entries))
+        keep: dict[bytes, Layout] = {}
+        if tombstones:
+            where = dict(zip(keys, tombstones, strict=True))
+            keep = {k: where[k] for k in gone}
+        for lay in keep.values():  # the horizon covers the tombstones' own chunks
+            self.note_chunks(lay)
+        horizon = horizon_now(self.servers, self.seq_high, self.started) if keep else {}
+        blob = encode_horizon(horizon)
         if gone:
-            self.store.delete_many(gone)
+            self.store.delete_many(gone, ((k, encode_layout(lay), blob) for k, lay in keep.items()))
+        since = time.monotonic()
+        for k, lay in keep.items():
+            self.tombstones[k] = Tomb(lay, dict(horizon), since)
+            self.add_live(lay, +1, k)
         for k in gone:
             self.add_live(self.entries.pop(k).layout, -1, k)
             self.dirty_access.pop(k, None)
             self.leases.pop(k, None)
         return len(gone)
+
+    # tombstones (kvfs.meta.tombstones) -------------------------------------------------
+    def forget_tombstones(self, keys: Sequence[bytes]) -> None:
+        if not keys:
+            return
+        self.store.forget_tombstones(keys)
+        for k in keys:
+            t = self.tombstones.pop(k, None)
+            if t is not None:
+                self.add_live(t.layout, -1, k)
+
+    def save_tombstones(self, keys: Iterable[bytes]) -> None:
+        """Write moved tombstones, or raised horizons, through (one transaction)."""
+        keys = list(keys)
+        if not keys:
+            return
+        with self.store.durable():
+            self.store.put_tombstones((k, encode_layout(t.layout), encode_horizon(t.horizon))
+                                      for k in keys if (t := self.tombstones.get(k)) is not None)
+
+    def move_tombstones(self, staged: Sequence[tuple[bytes, Layout]]) -> None:
+        """Point tombstones at their compacted copies (a GC relocation)."""
+        for k, lay in staged:
+            t = self.tombstones[k]
+            self.add_live(t.layout, -1, k)
+            t.layout = lay
+            self.add_live(lay, +1, k)
+        self.save_tombstones(k for k, _ in staged)
+
+    # tombstones in GC's calls (storeapi.GcIndex; the Redis store keeps none) ------------
+    async def tombstone_refs(self, chunks: Collection[int]) -> tuple[list[tuple[int, bytes, int]], int]:
+        """(chunk, key, offset) of the kept tombstones in ``chunks`` (compaction copies them
+        forward), after forgetting those no older record can outlive any more (how many)."""
+        refs: list[tuple[int, bytes, int]] = []
+        if not chunks or not self.tombstones:
+            return refs, 0
+        floor = floors(self.servers)
+        done = []
+        for k, t in self.tombstones.items():
+            mine = [r for r in t.layout.extents[0].replicas if r.chunk_id in chunks]
+            if not mine:
+                continue
+            if any(passed(t, floor, compacting=r.chunk_id) for r in mine):
+                done.append(k)  # needed no more: not copied
+                continue
+            refs += [(r.chunk_id, k, r.offset) for r in mine]
+        if done:
+            with self.store.durable():
+                self.forget_tombstones(done)
+        return refs, len(done)
+
+    async def tombstoned(self, keys: Iterable[bytes]) -> set[bytes]:
+        """Those of ``keys`` deleted with a tombstone kept (and not put again)."""
+        tombs = self.tombstones
+        return {k for k in keys if k in tombs and k not in self.entries} if tombs else set()
+
+    async def relocate_tombstones(self, sid: int, new_chunk: int,
+                                  by_key: dict[bytes, dict[tuple[int, int], int]]) -> tuple[set[bytes], int]:
+        """GC_RELOCATE's tombstones: point each copied tombstone at its copy, or raise the
+        horizon of a deleted key whose older record was copied; (the keys handled here,
+        the tombstone replicas moved)."""
+        handled: set[bytes] = set()
+        tombs: list[tuple[bytes, Layout]] = []
+        raised: list[bytes] = []
+        moved = 0
+        for key in await self.tombstoned(by_key):
+            handled.add(key)
+            t = self.tombstones[key]
+            mapping = by_key[key]
+            reps = []
+            n = 0
+            for r in t.layout.extents[0].replicas:
+                no = mapping.get((r.chunk_id, r.offset)) if r.server_id == sid else None
+                reps.append(r if no is None else Replica(sid, new_chunk, no))
+                n += no is not None
+            if n:
+                tombs.append((key, tomb_layout(reps, t.layout.created)))
+                moved += n
+            elif raise_horizon(t, new_chunk):  # an older record now in new_chunk
+                raised.append(key)
+        if tombs:
+            self.move_tombstones(tombs)
+        if raised:
+            self.save_tombstones(raised)
+        return handled, moved
+
+    async def raise_horizons(self, copies: Iterable[tuple[bytes, int]]) -> None:
+        """A repair copied a record of a key deleted since the plan into that chunk: the
+        key's tombstone must outlive it too."""
+        raised = [k for k, cid in copies if k not in self.entries
+                  and (t := self.tombstones.get(k)) is not None and raise_horizon(t, cid)]
+        self.save_tombstones(raised)
+
+    async def drop_passed(self) -> int:
+        return self.drop_passed_tombstones()
+
+    def drop_passed_tombstones(self) -> int:
+        """Forget the tombstones no older record of their key can outlive any more
+        (:func:`kvfs.meta.tombstones.passed`); their bytes become garbage."""
+        floor = floors(self.servers)
+        done = [k for k, t in self.tombstones.items() if passed(t, floor)]
+        if done:
+            with self.store.durable():
+                self.forget_tombstones(done)
+        return len(done)
 
     async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
         """Remove each key that still has the given layout (compare-and-swap: a key

@@ -6,8 +6,9 @@ carries its key, write id, extent index, the value's total size and CRC,
 expiry, and whether its value passes its CRC) and writes a new database in
 DIR:
 
-- per key, the newest write id wins; a tombstone there means deleted, and a
-  newest write that is incomplete (an extent with no good copy anywhere: a put
+- per key, the newest write id wins; a tombstone there means deleted (and meta
+  keeps that tombstone, as it keeps a delete's: :mod:`kvfs.meta.tombstones`, with a
+  horizon of every chunk scanned), and a newest write that is incomplete (an extent with no good copy anywhere: a put
   that never finished, or every copy corrupt) drops the key rather than
   bring back older bytes;
 - each extent's replicas are its good copies, one per server (the newest chunk
@@ -36,6 +37,7 @@ from kvfs.config import TlsConfig
 from kvfs.errors import InvalidArgument, WrongCluster
 from kvfs.layout import Extent, Layout, Replica, encode_layout
 from kvfs.meta.store import MetaStore
+from kvfs.meta.tombstones import Horizon, chunk_seq, encode_horizon, tomb_layout
 from kvfs.tls import client_context
 from kvfs.transport import Connection
 
@@ -74,9 +76,10 @@ class RebuildReport:
     dropped_keys: list[bytes] = field(default_factory=list)
 
 
-def pick_layouts(records: Iterable[FoundRecord], now: float,
-                 report: RebuildReport | None = None) -> dict[bytes, Layout]:
-    """The layout of every key the records describe (newest write wins)."""
+def pick_layouts(records: Iterable[FoundRecord], now: float, report: RebuildReport | None = None,
+                 tombstones: dict[bytes, Layout] | None = None) -> dict[bytes, Layout]:
+    """The layout of every key the records describe (newest write wins); ``tombstones``
+    gets each deleted key's newest tombstone (its copies, one per server)."""
     rep = report if report is not None else RebuildReport()
     by_key: dict[bytes, dict[int, list[FoundRecord]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
@@ -89,6 +92,13 @@ def pick_layouts(records: Iterable[FoundRecord], now: float,
         newest = versions[max(versions)]
         if any(r.tombstone for r in newest):
             rep.deleted += 1
+            if tombstones is not None:
+                copies: dict[int, FoundRecord] = {}
+                for r in newest:
+                    if r.tombstone and (r.server_id not in copies or r.chunk_id > copies[r.server_id].chunk_id):
+                        copies[r.server_id] = r  # compaction's copy is the newer chunk
+                tombstones[key] = tomb_layout((Replica(r.server_id, r.chunk_id, r.offset)
+                                               for _, r in sorted(copies.items())), now)
             continue
         layout = _assemble(newest)
         if layout is None:
@@ -135,10 +145,14 @@ def _assemble(group: list[FoundRecord]) -> Layout | None:
 
 
 async def scan_chunkservers(addrs: list[str], token: str, report: RebuildReport,
-                            tls: ssl.SSLContext | None = None) -> tuple[list[FoundRecord], list[list[Any]], str]:
-    """(records, servers as [id, addr, capacity, free], cluster id) from every chunkserver."""
+                            tls: ssl.SSLContext | None = None,
+                            ) -> tuple[list[FoundRecord], list[list[Any]], str, Horizon]:
+    """(records, servers as [id, addr, capacity, free], cluster id, horizon) from every
+    chunkserver; the horizon is each server's highest chunk: every chunk scanned may hold
+    an older record of a deleted key, so the tombstones kept outlive them all."""
     found: list[FoundRecord] = []
     servers: list[list[Any]] = []
+    horizon: Horizon = {}
     cluster_ids: set[str] = set()
     for addr in addrs:
         host, port = parse_addr(addr)
@@ -151,6 +165,8 @@ async def scan_chunkservers(addrs: list[str], token: str, report: RebuildReport,
             if st.cluster_id:
                 cluster_ids.add(st.cluster_id)
             servers.append([sid, f"{host}:{port}", st.capacity, st.free])
+            horizon[sid] = max((chunk_seq(c) for c in [*st.chunks, *([st.open] if st.open is not None else [])]),
+                               default=-1)
             for cid in st.chunks:
                 scanned = await conn.call(rpc.ChunkScan(chunk_id=cid))
                 report.chunks += 1
@@ -165,7 +181,7 @@ async def scan_chunkservers(addrs: list[str], token: str, report: RebuildReport,
         raise WrongCluster(f"the chunkservers belong to different clusters: {sorted(cluster_ids)}")
     if not cluster_ids:
         raise InvalidArgument("no chunkserver reported a cluster id: nothing to rebuild from")
-    return found, servers, cluster_ids.pop()
+    return found, servers, cluster_ids.pop(), horizon
 
 
 async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None = None,
@@ -177,15 +193,17 @@ async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None
     if not addrs:
         raise InvalidArgument("--from-chunkservers needs at least one HOST:PORT")
     report = RebuildReport()
-    records, servers, cluster_id = await scan_chunkservers(addrs, token, report,
+    records, servers, cluster_id, horizon = await scan_chunkservers(addrs, token, report,
                                                            client_context(tls))
     now = time.time() if now is None else now
-    layouts = pick_layouts(records, now, report)
+    tombs: dict[bytes, Layout] = {}
+    layouts = pick_layouts(records, now, report, tombs)
     data.mkdir(parents=True, exist_ok=True)
     store = MetaStore(path)
     try:
         store.cluster_id(create=cluster_id)
         store.put_many((k, encode_layout(lay), lay.expires_at, now) for k, lay in layouts.items())
+        store.put_tombstones((k, encode_layout(lay), encode_horizon(horizon)) for k, lay in tombs.items())
         for sid, addr, capacity, free in servers:
             store.put_server(sid, addr, capacity, free)
     finally:

@@ -1,5 +1,6 @@
 """A local Redis Cluster from ``redis-server`` processes, for tests and for trying the Redis
-meta store on one machine (``kvfs up --meta-store redis-cluster`` will start one).
+meta store on one machine (``kvfs up --meta-store redis-cluster`` runs one, through
+``python -m kvfs.meta.redis_local DIR --persistent``).
 
 :class:`LocalRedisCluster` starts N masters (and R replicas per master) on 127.0.0.1,
 each in its own folder of a data dir, joins them with ``redis-cli --cluster create``,
@@ -10,11 +11,22 @@ Redis cannot listen on port 0 in cluster mode (a node announces its port to the
 others), so each node is started on a random port of ``port_range`` (and its cluster
 bus on ``port + bus_offset``); a node that fails to bind is started again on another
 port, up to ``start_tries`` times.  Nothing is picked, released and hoped for.
+
+``persistent``: every node keeps an append-only file (``appendfsync everysec``) and its
+``nodes.conf``, and ``DIR/cluster.json`` records the ports; starting again on that
+directory restarts the same nodes on the same ports, which rejoin as the cluster they
+were, with their keys (a node lost at most its last second of writes).  A node that
+exits is started again the same way (:meth:`LocalRedisCluster.restart_dead`; the
+command line does this, with a backoff).  ``die_with_parent``: each ``redis-server``
+gets SIGTERM when the process that started it dies (``PR_SET_PDEATHSIG``; only for a
+cluster started from the main thread, as the command line does).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import json
 import logging
 import os
 import random
@@ -22,7 +34,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,6 +74,8 @@ class LocalRedisCluster:
     start_tries: int = 20
     ready_timeout_s: float = 30.0
     maxmemory: str | None = None
+    persistent: bool = False
+    die_with_parent: bool = False
     nodes: list[RedisNode] = field(default_factory=list)
 
     @property
@@ -81,15 +97,47 @@ class LocalRedisCluster:
             if shutil.which(exe) is None:
                 raise Unavailable(f"{exe} is not installed (Debian: apt-get install redis-server)")
         self.data.mkdir(parents=True, exist_ok=True)
+        saved = self._saved_ports()
         try:
-            for i in range(self.masters * (1 + self.replicas)):
-                self.nodes.append(self._start_node(self.data / f"node{i}"))
-            self._create()
+            if saved is not None:  # the same nodes again: they rejoin by their nodes.conf
+                for i, port in enumerate(saved):
+                    self.nodes.append(self._start_node(self.data / f"node{i}", port))
+            else:
+                for i in range(self.masters * (1 + self.replicas)):
+                    self.nodes.append(self._start_node(self.data / f"node{i}"))
+                self._create()
+                if self.persistent:
+                    (self.data / "cluster.json").write_text(json.dumps(
+                        {"masters": self.masters, "replicas": self.replicas,
+                         "ports": [n.port for n in self.nodes]}))
             self.wait_ok()
         except BaseException:
             self.stop()
             raise
         return self
+
+    def _saved_ports(self) -> list[int] | None:
+        """The ports of a persistent cluster made earlier in ``data`` (None: make one)."""
+        path = self.data / "cluster.json"
+        if not self.persistent or not path.exists():
+            return None
+        saved = json.loads(path.read_text())
+        if (saved["masters"], saved["replicas"]) != (self.masters, self.replicas):
+            raise ValueError(f"{self.data} holds a Redis Cluster of {saved['masters']} masters with "
+                             f"{saved['replicas']} replicas each, not {self.masters} with "
+                             f"{self.replicas}: start it as it was made, or use another directory")
+        return [int(p) for p in saved["ports"]]
+
+    def restart_dead(self) -> list[RedisNode]:
+        """Start every node that exited again, on its port and folder (its append-only file
+        and nodes.conf: a persistent node comes back with its keys and its place in the
+        cluster); returns the restarted ones."""
+        out = []
+        for i, n in enumerate(self.nodes):
+            if n.proc.poll() is not None:
+                self.nodes[i] = self._start_node(n.dir, n.port)
+                out.append(self.nodes[i])
+        return out
 
     def stop(self) -> None:
         for n in self.nodes:
@@ -116,27 +164,50 @@ class LocalRedisCluster:
         node.proc.wait()
 
     # internals --------------------------------------------------------------------------
-    def _start_node(self, d: Path) -> RedisNode:
+    def _start_node(self, d: Path, fixed_port: int | None = None) -> RedisNode:
+        """A node in ``d``: on a random free port (a fresh node), or on ``fixed_port``
+        (a node started again: tried until ``ready_timeout_s``, since the one before may
+        still be shutting down)."""
         d.mkdir(parents=True, exist_ok=True)
         lo, hi = self.port_range
         rng = random.Random(os.getpid() ^ time.monotonic_ns())
         last = ""
-        for _ in range(self.start_tries):
-            port = rng.randrange(lo, hi)
-            for f in ("nodes.conf", "redis.log"):
-                with contextlib.suppress(FileNotFoundError):
-                    (d / f).unlink()
+        deadline = time.monotonic() + self.ready_timeout_s
+        tries = 0
+
+        def again() -> bool:
+            if fixed_port is None:
+                return tries < self.start_tries
+            return tries == 0 or time.monotonic() < deadline
+
+        while again():
+            tries += 1
+            if fixed_port is not None:
+                port = fixed_port
+                if tries > 1:
+                    time.sleep(0.2)  # the port's previous owner is still closing it
+            else:
+                port = rng.randrange(lo, hi)
+                for f in ("nodes.conf", "redis.log", "appendonlydir"):
+                    with contextlib.suppress(FileNotFoundError):
+                        if (d / f).is_dir():
+                            shutil.rmtree(d / f)
+                        else:
+                            (d / f).unlink()
             args = [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1",
                     "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
                     "--cluster-port", str(port + self.bus_offset),
                     "--cluster-node-timeout", "2000", "--dir", str(d), "--logfile", "redis.log",
-                    "--save", "", "--appendonly", "no", "--daemonize", "no",
+                    "--save", "", "--daemonize", "no",
+                    *(("--appendonly", "yes", "--appendfsync", "everysec") if self.persistent
+                      else ("--appendonly", "no")),
                     "--repl-diskless-sync-delay", "0",
                     "--protected-mode", "no"]
             if self.maxmemory:
                 args += ["--maxmemory", self.maxmemory]
             proc = subprocess.Popen(args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL)
+                                    stderr=subprocess.DEVNULL,
+                                    preexec_fn=_pdeathsig if self.die_with_parent else None)
             node = RedisNode(port, d, proc)
             if self._wait_listening(node):
                 return node
@@ -144,7 +215,8 @@ class LocalRedisCluster:
                 proc.kill()
             proc.wait()
             last = _tail(d / "redis.log")
-        raise Unavailable(f"redis-server would not start in {d} after {self.start_tries} ports: {last}")
+        where = f"on port {fixed_port}" if fixed_port is not None else f"after {self.start_tries} ports"
+        raise Unavailable(f"redis-server would not start in {d} {where}: {last}")
 
     def _wait_listening(self, node: RedisNode) -> bool:
         """True once the node answers PING; False if it exited (a port in use)."""
@@ -152,8 +224,8 @@ class LocalRedisCluster:
         while time.monotonic() < deadline:
             if node.proc.poll() is not None:
                 return False
-            if _command(node.port, b"PING") == b"+PONG":
-                return True
+            if _command(node.port, b"PING") in (b"+PONG", b"-LOADING Redis is loading the dataset in memory"):
+                return True  # listening (a persistent node may still be reading its file)
             time.sleep(0.02)
         raise Unavailable(f"redis-server on port {node.port} did not answer within "
                           f"{self.ready_timeout_s} s: {_tail(node.dir / 'redis.log')}")
@@ -185,6 +257,11 @@ class LocalRedisCluster:
                     return
             time.sleep(0.05)
         raise Unavailable(f"redis cluster not ok within the deadline: {info}")
+
+
+def _pdeathsig() -> None:
+    """In the forked child, before exec: SIGTERM when the parent dies (kept across exec)."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _field(info: bytes, name: bytes) -> int:
@@ -228,16 +305,50 @@ def _tail(path: Path, n: int = 600) -> str:
         return "(no log)"
 
 
+def supervise(rc: LocalRedisCluster, stopped: Callable[[], bool], report: Callable[[str], None], *,
+              poll_s: float = 0.2, backoff_s: float = 0.5, backoff_max_s: float = 30.0) -> None:
+    """Until ``stopped()``: start each node that exits again (:meth:`restart_dead`), after
+    a backoff that doubles while restarts keep failing."""
+    delay = backoff_s
+    while not stopped():
+        time.sleep(poll_s)
+        dead = [n for n in rc.nodes if n.proc.poll() is not None]
+        if not dead or stopped():
+            continue
+        for n in dead:
+            report(f"redis-server on port {n.port} (pid {n.proc.pid}) exited with {n.proc.returncode}; "
+                   f"starting it again")
+        try:
+            for n in rc.restart_dead():
+                report(f"redis-server on port {n.port} started again (pid {n.proc.pid})")
+            delay = backoff_s
+        except Unavailable as exc:
+            report(f"restart failed: {exc}; next try in {delay:g} s")
+            end = time.monotonic() + delay
+            while time.monotonic() < end and not stopped():
+                time.sleep(poll_s)
+            delay = min(backoff_max_s, delay * 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m kvfs.meta.redis_local DIR``: a local cluster until SIGINT/SIGTERM."""
     import argparse
 
+    from kvfs._parent import die_with_parent
+
+    die_with_parent()  # started by `kvfs up`: stop (and so stop the nodes) when it dies
     ap = argparse.ArgumentParser(prog="python -m kvfs.meta.redis_local",
                                  description="run a local Redis Cluster (redis-server from apt) "
-                                 "until interrupted; prints 'redis cluster ready URL'")
+                                 "until interrupted; prints 'redis cluster ready URL'; restarts "
+                                 "a node that exits; the nodes die with it")
     ap.add_argument("dir", type=Path, help="data directory (one folder per node)")
     ap.add_argument("--masters", type=int, default=3)
     ap.add_argument("--replicas", type=int, default=0, help="replicas per master")
+    ap.add_argument("--persistent", action="store_true",
+                    help="append-only files, and the same nodes on the same ports when started "
+                    "again on DIR (what kvfs up uses)")
+    ap.add_argument("--maxmemory", default=None,
+                    help="each node's maxmemory (bytes, or 4gb); writes fail once a master is full")
     a = ap.parse_args(argv)
     stop = False
 
@@ -247,10 +358,15 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    with LocalRedisCluster(a.dir, masters=a.masters, replicas=a.replicas) as rc:
+    signal.signal(signal.SIGHUP, on_signal)
+
+    def report(msg: str) -> None:
+        print(f"redis_local: {msg}", file=sys.stderr, flush=True)
+
+    with LocalRedisCluster(a.dir, masters=a.masters, replicas=a.replicas, persistent=a.persistent,
+                           maxmemory=a.maxmemory, die_with_parent=True) as rc:
         print(f"redis cluster ready {rc.url}", flush=True)
-        while not stop:
-            signal.pause()
+        supervise(rc, lambda: stop, report)
     return 0
 
 

@@ -21,12 +21,13 @@ from kvfs import rpc
 from kvfs.address import parse_addr, service_tokens
 from kvfs.config import MetaConfig
 from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
-from kvfs.errors import InvalidArgument, Unavailable, WrongCluster
+from kvfs.errors import InvalidArgument, StaleLayout, Unavailable, WrongCluster
 from kvfs.handshake import Role
 from kvfs.layout import Layout
 from kvfs.meta.gc import MetaGc
 from kvfs.meta.index import MetaIndex, ServerInfo
 from kvfs.meta.store import MetaStore
+from kvfs.meta.tombstones import tomb_layout
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
 
@@ -113,7 +114,23 @@ class MetaService:
 
     async def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply:
         now = self.clock()
-        return rpc.Layouts(layouts=await self.index.lookup(req.keys, now, _until(now, req.lease_s))), ()
+        layouts = await self.index.lookup(req.keys, now, _until(now, req.lease_s))
+        if not req.dirs:
+            return rpc.Layouts(layouts=layouts), ()
+        dirs = [lay is None and await self._has_under(k + b"/", now)
+                for k, lay in zip(req.keys, layouts, strict=True)]
+        return rpc.Layouts(layouts=layouts, dirs=dirs), ()
+
+    async def _has_under(self, prefix: bytes, now: float) -> bool:
+        """Whether an unexpired key starts with ``prefix``."""
+        after = None
+        while True:
+            rows = await self.index.list_keys(prefix, after, 64)
+            if any(not lay.expired(now) for _, lay in rows):
+                return True
+            if len(rows) < 64:
+                return False
+            after = rows[-1][0]
 
     async def rpc_release(self, req: rpc.Release, payload: memoryview) -> Reply:
         return rpc.Released(released=await self.index.release(req.keys)), ()
@@ -165,7 +182,32 @@ class MetaService:
                         raise InvalidArgument(f"layout for {key[:64]!r} names unknown chunkserver {r.server_id}")
 
     async def rpc_delete(self, req: rpc.Delete, payload: memoryview) -> Reply:
-        return rpc.Deleted(deleted=await self.index.delete(req.keys)), ()
+        """Tombstones (where the client wrote them) are checked like a commit's layouts;
+        meta keeps those of the keys it removes (:mod:`kvfs.meta.tombstones`)."""
+        keys, where = req.keys, req.tombstones
+        tombs: list[Layout] = []
+        if where:
+            if len(where) != len(keys):
+                raise InvalidArgument(f"DELETE names {len(where)} tombstones for {len(keys)} keys: "
+                                      "give one per key, or none")
+            if not {r.server_id for reps in where for r in reps} <= self.index.servers.keys():
+                await self.index.refresh()
+            now = self.clock()
+            for key, reps in zip(keys, where, strict=True):
+                if len({r.server_id for r in reps}) != len(reps):
+                    raise InvalidArgument(f"tombstone of {key[:64]!r} names one chunkserver twice")
+                for r in reps:
+                    if r.server_id not in self.index.servers:
+                        raise InvalidArgument(f"tombstone of {key[:64]!r} names unknown chunkserver "
+                                              f"{r.server_id}")
+                lay = tomb_layout(reps, now)
+                # (only SQLite's index keeps tombstones: the Redis store drops them)
+                if isinstance(self.index, MetaIndex) and self.index.dead_in(lay) is not None:
+                    raise StaleLayout(f"tombstone of {key[:64]!r} is in a chunk garbage collection "
+                                      "already reclaimed (the delete took longer than the GC grace "
+                                      "period); retry the delete")
+                tombs.append(lay)
+        return rpc.Deleted(deleted=await self.index.delete(keys, tombs)), ()
 
     async def rpc_list(self, req: rpc.ListKeys, payload: memoryview) -> Reply:
         rows = await self.index.list_keys(req.prefix, req.start_after, req.limit)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from kvfs.config import MetaConfig
@@ -147,7 +147,10 @@ class SharedIndex(ServerRegistry):
         present = await self.store.commit([staged[i] for i in rest], now, if_absent=True)
         return [rest[j] for j in present]
 
-    async def delete(self, keys: Sequence[bytes]) -> int:
+    async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
+        """``tombstones`` are not kept (:mod:`kvfs.meta.tombstones` is SQLite's): GC may
+        reclaim a tombstone's chunk before an older record of the key; a meta on Redis is
+        never rebuilt from chunk records, which is what tombstones protect."""
         return len(await self.store.delete(keys))
 
     async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
@@ -212,6 +215,23 @@ class SharedIndex(ServerRegistry):
     async def delete_server(self, server_id: int) -> None:
         self.servers.pop(server_id, None)
         await self.store.delete_server(server_id)
+
+    # tombstones: the Redis store keeps none (a rebuild from chunk records is SQLite's)
+    async def tombstone_refs(self, chunks: Collection[int]) -> tuple[list[tuple[int, bytes, int]], int]:
+        return [], 0
+
+    async def tombstoned(self, keys: Iterable[bytes]) -> set[bytes]:
+        return set()
+
+    async def relocate_tombstones(self, sid: int, new_chunk: int,
+                                  by_key: dict[bytes, dict[tuple[int, int], int]]) -> tuple[set[bytes], int]:
+        return set(), 0
+
+    async def raise_horizons(self, copies: Iterable[tuple[bytes, int]]) -> None:
+        pass
+
+    async def drop_passed(self) -> int:
+        return 0
 
     async def get_state(self, name: str) -> Any:
         return await self.store.get_state(name)

@@ -36,11 +36,17 @@ CREATE TABLE IF NOT EXISTS dead_chunks (
 CREATE TABLE IF NOT EXISTS cluster (
     id TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS tombstones (
+    key BLOB PRIMARY KEY,
+    layout BLOB NOT NULL,
+    horizon BLOB NOT NULL
+) WITHOUT ROWID;
 CREATE TABLE IF NOT EXISTS gc_state (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
 );
 """
+PUT_TOMBSTONE = "INSERT OR REPLACE INTO tombstones(key, layout, horizon) VALUES (?,?,?)"
 
 
 def prefix_upper_bound(prefix: bytes) -> bytes | None:
@@ -106,10 +112,30 @@ class MetaStore:
             self.db.executemany(
                 "INSERT OR REPLACE INTO kv(key, layout, expires_at, last_access) VALUES (?,?,?,?)", rows)
 
-    def delete_many(self, keys: Iterable[bytes]) -> None:
+    def delete_many(self, keys: Iterable[bytes],
+                    tombstones: Iterable[tuple[bytes, bytes, bytes]] = ()) -> None:
+        """Delete keys and, in the same transaction, store the tombstones kept for them
+        (key, layout, horizon: :mod:`kvfs.meta.tombstones`)."""
         with self.db:
             self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM kv WHERE key = ?", ((k,) for k in keys))
+            self.db.executemany(PUT_TOMBSTONE, tombstones)
+
+    # tombstones (kvfs.meta.tombstones) ---------------------------------------------
+    def load_tombstones(self) -> Iterator[tuple[bytes, Layout, bytes]]:
+        for key, blob, horizon in self.db.execute("SELECT key, layout, horizon FROM tombstones"):
+            yield bytes(key), decode_layout(blob), bytes(horizon)
+
+    def put_tombstones(self, rows: Iterable[tuple[bytes, bytes, bytes]]) -> None:
+        """(key, layout, horizon) rows: moved by compaction, or a horizon raised."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany(PUT_TOMBSTONE, rows)
+
+    def forget_tombstones(self, keys: Iterable[bytes]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany("DELETE FROM tombstones WHERE key = ?", ((k,) for k in keys))
 
     def touch_many(self, rows: Iterable[tuple[float, bytes]]) -> None:
         with self.db:

@@ -15,7 +15,7 @@ what holds per key rather than per batch).
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfs.layout import Layout
@@ -208,6 +208,21 @@ class GcIndex(Protocol):
     async def dead_chunks(self) -> dict[int, float]: ...
 
     async def delete_server(self, server_id: int) -> None: ...
+
+    # the tombstones of deleted keys an index keeps (kvfs.meta.tombstones; SQLite only)
+    async def tombstone_refs(self, chunks: Collection[int]) -> tuple[builtins.list[tuple[int, bytes, int]], int]:
+        """(chunk, key, offset) of kept tombstones in ``chunks``; how many were forgotten."""
+
+    async def tombstoned(self, keys: Iterable[bytes]) -> set[bytes]: ...
+
+    async def relocate_tombstones(self, sid: int, new_chunk: int, by_key: dict[bytes, dict[tuple[int, int], int]],
+                                  ) -> tuple[set[bytes], int]:
+        """Move copied tombstones (GC_RELOCATE): (keys handled, replicas moved)."""
+
+    async def raise_horizons(self, copies: Iterable[tuple[bytes, int]]) -> None: ...
+
+    async def drop_passed(self) -> int:
+        """Forget tombstones no older record can outlive any more; how many."""
 
     async def get_state(self, name: str) -> Any: ...
 

@@ -4,11 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
+from typing import Any
 
+import pytest
+
+import kvfs
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
+from kvfs.errors import Unavailable
 from kvfs.launcher import LocalCluster
+from tests.conftest import ThreadCluster
 
 
 def _readv_calls(cluster: LocalCluster) -> int:
@@ -58,3 +66,158 @@ async def test_concurrent_exists_are_batched(kv: AsyncClient) -> None:
     before = kv.rpc_counts["EXISTS"]
     assert await asyncio.gather(kv.exists(b"e1"), kv.exists(b"e2")) == [True, False]
     assert kv.rpc_counts["EXISTS"] - before == 1
+
+
+# -- whole get_into / put_many calls coalesced (issue 12 item 8) ---------------------------------
+def _val(i: int, n: int = 4096) -> bytes:
+    return bytes([i % 251]) * n
+
+
+async def test_concurrent_get_into_calls_share_rpcs(cluster: LocalCluster, kv: AsyncClient) -> None:
+    items = {f"gi{i}".encode(): _val(i) for i in range(32)}
+    await kv.put_many(items)
+    kv.layout_cache.clear()
+    keys = list(items)
+    bufs = [bytearray(4096) for _ in keys]
+    lookups, readvs = kv.rpc_counts["LOOKUP"], _readv_calls(cluster)
+    calls = [kv.get_into(keys[i : i + 2], bufs[i : i + 2]) for i in range(0, 32, 2)]
+    results = await asyncio.gather(*calls)
+    assert results == [[4096, 4096]] * 16
+    assert [bytes(b) for b in bufs] == list(items.values())
+    assert kv.rpc_counts["LOOKUP"] - lookups == 1  # 16 calls, one lookup
+    assert _readv_calls(cluster) - readvs == 1  # and one readv: one server holds them all
+
+
+async def test_coalesced_get_into_calls_keep_their_own_results(kv: AsyncClient) -> None:
+    await kv.put_many({b"r-big": _val(1, 8192), b"r-ok": _val(2), b"r-dup": _val(3)})
+    kv.layout_cache.clear()
+    small, ok = bytearray(4096), bytearray(4096)
+    miss, dup1, dup2 = bytearray(16), bytearray(4096), bytearray(4096)
+    halves = [memoryview(dup2)[:100], memoryview(dup2)[100:]]
+    lookups = kv.rpc_counts["LOOKUP"]
+    a, b, c, d = await asyncio.gather(
+        kv.get_into([b"r-big", b"r-ok"], [small, ok]),  # one too-small buffer, one good
+        kv.get_into([b"r-none"], [miss]),
+        kv.get_into([b"r-dup"], [dup1]),
+        kv.get_into([b"r-dup"], [halves]))  # the same key, another call, scattered
+    assert a == [kvfs.TOO_SMALL, 4096] and b == [kvfs.MISS] and c == [4096] and d == [4096]
+    assert bytes(small) == bytes(4096) and bytes(ok) == _val(2)
+    assert bytes(dup1) == bytes(dup2) == _val(3) and bytes(miss) == bytes(16)
+    assert kv.rpc_counts["LOOKUP"] - lookups == 1
+
+
+async def test_coalesced_get_into_reads_once_per_lease(kv: AsyncClient) -> None:
+    await kv.put_many({b"l1": _val(1), b"l2": _val(2), b"l3": _val(3)})
+    kv.layout_cache.clear()
+    bufs = [bytearray(4096) for _ in range(3)]
+    lookups = kv.rpc_counts["LOOKUP"]
+    got = await asyncio.gather(kv.get_into([b"l1"], [bufs[0]], lease_s=30),
+                               kv.get_into([b"l2"], [bufs[1]]),
+                               kv.get_into([b"l3"], [bufs[2]], lease_s=30))
+    assert got == [[4096]] * 3 and [bytes(b) for b in bufs] == [_val(1), _val(2), _val(3)]
+    assert kv.rpc_counts["LOOKUP"] - lookups == 2  # the leased two together, the other alone
+    assert await kv.release([b"l1", b"l2", b"l3"]) == 2
+
+
+async def test_concurrent_put_many_calls_share_rpcs(kv: AsyncClient) -> None:
+    appends, commits = kv.rpc_counts["APPEND"], kv.rpc_counts["COMMIT"]
+    items = [{f"pm{i}a".encode(): _val(i), f"pm{i}b".encode(): _val(i + 100)} for i in range(16)]
+    assert await asyncio.gather(*(kv.put_many(it) for it in items)) == [[True, True]] * 16
+    assert kv.rpc_counts["COMMIT"] - commits == 1  # 16 calls, one commit
+    assert kv.rpc_counts["APPEND"] - appends == 1  # 128 KiB: one run on one server
+    kv.layout_cache.clear()
+    merged = {k: v for it in items for k, v in it.items()}
+    assert await kv.get_many(list(merged)) == list(merged.values())
+
+
+async def test_puts_with_other_options_or_the_same_key_are_not_merged(kv: AsyncClient) -> None:
+    commits = kv.rpc_counts["COMMIT"]
+    await asyncio.gather(kv.put_many({b"o1": b"a"}, ttl=600), kv.put_many({b"o2": b"b"}),
+                         kv.put_many({b"o3": b"c"}, replicas=2))
+    assert kv.rpc_counts["COMMIT"] - commits == 3
+    commits = kv.rpc_counts["COMMIT"]
+    await asyncio.gather(kv.put_many({b"same": b"first"}), kv.put_many({b"same": b"second"}))
+    assert kv.rpc_counts["COMMIT"] - commits == 2  # one after another, in call order
+    kv.layout_cache.clear()
+    assert await kv.get(b"same") == b"second"
+    commits = kv.rpc_counts["COMMIT"]
+    stored = await asyncio.gather(kv.put_many({b"same": b"third"}, if_absent=True),
+                                  kv.put_many({b"ia-new": b"x"}, if_absent=True))
+    assert stored == [[False], [True]]  # merged (same options, no shared key), each its own answer
+    assert await kv.get(b"same") == b"second" and await kv.get(b"ia-new") == b"x"
+    assert kv.rpc_counts["COMMIT"] - commits == 1
+
+
+async def test_coalesced_puts_keep_each_keys_meta(kv: AsyncClient) -> None:
+    commits = kv.rpc_counts["COMMIT"]
+    await asyncio.gather(kv.put_many({b"m-a": b"1", b"m-b": b"2"}, meta=[{"layer": 1}, None]),
+                         kv.put_many({b"m-c": b"3"}),
+                         kv.put_many({b"m-d": b"4"}, meta=[{"dtype": "bf16"}]))
+    assert kv.rpc_counts["COMMIT"] - commits == 1
+    kv.layout_cache.clear()
+    assert await kv.get_meta([b"m-a", b"m-b", b"m-c", b"m-d"]) == [{"layer": 1}, {}, {},
+                                                                   {"dtype": "bf16"}]
+
+
+async def test_a_failed_shared_put_fails_only_its_own_call(kv: AsyncClient,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    real = kv.writer.put
+
+    async def refuse_bad(keys: list[bytes], views: list[list[memoryview]], **kw: Any) -> Any:
+        if b"bad" in keys:  # fault injection: this key's write always fails
+            raise Unavailable("injected: no server takes key bad")
+        return await real(keys, views, **kw)
+
+    monkeypatch.setattr(kv.writer, "put", refuse_bad)
+    commits = kv.rpc_counts["COMMIT"]
+    results = await asyncio.gather(kv.put_many({b"n1": b"1"}), kv.put_many({b"bad": b"2"}),
+                                   kv.put_many({b"n3": b"3", b"n4": b"4"}), return_exceptions=True)
+    assert results[0] == [True] and results[2] == [True, True]
+    assert isinstance(results[1], Unavailable)
+    assert kv.rpc_counts["COMMIT"] - commits == 2  # the shared put failed; each call alone
+    kv.layout_cache.clear()
+    assert await kv.get_many([b"n1", b"bad", b"n3", b"n4"]) == [b"1", None, b"3", b"4"]
+
+
+async def test_calls_of_a_whole_batch_go_alone(cluster: LocalCluster) -> None:
+    async with cluster.client(replace(ClientConfig(), batch_max_keys=4)) as kv:
+        commits = kv.rpc_counts["COMMIT"]
+        await asyncio.gather(*(kv.put_many({f"w{i}{j}".encode(): b"v" for j in range(4)})
+                               for i in range(3)))
+        assert kv.rpc_counts["COMMIT"] - commits == 3
+        commits = kv.rpc_counts["COMMIT"]
+        await asyncio.gather(*(kv.put_many({f"s{i}{j}".encode(): b"v" for j in range(2)})
+                               for i in range(3)))
+        assert kv.rpc_counts["COMMIT"] - commits == 2  # 2 + 2 keys, then 2: at most 4 a batch
+
+
+async def test_coalescing_off(cluster: LocalCluster) -> None:
+    async with cluster.client(replace(ClientConfig(), batch=False)) as kv:
+        commits = kv.rpc_counts["COMMIT"]
+        await asyncio.gather(*(kv.put_many({f"f{i}".encode(): b"v"}) for i in range(4)))
+        assert kv.rpc_counts["COMMIT"] - commits == 4
+
+
+def test_get_into_and_put_many_from_threads_share_batches(tcluster: ThreadCluster) -> None:
+    """Calls from 8 threads through the blocking client, queued while its IO loop is held
+    (so they reach it in one tick), go out as one batch each way."""
+    with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+        gate = threading.Event()
+        kv._loop.call_soon_threadsafe(gate.wait, 30)  # holds the IO loop: calls queue up
+        with ThreadPoolExecutor(8) as pool:
+            puts = list(pool.map(lambda t: kv.submit_put_many({f"th{t}".encode(): _val(t)}), range(8)))
+        commits = kv.aio.rpc_counts["COMMIT"]
+        gate.set()
+        assert [f.result(30) for f in puts] == [[True]] * 8
+        assert kv.aio.rpc_counts["COMMIT"] - commits == 1
+        kv.aio.layout_cache.clear()
+        bufs = [bytearray(4096) for _ in range(8)]
+        gate.clear()
+        kv._loop.call_soon_threadsafe(gate.wait, 30)
+        with ThreadPoolExecutor(8) as pool:
+            gets = list(pool.map(lambda t: kv.submit_get_into([f"th{t}".encode()], [bufs[t]]), range(8)))
+        lookups = kv.aio.rpc_counts["LOOKUP"]
+        gate.set()
+        assert [f.result(30) for f in gets] == [[4096]] * 8
+        assert kv.aio.rpc_counts["LOOKUP"] - lookups == 1
+        assert [bytes(b) for b in bufs] == [_val(t) for t in range(8)]

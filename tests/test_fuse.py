@@ -178,6 +178,41 @@ def test_missing_file_and_nonempty_rmdir(mnt: Path) -> None:
 
 # a KV-page directory (SGLang HiCacheFile style) ------------------------------------------
 @needs_fuse
+def test_kernel_read_ahead_of_the_mount(mnt: Path) -> None:
+    """The mount sets the kernel's read-ahead for itself to --kernel-read-ahead (1 MiB), so
+    large files reach it as 1 MiB reads."""
+    dev = [line.split()[2] for line in Path("/proc/self/mountinfo").read_text().splitlines()
+           if line.split()[4] == str(mnt)][-1]
+    ra = Path("/sys/class/bdi") / dev / "read_ahead_kb"
+    if not os.access(ra, os.W_OK):
+        pytest.skip(f"{ra} is not writable here (a read-only /sys): the mount leaves it")
+    wait_until(lambda: ra.read_text().strip() == "1024", 10, "the mount's read-ahead")
+
+
+@needs_fuse
+def test_lost_file_reads_as_a_miss(mnt: Path, fs: KVFileSystem, tcluster: ThreadCluster) -> None:
+    """A file whose every replica is lost behaves as a miss (the client's on_lost="miss"):
+    ENOENT from its read, never EIO or wrong bytes; meta forgets it, so it is gone from the
+    mount's listing and lookups too; its neighbours read fine."""
+    from kvfs.bench.reliability import flip_byte
+
+    good, doomed = os.urandom(50_000), os.urandom(70_000)
+    fs.pipe({"lost/good.bin": good, "lost/doomed.bin": doomed})
+
+    async def layout() -> Any:
+        async with tcluster.cluster.client() as kv:
+            return await kv.layout(b"lost/doomed.bin")
+
+    flip_byte(tcluster.cluster, tcluster.call(layout()).extents[0].replicas[0], 4321)
+    with pytest.raises(FileNotFoundError), open(mnt / "lost" / "doomed.bin", "rb", buffering=0) as f:
+        f.read()
+    assert (mnt / "lost" / "good.bin").read_bytes() == good
+    assert not fs.exists("lost/doomed.bin")
+    assert os.listdir(mnt / "lost") == ["good.bin"]
+    wait_until(lambda: not (mnt / "lost" / "doomed.bin").exists(), 10, "the kernel to drop the name")
+
+
+@needs_fuse
 def test_hicache_style_pages(mnt: Path, fs: KVFileSystem) -> None:
     """Thousands of page files, each written to a tmp name and renamed; every byte read back."""
     n, page = 2000, 4096
@@ -486,6 +521,27 @@ async def test_closes_share_commits(kv: AsyncClient, limits: dict[str, int], bat
     assert io.puts.batches == batches
     assert await kv.get_many([f"cc/{i}" for i in range(300)]) == [
         b"seven" if i == 7 else str(i).encode() for i in range(300)]
+
+
+async def test_lookups_are_one_shared_round_trip(kv: AsyncClient, clock: Any) -> None:
+    """The mount's lookups (the kernel's LOOKUP/GETATTR): concurrent ones share one LOOKUP,
+    and a miss says in it whether it is a directory (no LIST after it), expired keys under
+    a name not counting."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import InodeTable
+
+    io = FileIO(KVFileSystem(client=kv, asynchronous=True), InodeTable(), MountConfig())
+    await kv.put_many({"lu/f": b"file", "lu/d/x": b"under"})
+    await kv.put("lu/old/x", b"expiring", ttl=5)
+    clock.advance(10)
+    before = dict(kv.rpc_counts)
+    got = await asyncio.gather(*(io.info(i + 2, p) for i, p in enumerate(
+        ["lu/f", "lu/d", "lu/none", "lu/old", "lu/f/x"])), return_exceptions=True)
+    assert [g["type"] if isinstance(g, dict) else type(g) for g in got] == [
+        "file", "directory", FileNotFoundError, FileNotFoundError, FileNotFoundError]
+    assert {op: n - before.get(op, 0) for op, n in kv.rpc_counts.items() if n != before.get(op, 0)} \
+        == {"LOOKUP": 3}  # two go at once (--batches-in-flight 2), the other three together
 
 
 async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> None:

@@ -18,6 +18,7 @@ from kvfs.config import ClientConfig
 from kvfs.errors import ChecksumMismatch, StaleLayout, Unavailable
 from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.layout import Replica
+from kvfs.stream import ValueReader, read_units
 
 RAISE = ClientConfig(on_lost="raise")
 
@@ -104,6 +105,24 @@ async def test_corrupt_record_is_a_miss_never_wrong_bytes(cluster: LocalCluster,
     bufs = [bytearray(10_000), bytearray(3000), bytearray(5000)]
     assert await kv.get_into(keys, bufs) == [kvfs.MISS, 3000, 5000]
     assert [bytes(b) for b in bufs[1:]] == [items[b"n1"], items[b"n2"]]
+
+
+async def test_mount_reads_of_a_lost_value_follow_on_lost(cluster: LocalCluster,
+                                                          kv: AsyncClient) -> None:
+    """``read_units`` (the FUSE mount's reads): a unit no replica can serve is a miss (None)
+    or, with ``on_lost="raise"``, its error; its neighbours in the batch are read."""
+    items = {b"m/victim": os.urandom(10_000), b"m/n1": os.urandom(3000)}
+    await kv.put_many(items)
+    _, rep, path = await _replica_file(cluster, kv, b"m/victim")
+    _flip(path, rep.offset + 99)
+    wants: list[tuple[ValueReader | bytes, int]] = [(b"m/victim", 0), (b"m/n1", 0), (b"m/none", 0)]
+    async with cluster.client(RAISE) as strict:
+        with pytest.raises(ChecksumMismatch, match="victim"):
+            await read_units(strict, wants)
+    got = await read_units(kv, wants)
+    assert got[0] is None and got[2] is None
+    assert got[1] is not None and got[1][1:] == (0, items[b"m/n1"])
+    assert await kv.layout(b"m/victim") is None  # reported lost: meta forgot it
 
 
 async def test_one_corrupt_replica_of_two_reads_the_other(cluster: LocalCluster,

@@ -13,7 +13,7 @@ from kvfs._batch import Batcher, run_end, split_batches
 from kvfs.errors import InvalidArgument, NoSpace, NotFound, Timeout, Unavailable
 from kvfs.fs import InvalidPathError
 from kvfs.mount.inodes import ROOT_INODE, Handle, InodeTable
-from kvfs.mount.mtab import is_mounted, unescape
+from kvfs.mount.mtab import is_mounted, set_read_ahead, unescape
 from kvfs.oserrors import builtin_errors, errno_of
 
 
@@ -121,3 +121,25 @@ def test_mtab(tmp_path: Path) -> None:
     assert not is_mounted("/mnt/with space", fstype="ext4", mounts=str(mounts))
     assert not is_mounted("/mnt", mounts=str(mounts))
     assert not is_mounted("/x", mounts=str(tmp_path / "missing"))
+
+
+def test_set_read_ahead(tmp_path: Path) -> None:
+    """The mount's read-ahead is written to its device's bdi, found in mountinfo (the last
+    mount on a point wins); a point not mounted or a bdi not writable says why."""
+    info = tmp_path / "mountinfo"
+    info.write_text("22 1 0:21 / /mnt/kv rw - tmpfs tmpfs rw\n"
+                    "40 22 0:55 / /mnt/kv rw,nosuid - fuse.kvfs kvfs rw,user_id=0\n"
+                    "41 1 0:56 / /mnt/with\\040space rw - fuse.kvfs kvfs rw\n")
+    bdi = tmp_path / "bdi"
+    for dev in ("0:21", "0:55", "0:56"):
+        (bdi / dev).mkdir(parents=True)
+        (bdi / dev / "read_ahead_kb").write_text("128\n")
+    assert set_read_ahead("/mnt/kv", 1 << 20, mountinfo=str(info), bdi=str(bdi)) is None
+    assert (bdi / "0:55" / "read_ahead_kb").read_text() == "1024"
+    assert (bdi / "0:21" / "read_ahead_kb").read_text() == "128\n"
+    assert set_read_ahead("/mnt/with space", 256 * 1024, mountinfo=str(info), bdi=str(bdi)) is None
+    assert (bdi / "0:56" / "read_ahead_kb").read_text() == "256"
+    assert "not in" in (set_read_ahead("/mnt/other", 1 << 20, mountinfo=str(info), bdi=str(bdi)) or "")
+    (bdi / "0:55" / "read_ahead_kb").unlink()
+    (bdi / "0:55").rmdir()
+    assert "cannot write" in (set_read_ahead("/mnt/kv", 1 << 20, mountinfo=str(info), bdi=str(bdi)) or "")

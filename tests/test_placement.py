@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvfs.placement import Unit, order_by_free, place
+from kvfs.placement import Unit, order_by_free, place, units
 
 MIB = 1 << 20
 
@@ -19,28 +19,30 @@ class S:
 
 
 def test_small_values_stay_contiguous_in_runs_of_group_bytes() -> None:
-    units = place([MIB] * 5, [7, 8, 9], replicas=1, stripe_bytes=MIB, group_bytes=2 * MIB)
-    assert [u[0].servers for u in units] == [(7,), (7,), (8,), (8,), (9,)]
-    assert all(u == [Unit(0, MIB, u[0].servers)] for u in units)
+    placed = place([MIB] * 5, [7, 8, 9], replicas=1, stripe_bytes=MIB, group_bytes=2 * MIB)
+    assert placed == [(7,), (7,), (8,), (8,), (9,)]  # one unit each: its servers
+    assert [units(MIB, p) for p in placed] == [[Unit(0, MIB, p)] for p in placed]
 
 
 def test_runs_wrap_around_the_servers() -> None:
-    units = place([10] * 4, [1, 2], replicas=1, stripe_bytes=MIB, group_bytes=10)
-    assert [u[0].servers for u in units] == [(1,), (2,), (1,), (2,)]
+    assert place([10] * 4, [1, 2], replicas=1, stripe_bytes=MIB, group_bytes=10) == [(1,), (2,), (1,), (2,)]
 
 
 def test_large_values_are_striped_round_robin_on_distinct_servers() -> None:
-    (units,) = place([5 * MIB + 3], [1, 2, 3], replicas=1, stripe_bytes=MIB, group_bytes=16 * MIB)
-    assert [u.start for u in units] == [0, MIB, 2 * MIB, 3 * MIB, 4 * MIB, 5 * MIB]
-    assert [u.length for u in units] == [MIB] * 5 + [3]
-    assert [u.servers for u in units] == [(1,), (2,), (3,), (1,), (2,), (3,)]
+    (placed,) = place([5 * MIB + 3], [1, 2, 3], replicas=1, stripe_bytes=MIB, group_bytes=16 * MIB)
+    us = units(5 * MIB + 3, placed)
+    assert [u.start for u in us] == [0, MIB, 2 * MIB, 3 * MIB, 4 * MIB, 5 * MIB]
+    assert [u.length for u in us] == [MIB] * 5 + [3]
+    assert [u.servers for u in us] == [(1,), (2,), (3,), (1,), (2,), (3,)]
     (more,) = place([2 * MIB], [1, 2, 3], replicas=1, stripe_bytes=MIB, group_bytes=MIB)
-    assert [u.servers for u in more] == [(1,), (2,)]  # each call starts at the first server
+    assert [u.servers for u in units(2 * MIB, more)] == [(1,), (2,)]  # each call starts at the first server
 
 
 def test_replicas_are_distinct_servers() -> None:
-    for units in place([100, 3 * MIB, 0, MIB], [4, 5, 6], replicas=2, stripe_bytes=MIB, group_bytes=MIB):
-        for u in units:
+    sizes = [100, 3 * MIB, 0, MIB]
+    placed_all = place(sizes, [4, 5, 6], replicas=2, stripe_bytes=MIB, group_bytes=MIB)
+    for n, placed in zip(sizes, placed_all, strict=True):
+        for u in units(n, placed):
             assert len(set(u.servers)) == 2
 
 

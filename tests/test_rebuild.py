@@ -7,17 +7,31 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
+import crc32c
 import pytest
 
 from kvfs import rpc
 from kvfs.chunkserver.records import scan_records
 from kvfs.config import ChunkServerConfig, ClientConfig
+from kvfs.errors import KVFSError
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
-from kvfs.layout import Extent, Replica
+from kvfs.layout import Extent, Layout, Replica, make_chunk_id
+from kvfs.meta.index import MetaIndex
 from kvfs.meta.rebuild import FoundRecord, RebuildReport, backup, pick_layouts, rebuild
+from kvfs.meta.tombstones import (
+    Tomb,
+    decode_horizon,
+    encode_horizon,
+    floors,
+    horizon_now,
+    passed,
+    raise_horizon,
+    tomb_layout,
+)
 
 NOW = 1_800_000_000.0
 
@@ -70,11 +84,12 @@ def test_records_that_do_not_know_their_value_are_never_assembled() -> None:
     assert pick_layouts(clash, NOW) == {}
 
 
-async def _wait_registered(cluster: LocalCluster) -> None:
+async def _wait_registered(cluster: LocalCluster, *, with_chunks: bool = True) -> None:
     meta = cluster.meta
     assert meta is not None
     deadline = time.monotonic() + 60
-    while len([s for s in meta.index.servers.values() if meta.index.alive(s) and s.chunks]) < cluster.n:
+    while len([s for s in meta.index.servers.values()
+               if meta.index.alive(s) and (s.chunks or not with_chunks)]) < cluster.n:
         assert time.monotonic() < deadline, "the chunkservers never registered with the rebuilt meta"
         await asyncio.sleep(0.05)
 
@@ -171,14 +186,13 @@ def test_rebuild_refuses_to_overwrite(tmp_path: Path) -> None:
         asyncio.run(rebuild(tmp_path, ["127.0.0.1:1"], "t"))
 
 
-@pytest.mark.xfail(strict=True, reason="known limit (README 'Losing meta's database'): the GC drops "
-                   "a tombstone with its chunk while an older record of the key survives in another")
-async def test_a_deleted_key_stays_deleted_after_gc_drops_its_tombstone_and_meta_is_rebuilt(
+async def test_a_deleted_key_stays_deleted_after_gc_reclaims_its_tombstones_chunk_and_meta_is_rebuilt(
         tmp_path: Path) -> None:
-    """A delete's tombstone lands in a chunk that the GC reclaims (all garbage) while older
-    records of the key live on in an older chunk too live to compact: a rebuild of meta from
-    the chunks must not bring the key back, neither with its last bytes nor with an earlier
-    value's (``twice``: its first value in the old chunk, its second beside the tombstones)."""
+    """A delete's tombstone lands in a chunk that the GC reclaims (otherwise all garbage) while
+    older records of the key live on in an older chunk too live to compact: the GC copies the
+    tombstones forward (meta keeps them), so a rebuild of meta from the chunks does not bring
+    the key back, neither with its last bytes nor with an earlier value's (``twice``: its first
+    value in the old chunk, its second beside the tombstones)."""
     root = tmp_path / "c"
     async with LocalCluster(root, 1, chunkserver=ChunkServerConfig(
             data=root, heartbeat_interval_s=0.2, chunk_bytes=256 * 1024)) as cluster:
@@ -215,3 +229,150 @@ async def test_a_deleted_key_stays_deleted_after_gc_drops_its_tombstone_and_meta
         async with cluster.client(ClientConfig(layout_cache_entries=0)) as kv:
             assert await kv.get_many(list(keep)) == list(keep.values())
             assert await kv.get_many([b"victim", b"twice", junk[0]]) == [None, None, None]
+
+
+def _disk_view(cluster: LocalCluster) -> dict[bytes, Layout]:
+    """What a rebuild of meta would make of the chunk files now (kvfs.meta.rebuild's rule)."""
+    found = []
+    for cs in cluster.chunkservers:
+        assert cs is not None and cs.server_id is not None
+        for cid in list(cs.store.sizes):
+            for r in scan_records(cs.store.chunk_path(cid).read_bytes()):
+                found.append(FoundRecord(r.key, r.write_id, r.index, r.total_size, r.total_crc, r.length,
+                                         r.crc, r.expires_at, r.tombstone, r.value_ok, cs.server_id, cid,
+                                         r.value_offset))
+    return pick_layouts(found, time.time())
+
+
+def _records_of(cluster: LocalCluster, keys: set[bytes]) -> int:
+    n = 0
+    for cs in cluster.chunkservers:
+        assert cs is not None
+        for cid in list(cs.store.sizes):
+            n += sum(r.key in keys for r in scan_records(cs.store.chunk_path(cid).read_bytes()))
+    return n
+
+
+async def test_overwrite_delete_and_compact_everything_over_several_passes_never_resurrects(
+        tmp_path: Path) -> None:
+    """Keys written, overwritten, deleted (one put again), then GC passes until every chunk
+    that held them is compacted or deleted: after every pass the chunks' newest record of each
+    key is its current state (what a rebuild would serve: never a deleted key, never an older
+    value); the tombstones outlive the old chunks, then go (bounded), and with them every
+    record of the deleted keys; a final rebuild of meta agrees."""
+    root = tmp_path / "c"
+    async with LocalCluster(root, 2, chunkserver=ChunkServerConfig(
+            data=root, heartbeat_interval_s=0.2, chunk_bytes=256 * 1024)) as cluster:
+        meta = cluster.meta
+        assert meta is not None
+        gc_index = meta.index
+        assert isinstance(gc_index, MetaIndex)
+        churn = [f"churn/{i}".encode() for i in range(12)]
+        anchors = {f"anchor/{i}".encode(): os.urandom(4000) for i in range(50)}
+        expect: dict[bytes, bytes] = dict(anchors)
+
+        def check() -> None:
+            view = _disk_view(cluster)
+            assert {k for k in churn if k not in expect}.isdisjoint(view), "a deleted key would come back"
+            for k, v in expect.items():
+                assert k in view and (view[k].size, view[k].crc) == (len(v), crc32c.crc32c(v)), k
+
+        async with cluster.client() as kv, GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            async def seal_all() -> None:
+                for cs in cluster.chunkservers:
+                    assert cs is not None and cs.server_id is not None
+                    if cs.store.open_chunk is not None:
+                        await gc.chunkserver(cs.server_id, rpc.ChunkSeal(chunk_id=cs.store.open_chunk))
+
+            await kv.put_many({**anchors, **{k: b"v1" * 500 for k in churn}})
+            await seal_all()  # the anchors' chunks keep the first values, too live to compact
+            await kv.put_many({k: b"v2" * 600 for k in churn})
+            await seal_all()
+            assert await kv.delete_many(churn) == len(churn)
+            await kv.put(churn[0], b"v3" * 700)  # put again: its tombstone is forgotten
+            expect[churn[0]] = b"v3" * 700
+            assert set(gc_index.tombstones) == set(churn[1:])
+            await seal_all()
+            check()
+            for _ in range(3):  # the default threshold: the tombstones' chunks go, the anchors' stay
+                await gc.run_pass(PassOptions(apply=True, grace_s=0))
+                check()
+            assert set(gc_index.tombstones) == set(churn[1:])  # older records outlive them
+            assert _records_of(cluster, {k for k in churn[1:]}) > len(churn)
+            # the anchors overwritten: every old chunk is garbage now, compacted or deleted
+            anchors = {k: os.urandom(3000) for k in anchors}
+            await kv.put_many(anchors)
+            expect.update(anchors)
+            await seal_all()
+            for _ in range(6):
+                await gc.run_pass(PassOptions(apply=True, grace_s=0, threshold=0.0))
+                check()
+                if not gc_index.tombstones and not _records_of(cluster, set(churn[1:])):
+                    break
+            assert not gc_index.tombstones, "the tombstones outlived every older record"
+            assert _records_of(cluster, set(churn[1:])) == 0
+            assert (await gc.status())["metrics"]["tombstones_dropped"] == len(churn) - 1
+            assert await kv.get_many(list(expect)) == list(expect.values())
+        await cluster.stop_meta()
+        for p in (root / "meta").glob("meta.sqlite3*"):
+            p.unlink()
+        await rebuild(root / "meta", [cs.addr for cs in cluster.chunkservers if cs is not None],
+                      cluster.admin_token)
+        await cluster.start_meta()
+        await _wait_registered(cluster, with_chunks=False)  # a server may have no chunk left
+        async with cluster.client(ClientConfig(layout_cache_entries=0)) as kv:
+            assert await kv.get_many(list(expect)) == list(expect.values())
+            assert await kv.get_many(churn[1:]) == [None] * (len(churn) - 1)
+
+
+async def test_a_delete_whose_tombstones_no_chunkserver_takes_fails_and_deletes_nothing(
+        tmp_path: Path) -> None:
+    root = tmp_path / "c"
+    async with LocalCluster(root, 1) as cluster:
+        async with cluster.client() as kv:
+            await kv.put(b"k", b"value")
+            await cluster.stop_chunkserver(0)  # meta still lists it: the APPEND is refused
+            with pytest.raises(KVFSError):
+                await kv.delete(b"k")
+            meta = cluster.meta
+            assert meta is not None and isinstance(meta.index, MetaIndex)
+            assert b"k" in meta.index.entries and not meta.index.tombstones
+            await cluster.start_chunkserver(0)
+            await _wait_registered(cluster)
+        async with cluster.client() as kv:
+            assert await kv.get(b"k") == b"value"
+            assert await kv.delete(b"k") is True
+            assert await kv.get(b"k") is None
+
+
+def test_a_tombstone_goes_once_no_chunk_at_or_below_its_horizon_is_left() -> None:
+    @dataclass
+    class S:
+        chunks: dict[int, int]
+        open_chunk: int | None = None
+        last_heartbeat: float = 10.0
+
+    def c(sid: int, seq: int) -> int:
+        return make_chunk_id(sid, seq)
+
+    servers = {1: S({c(1, 3): 1, c(1, 5): 1}, c(1, 6)), 2: S({c(2, 2): 1}), 3: S({}, last_heartbeat=-1e18)}
+    h = horizon_now(servers, {2: 4}, started=0.0)
+    assert h == {1: 6, 2: 4, 3: None}  # seq_high (a committed layout) counts; 3: not heard from
+    t = Tomb(tomb_layout([Replica(1, c(1, 6), 100)], 0.0), h, since=5.0)
+    servers = {1: S({c(1, 7): 1}, c(1, 8), 11.0), 2: S({c(2, 5): 1}, None, 11.0),
+               3: S({c(3, 9): 1}, None, 11.0)}
+    assert not passed(t, floors(servers))  # server 3's horizon is fixed at its highest chunk: 9
+    assert t.horizon[3] == 9
+    servers[3] = S({c(3, 10): 1}, None, 12.0)
+    assert passed(t, floors(servers))
+    servers[2] = S({c(2, 4): 1, c(2, 5): 1}, None, 12.0)
+    assert not passed(t, floors(servers))
+    assert passed(t, floors(servers), compacting=c(2, 4))  # its older records go with it
+    servers[2] = S({c(2, 5): 1}, None, 5.0)
+    assert not passed(t, floors(servers))  # no chunk table since the delete
+    servers[2] = S({c(2, 5): 1}, None, 12.0)
+    servers[4] = S({c(4, 1): 1}, None, 12.0)  # registered after the delete: all newer
+    assert passed(t, floors(servers))
+    assert raise_horizon(t, c(4, 1)) and not passed(t, floors(servers))  # a racing copy there
+    assert not raise_horizon(t, c(1, 2))
+    assert decode_horizon(encode_horizon(t.horizon)) == t.horizon

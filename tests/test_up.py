@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -183,3 +184,78 @@ def test_up_help_shows_chunkservers_default() -> None:
                        timeout=60)
     out = " ".join(r.stdout.decode().split())
     assert "--chunkservers CHUNKSERVERS number of chunkserver processes (default: 3)" in out
+
+
+def redis_nodes(redis_pid: int) -> list[int]:
+    """The redis-server processes of `kvfs up`'s Redis child (its children)."""
+    path = Path(f"/proc/{redis_pid}/task/{redis_pid}/children")
+    return [int(p) for p in path.read_text().split()] if path.exists() else []
+
+
+def master_pid(nodes: list[int]) -> int:
+    for pid in nodes:
+        title = Path(f"/proc/{pid}/cmdline").read_bytes().decode()  # "redis-server 127.0.0.1:PORT [cluster]"
+        port = re.search(r"127\.0\.0\.1:(\d+)", title)[1]  # type: ignore[index]
+        r = subprocess.run(["redis-cli", "-p", port, "role"], capture_output=True, timeout=10)
+        if r.stdout.startswith(b"master"):
+            return pid
+    raise AssertionError(f"no master among {nodes}")
+
+
+@pytest.mark.redis
+@pytest.mark.subprocess
+def test_up_with_meta_on_redis_cluster_supervises_it(tmp_path: Path, ups: list[Up]) -> None:
+    """`kvfs up --meta-store redis-cluster --redis-replicas`: 3 masters + 3 replicas under
+    DATA/redis; a killed master is started again, a killed Redis child is restarted (its
+    nodes died with it) on the same ports with its keys, stopping leaves no redis-server, and
+    a second `kvfs up` on the data dir finds the keys."""
+    if shutil.which("redis-server") is None:
+        pytest.skip("redis-server is not installed")
+    data = tmp_path / "data"
+    up = start_up(tmp_path, data, "--chunkservers", "1", "--no-gc", "--meta-store", "redis-cluster",
+                  "--redis-replicas")
+    ups.append(up)
+    assert "meta on a 3+3-node Redis Cluster redis-cluster://127.0.0.1:" in up.stderr()
+    assert kvfs(up, "put", "k", "-", stdin=b"v" * 100_000).returncode == 0
+    nodes = redis_nodes(up.children()["redis"])
+    assert len(nodes) == 6
+    victim = master_pid(nodes)
+    os.kill(victim, signal.SIGKILL)  # its replica takes over; the node is started again
+    wait_for(lambda: len([p for p in redis_nodes(up.children()["redis"]) if p != victim]) == 6,
+             "the killed node to be started again")
+    wait_for(lambda: kvfs(up, "get", "k").stdout == b"v" * 100_000, "the value after a failover")
+
+    redis = up.children()["redis"]
+    nodes = redis_nodes(redis)
+    os.kill(redis, signal.SIGKILL)  # its nodes die with it; kvfs up starts it again
+    wait_for(lambda: "redis restarted" in up.stderr(), "the Redis child's restart")
+    assert f"redis (pid {redis}) killed by SIGKILL; restarting in" in up.stderr()
+    wait_for(lambda: not any(alive(p) for p in nodes), "the old nodes to die with their parent")
+    wait_for(lambda: kvfs(up, "get", "k").stdout == b"v" * 100_000, "the value after the restart")
+    assert kvfs(up, "put", "k2", "-", stdin=b"w" * 1000).returncode == 0
+
+    new = int(re.search(r"redis restarted \(pid (\d+)\)", up.stderr())[1])  # type: ignore[index]
+    nodes = redis_nodes(new)
+    up.proc.send_signal(signal.SIGTERM)
+    assert up.proc.wait(60) == 0
+    assert nodes and not any(alive(p) for p in nodes)  # stopped with it, cleanly
+
+    again = start_up(tmp_path, data, "--chunkservers", "1", "--no-gc", "--meta-store",
+                     "redis-cluster", "--redis-replicas")
+    ups.append(again)
+    wait_for(lambda: kvfs(again, "get", "k2").stdout == b"w" * 1000, "the keys after kvfs up again")
+    assert kvfs(again, "get", "k").stdout == b"v" * 100_000
+    # the same nodes must be started: another shape is refused, naming what the dir holds
+    r = subprocess.run([sys.executable, "-m", "kvfs.meta.redis_local", str(data / "redis"),
+                        "--persistent"], capture_output=True, timeout=60)
+    assert r.returncode != 0 and b"3 masters with 1 replicas each, not 3 with 0" in r.stderr
+
+
+def test_up_redis_options_need_the_redis_store(tmp_path: Path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kvfs", "up", "--data", str(tmp_path / "d"),
+                        "--redis-replicas"], capture_output=True, timeout=60)
+    assert r.returncode == 1
+    assert b"--redis-replicas and --redis-maxmemory need --meta-store redis-cluster" in r.stderr
+    r = subprocess.run([sys.executable, "-m", "kvfs", "up", "--data", str(tmp_path / "d"),
+                        "--meta-store", "etcd"], capture_output=True, timeout=60)
+    assert r.returncode == 1 and b"--meta-store must be sqlite or redis-cluster, got 'etcd'" in r.stderr

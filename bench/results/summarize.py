@@ -53,6 +53,23 @@ def _batch_curve() -> list[tuple[int, float, float, float, float]]:
     return rows
 
 
+def _metastore_curve() -> list[tuple[int, dict[str, float]]]:
+    """curve-metastore.json: meta's handlers in one process, wall us per key per op and batch."""
+    rep = _load("curve-metastore")
+    if rep is None:
+        return []
+    by: dict[int, dict[str, float]] = {}
+    for r in rep["ops"]:
+        by.setdefault(int(r["batch"]), {})[r["op"]] = float(r["us_per_key"])
+    rows = sorted(by.items())
+    print("\nmeta cost per key vs batch size, its handlers called in one process (python -m "
+          "kvfs.bench.metastore --store sqlite; wall us per key, SQLite synchronous=FULL)\n"
+          "| batch | commit us/key | lookup us/key | match_prefix us/key |\n|---|---|---|---|")
+    for b, ops in rows:
+        print(f"| {b} | {ops.get('commit', 0):.1f} | {ops.get('lookup', 0):.2f} | {ops.get('match_prefix', 0):.2f} |")
+    return rows
+
+
 def main() -> int:
     import matplotlib
 
@@ -62,6 +79,18 @@ def main() -> int:
     cs = _curve("curve-cs", [1, 2, 3, 4], "1 MiB values, batch 32, iodepth 2: throughput vs chunkservers")
     jobs = _curve("curve-jobs", [1, 2, 4], "1 MiB values, batch 32, iodepth 2: throughput vs client processes")
     batch = _batch_curve()
+    meta = _metastore_curve()
+    if meta:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for op in ("commit", "lookup", "match_prefix"):
+            ax.plot([b for b, _ in meta], [ops.get(op, float("nan")) for _, ops in meta], marker="o", label=op)
+        ax.set(xscale="log", yscale="log", xlabel="keys per call (log)", ylabel="wall us per key (log)",
+               title="meta's handlers in one process: cost per key vs batch size\nSQLite synchronous=FULL, "
+                     "2 vCPUs shared")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(HERE / "curve-metastore.png")
+        plt.close(fig)
     for rows, name, xl in ((cs, "curve-chunkservers", "chunkservers"), (jobs, "curve-numjobs", "client processes (--numjobs)")):
         if not rows:
             continue

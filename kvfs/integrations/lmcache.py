@@ -145,7 +145,9 @@ class KvfsConnector(RemoteConnector):
             parts = [self._header(obj), payload] if self.save_chunk_meta else [payload]
             items.append((self._key(key), parts))
         try:
-            await self._io(self.client.submit_put_many(items, ttl=self.config.ttl_s), memory_objs)
+            # chunk keys name their content: one already stored (by any engine) is not sent again
+            await self._io(self.client.submit_put_many(items, ttl=self.config.ttl_s, if_absent=True),
+                           memory_objs)
         except SOFT_ERRORS as exc:
             log.warning("kvfs LMCache put of %d chunks failed: %s", len(keys), exc)
 

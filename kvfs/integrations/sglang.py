@@ -10,7 +10,7 @@ One kvfs key per page: ``namespace/page_hash`` (see :func:`kvfs.prefix.chain_key
 layout: a page's value is gathered from (and scattered back into) its regions of the host
 pool -- K then V for ``page_first``/``page_first_direct``, K and V of each layer for
 ``layer_first``.  ``batch_exists`` is one ``match_prefix`` that leases the hit pages; a
-write skips the pages already stored.  A dead or slow cluster makes every call a miss or a
+write is one ``put_many(..., if_absent=True)``: the pages already stored are skipped.  A dead or slow cluster makes every call a miss or a
 failure within the configured timeout, never an exception into the engine.
 """
 
@@ -96,12 +96,11 @@ class KvfsHiCacheStorage(HiCacheStorage):
 
     def _put(self, keys: list[bytes], values: list[Any]) -> list[bool]:
         """Store the pages not stored yet (write-once: a page with this hash holds these
-        bytes already)."""
+        bytes already): one ``put_many(..., if_absent=True)``, whose EXISTS tells which, so
+        a present page's bytes are never sent; two engines racing on a page store it once."""
         try:
-            present = wait(self.client.submit_exists_many(keys), self.config)
-            todo = [(k, v) for k, v, p in zip(keys, values, present, strict=True) if not p]
-            if todo:
-                wait(self.client.submit_put_many(todo, ttl=self.config.ttl_s), self.config)
+            wait(self.client.submit_put_many(list(zip(keys, values, strict=True)),
+                                             ttl=self.config.ttl_s, if_absent=True), self.config)
         except SOFT_ERRORS as exc:
             log.warning("kvfs HiCache set of %d pages failed: %s", len(keys), exc)
             return [False] * len(keys)

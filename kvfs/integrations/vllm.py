@@ -20,7 +20,8 @@ Nothing blocks the scheduler: a store is one ``put_many`` and a load one ``get_i
 submitted to kvfs's IO thread and collected by ``get_finished_jobs``; a load reports which
 keys arrived (``successful_keys``) when only some did.  Lookups go through vLLM's
 ``AsyncLookupManager``: the keys looked up in a step are checked with one ``exists_many`` per
-request, off the scheduler thread, and answer ``RETRY`` until then.  A dead or slow cluster
+request (leasing the hits for ``lease_s``, so eviction leaves them until they are loaded),
+off the scheduler thread, and answer ``RETRY`` until then.  A dead or slow cluster
 turns into misses and failed jobs within a few ``timeout_s``, never an exception into vLLM.
 """
 
@@ -77,8 +78,8 @@ class _Lookups(AsyncLookupManager):
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         tier = self._tier
         try:
-            found: list[bool] = wait(tier.client.submit_exists_many(
-                [tier.kvfs_key(k) for k in keys]), tier.config)
+            found: list[bool] = wait(tier.client.submit_exists_many(  # hits leased until loaded
+                [tier.kvfs_key(k) for k in keys], lease_s=tier.config.lease_s), tier.config)
             return found
         except SOFT_ERRORS as exc:
             log.warning("kvfs vLLM tier: lookup of %d chunks failed (misses): %s", len(keys), exc)
@@ -139,8 +140,9 @@ class KvfsTier(SecondaryTierManager):
             if is_load:
                 fut: concurrent.futures.Future[Any] = self.client.submit_get_into(kv, rows)
             else:
+                # block keys name their content: one stored already (another engine) is skipped
                 fut = self.client.submit_put_many(zip(kv, rows, strict=True),
-                                                  ttl=self.config.ttl_s)
+                                                  ttl=self.config.ttl_s, if_absent=True)
         except SOFT_ERRORS as exc:  # a closed client: the job fails, reported as usual
             fut = concurrent.futures.Future()
             fut.set_exception(exc)
@@ -172,9 +174,10 @@ class KvfsTier(SecondaryTierManager):
             if job.is_load:
                 self._lookups.mark_miss(job.keys)
             return JobResult(job_id=job_id, success=False, transfer_time=took)
-        if not job.is_load:
+        if not job.is_load:  # bytes sent: the blocks not stored already
+            written: list[bool] = job.future.result()
             return JobResult(job_id=job_id, success=True, transfer_time=took,
-                             transfer_bytes=size * len(job.keys))
+                             transfer_bytes=size * sum(written))
         sizes: list[int] = job.future.result()
         ok = [k for k, n in zip(job.keys, sizes, strict=True) if n == size]
         if len(ok) == len(job.keys):

@@ -26,6 +26,10 @@ What differs from a local disk:
 - A read-only open pins the value's layout at its first read: a file replaced
   meanwhile keeps reading the old bytes (until the GC reclaims them).  No hard
   links, symlinks, devices or xattrs.
+- A file whose every replica is lost behaves as a miss (the client's
+  ``on_lost="miss"``): its read fails with ``ENOENT``, and meta forgets it.
+- Without ``--allow-other`` the kernel does not check modes (only the mounting
+  user may enter the mount); with it, ``default_permissions`` applies.
 - Every request is bounded by ``--timeout``: with the cluster gone a call
   fails with ``EIO`` instead of hanging, and works again once it is back.
 

@@ -16,7 +16,7 @@ from kvfs.config import ClientConfig, MountConfig, TlsConfig, add_options, from_
 from kvfs.errors import KVFSError
 from kvfs.fs import KVFileSystem
 from kvfs.mount._fuse import IMPORT_ERROR, pyfuse3
-from kvfs.mount.mtab import is_mounted
+from kvfs.mount.mtab import is_mounted, set_read_ahead
 from kvfs.mount.ops import KVFSOperations
 from kvfs.units import parse_duration
 
@@ -85,9 +85,9 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
         return 1
     ops = KVFSOperations(fs, timeout_s=timeout_s, attr_timeout_s=float(ns.attr_timeout),
                          config=config)
-    options = set(pyfuse3.default_options) | {"fsname=kvfs", "subtype=kvfs"}
-    if ns.allow_other:
-        options.add("allow_other")
+    options = {"fsname=kvfs", "subtype=kvfs"}
+    if ns.allow_other:  # others get the kernel's checks of the modes shown; without it only
+        options |= {"allow_other", "default_permissions"}  # this user may enter the mount
     pyfuse3.asyncio.enable()
     try:
         pyfuse3.init(ops, mnt, options)
@@ -117,9 +117,11 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
     for sig in sigs:
         loop.add_signal_handler(sig, stop, sig)
     print(f"kvfs mount ready {mnt} {fs.addr}", flush=True)
+    tune = loop.create_task(_tune(mnt, config))
     try:
         await pyfuse3.main()
     finally:
+        tune.cancel()
         for sig in sigs:
             loop.remove_signal_handler(sig)
         lost = ops.discard_open_writes()
@@ -128,6 +130,17 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
         pyfuse3.close(unmount=True)
         await fs._close()
     return 0
+
+
+async def _tune(mnt: str, config: MountConfig) -> None:
+    """Once the kernel has the mount (a stat of it answered: FUSE's INIT, which sets the
+    read-ahead too, is done), its read-ahead becomes ``--kernel-read-ahead``."""
+    if not config.kernel_read_ahead_bytes:
+        return
+    await asyncio.to_thread(os.stat, mnt)
+    why = set_read_ahead(mnt, config.kernel_read_ahead_bytes)
+    if why is not None:
+        log.info("kernel read-ahead left as it is: %s", why)
 
 
 async def cmd_umount(ns: argparse.Namespace) -> int:

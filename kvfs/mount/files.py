@@ -31,8 +31,8 @@ from collections.abc import AsyncIterator
 from kvfs._batch import Batcher
 from kvfs.config import MountConfig
 from kvfs.errors import StaleLayout
-from kvfs.fs import KVFileSystem, layout_info
-from kvfs.layout import MAX_VALUE_BYTES
+from kvfs.fs import KVFileSystem, path_info
+from kvfs.layout import MAX_VALUE_BYTES, Layout
 from kvfs.mount.inodes import Handle, Info, InodeTable
 from kvfs.oserrors import builtin_errors
 from kvfs.stream import StreamPut, ValueReader, open_read, put_stream, read_units
@@ -40,6 +40,12 @@ from kvfs.stream import StreamPut, ValueReader, open_read, put_stream, read_unit
 __all__ = ["FileIO"]
 
 Unit = tuple[ValueReader, int, bytes] | None
+
+
+def _gone() -> OSError:
+    """A value that went missing under an open file (as on a miss, whatever the read of it)."""
+    return OSError(errno.ENOENT, "deleted, expired or lost (no replica can serve it) since it "
+                   "was opened")
 
 
 class FileIO:
@@ -61,18 +67,24 @@ class FileIO:
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         # closes of small files share commits the same way: one put_many (one APPEND per
         # server, one COMMIT) for the files closed while earlier batches were running
-        self.puts: Batcher[tuple[bytes, bytes], None] = Batcher(
+        self.puts: Batcher[tuple[bytes, bytes | bytearray], None] = Batcher(
             self._put_many, max_items=config.max_batch_items,
+            max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
+        # lookups (the kernel's LOOKUP and GETATTR) share LOOKUPs the same way; a miss says
+        # in the same round trip whether it is a directory
+        self.lookups: Batcher[bytes, Layout | bool] = Batcher(
+            fs.client.lookup_dirs, max_items=config.max_batch_items,
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         self._tasks: set[asyncio.Task[bytes]] = set()  # read-ahead in flight
 
-    async def _put_many(self, items: list[tuple[bytes, bytes]]) -> list[None]:
+    async def _put_many(self, items: list[tuple[bytes, bytes | bytearray]]) -> list[None]:
         last = dict(items)  # a path closed twice in one batch: its last value wins
         await self.fs.client.put_many(list(last.items()), ttl=self.fs.ttl)
         return [None] * len(items)
 
-    async def put(self, path: str, value: bytes) -> None:
-        """One small file's value, committed in a batch with other files' closes."""
+    async def put(self, path: str, value: bytes | bytearray) -> None:
+        """One small file's value, committed in a batch with other files' closes (``value``
+        is sent as it is: the caller does not change it until this returns)."""
         with builtin_errors(path):
             await self.puts.submit((os.fsencode(path), value), len(value))
 
@@ -81,18 +93,20 @@ class FileIO:
 
     # lookups --------------------------------------------------------------------
     async def info(self, ino: int, path: str) -> Info:
-        """``path``'s info from one LOOKUP (a file), or a directory's, or FileNotFoundError;
-        a file's layout is kept for a first read soon after."""
-        reader = await self.reader(path)
-        if reader is None:
+        """``path``'s info from one LOOKUP (shared with other requests'): a file's, a
+        directory's, or FileNotFoundError; a file's layout is kept for a first read soon after."""
+        key = os.fsencode(path)
+        with builtin_errors(path):
+            found = await self.lookups.submit(key)
+        if not isinstance(found, Layout):
             self._looked_up.pop(ino, None)
-            return await self.fs._dir_or_missing(path)
-        if self.fresh_s > 0:
+        elif self.fresh_s > 0:
             self._looked_up.pop(ino, None)
-            self._looked_up[ino] = (reader, asyncio.get_running_loop().time())
+            self._looked_up[ino] = (ValueReader(self.fs.client, key, found),
+                                    asyncio.get_running_loop().time())
             if len(self._looked_up) > self.config.looked_up_layouts:
                 del self._looked_up[next(iter(self._looked_up))]
-        return layout_info(path, reader.layout)
+        return path_info(path, found)
 
     def changed(self, ino: int | None) -> None:
         """This mount changed or removed ``ino``'s value: its looked-up layout is stale."""
@@ -136,7 +150,7 @@ class FileIO:
                             self.changed(h.ino)
                             unit = await self.reads.submit((key, off), self.stripe)
                     if unit is None:
-                        raise OSError(errno.ENOENT, "deleted or expired since it was opened")
+                        raise _gone()
                     h.reader, start, data = unit
                     self._keep(h, start, asyncio.get_running_loop().create_future()).set_result(data)
         reader = h.reader
@@ -176,7 +190,8 @@ class FileIO:
 
     async def _fetch_unit(self, reader: ValueReader, pos: int, nbytes: int) -> bytes:
         unit = await self.reads.submit((reader, pos), nbytes)
-        assert unit is not None
+        if unit is None:
+            raise _gone()
         return unit[2]
 
     async def _unit(self, h: Handle, pos: int) -> tuple[int, bytes]:
@@ -324,7 +339,7 @@ class FileIO:
             assert d is not None
             self.changed(h.ino)
             if h.stream is None and not h.prefix:  # small: one put, the stream never started
-                await self.put(self.table.path(h.ino), bytes(d))
+                await self.put(self.table.path(h.ino), d)  # no copy: h.lock keeps writes out
                 h.dirty = False
                 return
             try:

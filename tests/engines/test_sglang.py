@@ -101,11 +101,15 @@ def test_zero_copy_pages_are_one_key_each_and_written_once(tcluster: ThreadClust
     idx = torch.arange(0, 8 * PAGE)
     assert backend.batch_set_v1(hashes, idx) == [True] * 8
     counts = backend.client.aio.rpc_counts
-    appends = counts["APPEND"]
+    before = dict(counts)
     assert backend.batch_set_v1(hashes, idx) == [True] * 8  # already there: nothing written
-    assert counts["APPEND"] == appends
+    assert counts["APPEND"] == before["APPEND"] and counts["COMMIT"] == before["COMMIT"]
+    assert counts["EXISTS"] == before["EXISTS"] + 1  # put_many(if_absent=True): its one check
+    half = [k.decode() for k in chain_keys(range(12 * PAGE), PAGE, style="sglang")]
+    assert backend.batch_set_v1(half[4:], torch.arange(4 * PAGE, 12 * PAGE)) == [True] * 8
+    assert len(backend.client.list(f"once/{layout}/")) == 12  # only the 4 new pages were added
     infos = backend.client.list(f"once/{layout}/")
-    assert len(infos) == 8  # K and V (and every layer) of a page in one value
+    assert len(infos) == 12  # K and V (and every layer) of a page in one value
     assert {i.size for i in infos} == {pool.get_size_per_token() * PAGE}
     assert backend.batch_get_v1([], idx[:0]) == [] and backend.batch_exists([]) == 0
     backend.close()

@@ -166,6 +166,12 @@ def test_store_lookup_promote_bit_exact_across_engines(tcluster: ThreadCluster) 
             got = promote(b, keys + other, ctx)
             assert got == [LookupResult.HIT] * len(keys) + [LookupResult.MISS] * len(other)
             assert read_primary(b, keys, ctx) == [want[k] for k in keys]  # bit-exact
+            meta = tcluster.cluster.meta
+            assert meta is not None
+            leased = set(meta.index.leases)  # type: ignore[union-attr]  # (SQLite meta)
+            tb = kvfs_tier(b)
+            assert {tb.kvfs_key(k) for k in keys} <= leased  # its lookup pinned the hits
+            assert not {tb.kvfs_key(k) for k in other} & leased
 
 
 def test_partial_load_reports_the_keys_that_arrived(tcluster: ThreadCluster) -> None:
