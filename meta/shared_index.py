@@ -174,6 +174,10 @@ class SharedIndex(ServerRegistry):
             yield rows
 
     async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        """Least recently used first, by the access times in the store: this meta's buffered
+        ones are written first; another meta's reach it within its ``access_flush_interval_s``
+        (until then a key it served counts as read when it last flushed)."""
+        await self.store.flush_access()
         after: tuple[float, bytes] | None = None
         while True:
             page = await self.store.lru(batch, after)
