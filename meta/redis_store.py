@@ -933,13 +933,23 @@ class RedisMetaStore:
         got = await self._run(self.r.hgetall(self._g["servers"]))
         out = []
         for sid, v in got.items():
-            addr, capacity, free = msgpack.unpackb(v, raw=False)
+            addr, capacity, free, *_ = msgpack.unpackb(v, raw=False)
             out.append((int(sid), addr, int(capacity), int(free)))
         return sorted(out)
 
-    async def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None:
+    async def server_keys(self) -> dict[int, str]:
+        """server_id -> the key of the data dir it registered with ('' if none was stored)."""
+        got = await self._run(self.r.hgetall(self._g["servers"]))
+        out = {}
+        for sid, v in got.items():
+            row = msgpack.unpackb(v, raw=False)
+            out[int(sid)] = row[3] if len(row) > 3 else ""
+        return out
+
+    async def put_server(self, server_id: int, addr: str, capacity: int, free: int, key: str = "") -> None:
+        """``key``: the chunkserver's data-dir key (only that data dir may move the id)."""
         await self._run(self.r.hset(self._g["servers"], str(server_id),
-                          msgpack.packb([addr, capacity, free], use_bin_type=True)))
+                          msgpack.packb([addr, capacity, free, key], use_bin_type=True)))
 
     async def claim_server(self, server_id: int, addr: str) -> bool:
         """Register ``server_id`` at ``addr`` only if no server has that id (HSETNX)."""

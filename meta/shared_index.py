@@ -59,7 +59,7 @@ class SharedIndex(ServerRegistry):
 
     # registry ------------------------------------------------------------------------
     async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
-        await self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
+        await self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free, s.key)
         await self.store.put_seen(s.server_id, time.time())
 
     async def new_server_id(self, addr: str, taken: Iterable[int] = ()) -> int:
@@ -76,6 +76,7 @@ class SharedIndex(ServerRegistry):
     async def refresh(self) -> None:
         rows = await self.store.servers()
         seen = await self.store.seen()
+        keys = await self.store.server_keys()
         wall, mono = time.time(), time.monotonic()
         stored = {r[0] for r in rows}
         for sid in self._stored - stored:  # forgotten (decommissioned) through another meta
@@ -86,6 +87,7 @@ class SharedIndex(ServerRegistry):
             if s is None:
                 s = self.servers[sid] = ServerInfo(sid, addr)
             s.addr, s.reported_capacity, s.reported_free = addr, capacity, free
+            s.key = s.key or keys.get(sid, "")  # a restarted meta: which data dir owns the id
             t = seen.get(sid)
             if t is not None:
                 s.last_heartbeat = max(s.last_heartbeat, mono - max(0.0, wall - t))

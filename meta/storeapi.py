@@ -121,7 +121,10 @@ class MetaStore(Protocol):
     async def servers(self) -> builtins.list[tuple[int, str, int, int]]:
         """(server_id, addr, capacity, free) of every registered chunkserver."""
 
-    async def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None: ...
+    async def put_server(self, server_id: int, addr: str, capacity: int, free: int, key: str = "") -> None: ...
+
+    async def server_keys(self) -> dict[int, str]:
+        """server_id -> its data dir's key (a chunkserver restarted elsewhere proves it)."""
 
     async def claim_server(self, server_id: int, addr: str) -> bool:
         """Take ``server_id`` for a new chunkserver at ``addr``; False if it is taken."""
