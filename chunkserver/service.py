@@ -8,7 +8,7 @@ import logging
 from collections.abc import Mapping
 
 from kvfs import rpc
-from kvfs.address import parse_addr, service_tokens
+from kvfs.address import parse_addr, parse_addrs, service_tokens
 from kvfs.chunkserver.store import ChunkStore, check_ranges
 from kvfs.cluster import ClusterLink
 from kvfs.config import ChunkServerConfig
@@ -49,8 +49,9 @@ class ChunkServer:
             raise
         self.addr = ""
         # registration and heartbeats
-        self._meta = ClusterLink(*parse_addr(config.meta, what="meta address"), self.tokens[Role.SERVER],
-                                 tls=self._meta_tls)
+        # several metas of one Redis-backed store: one in use, the next if it fails
+        self._meta = ClusterLink(parse_addrs(config.meta, what="meta address"), self.tokens[Role.SERVER],
+                                 tls=self._meta_tls, spread_meta=False)
         self._hb: asyncio.Task[None] | None = None
         self.readv_calls = 0
         self.append_calls = 0

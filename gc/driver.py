@@ -23,7 +23,7 @@ from typing import Any
 
 from kvfs import rpc
 from kvfs._batch import split_batches
-from kvfs.address import lookup_token, parse_addr
+from kvfs.address import format_addr, lookup_token, parse_addrs
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import GcConfig, TlsConfig
 from kvfs.errors import KVFSError, Unavailable
@@ -140,12 +140,12 @@ class GarbageCollector:
                  tls: TlsConfig | None = None) -> None:
         """``tls``: the TLS files to connect with (default: none, or $KVFS_TLS_*)."""
         self.addr = addr
-        host, port = parse_addr(addr)
-        self.token = lookup_token(token, addr=addr, role=Role.ADMIN)
+        metas = parse_addrs(addr)  # several metas of one store: one in use, the next if it fails
+        self.token = lookup_token(token, addr=format_addr(*metas[0]), role=Role.ADMIN)
         self.progress = progress
         self.request_timeout_s = request_timeout_s
-        self._link = ClusterLink(host, port, self.token, request_timeout_s=request_timeout_s,
-                                 tls=client_context(tls))
+        self._link = ClusterLink(metas, self.token, request_timeout_s=request_timeout_s,
+                                 tls=client_context(tls), spread_meta=False)
         self._usage: dict[int, rpc.ChunkStatsReply] = {}
 
     async def __aenter__(self) -> GarbageCollector:

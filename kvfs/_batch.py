@@ -92,7 +92,16 @@ class Batcher(Generic[I, R]):
         self.inflight = 0
         self.batches = 0
 
-    async def submit(self, item: I, nbytes: int = 0, *, count: int = 1) -> R:
+    async def submit(self, item: I, nbytes: int = 0, *, count: int = 1, eager: bool = False) -> R:
+        """``eager`` (by time only): with nothing queued and no batch running, the item
+        runs at once, alone, in the caller's task (no added latency or task for a call
+        made alone); items submitted while it runs are batched as usual."""
+        if eager and self._max_inflight is None and not self._items and not self.inflight:
+            self.inflight += 1
+            try:
+                return (await self._run([item]))[0]
+            finally:
+                self.inflight -= 1
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[R] = loop.create_future()
         if (self._max_inflight is None and self._items

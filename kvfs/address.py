@@ -29,20 +29,51 @@ def parse_addr(addr: str | None, *, what: str = "address") -> tuple[str, int]:
     text = (os.environ.get("KVFS_ADDR") or DEFAULT_ADDR) if addr is None else addr
     hit = _match(text) if isinstance(text, str) else None
     if hit is None:
-        raise InvalidArgument(f"bad {what} {text!r:.300}: expected kvfs://HOST:PORT or HOST:PORT")
+        several = isinstance(text, str) and "," in text.removeprefix("kvfs://").split("/", 1)[0]
+        raise InvalidArgument(f"bad {what} {text!r:.300}: expected kvfs://HOST:PORT or HOST:PORT"
+                              + (" (one address here, not a list)" if several else ""))
     return hit
 
 
+def parse_addrs(addr: str | None, *, what: str = "address") -> list[tuple[str, int]]:
+    """``kvfs://H1:P1,H2:P2[/path]`` (or ``H1:P1,H2:P2``) -> ``[(h1, p1), (h2, p2)]``: the
+    meta services a client, a chunkserver or the GC may use (several metas serving one
+    Redis-backed store; :class:`kvfs.cluster.ClusterLink` spreads calls over them and skips
+    one that is down).  One address is a list of one.  ``None``: ``$KVFS_ADDR``."""
+    text = (os.environ.get("KVFS_ADDR") or DEFAULT_ADDR) if addr is None else addr
+    if not isinstance(text, str):
+        raise InvalidArgument(f"bad {what} {text!r:.300}: expected kvfs://HOST:PORT[,HOST:PORT...]")
+    rest = text.removeprefix("kvfs://")
+    head = rest.partition("/")[0]
+    out = []
+    for part in head.split(","):
+        hit = _match(part.strip())
+        if hit is None:
+            raise InvalidArgument(f"bad {what} {text!r:.300}: {part.strip()!r:.100} is not HOST:PORT "
+                                  "(expected kvfs://HOST:PORT[,HOST:PORT...])")
+        out.append(hit)
+    return out
+
+
+def format_addrs(addrs: list[tuple[str, int]]) -> str:
+    """``kvfs://h1:p1,h2:p2``: what :func:`parse_addrs` reads back."""
+    return "kvfs://" + ",".join(format_addr(h, p).removeprefix("kvfs://") for h, p in addrs)
+
+
 def is_addr(text: str) -> bool:
-    """Whether ``text`` (the part of a ``kvfs://`` URL before the first ``/``) is HOST:PORT."""
-    return "/" not in text and _match(text) is not None
+    """Whether ``text`` (the part of a ``kvfs://`` URL before the first ``/``) is HOST:PORT
+    (or a list of them, ``H1:P1,H2:P2``)."""
+    return "/" not in text and all(_match(p) is not None for p in text.split(","))
 
 
 def _match(text: str) -> tuple[str, int] | None:
     rest = text.removeprefix("kvfs://")
     if "://" in rest:
         return None
-    m = _HOSTPORT.match(rest.split("/", 1)[0])
+    head = rest.split("/", 1)[0]
+    if "," in head:  # a list of metas: parse_addrs
+        return None
+    m = _HOSTPORT.match(head)
     if m is None or int(m["port"]) > 65535:
         return None
     return m["v6"] or m["host"], int(m["port"])
@@ -135,7 +166,7 @@ def lookup_token(token: str | None = None, *, addr: str | None = None,
         path = data_dir / TOKEN_FILES[role]
         missing = (f"no {what}: set {env_name}, or copy meta's token file to {path}")
     else:
-        host, port = parse_addr(addr)
+        host, port = parse_addrs(addr)[0]  # several metas of one store share the tokens
         path = user_token_path(host, port, role)
         missing = (f"no token for {format_addr(host, port)} ({role.value} role): pass token=, "
                    f"set {env_name}, or start the cluster with `kvfs up` (which writes {path})")

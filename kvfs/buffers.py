@@ -26,6 +26,12 @@ def _tensor_view(obj: Any, writable: bool) -> memoryview | None:
 
 def as_view(obj: Any, *, writable: bool = False, what: str = "value") -> memoryview:
     """A flat unsigned-byte memoryview over ``obj`` without copying it."""
+    kind = type(obj)  # the common cases first, one check each (a value may have many parts)
+    if kind is bytearray or (kind is bytes and not writable):
+        return memoryview(obj)
+    if (kind is memoryview and obj.format == "B" and obj.ndim == 1 and obj.c_contiguous
+            and not (writable and obj.readonly)):
+        return obj  # e.g. a plug-in's views of an engine's host pool
     view = _tensor_view(obj, writable)
     if view is None:
         try:
@@ -50,7 +56,10 @@ def as_parts(obj: Any, *, writable: bool = False, what: str = "value") -> list[m
     if kind is bytearray or (kind is bytes and not writable):  # the common case, one check
         return [memoryview(obj)]
     if isinstance(obj, (list, tuple)):
-        return [as_view(p, writable=writable, what=f"{what} part {i}") for i, p in enumerate(obj)]
+        try:
+            return [as_view(p, writable=writable) for p in obj]
+        except InvalidArgument:  # again, naming the part (not built for every good one)
+            return [as_view(p, writable=writable, what=f"{what} part {i}") for i, p in enumerate(obj)]
     return [as_view(obj, writable=writable, what=what)]
 
 

@@ -45,7 +45,8 @@ Command = Callable[[argparse.Namespace], Awaitable[int]]
 
 
 def _client_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
+    p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070); "
+                   "several metas of one Redis-backed store: kvfs://H1:P1,H2:P2")
     p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
     add_options(p, TlsConfig)
 
@@ -110,6 +111,22 @@ async def cmd_meta_backup(ns: argparse.Namespace) -> int:
 
     pages = backup(ns.data, ns.file)
     print(f"backed up {ns.data / 'meta.sqlite3'} to {ns.file} ({pages} pages)")
+    return 0
+
+
+async def cmd_meta_migrate(ns: argparse.Namespace) -> int:
+    from kvfs.meta.migrate import MigrateReport, migrate
+
+    def progress(rep: MigrateReport) -> None:
+        print(f"kvfs meta migrate: {rep.keys} keys in {rep.seconds:.0f} s", file=sys.stderr, flush=True)
+
+    rep = await migrate(ns.src, ns.dst, from_namespace=ns.from_namespace, to_namespace=ns.to_namespace,
+                        batch=ns.batch, progress=progress)
+    resumed = "" if rep.resumed_after is None else f" (resumed after {rep.resumed_after[:60]!r})"
+    print(f"migrated cluster {rep.cluster_id} from {rep.source} to {rep.target}{resumed}: "
+          f"{rep.keys} keys ({rep.expired} expired, not moved), {rep.servers} chunkservers, "
+          f"{rep.retired_chunks} retired chunks, {rep.state} GC state entries in {rep.seconds:.1f} s "
+          f"({rep.keys / max(rep.seconds, 1e-9):.0f} keys/s)")
     return 0
 
 
@@ -310,7 +327,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(p, MetaConfig, skip=("data",))
     p.add_argument("--data", type=Path, default=None, help="data directory (SQLite store, token)")
     p.set_defaults(func=cmd_meta)
-    msub = p.add_subparsers(dest="meta_command", metavar="{rebuild,backup}")
+    msub = p.add_subparsers(dest="meta_command", metavar="{rebuild,backup,migrate}")
     q = msub.add_parser("rebuild", help="write a new meta database from the chunkservers' records "
                         "(after meta's database was lost)")
     q.add_argument("--data", type=Path, required=True, help="meta's data directory (the new database)")
@@ -324,6 +341,19 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("file", type=Path)
     q.add_argument("--data", type=Path, required=True, help="meta's data directory")
     q.set_defaults(func=cmd_meta_backup)
+    q = msub.add_parser("migrate", help="move the index between stores, meta stopped: SQLite to "
+                        "Redis Cluster or back (keys, TTLs, last access, cluster id, chunkservers, "
+                        "retired chunks, GC state); resumes a run that stopped")
+    q.add_argument("--from", dest="src", required=True, metavar="STORE",
+                   help="sqlite:PATH (meta's data directory) or redis-cluster://HOST:PORT[,...]")
+    q.add_argument("--to", dest="dst", required=True, metavar="STORE",
+                   help="sqlite:PATH or redis-cluster://HOST:PORT[,...]: empty, or holding an "
+                   "unfinished migration of the same cluster")
+    q.add_argument("--from-namespace", default="kvfs", help="a redis source's --store-namespace")
+    q.add_argument("--to-namespace", default="kvfs", help="a redis target's --store-namespace")
+    q.add_argument("--batch", type=int, default=1000,
+                   help="keys read and written per step (memory stays about this many layouts)")
+    q.set_defaults(func=cmd_meta_migrate)
 
     p = sub.add_parser("chunkserver", help="run one chunkserver in the foreground")
     add_options(p, ChunkServerConfig)

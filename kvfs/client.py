@@ -26,7 +26,7 @@ import msgspec
 
 from kvfs import rpc
 from kvfs._batch import Batcher
-from kvfs.address import format_addr, lookup_token, parse_addr
+from kvfs.address import format_addr, format_addrs, lookup_token, parse_addrs
 from kvfs.buffers import as_parts, cut, nbytes
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
@@ -82,7 +82,8 @@ class KeyInfo:
 class AsyncClient:
     """``async with kvfs.connect(addr) as kv: ...``
 
-    Public counters: ``rpc_counts`` (RPCs sent, by op name), ``layout_cache`` (its
+    Public counters: ``rpc_counts`` (RPCs sent, by op name), ``meta_calls`` (meta calls
+    answered, by meta ``HOST:PORT``: several metas share the calls), ``layout_cache`` (its
     ``clear()`` makes the next read ask meta), ``rx_pool_buffers`` and
     ``rx_buffers_reused`` (the read path's pooled receive buffers).  ``writer``
     (:class:`kvfs.writepath.WritePath`), ``reader`` (:class:`kvfs.readpath.ReadPath`)
@@ -96,17 +97,18 @@ class AsyncClient:
         """``token``: the client token (default ``$KVFS_TOKEN`` or the file `kvfs up`
         wrote).  A client never runs GC: a write that finds the cluster full asks meta to
         make room (MAKE_ROOM) and retries once."""
-        host, port = parse_addr(addr)
-        self.addr = format_addr(host, port)
-        self.token = lookup_token(token, addr=self.addr)
+        metas = parse_addrs(addr)  # several metas of one Redis-backed store: calls spread over them
+        self.addr = format_addrs(metas)
+        self.token = lookup_token(token, addr=format_addr(*metas[0]))
         self.config = cfg = config or ClientConfig()
         self.clock = time.time
-        self._link = ClusterLink(host, port, self.token, connect_timeout_s=cfg.connect_timeout_s,
+        self._link = ClusterLink(metas, self.token, connect_timeout_s=cfg.connect_timeout_s,
                                  request_timeout_s=cfg.request_timeout_s,
                                  servers_refresh_s=cfg.servers_refresh_s,
                                  down_for_s=cfg.down_for_s,
                                  tls=client_context(cfg))  # None: plaintext
         self.rpc_counts = self._link.rpc_counts
+        self.meta_calls = self._link.meta_calls
         self.layout_cache = LayoutCache(self._link, cfg.layout_cache_entries)
         self.writer = WritePath(self._link, cfg, lambda: self.clock())
         self.reader = ReadPath(self._link, max_rpc_bytes=cfg.max_read_rpc_bytes,
@@ -256,7 +258,7 @@ class AsyncClient:
         call = _PutCall(keys, views, metas, r, ttl, if_absent)
         total = sum([nbytes(v) for v in views])
         if self._coalesce(len(keys), total):
-            layouts = await self._put_batcher.submit(call, total, count=len(keys))
+            layouts = await self._put_batcher.submit(call, total, count=len(keys), eager=True)
             if isinstance(layouts, KVFSError):
                 raise layouts
         else:
@@ -458,11 +460,15 @@ class AsyncClient:
             raise InvalidArgument(f"{len(ks)} keys but {len(buffers)} buffers")
         if not ks:
             return []
-        views = [as_parts(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
+        try:
+            views = [as_parts(b, writable=True) for b in buffers]
+        except InvalidArgument:  # again, naming the buffer (not built for every good one)
+            views = [as_parts(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
         _check_lease(lease_s)
         total = sum([nbytes(v) for v in views])
         if self._coalesce(len(ks), total):
-            return await self._into_batcher.submit((ks, views, lease_s), total, count=len(ks))
+            return await self._into_batcher.submit((ks, views, lease_s), total, count=len(ks),
+                                                   eager=True)
         return await self._get_into(ks, views, lease_s)
 
     async def _get_into_calls(self, calls: list[_IntoCall]) -> list[list[int]]:
@@ -496,12 +502,12 @@ class AsyncClient:
         for i, (lay, v) in enumerate(zip(layouts, views, strict=True)):
             if lay is None:
                 dests.append(None)
-            elif lay.size > nbytes(v):
+            elif lay.size > (room := nbytes(v)):
                 result[i] = TOO_SMALL
                 dests.append(None)
             else:
                 result[i] = lay.size
-                dests.append(cut(v, 0, lay.size))
+                dests.append(v if lay.size == room else cut(v, 0, lay.size))
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
         misses = await self.reader.read_into(ks, layouts, dests, failed=failed, lost=lost)

@@ -1,5 +1,14 @@
 """Connections to a cluster: meta, the chunkservers, and the live server list.
 
+Meta may be several processes serving one store (Redis-backed: any of them answers
+any call).  A link takes a list of meta addresses (``kvfs://H1:P1,H2:P2``; a DNS name
+resolving to several addresses counts as each of them, the certificate checked
+against the name): a client spreads its calls over them in turn (``spread_meta``),
+a chunkserver or the GC sticks to one until it fails.  A meta that cannot be reached
+(refused, connect timeout, connection lost) is marked down for ``down_for_s`` and the
+call goes to the next; a meta that answers, even with an error, is not skipped, and
+an RPC that timed out on a live connection is not sent again elsewhere.
+
 One :class:`ClusterLink` per user of the cluster: the client (:mod:`kvfs.client`),
 the GC driver (:mod:`kvfs.gc.driver`) and a chunkserver's registration and
 heartbeats (only its meta connection).  Connections are opened on first use,
@@ -22,7 +31,9 @@ touched, and it reconnects.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
+import socket
 import ssl
 import time
 from collections import defaultdict
@@ -30,8 +41,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvfs import rpc
-from kvfs.address import parse_addr
-from kvfs.errors import LocalProtocolError, Unavailable
+from kvfs.address import format_addrs, parse_addr
+from kvfs.errors import InvalidArgument, LocalProtocolError, Unavailable
 from kvfs.protocol import Buffer, Scatter
 from kvfs.rpc import OP_OF, R, Request
 from kvfs.transport import Connection, Sink
@@ -54,16 +65,31 @@ class ServerEntry:
         return self.alive and not self.down
 
 
-class ClusterLink:
-    """Meta at ``host:port`` and, through it, the chunkservers."""
+Endpoint = tuple[str, int, str | None]  # host or address, port, the name TLS checks
 
-    def __init__(self, host: str, port: int, token: str, *, connect_timeout_s: float = 5.0,
+
+class ClusterLink:
+    """Meta at ``metas`` (one or several (host, port)) and, through it, the chunkservers."""
+
+    def __init__(self, metas: Sequence[tuple[str, int]], token: str, *, connect_timeout_s: float = 5.0,
                  request_timeout_s: float = 60.0, servers_refresh_s: float = 2.0,
-                 down_for_s: float = 5.0, tls: ssl.SSLContext | None = None) -> None:
+                 down_for_s: float = 5.0, tls: ssl.SSLContext | None = None,
+                 spread_meta: bool = True) -> None:
         """``tls``: every connection speaks TLS with this context
         (:func:`kvfs.tls.client_context`); None: plaintext.  ``down_for_s``: how long a
-        server a call could not reach stays marked down (:meth:`mark_down`)."""
-        self.host, self.port, self.token = host, port, token
+        server (or meta) a call could not reach stays marked down (:meth:`mark_down`).
+        ``spread_meta``: each meta call goes to the next meta in turn; False: to the one
+        that answered last (failing over to the next)."""
+        if not metas:
+            raise InvalidArgument("no meta address")
+        self.metas = list(metas)
+        self.meta_addr = format_addrs(self.metas)
+        self.spread_meta = spread_meta
+        self._endpoints: list[Endpoint] = []  # resolved on first use
+        self._turn = 0  # the next meta (spread), or the one in use (sticky)
+        self._meta_down_until: dict[Endpoint, float] = {}
+        self.meta_calls: dict[str, int] = defaultdict(int)  # answered meta calls, by meta address
+        self.token = token
         self.tls = tls
         self.connect_timeout_s = connect_timeout_s
         self.request_timeout_s = request_timeout_s
@@ -82,8 +108,8 @@ class ClusterLink:
     def _reset(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Fresh per-loop state: connections and locks belong to one event loop."""
         self._loop = loop
-        self._meta: Connection | None = None
-        self._meta_lock = asyncio.Lock()
+        self._metas: dict[Endpoint, Connection] = {}
+        self._meta_locks: dict[Endpoint, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._conns: dict[int, Connection] = {}
         self._conn_locks: dict[int, asyncio.Lock] = defaultdict(asyncio.Lock)
 
@@ -95,10 +121,10 @@ class ClusterLink:
             return
         pid = os.getpid()
         if pid != self._pid:
-            self._orphans.append((self._meta, self._conns))
+            self._orphans.append((self._metas, self._conns))
             self._pid = pid
         elif self._loop is not None and (
-                (self._meta is not None and not self._meta.is_closed)
+                any(not c.is_closed for c in self._metas.values())
                 or any(not c.is_closed for c in self._conns.values())) and not self._loop.is_closed():
             raise LocalProtocolError(
                 f"this AsyncClient has connections open on another event loop ({self._loop!r}) "
@@ -110,25 +136,24 @@ class ClusterLink:
 
     def connections(self) -> list[Connection]:
         """The open connections, meta's first (a debug hook: e.g. tests checking TLS)."""
-        conns = [self._meta, *self._conns.values()]
-        return [c for c in conns if c is not None and not c.is_closed]
+        conns = [*self._metas.values(), *self._conns.values()]
+        return [c for c in conns if not c.is_closed]
 
     @property
     def meta_open(self) -> bool:
-        return self._meta is not None and not self._meta.is_closed
+        return any(not c.is_closed for c in self._metas.values())
 
     def close(self) -> None:
-        for c in [self._meta, *self._conns.values()]:
-            if c is not None:
-                c.close()
-        self._meta = None
+        for c in [*self._metas.values(), *self._conns.values()]:
+            c.close()
+        self._metas.clear()
         self._conns.clear()
 
     async def aclose(self) -> None:
         """Close every connection and wait, within ``connect_timeout_s``, until each has closed:
         a TLS connection's shutdown takes loop turns, and a loop stopped and closed before
         them still holds their sockets (uvloop's close then fails with EBUSY)."""
-        conns = [c for c in [self._meta, *self._conns.values()] if c is not None]
+        conns = [*self._metas.values(), *self._conns.values()]
         self.close()
         waits = [asyncio.ensure_future(c.wait_closed()) for c in conns]
         if waits:
@@ -136,31 +161,119 @@ class ClusterLink:
             for w in pending:
                 w.cancel()
 
-    async def _open(self, host: str, port: int) -> Connection:
+    async def _open(self, host: str, port: int, server_name: str | None = None) -> Connection:
         return await Connection.open(host, port, self.token, connect_timeout_s=self.connect_timeout_s,
-                                     request_timeout_s=self.request_timeout_s, tls=self.tls)
+                                     request_timeout_s=self.request_timeout_s, tls=self.tls,
+                                     server_name=server_name)
 
     # meta ----------------------------------------------------------------------------
+    async def _resolve(self) -> list[Endpoint]:
+        """Each meta address; a name resolving to several addresses as each of them (a
+        name that does not resolve stays as it is: connecting then says why)."""
+        loop = asyncio.get_running_loop()
+        out: list[Endpoint] = []
+        for host, port in self.metas:
+            try:
+                ipaddress.ip_address(host)
+                out.append((host, port, None))
+                continue
+            except ValueError:
+                pass
+            try:
+                infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+            except OSError:
+                infos = []
+            addrs = list(dict.fromkeys(str(i[4][0]) for i in infos))
+            out += [(a, port, host) for a in addrs] if len(addrs) > 1 else [(host, port, None)]
+        return list(dict.fromkeys(out))
+
+    async def _meta_order(self) -> list[Endpoint]:
+        """The metas to try for one call: from this call's turn on, those not marked down
+        first (the marked ones last, in case they are back)."""
+        if not self._endpoints:
+            self._endpoints = await self._resolve()
+        eps = self._endpoints
+        start = self._turn % len(eps)
+        if self.spread_meta:
+            self._turn += 1
+        ring = eps[start:] + eps[:start]
+        now = time.monotonic()
+        up = [e for e in ring if self._meta_down_until.get(e, 0.0) <= now]
+        return up + [e for e in ring if e not in up]
+
+    async def _meta_conn_to(self, ep: Endpoint) -> Connection:
+        conn = self._metas.get(ep)
+        if conn is not None and not conn.is_closed:
+            return conn
+        async with self._meta_locks[ep]:
+            conn = self._metas.get(ep)
+            if conn is None or conn.is_closed:
+                conn = self._metas[ep] = await self._open(*ep)
+        return conn
+
+    def _meta_failed(self, ep: Endpoint) -> None:
+        self._meta_down_until[ep] = time.monotonic() + self.down_for_s
+        if not self.spread_meta and self._endpoints and self._endpoints[self._turn % len(self._endpoints)] == ep:
+            self._turn += 1  # sticky: the next meta becomes the one in use
+
+    def _meta_ok(self, ep: Endpoint) -> None:
+        self._meta_down_until.pop(ep, None)
+        if not self.spread_meta:
+            self._turn = self._endpoints.index(ep)
+
+    def _all_failed(self, tried: list[Endpoint], last: Unavailable) -> Unavailable:
+        if len(tried) == 1:
+            return last
+        return Unavailable(f"no meta service reachable at {self.meta_addr} (tried {len(tried)}): {last}")
+
     async def meta_conn(self) -> Connection:
+        """A connection to a meta that can be reached (the next in turn)."""
         self.bind_loop()
-        if self._meta is not None and not self._meta.is_closed:
-            return self._meta
-        async with self._meta_lock:
-            if self._meta is None or self._meta.is_closed:
-                self._meta = await self._open(self.host, self.port)
-        return self._meta
+        order = await self._meta_order()
+        last: Unavailable | None = None
+        for ep in order:
+            try:
+                conn = await self._meta_conn_to(ep)
+            except Unavailable as exc:
+                last = exc
+                self._meta_failed(ep)
+                continue
+            self._meta_ok(ep)
+            return conn
+        assert last is not None
+        raise self._all_failed(order, last)
 
     async def call_meta(self, request: Request[R]) -> R:
-        """One RPC to meta; a connection found closed (meta restarted) is re-opened once."""
+        """One RPC to a meta (the next in turn); one that cannot be reached is marked
+        down and the call goes to the next.  A connection found closed (that meta
+        restarted) is re-opened once first."""
+        self.bind_loop()
         self.rpc_counts[OP_OF[type(request)].name] += 1
-        for attempt in (0, 1):
-            conn = await self.meta_conn()
-            try:
-                return await conn.call(request)
-            except Unavailable:
-                if attempt or not conn.is_closed:
-                    raise
-        raise AssertionError("unreachable")
+        order = await self._meta_order()
+        last: Unavailable | None = None
+        for ep in order:
+            for _ in (0, 1):
+                reused = ep in self._metas and not self._metas[ep].is_closed
+                try:
+                    conn = await self._meta_conn_to(ep)
+                except Unavailable as exc:
+                    last = exc
+                    break
+                try:
+                    answer = await conn.call(request)
+                except Unavailable as exc:
+                    if not conn.is_closed:
+                        raise  # it answered (or a live connection timed out): not sent again
+                    last = exc
+                    if not reused:
+                        break
+                    continue  # an older connection, found closed: that meta may have restarted
+                self._meta_ok(ep)
+                self.meta_calls[conn.name] += 1
+                return answer
+            self._meta_failed(ep)
+        assert last is not None
+        raise self._all_failed(order, last)
 
     # the server list --------------------------------------------------------------------
     async def servers(self, *, refresh: bool = False) -> list[ServerEntry]:

@@ -138,7 +138,9 @@ class MetaConfig(ServerConfig):
 class ChunkServerConfig(ServerConfig):
     data: Path = opt("data directory (chunk files; token files unless $KVFS_TOKEN, "
                      "$KVFS_ADMIN_TOKEN, $KVFS_SERVER_TOKEN are set)")
-    meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
+    meta: str = opt("address of the meta service; several metas of one Redis-backed store as "
+                    "HOST:PORT,HOST:PORT (one in use, the next when it cannot be reached)",
+                    "kvfs://127.0.0.1:7070")
     listen: str = opt("HOST:PORT to listen on (port 0 picks a free one)", "127.0.0.1:0")
     advertise: str | None = opt("HOST:PORT clients should use (default: the listen address)", None)
     chunk_bytes: int = opt("seal a chunk file at this size", 64 * 1024 * 1024)
@@ -291,7 +293,9 @@ def from_options(cls: type[T], ns: argparse.Namespace, **overrides: Any) -> T:
 
 @dataclass(frozen=True, kw_only=True)
 class GcConfig(TlsConfig):
-    meta: str = opt("address of the meta service", "kvfs://127.0.0.1:7070")
+    meta: str = opt("address of the meta service; several metas of one Redis-backed store as "
+                    "HOST:PORT,HOST:PORT (one in use, the next when it cannot be reached)",
+                    "kvfs://127.0.0.1:7070")
     interval_s: float = opt("time between background GC passes", 10.0)
     expire_batch: int = opt("expired keys removed per meta transaction", 10_000)
     compact_threshold: float = opt("compact a sealed chunk whose garbage ratio passes this", 0.3)

@@ -21,6 +21,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def __init__(self, limits: Limits | None = None, allocator: PayloadAllocator | None = None,
                  *, scratch_bytes: int = 256 * 1024):
         self.decoder = FrameDecoder(limits, allocator=allocator, scratch_bytes=scratch_bytes)
+        # called once per receive (per destination part of a scattered read): no wrapper frame
+        self.get_buffer = self.decoder.get_buffer  # type: ignore[method-assign]
         self.transport: asyncio.Transport | None = None
         self._can_write = asyncio.Event()
         self._can_write.set()
@@ -42,7 +44,8 @@ class FrameProtocol(asyncio.BufferedProtocol):
             self.deliver()  # the frames before the bad one still count
             self.protocol_failed(exc)
             return
-        self.deliver()
+        if self.decoder.has_events:  # not while a large payload is still arriving
+            self.deliver()
 
     def deliver(self) -> None:
         """Hand decoded frames to :meth:`frame_received` until none is left or

@@ -53,7 +53,7 @@ from fsspec.spec import AbstractBufferedFile
 from fsspec.utils import stringify_path
 
 from kvfs._batch import Batcher
-from kvfs.address import format_addr, is_addr, lookup_token, parse_addr
+from kvfs.address import format_addrs, is_addr, lookup_token, parse_addrs
 from kvfs.client import AsyncClient, KeyInfo
 from kvfs.config import ClientConfig
 from kvfs.layout import MAX_KEY_BYTES, MAX_VALUE_BYTES, Layout
@@ -170,7 +170,7 @@ class KVFileSystem(AsyncFileSystem):
         if client is not None:
             self.addr, self.token = client.addr, client.token
         else:
-            self.addr = format_addr(*parse_addr(addr))
+            self.addr = format_addrs(parse_addrs(addr))
             self.token = lookup_token(token, addr=self.addr)
         if ttl is not None and ttl <= 0:
             raise ValueError(f"ttl must be positive seconds or None, got {ttl}")

@@ -236,6 +236,11 @@ class FrameDecoder:
         return NEED_DATA
 
     @property
+    def has_events(self) -> bool:
+        """Whether decoded frames (or an error) wait for :meth:`next_event`."""
+        return bool(self._events) or self._error is not None
+
+    @property
     def buffered_bytes(self) -> int:
         return self._end - self._start + self._big_filled
 

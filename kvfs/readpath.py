@@ -202,13 +202,13 @@ class ReadPath:
         for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
             if lay is None or dest is None:
                 continue
-            if dest is WHOLE:
+            if dest is WHOLE or len(lay.extents) == 1:  # one extent: the dest is all of it
                 e = lay.extents[0]
                 reps = e.replicas
                 if len(reps) == 1:
-                    by_server[reps[0].server_id].append(_Job(slot, e, WHOLE, reps[0]))
+                    by_server[reps[0].server_id].append(_Job(slot, e, dest, reps[0]))
                 else:
-                    choose.append(_Job(slot, e, WHOLE))
+                    choose.append(_Job(slot, e, dest))
                 continue
             pos = 0
             for e in lay.extents:

@@ -116,16 +116,18 @@ class Connection:
         request_timeout_s: float = 60.0,
         limits: Limits | None = None,
         tls: ssl.SSLContext | None = None,
+        server_name: str | None = None,
     ) -> Connection:
-        """``tls``: speak TLS, verifying the server's certificate names ``host``
-        (:func:`kvfs.tls.client_context`); None: plaintext."""
-        name = f"{host}:{port}"
+        """``tls``: speak TLS, verifying the server's certificate names ``server_name``
+        (default ``host``; a name resolved to ``host`` by the caller) (:func:`kvfs.tls.client_context`);
+        None: plaintext."""
+        name = f"{host}:{port}" if server_name is None else f"{server_name} ({host}:{port})"
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_timeout_s):
                 _, proto = await loop.create_connection(
                     lambda: _ClientProtocol(name, limits, tls is not None), host, port,
-                    **connect_options(tls, host, connect_timeout_s))
+                    **connect_options(tls, server_name or host, connect_timeout_s))
         except TimeoutError:
             raise Timeout(f"connecting to {name} timed out after {connect_timeout_s}s"
                           + (" (in the TLS handshake?)" if tls is not None else "")) from None

@@ -928,6 +928,12 @@ class RedisMetaStore:
         got = await self._run(self.r.hgetall(self._g["dead"]))
         return {int(c): float(msgpack.unpackb(v)[1]) for c, v in got.items()}
 
+    async def dead_rows(self) -> builtins.list[tuple[int, int, float]]:
+        """(chunk, server_id, retired_at) of every retired chunk (``kvfs meta migrate``)."""
+        got = await self._run(self.r.hgetall(self._g["dead"]))
+        return sorted((int(c), int(sid), float(at)) for c, (sid, at) in
+                      ((c, msgpack.unpackb(v)) for c, v in got.items()))
+
     # registry and state ----------------------------------------------------------------
     async def servers(self) -> builtins.list[tuple[int, str, int, int]]:
         got = await self._run(self.r.hgetall(self._g["servers"]))
@@ -996,6 +1002,10 @@ class RedisMetaStore:
     async def get_state(self, name: str) -> Any:
         v = await self._run(self.r.hget(self._g["state"], name))
         return None if v is None else msgpack.unpackb(v, raw=False)
+
+    async def all_state(self) -> dict[str, Any]:
+        got = await self._run(self.r.hgetall(self._g["state"]))
+        return {n.decode(): msgpack.unpackb(v, raw=False) for n, v in got.items()}
 
     async def put_state(self, name: str, value: Any) -> None:
         await self._run(self.r.hset(self._g["state"], name, msgpack.packb(value, use_bin_type=True)))

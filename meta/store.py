@@ -106,6 +106,14 @@ class MetaStore:
         for key, blob, last_access in self.db.execute("SELECT key, layout, last_access FROM kv"):
             yield bytes(key), decode_layout(blob), last_access
 
+    def rows_after(self, after: bytes | None, limit: int) -> builtins.list[tuple[bytes, bytes, float | None, float]]:
+        """(key, layout blob, expires_at, last_access) of up to ``limit`` keys after ``after``,
+        in key order (``kvfs meta migrate`` pages through the table with it)."""
+        cols = "SELECT key, layout, expires_at, last_access FROM kv"
+        q = (self.db.execute(f"{cols} ORDER BY key LIMIT ?", (limit,)) if after is None else
+             self.db.execute(f"{cols} WHERE key > ? ORDER BY key LIMIT ?", (after, limit)))
+        return [(bytes(k), bytes(b), e, a) for k, b, e, a in q]
+
     def put_many(self, rows: Iterable[tuple[bytes, bytes, float | None, float]]) -> None:
         with self.db:
             self.db.execute("BEGIN")
@@ -186,6 +194,9 @@ class MetaStore:
     def get_state(self, name: str) -> Any:
         row = self.db.execute("SELECT value FROM gc_state WHERE name = ?", (name,)).fetchone()
         return None if row is None else msgpack.unpackb(row[0], raw=False)
+
+    def all_state(self) -> dict[str, Any]:
+        return {n: msgpack.unpackb(v, raw=False) for n, v in self.db.execute("SELECT name, value FROM gc_state")}
 
     def put_state(self, name: str, value: Any) -> None:
         with self.db:

@@ -6,7 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from kvfs.address import format_addr, is_addr, lookup_token, parse_addr, user_token_path
+from kvfs.address import (
+    format_addr,
+    format_addrs,
+    is_addr,
+    lookup_token,
+    parse_addr,
+    parse_addrs,
+    user_token_path,
+)
 from kvfs.errors import AuthError, InvalidArgument
 
 
@@ -64,3 +72,27 @@ def test_service_token_lives_in_its_data_dir(tmp_path: Path, monkeypatch: pytest
     made = lookup_token(data_dir=tmp_path, create=True)
     assert (tmp_path / "token").stat().st_mode & 0o777 == 0o600
     assert lookup_token(data_dir=tmp_path) == made == lookup_token(data_dir=tmp_path, create=True)
+
+
+def test_a_list_of_metas() -> None:
+    """Several metas of one store: ``kvfs://H1:P1,H2:P2`` (clients, chunkservers, the GC)."""
+    metas = parse_addrs("kvfs://10.0.0.1:7070,[::1]:7071, meta3.example:7072/some/path")
+    assert metas == [("10.0.0.1", 7070), ("::1", 7071), ("meta3.example", 7072)]
+    assert format_addrs(metas) == "kvfs://10.0.0.1:7070,[::1]:7071,meta3.example:7072"
+    assert parse_addrs(format_addrs(metas)) == metas
+    assert parse_addrs("h:1") == [("h", 1)]
+    assert is_addr("h1:1,h2:2") and not is_addr("h1:1,path")
+    with pytest.raises(InvalidArgument, match=r"'nope' is not HOST:PORT"):
+        parse_addrs("kvfs://h1:1,nope")
+    # where one address is meant (a listen address), a list is refused by name
+    with pytest.raises(InvalidArgument, match=r"one address here, not a list"):
+        parse_addr("h1:1,h2:2", what="listen address")
+
+
+def test_a_list_takes_the_first_metas_token_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVFS_CONFIG_DIR", str(tmp_path))
+    monkeypatch.delenv("KVFS_TOKEN", raising=False)
+    path = user_token_path("127.0.0.1", 7070)
+    path.parent.mkdir(parents=True)
+    path.write_text("t1\n")
+    assert lookup_token(addr="kvfs://127.0.0.1:7070,127.0.0.1:7071") == "t1"

@@ -69,6 +69,9 @@ async def test_concurrent_exists_are_batched(kv: AsyncClient) -> None:
 
 
 # -- whole get_into / put_many calls coalesced (issue 12 item 8) ---------------------------------
+# A call made while nothing is queued or running goes at once, alone (no added latency for a
+# lone caller); the calls made while it runs share one batch.  So N concurrent calls of one
+# tick cost 2 rounds of RPCs: the first call's, and everyone else's.
 def _val(i: int, n: int = 4096) -> bytes:
     return bytes([i % 251]) * n
 
@@ -84,8 +87,8 @@ async def test_concurrent_get_into_calls_share_rpcs(cluster: LocalCluster, kv: A
     results = await asyncio.gather(*calls)
     assert results == [[4096, 4096]] * 16
     assert [bytes(b) for b in bufs] == list(items.values())
-    assert kv.rpc_counts["LOOKUP"] - lookups == 1  # 16 calls, one lookup
-    assert _readv_calls(cluster) - readvs == 1  # and one readv: one server holds them all
+    assert kv.rpc_counts["LOOKUP"] - lookups == 2  # 16 calls: the first alone, 15 in one
+    assert _readv_calls(cluster) - readvs == 2  # one server holds them all: a readv each
 
 
 async def test_coalesced_get_into_calls_keep_their_own_results(kv: AsyncClient) -> None:
@@ -95,15 +98,17 @@ async def test_coalesced_get_into_calls_keep_their_own_results(kv: AsyncClient) 
     miss, dup1, dup2 = bytearray(16), bytearray(4096), bytearray(4096)
     halves = [memoryview(dup2)[:100], memoryview(dup2)[100:]]
     lookups = kv.rpc_counts["LOOKUP"]
-    a, b, c, d = await asyncio.gather(
+    first, a, b, c, d = await asyncio.gather(
+        kv.get_into([b"r-ok"], [bytearray(4096)]),  # goes alone: the four below share a batch
         kv.get_into([b"r-big", b"r-ok"], [small, ok]),  # one too-small buffer, one good
         kv.get_into([b"r-none"], [miss]),
         kv.get_into([b"r-dup"], [dup1]),
         kv.get_into([b"r-dup"], [halves]))  # the same key, another call, scattered
+    assert first == [4096]
     assert a == [kvfs.TOO_SMALL, 4096] and b == [kvfs.MISS] and c == [4096] and d == [4096]
     assert bytes(small) == bytes(4096) and bytes(ok) == _val(2)
     assert bytes(dup1) == bytes(dup2) == _val(3) and bytes(miss) == bytes(16)
-    assert kv.rpc_counts["LOOKUP"] - lookups == 1
+    assert kv.rpc_counts["LOOKUP"] - lookups == 2
 
 
 async def test_coalesced_get_into_reads_once_per_lease(kv: AsyncClient) -> None:
@@ -111,11 +116,13 @@ async def test_coalesced_get_into_reads_once_per_lease(kv: AsyncClient) -> None:
     kv.layout_cache.clear()
     bufs = [bytearray(4096) for _ in range(3)]
     lookups = kv.rpc_counts["LOOKUP"]
-    got = await asyncio.gather(kv.get_into([b"l1"], [bufs[0]], lease_s=30),
+    got = await asyncio.gather(kv.get_into([b"l-none"], [bytearray(4096)]),  # alone, at once
+                               kv.get_into([b"l1"], [bufs[0]], lease_s=30),
                                kv.get_into([b"l2"], [bufs[1]]),
                                kv.get_into([b"l3"], [bufs[2]], lease_s=30))
-    assert got == [[4096]] * 3 and [bytes(b) for b in bufs] == [_val(1), _val(2), _val(3)]
-    assert kv.rpc_counts["LOOKUP"] - lookups == 2  # the leased two together, the other alone
+    assert got == [[kvfs.MISS]] + [[4096]] * 3
+    assert [bytes(b) for b in bufs] == [_val(1), _val(2), _val(3)]
+    assert kv.rpc_counts["LOOKUP"] - lookups == 3  # the first; then the leased two, the other
     assert await kv.release([b"l1", b"l2", b"l3"]) == 2
 
 
@@ -123,8 +130,8 @@ async def test_concurrent_put_many_calls_share_rpcs(kv: AsyncClient) -> None:
     appends, commits = kv.rpc_counts["APPEND"], kv.rpc_counts["COMMIT"]
     items = [{f"pm{i}a".encode(): _val(i), f"pm{i}b".encode(): _val(i + 100)} for i in range(16)]
     assert await asyncio.gather(*(kv.put_many(it) for it in items)) == [[True, True]] * 16
-    assert kv.rpc_counts["COMMIT"] - commits == 1  # 16 calls, one commit
-    assert kv.rpc_counts["APPEND"] - appends == 1  # 128 KiB: one run on one server
+    assert kv.rpc_counts["COMMIT"] - commits == 2  # 16 calls: the first alone, 15 in one
+    assert kv.rpc_counts["APPEND"] - appends == 2  # 120 KiB: one run on one server
     kv.layout_cache.clear()
     merged = {k: v for it in items for k, v in it.items()}
     assert await kv.get_many(list(merged)) == list(merged.values())
@@ -141,19 +148,21 @@ async def test_puts_with_other_options_or_the_same_key_are_not_merged(kv: AsyncC
     kv.layout_cache.clear()
     assert await kv.get(b"same") == b"second"
     commits = kv.rpc_counts["COMMIT"]
-    stored = await asyncio.gather(kv.put_many({b"same": b"third"}, if_absent=True),
+    stored = await asyncio.gather(kv.put_many({b"ia-0": b"0"}, if_absent=True),
+                                  kv.put_many({b"same": b"third"}, if_absent=True),
                                   kv.put_many({b"ia-new": b"x"}, if_absent=True))
-    assert stored == [[False], [True]]  # merged (same options, no shared key), each its own answer
+    assert stored == [[True], [False], [True]]  # the last two merged, each its own answer
     assert await kv.get(b"same") == b"second" and await kv.get(b"ia-new") == b"x"
-    assert kv.rpc_counts["COMMIT"] - commits == 1
+    assert kv.rpc_counts["COMMIT"] - commits == 2
 
 
 async def test_coalesced_puts_keep_each_keys_meta(kv: AsyncClient) -> None:
     commits = kv.rpc_counts["COMMIT"]
-    await asyncio.gather(kv.put_many({b"m-a": b"1", b"m-b": b"2"}, meta=[{"layer": 1}, None]),
+    await asyncio.gather(kv.put_many({b"m-0": b"0"}),  # alone, at once
+                         kv.put_many({b"m-a": b"1", b"m-b": b"2"}, meta=[{"layer": 1}, None]),
                          kv.put_many({b"m-c": b"3"}),
                          kv.put_many({b"m-d": b"4"}, meta=[{"dtype": "bf16"}]))
-    assert kv.rpc_counts["COMMIT"] - commits == 1
+    assert kv.rpc_counts["COMMIT"] - commits == 2
     kv.layout_cache.clear()
     assert await kv.get_meta([b"m-a", b"m-b", b"m-c", b"m-d"]) == [{"layer": 1}, {}, {},
                                                                    {"dtype": "bf16"}]
@@ -170,13 +179,14 @@ async def test_a_failed_shared_put_fails_only_its_own_call(kv: AsyncClient,
 
     monkeypatch.setattr(kv.writer, "put", refuse_bad)
     commits = kv.rpc_counts["COMMIT"]
-    results = await asyncio.gather(kv.put_many({b"n1": b"1"}), kv.put_many({b"bad": b"2"}),
-                                   kv.put_many({b"n3": b"3", b"n4": b"4"}), return_exceptions=True)
-    assert results[0] == [True] and results[2] == [True, True]
-    assert isinstance(results[1], Unavailable)
-    assert kv.rpc_counts["COMMIT"] - commits == 2  # the shared put failed; each call alone
+    results = await asyncio.gather(kv.put_many({b"n0": b"0"}), kv.put_many({b"n1": b"1"}),
+                                   kv.put_many({b"bad": b"2"}), kv.put_many({b"n3": b"3", b"n4": b"4"}),
+                                   return_exceptions=True)
+    assert results[0] == [True] and results[1] == [True] and results[3] == [True, True]
+    assert isinstance(results[2], Unavailable)
+    assert kv.rpc_counts["COMMIT"] - commits == 3  # n0 alone; the shared put failed: each call alone
     kv.layout_cache.clear()
-    assert await kv.get_many([b"n1", b"bad", b"n3", b"n4"]) == [b"1", None, b"3", b"4"]
+    assert await kv.get_many([b"n0", b"n1", b"bad", b"n3", b"n4"]) == [b"0", b"1", None, b"3", b"4"]
 
 
 async def test_calls_of_a_whole_batch_go_alone(cluster: LocalCluster) -> None:
@@ -187,8 +197,8 @@ async def test_calls_of_a_whole_batch_go_alone(cluster: LocalCluster) -> None:
         assert kv.rpc_counts["COMMIT"] - commits == 3
         commits = kv.rpc_counts["COMMIT"]
         await asyncio.gather(*(kv.put_many({f"s{i}{j}".encode(): b"v" for j in range(2)})
-                               for i in range(3)))
-        assert kv.rpc_counts["COMMIT"] - commits == 2  # 2 + 2 keys, then 2: at most 4 a batch
+                               for i in range(4)))
+        assert kv.rpc_counts["COMMIT"] - commits == 3  # the first alone; 2 + 2 keys; 2: at most 4 a batch
 
 
 async def test_coalescing_off(cluster: LocalCluster) -> None:
@@ -209,7 +219,7 @@ def test_get_into_and_put_many_from_threads_share_batches(tcluster: ThreadCluste
         commits = kv.aio.rpc_counts["COMMIT"]
         gate.set()
         assert [f.result(30) for f in puts] == [[True]] * 8
-        assert kv.aio.rpc_counts["COMMIT"] - commits == 1
+        assert kv.aio.rpc_counts["COMMIT"] - commits == 2  # the first alone, seven in one
         kv.aio.layout_cache.clear()
         bufs = [bytearray(4096) for _ in range(8)]
         gate.clear()
@@ -219,5 +229,5 @@ def test_get_into_and_put_many_from_threads_share_batches(tcluster: ThreadCluste
         lookups = kv.aio.rpc_counts["LOOKUP"]
         gate.set()
         assert [f.result(30) for f in gets] == [[4096]] * 8
-        assert kv.aio.rpc_counts["LOOKUP"] - lookups == 1
+        assert kv.aio.rpc_counts["LOOKUP"] - lookups == 2
         assert [bytes(b) for b in bufs] == [_val(t) for t in range(8)]

@@ -22,7 +22,7 @@ from kvfs.launcher import LocalCluster, ProcessCluster
 async def test_a_down_mark_outlives_a_refresh_and_ends(cluster: LocalCluster, kv: AsyncClient) -> None:
     host, port = parse_addr(kv.addr)
     for down_for_s in (3600.0, 0.0):
-        link = ClusterLink(host, port, kv.token, down_for_s=down_for_s)
+        link = ClusterLink([(host, port)], kv.token, down_for_s=down_for_s)
         try:
             sid = (await link.servers())[0].server_id
             link.mark_down(sid)

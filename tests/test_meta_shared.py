@@ -221,5 +221,73 @@ async def test_two_metas_with_gc_lose_and_duplicate_no_commit(tmp_path: Path,
         for i, t in daemons.items():
             stops[i].set()
             await t
+
+async def test_clients_and_chunkservers_fail_over_between_metas(tmp_path: Path,
+                                                                redis_cluster: LocalRedisCluster) -> None:
+    """Two metas on one store; a client given both (``kvfs://M1,M2``) spreads its calls over
+    them, chunkservers given both report to one; meta 1 is killed while the client writes
+    and reads: no call fails, and past the heartbeat timeout the chunkservers are still
+    alive (their heartbeats went to meta 2)."""
+    ns = "f" + uuid.uuid4().hex[:10]
+    store = ("--store", redis_cluster.url, "--store-namespace", ns, "--heartbeat-timeout", "2s")
+    c = ProcessCluster(tmp_path / "c", 0, listen="127.0.0.1:0", meta_args=store)
+    await c.start()
+    meta2 = ServiceProcess("meta 2", [sys.executable, "-m", "kvfs", "meta", "--data", str(tmp_path / "meta2"),
+                                      "--listen", "127.0.0.1:0", *store], c.env)
+    servers: list[ServiceProcess] = []
+    kv: AsyncClient | None = None
+    try:
+        addr2 = (await meta2.start()).split()[-1]
+        both = c.addr + "," + addr2.removeprefix("kvfs://")
+        servers = [ServiceProcess(f"cs{i}", [sys.executable, "-m", "kvfs", "chunkserver", "--data",
+                                             str(tmp_path / f"cs{i}"), "--meta", both, "--listen",
+                                             "127.0.0.1:0", "--heartbeat-interval", "200ms"], c.env)
+                   for i in range(2)]
+        await asyncio.gather(*(s.start() for s in servers))
+        kv = AsyncClient(both, token=c.token)
+        assert kv.addr == both
+        deadline = time.monotonic() + 30
+        while sum(s.alive for s in await kv.servers(refresh=True)) < 2:
+            assert time.monotonic() < deadline, "the chunkservers never showed alive"
+            await asyncio.sleep(0.1)
+        m1, m2 = (a.removeprefix("kvfs://") for a in (c.addr, addr2))
+        written: dict[bytes, bytes] = {}
+        errors: list[BaseException] = []
+        killed_at: float | None = None
+
+        async def work(rounds_after_kill: float) -> None:
+            i = 0
+            while killed_at is None or time.monotonic() - killed_at < rounds_after_kill:
+                assert kv is not None
+                batch = {b"k/%05d" % (i * 4 + j): value(b"k/%05d" % (i * 4 + j), 0) for j in range(4)}
+                try:
+                    await kv.put_many(list(batch.items()))
+                    written.update(batch)
+                    assert await kv.get_many(list(batch)) == list(batch.values())
+                    assert await kv.exists_many(list(batch)) == [True] * 4
+                except BaseException as exc:
+                    errors.append(exc)
+                    return
+                i += 1
+
+        task = asyncio.create_task(work(4.0))  # on past the 2 s heartbeat timeout
+        while len(written) < 80 and not task.done():
+            await asyncio.sleep(0.05)
+        spread = dict(kv.meta_calls)
+        assert spread.get(m1, 0) > 5 and spread.get(m2, 0) > 5, spread  # both metas served calls
+        assert c.meta is not None
+        c.meta.kill()  # SIGKILL meta 1 mid-run
+        killed_at = time.monotonic()
+        await task
+        assert errors == []
+        after = dict(kv.meta_calls)
+        assert after[m1] - spread[m1] <= 1 and after[m2] - spread[m2] > 10, (spread, after)
+        assert await kv.get_many(list(written)) == list(written.values())
+        # the chunkservers kept reporting, to meta 2: alive well past the heartbeat timeout
+        assert [s.alive for s in await kv.servers(refresh=True)] == [True, True]
+    finally:
+        if kv is not None:
+            await kv.close()
+        await asyncio.gather(*(s.stop() for s in servers))
         await meta2.stop()
         await c.stop()
