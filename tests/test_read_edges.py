@@ -84,6 +84,7 @@ async def test_get_into_reads_in_place_and_get_reuses_one_pooled_buffer(one: Loc
         assert kv.rx_pool_buffers == 1
 
 
+# (duplicates: the fixture `one` above with two chunkservers; two small fixtures read plainer than a factory)
 @pytest.fixture
 async def two(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
     """Two chunkservers: with replicas=2 every value is on both."""
