@@ -221,6 +221,8 @@ async def test_two_metas_with_gc_lose_and_duplicate_no_commit(tmp_path: Path,
         for i, t in daemons.items():
             stops[i].set()
             await t
+        await meta2.stop()
+        await c.stop()
 
 async def test_clients_and_chunkservers_fail_over_between_metas(tmp_path: Path,
                                                                 redis_cluster: LocalRedisCluster) -> None:
