@@ -45,6 +45,12 @@ A slot that moves (failover, resharding) makes a script fail on its first touch 
 bucket, before it wrote anything (Redis never rolls a script back); the store re-reads
 the slot map and sends those buckets again, once, then answers ``Unavailable``.
 
+Every network step (a pipeline to one node, a command, a read of the slot map) is bounded
+by ``timeout_s`` (meta's ``--store-timeout``), with no retries inside redis-py: a master
+that stops answering (hung, partitioned) makes a call fail as ``Unavailable`` after a
+few of them, never wait on it.  (redis-py's own retries and re-reads of the slot map
+took a minute on a stopped master.)
+
 Time
 ----
 Layouts do not get a Redis expiry: a key Redis dropped by itself would keep its chunk
@@ -80,6 +86,8 @@ import crc32c
 import msgpack
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
@@ -104,8 +112,9 @@ T = TypeVar("T")
 URL_SCHEME = "redis-cluster://"
 DEFAULT_BUCKETS = 256
 RETIRE_LOCK_MS = 30_000
-SCAN_MIN_COUNT = 64
-CLOSE_TIMEOUT_S = 5.0  # close(): each connection's close, and the last access-time flush  # HSCAN's COUNT hint per bucket and round of scan()
+SCAN_MIN_COUNT = 64  # HSCAN's COUNT hint per bucket and round of scan()
+CLOSE_TIMEOUT_S = 5.0  # close(): each connection's close, and the last access-time flush
+DEFAULT_TIMEOUT_S = 5.0  # one network step: a pipeline to a node, a command, a slot-map read
 
 # --- Lua ----------------------------------------------------------------------------------
 # The value prefix: "EXPIRES;CID:N,CID:N|". Numbers stay strings in Lua (chunk ids exceed
@@ -416,11 +425,15 @@ class RedisMetaStore:
     """``url``: ``redis-cluster://h:p,...``; ``namespace`` separates several stores on one
     cluster; ``buckets`` is used when the store is created (an existing one keeps its own)."""
 
-    def __init__(self, url: str, *, namespace: str = "kvfs", buckets: int = DEFAULT_BUCKETS) -> None:
+    def __init__(self, url: str, *, namespace: str = "kvfs", buckets: int = DEFAULT_BUCKETS,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if not namespace or not namespace.replace("_", "").replace("-", "").isalnum():
             raise InvalidArgument(f"redis namespace must be letters, digits, - or _, got {namespace!r:.80}")
         if not 1 <= buckets <= 65536:
             raise InvalidArgument(f"buckets must be 1..65536, got {buckets}")
+        if not 0 < timeout_s <= 3600:
+            raise InvalidArgument(f"redis timeout (--store-timeout) must be in (0, 3600] seconds, got {timeout_s!r}")
+        self.timeout_s = timeout_s
         self.nodes = parse_url(url)
         self.ns = namespace
         self.buckets = buckets
@@ -445,9 +458,9 @@ class RedisMetaStore:
 
     async def open(self) -> None:
         r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
-                         decode_responses=False)
+                         decode_responses=False, **self._conn_opts())
         try:
-            await r.initialize()
+            await self._bounded(r.initialize())
         except (*_DOWN, RedisClusterException, OSError) as exc:
             await r.aclose()
             nodes = ",".join(f"{h}:{p}" for h, p in self.nodes)
@@ -480,6 +493,28 @@ class RedisMetaStore:
 
     def _pipe(self) -> _Pipe:
         return _Pipe(self)
+
+    def _conn_opts(self) -> dict[str, Any]:
+        """Every connection's timeouts, and no retries inside redis-py (the store sends a
+        moved bucket again itself; anything else is the caller's ``Unavailable``)."""
+        return {"socket_timeout": self.timeout_s, "socket_connect_timeout": self.timeout_s,
+                "retry": Retry(NoBackoff(), 0)}
+
+    async def _bounded(self, aw: Awaitable[T]) -> T:
+        """One network step, at most ``timeout_s``: past it, redis-py's ``TimeoutError``
+        (so :class:`Unavailable` from :meth:`_run`).  The socket timeouts bound a read and
+        a connect; this bounds the rest (a slot-map read that tries node after node)."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await aw
+        except TimeoutError:
+            raise RedisTimeoutError(f"no answer within {self.timeout_s:g} s") from None
+
+    async def _reread_slots(self) -> None:
+        """Read the slot map again (after a failover or a move); a failure is left to the
+        next call."""
+        with contextlib.suppress(*_DOWN, OSError):
+            await self._bounded(self.r.nodes_manager.initialize())
 
     async def _execute(self, calls: builtins.list[tuple[str, tuple[Any, ...], dict[str, Any]]],
                        ) -> builtins.list[Any]:
@@ -527,7 +562,8 @@ class RedisMetaStore:
                     continue
                 for us, r in res:
                     if isinstance(r, (MovedError, AskError, TryAgainError, ClusterDownError)) or (
-                            isinstance(r, ResponseError) and "non local key" in str(r)):
+                            isinstance(r, ResponseError) and ("non local key" in str(r)
+                                                              or "cluster is down" in str(r))):
                         moved += us
                     elif isinstance(r, Exception):
                         await self._run(_raise(r))
@@ -535,10 +571,10 @@ class RedisMetaStore:
                         out.append((us, r))
             if not moved:
                 return out
-            with contextlib.suppress(*_DOWN, OSError):
-                await nm.initialize()
+            await self._reread_slots()
             todo = moved
-        raise Unavailable("redis cluster: slots still moving (resharding?); retry")
+        raise Unavailable("redis cluster: slots still moving (failover, resharding) or the "
+                          "cluster is down; retry")
 
     async def _node_pipeline(self, node: Any,
                              calls: builtins.list[tuple[str, tuple[Any, ...], dict[str, Any]]],
@@ -546,21 +582,20 @@ class RedisMetaStore:
         client = self._clients.get(node.name)
         if client is None:
             client = self._clients[node.name] = Redis(host=node.host, port=node.port,
-                                                      decode_responses=False)
+                                                      decode_responses=False, **self._conn_opts())
         p = client.pipeline(transaction=False)
         for name, args, kwargs in calls:
             getattr(p, name)(*args, **kwargs)
-        return builtins.list(await p.execute(raise_on_error=False))
+        return builtins.list(await self._bounded(p.execute(raise_on_error=False)))
 
     async def _run(self, aw: Awaitable[T]) -> T:
         """A Redis call; the cluster unreachable or failing over is :class:`Unavailable`,
         and the slot map is read again (redis-py's pipelines keep sending a dead master's
         slots to it otherwise), so the call after a failover reaches the new master."""
         try:
-            return await aw
+            return await self._bounded(aw)
         except _DOWN as exc:
-            with contextlib.suppress(*_DOWN, OSError):
-                await self.r.nodes_manager.initialize()
+            await self._reread_slots()
             raise Unavailable(f"redis cluster: {type(exc).__name__}: {exc}") from exc
 
     async def cluster_id(self, *, create: str | None = None) -> str:

@@ -63,8 +63,9 @@ class MetaService:
             from kvfs.meta.redis_store import RedisMetaStore
             from kvfs.meta.shared_index import SharedIndex
 
-            self.index = SharedIndex(config, RedisMetaStore(config.store, namespace=config.store_namespace),
-                                     clock)
+            store = RedisMetaStore(config.store, namespace=config.store_namespace,
+                                   timeout_s=config.store_timeout_s)
+            self.index = SharedIndex(config, store, clock)
             self.cluster_id = ""
         self.gc = MetaGc(self.index)
         self.rpc = RpcServer([self, self.gc], Service.META, self.tokens, config)
