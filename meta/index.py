@@ -50,6 +50,7 @@ from kvfs.meta.tombstones import (
 log = logging.getLogger("kvfs.meta")
 
 RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
+METRICS_STATE = "metrics"  # the state entry holding GC's counters (Redis: a hash of their own)
 
 
 @dataclass(slots=True)
@@ -695,14 +696,14 @@ class MetaIndex(ServerRegistry):
         self.store.put_state(name, value)
 
     async def add_counts(self, inc: dict[str, float], put: dict[str, float] | None = None) -> None:
-        counts = self.store.get_state("metrics") or {}
+        counts = self.store.get_state(METRICS_STATE) or {}
         for k, v in inc.items():
             counts[k] = counts.get(k, 0) + v
         counts.update(put or {})
-        self.store.put_state("metrics", counts)
+        self.store.put_state(METRICS_STATE, counts)
 
     async def counts(self) -> dict[str, float]:
-        return dict(self.store.get_state("metrics") or {})
+        return dict(self.store.get_state(METRICS_STATE) or {})
 
     async def claim(self, name: str, holder: str, ttl_s: float) -> bool:
         t = time.monotonic()
