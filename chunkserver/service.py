@@ -70,7 +70,11 @@ class ChunkServer:
         host, port = parse_addr(self.config.listen, what="listen address")
         host, port = await self.rpc.start(host, port)
         self.addr = self.config.advertise or f"{host}:{port}"
-        await self._register()
+        try:
+            await self._register()
+        except BaseException:  # refused (another cluster, a lost key) or meta unreachable
+            await self.close()  # a listener left open here hangs the loop's close (uvloop)
+            raise
         self._hb = asyncio.get_running_loop().create_task(self._heartbeat_loop())
         return self.addr
 

@@ -75,8 +75,8 @@ class LocalCluster:
             await self.start_meta()
             for i in range(self.n):
                 cs = ChunkServer(self.cs_config(i), tokens=self.tokens)
+                await cs.start()  # a start that fails closes what it opened
                 self.chunkservers.append(cs)
-                await cs.start()
         except BaseException:
             await self.stop()  # nothing half-started is left running
             raise

@@ -176,6 +176,7 @@ class FrameDecoder:
         self._seg_filled = 0
         self._big_filled = 0
         self._big_owner: bytearray | memoryview | Scatter | None = None
+        self._staged = False  # the last get_buffer handed out scratch for small parts
         self._events: deque[Frame] = deque()
         self._error: RemoteProtocolError | None = None
 
@@ -195,7 +196,13 @@ class FrameDecoder:
             while self._seg_filled == segs[self._seg_i].nbytes:  # skip full (or empty) parts
                 self._seg_i += 1
                 self._seg_filled = 0
-            return segs[self._seg_i][self._seg_filled :]
+            seg = segs[self._seg_i]
+            if seg.nbytes - self._seg_filled >= self._inline:
+                return seg[self._seg_filled :]  # a large part: the kernel writes it in place
+            # small parts (e.g. 4 KiB values into their own buffers): one receive into the
+            # scratch buffer for the run of them, copied out, instead of one receive each
+            self._staged = True
+            return memoryview(self._scratch)[: self._small_run()]
         if self._end == len(self._scratch):
             self._compact(len(self._scratch))
         return memoryview(self._scratch)[self._end :]
@@ -205,8 +212,13 @@ class FrameDecoder:
             raise self._error
         try:
             if self._segs is not None:
-                self._seg_filled += nbytes
-                self._big_filled += nbytes
+                if self._staged:  # received into the scratch buffer (its start): copy out
+                    self._staged = False
+                    self._end += nbytes
+                    self._fill_parts()
+                else:
+                    self._seg_filled += nbytes
+                    self._big_filled += nbytes
                 assert self._head is not None
                 if self._big_filled < self._head.payload_len:
                     return
@@ -325,21 +337,50 @@ class FrameDecoder:
             segs = owner.parts if isinstance(owner, Scatter) else [memoryview(owner).cast("B")]
             if sum(p.nbytes for p in segs) != head.payload_len:
                 raise RemoteProtocolError("payload allocator returned buffers of the wrong size")
-            take = min(avail, head.payload_len)
-            pos, i = body_at, 0
-            while pos < body_at + take:  # what already arrived with the header
-                n = min(segs[i].nbytes, body_at + take - pos)
-                segs[i][:n] = self._scratch[pos : pos + n]
-                pos += n
-                i += n == segs[i].nbytes
-            self._start = body_at + take
-            self._big_owner, self._big_filled = owner, take
-            if take == head.payload_len:
+            self._start = body_at
+            self._big_owner, self._segs = owner, segs
+            self._fill_parts()  # what already arrived with the header
+            if self._big_filled == head.payload_len:
                 self._finish_big()
                 continue
-            self._segs, self._seg_i = segs, i
-            self._seg_filled = (pos - body_at) - sum(p.nbytes for p in segs[:i])
             return
+
+    def _small_run(self) -> int:
+        """Bytes to receive into the scratch buffer: the rest of the current (small) part
+        and the small parts after it, up to the next large part (received in place) or the
+        scratch buffer's size; past the payload's end (its last parts all small), the next
+        frames' bytes may come too.  Nothing unparsed waits in scratch while a payload
+        arrives, so the receive goes to its start."""
+        segs, i, cap = self._segs, self._seg_i, len(self._scratch)
+        assert segs is not None
+        self._start = self._end = 0
+        n = segs[i].nbytes - self._seg_filled
+        i += 1
+        while n < cap and i < len(segs) and segs[i].nbytes < self._inline:
+            n += segs[i].nbytes
+            i += 1
+        return cap if i == len(segs) else min(n, cap)
+
+    def _fill_parts(self) -> None:
+        """Copy the payload bytes waiting in scratch (``_start`` on) into the parts."""
+        segs, head = self._segs, self._head
+        assert segs is not None and head is not None
+        pos = self._start
+        end = pos + min(self._end - pos, head.payload_len - self._big_filled)
+        i, filled = self._seg_i, self._seg_filled
+        with memoryview(self._scratch) as scratch:
+            while pos < end:
+                seg = segs[i]
+                room = seg.nbytes - filled
+                if not room:
+                    i, filled = i + 1, 0
+                    continue
+                n = min(room, end - pos)
+                seg[filled : filled + n] = scratch[pos : pos + n]
+                pos += n
+                filled += n
+        self._big_filled += pos - self._start
+        self._start, self._seg_i, self._seg_filled = pos, i, filled
 
     def _finish_big(self) -> None:
         head, owner = self._head, self._big_owner

@@ -3,7 +3,8 @@
 Every extent of the values asked for goes to one READV per chunkserver (the first
 live replica; split past ``max_read_rpc_bytes``, a few in flight).  The answer is
 received straight into each destination (:class:`kvfs.protocol.Scatter`), or, for
-values returned as ``bytes``, into a pooled buffer they are copied out of.  A bad
+values returned as ``bytes`` and destinations averaging under ``SCATTER_MIN_BYTES``,
+into a pooled buffer they are copied out of (after their CRC check).  A bad
 CRC, a dead server or a ``StaleLayout`` (bytes gone from the named chunk) moves the
 extent to its next replica; when every replica said its bytes are gone, the key gets
 one fresh lookup and retry; a key deleted meanwhile is a miss.  A key no replica can
@@ -44,6 +45,9 @@ from kvfs.protocol import FrameHead, Scatter
 
 RX_POOL_BUFFERS = 8  # receive buffers kept for reuse (values returned as bytes are copied out)
 READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
+# a READV answer lands in place in the callers' buffers when its extents average at least
+# this (below it, receiving each in its own buffer costs more than one receive and a copy)
+SCATTER_MIN_BYTES = 64 * 1024
 
 
 class _Dest(enum.Enum):
@@ -372,7 +376,10 @@ class ReadPath:
             rx.append(self._rx_take(head.payload_len))
             return memoryview(rx[0])[: head.payload_len]
 
-        sink = scatter if all(job.dest is not WHOLE for job in batch) else pooled
+        # large destinations receive in place; small ones (e.g. 4 KiB values) share one
+        # receive into a pooled buffer and are copied out, as values returned as bytes are
+        sink = (scatter if sum([r[2] for r in ranges]) >= SCATTER_MIN_BYTES * len(ranges)
+                and all([job.dest is not WHOLE for job in batch]) else pooled)
         try:
             h, payload = await self._link.call_server(sid, rpc.ReadV(ranges=ranges), sink=sink)
         except BaseException:
@@ -422,7 +429,10 @@ class ReadPath:
             if dest is WHOLE:
                 assert out is not None
                 out[job.slot] = bytes(got)
-            elif not in_place:
+            elif not in_place:  # checked in the receive buffer, copied to the caller's
+                if len(dest) == 1:
+                    dest[0][:] = got
+                    continue
                 at = 0
                 for p in dest:
                     p[:] = got[at : at + p.nbytes]

@@ -80,13 +80,25 @@ class Hold:
         self.op = op
         self.arrived = asyncio.Event()
         self._open = asyncio.Event()
+        self._error: BaseException | None = None
+        self._inside = 0  # requests in the handler now
+        self._empty = asyncio.Event()
         inner: Callable[..., Awaitable[Any]]
         inner, request_type = server.handlers[int(op)]  # (handler, request type)
 
         async def held(*args: Any) -> Any:
             self.arrived.set()
-            await self._open.wait()
-            return await inner(*args)
+            self._inside += 1
+            self._empty.clear()
+            try:
+                await self._open.wait()
+                if self._error is not None:
+                    raise self._error
+                return await inner(*args)
+            finally:
+                self._inside -= 1
+                if not self._inside:
+                    self._empty.set()
 
         server.handlers[int(op)] = (held, request_type)
 
@@ -103,8 +115,15 @@ class Hold:
             ended = next(t for t in senders if t.done())
             raise AssertionError(f"{self.op.name} never arrived: its sender ended with {ended.result()!r}")
 
-    def release(self) -> None:
+    def release(self, error: BaseException | None = None) -> None:
+        """Let the held requests run; with ``error``, each fails with it instead."""
+        self._error = error
         self._open.set()
+
+    async def drained(self) -> None:
+        """Wait until every request that arrived has been answered (call after release)."""
+        async with asyncio.timeout(30):
+            await self._empty.wait()
 
 
 async def kvfs_admin(cluster: LocalCluster, *args: str) -> tuple[int, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from pathlib import Path
@@ -94,3 +95,25 @@ async def test_the_cluster_id_survives_restarts(cluster: LocalCluster) -> None:
     await cluster.stop_chunkserver(1)
     cs = await cluster.start_chunkserver(1)
     assert cs.store.cluster_id == before
+
+
+async def test_a_refused_chunkserver_start_leaves_nothing_running(tmp_path: Path) -> None:
+    """A chunkserver refused by meta (another cluster's data dir) is closed by its own start():
+    its listener, meta connection and data-dir lock are gone, and the cluster still stops."""
+    cluster = LocalCluster(tmp_path / "c", 2)
+    await cluster.start()
+    try:
+        await cluster.stop_chunkserver(1)
+        await cluster.stop_meta()
+        for p in (tmp_path / "c" / "meta").glob("meta.sqlite3*"):
+            p.unlink()
+        await cluster.start_meta()  # a fresh database: a new cluster id, so cs1 is refused
+        with pytest.raises(WrongCluster, match="rebuild"):
+            await cluster.start_chunkserver(1)
+        assert cluster.chunkservers[1] is None
+        again = ChunkServer(cluster.cs_config(1), tokens=cluster.tokens)  # the data-dir lock is free
+        again.lock.release()
+        again.store.close()
+    finally:
+        async with asyncio.timeout(30):
+            await cluster.stop()

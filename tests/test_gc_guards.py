@@ -98,6 +98,29 @@ async def test_commit_refuses_a_layout_naming_a_retired_chunk(one: LocalCluster,
             assert await fresh.get("k") == value_of("k")
 
 
+async def test_delete_refuses_a_tombstone_in_a_retired_chunk(one: LocalCluster, clock: FakeClock) -> None:
+    """delete appends its tombstone (alone in a chunk: the server restarted since the put);
+    a whole GC pass retires and deletes that unreferenced chunk; then the DELETE arrives: it
+    must be refused (StaleLayout), never keep a tombstone whose bytes are gone, and the key
+    stays readable."""
+    async with client(one, clock) as kv:
+        await kv.put("k", value_of("k"))
+    await one.stop_chunkserver(0)
+    await one.start_chunkserver(0)  # appends go to a new chunk from here
+    delete = hold(one, Op.DELETE)
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
+        gone = asyncio.create_task(kv.delete("k"))
+        await delete.reached(gone)  # the tombstone is appended, meta has not seen it
+        files = chunk_files(one)
+        report = await gc.run_pass(NOW)
+        assert report.chunks_deleted == 1 and len(chunk_files(one)) == len(files) - 1
+        delete.release()
+        with pytest.raises(StaleLayout, match=r"^tombstone of b'k' is in a chunk garbage collection already "
+                           r"reclaimed \(the delete took longer than the GC grace period\); retry the delete$"):
+            await gone
+        assert await kv.get("k") == value_of("k")
+
+
 async def test_relocate_never_undoes_an_overwrite_made_during_compaction(
         one: LocalCluster, clock: FakeClock) -> None:
     """GC copies a chunk's live records; an overwrite and a delete land; then GC_RELOCATE

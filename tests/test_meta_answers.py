@@ -7,11 +7,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from conftest import FakeClock, clocked_client
 
+from kvfs import rpc
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, MetaConfig
+from kvfs.errors import InvalidArgument
 from kvfs.launcher import LocalCluster
+from kvfs.layout import Replica
+from kvfs.meta.index import MetaIndex
 
 
 async def settled_stats(kv: AsyncClient, garbage: int = 0) -> dict[str, Any]:
@@ -61,3 +66,50 @@ async def test_the_default_ttl_applies_only_where_a_put_names_none(tmp_path: Pat
         await kv.put(b"own", b"o", ttl=100)
         clock.advance(6)
         assert await kv.exists_many([b"default", b"own"]) == [False, True]
+
+
+async def test_delete_checks_the_tombstones_it_is_given(cluster: LocalCluster, kv: AsyncClient,
+                                                        clock: FakeClock) -> None:
+    """DELETE's tombstones (where the client wrote them) are checked like a commit's
+    layouts: one per key, each naming known chunkservers once. A refused DELETE removes
+    nothing; an accepted one keeps a tombstone for each key it removes."""
+    await kv.put_many({b"a": b"A" * 100, b"b": b"B" * 100})
+    lay = await kv.layout(b"a")
+    assert lay is not None
+    reps = list(lay.extents[0].replicas)
+    link = kv._link  # the RPC itself: the client writes its tombstones first
+    with pytest.raises(InvalidArgument, match=r"^DELETE names 1 tombstones for 2 keys: give one per key, or none$"):
+        await link.call_meta(rpc.Delete(keys=[b"a", b"b"], tombstones=[reps]))
+    with pytest.raises(InvalidArgument, match=r"^tombstone of b'a' names one chunkserver twice$"):
+        await link.call_meta(rpc.Delete(keys=[b"a"], tombstones=[[reps[0], reps[0]]]))
+    ghost = Replica(999, reps[0].chunk_id, reps[0].offset)
+    with pytest.raises(InvalidArgument, match=r"^tombstone of b'a' names unknown chunkserver 999$"):
+        await link.call_meta(rpc.Delete(keys=[b"a"], tombstones=[[reps[0], ghost]]))
+    assert await kv.get_many([b"a", b"b"]) == [b"A" * 100, b"B" * 100]
+    assert (await link.call_meta(rpc.Delete(keys=[b"a", b"b", b"none"], tombstones=[reps] * 3))).deleted == 2
+    assert await kv.exists_many([b"a", b"b"]) == [False, False]
+    meta = cluster.meta
+    assert meta is not None and isinstance(meta.index, MetaIndex)
+    kept = meta.index.tombstones
+    assert set(kept) == {b"a", b"b"}  # not b"none": it removed nothing
+    assert all(tuple(t.layout.extents[0].replicas) == tuple(reps) and t.layout.created == clock()
+               for t in kept.values())
+
+
+async def test_lookup_says_which_misses_are_directories(kv: AsyncClient, clock: FakeClock) -> None:
+    """LOOKUP with ``dirs`` (the mount's probe, one round trip): a miss is a directory when
+    an unexpired key lies under it plus ``/``; a key with a value is never one. Expired keys
+    under it do not count, however many sort before a live one (they are listed by pages)."""
+    await kv.put_many({b"d/x": b"1", b"f": b"2", b"f/y": b"3", b"e/zzz": b"4"})
+    await kv.put_many({f"{p}/{i:03d}".encode(): b"t" for p in "eg" for i in range(70)}, ttl=10)
+
+    async def probe(*keys: bytes) -> tuple[list[bool], list[bool]]:
+        r = await kv._link.call_meta(rpc.Lookup(keys=list(keys), dirs=True))
+        return [lay is not None for lay in r.layouts], r.dirs
+
+    assert await probe(b"d", b"f", b"none", b"d/x", b"dd", b"e", b"g") == (
+        [False, True, False, True, False, False, False], [True, False, False, False, False, True, True])
+    clock.advance(11)  # the 140 keys with a TTL expired: e still has e/zzz, past 70 of them
+    assert await probe(b"e", b"g", b"d") == ([False] * 3, [True, False, True])
+    plain = await kv._link.call_meta(rpc.Lookup(keys=[b"d", b"f"]))
+    assert [lay is not None for lay in plain.layouts] == [False, True] and not plain.dirs

@@ -331,6 +331,33 @@ def test_scatter_payload_lands_in_each_buffer(step: int) -> None:
     assert [bytes(p) for p in f.payload.parts] == [bytes(p) for p in parts]
 
 
+def test_small_scatter_parts_share_one_receive() -> None:
+    """Parts smaller than the inline limit are received together into the scratch buffer
+    and copied out (one receive for the run of them, as a socket filling each buffer it is
+    handed would take); a large part is received in place; the next frame still parses."""
+    from kvfs.protocol import Scatter
+
+    sizes = [4096] * 40 + [1] + [0] + [200_000] + [4096] * 3 + [70_000] + [5]
+    parts = [bytearray(n) for n in sizes]
+    payload = os.urandom(sum(sizes))
+    dec = FrameDecoder(allocator=lambda head: Scatter([memoryview(p) for p in parts]))
+    data = memoryview(frame_bytes(Op.READV, 5, {}, [payload]) + frame_bytes(Op.PING, 6, {}))
+    receives, in_place = 0, []
+    while data.nbytes:  # like a socket: each receive fills as much of the buffer as it has
+        buf = dec.get_buffer(-1)
+        n = min(buf.nbytes, data.nbytes)
+        buf[:n] = data[:n]
+        in_place += [p for p in parts if buf.obj is p]
+        data = data[n:]
+        dec.buffer_updated(n)
+        receives += 1
+    f, g = drain(dec)
+    assert isinstance(f.payload, Scatter) and g.request_id == 6
+    assert b"".join(parts) == payload
+    assert [len(p) for p in in_place] == [200_000, 70_000]  # the large parts, in place
+    assert receives <= 6  # header, the 41 small parts, 200 kB, 3 small, 70 kB, the tail + PING
+
+
 def test_scatter_of_the_wrong_size_is_refused() -> None:
     from kvfs.protocol import Scatter
 
