@@ -46,10 +46,10 @@ bucket, before it wrote anything (Redis never rolls a script back); the store re
 the slot map and sends those buckets again, once, then answers ``Unavailable``.
 
 Every network step (a pipeline to one node, a command, a read of the slot map) is bounded
-by ``timeout_s`` (meta's ``--store-timeout``), with no retries inside redis-py: a master
-that stops answering (hung, partitioned) makes a call fail as ``Unavailable`` after a
-few of them, never wait on it.  (redis-py's own retries and re-reads of the slot map
-took a minute on a stopped master.)
+by ``timeout_s`` (meta's ``--store-timeout``); redis-py retries only a connection the
+server closed, once.  A master that stops answering (hung, partitioned) makes a call
+fail as ``Unavailable`` after a few steps, never wait on it.  (redis-py's own retries
+and re-reads of the slot map took a minute per call on a stopped master.)
 
 Time
 ----
@@ -495,10 +495,13 @@ class RedisMetaStore:
         return _Pipe(self)
 
     def _conn_opts(self) -> dict[str, Any]:
-        """Every connection's timeouts, and no retries inside redis-py (the store sends a
-        moved bucket again itself; anything else is the caller's ``Unavailable``)."""
+        """Every connection's timeouts; inside redis-py one retry, at once, and only of a
+        connection the server closed (a pooled one to a node that restarted), never of a
+        timeout: the store sends a moved bucket again itself, and anything else is the
+        caller's ``Unavailable``.  (No retry at all failed the first call after a local
+        cluster's restart: tests/test_up.py.)"""
         return {"socket_timeout": self.timeout_s, "socket_connect_timeout": self.timeout_s,
-                "retry": Retry(NoBackoff(), 0)}
+                "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))}
 
     async def _bounded(self, aw: Awaitable[T]) -> T:
         """One network step, at most ``timeout_s``: past it, redis-py's ``TimeoutError``
