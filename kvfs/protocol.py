@@ -230,6 +230,31 @@ class FrameDecoder:
             self._error = exc
             raise
 
+    def payload_views(self, most: int) -> list[memoryview]:
+        """While a payload received into several buffers (a :class:`Scatter`) is arriving:
+        the unfilled rest of those buffers, at most ``most`` of them, for one vectored
+        receive straight into them (then :meth:`payload_updated`); else ``[]``."""
+        segs = self._segs
+        if segs is None or len(segs) - self._seg_i < 2:
+            return []
+        i, filled = self._seg_i, self._seg_filled
+        while filled == segs[i].nbytes:  # skip full (or empty) parts
+            i, filled = i + 1, 0
+        return [segs[i][filled:], *segs[i + 1 : i + most]]
+
+    def payload_updated(self, nbytes: int) -> None:
+        """``nbytes`` were received into the buffers :meth:`payload_views` gave, in order."""
+        segs, head = self._segs, self._head
+        assert segs is not None and head is not None and nbytes > 0
+        i, filled, last = self._seg_i, self._seg_filled + nbytes, len(segs) - 1
+        while i < last and filled >= segs[i].nbytes:
+            filled -= segs[i].nbytes
+            i += 1
+        self._seg_i, self._seg_filled = i, filled
+        self._big_filled += nbytes
+        if self._big_filled == head.payload_len:
+            self._finish_big()
+
     def receive_data(self, data: Buffer) -> None:
         """Feed bytes from anywhere (tests, non-buffered transports)."""
         view = memoryview(data).cast("B")

@@ -331,6 +331,38 @@ def test_scatter_payload_lands_in_each_buffer(step: int) -> None:
     assert [bytes(p) for p in f.payload.parts] == [bytes(p) for p in parts]
 
 
+@pytest.mark.parametrize(("step", "most"), [(1, 1024), (5000, 2), (16_384, 3), (1 << 20, 1024)])
+def test_vectored_receives_fill_the_scatter_buffers_across_their_edges(step: int, most: int) -> None:
+    """A transport's vectored receive (``payload_views`` then ``payload_updated``) fills
+    several buffers per receive, ending anywhere inside one; the rest arrives the plain
+    way.  The bytes land in order, and the next frame decodes after the payload."""
+    from kvfs.protocol import Scatter
+
+    parts = [bytearray(70_000), bytearray(0), bytearray(3), bytearray(16_384), bytearray(50_000)]
+    payload = os.urandom(sum(map(len, parts)))
+    dec = FrameDecoder(allocator=lambda head: Scatter([memoryview(p) for p in parts]))
+    assert dec.payload_views(most) == []  # nothing arriving yet
+    data = memoryview(frame_bytes(Op.READV, 5, {"x": 1}, [payload]) + frame_bytes(Op.PING, 6, {}))
+    dec.receive_data(data[:100])  # the header and the first bytes of the payload
+    pos = 100
+    while views := dec.payload_views(most):
+        assert len(views) <= most
+        n = 0
+        for v in views:  # as readv(2) fills them: in order, the last one maybe in part
+            k = min(v.nbytes, step - n)
+            v[:k] = data[pos + n : pos + n + k]
+            n += k
+            if n == step:
+                break
+        dec.payload_updated(n)
+        pos += n
+    dec.receive_data(data[pos:])  # the last buffer (a vectored receive needs two) and PING
+    f, g = drain(dec)
+    assert isinstance(f.payload, Scatter) and g.request_id == 6
+    assert b"".join(parts) == payload
+    assert dec.payload_views(most) == []
+
+
 def test_small_scatter_parts_share_one_receive() -> None:
     """Parts smaller than the inline limit are received together into the scratch buffer
     and copied out (one receive for the run of them, as a socket filling each buffer it is

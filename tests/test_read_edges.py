@@ -12,15 +12,17 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from conftest import FakeClock, Hold
 
 from kvfs.bench.reliability import flip_byte
 from kvfs.config import ChunkServerConfig, ClientConfig
-from kvfs.errors import ChecksumMismatch, ServerError, StaleLayout
+from kvfs.errors import ChecksumMismatch, ServerError, StaleLayout, Unavailable
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Layout
 from kvfs.rpc import Op
+from kvfs.stream import ValueReader
 
 SIZE = 100_000  # above 64 KiB: answers go to a sink (get_into: in place)
 
@@ -40,7 +42,7 @@ async def test_stale_layouts_of_deleted_and_overwritten_keys_beside_good_ones(on
     must answer d as a miss, o with its new bytes and s intact, all in one call."""
     async with one.client() as kv:
         await kv.put_many({b"d": b"D" * SIZE, b"o": b"O" * SIZE})
-    readers = [one.client(), one.client()]
+    readers = [one.client(), one.client(), one.client()]
     try:
         for r in readers:
             assert await r.get_many([b"d", b"o"]) == [b"D" * SIZE, b"O" * SIZE]  # layouts cached
@@ -62,6 +64,11 @@ async def test_stale_layouts_of_deleted_and_overwritten_keys_beside_good_ones(on
         bufs = [bytearray(SIZE) for _ in range(3)]
         assert await readers[0].get_into([b"d", b"s", b"o"], bufs) == [-1, SIZE, SIZE]
         assert bufs[1:] == [b"S" * SIZE, b"N" * SIZE]
+        # the same, each value scattered over two halves: d's two ranges fail, the others'
+        # halves land in place beside them
+        halves = [[bytearray(SIZE // 2), bytearray(SIZE - SIZE // 2)] for _ in range(3)]
+        assert await readers[2].get_into([b"d", b"s", b"o"], halves) == [-1, SIZE, SIZE]
+        assert [a + b for a, b in halves[1:]] == [b"S" * SIZE, b"N" * SIZE]
         # get_many: the miss first must not stop the overwritten key's re-read
         assert await readers[1].get_many([b"d", b"o", b"s"]) == [None, b"N" * SIZE, b"S" * SIZE]
         _, missing = readers[1].layout_cache.get_many([b"d"], 0.0)
@@ -69,6 +76,30 @@ async def test_stale_layouts_of_deleted_and_overwritten_keys_beside_good_ones(on
     finally:
         for r in readers:
             await r.close()
+
+
+async def test_values_scattered_over_interleaved_regions_arrive_in_place(one: LocalCluster) -> None:
+    """SGLang's layer_first host pool: page i's value is its 16 KiB region of each of 8
+    rows, and the regions of consecutive pages are adjacent.  The answer is received
+    straight into the regions (vectored receives of many regions at once); every byte
+    lands where it belongs, and nothing outside the asked regions is written."""
+    pages, rows, region = 6, 8, 16 * 1024
+    pool = np.full((rows, pages + 1, region), 7, dtype=np.uint8)  # a spare page, never read
+    flat = memoryview(pool.reshape(-1))
+
+    def parts(i: int) -> list[memoryview]:
+        return [flat[(r * (pages + 1) + i) * region : (r * (pages + 1) + i + 1) * region]
+                for r in range(rows)]
+
+    values = {f"pg{i}".encode(): os.urandom(rows * region) for i in range(pages)}
+    async with one.client() as kv:
+        await kv.put_many(values)
+        order = [3, 0, 5, 1, 4, 2]  # asked out of address order
+        keys = [list(values)[i] for i in order]
+        assert await kv.get_into(keys, [parts(i) for i in order]) == [rows * region] * pages
+    for i, v in enumerate(values.values()):
+        assert b"".join(bytes(p) for p in parts(i)) == v
+    assert (pool[:, pages] == 7).all()
 
 
 @pytest.mark.parametrize("second", ["gone", "corrupt"])
@@ -117,6 +148,29 @@ async def test_a_layout_that_goes_stale_twice_in_one_read(one: LocalCluster, sec
     finally:
         for r in readers:
             await r.close()
+
+
+async def test_a_lost_key_ahead_of_an_overwritten_one_in_one_read(one: LocalCluster) -> None:
+    """A reader holds the layouts of x and y (chunk A); y is overwritten (chunk B), then A's
+    bytes vanish. One read of both: x, whose fresh layout is the one read, is a miss; y,
+    after it, is still looked up again and read from B."""
+    async with one.client() as kv:
+        await kv.put_many({b"x": b"X" * SIZE, b"y": b"Y" * SIZE})
+        chunk_a = (await _layout(one, b"x")).extents[0].replicas[0].chunk_id
+    async with one.client() as reader:
+        assert await reader.get_many([b"x", b"y"]) == [b"X" * SIZE, b"Y" * SIZE]  # cached
+        await one.stop_chunkserver(0)
+        await one.start_chunkserver(0)  # appends go to a new chunk B from here
+        async with one.client() as kv:
+            await kv.put(b"y", b"N" * SIZE)
+        cs = one.chunkservers[0]
+        assert cs is not None
+        path = cs.store.chunk_path(chunk_a)
+        await one.stop_chunkserver(0)
+        os.truncate(path, 0)
+        await one.start_chunkserver(0)
+        await reader.servers(refresh=True)
+        assert await reader.get_many([b"x", b"y"]) == [None, b"N" * SIZE]
 
 
 async def test_get_into_reads_in_place_and_get_reuses_one_pooled_buffer(one: LocalCluster) -> None:
@@ -214,10 +268,11 @@ def _hold_readv(c: LocalCluster, sid: int) -> Hold:
     return Hold(cs.rpc, Op.READV)
 
 
-async def _put_two_copies(c: LocalCluster, n: int) -> tuple[dict[bytes, bytes], dict[bytes, list[int]]]:
-    """``n`` values above 64 KiB (answers land in place), each on both servers: the values
-    and each one's replica servers, in the order a read asks them."""
-    values = {f"h{i}".encode(): os.urandom(SIZE + i) for i in range(n)}
+async def _put_two_copies(c: LocalCluster, n: int, size: int = SIZE,
+                          ) -> tuple[dict[bytes, bytes], dict[bytes, list[int]]]:
+    """``n`` values (by default above 64 KiB: answers land in place), each on both servers:
+    the values and each one's replica servers, in the order a read asks them."""
+    values = {f"h{i}".encode(): os.urandom(size + i) for i in range(n)}
     async with c.client(HEDGED) as kv:
         await kv.put_many(values)
         order = {k: [r.server_id for r in (await kv.layout(k)).extents[0].replicas]  # type: ignore[union-attr]
@@ -226,16 +281,21 @@ async def _put_two_copies(c: LocalCluster, n: int) -> tuple[dict[bytes, bytes], 
     return values, order
 
 
-async def test_a_held_replica_is_hedged_and_its_late_answer_is_discarded(two: LocalCluster) -> None:
+@pytest.mark.parametrize(("size", "ranges"), [(SIZE, 4096), (1000, 4096), (SIZE, 1)],
+                         ids=["in-place", "inline", "one-range-per-readv"])
+async def test_a_held_replica_is_hedged_and_its_late_answer_is_discarded(two: LocalCluster, size: int,
+                                                                         ranges: int) -> None:
     """A server that has not begun to answer within hedge_after_s is given up for the read:
     its values come from their other replica (get_many and get_into), the counter says so
     once per read, and its late answer, when it comes, lands in a scratch buffer, never
-    in the caller's memory."""
-    values, order = await _put_two_copies(two, 6)
+    in the caller's memory. Answers small enough to be parsed whole, and reads split in one
+    READV per value, alike."""
+    values, order = await _put_two_copies(two, 6, size)
     sid = order[b"h0"][0]
     slow = [k for k in values if order[k][0] == sid]
     keys = list(values)
-    async with two.client(HEDGED) as kv, asyncio.timeout(30):  # a read that never hedges hangs
+    cfg = ClientConfig(replicas=2, hedge_after_s=HEDGE_S, max_read_ranges=ranges)
+    async with two.client(cfg) as kv, asyncio.timeout(30):  # a read that never hedges hangs
         assert await kv.get_many(keys) == list(values.values())  # connections open
         assert kv.reader.hedged == 0
         held = _hold_readv(two, sid)
@@ -326,3 +386,84 @@ async def test_an_abandoned_readv_that_fails_leaves_no_unretrieved_error(two: Lo
         assert [c.get("message") for c in reported] == []
     finally:
         loop.set_exception_handler(None)
+
+
+async def test_a_read_skips_a_replica_whose_server_it_found_down(two: LocalCluster) -> None:
+    """A server a call could not reach is marked down (``down_for_s``): later reads ask
+    each value's other replica first, without calling the down server again."""
+    values, order = await _put_two_copies(two, 4)
+    sid = order[b"h0"][0]
+    firsts = [k for k in values if order[k][0] == sid]
+    async with two.client(ClientConfig(replicas=2, down_for_s=3600)) as kv:
+        assert await kv.get_many(firsts) == [values[k] for k in firsts]
+        await two.stop_chunkserver(two.index_of(sid))
+        assert await kv.get_many(firsts) == [values[k] for k in firsts]  # found down here
+        assert next(s for s in await kv.servers(refresh=True) if s.server_id == sid).down
+        before = kv.rpc_counts["READV"]
+        assert await kv.get_many(firsts) == [values[k] for k in firsts]
+        assert kv.rpc_counts["READV"] - before == 1  # one READV, to the other server
+
+
+async def test_a_value_gone_from_both_replicas_is_a_miss_and_dropped(two: LocalCluster) -> None:
+    """Every replica answers that the bytes are gone (and a fresh lookup names the same
+    layout): a miss, not an endless round of retries, and, every server having answered,
+    the key is reported lost and meta drops it."""
+    await _put_two_copies(two, 1)
+    async with two.client(HEDGED) as kv:
+        lay = await _layout(two, b"h0")
+        paths = [cs.store.chunk_path(r.chunk_id) for r in lay.extents[0].replicas
+                 for cs in two.chunkservers if cs is not None and cs.server_id == r.server_id]
+        for i in range(2):
+            await two.stop_chunkserver(i)
+        for path in paths:
+            os.truncate(path, 0)
+        for i in range(2):
+            await two.start_chunkserver(i)
+        await kv.servers(refresh=True)
+        async with asyncio.timeout(30):
+            assert await kv.get(b"h0") is None
+        assert await kv.layout(b"h0") is None
+
+
+async def test_a_value_whose_servers_are_all_down_is_a_miss_and_kept(two: LocalCluster) -> None:
+    """Both servers of a value down: a miss (on_lost="raise": the error names the key and
+    the server), not an endless round of retries; meta keeps the key (unreachable is not
+    lost). Back up, the value is read though the client still marks both servers down:
+    with no replica left on a live server, the first is tried all the same."""
+    values, _ = await _put_two_copies(two, 1)
+    sticky = ClientConfig(replicas=2, down_for_s=3600)
+    async with two.client(sticky) as kv, two.client(ClientConfig(replicas=2, on_lost="raise")) as strict:
+        assert await kv.get(b"h0") == await strict.get(b"h0") == values[b"h0"]
+        for i in range(2):
+            await two.stop_chunkserver(i)
+        async with asyncio.timeout(30):
+            assert await kv.get(b"h0") is None
+            with pytest.raises(Unavailable, match=r"^key b'h0': chunkserver \d+ holding its bytes failed to answer"):
+                await strict.get(b"h0")
+        assert all(s.down for s in await kv.servers(refresh=True))
+        assert await kv.layout(b"h0") is not None
+        for i in range(2):
+            await two.start_chunkserver(i)
+        assert await kv.get(b"h0") == values[b"h0"]
+
+
+async def test_get_into_scatters_a_small_value_over_several_buffers(one: LocalCluster) -> None:
+    """A key's buffer given as a list: the value fills them in order (an answer small enough
+    to be parsed whole, then copied out part by part)."""
+    value = os.urandom(1000)
+    async with one.client() as kv:
+        await kv.put(b"s", value)
+        parts = [bytearray(100), bytearray(200), bytearray(700)]
+        assert await kv.get_into([b"s"], [parts]) == [1000]
+        assert b"".join(parts) == value
+
+
+async def test_a_streamed_read_of_a_corrupt_value_raises_naming_the_key(one: LocalCluster) -> None:
+    """ValueReader (the mount's reads of large values) reads one replica's bytes that fail
+    their CRC, with no replica left: the ChecksumMismatch is raised, naming the key."""
+    async with one.client() as kv:
+        await kv.put(b"c", os.urandom(SIZE))
+        lay = await _layout(one, b"c")
+        flip_byte(one, lay.extents[0].replicas[0], 7)
+        with pytest.raises(ChecksumMismatch, match=r"^key b'c': bytes from chunkserver"):
+            await ValueReader(kv, b"c", lay).read(0, 10)

@@ -70,6 +70,37 @@ def _metastore_curve() -> list[tuple[int, dict[str, float]]]:
     return rows
 
 
+def _meta_scale() -> list[tuple[str, int, float, float, float]]:
+    """metastore-{sqlite,redis}-{N}.json (``kvfs.bench.metastore --restart``): per store and
+    key count, the memory per key a meta needs (SQLite: the restarted meta's RSS per key;
+    Redis: used_memory per key, one copy, the meta itself holds no keys), the restarted
+    meta's start-up seconds, and its RSS in MB."""
+    rows = []
+    for store in ("sqlite", "redis"):
+        for n in (1_000_000, 10_000_000):
+            rep = _load(f"metastore-{store}-{n}")
+            if rep is None or "restart" not in rep:
+                continue
+            r = rep["restart"]
+            per_key = r["rss_per_key"] if store == "sqlite" else rep["bytes_per_key"]
+            rows.append((store, n, float(per_key), float(r["ready_s"]), r["rss"] / 1e6))
+    print("\nmeta memory per key and start-up vs keys (python -m kvfs.bench.metastore --restart)\n"
+          "| store | keys | bytes per key | meta start-up (s) | meta RSS after start-up (MB) |\n"
+          "|---|---|---|---|---|")
+    for store, n, per_key, ready, rss in rows:
+        print(f"| {store} | {n:,} | {per_key:.0f} | {ready:.1f} | {rss:,.1f} |")
+    return rows
+
+
+def _save(fig: Any, name: str) -> None:
+    """Write a curve's figure as ``bench/results/<name>.png``."""
+    fig.tight_layout()
+    fig.savefig(HERE / f"{name}.png")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+
+
 def main() -> int:
     import matplotlib
 
@@ -88,9 +119,7 @@ def main() -> int:
                title="meta's handlers in one process: cost per key vs batch size\nSQLite synchronous=FULL, "
                      "2 vCPUs shared")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(HERE / "curve-metastore.png")
-        plt.close(fig)
+        _save(fig, "curve-metastore")
     for rows, name, xl in ((cs, "curve-chunkservers", "chunkservers"), (jobs, "curve-numjobs", "client processes (--numjobs)")):
         if not rows:
             continue
@@ -100,9 +129,7 @@ def main() -> int:
         ax.set(xlabel=xl, ylabel="throughput (MB/s, 10^6 B/s)", xticks=[r[0] for r in rows],
                title=f"kvfs bench: throughput vs {xl}\n2 vCPUs shared with 7 other sessions", ylim=(0, None))
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(HERE / f"{name}.png")
-        plt.close(fig)
+        _save(fig, name)
     if batch:
         fig, ax = plt.subplots(figsize=(6, 4))
         ax.plot([r[0] for r in batch], [r[4] for r in batch], marker="o", label="commit (put)")
@@ -110,9 +137,26 @@ def main() -> int:
         ax.set(xscale="log", yscale="log", xlabel="keys per call (log)", ylabel="meta CPU per key (us, log)",
                title="kvfs bench --cpu: meta cost per key vs batch size\n4 KiB values, 2 vCPUs shared")
         ax.legend()
-        fig.tight_layout()
-        fig.savefig(HERE / "curve-meta-batch.png")
-        plt.close(fig)
+        _save(fig, "curve-meta-batch")
+    scale = _meta_scale()
+    if scale:
+        fig, (mem, start) = plt.subplots(1, 2, figsize=(10, 4))
+        for store, label in (("sqlite", "SQLite meta (restarted meta's RSS)"),
+                             ("redis", "Redis Cluster store (used_memory, one copy)")):
+            pts = [r for r in scale if r[0] == store]
+            mem.plot([r[1] for r in pts], [r[2] for r in pts], marker="o", label=label)
+            start.plot([r[1] for r in pts], [r[3] for r in pts], marker="o",
+                       label="SQLite meta (reads every key)" if store == "sqlite"
+                       else "meta on Redis (holds no keys)")
+        mem.set(xscale="log", xlabel="keys (log)", ylabel="bytes per key", ylim=(0, None),
+                title="memory per key")
+        start.set(xscale="log", yscale="log", xlabel="keys (log)", ylabel="seconds (log)",
+                  title="meta start-up, exec to ready")
+        mem.legend(fontsize="small")
+        start.legend(fontsize="small")
+        fig.suptitle("meta memory and start-up vs keys (kvfs.bench.metastore --restart), "
+                     "2 vCPUs shared")
+        _save(fig, "curve-meta-memory")
     return 0
 
 
