@@ -17,7 +17,7 @@ from crc32c import crc32c
 from kvfs.chunkserver.store import ALIGN, ChunkStore, Span, check_ranges, plan_spans
 from kvfs.datadir import FILE_MODE
 from kvfs.errors import InvalidArgument, NoSpace, StaleLayout
-from kvfs.layout import make_chunk_id
+from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
 from kvfs.rpc import Range
 
 CHUNK = 64 * 1024
@@ -222,6 +222,55 @@ async def test_an_append_of_many_records_survives_short_writes(
     views, stale = await store.readv([(c, off, len(v)) for (c, off), v in zip(locs, values, strict=True)])
     assert not stale and [bytes(v) for v in views] == values  # type: ignore[arg-type]
     assert [r.key for r in await store.scan(locs[0][0])] == keys
+
+
+async def test_append_refuses_bad_keys_and_a_payload_its_records_do_not_describe(store: ChunkStore) -> None:
+    """The server's decoder bounds keys first; the store checks again (its own callers)."""
+    v = b"v" * 10
+    for key in (b"", b"k" * (MAX_KEY_BYTES + 1), "k"):
+        with pytest.raises(InvalidArgument, match=r"^append record with a bad key$"):
+            await store.append([(key, 10, crc32c(v), None)], memoryview(v))
+    with pytest.raises(InvalidArgument, match=r"^append sent 20 bytes but its records describe 10$"):
+        await store.append([(b"k", 10, crc32c(v), None)], memoryview(v + v))
+    assert store.open_chunk is None  # nothing was written
+    ((cid, _),) = await store.append([(b"k" * MAX_KEY_BYTES, 10, crc32c(v), None)], memoryview(v))
+    assert [r.key for r in await store.scan(cid)] == [b"k" * MAX_KEY_BYTES]
+
+
+async def test_append_writes_each_records_fields(store: ChunkStore) -> None:
+    """A record's expiry goes to disk; the rebuild fields a client leaves out are written as
+    their defaults (the same record as one that names them)."""
+    v = value_of(b"a")
+    base = (len(v), crc32c(v))
+    locs = await store.append([(b"a", *base, 1_800_000_000.5), (b"b", *base, None),
+                               (b"c", *base, None, 0, None, None, 0, False),
+                               (b"d", *base, None, 7, 99, 5, 2, True)], memoryview(v * 4))
+    recs = await store.scan(locs[0][0])
+    assert recs[0].expires_at == 1_800_000_000.5 and recs[1].expires_at is None
+    fields = [(r.write_id, r.total_size, r.total_crc, r.index, r.tombstone) for r in recs]
+    assert fields[1] == fields[2] != fields[3] == (7, 99, 5, 2, True)
+
+
+async def test_an_append_that_runs_out_of_space_mid_write_is_cut_back(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ENOSPC partway through an append: NoSpace naming the server and the size, the chunk
+    file cut back to where the append began, and the size wanted kept for MAKE_ROOM."""
+    cid, _ = await put(store, b"k1", value_of(b"k1"))
+    size = store.sizes[cid]
+    real = os.pwritev
+
+    def full(fd: int, bufs: list[bytes | memoryview], offset: int) -> int:
+        real(fd, [memoryview(bufs[0])[:10]], offset)  # fault injection: 10 bytes land, then ENOSPC
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "pwritev", full)
+    v = value_of(b"k2")
+    with pytest.raises(NoSpace, match=rf"^chunkserver {store.server_id} appending \d+ bytes: the disk is full"):
+        await store.append([(b"k2", len(v), crc32c(v), None)], memoryview(v))
+    monkeypatch.undo()
+    assert os.path.getsize(store.chunk_path(cid)) == size == store.sizes[cid]
+    assert store.wanted_bytes > len(v)
+    assert [r.key for r in await store.scan(cid)] == [b"k1"]
 
 
 async def test_a_zero_length_range_is_answered_empty(store: ChunkStore) -> None:
