@@ -62,9 +62,8 @@ class KvfsHiCacheStorage(HiCacheStorage):
         assert self._host is not None, "register_mem_pool_host() was not called"
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
         per = len(ptrs) // n_pages
-        host = self._host
-        return [[host.at(ptrs[i * per + j], sizes[i * per + j]) for j in range(per)]
-                for i in range(n_pages)]
+        views = self._host.many(ptrs, sizes)
+        return [views[i * per : (i + 1) * per] for i in range(n_pages)]
 
     def _page_bytes(self) -> int:
         pool = self.mem_pool_host
