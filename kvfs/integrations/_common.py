@@ -40,10 +40,12 @@ class TensorBytes:
         self.view = as_view(tensor, writable=True, what="host buffer")
         self.base = int(tensor.data_ptr())
 
-    def many(self, ptrs: list[int], sizes: list[int]) -> list[memoryview]:
-        """A view of ``size`` bytes at each pointer (the bounds checked once, for all)."""
-        base, view = self.base, self.view
-        offs = [p - base for p in ptrs]
+    def many(self, ptrs: list[int], sizes: list[int], *, base: int | None = None) -> list[memoryview]:
+        """A view of ``size`` bytes at each pointer (the bounds checked once, for all);
+        ``base=0``: the pointers are offsets into the buffer already."""
+        view = self.view
+        base = self.base if base is None else base
+        offs = [p - base for p in ptrs] if base else ptrs
         if offs and (min(offs) < 0 or max([o + n for o, n in zip(offs, sizes, strict=True)])
                      > view.nbytes):
             bad = next(i for i, (o, n) in enumerate(zip(offs, sizes, strict=True))
