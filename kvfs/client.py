@@ -443,8 +443,9 @@ class AsyncClient:
 
     async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any], *,
                        lease_s: float | None = None) -> list[int]:
-        """Read values into caller buffers, without copies; one result per key.
-        ``lease_s``: as for :meth:`get_many`.
+        """Read values into caller buffers; one result per key.  ``lease_s``: as for
+        :meth:`get_many`.  Large destinations are received in place; destinations under
+        64 KiB are received together and copied once (cheaper than a receive each).
 
         A key's buffer may be a list of buffers: its value is scattered over them in order
         (e.g. ``[k_half, v_half]``).  Each result is the value's size (a hit: that many

@@ -150,6 +150,29 @@ async def test_a_layout_that_goes_stale_twice_in_one_read(one: LocalCluster, sec
             await r.close()
 
 
+async def test_a_lost_key_ahead_of_an_overwritten_one_in_one_read(one: LocalCluster) -> None:
+    """A reader holds the layouts of x and y (chunk A); y is overwritten (chunk B), then A's
+    bytes vanish. One read of both: x, whose fresh layout is the one read, is a miss; y,
+    after it, is still looked up again and read from B."""
+    async with one.client() as kv:
+        await kv.put_many({b"x": b"X" * SIZE, b"y": b"Y" * SIZE})
+        chunk_a = (await _layout(one, b"x")).extents[0].replicas[0].chunk_id
+    async with one.client() as reader:
+        assert await reader.get_many([b"x", b"y"]) == [b"X" * SIZE, b"Y" * SIZE]  # cached
+        await one.stop_chunkserver(0)
+        await one.start_chunkserver(0)  # appends go to a new chunk B from here
+        async with one.client() as kv:
+            await kv.put(b"y", b"N" * SIZE)
+        cs = one.chunkservers[0]
+        assert cs is not None
+        path = cs.store.chunk_path(chunk_a)
+        await one.stop_chunkserver(0)
+        os.truncate(path, 0)
+        await one.start_chunkserver(0)
+        await reader.servers(refresh=True)
+        assert await reader.get_many([b"x", b"y"]) == [None, b"N" * SIZE]
+
+
 async def test_get_into_reads_in_place_and_get_reuses_one_pooled_buffer(one: LocalCluster) -> None:
     n = 100_000  # answers above 64 KiB go to a sink (smaller ones are parsed inline)
     values = {f"p{i}".encode(): os.urandom(n) for i in range(3)}
@@ -245,10 +268,11 @@ def _hold_readv(c: LocalCluster, sid: int) -> Hold:
     return Hold(cs.rpc, Op.READV)
 
 
-async def _put_two_copies(c: LocalCluster, n: int) -> tuple[dict[bytes, bytes], dict[bytes, list[int]]]:
-    """``n`` values above 64 KiB (answers land in place), each on both servers: the values
-    and each one's replica servers, in the order a read asks them."""
-    values = {f"h{i}".encode(): os.urandom(SIZE + i) for i in range(n)}
+async def _put_two_copies(c: LocalCluster, n: int, size: int = SIZE,
+                          ) -> tuple[dict[bytes, bytes], dict[bytes, list[int]]]:
+    """``n`` values (by default above 64 KiB: answers land in place), each on both servers:
+    the values and each one's replica servers, in the order a read asks them."""
+    values = {f"h{i}".encode(): os.urandom(size + i) for i in range(n)}
     async with c.client(HEDGED) as kv:
         await kv.put_many(values)
         order = {k: [r.server_id for r in (await kv.layout(k)).extents[0].replicas]  # type: ignore[union-attr]
@@ -257,16 +281,21 @@ async def _put_two_copies(c: LocalCluster, n: int) -> tuple[dict[bytes, bytes], 
     return values, order
 
 
-async def test_a_held_replica_is_hedged_and_its_late_answer_is_discarded(two: LocalCluster) -> None:
+@pytest.mark.parametrize(("size", "ranges"), [(SIZE, 4096), (1000, 4096), (SIZE, 1)],
+                         ids=["in-place", "inline", "one-range-per-readv"])
+async def test_a_held_replica_is_hedged_and_its_late_answer_is_discarded(two: LocalCluster, size: int,
+                                                                         ranges: int) -> None:
     """A server that has not begun to answer within hedge_after_s is given up for the read:
     its values come from their other replica (get_many and get_into), the counter says so
     once per read, and its late answer, when it comes, lands in a scratch buffer, never
-    in the caller's memory."""
-    values, order = await _put_two_copies(two, 6)
+    in the caller's memory. Answers small enough to be parsed whole, and reads split in one
+    READV per value, alike."""
+    values, order = await _put_two_copies(two, 6, size)
     sid = order[b"h0"][0]
     slow = [k for k in values if order[k][0] == sid]
     keys = list(values)
-    async with two.client(HEDGED) as kv, asyncio.timeout(30):  # a read that never hedges hangs
+    cfg = ClientConfig(replicas=2, hedge_after_s=HEDGE_S, max_read_ranges=ranges)
+    async with two.client(cfg) as kv, asyncio.timeout(30):  # a read that never hedges hangs
         assert await kv.get_many(keys) == list(values.values())  # connections open
         assert kv.reader.hedged == 0
         held = _hold_readv(two, sid)

@@ -194,6 +194,17 @@ async def test_seal_needs_the_open_chunk_to_be_idle(store: ChunkStore) -> None:
     assert cid2 != cid  # a sealed chunk takes no more appends
 
 
+async def test_a_zero_length_range_is_answered_empty(store: ChunkStore) -> None:
+    """READV allows empty ranges (check_ranges): one inside the chunk, or at its end, is
+    answered with no bytes, not as stale; past the end it is stale."""
+    a, offs = await sealed(store, b"k1")
+    size = store.sizes[a]
+    views, stale = await store.readv([(a, offs[b"k1"], 0), (a, size, 0), (a, offs[b"k1"], 3000)])
+    assert not stale and [bytes(v) for v in views] == [b"", b"", value_of(b"k1")]  # type: ignore[arg-type]
+    views, stale = await store.readv([(a, size + 1, 0)])
+    assert views == [None] and list(stale) == [0]
+
+
 async def test_verify_names_missing_and_corrupt_ranges(store: ChunkStore) -> None:
     a, offs = await sealed(store, b"k1", b"k2")
     with open(store.chunk_path(a), "r+b") as f:
@@ -212,8 +223,8 @@ async def test_mtimes_of_the_chunks_on_disk(store: ChunkStore) -> None:
     a, _ = await sealed(store, b"a")
     b, _ = await sealed(store, b"b")
     assert store.mtimes() == {c: os.stat(store.chunk_path(c)).st_mtime for c in (a, b)}
-    os.unlink(store.chunk_path(b))
-    assert store.mtimes() == {a: os.stat(store.chunk_path(a)).st_mtime}
+    os.unlink(store.chunk_path(a))  # the first one gone: the ones after it are still listed
+    assert store.mtimes() == {b: os.stat(store.chunk_path(b)).st_mtime}
 
 
 # recovery ----------------------------------------------------------------------------------
@@ -273,13 +284,14 @@ def test_plan_spans_exactly() -> None:
 
 
 # _read_spans: short reads, the page-cache probe, the LRU of open files -----------------------
+@pytest.mark.parametrize("step", [1000, 1])
 async def test_reads_survive_short_reads_and_a_file_ending_early(
-        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     a, offs = await sealed(store, b"k1", b"k2")
     real = os.preadv
 
     def short(fd: int, bufs: list[bytearray | memoryview], offset: int, *flags: int) -> int:
-        return real(fd, [memoryview(bufs[0])[:1000]], offset, *flags)  # fault injection: 1000 bytes a call
+        return real(fd, [memoryview(bufs[0])[:step]], offset, *flags)  # fault injection: step bytes a call
 
     monkeypatch.setattr(os, "preadv", short)
     whole = (a, 0, store.sizes[a])
