@@ -110,8 +110,7 @@ class _Sqlite:
 
     # writing
     async def count(self) -> int:
-        (n,) = self.store.db.execute("SELECT count(*) FROM kv").fetchone()
-        return int(n)
+        return self.store.count()
 
     async def get_state(self, name: str) -> Any:
         return self.store.get_state(name)
