@@ -11,8 +11,11 @@ the next pass, and several GCs may run at once without harm.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import socket
 import time
+import uuid
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -34,6 +37,9 @@ from kvfs.tls import client_context
 log = logging.getLogger("kvfs.gc")
 
 COMPACT_BATCH_BYTES = 64 * 1024 * 1024
+DAEMON_LEASE_INTERVALS = 3  # a daemon's turn lasts this many intervals past its last pass start
+MIN_DAEMON_LEASE_S = 10.0
+RELEASED_LEASE_S = 0.001  # a stopping daemon renews its lease for this long: the next takes it
 VERIFY_BATCH_BYTES = 64 * 1024 * 1024
 
 Progress = Callable[[str, int, int], None]
@@ -438,13 +444,19 @@ class GarbageCollector:
 async def run_daemon(addr: str | None, token: str | None, opts: PassOptions, interval_s: float,
                      stop: asyncio.Event, *, on_pass: Callable[[PassReport], None] | None = None,
                      tls: TlsConfig | None = None) -> None:
-    """Run a pass every ``interval_s`` until ``stop`` is set; skips passes while GC is paused."""
+    """Run a pass every ``interval_s`` until ``stop`` is set; skips passes while GC is paused,
+    and while another daemon holds the daemon lease (meta's store keeps it: one daemon runs
+    passes per store, another takes over ``DAEMON_LEASE_INTERVALS`` intervals after it stops)."""
     gc = GarbageCollector(addr, token=token, tls=tls)
+    holder = f"{socket.gethostname()[:40]}:{uuid.uuid4().hex[:16]}"
+    lease_s = min(max(DAEMON_LEASE_INTERVALS * interval_s, MIN_DAEMON_LEASE_S), rpc.MAX_SECONDS)
     try:
         while not stop.is_set():
             try:
-                paused = await gc.set_paused(None)
-                if not paused:
+                ctl = await gc.meta(rpc.GcControl(holder=holder, lease_s=lease_s))
+                if not ctl.granted:
+                    log.debug("gc: another daemon holds the lease; not running a pass")
+                elif not ctl.paused:
                     report = await gc.run_pass(opts)
                     if report.repair is not None and report.repair.extents_repaired:
                         log.info("gc repair: %d extents copied to live servers (%d bytes)",
@@ -463,5 +475,8 @@ async def run_daemon(addr: str | None, token: str | None, opts: PassOptions, int
                     await stop.wait()
             except TimeoutError:
                 pass
+        with contextlib.suppress(KVFSError, TimeoutError):  # hand the lease on at once
+            async with asyncio.timeout(5):
+                await gc.meta(rpc.GcControl(holder=holder, lease_s=RELEASED_LEASE_S))
     finally:
         gc.close()

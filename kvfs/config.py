@@ -112,9 +112,13 @@ class MetaConfig(ServerConfig):
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
     store: str | None = opt("where the index lives: default the SQLite file under --data; "
                             "redis-cluster://HOST:PORT[,HOST:PORT...] keeps it in a Redis Cluster, "
-                            "where several meta processes serve one index (no GC there yet)", None)
+                            "where several meta processes serve one index", None)
     store_namespace: str = opt("--store redis-cluster: the prefix of this cluster's Redis keys "
                                "(several kvfs clusters can share one Redis Cluster)", "kvfs")
+    store_timeout_s: float = opt("--store redis-cluster: the longest one network step to Redis "
+                                 "may take (a pipeline to a node, a connect, a slot-map read); "
+                                 "past it the call fails as unavailable, never waits on a hung "
+                                 "master", 5.0)
     registry_refresh_s: float = opt("--store redis-cluster: how often the chunkservers other metas "
                                     "registered, and their heartbeats, are read again", 1.0)
     fsync: FsyncMode = opt("always/batch: a commit is on disk before it is answered (SQLite "

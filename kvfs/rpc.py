@@ -733,10 +733,13 @@ class GcDeleted(Request[Empty], frozen=True, kw_only=True):
 
 class GcControlled(Response, frozen=True, kw_only=True):
     paused: bool
+    granted: bool = True  # the daemon lease is the holder's (always, without a holder)
 
 
 class GcControl(Request[GcControlled], frozen=True, kw_only=True):
     paused: bool | None = None  # None: only ask
+    holder: Name | None = None  # a GC daemon taking or renewing the lease daemons take turns by
+    lease_s: Annotated[float, msgspec.Meta(gt=0.0, le=MAX_SECONDS)] = 30.0
 
 
 class GcReport(Request[Empty], frozen=True, kw_only=True):
@@ -912,7 +915,7 @@ RPCS: dict[Op, Rpc] = _rpcs(
         "switch layouts to compacted copies (compare-and-swap)", ADMIN),
     Rpc(Op.GC_RETIRE, Service.META, GcRetire, "mark unreferenced chunks dead (compare-and-swap)", ADMIN),
     Rpc(Op.GC_DELETED, Service.META, GcDeleted, "chunks a chunkserver deleted; GC counters", ADMIN),
-    Rpc(Op.GC_CONTROL, Service.META, GcControl, "pause or resume GC", ADMIN),
+    Rpc(Op.GC_CONTROL, Service.META, GcControl, "pause or resume GC; a GC daemon takes its turn (holder, lease_s)", ADMIN),
     Rpc(Op.GC_REPORT, Service.META, GcReport, "a finished pass's report", ADMIN),
     Rpc(Op.GC_DROP_REPLICAS, Service.META, GcDropReplicas, "fsck repair: forget bad replicas", ADMIN),
     Rpc(Op.GC_REPAIR_PLAN, Service.META, GcRepairPlan,

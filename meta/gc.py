@@ -1,10 +1,13 @@
 """Meta's side of garbage collection: expiry, eviction, compaction switches, chunk retirement.
 
 Meta never touches chunk files; :mod:`kvfs.gc` drives a pass and meta answers
-with plans and applies each destructive step as a compare-and-swap inside one
-SQLite transaction (and one event-loop step, so no other RPC sees half of it):
+with plans and applies each destructive step as a compare-and-swap in its index
+(:class:`kvfs.meta.storeapi.GcIndex`): over SQLite one transaction in one event-loop
+step, so no other RPC sees half of it; over Redis Cluster one Lua script per master,
+so it holds per key (and per master), and the GCs of several metas sharing the store
+never undo each other's work:
 
-- GC_EXPIRE removes keys whose ``expires_at`` passed (the ``kv_expiry`` index);
+- GC_EXPIRE removes keys whose ``expires_at`` passed (an expiry index);
 - GC_EVICT removes least-recently-used, unleased keys of servers over the high
   watermark until their live bytes fit under the low watermark;
 - GC_RELOCATE points a replica at its compacted copy only if the layout still
@@ -19,6 +22,13 @@ SQLite transaction (and one event-loop step, so no other RPC sees half of it):
 MAKE_ROOM (a client's write found the cluster full) is the one exception to
 "driven from outside": meta runs one :mod:`kvfs.gc` pass against itself, the
 same pass the daemon runs, so a client never runs GC.
+
+GC's state (paused, counters, draining servers, retired chunks) lives in the index's
+store, so every meta sharing a store sees one GC.  GC daemons take turns by a lease in
+the store (GC_CONTROL with ``holder``): one runs passes, another takes over when its
+lease (three intervals) runs out.  Grace clocks (``zero_since``) are per meta: a meta
+starts one when it first sees a chunk without live bytes, never before the switch that
+emptied it, so every meta's grace period covers reads that began before the switch.
 """
 
 from __future__ import annotations
@@ -26,16 +36,16 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 
 import msgspec
 
 from kvfs import rpc
 from kvfs.errors import InvalidArgument, Unavailable
 from kvfs.layout import Extent, Layout, Replica
-from kvfs.meta.index import Entry, MetaIndex, disk_bytes
+from kvfs.meta.index import ServerInfo, add_live, disk_bytes
 from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_replica
-from kvfs.meta.tombstones import floors, passed, raise_horizon, tomb_layout
+from kvfs.meta.storeapi import GcIndex
 from kvfs.server import Reply
 
 log = logging.getLogger("kvfs.meta.gc")
@@ -46,82 +56,96 @@ METRIC_NAMES = (
     "passes", "pass_duration_s", "last_pass_duration_s", "extents_repaired", "bytes_repaired",
     "tombstones_dropped",
 )
+DAEMON_LEASE = "gc-daemon"  # the lease GC daemons take turns by (GC_CONTROL's holder)
+
+
+def server_live(s: ServerInfo, live: dict[int, int]) -> int:
+    """Live bytes on a server."""
+    return sum(live.get(c, 0) for c in s.chunks)
+
+
+def dead_in(layout: Layout, dead: Collection[int]) -> bool:
+    return bool(dead) and any(r.chunk_id in dead for e in layout.extents for r in e.replicas)
 
 
 class MetaGc:
-    """Meta's GC component: its RPC handlers work on the :class:`MetaIndex` it is handed,
-    and it keeps GC's own state (paused, metrics, retired chunks)."""
+    """Meta's GC component: its RPC handlers work on the index it is handed (SQLite's
+    :class:`~kvfs.meta.index.MetaIndex` or Redis's :class:`~kvfs.meta.shared_index.SharedIndex`,
+    both a :class:`~kvfs.meta.storeapi.GcIndex`); GC's state is in the index's store."""
 
-    def __init__(self, index: MetaIndex) -> None:
+    def __init__(self, index: GcIndex) -> None:
         self.index = index
-        store = index.store
-        self.paused = bool(store.get_state("paused") or False)
-        saved = store.get_state("metrics") or {}
-        self.metrics: dict[str, float] = {n: saved.get(n, 0) for n in METRIC_NAMES}
-        self.last_run: dict[str, float | bool] | None = store.get_state("last_run")
-        self.dead_chunks: dict[int, float] = {c: t for c, _, t in store.load_dead()}
-        self.draining: set[int] = set(store.get_state("draining") or [])  # being decommissioned
-        self.decommissioned: set[int] = set(store.get_state("decommissioned") or [])  # ids never reused
+        self.draining: set[int] = set()  # being decommissioned (read from the store: refresh())
+        self.decommissioned: set[int] = set()  # ids never reused
         self.zero_since: dict[int, float] = {}
         self.home: tuple[str, str] | None = None  # (meta's address, token), set once it listens
         self._room_lock = asyncio.Lock()
         self._room_started = 0  # MAKE_ROOM passes started
         self._room_made = rpc.RoomMade(expired_keys=0, evicted_keys=0, bytes_reclaimed=0)
 
-    def _count(self, **inc: float) -> None:
-        for k, v in inc.items():
-            self.metrics[k] = self.metrics.get(k, 0) + v
-        self.index.store.put_state("metrics", self.metrics)
-
-    def summary(self) -> rpc.GcSummary:
-        return rpc.GcSummary(paused=self.paused, metrics=dict(self.metrics),
-                             last_run=self.last_run, dead_chunks=len(self.dead_chunks),
-                             repair=self.repair_summary().state())
-
-    def _repair_plan(self, limit_bytes: int, summary: RepairSummary | None) -> list[rpc.RepairItem]:
+    async def refresh(self) -> None:
+        """Read the decommissioning state again (another meta sharing the store may change it)."""
         ix = self.index
-        alive = {sid for sid, s in ix.servers.items() if ix.alive(s)}
-        return plan_repairs(((k, e.layout) for k, e in ix.entries.items()),
-                            ix.gone_servers() | self.draining,
-                            alive, limit_bytes=limit_bytes, now=ix.clock(), summary=summary)
+        self.draining = set(await ix.get_state("draining") or [])
+        self.decommissioned = set(await ix.get_state("decommissioned") or [])
 
-    def repair_summary(self) -> RepairSummary:
+    async def _count(self, **inc: float) -> None:
+        await self.index.add_counts(inc)
+
+    async def summary(self) -> rpc.GcSummary:
+        ix = self.index
+        counts = await ix.counts()
+        return rpc.GcSummary(paused=bool(await ix.get_state("paused") or False),
+                             metrics={n: counts.get(n, 0) for n in METRIC_NAMES},
+                             last_run=await ix.get_state("last_run"),
+                             dead_chunks=len(await ix.dead_chunks()),
+                             repair=(await self.repair_summary()).state())
+
+    async def _repair_plan(self, limit_bytes: int, summary: RepairSummary | None) -> list[rpc.RepairItem]:
+        ix = self.index
+        gone = ix.gone_servers() | self.draining
+        if not gone:  # nothing to scan
+            return []
+        alive = {sid for sid, s in ix.servers.items() if ix.alive(s)}
+        rows = [row async for batch in ix.scan() for row in batch]
+        return plan_repairs(rows, gone, alive, limit_bytes=limit_bytes, now=ix.clock(), summary=summary)
+
+    async def repair_summary(self) -> RepairSummary:
         """Under-replicated extents now (a scan of the index, only while a server is gone)."""
         summary = RepairSummary()
-        self._repair_plan(0, summary)
+        await self._repair_plan(0, summary)
         return summary
 
-    def check_not_dead(self, layout: Layout) -> bool:
-        dead = self.dead_chunks
-        return not dead or all(r.chunk_id not in dead for e in layout.extents for r in e.replicas)
-
-    def _live_after(self, now: float, *, expire: bool,
-                    evict: rpc.Watermarks | None) -> tuple[dict[int, int], set[bytes]]:
+    async def _live_after(self, now: float, *, expire: bool,
+                          evict: rpc.Watermarks | None) -> tuple[dict[int, int], set[bytes]]:
         """A dry run: each chunk's live bytes as the phases before it would leave them
         (``expire``: expired keys gone; ``evict``: the keys GC_EVICT with those watermarks
         would pick gone too), and the keys they would remove; nothing changes."""
         ix = self.index
-        live_map = dict(ix.chunk_live)
+        live_map = dict(await ix.live_bytes())
         gone: set[bytes] = set()
         if expire:
-            for k, e in ix.entries.items():
-                if e.layout.expired(now):
-                    ix.add_live(e.layout, -1, k, live_map)
-                    gone.add(k)
+            async for rows in ix.scan():
+                for k, lay in rows:
+                    if lay.expired(now):
+                        add_live(live_map, lay, -1, k)
+                        gone.add(k)
         if evict is not None:
-            victims, _, _, _ = self._evict_victims(evict.high, evict.low, None, now, live_map, gone)
-            for k in victims:
-                ix.add_live(ix.entries[k].layout, -1, k, live_map)
+            victims, _, _, _ = await self._evict_victims(evict.high, evict.low, None, now, live_map, gone)
+            for k, lay in victims:
+                add_live(live_map, lay, -1, k)
                 gone.add(k)
         return live_map, gone
 
-    def _evict_victims(self, high: float, low: float, only: int | None, now: float,
-                       live_map: dict[int, int] | None = None, gone: Collection[bytes] = (),
-                       ) -> tuple[list[bytes], int, dict[int, rpc.EvictTarget], dict[int, int]]:
+    async def _evict_victims(self, high: float, low: float, only: int | None, now: float,
+                             live_map: dict[int, int] | None = None, gone: Collection[bytes] = (),
+                             ) -> tuple[list[tuple[bytes, Layout]], int, dict[int, rpc.EvictTarget],
+                                        dict[int, int]]:
         """Least recently used, unleased keys of the servers over ``high`` until they fit under
-        ``low``: (victims, leased keys skipped, live and target per server, bytes still short).
-        ``live_map`` and ``gone``: a dry run's view after the expire phase."""
+        ``low``: (victims with their layouts, leased keys skipped, live and target per server,
+        bytes still short).  ``live_map`` and ``gone``: a dry run's view after the expire phase."""
         ix = self.index
+        live = await ix.live_bytes() if live_map is None else live_map
         need: dict[int, int] = {}
         report: dict[int, rpc.EvictTarget] = {}
         for s in ix.servers.values():
@@ -129,53 +153,66 @@ class MetaGc:
                 continue
             wanted = s.wanted
             if ix.used(s) > high * s.capacity or wanted:
-                live, target = ix.server_live(s, live_map), int(low * s.capacity)
-                report[s.server_id] = rpc.EvictTarget(live, target)
-                short = max(live - target, live + wanted - s.capacity)
+                have, target = server_live(s, live), int(low * s.capacity)
+                report[s.server_id] = rpc.EvictTarget(have, target)
+                short = max(have - target, have + wanted - s.capacity)
                 if short > 0:
                     need[s.server_id] = short
-        victims: list[bytes] = []
+        victims: list[tuple[bytes, Layout]] = []
         leased = 0
+
+        def needed(per: dict[int, int]) -> bool:
+            return any(need.get(sid, 0) > 0 for sid in per)
+
         if need:
-            order = sorted(((k, e) for k, e in ix.entries.items() if k not in gone),
-                           key=lambda kv: kv[1].last_access)
-            for k, e in order:
+            async for rows in ix.lru_order():
                 if all(v <= 0 for v in need.values()):
                     break
-                per: dict[int, int] = defaultdict(int)
-                for x in e.layout.extents:
-                    for r in x.replicas:
-                        per[r.server_id] += x.length
-                if not any(need.get(sid, 0) > 0 for sid in per):
-                    continue
-                if ix.leases.get(k, 0.0) > now and not e.layout.expired(now):
-                    leased += 1
-                    continue
-                victims.append(k)
-                for sid, n in per.items():
-                    if sid in need:
-                        need[sid] -= n
+                candidates = []
+                for k, lay in rows:
+                    if k in gone:
+                        continue
+                    per: dict[int, int] = defaultdict(int)
+                    for x in lay.extents:
+                        for r in x.replicas:
+                            per[r.server_id] += x.length
+                    if needed(per):
+                        candidates.append((k, lay, per))
+                held = await ix.leased([k for k, _, _ in candidates], now) if candidates else set()
+                for k, lay, per in candidates:
+                    if all(v <= 0 for v in need.values()):
+                        break
+                    if not needed(per):
+                        continue
+                    if k in held and not lay.expired(now):
+                        leased += 1
+                        continue
+                    victims.append((k, lay))
+                    for sid, n in per.items():
+                        if sid in need:
+                            need[sid] -= n
         return victims, leased, report, need
 
     # RPCs ------------------------------------------------------------------------
     async def rpc_gc_control(self, req: rpc.GcControl, payload: memoryview) -> Reply:
         ix = self.index
-        paused = req.paused
-        if paused is not None and paused != self.paused:
-            self.paused = paused
-            ix.store.put_state("paused", self.paused)
-            log.info("gc %s", "paused" if self.paused else "resumed")
-        return rpc.GcControlled(paused=self.paused), ()
+        paused = bool(await ix.get_state("paused") or False)
+        if req.paused is not None and req.paused != paused:
+            paused = req.paused
+            await ix.put_state("paused", paused)
+            log.info("gc %s", "paused" if paused else "resumed")
+        granted = True
+        if req.holder is not None:
+            granted = await ix.claim(DAEMON_LEASE, req.holder, req.lease_s)
+        return rpc.GcControlled(paused=paused, granted=granted), ()
 
     async def rpc_gc_report(self, req: rpc.GcReport, payload: memoryview) -> Reply:
         ix = self.index
         run = dict(req.run)
-        self.last_run = run
-        ix.store.put_state("last_run", run)
+        await ix.put_state("last_run", run)
         if run.get("apply"):
             d = float(run.get("duration_s", 0.0))
-            self.metrics["last_pass_duration_s"] = d
-            self._count(passes=1, pass_duration_s=d)
+            await ix.add_counts({"passes": 1, "pass_duration_s": d}, {"last_pass_duration_s": d})
         return rpc.Empty(), ()
 
     async def rpc_gc_status(self, req: rpc.GcStatus, payload: memoryview) -> Reply:
@@ -183,24 +220,27 @@ class MetaGc:
         now = ix.clock()
         expired: dict[int, int] = defaultdict(int)
         expired_total = 0
-        for e in ix.entries.values():
-            if e.layout.expired(now):
-                expired_total += 1
-                for sid in {r.server_id for x in e.layout.extents for r in x.replicas}:
-                    expired[sid] += 1
+        async for rows in ix.scan():
+            for _, lay in rows:
+                if lay.expired(now):
+                    expired_total += 1
+                    for sid in {r.server_id for x in lay.extents for r in x.replicas}:
+                        expired[sid] += 1
+        live_map = await ix.live_bytes()
+        dead = await ix.dead_chunks()
         servers = []
         for s in sorted(ix.servers.values(), key=lambda s: s.server_id):
             used = ix.used(s)
-            live = ix.server_live(s)
+            live = server_live(s, live_map)
             garbage = max(0, used - live)
             servers.append(rpc.GcServerStatus(
                 server_id=s.server_id, addr=s.addr, alive=ix.alive(s),
                 capacity=s.capacity, used=used, live=live, garbage=garbage,
                 ratio=garbage / used if used else 0.0, chunks=len(s.chunks),
-                dead_chunks=sum(1 for c in s.chunks if c in self.dead_chunks),
+                dead_chunks=sum(1 for c in s.chunks if c in dead),
                 expired_keys=expired.get(s.server_id, 0),
                 fill=used / s.capacity if s.capacity else 0.0))
-        summary = self.summary()
+        summary = await self.summary()
         return rpc.GcStatusReply(time=now, servers=servers, expired_keys=expired_total,
                                  paused=summary.paused, metrics=summary.metrics,
                                  last_run=summary.last_run, dead_chunks=summary.dead_chunks,
@@ -211,35 +251,31 @@ class MetaGc:
         now = ix.clock()
         if not req.apply:
             n = nbytes = 0
-            for e in ix.entries.values():
-                if e.layout.expired(now):
-                    n += 1
-                    nbytes += disk_bytes(e.layout)
+            async for rows in ix.scan():
+                for _, lay in rows:
+                    if lay.expired(now):
+                        n += 1
+                        nbytes += disk_bytes(lay)
             return rpc.Expired(keys=n, bytes=nbytes, more=False), ()
-        keys = ix.store.expired(now, req.limit)
-        n, nbytes = ix.remove(k for k in keys if ix.entries.get(k) is None
-                                 or ix.entries[k].layout.expired(now))
+        removed, more = await ix.expire(now, req.limit)
+        n, nbytes = len(removed), sum(disk_bytes(lay) for _, lay in removed)
         if n:
-            self._count(keys_expired=n, bytes_expired=nbytes)
-        return rpc.Expired(keys=n, bytes=nbytes, more=len(keys) == req.limit), ()
+            await self._count(keys_expired=n, bytes_expired=nbytes)
+        return rpc.Expired(keys=n, bytes=nbytes, more=more), ()
 
     async def rpc_gc_evict(self, req: rpc.GcEvict, payload: memoryview) -> Reply:
         ix = self.index
         now = ix.clock()
-        for k, v in list(ix.leases.items()):
-            if v <= now:
-                del ix.leases[k]
-        live_map, gone = (self._live_after(now, expire=True, evict=None)  # as --apply would see it
+        live_map, gone = (await self._live_after(now, expire=True, evict=None)  # as --apply would see it
                           if not req.apply and req.after_expire else (None, set()))
-        victims, leased, report, need = self._evict_victims(req.high, req.low, req.server_id, now,
-                                                            live_map, gone)
+        victims, leased, report, need = await self._evict_victims(req.high, req.low, req.server_id, now,
+                                                                  live_map, gone)
         if req.apply:
-            n, nbytes = ix.remove(victims)
-            if n:
-                self._count(keys_evicted=n, bytes_evicted=nbytes)
-                log.info("evicted %d keys (%d bytes)", n, nbytes)
-        else:
-            n, nbytes = len(victims), sum(disk_bytes(ix.entries[k].layout) for k in victims)
+            victims = await ix.evict(victims, now)  # those still unleased and unchanged
+        n, nbytes = len(victims), sum(disk_bytes(lay) for _, lay in victims)
+        if req.apply and n:
+            await self._count(keys_evicted=n, bytes_evicted=nbytes)
+            log.info("evicted %d keys (%d bytes)", n, nbytes)
         return rpc.Evicted(keys=n, bytes=nbytes, leased=leased, servers=report,
                            short={sid: v for sid, v in need.items() if v > 0}), ()
 
@@ -251,11 +287,13 @@ class MetaGc:
         delete: list[rpc.DeleteCandidate] = []
         seal: list[rpc.SealCandidate] = []
         waiting = 0
-        live_map = ix.chunk_live
         zero_since = self.zero_since
         if req.after_expire or req.after_evict:  # a dry run: as if those phases had run first
-            live_map, _ = self._live_after(now, expire=req.after_expire, evict=req.after_evict)
+            live_map, _ = await self._live_after(now, expire=req.after_expire, evict=req.after_evict)
             zero_since = dict(zero_since)  # and start no grace clocks for it
+        else:
+            live_map = await ix.live_bytes()
+        dead = await ix.dead_chunks()
         for s in ix.servers.values():
             pressure = s.capacity > 0 and (ix.used(s) > high * s.capacity or s.wanted)
             open_chunk = s.open_chunk
@@ -270,7 +308,7 @@ class MetaGc:
                             (written - live) / written > threshold or pressure):
                         seal.append(rpc.SealCandidate(s.server_id, cid, written, live))
                     continue
-                if cid in self.dead_chunks:  # retired, file still there: delete again
+                if cid in dead:  # retired, file still there: delete again
                     delete.append(rpc.DeleteCandidate(s.server_id, cid, written))
                     continue
                 live = live_map.get(cid, 0)
@@ -296,65 +334,44 @@ class MetaGc:
         sid = req.server_id
         now = ix.clock()
         refs: dict[int, list[rpc.Ref]] = {c: [] for c in chunks}
-        for k, e in ix.entries.items():
-            if e.layout.expired(now):
-                continue
-            for x in e.layout.extents:
-                for r in x.replicas:
-                    if r.chunk_id in chunks or r.server_id == sid:
-                        refs.setdefault(r.chunk_id, []).append(rpc.Ref(k, r.offset, x.length, x.crc))
-        if chunks and ix.tombstones:
-            floor = floors(ix.servers)
-            done = []
-            for k, t in ix.tombstones.items():
-                mine = [r for r in t.layout.extents[0].replicas if r.chunk_id in chunks]
-                if not mine:
+        async for rows in ix.scan():
+            for k, lay in rows:
+                if lay.expired(now):
                     continue
-                if any(passed(t, floor, compacting=r.chunk_id) for r in mine):
-                    done.append(k)  # needed no more: not copied
-                    continue
-                for r in mine:
-                    refs[r.chunk_id].append(rpc.Ref(k, r.offset, 0, 0))
-            if done:
-                with ix.store.durable():
-                    ix.forget_tombstones(done)
-                self._count(tombstones_dropped=len(done))
+                for x in lay.extents:
+                    for r in x.replicas:
+                        if r.chunk_id in chunks or r.server_id == sid:
+                            refs.setdefault(r.chunk_id, []).append(rpc.Ref(k, r.offset, x.length, x.crc))
+        tombs, dropped = await ix.tombstone_refs(chunks)
+        for cid, k, off in tombs:
+            refs[cid].append(rpc.Ref(k, off, 0, 0))
+        if dropped:
+            await self._count(tombstones_dropped=dropped)
         return rpc.ChunkRefs(refs=refs), ()
 
     async def rpc_gc_relocate(self, req: rpc.GcRelocate, payload: memoryview) -> Reply:
+        """Point each moved replica at its copy, compare-and-swap: only where the layout still
+        names the old (chunk, offset), and never into a chunk retired since the copy."""
         ix = self.index
         sid, new_chunk, moves = req.server_id, req.new_chunk, req.moves
-        if new_chunk in self.dead_chunks:  # (kept tombstones' copies are not counted)
-            return rpc.Relocated(moved=0, skipped=sum(m[0] not in ix.tombstones for m in moves)), ()
         now = ix.clock()
         by_key: dict[bytes, dict[tuple[int, int], int]] = defaultdict(dict)
         for key, old_chunk, old_off, new_off in moves:
             by_key[key][(old_chunk, old_off)] = new_off
-        staged: list[tuple[bytes, Entry, Layout]] = []
-        tombs: list[tuple[bytes, Layout]] = []
-        raised: list[bytes] = []
-        moved = tomb_moves = 0  # tombstones moved count as neither moved keys nor lost ones
-        for key, mapping in by_key.items():
-            e = ix.entries.get(key)
-            t = ix.tombstones.get(key) if e is None else None
-            if t is not None:  # a tombstone copied forward, or a record of the key copied
-                reps = []          # while the key was deleted
-                n = 0
-                for r in t.layout.extents[0].replicas:
-                    no = mapping.get((r.chunk_id, r.offset)) if r.server_id == sid else None
-                    reps.append(r if no is None else Replica(sid, new_chunk, no))
-                    n += no is not None
-                if n:
-                    tombs.append((key, tomb_layout(reps, t.layout.created)))
-                    tomb_moves += n
-                elif raise_horizon(t, new_chunk):  # an older record now in new_chunk
-                    raised.append(key)
+        if new_chunk in await ix.dead_chunks():  # (kept tombstones' copies are not counted)
+            tombed = await ix.tombstoned(by_key)
+            return rpc.Relocated(moved=0, skipped=sum(m[0] not in tombed for m in moves)), ()
+        handled, tomb_moves = await ix.relocate_tombstones(sid, new_chunk, by_key)
+        keys = [k for k in by_key if k not in handled]
+        rows: list[tuple[bytes, Layout, Layout]] = []
+        changes: list[int] = []
+        for key, lay in zip(keys, await ix.layouts(keys), strict=True):
+            if lay is None or lay.expired(now):
                 continue
-            if e is None or e.layout.expired(now):
-                continue
+            mapping = by_key[key]
             exts = []
             changed = 0
-            for x in e.layout.extents:
+            for x in lay.extents:
                 reps = []
                 for r in x.replicas:
                     no = mapping.get((r.chunk_id, r.offset)) if r.server_id == sid else None
@@ -365,41 +382,34 @@ class MetaGc:
                         changed += 1
                 exts.append(Extent(x.length, x.crc, tuple(reps)))
             if changed:
-                old = e.layout
-                staged.append((key, e, msgspec.structs.replace(old, extents=tuple(exts))))  # meta kept
-                moved += changed
-        if tombs:
-            ix.move_tombstones(tombs)
-        if raised:
-            ix.save_tombstones(raised)
-        if staged or tombs:
-            ix.switch_layouts(staged)
+                rows.append((key, lay, msgspec.structs.replace(lay, extents=tuple(exts))))
+                changes.append(changed)
+        switched = await ix.switch(rows)
+        moved = sum(n for n, ok in zip(changes, switched, strict=True) if ok)
+        if moved or tomb_moves:
             s = ix.servers.get(sid)
             if s is not None and req.new_size is not None:
                 s.chunks[new_chunk] = req.new_size
-            self._count(keys_relocated=len(staged))
-        for old_chunk, _ in {k for m in by_key.values() for k in m}:
-            if ix.chunk_live.get(old_chunk, 0) <= 0:
+        if moved:
+            await self._count(keys_relocated=sum(switched))
+        old_chunks = list({c for m in by_key.values() for c, _ in m})
+        live = await ix.live_bytes(old_chunks)
+        for old_chunk in old_chunks:
+            if live.get(old_chunk, 0) <= 0:
                 self.zero_since.setdefault(old_chunk, now)
         return rpc.Relocated(moved=moved, skipped=len(moves) - moved - tomb_moves), ()
 
     async def rpc_gc_retire(self, req: rpc.GcRetire, payload: memoryview) -> Reply:
+        """Mark dead the chunks no layout references (compare-and-swap in the index; never the
+        server's open chunk); a dead chunk is refused by COMMIT and GC_RELOCATE forever after."""
         ix = self.index
         sid = req.server_id
         s = ix.servers.get(sid)
         open_chunk = s.open_chunk if s is not None else None
-        now = ix.clock()
-        retired = [c for c in req.chunks
-                   if c in self.dead_chunks
-                   or (ix.chunk_live.get(c, 0) <= 0 and c != open_chunk)]
-        fresh = [c for c in retired if c not in self.dead_chunks]
-        if fresh:
-            with ix.store.durable():  # on disk before the GC driver unlinks anything
-                ix.store.add_dead((c, sid, now) for c in fresh)
-            for c in fresh:
-                self.dead_chunks[c] = now
-                self.zero_since.pop(c, None)
-                ix.chunk_live.pop(c, None)
+        dead = await ix.dead_chunks()
+        retired = await ix.retire(sid, [c for c in req.chunks if c in dead or c != open_chunk], ix.clock())
+        for c in retired:
+            self.zero_since.pop(c, None)
         return rpc.Retired(retired=retired), ()
 
     async def rpc_gc_deleted(self, req: rpc.GcDeleted, payload: memoryview) -> Reply:
@@ -412,47 +422,51 @@ class MetaGc:
         inc: dict[str, float] = {}
         if deleted:
             inc.update(chunks_deleted=len(deleted), bytes_reclaimed=sum(deleted.values()))
-            dropped = ix.drop_passed_tombstones()  # chunks gone: horizons may have passed
+            dropped = await ix.drop_passed()  # chunks gone: tombstones' horizons may have passed
             if dropped:
                 inc.update(tombstones_dropped=dropped)
         if req.compacted:
             inc.update(chunks_compacted=req.compacted, bytes_copied=req.copied)
         if inc:
-            self._count(**inc)
+            await self._count(**inc)
         return rpc.Empty(), ()
 
     # decommission ------------------------------------------------------------------
-    def drain_left(self, sid: int) -> tuple[int, int]:
-        """(extents, bytes) with a replica on server ``sid``, expired keys too."""
-        n = nbytes = 0
-        for e in self.index.entries.values():
-            for x in e.layout.extents:
-                if any(r.server_id == sid for r in x.replicas):
-                    n += 1
-                    nbytes += x.length
-        return n, nbytes
+    async def drain_left(self, sids: Collection[int]) -> dict[int, tuple[int, int]]:
+        """(extents, bytes) with a replica on each of servers ``sids``, expired keys too."""
+        left = {sid: [0, 0] for sid in sids}
+        async for rows in self.index.scan():
+            for _, lay in rows:
+                for x in lay.extents:
+                    for sid in {r.server_id for r in x.replicas if r.server_id in left}:
+                        left[sid][0] += 1
+                        left[sid][1] += x.length
+        return {sid: (n, b) for sid, (n, b) in left.items()}
 
-    def _save_drains(self) -> None:
-        store = self.index.store
-        store.put_state("draining", sorted(self.draining))
-        store.put_state("decommissioned", sorted(self.decommissioned))
+    async def _save_drains(self) -> None:
+        ix = self.index
+        await ix.put_state("draining", sorted(self.draining))
+        await ix.put_state("decommissioned", sorted(self.decommissioned))
 
-    def forget_drained(self) -> list[int]:
+    async def forget_drained(self) -> list[int]:
         """Forget each draining server nothing references any more; its id is never reused."""
-        done = [sid for sid in sorted(self.draining) if self.drain_left(sid)[0] == 0]
+        if not self.draining:
+            return []
+        left = await self.drain_left(self.draining)
+        done = [sid for sid in sorted(self.draining) if left[sid][0] == 0]
         for sid in done:
             self.draining.discard(sid)
             self.decommissioned.add(sid)
-            self.index.servers.pop(sid, None)
-            self.index.store.delete_server(sid)
+            await self.index.delete_server(sid)
             log.info("chunkserver %d drained and forgotten", sid)
         if done:
-            self._save_drains()
+            await self._save_drains()
         return done
 
     async def rpc_gc_decommission(self, req: rpc.GcDecommission, payload: memoryview) -> Reply:
         """Start (or cancel) draining a chunkserver; forget it once drained; its state now."""
         sid = req.server_id
+        await self.refresh()
         if sid in self.decommissioned:
             return rpc.DrainState(server_id=sid, draining=False, forgotten=True, extents_left=0,
                                   bytes_left=0), ()
@@ -460,99 +474,109 @@ class MetaGc:
             raise InvalidArgument(f"unknown chunkserver {sid} (kvfs stat lists them)")
         if req.cancel and sid in self.draining:
             self.draining.discard(sid)
-            self._save_drains()
+            await self._save_drains()
             log.info("chunkserver %d: drain cancelled", sid)
         elif req.start and not req.cancel and sid not in self.draining:
             self.draining.add(sid)
-            self._save_drains()
+            await self._save_drains()
             log.info("chunkserver %d draining: no new placements, repair copies its extents away", sid)
-        forgotten = sid in self.forget_drained()
-        n, nbytes = (0, 0) if forgotten else self.drain_left(sid)
+        forgotten = sid in await self.forget_drained()
+        n, nbytes = (0, 0) if forgotten else (await self.drain_left([sid]))[sid]
         return rpc.DrainState(server_id=sid, draining=sid in self.draining, forgotten=forgotten,
                               extents_left=n, bytes_left=nbytes), ()
 
     async def rpc_gc_repair_plan(self, req: rpc.GcRepairPlan, payload: memoryview) -> Reply:
         """Extents with a replica on a gone server, readable from a live one (kvfs.meta.repair);
         draining servers that nothing references any more are forgotten first."""
-        self.forget_drained()
+        await self.forget_drained()
         summary = RepairSummary()
-        items = self._repair_plan(req.limit_bytes, summary)
+        items = await self._repair_plan(req.limit_bytes, summary)
         st = summary.state()
         return rpc.RepairPlan(items=items, under_replicated_extents=st.under_replicated_extents,
                               under_replicated_bytes=st.under_replicated_bytes,
                               unrepairable_extents=st.unrepairable_extents), ()
 
+    async def _switch_by_key(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> set[bytes]:
+        """:meth:`GcIndex.switch`; the keys switched."""
+        ok = await self.index.switch(rows)
+        return {k for (k, _, _), done in zip(rows, ok, strict=True) if done}
+
     async def rpc_gc_repair(self, req: rpc.GcRepair, payload: memoryview) -> Reply:
         """Switch each lost replica to its new copy, compare-and-swap (kvfs.meta.repair)."""
         ix = self.index
-        staged: dict[bytes, tuple[Entry, Layout]] = {}
-        repaired = skipped = nbytes = 0
-        raised: list[bytes] = []
+        keys = list(dict.fromkeys(it[0] for it in req.items))
+        current = dict(zip(keys, await ix.layouts(keys), strict=True))
+        dead = await ix.dead_chunks()
+        staged: dict[bytes, tuple[Layout, Layout, int, int]] = {}  # key -> old, new, extents, bytes
+        skipped = 0
         for key, extent, lost, new in req.items:
-            e = ix.entries.get(key)
-            if e is None and (t := ix.tombstones.get(key)) is not None and raise_horizon(t, new.chunk_id):
-                raised.append(key)  # deleted since the plan: its copy is an older record
-            if e is None or new.server_id not in ix.servers:
+            old = current.get(key)
+            if old is None or new.server_id not in ix.servers:
                 skipped += 1
                 continue
-            switched = replace_replica(staged.get(key, (e, e.layout))[1], extent, lost, new)
-            if switched is None or not self.check_not_dead(switched):
+            _, cur, n, nb = staged.get(key, (old, old, 0, 0))
+            switched = replace_replica(cur, extent, lost, new)
+            if switched is None or dead_in(switched, dead):
                 skipped += 1
                 continue
-            staged[key] = (e, switched)
-            repaired += 1
-            nbytes += switched.extents[extent].length
-        ix.switch_layouts([(k, e, lay) for k, (e, lay) in staged.items()])
-        ix.save_tombstones(raised)
+            staged[key] = (old, switched, n + 1, nb + switched.extents[extent].length)
+        done = await self._switch_by_key([(k, old, new) for k, (old, new, _, _) in staged.items()])
+        # a key deleted since the plan: its copy is an older record its tombstone must outlive
+        await ix.raise_horizons((k, new.chunk_id) for k, _, _, new in req.items if current.get(k) is None)
+        repaired = nbytes = 0
+        for k, (_, _, n, nb) in staged.items():
+            if k in done:
+                repaired, nbytes = repaired + n, nbytes + nb
+            else:  # changed since the plan: that change wins
+                skipped += n
         if repaired:
-            self._count(extents_repaired=repaired, bytes_repaired=nbytes)
+            await self._count(extents_repaired=repaired, bytes_repaired=nbytes)
         return rpc.Repaired(repaired=repaired, skipped=skipped), ()
 
     async def rpc_gc_scrub_plan(self, req: rpc.GcScrubPlan, payload: memoryview) -> Reply:
         """Replicas a scrub found bad: repair from a good copy, or drop (kvfs.meta.repair)."""
         ix = self.index
-        now = ix.clock()
-        layouts = {}
-        for key, *_ in req.bad:
-            e = ix.get(key, now)
-            if e is not None:
-                layouts[key] = e.layout
+        keys = list(dict.fromkeys(b[0] for b in req.bad))
+        layouts = {k: lay for k, lay in zip(keys, await ix.peek(keys, ix.clock()), strict=True)
+                   if lay is not None}
         alive = {sid for sid, s in ix.servers.items() if ix.alive(s)} - ix.gone_servers()
         plan = plan_scrub(req.bad, layouts, alive)
         return rpc.ScrubPlanned(items=plan.items, drop=plan.drop, lost=plan.lost), ()
 
     async def rpc_gc_drop_replicas(self, req: rpc.GcDropReplicas, payload: memoryview) -> Reply:
         """fsck repair: forget replicas whose bytes are missing or corrupt; a key left with an
-        extent without replicas is deleted (a cache miss is correct, wrong bytes never are)."""
+        extent without replicas is deleted (a cache miss is correct, wrong bytes never are).
+        Both compare-and-swap: a key changed since keeps its change."""
         ix = self.index
         bad: dict[bytes, set[tuple[int, int, int]]] = defaultdict(set)
         for key, sid, cid, off in req.items:
             bad[key].add((sid, cid, off))
-        staged: list[tuple[bytes, Entry, Layout]] = []
-        doomed: list[bytes] = []
-        dropped = 0
-        for key, which in bad.items():
-            e = ix.entries.get(key)
-            if e is None:
+        keys = list(bad)
+        staged: list[tuple[bytes, Layout, Layout]] = []
+        doomed: list[tuple[bytes, Layout]] = []
+        drops: dict[bytes, int] = {}
+        for key, old in zip(keys, await ix.layouts(keys), strict=True):
+            if old is None:
                 continue
+            which = bad[key]
             exts = []
             n = 0
-            for x in e.layout.extents:
+            for x in old.extents:
                 reps = tuple(r for r in x.replicas if (r.server_id, r.chunk_id, r.offset) not in which)
                 n += len(x.replicas) - len(reps)
                 exts.append(Extent(x.length, x.crc, reps))
             if not n:
                 continue
-            dropped += n
+            drops[key] = n
             if any(not x.replicas for x in exts):
-                doomed.append(key)
+                doomed.append((key, old))
             else:
-                old = e.layout
-                staged.append((key, e, msgspec.structs.replace(old, extents=tuple(exts))))  # meta kept
-        ix.switch_layouts(staged)
-        n_deleted, _ = ix.remove(doomed)
+                staged.append((key, old, msgspec.structs.replace(old, extents=tuple(exts))))
+        done = await self._switch_by_key(staged)
+        n_deleted = await ix.drop_lost(doomed) if doomed else 0
+        dropped = sum(drops[k] for k in done) + sum(drops[k] for k, _ in doomed)
         if dropped:
-            self._count(replicas_dropped=dropped)
+            await self._count(replicas_dropped=dropped)
         return rpc.Dropped(dropped=dropped, deleted_keys=n_deleted), ()
 
     async def rpc_make_room(self, req: rpc.MakeRoom, payload: memoryview) -> Reply:

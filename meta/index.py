@@ -25,12 +25,14 @@ import asyncio
 import collections
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import FsyncMode, MetaConfig
-from kvfs.layout import Layout, encode_layout, server_of_chunk
+from kvfs.errors import StaleLayout
+from kvfs.layout import Layout, Replica, encode_layout, server_of_chunk
 from kvfs.meta.repair import readable
 from kvfs.meta.store import MetaStore
 from kvfs.meta.tombstones import (
@@ -41,11 +43,14 @@ from kvfs.meta.tombstones import (
     floors,
     horizon_now,
     passed,
+    raise_horizon,
+    tomb_layout,
 )
 
 log = logging.getLogger("kvfs.meta")
 
 RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
+METRICS_STATE = "metrics"  # the state entry holding GC's counters (Redis: a hash of their own)
 
 
 @dataclass(slots=True)
@@ -94,6 +99,21 @@ def disk_bytes(layout: Layout) -> int:
     return sum(n for _, n in layout.chunk_bytes())
 
 
+def add_live(live: dict[int, int], layout: Layout, sign: int, key: bytes) -> None:
+    """Live bytes per chunk: each replica's value plus its record header and key, so a
+    chunk of only live records has zero garbage."""
+    overhead = RECORD_OVERHEAD_BYTES + len(key)
+    for e in layout.extents:  # layout.chunk_bytes(), inlined: this runs per committed key
+        n = sign * (e.length + overhead)
+        for r in e.replicas:
+            live[r.chunk_id] = live.get(r.chunk_id, 0) + n
+
+
+def stale(key: bytes, chunk: int | str) -> StaleLayout:
+    return StaleLayout(f"layout for {key[:64]!r} names chunk {chunk}, which garbage collection "
+                       "already reclaimed (the put took longer than the GC grace period); retry the put")
+
+
 class ServerRegistry:
     """The chunkservers meta knows and their liveness: what every meta keeps in memory,
     whichever store holds the keys."""
@@ -125,9 +145,9 @@ class ServerRegistry:
     async def refresh(self) -> None:
         """Read servers other meta processes registered (none: this meta is the only one)."""
 
-    async def new_server_id(self, addr: str) -> int:
-        """An id no chunkserver has (one meta: the next after the largest)."""
-        return max(self.servers, default=0) + 1
+    async def new_server_id(self, addr: str, taken: Iterable[int] = ()) -> int:
+        """An id no chunkserver has, nor ``taken`` (one meta: the next after the largest)."""
+        return max((*self.servers, *taken), default=0) + 1
 
     def share_disks(self) -> None:
         """Chunkservers on one filesystem share its space: each of the n gets 1/n of the
@@ -155,6 +175,8 @@ class MetaIndex(ServerRegistry):
         self.seq_high: dict[int, int] = {}  # server id -> highest chunk seq a layout named
         self.leases: dict[bytes, float] = {}
         self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
+        self.retired: dict[int, float] = {}  # retired chunks: refused by commit and switch forever
+        self.claims: dict[str, tuple[str, float]] = {}  # lease name -> (holder, monotonic end)
         self.commit_groups = 0  # group transactions written (each one sync)
         self._commits: collections.deque[PendingCommit] = collections.deque()
         self._commit_handle: asyncio.Handle | None = None
@@ -163,6 +185,7 @@ class MetaIndex(ServerRegistry):
         for key, layout, last_access in self.store.load():
             self.entries[key] = Entry(layout, last_access)
             self.add_live(layout, +1, key)
+        self.retired = {c: t for c, _, t in self.store.load_dead()}
         since = time.monotonic()
         stale = []  # put again after the delete (the put's own forget did not reach the disk)
         for key, layout, horizon in self.store.load_tombstones():
@@ -200,24 +223,32 @@ class MetaIndex(ServerRegistry):
         e = self.get(key, now)
         return e is not None and readable(e.layout, gone)
 
-    def server_live(self, s: ServerInfo, live_map: dict[int, int] | None = None) -> int:
-        """Live bytes on a server, from ``chunk_live`` or a dry run's ``live_map``."""
-        live = self.chunk_live if live_map is None else live_map
-        return sum(live.get(c, 0) for c in s.chunks)
-
     # changing -----------------------------------------------------------------------
     def add_live(self, layout: Layout, sign: int, key: bytes, live: dict[int, int] | None = None) -> None:
-        """Live bytes per chunk (into ``live``, default ``chunk_live``): each replica's value
-        plus its record header and key, so a chunk of only live records has zero garbage."""
         if live is None:
             live = self.chunk_live
             if sign > 0:
                 self.note_chunks(layout)
-        overhead = RECORD_OVERHEAD_BYTES + len(key)
-        for e in layout.extents:  # layout.chunk_bytes(), inlined: this runs per committed key
-            n = sign * (e.length + overhead)
-            for r in e.replicas:
-                live[r.chunk_id] = live.get(r.chunk_id, 0) + n
+        add_live(live, layout, sign, key)
+
+    def check_not_dead(self, rows: Iterable[tuple[bytes, Layout]]) -> None:
+        """StaleLayout for a layout naming a retired chunk (a put that outlasted the grace
+        period: its chunk was reclaimed before the commit)."""
+        if self.retired:
+            for key, lay in rows:
+                cid = self.dead_in(lay)
+                if cid is not None:
+                    raise stale(key, cid)
+
+    def dead_in(self, layout: Layout) -> int | None:
+        """A retired chunk the layout names, if any."""
+        dead = self.retired
+        if dead:
+            for e in layout.extents:
+                for r in e.replicas:
+                    if r.chunk_id in dead:
+                        return r.chunk_id
+        return None
 
     def note_chunks(self, layout: Layout) -> None:
         """Raise ``seq_high`` to the chunks a layout names (tombstones' horizons)."""
@@ -239,21 +270,21 @@ class MetaIndex(ServerRegistry):
             e.layout = lay
             self.add_live(lay, +1, k)
 
-    def remove(self, keys: Iterable[bytes]) -> tuple[int, int]:
-        """Delete keys from SQLite (one transaction) and the index; returns (keys, disk bytes)."""
+    def remove(self, keys: Iterable[bytes]) -> list[tuple[bytes, Layout]]:
+        """Delete keys from SQLite (one transaction) and the index; returns the removed ones."""
         gone = [k for k in keys if k in self.entries]
         if not gone:
-            return 0, 0
+            return []
         with self.store.durable():
             self.store.delete_many(gone)
-        nbytes = 0
+        out = []
         for k in gone:
             lay = self.entries.pop(k).layout
-            nbytes += disk_bytes(lay)
+            out.append((k, lay))
             self.add_live(lay, -1, k)
             self.dirty_access.pop(k, None)
             self.leases.pop(k, None)
-        return len(gone), nbytes
+        return out
 
     # meta's key RPCs (service.py's handlers; the Redis-backed index has the same calls) --
     async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
@@ -348,12 +379,13 @@ class MetaIndex(ServerRegistry):
             self._commits.popleft()
             if c.done.done():  # its handler was cancelled (server closing): not written
                 continue
-            if c.check is not None:
-                try:
+            try:
+                if c.check is not None:
                     c.check([(k, lay) for k, lay, _ in c.rows])
-                except Exception as exc:
-                    c.done.set_exception(exc)
-                    continue
+                self.check_not_dead([(k, lay) for k, lay, _ in c.rows])
+            except Exception as exc:
+                c.done.set_exception(exc)
+                continue
             if c.if_absent:
                 if written is None:
                     written = {k for g in group for k, _, _ in g.rows}
@@ -468,6 +500,73 @@ class MetaIndex(ServerRegistry):
             self.add_live(lay, +1, k)
         self.save_tombstones(k for k, _ in staged)
 
+    # tombstones in GC's calls (storeapi.GcIndex; the Redis store keeps none) ------------
+    async def tombstone_refs(self, chunks: Collection[int]) -> tuple[list[tuple[int, bytes, int]], int]:
+        """(chunk, key, offset) of the kept tombstones in ``chunks`` (compaction copies them
+        forward), after forgetting those no older record can outlive any more (how many)."""
+        refs: list[tuple[int, bytes, int]] = []
+        if not chunks or not self.tombstones:
+            return refs, 0
+        floor = floors(self.servers)
+        done = []
+        for k, t in self.tombstones.items():
+            mine = [r for r in t.layout.extents[0].replicas if r.chunk_id in chunks]
+            if not mine:
+                continue
+            if any(passed(t, floor, compacting=r.chunk_id) for r in mine):
+                done.append(k)  # needed no more: not copied
+                continue
+            refs += [(r.chunk_id, k, r.offset) for r in mine]
+        if done:
+            with self.store.durable():
+                self.forget_tombstones(done)
+        return refs, len(done)
+
+    async def tombstoned(self, keys: Iterable[bytes]) -> set[bytes]:
+        """Those of ``keys`` deleted with a tombstone kept (and not put again)."""
+        tombs = self.tombstones
+        return {k for k in keys if k in tombs and k not in self.entries} if tombs else set()
+
+    async def relocate_tombstones(self, sid: int, new_chunk: int,
+                                  by_key: dict[bytes, dict[tuple[int, int], int]]) -> tuple[set[bytes], int]:
+        """GC_RELOCATE's tombstones: point each copied tombstone at its copy, or raise the
+        horizon of a deleted key whose older record was copied; (the keys handled here,
+        the tombstone replicas moved)."""
+        handled: set[bytes] = set()
+        tombs: list[tuple[bytes, Layout]] = []
+        raised: list[bytes] = []
+        moved = 0
+        for key in await self.tombstoned(by_key):
+            handled.add(key)
+            t = self.tombstones[key]
+            mapping = by_key[key]
+            reps = []
+            n = 0
+            for r in t.layout.extents[0].replicas:
+                no = mapping.get((r.chunk_id, r.offset)) if r.server_id == sid else None
+                reps.append(r if no is None else Replica(sid, new_chunk, no))
+                n += no is not None
+            if n:
+                tombs.append((key, tomb_layout(reps, t.layout.created)))
+                moved += n
+            elif raise_horizon(t, new_chunk):  # an older record now in new_chunk
+                raised.append(key)
+        if tombs:
+            self.move_tombstones(tombs)
+        if raised:
+            self.save_tombstones(raised)
+        return handled, moved
+
+    async def raise_horizons(self, copies: Iterable[tuple[bytes, int]]) -> None:
+        """A repair copied a record of a key deleted since the plan into that chunk: the
+        key's tombstone must outlive it too."""
+        raised = [k for k, cid in copies if k not in self.entries
+                  and (t := self.tombstones.get(k)) is not None and raise_horizon(t, cid)]
+        self.save_tombstones(raised)
+
+    async def drop_passed(self) -> int:
+        return self.drop_passed_tombstones()
+
     def drop_passed_tombstones(self) -> int:
         """Forget the tombstones no older record of their key can outlive any more
         (:func:`kvfs.meta.tombstones.passed`); their bytes become garbage."""
@@ -486,7 +585,7 @@ class MetaIndex(ServerRegistry):
             e = self.entries.get(k)
             if e is not None and e.layout == lay:
                 doomed.append(k)
-        return self.remove(doomed)[0]
+        return len(self.remove(doomed))
 
     async def list_keys(self, prefix: bytes, start_after: bytes | None,
                         limit: int) -> list[tuple[bytes, Layout]]:
@@ -497,8 +596,122 @@ class MetaIndex(ServerRegistry):
         live = [e.layout.size for e in self.entries.values() if not e.layout.expired(now)]
         return len(live), len(self.entries), sum(live)
 
-    async def live_bytes(self) -> dict[int, int]:
-        return self.chunk_live
+    async def live_bytes(self, chunks: Sequence[int] | None = None) -> dict[int, int]:
+        if chunks is None:
+            return self.chunk_live
+        live = self.chunk_live
+        return {c: live[c] for c in chunks if c in live}
+
+    async def peek(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+        out: list[Layout | None] = []
+        for k in keys:
+            e = self.get(k, now)
+            out.append(None if e is None else e.layout)
+        return out
+
+    # GC's operations (storeapi.GcIndex; SharedIndex has them over its store) ----------
+    async def scan(self, batch: int = 10_000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        keys = list(self.entries)  # the entries may change while the caller awaits
+        for i in range(0, len(keys), batch):
+            rows = []
+            for k in keys[i:i + batch]:
+                e = self.entries.get(k)
+                if e is not None:
+                    rows.append((k, e.layout))
+            yield rows
+
+    async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        order = sorted(self.entries.items(), key=lambda kv: kv[1].last_access)
+        for i in range(0, len(order), batch):
+            yield [(k, e.layout) for k, e in order[i:i + batch]]
+
+    async def layouts(self, keys: Sequence[bytes]) -> list[Layout | None]:
+        out: list[Layout | None] = []
+        for k in keys:
+            e = self.entries.get(k)
+            out.append(None if e is None else e.layout)
+        return out
+
+    async def leased(self, keys: Sequence[bytes], now: float) -> set[bytes]:
+        leases = self.leases
+        for k, v in list(leases.items()):
+            if v <= now:
+                del leases[k]
+        return {k for k in keys if leases.get(k, 0.0) > now} if leases else set()
+
+    async def expire(self, now: float, limit: int) -> tuple[list[tuple[bytes, Layout]], bool]:
+        keys = self.store.expired(now, limit)
+        gone = []
+        for k in keys:
+            e = self.entries.get(k)
+            if e is None or e.layout.expired(now):
+                gone.append(k)
+        return self.remove(gone), len(keys) == limit
+
+    async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> list[tuple[bytes, Layout]]:
+        doomed = []
+        for k, lay in victims:
+            e = self.entries.get(k)
+            if e is not None and e.layout == lay and (
+                    self.leases.get(k, 0.0) <= now or lay.expired(now)):
+                doomed.append(k)
+        return self.remove(doomed)
+
+    async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> list[bool]:
+        staged: list[tuple[bytes, Entry, Layout]] = []
+        out = []
+        for k, old, new in rows:
+            e = self.entries.get(k)
+            ok = e is not None and e.layout == old and self.dead_in(new) is None
+            out.append(ok)
+            if ok:
+                assert e is not None
+                staged.append((k, e, new))
+        self.switch_layouts(staged)
+        return out
+
+    async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> list[int]:
+        live, dead = self.chunk_live, self.retired
+        retired = [c for c in dict.fromkeys(chunks) if c in dead or live.get(c, 0) <= 0]
+        fresh = [c for c in retired if c not in dead]
+        if fresh:
+            with self.store.durable():  # on disk before the GC driver unlinks anything
+                self.store.add_dead((c, server_id, now) for c in fresh)
+            for c in fresh:
+                dead[c] = now
+                live.pop(c, None)
+        return retired
+
+    async def dead_chunks(self) -> dict[int, float]:
+        return self.retired
+
+    async def delete_server(self, server_id: int) -> None:
+        self.servers.pop(server_id, None)
+        self.store.delete_server(server_id)
+
+    async def get_state(self, name: str) -> Any:
+        return self.store.get_state(name)
+
+    async def put_state(self, name: str, value: Any) -> None:
+        self.store.put_state(name, value)
+
+    async def add_counts(self, inc: dict[str, float], put: dict[str, float] | None = None) -> None:
+        counts = self.store.get_state(METRICS_STATE) or {}
+        for k, v in inc.items():
+            counts[k] = counts.get(k, 0) + v
+        counts.update(put or {})
+        self.store.put_state(METRICS_STATE, counts)
+
+    async def counts(self) -> dict[str, float]:
+        return dict(self.store.get_state(METRICS_STATE) or {})
+
+    async def claim(self, name: str, holder: str, ttl_s: float) -> bool:
+        t = time.monotonic()
+        cur = self.claims.get(name)
+        if cur is not None and cur[0] != holder and cur[1] > t:
+            return False
+        self.claims[name] = (holder, t + ttl_s)
+        return True
 
     async def flush(self) -> None:
         self.flush_access()

@@ -35,6 +35,7 @@ from typing import Any
 from kvfs.datadir import DirLock
 from kvfs.errors import InvalidArgument
 from kvfs.layout import Layout, decode_layout, encode_layout
+from kvfs.meta.index import METRICS_STATE
 from kvfs.meta.store import MetaStore
 
 MARK = "migrated_from"  # the target's state entry recording a migration's progress
@@ -154,7 +155,13 @@ class _Redis:
         return await self.existing_cluster_id() or await self.store.cluster_id()
 
     async def header(self) -> tuple[list[tuple[int, str, int, int]], list[tuple[int, int, float]], dict[str, Any]]:
-        return await self.store.servers(), await self.store.dead_rows(), await self.store.all_state()
+        """As SQLite's: GC's counters (a hash of their own here) as the state entry
+        ``metrics``."""
+        state = await self.store.all_state()
+        counts = await self.store.counts()
+        if counts:
+            state[METRICS_STATE] = counts
+        return await self.store.servers(), await self.store.dead_rows(), state
 
     async def rows(self, batch: int, after: bytes | None) -> AsyncIterator[list[Row]]:
         """Every key, paged through the LRU index (its scores are the last accesses)."""
@@ -197,6 +204,10 @@ class _Redis:
                 raise MigrationRefused(f"{self.name}: could not mark retired chunks "
                                        f"{sorted(set(chunks) - done)[:10]} dead (another GC holds the "
                                        "retire lock, or keys there use them); run again")
+        state = dict(state)
+        counts = state.pop(METRICS_STATE, None)
+        if counts:  # where this store's GC reads them (a state entry, it restarted at 0)
+            await self.store.add_counts({}, put=counts)
         for name, value in state.items():
             await self.store.put_state(name, value)
 

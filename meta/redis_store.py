@@ -45,6 +45,12 @@ A slot that moves (failover, resharding) makes a script fail on its first touch 
 bucket, before it wrote anything (Redis never rolls a script back); the store re-reads
 the slot map and sends those buckets again, once, then answers ``Unavailable``.
 
+Every network step (a pipeline to one node, a command, a read of the slot map) is bounded
+by ``timeout_s`` (meta's ``--store-timeout``); redis-py retries only a connection the
+server closed, once.  A master that stops answering (hung, partitioned) makes a call
+fail as ``Unavailable`` after a few steps, never wait on it.  (redis-py's own retries
+and re-reads of the slot map took a minute per call on a stopped master.)
+
 Time
 ----
 Layouts do not get a Redis expiry: a key Redis dropped by itself would keep its chunk
@@ -80,6 +86,8 @@ import crc32c
 import msgpack
 from redis.asyncio import Redis
 from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
 from redis.exceptions import (
     AskError,
@@ -104,6 +112,9 @@ T = TypeVar("T")
 URL_SCHEME = "redis-cluster://"
 DEFAULT_BUCKETS = 256
 RETIRE_LOCK_MS = 30_000
+SCAN_MIN_COUNT = 64  # HSCAN's COUNT hint per bucket and round of scan()
+CLOSE_TIMEOUT_S = 5.0  # close(): each connection's close, and the last access-time flush
+DEFAULT_TIMEOUT_S = 5.0  # one network step: a pipeline to a node, a command, a slot-map read
 
 # --- Lua ----------------------------------------------------------------------------------
 # The value prefix: "EXPIRES;CID:N,CID:N|". Numbers stay strings in Lua (chunk ids exceed
@@ -325,6 +336,14 @@ end
 return 0
 """
 
+# KEYS: the lease.  ARGV: holder, ttl ms.  Taken (1) if free or already this holder's.
+_LUA_CLAIM = """
+local cur = redis.call('GET', KEYS[1])
+if cur and cur ~= ARGV[1] then return 0 end
+redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+return 1
+"""
+
 # ARGV: groups of keys.  Ends their leases; returns how many there were.
 _LUA_UNLEASE = _SHEBANG + _LUA_GROUPS + """
 local n = 0
@@ -406,11 +425,15 @@ class RedisMetaStore:
     """``url``: ``redis-cluster://h:p,...``; ``namespace`` separates several stores on one
     cluster; ``buckets`` is used when the store is created (an existing one keeps its own)."""
 
-    def __init__(self, url: str, *, namespace: str = "kvfs", buckets: int = DEFAULT_BUCKETS) -> None:
+    def __init__(self, url: str, *, namespace: str = "kvfs", buckets: int = DEFAULT_BUCKETS,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         if not namespace or not namespace.replace("_", "").replace("-", "").isalnum():
             raise InvalidArgument(f"redis namespace must be letters, digits, - or _, got {namespace!r:.80}")
         if not 1 <= buckets <= 65536:
             raise InvalidArgument(f"buckets must be 1..65536, got {buckets}")
+        if not 0 < timeout_s <= 3600:
+            raise InvalidArgument(f"redis timeout (--store-timeout) must be in (0, 3600] seconds, got {timeout_s!r}")
+        self.timeout_s = timeout_s
         self.nodes = parse_url(url)
         self.ns = namespace
         self.buckets = buckets
@@ -418,7 +441,8 @@ class RedisMetaStore:
         self._access: dict[bytes, float] = {}
         g = "{" + namespace + "}"
         self._g = {n: (g + n).encode() for n in
-                   ("cluster", "buckets", "servers", "seen", "state", "dead", "retire_lock")}
+                   ("cluster", "buckets", "servers", "seen", "state", "dead", "retire_lock",
+                    "counts", "claim:")}
         self._tags: builtins.list[bytes] = []
         self._slots: builtins.list[int] = []
         self._clients: dict[str, Redis] = {}  # one plain client per node (see _execute)
@@ -434,9 +458,9 @@ class RedisMetaStore:
 
     async def open(self) -> None:
         r = RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in self.nodes],
-                         decode_responses=False)
+                         decode_responses=False, **self._conn_opts())
         try:
-            await r.initialize()
+            await self._bounded(r.initialize())
         except (*_DOWN, RedisClusterException, OSError) as exc:
             await r.aclose()
             nodes = ",".join(f"{h}:{p}" for h, p in self.nodes)
@@ -448,16 +472,52 @@ class RedisMetaStore:
         self._slots = [key_slot(t) for t in self._tags]
 
     async def close(self) -> None:
+        """Write the buffered access times, then close every connection, each step bounded
+        by ``CLOSE_TIMEOUT_S`` (redis-py waits for a closing socket without a timeout; a
+        test cluster's stop over Redis stalled in a few suite runs, where exactly not found:
+        a timer here bounds it)."""
         if self._r is not None:
-            await self.flush_access()
-            for c in self._clients.values():
-                await c.aclose()
-            self._clients.clear()
-            await self._r.aclose()
+            r = self._r
+            try:
+                async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                    await self.flush_access()
+            except (TimeoutError, Unavailable):
+                pass  # access times are a hint (LRU): lose them rather than hang
             self._r = None
+            closing: builtins.list[Any] = [*self._clients.values(), r]
+            for c in closing:
+                with contextlib.suppress(TimeoutError, *_DOWN, OSError):
+                    async with asyncio.timeout(CLOSE_TIMEOUT_S):
+                        await c.aclose()
+            self._clients.clear()
 
     def _pipe(self) -> _Pipe:
         return _Pipe(self)
+
+    def _conn_opts(self) -> dict[str, Any]:
+        """Every connection's timeouts; inside redis-py one retry, at once, and only of a
+        connection the server closed (a pooled one to a node that restarted), never of a
+        timeout: the store sends a moved bucket again itself, and anything else is the
+        caller's ``Unavailable``.  (No retry at all failed the first call after a local
+        cluster's restart: tests/test_up.py.)"""
+        return {"socket_timeout": self.timeout_s, "socket_connect_timeout": self.timeout_s,
+                "retry": Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))}
+
+    async def _bounded(self, aw: Awaitable[T]) -> T:
+        """One network step, at most ``timeout_s``: past it, redis-py's ``TimeoutError``
+        (so :class:`Unavailable` from :meth:`_run`).  The socket timeouts bound a read and
+        a connect; this bounds the rest (a slot-map read that tries node after node)."""
+        try:
+            async with asyncio.timeout(self.timeout_s):
+                return await aw
+        except TimeoutError:
+            raise RedisTimeoutError(f"no answer within {self.timeout_s:g} s") from None
+
+    async def _reread_slots(self) -> None:
+        """Read the slot map again (after a failover or a move); a failure is left to the
+        next call."""
+        with contextlib.suppress(*_DOWN, OSError):
+            await self._bounded(self.r.nodes_manager.initialize())
 
     async def _execute(self, calls: builtins.list[tuple[str, tuple[Any, ...], dict[str, Any]]],
                        ) -> builtins.list[Any]:
@@ -505,7 +565,8 @@ class RedisMetaStore:
                     continue
                 for us, r in res:
                     if isinstance(r, (MovedError, AskError, TryAgainError, ClusterDownError)) or (
-                            isinstance(r, ResponseError) and "non local key" in str(r)):
+                            isinstance(r, ResponseError) and ("non local key" in str(r)
+                                                              or "cluster is down" in str(r))):
                         moved += us
                     elif isinstance(r, Exception):
                         await self._run(_raise(r))
@@ -513,10 +574,10 @@ class RedisMetaStore:
                         out.append((us, r))
             if not moved:
                 return out
-            with contextlib.suppress(*_DOWN, OSError):
-                await nm.initialize()
+            await self._reread_slots()
             todo = moved
-        raise Unavailable("redis cluster: slots still moving (resharding?); retry")
+        raise Unavailable("redis cluster: slots still moving (failover, resharding) or the "
+                          "cluster is down; retry")
 
     async def _node_pipeline(self, node: Any,
                              calls: builtins.list[tuple[str, tuple[Any, ...], dict[str, Any]]],
@@ -524,21 +585,20 @@ class RedisMetaStore:
         client = self._clients.get(node.name)
         if client is None:
             client = self._clients[node.name] = Redis(host=node.host, port=node.port,
-                                                      decode_responses=False)
+                                                      decode_responses=False, **self._conn_opts())
         p = client.pipeline(transaction=False)
         for name, args, kwargs in calls:
             getattr(p, name)(*args, **kwargs)
-        return builtins.list(await p.execute(raise_on_error=False))
+        return builtins.list(await self._bounded(p.execute(raise_on_error=False)))
 
     async def _run(self, aw: Awaitable[T]) -> T:
         """A Redis call; the cluster unreachable or failing over is :class:`Unavailable`,
         and the slot map is read again (redis-py's pipelines keep sending a dead master's
         slots to it otherwise), so the call after a failover reaches the new master."""
         try:
-            return await aw
+            return await self._bounded(aw)
         except _DOWN as exc:
-            with contextlib.suppress(*_DOWN, OSError):
-                await self.r.nodes_manager.initialize()
+            await self._reread_slots()
             raise Unavailable(f"redis cluster: {type(exc).__name__}: {exc}") from exc
 
     async def cluster_id(self, *, create: str | None = None) -> str:
@@ -663,6 +723,20 @@ class RedisMetaStore:
             await self.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease_until)
         return out
 
+    async def get(self, keys: Sequence[bytes]) -> builtins.list[Layout | None]:
+        """Stored layouts, expired ones included, recording no access (GC)."""
+        return [None if v is None else decode_value(v) for v in await self._values(keys)]
+
+    async def leases(self, keys: Sequence[bytes]) -> dict[bytes, float]:
+        """key -> lease end (meta's clock) of those of ``keys`` with a lease key left."""
+        out: dict[bytes, float] = {}
+        for _, idx, r in await self._per_bucket(keys, lambda p, b, ks: p.mget(
+                *[self._k(b, b"l" + k) for k in ks])):
+            for i, v in zip(idx, r, strict=True):
+                if v is not None:
+                    out[keys[i]] = float(v)
+        return out
+
     async def match_prefix(self, keys: Sequence[bytes], now: float,
                            lease_until: float | None = None) -> int:
         n = 0
@@ -777,14 +851,23 @@ class RedisMetaStore:
             self._k(b, b"a"), {k: acc[k] for k in ks}, xx=True))
 
     async def scan(self, batch: int = 1000) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
-        for b in range(self.buckets):
-            cur = 0
-            while True:
-                cur, got = await self._run(self.r.hscan(self._k(b, b"h"), cur, count=batch))
-                if got:
-                    yield [(k, decode_value(v)) for k, v in got.items()]
+        """Rounds of one pipelined HSCAN per unfinished bucket (one round trip per node each)."""
+        cursors = dict.fromkeys(range(self.buckets), 0)
+        while cursors:
+            order = builtins.list(cursors)
+            count = max(SCAN_MIN_COUNT, batch // len(order))
+            p = self._pipe()
+            for b in order:
+                p.hscan(self._k(b, b"h"), cursors[b], count=count)
+            rows: builtins.list[tuple[bytes, Layout]] = []
+            for b, (cur, got) in zip(order, await self._run(p.execute()), strict=True):
+                rows += [(k, decode_value(v)) for k, v in got.items()]
                 if cur == 0:
-                    break
+                    del cursors[b]
+                else:
+                    cursors[b] = cur
+            if rows:
+                yield rows
 
     async def count(self) -> int:
         return sum(int(r) for _, r in await self._per_node(_LUA_COUNT, (), self._all_buckets(), 1))
@@ -924,6 +1007,35 @@ class RedisMetaStore:
         """server_id -> wall-clock time of its last heartbeat to any meta process."""
         got = await self._run(self.r.hgetall(self._g["seen"]))
         return {int(sid): float(t) for sid, t in got.items()}
+
+    async def delete_server(self, server_id: int) -> None:
+        p = self._pipe()
+        p.hdel(self._g["servers"], str(server_id))
+        p.hdel(self._g["seen"], str(server_id))
+        await self._run(p.execute())
+
+    async def add_counts(self, inc: dict[str, float], put: dict[str, float] | None = None) -> None:
+        """GC's counters: one hash, HINCRBYFLOAT (several metas add to it at once)."""
+        p = self._pipe()
+        for k, v in inc.items():
+            p.hincrbyfloat(self._g["counts"], k, v)
+        if put:
+            p.hset(self._g["counts"], mapping={k: _num(v) for k, v in put.items()})
+        await self._run(p.execute())
+
+    async def counts(self) -> dict[str, float]:
+        got = await self._run(self.r.hgetall(self._g["counts"]))
+        out: dict[str, float] = {}
+        for k, v in got.items():
+            x = float(v)
+            out[k.decode()] = int(x) if x.is_integer() else x  # counts print as integers
+        return out
+
+    async def claim(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Take or renew the lease ``name`` for ``holder`` (a key with a Redis expiry)."""
+        key = self._g["claim:"] + name.encode()
+        return bool(await self._run(self.r.eval(_LUA_CLAIM, 1, key, holder,
+                                                str(max(1, math.ceil(ttl_s * 1000))))))
 
     async def get_state(self, name: str) -> Any:
         v = await self._run(self.r.hget(self._g["state"], name))

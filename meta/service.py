@@ -3,8 +3,8 @@
 The index is :class:`MetaIndex` (every key in memory over SQLite, the default) or, with
 ``--store redis-cluster://...``, :class:`SharedIndex` (no key in this process; several
 metas serve one store).  The GC's handlers live in the :class:`MetaGc` component,
-handed the same :class:`MetaIndex`; one :class:`RpcServer` dispatches to both (a shared
-index has no GC yet: :mod:`kvfs.meta.shared_index`).  The index's invariants are in
+handed the same index (both are a :class:`kvfs.meta.storeapi.GcIndex`); one
+:class:`RpcServer` dispatches to both.  The index's invariants are in
 :mod:`kvfs.meta.index`.
 """
 
@@ -52,7 +52,6 @@ class MetaService:
         raise_nofile_limit()
         self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
         self.index: MetaIndex | SharedIndex
-        self.gc: MetaGc | None = None
         if config.store is None:
             create_private_file(config.data / "meta.sqlite3")  # SQLite's -wal/-shm copy its mode
             self.store = MetaStore(config.data / "meta.sqlite3",
@@ -60,16 +59,16 @@ class MetaService:
             self.cluster_id = self.store.cluster_id()
             self.index = MetaIndex(config, self.store, clock)
             self.index.load()
-            self.gc = MetaGc(self.index)
         else:  # opened by start(): the store is async; redis is an optional extra
             from kvfs.meta.redis_store import RedisMetaStore
             from kvfs.meta.shared_index import SharedIndex
 
-            self.index = SharedIndex(config, RedisMetaStore(config.store, namespace=config.store_namespace),
-                                     clock)
+            store = RedisMetaStore(config.store, namespace=config.store_namespace,
+                                   timeout_s=config.store_timeout_s)
+            self.index = SharedIndex(config, store, clock)
             self.cluster_id = ""
-        self.rpc = RpcServer([self] if self.gc is None else [self, self.gc], Service.META,
-                             self.tokens, config)
+        self.gc = MetaGc(self.index)
+        self.rpc = RpcServer([self, self.gc], Service.META, self.tokens, config)
         self._bg: list[asyncio.Task[None]] = []
 
     # lifecycle ---------------------------------------------------------------
@@ -80,11 +79,11 @@ class MetaService:
             await self.index.open()
             self.cluster_id = await self.index.store.cluster_id()
             self._bg.append(loop.create_task(self._refresh_loop()))
+        await self.gc.refresh()
         host, port = await self.rpc.start(host, port)
         self._bg.append(loop.create_task(self._flush_loop()))
         addr = f"kvfs://{host}:{port}"
-        if self.gc is not None:
-            self.gc.home = (addr, self.tokens[Role.ADMIN])
+        self.gc.home = (addr, self.tokens[Role.ADMIN])
         return addr
 
     async def close(self) -> None:
@@ -108,6 +107,7 @@ class MetaService:
             await asyncio.sleep(self.config.registry_refresh_s)
             with contextlib.suppress(Unavailable):
                 await self.index.refresh()
+                await self.gc.refresh()  # decommissions started through another meta
 
     # client RPCs -------------------------------------------------------------
     async def rpc_ping(self, req: rpc.Ping, payload: memoryview) -> Reply:
@@ -173,17 +173,14 @@ class MetaService:
         return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
 
     def _check_commit(self, staged: Sequence[tuple[bytes, Layout]]) -> None:
-        """Every layout names registered chunkservers and no retired chunk (run by the index
-        in the step that writes the commit)."""
+        """Every layout names registered chunkservers (run by the index in the step that
+        writes the commit, where it also refuses a retired chunk: StaleLayout)."""
         servers = self.index.servers
         for key, lay in staged:
             for e in lay.extents:
                 for r in e.replicas:
                     if r.server_id not in servers:
                         raise InvalidArgument(f"layout for {key[:64]!r} names unknown chunkserver {r.server_id}")
-            if self.gc is not None and not self.gc.check_not_dead(lay):
-                raise StaleLayout(f"layout for {key[:64]!r} names a chunk garbage collection already "
-                                  "reclaimed (the put took longer than the GC grace period); retry the put")
 
     async def rpc_delete(self, req: rpc.Delete, payload: memoryview) -> Reply:
         """Tombstones (where the client wrote them) are checked like a commit's layouts;
@@ -205,7 +202,8 @@ class MetaService:
                         raise InvalidArgument(f"tombstone of {key[:64]!r} names unknown chunkserver "
                                               f"{r.server_id}")
                 lay = tomb_layout(reps, now)
-                if self.gc is not None and not self.gc.check_not_dead(lay):
+                # (only SQLite's index keeps tombstones: the Redis store drops them)
+                if isinstance(self.index, MetaIndex) and self.index.dead_in(lay) is not None:
                     raise StaleLayout(f"tombstone of {key[:64]!r} is in a chunk garbage collection "
                                       "already reclaimed (the delete took longer than the GC grace "
                                       "period); retry the delete")
@@ -241,8 +239,7 @@ class MetaService:
             bytes=nbytes,
             servers=servers,
             time=now,
-            gc=(rpc.GcSummary(paused=True, metrics={}, last_run=None, dead_chunks=0)
-                if self.gc is None else self.gc.summary()),
+            gc=await self.gc.summary(),
         ), ()
 
     # chunkserver RPCs ----------------------------------------------------------
@@ -253,10 +250,8 @@ class MetaService:
         await ix.refresh()  # ids other metas sharing the store gave out
         if req.server_id is not None:
             sid = req.server_id
-        elif self.gc is not None:  # never give out a decommissioned server's id again
-            sid = max((*ix.servers, *self.gc.decommissioned), default=0) + 1
-        else:
-            sid = await ix.new_server_id(addr)
+        else:  # never give out a decommissioned server's id again
+            sid = await ix.new_server_id(addr, self.gc.decommissioned)
         self._check_not_decommissioned(sid)
         self._check_cluster(sid, addr, req.cluster_id, req.nchunks)
         old = ix.servers.get(sid)
@@ -307,10 +302,10 @@ class MetaService:
         return rpc.Empty(), ()
 
     def _draining(self) -> set[int]:
-        return set() if self.gc is None else self.gc.draining
+        return self.gc.draining
 
     def _check_not_decommissioned(self, sid: int) -> None:
-        if self.gc is not None and sid in self.gc.decommissioned:
+        if sid in self.gc.decommissioned:
             raise InvalidArgument(f"chunkserver {sid} was decommissioned; stop it (its chunks are "
                                   "garbage), or start it on an empty data dir to join as a new server")
 

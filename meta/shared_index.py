@@ -10,17 +10,21 @@ chunkserver reports to still knows which servers are alive: a heartbeat counts f
 any meta received it, so the meta hosts' clocks must agree to well within
 ``heartbeat_timeout_s``.
 
-What this meta does not do yet (issue 14): garbage collection.  Its GC RPCs are not
-served (``kvfs gc`` gets "unknown op" from it), so nothing expires, is evicted or
-compacted; the store's GC operations exist and are tested on their own
-(``tests/test_redis_store.py``).  ``kvfs stat`` reads every key (O(keys)).
+Garbage collection is the same :class:`kvfs.meta.gc.MetaGc` as over SQLite, working on
+this index's GC calls (:class:`kvfs.meta.storeapi.GcIndex`): each destructive one is a
+compare-and-swap in one Lua script per master, so the GCs of several metas never undo
+each other's work nor a writer's.  Their daemons take turns by a lease key in the store
+(``claim``).  A chunkserver's chunk table lives in the memory of the metas it (or a GC
+pass's usage sync) reports to.  ``kvfs stat`` and ``kvfs gc status`` read every key
+(O(keys)).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
+from typing import Any
 
 from kvfs.config import MetaConfig
 from kvfs.errors import Unavailable
@@ -39,6 +43,7 @@ class SharedIndex(ServerRegistry):
     def __init__(self, config: MetaConfig, store: RedisMetaStore, clock: Callable[[], float]) -> None:
         super().__init__(config, clock)
         self.store = store
+        self._stored: set[int] = set()  # server ids in the store at the last refresh
 
     async def open(self) -> None:
         await self.store.open()
@@ -57,11 +62,12 @@ class SharedIndex(ServerRegistry):
         await self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free, s.key)
         await self.store.put_seen(s.server_id, time.time())
 
-    async def new_server_id(self, addr: str) -> int:
-        """The next free id, claimed in the store, so two metas registering new servers at
-        once never give out the same one."""
+    async def new_server_id(self, addr: str, taken: Iterable[int] = ()) -> int:
+        """The next free id (past ``taken`` too), claimed in the store, so two metas
+        registering new servers at once never give out the same one."""
+        taken = set(taken)
         for _ in range(MAX_ID_CLAIMS):
-            sid = max(self.servers, default=0) + 1
+            sid = max((*self.servers, *taken), default=0) + 1
             if await self.store.claim_server(sid, addr):
                 return sid
             await self.refresh()  # another meta took it
@@ -72,6 +78,10 @@ class SharedIndex(ServerRegistry):
         seen = await self.store.seen()
         keys = await self.store.server_keys()
         wall, mono = time.time(), time.monotonic()
+        stored = {r[0] for r in rows}
+        for sid in self._stored - stored:  # forgotten (decommissioned) through another meta
+            self.servers.pop(sid, None)
+        self._stored = stored
         for sid, addr, capacity, free in rows:
             s = self.servers.get(sid)
             if s is None:
@@ -140,8 +150,9 @@ class SharedIndex(ServerRegistry):
         return [rest[j] for j in present]
 
     async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
-        """``tombstones`` are not kept: nothing compacts or deletes chunks here yet (no GC),
-        so every tombstone stays on its chunkserver (:mod:`kvfs.meta.tombstones`)."""
+        """``tombstones`` are not kept (:mod:`kvfs.meta.tombstones` is SQLite's): GC may
+        reclaim a tombstone's chunk before an older record of the key; a meta on Redis is
+        never rebuilt from chunk records, which is what tombstones protect."""
         return len(await self.store.delete(keys))
 
     async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
@@ -153,8 +164,95 @@ class SharedIndex(ServerRegistry):
                         limit: int) -> list[tuple[bytes, Layout]]:
         return await self.store.list(prefix, start_after, limit)
 
-    async def live_bytes(self) -> dict[int, int]:
-        return await self.store.chunk_live()
+    async def live_bytes(self, chunks: Sequence[int] | None = None) -> dict[int, int]:
+        return await self.store.chunk_live(chunks)
+
+    async def peek(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
+        return await self.store.peek(keys, now)
+
+    # GC's operations (storeapi.GcIndex) ------------------------------------------------
+    async def scan(self, batch: int = 10_000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        async for rows in self.store.scan(batch):
+            yield rows
+
+    async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        """Least recently used first, by the access times in the store: this meta's buffered
+        ones are written first; another meta's reach it within its ``access_flush_interval_s``
+        (until then a key it served counts as read when it last flushed)."""
+        await self.store.flush_access()
+        after: tuple[float, bytes] | None = None
+        while True:
+            page = await self.store.lru(batch, after)
+            if not page:
+                return
+            after = (page[-1][1], page[-1][0])
+            keys = [k for k, _ in page]
+            yield [(k, lay) for k, lay in zip(keys, await self.store.get(keys), strict=True)
+                   if lay is not None]
+            if len(page) < batch:
+                return
+
+    async def layouts(self, keys: Sequence[bytes]) -> list[Layout | None]:
+        return await self.store.get(keys)
+
+    async def leased(self, keys: Sequence[bytes], now: float) -> set[bytes]:
+        return {k for k, until in (await self.store.leases(keys)).items() if until > now}
+
+    async def expire(self, now: float, limit: int) -> tuple[list[tuple[bytes, Layout]], bool]:
+        keys = await self.store.expired(now, limit)
+        return await self.store.remove_expired(keys, now), len(keys) == limit
+
+    async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> list[tuple[bytes, Layout]]:
+        # an expired key's lease keeps nothing: evict it as if unleased
+        expired = [(k, lay) for k, lay in victims if lay.expired(now)]
+        rest = [(k, lay) for k, lay in victims if not lay.expired(now)]
+        out = await self.store.evict(expired, LEASES_IGNORED) if expired else []
+        return out + (await self.store.evict(rest, now) if rest else [])
+
+    async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> list[bool]:
+        return await self.store.switch(rows) if rows else []
+
+    async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> list[int]:
+        return await self.store.retire(server_id, chunks, now)
+
+    async def dead_chunks(self) -> dict[int, float]:
+        return await self.store.dead_chunks()
+
+    async def delete_server(self, server_id: int) -> None:
+        self.servers.pop(server_id, None)
+        await self.store.delete_server(server_id)
+
+    # tombstones: the Redis store keeps none (a rebuild from chunk records is SQLite's)
+    async def tombstone_refs(self, chunks: Collection[int]) -> tuple[list[tuple[int, bytes, int]], int]:
+        return [], 0
+
+    async def tombstoned(self, keys: Iterable[bytes]) -> set[bytes]:
+        return set()
+
+    async def relocate_tombstones(self, sid: int, new_chunk: int,
+                                  by_key: dict[bytes, dict[tuple[int, int], int]]) -> tuple[set[bytes], int]:
+        return set(), 0
+
+    async def raise_horizons(self, copies: Iterable[tuple[bytes, int]]) -> None:
+        pass
+
+    async def drop_passed(self) -> int:
+        return 0
+
+    async def get_state(self, name: str) -> Any:
+        return await self.store.get_state(name)
+
+    async def put_state(self, name: str, value: Any) -> None:
+        await self.store.put_state(name, value)
+
+    async def add_counts(self, inc: dict[str, float], put: dict[str, float] | None = None) -> None:
+        await self.store.add_counts(inc, put)
+
+    async def counts(self) -> dict[str, float]:
+        return await self.store.counts()
+
+    async def claim(self, name: str, holder: str, ttl_s: float) -> bool:
+        return await self.store.claim(name, holder, ttl_s)
 
     async def key_stats(self, now: float) -> tuple[int, int, int]:
         live = stored = nbytes = 0

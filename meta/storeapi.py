@@ -15,10 +15,14 @@ what holds per key rather than per batch).
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 from kvfs.layout import Layout
+
+if TYPE_CHECKING:
+    from kvfs.config import MetaConfig
+    from kvfs.meta.index import ServerInfo
 
 
 class MetaStore(Protocol):
@@ -55,6 +59,12 @@ class MetaStore(Protocol):
 
     async def release(self, keys: Sequence[bytes]) -> int:
         """End keys' leases; returns how many had one."""
+
+    async def get(self, keys: Sequence[bytes]) -> list[Layout | None]:
+        """Stored layouts, expired ones included, recording no access (GC)."""
+
+    async def leases(self, keys: Sequence[bytes]) -> dict[bytes, float]:
+        """key -> lease end of those of ``keys`` that hold one (it may have passed)."""
 
     async def match_prefix(self, keys: Sequence[bytes], now: float,
                            lease_until: float | None = None) -> int:
@@ -125,9 +135,107 @@ class MetaStore(Protocol):
     async def seen(self) -> dict[int, float]:
         """server_id -> last heartbeat to any meta process sharing this store."""
 
+    async def delete_server(self, server_id: int) -> None: ...
+
     async def get_state(self, name: str) -> Any: ...
 
     async def put_state(self, name: str, value: Any) -> None: ...
 
+    async def add_counts(self, inc: dict[str, float], put: dict[str, float] | None = None) -> None:
+        """Add to GC's counters (set those in ``put``); several metas add at once."""
+
+    async def counts(self) -> dict[str, float]: ...
+
+    async def claim(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Take or renew a lease for ``holder`` unless another holds it (expires by itself)."""
+
     async def count(self) -> int:
         """Keys stored (expired ones included)."""
+
+
+class GcIndex(Protocol):
+    """What meta's GC (:class:`kvfs.meta.gc.MetaGc`) works on: an index of keys with the
+    chunkserver registry beside it.  Two implement it, so there is one GC for both
+    backends: :class:`kvfs.meta.index.MetaIndex` (every key in memory over SQLite, each
+    call one event-loop step) and :class:`kvfs.meta.shared_index.SharedIndex` (a shared
+    :class:`MetaStore`, Redis Cluster: each call one Lua script per involved master).
+    Every destructive call is a compare-and-swap, so several GCs, in one meta or in
+    several metas sharing a store, never undo each other's or a writer's change."""
+
+    servers: dict[int, ServerInfo]
+    config: MetaConfig
+
+    def clock(self) -> float: ...
+
+    def alive(self, s: ServerInfo) -> bool: ...
+
+    def gone_servers(self) -> set[int]: ...
+
+    def used(self, s: ServerInfo) -> int: ...
+
+    async def refresh(self) -> None: ...
+
+    def scan(self, batch: int = 10_000) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
+        """Every stored key with its layout (expired ones included), in batches."""
+
+    def lru_order(self, batch: int = 1000) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
+        """Every key with its layout, least recently used first, in batches."""
+
+    async def layouts(self, keys: Sequence[bytes]) -> builtins.list[Layout | None]:
+        """Stored layouts (expired ones included), recording no access."""
+
+    async def peek(self, keys: Sequence[bytes], now: float) -> builtins.list[Layout | None]: ...
+
+    async def leased(self, keys: Sequence[bytes], now: float) -> set[bytes]:
+        """Those of ``keys`` under a lease past ``now``."""
+
+    async def expire(self, now: float, limit: int) -> tuple[builtins.list[tuple[bytes, Layout]], bool]:
+        """Remove up to ``limit`` keys expired at ``now``: (the removed ones, more may be left)."""
+
+    async def evict(self, victims: Sequence[tuple[bytes, Layout]],
+                    now: float) -> builtins.list[tuple[bytes, Layout]]:
+        """Remove each victim still with that layout and no lease past ``now`` (or expired)."""
+
+    async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
+        """Remove each key that still has the given layout, leased or not."""
+
+    async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> builtins.list[bool]:
+        """(key, expected, new): replaced where the key still has ``expected`` and ``new``
+        names no retired chunk."""
+
+    async def live_bytes(self, chunks: Sequence[int] | None = None) -> dict[int, int]: ...
+
+    async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> builtins.list[int]:
+        """Mark dead those of ``chunks`` no layout references; the dead ones of ``chunks``."""
+
+    async def dead_chunks(self) -> dict[int, float]: ...
+
+    async def delete_server(self, server_id: int) -> None: ...
+
+    # the tombstones of deleted keys an index keeps (kvfs.meta.tombstones; SQLite only)
+    async def tombstone_refs(self, chunks: Collection[int]) -> tuple[builtins.list[tuple[int, bytes, int]], int]:
+        """(chunk, key, offset) of kept tombstones in ``chunks``; how many were forgotten."""
+
+    async def tombstoned(self, keys: Iterable[bytes]) -> set[bytes]: ...
+
+    async def relocate_tombstones(self, sid: int, new_chunk: int, by_key: dict[bytes, dict[tuple[int, int], int]],
+                                  ) -> tuple[set[bytes], int]:
+        """Move copied tombstones (GC_RELOCATE): (keys handled, replicas moved)."""
+
+    async def raise_horizons(self, copies: Iterable[tuple[bytes, int]]) -> None: ...
+
+    async def drop_passed(self) -> int:
+        """Forget tombstones no older record can outlive any more; how many."""
+
+    async def get_state(self, name: str) -> Any: ...
+
+    async def put_state(self, name: str, value: Any) -> None: ...
+
+    async def add_counts(self, inc: dict[str, float], put: dict[str, float] | None = None) -> None:
+        """Add to GC's counters (and set those in ``put``), atomically against other metas."""
+
+    async def counts(self) -> dict[str, float]: ...
+
+    async def claim(self, name: str, holder: str, ttl_s: float) -> bool:
+        """Take (or renew) the lease ``name`` for ``holder`` for ``ttl_s`` unless another
+        holder has it: the GC daemons of the metas sharing a store run one at a time."""

@@ -36,8 +36,8 @@ database"); a tombstone's copy on a chunkserver that is lost or drained is not c
 elsewhere; a GC killed between a compaction's copy and its GC_RELOCATE, while a key it
 copied was deleted, leaves that copy in an unreferenced chunk the next pass deletes (a
 rebuild in between, after the tombstone went, would bring the key's last value back).
-With ``--store redis-cluster://`` meta keeps none: it runs no GC yet, so nothing drops
-a tombstone there.
+With ``--store redis-cluster://`` meta keeps none (its GC reclaims a tombstone's chunk
+like any other): a meta on Redis is never rebuilt from chunk records.
 
 Cost per deleted key, until its tombstone is dropped: ``56 + len(key)`` bytes on each
 of ``replicas`` chunkservers, one row in meta's store (key, layout, horizon: about

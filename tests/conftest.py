@@ -20,7 +20,7 @@ from kvfs._loop import new_event_loop
 from kvfs.address import parse_addr
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig, TlsConfig
-from kvfs.launcher import LocalCluster, ProcessCluster
+from kvfs.launcher import LocalCluster, ProcessCluster, ServiceProcess
 from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
 from kvfs.rpc import Op
 from kvfs.server import RpcServer
@@ -166,9 +166,72 @@ if all(importlib.util.find_spec(m) is None for m in ("sglang", "lmcache")):  # o
     collect_ignore_glob.append("engines/test_mount_backends.py")
 
 
+def guarded_loop() -> asyncio.AbstractEventLoop:
+    """uvloop (as the services run), whose ``close()`` fails on child processes still running.
+
+    uvloop's ``close()`` waits for every child started on the loop (``create_subprocess_exec``)
+    to exit, and a kvfs service exits only with its parent: a test that left a
+    :class:`ServiceProcess` running stalled its own teardown forever, in C, where
+    pytest-timeout's signal never reaches Python (test_meta_shared's two-metas GC test, after
+    a merge dropped its ``stop()`` calls).  Here every child's transport is closed first (a
+    running child gets SIGKILL), and the close raises naming those that were still running:
+    an error in that test's teardown, not a hang."""
+    import uvloop
+
+    class Loop(uvloop.Loop):
+        def __init__(self) -> None:
+            super().__init__()
+            self.children: list[asyncio.SubprocessTransport] = []
+
+        async def subprocess_exec(self, *args: Any, **kwargs: Any) -> Any:
+            transport, protocol = await super().subprocess_exec(*args, **kwargs)
+            self.children.append(transport)
+            return transport, protocol
+
+        async def _reaped(self, timeout_s: float = 30.0) -> None:
+            """Until the loop has seen every child exit, and run their pipes' close callbacks."""
+            async with asyncio.timeout(timeout_s):
+                while any(t.get_returncode() is None for t in self.children):
+                    await asyncio.sleep(0.01)
+                for _ in range(3):
+                    await asyncio.sleep(0)
+
+        def close(self) -> None:
+            left = [f"pid {pid} ({_cmdline(pid)})" for pid in
+                    (t.get_pid() for t in self.children) if _running(pid)]
+            if not self.is_closed() and not self.is_running():
+                for t in self.children:
+                    t.close()  # SIGKILL if the loop has not seen it exit; its pipes closed
+                self.run_until_complete(self._reaped())
+            self.children.clear()
+            super().close()
+            if left:
+                raise RuntimeError("the test left child processes running (killed now; stop "
+                                   "every ServiceProcess / ProcessCluster it starts): "
+                                   + "; ".join(left))
+
+    return Loop()
+
+
+def _running(pid: int) -> bool:
+    """``pid`` exists and has not exited (a zombie exited: the loop reaps it on close)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")[:200]
+    except OSError:
+        return "?"
+
+
 def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> dict[str, object]:
-    """Every async test runs on uvloop, as the services do."""
-    return {"uvloop": new_event_loop}
+    """Every async test runs on uvloop, as the services do (:func:`guarded_loop`)."""
+    return {"uvloop": guarded_loop}
 
 
 @pytest.fixture
@@ -291,7 +354,7 @@ def mount(tcluster: ThreadCluster, tmp_path_factory: pytest.TempPathFactory) -> 
         m.cleanup()
 
 
-__all__ = ["FakeClock", "Hold", "ThreadCluster", "hold", "new_event_loop", "value_of"]
+__all__ = ["FakeClock", "Hold", "ThreadCluster", "guarded_loop", "hold", "new_event_loop", "value_of"]
 
 
 @pytest.fixture(scope="session")
@@ -306,6 +369,39 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
         pytest.skip("redis-server is not installed (apt-get install redis-server)")
     with LocalRedisCluster(tmp_path_factory.mktemp("redis")) as rc:
         yield rc
+
+
+@pytest.fixture(params=["sqlite", pytest.param("redis", marks=[pytest.mark.redis, pytest.mark.meta_redis])])
+def meta_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test over each meta backend: SQLite (the default), and Redis Cluster, where every
+    :class:`LocalCluster` or :class:`ProcessCluster` the test starts puts its meta on the
+    session's Redis Cluster, in a namespace of its own (kept across that cluster's meta
+    restarts).  A module opts in with ``pytestmark = pytest.mark.usefixtures("meta_backend")``;
+    the Redis half is marker ``meta_redis`` (not in the default run: .ci/run runs it)."""
+    if request.param == "sqlite":
+        return "sqlite"
+    from dataclasses import replace
+
+    rc: LocalRedisCluster = request.getfixturevalue("redis_cluster")
+    start_meta = LocalCluster.start_meta
+
+    async def on_redis(self: LocalCluster) -> str:
+        if self.meta_config.store is None:
+            self.meta_config = replace(self.meta_config, store=rc.url,
+                                       store_namespace="c" + uuid.uuid4().hex[:12])
+        return await start_meta(self)
+
+    meta_process = ProcessCluster._meta_process
+
+    def process_on_redis(self: ProcessCluster, listen: str) -> ServiceProcess:
+        if "--store" not in self.meta_args:
+            self.meta_args = (*self.meta_args, "--store", rc.url,
+                              "--store-namespace", "p" + uuid.uuid4().hex[:12])
+        return meta_process(self, listen)
+
+    monkeypatch.setattr(LocalCluster, "start_meta", on_redis)
+    monkeypatch.setattr(ProcessCluster, "_meta_process", process_on_redis)
+    return "redis"
 
 
 @pytest.fixture

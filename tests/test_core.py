@@ -15,6 +15,9 @@ from kvfs.errors import InvalidArgument
 from kvfs.launcher import LocalCluster
 from kvfs.layout import MAX_KEY_BYTES
 
+# the tests that exercise meta run over both meta backends; the data-path ones over SQLite only
+both_backends = pytest.mark.usefixtures("meta_backend")
+
 
 async def test_20mib_value_is_striped_over_servers(kv: AsyncClient) -> None:
     big = os.urandom(20 << 20)
@@ -27,6 +30,7 @@ async def test_20mib_value_is_striped_over_servers(kv: AsyncClient) -> None:
     assert await kv.get(b"big") == big
 
 
+@both_backends
 async def test_10k_small_keys(kv: AsyncClient) -> None:
     items = {f"blk/{i:05d}".encode(): os.urandom(64 + i % 200) for i in range(10_000)}
     await kv.put_many(items)
@@ -39,6 +43,7 @@ async def test_10k_small_keys(kv: AsyncClient) -> None:
     assert r0.chunk_id == r1.chunk_id and r0.offset < r1.offset
 
 
+@both_backends
 async def test_match_prefix_stops_at_first_missing(kv: AsyncClient) -> None:
     chain = [f"h{i}".encode() for i in range(10)]
     await kv.put_many({k: b"x" * 100 for i, k in enumerate(chain) if i != 7})
@@ -47,6 +52,7 @@ async def test_match_prefix_stops_at_first_missing(kv: AsyncClient) -> None:
     assert await kv.exists_many([chain[0], chain[7], chain[9]]) == [True, False, True]
 
 
+@both_backends
 async def test_get_many_with_misses_and_empty_value(kv: AsyncClient) -> None:
     await kv.put_many([(b"a", b"1"), ("b", b""), (b"c", bytearray(b"333"))])
     assert await kv.get_many([b"a", b"b", b"nope", "c"]) == [b"1", b"", None, b"333"]
@@ -90,6 +96,7 @@ async def test_scatter_gather_per_key(kv: AsyncClient, size: int) -> None:
         [kvfs.TOO_SMALL] if size else [0])
 
 
+@both_backends
 async def test_get_into_one_unreadable_key_fails_alone(cluster: LocalCluster,
                                                        kv: AsyncClient) -> None:
     await kv.put_many({b"a": os.urandom(5000)})
@@ -112,6 +119,7 @@ async def test_get_into_one_unreadable_key_fails_alone(cluster: LocalCluster,
     assert bytes(bufs[0]) == await kv.get(b"a")
 
 
+@both_backends
 async def test_overwrite_and_delete(kv: AsyncClient) -> None:
     await kv.put(b"k", b"old")
     await kv.put(b"k", b"new")
@@ -120,6 +128,7 @@ async def test_overwrite_and_delete(kv: AsyncClient) -> None:
     assert await kv.get(b"k") is None
 
 
+@both_backends
 async def test_list_is_paginated_and_sorted(kv: AsyncClient) -> None:
     await kv.put_many({f"p/{i:04d}".encode(): b"v" for i in range(2500)})
     await kv.put(b"q/other", b"v")
@@ -128,6 +137,7 @@ async def test_list_is_paginated_and_sorted(kv: AsyncClient) -> None:
     assert (await kv.list("p/", limit=3))[2].key == b"p/0002"
 
 
+@both_backends
 async def test_ttl_expires_via_clock(kv: AsyncClient, clock: object) -> None:
     await kv.put(b"short", b"v", ttl=10)
     await kv.put(b"long", b"v")
@@ -138,6 +148,7 @@ async def test_ttl_expires_via_clock(kv: AsyncClient, clock: object) -> None:
     assert await kv.match_prefix([b"long", b"short"]) == 1
 
 
+@both_backends
 async def test_replicas_survive_a_lost_server(cluster: LocalCluster, kv: AsyncClient) -> None:
     data = os.urandom(3 << 20)
     await kv.put(b"r", data, replicas=2)
@@ -149,6 +160,7 @@ async def test_replicas_survive_a_lost_server(cluster: LocalCluster, kv: AsyncCl
     assert await kv.get(b"r") == data
 
 
+@both_backends
 async def test_sync_client(cluster: LocalCluster) -> None:
     import asyncio
 
@@ -164,12 +176,14 @@ async def test_sync_client(cluster: LocalCluster) -> None:
     await asyncio.to_thread(work)
 
 
+@both_backends
 @pytest.mark.parametrize("key", [b"", b"k" * (MAX_KEY_BYTES + 1), 123])
 async def test_bad_keys(kv: AsyncClient, key: object) -> None:
     with pytest.raises(InvalidArgument, match="key"):
         await kv.put(key, b"v")  # type: ignore[arg-type]
 
 
+@both_backends
 async def test_empty_key_list_is_an_empty_answer_without_an_rpc(kv: AsyncClient) -> None:
     before = dict(kv.rpc_counts)
     assert await kv.get_many([]) == []

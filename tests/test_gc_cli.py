@@ -18,6 +18,8 @@ from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.layout import Replica
 from kvfs.rpc import Op
 
+pytestmark = pytest.mark.usefixtures("meta_backend")  # each test over SQLite and Redis
+
 
 def du(root: Path) -> int:
     return sum(os.stat(p).st_blocks * 512 for p in root.glob("cs*/chunks/*.chunk"))

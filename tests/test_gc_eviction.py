@@ -14,6 +14,8 @@ from kvfs.errors import NoSpace
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
 
+pytestmark = pytest.mark.usefixtures("meta_backend")  # each test over SQLite and Redis
+
 CAP = 1024 * 1024
 VALUE = 8 * 1024
 GC = PassOptions(apply=True, grace_s=0, high=0.9, low=0.8)

@@ -5,11 +5,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from conftest import FakeClock
 
 from kvfs.client import AsyncClient
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
+
+pytestmark = pytest.mark.usefixtures("meta_backend")  # each test over SQLite and Redis
 
 
 def du(root: Path) -> int:

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from conftest import FakeClock
 
 from kvfs.config import ChunkServerConfig
 from kvfs.gc.driver import GarbageCollector
 from kvfs.launcher import LocalCluster
+
+pytestmark = pytest.mark.usefixtures("meta_backend")  # each test over SQLite and Redis
 
 
 async def test_a_paused_gc_stays_paused_across_a_meta_restart(tmp_path: Path, clock: FakeClock) -> None:

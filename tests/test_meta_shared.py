@@ -115,6 +115,115 @@ async def test_metas_registering_at_once_give_out_distinct_ids(tmp_path: Path,
             await m.close()
 
 
+async def test_two_metas_with_gc_lose_and_duplicate_no_commit(tmp_path: Path,
+                                                            redis_cluster: LocalRedisCluster) -> None:
+    """Two metas on one store, a client and a GC daemon on each, and GC passes run through
+    the second meta while both clients overwrite, delete and expire keys: every key reads
+    back its last committed value through either meta, is listed once, every TTL key is
+    swept and counted exactly once, and fsck finds no layout pointing at reclaimed bytes.
+    The daemons take turns by the store's lease: one runs passes until it stops."""
+    from kvfs.gc.driver import GarbageCollector, PassOptions, run_daemon
+
+    ns = "g" + uuid.uuid4().hex[:10]
+    store = ("--store", redis_cluster.url, "--store-namespace", ns)
+    c = ProcessCluster(tmp_path / "c", 2, listen="127.0.0.1:0", meta_args=store,
+                       chunkserver_args=("--chunk-bytes", str(256 * 1024)))
+    await c.start()
+    meta2 = ServiceProcess("meta 2", [sys.executable, "-m", "kvfs", "meta", "--data", str(tmp_path / "meta2"),
+                                      "--listen", "127.0.0.1:0", *store], c.env)
+    opts = PassOptions(apply=True, grace_s=0.0, threshold=0.2)
+    passes = {1: 0, 2: 0}
+    stops = {1: asyncio.Event(), 2: asyncio.Event()}
+    daemons: dict[int, asyncio.Task[None]] = {}
+    try:
+        addr2 = (await meta2.start()).split()[-1]
+        addrs = {1: c.addr, 2: addr2}
+        a = AsyncClient(c.addr, token=c.token)
+        b = AsyncClient(addr2, token=c.token)
+        try:
+            deadline = time.monotonic() + 30
+            while sum(s.alive for s in await b.servers(refresh=True)) < 2:
+                assert time.monotonic() < deadline, "meta 2 never saw the chunkservers alive"
+                await asyncio.sleep(0.1)
+            for i in (1, 2):
+                daemons[i] = asyncio.create_task(run_daemon(
+                    addrs[i], c.admin_token, opts, 0.2, stops[i],
+                    on_pass=lambda _r, i=i: passes.__setitem__(i, passes[i] + 1)))
+            final: dict[str, dict[bytes, bytes]] = {"a": {}, "b": {}}
+            ttl_keys: list[bytes] = []
+
+            async def writer(kv: AsyncClient, name: str, gens: int) -> None:
+                for g in range(gens):
+                    own = [(b"%s/%03d" % (name.encode(), i), value(b"%s/%d" % (name.encode(), i), g) * 10)
+                           for i in range(40)]
+                    shared = [(b"s/%03d" % i, value(b"s%s" % name.encode(), g) * 10) for i in range(20)]
+                    await kv.put_many(own + shared)  # overwrites: the last generation becomes garbage
+                    final[name].update(own + shared)
+                    ttl = [(b"t/%s/%d/%d" % (name.encode(), g, i), b"x" * 3000) for i in range(5)]
+                    await kv.put_many(ttl, ttl=0.5)
+                    ttl_keys.extend(k for k, _ in ttl)
+
+            async def manual_passes(stop: asyncio.Event) -> int:
+                n = 0
+                async with GarbageCollector(addr2, token=c.admin_token) as gc:
+                    while not stop.is_set():
+                        await gc.run_pass(opts)
+                        n += 1
+                return n
+
+            writers_done = asyncio.Event()
+            manual = asyncio.create_task(manual_passes(writers_done))
+            await asyncio.gather(writer(a, "a", 12), writer(b, "b", 12))
+            writers_done.set()
+            assert await manual > 0
+            # deletes through one meta, of keys written through the other
+            assert await b.delete_many([b"a/000", b"a/001"]) == 2
+            for k in (b"a/000", b"a/001"):
+                del final["a"][k]
+
+            async with GarbageCollector(c.addr, token=c.admin_token) as gc:
+                deadline = time.monotonic() + 60
+                while (await gc.status())["metrics"]["keys_expired"] < len(ttl_keys):
+                    assert time.monotonic() < deadline, "the TTL keys were never swept"
+                    await asyncio.sleep(0.2)
+                ran = sorted(passes.values())
+                assert ran[0] == 0 < ran[1], passes  # one daemon ran passes, the other waited its turn
+                holder = max(passes, key=lambda i: passes[i])
+                stops[holder].set()
+                await daemons.pop(holder)
+                other = 3 - holder
+                deadline = time.monotonic() + 30
+                while passes[other] == 0:  # the stopped daemon handed its lease on
+                    assert time.monotonic() < deadline, "the other daemon never took over"
+                    await asyncio.sleep(0.1)
+                status = await gc.status()
+                fsck = await gc.fsck(cutoff_s=0.0)
+            m = status["metrics"]
+            assert m["keys_expired"] == len(ttl_keys)  # each swept once, by one of the GCs
+            assert m["chunks_deleted"] > 0 and m["bytes_reclaimed"] > 0
+            assert fsck.missing_refs == [] and fsck.corrupt_refs == []
+
+            own = {**{k: v for k, v in final["a"].items() if not k.startswith(b"s/")},
+                   **{k: v for k, v in final["b"].items() if not k.startswith(b"s/")}}
+            shared_keys = sorted(k for k in final["a"] if k.startswith(b"s/"))
+            for kv in (a, b):
+                assert await kv.get_many(list(own)) == list(own.values())
+                for k, v in zip(shared_keys, await kv.get_many(shared_keys), strict=True):
+                    assert v in (final["a"][k], final["b"][k])  # the last commit of one writer
+                assert await kv.exists_many(ttl_keys) == [False] * len(ttl_keys)
+                listed = [e.key for e in await kv.list(b"", page_size=64)]
+                assert listed == sorted({*own, *shared_keys})  # each key once
+            assert (await b.stats())["keys"] == len(own) + len(shared_keys)
+        finally:
+            await a.close()
+            await b.close()
+    finally:
+        for i, t in daemons.items():
+            stops[i].set()
+            await t
+        await meta2.stop()
+        await c.stop()
+
 async def test_clients_and_chunkservers_fail_over_between_metas(tmp_path: Path,
                                                                 redis_cluster: LocalRedisCluster) -> None:
     """Two metas on one store; a client given both (``kvfs://M1,M2``) spreads its calls over

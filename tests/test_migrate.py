@@ -13,6 +13,7 @@ import pytest
 
 from kvfs.config import MetaConfig
 from kvfs.launcher import LocalCluster
+from kvfs.meta.index import METRICS_STATE
 from kvfs.meta.migrate import MigrationRefused, migrate
 from kvfs.meta.redis_local import LocalRedisCluster
 from kvfs.meta.redis_store import RedisMetaStore
@@ -46,6 +47,8 @@ async def test_sqlite_index_moves_to_redis_and_back(tmp_path: Path, redis_cluste
     db = MetaStore(root / "meta" / "meta.sqlite3")
     db.add_dead([(987654321, 1, 1234.5)])  # a retired chunk, and some GC state
     db.put_state("paused", True)
+    metrics = {"keys_expired": 7, "passes": 3, "pass_duration_s": 1.5}  # GC's counters
+    db.put_state(METRICS_STATE, metrics)
     src_rows = {k: (b, e, a) for k, b, e, a in db.rows_after(None, 10_000)}
     db.close()
 
@@ -73,6 +76,8 @@ async def test_sqlite_index_moves_to_redis_and_back(tmp_path: Path, redis_cluste
         assert (987654321, 1, 1234.5) in await store.dead_rows()
         assert await store.get_state("paused") is True
         assert await store.cluster_id() == cid
+        assert await store.counts() == metrics  # where the GC reads them (not a state entry)
+        assert METRICS_STATE not in await store.all_state()
         # the LRU order and times are the source's
         lru = await store.lru(10_000)
         assert {k: a for k, a in lru} == {k: a for k, (_, e, a) in src_rows.items() if k not in gone}
@@ -113,6 +118,8 @@ async def test_sqlite_index_moves_to_redis_and_back(tmp_path: Path, redis_cluste
     await store.open()
     try:
         accessed = dict(await store.lru(10_000))
+        counts = await store.counts()
+        assert counts.items() >= metrics.items()
     finally:
         await store.close()
     back = tmp_path / "back"
@@ -123,6 +130,7 @@ async def test_sqlite_index_moves_to_redis_and_back(tmp_path: Path, redis_cluste
         assert {k: (b, e, a) for k, b, e, a in db.rows_after(None, 10_000)} == \
             {k: (b, e, accessed[k]) for k, (b, e, _) in src_rows.items() if k not in gone}
         assert db.cluster_id() == cid and db.get_state("paused") is True
+        assert db.get_state(METRICS_STATE) == counts
         assert (987654321, 1, 1234.5) in db.load_dead()
     finally:
         db.close()

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import time
 from pathlib import Path
 
 import pytest
 
-from kvfs.errors import InvalidArgument, StaleLayout
+from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
 from kvfs.layout import Extent, Layout, Replica
-from kvfs.meta.redis_local import LocalRedisCluster
+from kvfs.meta.redis_local import LocalRedisCluster, _command
 from kvfs.meta.redis_store import (
     RedisMetaStore,
     decode_value,
@@ -55,6 +59,57 @@ def test_url_parsing() -> None:
 def test_a_cluster_needs_three_masters(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="at least 3 masters"):
         LocalRedisCluster(tmp_path, masters=2).start()
+
+
+def test_a_bad_timeout_is_refused_by_name() -> None:
+    for bad in (0.0, -1.0, 1e9):
+        with pytest.raises(InvalidArgument, match="--store-timeout"):
+            RedisMetaStore("redis-cluster://127.0.0.1:1", timeout_s=bad)
+
+
+async def test_a_hung_master_makes_calls_unavailable_not_wait(tmp_path: Path) -> None:
+    """A master that stops answering (SIGSTOP: hung, or cut off by the network) makes each
+    call fail as ``Unavailable`` within a few store timeouts: while the other masters still
+    count it alive, and once they declare the cluster down (a script then answers "cluster
+    is down").  After SIGCONT the same store serves again.  Before the store bounded its
+    calls, redis-py's retries and slot-map reads took a minute per call on a stopped
+    master, and the second call raised a raw ``ResponseError``."""
+    with LocalRedisCluster(tmp_path) as rc:
+        store = RedisMetaStore(rc.url, namespace="hung", buckets=16, timeout_s=0.5)
+        await store.open()
+        try:
+            rows = {b"k%d" % i: lay((1, 10, i * 100)) for i in range(64)}
+            await store.commit(list(rows.items()), NOW)
+            victim, others = rc.nodes[0], rc.nodes[1:]
+            os.kill(victim.proc.pid, signal.SIGSTOP)
+            try:
+                async with asyncio.timeout(60):  # a hang guard: the property is that calls end
+                    with pytest.raises(Unavailable):
+                        await store.lookup(list(rows), NOW)
+                    while not all(b"cluster_state:fail" in (_command(n.port, b"CLUSTER", b"INFO") or b"")
+                                  for n in others):  # past cluster-node-timeout (2 s)
+                        await asyncio.sleep(0.1)
+                    nm = store.r.nodes_manager  # keys whose bucket a live master serves:
+                    live = [k for k in rows  # a script there answers "cluster is down"
+                            if nm.get_node_from_slot(store._slots[store.bucket(k)]).port != victim.port]
+                    assert live
+                    with pytest.raises(Unavailable, match="cluster is down"):
+                        await store.lookup(live, NOW)
+                    with pytest.raises(Unavailable):
+                        await store.commit([(b"new", lay((1, 11, 0)))], NOW)
+            finally:
+                os.kill(victim.proc.pid, signal.SIGCONT)
+            rc.wait_ok()
+            deadline = time.monotonic() + 60
+            while True:
+                try:
+                    assert await store.lookup(list(rows), NOW) == list(rows.values())
+                    break
+                except Unavailable:
+                    assert time.monotonic() < deadline, "the store never served again after SIGCONT"
+                    await asyncio.sleep(0.1)
+        finally:
+            await store.close()
 
 
 async def test_layouts_round_trip_across_buckets(redis_store: RedisMetaStore) -> None:

@@ -194,6 +194,36 @@ async def test_seal_needs_the_open_chunk_to_be_idle(store: ChunkStore) -> None:
     assert cid2 != cid  # a sealed chunk takes no more appends
 
 
+@pytest.mark.parametrize("step", [None, 1000])
+async def test_an_append_of_many_records_survives_short_writes(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch, step: int | None) -> None:
+    """600 records in one APPEND: 1200 buffers, written IOV_MAX at a time; with short writes
+    (``step`` bytes a call, fault injection) each goes on from where it stopped. Every value
+    reads back whole."""
+    real = os.pwritev
+
+    def short(fd: int, bufs: list[bytes | memoryview], offset: int) -> int:
+        left, cut = step, []
+        for b in bufs:
+            if not left:
+                break
+            cut.append(memoryview(b)[:left])
+            left -= cut[-1].nbytes
+        return real(fd, cut, offset)
+
+    if step:
+        monkeypatch.setattr(os, "pwritev", short)
+    keys = [f"k{i}".encode() for i in range(600)]
+    values = [value_of(k, 100 + i) for i, k in enumerate(keys)]
+    payload = b"".join(values)
+    locs = await store.append([(k, len(v), crc32c(v), None) for k, v in zip(keys, values, strict=True)],
+                              memoryview(payload))
+    monkeypatch.undo()
+    views, stale = await store.readv([(c, off, len(v)) for (c, off), v in zip(locs, values, strict=True)])
+    assert not stale and [bytes(v) for v in views] == values  # type: ignore[arg-type]
+    assert [r.key for r in await store.scan(locs[0][0])] == keys
+
+
 async def test_a_zero_length_range_is_answered_empty(store: ChunkStore) -> None:
     """READV allows empty ranges (check_ranges): one inside the chunk, or at its end, is
     answered with no bytes, not as stale; past the end it is stale."""
