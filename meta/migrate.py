@@ -111,7 +111,8 @@ class _Sqlite:
 
     # writing
     async def count(self) -> int:
-        return self.store.count()
+        (n,) = self.store.db.execute("SELECT count(*) FROM kv").fetchone()
+        return int(n)
 
     async def get_state(self, name: str) -> Any:
         return self.store.get_state(name)

@@ -45,17 +45,7 @@ CREATE TABLE IF NOT EXISTS gc_state (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
 );
-CREATE TABLE IF NOT EXISTS kv_log (
-    seq INTEGER PRIMARY KEY,
-    rows BLOB NOT NULL
-);
 """
-PUT_KV = "INSERT OR REPLACE INTO kv(key, layout, expires_at, last_access) VALUES (?,?,?,?)"
-# kv rows written (put_many) go to kv_log first, one row per transaction, and are folded
-# into kv once this many wait (or before anything reads or changes kv): random keys dirty
-# one B-tree page each, so writing them one page per key per transaction cost about 5x the
-# CPU of one appended log row (bench/RESULTS.md); a fold writes each page once for many keys
-FOLD_KEYS = 16384
 PUT_TOMBSTONE = "INSERT OR REPLACE INTO tombstones(key, layout, horizon) VALUES (?,?,?)"
 
 
@@ -85,34 +75,9 @@ class MetaStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.executescript(SCHEMA)
-        self._logged = 1  # kv rows waiting in kv_log (unknown until the first fold)
-        self.fold()
 
     def close(self) -> None:
-        try:
-            self.fold()
-        finally:
-            self.db.close()
-
-    def fold(self) -> None:
-        """Move the rows waiting in ``kv_log`` into ``kv`` (one transaction)."""
-        if self._logged:
-            with self.db:
-                self.db.execute("BEGIN")
-                self._fold()
-
-    def _fold(self) -> None:
-        """``fold`` inside the caller's transaction: the last write of each key, in key order."""
-        if not self._logged:
-            return
-        last: dict[bytes, list[Any]] = {}
-        for (blob,) in self.db.execute("SELECT rows FROM kv_log ORDER BY seq"):
-            for row in msgpack.unpackb(blob, raw=False):
-                last[row[0]] = row
-        if last:
-            self.db.executemany(PUT_KV, [last[k] for k in sorted(last)])
-            self.db.execute("DELETE FROM kv_log")
-        self._logged = 0
+        self.db.close()
 
     def cluster_id(self, *, create: str | None = None) -> str:
         """This cluster's id, made once when the database is created (``create`` gives it,
@@ -138,37 +103,22 @@ class MetaStore:
             self.db.execute(f"PRAGMA synchronous={self.synchronous}")
 
     def load(self) -> Iterator[tuple[bytes, Layout, float]]:
-        self.fold()
         for key, blob, last_access in self.db.execute("SELECT key, layout, last_access FROM kv"):
             yield bytes(key), decode_layout(blob), last_access
 
     def rows_after(self, after: bytes | None, limit: int) -> builtins.list[tuple[bytes, bytes, float | None, float]]:
         """(key, layout blob, expires_at, last_access) of up to ``limit`` keys after ``after``,
         in key order (``kvfs meta migrate`` pages through the table with it)."""
-        self.fold()
         cols = "SELECT key, layout, expires_at, last_access FROM kv"
         q = (self.db.execute(f"{cols} ORDER BY key LIMIT ?", (limit,)) if after is None else
              self.db.execute(f"{cols} WHERE key > ? ORDER BY key LIMIT ?", (after, limit)))
         return [(bytes(k), bytes(b), e, a) for k, b, e, a in q]
 
     def put_many(self, rows: Iterable[tuple[bytes, bytes, float | None, float]]) -> None:
-        """(key, layout blob, expires_at, last_access) rows, durable in one transaction: one
-        ``kv_log`` row, folded into ``kv`` with the others once ``FOLD_KEYS`` wait."""
-        rows = list(rows)
-        if not rows:
-            return
         with self.db:
             self.db.execute("BEGIN")
-            self.db.execute("INSERT INTO kv_log(rows) VALUES (?)", (msgpack.packb(rows),))
-            self._logged += len(rows)
-            if self._logged >= FOLD_KEYS:
-                self._fold()
-
-    def count(self) -> int:
-        """Keys stored."""
-        self.fold()
-        (n,) = self.db.execute("SELECT count(*) FROM kv").fetchone()
-        return int(n)
+            self.db.executemany(
+                "INSERT OR REPLACE INTO kv(key, layout, expires_at, last_access) VALUES (?,?,?,?)", rows)
 
     def delete_many(self, keys: Iterable[bytes],
                     tombstones: Iterable[tuple[bytes, bytes, bytes]] = ()) -> None:
@@ -176,7 +126,6 @@ class MetaStore:
         (key, layout, horizon: :mod:`kvfs.meta.tombstones`)."""
         with self.db:
             self.db.execute("BEGIN")
-            self._fold()
             self.db.executemany("DELETE FROM kv WHERE key = ?", ((k,) for k in keys))
             self.db.executemany(PUT_TOMBSTONE, tombstones)
 
@@ -199,11 +148,9 @@ class MetaStore:
     def touch_many(self, rows: Iterable[tuple[float, bytes]]) -> None:
         with self.db:
             self.db.execute("BEGIN")
-            self._fold()
             self.db.executemany("UPDATE kv SET last_access = ? WHERE key = ?", rows)
 
     def list(self, prefix: bytes, start_after: bytes | None, limit: int) -> list[tuple[bytes, Layout]]:
-        self.fold()
         lo = max(prefix, start_after + b"\x00") if start_after is not None else prefix
         hi = prefix_upper_bound(prefix)
         if hi is None:
@@ -227,13 +174,11 @@ class MetaStore:
     # garbage collection ------------------------------------------------------
     def expired(self, now: float, limit: int) -> builtins.list[bytes]:
         """Keys whose expiry has passed, oldest first (the ``kv_expiry`` index)."""
-        self.fold()
         q = self.db.execute("SELECT key FROM kv WHERE expires_at IS NOT NULL AND expires_at <= ? "
                             "ORDER BY expires_at LIMIT ?", (now, limit))
         return [bytes(k) for (k,) in q]
 
     def count_expired(self, now: float) -> int:
-        self.fold()
         (n,) = self.db.execute("SELECT count(*) FROM kv WHERE expires_at IS NOT NULL AND expires_at <= ?",
                                (now,)).fetchone()
         return int(n)

@@ -10,7 +10,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import pytest
 from conftest import FakeClock
 
@@ -18,7 +17,7 @@ from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import StaleLayout
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.index import RECORD_OVERHEAD_BYTES, MetaIndex
-from kvfs.meta.store import FOLD_KEYS, MetaStore
+from kvfs.meta.store import MetaStore
 
 Rows = list[tuple[bytes, Layout]]
 
@@ -65,42 +64,12 @@ def make_index(tmp_path: Path, clock: FakeClock) -> Iterator[Any]:
 
 
 def stored_keys(path: Path) -> set[bytes]:
-    """What a fresh connection finds in the file: what is durable, not what is cached (the
-    kv table and the rows waiting in kv_log to be folded into it)."""
+    """What a fresh connection finds in the file: what is durable, not what is cached."""
     db = sqlite3.connect(path)
     try:
-        logged = {bytes(row[0]) for (blob,) in db.execute("SELECT rows FROM kv_log")
-                  for row in msgpack.unpackb(blob, raw=False)}
-        return {bytes(k) for (k,) in db.execute("SELECT key FROM kv")} | logged
+        return {bytes(k) for (k,) in db.execute("SELECT key FROM kv")}
     finally:
         db.close()
-
-
-def test_kv_rows_wait_in_the_log_durably_and_every_reader_sees_them(tmp_path: Path) -> None:
-    """put_many appends one kv_log row per transaction; a store opened on the file (after a
-    crash: the first connection never closed) folds them into kv, last write first; reads,
-    deletes and touches see logged rows; FOLD_KEYS of them fold in the writing transaction."""
-    path = tmp_path / "log.sqlite3"
-    crashed = MetaStore(path)
-    crashed.put_many([(b"a", b"A1", None, 1.0), (b"b", b"B1", 5.0, 1.0)])
-    crashed.put_many([(b"a", b"A2", None, 2.0)])
-    assert crashed.db.execute("SELECT count(*) FROM kv_log").fetchone()[0] == 2
-    assert crashed.db.execute("SELECT count(*) FROM kv").fetchone()[0] == 0
-    st = MetaStore(path)  # the first connection left open, as by a killed meta
-    assert st.db.execute("SELECT count(*) FROM kv_log").fetchone()[0] == 0
-    assert {k: (b, a) for k, b, _, a in st.rows_after(None, 10)} == {b"a": (b"A2", 2.0), b"b": (b"B1", 1.0)}
-    st.put_many([(b"c", b"C", 3.0, 1.0)])
-    assert st.expired(6.0, 10) == [b"c", b"b"] and st.count_expired(4.0) == 1 and st.count() == 3
-    st.put_many([(b"d", b"D", None, 1.0)])
-    st.touch_many([(9.0, b"d")])
-    st.put_many([(b"e", b"E", None, 1.0)])
-    st.delete_many([b"e", b"a"])
-    assert {k: a for k, _, _, a in st.rows_after(None, 10)} == {b"b": 1.0, b"c": 1.0, b"d": 9.0}
-    st.put_many([(b"k%d" % i, b"x", None, 1.0) for i in range(FOLD_KEYS)])
-    assert st.db.execute("SELECT count(*) FROM kv_log").fetchone()[0] == 0  # folded at once
-    assert st.count() == 3 + FOLD_KEYS
-    st.close()
-    crashed.db.close()
 
 
 async def commit_all(ix: MetaIndex, batches: list[Rows], spy: Spy | None = None,
