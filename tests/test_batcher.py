@@ -231,3 +231,35 @@ def test_get_into_and_put_many_from_threads_share_batches(tcluster: ThreadCluste
         assert [f.result(30) for f in gets] == [[4096]] * 8
         assert kv.aio.rpc_counts["LOOKUP"] - lookups == 2
         assert [bytes(b) for b in bufs] == [_val(t) for t in range(8)]
+
+
+async def test_puts_of_one_key_commit_in_call_order_even_when_the_first_is_slow(
+        kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone put runs at once in its caller's task; a second put of the same key made while
+    it runs waits for it, even when the first is slow: the later call's value stays."""
+    real = kv.writer.put
+    wake, second_in, second_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def slow_first(keys: list[bytes], views: list[list[memoryview]], **kw: Any) -> Any:
+        if bytes(views[0][0]) == b"first":  # fault injection: hold the first put back
+            await wake.wait()  # set by the test, or by the second put starting
+            if second_in.is_set():  # the second put was let through: it commits first
+                await second_done.wait()
+            return await real(keys, views, **kw)
+        second_in.set()
+        wake.set()
+        try:
+            return await real(keys, views, **kw)
+        finally:
+            second_done.set()
+
+    monkeypatch.setattr(kv.writer, "put", slow_first)
+    first = asyncio.ensure_future(kv.put_many({b"order": b"first"}))
+    second = asyncio.ensure_future(kv.put_many({b"order": b"second"}))
+    for _ in range(50):  # loop turns (no time passes) for the second put to start, were it let
+        await asyncio.sleep(0)
+    assert not second_in.is_set()
+    wake.set()
+    await asyncio.gather(first, second)
+    kv.layout_cache.clear()
+    assert await kv.get(b"order") == b"second"
