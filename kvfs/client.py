@@ -130,7 +130,7 @@ class AsyncClient:
         # whole calls, each counted as its keys
         self._into_batcher: Batcher[_IntoCall, list[int]] = Batcher(
             self._get_into_calls, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
-            window_s=cfg.batch_window_s)
+            window_s=cfg.batch_window_s, cancel_waits=True)  # a batch writes the callers' buffers
         self._put_batcher: Batcher[_PutCall, list[Layout | None] | KVFSError] = Batcher(
             self._put_calls, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
             window_s=cfg.batch_window_s)

@@ -400,6 +400,35 @@ async def test_a_read_cancelled_while_its_answer_arrives_leaves_the_callers_buff
     assert buf == marker
 
 
+async def test_a_batched_read_cancelled_leaves_the_callers_buffer_alone(one: LocalCluster) -> None:
+    """A get_into that joined a batch (another call's read was running) and is cancelled
+    while the batch's READV is held: when the cancel returns, the batch no longer writes
+    into its buffer (the cancel waits for the batch it is part of)."""
+    a, b = os.urandom(SIZE), os.urandom(SIZE)
+    sid = one.chunkservers[0].server_id  # type: ignore[union-attr]
+    async with one.client() as kv, asyncio.timeout(30):
+        await kv.put_many({b"a": a, b"b": b})
+        assert await kv.get_many([b"a", b"b"]) == [a, b]  # layouts cached, connection open
+        held = _hold_readv(one, sid)
+        buf_a, buf_b = bytearray(SIZE), bytearray(SIZE)
+        first = asyncio.ensure_future(kv.get_into([b"a"], [buf_a]))  # runs at once, alone
+        await held.reached(first)
+        second = asyncio.ensure_future(kv.get_into([b"b"], [buf_b]))  # joins a batch
+        while held._inside < 2:  # the batch's READV is held too (polled each tick)
+            assert not second.done(), second
+            await asyncio.sleep(0)
+        second.cancel()
+        held.release()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        marker = b"\xa5" * SIZE
+        buf_b[:] = marker  # the caller reuses its buffer
+        assert await first == [SIZE] and buf_a == a
+        await held.drained()
+        assert await kv.get(b"b") == b  # answered after any other READV answer
+    assert buf_b == marker
+
+
 async def test_an_abandoned_readv_that_fails_leaves_no_unretrieved_error(two: LocalCluster) -> None:
     """The READV given up on fails later (the server answers an error): the read already
     returned right bytes, and the error is consumed, not left for asyncio to report."""
