@@ -144,8 +144,8 @@ def sglang_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     def direct_parts(b: range) -> int:
         ptrs, sizes = pool.get_page_buffer_meta(idx[b.start * page : b.stop * page])
         per = len(ptrs) // len(b)
-        parts = [[host.at(ptrs[i * per + j], sizes[i * per + j]) for j in range(per)]
-                 for i in range(len(b))]
+        views = host.many(ptrs, sizes)
+        parts = [views[i * per : (i + 1) * per] for i in range(len(b))]
         got = backend.client.get_into(keys[b.start : b.stop], parts)
         return sum(n == page_bytes for n in got)
 

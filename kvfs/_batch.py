@@ -69,11 +69,15 @@ class Batcher(Generic[I, R]):
 
     If the batched call fails, every item is retried alone, so one bad item
     cannot fail its neighbours. A submitter that is cancelled does not cancel
-    the batch.
+    the batch; with ``cancel_waits`` (items naming memory the batch writes, e.g.
+    ``get_into``'s buffers) its item is taken out if still queued, and otherwise its
+    cancellation returns only once that batch has ended, so the memory is not written
+    after it.
     """
 
     def __init__(self, run: Callable[[list[I]], Awaitable[list[R]]], *, max_items: int,
-                 max_bytes: int, window_s: float = 0.0, max_inflight: int | None = None) -> None:
+                 max_bytes: int, window_s: float = 0.0, max_inflight: int | None = None,
+                 cancel_waits: bool = False) -> None:
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(f"Batcher: max_inflight must be at least 1, got {max_inflight}")
         self._run = run
@@ -88,7 +92,9 @@ class Batcher(Generic[I, R]):
         self._bytes = 0
         self._count = 0
         self._handle: asyncio.Handle | asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task[None]] = set()  # keep running batches referenced
+        # running batches (kept referenced) and their submitters' futures
+        self._tasks: dict[asyncio.Task[None], list[asyncio.Future[R]]] = {}
+        self._cancel_waits = cancel_waits
         self.inflight = 0
         self.batches = 0
 
@@ -120,7 +126,29 @@ class Batcher(Generic[I, R]):
         elif self._handle is None:
             self._handle = (loop.call_later(self._window_s, self._flush) if self._window_s > 0
                             else loop.call_soon(self._flush))
-        return await fut
+        if not self._cancel_waits:
+            return await fut
+        try:
+            return await fut
+        except asyncio.CancelledError:
+            await self._withdraw(fut)
+            raise
+
+    async def _withdraw(self, fut: asyncio.Future[R]) -> None:
+        """A cancelled submitter's item: out of the queue, or, once sent, its batch waited
+        for (cancelled again meanwhile: still waited for)."""
+        for i, f in enumerate(self._futs):
+            if f is fut:
+                del self._items[i], self._futs[i]
+                self._bytes -= self._sizes.pop(i)
+                self._count -= self._counts.pop(i)
+                return
+        task = next((t for t, fs in self._tasks.items() if any(f is fut for f in fs)), None)
+        while task is not None and not task.done():
+            try:
+                await asyncio.wait([task])
+            except asyncio.CancelledError:
+                continue
 
     def _flush(self) -> None:
         """By time: everything queued goes out now."""
@@ -145,8 +173,11 @@ class Batcher(Generic[I, R]):
         self.batches += 1
         self.inflight += 1
         task = asyncio.get_running_loop().create_task(self._complete(items, futs))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._tasks[task] = futs
+        task.add_done_callback(self._ended)
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        del self._tasks[task]
 
     async def _complete(self, items: list[I], futs: list[asyncio.Future[R]]) -> None:
         try:

@@ -130,10 +130,14 @@ class AsyncClient:
         # whole calls, each counted as its keys
         self._into_batcher: Batcher[_IntoCall, list[int]] = Batcher(
             self._get_into_calls, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
-            window_s=cfg.batch_window_s)
+            window_s=cfg.batch_window_s, cancel_waits=True)  # a batch writes the callers' buffers
         self._put_batcher: Batcher[_PutCall, list[Layout | None] | KVFSError] = Batcher(
             self._put_calls, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
             window_s=cfg.batch_window_s)
+        # key -> the last put_many call writing it, still running: a later call of the same
+        # key waits for it, so concurrent puts of one key commit in call order (one entry per
+        # key being written, so bounded by the puts in flight)
+        self._putting: dict[bytes, asyncio.Future[None]] = {}
 
     def _coalesce(self, keys: int, nbytes: int) -> bool:
         """Whether a call of this many keys and bytes joins a batcher (with other calls of
@@ -232,7 +236,10 @@ class AsyncClient:
         ``if_absent``: keys already present (unexpired and readable) keep their value and
         are not written (False); meta says which in one ``EXISTS`` before the appends, and
         the commit is conditional, so of two writers racing on a key one value stays and
-        the other writer gets False, with no error."""
+        the other writer gets False, with no error.
+
+        Calls of this client that write the same key commit in call order (a later one
+        waits for an earlier one still running), so the last call's value stays."""
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
             return []
@@ -257,12 +264,26 @@ class AsyncClient:
             metas = [_encode_meta(k, m) for k, m in zip(keys, meta, strict=True)]
         call = _PutCall(keys, views, metas, r, ttl, if_absent)
         total = sum([nbytes(v) for v in views])
-        if self._coalesce(len(keys), total):
-            layouts = await self._put_batcher.submit(call, total, count=len(keys), eager=True)
-            if isinstance(layouts, KVFSError):
-                raise layouts
-        else:
-            layouts = await self._put(call)
+        loop = asyncio.get_running_loop()
+        putting = self._putting
+        earlier = {f for k in keys if (f := putting.get(k)) is not None and f.get_loop() is loop}
+        mine: asyncio.Future[None] = loop.create_future()
+        for k in keys:
+            putting[k] = mine
+        try:
+            if earlier:  # the same key in a put still running: it commits first, then this one
+                await asyncio.wait(earlier)
+            if self._coalesce(len(keys), total):
+                layouts = await self._put_batcher.submit(call, total, count=len(keys), eager=True)
+                if isinstance(layouts, KVFSError):
+                    raise layouts
+            else:
+                layouts = await self._put(call)
+        finally:
+            mine.set_result(None)
+            for k in keys:
+                if putting.get(k) is mine:
+                    del putting[k]
         return [lay is not None for lay in layouts]
 
     async def _put(self, call: _PutCall) -> list[Layout | None]:

@@ -108,6 +108,10 @@ class Scatter:
         return sum(p.nbytes for p in self.parts)
 
 
+# the rest of a payload whose caller gave up is received (and dropped) into a buffer this
+# large, over and over (FrameDecoder.drop_payload)
+DROP_BUFFER_BYTES = 1024 * 1024
+
 PayloadAllocator = Callable[[FrameHead], "bytearray | memoryview | Scatter"]
 
 
@@ -254,6 +258,22 @@ class FrameDecoder:
         self._big_filled += nbytes
         if self._big_filled == head.payload_len:
             self._finish_big()
+
+    def drop_payload(self, request_id: int) -> None:
+        """If the payload of frame ``request_id`` is arriving into its own buffers now, the
+        rest of it goes into a throwaway buffer instead, and the frame, once whole, carries
+        that: its caller gave up (cancelled) and its buffers must not be written any more.
+        Called only then: it costs the normal path nothing."""
+        head = self._head
+        if self._segs is None or head is None or head.request_id != request_id:
+            return
+        rest = head.payload_len - self._big_filled
+        junk = memoryview(bytearray(min(rest, DROP_BUFFER_BYTES)))
+        parts = [junk] * (rest // junk.nbytes)  # the same memory again and again
+        if rest % junk.nbytes:
+            parts.append(junk[: rest % junk.nbytes])
+        self._segs, self._big_owner = parts, Scatter(parts)
+        self._seg_i = self._seg_filled = 0
 
     def receive_data(self, data: Buffer) -> None:
         """Feed bytes from anywhere (tests, non-buffered transports)."""

@@ -230,6 +230,10 @@ class Connection:
             self.close()
             raise Timeout(f"{op.name} to {self.name} got no answer within "
                           f"{timeout_s or self.request_timeout_s}s") from None
+        except BaseException:  # cancelled: the caller may reuse its buffers once this returns
+            if sink is not None and rid not in proto.sinks:  # its answer is arriving into them
+                proto.decoder.drop_payload(rid)
+            raise
         finally:
             proto.pending.pop(rid, None)
             proto.sinks.pop(rid, None)

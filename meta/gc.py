@@ -98,7 +98,7 @@ class MetaGc:
         return rpc.GcSummary(paused=bool(await ix.get_state("paused") or False),
                              metrics={n: counts.get(n, 0) for n in METRIC_NAMES},
                              last_run=await ix.get_state("last_run"),
-                             dead_chunks=len(await ix.dead_chunks()),
+                             dead_chunks=await ix.retired_count(),
                              repair=(await self.repair_summary()).state())
 
     async def _repair_plan(self, limit_bytes: int, summary: RepairSummary | None) -> list[rpc.RepairItem]:
@@ -227,7 +227,7 @@ class MetaGc:
                     for sid in {r.server_id for x in lay.extents for r in x.replicas}:
                         expired[sid] += 1
         live_map = await ix.live_bytes()
-        dead = await ix.dead_chunks()
+        dead = await ix.retired_among(c for s in ix.servers.values() for c in s.chunks)
         servers = []
         for s in sorted(ix.servers.values(), key=lambda s: s.server_id):
             used = ix.used(s)
@@ -293,7 +293,7 @@ class MetaGc:
             zero_since = dict(zero_since)  # and start no grace clocks for it
         else:
             live_map = await ix.live_bytes()
-        dead = await ix.dead_chunks()
+        dead = await ix.retired_among(c for s in ix.servers.values() for c in s.chunks)
         for s in ix.servers.values():
             pressure = s.capacity > 0 and (ix.used(s) > high * s.capacity or s.wanted)
             open_chunk = s.open_chunk
@@ -358,7 +358,7 @@ class MetaGc:
         by_key: dict[bytes, dict[tuple[int, int], int]] = defaultdict(dict)
         for key, old_chunk, old_off, new_off in moves:
             by_key[key][(old_chunk, old_off)] = new_off
-        if new_chunk in await ix.dead_chunks():  # (kept tombstones' copies are not counted)
+        if await ix.retired_among([new_chunk]):  # (kept tombstones' copies are not counted)
             tombed = await ix.tombstoned(by_key)
             return rpc.Relocated(moved=0, skipped=sum(m[0] not in tombed for m in moves)), ()
         handled, tomb_moves = await ix.relocate_tombstones(sid, new_chunk, by_key)
@@ -406,7 +406,7 @@ class MetaGc:
         sid = req.server_id
         s = ix.servers.get(sid)
         open_chunk = s.open_chunk if s is not None else None
-        dead = await ix.dead_chunks()
+        dead = await ix.retired_among(req.chunks)
         retired = await ix.retire(sid, [c for c in req.chunks if c in dead or c != open_chunk], ix.clock())
         for c in retired:
             self.zero_since.pop(c, None)
@@ -506,7 +506,9 @@ class MetaGc:
         ix = self.index
         keys = list(dict.fromkeys(it[0] for it in req.items))
         current = dict(zip(keys, await ix.layouts(keys), strict=True))
-        dead = await ix.dead_chunks()
+        dead = await ix.retired_among({*(r.chunk_id for lay in current.values() if lay is not None
+                                         for e in lay.extents for r in e.replicas),
+                                       *(it.new.chunk_id for it in req.items)})
         staged: dict[bytes, tuple[Layout, Layout, int, int]] = {}  # key -> old, new, extents, bytes
         skipped = 0
         for key, extent, lost, new in req.items:

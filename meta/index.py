@@ -682,8 +682,11 @@ class MetaIndex(ServerRegistry):
                 live.pop(c, None)
         return retired
 
-    async def dead_chunks(self) -> dict[int, float]:
-        return self.retired
+    async def retired_among(self, chunks: Iterable[int]) -> set[int]:
+        return {c for c in chunks if c in self.retired}
+
+    async def retired_count(self) -> int:
+        return len(self.retired)
 
     async def delete_server(self, server_id: int) -> None:
         self.servers.pop(server_id, None)

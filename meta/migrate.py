@@ -194,7 +194,7 @@ class _Redis:
         await self.store.cluster_id(create=cid)
         for row in servers:
             await self.store.put_server(*row)
-        known = await self.store.dead_chunks()
+        known = await self.store.retired_among(c for c, _, _ in dead)
         groups: dict[tuple[int, float], list[int]] = defaultdict(list)
         for chunk, sid, at in dead:
             if chunk not in known:

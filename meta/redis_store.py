@@ -79,7 +79,7 @@ import heapq
 import math
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import crc32c
@@ -114,6 +114,7 @@ DEFAULT_BUCKETS = 256
 RETIRE_LOCK_MS = 30_000
 SCAN_MIN_COUNT = 64  # HSCAN's COUNT hint per bucket and round of scan()
 CLOSE_TIMEOUT_S = 5.0  # close(): each connection's close, and the last access-time flush
+HMGET_FIELDS = 4096  # chunks asked per HMGET of the retired set
 DEFAULT_TIMEOUT_S = 5.0  # one network step: a pipeline to a node, a command, a slot-map read
 
 # --- Lua ----------------------------------------------------------------------------------
@@ -380,6 +381,16 @@ class _Pipe:
 
     async def execute(self) -> list[Any]:
         return await self.store._execute(self.calls) if self.calls else []
+
+
+def _server_rows(got: dict[bytes, bytes]) -> list[tuple[int, str, int, int, str]]:
+    """The servers hash: (server_id, addr, capacity, free, data dir's key ('' in rows
+    stored before keys were)), by id."""
+    out = []
+    for sid, v in got.items():
+        addr, capacity, free, *rest = msgpack.unpackb(v, raw=False)
+        out.append((int(sid), addr, int(capacity), int(free), rest[0] if rest else ""))
+    return sorted(out)
 
 
 def parse_url(url: str) -> list[tuple[str, int]]:
@@ -935,7 +946,7 @@ class RedisMetaStore:
         return out
 
     async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> builtins.list[int]:
-        dead = await self.dead_chunks()
+        dead = await self.retired_among(chunks)
         already = [c for c in chunks if c in dead]
         fresh = [c for c in dict.fromkeys(chunks) if c not in dead]
         if not fresh:
@@ -966,6 +977,21 @@ class RedisMetaStore:
         got = await self._run(self.r.hgetall(self._g["dead"]))
         return {int(c): float(msgpack.unpackb(v)[1]) for c, v in got.items()}
 
+    async def retired_among(self, chunks: Iterable[int]) -> set[int]:
+        """HMGET of just these chunks (in pieces of ``HMGET_FIELDS``, one pipeline), not the
+        whole retired set, which only grows."""
+        cs = builtins.list(dict.fromkeys(chunks))
+        if not cs:
+            return set()
+        p = self._pipe()
+        for i in range(0, len(cs), HMGET_FIELDS):
+            p.hmget(self._g["dead"], [str(c) for c in cs[i:i + HMGET_FIELDS]])
+        got = [v for part in await self._run(p.execute()) for v in part]
+        return {c for c, v in zip(cs, got, strict=True) if v is not None}
+
+    async def retired_count(self) -> int:
+        return int(await self._run(self.r.hlen(self._g["dead"])))
+
     async def dead_rows(self) -> builtins.list[tuple[int, int, float]]:
         """(chunk, server_id, retired_at) of every retired chunk (``kvfs meta migrate``)."""
         got = await self._run(self.r.hgetall(self._g["dead"]))
@@ -975,20 +1001,15 @@ class RedisMetaStore:
     # registry and state ----------------------------------------------------------------
     async def servers(self) -> builtins.list[tuple[int, str, int, int]]:
         got = await self._run(self.r.hgetall(self._g["servers"]))
-        out = []
-        for sid, v in got.items():
-            addr, capacity, free, *_ = msgpack.unpackb(v, raw=False)
-            out.append((int(sid), addr, int(capacity), int(free)))
-        return sorted(out)
+        return [row[:4] for row in _server_rows(got)]
 
-    async def server_keys(self) -> dict[int, str]:
-        """server_id -> the key of the data dir it registered with ('' if none was stored)."""
-        got = await self._run(self.r.hgetall(self._g["servers"]))
-        out = {}
-        for sid, v in got.items():
-            row = msgpack.unpackb(v, raw=False)
-            out[int(sid)] = row[3] if len(row) > 3 else ""
-        return out
+    async def registry(self) -> tuple[builtins.list[tuple[int, str, int, int, str]], dict[int, float]]:
+        """Both hashes in one pipeline (one hash tag: one node, one round trip)."""
+        p = self._pipe()
+        p.hgetall(self._g["servers"])
+        p.hgetall(self._g["seen"])
+        servers, seen = await self._run(p.execute())
+        return _server_rows(servers), {int(sid): float(t) for sid, t in seen.items()}
 
     async def put_server(self, server_id: int, addr: str, capacity: int, free: int, key: str = "") -> None:
         """``key``: the chunkserver's data-dir key (only that data dir may move the id)."""
@@ -1002,11 +1023,6 @@ class RedisMetaStore:
 
     async def put_seen(self, server_id: int, at: float) -> None:
         await self._run(self.r.hset(self._g["seen"], str(server_id), _num(at)))
-
-    async def seen(self) -> dict[int, float]:
-        """server_id -> wall-clock time of its last heartbeat to any meta process."""
-        got = await self._run(self.r.hgetall(self._g["seen"]))
-        return {int(sid): float(t) for sid, t in got.items()}
 
     async def delete_server(self, server_id: int) -> None:
         p = self._pipe()

@@ -74,20 +74,18 @@ class SharedIndex(ServerRegistry):
         raise Unavailable(f"no free chunkserver id after {MAX_ID_CLAIMS} tries (registrations racing)")
 
     async def refresh(self) -> None:
-        rows = await self.store.servers()
-        seen = await self.store.seen()
-        keys = await self.store.server_keys()
+        rows, seen = await self.store.registry()
         wall, mono = time.time(), time.monotonic()
         stored = {r[0] for r in rows}
         for sid in self._stored - stored:  # forgotten (decommissioned) through another meta
             self.servers.pop(sid, None)
         self._stored = stored
-        for sid, addr, capacity, free in rows:
+        for sid, addr, capacity, free, key in rows:
             s = self.servers.get(sid)
             if s is None:
                 s = self.servers[sid] = ServerInfo(sid, addr)
             s.addr, s.reported_capacity, s.reported_free = addr, capacity, free
-            s.key = s.key or keys.get(sid, "")  # a restarted meta: which data dir owns the id
+            s.key = s.key or key  # a restarted meta: which data dir owns the id
             t = seen.get(sid)
             if t is not None:
                 s.last_heartbeat = max(s.last_heartbeat, mono - max(0.0, wall - t))
@@ -215,8 +213,11 @@ class SharedIndex(ServerRegistry):
     async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> list[int]:
         return await self.store.retire(server_id, chunks, now)
 
-    async def dead_chunks(self) -> dict[int, float]:
-        return await self.store.dead_chunks()
+    async def retired_among(self, chunks: Iterable[int]) -> set[int]:
+        return await self.store.retired_among(chunks)
+
+    async def retired_count(self) -> int:
+        return await self.store.retired_count()
 
     async def delete_server(self, server_id: int) -> None:
         self.servers.pop(server_id, None)

@@ -115,7 +115,12 @@ class MetaStore(Protocol):
         ``chunks`` (retired now or before)."""
 
     async def dead_chunks(self) -> dict[int, float]:
-        """Retired chunk -> when."""
+        """Retired chunk -> when (every one: ``kvfs meta migrate``, tests)."""
+
+    async def retired_among(self, chunks: Iterable[int]) -> set[int]:
+        """Those of ``chunks`` that are retired (reads only those)."""
+
+    async def retired_count(self) -> int: ...
 
     # registry and state ----------------------------------------------------------------
     async def servers(self) -> builtins.list[tuple[int, str, int, int]]:
@@ -123,17 +128,16 @@ class MetaStore(Protocol):
 
     async def put_server(self, server_id: int, addr: str, capacity: int, free: int, key: str = "") -> None: ...
 
-    async def server_keys(self) -> dict[int, str]:
-        """server_id -> its data dir's key (a chunkserver restarted elsewhere proves it)."""
+    async def registry(self) -> tuple[builtins.list[tuple[int, str, int, int, str]], dict[int, float]]:
+        """(server_id, addr, capacity, free, data dir's key) of every registered chunkserver,
+        and server_id -> its last heartbeat to any meta process sharing this store (wall
+        clock): what a meta reads every ``registry_refresh_s``, in one round trip."""
 
     async def claim_server(self, server_id: int, addr: str) -> bool:
         """Take ``server_id`` for a new chunkserver at ``addr``; False if it is taken."""
 
     async def put_seen(self, server_id: int, at: float) -> None:
         """A chunkserver's heartbeat reached a meta process at ``at`` (wall clock)."""
-
-    async def seen(self) -> dict[int, float]:
-        """server_id -> last heartbeat to any meta process sharing this store."""
 
     async def delete_server(self, server_id: int) -> None: ...
 
@@ -208,7 +212,10 @@ class GcIndex(Protocol):
     async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> builtins.list[int]:
         """Mark dead those of ``chunks`` no layout references; the dead ones of ``chunks``."""
 
-    async def dead_chunks(self) -> dict[int, float]: ...
+    async def retired_among(self, chunks: Iterable[int]) -> set[int]:
+        """Those of ``chunks`` that are retired (refused by commit and switch forever)."""
+
+    async def retired_count(self) -> int: ...
 
     async def delete_server(self, server_id: int) -> None: ...
 

@@ -231,3 +231,76 @@ def test_get_into_and_put_many_from_threads_share_batches(tcluster: ThreadCluste
         assert [f.result(30) for f in gets] == [[4096]] * 8
         assert kv.aio.rpc_counts["LOOKUP"] - lookups == 2
         assert [bytes(b) for b in bufs] == [_val(t) for t in range(8)]
+
+
+async def test_puts_of_one_key_commit_in_call_order_even_when_the_first_is_slow(
+        kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lone put runs at once in its caller's task; a second put of the same key made while
+    it runs waits for it, even when the first is slow: the later call's value stays."""
+    real = kv.writer.put
+    wake, second_in, second_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def slow_first(keys: list[bytes], views: list[list[memoryview]], **kw: Any) -> Any:
+        if bytes(views[0][0]) == b"first":  # fault injection: hold the first put back
+            await wake.wait()  # set by the test, or by the second put starting
+            if second_in.is_set():  # the second put was let through: it commits first
+                await second_done.wait()
+            return await real(keys, views, **kw)
+        second_in.set()
+        wake.set()
+        try:
+            return await real(keys, views, **kw)
+        finally:
+            second_done.set()
+
+    monkeypatch.setattr(kv.writer, "put", slow_first)
+    first = asyncio.ensure_future(kv.put_many({b"order": b"first"}))
+    second = asyncio.ensure_future(kv.put_many({b"order": b"second"}))
+    for _ in range(50):  # loop turns (no time passes) for the second put to start, were it let
+        await asyncio.sleep(0)
+    assert not second_in.is_set()
+    wake.set()
+    await asyncio.gather(first, second)
+    kv.layout_cache.clear()
+    assert await kv.get(b"order") == b"second"
+
+
+async def test_a_cancelled_submitter_leaves_its_batch_with_cancel_waits() -> None:
+    """``cancel_waits`` (get_into: a batch writes its callers' buffers): a submitter
+    cancelled while its item is queued takes it out (it is never run); one cancelled once
+    its batch is running gets its cancellation only after that batch has ended."""
+    from kvfs._batch import Batcher
+
+    ran: list[list[str]] = []
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    async def run(items: list[str]) -> list[str]:
+        started.set()
+        await gate.wait()
+        ran.append(items)
+        return items
+
+    b: Batcher[str, str] = Batcher(run, max_items=2, max_bytes=1 << 20, window_s=60.0,
+                                   cancel_waits=True)
+    async with asyncio.timeout(30):
+        queued = asyncio.ensure_future(b.submit("x"))
+        while not b._items:  # queued (the window is long: not sent)
+            await asyncio.sleep(0)
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        both = asyncio.gather(b.submit("y"), b.submit("z"))  # two items: sent at once
+        await started.wait()
+        late = asyncio.ensure_future(b.submit("w"))
+        while b._count < 1:  # "w" queued behind the running batch; send it alone
+            await asyncio.sleep(0)
+        b._flush()
+        while len(b._tasks) < 2:
+            await asyncio.sleep(0)
+        late.cancel()
+        gate.set()
+        with pytest.raises(asyncio.CancelledError):
+            await late
+        assert ["w"] in ran  # its batch ended before its cancellation returned
+        assert await both == ["y", "z"]
+    assert ["x"] not in ran and all("x" not in items for items in ran)

@@ -22,6 +22,9 @@ from kvfs.meta.redis_local import LocalRedisCluster
 from kvfs.meta.redis_store import RedisMetaStore
 from kvfs.rpc import Op
 
+# the tests through a cluster run over both meta backends; the Redis store's own once
+both_backends = pytest.mark.usefixtures("meta_backend")
+
 NOW = 1_800_000_000.0
 
 
@@ -30,6 +33,7 @@ def written_bytes(c: LocalCluster) -> int:
     return sum(sum(cs.store.sizes.values()) for cs in c.chunkservers if cs is not None)
 
 
+@both_backends
 async def test_present_keys_are_not_written(cluster: LocalCluster, kv: AsyncClient,
                                             clock: FakeClock) -> None:
     old = {f"p{i}": value_of(f"p{i}") for i in range(4)}
@@ -82,6 +86,7 @@ def commit_barrier(c: LocalCluster, n: int) -> asyncio.Event:
     return all_in
 
 
+@both_backends
 async def test_two_writers_racing_leave_one_value_and_no_error(cluster: LocalCluster,
                                                                clock: FakeClock) -> None:
     keys = [f"race{i}" for i in range(32)]

@@ -22,9 +22,13 @@ from kvfs.launcher import LocalCluster
 from kvfs.layout import Extent, Layout, Replica, decode_layout, encode_layout
 from kvfs.meta.redis_store import RedisMetaStore
 
+# the tests through a cluster run over both meta backends; the Redis store's own once
+both_backends = pytest.mark.usefixtures("meta_backend")
+
 PAGE = {"dtype": "bfloat16", "shape": [2, 8, 64], "layout": "page_first", "tp_rank": 0}
 
 
+@both_backends
 async def test_meta_round_trips_and_survives_a_meta_restart(cluster: LocalCluster, kv: AsyncClient) -> None:
     assert await kv.put_many([("a", b"A" * 100), ("b", b"B"), ("c", b"C")],
                              meta=[PAGE, None, {"n": 1, "raw": b"\x00\xff", "ok": True}]) == [True] * 3
@@ -55,6 +59,7 @@ async def test_meta_round_trips_and_survives_a_meta_restart(cluster: LocalCluste
         assert await kv2.get_meta(["a", "d"]) == [{"v": 2}, {}]
 
 
+@both_backends
 async def test_bad_or_large_meta_is_refused_naming_the_key(cluster: LocalCluster, kv: AsyncClient) -> None:
     with pytest.raises(InvalidArgument, match=r"key b'big' is larger than this meta's limit of 1024"):
         await kv.put(b"big", b"v", meta={"s": "x" * 2000})  # meta's default max_key_meta_bytes
@@ -71,6 +76,7 @@ async def test_bad_or_large_meta_is_refused_naming_the_key(cluster: LocalCluster
     assert await kv.get_meta([b"fits"]) == [{"s": "x" * 1000}]
 
 
+@both_backends
 async def test_blocking_client_meta(cluster: LocalCluster) -> None:
     def work() -> None:
         with kvfs.Client(cluster.addr, token=cluster.token) as kv:
@@ -82,6 +88,7 @@ async def test_blocking_client_meta(cluster: LocalCluster) -> None:
     await asyncio.to_thread(work)
 
 
+@both_backends
 async def test_gc_relocation_keeps_meta(tmp_path: Path, clock: FakeClock) -> None:
     root = tmp_path / "c"
     c = LocalCluster(root, 1, clock=clock, chunkserver=ChunkServerConfig(

@@ -363,6 +363,44 @@ def test_vectored_receives_fill_the_scatter_buffers_across_their_edges(step: int
     assert dec.payload_views(most) == []
 
 
+@pytest.mark.parametrize("vectored", [True, False], ids=["readv", "plain"])
+def test_a_dropped_payload_stops_landing_in_its_buffers(vectored: bool) -> None:
+    """``drop_payload`` (the caller of a response being received gave up): the rest of the
+    payload goes into a throwaway buffer (reused past DROP_BUFFER_BYTES), not the caller's;
+    the frame still ends where it should and the next one decodes.  Another request id is
+    left alone."""
+    from kvfs.protocol import DROP_BUFFER_BYTES, Scatter
+
+    parts = [bytearray(1_500_000), bytearray(3), bytearray(1_200_000)]
+    payload = os.urandom(sum(map(len, parts)))
+    assert len(payload) > 2 * DROP_BUFFER_BYTES
+    dec = FrameDecoder(allocator=lambda head: Scatter([memoryview(p) for p in parts]))
+    data = memoryview(frame_bytes(Op.READV, 5, {"x": 1}, [payload]) + frame_bytes(Op.PING, 6, {}))
+    cut = 200_000
+    dec.receive_data(data[:cut])  # the header and the first bytes of the payload
+    dec.drop_payload(4)  # not the frame arriving: nothing changes
+    dec.receive_data(data[cut : cut + 1000])
+    cut += 1000
+    got = bytes(parts[0])
+    dec.drop_payload(5)
+    pos = cut
+    while vectored and (views := dec.payload_views(3)):
+        n = 0
+        for v in views:
+            k = min(v.nbytes, 300_000 - n)
+            v[:k] = data[pos + n : pos + n + k]
+            n += k
+        dec.payload_updated(n)
+        pos += n
+    dec.receive_data(data[pos:])
+    f, g = drain(dec)
+    assert f.request_id == 5 and g.request_id == 6
+    assert isinstance(f.payload, Scatter) and all(p.obj not in parts for p in f.payload.parts)
+    body = cut - (len(data) - len(payload) - len(frame_bytes(Op.PING, 6, {})))  # payload bytes before
+    assert bytes(parts[0]) == got and got[:body] == payload[:body]  # the drop landed
+    assert not any(parts[0][body:]) and not any(parts[1]) and not any(parts[2])  # nothing after
+
+
 def test_small_scatter_parts_share_one_receive() -> None:
     """Parts smaller than the inline limit are received together into the scratch buffer
     and copied out (one receive for the run of them, as a socket filling each buffer it is

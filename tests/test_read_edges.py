@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import os
+import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -362,6 +363,70 @@ async def test_a_cancelled_read_leaves_no_readv_writing_into_the_callers_memory(
         await held.drained()
         assert await kv.get_many(slow) == [values[k] for k in slow]  # answered after the held one
     assert bufs == [bytes(len(values[k])) for k in slow]
+
+
+async def test_a_read_cancelled_while_its_answer_arrives_leaves_the_callers_buffer_alone(
+        one: LocalCluster) -> None:
+    """A get_into cancelled once its answer has begun landing in the caller's buffer: when
+    the cancel returns, the rest of the answer no longer goes there (it is received and
+    dropped), so a caller reusing its buffer keeps what it wrote; the connection goes on
+    serving the next read, whose answer follows the dropped one."""
+    size = 32 * 1024 * 1024  # far more than the sockets hold: the answer takes many receives
+    value = os.urandom(size)
+    sid = one.chunkservers[0].server_id  # type: ignore[union-attr]
+    async with one.client() as kv, asyncio.timeout(60):
+        # fault injection: a small receive buffer on the client's socket (fixed before it
+        # carries anything, so TCP never widens it) makes the answer arrive in many pieces
+        conn = await kv._link.server_conn(sid)
+        sock = conn._proto.transport.get_extra_info("socket")  # type: ignore[union-attr]
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+        await kv.put(b"big", value)
+        held = _hold_readv(one, sid)
+        buf = bytearray(size)
+        read = asyncio.ensure_future(kv.get_into([b"big"], [buf]))
+        await held.reached(read)
+        held.release()
+        while buf[:4096] != value[:4096]:  # the answer's first bytes landed (polled each tick)
+            assert not read.done(), read
+            await asyncio.sleep(0)
+        assert buf != value  # ... and not all of it: cancelled mid-answer
+        read.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await read
+        marker = b"\xa5" * size
+        buf[:] = marker  # the caller reuses its buffer
+        await held.drained()
+        assert await kv.get(b"big") == value  # answered after the cancelled one, same connection
+    assert buf == marker
+
+
+async def test_a_batched_read_cancelled_leaves_the_callers_buffer_alone(one: LocalCluster) -> None:
+    """A get_into that joined a batch (another call's read was running) and is cancelled
+    while the batch's READV is held: when the cancel returns, the batch no longer writes
+    into its buffer (the cancel waits for the batch it is part of)."""
+    a, b = os.urandom(SIZE), os.urandom(SIZE)
+    sid = one.chunkservers[0].server_id  # type: ignore[union-attr]
+    async with one.client() as kv, asyncio.timeout(30):
+        await kv.put_many({b"a": a, b"b": b})
+        assert await kv.get_many([b"a", b"b"]) == [a, b]  # layouts cached, connection open
+        held = _hold_readv(one, sid)
+        buf_a, buf_b = bytearray(SIZE), bytearray(SIZE)
+        first = asyncio.ensure_future(kv.get_into([b"a"], [buf_a]))  # runs at once, alone
+        await held.reached(first)
+        second = asyncio.ensure_future(kv.get_into([b"b"], [buf_b]))  # joins a batch
+        while held._inside < 2:  # the batch's READV is held too (polled each tick)
+            assert not second.done(), second
+            await asyncio.sleep(0)
+        second.cancel()
+        held.release()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        marker = b"\xa5" * SIZE
+        buf_b[:] = marker  # the caller reuses its buffer
+        assert await first == [SIZE] and buf_a == a
+        await held.drained()
+        assert await kv.get(b"b") == b  # answered after any other READV answer
+    assert buf_b == marker
 
 
 async def test_an_abandoned_readv_that_fails_leaves_no_unretrieved_error(two: LocalCluster) -> None:

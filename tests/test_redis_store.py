@@ -190,6 +190,10 @@ async def test_retire_refuses_live_chunks_and_commits_refuse_dead_ones(
     await s.commit([(f"k{i}".encode(), lay((1, 10, i * 200))) for i in range(20)], NOW)
     assert await s.retire(1, [10, 11, BIG], NOW) == [11, BIG]  # 10 is live in some bucket
     assert set(await s.dead_chunks()) == {11, BIG}
+    assert await s.retired_among([10, 11, 12, BIG, 11]) == {11, BIG}  # only those asked
+    assert await s.retired_among(range(-9000, 9000)) == {11}  # past one HMGET's fields
+    assert await s.retired_among([]) == set()
+    assert await s.retired_count() == 2
     assert await s.retire(1, [11], NOW + 5) == [11]  # already dead: still reported
     assert (await s.dead_chunks())[11] == NOW
     with pytest.raises(StaleLayout, match="chunk 11"):
@@ -262,8 +266,12 @@ async def test_registry_state_and_cluster_id(redis_store: RedisMetaStore) -> Non
     assert await s.cluster_id(create="other") == cid
     await s.put_server(2, "127.0.0.1:9", 100, 50)
     await s.put_server(1, "127.0.0.1:8", 10, 5)
-    await s.put_server(2, "127.0.0.1:10", 100, 40)
+    await s.put_server(2, "127.0.0.1:10", 100, 40, "key2")
     assert await s.servers() == [(1, "127.0.0.1:8", 10, 5), (2, "127.0.0.1:10", 100, 40)]
+    assert await s.claim_server(3, "127.0.0.1:11")  # a claimed id: a row with no key yet
+    await s.put_seen(2, NOW)
+    assert await s.registry() == ([(1, "127.0.0.1:8", 10, 5, ""), (2, "127.0.0.1:10", 100, 40, "key2"),
+                                   (3, "127.0.0.1:11", 0, 0, "")], {2: NOW})
     assert await s.get_state("metrics") is None
     await s.put_state("metrics", {"passes": 3})
     assert await s.get_state("metrics") == {"passes": 3}

@@ -18,12 +18,16 @@ log = logging.getLogger("kvfs.integrations")
 SOFT_ERRORS: tuple[type[BaseException], ...] = (KVFSError, TimeoutError, OSError)
 
 
-def open_client(cfg: EngineConfig) -> Client:
-    """A blocking client tuned for an engine: RPCs give up after ``timeout_s``, so a dead
+def client_config(cfg: EngineConfig) -> ClientConfig:
+    """A client's settings tuned for an engine: RPCs give up after ``timeout_s``, so a dead
     or slow cluster costs the engine a bounded wait, then a miss."""
-    return Client(cfg.addr, token=cfg.token, config=ClientConfig(
-        request_timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s,
-        **tls_fields(cfg)))
+    return ClientConfig(request_timeout_s=cfg.timeout_s, connect_timeout_s=cfg.connect_timeout_s,
+                        **tls_fields(cfg))
+
+
+def open_client(cfg: EngineConfig) -> Client:
+    """A blocking client with :func:`client_config`'s settings."""
+    return Client(cfg.addr, token=cfg.token, config=client_config(cfg))
 
 
 class TensorBytes:
@@ -36,11 +40,18 @@ class TensorBytes:
         self.view = as_view(tensor, writable=True, what="host buffer")
         self.base = int(tensor.data_ptr())
 
-    def at(self, ptr: int, size: int) -> memoryview:
-        off = int(ptr) - self.base
-        if off < 0 or off + size > self.view.nbytes:
-            raise ValueError(f"pointer {ptr:#x}+{size} is outside the host buffer")
-        return self.view[off : off + size]
+    def many(self, ptrs: list[int], sizes: list[int], *, base: int | None = None) -> list[memoryview]:
+        """A view of ``size`` bytes at each pointer (the bounds checked once, for all);
+        ``base=0``: the pointers are offsets into the buffer already."""
+        view = self.view
+        base = self.base if base is None else base
+        offs = [p - base for p in ptrs] if base else ptrs
+        if offs and (min(offs) < 0 or max([o + n for o, n in zip(offs, sizes, strict=True)])
+                     > view.nbytes):
+            bad = next(i for i, (o, n) in enumerate(zip(offs, sizes, strict=True))
+                       if o < 0 or o + n > view.nbytes)
+            raise ValueError(f"pointer {ptrs[bad]:#x}+{sizes[bad]} is outside the host buffer")
+        return [view[o : o + n] for o, n in zip(offs, sizes, strict=True)]
 
 
 def wait(fut: Any, cfg: EngineConfig) -> Any:

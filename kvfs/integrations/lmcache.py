@@ -13,12 +13,14 @@ tell a plug-in its name): ``kvfs_addr``, ``kvfs_token``, ``kvfs_namespace`` (def
 
 One value per chunk: LMCache's chunk header and the payload, gathered on put and scattered
 on get, never copied.  Gets, puts and lookups are batched (one ``get_into`` / ``put_many`` /
-``match_prefix`` per call).  kvfs's IO thread reads (puts) and writes (gets) LMCache's CPU
-buffers, so the connector holds a reference on each memory object until kvfs is done with
-it, and LMCache's buffer pool -- which LMCache frees before it closes the remote backends --
-is freed only once no kvfs call uses it: its ``close`` first lets LMCache's loop start the
-puts queued on it, then waits for every kvfs call in flight (bounded; past the bound the pool
-is left allocated, never freed under a running call).
+``match_prefix`` per call).  Gets run on LMCache's own event loop (an ``AsyncClient`` there:
+no hop to another thread and back on the way to the engine); puts and lookups go through a
+blocking client's IO thread.  kvfs reads (puts) and writes (gets) LMCache's CPU buffers, so
+the connector holds a reference on each memory object until kvfs is done with it, and
+LMCache's buffer pool -- which LMCache frees before it closes the remote backends -- is
+freed only once no kvfs call uses it: its ``close`` first lets LMCache's loop start the puts
+queued on it, then waits for every kvfs call in flight (bounded; past the bound the pool is
+left allocated, never freed under a running call).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import asyncio
 import concurrent.futures
 import threading
 import time
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from lmcache.utils import CacheEngineKey
@@ -34,9 +37,9 @@ from lmcache.v1.memory_management import MemoryObj
 from lmcache.v1.protocol import RemoteMetadata
 from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
-from kvfs.client import TOO_SMALL
+from kvfs.client import TOO_SMALL, AsyncClient
 from kvfs.config import EngineConfig, from_mapping
-from kvfs.integrations._common import SOFT_ERRORS, log, open_client, wait
+from kvfs.integrations._common import SOFT_ERRORS, client_config, log, open_client, wait
 from kvfs.prefix import namespaced
 
 T = TypeVar("T")
@@ -59,6 +62,11 @@ class KvfsConnector(RemoteConnector):
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         self.client = open_client(self.config)
+        # gets, on LMCache's loop (it connects there on first use)
+        self.aclient = AsyncClient(self.config.addr, token=self.config.token,
+                                   config=client_config(self.config))
+        self._tasks: set[asyncio.Future[Any]] = set()  # its calls in flight
+        self._full_header = b""  # the header of a full chunk of this engine's format
         # kvfs calls that read or write LMCache's CPU buffer pool, until they are done
         self._inflight: set[concurrent.futures.Future[Any]] = set()
         self._lock = threading.Lock()
@@ -129,6 +137,30 @@ class KvfsConnector(RemoteConnector):
         return await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(fut)),
                                       3 * self.config.timeout_s)
 
+    async def _io_here(self, coro: Coroutine[Any, Any, T], objs: list[MemoryObj]) -> T:
+        """:meth:`_io` for a call of :attr:`aclient`, run on this (LMCache's) loop: the
+        call is a task that a caller giving up does not cancel, holding the objects'
+        references until it ends, and counted in flight (a future of ``_inflight``, which a
+        pool close on another thread waits for; :meth:`close` awaits the task)."""
+        for obj in objs:
+            obj.ref_count_up()
+        marker: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with self._lock:
+            self._inflight.add(marker)
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+
+        def done(_: asyncio.Future[T]) -> None:
+            self._tasks.discard(task)
+            with self._lock:
+                self._inflight.discard(marker)
+            for obj in objs:
+                obj.ref_count_down()
+            marker.set_result(None)
+
+        task.add_done_callback(done)
+        return await asyncio.wait_for(asyncio.shield(task), 3 * self.config.timeout_s)
+
     # puts --------------------------------------------------------------------------
     async def put(self, key: CacheEngineKey, memory_obj: MemoryObj) -> None:
         await self.batched_put([key], [memory_obj])
@@ -173,12 +205,14 @@ class KvfsConnector(RemoteConnector):
     async def _get_objs(self, keys: list[CacheEngineKey]) -> list[MemoryObj | None]:
         """One ``get_into`` for all keys, straight into newly allocated memory objects."""
         objs = self._allocate(len(keys))
+        if objs and not self._full_header:
+            self._full_header = self._header(objs[0])  # allocated full-size
         headers = [bytearray(self.remote_metadata_bytes) for _ in objs]
         bufs = [[h, o.byte_array] if self.save_chunk_meta else [o.byte_array]
                 for h, o in zip(headers, objs, strict=True)]
         try:
-            sizes = await self._io(
-                self.client.submit_get_into([self._key(k) for k in keys[: len(objs)]], bufs), objs)
+            sizes = await self._io_here(
+                self.aclient.get_into([self._key(k) for k in keys[: len(objs)]], bufs), objs)
         except SOFT_ERRORS as exc:
             log.warning("kvfs LMCache get of %d chunks failed: %s", len(keys), exc)
             sizes = [-1] * len(objs)
@@ -227,6 +261,8 @@ class KvfsConnector(RemoteConnector):
             return None
         if self.save_chunk_meta:
             n -= len(header)
+            if header == self._full_header and n == obj.get_size():
+                return obj  # a full chunk of this engine's format: as allocated
             meta = RemoteMetadata.deserialize(header)
             if meta.length != n or list(meta.dtypes) != list(self.meta_dtypes):
                 log.warning("kvfs LMCache: a stored chunk does not match this engine's format")
@@ -314,5 +350,8 @@ class KvfsConnector(RemoteConnector):
         return [i.key[len(self.namespace) + 1 :].decode() for i in infos]
 
     async def close(self) -> None:
+        if self._tasks:  # the gets on this loop (the pool's close waits for the rest)
+            await asyncio.wait(list(self._tasks), timeout=3 * self.config.timeout_s)
         self._drain()
+        await self.aclient.close()
         self.client.close()

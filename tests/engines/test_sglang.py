@@ -93,6 +93,27 @@ def test_backup_then_prefetch_bit_exact(tcluster: ThreadCluster, layout: str, v1
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
+def test_page_regions_are_those_sglang_names(tcluster: ThreadCluster, layout: str) -> None:
+    """The plug-in computes a call's page regions from lines it read off SGLang's
+    ``get_page_buffer_meta`` at registration: the same regions, in the same order, for
+    pages anywhere in the pool and out of order."""
+    pool = host_pool(layout)
+    backend = storage(tcluster, pool, f"regions/{layout}")
+    assert backend._regions is not None  # the lines hold in every host layout
+    slots = [13, 0, 2, 15, 7]  # page slots of the 16 in the pool (host_ratio=2: 128 tokens)
+    idx = torch.cat([torch.arange(s * PAGE, (s + 1) * PAGE) for s in slots])
+    got = backend._page_parts(len(slots), idx)
+    ptrs, sizes = pool.get_page_buffer_meta(idx)
+    base = pool.kv_buffer.data_ptr()
+    want = [backend._host.view[p - base : p - base + n]  # type: ignore[union-attr]
+            for p, n in zip(ptrs, sizes, strict=True)]
+    flat = [v for page in got for v in page]
+    assert [v.nbytes for v in flat] == list(sizes)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(flat, want, strict=True))
+    backend.close()
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_zero_copy_pages_are_one_key_each_and_written_once(tcluster: ThreadCluster,
                                                            layout: str) -> None:
     pool = host_pool(layout)
