@@ -12,7 +12,7 @@ import pytest
 from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.chunkserver import ChunkServer
-from kvfs.errors import Unavailable, WrongCluster
+from kvfs.errors import InvalidArgument, Unavailable, WrongCluster
 from kvfs.gc import GarbageCollector, PassOptions
 from kvfs.handshake import Role
 from kvfs.launcher import LocalCluster
@@ -83,6 +83,26 @@ async def test_meta_refuses_an_unknown_chunkserver_that_holds_chunks(cluster: Lo
         # a new, empty chunkserver joins and learns the id
         r = await conn.call(rpc.Register(addr="127.0.0.1:1", capacity=1, free=1))
         assert r.cluster_id == cluster.meta.cluster_id  # type: ignore[union-attr]
+    finally:
+        conn.close()
+
+
+async def test_meta_refuses_another_data_dir_taking_a_live_chunkservers_id(cluster: LocalCluster) -> None:
+    """A live chunkserver's id is not given to a server at another address that cannot prove
+    its data dir (another key): the registry keeps the live one's address."""
+    cs = cluster.chunkservers[0]
+    assert cs is not None and cs.store.key
+    meta = cluster.meta
+    assert meta is not None
+    sid = cs.store.server_id
+    host, port = parse_addr(cluster.addr)
+    conn = await Connection.open(host, port, cluster.tokens[Role.SERVER])
+    try:
+        with pytest.raises(InvalidArgument, match=f"chunkserver {sid} is alive at {cs.addr}"):
+            await conn.call(rpc.Register(server_id=sid, addr="127.0.0.1:1", capacity=1, free=1,
+                                         key="another data dir", cluster_id=meta.cluster_id))
+        assert meta.index.servers[sid].addr == cs.addr
+        assert meta.index.servers[sid].key == cs.store.key
     finally:
         conn.close()
 

@@ -15,12 +15,16 @@ import pytest
 from conftest import kvfs_admin
 
 from kvfs import rpc
+from kvfs.address import parse_addr
 from kvfs.bench.reliability import flip_byte
 from kvfs.config import ClientConfig, MetaConfig
+from kvfs.errors import InvalidArgument
 from kvfs.gc import GarbageCollector, PassOptions
+from kvfs.handshake import Role
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
 from kvfs.meta.repair import RepairSummary, plan_repairs, readable, replace_replica
+from kvfs.transport import Connection
 
 DEAD_AFTER_S = 1.0
 REPAIR_ONLY = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=True)
@@ -212,6 +216,18 @@ async def test_decommission_drains_a_server_then_forgets_it(cluster: LocalCluste
         for k in values:
             assert not on_victim(await kv.layout(k)), k
         assert await kv.get_many(list(values)) == list(values.values())
+    # its id is never taken again: neither its registration nor its heartbeat is accepted
+    assert cluster.meta is not None
+    host, port = parse_addr(cluster.addr)
+    conn = await Connection.open(host, port, cluster.tokens[Role.SERVER])
+    try:
+        for req in (rpc.Register(server_id=victim, addr="127.0.0.1:1", cluster_id=cluster.meta.cluster_id),
+                    rpc.Heartbeat(server_id=victim, addr="127.0.0.1:1", capacity=1, free=1, used=0, chunks={})):
+            with pytest.raises(InvalidArgument, match=f"chunkserver {victim} was decommissioned"):
+                await conn.call(req)
+        assert victim not in cluster.meta.index.servers
+    finally:
+        conn.close()
 
 
 async def test_a_ttl_key_keeps_its_expiry_through_fsck_and_repair(cluster: LocalCluster) -> None:
