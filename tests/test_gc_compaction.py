@@ -14,7 +14,7 @@ from conftest import clocked_client as client
 
 from kvfs import rpc
 from kvfs.client import AsyncClient
-from kvfs.config import ChunkServerConfig
+from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster, ProcessCluster
 
@@ -79,6 +79,33 @@ async def test_compaction_keeps_live_keys_and_shrinks_disk(small: LocalCluster, 
     clock.advance(3601)
     async with client(small, clock) as fresh:
         assert await fresh.get_many(ttl) == [None] * len(ttl)
+
+
+async def test_compaction_of_replicated_values_keeps_the_other_replica(small: LocalCluster,
+                                                                       clock: FakeClock) -> None:
+    """GC_RELOCATE switches one server's replicas at a time: a key with two replicas keeps
+    the other server's replica (switched by that server's own GC_RELOCATE, or not at all)."""
+    kv = small.client(ClientConfig(replicas=2))
+    kv.clock = clock
+    async with kv:
+        keys = await fill(kv, n=200)
+        dead = set(random.Random(2).sample(keys, 140))
+        await kv.delete_many(sorted(dead))
+        live = [k for k in keys if k not in dead]
+        before = {k: await kv.layout(k) for k in live}
+        async with GarbageCollector(small.addr, token=small.admin_token) as gc:
+            r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
+        assert r.chunks_compacted > 0 and r.relocations_lost == 0
+    async with client(small, clock) as fresh:
+        moved = 0
+        for k, old in before.items():
+            new = await fresh.layout(k)
+            assert old is not None and new is not None
+            reps = [rep for e in new.extents for rep in e.replicas]
+            assert len({rep.server_id for rep in reps}) == len(reps) == 2, (k, new)
+            moved += new.extents != old.extents
+        assert moved > 0
+        assert await fresh.get_many(live) == [value_of(k) for k in live]
 
 
 async def test_grace_period_keeps_old_chunk_for_in_flight_reads(small: LocalCluster, clock: FakeClock) -> None:
