@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -28,11 +29,14 @@ import pytest
 from conftest import FakeClock, hold
 from conftest import clocked_client as client
 
+from kvfs import rpc
+from kvfs.address import parse_addr
 from kvfs.config import ChunkServerConfig
 from kvfs.errors import StaleLayout
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
 from kvfs.rpc import Op
+from kvfs.transport import Connection
 
 pytestmark = pytest.mark.usefixtures("meta_backend")  # each test over SQLite and Redis
 
@@ -77,6 +81,37 @@ async def test_retire_refuses_a_chunk_a_commit_made_live(one: LocalCluster, cloc
         assert chunk_files(one) == files
     async with client(one, clock) as fresh:
         assert await fresh.get("k") == value_of("k")
+
+
+async def test_retire_never_takes_a_servers_open_chunk(one: LocalCluster, clock: FakeClock) -> None:
+    """The chunk appends go to holds no live bytes once its only key expired; GC_RETIRE
+    naming it (a plan made before the server opened it) retires nothing: the next put lands
+    in it and reads back."""
+    async with client(one, clock) as kv:
+        await kv.put("k", value_of("k"), ttl=60)
+        lay = await kv.layout("k")
+    assert lay is not None and one.meta is not None
+    open_chunk, sid = lay.extents[0].replicas[0].chunk_id, lay.extents[0].replicas[0].server_id
+    s = one.meta.index.servers[sid]
+    deadline = time.monotonic() + 30
+    while s.open_chunk != open_chunk:  # meta learns the open chunk from a heartbeat
+        assert time.monotonic() < deadline, s.open_chunk
+        await asyncio.sleep(0.05)
+    clock.advance(61)
+    host, port = parse_addr(one.addr)
+    conn = await Connection.open(host, port, one.admin_token)
+    try:
+        expired = await conn.call(rpc.GcExpire(apply=True))
+        assert expired.keys == 1  # the chunk holds no live bytes now
+        r = await conn.call(rpc.GcRetire(server_id=sid, chunks=[open_chunk]))
+    finally:
+        conn.close()
+    assert r.retired == []
+    async with client(one, clock) as kv:
+        await kv.put("k", value_of("k"))
+        lay = await kv.layout("k")
+        assert lay is not None and lay.extents[0].replicas[0].chunk_id == open_chunk
+        assert await kv.get("k") == value_of("k")
 
 
 async def test_commit_refuses_a_layout_naming_a_retired_chunk(one: LocalCluster, clock: FakeClock) -> None:
