@@ -114,6 +114,38 @@ async def test_retire_never_takes_a_servers_open_chunk(one: LocalCluster, clock:
         assert await kv.get("k") == value_of("k")
 
 
+async def test_an_open_chunk_without_live_bytes_is_sealed_after_the_grace_period(
+        one: LocalCluster, clock: FakeClock) -> None:
+    """GC_PLAN plans sealing the open chunk once its only key expired, but not before
+    ``grace_s`` has passed since it first saw the chunk without live bytes (a commit into
+    it may still be on its way), and it reports the chunk's bytes as none live."""
+    async with client(one, clock) as kv:
+        await kv.put("k", value_of("k"), ttl=60)
+        lay = await kv.layout("k")
+    assert lay is not None and one.meta is not None
+    open_chunk, sid = lay.extents[0].replicas[0].chunk_id, lay.extents[0].replicas[0].server_id
+    s = one.meta.index.servers[sid]
+    deadline = time.monotonic() + 30
+    while s.open_chunk != open_chunk:  # meta learns the open chunk from a heartbeat
+        assert time.monotonic() < deadline, s.open_chunk
+        await asyncio.sleep(0.05)
+    clock.advance(61)
+    host, port = parse_addr(one.addr)
+    conn = await Connection.open(host, port, one.admin_token)
+    try:
+        assert (await conn.call(rpc.GcExpire(apply=True))).keys == 1
+        first = await conn.call(rpc.GcPlan(grace_s=100, threshold=0.3))
+        clock.advance(99)
+        early = await conn.call(rpc.GcPlan(grace_s=100, threshold=0.3))
+        clock.advance(1)
+        due = await conn.call(rpc.GcPlan(grace_s=100, threshold=0.3))
+    finally:
+        conn.close()
+    assert first.seal == early.seal == []
+    assert [(c.server_id, c.chunk_id, c.live) for c in due.seal] == [(sid, open_chunk, 0)]
+    assert due.seal[0].written >= len(value_of("k"))
+
+
 async def test_commit_refuses_a_layout_naming_a_retired_chunk(one: LocalCluster, clock: FakeClock) -> None:
     """put appends; a whole GC pass retires and deletes the unreferenced chunk; then the commit
     arrives: it must be refused (StaleLayout), never make a key whose bytes are gone."""
