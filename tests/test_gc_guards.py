@@ -146,6 +146,37 @@ async def test_an_open_chunk_without_live_bytes_is_sealed_after_the_grace_period
     assert due.seal[0].written >= len(value_of("k"))
 
 
+async def test_a_retired_chunk_still_listed_is_planned_for_deletion_again(
+        one: LocalCluster, clock: FakeClock) -> None:
+    """A chunk retired by a GC that stopped before the chunkserver deleted it is planned for
+    deletion at once by the next GC_PLAN, whatever its grace period."""
+    async with client(one, clock) as kv:
+        await kv.put("k", value_of("k"), ttl=60)
+        lay = await kv.layout("k")
+    assert lay is not None and one.meta is not None
+    old, sid = lay.extents[0].replicas[0].chunk_id, lay.extents[0].replicas[0].server_id
+    await one.stop_chunkserver(0)
+    await one.start_chunkserver(0)  # appends go to a new chunk from here
+    async with client(one, clock) as kv:
+        await kv.put("k2", value_of("k2"))
+    s = one.meta.index.servers[sid]
+    deadline = time.monotonic() + 30
+    while s.open_chunk in (None, old) or old not in s.chunks:  # a heartbeat from the restarted server
+        assert time.monotonic() < deadline, (s.open_chunk, s.chunks)
+        await asyncio.sleep(0.05)
+    clock.advance(61)
+    host, port = parse_addr(one.addr)
+    conn = await Connection.open(host, port, one.admin_token)
+    try:
+        assert (await conn.call(rpc.GcExpire(apply=True))).keys == 1
+        assert (await conn.call(rpc.GcRetire(server_id=sid, chunks=[old]))).retired == [old]
+        plan = await conn.call(rpc.GcPlan(grace_s=100))
+    finally:
+        conn.close()
+    assert [(d.server_id, d.chunk_id, d.written) for d in plan.delete] == [(sid, old, s.chunks[old])]
+    assert plan.waiting == 0
+
+
 async def test_commit_refuses_a_layout_naming_a_retired_chunk(one: LocalCluster, clock: FakeClock) -> None:
     """put appends; a whole GC pass retires and deletes the unreferenced chunk; then the commit
     arrives: it must be refused (StaleLayout), never make a key whose bytes are gone."""
