@@ -83,10 +83,9 @@ async def test_retire_refuses_a_chunk_a_commit_made_live(one: LocalCluster, cloc
         assert await fresh.get("k") == value_of("k")
 
 
-async def test_retire_never_takes_a_servers_open_chunk(one: LocalCluster, clock: FakeClock) -> None:
-    """The chunk appends go to holds no live bytes once its only key expired; GC_RETIRE
-    naming it (a plan made before the server opened it) retires nothing: the next put lands
-    in it and reads back."""
+async def _open_chunk_of_one_ttl_key(one: LocalCluster, clock: FakeClock) -> tuple[int, int]:
+    """Put one key with a 60 s TTL; (chunk id, server id) of the open chunk it went to, once
+    meta knows that chunk as the server's open one (from a heartbeat)."""
     async with client(one, clock) as kv:
         await kv.put("k", value_of("k"), ttl=60)
         lay = await kv.layout("k")
@@ -94,9 +93,17 @@ async def test_retire_never_takes_a_servers_open_chunk(one: LocalCluster, clock:
     open_chunk, sid = lay.extents[0].replicas[0].chunk_id, lay.extents[0].replicas[0].server_id
     s = one.meta.index.servers[sid]
     deadline = time.monotonic() + 30
-    while s.open_chunk != open_chunk:  # meta learns the open chunk from a heartbeat
+    while s.open_chunk != open_chunk:
         assert time.monotonic() < deadline, s.open_chunk
         await asyncio.sleep(0.05)
+    return open_chunk, sid
+
+
+async def test_retire_never_takes_a_servers_open_chunk(one: LocalCluster, clock: FakeClock) -> None:
+    """The chunk appends go to holds no live bytes once its only key expired; GC_RETIRE
+    naming it (a plan made before the server opened it) retires nothing: the next put lands
+    in it and reads back."""
+    open_chunk, sid = await _open_chunk_of_one_ttl_key(one, clock)
     clock.advance(61)
     host, port = parse_addr(one.addr)
     conn = await Connection.open(host, port, one.admin_token)
@@ -119,16 +126,7 @@ async def test_an_open_chunk_without_live_bytes_is_sealed_after_the_grace_period
     """GC_PLAN plans sealing the open chunk once its only key expired, but not before
     ``grace_s`` has passed since it first saw the chunk without live bytes (a commit into
     it may still be on its way), and it reports the chunk's bytes as none live."""
-    async with client(one, clock) as kv:
-        await kv.put("k", value_of("k"), ttl=60)
-        lay = await kv.layout("k")
-    assert lay is not None and one.meta is not None
-    open_chunk, sid = lay.extents[0].replicas[0].chunk_id, lay.extents[0].replicas[0].server_id
-    s = one.meta.index.servers[sid]
-    deadline = time.monotonic() + 30
-    while s.open_chunk != open_chunk:  # meta learns the open chunk from a heartbeat
-        assert time.monotonic() < deadline, s.open_chunk
-        await asyncio.sleep(0.05)
+    open_chunk, sid = await _open_chunk_of_one_ttl_key(one, clock)
     clock.advance(61)
     host, port = parse_addr(one.addr)
     conn = await Connection.open(host, port, one.admin_token)
