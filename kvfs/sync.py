@@ -114,16 +114,16 @@ class _FutureCall(_Call):
 class _Future(concurrent.futures.Future[T]):
     """What ``submit_*`` returns.  ``cancel()`` stops the call on the IO loop and returns
     once it has ended, so a cancelled ``submit_get_into`` writes no buffer afterwards (as
-    the async ``get_into``'s cancellation); False if it had already finished.  Called on
-    the IO thread itself, where it cannot wait, it asks for the cancellation and returns
-    False: the future ends cancelled (or with the result that won the race) soon after."""
+    the async ``get_into``'s cancellation); False if it had already finished.  Called from
+    a thread running an event loop (the IO thread, or another loop through
+    ``asyncio.wrap_future``), which must not block, it asks for the cancellation and
+    returns False: the future stays pending until the call has ended, then ends cancelled
+    (or with the result that won the race)."""
 
-    def __init__(self, call: _FutureCall, loop: asyncio.AbstractEventLoop,
-                 io_thread: threading.Thread) -> None:
+    def __init__(self, call: _FutureCall, loop: asyncio.AbstractEventLoop) -> None:
         super().__init__()
         self._call = call
         self._loop = loop
-        self._io_thread = io_thread
 
     def cancel(self) -> bool:
         if self.done():
@@ -133,10 +133,18 @@ class _Future(concurrent.futures.Future[T]):
             self._loop.call_soon_threadsafe(call.cancel)
         except RuntimeError:  # the loop is closed: the call can no longer run
             return super().cancel()
-        if threading.current_thread() is self._io_thread:
+        if _on_a_loop():
             return False
         call.wait_ended()
         return self.cancelled()
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 class Client:
@@ -178,7 +186,7 @@ class Client:
             coro.close()
             raise LocalProtocolError("kvfs.Client is closed")
         call = _FutureCall(coro)
-        fut: _Future[T] = _Future(call, loop, self._thread)
+        fut: _Future[T] = _Future(call, loop)
         call.future = fut
         loop.call_soon_threadsafe(call.start, loop)
         return fut

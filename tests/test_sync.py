@@ -267,6 +267,14 @@ def test_submit_futures_complete_and_fail_like_blocking_calls(tcluster: ThreadCl
         canceller.join(30)
         assert cancelled == [True] and late.cancelled()
         assert kv.get(b"fut/k") == b"v"  # the cancelled delete never ran
+        # on a thread running an event loop (here the IO thread itself) cancel() must not
+        # block: it asks for the cancellation, says False, and the future ends afterwards
+        asked = kv.submit_exists_many([b"fut/k"])
+        answers: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        kv._loop.call_soon_threadsafe(lambda: answers.set_result(asked.cancel()))
+        assert answers.result(30) is False
+        concurrent.futures.wait([asked], timeout=30)
+        assert asked.cancelled() or asked.result() == [True]
 
 
 def _waiting_in(t: threading.Thread, function: str) -> bool:
