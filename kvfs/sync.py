@@ -22,6 +22,7 @@ from kvfs.errors import LocalProtocolError
 from kvfs.layout import Key, Layout
 
 T = TypeVar("T")
+_STOPPED_POLL_S = 0.1  # an interrupted call's wait looks this often whether the IO loop stopped
 
 
 class _Call:
@@ -66,17 +67,21 @@ class _Call:
         if self.started and self.task is not None:  # (not yet started: _run sees the flag)
             self.task.cancel()
 
-    def wait_ended(self) -> None:
-        """Blocks until the call has ended; an interrupt meanwhile (a second Ctrl-C) is
-        held back until then, as the async client's cancelled ``get_into`` does."""
+    def wait_ended(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Blocks until the call has ended, or ``loop`` has stopped (nothing of the call
+        runs any more); an interrupt meanwhile (a second Ctrl-C) is held back until then,
+        as the async client's cancelled ``get_into`` does."""
         held: BaseException | None = None
         while True:
             try:
-                self.done.acquire()
+                if not self.done.acquire(timeout=_STOPPED_POLL_S):
+                    if loop.is_running():
+                        continue
+                else:
+                    self.done.release()
             except BaseException as exc:
                 held = held or exc
                 continue
-            self.done.release()
             if held is not None:
                 raise held
             return
@@ -132,10 +137,12 @@ class _Future(concurrent.futures.Future[T]):
         try:
             self._loop.call_soon_threadsafe(call.cancel)
         except RuntimeError:  # the loop is closed: the call can no longer run
-            return super().cancel()
+            super().cancel()
+            self.set_running_or_notify_cancel()  # concurrent.futures.wait() is told too
+            return True
         if _on_a_loop():
             return False
-        call.wait_ended()
+        call.wait_ended(self._loop)
         return self.cancelled()
 
 
@@ -214,7 +221,7 @@ class Client:
             call.done.acquire()
         except BaseException:  # e.g. KeyboardInterrupt in the caller: stop the call too
             loop.call_soon_threadsafe(call.cancel)
-            call.wait_ended()
+            call.wait_ended(loop)
             raise
         return call.outcome()
 
