@@ -354,3 +354,32 @@ async def test_each_emptied_chunk_waits_its_own_grace_period(one: LocalCluster, 
         p = await plan()
         assert [d.chunk_id for d in p.delete] == chunks and p.waiting == 0
         assert await kv.get("live") == value_of("live")
+
+
+async def test_relocate_skips_a_key_that_expired_since_the_copy_and_moves_the_rest(
+        one: LocalCluster, clock: FakeClock) -> None:
+    """GC copies a chunk's live records; the first of them expires before GC_RELOCATE
+    arrives: that key is not switched (it is gone for readers), every key after it is."""
+    keys = [f"k{i:03d}" for i in range(40)]
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
+        await kv.put("soon", value_of("soon"), ttl=10)  # first in the chunk
+        await kv.put_many([(k, value_of(k)) for k in keys])
+        await kv.delete_many(keys[::2])  # half garbage: the chunk is compacted
+        live = keys[1::2]
+        soon = await kv.layout("soon")
+        assert soon is not None
+        old = soon.extents[0].replicas[0].chunk_id
+        relocate = hold(one, Op.GC_RELOCATE)
+        gc_pass = asyncio.create_task(gc.run_pass(NOW))
+        await relocate.reached(gc_pass)  # "soon" was copied too: not expired yet
+        clock.advance(11)
+        relocate.release()
+        report = await gc_pass
+        assert report.chunks_compacted == 1 and report.keys_relocated == len(live)
+        assert report.relocations_lost == 1
+    async with client(one, clock) as fresh:
+        assert await fresh.get_many(live) == [value_of(k) for k in live]
+        assert await fresh.get("soon") is None
+        for k in live:  # every live key moved to the copy
+            lay = await fresh.layout(k)
+            assert lay is not None and lay.extents[0].replicas[0].chunk_id != old, k
