@@ -35,6 +35,7 @@ from kvfs.config import ChunkServerConfig
 from kvfs.errors import StaleLayout
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
+from kvfs.meta.index import RECORD_OVERHEAD_BYTES
 from kvfs.rpc import Op
 from kvfs.transport import Connection
 
@@ -383,3 +384,25 @@ async def test_relocate_skips_a_key_that_expired_since_the_copy_and_moves_the_re
         for k in live:  # every live key moved to the copy
             lay = await fresh.layout(k)
             assert lay is not None and lay.extents[0].replicas[0].chunk_id != old, k
+
+
+async def test_gc_status_counts_each_servers_bytes_and_expired_keys(one: LocalCluster, clock: FakeClock) -> None:
+    """GC_STATUS per server: nothing written is no garbage (ratio 0); then live bytes are each
+    stored record (header, key, value; expired keys until GC_EXPIRE removes them), garbage
+    is what else was written, the ratio is garbage over used, and expired keys are counted."""
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
+        await gc.sync_usage()
+        (s,) = (await gc.status())["servers"]
+        assert (s["used"], s["live"], s["garbage"], s["ratio"], s["expired_keys"], s["dead_chunks"]) == (
+            0, 0, 0, 0.0, 0, 0)
+        await kv.put_many([("t1", value_of("t1")), ("t2", value_of("t2"))], ttl=10)
+        await kv.put_many([("k1", value_of("k1")), ("k2", value_of("k2"))])
+        await kv.put("k2", value_of("k2 again"))  # its first record is garbage now
+        clock.advance(11)
+        await gc.sync_usage()
+        st = await gc.status()
+    (s,) = st["servers"]
+    assert s["live"] == sum(RECORD_OVERHEAD_BYTES + len(k) + 8192 for k in ("t1", "t2", "k1", "k2"))
+    assert s["garbage"] == s["used"] - s["live"] > 0 and s["ratio"] == s["garbage"] / s["used"]
+    assert s["expired_keys"] == st["expired_keys"] == 2
+    assert s["dead_chunks"] == 0 and s["chunks"] >= 1 and s["fill"] == s["used"] / s["capacity"] > 0
