@@ -389,20 +389,33 @@ async def test_relocate_skips_a_key_that_expired_since_the_copy_and_moves_the_re
 async def test_gc_status_counts_each_servers_bytes_and_expired_keys(one: LocalCluster, clock: FakeClock) -> None:
     """GC_STATUS per server: nothing written is no garbage (ratio 0); then live bytes are each
     stored record (header, key, value; expired keys until GC_EXPIRE removes them), garbage
-    is what else was written, the ratio is garbage over used, and expired keys are counted."""
+    is what else was written (a chunk of only garbage counts none), the ratio is garbage over
+    used, and expired keys are counted. A dry pass counts as no pass; an applied one does."""
     async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
         await gc.sync_usage()
         (s,) = (await gc.status())["servers"]
         assert (s["used"], s["live"], s["garbage"], s["ratio"], s["expired_keys"], s["dead_chunks"]) == (
             0, 0, 0, 0.0, 0, 0)
+        await kv.put("k2", value_of("k2"))
+        lay = await kv.layout("k2")
+        assert lay is not None
+        r = lay.extents[0].replicas[0]
+        assert (await gc.chunkserver(r.server_id, rpc.ChunkSeal(chunk_id=r.chunk_id))).sealed
+        await kv.put("k2", value_of("k2 again"))  # its first record is garbage, its chunk all garbage
         await kv.put_many([("t1", value_of("t1")), ("t2", value_of("t2"))], ttl=10)
-        await kv.put_many([("k1", value_of("k1")), ("k2", value_of("k2"))])
-        await kv.put("k2", value_of("k2 again"))  # its first record is garbage now
+        await kv.put("k1", value_of("k1"))
         clock.advance(11)
         await gc.sync_usage()
         st = await gc.status()
-    (s,) = st["servers"]
-    assert s["live"] == sum(RECORD_OVERHEAD_BYTES + len(k) + 8192 for k in ("t1", "t2", "k1", "k2"))
-    assert s["garbage"] == s["used"] - s["live"] > 0 and s["ratio"] == s["garbage"] / s["used"]
-    assert s["expired_keys"] == st["expired_keys"] == 2
-    assert s["dead_chunks"] == 0 and s["chunks"] >= 1 and s["fill"] == s["used"] / s["capacity"] > 0
+        (s,) = st["servers"]
+        assert s["live"] == sum(RECORD_OVERHEAD_BYTES + len(k) + 8192 for k in ("t1", "t2", "k1", "k2"))
+        assert s["garbage"] == s["used"] - s["live"] > 0 and s["ratio"] == s["garbage"] / s["used"]
+        assert s["expired_keys"] == st["expired_keys"] == 2
+        assert s["dead_chunks"] == 0 and s["chunks"] == 2 and s["fill"] == s["used"] / s["capacity"] > 0
+        # a dry pass is no pass; an applied one counts, with its duration
+        await gc.run_pass(PassOptions(apply=False, grace_s=0))
+        assert (await gc.status())["metrics"]["passes"] == 0
+        await gc.run_pass(NOW)
+        st = await gc.status()
+    m = st["metrics"]
+    assert m["passes"] == 1 and m["pass_duration_s"] == m["last_pass_duration_s"] == st["last_run"]["duration_s"] > 0
