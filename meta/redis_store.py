@@ -15,7 +15,7 @@ them together:
 ``{NS.B}a``        sorted set key -> last access (LRU eviction)
 ``{NS.B}x``        sorted set key -> expires_at (the expiry sweep)
 ``{NS.B}L``        hash chunk -> live bytes *of this bucket's keys*
-``{NS.B}c<CID>``   set: this bucket's keys with a replica in chunk CID (the chunk index)
+``{NS.B}c<CID>``   hash: this bucket's keys with a replica in chunk CID -> '' (chunk index)
 ``{NS.B}s<SID>``   set: the chunks of server SID with live bytes in this bucket
 ``{NS.B}n``        hash ``bytes`` -> the size of this bucket's values (keys: HLEN of h)
 ``{NS.B}D``        set of retired chunks (every bucket holds the whole set)
@@ -71,10 +71,11 @@ clock.
 Cost
 ----
 A commit or a lookup is one script on each involved node, the nodes called at once:
-one round trip (a commit adds one SADD per chunk of each key, one HINCRBY for the bytes
-counter, and an SADD/SREM to the server index when a chunk's first key enters a bucket or
-its last leaves).  Listing merges the buckets' ``k`` indexes: each round fetches a few keys
-per bucket (one pipeline per node), plus one round trip for the layouts of the page.
+one round trip (a commit adds one HSET per chunk of each key to the chunk index; the
+live bytes, the bytes counter and the server index are summed per bucket and chunk and
+written once per script).  Listing merges the buckets' ``k`` indexes: each round fetches
+a few keys per bucket (one pipeline per node), plus one round trip for the layouts of the
+page.
 The expiry sweep and LRU candidates merge the same way over ``x`` and ``a``.
 Nothing meta serves reads every key: :meth:`refs` (a compaction's chunk references, repair
 plans, drains) reads the chunk and server indexes of every bucket (O(keys named +
@@ -129,7 +130,7 @@ URL_SCHEME = "redis-cluster://"
 DEFAULT_BUCKETS = 256
 RETIRE_LOCK_MS = 30_000
 SCAN_MIN_COUNT = 64  # HSCAN's COUNT hint per bucket and round of scan()
-ROUND_BUCKETS = 16  # buckets per round (one script per node) of refs(): bounds one reply
+ROUND_BUCKETS = 16  # buckets per round (one script per node) of refs() by server: bounds a reply
 FORMAT = "2"  # the store's layout: 2 added the chunk and server indexes and the bytes counter
 CLOSE_TIMEOUT_S = 5.0  # close(): each connection's close, and the last access-time flush
 HMGET_FIELDS = 4096  # chunks asked per HMGET of the retired set
@@ -139,9 +140,11 @@ DEFAULT_TIMEOUT_S = 5.0  # one network step: a pipeline to a node, a command, a 
 # The value prefix: "EXPIRES;SIZE;CID:N,CID:N|" (N: the live bytes the key adds to the chunk).
 # Numbers stay strings in Lua (chunk ids exceed 2^53); HINCRBY parses them.
 # index(t, k, v, sign) adds (sign 1) or takes away (-1) everything a stored value contributes
-# to its bucket's derived structures, in the script that stores or removes it: the chunk's
-# live bytes (L), the chunk -> keys index (c<CID>), the server -> chunks index (s<SID>: the
-# chunks with live bytes in this bucket) and the bytes counter (n).
+# to its bucket's derived structures, in the script that stores or removes it: the chunk ->
+# keys index (c<CID>: a hash, fields the keys, values empty: Redis 7.0 packs a small hash,
+# not a small set of strings, into one listpack) at once; the chunk's live bytes (L), the
+# server -> chunks index (s<SID>: the chunks with live bytes in this bucket) and the bytes
+# counter (n) summed per bucket and chunk, written by flush() once at the script's end.
 _LUA_ADJUST = """
 local function parts(v)
   local s1 = string.find(v, ';', 1, true)
@@ -159,25 +162,40 @@ local function sid_of(cid)
   end
   return string.format('%d', q)
 end
+local live_delta, bytes_delta = {}, {}
 local function index(t, k, v, sign)
   local size, con = parts(v)
-  local L = t .. 'L'
+  local a = live_delta[t]
+  if not a then
+    a = {}
+    live_delta[t] = a
+    bytes_delta[t] = 0
+  end
   for cid, nb in string.gmatch(con, '(%d+):(%d+)') do
-    if sign < 0 then
-      if redis.call('HINCRBY', L, cid, '-' .. nb) == 0 then
-        redis.call('HDEL', L, cid)
-        redis.call('SREM', t .. 's' .. sid_of(cid), cid)
+    a[cid] = (a[cid] or 0) + sign * tonumber(nb)
+    if sign < 0 then redis.call('HDEL', t .. 'c' .. cid, k)
+    else redis.call('HSET', t .. 'c' .. cid, k, '') end
+  end
+  bytes_delta[t] = bytes_delta[t] + sign * tonumber(size)
+end
+local function flush()
+  for t, a in pairs(live_delta) do
+    local L = t .. 'L'
+    for cid, d in pairs(a) do
+      if d ~= 0 then
+        local r = redis.call('HINCRBY', L, cid, string.format('%d', d))
+        if r == 0 then
+          redis.call('HDEL', L, cid)
+          redis.call('SREM', t .. 's' .. sid_of(cid), cid)
+        elseif r == d then
+          redis.call('SADD', t .. 's' .. sid_of(cid), cid)
+        end
       end
-      redis.call('SREM', t .. 'c' .. cid, k)
-    else
-      if redis.call('HINCRBY', L, cid, nb) == tonumber(nb) then
-        redis.call('SADD', t .. 's' .. sid_of(cid), cid)
-      end
-      redis.call('SADD', t .. 'c' .. cid, k)
+    end
+    if bytes_delta[t] ~= 0 then
+      redis.call('HINCRBY', t .. 'n', 'bytes', string.format('%d', bytes_delta[t]))
     end
   end
-  if sign < 0 then redis.call('HINCRBY', t .. 'n', 'bytes', '-' .. size)
-  else redis.call('HINCRBY', t .. 'n', 'bytes', size) end
 end
 local function dead_in(D, v)
   if redis.call('SCARD', D) == 0 then return false end
@@ -264,6 +282,7 @@ for _, g in ipairs(gs) do
     end
   end
 end
+flush()
 return out
 """
 
@@ -299,6 +318,7 @@ for _, g in ipairs(groups(3, 2)) do
     end
   end
 end
+flush()
 return out
 """
 
@@ -320,6 +340,7 @@ for _, g in ipairs(groups(1, 3)) do
     end
   end
 end
+flush()
 return out
 """
 
@@ -380,7 +401,7 @@ for _, g in ipairs(groups(3 + nc + ns, 0)) do
   end
   local sent = {}
   for _, c in ipairs(cids) do
-    for _, k in ipairs(redis.call('SMEMBERS', t .. 'c' .. c)) do
+    for _, k in ipairs(redis.call('HKEYS', t .. 'c' .. c)) do
       out[#out + 1] = c
       out[#out + 1] = k
       if sent[k] then out[#out + 1] = '' else
@@ -409,7 +430,7 @@ for _, g in ipairs(groups(1, 2)) do
         if cid == c then named = true break end
       end
     end
-    if not named then n = n + redis.call('SREM', t .. 'c' .. c, k) end
+    if not named then n = n + redis.call('HDEL', t .. 'c' .. c, k) end
   end
 end
 return n
@@ -1059,8 +1080,9 @@ class RedisMetaStore:
                    ) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
         """Every stored key (expired ones included) with a replica in one of ``chunks`` or on
         one of ``servers``, with its layout, each once, read from the chunk index
-        (``{NS.B}c<CID>``) and the server index (``{NS.B}s<SID>``): one script per node for
-        each round of ``ROUND_BUCKETS`` buckets, O(the keys named + buckets), never the others.
+        (``{NS.B}c<CID>``) and the server index (``{NS.B}s<SID>``): one script per node (for
+        servers, per round of ``ROUND_BUCKETS`` buckets, as a server's keys may be many),
+        O(the keys named + buckets), never the others.
 
         The index changes in the same script as the layout, so it is exact; still, each entry
         is checked against the stored layout, and one that no longer holds (the key gone, or
@@ -1071,8 +1093,9 @@ class RedisMetaStore:
         if not cs and not ss:
             return
         head = [len(cs), *cs, len(ss), *ss]
-        for lo in range(0, self.buckets, ROUND_BUCKETS):
-            part: dict[int, builtins.list[Any]] = {b: [] for b in range(lo, min(lo + ROUND_BUCKETS, self.buckets))}
+        step = ROUND_BUCKETS if ss else self.buckets  # given chunks only: their keys, one round
+        for lo in range(0, self.buckets, step):
+            part: dict[int, builtins.list[Any]] = {b: [] for b in range(lo, min(lo + step, self.buckets))}
             rows: dict[bytes, Layout] = {}
             stale: dict[int, builtins.list[Any]] = defaultdict(list)
             for _, r in await self._per_node(_LUA_REFS, head, part, 1):
