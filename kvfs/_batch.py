@@ -69,10 +69,10 @@ class Batcher(Generic[I, R]):
 
     If the batched call fails, every item is retried alone, so one bad item
     cannot fail its neighbours. A submitter that is cancelled does not cancel
-    the batch; with ``cancel_waits`` (items naming memory the batch writes, e.g.
-    ``get_into``'s buffers) its item is taken out if still queued, and otherwise its
-    cancellation returns only once that batch has ended, so the memory is not written
-    after it.
+    the batch; with ``cancel_waits`` (items naming memory the batch writes or reads:
+    ``get_into``'s buffers, ``put_many``'s values) its item is taken out if still queued,
+    and otherwise its cancellation returns only once that batch has ended, so the memory
+    is not touched after it.
     """
 
     def __init__(self, run: Callable[[list[I]], Awaitable[list[R]]], *, max_items: int,

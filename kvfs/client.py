@@ -133,7 +133,7 @@ class AsyncClient:
             window_s=cfg.batch_window_s, cancel_waits=True)  # a batch writes the callers' buffers
         self._put_batcher: Batcher[_PutCall, list[Layout | None] | KVFSError] = Batcher(
             self._put_calls, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
-            window_s=cfg.batch_window_s)
+            window_s=cfg.batch_window_s, cancel_waits=True)  # a batch reads the callers' buffers
         # key -> the last put_many call writing it, still running: a later call of the same
         # key waits for it, so concurrent puts of one key commit in call order (one entry per
         # key being written, so bounded by the puts in flight)
@@ -239,7 +239,11 @@ class AsyncClient:
         the other writer gets False, with no error.
 
         Calls of this client that write the same key commit in call order (a later one
-        waits for an earlier one still running), so the last call's value stays."""
+        waits for an earlier one still running), so the last call's value stays.
+
+        Values are read from the caller's buffers, not copied; once a cancellation of this
+        call has returned they are not read again (queued: stored nothing; sent: its batch
+        has ended, and may have stored them)."""
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
             return []

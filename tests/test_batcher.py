@@ -304,3 +304,47 @@ async def test_a_cancelled_submitter_leaves_its_batch_with_cancel_waits() -> Non
         assert ["w"] in ran  # its batch ended before its cancellation returned
         assert await both == ["y", "z"]
     assert ["x"] not in ran and all("x" not in items for items in ran)
+
+
+async def test_a_cancelled_put_many_never_stores_what_its_buffer_holds_after(
+        kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put_many batched with others reads its caller's buffer when its batch runs. Once its
+    cancellation has returned the caller may reuse the buffer: the key must then hold the
+    value it was given or nothing, never what the buffer held afterwards (that would be
+    another value under this key, with a CRC to match)."""
+    real = kv.writer.put
+    gate, in_put = asyncio.Event(), asyncio.Event()
+
+    async def held(keys: list[bytes], views: list[list[memoryview]], **kw: Any) -> Any:
+        if b"reused" in keys:
+            in_put.set()
+        await gate.wait()  # fault injection: every write waits here, before reading its values
+        return await real(keys, views, **kw)
+
+    monkeypatch.setattr(kv.writer, "put", held)
+    buf = bytearray(b"given" * 1000)
+    async with asyncio.timeout(30):
+        first = asyncio.ensure_future(kv.put_many({b"first": b"x" * 100}))  # runs at once, alone
+        for _ in range(5):
+            await asyncio.sleep(0)
+        put = asyncio.ensure_future(kv.put_many({b"reused": buf}))  # a batch of its own, held
+        await in_put.wait()
+        put.cancel()
+        reused = asyncio.Event()
+
+        async def caller() -> None:
+            with pytest.raises(asyncio.CancelledError):
+                await put
+            buf[:] = b"other" * 1000  # the caller's next value, in the same buffer
+            reused.set()
+
+        owner = asyncio.ensure_future(caller())
+        for _ in range(50):  # loop turns (no time passes): were the cancel not to wait, it is back
+            await asyncio.sleep(0)
+        gate.set()
+        await asyncio.gather(first, owner)
+        assert reused.is_set()
+        while kv._put_batcher.inflight:  # whatever write still runs ends before the check
+            await asyncio.sleep(0.01)
+    kv.layout_cache.clear()
+    assert await kv.get(b"reused") in (None, b"given" * 1000)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import sys
-import time
 import uuid
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 from conftest import FakeClock, value_of
+from poll import until_alive
 
 from kvfs.client import AsyncClient
 from kvfs.launcher import LocalCluster, ProcessCluster, ServiceProcess
@@ -130,7 +130,6 @@ async def test_writers_on_two_metas_racing_leave_one_value(tmp_path: Path,
                                                            redis_cluster: LocalRedisCluster) -> None:
     """Real processes: two ``kvfs meta`` over one Redis store, a client on each, the same
     keys put ``if_absent`` at once, several rounds."""
-    # (duplicates: test_meta_shared's two-metas setup; each test owns its processes' lifetimes)
     ns = "r" + uuid.uuid4().hex[:10]
     store = ("--store", redis_cluster.url, "--store-namespace", ns)
     c = ProcessCluster(tmp_path / "c", 2, listen="127.0.0.1:0", meta_args=store)
@@ -140,10 +139,7 @@ async def test_writers_on_two_metas_racing_leave_one_value(tmp_path: Path,
     try:
         addr2 = (await meta2.start()).split()[-1]
         async with AsyncClient(c.addr, token=c.token) as a, AsyncClient(addr2, token=c.token) as b:
-            deadline = time.monotonic() + 30
-            while sum(s.alive for s in await b.servers(refresh=True)) < 2:
-                assert time.monotonic() < deadline, "meta 2 never saw the chunkservers alive"
-                await asyncio.sleep(0.1)
+            await until_alive(b, 2, "meta 2")
             for rnd in range(5):
                 keys = [f"r{rnd}/{i}" for i in range(64)]
                 got_a, got_b = await asyncio.gather(

@@ -13,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from poll import until_alive
 
 from kvfs.client import AsyncClient
 from kvfs.launcher import ProcessCluster, ServiceProcess
@@ -38,10 +39,7 @@ async def test_two_metas_serve_one_store(tmp_path: Path, redis_cluster: LocalRed
         b = AsyncClient(addr2, token=c.token)
         try:
             # meta 2 knows the chunkservers (registered with meta 1) through the store
-            deadline = time.monotonic() + 30
-            while sum(s.alive for s in await b.servers(refresh=True)) < 2:
-                assert time.monotonic() < deadline, "meta 2 never saw the chunkservers alive"
-                await asyncio.sleep(0.1)
+            await until_alive(b, 2, "meta 2")
             own = {b"a/%03d" % i: value(b"a/%03d" % i, 0) for i in range(100)}
             other = {b"b/%03d" % i: value(b"b/%03d" % i, 0) for i in range(100)}
             both = [b"s/%03d" % i for i in range(50)]  # written through both metas at once
@@ -141,10 +139,7 @@ async def test_two_metas_with_gc_lose_and_duplicate_no_commit(tmp_path: Path,
         a = AsyncClient(c.addr, token=c.token)
         b = AsyncClient(addr2, token=c.token)
         try:
-            deadline = time.monotonic() + 30
-            while sum(s.alive for s in await b.servers(refresh=True)) < 2:
-                assert time.monotonic() < deadline, "meta 2 never saw the chunkservers alive"
-                await asyncio.sleep(0.1)
+            await until_alive(b, 2, "meta 2")
             for i in (1, 2):
                 daemons[i] = asyncio.create_task(run_daemon(
                     addrs[i], c.admin_token, opts, 0.2, stops[i],
@@ -248,10 +243,7 @@ async def test_clients_and_chunkservers_fail_over_between_metas(tmp_path: Path,
         await asyncio.gather(*(s.start() for s in servers))
         kv = AsyncClient(both, token=c.token)
         assert kv.addr == both
-        deadline = time.monotonic() + 30
-        while sum(s.alive for s in await kv.servers(refresh=True)) < 2:
-            assert time.monotonic() < deadline, "the chunkservers never showed alive"
-            await asyncio.sleep(0.1)
+        await until_alive(kv, 2, "the client's metas")
         m1, m2 = (a.removeprefix("kvfs://") for a in (c.addr, addr2))
         written: dict[bytes, bytes] = {}
         errors: list[BaseException] = []

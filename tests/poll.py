@@ -1,0 +1,20 @@
+"""Waiting for a cluster's state in tests: poll with a deadline, never a bare sleep.
+
+Shared by the tests that start a second meta or restart one and must wait until it sees
+the chunkservers alive again (tests/test_meta_shared.py, test_if_absent.py, test_key_meta.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from kvfs.client import AsyncClient
+
+
+async def until_alive(kv: AsyncClient, n: int, who: str = "meta", timeout_s: float = 30.0) -> None:
+    """Return once ``kv``'s meta lists at least ``n`` chunkservers alive; fail naming ``who``
+    after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while (alive := sum(s.alive for s in await kv.servers(refresh=True))) < n:
+        assert time.monotonic() < deadline, f"{who} saw {alive} of {n} chunkservers alive after {timeout_s:g} s"
+        await asyncio.sleep(0.05)
