@@ -298,3 +298,26 @@ async def test_a_restarted_chunkserver_never_reuses_a_retired_chunk_id(
         assert after.extents[0].replicas[0].chunk_id > before.extents[0].replicas[0].chunk_id
     async with client(one, clock) as fresh:
         assert await fresh.get("new") == value_of("new")
+
+
+async def test_chunk_refs_skip_expired_keys_and_list_every_live_one(one: LocalCluster, clock: FakeClock) -> None:
+    """GC_CHUNK_REFS (what compaction copies) names every live value in the chunk, the ones
+    after an expired key too, and never the expired key (the expire phase may not have run:
+    ``kvfs gc --no-expire``, or a key that expired during the pass)."""
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
+        await kv.put("old", value_of("old"), ttl=5)
+        live = [f"k{i}" for i in range(5)]
+        await kv.put_many([(k, value_of(k)) for k in live])
+        lays = {k: await kv.layout(k) for k in ["old", *live]}
+        chunk = {lay.extents[0].replicas[0].chunk_id for lay in lays.values() if lay is not None}
+        assert len(chunk) == 1  # one server, one open chunk
+        clock.advance(6)
+        got = await gc.meta(rpc.GcChunkRefs(chunks=list(chunk)))
+    want = []
+    for k in live:
+        lay = lays[k]
+        assert lay is not None
+        x = lay.extents[0]
+        want.append(rpc.Ref(k.encode(), x.replicas[0].offset, x.length, x.crc))
+    (cid,) = chunk
+    assert list(got.refs) == [cid] and sorted(got.refs[cid]) == want  # in scan order (Redis: any)

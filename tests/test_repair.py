@@ -119,6 +119,9 @@ async def test_a_dead_server_is_repaired_and_reclaimed_when_it_returns(cluster: 
             report = await gc.run_pass(REPAIR_ONLY)
             assert report.repair is not None
             assert report.repair.extents_repaired == before["under_replicated_extents"] - 1
+            assert (report.repair.under_replicated_extents, report.repair.under_replicated_bytes,
+                    report.repair.unrepairable_extents) == (before["under_replicated_extents"],
+                                                            before["under_replicated_bytes"], 1)
             after = (await gc.status())["repair"]
             assert after["under_replicated_extents"] == after["unrepairable_extents"] == 1
 
