@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import add
+from operator import add, attrgetter
 from typing import Any
 
 from kvfs.errors import InvalidArgument
+
+_NBYTES = attrgetter("nbytes")
+# formats of one unsigned byte a flat view may carry besides "B", taken as "B" by a cast
+_BYTE_FORMATS = frozenset({"<B", ">B", "=B", "!B", "@B"})
 
 
 class Parts(list[memoryview]):
@@ -70,9 +74,13 @@ def as_view(obj: Any, *, writable: bool = False, what: str = "value") -> memoryv
     kind = type(obj)  # the common cases first, one check each (a value may have many parts)
     if kind is bytearray or (kind is bytes and not writable):
         return memoryview(obj)
-    if (kind is memoryview and obj.format == "B" and obj.ndim == 1 and obj.c_contiguous
+    if (kind is memoryview and obj.ndim == 1 and obj.c_contiguous
             and not (writable and obj.readonly)):
-        return obj  # e.g. a plug-in's views of an engine's host pool
+        fmt = obj.format
+        if fmt == "B":
+            return obj  # e.g. a plug-in's views of an engine's host pool
+        if fmt in _BYTE_FORMATS:  # e.g. a ctypes byte array's ("<B": LMCache's memory objects)
+            return obj.cast("B")
     view = _tensor_view(obj, writable)
     if view is None:
         try:
@@ -111,7 +119,7 @@ def nbytes(parts: list[memoryview]) -> int:
         return parts.nbytes
     if len(parts) == 1:
         return parts[0].nbytes
-    return sum([p.nbytes for p in parts])
+    return sum(map(_NBYTES, parts))
 
 
 def cut(parts: list[memoryview], start: int, length: int) -> list[memoryview]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 from typing import Any
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvfs
-from kvfs.buffers import Parts, as_parts, nbytes, regions
+from kvfs.buffers import Parts, as_parts, as_view, nbytes, regions
 from kvfs.client import AsyncClient
 from kvfs.errors import InvalidArgument
 from kvfs.launcher import LocalCluster
@@ -123,6 +124,20 @@ def test_regions_are_checked_once_and_passed_through() -> None:
         regions(b"immutable", [0], [1], 1, writable=True)
     with pytest.raises(InvalidArgument, match="read-only"):
         as_parts(regions(b"immutable", [0], [1], 1)[0], writable=True)
+
+
+def test_a_ctypes_byte_array_is_a_flat_view_of_itself() -> None:
+    """A memoryview of a ctypes byte array (format "<B", as LMCache's memory objects hand
+    out) is taken as flat bytes: a "B" view of the same memory, no copy; a read-only one
+    is refused where a writable one is needed."""
+    arr = (ctypes.c_ubyte * 8)()
+    view = as_view(memoryview(arr), writable=True)
+    assert view.format == "B" and view.nbytes == 8
+    view[2:4] = b"\x07\x09"
+    assert list(arr) == [0, 0, 7, 9, 0, 0, 0, 0]
+    assert nbytes(as_parts([bytearray(3), memoryview(arr)], writable=True)) == 11
+    with pytest.raises(InvalidArgument, match="read-only"):
+        as_view(memoryview(arr).toreadonly(), writable=True)
 
 
 @both_backends
