@@ -29,6 +29,7 @@ import msgspec
 
 from kvfs.handshake import NONCE_BYTES, Role
 from kvfs.layout import MAX_KEY_BYTES, MAX_REPLICAS, Crc32, Layout, Replica
+from kvfs.packed import HEAD as PACKED_HEAD
 
 # -- field types and their bounds ---------------------------------------------------------
 MAX_ITEMS = 1 << 20  # keys, records, ranges, moves... in one message
@@ -39,6 +40,7 @@ MAX_LIST = 10_000  # keys per LIST page
 MAX_REFS_CHUNKS = 4096  # chunks per GC_CHUNK_REFS
 MAX_EXPIRE_BATCH = 1_000_000
 MAX_REPAIR_BATCH_BYTES = 1 << 30  # extent bytes per GC_REPAIR_PLAN
+MAX_PACKED_BYTES = 1 << 30  # a COMMIT's packed layouts (in practice: meta's --max-header-bytes)
 SERVER_ID_LIMIT = 1 << 23  # chunk ids embed the server id in their top bits (see kvfs.layout)
 MAX_HOLDER_CHARS = 255  # a lease holder's id (meta's --max-lease-holder-chars is lower)
 HOLDER_CHARS = "A-Za-z0-9._:@/+=-"  # what a lease holder's id is made of (printable, no spaces)
@@ -61,6 +63,8 @@ ClusterId = Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
 DiskId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]  # host:st_dev
 Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_BYTES)]
 Mac = Annotated[bytes, msgspec.Meta(max_length=64)]
+# a COMMIT's packed layouts (kvfs.packed); also bounded by the server's max_header_bytes
+PackedLayouts = Annotated[bytes, msgspec.Meta(min_length=PACKED_HEAD.size, max_length=MAX_PACKED_BYTES)]
 # who takes or ends a lease (kvfs.client: one per client unless configured); "": the one
 # shared holder of requests that name none
 Holder = Annotated[str, msgspec.Meta(max_length=MAX_HOLDER_CHARS, pattern=rf"^[{HOLDER_CHARS}]*\Z")]
@@ -223,13 +227,23 @@ class Committed(Response, frozen=True, kw_only=True):
 
 
 class Commit(Request[Committed], frozen=True, kw_only=True):
-    """Layouts' ``created``/``expires_at`` are ignored: meta stamps them at commit.
+    """The keys and their layouts, in one of two forms: ``items`` (one msgpack array per
+    layout), or ``packed`` (:mod:`kvfs.packed`: columns of fixed-width numbers, what the
+    client sends: meta checks and builds a batch of them in a fraction of the time).
+    Layouts' ``created``/``expires_at`` are ignored: meta stamps them at commit.
     ``if_absent``: an item whose key is present (unexpired and readable, or committed by
-    an earlier item of this call) is not committed; the key keeps its value."""
+    an earlier item of this call) is not committed; the key keeps its value.  Items are
+    numbered in order, in either form (``Committed.present``)."""
 
-    items: NonEmpty[CommitItem]
+    items: Items[CommitItem] = []
+    packed: PackedLayouts | None = None
     ttl_s: PositiveSeconds | None = None  # None: meta's default_ttl_s
     if_absent: bool = False
+
+    def __post_init__(self) -> None:
+        if bool(self.items) == (self.packed is not None):
+            raise ValueError("give the layouts either as `items` or as `packed`, one of the two, "
+                             f"not {'both' if self.items else 'neither'} - at `$.items`")
 
 
 class Deleted(Response, frozen=True, kw_only=True):
@@ -900,7 +914,8 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.PING, Service.ANY, Ping, "liveness; names the service", ANYONE),
     Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss), optional lease (the holder's); "
         "with `dirs`, which misses have keys under `key/`", DATA),
-    Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction; if_absent: only keys not present", DATA),
+    Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction (layouts as `items` or as `packed` "
+        "columns, kvfs.packed); if_absent: only keys not present", DATA),
     Rpc(Op.DELETE, Service.META, Delete, "forget keys (keeping the tombstones named); their bytes become garbage", DATA),
     Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease (the holder's)", DATA),
     Rpc(Op.LIST, Service.META, ListKeys, "keys under a prefix, one page in key order", DATA),

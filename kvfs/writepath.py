@@ -28,6 +28,7 @@ from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig
 from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.layout import Extent, Layout, Replica
+from kvfs.packed import pack as pack_layouts
 from kvfs.placement import order_by_free, place
 
 log = logging.getLogger("kvfs.client")
@@ -115,9 +116,8 @@ class WritePath:
         """Make written values visible: one COMMIT to meta (the linearisation point);
         returns the layouts as meta stamped them, None where ``if_absent`` found the key
         present (its appended bytes are garbage)."""
-        h = await self._link.call_meta(rpc.Commit(
-            items=[rpc.CommitItem(k, lay) for k, lay in zip(keys, layouts, strict=True)], ttl_s=ttl,
-            if_absent=if_absent))
+        h = await self._link.call_meta(rpc.Commit(packed=pack_layouts(keys, layouts), ttl_s=ttl,
+                                                  if_absent=if_absent))
         out: list[Layout | None] = [lay.stamped(h.created, h.expires_at) for lay in layouts]
         for i in h.present:
             out[i] = None

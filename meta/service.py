@@ -29,6 +29,7 @@ from kvfs.meta.index import MetaIndex, ServerInfo
 from kvfs.meta.store import MetaStore
 from kvfs.meta.storeapi import Lease
 from kvfs.meta.tombstones import tomb_layout
+from kvfs.packed import unpack as unpack_layouts
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
 
@@ -172,16 +173,29 @@ class MetaService:
         ttl = self.config.default_ttl_s if req.ttl_s is None else req.ttl_s
         now = self.clock()
         expires_at = None if ttl is None else now + float(ttl)
-        named = {r.server_id for _, wire in req.items for e in wire.extents for r in e.replicas}
+        staged: list[tuple[bytes, Layout]]
+        if req.packed is not None:  # checked and built a column at a time (kvfs.packed)
+            batch = unpack_layouts(req.packed, now, expires_at)
+            staged, named, max_meta = batch.staged, batch.servers, batch.max_meta
+        else:
+            named = frozenset(r.server_id for _, wire in req.items for e in wire.extents
+                              for r in e.replicas)
+            max_meta = max((len(w.meta) for _, w in req.items if w.meta is not None), default=0)
+            staged = [(key, wire.stamped(now, expires_at)) for key, wire in req.items]
         if not named <= ix.servers.keys():
             await ix.refresh()  # registered with another meta sharing the store?
         limit = self.config.max_key_meta_bytes
-        for key, wire in req.items:
-            if wire.meta is not None and len(wire.meta) > limit:
-                raise InvalidArgument(f"metadata of {len(wire.meta)} bytes for key {key[:64]!r} is "
-                                      f"larger than this meta's limit of {limit} (--max-key-meta)")
-        staged = [(key, wire.stamped(now, expires_at)) for key, wire in req.items]
-        present = await ix.commit(staged, now, expires_at, self._check_commit, if_absent=req.if_absent)
+        if max_meta > limit:
+            key, lay = next((k, lay) for k, lay in staged if lay.meta is not None and len(lay.meta) > limit)
+            assert lay.meta is not None
+            raise InvalidArgument(f"metadata of {len(lay.meta)} bytes for key {key[:64]!r} is "
+                                  f"larger than this meta's limit of {limit} (--max-key-meta)")
+
+        def check(staged: Sequence[tuple[bytes, Layout]]) -> None:
+            if not named <= self.index.servers.keys():  # (the common case costs one set test)
+                self._check_commit(staged)
+
+        present = await ix.commit(staged, now, expires_at, check, if_absent=req.if_absent)
         return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
 
     def _check_commit(self, staged: Sequence[tuple[bytes, Layout]]) -> None:

@@ -9,10 +9,12 @@ import pytest
 from conftest import FakeClock
 from conftest import clocked_client as client
 
+from kvfs import rpc
 from kvfs.config import ChunkServerConfig
 from kvfs.errors import NoSpace
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
+from kvfs.meta.index import RECORD_OVERHEAD_BYTES, disk_bytes
 
 pytestmark = pytest.mark.usefixtures("meta_backend")  # each test over SQLite and Redis
 
@@ -140,3 +142,77 @@ async def test_write_to_full_cluster_evicts_instead_of_failing(tmp_path: Path, c
             assert used <= capacity
     finally:
         await c.stop()
+
+
+
+async def test_evict_takes_exactly_what_the_server_over_its_watermark_needs(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """GC_EVICT's choices, exact, on two servers "a" and "b": only keys of a server over its
+    high watermark, least recently used first, and only until it fits under the low one (a
+    byte short is one key); a server at its watermark exactly is not over it; ``server_id``
+    limits eviction to that server; an expired key is a victim like any other unless the
+    dry run is ``after_expire`` (then it is gone already, and the keys after it are still
+    chosen from).  Then applied: just the chosen key is gone."""
+    async with make(tmp_path, clock, 2, CAP) as c, GarbageCollector(c.addr, token=c.admin_token) as gc:
+        kv = client(c, clock)
+        async with kv:
+            keys = [f"k{i:02d}" for i in range(24)]
+            lays = {}
+            for k in keys:  # one per tick: the LRU order is the order written (a lookup is an access)
+                clock.advance(1)
+                await kv.put(k, k.encode().ljust(VALUE, b"."))
+                lays[k] = await kv.layout(k)
+            where = {k: lay.extents[0].replicas[0].server_id for k, lay in lays.items() if lay is not None}
+            assert len(where) == len(keys)
+            b = where[keys[0]]  # holds the least recently used key
+            (a,) = {cs.server_id for cs in c.chunkservers if cs is not None} - {b}
+            ttl, ttl_key = None, ""  # a key with a TTL on "a"; read after it, keys[1:] become more recent
+            for i in range(20):
+                clock.advance(1)
+                await kv.put(f"t{i}", b"T" * 3000, ttl=30)
+                lay = await kv.layout(f"t{i}")
+                assert lay is not None
+                if lay.extents[0].replicas[0].server_id == a:
+                    ttl, ttl_key = lay, f"t{i}"
+                    break
+            assert ttl is not None, "no put of 20 went to the second server"
+            for k in keys[1:]:
+                clock.advance(1)
+                assert await read_fresh(c, clock, [k]) == [k.encode().ljust(VALUE, b".")]
+            clock.advance(1)  # the most recent: enough small keys that the LRU order is read in two batches
+            await kv.put_many([(f"z{i:04d}", b"z") for i in range(1000)])
+            clock.advance(60)  # every t key expired; GC_EXPIRE has not run
+            first_a = next(k for k in keys if where[k] == a)
+            await gc.sync_usage()
+            st = {s["server_id"]: s for s in (await gc.status())["servers"]}
+            live, used = {sid: st[sid]["live"] for sid in st}, {sid: st[sid]["used"] for sid in st}
+            assert st[a]["capacity"] == CAP and 0 < live[a] <= used[a]
+
+            def evict(sid: int, have: int, short: int, *, apply: bool = False,
+                      after_expire: bool = False) -> rpc.GcEvict:
+                low = (have - short) / CAP  # exact: CAP is a power of two
+                return rpc.GcEvict(high=low, low=low, server_id=sid, apply=apply, after_expire=after_expire)
+
+            # "a": its least recently used key is the expired one
+            r = await gc.meta(evict(a, live[a], 1))
+            assert (r.keys, r.bytes, r.leased) == (1, disk_bytes(ttl), 0)
+            assert r.servers == {a: rpc.EvictTarget(live[a], live[a] - 1)} and r.short == {}
+            # as after the expire phase: that key is gone, the next one goes
+            have = live[a] - (RECORD_OVERHEAD_BYTES + len(ttl_key) + 3000)  # a live record: header, key, value
+            r = await gc.meta(evict(a, have, 1, after_expire=True))
+            assert (r.keys, r.bytes) == (1, disk_bytes(lays[first_a]))
+            assert r.servers == {a: rpc.EvictTarget(have, have - 1)}
+            # "b": its own least recently used key, the oldest of all
+            r = await gc.meta(evict(b, live[b], 1))
+            assert (r.keys, r.bytes) == (1, disk_bytes(lays[keys[0]]))
+            assert r.servers == {b: rpc.EvictTarget(live[b], live[b] - 1)}
+            # at the high watermark exactly is not over it: nothing to do anywhere
+            top = max(used.values())
+            r = await gc.meta(rpc.GcEvict(high=top / CAP, low=top / CAP))
+            assert (r.keys, r.servers) == (0, {})
+            r = await gc.meta(evict(a, live[a], 1, apply=True))
+            assert (r.keys, r.bytes) == (1, disk_bytes(ttl))
+            metrics = (await gc.status())["metrics"]
+            assert (metrics["keys_evicted"], metrics["bytes_evicted"]) == (1, disk_bytes(ttl))  # dry runs count none
+        got = await read_fresh(c, clock, keys)  # every key without a TTL is still there
+        assert got == [k.encode().ljust(VALUE, b".") for k in keys]

@@ -23,7 +23,7 @@ def test_table_names_every_rpc_and_field() -> None:
     for r in RPCS.values():
         roles = ", ".join(role.value for role in r.roles)
         assert f"| {int(r.op)} | {r.op.name} | {r.service.value} | {roles} |" in table
-    assert "`Commit` `{items, ttl_s?, if_absent?}`" in table
+    assert "`Commit` `{items?, packed?, ttl_s?, if_absent?}`" in table
     assert "`Committed` `{created, expires_at, present?}`" in table
 
 

@@ -211,3 +211,42 @@ async def test_every_bad_field_is_named(cluster: LocalCluster, service: Service)
     async with cluster.client() as kv:  # and still works for a real client
         await kv.put_many({f"f{i}": b"v" * 100 for i in range(30)})
         assert await kv.get_many([f"f{i}" for i in range(30)]) == [b"v" * 100] * 30
+
+
+async def test_bad_packed_commits_are_named_and_meta_keeps_serving(cluster: LocalCluster) -> None:
+    """The packed COMMIT form (kvfs.packed) over a real connection: every malformed blob of
+    test_packed, a layout naming an unknown chunkserver, metadata over ``--max-key-meta``
+    are refused naming what is wrong; the two forms commit the same layouts."""
+    from test_packed import BAD, MIXED
+
+    from kvfs.layout import Extent, Layout, Replica
+    from kvfs.packed import pack
+
+    host, port = parse_addr(cluster.addr)
+    conn = await Connection.open(host, port, cluster.tokens[Role.CLIENT], request_timeout_s=30)
+    try:
+        for what, blob, expect in BAD:
+            with pytest.raises(InvalidArgument) as exc:
+                await conn.call_raw(Op.COMMIT, {"packed": blob()})
+            if len(blob()) >= 20:  # (shorter: the typed field's min_length names $.packed)
+                assert expect in exc.value.message, what
+            assert "$.packed" in exc.value.message, what
+        with pytest.raises(InvalidArgument, match="not both"):
+            await conn.call_raw(Op.COMMIT, {"packed": pack([b"k"], [MIXED[0][1]]),
+                                            "items": [[b"k", [0, 0, 0.0, None, []]]]})
+        with pytest.raises(InvalidArgument, match="names unknown chunkserver 999"):
+            await conn.call(rpc.Commit(packed=pack([b"k"], [
+                Layout(1, 0, 0.0, None, (Extent(1, 0, (Replica(999, 1, 0),)),))])))
+        limit = cluster.meta_config.max_key_meta_bytes
+        big = Layout(0, 0, 0.0, None, (), b"m" * (limit + 1))
+        with pytest.raises(InvalidArgument, match=r"metadata of \d+ bytes for key b'km' is larger"):
+            await conn.call(rpc.Commit(packed=pack([b"km"], [big])))
+        # both forms, the same layouts (empty values: no chunk needed)
+        lay = Layout(0, 0, 0.0, None, (), b"\x80")
+        a = await conn.call(rpc.Commit(items=[rpc.CommitItem(b"by-items", lay)]))
+        b = await conn.call(rpc.Commit(packed=pack([b"by-packed"], [lay])))
+        got = (await conn.call(rpc.Lookup(keys=[b"by-items", b"by-packed"]))).layouts
+        assert got == [lay.stamped(a.created, a.expires_at), lay.stamped(b.created, b.expires_at)]
+        assert (await conn.call(rpc.Ping())).service == "meta"
+    finally:
+        conn.close()

@@ -1,0 +1,257 @@
+"""A batch of (key, layout) as one packed blob: the form a COMMIT carries them in
+(:class:`kvfs.rpc.Commit` ``packed``).
+
+The nested form (one msgpack array per layout, :mod:`kvfs.layout`) costs meta about
+2 us per key to unpack, check and stamp.  The packed form is columns of fixed-width
+little-endian numbers, read with ``array.frombytes`` (one copy per column, no object per
+number) and checked a column at a time (``min``/``max``/``count`` in C); only the
+:class:`~kvfs.layout.Layout` objects meta's index keeps are built per key, already
+stamped with meta's commit time.  Layout::
+
+    head      "<4sIIII"  magic b"KVP1", keys n, extents e, replicas r, metadata bytes m
+    key_len   u16[n]
+    size      u32[n]     the value's size
+    crc       u32[n]     the value's CRC-32C
+    extents   u32[n]     how many extents the value has (they follow in order)
+    meta_len  u32[n]     bytes of the key's metadata; 0xFFFFFFFF: none
+    ext_len   u32[e]
+    ext_crc   u32[e]
+    ext_reps  u8[e]      how many replicas the extent has (they follow in order)
+    server    u32[r]
+    chunk     u64[r]
+    offset    u64[r]
+    keys      the keys back to back (sum of key_len bytes)
+    metas     the metadata back to back (m bytes)
+
+Nothing may follow.  Every bound of the nested form holds here too (key and value sizes,
+extents per value, replicas per extent, 63-bit chunk ids and offsets, extents adding up
+to the value's size); a blob breaking one raises :class:`~kvfs.errors.InvalidArgument`
+naming what and, where it is one item's fault, which item and key.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import accumulate, pairwise, repeat
+
+from kvfs.errors import InvalidArgument
+from kvfs.layout import (
+    MAX_EXTENTS,
+    MAX_KEY_BYTES,
+    MAX_META_BYTES,
+    MAX_REPLICAS,
+    MAX_VALUE_BYTES,
+    Extent,
+    Layout,
+    Replica,
+)
+
+MAGIC = b"KVP1"
+HEAD = struct.Struct("<4sIIII")
+NO_META = 0xFFFFFFFF
+MAX_KEYS = 1 << 20  # keys in one blob: kvfs.rpc.MAX_ITEMS, the rows of any message
+MAX_ROWS = 1 << 22  # extents or replicas in one blob (a blob is also bounded in bytes: the
+# server's max_header_bytes)
+U63_MAX = 2**63 - 1
+
+_SWAP = sys.byteorder != "little"
+
+
+def _code(width: int) -> str:
+    """The array typecode of unsigned ints ``width`` bytes wide ('I' and 'L' vary by platform)."""
+    return next(c for c in "BHILQ" if array(c).itemsize == width)
+
+
+U8, U16, U32, U64 = _code(1), _code(2), _code(4), _code(8)
+
+
+def _column(code: str, values: Sequence[int] | map[int]) -> bytes:
+    col = array(code, values)
+    if _SWAP:
+        col.byteswap()
+    return col.tobytes()
+
+
+def pack(keys: Sequence[bytes], layouts: Sequence[Layout]) -> bytes:
+    """The packed blob of ``keys[i]``'s ``layouts[i]`` (``created``/``expires_at`` are left
+    out: meta stamps them)."""
+    if len(keys) != len(layouts):
+        raise ValueError(f"{len(keys)} keys for {len(layouts)} layouts")
+    elen: list[int] = []
+    ecrc: list[int] = []
+    ereps: list[int] = []
+    server: list[int] = []
+    chunk: list[int] = []
+    offset: list[int] = []
+    metas = [lay.meta for lay in layouts]
+    exts = [lay.extents for lay in layouts]
+    for ex in exts:
+        for e in ex:
+            reps = e.replicas
+            elen.append(e.length)
+            ecrc.append(e.crc)
+            ereps.append(len(reps))
+            for r in reps:
+                server.append(r.server_id)
+                chunk.append(r.chunk_id)
+                offset.append(r.offset)
+    meta_blob = b"".join(m for m in metas if m is not None)
+    return b"".join((
+        HEAD.pack(MAGIC, len(keys), len(elen), len(server), len(meta_blob)),
+        _column(U16, map(len, keys)),
+        _column(U32, [lay.size for lay in layouts]),
+        _column(U32, [lay.crc for lay in layouts]),
+        _column(U32, map(len, exts)),
+        _column(U32, [NO_META if m is None else len(m) for m in metas]),
+        _column(U32, elen), _column(U32, ecrc), _column(U8, ereps),
+        _column(U32, server), _column(U64, chunk), _column(U64, offset),
+        *keys, meta_blob,
+    ))
+
+
+def _bad(what: str) -> InvalidArgument:
+    return InvalidArgument(f"packed layouts (`$.packed`): {what}")
+
+
+class _Reader:
+    """Columns read in order from a blob, each checked to fit before it is copied."""
+
+    def __init__(self, blob: bytes) -> None:
+        self.blob = blob
+        self.pos = HEAD.size
+
+    def column(self, name: str, code: str, count: int) -> array[int]:
+        col = array(code)
+        end = self.pos + col.itemsize * count
+        if end > len(self.blob):
+            raise _bad(f"the {name} column ({count} x {col.itemsize} bytes at byte {self.pos}) runs "
+                       f"past the end of the {len(self.blob)}-byte blob")
+        col.frombytes(self.blob[self.pos:end])
+        if _SWAP:
+            col.byteswap()
+        self.pos = end
+        return col
+
+    def section(self, name: str, nbytes: int) -> int:
+        """The start of the next ``nbytes`` bytes (checked to fit)."""
+        start, self.pos = self.pos, self.pos + nbytes
+        if self.pos > len(self.blob):
+            raise _bad(f"the {name} ({nbytes} bytes at byte {start}) run past the end of the "
+                       f"{len(self.blob)}-byte blob")
+        return start
+
+
+def _item(i: int, key: bytes | None, what: str) -> InvalidArgument:
+    named = "" if key is None else f" (key {key[:64]!r})"
+    return _bad(f"item {i}{named}: {what}")
+
+
+def _first(col: array[int], bad: object) -> int:
+    """The index of the first entry of ``col`` for which ``bad(value)`` (for messages)."""
+    assert callable(bad)
+    return next(i for i, v in enumerate(col) if bad(v))
+
+
+@dataclass(frozen=True, slots=True)
+class Unpacked:
+    """A packed batch checked and turned into what meta's index takes."""
+
+    staged: list[tuple[bytes, Layout]]  # (key, layout stamped with meta's times)
+    servers: frozenset[int]  # every server id the layouts name
+    max_meta: int  # bytes of the largest key metadata (0: none)
+
+
+def unpack(blob: bytes, created: float, expires_at: float | None) -> Unpacked:
+    """Check a packed blob and build its layouts, stamped ``created``/``expires_at``."""
+    if len(blob) < HEAD.size:
+        raise _bad(f"{len(blob)} bytes is shorter than its {HEAD.size}-byte head")
+    magic, n, ne, nr, nmeta = HEAD.unpack_from(blob)
+    if magic != MAGIC:
+        raise _bad(f"bad magic {magic!r} (expected {MAGIC!r})")
+    if not 1 <= n <= MAX_KEYS:
+        raise _bad(f"{n} keys (1 to {MAX_KEYS} allowed)")
+    if ne > MAX_ROWS or nr > MAX_ROWS:
+        raise _bad(f"{ne} extents and {nr} replicas (at most {MAX_ROWS} each)")
+    rd = _Reader(blob)
+    klen = rd.column("key_len", U16, n)
+    size = rd.column("size", U32, n)
+    crc = rd.column("crc", U32, n)
+    next_ = rd.column("extents", U32, n)
+    mlen = rd.column("meta_len", U32, n)
+    elen = rd.column("ext_len", U32, ne)
+    ecrc = rd.column("ext_crc", U32, ne)
+    ereps = rd.column("ext_reps", U8, ne)
+    server = rd.column("server", U32, nr)
+    chunk = rd.column("chunk", U64, nr)
+    offset = rd.column("offset", U64, nr)
+    # counts and bounds, a column at a time
+    if min(klen) < 1 or max(klen) > MAX_KEY_BYTES:
+        i = _first(klen, lambda v: not 1 <= v <= MAX_KEY_BYTES)
+        raise _item(i, None, f"key of {klen[i]} bytes (1 to {MAX_KEY_BYTES} allowed)")
+    if max(size) > MAX_VALUE_BYTES:
+        i = _first(size, lambda v: v > MAX_VALUE_BYTES)
+        raise _item(i, None, f"value size {size[i]} is over the limit of {MAX_VALUE_BYTES}")
+    if max(next_) > MAX_EXTENTS:
+        i = _first(next_, lambda v: v > MAX_EXTENTS)
+        raise _item(i, None, f"{next_[i]} extents (at most {MAX_EXTENTS})")
+    if sum(next_) != ne:
+        raise _bad(f"the values' extents add up to {sum(next_)}, the head says {ne}")
+    if ne:
+        if max(elen) > MAX_VALUE_BYTES:
+            i = _first(elen, lambda v: v > MAX_VALUE_BYTES)
+            raise _bad(f"extent {i}: length {elen[i]} is over the limit of {MAX_VALUE_BYTES}")
+        if min(ereps) < 1 or max(ereps) > MAX_REPLICAS:
+            i = _first(ereps, lambda v: not 1 <= v <= MAX_REPLICAS)
+            raise _bad(f"extent {i}: {ereps[i]} replicas (1 to {MAX_REPLICAS} allowed)")
+    if sum(ereps) != nr:
+        raise _bad(f"the extents' replicas add up to {sum(ereps)}, the head says {nr}")
+    if nr:
+        for name, col in (("chunk id", chunk), ("offset", offset)):
+            if max(col) > U63_MAX:
+                i = _first(col, lambda v: v > U63_MAX)
+                raise _bad(f"replica {i}: {name} {col[i]} is over 2**63-1")
+    metas = [m for m in mlen if m != NO_META]
+    if metas and max(metas) > MAX_META_BYTES:
+        i = _first(mlen, lambda v: v != NO_META and v > MAX_META_BYTES)
+        raise _item(i, None, f"metadata of {mlen[i]} bytes (at most {MAX_META_BYTES})")
+    if sum(metas) != nmeta:
+        raise _bad(f"the keys' metadata add up to {sum(metas)} bytes, the head says {nmeta}")
+    kat = rd.section("keys", sum(klen))
+    mat = rd.section("metadata", nmeta)
+    if rd.pos != len(blob):
+        raise _bad(f"{len(blob) - rd.pos} bytes follow the end of the packed layouts")
+    kpos = list(accumulate(klen, initial=kat))
+    keys = [blob[a:b] for a, b in pairwise(kpos)]
+    if metas:
+        mpos = list(accumulate((0 if m == NO_META else m for m in mlen), initial=mat))
+        meta_of: Sequence[bytes | None] | repeat[None] = [
+            None if m == NO_META else blob[a:b] for m, (a, b) in zip(mlen, pairwise(mpos), strict=True)]
+    else:
+        meta_of = repeat(None)
+    servers = frozenset(server)
+    max_meta = max(metas, default=0)
+    if nr == ne == n and next_.count(1) == n and size == elen:
+        # one extent of one replica per value, their sizes checked above: the common case
+        staged = [(k, Layout(s, c, created, expires_at, (Extent(s, ec, (Replica(sv, ch, of),)),), m))
+                  for k, s, c, ec, sv, ch, of, m
+                  in zip(keys, size, crc, ecrc, server, chunk, offset, meta_of, strict=False)]
+        return Unpacked(staged, servers, max_meta)
+    staged = []
+    e = r = 0
+    for i, (k, s, c, nx, m) in enumerate(zip(keys, size, crc, next_, meta_of, strict=False)):
+        extents = []
+        for _ in range(nx):
+            nrep = ereps[e]
+            reps = tuple(Replica(server[j], chunk[j], offset[j]) for j in range(r, r + nrep))
+            extents.append(Extent(elen[e], ecrc[e], reps))
+            e += 1
+            r += nrep
+        try:
+            staged.append((k, Layout(s, c, created, expires_at, tuple(extents), m)))
+        except ValueError as exc:  # the extents do not add up to the size
+            raise _item(i, k, str(exc)) from None
+    return Unpacked(staged, servers, max_meta)

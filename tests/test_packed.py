@@ -1,0 +1,154 @@
+"""The packed COMMIT form (:mod:`kvfs.packed`): what the client packs, meta unpacks to the
+same layouts, stamped; and every malformed blob is refused with an error naming what
+is wrong (truncated, lengths past the end, counts over the limits or disagreeing with the
+head, values out of bounds), never a crash or a wrong layout."""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+
+import pytest
+
+from kvfs import packed, rpc
+from kvfs.errors import InvalidArgument
+from kvfs.layout import (
+    MAX_EXTENTS,
+    MAX_KEY_BYTES,
+    MAX_META_BYTES,
+    MAX_VALUE_BYTES,
+    Extent,
+    Layout,
+    Replica,
+)
+from kvfs.packed import HEAD, pack, unpack
+
+
+def _lay(size: int, crc: int, extents: list[tuple[int, int, list[tuple[int, int, int]]]],
+         meta: bytes | None = None) -> Layout:
+    return Layout(size, crc, 0.0, None,
+                  tuple(Extent(n, c, tuple(Replica(*r) for r in reps)) for n, c, reps in extents), meta)
+
+
+ONE = _lay(4096, 7, [(4096, 7, [(1, (1 << 40) + 3, 8192)])])
+MIXED = [  # one extent of one replica, striped, replicated, metadata, an empty value
+    (b"a" * 64, ONE),
+    (b"striped", _lay(3 << 20, 11, [(1 << 20, 1, [(1, 5, 0)]), (1 << 20, 2, [(2, 6, 0)]),
+                                    (1 << 20, 3, [(3, 7, 2**63 - 1)])])),
+    (b"r3", _lay(100, 9, [(100, 9, [(1, 1, 1), (2, 2, 2), (3, 3, 3)])], meta=b"\x81\xa1m\x01")),
+    (b"k" * MAX_KEY_BYTES, _lay(0, 0, [(0, 0, [(1, 9, 4)])])),
+    (b"nothing", _lay(0, 0, [], meta=b"")),
+]
+
+
+@pytest.mark.parametrize("items", [[(b"k1", ONE)], MIXED], ids=["one", "mixed"])
+def test_unpack_gives_the_packed_layouts_stamped(items: list[tuple[bytes, Layout]]) -> None:
+    keys, lays = [k for k, _ in items], [lay for _, lay in items]
+    out = unpack(pack(keys, lays), 123.5, 456.0)
+    assert out.staged == [(k, lay.stamped(123.5, 456.0)) for k, lay in items]
+    assert out.servers == {r.server_id for lay in lays for e in lay.extents for r in e.replicas}
+    assert out.max_meta == max(len(lay.meta or b"") for lay in lays)
+
+
+def test_many_single_extent_layouts_take_the_column_path_and_match() -> None:
+    lays = [_lay(4096 + i, i, [(4096 + i, i ^ 5, [(i % 3, (2 << 40) + i, i * 4096)])]) for i in range(300)]
+    keys = [b"key%d" % i for i in range(300)]
+    out = unpack(pack(keys, lays), 1.0, None)
+    assert out.staged == [(k, lay.stamped(1.0, None)) for k, lay in zip(keys, lays, strict=True)]
+
+
+def test_the_limits_agree_with_the_typed_messages() -> None:
+    assert packed.MAX_KEYS == rpc.MAX_ITEMS
+    assert rpc.Commit(packed=pack([b"k"], [ONE])).packed is not None
+    with pytest.raises(ValueError, match="either as `items` or as `packed`"):
+        rpc.Commit()
+    with pytest.raises(ValueError, match="not both"):
+        rpc.Commit(items=[rpc.CommitItem(b"k", ONE)], packed=pack([b"k"], [ONE]))
+
+
+# -- malformed blobs --------------------------------------------------------------------------
+def _good() -> bytes:
+    return pack([k for k, _ in MIXED], [lay for _, lay in MIXED])
+
+
+def _head(blob: bytes, **fields: int) -> bytes:
+    magic, n, ne, nr, nm = HEAD.unpack_from(blob)
+    vals = {"n": n, "ne": ne, "nr": nr, "nm": nm, **fields}
+    return HEAD.pack(magic, vals["n"], vals["ne"], vals["nr"], vals["nm"]) + blob[HEAD.size:]
+
+
+def _col(name: str) -> int:
+    """Where column ``name`` starts in the one-item blob of ONE (n = e = r = 1)."""
+    widths = [("key_len", 2), ("size", 4), ("crc", 4), ("extents", 4), ("meta_len", 4),
+              ("ext_len", 4), ("ext_crc", 4), ("ext_reps", 1), ("server", 4), ("chunk", 8),
+              ("offset", 8)]
+    at = HEAD.size
+    for col, w in widths:
+        if col == name:
+            return at
+        at += w
+    raise AssertionError(name)
+
+
+def _one(**cols: bytes) -> bytes:
+    """The blob of key b"k1" -> ONE with columns replaced (their packed bytes)."""
+    blob = bytearray(pack([b"k1"], [ONE]))
+    for name, raw in cols.items():
+        at = _col(name)
+        blob[at:at + len(raw)] = raw
+    return bytes(blob)
+
+
+BAD: list[tuple[str, Callable[[], bytes], str]] = [
+    ("empty", lambda: b"", "shorter than its 20-byte head"),
+    ("head only", lambda: _good()[:HEAD.size], "key_len column"),
+    ("bad magic", lambda: b"KVP9" + _good()[4:], "bad magic"),
+    ("no keys", lambda: _head(_good(), n=0), "0 keys"),
+    ("keys over the limit", lambda: _head(_good(), n=packed.MAX_KEYS + 1), f"{packed.MAX_KEYS + 1} keys"),
+    ("extents over the limit", lambda: _head(_good(), ne=packed.MAX_ROWS + 1), "at most"),
+    ("replicas over the limit", lambda: _head(_good(), nr=2**32 - 1), "at most"),
+    ("head claims more keys than the blob holds", lambda: _head(_good(), n=100_000),
+     "runs past the end"),
+    ("head claims fewer extents", lambda: _head(_good(), ne=3), "extents add up to"),
+    ("head claims more replicas", lambda: _head(_good(), nr=9), "replicas add up to 8, the head says 9"),
+    ("metadata bytes disagree", lambda: _head(_good(), nm=1), "metadata add up to"),
+    ("truncated keys", lambda: _good()[:-10], "run past the end"),
+    ("trailing bytes", lambda: _good() + b"xx", "2 bytes follow the end"),
+    ("empty key", lambda: _one(key_len=struct.pack("<H", 0)), "item 0: key of 0 bytes"),
+    ("key over the limit", lambda: _one(key_len=struct.pack("<H", MAX_KEY_BYTES + 1)),
+     f"key of {MAX_KEY_BYTES + 1} bytes"),
+    ("key length past the end", lambda: _one(key_len=struct.pack("<H", 900)), "keys (900 bytes"),
+    ("value over the limit", lambda: _one(size=struct.pack("<I", MAX_VALUE_BYTES + 1)),
+     f"value size {MAX_VALUE_BYTES + 1} is over"),
+    ("extents over the limit", lambda: _one(extents=struct.pack("<I", MAX_EXTENTS + 1)),
+     f"{MAX_EXTENTS + 1} extents"),
+    ("extents disagree with the head", lambda: _one(extents=struct.pack("<I", 2)),
+     "extents add up to 2, the head says 1"),
+    ("extent over the limit", lambda: _one(ext_len=struct.pack("<I", MAX_VALUE_BYTES + 1)),
+     "extent 0: length"),
+    ("extent shorter than the value", lambda: _one(ext_len=struct.pack("<I", 4095)),
+     "item 0 (key b'k1'): layout extents add up to 4095, not 4096"),
+    ("no replicas", lambda: _one(ext_reps=b"\x00"), "extent 0: 0 replicas"),
+    ("replicas over the limit", lambda: _one(ext_reps=b"\x11"), "extent 0: 17 replicas"),
+    ("chunk id over 63 bits", lambda: _one(chunk=struct.pack("<Q", 2**63)), "replica 0: chunk id"),
+    ("offset over 63 bits", lambda: _one(offset=struct.pack("<Q", 2**64 - 1)), "replica 0: offset"),
+    ("metadata over the limit", lambda: _one(meta_len=struct.pack("<I", MAX_META_BYTES + 1)),
+     f"metadata of {MAX_META_BYTES + 1} bytes"),
+    ("metadata past the end", lambda: _head(_one(meta_len=struct.pack("<I", 50)), nm=50),
+     "metadata (50 bytes"),
+]
+
+
+@pytest.mark.parametrize(("blob", "expect"), [(b, e) for _, b, e in BAD], ids=[w for w, _, _ in BAD])
+def test_a_malformed_blob_is_refused_naming_what(blob: Callable[[], bytes], expect: str) -> None:
+    with pytest.raises(InvalidArgument) as exc:
+        unpack(blob(), 1.0, None)
+    assert "packed layouts (`$.packed`)" in exc.value.message
+    assert expect in exc.value.message
+
+
+def test_every_truncation_is_refused() -> None:
+    blob = _good()
+    for n in range(len(blob)):
+        with pytest.raises(InvalidArgument, match=r"past the end|shorter than"):
+            unpack(blob[:n], 1.0, None)
