@@ -11,7 +11,9 @@ Then meta's side of a COMMIT of the same 128 layouts in each of its two forms, a
 server runs it (the header unpacked by :class:`kvfs.protocol.FrameDecoder`'s
 ``msgpack.unpackb``, checked by :func:`kvfs.rpc.decode`, the layouts stamped, or
 :func:`kvfs.packed.unpack` for the packed form), and the client's encode of each
-(the message built and packed into its header), in µs of this process's CPU per key.
+(the message built and packed into its header), in µs of this process's CPU per key, for
+three layout shapes: one extent of one replica, one extent of three replicas, four
+extents (a striped value) of one replica.
 """
 
 from __future__ import annotations
@@ -75,12 +77,18 @@ def measure() -> list[tuple[str, float, float, float, float]]:
     return out
 
 
-def measure_commit() -> list[tuple[str, float, float]]:
-    """(COMMIT form, client encode, meta decode + check + stamp) in µs per key."""
-    keys, layouts = _batch()
+SHAPES = [(1, 1), (1, 3), (4, 1)]  # (extents, replicas) per value: plain, replicated, striped
 
-    def nested() -> rpc.Commit:
-        return rpc.Commit(items=[rpc.CommitItem(k, lay) for k, lay in zip(keys, layouts, strict=True)])
+
+def _shaped(extents: int, replicas: int) -> list[Layout]:
+    return [Layout(4096 * extents, 123, 0.0, None, tuple(
+        Extent(4096, 7 + e, tuple(Replica(s + 1, ((s + 1) << 40) | 5, 4096 * i) for s in range(replicas)))
+        for e in range(extents))) for i in range(BATCH)]
+
+
+def measure_commit() -> list[tuple[str, float, float]]:
+    """(COMMIT form and layout shape, client encode, meta decode + check + stamp) in µs per key."""
+    keys, _ = _batch()
 
     def meta_nested(data: bytes) -> list[tuple[bytes, Layout]]:
         req = rpc.decode(msgpack.unpackb(data, raw=False, strict_map_key=False), rpc.Commit)
@@ -91,23 +99,35 @@ def measure_commit() -> list[tuple[str, float, float]]:
         assert req.packed is not None
         return unpack(req.packed, 1.0, None).staged
 
-    a, b = pack_header(nested()), pack_header(rpc.Commit(packed=pack(keys, layouts)))
-    assert meta_nested(a) == meta_packed(b)
-    return [
-        ("items (nested)", _cpu_us(lambda: pack_header(nested())) / BATCH,
-         _cpu_us(lambda: meta_nested(a)) / BATCH),
-        ("packed", _cpu_us(lambda: pack_header(rpc.Commit(packed=pack(keys, layouts)))) / BATCH,
-         _cpu_us(lambda: meta_packed(b)) / BATCH),
-    ]
+    out = []
+    for extents, replicas in SHAPES:
+        layouts = _shaped(extents, replicas)
+
+        def nested(lays: list[Layout] = layouts) -> rpc.Commit:
+            return rpc.Commit(items=[rpc.CommitItem(k, lay) for k, lay in zip(keys, lays, strict=True)])
+
+        def packed(lays: list[Layout] = layouts) -> rpc.Commit:
+            return rpc.Commit(packed=pack(keys, lays))
+
+        a, b = pack_header(nested()), pack_header(packed())
+        assert meta_nested(a) == meta_packed(b)
+        shape = f"{extents} extent(s) x {replicas} replica(s)"
+        out += [
+            (f"items, {shape}", _cpu_us(lambda f=nested: pack_header(f())) / BATCH,  # type: ignore[misc]
+             _cpu_us(lambda d=a: meta_nested(d)) / BATCH),  # type: ignore[misc]
+            (f"packed, {shape}", _cpu_us(lambda f=packed: pack_header(f())) / BATCH,  # type: ignore[misc]
+             _cpu_us(lambda d=b: meta_packed(d)) / BATCH),  # type: ignore[misc]
+        ]
+    return out
 
 
 def main() -> int:
     print(f"{'message':34} {'msgpack pack':>13} {'unpack':>8} {'typed encode':>13} {'decode+check':>13}  (µs)")
     for name, mp_pack, mp_unpack, encode, decode in measure():
         print(f"{name:34} {mp_pack:13.1f} {mp_unpack:8.1f} {encode:13.1f} {decode:13.1f}")
-    print(f"\n{'COMMIT of ' + str(BATCH) + ' layouts':34} {'client encode':>13} {'meta decode+check+stamp':>24}  (µs of CPU per key)")
+    print(f"\n{'COMMIT of ' + str(BATCH) + ' layouts':40} {'client encode':>13} {'meta decode+check+stamp':>24}  (µs of CPU per key)")
     for form, enc, dec in measure_commit():
-        print(f"{form:34} {enc:13.2f} {dec:24.2f}")
+        print(f"{form:40} {enc:13.2f} {dec:24.2f}")
     return 0
 
 

@@ -19,7 +19,8 @@ as processes (``kvfs.launcher.ProcessCluster``) in a temp dir, stores ``--pages`
   contiguous buffer per page (the value's size), the simplest way to read them;
 - where the plug-in scatters a value over several buffers (SGLang: K and V regions, per layer
   in ``layer_first``; LMCache: chunk header + payload), also ``get_into`` into those same
-  buffer lists, directly: what kvfs's scatter costs, apart from the plug-in's own code.
+  buffer lists, directly: what kvfs's scatter costs, apart from the rest of the plug-in's
+  code (SGLang: the lists as the plug-in builds them, ``_page_parts``).
 
 Prints per-page microseconds (median and quartiles over the calls) and two ratios plug-in /
 direct: of the total times, and the median of each back-to-back pair's ratio (less moved by
@@ -107,7 +108,6 @@ def _random_bytes(n: int, seed: int) -> np.ndarray:
 # SGLang HiCache -----------------------------------------------------------------------------
 def sglang_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     torch = quiet_import("torch")
-    from kvfs.integrations._common import TensorBytes
     from kvfs.prefix import chain_keys, namespaced
 
     layers, heads, page = 4, 8, 16
@@ -139,13 +139,8 @@ def sglang_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
         got = backend.client.get_into(keys[b.start : b.stop], direct_bufs[b.start : b.stop])
         return sum(n == page_bytes for n in got)
 
-    host = TensorBytes(pool.kv_buffer)
-
-    def direct_parts(b: range) -> int:
-        ptrs, sizes = pool.get_page_buffer_meta(idx[b.start * page : b.stop * page])
-        per = len(ptrs) // len(b)
-        views = host.many(ptrs, sizes)
-        parts = [views[i * per : (i + 1) * per] for i in range(len(b))]
+    def direct_parts(b: range) -> int:  # the plug-in's own region lists (kvfs.buffers.Parts)
+        parts = backend._page_parts(len(b), idx[b.start * page : b.stop * page])
         got = backend.client.get_into(keys[b.start : b.stop], parts)
         return sum(n == page_bytes for n in got)
 

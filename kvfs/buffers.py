@@ -2,9 +2,54 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from operator import add, attrgetter
 from typing import Any
 
 from kvfs.errors import InvalidArgument
+
+_NBYTES = attrgetter("nbytes")
+# formats of one unsigned byte a flat view may carry besides "B", taken as "B" by a cast
+_BYTE_FORMATS = frozenset({"<B", ">B", "=B", "!B", "@B"})
+
+
+class Parts(list[memoryview]):
+    """One value's buffers, checked already: flat, C-contiguous byte views (writable ones
+    when ``writable``) of ``nbytes`` bytes in all, as :func:`regions` cuts them out of one
+    checked view.  :func:`as_parts` takes it as it is and :func:`nbytes` reads its total,
+    so a value scattered over many regions (an engine's per-layer K and V) costs no check
+    per region.  Not to be changed once made."""
+
+    __slots__ = ("nbytes", "writable")
+    nbytes: int
+    writable: bool
+
+
+def regions(view: Any, offsets: Sequence[int], sizes: Sequence[int], per: int, *,
+            writable: bool = False, what: str = "buffer") -> list[Parts]:
+    """The views of ``sizes[i]`` bytes at ``offsets[i]`` of ``view`` (any buffer; checked
+    once, as :func:`as_view` does), grouped ``per`` at a time, in order: one :class:`Parts`
+    per value.  The bounds are checked once for all; no copy is made, and no Python step
+    runs per region."""
+    flat = as_view(view, writable=writable, what=what)
+    n, sizes = len(offsets), list(sizes)
+    if len(sizes) != n or per < 1 or n % per:
+        raise InvalidArgument(f"{what}: {n} offsets and {len(sizes)} sizes do not make values "
+                              f"of {per} regions each")
+    ends = list(map(add, offsets, sizes))
+    if n and (min(offsets) < 0 or min(sizes) < 0 or max(ends) > flat.nbytes):
+        bad = next(i for i, (o, k) in enumerate(zip(offsets, sizes, strict=True))
+                   if o < 0 or k < 0 or o + k > flat.nbytes)
+        raise InvalidArgument(f"{what}: region {offsets[bad]}+{sizes[bad]} is outside its "
+                              f"{flat.nbytes} bytes")
+    views = list(map(flat.__getitem__, map(slice, offsets, ends)))
+    out = list(map(Parts, [views[i : i + per] for i in range(0, n, per)]))
+    alike = sizes[:per] * (n // per) == sizes  # every value's regions the same sizes
+    total = sum(sizes[:per])
+    for i, parts in enumerate(out):
+        parts.nbytes = total if alike else sum(sizes[i * per : (i + 1) * per])
+        parts.writable = writable
+    return out
 
 
 def _tensor_view(obj: Any, writable: bool) -> memoryview | None:
@@ -29,9 +74,13 @@ def as_view(obj: Any, *, writable: bool = False, what: str = "value") -> memoryv
     kind = type(obj)  # the common cases first, one check each (a value may have many parts)
     if kind is bytearray or (kind is bytes and not writable):
         return memoryview(obj)
-    if (kind is memoryview and obj.format == "B" and obj.ndim == 1 and obj.c_contiguous
+    if (kind is memoryview and obj.ndim == 1 and obj.c_contiguous
             and not (writable and obj.readonly)):
-        return obj  # e.g. a plug-in's views of an engine's host pool
+        fmt = obj.format
+        if fmt == "B":
+            return obj  # e.g. a plug-in's views of an engine's host pool
+        if fmt in _BYTE_FORMATS:  # e.g. a ctypes byte array's ("<B": LMCache's memory objects)
+            return obj.cast("B")
     view = _tensor_view(obj, writable)
     if view is None:
         try:
@@ -55,6 +104,8 @@ def as_parts(obj: Any, *, writable: bool = False, what: str = "value") -> list[m
     kind = type(obj)
     if kind is bytearray or (kind is bytes and not writable):  # the common case, one check
         return [memoryview(obj)]
+    if kind is Parts and (obj.writable or not writable):  # checked when it was made
+        return obj
     if isinstance(obj, (list, tuple)):
         try:
             return [as_view(p, writable=writable) for p in obj]
@@ -64,9 +115,11 @@ def as_parts(obj: Any, *, writable: bool = False, what: str = "value") -> list[m
 
 
 def nbytes(parts: list[memoryview]) -> int:
+    if type(parts) is Parts:
+        return parts.nbytes
     if len(parts) == 1:
         return parts[0].nbytes
-    return sum([p.nbytes for p in parts])
+    return sum(map(_NBYTES, parts))
 
 
 def cut(parts: list[memoryview], start: int, length: int) -> list[memoryview]:

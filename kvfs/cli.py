@@ -342,8 +342,9 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("--data", type=Path, required=True, help="meta's data directory")
     q.set_defaults(func=cmd_meta_backup)
     q = msub.add_parser("migrate", help="move the index between stores, meta stopped: SQLite to "
-                        "Redis Cluster or back (keys, TTLs, last access, cluster id, chunkservers, "
-                        "retired chunks, GC state); resumes a run that stopped")
+                        "Redis Cluster or back, or to another Redis namespace (keys, TTLs, last "
+                        "access, cluster id, chunkservers, retired chunks, GC state); resumes a run "
+                        "that stopped")
     q.add_argument("--from", dest="src", required=True, metavar="STORE",
                    help="sqlite:PATH (meta's data directory) or redis-cluster://HOST:PORT[,...]")
     q.add_argument("--to", dest="dst", required=True, metavar="STORE",

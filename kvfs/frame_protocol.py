@@ -40,6 +40,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and transport.get_extra_info("sslcontext") is None:
             self._fd = sock.fileno()
+            self.decoder.vectored = True
 
     def get_buffer(self, sizehint: int) -> memoryview:
         return self.decoder.get_buffer(sizehint)

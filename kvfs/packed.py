@@ -37,6 +37,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise, repeat
+from typing import TypeVar
 
 from kvfs.errors import InvalidArgument
 from kvfs.layout import (
@@ -57,6 +58,7 @@ MAX_KEYS = 1 << 20  # keys in one blob: kvfs.rpc.MAX_ITEMS, the rows of any mess
 MAX_ROWS = 1 << 22  # extents or replicas in one blob (a blob is also bounded in bytes: the
 # server's max_header_bytes)
 U63_MAX = 2**63 - 1
+T = TypeVar("T")
 
 _SWAP = sys.byteorder != "little"
 
@@ -240,18 +242,27 @@ def unpack(blob: bytes, created: float, expires_at: float | None) -> Unpacked:
                   for k, s, c, ec, sv, ch, of, m
                   in zip(keys, size, crc, ecrc, server, chunk, offset, meta_of, strict=False)]
         return Unpacked(staged, servers, max_meta)
-    staged = []
-    e = r = 0
-    for i, (k, s, c, nx, m) in enumerate(zip(keys, size, crc, next_, meta_of, strict=False)):
-        extents = []
-        for _ in range(nx):
-            nrep = ereps[e]
-            reps = tuple(Replica(server[j], chunk[j], offset[j]) for j in range(r, r + nrep))
-            extents.append(Extent(elen[e], ecrc[e], reps))
-            e += 1
-            r += nrep
-        try:
-            staged.append((k, Layout(s, c, created, expires_at, tuple(extents), m)))
-        except ValueError as exc:  # the extents do not add up to the size
-            raise _item(i, k, str(exc)) from None
+    # any shape: each kind of object built by one comprehension, then grouped by the counts
+    reps = [Replica(sv, ch, of) for sv, ch, of in zip(server, chunk, offset, strict=True)]
+    extents = [Extent(ln, c, rs) for ln, c, rs in zip(elen, ecrc, _groups(reps, ereps), strict=True)]
+    try:
+        staged = [(k, Layout(s, c, created, expires_at, ex, m)) for k, s, c, ex, m
+                  in zip(keys, size, crc, _groups(extents, next_), meta_of, strict=False)]
+    except ValueError:  # extents not adding up to their value's size: name the first such item
+        for i, (k, s, ex) in enumerate(zip(keys, size, _groups(extents, next_), strict=True)):
+            total = sum(e.length for e in ex)
+            if total != s:
+                raise _item(i, k, f"layout extents add up to {total}, not {s}") from None
+        raise
     return Unpacked(staged, servers, max_meta)
+
+
+def _groups(items: list[T], counts: array[int]) -> list[tuple[T, ...]]:
+    """``items`` cut into consecutive tuples of ``counts[i]`` items (they add up)."""
+    n = len(counts)
+    if counts.count(1) == n:
+        return [(x,) for x in items]
+    k = counts[0]
+    if counts.count(k) == n and k:
+        return [tuple(items[i:i + k]) for i in range(0, len(items), k)]
+    return [tuple(items[a:b]) for a, b in pairwise(accumulate(counts, initial=0))]

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import enum
 import struct
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
+from operator import attrgetter
 from typing import Any
 
 import msgpack
@@ -111,6 +114,10 @@ class Scatter:
 # the rest of a payload whose caller gave up is received (and dropped) into a buffer this
 # large, over and over (FrameDecoder.drop_payload)
 DROP_BUFFER_BYTES = 1024 * 1024
+# one vectored receive is offered the unfilled buffers covering at most this many bytes (a
+# socket rarely holds more): not every buffer of a large answer, each one costing the call
+VECTOR_BYTES = 4 * 1024 * 1024
+_NBYTES = attrgetter("nbytes")
 
 PayloadAllocator = Callable[[FrameHead], "bytearray | memoryview | Scatter"]
 
@@ -176,11 +183,16 @@ class FrameDecoder:
         self._head_size = 0  # fixed + msgpack bytes of the pending head
         # a large payload being received into its own buffer(s)
         self._segs: list[memoryview] | None = None
+        # where each part starts in the payload, then where the last one ends (running sums)
+        self._bounds: list[int] = []
         self._seg_i = 0
         self._seg_filled = 0
         self._big_filled = 0
         self._big_owner: bytearray | memoryview | Scatter | None = None
         self._staged = False  # the last get_buffer handed out scratch for small parts
+        # the transport follows each receive with vectored ones (payload_views): a small part
+        # is received in place too, no run of them staged in scratch and copied out
+        self.vectored = False
         self._events: deque[Frame] = deque()
         self._error: RemoteProtocolError | None = None
 
@@ -201,7 +213,7 @@ class FrameDecoder:
                 self._seg_i += 1
                 self._seg_filled = 0
             seg = segs[self._seg_i]
-            if seg.nbytes - self._seg_filled >= self._inline:
+            if seg.nbytes - self._seg_filled >= self._inline or self.vectored:
                 return seg[self._seg_filled :]  # a large part: the kernel writes it in place
             # small parts (e.g. 4 KiB values into their own buffers): one receive into the
             # scratch buffer for the run of them, copied out, instead of one receive each
@@ -244,20 +256,20 @@ class FrameDecoder:
         i, filled = self._seg_i, self._seg_filled
         while filled == segs[i].nbytes:  # skip full (or empty) parts
             i, filled = i + 1, 0
-        return [segs[i][filled:], *segs[i + 1 : i + most]]
+        # the parts up to the one holding byte _big_filled + VECTOR_BYTES, found by bisection
+        stop = min(i + most, bisect_right(self._bounds, self._big_filled + VECTOR_BYTES, i))
+        return [segs[i][filled:], *segs[i + 1 : stop]]
 
     def payload_updated(self, nbytes: int) -> None:
         """``nbytes`` were received into the buffers :meth:`payload_views` gave, in order."""
-        segs, head = self._segs, self._head
-        assert segs is not None and head is not None and nbytes > 0
-        i, filled, last = self._seg_i, self._seg_filled + nbytes, len(segs) - 1
-        while i < last and filled >= segs[i].nbytes:
-            filled -= segs[i].nbytes
-            i += 1
-        self._seg_i, self._seg_filled = i, filled
-        self._big_filled += nbytes
-        if self._big_filled == head.payload_len:
+        head, bounds = self._head, self._bounds
+        assert self._segs is not None and head is not None and nbytes > 0
+        done = self._big_filled = self._big_filled + nbytes
+        if done == head.payload_len:
             self._finish_big()
+            return
+        i = bisect_right(bounds, done, self._seg_i) - 1  # the first part not full yet
+        self._seg_i, self._seg_filled = i, done - bounds[i]
 
     def drop_payload(self, request_id: int) -> None:
         """If the payload of frame ``request_id`` is arriving into its own buffers now, the
@@ -273,6 +285,7 @@ class FrameDecoder:
         if rest % junk.nbytes:
             parts.append(junk[: rest % junk.nbytes])
         self._segs, self._big_owner = parts, Scatter(parts)
+        self._bounds = list(accumulate(map(_NBYTES, parts), initial=self._big_filled))
         self._seg_i = self._seg_filled = 0
 
     def receive_data(self, data: Buffer) -> None:
@@ -380,10 +393,11 @@ class FrameDecoder:
                 continue
             owner = self.allocator(head)
             segs = owner.parts if isinstance(owner, Scatter) else [memoryview(owner).cast("B")]
-            if sum(p.nbytes for p in segs) != head.payload_len:
+            bounds = list(accumulate(map(_NBYTES, segs), initial=0))
+            if bounds[-1] != head.payload_len:
                 raise RemoteProtocolError("payload allocator returned buffers of the wrong size")
             self._start = body_at
-            self._big_owner, self._segs = owner, segs
+            self._big_owner, self._segs, self._bounds = owner, segs, bounds
             self._fill_parts()  # what already arrived with the header
             if self._big_filled == head.payload_len:
                 self._finish_big()
@@ -431,6 +445,7 @@ class FrameDecoder:
         head, owner = self._head, self._big_owner
         assert head is not None and owner is not None
         self._segs = self._big_owner = None
+        self._bounds = []
         self._seg_i = self._seg_filled = self._big_filled = 0
         self._emit(head, owner)
 

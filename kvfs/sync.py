@@ -22,34 +22,136 @@ from kvfs.errors import LocalProtocolError
 from kvfs.layout import Key, Layout
 
 T = TypeVar("T")
+_STOPPED_POLL_S = 0.1  # an interrupted call's wait looks this often whether the IO loop stopped
 
 
 class _Call:
-    """One blocking call: its task on the IO loop, and the lock its caller waits on."""
+    """One call on the IO loop: a task that runs ``coro``, keeps its outcome and wakes the
+    caller the moment it ends (``_ended``, in the task's last step: no done callback a
+    loop turn later, no ``concurrent.futures.Future`` chain for a blocking call)."""
 
-    __slots__ = ("cancelled", "coro", "done", "task")
+    __slots__ = ("cancelled", "coro", "done", "exc", "result", "started", "task")
 
     def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
         self.coro = coro
-        self.done = threading.Lock()
+        self.done = threading.Lock()  # held until the call has ended: nothing of it runs after
         self.done.acquire()
-        self.task: asyncio.Task[Any] | None = None
-        self.cancelled = False
+        self.task: asyncio.Task[None] | None = None
+        self.cancelled = self.started = False
+        self.result: Any = None
+        self.exc: BaseException | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
-        if self.cancelled:
-            self.coro.close()
-            return
-        self.task = loop.create_task(self.coro)
-        self.task.add_done_callback(self._finished)
+        """On the IO loop."""
+        self.task = loop.create_task(self._run())
 
-    def _finished(self, task: asyncio.Task[Any]) -> None:
+    async def _run(self) -> None:
+        if self.cancelled:  # cancelled before its first step: it never runs
+            self.coro.close()
+            self.exc = asyncio.CancelledError()
+        else:
+            self.started = True
+            try:
+                self.result = await self.coro
+            except BaseException as exc:  # handed to the caller, raised in its thread
+                self.exc = exc
+        self._ended()
+
+    def _ended(self) -> None:
         self.done.release()
 
     def cancel(self) -> None:
+        """On the IO loop: the call stops as its async form does when cancelled (a
+        ``get_into`` ends only once nothing writes its buffers)."""
         self.cancelled = True
-        if self.task is not None:
+        if self.started and self.task is not None:  # (not yet started: _run sees the flag)
             self.task.cancel()
+
+    def wait_ended(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Blocks until the call has ended, or ``loop`` has stopped (nothing of the call
+        runs any more); an interrupt meanwhile (a second Ctrl-C) is held back until then,
+        as the async client's cancelled ``get_into`` does."""
+        held: BaseException | None = None
+        while True:
+            try:
+                if not self.done.acquire(timeout=_STOPPED_POLL_S):
+                    if loop.is_running():
+                        continue
+                else:
+                    self.done.release()
+            except BaseException as exc:
+                held = held or exc
+                continue
+            if held is not None:
+                raise held
+            return
+
+    def outcome(self) -> Any:
+        """The call's result, or its exception raised (in the caller's thread)."""
+        exc = self.exc
+        if exc is not None:
+            self.exc = None  # no cycle through the traceback
+            raise exc
+        return self.result
+
+
+class _FutureCall(_Call):
+    """A ``submit_*`` call: its outcome also goes to a :class:`_Future` (before the caller
+    of ``cancel()``, waiting for the call's end, is woken)."""
+
+    __slots__ = ("future",)
+    future: _Future[Any]
+
+    def _ended(self) -> None:
+        f = self.future
+        exc, self.exc = self.exc, None  # no cycle through the traceback
+        if isinstance(exc, asyncio.CancelledError) and not f.done():
+            concurrent.futures.Future.cancel(f)  # the base class's: no wait, this is the end
+        if f.set_running_or_notify_cancel():  # False: cancelled (waiters are told now)
+            if exc is None:
+                f.set_result(self.result)
+            else:
+                f.set_exception(exc)
+        self.result = None
+        super()._ended()
+
+
+class _Future(concurrent.futures.Future[T]):
+    """What ``submit_*`` returns.  ``cancel()`` stops the call on the IO loop and returns
+    once it has ended, so a cancelled ``submit_get_into`` writes no buffer afterwards (as
+    the async ``get_into``'s cancellation); False if it had already finished.  Called from
+    a thread running an event loop (the IO thread, or another loop through
+    ``asyncio.wrap_future``), which must not block, it asks for the cancellation and
+    returns False: the future stays pending until the call has ended, then ends cancelled
+    (or with the result that won the race)."""
+
+    def __init__(self, call: _FutureCall, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__()
+        self._call = call
+        self._loop = loop
+
+    def cancel(self) -> bool:
+        if self.done():
+            return self.cancelled()
+        call = self._call
+        try:
+            self._loop.call_soon_threadsafe(call.cancel)
+        except RuntimeError:  # the loop is closed: the call can no longer run
+            super().cancel()
+            self.set_running_or_notify_cancel()  # concurrent.futures.wait() is told too
+            return True
+        if _on_a_loop():
+            return False
+        call.wait_ended(self._loop)
+        return self.cancelled()
+
+
+def _on_a_loop() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
 
 
 class Client:
@@ -82,18 +184,27 @@ class Client:
                 self._start_io()
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Starts ``coro`` on the IO loop; its future is completed by the call's own task
+        (one hop each way, as for a blocking call)."""
         if self._pid != os.getpid():
             self._after_fork()
-        if self._loop.is_closed():
+        loop = self._loop
+        if loop.is_closed():
             coro.close()
             raise LocalProtocolError("kvfs.Client is closed")
-        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+        call = _FutureCall(coro)
+        fut: _Future[T] = _Future(call, loop)
+        call.future = fut
+        loop.call_soon_threadsafe(call.start, loop)
+        return fut
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs ``coro`` on the IO loop and blocks until it is done.  The hop is one
-        ``call_soon_threadsafe`` there and one lock release back (no
-        ``concurrent.futures.Future``, whose condition variable and chained callbacks
-        cost about as much CPU as a 128-key ``exists_many``)."""
+        ``call_soon_threadsafe`` there and one lock release back, from the call's own task
+        as it ends (no ``concurrent.futures.Future``, whose condition variable and chained
+        callbacks cost about as much CPU as a 128-key ``exists_many``).  Interrupted (e.g.
+        KeyboardInterrupt), the call is cancelled and waited for before the interrupt is
+        raised, so it writes none of the caller's buffers afterwards."""
         if threading.current_thread() is self._thread:
             coro.close()
             raise LocalProtocolError("blocking kvfs call made on the client's own IO loop; "
@@ -110,9 +221,9 @@ class Client:
             call.done.acquire()
         except BaseException:  # e.g. KeyboardInterrupt in the caller: stop the call too
             loop.call_soon_threadsafe(call.cancel)
+            call.wait_ended(loop)
             raise
-        assert call.task is not None
-        return call.task.result()
+        return call.outcome()
 
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

@@ -107,11 +107,11 @@ class MetaGc:
         if not gone:  # nothing to scan
             return []
         alive = {sid for sid, s in ix.servers.items() if ix.alive(s)}
-        rows = [row async for batch in ix.scan() for row in batch]
+        rows = [row async for batch in ix.refs(servers=gone) for row in batch]
         return plan_repairs(rows, gone, alive, limit_bytes=limit_bytes, now=ix.clock(), summary=summary)
 
     async def repair_summary(self) -> RepairSummary:
-        """Under-replicated extents now (a scan of the index, only while a server is gone)."""
+        """Under-replicated extents now (the keys on gone servers, only while one is gone)."""
         summary = RepairSummary()
         await self._repair_plan(0, summary)
         return summary
@@ -125,9 +125,9 @@ class MetaGc:
         live_map = dict(await ix.live_bytes())
         gone: set[bytes] = set()
         if expire:
-            async for rows in ix.scan():
+            async for rows in ix.expired_rows(now):
                 for k, lay in rows:
-                    if lay.expired(now):
+                    if k not in gone:
                         add_live(live_map, lay, -1, k)
                         gone.add(k)
         if evict is not None:
@@ -219,13 +219,14 @@ class MetaGc:
         ix = self.index
         now = ix.clock()
         expired: dict[int, int] = defaultdict(int)
-        expired_total = 0
-        async for rows in ix.scan():
-            for _, lay in rows:
-                if lay.expired(now):
-                    expired_total += 1
+        seen: set[bytes] = set()
+        async for rows in ix.expired_rows(now):
+            for k, lay in rows:
+                if k not in seen:
+                    seen.add(k)
                     for sid in {r.server_id for x in lay.extents for r in x.replicas}:
                         expired[sid] += 1
+        expired_total = len(seen)
         live_map = await ix.live_bytes()
         dead = await ix.retired_among(c for s in ix.servers.values() for c in s.chunks)
         servers = []
@@ -250,12 +251,10 @@ class MetaGc:
         ix = self.index
         now = ix.clock()
         if not req.apply:
-            n = nbytes = 0
-            async for rows in ix.scan():
-                for _, lay in rows:
-                    if lay.expired(now):
-                        n += 1
-                        nbytes += disk_bytes(lay)
+            sizes: dict[bytes, int] = {}
+            async for rows in ix.expired_rows(now):
+                sizes.update((k, disk_bytes(lay)) for k, lay in rows)
+            n, nbytes = len(sizes), sum(sizes.values())
             return rpc.Expired(keys=n, bytes=nbytes, more=False), ()
         removed, more = await ix.expire(now, req.limit)
         n, nbytes = len(removed), sum(disk_bytes(lay) for _, lay in removed)
@@ -334,7 +333,7 @@ class MetaGc:
         sid = req.server_id
         now = ix.clock()
         refs: dict[int, list[rpc.Ref]] = {c: [] for c in chunks}
-        async for rows in ix.scan():
+        async for rows in ix.refs(chunks, () if sid is None else (sid,)):
             for k, lay in rows:
                 if lay.expired(now):
                     continue
@@ -435,7 +434,7 @@ class MetaGc:
     async def drain_left(self, sids: Collection[int]) -> dict[int, tuple[int, int]]:
         """(extents, bytes) with a replica on each of servers ``sids``, expired keys too."""
         left = {sid: [0, 0] for sid in sids}
-        async for rows in self.index.scan():
+        async for rows in self.index.refs(servers=sids):
             for _, lay in rows:
                 for x in lay.extents:
                     for sid in {r.server_id for r in x.replicas if r.server_id in left}:

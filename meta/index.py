@@ -644,6 +644,20 @@ class MetaIndex(ServerRegistry):
                     rows.append((k, e.layout))
             yield rows
 
+    async def refs(self, chunks: Collection[int] = (), servers: Collection[int] = (),
+                   ) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        """A walk of the keys in memory (:meth:`scan`), keeping those in ``chunks`` or on
+        ``servers``."""
+        cs, ss = set(chunks), set(servers)
+        async for rows in self.scan():
+            yield [(k, lay) for k, lay in rows
+                   if any(r.chunk_id in cs or r.server_id in ss for x in lay.extents for r in x.replicas)]
+
+    async def expired_rows(self, now: float) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        """A walk of the keys in memory (:meth:`scan`), keeping the expired ones."""
+        async for rows in self.scan():
+            yield [(k, lay) for k, lay in rows if lay.expired(now)]
+
     async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
         order = sorted(self.entries.items(), key=lambda kv: kv[1].last_access)
         for i in range(0, len(order), batch):

@@ -1,13 +1,14 @@
 """``kvfs meta migrate``: move meta's index from one store to another, SQLite to Redis
-Cluster or back, with meta stopped.
+Cluster or back, or between two Redis stores (another namespace: how a store made before
+the chunk index, format 1, is brought to this kvfs's format), with meta stopped.
 
 What moves: every unexpired key with its layout (so its TTL) and its last access (the
 LRU order), the cluster id, the chunkserver registry, the retired chunks (a late commit
 naming one is still refused) and the GC state (paused, metrics, draining and
 decommissioned servers).  Chunkservers' heartbeat times do not: they report again.
 Nor do the delete tombstones a SQLite meta tracks (:mod:`kvfs.meta.tombstones`): the
-Redis store keeps none yet, so a later ``kvfs meta rebuild`` may bring back keys
-deleted before the migration.
+Redis store keeps none (README, "No tombstones on Redis"), so a later ``kvfs meta
+rebuild`` may bring back keys deleted before the migration.
 
 Memory stays bounded: keys stream in batches of ``batch`` (SQLite pages by key, Redis by
 its LRU index), each batch written before the next is read.
@@ -138,10 +139,11 @@ class _Sqlite:
 
 
 class _Redis:
-    def __init__(self, url: str, namespace: str) -> None:
+    def __init__(self, url: str, namespace: str, *, source: bool = False) -> None:
+        """A source may be a store made before the chunk index (format 1): it is only read."""
         from kvfs.meta.redis_store import RedisMetaStore
 
-        self.store = RedisMetaStore(url, namespace=namespace)
+        self.store = RedisMetaStore(url, namespace=namespace, read_old=source)
         self.name = f"{url} (namespace {namespace})"
         self.commit_concurrency = 32
 
@@ -233,7 +235,7 @@ Store = _Sqlite | _Redis
 
 def _open(spec: str, namespace: str, *, source: bool) -> Store:
     kind, where = parse_spec(spec)
-    return _Sqlite(where, source=source) if kind == "sqlite" else _Redis(where, namespace)
+    return _Sqlite(where, source=source) if kind == "sqlite" else _Redis(where, namespace, source=source)
 
 
 async def migrate(src_spec: str, dst_spec: str, *, from_namespace: str = "kvfs",
@@ -243,9 +245,11 @@ async def migrate(src_spec: str, dst_spec: str, *, from_namespace: str = "kvfs",
     """Copy the index at ``src_spec`` into ``dst_spec`` (see the module's doc)."""
     if not 1 <= batch <= 100_000:
         raise InvalidArgument(f"--batch must be 1..100000, got {batch}")
-    if parse_spec(src_spec)[0] == parse_spec(dst_spec)[0]:
+    if parse_spec(src_spec)[0] == parse_spec(dst_spec)[0] == "sqlite":
         raise InvalidArgument("migrate moves between SQLite and Redis Cluster: --from and --to are "
                               "the same kind of store (copy a SQLite database with kvfs meta backup)")
+    if (src_spec, from_namespace) == (dst_spec, to_namespace):
+        raise InvalidArgument("--from and --to are the same store: give another --to-namespace")
     t0 = time.perf_counter()
     src = _open(src_spec, from_namespace, source=True)
     try:

@@ -9,18 +9,21 @@ the hash tag ``{NS.B}``, so they live in one hash slot and one Lua script can ch
 them together:
 
 =================  =====================================================================
-``{NS.B}h``        hash key -> ``EXPIRES;CID:BYTES,...|LAYOUT`` (msgpack layout behind a
-                   text prefix: its expiry, and the live bytes it adds to each chunk)
+``{NS.B}h``        hash key -> ``EXPIRES;SIZE;CID:BYTES,...|LAYOUT`` (msgpack layout behind
+                   a text prefix: its expiry, its size, the live bytes it adds to each chunk)
 ``{NS.B}k``        sorted set, every score 0: the keys in byte order (prefix listing)
 ``{NS.B}a``        sorted set key -> last access (LRU eviction)
 ``{NS.B}x``        sorted set key -> expires_at (the expiry sweep)
 ``{NS.B}L``        hash chunk -> live bytes *of this bucket's keys*
+``{NS.B}c<CID>``   hash: this bucket's keys with a replica in chunk CID -> '' (chunk index)
+``{NS.B}s<SID>``   set: the chunks of server SID with live bytes in this bucket
+``{NS.B}n``        hash ``bytes`` -> the size of this bucket's values (keys: HLEN of h)
 ``{NS.B}D``        set of retired chunks (every bucket holds the whole set)
 ``{NS.B}p<key>``   its leases: hash holder -> until (meta's clock); Redis expiry (at the
                    latest until) removes it
-``{NS}cluster``,   cluster id, bucket count, chunkservers (hash), GC state (hash),
-``{NS}buckets``,   retired chunks with their time (hash), the retire lock
-``{NS}servers``…
+``{NS}cluster``,   cluster id, bucket count, the store's format (2: with the indexes
+``{NS}buckets``,   above; an older store is refused by name at open), chunkservers
+``{NS}servers``…   (hash), GC state (hash), retired chunks with their time, the retire lock
 =================  =====================================================================
 
 What is atomic
@@ -30,9 +33,15 @@ retirement each run **one Lua script per involved node**, covering every bucket 
 call that node serves (Redis 7's ``allow-cross-slot-keys`` script flag: one script may
 use keys of several slots, all on its node).  So:
 
-- per key, always: the layout, the indexes and that key's live-bytes contribution change
-  together.  Relocation and eviction compare the stored value; a commit or relocation
-  naming a retired chunk is refused in the same script (each bucket holds the dead set);
+- per key, always: the layout, the indexes (order, LRU, expiry, chunk -> keys, server ->
+  chunks), the bytes counter and that key's live-bytes contribution change together: one
+  Lua helper (``index``) adds or takes away all a stored value contributes, in the script
+  that stores or removes it, and every index structure is in the key's own bucket (slot),
+  so no entry is left stale or missing by a race or a crash (a failover loses a script's
+  writes whole or not at all: Redis replicates them as one transaction).  Readers still
+  check each chunk-index entry against the layout and drop one that does not hold.
+  Relocation and eviction compare the stored value; a commit or relocation naming a
+  retired chunk is refused in the same script (each bucket holds the dead set);
 - per node: the keys of one batch that one master holds commit together, all or none.
   **A batch spanning masters is not all-or-nothing**: a refused commit (a retired chunk)
   may leave the batch's part on other masters committed.  Each committed key is still
@@ -63,10 +72,16 @@ whether a holder's lease holds is its value against meta's clock.
 Cost
 ----
 A commit or a lookup is one script on each involved node, the nodes called at once:
-one round trip.  Listing merges the buckets' ``k`` indexes: each round fetches a few keys
-per bucket (one pipeline per node), plus one round trip for the layouts of the page.
+one round trip (a commit adds one HSET per chunk of each key to the chunk index; the
+live bytes, the bytes counter and the server index are summed per bucket and chunk and
+written once per script).  Listing merges the buckets' ``k`` indexes: each round fetches
+a few keys per bucket (one pipeline per node), plus one round trip for the layouts of the
+page.
 The expiry sweep and LRU candidates merge the same way over ``x`` and ``a``.
-:meth:`scan` (GC status, chunk references) reads everything.  The bucket count bounds
+Nothing meta serves reads every key: :meth:`refs` (a compaction's chunk references, repair
+plans, drains) reads the chunk and server indexes of every bucket (O(keys named +
+buckets)), :meth:`key_stats` the counters plus the expired keys not swept yet, and
+:meth:`expired_rows` the expiry index.  Only :meth:`scan` reads everything (tests).  The bucket count bounds
 how far the store spreads (a bucket is one slot) and what a list page costs; it is
 fixed when the store is created.
 """
@@ -77,6 +92,7 @@ import asyncio
 import builtins
 import contextlib
 import heapq
+import logging
 import math
 import uuid
 from collections import defaultdict
@@ -110,35 +126,83 @@ from kvfs.meta.store import prefix_upper_bound
 from kvfs.meta.storeapi import OVERFLOW_HOLDER, Lease
 
 T = TypeVar("T")
+log = logging.getLogger("kvfs.meta.redis")
 
 URL_SCHEME = "redis-cluster://"
 DEFAULT_BUCKETS = 256
 RETIRE_LOCK_MS = 30_000
 SCAN_MIN_COUNT = 64  # HSCAN's COUNT hint per bucket and round of scan()
+ROUND_BUCKETS = 16  # buckets per round (one script per node) of refs() by server: bounds a reply
+FORMAT = "2"  # the store's layout: 2 added the chunk and server indexes and the bytes counter
 CLOSE_TIMEOUT_S = 5.0  # close(): each connection's close, and the last access-time flush
 HMGET_FIELDS = 4096  # chunks asked per HMGET of the retired set
 DEFAULT_TIMEOUT_S = 5.0  # one network step: a pipeline to a node, a command, a slot-map read
 
 # --- Lua ----------------------------------------------------------------------------------
-# The value prefix: "EXPIRES;CID:N,CID:N|". Numbers stay strings in Lua (chunk ids exceed
-# 2^53); HINCRBY parses them.
+# The value prefix: "EXPIRES;SIZE;CID:N,CID:N|" (N: the live bytes the key adds to the chunk).
+# Numbers stay strings in Lua (chunk ids exceed 2^53); HINCRBY parses them.
+# index(t, k, v, sign) adds (sign 1) or takes away (-1) everything a stored value contributes
+# to its bucket's derived structures, in the script that stores or removes it: the chunk ->
+# keys index (c<CID>: a hash, fields the keys, values empty: Redis 7.0 packs a small hash,
+# not a small set of strings, into one listpack) at once; the chunk's live bytes (L), the
+# server -> chunks index (s<SID>: the chunks with live bytes in this bucket) and the bytes
+# counter (n) summed per bucket and chunk, written by flush() once at the script's end.
 _LUA_ADJUST = """
-local function contrib(v)
-  local semi = string.find(v, ';', 1, true)
-  local bar = string.find(v, '|', 1, true)
-  return string.sub(v, semi + 1, bar - 1)
+local function parts(v)
+  local s1 = string.find(v, ';', 1, true)
+  local s2 = string.find(v, ';', s1 + 1, true)
+  local bar = string.find(v, '|', s2 + 1, true)
+  return string.sub(v, s1 + 1, s2 - 1), string.sub(v, s2 + 1, bar - 1)
 end
-local function adjust(L, v, sign)
-  for cid, nb in string.gmatch(contrib(v), '(%d+):(%d+)') do
-    local r
-    if sign < 0 then r = redis.call('HINCRBY', L, cid, '-' .. nb)
-    else r = redis.call('HINCRBY', L, cid, nb) end
-    if r == 0 then redis.call('HDEL', L, cid) end
+local function sid_of(cid)
+  local q, r = 0, 0
+  for i = 1, #cid do
+    r = r * 10 + string.byte(cid, i) - 48
+    local d = math.floor(r / 1099511627776)
+    q = q * 10 + d
+    r = r - d * 1099511627776
+  end
+  return string.format('%d', q)
+end
+local live_delta, bytes_delta = {}, {}
+local function index(t, k, v, sign)
+  local size, con = parts(v)
+  local a = live_delta[t]
+  if not a then
+    a = {}
+    live_delta[t] = a
+    bytes_delta[t] = 0
+  end
+  for cid, nb in string.gmatch(con, '(%d+):(%d+)') do
+    a[cid] = (a[cid] or 0) + sign * tonumber(nb)
+    if sign < 0 then redis.call('HDEL', t .. 'c' .. cid, k)
+    else redis.call('HSET', t .. 'c' .. cid, k, '') end
+  end
+  bytes_delta[t] = bytes_delta[t] + sign * tonumber(size)
+end
+local function flush()
+  for t, a in pairs(live_delta) do
+    local L = t .. 'L'
+    for cid, d in pairs(a) do
+      if d ~= 0 then
+        local r = redis.call('HINCRBY', L, cid, string.format('%d', d))
+        if r == 0 then
+          redis.call('HDEL', L, cid)
+          redis.call('SREM', t .. 's' .. sid_of(cid), cid)
+        elseif r == d then
+          redis.call('SADD', t .. 's' .. sid_of(cid), cid)
+        end
+      end
+    end
+    if bytes_delta[t] ~= 0 then
+      redis.call('HINCRBY', t .. 'n', 'bytes', string.format('%d', bytes_delta[t]))
+    end
   end
 end
 local function dead_in(D, v)
   if redis.call('SCARD', D) == 0 then return false end
-  for cid in string.gmatch(contrib(v), '(%d+):%d+') do
+  local _, con = parts(v)
+  for cid in string.gmatch(con, '(%d+):%d+') do
     if redis.call('SISMEMBER', D, cid) == 1 then return cid end
   end
   return false
@@ -199,7 +263,7 @@ end
 local out = {1}
 for _, g in ipairs(gs) do
   local t = g[1]
-  local h, kk, a, x, L = t .. 'h', t .. 'k', t .. 'a', t .. 'x', t .. 'L'
+  local h, kk, a, x = t .. 'h', t .. 'k', t .. 'a', t .. 'x'
   for j = 0, g[3] - 1 do
     local k, v = ARGV[g[2] + 2 * j], ARGV[g[2] + 2 * j + 1]
     local old = redis.call('HGET', h, k)
@@ -211,8 +275,8 @@ for _, g in ipairs(gs) do
     if keep then
       out[#out + 1] = k
     else
-      if old then adjust(L, old, -1) end
-      adjust(L, v, 1)
+      if old then index(t, k, old, -1) end
+      index(t, k, v, 1)
       redis.call('HSET', h, k, v)
       redis.call('ZADD', kk, 0, k)
       redis.call('ZADD', a, now, k)
@@ -220,6 +284,7 @@ for _, g in ipairs(gs) do
     end
   end
 end
+flush()
 return out
 """
 
@@ -241,7 +306,7 @@ local mode, now = ARGV[1], tonumber(ARGV[2])
 local out = {}
 for _, g in ipairs(groups(3, 2)) do
   local t = g[1]
-  local h, kk, a, x, L = t .. 'h', t .. 'k', t .. 'a', t .. 'x', t .. 'L'
+  local h, kk, a, x = t .. 'h', t .. 'k', t .. 'a', t .. 'x'
   for j = 0, g[3] - 1 do
     local k, want = ARGV[g[2] + 2 * j], ARGV[g[2] + 2 * j + 1]
     local v = redis.call('HGET', h, k)
@@ -254,7 +319,7 @@ for _, g in ipairs(groups(3, 2)) do
       if ok and leased(t .. 'p' .. k, now) then ok = false end
     end
     if ok then
-      adjust(L, v, -1)
+      index(t, k, v, -1)
       redis.call('HDEL', h, k)
       redis.call('ZREM', kk, k)
       redis.call('ZREM', a, k)
@@ -264,6 +329,7 @@ for _, g in ipairs(groups(3, 2)) do
     end
   end
 end
+flush()
 return out
 """
 
@@ -271,12 +337,13 @@ return out
 _LUA_SWITCH = _SHEBANG + _LUA_GROUPS + _LUA_ADJUST + """
 local out = {}
 for _, g in ipairs(groups(1, 3)) do
-  local h, L, D = g[1] .. 'h', g[1] .. 'L', g[1] .. 'D'
+  local t = g[1]
+  local h, D = t .. 'h', t .. 'D'
   for j = 0, g[3] - 1 do
     local k, want, new = ARGV[g[2] + 3 * j], ARGV[g[2] + 3 * j + 1], ARGV[g[2] + 3 * j + 2]
     if redis.call('HGET', h, k) == want and not dead_in(D, new) then
-      adjust(L, want, -1)
-      adjust(L, new, 1)
+      index(t, k, want, -1)
+      index(t, k, new, 1)
       redis.call('HSET', h, k, new)
       out[#out + 1] = 1
     else
@@ -284,6 +351,7 @@ for _, g in ipairs(groups(1, 3)) do
     end
   end
 end
+flush()
 return out
 """
 
@@ -325,6 +393,81 @@ end
 local out = {}
 for c, n in pairs(total) do out[#out + 1] = c out[#out + 1] = string.format('%d', n) end
 return out
+"""
+
+# ARGV: nc, nc chunk ids, ns, ns server ids, groups of buckets (n = 0).  The chunk index's
+# entries in those chunks, and in every chunk of those servers (the server -> chunks index),
+# in this node's buckets: {chunk, key, stored value} triples, the value once per key ('' after
+# its first triple; false: the key is gone).  The caller checks each against the value.
+_LUA_REFS = _SHEBANG + _LUA_GROUPS + """
+local nc = tonumber(ARGV[1])
+local ns = tonumber(ARGV[2 + nc])
+local out = {}
+for _, g in ipairs(groups(3 + nc + ns, 0)) do
+  local t = g[1]
+  local cids = {}
+  for i = 2, 1 + nc do cids[#cids + 1] = ARGV[i] end
+  for i = 3 + nc, 2 + nc + ns do
+    for _, c in ipairs(redis.call('SMEMBERS', t .. 's' .. ARGV[i])) do cids[#cids + 1] = c end
+  end
+  local sent = {}
+  for _, c in ipairs(cids) do
+    for _, k in ipairs(redis.call('HKEYS', t .. 'c' .. c)) do
+      out[#out + 1] = c
+      out[#out + 1] = k
+      if sent[k] then out[#out + 1] = '' else
+        sent[k] = true
+        out[#out + 1] = redis.call('HGET', t .. 'h', k)
+      end
+    end
+  end
+end
+return out
+"""
+
+# ARGV: groups of (key, chunk).  Drops each chunk index entry whose key is gone or no longer
+# has a replica in that chunk (checked here, against the stored value); returns how many.
+_LUA_UNREF = _SHEBANG + _LUA_GROUPS + _LUA_ADJUST + """
+local n = 0
+for _, g in ipairs(groups(1, 2)) do
+  local t = g[1]
+  for j = 0, g[3] - 1 do
+    local k, c = ARGV[g[2] + 2 * j], ARGV[g[2] + 2 * j + 1]
+    local v = redis.call('HGET', t .. 'h', k)
+    local named = false
+    if v then
+      local _, con = parts(v)
+      for cid in string.gmatch(con, '(%d+):%d+') do
+        if cid == c then named = true break end
+      end
+    end
+    if not named then n = n + redis.call('HDEL', t .. 'c' .. c, k) end
+  end
+end
+return n
+"""
+
+# ARGV: now, groups of buckets (n = 0).  {keys stored, bytes of their values (the n counter),
+# keys expired at now (not swept yet)} summed over this node's buckets.
+_LUA_STATS = _SHEBANG + _LUA_GROUPS + """
+local keys, nbytes, expired = 0, 0, 0
+for _, g in ipairs(groups(2, 0)) do
+  local t = g[1]
+  keys = keys + redis.call('HLEN', t .. 'h')
+  nbytes = nbytes + tonumber(redis.call('HGET', t .. 'n', 'bytes') or '0')
+  expired = expired + redis.call('ZCOUNT', t .. 'x', '-inf', ARGV[1])
+end
+return {keys, string.format('%d', nbytes), expired}
+"""
+
+# KEYS: the bucket count's key, the format's.  ARGV: buckets, format.  A new store gets both
+# at once; returns {buckets, format (false: a store made before the format was recorded)}.
+_LUA_CREATE = """
+if redis.call('EXISTS', KEYS[1]) == 0 then
+  redis.call('SET', KEYS[1], ARGV[1])
+  redis.call('SET', KEYS[2], ARGV[2])
+end
+return {redis.call('GET', KEYS[1]), redis.call('GET', KEYS[2])}
 """
 
 # ARGV: groups of buckets (n = 0).  Keys stored in this node's buckets.
@@ -459,9 +602,11 @@ def live_contrib(key: bytes, layout: Layout) -> dict[int, int]:
 
 
 def encode_value(key: bytes, layout: Layout) -> bytes:
+    """``EXPIRES;SIZE;CID:N,...|`` + the msgpack layout: the prefix is what the Lua scripts
+    read (expiry, the bytes counter, each chunk's live bytes and index entry)."""
     exp = "" if layout.expires_at is None else _num(layout.expires_at)
     contrib = ",".join(f"{c}:{n}" for c, n in live_contrib(key, layout).items())
-    return f"{exp};{contrib}|".encode() + encode_layout(layout)
+    return f"{exp};{layout.size};{contrib}|".encode() + encode_layout(layout)
 
 
 def decode_value(v: bytes) -> Layout:
@@ -479,7 +624,7 @@ class RedisMetaStore:
     cluster; ``buckets`` is used when the store is created (an existing one keeps its own)."""
 
     def __init__(self, url: str, *, namespace: str = "kvfs", buckets: int = DEFAULT_BUCKETS,
-                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+                 timeout_s: float = DEFAULT_TIMEOUT_S, read_old: bool = False) -> None:
         if not namespace or not namespace.replace("_", "").replace("-", "").isalnum():
             raise InvalidArgument(f"redis namespace must be letters, digits, - or _, got {namespace!r:.80}")
         if not 1 <= buckets <= 65536:
@@ -487,6 +632,7 @@ class RedisMetaStore:
         if not 0 < timeout_s <= 3600:
             raise InvalidArgument(f"redis timeout (--store-timeout) must be in (0, 3600] seconds, got {timeout_s!r}")
         self.timeout_s = timeout_s
+        self.read_old = read_old
         self.nodes = parse_url(url)
         self.ns = namespace
         self.buckets = buckets
@@ -494,8 +640,8 @@ class RedisMetaStore:
         self._access: dict[bytes, float] = {}
         g = "{" + namespace + "}"
         self._g = {n: (g + n).encode() for n in
-                   ("cluster", "buckets", "servers", "seen", "state", "dead", "retire_lock",
-                    "counts", "claim:")}
+                   ("cluster", "buckets", "format", "servers", "seen", "state", "dead",
+                    "retire_lock", "counts", "claim:")}
         self._tags: builtins.list[bytes] = []
         self._slots: builtins.list[int] = []
         self._clients: dict[str, Redis] = {}  # one plain client per node (see _execute)
@@ -519,8 +665,15 @@ class RedisMetaStore:
             nodes = ",".join(f"{h}:{p}" for h, p in self.nodes)
             raise Unavailable(f"redis cluster at {nodes} unreachable: {type(exc).__name__}: {exc}") from exc
         self._r = r
-        await self._run(self.r.set(self._g["buckets"], str(self.buckets), nx=True))
-        self.buckets = int(await self._run(self.r.get(self._g["buckets"])))
+        buckets, fmt = await self._run(self.r.eval(_LUA_CREATE, 2, self._g["buckets"], self._g["format"],
+                                                   str(self.buckets), FORMAT))
+        if fmt != FORMAT.encode() and not self.read_old:
+            await self.close()
+            raise InvalidArgument(
+                f"redis store {self.ns!r} has format {fmt.decode() if fmt else '1'}, this kvfs "
+                f"needs {FORMAT} (its chunk index); copy it to a new namespace with kvfs meta "
+                f"migrate --from URL --from-namespace {self.ns} --to URL --to-namespace NEW")
+        self.buckets = int(buckets)
         self._tags = [f"{{{self.ns}.{b}}}".encode() for b in range(self.buckets)]
         self._slots = [key_slot(t) for t in self._tags]
 
@@ -930,6 +1083,87 @@ class RedisMetaStore:
 
     async def count(self) -> int:
         return sum(int(r) for _, r in await self._per_node(_LUA_COUNT, (), self._all_buckets(), 1))
+
+    async def key_stats(self, now: float) -> tuple[int, int, int]:
+        """(unexpired keys, stored keys, bytes of the unexpired values): the per-bucket key
+        counts (HLEN) and bytes counters, one script per node, less the keys expired at
+        ``now`` that the GC has not swept yet, read through the expiry index
+        (:meth:`expired_rows`: O(those keys), none read when there are none)."""
+        stored = nbytes = expired = 0
+        for _, (n, b, e) in await self._per_node(_LUA_STATS, [_num(now)], self._all_buckets(), 1):
+            stored, nbytes, expired = stored + int(n), nbytes + int(b), expired + int(e)
+        gone = 0
+        if expired:
+            async for rows in self.expired_rows(now):
+                gone += len(rows)
+                nbytes -= sum(lay.size for _, lay in rows)
+        return stored - gone, stored, nbytes
+
+    async def expired_rows(self, now: float, batch: int = 1000,
+                           ) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
+        """Every key expired at ``now`` (not swept yet) with its layout, in batches of about
+        ``batch``: each round reads a page of each unfinished bucket's expiry index (one
+        pipeline) and then their values: O(expired keys + buckets), never the other keys.
+        Not a snapshot: keys swept or written meanwhile may be missed or seen twice."""
+        offsets = dict.fromkeys(range(self.buckets), 0)
+        m = max(SCAN_MIN_COUNT, batch // self.buckets)
+        while offsets:
+            order = builtins.list(offsets)
+            p = self._pipe()
+            for b in order:
+                p.zrangebyscore(self._k(b, b"x"), "-inf", _num(now), start=offsets[b], num=m)
+            keys: builtins.list[bytes] = []
+            for b, got in zip(order, await self._run(p.execute()), strict=True):
+                keys += got
+                if len(got) < m:
+                    del offsets[b]
+                else:
+                    offsets[b] += m
+            if keys:
+                rows = [(k, decode_value(v)) for k, v in zip(keys, await self._values(keys), strict=True)
+                        if v is not None]
+                yield [(k, lay) for k, lay in rows if lay.expired(now)]
+
+    async def refs(self, chunks: Iterable[int] = (), servers: Iterable[int] = (),
+                   ) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
+        """Every stored key (expired ones included) with a replica in one of ``chunks`` or on
+        one of ``servers``, with its layout, each once, read from the chunk index
+        (``{NS.B}c<CID>``) and the server index (``{NS.B}s<SID>``): one script per node (for
+        servers, per round of ``ROUND_BUCKETS`` buckets, as a server's keys may be many),
+        O(the keys named + buckets), never the others.
+
+        The index changes in the same script as the layout, so it is exact; still, each entry
+        is checked against the stored layout, and one that no longer holds (the key gone, or
+        not in that chunk any more: a hand edit, a bug) is never returned, and is dropped
+        (a compare-and-delete against the value)."""
+        cs = [str(c) for c in dict.fromkeys(chunks)]
+        ss = [str(sid) for sid in dict.fromkeys(servers)]
+        if not cs and not ss:
+            return
+        head = [len(cs), *cs, len(ss), *ss]
+        step = ROUND_BUCKETS if ss else self.buckets  # given chunks only: their keys, one round
+        for lo in range(0, self.buckets, step):
+            part: dict[int, builtins.list[Any]] = {b: [] for b in range(lo, min(lo + step, self.buckets))}
+            rows: dict[bytes, Layout] = {}
+            stale: dict[int, builtins.list[Any]] = defaultdict(list)
+            for _, r in await self._per_node(_LUA_REFS, head, part, 1):
+                values: dict[bytes, bytes | None] = {}
+                for i in range(0, len(r), 3):
+                    c, k, v = int(r[i]), r[i + 1], r[i + 2]
+                    if v != b"":
+                        values[k] = v
+                    v = values.get(k)
+                    lay = None if v is None else decode_value(v)
+                    if lay is not None and any(rep.chunk_id == c for x in lay.extents for rep in x.replicas):
+                        rows[k] = lay
+                    else:
+                        stale[self.bucket(k)] += (k, str(c))
+            if stale:
+                dropped = sum(int(n) for _, n in await self._per_node(_LUA_UNREF, (), stale, 2))
+                log.warning("redis store %s: dropped %d chunk index entries that no longer held",
+                            self.ns, dropped)
+            if rows:
+                yield builtins.list(rows.items())
 
     # garbage collection ----------------------------------------------------------------
     async def _by_score(self, suffix: bytes, max_score: str, limit: int,

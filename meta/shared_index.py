@@ -15,8 +15,9 @@ this index's GC calls (:class:`kvfs.meta.storeapi.GcIndex`): each destructive on
 compare-and-swap in one Lua script per master, so the GCs of several metas never undo
 each other's work nor a writer's.  Their daemons take turns by a lease key in the store
 (``claim``).  A chunkserver's chunk table lives in the memory of the metas it (or a GC
-pass's usage sync) reports to.  ``kvfs stat`` and ``kvfs gc status`` read every key
-(O(keys)).
+pass's usage sync) reports to.  Nothing reads every key: ``kvfs stat`` reads the store's
+counters, a compaction's chunk references, a repair plan and a drain its chunk and server
+indexes, and ``kvfs gc status`` and the dry runs its expiry index.
 """
 
 from __future__ import annotations
@@ -149,9 +150,11 @@ class SharedIndex(ServerRegistry):
         return [rest[j] for j in present]
 
     async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
-        """``tombstones`` are not kept (:mod:`kvfs.meta.tombstones` is SQLite's): GC may
-        reclaim a tombstone's chunk before an older record of the key; a meta on Redis is
-        never rebuilt from chunk records, which is what tombstones protect."""
+        """``tombstones`` are not kept (:mod:`kvfs.meta.tombstones` is SQLite's; README, "No
+        tombstones on Redis"): GC may reclaim a tombstone's chunk before an older record of
+        the key.  What tombstones protect is a rebuild from chunk records; a Redis store
+        recovers by its own persistence and replicas, and a tombstone's drop rule needs
+        every chunkserver's chunk table, which lives in each meta's memory."""
         return len(await self.store.delete(keys))
 
     async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
@@ -170,8 +173,13 @@ class SharedIndex(ServerRegistry):
         return await self.store.peek(keys, now)
 
     # GC's operations (storeapi.GcIndex) ------------------------------------------------
-    async def scan(self, batch: int = 10_000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
-        async for rows in self.store.scan(batch):
+    async def refs(self, chunks: Collection[int] = (), servers: Collection[int] = (),
+                   ) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        async for rows in self.store.refs(chunks, servers):
+            yield rows
+
+    async def expired_rows(self, now: float) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        async for rows in self.store.expired_rows(now):
             yield rows
 
     async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
@@ -257,11 +265,4 @@ class SharedIndex(ServerRegistry):
         return await self.store.claim(name, holder, ttl_s)
 
     async def key_stats(self, now: float) -> tuple[int, int, int]:
-        live = stored = nbytes = 0
-        async for rows in self.store.scan():
-            for _, lay in rows:
-                stored += 1
-                if not lay.expired(now):
-                    live += 1
-                    nbytes += lay.size
-        return live, stored, nbytes
+        return await self.store.key_stats(now)

@@ -195,8 +195,19 @@ class GcIndex(Protocol):
 
     async def refresh(self) -> None: ...
 
-    def scan(self, batch: int = 10_000) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
-        """Every stored key with its layout (expired ones included), in batches."""
+    def refs(self, chunks: Collection[int] = (), servers: Collection[int] = (),
+             ) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
+        """Every stored key (expired ones included) with a replica in one of ``chunks`` or on
+        one of ``servers``, with its layout, each once, in batches (compaction's references,
+        repair plans, drains).  Over Redis read from its chunk index: O(those keys)."""
+
+    def expired_rows(self, now: float) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
+        """Every stored key expired at ``now`` with its layout, in batches (dry runs, status).
+        Over Redis read from its expiry index: O(those keys)."""
+
+    async def key_stats(self, now: float) -> tuple[int, int, int]:
+        """(unexpired keys, stored keys, bytes of the unexpired values); over Redis from
+        counters, plus the keys expired but not swept yet."""
 
     def lru_order(self, batch: int = 1000) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
         """Every key with its layout, least recently used first, in batches."""

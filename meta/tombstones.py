@@ -37,7 +37,8 @@ elsewhere; a GC killed between a compaction's copy and its GC_RELOCATE, while a 
 copied was deleted, leaves that copy in an unreferenced chunk the next pass deletes (a
 rebuild in between, after the tombstone went, would bring the key's last value back).
 With ``--store redis-cluster://`` meta keeps none (its GC reclaims a tombstone's chunk
-like any other): a meta on Redis is never rebuilt from chunk records.
+like any other; README, "No tombstones on Redis", says why): a Redis store recovers by
+Redis's own persistence and replicas, not a rebuild from chunk records.
 
 Cost per deleted key, until its tombstone is dropped: ``56 + len(key)`` bytes on each
 of ``replicas`` chunkservers, one row in meta's store (key, layout, horizon: about

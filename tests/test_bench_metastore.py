@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from kvfs.bench import metas, metastore
+from kvfs.bench import commit_cost, metas, metastore, redis_reads
 
 pytestmark = pytest.mark.redis
 
@@ -34,3 +34,20 @@ async def test_metas_bench_runs_one_and_two_metas() -> None:
     res = await metas.run([1, 2], keys=500, clients=2, batch=16, seconds=0.3)
     assert [n for n, _ in res] == [1, 2]
     assert all(rate > 0 for _, rate in res)
+
+
+async def test_commit_cost_bench_times_new_keys_and_overwrites() -> None:
+    res = await commit_cost.run(2000, [1, 16], 0.01, 64)
+    assert res["keys"] == 2000 and res["bytes_per_key"] > 0
+    assert [(o["op"], o["batch"]) for o in res["ops"]] == [
+        (op, b) for b in (1, 16) for op in ("new", "overwrite")]
+    assert all(o["wall_us_per_key"] > 0 and o["redis_cpu_us_per_key"] >= 0 for o in res["ops"])
+
+
+async def test_redis_reads_bench_reads_what_each_read_names() -> None:
+    res = await redis_reads.run([1000, 3000], 1)
+    small, big = res["rows"]
+    assert (small["scan_every_key"]["result"], big["scan_every_key"]["result"]) == (1000, 3000)
+    assert big["key_stats"]["result"] == [3000, 3000, 300_000]
+    assert small["refs_one_chunk"]["result"] == big["refs_one_chunk"]["result"] == 1000
+    assert big["refs_one_server"]["result"] == 1000  # chunk 1 on server 2; chunks 2, 3 elsewhere

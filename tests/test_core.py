@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import os
 from typing import Any
@@ -10,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvfs
+from kvfs.buffers import Parts, as_parts, as_view, nbytes, regions
 from kvfs.client import AsyncClient
 from kvfs.errors import InvalidArgument
 from kvfs.launcher import LocalCluster
@@ -94,6 +96,48 @@ async def test_scatter_gather_per_key(kv: AsyncClient, size: int) -> None:
     assert bytes(v_half[size - size // 2 :]) == b"\0" * 5 and tail == bytearray(3)
     assert await kv.get_into([b"sg"], [[bytearray(size // 2)]]) == (
         [kvfs.TOO_SMALL] if size else [0])
+
+
+def test_regions_are_checked_once_and_passed_through() -> None:
+    """``kvfs.buffers.regions``: one value's views per ``per`` regions, each group with its
+    total (sizes alike or not); ``as_parts``/``nbytes`` take a group as it is; a region out
+    of bounds, sizes that do not group, a read-only buffer asked writable, are refused by
+    name.  A read-only group is not taken where a writable one is needed."""
+    buf = np.arange(100, dtype=np.uint8)
+    got = regions(buf, [10, 0, 50, 90], [5, 3, 7, 10], 2, writable=True)
+    assert [type(g) for g in got] == [Parts, Parts]
+    assert [[bytes(v) for v in g] for g in got] == [[bytes(range(10, 15)), bytes(range(3))],
+                                                    [bytes(range(50, 57)), bytes(range(90, 100))]]
+    assert [g.nbytes for g in got] == [8, 17] and [nbytes(g) for g in got] == [8, 17]
+    assert as_parts(got[1], writable=True) is got[1]
+    got[0][0][:] = b"\xff" * 5  # views of the buffer itself, no copies
+    assert (buf[10:15] == 255).all()
+    same = regions(memoryview(buf), [0, 4, 8, 12], [4] * 4, 2)
+    assert [g.nbytes for g in same] == [8, 8] and not same[0].writable
+    again = as_parts(same[0], writable=True)  # made read-only: checked again, view by view
+    assert again is not same[0] and again == list(same[0])
+    with pytest.raises(InvalidArgument, match=r"host: region 95\+10 is outside its 100 bytes"):
+        regions(buf, [0, 95], [5, 10], 1, what="host")
+    with pytest.raises(InvalidArgument, match="3 offsets and 3 sizes do not make values of 2"):
+        regions(buf, [0, 1, 2], [1, 1, 1], 2)
+    with pytest.raises(InvalidArgument, match="read-only"):
+        regions(b"immutable", [0], [1], 1, writable=True)
+    with pytest.raises(InvalidArgument, match="read-only"):
+        as_parts(regions(b"immutable", [0], [1], 1)[0], writable=True)
+
+
+def test_a_ctypes_byte_array_is_a_flat_view_of_itself() -> None:
+    """A memoryview of a ctypes byte array (format "<B", as LMCache's memory objects hand
+    out) is taken as flat bytes: a "B" view of the same memory, no copy; a read-only one
+    is refused where a writable one is needed."""
+    arr = (ctypes.c_ubyte * 8)()
+    view = as_view(memoryview(arr), writable=True)
+    assert view.format == "B" and view.nbytes == 8
+    view[2:4] = b"\x07\x09"
+    assert list(arr) == [0, 0, 7, 9, 0, 0, 0, 0]
+    assert nbytes(as_parts([bytearray(3), memoryview(arr)], writable=True)) == 11
+    with pytest.raises(InvalidArgument, match="read-only"):
+        as_view(memoryview(arr).toreadonly(), writable=True)
 
 
 @both_backends

@@ -10,7 +10,7 @@ from conftest import FakeClock
 from conftest import clocked_client as client
 
 from kvfs import rpc
-from kvfs.config import ChunkServerConfig
+from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.errors import NoSpace
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
@@ -216,3 +216,25 @@ async def test_evict_takes_exactly_what_the_server_over_its_watermark_needs(
             assert (metrics["keys_evicted"], metrics["bytes_evicted"]) == (1, disk_bytes(ttl))  # dry runs count none
         got = await read_fresh(c, clock, keys)  # every key without a TTL is still there
         assert got == [k.encode().ljust(VALUE, b".") for k in keys]
+
+
+async def test_evicting_a_striped_value_counts_all_its_extents_on_the_server(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """A value striped into three extents on one server frees all three: GC_EVICT short of two
+    extents' bytes takes that one value, not the next key too."""
+    async with make(tmp_path, clock, 1, CAP) as c, GarbageCollector(c.addr, token=c.admin_token) as gc:
+        kv = c.client(ClientConfig(stripe_bytes=VALUE))
+        kv.clock = clock
+        async with kv:
+            await kv.put("striped", b"S" * (3 * VALUE))
+            striped = await kv.layout("striped")
+            assert striped is not None and len(striped.extents) == 3
+            clock.advance(1)  # "next" is the more recently used (a lookup counts as a use)
+            await kv.put("next", b"N" * VALUE)
+            (sid,) = {r.server_id for x in striped.extents for r in x.replicas}
+            await gc.sync_usage()
+            (st,) = (await gc.status())["servers"]
+            low = (st["live"] - 2 * VALUE) / CAP  # exact: CAP is a power of two
+            r = await gc.meta(rpc.GcEvict(high=low, low=low, server_id=sid, apply=True))
+            assert (r.keys, r.bytes) == (1, 3 * VALUE)
+        assert await read_fresh(c, clock, ["striped", "next"]) == [None, b"N" * VALUE]

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 from conftest import FakeClock
 
+from kvfs import rpc
 from kvfs.client import AsyncClient
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
@@ -47,7 +48,9 @@ async def test_expire_10000_keys_reclaims_disk(cluster: LocalCluster, kv: AsyncC
     assert got == [None] * len(got)
     async with gc_for(cluster) as gc:
         dry = await gc.run_pass(PassOptions(apply=False, grace_s=0))
-        assert dry.expired_keys == 10_000
+        assert dry.expired_keys == 10_000 and dry.expired_bytes >= 10_000 * len(value)
+        asked = await gc.meta(rpc.GcExpire(apply=False))  # a dry run counts them all at once
+        assert (asked.keys, asked.bytes, asked.more) == (10_000, dry.expired_bytes, False)
         assert du(cluster.root) == before
         report = await gc.run_pass(PassOptions(apply=True, grace_s=0, expire_batch=3000))
         assert report.expired_keys == 10_000
@@ -61,6 +64,7 @@ async def test_expire_10000_keys_reclaims_disk(cluster: LocalCluster, kv: AsyncC
         assert await fresh.get_many([f"ttl/{b}/{i}" for b in range(10) for i in range(1000)]) == [None] * 10_000
     assert status["expired_keys"] == 0
     assert status["metrics"]["keys_expired"] == 10_000
+    assert status["metrics"]["bytes_expired"] == report.expired_bytes == dry.expired_bytes
     assert status["metrics"]["bytes_reclaimed"] > 0
     st = await kv.stats()
     assert st["gc"]["metrics"]["keys_expired"] == 10_000

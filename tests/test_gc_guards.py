@@ -298,3 +298,59 @@ async def test_a_restarted_chunkserver_never_reuses_a_retired_chunk_id(
         assert after.extents[0].replicas[0].chunk_id > before.extents[0].replicas[0].chunk_id
     async with client(one, clock) as fresh:
         assert await fresh.get("new") == value_of("new")
+
+
+async def test_chunk_refs_skip_expired_keys_and_list_every_live_one(one: LocalCluster, clock: FakeClock) -> None:
+    """GC_CHUNK_REFS (what compaction copies) names every live value in the chunk, the ones
+    after an expired key too, and never the expired key (the expire phase may not have run:
+    ``kvfs gc --no-expire``, or a key that expired during the pass)."""
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
+        await kv.put("old", value_of("old"), ttl=5)
+        live = [f"k{i}" for i in range(5)]
+        await kv.put_many([(k, value_of(k)) for k in live])
+        lays = {k: await kv.layout(k) for k in ["old", *live]}
+        chunk = {lay.extents[0].replicas[0].chunk_id for lay in lays.values() if lay is not None}
+        assert len(chunk) == 1  # one server, one open chunk
+        clock.advance(6)
+        got = await gc.meta(rpc.GcChunkRefs(chunks=list(chunk)))
+    want = []
+    for k in live:
+        lay = lays[k]
+        assert lay is not None
+        x = lay.extents[0]
+        want.append(rpc.Ref(k.encode(), x.replicas[0].offset, x.length, x.crc))
+    (cid,) = chunk
+    assert list(got.refs) == [cid] and sorted(got.refs[cid]) == want  # in scan order (Redis: any)
+
+
+async def test_each_emptied_chunk_waits_its_own_grace_period(one: LocalCluster, clock: FakeClock) -> None:
+    """GC_PLAN deletes a sealed chunk only ``grace_s`` after it first saw it without live
+    bytes (reads that began before the delete may still be reading it), each chunk on its own
+    clock: one emptied 20 s after another is still waiting when the first goes."""
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
+        chunks = []
+        for k in ("a", "b"):  # each in a chunk of its own, sealed
+            await kv.put(k, value_of(k))
+            lay = await kv.layout(k)
+            assert lay is not None
+            r = lay.extents[0].replicas[0]
+            assert (await gc.chunkserver(r.server_id, rpc.ChunkSeal(chunk_id=r.chunk_id))).sealed
+            chunks.append(r.chunk_id)
+        await kv.put("live", value_of("live"))  # the open chunk: live
+
+        async def plan() -> rpc.Plan:
+            await gc.sync_usage()
+            return await gc.meta(rpc.GcPlan(grace_s=30, threshold=1.0))
+
+        await kv.delete("a")
+        assert ((p := await plan()).delete, p.waiting) == ([], 1)  # a's chunk: its clock starts
+        clock.advance(20)
+        await kv.delete("b")
+        assert ((p := await plan()).delete, p.waiting) == ([], 2)  # b's chunk: its own clock
+        clock.advance(11)  # 31 s after a's chunk emptied, 11 s after b's
+        p = await plan()
+        assert [d.chunk_id for d in p.delete] == [chunks[0]] and p.waiting == 1
+        clock.advance(20)
+        p = await plan()
+        assert [d.chunk_id for d in p.delete] == chunks and p.waiting == 0
+        assert await kv.get("live") == value_of("live")

@@ -274,3 +274,40 @@ def test_a_server_raises_its_file_limit_to_the_hard_limit() -> None:
     raise_nofile_limit()
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     assert soft == hard or hard == resource.RLIM_INFINITY
+
+
+async def test_a_packed_commit_is_bounded_by_metas_max_header_bytes(tmp_path: Path) -> None:
+    """A COMMIT's packed layouts (kvfs.packed) travel in its header: meta's
+    ``max_header_bytes`` bounds them, checked on the fixed header before the blob is read."""
+    from kvfs.layout import Extent, Layout, Replica
+    from kvfs.packed import pack
+
+    c = LocalCluster(tmp_path / "c", 1, meta=MetaConfig(data=tmp_path / "c" / "meta",
+                                                        listen="127.0.0.1:0", max_header_bytes=64 * 1024))
+    await c.start()
+    try:
+        host, port = parse_addr(c.addr)
+        lay = Layout(1, 0, 0.0, None, (Extent(1, 0, (Replica(999, 1, 0),)),))
+
+        def commit(n: int) -> rpc.Commit:
+            return rpc.Commit(packed=pack([b"k%063d" % i for i in range(n)], [lay] * n))
+
+        assert len(commit(400).packed or b"") < 64 * 1024
+        assert len(commit(2000).packed or b"") > 64 * 1024
+        conn = await Connection.open(host, port, c.token)
+        try:  # under the limit: read and checked (the server named is unknown)
+            with pytest.raises(InvalidArgument, match="unknown chunkserver 999"):
+                await conn.call(commit(400))
+        finally:
+            conn.close()
+        conn = await Connection.open(host, port, c.token)
+        try:
+            with pytest.raises(FrameTooLarge, match="exceeds the limit of 65536"):
+                await conn.call(commit(2000))
+        finally:
+            conn.close()
+        async with c.client() as kv:  # meta still serves
+            await kv.put("after", b"v")
+            assert await kv.get("after") == b"v"
+    finally:
+        await c.stop()

@@ -147,3 +147,5 @@ def test_cli_refuses_bad_stores_by_name(tmp_path: Path) -> None:
     assert r.returncode == 1 and "bad store 'mysql://x': expected sqlite:PATH or redis-cluster://" in r.stderr
     r = run("--from", "sqlite:a", "--to", "sqlite:b")
     assert r.returncode == 1 and "--from and --to are the same kind of store" in r.stderr
+    r = run("--from", "redis-cluster://127.0.0.1:1", "--to", "redis-cluster://127.0.0.1:1")
+    assert r.returncode == 1 and "--from and --to are the same store" in r.stderr

@@ -57,6 +57,25 @@ def test_many_single_extent_layouts_take_the_column_path_and_match() -> None:
     assert out.staged == [(k, lay.stamped(1.0, None)) for k, lay in zip(keys, lays, strict=True)]
 
 
+@pytest.mark.parametrize(("replicas", "extents"), [(3, 1), (1, 4), (2, 2)])
+def test_uniform_shapes_round_trip(replicas: int, extents: int) -> None:
+    """Every value with the same extent and replica counts (a replicated or striped put)."""
+    lays = [_lay(100 * extents, i, [(100, i + e, [(s, (s << 40) + i, e * 100) for s in range(replicas)])
+                                    for e in range(extents)]) for i in range(50)]
+    keys = [b"u%d" % i for i in range(50)]
+    assert unpack(pack(keys, lays), 2.0, 3.0).staged == [
+        (k, lay.stamped(2.0, 3.0)) for k, lay in zip(keys, lays, strict=True)]
+
+
+def test_a_value_whose_extents_do_not_add_up_is_named_among_many() -> None:
+    keys = [k for k, _ in MIXED]
+    blob = bytearray(pack(keys, [lay for _, lay in MIXED]))
+    at = HEAD.size + 2 * len(MIXED) + 4 * 2  # the size column, item 2
+    blob[at:at + 4] = struct.pack("<I", 99)
+    with pytest.raises(InvalidArgument, match=r"item 2 \(key b'r3'\): layout extents add up to 100, not 99"):
+        unpack(bytes(blob), 1.0, None)
+
+
 def test_the_limits_agree_with_the_typed_messages() -> None:
     assert packed.MAX_KEYS == rpc.MAX_ITEMS
     assert rpc.Commit(packed=pack([b"k"], [ONE])).packed is not None

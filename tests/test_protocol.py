@@ -363,6 +363,40 @@ def test_vectored_receives_fill_the_scatter_buffers_across_their_edges(step: int
     assert dec.payload_views(most) == []
 
 
+def test_a_vectored_receive_is_offered_about_vector_bytes_of_many_small_buffers() -> None:
+    """A payload over many small buffers (an engine's per-layer regions): each vectored
+    receive is offered the buffers from the first unfilled one up to the one holding the
+    byte VECTOR_BYTES further on, not every buffer left; across receives ending inside a
+    buffer, every byte still lands in order."""
+    from kvfs.protocol import VECTOR_BYTES, Scatter
+
+    size = 16 * 1024 + 5
+    parts = [bytearray(size) for _ in range(3 * VECTOR_BYTES // size)]
+    payload = os.urandom(size * len(parts))
+    dec = FrameDecoder(allocator=lambda head: Scatter([memoryview(p) for p in parts]))
+    data = memoryview(frame_bytes(Op.READV, 5, {}, [payload]))
+    dec.receive_data(data[:1000])
+    pos, got = 1000, 0
+    while views := dec.payload_views(len(parts)):
+        offered = sum(v.nbytes for v in views)
+        assert offered - views[-1].nbytes < VECTOR_BYTES  # the last one holds that byte
+        assert offered >= min(VECTOR_BYTES, len(data) - pos)
+        n = min(offered, 1_000_003)  # ends inside a buffer
+        at = 0
+        for v in views:
+            k = min(v.nbytes, n - at)
+            v[:k] = data[pos + at : pos + at + k]
+            at += k
+            if at == n:
+                break
+        dec.payload_updated(n)
+        pos += n
+        got += 1
+    dec.receive_data(data[pos:])
+    (f,) = drain(dec)
+    assert isinstance(f.payload, Scatter) and b"".join(parts) == payload and got > 3
+
+
 @pytest.mark.parametrize("vectored", [True, False], ids=["readv", "plain"])
 def test_a_dropped_payload_stops_landing_in_its_buffers(vectored: bool) -> None:
     """``drop_payload`` (the caller of a response being received gave up): the rest of the

@@ -18,6 +18,7 @@ import pytest
 from conftest import FakeClock, Hold
 
 from kvfs.bench.reliability import flip_byte
+from kvfs.buffers import Parts, regions
 from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.errors import ChecksumMismatch, ServerError, StaleLayout, Unavailable
 from kvfs.launcher import LocalCluster
@@ -79,11 +80,14 @@ async def test_stale_layouts_of_deleted_and_overwritten_keys_beside_good_ones(on
             await r.close()
 
 
-async def test_values_scattered_over_interleaved_regions_arrive_in_place(one: LocalCluster) -> None:
+@pytest.mark.parametrize("made", ["lists", "regions"])
+async def test_values_scattered_over_interleaved_regions_arrive_in_place(one: LocalCluster,
+                                                                       made: str) -> None:
     """SGLang's layer_first host pool: page i's value is its 16 KiB region of each of 8
     rows, and the regions of consecutive pages are adjacent.  The answer is received
     straight into the regions (vectored receives of many regions at once); every byte
-    lands where it belongs, and nothing outside the asked regions is written."""
+    lands where it belongs, and nothing outside the asked regions is written.  The same
+    whether the regions are lists of views or ``kvfs.buffers.regions``' checked Parts."""
     pages, rows, region = 6, 8, 16 * 1024
     pool = np.full((rows, pages + 1, region), 7, dtype=np.uint8)  # a spare page, never read
     flat = memoryview(pool.reshape(-1))
@@ -97,7 +101,13 @@ async def test_values_scattered_over_interleaved_regions_arrive_in_place(one: Lo
         await kv.put_many(values)
         order = [3, 0, 5, 1, 4, 2]  # asked out of address order
         keys = [list(values)[i] for i in order]
-        assert await kv.get_into(keys, [parts(i) for i in order]) == [rows * region] * pages
+        if made == "lists":
+            dests: list[Any] = [parts(i) for i in order]
+        else:
+            offs = [(r * (pages + 1) + i) * region for i in order for r in range(rows)]
+            dests = regions(pool, offs, [region] * len(offs), rows, writable=True)
+            assert all(type(d) is Parts and d.nbytes == rows * region for d in dests)
+        assert await kv.get_into(keys, dests) == [rows * region] * pages
     for i, v in enumerate(values.values()):
         assert b"".join(bytes(p) for p in parts(i)) == v
     assert (pool[:, pages] == 7).all()

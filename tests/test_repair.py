@@ -119,6 +119,9 @@ async def test_a_dead_server_is_repaired_and_reclaimed_when_it_returns(cluster: 
             report = await gc.run_pass(REPAIR_ONLY)
             assert report.repair is not None
             assert report.repair.extents_repaired == before["under_replicated_extents"] - 1
+            assert (report.repair.under_replicated_extents, report.repair.under_replicated_bytes,
+                    report.repair.unrepairable_extents) == (before["under_replicated_extents"],
+                                                            before["under_replicated_bytes"], 1)
             after = (await gc.status())["repair"]
             assert after["under_replicated_extents"] == after["unrepairable_extents"] == 1
 
@@ -209,6 +212,9 @@ async def test_decommission_drains_a_server_then_forgets_it(cluster: LocalCluste
         assert victim not in [s["server_id"] for s in json.loads(out)["servers"]]
         rc, out = await kvfs_admin(cluster, "gc", "decommission", str(victim), "--status")
         assert rc == 0 and "forgotten" in out, out
+        async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            assert await gc.meta(rpc.GcDecommission(server_id=victim, start=False)) == rpc.DrainState(
+                server_id=victim, draining=False, forgotten=True, extents_left=0, bytes_left=0)
 
     idx = next(i for i, cs in enumerate(cluster.chunkservers) if cs is not None and cs.server_id == victim)
     await cluster.stop_chunkserver(idx)  # gone: every value is read from elsewhere
@@ -307,3 +313,33 @@ async def test_gc_repair_judges_each_switch_on_its_own(cluster: LocalCluster) ->
             assert now_big.extents[i].replicas == (it.new, *big.extents[i].replicas[1:])
         assert now_big.extents[2:] == big.extents[2:]
         assert now_c.extents[0].replicas == (items[6].new, *c.extents[0].replicas[1:])
+
+
+async def test_a_drain_is_asked_about_started_and_cancelled(cluster: LocalCluster) -> None:
+    """GC_DECOMMISSION with start=False only asks (a server not draining stays so); start
+    drains it (its extents and bytes counted); cancel ends the drain and nothing is copied
+    or forgotten; asking again does not start it."""
+    async with cluster.client(ClientConfig(replicas=2)) as kv:
+        await kv.put_many([(f"c{i}", bytes([i]) * 3000) for i in range(12)])
+        lays = [await kv.layout(f"c{i}") for i in range(12)]
+    sid = next(cs.server_id for cs in cluster.chunkservers if cs is not None)
+    mine = [x for lay in lays if lay is not None for x in lay.extents
+            if any(r.server_id == sid for r in x.replicas)]
+    assert mine, "the server holds no replica"
+
+    def state(draining: bool) -> rpc.DrainState:
+        return rpc.DrainState(server_id=sid, draining=draining, forgotten=False, extents_left=len(mine),
+                              bytes_left=sum(x.length for x in mine))
+
+    async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+        assert await gc.meta(rpc.GcDecommission(server_id=sid, start=False)) == state(False)
+        assert await gc.meta(rpc.GcDecommission(server_id=sid, start=False)) == state(False)
+        assert await gc.meta(rpc.GcDecommission(server_id=sid)) == state(True)
+        assert await gc.meta(rpc.GcDecommission(server_id=sid, start=False)) == state(True)
+        assert await gc.meta(rpc.GcDecommission(server_id=sid, cancel=True)) == state(False)
+        assert await gc.meta(rpc.GcDecommission(server_id=sid, start=False)) == state(False)
+        report = await gc.run_pass(REPAIR_ONLY)  # nothing is under-replicated: no drain
+        assert report.repair is not None and report.repair.under_replicated_extents == 0
+    rc, out = await kvfs_admin(cluster, "stat", "--json")
+    row = next(s for s in json.loads(out)["servers"] if s["server_id"] == sid)
+    assert rc == 0 and not row["draining"]

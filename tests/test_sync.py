@@ -5,16 +5,22 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
+import signal
+import socket
+import sys
 import threading
 import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
-from conftest import ThreadCluster
+from conftest import Hold, ThreadCluster
 
 import kvfs
 from kvfs import AsyncClient, LocalProtocolError
 from kvfs._loop import run
 from kvfs.errors import InvalidArgument
+from kvfs.rpc import Op
 
 
 def test_submit_from_many_threads(tcluster: ThreadCluster) -> None:
@@ -128,3 +134,153 @@ def test_client_survives_fork(tcluster: ThreadCluster) -> None:
             threading.Event().wait(0.05)
         assert os.waitstatus_to_exitcode(status) == 0
         assert kv.get(b"fork/child") == b"child"  # the parent's connections still work
+
+
+BIG = 32 * 1024 * 1024  # far more than the client's socket holds: an answer takes many receives
+
+
+@pytest.fixture
+def one_cs(tmp_path: Path) -> Iterator[ThreadCluster]:
+    """A threaded cluster of one chunkserver: every READV goes to it."""
+    c = ThreadCluster(tmp_path, chunkservers=1)
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _read_arriving(c: ThreadCluster, kv: kvfs.Client, value: bytes,
+                   ) -> tuple[Hold, bytearray, Callable[[], None]]:
+    """``value`` stored as b"big"; its READV held at the chunkserver.  Returns the hold, a
+    buffer for it, and a function that lets the READV go and returns once the answer's first
+    bytes have landed in the buffer (polled, with a deadline), the rest still arriving."""
+    cs = c.cluster.chunkservers[0]
+    assert cs is not None
+    # fault injection: a small receive buffer on the client's socket (fixed before it carries
+    # anything, so TCP never widens it) makes the answer arrive in many pieces
+    conn = asyncio.run_coroutine_threadsafe(kv.aio._link.server_conn(cs.server_id), kv._loop).result(30)
+    sock = conn._proto.transport.get_extra_info("socket")  # type: ignore[union-attr]
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
+    kv.put(b"big", value)
+    held = c.call(_hold(cs.rpc))
+    buf = bytearray(len(value))
+
+    def let_go() -> None:
+        deadline = time.monotonic() + 30
+        while not held.arrived.is_set():
+            assert time.monotonic() < deadline, "the READV never reached the chunkserver"
+            threading.Event().wait(0.001)
+        c.loop.call_soon_threadsafe(held.release)
+        while buf[:4096] != value[:4096]:
+            assert time.monotonic() < deadline, "the answer never began to land"
+            threading.Event().wait(0.0005)
+
+    return held, buf, let_go
+
+
+async def _hold(rpc: object) -> Hold:
+    return Hold(rpc, Op.READV)  # type: ignore[arg-type]
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill()")
+def test_a_blocking_get_into_interrupted_leaves_the_callers_buffer_alone(one_cs: ThreadCluster) -> None:
+    """Ctrl-C (SIGINT) in a thread blocked in ``get_into`` while the answer is landing in its
+    buffer: the KeyboardInterrupt is raised only once the call has ended, so a caller that
+    then reuses its buffer keeps what it wrote; the connection goes on serving."""
+    value = os.urandom(BIG)
+    assert threading.current_thread() is threading.main_thread()  # where SIGINT is handled
+    with kvfs.Client(one_cs.addr, token=one_cs.token) as kv:
+        held, buf, let_go = _read_arriving(one_cs, kv, value)
+
+        def interrupt() -> None:
+            let_go()
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+        t = threading.Thread(target=interrupt)
+        t.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                kv.get_into([b"big"], [buf])
+            marker = b"\xa5" * BIG
+            buf[:] = marker  # the caller reuses its buffer
+        finally:
+            t.join(30)
+            one_cs.loop.call_soon_threadsafe(held.release)
+        one_cs.call(held.drained())
+        assert kv.get(b"big") == value  # answered after the cancelled one, same connection
+    assert buf == marker
+
+
+def test_a_cancelled_submit_get_into_leaves_the_callers_buffer_alone(one_cs: ThreadCluster) -> None:
+    """``cancel()`` of a ``submit_get_into`` future while the answer lands in the buffer (what
+    the engine plug-ins do on a timeout) returns once the call has ended: the buffer is
+    the caller's again."""
+    value = os.urandom(BIG)
+    with kvfs.Client(one_cs.addr, token=one_cs.token) as kv:
+        held, buf, let_go = _read_arriving(one_cs, kv, value)
+        fut = kv.submit_get_into([b"big"], [buf])
+        try:
+            let_go()
+            assert fut.cancel() and fut.cancelled()
+            marker = b"\xa5" * BIG
+            buf[:] = marker  # the caller reuses its buffer
+        finally:
+            one_cs.loop.call_soon_threadsafe(held.release)
+        with pytest.raises(concurrent.futures.CancelledError):
+            fut.result(0)
+        one_cs.call(held.drained())
+        assert kv.get(b"big") == value
+        assert fut.cancel()  # already cancelled: says so again, waits for nothing
+    assert buf == marker
+
+
+def test_submit_futures_complete_and_fail_like_blocking_calls(tcluster: ThreadCluster) -> None:
+    """A ``submit_*`` future carries the call's result or its exception, runs its done
+    callbacks, and is seen by ``concurrent.futures.wait``; cancelled before the IO loop
+    starts it, the call never runs."""
+    with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+        kv.put(b"fut/k", b"v")
+        seen: list[object] = []
+        ok = kv.submit_get_many([b"fut/k", b"fut/none"])
+        ok.add_done_callback(seen.append)
+        bad = kv.submit_get_many([b""])
+        done, _ = concurrent.futures.wait([ok, bad], timeout=30)
+        assert done == {ok, bad}
+        assert ok.result() == [b"v", None] and seen == [ok]
+        with pytest.raises(InvalidArgument, match="empty key"):
+            bad.result()
+        gate = threading.Event()
+        kv._loop.call_soon_threadsafe(gate.wait, 30)  # holds the IO loop: the call waits
+        try:
+            late = kv.submit_delete_many([b"fut/k"])
+            cancelled: list[bool] = []
+            canceller = threading.Thread(target=lambda: cancelled.append(late.cancel()))
+            canceller.start()
+            # cancel() asks the loop to cancel, then waits for the call's end, which needs the
+            # loop: free it once the canceller waits (its stack, polled with a deadline)
+            deadline = time.monotonic() + 30
+            while not _waiting_in(canceller, "wait_ended"):
+                assert canceller.is_alive() and time.monotonic() < deadline
+                threading.Event().wait(0.001)
+        finally:
+            gate.set()
+        canceller.join(30)
+        assert cancelled == [True] and late.cancelled()
+        assert kv.get(b"fut/k") == b"v"  # the cancelled delete never ran
+        # on a thread running an event loop (here the IO thread itself) cancel() must not
+        # block: it asks for the cancellation, says False, and the future ends afterwards
+        asked = kv.submit_exists_many([b"fut/k"])
+        answers: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        kv._loop.call_soon_threadsafe(lambda: answers.set_result(asked.cancel()))
+        assert answers.result(30) is False
+        concurrent.futures.wait([asked], timeout=30)
+        assert asked.cancelled() or asked.result() == [True]
+
+
+def _waiting_in(t: threading.Thread, function: str) -> bool:
+    frame = sys._current_frames().get(t.ident or 0)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False

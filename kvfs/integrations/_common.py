@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from kvfs.buffers import as_view
+from kvfs.buffers import Parts, as_view, regions
 from kvfs.config import ClientConfig, EngineConfig, tls_fields
-from kvfs.errors import KVFSError
+from kvfs.errors import InvalidArgument, KVFSError
 from kvfs.sync import Client
 
 log = logging.getLogger("kvfs.integrations")
@@ -40,18 +40,17 @@ class TensorBytes:
         self.view = as_view(tensor, writable=True, what="host buffer")
         self.base = int(tensor.data_ptr())
 
-    def many(self, ptrs: list[int], sizes: list[int], *, base: int | None = None) -> list[memoryview]:
-        """A view of ``size`` bytes at each pointer (the bounds checked once, for all);
+    def parts(self, ptrs: list[int], sizes: list[int], per: int, *,
+              base: int | None = None) -> list[Parts]:
+        """Each page's ``per`` regions: ``sizes[i]`` bytes at each pointer, as views grouped
+        a page at a time (the bounds checked once, for all: nothing per region);
         ``base=0``: the pointers are offsets into the buffer already."""
-        view = self.view
         base = self.base if base is None else base
         offs = [p - base for p in ptrs] if base else ptrs
-        if offs and (min(offs) < 0 or max([o + n for o, n in zip(offs, sizes, strict=True)])
-                     > view.nbytes):
-            bad = next(i for i, (o, n) in enumerate(zip(offs, sizes, strict=True))
-                       if o < 0 or o + n > view.nbytes)
-            raise ValueError(f"pointer {ptrs[bad]:#x}+{sizes[bad]} is outside the host buffer")
-        return [view[o : o + n] for o, n in zip(offs, sizes, strict=True)]
+        try:
+            return regions(self.view, offs, sizes, per, writable=True, what="host buffer")
+        except InvalidArgument as exc:
+            raise ValueError(str(exc)) from None
 
 
 def wait(fut: Any, cfg: EngineConfig) -> Any:

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from sglang.srt.mem_cache.hicache_storage import HiCacheStorage, HiCacheStorageConfig
 
+from kvfs.buffers import Parts
 from kvfs.client import TOO_SMALL
 from kvfs.config import EngineConfig, from_mapping
 from kvfs.integrations._common import SOFT_ERRORS, TensorBytes, log, open_client, wait
@@ -59,19 +60,16 @@ class KvfsHiCacheStorage(HiCacheStorage):
         self._host = TensorBytes(mem_pool_host.kv_buffer)
         self._regions = _Regions.of(mem_pool_host, self._host.base)
 
-    def _page_parts(self, n_pages: int, host_indices: torch.Tensor) -> list[list[memoryview]]:
+    def _page_parts(self, n_pages: int, host_indices: torch.Tensor) -> list[Parts]:
         """Each page's regions of the host pool, in the order SGLang's zero-copy backends use
-        (``get_page_buffer_meta``): views, never copies."""
+        (``get_page_buffer_meta``): views, never copies, checked once for the whole call."""
         assert self._host is not None, "register_mem_pool_host() was not called"
         if self._regions is not None:
             starts = host_indices[:: int(self.mem_pool_host.page_size)].tolist()
             offs, sizes = self._regions.offsets(starts)
-            views = self._host.many(offs, sizes, base=0)
-        else:
-            ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-            views = self._host.many(ptrs, sizes)
-        per = len(views) // n_pages
-        return [views[i * per : (i + 1) * per] for i in range(n_pages)]
+            return self._host.parts(offs, sizes, len(sizes) // n_pages, base=0)
+        ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
+        return self._host.parts(ptrs, sizes, len(ptrs) // n_pages)
 
     def _page_bytes(self) -> int:
         pool = self.mem_pool_host

@@ -1,0 +1,115 @@
+"""``kvfs stat``, ``kvfs gc status``, expiry's dry run, a compaction's chunk references and a
+repair plan while a server is gone give the same answers over both meta backends; over
+Redis they read the store's counters, expiry index, chunk index and server index, and a
+read of every key (``RedisMetaStore.scan``, made to fail here: fault injection) is never
+made.  What each costs in Redis commands is tests/test_redis_index.py's."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from conftest import FakeClock
+
+from kvfs import rpc
+from kvfs.client import AsyncClient
+from kvfs.config import ClientConfig, MetaConfig
+from kvfs.gc.driver import GarbageCollector
+from kvfs.launcher import LocalCluster
+from kvfs.layout import Layout
+
+pytestmark = pytest.mark.usefixtures("meta_backend")  # each test over SQLite and Redis
+
+
+@pytest.fixture(autouse=True)
+def no_full_reads(meta_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On Redis, reading every key fails the test."""
+    if meta_backend == "redis":
+        from kvfs.meta.redis_store import RedisMetaStore
+
+        def refuse(self: RedisMetaStore, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+            raise AssertionError("meta read every key of the store (RedisMetaStore.scan)")
+
+        monkeypatch.setattr(RedisMetaStore, "scan", refuse)
+
+
+@pytest.fixture
+async def cluster(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
+    root = tmp_path / "cluster"
+    c = LocalCluster(root, 3, clock=clock, meta=MetaConfig(
+        data=root / "meta", listen="127.0.0.1:0", heartbeat_timeout_s=0.5, dead_after_s=1.0))
+    try:
+        await c.start()
+        yield c
+    finally:
+        await c.stop()
+
+
+async def until_dead(cluster: LocalCluster, sid: int) -> None:
+    assert cluster.meta is not None
+    ix = cluster.meta.index
+    deadline = time.monotonic() + 30
+    while sid not in ix.gone_servers():
+        assert time.monotonic() < deadline, f"server {sid} never declared dead"
+        await asyncio.sleep(0.05)
+
+
+async def test_stat_status_refs_and_repair_plan_without_reading_every_key(
+        cluster: LocalCluster, clock: FakeClock) -> None:
+    keep = {f"k{i}": bytes([i]) * (500 + 37 * i) for i in range(30)}
+    ttl = {f"t{i}": b"t" * (200 + i) for i in range(6)}
+    kv: AsyncClient = cluster.client(ClientConfig(replicas=2))
+    kv.clock = clock
+    async with kv:
+        await kv.put_many(list(keep.items()))
+        await kv.put_many(list(ttl.items()), ttl=10)
+        lays = {k: await kv.layout(k) for k in [*keep, *ttl]}
+        assert all(v is not None for v in lays.values())
+
+        st = await kv.stats()
+        assert (st["keys"], st["keys_stored"]) == (36, 36)
+        assert st["bytes"] == sum(map(len, keep.values())) + sum(map(len, ttl.values()))
+        clock.advance(11)
+        st = await kv.stats()
+        assert (st["keys"], st["keys_stored"], st["bytes"]) == (30, 36, sum(map(len, keep.values())))
+
+        async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            status = await gc.status()
+            assert status["expired_keys"] == 6
+            per_server = Counter(sid for k in ttl for sid in
+                                 {r.server_id for x in lays[k].extents for r in x.replicas})
+            assert {s["server_id"]: s["expired_keys"] for s in status["servers"]} == {
+                sid: per_server.get(sid, 0) for sid in (s["server_id"] for s in status["servers"])}
+            dry = await gc.meta(rpc.GcExpire(apply=False, limit=1000))
+            assert (dry.keys, dry.more) == (6, False)
+
+            # a compaction's references: every unexpired key in those chunks, nothing else
+            some = lays["k3"].extents[0].replicas[0]
+            chunks = {some.chunk_id, lays["k17"].extents[0].replicas[-1].chunk_id}
+            want = {(c, k, r.offset) for k in keep for x in lays[k].extents for r in x.replicas
+                    if (c := r.chunk_id) in chunks}
+            got = (await gc.meta(rpc.GcChunkRefs(chunks=sorted(chunks)))).refs
+            assert {(c, r.key.decode(), r.offset) for c, rs in got.items() for r in rs} == want
+            got = (await gc.meta(rpc.GcChunkRefs(server_id=some.server_id))).refs
+            assert {(c, r.key.decode(), r.offset) for c, rs in got.items() for r in rs} == {
+                (r.chunk_id, k, r.offset) for k in keep for x in lays[k].extents for r in x.replicas
+                if r.server_id == some.server_id}
+
+            # a server gone: the plan names every extent of an unexpired key it held
+            victim = some.server_id
+            await cluster.stop_chunkserver(cluster.index_of(victim))
+            await until_dead(cluster, victim)
+            plan = await gc.meta(rpc.GcRepairPlan(limit_bytes=1 << 30))
+            held = {(k, i) for k in keep for i, x in enumerate(lays[k].extents)
+                    if any(r.server_id == victim for r in x.replicas)}
+            assert held
+            assert {(it.key.decode(), it.extent) for it in plan.items} == held
+            assert plan.under_replicated_extents == len(held)
+            assert plan.unrepairable_extents == 0
+            status = await gc.status()
+            assert status["repair"]["under_replicated_extents"] == len(held)
+            assert (await kv.stats())["keys"] == 30
