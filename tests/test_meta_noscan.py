@@ -1,5 +1,5 @@
-"""``kvfs stat``, ``kvfs gc status``, expiry's dry run, a compaction's chunk references and a
-repair plan while a server is gone give the same answers over both meta backends; over
+"""``kvfs stat``, ``kvfs gc status``, a dry GC pass, a compaction's chunk references, a drain's
+state and a repair plan while a server is gone give the same answers over both meta backends; over
 Redis they read the store's counters, expiry index, chunk index and server index, and a
 read of every key (``RedisMetaStore.scan``, made to fail here: fault injection) is never
 made.  What each costs in Redis commands is tests/test_redis_index.py's."""
@@ -18,7 +18,7 @@ from conftest import FakeClock
 from kvfs import rpc
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig, MetaConfig
-from kvfs.gc.driver import GarbageCollector
+from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Layout
 
@@ -99,8 +99,17 @@ async def test_stat_status_refs_and_repair_plan_without_reading_every_key(
                 (r.chunk_id, k, r.offset) for k in keep for x in lays[k].extents for r in x.replicas
                 if r.server_id == some.server_id}
 
-            # a server gone: the plan names every extent of an unexpired key it held
+            # a dry GC pass (its expire, evict and compaction dry runs) and a drain's question
+            dry_pass = await gc.run_pass(PassOptions(apply=False, grace_s=0.0))
+            assert dry_pass.expired_keys == 6
             victim = some.server_id
+            extents = [x for v in lays.values() for x in v.extents
+                       if any(r.server_id == victim for r in x.replicas)]  # expired ones too
+            drain = await gc.meta(rpc.GcDecommission(server_id=victim, start=False))
+            assert (drain.draining, drain.extents_left, drain.bytes_left) == (
+                False, len(extents), sum(x.length for x in extents))
+
+            # a server gone: the plan names every extent of an unexpired key it held
             await cluster.stop_chunkserver(cluster.index_of(victim))
             await until_dead(cluster, victim)
             plan = await gc.meta(rpc.GcRepairPlan(limit_bytes=1 << 30))
