@@ -23,6 +23,8 @@ from kvfs.layout import Key, Layout
 
 T = TypeVar("T")
 _STOPPED_POLL_S = 0.1  # an interrupted call's wait looks this often whether the IO loop stopped
+_CLOSE_WAIT_S = 5.0  # close(): how long calls still running are given to end once cancelled
+_CLOSED = "kvfs.Client was closed while this call was running"
 
 
 class _Call:
@@ -30,14 +32,17 @@ class _Call:
     caller the moment it ends (``_ended``, in the task's last step: no done callback a
     loop turn later, no ``concurrent.futures.Future`` chain for a blocking call)."""
 
-    __slots__ = ("cancelled", "coro", "done", "exc", "result", "started", "task")
+    __slots__ = ("calls", "cancelled", "closing", "coro", "done", "ended", "exc", "result", "started",
+                 "task")
 
-    def __init__(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def __init__(self, coro: Coroutine[Any, Any, Any], calls: set[_Call]) -> None:
         self.coro = coro
         self.done = threading.Lock()  # held until the call has ended: nothing of it runs after
         self.done.acquire()
         self.task: asyncio.Task[None] | None = None
-        self.cancelled = self.started = False
+        self.cancelled = self.started = self.closing = self.ended = False
+        self.calls = calls  # the client's calls not yet ended (close() ends those left)
+        calls.add(self)
         self.result: Any = None
         self.exc: BaseException | None = None
 
@@ -55,10 +60,23 @@ class _Call:
                 self.result = await self.coro
             except BaseException as exc:  # handed to the caller, raised in its thread
                 self.exc = exc
+        if self.closing and isinstance(self.exc, asyncio.CancelledError):
+            self.exc = LocalProtocolError(_CLOSED)
         self._ended()
 
     def _ended(self) -> None:
+        self.ended = True
+        self.calls.discard(self)
         self.done.release()
+
+    def abandon(self) -> None:
+        """After the IO loop has stopped for good (nothing of the call runs any more): end
+        a call that never ended, with an error naming the close."""
+        if not self.ended:
+            if not self.started:  # (a started one's task is left to the closed loop)
+                self.coro.close()
+            self.exc = LocalProtocolError(_CLOSED)
+            self._ended()
 
     def cancel(self) -> None:
         """On the IO loop: the call stops as its async form does when cancelled (a
@@ -66,6 +84,11 @@ class _Call:
         self.cancelled = True
         if self.started and self.task is not None:  # (not yet started: _run sees the flag)
             self.task.cancel()
+
+    def close_cancel(self) -> None:
+        """On the IO loop, from close(): cancelled, its caller told the client was closed."""
+        self.closing = True
+        self.cancel()
 
     def wait_ended(self, loop: asyncio.AbstractEventLoop) -> None:
         """Blocks until the call has ended, or ``loop`` has stopped (nothing of the call
@@ -161,6 +184,8 @@ class Client:
                  config: ClientConfig | None = None) -> None:
         self._fork_lock = threading.Lock()
         self._forked: list[object] = []  # the parent's loop and thread, never touched in a child
+        self._calls: set[_Call] = set()  # calls started and not yet ended, from every thread
+        self._closing = False
         self._start_io()
         try:
             self.aio = AsyncClient(addr, token=token, config=config)
@@ -181,6 +206,7 @@ class Client:
         with self._fork_lock:
             if self._pid != os.getpid():
                 self._forked.append((self._loop, self._thread))
+                self._calls = set()  # the parent's calls run in the parent only
                 self._start_io()
 
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
@@ -192,9 +218,12 @@ class Client:
         if loop.is_closed():
             coro.close()
             raise LocalProtocolError("kvfs.Client is closed")
-        call = _FutureCall(coro)
+        call = _FutureCall(coro, self._calls)
         fut: _Future[T] = _Future(call, loop)
         call.future = fut
+        if self._closing:  # (after adding itself: close() either sees it or is seen here)
+            call.abandon()
+            raise LocalProtocolError("kvfs.Client is closed")
         loop.call_soon_threadsafe(call.start, loop)
         return fut
 
@@ -215,7 +244,14 @@ class Client:
         if loop.is_closed():
             coro.close()
             raise LocalProtocolError("kvfs.Client is closed")
-        call = _Call(coro)
+        call = _Call(coro, self._calls)
+        if self._closing:  # (after adding itself: close() either sees it or is seen here)
+            call.abandon()
+            raise LocalProtocolError("kvfs.Client is closed")
+        return self._wait(call, loop)
+
+    @staticmethod
+    def _wait(call: _Call, loop: asyncio.AbstractEventLoop) -> Any:
         loop.call_soon_threadsafe(call.start, loop)
         try:
             call.done.acquire()
@@ -226,17 +262,35 @@ class Client:
         return call.outcome()
 
     def _stop(self) -> None:
+        self._closing = True
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
         self._loop.close()
+        for call in list(self._calls):  # never started, or did not end when cancelled
+            call.abandon()
+
+    async def _close(self) -> None:
+        """On the IO loop: the async client closed (its connections' calls fail), then the
+        calls other threads still have running are cancelled and given a while to end."""
+        await self.aio.close()
+        me = asyncio.current_task()
+        left = [c for c in list(self._calls) if c.task is not me]
+        for c in left:
+            c.close_cancel()
+        tasks = [c.task for c in left if c.task is not None]
+        if tasks:
+            await asyncio.wait(tasks, timeout=_CLOSE_WAIT_S)
 
     def close(self) -> None:
+        """Closes the connections and stops the IO thread.  Calls other threads still have
+        running end first: cancelled, they raise ``LocalProtocolError`` (closed)."""
         if self._pid != os.getpid():
             self._after_fork()
         if self._loop.is_closed():
             return
+        self._closing = True  # calls made from now on are refused
         try:
-            self._run(self.aio.close())
+            self._wait(_Call(self._close(), self._calls), self._loop)
         finally:
             self._stop()
 

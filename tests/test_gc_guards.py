@@ -35,6 +35,7 @@ from kvfs.config import ChunkServerConfig
 from kvfs.errors import StaleLayout
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
+from kvfs.meta.index import RECORD_OVERHEAD_BYTES
 from kvfs.rpc import Op
 from kvfs.transport import Connection
 
@@ -354,3 +355,67 @@ async def test_each_emptied_chunk_waits_its_own_grace_period(one: LocalCluster, 
         p = await plan()
         assert [d.chunk_id for d in p.delete] == chunks and p.waiting == 0
         assert await kv.get("live") == value_of("live")
+
+
+async def test_relocate_skips_a_key_that_expired_since_the_copy_and_moves_the_rest(
+        one: LocalCluster, clock: FakeClock) -> None:
+    """GC copies a chunk's live records; the first of them expires before GC_RELOCATE
+    arrives: that key is not switched (it is gone for readers), every key after it is."""
+    keys = [f"k{i:03d}" for i in range(40)]
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
+        await kv.put("soon", value_of("soon"), ttl=10)  # first in the chunk
+        await kv.put_many([(k, value_of(k)) for k in keys])
+        await kv.delete_many(keys[::2])  # half garbage: the chunk is compacted
+        live = keys[1::2]
+        soon = await kv.layout("soon")
+        assert soon is not None
+        old = soon.extents[0].replicas[0].chunk_id
+        relocate = hold(one, Op.GC_RELOCATE)
+        gc_pass = asyncio.create_task(gc.run_pass(NOW))
+        await relocate.reached(gc_pass)  # "soon" was copied too: not expired yet
+        clock.advance(11)
+        relocate.release()
+        report = await gc_pass
+        assert report.chunks_compacted == 1 and report.keys_relocated == len(live)
+        assert report.relocations_lost == 1
+    async with client(one, clock) as fresh:
+        assert await fresh.get_many(live) == [value_of(k) for k in live]
+        assert await fresh.get("soon") is None
+        for k in live:  # every live key moved to the copy
+            lay = await fresh.layout(k)
+            assert lay is not None and lay.extents[0].replicas[0].chunk_id != old, k
+
+
+async def test_gc_status_counts_each_servers_bytes_and_expired_keys(one: LocalCluster, clock: FakeClock) -> None:
+    """GC_STATUS per server: nothing written is no garbage (ratio 0); then live bytes are each
+    stored record (header, key, value; expired keys until GC_EXPIRE removes them), garbage
+    is what else was written (a chunk of only garbage counts none), the ratio is garbage over
+    used, and expired keys are counted. A dry pass counts as no pass; an applied one does."""
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
+        await gc.sync_usage()
+        (s,) = (await gc.status())["servers"]
+        assert (s["used"], s["live"], s["garbage"], s["ratio"], s["expired_keys"], s["dead_chunks"]) == (
+            0, 0, 0, 0.0, 0, 0)
+        await kv.put("k2", value_of("k2"))
+        lay = await kv.layout("k2")
+        assert lay is not None
+        r = lay.extents[0].replicas[0]
+        assert (await gc.chunkserver(r.server_id, rpc.ChunkSeal(chunk_id=r.chunk_id))).sealed
+        await kv.put("k2", value_of("k2 again"))  # its first record is garbage, its chunk all garbage
+        await kv.put_many([("t1", value_of("t1")), ("t2", value_of("t2"))], ttl=10)
+        await kv.put("k1", value_of("k1"))
+        clock.advance(11)
+        await gc.sync_usage()
+        st = await gc.status()
+        (s,) = st["servers"]
+        assert s["live"] == sum(RECORD_OVERHEAD_BYTES + len(k) + 8192 for k in ("t1", "t2", "k1", "k2"))
+        assert s["garbage"] == s["used"] - s["live"] > 0 and s["ratio"] == s["garbage"] / s["used"]
+        assert s["expired_keys"] == st["expired_keys"] == 2
+        assert s["dead_chunks"] == 0 and s["chunks"] == 2 and s["fill"] == s["used"] / s["capacity"] > 0
+        # a dry pass is no pass; an applied one counts, with its duration
+        await gc.run_pass(PassOptions(apply=False, grace_s=0))
+        assert (await gc.status())["metrics"]["passes"] == 0
+        await gc.run_pass(NOW)
+        st = await gc.status()
+    m = st["metrics"]
+    assert m["passes"] == 1 and m["pass_duration_s"] == m["last_pass_duration_s"] == st["last_run"]["duration_s"] > 0

@@ -284,3 +284,42 @@ def _waiting_in(t: threading.Thread, function: str) -> bool:
             return True
         frame = frame.f_back
     return False
+
+
+def test_close_ends_calls_other_threads_have_in_flight(one_cs: ThreadCluster) -> None:
+    """``close()`` while other threads are blocked in calls (a get whose READV is held at the
+    chunkserver; a call that only ends when cancelled): each caller gets an answer (the get a
+    miss or an error, the other an error naming the close), none waits forever."""
+    cs = one_cs.cluster.chunkservers[0]
+    assert cs is not None
+    kv = kvfs.Client(one_cs.addr, token=one_cs.token)
+    kv.put(b"k", b"v" * 4096)
+    kv.aio.layout_cache.clear()
+    held = one_cs.call(_hold(cs.rpc))
+    outcomes: dict[str, BaseException | object] = {}
+
+    def call(name: str, fn: Callable[[], object]) -> None:
+        try:
+            outcomes[name] = fn()
+        except BaseException as exc:
+            outcomes[name] = exc
+
+    never = asyncio.Event()  # fault injection: a call that never ends by itself
+    threads = [threading.Thread(target=call, args=("get", lambda: kv.get(b"k"))),
+               threading.Thread(target=call, args=("wait", lambda: kv._run(never.wait())))]
+    try:
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while not held.arrived.is_set():
+            assert time.monotonic() < deadline, "the READV never reached the chunkserver"
+            threading.Event().wait(0.001)
+        kv.close()
+        for t in threads:
+            t.join(30)
+        assert not any(t.is_alive() for t in threads), "a caller still waits after close()"
+    finally:
+        one_cs.loop.call_soon_threadsafe(held.release)
+    assert outcomes["get"] is None or isinstance(outcomes["get"], kvfs.KVFSError), outcomes
+    got = outcomes["wait"]
+    assert isinstance(got, LocalProtocolError) and "closed" in str(got), got
