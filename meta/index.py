@@ -620,6 +620,11 @@ class MetaIndex(ServerRegistry):
         live = [e.layout.size for e in self.entries.values() if not e.layout.expired(now)]
         return len(live), len(self.entries), sum(live)
 
+    async def server_live(self) -> dict[int, int]:
+        """Each server's live bytes: its chunk table's chunks' (in memory)."""
+        live = self.chunk_live
+        return {sid: sum(live.get(c, 0) for c in s.chunks) for sid, s in self.servers.items()}
+
     async def live_bytes(self, chunks: Sequence[int] | None = None) -> dict[int, int]:
         if chunks is None:
             return self.chunk_live

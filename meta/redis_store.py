@@ -17,11 +17,12 @@ them together:
 ``{NS.B}L``        hash chunk -> live bytes *of this bucket's keys*
 ``{NS.B}c<CID>``   hash: this bucket's keys with a replica in chunk CID -> '' (chunk index)
 ``{NS.B}s<SID>``   set: the chunks of server SID with live bytes in this bucket
-``{NS.B}n``        hash ``bytes`` -> the size of this bucket's values (keys: HLEN of h)
+``{NS.B}n``        hash ``bytes`` -> the size of this bucket's values (keys: HLEN of h),
+                   ``live:SID`` -> live bytes of this bucket's keys on server SID
 ``{NS.B}D``        set of retired chunks (every bucket holds the whole set)
 ``{NS.B}p<key>``   its leases: hash holder -> until (meta's clock); Redis expiry (at the
                    latest until) removes it
-``{NS}cluster``,   cluster id, bucket count, the store's format (2: with the indexes
+``{NS}cluster``,   cluster id, bucket count, the store's format (3: with the indexes
 ``{NS}buckets``,   above; an older store is refused by name at open), chunkservers
 ``{NS}servers``…   (hash), GC state (hash), retired chunks with their time, the retire lock
 =================  =====================================================================
@@ -80,8 +81,8 @@ page.
 The expiry sweep and LRU candidates merge the same way over ``x`` and ``a``.
 Nothing meta serves reads every key: :meth:`refs` (a compaction's chunk references, repair
 plans, drains) reads the chunk and server indexes of every bucket (O(keys named +
-buckets)), :meth:`key_stats` the counters plus the expired keys not swept yet, and
-:meth:`expired_rows` the expiry index.  Only :meth:`scan` reads everything (tests).  The bucket count bounds
+buckets)), :meth:`key_stats` and :meth:`server_live` the counters (plus the expired keys
+not swept yet), and :meth:`expired_rows` the expiry index.  Only :meth:`scan` reads everything (tests).  The bucket count bounds
 how far the store spreads (a bucket is one slot) and what a list page costs; it is
 fixed when the store is created.
 """
@@ -133,7 +134,8 @@ DEFAULT_BUCKETS = 256
 RETIRE_LOCK_MS = 30_000
 SCAN_MIN_COUNT = 64  # HSCAN's COUNT hint per bucket and round of scan()
 ROUND_BUCKETS = 16  # buckets per round (one script per node) of refs() by server: bounds a reply
-FORMAT = "2"  # the store's layout: 2 added the chunk and server indexes and the bytes counter
+FORMAT = "3"  # the store's layout: 2 added the chunk and server indexes and the bytes counter,
+#               3 each server's live bytes
 CLOSE_TIMEOUT_S = 5.0  # close(): each connection's close, and the last access-time flush
 HMGET_FIELDS = 4096  # chunks asked per HMGET of the retired set
 DEFAULT_TIMEOUT_S = 5.0  # one network step: a pipeline to a node, a command, a slot-map read
@@ -146,7 +148,8 @@ DEFAULT_TIMEOUT_S = 5.0  # one network step: a pipeline to a node, a command, a 
 # keys index (c<CID>: a hash, fields the keys, values empty: Redis 7.0 packs a small hash,
 # not a small set of strings, into one listpack) at once; the chunk's live bytes (L), the
 # server -> chunks index (s<SID>: the chunks with live bytes in this bucket) and the bytes
-# counter (n) summed per bucket and chunk, written by flush() once at the script's end.
+# counters (n: the values' bytes, and each server's live bytes) summed per bucket and chunk,
+# written by flush() once at the script's end.
 _LUA_ADJUST = """
 local function parts(v)
   local s1 = string.find(v, ';', 1, true)
@@ -154,7 +157,10 @@ local function parts(v)
   local bar = string.find(v, '|', s2 + 1, true)
   return string.sub(v, s1 + 1, s2 - 1), string.sub(v, s2 + 1, bar - 1)
 end
+local sids = {}
 local function sid_of(cid)
+  local got = sids[cid]
+  if got then return got end
   local q, r = 0, 0
   for i = 1, #cid do
     r = r * 10 + string.byte(cid, i) - 48
@@ -162,7 +168,9 @@ local function sid_of(cid)
     q = q * 10 + d
     r = r - d * 1099511627776
   end
-  return string.format('%d', q)
+  got = string.format('%d', q)
+  sids[cid] = got
+  return got
 end
 local live_delta, bytes_delta = {}, {}
 local function index(t, k, v, sign)
@@ -182,20 +190,26 @@ local function index(t, k, v, sign)
 end
 local function flush()
   for t, a in pairs(live_delta) do
-    local L = t .. 'L'
+    local L, n = t .. 'L', t .. 'n'
+    local per_server = {}
     for cid, d in pairs(a) do
       if d ~= 0 then
+        local sid = sid_of(cid)
+        per_server[sid] = (per_server[sid] or 0) + d
         local r = redis.call('HINCRBY', L, cid, string.format('%d', d))
         if r == 0 then
           redis.call('HDEL', L, cid)
-          redis.call('SREM', t .. 's' .. sid_of(cid), cid)
+          redis.call('SREM', t .. 's' .. sid, cid)
         elseif r == d then
-          redis.call('SADD', t .. 's' .. sid_of(cid), cid)
+          redis.call('SADD', t .. 's' .. sid, cid)
         end
       end
     end
+    for sid, d in pairs(per_server) do
+      if d ~= 0 then redis.call('HINCRBY', n, 'live:' .. sid, string.format('%d', d)) end
+    end
     if bytes_delta[t] ~= 0 then
-      redis.call('HINCRBY', t .. 'n', 'bytes', string.format('%d', bytes_delta[t]))
+      redis.call('HINCRBY', n, 'bytes', string.format('%d', bytes_delta[t]))
     end
   end
 end
@@ -460,6 +474,25 @@ end
 return {keys, string.format('%d', nbytes), expired}
 """
 
+# ARGV: ns, ns server ids, groups of buckets (n = 0).  Each server's live bytes (its chunks'
+# live bytes, every replica's value + record header + key) summed over this node's buckets,
+# in the order asked.
+_LUA_SERVER_LIVE = _SHEBANG + _LUA_GROUPS + """
+local ns = tonumber(ARGV[1])
+local total = {}
+for i = 1, ns do total[i] = 0 end
+local fields = {}
+for i = 1, ns do fields[i] = 'live:' .. ARGV[1 + i] end
+for _, g in ipairs(groups(2 + ns, 0)) do
+  local vals = redis.call('HMGET', g[1] .. 'n', unpack(fields))
+  for i = 1, ns do
+    if vals[i] then total[i] = total[i] + tonumber(vals[i]) end
+  end
+end
+for i = 1, ns do total[i] = string.format('%d', total[i]) end
+return total
+"""
+
 # KEYS: the bucket count's key, the format's.  ARGV: buckets, format.  A new store gets both
 # at once; returns {buckets, format (false: a store made before the format was recorded)}.
 _LUA_CREATE = """
@@ -671,7 +704,7 @@ class RedisMetaStore:
             await self.close()
             raise InvalidArgument(
                 f"redis store {self.ns!r} has format {fmt.decode() if fmt else '1'}, this kvfs "
-                f"needs {FORMAT} (its chunk index); copy it to a new namespace with kvfs meta "
+                f"needs {FORMAT} (its chunk index and counters); copy it to a new namespace with kvfs meta "
                 f"migrate --from URL --from-namespace {self.ns} --to URL --to-namespace NEW")
         self.buckets = int(buckets)
         self._tags = [f"{{{self.ns}.{b}}}".encode() for b in range(self.buckets)]
@@ -1098,6 +1131,19 @@ class RedisMetaStore:
                 gone += len(rows)
                 nbytes -= sum(lay.size for _, lay in rows)
         return stored - gone, stored, nbytes
+
+    async def server_live(self, servers: Iterable[int]) -> dict[int, int]:
+        """Live bytes on each of ``servers`` (``kvfs stat``, ``kvfs gc status``): the
+        per-bucket counters, one script per node, whatever the keys and chunks."""
+        ss = builtins.list(dict.fromkeys(servers))
+        if not ss:
+            return {}
+        total = dict.fromkeys(ss, 0)
+        for _, r in await self._per_node(_LUA_SERVER_LIVE, [len(ss), *(str(x) for x in ss)],
+                                         self._all_buckets(), 1):
+            for sid, v in zip(ss, r, strict=True):
+                total[sid] += int(v)
+        return total
 
     async def expired_rows(self, now: float, batch: int = 1000,
                            ) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:

@@ -248,11 +248,11 @@ class MetaService:
         ix = self.index
         now = self.clock()
         live_keys, stored, nbytes = await ix.key_stats(now)
-        chunk_live = await ix.live_bytes()
+        server_live = await ix.server_live()
         servers = []
         for s in sorted(ix.servers.values(), key=lambda s: s.server_id):
             written = sum(s.chunks.values())
-            live = sum(chunk_live.get(c, 0) for c in s.chunks)
+            live = server_live.get(s.server_id, 0)
             servers.append(rpc.ServerStats(
                 server_id=s.server_id, addr=s.addr, alive=ix.alive(s), dead=ix.dead(s),
                 draining=s.server_id in self._draining(),

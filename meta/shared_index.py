@@ -169,6 +169,11 @@ class SharedIndex(ServerRegistry):
     async def live_bytes(self, chunks: Sequence[int] | None = None) -> dict[int, int]:
         return await self.store.chunk_live(chunks)
 
+    async def server_live(self) -> dict[int, int]:
+        """From the store's per-bucket counters of each server's live bytes (every chunk of
+        the server that layouts name, whether or not this meta has its chunk table)."""
+        return await self.store.server_live(self.servers)
+
     async def peek(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
         return await self.store.peek(keys, now)
 

@@ -237,6 +237,10 @@ class GcIndex(Protocol):
 
     async def live_bytes(self, chunks: Sequence[int] | None = None) -> dict[int, int]: ...
 
+    async def server_live(self) -> dict[int, int]:
+        """Live bytes on each registered server (``kvfs stat``, ``kvfs gc status``); over
+        Redis from per-bucket counters, never a read of every chunk."""
+
     async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> builtins.list[int]:
         """Mark dead those of ``chunks`` no layout references; the dead ones of ``chunks``."""
 
