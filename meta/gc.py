@@ -227,12 +227,12 @@ class MetaGc:
                     for sid in {r.server_id for x in lay.extents for r in x.replicas}:
                         expired[sid] += 1
         expired_total = len(seen)
-        live_map = await ix.live_bytes()
+        live_by = await ix.server_live()
         dead = await ix.retired_among(c for s in ix.servers.values() for c in s.chunks)
         servers = []
         for s in sorted(ix.servers.values(), key=lambda s: s.server_id):
             used = ix.used(s)
-            live = server_live(s, live_map)
+            live = live_by.get(s.server_id, 0)
             garbage = max(0, used - live)
             servers.append(rpc.GcServerStatus(
                 server_id=s.server_id, addr=s.addr, alive=ix.alive(s),

@@ -1,6 +1,6 @@
 """``kvfs meta migrate``: move meta's index from one store to another, SQLite to Redis
-Cluster or back, or between two Redis stores (another namespace: how a store made before
-the chunk index, format 1, is brought to this kvfs's format), with meta stopped.
+Cluster or back, or between two Redis stores (another namespace: how a store made by an
+older kvfs, format 1 or 2, is brought to this kvfs's format), with meta stopped.
 
 What moves: every unexpired key with its layout (so its TTL) and its last access (the
 LRU order), the cluster id, the chunkserver registry, the retired chunks (a late commit
@@ -140,7 +140,7 @@ class _Sqlite:
 
 class _Redis:
     def __init__(self, url: str, namespace: str, *, source: bool = False) -> None:
-        """A source may be a store made before the chunk index (format 1): it is only read."""
+        """A source may be a store made by an older kvfs (format 1 or 2): it is only read."""
         from kvfs.meta.redis_store import RedisMetaStore
 
         self.store = RedisMetaStore(url, namespace=namespace, read_old=source)

@@ -17,17 +17,19 @@ them together:
 ``{NS.B}L``        hash chunk -> live bytes *of this bucket's keys*
 ``{NS.B}c<CID>``   hash: this bucket's keys with a replica in chunk CID -> '' (chunk index)
 ``{NS.B}s<SID>``   set: the chunks of server SID with live bytes in this bucket
-``{NS.B}n``        hash ``bytes`` -> the size of this bucket's values (keys: HLEN of h)
+``{NS.B}n``        hash ``bytes`` -> the size of this bucket's values (keys: HLEN of h),
+                   ``live:SID`` -> live bytes of this bucket's keys on server SID
 ``{NS.B}D``        set of retired chunks (every bucket holds the whole set)
-``{NS.B}l<key>``   a lease: value = until (meta's clock); Redis expiry removes it
-``{NS}cluster``,   cluster id, bucket count, the store's format (2: with the indexes
+``{NS.B}p<key>``   its leases: hash holder -> until (meta's clock); Redis expiry (at the
+                   latest until) removes it
+``{NS}cluster``,   cluster id, bucket count, the store's format (3: with the indexes
 ``{NS}buckets``,   above; an older store is refused by name at open), chunkservers
 ``{NS}servers``…   (hash), GC state (hash), retired chunks with their time, the retire lock
 =================  =====================================================================
 
 What is atomic
 --------------
-Commit, lookup, exists, delete, expiry, eviction, relocation, lease, live bytes and
+Commit, lookup, exists, delete, expiry, eviction, relocation, lease, release, live bytes and
 retirement each run **one Lua script per involved node**, covering every bucket of the
 call that node serves (Redis 7's ``allow-cross-slot-keys`` script flag: one script may
 use keys of several slots, all on its node).  So:
@@ -65,8 +67,8 @@ Time
 Layouts do not get a Redis expiry: a key Redis dropped by itself would keep its chunk
 bytes counted live forever.  Expiry is exact with meta's clock (every read compares
 ``expires_at``), and the GC sweep removes expired keys from the ``x`` index.  Leases
-use Redis expiry only to clean up; whether a lease holds is its value against meta's
-clock.
+use Redis expiry only to clean up (a key's lease hash expires with its latest lease);
+whether a holder's lease holds is its value against meta's clock.
 
 Cost
 ----
@@ -79,8 +81,8 @@ page.
 The expiry sweep and LRU candidates merge the same way over ``x`` and ``a``.
 Nothing meta serves reads every key: :meth:`refs` (a compaction's chunk references, repair
 plans, drains) reads the chunk and server indexes of every bucket (O(keys named +
-buckets)), :meth:`key_stats` the counters plus the expired keys not swept yet, and
-:meth:`expired_rows` the expiry index.  Only :meth:`scan` reads everything (tests).  The bucket count bounds
+buckets)), :meth:`key_stats` and :meth:`server_live` the counters (plus the expired keys
+not swept yet), and :meth:`expired_rows` the expiry index.  Only :meth:`scan` reads everything (tests).  The bucket count bounds
 how far the store spreads (a bucket is one slot) and what a list page costs; it is
 fixed when the store is created.
 """
@@ -122,6 +124,7 @@ from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
 from kvfs.layout import Layout, decode_layout, encode_layout
 from kvfs.meta.index import RECORD_OVERHEAD_BYTES
 from kvfs.meta.store import prefix_upper_bound
+from kvfs.meta.storeapi import OVERFLOW_HOLDER, Lease
 
 T = TypeVar("T")
 log = logging.getLogger("kvfs.meta.redis")
@@ -131,7 +134,8 @@ DEFAULT_BUCKETS = 256
 RETIRE_LOCK_MS = 30_000
 SCAN_MIN_COUNT = 64  # HSCAN's COUNT hint per bucket and round of scan()
 ROUND_BUCKETS = 16  # buckets per round (one script per node) of refs() by server: bounds a reply
-FORMAT = "2"  # the store's layout: 2 added the chunk and server indexes and the bytes counter
+FORMAT = "3"  # the store's layout: 2 added the chunk and server indexes and the bytes counter,
+#               3 each server's live bytes
 CLOSE_TIMEOUT_S = 5.0  # close(): each connection's close, and the last access-time flush
 HMGET_FIELDS = 4096  # chunks asked per HMGET of the retired set
 DEFAULT_TIMEOUT_S = 5.0  # one network step: a pipeline to a node, a command, a slot-map read
@@ -144,7 +148,8 @@ DEFAULT_TIMEOUT_S = 5.0  # one network step: a pipeline to a node, a command, a 
 # keys index (c<CID>: a hash, fields the keys, values empty: Redis 7.0 packs a small hash,
 # not a small set of strings, into one listpack) at once; the chunk's live bytes (L), the
 # server -> chunks index (s<SID>: the chunks with live bytes in this bucket) and the bytes
-# counter (n) summed per bucket and chunk, written by flush() once at the script's end.
+# counters (n: the values' bytes, and each server's live bytes) summed per bucket and chunk,
+# written by flush() once at the script's end.
 _LUA_ADJUST = """
 local function parts(v)
   local s1 = string.find(v, ';', 1, true)
@@ -152,7 +157,10 @@ local function parts(v)
   local bar = string.find(v, '|', s2 + 1, true)
   return string.sub(v, s1 + 1, s2 - 1), string.sub(v, s2 + 1, bar - 1)
 end
+local sids = {}
 local function sid_of(cid)
+  local got = sids[cid]
+  if got then return got end
   local q, r = 0, 0
   for i = 1, #cid do
     r = r * 10 + string.byte(cid, i) - 48
@@ -160,7 +168,9 @@ local function sid_of(cid)
     q = q * 10 + d
     r = r - d * 1099511627776
   end
-  return string.format('%d', q)
+  got = string.format('%d', q)
+  sids[cid] = got
+  return got
 end
 local live_delta, bytes_delta = {}, {}
 local function index(t, k, v, sign)
@@ -180,20 +190,26 @@ local function index(t, k, v, sign)
 end
 local function flush()
   for t, a in pairs(live_delta) do
-    local L = t .. 'L'
+    local L, n = t .. 'L', t .. 'n'
+    local per_server = {}
     for cid, d in pairs(a) do
       if d ~= 0 then
+        local sid = sid_of(cid)
+        per_server[sid] = (per_server[sid] or 0) + d
         local r = redis.call('HINCRBY', L, cid, string.format('%d', d))
         if r == 0 then
           redis.call('HDEL', L, cid)
-          redis.call('SREM', t .. 's' .. sid_of(cid), cid)
+          redis.call('SREM', t .. 's' .. sid, cid)
         elseif r == d then
-          redis.call('SADD', t .. 's' .. sid_of(cid), cid)
+          redis.call('SADD', t .. 's' .. sid, cid)
         end
       end
     end
+    for sid, d in pairs(per_server) do
+      if d ~= 0 then redis.call('HINCRBY', n, 'live:' .. sid, string.format('%d', d)) end
+    end
     if bytes_delta[t] ~= 0 then
-      redis.call('HINCRBY', t .. 'n', 'bytes', string.format('%d', bytes_delta[t]))
+      redis.call('HINCRBY', n, 'bytes', string.format('%d', bytes_delta[t]))
     end
   end
 end
@@ -286,10 +302,20 @@ flush()
 return out
 """
 
+# A key's leases (p<key>, hash holder -> until): whether any holder's lasts past now.
+_LUA_LEASED = """
+local function leased(p, now)
+  for _, e in ipairs(redis.call('HVALS', p)) do
+    if tonumber(e) > now then return true end
+  end
+  return false
+end
+"""
+
 # ARGV: mode, now, groups of (key, expected).  mode 'del': remove; 'exp': remove if still
 # expired at now; 'evict': remove if the value is still the expected one and no lease holds
 # past now.  Returns key, value of each removed.
-_LUA_REMOVE = _SHEBANG + _LUA_GROUPS + _LUA_ADJUST + """
+_LUA_REMOVE = _SHEBANG + _LUA_GROUPS + _LUA_ADJUST + _LUA_LEASED + """
 local mode, now = ARGV[1], tonumber(ARGV[2])
 local out = {}
 for _, g in ipairs(groups(3, 2)) do
@@ -304,8 +330,7 @@ for _, g in ipairs(groups(3, 2)) do
       ok = e ~= false and tonumber(e) <= now
     elseif ok and mode == 'evict' then
       ok = v == want
-      local lease = redis.call('GET', t .. 'l' .. k)
-      if ok and lease and tonumber(lease) > now then ok = false end
+      if ok and leased(t .. 'p' .. k, now) then ok = false end
     end
     if ok then
       index(t, k, v, -1)
@@ -449,6 +474,25 @@ end
 return {keys, string.format('%d', nbytes), expired}
 """
 
+# ARGV: ns, ns server ids, groups of buckets (n = 0).  Each server's live bytes (its chunks'
+# live bytes, every replica's value + record header + key) summed over this node's buckets,
+# in the order asked.
+_LUA_SERVER_LIVE = _SHEBANG + _LUA_GROUPS + """
+local ns = tonumber(ARGV[1])
+local total = {}
+for i = 1, ns do total[i] = 0 end
+local fields = {}
+for i = 1, ns do fields[i] = 'live:' .. ARGV[1 + i] end
+for _, g in ipairs(groups(2 + ns, 0)) do
+  local vals = redis.call('HMGET', g[1] .. 'n', unpack(fields))
+  for i = 1, ns do
+    if vals[i] then total[i] = total[i] + tonumber(vals[i]) end
+  end
+end
+for i = 1, ns do total[i] = string.format('%d', total[i]) end
+return total
+"""
+
 # KEYS: the bucket count's key, the format's.  ARGV: buckets, format.  A new store gets both
 # at once; returns {buckets, format (false: a store made before the format was recorded)}.
 _LUA_CREATE = """
@@ -466,18 +510,49 @@ for _, g in ipairs(groups(1, 0)) do n = n + redis.call('HLEN', g[1] .. 'h') end
 return n
 """
 
-# ARGV: until, px, groups of keys.  A lease is only ever lengthened.
+# ARGV: holder, until, now, max holders, overflow holder, px, groups of keys.  The holder's
+# lease is only ever lengthened; a key with max holders' unexpired leases besides the
+# overflow's gets it as the overflow's (storeapi.Lease).  The hash expires px ms from now
+# unless it lasts longer already.  Returns how many keys got the overflow's.
 _LUA_LEASE = _SHEBANG + _LUA_GROUPS + """
-for _, g in ipairs(groups(3, 1)) do
+local holder, untl, now, cap, over = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local px = tonumber(ARGV[6])
+local n = 0
+for _, g in ipairs(groups(7, 1)) do
   for j = 0, g[3] - 1 do
-    local l = g[1] .. 'l' .. ARGV[g[2] + j]
-    local cur = redis.call('GET', l)
-    if not cur or tonumber(cur) < tonumber(ARGV[1]) then
-      redis.call('SET', l, ARGV[1], 'PX', ARGV[2])
+    local p = g[1] .. 'p' .. ARGV[g[2] + j]
+    local h = holder
+    if redis.call('HEXISTS', p, h) == 0 and redis.call('HLEN', p) - redis.call('HEXISTS', p, over) >= cap then
+      local kv = redis.call('HGETALL', p)
+      for i = 1, #kv, 2 do
+        if tonumber(kv[i + 1]) <= now then redis.call('HDEL', p, kv[i]) end
+      end
+      if redis.call('HLEN', p) - redis.call('HEXISTS', p, over) >= cap then
+        h = over
+        n = n + 1
+      end
     end
+    local cur = redis.call('HGET', p, h)
+    if not cur or tonumber(cur) < untl then redis.call('HSET', p, h, ARGV[2]) end
+    if redis.call('PTTL', p) < px then redis.call('PEXPIRE', p, px) end
   end
 end
-return 0
+return n
+"""
+
+# ARGV: groups of keys.  Per key, in order, the latest end of its holders' leases ('': none).
+_LUA_LEASE_ENDS = _SHEBANG + _LUA_GROUPS + """
+local out = {}
+for _, g in ipairs(groups(1, 1)) do
+  for j = 0, g[3] - 1 do
+    local best = ''
+    for _, e in ipairs(redis.call('HVALS', g[1] .. 'p' .. ARGV[g[2] + j])) do
+      if best == '' or tonumber(e) > tonumber(best) then best = e end
+    end
+    out[#out + 1] = best
+  end
+end
+return out
 """
 
 # KEYS: the lease.  ARGV: holder, ttl ms.  Taken (1) if free or already this holder's.
@@ -488,11 +563,11 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
-# ARGV: groups of keys.  Ends their leases; returns how many there were.
+# ARGV: holder, groups of keys.  Ends the holder's leases of them; returns how many it had.
 _LUA_UNLEASE = _SHEBANG + _LUA_GROUPS + """
 local n = 0
-for _, g in ipairs(groups(1, 1)) do
-  for j = 0, g[3] - 1 do n = n + redis.call('DEL', g[1] .. 'l' .. ARGV[g[2] + j]) end
+for _, g in ipairs(groups(2, 1)) do
+  for j = 0, g[3] - 1 do n = n + redis.call('HDEL', g[1] .. 'p' .. ARGV[g[2] + j], ARGV[1]) end
 end
 return n
 """
@@ -629,7 +704,7 @@ class RedisMetaStore:
             await self.close()
             raise InvalidArgument(
                 f"redis store {self.ns!r} has format {fmt.decode() if fmt else '1'}, this kvfs "
-                f"needs {FORMAT} (its chunk index); copy it to a new namespace with kvfs meta "
+                f"needs {FORMAT} (its chunk index and counters); copy it to a new namespace with kvfs meta "
                 f"migrate --from URL --from-namespace {self.ns} --to URL --to-namespace NEW")
         self.buckets = int(buckets)
         self._tags = [f"{{{self.ns}.{b}}}".encode() for b in range(self.buckets)]
@@ -862,7 +937,7 @@ class RedisMetaStore:
         return out
 
     async def lookup(self, keys: Sequence[bytes], now: float,
-                     lease_until: float | None = None) -> builtins.list[Layout | None]:
+                     lease: Lease | None = None) -> builtins.list[Layout | None]:
         out: builtins.list[Layout | None] = []
         for k, v in zip(keys, await self._values(keys), strict=True):
             if v is None or value_expired(v, now):
@@ -870,9 +945,9 @@ class RedisMetaStore:
             else:
                 out.append(decode_value(v))
                 self._access[k] = now
-        if lease_until is not None:
+        if lease is not None:
             await self.lease([k for k, lay in zip(keys, out, strict=True) if lay is not None], now,
-                             lease_until)
+                             lease)
         return out
 
     async def peek(self, keys: Sequence[bytes], now: float) -> builtins.list[Layout | None]:
@@ -881,10 +956,10 @@ class RedisMetaStore:
                 for v in await self._values(keys)]
 
     async def exists(self, keys: Sequence[bytes], now: float,
-                     lease_until: float | None = None) -> builtins.list[bool]:
+                     lease: Lease | None = None) -> builtins.list[bool]:
         out = [v is not None and not value_expired(v, now) for v in await self._values(keys)]
-        if lease_until is not None:
-            await self.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease_until)
+        if lease is not None:
+            await self.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease)
         return out
 
     async def get(self, keys: Sequence[bytes]) -> builtins.list[Layout | None]:
@@ -892,38 +967,44 @@ class RedisMetaStore:
         return [None if v is None else decode_value(v) for v in await self._values(keys)]
 
     async def leases(self, keys: Sequence[bytes]) -> dict[bytes, float]:
-        """key -> lease end (meta's clock) of those of ``keys`` with a lease key left."""
+        """key -> the latest end (meta's clock) of its holders' leases, of those of ``keys``
+        with a lease hash left."""
+        groups = self._by_bucket(keys)
+        items = {b: [keys[i] for i in idx] for b, idx in groups.items()}
         out: dict[bytes, float] = {}
-        for _, idx, r in await self._per_bucket(keys, lambda p, b, ks: p.mget(
-                *[self._k(b, b"l" + k) for k in ks])):
-            for i, v in zip(idx, r, strict=True):
-                if v is not None:
-                    out[keys[i]] = float(v)
+        for bs, ends in await self._per_node(_LUA_LEASE_ENDS, (), items, 1):
+            it = iter(ends)
+            for b in bs:
+                for i in groups[b]:
+                    end = next(it)
+                    if end:
+                        out[keys[i]] = float(end)
         return out
 
     async def match_prefix(self, keys: Sequence[bytes], now: float,
-                           lease_until: float | None = None) -> int:
+                           lease: Lease | None = None) -> int:
         n = 0
         for v in await self._values(keys):
             if v is None or value_expired(v, now):
                 break
             n += 1
-        if lease_until is not None:
-            await self.lease(keys[:n], now, lease_until)
+        if lease is not None:
+            await self.lease(keys[:n], now, lease)
         return n
 
-    async def lease(self, keys: Sequence[bytes], now: float, until: float) -> None:
+    async def lease(self, keys: Sequence[bytes], now: float, lease: Lease) -> None:
         if not keys:
             return
-        px = str(max(1, math.ceil((until - now) * 1000)) + 1000)
+        px = str(max(1, math.ceil((lease.until - now) * 1000)) + 1000)
         groups = self._by_bucket(keys)
-        await self._per_node(_LUA_LEASE, [_num(until), px],
+        await self._per_node(_LUA_LEASE, [lease.holder, _num(lease.until), _num(now), str(lease.max_holders),
+                                          OVERFLOW_HOLDER, px],
                              {b: [keys[i] for i in idx] for b, idx in groups.items()}, 1)
 
-    async def release(self, keys: Sequence[bytes]) -> int:
+    async def release(self, keys: Sequence[bytes], holder: str) -> int:
         groups = self._by_bucket(keys)
         items = {b: [keys[i] for i in idx] for b, idx in groups.items()}
-        return sum(int(r) for _, r in await self._per_node(_LUA_UNLEASE, (), items, 1))
+        return sum(int(r) for _, r in await self._per_node(_LUA_UNLEASE, (holder,), items, 1))
 
     async def _remove(self, mode: str, items: Sequence[tuple[bytes, bytes]],
                       now: float) -> builtins.list[tuple[bytes, Layout]]:
@@ -1050,6 +1131,19 @@ class RedisMetaStore:
                 gone += len(rows)
                 nbytes -= sum(lay.size for _, lay in rows)
         return stored - gone, stored, nbytes
+
+    async def server_live(self, servers: Iterable[int]) -> dict[int, int]:
+        """Live bytes on each of ``servers`` (``kvfs stat``, ``kvfs gc status``): the
+        per-bucket counters, one script per node, whatever the keys and chunks."""
+        ss = builtins.list(dict.fromkeys(servers))
+        if not ss:
+            return {}
+        total = dict.fromkeys(ss, 0)
+        for _, r in await self._per_node(_LUA_SERVER_LIVE, [len(ss), *(str(x) for x in ss)],
+                                         self._all_buckets(), 1):
+            for sid, v in zip(ss, r, strict=True):
+                total[sid] += int(v)
+        return total
 
     async def expired_rows(self, now: float, batch: int = 1000,
                            ) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:

@@ -23,8 +23,10 @@ async def test_metastore_bench_reports_every_op(store: str) -> None:
     assert res["keys"] == 2000
     if store == "redis":  # Redis's used_memory grows with every key
         assert res["bytes_per_key"] > 0
-    else:  # in-process RSS growth may be 0 where earlier tests warmed the heap; the file grows
-        assert res["bytes_per_key"] >= 0 and res["sqlite_file_bytes"] > 0
+    else:  # in-process RSS growth may be 0 where earlier tests warmed the heap, or below 0
+        # where their garbage is freed during the fill (seen after test_redis_index.py); the
+        # SQLite file grows
+        assert isinstance(res["bytes_per_key"], float) and res["sqlite_file_bytes"] > 0
     assert [(o["op"], o["batch"]) for o in res["ops"]] == [
         (op, b) for b in (1, 16) for op in ("commit", "lookup", "match_prefix")]
     assert all(o["keys_per_s"] > 0 for o in res["ops"])

@@ -13,7 +13,7 @@ import pytest
 from kvfs.errors import InvalidArgument
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id, server_of_chunk
 from kvfs.meta.redis_local import LocalRedisCluster, _command
-from kvfs.meta.redis_store import _LUA_UNREF, RedisMetaStore, encode_value
+from kvfs.meta.redis_store import _LUA_UNREF, FORMAT, RedisMetaStore, encode_value, live_contrib
 
 pytestmark = pytest.mark.redis
 
@@ -80,6 +80,11 @@ async def check_indexes(s: RedisMetaStore, cur: dict[bytes, Layout], chunks: Ite
         assert await refs(s, servers=[sid]) == {
             k: v for k, v in cur.items() if any(r.server_id == sid for x in v.extents for r in x.replicas)}
     assert await s.key_stats(0.0) == (len(cur), len(cur), sum(v.size for v in cur.values()))
+    live: Counter[int] = Counter()
+    for k, v in cur.items():
+        for c, n in live_contrib(k, v).items():
+            live[server_of_chunk(c)] += n
+    assert await s.server_live([*sids, 99]) == {sid: live[sid] for sid in [*sids, 99]}
 
 
 async def test_the_indexes_follow_commit_overwrite_delete_relocation_expiry_eviction(
@@ -183,7 +188,7 @@ async def test_refs_stats_and_expired_keys_cost_what_they_name_not_the_keys_stor
     async def reads() -> tuple[Counter[str], tuple[object, ...]]:
         before = command_calls(redis_cluster)
         got = (await refs(s, [probe]), await refs(s, servers=[7]), await s.key_stats(NOW + 5),
-               [r async for r in s.expired_rows(NOW + 5)])
+               [r async for r in s.expired_rows(NOW + 5)], await s.server_live([1, 7, 8]))
         after = command_calls(redis_cluster)
         return after - before, got
 
@@ -194,6 +199,7 @@ async def test_refs_stats_and_expired_keys_cost_what_they_name_not_the_keys_stor
     big, got_big = await reads()
     assert got_small[:2] == got_big[:2] == (named, named)
     assert got_big[2] == (3006, 3009, 6 * 100 + 3000 * 100)
+    assert got_big[4][7] == got_small[4][7] > 0 and got_big[4][1] > got_small[4][1] == 0
     assert small == big, "a read's cost grew with keys it does not name"
     assert not {"scan", "hscan", "sscan", "zscan", "hgetall", "hvals", "keys"} & set(big)
     assert big["hkeys"] > 0 and big["smembers"] > 0 and big["eval"] > 0  # it read the indexes
@@ -218,7 +224,7 @@ async def test_a_store_made_before_the_index_is_refused_by_name_and_migrates(
         await s.r.zadd(s._k(b, b"k"), {k: 0})
         await s.r.zadd(s._k(b, b"a"), {k: NOW})
     again = RedisMetaStore(redis_cluster.url, namespace=s.ns)
-    with pytest.raises(InvalidArgument, match=rf"format 1, this kvfs needs 2 .*--from-namespace {s.ns}"):
+    with pytest.raises(InvalidArgument, match=rf"format 1, this kvfs needs {FORMAT} .*--from-namespace {s.ns}"):
         await again.open()
     to_ns = s.ns + "-v2"
     rep = await migrate(redis_cluster.url, redis_cluster.url, from_namespace=s.ns, to_namespace=to_ns)
