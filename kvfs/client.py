@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import secrets
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -90,6 +92,7 @@ class AsyncClient:
     and :meth:`lookup` are what :mod:`kvfs.stream` builds on.
 
     The client follows the event loop that uses it (:meth:`kvfs.cluster.ClusterLink.bind_loop`).
+    Its leases are :attr:`lease_holder`'s.
     """
 
     def __init__(self, addr: str | None = None, *, token: str | None = None,
@@ -117,6 +120,20 @@ class AsyncClient:
                                forget=self.layout_cache.pop, hedge_after_s=cfg.hedge_after_s)
         self._link.on_rebind.append(self._new_batchers)
         self._new_batchers()
+        self._holder = ("", 0)  # (random holder id, the process it was drawn in)
+
+    @property
+    def lease_holder(self) -> str:
+        """Whose leases this client's lookups take and :meth:`release` ends:
+        ``ClientConfig.lease_holder``, or by default a random id drawn once per client and
+        process (a child of ``fork()`` draws its own)."""
+        if self.config.lease_holder is not None:
+            return self.config.lease_holder
+        holder, pid = self._holder
+        if pid != os.getpid():
+            holder = secrets.token_hex(8)
+            self._holder = (holder, os.getpid())
+        return holder
 
     def _new_batchers(self) -> None:
         """Batchers belong to one event loop: made anew when the client moves to another."""
@@ -195,7 +212,8 @@ class AsyncClient:
             _check_lease(lease_s)
             out, missing = [None] * len(keys), list(range(len(keys)))
         if missing:
-            h = await self._link.call_meta(rpc.Lookup(keys=[keys[i] for i in missing], lease_s=lease_s))
+            h = await self._link.call_meta(rpc.Lookup(keys=[keys[i] for i in missing], lease_s=lease_s,
+                                                      holder=self.lease_holder if lease_s else ""))
             for i, lay in zip(missing, h.layouts, strict=True):
                 if lay is not None:
                     out[i] = lay
@@ -554,7 +572,8 @@ class AsyncClient:
         if not ks:
             return []
         _check_lease(lease_s)
-        return (await self._link.call_meta(rpc.Exists(keys=ks, lease_s=lease_s))).exists
+        return (await self._link.call_meta(rpc.Exists(
+            keys=ks, lease_s=lease_s, holder=self.lease_holder if lease_s else ""))).exists
 
     async def get_meta(self, keys: Iterable[Key]) -> list[dict[str, Any] | None]:
         """Each key's metadata (``put(..., meta=)``): a dict, ``{}`` for a key stored
@@ -567,13 +586,13 @@ class AsyncClient:
                 for lay in await self.lookup(ks)]
 
     async def release(self, keys: Iterable[Key]) -> int:
-        """End the leases of keys (taken by ``lease_s`` on any lookup) before they expire,
-        so GC may evict them again; returns how many keys had one.  A lease is the key's,
-        not the caller's: this ends it for every holder."""
+        """End this client's leases of keys (taken by ``lease_s`` on any lookup; its
+        :attr:`lease_holder`'s) before they expire; returns how many keys it had one on.
+        Other holders' leases stay: GC may evict a key again once no holder leases it."""
         ks = norm_keys(keys)
         if not ks:
             return 0
-        return (await self._link.call_meta(rpc.Release(keys=ks))).released
+        return (await self._link.call_meta(rpc.Release(keys=ks, holder=self.lease_holder))).released
 
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
@@ -588,7 +607,8 @@ class AsyncClient:
         if not ks:
             return 0
         _check_lease(lease_s)
-        return (await self._link.call_meta(rpc.MatchPrefix(keys=ks, lease_s=lease_s))).n
+        return (await self._link.call_meta(rpc.MatchPrefix(
+            keys=ks, lease_s=lease_s, holder=self.lease_holder if lease_s else ""))).n
 
     async def delete_many(self, keys: Iterable[Key]) -> int:
         ks = norm_keys(keys)

@@ -11,12 +11,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
 from kvfs.address import parse_addr
+from kvfs.rpc import HOLDER_CHARS, MAX_HOLDER_CHARS
 from kvfs.units import parse_duration, parse_size
 
 
@@ -109,6 +111,13 @@ class MetaConfig(ServerConfig):
     max_key_meta_bytes: int = opt("largest metadata of one key (put's meta=, msgpack-encoded; "
                                   "at most 64KiB): a commit with more is refused naming the key",
                                   1024)
+    max_lease_holders: int = opt("lease holders on one key (each client is one, unless it sets "
+                                 "ClientConfig.lease_holder); past it, a lease goes to one shared "
+                                 "overflow holder: it pins the key until it runs out, no release "
+                                 "ends it", 32, positive=True)
+    max_lease_holder_chars: int = opt("longest lease holder id (ClientConfig.lease_holder; at most "
+                                      f"{MAX_HOLDER_CHARS}): a lookup or release naming a longer "
+                                      "one is refused", 64, positive=True)
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
     store: str | None = opt("where the index lives: default the SQLite file under --data; "
                             "redis-cluster://HOST:PORT[,HOST:PORT...] keeps it in a Redis Cluster, "
@@ -133,9 +142,13 @@ class MetaConfig(ServerConfig):
                                       "by one SQLite transaction", 16 * MiB, positive=True)
 
     def __post_init__(self) -> None:
-        for name in ("commit_group_max_keys", "commit_group_max_bytes"):
+        for name in ("commit_group_max_keys", "commit_group_max_bytes", "max_lease_holders",
+                     "max_lease_holder_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        if self.max_lease_holder_chars > MAX_HOLDER_CHARS:
+            raise ValueError(f"--max-lease-holder-chars must be at most {MAX_HOLDER_CHARS} (the "
+                             f"protocol's limit), got {self.max_lease_holder_chars}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,8 +218,18 @@ class ClientConfig(TlsConfig):
                                       "asked of their next replica (replicas >= 2; its late "
                                       "answer is discarded); none: wait up to "
                                       "request_timeout_s", 2.0)
+    lease_holder: str | None = opt("whose leases this client's lookups take and its release() "
+                                   "ends (letters, digits and ._:@/+=-; meta refuses ids longer "
+                                   "than its --max-lease-holder-chars): clients sharing one "
+                                   "share their leases; \"\" is the holder of clients that name "
+                                   "none; default: a random id per client and process", None)
 
     def __post_init__(self) -> None:
+        h = self.lease_holder
+        if h is not None and (len(h) > MAX_HOLDER_CHARS
+                              or not re.fullmatch(f"[{HOLDER_CHARS}]*", h)):
+            raise ValueError(f"lease_holder must be at most {MAX_HOLDER_CHARS} of the characters "
+                             f"{HOLDER_CHARS}, got {h!r:.80}")
         if self.hedge_after_s is not None and not self.hedge_after_s > 0:
             raise ValueError(f"hedge_after_s must be positive or None, got {self.hedge_after_s}")
         try:

@@ -42,6 +42,8 @@ MAX_EXPIRE_BATCH = 1_000_000
 MAX_REPAIR_BATCH_BYTES = 1 << 30  # extent bytes per GC_REPAIR_PLAN
 MAX_PACKED_BYTES = 1 << 30  # a COMMIT's packed layouts (in practice: meta's --max-header-bytes)
 SERVER_ID_LIMIT = 1 << 23  # chunk ids embed the server id in their top bits (see kvfs.layout)
+MAX_HOLDER_CHARS = 255  # a lease holder's id (meta's --max-lease-holder-chars is lower)
+HOLDER_CHARS = "A-Za-z0-9._:@/+=-"  # what a lease holder's id is made of (printable, no spaces)
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]
 Count = Annotated[int, msgspec.Meta(ge=0, lt=2**62)]  # sizes and counts: room to add them up
@@ -63,6 +65,9 @@ Nonce = Annotated[bytes, msgspec.Meta(min_length=NONCE_BYTES, max_length=NONCE_B
 Mac = Annotated[bytes, msgspec.Meta(max_length=64)]
 # a COMMIT's packed layouts (kvfs.packed); also bounded by the server's max_header_bytes
 PackedLayouts = Annotated[bytes, msgspec.Meta(min_length=PACKED_HEAD.size, max_length=MAX_PACKED_BYTES)]
+# who takes or ends a lease (kvfs.client: one per client unless configured); "": the one
+# shared holder of requests that name none
+Holder = Annotated[str, msgspec.Meta(max_length=MAX_HOLDER_CHARS, pattern=rf"^[{HOLDER_CHARS}]*\Z")]
 
 T = TypeVar("T")
 
@@ -201,10 +206,12 @@ class Layouts(Response, frozen=True, kw_only=True):
 
 
 class Lookup(Request[Layouts], frozen=True, kw_only=True):
-    """``lease_s``: the keys found are kept from eviction that long (until RELEASE)."""
+    """``lease_s``: the keys found are kept from eviction that long, by ``holder``'s
+    lease (until it RELEASEs them)."""
 
     keys: Keys
     lease_s: Seconds | None = None
+    holder: Holder = ""
     dirs: bool = False  # also say which misses are directories (kvfs.fs): one round trip
 
 
@@ -257,10 +264,12 @@ class Matched(Response, frozen=True, kw_only=True):
 
 
 class MatchPrefix(Request[Matched], frozen=True, kw_only=True):
-    """How many leading keys are present and unexpired; ``lease_s`` keeps them from GC."""
+    """How many leading keys are present and unexpired; ``lease_s`` keeps them from GC
+    (``holder``'s lease)."""
 
     keys: Keys
     lease_s: Seconds | None = None
+    holder: Holder = ""
 
 
 class Existing(Response, frozen=True, kw_only=True):
@@ -268,20 +277,23 @@ class Existing(Response, frozen=True, kw_only=True):
 
 
 class Exists(Request[Existing], frozen=True, kw_only=True):
-    """``lease_s``: the keys present are kept from eviction that long (until RELEASE)."""
+    """``lease_s``: the keys present are kept from eviction that long, by ``holder``'s
+    lease (until it RELEASEs them)."""
 
     keys: Keys
     lease_s: Seconds | None = None
+    holder: Holder = ""
 
 
 class Released(Response, frozen=True, kw_only=True):
-    released: Count  # keys whose lease this ended
+    released: Count  # keys on which this ended the holder's lease
 
 
 class Release(Request[Released], frozen=True, kw_only=True):
-    """End the leases of keys early (leases are per key, not per holder)."""
+    """End ``holder``'s leases of keys early; other holders' leases on them stay."""
 
     keys: Keys
+    holder: Holder = ""
 
 
 class LostItem(NamedTuple):
@@ -900,19 +912,19 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.AUTH, Service.ANY, Auth, "client's first frame: both sides prove a token (kvfs.handshake)",
         ANYONE),
     Rpc(Op.PING, Service.ANY, Ping, "liveness; names the service", ANYONE),
-    Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss), optional lease; "
+    Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss), optional lease (the holder's); "
         "with `dirs`, which misses have keys under `key/`", DATA),
     Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction (layouts as `items` or as `packed` "
         "columns, kvfs.packed); if_absent: only keys not present", DATA),
     Rpc(Op.DELETE, Service.META, Delete, "forget keys (keeping the tombstones named); their bytes become garbage", DATA),
-    Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease", DATA),
+    Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease (the holder's)", DATA),
     Rpc(Op.LIST, Service.META, ListKeys, "keys under a prefix, one page in key order", DATA),
     Rpc(Op.STATS, Service.META, Stats, "keys, bytes, per-server usage, GC summary", DATA),
     Rpc(Op.REGISTER, Service.META, Register, "a chunkserver joins (or rejoins) the cluster", SERVER),
     Rpc(Op.HEARTBEAT, Service.META, Heartbeat, "a chunkserver's usage and chunk table", SERVER_OR_ADMIN),
     Rpc(Op.SERVERS, Service.META, Servers, "the chunkservers meta knows", DATA),
-    Rpc(Op.EXISTS, Service.META, Exists, "which keys are present and unexpired, optional lease", DATA),
-    Rpc(Op.RELEASE, Service.META, Release, "end keys' leases early: GC may evict them again", DATA),
+    Rpc(Op.EXISTS, Service.META, Exists, "which keys are present and unexpired, optional lease (the holder's)", DATA),
+    Rpc(Op.RELEASE, Service.META, Release, "end the holder's leases of keys early: GC may evict those no other holder leases", DATA),
     Rpc(Op.REPORT_LOST, Service.META, ReportLost,
         "a reader found keys whose every replica is corrupt or gone: meta drops each key "
         "that still has the layout read (an overwrite since is kept)", DATA),

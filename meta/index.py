@@ -35,6 +35,7 @@ from kvfs.errors import StaleLayout
 from kvfs.layout import Layout, Replica, encode_layout, server_of_chunk
 from kvfs.meta.repair import readable
 from kvfs.meta.store import MetaStore
+from kvfs.meta.storeapi import OVERFLOW_HOLDER, Lease
 from kvfs.meta.tombstones import (
     Tomb,
     chunk_seq,
@@ -173,7 +174,7 @@ class MetaIndex(ServerRegistry):
         self.chunk_live: dict[int, int] = {}
         self.tombstones: dict[bytes, Tomb] = {}  # deleted keys' tombstones kept (kvfs.meta.tombstones)
         self.seq_high: dict[int, int] = {}  # server id -> highest chunk seq a layout named
-        self.leases: dict[bytes, float] = {}
+        self.leases: dict[bytes, dict[str, float]] = {}  # key -> holder -> lease end (storeapi.Lease)
         self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
         self.retired: dict[int, float] = {}  # retired chunks: refused by commit and switch forever
         self.claims: dict[str, tuple[str, float]] = {}  # lease name -> (holder, monotonic end)
@@ -291,19 +292,42 @@ class MetaIndex(ServerRegistry):
         if registered:
             self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
 
-    def lease(self, keys: Iterable[bytes], until: float) -> None:
-        """Keep keys from eviction until ``until`` (a lease is only ever lengthened)."""
+    def lease(self, keys: Iterable[bytes], now: float, lease: Lease) -> None:
+        """Keep keys from eviction by ``lease``: its holder's, only ever lengthened; past
+        ``max_holders`` unexpired others on a key, the overflow holder's (storeapi.Lease)."""
+        leases = self.leases
+        holder, until, cap = lease
+        for k in keys:
+            held = leases.setdefault(k, {})
+            h = holder
+            if h not in held and len(held) - (OVERFLOW_HOLDER in held) >= cap:
+                for other, end in list(held.items()):
+                    if end <= now:
+                        del held[other]
+                if len(held) - (OVERFLOW_HOLDER in held) >= cap:
+                    h = OVERFLOW_HOLDER
+            if held.get(h, 0.0) < until:
+                held[h] = until
+
+    def lease_end(self, key: bytes) -> float:
+        """The latest end of the key's leases, any holder's (0: none)."""
+        held = self.leases.get(key)
+        return max(held.values()) if held else 0.0
+
+    async def release(self, keys: Sequence[bytes], holder: str) -> int:
+        """End ``holder``'s leases of keys; returns how many it had one on."""
+        n = 0
         leases = self.leases
         for k in keys:
-            if leases.get(k, 0.0) < until:
-                leases[k] = until
-
-    async def release(self, keys: Sequence[bytes]) -> int:
-        """End keys' leases; returns how many had one."""
-        return sum(self.leases.pop(k, None) is not None for k in keys)
+            held = leases.get(k)
+            if held is not None and held.pop(holder, None) is not None:
+                n += 1
+                if not held:
+                    del leases[k]
+        return n
 
     async def lookup(self, keys: Sequence[bytes], now: float,
-                     lease_until: float | None = None) -> list[Layout | None]:
+                     lease: Lease | None = None) -> list[Layout | None]:
         out: list[Layout | None] = []
         dirty = self.dirty_access
         for k in keys:
@@ -314,8 +338,8 @@ class MetaIndex(ServerRegistry):
                 out.append(e.layout)
                 e.last_access = now
                 dirty[k] = now
-        if lease_until is not None:
-            self.lease([k for k, lay in zip(keys, out, strict=True) if lay is not None], lease_until)
+        if lease is not None:
+            self.lease([k for k, lay in zip(keys, out, strict=True) if lay is not None], now, lease)
         return out
 
     async def touch(self, keys: Sequence[bytes], now: float) -> None:
@@ -326,22 +350,22 @@ class MetaIndex(ServerRegistry):
                 self.dirty_access[k] = now
 
     async def exists(self, keys: Sequence[bytes], now: float,
-                     lease_until: float | None = None) -> list[bool]:
+                     lease: Lease | None = None) -> list[bool]:
         gone = self.gone_servers()
         out = [self.readable(k, now, gone) for k in keys]
-        if lease_until is not None:
-            self.lease([k for k, ok in zip(keys, out, strict=True) if ok], lease_until)
+        if lease is not None:
+            self.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease)
         return out
 
-    async def match_prefix(self, keys: Sequence[bytes], now: float, lease_until: float | None) -> int:
+    async def match_prefix(self, keys: Sequence[bytes], now: float, lease: Lease | None) -> int:
         gone = self.gone_servers()
         n = 0
         for k in keys:
             if not self.readable(k, now, gone):
                 break
             n += 1
-        if lease_until is not None:
-            self.lease(keys[:n], lease_until)
+        if lease is not None:
+            self.lease(keys[:n], now, lease)
         return n
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
@@ -653,10 +677,10 @@ class MetaIndex(ServerRegistry):
 
     async def leased(self, keys: Sequence[bytes], now: float) -> set[bytes]:
         leases = self.leases
-        for k, v in list(leases.items()):
-            if v <= now:
+        for k, held in list(leases.items()):  # forget keys whose every lease ended
+            if max(held.values()) <= now:
                 del leases[k]
-        return {k for k in keys if leases.get(k, 0.0) > now} if leases else set()
+        return {k for k in keys if self.lease_end(k) > now} if leases else set()
 
     async def expire(self, now: float, limit: int) -> tuple[list[tuple[bytes, Layout]], bool]:
         keys = self.store.expired(now, limit)
@@ -672,7 +696,7 @@ class MetaIndex(ServerRegistry):
         for k, lay in victims:
             e = self.entries.get(k)
             if e is not None and e.layout == lay and (
-                    self.leases.get(k, 0.0) <= now or lay.expired(now)):
+                    self.lease_end(k) <= now or lay.expired(now)):
                 doomed.append(k)
         return self.remove(doomed)
 

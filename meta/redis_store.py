@@ -20,7 +20,8 @@ them together:
 ``{NS.B}n``        hash ``bytes`` -> the size of this bucket's values (keys: HLEN of h),
                    ``live:SID`` -> live bytes of this bucket's keys on server SID
 ``{NS.B}D``        set of retired chunks (every bucket holds the whole set)
-``{NS.B}l<key>``   a lease: value = until (meta's clock); Redis expiry removes it
+``{NS.B}p<key>``   its leases: hash holder -> until (meta's clock); Redis expiry (at the
+                   latest until) removes it
 ``{NS}cluster``,   cluster id, bucket count, the store's format (3: with the indexes
 ``{NS}buckets``,   above; an older store is refused by name at open), chunkservers
 ``{NS}servers``…   (hash), GC state (hash), retired chunks with their time, the retire lock
@@ -28,7 +29,7 @@ them together:
 
 What is atomic
 --------------
-Commit, lookup, exists, delete, expiry, eviction, relocation, lease, live bytes and
+Commit, lookup, exists, delete, expiry, eviction, relocation, lease, release, live bytes and
 retirement each run **one Lua script per involved node**, covering every bucket of the
 call that node serves (Redis 7's ``allow-cross-slot-keys`` script flag: one script may
 use keys of several slots, all on its node).  So:
@@ -66,8 +67,8 @@ Time
 Layouts do not get a Redis expiry: a key Redis dropped by itself would keep its chunk
 bytes counted live forever.  Expiry is exact with meta's clock (every read compares
 ``expires_at``), and the GC sweep removes expired keys from the ``x`` index.  Leases
-use Redis expiry only to clean up; whether a lease holds is its value against meta's
-clock.
+use Redis expiry only to clean up (a key's lease hash expires with its latest lease);
+whether a holder's lease holds is its value against meta's clock.
 
 Cost
 ----
@@ -123,6 +124,7 @@ from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
 from kvfs.layout import Layout, decode_layout, encode_layout
 from kvfs.meta.index import RECORD_OVERHEAD_BYTES
 from kvfs.meta.store import prefix_upper_bound
+from kvfs.meta.storeapi import OVERFLOW_HOLDER, Lease
 
 T = TypeVar("T")
 log = logging.getLogger("kvfs.meta.redis")
@@ -300,10 +302,20 @@ flush()
 return out
 """
 
+# A key's leases (p<key>, hash holder -> until): whether any holder's lasts past now.
+_LUA_LEASED = """
+local function leased(p, now)
+  for _, e in ipairs(redis.call('HVALS', p)) do
+    if tonumber(e) > now then return true end
+  end
+  return false
+end
+"""
+
 # ARGV: mode, now, groups of (key, expected).  mode 'del': remove; 'exp': remove if still
 # expired at now; 'evict': remove if the value is still the expected one and no lease holds
 # past now.  Returns key, value of each removed.
-_LUA_REMOVE = _SHEBANG + _LUA_GROUPS + _LUA_ADJUST + """
+_LUA_REMOVE = _SHEBANG + _LUA_GROUPS + _LUA_ADJUST + _LUA_LEASED + """
 local mode, now = ARGV[1], tonumber(ARGV[2])
 local out = {}
 for _, g in ipairs(groups(3, 2)) do
@@ -318,8 +330,7 @@ for _, g in ipairs(groups(3, 2)) do
       ok = e ~= false and tonumber(e) <= now
     elseif ok and mode == 'evict' then
       ok = v == want
-      local lease = redis.call('GET', t .. 'l' .. k)
-      if ok and lease and tonumber(lease) > now then ok = false end
+      if ok and leased(t .. 'p' .. k, now) then ok = false end
     end
     if ok then
       index(t, k, v, -1)
@@ -499,18 +510,49 @@ for _, g in ipairs(groups(1, 0)) do n = n + redis.call('HLEN', g[1] .. 'h') end
 return n
 """
 
-# ARGV: until, px, groups of keys.  A lease is only ever lengthened.
+# ARGV: holder, until, now, max holders, overflow holder, px, groups of keys.  The holder's
+# lease is only ever lengthened; a key with max holders' unexpired leases besides the
+# overflow's gets it as the overflow's (storeapi.Lease).  The hash expires px ms from now
+# unless it lasts longer already.  Returns how many keys got the overflow's.
 _LUA_LEASE = _SHEBANG + _LUA_GROUPS + """
-for _, g in ipairs(groups(3, 1)) do
+local holder, untl, now, cap, over = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
+local px = tonumber(ARGV[6])
+local n = 0
+for _, g in ipairs(groups(7, 1)) do
   for j = 0, g[3] - 1 do
-    local l = g[1] .. 'l' .. ARGV[g[2] + j]
-    local cur = redis.call('GET', l)
-    if not cur or tonumber(cur) < tonumber(ARGV[1]) then
-      redis.call('SET', l, ARGV[1], 'PX', ARGV[2])
+    local p = g[1] .. 'p' .. ARGV[g[2] + j]
+    local h = holder
+    if redis.call('HEXISTS', p, h) == 0 and redis.call('HLEN', p) - redis.call('HEXISTS', p, over) >= cap then
+      local kv = redis.call('HGETALL', p)
+      for i = 1, #kv, 2 do
+        if tonumber(kv[i + 1]) <= now then redis.call('HDEL', p, kv[i]) end
+      end
+      if redis.call('HLEN', p) - redis.call('HEXISTS', p, over) >= cap then
+        h = over
+        n = n + 1
+      end
     end
+    local cur = redis.call('HGET', p, h)
+    if not cur or tonumber(cur) < untl then redis.call('HSET', p, h, ARGV[2]) end
+    if redis.call('PTTL', p) < px then redis.call('PEXPIRE', p, px) end
   end
 end
-return 0
+return n
+"""
+
+# ARGV: groups of keys.  Per key, in order, the latest end of its holders' leases ('': none).
+_LUA_LEASE_ENDS = _SHEBANG + _LUA_GROUPS + """
+local out = {}
+for _, g in ipairs(groups(1, 1)) do
+  for j = 0, g[3] - 1 do
+    local best = ''
+    for _, e in ipairs(redis.call('HVALS', g[1] .. 'p' .. ARGV[g[2] + j])) do
+      if best == '' or tonumber(e) > tonumber(best) then best = e end
+    end
+    out[#out + 1] = best
+  end
+end
+return out
 """
 
 # KEYS: the lease.  ARGV: holder, ttl ms.  Taken (1) if free or already this holder's.
@@ -521,11 +563,11 @@ redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
 return 1
 """
 
-# ARGV: groups of keys.  Ends their leases; returns how many there were.
+# ARGV: holder, groups of keys.  Ends the holder's leases of them; returns how many it had.
 _LUA_UNLEASE = _SHEBANG + _LUA_GROUPS + """
 local n = 0
-for _, g in ipairs(groups(1, 1)) do
-  for j = 0, g[3] - 1 do n = n + redis.call('DEL', g[1] .. 'l' .. ARGV[g[2] + j]) end
+for _, g in ipairs(groups(2, 1)) do
+  for j = 0, g[3] - 1 do n = n + redis.call('HDEL', g[1] .. 'p' .. ARGV[g[2] + j], ARGV[1]) end
 end
 return n
 """
@@ -895,7 +937,7 @@ class RedisMetaStore:
         return out
 
     async def lookup(self, keys: Sequence[bytes], now: float,
-                     lease_until: float | None = None) -> builtins.list[Layout | None]:
+                     lease: Lease | None = None) -> builtins.list[Layout | None]:
         out: builtins.list[Layout | None] = []
         for k, v in zip(keys, await self._values(keys), strict=True):
             if v is None or value_expired(v, now):
@@ -903,9 +945,9 @@ class RedisMetaStore:
             else:
                 out.append(decode_value(v))
                 self._access[k] = now
-        if lease_until is not None:
+        if lease is not None:
             await self.lease([k for k, lay in zip(keys, out, strict=True) if lay is not None], now,
-                             lease_until)
+                             lease)
         return out
 
     async def peek(self, keys: Sequence[bytes], now: float) -> builtins.list[Layout | None]:
@@ -914,10 +956,10 @@ class RedisMetaStore:
                 for v in await self._values(keys)]
 
     async def exists(self, keys: Sequence[bytes], now: float,
-                     lease_until: float | None = None) -> builtins.list[bool]:
+                     lease: Lease | None = None) -> builtins.list[bool]:
         out = [v is not None and not value_expired(v, now) for v in await self._values(keys)]
-        if lease_until is not None:
-            await self.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease_until)
+        if lease is not None:
+            await self.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease)
         return out
 
     async def get(self, keys: Sequence[bytes]) -> builtins.list[Layout | None]:
@@ -925,38 +967,44 @@ class RedisMetaStore:
         return [None if v is None else decode_value(v) for v in await self._values(keys)]
 
     async def leases(self, keys: Sequence[bytes]) -> dict[bytes, float]:
-        """key -> lease end (meta's clock) of those of ``keys`` with a lease key left."""
+        """key -> the latest end (meta's clock) of its holders' leases, of those of ``keys``
+        with a lease hash left."""
+        groups = self._by_bucket(keys)
+        items = {b: [keys[i] for i in idx] for b, idx in groups.items()}
         out: dict[bytes, float] = {}
-        for _, idx, r in await self._per_bucket(keys, lambda p, b, ks: p.mget(
-                *[self._k(b, b"l" + k) for k in ks])):
-            for i, v in zip(idx, r, strict=True):
-                if v is not None:
-                    out[keys[i]] = float(v)
+        for bs, ends in await self._per_node(_LUA_LEASE_ENDS, (), items, 1):
+            it = iter(ends)
+            for b in bs:
+                for i in groups[b]:
+                    end = next(it)
+                    if end:
+                        out[keys[i]] = float(end)
         return out
 
     async def match_prefix(self, keys: Sequence[bytes], now: float,
-                           lease_until: float | None = None) -> int:
+                           lease: Lease | None = None) -> int:
         n = 0
         for v in await self._values(keys):
             if v is None or value_expired(v, now):
                 break
             n += 1
-        if lease_until is not None:
-            await self.lease(keys[:n], now, lease_until)
+        if lease is not None:
+            await self.lease(keys[:n], now, lease)
         return n
 
-    async def lease(self, keys: Sequence[bytes], now: float, until: float) -> None:
+    async def lease(self, keys: Sequence[bytes], now: float, lease: Lease) -> None:
         if not keys:
             return
-        px = str(max(1, math.ceil((until - now) * 1000)) + 1000)
+        px = str(max(1, math.ceil((lease.until - now) * 1000)) + 1000)
         groups = self._by_bucket(keys)
-        await self._per_node(_LUA_LEASE, [_num(until), px],
+        await self._per_node(_LUA_LEASE, [lease.holder, _num(lease.until), _num(now), str(lease.max_holders),
+                                          OVERFLOW_HOLDER, px],
                              {b: [keys[i] for i in idx] for b, idx in groups.items()}, 1)
 
-    async def release(self, keys: Sequence[bytes]) -> int:
+    async def release(self, keys: Sequence[bytes], holder: str) -> int:
         groups = self._by_bucket(keys)
         items = {b: [keys[i] for i in idx] for b, idx in groups.items()}
-        return sum(int(r) for _, r in await self._per_node(_LUA_UNLEASE, (), items, 1))
+        return sum(int(r) for _, r in await self._per_node(_LUA_UNLEASE, (holder,), items, 1))
 
     async def _remove(self, mode: str, items: Sequence[tuple[bytes, bytes]],
                       now: float) -> builtins.list[tuple[bytes, Layout]]:

@@ -27,6 +27,7 @@ from kvfs.layout import Layout
 from kvfs.meta.gc import MetaGc
 from kvfs.meta.index import MetaIndex, ServerInfo
 from kvfs.meta.store import MetaStore
+from kvfs.meta.storeapi import Lease
 from kvfs.meta.tombstones import tomb_layout
 from kvfs.packed import unpack as unpack_layouts
 from kvfs.rpc import Service
@@ -36,11 +37,6 @@ if TYPE_CHECKING:
     from kvfs.meta.shared_index import SharedIndex
 
 log = logging.getLogger("kvfs.meta")
-
-
-def _until(now: float, lease_s: float | None) -> float | None:
-    """When a lease asked for ``lease_s`` seconds ends (None: no lease asked)."""
-    return now + lease_s if lease_s else None
 
 
 class MetaService:
@@ -114,9 +110,23 @@ class MetaService:
     async def rpc_ping(self, req: rpc.Ping, payload: memoryview) -> Reply:
         return rpc.Pong(service="meta"), ()
 
+    def _holder(self, holder: str) -> str:
+        """A request's lease holder, refused past ``max_lease_holder_chars``."""
+        limit = self.config.max_lease_holder_chars
+        if len(holder) > limit:
+            raise InvalidArgument(f"lease holder {holder[:64]!r} is {len(holder)} characters, longer "
+                                  f"than this meta's limit of {limit} (--max-lease-holder-chars)")
+        return holder
+
+    def _lease(self, now: float, lease_s: float | None, holder: str) -> Lease | None:
+        """The lease a lookup asked for: ``lease_s`` seconds from ``now``, ``holder``'s (None:
+        none asked)."""
+        holder = self._holder(holder)
+        return Lease(holder, now + lease_s, self.config.max_lease_holders) if lease_s else None
+
     async def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply:
         now = self.clock()
-        layouts = await self.index.lookup(req.keys, now, _until(now, req.lease_s))
+        layouts = await self.index.lookup(req.keys, now, self._lease(now, req.lease_s, req.holder))
         if not req.dirs:
             return rpc.Layouts(layouts=layouts), ()
         dirs = [lay is None and await self._has_under(k + b"/", now)
@@ -135,7 +145,7 @@ class MetaService:
             after = rows[-1][0]
 
     async def rpc_release(self, req: rpc.Release, payload: memoryview) -> Reply:
-        return rpc.Released(released=await self.index.release(req.keys)), ()
+        return rpc.Released(released=await self.index.release(req.keys, self._holder(req.holder))), ()
 
     async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
         await self.index.touch(req.keys, self.clock())
@@ -150,11 +160,13 @@ class MetaService:
 
     async def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply:
         now = self.clock()
-        return rpc.Existing(exists=await self.index.exists(req.keys, now, _until(now, req.lease_s))), ()
+        lease = self._lease(now, req.lease_s, req.holder)
+        return rpc.Existing(exists=await self.index.exists(req.keys, now, lease)), ()
 
     async def rpc_match_prefix(self, req: rpc.MatchPrefix, payload: memoryview) -> Reply:
         now = self.clock()
-        return rpc.Matched(n=await self.index.match_prefix(req.keys, now, _until(now, req.lease_s))), ()
+        lease = self._lease(now, req.lease_s, req.holder)
+        return rpc.Matched(n=await self.index.match_prefix(req.keys, now, lease)), ()
 
     async def rpc_commit(self, req: rpc.Commit, payload: memoryview) -> Reply:
         ix = self.index

@@ -33,6 +33,7 @@ from kvfs.layout import Layout
 from kvfs.meta.index import CommitCheck, ServerInfo, ServerRegistry
 from kvfs.meta.redis_store import RedisMetaStore
 from kvfs.meta.repair import readable
+from kvfs.meta.storeapi import Lease
 
 log = logging.getLogger("kvfs.meta")
 
@@ -94,36 +95,36 @@ class SharedIndex(ServerRegistry):
 
     # keys ----------------------------------------------------------------------------
     async def lookup(self, keys: Sequence[bytes], now: float,
-                     lease_until: float | None = None) -> list[Layout | None]:
-        return await self.store.lookup(keys, now, lease_until)
+                     lease: Lease | None = None) -> list[Layout | None]:
+        return await self.store.lookup(keys, now, lease)
 
-    async def release(self, keys: Sequence[bytes]) -> int:
-        return await self.store.release(keys)
+    async def release(self, keys: Sequence[bytes], holder: str) -> int:
+        return await self.store.release(keys, holder)
 
     async def touch(self, keys: Sequence[bytes], now: float) -> None:
         await self.store.touch(keys, now)
 
     async def exists(self, keys: Sequence[bytes], now: float,
-                     lease_until: float | None = None) -> list[bool]:
+                     lease: Lease | None = None) -> list[bool]:
         gone = self.gone_servers()
         if not gone:
-            return await self.store.exists(keys, now, lease_until)
+            return await self.store.exists(keys, now, lease)
         out = [lay is not None and readable(lay, gone) for lay in await self.store.peek(keys, now)]
-        if lease_until is not None:
-            await self.store.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease_until)
+        if lease is not None:
+            await self.store.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease)
         return out
 
-    async def match_prefix(self, keys: Sequence[bytes], now: float, lease_until: float | None) -> int:
+    async def match_prefix(self, keys: Sequence[bytes], now: float, lease: Lease | None) -> int:
         gone = self.gone_servers()
         if not gone:
-            return await self.store.match_prefix(keys, now, lease_until)
+            return await self.store.match_prefix(keys, now, lease)
         n = 0
         for lay in await self.store.peek(keys, now):
             if lay is None or not readable(lay, gone):
                 break
             n += 1
-        if lease_until is not None and n:
-            n = await self.store.match_prefix(keys[:n], now, lease_until)
+        if lease is not None and n:
+            n = await self.store.match_prefix(keys[:n], now, lease)
         return n
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,

@@ -16,13 +16,28 @@ from __future__ import annotations
 
 import builtins
 from collections.abc import AsyncIterator, Collection, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvfs.layout import Layout
 
 if TYPE_CHECKING:
     from kvfs.config import MetaConfig
     from kvfs.meta.index import ServerInfo
+
+
+OVERFLOW_HOLDER = "*"  # a lease past a key's max_holders (no request can name it: kvfs.rpc.Holder)
+
+
+class Lease(NamedTuple):
+    """A lease a lookup asks for, on the keys it finds: ``holder``'s, until ``until``
+    (meta's clock).  A key holds one lease per holder (each only ever lengthened); it is
+    leased while any of them is unexpired.  A key that already has ``max_holders`` other
+    holders' unexpired leases gets this one as :data:`OVERFLOW_HOLDER`'s instead: it pins
+    the key until it runs out, and no release ends it."""
+
+    holder: str
+    until: float
+    max_holders: int
 
 
 class MetaStore(Protocol):
@@ -43,33 +58,33 @@ class MetaStore(Protocol):
         indexes of the rows not committed (always none without ``if_absent``)."""
 
     async def lookup(self, keys: Sequence[bytes], now: float,
-                     lease_until: float | None = None) -> list[Layout | None]:
-        """Layouts of unexpired keys (None for a miss); records the access (LRU); leases
-        the keys found until ``lease_until``."""
+                     lease: Lease | None = None) -> list[Layout | None]:
+        """Layouts of unexpired keys (None for a miss); records the access (LRU); takes
+        ``lease`` on the keys found."""
 
     async def peek(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
         """Layouts of unexpired keys, recording no access."""
 
     async def exists(self, keys: Sequence[bytes], now: float,
-                     lease_until: float | None = None) -> list[bool]:
-        """Which keys are present and unexpired; leases those until ``lease_until``."""
+                     lease: Lease | None = None) -> list[bool]:
+        """Which keys are present and unexpired; takes ``lease`` on those."""
 
-    async def lease(self, keys: Sequence[bytes], now: float, until: float) -> None:
-        """Keep keys from eviction until ``until`` (never shortening a longer lease)."""
+    async def lease(self, keys: Sequence[bytes], now: float, lease: Lease) -> None:
+        """Keep keys from eviction by ``lease`` (never shortening its holder's longer one)."""
 
-    async def release(self, keys: Sequence[bytes]) -> int:
-        """End keys' leases; returns how many had one."""
+    async def release(self, keys: Sequence[bytes], holder: str) -> int:
+        """End ``holder``'s leases of keys (others' stay); returns how many it had one on."""
 
     async def get(self, keys: Sequence[bytes]) -> list[Layout | None]:
         """Stored layouts, expired ones included, recording no access (GC)."""
 
     async def leases(self, keys: Sequence[bytes]) -> dict[bytes, float]:
-        """key -> lease end of those of ``keys`` that hold one (it may have passed)."""
+        """key -> the latest end of its holders' leases, of those of ``keys`` that hold one
+        (it may have passed)."""
 
     async def match_prefix(self, keys: Sequence[bytes], now: float,
-                           lease_until: float | None = None) -> int:
-        """How many leading keys are present and unexpired; leases them until
-        ``lease_until`` (never shortening a longer lease)."""
+                           lease: Lease | None = None) -> int:
+        """How many leading keys are present and unexpired; takes ``lease`` on them."""
 
     async def delete(self, keys: Sequence[bytes]) -> list[tuple[bytes, Layout]]:
         """Remove keys; returns the removed ones with their layouts."""
@@ -99,7 +114,8 @@ class MetaStore(Protocol):
         """(key, last_access) least recently used first, after the ``after`` cursor."""
 
     async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> builtins.list[tuple[bytes, Layout]]:
-        """Remove each victim only if it still has that layout and no lease past ``now``."""
+        """Remove each victim only if it still has that layout and no holder's lease past
+        ``now``."""
 
     async def chunk_live(self, chunks: Sequence[int] | None = None) -> dict[int, int]:
         """Live bytes per chunk (every replica's value + record header + key), derived
@@ -202,14 +218,15 @@ class GcIndex(Protocol):
     async def peek(self, keys: Sequence[bytes], now: float) -> builtins.list[Layout | None]: ...
 
     async def leased(self, keys: Sequence[bytes], now: float) -> set[bytes]:
-        """Those of ``keys`` under a lease past ``now``."""
+        """Those of ``keys`` under some holder's lease past ``now``."""
 
     async def expire(self, now: float, limit: int) -> tuple[builtins.list[tuple[bytes, Layout]], bool]:
         """Remove up to ``limit`` keys expired at ``now``: (the removed ones, more may be left)."""
 
     async def evict(self, victims: Sequence[tuple[bytes, Layout]],
                     now: float) -> builtins.list[tuple[bytes, Layout]]:
-        """Remove each victim still with that layout and no lease past ``now`` (or expired)."""
+        """Remove each victim still with that layout and no holder's lease past ``now`` (or
+        expired)."""
 
     async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
         """Remove each key that still has the given layout, leased or not."""

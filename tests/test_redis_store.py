@@ -20,6 +20,7 @@ from kvfs.meta.redis_store import (
     live_contrib,
     parse_url,
 )
+from kvfs.meta.storeapi import Lease
 
 pytestmark = pytest.mark.redis
 
@@ -250,12 +251,12 @@ async def test_evict_yields_to_leases_and_overwrites(redis_store: RedisMetaStore
     s = redis_store
     rows = {k: lay((1, 1, i * 100)) for i, k in enumerate([b"a", b"b", b"c", b"d"])}
     await s.commit(list(rows.items()), NOW)
-    assert await s.match_prefix([b"a", b"b"], NOW, lease_until=NOW + 30) == 2
+    assert await s.match_prefix([b"a", b"b"], NOW, lease=Lease("h", NOW + 30, 32)) == 2
     await s.commit([(b"c", lay((1, 2, 0)))], NOW + 1)  # overwritten after the victim was chosen
     gone = await s.evict(list(rows.items()), NOW + 1)
     assert sorted(k for k, _ in gone) == [b"d"]
     # a lease is only lengthened, and it lapses with meta's clock
-    assert await s.match_prefix([b"a"], NOW, lease_until=NOW + 5) == 1
+    assert await s.match_prefix([b"a"], NOW, lease=Lease("h", NOW + 5, 32)) == 1
     assert await s.evict([(b"a", rows[b"a"])], NOW + 29) == []
     assert [k for k, _ in await s.evict([(b"a", rows[b"a"])], NOW + 31)] == [b"a"]
 
@@ -320,7 +321,7 @@ async def test_drop_lost_ignores_leases_and_keeps_overwrites(redis_store: RedisM
     ix = SharedIndex(MetaConfig(data=tmp_path), redis_store, lambda: NOW)
     rows = {k: lay((1, 1, i * 100)) for i, k in enumerate([b"a", b"b", b"c"])}
     await redis_store.commit(list(rows.items()), NOW)
-    assert await redis_store.match_prefix([b"a"], NOW, lease_until=NOW + 30) == 1
+    assert await redis_store.match_prefix([b"a"], NOW, lease=Lease("h", NOW + 30, 32)) == 1
     await redis_store.commit([(b"c", lay((1, 2, 0)))], NOW + 1)  # overwritten meanwhile
     assert await ix.drop_lost(list(rows.items())) == 2
     assert await redis_store.lookup([b"a", b"b", b"c"], NOW + 2) == [None, None, lay((1, 2, 0))]

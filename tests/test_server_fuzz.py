@@ -104,6 +104,8 @@ def out_of_bounds(t: mi.Type) -> list[Any]:
                 out.append({i: valid(t.value_type) for i in range(t.max_length + 1)})
             else:
                 out.append([valid(t.item_type)] * (t.max_length + 1))
+        if isinstance(t, mi.StrType) and t.pattern is not None:
+            out.append("a\x00")  # a character no field's pattern allows (a lease holder's)
     return out
 
 
@@ -157,6 +159,8 @@ def test_every_field_is_mutated() -> None:
     commit = [w for w, _, _ in bad_requests(rpc.Commit)]
     assert any(w.startswith("items[0][1][4][0][2][0][1] = -1") for w in commit)  # a replica's chunk id
     assert any(w.startswith("ttl_s = nan") for w in commit)
+    release = [w for w, _, _ in bad_requests(rpc.Release)]
+    assert any(w.startswith("holder = 'a\\x00'") for w in release)  # outside its pattern
 
 
 async def _fuzz(addr: str, tokens: Mapping[Role, str], service: Service) -> tuple[int, list[str]]:
