@@ -212,20 +212,30 @@ class Client:
     def _submit(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Starts ``coro`` on the IO loop; its future is completed by the call's own task
         (one hop each way, as for a blocking call)."""
+        loop = self._io_loop(coro)
+        call = _FutureCall(coro, self._calls)
+        fut: _Future[T] = _Future(call, loop)
+        call.future = fut
+        self._admit(call)
+        loop.call_soon_threadsafe(call.start, loop)
+        return fut
+
+    def _io_loop(self, coro: Coroutine[Any, Any, Any]) -> asyncio.AbstractEventLoop:
+        """This process's IO loop for a new call (refused once the client is closed)."""
         if self._pid != os.getpid():
             self._after_fork()
         loop = self._loop
         if loop.is_closed():
             coro.close()
             raise LocalProtocolError("kvfs.Client is closed")
-        call = _FutureCall(coro, self._calls)
-        fut: _Future[T] = _Future(call, loop)
-        call.future = fut
-        if self._closing:  # (after adding itself: close() either sees it or is seen here)
+        return loop
+
+    def _admit(self, call: _Call) -> None:
+        """A new call, already counted among the running ones, is refused once close() has
+        begun (counted first: close() either sees it or is seen here)."""
+        if self._closing:
             call.abandon()
             raise LocalProtocolError("kvfs.Client is closed")
-        loop.call_soon_threadsafe(call.start, loop)
-        return fut
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Runs ``coro`` on the IO loop and blocks until it is done.  The hop is one
@@ -238,16 +248,9 @@ class Client:
             coro.close()
             raise LocalProtocolError("blocking kvfs call made on the client's own IO loop; "
                                      "use kvfs.connect() there, or a submit_* call")
-        if self._pid != os.getpid():
-            self._after_fork()
-        loop = self._loop
-        if loop.is_closed():
-            coro.close()
-            raise LocalProtocolError("kvfs.Client is closed")
+        loop = self._io_loop(coro)
         call = _Call(coro, self._calls)
-        if self._closing:  # (after adding itself: close() either sees it or is seen here)
-            call.abandon()
-            raise LocalProtocolError("kvfs.Client is closed")
+        self._admit(call)
         return self._wait(call, loop)
 
     @staticmethod

@@ -1,11 +1,14 @@
 """Waiting for a cluster's state in tests: poll with a deadline, never a bare sleep.
 
 Shared by the tests that start a second meta or restart one and must wait until it sees
-the chunkservers alive again (tests/test_meta_shared.py, test_if_absent.py, test_key_meta.py)."""
+the chunkservers alive again (tests/test_meta_shared.py, test_if_absent.py, test_key_meta.py),
+and by the fork tests waiting for their child (test_sync.py, test_leases.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import threading
 import time
 
 from kvfs.client import AsyncClient
@@ -18,3 +21,14 @@ async def until_alive(kv: AsyncClient, n: int, who: str = "meta", timeout_s: flo
     while (alive := sum(s.alive for s in await kv.servers(refresh=True))) < n:
         assert time.monotonic() < deadline, f"{who} saw {alive} of {n} chunkservers alive after {timeout_s:g} s"
         await asyncio.sleep(0.05)
+
+
+def wait_child(pid: int, timeout_s: float = 60.0) -> int:
+    """Wait for a forked child (polled, with a deadline); returns its exit code."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        assert time.monotonic() < deadline, f"forked child {pid} did not finish in {timeout_s:g} s"
+        threading.Event().wait(0.05)

@@ -130,6 +130,7 @@ async def test_writers_on_two_metas_racing_leave_one_value(tmp_path: Path,
                                                            redis_cluster: LocalRedisCluster) -> None:
     """Real processes: two ``kvfs meta`` over one Redis store, a client on each, the same
     keys put ``if_absent`` at once, several rounds."""
+    # (duplicates: test_meta_shared's two-metas setup; each test owns its processes' lifetimes)
     ns = "r" + uuid.uuid4().hex[:10]
     store = ("--store", redis_cluster.url, "--store-namespace", ns)
     c = ProcessCluster(tmp_path / "c", 2, listen="127.0.0.1:0", meta_args=store)

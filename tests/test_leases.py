@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import threading
-import time
 from contextlib import AsyncExitStack
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import FakeClock, ThreadCluster
 from conftest import clocked_client as client
+from poll import wait_child
 
 import kvfs
 from kvfs import rpc
@@ -309,13 +309,6 @@ def test_a_forked_child_is_another_holder(tcluster: ThreadCluster) -> None:
                 kv.close()
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + 60
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            assert time.monotonic() < deadline, "forked child did not finish"
-            threading.Event().wait(0.05)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert wait_child(pid) == 0
         assert kv.aio.lease_holder == parent
         assert kv.release([b"fork/leased"]) == 1  # the parent's lease was still there

@@ -41,6 +41,7 @@ def no_full_reads(meta_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.fixture
 async def cluster(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
     root = tmp_path / "cluster"
+    # (duplicates: test_repair's cluster fixture, here on a fake clock and over both backends)
     c = LocalCluster(root, 3, clock=clock, meta=MetaConfig(
         data=root / "meta", listen="127.0.0.1:0", heartbeat_timeout_s=0.5, dead_after_s=1.0))
     try:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import Hold, ThreadCluster
+from poll import wait_child
 
 import kvfs
 from kvfs import AsyncClient, LocalProtocolError
@@ -125,14 +126,7 @@ def test_client_survives_fork(tcluster: ThreadCluster) -> None:
                 kv.close()
             finally:
                 os._exit(code)
-        deadline = time.monotonic() + 60
-        while True:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                break
-            assert time.monotonic() < deadline, "forked child did not finish"
-            threading.Event().wait(0.05)
-        assert os.waitstatus_to_exitcode(status) == 0
+        assert wait_child(pid) == 0
         assert kv.get(b"fork/child") == b"child"  # the parent's connections still work
 
 
