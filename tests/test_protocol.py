@@ -331,6 +331,19 @@ def test_scatter_payload_lands_in_each_buffer(step: int) -> None:
     assert [bytes(p) for p in f.payload.parts] == [bytes(p) for p in parts]
 
 
+def _readv_into(views: list[memoryview], src: memoryview) -> int:
+    """As readv(2) fills ``views`` from ``src``: in order, the last one maybe in part;
+    returns the bytes placed."""
+    n = 0
+    for v in views:
+        k = min(v.nbytes, len(src) - n)
+        v[:k] = src[n : n + k]
+        n += k
+        if n == len(src):
+            break
+    return n
+
+
 @pytest.mark.parametrize(("step", "most"), [(1, 1024), (5000, 2), (16_384, 3), (1 << 20, 1024)])
 def test_vectored_receives_fill_the_scatter_buffers_across_their_edges(step: int, most: int) -> None:
     """A transport's vectored receive (``payload_views`` then ``payload_updated``) fills
@@ -347,13 +360,7 @@ def test_vectored_receives_fill_the_scatter_buffers_across_their_edges(step: int
     pos = 100
     while views := dec.payload_views(most):
         assert len(views) <= most
-        n = 0
-        for v in views:  # as readv(2) fills them: in order, the last one maybe in part
-            k = min(v.nbytes, step - n)
-            v[:k] = data[pos + n : pos + n + k]
-            n += k
-            if n == step:
-                break
+        n = _readv_into(views, data[pos : pos + step])
         dec.payload_updated(n)
         pos += n
     dec.receive_data(data[pos:])  # the last buffer (a vectored receive needs two) and PING
@@ -381,14 +388,7 @@ def test_a_vectored_receive_is_offered_about_vector_bytes_of_many_small_buffers(
         offered = sum(v.nbytes for v in views)
         assert offered - views[-1].nbytes < VECTOR_BYTES  # the last one holds that byte
         assert offered >= min(VECTOR_BYTES, len(data) - pos)
-        n = min(offered, 1_000_003)  # ends inside a buffer
-        at = 0
-        for v in views:
-            k = min(v.nbytes, n - at)
-            v[:k] = data[pos + at : pos + at + k]
-            at += k
-            if at == n:
-                break
+        n = _readv_into(views, data[pos : pos + min(offered, 1_000_003)])  # ends inside a buffer
         dec.payload_updated(n)
         pos += n
         got += 1

@@ -47,6 +47,7 @@ async def raw_chunk_index(s: RedisMetaStore, chunks: Iterable[int]) -> dict[int,
 
 
 async def raw_server_index(s: RedisMetaStore, sids: Iterable[int]) -> dict[int, set[int]]:
+    # (duplicates: raw_chunk_index above: a set per server (SMEMBERS) where chunks are hashes)
     ss = list(sids)
     p = s._pipe()
     for sid in ss:
