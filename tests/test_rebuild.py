@@ -31,7 +31,7 @@ from kvfs.meta.tombstones import (
     passed,
     raise_horizon,
     tomb_layout,
-)
+)  # (duplicates: meta/index.py imports the same names; an import list, nothing to share)
 
 NOW = 1_800_000_000.0
 
