@@ -2,7 +2,8 @@
 
 Shared by the tests that start a second meta or restart one and must wait until it sees
 the chunkservers alive again (tests/test_meta_shared.py, test_if_absent.py, test_key_meta.py),
-and by the fork tests waiting for their child (test_sync.py, test_leases.py)."""
+by the fork tests waiting for their child (test_sync.py, test_leases.py), and by the tests
+waiting for meta to declare a stopped chunkserver dead (test_repair.py, test_meta_noscan.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import threading
 import time
 
 from kvfs.client import AsyncClient
+from kvfs.launcher import LocalCluster
 
 
 async def until_alive(kv: AsyncClient, n: int, who: str = "meta", timeout_s: float = 30.0) -> None:
@@ -32,3 +34,13 @@ def wait_child(pid: int, timeout_s: float = 60.0) -> int:
             return os.waitstatus_to_exitcode(status)
         assert time.monotonic() < deadline, f"forked child {pid} did not finish in {timeout_s:g} s"
         threading.Event().wait(0.05)
+
+
+async def until_dead(cluster: LocalCluster, sid: int, timeout_s: float = 30.0) -> None:
+    """Return once the cluster's meta counts chunkserver ``sid`` dead (its replicas lost)."""
+    assert cluster.meta is not None
+    ix = cluster.meta.index
+    deadline = time.monotonic() + timeout_s
+    while not ix.dead(ix.servers[sid]):
+        assert time.monotonic() < deadline, f"server {sid} never declared dead"
+        await asyncio.sleep(0.05)

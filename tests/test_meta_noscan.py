@@ -6,14 +6,13 @@ made.  What each costs in Redis commands is tests/test_redis_index.py's."""
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from conftest import FakeClock
+from poll import until_dead
 
 from kvfs import rpc
 from kvfs.client import AsyncClient
@@ -49,15 +48,6 @@ async def cluster(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluste
         yield c
     finally:
         await c.stop()
-
-
-async def until_dead(cluster: LocalCluster, sid: int) -> None:
-    assert cluster.meta is not None
-    ix = cluster.meta.index
-    deadline = time.monotonic() + 30
-    while sid not in ix.gone_servers():
-        assert time.monotonic() < deadline, f"server {sid} never declared dead"
-        await asyncio.sleep(0.05)
 
 
 async def test_stat_status_refs_and_repair_plan_without_reading_every_key(

@@ -5,14 +5,13 @@ back has its unreferenced chunks reclaimed."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from conftest import kvfs_admin
+from poll import until_dead
 
 from kvfs import rpc
 from kvfs.address import parse_addr
@@ -80,14 +79,6 @@ async def cluster(tmp_path: Path) -> AsyncIterator[LocalCluster]:
         yield c
     finally:
         await c.stop()
-
-
-async def until_dead(cluster: LocalCluster, sid: int) -> None:
-    assert cluster.meta is not None
-    deadline = time.monotonic() + 30
-    while not cluster.meta.index.dead(cluster.meta.index.servers[sid]):
-        assert time.monotonic() < deadline, f"server {sid} never declared dead"
-        await asyncio.sleep(0.05)
 
 
 async def test_a_dead_server_is_repaired_and_reclaimed_when_it_returns(cluster: LocalCluster) -> None:
