@@ -32,30 +32,29 @@ def chunks_of(v: Layout) -> set[int]:
     return {r.chunk_id for x in v.extents for r in x.replicas}
 
 
-async def raw_chunk_index(s: RedisMetaStore, chunks: Iterable[int]) -> dict[int, set[bytes]]:
-    """Every bucket's ``c<CID>`` hash of ``chunks``, read directly (HKEYS), merged."""
-    cs = list(chunks)
+async def _every_bucket(s: RedisMetaStore, names: list[bytes], read: str) -> list[set[bytes]]:
+    """Each name's members over every bucket (``read``: HKEYS of a hash, SMEMBERS of a set),
+    read directly in one pipeline, merged per name."""
     p = s._pipe()
-    for c in cs:
+    for name in names:
         for b in range(s.buckets):
-            p.hkeys(s._k(b, b"c%d" % c))
+            getattr(p, read)(s._k(b, name))
     got = await p.execute()
-    out: dict[int, set[bytes]] = {}
-    for i, c in enumerate(cs):
-        out[c] = set().union(*got[i * s.buckets:(i + 1) * s.buckets])
-    return out
+    n = s.buckets
+    return [set().union(*got[i * n:(i + 1) * n]) for i in range(len(names))]
+
+
+async def raw_chunk_index(s: RedisMetaStore, chunks: Iterable[int]) -> dict[int, set[bytes]]:
+    """Every bucket's ``c<CID>`` hash of ``chunks`` (its fields: the keys)."""
+    cs = list(chunks)
+    return dict(zip(cs, await _every_bucket(s, [b"c%d" % c for c in cs], "hkeys"), strict=True))
 
 
 async def raw_server_index(s: RedisMetaStore, sids: Iterable[int]) -> dict[int, set[int]]:
-    # (duplicates: raw_chunk_index above: a set per server (SMEMBERS) where chunks are hashes)
+    """Every bucket's ``s<SID>`` set of ``sids`` (its members: chunk ids)."""
     ss = list(sids)
-    p = s._pipe()
-    for sid in ss:
-        for b in range(s.buckets):
-            p.smembers(s._k(b, b"s%d" % sid))
-    got = await p.execute()
-    return {sid: {int(c) for m in got[i * s.buckets:(i + 1) * s.buckets] for c in m}
-            for i, sid in enumerate(ss)}
+    got = await _every_bucket(s, [b"s%d" % sid for sid in ss], "smembers")
+    return {sid: {int(c) for c in m} for sid, m in zip(ss, got, strict=True)}
 
 
 async def refs(s: RedisMetaStore, chunks: Iterable[int] = (), servers: Iterable[int] = ()) -> dict[bytes, Layout]:
