@@ -682,6 +682,7 @@ class RedisMetaStore:
         self._tags: builtins.list[bytes] = []
         self._slots: builtins.list[int] = []
         self._clients: dict[str, Redis] = {}  # one plain client per node (see _execute)
+        self.leases_overflowed = 0  # leases this object gave the overflow holder (STATS)
 
     # lifecycle ------------------------------------------------------------------------
     @property
@@ -1048,9 +1049,10 @@ class RedisMetaStore:
             return
         px = str(max(1, math.ceil((lease.until - now) * 1000)) + 1000)
         groups = self._by_bucket(keys)
-        await self._per_node(_LUA_LEASE, [lease.holder, _num(lease.until), _num(now), str(lease.max_holders),
-                                          OVERFLOW_HOLDER, px],
-                             {b: [keys[i] for i in idx] for b, idx in groups.items()}, 1)
+        got = await self._per_node(_LUA_LEASE, [lease.holder, _num(lease.until), _num(now),
+                                                str(lease.max_holders), OVERFLOW_HOLDER, px],
+                                   {b: [keys[i] for i in idx] for b, idx in groups.items()}, 1)
+        self.leases_overflowed += sum(int(n) for _, n in got)
 
     async def release(self, keys: Sequence[bytes], holder: str) -> int:
         groups = self._by_bucket(keys)
