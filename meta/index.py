@@ -482,7 +482,7 @@ class MetaIndex(ServerRegistry):
                     c.done.set_exception(exc1)
 
     def _older_after(self, group: list[PendingCommit]) -> dict[bytes, float | None]:
-        """The keys the group's rows give an older record (``older``'s new values): a key
+        """The keys the group's rows give an older record (``older``'s changed values): a key
         overwritten (the record replaced, and those before it), or put again after a delete
         whose tombstone meta kept (records before the delete: their expiry unknown)."""
         entries, older, tombs = self.entries, self.older, self.tombstones
@@ -508,7 +508,8 @@ class MetaIndex(ServerRegistry):
                 if before is not None:
                     exp = before.expires_at
                     until = None if until is None or exp is None else max(until, exp)
-                out[key] = until
+                if key in out or key not in older or older[key] != until:  # (unchanged: not written again)
+                    out[key] = until
         return out
 
     def _write_group(self, group: list[PendingCommit]) -> None:
