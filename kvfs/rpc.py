@@ -378,6 +378,8 @@ class StatsReply(Response, frozen=True, kw_only=True):
     servers: Items[ServerStats]
     time: Timestamp
     gc: GcSummary
+    leases_overflowed: Count = 0  # leases this meta gave the overflow holder (past
+    #                               --max-lease-holders on a key) since it started
 
 
 class Stats(Request[StatsReply], frozen=True, kw_only=True):
@@ -919,7 +921,7 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.DELETE, Service.META, Delete, "forget keys (keeping the tombstones named); their bytes become garbage", DATA),
     Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease (the holder's)", DATA),
     Rpc(Op.LIST, Service.META, ListKeys, "keys under a prefix, one page in key order", DATA),
-    Rpc(Op.STATS, Service.META, Stats, "keys, bytes, per-server usage, GC summary", DATA),
+    Rpc(Op.STATS, Service.META, Stats, "keys, bytes, per-server usage, GC summary, leases past --max-lease-holders", DATA),
     Rpc(Op.REGISTER, Service.META, Register, "a chunkserver joins (or rejoins) the cluster", SERVER),
     Rpc(Op.HEARTBEAT, Service.META, Heartbeat, "a chunkserver's usage and chunk table", SERVER_OR_ADMIN),
     Rpc(Op.SERVERS, Service.META, Servers, "the chunkservers meta knows", DATA),

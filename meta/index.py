@@ -178,6 +178,7 @@ class MetaIndex(ServerRegistry):
         self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
         self.retired: dict[int, float] = {}  # retired chunks: refused by commit and switch forever
         self.claims: dict[str, tuple[str, float]] = {}  # lease name -> (holder, monotonic end)
+        self.leases_overflowed = 0  # leases given the overflow holder since start (STATS)
         self.commit_groups = 0  # group transactions written (each one sync)
         self._commits: collections.deque[PendingCommit] = collections.deque()
         self._commit_handle: asyncio.Handle | None = None
@@ -306,6 +307,7 @@ class MetaIndex(ServerRegistry):
                         del held[other]
                 if len(held) - (OVERFLOW_HOLDER in held) >= cap:
                     h = OVERFLOW_HOLDER
+                    self.leases_overflowed += 1
             if held.get(h, 0.0) < until:
                 held[h] = until
 

@@ -266,6 +266,7 @@ class MetaService:
             servers=servers,
             time=now,
             gc=await self.gc.summary(),
+            leases_overflowed=ix.leases_overflowed,
         ), ()
 
     # chunkserver RPCs ----------------------------------------------------------

@@ -59,6 +59,11 @@ class SharedIndex(ServerRegistry):
     async def flush(self) -> None:
         await self.store.flush_access()
 
+    @property
+    def leases_overflowed(self) -> int:
+        """Leases this meta gave the overflow holder since it started (STATS)."""
+        return self.store.leases_overflowed
+
     # registry ------------------------------------------------------------------------
     async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
         await self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free, s.key)

@@ -182,7 +182,7 @@ class KVFSOperations(Operations):
         return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(ino, info)
 
     @_op
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         return await self.io.read(self.table.handle(fh), off, size)
 
     @_op
