@@ -523,6 +523,35 @@ async def test_closes_share_commits(kv: AsyncClient, limits: dict[str, int], bat
         b"seven" if i == 7 else str(i).encode() for i in range(300)]
 
 
+async def test_in_order_writes_keep_the_kernels_buffers(kv: AsyncClient) -> None:
+    """Writes of at least 64 KiB in order are kept as the kernel's buffers came and committed
+    from them, not copied into one buffer; a write elsewhere, a read or a truncation copies
+    them into one first.  The committed bytes are the same either way."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import Handle, InodeTable
+
+    table = InodeTable()
+    io = FileIO(KVFileSystem(client=kv, asynchronous=True), table, MountConfig())
+    h = Handle(table.remember("tb/f"), writable=True, data=bytearray(), dirty=True)
+    table.open(h)
+    a, b, c = os.urandom(100_000), os.urandom(70_000), os.urandom(80_000)
+    await io.write(h, 0, a)
+    await io.write(h, len(a), b)
+    assert h.tail[0] is a and h.tail[1] is b and not h.data and h.size == 170_000
+    await io.commit(h)
+    assert await kv.get("tb/f") == a + b
+    await io.write(h, 10, b"xyz")  # behind the end: one buffer from here on
+    assert not h.tail and h.size == 170_000
+    assert bytes(await io.read(h, 8, 7)) == a[8:10] + b"xyz" + a[13:15]
+    await io.write(h, 170_000, c)
+    assert h.tail == [c]
+    await io.truncate(h, 200_000)
+    assert not h.tail and h.size == 200_000
+    await io.commit(h)
+    assert await kv.get("tb/f") == (a[:10] + b"xyz" + a[13:] + b + c)[:200_000]
+
+
 async def test_lookups_are_one_shared_round_trip(kv: AsyncClient, clock: Any) -> None:
     """The mount's lookups (the kernel's LOOKUP/GETATTR): concurrent ones share one LOOKUP,
     and a miss says in it whether it is a directory (no LIST after it), expired keys under

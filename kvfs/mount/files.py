@@ -4,19 +4,22 @@ Memory per open file is bounded whatever the file's size:
 
 - **Writing.** A handle holds the file in memory up to ``write_buffer_bytes``; any
   write pattern works there, and a file that stays that small is committed as one
-  ``put`` on close.  Past it, whole stripe units more than ``write_buffer_bytes``
-  behind the file's end go to a streaming put (:class:`kvfs.stream.StreamPut`) as they
-  come, and close commits the stream.  A write (or read, or truncation) before what
-  was streamed fails with ``EOPNOTSUPP``: write large files in order, as cp, dd,
-  numpy ``tofile`` and ``torch.save`` do.
+  ``put`` on close; its writes of at least ``TAIL_PIECE_BYTES`` in order (``tofile``,
+  ``cp``) are kept as the kernel's buffers came, and that put sends them as they are.
+  Past it, whole stripe units more than ``write_buffer_bytes`` behind the file's end go
+  to a streaming put (:class:`kvfs.stream.StreamPut`) as they come, and close commits
+  the stream.  A write (or read, or truncation) before what was streamed fails with
+  ``EOPNOTSUPP``: write large files in order, as cp, dd, numpy ``tofile`` and
+  ``torch.save`` do.
 - **A commit in the middle** (``fsync``, or the close of one of several descriptors
   of the file, e.g. a forked child's) commits what was written so far, as on a
   small file.  Writing on after that streams the committed part again (read back
   from the cluster) ahead of the new bytes: correct, at the cost of a copy.
 - **Reading.** The first read pins the value's layout (a lookup batched with other
   files' first reads) and each read fetches the stripe units it overlaps, batched
-  across files; a sequential reader gets ``read_ahead_units`` units fetched ahead.
-  An open file keeps at most ``read_ahead_units + 2`` units.
+  across files, and answers from them without a copy; a sequential reader gets
+  ``read_ahead_units`` units fetched ahead.  An open file keeps at most
+  ``read_ahead_units + 2`` units.
 - **Closes share commits** as reads share batches: the small files closed while
   earlier commits are in flight go out together, one ``put_many``.
 """
@@ -39,7 +42,12 @@ from kvfs.stream import StreamPut, ValueReader, open_read, put_stream, read_unit
 
 __all__ = ["FileIO"]
 
-Unit = tuple[ValueReader, int, bytes] | None
+Unit = tuple[ValueReader, int, bytes | bytearray] | None
+Value = bytes | bytearray | list[bytes | bytearray]
+# a write of at least this many bytes, in order, is kept as the kernel's buffer came (bytes
+# written before it are not copied again either); smaller ones are copied into one buffer, so
+# an open file keeps at most write_buffer_bytes / TAIL_PIECE_BYTES such buffers
+TAIL_PIECE_BYTES = 64 * 1024
 
 
 def _gone() -> OSError:
@@ -67,7 +75,7 @@ class FileIO:
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         # closes of small files share commits the same way: one put_many (one APPEND per
         # server, one COMMIT) for the files closed while earlier batches were running
-        self.puts: Batcher[tuple[bytes, bytes | bytearray], None] = Batcher(
+        self.puts: Batcher[tuple[bytes, Value], None] = Batcher(
             self._put_many, max_items=config.max_batch_items,
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         # lookups (the kernel's LOOKUP and GETATTR) share LOOKUPs the same way; a miss says
@@ -75,18 +83,20 @@ class FileIO:
         self.lookups: Batcher[bytes, Layout | bool] = Batcher(
             fs.client.lookup_dirs, max_items=config.max_batch_items,
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
-        self._tasks: set[asyncio.Task[bytes]] = set()  # read-ahead in flight
+        self._tasks: set[asyncio.Task[bytes | bytearray]] = set()  # read-ahead in flight
 
-    async def _put_many(self, items: list[tuple[bytes, bytes | bytearray]]) -> list[None]:
+    async def _put_many(self, items: list[tuple[bytes, Value]]) -> list[None]:
         last = dict(items)  # a path closed twice in one batch: its last value wins
         await self.fs.client.put_many(list(last.items()), ttl=self.fs.ttl)
         return [None] * len(items)
 
-    async def put(self, path: str, value: bytes | bytearray) -> None:
-        """One small file's value, committed in a batch with other files' closes (``value``
-        is sent as it is: the caller does not change it until this returns)."""
+    async def put(self, path: str, value: Value, nbytes: int | None = None) -> None:
+        """One small file's value (a buffer, or a list of buffers to send one after another:
+        ``nbytes`` in all), committed in a batch with other files' closes (``value`` is sent as
+        it is: the caller does not change it until this returns)."""
         with builtin_errors(path):
-            await self.puts.submit((os.fsencode(path), value), len(value))
+            await self.puts.submit((os.fsencode(path), value),
+                                   len(value) if nbytes is None else nbytes)
 
     async def _read_units(self, wants: list[tuple[ValueReader | bytes, int]]) -> list[Unit]:
         return await read_units(self.fs.client, wants)
@@ -131,9 +141,10 @@ class FileIO:
                        "have gone to the cluster already (write large files in order)")
 
     # reading ---------------------------------------------------------------------
-    async def read(self, h: Handle, off: int, size: int) -> bytes:
+    async def read(self, h: Handle, off: int, size: int) -> bytes | memoryview:
         if h.writable and h.data is not None:
             self._check(h)
+            self._merge(h)
             if off < h.base:
                 raise self._behind(h, "read", off)
             return bytes(h.data[off - h.base : off - h.base + size])
@@ -161,20 +172,21 @@ class FileIO:
             start, data = await self._unit(h, pos)
             if not data:
                 break
-            parts.append(data[pos - start : end - start])
+            parts.append(memoryview(data)[pos - start : end - start])  # not copied
             pos = start + len(data)
         if off == h.next_read:
             self._read_ahead(h, pos)
         h.next_read = end
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _keep(self, h: Handle, start: int, fut: asyncio.Future[bytes]) -> asyncio.Future[bytes]:
+    def _keep(self, h: Handle, start: int, fut: asyncio.Future[bytes | bytearray]
+              ) -> asyncio.Future[bytes | bytearray]:
         h.units[start] = fut
         while len(h.units) > self.config.read_ahead_units + 2:
             h.units.popitem(last=False)
         return fut
 
-    def _fetch(self, h: Handle, pos: int) -> tuple[int, asyncio.Future[bytes]]:
+    def _fetch(self, h: Handle, pos: int) -> tuple[int, asyncio.Future[bytes | bytearray]]:
         """The unit holding ``pos``: cached, or being fetched from now on."""
         assert h.reader is not None
         start, e = h.reader.unit_at(pos)
@@ -188,13 +200,13 @@ class FileIO:
         task.add_done_callback(self._tasks.discard)
         return start, self._keep(h, start, task)
 
-    async def _fetch_unit(self, reader: ValueReader, pos: int, nbytes: int) -> bytes:
+    async def _fetch_unit(self, reader: ValueReader, pos: int, nbytes: int) -> bytes | bytearray:
         unit = await self.reads.submit((reader, pos), nbytes)
         if unit is None:
             raise _gone()
         return unit[2]
 
-    async def _unit(self, h: Handle, pos: int) -> tuple[int, bytes]:
+    async def _unit(self, h: Handle, pos: int) -> tuple[int, bytes | bytearray]:
         start, fut = self._fetch(h, pos)
         try:
             return start, await asyncio.shield(fut)
@@ -225,12 +237,20 @@ class FileIO:
         async with h.lock:
             self._check(h)
             await self._load(h)
+            d = h.data
+            assert d is not None
+            end = off + len(buf)
+            if (off == h.base + len(d) + h.tail_bytes and len(buf) >= TAIL_PIECE_BYTES
+                    and end - h.base <= self.config.write_buffer_bytes):  # in order, no spill
+                h.tail.append(buf)
+                h.tail_bytes += len(buf)
+                h.dirty = True
+                return
+            self._merge(h)
             if off < h.base:
                 raise self._behind(h, "write", off)
             await self._grow(h, off)
-            d = h.data
-            assert d is not None
-            d[off - h.base : off - h.base + len(buf)] = buf
+            d[off - h.base : end - h.base] = buf
             h.dirty = True
             await self._spill(h)
 
@@ -240,10 +260,13 @@ class FileIO:
             if size == 0:  # a new, empty file: whatever was streamed is dropped
                 await self._drop_stream(h)
                 h.data, h.base, h.prefix, h.failed = bytearray(), 0, 0, None
+                h.tail.clear()
+                h.tail_bytes = 0
                 h.dirty = True
                 return
             self._check(h)
             await self._load(h)
+            self._merge(h)
             assert h.data is not None
             if size < h.base:
                 raise self._behind(h, "truncate", size)
@@ -261,6 +284,8 @@ class FileIO:
                 if other.base:
                     raise OSError(errno.EOPNOTSUPP, "another open of this file is streaming it")
                 h.data = bytearray(other.data)
+                for piece in other.tail:
+                    h.data += piece
                 return
         path = self.table.path(h.ino)
         with builtin_errors(path):
@@ -273,6 +298,17 @@ class FileIO:
             h.data = bytearray(await reader.read())
         h.reader = None
         h.units.clear()
+
+    @staticmethod
+    def _merge(h: Handle) -> None:
+        """The buffers written in order after ``h.data`` copied into it: for what needs the
+        bytes in one piece (a write elsewhere, a read, a truncation, a stream)."""
+        if h.tail:
+            assert h.data is not None
+            for piece in h.tail:
+                h.data += piece
+            h.tail.clear()
+            h.tail_bytes = 0
 
     async def _grow(self, h: Handle, size: int) -> None:
         """Zeros up to ``size`` (a hole), streamed as they pile up."""
@@ -339,9 +375,13 @@ class FileIO:
             assert d is not None
             self.changed(h.ino)
             if h.stream is None and not h.prefix:  # small: one put, the stream never started
-                await self.put(self.table.path(h.ino), d)  # no copy: h.lock keeps writes out
+                # no copy: the buffers as written (h.lock keeps writes out until it returns)
+                value: Value = d if not h.tail else h.tail[0] if not d and len(h.tail) == 1 \
+                    else [d, *h.tail]
+                await self.put(self.table.path(h.ino), value, len(d) + h.tail_bytes)
                 h.dirty = False
                 return
+            self._merge(h)
             try:
                 if h.stream is None:
                     await self._start(h)
