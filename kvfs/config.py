@@ -224,7 +224,15 @@ class ClientConfig(TlsConfig):
                                    "share their leases; \"\" is the holder of clients that name "
                                    "none; default: a random id per client and process", None)
 
+    meta_sockets: int = opt("the blocking kvfs.Client's own connections to meta, opened as "
+                            "needed: each carries one exists_many/match_prefix/release at a "
+                            "time in the calling thread, skipping the hop to the client's IO "
+                            "thread; calls finding none free take that hop (0: every call "
+                            "does)", 4)
+
     def __post_init__(self) -> None:
+        if self.meta_sockets < 0:
+            raise ValueError(f"meta_sockets must be >= 0 (0: none), got {self.meta_sockets}")
         h = self.lease_holder
         if h is not None and (len(h) > MAX_HOLDER_CHARS
                               or not re.fullmatch(f"[{HOLDER_CHARS}]*", h)):
