@@ -6,7 +6,8 @@ today's SQLite meta.
 Redis Cluster (or uses ``--url redis-cluster://...``), reads ``used_memory`` of every
 master, commits ``--keys`` keys the way the issue measured SQLite meta (38-byte keys,
 layouts of 100-byte values with one replica, batches of 1,000), reads the memory again,
-and then times each operation at each ``--batches`` size.  It calls the store API in
+and then times each operation at each ``--batches`` size (``overwrite``: a commit of
+keys already there).  It calls the store API in
 this process: no meta RPC in front of it, and the Redis servers share the machine's
 cores with the client.
 
@@ -209,7 +210,12 @@ async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: 
                     lo = (c * b) % max(1, keys - b)
                     await store.match_prefix([key(i) for i in range(lo, lo + b)], NOW)
 
-                for name, fn in (("commit", commit), ("lookup", lookup), ("match_prefix", match)):
+                async def overwrite(c: int, b: int = b) -> None:  # the filled keys, committed again
+                    lo = (c * b) % max(1, keys - b)
+                    await store.commit([(key(i), layout(i)) for i in range(lo, lo + b)], NOW)
+
+                for name, fn in (("commit", commit), ("lookup", lookup), ("match_prefix", match),
+                                 ("overwrite", overwrite)):
                     dt, calls = await timed(fn, min_s, 3)
                     out["ops"].append({"op": name, "batch": b, "calls": calls,
                                        "us_per_key": dt / (calls * b) * 1e6,

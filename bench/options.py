@@ -146,6 +146,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
       help="GC bench: reclaim rate after keys expire (--bs, --size per run), and randread 4k p99 "
            "with GC idle vs running against a churn (see bench/gcbench.py)")
     a("--gc-ttl", dest="gc_ttl", type=_seconds, default=1.0, help="--gc: ttl of the expiring keys")
+    a("--gc-overwrite", dest="gc_overwrite", action="store_true",
+      help="--gc: each reclaim key is first put without a ttl, then overwritten with --gc-ttl: the "
+           "GC drops every one with a tombstone (its first value would outlive it)")
     a("--gc-churn-rate", dest="gc_churn_rate", type=size_arg, default=16 << 20,
       help="--gc: bytes/s the background churn writes (default 16MiB)")
     a("--job-spec", dest="job_spec", default=None, help=argparse.SUPPRESS)  # numjobs child

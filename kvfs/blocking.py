@@ -61,7 +61,7 @@ class MetaSocket:
         self.sock = sock
         self.name = name
         self.request_timeout_s = request_timeout_s
-        self._timeout_s = request_timeout_s  # the socket's timeout now (lowered near a deadline)
+        self._timeout_s = -1.0  # the socket's timeout as last set here (-1: not yet)
         self._ids = itertools.count(1)
         self._decoder = FrameDecoder(Limits(), scratch_bytes=SCRATCH_BYTES)
 
@@ -93,6 +93,9 @@ class MetaSocket:
                                    peer=sock.getpeername())
             reply = conn._exchange(decode(auth, Auth), deadline)
             check_server_proof(token, hello.header, auth, to_dict(reply), name)
+        except KVFSError:  # (some are OSErrors too) the server's answer, as it is
+            conn.close()
+            raise
         except TimeoutError:
             conn.close()
             raise handshake_timeout(name, tls is not None, hello is None, connect_timeout_s) from None
@@ -102,7 +105,6 @@ class MetaSocket:
         except BaseException:
             conn.close()
             raise
-        conn._timeout_s = -1.0  # the next call sets its own
         return conn
 
     def call(self, request: Request[R]) -> R:
@@ -111,7 +113,9 @@ class MetaSocket:
         raises ``OSError`` (the caller drops this socket either way)."""
         try:
             return self._exchange(request, time.monotonic() + self.request_timeout_s)
-        except TimeoutError:
+        except TimeoutError as exc:
+            if isinstance(exc, KVFSError):  # meta's answer (an error frame), as it is
+                raise
             op = OP_OF[type(request)]
             raise Timeout(f"{op.name} to {self.name} got no answer within "
                           f"{self.request_timeout_s}s") from None
@@ -132,16 +136,21 @@ class MetaSocket:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise TimeoutError
-            if left < self._timeout_s or self._timeout_s < 0:
+            if not left - 1.0 <= self._timeout_s <= left + 0.01:  # (a syscall: not every call)
                 sock.settimeout(left)
                 self._timeout_s = left
-            n = sock.recv_into(dec.get_buffer())
+            try:
+                n = sock.recv_into(dec.get_buffer())
+            except TimeoutError:
+                continue  # up to 1 s before the deadline: it decides
             if not n:
                 raise ConnectionResetError(f"{self.name} closed the connection")
             got += n
             dec.buffer_updated(n)  # RemoteProtocolError on garbage
-        if ev.is_error and ev.request_id == 0:  # the server closes the connection, saying why
-            raise from_wire(ev.header)
+        if ev.is_error and ev.request_id == 0:
+            # the server closed the connection saying why (e.g. idle for its idle_timeout_s,
+            # while this socket waited in the pool): lost, as the async connection takes it
+            raise ConnectionResetError(f"{self.name} closed the connection: {from_wire(ev.header)}")
         if ev.request_id != rid:
             raise RemoteProtocolError(f"{self.name} answered request {ev.request_id}, "
                                       f"expected {rid} (one at a time on this connection)")

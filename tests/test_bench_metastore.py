@@ -31,7 +31,7 @@ async def test_metastore_bench_reports_every_op(store: str) -> None:
         # SQLite file grows
         assert isinstance(res["bytes_per_key"], float) and res["sqlite_file_bytes"] > 0
     assert [(o["op"], o["batch"]) for o in res["ops"]] == [
-        (op, b) for b in (1, 16) for op in ("commit", "lookup", "match_prefix")]
+        (op, b) for b in (1, 16) for op in ("commit", "lookup", "match_prefix", "overwrite")]
     assert all(o["keys_per_s"] > 0 for o in res["ops"])
 
 

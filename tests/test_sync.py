@@ -389,6 +389,68 @@ def test_a_lost_meta_socket_is_dropped_and_its_call_answered(tcluster: ThreadClu
         assert len(kv._meta_sockets._idle) == 1
 
 
+def test_a_meta_socket_meta_closed_as_idle_is_dropped_and_its_call_answered(tcluster: ThreadCluster) -> None:
+    """Meta closes a pooled socket that waited past its idle timeout with an error frame
+    (``_close_with``, as its idle timer does): the next call on it is not failed by that
+    stale frame; it is made through the IO loop and the socket dropped."""
+    assert tcluster.cluster.meta is not None
+    server = tcluster.cluster.meta.rpc
+    with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+        kv.put(b"idle/k", b"v")
+        assert kv.exists_many([b"idle/k"]) == [True]
+        (sock,) = kv._meta_sockets._idle
+        mine = sock.sock.getsockname()
+
+        async def close_as_idle() -> None:  # fault injection: the idle timer's own close
+            (conn,) = [c for c in server.connections if c.transport is not None
+                       and c.transport.get_extra_info("peername") == mine]
+            conn._close_with(kvfs.Unavailable("connection idle for 300.0s; closed"))
+
+        tcluster.call(close_as_idle())
+        assert kv.match_prefix([b"idle/k"]) == 1
+        assert sock not in kv._meta_sockets._idle
+        assert kv.exists_many([b"idle/k", b"idle/none"]) == [True, False]
+
+
+def test_a_lookup_on_a_meta_socket_times_out_naming_it(one_cs: ThreadCluster) -> None:
+    """A lookup held at meta past ``request_timeout_s`` raises Timeout naming the RPC and
+    meta; its socket is dropped, so its late answer is never taken for another call's."""
+    assert one_cs.cluster.meta is not None
+    config = ClientConfig(request_timeout_s=0.5)
+    with kvfs.Client(one_cs.addr, token=one_cs.token, config=config) as kv:
+        kv.put(b"slow/k", b"v")
+        assert kv.match_prefix([b"slow/k"]) == 1
+        (sock,) = kv._meta_sockets._idle
+        held = one_cs.call(_hold(one_cs.cluster.meta.rpc, Op.EXISTS))
+        try:
+            with pytest.raises(kvfs.Timeout, match=r"EXISTS to .* got no answer within 0\.5s"):
+                kv.exists_many([b"slow/k"])
+            assert sock.sock.fileno() == -1 and not kv._meta_sockets._idle
+        finally:
+            one_cs.loop.call_soon_threadsafe(held.release)
+        assert kv.match_prefix([b"slow/k"]) == 1  # a new socket
+
+
+def test_a_timeout_meta_answers_on_a_meta_socket_is_raised_as_it_is(one_cs: ThreadCluster) -> None:
+    """An error frame carrying meta's own Timeout is meta's answer, raised with meta's
+    words, not taken for this socket's request timeout."""
+    assert one_cs.cluster.meta is not None
+    with kvfs.Client(one_cs.addr, token=one_cs.token) as kv:
+        held = one_cs.call(_hold(one_cs.cluster.meta.rpc, Op.EXISTS))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(kv.exists_many, [b"t/k"])
+            try:
+                deadline = time.monotonic() + 30
+                while not held.arrived.is_set():
+                    assert time.monotonic() < deadline and not fut.done(), "never reached meta"
+                    threading.Event().wait(0.001)
+                assert kv._meta_sockets._busy  # on a blocking socket
+            finally:
+                one_cs.loop.call_soon_threadsafe(held.release, kvfs.Timeout("meta's own deadline"))
+            with pytest.raises(kvfs.Timeout, match="meta's own deadline"):
+                fut.result(30)
+
+
 def test_meta_errors_on_a_meta_socket_name_what_was_wrong(tcluster: ThreadCluster) -> None:
     """An error meta answers on the blocking socket is raised in the caller, naming what was
     wrong, and the socket goes on serving."""
