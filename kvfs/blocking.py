@@ -93,6 +93,9 @@ class MetaSocket:
                                    peer=sock.getpeername())
             reply = conn._exchange(decode(auth, Auth), deadline)
             check_server_proof(token, hello.header, auth, to_dict(reply), name)
+        except KVFSError:  # (some are OSErrors too) the server's answer, as it is
+            conn.close()
+            raise
         except TimeoutError:
             conn.close()
             raise handshake_timeout(name, tls is not None, hello is None, connect_timeout_s) from None
@@ -110,7 +113,9 @@ class MetaSocket:
         raises ``OSError`` (the caller drops this socket either way)."""
         try:
             return self._exchange(request, time.monotonic() + self.request_timeout_s)
-        except TimeoutError:
+        except TimeoutError as exc:
+            if isinstance(exc, KVFSError):  # meta's answer (an error frame), as it is
+                raise
             op = OP_OF[type(request)]
             raise Timeout(f"{op.name} to {self.name} got no answer within "
                           f"{self.request_timeout_s}s") from None

@@ -431,6 +431,26 @@ def test_a_lookup_on_a_meta_socket_times_out_naming_it(one_cs: ThreadCluster) ->
         assert kv.match_prefix([b"slow/k"]) == 1  # a new socket
 
 
+def test_a_timeout_meta_answers_on_a_meta_socket_is_raised_as_it_is(one_cs: ThreadCluster) -> None:
+    """An error frame carrying meta's own Timeout is meta's answer, raised with meta's
+    words, not taken for this socket's request timeout."""
+    assert one_cs.cluster.meta is not None
+    with kvfs.Client(one_cs.addr, token=one_cs.token) as kv:
+        held = one_cs.call(_hold(one_cs.cluster.meta.rpc, Op.EXISTS))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(kv.exists_many, [b"t/k"])
+            try:
+                deadline = time.monotonic() + 30
+                while not held.arrived.is_set():
+                    assert time.monotonic() < deadline and not fut.done(), "never reached meta"
+                    threading.Event().wait(0.001)
+                assert kv._meta_sockets._busy  # on a blocking socket
+            finally:
+                one_cs.loop.call_soon_threadsafe(held.release, kvfs.Timeout("meta's own deadline"))
+            with pytest.raises(kvfs.Timeout, match="meta's own deadline"):
+                fut.result(30)
+
+
 def test_meta_errors_on_a_meta_socket_name_what_was_wrong(tcluster: ThreadCluster) -> None:
     """An error meta answers on the blocking socket is raised in the caller, naming what was
     wrong, and the socket goes on serving."""
