@@ -370,13 +370,25 @@ class MountConfig:
                                        "leaves the kernel's 128 KiB): a large file's reads reach "
                                        "the mount as requests this big (the kernel caps them at "
                                        "1 MiB)", 1 * MiB)
+    negative_timeout_s: float = opt("a name missing from its directory's listing made at most this "
+                                    "long ago is answered as missing without asking meta (the "
+                                    "listing is made in the background, at most once per directory "
+                                    "and period); so another node's new file there can stay hidden "
+                                    "this long, and O_EXCL may not see it (0: every lookup asks "
+                                    "meta)", 0.0)
+    negative_listing_keys: int = opt("--negative-timeout: most keys one directory's listing holds (a "
+                                     "larger directory is not listed again for a minute, and its "
+                                     "lookups ask meta)", 4096, positive=True)
+    negative_listing_dirs: int = opt("--negative-timeout: most directories whose listing is kept "
+                                     "(the least recently listed goes)", 16, positive=True)
 
     def __post_init__(self) -> None:
         for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
-                     "kernel_read_ahead_bytes"):
+                     "kernel_read_ahead_bytes", "negative_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
-        for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight"):
+        for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight",
+                     "negative_listing_keys", "negative_listing_dirs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be at least 1")
 

@@ -142,6 +142,34 @@ def test_looked_up_files_changed_here_or_elsewhere_are_not_read_stale(
 
 # bad input ------------------------------------------------------------------------
 @needs_fuse
+def test_negative_timeout_hides_others_new_files_at_most_that_long(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """With --negative-timeout a new file written by another client into a directory this
+    mount listed lately is missing here until the listing is older than the bound; files
+    made through the mount are seen at once."""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--negative-timeout", "3s",
+              "--attr-timeout", "0")
+    try:
+        d = m.mnt / "nt"
+        d.mkdir()
+        made: list[Path] = []
+
+        def hidden() -> bool:  # once the mount has a listing of nt/: a name made after it
+            made.append(m.mnt / f"nt/other{len(made)}")
+            fs.pipe_file(str(made[-1].relative_to(m.mnt)), b"elsewhere")
+            return not made[-1].exists()
+
+        wait_until(hidden, 30, "a listing of nt/ to hide a file made after it")
+        late = made[-1]
+        (d / "mine.bin").write_bytes(b"here")
+        assert (d / "mine.bin").read_bytes() == b"here" and not late.exists()
+        wait_until(late.exists, 30, "the hidden file once the listing is older than the bound")
+        assert late.read_bytes() == b"elsewhere"
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
 def test_append_to_existing_file_is_eopnotsupp(mnt: Path, fs: KVFileSystem) -> None:
     (mnt / "app").mkdir()
     with open(mnt / "app" / "new", "ab") as f:  # a new file may be opened for append
@@ -573,6 +601,50 @@ async def test_lookups_are_one_shared_round_trip(kv: AsyncClient, clock: Any) ->
         == {"LOOKUP": 3}  # two go at once (--batches-in-flight 2), the other three together
 
 
+async def test_misses_from_a_recent_listing_need_no_lookup(kv: AsyncClient, clock: Any) -> None:
+    """--negative-timeout: a name missing from its directory's listing made at most that long
+    ago is a miss without a LOOKUP, so another client's new file there stays hidden at most
+    that long; names this mount makes are seen at once; a directory over
+    --negative-listing-keys is not trusted (its lookups ask meta); off by default."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import InodeTable
+
+    await kv.put_many({"neg/a": b"a", **{f"big/{i}": b"%d" % i for i in range(4)}})
+    fs = KVFileSystem(client=kv, asynchronous=True)
+    io = FileIO(fs, InodeTable(), MountConfig(negative_timeout_s=5.0, negative_listing_keys=3),
+                clock=clock)
+
+    async def lookups(*paths: str) -> tuple[list[int | None], int]:
+        """Each path's size (None: a miss), and the LOOKUPs they took."""
+        before = kv.rpc_counts.get("LOOKUP", 0)
+        sizes: list[int | None] = []
+        for i, p in enumerate(paths):
+            try:
+                sizes.append((await io.info(100 + i, p))["size"])
+            except FileNotFoundError:
+                sizes.append(None)
+        await asyncio.gather(*io._tasks)  # the listings they started
+        return sizes, kv.rpc_counts.get("LOOKUP", 0) - before
+
+    assert await lookups("neg/x") == ([None], 1)  # no listing yet: meta, and a listing
+    assert await lookups("big/x") == ([None], 1)
+    await kv.put("neg/other", b"by another client")
+    assert await lookups("neg/y", "neg/other", "neg/a") == ([None, None, 1], 1)  # only neg/a asks
+    await io.put("neg/mine", b"made here")
+    assert await lookups("neg/mine") == ([9], 1)
+    assert await lookups("big/y") == ([None], 1)  # 4 keys > 3: not trusted
+    clock.advance(6)  # past the bound: meta again, and a new listing
+    assert await lookups("neg/other") == ([17], 1)
+    assert await lookups("neg/z", "neg/other") == ([None, 17], 1)
+    off = FileIO(fs, InodeTable(), MountConfig(), clock=clock)
+    before = kv.rpc_counts.get("LOOKUP", 0)
+    for p in ("neg/z", "neg/z"):
+        with pytest.raises(FileNotFoundError):
+            await off.info(2, p)
+    assert kv.rpc_counts.get("LOOKUP", 0) - before == 2 and not off._tasks
+
+
 async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> None:
     """A read soon after the kernel's LOOKUP reads the layout that lookup fetched (no second
     lookup); once this mount changes the file, or after the attribute time, it looks up again."""
@@ -639,8 +711,11 @@ async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> Non
 
 @pytest.mark.parametrize(("bad", "flag"), [
     ({"max_batch_items": 0}, "--max-batch-items"), ({"batches_in_flight": 0}, "--batches-in-flight"),
-    ({"max_batch_bytes": 0}, "--max-batch"), ({"looked_up_layouts": -1}, "--looked-up-layouts")])
-def test_mount_limits_refuse_nonsense(bad: dict[str, int], flag: str) -> None:
+    ({"max_batch_bytes": 0}, "--max-batch"), ({"looked_up_layouts": -1}, "--looked-up-layouts"),
+    ({"negative_timeout_s": -1}, "--negative-timeout"),
+    ({"negative_listing_keys": 0}, "--negative-listing-keys"),
+    ({"negative_listing_dirs": 0}, "--negative-listing-dirs")])
+def test_mount_limits_refuse_nonsense(bad: dict[str, float], flag: str) -> None:
     from kvfs.config import MountConfig
 
     with pytest.raises(ValueError, match=flag):

@@ -28,8 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
-from collections.abc import AsyncIterator
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from kvfs._batch import Batcher
 from kvfs.config import MountConfig
@@ -42,12 +46,16 @@ from kvfs.stream import StreamPut, ValueReader, open_read, put_stream, read_unit
 
 __all__ = ["FileIO"]
 
+log = logging.getLogger("kvfs.mount")
+
 Unit = tuple[ValueReader, int, bytes | bytearray] | None
 Value = bytes | bytearray | list[bytes | bytearray]
 # a write of at least this many bytes, in order, is kept as the kernel's buffer came (bytes
 # written before it are not copied again either); smaller ones are copied into one buffer, so
 # an open file keeps at most write_buffer_bytes / TAIL_PIECE_BYTES such buffers
 TAIL_PIECE_BYTES = 64 * 1024
+# a directory over --negative-listing-keys is not listed again for this long
+OVER_CAP_RELIST_S = 60.0
 
 
 def _gone() -> OSError:
@@ -60,7 +68,7 @@ class FileIO:
     """Reads, writes, truncations and commits of the mount's open files."""
 
     def __init__(self, fs: KVFileSystem, table: InodeTable, config: MountConfig, *,
-                 fresh_s: float = 0.0) -> None:
+                 fresh_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.fs = fs
         self.table = table
         self.config = config
@@ -83,7 +91,12 @@ class FileIO:
         self.lookups: Batcher[bytes, Layout | bool] = Batcher(
             fs.client.lookup_dirs, max_items=config.max_batch_items,
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
-        self._tasks: set[asyncio.Task[bytes | bytearray]] = set()  # read-ahead in flight
+        self._tasks: set[asyncio.Task[Any]] = set()  # read-ahead and listings in flight
+        # --negative-timeout: directories' listings (when sent, names; None: over
+        # --negative-listing-keys), and those being listed (the names made here meanwhile)
+        self.clock = clock
+        self._listings: OrderedDict[str, tuple[float, set[str] | None]] = OrderedDict()
+        self._listing: dict[str, set[str] | None] = {}
 
     async def _put_many(self, items: list[tuple[bytes, Value]]) -> list[None]:
         last = dict(items)  # a path closed twice in one batch: its last value wins
@@ -97,6 +110,7 @@ class FileIO:
         with builtin_errors(path):
             await self.puts.submit((os.fsencode(path), value),
                                    len(value) if nbytes is None else nbytes)
+        self.made(path)  # in a listing sent before the commit, too
 
     async def _read_units(self, wants: list[tuple[ValueReader | bytes, int]]) -> list[Unit]:
         return await read_units(self.fs.client, wants)
@@ -105,6 +119,9 @@ class FileIO:
     async def info(self, ino: int, path: str) -> Info:
         """``path``'s info from one LOOKUP (shared with other requests'): a file's, a
         directory's, or FileNotFoundError; a file's layout is kept for a first read soon after."""
+        if self._listed_missing(path):
+            self._looked_up.pop(ino, None)
+            raise FileNotFoundError(errno.ENOENT, "not in its directory's listing", path)
         key = os.fsencode(path)
         with builtin_errors(path):
             found = await self.lookups.submit(key)
@@ -117,6 +134,76 @@ class FileIO:
             if len(self._looked_up) > self.config.looked_up_layouts:
                 del self._looked_up[next(iter(self._looked_up))]
         return path_info(path, found)
+
+    # listings: misses without a LOOKUP (--negative-timeout) -------------------------------
+    def _listed_missing(self, path: str) -> bool:
+        """Whether ``path`` is missing from its directory's listing made at most
+        ``negative_timeout_s`` ago.  A directory with no such listing is listed anew, in the
+        background (one listing at a time per directory); meanwhile its lookups ask meta."""
+        bound = self.config.negative_timeout_s
+        if bound <= 0:
+            return False
+        d, _, name = path.rpartition("/")
+        seen = self._listings.get(d)
+        if seen is not None:
+            at, names = seen
+            age = self.clock() - at
+            if names is not None and age <= bound:
+                return name not in names
+            if names is None and age <= max(bound, OVER_CAP_RELIST_S):
+                return False
+        if d not in self._listing:
+            self._listing[d] = set()
+            task = asyncio.get_running_loop().create_task(self._list(d))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return False
+
+    async def _list(self, d: str) -> None:
+        at = self.clock()  # names made by others after this may be missing from it
+        cap = self.config.negative_listing_keys
+        prefix = d + "/" if d else ""
+        try:
+            infos = await self.fs.client.list(os.fsencode(prefix), limit=cap + 1)
+        except Exception as exc:  # no listing: lookups there go on asking meta
+            log.info("listing %r for --negative-timeout: %s", prefix, exc)
+            self._listing.pop(d, None)
+            return
+        if d not in self._listing:  # a directory was renamed meanwhile: maybe stale
+            return
+        made = self._listing.pop(d)
+        names: set[str] | None = None
+        if made is not None and len(infos) <= cap:
+            n = len(prefix)
+            names = {os.fsdecode(ki.key[n:]).partition("/")[0] for ki in infos} | made
+            if len(names) > cap:
+                names = None
+        self._listings[d] = (at, names)
+        self._listings.move_to_end(d)
+        while len(self._listings) > self.config.negative_listing_dirs:
+            self._listings.popitem(last=False)
+
+    def made(self, path: str) -> None:
+        """A name this mount made (create, mkdir, a rename's target) is in its listing."""
+        if self.config.negative_timeout_s <= 0:
+            return
+        cap = self.config.negative_listing_keys
+        d, _, name = path.rpartition("/")
+        seen = self._listings.get(d)
+        if seen is not None and seen[1] is not None:
+            seen[1].add(name)
+            if len(seen[1]) > cap:
+                self._listings[d] = (seen[0], None)
+        meanwhile = self._listing.get(d)
+        if meanwhile is not None:
+            meanwhile.add(name)
+            if len(meanwhile) > cap:
+                self._listing[d] = None
+
+    def forget_listings(self) -> None:
+        """Names moved in bulk (a directory renamed): no listing is trusted any more."""
+        self._listings.clear()
+        self._listing.clear()
 
     def changed(self, ino: int | None) -> None:
         """This mount changed or removed ``ino``'s value: its looked-up layout is stale."""
@@ -391,6 +478,7 @@ class FileIO:
                 stream, h.stream = h.stream, None
                 with builtin_errors(self.table.path(h.ino)):
                     size = await stream.finish()
+                self.made(self.table.path(h.ino))
             except BaseException as exc:
                 await self._fail(h, exc)
                 raise
@@ -444,3 +532,4 @@ class FileIO:
 
         with builtin_errors(dst):
             await put_stream(self.fs.client, os.fsencode(dst), pieces(), size=size, ttl=self.fs.ttl)
+        self.made(dst)

@@ -219,6 +219,7 @@ class KVFSOperations(Operations):
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         path = self._child(parent_inode, name)
         ino = self.table.relink(path)
+        self.io.made(path)
         fh = self.table.open(Handle(ino, writable=True, data=bytearray(), dirty=True))
         info = {"name": path, "size": 0, "type": "file", "created": time.time()}
         return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(ino, info)
@@ -273,6 +274,7 @@ class KVFSOperations(Operations):
                     ) -> pyfuse3.EntryAttributes:
         path = self._child(parent_inode, name, limit=MAX_KEY_BYTES - 1)
         await self.fs._put_markers(path)
+        self.io.made(path)
         return self._attrs(self.table.remember(path), {"name": path, "size": 0, "type": "directory"})
 
     @_op
@@ -335,6 +337,8 @@ class KVFSOperations(Operations):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)
             await self._move_tree(src, dst)
             self.io.forget_layouts()  # every key under it moved
+            self.io.forget_listings()
+        self.io.made(dst)
         self.table.renamed(src, dst)
 
     async def _info_or_none(self, path: str) -> Info | None:
