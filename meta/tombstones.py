@@ -46,16 +46,17 @@ the older records: once all expired, a rebuild skips them and no tombstone is ne
 - a database made before the set existed, or migrated from Redis: every key.
 
 A key never overwritten has one write: its records (replicas, compaction and repair
-copies) all carry the current value, so dropping it needs nothing.  GC_EXPIRE and
+copies) all carry the current value, so dropping it needs no tombstone (meta notes the
+dropped record in :class:`Ghosts` until its chunk goes, for a put again).  GC_EXPIRE and
 GC_EVICT leave the marked keys (``shadowed``); the GC driver writes their tombstones
 (:func:`kvfs.writepath.write_tombstones`) and GC_TOMBSTONE removes them keeping the
 tombstones, each then kept and dropped as a delete's.
 
 Not covered: keys dropped as lost (REPORT_LOST, fsck: README, "Losing meta's database");
-a tombstone's copy on
-a chunkserver that is lost or drained is not copied elsewhere; a GC killed between a compaction's copy and its GC_RELOCATE, while a key it
-copied was deleted, leaves that copy in an unreferenced chunk the next pass deletes (a
-rebuild in between, after the tombstone went, would bring the key's last value back).
+a tombstone's copy on a chunkserver that is lost or drained is not copied elsewhere; a GC
+killed between a compaction's copy and its GC_RELOCATE, while a key it copied was deleted,
+leaves that copy in an unreferenced chunk the next pass deletes (a rebuild in between,
+after the tombstone went, would bring the key's last value back).
 With ``--store redis-cluster://`` meta keeps none (its GC reclaims a tombstone's chunk
 like any other; README, "No tombstones on Redis", says why): a Redis store recovers by
 Redis's own persistence and replicas, not a rebuild from chunk records.
