@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvfs.address import token_from_file
-from kvfs.config import TlsConfig, from_options, tls_argv
+from kvfs.config import ChunkServerConfig, TlsConfig, from_options, tls_argv
 
 from .adapters import ChainStore, KvfsStore
-from .compare import Cell, StoreFactory, compare, peer_factories, store_cpu_probe
+from .compare import FIO_COLUMN, Cell, StoreFactory, compare, peer_factories, store_cpu_probe
 from .internal import run_internal
 from .jobs import build_workloads, describe, human_bs
 from .options import add_options
@@ -51,7 +51,7 @@ _PEER_TEXT = {
     "redis": "redis (TCP, MSET/MGET)",
     "mooncake": "mooncake (TCP, batch_put_from/batch_get_into)",
     "loopback": "loopback socket limit",
-    "fio": "fio psync",
+    "fio": "fio (psync on one file; writes fdatasync once per batch)",
 }
 
 
@@ -145,6 +145,7 @@ def _options_of(ns: argparse.Namespace) -> dict[str, str]:
     out = {"numjobs": str(ns.numjobs), "client": ",".join(ns.client)}
     if ns.addr is None:
         out["cluster"] = f"embedded {ns.cluster}, {ns.chunkservers} chunkservers"
+        out["fsync"] = str(ns.fsync)  # the embedded cluster's (targets.py judges by it)
     return out
 
 
@@ -158,6 +159,10 @@ async def cmd_bench(ns: argparse.Namespace) -> int:
             print("kvfs bench: --plot needs matplotlib (pip install 'kvfs[bench]' or "
                   "pip install matplotlib)", file=sys.stderr)
             return 2
+    if ns.addr is not None and ns.fsync != ChunkServerConfig.fsync:
+        print(f"kvfs bench: --fsync sets the embedded cluster's; the cluster at --addr keeps its "
+              f"own (drop --fsync {ns.fsync}, or drop --addr)", file=sys.stderr)
+        return 2
     if ns.gc:
         return await _gc_bench(ns)
     if ns.compare and ns.numjobs != 1:
@@ -173,7 +178,8 @@ async def cmd_bench(ns: argparse.Namespace) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         try:
             async with open_target(ns, workdir) as target:
-                where = f"embedded {target.embedded} cluster, {ns.chunkservers} chunkservers" if target.embedded else target.addr
+                where = (f"embedded {target.embedded} cluster, {ns.chunkservers} chunkservers, "
+                         f"--fsync {ns.fsync}" if target.embedded else target.addr)
                 _say(ns, f"kvfs bench: {len(workloads)} job(s) x numjobs={ns.numjobs} against {where}")
                 if ns.compare:
                     return await _compare(ns, target, workloads, workdir)
@@ -261,9 +267,9 @@ async def _compare(
     comp = await compare(factories, workloads, fio_dir=fio_dir, progress=ns.progress,
                          text_out=text_out, cpu=ns.cpu)
     if want_fio and fio_dir is None:  # show fio as skipped rather than leaving the column out
-        comp.stores.append("fio-psync")
+        comp.stores.append(FIO_COLUMN)
         for wl in workloads:
-            comp.cells[(wl.name, "fio-psync")] = Cell("fio-psync", skipped="fio not installed")
+            comp.cells[(wl.name, FIO_COLUMN)] = Cell(FIO_COLUMN, skipped="fio not installed")
     internal = None
     if ns.internal:
         internal = await run_internal(target, runtime_s=ns.runtime, progress=ns.progress,
@@ -291,5 +297,6 @@ async def _compare(
 def _title(ns: argparse.Namespace, target: BenchTarget) -> str:
     """Names the run on every plot: command, cluster, host cores, date."""
     what = "kvfs bench --compare" if ns.compare else "kvfs bench"
-    where = f"embedded {target.embedded} cluster, {ns.chunkservers} chunkservers" if target.embedded else target.addr
+    where = (f"embedded {target.embedded} cluster, {ns.chunkservers} chunkservers, fsync {ns.fsync}"
+             if target.embedded else target.addr)
     return f"{what}: {where}, {os.cpu_count()} CPUs, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"

@@ -3,7 +3,9 @@
 1. Reclaim: for each ``--bs`` (default 4k,64k) put ``--size`` bytes of keys
    (default 200MiB) with ``ttl=--gc-ttl`` (1s), poll until they are misses,
    then time one ``run_pass(PassOptions(apply=True, grace_s=0))``: keys/s and
-   MB/s reclaimed, and ``du`` of the chunk files before and after.
+   MB/s reclaimed, and ``du`` of the chunk files before and after.  With
+   ``--gc-overwrite`` each key is first put without a ttl and then overwritten
+   with it: the pass drops each with a tombstone (its first value outlives it).
 2. Foreground: a randread 4k batch-128 job for ``--runtime`` seconds three
    times: GC idle; a churn of expiring and overwritten keys without GC; the
    same churn with GC passes back to back (``grace_s=0``, so compaction copies
@@ -64,8 +66,9 @@ async def wait_expired(client: Any, keys: list[bytes], deadline_s: float = EXPIR
 
 
 async def reclaim(addr: str, token: str | None, data: Path | None, bs: int, nkeys: int,
-                  ttl: float, *, batch: int = 256) -> dict[str, Any]:
-    """Put ``nkeys`` x ``bs`` with ``ttl``, wait until expired, time one applied GC pass."""
+                  ttl: float, *, batch: int = 256, overwrite: bool = False) -> dict[str, Any]:
+    """Put ``nkeys`` x ``bs`` with ``ttl``, wait until expired, time one applied GC pass.
+    ``overwrite``: each key put without a ttl first (the put then overwrites it)."""
     from kvfs.gc.driver import GarbageCollector, PassOptions
 
     keys = make_keys(b"kvfs-bench/gc-reclaim/%d/" % bs, nkeys)
@@ -75,11 +78,12 @@ async def reclaim(addr: str, token: str | None, data: Path | None, bs: int, nkey
         t0 = time.perf_counter()
         sem = asyncio.Semaphore(4)
 
-        async def put(chunk: list[bytes]) -> None:
+        async def put(chunk: list[bytes], ttl: float | None) -> None:
             async with sem:
                 await client.put_many([(k, value) for k in chunk], ttl=ttl)
 
-        await asyncio.gather(*(put(keys[i:i + batch]) for i in range(0, nkeys, batch)))
+        for t in ((None, ttl) if overwrite else (ttl,)):
+            await asyncio.gather(*(put(keys[i:i + batch], t) for i in range(0, nkeys, batch)))
         put_s = time.perf_counter() - t0
         du_before = du(data)
         waited = await wait_expired(client, keys)
@@ -90,7 +94,8 @@ async def reclaim(addr: str, token: str | None, data: Path | None, bs: int, nkey
     du_after = du(data)
     d = max(rep.duration_s, 1e-9)
     return {
-        "bs": bs, "keys": nkeys, "ttl_s": ttl, "put_s": put_s, "expire_wait_s": waited,
+        "bs": bs, "keys": nkeys, "ttl_s": ttl, "overwrite": overwrite, "put_s": put_s,
+        "expire_wait_s": waited,
         "pass_s": rep.duration_s,
         "expired_keys": rep.expired_keys, "expired_bytes": rep.expired_bytes,
         "chunks_deleted": rep.chunks_deleted, "chunks_compacted": rep.chunks_compacted,
@@ -320,8 +325,9 @@ async def run_gc_bench(ns: argparse.Namespace, addr: str, token: str | None, dat
     recl = []
     for bs in ns.bs or DEFAULT_BS:
         nkeys = max(1, size // bs)
-        say(f"gc reclaim: {nkeys} x {human_bs(bs)} ttl={ttl:g}s, one pass after they expire")
-        recl.append(await reclaim(addr, token, data, bs, nkeys, ttl))
+        say(f"gc reclaim: {nkeys} x {human_bs(bs)} ttl={ttl:g}s{', overwritten' if ns.gc_overwrite else ''}, "
+            "one pass after they expire")
+        recl.append(await reclaim(addr, token, data, bs, nkeys, ttl, overwrite=ns.gc_overwrite))
     opts = ChurnOptions(rate_bytes=ns.gc_churn_rate, ttl=ttl)
     say(f"gc foreground: randread 4k b128 for {runtime:g}s each: idle, churn "
         f"{human_bs(opts.rate_bytes)}/s without gc, churn + gc passes back to back")
@@ -345,7 +351,9 @@ def _mb(n: int | None) -> str:
 
 def render(report: dict[str, Any]) -> str:
     g = report["kvfs gc bench"]
-    lines = ["", "GC reclaim: one run_pass(apply, grace_s=0) after every key expired",
+    over = any(r.get("overwrite") for r in g["reclaim"])
+    lines = ["", "GC reclaim: one run_pass(apply, grace_s=0) after every key expired"
+             + (" (each overwritten once: dropped with a tombstone)" if over else ""),
              f"{'bs':>5} {'keys':>7} {'pass s':>7} {'keys/s':>9} {'MB/s':>8} {'logical MB/s':>12} "
              f"{'chunks del':>10} {'du before':>10} {'du after':>10}"]
     for r in g["reclaim"]:

@@ -6,12 +6,13 @@ today's SQLite meta.
 Redis Cluster (or uses ``--url redis-cluster://...``), reads ``used_memory`` of every
 master, commits ``--keys`` keys the way the issue measured SQLite meta (38-byte keys,
 layouts of 100-byte values with one replica, batches of 1,000), reads the memory again,
-and then times each operation at each ``--batches`` size.  It calls the store API in
+and then times each operation at each ``--batches`` size (``overwrite``: a commit of
+keys already there).  It calls the store API in
 this process: no meta RPC in front of it, and the Redis servers share the machine's
 cores with the client.
 
 ``--store sqlite`` does the same through meta's own RPC handlers (``MetaService``,
-in this process, no socket): its memory is this process's RSS growth (the in-memory
+in this process, no socket; each COMMIT packed as the client sends it, :mod:`kvfs.packed`): its memory is this process's RSS growth (the in-memory
 index), the SQLite file's size is reported beside it.
 
 ``--restart`` then starts a real ``kvfs meta`` process on the filled store (the SQLite
@@ -39,6 +40,7 @@ from typing import Any
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.redis_local import LocalRedisCluster
 from kvfs.meta.redis_store import RedisMetaStore
+from kvfs.packed import pack as pack_layouts
 
 NOW = 1_800_000_000.0
 
@@ -75,8 +77,9 @@ class SqliteMeta:
         await self.meta.rpc_register(self.rpc.Register(server_id=1, addr="127.0.0.1:1"), memoryview(b""))
 
     async def commit(self, rows: list[tuple[bytes, Layout]], now: float) -> None:
-        await self.meta.rpc_commit(self.rpc.Commit(items=[self.rpc.CommitItem(k, v) for k, v in rows]),
-                                   memoryview(b""))
+        """The COMMIT a client sends (WritePath.commit): the layouts packed in columns."""
+        packed = pack_layouts([k for k, _ in rows], [v for _, v in rows])
+        await self.meta.rpc_commit(self.rpc.Commit(packed=packed), memoryview(b""))
 
     async def lookup(self, keys: list[bytes], now: float) -> Any:
         return await self.meta.rpc_lookup(self.rpc.Lookup(keys=keys), memoryview(b""))
@@ -207,7 +210,12 @@ async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: 
                     lo = (c * b) % max(1, keys - b)
                     await store.match_prefix([key(i) for i in range(lo, lo + b)], NOW)
 
-                for name, fn in (("commit", commit), ("lookup", lookup), ("match_prefix", match)):
+                async def overwrite(c: int, b: int = b) -> None:  # the filled keys, committed again
+                    lo = (c * b) % max(1, keys - b)
+                    await store.commit([(key(i), layout(i)) for i in range(lo, lo + b)], NOW)
+
+                for name, fn in (("commit", commit), ("lookup", lookup), ("match_prefix", match),
+                                 ("overwrite", overwrite)):
                     dt, calls = await timed(fn, min_s, 3)
                     out["ops"].append({"op": name, "batch": b, "calls": calls,
                                        "us_per_key": dt / (calls * b) * 1e6,

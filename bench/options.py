@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Final
 
 from kvfs.address import TOKEN_FILE_HELP
-from kvfs.config import TlsConfig
+from kvfs.config import ChunkServerConfig, FsyncMode, TlsConfig
 from kvfs.config import add_options as add_config_options
 from kvfs.units import parse_duration, parse_size
 
@@ -134,6 +134,10 @@ def add_options(p: argparse.ArgumentParser) -> None:
            "or in this process and event loop")
     a("--chunkservers", type=_positive_int, default=3,
       help="chunkservers of the embedded cluster (default 3)")
+    a("--fsync", type=FsyncMode, choices=list(FsyncMode), default=ChunkServerConfig.fsync,
+      help="embedded cluster: meta's and the chunkservers' --fsync (default: %(default)s, as "
+           "deployed: a put is on disk before it is answered); never: page cache only, the "
+           "durability of a DRAM store such as Mooncake")
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
     a("--addr", default=None, help="cluster address (default: start an embedded cluster)")
     a("--token-file", default=None, help=TOKEN_FILE_HELP)
@@ -142,6 +146,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
       help="GC bench: reclaim rate after keys expire (--bs, --size per run), and randread 4k p99 "
            "with GC idle vs running against a churn (see bench/gcbench.py)")
     a("--gc-ttl", dest="gc_ttl", type=_seconds, default=1.0, help="--gc: ttl of the expiring keys")
+    a("--gc-overwrite", dest="gc_overwrite", action="store_true",
+      help="--gc: each reclaim key is first put without a ttl, then overwritten with --gc-ttl: the "
+           "GC drops every one with a tombstone (its first value would outlive it)")
     a("--gc-churn-rate", dest="gc_churn_rate", type=size_arg, default=16 << 20,
       help="--gc: bytes/s the background churn writes (default 16MiB)")
     a("--job-spec", dest="job_spec", default=None, help=argparse.SUPPRESS)  # numjobs child

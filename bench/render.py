@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .compare import Comparison, short_name
+from .compare import FIO_COLUMN, Comparison, short_name
 from .internal import Internal
 
 __all__ = ["render_compare", "render_internal", "sync_lines"]
@@ -14,7 +14,8 @@ def render_compare(comp: Comparison, internal: Internal | None) -> str:
     """The narrow table (a row per workload and store), the ratio table, the kvfs-internal ones."""
     lines = ["", "kvfs vs peers: one row per workload and store (one io = one key; MB/s = 10^6 B/s;",
              "p99/key = p99 of a call's latency / its keys, p99/call = p99 of one call's latency;",
-             f"{comp.subject}/x = kvfs keys/s / that store's keys/s)", "", comp.table(),
+             f"{comp.subject}/x = kvfs keys/s / that store's keys/s)", *_fio_legend(comp), "",
+             comp.table(),
              f"ratios: {comp.subject} keys/s / peer keys/s (the same as the MB/s ratio)", "",
              comp.ratio_table()]
     lines += sync_lines(comp)
@@ -23,6 +24,13 @@ def render_compare(comp: Comparison, internal: Internal | None) -> str:
         lines += ["CPU per key (us) and per GB moved (s), each process's own counters "
                   "(/proc/PID/stat) over the measured phase; client = the bench process", "", cpu]
     return "\n".join(lines) + "\n" + (render_internal(internal) if internal is not None else "")
+
+
+def _fio_legend(comp: Comparison) -> list[str]:
+    if FIO_COLUMN not in comp.stores:
+        return []
+    return [f"{FIO_COLUMN}: psync on one file, bs = the value size; reads from the page cache; writes "
+            "fdatasync after each batch of values (the disk's rate, synced as kvfs's --fsync batch)"]
 
 
 def sync_lines(comp: Comparison, sync: str = "kvfs-sync", aio: str = "kvfs") -> list[str]:

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +62,8 @@ class BenchTarget:
 
 @contextlib.asynccontextmanager
 async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[BenchTarget]:
-    """``--addr``'s cluster, or an embedded one (``--cluster``) in ``workdir``, stopped on exit."""
+    """``--addr``'s cluster, or an embedded one (``--cluster``, ``--fsync``) in ``workdir``,
+    stopped on exit."""
     tls = from_options(TlsConfig, ns)
     if ns.addr is not None:
         yield BenchTarget(ns.addr, token_from_file(ns.token_file), tls=tls)
@@ -70,7 +71,7 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
     if ns.cluster == "processes":
         from kvfs.launcher import ProcessCluster
 
-        args = tuple(tls_argv(tls))
+        args = (*tls_argv(tls), "--fsync", str(ns.fsync))
         pc = ProcessCluster(workdir / "cluster", ns.chunkservers, listen="127.0.0.1:0",
                             meta_args=args, chunkserver_args=args)
         await pc.start()
@@ -83,6 +84,8 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
 
     lc = LocalCluster(workdir / "cluster", ns.chunkservers,
                       tls=tls if tls.tls_cert is not None else None)
+    lc.meta_config = replace(lc.meta_config, fsync=ns.fsync)
+    lc.cs_template = replace(lc.cs_template, fsync=ns.fsync)
     await lc.start()
     try:
         yield BenchTarget(lc.addr, lc.token, lc, "inproc", lc.admin_token, tls)

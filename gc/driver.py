@@ -33,6 +33,7 @@ from kvfs.handshake import Role
 from kvfs.protocol import Buffer, Scatter
 from kvfs.rpc import R, Request
 from kvfs.tls import client_context
+from kvfs.writepath import write_tombstones
 
 log = logging.getLogger("kvfs.gc")
 
@@ -147,6 +148,7 @@ class GarbageCollector:
         self._link = ClusterLink(metas, self.token, request_timeout_s=request_timeout_s,
                                  tls=client_context(tls), spread_meta=False)
         self._usage: dict[int, rpc.ChunkStatsReply] = {}
+        self._write_id = 0  # the last tombstone write id (drop_shadowed)
 
     async def __aenter__(self) -> GarbageCollector:
         await self.meta(rpc.Ping())
@@ -233,21 +235,52 @@ class GarbageCollector:
         total = (await self.meta(rpc.GcExpire(apply=False))).keys
         while True:
             h = await self.meta(rpc.GcExpire(apply=True, limit=opts.expire_batch))
-            report.expired_keys += h.keys
-            report.expired_bytes += h.bytes
+            n, nbytes = h.keys, h.bytes
+            if h.shadowed:
+                t = await self.drop_shadowed(h.shadowed, evict=False)
+                n, nbytes = n + t.keys, nbytes + t.bytes
+            report.expired_keys += n
+            report.expired_bytes += nbytes
             self.report_progress("expire", report.expired_keys, max(total, report.expired_keys))
-            if not h.more or not h.keys:
+            if not h.more or not n:
                 break
 
     async def evict(self, opts: PassOptions, report: PassReport) -> None:
         # a dry run skipped the expire phase: pick as if it had run, as --apply would
-        h = await self.meta(rpc.GcEvict(high=opts.high, low=opts.low, apply=opts.apply,
-                                        after_expire=not opts.apply and opts.expire))
-        report.evicted_keys += h.keys
-        report.evicted_bytes += h.bytes
+        req = rpc.GcEvict(high=opts.high, low=opts.low, apply=opts.apply,
+                          after_expire=not opts.apply and opts.expire)
+        h = await self.meta(req)
         report.leased_skipped += h.leased
-        if h.keys:
-            self.report_progress("evict", h.keys, h.keys)
+        n, nbytes = h.keys, h.bytes
+        while h.shadowed:  # then the keys it left go with tombstones, and it chooses again
+            t = await self.drop_shadowed(h.shadowed, evict=True)
+            n, nbytes = n + t.keys, nbytes + t.bytes
+            if not t.keys:
+                break
+            h = await self.meta(req)
+            n, nbytes = n + h.keys, nbytes + h.bytes
+        report.evicted_keys += n
+        report.evicted_bytes += nbytes
+        if n:
+            self.report_progress("evict", n, n)
+
+    async def drop_shadowed(self, shadowed: Sequence[rpc.Shadowed], *, evict: bool) -> rpc.Tombstoned:
+        """Keys GC_EXPIRE or GC_EVICT left for a tombstone (an older record of each may outlive
+        the current one): write their tombstones (:func:`kvfs.writepath.write_tombstones`, on
+        as many servers as the keys have replicas), then GC_TOMBSTONE removes the keys keeping
+        them, so a rebuild of meta never serves the older record.  No server took them: none
+        is removed (the next pass tries again)."""
+        keys = [s.key for s in shadowed]
+        replicas = max((len(x.replicas) for s in shadowed for x in s.layout.extents), default=1)
+        self._write_id = max(self._write_id + 1, time.time_ns())  # as a client's delete's
+        try:
+            where = await write_tombstones(self._link, keys, replicas, self._write_id)
+        except KVFSError as exc:
+            log.warning("cannot write the tombstones of %d keys to drop, kept for now: %s", len(keys), exc)
+            return rpc.Tombstoned(keys=0, bytes=0)
+        return await self.meta(rpc.GcTombstone(
+            items=[rpc.TombstoneDrop(s.key, s.layout, w) for s, w in zip(shadowed, where, strict=True)],
+            evict=evict))
 
     async def _plan(self, opts: PassOptions, threshold: float | None = None, *,
                     dry: bool = False) -> rpc.Plan:

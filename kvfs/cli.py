@@ -287,7 +287,8 @@ async def cmd_stat(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(st, default=str))
         return 0
-    print(f"keys: {st['keys']}   bytes: {format_size(st['bytes'])}")
+    print(f"keys: {st['keys']}   bytes: {format_size(st['bytes'])}   "
+          f"overflow leases: {st.get('leases_overflowed', 0)}")
     from kvfs.gc.cli import format_repair
 
     print(format_repair(st.get("gc", {}).get("repair"), st.get("gc", {}).get("metrics", {})))

@@ -568,12 +568,34 @@ class AsyncClient:
     async def exists_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bool]:
         """Which keys are present (unexpired and readable).  ``lease_s``: those are kept
         from eviction that long, or until :meth:`release`."""
+        request = self.exists_request(keys, lease_s)
+        return [] if request is None else (await self._link.call_meta(request)).exists
+
+    # the requests of the calls that are one meta RPC, checked (None: no keys, no RPC); the
+    # blocking client sends them from its callers' threads (kvfs.blocking)
+    def exists_request(self, keys: Iterable[Key], lease_s: float | None) -> rpc.Exists | None:
         ks = norm_keys(keys)
         if not ks:
-            return []
+            return None
         _check_lease(lease_s)
-        return (await self._link.call_meta(rpc.Exists(
-            keys=ks, lease_s=lease_s, holder=self.lease_holder if lease_s else ""))).exists
+        return rpc.Exists(keys=ks, lease_s=lease_s, holder=self.lease_holder if lease_s else "")
+
+    def match_prefix_request(self, keys: Iterable[Key], lease_s: float | None,
+                             ) -> rpc.MatchPrefix | None:
+        ks = norm_keys(keys)
+        if not ks:
+            return None
+        _check_lease(lease_s)
+        return rpc.MatchPrefix(keys=ks, lease_s=lease_s, holder=self.lease_holder if lease_s else "")
+
+    def release_request(self, keys: Iterable[Key]) -> rpc.Release | None:
+        ks = norm_keys(keys)
+        return rpc.Release(keys=ks, holder=self.lease_holder) if ks else None
+
+    @property
+    def link(self) -> ClusterLink:
+        """The cluster's connections (:mod:`kvfs.cluster`)."""
+        return self._link
 
     async def get_meta(self, keys: Iterable[Key]) -> list[dict[str, Any] | None]:
         """Each key's metadata (``put(..., meta=)``): a dict, ``{}`` for a key stored
@@ -589,10 +611,8 @@ class AsyncClient:
         """End this client's leases of keys (taken by ``lease_s`` on any lookup; its
         :attr:`lease_holder`'s) before they expire; returns how many keys it had one on.
         Other holders' leases stay: GC may evict a key again once no holder leases it."""
-        ks = norm_keys(keys)
-        if not ks:
-            return 0
-        return (await self._link.call_meta(rpc.Release(keys=ks, holder=self.lease_holder))).released
+        request = self.release_request(keys)
+        return 0 if request is None else (await self._link.call_meta(request)).released
 
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
@@ -603,12 +623,8 @@ class AsyncClient:
 
     async def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         """How many leading keys are present and unexpired (optionally leased)."""
-        ks = norm_keys(keys)
-        if not ks:
-            return 0
-        _check_lease(lease_s)
-        return (await self._link.call_meta(rpc.MatchPrefix(
-            keys=ks, lease_s=lease_s, holder=self.lease_holder if lease_s else ""))).n
+        request = self.match_prefix_request(keys, lease_s)
+        return 0 if request is None else (await self._link.call_meta(request)).n
 
     async def delete_many(self, keys: Iterable[Key]) -> int:
         ks = norm_keys(keys)

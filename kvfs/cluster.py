@@ -19,7 +19,8 @@ marked down here for ``down_for_s``: placement and reads skip it at once instead
 of waiting for meta to notice, and a refresh from meta does not undo the mark
 (a call to it that succeeds does; see :meth:`ClusterLink.mark_down`).
 :mod:`kvfs.transport` is the one connection underneath; this module is the only
-place that pools them.
+place that pools them (:mod:`kvfs.blocking` keeps the blocking client's few plain
+sockets to meta, for calls made in its callers' threads).
 
 A link belongs to one event loop at a time (:meth:`ClusterLink.bind_loop`): it binds
 to the first loop that uses it, moves to another once nothing is open, and refuses
@@ -210,6 +211,14 @@ class ClusterLink:
             if conn is None or conn.is_closed:
                 conn = self._metas[ep] = await self._open(*ep)
         return conn
+
+    def metas_up(self) -> list[Endpoint]:
+        """The metas (resolved by the first meta call; none before it) not marked down, in
+        order.  Safe to read from other threads (the blocking client's meta sockets,
+        :mod:`kvfs.blocking`): it only reads."""
+        now = time.monotonic()
+        down = self._meta_down_until
+        return [e for e in self._endpoints if down.get(e, 0.0) <= now]
 
     def _meta_failed(self, ep: Endpoint) -> None:
         self._meta_down_until[ep] = time.monotonic() + self.down_for_s

@@ -88,6 +88,10 @@ class ServerConfig(TlsConfig):
                                      "pauses until replies drain", 64)
     max_inflight_bytes: int = opt("request and reply bytes held per connection; past it, reading "
                                   "pauses until replies drain", 64 * MiB)
+    receive_pool_bytes: int = opt("request payloads of 1 MiB or more (appends) are received into "
+                                  "buffers kept for reuse (no fresh pages to zero and fault in per "
+                                  "request); at most this many bytes of them are kept between "
+                                  "requests, per server (0: a fresh buffer each)", 64 * MiB)
     bind_auth_to_addresses: bool = opt("refuse a handshake made for other addresses than this "
                                        "connection's (a relay); turn off behind NAT or a proxy",
                                        True)
@@ -224,7 +228,15 @@ class ClientConfig(TlsConfig):
                                    "share their leases; \"\" is the holder of clients that name "
                                    "none; default: a random id per client and process", None)
 
+    meta_sockets: int = opt("the blocking kvfs.Client's own connections to meta, opened as "
+                            "needed: each carries one exists_many/match_prefix/release at a "
+                            "time in the calling thread, skipping the hop to the client's IO "
+                            "thread; calls finding none free take that hop (0: every call "
+                            "does)", 4)
+
     def __post_init__(self) -> None:
+        if self.meta_sockets < 0:
+            raise ValueError(f"meta_sockets must be >= 0 (0: none), got {self.meta_sockets}")
         h = self.lease_holder
         if h is not None and (len(h) > MAX_HOLDER_CHARS
                               or not re.fullmatch(f"[{HOLDER_CHARS}]*", h)):
@@ -358,13 +370,25 @@ class MountConfig:
                                        "leaves the kernel's 128 KiB): a large file's reads reach "
                                        "the mount as requests this big (the kernel caps them at "
                                        "1 MiB)", 1 * MiB)
+    negative_timeout_s: float = opt("a name missing from its directory's listing made at most this "
+                                    "long ago is answered as missing without asking meta (the "
+                                    "listing is made in the background, at most once per directory "
+                                    "and period); so another node's new file there can stay hidden "
+                                    "this long, and O_EXCL may not see it (0: every lookup asks "
+                                    "meta)", 0.0)
+    negative_listing_keys: int = opt("--negative-timeout: most keys one directory's listing holds (a "
+                                     "larger directory is not listed again for a minute, and its "
+                                     "lookups ask meta)", 4096, positive=True)
+    negative_listing_dirs: int = opt("--negative-timeout: most directories whose listing is kept "
+                                     "(the least recently listed goes)", 16, positive=True)
 
     def __post_init__(self) -> None:
         for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
-                     "kernel_read_ahead_bytes"):
+                     "kernel_read_ahead_bytes", "negative_timeout_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
-        for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight"):
+        for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight",
+                     "negative_listing_keys", "negative_listing_dirs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be at least 1")
 

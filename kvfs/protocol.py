@@ -126,6 +126,73 @@ def _default_alloc(head: FrameHead) -> bytearray:
     return bytearray(head.payload_len)
 
 
+def _unshared(buf: bytearray) -> bool:
+    """No view of ``buf`` is alive anywhere: a bytearray with exported views cannot be
+    resized.  A one-byte shrink and regrow inside its allocation: no copy."""
+    try:
+        last = buf.pop()
+    except BufferError:
+        return False
+    buf.append(last)
+    return True
+
+
+class ReceivePool:
+    """Large request payloads (a chunkserver's APPEND values) received into buffers kept
+    for reuse, a :data:`PayloadAllocator`: a fresh buffer costs zeroing and a page fault per
+    4 KiB on every request, and the values go straight from this buffer to ``pwritev``.
+
+    :meth:`give` takes a payload back once its request is done.  A buffer is kept only
+    while no view of it is alive anywhere (:func:`_unshared`: e.g. a write still running
+    in a thread holds its views), so bytes being used are never received over; and at most
+    ``max_bytes`` of buffers are kept between requests (0: none, a fresh buffer each).
+    Payloads under ``min_bytes`` get a fresh buffer, as before.
+    """
+
+    GRAIN = 1 << 20  # buffers are made in whole MiB, so one fits payloads of nearby sizes
+
+    def __init__(self, max_bytes: int, min_bytes: int = 1 << 20) -> None:
+        self.max_bytes = max_bytes
+        self.min_bytes = min_bytes
+        self._free: list[bytearray] = []
+        self.kept_bytes = 0  # in the free list now
+        self.reused = 0  # payloads received into a kept buffer (a counter, for tests)
+
+    def __call__(self, head: FrameHead) -> bytearray | memoryview:
+        n = head.payload_len
+        if n < self.min_bytes or not self.max_bytes:
+            return bytearray(n)
+        free = self._free
+        best = -1
+        for i, buf in enumerate(free):  # the smallest kept buffer that fits
+            if len(buf) >= n and (best < 0 or len(buf) < len(free[best])):
+                best = i
+        if best >= 0:
+            buf = free.pop(best)
+            self.kept_bytes -= len(buf)
+            self.reused += 1
+        else:
+            buf = bytearray(-(-n // self.GRAIN) * self.GRAIN)
+        return memoryview(buf)[:n]
+
+    def give(self, payload: object) -> None:
+        """``payload`` (what this pool handed out, or any other payload: ignored) is no
+        longer used by its request."""
+        if not isinstance(payload, memoryview) or not isinstance(payload.obj, bytearray):
+            return
+        buf = payload.obj
+        try:
+            payload.release()
+        except BufferError:  # something still reads through this very view
+            return
+        if len(buf) < self.min_bytes or self.kept_bytes + len(buf) > self.max_bytes:
+            return
+        if not _unshared(buf):  # a view is still alive (e.g. a write still running)
+            return
+        self._free.append(buf)
+        self.kept_bytes += len(buf)
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 
 

@@ -134,6 +134,7 @@ class Op(enum.IntEnum):
     CHUNK_SCAN = 60
     # garbage collection: meta, continued (64-)
     GC_DECOMMISSION = 64
+    GC_TOMBSTONE = 65
 
 
 ANYONE = (Role.CLIENT, Role.ADMIN, Role.SERVER)
@@ -378,6 +379,8 @@ class StatsReply(Response, frozen=True, kw_only=True):
     servers: Items[ServerStats]
     time: Timestamp
     gc: GcSummary
+    leases_overflowed: Count = 0  # leases this meta gave the overflow holder (past
+    #                               --max-lease-holders on a key) since it started
 
 
 class Stats(Request[StatsReply], frozen=True, kw_only=True):
@@ -625,10 +628,19 @@ class GcStatus(Request[GcStatusReply], frozen=True, kw_only=True):
     pass
 
 
+class Shadowed(NamedTuple):
+    """A key the GC expires or evicts only with a tombstone: an older record of it may
+    outlive this one on the chunks (:mod:`kvfs.meta.tombstones`); GC_TOMBSTONE drops it."""
+
+    key: Key
+    layout: Layout
+
+
 class Expired(Response, frozen=True, kw_only=True):
     keys: Count
     bytes: Count
     more: bool
+    shadowed: Items[Shadowed] = []  # expired, not removed: write their tombstones, then GC_TOMBSTONE
 
 
 class GcExpire(Request[Expired], frozen=True, kw_only=True):
@@ -647,6 +659,7 @@ class Evicted(Response, frozen=True, kw_only=True):
     leased: Count
     servers: Table[ServerId, EvictTarget]
     short: Table[ServerId, Count]  # bytes still to free after eviction
+    shadowed: Items[Shadowed] = []  # chosen, not removed: write their tombstones, then GC_TOMBSTONE
 
 
 class GcEvict(Request[Evicted], frozen=True, kw_only=True):
@@ -790,6 +803,26 @@ class GcDropReplicas(Request[Dropped], frozen=True, kw_only=True):
     items: Items[BadReplica]
 
 
+class TombstoneDrop(NamedTuple):
+    key: Key
+    layout: Layout  # as GC_EXPIRE or GC_EVICT named it: the key is removed only if it still has it
+    tombstone: Annotated[list[Replica], msgspec.Meta(min_length=1, max_length=MAX_REPLICAS)]
+
+
+class Tombstoned(Response, frozen=True, kw_only=True):
+    keys: Count
+    bytes: Count  # the removed values' bytes on disk, every replica
+
+
+class GcTombstone(Request[Tombstoned], frozen=True, kw_only=True):
+    """Remove keys GC_EXPIRE or GC_EVICT left for a tombstone (``shadowed``), keeping the
+    tombstone the GC wrote for each, compare-and-swap: each key still with that layout, and
+    still expired (``evict``: or without a lease)."""
+
+    items: NonEmpty[TombstoneDrop]
+    evict: bool = False
+
+
 class RoomMade(Response, frozen=True, kw_only=True):
     expired_keys: Count
     evicted_keys: Count
@@ -919,7 +952,7 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.DELETE, Service.META, Delete, "forget keys (keeping the tombstones named); their bytes become garbage", DATA),
     Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease (the holder's)", DATA),
     Rpc(Op.LIST, Service.META, ListKeys, "keys under a prefix, one page in key order", DATA),
-    Rpc(Op.STATS, Service.META, Stats, "keys, bytes, per-server usage, GC summary", DATA),
+    Rpc(Op.STATS, Service.META, Stats, "keys, bytes, per-server usage, GC summary, leases past --max-lease-holders", DATA),
     Rpc(Op.REGISTER, Service.META, Register, "a chunkserver joins (or rejoins) the cluster", SERVER),
     Rpc(Op.HEARTBEAT, Service.META, Heartbeat, "a chunkserver's usage and chunk table", SERVER_OR_ADMIN),
     Rpc(Op.SERVERS, Service.META, Servers, "the chunkservers meta knows", DATA),
@@ -945,6 +978,9 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.GC_CONTROL, Service.META, GcControl, "pause or resume GC; a GC daemon takes its turn (holder, lease_s)", ADMIN),
     Rpc(Op.GC_REPORT, Service.META, GcReport, "a finished pass's report", ADMIN),
     Rpc(Op.GC_DROP_REPLICAS, Service.META, GcDropReplicas, "fsck repair: forget bad replicas", ADMIN),
+    Rpc(Op.GC_TOMBSTONE, Service.META, GcTombstone,
+        "remove expired or evicted keys with older records, keeping the tombstones the GC wrote "
+        "(compare-and-swap)", ADMIN),
     Rpc(Op.GC_REPAIR_PLAN, Service.META, GcRepairPlan,
         "extents that lost a replica to a dead server, to copy", ADMIN),
     Rpc(Op.GC_REPAIR, Service.META, GcRepair,

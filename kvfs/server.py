@@ -41,6 +41,7 @@ from kvfs.protocol import (
     Flag,
     Frame,
     Limits,
+    ReceivePool,
     Scatter,
     encode_frame,
 )
@@ -108,6 +109,8 @@ class RpcServer:
                 if fn is not None:
                     self.handlers[int(op)] = (fn, rpc.request)
         self.peer_log = PeerLog(config.bad_request_log_interval_s)
+        # large request payloads land in reused buffers, shared by every connection
+        self.receive_pool = ReceivePool(config.receive_pool_bytes)
         self.tls = server_context(config, f"{service.value} server")  # None: plaintext
         self._server: asyncio.base_events.Server | None = None
         self.connections: set[_ServerProtocol] = set()
@@ -150,7 +153,8 @@ class _ServerProtocol(FrameProtocol):
 
     def __init__(self, server: RpcServer) -> None:
         cfg = server.config
-        super().__init__(server.handshake_limits, scratch_bytes=cfg.max_handshake_bytes)
+        super().__init__(server.handshake_limits, server.receive_pool,
+                         scratch_bytes=cfg.max_handshake_bytes)
         self.server = server
         self.nonce = new_nonce()
         self.authed = False
@@ -338,6 +342,7 @@ class _ServerProtocol(FrameProtocol):
         try:
             charged = await self._serve(handler, request, frame, charged)
         finally:
+            self.server.receive_pool.give(frame.payload)
             self.inflight_requests -= 1
             self.inflight_bytes -= charged
             self._check_backpressure()
@@ -347,7 +352,7 @@ class _ServerProtocol(FrameProtocol):
         the bytes charged to this request (grown to the answer's real size)."""
         name = Op(frame.op).name
         try:
-            assert not isinstance(frame.payload, Scatter)  # servers use the default allocator
+            assert not isinstance(frame.payload, Scatter)  # servers receive into one buffer
             header, payload = await handler(request, memoryview(frame.payload))
             reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE)
         except KVFSError as exc:

@@ -264,7 +264,7 @@ class StreamPut:
 
 
 async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | bytes, int]],
-                     ) -> list[tuple[ValueReader, int, bytes] | None]:
+                     ) -> list[tuple[ValueReader, int, bytes | bytearray] | None]:
     """For each ``(reader or key, offset)``: the stripe unit holding that offset, as
     ``(reader, unit start, bytes)`` (``b""`` at or past the end), or None for a key that is
     missing.  Keys are looked up in one call, to readers pinned to their layouts; every unit
@@ -291,7 +291,7 @@ async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | by
             slots.append(i)
             subs.append(Layout(e.length, 0, r.layout.created, r.layout.expires_at, (e,)))
             bufs.append(bytearray(e.length))
-    got: dict[int, bytes] = {}
+    got: dict[int, bytes | bytearray] = {}
     lost: set[int] = set()
     if slots:
         ours = [readers[i] for i in slots]
@@ -313,8 +313,8 @@ async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | by
                 await r._follow()
                 got[i] = await r.read(starts[i], starts[i] + len(bufs[j]))
             else:
-                got[i] = bytes(bufs[j])
-    out: list[tuple[ValueReader, int, bytes] | None] = []
+                got[i] = bufs[j]  # not copied: nobody writes it again
+    out: list[tuple[ValueReader, int, bytes | bytearray] | None] = []
     for i, r in enumerate(readers):
         out.append(None if r is None or i in lost else (r, starts[i], got.get(i, b"")))
     return out

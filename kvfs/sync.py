@@ -4,6 +4,11 @@ Every call blocks; every ``submit_*`` call returns a :class:`concurrent.futures.
 at once, from any thread (an engine's scheduler, a worker pool, the IO loop itself),
 so engines can start loads and stores and collect them later.  A client inherited
 through ``fork()`` notices in the child and reconnects there on its next call.
+
+A blocking call that is one meta RPC (``exists_many``, ``match_prefix``, ``release``) is
+made in the caller's own thread, on one of the client's few blocking sockets to meta
+(:mod:`kvfs.blocking`), when one is free: the IO thread's hop costs more thread wake-ups
+than such a call costs CPU.
 """
 
 from __future__ import annotations
@@ -16,10 +21,12 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvfs._loop import new_event_loop
+from kvfs.blocking import MetaSockets
 from kvfs.client import AsyncClient, KeyInfo, Value
 from kvfs.config import ClientConfig
 from kvfs.errors import LocalProtocolError
 from kvfs.layout import Key, Layout
+from kvfs.rpc import R, Request
 
 T = TypeVar("T")
 _STOPPED_POLL_S = 0.1  # an interrupted call's wait looks this often whether the IO loop stopped
@@ -188,11 +195,16 @@ class Client:
         self._closing = False
         self._start_io()
         try:
-            self.aio = AsyncClient(addr, token=token, config=config)
-            self._run(self.aio.open())
+            self.aio = aio = AsyncClient(addr, token=token, config=config)
+            self._run(aio.open())
         except BaseException:
             self._stop()
             raise
+        cfg = aio.config
+        self._meta_sockets = MetaSockets(aio.link, most=cfg.meta_sockets,
+                                         connect_timeout_s=cfg.connect_timeout_s,
+                                         request_timeout_s=cfg.request_timeout_s,
+                                         down_for_s=cfg.down_for_s)
 
     def _start_io(self) -> None:
         self._pid = os.getpid()
@@ -253,6 +265,22 @@ class Client:
         self._admit(call)
         return self._wait(call, loop)
 
+    def _meta(self, request: Request[R]) -> R:
+        """One meta RPC, blocking: sent and answered in this thread on a free blocking
+        socket (:mod:`kvfs.blocking`), else through the IO loop as every other call.
+        close() meanwhile ends it with ``LocalProtocolError`` (closed)."""
+        if self._pid != os.getpid():
+            self._after_fork()
+        if self._closing or self._loop.is_closed():
+            raise LocalProtocolError("kvfs.Client is closed")
+        if threading.current_thread() is not self._thread:  # (there: _run says why not)
+            answer = self._meta_sockets.call(request)
+            if answer is not None:
+                return answer
+            if self._closing:
+                raise LocalProtocolError(_CLOSED)
+        return self._run(self.aio.link.call_meta(request))
+
     @staticmethod
     def _wait(call: _Call, loop: asyncio.AbstractEventLoop) -> Any:
         loop.call_soon_threadsafe(call.start, loop)
@@ -292,6 +320,7 @@ class Client:
         if self._loop.is_closed():
             return
         self._closing = True  # calls made from now on are refused
+        self._meta_sockets.close()  # and those on the blocking sockets end now
         try:
             self._wait(_Call(self._close(), self._calls), self._loop)
         finally:
@@ -335,13 +364,16 @@ class Client:
         return self._run(self.aio.exists(key))
 
     def exists_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bool]:
-        return self._run(self.aio.exists_many(keys, lease_s=lease_s))
+        request = self.aio.exists_request(keys, lease_s)
+        return [] if request is None else self._meta(request).exists
 
     def release(self, keys: Iterable[Key]) -> int:
-        return self._run(self.aio.release(keys))
+        request = self.aio.release_request(keys)
+        return 0 if request is None else self._meta(request).released
 
     def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
-        return self._run(self.aio.match_prefix(keys, lease_s=lease_s))
+        request = self.aio.match_prefix_request(keys, lease_s)
+        return 0 if request is None else self._meta(request).n
 
     # futures: start now, collect later (from any thread) ---------------------
     def submit_put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,

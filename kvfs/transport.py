@@ -94,6 +94,65 @@ class _ClientProtocol(FrameProtocol):
         self.pending.clear()
 
 
+def peer_name(host: str, port: int, server_name: str | None) -> str:
+    """How errors name a server: ``HOST:PORT``, or the name TLS checks and the address."""
+    return f"{host}:{port}" if server_name is None else f"{server_name} ({host}:{port})"
+
+
+def connect_failure(exc: OSError, name: str, tls: bool, timeout_s: float) -> KVFSError:
+    """What a failed connect (the TCP connect, or the TLS handshake with it) to ``name`` means."""
+    if isinstance(exc, TimeoutError):
+        return Timeout(f"connecting to {name} timed out after {timeout_s}s"
+                       + (" (in the TLS handshake?)" if tls else ""))
+    if isinstance(exc, ssl.SSLError) or (
+            tls and isinstance(exc, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError))):
+        return tls_failure(exc, name)
+    return Unavailable(f"cannot connect to {name}: {exc.strerror or exc}")
+
+
+def handshake_timeout(name: str, tls: bool, no_hello: bool, timeout_s: float) -> Timeout:
+    """The token handshake with ``name`` did not finish in time (``no_hello``: the server
+    never said HELLO, as a TLS server does to a plaintext client)."""
+    hint = f" ({PLAINTEXT_HINT})" if not tls and no_hello else ""
+    return Timeout(f"handshake with {name} timed out after {timeout_s}s{hint}")
+
+
+def answer_hello(token: str, frame: Frame, name: str, *, local: Any, peer: Any,
+                 ) -> tuple[Hello, dict[str, Any]]:
+    """A server's HELLO, checked, and the AUTH header that answers it (its MAC binds the
+    connection's two ends, ``local`` and ``peer`` as the client's socket names them)."""
+    version = frame.header.get("version")
+    if version != PROTOCOL_VERSION:
+        raise RemoteProtocolError(f"{name} speaks protocol {version}, we speak {PROTOCOL_VERSION}")
+    try:
+        hello = decode(frame.header, Hello)
+    except msgspec.ValidationError as exc:
+        raise RemoteProtocolError(f"{name} sent a bad HELLO: {exc}") from None
+    return hello, client_auth(token, frame.header, new_nonce(), local=endpoint(local),
+                              peer=endpoint(peer))
+
+
+def request_frame(op: Op, rid: int, header: dict[str, Any] | msgspec.Struct | None,
+                  payload: Sequence[Buffer] = ()) -> list[Buffer]:
+    """A request's frame (:func:`kvfs.protocol.encode_frame`); a header msgpack refuses is
+    the caller's error."""
+    try:
+        return encode_frame(op, rid, header, payload)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise LocalProtocolError(f"cannot encode {op.name} request: {exc}") from None
+
+
+def answer_of(op: Op, frame: Frame, name: str) -> Any:
+    """The typed answer (:data:`kvfs.rpc.RPCS`) in a response frame from ``name``; an
+    error frame raises its error."""
+    if frame.is_error:
+        raise from_wire(frame.header)
+    try:
+        return decode(frame.header, RPCS[op].response)
+    except msgspec.ValidationError as exc:
+        raise RemoteProtocolError(f"{name} sent a bad {op.name} answer: {exc}") from None
+
+
 class Connection:
     """An authenticated connection carrying many requests in flight."""
 
@@ -121,48 +180,30 @@ class Connection:
         """``tls``: speak TLS, verifying the server's certificate names ``server_name``
         (default ``host``; a name resolved to ``host`` by the caller) (:func:`kvfs.tls.client_context`);
         None: plaintext."""
-        name = f"{host}:{port}" if server_name is None else f"{server_name} ({host}:{port})"
+        name = peer_name(host, port, server_name)
         loop = asyncio.get_running_loop()
         try:
             async with asyncio.timeout(connect_timeout_s):
                 _, proto = await loop.create_connection(
                     lambda: _ClientProtocol(name, limits, tls is not None), host, port,
                     **connect_options(tls, server_name or host, connect_timeout_s))
-        except TimeoutError:
-            raise Timeout(f"connecting to {name} timed out after {connect_timeout_s}s"
-                          + (" (in the TLS handshake?)" if tls is not None else "")) from None
-        except ssl.SSLError as exc:
-            raise tls_failure(exc, name) from None
-        except (ConnectionResetError, ConnectionAbortedError, BrokenPipeError) as exc:
-            if tls is None:
-                raise Unavailable(f"cannot connect to {name}: {exc.strerror or exc}") from None
-            raise tls_failure(exc, name) from None
-        except OSError as exc:
-            raise Unavailable(f"cannot connect to {name}: {exc.strerror or exc}") from None
+        except (TimeoutError, OSError) as exc:  # ssl.SSLError is an OSError
+            raise connect_failure(exc, name, tls is not None, connect_timeout_s) from None
         conn = cls(proto, name, request_timeout_s)
         try:
             async with asyncio.timeout(connect_timeout_s):
                 frame = await proto.hello
-                version = frame.header.get("version")
-                if version != PROTOCOL_VERSION:
-                    raise RemoteProtocolError(f"{name} speaks protocol {version}, we speak {PROTOCOL_VERSION}")
-                try:
-                    hello = decode(frame.header, Hello)
-                except msgspec.ValidationError as exc:
-                    raise RemoteProtocolError(f"{name} sent a bad HELLO: {exc}") from None
                 assert proto.transport is not None
-                auth = client_auth(token, frame.header, new_nonce(),
-                                   local=endpoint(proto.transport.get_extra_info("sockname")),
-                                   peer=endpoint(proto.transport.get_extra_info("peername")))
+                hello, auth = answer_hello(token, frame, name,
+                                           local=proto.transport.get_extra_info("sockname"),
+                                           peer=proto.transport.get_extra_info("peername"))
                 reply = await conn.call(decode(auth, Auth))
                 conn.role = check_server_proof(token, frame.header, auth, to_dict(reply), name)
                 conn.service = hello.service
         except TimeoutError:
             conn.close()
             no_hello = proto.hello.cancelled() or not proto.hello.done()
-            hint = f" ({PLAINTEXT_HINT})" if tls is None and no_hello else ""
-            raise Timeout(f"handshake with {name} timed out after {connect_timeout_s}s{hint}"
-                          ) from None
+            raise handshake_timeout(name, tls is not None, no_hello, connect_timeout_s) from None
         except BaseException:
             conn.close()
             raise
@@ -189,10 +230,7 @@ class Connection:
         """
         op = OP_OF[type(request)]
         frame = await self.call_raw(op, request, payload, timeout_s=timeout_s, sink=sink)
-        try:
-            answer: R = decode(frame.header, RPCS[op].response)  # type: ignore[assignment]
-        except msgspec.ValidationError as exc:
-            raise RemoteProtocolError(f"{self.name} sent a bad {op.name} answer: {exc}") from None
+        answer: R = answer_of(op, frame, self.name)
         return answer, frame.payload
 
     async def call_raw(
@@ -205,15 +243,12 @@ class Connection:
         sink: Sink | None = None,
     ) -> Frame:
         """Send one request with any header (tests feed servers malformed ones) and wait
-        for its response frame; error frames raise."""
+        for its response frame; error frames raise (:func:`answer_of` decodes it)."""
         proto = self._proto
         if proto.closed.is_set():
             raise proto.error or Unavailable(f"connection to {self.name} is closed")
         rid = next(self._ids)
-        try:
-            frame_out = encode_frame(op, rid, header, payload)
-        except (TypeError, ValueError, OverflowError) as exc:  # msgpack refuses the header
-            raise LocalProtocolError(f"cannot encode {op.name} request: {exc}") from None
+        frame_out = request_frame(op, rid, header, payload)
         fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         proto.pending[rid] = fut
         if sink is not None:

@@ -129,34 +129,9 @@ class WritePath:
         return self._write_id
 
     async def tombstones(self, keys: list[bytes]) -> list[list[Replica]]:
-        """Record deletes in chunks before meta forgets the keys (one APPEND of empty
-        records per server, on ``replicas`` servers or as many as are live), so a rebuild of
-        meta from the chunks keeps them deleted; returns where each key's went, for DELETE
-        (meta keeps them: :mod:`kvfs.meta.tombstones`).  Raises when no server took them:
-        the delete is then not made."""
-        wid = self.next_write_id()
-        live = [s for s in await self._link.servers() if s.usable]
-        if not live:
-            raise Unavailable(f"no live chunkserver to record the tombstones of {len(keys)} deleted "
-                              "keys on: nothing was deleted")
-        targets = [s.server_id for s in order_by_free(live)[: max(1, self.config.replicas)]]
-        recs = [rpc.RecordHead(k, 0, 0, None, wid, 0, 0, 0, True) for k in keys]
-        results = await asyncio.gather(*(self._link.call_server(sid, rpc.Append(records=recs))
-                                         for sid in targets), return_exceptions=True)
-        out: list[list[Replica]] = [[] for _ in keys]
-        errors: list[BaseException] = []
-        for sid, res in zip(targets, results, strict=True):
-            if isinstance(res, BaseException):
-                errors.append(res)
-                continue
-            for where, loc in zip(out, res[0].locations, strict=True):
-                where.append(Replica(sid, loc.chunk_id, loc.offset))
-        for exc in errors:
-            if not isinstance(exc, KVFSError) or not out[0]:
-                raise exc
-            log.warning("a delete's tombstones reached %d of %d chunkservers: %s", len(out[0]),
-                        len(targets), exc)
-        return out
+        """Record deletes in chunks before meta forgets the keys (:func:`write_tombstones`,
+        on ``replicas`` servers); returns where each key's went, for DELETE."""
+        return await write_tombstones(self._link, keys, self.config.replicas, self.next_write_id())
 
     async def _append(self, keys: list[bytes], views: list[list[memoryview]], order: list[int],
                       r: int, ttl: float | None, *, stream_unit: bool, failed: set[int]) -> list[Layout]:
@@ -245,3 +220,35 @@ class WritePath:
                     Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
                     for length, c, where in plan)))
         return out
+
+
+async def write_tombstones(link: ClusterLink, keys: list[bytes], replicas: int, write_id: int,
+                           ) -> list[list[Replica]]:
+    """Tombstone records of ``keys`` (one APPEND of empty records per server, on ``replicas``
+    servers or as many as are live, chosen by free space), so a rebuild of meta from the
+    chunks keeps them deleted; returns where each key's went (meta keeps them:
+    :mod:`kvfs.meta.tombstones`).  Raises when no server took them: the caller then removes
+    nothing.  A client's delete writes them (:meth:`WritePath.tombstones`), and the GC before
+    it drops a key with an older record (:meth:`kvfs.gc.driver.GarbageCollector.expire`)."""
+    live = [s for s in await link.servers() if s.usable]
+    if not live:
+        raise Unavailable(f"no live chunkserver to record the tombstones of {len(keys)} deleted "
+                          "keys on: nothing was deleted")
+    targets = [s.server_id for s in order_by_free(live)[: max(1, replicas)]]
+    recs = [rpc.RecordHead(k, 0, 0, None, write_id, 0, 0, 0, True) for k in keys]
+    results = await asyncio.gather(*(link.call_server(sid, rpc.Append(records=recs)) for sid in targets),
+                                   return_exceptions=True)
+    out: list[list[Replica]] = [[] for _ in keys]
+    errors: list[BaseException] = []
+    for sid, res in zip(targets, results, strict=True):
+        if isinstance(res, BaseException):
+            errors.append(res)
+            continue
+        for where, loc in zip(out, res[0].locations, strict=True):
+            where.append(Replica(sid, loc.chunk_id, loc.offset))
+    for exc in errors:
+        if not isinstance(exc, KVFSError) or not out[0]:
+            raise exc
+        log.warning("a delete's tombstones reached %d of %d chunkservers: %s", len(out[0]),
+                    len(targets), exc)
+    return out

@@ -10,6 +10,11 @@ never undo each other's work:
 - GC_EXPIRE removes keys whose ``expires_at`` passed (an expiry index);
 - GC_EVICT removes least-recently-used, unleased keys of servers over the high
   watermark until their live bytes fit under the low watermark;
+- a key with an older record that could outlive its current one (overwritten, or put
+  again after a delete: :meth:`GcIndex.shadowed`) is not removed by either: it is
+  answered as ``shadowed``, the GC writes its tombstone, and GC_TOMBSTONE removes it
+  keeping that tombstone (compare-and-swap), so a rebuild of meta never serves the
+  older record;
 - GC_RELOCATE points a replica at its compacted copy only if the layout still
   names the old (chunk, offset): a concurrent overwrite or delete wins;
 - GC_RETIRE marks a chunk dead only if no layout references it; a dead chunk
@@ -41,11 +46,12 @@ from collections.abc import Collection, Sequence
 import msgspec
 
 from kvfs import rpc
-from kvfs.errors import InvalidArgument, Unavailable
+from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
 from kvfs.layout import Extent, Layout, Replica
-from kvfs.meta.index import ServerInfo, add_live, disk_bytes
+from kvfs.meta.index import MetaIndex, ServerInfo, add_live, disk_bytes
 from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_replica
 from kvfs.meta.storeapi import GcIndex
+from kvfs.meta.tombstones import tomb_layout
 from kvfs.server import Reply
 
 log = logging.getLogger("kvfs.meta.gc")
@@ -57,11 +63,34 @@ METRIC_NAMES = (
     "tombstones_dropped",
 )
 DAEMON_LEASE = "gc-daemon"  # the lease GC daemons take turns by (GC_CONTROL's holder)
+MAX_SHADOWED = 4096  # keys left for a tombstone per GC_EXPIRE or GC_EVICT answer (the rest: next call)
 
 
 def server_live(s: ServerInfo, live: dict[int, int]) -> int:
     """Live bytes on a server."""
     return sum(live.get(c, 0) for c in s.chunks)
+
+
+async def tombstone_layouts(ix: GcIndex, keys: Sequence[bytes], where: Sequence[Sequence[Replica]],
+                            now: float) -> list[Layout]:
+    """The tombstone kept for each key (DELETE's, GC_TOMBSTONE's), checked like a commit's
+    layouts: one replica per server, each on a server meta knows, in no retired chunk."""
+    if not {r.server_id for reps in where for r in reps} <= ix.servers.keys():
+        await ix.refresh()
+    tombs: list[Layout] = []
+    for key, reps in zip(keys, where, strict=True):
+        if len({r.server_id for r in reps}) != len(reps):
+            raise InvalidArgument(f"tombstone of {key[:64]!r} names one chunkserver twice")
+        for r in reps:
+            if r.server_id not in ix.servers:
+                raise InvalidArgument(f"tombstone of {key[:64]!r} names unknown chunkserver {r.server_id}")
+        lay = tomb_layout(reps, now)
+        # (only SQLite's index keeps tombstones: the Redis store drops them)
+        if isinstance(ix, MetaIndex) and ix.dead_in(lay) is not None:
+            raise StaleLayout(f"tombstone of {key[:64]!r} is in a chunk garbage collection already "
+                              "reclaimed (the delete took longer than the GC grace period); retry the delete")
+        tombs.append(lay)
+    return tombs
 
 
 def dead_in(layout: Layout, dead: Collection[int]) -> bool:
@@ -256,11 +285,14 @@ class MetaGc:
                 sizes.update((k, disk_bytes(lay)) for k, lay in rows)
             n, nbytes = len(sizes), sum(sizes.values())
             return rpc.Expired(keys=n, bytes=nbytes, more=False), ()
-        removed, more = await ix.expire(now, req.limit)
+        removed, more, shadowed = await ix.expire(now, req.limit)
+        if len(shadowed) > MAX_SHADOWED:
+            shadowed, more = shadowed[:MAX_SHADOWED], True
         n, nbytes = len(removed), sum(disk_bytes(lay) for _, lay in removed)
         if n:
             await self._count(keys_expired=n, bytes_expired=nbytes)
-        return rpc.Expired(keys=n, bytes=nbytes, more=more), ()
+        return rpc.Expired(keys=n, bytes=nbytes, more=more,
+                           shadowed=[rpc.Shadowed(k, lay) for k, lay in shadowed]), ()
 
     async def rpc_gc_evict(self, req: rpc.GcEvict, payload: memoryview) -> Reply:
         ix = self.index
@@ -269,14 +301,39 @@ class MetaGc:
                           if not req.apply and req.after_expire else (None, set()))
         victims, leased, report, need = await self._evict_victims(req.high, req.low, req.server_id, now,
                                                                   live_map, gone)
+        shadowed: list[rpc.Shadowed] = []
         if req.apply:
+            older = await ix.shadowed((k for k, _ in victims), now)
+            if older:  # left for a tombstone (GC_TOMBSTONE); past MAX_SHADOWED, for the next call
+                shadowed = [rpc.Shadowed(k, lay) for k, lay in victims if k in older][:MAX_SHADOWED]
+                victims = [(k, lay) for k, lay in victims if k not in older]
             victims = await ix.evict(victims, now)  # those still unleased and unchanged
         n, nbytes = len(victims), sum(disk_bytes(lay) for _, lay in victims)
         if req.apply and n:
             await self._count(keys_evicted=n, bytes_evicted=nbytes)
             log.info("evicted %d keys (%d bytes)", n, nbytes)
         return rpc.Evicted(keys=n, bytes=nbytes, leased=leased, servers=report,
-                           short={sid: v for sid, v in need.items() if v > 0}), ()
+                           short={sid: v for sid, v in need.items() if v > 0}, shadowed=shadowed), ()
+
+    async def rpc_gc_tombstone(self, req: rpc.GcTombstone, payload: memoryview) -> Reply:
+        """Remove the keys GC_EXPIRE or GC_EVICT left for a tombstone, each keeping the
+        tombstone the GC wrote (compare-and-swap: still that layout, still expired or, for
+        an eviction, unleased)."""
+        ix = self.index
+        keys = [it.key for it in req.items]
+        if len(set(keys)) != len(keys):
+            raise InvalidArgument("GC_TOMBSTONE names a key twice")
+        now = ix.clock()
+        tombs = await tombstone_layouts(ix, keys, [it.tombstone for it in req.items], now)
+        removed = await ix.drop_tombstoned([(it.key, it.layout, t) for it, t in zip(req.items, tombs, strict=True)],
+                                           now, evict=req.evict)
+        n, nbytes = len(removed), sum(disk_bytes(lay) for _, lay in removed)
+        if n:
+            if req.evict:
+                await self._count(keys_evicted=n, bytes_evicted=nbytes)
+            else:
+                await self._count(keys_expired=n, bytes_expired=nbytes)
+        return rpc.Tombstoned(keys=n, bytes=nbytes), ()
 
     async def rpc_gc_plan(self, req: rpc.GcPlan, payload: memoryview) -> Reply:
         ix = self.index

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
@@ -173,11 +174,15 @@ class MetaIndex(ServerRegistry):
         self.entries: dict[bytes, Entry] = {}
         self.chunk_live: dict[int, int] = {}
         self.tombstones: dict[bytes, Tomb] = {}  # deleted keys' tombstones kept (kvfs.meta.tombstones)
+        # keys with older records on the chunks -> the latest expiry among them (None: never);
+        # the GC drops these with a tombstone (kvfs.meta.tombstones, "older records")
+        self.older: dict[bytes, float | None] = {}
         self.seq_high: dict[int, int] = {}  # server id -> highest chunk seq a layout named
         self.leases: dict[bytes, dict[str, float]] = {}  # key -> holder -> lease end (storeapi.Lease)
         self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
         self.retired: dict[int, float] = {}  # retired chunks: refused by commit and switch forever
         self.claims: dict[str, tuple[str, float]] = {}  # lease name -> (holder, monotonic end)
+        self.leases_overflowed = 0  # leases given the overflow holder since start (STATS)
         self.commit_groups = 0  # group transactions written (each one sync)
         self._commits: collections.deque[PendingCommit] = collections.deque()
         self._commit_handle: asyncio.Handle | None = None
@@ -201,6 +206,14 @@ class MetaIndex(ServerRegistry):
             self.add_live(layout, +1, key)
         if stale:
             self.store.forget_tombstones(stale)
+        gone = []  # removed, and the row's delete did not reach the disk
+        for key, until in self.store.load_older():
+            if key in self.entries:
+                self.older[key] = until
+            else:
+                gone.append(key)
+        if gone:
+            self.store.forget_older(gone)
         for sid, addr, capacity, free in self.store.load_servers():
             self.servers[sid] = ServerInfo(sid, addr, capacity, free, reported_capacity=capacity,
                                            reported_free=free)
@@ -271,13 +284,27 @@ class MetaIndex(ServerRegistry):
             e.layout = lay
             self.add_live(lay, +1, k)
 
-    def remove(self, keys: Iterable[bytes]) -> list[tuple[bytes, Layout]]:
-        """Delete keys from SQLite (one transaction) and the index; returns the removed ones."""
-        gone = [k for k in keys if k in self.entries]
+    def remove(self, keys: Iterable[bytes], tombstones: dict[bytes, Layout] | None = None, *,
+               sync: bool = True) -> list[tuple[bytes, Layout]]:
+        """Delete keys from SQLite (one transaction; ``sync``: synced whatever ``--fsync``, as
+        GC's changes are) and the index, keeping the tombstones given for them
+        (:mod:`kvfs.meta.tombstones`); returns the removed ones."""
+        gone = list(dict.fromkeys(k for k in keys if k in self.entries))
         if not gone:
             return []
-        with self.store.durable():
-            self.store.delete_many(gone)
+        keep = {k: tombstones[k] for k in gone} if tombstones else {}
+        for lay in keep.values():  # the horizon covers the tombstones' own chunks
+            self.note_chunks(lay)
+        horizon = horizon_now(self.servers, self.seq_high, self.started) if keep else {}
+        blob = encode_horizon(horizon)
+        older = self.older
+        with self.store.durable() if sync else contextlib.nullcontext():
+            self.store.delete_many(gone, ((k, encode_layout(lay), blob) for k, lay in keep.items()),
+                                   [k for k in gone if k in older] if older else ())
+        since = time.monotonic()
+        for k, lay in keep.items():
+            self.tombstones[k] = Tomb(lay, dict(horizon), since)
+            self.add_live(lay, +1, k)
         out = []
         for k in gone:
             lay = self.entries.pop(k).layout
@@ -285,6 +312,7 @@ class MetaIndex(ServerRegistry):
             self.add_live(lay, -1, k)
             self.dirty_access.pop(k, None)
             self.leases.pop(k, None)
+            older.pop(k, None)
         return out
 
     # meta's key RPCs (service.py's handlers; the Redis-backed index has the same calls) --
@@ -306,6 +334,7 @@ class MetaIndex(ServerRegistry):
                         del held[other]
                 if len(held) - (OVERFLOW_HOLDER in held) >= cap:
                     h = OVERFLOW_HOLDER
+                    self.leases_overflowed += 1
             if held.get(h, 0.0) < until:
                 held[h] = until
 
@@ -452,12 +481,45 @@ class MetaIndex(ServerRegistry):
                 except Exception as exc1:
                     c.done.set_exception(exc1)
 
+    def _older_after(self, group: list[PendingCommit]) -> dict[bytes, float | None]:
+        """The keys the group's rows give an older record (``older``'s changed values): a key
+        overwritten (the record replaced, and those before it), or put again after a delete
+        whose tombstone meta kept (records before the delete: their expiry unknown)."""
+        entries, older, tombs = self.entries, self.older, self.tombstones
+        out: dict[bytes, float | None] = {}
+        last: dict[bytes, Layout] = {}  # a key twice in the group: its first row is older
+        for c in group:
+            for key, lay, _ in c.rows:
+                before = last.get(key)
+                if before is None:
+                    e = entries.get(key)
+                    before = None if e is None else e.layout
+                last[key] = lay
+                if before is None and key not in tombs:
+                    continue
+                if key in out:
+                    until = out[key]
+                elif key in older:
+                    until = older[key]
+                elif before is not None:
+                    until = before.expires_at
+                else:
+                    until = None  # after a delete
+                if before is not None:
+                    exp = before.expires_at
+                    until = None if until is None or exp is None else max(until, exp)
+                if key in out or key not in older or older[key] != until:  # (unchanged: not written again)
+                    out[key] = until
+        return out
+
     def _write_group(self, group: list[PendingCommit]) -> None:
         """One transaction for the group's rows, then the index, then the answers."""
         rows = [(k, blob, c.expires_at, c.now) for c in group for k, _, blob in c.rows]
+        older = self._older_after(group) if rows else {}
         if rows:  # (if_absent may have left nothing to write)
-            self.store.put_many(rows)
+            self.store.put_many(rows, older.items())
             self.commit_groups += 1
+        self.older.update(older)
         if self.tombstones:  # a put of a deleted key: its new record is newer than the tombstone
             self.forget_tombstones([k for c in group for k, _, _ in c.rows if k in self.tombstones])
         entries, dirty, add_live = self.entries, self.dirty_access, self.add_live
@@ -475,26 +537,8 @@ class MetaIndex(ServerRegistry):
     async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
         """Remove keys; ``tombstones[i]`` (if given): where key ``i``'s tombstone was
         written, kept for each key removed (:mod:`kvfs.meta.tombstones`)."""
-        gone = list(dict.fromkeys(k for k in keys if k in self.entries))
-        keep: dict[bytes, Layout] = {}
-        if tombstones:
-            where = dict(zip(keys, tombstones, strict=True))
-            keep = {k: where[k] for k in gone}
-        for lay in keep.values():  # the horizon covers the tombstones' own chunks
-            self.note_chunks(lay)
-        horizon = horizon_now(self.servers, self.seq_high, self.started) if keep else {}
-        blob = encode_horizon(horizon)
-        if gone:
-            self.store.delete_many(gone, ((k, encode_layout(lay), blob) for k, lay in keep.items()))
-        since = time.monotonic()
-        for k, lay in keep.items():
-            self.tombstones[k] = Tomb(lay, dict(horizon), since)
-            self.add_live(lay, +1, k)
-        for k in gone:
-            self.add_live(self.entries.pop(k).layout, -1, k)
-            self.dirty_access.pop(k, None)
-            self.leases.pop(k, None)
-        return len(gone)
+        where = dict(zip(keys, tombstones, strict=True)) if tombstones else None
+        return len(self.remove(keys, where, sync=False))
 
     # tombstones (kvfs.meta.tombstones) -------------------------------------------------
     def forget_tombstones(self, keys: Sequence[bytes]) -> None:
@@ -682,14 +726,37 @@ class MetaIndex(ServerRegistry):
                 del leases[k]
         return {k for k in keys if self.lease_end(k) > now} if leases else set()
 
-    async def expire(self, now: float, limit: int) -> tuple[list[tuple[bytes, Layout]], bool]:
+    async def expire(self, now: float, limit: int) -> tuple[list[tuple[bytes, Layout]], bool,
+                                                            list[tuple[bytes, Layout]]]:
         keys = self.store.expired(now, limit)
         gone = []
         for k in keys:
             e = self.entries.get(k)
             if e is None or e.layout.expired(now):
                 gone.append(k)
-        return self.remove(gone), len(keys) == limit
+        shadowed = await self.shadowed(gone, now)
+        kept = [(k, self.entries[k].layout) for k in gone if k in shadowed]
+        return self.remove(k for k in gone if k not in shadowed), len(keys) == limit, kept
+
+    async def shadowed(self, keys: Iterable[bytes], now: float) -> set[bytes]:
+        """Those of ``keys`` with an older record that a rebuild could still read (unexpired)
+        once their current one is gone: the GC drops them with a tombstone."""
+        older = self.older
+        if not older:
+            return set()
+        return {k for k in keys if k in older and ((u := older[k]) is None or u > now)}
+
+    async def drop_tombstoned(self, rows: Sequence[tuple[bytes, Layout, Layout]], now: float, *,
+                              evict: bool) -> list[tuple[bytes, Layout]]:
+        """Remove each key that still has the given layout and is still expired (``evict``:
+        or unleased), keeping the tombstone the GC wrote for it (the third layout)."""
+        keep: dict[bytes, Layout] = {}
+        for k, lay, tomb in rows:
+            e = self.entries.get(k)
+            if e is not None and e.layout == lay and (
+                    lay.expired(now) or (evict and self.lease_end(k) <= now)):
+                keep[k] = tomb
+        return self.remove(list(keep), keep)
 
     async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> list[tuple[bytes, Layout]]:
         doomed = []

@@ -8,7 +8,9 @@ naming one is still refused) and the GC state (paused, metrics, draining and
 decommissioned servers).  Chunkservers' heartbeat times do not: they report again.
 Nor do the delete tombstones a SQLite meta tracks (:mod:`kvfs.meta.tombstones`): the
 Redis store keeps none (README, "No tombstones on Redis"), so a later ``kvfs meta
-rebuild`` may bring back keys deleted before the migration.
+rebuild`` may bring back keys deleted before the migration.  Nor does SQLite's
+``older`` set (keys with older records): into SQLite every key is marked as having some
+(the GC then drops each once with a tombstone).
 
 Memory stays bounded: keys stream in batches of ``batch`` (SQLite pages by key, Redis by
 its LRU index), each batch written before the next is read.
@@ -135,7 +137,9 @@ class _Sqlite:
             self.store.put_state(name, value)
 
     async def write_rows(self, rows: list[Row]) -> None:
-        self.store.put_many((k, encode_layout(lay), lay.expires_at, a) for k, lay, a in rows)
+        # the source (a Redis store) tracks no older records: every key may have some
+        self.store.put_many(((k, encode_layout(lay), lay.expires_at, a) for k, lay, a in rows),
+                            ((k, None) for k, _, _ in rows))
 
 
 class _Redis:

@@ -10,7 +10,8 @@ DIR:
   keeps that tombstone, as it keeps a delete's: :mod:`kvfs.meta.tombstones`, with a
   horizon of every chunk scanned), and a newest write that is incomplete (an extent with no good copy anywhere: a put
   that never finished, or every copy corrupt) drops the key rather than
-  bring back older bytes;
+  bring back older bytes; a key kept that has records of older writes is marked so
+  (meta's ``older`` table): the GC expires or evicts it only with a tombstone;
 - each extent's replicas are its good copies, one per server (the newest chunk
   when compaction left two);
 - expired values are skipped; live bytes per chunk follow from the layouts when
@@ -77,9 +78,12 @@ class RebuildReport:
 
 
 def pick_layouts(records: Iterable[FoundRecord], now: float, report: RebuildReport | None = None,
-                 tombstones: dict[bytes, Layout] | None = None) -> dict[bytes, Layout]:
+                 tombstones: dict[bytes, Layout] | None = None,
+                 older: dict[bytes, float | None] | None = None) -> dict[bytes, Layout]:
     """The layout of every key the records describe (newest write wins); ``tombstones``
-    gets each deleted key's newest tombstone (its copies, one per server)."""
+    gets each deleted key's newest tombstone (its copies, one per server), ``older`` each
+    key kept that has records of older writes, with their latest expiry (None: one never
+    expires), as meta's ``older`` table keeps them (the GC drops those with a tombstone)."""
     rep = report if report is not None else RebuildReport()
     by_key: dict[bytes, dict[int, list[FoundRecord]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
@@ -111,6 +115,11 @@ def pick_layouts(records: Iterable[FoundRecord], now: float, report: RebuildRepo
         out[key] = layout
         rep.keys += 1
         rep.value_bytes += layout.size
+        if older is not None and len(versions) > 1:
+            exps = [r.expires_at for wid, group in versions.items() if wid != max(versions)
+                    for r in group if not r.tombstone]
+            if exps:
+                older[key] = None if None in exps else max(e for e in exps if e is not None)
     return out
 
 
@@ -197,12 +206,14 @@ async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None
                                                            client_context(tls))
     now = time.time() if now is None else now
     tombs: dict[bytes, Layout] = {}
-    layouts = pick_layouts(records, now, report, tombs)
+    older: dict[bytes, float | None] = {}
+    layouts = pick_layouts(records, now, report, tombs, older)
     data.mkdir(parents=True, exist_ok=True)
     store = MetaStore(path)
     try:
         store.cluster_id(create=cluster_id)
-        store.put_many((k, encode_layout(lay), lay.expires_at, now) for k, lay in layouts.items())
+        store.put_many(((k, encode_layout(lay), lay.expires_at, now) for k, lay in layouts.items()),
+                       older.items())
         store.put_tombstones((k, encode_layout(lay), encode_horizon(horizon)) for k, lay in tombs.items())
         for sid, addr, capacity, free in servers:
             store.put_server(sid, addr, capacity, free)

@@ -601,6 +601,10 @@ class _Pipe:
         return await self.store._execute(self.calls) if self.calls else []
 
 
+def _text(v: Any) -> str:
+    return v.decode(errors="replace") if isinstance(v, bytes) else str(v)
+
+
 def _server_rows(got: dict[bytes, bytes]) -> list[tuple[int, str, int, int, str]]:
     """The servers hash: (server_id, addr, capacity, free, data dir's key ('' in rows
     stored before keys were)), by id."""
@@ -678,6 +682,7 @@ class RedisMetaStore:
         self._tags: builtins.list[bytes] = []
         self._slots: builtins.list[int] = []
         self._clients: dict[str, Redis] = {}  # one plain client per node (see _execute)
+        self.leases_overflowed = 0  # leases this object gave the overflow holder (STATS)
 
     # lifecycle ------------------------------------------------------------------------
     @property
@@ -698,6 +703,11 @@ class RedisMetaStore:
             nodes = ",".join(f"{h}:{p}" for h, p in self.nodes)
             raise Unavailable(f"redis cluster at {nodes} unreachable: {type(exc).__name__}: {exc}") from exc
         self._r = r
+        try:
+            await self._check_eviction()
+        except BaseException:
+            await self.close()
+            raise
         buckets, fmt = await self._run(self.r.eval(_LUA_CREATE, 2, self._g["buckets"], self._g["format"],
                                                    str(self.buckets), FORMAT))
         if fmt != FORMAT.encode() and not self.read_old:
@@ -709,6 +719,48 @@ class RedisMetaStore:
         self.buckets = int(buckets)
         self._tags = [f"{{{self.ns}.{b}}}".encode() for b in range(self.buckets)]
         self._slots = [key_slot(t) for t in self._tags]
+
+    async def _check_eviction(self) -> None:
+        """Refuse a cluster any of whose nodes (masters and replicas: a replica becomes a
+        master on failover) may evict keys: ``maxmemory-policy`` other than ``noeviction``.
+        Evicted, the store's derived structures go wrong silently: a chunk's live bytes
+        (``L``) read as zero and GC reclaims bytes live keys still name; a dropped retired
+        set lets a late commit name a reclaimed chunk; a dropped lease lets GC evict a leased
+        key; a dropped layout leaves its bytes counted live forever.  No option allows it:
+        no policy but ``noeviction`` keeps these, and with ``maxmemory`` 0 (no limit) setting
+        it costs nothing.  Read with ``CONFIG GET``, or, where CONFIG is renamed or forbidden
+        (managed Redis), ``INFO memory``; a node where neither answers is logged, not
+        refused.  A store opened only to be read (``read_old``: a migration's source, the
+        way out of such a Redis) gets a warning instead."""
+        nodes = builtins.list(self.r.get_nodes())
+        got = await asyncio.gather(*(self._eviction_policy(n) for n in nodes))
+        bad = [f"{n.name} ({p})" for n, p in zip(nodes, got, strict=True) if p not in (None, "noeviction")]
+        unknown = [n.name for n, p in zip(nodes, got, strict=True) if p is None]
+        if unknown:
+            log.warning("redis store %r: could not read maxmemory-policy of %s (neither CONFIG GET "
+                        "nor INFO memory answered): make sure it is noeviction, or Redis may drop "
+                        "the store's keys", self.ns, ", ".join(unknown))
+        if bad:
+            msg = (f"redis store {self.ns!r}: maxmemory-policy is not noeviction on {', '.join(bad)}: "
+                   f"Redis may then evict the store's keys (layouts, chunk index, counters, leases) "
+                   f"and break it silently; run CONFIG SET maxmemory-policy noeviction on every node "
+                   f"(and put it in redis.conf, or the managed service's parameters)")
+            if not self.read_old:
+                raise InvalidArgument(msg)
+            log.warning("%s (read anyway: this store is only read)", msg)
+
+    async def _eviction_policy(self, node: Any) -> str | None:
+        """One node's ``maxmemory-policy``; None where it cannot be read."""
+        try:
+            (cfg,) = await self._node_pipeline(node, [("config_get", ("maxmemory-policy",), {})])
+            if isinstance(cfg, dict) and cfg:
+                return _text(next(iter(cfg.values())))
+            (info,) = await self._node_pipeline(node, [("info", ("memory",), {})])
+            if isinstance(info, dict) and "maxmemory_policy" in info:
+                return _text(info["maxmemory_policy"])
+        except (*_DOWN, OSError):
+            pass
+        return None
 
     async def close(self) -> None:
         """Write the buffered access times, then close every connection, each step bounded
@@ -997,9 +1049,10 @@ class RedisMetaStore:
             return
         px = str(max(1, math.ceil((lease.until - now) * 1000)) + 1000)
         groups = self._by_bucket(keys)
-        await self._per_node(_LUA_LEASE, [lease.holder, _num(lease.until), _num(now), str(lease.max_holders),
-                                          OVERFLOW_HOLDER, px],
-                             {b: [keys[i] for i in idx] for b, idx in groups.items()}, 1)
+        got = await self._per_node(_LUA_LEASE, [lease.holder, _num(lease.until), _num(now),
+                                                str(lease.max_holders), OVERFLOW_HOLDER, px],
+                                   {b: [keys[i] for i in idx] for b, idx in groups.items()}, 1)
+        self.leases_overflowed += sum(int(n) for _, n in got)
 
     async def release(self, keys: Sequence[bytes], holder: str) -> int:
         groups = self._by_bucket(keys)

@@ -21,14 +21,13 @@ from kvfs import rpc
 from kvfs.address import parse_addr, service_tokens
 from kvfs.config import MetaConfig
 from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
-from kvfs.errors import InvalidArgument, StaleLayout, Unavailable, WrongCluster
+from kvfs.errors import InvalidArgument, Unavailable, WrongCluster
 from kvfs.handshake import Role
 from kvfs.layout import Layout
-from kvfs.meta.gc import MetaGc
+from kvfs.meta.gc import MetaGc, tombstone_layouts
 from kvfs.meta.index import MetaIndex, ServerInfo
 from kvfs.meta.store import MetaStore
 from kvfs.meta.storeapi import Lease
-from kvfs.meta.tombstones import tomb_layout
 from kvfs.packed import unpack as unpack_layouts
 from kvfs.rpc import Service
 from kvfs.server import Reply, RpcServer
@@ -217,23 +216,7 @@ class MetaService:
             if len(where) != len(keys):
                 raise InvalidArgument(f"DELETE names {len(where)} tombstones for {len(keys)} keys: "
                                       "give one per key, or none")
-            if not {r.server_id for reps in where for r in reps} <= self.index.servers.keys():
-                await self.index.refresh()
-            now = self.clock()
-            for key, reps in zip(keys, where, strict=True):
-                if len({r.server_id for r in reps}) != len(reps):
-                    raise InvalidArgument(f"tombstone of {key[:64]!r} names one chunkserver twice")
-                for r in reps:
-                    if r.server_id not in self.index.servers:
-                        raise InvalidArgument(f"tombstone of {key[:64]!r} names unknown chunkserver "
-                                              f"{r.server_id}")
-                lay = tomb_layout(reps, now)
-                # (only SQLite's index keeps tombstones: the Redis store drops them)
-                if isinstance(self.index, MetaIndex) and self.index.dead_in(lay) is not None:
-                    raise StaleLayout(f"tombstone of {key[:64]!r} is in a chunk garbage collection "
-                                      "already reclaimed (the delete took longer than the GC grace "
-                                      "period); retry the delete")
-                tombs.append(lay)
+            tombs = await tombstone_layouts(self.index, keys, where, self.clock())
         return rpc.Deleted(deleted=await self.index.delete(keys, tombs)), ()
 
     async def rpc_list(self, req: rpc.ListKeys, payload: memoryview) -> Reply:
@@ -266,6 +249,7 @@ class MetaService:
             servers=servers,
             time=now,
             gc=await self.gc.summary(),
+            leases_overflowed=ix.leases_overflowed,
         ), ()
 
     # chunkserver RPCs ----------------------------------------------------------

@@ -59,6 +59,11 @@ class SharedIndex(ServerRegistry):
     async def flush(self) -> None:
         await self.store.flush_access()
 
+    @property
+    def leases_overflowed(self) -> int:
+        """Leases this meta gave the overflow holder since it started (STATS)."""
+        return self.store.leases_overflowed
+
     # registry ------------------------------------------------------------------------
     async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
         await self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free, s.key)
@@ -210,9 +215,23 @@ class SharedIndex(ServerRegistry):
     async def leased(self, keys: Sequence[bytes], now: float) -> set[bytes]:
         return {k for k, until in (await self.store.leases(keys)).items() if until > now}
 
-    async def expire(self, now: float, limit: int) -> tuple[list[tuple[bytes, Layout]], bool]:
+    async def expire(self, now: float, limit: int) -> tuple[list[tuple[bytes, Layout]], bool,
+                                                            list[tuple[bytes, Layout]]]:
         keys = await self.store.expired(now, limit)
-        return await self.store.remove_expired(keys, now), len(keys) == limit
+        return await self.store.remove_expired(keys, now), len(keys) == limit, []
+
+    async def shadowed(self, keys: Iterable[bytes], now: float) -> set[bytes]:
+        """None: the Redis store keeps no tombstones (see :meth:`delete`), so it tracks no
+        older records either; the GC drops every key without one."""
+        return set()
+
+    async def drop_tombstoned(self, rows: Sequence[tuple[bytes, Layout, Layout]], now: float, *,
+                              evict: bool) -> list[tuple[bytes, Layout]]:
+        """As :meth:`evict` (``evict``) or an expiry of the keys still expired; the tombstones
+        are not kept (see :meth:`delete`)."""
+        if evict:
+            return await self.evict([(k, lay) for k, lay, _ in rows], now)
+        return await self.store.remove_expired([k for k, _, _ in rows], now)
 
     async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> list[tuple[bytes, Layout]]:
         # an expired key's lease keeps nothing: evict it as if unleased

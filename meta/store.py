@@ -46,7 +46,11 @@ CREATE TABLE IF NOT EXISTS gc_state (
     value BLOB NOT NULL
 );
 """
+# keys with an older record that may outlive their current one (kvfs.meta.tombstones, "older
+# records"): ``until`` is the latest expiry among those records (NULL: one never expires)
+OLDER_SCHEMA = "CREATE TABLE older (key BLOB PRIMARY KEY, until REAL) WITHOUT ROWID"
 PUT_TOMBSTONE = "INSERT OR REPLACE INTO tombstones(key, layout, horizon) VALUES (?,?,?)"
+PUT_OLDER = "INSERT OR REPLACE INTO older(key, until) VALUES (?,?)"
 
 
 def prefix_upper_bound(prefix: bytes) -> bytes | None:
@@ -75,6 +79,11 @@ class MetaStore:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.executescript(SCHEMA)
+        if self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'older'").fetchone() is None:
+            with self.db:  # a database older than the table: every key may have older records
+                self.db.execute("BEGIN")
+                self.db.execute(OLDER_SCHEMA)
+                self.db.execute("INSERT INTO older(key, until) SELECT key, NULL FROM kv")
 
     def close(self) -> None:
         self.db.close()
@@ -114,20 +123,36 @@ class MetaStore:
              self.db.execute(f"{cols} WHERE key > ? ORDER BY key LIMIT ?", (after, limit)))
         return [(bytes(k), bytes(b), e, a) for k, b, e, a in q]
 
-    def put_many(self, rows: Iterable[tuple[bytes, bytes, float | None, float]]) -> None:
+    def put_many(self, rows: Iterable[tuple[bytes, bytes, float | None, float]],
+                 older: Iterable[tuple[bytes, float | None]] = ()) -> None:
+        """Write layouts and, in the same transaction, the keys among them that have older
+        records (key, until: the ``older`` table)."""
         with self.db:
             self.db.execute("BEGIN")
             self.db.executemany(
                 "INSERT OR REPLACE INTO kv(key, layout, expires_at, last_access) VALUES (?,?,?,?)", rows)
+            self.db.executemany(PUT_OLDER, older)
 
     def delete_many(self, keys: Iterable[bytes],
-                    tombstones: Iterable[tuple[bytes, bytes, bytes]] = ()) -> None:
+                    tombstones: Iterable[tuple[bytes, bytes, bytes]] = (),
+                    older: Iterable[bytes] = ()) -> None:
         """Delete keys and, in the same transaction, store the tombstones kept for them
-        (key, layout, horizon: :mod:`kvfs.meta.tombstones`)."""
+        (key, layout, horizon: :mod:`kvfs.meta.tombstones`) and forget the ``older`` rows
+        of those that had one."""
         with self.db:
             self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM kv WHERE key = ?", ((k,) for k in keys))
             self.db.executemany(PUT_TOMBSTONE, tombstones)
+            self.db.executemany("DELETE FROM older WHERE key = ?", ((k,) for k in older))
+
+    def load_older(self) -> Iterator[tuple[bytes, float | None]]:
+        for key, until in self.db.execute("SELECT key, until FROM older"):
+            yield bytes(key), until
+
+    def forget_older(self, keys: Iterable[bytes]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany("DELETE FROM older WHERE key = ?", ((k,) for k in keys))
 
     # tombstones (kvfs.meta.tombstones) ---------------------------------------------
     def load_tombstones(self) -> Iterator[tuple[bytes, Layout, bytes]]:

@@ -220,8 +220,10 @@ class GcIndex(Protocol):
     async def leased(self, keys: Sequence[bytes], now: float) -> set[bytes]:
         """Those of ``keys`` under some holder's lease past ``now``."""
 
-    async def expire(self, now: float, limit: int) -> tuple[builtins.list[tuple[bytes, Layout]], bool]:
-        """Remove up to ``limit`` keys expired at ``now``: (the removed ones, more may be left)."""
+    async def expire(self, now: float, limit: int) -> tuple[builtins.list[tuple[bytes, Layout]], bool,
+                                                            builtins.list[tuple[bytes, Layout]]]:
+        """Remove up to ``limit`` keys expired at ``now``: (the removed ones, more may be left,
+        those left for a tombstone: :meth:`shadowed`)."""
 
     async def evict(self, victims: Sequence[tuple[bytes, Layout]],
                     now: float) -> builtins.list[tuple[bytes, Layout]]:
@@ -230,6 +232,15 @@ class GcIndex(Protocol):
 
     async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
         """Remove each key that still has the given layout, leased or not."""
+
+    async def shadowed(self, keys: Iterable[bytes], now: float) -> set[bytes]:
+        """Those of ``keys`` with an older record a rebuild could read once the current one
+        is gone: the GC removes them only with a tombstone (:meth:`drop_tombstoned`)."""
+
+    async def drop_tombstoned(self, rows: Sequence[tuple[bytes, Layout, Layout]], now: float, *,
+                              evict: bool) -> builtins.list[tuple[bytes, Layout]]:
+        """(key, layout, tombstone): remove each key still with that layout and expired (or,
+        ``evict``, with no lease past ``now``), keeping its tombstone."""
 
     async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> builtins.list[bool]:
         """(key, expected, new): replaced where the key still has ``expected`` and ``new``

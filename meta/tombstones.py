@@ -31,16 +31,36 @@ been overwritten.  So:
   copied) and when it reports deleted chunks (GC_DELETED).  A chunkserver that stays
   down keeps the tombstones written since it went quiet.
 
-Not covered: keys the GC evicts or expires leave no tombstone (README, "Losing meta's
-database"); a tombstone's copy on a chunkserver that is lost or drained is not copied
-elsewhere; a GC killed between a compaction's copy and its GC_RELOCATE, while a key it
+Older records: a key the GC expires or evicts leaves a tombstone too when an older
+record of it may outlive its current one, else a rebuild could serve that older value
+once the GC reclaimed the current record's chunk.  Meta (:class:`kvfs.meta.index.MetaIndex`)
+keeps those keys in its ``older`` set (in memory and SQLite, with the latest expiry among
+the older records: once all expired, a rebuild skips them and no tombstone is needed):
+
+- a COMMIT that replaced a record of the key (the replaced one, and what it replaced, are
+  older records), or put it again after a delete whose tombstone meta kept (the records
+  before the delete: the tombstone is forgotten, the key marked with no expiry);
+- ``kvfs meta rebuild``: each key with records of older writes;
+- a database made before the set existed, or migrated from Redis: every key.
+
+A key never overwritten has one write: its records (replicas, compaction and repair
+copies) all carry the current value, so dropping it needs nothing.  GC_EXPIRE and
+GC_EVICT leave the marked keys (``shadowed``); the GC driver writes their tombstones
+(:func:`kvfs.writepath.write_tombstones`) and GC_TOMBSTONE removes them keeping the
+tombstones, each then kept and dropped as a delete's.
+
+Not covered: a key the GC dropped without a tombstone, put again before the dropped
+record's chunk was reclaimed and dropped again (meta forgot the first record: README,
+"Losing meta's database"); keys dropped as lost (REPORT_LOST, fsck); a tombstone's copy on
+a chunkserver that is lost or drained is not copied elsewhere; a GC killed between a compaction's copy and its GC_RELOCATE, while a key it
 copied was deleted, leaves that copy in an unreferenced chunk the next pass deletes (a
 rebuild in between, after the tombstone went, would bring the key's last value back).
 With ``--store redis-cluster://`` meta keeps none (its GC reclaims a tombstone's chunk
 like any other; README, "No tombstones on Redis", says why): a Redis store recovers by
 Redis's own persistence and replicas, not a rebuild from chunk records.
 
-Cost per deleted key, until its tombstone is dropped: ``56 + len(key)`` bytes on each
+Cost per deleted key (and per key with older records the GC dropped), until its tombstone
+is dropped: ``56 + len(key)`` bytes on each
 of ``replicas`` chunkservers, one row in meta's store (key, layout, horizon: about
 ``len(key) + 30 + 10 * chunkservers`` bytes) and its entry in memory.  At most one per
 key (a second delete of an absent key tracks nothing).

@@ -10,6 +10,7 @@ import pytest
 from kvfs.bench import cli as bench_cli
 from kvfs.bench import gcbench
 from kvfs.cli import build_parser
+from kvfs.gc.driver import GarbageCollector
 from kvfs.launcher import LocalCluster
 
 
@@ -46,6 +47,21 @@ async def test_tiny_gc_bench_json(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert len(report["jobs"]) == 3
     text = gcbench.render(report)
     assert "GC reclaim" in text and "churn + gc" in text
+
+
+async def test_gc_bench_reclaims_overwritten_keys_with_tombstones(tmp_path: Path) -> None:
+    """``--gc-overwrite``: each key put without a TTL, then overwritten with one; the pass
+    expires every one, with a tombstone (its first value would outlive it)."""
+    assert build_parser().parse_args(["bench", "--gc", "--gc-overwrite"]).gc_overwrite
+    async with LocalCluster(tmp_path / "c", 3) as cluster:
+        r = await gcbench.reclaim(cluster.addr, cluster.admin_token, tmp_path / "c", 4096, 64, 0.2,
+                                  overwrite=True)
+        assert r["overwrite"] and r["expired_keys"] == 64
+        meta = cluster.meta
+        assert meta is not None
+        async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            dropped = (await gc.status())["metrics"]["tombstones_dropped"]  # (all older records gone)
+        assert len(meta.index.tombstones) + dropped == 64  # type: ignore[union-attr]
 
 
 async def test_wait_expired_has_a_deadline(tmp_path: Path) -> None:

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
+from typing import Any
 
 import pytest
 
+from kvfs import rpc
 from kvfs.bench import commit_cost, metas, metastore, redis_reads
 
 pytestmark = pytest.mark.redis
@@ -28,8 +31,30 @@ async def test_metastore_bench_reports_every_op(store: str) -> None:
         # SQLite file grows
         assert isinstance(res["bytes_per_key"], float) and res["sqlite_file_bytes"] > 0
     assert [(o["op"], o["batch"]) for o in res["ops"]] == [
-        (op, b) for b in (1, 16) for op in ("commit", "lookup", "match_prefix")]
+        (op, b) for b in (1, 16) for op in ("commit", "lookup", "match_prefix", "overwrite")]
     assert all(o["keys_per_s"] > 0 for o in res["ops"])
+
+
+async def test_sqlite_bench_commits_the_packed_form_the_client_sends(tmp_path: Path) -> None:
+    """The SQLite half drives meta's COMMIT handler with the request a client sends
+    (WritePath.commit: layouts packed in columns), not the nested items form."""
+    store = metastore.SqliteMeta(tmp_path)
+    seen: list[rpc.Commit] = []
+    handler = store.meta.rpc_commit
+
+    async def spy(req: rpc.Commit, payload: memoryview) -> Any:
+        seen.append(req)
+        return await handler(req, payload)
+
+    store.meta.rpc_commit = spy  # type: ignore[method-assign]
+    await store.open()
+    try:
+        await metastore.fill(store, 10, 4, "p")
+        assert [(r.items, r.packed is not None) for r in seen] == [([], True)] * 3
+        got, _ = await store.lookup([metastore.key(i, "p") for i in range(10)], metastore.NOW)
+        assert [lay.size for lay in got.layouts] == [metastore.layout(i).size for i in range(10)]
+    finally:
+        await store.close()
 
 
 async def test_metas_bench_runs_one_and_two_metas() -> None:

@@ -81,8 +81,9 @@ def test_up_put_get_ls_stat_rm(up: tuple[str, dict[str, str], subprocess.Popen[b
     assert [e["key"] for e in json.loads(r.stdout)] == ["other/key"]
     r = kvfs("stat", "--json", env=env)
     st = json.loads(r.stdout)
-    assert st["keys"] == 2 and len(st["servers"]) == 3
-    assert "garbage" in kvfs("stat", env=env).stdout.decode()
+    assert st["keys"] == 2 and len(st["servers"]) == 3 and st["leases_overflowed"] == 0
+    out = kvfs("stat", env=env).stdout.decode()
+    assert "garbage" in out and "overflow leases: 0" in out
     r = kvfs("get", "nope", env=env)
     assert r.returncode == 1 and b"not found" in r.stderr
     assert kvfs("rm", "mykey", env=env).returncode == 0

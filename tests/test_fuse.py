@@ -142,6 +142,34 @@ def test_looked_up_files_changed_here_or_elsewhere_are_not_read_stale(
 
 # bad input ------------------------------------------------------------------------
 @needs_fuse
+def test_negative_timeout_hides_others_new_files_at_most_that_long(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """With --negative-timeout a new file written by another client into a directory this
+    mount listed lately is missing here until the listing is older than the bound; files
+    made through the mount are seen at once."""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--negative-timeout", "3s",
+              "--attr-timeout", "0")
+    try:
+        d = m.mnt / "nt"
+        d.mkdir()
+        made: list[Path] = []
+
+        def hidden() -> bool:  # once the mount has a listing of nt/: a name made after it
+            made.append(m.mnt / f"nt/other{len(made)}")
+            fs.pipe_file(str(made[-1].relative_to(m.mnt)), b"elsewhere")
+            return not made[-1].exists()
+
+        wait_until(hidden, 30, "a listing of nt/ to hide a file made after it")
+        late = made[-1]
+        (d / "mine.bin").write_bytes(b"here")
+        assert (d / "mine.bin").read_bytes() == b"here" and not late.exists()
+        wait_until(late.exists, 30, "the hidden file once the listing is older than the bound")
+        assert late.read_bytes() == b"elsewhere"
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
 def test_append_to_existing_file_is_eopnotsupp(mnt: Path, fs: KVFileSystem) -> None:
     (mnt / "app").mkdir()
     with open(mnt / "app" / "new", "ab") as f:  # a new file may be opened for append
@@ -523,6 +551,35 @@ async def test_closes_share_commits(kv: AsyncClient, limits: dict[str, int], bat
         b"seven" if i == 7 else str(i).encode() for i in range(300)]
 
 
+async def test_in_order_writes_keep_the_kernels_buffers(kv: AsyncClient) -> None:
+    """Writes of at least 64 KiB in order are kept as the kernel's buffers came and committed
+    from them, not copied into one buffer; a write elsewhere, a read or a truncation copies
+    them into one first.  The committed bytes are the same either way."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import Handle, InodeTable
+
+    table = InodeTable()
+    io = FileIO(KVFileSystem(client=kv, asynchronous=True), table, MountConfig())
+    h = Handle(table.remember("tb/f"), writable=True, data=bytearray(), dirty=True)
+    table.open(h)
+    a, b, c = os.urandom(100_000), os.urandom(70_000), os.urandom(80_000)
+    await io.write(h, 0, a)
+    await io.write(h, len(a), b)
+    assert h.tail[0] is a and h.tail[1] is b and not h.data and h.size == 170_000
+    await io.commit(h)
+    assert await kv.get("tb/f") == a + b
+    await io.write(h, 10, b"xyz")  # behind the end: one buffer from here on
+    assert not h.tail and h.size == 170_000
+    assert bytes(await io.read(h, 8, 7)) == a[8:10] + b"xyz" + a[13:15]
+    await io.write(h, 170_000, c)
+    assert h.tail == [c]
+    await io.truncate(h, 200_000)
+    assert not h.tail and h.size == 200_000
+    await io.commit(h)
+    assert await kv.get("tb/f") == (a[:10] + b"xyz" + a[13:] + b + c)[:200_000]
+
+
 async def test_lookups_are_one_shared_round_trip(kv: AsyncClient, clock: Any) -> None:
     """The mount's lookups (the kernel's LOOKUP/GETATTR): concurrent ones share one LOOKUP,
     and a miss says in it whether it is a directory (no LIST after it), expired keys under
@@ -542,6 +599,50 @@ async def test_lookups_are_one_shared_round_trip(kv: AsyncClient, clock: Any) ->
         "file", "directory", FileNotFoundError, FileNotFoundError, FileNotFoundError]
     assert {op: n - before.get(op, 0) for op, n in kv.rpc_counts.items() if n != before.get(op, 0)} \
         == {"LOOKUP": 3}  # two go at once (--batches-in-flight 2), the other three together
+
+
+async def test_misses_from_a_recent_listing_need_no_lookup(kv: AsyncClient, clock: Any) -> None:
+    """--negative-timeout: a name missing from its directory's listing made at most that long
+    ago is a miss without a LOOKUP, so another client's new file there stays hidden at most
+    that long; names this mount makes are seen at once; a directory over
+    --negative-listing-keys is not trusted (its lookups ask meta); off by default."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import InodeTable
+
+    await kv.put_many({"neg/a": b"a", **{f"big/{i}": b"%d" % i for i in range(4)}})
+    fs = KVFileSystem(client=kv, asynchronous=True)
+    io = FileIO(fs, InodeTable(), MountConfig(negative_timeout_s=5.0, negative_listing_keys=3),
+                clock=clock)
+
+    async def lookups(*paths: str) -> tuple[list[int | None], int]:
+        """Each path's size (None: a miss), and the LOOKUPs they took."""
+        before = kv.rpc_counts.get("LOOKUP", 0)
+        sizes: list[int | None] = []
+        for i, p in enumerate(paths):
+            try:
+                sizes.append((await io.info(100 + i, p))["size"])
+            except FileNotFoundError:
+                sizes.append(None)
+        await asyncio.gather(*io._tasks)  # the listings they started
+        return sizes, kv.rpc_counts.get("LOOKUP", 0) - before
+
+    assert await lookups("neg/x") == ([None], 1)  # no listing yet: meta, and a listing
+    assert await lookups("big/x") == ([None], 1)
+    await kv.put("neg/other", b"by another client")
+    assert await lookups("neg/y", "neg/other", "neg/a") == ([None, None, 1], 1)  # only neg/a asks
+    await io.put("neg/mine", b"made here")
+    assert await lookups("neg/mine") == ([9], 1)
+    assert await lookups("big/y") == ([None], 1)  # 4 keys > 3: not trusted
+    clock.advance(6)  # past the bound: meta again, and a new listing
+    assert await lookups("neg/other") == ([17], 1)
+    assert await lookups("neg/z", "neg/other") == ([None, 17], 1)
+    off = FileIO(fs, InodeTable(), MountConfig(), clock=clock)
+    before = kv.rpc_counts.get("LOOKUP", 0)
+    for p in ("neg/z", "neg/z"):
+        with pytest.raises(FileNotFoundError):
+            await off.info(2, p)
+    assert kv.rpc_counts.get("LOOKUP", 0) - before == 2 and not off._tasks
 
 
 async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> None:
@@ -610,8 +711,11 @@ async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> Non
 
 @pytest.mark.parametrize(("bad", "flag"), [
     ({"max_batch_items": 0}, "--max-batch-items"), ({"batches_in_flight": 0}, "--batches-in-flight"),
-    ({"max_batch_bytes": 0}, "--max-batch"), ({"looked_up_layouts": -1}, "--looked-up-layouts")])
-def test_mount_limits_refuse_nonsense(bad: dict[str, int], flag: str) -> None:
+    ({"max_batch_bytes": 0}, "--max-batch"), ({"looked_up_layouts": -1}, "--looked-up-layouts"),
+    ({"negative_timeout_s": -1}, "--negative-timeout"),
+    ({"negative_listing_keys": 0}, "--negative-listing-keys"),
+    ({"negative_listing_dirs": 0}, "--negative-listing-dirs")])
+def test_mount_limits_refuse_nonsense(bad: dict[str, float], flag: str) -> None:
     from kvfs.config import MountConfig
 
     with pytest.raises(ValueError, match=flag):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import pytest
 from conftest import FakeClock
 from conftest import clocked_client as client
@@ -238,3 +239,28 @@ async def test_evicting_a_striped_value_counts_all_its_extents_on_the_server(
             r = await gc.meta(rpc.GcEvict(high=low, low=low, server_id=sid, apply=True))
             assert (r.keys, r.bytes) == (1, 3 * VALUE)
         assert await read_fresh(c, clock, ["striped", "next"]) == [None, b"N" * VALUE]
+
+
+async def test_a_server_of_unknown_capacity_is_not_evicted_from_for_a_writers_wanted_bytes(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """A server whose capacity meta does not know (0: on Redis, one another meta registered,
+    before its first heartbeat here) is never over a watermark, even with a writer's refused
+    bytes reported: nothing of it is evicted.  The same wanted bytes with its capacity known
+    do evict (so the check, not a lack of need, kept the keys)."""
+    root = tmp_path / "evict"
+    quiet = ChunkServerConfig(data=root, heartbeat_interval_s=3600, chunk_bytes=64 * 1024, capacity_bytes=CAP)
+    async with (LocalCluster(root, 1, clock=clock, chunkserver=quiet) as c, client(c, clock) as kv,
+                GarbageCollector(c.addr, token=c.admin_token) as gc):
+        keys = [f"u{i}" for i in range(8)]
+        await kv.put_many([(k, k.encode().ljust(VALUE, b".")) for k in keys])
+        ((sid, stats),) = (await gc.sync_usage()).items()
+        (server,) = await gc.servers()
+        beat = rpc.Heartbeat.of(stats, server_id=sid, addr=server.addr)
+        await gc.meta(msgspec.structs.replace(beat, capacity=0, free=0, wanted=2 * VALUE))
+        r = await gc.meta(rpc.GcEvict(high=0.9, low=0.8, apply=True))
+        assert (r.keys, r.servers, r.short) == (0, {}, {})
+        assert await read_fresh(c, clock, keys) == [k.encode().ljust(VALUE, b".") for k in keys]
+        await gc.meta(msgspec.structs.replace(beat, wanted=CAP))  # capacity known: room is made
+        r = await gc.meta(rpc.GcEvict(high=0.9, low=0.8, apply=True))
+        assert r.keys == len(keys) and sid in r.servers
+        assert await read_fresh(c, clock, keys) == [None] * len(keys)

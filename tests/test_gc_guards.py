@@ -357,6 +357,37 @@ async def test_each_emptied_chunk_waits_its_own_grace_period(one: LocalCluster, 
         assert await kv.get("live") == value_of("live")
 
 
+async def test_a_chunk_that_holds_live_bytes_again_gets_a_fresh_grace_period(
+        one: LocalCluster, clock: FakeClock) -> None:
+    """A sealed chunk GC_PLAN saw without live bytes (a put's append, its COMMIT still on the
+    way) starts its grace clock; the COMMIT lands, so the chunk is live again and its clock
+    is forgotten; emptied later (the key deleted), it waits a whole ``grace_s`` from then,
+    not from the first time: a read that began after the COMMIT may still be reading it."""
+    commit = hold(one, Op.COMMIT)
+    async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
+        put = asyncio.create_task(kv.put("k", value_of("k")))
+        await commit.reached(put)  # appended, not committed
+        cs = one.chunkservers[0]
+        assert cs is not None and cs.server_id is not None and cs.store.open_chunk is not None
+        chunk = cs.store.open_chunk
+        assert (await gc.chunkserver(cs.server_id, rpc.ChunkSeal(chunk_id=chunk))).sealed
+
+        async def plan() -> rpc.Plan:
+            await gc.sync_usage()
+            return await gc.meta(rpc.GcPlan(grace_s=30, threshold=1.0))
+
+        assert ((p := await plan()).delete, p.waiting) == ([], 1)  # no live bytes: its clock starts
+        clock.advance(20)
+        commit.release()
+        await put
+        assert ((p := await plan()).delete, p.waiting) == ([], 0)  # live again
+        clock.advance(20)  # 40 s after the clock first started
+        await kv.delete("k")
+        assert ((p := await plan()).delete, p.waiting) == ([], 1)  # a fresh clock
+        clock.advance(30)
+        assert [d.chunk_id for d in (await plan()).delete] == [chunk]
+
+
 async def test_relocate_skips_a_key_that_expired_since_the_copy_and_moves_the_rest(
         one: LocalCluster, clock: FakeClock) -> None:
     """GC copies a chunk's live records; the first of them expires before GC_RELOCATE

@@ -204,7 +204,8 @@ async def test_past_max_lease_holders_a_lease_pins_until_it_runs_out(
         tmp_path: Path, clock: FakeClock) -> None:
     """``max_lease_holders`` (2 here) holders' unexpired leases on a key: a third holder's
     lease goes to the overflow holder, which pins the key for the lease's time and which no
-    release ends.  An expired holder's place is taken by a new one."""
+    release ends.  An expired holder's place is taken by a new one.  STATS counts the
+    leases given to the overflow holder (``leases_overflowed``)."""
     c = small_cluster(tmp_path / "cap", clock, max_lease_holders=2)
     async with AsyncExitStack() as stack:
         await stack.enter_async_context(c)
@@ -219,10 +220,14 @@ async def test_past_max_lease_holders_a_lease_pins_until_it_runs_out(
         await kvs["h1"].put_many([("k", b"v")])
         assert await kvs["h1"].exists_many(["k"], lease_s=10) == [True]
         assert await kvs["h2"].exists_many(["k"], lease_s=30) == [True]
+        assert (await kvs["h1"].stats())["leases_overflowed"] == 0
         assert await kvs["h3"].match_prefix(["k"], lease_s=60) == 1  # past the cap: overflow
         assert await kvs["h3"].release(["k"]) == 0  # not h3's own lease
+        assert await kvs["h3"].get_many(["k"], lease_s=60) == [b"v"]  # the overflow's again
+        assert (await kvs["h1"].stats())["leases_overflowed"] == 2
         clock.advance(20)  # h1's lease ended: h4 takes its place
         assert await kvs["h4"].exists_many(["k"], lease_s=5) == [True]
+        assert (await kvs["h1"].stats())["leases_overflowed"] == 2  # h4's was its own
         assert await kvs["h4"].release(["k"]) == 1
         assert await kvs["h2"].release(["k"]) == 1
         assert await ix.leased([b"k"], clock()) == {b"k"}  # the overflow's, until t0 + 60

@@ -38,14 +38,15 @@ class Spy:
         self.calls: list[list[bytes]] = []
         self.answered_early = 0
 
-    def __call__(self, batch: Iterable[tuple[bytes, bytes, float | None, float]]) -> None:
+    def __call__(self, batch: Iterable[tuple[bytes, bytes, float | None, float]],
+                 older: Iterable[tuple[bytes, float | None]] = ()) -> None:
         batch = list(batch)
         keys = [r[0] for r in batch]
         self.calls.append(keys)
         self.answered_early += sum(t.done() for t in self.tasks)
         if self.fail_on in keys:
             raise sqlite3.OperationalError("disk I/O error (injected)")
-        self.real(batch)
+        self.real(batch, older)
 
 
 @pytest.fixture

@@ -143,3 +143,42 @@ def test_set_read_ahead(tmp_path: Path) -> None:
     (bdi / "0:55" / "read_ahead_kb").unlink()
     (bdi / "0:55").rmdir()
     assert "cannot write" in (set_read_ahead("/mnt/kv", 1 << 20, mountinfo=str(info), bdi=str(bdi)) or "")
+
+
+async def test_a_request_past_the_timeout_answers_eio_and_its_task_goes_on() -> None:
+    """The mount's per-request deadline: a handler still waiting after --timeout answers EIO,
+    and the request's task (pyfuse3's worker, which goes on to the next request) is not left
+    cancelled; a cancellation from elsewhere stays a cancellation; a handler's own error, or
+    that of a handler with no deadline, becomes its errno."""
+    pyfuse3 = pytest.importorskip("pyfuse3")
+    from kvfs.mount.ops import _local, _op
+
+    class Ops:
+        timeout_s = 0.05
+
+        @_op
+        async def hang(self, gate: asyncio.Event) -> None:
+            await gate.wait()
+
+        @_op
+        async def missing(self) -> None:
+            raise FileNotFoundError(errno.ENOENT, "no such key")
+
+        @_local
+        async def closed(self) -> None:
+            raise OSError(errno.EBADF, "no such handle")
+
+    ops = Ops()
+    for call, code in ((ops.hang(asyncio.Event()), errno.EIO), (ops.missing(), errno.ENOENT),
+                       (ops.closed(), errno.EBADF)):
+        with pytest.raises(pyfuse3.FUSEError) as ei:
+            await call
+        assert ei.value.errno == code
+    task = asyncio.current_task()
+    assert task is not None and task.cancelling() == 0
+    await asyncio.sleep(0)  # and no cancellation is left pending for this task
+    other = asyncio.ensure_future(ops.hang(asyncio.Event()))
+    await asyncio.sleep(0)
+    other.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await other

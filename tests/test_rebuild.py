@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c
+import msgspec
 import pytest
 
 from kvfs import rpc
@@ -20,7 +21,7 @@ from kvfs.errors import KVFSError
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
-from kvfs.meta.index import MetaIndex
+from kvfs.meta.index import MetaIndex, disk_bytes
 from kvfs.meta.rebuild import FoundRecord, RebuildReport, backup, pick_layouts, rebuild
 from kvfs.meta.tombstones import (
     Tomb,
@@ -376,3 +377,138 @@ def test_a_tombstone_goes_once_no_chunk_at_or_below_its_horizon_is_left() -> Non
     assert raise_horizon(t, c(4, 1)) and not passed(t, floors(servers))  # a racing copy there
     assert not raise_horizon(t, c(1, 2))
     assert decode_horizon(encode_horizon(t.horizon)) == t.horizon
+
+
+async def _lose_meta_and_rebuild(cluster: LocalCluster, now: float) -> None:
+    """Stop meta, delete its database, rebuild it from the chunkservers, start it again."""
+    await cluster.stop_meta()
+    for p in (cluster.root / "meta").glob("meta.sqlite3*"):
+        p.unlink()
+    await rebuild(cluster.root / "meta", [cs.addr for cs in cluster.chunkservers if cs is not None],
+                  cluster.admin_token, now=now)
+    await cluster.start_meta()
+    await _wait_registered(cluster)
+
+
+@pytest.mark.parametrize("how", ["expired", "evicted", "put_after_delete", "meta_restarted", "meta_rebuilt"])
+async def test_a_key_the_gc_drops_never_comes_back_with_an_older_value(tmp_path: Path, how: str) -> None:
+    """``k`` is put (v1, in a chunk kept by live neighbours), overwritten (v2, in a chunk of
+    its own; ``put_after_delete``: deleted first, then put again), then dropped by the GC
+    (its TTL passed, or evicted as the least recently used key; ``meta_restarted`` and
+    ``meta_rebuilt``: expired after meta restarted, or was rebuilt, since the overwrite).
+    The GC reclaims v2's chunk while v1's stays; meta's database is lost and rebuilt: ``k``
+    is a miss (or v2), never v1."""
+    from conftest import FakeClock
+
+    clock = FakeClock()
+    root = tmp_path / "c"
+    cap = 4 << 20
+    async with LocalCluster(root, 1, clock=clock, chunkserver=ChunkServerConfig(
+            data=root, heartbeat_interval_s=0.2, chunk_bytes=256 * 1024, capacity_bytes=cap)) as cluster:
+        keep = {f"keep/{i}".encode(): os.urandom(4000) for i in range(40)}
+        v1, v2 = b"first value" * 100, b"second value" * 100
+        cs = cluster.chunkservers[0]
+        assert cs is not None and cs.server_id is not None
+        sid = cs.server_id
+        kv = cluster.client()
+        kv.clock = clock
+        async with kv, GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            await kv.put_many({b"k": v1, **keep})
+            first = await kv.layout(b"k")
+            assert first is not None
+            old = first.extents[0].replicas[0].chunk_id
+            assert (await gc.chunkserver(sid, rpc.ChunkSeal(chunk_id=old))).sealed
+            if how == "put_after_delete":
+                assert await kv.delete(b"k") is True
+            clock.advance(10)
+            await kv.put(b"k", v2, ttl=None if how == "evicted" else 60)
+            second = await kv.layout(b"k")
+            assert second is not None
+            newer = second.extents[0].replicas[0].chunk_id
+            assert newer != old
+            assert (await gc.chunkserver(sid, rpc.ChunkSeal(chunk_id=newer))).sealed
+            if how == "meta_restarted":
+                await cluster.stop_meta()
+                await cluster.start_meta()
+                await _wait_registered(cluster)
+            elif how == "meta_rebuilt":
+                await _lose_meta_and_rebuild(cluster, clock.now)
+            clock.advance(10)
+            if how == "evicted":  # every other key read since: k is the least recently used
+                async with cluster.client() as reader:
+                    reader.clock = clock
+                    assert await reader.get_many(list(keep)) == list(keep.values())
+                await gc.sync_usage()
+                (st,) = (await gc.status())["servers"]
+                low = (st["live"] - 1) / cap  # a byte short: one key, the least recently used
+                r = await gc.run_pass(PassOptions(apply=True, high=low, low=low, expire=False, compact=False))
+                assert (r.evicted_keys, r.expired_keys) == (1, 0)
+            else:
+                clock.advance(61)
+                r = await gc.run_pass(PassOptions(apply=True, grace_s=0, evict=False))
+                assert (r.evicted_keys, r.expired_keys) == (0, 1)
+            meta = cluster.meta
+            assert meta is not None and isinstance(meta.index, MetaIndex)
+            assert b"k" in meta.index.tombstones and b"k" not in meta.index.older  # dropped with one
+            await gc.run_pass(PassOptions(apply=True, grace_s=0, expire=False, evict=False))
+            async with cluster.client(ClientConfig(layout_cache_entries=0)) as reader:
+                reader.clock = clock
+                assert await reader.get(b"k") is None
+        # the scene: v2's chunk is gone, v1's record is still there
+        assert not cs.store.chunk_path(newer).exists()
+        assert b"k" in {r.key for r in scan_records(cs.store.chunk_path(old).read_bytes())}
+        await _lose_meta_and_rebuild(cluster, clock.now)
+        kv = cluster.client(ClientConfig(layout_cache_entries=0))
+        kv.clock = clock
+        async with kv:
+            assert await kv.get_many(list(keep)) == list(keep.values())
+            assert await kv.get(b"k") in (None, v2), "an older value came back"
+
+
+async def test_the_gc_writes_a_tombstone_only_for_keys_whose_older_records_outlive_them(tmp_path: Path) -> None:
+    """Expired together: a key never overwritten, one overwritten (its first value without a
+    TTL), one overwritten whose first value expired too, one put again after a delete.  Only
+    the second and the fourth get a tombstone (the others have no older record a rebuild
+    could serve).  GC_TOMBSTONE is a compare-and-swap and checks what it is given."""
+    from conftest import FakeClock
+
+    clock = FakeClock()
+    root = tmp_path / "c"
+    async with LocalCluster(root, 2, clock=clock) as cluster:
+        meta = cluster.meta
+        assert meta is not None and isinstance(meta.index, MetaIndex)
+        kv = cluster.client()
+        kv.clock = clock
+        async with kv, GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            await kv.put_many({b"over": b"o1" * 100, b"readd": b"r1" * 100})
+            await kv.put(b"both", b"b1" * 100, ttl=30)
+            assert await kv.delete(b"readd") is True
+            await kv.put_many({b"fresh": b"f" * 100, b"over": b"o2" * 100, b"both": b"b2" * 100,
+                               b"readd": b"r2" * 100}, ttl=60)
+            assert meta.index.older == {b"over": None, b"both": clock.now + 30, b"readd": None}
+            await kv.put(b"stays", b"s1" * 100)
+            await kv.put(b"stays", b"s2" * 100)  # overwritten, not expired: kept, marked
+            clock.advance(61)
+            r = await gc.run_pass(PassOptions(apply=True, evict=False, compact=False, repair=False))
+            assert r.expired_keys == 4
+            assert set(meta.index.tombstones) == {b"over", b"readd"}
+            assert meta.index.older == {b"stays": None}
+            sids = sorted(s.server_id for s in await gc.servers())
+            lay = await kv.layout(b"stays")
+            assert lay is not None
+            tomb = [Replica(sids[0], lay.extents[0].replicas[0].chunk_id, 0)]
+            for items, match in (
+                    ([rpc.TombstoneDrop(b"stays", lay, tomb)] * 2, "names a key twice"),
+                    ([rpc.TombstoneDrop(b"stays", lay, [Replica(99, 1, 0)])], "unknown chunkserver 99"),
+                    ([rpc.TombstoneDrop(b"stays", lay, tomb * 2)], "names one chunkserver twice")):
+                with pytest.raises(KVFSError, match=match):
+                    await gc.meta(rpc.GcTombstone(items=items, evict=True))
+            # not expired: not removed by an expiry's drop; evicted: removed, its tombstone kept
+            assert (await gc.meta(rpc.GcTombstone(items=[rpc.TombstoneDrop(b"stays", lay, tomb)]))).keys == 0
+            older = msgspec.structs.replace(lay, crc=lay.crc ^ 1)  # a layout it no longer has
+            got = await gc.meta(rpc.GcTombstone(items=[rpc.TombstoneDrop(b"stays", older, tomb)], evict=True))
+            assert got.keys == 0 and await kv.get(b"stays") == b"s2" * 100
+            got = await gc.meta(rpc.GcTombstone(items=[rpc.TombstoneDrop(b"stays", lay, tomb)], evict=True))
+            assert (got.keys, got.bytes) == (1, disk_bytes(lay))
+            assert b"stays" in meta.index.tombstones and not meta.index.older
+            assert (await gc.status())["metrics"]["keys_evicted"] == 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import signal
 import time
@@ -325,3 +326,55 @@ async def test_drop_lost_ignores_leases_and_keeps_overwrites(redis_store: RedisM
     await redis_store.commit([(b"c", lay((1, 2, 0)))], NOW + 1)  # overwritten meanwhile
     assert await ix.drop_lost(list(rows.items())) == 2
     assert await redis_store.lookup([b"a", b"b", b"c"], NOW + 2) == [None, None, lay((1, 2, 0))]
+
+
+async def test_a_redis_that_may_evict_keys_is_refused_at_open(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Any ``maxmemory-policy`` but ``noeviction``, on any node, refuses the store by name
+    before anything is written (meta's start too); read from CONFIG GET, or INFO memory
+    where CONFIG is forbidden (as on managed Redis: here an ACL); where neither answers, a
+    warning names the nodes and the store opens.  A migration's source (read_old) is only
+    warned about."""
+    from kvfs.config import MetaConfig
+    from kvfs.meta.service import MetaService
+
+    with LocalRedisCluster(tmp_path / "redis") as rc:
+        node = rc.nodes[1]
+        assert _command(node.port, b"CONFIG", b"SET", b"maxmemory-policy", b"allkeys-lru") == b"+OK"
+        with pytest.raises(InvalidArgument, match=rf"maxmemory-policy is not noeviction on "
+                           rf"127\.0\.0\.1:{node.port} \(allkeys-lru\).*CONFIG SET maxmemory-policy noeviction"):
+            await RedisMetaStore(rc.url, namespace="ev").open()
+        meta = MetaService(MetaConfig(data=tmp_path / "meta", listen="127.0.0.1:0", store=rc.url,
+                                      store_namespace="ev"))
+        try:
+            with pytest.raises(InvalidArgument, match=r"allkeys-lru"):
+                await meta.start()
+        finally:
+            await meta.close()
+        assert all(_command(n.port, b"DBSIZE") == b":0" for n in rc.nodes)  # nothing written
+
+        with caplog.at_level(logging.WARNING, logger="kvfs.meta.redis"):
+            source = RedisMetaStore(rc.url, namespace="ev", read_old=True)
+            await source.open()
+            await source.close()
+        assert "allkeys-lru" in caplog.text and "only read" in caplog.text
+
+        assert _command(node.port, b"CONFIG", b"SET", b"maxmemory-policy", b"volatile-lru") == b"+OK"
+        for n in rc.nodes:  # CONFIG forbidden: the policy comes from INFO memory
+            assert _command(n.port, b"ACL", b"SETUSER", b"default", b"-config") == b"+OK"
+        with pytest.raises(InvalidArgument, match=rf"{node.port} \(volatile-lru\)"):
+            await RedisMetaStore(rc.url, namespace="ev").open()
+
+        for n in rc.nodes:  # neither answers: a warning naming every node, and the store opens
+            assert _command(n.port, b"ACL", b"SETUSER", b"default", b"-info") == b"+OK"
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="kvfs.meta.redis"):
+            store = RedisMetaStore(rc.url, namespace="ev")
+            await store.open()
+            try:
+                await store.commit([(b"k", lay((1, 1, 0)))], NOW)
+                assert await store.lookup([b"k"], NOW) == [lay((1, 1, 0))]
+            finally:
+                await store.close()
+        assert "could not read maxmemory-policy" in caplog.text
+        assert all(n.addr in caplog.text for n in rc.nodes)

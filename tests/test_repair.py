@@ -5,24 +5,29 @@ back has its unreferenced chunks reclaimed."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from conftest import kvfs_admin
+from conftest import hold, kvfs_admin
 from poll import until_dead
 
 from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.bench.reliability import flip_byte
-from kvfs.config import ClientConfig, MetaConfig
+from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
 from kvfs.errors import InvalidArgument
 from kvfs.gc import GarbageCollector, PassOptions
+from kvfs.gc.repair import RepairReport, copy_extents
 from kvfs.handshake import Role
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
+from kvfs.meta.index import MetaIndex
 from kvfs.meta.repair import RepairSummary, plan_repairs, readable, replace_replica
+from kvfs.meta.tombstones import chunk_seq
+from kvfs.rpc import Op
 from kvfs.transport import Connection
 
 DEAD_AFTER_S = 1.0
@@ -304,6 +309,52 @@ async def test_gc_repair_judges_each_switch_on_its_own(cluster: LocalCluster) ->
             assert now_big.extents[i].replicas == (it.new, *big.extents[i].replicas[1:])
         assert now_big.extents[2:] == big.extents[2:]
         assert now_c.extents[0].replicas == (items[6].new, *c.extents[0].replicas[1:])
+
+
+async def test_keys_deleted_while_their_repair_copies_are_switched_keep_tombstones_covering_them(
+        tmp_path: Path) -> None:
+    """A repair copies two keys' records, one to each of the two other servers (into chunks
+    meta has not heard of: no heartbeat since); the keys are deleted before GC_REPAIR
+    arrives.  The copies are older records of deleted keys, so each tombstone's horizon must
+    reach its copy's chunk (a rebuild after the tombstone went would bring the key back from
+    the copy), and still does after a restart of meta (written through).  The tombstones
+    land on one server: at least one copy is on another, where only GC_REPAIR raises it."""
+    root = tmp_path / "c"
+    quiet = ChunkServerConfig(data=root, heartbeat_interval_s=3600, capacity_bytes=64 << 20)
+    async with (LocalCluster(root, 3, chunkserver=quiet) as c, c.client() as kv,
+                GarbageCollector(c.addr, token=c.admin_token) as gc):
+        await kv.put_many({"k1": b"1" * 5000, "k2": b"2" * 5000})  # one APPEND: one server
+        lays = [await kv.layout(k) for k in ("k1", "k2")]
+        srcs = [lay.extents[0].replicas[0] for lay in lays if lay is not None]
+        (a,) = {r.server_id for r in srcs}
+        b, d = sorted({cs.server_id for cs in c.chunkservers if cs is not None} - {a})
+        items = [rpc.RepairItem(k, 0, lay.extents[0].length, lay.extents[0].crc, None, (src,), src, holders)
+                 for k, lay, src, holders in zip((b"k1", b"k2"), lays, srcs, ((a, d), (a, b)), strict=True)
+                 if lay is not None]
+        await gc.sync_usage()  # the free space copy_extents places by (b and d empty)
+        repair = hold(c, Op.GC_REPAIR)
+        copying = asyncio.create_task(copy_extents(gc, items, RepairReport()))
+        await repair.reached(copying)  # both copies appended, not switched yet
+        copies = {}  # key -> (server, chunk) of its copy
+        for key, sid in ((b"k1", b), (b"k2", d)):
+            cs = c.chunkservers[c.index_of(sid)]
+            assert cs is not None
+            (copies[key],) = ((sid, chunk) for chunk in cs.store.sizes)  # its only chunk
+        assert await kv.delete_many(["k1", "k2"]) == 2
+        repair.release()
+        assert await copying == 0  # deleted since the plan: nothing switched
+
+        def tombs_cover_the_copies() -> None:
+            assert c.meta is not None and isinstance(c.meta.index, MetaIndex)
+            for key, (sid, chunk) in copies.items():
+                horizon = c.meta.index.tombstones[key].horizon
+                seq = horizon.get(sid)
+                assert seq is not None and seq >= chunk_seq(chunk), (key, sid, chunk, horizon)
+
+        tombs_cover_the_copies()
+        await c.stop_meta()
+        await c.start_meta()
+        tombs_cover_the_copies()
 
 
 async def test_a_drain_is_asked_about_started_and_cancelled(cluster: LocalCluster) -> None:

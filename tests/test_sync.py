@@ -20,6 +20,7 @@ from poll import wait_child
 import kvfs
 from kvfs import AsyncClient, LocalProtocolError
 from kvfs._loop import run
+from kvfs.config import ClientConfig
 from kvfs.errors import InvalidArgument
 from kvfs.rpc import Op
 
@@ -114,6 +115,8 @@ def test_client_survives_fork(tcluster: ThreadCluster) -> None:
     with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
         kv.put(b"fork/k", b"parent")
         assert kv.get(b"fork/k") == b"parent"
+        assert kv.exists_many([b"fork/k"]) == [True]  # on a blocking socket to meta, kept
+        (sock,) = kv._meta_sockets._idle
         pid = os.fork()
         if pid == 0:  # child: the IO thread is gone; the client must reconnect, not hang
             code = 1
@@ -123,11 +126,15 @@ def test_client_survives_fork(tcluster: ThreadCluster) -> None:
                 timer.start()
                 kv.put(b"fork/child", b"child")
                 code = 0 if kv.get_many([b"fork/k", b"fork/child"]) == [b"parent", b"child"] else 2
+                if kv.match_prefix([b"fork/k", b"fork/child"]) != 2 or sock in kv._meta_sockets._idle:
+                    code = 4  # not answered, or on the parent's socket
                 kv.close()
             finally:
                 os._exit(code)
         assert wait_child(pid) == 0
         assert kv.get(b"fork/child") == b"child"  # the parent's connections still work
+        assert kv.exists_many([b"fork/child"]) == [True]
+        assert kv._meta_sockets._idle == [sock]  # its own socket, left alone by the child
 
 
 BIG = 32 * 1024 * 1024  # far more than the client's socket holds: an answer takes many receives
@@ -172,8 +179,8 @@ def _read_arriving(c: ThreadCluster, kv: kvfs.Client, value: bytes,
     return held, buf, let_go
 
 
-async def _hold(rpc: object) -> Hold:
-    return Hold(rpc, Op.READV)  # type: ignore[arg-type]
+async def _hold(rpc: object, op: Op = Op.READV) -> Hold:
+    return Hold(rpc, op)  # type: ignore[arg-type]
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill()")
@@ -317,3 +324,176 @@ def test_close_ends_calls_other_threads_have_in_flight(one_cs: ThreadCluster) ->
     assert outcomes["get"] is None or isinstance(outcomes["get"], kvfs.KVFSError), outcomes
     got = outcomes["wait"]
     assert isinstance(got, LocalProtocolError) and "closed" in str(got), got
+
+
+def test_one_meta_rpc_calls_are_made_in_the_callers_thread(tcluster: ThreadCluster) -> None:
+    """exists_many, match_prefix and release go out on a blocking socket to meta from the
+    calling thread: they are answered while the client's IO loop is held."""
+    with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+        kv.put_many({b"own/a": b"1", b"own/b": b"2"})
+        counts = kv.aio.rpc_counts
+        before = dict(counts)
+        gate = threading.Event()
+        kv._loop.call_soon_threadsafe(gate.wait, 30)  # holds the IO loop: a hop would wait
+        try:
+            assert kv.exists_many([b"own/a", b"own/none", b"own/b"], lease_s=60) == [True, False, True]
+            assert kv.match_prefix([b"own/a", b"own/b", b"own/none"]) == 2
+            assert kv.release([b"own/a", b"own/b", b"own/none"]) == 2  # this client's leases
+            assert kv.exists_many([]) == [] and kv.match_prefix([]) == 0 and kv.release([]) == 0
+            with pytest.raises(InvalidArgument, match="lease_s"):  # checked before anything is sent
+                kv.exists_many([b"own/a"], lease_s=-1)
+        finally:
+            gate.set()
+        assert [counts[op] - before.get(op, 0) for op in ("EXISTS", "MATCH_PREFIX", "RELEASE")] == [1, 1, 1]
+        assert len(kv._meta_sockets._idle) == 1  # one caller: one socket, reused
+
+
+def test_meta_sockets_are_bounded_and_calls_past_them_take_the_io_loop(one_cs: ThreadCluster) -> None:
+    """With ``meta_sockets=1``: while a match_prefix holds the one socket (held at meta),
+    another thread's exists_many goes through the IO loop; no second socket is opened."""
+    assert one_cs.cluster.meta is not None
+    with kvfs.Client(one_cs.addr, token=one_cs.token, config=ClientConfig(meta_sockets=1)) as kv:
+        kv.put(b"b/k", b"v")
+        held = one_cs.call(_hold(one_cs.cluster.meta.rpc, Op.MATCH_PREFIX))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            first = pool.submit(kv.match_prefix, [b"b/k"])
+            try:
+                deadline = time.monotonic() + 30
+                while not held.arrived.is_set():
+                    assert time.monotonic() < deadline and not first.done(), "never reached meta"
+                    threading.Event().wait(0.001)
+                assert len(kv._meta_sockets._busy) == 1
+                assert kv.exists_many([b"b/k", b"b/none"]) == [True, False]  # the IO loop's way
+                assert len(kv._meta_sockets._busy) == 1 and not kv._meta_sockets._idle
+            finally:
+                one_cs.loop.call_soon_threadsafe(held.release)
+            assert first.result(30) == 1
+    with kvfs.Client(one_cs.addr, token=one_cs.token, config=ClientConfig(meta_sockets=0)) as kv:
+        assert kv.exists_many([b"b/k"]) == [True]
+        assert not kv._meta_sockets._idle  # none opened
+    with pytest.raises(ValueError, match="meta_sockets must be >= 0"):
+        ClientConfig(meta_sockets=-1)
+
+
+def test_a_lost_meta_socket_is_dropped_and_its_call_answered(tcluster: ThreadCluster) -> None:
+    """A blocking socket meta closed (restarted, or its idle timeout): the call on it is
+    made again through the IO loop, and the socket is not used again."""
+    with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+        kv.put(b"lost/k", b"v")
+        assert kv.exists_many([b"lost/k"]) == [True]
+        (sock,) = kv._meta_sockets._idle
+        sock.sock.shutdown(socket.SHUT_RDWR)  # fault injection: the connection ends
+        assert kv.match_prefix([b"lost/k"]) == 1
+        assert sock not in kv._meta_sockets._idle and sock.sock.fileno() == -1
+        assert kv.exists_many([b"lost/k"]) == [True]  # on a new socket
+        assert len(kv._meta_sockets._idle) == 1
+
+
+def test_a_meta_socket_meta_closed_as_idle_is_dropped_and_its_call_answered(tcluster: ThreadCluster) -> None:
+    """Meta closes a pooled socket that waited past its idle timeout with an error frame
+    (``_close_with``, as its idle timer does): the next call on it is not failed by that
+    stale frame; it is made through the IO loop and the socket dropped."""
+    assert tcluster.cluster.meta is not None
+    server = tcluster.cluster.meta.rpc
+    with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+        kv.put(b"idle/k", b"v")
+        assert kv.exists_many([b"idle/k"]) == [True]
+        (sock,) = kv._meta_sockets._idle
+        mine = sock.sock.getsockname()
+
+        async def close_as_idle() -> None:  # fault injection: the idle timer's own close
+            (conn,) = [c for c in server.connections if c.transport is not None
+                       and c.transport.get_extra_info("peername") == mine]
+            conn._close_with(kvfs.Unavailable("connection idle for 300.0s; closed"))
+
+        tcluster.call(close_as_idle())
+        assert kv.match_prefix([b"idle/k"]) == 1
+        assert sock not in kv._meta_sockets._idle
+        assert kv.exists_many([b"idle/k", b"idle/none"]) == [True, False]
+
+
+def test_a_lookup_on_a_meta_socket_times_out_naming_it(one_cs: ThreadCluster) -> None:
+    """A lookup held at meta past ``request_timeout_s`` raises Timeout naming the RPC and
+    meta; its socket is dropped, so its late answer is never taken for another call's."""
+    assert one_cs.cluster.meta is not None
+    config = ClientConfig(request_timeout_s=0.5)
+    with kvfs.Client(one_cs.addr, token=one_cs.token, config=config) as kv:
+        kv.put(b"slow/k", b"v")
+        assert kv.match_prefix([b"slow/k"]) == 1
+        (sock,) = kv._meta_sockets._idle
+        held = one_cs.call(_hold(one_cs.cluster.meta.rpc, Op.EXISTS))
+        try:
+            with pytest.raises(kvfs.Timeout, match=r"EXISTS to .* got no answer within 0\.5s"):
+                kv.exists_many([b"slow/k"])
+            assert sock.sock.fileno() == -1 and not kv._meta_sockets._idle
+        finally:
+            one_cs.loop.call_soon_threadsafe(held.release)
+        assert kv.match_prefix([b"slow/k"]) == 1  # a new socket
+
+
+def test_a_timeout_meta_answers_on_a_meta_socket_is_raised_as_it_is(one_cs: ThreadCluster) -> None:
+    """An error frame carrying meta's own Timeout is meta's answer, raised with meta's
+    words, not taken for this socket's request timeout."""
+    assert one_cs.cluster.meta is not None
+    with kvfs.Client(one_cs.addr, token=one_cs.token) as kv:
+        held = one_cs.call(_hold(one_cs.cluster.meta.rpc, Op.EXISTS))
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(kv.exists_many, [b"t/k"])
+            try:
+                deadline = time.monotonic() + 30
+                while not held.arrived.is_set():
+                    assert time.monotonic() < deadline and not fut.done(), "never reached meta"
+                    threading.Event().wait(0.001)
+                assert kv._meta_sockets._busy  # on a blocking socket
+            finally:
+                one_cs.loop.call_soon_threadsafe(held.release, kvfs.Timeout("meta's own deadline"))
+            with pytest.raises(kvfs.Timeout, match="meta's own deadline"):
+                fut.result(30)
+
+
+def test_meta_errors_on_a_meta_socket_name_what_was_wrong(tcluster: ThreadCluster) -> None:
+    """An error meta answers on the blocking socket is raised in the caller, naming what was
+    wrong, and the socket goes on serving."""
+    limit = tcluster.cluster.meta.config.max_lease_holder_chars  # type: ignore[union-attr]
+    config = ClientConfig(lease_holder="h" * (limit + 1))  # the protocol allows it; meta does not
+    with kvfs.Client(tcluster.addr, token=tcluster.token, config=config) as kv:
+        kv.put(b"err/k", b"v")
+        assert kv.exists_many([b"err/k"]) == [True]
+        (sock,) = kv._meta_sockets._idle
+        with pytest.raises(InvalidArgument, match="--max-lease-holder-chars"):
+            kv.exists_many([b"err/k"], lease_s=5)
+        assert kv.match_prefix([b"err/k"]) == 1
+        assert kv._meta_sockets._idle == [sock]
+
+
+@pytest.mark.parametrize("meta_sockets", [0, 4])
+def test_close_ends_a_lookup_another_thread_has_in_flight(one_cs: ThreadCluster, meta_sockets: int) -> None:
+    """``close()`` while another thread waits for an exists_many held at meta (on a blocking
+    socket, or through the IO loop): the caller gets an error naming the close, at once."""
+    assert one_cs.cluster.meta is not None
+    kv = kvfs.Client(one_cs.addr, token=one_cs.token, config=ClientConfig(meta_sockets=meta_sockets))
+    held = one_cs.call(_hold(one_cs.cluster.meta.rpc, Op.EXISTS))
+    outcome: list[BaseException | object] = []
+
+    def call() -> None:
+        try:
+            outcome.append(kv.exists_many([b"k"]))
+        except BaseException as exc:
+            outcome.append(exc)
+
+    t = threading.Thread(target=call)
+    try:
+        t.start()
+        deadline = time.monotonic() + 30
+        while not held.arrived.is_set():
+            assert time.monotonic() < deadline and t.is_alive(), "the EXISTS never reached meta"
+            threading.Event().wait(0.001)
+        kv.close()
+        t.join(30)
+        assert not t.is_alive(), "the caller still waits after close()"
+    finally:
+        one_cs.loop.call_soon_threadsafe(held.release)
+    (got,) = outcome
+    assert isinstance(got, LocalProtocolError) and "closed" in str(got), got
+    with pytest.raises(LocalProtocolError, match="closed"):
+        kv.match_prefix([b"k"])

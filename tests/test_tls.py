@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import trustme
 
+import kvfs
 from kvfs.client import AsyncClient
 from kvfs.config import (
     ChunkServerConfig,
@@ -112,6 +113,22 @@ async def test_put_get_through_a_tls_cluster(tls_cluster: LocalCluster, certs: C
         assert all(s is not None and s.version() in ("TLSv1.2", "TLSv1.3") for s in sessions)
     for cs in tls_cluster.chunkservers:
         assert cs is not None and ssl_object(cs.meta_link.connections()[0]) is not None  # over TLS
+
+
+async def test_the_blocking_clients_own_meta_sockets_speak_tls(tls_cluster: LocalCluster,
+                                                              certs: Certs) -> None:
+    """The blocking client's lookups in its callers' threads (kvfs.blocking) go over TLS
+    too, with the client's certificate (the cluster runs mutual TLS) and its token."""
+    def work() -> None:
+        with kvfs.Client(tls_cluster.addr, token=tls_cluster.token, config=certs.client()) as kv:
+            kv.put(b"t/k", b"v")
+            assert kv.exists_many([b"t/k", b"t/none"]) == [True, False]
+            assert kv.match_prefix([b"t/k", b"t/none"]) == 1
+            (ms,) = kv._meta_sockets._idle
+            assert isinstance(ms.sock, ssl.SSLSocket)
+            assert ms.sock.version() in ("TLSv1.2", "TLSv1.3")
+
+    await asyncio.to_thread(work)
 
 
 async def test_server_only_tls_accepts_clients_without_certificates(

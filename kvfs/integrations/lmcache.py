@@ -15,7 +15,8 @@ One value per chunk: LMCache's chunk header and the payload, gathered on put and
 on get, never copied.  Gets, puts and lookups are batched (one ``get_into`` / ``put_many`` /
 ``match_prefix`` per call).  Gets run on LMCache's own event loop (an ``AsyncClient`` there:
 no hop to another thread and back on the way to the engine); puts and lookups go through a
-blocking client's IO thread.  kvfs reads (puts) and writes (gets) LMCache's CPU buffers, so
+blocking client's IO thread.  The two clients are one lease holder (one random
+``ClientConfig.lease_holder`` drawn per connector), so kvfs counts the engine once.  kvfs reads (puts) and writes (gets) LMCache's CPU buffers, so
 the connector holds a reference on each memory object until kvfs is done with it, and
 LMCache's buffer pool -- which LMCache frees before it closes the remote backends -- is
 freed only once no kvfs call uses it: its ``close`` first lets LMCache's loop start the puts
@@ -27,9 +28,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import secrets
 import threading
 import time
 from collections.abc import Coroutine
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from lmcache.utils import CacheEngineKey
@@ -39,8 +42,9 @@ from lmcache.v1.storage_backend.connector.base_connector import RemoteConnector
 
 from kvfs.client import TOO_SMALL, AsyncClient
 from kvfs.config import EngineConfig, from_mapping
-from kvfs.integrations._common import SOFT_ERRORS, client_config, log, open_client, wait
+from kvfs.integrations._common import SOFT_ERRORS, client_config, log, wait
 from kvfs.prefix import namespaced
+from kvfs.sync import Client
 
 T = TypeVar("T")
 
@@ -61,10 +65,12 @@ class KvfsConnector(RemoteConnector):
         self.namespace = self.config.namespace or "lmcache"
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
-        self.client = open_client(self.config)
+        # two clients, one lease holder: kvfs sees one engine (a release by either would
+        # end the other's leases, and the pair takes one of --max-lease-holders' places)
+        ccfg = replace(client_config(self.config), lease_holder=secrets.token_hex(8))
+        self.client = Client(self.config.addr, token=self.config.token, config=ccfg)
         # gets, on LMCache's loop (it connects there on first use)
-        self.aclient = AsyncClient(self.config.addr, token=self.config.token,
-                                   config=client_config(self.config))
+        self.aclient = AsyncClient(self.config.addr, token=self.config.token, config=ccfg)
         self._tasks: set[asyncio.Future[Any]] = set()  # its calls in flight
         self._full_header = b""  # the header of a full chunk of this engine's format
         # kvfs calls that read or write LMCache's CPU buffer pool, until they are done

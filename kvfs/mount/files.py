@@ -4,19 +4,22 @@ Memory per open file is bounded whatever the file's size:
 
 - **Writing.** A handle holds the file in memory up to ``write_buffer_bytes``; any
   write pattern works there, and a file that stays that small is committed as one
-  ``put`` on close.  Past it, whole stripe units more than ``write_buffer_bytes``
-  behind the file's end go to a streaming put (:class:`kvfs.stream.StreamPut`) as they
-  come, and close commits the stream.  A write (or read, or truncation) before what
-  was streamed fails with ``EOPNOTSUPP``: write large files in order, as cp, dd,
-  numpy ``tofile`` and ``torch.save`` do.
+  ``put`` on close; its writes of at least ``TAIL_PIECE_BYTES`` in order (``tofile``,
+  ``cp``) are kept as the kernel's buffers came, and that put sends them as they are.
+  Past it, whole stripe units more than ``write_buffer_bytes`` behind the file's end go
+  to a streaming put (:class:`kvfs.stream.StreamPut`) as they come, and close commits
+  the stream.  A write (or read, or truncation) before what was streamed fails with
+  ``EOPNOTSUPP``: write large files in order, as cp, dd, numpy ``tofile`` and
+  ``torch.save`` do.
 - **A commit in the middle** (``fsync``, or the close of one of several descriptors
   of the file, e.g. a forked child's) commits what was written so far, as on a
   small file.  Writing on after that streams the committed part again (read back
   from the cluster) ahead of the new bytes: correct, at the cost of a copy.
 - **Reading.** The first read pins the value's layout (a lookup batched with other
   files' first reads) and each read fetches the stripe units it overlaps, batched
-  across files; a sequential reader gets ``read_ahead_units`` units fetched ahead.
-  An open file keeps at most ``read_ahead_units + 2`` units.
+  across files, and answers from them without a copy; a sequential reader gets
+  ``read_ahead_units`` units fetched ahead.  An open file keeps at most
+  ``read_ahead_units + 2`` units.
 - **Closes share commits** as reads share batches: the small files closed while
   earlier commits are in flight go out together, one ``put_many``.
 """
@@ -25,8 +28,12 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import os
-from collections.abc import AsyncIterator
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from kvfs._batch import Batcher
 from kvfs.config import MountConfig
@@ -39,7 +46,16 @@ from kvfs.stream import StreamPut, ValueReader, open_read, put_stream, read_unit
 
 __all__ = ["FileIO"]
 
-Unit = tuple[ValueReader, int, bytes] | None
+log = logging.getLogger("kvfs.mount")
+
+Unit = tuple[ValueReader, int, bytes | bytearray] | None
+Value = bytes | bytearray | list[bytes | bytearray]
+# a write of at least this many bytes, in order, is kept as the kernel's buffer came (bytes
+# written before it are not copied again either); smaller ones are copied into one buffer, so
+# an open file keeps at most write_buffer_bytes / TAIL_PIECE_BYTES such buffers
+TAIL_PIECE_BYTES = 64 * 1024
+# a directory over --negative-listing-keys is not listed again for this long
+OVER_CAP_RELIST_S = 60.0
 
 
 def _gone() -> OSError:
@@ -52,7 +68,7 @@ class FileIO:
     """Reads, writes, truncations and commits of the mount's open files."""
 
     def __init__(self, fs: KVFileSystem, table: InodeTable, config: MountConfig, *,
-                 fresh_s: float = 0.0) -> None:
+                 fresh_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
         self.fs = fs
         self.table = table
         self.config = config
@@ -67,7 +83,7 @@ class FileIO:
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         # closes of small files share commits the same way: one put_many (one APPEND per
         # server, one COMMIT) for the files closed while earlier batches were running
-        self.puts: Batcher[tuple[bytes, bytes | bytearray], None] = Batcher(
+        self.puts: Batcher[tuple[bytes, Value], None] = Batcher(
             self._put_many, max_items=config.max_batch_items,
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         # lookups (the kernel's LOOKUP and GETATTR) share LOOKUPs the same way; a miss says
@@ -75,18 +91,26 @@ class FileIO:
         self.lookups: Batcher[bytes, Layout | bool] = Batcher(
             fs.client.lookup_dirs, max_items=config.max_batch_items,
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
-        self._tasks: set[asyncio.Task[bytes]] = set()  # read-ahead in flight
+        self._tasks: set[asyncio.Task[Any]] = set()  # read-ahead and listings in flight
+        # --negative-timeout: directories' listings (when sent, names; None: over
+        # --negative-listing-keys), and those being listed (the names made here meanwhile)
+        self.clock = clock
+        self._listings: OrderedDict[str, tuple[float, set[str] | None]] = OrderedDict()
+        self._listing: dict[str, set[str] | None] = {}
 
-    async def _put_many(self, items: list[tuple[bytes, bytes | bytearray]]) -> list[None]:
+    async def _put_many(self, items: list[tuple[bytes, Value]]) -> list[None]:
         last = dict(items)  # a path closed twice in one batch: its last value wins
         await self.fs.client.put_many(list(last.items()), ttl=self.fs.ttl)
         return [None] * len(items)
 
-    async def put(self, path: str, value: bytes | bytearray) -> None:
-        """One small file's value, committed in a batch with other files' closes (``value``
-        is sent as it is: the caller does not change it until this returns)."""
+    async def put(self, path: str, value: Value, nbytes: int | None = None) -> None:
+        """One small file's value (a buffer, or a list of buffers to send one after another:
+        ``nbytes`` in all), committed in a batch with other files' closes (``value`` is sent as
+        it is: the caller does not change it until this returns)."""
         with builtin_errors(path):
-            await self.puts.submit((os.fsencode(path), value), len(value))
+            await self.puts.submit((os.fsencode(path), value),
+                                   len(value) if nbytes is None else nbytes)
+        self.made(path)  # in a listing sent before the commit, too
 
     async def _read_units(self, wants: list[tuple[ValueReader | bytes, int]]) -> list[Unit]:
         return await read_units(self.fs.client, wants)
@@ -95,6 +119,9 @@ class FileIO:
     async def info(self, ino: int, path: str) -> Info:
         """``path``'s info from one LOOKUP (shared with other requests'): a file's, a
         directory's, or FileNotFoundError; a file's layout is kept for a first read soon after."""
+        if self._listed_missing(path):
+            self._looked_up.pop(ino, None)
+            raise FileNotFoundError(errno.ENOENT, "not in its directory's listing", path)
         key = os.fsencode(path)
         with builtin_errors(path):
             found = await self.lookups.submit(key)
@@ -107,6 +134,76 @@ class FileIO:
             if len(self._looked_up) > self.config.looked_up_layouts:
                 del self._looked_up[next(iter(self._looked_up))]
         return path_info(path, found)
+
+    # listings: misses without a LOOKUP (--negative-timeout) -------------------------------
+    def _listed_missing(self, path: str) -> bool:
+        """Whether ``path`` is missing from its directory's listing made at most
+        ``negative_timeout_s`` ago.  A directory with no such listing is listed anew, in the
+        background (one listing at a time per directory); meanwhile its lookups ask meta."""
+        bound = self.config.negative_timeout_s
+        if bound <= 0:
+            return False
+        d, _, name = path.rpartition("/")
+        seen = self._listings.get(d)
+        if seen is not None:
+            at, names = seen
+            age = self.clock() - at
+            if names is not None and age <= bound:
+                return name not in names
+            if names is None and age <= max(bound, OVER_CAP_RELIST_S):
+                return False
+        if d not in self._listing:
+            self._listing[d] = set()
+            task = asyncio.get_running_loop().create_task(self._list(d))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return False
+
+    async def _list(self, d: str) -> None:
+        at = self.clock()  # names made by others after this may be missing from it
+        cap = self.config.negative_listing_keys
+        prefix = d + "/" if d else ""
+        try:
+            infos = await self.fs.client.list(os.fsencode(prefix), limit=cap + 1)
+        except Exception as exc:  # no listing: lookups there go on asking meta
+            log.info("listing %r for --negative-timeout: %s", prefix, exc)
+            self._listing.pop(d, None)
+            return
+        if d not in self._listing:  # a directory was renamed meanwhile: maybe stale
+            return
+        made = self._listing.pop(d)
+        names: set[str] | None = None
+        if made is not None and len(infos) <= cap:
+            n = len(prefix)
+            names = {os.fsdecode(ki.key[n:]).partition("/")[0] for ki in infos} | made
+            if len(names) > cap:
+                names = None
+        self._listings[d] = (at, names)
+        self._listings.move_to_end(d)
+        while len(self._listings) > self.config.negative_listing_dirs:
+            self._listings.popitem(last=False)
+
+    def made(self, path: str) -> None:
+        """A name this mount made (create, mkdir, a rename's target) is in its listing."""
+        if self.config.negative_timeout_s <= 0:
+            return
+        cap = self.config.negative_listing_keys
+        d, _, name = path.rpartition("/")
+        seen = self._listings.get(d)
+        if seen is not None and seen[1] is not None:
+            seen[1].add(name)
+            if len(seen[1]) > cap:
+                self._listings[d] = (seen[0], None)
+        meanwhile = self._listing.get(d)
+        if meanwhile is not None:
+            meanwhile.add(name)
+            if len(meanwhile) > cap:
+                self._listing[d] = None
+
+    def forget_listings(self) -> None:
+        """Names moved in bulk (a directory renamed): no listing is trusted any more."""
+        self._listings.clear()
+        self._listing.clear()
 
     def changed(self, ino: int | None) -> None:
         """This mount changed or removed ``ino``'s value: its looked-up layout is stale."""
@@ -131,9 +228,10 @@ class FileIO:
                        "have gone to the cluster already (write large files in order)")
 
     # reading ---------------------------------------------------------------------
-    async def read(self, h: Handle, off: int, size: int) -> bytes:
+    async def read(self, h: Handle, off: int, size: int) -> bytes | memoryview:
         if h.writable and h.data is not None:
             self._check(h)
+            self._merge(h)
             if off < h.base:
                 raise self._behind(h, "read", off)
             return bytes(h.data[off - h.base : off - h.base + size])
@@ -161,20 +259,21 @@ class FileIO:
             start, data = await self._unit(h, pos)
             if not data:
                 break
-            parts.append(data[pos - start : end - start])
+            parts.append(memoryview(data)[pos - start : end - start])  # not copied
             pos = start + len(data)
         if off == h.next_read:
             self._read_ahead(h, pos)
         h.next_read = end
         return parts[0] if len(parts) == 1 else b"".join(parts)
 
-    def _keep(self, h: Handle, start: int, fut: asyncio.Future[bytes]) -> asyncio.Future[bytes]:
+    def _keep(self, h: Handle, start: int, fut: asyncio.Future[bytes | bytearray]
+              ) -> asyncio.Future[bytes | bytearray]:
         h.units[start] = fut
         while len(h.units) > self.config.read_ahead_units + 2:
             h.units.popitem(last=False)
         return fut
 
-    def _fetch(self, h: Handle, pos: int) -> tuple[int, asyncio.Future[bytes]]:
+    def _fetch(self, h: Handle, pos: int) -> tuple[int, asyncio.Future[bytes | bytearray]]:
         """The unit holding ``pos``: cached, or being fetched from now on."""
         assert h.reader is not None
         start, e = h.reader.unit_at(pos)
@@ -188,13 +287,13 @@ class FileIO:
         task.add_done_callback(self._tasks.discard)
         return start, self._keep(h, start, task)
 
-    async def _fetch_unit(self, reader: ValueReader, pos: int, nbytes: int) -> bytes:
+    async def _fetch_unit(self, reader: ValueReader, pos: int, nbytes: int) -> bytes | bytearray:
         unit = await self.reads.submit((reader, pos), nbytes)
         if unit is None:
             raise _gone()
         return unit[2]
 
-    async def _unit(self, h: Handle, pos: int) -> tuple[int, bytes]:
+    async def _unit(self, h: Handle, pos: int) -> tuple[int, bytes | bytearray]:
         start, fut = self._fetch(h, pos)
         try:
             return start, await asyncio.shield(fut)
@@ -225,12 +324,20 @@ class FileIO:
         async with h.lock:
             self._check(h)
             await self._load(h)
+            d = h.data
+            assert d is not None
+            end = off + len(buf)
+            if (off == h.base + len(d) + h.tail_bytes and len(buf) >= TAIL_PIECE_BYTES
+                    and end - h.base <= self.config.write_buffer_bytes):  # in order, no spill
+                h.tail.append(buf)
+                h.tail_bytes += len(buf)
+                h.dirty = True
+                return
+            self._merge(h)
             if off < h.base:
                 raise self._behind(h, "write", off)
             await self._grow(h, off)
-            d = h.data
-            assert d is not None
-            d[off - h.base : off - h.base + len(buf)] = buf
+            d[off - h.base : end - h.base] = buf
             h.dirty = True
             await self._spill(h)
 
@@ -240,10 +347,13 @@ class FileIO:
             if size == 0:  # a new, empty file: whatever was streamed is dropped
                 await self._drop_stream(h)
                 h.data, h.base, h.prefix, h.failed = bytearray(), 0, 0, None
+                h.tail.clear()
+                h.tail_bytes = 0
                 h.dirty = True
                 return
             self._check(h)
             await self._load(h)
+            self._merge(h)
             assert h.data is not None
             if size < h.base:
                 raise self._behind(h, "truncate", size)
@@ -261,6 +371,8 @@ class FileIO:
                 if other.base:
                     raise OSError(errno.EOPNOTSUPP, "another open of this file is streaming it")
                 h.data = bytearray(other.data)
+                for piece in other.tail:
+                    h.data += piece
                 return
         path = self.table.path(h.ino)
         with builtin_errors(path):
@@ -273,6 +385,17 @@ class FileIO:
             h.data = bytearray(await reader.read())
         h.reader = None
         h.units.clear()
+
+    @staticmethod
+    def _merge(h: Handle) -> None:
+        """The buffers written in order after ``h.data`` copied into it: for what needs the
+        bytes in one piece (a write elsewhere, a read, a truncation, a stream)."""
+        if h.tail:
+            assert h.data is not None
+            for piece in h.tail:
+                h.data += piece
+            h.tail.clear()
+            h.tail_bytes = 0
 
     async def _grow(self, h: Handle, size: int) -> None:
         """Zeros up to ``size`` (a hole), streamed as they pile up."""
@@ -339,9 +462,13 @@ class FileIO:
             assert d is not None
             self.changed(h.ino)
             if h.stream is None and not h.prefix:  # small: one put, the stream never started
-                await self.put(self.table.path(h.ino), d)  # no copy: h.lock keeps writes out
+                # no copy: the buffers as written (h.lock keeps writes out until it returns)
+                value: Value = d if not h.tail else h.tail[0] if not d and len(h.tail) == 1 \
+                    else [d, *h.tail]
+                await self.put(self.table.path(h.ino), value, len(d) + h.tail_bytes)
                 h.dirty = False
                 return
+            self._merge(h)
             try:
                 if h.stream is None:
                     await self._start(h)
@@ -351,6 +478,7 @@ class FileIO:
                 stream, h.stream = h.stream, None
                 with builtin_errors(self.table.path(h.ino)):
                     size = await stream.finish()
+                self.made(self.table.path(h.ino))
             except BaseException as exc:
                 await self._fail(h, exc)
                 raise
@@ -404,3 +532,4 @@ class FileIO:
 
         with builtin_errors(dst):
             await put_stream(self.fs.client, os.fsencode(dst), pieces(), size=size, ttl=self.fs.ttl)
+        self.made(dst)

@@ -40,6 +40,9 @@ class Handle:
     # writing: the file's bytes from `base` on (None until the old value is read); those
     # before `base` went to `stream`, or were committed (the first `prefix` bytes)
     data: bytearray | None = None
+    # bytes written in order after `data`, kept as the kernel's buffers came (not copied)
+    tail: list[bytes] = field(default_factory=list)
+    tail_bytes: int = 0
     base: int = 0
     prefix: int = 0
     stream: StreamPut | None = None
@@ -48,14 +51,14 @@ class Handle:
     orphan: bool = False  # unlinked while open: never committed
     # reading: the value pinned at the first read, and its last few stripe units by offset
     reader: ValueReader | None = None
-    units: OrderedDict[int, asyncio.Future[bytes]] = field(default_factory=OrderedDict)
+    units: OrderedDict[int, asyncio.Future[bytes | bytearray]] = field(default_factory=OrderedDict)
     next_read: int = 0  # where a sequential read goes on (read-ahead)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one writer or first read at a time
 
     @property
     def size(self) -> int | None:
         """The size written so far (None: not loaded)."""
-        return None if self.data is None else self.base + len(self.data)
+        return None if self.data is None else self.base + len(self.data) + self.tail_bytes
 
 
 class InodeTable:

@@ -33,31 +33,73 @@ MOVE_BATCH_BYTES = 64 * 1024 * 1024
 BLKSIZE = 128 * 1024
 
 
+def _fuse_error(fn: Callable[..., Any], args: tuple[Any, ...], exc: Exception, timeout_s: float
+                ) -> pyfuse3.FUSEError:
+    """The errno a handler's failure answers (logged unless it is an everyday one)."""
+    code = errno_of(exc)
+    if code == errno.EIO:
+        what = f"timed out after {timeout_s}s" if isinstance(exc, TimeoutError) else exc
+        log.warning("%s%r: %s: %s", fn.__name__, args[1:3], type(exc).__name__, what)
+    elif code not in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY):
+        log.info("%s%r: %s", fn.__name__, args[1:3], exc)
+    return pyfuse3.FUSEError(code)
+
+
+def _expire(task: asyncio.Task[Any], fired: list[bool]) -> None:
+    fired.append(True)
+    task.cancel()
+
+
 def _op(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
-    """A FUSE handler: bounded by the mount's timeout; every failure becomes an errno.
+    """A FUSE handler that may wait on the cluster: bounded by the mount's timeout; every
+    failure becomes an errno.
 
     pyfuse3 answers only ``FUSEError``; anything else would leave the request
-    unanswered and stop the mount.
+    unanswered and stop the mount.  The deadline is one timer of the loop, as
+    ``asyncio.timeout`` sets it (the request's task is cancelled, and the cancellation
+    becomes EIO), without that class's bookkeeping: a few microseconds a request.
     """
 
     @functools.wraps(fn)
     async def handler(*args: P.args, **kwargs: P.kwargs) -> T:
         ops: KVFSOperations = args[0]  # type: ignore[assignment]
+        task = asyncio.current_task()
+        assert task is not None
+        cancelling = task.cancelling()
+        fired: list[bool] = []
+        timer = asyncio.get_running_loop().call_later(ops.timeout_s, _expire, task, fired)
         try:
-            async with asyncio.timeout(ops.timeout_s):
-                return await fn(*args, **kwargs)
+            return await fn(*args, **kwargs)
         except pyfuse3.FUSEError:
             raise
         except asyncio.CancelledError:
+            if fired:
+                fired.clear()
+                if task.uncancel() <= cancelling:  # ours, not the loop's or the unmount's
+                    raise _fuse_error(fn, args, TimeoutError(), ops.timeout_s) from None
             raise
         except Exception as exc:
-            code = errno_of(exc)
-            if code == errno.EIO:
-                what = f"timed out after {ops.timeout_s}s" if isinstance(exc, TimeoutError) else exc
-                log.warning("%s%r: %s: %s", fn.__name__, args[1:3], type(exc).__name__, what)
-            elif code not in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY):
-                log.info("%s%r: %s", fn.__name__, args[1:3], exc)
-            raise pyfuse3.FUSEError(code) from None
+            raise _fuse_error(fn, args, exc, ops.timeout_s) from None
+        finally:
+            timer.cancel()
+            if fired:  # fired as the handler ended: its cancellation is not for anyone else
+                task.uncancel()
+
+    return handler
+
+
+def _local(fn: Callable[P, Awaitable[T]]) -> Callable[P, Coroutine[Any, Any, T]]:
+    """A FUSE handler that answers from the mount's own state (no wait on the cluster, so
+    no deadline): every failure becomes an errno."""
+
+    @functools.wraps(fn)
+    async def handler(*args: P.args, **kwargs: P.kwargs) -> T:
+        try:
+            return await fn(*args, **kwargs)
+        except pyfuse3.FUSEError:
+            raise
+        except Exception as exc:
+            raise _fuse_error(fn, args, exc, 0.0) from None
 
     return handler
 
@@ -159,7 +201,7 @@ class KVFSOperations(Operations):
         return self._attrs(inode, await self._info(inode, path))
 
     # files -------------------------------------------------------------------
-    @_op
+    @_local
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         self.table.path(inode)
         if flags & os.O_ACCMODE == os.O_RDONLY:
@@ -172,17 +214,18 @@ class KVFSOperations(Operations):
             h = Handle(inode, writable=True)
         return pyfuse3.FileInfo(fh=self.table.open(h), keep_cache=False)
 
-    @_op
+    @_local
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         path = self._child(parent_inode, name)
         ino = self.table.relink(path)
+        self.io.made(path)
         fh = self.table.open(Handle(ino, writable=True, data=bytearray(), dirty=True))
         info = {"name": path, "size": 0, "type": "file", "created": time.time()}
         return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(ino, info)
 
     @_op
-    async def read(self, fh: int, off: int, size: int) -> bytes:
+    async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
         return await self.io.read(self.table.handle(fh), off, size)
 
     @_op
@@ -193,8 +236,14 @@ class KVFSOperations(Operations):
         await self.io.write(h, off, buf)
         return len(buf)
 
-    @_op
+    @_local
     async def flush(self, fh: int) -> None:
+        h = self.table.handle(fh)
+        if h.dirty and not h.orphan:  # most closes: nothing to commit (a reader, a 2nd close)
+            await self._commit(fh)
+
+    @_op
+    async def _commit(self, fh: int) -> None:
         await self.io.commit(self.table.handle(fh))
 
     @_op
@@ -225,6 +274,7 @@ class KVFSOperations(Operations):
                     ) -> pyfuse3.EntryAttributes:
         path = self._child(parent_inode, name, limit=MAX_KEY_BYTES - 1)
         await self.fs._put_markers(path)
+        self.io.made(path)
         return self._attrs(self.table.remember(path), {"name": path, "size": 0, "type": "directory"})
 
     @_op
@@ -287,6 +337,8 @@ class KVFSOperations(Operations):
                 raise pyfuse3.FUSEError(errno.ENOTEMPTY)
             await self._move_tree(src, dst)
             self.io.forget_layouts()  # every key under it moved
+            self.io.forget_listings()
+        self.io.made(dst)
         self.table.renamed(src, dst)
 
     async def _info_or_none(self, path: str) -> Info | None:
@@ -331,7 +383,7 @@ class KVFSOperations(Operations):
                     entries.append((name, {"name": prefix + name, "size": size, "type": "file"}))
         return self.table.opendir(prefix, entries)
 
-    @_op
+    @_local
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:
         prefix, entries = self.table.dir(fh)
         for i in range(start_id, len(entries)):

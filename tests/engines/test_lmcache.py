@@ -75,7 +75,16 @@ def test_storage_manager_round_trip_bit_exact(tcluster: ThreadCluster, tmp_path:
             assert len(kv.list(b"rt/")) == len(keys)
         remote = find_remote_backend(sm)
         assert remote is not None
-        assert remote.batched_contains(keys) == len(keys)
+        assert remote.batched_contains(keys) == len(keys)  # a pinned lookup: leases
+        conn = remote.connection._connector  # inside LMCache's InstrumentedRemoteConnector
+        assert conn.client.aio.lease_holder == conn.aclient.lease_holder  # one engine, one holder
+
+        async def holders() -> set[str]:
+            assert tcluster.cluster.meta is not None
+            leases = tcluster.cluster.meta.index.leases
+            return {h for k in keys for h in leases.get(conn._key(k), {})}
+
+        assert tcluster.call(holders()) == {conn.aclient.lease_holder}
         got = remote.batched_get_blocking(keys)
         assert got is not None and [bytes(g.byte_array) for g in got] == want  # bit-exact
         for g in got:

@@ -1,0 +1,110 @@
+"""Large request payloads received into reused buffers (``ReceivePool``, ``--receive-pool``):
+reused only when no view of them is alive, bounded, and every byte of every value stored."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvfs.config import ChunkServerConfig
+from kvfs.launcher import LocalCluster
+from kvfs.protocol import FrameDecoder, FrameHead, ReceivePool, frame_bytes
+
+MiB = 1 << 20
+
+
+def _head(n: int) -> FrameHead:
+    return FrameHead(op=20, flags=0, request_id=1, header={}, payload_len=n)
+
+
+def test_a_given_back_buffer_receives_the_next_payload() -> None:
+    pool = ReceivePool(max_bytes=8 * MiB)
+    first = pool(_head(3 * MiB + 5))
+    assert isinstance(first, memoryview) and first.nbytes == 3 * MiB + 5
+    owner = first.obj
+    assert len(owner) == 4 * MiB  # made in whole MiB
+    pool.give(first)
+    assert pool.kept_bytes == 4 * MiB
+    second = pool(_head(4 * MiB))  # fits the kept buffer
+    assert isinstance(second, memoryview) and second.obj is owner and pool.reused == 1
+    assert pool.kept_bytes == 0
+    third = pool(_head(2 * MiB))  # nothing kept now: a new one
+    assert isinstance(third, memoryview) and third.obj is not owner
+
+
+def test_a_buffer_with_a_live_view_is_never_reused() -> None:
+    pool = ReceivePool(max_bytes=64 * MiB)
+    payload = pool(_head(2 * MiB))
+    assert isinstance(payload, memoryview)
+    payload[:4] = b"keep"
+    held = payload[:4]  # e.g. a pwritev still running in a thread holds the values' views
+    pool.give(payload)
+    assert pool.kept_bytes == 0
+    again = pool(_head(2 * MiB))
+    assert isinstance(again, memoryview) and again.obj is not held.obj and pool.reused == 0
+    again[:4] = b"new!"
+    assert bytes(held) == b"keep"
+
+
+def test_small_payloads_and_a_zero_pool_get_fresh_buffers() -> None:
+    pool = ReceivePool(max_bytes=64 * MiB)
+    small = pool(_head(MiB - 1))
+    assert isinstance(small, bytearray) and len(small) == MiB - 1
+    pool.give(small)  # not one of the pool's: ignored
+    off = ReceivePool(max_bytes=0)
+    big = off(_head(2 * MiB))
+    assert isinstance(big, bytearray)
+    off.give(memoryview(big))
+    assert off.kept_bytes == 0
+
+
+def test_kept_bytes_stay_within_max_bytes() -> None:
+    pool = ReceivePool(max_bytes=5 * MiB)
+    views = [pool(_head(2 * MiB)) for _ in range(4)]
+    for v in views:
+        pool.give(v)
+    assert pool.kept_bytes == 4 * MiB  # two of 2 MiB fit, the third would pass 5 MiB
+
+
+def test_decoder_receives_a_payload_into_the_pool() -> None:
+    pool = ReceivePool(max_bytes=16 * MiB)
+    body = os.urandom(3 * MiB)
+    for _ in range(2):
+        dec = FrameDecoder(allocator=pool)
+        dec.receive_data(frame_bytes(20, 7, {"a": 1}, [body]))
+        frame = dec.next_event()
+        assert bytes(frame.payload) == body  # type: ignore[union-attr, arg-type]
+        pool.give(frame.payload)  # type: ignore[union-attr]
+    assert pool.reused == 1
+
+
+async def test_chunkservers_reuse_receive_buffers_and_store_every_byte(tmp_path: Path) -> None:
+    cs = ChunkServerConfig(data=tmp_path, heartbeat_interval_s=0.2, receive_pool_bytes=32 * MiB)
+    async with LocalCluster(tmp_path, 1, chunkserver=cs) as cluster:
+        kv = cluster.client()
+        try:
+            for round_ in range(4):
+                values = {f"k{round_}-{i}".encode(): os.urandom(MiB + i) for i in range(3)}
+                await kv.put_many(values)
+                assert await kv.get_many(list(values)) == list(values.values())
+        finally:
+            await kv.close()
+        (server,) = cluster.chunkservers
+        assert server is not None
+        pool = server.rpc.receive_pool
+        assert pool.reused >= 3  # each APPEND after the first landed in a kept buffer
+        assert 0 < pool.kept_bytes <= 32 * MiB
+
+
+def test_receive_pool_option(tmp_path: Path) -> None:
+    from kvfs.cli import build_parser
+
+    def parse(v: str) -> int:
+        ns = build_parser().parse_args(["chunkserver", "--data", str(tmp_path), "--receive-pool", v])
+        return int(ns.receive_pool_bytes)
+
+    assert parse("0") == 0 and parse("128m") == 128 * MiB
+    with pytest.raises(SystemExit):
+        parse("-1")
