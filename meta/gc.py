@@ -421,8 +421,10 @@ class MetaGc:
         keys = [k for k in by_key if k not in handled]
         rows: list[tuple[bytes, Layout, Layout]] = []
         changes: list[int] = []
+        dropped: list[bytes] = []
         for key, lay in zip(keys, await ix.layouts(keys), strict=True):
             if lay is None or lay.expired(now):
+                dropped.append(key)
                 continue
             mapping = by_key[key]
             exts = []
@@ -441,6 +443,8 @@ class MetaGc:
                 rows.append((key, lay, msgspec.structs.replace(lay, extents=tuple(exts))))
                 changes.append(changed)
         switched = await ix.switch(rows)
+        if dropped:  # dropped (or expiring) since the copy: the copy is a dropped record
+            await ix.ghost_copies((k, new_chunk) for k in dropped)
         moved = sum(n for n, ok in zip(changes, switched, strict=True) if ok)
         if moved or tomb_moves:
             s = ix.servers.get(sid)
@@ -477,6 +481,7 @@ class MetaGc:
                 s.chunks.pop(c, None)
         inc: dict[str, float] = {}
         if deleted:
+            await ix.chunks_deleted(deleted.keys())
             inc.update(chunks_deleted=len(deleted), bytes_reclaimed=sum(deleted.values()))
             dropped = await ix.drop_passed()  # chunks gone: tombstones' horizons may have passed
             if dropped:
@@ -580,7 +585,9 @@ class MetaGc:
             staged[key] = (old, switched, n + 1, nb + switched.extents[extent].length)
         done = await self._switch_by_key([(k, old, new) for k, (old, new, _, _) in staged.items()])
         # a key deleted since the plan: its copy is an older record its tombstone must outlive
-        await ix.raise_horizons((k, new.chunk_id) for k, _, _, new in req.items if current.get(k) is None)
+        gone = [(k, new.chunk_id) for k, _, _, new in req.items if current.get(k) is None]
+        await ix.raise_horizons(gone)
+        await ix.ghost_copies(gone)  # (or dropped by the GC: a dropped record, if put again)
         repaired = nbytes = 0
         for k, (_, _, n, nb) in staged.items():
             if k in done:

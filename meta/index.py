@@ -38,11 +38,14 @@ from kvfs.meta.repair import readable
 from kvfs.meta.store import MetaStore
 from kvfs.meta.storeapi import OVERFLOW_HOLDER, Lease
 from kvfs.meta.tombstones import (
+    NO_GHOST,
+    Ghosts,
     Tomb,
     chunk_seq,
     decode_horizon,
     encode_horizon,
     floors,
+    ghost_hash,
     horizon_now,
     passed,
     raise_horizon,
@@ -177,6 +180,7 @@ class MetaIndex(ServerRegistry):
         # keys with older records on the chunks -> the latest expiry among them (None: never);
         # the GC drops these with a tombstone (kvfs.meta.tombstones, "older records")
         self.older: dict[bytes, float | None] = {}
+        self.ghosts = Ghosts()  # records of keys dropped without a tombstone, chunks still there
         self.seq_high: dict[int, int] = {}  # server id -> highest chunk seq a layout named
         self.leases: dict[bytes, dict[str, float]] = {}  # key -> holder -> lease end (storeapi.Lease)
         self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
@@ -214,6 +218,7 @@ class MetaIndex(ServerRegistry):
                 gone.append(key)
         if gone:
             self.store.forget_older(gone)
+        self.ghosts.add(self.store.load_ghosts())
         for sid, addr, capacity, free in self.store.load_servers():
             self.servers[sid] = ServerInfo(sid, addr, capacity, free, reported_capacity=capacity,
                                            reported_free=free)
@@ -297,10 +302,18 @@ class MetaIndex(ServerRegistry):
             self.note_chunks(lay)
         horizon = horizon_now(self.servers, self.seq_high, self.started) if keep else {}
         blob = encode_horizon(horizon)
-        older = self.older
+        older, entries = self.older, self.entries
+        ghosts = []  # (chunk, key hash, expiry): each record of a key dropped without a tombstone
+        for k in gone:
+            if k not in keep:
+                lay = entries[k].layout
+                h, until = ghost_hash(k), lay.expires_at
+                ghosts += [(c, h, until) for c in dict.fromkeys(r.chunk_id for x in lay.extents for r in x.replicas)]
         with self.store.durable() if sync else contextlib.nullcontext():
             self.store.delete_many(gone, ((k, encode_layout(lay), blob) for k, lay in keep.items()),
-                                   [k for k in gone if k in older] if older else ())
+                                   [k for k in gone if k in older] if older else (), ghosts)
+        if ghosts:
+            self.ghosts.add(ghosts)
         since = time.monotonic()
         for k, lay in keep.items():
             self.tombstones[k] = Tomb(lay, dict(horizon), since)
@@ -483,9 +496,10 @@ class MetaIndex(ServerRegistry):
 
     def _older_after(self, group: list[PendingCommit]) -> dict[bytes, float | None]:
         """The keys the group's rows give an older record (``older``'s changed values): a key
-        overwritten (the record replaced, and those before it), or put again after a delete
-        whose tombstone meta kept (records before the delete: their expiry unknown)."""
-        entries, older, tombs = self.entries, self.older, self.tombstones
+        overwritten (the record replaced, and those before it), put again after a delete
+        whose tombstone meta kept (records before the delete: their expiry unknown), or
+        put again while a record of it dropped without a tombstone is there (``ghosts``)."""
+        entries, older, tombs, ghosts = self.entries, self.older, self.tombstones, self.ghosts
         out: dict[bytes, float | None] = {}
         last: dict[bytes, Layout] = {}  # a key twice in the group: its first row is older
         for c in group:
@@ -495,14 +509,21 @@ class MetaIndex(ServerRegistry):
                     e = entries.get(key)
                     before = None if e is None else e.layout
                 last[key] = lay
+                ghost: float | None = NO_GHOST
                 if before is None and key not in tombs:
-                    continue
+                    if not ghosts.records:
+                        continue
+                    ghost = ghosts.until_of(ghost_hash(key))  # dropped, its record still there?
+                    if ghost == NO_GHOST:
+                        continue
                 if key in out:
                     until = out[key]
                 elif key in older:
                     until = older[key]
                 elif before is not None:
                     until = before.expires_at
+                elif ghost != NO_GHOST:
+                    until = ghost
                 else:
                     until = None  # after a delete
                 if before is not None:
@@ -634,6 +655,20 @@ class MetaIndex(ServerRegistry):
 
     async def drop_passed(self) -> int:
         return self.drop_passed_tombstones()
+
+    async def ghost_copies(self, copies: Iterable[tuple[bytes, int]]) -> None:
+        """A record copied (compaction, repair) of a key dropped since without a tombstone
+        kept: a dropped record in that chunk (its expiry unknown here: never)."""
+        rows = [(c, ghost_hash(k), None) for k, c in copies if k not in self.tombstones]
+        if rows:
+            with self.store.durable():
+                self.store.put_ghosts(rows)
+            self.ghosts.add(rows)
+
+    async def chunks_deleted(self, chunks: Collection[int]) -> None:
+        """Chunks the GC deleted: the records of dropped keys in them are gone too."""
+        if self.ghosts.forget(chunks):
+            self.store.forget_ghosts(chunks)
 
     def drop_passed_tombstones(self) -> int:
         """Forget the tombstones no older record of their key can outlive any more

@@ -38,7 +38,7 @@ from kvfs.config import TlsConfig
 from kvfs.errors import InvalidArgument, WrongCluster
 from kvfs.layout import Extent, Layout, Replica, encode_layout
 from kvfs.meta.store import MetaStore
-from kvfs.meta.tombstones import Horizon, chunk_seq, encode_horizon, tomb_layout
+from kvfs.meta.tombstones import Horizon, chunk_seq, encode_horizon, ghost_hash, tomb_layout
 from kvfs.tls import client_context
 from kvfs.transport import Connection
 
@@ -208,6 +208,9 @@ async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None
     tombs: dict[bytes, Layout] = {}
     older: dict[bytes, float | None] = {}
     layouts = pick_layouts(records, now, report, tombs, older)
+    # the records of keys not kept (expired, incomplete) are dropped ones: a put again marks the key
+    ghosts = {(r.chunk_id, ghost_hash(r.key), r.expires_at) for r in records
+              if r.key not in layouts and r.key not in tombs}
     data.mkdir(parents=True, exist_ok=True)
     store = MetaStore(path)
     try:
@@ -215,6 +218,7 @@ async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None
         store.put_many(((k, encode_layout(lay), lay.expires_at, now) for k, lay in layouts.items()),
                        older.items())
         store.put_tombstones((k, encode_layout(lay), encode_horizon(horizon)) for k, lay in tombs.items())
+        store.put_ghosts(ghosts)
         for sid, addr, capacity, free in servers:
             store.put_server(sid, addr, capacity, free)
     finally:

@@ -220,6 +220,12 @@ class SharedIndex(ServerRegistry):
         keys = await self.store.expired(now, limit)
         return await self.store.remove_expired(keys, now), len(keys) == limit, []
 
+    async def chunks_deleted(self, chunks: Collection[int]) -> None:
+        """Nothing to forget: no older records are tracked here (see :meth:`shadowed`)."""
+
+    async def ghost_copies(self, copies: Iterable[tuple[bytes, int]]) -> None:
+        """Nothing to track (see :meth:`shadowed`)."""
+
     async def shadowed(self, keys: Iterable[bytes], now: float) -> set[bytes]:
         """None: the Redis store keeps no tombstones (see :meth:`delete`), so it tracks no
         older records either; the GC drops every key without one."""

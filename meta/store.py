@@ -45,7 +45,16 @@ CREATE TABLE IF NOT EXISTS gc_state (
     name TEXT PRIMARY KEY,
     value BLOB NOT NULL
 );
+CREATE TABLE IF NOT EXISTS ghosts (
+    chunk INTEGER NOT NULL,
+    h INTEGER NOT NULL,
+    until REAL
+);
+CREATE INDEX IF NOT EXISTS ghosts_chunk ON ghosts(chunk);
 """
+# ghosts: a record of a key the GC dropped without a tombstone, in a chunk still there
+# (kvfs.meta.tombstones.Ghosts: the key's hash, the record's expiry)
+PUT_GHOST = "INSERT INTO ghosts(chunk, h, until) VALUES (?,?,?)"
 # keys with an older record that may outlive their current one (kvfs.meta.tombstones, "older
 # records"): ``until`` is the latest expiry among those records (NULL: one never expires)
 OLDER_SCHEMA = "CREATE TABLE older (key BLOB PRIMARY KEY, until REAL) WITHOUT ROWID"
@@ -135,15 +144,32 @@ class MetaStore:
 
     def delete_many(self, keys: Iterable[bytes],
                     tombstones: Iterable[tuple[bytes, bytes, bytes]] = (),
-                    older: Iterable[bytes] = ()) -> None:
+                    older: Iterable[bytes] = (),
+                    ghosts: Iterable[tuple[int, int, float | None]] = ()) -> None:
         """Delete keys and, in the same transaction, store the tombstones kept for them
-        (key, layout, horizon: :mod:`kvfs.meta.tombstones`) and forget the ``older`` rows
-        of those that had one."""
+        (key, layout, horizon: :mod:`kvfs.meta.tombstones`), forget the ``older`` rows of
+        those that had one, and store the ghosts of those dropped without a tombstone
+        (chunk, key hash, expiry)."""
         with self.db:
             self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM kv WHERE key = ?", ((k,) for k in keys))
             self.db.executemany(PUT_TOMBSTONE, tombstones)
             self.db.executemany("DELETE FROM older WHERE key = ?", ((k,) for k in older))
+            self.db.executemany(PUT_GHOST, ghosts)
+
+    def put_ghosts(self, rows: Iterable[tuple[int, int, float | None]]) -> None:
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany(PUT_GHOST, rows)
+
+    def load_ghosts(self) -> Iterator[tuple[int, int, float | None]]:
+        yield from self.db.execute("SELECT chunk, h, until FROM ghosts")
+
+    def forget_ghosts(self, chunks: Iterable[int]) -> None:
+        """The ghosts in chunks that were deleted."""
+        with self.db:
+            self.db.execute("BEGIN")
+            self.db.executemany("DELETE FROM ghosts WHERE chunk = ?", ((c,) for c in chunks))
 
     def load_older(self) -> Iterator[tuple[bytes, float | None]]:
         for key, until in self.db.execute("SELECT key, until FROM older"):

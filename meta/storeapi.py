@@ -277,6 +277,13 @@ class GcIndex(Protocol):
     async def drop_passed(self) -> int:
         """Forget tombstones no older record can outlive any more; how many."""
 
+    async def chunks_deleted(self, chunks: Collection[int]) -> None:
+        """Chunks the GC deleted (the records of dropped keys in them: SQLite's ghosts)."""
+
+    async def ghost_copies(self, copies: Iterable[tuple[bytes, int]]) -> None:
+        """(key, chunk): a compaction or repair copied a record of a key dropped since (not
+        deleted with a tombstone kept): a dropped record, in that chunk."""
+
     async def get_state(self, name: str) -> Any: ...
 
     async def put_state(self, name: str, value: Any) -> None: ...

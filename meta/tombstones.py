@@ -38,8 +38,10 @@ keeps those keys in its ``older`` set (in memory and SQLite, with the latest exp
 the older records: once all expired, a rebuild skips them and no tombstone is needed):
 
 - a COMMIT that replaced a record of the key (the replaced one, and what it replaced, are
-  older records), or put it again after a delete whose tombstone meta kept (the records
-  before the delete: the tombstone is forgotten, the key marked with no expiry);
+  older records), put it again after a delete whose tombstone meta kept (the records
+  before the delete: the tombstone is forgotten, the key marked with no expiry), or put
+  it again while a record of it the GC dropped without a tombstone is still there
+  (:class:`Ghosts`, until the GC deletes that record's chunk);
 - ``kvfs meta rebuild``: each key with records of older writes;
 - a database made before the set existed, or migrated from Redis: every key.
 
@@ -49,9 +51,8 @@ GC_EVICT leave the marked keys (``shadowed``); the GC driver writes their tombst
 (:func:`kvfs.writepath.write_tombstones`) and GC_TOMBSTONE removes them keeping the
 tombstones, each then kept and dropped as a delete's.
 
-Not covered: a key the GC dropped without a tombstone, put again before the dropped
-record's chunk was reclaimed and dropped again (meta forgot the first record: README,
-"Losing meta's database"); keys dropped as lost (REPORT_LOST, fsck); a tombstone's copy on
+Not covered: keys dropped as lost (REPORT_LOST, fsck: README, "Losing meta's database");
+a tombstone's copy on
 a chunkserver that is lost or drained is not copied elsewhere; a GC killed between a compaction's copy and its GC_RELOCATE, while a key it
 copied was deleted, leaves that copy in an unreferenced chunk the next pass deletes (a
 rebuild in between, after the tombstone went, would bring the key's last value back).
@@ -68,10 +69,13 @@ key (a second delete of an absent key tracks nothing).
 
 from __future__ import annotations
 
+import math
+from array import array
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+import crc32c
 import msgpack
 
 from kvfs.layout import Extent, Layout, Replica, server_of_chunk
@@ -174,6 +178,81 @@ def passed(t: Tomb, floor: Mapping[int, Floor], compacting: int | None = None) -
         if left and left[0] <= h:
             return False
     return True
+
+
+GHOST_SLOTS = 1 << 20  # Ghosts' hash slots: 12 MiB once the first key is dropped without a tombstone
+NO_GHOST = -1.0  # Ghosts.until_of: no dropped record in the key's slot
+
+
+def ghost_hash(key: bytes) -> int:
+    """A key's hash in :class:`Ghosts` (stable across restarts: stored in meta's ``ghosts``)."""
+    return int(crc32c.crc32c(key))
+
+
+class Ghosts:
+    """The records of keys the GC dropped without a tombstone, while their chunks are there.
+
+    A key put again while one is there has an older record (its dropped one), so the COMMIT
+    marks it (``older``) and the GC drops it with a tombstone.  Keys are hashed into
+    :data:`GHOST_SLOTS` slots, each with a count of records and the latest of their
+    expiries (a collision marks a key that needed nothing: one tombstone more, never one
+    less); per chunk, the slots of its records, forgotten when the chunk is deleted.
+    Memory: the slots (12 MiB, allocated at the first drop) and 4 bytes per dropped record
+    whose chunk is still there."""
+
+    def __init__(self) -> None:
+        self.count: array[int] | None = None  # per slot: records in chunks still there
+        self.until: array[float] | None = None  # per slot: their latest expiry (inf: never)
+        self.by_chunk: dict[int, array[int]] = {}
+        self.records = 0
+
+    def add(self, rows: Iterable[tuple[int, int, float | None]]) -> None:
+        """(chunk, key hash, expiry) of each dropped record."""
+        if self.count is None:
+            self.count = array("I", bytes(4 * GHOST_SLOTS))
+            self.until = array("d", bytes(8 * GHOST_SLOTS))
+        count, last, by_chunk = self.count, self.until, self.by_chunk
+        assert last is not None
+        n = 0
+        for c, h, until in rows:
+            slot = h % GHOST_SLOTS
+            slots = by_chunk.get(c)
+            if slots is None:
+                slots = by_chunk[c] = array("I")
+            slots.append(slot)
+            count[slot] += 1
+            u = math.inf if until is None else until
+            if u > last[slot]:
+                last[slot] = u
+            n += 1
+        self.records += n
+
+    def forget(self, chunks: Iterable[int]) -> int:
+        """The chunks are gone, and their records with them; how many records that was."""
+        n = 0
+        for c in chunks:
+            slots = self.by_chunk.pop(c, None)
+            if slots is None:
+                continue
+            assert self.count is not None and self.until is not None
+            for slot in slots:
+                self.count[slot] -= 1
+                if not self.count[slot]:
+                    self.until[slot] = 0.0
+            n += len(slots)
+        self.records -= n
+        return n
+
+    def until_of(self, h: int) -> float | None:
+        """The latest expiry of the dropped records in the key's slot (None: one never
+        expires), or :data:`NO_GHOST`."""
+        if not self.records or self.count is None or self.until is None:
+            return NO_GHOST
+        slot = h % GHOST_SLOTS
+        if not self.count[slot]:
+            return NO_GHOST
+        u = self.until[slot]
+        return None if u == math.inf else u
 
 
 def encode_horizon(h: Horizon) -> bytes:

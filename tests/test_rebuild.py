@@ -390,12 +390,15 @@ async def _lose_meta_and_rebuild(cluster: LocalCluster, now: float) -> None:
     await _wait_registered(cluster)
 
 
-@pytest.mark.parametrize("how", ["expired", "evicted", "put_after_delete", "meta_restarted", "meta_rebuilt"])
+@pytest.mark.parametrize("how", ["expired", "evicted", "put_after_delete", "meta_restarted", "meta_rebuilt",
+                                 "put_after_eviction", "put_after_eviction_meta_restarted"])
 async def test_a_key_the_gc_drops_never_comes_back_with_an_older_value(tmp_path: Path, how: str) -> None:
     """``k`` is put (v1, in a chunk kept by live neighbours), overwritten (v2, in a chunk of
-    its own; ``put_after_delete``: deleted first, then put again), then dropped by the GC
-    (its TTL passed, or evicted as the least recently used key; ``meta_restarted`` and
-    ``meta_rebuilt``: expired after meta restarted, or was rebuilt, since the overwrite).
+    its own; ``put_after_delete``: deleted first, then put again; ``put_after_eviction``:
+    evicted first, no tombstone needed then, and put again while v1's record is there), then
+    dropped by the GC (its TTL passed, or evicted as the least recently used key;
+    ``meta_restarted`` and ``meta_rebuilt``: expired after meta restarted, or was rebuilt,
+    since the overwrite; ``..._meta_restarted``: meta restarted after the eviction).
     The GC reclaims v2's chunk while v1's stays; meta's database is lost and rebuilt: ``k``
     is a miss (or v2), never v1."""
     from conftest import FakeClock
@@ -413,6 +416,17 @@ async def test_a_key_the_gc_drops_never_comes_back_with_an_older_value(tmp_path:
         kv = cluster.client()
         kv.clock = clock
         async with kv, GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            async def evict_k() -> None:  # every other key read since: k is the least recently used
+                clock.advance(10)
+                async with cluster.client() as reader:
+                    reader.clock = clock
+                    assert await reader.get_many(list(keep)) == list(keep.values())
+                await gc.sync_usage()
+                (st,) = (await gc.status())["servers"]
+                low = (st["live"] - 1) / cap  # a byte short: one key, the least recently used
+                r = await gc.run_pass(PassOptions(apply=True, high=low, low=low, expire=False, compact=False))
+                assert (r.evicted_keys, r.expired_keys) == (1, 0)
+
             await kv.put_many({b"k": v1, **keep})
             first = await kv.layout(b"k")
             assert first is not None
@@ -420,6 +434,13 @@ async def test_a_key_the_gc_drops_never_comes_back_with_an_older_value(tmp_path:
             assert (await gc.chunkserver(sid, rpc.ChunkSeal(chunk_id=old))).sealed
             if how == "put_after_delete":
                 assert await kv.delete(b"k") is True
+            elif how.startswith("put_after_eviction"):
+                await evict_k()
+                assert cluster.meta is not None and not cluster.meta.index.tombstones  # (none needed)
+                if how.endswith("meta_restarted"):
+                    await cluster.stop_meta()
+                    await cluster.start_meta()
+                    await _wait_registered(cluster)
             clock.advance(10)
             await kv.put(b"k", v2, ttl=None if how == "evicted" else 60)
             second = await kv.layout(b"k")
@@ -433,17 +454,10 @@ async def test_a_key_the_gc_drops_never_comes_back_with_an_older_value(tmp_path:
                 await _wait_registered(cluster)
             elif how == "meta_rebuilt":
                 await _lose_meta_and_rebuild(cluster, clock.now)
-            clock.advance(10)
-            if how == "evicted":  # every other key read since: k is the least recently used
-                async with cluster.client() as reader:
-                    reader.clock = clock
-                    assert await reader.get_many(list(keep)) == list(keep.values())
-                await gc.sync_usage()
-                (st,) = (await gc.status())["servers"]
-                low = (st["live"] - 1) / cap  # a byte short: one key, the least recently used
-                r = await gc.run_pass(PassOptions(apply=True, high=low, low=low, expire=False, compact=False))
-                assert (r.evicted_keys, r.expired_keys) == (1, 0)
+            if how == "evicted":
+                await evict_k()
             else:
+                clock.advance(10)
                 clock.advance(61)
                 r = await gc.run_pass(PassOptions(apply=True, grace_s=0, evict=False))
                 assert (r.evicted_keys, r.expired_keys) == (0, 1)
@@ -469,7 +483,8 @@ async def test_the_gc_writes_a_tombstone_only_for_keys_whose_older_records_outli
     """Expired together: a key never overwritten, one overwritten (its first value without a
     TTL), one overwritten whose first value expired too, one put again after a delete.  Only
     the second and the fourth get a tombstone (the others have no older record a rebuild
-    could serve).  GC_TOMBSTONE is a compare-and-swap and checks what it is given."""
+    could serve; meta remembers their dropped records until the GC deletes their chunks).
+    GC_TOMBSTONE is a compare-and-swap and checks what it is given."""
     from conftest import FakeClock
 
     clock = FakeClock()
@@ -493,6 +508,7 @@ async def test_the_gc_writes_a_tombstone_only_for_keys_whose_older_records_outli
             assert r.expired_keys == 4
             assert set(meta.index.tombstones) == {b"over", b"readd"}
             assert meta.index.older == {b"stays": None}
+            assert meta.index.ghosts.records == 2  # fresh's and both's dropped records, one chunk each
             sids = sorted(s.server_id for s in await gc.servers())
             lay = await kv.layout(b"stays")
             assert lay is not None
@@ -512,3 +528,49 @@ async def test_the_gc_writes_a_tombstone_only_for_keys_whose_older_records_outli
             assert (got.keys, got.bytes) == (1, disk_bytes(lay))
             assert b"stays" in meta.index.tombstones and not meta.index.older
             assert (await gc.status())["metrics"]["keys_evicted"] == 1
+            for _ in range(3):  # every chunk compacted or deleted: the dropped records are gone
+                await gc.run_pass(PassOptions(apply=True, grace_s=0, threshold=0.0))
+            assert meta.index.ghosts.records == 0 and not meta.index.ghosts.by_chunk
+
+
+async def test_a_compaction_copy_of_a_key_dropped_meanwhile_counts_as_a_dropped_record(
+        tmp_path: Path) -> None:
+    """A compaction copies ``k``; before its GC_RELOCATE lands, ``k`` expires and the GC drops
+    it (no older record: no tombstone).  The copy is a record of ``k`` in the new chunk that
+    no layout names: meta remembers it (a ghost) as it does the dropped original, so ``k``
+    put again is marked as having an older record (its drop will leave a tombstone)."""
+    from conftest import FakeClock, hold
+
+    from kvfs.rpc import Op
+
+    clock = FakeClock()
+    root = tmp_path / "c"
+    async with LocalCluster(root, 1, clock=clock, chunkserver=ChunkServerConfig(
+            data=root, heartbeat_interval_s=0.2)) as cluster:
+        meta = cluster.meta
+        assert meta is not None and isinstance(meta.index, MetaIndex)
+        kv = cluster.client()
+        kv.clock = clock
+        async with kv, GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            await kv.put(b"k", b"v" * 1000, ttl=60)
+            await kv.put_many({f"junk/{i}".encode(): b"j" * 4000 for i in range(8)}, ttl=30)
+            lay = await kv.layout(b"k")
+            assert lay is not None
+            old = lay.extents[0].replicas[0].chunk_id
+            sid = lay.extents[0].replicas[0].server_id
+            assert (await gc.chunkserver(sid, rpc.ChunkSeal(chunk_id=old))).sealed
+            clock.advance(31)  # the junk expired: k's chunk is mostly garbage
+            await gc.run_pass(PassOptions(apply=True, evict=False, compact=False, repair=False))
+            relocate = hold(cluster, Op.GC_RELOCATE)
+            compacting = asyncio.create_task(gc.run_pass(PassOptions(
+                apply=True, grace_s=0, expire=False, evict=False, repair=False, threshold=0.0)))
+            await relocate.reached(compacting)  # k copied into a new chunk, not switched yet
+            clock.advance(30)
+            assert (await gc.meta(rpc.GcExpire(apply=True))).keys == 1  # k dropped, no tombstone
+            relocate.release()
+            await compacting
+            new = {c for c in meta.index.ghosts.by_chunk if c != old}
+            assert len(new) == 1, meta.index.ghosts.by_chunk  # the copy's chunk
+            assert b"k" not in meta.index.tombstones
+            await kv.put(b"k", b"w" * 1000)
+            assert meta.index.older == {b"k": None}  # its copy's expiry is not known: never
