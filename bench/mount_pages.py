@@ -1,11 +1,15 @@
 """Page files through the FUSE mount vs the async API, the way SGLang's HiCacheFile does it.
 
     python -m kvfs.bench.mount_pages [--pages-128k N] [--pages-2m N] [--threads 8]
+                                     [--writer tofile|write] [--mount-arg=ARG ...]
 
 Starts ``kvfs up`` (3 chunkservers, no GC) in a temp dir and ``kvfs mount`` on it (needs root
 and /dev/fuse), then per page size, in one sitting:
 
-- mount write: each of ``--threads`` threads writes its pages with numpy ``tofile``;
+- mount write: each of ``--threads`` threads writes its pages with numpy ``tofile``
+  (``--writer write``: Python's ``open(path, "wb").write(page)`` instead; numpy closes
+  its ``FILE*``, the close that commits, holding the GIL, so with ``tofile`` the threads'
+  commits go one at a time);
 - mount read: each thread reads its pages back with ``readinto`` (unbuffered), bytes checked;
 - API write / read: as many coroutines on one ``AsyncClient``, ``put_many`` / ``get_into`` in
   batches of 64.
@@ -55,7 +59,8 @@ def _pages(n: int, size: int) -> list[np.ndarray]:
     return out
 
 
-def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str) -> tuple[float, float]:
+def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str,
+                writer: str = "tofile") -> tuple[float, float]:
     d = mnt / tag
     d.mkdir()
     names = [d / f"{i:08d}.bin" for i in range(len(pages))]
@@ -63,7 +68,11 @@ def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str) -> t
 
     def write(ids: range) -> None:
         for i in ids:
-            pages[i].tofile(names[i])
+            if writer == "tofile":
+                pages[i].tofile(names[i])
+            else:
+                with open(names[i], "wb") as f:
+                    f.write(pages[i].data)
 
     def read(ids: range) -> int:
         buf = np.empty_like(pages[0])
@@ -120,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pages-128k", type=int, default=2048, help="128 KiB pages (default 2048)")
     ap.add_argument("--pages-2m", type=int, default=256, help="2 MiB pages (default 256)")
     ap.add_argument("--threads", type=int, default=8, help="threads / coroutines (default 8)")
+    ap.add_argument("--writer", choices=("tofile", "write"), default="tofile",
+                    help="how the mount's pages are written: numpy tofile (HiCacheFile's way, the "
+                    "default) or Python's file write")
+    ap.add_argument("--mount-arg", action="append", default=[], metavar="ARG",
+                    help="an argument for `kvfs mount` (repeat), e.g. --mount-arg=--negative-timeout=1s")
     ns = ap.parse_args(argv)
     root = Path(tempfile.mkdtemp(prefix="kvfs-mount-pages-"))
     up = mnt_proc = None
@@ -138,20 +152,22 @@ def main(argv: list[str] | None = None) -> int:
                 break
         if not addr:
             raise SystemExit("kvfs up did not start")
-        mnt_proc = subprocess.Popen([sys.executable, "-m", "kvfs", "mount", str(mnt), "--addr", addr],
+        mnt_proc = subprocess.Popen([sys.executable, "-m", "kvfs", "mount", str(mnt), "--addr", addr,
+                                     *ns.mount_arg],
                                     stdout=subprocess.DEVNULL)
         _wait(lambda: is_mounted(str(mnt)) or mnt_proc.poll() is not None, 30, "the mount")
         rows = []
         for label, n, size in (("128 KiB", ns.pages_128k, 128 * 1024), ("2 MiB", ns.pages_2m, 2 << 20)):
             pages = _pages(n, size)
             tag = label.replace(" ", "")
-            mw, mr = mount_round(mnt, pages, ns.threads, "m" + tag)
+            mw, mr = mount_round(mnt, pages, ns.threads, "m" + tag, ns.writer)
             aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
             rows.append((label, n, mw, aw, mr, ar))
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"| page | pages | mount write | API write | mount/API | mount read | API read | "
-              f"mount/API |  ({ns.threads} threads, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-              f"load average {load})")
+              f"mount/API |  ({ns.threads} threads, --writer {ns.writer}, "
+              f"{' '.join(ns.mount_arg) or 'default mount'}, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load})")
         print("|---|---|---|---|---|---|---|---|")
         for label, n, mw, aw, mr, ar in rows:
             print(f"| {label} | {n} | {mw:,.0f} files/s | {aw:,.0f} pages/s | {mw / aw:.2f} | "

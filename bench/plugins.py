@@ -3,6 +3,7 @@
     .engines/sglang/bin/python -m kvfs.bench.plugins sglang     [--pages 256] [--batch 64]
     .engines/lmcache/bin/python -m kvfs.bench.plugins lmcache   [--rounds 8] [--page-kib 128]
     .engines/vllm/bin/python -m kvfs.bench.plugins vllm
+    .engines/sglang/bin/python -m kvfs.bench.plugins sglang --model 8b --layout layer_first
 
 Run in the engine's venv (``.ci/engines.sh``).  Starts meta + ``--chunkservers`` chunkservers
 as processes (``kvfs.launcher.ProcessCluster``) in a temp dir, stores ``--pages`` pages of
@@ -22,9 +23,19 @@ as processes (``kvfs.launcher.ProcessCluster``) in a temp dir, stores ``--pages`
   buffer lists, directly: what kvfs's scatter costs, apart from the rest of the plug-in's
   code (SGLang: the lists as the plug-in builds them, ``_page_parts``).
 
-Prints per-page microseconds (median and quartiles over the calls) and two ratios plug-in /
-direct: of the total times, and the median of each back-to-back pair's ratio (less moved by
-the load of a shared machine).  Issue 12's target: the plug-in adds at most 20 %, both
+``--model``: the KV geometry.  ``small`` (the default) is a 4-layer model whose pages are
+``--page-kib`` (SGLang: 8 KV heads, 16-token pages, so 16 KiB regions at 128 KiB pages in
+``layer_first``; LMCache: 2 KV heads, 256-token chunks; vLLM: one block of that size).
+``8b`` is a Llama-3-8B-class model: 32 layers, 8 KV heads, head_dim 128, bf16 (128 KiB of
+K+V per token), in each engine's usual unit: SGLang 64-token pages (8 MiB; ``layer_first``
+regions of 128 KiB), LMCache 256-token chunks (32 MiB), vLLM 16-token blocks (2 MiB); with
+fewer pages and pages per call by default, so a run holds a few hundred MiB.
+
+Prints per-page microseconds (median and quartiles over the calls), the client process's CPU
+per page (``time.process_time`` around each call: the caller's thread, kvfs's IO thread,
+the engine's threads; not the chunkservers), and two ratios plug-in / direct: of the total
+times, and the median of each back-to-back pair's ratio (less moved by the load of a shared
+machine).  Issue 12's target: the plug-in adds at most 20 %, both
 <= 1.20.  Every page read through the plug-in is compared with what was stored.
 """
 
@@ -60,6 +71,36 @@ from kvfs.bench.engines import (
 from kvfs.launcher import ProcessCluster
 
 TARGET = 1.20  # issue 12: a plug-in adds at most 20 % per page
+
+
+@dataclass(frozen=True)
+class Model:
+    """A KV geometry (bf16 K and V) and each engine's unit of it, with the run's defaults."""
+
+    layers: int
+    heads: int  # KV heads
+    dim: int  # head_dim; 0: set by --page-kib
+    sglang_page: int  # tokens per SGLang page
+    lmcache_heads: int
+    vllm_block: int  # tokens per vLLM block; 0: one block is --page-kib
+    pages: dict[str, int]  # default --pages per engine
+    batch: dict[str, int]  # default --batch per engine
+
+    def dim_for(self, page_bytes: int, tokens: int, heads: int) -> int:
+        """head_dim: the model's, or what makes a page of ``tokens`` tokens ``page_bytes``."""
+        return self.dim or page_bytes // (2 * self.layers * heads * tokens * 2)
+
+
+MODELS = {
+    # 4 layers; the page size (--page-kib) sets head_dim: 16 KiB regions at 128 KiB
+    "small": Model(layers=4, heads=8, dim=0, sglang_page=16, lmcache_heads=2, vllm_block=0,
+                   pages=dict(sglang=256, lmcache=256, vllm=256),
+                   batch=dict(sglang=64, lmcache=64, vllm=64)),
+    # Llama-3-8B: 32 layers, 8 KV heads (GQA), head_dim 128: 128 KiB of K+V per token
+    "8b": Model(layers=32, heads=8, dim=128, sglang_page=64, lmcache_heads=8, vllm_block=16,
+                pages=dict(sglang=32, lmcache=16, vllm=128),
+                batch=dict(sglang=8, lmcache=4, vllm=32)),
+}
 
 
 @dataclass
@@ -110,8 +151,9 @@ def sglang_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     torch = quiet_import("torch")
     from kvfs.prefix import chain_keys, namespaced
 
-    layers, heads, page = 4, 8, 16
-    dim = ns.page_kib * 1024 // (2 * layers * heads * page * 2)  # K+V, bf16
+    m: Model = ns.model
+    layers, heads, page = m.layers, m.heads, m.sglang_page
+    dim = m.dim_for(ns.page_kib * 1024, page, heads)  # K+V, bf16
     tokens = ns.pages * page
     pool = sglang_host_pool(ns.layout, tokens=tokens, layers=layers, heads=heads, dim=dim, page=page,
                             host_ratio=1.0)
@@ -164,12 +206,12 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
 
     model = "bench-model"
     metadata = check_utils._get_default_metadata(model)
-    # vLLM's KV shape [layers, 2, tokens, heads, head_size]: 4 layers, 256-token chunks, 2
-    # heads, head_size set by --page-kib (bf16)
-    chunk, layers, heads = 256, 4, 2
-    metadata.kv_shape = (layers, 2, chunk, heads, ns.page_kib * 1024 // (layers * 2 * chunk * heads * 2))
+    # vLLM's KV shape [layers, 2, tokens, heads, head_size] (bf16), 256-token chunks
+    m: Model = ns.model
+    chunk, layers, heads = 256, m.layers, m.lmcache_heads
+    metadata.kv_shape = (layers, 2, chunk, heads, m.dim_for(ns.page_kib * 1024, chunk, heads))
     metadata.chunk_size = chunk
-    pool_gib = 2.5 * ns.pages * ns.page_kib / (1024 * 1024)
+    pool_gib = 2.5 * ns.pages * layers * 2 * chunk * heads * metadata.kv_shape[-1] * 2 / (1 << 30)
     namespace = "bench-lmcache"
     cfg_path = lmcache_config(Path(tempfile.mkdtemp(prefix="kvfs-bench-lmcache-")) / "lmcache.yaml",
                               addr, token, chunk_size=chunk, max_local_cpu_gib=pool_gib,
@@ -249,9 +291,10 @@ def vllm_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     TransferJob = quiet_import("vllm.v1.kv_offload.tiering.base").TransferJob
     from kvfs.integrations.vllm import KvfsTier
 
-    block = ns.page_kib * 1024
+    m: Model = ns.model
+    block = m.vllm_block * m.layers * 2 * m.heads * m.dim * 2 if m.vllm_block else ns.page_kib * 1024
     manager = vllm_manager(vllm_offloading_config(
-        addr, token, engine_id="bench", block_bytes=block, cpu_blocks=ns.pages, model_name="bench/llama",
+        addr, token, engine_id=f"bench-{os.getpid()}", block_bytes=block, cpu_blocks=ns.pages, model_name="bench/llama",
         namespace="bench-vllm"))
     tier = manager.secondary_tiers[0]
     assert isinstance(tier, KvfsTier), f"vLLM did not load the tier: {tier!r}"
@@ -291,8 +334,10 @@ def vllm_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
         if bad.size:
             raise SystemExit(f"vllm: chunks {bad[:5].tolist()} read back wrong through the tier")
 
-    def close() -> None:
-        tier.shutdown()
+    def close() -> None:  # the tier, then the primary tier's /dev/shm region, unlinked
+        nonlocal prim
+        prim = np.empty((0, 0), dtype=np.uint8)  # the last view of the region's memory
+        manager.shutdown()
 
     return Case("vLLM tier `submit_load` + `get_finished_jobs`", block, batches,
                 lambda b: transfer(b, load=True), direct, check, close)
@@ -301,20 +346,23 @@ def vllm_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
 CASES = {"sglang": sglang_case, "lmcache": lmcache_case, "vllm": vllm_case}
 
 
-def timed(fn: Callable[[range], int], b: range, what: str, after: Callable[[], None]) -> float:
-    """Seconds for one call on batch ``b`` (``after`` runs untimed); every page must arrive."""
-    t0 = time.perf_counter()
+def timed(fn: Callable[[range], int], b: range, what: str,
+          after: Callable[[], None]) -> tuple[float, float]:
+    """Seconds and the client process's CPU seconds for one call on batch ``b`` (``after``
+    runs untimed); every page must arrive."""
+    c0, t0 = time.process_time(), time.perf_counter()
     got = fn(b)
-    dt = time.perf_counter() - t0
+    dt, dc = time.perf_counter() - t0, time.process_time() - c0
     after()
     if got != len(b):
         raise SystemExit(f"{what}: {got} of {len(b)} pages arrived")
-    return dt
+    return dt, dc
 
 
-def measure(case: Case, rounds: int) -> dict[str, list[float]]:
+def measure(case: Case, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per batch, the plug-in and the direct read back to back (which goes first alternates),
-    ``rounds`` passes over every batch: seconds per call, the two ways' lists paired."""
+    ``rounds`` passes over every batch: seconds per page of each call, and client CPU seconds
+    per page, the ways' lists paired."""
     ways = {"plug-in": case.plugin, "direct": case.direct}
     if case.direct_parts is not None:
         ways["direct, the plug-in's buffers"] = case.direct_parts
@@ -322,35 +370,47 @@ def measure(case: Case, rounds: int) -> dict[str, list[float]]:
         for name, fn in ways.items():
             timed(fn, b, name, case.release)
     per: dict[str, list[float]] = {name: [] for name in ways}
+    cpu: dict[str, list[float]] = {name: [] for name in ways}
     flip = False
     for _ in range(rounds):
         for b in case.batches:
             order = list(reversed(ways)) if flip else list(ways)  # plug-in first or last
             flip = not flip
             for name in order:
-                per[name].append(timed(ways[name], b, name, case.release) / len(b))
-    return per
+                dt, dc = timed(ways[name], b, name, case.release)
+                per[name].append(dt / len(b))
+                cpu[name].append(dc / len(b))
+    return per, cpu
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvfs.bench.plugins", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("engine", choices=sorted(CASES))
-    ap.add_argument("--pages", type=int, default=256, help="pages stored and read (default 256)")
-    ap.add_argument("--page-kib", type=int, default=128, help="page size in KiB (default 128)")
-    ap.add_argument("--batch", type=int, default=64, help="pages per call (default 64)")
+    ap.add_argument("--model", choices=sorted(MODELS), default="small",
+                    help="KV geometry: small (4 layers, --page-kib pages) or 8b (Llama-3-8B "
+                         "class: 32 layers, 8 KV heads, head_dim 128); default small")
+    ap.add_argument("--pages", type=int, help="pages stored and read (default: small 256; "
+                    "8b: sglang 32, lmcache 16, vllm 128)")
+    ap.add_argument("--page-kib", type=int, default=128,
+                    help="page size in KiB, --model small only (default 128)")
+    ap.add_argument("--batch", type=int, help="pages per call (default: small 64; 8b: "
+                    "sglang 8, lmcache 4, vllm 32)")
     ap.add_argument("--rounds", type=int, default=8, help="passes over the pages (default 8)")
     ap.add_argument("--chunkservers", type=int, default=3, help="chunkservers (default 3)")
     ap.add_argument("--layout", default="page_first",
                     choices=["layer_first", "page_first", "page_first_direct"],
                     help="SGLang's host layout (default page_first)")
     ns = ap.parse_args(argv)
+    model, ns.model = ns.model, MODELS[ns.model]
+    ns.pages = ns.pages or ns.model.pages[ns.engine]
+    ns.batch = ns.batch or ns.model.batch[ns.engine]
     root = Path(tempfile.mkdtemp(prefix="kvfs-bench-plugins-"))
     try:
         with cluster(root / "cluster", ns.chunkservers) as (addr, token):
             case = CASES[ns.engine](addr, token, ns)
             try:
-                per = measure(case, ns.rounds)
+                per, cpu = measure(case, ns.rounds)
                 case.check()
             finally:
                 case.close()
@@ -360,22 +420,25 @@ def main(argv: list[str] | None = None) -> int:
     plug, direct = statistics.median(us["plug-in"]), statistics.median(us["direct"])
     total = sum(us["plug-in"]) / sum(us["direct"])
     paired = statistics.median(p / d for p, d in zip(us["plug-in"], us["direct"], strict=True))
-    print(f"{case.name}: {ns.pages} pages of {case.page_bytes / 1024:g} KiB, calls of "
+    print(f"{case.name}, model {model}: {ns.pages} pages of {case.page_bytes / 1024:g} KiB, calls of "
           f"{ns.batch} pages, {ns.rounds} rounds, {len(us['direct'])} calls each way back to "
           f"back, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    cpu_us = {name: statistics.median(xs) * 1e6 for name, xs in cpu.items()}
     for name, xs in us.items():
         q = statistics.quantiles(xs, n=4)
         print(f"  {name}: us/page median {statistics.median(xs):,.1f}, quartiles "
-              f"{q[0]:,.1f}-{q[2]:,.1f}, mean {statistics.mean(xs):,.1f}")
+              f"{q[0]:,.1f}-{q[2]:,.1f}, mean {statistics.mean(xs):,.1f}; client CPU us/page "
+              f"median {cpu_us[name]:,.1f}")
     verdict = "met" if max(total, paired) <= TARGET else "MISSED"
     parts = us.get("direct, the plug-in's buffers")
     pcol = (f"{statistics.median(parts):,.1f} "
             f"({sum(us['plug-in']) / sum(parts):.2f})" if parts else "-")
     print("| engine | plug-in us/page | direct get_into us/page | plug-in/direct (totals) | "
           "median of paired ratios | target <= 1.20 | get_into into the plug-in's buffers "
-          "(plug-in/that) |")
+          "(plug-in/that) | client CPU us/page plug-in / direct (ratio) |")
     print(f"| {ns.engine} | {plug:,.1f} | {direct:,.1f} | {total:.2f} | {paired:.2f} | {verdict} "
-          f"| {pcol} |")
+          f"| {pcol} | {cpu_us['plug-in']:,.1f} / {cpu_us['direct']:,.1f} "
+          f"({cpu_us['plug-in'] / cpu_us['direct']:.2f}) |")
     return 0
 
 

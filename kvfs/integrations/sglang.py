@@ -16,7 +16,7 @@ failure within the configured timeout, never an exception into the engine.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -50,6 +50,9 @@ class KvfsHiCacheStorage(HiCacheStorage):
         self.mem_pool_host: Any = None
         self._host: TensorBytes | None = None
         self._regions: _Regions | None = None
+        # each host page's regions as views, made on the page's first use and kept: one slot
+        # per page of the (fixed) host pool, so at most one Parts per host page
+        self._views: list[Parts | None] = []
 
     # keys and buffers --------------------------------------------------------
     def _key(self, page_hash: str) -> bytes:
@@ -59,13 +62,28 @@ class KvfsHiCacheStorage(HiCacheStorage):
         super().register_mem_pool_host(mem_pool_host)
         self._host = TensorBytes(mem_pool_host.kv_buffer)
         self._regions = _Regions.of(mem_pool_host, self._host.base)
+        self._views = [None] * (int(mem_pool_host.size) // int(mem_pool_host.page_size))
 
     def _page_parts(self, n_pages: int, host_indices: torch.Tensor) -> list[Parts]:
         """Each page's regions of the host pool, in the order SGLang's zero-copy backends use
-        (``get_page_buffer_meta``): views, never copies, checked once for the whole call."""
+        (``get_page_buffer_meta``): views, never copies, checked once for the whole call.
+        A page's views are made the first time it is used and kept (the host pool does not
+        move once registered), so a call on pages used before makes no view at all."""
         assert self._host is not None, "register_mem_pool_host() was not called"
         if self._regions is not None:
-            starts = host_indices[:: int(self.mem_pool_host.page_size)].tolist()
+            page = int(self.mem_pool_host.page_size)
+            starts = host_indices[::page].tolist()
+            views = self._views
+            if (starts and min(starts) >= 0 and max(starts) < len(views) * page
+                    and not any(map(page.__rmod__, starts))):  # whole pages of the pool
+                out = list(map(views.__getitem__, map(page.__rfloordiv__, starts)))
+                if None in out:
+                    new = [i for i, v in enumerate(out) if v is None]
+                    offs, sizes = self._regions.offsets([starts[i] for i in new])
+                    for i, v in zip(new, self._host.parts(offs, sizes, len(sizes) // len(new),
+                                                          base=0), strict=True):
+                        out[i] = views[starts[i] // page] = v
+                return cast(list[Parts], out)  # every slot filled
             offs, sizes = self._regions.offsets(starts)
             return self._host.parts(offs, sizes, len(sizes) // n_pages, base=0)
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)

@@ -96,20 +96,28 @@ def test_backup_then_prefetch_bit_exact(tcluster: ThreadCluster, layout: str, v1
 def test_page_regions_are_those_sglang_names(tcluster: ThreadCluster, layout: str) -> None:
     """The plug-in computes a call's page regions from lines it read off SGLang's
     ``get_page_buffer_meta`` at registration: the same regions, in the same order, for
-    pages anywhere in the pool and out of order."""
+    pages anywhere in the pool and out of order.  A page's views are kept after its first
+    use: a later call on it gets the same views, and still the regions SGLang names."""
     pool = host_pool(layout)
     backend = storage(tcluster, pool, f"regions/{layout}")
     assert backend._regions is not None  # the lines hold in every host layout
-    slots = [13, 0, 2, 15, 7]  # page slots of the 16 in the pool (host_ratio=2: 128 tokens)
-    idx = torch.cat([torch.arange(s * PAGE, (s + 1) * PAGE) for s in slots])
-    got = backend._page_parts(len(slots), idx)
-    ptrs, sizes = pool.get_page_buffer_meta(idx)
     base = pool.kv_buffer.data_ptr()
-    want = [backend._host.view[p - base : p - base + n]  # type: ignore[union-attr]
-            for p, n in zip(ptrs, sizes, strict=True)]
-    flat = [v for page in got for v in page]
-    assert [v.nbytes for v in flat] == list(sizes)
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(flat, want, strict=True))
+
+    def parts(slots: list[int]) -> list[Any]:  # page slots of the 16 in the pool (128 tokens)
+        idx = torch.cat([torch.arange(s * PAGE, (s + 1) * PAGE) for s in slots])
+        got = backend._page_parts(len(slots), idx)
+        ptrs, sizes = pool.get_page_buffer_meta(idx)
+        want = [backend._host.view[p - base : p - base + n]  # type: ignore[union-attr]
+                for p, n in zip(ptrs, sizes, strict=True)]
+        flat = [v for page in got for v in page]
+        assert [v.nbytes for v in flat] == list(sizes)
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(flat, want, strict=True))
+        return got
+
+    first = parts([13, 0, 2, 15, 7])
+    again = parts([0, 9, 13])  # two pages used before, one not
+    assert again[0] is first[1] and again[2] is first[0]  # kept, not made again
+    assert all(again[1] is not p for p in first)
     backend.close()
 
 
