@@ -117,7 +117,8 @@ class AsyncClient:
         self.reader = ReadPath(self._link, max_rpc_bytes=cfg.max_read_rpc_bytes,
                                max_ranges=cfg.max_read_ranges,
                                relookup=lambda keys: self.lookup(keys, use_cache=False),
-                               forget=self.layout_cache.pop, hedge_after_s=cfg.hedge_after_s)
+                               forget=self.layout_cache.pop, hedge_after_s=cfg.hedge_after_s,
+                               pool_bytes=cfg.read_pool_bytes)
         self._link.on_rebind.append(self._new_batchers)
         self._new_batchers()
         self._holder = ("", 0)  # (random holder id, the process it was drawn in)

@@ -199,6 +199,13 @@ class ClientConfig(TlsConfig):
                                   "server's --max-read-rpc)", 16 * MiB)
     max_read_ranges: int = opt("split reads from one server naming more ranges than this (at "
                                "most the server's --max-ranges)", 4096)
+    read_pool_bytes: int = opt("read answers whose values are copied out (get/get_many's "
+                               "values, get_into destinations under 64 KiB on average) are "
+                               "received into buffers kept for reuse (no fresh pages to zero and "
+                               "fault in per read; a buffer is reused only once no view of it is "
+                               "alive); at most this many bytes of them are kept between reads "
+                               "(0: a fresh buffer each); the default holds 8 answers of "
+                               "max_read_rpc_bytes", 128 * MiB)
     servers_refresh_s: float = opt("re-read the chunkserver list this often", 2.0)
     down_for_s: float = opt("a chunkserver a call could not reach (refused, lost, timed out) is "
                             "skipped by writes and reads for this long, whatever meta says "
@@ -237,6 +244,8 @@ class ClientConfig(TlsConfig):
     def __post_init__(self) -> None:
         if self.meta_sockets < 0:
             raise ValueError(f"meta_sockets must be >= 0 (0: none), got {self.meta_sockets}")
+        if self.read_pool_bytes < 0:
+            raise ValueError(f"read_pool_bytes must be >= 0 (0: none), got {self.read_pool_bytes}")
         h = self.lease_holder
         if h is not None and (len(h) > MAX_HOLDER_CHARS
                               or not re.fullmatch(f"[{HOLDER_CHARS}]*", h)):

@@ -138,9 +138,11 @@ def _unshared(buf: bytearray) -> bool:
 
 
 class ReceivePool:
-    """Large request payloads (a chunkserver's APPEND values) received into buffers kept
-    for reuse, a :data:`PayloadAllocator`: a fresh buffer costs zeroing and a page fault per
-    4 KiB on every request, and the values go straight from this buffer to ``pwritev``.
+    """Large payloads received into buffers kept for reuse, a :data:`PayloadAllocator`: a
+    fresh buffer costs zeroing and a page fault per 4 KiB on every receive.  A chunkserver's
+    request payloads (APPEND values, which go straight from this buffer to ``pwritev``) and
+    a client's READV answers whose values are copied out (:mod:`kvfs.readpath`, with
+    ``min_bytes=0``) are received into one each.
 
     :meth:`give` takes a payload back once its request is done.  A buffer is kept only
     while no view of it is alive anywhere (:func:`_unshared`: e.g. a write still running
@@ -156,7 +158,12 @@ class ReceivePool:
         self.min_bytes = min_bytes
         self._free: list[bytearray] = []
         self.kept_bytes = 0  # in the free list now
-        self.reused = 0  # payloads received into a kept buffer (a counter, for tests)
+        self.reused = 0  # payloads received into a kept buffer (a public counter)
+
+    @property
+    def buffers(self) -> int:
+        """Buffers kept for reuse now."""
+        return len(self._free)
 
     def __call__(self, head: FrameHead) -> bytearray | memoryview:
         n = head.payload_len
@@ -172,7 +179,7 @@ class ReceivePool:
             self.kept_bytes -= len(buf)
             self.reused += 1
         else:
-            buf = bytearray(-(-n // self.GRAIN) * self.GRAIN)
+            buf = bytearray(max(1, -(-n // self.GRAIN)) * self.GRAIN)  # never empty
         return memoryview(buf)[:n]
 
     def give(self, payload: object) -> None:
@@ -185,7 +192,8 @@ class ReceivePool:
             payload.release()
         except BufferError:  # something still reads through this very view
             return
-        if len(buf) < self.min_bytes or self.kept_bytes + len(buf) > self.max_bytes:
+        if (not buf or len(buf) < self.min_bytes
+                or self.kept_bytes + len(buf) > self.max_bytes):
             return
         if not _unshared(buf):  # a view is still alive (e.g. a write still running)
             return

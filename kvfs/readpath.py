@@ -41,9 +41,8 @@ from kvfs.errors import (
     from_wire,
 )
 from kvfs.layout import Extent, Layout, Replica
-from kvfs.protocol import FrameHead, Scatter
+from kvfs.protocol import FrameHead, ReceivePool, Scatter
 
-RX_POOL_BUFFERS = 8  # receive buffers kept for reuse (values returned as bytes are copied out)
 READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
 # a READV answer lands in place in the callers' buffers when its extents average at least
 # this (below it, receiving each in its own buffer costs more than one receive and a copy)
@@ -103,10 +102,13 @@ class ReadPath:
 
     def __init__(self, link: ClusterLink, *, max_rpc_bytes: int, max_ranges: int,
                  relookup: Callable[[list[bytes]], Awaitable[list[Layout | None]]],
-                 forget: Callable[[bytes], None], hedge_after_s: float | None = None) -> None:
+                 forget: Callable[[bytes], None], hedge_after_s: float | None = None,
+                 pool_bytes: int = 0) -> None:
         """``hedge_after_s``: a server that has not begun to answer a READV by then is
         given up for this read, and its extents are asked of their next replicas (None:
-        wait up to the request timeout)."""
+        wait up to the request timeout).  ``pool_bytes``: READV answers whose values are
+        copied out are received into buffers kept for reuse, at most this many bytes of
+        them between reads (0: a fresh buffer each)."""
         # (duplicates: pairs up by shape with Batcher.__init__: each keeps its own arguments)
         self._link = link
         self._hedge_after_s = hedge_after_s
@@ -115,27 +117,23 @@ class ReadPath:
         self._max_ranges = max_ranges
         self._relookup = relookup
         self._forget = forget
-        self._rx_pool: list[bytearray] = []
-        self.rx_buffers_reused = 0  # answers received into a pooled buffer (public counter)
+        # values returned as bytes (and small get_into destinations) are copied out of it
+        self._rx_pool = ReceivePool(pool_bytes, min_bytes=0)
 
     @property
     def rx_pool_buffers(self) -> int:
         """Receive buffers kept for reuse now."""
-        return len(self._rx_pool)
+        return self._rx_pool.buffers
 
-    def _rx_take(self, n: int) -> bytearray:
-        pool = self._rx_pool
-        for i, buf in enumerate(pool):
-            if len(buf) >= n:
-                self.rx_buffers_reused += 1
-                return pool.pop(i)
-        return bytearray(max(n, 1 << 20))
+    @property
+    def rx_buffers_reused(self) -> int:
+        """Answers received into a kept buffer (a public counter)."""
+        return self._rx_pool.reused
 
-    def _rx_give(self, bufs: list[bytearray]) -> None:
-        for buf in bufs:
-            if len(self._rx_pool) < RX_POOL_BUFFERS:
-                self._rx_pool.append(buf)
-        bufs.clear()
+    def _rx_give(self, rx: list[memoryview]) -> None:
+        for view in rx:  # kept only if no view of its buffer is alive (ReceivePool.give)
+            self._rx_pool.give(view)
+        rx.clear()
 
     async def read_into(self, keys: list[bytes], layouts: list[Layout | None],
                         dests: Sequence[Dest], out: list[bytes | None] | None = None,
@@ -353,7 +351,7 @@ class ReadPath:
         # plain (chunk, offset, length) tuples: msgpack arrays, as rpc.Range encodes
         ranges = cast(list[rpc.Range], [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
                                         for job in batch])
-        rx: list[bytearray] = []  # a pooled receive buffer, if one was taken
+        rx: list[memoryview] = []  # a pooled receive buffer, if one was taken
 
         def scatter(head: FrameHead) -> Scatter | memoryview:
             # the answer lands straight in each destination (e.g. the caller's buffers); this
@@ -373,8 +371,9 @@ class ReadPath:
                 if watch.abandoned:
                     return memoryview(bytearray(head.payload_len))
                 watch.started = True
-            rx.append(self._rx_take(head.payload_len))
-            return memoryview(rx[0])[: head.payload_len]
+            buf = self._rx_pool(head)
+            rx.append(buf if isinstance(buf, memoryview) else memoryview(buf))
+            return rx[0]
 
         # large destinations receive in place; small ones (e.g. 4 KiB values) share one
         # receive into a pooled buffer and are copied out, as values returned as bytes are
@@ -386,6 +385,7 @@ class ReadPath:
             self._rx_give(rx)
             raise
         if watch is not None and watch.abandoned:
+            payload = memoryview(b"")
             self._rx_give(rx)
             return
         errors = h.errors
@@ -437,5 +437,7 @@ class ReadPath:
                 for p in dest:
                     p[:] = got[at : at + p.nbytes]
                     at += p.nbytes
-        got = view = memoryview(b"")  # drop views of the receive buffer before reusing it
+        # drop every view of the receive buffer (the answer's payload is one of its own),
+        # or the pool will not take it back
+        payload = got = view = memoryview(b"")
         self._rx_give(rx)

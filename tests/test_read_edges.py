@@ -219,6 +219,23 @@ async def test_small_get_into_destinations_share_one_pooled_receive(one: LocalCl
         assert kv.rx_pool_buffers == 1 and kv.rx_buffers_reused == 1
 
 
+async def test_read_pool_bytes_bounds_the_kept_receive_buffers(one: LocalCluster) -> None:
+    """ClientConfig.read_pool_bytes: 0 keeps no receive buffer (a fresh one per answer);
+    1 MiB keeps one answer's buffer of the two received at once."""
+    values = {f"q{i}".encode(): os.urandom(SIZE) for i in range(2)}
+    with pytest.raises(ValueError, match="read_pool_bytes must be >= 0"):
+        ClientConfig(read_pool_bytes=-1)
+    async with one.client(ClientConfig(read_pool_bytes=0)) as kv:
+        await kv.put_many(values)
+        for _ in range(2):
+            assert await kv.get_many(list(values)) == list(values.values())
+        assert kv.rx_pool_buffers == 0 and kv.rx_buffers_reused == 0
+    async with one.client(ClientConfig(read_pool_bytes=1 << 20, batch=False)) as kv:
+        got = await asyncio.gather(*(kv.get_many([k]) for k in values))  # two READVs at once
+        assert got == [[v] for v in values.values()]
+        assert kv.rx_pool_buffers == 1  # the second 1 MiB buffer would pass the bound
+
+
 # (duplicates: the fixture `one` above with two chunkservers; two small fixtures read plainer than a factory)
 @pytest.fixture
 async def two(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:

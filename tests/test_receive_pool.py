@@ -60,6 +60,15 @@ def test_small_payloads_and_a_zero_pool_get_fresh_buffers() -> None:
     assert off.kept_bytes == 0
 
 
+def test_a_pool_without_minimum_pools_small_payloads_in_whole_mib() -> None:
+    pool = ReceivePool(max_bytes=8 * MiB, min_bytes=0)  # a client's (kvfs.readpath)
+    for n in (0, 100_000):
+        view = pool(_head(n))
+        assert isinstance(view, memoryview) and view.nbytes == n and len(view.obj) == MiB
+        pool.give(view)
+    assert pool.buffers == 1 and pool.reused == 1
+
+
 def test_kept_bytes_stay_within_max_bytes() -> None:
     pool = ReceivePool(max_bytes=5 * MiB)
     views = [pool(_head(2 * MiB)) for _ in range(4)]
