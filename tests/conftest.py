@@ -9,6 +9,7 @@ import importlib.util
 import os
 import sys
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator
 from pathlib import Path
@@ -114,6 +115,15 @@ class Hold:
         if not self.arrived.is_set():
             ended = next(t for t in senders if t.done())
             raise AssertionError(f"{self.op.name} never arrived: its sender ended with {ended.result()!r}")
+
+    def reached_from_thread(self, sending: Callable[[], bool] = lambda: True, what: str = "") -> None:
+        """:meth:`reached` for a test thread outside the server's loop: poll ``arrived`` with a
+        30 s deadline; fail at once, naming ``what``, if ``sending()`` (is the sender still at
+        it?) turns false first."""
+        deadline = time.monotonic() + 30
+        while not self.arrived.is_set():
+            assert time.monotonic() < deadline and sending(), f"{what or self.op.name} never reached the server"
+            threading.Event().wait(0.001)
 
     def release(self, error: BaseException | None = None) -> None:
         """Let the held requests run; with ``error``, each fails with it instead."""

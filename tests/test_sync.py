@@ -167,11 +167,9 @@ def _read_arriving(c: ThreadCluster, kv: kvfs.Client, value: bytes,
     buf = bytearray(len(value))
 
     def let_go() -> None:
-        deadline = time.monotonic() + 30
-        while not held.arrived.is_set():
-            assert time.monotonic() < deadline, "the READV never reached the chunkserver"
-            threading.Event().wait(0.001)
+        held.reached_from_thread(what="the READV")
         c.loop.call_soon_threadsafe(held.release)
+        deadline = time.monotonic() + 30
         while buf[:4096] != value[:4096]:
             assert time.monotonic() < deadline, "the answer never began to land"
             threading.Event().wait(0.0005)
@@ -311,10 +309,7 @@ def test_close_ends_calls_other_threads_have_in_flight(one_cs: ThreadCluster) ->
     try:
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 30
-        while not held.arrived.is_set():
-            assert time.monotonic() < deadline, "the READV never reached the chunkserver"
-            threading.Event().wait(0.001)
+        held.reached_from_thread(what="the READV")
         kv.close()
         for t in threads:
             t.join(30)
@@ -358,10 +353,7 @@ def test_meta_sockets_are_bounded_and_calls_past_them_take_the_io_loop(one_cs: T
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             first = pool.submit(kv.match_prefix, [b"b/k"])
             try:
-                deadline = time.monotonic() + 30
-                while not held.arrived.is_set():
-                    assert time.monotonic() < deadline and not first.done(), "never reached meta"
-                    threading.Event().wait(0.001)
+                held.reached_from_thread(lambda: not first.done(), "the lookup")
                 assert len(kv._meta_sockets._busy) == 1
                 assert kv.exists_many([b"b/k", b"b/none"]) == [True, False]  # the IO loop's way
                 assert len(kv._meta_sockets._busy) == 1 and not kv._meta_sockets._idle
@@ -440,10 +432,7 @@ def test_a_timeout_meta_answers_on_a_meta_socket_is_raised_as_it_is(one_cs: Thre
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             fut = pool.submit(kv.exists_many, [b"t/k"])
             try:
-                deadline = time.monotonic() + 30
-                while not held.arrived.is_set():
-                    assert time.monotonic() < deadline and not fut.done(), "never reached meta"
-                    threading.Event().wait(0.001)
+                held.reached_from_thread(lambda: not fut.done(), "the lookup")
                 assert kv._meta_sockets._busy  # on a blocking socket
             finally:
                 one_cs.loop.call_soon_threadsafe(held.release, kvfs.Timeout("meta's own deadline"))
@@ -484,10 +473,7 @@ def test_close_ends_a_lookup_another_thread_has_in_flight(one_cs: ThreadCluster,
     t = threading.Thread(target=call)
     try:
         t.start()
-        deadline = time.monotonic() + 30
-        while not held.arrived.is_set():
-            assert time.monotonic() < deadline and t.is_alive(), "the EXISTS never reached meta"
-            threading.Event().wait(0.001)
+        held.reached_from_thread(lambda: t.is_alive(), "the EXISTS")
         kv.close()
         t.join(30)
         assert not t.is_alive(), "the caller still waits after close()"
