@@ -38,7 +38,7 @@ from kvfs.chunkserver.records import (
 )
 from kvfs.config import FsyncMode
 from kvfs.datadir import FILE_MODE, private_dir
-from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout
+from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout, Unavailable
 from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
 from kvfs.rpc import Range
 
@@ -237,6 +237,7 @@ class ChunkStore:
         self._open: int | None = None
         self._lock = asyncio.Lock()
         self._writes: set[asyncio.Task[None]] = set()  # appends' writes, kept to the end if their callers go
+        self._closed = False
         self.server_id: int | None = None
         self.key = ""  # proves to meta that a re-registration comes from this data dir
         self.cluster_id: str | None = None  # the meta's, stored at the first registration
@@ -307,16 +308,34 @@ class ChunkStore:
             os.truncate(path, keep)
             self.sizes[chunk_id] = keep
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Stop once every append that holds or waits for the lock has written and counted
+        its size (its caller may be gone): only then is the open chunk cut back to its
+        records and its fd closed, never under a write (whose fd number another file could
+        have taken by then).  Appends arriving later are refused."""
+        if self._closed:
+            return
+        await self._lock.acquire()
+        try:
+            self.close_now()
+        finally:
+            self._lock.release()
+
+    def close_now(self) -> None:
+        """Close a store no append is writing to (a failed start); otherwise ``await close()``."""
+        if any(not w.done() for w in self._writes):
+            raise RuntimeError("ChunkStore.close_now() under a running append: await close() instead")
+        self._closed = True
+        self.pool.shutdown(wait=True)  # reads, syncs and compactions in the pool end on open fds
         if self._open is not None:  # a stopped server keeps no reservation (64 MiB per data dir)
             try:
                 self._release(self._open)
             except OSError as e:
                 log.warning("chunk %016x: could not give back its reserved blocks: %s", self._open, e)
-        for fd in self._fds.values():
+        for fd in (*self._fds.values(), *self._close_later):
             os.close(fd)
         self._fds.clear()
-        self.pool.shutdown(wait=True)
+        self._close_later.clear()
 
     def _fd(self, chunk_id: int) -> int:
         """The chunk's open file, from an LRU of ``max_open_files``; a file pushed out
@@ -431,6 +450,8 @@ class ChunkStore:
         self._check_space(total)  # refuse early without waiting for the lock ...
         await self._lock.acquire()
         try:
+            if self._closed:
+                raise Unavailable(f"chunkserver {self.server_id} is shutting down; append elsewhere")
             self._check_space(total)  # ... and for sure: writes ahead of us took space
             cid = self._open
             rolled = cid is None or bool(self.sizes[cid] and self.sizes[cid] + total > self.chunk_bytes)
