@@ -4,10 +4,12 @@ verify and recovery that the cluster tests do not reach. The mutation pass found
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
 import re
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -222,6 +224,39 @@ async def test_an_append_of_many_records_survives_short_writes(
     views, stale = await store.readv([(c, off, len(v)) for (c, off), v in zip(locs, values, strict=True)])
     assert not stale and [bytes(v) for v in views] == values  # type: ignore[arg-type]
     assert [r.key for r in await store.scan(locs[0][0])] == keys
+
+
+async def test_an_append_cancelled_mid_write_finishes_before_the_next_append_writes(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An append whose caller is cancelled (shutdown, a dropped connection) while its pwritev
+    runs in the pool: the write and its size bookkeeping still finish before the next append
+    takes the lock, so the next one lands after it, and every record reads back whole."""
+    cid, _ = await put(store, b"k1", value_of(b"k1"))
+    real = os.pwritev
+    entered, go = threading.Event(), threading.Event()
+
+    def slow(fd: int, bufs: list[bytes | memoryview], offset: int) -> int:
+        if not entered.is_set():  # fault injection: the first write waits in its thread
+            entered.set()
+            assert go.wait(60), "the test never let the write go on"
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", slow)
+    v2, v3 = value_of(b"k2", 5000), value_of(b"k3", 1000)  # k2 longer: an overlap leaves its tail
+    first = asyncio.create_task(store.append([(b"k2", len(v2), crc32c(v2), None)], memoryview(v2)))
+    assert await asyncio.to_thread(entered.wait, 60)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    second = asyncio.create_task(put(store, b"k3", v3))
+    go.set()
+    cid3, off3 = await second
+    monkeypatch.undo()
+    assert cid3 == cid
+    assert await read(store, cid, off3, len(v3)) == v3
+    recs = await store.scan(cid)
+    assert [(r.key, r.value_ok) for r in recs] == [(b"k1", True), (b"k2", True), (b"k3", True)]
+    assert recs[1].value_offset < off3 and os.path.getsize(store.chunk_path(cid)) == store.sizes[cid]
 
 
 async def test_append_refuses_bad_keys_and_a_payload_its_records_do_not_describe(store: ChunkStore) -> None:
