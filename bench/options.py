@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Final
 
 from kvfs.address import TOKEN_FILE_HELP
-from kvfs.config import ChunkServerConfig, FsyncMode, TlsConfig
+from kvfs.config import ClusterFsyncConfig, TlsConfig
 from kvfs.config import add_options as add_config_options
 from kvfs.units import parse_duration, parse_size
 
@@ -134,10 +134,7 @@ def add_options(p: argparse.ArgumentParser) -> None:
            "or in this process and event loop")
     a("--chunkservers", type=_positive_int, default=3,
       help="chunkservers of the embedded cluster (default 3)")
-    a("--fsync", type=FsyncMode, choices=list(FsyncMode), default=ChunkServerConfig.fsync,
-      help="embedded cluster: meta's and the chunkservers' --fsync (default: %(default)s, as "
-           "deployed: a put is on disk before it is answered); never: page cache only, the "
-           "durability of a DRAM store such as Mooncake")
+    add_config_options(p, ClusterFsyncConfig)  # --fsync: the embedded cluster's, as kvfs up's
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
     a("--addr", default=None, help="cluster address (default: start an embedded cluster)")
     a("--token-file", default=None, help=TOKEN_FILE_HELP)

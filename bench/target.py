@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any
 
 from kvfs.address import token_from_file
-from kvfs.config import TlsConfig, from_options, tls_argv, tls_fields
+from kvfs.config import (
+    ClusterFsyncConfig,
+    TlsConfig,
+    from_options,
+    fsync_argv,
+    tls_argv,
+    tls_fields,
+)
 
 __all__ = ["BenchTarget", "open_target"]
 
@@ -71,7 +78,7 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
     if ns.cluster == "processes":
         from kvfs.launcher import ProcessCluster
 
-        args = (*tls_argv(tls), "--fsync", str(ns.fsync))
+        args = (*tls_argv(tls), *fsync_argv(from_options(ClusterFsyncConfig, ns)))
         pc = ProcessCluster(workdir / "cluster", ns.chunkservers, listen="127.0.0.1:0",
                             meta_args=args, chunkserver_args=args)
         await pc.start()

@@ -44,7 +44,7 @@ class ChunkServer:
             self._meta_tls = client_context(config, env=False, who="chunkserver (to meta)")
         except BaseException:
             if hasattr(self, "store"):
-                self.store.close()
+                self.store.close_now()
             self.lock.release()
             raise
         self.addr = ""
@@ -85,7 +85,7 @@ class ChunkServer:
                 await self._hb
         self._meta.close()
         await self.rpc.close()
-        self.store.close()
+        await self.store.close()
         self.lock.release()
 
     async def _register(self) -> None:

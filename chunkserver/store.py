@@ -38,7 +38,7 @@ from kvfs.chunkserver.records import (
 )
 from kvfs.config import FsyncMode
 from kvfs.datadir import FILE_MODE, private_dir
-from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout
+from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout, Unavailable
 from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
 from kvfs.rpc import Range
 
@@ -236,6 +236,8 @@ class ChunkStore:
         self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
         self._open: int | None = None
         self._lock = asyncio.Lock()
+        self._writes: set[asyncio.Task[None]] = set()  # appends' writes, kept to the end if their callers go
+        self._closed = False
         self.server_id: int | None = None
         self.key = ""  # proves to meta that a re-registration comes from this data dir
         self.cluster_id: str | None = None  # the meta's, stored at the first registration
@@ -306,16 +308,34 @@ class ChunkStore:
             os.truncate(path, keep)
             self.sizes[chunk_id] = keep
 
-    def close(self) -> None:
+    async def close(self) -> None:
+        """Stop once every append that holds or waits for the lock has written and counted
+        its size (its caller may be gone): only then is the open chunk cut back to its
+        records and its fd closed, never under a write (whose fd number another file could
+        have taken by then).  Appends arriving later are refused."""
+        if self._closed:
+            return
+        await self._lock.acquire()
+        try:
+            self.close_now()
+        finally:
+            self._lock.release()
+
+    def close_now(self) -> None:
+        """Close a store no append is writing to (a failed start); otherwise ``await close()``."""
+        if any(not w.done() for w in self._writes):
+            raise RuntimeError("ChunkStore.close_now() under a running append: await close() instead")
+        self._closed = True
+        self.pool.shutdown(wait=True)  # reads, syncs and compactions in the pool end on open fds
         if self._open is not None:  # a stopped server keeps no reservation (64 MiB per data dir)
             try:
                 self._release(self._open)
             except OSError as e:
                 log.warning("chunk %016x: could not give back its reserved blocks: %s", self._open, e)
-        for fd in self._fds.values():
+        for fd in (*self._fds.values(), *self._close_later):
             os.close(fd)
         self._fds.clear()
-        self.pool.shutdown(wait=True)
+        self._close_later.clear()
 
     def _fd(self, chunk_id: int) -> int:
         """The chunk's open file, from an LRU of ``max_open_files``; a file pushed out
@@ -427,9 +447,11 @@ class ChunkStore:
             pos += length
         if pos != payload.nbytes:
             raise InvalidArgument(f"append sent {payload.nbytes} bytes but its records describe {pos}")
-        loop = asyncio.get_running_loop()
         self._check_space(total)  # refuse early without waiting for the lock ...
-        async with self._lock:
+        await self._lock.acquire()
+        try:
+            if self._closed:
+                raise Unavailable(f"chunkserver {self.server_id} is shutting down; append elsewhere")
             self._check_space(total)  # ... and for sure: writes ahead of us took space
             cid = self._open
             rolled = cid is None or bool(self.sizes[cid] and self.sizes[cid] + total > self.chunk_bytes)
@@ -438,6 +460,26 @@ class ChunkStore:
             assert cid is not None
             base = self.sizes[cid]
             fd = self._fd(cid)
+        except BaseException:
+            self._lock.release()
+            raise
+        # The write and its bookkeeping run in a task of their own that holds the lock until
+        # the chunk's size covers them: a caller cancelled mid-write (shutdown, a dropped
+        # connection) leaves no pwritev running that the next append would land on.
+        write = asyncio.get_running_loop().create_task(self._write(cid, fd, bufs, base, total, rolled))
+        self._writes.add(write)
+        write.add_done_callback(self._write_done)
+        await asyncio.shield(write)
+        if self.fsync is FsyncMode.BATCH:  # outside the lock: later appends join this sync
+            with _full_is_nospace(f"chunkserver {self.server_id} syncing an append"):
+                await self.syncer.sync(fd, new_file=rolled)
+        return [(cid, base + r) for r in rel]
+
+    async def _write(self, cid: int, fd: int, bufs: list[bytes | memoryview], base: int, total: int,
+                     rolled: bool) -> None:
+        """An append's write at ``base`` (the lock held by its caller), then its size; releases the lock."""
+        loop = asyncio.get_running_loop()
+        try:
             try:
                 with _full_is_nospace(f"chunkserver {self.server_id} appending {total} bytes"):
                     await loop.run_in_executor(self.pool, _pwritev_all, fd, bufs, base)
@@ -454,11 +496,14 @@ class ChunkStore:
             self.sizes[cid] = base + total
             self._last_append = time.monotonic()
             self.wanted_bytes = 0
-        self._close_idle()
-        if self.fsync is FsyncMode.BATCH:  # outside the lock: later appends join this sync
-            with _full_is_nospace(f"chunkserver {self.server_id} syncing an append"):
-                await self.syncer.sync(fd, new_file=rolled)
-        return [(cid, base + r) for r in rel]
+        finally:
+            self._lock.release()
+            self._close_idle()
+
+    def _write_done(self, task: asyncio.Task[None]) -> None:
+        self._writes.discard(task)
+        if not task.cancelled():
+            task.exception()  # retrieved: a caller cancelled meanwhile no longer waits for it
 
     async def seal(self, chunk_id: int, idle_s: float, *, apply: bool = True) -> bool:
         """Stop appending to ``chunk_id`` if it is open and saw no append for ``idle_s``.

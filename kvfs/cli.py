@@ -31,6 +31,7 @@ from kvfs.config import (
     UpConfig,
     add_options,
     from_options,
+    fsync_argv,
     tls_argv,
     tls_fields,
 )
@@ -153,6 +154,7 @@ async def cmd_up(ns: argparse.Namespace) -> int:
         gc_args += ["--interval", repr(cfg.gc_interval_s)]
     tls_args = tls_argv(cfg)  # every child: its server certificate, and its client one
     meta_args, cs_args, gc_args = meta_args + tls_args, cs_args + tls_args, gc_args + tls_args
+    meta_args, cs_args = meta_args + fsync_argv(cfg), cs_args + fsync_argv(cfg)
     redis_args: tuple[str, ...] | None = None
     if cfg.meta_store == "redis-cluster":
         from kvfs.meta.redis_local import REDIS_SERVER

@@ -64,6 +64,22 @@ def tls_fields(cfg: TlsConfig) -> dict[str, Any]:
     return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(TlsConfig)}
 
 
+@dataclass(frozen=True, kw_only=True)
+class ClusterFsyncConfig:
+    """The ``--fsync`` of a cluster a command starts (``kvfs up``'s, ``kvfs bench``'s embedded
+    one): one mode for meta and every chunkserver, handed on as their own ``--fsync``."""
+
+    fsync: FsyncMode = opt("the --fsync of the meta and chunkservers this command starts: always "
+                           "or batch, a put is on disk before it is answered; never, page cache "
+                           "only: a power loss can lose acknowledged puts (the durability of a "
+                           "DRAM store such as Mooncake)", FsyncMode.BATCH)
+
+
+def fsync_argv(cfg: ClusterFsyncConfig) -> list[str]:
+    """``cfg``'s mode as the ``--fsync`` flag of a meta or chunkserver child process."""
+    return [_flag("fsync"), str(cfg.fsync)]
+
+
 def tls_argv(cfg: TlsConfig) -> list[str]:
     """The TLS fields of ``cfg`` as command-line flags (absolute paths), for a child process."""
     out: list[str] = []
@@ -294,6 +310,18 @@ def _positive_int(text: str) -> int:
     return n
 
 
+def _choice_arg(typ: type[enum.Enum]) -> Callable[[str], Any]:
+    """An enum's value as an argparse ``type`` whose error names the choices (argparse would
+    say only ``invalid FsyncMode value``)."""
+    def parse(text: str) -> enum.Enum:
+        try:
+            return typ(text)
+        except ValueError:
+            raise ValueError(f"must be one of {', '.join(str(m.value) for m in typ)}, got "
+                             f"{text!r}") from None
+    return arg_type(parse, typ.__name__)
+
+
 SIZE = arg_type(parse_size, "size")
 DURATION = arg_type(parse_duration, "duration")
 POSITIVE_INT = arg_type(_positive_int, "count")
@@ -325,7 +353,7 @@ def add_options(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tuple[
             elif typ in (Path, Path | None):
                 kwargs["type"] = Path
             elif isinstance(typ, type) and issubclass(typ, enum.Enum):
-                kwargs["type"] = typ
+                kwargs["type"] = _choice_arg(typ)
                 kwargs["choices"] = list(typ)
             if not required and f.default is not None:
                 kwargs["help"] += f" (default: {f.default})"
@@ -403,7 +431,7 @@ class MountConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class UpConfig(TlsConfig):
+class UpConfig(ClusterFsyncConfig, TlsConfig):
     """`kvfs up`: meta, N chunkservers and the GC daemon as supervised child processes."""
 
     data: Path = opt("data directory (one sub-directory per service)", Path("kvfs-data"))

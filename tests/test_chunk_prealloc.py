@@ -53,7 +53,7 @@ def opened(root: Path, prealloc: bool = True) -> Iterator[ChunkStore]:
     try:
         yield st
     finally:
-        st.close()
+        st.close_now()
 
 
 async def test_open_chunk_reserves_blocks_and_sealing_releases_them(root: Path) -> None:

@@ -133,7 +133,7 @@ async def test_a_refused_chunkserver_start_leaves_nothing_running(tmp_path: Path
         assert cluster.chunkservers[1] is None
         again = ChunkServer(cluster.cs_config(1), tokens=cluster.tokens)  # the data-dir lock is free
         again.lock.release()
-        again.store.close()
+        await again.store.close()
     finally:
         async with asyncio.timeout(30):
             await cluster.stop()

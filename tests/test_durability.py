@@ -48,7 +48,7 @@ async def make_store(tmp_path: Path) -> AsyncIterator[object]:
 
     yield make
     for st in stores:
-        st.close()
+        await st.close()
 
 
 def _append_args(key: bytes, value: bytes) -> tuple[list[list[object]], memoryview]:
@@ -117,7 +117,7 @@ def test_state_json_is_replaced_whole(tmp_path: Path) -> None:
         assert json.loads((tmp_path / "state.json").read_text())["server_id"] == 7
         assert not list(tmp_path.glob("*.tmp"))
     finally:
-        st.close()
+        st.close_now()
 
 
 def test_meta_gc_transactions_are_full_sync_in_every_mode(tmp_path: Path) -> None:

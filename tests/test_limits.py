@@ -263,7 +263,7 @@ def test_chunk_files_are_kept_open_in_an_lru(tmp_path: Path) -> None:
                 assert not errors and views[0] == value
                 assert len(store._fds) <= 2
         finally:
-            store.close()
+            await store.close()
 
     asyncio.run(main())
 

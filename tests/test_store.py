@@ -4,19 +4,22 @@ verify and recovery that the cluster tests do not reach. The mutation pass found
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
 import re
+import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from crc32c import crc32c
 
+from kvfs.chunkserver.records import scan_records
 from kvfs.chunkserver.store import ALIGN, ChunkStore, Span, check_ranges, plan_spans
 from kvfs.datadir import FILE_MODE
-from kvfs.errors import InvalidArgument, NoSpace, StaleLayout
+from kvfs.errors import InvalidArgument, NoSpace, StaleLayout, Unavailable
 from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
 from kvfs.rpc import Range
 
@@ -35,7 +38,7 @@ async def store(tmp_path: Path) -> AsyncIterator[ChunkStore]:
     try:
         yield st
     finally:
-        st.close()
+        await st.close()
 
 
 def value_of(key: bytes, size: int = 3000) -> bytes:
@@ -224,6 +227,84 @@ async def test_an_append_of_many_records_survives_short_writes(
     assert [r.key for r in await store.scan(locs[0][0])] == keys
 
 
+async def test_an_append_cancelled_mid_write_finishes_before_the_next_append_writes(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An append whose caller is cancelled (shutdown, a dropped connection) while its pwritev
+    runs in the pool: the write and its size bookkeeping still finish before the next append
+    takes the lock, so the next one lands after it, and every record reads back whole."""
+    cid, _ = await put(store, b"k1", value_of(b"k1"))
+    real = os.pwritev
+    entered, go = threading.Event(), threading.Event()
+
+    def slow(fd: int, bufs: list[bytes | memoryview], offset: int) -> int:
+        if not entered.is_set():  # fault injection: the first write waits in its thread
+            entered.set()
+            assert go.wait(60), "the test never let the write go on"
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", slow)
+    v2, v3 = value_of(b"k2", 5000), value_of(b"k3", 1000)  # k2 longer: an overlap leaves its tail
+    first = asyncio.create_task(store.append([(b"k2", len(v2), crc32c(v2), None)], memoryview(v2)))
+    assert await asyncio.to_thread(entered.wait, 60)
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    second = asyncio.create_task(put(store, b"k3", v3))
+    go.set()
+    cid3, off3 = await second
+    monkeypatch.undo()
+    assert cid3 == cid
+    assert await read(store, cid, off3, len(v3)) == v3
+    recs = await store.scan(cid)
+    assert [(r.key, r.value_ok) for r in recs] == [(b"k1", True), (b"k2", True), (b"k3", True)]
+    assert recs[1].value_offset < off3 and os.path.getsize(store.chunk_path(cid)) == store.sizes[cid]
+
+
+async def test_close_waits_for_a_running_append_before_it_cuts_the_chunk_or_closes_its_fd(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """close() at shutdown while an append's pwritev runs in the pool (its caller already
+    cancelled): the write finishes into its own chunk file before the chunk is cut back to
+    its size and its fd closed; a file opened meanwhile (it would take a closed fd's number)
+    gets nothing, and the chunk holds both whole records with its size counted."""
+    st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK)  # preallocate: close cuts the chunk back
+    st.server_id = 1
+    cid, _ = await put(st, b"k1", value_of(b"k1"))
+    real = os.pwritev
+    entered, go = threading.Event(), threading.Event()
+    wrote_to: list[int] = []
+
+    def held(fd: int, bufs: list[bytes | memoryview], offset: int) -> int:
+        entered.set()  # fault injection: the write waits in its thread
+        assert go.wait(60), "the test never let the write go on"
+        wrote_to.append(os.fstat(fd).st_ino)  # EBADF had its fd been closed
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", held)
+    v2 = value_of(b"k2", 5000)
+    append = asyncio.create_task(st.append([(b"k2", len(v2), crc32c(v2), None)], memoryview(v2)))
+    assert await asyncio.to_thread(entered.wait, 60)
+    append.cancel()  # the server's shutdown cancels the handler first
+    with pytest.raises(asyncio.CancelledError):
+        await append
+    closing = asyncio.create_task(st.close())
+    await asyncio.sleep(0)  # one step: close does all it may do before the write ends
+    other = os.open(tmp_path / "other", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        go.set()
+        async with asyncio.timeout(60):
+            await closing
+        assert os.fstat(other).st_size == 0  # nothing went to a reused fd number
+    finally:
+        os.close(other)
+    monkeypatch.undo()
+    path = st.chunk_path(cid)
+    assert wrote_to == [path.stat().st_ino]
+    assert path.stat().st_size == st.sizes[cid]
+    assert [(r.key, r.value_ok) for r in scan_records(path.read_bytes())] == [(b"k1", True), (b"k2", True)]
+    with pytest.raises(Unavailable, match="shutting down"):
+        await st.append([(b"k3", len(v2), crc32c(v2), None)], memoryview(v2))
+
+
 async def test_append_refuses_bad_keys_and_a_payload_its_records_do_not_describe(store: ChunkStore) -> None:
     """The server's decoder bounds keys first; the store checks again (its own callers)."""
     v = b"v" * 10
@@ -314,7 +395,7 @@ async def test_a_clean_restart_cuts_nothing_and_warns_of_nothing(
         cid, off = await put(st, b"k", value_of(b"k"))
         size = st.sizes[cid]
     finally:
-        st.close()
+        await st.close()
     with caplog.at_level(logging.WARNING, logger="kvfs.chunkserver"):
         again = open_store(tmp_path / "cs")
     try:
@@ -322,7 +403,7 @@ async def test_a_clean_restart_cuts_nothing_and_warns_of_nothing(
         assert again.sizes[cid] == size and again.bad_records == 0 and again.damage[cid] == []
         assert await read(again, cid, off, 3000) == value_of(b"k")
     finally:
-        again.close()
+        await again.close()
 
 
 # READV's pure parts: check_ranges, plan_spans ---------------------------------------------
@@ -418,4 +499,4 @@ async def test_files_pushed_out_of_the_lru_are_closed_once_reads_end(tmp_path: P
         open_chunks = [p for p in open_paths() if p.startswith(str(st.dir))]
         assert len(open_chunks) == 2, open_chunks
     finally:
-        st.close()
+        await st.close()

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import pytest
 
+from kvfs.cli import build_parser
+from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig
+
 DEADLINE_S = 60.0
 
 
@@ -167,6 +170,7 @@ def test_second_up_on_same_dir_is_refused_with_pid(tmp_path: Path, ups: list[Up]
     (["--chunkservers", "many"], "argument --chunkservers: not a whole number: 'many'"),
     (["--default-ttl", "soon"], "argument --default-ttl: not a duration: 'soon'"),
     (["--listen", "nowhere"], "bad listen address 'nowhere'"),
+    (["--fsync", "sometimes"], "argument --fsync: must be one of always, batch, never, got 'sometimes'"),
 ])
 def test_up_checks_every_argument_before_starting(tmp_path: Path, args: list[str],
                                                    message: str) -> None:
@@ -177,6 +181,24 @@ def test_up_checks_every_argument_before_starting(tmp_path: Path, args: list[str
     assert r.returncode != 0 and message in err, err
     assert "parse_" not in err and "usage:" not in err.replace("usage: kvfs up", "", 1)
     assert not data.exists()  # nothing was started
+
+
+@pytest.mark.subprocess
+def test_up_fsync_reaches_meta_and_every_chunkserver(tmp_path: Path, ups: list[Up]) -> None:
+    up = start_up(tmp_path, tmp_path / "data", "--chunkservers", "2", "--no-gc", "--fsync", "never")
+    ups.append(up)
+    pids = up.children()
+    assert set(pids) == {"meta", "chunkserver 0", "chunkserver 1"}
+    for name, pid in pids.items():  # each child's own command line, as the kernel holds it
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        assert argv.count(b"--fsync") == 1, (name, argv)
+        assert argv[argv.index(b"--fsync") + 1] == b"never", (name, argv)
+    assert kvfs(up, "put", "k", "-", stdin=b"v" * 1000).returncode == 0
+
+
+def test_up_fsync_defaults_to_the_servers_default() -> None:
+    assert build_parser().parse_args(["up"]).fsync is FsyncMode.BATCH
+    assert ChunkServerConfig.fsync is MetaConfig.fsync is FsyncMode.BATCH
 
 
 def test_up_help_shows_chunkservers_default() -> None:
