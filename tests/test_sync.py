@@ -151,10 +151,12 @@ def one_cs(tmp_path: Path) -> Iterator[ThreadCluster]:
 
 
 def _read_arriving(c: ThreadCluster, kv: kvfs.Client, value: bytes,
-                   ) -> tuple[Hold, bytearray, Callable[[], None]]:
+                   ) -> tuple[Hold, bytearray, Callable[[], None], Callable[[], None]]:
     """``value`` stored as b"big"; its READV held at the chunkserver.  Returns the hold, a
-    buffer for it, and a function that lets the READV go and returns once the answer's first
-    bytes have landed in the buffer (polled, with a deadline), the rest still arriving."""
+    buffer for it, a function that lets the READV go and returns once the answer's first
+    bytes have landed in the buffer, the rest not yet received (the client's connection
+    stops reading there: the answer cannot end however late the test's next step runs),
+    and a function that lets the connection read on."""
     cs = c.cluster.chunkservers[0]
     assert cs is not None
     # fault injection: a small receive buffer on the client's socket (fixed before it carries
@@ -166,15 +168,27 @@ def _read_arriving(c: ThreadCluster, kv: kvfs.Client, value: bytes,
     held = c.call(_hold(cs.rpc))
     buf = bytearray(len(value))
 
+    transport = conn._proto.transport
+    assert transport is not None
+    paused = threading.Event()
+
+    def pause_once_begun() -> None:  # on the client's loop, between its receives
+        if buf[:4096] == value[:4096]:
+            transport.pause_reading()
+            paused.set()
+        else:
+            kv._loop.call_later(0.0005, pause_once_begun)
+
     def let_go() -> None:
         held.reached_from_thread(what="the READV")
+        kv._loop.call_soon_threadsafe(pause_once_begun)
         c.loop.call_soon_threadsafe(held.release)
-        deadline = time.monotonic() + 30
-        while buf[:4096] != value[:4096]:
-            assert time.monotonic() < deadline, "the answer never began to land"
-            threading.Event().wait(0.0005)
+        assert paused.wait(30), "the answer never began to land"
 
-    return held, buf, let_go
+    def read_on() -> None:
+        kv._loop.call_soon_threadsafe(transport.resume_reading)
+
+    return held, buf, let_go, read_on
 
 
 async def _hold(rpc: object, op: Op = Op.READV) -> Hold:
@@ -189,7 +203,7 @@ def test_a_blocking_get_into_interrupted_leaves_the_callers_buffer_alone(one_cs:
     value = os.urandom(BIG)
     assert threading.current_thread() is threading.main_thread()  # where SIGINT is handled
     with kvfs.Client(one_cs.addr, token=one_cs.token) as kv:
-        held, buf, let_go = _read_arriving(one_cs, kv, value)
+        held, buf, let_go, read_on = _read_arriving(one_cs, kv, value)
 
         def interrupt() -> None:
             let_go()
@@ -204,6 +218,7 @@ def test_a_blocking_get_into_interrupted_leaves_the_callers_buffer_alone(one_cs:
             buf[:] = marker  # the caller reuses its buffer
         finally:
             t.join(30)
+            read_on()
             one_cs.loop.call_soon_threadsafe(held.release)
         one_cs.call(held.drained())
         assert kv.get(b"big") == value  # answered after the cancelled one, same connection
@@ -216,7 +231,7 @@ def test_a_cancelled_submit_get_into_leaves_the_callers_buffer_alone(one_cs: Thr
     the caller's again."""
     value = os.urandom(BIG)
     with kvfs.Client(one_cs.addr, token=one_cs.token) as kv:
-        held, buf, let_go = _read_arriving(one_cs, kv, value)
+        held, buf, let_go, read_on = _read_arriving(one_cs, kv, value)
         fut = kv.submit_get_into([b"big"], [buf])
         try:
             let_go()
@@ -224,6 +239,7 @@ def test_a_cancelled_submit_get_into_leaves_the_callers_buffer_alone(one_cs: Thr
             marker = b"\xa5" * BIG
             buf[:] = marker  # the caller reuses its buffer
         finally:
+            read_on()
             one_cs.loop.call_soon_threadsafe(held.release)
         with pytest.raises(concurrent.futures.CancelledError):
             fut.result(0)
