@@ -128,7 +128,10 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
         if lost:
             log.warning("%d file(s) still open for writing were not committed", lost)
         pyfuse3.close(unmount=True)
-        await fs._close()
+        try:
+            await ops.drain(config.write_behind_drain_s)  # held files (--write-behind)
+        finally:
+            await fs._close()
     return 0
 
 
