@@ -350,12 +350,17 @@ class WriteBehind:
         finally:
             task = asyncio.current_task()
             self._tasks.discard(task)
+            failed: list[tuple[Held, BaseException]] = []
             for e, err in zip(batch, errors, strict=True):
                 if self._sent.get(e.path) is e:
                     del self._sent[e.path]
                 self._bytes -= e.nbytes
                 self._files -= 1
+                if err is not None and not e.done.done():
+                    failed.append((e, err))
                 self._settle(e, err)
+            if failed:
+                self._report(failed)
             self._freed.set()
             self._pump()
 
@@ -367,12 +372,20 @@ class WriteBehind:
             e.done.set_result(None)
             self._committed(e.path)
             return
-        what = "delete of the old name" if e.pieces is None else "file"
-        unmounted = isinstance(err, asyncio.CancelledError)
-        if e.pieces is not None and not unmounted:
+        if e.pieces is not None and not isinstance(err, asyncio.CancelledError):
             self.failed += 1
-        reason = "unmounted" if unmounted else f"{type(err).__name__}: {err}"
-        log.warning("write-behind: %s %r was not committed after its close (%s); it is a miss",
-                    what, e.path, reason)
-        e.done.set_exception(OSError(errno.EIO, f"{e.path}: its commit after close failed ({reason}); "
-                                     "the file is a miss"))
+        e.done.set_exception(OSError(errno.EIO, f"{e.path}: its commit after close failed "
+                                     f"({_reason(err)}); the file is a miss"))
+
+    def _report(self, failed: list[tuple[Held, BaseException]]) -> None:
+        """One warning per failed batch (naming its first files), not one per file."""
+        names = ", ".join(f"{e.path!r}" + (" (delete of the old name)" if e.pieces is None else "")
+                          for e, _ in failed[:5])
+        more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+        log.warning("write-behind: %d held file(s) were not committed after their close (%s); "
+                    "they are misses: %s%s (%d failed since the mount started)", len(failed),
+                    _reason(failed[0][1]), names, more, self.failed)
+
+
+def _reason(err: BaseException) -> str:
+    return "unmounted" if isinstance(err, asyncio.CancelledError) else f"{type(err).__name__}: {err}"
