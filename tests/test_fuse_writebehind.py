@@ -144,8 +144,13 @@ def test_overwrite_unlink_and_rename_of_held_files(
     with mounted(tcluster, tmp_path, "--write-behind", "64MiB") as m:
         d = m.mnt / "ow"
         d.mkdir()
+        (m.mnt / "ow-e").mkdir()
         fs.pipe_file("ow/old.bin", b"committed before")
         with commits_held(tcluster) as release, ThreadPoolExecutor(4) as ex:
+            _write(m.mnt / "ow-e" / "x.bin", b"x")
+            with pytest.raises(OSError) as ei:
+                os.rmdir(m.mnt / "ow-e")  # holds a file
+            assert ei.value.errno == errno.ENOTEMPTY
             _write(d / "f.bin", b"one" * 1000)  # sent at once: its COMMIT is held
             _write(d / "f.bin", b"two" * 1000)  # waits for it, then goes
             _write(d / "f.bin", b"three" * 1000)  # replaces "two" before it is sent
