@@ -564,8 +564,10 @@ async def test_held_closes_share_commits(kv: AsyncClient) -> None:
     assert await wb.hold("hb/0", b"zero", 4)  # waits for the one being committed
     assert wb.get("hb/7").read(0, 100) == b"seven"  # type: ignore[union-attr]
     assert await wb.rename("hb/5", "hb/five")
+    assert wb.has_under("hb/") and not wb.has_under("h/") and not wb.has_under("hb/7/")
     await wb.sync_under("")
     assert wb.batches == 5 and wb.held_files == 0 and wb.held_bytes == 0
+    assert not wb.has_under("hb/") and not wb._dirs
     got = await kv.get_many(["hb/0", "hb/5", "hb/five", "hb/7", "hb/8"])
     assert got == [b"zero", None, b"5", b"seven", b"8"]
     assert not await wb.hold("hb/big", bytes(2 << 20), 2 << 20)  # over the bound: not held
