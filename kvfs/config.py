@@ -422,14 +422,23 @@ class MountConfig:
                                      "lookups ask meta)", 4096, positive=True)
     negative_listing_dirs: int = opt("--negative-timeout: most directories whose listing is kept "
                                      "(the least recently listed goes)", 16, positive=True)
+    write_behind_bytes: int = opt("write-behind: a close returns once the file is held in memory "
+                                  "here, and held files are committed in batches; at most this "
+                                  "many bytes are held, a close waits for room when full (0: off, "
+                                  "a close returns once its file is committed)", 0)
+    write_behind_files: int = opt("--write-behind: most files (and held deletes of renamed files' "
+                                  "old names) held at once", 4096, positive=True)
+    write_behind_drain_s: float = opt("--write-behind: at unmount, wait this long for held files to "
+                                      "be committed; what is not committed by then is lost", 30.0)
 
     def __post_init__(self) -> None:
         for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
-                     "kernel_read_ahead_bytes", "negative_timeout_s"):
+                     "kernel_read_ahead_bytes", "negative_timeout_s", "write_behind_bytes",
+                     "write_behind_drain_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
         for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight",
-                     "negative_listing_keys", "negative_listing_dirs"):
+                     "negative_listing_keys", "negative_listing_dirs", "write_behind_files"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be at least 1")
 

@@ -551,6 +551,26 @@ async def test_closes_share_commits(kv: AsyncClient, limits: dict[str, int], bat
         b"seven" if i == 7 else str(i).encode() for i in range(300)]
 
 
+async def test_held_closes_share_commits(kv: AsyncClient) -> None:
+    """--write-behind: holding returns at once; the held files go out as the closes' commits
+    do, two batches at once and the backlog together, each path's last version last."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.writebehind import WriteBehind
+
+    wb = WriteBehind(kv, MountConfig(write_behind_bytes=1 << 20))
+    for i in range(300):
+        assert await wb.hold(f"hb/{i}", str(i).encode(), len(str(i)))
+    assert await wb.hold("hb/7", b"seven", 5)  # replaces the queued version of hb/7
+    assert await wb.hold("hb/0", b"zero", 4)  # waits for the one being committed
+    assert wb.get("hb/7").read(0, 100) == b"seven"  # type: ignore[union-attr]
+    assert await wb.rename("hb/5", "hb/five")
+    await wb.sync_under("")
+    assert wb.batches == 5 and wb.held_files == 0 and wb.held_bytes == 0
+    got = await kv.get_many(["hb/0", "hb/5", "hb/five", "hb/7", "hb/8"])
+    assert got == [b"zero", None, b"5", b"seven", b"8"]
+    assert not await wb.hold("hb/big", bytes(2 << 20), 2 << 20)  # over the bound: not held
+
+
 async def test_in_order_writes_keep_the_kernels_buffers(kv: AsyncClient) -> None:
     """Writes of at least 64 KiB in order are kept as the kernel's buffers came and committed
     from them, not copied into one buffer; a write elsewhere, a read or a truncation copies
@@ -714,7 +734,9 @@ async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> Non
     ({"max_batch_bytes": 0}, "--max-batch"), ({"looked_up_layouts": -1}, "--looked-up-layouts"),
     ({"negative_timeout_s": -1}, "--negative-timeout"),
     ({"negative_listing_keys": 0}, "--negative-listing-keys"),
-    ({"negative_listing_dirs": 0}, "--negative-listing-dirs")])
+    ({"negative_listing_dirs": 0}, "--negative-listing-dirs"),
+    ({"write_behind_bytes": -1}, "--write-behind"), ({"write_behind_files": 0}, "--write-behind-files"),
+    ({"write_behind_drain_s": -1}, "--write-behind-drain")])
 def test_mount_limits_refuse_nonsense(bad: dict[str, float], flag: str) -> None:
     from kvfs.config import MountConfig
 

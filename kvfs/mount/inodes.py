@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from kvfs.mount.writebehind import Held
     from kvfs.stream import StreamPut, ValueReader
 
 __all__ = ["ROOT_INODE", "Handle", "Info", "InodeTable"]
@@ -51,6 +52,7 @@ class Handle:
     orphan: bool = False  # unlinked while open: never committed
     # reading: the value pinned at the first read, and its last few stripe units by offset
     reader: ValueReader | None = None
+    held: Held | None = None  # or the held (write-behind) version pinned at the first read
     units: OrderedDict[int, asyncio.Future[bytes | bytearray]] = field(default_factory=OrderedDict)
     next_read: int = 0  # where a sequential read goes on (read-ahead)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one writer or first read at a time
