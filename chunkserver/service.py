@@ -143,7 +143,7 @@ class ChunkServer:
     async def rpc_append(self, req: rpc.Append, payload: memoryview) -> Reply:
         self.append_calls += 1
         locs = await self.store.append(req.records, payload)
-        return rpc.Appended(locations=[rpc.Location(c, o) for c, o in locs]), ()
+        return rpc.Appended(locations=locs), ()
 
     def reply_cost(self, op: int, req: object) -> int:
         """Reply bytes a request will produce, charged to its connection before it runs;

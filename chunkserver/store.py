@@ -31,15 +31,15 @@ from kvfs.chunkserver.durability import GroupSync, fsync_dir, replace_durably
 from kvfs.chunkserver.records import (
     Damage,
     ScannedRecord,
+    append_buffers,
     copy_header,
-    record_header,
     recovery_point,
     scan_records,
 )
 from kvfs.config import FsyncMode
 from kvfs.datadir import FILE_MODE, private_dir
-from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout, Unavailable
-from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
+from kvfs.errors import InvalidArgument, NoSpace, StaleLayout, Unavailable
+from kvfs.layout import make_chunk_id
 from kvfs.rpc import Range
 
 log = logging.getLogger("kvfs.chunkserver")
@@ -479,33 +479,7 @@ class ChunkStore:
 
     async def append(self, records: Sequence[Sequence[Any]], payload: memoryview) -> list[tuple[int, int]]:
         """Write all records with one vectored write; return each value's (chunk_id, offset)."""
-        bufs: list[bytes | memoryview] = []
-        rel: list[int] = []
-        pos = 0
-        total = 0
-        for rec in records:
-            key, length, crc, expires_at, *more = rec
-            if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
-                raise InvalidArgument("append record with a bad key")
-            length, crc = int(length), int(crc)
-            if length < 0 or pos + length > payload.nbytes:
-                raise InvalidArgument(f"append records describe more bytes than the {payload.nbytes} sent")
-            value = payload[pos : pos + length]
-            if crc32c.crc32c(value) != crc:
-                raise ChecksumMismatch(f"value for key {key[:64]!r} arrived corrupted (CRC-32C mismatch)")
-            # the rebuild fields (write id, whole value's size and CRC, extent index, tombstone)
-            write_id, total_size, total_crc, index, tombstone = (more + [0, None, None, 0, False][len(more):])[:5]
-            head = record_header(key, length, crc, expires_at,
-                                 write_id=int(write_id), total_size=total_size, total_crc=total_crc,
-                                 index=int(index), tombstone=bool(tombstone))
-            bufs.append(head)
-            if length:
-                bufs.append(value)
-            rel.append(total + len(head))
-            total += len(head) + length
-            pos += length
-        if pos != payload.nbytes:
-            raise InvalidArgument(f"append sent {payload.nbytes} bytes but its records describe {pos}")
+        bufs, rel, total = append_buffers(records, payload)
         self._check_space(total)  # refuse early without waiting for the lock ...
         await self._lock.acquire()
         try:

@@ -104,7 +104,7 @@ class ServerConfig(TlsConfig):
                                      "pauses until replies drain", 64)
     max_inflight_bytes: int = opt("request and reply bytes held per connection; past it, reading "
                                   "pauses until replies drain", 64 * MiB)
-    receive_pool_bytes: int = opt("request payloads of 1 MiB or more (appends) are received into "
+    receive_pool_bytes: int = opt("request payloads over 64 KiB (appends) are received into "
                                   "buffers kept for reuse (no fresh pages to zero and fault in per "
                                   "request); at most this many bytes of them are kept between "
                                   "requests, per server (0: a fresh buffer each)", 64 * MiB)

@@ -460,9 +460,10 @@ class RecordHead(NamedTuple):
     tombstone: bool = False  # a delete: no value
 
 
-class Location(NamedTuple):
-    chunk_id: ChunkId
-    offset: U63
+# where an appended value landed: (chunk_id, offset).  A plain pair, not a NamedTuple: the
+# same msgpack array, built and decoded in C (a NamedTuple's constructor is Python, run for
+# every key of an APPEND on both sides)
+Location = tuple[ChunkId, U63]
 
 
 class Appended(Response, frozen=True, kw_only=True):
