@@ -40,7 +40,7 @@ import itertools
 import logging
 import os
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -133,6 +133,7 @@ class WriteBehind:
         self._sent: dict[str, Held] = {}  # being committed: at most one version per path
         self._bytes = 0  # of everything held, queued or being committed
         self._files = 0
+        self._dirs: Counter[str] = Counter()  # held files (not deletes) under each "dir/"
         self._freed = asyncio.Event()  # room was made (a batch ended, a version dropped)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -157,8 +158,23 @@ class WriteBehind:
         return self._queue.get(path) or self._sent.get(path)
 
     def has_under(self, prefix: str) -> bool:
-        """Whether a held file (not a delete) lies under ``prefix`` (``"dir/"``)."""
-        return any(e.pieces is not None for e in self.under(prefix))
+        """Whether a held file (not a delete) lies under ``prefix`` (``"dir/"``): counted per
+        directory, so a lookup's miss asks it cheaply; looked at only when one may."""
+        return self._dirs[prefix] > 0 and any(e.pieces is not None for e in self.under(prefix))
+
+    def _count(self, e: Held, n: int) -> None:
+        """``e`` held (n=1) or no longer (n=-1): its bytes, its file, its directories."""
+        self._bytes += n * e.nbytes
+        self._files += n
+        if e.pieces is None:
+            return
+        i = e.path.find("/")
+        while i >= 0:
+            d = e.path[: i + 1]
+            self._dirs[d] += n
+            if not self._dirs[d]:
+                del self._dirs[d]
+            i = e.path.find("/", i + 1)
 
     def under(self, prefix: str) -> list[Held]:
         """The newest held version of every path under ``prefix`` (``""``: all)."""
@@ -202,12 +218,10 @@ class WriteBehind:
         """``e`` queued as its path's newest version (replacing a queued one: never sent)."""
         old = self._queue.get(e.path)
         if old is not None:
-            self._bytes -= old.nbytes
-            self._files -= 1
+            self._count(old, -1)
             _chain(old.done, e.done)
         self._queue[e.path] = e
-        self._bytes += e.nbytes
-        self._files += 1
+        self._count(e, 1)
         self._pump()
 
     async def rename(self, src: str, dst: str) -> bool:
@@ -229,8 +243,7 @@ class WriteBehind:
         moved.created = e.created
         if queued:
             del self._queue[src]
-            self._bytes -= e.nbytes
-            self._files -= 1
+            self._count(e, -1)
             _chain(e.done, moved.done)
         self._add(moved)
         self._add(self._new(src, None, 0))
@@ -242,8 +255,7 @@ class WriteBehind:
         and one being committed is waited for (whatever its outcome)."""
         e = self._queue.pop(path, None)
         if e is not None:
-            self._bytes -= e.nbytes
-            self._files -= 1
+            self._count(e, -1)
             if not e.done.done():
                 e.done.set_result(None)
             self._freed.set()
@@ -354,8 +366,7 @@ class WriteBehind:
             for e, err in zip(batch, errors, strict=True):
                 if self._sent.get(e.path) is e:
                     del self._sent[e.path]
-                self._bytes -= e.nbytes
-                self._files -= 1
+                self._count(e, -1)
                 if err is not None and not e.done.done():
                     failed.append((e, err))
                 self._settle(e, err)
