@@ -38,7 +38,8 @@ class ChunkServer:
                                     capacity_bytes=config.capacity_bytes,
                                     merge_gap_bytes=config.merge_gap_bytes,
                                     max_open_files=open_files,
-                                    preallocate=config.preallocate)
+                                    preallocate=config.preallocate,
+                                    close_timeout_s=config.close_timeout_s)
             self.rpc = RpcServer(self, Service.CHUNKSERVER, self.tokens, config)
             # to meta: this server's certificate as its client certificate, verified by its CA
             self._meta_tls = client_context(config, env=False, who="chunkserver (to meta)")
@@ -85,8 +86,11 @@ class ChunkServer:
                 await self._hb
         self._meta.close()
         await self.rpc.close()
-        await self.store.close()
-        self.lock.release()
+        if await self.store.close():
+            self.lock.release()
+        else:  # a write still running could land on the records of a server reopening it
+            log.error("chunkserver %s: data directory %s stays locked until this process "
+                      "exits (disk IO abandoned at close)", self.server_id, self.config.data)
 
     async def _register(self) -> None:
         capacity, free, _ = self.store.usage()

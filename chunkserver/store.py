@@ -19,11 +19,11 @@ import shutil
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import crc32c
 
@@ -238,13 +238,33 @@ def preallocate(fd: int, nbytes: int) -> bool:
     return fn is not None and int(fn(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes)) == 0
 
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class IoPool(ThreadPoolExecutor):
+    """The store's IO threads, knowing which of their jobs have not ended yet (``jobs``), so
+    a close can wait for them, bounded, before it closes the files they use."""
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(threads, thread_name_prefix="kvfs-io")
+        self.jobs: set[Future[Any]] = set()
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        fut = super().submit(fn, *args, **kwargs)
+        self.jobs.add(fut)
+        fut.add_done_callback(self.jobs.discard)  # (from an IO thread: one set operation)
+        return fut
+
+
 class ChunkStore:
     """The chunk files of one chunkserver data dir."""
 
     def __init__(self, root: Path, *, chunk_bytes: int, io_threads: int = 4,
                  fsync: FsyncMode = FsyncMode.BATCH, fsync_window_s: float = 0.0,
                  capacity_bytes: int | None = None, merge_gap_bytes: int = 64 * 1024,
-                 max_open_files: int = 4096, preallocate: bool = True) -> None:
+                 max_open_files: int = 4096, preallocate: bool = True,
+                 close_timeout_s: float = 30.0) -> None:
         self.root = root
         self.dir = private_dir(root / "chunks")
         self.max_open_files = max(max_open_files, 2)
@@ -253,7 +273,8 @@ class ChunkStore:
         self.preallocate = preallocate
         self.capacity_bytes = capacity_bytes
         self.merge_gap = merge_gap_bytes
-        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-io")
+        self.pool = IoPool(io_threads)
+        self.close_timeout_s = close_timeout_s
         self.syncer = GroupSync(self.pool, self.dir, fsync_window_s)
         self.sizes: dict[int, int] = {}
         self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
@@ -261,6 +282,7 @@ class ChunkStore:
         self._lock = asyncio.Lock()
         self._writes: set[asyncio.Task[None]] = set()  # appends' writes, kept to the end if their callers go
         self._closed = False
+        self._abandoned = False  # close() gave up on disk IO still running: files left open
         self.server_id: int | None = None
         self.key = ""  # proves to meta that a re-registration comes from this data dir
         self.cluster_id: str | None = None  # the meta's, stored at the first registration
@@ -332,18 +354,51 @@ class ChunkStore:
             os.truncate(path, keep)
             self.sizes[chunk_id] = keep
 
-    async def close(self) -> None:
+    async def close(self) -> bool:
         """Stop once every append that holds or waits for the lock has written and counted
-        its size (its caller may be gone): only then is the open chunk cut back to its
-        records and its fd closed, never under a write (whose fd number another file could
-        have taken by then).  Appends arriving later are refused."""
+        its size (its caller may be gone), the group sync queued has run, and the IO
+        threads' jobs (reads, syncs, compactions) have ended: only then is the open chunk cut
+        back to its records and the files closed, never under a write (whose fd number
+        another file could have taken by then).  Appends arriving later are refused.
+
+        All of it within ``close_timeout_s``: past it (a write or sync hanging on the
+        disk) what is still running is logged and abandoned, every file is left open (a
+        job still running may use any of them) and False is returned; the caller keeps the
+        data directory locked, so no server reopens it under the running write."""
         if self._closed:
-            return
-        await self._lock.acquire()
+            return not self._abandoned
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.close_timeout_s
         try:
-            self.close_now()
+            await asyncio.wait_for(self._lock.acquire(), self.close_timeout_s)
+            locked = True
+        except TimeoutError:
+            locked = False  # an append's write holds it still
+        try:
+            self._closed = True  # appends still waiting for the lock are refused when they get it
+            synced = await self.syncer.close(max(0.0, deadline - loop.time()))
+            self.pool.shutdown(wait=False)  # jobs queued still run; none can be added
+            jobs = list(self.pool.jobs)
+            if jobs:
+                await asyncio.wait([asyncio.wrap_future(j) for j in jobs],
+                                   timeout=max(0.0, deadline - loop.time()))
+            running = sum(not j.done() for j in jobs)
+            if locked and synced and not running:
+                self.pool.shutdown(wait=True)  # its threads, idle now, end
+                self._close_files()
+                return True
+            self._abandoned = True
+            writes = sum(not w.done() for w in self._writes)
+            log.error("chunk store %s: close gave up after %gs (close_timeout_s) with disk IO "
+                      "still running: %d append writes, %d IO-thread jobs, group sync %s; "
+                      "abandoned: its %d chunk files are left open (never closed under a "
+                      "running write) and appends still queued are refused", self.dir,
+                      self.close_timeout_s, writes, running, "done" if synced else "running",
+                      len(self._fds) + len(self._close_later))
+            return False
         finally:
-            self._lock.release()
+            if locked:
+                self._lock.release()
 
     def close_now(self) -> None:
         """Close a store no append is writing to (a failed start); otherwise ``await close()``."""
@@ -351,6 +406,10 @@ class ChunkStore:
             raise RuntimeError("ChunkStore.close_now() under a running append: await close() instead")
         self._closed = True
         self.pool.shutdown(wait=True)  # reads, syncs and compactions in the pool end on open fds
+        self._close_files()
+
+    def _close_files(self) -> None:
+        """The open chunk cut back to its records, every fd closed (no job uses them now)."""
         if self._open is not None:  # a stopped server keeps no reservation (64 MiB per data dir)
             try:
                 self._release(self._open)

@@ -198,6 +198,10 @@ class ChunkServerConfig(ServerConfig):
     max_read_rpc_bytes: int = opt("most bytes one READV may ask for, in total", 64 * MiB)
     preallocate: bool = opt("reserve chunk_bytes of disk blocks when a chunk is opened for appends "
                             "(fallocate KEEP_SIZE; the rest is released when it is sealed)", True)
+    close_timeout_s: float = opt("at shutdown, wait at most this long for appends, group syncs "
+                                 "and disk reads still running; past it (a disk hanging) they "
+                                 "are logged and abandoned, the chunk files left open and the "
+                                 "data directory locked until the process exits", 30.0)
 
 
 @dataclass(frozen=True, kw_only=True)

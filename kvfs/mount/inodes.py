@@ -49,7 +49,7 @@ class Handle:
     stream: StreamPut | None = None
     failed: BaseException | None = None  # a write or commit failed: the data is lost
     dirty: bool = False  # has writes (or a truncation) not yet committed
-    orphan: bool = False  # unlinked while open: never committed
+    orphan: bool = False  # unlinked, or renamed over, while open: never committed
     # reading: the value pinned at the first read, and its last few stripe units by offset
     reader: ValueReader | None = None
     held: Held | None = None  # or the held (write-behind) version pinned at the first read

@@ -314,14 +314,11 @@ class KVFSOperations(Operations):
     @_op
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         path = self._child(parent_inode, name)
-        ino = self.table.ino_of(path)
-        pending = False
-        self.io.changed(ino)
-        if ino is not None:
-            for h in self.table.writers(ino):
-                pending = pending or h.dirty
-                h.orphan = True
-                await self.io.release(h)
+        self.io.changed(self.table.ino_of(path))
+        writers = await self._orphan_writers(path)
+        pending = any(h.dirty for h in writers)
+        for h in writers:
+            await self.io.release(h)
         held = self.io.wb.get(path)
         pending = pending or (held is not None and held.pieces is not None)
         await self.io.wb.drop(path)  # never committed after this delete
@@ -345,6 +342,35 @@ class KVFSOperations(Operations):
         if ino is not None:
             for h in self.table.writers(ino):
                 await self.io.commit(h)
+        # dst's file is replaced: a handle still open for writing on it commits nothing from
+        # now on (the kernel holds dst's inode lock, so no write of it runs meanwhile)
+        replaced = await self._orphan_writers(dst)
+        try:
+            await self._rename(src, dst, flags, ino)
+        except BaseException:
+            for h in replaced:  # dst not replaced: its writers commit to it as before (one
+                # closed during the failed rename committed nothing)
+                h.orphan = False
+            raise
+        for h in replaced:
+            await self.io.release(h)
+
+    async def _orphan_writers(self, path: str) -> list[Handle]:
+        """``path``'s file is being unlinked or replaced: the handles open for writing on it
+        (not orphaned yet) marked so that their writes, fsyncs and closes commit nothing (as on
+        a local filesystem, they write to a file no name leads to), once a commit of theirs
+        under way has ended (so none lands after this).  Returned: their streams are the
+        caller's to drop once the name is gone."""
+        ino = self.table.ino_of(path)
+        writers = [] if ino is None else [h for h in self.table.writers(ino) if not h.orphan]
+        for h in writers:
+            h.orphan = True
+        for h in writers:
+            async with h.lock:  # a commit under way holds it
+                pass
+        return writers
+
+    async def _rename(self, src: str, dst: str, flags: int, ino: int | None) -> None:
         if not flags & pyfuse3.RENAME_NOREPLACE and await self.io.wb.rename(src, dst):
             # held (write-behind): the held bytes move; the kernel checked dst is no directory
             self.io.changed(ino)
