@@ -21,9 +21,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ParamSpec, TypeVar
+from typing import Any, NamedTuple, ParamSpec, TypeVar
 
 import crc32c
 
@@ -56,12 +55,14 @@ def align_up(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-@dataclass(frozen=True, slots=True)
-class Span:
+class Span(NamedTuple):
     chunk_id: int
     start: int
     end: int
     members: tuple[int, ...]  # indices into the request's ranges
+
+
+_span = functools.partial(tuple.__new__, Span)  # a Span from a tuple, no Python constructor
 
 
 def check_ranges(raw: Any, max_ranges: int, max_bytes: int) -> tuple[list[tuple[int, int, int]], int]:
@@ -119,10 +120,10 @@ def plan_spans(ranges: Sequence[tuple[int, int, int]], merge_gap: int) -> list[S
             members.append(i)
             continue
         if members:
-            spans.append(Span(cur_c, cur_s, cur_e, tuple(members)))
+            spans.append(_span((cur_c, cur_s, cur_e, tuple(members))))
         cur_c, cur_s, cur_e, members = c, s, e, [i]
     if members:
-        spans.append(Span(cur_c, cur_s, cur_e, tuple(members)))
+        spans.append(_span((cur_c, cur_s, cur_e, tuple(members))))
     return spans
 
 
@@ -205,9 +206,12 @@ def _read_scatter(fds: dict[int, int], reads: Sequence[SpanRead], nowait: bool =
     read; without it, a chunk that ends early is an OSError."""
     flags = _NOWAIT if nowait else 0
     out: list[bool] = []
+    preadv = os.preadv
     for chunk, start, iov, need, _ in reads:
-        try:
-            got = _preadv_all(fds[chunk], iov, start, flags)
+        try:  # one preadv the common case; a short read (rare) read again, in full
+            got = preadv(fds[chunk], iov, start, flags) if need and len(iov) <= IOV_MAX else -2
+            if got != need:
+                got = _preadv_all(fds[chunk], iov, start, flags)
         except BlockingIOError:
             got = -1
         if got < need:
