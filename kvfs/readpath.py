@@ -334,7 +334,7 @@ class ReadPath:
                 [r[2] for r in ranges], max_bytes=self._max_rpc_bytes, max_items=self._max_ranges,
                 keys=[r[:2] for r in ranges])]
         if len(batches) == 1:
-            await self._readv_batch(sid, batches[0], keys, out, retry, watch)
+            await self._readv_batch(sid, batches[0], keys, out, retry, watch, ranges)
             return retry
         gate = asyncio.Semaphore(READV_IN_FLIGHT)
 
@@ -347,10 +347,12 @@ class ReadPath:
 
     async def _readv_batch(self, sid: int, batch: list[_Job], keys: list[bytes],
                            out: list[bytes | None] | None, retry: list[_Job],
-                           watch: _Watch | None = None) -> None:
-        # plain (chunk, offset, length) tuples: msgpack arrays, as rpc.Range encodes
-        ranges = cast(list[rpc.Range], [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
-                                        for job in batch])
+                           watch: _Watch | None = None,
+                           ranges: list[tuple[int, int, int]] | None = None) -> None:
+        """One READV of ``batch`` (``ranges``: its ranges, when the caller made them)."""
+        if ranges is None:
+            ranges = [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+                      for job in batch]
         rx: list[memoryview] = []  # a pooled receive buffer, if one was taken
 
         def scatter(head: FrameHead) -> Scatter | memoryview:
@@ -380,7 +382,9 @@ class ReadPath:
         sink = (scatter if sum([r[2] for r in ranges]) >= SCATTER_MIN_BYTES * len(ranges)
                 and all([job.dest is not WHOLE for job in batch]) else pooled)
         try:
-            h, payload = await self._link.call_server(sid, rpc.ReadV(ranges=ranges), sink=sink)
+            # plain (chunk, offset, length) tuples: msgpack arrays, as rpc.Range encodes
+            h, payload = await self._link.call_server(
+                sid, rpc.ReadV(ranges=cast(list[rpc.Range], ranges)), sink=sink)
         except BaseException:
             self._rx_give(rx)
             raise
