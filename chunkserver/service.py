@@ -159,8 +159,8 @@ class ChunkServer:
         """``req.ranges`` were checked once, by :meth:`reply_cost` (the server runs it on
         every request before dispatching it)."""
         self.readv_calls += 1
-        views, errors = await self.store.readv(req.ranges)
-        parts: list[Buffer] = [v for v in views if v is not None and v.nbytes]
+        payload, _, errors = await self.store.readv_into(req.ranges)
+        parts: list[Buffer] = [payload] if payload.nbytes else []
         return rpc.ReadVReply(errors={i: rpc.WireError(e.code, e.message) for i, e in errors.items()}), parts
 
     async def rpc_chunk_stats(self, req: rpc.ChunkStats, payload: memoryview) -> Reply:

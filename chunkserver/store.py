@@ -165,34 +165,57 @@ def _full_is_nospace(what: str) -> Iterator[None]:
         raise
 
 
-def _read_spans(fds: dict[int, int], spans: Sequence[Span], needs: Sequence[int],
-                nowait: bool = False) -> list[bytearray | None]:
-    """Read each span once; ``needs[i]`` bytes of it must exist (the rest is alignment
-    past the end of file).  With ``nowait`` (RWF_NOWAIT) a span that is not wholly in
-    the page cache comes back as None instead of blocking, for the thread pool to read."""
-    out: list[bytearray | None] = []
-    flags = _NOWAIT if nowait else 0
+def _preadv_all(fd: int, iov: list[memoryview], offset: int, flags: int) -> int:
+    """Fill ``iov`` from ``offset`` on (``IOV_MAX`` buffers a call, short reads continued);
+    returns the bytes read, fewer only where the file ends."""
     preadv = os.preadv
-    for sp, need in zip(spans, needs, strict=True):
-        buf = bytearray(need)  # the alignment past the end of file is never asked for
-        fd = fds[sp.chunk_id]
+    got = i = 0
+    while i < len(iov):
+        batch = iov[i : i + IOV_MAX]
+        want = sum([v.nbytes for v in batch])
+        n = preadv(fd, batch, offset, flags) if want else 0
+        got += n
+        offset += n
+        if n == want:
+            i += len(batch)
+            continue
+        if n == 0:
+            return got
+        rest: list[memoryview] = []  # a short read (rare): go on from where it stopped
+        for v in batch:
+            if n >= v.nbytes:
+                n -= v.nbytes
+                continue
+            rest.append(v[n:])
+            n = 0
+        iov = rest + iov[i + len(batch) :]
+        i = 0
+    return got
+
+
+# one read of a span: (chunk id, first byte, the buffers its bytes go to in order, bytes,
+# the indices of the ranges it reads)
+SpanRead = tuple[int, int, list[memoryview], int, tuple[int, ...]]
+
+
+def _read_scatter(fds: dict[int, int], reads: Sequence[SpanRead], nowait: bool = False) -> list[bool]:
+    """Read each span once, with one ``preadv`` straight into its buffers (the caller's
+    reply, a scratch buffer for the gaps).  With ``nowait`` (RWF_NOWAIT) a span that is not
+    wholly in the page cache is answered False instead of blocking, for the thread pool to
+    read; without it, a chunk that ends early is an OSError."""
+    flags = _NOWAIT if nowait else 0
+    out: list[bool] = []
+    for chunk, start, iov, need, _ in reads:
         try:
-            got = preadv(fd, [buf], sp.start, flags) if need else 0
-            if 0 < got < need:  # a short read (rare): go on from where it stopped
-                with memoryview(buf) as view:
-                    while got < need:
-                        n = preadv(fd, [view[got:]], sp.start + got, flags)
-                        if n == 0:
-                            break
-                        got += n
+            got = _preadv_all(fds[chunk], iov, start, flags)
         except BlockingIOError:
             got = -1
         if got < need:
             if nowait:
-                out.append(None)
+                out.append(False)
                 continue
-            raise OSError(f"chunk {sp.chunk_id:016x} ended at {sp.start + got}, expected {sp.start + need}")
-        out.append(buf)
+            raise OSError(f"chunk {chunk:016x} ended at {start + got}, expected {start + need}")
+        out.append(True)
     return out
 
 
@@ -271,6 +294,7 @@ class ChunkStore:
         self._last_append = time.monotonic()
         self.wanted_bytes = 0  # the last append refused for space: GC evicts to make it fit
         self._close_later: list[int] = []
+        self._scratch = bytearray(self.merge_gap + 2 * ALIGN)  # the bytes between a span's ranges
         self.nowait = bool(_NOWAIT)  # read page-cache hits inline; off where the filesystem refuses it
         self.damage: dict[int, list[Damage]] = {}  # found by recovery: runs without a valid record
         self.bad_records = 0  # records recovery found with a bad value CRC (kept, reported)
@@ -553,12 +577,24 @@ class ChunkStore:
 
     # read ------------------------------------------------------------------
     async def readv(self, ranges: Sequence[tuple[int, int, int]]) -> tuple[list[memoryview | None], dict[int, StaleLayout]]:
-        """Read many ranges; each merged 4 KiB-aligned span is read once."""
+        """Read many ranges (:meth:`readv_into`): a view of each one's bytes (None where
+        the range is an error)."""
+        _, out, errors = await self.readv_into(ranges)
+        return out, errors
+
+    async def readv_into(self, ranges: Sequence[tuple[int, int, int]]
+                         ) -> tuple[memoryview, list[memoryview | None], dict[int, StaleLayout]]:
+        """Read many ranges into one buffer: ``(payload, views, errors)``, the payload being
+        the bytes of every range not in ``errors``, in request order (a READV's answer), each
+        range's view a slice of it.  Ranges are grouped into spans (:func:`plan_spans`) and
+        each span is read once, with one ``preadv`` straight into the payload (the bytes
+        between its ranges into a scratch buffer)."""
         errors: dict[int, StaleLayout] = {}
         ok: list[tuple[int, int, int]] = []
         ok_idx: list[int] = []
+        sizes = self.sizes
         for i, (c, off, ln) in enumerate(ranges):
-            size = self.sizes.get(c)
+            size = sizes.get(c)
             if size is None:
                 errors[i] = StaleLayout(f"chunk {c:016x} is not on this server")
             elif off < 0 or ln < 0 or off + ln > size:
@@ -567,52 +603,91 @@ class ChunkStore:
                 ok.append((c, off, ln))
                 ok_idx.append(i)
         out: list[memoryview | None] = [None] * len(ranges)
+        payload = memoryview(bytearray(sum([r[2] for r in ok])))
         if not ok:
-            return out, errors
+            return payload, out, errors
+        dests: list[memoryview] = []
+        pos = 0
+        for (_, _, ln), i in zip(ok, ok_idx, strict=True):
+            out[i] = view = payload[pos : pos + ln]
+            dests.append(view)
+            pos += ln
         # From the page cache (read right here, no thread hop) a gap costs a copy of its bytes
         # and saves only a syscall: spans merge only where their 4 KiB pages meet.  What is not
         # cached is planned again with merge_gap_bytes and read in the pool (a disk read saved).
-        inline = self.nowait and sum([r[2] for r in ok]) <= INLINE_READ_BYTES
+        inline = self.nowait and pos <= INLINE_READ_BYTES
         spans = plan_spans(ok, 0 if inline else self.merge_gap)
-        done: list[tuple[Span, bytearray]] = []
+        reads = self._span_reads(spans, ok, dests)
         self._reads_in_flight += 1  # before taking fds: none of them is closed under us
         try:
-            fds = {c: self._fd(c) for c in {sp.chunk_id for sp in spans}}
-            sizes = self.sizes
-            needs = [min(sp.end, sizes[sp.chunk_id]) - sp.start for sp in spans]
+            fds = {c: self._fd(c) for c in {r[0] for r in reads}}
+            done = 0
             if inline:
-                got: list[bytearray | None] = [None] * len(spans)
+                got = [False] * len(reads)
                 try:
-                    got = _read_spans(fds, spans, needs, nowait=True)
+                    got = _read_scatter(fds, reads, nowait=True)
                 except OSError as exc:
                     if exc.errno not in _NOWAIT_REFUSED:
                         raise
                     log.info("%s refuses RWF_NOWAIT reads (%s); reading in the thread pool",
                              self.dir, exc.strerror)
                     self.nowait = False
-                done = [(sp, b) for sp, b in zip(spans, got, strict=True) if b is not None]
-                self.inline_spans += len(done)
-                if len(done) < len(spans):  # not all cached: the rest planned for the disk
-                    back = [j for sp, b in zip(spans, got, strict=True) if b is None for j in sp.members]
+                done = sum(got)
+                self.inline_spans += done
+                if done < len(reads):  # not all cached: the rest planned for the disk
+                    back = [j for r, g in zip(reads, got, strict=True) if not g for j in r[4]]
                     spans = [Span(sp.chunk_id, sp.start, sp.end, tuple(back[m] for m in sp.members))
                              for sp in plan_spans([ok[j] for j in back], self.merge_gap)]
-                    needs = [min(sp.end, sizes[sp.chunk_id]) - sp.start for sp in spans]
+                    reads = self._span_reads(spans, ok, dests)
                 else:
-                    spans = []
-            if spans:
-                bufs = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, _read_spans, fds, spans, needs)
-                done += [(sp, b) for sp, b in zip(spans, bufs, strict=True) if b is not None]
+                    reads = []
+            if reads:
+                await asyncio.get_running_loop().run_in_executor(self.pool, _read_scatter, fds, reads)
+                done += len(reads)
         finally:
             self._reads_done()
-        self.spans_read += len(done)
-        for sp, buf in done:
-            self.bytes_read += len(buf)
-            view = memoryview(buf)
-            for j in sp.members:
+        self.spans_read += done
+        self.bytes_read += pos
+        return payload, out, errors
+
+    def _span_reads(self, spans: Sequence[Span], ok: Sequence[tuple[int, int, int]],
+                    dests: Sequence[memoryview]) -> list[SpanRead]:
+        """One read per span: its ranges' bytes straight into their ``dests``, the bytes
+        between them into a scratch buffer; a span whose ranges overlap (a caller's own
+        ranges: a READV's never do) is read range by range instead."""
+        reads: list[SpanRead] = []
+        for sp in spans:
+            members = sp.members
+            if len(members) == 1:
+                j = members[0]
+                c, off, ln = ok[j]
+                reads.append((c, off, [dests[j]], ln, members))
+                continue
+            first = ok[members[0]][1]
+            cursor = first
+            iov: list[memoryview] = []
+            for j in members:  # in offset order (plan_spans sorts them)
                 _, off, ln = ok[j]
-                out[ok_idx[j]] = view[off - sp.start : off - sp.start + ln]
-        return out, errors
+                if not ln:
+                    continue
+                if off < cursor:
+                    break
+                if off > cursor:
+                    iov.append(self._gap(off - cursor))
+                iov.append(dests[j])
+                cursor = off + ln
+            else:
+                reads.append((sp.chunk_id, first, iov, cursor - first, members))
+                continue
+            reads.extend((c, off, [dests[j]], ln, (j,)) for j in members for c, off, ln in (ok[j],))
+        return reads
+
+    def _gap(self, n: int) -> memoryview:
+        """``n`` bytes to read a gap into and drop (one scratch buffer, grown as needed; its
+        bytes are never read)."""
+        if len(self._scratch) < n:
+            self._scratch = bytearray(max(n, 2 * len(self._scratch)))
+        return memoryview(self._scratch)[:n]
 
     # garbage collection ----------------------------------------------------
     def _reads_done(self) -> None:
