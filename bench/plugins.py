@@ -23,6 +23,11 @@ as processes (``kvfs.launcher.ProcessCluster``) in a temp dir, stores ``--pages`
   buffer lists, directly: what kvfs's scatter costs, apart from the rest of the plug-in's
   code (SGLang: the lists as the plug-in builds them, ``_page_parts``).
 
+``--op lookup`` times the engine's lookup instead, the same way: the plug-in's (SGLang
+``batch_exists``, LMCache ``batched_contains``, the ``batch_lookup`` that vLLM's lookup
+thread calls) next to the blocking client's own ``match_prefix`` / ``exists_many`` of the
+same keys, with the same lease (what the plug-in asks kvfs for, made directly).
+
 ``--model``: the KV geometry.  ``small`` (the default) is a 4-layer model whose pages are
 ``--page-kib`` (SGLang: 8 KV heads, 16-token pages, so 16 KiB regions at 128 KiB pages in
 ``layer_first``; LMCache: 2 KV heads, 256-token chunks; vLLM: one block of that size).
@@ -119,6 +124,10 @@ class Case:
     direct_parts: Callable[[range], int] | None = None
     # after each timed call: give back what the engine would free once it used the pages
     release: Callable[[], None] = lambda: None
+    # --op lookup: the engine's lookup through the plug-in, and the blocking client's own
+    # call that it makes (each returns the pages found)
+    lookup: Callable[[range], int] | None = None
+    lookup_direct: Callable[[range], int] | None = None
 
 
 @contextlib.contextmanager
@@ -192,8 +201,15 @@ def sglang_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
             if not torch.equal(got.view(torch.int16), want[i].view(torch.int16)):
                 raise SystemExit(f"sglang: page {i} read back wrong through the plug-in")
 
+    def lookup(b: range) -> int:
+        return int(backend.batch_exists(hashes[b.start : b.stop]))
+
+    def lookup_direct(b: range) -> int:
+        return backend.client.match_prefix(keys[b.start : b.stop], lease_s=backend.config.lease_s)
+
     return Case(f"SGLang HiCache `batch_get_v1` ({ns.layout})", page_bytes, batches, plugin,
-                direct, check, backend.close, direct_parts)
+                direct, check, backend.close, direct_parts, lookup=lookup,
+                lookup_direct=lookup_direct)
 
 
 # LMCache ---------------------------------------------------------------------------------------
@@ -281,8 +297,14 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
         sm.close()
         shutil.rmtree(cfg_path.parent, ignore_errors=True)
 
+    def lookup(b: range) -> int:
+        return int(conn.batched_contains(lm_keys[b.start : b.stop]))
+
+    def lookup_direct(b: range) -> int:
+        return conn.client.match_prefix(keys[b.start : b.stop], lease_s=conn.config.lease_s)
+
     return Case(f"LMCache connector `batched_get` ({chunk}-token chunks)", page_bytes, batches,
-                plugin, direct, check, close, direct_parts, release)
+                plugin, direct, check, close, direct_parts, release, lookup, lookup_direct)
 
 
 # vLLM -------------------------------------------------------------------------------------------
@@ -339,8 +361,17 @@ def vllm_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
         prim = np.empty((0, 0), dtype=np.uint8)  # the last view of the region's memory
         manager.shutdown()
 
+    ctx = base.ReqContext(req_id="bench-lookup")
+
+    def lookup(b: range) -> int:  # what vLLM's lookup thread calls for a step's keys
+        return sum(tier._lookups.batch_lookup(offload_keys[b.start : b.stop], ctx))
+
+    def lookup_direct(b: range) -> int:
+        return sum(tier.client.exists_many(keys[b.start : b.stop], lease_s=tier.config.lease_s))
+
     return Case("vLLM tier `submit_load` + `get_finished_jobs`", block, batches,
-                lambda b: transfer(b, load=True), direct, check, close)
+                lambda b: transfer(b, load=True), direct, check, close, lookup=lookup,
+                lookup_direct=lookup_direct)
 
 
 CASES = {"sglang": sglang_case, "lmcache": lmcache_case, "vllm": vllm_case}
@@ -398,6 +429,11 @@ def main(argv: list[str] | None = None) -> int:
                     "sglang 8, lmcache 4, vllm 32)")
     ap.add_argument("--rounds", type=int, default=8, help="passes over the pages (default 8)")
     ap.add_argument("--chunkservers", type=int, default=3, help="chunkservers (default 3)")
+    ap.add_argument("--op", choices=["load", "lookup"], default="load",
+                    help="what is timed: load (the default) or lookup: the engine's lookup "
+                         "through the plug-in (SGLang batch_exists, LMCache batched_contains, "
+                         "vLLM's lookup thread's batch_lookup) next to the blocking client's "
+                         "own match_prefix / exists_many of the same keys")
     ap.add_argument("--layout", default="page_first",
                     choices=["layer_first", "page_first", "page_first_direct"],
                     help="SGLang's host layout (default page_first)")
@@ -409,6 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with cluster(root / "cluster", ns.chunkservers) as (addr, token):
             case = CASES[ns.engine](addr, token, ns)
+            if ns.op == "lookup":
+                assert case.lookup is not None and case.lookup_direct is not None
+                case.name = case.name.split(" `")[0] + " lookup"
+                case.plugin, case.direct = case.lookup, case.lookup_direct
+                case.direct_parts, case.release = None, lambda: None
+                case.check = lambda: None  # nothing is read; every page must be found
             try:
                 per, cpu = measure(case, ns.rounds)
                 case.check()
@@ -433,7 +475,8 @@ def main(argv: list[str] | None = None) -> int:
     parts = us.get("direct, the plug-in's buffers")
     pcol = (f"{statistics.median(parts):,.1f} "
             f"({sum(us['plug-in']) / sum(parts):.2f})" if parts else "-")
-    print("| engine | plug-in us/page | direct get_into us/page | plug-in/direct (totals) | "
+    direct_call = "get_into" if ns.op == "load" else "lookup"
+    print(f"| engine | plug-in us/page | direct {direct_call} us/page | plug-in/direct (totals) | "
           "median of paired ratios | target <= 1.20 | get_into into the plug-in's buffers "
           "(plug-in/that) | client CPU us/page plug-in / direct (ratio) |")
     print(f"| {ns.engine} | {plug:,.1f} | {direct:,.1f} | {total:.2f} | {paired:.2f} | {verdict} "

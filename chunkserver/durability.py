@@ -18,10 +18,13 @@ and ``state.json`` is replaced by temp file + fsync + rename.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import os
 from concurrent.futures import Executor
 from pathlib import Path
+
+from kvfs.errors import Unavailable
 
 
 def fsync_dir(path: Path) -> None:
@@ -64,7 +67,9 @@ class GroupSync:
 
     ``await sync(fd)`` returns once an ``fdatasync`` that started after the call covered
     ``fd``.  Callers arriving while a sync runs share the next one, so N concurrent
-    appends cost about two syncs, not N.
+    appends cost about two syncs, not N.  :meth:`close` ends it: a round waiting out its
+    window runs at once, later calls are refused (:class:`Unavailable`), and a caller
+    never waits for a round that will not run.
     """
 
     def __init__(self, pool: Executor, directory: Path, window_s: float = 0.0) -> None:
@@ -77,13 +82,21 @@ class GroupSync:
         self._waiters: list[asyncio.Future[None]] = []
         self._inflight: list[asyncio.Future[None]] = []
         self._task: asyncio.Task[None] | None = None
+        self._flush = asyncio.Event()  # set by close(): the window ends now
+        self._closed = False
 
     @property
     def waiting(self) -> int:
         """Callers queued for the next round."""
         return len(self._waiters)
 
+    def _refused(self) -> Unavailable:
+        return Unavailable(f"{self.directory}: the chunkserver is shutting down; an append "
+                           "written but not synced is not acknowledged: append elsewhere")
+
     async def sync(self, fd: int, *, new_file: bool = False) -> None:
+        if self._closed:
+            raise self._refused()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[None] = loop.create_future()
         self._fds.add(fd)
@@ -97,18 +110,24 @@ class GroupSync:
         loop = asyncio.get_running_loop()
         try:
             while self._waiters:
-                if self.window_s > 0:
-                    await asyncio.sleep(self.window_s)
+                if self.window_s > 0 and not self._closed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._flush.wait(), self.window_s)
                 waiters, fds, new_dir = self._waiters, self._fds, self._dir
                 self._inflight = waiters
                 self._waiters, self._fds, self._dir = [], set(), False
+                err: BaseException | None = None
                 try:
                     await loop.run_in_executor(self.pool, _sync_files, fds,
                                                self.directory if new_dir else None)
                 except OSError as exc:
+                    err = exc
+                except RuntimeError:  # the IO threads were shut down (a close that gave up)
+                    err = self._refused()
+                if err is not None:
                     for w in waiters:
                         if not w.done():
-                            w.set_exception(exc)
+                            w.set_exception(err)
                 else:
                     for w in waiters:
                         if not w.done():
@@ -116,6 +135,18 @@ class GroupSync:
                 self.rounds += 1
         finally:
             self._task = None
-            for w in (*self._inflight, *self._waiters):  # cancelled (server closing): nobody hangs
+            for w in (*self._inflight, *self._waiters):  # this task cancelled: nobody hangs
                 if not w.done():
-                    w.cancel()
+                    w.set_exception(self._refused())
+
+    async def close(self, timeout_s: float) -> bool:
+        """Refuse new syncs and run the round queued now (its window cut short); True once
+        no round runs, False if one still does after ``timeout_s`` (a sync hanging on the
+        disk: its callers wait on with it)."""
+        self._closed = True
+        self._flush.set()
+        task = self._task
+        if task is None:
+            return True
+        done, _ = await asyncio.wait([task], timeout=timeout_s)
+        return bool(done)

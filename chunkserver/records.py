@@ -24,14 +24,18 @@ record after it is kept.  See :func:`recovery_point` for what recovery cuts.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import crc32c
 
+from kvfs.errors import ChecksumMismatch, InvalidArgument
 from kvfs.layout import MAX_KEY_BYTES
 
 RECORD = struct.Struct("<4sHHIQdQQIII")
+_HEAD = struct.Struct("<4sHHIQdQQII")  # RECORD up to its header CRC
+_U32 = struct.Struct("<I")
 REC_MAGIC = b"KVR2"
 RECORD_V1 = struct.Struct("<4sHHIQdI")  # the first format: no write id, size or index
 REC_MAGIC_V1 = b"KVR1"
@@ -47,6 +51,65 @@ def record_header(key: bytes, length: int, crc: int, expires_at: float | None, *
                        crc if total_crc is None else total_crc, index, 0)
     hcrc = crc32c.crc32c(key, crc32c.crc32c(head[:-4]))
     return head[:-4] + struct.pack("<I", hcrc) + key
+
+
+_DEFAULTS = (0, None, None, 0, False)  # an append record's optional fields, as record_header's
+
+
+def _full(rec: Sequence[Any]) -> tuple[Any, ...]:
+    """An append record of another shape than the wire's nine fields (a caller's own
+    4-tuple), checked and padded with the defaults of the rebuild fields."""
+    key, length, crc, expires_at, *more = rec
+    if len(more) > len(_DEFAULTS):
+        raise InvalidArgument(f"append record has {len(rec)} fields, at most {4 + len(_DEFAULTS)}")
+    more += _DEFAULTS[len(more):]
+    return (key, int(length), int(crc), expires_at, int(more[0]), more[1], more[2], int(more[3]),
+            bool(more[4]))
+
+
+def append_buffers(records: Sequence[Sequence[Any]], payload: memoryview
+                   ) -> tuple[list[bytes | memoryview], list[int], int]:
+    """An APPEND's records as the buffers one vectored write puts at a chunk's tail
+    (``header|key``, value, ...: the values are views of ``payload``, never copied), each
+    value's offset from the first record, and the bytes in all.  Each value's CRC-32C is
+    checked against its record (:class:`ChecksumMismatch`: it arrived corrupted); a bad key,
+    or records that do not describe ``payload`` exactly, are :class:`InvalidArgument`.
+
+    One pass with no object per field: this runs for every key a client writes (the record's
+    fields as :func:`record_header` writes them, the same bytes)."""
+    bufs: list[bytes | memoryview] = []
+    rel: list[int] = []
+    add, at = bufs.append, rel.append
+    pack, pack32, crc = _HEAD.pack, _U32.pack, crc32c.crc32c
+    pos = total = 0
+    size = payload.nbytes
+    for rec in records:
+        if len(rec) != 9:
+            rec = _full(rec)
+        key, length, vcrc, expires_at, write_id, total_size, total_crc, index, tombstone = rec
+        if type(key) is not bytes or not 0 < len(key) <= MAX_KEY_BYTES:
+            raise InvalidArgument("append record with a bad key")
+        end = pos + length
+        if length < 0 or end > size:
+            raise InvalidArgument(f"append records describe more bytes than the {size} sent")
+        value = payload[pos:end]
+        if crc(value) != vcrc:
+            raise ChecksumMismatch(f"value for key {key[:64]!r} arrived corrupted (CRC-32C mismatch)")
+        head = pack(REC_MAGIC, len(key), TOMBSTONE if tombstone else 0, vcrc, length,
+                    expires_at or 0.0, write_id, length if total_size is None else total_size,
+                    vcrc if total_crc is None else total_crc, index)
+        head += pack32(crc(key, crc(head)))
+        head += key
+        add(head)
+        if length:
+            add(value)
+        total += len(head)
+        at(total)
+        total += length
+        pos = end
+    if pos != size:
+        raise InvalidArgument(f"append sent {size} bytes but its records describe {pos}")
+    return bufs, rel, total
 
 
 def copy_header(rec: ScannedRecord) -> bytes:

@@ -38,7 +38,8 @@ class ChunkServer:
                                     capacity_bytes=config.capacity_bytes,
                                     merge_gap_bytes=config.merge_gap_bytes,
                                     max_open_files=open_files,
-                                    preallocate=config.preallocate)
+                                    preallocate=config.preallocate,
+                                    close_timeout_s=config.close_timeout_s)
             self.rpc = RpcServer(self, Service.CHUNKSERVER, self.tokens, config)
             # to meta: this server's certificate as its client certificate, verified by its CA
             self._meta_tls = client_context(config, env=False, who="chunkserver (to meta)")
@@ -85,8 +86,11 @@ class ChunkServer:
                 await self._hb
         self._meta.close()
         await self.rpc.close()
-        await self.store.close()
-        self.lock.release()
+        if await self.store.close():
+            self.lock.release()
+        else:  # a write still running could land on the records of a server reopening it
+            log.error("chunkserver %s: data directory %s stays locked until this process "
+                      "exits (disk IO abandoned at close)", self.server_id, self.config.data)
 
     async def _register(self) -> None:
         capacity, free, _ = self.store.usage()
@@ -139,7 +143,7 @@ class ChunkServer:
     async def rpc_append(self, req: rpc.Append, payload: memoryview) -> Reply:
         self.append_calls += 1
         locs = await self.store.append(req.records, payload)
-        return rpc.Appended(locations=[rpc.Location(c, o) for c, o in locs]), ()
+        return rpc.Appended(locations=locs), ()
 
     def reply_cost(self, op: int, req: object) -> int:
         """Reply bytes a request will produce, charged to its connection before it runs;
@@ -155,8 +159,8 @@ class ChunkServer:
         """``req.ranges`` were checked once, by :meth:`reply_cost` (the server runs it on
         every request before dispatching it)."""
         self.readv_calls += 1
-        views, errors = await self.store.readv(req.ranges)
-        parts: list[Buffer] = [v for v in views if v is not None and v.nbytes]
+        payload, _, errors = await self.store.readv_into(req.ranges)
+        parts: list[Buffer] = [payload] if payload.nbytes else []
         return rpc.ReadVReply(errors={i: rpc.WireError(e.code, e.message) for i, e in errors.items()}), parts
 
     async def rpc_chunk_stats(self, req: rpc.ChunkStats, payload: memoryview) -> Reply:

@@ -19,11 +19,11 @@ import shutil
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ParamSpec, TypeVar
 
 import crc32c
 
@@ -31,15 +31,15 @@ from kvfs.chunkserver.durability import GroupSync, fsync_dir, replace_durably
 from kvfs.chunkserver.records import (
     Damage,
     ScannedRecord,
+    append_buffers,
     copy_header,
-    record_header,
     recovery_point,
     scan_records,
 )
 from kvfs.config import FsyncMode
 from kvfs.datadir import FILE_MODE, private_dir
-from kvfs.errors import ChecksumMismatch, InvalidArgument, NoSpace, StaleLayout, Unavailable
-from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
+from kvfs.errors import InvalidArgument, NoSpace, StaleLayout, Unavailable
+from kvfs.layout import make_chunk_id
 from kvfs.rpc import Range
 
 log = logging.getLogger("kvfs.chunkserver")
@@ -165,34 +165,57 @@ def _full_is_nospace(what: str) -> Iterator[None]:
         raise
 
 
-def _read_spans(fds: dict[int, int], spans: Sequence[Span], needs: Sequence[int],
-                nowait: bool = False) -> list[bytearray | None]:
-    """Read each span once; ``needs[i]`` bytes of it must exist (the rest is alignment
-    past the end of file).  With ``nowait`` (RWF_NOWAIT) a span that is not wholly in
-    the page cache comes back as None instead of blocking, for the thread pool to read."""
-    out: list[bytearray | None] = []
-    flags = _NOWAIT if nowait else 0
+def _preadv_all(fd: int, iov: list[memoryview], offset: int, flags: int) -> int:
+    """Fill ``iov`` from ``offset`` on (``IOV_MAX`` buffers a call, short reads continued);
+    returns the bytes read, fewer only where the file ends."""
     preadv = os.preadv
-    for sp, need in zip(spans, needs, strict=True):
-        buf = bytearray(need)  # the alignment past the end of file is never asked for
-        fd = fds[sp.chunk_id]
+    got = i = 0
+    while i < len(iov):
+        batch = iov[i : i + IOV_MAX]
+        want = sum([v.nbytes for v in batch])
+        n = preadv(fd, batch, offset, flags) if want else 0
+        got += n
+        offset += n
+        if n == want:
+            i += len(batch)
+            continue
+        if n == 0:
+            return got
+        rest: list[memoryview] = []  # a short read (rare): go on from where it stopped
+        for v in batch:
+            if n >= v.nbytes:
+                n -= v.nbytes
+                continue
+            rest.append(v[n:])
+            n = 0
+        iov = rest + iov[i + len(batch) :]
+        i = 0
+    return got
+
+
+# one read of a span: (chunk id, first byte, the buffers its bytes go to in order, bytes,
+# the indices of the ranges it reads)
+SpanRead = tuple[int, int, list[memoryview], int, tuple[int, ...]]
+
+
+def _read_scatter(fds: dict[int, int], reads: Sequence[SpanRead], nowait: bool = False) -> list[bool]:
+    """Read each span once, with one ``preadv`` straight into its buffers (the caller's
+    reply, a scratch buffer for the gaps).  With ``nowait`` (RWF_NOWAIT) a span that is not
+    wholly in the page cache is answered False instead of blocking, for the thread pool to
+    read; without it, a chunk that ends early is an OSError."""
+    flags = _NOWAIT if nowait else 0
+    out: list[bool] = []
+    for chunk, start, iov, need, _ in reads:
         try:
-            got = preadv(fd, [buf], sp.start, flags) if need else 0
-            if 0 < got < need:  # a short read (rare): go on from where it stopped
-                with memoryview(buf) as view:
-                    while got < need:
-                        n = preadv(fd, [view[got:]], sp.start + got, flags)
-                        if n == 0:
-                            break
-                        got += n
+            got = _preadv_all(fds[chunk], iov, start, flags)
         except BlockingIOError:
             got = -1
         if got < need:
             if nowait:
-                out.append(None)
+                out.append(False)
                 continue
-            raise OSError(f"chunk {sp.chunk_id:016x} ended at {sp.start + got}, expected {sp.start + need}")
-        out.append(buf)
+            raise OSError(f"chunk {chunk:016x} ended at {start + got}, expected {start + need}")
+        out.append(True)
     return out
 
 
@@ -215,13 +238,33 @@ def preallocate(fd: int, nbytes: int) -> bool:
     return fn is not None and int(fn(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes)) == 0
 
 
+P = ParamSpec("P")
+T = TypeVar("T")
+
+
+class IoPool(ThreadPoolExecutor):
+    """The store's IO threads, knowing which of their jobs have not ended yet (``jobs``), so
+    a close can wait for them, bounded, before it closes the files they use."""
+
+    def __init__(self, threads: int) -> None:
+        super().__init__(threads, thread_name_prefix="kvfs-io")
+        self.jobs: set[Future[Any]] = set()
+
+    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
+        fut = super().submit(fn, *args, **kwargs)
+        self.jobs.add(fut)
+        fut.add_done_callback(self.jobs.discard)  # (from an IO thread: one set operation)
+        return fut
+
+
 class ChunkStore:
     """The chunk files of one chunkserver data dir."""
 
     def __init__(self, root: Path, *, chunk_bytes: int, io_threads: int = 4,
                  fsync: FsyncMode = FsyncMode.BATCH, fsync_window_s: float = 0.0,
                  capacity_bytes: int | None = None, merge_gap_bytes: int = 64 * 1024,
-                 max_open_files: int = 4096, preallocate: bool = True) -> None:
+                 max_open_files: int = 4096, preallocate: bool = True,
+                 close_timeout_s: float = 30.0) -> None:
         self.root = root
         self.dir = private_dir(root / "chunks")
         self.max_open_files = max(max_open_files, 2)
@@ -230,7 +273,8 @@ class ChunkStore:
         self.preallocate = preallocate
         self.capacity_bytes = capacity_bytes
         self.merge_gap = merge_gap_bytes
-        self.pool = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfs-io")
+        self.pool = IoPool(io_threads)
+        self.close_timeout_s = close_timeout_s
         self.syncer = GroupSync(self.pool, self.dir, fsync_window_s)
         self.sizes: dict[int, int] = {}
         self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
@@ -238,6 +282,7 @@ class ChunkStore:
         self._lock = asyncio.Lock()
         self._writes: set[asyncio.Task[None]] = set()  # appends' writes, kept to the end if their callers go
         self._closed = False
+        self._abandoned = False  # close() gave up on disk IO still running: files left open
         self.server_id: int | None = None
         self.key = ""  # proves to meta that a re-registration comes from this data dir
         self.cluster_id: str | None = None  # the meta's, stored at the first registration
@@ -249,6 +294,7 @@ class ChunkStore:
         self._last_append = time.monotonic()
         self.wanted_bytes = 0  # the last append refused for space: GC evicts to make it fit
         self._close_later: list[int] = []
+        self._scratch = bytearray(self.merge_gap + 2 * ALIGN)  # the bytes between a span's ranges
         self.nowait = bool(_NOWAIT)  # read page-cache hits inline; off where the filesystem refuses it
         self.damage: dict[int, list[Damage]] = {}  # found by recovery: runs without a valid record
         self.bad_records = 0  # records recovery found with a bad value CRC (kept, reported)
@@ -308,18 +354,51 @@ class ChunkStore:
             os.truncate(path, keep)
             self.sizes[chunk_id] = keep
 
-    async def close(self) -> None:
+    async def close(self) -> bool:
         """Stop once every append that holds or waits for the lock has written and counted
-        its size (its caller may be gone): only then is the open chunk cut back to its
-        records and its fd closed, never under a write (whose fd number another file could
-        have taken by then).  Appends arriving later are refused."""
+        its size (its caller may be gone), the group sync queued has run, and the IO
+        threads' jobs (reads, syncs, compactions) have ended: only then is the open chunk cut
+        back to its records and the files closed, never under a write (whose fd number
+        another file could have taken by then).  Appends arriving later are refused.
+
+        All of it within ``close_timeout_s``: past it (a write or sync hanging on the
+        disk) what is still running is logged and abandoned, every file is left open (a
+        job still running may use any of them) and False is returned; the caller keeps the
+        data directory locked, so no server reopens it under the running write."""
         if self._closed:
-            return
-        await self._lock.acquire()
+            return not self._abandoned
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.close_timeout_s
         try:
-            self.close_now()
+            await asyncio.wait_for(self._lock.acquire(), self.close_timeout_s)
+            locked = True
+        except TimeoutError:
+            locked = False  # an append's write holds it still
+        try:
+            self._closed = True  # appends still waiting for the lock are refused when they get it
+            synced = await self.syncer.close(max(0.0, deadline - loop.time()))
+            self.pool.shutdown(wait=False)  # jobs queued still run; none can be added
+            jobs = list(self.pool.jobs)
+            if jobs:
+                await asyncio.wait([asyncio.wrap_future(j) for j in jobs],
+                                   timeout=max(0.0, deadline - loop.time()))
+            running = sum(not j.done() for j in jobs)
+            if locked and synced and not running:
+                self.pool.shutdown(wait=True)  # its threads, idle now, end
+                self._close_files()
+                return True
+            self._abandoned = True
+            writes = sum(not w.done() for w in self._writes)
+            log.error("chunk store %s: close gave up after %gs (close_timeout_s) with disk IO "
+                      "still running: %d append writes, %d IO-thread jobs, group sync %s; "
+                      "abandoned: its %d chunk files are left open (never closed under a "
+                      "running write) and appends still queued are refused", self.dir,
+                      self.close_timeout_s, writes, running, "done" if synced else "running",
+                      len(self._fds) + len(self._close_later))
+            return False
         finally:
-            self._lock.release()
+            if locked:
+                self._lock.release()
 
     def close_now(self) -> None:
         """Close a store no append is writing to (a failed start); otherwise ``await close()``."""
@@ -327,6 +406,10 @@ class ChunkStore:
             raise RuntimeError("ChunkStore.close_now() under a running append: await close() instead")
         self._closed = True
         self.pool.shutdown(wait=True)  # reads, syncs and compactions in the pool end on open fds
+        self._close_files()
+
+    def _close_files(self) -> None:
+        """The open chunk cut back to its records, every fd closed (no job uses them now)."""
         if self._open is not None:  # a stopped server keeps no reservation (64 MiB per data dir)
             try:
                 self._release(self._open)
@@ -420,33 +503,7 @@ class ChunkStore:
 
     async def append(self, records: Sequence[Sequence[Any]], payload: memoryview) -> list[tuple[int, int]]:
         """Write all records with one vectored write; return each value's (chunk_id, offset)."""
-        bufs: list[bytes | memoryview] = []
-        rel: list[int] = []
-        pos = 0
-        total = 0
-        for rec in records:
-            key, length, crc, expires_at, *more = rec
-            if not isinstance(key, bytes) or not 0 < len(key) <= MAX_KEY_BYTES:
-                raise InvalidArgument("append record with a bad key")
-            length, crc = int(length), int(crc)
-            if length < 0 or pos + length > payload.nbytes:
-                raise InvalidArgument(f"append records describe more bytes than the {payload.nbytes} sent")
-            value = payload[pos : pos + length]
-            if crc32c.crc32c(value) != crc:
-                raise ChecksumMismatch(f"value for key {key[:64]!r} arrived corrupted (CRC-32C mismatch)")
-            # the rebuild fields (write id, whole value's size and CRC, extent index, tombstone)
-            write_id, total_size, total_crc, index, tombstone = (more + [0, None, None, 0, False][len(more):])[:5]
-            head = record_header(key, length, crc, expires_at,
-                                 write_id=int(write_id), total_size=total_size, total_crc=total_crc,
-                                 index=int(index), tombstone=bool(tombstone))
-            bufs.append(head)
-            if length:
-                bufs.append(value)
-            rel.append(total + len(head))
-            total += len(head) + length
-            pos += length
-        if pos != payload.nbytes:
-            raise InvalidArgument(f"append sent {payload.nbytes} bytes but its records describe {pos}")
+        bufs, rel, total = append_buffers(records, payload)
         self._check_space(total)  # refuse early without waiting for the lock ...
         await self._lock.acquire()
         try:
@@ -520,12 +577,24 @@ class ChunkStore:
 
     # read ------------------------------------------------------------------
     async def readv(self, ranges: Sequence[tuple[int, int, int]]) -> tuple[list[memoryview | None], dict[int, StaleLayout]]:
-        """Read many ranges; each merged 4 KiB-aligned span is read once."""
+        """Read many ranges (:meth:`readv_into`): a view of each one's bytes (None where
+        the range is an error)."""
+        _, out, errors = await self.readv_into(ranges)
+        return out, errors
+
+    async def readv_into(self, ranges: Sequence[tuple[int, int, int]]
+                         ) -> tuple[memoryview, list[memoryview | None], dict[int, StaleLayout]]:
+        """Read many ranges into one buffer: ``(payload, views, errors)``, the payload being
+        the bytes of every range not in ``errors``, in request order (a READV's answer), each
+        range's view a slice of it.  Ranges are grouped into spans (:func:`plan_spans`) and
+        each span is read once, with one ``preadv`` straight into the payload (the bytes
+        between its ranges into a scratch buffer)."""
         errors: dict[int, StaleLayout] = {}
         ok: list[tuple[int, int, int]] = []
         ok_idx: list[int] = []
+        sizes = self.sizes
         for i, (c, off, ln) in enumerate(ranges):
-            size = self.sizes.get(c)
+            size = sizes.get(c)
             if size is None:
                 errors[i] = StaleLayout(f"chunk {c:016x} is not on this server")
             elif off < 0 or ln < 0 or off + ln > size:
@@ -534,42 +603,91 @@ class ChunkStore:
                 ok.append((c, off, ln))
                 ok_idx.append(i)
         out: list[memoryview | None] = [None] * len(ranges)
+        payload = memoryview(bytearray(sum([r[2] for r in ok])))
         if not ok:
-            return out, errors
-        spans = plan_spans(ok, self.merge_gap)
+            return payload, out, errors
+        dests: list[memoryview] = []
+        pos = 0
+        for (_, _, ln), i in zip(ok, ok_idx, strict=True):
+            out[i] = view = payload[pos : pos + ln]
+            dests.append(view)
+            pos += ln
+        # From the page cache (read right here, no thread hop) a gap costs a copy of its bytes
+        # and saves only a syscall: spans merge only where their 4 KiB pages meet.  What is not
+        # cached is planned again with merge_gap_bytes and read in the pool (a disk read saved).
+        inline = self.nowait and pos <= INLINE_READ_BYTES
+        spans = plan_spans(ok, 0 if inline else self.merge_gap)
+        reads = self._span_reads(spans, ok, dests)
         self._reads_in_flight += 1  # before taking fds: none of them is closed under us
         try:
-            fds = {c: self._fd(c) for c in {sp.chunk_id for sp in spans}}
-            needs = [min(sp.end, self.sizes[sp.chunk_id]) - sp.start for sp in spans]
-            # page-cache hits are read right here (no thread hop); the rest in the pool
-            bufs: list[bytearray | None] = [None] * len(spans)
-            if self.nowait and sum(needs) <= INLINE_READ_BYTES:
+            fds = {c: self._fd(c) for c in {r[0] for r in reads}}
+            done = 0
+            if inline:
+                got = [False] * len(reads)
                 try:
-                    bufs = _read_spans(fds, spans, needs, nowait=True)
+                    got = _read_scatter(fds, reads, nowait=True)
                 except OSError as exc:
                     if exc.errno not in _NOWAIT_REFUSED:
                         raise
                     log.info("%s refuses RWF_NOWAIT reads (%s); reading in the thread pool",
                              self.dir, exc.strerror)
                     self.nowait = False
-                self.inline_spans += sum(b is not None for b in bufs)
-            todo = [i for i, b in enumerate(bufs) if b is None]
-            if todo:
-                got = await asyncio.get_running_loop().run_in_executor(
-                    self.pool, _read_spans, fds, [spans[i] for i in todo], [needs[i] for i in todo])
-                for i, b in zip(todo, got, strict=True):
-                    bufs[i] = b
+                done = sum(got)
+                self.inline_spans += done
+                if done < len(reads):  # not all cached: the rest planned for the disk
+                    back = [j for r, g in zip(reads, got, strict=True) if not g for j in r[4]]
+                    spans = [Span(sp.chunk_id, sp.start, sp.end, tuple(back[m] for m in sp.members))
+                             for sp in plan_spans([ok[j] for j in back], self.merge_gap)]
+                    reads = self._span_reads(spans, ok, dests)
+                else:
+                    reads = []
+            if reads:
+                await asyncio.get_running_loop().run_in_executor(self.pool, _read_scatter, fds, reads)
+                done += len(reads)
         finally:
             self._reads_done()
-        self.spans_read += len(spans)
-        for sp, buf in zip(spans, bufs, strict=True):
-            assert buf is not None
-            self.bytes_read += len(buf)
-            view = memoryview(buf)
-            for j in sp.members:
+        self.spans_read += done
+        self.bytes_read += pos
+        return payload, out, errors
+
+    def _span_reads(self, spans: Sequence[Span], ok: Sequence[tuple[int, int, int]],
+                    dests: Sequence[memoryview]) -> list[SpanRead]:
+        """One read per span: its ranges' bytes straight into their ``dests``, the bytes
+        between them into a scratch buffer; a span whose ranges overlap (a caller's own
+        ranges: a READV's never do) is read range by range instead."""
+        reads: list[SpanRead] = []
+        for sp in spans:
+            members = sp.members
+            if len(members) == 1:
+                j = members[0]
+                c, off, ln = ok[j]
+                reads.append((c, off, [dests[j]], ln, members))
+                continue
+            first = ok[members[0]][1]
+            cursor = first
+            iov: list[memoryview] = []
+            for j in members:  # in offset order (plan_spans sorts them)
                 _, off, ln = ok[j]
-                out[ok_idx[j]] = view[off - sp.start : off - sp.start + ln]
-        return out, errors
+                if not ln:
+                    continue
+                if off < cursor:
+                    break
+                if off > cursor:
+                    iov.append(self._gap(off - cursor))
+                iov.append(dests[j])
+                cursor = off + ln
+            else:
+                reads.append((sp.chunk_id, first, iov, cursor - first, members))
+                continue
+            reads.extend((c, off, [dests[j]], ln, (j,)) for j in members for c, off, ln in (ok[j],))
+        return reads
+
+    def _gap(self, n: int) -> memoryview:
+        """``n`` bytes to read a gap into and drop (one scratch buffer, grown as needed; its
+        bytes are never read)."""
+        if len(self._scratch) < n:
+            self._scratch = bytearray(max(n, 2 * len(self._scratch)))
+        return memoryview(self._scratch)[:n]
 
     # garbage collection ----------------------------------------------------
     def _reads_done(self) -> None:

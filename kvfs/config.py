@@ -104,7 +104,7 @@ class ServerConfig(TlsConfig):
                                      "pauses until replies drain", 64)
     max_inflight_bytes: int = opt("request and reply bytes held per connection; past it, reading "
                                   "pauses until replies drain", 64 * MiB)
-    receive_pool_bytes: int = opt("request payloads of 1 MiB or more (appends) are received into "
+    receive_pool_bytes: int = opt("request payloads over 64 KiB (appends) are received into "
                                   "buffers kept for reuse (no fresh pages to zero and fault in per "
                                   "request); at most this many bytes of them are kept between "
                                   "requests, per server (0: a fresh buffer each)", 64 * MiB)
@@ -187,7 +187,8 @@ class ChunkServerConfig(ServerConfig):
                                      "splits between the chunkservers on that disk)", None)
     heartbeat_interval_s: float = opt("how often to report to meta", 1.0)
     io_threads: int = opt("threads doing preadv/pwritev", 4)
-    merge_gap_bytes: int = opt("read ranges closer than this as one span", 64 * 1024)
+    merge_gap_bytes: int = opt("read ranges closer than this from disk as one span (page-cache "
+                               "hits merge only where their 4 KiB pages meet)", 64 * 1024)
     fsync: FsyncMode = opt("when appended bytes reach the disk before the append is answered: "
                            "always (one fdatasync each), batch (group commit: concurrent appends "
                            "share one fdatasync), never (page cache only)", FsyncMode.BATCH)
@@ -199,6 +200,10 @@ class ChunkServerConfig(ServerConfig):
     max_read_rpc_bytes: int = opt("most bytes one READV may ask for, in total", 64 * MiB)
     preallocate: bool = opt("reserve chunk_bytes of disk blocks when a chunk is opened for appends "
                             "(fallocate KEEP_SIZE; the rest is released when it is sealed)", True)
+    close_timeout_s: float = opt("at shutdown, wait at most this long for appends, group syncs "
+                                 "and disk reads still running; past it (a disk hanging) they "
+                                 "are logged and abandoned, the chunk files left open and the "
+                                 "data directory locked until the process exits", 30.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -420,14 +425,23 @@ class MountConfig:
                                      "lookups ask meta)", 4096, positive=True)
     negative_listing_dirs: int = opt("--negative-timeout: most directories whose listing is kept "
                                      "(the least recently listed goes)", 16, positive=True)
+    write_behind_bytes: int = opt("write-behind: a close returns once the file is held in memory "
+                                  "here, and held files are committed in batches; at most this "
+                                  "many bytes are held, a close waits for room when full (0: off, "
+                                  "a close returns once its file is committed)", 0)
+    write_behind_files: int = opt("--write-behind: most files (and held deletes of renamed files' "
+                                  "old names) held at once", 4096, positive=True)
+    write_behind_drain_s: float = opt("--write-behind: at unmount, wait this long for held files to "
+                                      "be committed; what is not committed by then is lost", 30.0)
 
     def __post_init__(self) -> None:
         for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
-                     "kernel_read_ahead_bytes", "negative_timeout_s"):
+                     "kernel_read_ahead_bytes", "negative_timeout_s", "write_behind_bytes",
+                     "write_behind_drain_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
         for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight",
-                     "negative_listing_keys", "negative_listing_dirs"):
+                     "negative_listing_keys", "negative_listing_dirs", "write_behind_files"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be at least 1")
 

@@ -71,7 +71,7 @@ def _code(width: int) -> str:
 U8, U16, U32, U64 = _code(1), _code(2), _code(4), _code(8)
 
 
-def _column(code: str, values: Sequence[int] | map[int]) -> bytes:
+def _column(code: str, values: Sequence[int] | map[int] | repeat[int]) -> bytes:
     col = array(code, values)
     if _SWAP:
         col.byteswap()
@@ -110,6 +110,35 @@ def pack(keys: Sequence[bytes], layouts: Sequence[Layout]) -> bytes:
         _column(U32, map(len, exts)),
         _column(U32, [NO_META if m is None else len(m) for m in metas]),
         _column(U32, elen), _column(U32, ecrc), _column(U8, ereps),
+        _column(U32, server), _column(U64, chunk), _column(U64, offset),
+        *keys, meta_blob,
+    ))
+
+
+def pack_single(keys: Sequence[bytes], sizes: Sequence[int], crcs: Sequence[int],
+                nreps: Sequence[int], server: Sequence[int], chunk: Sequence[int],
+                offset: Sequence[int], metas: Sequence[bytes | None] | None = None) -> bytes:
+    """The blob :func:`pack` makes of values that are one extent each (the common case of a
+    put: values up to a stripe), from columns, with no layout object: value ``i`` has size
+    ``sizes[i]`` and CRC ``crcs[i]`` (its extent's too) and ``nreps[i]`` replicas, which
+    follow in order in ``server``/``chunk``/``offset``."""
+    n = len(keys)
+    if not len(sizes) == len(crcs) == len(nreps) == n or (metas is not None and len(metas) != n):
+        raise ValueError(f"{n} keys, {len(sizes)} sizes, {len(crcs)} CRCs, {len(nreps)} replica "
+                         f"counts{'' if metas is None else f', {len(metas)} metadata'}")
+    if not len(server) == len(chunk) == len(offset) == sum(nreps):
+        raise ValueError(f"replica columns of {len(server)}, {len(chunk)}, {len(offset)} rows for "
+                         f"{sum(nreps)} replicas")
+    if metas is None:
+        meta_blob, meta_len = b"", _column(U32, repeat(NO_META, n))
+    else:
+        meta_blob = b"".join(m for m in metas if m is not None)
+        meta_len = _column(U32, [NO_META if m is None else len(m) for m in metas])
+    size_col, crc_col = _column(U32, sizes), _column(U32, crcs)
+    return b"".join((
+        HEAD.pack(MAGIC, n, n, len(server), len(meta_blob)),
+        _column(U16, map(len, keys)), size_col, crc_col, _column(U32, repeat(1, n)), meta_len,
+        size_col, crc_col, _column(U8, nreps),
         _column(U32, server), _column(U64, chunk), _column(U64, offset),
         *keys, meta_blob,
     ))

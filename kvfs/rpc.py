@@ -460,9 +460,10 @@ class RecordHead(NamedTuple):
     tombstone: bool = False  # a delete: no value
 
 
-class Location(NamedTuple):
-    chunk_id: ChunkId
-    offset: U63
+# where an appended value landed: (chunk_id, offset).  A plain pair, not a NamedTuple: the
+# same msgpack array, built and decoded in C (a NamedTuple's constructor is Python, run for
+# every key of an APPEND on both sides)
+Location = tuple[ChunkId, U63]
 
 
 class Appended(Response, frozen=True, kw_only=True):
@@ -668,6 +669,9 @@ class GcEvict(Request[Evicted], frozen=True, kw_only=True):
     apply: bool = False
     server_id: ServerId | None = None
     after_expire: bool = False  # a dry run: pick as if the expire phase had run first
+    # False: pass over the keys with older records (each goes only with a tombstone, which no
+    # chunkserver took): choose among the keys that go without one
+    older: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low <= self.high:

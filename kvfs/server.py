@@ -109,8 +109,10 @@ class RpcServer:
                 if fn is not None:
                     self.handlers[int(op)] = (fn, rpc.request)
         self.peer_log = PeerLog(config.bad_request_log_interval_s)
-        # large request payloads land in reused buffers, shared by every connection
-        self.receive_pool = ReceivePool(config.receive_pool_bytes)
+        # request payloads past the decoder's inline 64 KiB land in reused buffers, shared by
+        # every connection: a fresh one costs zeroing and a page fault per 4 KiB, about 4 us
+        # per key of a 4 KiB x 128 APPEND (bench/RESULTS.md, "per-key CPU at 4 KiB")
+        self.receive_pool = ReceivePool(config.receive_pool_bytes, min_bytes=0)
         self.tls = server_context(config, f"{service.value} server")  # None: plaintext
         self._server: asyncio.base_events.Server | None = None
         self.connections: set[_ServerProtocol] = set()

@@ -16,10 +16,11 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
+from itertools import repeat
+from typing import Any, cast
 
 import crc32c
-import msgspec
 
 from kvfs import rpc
 from kvfs._batch import split_batches
@@ -29,6 +30,7 @@ from kvfs.config import ClientConfig
 from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.packed import pack as pack_layouts
+from kvfs.packed import pack_single
 from kvfs.placement import order_by_free, place
 
 log = logging.getLogger("kvfs.client")
@@ -61,11 +63,18 @@ class WritePath:
             if not todo:
                 return out
             keys, views = [keys[i] for i in todo], [views[i] for i in todo]
-        layouts = await self.append(keys, views, replicas=replicas, ttl=ttl)
-        if metas is not None:
-            layouts = [lay if metas[i] is None else msgspec.structs.replace(lay, meta=metas[i])
-                       for i, lay in zip(todo, layouts, strict=True)]
-        written = await self.commit(keys, layouts, ttl, if_absent=if_absent)
+        mine = None if metas is None else [metas[i] for i in todo]
+        done = await self._write(keys, views, replicas=replicas, ttl=ttl)
+        written: list[Layout | None]
+        if done.single:  # one extent per value: packed from columns, each layout built once
+            h = await self._link.call_meta(rpc.Commit(packed=done.packed(keys, mine), ttl_s=ttl,
+                                                      if_absent=if_absent))
+            written = list(done.layouts(h.created, h.expires_at, mine))
+            for i in h.present:
+                written[i] = None
+        else:
+            written = await self.commit(keys, list(done.layouts(0.0, None, mine)), ttl,
+                                        if_absent=if_absent)
         for i, lay in zip(todo, written, strict=True):
             out[i] = lay
         return out
@@ -78,6 +87,12 @@ class WritePath:
         ``first``: start at the live server of that index (mod their count, in id order)
         instead of a random draw, so the units of a stream go round-robin over the
         servers as stripes do (and, not knowing the whole value, its records say so)."""
+        done = await self._write(keys, views, replicas=replicas, ttl=ttl, first=first)
+        return list(done.layouts(0.0, None))
+
+    async def _write(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
+                     ttl: float | None, first: int | None = None) -> _Written:
+        """:meth:`append`'s work; where the values went, for their layouts or packed columns."""
         asked = False
         failed: set[int] = set()  # servers this call could not reach: left out of its retries
         for attempt in range(3):
@@ -134,17 +149,17 @@ class WritePath:
         return await write_tombstones(self._link, keys, self.config.replicas, self.next_write_id())
 
     async def _append(self, keys: list[bytes], views: list[list[memoryview]], order: list[int],
-                      r: int, ttl: float | None, *, stream_unit: bool, failed: set[int]) -> list[Layout]:
-        """Append every value (one APPEND per server); returns the layouts to commit.
+                      r: int, ttl: float | None, *, stream_unit: bool, failed: set[int]) -> _Written:
+        """Append every value (one APPEND per server); returns where each went.
         Servers that could not be reached (``Unavailable``) are added to ``failed``."""
         expires_hint = None if ttl is None else self._clock() + ttl
         wid = self.next_write_id()  # records carry it: a rebuild of meta keeps the newest write
         crc = crc32c.crc32c
         # per server: records and each record's buffers, in call order
-        records: dict[int, list[rpc.RecordHead]] = defaultdict(list)
+        records: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
         parts: dict[int, list[list[memoryview]]] = defaultdict(list)
         # per value and unit: (length, crc, [(server, index into records[server]), ...])
-        plans: list[list[tuple[int, int, list[tuple[int, int]]]]] = []
+        plans: Plans = []
         crcs: list[int] = []
         sizes = [nbytes(v) for v in views]
         placed = place(sizes, order, replicas=r, stripe_bytes=self.config.stripe_bytes,
@@ -157,8 +172,10 @@ class WritePath:
                     c = 0
                     for p in v:
                         c = crc(p, c)
-                # a stream's unit does not know its whole value (total size 0): a rebuild drops it
-                head = rpc.RecordHead(key, n, c, expires_hint, wid, 0 if stream_unit else n, c, 0)
+                # a stream's unit does not know its whole value (total size 0): a rebuild drops it.
+                # A plain tuple of RecordHead's fields, in its order: the same msgpack array,
+                # without the NamedTuple's Python constructor (about 1 us a key)
+                head: tuple[Any, ...] = (key, n, c, expires_hint, wid, 0 if stream_unit else n, c, 0, False)
                 where = []
                 for sid in servers:
                     recs = records[sid]
@@ -188,7 +205,7 @@ class WritePath:
                 heads.extend(where)
                 plan.append((unit.length, c, where))
             for sid, idx in heads:
-                records[sid][idx] = records[sid][idx]._replace(total_crc=whole)
+                records[sid][idx] = rpc.RecordHead(*records[sid][idx])._replace(total_crc=whole)
             plans.append(plan)
             crcs.append(whole)
         locs: dict[int, list[rpc.Location]] = {}
@@ -196,10 +213,10 @@ class WritePath:
         async def send(sid: int) -> None:
             out: list[rpc.Location] = []
             recs, ps = records[sid], parts[sid]
-            for run in split_batches([rec.length for rec in recs], max_bytes=self.config.max_rpc_bytes):
+            for run in split_batches([rec[1] for rec in recs], max_bytes=self.config.max_rpc_bytes):
                 payload = [p for rec in ps[run.start : run.stop] for p in rec]  # gathered, never copied
-                h, _ = await self._link.call_server(sid, rpc.Append(records=recs[run.start : run.stop]),
-                                                    payload)
+                heads = cast(list[rpc.RecordHead], recs[run.start : run.stop])  # (tuples: same bytes)
+                h, _ = await self._link.call_server(sid, rpc.Append(records=heads), payload)
                 out.extend(h.locations)
             locs[sid] = out
 
@@ -209,17 +226,66 @@ class WritePath:
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        out = []
-        for n, plan, whole in zip(sizes, plans, crcs, strict=True):
-            if len(plan) == 1 and len(plan[0][2]) == 1:  # one extent, one replica: built directly
-                length, c, ((sid, idx),) = plan[0]
+        return _Written(sizes, crcs, plans, locs)
+
+
+# where each value went: per value, per unit (length, crc, [(server, index of its record in
+# that server's APPEND), ...])
+Plans = list[list[tuple[int, int, list[tuple[int, int]]]]]
+
+
+class _Written:
+    """The values of one write, appended (not yet visible): their sizes, CRCs, where each unit
+    went and the chunkservers' locations, made into layouts or, for values of one extent,
+    into the COMMIT's packed columns directly (no layout object to build and then stamp)."""
+
+    __slots__ = ("crcs", "locs", "plans", "single", "sizes")
+
+    def __init__(self, sizes: list[int], crcs: list[int], plans: Plans,
+                 locs: dict[int, list[rpc.Location]]) -> None:
+        self.sizes, self.crcs, self.plans, self.locs = sizes, crcs, plans, locs
+        self.single = all([len(plan) == 1 for plan in plans])  # every value one extent
+
+    def _replicas(self) -> Iterator[tuple[Replica, ...]]:
+        """Each value's replicas (values of one extent)."""
+        locs = self.locs
+        for ((_, _, where),) in self.plans:
+            if len(where) == 1:
+                ((sid, idx),) = where
                 chunk, offset = locs[sid][idx]
-                out.append(Layout(n, whole, 0.0, None, (Extent(length, c, (Replica(sid, chunk, offset),)),)))
+                yield (Replica(sid, chunk, offset),)
             else:
-                out.append(Layout(n, whole, 0.0, None, tuple(
-                    Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
-                    for length, c, where in plan)))
-        return out
+                yield tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where)
+
+    def packed(self, keys: list[bytes], metas: list[bytes | None] | None) -> bytes:
+        """The COMMIT's packed layouts (:func:`kvfs.packed.pack_single`), values of one extent."""
+        server: list[int] = []
+        chunk: list[int] = []
+        offset: list[int] = []
+        nreps: list[int] = []
+        locs = self.locs
+        for ((_, _, where),) in self.plans:
+            nreps.append(len(where))
+            for sid, idx in where:
+                c, o = locs[sid][idx]
+                server.append(sid)
+                chunk.append(c)
+                offset.append(o)
+        return pack_single(keys, self.sizes, self.crcs, nreps, server, chunk, offset, metas)
+
+    def layouts(self, created: float, expires_at: float | None,
+                metas: list[bytes | None] | None = None) -> Iterator[Layout]:
+        """The values' layouts, stamped ``created``/``expires_at``, with ``metas[i]``."""
+        meta_of: Iterable[bytes | None] = repeat(None) if metas is None else metas
+        if self.single:
+            for n, whole, reps, m in zip(self.sizes, self.crcs, self._replicas(), meta_of, strict=False):
+                yield Layout(n, whole, created, expires_at, (Extent(n, whole, reps),), m)
+            return
+        locs = self.locs
+        for n, plan, whole, m in zip(self.sizes, self.plans, self.crcs, meta_of, strict=False):
+            yield Layout(n, whole, created, expires_at, tuple(
+                Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
+                for length, c, where in plan), m)
 
 
 async def write_tombstones(link: ClusterLink, keys: list[bytes], replicas: int, write_id: int,
@@ -245,7 +311,7 @@ async def write_tombstones(link: ClusterLink, keys: list[bytes], replicas: int, 
             errors.append(res)
             continue
         for where, loc in zip(out, res[0].locations, strict=True):
-            where.append(Replica(sid, loc.chunk_id, loc.offset))
+            where.append(Replica(sid, *loc))
     for exc in errors:
         if not isinstance(exc, KVFSError) or not out[0]:
             raise exc

@@ -406,13 +406,18 @@ class MetaIndex(ServerRegistry):
     async def lookup(self, keys: Sequence[bytes], now: float,
                      lease: Lease | None = None) -> list[Layout | None]:
         out: list[Layout | None] = []
-        dirty = self.dirty_access
-        for k in keys:
-            e = self.get(k, now)
+        dirty, entries = self.dirty_access, self.entries
+        for k in keys:  # (self.get, inlined: this runs per looked-up key)
+            e = entries.get(k)
             if e is None:
                 out.append(None)
+                continue
+            lay = e.layout
+            exp = lay.expires_at
+            if exp is not None and exp <= now:
+                out.append(None)
             else:
-                out.append(e.layout)
+                out.append(lay)
                 e.last_access = now
                 dirty[k] = now
         if lease is not None:
@@ -426,21 +431,34 @@ class MetaIndex(ServerRegistry):
                 e.last_access = now
                 self.dirty_access[k] = now
 
+    def _present(self, keys: Sequence[bytes], now: float) -> list[bool]:
+        """:meth:`readable` of each key, for lookups of many keys: with no server gone (the
+        common case) a key is readable when present and unexpired, decided in one loop
+        without a call per key."""
+        gone = self.gone_servers()
+        if gone:
+            return [self.readable(k, now, gone) for k in keys]
+        entries = self.entries
+        out = []
+        for k in keys:
+            e = entries.get(k)
+            if e is None:
+                out.append(False)
+            else:
+                exp = e.layout.expires_at
+                out.append(exp is None or exp > now)  # (Layout.expired, inlined)
+        return out
+
     async def exists(self, keys: Sequence[bytes], now: float,
                      lease: Lease | None = None) -> list[bool]:
-        gone = self.gone_servers()
-        out = [self.readable(k, now, gone) for k in keys]
+        out = self._present(keys, now)
         if lease is not None:
             self.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease)
         return out
 
     async def match_prefix(self, keys: Sequence[bytes], now: float, lease: Lease | None) -> int:
-        gone = self.gone_servers()
-        n = 0
-        for k in keys:
-            if not self.readable(k, now, gone):
-                break
-            n += 1
+        present = self._present(keys, now)
+        n = present.index(False) if False in present else len(present)
         if lease is not None:
             self.lease(keys[:n], now, lease)
         return n

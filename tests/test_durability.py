@@ -14,8 +14,13 @@ import crc32c
 import pytest
 
 from kvfs.chunkserver import durability
+from kvfs.chunkserver.records import scan_records
+from kvfs.chunkserver.service import ChunkServer
 from kvfs.chunkserver.store import ChunkStore
-from kvfs.config import FsyncMode
+from kvfs.config import ChunkServerConfig, FsyncMode
+from kvfs.datadir import DataDirInUse
+from kvfs.errors import Unavailable
+from kvfs.launcher import LocalCluster
 from kvfs.meta.store import MetaStore
 
 
@@ -135,3 +140,53 @@ def test_meta_gc_transactions_are_full_sync_in_every_mode(tmp_path: Path) -> Non
         ms.close()
     with pytest.raises(ValueError, match="synchronous"):
         MetaStore(tmp_path / "c.sqlite3", synchronous="OFF")
+
+
+async def test_a_chunkserver_stopped_over_a_hanging_write_keeps_its_data_dir_locked(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunkserver stopped while an append's write hangs on the disk (fault injection)
+    stops within its close timeout and keeps its data directory locked: a server started on
+    it meanwhile is refused, so none appends where the abandoned write lands.  The append is
+    refused once the write ends (not acknowledged), and the chunk holds its record whole."""
+    root = tmp_path / "c"
+    cluster = LocalCluster(root, 1, chunkserver=ChunkServerConfig(
+        data=root, heartbeat_interval_s=0.2, close_timeout_s=0.2))
+    await cluster.start()
+    try:
+        cs = cluster.chunkservers[0]
+        assert cs is not None
+        real = os.pwritev
+        entered, go = threading.Event(), threading.Event()
+
+        def hangs(fd: int, bufs: list[bytes | memoryview], offset: int) -> int:
+            entered.set()
+            assert go.wait(60), "the test never let the write go on"
+            return real(fd, bufs, offset)
+
+        monkeypatch.setattr(os, "pwritev", hangs)
+        v = b"v" * 4096
+        hung = asyncio.create_task(cs.store.append([(b"k", len(v), crc32c.crc32c(v), None)],
+                                                   memoryview(v)))
+        try:
+            assert await asyncio.to_thread(entered.wait, 60)
+            async with asyncio.timeout(30):  # (without a bound: as long as the disk hangs)
+                await cluster.stop_chunkserver(0)
+            with pytest.raises(DataDirInUse, match="in use by another chunkserver"):
+                ChunkServer(cluster.cs_config(0), tokens=cluster.tokens)
+        finally:
+            go.set()
+        with pytest.raises(Unavailable, match="shutting down"):
+            async with asyncio.timeout(60):
+                await hung
+        monkeypatch.undo()
+        cid = cs.store.open_chunk
+        assert cid is not None
+        assert [(r.key, r.value_ok) for r in await asyncio.to_thread(
+            lambda: list(scan_records(cs.store.chunk_path(cid).read_bytes())))] == [(b"k", True)]
+        for fd in (*cs.store._fds.values(), *cs.store._close_later):  # left open by its close
+            os.close(fd)
+        cs.lock.release()  # (the process's exit would)
+        await cluster.start_chunkserver(0)
+    finally:
+        async with asyncio.timeout(60):
+            await cluster.stop()

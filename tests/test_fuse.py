@@ -530,6 +530,105 @@ def test_streamed_writes_in_order_fsync_and_out_of_order(tcluster: ThreadCluster
         m.cleanup()
 
 
+def _sync_dir(d: Path) -> None:
+    """fsync of a directory: with --write-behind, every file held under it committed."""
+    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def _open_w(p: Path) -> int:
+    return os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+
+
+@needs_fuse
+@pytest.mark.parametrize("args", [(), ("--write-behind", "64MiB")], ids=["commit", "write-behind"])
+def test_a_handle_open_for_writing_keeps_to_its_file_across_rename_and_unlink(
+        tcluster: ThreadCluster, tmp_path: Path, fs: KVFileSystem, args: tuple[str, ...]) -> None:
+    """As on a local filesystem, a handle open for writing belongs to its file, not its name:
+    once another file is renamed over that name, or the name is unlinked, the handle's writes
+    and close change nothing any reader sees (the replaced file's bytes are discarded); once
+    the file itself is renamed, its close commits under the new name; a rename that fails
+    replaces nothing. Two handles open for writing on one path: each writes its own copy and
+    the last close wins. With a 1 MiB write
+    buffer, so that the large files stream while open."""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--write-buffer", "1MiB", *args)
+    big = os.urandom(3 * 1024 * 1024 + 11)
+    try:
+        top = "ro-wb" if args else "ro"  # one cluster for both runs
+        d = m.mnt / top
+        d.mkdir()
+        for old in (b"old handle's bytes", big):  # small (one put), large (streamed)
+            fs.pipe_file(f"{top}/a", b"committed before")
+            # a file renamed over a name open for writing
+            fd = _open_w(d / "a")
+            try:
+                os.write(fd, old)
+                (d / "b").write_bytes(b"b's bytes")
+                os.replace(d / "b", d / "a")
+                os.write(fd, b" and more")
+                os.fsync(fd)  # commits nothing either
+            finally:
+                os.close(fd)
+            _sync_dir(d)
+            assert (d / "a").read_bytes() == b"b's bytes"
+            assert fs.cat_file(f"{top}/a") == b"b's bytes" and not fs.exists(f"{top}/b")
+            # a name unlinked while open for writing
+            fd = _open_w(d / "u")
+            try:
+                os.write(fd, old)
+                os.unlink(d / "u")
+                os.write(fd, b" and more")
+            finally:
+                os.close(fd)
+            _sync_dir(d)
+            assert _gone(d / "u") and not fs.exists(f"{top}/u")
+            # the file itself renamed while open for writing: its bytes end up at the new name
+            fd = _open_w(d / "c")
+            try:
+                os.write(fd, old)
+                os.rename(d / "c", d / "moved")
+                os.write(fd, b" and more")
+            finally:
+                os.close(fd)
+            _sync_dir(d)
+            assert (d / "moved").read_bytes() == old + b" and more"
+            assert fs.cat_file(f"{top}/moved") == old + b" and more"
+            assert _gone(d / "c") and not fs.exists(f"{top}/c")
+            assert sorted(os.listdir(d)) == ["a", "moved"]
+            fs.rm([f"{top}/a", f"{top}/moved"])
+        # a rename that fails (its source deleted by another client, the kernel not told yet)
+        # replaces nothing: a handle open for writing on the target commits to it as before
+        fs.pipe_file(f"{top}/gone", b"deleted elsewhere")
+        assert (d / "gone").stat().st_size == 17  # the kernel keeps the name for --attr-timeout
+        fd = _open_w(d / "kept")
+        try:
+            os.write(fd, b"kept's bytes")
+            fs.rm_file(f"{top}/gone")
+            with pytest.raises(FileNotFoundError):
+                os.rename(d / "gone", d / "kept")
+        finally:
+            os.close(fd)
+        _sync_dir(d)
+        assert fs.cat_file(f"{top}/kept") == b"kept's bytes"
+        # two handles open for writing on one path: each has its own copy, the last close wins
+        fd1, fd2 = _open_w(d / "two"), _open_w(d / "two")
+        try:
+            os.write(fd1, b"first")
+            os.write(fd2, b"second!")
+        finally:
+            os.close(fd2)
+            os.close(fd1)
+        _sync_dir(d)
+        assert (d / "two").read_bytes() == b"first" and fs.cat_file(f"{top}/two") == b"first"
+        assert sorted(os.listdir(d)) == ["kept", "two"]
+        assert "Traceback" not in m.stderr() and "not committed" not in m.stderr()
+    finally:
+        m.cleanup()
+
+
 @pytest.mark.parametrize(("limits", "batches"), [
     ({}, 5),  # 1 + 1 alone while idle, then 128 + 128 + 43 queued
     ({"max_batch_items": 50}, 8),  # 1 + 1, then 6 x 50 - 1
@@ -549,6 +648,28 @@ async def test_closes_share_commits(kv: AsyncClient, limits: dict[str, int], bat
     assert io.puts.batches == batches
     assert await kv.get_many([f"cc/{i}" for i in range(300)]) == [
         b"seven" if i == 7 else str(i).encode() for i in range(300)]
+
+
+async def test_held_closes_share_commits(kv: AsyncClient) -> None:
+    """--write-behind: holding returns at once; the held files go out as the closes' commits
+    do, two batches at once and the backlog together, each path's last version last."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.writebehind import WriteBehind
+
+    wb = WriteBehind(kv, MountConfig(write_behind_bytes=1 << 20))
+    for i in range(300):
+        assert await wb.hold(f"hb/{i}", str(i).encode(), len(str(i)))
+    assert await wb.hold("hb/7", b"seven", 5)  # replaces the queued version of hb/7
+    assert await wb.hold("hb/0", b"zero", 4)  # waits for the one being committed
+    assert wb.get("hb/7").read(0, 100) == b"seven"  # type: ignore[union-attr]
+    assert await wb.rename("hb/5", "hb/five")
+    assert wb.has_under("hb/") and not wb.has_under("h/") and not wb.has_under("hb/7/")
+    await wb.sync_under("")
+    assert wb.batches == 5 and wb.held_files == 0 and wb.held_bytes == 0
+    assert not wb.has_under("hb/") and not wb._dirs
+    got = await kv.get_many(["hb/0", "hb/5", "hb/five", "hb/7", "hb/8"])
+    assert got == [b"zero", None, b"5", b"seven", b"8"]
+    assert not await wb.hold("hb/big", bytes(2 << 20), 2 << 20)  # over the bound: not held
 
 
 async def test_in_order_writes_keep_the_kernels_buffers(kv: AsyncClient) -> None:
@@ -714,7 +835,9 @@ async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> Non
     ({"max_batch_bytes": 0}, "--max-batch"), ({"looked_up_layouts": -1}, "--looked-up-layouts"),
     ({"negative_timeout_s": -1}, "--negative-timeout"),
     ({"negative_listing_keys": 0}, "--negative-listing-keys"),
-    ({"negative_listing_dirs": 0}, "--negative-listing-dirs")])
+    ({"negative_listing_dirs": 0}, "--negative-listing-dirs"),
+    ({"write_behind_bytes": -1}, "--write-behind"), ({"write_behind_files": 0}, "--write-behind-files"),
+    ({"write_behind_drain_s": -1}, "--write-behind-drain")])
 def test_mount_limits_refuse_nonsense(bad: dict[str, float], flag: str) -> None:
     from kvfs.config import MountConfig
 

@@ -305,6 +305,81 @@ async def test_close_waits_for_a_running_append_before_it_cuts_the_chunk_or_clos
         await st.append([(b"k3", len(v2), crc32c(v2), None)], memoryview(v2))
 
 
+async def test_close_gives_up_on_a_write_hanging_on_the_disk_and_closes_no_fd_under_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """close() while an append's pwritev hangs on the disk (fault injection) returns after
+    close_timeout_s, says what it abandoned, and leaves the files open: the write, once the
+    disk lets it go, lands whole in its own chunk.  That append and the one queued behind it
+    are refused (not acknowledged), never left hanging."""
+    st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK, close_timeout_s=0.2)
+    st.server_id = 1
+    cid, _ = await put(st, b"k1", value_of(b"k1"))
+    fd = st._fds[cid]
+    real = os.pwritev
+    entered, go = threading.Event(), threading.Event()
+    wrote_to: list[int] = []
+
+    def hangs(fd: int, bufs: list[bytes | memoryview], offset: int) -> int:
+        entered.set()  # fault injection: the disk does not answer until the test says so
+        assert go.wait(60), "the test never let the write go on"
+        wrote_to.append(os.fstat(fd).st_ino)  # EBADF had its fd been closed
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", hangs)
+    v2, v3 = value_of(b"k2", 5000), value_of(b"k3")
+    hung = asyncio.create_task(st.append([(b"k2", len(v2), crc32c(v2), None)], memoryview(v2)))
+    assert await asyncio.to_thread(entered.wait, 60)
+    queued = asyncio.create_task(st.append([(b"k3", len(v3), crc32c(v3), None)], memoryview(v3)))
+    try:
+        with caplog.at_level(logging.ERROR, logger="kvfs.chunkserver"):
+            async with asyncio.timeout(20):  # (without a bound, close waits for the disk)
+                assert await st.close() is False
+        assert "close gave up after 0.2s (close_timeout_s) with disk IO still running: 1 " \
+               "append writes, 1 IO-thread jobs" in caplog.text
+        assert os.fstat(fd).st_size  # the chunk's fd is still open (no EBADF)
+        assert await st.close() is False  # closed already: the same answer
+    finally:
+        go.set()
+    async with asyncio.timeout(60):
+        with pytest.raises(Unavailable, match="shutting down"):
+            await hung  # written, but not synced: not acknowledged
+        with pytest.raises(Unavailable, match="shutting down"):
+            await queued
+    monkeypatch.undo()
+    path = st.chunk_path(cid)
+    assert wrote_to == [path.stat().st_ino]
+    assert [(r.key, r.value_ok) for r in scan_records(path.read_bytes())] == [(b"k1", True), (b"k2", True)]
+    for left in (*st._fds.values(), *st._close_later):  # what close left open
+        os.close(left)
+
+
+async def test_close_runs_the_group_sync_waiting_in_its_window_and_ends_it_cleanly(
+        tmp_path: Path) -> None:
+    """An append waiting out the group sync's window at close: the round runs at once, before
+    the IO threads stop (it used to meet a shut pool: a RuntimeError in a task nobody awaited,
+    its waiters cancelled); the append is acknowledged, the sync task ends without an error,
+    and a sync asked for afterwards is refused."""
+    st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK, fsync_window_s=2.0)
+    st.server_id = 1
+    v = value_of(b"k1")
+    append = asyncio.create_task(st.append([(b"k1", len(v), crc32c(v), None)], memoryview(v)))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + 30
+    while not st.syncer.waiting:  # the append written, waiting in the window
+        assert loop.time() < deadline, "the append never reached the group sync"
+        await asyncio.sleep(0.005)
+    task = st.syncer._task
+    assert task is not None
+    async with asyncio.timeout(20):
+        assert await st.close() is True
+        ((cid, _),) = await append
+    assert task.done() and not task.cancelled() and task.exception() is None
+    assert st.syncer.rounds == 1
+    assert [r.key for r in scan_records(st.chunk_path(cid).read_bytes())] == [b"k1"]
+    with pytest.raises(Unavailable, match="shutting down"):
+        await st.syncer.sync(0)
+
+
 async def test_append_refuses_bad_keys_and_a_payload_its_records_do_not_describe(store: ChunkStore) -> None:
     """The server's decoder bounds keys first; the store checks again (its own callers)."""
     v = b"v" * 10

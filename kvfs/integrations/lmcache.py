@@ -14,8 +14,9 @@ tell a plug-in its name): ``kvfs_addr``, ``kvfs_token``, ``kvfs_namespace`` (def
 One value per chunk: LMCache's chunk header and the payload, gathered on put and scattered
 on get, never copied.  Gets, puts and lookups are batched (one ``get_into`` / ``put_many`` /
 ``match_prefix`` per call).  Gets run on LMCache's own event loop (an ``AsyncClient`` there:
-no hop to another thread and back on the way to the engine); puts and lookups go through a
-blocking client's IO thread.  The two clients are one lease holder (one random
+no hop to another thread and back on the way to the engine); puts and the async lookup go
+through a blocking client's IO thread, and the synchronous lookups (``contains``, batched or
+not) are made in LMCache's calling thread, on that client's own meta sockets.  The two clients are one lease holder (one random
 ``ClientConfig.lease_holder`` drawn per connector), so kvfs counts the engine once.  kvfs reads (puts) and writes (gets) LMCache's CPU buffers, so
 the connector holds a reference on each memory object until kvfs is done with it, and
 LMCache's buffer pool -- which LMCache frees before it closes the remote backends -- is
@@ -306,12 +307,14 @@ class KvfsConnector(RemoteConnector):
 
     # lookups ---------------------------------------------------------------------------
     def _match(self, keys: list[CacheEngineKey], lease: bool) -> int:
+        """The synchronous lookups: LMCache waits for the answer, so it is asked in
+        LMCache's thread (the blocking call, on the client's own meta sockets: no hop to
+        kvfs's IO thread and back)."""
         if not keys:
             return 0
         try:
-            return int(wait(self.client.submit_match_prefix(
-                [self._key(k) for k in keys],
-                lease_s=self.config.lease_s if lease else None), self.config))
+            return self.client.match_prefix([self._key(k) for k in keys],
+                                            lease_s=self.config.lease_s if lease else None)
         except SOFT_ERRORS as exc:
             log.warning("kvfs LMCache lookup of %d chunks failed: %s", len(keys), exc)
             return 0

@@ -9,7 +9,8 @@ One kvfs key per page: ``namespace/page_hash`` (see :func:`kvfs.prefix.chain_key
 ``style="sglang"``).  With ``interface_v1`` the pages move without copies in every host
 layout: a page's value is gathered from (and scattered back into) its regions of the host
 pool -- K then V for ``page_first``/``page_first_direct``, K and V of each layer for
-``layer_first``.  ``batch_exists`` is one ``match_prefix`` that leases the hit pages; a
+``layer_first``.  ``batch_exists`` is one ``match_prefix`` that leases the hit pages,
+made in SGLang's thread; a
 write is one ``put_many(..., if_absent=True)``: the pages already stored are skipped.  A dead or slow cluster makes every call a miss or a
 failure within the configured timeout, never an exception into the engine.
 """
@@ -132,12 +133,14 @@ class KvfsHiCacheStorage(HiCacheStorage):
     # lookups ---------------------------------------------------------------------
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
         """How many leading pages are stored: one ``match_prefix``, leasing them for
-        ``lease_s`` so eviction leaves them until SGLang has read them."""
+        ``lease_s`` so eviction leaves them until SGLang has read them.  SGLang waits for
+        the answer, so it is asked in SGLang's thread (the blocking call, on the client's
+        own meta sockets: no hop to kvfs's IO thread and back)."""
         if not keys:
             return 0
         try:
-            return int(wait(self.client.submit_match_prefix(
-                [self._key(k) for k in keys], lease_s=self.config.lease_s), self.config))
+            return self.client.match_prefix([self._key(k) for k in keys],
+                                            lease_s=self.config.lease_s)
         except SOFT_ERRORS as exc:
             log.warning("kvfs HiCache lookup of %d pages failed: %s", len(keys), exc)
             return 0

@@ -21,7 +21,8 @@ submitted to kvfs's IO thread and collected by ``get_finished_jobs``; a load rep
 keys arrived (``successful_keys``) when only some did.  Lookups go through vLLM's
 ``AsyncLookupManager``: the keys looked up in a step are checked with one ``exists_many`` per
 request (leasing the hits for ``lease_s``, so eviction leaves them until they are loaded),
-off the scheduler thread, and answer ``RETRY`` until then.  A dead or slow cluster
+off the scheduler thread (in vLLM's lookup thread, on the client's own meta sockets: no hop
+to kvfs's IO thread), and answer ``RETRY`` until then.  A dead or slow cluster
 turns into misses and failed jobs within a few ``timeout_s``, never an exception into vLLM.
 """
 
@@ -47,7 +48,7 @@ from vllm.v1.kv_offload.tiering.async_lookup import AsyncLookupManager
 from vllm.v1.kv_offload.tiering.base import JobId, JobResult, SecondaryTierManager, TransferJob
 
 from kvfs.config import EngineConfig, from_mapping
-from kvfs.integrations._common import SOFT_ERRORS, log, open_client, wait
+from kvfs.integrations._common import SOFT_ERRORS, log, open_client
 from kvfs.prefix import namespaced
 
 
@@ -77,10 +78,9 @@ class _Lookups(AsyncLookupManager):
 
     def batch_lookup(self, keys: list[OffloadKey], req_context: ReqContext) -> Iterable[bool]:
         tier = self._tier
-        try:
-            found: list[bool] = wait(tier.client.submit_exists_many(  # hits leased until loaded
-                [tier.kvfs_key(k) for k in keys], lease_s=tier.config.lease_s), tier.config)
-            return found
+        try:  # vLLM's lookup thread waits for it: asked in that thread (no hop to kvfs's)
+            return tier.client.exists_many([tier.kvfs_key(k) for k in keys],  # hits leased
+                                           lease_s=tier.config.lease_s)  # until loaded
         except SOFT_ERRORS as exc:
             log.warning("kvfs vLLM tier: lookup of %d chunks failed (misses): %s", len(keys), exc)
             return [False] * len(keys)

@@ -12,7 +12,9 @@ What differs from a local disk:
   one value on ``close()`` (FUSE flush) or ``fsync()``; until then other
   clients, and other mounts, do not see it (this mount shows it with its size
   so far).  Errors of the commit are returned by ``close()``/``fsync()``.  A
-  file still open when the mount stops is not committed.
+  file still open when the mount stops is not committed.  With
+  ``--write-behind`` a close returns once the file is held by the mount, and
+  ``fsync()`` is the commit point (:mod:`kvfs.mount.writebehind`).
 - **Memory is bounded per open file** (:mod:`kvfs.mount.files`): a file is
   buffered up to ``--write-buffer``, then streamed in stripe units as written;
   large files must be written in order (a write far behind the end fails with

@@ -29,7 +29,7 @@ def add_commands(sub: Any) -> None:
     p = sub.add_parser("mount", help="mount the cluster as a filesystem (FUSE; runs until unmounted)",
                        description="Mount a kvfs cluster at MOUNTPOINT. Runs in the foreground; "
                        "Ctrl-C, SIGTERM or `kvfs umount MOUNTPOINT` unmounts. A file is committed "
-                       "when it is closed; large files stream (written in order) and are read by "
+                       "when it is closed (with --write-behind: held, and committed soon after); large files stream (written in order) and are read by "
                        "stripe units, so memory stays bounded per open file.")
     p.add_argument("mountpoint")
     p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
@@ -128,7 +128,10 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
         if lost:
             log.warning("%d file(s) still open for writing were not committed", lost)
         pyfuse3.close(unmount=True)
-        await fs._close()
+        try:
+            await ops.drain(config.write_behind_drain_s)  # held files (--write-behind)
+        finally:
+            await fs._close()
     return 0
 
 

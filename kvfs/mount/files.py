@@ -21,7 +21,9 @@ Memory per open file is bounded whatever the file's size:
   ``read_ahead_units`` units fetched ahead.  An open file keeps at most
   ``read_ahead_units + 2`` units.
 - **Closes share commits** as reads share batches: the small files closed while
-  earlier commits are in flight go out together, one ``put_many``.
+  earlier commits are in flight go out together, one ``put_many``.  With
+  ``--write-behind`` a close hands the file to :mod:`kvfs.mount.writebehind` instead
+  and returns; reads, lookups and loads of a held file answer from its held bytes.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from kvfs.errors import StaleLayout
 from kvfs.fs import KVFileSystem, path_info
 from kvfs.layout import MAX_VALUE_BYTES, Layout
 from kvfs.mount.inodes import Handle, Info, InodeTable
+from kvfs.mount.writebehind import Held, WriteBehind
 from kvfs.oserrors import builtin_errors
 from kvfs.stream import StreamPut, ValueReader, open_read, put_stream, read_units
 
@@ -97,6 +100,18 @@ class FileIO:
         self.clock = clock
         self._listings: OrderedDict[str, tuple[float, set[str] | None]] = OrderedDict()
         self._listing: dict[str, set[str] | None] = {}
+        # --write-behind: closed files held here and committed in batches (off: never used)
+        self.wb = WriteBehind(fs.client, config, ttl=fs.ttl, committed=self._behind_committed)
+
+    def _behind_committed(self, path: str) -> None:
+        self.changed(self.table.ino_of(path))  # a layout looked up meanwhile is stale
+
+    def held(self, path: str) -> Held | None:
+        """``path``'s held version (write-behind); FileNotFoundError for a held delete."""
+        e = self.wb.get(path)
+        if e is not None and e.pieces is None:
+            raise FileNotFoundError(errno.ENOENT, "renamed or removed on this mount", path)
+        return e
 
     async def _put_many(self, items: list[tuple[bytes, Value]]) -> list[None]:
         last = dict(items)  # a path closed twice in one batch: its last value wins
@@ -236,6 +251,10 @@ class FileIO:
                 raise self._behind(h, "read", off)
             return bytes(h.data[off - h.base : off - h.base + size])
         if h.reader is None:
+            held = h.held or self.held(self.table.path(h.ino))
+            if held is not None:  # closed here, not committed yet: its bytes are here
+                h.held = held
+                return held.read(off, size)
             async with h.lock:
                 if h.reader is None:
                     path = self.table.path(h.ino)
@@ -375,6 +394,12 @@ class FileIO:
                     h.data += piece
                 return
         path = self.table.path(h.ino)
+        held = self.held(path)
+        if held is not None:
+            h.data = bytearray(held.value())
+            h.reader = h.held = None
+            h.units.clear()
+            return
         with builtin_errors(path):
             reader = await open_read(self.fs.client, os.fsencode(path))
             if reader is None:
@@ -465,7 +490,15 @@ class FileIO:
                 # no copy: the buffers as written (h.lock keeps writes out until it returns)
                 value: Value = d if not h.tail else h.tail[0] if not d and len(h.tail) == 1 \
                     else [d, *h.tail]
-                await self.put(self.table.path(h.ino), value, len(d) + h.tail_bytes)
+                path = self.table.path(h.ino)
+                if await self.wb.hold(path, value, len(d) + h.tail_bytes,
+                                      wanted=lambda: not h.orphan):
+                    # the held value owns these buffers now: writing on starts from a copy
+                    h.data, h.tail, h.tail_bytes, h.held = None, [], 0, None
+                    h.dirty = False
+                    self.made(path)
+                    return
+                await self.put(path, value, len(d) + h.tail_bytes)
                 h.dirty = False
                 return
             self._merge(h)
@@ -505,8 +538,10 @@ class FileIO:
         padded) become its new value."""
         self.changed(self.table.ino_of(path))
         if size == 0:
+            await self.wb.drop(path)
             await self.put(path, b"")
             return
+        await self.wb.sync(path)
         reader = await self.reader(path)
         if reader is None:
             raise await self.fs._missing(path)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
 if TYPE_CHECKING:
+    from kvfs.mount.writebehind import Held
     from kvfs.stream import StreamPut, ValueReader
 
 __all__ = ["ROOT_INODE", "Handle", "Info", "InodeTable"]
@@ -48,9 +49,10 @@ class Handle:
     stream: StreamPut | None = None
     failed: BaseException | None = None  # a write or commit failed: the data is lost
     dirty: bool = False  # has writes (or a truncation) not yet committed
-    orphan: bool = False  # unlinked while open: never committed
+    orphan: bool = False  # unlinked, or renamed over, while open: never committed
     # reading: the value pinned at the first read, and its last few stripe units by offset
     reader: ValueReader | None = None
+    held: Held | None = None  # or the held (write-behind) version pinned at the first read
     units: OrderedDict[int, asyncio.Future[bytes | bytearray]] = field(default_factory=OrderedDict)
     next_read: int = 0  # where a sequential read goes on (read-ahead)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one writer or first read at a time

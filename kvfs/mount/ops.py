@@ -162,7 +162,15 @@ class KVFSOperations(Operations):
             raise FileNotFoundError(errno.ENOENT, "unlinked", path)
         if ino == ROOT_INODE:
             return {"name": "", "size": 0, "type": "directory"}
-        return await self.io.info(ino, path)
+        held = self.io.held(path)  # closed here, not committed yet (write-behind)
+        if held is not None:
+            return {"name": path, "size": held.nbytes, "type": "file", "created": held.created}
+        try:
+            return await self.io.info(ino, path)
+        except FileNotFoundError:
+            if self.io.wb.has_under(path + "/"):  # a directory only held files make yet
+                return {"name": path, "size": 0, "type": "directory"}
+            raise
 
     @_op
     async def lookup(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext
@@ -248,7 +256,16 @@ class KVFSOperations(Operations):
 
     @_op
     async def fsync(self, fh: int, datasync: bool) -> None:
-        await self.io.commit(self.table.handle(fh))
+        h = self.table.handle(fh)
+        await self.io.commit(h)
+        if not h.orphan:  # held (write-behind): wait for its commit
+            await self.io.wb.sync(self.table.path(h.ino))
+
+    @_op
+    async def fsyncdir(self, fh: int, datasync: bool) -> None:
+        """fsync of a directory: every file held under it (write-behind) committed."""
+        prefix, _ = self.table.dir(fh)
+        await self.io.wb.sync_under(prefix)
 
     async def release(self, fh: int) -> None:
         h = self.table.handle_or_none(fh)
@@ -268,6 +285,11 @@ class KVFSOperations(Operations):
         """At unmount: files still open for writing are not committed; how many."""
         return self.table.discard_open_writes()
 
+    async def drain(self, timeout_s: float) -> int:
+        """At unmount: held files (write-behind) committed, waiting at most ``timeout_s``;
+        how many were lost."""
+        return await self.io.wb.drain(timeout_s)
+
     # directories ---------------------------------------------------------------
     @_op
     async def mkdir(self, parent_inode: int, name: bytes, mode: int, ctx: pyfuse3.RequestContext
@@ -280,8 +302,9 @@ class KVFSOperations(Operations):
     @_op
     async def rmdir(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         path = self._child(parent_inode, name)
-        if self.table.has_pending_under(path + "/"):
+        if self.table.has_pending_under(path + "/") or self.io.wb.has_under(path + "/"):
             raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+        await self.io.wb.sync_under(path + "/", check=False)  # held deletes of old names
         try:
             await self.fs._rmdir(path)
         except FileNotFoundError:
@@ -291,14 +314,14 @@ class KVFSOperations(Operations):
     @_op
     async def unlink(self, parent_inode: int, name: bytes, ctx: pyfuse3.RequestContext) -> None:
         path = self._child(parent_inode, name)
-        ino = self.table.ino_of(path)
-        pending = False
-        self.io.changed(ino)
-        if ino is not None:
-            for h in self.table.writers(ino):
-                pending = pending or h.dirty
-                h.orphan = True
-                await self.io.release(h)
+        self.io.changed(self.table.ino_of(path))
+        writers = await self._orphan_writers(path)
+        pending = any(h.dirty for h in writers)
+        for h in writers:
+            await self.io.release(h)
+        held = self.io.wb.get(path)
+        pending = pending or (held is not None and held.pieces is not None)
+        await self.io.wb.drop(path)  # never committed after this delete
         try:
             await self.fs._rm_file(path)
         except FileNotFoundError:
@@ -319,6 +342,45 @@ class KVFSOperations(Operations):
         if ino is not None:
             for h in self.table.writers(ino):
                 await self.io.commit(h)
+        # dst's file is replaced: a handle still open for writing on it commits nothing from
+        # now on (the kernel holds dst's inode lock, so no write of it runs meanwhile)
+        replaced = await self._orphan_writers(dst)
+        try:
+            await self._rename(src, dst, flags, ino)
+        except BaseException:
+            for h in replaced:  # dst not replaced: its writers commit to it as before (one
+                # closed during the failed rename committed nothing)
+                h.orphan = False
+            raise
+        for h in replaced:
+            await self.io.release(h)
+
+    async def _orphan_writers(self, path: str) -> list[Handle]:
+        """``path``'s file is being unlinked or replaced: the handles open for writing on it
+        (not orphaned yet) marked so that their writes, fsyncs and closes commit nothing (as on
+        a local filesystem, they write to a file no name leads to), once a commit of theirs
+        under way has ended (so none lands after this).  Returned: their streams are the
+        caller's to drop once the name is gone."""
+        ino = self.table.ino_of(path)
+        writers = [] if ino is None else [h for h in self.table.writers(ino) if not h.orphan]
+        for h in writers:
+            h.orphan = True
+        for h in writers:
+            async with h.lock:  # a commit under way holds it
+                pass
+        return writers
+
+    async def _rename(self, src: str, dst: str, flags: int, ino: int | None) -> None:
+        if not flags & pyfuse3.RENAME_NOREPLACE and await self.io.wb.rename(src, dst):
+            # held (write-behind): the held bytes move; the kernel checked dst is no directory
+            self.io.changed(ino)
+            self.io.changed(self.table.ino_of(dst))
+            self.io.made(dst)
+            self.table.renamed(src, dst)
+            return
+        self.io.held(src)  # ENOENT for a name renamed or removed here, not committed yet
+        await self.io.wb.sync(src)  # held but not moved (RENAME_NOREPLACE): committed first
+        await self.io.wb.drop(dst)  # replaced: a held version of it is never committed
         # a file (the common case: tmp + rename) is looked up while the target is looked at
         reader, dst_info = await asyncio.gather(self.io.reader(src), self._info_or_none(dst))
         if dst_info is not None and flags & pyfuse3.RENAME_NOREPLACE:
@@ -330,6 +392,11 @@ class KVFSOperations(Operations):
             await self.fs._rm_file(src)
             self.io.changed(ino)
         else:
+            # held files (write-behind) under either name: in the cluster first
+            await self.io.wb.sync_under(src + "/", check=False)
+            if self.io.wb.has_under(dst + "/"):
+                raise pyfuse3.FUSEError(errno.ENOTEMPTY)
+            await self.io.wb.sync_under(dst + "/", check=False)
             await self.fs._info(src)  # ENOENT unless a directory
             if dst_info is not None and dst_info["type"] == "file":
                 raise pyfuse3.FUSEError(errno.ENOTDIR)
@@ -374,14 +441,35 @@ class KVFSOperations(Operations):
             raise pyfuse3.FUSEError(errno.ENOTDIR)
         n = len(path) + 1 if path else 0
         entries = [(str(e["name"])[n:], e) for e in listing]
-        seen = {name for name, _ in entries}
         prefix = path + "/" if path else ""
+        entries = self._with_held(prefix, entries)
+        seen = {name for name, _ in entries}
         for name, ino in self.table.children(prefix):  # files created here, not yet committed
             if name not in seen:
                 size = self.table.pending_size(ino)
                 if size is not None:
                     entries.append((name, {"name": prefix + name, "size": size, "type": "file"}))
         return self.table.opendir(prefix, entries)
+
+    def _with_held(self, prefix: str, entries: list[tuple[str, Info]]) -> list[tuple[str, Info]]:
+        """A directory's listing with the files held under it (write-behind): held files
+        shown (and the directories they make), held deletes hidden."""
+        held = self.io.wb.under(prefix)
+        if not held:
+            return entries
+        out = dict(entries)
+        for e in held:
+            head, sep, _ = e.path[len(prefix):].partition("/")
+            if sep:
+                if e.pieces is not None and head not in out:
+                    out[head] = {"name": prefix + head, "size": 0, "type": "directory"}
+            elif e.pieces is None:
+                if out.get(head, {}).get("type") == "file":
+                    del out[head]
+            else:
+                out[head] = {"name": prefix + head, "size": e.nbytes, "type": "file",
+                             "created": e.created}
+        return sorted(out.items())
 
     @_local
     async def readdir(self, fh: int, start_id: int, token: pyfuse3.ReaddirToken) -> None:

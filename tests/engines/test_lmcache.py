@@ -75,8 +75,12 @@ def test_storage_manager_round_trip_bit_exact(tcluster: ThreadCluster, tmp_path:
             assert len(kv.list(b"rt/")) == len(keys)
         remote = find_remote_backend(sm)
         assert remote is not None
-        assert remote.batched_contains(keys) == len(keys)  # a pinned lookup: leases
         conn = remote.connection._connector  # inside LMCache's InstrumentedRemoteConnector
+        assert not conn.client._meta_sockets._idle
+        assert remote.batched_contains(keys) == len(keys)  # a pinned lookup: leases
+        # LMCache waits for the answer: asked in this thread, on the blocking client's own
+        # meta socket, not through kvfs's IO thread
+        assert len(conn.client._meta_sockets._idle) == 1
         assert conn.client.aio.lease_holder == conn.aclient.lease_holder  # one engine, one holder
 
         async def holders() -> set[str]:

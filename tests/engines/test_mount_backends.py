@@ -4,7 +4,9 @@ SGLang 0.5.23's ``HiCacheFile`` (its ``file`` HiCache backend) with ``file_path`
 driven through its page API (``batch_set``/``batch_get``/``exists``, as HiCacheController calls
 it); LMCache 0.5.6's ``LocalDiskBackend`` with ``local_disk`` on the mount, put/get of memory
 objects.  Bytes read back must equal those written, and the files must be kvfs keys that
-another client of the cluster reads with the same bytes.  Each half runs in its engine's venv
+another client of the cluster reads with the same bytes.  HiCacheFile runs on the default
+mount and on one with ``--write-behind`` (its closes return before the commit; an fsync of
+the directory waits for it, then another client reads the pages).  Each half runs in its engine's venv
 (the other is skipped there); the mount process runs under ``KVFS_MOUNT_PYTHON``
 (tests/fuse_mount.py), since the engine venvs hold no pyfuse3.
 """
@@ -12,9 +14,11 @@ another client of the cluster reads with the same bytes.  Each half runs in its 
 from __future__ import annotations
 
 import importlib.util
+import os
 import textwrap
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -31,16 +35,33 @@ def kvfs_key(mount: Mount, path: Path) -> bytes:
     return str(path.relative_to(mount.mnt)).encode()
 
 
+@pytest.fixture(params=["default", "write-behind"])
+def hicache_mount(request: pytest.FixtureRequest, tcluster: ThreadCluster,
+                  tmp_path: Path) -> Iterator[tuple[Mount, str]]:
+    """The module's mount, or one of its own with ``--write-behind``; and a directory name
+    for the run (both mounts are of one cluster)."""
+    if request.param == "default":
+        yield request.getfixturevalue("mount"), "sglang-hicache"
+        return
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--write-behind", "64MiB")
+    try:
+        yield m, "sglang-hicache-wb"
+    finally:
+        m.cleanup()
+
+
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang venv only")
-def test_sglang_hicache_file_on_the_mount(tcluster: ThreadCluster, mount: Mount,
+def test_sglang_hicache_file_on_the_mount(tcluster: ThreadCluster,
+                                         hicache_mount: tuple[Mount, str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    mount, name = hicache_mount
     with warnings.catch_warnings():  # sglang warns about GPU-only quantizers at import
         warnings.simplefilter("ignore")
         import torch
         from sglang.srt.mem_cache.hicache_storage import HiCacheFile, HiCacheStorageConfig
 
     monkeypatch.delenv("SGLANG_HICACHE_FILE_BACKEND_STORAGE_DIR", raising=False)
-    d = mount.mnt / "sglang-hicache"
+    d = mount.mnt / name
     cfg = HiCacheStorageConfig(
         tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
         is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
@@ -64,6 +85,11 @@ def test_sglang_hicache_file_on_the_mount(tcluster: ThreadCluster, mount: Mount,
 
     files = sorted(p for p in d.iterdir())
     assert len(files) == PAGES and all(p.suffix == ".bin" for p in files)  # no .tmp left
+    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)  # --write-behind: the pages held by the mount committed (else: no-op)
+    finally:
+        os.close(fd)
     with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
         for k, want in zip(keys, pages, strict=True):
             path = d / f"{store._get_suffixed_key(k)}.bin"

@@ -78,8 +78,12 @@ def test_backup_then_prefetch_bit_exact(tcluster: ThreadCluster, layout: str, v1
     op = StorageOperation(src, tokens, hash_value=hashes)
     HiCacheController._page_backup(ctl, op)
     assert op.completed_tokens == 6 * PAGE
+    assert not backend.client._meta_sockets._idle
     assert backend.batch_exists(hashes) == 6
     assert backend.batch_exists([*hashes[:3], "f" * 64, hashes[4]]) == 3
+    # SGLang waits for the answer: asked in its thread, on the client's own meta socket (one
+    # caller: one socket, reused), not through kvfs's IO thread
+    assert len(backend.client._meta_sockets._idle) == 1
 
     dst = torch.arange(32, 32 + 6 * PAGE)  # other host slots, zeroed first
     for i in range(6):

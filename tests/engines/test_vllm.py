@@ -172,6 +172,9 @@ def test_store_lookup_promote_bit_exact_across_engines(tcluster: ThreadCluster) 
             tb = kvfs_tier(b)
             assert {tb.kvfs_key(k) for k in keys} <= leased  # its lookup pinned the hits
             assert not {tb.kvfs_key(k) for k in other} & leased
+            # vLLM's lookup thread waits for the answer: asked in that thread, on the
+            # client's own meta socket (one caller: one socket), not through kvfs's IO thread
+            assert len(tb.client._meta_sockets._idle) == 1
 
 
 def test_partial_load_reports_the_keys_that_arrived(tcluster: ThreadCluster) -> None:

@@ -1,0 +1,402 @@
+"""Write-behind for the mount (``--write-behind SIZE``; off by default): a close returns once
+the file is held here, and held files are committed in batches.
+
+Without it, a close (FUSE flush) returns once the file is committed: its bytes on the
+chunkservers and meta's COMMIT done, so every node sees it and a failure is the close's
+error.  With it:
+
+- **A close holds the file**: it returns once the file's bytes are kept here (the kernel's
+  buffers as they came, not copied).  Held files take at most ``write_behind_bytes`` and
+  ``write_behind_files`` in all; when full, a close waits for room (within ``--timeout``).
+  A file larger than ``write_behind_bytes``, or streamed (over ``--write-buffer``), is
+  committed at its close as without write-behind.
+- **Held files are committed in batches**, as reads are: one ``put_many`` (one APPEND per
+  chunkserver, one COMMIT) for the files held while earlier batches ran, at most
+  ``--max-batch-items`` / ``--max-batch`` each and ``--batches-in-flight`` at once.
+- **This mount sees a held file at once** (lookups, listings, reads answer from the held
+  bytes); other nodes see it once committed.
+- **One version of a path is committed at a time, in order**: a newer close of a path
+  replaces its held version not yet sent (which is then never sent), and waits for one
+  being committed.  So the last close's bytes win, as on a disk.
+- **A rename of a held file moves the held bytes** to the new name (no commit, no read
+  back), and holds a delete of the old name, ordered like a version of it.
+- **unlink** drops the held version and waits for one being committed before it deletes,
+  so no commit lands after the delete.
+- ``fsync`` of a file, and of a directory (every held file under it), waits for the
+  commit and reports its failure.  (``syncfs`` cannot: pyfuse3 has no SYNCFS handler.)
+- **A commit that fails after the close** (retried alone if its batch failed) makes the file
+  a miss on this mount too: it is dropped, counted and logged, never answered with other
+  bytes.  A file that replaced an older value leaves that older value in place.
+- **Unmount** waits up to ``write_behind_drain_s`` for held files; what is not committed
+  by then is lost (a miss), counted and logged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import errno
+import itertools
+import logging
+import os
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvfs.config import MountConfig
+
+if TYPE_CHECKING:
+    from kvfs.client import AsyncClient
+
+__all__ = ["Held", "WriteBehind"]
+
+log = logging.getLogger("kvfs.mount")
+
+Piece = bytes | bytearray
+Value = Piece | list[Piece]
+
+
+def _quiet(fut: asyncio.Future[None]) -> None:
+    """A failure nobody waited for is logged by the committer, not again by asyncio."""
+    if not fut.cancelled():
+        fut.exception()
+
+
+def _chain(waiter: asyncio.Future[None], source: asyncio.Future[None]) -> None:
+    """``waiter`` ends as ``source`` does (a replaced version's waiters wait for its successor)."""
+    def done(f: asyncio.Future[None]) -> None:
+        if waiter.done():
+            return
+        if f.cancelled():
+            waiter.cancel()
+        elif f.exception() is not None:
+            waiter.set_exception(f.exception())  # type: ignore[arg-type]
+        else:
+            waiter.set_result(None)
+
+    source.add_done_callback(done)
+
+
+@dataclass(eq=False)
+class Held:
+    """One held version of a path: its bytes (``pieces``, in order), or a delete (None)."""
+
+    path: str
+    pieces: list[Piece] | None
+    nbytes: int
+    done: asyncio.Future[None]  # committed (None) or failed
+    created: float = field(default_factory=time.time)
+    _starts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.pieces is not None:
+            self._starts = list(itertools.accumulate((len(p) for p in self.pieces), initial=0))
+
+    def read(self, off: int, size: int) -> bytes | memoryview:
+        """``size`` bytes from ``off`` (fewer at the end), without a copy when in one piece."""
+        assert self.pieces is not None
+        end = min(off + size, self.nbytes)
+        if off >= end:
+            return b""
+        i = bisect.bisect_right(self._starts, off) - 1
+        parts = []
+        pos = off
+        while pos < end:
+            start = self._starts[i]
+            piece = self.pieces[i]
+            parts.append(memoryview(piece)[pos - start : min(end, start + len(piece)) - start])
+            pos = start + len(piece)
+            i += 1
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def value(self) -> bytes:
+        assert self.pieces is not None
+        return b"".join(self.pieces)
+
+
+class WriteBehind:
+    """The mount's held files and their committer (see the module docstring)."""
+
+    def __init__(self, client: AsyncClient, config: MountConfig, *, ttl: float | None = None,
+                 committed: Callable[[str], None] = lambda path: None) -> None:
+        self.client = client
+        self.ttl = ttl
+        self.limit_bytes = config.write_behind_bytes
+        self.limit_files = config.write_behind_files
+        self.max_items = config.max_batch_items
+        self.max_bytes = config.max_batch_bytes
+        self.in_flight = config.batches_in_flight
+        self._committed = committed
+        self._queue: OrderedDict[str, Held] = OrderedDict()  # not sent yet, oldest first
+        self._sent: dict[str, Held] = {}  # being committed: at most one version per path
+        self._bytes = 0  # of everything held, queued or being committed
+        self._files = 0
+        self._dirs: Counter[str] = Counter()  # held files (not deletes) under each "dir/"
+        self._freed = asyncio.Event()  # room was made (a batch ended, a version dropped)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._closed = False
+        self.committed = 0  # files (and deletes) committed
+        self.failed = 0  # files whose commit failed after their close (misses)
+        self.batches = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.limit_bytes > 0
+
+    @property
+    def held_bytes(self) -> int:
+        return self._bytes
+
+    @property
+    def held_files(self) -> int:
+        return self._files
+
+    def get(self, path: str) -> Held | None:
+        """The newest held version of ``path`` (a delete: ``pieces`` is None), or None."""
+        return self._queue.get(path) or self._sent.get(path)
+
+    def has_under(self, prefix: str) -> bool:
+        """Whether a held file (not a delete) lies under ``prefix`` (``"dir/"``): counted per
+        directory, so a lookup's miss asks it cheaply; looked at only when one may."""
+        return self._dirs[prefix] > 0 and any(e.pieces is not None for e in self.under(prefix))
+
+    def _count(self, e: Held, n: int) -> None:
+        """``e`` held (n=1) or no longer (n=-1): its bytes, its file, its directories."""
+        self._bytes += n * e.nbytes
+        self._files += n
+        if e.pieces is None:
+            return
+        i = e.path.find("/")
+        while i >= 0:
+            d = e.path[: i + 1]
+            self._dirs[d] += n
+            if not self._dirs[d]:
+                del self._dirs[d]
+            i = e.path.find("/", i + 1)
+
+    def under(self, prefix: str) -> list[Held]:
+        """The newest held version of every path under ``prefix`` (``""``: all)."""
+        paths = {p for p in itertools.chain(self._queue, self._sent) if p.startswith(prefix)}
+        return [e for p in sorted(paths) if (e := self.get(p)) is not None]
+
+    # holding ---------------------------------------------------------------------------
+    def _fits(self, more_bytes: int, more_files: int) -> bool:
+        return (self._bytes + more_bytes <= self.limit_bytes
+                and self._files + more_files <= self.limit_files)
+
+    async def _room(self) -> None:
+        """Wait until a batch ends or a held version is dropped."""
+        self._freed.clear()
+        await self._freed.wait()
+
+    async def hold(self, path: str, value: Value, nbytes: int,
+                   wanted: Callable[[], bool] = lambda: True) -> bool:
+        """Hold ``value`` (``nbytes`` in all; its buffers are not changed afterwards) as
+        ``path``'s newest version, once there is room.  False: not held (larger than the
+        whole buffer, or write-behind is off); commit it now instead.  ``wanted()`` is
+        asked once there is room: false (the file was unlinked meanwhile) holds nothing."""
+        if not self.enabled or nbytes > self.limit_bytes or self._closed:
+            return False
+        while True:
+            old = self._queue.get(path)
+            if self._fits(nbytes - (old.nbytes if old else 0), 0 if old else 1):
+                break
+            await self._room()
+        if wanted():
+            pieces = value if isinstance(value, list) else [value]
+            self._add(self._new(path, pieces, nbytes))
+        return True
+
+    def _new(self, path: str, pieces: list[Piece] | None, nbytes: int) -> Held:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        fut.add_done_callback(_quiet)
+        return Held(path, pieces, nbytes, fut)
+
+    def _add(self, e: Held) -> None:
+        """``e`` queued as its path's newest version (replacing a queued one: never sent)."""
+        old = self._queue.get(e.path)
+        if old is not None:
+            self._count(old, -1)
+            _chain(old.done, e.done)
+        self._queue[e.path] = e
+        self._count(e, 1)
+        self._pump()
+
+    async def rename(self, src: str, dst: str) -> bool:
+        """A held file ``src`` renamed to ``dst``: its bytes held as ``dst`` (replacing a
+        held version of it), and a delete of ``src`` held.  False: ``src`` is not a held
+        file (rename it in the cluster)."""
+        while True:
+            e = self.get(src)
+            if e is None or e.pieces is None or self._closed:
+                return False
+            queued = self._queue.get(src) is e
+            d = self._queue.get(dst)
+            more_bytes = (0 if queued else e.nbytes) - (d.nbytes if d else 0)
+            more_files = (0 if queued else 1) + (0 if d else 1)
+            if self._fits(more_bytes, more_files):
+                break
+            await self._room()
+        moved = self._new(dst, e.pieces, e.nbytes)
+        moved.created = e.created
+        if queued:
+            del self._queue[src]
+            self._count(e, -1)
+            _chain(e.done, moved.done)
+        self._add(moved)
+        self._add(self._new(src, None, 0))
+        return True
+
+    # dropping and waiting ----------------------------------------------------------------
+    async def drop(self, path: str) -> None:
+        """``path`` unlinked (or about to be replaced): its queued version is never sent,
+        and one being committed is waited for (whatever its outcome)."""
+        e = self._queue.pop(path, None)
+        if e is not None:
+            self._count(e, -1)
+            if not e.done.done():
+                e.done.set_result(None)
+            self._freed.set()
+        s = self._sent.get(path)
+        if s is not None:
+            await asyncio.wait([s.done])
+
+    async def sync(self, path: str) -> None:
+        """Wait for the commit of ``path``'s held versions; raise if it failed."""
+        for e in (self._sent.get(path), self._queue.get(path)):
+            if e is not None:
+                await asyncio.shield(e.done)
+
+    async def sync_under(self, prefix: str, *, check: bool = True) -> None:
+        """Wait for the commit of everything held under ``prefix`` (``""``: all) now; with
+        ``check``, raise if any of it failed."""
+        futs = [e.done for e in itertools.chain(self._queue.values(), self._sent.values())
+                if e.path.startswith(prefix)]
+        if not futs:
+            return
+        got = await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
+        bad = [g for g in got if isinstance(g, BaseException)]
+        if bad and check:
+            raise OSError(errno.EIO, f"{len(bad)} held file(s) under {prefix or '/'!r} failed to "
+                          f"commit (they are misses); the first: {bad[0]}")
+
+    async def drain(self, timeout_s: float) -> int:
+        """At unmount: wait up to ``timeout_s`` for everything held to be committed; what is
+        not by then is lost.  Returns how many files were lost."""
+        try:
+            async with asyncio.timeout(timeout_s):
+                while self._queue or self._sent:
+                    await self._room()
+        except TimeoutError:
+            pass
+        self._closed = True
+        lost = [e for e in itertools.chain(self._queue.values(), self._sent.values())
+                if e.pieces is not None]
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        for e in list(self._queue.values()):
+            if not e.done.done():
+                e.done.set_exception(OSError(errno.EIO, "unmounted before it was committed"))
+        self._queue.clear()
+        if lost:
+            log.error("write-behind: %d held file(s) not committed within %ss of unmount are lost "
+                      "(misses): %s", len(lost), timeout_s,
+                      ", ".join(e.path for e in lost[:20]) + (" ..." if len(lost) > 20 else ""))
+        log.info("write-behind: %d committed in %d batches, %d failed after their close, %d lost "
+                 "at unmount", self.committed, self.batches, self.failed, len(lost))
+        return len(lost)
+
+    # committing --------------------------------------------------------------------------
+    def _pump(self) -> None:
+        """Send batches from the queue while fewer than ``batches_in_flight`` run; a path
+        with a version being committed waits for it."""
+        while not self._closed and len(self._tasks) < self.in_flight and self._queue:
+            batch: list[Held] = []
+            size = 0
+            for path, e in self._queue.items():
+                if path in self._sent:
+                    continue
+                if batch and (len(batch) >= self.max_items or size + e.nbytes > self.max_bytes):
+                    break
+                batch.append(e)
+                size += e.nbytes
+            if not batch:
+                return
+            for e in batch:
+                del self._queue[e.path]
+                self._sent[e.path] = e
+            self.batches += 1
+            task = asyncio.get_running_loop().create_task(self._commit(batch))
+            self._tasks.add(task)
+
+    async def _send(self, batch: list[Held]) -> None:
+        puts = [(os.fsencode(e.path), e.pieces) for e in batch if e.pieces is not None]
+        deletes = [os.fsencode(e.path) for e in batch if e.pieces is None]
+        calls: list[Coroutine[Any, Any, Any]] = []
+        if puts:
+            calls.append(self.client.put_many(puts, ttl=self.ttl))
+        if deletes:
+            calls.append(self.client.delete_many(deletes))
+        for r in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _commit(self, batch: list[Held]) -> None:
+        errors: list[BaseException | None] = [None] * len(batch)
+        try:
+            try:
+                await self._send(batch)
+            except Exception as exc:
+                if len(batch) == 1:
+                    errors = [exc]
+                else:  # one bad file cannot fail its neighbours: each again, alone
+                    alone = await asyncio.gather(*(self._send([e]) for e in batch),
+                                                 return_exceptions=True)
+                    errors = [r if isinstance(r, BaseException) else None for r in alone]
+        except asyncio.CancelledError as exc:  # unmounted: the drain's time is up
+            errors = [exc] * len(batch)
+        finally:
+            task = asyncio.current_task()
+            self._tasks.discard(task)
+            failed: list[tuple[Held, BaseException]] = []
+            for e, err in zip(batch, errors, strict=True):
+                if self._sent.get(e.path) is e:
+                    del self._sent[e.path]
+                self._count(e, -1)
+                if err is not None and not e.done.done():
+                    failed.append((e, err))
+                self._settle(e, err)
+            if failed:
+                self._report(failed)
+            self._freed.set()
+            self._pump()
+
+    def _settle(self, e: Held, err: BaseException | None) -> None:
+        if e.done.done():
+            return
+        if err is None:
+            self.committed += 1
+            e.done.set_result(None)
+            self._committed(e.path)
+            return
+        if e.pieces is not None and not isinstance(err, asyncio.CancelledError):
+            self.failed += 1
+        e.done.set_exception(OSError(errno.EIO, f"{e.path}: its commit after close failed "
+                                     f"({_reason(err)}); the file is a miss"))
+
+    def _report(self, failed: list[tuple[Held, BaseException]]) -> None:
+        """One warning per failed batch (naming its first files), not one per file."""
+        names = ", ".join(f"{e.path!r}" + (" (delete of the old name)" if e.pieces is None else "")
+                          for e, _ in failed[:5])
+        more = f" and {len(failed) - 5} more" if len(failed) > 5 else ""
+        log.warning("write-behind: %d held file(s) were not committed after their close (%s); "
+                    "they are misses: %s%s (%d failed since the mount started)", len(failed),
+                    _reason(failed[0][1]), names, more, self.failed)
+
+
+def _reason(err: BaseException) -> str:
+    return "unmounted" if isinstance(err, asyncio.CancelledError) else f"{type(err).__name__}: {err}"

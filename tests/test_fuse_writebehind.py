@@ -1,0 +1,271 @@
+"""``kvfs mount --write-behind``: a close returns once the file is held by the mount, which
+commits held files in batches.
+
+A real ``kvfs mount`` child process over a cluster on this process's own loop thread; meta's
+COMMIT is held (fault injection, :class:`conftest.Hold`) to show what a close no longer waits
+for, what this mount answers meanwhile, and what a failed or late commit becomes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import Hold, ThreadCluster
+from fuse_mount import Mount, needs_fuse, wait_until
+
+from kvfs.errors import ServerError
+from kvfs.fs import KVFileSystem
+from kvfs.mount import is_mounted
+from kvfs.rpc import Op
+
+pytestmark = [pytest.mark.fuse, needs_fuse]
+
+SYS_CLOSE = 3  # x86_64; /proc/<tid>/syscall shows a thread blocked in it
+
+
+@pytest.fixture(scope="module")
+def fs(tcluster: ThreadCluster) -> Iterator[KVFileSystem]:
+    """The same cluster through fsspec: what other clients (other nodes) see."""
+    with tcluster.fsspec() as f:
+        yield f
+
+
+@contextlib.contextmanager
+def mounted(tcluster: ThreadCluster, tmp_path: Path, *args: str) -> Iterator[Mount]:
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--timeout", "30s", *args)
+    try:
+        yield m
+    finally:
+        m.cleanup()
+
+
+@contextlib.contextmanager
+def commits_held(tcluster: ThreadCluster) -> Iterator[Callable[[BaseException | None], None]]:
+    """Meta holds every COMMIT until the yielded ``release(error=None)`` (with an error each
+    fails with it); afterwards meta commits as before."""
+    assert tcluster.cluster.meta is not None
+    rpc = tcluster.cluster.meta.rpc
+    saved = rpc.handlers[int(Op.COMMIT)]
+
+    async def install() -> Hold:
+        return Hold(rpc, Op.COMMIT)
+
+    held = tcluster.call(install())
+    released: list[bool] = []
+
+    def release(error: BaseException | None = None) -> None:
+        if not released:
+            released.append(True)
+            tcluster.loop.call_soon_threadsafe(held.release, error)
+
+    try:
+        yield release
+    finally:
+        release()
+
+        async def restore() -> None:
+            rpc.handlers[int(Op.COMMIT)] = saved
+
+        tcluster.call(restore())
+
+
+def _write(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def _in_close(tid: int) -> bool:
+    """Whether thread ``tid`` of this process is blocked in close(2)."""
+    try:
+        return Path(f"/proc/self/task/{tid}/syscall").read_text().split()[0] == str(SYS_CLOSE)
+    except (OSError, IndexError):
+        return False
+
+
+def _missing(p: Path) -> bool:
+    try:
+        with open(p, "rb") as f:
+            f.read()
+    except FileNotFoundError:
+        return True
+    return False
+
+
+def test_close_returns_before_the_commit_and_this_mount_sees_the_file(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """With meta's COMMIT held, closes return (numpy tofile, as SGLang's HiCacheFile writes
+    pages, from 8 threads); the files are visible and byte-exact on this mount (lookup,
+    listing, read), not elsewhere; fsync of one, and of the directory, waits for the commit,
+    after which another client reads the same bytes."""
+    pages = {f"p{i:03d}.bin": np.frombuffer(os.urandom(200_000 + i), dtype=np.uint8)
+             for i in range(40)}
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB") as m:
+        d = m.mnt / "wb"
+        d.mkdir()
+        with commits_held(tcluster) as release, ThreadPoolExecutor(8) as ex:
+            list(ex.map(lambda kv: kv[1].tofile(d / kv[0]), pages.items()))  # all closed
+            assert sorted(os.listdir(d)) == sorted(pages)
+            for name, page in pages.items():
+                assert os.stat(d / name).st_size == page.nbytes
+                with open(d / name, "rb", buffering=0) as f:
+                    assert f.read() == page.tobytes()
+            assert not fs.exists("wb/p000.bin")  # nobody else sees them yet
+            fd = os.open(d / "p000.bin", os.O_RDONLY)
+            try:
+                synced = ex.submit(os.fsync, fd)
+                release(None)
+                synced.result(30)
+            finally:
+                os.close(fd)
+            assert fs.cat_file("wb/p000.bin") == pages["p000.bin"].tobytes()
+            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(dfd)  # every file held under it committed
+            finally:
+                os.close(dfd)
+        got = fs.cat([f"wb/{n}" for n in pages])
+        assert all(got[f"wb/{n}"] == p.tobytes() for n, p in pages.items())
+        assert "Traceback" not in m.stderr() and "not committed" not in m.stderr()
+
+
+def test_overwrite_unlink_and_rename_of_held_files(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """While commits are held: a file closed twice keeps its last bytes (never the older
+    version written last); an unlinked held file never reappears; a held file renamed
+    (HiCacheFile's tmp + os.replace) moves with its bytes, and its old name stays gone."""
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB") as m:
+        d = m.mnt / "ow"
+        d.mkdir()
+        (m.mnt / "ow-e").mkdir()
+        fs.pipe_file("ow/old.bin", b"committed before")
+        with commits_held(tcluster) as release, ThreadPoolExecutor(4) as ex:
+            _write(m.mnt / "ow-e" / "x.bin", b"x")
+            with pytest.raises(OSError) as ei:
+                os.rmdir(m.mnt / "ow-e")  # holds a file
+            assert ei.value.errno == errno.ENOTEMPTY
+            _write(d / "f.bin", b"one" * 1000)  # sent at once: its COMMIT is held
+            _write(d / "f.bin", b"two" * 1000)  # waits for it, then goes
+            _write(d / "f.bin", b"three" * 1000)  # replaces "two" before it is sent
+            assert (d / "f.bin").read_bytes() == b"three" * 1000
+            _write(d / "old.bin", b"replaced here")
+            assert (d / "old.bin").read_bytes() == b"replaced here"
+            for i in range(6):
+                _write(d / f"g{i}.bin", b"doomed %d" % i)
+            _write(d / ".tmp", b"page bytes" * 100)
+            os.replace(d / ".tmp", d / "page.bin")
+            assert (d / "page.bin").read_bytes() == b"page bytes" * 100
+            assert _missing(d / ".tmp")
+            unlinks = [ex.submit(os.unlink, d / f"g{i}.bin") for i in range(6)]
+            release(None)  # the unlinks of files being committed waited for their commit
+            for u in unlinks:
+                u.result(30)
+            assert all(_missing(d / f"g{i}.bin") for i in range(6))
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        assert fs.cat_file("ow/f.bin") == b"three" * 1000
+        assert fs.cat_file("ow/old.bin") == b"replaced here"
+        assert fs.cat_file("ow/page.bin") == b"page bytes" * 100
+        assert not fs.exists("ow/.tmp")
+        assert not [n for n in fs.ls("ow", detail=False) if "/g" in n]
+        assert sorted(os.listdir(d)) == ["f.bin", "old.bin", "page.bin"]
+        assert "Traceback" not in m.stderr() and "not committed" not in m.stderr()
+
+
+def test_a_full_buffer_makes_a_close_wait(tcluster: ThreadCluster, fs: KVFileSystem,
+                                          tmp_path: Path) -> None:
+    """--write-behind bounds what is held: with 1 MiB held and its COMMIT held, the next
+    close waits (blocked in close(2)) until that commit frees room; nothing is lost."""
+    a, b = os.urandom(700_000), os.urandom(700_000)
+    with mounted(tcluster, tmp_path, "--write-behind", "1MiB") as m:
+        (m.mnt / "full").mkdir()
+        with commits_held(tcluster) as release, ThreadPoolExecutor(1) as ex:
+            _write(m.mnt / "full" / "a.bin", a)  # held
+            tid: Future[int] = Future()
+
+            def second() -> None:
+                tid.set_result(threading.get_native_id())
+                _write(m.mnt / "full" / "b.bin", b)
+
+            closing = ex.submit(second)
+            t = tid.result(30)
+            wait_until(lambda: _in_close(t) or closing.done(), 30, "the second close")
+            assert not closing.done()  # waiting for room
+            release(None)
+            closing.result(30)
+        dfd = os.open(m.mnt / "full", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        assert fs.cat_file("full/a.bin") == a and fs.cat_file("full/b.bin") == b
+
+
+def test_a_failed_commit_is_a_miss_not_other_bytes(tcluster: ThreadCluster, fs: KVFileSystem,
+                                                   tmp_path: Path) -> None:
+    """A commit failing after the close: fsync reports EIO, the file becomes a miss on this
+    mount (never other bytes) and elsewhere, counted and logged; the mount goes on."""
+    data = os.urandom(300_000)
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB") as m:
+        d = m.mnt / "fail"
+        d.mkdir()
+        with commits_held(tcluster) as release, ThreadPoolExecutor(1) as ex:
+            _write(d / "lost.bin", data)
+            assert (d / "lost.bin").read_bytes() == data
+            fd = os.open(d / "lost.bin", os.O_RDONLY)
+            try:
+                synced = ex.submit(os.fsync, fd)
+                release(ServerError("injected: meta refuses the commit"))
+                with pytest.raises(OSError) as ei:
+                    synced.result(30)
+                assert ei.value.errno == errno.EIO
+            finally:
+                os.close(fd)
+        wait_until(lambda: _missing(d / "lost.bin"), 30, "the failed file to be a miss")
+        assert not fs.exists("fail/lost.bin")
+        assert "were not committed after their close" in m.stderr()
+        assert "'fail/lost.bin'" in m.stderr()
+        _write(d / "after.bin", b"fine")  # commits work again
+        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+        assert fs.cat_file("fail/after.bin") == b"fine"
+
+
+def test_unmount_waits_for_held_files(tcluster: ThreadCluster, fs: KVFileSystem,
+                                      tmp_path: Path) -> None:
+    """SIGTERM unmounts at once, and the mount process commits what it holds before it
+    exits; past --write-behind-drain what is still held is lost, and logged."""
+    files = {f"um/{i}.bin": os.urandom(50_000) for i in range(20)}
+    with mounted(tcluster, tmp_path / "a", "--write-behind", "64MiB") as m:
+        (m.mnt / "um").mkdir()
+        with commits_held(tcluster) as release:
+            for k, v in files.items():
+                _write(m.mnt / k, v)
+            m.proc.send_signal(15)
+            wait_until(lambda: not is_mounted(str(m.mnt)), 30, "the unmount")
+            assert m.proc.poll() is None  # still committing
+            release(None)
+            assert m.proc.wait(30) == 0
+    assert fs.cat(list(files)) == files
+    with mounted(tcluster, tmp_path / "b", "--write-behind", "64MiB",
+                 "--write-behind-drain", "200ms") as m:
+        (m.mnt / "um2").mkdir()
+        with commits_held(tcluster) as release:
+            _write(m.mnt / "um2" / "late.bin", b"never committed")
+            assert m.stop() == 0  # gave up after the drain time, COMMIT still held
+            release(ServerError("injected: the COMMIT sent before the unmount fails"))
+        assert not fs.exists("um2/late.bin")
+        assert "not committed within 0.2s of unmount are lost" in m.stderr()
