@@ -21,6 +21,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvfs import rpc
 from kvfs._batch import split_batches
 from kvfs.address import format_addr, lookup_token, parse_addrs
@@ -255,7 +257,10 @@ class GarbageCollector:
         while h.shadowed:  # then the keys it left go with tombstones, and it chooses again
             t = await self.drop_shadowed(h.shadowed, evict=True)
             n, nbytes = n + t.keys, nbytes + t.bytes
-            if not t.keys:
+            if not t.keys:  # none went (no server took the tombstones): once more, choosing
+                # among the keys that go without one (none left: the writes fail as full)
+                h = await self.meta(msgspec.structs.replace(req, older=False))
+                n, nbytes = n + h.keys, nbytes + h.bytes
                 break
             h = await self.meta(req)
             n, nbytes = n + h.keys, nbytes + h.bytes

@@ -150,12 +150,14 @@ class MetaConfig(ServerConfig):
                                  "master", 5.0)
     registry_refresh_s: float = opt("--store redis-cluster: how often the chunkservers other metas "
                                     "registered, and their heartbeats, are read again", 1.0)
-    fsync: FsyncMode = opt("always/batch: a commit is on disk before it is answered (SQLite "
-                           "synchronous=FULL); never: synchronous=NORMAL, a power loss can undo "
-                           "the last commits (GC transactions are FULL in every mode)",
+    fsync: FsyncMode = opt("always/batch: a commit is on disk before it is answered (its "
+                           "transaction, then an fdatasync of SQLite's WAL in a thread: "
+                           "lookups are served meanwhile); never: synchronous=NORMAL, a power "
+                           "loss can undo the last commits (GC transactions are FULL in every "
+                           "mode)",
                            FsyncMode.BATCH)
     commit_group_max_keys: int = opt("group commit: most keys written by one SQLite transaction "
-                                     "(the COMMITs that arrive while one is written share the "
+                                     "(the COMMITs that arrive while one is synced share the "
                                      "next; a larger COMMIT is written alone; --fsync always: one "
                                      "COMMIT per transaction)", 16384, positive=True)
     commit_group_max_bytes: int = opt("group commit: most bytes (keys + encoded layouts) written "

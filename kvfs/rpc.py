@@ -669,6 +669,9 @@ class GcEvict(Request[Evicted], frozen=True, kw_only=True):
     apply: bool = False
     server_id: ServerId | None = None
     after_expire: bool = False  # a dry run: pick as if the expire phase had run first
+    # False: pass over the keys with older records (each goes only with a tombstone, which no
+    # chunkserver took): choose among the keys that go without one
+    older: bool = True
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low <= self.high:

@@ -14,7 +14,8 @@ never undo each other's work:
   again after a delete: :meth:`GcIndex.shadowed`) is not removed by either: it is
   answered as ``shadowed``, the GC writes its tombstone, and GC_TOMBSTONE removes it
   keeping that tombstone (compare-and-swap), so a rebuild of meta never serves the
-  older record;
+  older record; when no chunkserver takes the tombstones, GC_EVICT with ``older=False``
+  passes over such keys and chooses among those that go without one;
 - GC_RELOCATE points a replica at its compacted copy only if the layout still
   names the old (chunk, offset): a concurrent overwrite or delete wins;
 - GC_RETIRE marks a chunk dead only if no layout references it; a dead chunk
@@ -168,11 +169,14 @@ class MetaGc:
 
     async def _evict_victims(self, high: float, low: float, only: int | None, now: float,
                              live_map: dict[int, int] | None = None, gone: Collection[bytes] = (),
+                             *, older: bool = True,
                              ) -> tuple[list[tuple[bytes, Layout]], int, dict[int, rpc.EvictTarget],
                                         dict[int, int]]:
         """Least recently used, unleased keys of the servers over ``high`` until they fit under
         ``low``: (victims with their layouts, leased keys skipped, live and target per server,
-        bytes still short).  ``live_map`` and ``gone``: a dry run's view after the expire phase."""
+        bytes still short).  ``live_map`` and ``gone``: a dry run's view after the expire phase.
+        ``older=False``: the keys with older records (:meth:`GcIndex.shadowed`) are passed
+        over, not chosen: those the GC could not write tombstones for."""
         ix = self.index
         live = await ix.live_bytes() if live_map is None else live_map
         need: dict[int, int] = {}
@@ -208,10 +212,12 @@ class MetaGc:
                     if needed(per):
                         candidates.append((k, lay, per))
                 held = await ix.leased([k for k, _, _ in candidates], now) if candidates else set()
+                passed = (await ix.shadowed([k for k, _, _ in candidates], now)
+                          if candidates and not older else set())
                 for k, lay, per in candidates:
                     if all(v <= 0 for v in need.values()):
                         break
-                    if not needed(per):
+                    if not needed(per) or k in passed:
                         continue
                     if k in held and not lay.expired(now):
                         leased += 1
@@ -300,7 +306,7 @@ class MetaGc:
         live_map, gone = (await self._live_after(now, expire=True, evict=None)  # as --apply would see it
                           if not req.apply and req.after_expire else (None, set()))
         victims, leased, report, need = await self._evict_victims(req.high, req.low, req.server_id, now,
-                                                                  live_map, gone)
+                                                                  live_map, gone, older=req.older)
         shadowed: list[rpc.Shadowed] = []
         if req.apply:
             older = await ix.shadowed((k for k, _ in victims), now)

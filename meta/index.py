@@ -4,16 +4,37 @@ Shared by meta's RPC handlers (:mod:`kvfs.meta.service`) and its GC component
 (:mod:`kvfs.meta.gc`), which is handed this index to work on.
 
 Invariants:
-- a key is visible only after its COMMIT transaction is durable in SQLite; the
-  in-memory index is updated in the same event-loop step, so the two never disagree
-  for a reader;
-- group commit: the COMMITs that arrive while one transaction is written (meta's
-  loop is blocked in SQLite's fsync meanwhile, so they are read together) are
-  written by the next one, together, in one transaction and one sync, in arrival
-  order (``commit_group_max_keys``/``_bytes`` bound a group; ``--fsync always``
-  writes one COMMIT per transaction).  Each is checked (unknown server, retired
-  chunk) in the step that writes it, and answered only once that transaction
-  returned;
+- a COMMIT is answered only once its rows are durable: ``--fsync batch``/``always``:
+  its group transaction is written to SQLite's WAL without a sync
+  (:meth:`MetaStore.unsynced`), then one ``fdatasync`` of the WAL runs in a thread
+  (:meth:`MetaStore.sync_wal`) while the loop goes on answering lookups, and the
+  group's COMMITs are answered when it returns; ``--fsync never``: when written;
+- the in-memory index is updated in the step that writes the transaction, so the
+  two never disagree for a reader, and SQLite holds the transactions in the order
+  the index applied them.  So a committed key is visible to lookups from that step,
+  before its COMMIT is answered (one sync later).  A crash in between can lose it
+  from meta, and only together with every transaction after it (the WAL is
+  replayed in order up to the first frame not on disk): meta restarts in a state
+  it was in, and the lost key reads as a miss (its records are still on the
+  chunks: ``kvfs meta rebuild`` finds them), never wrong bytes.  A COMMIT whose
+  ``if_absent`` found a key present is answered only after the sync covering that
+  key's own transaction (see the next point), so "present" is never said of a key
+  that is not durable;
+- group commit: the COMMITs that arrive while one group is synced are written
+  after that sync returned, by the next group, together, in one transaction and
+  one sync, in arrival order (``commit_group_max_keys``/``_bytes`` bound a group;
+  ``--fsync always`` writes one COMMIT per transaction).  No group is written while
+  a sync runs, so when one is written every earlier group is durable (a group that
+  wrote nothing, every key present, is answered at once).  Each is checked (unknown
+  server, retired chunk) in the step that writes it;
+- every other write meta makes in ``batch``/``always`` (deletes, GC's
+  relocations and retirements, tombstones) is ``synchronous=FULL`` as before: its
+  own sync also covers every group written before it, so nothing the GC does (an
+  unlink) rests on a commit that is not on disk;
+- a failed WAL sync fails the COMMITs it covered, and meta refuses every COMMIT
+  after it (:class:`~kvfs.errors.ServerError` naming the failure) until it is
+  restarted: after a failed ``fdatasync`` Linux may have dropped the dirty pages,
+  and a later sync can succeed without them;
 - ``chunk_live`` is derived from the layouts and the tombstones kept
   (:mod:`kvfs.meta.tombstones`; rebuilt at start), never stored;
 - an expired key is a miss for every RPC, before GC removes it.
@@ -23,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import contextlib
 import logging
 import time
@@ -32,7 +54,7 @@ from typing import Any
 
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import FsyncMode, MetaConfig
-from kvfs.errors import StaleLayout
+from kvfs.errors import ServerError, StaleLayout
 from kvfs.layout import Layout, Replica, encode_layout, server_of_chunk
 from kvfs.meta.repair import readable
 from kvfs.meta.store import MetaStore
@@ -97,6 +119,13 @@ class PendingCommit:
     if_absent: bool
     present: list[int]  # indexes of the COMMIT's rows not written: their key was present
     done: asyncio.Future[None]
+
+
+def answer(commits: Iterable[PendingCommit]) -> None:
+    """Answer written COMMITs (one whose handler was cancelled meanwhile: no one to tell)."""
+    for c in commits:
+        if not c.done.done():
+            c.done.set_result(None)
 
 
 def disk_bytes(layout: Layout) -> int:
@@ -187,9 +216,15 @@ class MetaIndex(ServerRegistry):
         self.retired: dict[int, float] = {}  # retired chunks: refused by commit and switch forever
         self.claims: dict[str, tuple[str, float]] = {}  # lease name -> (holder, monotonic end)
         self.leases_overflowed = 0  # leases given the overflow holder since start (STATS)
-        self.commit_groups = 0  # group transactions written (each one sync)
+        self.commit_groups = 0  # group transactions written
+        self.commit_syncs = 0  # WAL syncs that answered COMMITs (batch/always)
         self._commits: collections.deque[PendingCommit] = collections.deque()
         self._commit_handle: asyncio.Handle | None = None
+        # batch/always: groups are written unsynced, then the WAL is synced in a thread
+        self._sync_after = config.fsync != FsyncMode.NEVER
+        self._syncing: asyncio.Future[None] | None = None  # the WAL sync in flight
+        self._sync_pool: concurrent.futures.ThreadPoolExecutor | None = None  # its one thread
+        self._sync_failed: ServerError | None = None  # set by a failed sync: COMMITs refused
 
     def load(self) -> None:
         for key, layout, last_access in self.store.load():
@@ -437,13 +472,15 @@ class MetaIndex(ServerRegistry):
         runs in the step that writes the rows (a chunk may be retired while the commit
         waits for its group); what it raises is this commit's answer, and nothing of it
         is written."""
+        if self._sync_failed is not None:
+            raise self._sync_failed
         rows = [(k, lay, encode_layout(lay)) for k, lay in staged]
         loop = asyncio.get_running_loop()
         pending = PendingCommit(rows, sum(len(k) + len(b) for k, _, b in rows), now, expires_at,
                                 check, if_absent, [], loop.create_future())
         self._commits.append(pending)
-        if self._commit_handle is None:  # after the COMMITs read in this step have queued too
-            self._commit_handle = loop.call_soon(self._write_commits)
+        if self._commit_handle is None and self._syncing is None:  # (a sync's end writes the queue)
+            self._commit_handle = loop.call_soon(self._write_commits)  # after this step's COMMITs
         await pending.done
         return pending.present
 
@@ -492,25 +529,64 @@ class MetaIndex(ServerRegistry):
 
     def _write_commits(self) -> None:
         self._commit_handle = None
-        self._write_next_group()
+        written = self._write_next_group()
+        if self._sync_after and any(c.rows for c in written):
+            self._start_sync(written)  # the queue is written when it returns
+            return
+        answer(written)  # --fsync never, or nothing written: every earlier group is durable
         if self._commits:  # past the bounds: the rest in the next step
             self._commit_handle = asyncio.get_running_loop().call_soon(self._write_commits)
 
-    def _write_next_group(self) -> None:
+    def _write_next_group(self) -> list[PendingCommit]:
+        """Write the next group; returns its COMMITs that were written (not yet answered:
+        the others were, with their error)."""
         group = self._take_group()
         if not group:
-            return
+            return []
         try:
             self._write_group(group)
+            return group
         except Exception as exc:
             if len(group) == 1:
                 group[0].done.set_exception(exc)
-                return
+                return []
+            written = []
             for c in group:  # the shared transaction failed: each COMMIT alone, its own answer
                 try:
                     self._write_group([c])
+                    written.append(c)
                 except Exception as exc1:
                     c.done.set_exception(exc1)
+            return written
+
+    def _start_sync(self, covered: list[PendingCommit]) -> None:
+        """Sync the WAL in the sync thread; ``covered`` (written before it) are answered when
+        it returns, and the COMMITs queued meanwhile are written then."""
+        if self._sync_pool is None:
+            self._sync_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfs-meta-sync")
+        fut = asyncio.get_running_loop().run_in_executor(self._sync_pool, self.store.sync_wal)
+        self._syncing = fut
+        fut.add_done_callback(lambda f: self._synced(f, covered))
+
+    def _synced(self, fut: asyncio.Future[None], covered: list[PendingCommit]) -> None:
+        self._syncing = None
+        exc = fut.exception()  # (never cancelled: close() waits for it)
+        if exc is None:
+            self.commit_syncs += 1
+            answer(covered)
+            if self._commits and self._commit_handle is None:  # (after the answers go out)
+                self._commit_handle = asyncio.get_running_loop().call_soon(self._write_commits)
+            return
+        self._sync_failed = ServerError(
+            f"meta's database sync (fdatasync of {self.store.wal_path}) failed: {exc!r}; the "
+            "commits it covered are not known to be on disk, and meta refuses every commit "
+            "until it is restarted (after a failed sync the kernel may have dropped written "
+            "pages, so a later sync proves nothing)")
+        log.error("%s", self._sync_failed)
+        for c in (*covered, *self._commits):
+            if not c.done.done():
+                c.done.set_exception(self._sync_failed)
+        self._commits.clear()
 
     def _older_after(self, group: list[PendingCommit]) -> dict[bytes, float | None]:
         """The keys the group's rows give an older record (``older``'s changed values): a key
@@ -552,15 +628,17 @@ class MetaIndex(ServerRegistry):
         return out
 
     def _write_group(self, group: list[PendingCommit]) -> None:
-        """One transaction for the group's rows, then the index, then the answers."""
+        """One transaction for the group's rows (batch/always: not synced yet), then the
+        index, in one step; the caller answers them."""
         rows = [(k, blob, c.expires_at, c.now) for c in group for k, _, blob in c.rows]
         older = self._older_after(group) if rows else {}
-        if rows:  # (if_absent may have left nothing to write)
-            self.store.put_many(rows, older.items())
-            self.commit_groups += 1
+        with self.store.unsynced() if self._sync_after else contextlib.nullcontext():
+            if rows:  # (if_absent may have left nothing to write)
+                self.store.put_many(rows, older.items())
+                self.commit_groups += 1
+            if self.tombstones:  # a put of a deleted key: its new record is newer than the tombstone
+                self.forget_tombstones([k for c in group for k, _, _ in c.rows if k in self.tombstones])
         self.older.update(older)
-        if self.tombstones:  # a put of a deleted key: its new record is newer than the tombstone
-            self.forget_tombstones([k for c in group for k, _, _ in c.rows if k in self.tombstones])
         entries, dirty, add_live = self.entries, self.dirty_access, self.add_live
         for c in group:
             now = c.now
@@ -571,7 +649,6 @@ class MetaIndex(ServerRegistry):
                 entries[key] = Entry(lay, now)
                 add_live(lay, +1, key)
                 dirty.pop(key, None)
-            c.done.set_result(None)
 
     async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
         """Remove keys; ``tombstones[i]`` (if given): where key ``i``'s tombstone was
@@ -885,7 +962,19 @@ class MetaIndex(ServerRegistry):
     async def close(self) -> None:
         if self._commit_handle is not None:
             self._commit_handle.cancel()
-        while self._commits:  # queued COMMITs whose handlers still wait: written, not dropped
-            self._write_next_group()
+            self._commit_handle = None
+        # queued COMMITs whose handlers still wait: written, synced and answered, not dropped
+        # (a failed sync fails them); the sync in flight is waited for, so no thread is left
+        while self._syncing is not None or self._commits:
+            if self._commit_handle is not None:
+                self._commit_handle.cancel()
+                self._commit_handle = None
+            if self._syncing is not None:
+                await asyncio.wait([self._syncing])  # its callback (added first, so run first) answers
+            else:
+                self._write_commits()
+        if self._sync_pool is not None:
+            self._sync_pool.shutdown(wait=True)
+            self._sync_pool = None
         self.flush_access()
         self.store.close()

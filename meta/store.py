@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import os
 import sqlite3
 import uuid
 from collections.abc import Iterable, Iterator
@@ -109,16 +110,53 @@ class MetaStore:
         return cid
 
     @contextlib.contextmanager
-    def durable(self) -> Iterator[None]:
-        """Transactions inside are synced (synchronous=FULL) whatever the store's mode."""
-        if self.synchronous == "FULL":
+    def _synchronous(self, level: str) -> Iterator[None]:
+        if self.synchronous == level:
             yield
             return
-        self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute(f"PRAGMA synchronous={level}")
         try:
             yield
         finally:
             self.db.execute(f"PRAGMA synchronous={self.synchronous}")
+
+    def durable(self) -> contextlib.AbstractContextManager[None]:
+        """Transactions inside are synced (synchronous=FULL) whatever the store's mode."""
+        return self._synchronous("FULL")
+
+    def unsynced(self) -> contextlib.AbstractContextManager[None]:
+        """Transactions inside are written to the WAL without syncing it
+        (synchronous=NORMAL): durable only once a later :meth:`sync_wal` (or a FULL
+        transaction, or a checkpoint) has synced the WAL, which covers them and every
+        transaction before them (the WAL is written in order)."""
+        return self._synchronous("NORMAL")
+
+    @property
+    def wal_path(self) -> Path:
+        return Path(f"{self.path}-wal")
+
+    def sync_wal(self) -> None:
+        """``fdatasync`` the WAL file: every transaction written before this call is durable
+        when it returns (meta's commit path calls it in a thread, off the event loop).
+
+        The file is opened by path on each call, never kept open: the WAL file SQLite
+        writes is the one at that path (it is replaced only when its last connection
+        closes).  A transaction written before the call whose frames are no longer in it
+        was moved into the database by a completed checkpoint, which synced the WAL
+        before copying and the database after (synchronous=NORMAL still syncs
+        checkpoints), and only then let the next transaction reuse the WAL from its
+        start (the new WAL header synced too): durable already.  No file: the same (a
+        checkpoint-and-delete at a close).  SQLite takes no lock on the WAL file (its
+        locks are on the database and ``-shm`` files), so this descriptor's close
+        drops none of them."""
+        try:
+            fd = os.open(self.wal_path, os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            os.fdatasync(fd)
+        finally:
+            os.close(fd)
 
     def load(self) -> Iterator[tuple[bytes, Layout, float]]:
         for key, blob, last_access in self.db.execute("SELECT key, layout, last_access FROM kv"):

@@ -13,6 +13,7 @@ from conftest import clocked_client as client
 from kvfs import rpc
 from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.errors import NoSpace
+from kvfs.gc import driver
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
 from kvfs.meta.index import RECORD_OVERHEAD_BYTES, disk_bytes
@@ -22,6 +23,7 @@ pytestmark = pytest.mark.usefixtures("meta_backend")  # each test over SQLite an
 CAP = 1024 * 1024
 VALUE = 8 * 1024
 GC = PassOptions(apply=True, grace_s=0, high=0.9, low=0.8)
+DEEP = PassOptions(apply=True, grace_s=0, high=0.5, low=0.4)  # a full server is over it
 
 
 def make(tmp_path: Path, clock: FakeClock, n: int, capacity: int) -> LocalCluster:
@@ -264,3 +266,91 @@ async def test_a_server_of_unknown_capacity_is_not_evicted_from_for_a_writers_wa
         r = await gc.meta(rpc.GcEvict(high=0.9, low=0.8, apply=True))
         assert r.keys == len(keys) and sid in r.servers
         assert await read_fresh(c, clock, keys) == [None] * len(keys)
+
+
+async def refuse_tombstones(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Fault injection: no chunkserver takes the GC's tombstone writes; returns the tries
+    (keys per try) as they come."""
+    tries: list[int] = []
+
+    async def refused(link: object, keys: list[bytes], replicas: int, write_id: int) -> list[object]:
+        tries.append(len(keys))
+        raise NoSpace("injected: no chunkserver takes the tombstone write")
+
+    monkeypatch.setattr(driver, "write_tombstones", refused)
+    return tries
+
+
+async def test_eviction_goes_on_past_overwritten_keys_when_no_tombstone_can_be_written(
+        tmp_path: Path, clock: FakeClock, meta_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full cluster whose least recently used keys were all overwritten (their older records
+    on disk: each may go only with a tombstone) and whose chunkservers take no tombstone write:
+    eviction passes over those keys to the least recently used ones that go without one, so
+    writes keep fitting (each through MAKE_ROOM); the overwritten keys all stay, with their
+    last values (none dropped without its tombstone)."""
+    tries = await refuse_tombstones(monkeypatch)
+    async with make(tmp_path, clock, 1, 256 * 1024) as c, client(c, clock) as kv:
+        over = [f"o{i}" for i in range(8)]  # more than a write's room
+        for value in (b"1", b"2"):  # the first records become older records
+            for half in (over[:4], over[4:]):
+                clock.advance(1)
+                await kv.put_many([(k, value * VALUE) for k in half])
+        for r in range(50):  # 50 x 4 x 8 KiB = 1.6 MiB through 256 KiB
+            clock.advance(1)
+            await kv.put_many([(f"f{r}-{i}", bytes([r]) * VALUE) for i in range(4)])
+        assert await read_fresh(c, clock, ["f49-0", "f49-3"]) == [bytes([49]) * VALUE] * 2
+        assert await read_fresh(c, clock, ["f0-0", "f0-3"]) == [None, None]  # evicted, LRU first
+        if meta_backend == "sqlite":
+            assert tries and max(tries) <= len(over)  # chosen first: tombstones tried
+            assert await read_fresh(c, clock, over) == [b"2" * VALUE] * len(over)
+        else:  # the Redis store keeps no older records: the overwritten keys went first
+            assert not tries
+            assert await read_fresh(c, clock, over) == [None] * len(over)
+
+
+async def test_when_every_key_needs_a_tombstone_and_none_can_be_written_writes_fail_as_full(
+        tmp_path: Path, clock: FakeClock, meta_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full cluster whose keys were all overwritten (each may go only with a tombstone) and
+    whose chunkservers take no tombstone write: a write fails as full (NoSpace, saying so)
+    after the one pass it asked for (MAKE_ROOM) tried the tombstones once; a pass then ends
+    having evicted nothing, again after one try (no loop); no key was dropped without its
+    tombstone.  Once tombstones are taken again, a pass drops the least recently used keys
+    with theirs and the write fits."""
+    if meta_backend != "sqlite":
+        pytest.skip("the Redis store keeps no older records: no key needs a tombstone")
+    tries = await refuse_tombstones(monkeypatch)
+    async with (make(tmp_path, clock, 1, 256 * 1024) as c, client(c, clock) as kv,
+                GarbageCollector(c.addr, token=c.admin_token) as gc):
+        keys: list[str] = []
+        for r in range(7):  # 7 x 4 x 8 KiB live, each key over a small first record
+            batch = [f"o{r}-{i}" for i in range(4)]
+            for value in (b"1" * 100, b"2" * VALUE):
+                clock.advance(1)
+                await kv.put_many([(k, value) for k in batch])
+            keys += batch
+        assert c.meta is not None
+        index = c.meta.index
+        assert all(k.encode() in index.older for k in keys)  # type: ignore[union-attr]
+        assert not tries  # no write was refused yet
+        clock.advance(1)
+        with pytest.raises(NoSpace, match="is full"):
+            await kv.put_many([(f"n{i}", b"3" * VALUE) for i in range(4)])
+        assert len(tries) == 1  # its pass tried the tombstones once
+        r = await gc.run_pass(DEEP)
+        assert r.evicted_keys == 0 and len(tries) == 2
+        assert all(k.encode() in index.entries for k in keys)  # type: ignore[union-attr]
+        monkeypatch.undo()  # chunkservers take tombstones again
+        clock.advance(1)
+        r = await gc.run_pass(DEEP)
+        assert r.evicted_keys > 0
+        await kv.put_many([(f"n{i}", b"3" * VALUE) for i in range(4)])
+        assert await read_fresh(c, clock, [f"n{i}" for i in range(4)]) == [b"3" * VALUE] * 4
+        dropped = [k for k in keys if k.encode() not in index.entries]  # type: ignore[union-attr]
+        kept = [k for k in keys if k not in dropped]
+
+        def written(k: str) -> int:  # the round that wrote it
+            return int(k[1:].split("-")[0])
+
+        assert dropped and max(map(written, dropped)) <= min(map(written, kept))  # LRU first
+        assert all(k.encode() in index.tombstones for k in dropped)  # type: ignore[union-attr]
+        assert await read_fresh(c, clock, dropped + kept) == [None] * len(dropped) + [b"2" * VALUE] * len(kept)

@@ -1,20 +1,30 @@
 """Meta's group commit: COMMITs that arrive together share one SQLite transaction (one
 sync), each is answered only after that transaction returned, a group is bounded, and one
-COMMIT's failure is its own answer, never its neighbours'."""
+COMMIT's failure is its own answer, never its neighbours'.
+
+The sync runs in a thread (``MetaStore.sync_wal``), off meta's event loop: lookups are
+answered while it runs, a COMMIT only after it returned, a failed one fails its COMMITs
+and every later one, a close waits for it; and an answered COMMIT survives SIGKILL."""
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import sqlite3
-from collections.abc import Iterable, Iterator
+import threading
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import FakeClock
+from poll import until_alive
 
+from kvfs.client import AsyncClient
 from kvfs.config import FsyncMode, MetaConfig
-from kvfs.errors import StaleLayout
+from kvfs.errors import ServerError, StaleLayout
+from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.index import RECORD_OVERHEAD_BYTES, MetaIndex
 from kvfs.meta.store import MetaStore
@@ -50,7 +60,7 @@ class Spy:
 
 
 @pytest.fixture
-def make_index(tmp_path: Path, clock: FakeClock) -> Iterator[Any]:
+async def make_index(tmp_path: Path, clock: FakeClock) -> AsyncIterator[Any]:
     made: list[MetaIndex] = []
 
     def make(**cfg: Any) -> MetaIndex:
@@ -61,7 +71,7 @@ def make_index(tmp_path: Path, clock: FakeClock) -> Iterator[Any]:
 
     yield make
     for ix in made:
-        ix.store.close()
+        await ix.close()  # (again, for a test that closed it: a no-op) ends its sync thread
 
 
 def stored_keys(path: Path) -> set[bytes]:
@@ -118,6 +128,7 @@ async def test_fsync_always_writes_each_commit_alone(make_index: Any, monkeypatc
     monkeypatch.setattr(ix.store, "put_many", spy)
     assert await commit_all(ix, [rows(t, 2) for t in "abc"], spy) == [None] * 3
     assert len(spy.calls) == 3 and spy.answered_early == 1 + 2  # each answered after its own
+    assert ix.commit_syncs == 3
 
 
 async def test_a_commit_refused_when_its_group_is_written_fails_alone(
@@ -170,3 +181,200 @@ async def test_if_absent_sees_the_keys_of_earlier_commits_in_its_group(make_inde
     assert ix.commit_groups == 1
     assert stored_keys(tmp_path / "meta.sqlite3") == {b"a0", b"a1", b"a2", b"b0"}
     assert ix.entries[b"a1"].layout == first[1][1]
+
+
+class HeldSync:
+    """Fault injection for ``MetaStore.sync_wal``: each call waits for :attr:`go`, then syncs
+    for real, or raises ``fail``."""
+
+    def __init__(self, store: MetaStore, fail: OSError | None = None) -> None:
+        self.real = store.sync_wal
+        self.fail = fail
+        self.entered = threading.Event()
+        self.go = threading.Event()
+        self.calls = 0
+        self.threads: set[str] = set()
+
+    def __call__(self) -> None:
+        self.calls += 1
+        self.threads.add(threading.current_thread().name)
+        self.entered.set()
+        if not self.go.wait(60):
+            raise TimeoutError("the held sync was never released")
+        if self.fail is not None:
+            raise self.fail
+        self.real()
+
+    async def started(self) -> None:
+        assert await asyncio.to_thread(self.entered.wait, 60), "no WAL sync started"
+
+
+def lay(n: int) -> Layout:
+    return Layout(10, n, 0.0, None, (Extent(10, n, (Replica(1, 1 << 40, 0),)),))
+
+
+async def test_lookups_are_answered_while_a_commit_sync_runs_and_the_commit_waits_for_it(
+        make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    ix = make_index()
+    held = HeldSync(ix.store)
+    monkeypatch.setattr(ix.store, "sync_wal", held)
+    first = asyncio.ensure_future(ix.commit(rows("a", 3), 100.0, None))
+    await held.started()
+    assert held.threads and threading.current_thread().name not in held.threads  # off the loop
+    # the loop is free: the written keys are visible to every lookup RPC while the sync runs
+    assert [x is not None for x in await ix.lookup([b"a0", b"a2", b"zz"], 100.0)] == [True, True, False]
+    assert await ix.exists([b"a1"], 100.0) == [True]
+    assert await ix.match_prefix([b"a0", b"a1", b"a2"], 100.0, None) == 3
+    assert (await ix.key_stats(100.0))[0] == 3
+    later = asyncio.ensure_future(ix.commit(rows("b", 2), 100.0, None))
+    await asyncio.sleep(0)  # (one step: its handler queued it)
+    assert not first.done() and not later.done()  # neither is answered before a sync covering it
+    assert b"b0" not in ix.entries and ix.commit_groups == 1  # no group is written during a sync
+    held.go.set()
+    assert await first == [] and await later == []
+    assert ix.commit_groups == 2 and ix.commit_syncs == 2 and held.calls == 2
+    assert {b"b0", b"b1"} <= set(ix.entries)
+
+
+async def test_a_group_is_written_without_a_sync_and_answered_after_the_wal_is_synced(
+        make_index: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ix = make_index()
+    events: list[str] = []
+    real_put, real_fdatasync = ix.store.put_many, os.fdatasync
+
+    def put_many(batch: Any, older: Any = ()) -> None:
+        (level,) = ix.store.db.execute("PRAGMA synchronous").fetchone()
+        events.append(f"put synchronous={level}")
+        real_put(batch, older)
+
+    def fdatasync(fd: int) -> None:
+        events.append(f"fdatasync {os.readlink(f'/proc/self/fd/{fd}')}")
+        real_fdatasync(fd)
+
+    monkeypatch.setattr(ix.store, "put_many", put_many)
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+
+    async def commit() -> None:
+        await ix.commit(rows("a", 2), 100.0, None)
+        events.append("answered")
+
+    await commit()
+    wal = tmp_path / "meta.sqlite3-wal"
+    assert events == ["put synchronous=1", f"fdatasync {wal}", "answered"]  # NORMAL: no sync of its own
+    assert ix.store.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again for the rest
+    real_delete = ix.store.delete_many
+
+    def delete_many(*args: Any) -> None:
+        events.append(f"delete synchronous={ix.store.db.execute('PRAGMA synchronous').fetchone()[0]}")
+        real_delete(*args)
+
+    monkeypatch.setattr(ix.store, "delete_many", delete_many)
+    assert await ix.delete([b"a0"]) == 1
+    assert events[-1] == "delete synchronous=2"  # a delete, like every other write, syncs itself (FULL)
+
+
+async def test_an_if_absent_commit_that_wrote_nothing_is_answered_at_once(
+        make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    ix = make_index()
+    await ix.commit(rows("a", 2), 100.0, None)  # answered: synced
+    held = HeldSync(ix.store)
+    monkeypatch.setattr(ix.store, "sync_wal", held)
+    assert await ix.commit(rows("a", 2), 100.0, None, if_absent=True) == [0, 1]  # every key present
+    assert held.calls == 0  # nothing written, and every earlier group is durable: no sync to wait for
+
+
+async def test_a_failed_sync_fails_its_commits_and_meta_refuses_commits_after_it(
+        make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    ix = make_index()
+    held = HeldSync(ix.store, fail=OSError(errno.EIO, "Input/output error (injected)"))
+    monkeypatch.setattr(ix.store, "sync_wal", held)
+    covered = asyncio.ensure_future(ix.commit(rows("a", 2), 100.0, None))
+    await held.started()
+    queued = asyncio.ensure_future(ix.commit(rows("b", 2), 100.0, None))  # waits for the sync
+    await asyncio.sleep(0)
+    held.go.set()
+    for task in (covered, queued):
+        with pytest.raises(ServerError, match=r"fdatasync of .*meta\.sqlite3-wal\) failed: .*Input/output"):
+            await task
+    with pytest.raises(ServerError, match="refuses every commit until it is restarted"):
+        await ix.commit(rows("c", 1), 100.0, None)
+    assert held.calls == 1 and b"b0" not in ix.entries and b"c0" not in ix.entries
+
+
+async def test_close_waits_for_the_sync_in_flight_and_writes_the_queued_commits(
+        make_index: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ix = make_index()
+    held = HeldSync(ix.store)
+    monkeypatch.setattr(ix.store, "sync_wal", held)
+    first = asyncio.ensure_future(ix.commit(rows("a", 2), 100.0, None))
+    await held.started()
+    queued = asyncio.ensure_future(ix.commit(rows("b", 2), 100.0, None))
+    await asyncio.sleep(0)
+    closing = asyncio.ensure_future(ix.close())
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not closing.done() and not first.done()  # waits for the sync, does not drop it
+    held.go.set()
+    await closing
+    assert await first == [] and await queued == []  # the queued one was written and synced too
+    assert held.calls == 2
+    assert stored_keys(tmp_path / "meta.sqlite3") == {b"a0", b"a1", b"b0", b"b1"}
+    assert not [t for t in threading.enumerate() if t.name.startswith("kvfs-meta-sync")]  # no thread left
+
+
+async def test_fsync_never_answers_without_a_sync(make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    ix = make_index(fsync=FsyncMode.NEVER)
+    held = HeldSync(ix.store)
+    monkeypatch.setattr(ix.store, "sync_wal", held)
+    assert await commit_all(ix, [rows("a", 2), rows("b", 2)]) == [None, None]
+    assert held.calls == 0 and ix.commit_syncs == 0
+
+
+# through the RPCs: a cluster in this process (real sockets, real SQLite), and meta SIGKILLed --
+async def test_a_lookup_rpc_is_answered_while_a_put_waits_for_its_sync(
+        cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cluster.meta is not None
+    held = HeldSync(cluster.meta.store)
+    monkeypatch.setattr(cluster.meta.store, "sync_wal", held)
+    put = asyncio.create_task(kv.put_many([(b"a", b"x" * 1000), (b"b", b"y" * 1000)]))
+    await held.started()
+    async with cluster.client() as other:
+        assert await other.exists_many([b"a", b"b", b"c"]) == [True, True, False]
+        assert await other.get_many([b"a", b"c"]) == [b"x" * 1000, None]  # LOOKUP, then the bytes
+        assert not put.done()  # the put is not answered before its commit is on disk
+        held.go.set()
+        await put
+        assert await other.get(b"b") == b"y" * 1000
+
+
+async def test_a_put_whose_commit_sync_failed_fails(
+        cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cluster.meta is not None
+    held = HeldSync(cluster.meta.store, fail=OSError(errno.EIO, "Input/output error (injected)"))
+    held.go.set()
+    monkeypatch.setattr(cluster.meta.store, "sync_wal", held)
+    with pytest.raises(ServerError, match=r"fdatasync of .* failed"):
+        await kv.put(b"a", b"x" * 100)
+    with pytest.raises(ServerError, match="until it is restarted"):
+        await kv.put(b"b", b"x" * 100)
+
+
+@pytest.mark.subprocess
+async def test_every_answered_put_survives_sigkill_of_meta(proc_cluster: ProcessCluster) -> None:
+    """Meta is SIGKILLed right after a put is answered (a second put's COMMIT may be in
+    flight): after the restart every answered key reads back."""
+    answered: dict[bytes, bytes] = {}
+    for round_ in range(2):
+        async with proc_cluster.client() as kv:
+            await until_alive(kv, 3)  # (after a restart: the chunkservers registered again)
+            for i in range(3):
+                batch = {f"r{round_}i{i}x{j}".encode(): os.urandom(256) for j in range(64)}
+                await kv.put_many(batch)
+                answered.update(batch)
+            assert proc_cluster.meta is not None
+            proc_cluster.meta.kill()  # SIGKILL, at once after the answer
+            await proc_cluster.meta.stop()
+            await proc_cluster.start_meta(proc_cluster.addr.removeprefix("kvfs://"))
+        async with proc_cluster.client() as fresh:
+            keys = list(answered)
+            assert await fresh.get_many(keys) == [answered[k] for k in keys]
