@@ -44,9 +44,10 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import concurrent.futures
 import contextlib
 import logging
+import queue
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -119,6 +120,41 @@ class PendingCommit:
     if_absent: bool
     present: list[int]  # indexes of the COMMIT's rows not written: their key was present
     done: asyncio.Future[None]
+
+
+SyncDone = Callable[[BaseException | None], None]
+
+
+class SyncThread:
+    """Meta's one sync thread: runs each sync handed to it, in order, and calls its ``done``
+    with the outcome (None, or what it raised) on the loop that asked.  Leaner than an
+    executor: one queue put and one loop wake-up per sync, no futures' bookkeeping taking
+    the GIL from the loop in between."""
+
+    def __init__(self) -> None:
+        self._requests: queue.SimpleQueue[
+            tuple[Callable[[], None], asyncio.AbstractEventLoop, SyncDone] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="kvfs-meta-sync")
+        self._thread.start()
+
+    def submit(self, sync: Callable[[], None], done: SyncDone) -> None:
+        self._requests.put((sync, asyncio.get_running_loop(), done))
+
+    def _run(self) -> None:
+        while (req := self._requests.get()) is not None:
+            sync, loop, done = req
+            outcome: BaseException | None = None
+            try:
+                sync()
+            except BaseException as exc:  # handed to the loop: the COMMITs' answer
+                outcome = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed: no one waits
+                loop.call_soon_threadsafe(done, outcome)
+
+    def stop(self) -> None:
+        """End the thread once the syncs handed to it are done."""
+        self._requests.put(None)
+        self._thread.join()
 
 
 def answer(commits: Iterable[PendingCommit]) -> None:
@@ -222,8 +258,8 @@ class MetaIndex(ServerRegistry):
         self._commit_handle: asyncio.Handle | None = None
         # batch/always: groups are written unsynced, then the WAL is synced in a thread
         self._sync_after = config.fsync != FsyncMode.NEVER
-        self._syncing: asyncio.Future[None] | None = None  # the WAL sync in flight
-        self._sync_pool: concurrent.futures.ThreadPoolExecutor | None = None  # its one thread
+        self._syncing: asyncio.Future[None] | None = None  # the WAL sync in flight (done: it ended)
+        self._sync_thread: SyncThread | None = None
         self._sync_failed: ServerError | None = None  # set by a failed sync: COMMITs refused
 
     def load(self) -> None:
@@ -562,15 +598,15 @@ class MetaIndex(ServerRegistry):
     def _start_sync(self, covered: list[PendingCommit]) -> None:
         """Sync the WAL in the sync thread; ``covered`` (written before it) are answered when
         it returns, and the COMMITs queued meanwhile are written then."""
-        if self._sync_pool is None:
-            self._sync_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvfs-meta-sync")
-        fut = asyncio.get_running_loop().run_in_executor(self._sync_pool, self.store.sync_wal)
-        self._syncing = fut
-        fut.add_done_callback(lambda f: self._synced(f, covered))
+        if self._sync_thread is None:
+            self._sync_thread = SyncThread()
+        self._syncing = asyncio.get_running_loop().create_future()
+        self._sync_thread.submit(self.store.sync_wal, lambda exc: self._synced(exc, covered))
 
-    def _synced(self, fut: asyncio.Future[None], covered: list[PendingCommit]) -> None:
-        self._syncing = None
-        exc = fut.exception()  # (never cancelled: close() waits for it)
+    def _synced(self, exc: BaseException | None, covered: list[PendingCommit]) -> None:
+        syncing, self._syncing = self._syncing, None
+        assert syncing is not None
+        syncing.set_result(None)
         if exc is None:
             self.commit_syncs += 1
             answer(covered)
@@ -970,11 +1006,11 @@ class MetaIndex(ServerRegistry):
                 self._commit_handle.cancel()
                 self._commit_handle = None
             if self._syncing is not None:
-                await asyncio.wait([self._syncing])  # its callback (added first, so run first) answers
+                await asyncio.wait([self._syncing])  # done once _synced answered
             else:
                 self._write_commits()
-        if self._sync_pool is not None:
-            self._sync_pool.shutdown(wait=True)
-            self._sync_pool = None
+        if self._sync_thread is not None:
+            self._sync_thread.stop()  # (idle now: returns at once)
+            self._sync_thread = None
         self.flush_access()
         self.store.close()
