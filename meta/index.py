@@ -134,7 +134,9 @@ class SyncThread:
     def __init__(self) -> None:
         self._requests: queue.SimpleQueue[
             tuple[Callable[[], None], asyncio.AbstractEventLoop, SyncDone] | None] = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._run, name="kvfs-meta-sync")
+        # a daemon: a process that exits without close() (a crash) is not held up by it; a
+        # sync cut short there answered no one (close() itself stops it, syncs done)
+        self._thread = threading.Thread(target=self._run, name="kvfs-meta-sync", daemon=True)
         self._thread.start()
 
     def submit(self, sync: Callable[[], None], done: SyncDone) -> None:
