@@ -372,10 +372,27 @@ class _ServerProtocol(FrameProtocol):
             charged = size
             self._check_backpressure()
         self.server.requests_served += 1
-        await self.drain()  # answers wait here, counted, not in an unbounded write buffer
+        await self._room()  # answers wait here, counted, not in an unbounded write buffer
         self.write(reply)
-        await self.drain()
+        await self._room()
         return charged
+
+    async def _room(self) -> None:
+        """Wait until the transport can take more, at most ``send_timeout_s``: a peer that
+        stops reading its answers would otherwise hold this request (its count, its answer)
+        for ever, and the idle timer never fires while requests are in flight.  On expiry the
+        connection is aborted (unsent bytes dropped), which lets every waiting answer end."""
+        if self._can_write.is_set():
+            return
+        timeout_s = self.server.config.send_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self.drain()
+        except TimeoutError:
+            if self.transport is not None and not self.transport.is_closing():
+                log.info("aborting the connection from %s: it read none of its answers for %ss "
+                         "(send_timeout_s)", self._peer(), timeout_s)
+                self.transport.abort()
 
     def _bad_request(self, frame: Frame, err: KVFSError) -> None:
         if isinstance(err, (InvalidArgument, AuthError)):

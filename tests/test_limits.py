@@ -205,6 +205,57 @@ async def test_a_client_that_never_reads_is_paused_and_others_are_served(
         raw.close()
 
 
+async def test_a_client_that_stops_reading_is_aborted_after_send_timeout(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Its answers wait at most send_timeout_s for it to read; then the connection is
+    aborted and the requests it held end (the idle timer never fires while they wait)."""
+    limits = dict(send_timeout_s=0.5, max_inflight_requests=4, max_inflight_bytes=2 * MiB)
+    c = LocalCluster(tmp_path / "c", 1,
+                     meta=MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0"),
+                     chunkserver=ChunkServerConfig(data=tmp_path / "c", heartbeat_interval_s=0.2,
+                                                   **limits))
+    async with asyncio.timeout(60):
+        await c.start()
+        try:
+            async with c.client() as kv:
+                await kv.put_many({f"v{i}": os.urandom(MiB) for i in range(4)})
+                ranges = []
+                for i in range(4):
+                    lay = await kv.layout(f"v{i}")
+                    assert lay is not None
+                    rep = lay.extents[0].replicas[0]
+                    ranges.append([rep.chunk_id, rep.offset, MiB])
+                cs = c.chunkservers[0]
+                assert cs is not None
+                raw = await Connection.open(*parse_addr(_cs_addr(c)), c.token)  # authenticated
+                try:
+                    assert raw._proto.transport is not None
+                    port_here = raw._proto.transport.get_extra_info("sockname")[1]
+                    (proto,) = [p for p in cs.rpc.connections if p.transport is not None
+                                and p.transport.get_extra_info("peername")[1] == port_here]
+                    raw._proto.transport.pause_reading()  # never reads an answer
+                    with caplog.at_level(logging.INFO, logger="kvfs.server"):
+                        for rid in range(1000, 1100):
+                            raw._proto.write([frame_bytes(Op.READV, rid, {"ranges": ranges})])
+                        deadline = asyncio.get_running_loop().time() + 20
+                        while proto in cs.rpc.connections or proto.tasks:
+                            assert asyncio.get_running_loop().time() < deadline, (
+                                f"a connection that stopped reading is still open "
+                                f"({proto.inflight_requests} requests in flight)")
+                            await asyncio.sleep(0.02)
+                    assert proto.inflight_requests == 0 and proto.inflight_bytes == 0
+                    assert proto.peak_inflight_requests > 0  # it did hold answers before
+                    assert any("send_timeout_s" in r.getMessage() and str(port_here) in r.getMessage()
+                               for r in caplog.records)
+                    raw._proto.transport.resume_reading()  # the client sees the close
+                    await asyncio.wait_for(raw.wait_closed(), 10)
+                finally:
+                    raw.abort()  # without the fix the server would wait on it for ever
+                assert await kv.get("v1") is not None  # the server serves others as before
+        finally:
+            await c.stop()
+
+
 def test_bad_requests_are_logged_once_per_peer_per_interval(
         caplog: pytest.LogCaptureFixture) -> None:
     plog = PeerLog(interval_s=60.0)
