@@ -255,14 +255,17 @@ class Connection:
             proto.sinks[rid] = sink
         proto.write(frame_out)
         try:
-            if not proto._can_write.is_set():
-                await proto.drain()
+            # waiting for room to write counts too: a peer that stops reading never makes it
             async with asyncio.timeout(timeout_s or self.request_timeout_s):
+                if not proto._can_write.is_set():
+                    await proto.drain()
                 frame = await fut
         except TimeoutError:
             proto.pending.pop(rid, None)
-            # the answer may still be arriving into a caller's buffer: stop the stream
-            self.close()
+            # the answer may still be arriving into a caller's buffer: stop the stream, now
+            # (a close would first flush what is buffered, to a peer that may never read it,
+            # and leave the connection half closed meanwhile)
+            self.abort()
             raise Timeout(f"{op.name} to {self.name} got no answer within "
                           f"{timeout_s or self.request_timeout_s}s") from None
         except BaseException:  # cancelled: the caller may reuse its buffers once this returns
@@ -279,6 +282,11 @@ class Connection:
     def close(self) -> None:
         if self._proto.transport is not None:
             self._proto.transport.close()
+
+    def abort(self) -> None:
+        """Close at once, dropping unsent bytes: calls still waiting on it fail now."""
+        if self._proto.transport is not None:
+            self._proto.transport.abort()
 
     async def wait_closed(self) -> None:
         await self._proto.closed.wait()

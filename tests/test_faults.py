@@ -288,3 +288,27 @@ async def test_corrupt_replica_falls_back_to_a_good_one(cluster: LocalCluster, k
         f.seek(rep.offset + 10)
         f.write(bytes([value[10] ^ 0x01]))
     assert await kv.get(b"two") == value  # the first replica fails its CRC; the second is read
+
+
+async def test_calls_to_a_server_that_stops_reading_time_out(cluster: LocalCluster) -> None:
+    """A server that stops reading (fault injection: its side of the connection pauses):
+    one call's bytes fill the write buffer, so a second call waits for room to write; both
+    end with the request timeout (the waiting one too, not only the one whose answer never
+    came), and the connection is closed, not left half closed for later calls to wait on."""
+    assert cluster.meta is not None
+    host, port = parse_addr(cluster.addr)
+    conn = await Connection.open(host, port, cluster.token, request_timeout_s=0.5)
+    try:
+        for sc in cluster.meta.rpc.connections:
+            assert sc.transport is not None
+            sc.transport.pause_reading()
+        big = asyncio.ensure_future(conn.call_raw(Op.PING, None, [bytes(64 * 1024 * 1024)]))
+        small = asyncio.ensure_future(conn.call(rpc.Ping()))
+        async with asyncio.timeout(30):  # a hang fails here, not the run
+            done = await asyncio.gather(big, small, return_exceptions=True)
+            await conn.wait_closed()
+        assert all(isinstance(e, Unavailable) for e in done), done
+        with pytest.raises(Unavailable):
+            await conn.call(rpc.Ping())
+    finally:
+        conn.close()

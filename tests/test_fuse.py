@@ -27,6 +27,7 @@ from conftest import ThreadCluster
 from fuse_mount import Mount, needs_fuse, wait_until
 
 from kvfs._batch import Batcher
+from kvfs.chunkserver.durability import fsync_dir
 from kvfs.client import AsyncClient
 from kvfs.fs import KVFileSystem
 from kvfs.mount import is_mounted
@@ -530,15 +531,6 @@ def test_streamed_writes_in_order_fsync_and_out_of_order(tcluster: ThreadCluster
         m.cleanup()
 
 
-def _sync_dir(d: Path) -> None:
-    """fsync of a directory: with --write-behind, every file held under it committed."""
-    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
-
-
 def _open_w(p: Path) -> int:
     return os.open(p, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
 
@@ -572,7 +564,7 @@ def test_a_handle_open_for_writing_keeps_to_its_file_across_rename_and_unlink(
                 os.fsync(fd)  # commits nothing either
             finally:
                 os.close(fd)
-            _sync_dir(d)
+            fsync_dir(d)  # --write-behind: every file held under it committed
             assert (d / "a").read_bytes() == b"b's bytes"
             assert fs.cat_file(f"{top}/a") == b"b's bytes" and not fs.exists(f"{top}/b")
             # a name unlinked while open for writing
@@ -583,7 +575,7 @@ def test_a_handle_open_for_writing_keeps_to_its_file_across_rename_and_unlink(
                 os.write(fd, b" and more")
             finally:
                 os.close(fd)
-            _sync_dir(d)
+            fsync_dir(d)  # --write-behind: every file held under it committed
             assert _gone(d / "u") and not fs.exists(f"{top}/u")
             # the file itself renamed while open for writing: its bytes end up at the new name
             fd = _open_w(d / "c")
@@ -593,7 +585,7 @@ def test_a_handle_open_for_writing_keeps_to_its_file_across_rename_and_unlink(
                 os.write(fd, b" and more")
             finally:
                 os.close(fd)
-            _sync_dir(d)
+            fsync_dir(d)  # --write-behind: every file held under it committed
             assert (d / "moved").read_bytes() == old + b" and more"
             assert fs.cat_file(f"{top}/moved") == old + b" and more"
             assert _gone(d / "c") and not fs.exists(f"{top}/c")
@@ -611,7 +603,7 @@ def test_a_handle_open_for_writing_keeps_to_its_file_across_rename_and_unlink(
                 os.rename(d / "gone", d / "kept")
         finally:
             os.close(fd)
-        _sync_dir(d)
+        fsync_dir(d)  # --write-behind: every file held under it committed
         assert fs.cat_file(f"{top}/kept") == b"kept's bytes"
         # two handles open for writing on one path: each has its own copy, the last close wins
         fd1, fd2 = _open_w(d / "two"), _open_w(d / "two")
@@ -621,7 +613,7 @@ def test_a_handle_open_for_writing_keeps_to_its_file_across_rename_and_unlink(
         finally:
             os.close(fd2)
             os.close(fd1)
-        _sync_dir(d)
+        fsync_dir(d)  # --write-behind: every file held under it committed
         assert (d / "two").read_bytes() == b"first" and fs.cat_file(f"{top}/two") == b"first"
         assert sorted(os.listdir(d)) == ["kept", "two"]
         assert "Traceback" not in m.stderr() and "not committed" not in m.stderr()

@@ -21,6 +21,7 @@ import pytest
 from conftest import Hold, ThreadCluster
 from fuse_mount import Mount, needs_fuse, wait_until
 
+from kvfs.chunkserver.durability import fsync_dir
 from kvfs.errors import ServerError
 from kvfs.fs import KVFileSystem
 from kvfs.mount import is_mounted
@@ -126,11 +127,7 @@ def test_close_returns_before_the_commit_and_this_mount_sees_the_file(
             finally:
                 os.close(fd)
             assert fs.cat_file("wb/p000.bin") == pages["p000.bin"].tobytes()
-            dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(dfd)  # every file held under it committed
-            finally:
-                os.close(dfd)
+            fsync_dir(d)  # every file held under it committed
         got = fs.cat([f"wb/{n}" for n in pages])
         assert all(got[f"wb/{n}"] == p.tobytes() for n, p in pages.items())
         assert "Traceback" not in m.stderr() and "not committed" not in m.stderr()
@@ -168,11 +165,7 @@ def test_overwrite_unlink_and_rename_of_held_files(
             for u in unlinks:
                 u.result(30)
             assert all(_missing(d / f"g{i}.bin") for i in range(6))
-        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(d)
         assert fs.cat_file("ow/f.bin") == b"three" * 1000
         assert fs.cat_file("ow/old.bin") == b"replaced here"
         assert fs.cat_file("ow/page.bin") == b"page bytes" * 100
@@ -203,11 +196,7 @@ def test_a_full_buffer_makes_a_close_wait(tcluster: ThreadCluster, fs: KVFileSys
             assert not closing.done()  # waiting for room
             release(None)
             closing.result(30)
-        dfd = os.open(m.mnt / "full", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(m.mnt / "full")
         assert fs.cat_file("full/a.bin") == a and fs.cat_file("full/b.bin") == b
 
 
@@ -236,11 +225,7 @@ def test_a_failed_commit_is_a_miss_not_other_bytes(tcluster: ThreadCluster, fs: 
         assert "were not committed after their close" in m.stderr()
         assert "'fail/lost.bin'" in m.stderr()
         _write(d / "after.bin", b"fine")  # commits work again
-        dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_dir(d)
         assert fs.cat_file("fail/after.bin") == b"fine"
 
 

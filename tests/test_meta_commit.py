@@ -13,7 +13,7 @@ import errno
 import os
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -209,14 +209,29 @@ class HeldSync:
         assert await asyncio.to_thread(self.entered.wait, 60), "no WAL sync started"
 
 
+@pytest.fixture
+def hold() -> Iterator[Callable[..., HeldSync]]:
+    """Makes :class:`HeldSync` s and releases them all at teardown (a test that failed while
+    one held: the index's or cluster's close, torn down after this, would wait for it)."""
+    made: list[HeldSync] = []
+
+    def make(store: MetaStore, fail: OSError | None = None) -> HeldSync:
+        made.append(HeldSync(store, fail))
+        return made[-1]
+
+    yield make
+    for h in made:
+        h.go.set()
+
+
 def lay(n: int) -> Layout:
     return Layout(10, n, 0.0, None, (Extent(10, n, (Replica(1, 1 << 40, 0),)),))
 
 
 async def test_lookups_are_answered_while_a_commit_sync_runs_and_the_commit_waits_for_it(
-        make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        make_index: Any, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
     ix = make_index()
-    held = HeldSync(ix.store)
+    held = hold(ix.store)
     monkeypatch.setattr(ix.store, "sync_wal", held)
     first = asyncio.ensure_future(ix.commit(rows("a", 3), 100.0, None))
     await held.started()
@@ -274,19 +289,19 @@ async def test_a_group_is_written_without_a_sync_and_answered_after_the_wal_is_s
 
 
 async def test_an_if_absent_commit_that_wrote_nothing_is_answered_at_once(
-        make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        make_index: Any, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
     ix = make_index()
     await ix.commit(rows("a", 2), 100.0, None)  # answered: synced
-    held = HeldSync(ix.store)
+    held = hold(ix.store)
     monkeypatch.setattr(ix.store, "sync_wal", held)
     assert await ix.commit(rows("a", 2), 100.0, None, if_absent=True) == [0, 1]  # every key present
     assert held.calls == 0  # nothing written, and every earlier group is durable: no sync to wait for
 
 
 async def test_a_failed_sync_fails_its_commits_and_meta_refuses_commits_after_it(
-        make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+        make_index: Any, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
     ix = make_index()
-    held = HeldSync(ix.store, fail=OSError(errno.EIO, "Input/output error (injected)"))
+    held = hold(ix.store, fail=OSError(errno.EIO, "Input/output error (injected)"))
     monkeypatch.setattr(ix.store, "sync_wal", held)
     covered = asyncio.ensure_future(ix.commit(rows("a", 2), 100.0, None))
     await held.started()
@@ -302,9 +317,9 @@ async def test_a_failed_sync_fails_its_commits_and_meta_refuses_commits_after_it
 
 
 async def test_close_waits_for_the_sync_in_flight_and_writes_the_queued_commits(
-        make_index: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        make_index: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
     ix = make_index()
-    held = HeldSync(ix.store)
+    held = hold(ix.store)
     monkeypatch.setattr(ix.store, "sync_wal", held)
     first = asyncio.ensure_future(ix.commit(rows("a", 2), 100.0, None))
     await held.started()
@@ -322,9 +337,9 @@ async def test_close_waits_for_the_sync_in_flight_and_writes_the_queued_commits(
     assert not [t for t in threading.enumerate() if t.name.startswith("kvfs-meta-sync")]  # no thread left
 
 
-async def test_fsync_never_answers_without_a_sync(make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_fsync_never_answers_without_a_sync(make_index: Any, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
     ix = make_index(fsync=FsyncMode.NEVER)
-    held = HeldSync(ix.store)
+    held = hold(ix.store)
     monkeypatch.setattr(ix.store, "sync_wal", held)
     assert await commit_all(ix, [rows("a", 2), rows("b", 2)]) == [None, None]
     assert held.calls == 0 and ix.commit_syncs == 0
@@ -332,9 +347,9 @@ async def test_fsync_never_answers_without_a_sync(make_index: Any, monkeypatch: 
 
 # through the RPCs: a cluster in this process (real sockets, real SQLite), and meta SIGKILLed --
 async def test_a_lookup_rpc_is_answered_while_a_put_waits_for_its_sync(
-        cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+        cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
     assert cluster.meta is not None
-    held = HeldSync(cluster.meta.store)
+    held = hold(cluster.meta.store)
     monkeypatch.setattr(cluster.meta.store, "sync_wal", held)
     put = asyncio.create_task(kv.put_many([(b"a", b"x" * 1000), (b"b", b"y" * 1000)]))
     await held.started()
@@ -348,9 +363,9 @@ async def test_a_lookup_rpc_is_answered_while_a_put_waits_for_its_sync(
 
 
 async def test_a_put_whose_commit_sync_failed_fails(
-        cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+        cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
     assert cluster.meta is not None
-    held = HeldSync(cluster.meta.store, fail=OSError(errno.EIO, "Input/output error (injected)"))
+    held = hold(cluster.meta.store, fail=OSError(errno.EIO, "Input/output error (injected)"))
     held.go.set()
     monkeypatch.setattr(cluster.meta.store, "sync_wal", held)
     with pytest.raises(ServerError, match=r"fdatasync of .* failed"):

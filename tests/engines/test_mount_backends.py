@@ -14,7 +14,6 @@ the directory waits for it, then another client reads the pages).  Each half run
 from __future__ import annotations
 
 import importlib.util
-import os
 import textwrap
 import time
 import warnings
@@ -26,6 +25,7 @@ from conftest import ThreadCluster
 from fuse_mount import Mount
 
 import kvfs
+from kvfs.chunkserver.durability import fsync_dir
 
 pytestmark = pytest.mark.engines
 PAGES = 16
@@ -85,11 +85,7 @@ def test_sglang_hicache_file_on_the_mount(tcluster: ThreadCluster,
 
     files = sorted(p for p in d.iterdir())
     assert len(files) == PAGES and all(p.suffix == ".bin" for p in files)  # no .tmp left
-    fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)  # --write-behind: the pages held by the mount committed (else: no-op)
-    finally:
-        os.close(fd)
+    fsync_dir(d)  # --write-behind: the pages held by the mount committed (else: no-op)
     with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
         for k, want in zip(keys, pages, strict=True):
             path = d / f"{store._get_suffixed_key(k)}.bin"
