@@ -15,6 +15,10 @@ PATH is one of:
   once (the APPEND and COMMIT frames encoded, their answers decoded).
 - ``get``: the client's ``get_many`` of 128 cached layouts, with a link whose READV
   answers land in the sink the read path asks for, as the transport's would.
+- ``get_into``: the same reads by ``get_into``, each of the 4 calls at a time into its
+  own 128 views of one region (as ``kvfs bench --api get_into`` passes them), and by
+  ``get_many`` again, alternating 3 times in this one process: the medians of each and
+  of the 3 ratios.
 - ``commit``: meta's COMMIT handler (4 at a time, overwrites of 8,192 keys, SQLite as
   configured by default), the request decoded and the answer encoded as the server does.
 - ``lookups``: meta's EXISTS, MATCH_PREFIX and LOOKUP handlers on 128 present keys.
@@ -34,6 +38,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from statistics import median
 from typing import Any
 
 import crc32c
@@ -217,7 +222,7 @@ async def put_path(calls: int) -> float:
     return await _measure(one, calls, 1)
 
 
-async def get_path(calls: int) -> float:
+async def get_path(calls: int, into: bool = False) -> dict[str, float]:
     from kvfs.client import AsyncClient
 
     keys = _keys(4096)
@@ -235,11 +240,23 @@ async def get_path(calls: int) -> float:
     rnd = random.Random(1)
     batches = [rnd.sample(keys, N) for _ in range(64)]
 
-    async def one(i: int) -> object:
+    region = memoryview(bytearray(4 * N * BS))
+    bufs = [[region[(w * N + k) * BS : (w * N + k + 1) * BS] for k in range(N)] for w in range(4)]
+
+    async def many(i: int) -> object:
         return await kv.get_many(batches[i % 64])
 
+    async def into_bufs(i: int) -> object:  # the 4 calls of a round are i % 4 = 0..3
+        return await kv.get_into(batches[i % 64], bufs[i % 4])
+
     try:
-        return await _measure(one, calls, 4)
+        if not into:
+            return {"get": await _measure(many, calls, 4)}
+        got: list[tuple[float, float]] = []
+        for _ in range(3):
+            got.append((await _measure(many, calls, 4), await _measure(into_bufs, calls, 4)))
+        return {"get": median(m for m, _ in got), "get_into": median(i for _, i in got),
+                "get_into/get": median(i / m for m, i in got)}
     finally:
         await kv.layout_cache.close(1.0)  # its last TOUCH, to the fake link
 
@@ -296,7 +313,7 @@ async def lookup_paths(calls: int, tmp: Path) -> dict[str, float]:
     return out
 
 
-PATHS = ("append", "readv", "put", "get", "commit", "lookups")
+PATHS = ("append", "readv", "put", "get", "get_into", "commit", "lookups")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -314,14 +331,14 @@ def main(argv: list[str] | None = None) -> int:
             res = {"readv": run(readv_path(ns.calls, tmp))}
         elif ns.path == "put":
             res = {"put": run(put_path(ns.calls))}
-        elif ns.path == "get":
-            res = {"get": run(get_path(ns.calls))}
+        elif ns.path in ("get", "get_into"):
+            res = run(get_path(ns.calls, into=ns.path == "get_into"))
         elif ns.path == "commit":
             res = {"commit": run(commit_path(ns.calls, tmp))}
         else:
             res = run(lookup_paths(ns.calls, tmp))
     for name, us in res.items():
-        print(f"{name}: {us:.2f} us/key")
+        print(f"{name}: {us:.2f}" if "/" in name else f"{name}: {us:.2f} us/key")
     return 0
 
 

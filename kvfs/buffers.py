@@ -11,6 +11,11 @@ from kvfs.errors import InvalidArgument
 _NBYTES = attrgetter("nbytes")
 # formats of one unsigned byte a flat view may carry besides "B", taken as "B" by a cast
 _BYTE_FORMATS = frozenset({"<B", ">B", "=B", "!B", "@B"})
+# a view's flags as as_parts_many checks them at once: a flat, C-contiguous byte view
+# (format, ndim, c_contiguous, readonly), writable or either
+_VIEW_FLAGS = attrgetter("format", "ndim", "c_contiguous", "readonly")
+_FLAT_RW = {("B", 1, True, False)}
+_FLAT_ANY = {("B", 1, True, False), ("B", 1, True, True)}
 
 
 class Parts(list[memoryview]):
@@ -112,6 +117,26 @@ def as_parts(obj: Any, *, writable: bool = False, what: str = "value") -> list[m
         except InvalidArgument:  # again, naming the part (not built for every good one)
             return [as_view(p, writable=writable, what=f"{what} part {i}") for i, p in enumerate(obj)]
     return [as_view(obj, writable=writable, what=what)]
+
+
+def as_parts_many(objs: Sequence[Any], *, writable: bool = False,
+                  what: str = "value") -> tuple[list[list[memoryview]], list[int]]:
+    """:func:`as_parts` of each of ``objs`` (named ``f"{what} {i}"`` in an error), and
+    each one's size.  The common case, every object a flat byte view (e.g. per-value views
+    cut out of one region) or a bytearray, is checked for all of them at once: no Python
+    step per object beyond making its one-view list."""
+    kinds = set(map(type, objs))
+    if kinds == {memoryview}:
+        flags = set(map(_VIEW_FLAGS, objs))
+        if flags == _FLAT_RW or (not writable and flags <= _FLAT_ANY):
+            return [[v] for v in objs], list(map(_NBYTES, objs))
+    elif kinds == {bytearray}:
+        return [[memoryview(b)] for b in objs], list(map(len, objs))
+    try:
+        parts = [as_parts(o, writable=writable) for o in objs]
+    except InvalidArgument:  # again, naming the object (not built for every good one)
+        parts = [as_parts(o, writable=writable, what=f"{what} {i}") for i, o in enumerate(objs)]
+    return parts, [nbytes(p) for p in parts]
 
 
 def nbytes(parts: list[memoryview]) -> int:

@@ -29,7 +29,7 @@ import msgspec
 from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, format_addrs, lookup_token, parse_addrs
-from kvfs.buffers import as_parts, cut, nbytes
+from kvfs.buffers import as_parts, as_parts_many, cut, nbytes
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
@@ -54,7 +54,8 @@ FAILED = -3  # its bytes could not be read (server down, corrupt) and on_lost="r
 __all__ = ["FAILED", "MISS", "TOO_SMALL", "AsyncClient", "KeyInfo", "ServerEntry", "connect"]
 
 
-_IntoCall = tuple[list[bytes], list[list[memoryview]], float | None]  # keys, buffers, lease_s
+# keys, buffers, their sizes, lease_s
+_IntoCall = tuple[list[bytes], list[list[memoryview]], list[int], float | None]
 
 
 class _PutCall(NamedTuple):
@@ -505,16 +506,13 @@ class AsyncClient:
             raise InvalidArgument(f"{len(ks)} keys but {len(buffers)} buffers")
         if not ks:
             return []
-        try:
-            views = [as_parts(b, writable=True) for b in buffers]
-        except InvalidArgument:  # again, naming the buffer (not built for every good one)
-            views = [as_parts(b, writable=True, what=f"buffer {i}") for i, b in enumerate(buffers)]
+        views, rooms = as_parts_many(buffers, writable=True, what="buffer")
         _check_lease(lease_s)
-        total = sum([nbytes(v) for v in views])
+        total = sum(rooms)
         if self._coalesce(len(ks), total):
-            return await self._into_batcher.submit((ks, views, lease_s), total, count=len(ks),
-                                                   eager=True)
-        return await self._get_into(ks, views, lease_s)
+            return await self._into_batcher.submit((ks, views, rooms, lease_s), total,
+                                                   count=len(ks), eager=True)
+        return await self._get_into(ks, views, rooms, lease_s)
 
     async def _get_into_calls(self, calls: list[_IntoCall]) -> list[list[int]]:
         """Concurrent get_into calls as one read per ``lease_s`` asked; each call's results
@@ -522,12 +520,13 @@ class AsyncClient:
         if len(calls) == 1:
             return [await self._get_into(*calls[0])]
         groups: dict[float | None, list[int]] = {}
-        for i, (_, _, lease_s) in enumerate(calls):
+        for i, (_, _, _, lease_s) in enumerate(calls):
             groups.setdefault(lease_s, []).append(i)
 
         async def read(lease_s: float | None, idx: list[int]) -> list[int]:
             return await self._get_into([k for i in idx for k in calls[i][0]],
-                                        [v for i in idx for v in calls[i][1]], lease_s)
+                                        [v for i in idx for v in calls[i][1]],
+                                        [n for i in idx for n in calls[i][2]], lease_s)
 
         out: list[list[int]] = [[] for _ in calls]
         reads = await asyncio.gather(*(read(ls, idx) for ls, idx in groups.items()))
@@ -539,20 +538,25 @@ class AsyncClient:
                 at += n
         return out
 
-    async def _get_into(self, ks: list[bytes], views: list[list[memoryview]],
+    async def _get_into(self, ks: list[bytes], views: list[list[memoryview]], rooms: list[int],
                         lease_s: float | None) -> list[int]:
+        """``rooms``: each key's buffer size."""
         layouts = await self.lookup(ks, lease_s=lease_s)
-        dests: list[Dest] = []
-        result = [MISS] * len(ks)
-        for i, (lay, v) in enumerate(zip(layouts, views, strict=True)):
-            if lay is None:
-                dests.append(None)
-            elif lay.size > (room := nbytes(v)):
-                result[i] = TOO_SMALL
-                dests.append(None)
-            else:
-                result[i] = lay.size
-                dests.append(v if lay.size == room else cut(v, 0, lay.size))
+        result = [MISS if lay is None else lay.size for lay in layouts]
+        dests: Sequence[Dest]
+        if result == rooms:  # the common case, checked in C: every key a hit filling its buffer
+            dests = views
+        else:
+            each: list[Dest] = []
+            dests = each
+            for i, (lay, v, room) in enumerate(zip(layouts, views, rooms, strict=True)):
+                if lay is None:
+                    each.append(None)
+                elif lay.size > room:
+                    result[i] = TOO_SMALL
+                    each.append(None)
+                else:
+                    each.append(v if lay.size == room else cut(v, 0, lay.size))
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
         misses = await self.reader.read_into(ks, layouts, dests, failed=failed, lost=lost)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import kvfs
-from kvfs.buffers import Parts, as_parts, as_view, nbytes, regions
+from kvfs.buffers import Parts, as_parts, as_parts_many, as_view, nbytes, regions
 from kvfs.client import AsyncClient
 from kvfs.errors import InvalidArgument
 from kvfs.launcher import LocalCluster
@@ -75,6 +75,12 @@ async def test_get_into_caller_buffers(kv: AsyncClient) -> None:
     assert small == bytearray(10)  # nothing was read for it
     with pytest.raises(InvalidArgument, match="read-only"):
         await kv.get_into([b"x"], [b"immutable"])
+    region = memoryview(bytearray(2000))  # views of one region, one of them read-only
+    with pytest.raises(InvalidArgument, match="buffer 1 is read-only"):
+        await kv.get_into([b"x", b"x"], [region[:1000], region[1000:].toreadonly()])
+    assert region == bytes(2000)  # refused before anything was read
+    assert await kv.get_into([b"x", b"x"], [region[:1000], region[1000:]]) == [1000, 1000]
+    assert region == vals[0] * 2
     with pytest.raises(InvalidArgument, match="2 buffers"):
         await kv.get_into([b"x"], [bytearray(1), bytearray(1)])
 
@@ -138,6 +144,34 @@ def test_a_ctypes_byte_array_is_a_flat_view_of_itself() -> None:
     assert nbytes(as_parts([bytearray(3), memoryview(arr)], writable=True)) == 11
     with pytest.raises(InvalidArgument, match="read-only"):
         as_view(memoryview(arr).toreadonly(), writable=True)
+
+
+def test_as_parts_many_checks_every_buffer() -> None:
+    """``as_parts_many``: flat byte views (checked all at once) and bytearrays become one-view
+    lists of the same memory with their sizes; anything else goes through ``as_parts`` one
+    by one.  A read-only, strided or wide view among flat ones is refused by its index."""
+    region = memoryview(bytearray(12))
+    views = [region[0:4], region[4:12], region[12:12]]
+    parts, sizes = as_parts_many(views, writable=True, what="buffer")
+    assert sizes == [4, 8, 0] and [p[0].obj for p in parts] == [region.obj] * 3
+    parts[1][0][:] = b"\x01" * 8
+    assert bytes(region[4:12]) == b"\x01" * 8
+    ro = [views[0], region[4:8].toreadonly()]
+    assert as_parts_many(ro)[1] == [4, 4]  # read-only is fine for reading from
+    with pytest.raises(InvalidArgument, match="buffer 1 is read-only"):
+        as_parts_many(ro, writable=True, what="buffer")
+    with pytest.raises(InvalidArgument, match="buffer 1 must be C-contiguous"):
+        as_parts_many([views[0], region[::2]], writable=True, what="buffer")
+    wide = memoryview(np.zeros(3, dtype=np.uint32))  # taken as its 12 bytes
+    assert as_parts_many([views[0], wide], writable=True)[1] == [4, 12]
+    arrays = [bytearray(3), bytearray(5)]
+    parts, sizes = as_parts_many(arrays, writable=True)
+    assert sizes == [3, 5] and parts[1][0].obj is arrays[1]
+    mixed = [bytearray(2), [bytearray(1), np.zeros(4, dtype=np.uint8)], np.zeros(6, dtype=np.uint8)]
+    assert as_parts_many(mixed, writable=True)[1] == [2, 5, 6]
+    with pytest.raises(InvalidArgument, match="buffer 1 is read-only"):
+        as_parts_many([bytearray(1), b"x"], writable=True, what="buffer")
+    assert as_parts_many([]) == ([], [])
 
 
 @both_backends
