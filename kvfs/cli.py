@@ -61,21 +61,20 @@ def _stop_event() -> asyncio.Event:
     return stop
 
 
-async def _wait_for_signal() -> None:
-    await _stop_event().wait()
-
-
 class _Service(Protocol):
     async def start(self) -> str: ...
     async def close(self) -> None: ...
 
 
 async def _serve(svc: _Service, ready_line: Callable[[str], str]) -> int:
-    """Start ``svc``, print its ready line (launchers wait for it), serve until a signal."""
+    """Start ``svc``, print its ready line (launchers wait for it), serve until a signal.
+    The signal handlers go in first: a signal as soon as the ready line is out (or during
+    start-up) stops the service cleanly, not by the signal's default action."""
+    stop = _stop_event()
     addr = await svc.start()
     print(ready_line(addr), flush=True)
     try:
-        await _wait_for_signal()
+        await stop.wait()
     finally:
         await svc.close()
     return 0

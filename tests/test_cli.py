@@ -114,3 +114,26 @@ def test_version() -> None:
     r = kvfs("--version", env=dict(os.environ))
     assert r.returncode == 0 and r.stdout.decode().strip() == f"kvfs {pkg.__version__}"
     assert pkg.__version__.count(".") >= 2
+
+
+def test_a_signal_as_soon_as_a_service_is_ready_stops_it_cleanly() -> None:
+    """A launcher may signal a service the moment its ready line is out (``kvfs up`` does
+    with --no-restart's children): the handler is in before the line, so the service closes
+    and exits 0 instead of dying by SIGTERM's default action."""
+    code = """if True:
+        import asyncio, os, signal
+        from kvfs.cli import _serve
+
+        class Svc:
+            async def start(self):
+                os.kill(os.getpid(), signal.SIGTERM)  # as soon as start-up ends
+                return "127.0.0.1:1"
+
+            async def close(self):
+                print("closed", flush=True)
+
+        raise SystemExit(asyncio.run(_serve(Svc(), lambda addr: f"ready {addr}")))
+    """
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+    assert p.returncode == 0, (p.returncode, p.stderr.decode())
+    assert p.stdout.decode().split() == ["ready", "127.0.0.1:1", "closed"]
