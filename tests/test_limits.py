@@ -20,6 +20,7 @@ from crc32c import crc32c
 from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.chunkserver.store import ChunkStore
+from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
 from kvfs.datadir import raise_nofile_limit
 from kvfs.errors import (
@@ -172,16 +173,22 @@ async def test_readv_limits(tight: LocalCluster) -> None:
         assert await kv.get_many(list(small)) == list(small.values())
 
 
+async def _four_mib_ranges(kv: AsyncClient) -> list[list[int]]:
+    """Put v0..v3 of 1 MiB each; their READV ranges on the (one) chunkserver."""
+    await kv.put_many({f"v{i}": os.urandom(MiB) for i in range(4)})
+    ranges = []
+    for i in range(4):
+        lay = await kv.layout(f"v{i}")
+        assert lay is not None
+        rep = lay.extents[0].replicas[0]
+        ranges.append([rep.chunk_id, rep.offset, MiB])
+    return ranges
+
+
 async def test_a_client_that_never_reads_is_paused_and_others_are_served(
         tight: LocalCluster) -> None:
     async with tight.client() as kv:
-        await kv.put_many({f"v{i}": os.urandom(MiB) for i in range(4)})
-        ranges = []
-        for i in range(4):
-            lay = await kv.layout(f"v{i}")
-            assert lay is not None
-            rep = lay.extents[0].replicas[0]
-            ranges.append([rep.chunk_id, rep.offset, MiB])
+        ranges = await _four_mib_ranges(kv)
         cs = tight.chunkservers[0]
         assert cs is not None
         host, port = parse_addr(_cs_addr(tight))
@@ -218,13 +225,7 @@ async def test_a_client_that_stops_reading_is_aborted_after_send_timeout(
         await c.start()
         try:
             async with c.client() as kv:
-                await kv.put_many({f"v{i}": os.urandom(MiB) for i in range(4)})
-                ranges = []
-                for i in range(4):
-                    lay = await kv.layout(f"v{i}")
-                    assert lay is not None
-                    rep = lay.extents[0].replicas[0]
-                    ranges.append([rep.chunk_id, rep.offset, MiB])
+                ranges = await _four_mib_ranges(kv)
                 cs = c.chunkservers[0]
                 assert cs is not None
                 raw = await Connection.open(*parse_addr(_cs_addr(c)), c.token)  # authenticated
