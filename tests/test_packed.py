@@ -21,7 +21,7 @@ from kvfs.layout import (
     Layout,
     Replica,
 )
-from kvfs.packed import HEAD, pack, unpack
+from kvfs.packed import HEAD, pack, pack_single, unpack
 
 
 def _lay(size: int, crc: int, extents: list[tuple[int, int, list[tuple[int, int, int]]]],
@@ -55,6 +55,24 @@ def test_many_single_extent_layouts_take_the_column_path_and_match() -> None:
     keys = [b"key%d" % i for i in range(300)]
     out = unpack(pack(keys, lays), 1.0, None)
     assert out.staged == [(k, lay.stamped(1.0, None)) for k, lay in zip(keys, lays, strict=True)]
+
+
+@pytest.mark.parametrize("with_meta", [False, True])
+def test_pack_single_makes_the_blob_pack_makes_of_the_same_single_extent_layouts(
+        with_meta: bool) -> None:
+    """The put path packs values of one extent from columns (no layout objects): the bytes
+    must be exactly :func:`pack`'s, or meta would stage other layouts than the client's."""
+    metas = [None if i % 3 else b"\x81\xa1m%c" % i for i in range(7)] if with_meta else None
+    lays = [_lay(100 + i, i * 7, [(100 + i, i * 7, [(s, 10 + s, i * 4096) for s in range(1 + i % 3)])],
+                 None if metas is None else metas[i]) for i in range(7)]
+    keys = [b"key%d" % i for i in range(7)]
+    reps = [r for lay in lays for r in lay.extents[0].replicas]
+    blob = pack_single(keys, [lay.size for lay in lays], [lay.crc for lay in lays],
+                       [len(lay.extents[0].replicas) for lay in lays], [r.server_id for r in reps],
+                       [r.chunk_id for r in reps], [r.offset for r in reps], metas)
+    assert blob == pack(keys, lays)
+    with pytest.raises(ValueError, match="replica columns"):
+        pack_single(keys, [1] * 7, [0] * 7, [1] * 7, [1], [1], [1], metas)
 
 
 @pytest.mark.parametrize(("replicas", "extents"), [(3, 1), (1, 4), (2, 2)])
