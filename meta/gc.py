@@ -244,9 +244,11 @@ class MetaGc:
     async def rpc_gc_report(self, req: rpc.GcReport, payload: memoryview) -> Reply:
         ix = self.index
         run = dict(req.run)
+        # whole microseconds: Redis's HINCRBYFLOAT keeps 17 decimal places, so a finer sum
+        # would no longer equal the pass's own figure
+        d = run["duration_s"] = round(float(run.get("duration_s", 0.0)), 6)
         await ix.put_state("last_run", run)
         if run.get("apply"):
-            d = float(run.get("duration_s", 0.0))
             await ix.add_counts({"passes": 1, "pass_duration_s": d}, {"last_pass_duration_s": d})
         return rpc.Empty(), ()
 
