@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -49,15 +50,17 @@ def mounted(tcluster: ThreadCluster, tmp_path: Path, *args: str) -> Iterator[Mou
 
 
 @contextlib.contextmanager
-def commits_held(tcluster: ThreadCluster) -> Iterator[Callable[[BaseException | None], None]]:
-    """Meta holds every COMMIT until the yielded ``release(error=None)`` (with an error each
-    fails with it); afterwards meta commits as before."""
+def op_held(tcluster: ThreadCluster, op: Op, when: Callable[[Any], bool] | None = None
+            ) -> Iterator[tuple[Hold, Callable[[BaseException | None], None]]]:
+    """Meta holds every request of ``op`` (that ``when`` accepts) until the yielded
+    ``release(error=None)`` (with an error each fails with it); afterwards meta answers it
+    as before."""
     assert tcluster.cluster.meta is not None
     rpc = tcluster.cluster.meta.rpc
-    saved = rpc.handlers[int(Op.COMMIT)]
+    saved = rpc.handlers[int(op)]
 
     async def install() -> Hold:
-        return Hold(rpc, Op.COMMIT)
+        return Hold(rpc, op, when)
 
     held = tcluster.call(install())
     released: list[bool] = []
@@ -68,14 +71,21 @@ def commits_held(tcluster: ThreadCluster) -> Iterator[Callable[[BaseException | 
             tcluster.loop.call_soon_threadsafe(held.release, error)
 
     try:
-        yield release
+        yield held, release
     finally:
         release()
 
         async def restore() -> None:
-            rpc.handlers[int(Op.COMMIT)] = saved
+            rpc.handlers[int(op)] = saved
 
         tcluster.call(restore())
+
+
+@contextlib.contextmanager
+def commits_held(tcluster: ThreadCluster) -> Iterator[Callable[[BaseException | None], None]]:
+    """Meta holds every COMMIT until the yielded ``release(error=None)``."""
+    with op_held(tcluster, Op.COMMIT) as (_, release):
+        yield release
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -254,3 +264,28 @@ def test_unmount_waits_for_held_files(tcluster: ThreadCluster, fs: KVFileSystem,
             release(ServerError("injected: the COMMIT sent before the unmount fails"))
         assert not fs.exists("um2/late.bin")
         assert "not committed within 0.2s of unmount are lost" in m.stderr()
+
+
+def test_negative_timeout_sees_a_file_committed_after_a_listing(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """--negative-timeout with --write-behind: a file held while the mount lists its
+    directory anew (so meta's listing lacks it) and committed after that is still found
+    here, with its bytes, once it is no longer held (it was ENOENT until the listing aged)."""
+    data = os.urandom(150_000)
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--negative-timeout", "3s",
+                 "--attr-timeout", "0") as m:
+        d = m.mnt / "nl"
+        d.mkdir()
+        with commits_held(tcluster) as release:
+            _write(d / "x.bin", data)  # held, its COMMIT held at meta
+            with op_held(tcluster, Op.LIST, lambda r: r.prefix == b"nl/") as (lists, release_lists):
+                # lookups in nl/ until its listing (made at x.bin's lookup) is too old and a
+                # new one goes to meta
+                lists.reached_from_thread(lambda: not (d / "missing").exists(),
+                                          "a new listing of nl/")
+                release_lists(None)
+                tcluster.call(lists.drained())  # meta answered it: no x.bin in it
+            release(None)
+        fsync_dir(d)  # x.bin committed: no longer held
+        assert fs.cat_file("nl/x.bin") == data
+        assert (d / "x.bin").read_bytes() == data

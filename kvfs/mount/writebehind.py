@@ -120,7 +120,7 @@ class WriteBehind:
     """The mount's held files and their committer (see the module docstring)."""
 
     def __init__(self, client: AsyncClient, config: MountConfig, *, ttl: float | None = None,
-                 committed: Callable[[str], None] = lambda path: None) -> None:
+                 committed: Callable[[Held], None] = lambda e: None) -> None:
         self.client = client
         self.ttl = ttl
         self.limit_bytes = config.write_behind_bytes
@@ -381,7 +381,7 @@ class WriteBehind:
         if err is None:
             self.committed += 1
             e.done.set_result(None)
-            self._committed(e.path)
+            self._committed(e)
             return
         if e.pieces is not None and not isinstance(err, asyncio.CancelledError):
             self.failed += 1
