@@ -65,6 +65,8 @@ class KvfsConnector(RemoteConnector):
         self.config = from_mapping(EngineConfig, extra, prefix="kvfs_")
         self.namespace = self.config.namespace or "lmcache"
         self._prefix = namespaced(self.namespace, "")  # what comes before each chunk's name
+        # _keys's template and the key fields it is for (held: their ids stay theirs)
+        self._last_template: tuple[Any, Any, Any, Any, bytes | None] = (None,) * 5
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         # two clients, one lease holder: kvfs sees one engine (a release by either would
@@ -101,21 +103,23 @@ class KvfsConnector(RemoteConnector):
         1.8 us a key here, most of a 64-key lookup's cost beyond the kvfs call): a plain
         ``CacheEngineKey`` without tags is ``model@world_size@worker_id@<hash hex>@dtype``,
         so its key is a template filled with the chunk hash, made once per run of keys with
-        the same other fields (the same objects: the same text).  Any other key (a subclass,
-        tags, a hash that is not an ``int``) goes through ``to_string``."""
+        the same other fields (the same objects: the same text) and kept for the next call.
+        Any other key (a subclass, tags, a hash that is not an ``int``) goes through
+        ``to_string``."""
+        model, size, worker, dtype, tmpl = self._last_template
         out: list[bytes] = []
-        tmpl: bytes | None = None
-        model = size = worker = dtype = None
+        append = out.append
         for k in keys:
             h = k.chunk_hash
             if type(k) is not CacheEngineKey or type(h) is not int or k.tags is not None:
-                out.append(self._key(k))
+                append(self._key(k))
                 continue
-            if (k.model_name is not model or k.world_size is not size
-                    or k.worker_id is not worker or k.dtype is not dtype):
+            if (k.model_name is not model or k.dtype is not dtype or k.worker_id is not worker
+                    or k.world_size is not size):
                 model, size, worker, dtype = k.model_name, k.world_size, k.worker_id, k.dtype
                 tmpl = self._template(k)
-            out.append(tmpl % h if tmpl is not None else self._key(k))
+                self._last_template = (model, size, worker, dtype, tmpl)
+            append(tmpl % h if tmpl is not None else self._key(k))
         return out
 
     def _template(self, key: CacheEngineKey) -> bytes | None:

@@ -130,6 +130,8 @@ def test_chunk_keys_are_namespace_and_to_string(tcluster: ThreadCluster, tmp_pat
         ]
         want = [b"k%s/ns/" + k.to_string().encode() for k in keys]
         assert conn._keys(keys) == want
+        assert conn._keys(keys[::-1]) == want[::-1]  # again: the last run's template kept
+        assert conn._keys(keys[-1:]) == want[-1:]
         assert [conn._key(k) for k in keys] == want
         assert conn._keys([]) == []
     finally:
