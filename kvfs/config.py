@@ -433,13 +433,18 @@ class MountConfig:
                                   "a close returns once its file is committed)", 0)
     write_behind_files: int = opt("--write-behind: most files (and held deletes of renamed files' "
                                   "old names) held at once", 4096, positive=True)
+    write_behind_delay_s: float = opt("--write-behind: a held file waits up to this long to be "
+                                      "committed with the files closed after it (one batch), "
+                                      "and goes sooner once a full batch (--max-batch-items, "
+                                      "--max-batch) is held, an fsync waits for it or a close "
+                                      "waits for room (0: as soon as a batch can go)", 0.1)
     write_behind_drain_s: float = opt("--write-behind: at unmount, wait this long for held files to "
                                       "be committed; what is not committed by then is lost", 30.0)
 
     def __post_init__(self) -> None:
         for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
                      "kernel_read_ahead_bytes", "negative_timeout_s", "write_behind_bytes",
-                     "write_behind_drain_s"):
+                     "write_behind_drain_s", "write_behind_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
         for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight",
