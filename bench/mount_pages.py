@@ -1,14 +1,16 @@
 """Page files through the FUSE mount vs the async API, the way SGLang's HiCacheFile does it.
 
     python -m kvfs.bench.mount_pages [--pages-128k N] [--pages-2m N] [--threads 8]
-                                     [--writer tofile|write] [--write-behind SIZE]
+                                     [--writer tofile|hicache|write] [--write-behind SIZE]
                                      [--mount-arg=ARG ...]
 
 Starts ``kvfs up`` (3 chunkservers, no GC) in a temp dir and ``kvfs mount`` on it (needs root
 and /dev/fuse), then per page size, in one sitting:
 
 - mount write: each of ``--threads`` threads writes its pages with numpy ``tofile``
-  (``--writer write``: Python's ``open(path, "wb").write(page)`` instead; numpy closes
+  (``--writer hicache``: as SGLang 0.5.23's ``HiCacheFile.set`` does, a stat of the page's
+  name, ``tofile`` to ``.<uuid>.tmp`` in the same directory, then ``os.replace`` onto the
+  name; ``--writer write``: Python's ``open(path, "wb").write(page)`` instead; numpy closes
   its ``FILE*``, the close that commits, holding the GIL, so with ``tofile`` the threads'
   commits go one at a time); then an ``fsync`` of the directory, which waits for the files
   the mount still holds (``--write-behind``; without it there are none), so the rate counts
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -73,6 +76,12 @@ def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str,
         for i in ids:
             if writer == "tofile":
                 pages[i].tofile(names[i])
+            elif writer == "hicache":
+                if os.path.exists(names[i]):
+                    continue
+                tmp = d / f".{uuid.uuid4().hex}.tmp"
+                pages[i].tofile(tmp)
+                os.replace(tmp, names[i])
             else:
                 with open(names[i], "wb") as f:
                     f.write(pages[i].data)
@@ -140,9 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pages-2m", type=int, default=256,
                     help="2 MiB pages (default 256; 0 skips this size)")
     ap.add_argument("--threads", type=int, default=8, help="threads / coroutines (default 8)")
-    ap.add_argument("--writer", choices=("tofile", "write"), default="tofile",
-                    help="how the mount's pages are written: numpy tofile (HiCacheFile's way, the "
-                    "default) or Python's file write")
+    ap.add_argument("--writer", choices=("tofile", "hicache", "write"), default="tofile",
+                    help="how the mount's pages are written: numpy tofile to the page's name (the "
+                    "default), HiCacheFile.set's stat + tofile to a tmp name + os.replace, or "
+                    "Python's file write")
     ap.add_argument("--write-behind", default=None, metavar="SIZE",
                     help="mount with --write-behind SIZE (closes return once held; default off)")
     ap.add_argument("--mount-arg", action="append", default=[], metavar="ARG",

@@ -75,9 +75,10 @@ class Hold:
     """Holds every request of one op in a server's dispatch until :meth:`release`.
 
     Fault injection for ordering: ``arrived`` is set when the first request
-    reaches the server, which then applies nothing of it until released."""
+    reaches the server, which then applies nothing of it until released.  With ``when``,
+    only the requests it accepts are held (the others are answered as usual)."""
 
-    def __init__(self, server: RpcServer, op: Op) -> None:
+    def __init__(self, server: RpcServer, op: Op, when: Callable[[Any], bool] | None = None) -> None:
         self.op = op
         self.arrived = asyncio.Event()
         self._open = asyncio.Event()
@@ -88,6 +89,8 @@ class Hold:
         inner, request_type = server.handlers[int(op)]  # (handler, request type)
 
         async def held(*args: Any) -> Any:
+            if when is not None and not when(args[0]):
+                return await inner(*args)
             self.arrived.set()
             self._inside += 1
             self._empty.clear()

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -25,7 +26,7 @@ from kvfs.chunkserver.durability import fsync_dir
 from kvfs.errors import ServerError
 from kvfs.fs import KVFileSystem
 from kvfs.mount import is_mounted
-from kvfs.rpc import Op
+from kvfs.rpc import RPCS, Op, Service
 
 pytestmark = [pytest.mark.fuse, needs_fuse]
 
@@ -49,33 +50,47 @@ def mounted(tcluster: ThreadCluster, tmp_path: Path, *args: str) -> Iterator[Mou
 
 
 @contextlib.contextmanager
-def commits_held(tcluster: ThreadCluster) -> Iterator[Callable[[BaseException | None], None]]:
-    """Meta holds every COMMIT until the yielded ``release(error=None)`` (with an error each
-    fails with it); afterwards meta commits as before."""
-    assert tcluster.cluster.meta is not None
-    rpc = tcluster.cluster.meta.rpc
-    saved = rpc.handlers[int(Op.COMMIT)]
+def op_held(tcluster: ThreadCluster, op: Op, when: Callable[[Any], bool] | None = None
+            ) -> Iterator[tuple[list[Hold], Callable[[BaseException | None], None]]]:
+    """Every server that answers ``op`` (meta, or each chunkserver) holds its requests (those
+    ``when`` accepts) until the yielded ``release(error=None)`` (with an error each fails
+    with it); afterwards they answer it as before."""
+    if RPCS[op].service == Service.META:
+        assert tcluster.cluster.meta is not None
+        rpcs = [tcluster.cluster.meta.rpc]
+    else:
+        rpcs = [cs.rpc for cs in tcluster.cluster.chunkservers if cs is not None]
+    saved = [rpc.handlers[int(op)] for rpc in rpcs]
 
-    async def install() -> Hold:
-        return Hold(rpc, Op.COMMIT)
+    async def install() -> list[Hold]:
+        return [Hold(rpc, op, when) for rpc in rpcs]
 
-    held = tcluster.call(install())
+    holds = tcluster.call(install())
     released: list[bool] = []
 
     def release(error: BaseException | None = None) -> None:
         if not released:
             released.append(True)
-            tcluster.loop.call_soon_threadsafe(held.release, error)
+            for h in holds:
+                tcluster.loop.call_soon_threadsafe(h.release, error)
 
     try:
-        yield release
+        yield holds, release
     finally:
         release()
 
         async def restore() -> None:
-            rpc.handlers[int(Op.COMMIT)] = saved
+            for rpc, handler in zip(rpcs, saved, strict=True):
+                rpc.handlers[int(op)] = handler
 
         tcluster.call(restore())
+
+
+@contextlib.contextmanager
+def commits_held(tcluster: ThreadCluster) -> Iterator[Callable[[BaseException | None], None]]:
+    """Meta holds every COMMIT until the yielded ``release(error=None)``."""
+    with op_held(tcluster, Op.COMMIT) as (_, release):
+        yield release
 
 
 def _write(path: Path, data: bytes) -> None:
@@ -254,3 +269,79 @@ def test_unmount_waits_for_held_files(tcluster: ThreadCluster, fs: KVFileSystem,
             release(ServerError("injected: the COMMIT sent before the unmount fails"))
         assert not fs.exists("um2/late.bin")
         assert "not committed within 0.2s of unmount are lost" in m.stderr()
+
+
+def test_negative_timeout_sees_a_file_committed_after_a_listing(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """--negative-timeout with --write-behind: a file held while the mount lists its
+    directory anew (so meta's listing lacks it) and committed after that is still found
+    here, with its bytes, once it is no longer held (it was ENOENT until the listing aged)."""
+    data = os.urandom(150_000)
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--negative-timeout", "3s",
+                 "--attr-timeout", "0") as m:
+        d = m.mnt / "nl"
+        d.mkdir()
+        with commits_held(tcluster) as release:
+            _write(d / "x.bin", data)  # held, its COMMIT held at meta
+            with op_held(tcluster, Op.LIST, lambda r: r.prefix == b"nl/") as ([lists], release_lists):
+                # lookups in nl/ until its listing (made at x.bin's lookup) is too old and a
+                # new one goes to meta
+                lists.reached_from_thread(lambda: not (d / "missing").exists(),
+                                          "a new listing of nl/")
+                release_lists(None)
+                tcluster.call(lists.drained())  # meta answered it: no x.bin in it
+            release(None)
+        fsync_dir(d)  # x.bin committed: no longer held
+        assert fs.cat_file("nl/x.bin") == data
+        assert (d / "x.bin").read_bytes() == data
+
+
+def _committed(p: Path) -> None:
+    """fsync of ``p``: its held version committed."""
+    fd = os.open(p, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def test_a_file_renamed_after_its_commit_moves_without_a_read_back(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """HiCacheFile's tmp + os.replace when the tmp's commit came first: the mount moves the
+    bytes it committed (meta's layout of the tmp: same size and CRC) instead of reading them
+    back, so with every chunkserver's READV held the rename still returns; the new name has
+    the bytes, here and elsewhere, and the tmp is gone."""
+    page = np.frombuffer(os.urandom(128 * 1024), dtype=np.uint8)
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--timeout", "5s") as m:
+        d = m.mnt / "rn"
+        d.mkdir()
+        page.tofile(d / ".p.tmp")
+        _committed(d / ".p.tmp")
+        assert fs.cat_file("rn/.p.tmp") == page.tobytes()
+        with op_held(tcluster, Op.READV) as (_, release):
+            os.replace(d / ".p.tmp", d / "p.bin")  # a read back: EIO after --timeout
+            release(None)
+        fsync_dir(d)
+        assert fs.cat_file("rn/p.bin") == page.tobytes()
+        assert not fs.exists("rn/.p.tmp") and _missing(d / ".p.tmp")
+        assert (d / "p.bin").read_bytes() == page.tobytes()
+        assert sorted(os.listdir(d)) == ["p.bin"]
+
+
+def test_a_file_replaced_elsewhere_after_its_commit_is_renamed_with_the_new_bytes(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """The bytes a mount keeps after a commit are never moved by a rename once another
+    client has replaced the file (same size, other bytes: meta's CRC differs): the rename
+    moves what is there now."""
+    ours, theirs = os.urandom(100_000), os.urandom(100_000)
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--attr-timeout", "0") as m:
+        d = m.mnt / "rs"
+        d.mkdir()
+        _write(d / ".q.tmp", ours)
+        _committed(d / ".q.tmp")
+        fs.pipe_file("rs/.q.tmp", theirs)  # another node replaces it
+        os.replace(d / ".q.tmp", d / "q.bin")
+        fsync_dir(d)
+        assert fs.cat_file("rs/q.bin") == theirs
+        assert (d / "q.bin").read_bytes() == theirs
+        assert not fs.exists("rs/.q.tmp")

@@ -103,8 +103,10 @@ class FileIO:
         # --write-behind: closed files held here and committed in batches (off: never used)
         self.wb = WriteBehind(fs.client, config, ttl=fs.ttl, committed=self._behind_committed)
 
-    def _behind_committed(self, path: str) -> None:
-        self.changed(self.table.ino_of(path))  # a layout looked up meanwhile is stale
+    def _behind_committed(self, e: Held) -> None:
+        self.changed(self.table.ino_of(e.path))  # a layout looked up meanwhile is stale
+        if e.pieces is not None:  # in a listing sent while it was held (meta's lacks it)
+            self.made(e.path)
 
     def held(self, path: str) -> Held | None:
         """``path``'s held version (write-behind); FileNotFoundError for a held delete."""
@@ -199,7 +201,8 @@ class FileIO:
             self._listings.popitem(last=False)
 
     def made(self, path: str) -> None:
-        """A name this mount made (create, mkdir, a rename's target) is in its listing."""
+        """A name this mount made (create, mkdir, a rename's target, a held file's commit) is
+        in its listing."""
         if self.config.negative_timeout_s <= 0:
             return
         cap = self.config.negative_listing_keys

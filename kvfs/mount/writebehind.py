@@ -20,6 +20,12 @@ error.  With it:
   being committed.  So the last close's bytes win, as on a disk.
 - **A rename of a held file moves the held bytes** to the new name (no commit, no read
   back), and holds a delete of the old name, ordered like a version of it.
+- **A committed file's bytes stay here while there is room** (they count towards
+  ``write_behind_bytes`` and ``write_behind_files`` and are the first to go when a close
+  needs the room), so that renaming it soon after its commit (HiCacheFile's tmp +
+  ``os.replace``, when the tmp's commit won the race) moves them too, without reading them
+  back, once meta's layout of the old name shows the same size and CRC-32C: the value
+  there is still those bytes.
 - **unlink** drops the held version and waits for one being committed before it deletes,
   so no commit lands after the delete.
 - ``fsync`` of a file, and of a directory (every held file under it), waits for the
@@ -44,6 +50,8 @@ from collections import Counter, OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import crc32c
 
 from kvfs.config import MountConfig
 
@@ -115,12 +123,20 @@ class Held:
         assert self.pieces is not None
         return b"".join(self.pieces)
 
+    def crc(self) -> int:
+        """The CRC-32C of its bytes, as a committed value's layout has it."""
+        assert self.pieces is not None
+        c = 0
+        for p in self.pieces:
+            c = crc32c.crc32c(p, c)
+        return c
+
 
 class WriteBehind:
     """The mount's held files and their committer (see the module docstring)."""
 
     def __init__(self, client: AsyncClient, config: MountConfig, *, ttl: float | None = None,
-                 committed: Callable[[str], None] = lambda path: None) -> None:
+                 committed: Callable[[Held], None] = lambda e: None) -> None:
         self.client = client
         self.ttl = ttl
         self.limit_bytes = config.write_behind_bytes
@@ -134,6 +150,10 @@ class WriteBehind:
         self._bytes = 0  # of everything held, queued or being committed
         self._files = 0
         self._dirs: Counter[str] = Counter()  # held files (not deletes) under each "dir/"
+        # files committed from here, their bytes kept while there is room (oldest first): a
+        # rename soon after moves them without a read back (see the module docstring)
+        self._recent: OrderedDict[str, Held] = OrderedDict()
+        self._recent_bytes = 0
         self._freed = asyncio.Event()  # room was made (a batch ended, a version dropped)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
@@ -183,8 +203,41 @@ class WriteBehind:
 
     # holding ---------------------------------------------------------------------------
     def _fits(self, more_bytes: int, more_files: int) -> bool:
+        self._trim_recent(more_bytes, more_files)  # held files first
         return (self._bytes + more_bytes <= self.limit_bytes
                 and self._files + more_files <= self.limit_files)
+
+    # committed files' bytes, kept for a rename ----------------------------------------------
+    def _trim_recent(self, more_bytes: int = 0, more_files: int = 0) -> None:
+        """Committed files' bytes dropped, oldest first, until held files (and ``more``) and
+        they fit the limits together."""
+        while self._recent and (
+                self._bytes + self._recent_bytes + more_bytes > self.limit_bytes
+                or self._files + len(self._recent) + more_files > self.limit_files):
+            _, e = self._recent.popitem(last=False)
+            self._recent_bytes -= e.nbytes
+
+    def _forget(self, path: str) -> None:
+        e = self._recent.pop(path, None)
+        if e is not None:
+            self._recent_bytes -= e.nbytes
+
+    def _keep(self, e: Held) -> None:
+        """``e`` committed: its bytes kept, unless a newer version of its path is held."""
+        self._forget(e.path)
+        if e.pieces is None or self.get(e.path) is not None or self._closed:
+            return
+        self._recent[e.path] = e
+        self._recent_bytes += e.nbytes
+        self._trim_recent()
+
+    def kept(self, path: str, size: int, crc: int) -> Held | None:
+        """The bytes this mount last committed as ``path``, if still kept and if they are
+        the value of that size and CRC-32C (meta's layout of ``path`` now); else None."""
+        e = self._recent.get(path)
+        if e is None or e.nbytes != size or e.crc() != crc:
+            return None
+        return e
 
     async def _room(self) -> None:
         """Wait until a batch ends or a held version is dropped."""
@@ -216,6 +269,7 @@ class WriteBehind:
 
     def _add(self, e: Held) -> None:
         """``e`` queued as its path's newest version (replacing a queued one: never sent)."""
+        self._forget(e.path)
         old = self._queue.get(e.path)
         if old is not None:
             self._count(old, -1)
@@ -224,12 +278,13 @@ class WriteBehind:
         self._count(e, 1)
         self._pump()
 
-    async def rename(self, src: str, dst: str) -> bool:
+    async def rename(self, src: str, dst: str, kept: Held | None = None) -> bool:
         """A held file ``src`` renamed to ``dst``: its bytes held as ``dst`` (replacing a
-        held version of it), and a delete of ``src`` held.  False: ``src`` is not a held
-        file (rename it in the cluster)."""
+        held version of it), and a delete of ``src`` held.  ``kept``: ``src``'s bytes kept
+        after its commit (:meth:`kept`), moved the same way when ``src`` has no
+        held version.  False: ``src`` is not a held file (rename it in the cluster)."""
         while True:
-            e = self.get(src)
+            e = self.get(src) or kept
             if e is None or e.pieces is None or self._closed:
                 return False
             queued = self._queue.get(src) is e
@@ -253,6 +308,7 @@ class WriteBehind:
     async def drop(self, path: str) -> None:
         """``path`` unlinked (or about to be replaced): its queued version is never sent,
         and one being committed is waited for (whatever its outcome)."""
+        self._forget(path)
         e = self._queue.pop(path, None)
         if e is not None:
             self._count(e, -1)
@@ -262,6 +318,7 @@ class WriteBehind:
         s = self._sent.get(path)
         if s is not None:
             await asyncio.wait([s.done])
+            self._forget(path)
 
     async def sync(self, path: str) -> None:
         """Wait for the commit of ``path``'s held versions; raise if it failed."""
@@ -292,6 +349,8 @@ class WriteBehind:
         except TimeoutError:
             pass
         self._closed = True
+        self._recent.clear()
+        self._recent_bytes = 0
         lost = [e for e in itertools.chain(self._queue.values(), self._sent.values())
                 if e.pieces is not None]
         for task in list(self._tasks):
@@ -381,7 +440,8 @@ class WriteBehind:
         if err is None:
             self.committed += 1
             e.done.set_result(None)
-            self._committed(e.path)
+            self._keep(e)
+            self._committed(e)
             return
         if e.pieces is not None and not isinstance(err, asyncio.CancelledError):
             self.failed += 1

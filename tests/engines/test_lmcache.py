@@ -72,7 +72,9 @@ def test_storage_manager_round_trip_bit_exact(tcluster: ThreadCluster, tmp_path:
             while len(kv.list(b"rt/")) < len(keys):
                 assert time.monotonic() < deadline, "puts did not reach kvfs"
                 time.sleep(0.05)
-            assert len(kv.list(b"rt/")) == len(keys)
+            # one value per chunk, named as before: namespace/ + LMCache's to_string()
+            assert {i.key for i in kv.list(b"rt/")} == {b"rt/" + k.to_string().encode()
+                                                       for k in keys}
         remote = find_remote_backend(sm)
         assert remote is not None
         conn = remote.connection._connector  # inside LMCache's InstrumentedRemoteConnector
@@ -93,6 +95,45 @@ def test_storage_manager_round_trip_bit_exact(tcluster: ThreadCluster, tmp_path:
         assert got is not None and [bytes(g.byte_array) for g in got] == want  # bit-exact
         for g in got:
             g.ref_count_down()
+    finally:
+        sm.close()
+
+
+def test_chunk_keys_are_namespace_and_to_string(tcluster: ThreadCluster, tmp_path: Path) -> None:
+    """The connector builds a batch's kvfs keys from a template per run of keys (not
+    ``to_string`` per key); every kind of LMCache key still gets ``namespace/`` +
+    ``to_string()``, byte for byte: runs of keys of other models, workers, world sizes and
+    dtypes interleaved, odd model names, hashes that are negative or bytes, tags, layer keys."""
+    from lmcache.utils import CacheEngineKey, LayerCacheEngineKey
+
+    sm, _metadata = storage_manager(config_file(tmp_path, tcluster, kvfs_namespace="k%s/ns"))
+    try:
+        remote = find_remote_backend(sm)
+        assert remote is not None
+        conn = remote.connection._connector
+        big = int("1" * 40)  # world sizes equal in value, not the same int object
+        keys: list[Any] = []
+        for i in range(3):
+            for model in (MODEL, "m%x@y/ü", MODEL + "%%"):
+                for ws, worker in ((8, 0), (8, 3), (big, 1), (int(str(big)), 1)):
+                    for dtype in (torch.bfloat16, torch.float16):
+                        keys.append(CacheEngineKey(model, ws, worker, 0xABC << (20 * i), dtype))
+        keys += [
+            CacheEngineKey(MODEL, 8, 0, -0x1F, torch.bfloat16),
+            CacheEngineKey(MODEL, 8, 0, 0, torch.bfloat16),
+            CacheEngineKey(MODEL, 8, 0, b"\x00\x01ab", torch.bfloat16),
+            CacheEngineKey(MODEL, 8, 0, 7, torch.bfloat16,
+                           request_configs={"lmcache.tag.user": "a%b", "other": 1}),
+            CacheEngineKey(MODEL, 8, 0, True, torch.bfloat16),
+            LayerCacheEngineKey(MODEL, 8, 0, 0x5A, torch.bfloat16, layer_id=3),
+            create_test_key(MODEL, "after"),
+        ]
+        want = [b"k%s/ns/" + k.to_string().encode() for k in keys]
+        assert conn._keys(keys) == want
+        assert conn._keys(keys[::-1]) == want[::-1]  # again: the last run's template kept
+        assert conn._keys(keys[-1:]) == want[-1:]
+        assert [conn._key(k) for k in keys] == want
+        assert conn._keys([]) == []
     finally:
         sm.close()
 

@@ -158,6 +158,8 @@ def test_store_lookup_promote_bit_exact_across_engines(tcluster: ThreadCluster) 
         tier = kvfs_tier(a)
         with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:  # in kvfs, as stored
             assert kv.get_many([tier.kvfs_key(k) for k in keys]) == [want[k] for k in keys]
+            names = [f"{tier.namespace}/{bytes(k).hex()}".encode() for k in keys]
+            assert tier.kvfs_keys(keys) == [tier.kvfs_key(k) for k in keys] == names
 
         # another engine with the same layout: its lookups find the chunks in kvfs, promote
         # them into its own CPU tier, and its reads see the same bytes
