@@ -45,6 +45,28 @@ def test_rename_moves_a_tree_and_replaces_the_target() -> None:
     assert t.ino_of("a/b") is None and t.is_unlinked(old)
 
 
+def test_rename_of_a_file_moves_it_alone_and_trees_move_whole_after_forgets() -> None:
+    """The per-directory counts that spare a file's rename the scan of every known path
+    stay right through renames, forgets and unlinks (a name may be a file and a prefix)."""
+    t = InodeTable()
+    f, sib, other = t.remember("d/f"), t.remember("d/f2"), t.remember("df")
+    t.renamed("d/f", "d/g")
+    assert (t.ino_of("d/g"), t.ino_of("d/f2"), t.ino_of("df")) == (f, sib, other)
+    assert t.ino_of("d/f") is None
+    x = t.remember("d/g/x")
+    t.forget(sib, 1)
+    t.detach("df")
+    t.renamed("d", "e")
+    assert (t.ino_of("e/g"), t.ino_of("e/g/x"), t.path(x)) == (f, x, "e/g/x")
+    assert t.children("e/") == [("g", f)] and t.ino_of("d/g/x") is None
+    t.renamed("e/g", "e/h")
+    assert (t.ino_of("e/h"), t.ino_of("e/h/x")) == (f, x)
+    y = t.remember("e/y")
+    t.renamed("e/y", "e/h")  # over a name with a path under it: both replaced
+    assert t.ino_of("e/h") == y and t.ino_of("e/h/x") is None
+    assert t.is_unlinked(f) and t.is_unlinked(x)
+
+
 def test_split_batches() -> None:
     assert split_batches([], max_items=3, max_bytes=10) == []
     runs = split_batches([4, 4, 4, 20, 1, 1, 1, 1], max_items=3, max_bytes=10)

@@ -74,6 +74,9 @@ class InodeTable:
     def __init__(self) -> None:
         self._paths: dict[int, str] = {ROOT_INODE: ""}
         self._inos: dict[str, int] = {"": ROOT_INODE}
+        # how many known paths lie under each "dir/": a rename of a file (nothing under it)
+        # moves one entry instead of scanning every known path
+        self._under: dict[str, int] = {}
         self._lookups: dict[int, int] = {}
         self._unlinked: set[int] = set()
         self._next_ino = ROOT_INODE + 1
@@ -100,9 +103,38 @@ class InodeTable:
         if ino is None:
             ino = self._next_ino
             self._next_ino += 1
-            self._inos[path] = ino
+            self._link(path, ino)
             self._paths[ino] = path
         return ino
+
+    def _link(self, path: str, ino: int) -> None:
+        self._inos[path] = ino
+        self._count_under(path, 1)
+
+    def _unlink_path(self, path: str) -> int | None:
+        ino = self._inos.pop(path, None)
+        if ino is not None:
+            self._count_under(path, -1)
+        return ino
+
+    def _count_under(self, path: str, n: int) -> None:
+        under = self._under
+        i = path.find("/")
+        while i >= 0:
+            d = path[: i + 1]
+            left = under.get(d, 0) + n
+            if left:
+                under[d] = left
+            else:
+                del under[d]
+            i = path.find("/", i + 1)
+
+    def _tree(self, path: str) -> list[str]:
+        """``path`` and the known paths under it."""
+        out = [path] if path in self._inos else []
+        if self._under.get(path + "/"):
+            out += [p for p in self._inos if p.startswith(path + "/")]
+        return out
 
     def remember(self, path: str) -> int:
         """The inode for ``path``, its lookup count raised: the kernel now knows it."""
@@ -113,7 +145,7 @@ class InodeTable:
     def relink(self, path: str) -> int:
         """``path`` created anew: a fresh inode if its old one was unlinked; remembered."""
         if path in self._inos and self._inos[path] in self._unlinked:
-            self._inos.pop(path)
+            self._unlink_path(path)
         ino = self.remember(path)
         self._unlinked.discard(ino)
         return ino
@@ -136,25 +168,25 @@ class InodeTable:
         path = self._paths.pop(ino, None)
         self._unlinked.discard(ino)
         if path is not None and self._inos.get(path) == ino:
-            del self._inos[path]
+            self._unlink_path(path)
 
     def detach(self, path: str) -> None:
         """``path`` no longer names its inode (unlinked or replaced)."""
-        ino = self._inos.pop(path, None)
+        ino = self._unlink_path(path)
         if ino is not None:
             self._unlinked.add(ino)
             self.maybe_drop(ino)
 
     def renamed(self, src: str, dst: str) -> None:
         """``src`` (a file, or a directory and everything under it) is now ``dst``."""
-        for path in [p for p in self._inos if p == dst or p.startswith(dst + "/")]:
+        for path in self._tree(dst):
             self.detach(path)
-        moved = [(p, i) for p, i in self._inos.items() if p == src or p.startswith(src + "/")]
+        moved = [(p, self._inos[p]) for p in self._tree(src)]
         for p, _ in moved:
-            del self._inos[p]
+            self._unlink_path(p)
         for p, i in moved:
             q = dst + p[len(src):]
-            self._inos[q] = i
+            self._link(q, i)
             self._paths[i] = q
 
     def children(self, prefix: str) -> list[tuple[str, int]]:
