@@ -144,8 +144,10 @@ async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvfs.bench.mount_pages", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pages-128k", type=int, default=2048, help="128 KiB pages (default 2048)")
-    ap.add_argument("--pages-2m", type=int, default=256, help="2 MiB pages (default 256)")
+    ap.add_argument("--pages-128k", type=int, default=2048,
+                    help="128 KiB pages (default 2048; 0 skips this size)")
+    ap.add_argument("--pages-2m", type=int, default=256,
+                    help="2 MiB pages (default 256; 0 skips this size)")
     ap.add_argument("--threads", type=int, default=8, help="threads / coroutines (default 8)")
     ap.add_argument("--writer", choices=("tofile", "hicache", "write"), default="tofile",
                     help="how the mount's pages are written: numpy tofile to the page's name (the "
@@ -156,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mount-arg", action="append", default=[], metavar="ARG",
                     help="an argument for `kvfs mount` (repeat), e.g. --mount-arg=--negative-timeout=1s")
     ns = ap.parse_args(argv)
+    if min(ns.pages_128k, ns.pages_2m) < 0 or ns.threads < 1:
+        ap.error("--pages-128k and --pages-2m must not be negative, --threads at least 1")
     if ns.write_behind is not None:
         ns.mount_arg.append(f"--write-behind={ns.write_behind}")
     root = Path(tempfile.mkdtemp(prefix="kvfs-mount-pages-"))
@@ -181,6 +185,8 @@ def main(argv: list[str] | None = None) -> int:
         _wait(lambda: is_mounted(str(mnt)) or mnt_proc.poll() is not None, 30, "the mount")
         rows = []
         for label, n, size in (("128 KiB", ns.pages_128k, 128 * 1024), ("2 MiB", ns.pages_2m, 2 << 20)):
+            if not n:  # skipped (there is no page to time)
+                continue
             pages = _pages(n, size)
             tag = label.replace(" ", "")
             mc, mw, mr = mount_round(mnt, pages, ns.threads, "m" + tag, ns.writer)
@@ -204,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         if up is not None and up.poll() is None:
             up.send_signal(signal.SIGTERM)
             up.wait(60)
+        if up is not None and up.stdout is not None:
+            up.stdout.close()
         shutil.rmtree(root, ignore_errors=True)
     return 0
 

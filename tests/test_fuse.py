@@ -276,6 +276,25 @@ def test_hicache_style_pages(mnt: Path, fs: KVFileSystem) -> None:
     assert not fs.exists("hicache")
 
 
+@needs_fuse
+@pytest.mark.parametrize(("sizes", "rows"), [
+    (["--pages-128k", "24", "--pages-2m", "0"], ["128 KiB"]),
+    (["--pages-128k", "0", "--pages-2m", "6"], ["2 MiB"]),
+])
+def test_mount_pages_bench_runs_each_size_asked_for(capsys: pytest.CaptureFixture[str],
+                                                    sizes: list[str], rows: list[str]) -> None:
+    """bench/mount_pages.py on its own cluster and mount: page files written and read back
+    through the mount (every byte checked, or it exits) and through the API; a size of 0
+    pages is skipped (it raised IndexError), a negative one refused."""
+    from kvfs.bench import mount_pages
+
+    assert mount_pages.main([*sizes, "--threads", "3"]) == 0
+    out = capsys.readouterr().out
+    assert [line.split(" | ")[0].strip("| ") for line in out.splitlines()[2:]] == rows
+    with pytest.raises(SystemExit):
+        mount_pages.main(["--pages-2m", "-1"])
+
+
 # fio ------------------------------------------------------------------------------
 def _fio(directory: Path, out: Path, *args: str) -> dict[str, Any]:
     res = subprocess.run(["fio", "--ioengine=psync", "--iodepth=1", f"--directory={directory}",
