@@ -667,7 +667,7 @@ async def test_held_closes_share_commits(kv: AsyncClient) -> None:
     from kvfs.config import MountConfig
     from kvfs.mount.writebehind import WriteBehind
 
-    wb = WriteBehind(kv, MountConfig(write_behind_bytes=1 << 20))
+    wb = WriteBehind(kv, MountConfig(write_behind_bytes=1 << 20, write_behind_delay_s=0))
     for i in range(300):
         assert await wb.hold(f"hb/{i}", str(i).encode(), len(str(i)))
     assert await wb.hold("hb/7", b"seven", 5)  # replaces the queued version of hb/7
