@@ -411,6 +411,10 @@ class MountConfig:
                                  "each)", 2, positive=True)
     looked_up_layouts: int = opt("layouts of recently looked-up files kept for their first read "
                                  "(within --attr-timeout)", 4096)
+    page_cache_files: int = opt("files whose pages the kernel may keep cached between opens: a "
+                                "read-only open keeps them when its LOOKUP found the value those "
+                                "pages were read from (the same layout) and no other open of the "
+                                "file here reads another (0: every open drops them)", 4096)
     kernel_read_ahead_bytes: int = opt("the kernel's read-ahead for the mount (its "
                                        "/sys/class/bdi/*/read_ahead_kb, set when permitted; 0 "
                                        "leaves the kernel's 128 KiB): a large file's reads reach "
@@ -438,7 +442,7 @@ class MountConfig:
 
     def __post_init__(self) -> None:
         for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
-                     "kernel_read_ahead_bytes", "negative_timeout_s", "write_behind_bytes",
+                     "page_cache_files", "kernel_read_ahead_bytes", "negative_timeout_s", "write_behind_bytes",
                      "write_behind_drain_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
