@@ -409,7 +409,7 @@ class MountConfig:
     batches_in_flight: int = opt("batches of reads, and of closes, running at once; more wait in "
                                  "line (held in memory: about batches-in-flight x batch-bytes "
                                  "each)", 2, positive=True)
-    looked_up_layouts: int = opt("layouts of recently looked-up files kept for their first read "
+    looked_up_layouts: int = opt("layouts of recently looked-up files kept for their open or first read "
                                  "(within --attr-timeout)", 4096)
     page_cache_files: int = opt("files whose pages the kernel may keep cached between opens: a "
                                 "read-only open keeps them when its LOOKUP found the value those "

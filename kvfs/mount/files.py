@@ -15,11 +15,13 @@ Memory per open file is bounded whatever the file's size:
   of the file, e.g. a forked child's) commits what was written so far, as on a
   small file.  Writing on after that streams the committed part again (read back
   from the cluster) ahead of the new bytes: correct, at the cost of a copy.
-- **Reading.** The first read pins the value's layout (a lookup batched with other
-  files' first reads) and each read fetches the stripe units it overlaps, batched
-  across files, and answers from them without a copy; a sequential reader gets
-  ``read_ahead_units`` units fetched ahead.  An open file keeps at most
-  ``read_ahead_units + 2`` units.
+- **Reading.** A read-only open soon after the kernel's LOOKUP pins the layout that
+  lookup fetched, and keeps the kernel's cached pages of the file when they were read
+  from that very value (``opened``; at most ``page_cache_files`` inodes remembered);
+  otherwise the first read pins the value's layout (a lookup batched with other files'
+  first reads).  Each read fetches the stripe units it overlaps, batched across files,
+  and answers from them without a copy; a sequential reader gets ``read_ahead_units``
+  units fetched ahead.  An open file keeps at most ``read_ahead_units + 2`` units.
 - **Closes share commits** as reads share batches: the small files closed while
   earlier commits are in flight go out together, one ``put_many``.  With
   ``--write-behind`` a close hands the file to :mod:`kvfs.mount.writebehind` instead
