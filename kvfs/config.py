@@ -409,8 +409,12 @@ class MountConfig:
     batches_in_flight: int = opt("batches of reads, and of closes, running at once; more wait in "
                                  "line (held in memory: about batches-in-flight x batch-bytes "
                                  "each)", 2, positive=True)
-    looked_up_layouts: int = opt("layouts of recently looked-up files kept for their first read "
+    looked_up_layouts: int = opt("layouts of recently looked-up files kept for their open or first read "
                                  "(within --attr-timeout)", 4096)
+    page_cache_files: int = opt("files whose pages the kernel may keep cached between opens: a "
+                                "read-only open keeps them when its LOOKUP found the value those "
+                                "pages were read from (the same layout) and no other open of the "
+                                "file here reads another (0: every open drops them)", 4096)
     kernel_read_ahead_bytes: int = opt("the kernel's read-ahead for the mount (its "
                                        "/sys/class/bdi/*/read_ahead_kb, set when permitted; 0 "
                                        "leaves the kernel's 128 KiB): a large file's reads reach "
@@ -443,7 +447,7 @@ class MountConfig:
 
     def __post_init__(self) -> None:
         for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
-                     "kernel_read_ahead_bytes", "negative_timeout_s", "write_behind_bytes",
+                     "page_cache_files", "kernel_read_ahead_bytes", "negative_timeout_s", "write_behind_bytes",
                      "write_behind_drain_s", "write_behind_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
