@@ -424,8 +424,8 @@ class MountConfig:
                                     "long ago is answered as missing without asking meta (the "
                                     "listing is made in the background, at most once per directory "
                                     "and period); so another node's new file there can stay hidden "
-                                    "this long, and O_EXCL may not see it (0: every lookup asks "
-                                    "meta)", 0.0)
+                                    "from lookups this long (a create with O_EXCL, or without "
+                                    "O_TRUNC, asks meta) (0: every lookup asks meta)", 0.0)
     negative_listing_keys: int = opt("--negative-timeout: most keys one directory's listing holds (a "
                                      "larger directory is not listed again for a minute, and its "
                                      "lookups ask meta)", 4096, positive=True)

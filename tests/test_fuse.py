@@ -171,6 +171,42 @@ def test_negative_timeout_hides_others_new_files_at_most_that_long(
 
 
 @needs_fuse
+def test_negative_timeout_still_sees_others_files_for_o_excl_and_writes_in_place(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """With --negative-timeout another node's new file can look missing here, but a create
+    that depends on it asks meta: O_EXCL fails with EEXIST (and leaves it as it is), and a
+    create without O_TRUNC writes into its bytes, as an open of it would."""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--negative-timeout", "60s",
+              "--attr-timeout", "0")
+    try:
+        d = m.mnt / "ex"
+        d.mkdir()
+        made: list[Path] = []
+
+        def hidden() -> bool:  # once the mount has a listing of ex/: a name made after it
+            made.append(m.mnt / f"ex/other{len(made)}")
+            fs.pipe_file(str(made[-1].relative_to(m.mnt)), b"elsewhere")
+            return not made[-1].exists()
+
+        wait_until(hidden, 30, "a listing of ex/ to hide a file made after it")
+        late = made[-1]
+        fs.pipe_file("ex/kept.bin", b"elsewhere")
+        assert not (d / "kept.bin").exists()  # hidden too
+        with pytest.raises(FileExistsError):
+            os.open(late, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        fd = os.open(d / "kept.bin", os.O_CREAT | os.O_WRONLY)
+        try:
+            os.write(fd, b"E")
+        finally:
+            os.close(fd)
+        assert fs.cat_file("ex/kept.bin") == b"Elsewhere"
+        assert (d / "kept.bin").read_bytes() == b"Elsewhere"
+        assert fs.cat_file(str(late.relative_to(m.mnt))) == b"elsewhere"
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
 def test_append_to_existing_file_is_eopnotsupp(mnt: Path, fs: KVFileSystem) -> None:
     (mnt / "app").mkdir()
     with open(mnt / "app" / "new", "ab") as f:  # a new file may be opened for append

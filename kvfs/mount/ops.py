@@ -230,12 +230,34 @@ class KVFSOperations(Operations):
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
                      ctx: pyfuse3.RequestContext) -> tuple[pyfuse3.FileInfo, pyfuse3.EntryAttributes]:
         path = self._child(parent_inode, name)
+        found = None
+        if (self.io.config.negative_timeout_s > 0 and flags & (os.O_EXCL | os.O_TRUNC) != os.O_TRUNC
+                and self.io.wb.get(path) is None):
+            # the kernel's LOOKUP may have been answered from a listing (--negative-timeout),
+            # which may miss another node's new file: where that matters (O_EXCL, or keeping
+            # the bytes of an existing file) meta says
+            found = await self._info_at_meta(path)
+        if found is not None:
+            if flags & os.O_EXCL:
+                raise pyfuse3.FUSEError(errno.EEXIST)
+            if found["type"] == "directory":
+                raise pyfuse3.FUSEError(errno.EISDIR)
+            if flags & os.O_APPEND:
+                raise OSError(errno.EOPNOTSUPP, "kvfs values are immutable: append to an existing file")
         ino = self.table.relink(path)
         self.io.made(path)
         self.io.writing(ino)
+        if found is not None:  # opened as the existing file it is (read when first written)
+            fh = self.table.open(Handle(ino, writable=True))
+            return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(ino, found)
         fh = self.table.open(Handle(ino, writable=True, data=bytearray(), dirty=True))
         info = {"name": path, "size": 0, "type": "file", "created": time.time()}
         return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(ino, info)
+
+    @_op
+    async def _info_at_meta(self, path: str) -> Info | None:
+        """``path``'s info from meta itself (no listing), None when it has none."""
+        return await self._info_or_none(path)
 
     @_op
     async def read(self, fh: int, off: int, size: int) -> bytes | memoryview:  # type: ignore[override]
