@@ -281,7 +281,7 @@ class FileIO:
         common case, no other open of the file here, is never direct."""
         ino = h.ino
         others = self.table.handles_of(ino)
-        cached = [o for o in others if not o.writable and not o.direct]  # read through pages
+        cached = [o for o in others if not o.writable and not o.direct] if others else ()
         reader = self._recent(ino)
         if (reader is None or self.wb.get(self.table.path(ino)) is not None
                 or any(o.writable for o in others)):
