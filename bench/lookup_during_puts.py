@@ -1,20 +1,33 @@
-"""Meta's lookup latency while other clients put: what a commit's sync costs the readers.
+"""Meta's lookup latency while other clients put, delete or run GC: what meta's syncs cost the readers.
 
-``python -m kvfs.bench.lookup_during_puts [--seconds 5] [--writers 1] [--iodepth 4]
-[--batch 128] [--bs 4096]`` (from a tree whose kvfs lacks this module: ``python
-PATH/bench/lookup_during_puts.py``) starts a process cluster (``kvfs meta`` and 3
-chunkservers, each its own process, default ``--fsync batch``), fills 1,000 keys, then
-runs two phases of ``--seconds`` each and prints one JSON line:
+``python -m kvfs.bench.lookup_during_puts [--during puts|delete|gc] [--seconds 5]
+[--writers 1] [--iodepth 4] [--batch 128] [--bs 4096] [--prefill 100000]`` (from a tree
+whose kvfs lacks this module: ``python PATH/bench/lookup_during_puts.py``) starts a
+process cluster (``kvfs meta`` and 3 chunkservers, each its own process, default
+``--fsync batch``), fills 1,000 keys, then runs two phases of ``--seconds`` each and
+prints one JSON line:
 
 - ``idle``: this process calls ``exists_many`` on one key at a time (a present key or a
   missing one, alternately), one call in flight, and records each call's latency;
-- ``puts``: the same, while ``--writers`` other processes each run ``--iodepth``
-  coroutines of ``put_many`` of ``--batch`` fresh keys of ``--bs`` bytes (the writers'
-  keys/s is reported beside).
+- the ``--during`` phase (its figures under that name): the same, while ``--writers``
+  other processes each load meta:
+
+  - ``puts``: ``--iodepth`` coroutines of ``put_many`` of ``--batch`` fresh keys of
+    ``--bs`` bytes;
+  - ``delete``: each writer first puts ``--prefill`` keys of ``--bs`` bytes (before the
+    phase), then ``--iodepth`` coroutines ``delete_many`` them, ``--batch`` at a time
+    (a writer that runs out of keys stops early: ``load_s`` says how long the load ran);
+  - ``gc``: the churn of ``kvfs bench --gc`` (``kvfs.bench.gcbench.churn``: rate-limited
+    overwrites and expiring puts, 16 MiB/s of 16 KiB values) with GC passes back to back
+    (``grace_s=0``: expire, evict, compact, delete chunks, report), in that process,
+    with the admin token.
+
+  The writers' keys/s (put or deleted) is reported beside, and for ``gc`` the passes run.
 
 Each EXISTS is one RPC to meta (no cache on the client), so its latency is meta's
-queueing behind whatever its event loop is doing: with commits synced on the loop, a
-commit group's WAL fsync; with the sync in a thread, only the group's write.
+queueing behind whatever its event loop is doing: a sync on the loop (a commit group's,
+a DELETE's, a GC transaction's) holds every lookup that arrives meanwhile; a sync in
+meta's sync thread holds none, only the transaction's write.
 """
 
 from __future__ import annotations
@@ -34,19 +47,26 @@ from kvfs.client import AsyncClient
 from kvfs.launcher import ProcessCluster
 
 
-def _writer(addr: str, token: str, seconds: float, iodepth: int, batch: int, bs: int, wid: int,
-            out: Any, go: Any) -> None:
-    async def main() -> int:
+def _writer(addr: str, token: str, mode: str, seconds: float, iodepth: int, batch: int, bs: int,
+            prefill: int, wid: int, out: Any, go: Any) -> None:
+    async def main() -> dict[str, Any]:
         done = 0
         value = os.urandom(bs)
         async with AsyncClient(addr, token=token) as kv:
             await kv.put_many([(f"w{wid}-warm".encode(), value)])
+            doomed: list[bytes] = []
+            if mode == "delete":
+                doomed = [f"w{wid}-d{i}".encode() for i in range(prefill)]
+                for lo in range(0, prefill, 1024):
+                    await kv.put_many([(k, value) for k in doomed[lo:lo + 1024]])
             out.put("ready")
             await asyncio.to_thread(go.wait, 120)
-            end = time.monotonic() + seconds
+            t0 = time.monotonic()
+            end = t0 + seconds
             seq = 0
+            extra: dict[str, Any] = {}
 
-            async def one() -> None:
+            async def put() -> None:
                 nonlocal done, seq
                 while time.monotonic() < end:
                     seq += 1
@@ -54,8 +74,29 @@ def _writer(addr: str, token: str, seconds: float, iodepth: int, batch: int, bs:
                     await kv.put_many([(k, value) for k in keys])
                     done += batch
 
-            await asyncio.gather(*(one() for _ in range(iodepth)))
-        return done
+            async def delete() -> None:
+                nonlocal done, seq
+                while time.monotonic() < end and seq < len(doomed):
+                    keys = doomed[seq:seq + batch]
+                    seq += batch
+                    n = await kv.delete_many(keys)  # (not `done += await`: that adds to a stale read)
+                    done += n
+
+            if mode == "gc":
+                from kvfs.bench.gcbench import ChurnOptions, churn
+
+                stop = asyncio.Event()
+                task = asyncio.ensure_future(churn(addr, token, ChurnOptions(), stop))
+                await asyncio.sleep(seconds)
+                stop.set()
+                st = await task
+                done = st.puts
+                extra = {"gc_passes": st.passes, "expired_keys": st.totals["expired_keys"],
+                         "chunks_compacted": st.totals["chunks_compacted"],
+                         "chunks_deleted": st.totals["chunks_deleted"]}
+            else:
+                await asyncio.gather(*((put if mode == "puts" else delete)() for _ in range(iodepth)))
+        return {"keys": done, "load_s": time.monotonic() - t0, **extra}
 
     out.put(asyncio.run(main()))
 
@@ -92,33 +133,45 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 idle = await probe(kv, args.seconds)
                 ctx = multiprocessing.get_context("spawn")
                 q, go = ctx.Queue(), ctx.Event()
-                procs = [ctx.Process(target=_writer, args=(cluster.addr, cluster.token, args.seconds,
-                                                           args.iodepth, args.batch, args.bs, w, q, go))
+                token = cluster.admin_token if args.during == "gc" else cluster.token  # (GC: the admin's)
+                procs = [ctx.Process(target=_writer, args=(cluster.addr, token, args.during, args.seconds,
+                                                           args.iodepth, args.batch, args.bs, args.prefill,
+                                                           w, q, go))
                          for w in range(args.writers)]
                 for p in procs:
                     p.start()
-                for _ in procs:  # each connected and has put once
-                    assert await asyncio.to_thread(q.get, True, 120) == "ready"
+                for _ in procs:  # each connected and has put once (delete: its keys)
+                    assert await asyncio.to_thread(q.get, True, 600) == "ready"
                 go.set()
                 busy = await probe(kv, args.seconds)
-                keys = 0
-                for _ in procs:
-                    keys += await asyncio.to_thread(q.get, True, 120)
+                loads = [await asyncio.to_thread(q.get, True, 120) for _ in procs]
                 for p in procs:
                     await asyncio.to_thread(p.join, 60)
         finally:
             await cluster.stop()
-    return {"idle": summary(idle), "puts": summary(busy), "writer_keys_per_s": round(keys / args.seconds),
-            "writers": args.writers, "iodepth": args.iodepth, "batch": args.batch, "bs": args.bs}
+    load_s = max(x["load_s"] for x in loads)
+    out: dict[str, Any] = {"during": args.during, "idle": summary(idle), args.during: summary(busy),
+                           "writer_keys_per_s": round(sum(x["keys"] for x in loads) / load_s),
+                           "load_s": round(load_s, 2)}
+    for k in ("gc_passes", "expired_keys", "chunks_compacted", "chunks_deleted"):
+        if k in loads[0]:
+            out[k] = sum(x[k] for x in loads)
+    return {**out, "writers": args.writers, "iodepth": args.iodepth, "batch": args.batch, "bs": args.bs}
+
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--during", choices=("puts", "delete", "gc"), default="puts",
+                    help="what the writer processes do while lookups are timed (default puts)")
     ap.add_argument("--seconds", type=float, default=5.0, help="length of each phase (default 5)")
     ap.add_argument("--writers", type=int, default=1, help="writer processes (default 1)")
-    ap.add_argument("--iodepth", type=int, default=4, help="put_many calls in flight per writer (default 4)")
-    ap.add_argument("--batch", type=int, default=128, help="keys per put_many (default 128)")
+    ap.add_argument("--iodepth", type=int, default=4,
+                    help="put_many/delete_many calls in flight per writer (default 4)")
+    ap.add_argument("--batch", type=int, default=128, help="keys per put_many/delete_many (default 128)")
     ap.add_argument("--bs", type=int, default=4096, help="value bytes (default 4096)")
+    ap.add_argument("--prefill", type=int, default=100_000,
+                    help="--during delete: keys each writer puts first, then deletes (default 100000)")
     args = ap.parse_args()
     print(json.dumps(asyncio.run(run(args))), flush=True)
 

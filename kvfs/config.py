@@ -409,8 +409,12 @@ class MountConfig:
     batches_in_flight: int = opt("batches of reads, and of closes, running at once; more wait in "
                                  "line (held in memory: about batches-in-flight x batch-bytes "
                                  "each)", 2, positive=True)
-    looked_up_layouts: int = opt("layouts of recently looked-up files kept for their first read "
+    looked_up_layouts: int = opt("layouts of recently looked-up files kept for their open or first read "
                                  "(within --attr-timeout)", 4096)
+    page_cache_files: int = opt("files whose pages the kernel may keep cached between opens: a "
+                                "read-only open keeps them when its LOOKUP found the value those "
+                                "pages were read from (the same layout) and no other open of the "
+                                "file here reads another (0: every open drops them)", 4096)
     kernel_read_ahead_bytes: int = opt("the kernel's read-ahead for the mount (its "
                                        "/sys/class/bdi/*/read_ahead_kb, set when permitted; 0 "
                                        "leaves the kernel's 128 KiB): a large file's reads reach "
@@ -433,13 +437,18 @@ class MountConfig:
                                   "a close returns once its file is committed)", 0)
     write_behind_files: int = opt("--write-behind: most files (and held deletes of renamed files' "
                                   "old names) held at once", 4096, positive=True)
+    write_behind_delay_s: float = opt("--write-behind: a held file waits up to this long to be "
+                                      "committed with the files closed after it (one batch), "
+                                      "and goes sooner once a full batch (--max-batch-items, "
+                                      "--max-batch) is held, an fsync waits for it or a close "
+                                      "waits for room (0: as soon as a batch can go)", 0.1)
     write_behind_drain_s: float = opt("--write-behind: at unmount, wait this long for held files to "
                                       "be committed; what is not committed by then is lost", 30.0)
 
     def __post_init__(self) -> None:
         for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
-                     "kernel_read_ahead_bytes", "negative_timeout_s", "write_behind_bytes",
-                     "write_behind_drain_s"):
+                     "page_cache_files", "kernel_read_ahead_bytes", "negative_timeout_s", "write_behind_bytes",
+                     "write_behind_drain_s", "write_behind_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
         for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight",

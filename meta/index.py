@@ -4,19 +4,29 @@ Shared by meta's RPC handlers (:mod:`kvfs.meta.service`) and its GC component
 (:mod:`kvfs.meta.gc`), which is handed this index to work on.
 
 Invariants:
-- a COMMIT is answered only once its rows are durable: ``--fsync batch``/``always``:
-  its group transaction is written to SQLite's WAL without a sync
-  (:meth:`MetaStore.unsynced`), then one ``fdatasync`` of the WAL runs in a thread
-  (:meth:`MetaStore.sync_wal`) while the loop goes on answering lookups, and the
-  group's COMMITs are answered when it returns; ``--fsync never``: when written;
+- every change is answered only once it is durable, the same way
+  (:class:`~kvfs.meta.walsync.WalSync`): its transaction is written to SQLite's WAL
+  without a sync on the event loop (:meth:`MetaStore.unsynced`), then one ``fdatasync``
+  of the WAL runs in meta's sync thread (:meth:`MetaStore.sync_wal`) while the loop goes
+  on answering lookups, and the change is answered when a sync that started after its
+  write returns (one covers every transaction written before it: the WAL is written in
+  order; the changes written while one sync runs share the next).  A change is a COMMIT's
+  group, a DELETE, a registration, the access-time flush (``--fsync never``: answered
+  when written, no sync) and each of GC's changes (relocations, retirements, tombstones,
+  expiry, eviction, GC state and counters: synced in every ``--fsync`` mode).  An answer
+  waits for every change written before it, its own or not, so nothing the GC does (an
+  unlink) rests on a change that is not on disk, nor a retirement it repeats;
 - the in-memory index is updated in the step that writes the transaction, so the
   two never disagree for a reader, and SQLite holds the transactions in the order
-  the index applied them.  So a committed key is visible to lookups from that step,
-  before its COMMIT is answered (one sync later).  A crash in between can lose it
+  the index applied them (only the loop uses the SQLite connection; the sync thread
+  opens the WAL file by path).  So a committed key is visible to lookups from that step,
+  before its COMMIT is answered (one sync later), and a deleted one is a miss from then
+  on.  A crash in between can lose the change
   from meta, and only together with every transaction after it (the WAL is
   replayed in order up to the first frame not on disk): meta restarts in a state
   it was in, and the lost key reads as a miss (its records are still on the
-  chunks: ``kvfs meta rebuild`` finds them), never wrong bytes.  A COMMIT whose
+  chunks: ``kvfs meta rebuild`` finds them), or a key whose DELETE was never answered
+  reads as before it, never wrong bytes.  A COMMIT whose
   ``if_absent`` found a key present is answered only after the sync covering that
   key's own transaction (see the next point), so "present" is never said of a key
   that is not durable;
@@ -24,17 +34,13 @@ Invariants:
   after that sync returned, by the next group, together, in one transaction and
   one sync, in arrival order (``commit_group_max_keys``/``_bytes`` bound a group;
   ``--fsync always`` writes one COMMIT per transaction).  No group is written while
-  a sync runs, so when one is written every earlier group is durable (a group that
-  wrote nothing, every key present, is answered at once).  Each is checked (unknown
-  server, retired chunk) in the step that writes it;
-- every other write meta makes in ``batch``/``always`` (deletes, GC's
-  relocations and retirements, tombstones) is ``synchronous=FULL`` as before: its
-  own sync also covers every group written before it, so nothing the GC does (an
-  unlink) rests on a commit that is not on disk;
-- a failed WAL sync fails the COMMITs it covered, and meta refuses every COMMIT
-  after it (:class:`~kvfs.errors.ServerError` naming the failure) until it is
-  restarted: after a failed ``fdatasync`` Linux may have dropped the dirty pages,
-  and a later sync can succeed without them;
+  a group waits for its sync, so when one is written every earlier group is durable (a
+  group that wrote nothing, every key present, is answered at once).  Each is checked
+  (unknown server, retired chunk) in the step that writes it;
+- a failed WAL sync fails every change waiting for it, and meta refuses every commit,
+  delete and GC change after it (:class:`~kvfs.errors.ServerError` naming the failure)
+  until it is restarted: after a failed ``fdatasync`` Linux may have dropped the dirty
+  pages, and a later sync can succeed without them;
 - ``chunk_live`` is derived from the layouts and the tombstones kept
   (:mod:`kvfs.meta.tombstones`; rebuilt at start), never stored;
 - an expired key is a miss for every RPC, before GC removes it.
@@ -46,8 +52,6 @@ import asyncio
 import collections
 import contextlib
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -74,6 +78,7 @@ from kvfs.meta.tombstones import (
     raise_horizon,
     tomb_layout,
 )
+from kvfs.meta.walsync import WalSync
 
 log = logging.getLogger("kvfs.meta")
 
@@ -120,43 +125,6 @@ class PendingCommit:
     if_absent: bool
     present: list[int]  # indexes of the COMMIT's rows not written: their key was present
     done: asyncio.Future[None]
-
-
-SyncDone = Callable[[BaseException | None], None]
-
-
-class SyncThread:
-    """Meta's one sync thread: runs each sync handed to it, in order, and calls its ``done``
-    with the outcome (None, or what it raised) on the loop that asked.  Leaner than an
-    executor: one queue put and one loop wake-up per sync, no futures' bookkeeping taking
-    the GIL from the loop in between."""
-
-    def __init__(self) -> None:
-        self._requests: queue.SimpleQueue[
-            tuple[Callable[[], None], asyncio.AbstractEventLoop, SyncDone] | None] = queue.SimpleQueue()
-        # a daemon: a process that exits without close() (a crash) is not held up by it; a
-        # sync cut short there answered no one (close() itself stops it, syncs done)
-        self._thread = threading.Thread(target=self._run, name="kvfs-meta-sync", daemon=True)
-        self._thread.start()
-
-    def submit(self, sync: Callable[[], None], done: SyncDone) -> None:
-        self._requests.put((sync, asyncio.get_running_loop(), done))
-
-    def _run(self) -> None:
-        while (req := self._requests.get()) is not None:
-            sync, loop, done = req
-            outcome: BaseException | None = None
-            try:
-                sync()
-            except BaseException as exc:  # handed to the loop: the COMMITs' answer
-                outcome = exc
-            with contextlib.suppress(RuntimeError):  # the loop closed: no one waits
-                loop.call_soon_threadsafe(done, outcome)
-
-    def stop(self) -> None:
-        """End the thread once the syncs handed to it are done."""
-        self._requests.put(None)
-        self._thread.join()
 
 
 def answer(commits: Iterable[PendingCommit]) -> None:
@@ -258,11 +226,10 @@ class MetaIndex(ServerRegistry):
         self.commit_syncs = 0  # WAL syncs that answered COMMITs (batch/always)
         self._commits: collections.deque[PendingCommit] = collections.deque()
         self._commit_handle: asyncio.Handle | None = None
-        # batch/always: groups are written unsynced, then the WAL is synced in a thread
+        # batch/always: every change is written unsynced, then the WAL is synced in a thread
         self._sync_after = config.fsync != FsyncMode.NEVER
-        self._syncing: asyncio.Future[None] | None = None  # the WAL sync in flight (done: it ended)
-        self._sync_thread: SyncThread | None = None
-        self._sync_failed: ServerError | None = None  # set by a failed sync: COMMITs refused
+        self._wal = WalSync(store)  # (GC's changes are synced in every mode)
+        self._syncing: asyncio.Future[None] | None = None  # a group waiting for its sync (done: answered)
 
     def load(self) -> None:
         for key, layout, last_access in self.store.load():
@@ -302,6 +269,23 @@ class MetaIndex(ServerRegistry):
             rows = [(t, k) for k, t in self.dirty_access.items()]
             self.dirty_access.clear()
             self.store.touch_many(rows)
+
+    # durability of changes (kvfs.meta.walsync) ------------------------------------------
+    def _writing(self, *, gc: bool = False) -> contextlib.AbstractContextManager[None]:
+        """A change's transactions: with ``--fsync batch``/``always``, or for GC's changes
+        (``gc``: synced in every mode, so no chunk is unlinked on the strength of a change
+        not on disk), written unsynced and owed a sync its answer waits for
+        (:meth:`_settled`); ``--fsync never``: written at the store's NORMAL.  Refused
+        after a failed sync."""
+        if self._wal.failed is not None:
+            raise self._wal.failed
+        return self._wal.unsynced() if gc or self._sync_after else contextlib.nullcontext()
+
+    async def _settled(self, *, gc: bool = False) -> None:
+        """Return once every change written so far is durable (``--fsync never``: at once,
+        but for GC's changes, ``gc``); raises :class:`ServerError` if its sync failed."""
+        if gc or self._sync_after:
+            await self._wal.settle()
 
     # reading ------------------------------------------------------------------------
     def get(self, key: bytes, now: float) -> Entry | None:
@@ -351,10 +335,11 @@ class MetaIndex(ServerRegistry):
                 high[sid] = seq
 
     def switch_layouts(self, staged: list[tuple[bytes, Entry, Layout]]) -> None:
-        """Replace the layouts of existing entries: one SQLite transaction, then the index."""
+        """Replace the layouts of existing entries: one SQLite transaction (owed a sync:
+        the caller settles), then the index."""
         if not staged:
             return
-        with self.store.durable():
+        with self._writing(gc=True):
             self.store.put_many((k, encode_layout(lay), lay.expires_at, e.last_access)
                                 for k, e, lay in staged)
         for k, e, lay in staged:
@@ -364,9 +349,9 @@ class MetaIndex(ServerRegistry):
 
     def remove(self, keys: Iterable[bytes], tombstones: dict[bytes, Layout] | None = None, *,
                sync: bool = True) -> list[tuple[bytes, Layout]]:
-        """Delete keys from SQLite (one transaction; ``sync``: synced whatever ``--fsync``, as
-        GC's changes are) and the index, keeping the tombstones given for them
-        (:mod:`kvfs.meta.tombstones`); returns the removed ones."""
+        """Delete keys from SQLite (one transaction, owed a sync the caller settles; ``sync``:
+        whatever ``--fsync``, as GC's changes are) and the index, keeping the tombstones given
+        for them (:mod:`kvfs.meta.tombstones`); returns the removed ones."""
         gone = list(dict.fromkeys(k for k in keys if k in self.entries))
         if not gone:
             return []
@@ -382,7 +367,7 @@ class MetaIndex(ServerRegistry):
                 lay = entries[k].layout
                 h, until = ghost_hash(k), lay.expires_at
                 ghosts += [(c, h, until) for c in dict.fromkeys(r.chunk_id for x in lay.extents for r in x.replicas)]
-        with self.store.durable() if sync else contextlib.nullcontext():
+        with self._writing(gc=sync):
             self.store.delete_many(gone, ((k, encode_layout(lay), blob) for k, lay in keep.items()),
                                    [k for k in gone if k in older] if older else (), ghosts)
         if ghosts:
@@ -404,7 +389,9 @@ class MetaIndex(ServerRegistry):
     # meta's key RPCs (service.py's handlers; the Redis-backed index has the same calls) --
     async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
         if registered:
-            self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
+            with self._writing():
+                self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
+            await self._settled()
 
     def lease(self, keys: Iterable[bytes], now: float, lease: Lease) -> None:
         """Keep keys from eviction by ``lease``: its holder's, only ever lengthened; past
@@ -510,8 +497,8 @@ class MetaIndex(ServerRegistry):
         runs in the step that writes the rows (a chunk may be retired while the commit
         waits for its group); what it raises is this commit's answer, and nothing of it
         is written."""
-        if self._sync_failed is not None:
-            raise self._sync_failed
+        if self._wal.failed is not None:
+            raise self._wal.failed
         rows = [(k, lay, encode_layout(lay)) for k, lay in staged]
         loop = asyncio.get_running_loop()
         pending = PendingCommit(rows, sum(len(k) + len(b) for k, _, b in rows), now, expires_at,
@@ -569,7 +556,7 @@ class MetaIndex(ServerRegistry):
         self._commit_handle = None
         written = self._write_next_group()
         if self._sync_after and any(c.rows for c in written):
-            self._start_sync(written)  # the queue is written when it returns
+            self._await_sync(written)  # the queue is written when it returns
             return
         answer(written)  # --fsync never, or nothing written: every earlier group is durable
         if self._commits:  # past the bounds: the rest in the next step
@@ -597,15 +584,13 @@ class MetaIndex(ServerRegistry):
                     c.done.set_exception(exc1)
             return written
 
-    def _start_sync(self, covered: list[PendingCommit]) -> None:
-        """Sync the WAL in the sync thread; ``covered`` (written before it) are answered when
-        it returns, and the COMMITs queued meanwhile are written then."""
-        if self._sync_thread is None:
-            self._sync_thread = SyncThread()
+    def _await_sync(self, covered: list[PendingCommit]) -> None:
+        """Sync the WAL in the sync thread (:class:`WalSync`); ``covered`` (written before it)
+        are answered when it returns, and the COMMITs queued meanwhile are written then."""
         self._syncing = asyncio.get_running_loop().create_future()
-        self._sync_thread.submit(self.store.sync_wal, lambda exc: self._synced(exc, covered))
+        self._wal.after(lambda exc: self._synced(exc, covered))
 
-    def _synced(self, exc: BaseException | None, covered: list[PendingCommit]) -> None:
+    def _synced(self, exc: ServerError | None, covered: list[PendingCommit]) -> None:
         syncing, self._syncing = self._syncing, None
         assert syncing is not None
         syncing.set_result(None)
@@ -615,15 +600,9 @@ class MetaIndex(ServerRegistry):
             if self._commits and self._commit_handle is None:  # (after the answers go out)
                 self._commit_handle = asyncio.get_running_loop().call_soon(self._write_commits)
             return
-        self._sync_failed = ServerError(
-            f"meta's database sync (fdatasync of {self.store.wal_path}) failed: {exc!r}; the "
-            "commits it covered are not known to be on disk, and meta refuses every commit "
-            "until it is restarted (after a failed sync the kernel may have dropped written "
-            "pages, so a later sync proves nothing)")
-        log.error("%s", self._sync_failed)
-        for c in (*covered, *self._commits):
+        for c in (*covered, *self._commits):  # (the sync thread logged the failure)
             if not c.done.done():
-                c.done.set_exception(self._sync_failed)
+                c.done.set_exception(exc)
         self._commits.clear()
 
     def _older_after(self, group: list[PendingCommit]) -> dict[bytes, float | None]:
@@ -670,7 +649,7 @@ class MetaIndex(ServerRegistry):
         index, in one step; the caller answers them."""
         rows = [(k, blob, c.expires_at, c.now) for c in group for k, _, blob in c.rows]
         older = self._older_after(group) if rows else {}
-        with self.store.unsynced() if self._sync_after else contextlib.nullcontext():
+        with self._writing():
             if rows:  # (if_absent may have left nothing to write)
                 self.store.put_many(rows, older.items())
                 self.commit_groups += 1
@@ -692,7 +671,9 @@ class MetaIndex(ServerRegistry):
         """Remove keys; ``tombstones[i]`` (if given): where key ``i``'s tombstone was
         written, kept for each key removed (:mod:`kvfs.meta.tombstones`)."""
         where = dict(zip(keys, tombstones, strict=True)) if tombstones else None
-        return len(self.remove(keys, where, sync=False))
+        n = len(self.remove(keys, where, sync=False))
+        await self._settled()  # (every change before it too: a delete of nothing waits for them)
+        return n
 
     # tombstones (kvfs.meta.tombstones) -------------------------------------------------
     def forget_tombstones(self, keys: Sequence[bytes]) -> None:
@@ -705,11 +686,12 @@ class MetaIndex(ServerRegistry):
                 self.add_live(t.layout, -1, k)
 
     def save_tombstones(self, keys: Iterable[bytes]) -> None:
-        """Write moved tombstones, or raised horizons, through (one transaction)."""
+        """Write moved tombstones, or raised horizons (one transaction, owed a sync: the
+        caller settles)."""
         keys = list(keys)
         if not keys:
             return
-        with self.store.durable():
+        with self._writing(gc=True):
             self.store.put_tombstones((k, encode_layout(t.layout), encode_horizon(t.horizon))
                                       for k in keys if (t := self.tombstones.get(k)) is not None)
 
@@ -740,8 +722,9 @@ class MetaIndex(ServerRegistry):
                 continue
             refs += [(r.chunk_id, k, r.offset) for r in mine]
         if done:
-            with self.store.durable():
+            with self._writing(gc=True):
                 self.forget_tombstones(done)
+            await self._settled(gc=True)
         return refs, len(done)
 
     async def tombstoned(self, keys: Iterable[bytes]) -> set[bytes]:
@@ -777,6 +760,7 @@ class MetaIndex(ServerRegistry):
             self.move_tombstones(tombs)
         if raised:
             self.save_tombstones(raised)
+        await self._settled(gc=True)
         return handled, moved
 
     async def raise_horizons(self, copies: Iterable[tuple[bytes, int]]) -> None:
@@ -785,31 +769,38 @@ class MetaIndex(ServerRegistry):
         raised = [k for k, cid in copies if k not in self.entries
                   and (t := self.tombstones.get(k)) is not None and raise_horizon(t, cid)]
         self.save_tombstones(raised)
+        await self._settled(gc=True)
 
     async def drop_passed(self) -> int:
-        return self.drop_passed_tombstones()
+        n = self.drop_passed_tombstones()
+        await self._settled(gc=True)
+        return n
 
     async def ghost_copies(self, copies: Iterable[tuple[bytes, int]]) -> None:
         """A record copied (compaction, repair) of a key dropped since without a tombstone
         kept: a dropped record in that chunk (its expiry unknown here: never)."""
         rows = [(c, ghost_hash(k), None) for k, c in copies if k not in self.tombstones]
         if rows:
-            with self.store.durable():
+            with self._writing(gc=True):
                 self.store.put_ghosts(rows)
             self.ghosts.add(rows)
+        await self._settled(gc=True)
 
     async def chunks_deleted(self, chunks: Collection[int]) -> None:
         """Chunks the GC deleted: the records of dropped keys in them are gone too."""
         if self.ghosts.forget(chunks):
-            self.store.forget_ghosts(chunks)
+            with self._writing():
+                self.store.forget_ghosts(chunks)
+        await self._settled()
 
     def drop_passed_tombstones(self) -> int:
         """Forget the tombstones no older record of their key can outlive any more
-        (:func:`kvfs.meta.tombstones.passed`); their bytes become garbage."""
+        (:func:`kvfs.meta.tombstones.passed`); their bytes become garbage (owed a sync: the
+        caller settles)."""
         floor = floors(self.servers)
         done = [k for k, t in self.tombstones.items() if passed(t, floor)]
         if done:
-            with self.store.durable():
+            with self._writing(gc=True):
                 self.forget_tombstones(done)
         return len(done)
 
@@ -821,7 +812,9 @@ class MetaIndex(ServerRegistry):
             e = self.entries.get(k)
             if e is not None and e.layout == lay:
                 doomed.append(k)
-        return len(self.remove(doomed))
+        n = len(self.remove(doomed))
+        await self._settled(gc=True)
+        return n
 
     async def list_keys(self, prefix: bytes, start_after: bytes | None,
                         limit: int) -> list[tuple[bytes, Layout]]:
@@ -904,7 +897,9 @@ class MetaIndex(ServerRegistry):
                 gone.append(k)
         shadowed = await self.shadowed(gone, now)
         kept = [(k, self.entries[k].layout) for k in gone if k in shadowed]
-        return self.remove(k for k in gone if k not in shadowed), len(keys) == limit, kept
+        removed = self.remove(k for k in gone if k not in shadowed)
+        await self._settled(gc=True)
+        return removed, len(keys) == limit, kept
 
     async def shadowed(self, keys: Iterable[bytes], now: float) -> set[bytes]:
         """Those of ``keys`` with an older record that a rebuild could still read (unexpired)
@@ -924,7 +919,9 @@ class MetaIndex(ServerRegistry):
             if e is not None and e.layout == lay and (
                     lay.expired(now) or (evict and self.lease_end(k) <= now)):
                 keep[k] = tomb
-        return self.remove(list(keep), keep)
+        removed = self.remove(list(keep), keep)
+        await self._settled(gc=True)
+        return removed
 
     async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> list[tuple[bytes, Layout]]:
         doomed = []
@@ -933,7 +930,9 @@ class MetaIndex(ServerRegistry):
             if e is not None and e.layout == lay and (
                     self.lease_end(k) <= now or lay.expired(now)):
                 doomed.append(k)
-        return self.remove(doomed)
+        removed = self.remove(doomed)
+        await self._settled(gc=True)
+        return removed
 
     async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> list[bool]:
         staged: list[tuple[bytes, Entry, Layout]] = []
@@ -946,6 +945,7 @@ class MetaIndex(ServerRegistry):
                 assert e is not None
                 staged.append((k, e, new))
         self.switch_layouts(staged)
+        await self._settled(gc=True)
         return out
 
     async def retire(self, server_id: int, chunks: Sequence[int], now: float) -> list[int]:
@@ -953,11 +953,12 @@ class MetaIndex(ServerRegistry):
         retired = [c for c in dict.fromkeys(chunks) if c in dead or live.get(c, 0) <= 0]
         fresh = [c for c in retired if c not in dead]
         if fresh:
-            with self.store.durable():  # on disk before the GC driver unlinks anything
+            with self._writing(gc=True):
                 self.store.add_dead((c, server_id, now) for c in fresh)
             for c in fresh:
                 dead[c] = now
                 live.pop(c, None)
+        await self._settled(gc=True)  # on disk (an earlier call's retirements too) before the GC driver unlinks anything
         return retired
 
     async def retired_among(self, chunks: Iterable[int]) -> set[int]:
@@ -968,20 +969,26 @@ class MetaIndex(ServerRegistry):
 
     async def delete_server(self, server_id: int) -> None:
         self.servers.pop(server_id, None)
-        self.store.delete_server(server_id)
+        with self._writing():
+            self.store.delete_server(server_id)
+        await self._settled()
 
     async def get_state(self, name: str) -> Any:
         return self.store.get_state(name)
 
     async def put_state(self, name: str, value: Any) -> None:
-        self.store.put_state(name, value)
+        with self._writing():
+            self.store.put_state(name, value)
+        await self._settled()
 
     async def add_counts(self, inc: dict[str, float], put: dict[str, float] | None = None) -> None:
         counts = self.store.get_state(METRICS_STATE) or {}
         for k, v in inc.items():
             counts[k] = counts.get(k, 0) + v
         counts.update(put or {})
-        self.store.put_state(METRICS_STATE, counts)
+        with self._writing():
+            self.store.put_state(METRICS_STATE, counts)
+        await self._settled()
 
     async def counts(self) -> dict[str, float]:
         return dict(self.store.get_state(METRICS_STATE) or {})
@@ -995,7 +1002,13 @@ class MetaIndex(ServerRegistry):
         return True
 
     async def flush(self) -> None:
-        self.flush_access()
+        """Write the access times (``--fsync batch``/``always``: synced in the sync thread,
+        off the loop); a no-op after a failed sync (nothing written since is durable)."""
+        if self._wal.failed is None:
+            with self._writing():
+                self.flush_access()
+            with contextlib.suppress(ServerError):  # its sync failed: logged, later changes refused
+                await self._settled()
 
     async def close(self) -> None:
         if self._commit_handle is not None:
@@ -1011,8 +1024,6 @@ class MetaIndex(ServerRegistry):
                 await asyncio.wait([self._syncing])  # done once _synced answered
             else:
                 self._write_commits()
-        if self._sync_thread is not None:
-            self._sync_thread.stop()  # (idle now: returns at once)
-            self._sync_thread = None
+        await self._wal.close()  # the syncs other changes wait for too; no thread left
         self.flush_access()
         self.store.close()

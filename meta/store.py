@@ -76,9 +76,10 @@ def prefix_upper_bound(prefix: bytes) -> bytes | None:
 
 class MetaStore:
     """``synchronous``: FULL makes each transaction durable before it returns (WAL synced);
-    NORMAL may lose the last transactions to a power loss.  GC transactions run under
-    :meth:`durable` (FULL in every mode), so no chunk is unlinked on the strength of a
-    relocation or retirement that is not on disk yet."""
+    NORMAL may lose the last transactions to a power loss.  Meta's index writes its
+    changes :meth:`unsynced` and syncs the WAL in a thread (:meth:`sync_wal`,
+    :mod:`kvfs.meta.walsync`); GC's changes in every mode, so no chunk is unlinked on the
+    strength of a relocation or retirement that is not on disk yet."""
 
     def __init__(self, path: Path, *, synchronous: str = "FULL") -> None:
         if synchronous not in ("FULL", "NORMAL"):
@@ -120,10 +121,6 @@ class MetaStore:
         finally:
             self.db.execute(f"PRAGMA synchronous={self.synchronous}")
 
-    def durable(self) -> contextlib.AbstractContextManager[None]:
-        """Transactions inside are synced (synchronous=FULL) whatever the store's mode."""
-        return self._synchronous("FULL")
-
     def unsynced(self) -> contextlib.AbstractContextManager[None]:
         """Transactions inside are written to the WAL without syncing it
         (synchronous=NORMAL): durable only once a later :meth:`sync_wal` (or a FULL
@@ -137,7 +134,7 @@ class MetaStore:
 
     def sync_wal(self) -> None:
         """``fdatasync`` the WAL file: every transaction written before this call is durable
-        when it returns (meta's commit path calls it in a thread, off the event loop).
+        when it returns (meta calls it in its sync thread, off the event loop: kvfs.meta.walsync).
 
         The file is opened by path on each call, never kept open: the WAL file SQLite
         writes is the one at that path (it is replaced only when its last connection

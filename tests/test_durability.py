@@ -17,10 +17,11 @@ from kvfs.chunkserver import durability
 from kvfs.chunkserver.records import scan_records
 from kvfs.chunkserver.service import ChunkServer
 from kvfs.chunkserver.store import ChunkStore
-from kvfs.config import ChunkServerConfig, FsyncMode
+from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig
 from kvfs.datadir import DataDirInUse
 from kvfs.errors import Unavailable
 from kvfs.launcher import LocalCluster
+from kvfs.meta.index import MetaIndex
 from kvfs.meta.store import MetaStore
 
 
@@ -125,19 +126,30 @@ def test_state_json_is_replaced_whole(tmp_path: Path) -> None:
         st.close_now()
 
 
-def test_meta_gc_transactions_are_full_sync_in_every_mode(tmp_path: Path) -> None:
+async def test_meta_gc_transactions_are_synced_in_every_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--fsync never`` (the store at NORMAL): a delete is answered unsynced, a GC change
+    (a chunk retirement) only after an ``fdatasync`` of the WAL."""
     full = MetaStore(tmp_path / "a.sqlite3")
     assert full.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL by default
     full.close()
     ms = MetaStore(tmp_path / "b.sqlite3", synchronous="NORMAL")
+    ix = MetaIndex(MetaConfig(data=tmp_path, fsync=FsyncMode.NEVER), ms, time.time)
+    synced: list[str] = []
+    real = os.fdatasync
+
+    def fdatasync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
     try:
         assert ms.db.execute("PRAGMA synchronous").fetchone()[0] == 1  # NORMAL
-        with ms.durable():
-            assert ms.db.execute("PRAGMA synchronous").fetchone()[0] == 2
-            ms.add_dead([(1, 1, 0.0)])
-        assert ms.db.execute("PRAGMA synchronous").fetchone()[0] == 1
+        assert await ix.delete([b"absent"]) == 0 and synced == []
+        assert await ix.retire(1, [5], 0.0) == [5]
+        assert synced == [str(ms.wal_path)]
+        assert ms.load_dead() == [(5, 1, 0.0)]
     finally:
-        ms.close()
+        await ix.close()
     with pytest.raises(ValueError, match="synchronous"):
         MetaStore(tmp_path / "c.sqlite3", synchronous="OFF")
 

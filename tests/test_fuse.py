@@ -242,6 +242,42 @@ def test_lost_file_reads_as_a_miss(mnt: Path, fs: KVFileSystem, tcluster: Thread
 
 
 @needs_fuse
+def test_a_file_read_again_is_answered_from_the_kernels_pages(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """A file opened again, its LOOKUP finding the value its cached pages were read from,
+    keeps them: the read needs no chunkserver (its only replica, damaged after the first
+    read, is not read again).  A file this mount writes is read back as written."""
+    from kvfs.bench.reliability import flip_byte
+
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--attr-timeout", "60s")
+    try:
+        page, big = os.urandom(128 * 1024), os.urandom((2 << 20) + 4321)
+        fs.pipe({"pc/page.bin": page, "pc/big.bin": big})
+        buf = bytearray(len(big))
+        for name, want in (("page.bin", page), ("big.bin", big)):
+            with open(m.mnt / "pc" / name, "rb", buffering=0) as f:
+                assert f.readinto(buf) == len(want) and buf[:len(want)] == want
+
+        async def layout(key: bytes) -> Any:
+            async with tcluster.cluster.client() as kv:
+                return await kv.layout(key)
+
+        for key in (b"pc/page.bin", b"pc/big.bin"):
+            for e in tcluster.call(layout(key)).extents:
+                flip_byte(tcluster.cluster, e.replicas[0], 1234)
+        for _ in range(2):
+            for name, want in (("page.bin", page), ("big.bin", big)):
+                with open(m.mnt / "pc" / name, "rb", buffering=0) as f:
+                    assert f.readinto(buf) == len(want) and buf[:len(want)] == want
+        mine = os.urandom(200_000)
+        (m.mnt / "pc" / "page.bin").write_bytes(mine)  # this mount's own new value
+        assert (m.mnt / "pc" / "page.bin").read_bytes() == mine == fs.cat_file("pc/page.bin")
+        assert "Traceback" not in m.stderr()
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
 def test_hicache_style_pages(mnt: Path, fs: KVFileSystem) -> None:
     """Thousands of page files, each written to a tmp name and renamed; every byte read back."""
     n, page = 2000, 4096
@@ -667,7 +703,7 @@ async def test_held_closes_share_commits(kv: AsyncClient) -> None:
     from kvfs.config import MountConfig
     from kvfs.mount.writebehind import WriteBehind
 
-    wb = WriteBehind(kv, MountConfig(write_behind_bytes=1 << 20))
+    wb = WriteBehind(kv, MountConfig(write_behind_bytes=1 << 20, write_behind_delay_s=0))
     for i in range(300):
         assert await wb.hold(f"hb/{i}", str(i).encode(), len(str(i)))
     assert await wb.hold("hb/7", b"seven", 5)  # replaces the queued version of hb/7
@@ -839,6 +875,101 @@ async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> Non
         await io.info(ino, "lk/missing")
     await kv.put("lk/d/x", b"")
     assert (await io.info(table.ino_for("lk/d"), "lk/d"))["type"] == "directory"
+
+
+async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncClient) -> None:
+    """--page-cache-files: a read-only open keeps the kernel's cached pages of a file only
+    when its LOOKUP found the very value (layout) they were read from, recorded at the last
+    open that dropped them, and no other open of the file here reads another version or
+    writes it; a value replaced (even by the same bytes), written here or read from another
+    version meanwhile drops them.  The handle reads the value it was opened on; if that
+    value's bytes are reclaimed before its first read, a kept handle fails (ESTALE) rather
+    than mix two values, a dropped one reads the new value."""
+    from kvfs.config import MountConfig
+    from kvfs.errors import StaleLayout
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import Handle, InodeTable
+    from kvfs.stream import ValueReader
+
+    table = InodeTable()
+    fs = KVFileSystem(client=kv, asynchronous=True)
+    io = FileIO(fs, table, MountConfig(), fresh_s=60)
+    await kv.put_many({"pk/a": b"one", "pk/b": b"bee"})
+    a, b = table.remember("pk/a"), table.remember("pk/b")
+
+    async def open_(ino: int, path: str, cfg: FileIO = io) -> tuple[int, bool]:
+        await cfg.info(ino, path)  # the kernel's LOOKUP
+        h = Handle(ino, writable=False)
+        keep = cfg.opened(h)
+        return table.open(h), keep
+
+    async def read_(fh: int, cfg: FileIO = io) -> bytes:
+        return bytes(await cfg.read(table.handle(fh), 0, 100))
+
+    async def once(ino: int, path: str, cfg: FileIO = io) -> tuple[bool, bytes]:
+        fh, keep = await open_(ino, path, cfg)
+        try:
+            return keep, await read_(fh, cfg)
+        finally:
+            table.close(fh)
+
+    assert await once(a, "pk/a") == (False, b"one")  # pages dropped, then read from "one"
+    assert await once(a, "pk/a") == (True, b"one")  # the same value: kept
+    await kv.put("pk/a", b"one")  # replaced by another client, same bytes: a new value
+    assert await once(a, "pk/a") == (False, b"one")
+    assert await once(a, "pk/a") == (True, b"one")
+    fh1, keep = await open_(a, "pk/a")  # open on "one" while another client replaces it
+    await kv.put("pk/a", b"two")
+    fh2, keep2 = await open_(a, "pk/a")  # a second open reads "two": pages could mix
+    assert (keep, keep2) == (True, False)
+    assert (await read_(fh1), await read_(fh2)) == (b"one", b"two")
+    table.close(fh1)
+    table.close(fh2)
+    assert await once(a, "pk/a") == (False, b"two")  # not trusted since
+    assert await once(a, "pk/a") == (True, b"two")
+    io.writing(a)  # opened for writing here
+    assert await once(a, "pk/a") == (False, b"two")
+    io.changed(a)  # this mount committed, renamed or removed it
+    assert await once(a, "pk/a") == (False, b"two")
+    w = Handle(a, writable=True)
+    fw = table.open(w)  # a writer still open: not kept
+    assert (await once(a, "pk/a"))[0] is False and (await once(a, "pk/a"))[0] is False
+    table.close(fw)
+    assert await once(a, "pk/a") == (False, b"two")
+    assert await once(a, "pk/a") == (True, b"two")
+
+    # the value's bytes reclaimed (injected) before the first read: never two values mixed
+    real = io.reads._run
+
+    async def stale(wants: list[tuple[ValueReader | bytes, int]]) -> list[Any]:
+        if any(isinstance(w, ValueReader) for w, _ in wants):
+            raise StaleLayout("the bytes this layout names are gone")  # injected
+        return await real(wants)
+
+    fh, keep = await open_(a, "pk/a")
+    await kv.put("pk/a", b"three")
+    io.reads._run = stale  # type: ignore[method-assign]
+    with pytest.raises(OSError) as err:
+        await read_(fh)
+    assert keep and err.value.errno == errno.ESTALE
+    table.close(fh)
+    assert await once(a, "pk/a") == (False, b"three")  # dropped: reads what is there now
+    io.reads._run = real  # type: ignore[method-assign]
+
+    # bounded: --page-cache-files 1 remembers one file; 0 keeps nothing
+    one = FileIO(fs, table, MountConfig(page_cache_files=1), fresh_s=60)
+    assert [(await once(i, p, one))[0] for i, p in ((a, "pk/a"), (a, "pk/a"), (b, "pk/b"),
+                                                    (a, "pk/a"), (a, "pk/a"))] == [
+        False, True, False, False, True]
+    off = FileIO(fs, table, MountConfig(page_cache_files=0), fresh_s=60)
+    assert [(await once(a, "pk/a", off))[0] for _ in range(2)] == [False, False]
+    # no recent lookup: dropped, and the first read pins the value as before
+    io.fresh_s = 0.0
+    h = Handle(a, writable=False)
+    assert not io.opened(h) and h.reader is None
+    fh = table.open(h)
+    assert await read_(fh) == b"three"
+    table.close(fh)
 
 
 @pytest.mark.parametrize(("bad", "flag"), [

@@ -42,7 +42,10 @@ def fs(tcluster: ThreadCluster) -> Iterator[KVFileSystem]:
 
 @contextlib.contextmanager
 def mounted(tcluster: ThreadCluster, tmp_path: Path, *args: str) -> Iterator[Mount]:
-    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--timeout", "30s", *args)
+    # held files are sent as soon as a batch can go, as these tests expect (the delay that
+    # gathers closes into fuller batches has its own test)
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--timeout", "30s",
+              "--write-behind-delay", "0", *args)
     try:
         yield m
     finally:
@@ -345,3 +348,22 @@ def test_a_file_replaced_elsewhere_after_its_commit_is_renamed_with_the_new_byte
         assert fs.cat_file("rs/q.bin") == theirs
         assert (d / "q.bin").read_bytes() == theirs
         assert not fs.exists("rs/.q.tmp")
+
+
+def test_held_files_wait_for_a_batch_until_an_fsync_asks(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """--write-behind-delay: files closed one after another wait to go out together (one
+    COMMIT for all five, where without the delay the first goes alone at its close), and
+    go at once when an fsync waits for them (the delay is longer than --timeout: an fsync
+    that did not hurry them would fail with EIO)."""
+    files = {f"dl/{i}.bin": os.urandom(70_000 + i) for i in range(5)}
+    commits: list[Any] = []
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--write-behind-delay", "60s",
+                 "--timeout", "5s") as m:
+        (m.mnt / "dl").mkdir()
+        with op_held(tcluster, Op.COMMIT, lambda r: commits.append(r) is not None):  # counted
+            for k, v in files.items():
+                _write(m.mnt / k, v)
+            fsync_dir(m.mnt / "dl")
+        assert fs.cat(list(files)) == files
+        assert len(commits) == 1

@@ -4,7 +4,10 @@ COMMIT's failure is its own answer, never its neighbours'.
 
 The sync runs in a thread (``MetaStore.sync_wal``), off meta's event loop: lookups are
 answered while it runs, a COMMIT only after it returned, a failed one fails its COMMITs
-and every later one, a close waits for it; and an answered COMMIT survives SIGKILL."""
+and every later one, a close waits for it; and an answered COMMIT survives SIGKILL.
+Every other change (a DELETE, each of GC's changes, a registration, the access-time
+flush) is synced the same way (``kvfs.meta.walsync.WalSync``): lookups are answered while
+its sync runs, it is answered after it, and after every change written before it."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import errno
 import os
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,7 @@ from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import ServerError, StaleLayout
 from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.layout import Extent, Layout, Replica
-from kvfs.meta.index import RECORD_OVERHEAD_BYTES, MetaIndex
+from kvfs.meta.index import RECORD_OVERHEAD_BYTES, MetaIndex, ServerInfo
 from kvfs.meta.store import MetaStore
 
 Rows = list[tuple[bytes, Layout]]
@@ -222,6 +225,7 @@ def hold() -> Iterator[Callable[..., HeldSync]]:
     yield make
     for h in made:
         h.go.set()
+        h.entered.set()  # (a test that failed before any sync started: its started() returns)
 
 
 def lay(n: int) -> Layout:
@@ -285,7 +289,10 @@ async def test_a_group_is_written_without_a_sync_and_answered_after_the_wal_is_s
 
     monkeypatch.setattr(ix.store, "delete_many", delete_many)
     assert await ix.delete([b"a0"]) == 1
-    assert events[-1] == "delete synchronous=2"  # a delete, like every other write, syncs itself (FULL)
+    events.append("answered")
+    # a delete, like every other change, is written unsynced and answered after the WAL's sync
+    assert events[-3:] == ["delete synchronous=1", f"fdatasync {wal}", "answered"]
+    assert ix.store.db.execute("PRAGMA synchronous").fetchone()[0] == 2
 
 
 async def test_an_if_absent_commit_that_wrote_nothing_is_answered_at_once(
@@ -311,7 +318,7 @@ async def test_a_failed_sync_fails_its_commits_and_meta_refuses_commits_after_it
     for task in (covered, queued):
         with pytest.raises(ServerError, match=r"fdatasync of .*meta\.sqlite3-wal\) failed: .*Input/output"):
             await task
-    with pytest.raises(ServerError, match="refuses every commit until it is restarted"):
+    with pytest.raises(ServerError, match="refuses every commit, delete and GC change until it is restarted"):
         await ix.commit(rows("c", 1), 100.0, None)
     assert held.calls == 1 and b"b0" not in ix.entries and b"c0" not in ix.entries
 
@@ -345,6 +352,125 @@ async def test_fsync_never_answers_without_a_sync(make_index: Any, monkeypatch: 
     assert held.calls == 0 and ix.commit_syncs == 0
 
 
+# every other change: synced in the same thread, answered after it --------------------------
+CHUNK = 1 << 40  # the chunk rows() and lay() name
+EMPTY_CHUNK = CHUNK + 5  # a chunk no layout names: retirable
+
+
+async def _flush(ix: MetaIndex) -> None:
+    await ix.touch([b"a1"], 120.0)
+    await ix.flush()
+
+
+CHANGES: dict[str, Callable[[MetaIndex], Awaitable[Any]]] = {
+    "delete": lambda ix: ix.delete([b"a0"]),
+    "gc expire": lambda ix: ix.expire(200.0, 100),
+    "gc evict": lambda ix: ix.evict([(b"a0", ix.entries[b"a0"].layout)], 100.0),
+    "gc switch": lambda ix: ix.switch([(b"a0", ix.entries[b"a0"].layout, lay(8))]),
+    "gc retire": lambda ix: ix.retire(1, [EMPTY_CHUNK], 100.0),
+    "gc ghosts": lambda ix: ix.ghost_copies([(b"gone", CHUNK)]),
+    "gc report": lambda ix: ix.add_counts({"passes": 1}, {"last_pass_duration_s": 0.5}),
+    "gc state": lambda ix: ix.put_state("paused", True),
+    "registration": lambda ix: ix.save_server(ServerInfo(7, "127.0.0.1:7"), registered=True),
+    "access flush": _flush,
+}
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+async def test_lookups_are_answered_while_a_change_is_synced_and_the_change_waits_for_it(
+        make_index: Any, monkeypatch: pytest.MonkeyPatch, hold: Any, change: str) -> None:
+    ix = make_index()
+    await ix.commit(rows("a", 3), 100.0, None)
+    expiring = Layout(10, 7, 100.0, 150.0, (Extent(10, 7, (Replica(1, CHUNK, 0),)),))
+    await ix.commit([(b"e0", expiring)], 100.0, 150.0)  # expired at 200
+    held = hold(ix.store)
+    monkeypatch.setattr(ix.store, "sync_wal", held)
+    task = asyncio.ensure_future(CHANGES[change](ix))
+    started = asyncio.ensure_future(held.started())
+    await asyncio.wait([task, started], return_when=asyncio.FIRST_COMPLETED)
+    assert not task.done(), f"{change} was answered without waiting for a WAL sync in the sync thread"
+    await started
+    assert threading.current_thread().name not in held.threads  # off the loop
+    # the loop is free: lookups are answered while the change's sync runs
+    assert await ix.exists([b"a2", b"zz"], 100.0) == [True, False]
+    assert (await ix.lookup([b"a1"], 100.0))[0] is not None
+    await asyncio.sleep(0)
+    assert not task.done()  # not answered before a sync covering it returned
+    held.go.set()
+    await task
+    assert held.calls == 1
+
+
+async def test_a_deleted_key_is_a_miss_at_once_and_its_delete_is_answered_once_on_disk(
+        make_index: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
+    ix = make_index()
+    await ix.commit(rows("a", 3), 100.0, None)
+    held = hold(ix.store)
+    monkeypatch.setattr(ix.store, "sync_wal", held)
+    deleting = asyncio.ensure_future(ix.delete([b"a0", b"a1"]))
+    await held.started()
+    assert await ix.exists([b"a0", b"a1", b"a2"], 100.0) == [False, False, True]
+    later = [asyncio.ensure_future(ix.delete([b"a2"])), asyncio.ensure_future(ix.commit(rows("b", 1), 100.0, None))]
+    await asyncio.sleep(0)
+    assert not deleting.done() and not any(t.done() for t in later)
+    held.go.set()
+    assert await deleting == 2 and await asyncio.gather(*later) == [1, []]
+    assert held.calls == 2  # the changes written while the first sync ran shared the next one
+    assert stored_keys(tmp_path / "meta.sqlite3") == {b"b0"}
+
+
+async def test_a_change_is_answered_only_once_every_change_before_it_is_durable(
+        make_index: Any, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
+    """A retirement repeated while the first one's sync runs writes nothing, and still
+    waits for it: the GC driver unlinks the chunk once it is answered."""
+    ix = make_index()
+    held = hold(ix.store)
+    monkeypatch.setattr(ix.store, "sync_wal", held)
+    first = asyncio.ensure_future(ix.retire(1, [EMPTY_CHUNK], 100.0))
+    await held.started()
+    again = asyncio.ensure_future(ix.retire(1, [EMPTY_CHUNK], 100.0))
+    nothing = asyncio.ensure_future(ix.delete([b"absent"]))  # wrote nothing either
+    for _ in range(3):
+        await asyncio.sleep(0)
+    assert not again.done() and not nothing.done()
+    held.go.set()
+    assert await first == [EMPTY_CHUNK] and await again == [EMPTY_CHUNK] and await nothing == 0
+    assert held.calls == 1
+    assert await ix.delete([b"absent"]) == 0 and held.calls == 1  # nothing owed: no sync
+
+
+async def test_a_failed_delete_sync_fails_it_and_meta_refuses_every_change_after_it(
+        make_index: Any, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
+    ix = make_index()
+    await ix.commit(rows("a", 3), 100.0, None)
+    held = hold(ix.store, fail=OSError(errno.EIO, "Input/output error (injected)"))
+    held.go.set()
+    monkeypatch.setattr(ix.store, "sync_wal", held)
+    with pytest.raises(ServerError, match=r"fdatasync of .*meta\.sqlite3-wal\) failed: .*Input/output"):
+        await ix.delete([b"a0"])
+    refused = "refuses every commit, delete and GC change until it is restarted"
+    with pytest.raises(ServerError, match=refused):
+        await ix.delete([b"a1"])
+    with pytest.raises(ServerError, match=refused):
+        await ix.commit(rows("c", 1), 100.0, None)
+    with pytest.raises(ServerError, match=refused):
+        await ix.retire(1, [EMPTY_CHUNK], 100.0)
+    await ix.flush()  # the background flush does not fail: nothing it writes could be durable
+    assert held.calls == 1 and b"a1" in ix.entries and EMPTY_CHUNK not in ix.retired
+
+
+async def test_fsync_never_answers_a_delete_at_once_and_still_syncs_gc_changes(
+        make_index: Any, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
+    ix = make_index(fsync=FsyncMode.NEVER)
+    await ix.commit(rows("a", 3), 100.0, None)
+    held = hold(ix.store)
+    held.go.set()
+    monkeypatch.setattr(ix.store, "sync_wal", held)
+    assert await ix.delete([b"a0"]) == 1 and held.calls == 0
+    assert await ix.retire(1, [EMPTY_CHUNK], 100.0) == [EMPTY_CHUNK] and held.calls == 1
+    assert await ix.evict([(b"a1", ix.entries[b"a1"].layout)], 100.0) and held.calls == 2
+
+
 # through the RPCs: a cluster in this process (real sockets, real SQLite), and meta SIGKILLed --
 async def test_a_lookup_rpc_is_answered_while_a_put_waits_for_its_sync(
         cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
@@ -372,6 +498,25 @@ async def test_a_put_whose_commit_sync_failed_fails(
         await kv.put(b"a", b"x" * 100)
     with pytest.raises(ServerError, match="until it is restarted"):
         await kv.put(b"b", b"x" * 100)
+
+
+async def test_a_lookup_rpc_is_answered_while_a_delete_waits_for_its_sync(
+        cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch, hold: Any) -> None:
+    assert cluster.meta is not None
+    await kv.put_many([(b"a", b"x" * 1000), (b"b", b"y" * 1000)])
+    held = hold(cluster.meta.store)
+    monkeypatch.setattr(cluster.meta.store, "sync_wal", held)
+    deleting = asyncio.create_task(kv.delete_many([b"a"]))
+    started = asyncio.ensure_future(held.started())
+    await asyncio.wait([deleting, started], return_when=asyncio.FIRST_COMPLETED)
+    assert not deleting.done(), "the DELETE was answered without waiting for a WAL sync in the sync thread"
+    await started
+    async with cluster.client() as other:
+        assert await other.exists_many([b"a", b"b"]) == [False, True]
+        assert await other.get_many([b"a", b"b"]) == [None, b"y" * 1000]
+        assert not deleting.done()  # the delete is not answered before it is on disk
+        held.go.set()
+        assert await deleting == 1
 
 
 @pytest.mark.subprocess

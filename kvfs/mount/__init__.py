@@ -18,15 +18,22 @@ What differs from a local disk:
 - **Memory is bounded per open file** (:mod:`kvfs.mount.files`): a file is
   buffered up to ``--write-buffer``, then streamed in stripe units as written;
   large files must be written in order (a write far behind the end fails with
-  ``EOPNOTSUPP``).  Reads fetch stripe units of the layout pinned at the first
-  read, batched across files, with read-ahead for sequential readers.
+  ``EOPNOTSUPP``).  Reads fetch stripe units of the layout pinned at open (the
+  one the kernel's LOOKUP just fetched; else at the first read), batched across
+  files, with read-ahead for sequential readers.
+- **The kernel's cached pages of a file** are kept by a read-only open only when
+  its LOOKUP found the value they were read from (the same layout, recorded at
+  the last open that dropped them) and no other open of the file here writes it
+  or reads another version; otherwise the open drops them.
 - Opening an existing file for writing without ``O_TRUNC`` reads its value
   first (read-modify-write; ``EOPNOTSUPP`` over ``--write-buffer``);
   ``O_APPEND`` on an existing file fails with ``EOPNOTSUPP``.
 - ``mv`` is read + put + delete (not atomic: for a moment both names exist,
   never neither); renaming a directory moves every key under it.
-- A read-only open pins the value's layout at its first read: a file replaced
-  meanwhile keeps reading the old bytes (until the GC reclaims them).  No hard
+- A read-only open pins the value's layout (at open, or at its first read): a
+  file replaced meanwhile keeps reading the old bytes (until the GC reclaims
+  them: then a first read reads the new value, and a later read, or the first
+  of a handle that kept cached pages, fails; never a mix of two values).  No hard
   links, symlinks, devices or xattrs.
 - A file whose every replica is lost behaves as a miss (the client's
   ``on_lost="miss"``): its read fails with ``ENOENT``, and meta forgets it.

@@ -15,11 +15,13 @@ Memory per open file is bounded whatever the file's size:
   of the file, e.g. a forked child's) commits what was written so far, as on a
   small file.  Writing on after that streams the committed part again (read back
   from the cluster) ahead of the new bytes: correct, at the cost of a copy.
-- **Reading.** The first read pins the value's layout (a lookup batched with other
-  files' first reads) and each read fetches the stripe units it overlaps, batched
-  across files, and answers from them without a copy; a sequential reader gets
-  ``read_ahead_units`` units fetched ahead.  An open file keeps at most
-  ``read_ahead_units + 2`` units.
+- **Reading.** A read-only open soon after the kernel's LOOKUP pins the layout that
+  lookup fetched, and keeps the kernel's cached pages of the file when they were read
+  from that very value (``opened``; at most ``page_cache_files`` inodes remembered);
+  otherwise the first read pins the value's layout (a lookup batched with other files'
+  first reads).  Each read fetches the stripe units it overlaps, batched across files,
+  and answers from them without a copy; a sequential reader gets ``read_ahead_units``
+  units fetched ahead.  An open file keeps at most ``read_ahead_units + 2`` units.
 - **Closes share commits** as reads share batches: the small files closed while
   earlier commits are in flight go out together, one ``put_many``.  With
   ``--write-behind`` a close hands the file to :mod:`kvfs.mount.writebehind` instead
@@ -79,6 +81,10 @@ class FileIO:
         # lookup (the kernel's own attribute cache time) reads them without looking up again
         self.fresh_s = fresh_s
         self._looked_up: dict[int, tuple[ValueReader, float]] = {}
+        # --page-cache-files: per inode, the value (layout) whose bytes alone the kernel's
+        # cached pages of it hold, as far as this mount knows; absent: not known (an open
+        # drops them)
+        self._cached: OrderedDict[int, Layout] = OrderedDict()
         self.stripe = fs.client.config.stripe_bytes
         # FUSE requests reach the loop one at a time, so reads batch by load, not by tick
         self.reads: Batcher[tuple[ValueReader | bytes, int], Unit] = Batcher(
@@ -227,9 +233,15 @@ class FileIO:
         """This mount changed or removed ``ino``'s value: its looked-up layout is stale."""
         if ino is not None:
             self._looked_up.pop(ino, None)
+            self._cached.pop(ino, None)
+
+    def writing(self, ino: int) -> None:
+        """``ino`` is open for writing here: the kernel's pages of it take what is written."""
+        self._cached.pop(ino, None)
 
     def forget_layouts(self) -> None:
         self._looked_up.clear()
+        self._cached.clear()
 
     def _recent(self, ino: int) -> ValueReader | None:
         seen = self._looked_up.get(ino)
@@ -246,6 +258,38 @@ class FileIO:
                        "have gone to the cluster already (write large files in order)")
 
     # reading ---------------------------------------------------------------------
+    def opened(self, h: Handle) -> bool:
+        """A read-only open; whether the kernel may keep its cached pages of the file.
+
+        With the layout the kernel's LOOKUP just fetched (within ``fresh_s``) the handle is
+        pinned to it now.  The pages are kept when they were read from that same value (the
+        layout this mount recorded at the last open that dropped them, unchanged since: a
+        value replaced, even with the same bytes, or moved by the GC has another layout) and
+        no other open of the file here reads another version or writes; otherwise the kernel
+        drops them at this open, and only this value's bytes fill them from then on.  No such
+        layout, or a version of the file held here (write-behind): dropped, and the first read
+        pins the value as before."""
+        ino = h.ino
+        reader = self._recent(ino)
+        if reader is None or self.wb.get(self.table.path(ino)) is not None:
+            self._cached.pop(ino, None)
+            return False
+        layout = reader.layout
+        if any(o.writable or o.reader is None or o.reader.layout != layout
+               for o in self.table.handles_of(ino)):  # pages of two versions could mix
+            self._cached.pop(ino, None)
+            return False
+        h.reader = reader
+        h.pinned_at_open = True
+        bound = self.config.page_cache_files
+        h.kept_cache = bound > 0 and self._cached.get(ino) == layout
+        if bound:
+            self._cached[ino] = layout
+            self._cached.move_to_end(ino)
+            while len(self._cached) > bound:
+                self._cached.popitem(last=False)
+        return h.kept_cache
+
     async def read(self, h: Handle, off: int, size: int) -> bytes | memoryview:
         if h.writable and h.data is not None:
             self._check(h)
@@ -253,6 +297,19 @@ class FileIO:
             if off < h.base:
                 raise self._behind(h, "read", off)
             return bytes(h.data[off - h.base : off - h.base + size])
+        if h.pinned_at_open:
+            async with h.lock:
+                if h.pinned_at_open and h.reader is not None and off < h.reader.size:
+                    try:
+                        await self._unit(h, off)
+                    except StaleLayout:  # replaced since the lookup, its old bytes gone
+                        self.changed(h.ino)
+                        if h.kept_cache:  # the kernel's pages are of the old value: never mix
+                            raise OSError(errno.ESTALE, "replaced, and its old bytes reclaimed, "
+                                          "since it was opened: open it again") from None
+                        h.reader = None  # read what is there now
+                        h.units.clear()
+                h.pinned_at_open = False
         if h.reader is None:
             held = h.held or self.held(self.table.path(h.ino))
             if held is not None:  # closed here, not committed yet: its bytes are here

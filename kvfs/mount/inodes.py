@@ -55,6 +55,10 @@ class Handle:
     held: Held | None = None  # or the held (write-behind) version pinned at the first read
     units: OrderedDict[int, asyncio.Future[bytes | bytearray]] = field(default_factory=OrderedDict)
     next_read: int = 0  # where a sequential read goes on (read-ahead)
+    # `reader` was pinned at open from a LOOKUP's layout, and no read has answered from it yet
+    pinned_at_open: bool = False
+    # opened with the kernel's cached pages kept (they hold bytes of `reader`'s value only)
+    kept_cache: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one writer or first read at a time
 
     @property
@@ -216,6 +220,9 @@ class InodeTable:
         h = self._handles.pop(fh, None)
         if h is not None:
             self.maybe_drop(h.ino)
+
+    def handles_of(self, ino: int) -> list[Handle]:
+        return [h for h in self._handles.values() if h.ino == ino]
 
     def writers(self, ino: int) -> list[Handle]:
         return [h for h in self._handles.values() if h.ino == ino and h.writable]

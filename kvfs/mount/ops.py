@@ -212,15 +212,19 @@ class KVFSOperations(Operations):
     @_local
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         self.table.path(inode)
+        keep = False
         if flags & os.O_ACCMODE == os.O_RDONLY:
             h = Handle(inode, writable=False)
+            keep = self.io.opened(h)  # the kernel's cached pages kept: the same value's
         elif flags & os.O_APPEND:
             raise OSError(errno.EOPNOTSUPP, "kvfs values are immutable: append to an existing file")
         elif flags & os.O_TRUNC:
             h = Handle(inode, writable=True, data=bytearray(), dirty=True)
         else:
             h = Handle(inode, writable=True)
-        return pyfuse3.FileInfo(fh=self.table.open(h), keep_cache=False)
+        if h.writable:
+            self.io.writing(inode)
+        return pyfuse3.FileInfo(fh=self.table.open(h), keep_cache=keep)
 
     @_local
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,
@@ -228,6 +232,7 @@ class KVFSOperations(Operations):
         path = self._child(parent_inode, name)
         ino = self.table.relink(path)
         self.io.made(path)
+        self.io.writing(ino)
         fh = self.table.open(Handle(ino, writable=True, data=bytearray(), dirty=True))
         info = {"name": path, "size": 0, "type": "file", "created": time.time()}
         return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(ino, info)

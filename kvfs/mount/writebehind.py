@@ -12,7 +12,12 @@ error.  With it:
   committed at its close as without write-behind.
 - **Held files are committed in batches**, as reads are: one ``put_many`` (one APPEND per
   chunkserver, one COMMIT) for the files held while earlier batches ran, at most
-  ``--max-batch-items`` / ``--max-batch`` each and ``--batches-in-flight`` at once.
+  ``--max-batch-items`` / ``--max-batch`` each and ``--batches-in-flight`` at once.  A
+  held file waits up to ``write_behind_delay_s`` for the files closed after it, so that
+  a stream of closes makes few, full batches (each batch costs an APPEND per chunkserver
+  and a COMMIT, and sending them one by one interleaves that work with the FUSE requests
+  the writers wait on); a full batch, an fsync waiting for it and a close waiting for
+  room send at once.
 - **This mount sees a held file at once** (lookups, listings, reads answer from the held
   bytes); other nodes see it once committed.
 - **One version of a path is committed at a time, in order**: a newer close of a path
@@ -41,13 +46,14 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import errno
 import itertools
 import logging
 import os
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -96,6 +102,7 @@ class Held:
     nbytes: int
     done: asyncio.Future[None]  # committed (None) or failed
     created: float = field(default_factory=time.time)
+    queued: float = 0.0  # the loop's time it was queued (a replaced version's, in its place)
     _starts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -144,6 +151,7 @@ class WriteBehind:
         self.max_items = config.max_batch_items
         self.max_bytes = config.max_batch_bytes
         self.in_flight = config.batches_in_flight
+        self.delay_s = config.write_behind_delay_s
         self._committed = committed
         self._queue: OrderedDict[str, Held] = OrderedDict()  # not sent yet, oldest first
         self._sent: dict[str, Held] = {}  # being committed: at most one version per path
@@ -157,6 +165,8 @@ class WriteBehind:
         self._freed = asyncio.Event()  # room was made (a batch ended, a version dropped)
         self._tasks: set[asyncio.Task[None]] = set()
         self._closed = False
+        self._hurry = 0  # an fsync or a close waits: held files go without the delay
+        self._timer: asyncio.TimerHandle | None = None
         self.committed = 0  # files (and deletes) committed
         self.failed = 0  # files whose commit failed after their close (misses)
         self.batches = 0
@@ -240,9 +250,20 @@ class WriteBehind:
         return e
 
     async def _room(self) -> None:
-        """Wait until a batch ends or a held version is dropped."""
+        """Wait until a batch ends or a held version is dropped (what is held goes now)."""
         self._freed.clear()
-        await self._freed.wait()
+        async with self._hurried():
+            await self._freed.wait()
+
+    @contextlib.asynccontextmanager
+    async def _hurried(self) -> AsyncIterator[None]:
+        """While someone waits for commits: held files are sent without the delay."""
+        self._hurry += 1
+        self._pump()
+        try:
+            yield
+        finally:
+            self._hurry -= 1
 
     async def hold(self, path: str, value: Value, nbytes: int,
                    wanted: Callable[[], bool] = lambda: True) -> bool:
@@ -265,13 +286,14 @@ class WriteBehind:
     def _new(self, path: str, pieces: list[Piece] | None, nbytes: int) -> Held:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(_quiet)
-        return Held(path, pieces, nbytes, fut)
+        return Held(path, pieces, nbytes, fut, queued=asyncio.get_running_loop().time())
 
     def _add(self, e: Held) -> None:
         """``e`` queued as its path's newest version (replacing a queued one: never sent)."""
         self._forget(e.path)
         old = self._queue.get(e.path)
         if old is not None:
+            e.queued = old.queued  # its place in the queue, and its wait
             self._count(old, -1)
             _chain(old.done, e.done)
         self._queue[e.path] = e
@@ -322,9 +344,10 @@ class WriteBehind:
 
     async def sync(self, path: str) -> None:
         """Wait for the commit of ``path``'s held versions; raise if it failed."""
-        for e in (self._sent.get(path), self._queue.get(path)):
-            if e is not None:
-                await asyncio.shield(e.done)
+        async with self._hurried():
+            for e in (self._sent.get(path), self._queue.get(path)):
+                if e is not None:
+                    await asyncio.shield(e.done)
 
     async def sync_under(self, prefix: str, *, check: bool = True) -> None:
         """Wait for the commit of everything held under ``prefix`` (``""``: all) now; with
@@ -333,7 +356,8 @@ class WriteBehind:
                 if e.path.startswith(prefix)]
         if not futs:
             return
-        got = await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
+        async with self._hurried():
+            got = await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
         bad = [g for g in got if isinstance(g, BaseException)]
         if bad and check:
             raise OSError(errno.EIO, f"{len(bad)} held file(s) under {prefix or '/'!r} failed to "
@@ -349,6 +373,8 @@ class WriteBehind:
         except TimeoutError:
             pass
         self._closed = True
+        if self._timer is not None:
+            self._timer.cancel()
         self._recent.clear()
         self._recent_bytes = 0
         lost = [e for e in itertools.chain(self._queue.values(), self._sent.values())
@@ -372,7 +398,10 @@ class WriteBehind:
     # committing --------------------------------------------------------------------------
     def _pump(self) -> None:
         """Send batches from the queue while fewer than ``batches_in_flight`` run; a path
-        with a version being committed waits for it."""
+        with a version being committed waits for it; a batch that is not full waits until
+        its oldest file has been held ``delay_s`` (unless someone waits for commits)."""
+        if self._waits():
+            return
         while not self._closed and len(self._tasks) < self.in_flight and self._queue:
             batch: list[Held] = []
             size = 0
@@ -391,6 +420,25 @@ class WriteBehind:
             self.batches += 1
             task = asyncio.get_running_loop().create_task(self._commit(batch))
             self._tasks.add(task)
+
+    def _waits(self) -> bool:
+        """Whether the queue waits for more closes (a timer sends it when its oldest file has
+        waited ``delay_s``)."""
+        if not self.delay_s or self._hurry or not self._queue or self._closed:
+            return False
+        if len(self._queue) >= self.max_items:
+            return False
+        oldest = next(iter(self._queue.values()))
+        left = oldest.queued + self.delay_s - asyncio.get_running_loop().time()
+        if left <= 0 or sum(e.nbytes for e in self._queue.values()) >= self.max_bytes:
+            return False
+        if self._timer is None:
+            self._timer = asyncio.get_running_loop().call_later(left, self._due)
+        return True
+
+    def _due(self) -> None:
+        self._timer = None
+        self._pump()
 
     async def _send(self, batch: list[Held]) -> None:
         puts = [(os.fsencode(e.path), e.pieces) for e in batch if e.pieces is not None]
