@@ -59,6 +59,9 @@ class Handle:
     pinned_at_open: bool = False
     # opened with the kernel's cached pages kept (they hold bytes of `reader`'s value only)
     kept_cache: bool = False
+    # opened with direct_io: reads bypass the kernel's pages (another open of the file here
+    # reads another version through them; FileIO.opened)
+    direct: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one writer or first read at a time
 
     @property
