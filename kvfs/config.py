@@ -512,11 +512,15 @@ class EngineConfig(TlsConfig):
     connect_timeout_s: float = opt("give up connecting after this long", 2.0)
     lease_s: float = opt("blocks found by a lookup are kept from eviction this long", 30.0)
     ttl_s: float | None = opt("TTL of stored blocks (default: the cluster's)", None)
+    key_memo: int = opt("LMCache: most chunk keys whose kvfs key is kept for the next call "
+                        "that names them (cleared when full; 0: none)", 16384)
 
     def __post_init__(self) -> None:
         for name in ("timeout_s", "connect_timeout_s", "lease_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.key_memo < 0:
+            raise ValueError(f"key_memo must be 0 (none) or more, got {self.key_memo}")
         if self.ttl_s is not None and self.ttl_s <= 0:
             raise ValueError(f"ttl_s must be positive or unset, got {self.ttl_s}")
 

@@ -314,6 +314,55 @@ def test_a_file_read_again_is_answered_from_the_kernels_pages(
 
 
 @needs_fuse
+def test_open_handles_of_two_versions_never_share_pages(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """A handle reads the value it was opened on, and a later open of the replaced file reads
+    the new one, even when both stay open and read in turns: the kernel's page cache is per
+    file, not per handle, so neither is ever answered with the other's cached pages (the
+    same size, so no short read hides it)."""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--attr-timeout", "0.2s")
+    try:
+        n = 256 * 1024
+        v1, v2 = os.urandom(n), os.urandom(n)
+        fs.pipe_file("pv/a", v1)
+        p = m.mnt / "pv" / "a"
+        fd1 = os.open(p, os.O_RDONLY)
+        fds = [fd1]
+        try:
+            assert os.pread(fd1, n, 0) == v1
+            fs.pipe_file("pv/a", v2)  # another client replaces it
+            seen: list[int] = []
+
+            def opens_v2() -> bool:  # once the attribute time has passed: the new value
+                fd = os.open(p, os.O_RDONLY)
+                fds.append(fd)
+                if os.pread(fd, 4096, 0) == v2[:4096]:
+                    seen.append(fd)
+                    return True
+                return False
+
+            wait_until(opens_v2, 30, "an open of the new value")
+            fd2 = seen[0]
+            for _ in range(3):  # in turns, each whole
+                assert os.pread(fd1, n, 0) == v1
+                assert os.pread(fd2, n, 0) == v2
+            for fd in fds[1:]:
+                if fd != fd2:
+                    os.close(fd)
+            os.close(fd1)
+            fds = [fd2]
+            with open(p, "rb", buffering=0) as f:  # a new open once the old one is closed
+                assert f.read() == v2
+            assert os.pread(fd2, n, 0) == v2
+        finally:
+            for fd in fds:
+                os.close(fd)
+        assert "Traceback" not in m.stderr()
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
 def test_hicache_style_pages(mnt: Path, fs: KVFileSystem) -> None:
     """Thousands of page files, each written to a tmp name and renamed; every byte read back."""
     n, page = 2000, 4096
@@ -944,6 +993,7 @@ async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncC
 
     async def once(ino: int, path: str, cfg: FileIO = io) -> tuple[bool, bytes]:
         fh, keep = await open_(ino, path, cfg)
+        assert not table.handle(fh).direct  # no other open of it here: through the pages
         try:
             return keep, await read_(fh, cfg)
         finally:
@@ -958,6 +1008,12 @@ async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncC
     await kv.put("pk/a", b"two")
     fh2, keep2 = await open_(a, "pk/a")  # a second open reads "two": pages could mix
     assert (keep, keep2) == (True, False)
+    # the pages are per file: the later open reads past them (direct_io), the first through
+    assert table.handle(fh2).direct and not table.handle(fh1).direct
+    fh3, keep3 = await open_(a, "pk/a")  # "two" again: the other version is still open
+    assert not keep3 and table.handle(fh3).direct
+    assert await read_(fh3) == b"two"
+    table.close(fh3)
     assert (await read_(fh1), await read_(fh2)) == (b"one", b"two")
     table.close(fh1)
     table.close(fh2)
@@ -990,6 +1046,16 @@ async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncC
     assert keep and err.value.errno == errno.ESTALE
     table.close(fh)
     assert await once(a, "pk/a") == (False, b"three")  # dropped: reads what is there now
+    io.changed(a)
+    fa, keep_a = await open_(a, "pk/a")  # dropped, pinned to "three"
+    fb, _ = await open_(a, "pk/a")  # the same value: both read through the pages
+    await kv.put("pk/a", b"four")
+    with pytest.raises(OSError) as err:  # so neither may move on to "four" alone
+        await read_(fa)
+    assert (keep_a, err.value.errno) == (False, errno.ESTALE)
+    assert not table.handle(fa).direct and not table.handle(fb).direct
+    table.close(fa)
+    table.close(fb)
     io.reads._run = real  # type: ignore[method-assign]
 
     # bounded: --page-cache-files 1 remembers one file; 0 keeps nothing
@@ -1004,7 +1070,7 @@ async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncC
     h = Handle(a, writable=False)
     assert not io.opened(h) and h.reader is None
     fh = table.open(h)
-    assert await read_(fh) == b"three"
+    assert await read_(fh) == b"four"
     table.close(fh)
 
 

@@ -9,7 +9,7 @@
 (not ``remote_url: plugin://kvfs`` as well: LMCache would build a second backend and write
 every chunk twice).  Settings are flat ``kvfs_*`` keys of ``extra_config`` (LMCache does not
 tell a plug-in its name): ``kvfs_addr``, ``kvfs_token``, ``kvfs_namespace`` (default
-``lmcache``), ``kvfs_timeout_s``, ``kvfs_lease_s``, ``kvfs_ttl_s``.
+``lmcache``), ``kvfs_timeout_s``, ``kvfs_lease_s``, ``kvfs_ttl_s``, ``kvfs_key_memo``.
 
 One value per chunk: LMCache's chunk header and the payload, gathered on put and scattered
 on get, never copied.  Gets, puts and lookups are batched (one ``get_into`` / ``put_many`` /
@@ -65,8 +65,11 @@ class KvfsConnector(RemoteConnector):
         self.config = from_mapping(EngineConfig, extra, prefix="kvfs_")
         self.namespace = self.config.namespace or "lmcache"
         self._prefix = namespaced(self.namespace, "")  # what comes before each chunk's name
-        # _keys's template and the key fields it is for (held: their ids stay theirs)
-        self._last_template: tuple[Any, Any, Any, Any, bytes | None] = (None,) * 5
+        # _keys's template, the key fields it is for (held: their ids stay theirs) and the
+        # keys made from it by chunk hash (a new dict with each new template text)
+        self._last_template: tuple[Any, Any, Any, Any, bytes | None, dict[int, bytes]] = (
+            None, None, None, None, None, {})
+        self._memo_lock = threading.Lock()  # held to add to a memo: its size stays bounded
         self.loop = loop
         self.local_cpu_backend = local_cpu_backend
         # two clients, one lease holder: kvfs sees one engine (a release by either would
@@ -104,11 +107,16 @@ class KvfsConnector(RemoteConnector):
         ``CacheEngineKey`` without tags is ``model@world_size@worker_id@<hash hex>@dtype``,
         so its key is a template filled with the chunk hash, made once per run of keys with
         the same other fields (the same objects: the same text) and kept for the next call.
-        Any other key (a subclass, tags, a hash that is not an ``int``) goes through
-        ``to_string``."""
-        model, size, worker, dtype, tmpl = self._last_template
+        Keys made from a template are kept by chunk hash with it (at most ``key_memo``, the
+        dict cleared when full, a new one for a template of other text): an engine asks for
+        the same leading chunks of a shared prefix over and over.  Any other key
+        (a subclass, tags, a hash that is not an ``int``) goes through ``to_string``."""
+        model, size, worker, dtype, tmpl, memo = self._last_template
+        limit = self.config.key_memo
         out: list[bytes] = []
         append = out.append
+        made_h: list[int] = []  # the chunk hashes and keys made here, for the memo
+        made_k: list[bytes] = []
         for k in keys:
             h = k.chunk_hash
             if type(k) is not CacheEngineKey or type(h) is not int or k.tags is not None:
@@ -117,10 +125,35 @@ class KvfsConnector(RemoteConnector):
             if (k.model_name is not model or k.dtype is not dtype or k.worker_id is not worker
                     or k.world_size is not size):
                 model, size, worker, dtype = k.model_name, k.world_size, k.worker_id, k.dtype
-                tmpl = self._template(k)
-                self._last_template = (model, size, worker, dtype, tmpl)
-            append(tmpl % h if tmpl is not None else self._key(k))
+                made = self._template(k)
+                if made != tmpl:
+                    if made_h and limit:  # the keys made from the template before
+                        self._remember(memo, made_h, made_k, limit)
+                        made_h, made_k = [], []
+                    tmpl, memo = made, {}
+                self._last_template = (model, size, worker, dtype, tmpl, memo)
+            if tmpl is None:
+                append(self._key(k))
+                continue
+            key = memo.get(h)
+            if key is None:
+                key = tmpl % h
+                made_h.append(h)
+                made_k.append(key)
+            append(key)
+        if made_h and limit:
+            self._remember(memo, made_h, made_k, limit)
         return out
+
+    def _remember(self, memo: dict[int, bytes], hashes: list[int], keys: list[bytes],
+                  limit: int) -> None:
+        """Add ``hashes`` -> ``keys`` to ``memo`` (all of one template), clearing it first
+        if they would take it past ``limit``: one lock per call, not per key, and the size
+        never over ``limit``, whichever threads add."""
+        with self._memo_lock:
+            if len(memo) + len(hashes) > limit:
+                memo.clear()
+            memo.update(zip(hashes[:limit], keys[:limit], strict=True))
 
     def _template(self, key: CacheEngineKey) -> bytes | None:
         """``%``-template of :meth:`_key` for keys that differ from ``key`` only in their

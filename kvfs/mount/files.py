@@ -19,9 +19,11 @@ Memory per open file is bounded whatever the file's size:
   lookup fetched, and keeps the kernel's cached pages of the file when they were read
   from that very value (``opened``; at most ``page_cache_files`` inodes remembered);
   otherwise the first read pins the value's layout (a lookup batched with other files'
-  first reads).  Each read fetches the stripe units it overlaps, batched across files,
-  and answers from them without a copy; a sequential reader gets ``read_ahead_units``
-  units fetched ahead.  An open file keeps at most ``read_ahead_units + 2`` units.
+  first reads).  The kernel's pages are per inode: an open while another open of the file
+  here reads another version through them gets ``direct_io`` (``opened``).  Each read
+  fetches the stripe units it overlaps, batched across files, and answers from them
+  without a copy; a sequential reader gets ``read_ahead_units`` units fetched ahead.  An
+  open file keeps at most ``read_ahead_units + 2`` units.
 - **Closes share commits** as reads share batches: the small files closed while
   earlier commits are in flight go out together, one ``put_many``.  With
   ``--write-behind`` a close hands the file to :mod:`kvfs.mount.writebehind` instead
@@ -259,7 +261,8 @@ class FileIO:
 
     # reading ---------------------------------------------------------------------
     def opened(self, h: Handle) -> bool:
-        """A read-only open; whether the kernel may keep its cached pages of the file.
+        """A read-only open; whether the kernel may keep its cached pages of the file (and
+        ``h.direct``: whether its reads must bypass them).
 
         With the layout the kernel's LOOKUP just fetched (within ``fresh_s``) the handle is
         pinned to it now.  The pages are kept when they were read from that same value (the
@@ -268,16 +271,27 @@ class FileIO:
         no other open of the file here reads another version or writes; otherwise the kernel
         drops them at this open, and only this value's bytes fill them from then on.  No such
         layout, or a version of the file held here (write-behind): dropped, and the first read
-        pins the value as before."""
+        pins the value as before.
+
+        The kernel's pages are per file, not per handle: a handle reading through them while
+        another reads another version would be answered the other's bytes.  So the handles
+        that read through the pages (not ``direct``) all read one version: an open while such
+        a handle is open reads through them only if pinned now to that handle's very layout;
+        otherwise it is ``direct`` (``direct_io``: each read a READ, never the pages).  The
+        common case, no other open of the file here, is never direct."""
         ino = h.ino
+        others = self.table.handles_of(ino)
+        cached = [o for o in others if not o.writable and not o.direct] if others else ()
         reader = self._recent(ino)
-        if reader is None or self.wb.get(self.table.path(ino)) is not None:
+        if (reader is None or self.wb.get(self.table.path(ino)) is not None
+                or any(o.writable for o in others)):
             self._cached.pop(ino, None)
+            h.direct = bool(cached)  # pinned only at its first read: maybe another version
             return False
         layout = reader.layout
-        if any(o.writable or o.reader is None or o.reader.layout != layout
-               for o in self.table.handles_of(ino)):  # pages of two versions could mix
+        if any(o.reader is None or o.reader.layout != layout for o in cached):
             self._cached.pop(ino, None)
+            h.direct = True  # pages of two versions would mix
             return False
         h.reader = reader
         h.pinned_at_open = True
@@ -289,6 +303,12 @@ class FileIO:
             while len(self._cached) > bound:
                 self._cached.popitem(last=False)
         return h.kept_cache
+
+    def _shares_pages(self, h: Handle) -> bool:
+        """Whether ``h`` reads through the kernel's pages of its file while another open of it
+        here does too (so ``h`` must keep to the version it was pinned to at open)."""
+        return not h.direct and any(o is not h and not o.writable and not o.direct
+                                    for o in self.table.handles_of(h.ino))
 
     async def read(self, h: Handle, off: int, size: int) -> bytes | memoryview:
         if h.writable and h.data is not None:
@@ -304,7 +324,8 @@ class FileIO:
                         await self._unit(h, off)
                     except StaleLayout:  # replaced since the lookup, its old bytes gone
                         self.changed(h.ino)
-                        if h.kept_cache:  # the kernel's pages are of the old value: never mix
+                        if h.kept_cache or self._shares_pages(h):  # the kernel's pages are
+                            # (or will be) of the old value: never mix
                             raise OSError(errno.ESTALE, "replaced, and its old bytes reclaimed, "
                                           "since it was opened: open it again") from None
                         h.reader = None  # read what is there now

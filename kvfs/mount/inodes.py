@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import errno
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -59,6 +60,9 @@ class Handle:
     pinned_at_open: bool = False
     # opened with the kernel's cached pages kept (they hold bytes of `reader`'s value only)
     kept_cache: bool = False
+    # opened with direct_io: reads bypass the kernel's pages (another open of the file here
+    # reads another version through them; FileIO.opened)
+    direct: bool = False
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one writer or first read at a time
 
     @property
@@ -85,6 +89,7 @@ class InodeTable:
         self._unlinked: set[int] = set()
         self._next_ino = ROOT_INODE + 1
         self._handles: dict[int, Handle] = {}
+        self._of_ino: dict[int, list[Handle]] = {}  # the open handles by inode
         self._dirs: dict[int, tuple[str, list[tuple[str, Info]]]] = {}
         self._next_fh = 1
 
@@ -167,7 +172,7 @@ class InodeTable:
         """Forget ``ino`` unless the kernel or an open handle still refers to it."""
         if ino == ROOT_INODE or self._lookups.get(ino, 0) > 0:
             return
-        if any(h.ino == ino for h in self._handles.values()):
+        if ino in self._of_ino:
             return
         path = self._paths.pop(ino, None)
         self._unlinked.discard(ino)
@@ -208,6 +213,7 @@ class InodeTable:
         fh = self._next_fh
         self._next_fh += 1
         self._handles[fh] = h
+        self._of_ino.setdefault(h.ino, []).append(h)
         return fh
 
     def handle(self, fh: int) -> Handle:
@@ -219,13 +225,18 @@ class InodeTable:
     def close(self, fh: int) -> None:
         h = self._handles.pop(fh, None)
         if h is not None:
+            same = self._of_ino[h.ino]
+            same.remove(h)
+            if not same:
+                del self._of_ino[h.ino]
             self.maybe_drop(h.ino)
 
-    def handles_of(self, ino: int) -> list[Handle]:
-        return [h for h in self._handles.values() if h.ino == ino]
+    def handles_of(self, ino: int) -> Sequence[Handle]:
+        """The handles open on ``ino`` (not to be kept: a view of the table)."""
+        return self._of_ino.get(ino, ())
 
     def writers(self, ino: int) -> list[Handle]:
-        return [h for h in self._handles.values() if h.ino == ino and h.writable]
+        return [h for h in self._of_ino.get(ino, ()) if h.writable]
 
     def pending_size(self, ino: int) -> int | None:
         """The size an open, written file has in this mount (None: no writer, or not loaded)."""
@@ -241,6 +252,7 @@ class InodeTable:
             if h.stream is not None:
                 h.stream.cancel()
         self._handles.clear()
+        self._of_ino.clear()
         return n
 
     # directory handles ---------------------------------------------------------

@@ -224,7 +224,7 @@ class KVFSOperations(Operations):
             h = Handle(inode, writable=True)
         if h.writable:
             self.io.writing(inode)
-        return pyfuse3.FileInfo(fh=self.table.open(h), keep_cache=keep)
+        return pyfuse3.FileInfo(fh=self.table.open(h), keep_cache=keep, direct_io=h.direct)
 
     @_local
     async def create(self, parent_inode: int, name: bytes, mode: int, flags: int,

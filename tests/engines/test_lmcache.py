@@ -138,6 +138,58 @@ def test_chunk_keys_are_namespace_and_to_string(tcluster: ThreadCluster, tmp_pat
         sm.close()
 
 
+@pytest.mark.parametrize("limit", [0, 5])
+def test_key_memo_gives_the_same_keys_and_stays_bounded(tcluster: ThreadCluster, tmp_path: Path,
+                                                        limit: int) -> None:
+    """``kvfs_key_memo`` keys made from a template by chunk hash: every key is still
+    ``namespace/`` + ``to_string()`` byte for byte, when found in the memo, after it was
+    cleared for being full, after a key of another model in between, and with it off (0);
+    the memo never holds more than the limit, and a stored chunk is found through it."""
+    from kvfs.config import EngineConfig, from_mapping
+
+    with pytest.raises(ValueError, match="key_memo"):
+        from_mapping(EngineConfig, {"kvfs_key_memo": -1}, prefix="kvfs_")
+    sm, metadata = storage_manager(config_file(tmp_path, tcluster, kvfs_namespace="memo",
+                                               kvfs_key_memo=limit))
+    try:
+        remote = find_remote_backend(sm)
+        assert remote is not None
+        conn = remote.connection._connector
+        assert conn.config.key_memo == limit
+
+        def memo() -> dict[int, bytes]:
+            held: dict[int, bytes] = conn._last_template[-1]
+            return held
+
+        keys = [create_test_key(MODEL, f"memo-{i}") for i in range(8)]  # more than 5
+        other = create_test_key(MODEL + "-other", "memo-0")
+        want = [b"memo/" + k.to_string().encode() for k in keys]
+        calls = [keys[:3], keys[:3], keys, keys[::-1], [keys[0], other, keys[1]], keys[:2],
+                 keys[6:], keys]
+        for call in calls:
+            got = conn._keys(call)
+            assert got == [b"memo/" + k.to_string().encode() for k in call]
+            assert len(memo()) <= limit
+        first = conn._keys(keys[6:])
+        if limit:  # kept, and handed out again
+            assert [memo()[k.chunk_hash] for k in keys[6:]] == want[6:]
+            assert all(a is b for a, b in zip(first, conn._keys(keys[6:]), strict=True))
+        else:
+            assert memo() == {}
+        objs = [create_test_memory_obj_for_storage_manager(sm, metadata) for _ in keys]
+        sm.batched_put(keys, objs)
+        with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+            deadline = time.monotonic() + 60
+            while len(kv.list(b"memo/")) < len(keys):
+                assert time.monotonic() < deadline, "puts did not reach kvfs"
+                time.sleep(0.05)
+            assert sorted(i.key for i in kv.list(b"memo/")) == sorted(want)
+        assert remote.batched_contains(keys) == remote.batched_contains(keys) == len(keys)
+        assert len(memo()) <= limit
+    finally:
+        sm.close()
+
+
 def test_destroy_with_puts_in_flight_does_not_crash(tcluster: ThreadCluster,
                                                    tmp_path: Path) -> None:
     """LMCache's close frees its CPU buffer pool, then closes the remote backends, while the
