@@ -172,18 +172,23 @@ def main(argv: list[str] | None = None) -> int:
     mnt = root / "mnt"
     mnt.mkdir()
     try:
-        up = subprocess.Popen([sys.executable, "-m", "kvfs", "up", "--data", str(root / "data"),
-                               "--listen", "127.0.0.1:0", "--no-gc"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        assert up.stdout is not None
-        addr = ""
-        for line in up.stdout:
-            m = re.match(r"(kvfs://\S+)", line)
-            if m:
-                addr = m.group(1)
-                break
-        if not addr:
-            raise SystemExit("kvfs up did not start")
+        # its output goes to a file: a pipe nobody reads once the address is found could fill
+        # and block the cluster
+        up_log = root / "up.log"
+        with up_log.open("wb") as out:
+            up = subprocess.Popen([sys.executable, "-m", "kvfs", "up", "--data", str(root / "data"),
+                                   "--listen", "127.0.0.1:0", "--no-gc"],
+                                  stdout=out, stderr=subprocess.STDOUT)
+        found: list[str] = []
+
+        def started() -> bool:
+            found[:] = re.findall(r"^kvfs://\S+", up_log.read_text(errors="replace"), re.M)[:1]
+            return bool(found) or up.poll() is not None
+
+        _wait(started, 60, "kvfs up")
+        if not found:
+            raise SystemExit(f"kvfs up did not start: {up_log.read_text(errors='replace')[-2000:]}")
+        addr = found[0]
         mnt_proc = subprocess.Popen([sys.executable, "-m", "kvfs", "mount", str(mnt), "--addr", addr,
                                      *ns.mount_arg],
                                     stdout=subprocess.DEVNULL)
@@ -216,8 +221,6 @@ def main(argv: list[str] | None = None) -> int:
         if up is not None and up.poll() is None:
             up.send_signal(signal.SIGTERM)
             up.wait(60)
-        if up is not None and up.stdout is not None:
-            up.stdout.close()
         shutil.rmtree(root, ignore_errors=True)
     return 0
 

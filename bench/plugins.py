@@ -28,6 +28,15 @@ as processes (``kvfs.launcher.ProcessCluster``) in a temp dir, stores ``--pages`
 thread calls) next to the blocking client's own ``match_prefix`` / ``exists_many`` of the
 same keys, with the same lease (what the plug-in asks kvfs for, made directly).
 
+``--op lookup`` asks for the same keys every round, so a plug-in that keeps what it built per
+key (LMCache's ``kvfs_key_memo``) is timed on keys it has seen.  ``--fresh-keys`` makes every
+call ask for keys never asked for before: ``(rounds + 1) x 2 x --pages`` keys are stored
+through the plug-in first (a block of ``--pages`` per way per round, the warm-up round
+included; at most 256 MiB in all, so use a small ``--page-kib``: 8 is the least LMCache's
+geometry takes), each way's calls in a round take their own block, and LMCache's memo of the
+keys its puts built is emptied before the rounds: a first lookup by this connector, of chunks
+stored before (by another instance, or forgotten).
+
 ``--model``: the KV geometry.  ``small`` (the default) is a 4-layer model whose pages are
 ``--page-kib`` (SGLang: 8 KV heads, 16-token pages, so 16 KiB regions at 128 KiB pages in
 ``layer_first``; LMCache: 2 KV heads, 256-token chunks; vLLM: one block of that size).
@@ -49,6 +58,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import itertools
 import os
 import shutil
 import statistics
@@ -76,6 +86,7 @@ from kvfs.bench.engines import (
 from kvfs.launcher import ProcessCluster
 
 TARGET = 1.20  # issue 12: a plug-in adds at most 20 % per page
+FRESH_KIB = 256 << 10  # --fresh-keys: most KiB stored
 
 
 @dataclass(frozen=True)
@@ -128,6 +139,8 @@ class Case:
     # call that it makes (each returns the pages found)
     lookup: Callable[[range], int] | None = None
     lookup_direct: Callable[[range], int] | None = None
+    # --fresh-keys: forget what the plug-in kept from the puts about the keys (LMCache's memo)
+    forget: Callable[[], None] = lambda: None
 
 
 @contextlib.contextmanager
@@ -227,7 +240,8 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     chunk, layers, heads = 256, m.layers, m.lmcache_heads
     metadata.kv_shape = (layers, 2, chunk, heads, m.dim_for(ns.page_kib * 1024, chunk, heads))
     metadata.chunk_size = chunk
-    pool_gib = 2.5 * ns.pages * layers * 2 * chunk * heads * metadata.kv_shape[-1] * 2 / (1 << 30)
+    pooled = min(ns.pages, 4 * ns.batch) if ns.fresh_keys else ns.pages  # held at a time
+    pool_gib = 2.5 * pooled * layers * 2 * chunk * heads * metadata.kv_shape[-1] * 2 / (1 << 30)
     namespace = "bench-lmcache"
     cfg_path = lmcache_config(Path(tempfile.mkdtemp(prefix="kvfs-bench-lmcache-")) / "lmcache.yaml",
                               addr, token, chunk_size=chunk, max_local_cpu_gib=pool_gib,
@@ -303,8 +317,13 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     def lookup_direct(b: range) -> int:
         return conn.client.match_prefix(keys[b.start : b.stop], lease_s=conn.config.lease_s)
 
+    def forget() -> None:  # the memo of the kvfs keys the puts built (a bench-only reach in)
+        with conn._memo_lock:
+            conn._last_template[5].clear()
+
     return Case(f"LMCache connector `batched_get` ({chunk}-token chunks)", page_bytes, batches,
-                plugin, direct, check, close, direct_parts, release, lookup, lookup_direct)
+                plugin, direct, check, close, direct_parts, release, lookup, lookup_direct,
+                forget)
 
 
 # vLLM -------------------------------------------------------------------------------------------
@@ -390,25 +409,38 @@ def timed(fn: Callable[[range], int], b: range, what: str,
     return dt, dc
 
 
-def measure(case: Case, rounds: int) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+def measure(case: Case, rounds: int,
+            fresh: int = 0) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
     """Per batch, the plug-in and the direct read back to back (which goes first alternates),
     ``rounds`` passes over every batch: seconds per page of each call, and client CPU seconds
-    per page, the ways' lists paired."""
+    per page, the ways' lists paired.  ``fresh``: the pages a round's batches cover, each way
+    each round (warm-up included) then shifted to a block of them of its own, after the ones
+    before: no call asks for a key any call asked for before."""
     ways = {"plug-in": case.plugin, "direct": case.direct}
     if case.direct_parts is not None:
         ways["direct, the plug-in's buffers"] = case.direct_parts
+    blocks = itertools.count()
+
+    def shifts() -> dict[str, int]:  # all 0 unless fresh
+        return {name: next(blocks) * fresh for name in ways}
+
+    def at(b: range, shift: int) -> range:
+        return range(b.start + shift, b.stop + shift)
+
+    shift = shifts()
     for b in case.batches:  # warm-up: connections and layouts cached alike
         for name, fn in ways.items():
-            timed(fn, b, name, case.release)
+            timed(fn, at(b, shift[name]), name, case.release)
     per: dict[str, list[float]] = {name: [] for name in ways}
     cpu: dict[str, list[float]] = {name: [] for name in ways}
     flip = False
     for _ in range(rounds):
+        shift = shifts()
         for b in case.batches:
             order = list(reversed(ways)) if flip else list(ways)  # plug-in first or last
             flip = not flip
             for name in order:
-                dt, dc = timed(ways[name], b, name, case.release)
+                dt, dc = timed(ways[name], at(b, shift[name]), name, case.release)
                 per[name].append(dt / len(b))
                 cpu[name].append(dc / len(b))
     return per, cpu
@@ -434,6 +466,10 @@ def main(argv: list[str] | None = None) -> int:
                          "through the plug-in (SGLang batch_exists, LMCache batched_contains, "
                          "vLLM's lookup thread's batch_lookup) next to the blocking client's "
                          "own match_prefix / exists_many of the same keys")
+    ap.add_argument("--fresh-keys", action="store_true",
+                    help="--op lookup: every call asks for keys never asked for before "
+                         "((rounds + 1) x 2 x --pages stored first, at most 256 MiB; use a "
+                         "small --page-kib such as 8); LMCache's key memo emptied after the puts")
     ap.add_argument("--layout", default="page_first",
                     choices=["layer_first", "page_first", "page_first_direct"],
                     help="SGLang's host layout (default page_first)")
@@ -441,10 +477,21 @@ def main(argv: list[str] | None = None) -> int:
     model, ns.model = ns.model, MODELS[ns.model]
     ns.pages = ns.pages or ns.model.pages[ns.engine]
     ns.batch = ns.batch or ns.model.batch[ns.engine]
+    round_pages = ns.pages
+    if ns.fresh_keys:
+        if ns.op != "lookup" or model != "small":
+            ap.error("--fresh-keys: with --op lookup and --model small only")
+        ns.pages = (ns.rounds + 1) * 2 * round_pages  # a block per way per round
+        if ns.pages * ns.page_kib > FRESH_KIB:
+            ap.error(f"--fresh-keys: {ns.pages} pages of --page-kib {ns.page_kib} is over "
+                     f"{FRESH_KIB >> 10} MiB; lower --page-kib, --pages or --rounds")
     root = Path(tempfile.mkdtemp(prefix="kvfs-bench-plugins-"))
     try:
         with cluster(root / "cluster", ns.chunkservers) as (addr, token):
             case = CASES[ns.engine](addr, token, ns)
+            if ns.fresh_keys:
+                case.batches = _split(round_pages, ns.batch)  # shifted per way and round
+                case.forget()
             if ns.op == "lookup":
                 assert case.lookup is not None and case.lookup_direct is not None
                 case.name = case.name.split(" `")[0] + " lookup"
@@ -452,7 +499,7 @@ def main(argv: list[str] | None = None) -> int:
                 case.direct_parts, case.release = None, lambda: None
                 case.check = lambda: None  # nothing is read; every page must be found
             try:
-                per, cpu = measure(case, ns.rounds)
+                per, cpu = measure(case, ns.rounds, round_pages if ns.fresh_keys else 0)
                 case.check()
             finally:
                 case.close()
@@ -462,7 +509,8 @@ def main(argv: list[str] | None = None) -> int:
     plug, direct = statistics.median(us["plug-in"]), statistics.median(us["direct"])
     total = sum(us["plug-in"]) / sum(us["direct"])
     paired = statistics.median(p / d for p, d in zip(us["plug-in"], us["direct"], strict=True))
-    print(f"{case.name}, model {model}: {ns.pages} pages of {case.page_bytes / 1024:g} KiB, calls of "
+    fresh = f", fresh keys every call ({ns.pages} stored)" if ns.fresh_keys else ""
+    print(f"{case.name}{fresh}, model {model}: {round_pages} pages of {case.page_bytes / 1024:g} KiB, calls of "
           f"{ns.batch} pages, {ns.rounds} rounds, {len(us['direct'])} calls each way back to "
           f"back, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     cpu_us = {name: statistics.median(xs) * 1e6 for name, xs in cpu.items()}

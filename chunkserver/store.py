@@ -476,7 +476,8 @@ class ChunkStore:
         if nbytes > free:
             self.wanted_bytes = nbytes
             raise NoSpace(f"chunkserver {self.server_id} is full: {nbytes} bytes do not fit "
-                          f"({used} of {capacity} used, {free} free); nothing left to evict or GC behind")
+                          f"({used} of {capacity} used, {free} free), and GC has not freed room for them "
+                          f"(`kvfs gc status` shows each server's live and garbage bytes)")
 
     # append ----------------------------------------------------------------
     def _new_chunk_id(self) -> int:

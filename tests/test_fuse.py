@@ -142,6 +142,21 @@ def test_looked_up_files_changed_here_or_elsewhere_are_not_read_stale(
 
 
 # bad input ------------------------------------------------------------------------
+def _hidden_new_file(m: Mount, fs: KVFileSystem, d: str) -> Path:
+    """A file another client writes (b"elsewhere") into ``d`` that the mount does not see yet
+    (--negative-timeout): new names are made until the mount has a listing of ``d`` older
+    than one of them."""
+    made: list[Path] = []
+
+    def hidden() -> bool:
+        made.append(m.mnt / d / f"other{len(made)}")
+        fs.pipe_file(str(made[-1].relative_to(m.mnt)), b"elsewhere")
+        return not made[-1].exists()
+
+    wait_until(hidden, 30, f"a listing of {d}/ to hide a file made after it")
+    return made[-1]
+
+
 @needs_fuse
 def test_negative_timeout_hides_others_new_files_at_most_that_long(
         tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
@@ -153,15 +168,7 @@ def test_negative_timeout_hides_others_new_files_at_most_that_long(
     try:
         d = m.mnt / "nt"
         d.mkdir()
-        made: list[Path] = []
-
-        def hidden() -> bool:  # once the mount has a listing of nt/: a name made after it
-            made.append(m.mnt / f"nt/other{len(made)}")
-            fs.pipe_file(str(made[-1].relative_to(m.mnt)), b"elsewhere")
-            return not made[-1].exists()
-
-        wait_until(hidden, 30, "a listing of nt/ to hide a file made after it")
-        late = made[-1]
+        late = _hidden_new_file(m, fs, "nt")
         (d / "mine.bin").write_bytes(b"here")
         assert (d / "mine.bin").read_bytes() == b"here" and not late.exists()
         wait_until(late.exists, 30, "the hidden file once the listing is older than the bound")
@@ -181,15 +188,7 @@ def test_negative_timeout_still_sees_others_files_for_o_excl_and_writes_in_place
     try:
         d = m.mnt / "ex"
         d.mkdir()
-        made: list[Path] = []
-
-        def hidden() -> bool:  # once the mount has a listing of ex/: a name made after it
-            made.append(m.mnt / f"ex/other{len(made)}")
-            fs.pipe_file(str(made[-1].relative_to(m.mnt)), b"elsewhere")
-            return not made[-1].exists()
-
-        wait_until(hidden, 30, "a listing of ex/ to hide a file made after it")
-        late = made[-1]
+        late = _hidden_new_file(m, fs, "ex")
         fs.pipe_file("ex/kept.bin", b"elsewhere")
         assert not (d / "kept.bin").exists()  # hidden too
         with pytest.raises(FileExistsError):

@@ -50,6 +50,14 @@ def test_lmcache_basic_check_test_remote(tcluster: ThreadCluster, tmp_path: Path
     assert "Validation (content correct): 5/5 passed (100.0%)" in r.stdout
 
 
+def _wait_listed(kv: kvfs.Client, prefix: bytes, n: int) -> None:
+    """Until ``n`` keys under ``prefix`` are in kvfs (LMCache's puts are asynchronous)."""
+    deadline = time.monotonic() + 60
+    while len(kv.list(prefix)) < n:
+        assert time.monotonic() < deadline, "puts did not reach kvfs"
+        time.sleep(0.05)
+
+
 def storage_manager(cfg: Path) -> tuple[Any, Any]:
     metadata = _get_default_metadata(MODEL)
     return lmcache_storage_manager(cfg, metadata), metadata
@@ -68,10 +76,7 @@ def test_storage_manager_round_trip_bit_exact(tcluster: ThreadCluster, tmp_path:
         want = [bytes(o.byte_array) for o in objs]
         sm.batched_put(keys, objs)
         with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
-            deadline = time.monotonic() + 60
-            while len(kv.list(b"rt/")) < len(keys):
-                assert time.monotonic() < deadline, "puts did not reach kvfs"
-                time.sleep(0.05)
+            _wait_listed(kv, b"rt/", len(keys))
             # one value per chunk, named as before: namespace/ + LMCache's to_string()
             assert {i.key for i in kv.list(b"rt/")} == {b"rt/" + k.to_string().encode()
                                                        for k in keys}
@@ -179,10 +184,7 @@ def test_key_memo_gives_the_same_keys_and_stays_bounded(tcluster: ThreadCluster,
         objs = [create_test_memory_obj_for_storage_manager(sm, metadata) for _ in keys]
         sm.batched_put(keys, objs)
         with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
-            deadline = time.monotonic() + 60
-            while len(kv.list(b"memo/")) < len(keys):
-                assert time.monotonic() < deadline, "puts did not reach kvfs"
-                time.sleep(0.05)
+            _wait_listed(kv, b"memo/", len(keys))
             assert sorted(i.key for i in kv.list(b"memo/")) == sorted(want)
         assert remote.batched_contains(keys) == remote.batched_contains(keys) == len(keys)
         assert len(memo()) <= limit
