@@ -18,8 +18,8 @@ Invariants:
   unlink) rests on a change that is not on disk, nor a retirement it repeats;
 - the in-memory index is updated in the step that writes the transaction, so the
   two never disagree for a reader, and SQLite holds the transactions in the order
-  the index applied them (only the loop uses the SQLite connection; the sync thread
-  opens the WAL file by path).  So a committed key is visible to lookups from that step,
+  the index applied them (only the loop uses its SQLite connection; the sync thread
+  opens the WAL file by path, and checkpoints on a connection of its own).  So a committed key is visible to lookups from that step,
   before its COMMIT is answered (one sync later), and a deleted one is a miss from then
   on.  A crash in between can lose the change
   from meta, and only together with every transaction after it (the WAL is
@@ -228,7 +228,9 @@ class MetaIndex(ServerRegistry):
         self._commit_handle: asyncio.Handle | None = None
         # batch/always: every change is written unsynced, then the WAL is synced in a thread
         self._sync_after = config.fsync != FsyncMode.NEVER
-        self._wal = WalSync(store)  # (GC's changes are synced in every mode)
+        # (GC's changes are synced in every mode; the checkpoints in the sync thread only
+        # with batch/always: with never it seldom runs, and the loop's connection checkpoints)
+        self._wal = WalSync(store, checkpoint=self._sync_after)
         self._syncing: asyncio.Future[None] | None = None  # a group waiting for its sync (done: answered)
 
     def load(self) -> None:

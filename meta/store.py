@@ -6,6 +6,7 @@ import builtins
 import contextlib
 import os
 import sqlite3
+import sys
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -61,6 +62,13 @@ PUT_GHOST = "INSERT INTO ghosts(chunk, h, until) VALUES (?,?,?)"
 OLDER_SCHEMA = "CREATE TABLE older (key BLOB PRIMARY KEY, until REAL) WITHOUT ROWID"
 PUT_TOMBSTONE = "INSERT OR REPLACE INTO tombstones(key, layout, horizon) VALUES (?,?,?)"
 PUT_OLDER = "INSERT OR REPLACE INTO older(key, until) VALUES (?,?)"
+
+
+# checkpoints off the loop (kvfs.meta.walsync): the sync thread checkpoints once this many
+# WAL frames wait (SQLite's default ``wal_autocheckpoint``); the loop's connection checkpoints
+# itself only past LOOP_CHECKPOINT_FRAMES, the bound on the WAL if the thread falls behind
+CHECKPOINT_FRAMES = 1000
+LOOP_CHECKPOINT_FRAMES = 4 * CHECKPOINT_FRAMES
 
 
 def prefix_upper_bound(prefix: bytes) -> bytes | None:
@@ -154,6 +162,13 @@ class MetaStore:
             os.fdatasync(fd)
         finally:
             os.close(fd)
+
+    def checkpoint_off_loop(self) -> Checkpointer:
+        """Raise this connection's auto-checkpoint to :data:`LOOP_CHECKPOINT_FRAMES` (the
+        bound) and return the :class:`Checkpointer` the sync thread runs the checkpoints
+        with, at :data:`CHECKPOINT_FRAMES`."""
+        self.db.execute(f"PRAGMA wal_autocheckpoint={LOOP_CHECKPOINT_FRAMES}")
+        return Checkpointer(self.path)
 
     def load(self) -> Iterator[tuple[bytes, Layout, float]]:
         for key, blob, last_access in self.db.execute("SELECT key, layout, last_access FROM kv"):
@@ -288,3 +303,53 @@ class MetaStore:
         with self.db:
             self.db.execute("INSERT OR REPLACE INTO gc_state VALUES (?,?)",
                             (name, msgpack.packb(value, use_bin_type=True)))
+
+
+class Checkpointer:
+    """A PASSIVE checkpoint of the WAL on a second SQLite connection, opened and used by
+    one thread only (meta's sync thread: :mod:`kvfs.meta.walsync`), so the loop's
+    connection does not run it: :meth:`run_if_due` once :data:`CHECKPOINT_FRAMES` frames
+    wait.
+
+    Durability is as with the loop's own auto-checkpoint: a checkpoint copies only
+    committed frames, syncs the WAL before copying and the database after (this
+    connection is ``synchronous=FULL``; a checkpoint is synced at FULL and NORMAL alike),
+    and the WAL is reused from its start only after a checkpoint that copied all of it
+    (see :meth:`MetaStore.sync_wal`).  No change is answered on the strength of a
+    checkpoint: answers wait for :meth:`MetaStore.sync_wal`."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.shm_path = Path(f"{path}-shm")
+        self.db: sqlite3.Connection | None = None
+        self.checkpoints = 0  # checkpoints run (complete or not)
+
+    def frames_waiting(self) -> int:
+        """WAL frames not yet copied into the database: ``mxFrame - nBackfill`` from the
+        wal-index header in the ``-shm`` file (https://www.sqlite.org/walformat.html:
+        offsets 16 and 96, native byte order), read without a lock: a trigger, not a count
+        anything relies on."""
+        try:
+            with open(self.shm_path, "rb") as f:
+                head = f.read(100)
+        except FileNotFoundError:
+            return 0
+        if len(head) < 100:
+            return 0
+        mx = int.from_bytes(head[16:20], sys.byteorder)
+        backfilled = int.from_bytes(head[96:100], sys.byteorder)
+        return max(0, mx - backfilled)
+
+    def run_if_due(self) -> None:
+        if self.frames_waiting() < CHECKPOINT_FRAMES:
+            return
+        if self.db is None:
+            self.db = sqlite3.connect(self.path, isolation_level=None)
+            self.db.execute("PRAGMA synchronous=FULL")
+        self.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+        self.checkpoints += 1
+
+    def close(self) -> None:
+        if self.db is not None:
+            self.db.close()
+            self.db = None

@@ -4,7 +4,16 @@ loop, and its answer waits here for one ``fdatasync`` of the WAL run in meta's o
 thread, which covers it and every transaction written before it (:class:`WalSync`).
 
 SQLite's connection is used on the loop only: the thread opens the ``-wal`` file by path
-and syncs it (:meth:`kvfs.meta.store.MetaStore.sync_wal`), nothing more.
+and syncs it (:meth:`kvfs.meta.store.MetaStore.sync_wal`).  With ``checkpoint`` (meta's
+``--fsync batch``/``always``) the thread also runs the WAL's checkpoints, on a second
+SQLite connection of its own (:class:`kvfs.meta.store.Checkpointer`), so lookups are not
+held by them either: after a sync returned and before its answer is handed back, so no
+commit group is written meanwhile (the next waits for the answer), the checkpoint copies
+the whole WAL and the next write reuses it from its start (a checkpoint running beside
+the writes never catches up: measured, bench/RESULTS.md).  The answer waits for the
+checkpoint, as it waited for the loop's.  The loop's connection checkpoints itself only
+if the WAL outgrows the bound (:data:`kvfs.meta.store.LOOP_CHECKPOINT_FRAMES`: the thread
+fell behind, or failed).
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import threading
 from collections.abc import Callable, Iterator
 
 from kvfs.errors import ServerError
-from kvfs.meta.store import MetaStore
+from kvfs.meta.store import Checkpointer, MetaStore
 
 log = logging.getLogger("kvfs.meta")
 
@@ -32,7 +41,8 @@ class SyncThread:
     executor: one queue put and one loop wake-up per sync, no futures' bookkeeping taking
     the GIL from the loop in between."""
 
-    def __init__(self) -> None:
+    def __init__(self, checkpointer: Checkpointer | None = None) -> None:
+        self.checkpointer = checkpointer  # used in this thread only
         self._requests: queue.SimpleQueue[
             tuple[Callable[[], None], asyncio.AbstractEventLoop, SyncDone] | None] = queue.SimpleQueue()
         # a daemon: a process that exits without close() (a crash) is not held up by it; a
@@ -51,8 +61,16 @@ class SyncThread:
                 sync()
             except BaseException as exc:  # handed to the loop: the changes' answer
                 outcome = exc
+            if self.checkpointer is not None and outcome is None:
+                try:  # (a failed checkpoint loses nothing: its frames stay in the WAL)
+                    self.checkpointer.run_if_due()
+                except Exception:
+                    log.exception("meta's WAL checkpoint in the sync thread failed; the loop's "
+                                  "connection checkpoints past its bound")
             with contextlib.suppress(RuntimeError):  # the loop closed: no one waits
                 loop.call_soon_threadsafe(done, outcome)
+        if self.checkpointer is not None:
+            self.checkpointer.close()
 
     def stop(self) -> None:
         """End the thread once the syncs handed to it are done."""
@@ -76,8 +94,10 @@ class WalSync:
       that succeeds proves nothing.
     """
 
-    def __init__(self, store: MetaStore) -> None:
+    def __init__(self, store: MetaStore, *, checkpoint: bool = False) -> None:
         self.store = store
+        # the WAL's checkpoints in the sync thread (the loop's connection's raised to the bound)
+        self._checkpointer = store.checkpoint_off_loop() if checkpoint else None
         self.failed: ServerError | None = None
         self.syncs = 0  # syncs that returned
         self._written = 0  # transactions written unsynced since start
@@ -134,7 +154,7 @@ class WalSync:
 
     def _start(self) -> None:
         if self._thread is None:
-            self._thread = SyncThread()
+            self._thread = SyncThread(self._checkpointer)
         target = self._written
         self._running = asyncio.get_running_loop().create_future()
         self._thread.submit(self.store.sync_wal, lambda exc: self._ended(exc, target))
@@ -161,8 +181,14 @@ class WalSync:
         for _, done in waiting:
             done(self.failed)
 
+    @property
+    def checkpoints(self) -> int:
+        """Checkpoints run in the sync thread."""
+        return 0 if self._checkpointer is None else self._checkpointer.checkpoints
+
     async def close(self) -> None:
-        """Wait for the syncs owed to waiting changes, then end the sync thread."""
+        """Wait for the syncs owed to waiting changes, then end the sync thread (its
+        checkpoint connection closed in it; the loop's, closed last, checkpoints the rest)."""
         while self._running is not None:
             await asyncio.wait([self._running])
         if self._thread is not None:
