@@ -35,7 +35,8 @@ through the plug-in first (a block of ``--pages`` per way per round, the warm-up
 included; at most 256 MiB in all, so use a small ``--page-kib``: 8 is the least LMCache's
 geometry takes), each way's calls in a round take their own block, and LMCache's memo of the
 keys its puts built is emptied before the rounds: a first lookup by this connector, of chunks
-stored before (by another instance, or forgotten).
+stored before (by another instance, or forgotten).  ``--key-memo`` sets LMCache's
+``kvfs_key_memo`` (0: off).
 
 ``--model``: the KV geometry.  ``small`` (the default) is a 4-layer model whose pages are
 ``--page-kib`` (SGLang: 8 KV heads, 16-token pages, so 16 KiB regions at 128 KiB pages in
@@ -245,7 +246,8 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     namespace = "bench-lmcache"
     cfg_path = lmcache_config(Path(tempfile.mkdtemp(prefix="kvfs-bench-lmcache-")) / "lmcache.yaml",
                               addr, token, chunk_size=chunk, max_local_cpu_gib=pool_gib,
-                              kvfs_namespace=namespace)
+                              kvfs_namespace=namespace,
+                              **({} if ns.key_memo is None else {"kvfs_key_memo": ns.key_memo}))
     sm = lmcache_storage_manager(cfg_path, metadata)
     remote = check_utils.find_remote_backend(sm)
     conn = getattr(remote, "connection", None)
@@ -470,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="--op lookup: every call asks for keys never asked for before "
                          "((rounds + 1) x 2 x --pages stored first, at most 256 MiB; use a "
                          "small --page-kib such as 8); LMCache's key memo emptied after the puts")
+    ap.add_argument("--key-memo", type=int, help="lmcache: the connector's kvfs_key_memo (default: the "
+                    "connector's, 16384; 0: no memo)")
     ap.add_argument("--layout", default="page_first",
                     choices=["layer_first", "page_first", "page_first_direct"],
                     help="SGLang's host layout (default page_first)")
@@ -477,6 +481,8 @@ def main(argv: list[str] | None = None) -> int:
     model, ns.model = ns.model, MODELS[ns.model]
     ns.pages = ns.pages or ns.model.pages[ns.engine]
     ns.batch = ns.batch or ns.model.batch[ns.engine]
+    if ns.key_memo is not None and ns.engine != "lmcache":
+        ap.error("--key-memo: lmcache only")
     round_pages = ns.pages
     if ns.fresh_keys:
         if ns.op != "lookup" or model != "small":
@@ -510,6 +516,7 @@ def main(argv: list[str] | None = None) -> int:
     total = sum(us["plug-in"]) / sum(us["direct"])
     paired = statistics.median(p / d for p, d in zip(us["plug-in"], us["direct"], strict=True))
     fresh = f", fresh keys every call ({ns.pages} stored)" if ns.fresh_keys else ""
+    fresh += "" if ns.key_memo is None else f", kvfs_key_memo {ns.key_memo}"
     print(f"{case.name}{fresh}, model {model}: {round_pages} pages of {case.page_bytes / 1024:g} KiB, calls of "
           f"{ns.batch} pages, {ns.rounds} rounds, {len(us['direct'])} calls each way back to "
           f"back, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
