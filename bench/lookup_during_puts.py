@@ -1,7 +1,7 @@
 """Meta's lookup latency while other clients put, delete or run GC: what meta's syncs cost the readers.
 
 ``python -m kvfs.bench.lookup_during_puts [--during puts|delete|gc] [--seconds 5]
-[--writers 1] [--iodepth 4] [--batch 128] [--bs 4096] [--prefill 100000]`` (from a tree
+[--writers 1] [--iodepth 4] [--batch 128] [--bs 4096] [--prefill 100000] [--keys seq|hashed]`` (from a tree
 whose kvfs lacks this module: ``python PATH/bench/lookup_during_puts.py``) starts a
 process cluster (``kvfs meta`` and 3 chunkservers, each its own process, default
 ``--fsync batch``), fills 1,000 keys, then runs two phases of ``--seconds`` each and
@@ -13,7 +13,9 @@ prints one JSON line:
   other processes each load meta:
 
   - ``puts``: ``--iodepth`` coroutines of ``put_many`` of ``--batch`` fresh keys of
-    ``--bs`` bytes;
+    ``--bs`` bytes (``--keys seq``: ``w<writer>-<seq>-<i>``, neighbours in meta's SQLite
+    B-tree; ``hashed``: 32 random hex digits, as an engine's chunk hashes are, so each
+    batch touches many B-tree pages and the WAL grows faster);
   - ``delete``: each writer first puts ``--prefill`` keys of ``--bs`` bytes (before the
     phase), then ``--iodepth`` coroutines ``delete_many`` them, ``--batch`` at a time
     (a writer that runs out of keys stops early: ``load_s`` says how long the load ran);
@@ -48,7 +50,7 @@ from kvfs.launcher import ProcessCluster
 
 
 def _writer(addr: str, token: str, mode: str, seconds: float, iodepth: int, batch: int, bs: int,
-            prefill: int, wid: int, out: Any, go: Any) -> None:
+            prefill: int, hashed: bool, wid: int, out: Any, go: Any) -> None:
     async def main() -> dict[str, Any]:
         done = 0
         value = os.urandom(bs)
@@ -70,7 +72,8 @@ def _writer(addr: str, token: str, mode: str, seconds: float, iodepth: int, batc
                 nonlocal done, seq
                 while time.monotonic() < end:
                     seq += 1
-                    keys = [f"w{wid}-{seq}-{i}".encode() for i in range(batch)]
+                    keys = ([os.urandom(16).hex().encode() for _ in range(batch)] if hashed
+                            else [f"w{wid}-{seq}-{i}".encode() for i in range(batch)])
                     await kv.put_many([(k, value) for k in keys])
                     done += batch
 
@@ -136,7 +139,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 token = cluster.admin_token if args.during == "gc" else cluster.token  # (GC: the admin's)
                 procs = [ctx.Process(target=_writer, args=(cluster.addr, token, args.during, args.seconds,
                                                            args.iodepth, args.batch, args.bs, args.prefill,
-                                                           w, q, go))
+                                                           args.keys == "hashed", w, q, go))
                          for w in range(args.writers)]
                 for p in procs:
                     p.start()
@@ -156,7 +159,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     for k in ("gc_passes", "expired_keys", "chunks_compacted", "chunks_deleted"):
         if k in loads[0]:
             out[k] = sum(x[k] for x in loads)
-    return {**out, "writers": args.writers, "iodepth": args.iodepth, "batch": args.batch, "bs": args.bs}
+    return {**out, "writers": args.writers, "iodepth": args.iodepth, "batch": args.batch, "bs": args.bs,
+            "keys": args.keys}
 
 
 
@@ -172,6 +176,8 @@ def main() -> None:
     ap.add_argument("--bs", type=int, default=4096, help="value bytes (default 4096)")
     ap.add_argument("--prefill", type=int, default=100_000,
                     help="--during delete: keys each writer puts first, then deletes (default 100000)")
+    ap.add_argument("--keys", choices=("seq", "hashed"), default="seq",
+                    help="--during puts: the writers' keys, sequential names or random hex (default seq)")
     args = ap.parse_args()
     print(json.dumps(asyncio.run(run(args))), flush=True)
 
