@@ -19,12 +19,12 @@ Invariants:
 - the in-memory index is updated in the step that writes the transaction, so the
   two never disagree for a reader, and SQLite holds the transactions in the order
   the index applied them (only the loop uses its SQLite connection; the sync thread
-  opens the WAL file by path, and checkpoints on a connection of its own).  So a committed key is visible to lookups from that step,
-  before its COMMIT is answered (one sync later), and a deleted one is a miss from then
-  on.  A crash in between can lose the change
-  from meta, and only together with every transaction after it (the WAL is
-  replayed in order up to the first frame not on disk): meta restarts in a state
-  it was in, and the lost key reads as a miss (its records are still on the
+  opens the WAL file by path, and checkpoints on a connection of its own).  So a
+  committed key is visible to lookups from that step, before its COMMIT is answered
+  (one sync later), and a deleted one is a miss from then on.  A crash in between can
+  lose the change from meta, and only together with every transaction after it (the
+  WAL is replayed in order up to the first frame not on disk): meta restarts in a
+  state it was in, and the lost key reads as a miss (its records are still on the
   chunks: ``kvfs meta rebuild`` finds them), or a key whose DELETE was never answered
   reads as before it, never wrong bytes.  A COMMIT whose
   ``if_absent`` found a key present is answered only after the sync covering that
@@ -289,6 +289,12 @@ class MetaIndex(ServerRegistry):
         if gc or self._sync_after:
             await self._wal.settle()
 
+    async def _write(self, write: Callable[..., object], *args: Any) -> None:
+        """``write(*args)``: one change of meta's own (not GC's), answered once durable."""
+        with self._writing():
+            write(*args)
+        await self._settled()
+
     # reading ------------------------------------------------------------------------
     def get(self, key: bytes, now: float) -> Entry | None:
         e = self.entries.get(key)
@@ -391,9 +397,8 @@ class MetaIndex(ServerRegistry):
     # meta's key RPCs (service.py's handlers; the Redis-backed index has the same calls) --
     async def save_server(self, s: ServerInfo, *, registered: bool) -> None:
         if registered:
-            with self._writing():
-                self.store.put_server(s.server_id, s.addr, s.reported_capacity, s.reported_free)
-            await self._settled()
+            await self._write(self.store.put_server, s.server_id, s.addr, s.reported_capacity,
+                              s.reported_free)
 
     def lease(self, keys: Iterable[bytes], now: float, lease: Lease) -> None:
         """Keep keys from eviction by ``lease``: its holder's, only ever lengthened; past
@@ -960,7 +965,8 @@ class MetaIndex(ServerRegistry):
             for c in fresh:
                 dead[c] = now
                 live.pop(c, None)
-        await self._settled(gc=True)  # on disk (an earlier call's retirements too) before the GC driver unlinks anything
+        # on disk (an earlier call's retirements too) before the GC driver unlinks anything
+        await self._settled(gc=True)
         return retired
 
     async def retired_among(self, chunks: Iterable[int]) -> set[int]:
@@ -971,26 +977,20 @@ class MetaIndex(ServerRegistry):
 
     async def delete_server(self, server_id: int) -> None:
         self.servers.pop(server_id, None)
-        with self._writing():
-            self.store.delete_server(server_id)
-        await self._settled()
+        await self._write(self.store.delete_server, server_id)
 
     async def get_state(self, name: str) -> Any:
         return self.store.get_state(name)
 
     async def put_state(self, name: str, value: Any) -> None:
-        with self._writing():
-            self.store.put_state(name, value)
-        await self._settled()
+        await self._write(self.store.put_state, name, value)
 
     async def add_counts(self, inc: dict[str, float], put: dict[str, float] | None = None) -> None:
         counts = self.store.get_state(METRICS_STATE) or {}
         for k, v in inc.items():
             counts[k] = counts.get(k, 0) + v
         counts.update(put or {})
-        with self._writing():
-            self.store.put_state(METRICS_STATE, counts)
-        await self._settled()
+        await self._write(self.store.put_state, METRICS_STATE, counts)
 
     async def counts(self) -> dict[str, float]:
         return dict(self.store.get_state(METRICS_STATE) or {})
