@@ -367,3 +367,41 @@ def test_held_files_wait_for_a_batch_until_an_fsync_asks(
             fsync_dir(m.mnt / "dl")
         assert fs.cat(list(files)) == files
         assert len(commits) == 1
+
+
+def test_a_held_file_renamed_before_it_was_sent_deletes_nothing_of_its_old_name(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """HiCacheFile's tmp + os.replace while the tmp still waits for its batch: nothing of the
+    tmp's name ever reached the cluster, so the rename holds no delete of it: no DELETE (and
+    no tombstones) is sent, and another client's file of that name, committed after the
+    rename, stays (a held delete of a name never committed would remove it)."""
+    deletes: list[Any] = []
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--write-behind-delay", "60s",
+                 "--attr-timeout", "0") as m:
+        d = m.mnt / "nt"
+        d.mkdir()
+        with op_held(tcluster, Op.DELETE, lambda r: deletes.append(r) is not None):  # counted
+            _write(d / ".p.tmp", b"page bytes" * 100)  # held, waiting for a batch
+            os.replace(d / ".p.tmp", d / "p.bin")
+            assert _missing(d / ".p.tmp")
+            fs.pipe_file("nt/.p.tmp", b"another client's file")
+            fsync_dir(d)  # the held files go now
+            assert fs.cat_file("nt/p.bin") == b"page bytes" * 100
+            assert fs.cat_file("nt/.p.tmp") == b"another client's file"
+            assert (d / ".p.tmp").read_bytes() == b"another client's file"
+            _write(d / ".r.tmp", b"r bytes")  # held, never sent: its unlink sends nothing
+            os.unlink(d / ".r.tmp")
+            assert _missing(d / ".r.tmp")
+            # a held file that was sent (here: committed) is another matter: the rename
+            # holds a delete of its old name, or the old name would keep its bytes; so does
+            # a file made anew under that name while that delete waits, then renamed too
+            _write(d / ".q.tmp", b"q bytes")
+            _committed(d / ".q.tmp")
+            os.replace(d / ".q.tmp", d / "q.bin")
+            _write(d / ".q.tmp", b"q2 bytes")  # replaces the held delete
+            os.replace(d / ".q.tmp", d / "q2.bin")
+            fsync_dir(d)
+        assert [r.keys for r in deletes] == [[b"nt/.q.tmp"]]
+        assert not fs.exists("nt/.q.tmp") and not fs.exists("nt/.r.tmp")
+        assert fs.cat_file("nt/q.bin") == b"q bytes" and fs.cat_file("nt/q2.bin") == b"q2 bytes"
+        assert "Traceback" not in m.stderr()
