@@ -405,3 +405,34 @@ def test_a_held_file_renamed_before_it_was_sent_deletes_nothing_of_its_old_name(
         assert not fs.exists("nt/.q.tmp") and not fs.exists("nt/.r.tmp")
         assert fs.cat_file("nt/q.bin") == b"q bytes" and fs.cat_file("nt/q2.bin") == b"q2 bytes"
         assert "Traceback" not in m.stderr()
+
+
+def test_fsync_of_a_held_file_returns_once_it_is_committed(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """fsync with files held (a 60 s --write-behind-delay, longer than --timeout: an fsync
+    that did not send them at once fails with EIO): on the descriptor still open for writing,
+    on one opened after the close, on a file renamed while held, and on the mount's root
+    (syncfs(2) never reaches a FUSE daemon; fsync of the root is the mount-wide sync): once
+    each returns, another client reads the bytes."""
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--write-behind-delay", "60s",
+                 "--timeout", "5s") as m:
+        d = m.mnt / "fs"
+        d.mkdir()
+        with open(d / "open.bin", "wb") as f:  # fsync before the close
+            f.write(b"open bytes")
+            f.flush()
+            os.fsync(f.fileno())
+            assert fs.cat_file("fs/open.bin") == b"open bytes"
+        _write(d / "closed.bin", b"closed bytes")
+        _committed(d / "closed.bin")
+        assert fs.cat_file("fs/closed.bin") == b"closed bytes"
+        _write(d / ".moved.tmp", b"moved bytes")
+        os.replace(d / ".moved.tmp", d / "moved.bin")
+        _committed(d / "moved.bin")
+        assert fs.cat_file("fs/moved.bin") == b"moved bytes"
+        _write(d / "sub.bin", b"sub bytes")
+        (m.mnt / "other").mkdir()
+        _write(m.mnt / "other" / "x.bin", b"x bytes")
+        fsync_dir(m.mnt)  # every held file, in any directory
+        assert fs.cat_file("fs/sub.bin") == b"sub bytes"
+        assert fs.cat_file("other/x.bin") == b"x bytes"

@@ -38,7 +38,9 @@ error.  With it:
 - **unlink** drops the held version and waits for one being committed before it deletes,
   so no commit lands after the delete.
 - ``fsync`` of a file, and of a directory (every held file under it), waits for the
-  commit and reports its failure.  (``syncfs`` cannot: pyfuse3 has no SYNCFS handler.)
+  commit and reports its failure; fsync of the root is the mount-wide sync.  (``sync``
+  and ``syncfs`` cannot: the kernel sends ``FUSE_SYNCFS`` to virtiofs, not to a
+  ``/dev/fuse`` daemon.)
 - **A commit that fails after the close** (retried alone if its batch failed) makes the file
   a miss on this mount too: it is dropped, counted and logged, never answered with other
   bytes.  A file that replaced an older value leaves that older value in place.
