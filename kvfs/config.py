@@ -98,7 +98,8 @@ class ServerConfig(TlsConfig):
     handshake_timeout_s: float = opt("close a connection that has not authenticated by then", 5.0)
     idle_timeout_s: float = opt("close an authenticated connection idle this long", 300.0)
     send_timeout_s: float = opt("abort a connection whose peer has not read an answer for this "
-                                "long (it stopped reading; its requests' memory is freed)", 30.0)
+                                "long (it stopped reading; its requests' memory is freed); a "
+                                "connection the server closes flushes at most this long", 30.0)
     max_handshake_bytes: int = opt("largest frame accepted before a peer authenticated", 4096)
     max_header_bytes: int = opt("largest msgpack header of a request", 16 * MiB)
     max_payload_bytes: int = opt("largest raw payload of a request (an append)", 256 * MiB)

@@ -8,7 +8,8 @@ before dispatch: a bad request gets ``InvalidArgument`` naming the field and
 the server keeps serving.  It then runs as its own task, so many are in flight
 per connection; an exception other than a :class:`KVFSError` inside a handler
 is a server bug and answers ``ServerError``, never "bad input".  A frame that
-breaks the protocol gets an error frame and closes that connection only.
+breaks the protocol gets an error frame and closes that connection only.  Every
+close the server starts flushes for at most ``send_timeout_s``, then aborts.
 """
 
 from __future__ import annotations
@@ -142,8 +143,7 @@ class RpcServer:
         for conn in list(self.connections):
             for t in conn.tasks:
                 t.cancel()
-            if conn.transport is not None:
-                conn.transport.close()
+            conn.close_bounded()
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -183,7 +183,7 @@ class _ServerProtocol(FrameProtocol):
             self.write(encode_frame(0, 0, Unavailable(
                 f"server has {len(server.connections)} connections open (max_connections); "
                 "try again later").to_wire(), flags=Flag.RESPONSE | Flag.ERROR))
-            self.transport.close()  # type: ignore[union-attr]
+            self.close_bounded()
             return
         self._accepted = True
         server.connections.add(self)
@@ -232,12 +232,24 @@ class _ServerProtocol(FrameProtocol):
         self.write(encode_frame(0, 0, err.to_wire(), flags=Flag.RESPONSE | Flag.ERROR))
         self.transport.abort()
 
+    def close_bounded(self) -> None:
+        """Close, letting what is buffered (an error frame, answers) flush for at most
+        ``send_timeout_s``, then abort: a close alone waits for ever on a peer that reads
+        nothing, holding the connection, its buffer and its slot in ``max_connections``."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.close()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(self.server.config.send_timeout_s, transport.abort)
+
     def protocol_failed(self, exc: KVFSError) -> None:
         self.server.peer_log.warning(self._host(), "closing connection from %s: %s",
                                      self._peer(), exc)
         if self.transport is not None and not self.transport.is_closing():
             self.write(encode_frame(0, 0, exc.to_wire(), flags=Flag.RESPONSE | Flag.ERROR))
-            self.transport.close()
+            self.close_bounded()
 
     def frame_received(self, frame: object) -> None:
         assert isinstance(frame, Frame)
@@ -321,8 +333,7 @@ class _ServerProtocol(FrameProtocol):
             self.server.peer_log.warning(self._host(), "refusing connection from %s: %s",
                                          self._peer(), err)
             self._reply_error(frame, err)
-            assert self.transport is not None
-            self.transport.close()
+            self.close_bounded()
             return
         self.authed = True
         self.decoder.set_limits(self.server.limits, scratch_bytes=256 * 1024)
