@@ -201,6 +201,11 @@ class ChunkServerConfig(ServerConfig):
     max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
                                "file limit, which is raised to its hard limit at start)", 4096)
     max_read_rpc_bytes: int = opt("most bytes one READV may ask for, in total", 64 * MiB)
+    sendfile_min_bytes: int = opt("READV answers whose ranges average at least this many bytes "
+                                  "and are all in the page cache go from the chunk files into "
+                                  "the socket with sendfile, never copied through a buffer "
+                                  "(plain TCP; over TLS they are read into one); 0: never",
+                                  64 * 1024)
     preallocate: bool = opt("reserve chunk_bytes of disk blocks when a chunk is opened for appends "
                             "(fallocate KEEP_SIZE; the rest is released when it is sealed)", True)
     close_timeout_s: float = opt("at shutdown, wait at most this long for appends, group syncs "

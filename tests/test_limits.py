@@ -284,7 +284,7 @@ async def test_a_broken_stream_from_a_client_that_stops_reading_is_aborted(
                     loop = asyncio.get_running_loop()
                     deadline = loop.time() + 20
                     rid = 1000
-                    while proto._can_write.is_set():  # until its answers fill the socket
+                    while proto.writable():  # until its answers fill the socket
                         assert loop.time() < deadline, "the server's writes never backed up"
                         raw._proto.write([frame_bytes(Op.READV, rid, {"ranges": ranges[:1]})])
                         rid += 1
