@@ -23,6 +23,10 @@ from kvfs.tls import client_context
 log = logging.getLogger("kvfs.chunkserver")
 
 
+def _readv_reply(errors: Mapping[int, KVFSError]) -> rpc.ReadVReply:
+    return rpc.ReadVReply(errors={i: rpc.WireError(e.code, e.message) for i, e in errors.items()})
+
+
 class ChunkServer:
     def __init__(self, config: ChunkServerConfig, *,
                  tokens: Mapping[Role, str] | None = None) -> None:
@@ -159,9 +163,12 @@ class ChunkServer:
         """``req.ranges`` were checked once, by :meth:`reply_cost` (the server runs it on
         every request before dispatching it)."""
         self.readv_calls += 1
+        files, errors = self.store.readv_files(req.ranges, self.config.sendfile_min_bytes)
+        if files is not None:  # sent from the page cache into the socket (server.py)
+            return _readv_reply(errors), files
         payload, _, errors = await self.store.readv_into(req.ranges)
         parts: list[Buffer] = [payload] if payload.nbytes else []
-        return rpc.ReadVReply(errors={i: rpc.WireError(e.code, e.message) for i, e in errors.items()}), parts
+        return _readv_reply(errors), parts
 
     async def rpc_chunk_stats(self, req: rpc.ChunkStats, payload: memoryview) -> Reply:
         return self.chunk_stats(mtimes=req.mtimes), ()

@@ -38,6 +38,7 @@ from kvfs.chunkserver.records import (
 from kvfs.config import FsyncMode
 from kvfs.datadir import FILE_MODE, private_dir
 from kvfs.errors import InvalidArgument, NoSpace, StaleLayout, Unavailable
+from kvfs.fileparts import FileParts
 from kvfs.layout import make_chunk_id
 from kvfs.rpc import Range
 
@@ -242,6 +243,58 @@ def preallocate(fd: int, nbytes: int) -> bool:
     return fn is not None and int(fn(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes)) == 0
 
 
+class _PageCache:
+    """``mincore(2)`` through libc (the stdlib has no binding): which pages of a file range
+    the page cache holds, asked of a short-lived mapping of the range (never touched, so
+    nothing is read or faulted in)."""
+
+    PROT_READ, MAP_SHARED = 1, 1
+    LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's answer: bit 0 of each byte
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.mmap, self.mincore, self.munmap = libc.mmap, libc.mincore, libc.munmap
+        self.mmap.restype = ctypes.c_void_p
+        self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_int64]
+        self.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        self.failed = ctypes.c_void_p(-1).value
+
+    def resident(self, fd: int, offset: int, length: int) -> bool:
+        start = align_down(offset)
+        size = align_up(offset + length) - start
+        if size <= 0:
+            return True
+        addr = self.mmap(None, size, self.PROT_READ, self.MAP_SHARED, fd, start)
+        if addr is None or addr == self.failed:
+            return False
+        try:
+            vec = ctypes.create_string_buffer(size // ALIGN)
+            if self.mincore(addr, size, vec) != 0:
+                return False
+            return vec.raw.translate(self.LOW_BIT).count(0) == 0
+        finally:
+            self.munmap(addr, size)
+
+
+@functools.cache
+def _page_cache() -> _PageCache | None:
+    try:
+        return _PageCache()
+    except (OSError, AttributeError):
+        return None
+
+
+def resident(fd: int, offset: int, length: int) -> bool:
+    """Whether the page cache holds every page of ``length`` bytes at ``offset`` of ``fd``
+    (False where it cannot be asked): a ``sendfile`` of them will not wait for the disk.
+    A page can still be evicted between the question and the send (the send then waits
+    for it, in the event loop: rare, bounded by one read)."""
+    pc = _page_cache()
+    return pc is not None and pc.resident(fd, offset, length)
+
+
 P = ParamSpec("P")
 T = TypeVar("T")
 
@@ -293,6 +346,8 @@ class ChunkStore:
         self.next_seq = 1
         self.spans_read = 0
         self.inline_spans = 0
+        self.lent_fds = 0  # fds of answers being sent (readv_files), at most max_open_files
+        self.file_spans = 0  # spans answered as file bytes (readv_files: sendfile; TLS: read)
         self.bytes_read = 0
         self._reads_in_flight = 0
         self._last_append = time.monotonic()
@@ -594,19 +649,7 @@ class ChunkStore:
         range's view a slice of it.  Ranges are grouped into spans (:func:`plan_spans`) and
         each span is read once, with one ``preadv`` straight into the payload (the bytes
         between its ranges into a scratch buffer)."""
-        errors: dict[int, StaleLayout] = {}
-        ok: list[tuple[int, int, int]] = []
-        ok_idx: list[int] = []
-        sizes = self.sizes
-        for i, (c, off, ln) in enumerate(ranges):
-            size = sizes.get(c)
-            if size is None:
-                errors[i] = StaleLayout(f"chunk {c:016x} is not on this server")
-            elif off < 0 or ln < 0 or off + ln > size:
-                errors[i] = StaleLayout(f"chunk {c:016x} has no bytes at {off}+{ln} (size {size})")
-            else:
-                ok.append((c, off, ln))
-                ok_idx.append(i)
+        ok, ok_idx, errors = self._present(ranges)
         out: list[memoryview | None] = [None] * len(ranges)
         payload = memoryview(bytearray(sum([r[2] for r in ok])))
         if not ok:
@@ -654,6 +697,76 @@ class ChunkStore:
         self.spans_read += done
         self.bytes_read += pos
         return payload, out, errors
+
+    def _present(self, ranges: Sequence[tuple[int, int, int]]
+                 ) -> tuple[list[tuple[int, int, int]], list[int], dict[int, StaleLayout]]:
+        """``(ok, ok_idx, errors)``: the ranges this server holds and their indices, and a
+        :class:`StaleLayout` for each other one (its chunk or its bytes not here)."""
+        errors: dict[int, StaleLayout] = {}
+        ok: list[tuple[int, int, int]] = []
+        ok_idx: list[int] = []
+        sizes = self.sizes
+        for i, (c, off, ln) in enumerate(ranges):
+            size = sizes.get(c)
+            if size is None:
+                errors[i] = StaleLayout(f"chunk {c:016x} is not on this server")
+            elif off < 0 or ln < 0 or off + ln > size:
+                errors[i] = StaleLayout(f"chunk {c:016x} has no bytes at {off}+{ln} (size {size})")
+            else:
+                ok.append((c, off, ln))
+                ok_idx.append(i)
+        return ok, ok_idx, errors
+
+    def readv_files(self, ranges: Sequence[tuple[int, int, int]], min_bytes: int
+                    ) -> tuple[FileParts | None, dict[int, StaleLayout]]:
+        """A READV's answer as the chunk files' bytes themselves, for ``sendfile``:
+        ``(parts, errors)``, the parts being every range not in ``errors``, in request order
+        (neighbours in one file joined), on fds of their own.  ``parts`` is None (read it
+        with :meth:`readv_into`) unless the ranges average at least ``min_bytes`` (0: never)
+        and the page cache holds every page of them, so that no send waits for the disk
+        in the event loop."""
+        ok, _, errors = self._present(ranges)
+        total = sum([r[2] for r in ok])
+        if not ok or not min_bytes or total < min_bytes * len(ok):
+            return None, errors
+        chunks = {r[0] for r in ok}
+        if self.lent_fds + len(chunks) > self.max_open_files:  # as many as the open chunks' LRU
+            return None, errors
+        segments: list[tuple[int, int, int]] = []
+        self._reads_in_flight += 1  # before taking fds: none of them is closed under us
+        try:
+            fds = {c: self._fd(c) for c in chunks}
+            for sp in plan_spans(ok, 0):
+                if not resident(fds[sp.chunk_id], sp.start, sp.end - sp.start):
+                    return None, errors
+            own: dict[int, int] = {}
+            try:
+                for c, fd in fds.items():
+                    own[c] = os.dup(fd)
+            except OSError as exc:  # out of file descriptors: read into a buffer instead
+                log.warning("chunkserver %s: no fd to send chunk bytes from (%s); reading them "
+                            "into a buffer", self.server_id, exc)
+                for fd in own.values():
+                    os.close(fd)
+                return None, errors
+        finally:
+            self._reads_done()
+        for c, off, ln in ok:
+            if not ln:
+                continue
+            fd = own[c]
+            if segments and segments[-1][0] == fd and segments[-1][1] + segments[-1][2] == off:
+                segments[-1] = (fd, segments[-1][1], segments[-1][2] + ln)
+            else:
+                segments.append((fd, off, ln))
+        self.spans_read += len(segments)
+        self.file_spans += len(segments)
+        self.bytes_read += total
+        self.lent_fds += len(own)
+        return FileParts(segments, list(own.values()), self._fds_back), errors
+
+    def _fds_back(self, n: int) -> None:
+        self.lent_fds -= n
 
     def _span_reads(self, spans: Sequence[Span], ok: Sequence[tuple[int, int, int]],
                     dests: Sequence[memoryview]) -> list[SpanRead]:

@@ -98,7 +98,8 @@ class ServerConfig(TlsConfig):
     handshake_timeout_s: float = opt("close a connection that has not authenticated by then", 5.0)
     idle_timeout_s: float = opt("close an authenticated connection idle this long", 300.0)
     send_timeout_s: float = opt("abort a connection whose peer has not read an answer for this "
-                                "long (it stopped reading; its requests' memory is freed)", 30.0)
+                                "long (it stopped reading; its requests' memory is freed); a "
+                                "connection the server closes flushes at most this long", 30.0)
     max_handshake_bytes: int = opt("largest frame accepted before a peer authenticated", 4096)
     max_header_bytes: int = opt("largest msgpack header of a request", 16 * MiB)
     max_payload_bytes: int = opt("largest raw payload of a request (an append)", 256 * MiB)
@@ -200,6 +201,11 @@ class ChunkServerConfig(ServerConfig):
     max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
                                "file limit, which is raised to its hard limit at start)", 4096)
     max_read_rpc_bytes: int = opt("most bytes one READV may ask for, in total", 64 * MiB)
+    sendfile_min_bytes: int = opt("READV answers whose ranges average at least this many bytes "
+                                  "and are all in the page cache go from the chunk files into "
+                                  "the socket with sendfile, never copied through a buffer "
+                                  "(plain TCP; over TLS they are read into one); 0: never",
+                                  64 * 1024)
     preallocate: bool = opt("reserve chunk_bytes of disk blocks when a chunk is opened for appends "
                             "(fallocate KEEP_SIZE; the rest is released when it is sealed)", True)
     close_timeout_s: float = opt("at shutdown, wait at most this long for appends, group syncs "

@@ -1,7 +1,8 @@
 """The asyncio side of the wire: :class:`FrameProtocol`, the ``asyncio.BufferedProtocol``
 base of client connections (``kvfs/transport.py``) and server connections
 (``kvfs/server.py``) around the sans-IO :class:`kvfs.protocol.FrameDecoder` (the
-handshake's MACs are in :mod:`kvfs.handshake`)."""
+handshake's MACs are in :mod:`kvfs.handshake`), and its one way past the transport's
+writes: :meth:`FrameProtocol.send_file`, a frame whose payload is ``sendfile``d."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import os
 from collections.abc import Sequence
 
 from kvfs.errors import KVFSError, ProtocolError
+from kvfs.fileparts import FileParts
 from kvfs.protocol import Buffer, FrameDecoder, Limits, PayloadAllocator
 
 log = logging.getLogger("kvfs.wire")
 
 IOV_MAX = 1024  # buffers one vectored receive fills at most (Linux's limit)
+WRITE_HIGH = 4 * 1024 * 1024  # the transport's write buffer: pause_writing past it
 
 
 class FrameProtocol(asyncio.BufferedProtocol):
@@ -31,12 +34,20 @@ class FrameProtocol(asyncio.BufferedProtocol):
         self._can_write.set()
         self.closed = asyncio.Event()
         self.holding = False  # frames already decoded wait in the decoder (backpressure)
-        self._fd = -1  # the socket, for vectored receives (-1: none; TLS: never)
+        self._fd = -1  # the socket, for vectored receives and send_file (-1: none; TLS: never)
+        # send_file: one at a time; while one runs the transport is not written (``write``
+        # holds frames in _held, sent after it, in order; ``drain`` waits for its end)
+        self._file_lock = asyncio.Lock()
+        self._raw = False
+        self._raw_idle = asyncio.Event()
+        self._raw_idle.set()
+        self._held: list[Buffer] = []
+        self._raw_wait: asyncio.Future[None] | None = None  # send_file waiting for room
 
     # asyncio callbacks -----------------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
-        transport.set_write_buffer_limits(high=4 * 1024 * 1024)  # type: ignore[attr-defined]
+        transport.set_write_buffer_limits(high=WRITE_HIGH)  # type: ignore[attr-defined]
         sock = transport.get_extra_info("socket")
         if sock is not None and transport.get_extra_info("sslcontext") is None:
             self._fd = sock.fileno()
@@ -95,6 +106,7 @@ class FrameProtocol(asyncio.BufferedProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._can_write.set()
         self.closed.set()
+        self._wake_raw(ConnectionResetError("the connection closed during a sendfile"))
 
     # for subclasses --------------------------------------------------------
     def frame_received(self, frame: object) -> None:
@@ -109,10 +121,113 @@ class FrameProtocol(asyncio.BufferedProtocol):
         assert self.transport is not None
         if self.transport.is_closing():
             return
-        if len(buffers) == 1:
+        if self._raw:  # a send_file is writing the socket: this frame goes after it
+            self._held.extend(buffers)
+        elif len(buffers) == 1:
             self.transport.write(buffers[0])
         else:
             self.transport.writelines(buffers)
 
+    def writable(self) -> bool:
+        """Whether a frame written now goes out without waiting: the transport below its
+        high-water mark and no :meth:`send_file` running."""
+        return self._can_write.is_set() and not self._raw
+
     async def drain(self) -> None:
-        await self._can_write.wait()
+        """Wait until :meth:`writable` (or the connection is lost)."""
+        while True:
+            await self._can_write.wait()
+            if not self._raw:
+                return
+            await self._raw_idle.wait()
+
+    @property
+    def can_send_files(self) -> bool:
+        """Whether :meth:`send_file` can write this connection's socket (plain TCP)."""
+        return self._fd >= 0
+
+    async def send_file(self, prefix: bytes, parts: FileParts, timeout_s: float) -> None:
+        """Write one frame, ``prefix`` then ``parts`` (``sendfile``: page cache -> socket),
+        straight into the socket: after every byte the transport holds, before any frame
+        written later (held meanwhile), one at a time per connection, so frames never
+        interleave.  ``timeout_s`` bounds each wait for the peer to take bytes.
+
+        Raises TimeoutError (the peer took nothing for ``timeout_s``), :class:`ShortFile`
+        (a file shrank), ConnectionError or another OSError (the peer or the connection
+        gone).  A frame cut short cannot be finished or taken back: once a byte of it was
+        written, any failure (cancellation too) aborts the connection here, before a held
+        frame could follow it.  The socket is written through a ``dup`` of its fd: the
+        transport may close its own fd meanwhile (its number then reused by another file),
+        never ours."""
+        assert self._fd >= 0 and self.transport is not None
+        loop = asyncio.get_running_loop()
+        async with self._file_lock:
+            transport = self.transport
+            self._raw = True
+            self._raw_idle.clear()
+            fd = -1
+            started = False
+            try:
+                if transport.is_closing():
+                    raise ConnectionResetError("the connection is closing")
+                await self._flushed(timeout_s)
+                fd = os.dup(self._fd)
+                loop.add_writer(fd, self._wake_raw, None)
+                head = memoryview(prefix)
+                started = True
+                while head.nbytes or not parts.done:
+                    if transport.is_closing():
+                        raise ConnectionResetError("the connection closed during a sendfile")
+                    if head.nbytes:
+                        try:
+                            head = head[os.write(fd, head):]
+                        except BlockingIOError:
+                            pass
+                    if not head.nbytes:
+                        parts.send(fd)
+                    if head.nbytes or not parts.done:
+                        self._raw_wait = loop.create_future()
+                        async with asyncio.timeout(timeout_s):
+                            await self._raw_wait
+            except BaseException:
+                if started and not transport.is_closing():
+                    transport.abort()  # unsent bytes (held frames) dropped with it
+                raise
+            finally:
+                self._raw_wait = None
+                if fd >= 0:
+                    loop.remove_writer(fd)
+                    os.close(fd)
+                self._raw = False
+                held, self._held = self._held, []
+                if held and not transport.is_closing():
+                    transport.writelines(held)
+                self._raw_idle.set()
+
+    async def _flushed(self, timeout_s: float) -> None:
+        """Wait until the transport has written every byte it holds: asked of it by a
+        high-water mark of 0 for the time (it pauses writing now, resumes once empty)."""
+        transport = self.transport
+        assert transport is not None
+        if not transport.get_write_buffer_size():
+            return
+        transport.set_write_buffer_limits(high=0, low=0)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._can_write.wait()
+        finally:
+            transport.set_write_buffer_limits(high=WRITE_HIGH)
+        if transport.is_closing():
+            raise ConnectionResetError("the connection closed during a sendfile")
+        if transport.get_write_buffer_size():  # never: the transport resumes only once empty
+            raise ConnectionError("the transport did not flush before a sendfile")
+
+    def _wake_raw(self, exc: BaseException | None) -> None:
+        """The socket took bytes (the writer callback of :meth:`send_file`'s fd), or the
+        connection was lost (``exc``)."""
+        fut = self._raw_wait
+        if fut is not None and not fut.done():
+            if exc is None:
+                fut.set_result(None)
+            else:
+                fut.set_exception(exc)

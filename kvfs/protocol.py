@@ -217,10 +217,14 @@ def encode_frame(
     flags: Flag = Flag.NONE,
     *,
     version: int = PROTOCOL_VERSION,
+    payload_bytes: int | None = None,
 ) -> list[Buffer]:
-    """The buffers to write, in order: one prefix, then the payload parts as given."""
+    """The buffers to write, in order: one prefix, then the payload parts as given.
+    ``payload_bytes``: the payload's size when it is not among the buffers (a prefix alone,
+    its payload sent from files: :class:`kvfs.fileparts.FileParts`)."""
     hdr = pack_header({} if header is None else header)
-    plen = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in payload)
+    plen = (sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in payload)
+            if payload_bytes is None else payload_bytes)
     prefix = FIXED.pack(MAGIC, version, op, int(flags), request_id, len(hdr), plen) + hdr
     return [prefix, *payload]
 

@@ -8,7 +8,8 @@ before dispatch: a bad request gets ``InvalidArgument`` naming the field and
 the server keeps serving.  It then runs as its own task, so many are in flight
 per connection; an exception other than a :class:`KVFSError` inside a handler
 is a server bug and answers ``ServerError``, never "bad input".  A frame that
-breaks the protocol gets an error frame and closes that connection only.
+breaks the protocol gets an error frame and closes that connection only.  Every
+close the server starts flushes for at most ``send_timeout_s``, then aborts.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from kvfs.errors import (
     Unavailable,
     VersionMismatch,
 )
+from kvfs.fileparts import FileParts, ShortFile
 from kvfs.frame_protocol import FrameProtocol
 from kvfs.handshake import Role, endpoint, new_nonce, server_check
 from kvfs.protocol import (
@@ -50,7 +52,8 @@ from kvfs.tls import server_context, server_options
 
 log = logging.getLogger("kvfs.server")
 
-Reply = tuple[Response, Sequence[Buffer]]
+# an answer's header and payload: buffers, or file bytes to ``sendfile`` (plain TCP)
+Reply = tuple[Response, Sequence[Buffer] | FileParts]
 Handler = Callable[[Any, memoryview], Awaitable[Reply]]
 
 
@@ -140,8 +143,7 @@ class RpcServer:
         for conn in list(self.connections):
             for t in conn.tasks:
                 t.cancel()
-            if conn.transport is not None:
-                conn.transport.close()
+            conn.close_bounded()
         if self._server is not None:
             await self._server.wait_closed()
 
@@ -181,7 +183,7 @@ class _ServerProtocol(FrameProtocol):
             self.write(encode_frame(0, 0, Unavailable(
                 f"server has {len(server.connections)} connections open (max_connections); "
                 "try again later").to_wire(), flags=Flag.RESPONSE | Flag.ERROR))
-            self.transport.close()  # type: ignore[union-attr]
+            self.close_bounded()
             return
         self._accepted = True
         server.connections.add(self)
@@ -230,12 +232,24 @@ class _ServerProtocol(FrameProtocol):
         self.write(encode_frame(0, 0, err.to_wire(), flags=Flag.RESPONSE | Flag.ERROR))
         self.transport.abort()
 
+    def close_bounded(self) -> None:
+        """Close, letting what is buffered (an error frame, answers) flush for at most
+        ``send_timeout_s``, then abort: a close alone waits for ever on a peer that reads
+        nothing, holding the connection, its buffer and its slot in ``max_connections``."""
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.close()
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = self._loop.call_later(self.server.config.send_timeout_s, transport.abort)
+
     def protocol_failed(self, exc: KVFSError) -> None:
         self.server.peer_log.warning(self._host(), "closing connection from %s: %s",
                                      self._peer(), exc)
         if self.transport is not None and not self.transport.is_closing():
             self.write(encode_frame(0, 0, exc.to_wire(), flags=Flag.RESPONSE | Flag.ERROR))
-            self.transport.close()
+            self.close_bounded()
 
     def frame_received(self, frame: object) -> None:
         assert isinstance(frame, Frame)
@@ -319,8 +333,7 @@ class _ServerProtocol(FrameProtocol):
             self.server.peer_log.warning(self._host(), "refusing connection from %s: %s",
                                          self._peer(), err)
             self._reply_error(frame, err)
-            assert self.transport is not None
-            self.transport.close()
+            self.close_bounded()
             return
         self.authed = True
         self.decoder.set_limits(self.server.limits, scratch_bytes=256 * 1024)
@@ -353,46 +366,97 @@ class _ServerProtocol(FrameProtocol):
         """Runs one request and writes its answer once the transport can take it; returns
         the bytes charged to this request (grown to the answer's real size)."""
         name = Op(frame.op).name
+        files: FileParts | None = None
         try:
-            assert not isinstance(frame.payload, Scatter)  # servers receive into one buffer
-            header, payload = await handler(request, memoryview(frame.payload))
-            reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE)
-        except KVFSError as exc:
-            self._bad_request(frame, exc)
+            try:
+                assert not isinstance(frame.payload, Scatter)  # servers receive into one buffer
+                header, payload = await handler(request, memoryview(frame.payload))
+                if isinstance(payload, FileParts):
+                    files, payload = payload, ()
+                    if not self.can_send_files:  # TLS: sendfile cannot encrypt
+                        payload = [files.read()]
+                        files.close()
+                        files = None
+                reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE,
+                                     payload_bytes=None if files is None else files.nbytes)
+            except ShortFile as exc:  # a chunk file shrank under the read: nothing sent yet
+                self._bad_request(frame, Unavailable(f"{name} failed on the server: {exc}"))
+                return charged
+            except KVFSError as exc:
+                self._bad_request(frame, exc)
+                return charged
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug in the handler: never relabelled as bad input
+                log.exception("%s failed", name)
+                self._reply_error(frame, ServerError(f"{name} failed on the server: {type(exc).__name__}: {exc}"))
+                return charged
+            size = sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in reply)
+            if files is not None:
+                size += files.nbytes
+            if size > charged:
+                self.inflight_bytes += size - charged
+                charged = size
+                self._check_backpressure()
+            self.server.requests_served += 1
+            await self._room()  # answers wait here, counted, not in an unbounded write buffer
+            if files is not None:
+                await self._send_files(bytes(reply[0]), files)
+                return charged
+            self.write(reply)
+            await self._room()
             return charged
+        finally:
+            if files is not None:
+                files.close()
+
+    async def _send_files(self, prefix: bytes, files: FileParts) -> None:
+        """An answer whose payload is chunk-file bytes, ``sendfile``d into the socket
+        (:meth:`FrameProtocol.send_file`).  Once it began, a frame cut short cannot be
+        finished or taken back: any failure aborts the connection (its peer's calls fail as
+        from a lost server and go to other replicas; never wrong or misframed bytes)."""
+        timeout_s = self.server.config.send_timeout_s
+        try:
+            await self.send_file(prefix, files, timeout_s)
+            return
+        except TimeoutError:
+            log.info("aborting the connection from %s: it read none of its answers for %ss "
+                     "(send_timeout_s)", self._peer(), timeout_s)
+        except ShortFile as exc:
+            log.warning("aborting the connection from %s: a chunk file shrank while its bytes "
+                        "were sent (%s)", self._peer(), exc)
+        except OSError as exc:  # the peer went away
+            log.debug("aborting the connection from %s: %s", self._peer(), exc)
         except asyncio.CancelledError:
+            self._abort()
             raise
-        except Exception as exc:  # a bug in the handler: never relabelled as bad input
-            log.exception("%s failed", name)
-            self._reply_error(frame, ServerError(f"{name} failed on the server: {type(exc).__name__}: {exc}"))
-            return charged
-        size = sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in reply)
-        if size > charged:
-            self.inflight_bytes += size - charged
-            charged = size
-            self._check_backpressure()
-        self.server.requests_served += 1
-        await self._room()  # answers wait here, counted, not in an unbounded write buffer
-        self.write(reply)
-        await self._room()
-        return charged
+        self._abort()
+
+    def _abort(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.abort()
 
     async def _room(self) -> None:
         """Wait until the transport can take more, at most ``send_timeout_s``: a peer that
         stops reading its answers would otherwise hold this request (its count, its answer)
         for ever, and the idle timer never fires while requests are in flight.  On expiry the
-        connection is aborted (unsent bytes dropped), which lets every waiting answer end."""
-        if self._can_write.is_set():
-            return
-        timeout_s = self.server.config.send_timeout_s
-        try:
-            async with asyncio.timeout(timeout_s):
-                await self.drain()
-        except TimeoutError:
-            if self.transport is not None and not self.transport.is_closing():
-                log.info("aborting the connection from %s: it read none of its answers for %ss "
-                         "(send_timeout_s)", self._peer(), timeout_s)
-                self.transport.abort()
+        connection is aborted (unsent bytes dropped), which lets every waiting answer end.
+        A ``sendfile`` running on the connection is waited for without that bound: it has
+        its own, for each wait of it for the peer to read."""
+        while not self.writable():
+            if self._raw:
+                await self._raw_idle.wait()
+                continue
+            timeout_s = self.server.config.send_timeout_s
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._can_write.wait()
+            except TimeoutError:
+                if self.transport is not None and not self.transport.is_closing():
+                    log.info("aborting the connection from %s: it read none of its answers for %ss "
+                             "(send_timeout_s)", self._peer(), timeout_s)
+                    self.transport.abort()
+                return
 
     def _bad_request(self, frame: Frame, err: KVFSError) -> None:
         if isinstance(err, (InvalidArgument, AuthError)):

@@ -54,7 +54,9 @@ class WritePath:
 
         ``if_absent``: one ``EXISTS`` to meta first, and only the absent keys' values are
         appended; their ``COMMIT`` is conditional too, so a writer that raced past the check
-        keeps the value that committed first.  None for a key not written (present)."""
+        keeps the value that committed first.  None for a key not written (present).  A key
+        the COMMIT finds present is looked up (:meth:`_ours`): it may hold this very value,
+        committed by an earlier try of the same COMMIT whose answer was lost."""
         out: list[Layout | None] = [None] * len(keys)
         todo: list[int] | range = range(len(keys))
         if if_absent:
@@ -70,11 +72,15 @@ class WritePath:
             h = await self._link.call_meta(rpc.Commit(packed=done.packed(keys, mine), ttl_s=ttl,
                                                       if_absent=if_absent))
             written = list(done.layouts(h.created, h.expires_at, mine))
-            for i in h.present:
-                written[i] = None
+            if h.present:
+                await self._ours(keys, written, h.present)
         else:
-            written = await self.commit(keys, list(done.layouts(0.0, None, mine)), ttl,
-                                        if_absent=if_absent)
+            tried = list(done.layouts(0.0, None, mine))
+            written = await self.commit(keys, tried, ttl, if_absent=if_absent)
+            if None in written:
+                found = [i for i, lay in enumerate(written) if lay is None]
+                written = [w if w is not None else t for w, t in zip(written, tried, strict=True)]
+                await self._ours(keys, written, found)
         for i, lay in zip(todo, written, strict=True):
             out[i] = lay
         return out
@@ -137,6 +143,20 @@ class WritePath:
         for i in h.present:
             out[i] = None
         return out
+
+    async def _ours(self, keys: list[bytes], written: list[Layout | None], present: list[int],
+                    ) -> None:
+        """Of the keys an ``if_absent`` COMMIT found present (``written[i]``: the layout this
+        put tried), those holding this very value keep meta's layout; the others become None.
+        A COMMIT is sent again when its connection was lost before the answer
+        (:meth:`ClusterLink.call_meta`): meta applied the first try, so the second finds its
+        keys present.  A value's extents name where its bytes were appended (chunk and
+        offset), so meta's layout having this put's extents means this put committed it."""
+        h = await self._link.call_meta(rpc.Lookup(keys=[keys[i] for i in present]))
+        for i, now in zip(present, h.layouts, strict=True):
+            tried = written[i]
+            written[i] = now if now is not None and tried is not None \
+                and now.extents == tried.extents else None
 
     def next_write_id(self) -> int:
         """Write ids order the writes of a key for a rebuild of meta: nanoseconds, increasing."""

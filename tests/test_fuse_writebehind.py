@@ -367,3 +367,72 @@ def test_held_files_wait_for_a_batch_until_an_fsync_asks(
             fsync_dir(m.mnt / "dl")
         assert fs.cat(list(files)) == files
         assert len(commits) == 1
+
+
+def test_a_held_file_renamed_before_it_was_sent_deletes_nothing_of_its_old_name(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """HiCacheFile's tmp + os.replace while the tmp still waits for its batch: nothing of the
+    tmp's name ever reached the cluster, so the rename holds no delete of it: no DELETE (and
+    no tombstones) is sent, and another client's file of that name, committed after the
+    rename, stays (a held delete of a name never committed would remove it)."""
+    deletes: list[Any] = []
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--write-behind-delay", "60s",
+                 "--attr-timeout", "0") as m:
+        d = m.mnt / "nt"
+        d.mkdir()
+        with op_held(tcluster, Op.DELETE, lambda r: deletes.append(r) is not None):  # counted
+            _write(d / ".p.tmp", b"page bytes" * 100)  # held, waiting for a batch
+            os.replace(d / ".p.tmp", d / "p.bin")
+            assert _missing(d / ".p.tmp")
+            fs.pipe_file("nt/.p.tmp", b"another client's file")
+            fsync_dir(d)  # the held files go now
+            assert fs.cat_file("nt/p.bin") == b"page bytes" * 100
+            assert fs.cat_file("nt/.p.tmp") == b"another client's file"
+            assert (d / ".p.tmp").read_bytes() == b"another client's file"
+            _write(d / ".r.tmp", b"r bytes")  # held, never sent: its unlink sends nothing
+            os.unlink(d / ".r.tmp")
+            assert _missing(d / ".r.tmp")
+            # a held file that was sent (here: committed) is another matter: the rename
+            # holds a delete of its old name, or the old name would keep its bytes; so does
+            # a file made anew under that name while that delete waits, then renamed too
+            _write(d / ".q.tmp", b"q bytes")
+            _committed(d / ".q.tmp")
+            os.replace(d / ".q.tmp", d / "q.bin")
+            _write(d / ".q.tmp", b"q2 bytes")  # replaces the held delete
+            os.replace(d / ".q.tmp", d / "q2.bin")
+            fsync_dir(d)
+        assert [r.keys for r in deletes] == [[b"nt/.q.tmp"]]
+        assert not fs.exists("nt/.q.tmp") and not fs.exists("nt/.r.tmp")
+        assert fs.cat_file("nt/q.bin") == b"q bytes" and fs.cat_file("nt/q2.bin") == b"q2 bytes"
+        assert "Traceback" not in m.stderr()
+
+
+def test_fsync_of_a_held_file_returns_once_it_is_committed(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """fsync with files held (a 60 s --write-behind-delay, longer than --timeout: an fsync
+    that did not send them at once fails with EIO): on the descriptor still open for writing,
+    on one opened after the close, on a file renamed while held, and on the mount's root
+    (syncfs(2) never reaches a FUSE daemon; fsync of the root is the mount-wide sync): once
+    each returns, another client reads the bytes."""
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--write-behind-delay", "60s",
+                 "--timeout", "5s") as m:
+        d = m.mnt / "fs"
+        d.mkdir()
+        with open(d / "open.bin", "wb") as f:  # fsync before the close
+            f.write(b"open bytes")
+            f.flush()
+            os.fsync(f.fileno())
+            assert fs.cat_file("fs/open.bin") == b"open bytes"
+        _write(d / "closed.bin", b"closed bytes")
+        _committed(d / "closed.bin")
+        assert fs.cat_file("fs/closed.bin") == b"closed bytes"
+        _write(d / ".moved.tmp", b"moved bytes")
+        os.replace(d / ".moved.tmp", d / "moved.bin")
+        _committed(d / "moved.bin")
+        assert fs.cat_file("fs/moved.bin") == b"moved bytes"
+        _write(d / "sub.bin", b"sub bytes")
+        (m.mnt / "other").mkdir()
+        _write(m.mnt / "other" / "x.bin", b"x bytes")
+        fsync_dir(m.mnt)  # every held file, in any directory
+        assert fs.cat_file("fs/sub.bin") == b"sub bytes"
+        assert fs.cat_file("other/x.bin") == b"x bytes"

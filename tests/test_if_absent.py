@@ -109,6 +109,58 @@ async def test_two_writers_racing_leave_one_value_and_no_error(cluster: LocalClu
     assert sum(got_a) + sum(got_b) == 24
 
 
+def answers_lost(c: LocalCluster, op: Op, n: int = 1) -> list[int]:
+    """Fault injection: meta applies the first ``n`` requests of ``op``, then drops the
+    connection each came on before answering (a meta failing over, or a network cut, after
+    its commit): the client sees the connection lost and sends the request again on a new
+    one.  Returns a list that grows by one per request lost this way."""
+    assert c.meta is not None
+    rpc_server = c.meta.rpc
+    inner: Callable[..., Awaitable[Any]]
+    inner, request_type = rpc_server.handlers[int(op)]
+    lost: list[int] = []
+
+    async def applied_then_cut(*args: Any) -> Any:
+        answer = await inner(*args)
+        if len(lost) < n:
+            lost.append(1)
+            for conn in list(rpc_server.connections):
+                if conn.role is not None and conn.role.value == "client" and conn.transport:
+                    conn.transport.abort()  # the answer is never sent
+        return answer
+
+    rpc_server.handlers[int(op)] = (applied_then_cut, request_type)
+    return lost
+
+
+@both_backends
+async def test_a_commit_sent_again_reports_the_keys_it_committed_as_written(
+        cluster: LocalCluster, kv: AsyncClient) -> None:
+    """An if_absent COMMIT that meta applied but whose answer was lost is sent again (a new
+    connection): the keys the first try committed are present by then, yet they hold this
+    call's values: reported written (True), not "already present"; the keys really present
+    before stay False; one copy of each value is referenced, nothing else is.  Once with
+    one-extent values (packed COMMIT), once with a striped one among them."""
+    await kv.put("before", value_of("before-old"))
+    for rnd, big in ((0, 0), (1, 3 * 1024 * 1024)):
+        sizes = {"before": 4096, f"again{rnd}a": 4096, f"again{rnd}b": big or 4096}
+        before = written_bytes(cluster)
+        lost = answers_lost(cluster, Op.COMMIT)
+        got = await asyncio.wait_for(kv.put_many(
+            [(k, value_of(k, n)) for k, n in sizes.items()], if_absent=True), 30)
+        assert lost == [1]  # the first COMMIT's answer was lost: it was sent again
+        assert got == [False, True, True]
+        async with cluster.client() as other:
+            assert await other.get_many(list(sizes)) == [
+                value_of("before-old"), *(value_of(k, n) for k, n in list(sizes.items())[1:])]
+            # each new value was appended once, and that copy is what meta references
+            grew = written_bytes(cluster) - before
+            new = 4096 + (big or 4096)
+            assert new < grew < new + 8 * 200
+            for k in list(sizes)[1:]:
+                assert await other.layout(k) == kv.layout_cache.get_many([k.encode()], 0.0)[0][0]
+
+
 def lay(chunk: int, expires_at: float | None = None) -> Layout:
     return Layout(10, 7, NOW, expires_at, (Extent(10, 9, (Replica(1, chunk, 0),)),))
 

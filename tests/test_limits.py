@@ -257,6 +257,52 @@ async def test_a_client_that_stops_reading_is_aborted_after_send_timeout(
             await c.stop()
 
 
+async def test_a_broken_stream_from_a_client_that_stops_reading_is_aborted(
+        tmp_path: Path) -> None:
+    """A frame that breaks the protocol gets an error frame and a close; a close waits to
+    flush what is buffered, so from a peer that reads nothing it must end in an abort after
+    send_timeout_s: nothing may hold the connection, its buffered answers and its slot in
+    max_connections for ever."""
+    c = LocalCluster(tmp_path / "c", 1,
+                     meta=MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0"),
+                     chunkserver=ChunkServerConfig(data=tmp_path / "c", heartbeat_interval_s=0.2,
+                                                   send_timeout_s=0.5))
+    async with asyncio.timeout(60):
+        await c.start()
+        try:
+            async with c.client() as kv:
+                ranges = await _four_mib_ranges(kv)
+                cs = c.chunkservers[0]
+                assert cs is not None
+                raw = await Connection.open(*parse_addr(_cs_addr(c)), c.token)
+                try:
+                    assert raw._proto.transport is not None
+                    port_here = raw._proto.transport.get_extra_info("sockname")[1]
+                    (proto,) = [p for p in cs.rpc.connections if p.transport is not None
+                                and p.transport.get_extra_info("peername")[1] == port_here]
+                    raw._proto.transport.pause_reading()  # never reads an answer
+                    loop = asyncio.get_running_loop()
+                    deadline = loop.time() + 20
+                    rid = 1000
+                    while proto.writable():  # until its answers fill the socket
+                        assert loop.time() < deadline, "the server's writes never backed up"
+                        raw._proto.write([frame_bytes(Op.READV, rid, {"ranges": ranges[:1]})])
+                        rid += 1
+                        await asyncio.sleep(0.01)
+                    raw._proto.write([b"not a frame" * 4])  # the server answers and closes
+                    while proto in cs.rpc.connections:
+                        assert loop.time() < deadline, (
+                            "a connection closed for a protocol error waits for ever on a peer "
+                            f"that reads nothing ({proto.inflight_requests} requests in flight)")
+                        await asyncio.sleep(0.02)
+                    assert proto.transport is not None and proto.transport.is_closing()
+                finally:
+                    raw.abort()
+                assert await kv.get("v1") is not None  # the server serves others as before
+        finally:
+            await c.stop()
+
+
 def test_bad_requests_are_logged_once_per_peer_per_interval(
         caplog: pytest.LogCaptureFixture) -> None:
     plog = PeerLog(interval_s=60.0)

@@ -1,10 +1,21 @@
-"""pyfuse3, when installed: the mount needs the ``fuse`` extra, the rest of kvfs does not."""
+"""pyfuse3, when installed: the mount needs the ``fuse`` extra, the rest of kvfs does not.
+
+:func:`enable_asyncio` runs pyfuse3 on asyncio with two of its shim's functions replaced.
+pyfuse3's ``pyfuse3.asyncio`` waits for ``/dev/fuse`` with ``add_reader(fd,
+future.set_result)`` and removes the reader from a done callback, one loop step later;
+``terminate()`` fails the future (``notify_closing``).  A request arriving in that step
+fires the reader on a future already done: an ``InvalidStateError`` traceback from the
+loop at nearly every unmount by signal (and ``terminate()`` itself raised it when the
+reader had won).  Here the reader is removed as the wait ends and both wake-ups skip a
+future already done.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import asyncio
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["IMPORT_ERROR", "Operations", "pyfuse3"]
+__all__ = ["IMPORT_ERROR", "Operations", "enable_asyncio", "pyfuse3"]
 
 if TYPE_CHECKING:
     import pyfuse3
@@ -23,3 +34,40 @@ else:
         pyfuse3 = None
         Operations = object
         IMPORT_ERROR = str(exc)
+
+_waiting: dict[Any, set[asyncio.Future[None]]] = {}  # fd -> the waits on it (one, in practice)
+
+
+async def _wait_readable(fd: Any) -> None:
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[None] = loop.create_future()
+
+    def readable() -> None:
+        if not future.done():
+            future.set_result(None)
+
+    waits = _waiting.setdefault(fd, set())
+    waits.add(future)
+    loop.add_reader(fd, readable)
+    try:
+        await future
+    finally:
+        loop.remove_reader(fd)
+        waits.discard(future)
+        if not waits:
+            _waiting.pop(fd, None)
+
+
+def _notify_closing(fd: Any) -> None:
+    for future in list(_waiting.get(fd, ())):
+        if not future.done():
+            future.set_exception(pyfuse3.asyncio.ClosedResourceError())
+
+
+def enable_asyncio() -> None:
+    """pyfuse3 on the running asyncio loop, its ``/dev/fuse`` wake-ups made safe (see the
+    module docstring)."""
+    shim = pyfuse3.asyncio
+    shim.enable()  # pyfuse3 now calls the shim module's functions as trio's
+    shim.wait_readable = _wait_readable
+    shim.notify_closing = _notify_closing

@@ -15,7 +15,7 @@ from kvfs.address import TOKEN_FILE_HELP, token_from_file
 from kvfs.config import ClientConfig, MountConfig, TlsConfig, add_options, from_options, tls_fields
 from kvfs.errors import KVFSError
 from kvfs.fs import KVFileSystem
-from kvfs.mount._fuse import IMPORT_ERROR, pyfuse3
+from kvfs.mount._fuse import IMPORT_ERROR, enable_asyncio, pyfuse3
 from kvfs.mount.mtab import is_mounted, set_read_ahead
 from kvfs.mount.ops import KVFSOperations
 from kvfs.units import parse_duration
@@ -88,7 +88,7 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
     options = {"fsname=kvfs", "subtype=kvfs"}
     if ns.allow_other:  # others get the kernel's checks of the modes shown; without it only
         options |= {"allow_other", "default_permissions"}  # this user may enter the mount
-    pyfuse3.asyncio.enable()
+    enable_asyncio()
     try:
         pyfuse3.init(ops, mnt, options)
     except RuntimeError as exc:
@@ -107,12 +107,7 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
             return
         stopping = True
         log.info("%s: unmounting %s", sig.name, mnt)
-        try:
-            pyfuse3.terminate()
-        except asyncio.InvalidStateError:
-            # pyfuse3's asyncio shim wakes the one task waiting on /dev/fuse; it was already
-            # woken and sees the session's exit flag on its own
-            pass
+        pyfuse3.terminate()
 
     for sig in sigs:
         loop.add_signal_handler(sig, stop, sig)

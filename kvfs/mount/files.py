@@ -132,6 +132,7 @@ class FileIO:
         """One small file's value (a buffer, or a list of buffers to send one after another:
         ``nbytes`` in all), committed in a batch with other files' closes (``value`` is sent as
         it is: the caller does not change it until this returns)."""
+        self.wb.sending(path)
         with builtin_errors(path):
             await self.puts.submit((os.fsencode(path), value),
                                    len(value) if nbytes is None else nbytes)
@@ -572,8 +573,9 @@ class FileIO:
                 value: Value = d if not h.tail else h.tail[0] if not d and len(h.tail) == 1 \
                     else [d, *h.tail]
                 path = self.table.path(h.ino)
+                new, h.new = h.new, False
                 if await self.wb.hold(path, value, len(d) + h.tail_bytes,
-                                      wanted=lambda: not h.orphan):
+                                      wanted=lambda: not h.orphan, new=new):
                     # the held value owns these buffers now: writing on starts from a copy
                     h.data, h.tail, h.tail_bytes, h.held = None, [], 0, None
                     h.dirty = False
@@ -582,7 +584,9 @@ class FileIO:
                 await self.put(path, value, len(d) + h.tail_bytes)
                 h.dirty = False
                 return
+            h.new = False
             self._merge(h)
+            self.wb.sending(self.table.path(h.ino))
             try:
                 if h.stream is None:
                     await self._start(h)
@@ -646,6 +650,7 @@ class FileIO:
                 yield bytes(min(left, self.stripe))
                 left -= self.stripe
 
+        self.wb.sending(dst)
         with builtin_errors(dst):
             await put_stream(self.fs.client, os.fsencode(dst), pieces(), size=size, ttl=self.fs.ttl)
         self.made(dst)

@@ -51,6 +51,10 @@ class Handle:
     failed: BaseException | None = None  # a write or commit failed: the data is lost
     dirty: bool = False  # has writes (or a truncation) not yet committed
     orphan: bool = False  # unlinked, or renamed over, while open: never committed
+    # made by create() where the name was missing, and not committed since: nothing of its
+    # path is in the cluster as far as this mount knows (a rename or unlink before its
+    # first commit deletes nothing there)
+    new: bool = False
     # reading: the value pinned at the first read, and its last few stripe units by offset
     reader: ValueReader | None = None
     held: Held | None = None  # or the held (write-behind) version pinned at the first read

@@ -250,7 +250,7 @@ class KVFSOperations(Operations):
         if found is not None:  # opened as the existing file it is (read when first written)
             fh = self.table.open(Handle(ino, writable=True))
             return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(ino, found)
-        fh = self.table.open(Handle(ino, writable=True, data=bytearray(), dirty=True))
+        fh = self.table.open(Handle(ino, writable=True, data=bytearray(), dirty=True, new=True))
         info = {"name": path, "size": 0, "type": "file", "created": time.time()}
         return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(ino, info)
 
@@ -348,7 +348,9 @@ class KVFSOperations(Operations):
             await self.io.release(h)
         held = self.io.wb.get(path)
         pending = pending or (held is not None and held.pieces is not None)
-        await self.io.wb.drop(path)  # never committed after this delete
+        if await self.io.wb.drop(path):  # never committed after this delete
+            self.table.detach(path)  # held, never sent, nothing there before: none to send
+            return
         try:
             await self.fs._rm_file(path)
         except FileNotFoundError:

@@ -24,7 +24,11 @@ error.  With it:
   replaces its held version not yet sent (which is then never sent), and waits for one
   being committed.  So the last close's bytes win, as on a disk.
 - **A rename of a held file moves the held bytes** to the new name (no commit, no read
-  back), and holds a delete of the old name, ordered like a version of it.
+  back), and holds a delete of the old name, ordered like a version of it; none when the
+  file was created here where the name was missing and none of its versions was sent yet
+  (HiCacheFile's tmp renamed before its batch went: the cluster has nothing of that name
+  to delete, and a file another client commits there meanwhile stays).  An unlink of
+  such a file sends no DELETE either.
 - **A committed file's bytes stay here while there is room** (they count towards
   ``write_behind_bytes`` and ``write_behind_files`` and are the first to go when a close
   needs the room), so that renaming it soon after its commit (HiCacheFile's tmp +
@@ -34,7 +38,9 @@ error.  With it:
 - **unlink** drops the held version and waits for one being committed before it deletes,
   so no commit lands after the delete.
 - ``fsync`` of a file, and of a directory (every held file under it), waits for the
-  commit and reports its failure.  (``syncfs`` cannot: pyfuse3 has no SYNCFS handler.)
+  commit and reports its failure; fsync of the root is the mount-wide sync.  (``sync``
+  and ``syncfs`` cannot: the kernel sends ``FUSE_SYNCFS`` to virtiofs, not to a
+  ``/dev/fuse`` daemon.)
 - **A commit that fails after the close** (retried alone if its batch failed) makes the file
   a miss on this mount too: it is dropped, counted and logged, never answered with other
   bytes.  A file that replaced an older value leaves that older value in place.
@@ -103,6 +109,10 @@ class Held:
     done: asyncio.Future[None]  # committed (None) or failed
     created: float = field(default_factory=time.time)
     queued: float = 0.0  # the loop's time it was queued (a replaced version's, in its place)
+    # nothing of its path has reached the cluster from here since a create found the name
+    # missing (this version and those it replaced were never sent): dropping it, or renaming
+    # it away, leaves nothing to delete there
+    new: bool = False
     _starts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -266,11 +276,13 @@ class WriteBehind:
             self._hurry -= 1
 
     async def hold(self, path: str, value: Value, nbytes: int,
-                   wanted: Callable[[], bool] = lambda: True) -> bool:
+                   wanted: Callable[[], bool] = lambda: True, *, new: bool = False) -> bool:
         """Hold ``value`` (``nbytes`` in all; its buffers are not changed afterwards) as
         ``path``'s newest version, once there is room.  False: not held (larger than the
         whole buffer, or write-behind is off); commit it now instead.  ``wanted()`` is
-        asked once there is room: false (the file was unlinked meanwhile) holds nothing."""
+        asked once there is room: false (the file was unlinked meanwhile) holds nothing.
+        ``new``: the file was created here where its name was missing, and not committed
+        since (:attr:`Held.new`, unless a version of ``path`` was sent meanwhile)."""
         if not self.enabled or nbytes > self.limit_bytes or self._closed:
             return False
         while True:
@@ -280,7 +292,11 @@ class WriteBehind:
             await self._room()
         if wanted():
             pieces = value if isinstance(value, list) else [value]
-            self._add(self._new(path, pieces, nbytes))
+            e = self._new(path, pieces, nbytes)
+            old = self._queue.get(path)
+            e.new = new and (old.new if old is not None
+                             else path not in self._sent and path not in self._recent)
+            self._add(e)
         return True
 
     def _new(self, path: str, pieces: list[Piece] | None, nbytes: int) -> Held:
@@ -323,15 +339,25 @@ class WriteBehind:
             self._count(e, -1)
             _chain(e.done, moved.done)
         self._add(moved)
-        self._add(self._new(src, None, 0))
+        if not (queued and e.new):  # never sent, nothing there before it: nothing to delete
+            self._add(self._new(src, None, 0))
         return True
 
+    def sending(self, path: str) -> None:
+        """A value of ``path`` goes to the cluster other than through this queue (a streamed
+        or unheld commit): its queued version is no longer :attr:`Held.new`."""
+        e = self._queue.get(path)
+        if e is not None:
+            e.new = False
+
     # dropping and waiting ----------------------------------------------------------------
-    async def drop(self, path: str) -> None:
+    async def drop(self, path: str) -> bool:
         """``path`` unlinked (or about to be replaced): its queued version is never sent,
-        and one being committed is waited for (whatever its outcome)."""
+        and one being committed is waited for (whatever its outcome).  True: that queued
+        version was :attr:`Held.new` (the cluster has nothing of ``path`` from here)."""
         self._forget(path)
         e = self._queue.pop(path, None)
+        new = e is not None and e.new and path not in self._sent
         if e is not None:
             self._count(e, -1)
             if not e.done.done():
@@ -341,6 +367,7 @@ class WriteBehind:
         if s is not None:
             await asyncio.wait([s.done])
             self._forget(path)
+        return new
 
     async def sync(self, path: str) -> None:
         """Wait for the commit of ``path``'s held versions; raise if it failed."""
