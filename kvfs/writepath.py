@@ -49,7 +49,8 @@ class WritePath:
 
     async def put(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
                   ttl: float | None, if_absent: bool = False,
-                  metas: list[bytes | None] | None = None) -> list[Layout | None]:
+                  metas: list[bytes | None] | None = None,
+                  tried: dict[bytes, Layout] | None = None) -> list[Layout | None]:
         """Store the values; returns their committed layouts (stamped by meta).
         ``metas``: each key's metadata (encoded), committed in its layout.
 
@@ -57,34 +58,56 @@ class WritePath:
         appended; their ``COMMIT`` is conditional too, so a writer that raced past the check
         keeps the value that committed first.  None for a key not written (present).  A key
         the COMMIT finds present is looked up (:meth:`_ours`): it may hold this very value,
-        committed by an earlier try of the same COMMIT whose answer was lost."""
+        committed by an earlier try of the same COMMIT whose answer was lost.
+
+        ``tried`` (with ``if_absent``): the layouts a failed put of these values may have
+        committed (a put retried after its COMMIT failed without an answer), and where this
+        one records what it sends: a key the ``EXISTS`` finds present holding one of them
+        is this put's, written (:meth:`_ours`), and is not written again."""
         out: list[Layout | None] = [None] * len(keys)
         todo: list[int] | range = range(len(keys))
         if if_absent:
             present = (await self._link.call_meta(rpc.Exists(keys=keys))).exists
             todo = [i for i, p in enumerate(present) if not p]
+            ours = [i for i, p in enumerate(present) if p and keys[i] in tried] if tried else []
+            if ours:  # present: maybe by the failed put's COMMIT
+                earlier: list[Layout | None] = [tried[keys[i]] for i in ours] if tried else []
+                await self._ours([keys[i] for i in ours], earlier, list(range(len(ours))))
+                for i, lay in zip(ours, earlier, strict=True):
+                    out[i] = lay
             if not todo:
                 return out
             keys, views = [keys[i] for i in todo], [views[i] for i in todo]
         mine = None if metas is None else [metas[i] for i in todo]
         done = await self._write(keys, views, replicas=replicas, ttl=ttl)
+        try:
+            written = await self._commit(keys, done, mine, ttl, if_absent)
+        except KVFSError:
+            if tried is not None:  # its COMMIT may have been applied: for the retry
+                tried.update(zip(keys, done.layouts(0.0, None, mine), strict=True))
+            raise
+        for i, lay in zip(todo, written, strict=True):
+            out[i] = lay
+        return out
+
+    async def _commit(self, keys: list[bytes], done: _Written, metas: list[bytes | None] | None,
+                      ttl: float | None, if_absent: bool) -> list[Layout | None]:
+        """:meth:`put`'s COMMIT of the values ``done`` appended."""
         written: list[Layout | None]
         if done.single:  # one extent per value: packed from columns, each layout built once
-            h = await self._link.call_meta(rpc.Commit(packed=done.packed(keys, mine), ttl_s=ttl,
+            h = await self._link.call_meta(rpc.Commit(packed=done.packed(keys, metas), ttl_s=ttl,
                                                       if_absent=if_absent))
-            written = list(done.layouts(h.created, h.expires_at, mine))
+            written = list(done.layouts(h.created, h.expires_at, metas))
             if h.present:
                 await self._ours(keys, written, h.present)
         else:
-            tried = list(done.layouts(0.0, None, mine))
+            tried = list(done.layouts(0.0, None, metas))
             written = await self.commit(keys, tried, ttl, if_absent=if_absent)
             if None in written:
                 found = [i for i, lay in enumerate(written) if lay is None]
                 written = [w if w is not None else t for w, t in zip(written, tried, strict=True)]
                 await self._ours(keys, written, found)
-        for i, lay in zip(todo, written, strict=True):
-            out[i] = lay
-        return out
+        return written
 
     async def append(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
                      ttl: float | None, first: int | None = None) -> list[Layout]:
