@@ -27,6 +27,7 @@ from kvfs._batch import split_batches
 from kvfs.buffers import cut, nbytes
 from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig
+from kvfs.crc import crc32c_combine
 from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.packed import pack as pack_layouts
@@ -213,7 +214,8 @@ class WritePath:
                 c = 0
                 for p in u:
                     c = crc(p, c)
-                    whole = crc(p, whole)
+                # the whole value's CRC from its units' (each byte is summed once, not twice)
+                whole = crc32c_combine(whole, c, unit.length) if ui else c
                 head = rpc.RecordHead(key, unit.length, c, expires_hint, wid, 0 if stream_unit else n,
                                       0, ui)  # total_crc: set below, once every unit is summed
                 where = []
@@ -230,15 +232,25 @@ class WritePath:
             crcs.append(whole)
         locs: dict[int, list[rpc.Location]] = {}
 
-        async def send(sid: int) -> None:
-            out: list[rpc.Location] = []
+        async def send_run(sid: int, run: range) -> list[rpc.Location]:
             recs, ps = records[sid], parts[sid]
-            for run in split_batches([rec[1] for rec in recs], max_bytes=self.config.max_rpc_bytes):
-                payload = [p for rec in ps[run.start : run.stop] for p in rec]  # gathered, never copied
-                heads = cast(list[rpc.RecordHead], recs[run.start : run.stop])  # (tuples: same bytes)
-                h, _ = await self._link.call_server(sid, rpc.Append(records=heads), payload)
-                out.extend(h.locations)
-            locs[sid] = out
+            payload = [p for rec in ps[run.start : run.stop] for p in rec]  # gathered, never copied
+            heads = cast(list[rpc.RecordHead], recs[run.start : run.stop])  # (tuples: same bytes)
+            h, _ = await self._link.call_server(sid, rpc.Append(records=heads), payload)
+            return h.locations
+
+        async def send(sid: int) -> None:
+            # APPENDs of at most max_rpc_bytes, all in flight at once: the server writes one
+            # while it receives the next (bench/RESULTS.md, "large puts in APPENDs of 4 MiB")
+            runs = split_batches([rec[1] for rec in records[sid]], max_bytes=self.config.max_rpc_bytes)
+            if len(runs) == 1:
+                locs[sid] = await send_run(sid, runs[0])
+                return
+            got = await asyncio.gather(*(send_run(sid, run) for run in runs), return_exceptions=True)
+            for res in got:  # every APPEND of this server has ended: none is left running
+                if isinstance(res, BaseException):
+                    raise res
+            locs[sid] = [loc for res in got for loc in cast(list[rpc.Location], res)]
 
         results = await asyncio.gather(*(send(sid) for sid in records), return_exceptions=True)
         failed.update(sid for sid, res in zip(records, results, strict=True)
