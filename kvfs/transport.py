@@ -202,6 +202,12 @@ class Connection:
                 conn.service = hello.service
         except TimeoutError:
             conn.close()
+            # lost before its HELLO in the same turn of the loop as the timeout (a client
+            # starved of CPU sees both at once): the loss, which says why, is the error
+            lost = proto.hello.exception() if proto.hello.done() and not proto.hello.cancelled() \
+                else None
+            if lost is not None:
+                raise lost from None
             no_hello = proto.hello.cancelled() or not proto.hello.done()
             raise handshake_timeout(name, tls is not None, no_hello, connect_timeout_s) from None
         except BaseException:

@@ -205,6 +205,33 @@ async def test_plaintext_client_is_closed_by_the_servers_handshake_timeout(
         await kv.close()
 
 
+async def test_a_close_and_the_timeout_together_still_name_tls(
+        tmp_path: Path, certs: Certs, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plaintext client starved while the TLS server's handshake timeout closes it: the
+    close and the client's own timeout land in one turn of its loop.  The error still says
+    why (it once said only "handshake timed out", without the --tls-ca hint)."""
+    import time
+
+    from kvfs import transport
+
+    connect_timeout_s = 0.5
+    lost = transport._ClientProtocol.connection_lost
+
+    def lost_then_starved(self: Any, exc: Exception | None) -> None:
+        lost(self, exc)
+        time.sleep(connect_timeout_s)  # the fault: no CPU until the client's timeout is due
+
+    monkeypatch.setattr(transport._ClientProtocol, "connection_lost", lost_then_starved)
+    meta = MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0",
+                      handshake_timeout_s=0.1, **tls_fields(certs.services()))
+    async with LocalCluster(tmp_path / "c", 0, meta=meta) as c:
+        kv = c.client(ClientConfig(connect_timeout_s=connect_timeout_s))
+        async with asyncio.timeout(10):
+            with pytest.raises(Unavailable, match="--tls-cert, give this client --tls-ca"):
+                await kv.open()
+        await kv.close()
+
+
 async def test_tls_client_to_plaintext_server_is_refused_naming_tls(
         tmp_path: Path, certs: Certs) -> None:
     async with LocalCluster(tmp_path / "plain", 0) as c:
