@@ -205,7 +205,7 @@ class ChunkServerConfig(ServerConfig):
                                   "and are all in the page cache go from the chunk files into "
                                   "the socket with sendfile, never copied through a buffer "
                                   "(plain TCP; over TLS they are read into one); 0: never",
-                                  64 * 1024)
+                                  128 * 1024)
     preallocate: bool = opt("reserve chunk_bytes of disk blocks when a chunk is opened for appends "
                             "(fallocate KEEP_SIZE; the rest is released when it is sealed)", True)
     close_timeout_s: float = opt("at shutdown, wait at most this long for appends, group syncs "

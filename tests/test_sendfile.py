@@ -97,7 +97,15 @@ def test_parts_read_the_bytes_of_a_deleted_file_through_their_own_fd(tmp_path: P
     parts.close()
 
 
-def test_resident_says_whether_the_page_cache_holds_a_range(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ask", ["cachestat", "mincore"])
+def test_resident_says_whether_the_page_cache_holds_a_range(
+        tmp_path: Path, ask: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pc = store_mod._page_cache()
+    assert pc is not None
+    if ask == "mincore":
+        monkeypatch.setattr(pc, "cachestat", False)  # as where the kernel has no cachestat(2)
+    elif not pc.cachestat:
+        pytest.skip("this kernel refuses cachestat(2)")
     path = tmp_path / "f"
     path.write_bytes(os.urandom(MiB))
     fd = os.open(path, os.O_RDONLY)
