@@ -243,6 +243,18 @@ async def test_large_reads_are_sent_from_the_chunk_files(one: LocalCluster) -> N
             conn.close()
 
 
+async def test_file_answers_are_read_into_a_buffer_on_a_connection_without_a_socket(
+        one: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's own fallback (a connection sendfile cannot write): the same bytes."""
+    monkeypatch.setattr(_ServerProtocol, "can_send_files", property(lambda self: False))
+    values = {f"nosock{i}": os.urandom(MiB - i) for i in range(6)}
+    async with one.client() as kv:
+        await kv.put_many(values)
+        before = _cs(one).store.file_spans
+        assert await kv.get_many(list(values)) == list(values.values())
+        assert _cs(one).store.file_spans - before == len(values)
+
+
 async def test_a_reader_that_pauses_mid_answer_gets_every_byte_and_frames_stay_whole(
         one: LocalCluster) -> None:
     """An answer larger than the sockets hold: the server sends what the socket takes, waits,
