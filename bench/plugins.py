@@ -38,6 +38,18 @@ keys its puts built is emptied before the rounds: a first lookup by this connect
 stored before (by another instance, or forgotten).  ``--key-memo`` sets LMCache's
 ``kvfs_key_memo`` (0: off).
 
+LMCache's chunk keys (``--hash``): by default (``builtin``) they are made as an LMCache 0.5.6
+engine makes them: LMCache's own ``ChunkedTokenDatabase`` (built from the run's LMCache config
+and metadata) hashes a seeded token sequence of ``--pages`` x 256 tokens chunk by chunk, each
+chunk's hash that of the one before and its tokens.  Its default ``pre_caching_hash_algorithm``
+is ``builtin``: Python's ``hash()`` of a tuple, so each chunk hash is a signed 64-bit int and
+its key text a ``%x`` of up to 16 hex digits, with a ``-`` for half of them.  vLLM has no
+``builtin`` hash, so LMCache takes Python's whether vLLM is installed or not; its other choices
+(vLLM's ``sha256``/``sha256_cbor``/``xxhash``) are folded to the digest's first 8 bytes, 64 bits
+too.  ``--hash sha256`` uses the keys of LMCache's checker (``create_test_key``: a whole
+sha256 of a name, 256 bits, 64 hex digits), which the token database never makes: the key
+text to format is longer, so the plug-in's lookup costs more there.
+
 ``--model``: the KV geometry.  ``small`` (the default) is a 4-layer model whose pages are
 ``--page-kib`` (SGLang: 8 KV heads, 16-token pages, so 16 KiB regions at 128 KiB pages in
 ``layer_first``; LMCache: 2 KV heads, 256-token chunks; vLLM: one block of that size).
@@ -258,7 +270,15 @@ def lmcache_case(addr: str, token: str, ns: argparse.Namespace) -> Case:
     def run(coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, loop).result(120)
 
-    lm_keys = [check_utils.create_test_key(model, f"bench-{i}") for i in range(ns.pages)]
+    if ns.hash == "sha256":  # LMCache's checker's keys: 256-bit hashes of names
+        lm_keys = [check_utils.create_test_key(model, f"bench-{i}") for i in range(ns.pages)]
+    else:  # what an engine's lookup and store name: LMCache's token database, its default hash
+        db = quiet_import("lmcache.v1.token_database").ChunkedTokenDatabase(sm.config, metadata)
+        tokens = np.random.default_rng(3).integers(0, 128256, ns.pages * chunk).tolist()
+        lm_keys = [k for _, _, k in db.process_tokens(tokens)]
+        if len(lm_keys) != ns.pages or len({k.chunk_hash for k in lm_keys}) != ns.pages:
+            raise SystemExit(f"lmcache: the token database made {len(lm_keys)} keys, "
+                             f"not {ns.pages} distinct ones")
     keys = [namespaced(namespace, k.to_string()) for k in lm_keys]
     batches = _split(ns.pages, ns.batch)
     want: list[bytes] = []
@@ -474,6 +494,13 @@ def main(argv: list[str] | None = None) -> int:
                          "small --page-kib such as 8); LMCache's key memo emptied after the puts")
     ap.add_argument("--key-memo", type=int, help="lmcache: the connector's kvfs_key_memo (default: the "
                     "connector's, 16384; 0: no memo)")
+    ap.add_argument("--hash", choices=["builtin", "sha256"], default="builtin",
+                    help="lmcache: the chunk keys' hashes. builtin (the default): made by "
+                         "LMCache's own ChunkedTokenDatabase with LMCache 0.5.6's default "
+                         "pre_caching_hash_algorithm, builtin: Python's hash() of a tuple, a "
+                         "signed 64-bit int (every algorithm it has gives 64 bits); sha256: "
+                         "LMCache's checker's create_test_key, 256-bit sha256 of a name, "
+                         "which engines never make")
     ap.add_argument("--layout", default="page_first",
                     choices=["layer_first", "page_first", "page_first_direct"],
                     help="SGLang's host layout (default page_first)")
@@ -483,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     ns.batch = ns.batch or ns.model.batch[ns.engine]
     if ns.key_memo is not None and ns.engine != "lmcache":
         ap.error("--key-memo: lmcache only")
+    if ns.hash != "builtin" and ns.engine != "lmcache":
+        ap.error("--hash: lmcache only")
     round_pages = ns.pages
     if ns.fresh_keys:
         if ns.op != "lookup" or model != "small":
@@ -517,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
     paired = statistics.median(p / d for p, d in zip(us["plug-in"], us["direct"], strict=True))
     fresh = f", fresh keys every call ({ns.pages} stored)" if ns.fresh_keys else ""
     fresh += "" if ns.key_memo is None else f", kvfs_key_memo {ns.key_memo}"
+    fresh += f", {ns.hash} chunk hashes" if ns.engine == "lmcache" else ""
     print(f"{case.name}{fresh}, model {model}: {round_pages} pages of {case.page_bytes / 1024:g} KiB, calls of "
           f"{ns.batch} pages, {ns.rounds} rounds, {len(us['direct'])} calls each way back to "
           f"back, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")

@@ -310,9 +310,10 @@ class AsyncClient:
                     del putting[k]
         return [lay is not None for lay in layouts]
 
-    async def _put(self, call: _PutCall) -> list[Layout | None]:
+    async def _put(self, call: _PutCall, tried: dict[bytes, Layout] | None = None,
+                   ) -> list[Layout | None]:
         layouts = await self.writer.put(call.keys, call.views, replicas=call.replicas, ttl=call.ttl,
-                                        if_absent=call.if_absent, metas=call.metas)
+                                        if_absent=call.if_absent, metas=call.metas, tried=tried)
         self.layout_cache.put_many(call.keys, layouts)
         return layouts
 
@@ -320,7 +321,9 @@ class AsyncClient:
         """Concurrent put_many calls as few writes as can be: consecutive calls with the same
         options and no key in common are one put (one APPEND per server, one COMMIT); the
         groups go one after another, in call order.  A group that fails is retried call by
-        call, and each call gets its own layouts or error: no call fails its neighbours."""
+        call, and each call gets its own layouts or error: no call fails its neighbours.  With
+        ``if_absent`` the retries know what the failed put sent (``tried``): its COMMIT may
+        have been applied, and a key it stored is then the retry's, written."""
         groups: list[list[_PutCall]] = []
         seen: set[bytes] = set()
         for c in calls:
@@ -334,13 +337,14 @@ class AsyncClient:
                 seen.update(c.keys)
         out: list[list[Layout | None] | KVFSError] = []
         for g in groups:
+            tried: dict[bytes, Layout] | None = {} if g[0].if_absent and len(g) > 1 else None
             if len(g) > 1:
                 metas = (None if all(c.metas is None for c in g) else
                          [m for c in g for m in (c.metas or [None] * len(c.keys))])
                 joined = _PutCall([k for c in g for k in c.keys], [v for c in g for v in c.views],
                                   metas, *g[0].options)
                 try:
-                    layouts = await self._put(joined)
+                    layouts = await self._put(joined, tried)
                 except KVFSError:
                     pass  # each call alone, below
                 else:
@@ -351,7 +355,7 @@ class AsyncClient:
                     continue
             for c in g:
                 try:
-                    out.append(await self._put(c))
+                    out.append(await self._put(c, tried))
                 except KVFSError as exc:
                     out.append(exc)
         return out

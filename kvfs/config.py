@@ -225,7 +225,8 @@ class ClientConfig(TlsConfig):
                                "runs up to this size; further runs go to the next servers",
                                16 * 1024 * 1024)
     max_rpc_bytes: int = opt("split appends larger than this (at most the servers' "
-                             "--max-payload)", 256 * MiB)
+                             "--max-payload); the APPENDs of one server are sent together, "
+                             "so it writes one while it receives the next", 4 * MiB)
     max_read_rpc_bytes: int = opt("split reads from one server larger than this (at most the "
                                   "server's --max-read-rpc)", 16 * MiB)
     max_read_ranges: int = opt("split reads from one server naming more ranges than this (at "

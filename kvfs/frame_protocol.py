@@ -127,9 +127,12 @@ class FrameProtocol(asyncio.BufferedProtocol):
         raise NotImplementedError
 
     def protocol_failed(self, exc: KVFSError) -> None:
-        log.warning("closing connection: %s", exc)
+        """The peer broke the protocol: nothing more can be decoded, so nothing buffered for
+        it is worth sending; abort (a close waits for ever to flush to a peer that stops
+        reading).  The server overrides this to send an error frame first (a bounded close)."""
+        log.warning("aborting connection: %s", exc)
         if self.transport is not None:
-            self.transport.close()
+            self.transport.abort()
 
     def write(self, buffers: Sequence[Buffer]) -> None:
         assert self.transport is not None

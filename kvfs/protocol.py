@@ -52,6 +52,12 @@ class Flag(enum.IntFlag):
     ERROR = 2
 
 
+# per frame, as ints and a table: IntFlag's operators and constructor run Python code in
+# the enum module (several us a frame)
+_RESPONSE, _ERROR = int(Flag.RESPONSE), int(Flag.ERROR)
+_FLAG_OF = {int(f): f for f in (Flag.NONE, Flag.RESPONSE, Flag.ERROR, Flag.RESPONSE | Flag.ERROR)}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Limits:
     """What one frame may announce, checked on its fixed header before anything is
@@ -73,11 +79,11 @@ class Frame:
 
     @property
     def is_response(self) -> bool:
-        return bool(self.flags & Flag.RESPONSE)
+        return bool(int(self.flags) & _RESPONSE)
 
     @property
     def is_error(self) -> bool:
-        return bool(self.flags & Flag.ERROR)
+        return bool(int(self.flags) & _ERROR)
 
 
 @dataclass(frozen=True, slots=True)
@@ -445,9 +451,9 @@ class FrameDecoder:
             raw.release()
         if not isinstance(header, dict):
             raise RemoteProtocolError(f"frame header must be a map, got {type(header).__name__}")
-        if flags & ~int(Flag.RESPONSE | Flag.ERROR):
+        flag = _FLAG_OF.get(flags)
+        if flag is None:
             raise RemoteProtocolError(f"unknown frame flags {flags:#x}")
-        flag = Flag(flags)
         self._head_size = size
         return FrameHead(op, flag, rid, header, plen)
 

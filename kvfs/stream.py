@@ -23,9 +23,8 @@ import random
 from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import crc32c
-
 from kvfs.buffers import as_view
+from kvfs.crc import crc32c_combine
 from kvfs.errors import InvalidArgument, KVFSError, StaleLayout
 from kvfs.layout import MAX_VALUE_BYTES, Extent, Key, Layout, norm_key
 
@@ -63,7 +62,7 @@ async def put_stream(client: AsyncClient, key: Key, chunks: Chunks, *, size: int
     extents: list[Extent | None] = []
     tasks: set[asyncio.Task[None]] = set()
     failed: list[BaseException] = []
-    whole = total = 0
+    whole = total = 0  # whole: the value's CRC-32C, combined from its units' at the end
 
     async def write(i: int, unit: memoryview) -> None:
         try:
@@ -76,8 +75,6 @@ async def put_stream(client: AsyncClient, key: Key, chunks: Chunks, *, size: int
             window.release()
 
     async def submit(unit: memoryview) -> None:
-        nonlocal whole
-        whole = crc32c.crc32c(unit, whole)
         await window.acquire()  # at most `window` units held
         if failed:
             window.release()
@@ -117,6 +114,8 @@ async def put_stream(client: AsyncClient, key: Key, chunks: Chunks, *, size: int
         raise InvalidArgument(f"stream for key {k[:64]!r} ended after {total} of {size} bytes")
     done = tuple(e for e in extents if e is not None)
     assert len(done) == len(extents)
+    for i, e in enumerate(done):  # the whole CRC from the units' (each byte summed once)
+        whole = crc32c_combine(whole, e.crc, e.length) if i else e.crc
     (lay,) = await client.writer.commit([k], [Layout(total, whole, 0.0, None, done)], ttl)
     if lay is not None:  # always (no if_absent)
         client.layout_cache.put(k, lay)

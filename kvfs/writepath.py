@@ -27,6 +27,7 @@ from kvfs._batch import split_batches
 from kvfs.buffers import cut, nbytes
 from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig
+from kvfs.crc import crc32c_combine
 from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.packed import pack as pack_layouts
@@ -48,7 +49,8 @@ class WritePath:
 
     async def put(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
                   ttl: float | None, if_absent: bool = False,
-                  metas: list[bytes | None] | None = None) -> list[Layout | None]:
+                  metas: list[bytes | None] | None = None,
+                  tried: dict[bytes, Layout] | None = None) -> list[Layout | None]:
         """Store the values; returns their committed layouts (stamped by meta).
         ``metas``: each key's metadata (encoded), committed in its layout.
 
@@ -56,34 +58,56 @@ class WritePath:
         appended; their ``COMMIT`` is conditional too, so a writer that raced past the check
         keeps the value that committed first.  None for a key not written (present).  A key
         the COMMIT finds present is looked up (:meth:`_ours`): it may hold this very value,
-        committed by an earlier try of the same COMMIT whose answer was lost."""
+        committed by an earlier try of the same COMMIT whose answer was lost.
+
+        ``tried`` (with ``if_absent``): the layouts a failed put of these values may have
+        committed (a put retried after its COMMIT failed without an answer), and where this
+        one records what it sends: a key the ``EXISTS`` finds present holding one of them
+        is this put's, written (:meth:`_ours`), and is not written again."""
         out: list[Layout | None] = [None] * len(keys)
         todo: list[int] | range = range(len(keys))
         if if_absent:
             present = (await self._link.call_meta(rpc.Exists(keys=keys))).exists
             todo = [i for i, p in enumerate(present) if not p]
+            ours = [i for i, p in enumerate(present) if p and keys[i] in tried] if tried else []
+            if ours:  # present: maybe by the failed put's COMMIT
+                earlier: list[Layout | None] = [tried[keys[i]] for i in ours] if tried else []
+                await self._ours([keys[i] for i in ours], earlier, list(range(len(ours))))
+                for i, lay in zip(ours, earlier, strict=True):
+                    out[i] = lay
             if not todo:
                 return out
             keys, views = [keys[i] for i in todo], [views[i] for i in todo]
         mine = None if metas is None else [metas[i] for i in todo]
         done = await self._write(keys, views, replicas=replicas, ttl=ttl)
+        try:
+            written = await self._commit(keys, done, mine, ttl, if_absent)
+        except KVFSError:
+            if tried is not None:  # its COMMIT may have been applied: for the retry
+                tried.update(zip(keys, done.layouts(0.0, None, mine), strict=True))
+            raise
+        for i, lay in zip(todo, written, strict=True):
+            out[i] = lay
+        return out
+
+    async def _commit(self, keys: list[bytes], done: _Written, metas: list[bytes | None] | None,
+                      ttl: float | None, if_absent: bool) -> list[Layout | None]:
+        """:meth:`put`'s COMMIT of the values ``done`` appended."""
         written: list[Layout | None]
         if done.single:  # one extent per value: packed from columns, each layout built once
-            h = await self._link.call_meta(rpc.Commit(packed=done.packed(keys, mine), ttl_s=ttl,
+            h = await self._link.call_meta(rpc.Commit(packed=done.packed(keys, metas), ttl_s=ttl,
                                                       if_absent=if_absent))
-            written = list(done.layouts(h.created, h.expires_at, mine))
+            written = list(done.layouts(h.created, h.expires_at, metas))
             if h.present:
                 await self._ours(keys, written, h.present)
         else:
-            tried = list(done.layouts(0.0, None, mine))
+            tried = list(done.layouts(0.0, None, metas))
             written = await self.commit(keys, tried, ttl, if_absent=if_absent)
             if None in written:
                 found = [i for i, lay in enumerate(written) if lay is None]
                 written = [w if w is not None else t for w, t in zip(written, tried, strict=True)]
                 await self._ours(keys, written, found)
-        for i, lay in zip(todo, written, strict=True):
-            out[i] = lay
-        return out
+        return written
 
     async def append(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
                      ttl: float | None, first: int | None = None) -> list[Layout]:
@@ -213,7 +237,8 @@ class WritePath:
                 c = 0
                 for p in u:
                     c = crc(p, c)
-                    whole = crc(p, whole)
+                # the whole value's CRC from its units' (each byte is summed once, not twice)
+                whole = crc32c_combine(whole, c, unit.length) if ui else c
                 head = rpc.RecordHead(key, unit.length, c, expires_hint, wid, 0 if stream_unit else n,
                                       0, ui)  # total_crc: set below, once every unit is summed
                 where = []
@@ -230,15 +255,25 @@ class WritePath:
             crcs.append(whole)
         locs: dict[int, list[rpc.Location]] = {}
 
-        async def send(sid: int) -> None:
-            out: list[rpc.Location] = []
+        async def send_run(sid: int, run: range) -> list[rpc.Location]:
             recs, ps = records[sid], parts[sid]
-            for run in split_batches([rec[1] for rec in recs], max_bytes=self.config.max_rpc_bytes):
-                payload = [p for rec in ps[run.start : run.stop] for p in rec]  # gathered, never copied
-                heads = cast(list[rpc.RecordHead], recs[run.start : run.stop])  # (tuples: same bytes)
-                h, _ = await self._link.call_server(sid, rpc.Append(records=heads), payload)
-                out.extend(h.locations)
-            locs[sid] = out
+            payload = [p for rec in ps[run.start : run.stop] for p in rec]  # gathered, never copied
+            heads = cast(list[rpc.RecordHead], recs[run.start : run.stop])  # (tuples: same bytes)
+            h, _ = await self._link.call_server(sid, rpc.Append(records=heads), payload)
+            return h.locations
+
+        async def send(sid: int) -> None:
+            # APPENDs of at most max_rpc_bytes, all in flight at once: the server writes one
+            # while it receives the next (bench/RESULTS.md, "large puts in APPENDs of 4 MiB")
+            runs = split_batches([rec[1] for rec in records[sid]], max_bytes=self.config.max_rpc_bytes)
+            if len(runs) == 1:
+                locs[sid] = await send_run(sid, runs[0])
+                return
+            got = await asyncio.gather(*(send_run(sid, run) for run in runs), return_exceptions=True)
+            for res in got:  # every APPEND of this server has ended: none is left running
+                if isinstance(res, BaseException):
+                    raise res
+            locs[sid] = [loc for res in got for loc in cast(list[rpc.Location], res)]
 
         results = await asyncio.gather(*(send(sid) for sid in records), return_exceptions=True)
         failed.update(sid for sid, res in zip(records, results, strict=True)

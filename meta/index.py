@@ -51,6 +51,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
@@ -84,6 +85,7 @@ log = logging.getLogger("kvfs.meta")
 
 RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
 METRICS_STATE = "metrics"  # the state entry holding GC's counters (Redis: a hash of their own)
+_UNSET = object()
 
 
 @dataclass(slots=True)
@@ -117,7 +119,8 @@ CommitCheck = Callable[[Sequence[tuple[bytes, Layout]]], None]  # raises for a l
 class PendingCommit:
     """One COMMIT waiting for the next group transaction."""
 
-    rows: list[tuple[bytes, Layout, bytes]]  # key, stamped layout, its encoded form
+    staged: Sequence[tuple[bytes, Layout]]  # key, stamped layout (if_absent: those to write)
+    rows: list[tuple[bytes, bytes, float | None, float]]  # their SQLite rows (MetaStore.put_many)
     nbytes: int  # keys + encoded layouts
     now: float
     expires_at: float | None
@@ -336,8 +339,12 @@ class MetaIndex(ServerRegistry):
 
     def note_chunks(self, layout: Layout) -> None:
         """Raise ``seq_high`` to the chunks a layout names (tombstones' horizons)."""
+        self.note_chunk_ids(r.chunk_id for e in layout.extents for r in e.replicas)
+
+    def note_chunk_ids(self, chunks: Iterable[int]) -> None:
+        """Raise ``seq_high`` to these chunks (a commit group's: each chunk once)."""
         high = self.seq_high
-        for cid, _ in layout.chunk_bytes():
+        for cid in chunks:
             sid, seq = server_of_chunk(cid), chunk_seq(cid)
             if high.get(sid, -1) < seq:
                 high[sid] = seq
@@ -506,10 +513,10 @@ class MetaIndex(ServerRegistry):
         is written."""
         if self._wal.failed is not None:
             raise self._wal.failed
-        rows = [(k, lay, encode_layout(lay)) for k, lay in staged]
+        rows = [(k, encode_layout(lay), expires_at, now) for k, lay in staged]
         loop = asyncio.get_running_loop()
-        pending = PendingCommit(rows, sum(len(k) + len(b) for k, _, b in rows), now, expires_at,
-                                check, if_absent, [], loop.create_future())
+        pending = PendingCommit(staged, rows, sum(len(r[0]) + len(r[1]) for r in rows), now,
+                                expires_at, check, if_absent, [], loop.create_future())
         self._commits.append(pending)
         if self._commit_handle is None and self._syncing is None:  # (a sync's end writes the queue)
             self._commit_handle = loop.call_soon(self._write_commits)  # after this step's COMMITs
@@ -534,26 +541,28 @@ class MetaIndex(ServerRegistry):
                 continue
             try:
                 if c.check is not None:
-                    c.check([(k, lay) for k, lay, _ in c.rows])
-                self.check_not_dead([(k, lay) for k, lay, _ in c.rows])
+                    c.check(c.staged)
+                self.check_not_dead(c.staged)
             except Exception as exc:
                 c.done.set_exception(exc)
                 continue
             if c.if_absent:
                 if written is None:
-                    written = {k for g in group for k, _, _ in g.rows}
+                    written = {k for g in group for k, _ in g.staged}
                 if gone is None:
                     gone = self.gone_servers()
                 kept = []
-                for i, row in enumerate(c.rows):
-                    if row[0] in written or self.readable(row[0], c.now, gone):
+                for i, (k, _) in enumerate(c.staged):
+                    if k in written or self.readable(k, c.now, gone):
                         c.present.append(i)
                     else:
-                        written.add(row[0])
-                        kept.append(row)
-                c.rows = kept
+                        written.add(k)
+                        kept.append(i)
+                if c.present:
+                    c.staged = [c.staged[i] for i in kept]
+                    c.rows = [c.rows[i] for i in kept]
             elif written is not None:
-                written.update(k for k, _, _ in c.rows)
+                written.update(k for k, _ in c.staged)
             group.append(c)
             keys += len(c.rows)
             nbytes += c.nbytes
@@ -621,7 +630,9 @@ class MetaIndex(ServerRegistry):
         out: dict[bytes, float | None] = {}
         last: dict[bytes, Layout] = {}  # a key twice in the group: its first row is older
         for c in group:
-            for key, lay, _ in c.rows:
+            for key, lay in c.staged:
+                if older.get(key, _UNSET) is None:  # an older record that never expires: stays
+                    continue  # so (its value is None whatever this row is: not written again)
                 before = last.get(key)
                 if before is None:
                     e = entries.get(key)
@@ -654,25 +665,41 @@ class MetaIndex(ServerRegistry):
     def _write_group(self, group: list[PendingCommit]) -> None:
         """One transaction for the group's rows (batch/always: not synced yet), then the
         index, in one step; the caller answers them."""
-        rows = [(k, blob, c.expires_at, c.now) for c in group for k, _, blob in c.rows]
+        rows = [c.rows for c in group if c.rows]  # (if_absent may have left nothing to write)
         older = self._older_after(group) if rows else {}
         with self._writing():
-            if rows:  # (if_absent may have left nothing to write)
-                self.store.put_many(rows, older.items())
+            if rows:
+                self.store.put_many(rows[0] if len(rows) == 1 else itertools.chain.from_iterable(rows),
+                                    older.items())
                 self.commit_groups += 1
             if self.tombstones:  # a put of a deleted key: its new record is newer than the tombstone
-                self.forget_tombstones([k for c in group for k, _, _ in c.rows if k in self.tombstones])
+                self.forget_tombstones([k for c in group for k, _ in c.staged if k in self.tombstones])
         self.older.update(older)
-        entries, dirty, add_live = self.entries, self.dirty_access, self.add_live
+        # the entries, and the live bytes per chunk (add_live's, inlined: this runs per
+        # committed key); seq_high once per chunk the group names (note_chunks')
+        entries, dirty, live = self.entries, self.dirty_access, self.chunk_live
+        named: set[int] = set()
         for c in group:
             now = c.now
-            for key, lay, _ in c.rows:
+            for key, lay in c.staged:
+                overhead = RECORD_OVERHEAD_BYTES + len(key)
                 old = entries.get(key)
                 if old is not None:
-                    add_live(old.layout, -1, key)
+                    for e in old.layout.extents:
+                        n = e.length + overhead
+                        for r in e.replicas:
+                            cid = r.chunk_id
+                            live[cid] = live.get(cid, 0) - n
                 entries[key] = Entry(lay, now)
-                add_live(lay, +1, key)
-                dirty.pop(key, None)
+                for e in lay.extents:
+                    n = e.length + overhead
+                    for r in e.replicas:
+                        cid = r.chunk_id
+                        live[cid] = live.get(cid, 0) + n
+                        named.add(cid)
+                if dirty:
+                    dirty.pop(key, None)
+        self.note_chunk_ids(named)
 
     async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
         """Remove keys; ``tombstones[i]`` (if given): where key ``i``'s tombstone was

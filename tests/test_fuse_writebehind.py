@@ -436,3 +436,74 @@ def test_fsync_of_a_held_file_returns_once_it_is_committed(
         fsync_dir(m.mnt)  # every held file, in any directory
         assert fs.cat_file("fs/sub.bin") == b"sub bytes"
         assert fs.cat_file("other/x.bin") == b"x bytes"
+
+
+def test_a_newer_close_not_held_wins_over_an_older_held_version(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """A held version waiting for its batch (a 60 s --write-behind-delay), then a newer close
+    of the same path that does not go through the queue: streamed (over --write-buffer), too
+    large to hold (over --write-behind), or a streamed file renamed onto it.  The newer bytes
+    win, here and elsewhere, also after the held files go (fsync of the directory): the older
+    held version is never sent after them."""
+    old = b"older held bytes" * 100
+    big, mid, moved = os.urandom(3 << 20), os.urandom(600_000), os.urandom(3 << 20)
+    with mounted(tcluster, tmp_path, "--write-behind", "512KiB", "--write-buffer", "1MiB",
+                 "--write-behind-delay", "60s", "--timeout", "10s") as m:
+        d = m.mnt / "nw"
+        d.mkdir()
+        for name in ("streamed.bin", "unheld.bin", "renamed.bin"):
+            _write(d / name, old)  # held, waiting for a batch
+            assert (d / name).read_bytes() == old
+        _write(d / "streamed.bin", big)  # streamed: committed at its close
+        _write(d / "unheld.bin", mid)  # over --write-behind: one put at its close
+        _write(d / ".moved.tmp", moved)  # streamed, then renamed over a held version
+        os.replace(d / ".moved.tmp", d / "renamed.bin")
+        want = {"nw/streamed.bin": big, "nw/unheld.bin": mid, "nw/renamed.bin": moved}
+        for k, v in want.items():
+            assert (m.mnt / k).read_bytes() == v
+        fsync_dir(d)  # what is still held goes now
+        assert fs.cat(list(want)) == want
+        for k, v in want.items():
+            assert (m.mnt / k).read_bytes() == v
+        assert "Traceback" not in m.stderr()
+
+
+def test_a_streamed_close_waits_for_the_held_version_being_committed(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """A held version whose COMMIT meta holds, then a newer close of the same path that
+    streams: once its stripe units are all appended, that close still waits (blocked in
+    close(2)) for the older commit to end, so its own COMMIT comes after it and its bytes
+    win, here and elsewhere."""
+    old, big = b"older held bytes" * 100, os.urandom(3 << 20)  # 3 stripe units
+    commits: list[Any] = []
+    units: list[Any] = []  # the stream's units appended (stream records: total size 0)
+
+    def appended(r: Any) -> bool:
+        units.extend(h for h in r.records if h.key == b"sw/f.bin" and h.total_size == 0)
+        return False  # counted, not held
+
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--write-buffer", "1MiB") as m:
+        d = m.mnt / "sw"
+        d.mkdir()
+        # only the first COMMIT (the held version's) is held
+        with op_held(tcluster, Op.COMMIT, lambda r: not commits and commits.append(r) is None
+                     ) as ([hold], release), op_held(tcluster, Op.APPEND, appended), \
+                ThreadPoolExecutor(1) as ex:
+            _write(d / "f.bin", old)  # held, sent at once: its COMMIT held at meta
+            hold.reached_from_thread(what="the held version's COMMIT")
+            tid: Future[int] = Future()
+
+            def newer() -> None:
+                tid.set_result(threading.get_native_id())
+                _write(d / "f.bin", big)
+
+            closing = ex.submit(newer)
+            t = tid.result(30)
+            wait_until(lambda: (_in_close(t) and len(units) == 3) or closing.done(), 30,
+                       "the streamed close's units")
+            assert not closing.done()  # waits for the older version's commit
+            release(None)
+            closing.result(30)
+        fsync_dir(d)
+        assert fs.cat_file("sw/f.bin") == big
+        assert (d / "f.bin").read_bytes() == big

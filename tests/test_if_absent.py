@@ -206,3 +206,35 @@ async def test_writers_on_two_metas_racing_leave_one_value(tmp_path: Path,
     finally:
         await meta2.stop()
         await c.stop()
+
+
+@both_backends
+async def test_a_shared_commit_lost_twice_reports_its_keys_written_on_each_calls_retry(
+        cluster: LocalCluster, kv: AsyncClient) -> None:
+    """Concurrent if_absent put_many calls share one put (one COMMIT).  When meta applies it
+    and its answer is lost, and the COMMIT sent again loses its answer too, the shared put
+    fails and each call is retried alone: its EXISTS finds the keys the shared COMMIT
+    stored.  Those holding the shared put's values (its extents) are reported written
+    (True), not present, and are not written again; a key present before stays False.
+    Once with one-extent values (packed COMMIT), once with a striped one among them."""
+    for rnd, big in ((0, 0), (1, 3 * 1024 * 1024)):
+        pre = {f"pre{rnd}{i}": value_of(f"pre{rnd}{i}-old") for i in range(2)}
+        await kv.put_many(pre)
+        a, b = f"shared{rnd}a", f"shared{rnd}b"
+        # the first call runs alone (an EXISTS, all present: no COMMIT); the next two (no
+        # key in common with it, or it would go first) queue behind it and share one put
+        calls = [[(f"pre{rnd}0", b"new")], [(f"pre{rnd}1", b"new"), (a, value_of(a))],
+                 [(b, value_of(b, big or 4096))]]
+        lost = answers_lost(cluster, Op.COMMIT, 2)
+        before = written_bytes(cluster)
+        got = await asyncio.wait_for(asyncio.gather(
+            *(kv.put_many(c, if_absent=True) for c in calls)), 30)
+        assert lost == [1, 1]  # the shared COMMIT's answer lost twice: that put failed
+        assert got == [[False], [False, True], [True]]
+        async with cluster.client() as other:
+            assert await other.get_many([*pre, a, b]) == [
+                *pre.values(), value_of(a), value_of(b, big or 4096)]
+            new = 4096 + (big or 4096)
+            assert new < written_bytes(cluster) - before < new + 8 * 200  # appended once
+            for k in (a, b):
+                assert await other.layout(k) == kv.layout_cache.get_many([k.encode()], 0.0)[0][0]

@@ -303,6 +303,44 @@ async def test_a_broken_stream_from_a_client_that_stops_reading_is_aborted(
             await c.stop()
 
 
+async def test_a_broken_stream_from_a_server_that_stops_reading_is_aborted(
+        tmp_path: Path) -> None:
+    """The client's side of the same: a server that sends a frame breaking the protocol
+    and reads nothing (fault injection: the real server's end of the connection paused and
+    fed bad bytes) while the client has requests buffered for it.  The client aborts at
+    once: a close would wait for ever to flush them (the server's idle timer, 300 s, is all
+    that would end it), and the calls waiting on the connection fail now, with the protocol
+    error, not at their timeout."""
+    c = LocalCluster(tmp_path / "c", 1,
+                     meta=MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0"),
+                     chunkserver=ChunkServerConfig(data=tmp_path / "c", heartbeat_interval_s=0.2))
+    async with asyncio.timeout(60):
+        await c.start()
+        try:
+            cs = c.chunkservers[0]
+            assert cs is not None
+            raw = await Connection.open(*parse_addr(_cs_addr(c)), c.token)
+            try:
+                assert raw._proto.transport is not None
+                port_here = raw._proto.transport.get_extra_info("sockname")[1]
+                (proto,) = [p for p in cs.rpc.connections if p.transport is not None
+                            and p.transport.get_extra_info("peername")[1] == port_here]
+                assert proto.transport is not None
+                proto.transport.pause_reading()  # the server reads nothing more
+                raw._proto.write([bytes(64 * MiB)])  # more than the sockets hold: buffered
+                assert not raw._proto.writable()
+                waiting = asyncio.ensure_future(raw.call(rpc.Lookup(keys=[b"k"]), timeout_s=60))
+                proto.transport.write(b"not a frame" * 4)
+                async with asyncio.timeout(20):  # the call's own timeout is 60 s
+                    with pytest.raises(RemoteProtocolError, match="bad frame magic"):
+                        await waiting
+                    await raw._proto.closed.wait()
+            finally:
+                raw.abort()
+        finally:
+            await c.stop()
+
+
 def test_bad_requests_are_logged_once_per_peer_per_interval(
         caplog: pytest.LogCaptureFixture) -> None:
     plog = PeerLog(interval_s=60.0)

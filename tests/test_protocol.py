@@ -156,6 +156,15 @@ def test_unknown_flags() -> None:
         FrameDecoder().receive_data(data)
 
 
+@pytest.mark.parametrize("flags", [Flag.NONE, Flag.RESPONSE, Flag.ERROR, Flag.RESPONSE | Flag.ERROR])
+def test_each_known_flag_combination_is_decoded_as_that_flag(flags: Flag) -> None:
+    dec = FrameDecoder()
+    dec.receive_data(frame_bytes(Op.PING, 1, {}, [], flags))
+    (frame,) = drain(dec)
+    assert frame.flags == flags and isinstance(frame.flags, Flag)
+    assert (frame.is_response, frame.is_error) == (Flag.RESPONSE in flags, Flag.ERROR in flags)
+
+
 def test_encode_frame_keeps_payload_buffers() -> None:
     payload = memoryview(bytearray(b"abc"))
     bufs = encode_frame(Op.APPEND, 1, {}, [payload])

@@ -538,7 +538,13 @@ async def test_a_compaction_copy_of_a_key_dropped_meanwhile_counts_as_a_dropped_
     """A compaction copies ``k``; before its GC_RELOCATE lands, ``k`` expires and the GC drops
     it (no older record: no tombstone).  The copy is a record of ``k`` in the new chunk that
     no layout names: meta remembers it (a ghost) as it does the dropped original, so ``k``
-    put again is marked as having an older record (its drop will leave a tombstone)."""
+    put again is marked as having an older record (its drop will leave a tombstone).
+
+    The copy's chunk holds no live byte: a pass without a grace period deletes it (and its
+    ghost with it) as soon as meta knows the chunk, which a heartbeat may or may not have told
+    it before the pass's last plan.  So the pass keeps a grace period the fake clock never
+    passes, and meta is told of the chunk (a heartbeat) before the relocate, the order that
+    used to race: the copy's chunk is there, known, and kept."""
     from conftest import FakeClock, hold
 
     from kvfs.rpc import Op
@@ -563,10 +569,11 @@ async def test_a_compaction_copy_of_a_key_dropped_meanwhile_counts_as_a_dropped_
             await gc.run_pass(PassOptions(apply=True, evict=False, compact=False, repair=False))
             relocate = hold(cluster, Op.GC_RELOCATE)
             compacting = asyncio.create_task(gc.run_pass(PassOptions(
-                apply=True, grace_s=0, expire=False, evict=False, repair=False, threshold=0.0)))
+                apply=True, grace_s=3600, expire=False, evict=False, repair=False, threshold=0.0)))
             await relocate.reached(compacting)  # k copied into a new chunk, not switched yet
             clock.advance(30)
             assert (await gc.meta(rpc.GcExpire(apply=True))).keys == 1  # k dropped, no tombstone
+            await gc.sync_usage()  # a heartbeat: meta knows the copy's chunk (no live byte in it)
             relocate.release()
             await compacting
             new = {c for c in meta.index.ghosts.by_chunk if c != old}

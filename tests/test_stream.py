@@ -10,6 +10,7 @@ import threading
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import crc32c
 import pytest
 from conftest import ThreadCluster
 
@@ -30,6 +31,7 @@ async def test_put_stream_round_trip(kv: AsyncClient) -> None:
     assert await kv.get("s") == data
     lay = await kv.layout("s")
     assert lay is not None and len(lay.extents) == 4
+    assert lay.crc == crc32c.crc32c(data)  # combined from the units' CRCs
     assert all(e.length <= kv.config.stripe_bytes for e in lay.extents)
     assert len({e.replicas[0].server_id for e in lay.extents}) > 1  # spread over the servers
     # a plain iterable, one piece larger than a stripe unit, no size given

@@ -123,7 +123,9 @@ async def test_large_reads_over_tls_are_read_into_a_buffer_not_sendfiled(
     values = {f"tls/{i}": os.urandom(1024 * 1024 - i) for i in range(8)}
     stores = [cs.store for cs in tls_cluster.chunkservers if cs is not None]
     async with tls_cluster.client(certs.client()) as kv:
-        await kv.put_many(values)
+        calls = sum(cs.append_calls for cs in tls_cluster.chunkservers if cs is not None)
+        await kv.put_many(values)  # 8 MiB on one server: two APPENDs of 4 MiB, sent together
+        assert sum(cs.append_calls for cs in tls_cluster.chunkservers if cs is not None) == calls + 2
         bufs = [bytearray(len(v)) for v in values.values()]
         assert await kv.get_into(list(values), bufs) == [len(v) for v in values.values()]
         assert [bytes(b) for b in bufs] == list(values.values())

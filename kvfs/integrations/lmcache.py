@@ -32,7 +32,7 @@ import concurrent.futures
 import secrets
 import threading
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -101,7 +101,7 @@ class KvfsConnector(RemoteConnector):
         """The kvfs key of one chunk: ``namespace/`` + LMCache's ``key.to_string()``."""
         return self._prefix + key.to_string().encode()
 
-    def _keys(self, keys: Iterable[CacheEngineKey]) -> list[bytes]:
+    def _keys(self, keys: list[CacheEngineKey], keep: bool = True) -> list[bytes]:
         """:meth:`_key` of each key, byte for byte, without ``to_string`` per key (about
         1.8 us a key here, most of a 64-key lookup's cost beyond the kvfs call): a plain
         ``CacheEngineKey`` without tags is ``model@world_size@worker_id@<hash hex>@dtype``,
@@ -110,7 +110,17 @@ class KvfsConnector(RemoteConnector):
         Keys made from a template are kept by chunk hash with it (at most ``key_memo``, the
         dict cleared when full, a new one for a template of other text): an engine asks for
         the same leading chunks of a shared prefix over and over.  Any other key
-        (a subclass, tags, a hash that is not an ``int``) goes through ``to_string``."""
+        (a subclass, tags, a hash that is not an ``int``) goes through ``to_string``.
+
+        ``keep=False`` (the lookups): a call whose first chunk's key is not in the memo is
+        made from the last template alone (:meth:`_fill`), neither looked up in the memo
+        nor added to it: a first lookup of chunks is the engine's critical path, and the
+        memo's miss and keeping cost about as much as filling the template (its get or put
+        then keeps the keys)."""
+        if not keep or not self.config.key_memo:
+            filled = self._fill(keys)
+            if filled is not None:
+                return filled
         model, size, worker, dtype, tmpl, memo = self._last_template
         limit = self.config.key_memo
         out: list[bytes] = []
@@ -143,6 +153,25 @@ class KvfsConnector(RemoteConnector):
             append(key)
         if made_h and limit:
             self._remember(memo, made_h, made_k, limit)
+        return out
+
+    def _fill(self, keys: list[CacheEngineKey]) -> list[bytes] | None:
+        """The keys of a call whose keys are all plain ``CacheEngineKey`` of the last
+        template's fields, ``int`` chunk hashes and no tags, the first one's not in the
+        memo: the template filled with each hash, one ``%`` per key and no other work per
+        key; None for any other call (:meth:`_keys` makes it)."""
+        model, size, worker, dtype, tmpl, memo = self._last_template
+        if tmpl is None or not keys or (memo and keys[0].chunk_hash in memo):
+            return None
+        out: list[bytes] = []
+        append = out.append
+        for k in keys:
+            h = k.chunk_hash
+            if (type(k) is not CacheEngineKey or type(h) is not int or k.tags is not None
+                    or k.model_name is not model or k.dtype is not dtype
+                    or k.worker_id is not worker or k.world_size is not size):
+                return None
+            append(tmpl % h)
         return out
 
     def _remember(self, memo: dict[int, bytes], hashes: list[int], keys: list[bytes],
@@ -386,7 +415,7 @@ class KvfsConnector(RemoteConnector):
         if not keys:
             return 0
         try:
-            return self.client.match_prefix(self._keys(keys),
+            return self.client.match_prefix(self._keys(keys, keep=False),
                                             lease_s=self.config.lease_s if lease else None)
         except SOFT_ERRORS as exc:
             log.warning("kvfs LMCache lookup of %d chunks failed: %s", len(keys), exc)
@@ -413,7 +442,7 @@ class KvfsConnector(RemoteConnector):
             return 0
         try:
             fut = self.client.submit_match_prefix(
-                self._keys(keys), lease_s=self.config.lease_s if pin else None)
+                self._keys(keys, keep=False), lease_s=self.config.lease_s if pin else None)
             n: int = await asyncio.wait_for(asyncio.wrap_future(fut), 3 * self.config.timeout_s)
             return n
         except SOFT_ERRORS as exc:

@@ -132,10 +132,10 @@ class FileIO:
         """One small file's value (a buffer, or a list of buffers to send one after another:
         ``nbytes`` in all), committed in a batch with other files' closes (``value`` is sent as
         it is: the caller does not change it until this returns)."""
-        self.wb.sending(path)
         with builtin_errors(path):
-            await self.puts.submit((os.fsencode(path), value),
-                                   len(value) if nbytes is None else nbytes)
+            async with self.wb.sending(path):
+                await self.puts.submit((os.fsencode(path), value),
+                                       len(value) if nbytes is None else nbytes)
         self.made(path)  # in a listing sent before the commit, too
 
     async def _read_units(self, wants: list[tuple[ValueReader | bytes, int]]) -> list[Unit]:
@@ -586,7 +586,6 @@ class FileIO:
                 return
             h.new = False
             self._merge(h)
-            self.wb.sending(self.table.path(h.ino))
             try:
                 if h.stream is None:
                     await self._start(h)
@@ -594,8 +593,10 @@ class FileIO:
                 if d:
                     await h.stream.feed(bytes(d))
                 stream, h.stream = h.stream, None
-                with builtin_errors(self.table.path(h.ino)):
-                    size = await stream.finish()
+                path = self.table.path(h.ino)
+                with builtin_errors(path):
+                    async with self.wb.sending(path):
+                        size = await stream.finish()
                 self.made(self.table.path(h.ino))
             except BaseException as exc:
                 await self._fail(h, exc)
@@ -650,7 +651,8 @@ class FileIO:
                 yield bytes(min(left, self.stripe))
                 left -= self.stripe
 
-        self.wb.sending(dst)
         with builtin_errors(dst):
-            await put_stream(self.fs.client, os.fsencode(dst), pieces(), size=size, ttl=self.fs.ttl)
+            async with self.wb.sending(dst):
+                await put_stream(self.fs.client, os.fsencode(dst), pieces(), size=size,
+                                 ttl=self.fs.ttl)
         self.made(dst)

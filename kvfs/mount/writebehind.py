@@ -22,7 +22,10 @@ error.  With it:
   bytes); other nodes see it once committed.
 - **One version of a path is committed at a time, in order**: a newer close of a path
   replaces its held version not yet sent (which is then never sent), and waits for one
-  being committed.  So the last close's bytes win, as on a disk.
+  being committed.  A newer close that is not held (streamed, or larger than
+  ``write_behind_bytes``) waits for the version being committed, and supersedes the one
+  not sent yet (sent after all only if that close's commit fails); a version held while it
+  commits waits for it.  So the last close's bytes win, as on a disk.
 - **A rename of a held file moves the held bytes** to the new name (no commit, no read
   back), and holds a delete of the old name, ordered like a version of it; none when the
   file was created here where the name was missing and none of its versions was sent yet
@@ -165,6 +168,7 @@ class WriteBehind:
         self._committed = committed
         self._queue: OrderedDict[str, Held] = OrderedDict()  # not sent yet, oldest first
         self._sent: dict[str, Held] = {}  # being committed: at most one version per path
+        self._sending: Counter[str] = Counter()  # paths committed by a stream or put meanwhile
         self._bytes = 0  # of everything held, queued or being committed
         self._files = 0
         self._dirs: Counter[str] = Counter()  # held files (not deletes) under each "dir/"
@@ -294,8 +298,8 @@ class WriteBehind:
             pieces = value if isinstance(value, list) else [value]
             e = self._new(path, pieces, nbytes)
             old = self._queue.get(path)
-            e.new = new and (old.new if old is not None
-                             else path not in self._sent and path not in self._recent)
+            e.new = new and (old.new if old is not None else path not in self._sent
+                             and path not in self._recent and path not in self._sending)
             self._add(e)
         return True
 
@@ -343,12 +347,39 @@ class WriteBehind:
             self._add(self._new(src, None, 0))
         return True
 
-    def sending(self, path: str) -> None:
-        """A value of ``path`` goes to the cluster other than through this queue (a streamed
-        or unheld commit): its queued version is no longer :attr:`Held.new`."""
+    @contextlib.asynccontextmanager
+    async def sending(self, path: str) -> AsyncIterator[None]:
+        """A value of ``path`` committed in the ``with`` body other than through this queue (a
+        streamed or unheld commit) is ordered with its held versions as the closes were: a
+        version being committed ends first (whatever its outcome); the queued one (closed
+        before) is not sent meanwhile, and never once the body commits (it is superseded: its
+        waiters see that commit); one held meanwhile (closed after) waits for the body.  The
+        queued version is no longer :attr:`Held.new`: a value of ``path`` goes to the cluster."""
+        if not self.enabled:
+            yield
+            return
         e = self._queue.get(path)
         if e is not None:
             e.new = False
+        self._sending[path] += 1
+        committed = False
+        try:
+            s = self._sent.get(path)
+            if s is not None:
+                await asyncio.wait([s.done])
+            yield
+            committed = True
+        finally:
+            self._sending[path] -= 1
+            if not self._sending[path]:
+                del self._sending[path]
+            if committed and e is not None and self._queue.get(path) is e:
+                del self._queue[path]
+                self._count(e, -1)
+                if not e.done.done():
+                    e.done.set_result(None)
+            self._freed.set()
+            self._pump()
 
     # dropping and waiting ----------------------------------------------------------------
     async def drop(self, path: str) -> bool:
@@ -433,7 +464,7 @@ class WriteBehind:
             batch: list[Held] = []
             size = 0
             for path, e in self._queue.items():
-                if path in self._sent:
+                if path in self._sent or path in self._sending:
                     continue
                 if batch and (len(batch) >= self.max_items or size + e.nbytes > self.max_bytes):
                     break

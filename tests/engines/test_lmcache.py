@@ -138,7 +138,34 @@ def test_chunk_keys_are_namespace_and_to_string(tcluster: ThreadCluster, tmp_pat
         assert conn._keys(keys[::-1]) == want[::-1]  # again: the last run's template kept
         assert conn._keys(keys[-1:]) == want[-1:]
         assert [conn._key(k) for k in keys] == want
-        assert conn._keys([]) == []
+        assert conn._keys([]) == conn._keys([], keep=False) == []
+        # the lookups' way (keep=False): from the last template alone where every key fits
+        # it, else as above; the same bytes either way
+        assert conn._keys(keys, keep=False) == want
+        assert conn._keys(keys[::-1], keep=False) == want[::-1]
+        plain = [CacheEngineKey(MODEL, 8, 0, h, torch.bfloat16)
+                 for h in (0, 1, 0xF, 0x10, -0x1F, 1 << 255, (1 << 256) - 1, 1 << 300)]
+
+        def made(call: list[Any]) -> list[bytes]:
+            return [b"k%s/ns/" + k.to_string().encode() for k in call]
+
+        def fresh_template() -> None:  # the last template plain's, its memo empty
+            conn._keys(plain[:1])
+            conn._last_template[-1].clear()
+
+        fresh_template()
+        assert conn._fill(plain) == made(plain)  # filled from the template
+        conn._keys(plain[:1])
+        assert conn._fill(plain) is None  # its first chunk's key kept: the memo's way
+        assert conn._keys(plain, keep=False) == made(plain)
+        odd = [*keys[-5:-1], keys[1], keys[2]]  # bytes/bool hash, tags, layer, dtype, worker
+        for o in odd:  # one key of another kind or other fields anywhere in the call
+            for at in (0, 3, len(plain)):
+                call = [*plain[:at], o, *plain[at:]]
+                fresh_template()
+                assert conn._fill(call) is None
+                fresh_template()
+                assert conn._keys(call, keep=False) == made(call)
     finally:
         sm.close()
 
@@ -179,8 +206,15 @@ def test_key_memo_gives_the_same_keys_and_stays_bounded(tcluster: ThreadCluster,
         if limit:  # kept, and handed out again
             assert [memo()[k.chunk_hash] for k in keys[6:]] == want[6:]
             assert all(a is b for a, b in zip(first, conn._keys(keys[6:]), strict=True))
+            assert all(a is b for a, b in zip(first, conn._keys(keys[6:], keep=False),
+                                              strict=True))  # a lookup finds them too
         else:
             assert memo() == {}
+        # a lookup whose first chunk's key is not kept neither uses the memo nor adds to it
+        fresh = [create_test_key(MODEL, f"fresh-{i}") for i in range(3)]
+        before = dict(memo())
+        assert conn._keys(fresh, keep=False) == [b"memo/" + k.to_string().encode() for k in fresh]
+        assert memo() == before
         objs = [create_test_memory_obj_for_storage_manager(sm, metadata) for _ in keys]
         sm.batched_put(keys, objs)
         with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
