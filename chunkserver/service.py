@@ -163,9 +163,10 @@ class ChunkServer:
         """``req.ranges`` were checked once, by :meth:`reply_cost` (the server runs it on
         every request before dispatching it)."""
         self.readv_calls += 1
-        files, errors = self.store.readv_files(req.ranges, self.config.sendfile_min_bytes)
-        if files is not None:  # sent from the page cache into the socket (server.py)
-            return _readv_reply(errors), files
+        if self.rpc.tls is None:  # plain TCP: sendfile can send the page cache's bytes
+            files, errors = self.store.readv_files(req.ranges, self.config.sendfile_min_bytes)
+            if files is not None:  # sent from the page cache into the socket (server.py)
+                return _readv_reply(errors), files
         payload, _, errors = await self.store.readv_into(req.ranges)
         parts: list[Buffer] = [payload] if payload.nbytes else []
         return _readv_reply(errors), parts

@@ -255,16 +255,31 @@ def preallocate(fd: int, nbytes: int) -> bool:
     return fn is not None and int(fn(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes)) == 0
 
 
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_uint64) for n in ("nr_cache", "nr_dirty", "nr_writeback",
+                                               "nr_evicted", "nr_recently_evicted")]
+
+
 class _PageCache:
-    """``mincore(2)`` through libc (the stdlib has no binding): which pages of a file range
-    the page cache holds, asked of a short-lived mapping of the range (never touched, so
-    nothing is read or faulted in)."""
+    """How many pages of a file range the page cache holds, through libc (the stdlib has no
+    binding): ``cachestat(2)`` (Linux 6.5+, one call, about 1.5 us for 64 KiB here), else
+    ``mincore(2)`` on a short-lived mapping of the range, never touched (nothing is read
+    or faulted in; 25 us for 64 KiB, 200 us for 8 MiB here: mmap, mincore, munmap)."""
 
     PROT_READ, MAP_SHARED = 1, 1
+    PAGE = os.sysconf("SC_PAGE_SIZE")
+    SYS_CACHESTAT = 451  # the same number on every architecture (the generic table)
     LOW_BIT = bytes(b & 1 for b in range(256))  # mincore's answer: bit 0 of each byte
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
+        self.syscall = libc.syscall
+        self.syscall.restype = ctypes.c_long
+        self.cachestat = True  # until the kernel (or a seccomp filter) refuses it
         self.mmap, self.mincore, self.munmap = libc.mmap, libc.mincore, libc.munmap
         self.mmap.restype = ctypes.c_void_p
         self.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
@@ -274,15 +289,24 @@ class _PageCache:
         self.failed = ctypes.c_void_p(-1).value
 
     def resident(self, fd: int, offset: int, length: int) -> bool:
-        start = align_down(offset)
-        size = align_up(offset + length) - start
-        if size <= 0:
+        if length <= 0:
             return True
+        if self.cachestat:
+            rng, st = _CachestatRange(offset, length), _Cachestat()
+            if self.syscall(self.SYS_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(st), 0) == 0:
+                page = self.PAGE
+                return bool(st.nr_cache >= (offset + length - 1) // page - offset // page + 1)
+            log.info("cachestat(2) refused (%s); asking mincore(2) which pages are cached",
+                     os.strerror(ctypes.get_errno()))
+            self.cachestat = False
+        page = self.PAGE
+        start = offset - offset % page
+        size = -(-(offset + length) // page) * page - start
         addr = self.mmap(None, size, self.PROT_READ, self.MAP_SHARED, fd, start)
         if addr is None or addr == self.failed:
             return False
         try:
-            vec = ctypes.create_string_buffer(size // ALIGN)
+            vec = ctypes.create_string_buffer(size // page)
             if self.mincore(addr, size, vec) != 0:
                 return False
             return vec.raw.translate(self.LOW_BIT).count(0) == 0

@@ -204,8 +204,8 @@ class ChunkServerConfig(ServerConfig):
     sendfile_min_bytes: int = opt("READV answers whose ranges average at least this many bytes "
                                   "and are all in the page cache go from the chunk files into "
                                   "the socket with sendfile, never copied through a buffer "
-                                  "(plain TCP; over TLS they are read into one); 0: never",
-                                  64 * 1024)
+                                  "(plain TCP; over TLS every answer is read into a buffer); 0: never",
+                                  128 * 1024)
     preallocate: bool = opt("reserve chunk_bytes of disk blocks when a chunk is opened for appends "
                             "(fallocate KEEP_SIZE; the rest is released when it is sealed)", True)
     close_timeout_s: float = opt("at shutdown, wait at most this long for appends, group syncs "

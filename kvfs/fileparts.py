@@ -1,6 +1,6 @@
 """A reply payload that is bytes of files: :class:`FileParts`, sent into a plain TCP socket
 with ``sendfile(2)`` (page cache -> socket, no copy through a user buffer), or read into one
-buffer where it cannot be (TLS)."""
+buffer where it cannot be (a connection without a plain socket)."""
 
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class FileParts:
         return self.sent - start
 
     def read(self) -> memoryview:
-        """Every byte in one buffer (for a connection ``sendfile`` cannot serve: TLS)."""
+        """Every byte in one buffer (for a connection ``sendfile`` cannot serve)."""
         out = memoryview(bytearray(self.nbytes))
         pos = 0
         for fd, off, ln in self.segments:

@@ -52,7 +52,8 @@ from kvfs.tls import server_context, server_options
 
 log = logging.getLogger("kvfs.server")
 
-# an answer's header and payload: buffers, or file bytes to ``sendfile`` (plain TCP)
+# an answer's header and payload: buffers, or file bytes to ``sendfile`` (plain TCP; a
+# handler gives them only where reading them in the event loop would do: never over TLS)
 Reply = tuple[Response, Sequence[Buffer] | FileParts]
 Handler = Callable[[Any, memoryview], Awaitable[Reply]]
 
@@ -373,7 +374,7 @@ class _ServerProtocol(FrameProtocol):
                 header, payload = await handler(request, memoryview(frame.payload))
                 if isinstance(payload, FileParts):
                     files, payload = payload, ()
-                    if not self.can_send_files:  # TLS: sendfile cannot encrypt
+                    if not self.can_send_files:  # no plain socket (TLS): read them here
                         payload = [files.read()]
                         files.close()
                         files = None

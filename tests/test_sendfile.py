@@ -97,7 +97,15 @@ def test_parts_read_the_bytes_of_a_deleted_file_through_their_own_fd(tmp_path: P
     parts.close()
 
 
-def test_resident_says_whether_the_page_cache_holds_a_range(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ask", ["cachestat", "mincore"])
+def test_resident_says_whether_the_page_cache_holds_a_range(
+        tmp_path: Path, ask: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    pc = store_mod._page_cache()
+    assert pc is not None
+    if ask == "mincore":
+        monkeypatch.setattr(pc, "cachestat", False)  # as where the kernel has no cachestat(2)
+    elif not pc.cachestat:
+        pytest.skip("this kernel refuses cachestat(2)")
     path = tmp_path / "f"
     path.write_bytes(os.urandom(MiB))
     fd = os.open(path, os.O_RDONLY)
@@ -233,6 +241,18 @@ async def test_large_reads_are_sent_from_the_chunk_files(one: LocalCluster) -> N
             assert bytes(payload) == values["big1"] + values["big3"]
         finally:
             conn.close()
+
+
+async def test_file_answers_are_read_into_a_buffer_on_a_connection_without_a_socket(
+        one: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's own fallback (a connection sendfile cannot write): the same bytes."""
+    monkeypatch.setattr(_ServerProtocol, "can_send_files", property(lambda self: False))
+    values = {f"nosock{i}": os.urandom(MiB - i) for i in range(6)}
+    async with one.client() as kv:
+        await kv.put_many(values)
+        before = _cs(one).store.file_spans
+        assert await kv.get_many(list(values)) == list(values.values())
+        assert _cs(one).store.file_spans - before == len(values)
 
 
 async def test_a_reader_that_pauses_mid_answer_gets_every_byte_and_frames_stay_whole(
