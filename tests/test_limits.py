@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import raw_connect, read_frame
@@ -67,6 +68,23 @@ def _cs_addr(c: LocalCluster) -> str:
     cs = c.chunkservers[0]
     assert cs is not None
     return "kvfs://" + cs.addr
+
+
+async def _raw(c: LocalCluster) -> tuple[Connection, Any, int]:
+    """An authenticated raw connection to the first chunkserver, the server's side of it
+    (its protocol object) and the port it came from."""
+    cs = c.chunkservers[0]
+    assert cs is not None
+    raw = await Connection.open(*parse_addr(_cs_addr(c)), c.token)
+    try:
+        assert raw._proto.transport is not None
+        port_here = raw._proto.transport.get_extra_info("sockname")[1]
+        (proto,) = [p for p in cs.rpc.connections if p.transport is not None
+                    and p.transport.get_extra_info("peername")[1] == port_here]
+    except BaseException:
+        raw.abort()
+        raise
+    return raw, proto, port_here
 
 
 @pytest.mark.parametrize("payload", [512 * MiB, 100 << 30])
@@ -189,14 +207,8 @@ async def test_a_client_that_never_reads_is_paused_and_others_are_served(
         tight: LocalCluster) -> None:
     async with tight.client() as kv:
         ranges = await _four_mib_ranges(kv)
-        cs = tight.chunkservers[0]
-        assert cs is not None
-        host, port = parse_addr(_cs_addr(tight))
-        raw = await Connection.open(host, port, tight.token)
+        raw, proto, _ = await _raw(tight)
         assert raw._proto.transport is not None
-        port_here = raw._proto.transport.get_extra_info("sockname")[1]
-        (proto,) = [c for c in cs.rpc.connections
-                    if c.transport is not None and c.transport.get_extra_info("peername")[1] == port_here]
         raw._proto.transport.pause_reading()  # never reads a reply
         for rid in range(1000, 1100):
             raw._proto.write([frame_bytes(Op.READV, rid, {"ranges": ranges})])
@@ -228,12 +240,9 @@ async def test_a_client_that_stops_reading_is_aborted_after_send_timeout(
                 ranges = await _four_mib_ranges(kv)
                 cs = c.chunkservers[0]
                 assert cs is not None
-                raw = await Connection.open(*parse_addr(_cs_addr(c)), c.token)  # authenticated
+                raw, proto, port_here = await _raw(c)  # authenticated
                 try:
                     assert raw._proto.transport is not None
-                    port_here = raw._proto.transport.get_extra_info("sockname")[1]
-                    (proto,) = [p for p in cs.rpc.connections if p.transport is not None
-                                and p.transport.get_extra_info("peername")[1] == port_here]
                     raw._proto.transport.pause_reading()  # never reads an answer
                     with caplog.at_level(logging.INFO, logger="kvfs.server"):
                         for rid in range(1000, 1100):
@@ -274,12 +283,9 @@ async def test_a_broken_stream_from_a_client_that_stops_reading_is_aborted(
                 ranges = await _four_mib_ranges(kv)
                 cs = c.chunkservers[0]
                 assert cs is not None
-                raw = await Connection.open(*parse_addr(_cs_addr(c)), c.token)
+                raw, proto, _ = await _raw(c)
                 try:
                     assert raw._proto.transport is not None
-                    port_here = raw._proto.transport.get_extra_info("sockname")[1]
-                    (proto,) = [p for p in cs.rpc.connections if p.transport is not None
-                                and p.transport.get_extra_info("peername")[1] == port_here]
                     raw._proto.transport.pause_reading()  # never reads an answer
                     loop = asyncio.get_running_loop()
                     deadline = loop.time() + 20
@@ -319,12 +325,9 @@ async def test_a_broken_stream_from_a_server_that_stops_reading_is_aborted(
         try:
             cs = c.chunkservers[0]
             assert cs is not None
-            raw = await Connection.open(*parse_addr(_cs_addr(c)), c.token)
+            raw, proto, _ = await _raw(c)
             try:
                 assert raw._proto.transport is not None
-                port_here = raw._proto.transport.get_extra_info("sockname")[1]
-                (proto,) = [p for p in cs.rpc.connections if p.transport is not None
-                            and p.transport.get_extra_info("peername")[1] == port_here]
                 assert proto.transport is not None
                 proto.transport.pause_reading()  # the server reads nothing more
                 raw._proto.write([bytes(64 * MiB)])  # more than the sockets hold: buffered
