@@ -24,7 +24,8 @@ from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig, TlsConfig
 from kvfs.launcher import LocalCluster, ProcessCluster, ServiceProcess
 from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
 from kvfs.rpc import Op
-from kvfs.server import RpcServer
+from kvfs.server import RpcServer, _ServerProtocol
+from kvfs.transport import Connection
 
 if TYPE_CHECKING:  # imported in the fixtures: redis-py is a test extra, absent in engine venvs
     from fuse_mount import Mount
@@ -43,6 +44,24 @@ async def raw_connect(addr: str) -> tuple[asyncio.StreamReader, asyncio.StreamWr
     hello = await read_frame(reader)
     assert hello.op == Op.HELLO
     return reader, writer, hello
+
+
+async def chunkserver_connection(c: LocalCluster) -> tuple[Connection, _ServerProtocol, int]:
+    """A connection of our own to ``c``'s first chunkserver (authenticated), the server's
+    side of it (its protocol object) and the port it came from."""
+    cs = c.chunkservers[0]
+    assert cs is not None
+    conn = await Connection.open(*parse_addr("kvfs://" + cs.addr), c.token)
+    try:
+        assert conn._proto.transport is not None
+        here = conn._proto.transport.get_extra_info("sockname")[1]
+        (proto,) = [p for p in cs.rpc.connections
+                    if p.transport is not None and p.transport.get_extra_info("peername")[1] == here]
+    except BaseException:
+        conn.abort()
+        raise
+    assert isinstance(proto, _ServerProtocol)
+    return conn, proto, here
 
 
 async def read_frame(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> Frame:

@@ -12,10 +12,9 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from conftest import raw_connect, read_frame
+from conftest import chunkserver_connection, raw_connect, read_frame
 from crc32c import crc32c
 
 from kvfs import rpc
@@ -68,23 +67,6 @@ def _cs_addr(c: LocalCluster) -> str:
     cs = c.chunkservers[0]
     assert cs is not None
     return "kvfs://" + cs.addr
-
-
-async def _raw(c: LocalCluster) -> tuple[Connection, Any, int]:
-    """An authenticated raw connection to the first chunkserver, the server's side of it
-    (its protocol object) and the port it came from."""
-    cs = c.chunkservers[0]
-    assert cs is not None
-    raw = await Connection.open(*parse_addr(_cs_addr(c)), c.token)
-    try:
-        assert raw._proto.transport is not None
-        port_here = raw._proto.transport.get_extra_info("sockname")[1]
-        (proto,) = [p for p in cs.rpc.connections if p.transport is not None
-                    and p.transport.get_extra_info("peername")[1] == port_here]
-    except BaseException:
-        raw.abort()
-        raise
-    return raw, proto, port_here
 
 
 @pytest.mark.parametrize("payload", [512 * MiB, 100 << 30])
@@ -207,7 +189,7 @@ async def test_a_client_that_never_reads_is_paused_and_others_are_served(
         tight: LocalCluster) -> None:
     async with tight.client() as kv:
         ranges = await _four_mib_ranges(kv)
-        raw, proto, _ = await _raw(tight)
+        raw, proto, _ = await chunkserver_connection(tight)
         assert raw._proto.transport is not None
         raw._proto.transport.pause_reading()  # never reads a reply
         for rid in range(1000, 1100):
@@ -240,7 +222,7 @@ async def test_a_client_that_stops_reading_is_aborted_after_send_timeout(
                 ranges = await _four_mib_ranges(kv)
                 cs = c.chunkservers[0]
                 assert cs is not None
-                raw, proto, port_here = await _raw(c)  # authenticated
+                raw, proto, port_here = await chunkserver_connection(c)  # authenticated
                 try:
                     assert raw._proto.transport is not None
                     raw._proto.transport.pause_reading()  # never reads an answer
@@ -283,7 +265,7 @@ async def test_a_broken_stream_from_a_client_that_stops_reading_is_aborted(
                 ranges = await _four_mib_ranges(kv)
                 cs = c.chunkservers[0]
                 assert cs is not None
-                raw, proto, _ = await _raw(c)
+                raw, proto, _ = await chunkserver_connection(c)
                 try:
                     assert raw._proto.transport is not None
                     raw._proto.transport.pause_reading()  # never reads an answer
@@ -325,7 +307,7 @@ async def test_a_broken_stream_from_a_server_that_stops_reading_is_aborted(
         try:
             cs = c.chunkservers[0]
             assert cs is not None
-            raw, proto, _ = await _raw(c)
+            raw, proto, _ = await chunkserver_connection(c)
             try:
                 assert raw._proto.transport is not None
                 assert proto.transport is not None

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import chunkserver_connection
 from crc32c import crc32c
 
 from kvfs import rpc
-from kvfs.address import parse_addr
 from kvfs.chunkserver import store as store_mod
 from kvfs.chunkserver.service import ChunkServer
 from kvfs.chunkserver.store import ChunkStore, resident
@@ -203,12 +203,7 @@ async def _ranges(kv: AsyncClient, keys: list[str]) -> list[list[int]]:
 
 async def _raw(c: LocalCluster) -> tuple[Connection, _ServerProtocol]:
     """A connection of our own to the chunkserver, and the server's side of it."""
-    cs = _cs(c)
-    conn = await Connection.open(*parse_addr("kvfs://" + cs.addr), c.token)
-    assert conn._proto.transport is not None
-    here = conn._proto.transport.get_extra_info("sockname")[1]
-    (proto,) = [p for p in cs.rpc.connections
-                if p.transport is not None and p.transport.get_extra_info("peername")[1] == here]
+    conn, proto, _ = await chunkserver_connection(c)
     return conn, proto
 
 
