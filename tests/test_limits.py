@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import chunkserver_connection, raw_connect, read_frame
@@ -61,6 +62,15 @@ async def _eof(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> bytes:
     """Everything the server sends until it closes (fails if it never does)."""
     async with asyncio.timeout(timeout_s):
         return await reader.read()
+
+
+def _one_server(tmp_path: Path, **chunkserver: Any) -> LocalCluster:
+    """A cluster of meta and one chunkserver (heartbeats every 0.2 s) with ``chunkserver``'s
+    options, not started."""
+    return LocalCluster(tmp_path / "c", 1,
+                        meta=MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0"),
+                        chunkserver=ChunkServerConfig(data=tmp_path / "c", heartbeat_interval_s=0.2,
+                                                      **chunkserver))
 
 
 def _cs_addr(c: LocalCluster) -> str:
@@ -211,10 +221,7 @@ async def test_a_client_that_stops_reading_is_aborted_after_send_timeout(
     """Its answers wait at most send_timeout_s for it to read; then the connection is
     aborted and the requests it held end (the idle timer never fires while they wait)."""
     limits = dict(send_timeout_s=0.5, max_inflight_requests=4, max_inflight_bytes=2 * MiB)
-    c = LocalCluster(tmp_path / "c", 1,
-                     meta=MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0"),
-                     chunkserver=ChunkServerConfig(data=tmp_path / "c", heartbeat_interval_s=0.2,
-                                                   **limits))
+    c = _one_server(tmp_path, **limits)
     async with asyncio.timeout(60):
         await c.start()
         try:
@@ -254,10 +261,7 @@ async def test_a_broken_stream_from_a_client_that_stops_reading_is_aborted(
     flush what is buffered, so from a peer that reads nothing it must end in an abort after
     send_timeout_s: nothing may hold the connection, its buffered answers and its slot in
     max_connections for ever."""
-    c = LocalCluster(tmp_path / "c", 1,
-                     meta=MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0"),
-                     chunkserver=ChunkServerConfig(data=tmp_path / "c", heartbeat_interval_s=0.2,
-                                                   send_timeout_s=0.5))
+    c = _one_server(tmp_path, send_timeout_s=0.5)
     async with asyncio.timeout(60):
         await c.start()
         try:
@@ -299,9 +303,7 @@ async def test_a_broken_stream_from_a_server_that_stops_reading_is_aborted(
     once: a close would wait for ever to flush them (the server's idle timer, 300 s, is all
     that would end it), and the calls waiting on the connection fail now, with the protocol
     error, not at their timeout."""
-    c = LocalCluster(tmp_path / "c", 1,
-                     meta=MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0"),
-                     chunkserver=ChunkServerConfig(data=tmp_path / "c", heartbeat_interval_s=0.2))
+    c = _one_server(tmp_path)
     async with asyncio.timeout(60):
         await c.start()
         try:

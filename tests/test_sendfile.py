@@ -332,25 +332,39 @@ def rpc_frame(rid: int, ranges: list[list[int]]) -> bytes:
     return frame_bytes(Op.READV, rid, {"ranges": ranges})
 
 
-async def _sealed(one: LocalCluster, kv: AsyncClient, values: dict[str, bytes]) -> int:
-    """Put ``values`` in one chunk, seal it; its id."""
+async def _sealed(one: LocalCluster, kv: AsyncClient, values: dict[str, bytes],
+                  ) -> tuple[int, list[list[int]]]:
+    """Put ``values`` in one chunk, seal it; its id and the values' ranges."""
     await kv.put_many(values)
-    (cid,) = {r[0] for r in await _ranges(kv, list(values))}
+    ranges = await _ranges(kv, list(values))
+    (cid,) = {r[0] for r in ranges}
     assert await _cs(one).store.seal(cid, 0.0)
-    return cid
+    return cid, ranges
 
 
-async def test_a_chunk_deleted_mid_send_is_still_sent_whole(one: LocalCluster) -> None:
-    values = {f"d{i}": os.urandom(MiB) for i in range(24)}
-    async with one.client() as kv:
-        cid = await _sealed(one, kv, values)
-        ranges = await _ranges(kv, list(values))
+async def _held_answer(one: LocalCluster, ranges: list[list[int]],
+                       ) -> tuple[Connection, asyncio.Future[Any]]:
+    """A READV of ``ranges`` on a connection of our own that reads nothing (resume its
+    reading to let the answer through), once the server's sendfile waits for room."""
     conn, proto = await _raw(one)
     try:
         assert conn._proto.transport is not None
         conn._proto.transport.pause_reading()
         answer = asyncio.ensure_future(conn.exchange(rpc.ReadV(ranges=ranges)))  # type: ignore[arg-type]
         await _until(lambda: proto._raw_wait is not None, "the server to wait for room")
+    except BaseException:
+        conn.abort()
+        raise
+    return conn, answer
+
+
+async def test_a_chunk_deleted_mid_send_is_still_sent_whole(one: LocalCluster) -> None:
+    values = {f"d{i}": os.urandom(MiB) for i in range(24)}
+    async with one.client() as kv:
+        cid, ranges = await _sealed(one, kv, values)
+    conn, answer = await _held_answer(one, ranges)
+    try:
+        assert conn._proto.transport is not None
         store = _cs(one).store
         assert cid in store.delete_chunks([cid])
         assert not store.chunk_path(cid).exists()
@@ -369,14 +383,10 @@ async def test_a_chunk_cut_short_mid_send_ends_the_connection_never_wrong_bytes(
         one: LocalCluster, caplog: pytest.LogCaptureFixture) -> None:
     values = {f"t{i}": os.urandom(MiB) for i in range(24)}
     async with one.client() as kv:
-        cid = await _sealed(one, kv, values)
-        ranges = await _ranges(kv, list(values))
-        conn, proto = await _raw(one)
+        cid, ranges = await _sealed(one, kv, values)
+        conn, answer = await _held_answer(one, ranges)
         try:
             assert conn._proto.transport is not None
-            conn._proto.transport.pause_reading()
-            answer = asyncio.ensure_future(conn.exchange(rpc.ReadV(ranges=ranges)))  # type: ignore[arg-type]
-            await _until(lambda: proto._raw_wait is not None, "the server to wait for room")
             os.truncate(_cs(one).store.chunk_path(cid), MiB)  # by hand: kvfs never cuts a sealed chunk
             with caplog.at_level(logging.WARNING, logger="kvfs.server"):
                 conn._proto.transport.resume_reading()
