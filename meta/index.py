@@ -675,31 +675,21 @@ class MetaIndex(ServerRegistry):
             if self.tombstones:  # a put of a deleted key: its new record is newer than the tombstone
                 self.forget_tombstones([k for c in group for k, _ in c.staged if k in self.tombstones])
         self.older.update(older)
-        # the entries, and the live bytes per chunk (add_live's, inlined: this runs per
-        # committed key); seq_high once per chunk the group names (note_chunks')
+        # the entries and the live bytes per chunk, key by key; seq_high once per chunk the
+        # group names (note_chunks' work, not repeated per key)
         entries, dirty, live = self.entries, self.dirty_access, self.chunk_live
-        named: set[int] = set()
         for c in group:
             now = c.now
             for key, lay in c.staged:
-                overhead = RECORD_OVERHEAD_BYTES + len(key)
                 old = entries.get(key)
                 if old is not None:
-                    for e in old.layout.extents:
-                        n = e.length + overhead
-                        for r in e.replicas:
-                            cid = r.chunk_id
-                            live[cid] = live.get(cid, 0) - n
+                    add_live(live, old.layout, -1, key)
                 entries[key] = Entry(lay, now)
-                for e in lay.extents:
-                    n = e.length + overhead
-                    for r in e.replicas:
-                        cid = r.chunk_id
-                        live[cid] = live.get(cid, 0) + n
-                        named.add(cid)
+                add_live(live, lay, +1, key)
                 if dirty:
                     dirty.pop(key, None)
-        self.note_chunk_ids(named)
+        self.note_chunk_ids({r.chunk_id for c in group for _, lay in c.staged
+                             for e in lay.extents for r in e.replicas})
 
     async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
         """Remove keys; ``tombstones[i]`` (if given): where key ``i``'s tombstone was
