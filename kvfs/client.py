@@ -264,6 +264,17 @@ class AsyncClient:
         Values are read from the caller's buffers, not copied; once a cancellation of this
         call has returned they are not read again (queued: stored nothing; sent: its batch
         has ended, and may have stored them)."""
+        return [lay is not None for lay in await self.put_layouts(
+            items, ttl=ttl, replicas=replicas, if_absent=if_absent, meta=meta)]
+
+    async def put_layouts(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
+                          ttl: float | None = None, replicas: int | None = None,
+                          if_absent: bool = False,
+                          meta: Sequence[Mapping[str, Any] | None] | None = None,
+                          ) -> list[Layout | None]:
+        """:meth:`put_many`, returning per item the layout meta committed it with (what a
+        LOOKUP of the key answers until it changes), None where ``if_absent`` kept the key's
+        value."""
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
             return []
@@ -308,7 +319,7 @@ class AsyncClient:
             for k in keys:
                 if putting.get(k) is mine:
                     del putting[k]
-        return [lay is not None for lay in layouts]
+        return layouts
 
     async def _put(self, call: _PutCall, tried: dict[bytes, Layout] | None = None,
                    ) -> list[Layout | None]:
