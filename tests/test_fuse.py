@@ -313,6 +313,89 @@ def test_a_file_read_again_is_answered_from_the_kernels_pages(
         m.cleanup()
 
 
+def _damage(tcluster: ThreadCluster, *keys: bytes) -> None:
+    """Every extent of each key's value damaged on its only replica: a read of it from the
+    cluster fails (a miss) from now on."""
+    from kvfs.bench.reliability import flip_byte
+
+    async def layout(key: bytes) -> Any:
+        async with tcluster.cluster.client() as kv:
+            return await kv.layout(key)
+
+    for key in keys:
+        for e in tcluster.call(layout(key)).extents:
+            flip_byte(tcluster.cluster, e.replicas[0], 1234)
+
+
+@needs_fuse
+def test_a_file_written_here_is_read_back_from_the_kernels_pages(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """A file this mount wrote and committed, unchanged since, is read back (by a later open,
+    soon after or after the attribute time) from the kernel's pages it was written through:
+    no chunkserver (its only replica, damaged after the close, is never read).  Its mtime
+    stays the one the kernel was told while it was written (a new one would make the kernel
+    drop those pages); another mount shows meta's, a few milliseconds later."""
+    attr_s = 0.3
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--attr-timeout", f"{attr_s}s")
+    try:
+        values = {"page.bin": os.urandom(128 * 1024), "big.bin": os.urandom(2 << 20)}
+        d = m.mnt / "wk"
+        d.mkdir()
+        mtimes = {}
+        for name, v in values.items():
+            with open(d / name, "wb") as f:
+                f.write(v)
+                f.flush()
+                mtimes[name] = os.fstat(f.fileno()).st_mtime_ns  # while written
+        _damage(tcluster, *(f"wk/{n}".encode() for n in values))
+        buf = bytearray(2 << 20)
+        until = time.monotonic() + 3 * attr_s  # soon after the close, then looked up again
+        reads = 0
+        while time.monotonic() < until or reads < 4:
+            for name, v in values.items():
+                with open(d / name, "rb", buffering=0) as f:
+                    assert f.readinto(buf) == len(v) and buf[:len(v)] == v
+                assert os.stat(d / name).st_mtime_ns == mtimes[name]
+            reads += 1
+        assert "Traceback" not in m.stderr()
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
+def test_a_file_written_here_and_replaced_elsewhere_is_read_anew(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """A file this mount wrote (its pages kept for a later open), then replaced by the same
+    size of other bytes through the API or through another mount, is read as the new value
+    once the attribute time has passed; every read is one whole value, never a mix."""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--attr-timeout", "0.2s")
+    other = Mount(tmp_path / "mnt2", tcluster, tmp_path / "logs")
+    try:
+        n = 256 * 1024
+        v1, v2, v3 = os.urandom(n), os.urandom(n), os.urandom(n)
+        (m.mnt / "wr").mkdir()
+        p = m.mnt / "wr" / "f"
+        p.write_bytes(v1)
+        assert p.read_bytes() == v1
+
+        def reads(want: bytes) -> bool:
+            got = p.read_bytes()
+            assert got in (v1, v2, v3)
+            return got == want
+
+        fs.pipe_file("wr/f", v2)  # the API
+        wait_until(lambda: reads(v2), 10, "the API's new value")
+        (other.mnt / "wr" / "f").write_bytes(v3)  # another mount (node)
+        wait_until(lambda: reads(v3), 10, "the other mount's new value")
+        p.write_bytes(v1)  # written here again, then replaced at once elsewhere
+        fs.pipe_file("wr/f", v2)
+        wait_until(lambda: reads(v2), 10, "the API's new value")
+        assert "Traceback" not in m.stderr() + other.stderr()
+    finally:
+        other.cleanup()
+        m.cleanup()
+
+
 @needs_fuse
 def test_open_handles_of_two_versions_never_share_pages(
         tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
@@ -1095,6 +1178,70 @@ async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncC
     fh = table.open(h)
     assert await read_(fh) == b"four"
     table.close(fh)
+
+
+async def test_a_value_committed_here_keeps_the_pages_it_was_written_through(kv: AsyncClient) -> None:
+    """--page-cache-files: a handle that wrote a file and committed it, with no other open of
+    the file here meanwhile (``sole``), leaves the kernel's pages of it as that value's: a
+    read-only open keeps them while the value is unchanged (soon after the commit with no
+    lookup, the commit counts as one; later, or unsure, after one), and lookups report the
+    mtime the kernel was told while it was written.  Another open during the write, a write
+    after the commit, or another client's value since: dropped, and meta's creation time."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import Handle, InodeTable
+
+    table = InodeTable()
+    fs = KVFileSystem(client=kv, asynchronous=True)
+    io = FileIO(fs, table, MountConfig(), fresh_s=60)
+    ino = table.remember("wc/a")
+    lookups = kv.rpc_counts.get("LOOKUP", 0)
+
+    async def write(data: bytes, *, meanwhile: bool = False, after: bytes = b"",
+                    cfg: FileIO = io) -> None:
+        h = Handle(ino, writable=True, data=bytearray(), dirty=True, mtime=1234.5)
+        h.sole = cfg.writing(ino)
+        fh = table.open(h)
+        if meanwhile:  # another open of the file here while it is written
+            r = Handle(ino, writable=False)
+            cfg.opened(r)
+            table.close(table.open(r))
+        await cfg.write(h, 0, data)
+        await cfg.commit(h)
+        if after:  # written on after a commit (fsync), then closed with nothing committed
+            await cfg.write(h, len(data), after)
+        table.close(fh)
+
+    async def once(cfg: FileIO = io) -> tuple[bool, bytes]:
+        if cfg.unsure(ino):
+            await cfg.info(ino, "wc/a")  # the open's own lookup
+        h = Handle(ino, writable=False)
+        keep = cfg.opened(h)
+        fh = table.open(h)
+        try:
+            return keep, bytes(await cfg.read(h, 0, 100))
+        finally:
+            table.close(fh)
+
+    await write(b"one")
+    assert await once() == (True, b"one")  # soon after the commit: no lookup
+    assert kv.rpc_counts.get("LOOKUP", 0) == lookups
+    assert (await io.info(ino, "wc/a"))["created"] == 1234.5  # as the kernel was told
+    assert await once() == (True, b"one")
+    io._looked_up.clear()  # no lookup lately: the open asks meta, the pages still kept
+    assert io.unsure(ino) and await once() == (True, b"one")
+    await kv.put("wc/a", b"one")  # another client's value, the same bytes
+    assert (await io.info(ino, "wc/a"))["created"] != 1234.5
+    assert await once() == (False, b"one")
+    await write(b"two", meanwhile=True)
+    assert await once() == (False, b"two")
+    await write(b"three", after=b"!")
+    assert await once() == (False, b"three")
+    await write(b"four")
+    assert await once() == (True, b"four")
+    off = FileIO(fs, table, MountConfig(page_cache_files=0), fresh_s=60)
+    await write(b"five", cfg=off)
+    assert await once(off) == (False, b"five") and not off.unsure(ino)
 
 
 @pytest.mark.parametrize(("bad", "flag"), [

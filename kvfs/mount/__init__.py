@@ -23,8 +23,11 @@ What differs from a local disk:
   files, with read-ahead for sequential readers.
 - **The kernel's cached pages of a file** are kept by a read-only open only when
   its LOOKUP found the value they were read from (the same layout, recorded at
-  the last open that dropped them) and no other open of the file here writes it
-  or reads another version; otherwise the open drops them.
+  the last open that dropped them), or the value whose bytes a handle with no
+  other open of the file here wrote through them and committed, and no other
+  open of the file here writes it or reads another version; otherwise the open
+  drops them.  A value written here keeps, on this mount, the mtime the kernel
+  was told while it was written (a new one would make the kernel drop them).
 - Opening an existing file for writing without ``O_TRUNC`` reads its value
   first (read-modify-write; ``EOPNOTSUPP`` over ``--write-buffer``);
   ``O_APPEND`` on an existing file fails with ``EOPNOTSUPP``.

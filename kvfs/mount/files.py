@@ -15,11 +15,12 @@ Memory per open file is bounded whatever the file's size:
   of the file, e.g. a forked child's) commits what was written so far, as on a
   small file.  Writing on after that streams the committed part again (read back
   from the cluster) ahead of the new bytes: correct, at the cost of a copy.
-- **Reading.** A read-only open soon after the kernel's LOOKUP pins the layout that
-  lookup fetched, and keeps the kernel's cached pages of the file when they were read
-  from that very value (``opened``; at most ``page_cache_files`` inodes remembered);
-  otherwise the first read pins the value's layout (a lookup batched with other files'
-  first reads).  The kernel's pages are per inode: an open while another open of the file
+- **Reading.** A read-only open soon after the kernel's LOOKUP (or this mount's commit
+  of the file) pins the layout that lookup fetched, and keeps the kernel's cached pages of
+  the file when they hold that very value: read from it, or written through them by the
+  handle that committed it with no other open of the file here (``opened``, ``_wrote``; at
+  most ``page_cache_files`` inodes remembered); otherwise the first read pins the value's
+  layout (a lookup batched with other files' first reads).  The kernel's pages are per inode: an open while another open of the file
   here reads another version through them gets ``direct_io`` (``opened``).  Each read
   fetches the stripe units it overlaps, batched across files, and answers from them
   without a copy; a sequential reader gets ``read_ahead_units`` units fetched ahead.  An
@@ -84,9 +85,12 @@ class FileIO:
         self.fresh_s = fresh_s
         self._looked_up: dict[int, tuple[ValueReader, float]] = {}
         # --page-cache-files: per inode, the value (layout) whose bytes alone the kernel's
-        # cached pages of it hold, as far as this mount knows; absent: not known (an open
-        # drops them)
-        self._cached: OrderedDict[int, Layout] = OrderedDict()
+        # cached pages of it hold, as far as this mount knows (read from it since an open
+        # dropped them, or written through them by a handle that committed it), and for a
+        # value written here the mtime the kernel was told while it was written (reported
+        # for that value from then on, so that the kernel keeps the pages: FUSE drops them
+        # when a file's mtime changes); absent: not known (an open drops them)
+        self._cached: OrderedDict[int, tuple[Layout, float | None]] = OrderedDict()
         self.stripe = fs.client.config.stripe_bytes
         # FUSE requests reach the loop one at a time, so reads batch by load, not by tick
         self.reads: Batcher[tuple[ValueReader | bytes, int], Unit] = Batcher(
@@ -94,7 +98,7 @@ class FileIO:
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         # closes of small files share commits the same way: one put_many (one APPEND per
         # server, one COMMIT) for the files closed while earlier batches were running
-        self.puts: Batcher[tuple[bytes, Value], None] = Batcher(
+        self.puts: Batcher[tuple[bytes, Value], Layout | None] = Batcher(
             self._put_many, max_items=config.max_batch_items,
             max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
         # lookups (the kernel's LOOKUP and GETATTR) share LOOKUPs the same way; a miss says
@@ -123,20 +127,24 @@ class FileIO:
             raise FileNotFoundError(errno.ENOENT, "renamed or removed on this mount", path)
         return e
 
-    async def _put_many(self, items: list[tuple[bytes, Value]]) -> list[None]:
+    async def _put_many(self, items: list[tuple[bytes, Value]]) -> list[Layout | None]:
         last = dict(items)  # a path closed twice in one batch: its last value wins
-        await self.fs.client.put_many(list(last.items()), ttl=self.fs.ttl)
-        return [None] * len(items)
+        layouts = await self.fs.client.put_layouts(list(last.items()), ttl=self.fs.ttl)
+        sent = {k: lay for k, lay in zip(last, layouts, strict=True)}
+        # a close superseded in its batch committed nothing of its own
+        return [sent[k] if last[k] is value else None for k, value in items]
 
-    async def put(self, path: str, value: Value, nbytes: int | None = None) -> None:
+    async def put(self, path: str, value: Value, nbytes: int | None = None) -> Layout | None:
         """One small file's value (a buffer, or a list of buffers to send one after another:
         ``nbytes`` in all), committed in a batch with other files' closes (``value`` is sent as
-        it is: the caller does not change it until this returns)."""
+        it is: the caller does not change it until this returns).  Returns the layout it was
+        committed with (None: superseded by a later close of the path in the same batch)."""
         with builtin_errors(path):
             async with self.wb.sending(path):
-                await self.puts.submit((os.fsencode(path), value),
-                                       len(value) if nbytes is None else nbytes)
+                layout = await self.puts.submit((os.fsencode(path), value),
+                                                len(value) if nbytes is None else nbytes)
         self.made(path)  # in a listing sent before the commit, too
+        return layout
 
     async def _read_units(self, wants: list[tuple[ValueReader | bytes, int]]) -> list[Unit]:
         return await read_units(self.fs.client, wants)
@@ -153,13 +161,23 @@ class FileIO:
             found = await self.lookups.submit(key)
         if not isinstance(found, Layout):
             self._looked_up.pop(ino, None)
-        elif self.fresh_s > 0:
+            return path_info(path, found)
+        self._saw(ino, key, found)
+        info = path_info(path, found)
+        cached = self._cached.get(ino)
+        if cached is not None and cached[1] is not None and cached[0] == found:
+            info["created"] = info["mtime"] = cached[1]  # written here: as the kernel was told
+        return info
+
+    def _saw(self, ino: int, key: bytes, layout: Layout) -> None:
+        """``ino``'s value is ``layout`` as of now (a lookup found it, or this mount committed
+        it): an open or first read within ``fresh_s`` reads it without looking up again."""
+        if self.fresh_s > 0:
             self._looked_up.pop(ino, None)
-            self._looked_up[ino] = (ValueReader(self.fs.client, key, found),
+            self._looked_up[ino] = (ValueReader(self.fs.client, key, layout),
                                     asyncio.get_running_loop().time())
             if len(self._looked_up) > self.config.looked_up_layouts:
                 del self._looked_up[next(iter(self._looked_up))]
-        return path_info(path, found)
 
     # listings: misses without a LOOKUP (--negative-timeout) -------------------------------
     def _listed_missing(self, path: str) -> bool:
@@ -238,19 +256,59 @@ class FileIO:
             self._looked_up.pop(ino, None)
             self._cached.pop(ino, None)
 
-    def writing(self, ino: int) -> None:
-        """``ino`` is open for writing here: the kernel's pages of it take what is written."""
+    def writing(self, ino: int) -> bool:
+        """``ino`` is being opened for writing here: the kernel's pages of it take what is
+        written.  Returns whether no other open of it is here (the new handle is ``sole``)."""
         self._cached.pop(ino, None)
+        return self._alone(ino)
+
+    def _alone(self, ino: int) -> bool:
+        """Another open of ``ino`` is being made here: whether there was none; the writers
+        already open are ``sole`` no more (the kernel's pages may take other bytes now)."""
+        others = self.table.handles_of(ino)
+        for o in others:
+            o.sole = False
+        return not others
+
+    def _wrote(self, h: Handle, path: str, layout: Layout | None) -> None:
+        """``h``'s bytes were committed as ``path``'s value ``layout`` (as if looked up now:
+        the kernel's entry for a file it created here was not looked up).  If ``h`` wrote
+        through the kernel's pages of its file with no other open of it here since it opened
+        (``sole``), they hold that value's bytes only, so a later open of that value keeps them
+        (read back from them, nothing from the cluster), and the mtime the kernel was told
+        while it wrote stays that value's here."""
+        if layout is None or h.orphan:
+            return
+        self._saw(h.ino, os.fsencode(path), layout)
+        bound = self.config.page_cache_files
+        if not h.sole or not bound:
+            return
+        self._cached[h.ino] = (layout, h.mtime)
+        self._cached.move_to_end(h.ino)
+        while len(self._cached) > bound:
+            self._cached.popitem(last=False)
 
     def forget_layouts(self) -> None:
         self._looked_up.clear()
         self._cached.clear()
 
-    def _recent(self, ino: int) -> ValueReader | None:
+    def unsure(self, ino: int) -> bool:
+        """Whether a read-only open of ``ino`` should look it up first: the kernel's pages of it
+        may be kept (``--page-cache-files``), but no lookup within ``fresh_s`` says its value is
+        still theirs (the kernel sends none while its entry for the file is valid: one made by a
+        create here, or one whose time ends just as ours does)."""
+        return self.fresh_s > 0 and ino in self._cached and self._fresh(ino) is None
+
+    def _fresh(self, ino: int) -> ValueReader | None:
+        """The reader of ``ino``'s layout looked up within ``fresh_s`` (not to be read with)."""
         seen = self._looked_up.get(ino)
         if seen is None or asyncio.get_running_loop().time() - seen[1] > self.fresh_s:
             return None
-        return ValueReader(self.fs.client, seen[0].key, seen[0].layout)
+        return seen[0]
+
+    def _recent(self, ino: int) -> ValueReader | None:
+        seen = self._fresh(ino)
+        return None if seen is None else ValueReader(self.fs.client, seen.key, seen.layout)
 
     def _key(self, h: Handle) -> bytes:
         return os.fsencode(self.table.path(h.ino))
@@ -282,6 +340,7 @@ class FileIO:
         common case, no other open of the file here, is never direct."""
         ino = h.ino
         others = self.table.handles_of(ino)
+        self._alone(ino)
         cached = [o for o in others if not o.writable and not o.direct] if others else ()
         reader = self._recent(ino)
         if (reader is None or self.wb.get(self.table.path(ino)) is not None
@@ -297,9 +356,11 @@ class FileIO:
         h.reader = reader
         h.pinned_at_open = True
         bound = self.config.page_cache_files
-        h.kept_cache = bound > 0 and self._cached.get(ino) == layout
+        seen = self._cached.get(ino)
+        h.kept_cache = bound > 0 and seen is not None and seen[0] == layout
         if bound:
-            self._cached[ino] = layout
+            if not h.kept_cache:
+                self._cached[ino] = (layout, None)
             self._cached.move_to_end(ino)
             while len(self._cached) > bound:
                 self._cached.popitem(last=False)
@@ -423,6 +484,7 @@ class FileIO:
         if off + len(buf) > MAX_VALUE_BYTES:
             raise OSError(errno.EFBIG, f"kvfs values are limited to {MAX_VALUE_BYTES} bytes")
         async with h.lock:
+            self._cached.pop(h.ino, None)  # the kernel's pages take bytes not committed yet
             self._check(h)
             await self._load(h)
             d = h.data
@@ -445,6 +507,7 @@ class FileIO:
     async def truncate(self, h: Handle, size: int) -> None:
         """``ftruncate`` of an open file."""
         async with h.lock:
+            self._cached.pop(h.ino, None)
             if size == 0:  # a new, empty file: whatever was streamed is dropped
                 await self._drop_stream(h)
                 h.data, h.base, h.prefix, h.failed = bytearray(), 0, 0, None
@@ -581,8 +644,9 @@ class FileIO:
                     h.dirty = False
                     self.made(path)
                     return
-                await self.put(path, value, len(d) + h.tail_bytes)
+                layout = await self.put(path, value, len(d) + h.tail_bytes)
                 h.dirty = False
+                self._wrote(h, path, layout)
                 return
             h.new = False
             self._merge(h)

@@ -67,6 +67,11 @@ class Handle:
     # opened with direct_io: reads bypass the kernel's pages (another open of the file here
     # reads another version through them; FileIO.opened)
     direct: bool = False
+    # writing: opened with no other open of the file here, and none made since (the kernel's
+    # pages of the file hold only what this handle wrote or read; FileIO.writing)
+    sole: bool = False
+    # writing: the file's mtime while it is written here, and of the value it commits
+    mtime: float = 0.0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one writer or first read at a time
 
     @property
@@ -244,9 +249,15 @@ class InodeTable:
 
     def pending_size(self, ino: int) -> int | None:
         """The size an open, written file has in this mount (None: no writer, or not loaded)."""
+        h = self.pending(ino)
+        return None if h is None else h.size
+
+    def pending(self, ino: int) -> Handle | None:
+        """The handle whose written bytes an open file shows in this mount (None: no writer,
+        or not loaded)."""
         for h in self.writers(ino):
             if h.size is not None and not h.orphan:
-                return h.size
+                return h
         return None
 
     def discard_open_writes(self) -> int:

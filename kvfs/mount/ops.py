@@ -155,9 +155,9 @@ class KVFSOperations(Operations):
         return a
 
     async def _info(self, ino: int, path: str) -> Info:
-        size = self.table.pending_size(ino)
-        if size is not None:
-            return {"name": path, "size": size, "type": "file", "created": time.time()}
+        writer = self.table.pending(ino)
+        if writer is not None:
+            return {"name": path, "size": writer.size, "type": "file", "created": writer.mtime}
         if self.table.is_unlinked(ino):
             raise FileNotFoundError(errno.ENOENT, "unlinked", path)
         if ino == ROOT_INODE:
@@ -215,15 +215,17 @@ class KVFSOperations(Operations):
         keep = False
         if flags & os.O_ACCMODE == os.O_RDONLY:
             h = Handle(inode, writable=False)
+            if self.io.unsure(inode):
+                await self._look_again(inode)
             keep = self.io.opened(h)  # the kernel's cached pages kept: the same value's
         elif flags & os.O_APPEND:
             raise OSError(errno.EOPNOTSUPP, "kvfs values are immutable: append to an existing file")
         elif flags & os.O_TRUNC:
-            h = Handle(inode, writable=True, data=bytearray(), dirty=True)
+            h = Handle(inode, writable=True, data=bytearray(), dirty=True, mtime=time.time())
         else:
-            h = Handle(inode, writable=True)
+            h = Handle(inode, writable=True, mtime=time.time())
         if h.writable:
-            self.io.writing(inode)
+            h.sole = self.io.writing(inode)
         return pyfuse3.FileInfo(fh=self.table.open(h), keep_cache=keep, direct_io=h.direct)
 
     @_local
@@ -246,13 +248,27 @@ class KVFSOperations(Operations):
                 raise OSError(errno.EOPNOTSUPP, "kvfs values are immutable: append to an existing file")
         ino = self.table.relink(path)
         self.io.made(path)
-        self.io.writing(ino)
+        sole = self.io.writing(ino)
+        now = time.time()
         if found is not None:  # opened as the existing file it is (read when first written)
-            fh = self.table.open(Handle(ino, writable=True))
+            fh = self.table.open(Handle(ino, writable=True, sole=sole, mtime=now))
             return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(ino, found)
-        fh = self.table.open(Handle(ino, writable=True, data=bytearray(), dirty=True, new=True))
-        info = {"name": path, "size": 0, "type": "file", "created": time.time()}
+        fh = self.table.open(Handle(ino, writable=True, data=bytearray(), dirty=True, new=True,
+                                    sole=sole, mtime=now))
+        info = {"name": path, "size": 0, "type": "file", "created": now}
         return pyfuse3.FileInfo(fh=fh, keep_cache=False), self._attrs(ino, info)
+
+    async def _look_again(self, ino: int) -> None:
+        """A LOOKUP of ``ino`` for its open (the kernel sent none lately): a failure leaves
+        the open as it was without it (pages dropped, the first read looks it up)."""
+        try:
+            await self._io_info(ino)
+        except pyfuse3.FUSEError:
+            pass
+
+    @_op
+    async def _io_info(self, ino: int) -> Info:
+        return await self.io.info(ino, self.table.path(ino))
 
     @_op
     async def _info_at_meta(self, path: str) -> Info | None:
