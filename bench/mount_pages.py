@@ -4,8 +4,8 @@
                                      [--writer tofile|hicache|write] [--write-behind SIZE]
                                      [--mount-arg=ARG ...]
 
-Starts ``kvfs up`` (3 chunkservers, no GC) in a temp dir and ``kvfs mount`` on it (needs root
-and /dev/fuse), then per page size, in one sitting:
+Starts ``kvfs up`` (3 chunkservers, no GC) in a temp dir and two ``kvfs mount`` of it (needs
+root and /dev/fuse; the second stands for another node), then per page size, in one sitting:
 
 - mount write: each of ``--threads`` threads writes its pages with numpy ``tofile``
   (``--writer hicache``: as SGLang 0.5.23's ``HiCacheFile.set`` does, a stat of the page's
@@ -16,8 +16,10 @@ and /dev/fuse), then per page size, in one sitting:
   the mount still holds (``--write-behind``; without it there are none), so the rate counts
   committed files; "closes" is the rate until the last close returned;
 - mount read: each thread reads its pages back with ``readinto`` (unbuffered), bytes checked;
-  then "mount re-read", the same again (a value read before, unchanged since: the kernel's
-  cached pages are kept, ``--page-cache-files``);
+  (a value written through this mount: the kernel's pages it was written through are kept,
+  ``--page-cache-files``); then "mount re-read", the same again (a value read before,
+  unchanged since: the kernel's cached pages are kept); then "2nd mount read", the same
+  through the second mount, which never saw these files (another node's first read);
 - API write / read: as many coroutines on one ``AsyncClient``, ``put_many`` / ``get_into`` in
   batches of 64.
 
@@ -57,6 +59,16 @@ def _wait(pred: object, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+def _mount(mnt: Path, addr: str, args: list[str], procs: list[subprocess.Popen[bytes]]) -> None:
+    """``kvfs mount`` at ``mnt`` (its process added to ``procs``), once it is mounted."""
+    p = subprocess.Popen([sys.executable, "-m", "kvfs", "mount", str(mnt), "--addr", addr, *args],
+                         stdout=subprocess.DEVNULL)
+    procs.append(p)
+    _wait(lambda: is_mounted(str(mnt)) or p.poll() is not None, 30, "the mount")
+    if p.poll() is not None:
+        raise SystemExit(f"kvfs mount {mnt} exited with {p.returncode}")
+
+
 def _pages(n: int, size: int) -> list[np.ndarray]:
     base = np.frombuffer(os.urandom(size), dtype=np.uint8)
     out = []
@@ -67,12 +79,13 @@ def _pages(n: int, size: int) -> list[np.ndarray]:
     return out
 
 
-def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str,
-                writer: str = "tofile") -> tuple[float, float, float, float]:
+def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, tag: str,
+                writer: str = "tofile") -> tuple[float, float, float, float, float]:
     d = mnt / tag
     d.mkdir()
     names = [d / f"{i:08d}.bin" for i in range(len(pages))]
     share = [range(t, len(pages), threads) for t in range(threads)]
+    elsewhere = [other / tag / n.name for n in names]  # the same files through the other mount
 
     def write(ids: range) -> None:
         for i in ids:
@@ -88,11 +101,11 @@ def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str,
                 with open(names[i], "wb") as f:
                     f.write(pages[i].data)
 
-    def read(ids: range) -> int:
+    def read(ids: range, where: list[Path] = names) -> int:
         buf = np.empty_like(pages[0])
         bad = 0
         for i in ids:
-            with open(names[i], "rb", buffering=0) as f:
+            with open(where[i], "rb", buffering=0) as f:
                 n = f.readinto(buf.data)
             bad += n != buf.nbytes or not np.array_equal(buf, pages[i])
         return bad
@@ -113,9 +126,12 @@ def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str,
         t0 = time.perf_counter()
         bad += sum(ex.map(read, share))
         trr = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        bad += sum(ex.map(read, share, [elsewhere] * threads))
+        tcold = time.perf_counter() - t0
     if bad:
         raise SystemExit(f"{bad} pages read back wrong through the mount")
-    return len(pages) / tc, len(pages) / tw, len(pages) / tr, len(pages) / trr
+    return len(pages) / tc, len(pages) / tw, len(pages) / tr, len(pages) / trr, len(pages) / tcold
 
 
 async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) -> tuple[float, float]:
@@ -168,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.write_behind is not None:
         ns.mount_arg.append(f"--write-behind={ns.write_behind}")
     root = Path(tempfile.mkdtemp(prefix="kvfs-mount-pages-"))
-    up = mnt_proc = None
-    mnt = root / "mnt"
+    up = None
+    mounts: list[subprocess.Popen[bytes]] = []
+    mnt, mnt2 = root / "mnt", root / "mnt2"
     mnt.mkdir()
+    mnt2.mkdir()
     try:
         # its output goes to a file: a pipe nobody reads once the address is found could fill
         # and block the cluster
@@ -189,35 +207,36 @@ def main(argv: list[str] | None = None) -> int:
         if not found:
             raise SystemExit(f"kvfs up did not start: {up_log.read_text(errors='replace')[-2000:]}")
         addr = found[0]
-        mnt_proc = subprocess.Popen([sys.executable, "-m", "kvfs", "mount", str(mnt), "--addr", addr,
-                                     *ns.mount_arg],
-                                    stdout=subprocess.DEVNULL)
-        _wait(lambda: is_mounted(str(mnt)) or mnt_proc.poll() is not None, 30, "the mount")
+        for m in (mnt, mnt2):
+            _mount(m, addr, ns.mount_arg, mounts)
         rows = []
         for label, n, size in (("128 KiB", ns.pages_128k, 128 * 1024), ("2 MiB", ns.pages_2m, 2 << 20)):
             if not n:  # skipped (there is no page to time)
                 continue
             pages = _pages(n, size)
             tag = label.replace(" ", "")
-            mc, mw, mr, mrr = mount_round(mnt, pages, ns.threads, "m" + tag, ns.writer)
+            mc, mw, mr, mrr, cold = mount_round(mnt, mnt2, pages, ns.threads, "m" + tag, ns.writer)
             aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
-            rows.append((label, n, mc, mw, aw, mr, ar, mrr))
+            rows.append((label, n, mc, mw, aw, mr, ar, mrr, cold))
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"| page | pages | mount closes | mount write | API write | mount/API | mount read | "
               f"API read | "
-              f"mount/API | mount re-read | re-read/API |  ({ns.threads} threads, --writer {ns.writer}, "
+              f"mount/API | mount re-read | re-read/API | 2nd mount read | 2nd/API |  "
+              f"({ns.threads} threads, --writer {ns.writer}, "
               f"{' '.join(ns.mount_arg) or 'default mount'}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load})")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for label, n, mc, mw, aw, mr, ar, mrr in rows:
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for label, n, mc, mw, aw, mr, ar, mrr, cold in rows:
             print(f"| {label} | {n} | {mc:,.0f} files/s | {mw:,.0f} files/s | {aw:,.0f} pages/s | "
                   f"{mw / aw:.2f} | "
                   f"{mr:,.0f} files/s | {ar:,.0f} pages/s | {mr / ar:.2f} | "
-                  f"{mrr:,.0f} files/s | {mrr / ar:.2f} |")
+                  f"{mrr:,.0f} files/s | {mrr / ar:.2f} | {cold:,.0f} files/s | {cold / ar:.2f} |")
     finally:
-        if mnt_proc is not None and mnt_proc.poll() is None:
-            mnt_proc.send_signal(signal.SIGTERM)
-            mnt_proc.wait(30)
+        for p in mounts:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in mounts:
+            p.wait(30)
         if up is not None and up.poll() is None:
             up.send_signal(signal.SIGTERM)
             up.wait(60)
