@@ -8,11 +8,19 @@ fires the reader on a future already done: an ``InvalidStateError`` traceback fr
 loop at nearly every unmount by signal (and ``terminate()`` itself raised it when the
 reader had won).  Here the reader is removed as the wait ends and both wake-ups skip a
 future already done.
+
+A worker also skips that wait when a request is queued already (a ``poll`` of the fd with no
+timeout, before and after one yield to the loop): under load, when requests queue, that saves
+the reader's registration and removal (two ``epoll_ctl``), its future and a loop turn per
+request (IOCTLs answered by libfuse itself, 4 threads: ~14.5 -> ~9.5 µs of mount CPU each).
+The yield keeps the loop fair (a burst of requests does not hold it) and lets pyfuse3's next
+worker queue up for the fd, as it does while a worker waits.
 """
 
 from __future__ import annotations
 
 import asyncio
+import select
 from typing import TYPE_CHECKING, Any
 
 __all__ = ["IMPORT_ERROR", "Operations", "enable_asyncio", "pyfuse3"]
@@ -36,9 +44,26 @@ else:
         IMPORT_ERROR = str(exc)
 
 _waiting: dict[Any, set[asyncio.Future[None]]] = {}  # fd -> the waits on it (one, in practice)
+_polls: dict[Any, select.poll] = {}  # fd -> a poll object for it (a queued request, no wait)
+_closing: set[Any] = set()  # fds terminate() was called for (a wait on them ends at once)
+
+
+def _queued(fd: Any) -> bool:
+    """Whether ``fd`` is readable now (a request queued, or an error a read will report)."""
+    p = _polls.get(fd)
+    if p is None:
+        p = _polls[fd] = select.poll()
+        p.register(fd, select.POLLIN)
+    return bool(p.poll(0))
 
 
 async def _wait_readable(fd: Any) -> None:
+    if _queued(fd):
+        await asyncio.sleep(0)  # fair to the loop's other work; the next worker queues up
+        if fd in _closing:  # terminate() ran meanwhile: no wait it would end
+            raise pyfuse3.asyncio.ClosedResourceError()
+        if _queued(fd):
+            return
     loop = asyncio.get_running_loop()
     future: asyncio.Future[None] = loop.create_future()
 
@@ -59,6 +84,8 @@ async def _wait_readable(fd: Any) -> None:
 
 
 def _notify_closing(fd: Any) -> None:
+    _closing.add(fd)
+    _polls.pop(fd, None)
     for future in list(_waiting.get(fd, ())):
         if not future.done():
             future.set_exception(pyfuse3.asyncio.ClosedResourceError())
@@ -68,6 +95,8 @@ def enable_asyncio() -> None:
     """pyfuse3 on the running asyncio loop, its ``/dev/fuse`` wake-ups made safe (see the
     module docstring)."""
     shim = pyfuse3.asyncio
+    _closing.clear()  # a new session (its fd may have an old one's number)
+    _polls.clear()
     shim.enable()  # pyfuse3 now calls the shim module's functions as trio's
     shim.wait_readable = _wait_readable
     shim.notify_closing = _notify_closing
