@@ -67,3 +67,50 @@ async def test_a_wait_overtaken_by_terminate_ends(pipe: tuple[int, int]) -> None
     os.read(r, 1)
     with pytest.raises(_fuse.pyfuse3.asyncio.ClosedResourceError):
         await asyncio.wait_for(task, 5)
+
+
+async def test_the_read_lock_is_handed_over_in_order_and_past_cancelled_waits() -> None:
+    lock = _fuse._ReadLock()
+    order: list[str] = []
+    release = asyncio.Event()
+
+    async def take(name: str) -> None:
+        async with lock:
+            order.append(name)
+            if name == "a":
+                await release.wait()
+
+    a = asyncio.ensure_future(take("a"))
+    await asyncio.sleep(0)
+    waiters = [asyncio.ensure_future(take(n)) for n in "bcd"]
+    await asyncio.sleep(0)
+    waiters[1].cancel()  # c gives up while waiting: never holds it
+    await asyncio.sleep(0)
+    assert order == ["a"]
+    release.set()
+    await asyncio.wait_for(asyncio.gather(a, waiters[0], waiters[2]), 5)
+    assert waiters[1].cancelled()
+    assert order == ["a", "b", "d"]
+    async with lock:  # free again
+        pass
+
+
+async def test_a_read_lock_handed_to_a_cancelled_waiter_goes_on() -> None:
+    """Cancelled just as the lock was handed to it: the next waiter gets it (no hang)."""
+    lock = _fuse._ReadLock()
+    await lock.__aenter__()
+    b = asyncio.ensure_future(lock.__aenter__())
+    got: list[str] = []
+
+    async def c() -> None:
+        async with lock:
+            got.append("c")
+
+    c_task = asyncio.ensure_future(c())
+    await asyncio.sleep(0)
+    await lock.__aexit__(None, None, None)  # handed to b ...
+    b.cancel()  # ... which is cancelled before it runs
+    with pytest.raises(asyncio.CancelledError):
+        await b
+    await asyncio.wait_for(c_task, 5)
+    assert got == ["c"]
