@@ -85,8 +85,16 @@ class Cell:
     skipped: str | None = None
     unavailable: bool = False  # skipped because the store cannot run here (not this workload)
     # with ``compare(repeat=N)``: keys/s of every pass, in the order they ran (None: that pass
-    # did not run it); the cell itself is the median pass
+    # did not run it), and (``--cpu``) the client's CPU us per key; the cell is the median pass
     passes: list[float | None] = field(default_factory=list)
+    passes_cpu: list[float | None] = field(default_factory=list)
+
+    @property
+    def client_us_per_key(self) -> float | None:
+        """The bench process's CPU per key over the measured phase (``--cpu``), or None."""
+        cpu = self.result.extra.get("cpu") if self.result is not None else None
+        client = cpu.get("client") if cpu else None
+        return None if not client else client.get("us_per_key")
 
     @property
     def ios_per_s(self) -> float | None:
@@ -244,11 +252,14 @@ class Comparison:
             out["repeat"] = self.repeat
             out["passes"] = {wl.name: {s: self.cell(wl, s).passes for s in self.stores}
                              for wl in self.workloads}
+            out["passes_client_us_per_key"] = {
+                wl.name: {s: self.cell(wl, s).passes_cpu for s in self.stores} for wl in self.workloads}
         return out
 
-    def passes_table(self) -> str:
+    def passes_table(self, cpu: bool = False) -> str:
         """With ``repeat`` > 1: each cell's keys/s in every pass, in the order they ran
-        (``*``: the median one, shown in the tables); "" otherwise."""
+        (``*``: the median one, shown in the tables), or with ``cpu`` the client's CPU us per
+        key of every pass (cells measured with ``--cpu`` only); "" otherwise."""
         if self.repeat < 2:
             return ""
         head = ["workload", "store", *(f"pass {i + 1}" for i in range(self.repeat))]
@@ -257,13 +268,14 @@ class Comparison:
             first = True
             for store in self.stores:
                 cell = self.cell(wl, store)
-                if not any(x is not None for x in cell.passes):
+                xs = cell.passes_cpu if cpu else cell.passes
+                if not any(x is not None for x in xs):
                     continue
-                rows.append([short_name(wl) if first else "", store,
-                             *("-" if x is None else num2str(int(x)) + ("*" if x == cell.ios_per_s else "")
-                               for x in cell.passes)])
+                rows.append([short_name(wl) if first else "", store, *(
+                    "-" if x is None else f"{x:.2f}" if cpu else num2str(int(x)) + "*" * (x == cell.ios_per_s)
+                    for x in xs)])
                 first = False
-        return _grid(head, rows, right=tuple(range(2, len(head))))
+        return _grid(head, rows, right=tuple(range(2, len(head)))) if rows else ""
 
 
 async def compare(
@@ -348,7 +360,8 @@ def median_cell(cells: Sequence[Cell]) -> Cell:
     count), with every pass's keys/s in :attr:`Cell.passes`; the first pass if none ran."""
     ran = sorted((c for c in cells if c.ios_per_s is not None), key=lambda c: c.ios_per_s or 0.0)
     chosen = ran[(len(ran) - 1) // 2] if ran else cells[0]
-    return replace(chosen, passes=[c.ios_per_s for c in cells])
+    return replace(chosen, passes=[c.ios_per_s for c in cells],
+                   passes_cpu=[c.client_us_per_key for c in cells])
 
 
 def store_cpu_probe(store: Store) -> CpuProbe:

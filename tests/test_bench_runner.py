@@ -273,6 +273,12 @@ async def test_compare_repeat_alternates_the_order_and_keeps_the_median_pass() -
     rows = comp.passes_table().splitlines()
     assert rows[0].split() == ["workload", "store", "pass", "1", "pass", "2", "pass", "3"]
     assert len(rows) == 1 + 2 * 2 and all(r.count("*") >= 1 for r in rows[1:])
+    assert comp.passes_table(cpu=True) == ""  # measured without --cpu
+    timed = await compare({"a": factory("a")}, wls[:1], repeat=2, cpu=True, progress=False)
+    cell = timed.cell(wls[0], "a")
+    assert len(cell.passes_cpu) == 2 and all(isinstance(x, float) for x in cell.passes_cpu)
+    assert cell.client_us_per_key in cell.passes_cpu  # the median pass's own figure
+    assert len(timed.passes_table(cpu=True).splitlines()) == 2
     with pytest.raises(ValueError, match="repeat"):
         await compare({"a": factory("a")}, wls, repeat=0)
 
