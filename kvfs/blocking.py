@@ -40,9 +40,11 @@ from kvfs.errors import (
 from kvfs.handshake import check_server_proof
 from kvfs.protocol import Frame, FrameDecoder, Limits
 from kvfs.rpc import OP_OF, Auth, Op, R, Request, decode, to_dict
+from kvfs.tls import tls_failure
 from kvfs.transport import (
     answer_hello,
     answer_of,
+    closed_before_hello,
     connect_failure,
     handshake_timeout,
     peer_name,
@@ -99,8 +101,12 @@ class MetaSocket:
         except TimeoutError:
             conn.close()
             raise handshake_timeout(name, tls is not None, hello is None, connect_timeout_s) from None
-        except OSError as exc:
+        except OSError as exc:  # (as the async connection's connection_lost takes it)
             conn.close()
+            if isinstance(exc, ssl.SSLError):
+                raise tls_failure(exc, name) from None
+            if hello is None:
+                raise closed_before_hello(name, tls is not None) from None
             raise Unavailable(f"connection to {name} lost in the handshake: {exc}") from None
         except BaseException:
             conn.close()

@@ -38,8 +38,9 @@ import socket
 import ssl
 import time
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from kvfs import rpc
 from kvfs.address import format_addrs, parse_addr
@@ -67,6 +68,19 @@ class ServerEntry:
 
 
 Endpoint = tuple[str, int, str | None]  # host or address, port, the name TLS checks
+K = TypeVar("K")
+
+
+async def _reopen(conns: dict[K, Connection], locks: dict[K, asyncio.Lock], key: K,
+                  open_: Callable[[], Awaitable[Connection]]) -> Connection:
+    """``conns[key]``, opened (``open_()``) if it is missing or closed: one opening per key
+    at a time, the calls waiting on it take the connection it opened.  (Callers check for
+    an open one first, without this call: that is their every call's path.)"""
+    async with locks[key]:
+        conn = conns.get(key)
+        if conn is None or conn.is_closed:
+            conn = conns[key] = await open_()
+    return conn
 
 
 class ClusterLink:
@@ -206,11 +220,7 @@ class ClusterLink:
         conn = self._metas.get(ep)
         if conn is not None and not conn.is_closed:
             return conn
-        async with self._meta_locks[ep]:
-            conn = self._metas.get(ep)
-            if conn is None or conn.is_closed:
-                conn = self._metas[ep] = await self._open(*ep)
-        return conn
+        return await _reopen(self._metas, self._meta_locks, ep, lambda: self._open(*ep))
 
     def metas_up(self) -> list[Endpoint]:
         """The metas (resolved by the first meta call; none before it) not marked down, in
@@ -337,12 +347,7 @@ class ClusterLink:
         conn = self._conns.get(sid)
         if conn is not None and not conn.is_closed:
             return conn
-        async with self._conn_locks[sid]:
-            conn = self._conns.get(sid)
-            if conn is None or conn.is_closed:
-                conn = await self._open_server(sid)
-                self._conns[sid] = conn
-        return conn
+        return await _reopen(self._conns, self._conn_locks, sid, lambda: self._open_server(sid))
 
     async def _open_server(self, sid: int) -> Connection:
         # a second try after re-reading the server list: a restarted server may have moved

@@ -80,10 +80,7 @@ class _ClientProtocol(FrameProtocol):
         if err is None and isinstance(exc, ssl.SSLError):  # e.g. mutual TLS refused this client
             err = tls_failure(exc, self.name)
         elif err is None and not self.hello.done():
-            # TLS 1.3: a server refusing our client certificate (or its absence) closes the
-            # connection after the handshake, and asyncio reports no alert
-            err = Unavailable(f"{self.name} closed the connection before its HELLO ("
-                              + (MUTUAL_TLS_HINT if self.tls else PLAINTEXT_HINT) + ")")
+            err = closed_before_hello(self.name, self.tls)
         if err is None:
             err = Unavailable(f"connection to {self.name} lost" + (f": {exc}" if exc else ""))
         if not self.hello.done():
@@ -108,6 +105,15 @@ def connect_failure(exc: OSError, name: str, tls: bool, timeout_s: float) -> KVF
             tls and isinstance(exc, (ConnectionResetError, ConnectionAbortedError, BrokenPipeError))):
         return tls_failure(exc, name)
     return Unavailable(f"cannot connect to {name}: {exc.strerror or exc}")
+
+
+def closed_before_hello(name: str, tls: bool) -> Unavailable:
+    """``name`` closed the connection before its HELLO: what that likely means.  A TLS
+    server closes a plaintext client at its handshake timeout; under TLS 1.3 a server
+    refusing the client's certificate (or its absence) closes the connection after the
+    TLS handshake, with no alert the client sees."""
+    return Unavailable(f"{name} closed the connection before its HELLO ("
+                       + (MUTUAL_TLS_HINT if tls else PLAINTEXT_HINT) + ")")
 
 
 def handshake_timeout(name: str, tls: bool, no_hello: bool, timeout_s: float) -> Timeout:

@@ -7,6 +7,8 @@ import contextlib
 import hashlib
 import importlib.util
 import os
+import selectors
+import subprocess
 import sys
 import threading
 import time
@@ -75,6 +77,35 @@ async def read_frame(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> F
             data = await reader.read(65536)
             assert data, "connection closed before a frame arrived"
             dec.receive_data(data)
+
+
+def first_line(proc: subprocess.Popen[bytes], what: str, timeout_s: float = 60.0,
+               detail: Callable[[], str] = lambda: "") -> str:
+    """The first line ``proc`` writes to its stdout pipe (as ``readline`` gives it: ``""``
+    if it exits first), within ``timeout_s``: past that ``proc`` is killed and this fails
+    naming ``what`` (and ``detail()``, e.g. its stderr).  Reads byte by byte, so the pipe
+    holds the rest for whoever reads it next."""
+    assert proc.stdout is not None
+    fd = proc.stdout.fileno()
+    line = bytearray()
+    deadline = time.monotonic() + timeout_s
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while not line.endswith(b"\n"):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                proc.kill()
+                proc.wait()
+                proc.stdout.close()
+                raise AssertionError(f"no {what} within {timeout_s}s (pid {proc.pid}, "
+                                     f"killed now) {detail()}")
+            if not sel.select(left):
+                continue  # the deadline passed: failed above
+            byte = os.read(fd, 1)
+            if not byte:  # it exited (or closed its stdout)
+                break
+            line += byte
+    return line.decode()
 
 
 class FakeClock:

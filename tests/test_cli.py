@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import first_line
 
 
 def kvfs(*args: str, env: dict[str, str], stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
@@ -26,8 +27,8 @@ def up(tmp_path: Path) -> Iterator[tuple[str, dict[str, str], subprocess.Popen[b
         [sys.executable, "-m", "kvfs", "up", "--data", str(tmp_path / "data"), "--chunkservers", "3",
          "--listen", "127.0.0.1:0"], env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        assert proc.stdout is not None
-        addr = proc.stdout.readline().decode().strip()  # the launcher prints it once all are ready
+        # the launcher prints it once all are ready
+        addr = first_line(proc, "address from `kvfs up`").strip()
         assert addr.startswith("kvfs://127.0.0.1:"), addr
         yield addr, {**env, "KVFS_ADDR": addr}, proc
     finally:

@@ -17,6 +17,8 @@ import pytest
 import trustme
 
 import kvfs
+from kvfs.address import parse_addr
+from kvfs.blocking import MetaSocket
 from kvfs.client import AsyncClient
 from kvfs.config import (
     ChunkServerConfig,
@@ -205,6 +207,30 @@ async def test_plaintext_client_is_closed_by_the_servers_handshake_timeout(
                                r"--tls-ca"):
                 await kv.open()
         await kv.close()
+
+
+async def test_the_blocking_clients_socket_closed_before_hello_names_tls(
+        tmp_path: Path, certs: Certs, tls_cluster: LocalCluster) -> None:
+    """The blocking client's own meta socket (kvfs.blocking) says why a server closed it
+    before its HELLO, as the async connection does: a plaintext socket to a TLS server
+    (closed at the server's handshake timeout), a TLS one without a client certificate to
+    a mutual-TLS server (it once said only "lost in the handshake")."""
+    def open_socket(addr: str, token: str, tls: ssl.SSLContext | None) -> None:
+        host, port = parse_addr(addr)
+        MetaSocket.open((host, port, None), token, connect_timeout_s=30.0,
+                        request_timeout_s=30.0, tls=tls).close()
+
+    meta = MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0",
+                      handshake_timeout_s=0.3, **tls_fields(certs.services()))
+    async with LocalCluster(tmp_path / "c", 0, meta=meta) as c:
+        with pytest.raises(Unavailable, match=r"closed the connection before its HELLO .*"
+                           r"--tls-cert, give this client --tls-ca"):
+            await asyncio.wait_for(asyncio.to_thread(open_socket, c.addr, c.token, None), 10)
+    no_cert = client_context(certs.client(cert=False))
+    with pytest.raises(Unavailable, match=r"before its HELLO .*mutual TLS .* requires a client "
+                       r"certificate"):
+        await asyncio.wait_for(asyncio.to_thread(open_socket, tls_cluster.addr,
+                                                 tls_cluster.token, no_cert), 10)
 
 
 async def test_a_close_and_the_timeout_together_still_name_tls(

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from conftest import first_line
 
 from kvfs.cli import build_parser
 from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig
@@ -55,7 +56,8 @@ class Up:
         return {m[1]: int(m[2]) for m in re.finditer(r"([a-z]+(?: \d+)?) (\d+)", inner[0])}
 
 
-def start_up(tmp_path: Path, data: Path, *args: str) -> Up:
+def start_up(tmp_path: Path, data: Path, *args: str, deadline_s: float = DEADLINE_S) -> Up:
+    """`kvfs up` on ``data``, once it has printed its address and said it is ready."""
     env = {**os.environ, "KVFS_CONFIG_DIR": str(tmp_path / "config")}
     env.pop("KVFS_TOKEN", None)
     err = tmp_path / f"up-{time.monotonic_ns()}.err"
@@ -64,8 +66,7 @@ def start_up(tmp_path: Path, data: Path, *args: str) -> Up:
                                  "--listen", "127.0.0.1:0", *args],
                                 env=env, stdout=subprocess.PIPE, stderr=f)
     up = Up(proc, err, env)
-    assert proc.stdout is not None
-    addr = proc.stdout.readline().decode().strip()
+    addr = first_line(proc, "address from `kvfs up`", deadline_s, up.stderr).strip()
     assert addr.startswith("kvfs://"), up.stderr()
     up.env["KVFS_ADDR"] = addr
     wait_for(lambda: "Ctrl-C stops all" in up.stderr(), "the ready line")
@@ -97,6 +98,22 @@ def ups(tmp_path: Path) -> Iterator[list[Up]]:
 def kvfs(up: Up, *args: str, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run([sys.executable, "-m", "kvfs", *args], env=up.env, input=stdin,
                           capture_output=True, timeout=60)
+
+
+def test_a_start_up_that_never_prints_its_address_fails_at_its_deadline(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The fault: a `kvfs up` that hangs before its address.  start_up fails at its own
+    deadline naming what it waited for, and kills it (it once waited on the pipe until
+    pytest's timeout stopped the whole test)."""
+    hung = tmp_path / "hung-python"
+    hung.write_text(f"#!{sys.executable}\nimport time\n"
+                    "time.sleep(60)  # the fault: never an address (gone by itself if left)\n")
+    hung.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(hung))
+    with pytest.raises(AssertionError, match=r"no address from `kvfs up` within 0.5s") as err:
+        start_up(tmp_path, tmp_path / "data", deadline_s=0.5)
+    pid = int(re.search(r"pid (\d+), killed now", str(err.value))[1])  # type: ignore[index]
+    assert not alive(pid)
 
 
 @pytest.mark.subprocess
