@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 StoreFactory = Callable[[], Awaitable[Store]]
+PASSES_PER_TABLE = 6  # pass columns per block of Comparison.passes_table (100 columns)
 #: the real fio on one file (psync, bs = the value size): reads from the page cache, as the other
 #: stores' do; writes fdatasync once per batch of values (``fio_write_args``)
 FIO_COLUMN = "fio"
@@ -262,20 +263,25 @@ class Comparison:
         key of every pass (cells measured with ``--cpu`` only); "" otherwise."""
         if self.repeat < 2:
             return ""
-        head = ["workload", "store", *(f"pass {i + 1}" for i in range(self.repeat))]
-        rows: list[list[str]] = []
-        for wl in self.workloads:
-            first = True
-            for store in self.stores:
-                cell = self.cell(wl, store)
-                xs = cell.passes_cpu if cpu else cell.passes
-                if not any(x is not None for x in xs):
-                    continue
-                rows.append([short_name(wl) if first else "", store, *(
-                    "-" if x is None else f"{x:.2f}" if cpu else num2str(int(x)) + "*" * (x == cell.ios_per_s)
-                    for x in xs)])
-                first = False
-        return _grid(head, rows, right=tuple(range(2, len(head)))) if rows else ""
+        blocks = []
+        for at in range(0, self.repeat, PASSES_PER_TABLE):  # within 100 columns
+            cols = range(at, min(at + PASSES_PER_TABLE, self.repeat))
+            head = ["workload", "store", *(f"pass {i + 1}" for i in cols)]
+            rows: list[list[str]] = []
+            for wl in self.workloads:
+                first = True
+                for store in self.stores:
+                    cell = self.cell(wl, store)
+                    xs = cell.passes_cpu if cpu else cell.passes
+                    if not any(x is not None for x in xs):
+                        continue
+                    rows.append([short_name(wl) if first else "", store, *(
+                        "-" if (x := xs[i]) is None else f"{x:.2f}" if cpu
+                        else num2str(int(x)) + "*" * (x == cell.ios_per_s) for i in cols)])
+                    first = False
+            if rows:
+                blocks.append(_grid(head, rows, right=tuple(range(2, len(head)))))
+        return "\n".join(blocks)
 
 
 async def compare(

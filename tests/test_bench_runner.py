@@ -281,6 +281,10 @@ async def test_compare_repeat_alternates_the_order_and_keeps_the_median_pass() -
     assert len(timed.passes_table(cpu=True).splitlines()) == 2
     with pytest.raises(ValueError, match="repeat"):
         await compare({"a": factory("a")}, wls, repeat=0)
+    many = await compare({"a": factory("a")}, wls[:1], repeat=8, progress=False)
+    text = many.passes_table()
+    assert all(len(line) <= 100 for line in text.splitlines())  # passes 1-6, then 7-8
+    assert "pass 6" in text and "pass 7" in text and len(text.split("\n\n")) == 2
 
 
 async def test_compare_records_a_failed_run() -> None:
