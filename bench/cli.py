@@ -168,6 +168,9 @@ async def cmd_bench(ns: argparse.Namespace) -> int:
     if ns.compare and ns.numjobs != 1:
         print("kvfs bench: --compare runs 1 client process (numjobs=1)", file=sys.stderr)
         return 2
+    if ns.repeat != 1 and not ns.compare:
+        print("kvfs bench: --repeat repeats the cells of --compare", file=sys.stderr)
+        return 2
     try:
         workloads = build_workloads(ns)
     except ValueError as e:
@@ -265,7 +268,7 @@ async def _compare(
     _say(ns, "peers: " + ", ".join(_PEER_TEXT[p] for p in ns.peers)
              + ("" if fio_dir or not want_fio else " (fio not installed: skipped)"))
     comp = await compare(factories, workloads, fio_dir=fio_dir, progress=ns.progress,
-                         text_out=text_out, cpu=ns.cpu)
+                         text_out=text_out, cpu=ns.cpu, repeat=ns.repeat)
     if want_fio and fio_dir is None:  # show fio as skipped rather than leaving the column out
         comp.stores.append(FIO_COLUMN)
         for wl in workloads:

@@ -15,12 +15,13 @@ import itertools
 import os
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from .cpu import CpuProbe
 from .jobs import API_SUFFIX, human_bs
+from .options import MAX_REPEAT
 from .peers import FilePerKeyStore, LoopbackLimit, MooncakeStore, RedisStore, run_fio_file
 from .runner import LOOKUP_APIS, BenchError, JobResult, Workload, run_workload
 from .stats import format_job_text, num2str, percentile_key, report_json
@@ -33,11 +34,13 @@ __all__ = [
     "StoreFactory",
     "compare",
     "fio_write_args",
+    "median_cell",
     "peer_factories",
     "short_name",
 ]
 
 StoreFactory = Callable[[], Awaitable[Store]]
+PASSES_PER_TABLE = 6  # pass columns per block of Comparison.passes_table (100 columns)
 #: the real fio on one file (psync, bs = the value size): reads from the page cache, as the other
 #: stores' do; writes fdatasync once per batch of values (``fio_write_args``)
 FIO_COLUMN = "fio"
@@ -82,6 +85,17 @@ class Cell:
     fio: dict[str, Any] | None = None
     skipped: str | None = None
     unavailable: bool = False  # skipped because the store cannot run here (not this workload)
+    # with ``compare(repeat=N)``: keys/s of every pass, in the order they ran (None: that pass
+    # did not run it), and (``--cpu``) the client's CPU us per key; the cell is the median pass
+    passes: list[float | None] = field(default_factory=list)
+    passes_cpu: list[float | None] = field(default_factory=list)
+
+    @property
+    def client_us_per_key(self) -> float | None:
+        """The bench process's CPU per key over the measured phase (``--cpu``), or None."""
+        cpu = self.result.extra.get("cpu") if self.result is not None else None
+        client = cpu.get("client") if cpu else None
+        return None if not client else client.get("us_per_key")
 
     @property
     def ios_per_s(self) -> float | None:
@@ -175,6 +189,7 @@ class Comparison:
     stores: list[str]
     workloads: list[Workload]
     cells: dict[tuple[str, str], Cell] = field(default_factory=dict)
+    repeat: int = 1  # passes per cell (each cell the median one)
 
     @property
     def subject(self) -> str:
@@ -233,7 +248,40 @@ class Comparison:
                     skipped[wl.name] = c.skipped
             stores[store] = {"report": report_json(jobs), "skipped": skipped}
         ratios = {wl.name: {p: self.ratio(wl, p) for p in self.stores[1:]} for wl in self.workloads}
-        return {"subject": self.subject, "stores": stores, "ratios": ratios}
+        out: dict[str, Any] = {"subject": self.subject, "stores": stores, "ratios": ratios}
+        if self.repeat > 1:
+            out["repeat"] = self.repeat
+            out["passes"] = {wl.name: {s: self.cell(wl, s).passes for s in self.stores}
+                             for wl in self.workloads}
+            out["passes_client_us_per_key"] = {
+                wl.name: {s: self.cell(wl, s).passes_cpu for s in self.stores} for wl in self.workloads}
+        return out
+
+    def passes_table(self, cpu: bool = False) -> str:
+        """With ``repeat`` > 1: each cell's keys/s in every pass, in the order they ran
+        (``*``: the median one, shown in the tables), or with ``cpu`` the client's CPU us per
+        key of every pass (cells measured with ``--cpu`` only); "" otherwise."""
+        if self.repeat < 2:
+            return ""
+        blocks = []
+        for at in range(0, self.repeat, PASSES_PER_TABLE):  # within 100 columns
+            cols = range(at, min(at + PASSES_PER_TABLE, self.repeat))
+            head = ["workload", "store", *(f"pass {i + 1}" for i in cols)]
+            rows: list[list[str]] = []
+            for wl in self.workloads:
+                first = True
+                for store in self.stores:
+                    cell = self.cell(wl, store)
+                    xs = cell.passes_cpu if cpu else cell.passes
+                    if not any(x is not None for x in xs):
+                        continue
+                    rows.append([short_name(wl) if first else "", store, *(
+                        "-" if (x := xs[i]) is None else f"{x:.2f}" if cpu
+                        else num2str(int(x)) + "*" * (x == cell.ios_per_s) for i in cols)])
+                    first = False
+            if rows:
+                blocks.append(_grid(head, rows, right=tuple(range(2, len(head)))))
+        return "\n".join(blocks)
 
 
 async def compare(
@@ -245,6 +293,7 @@ async def compare(
     out: TextIO | None = None,
     text_out: TextIO | None = None,
     cpu: bool = False,
+    repeat: int = 1,
 ) -> Comparison:
     """Run every workload against every store (a fresh store per workload).
 
@@ -256,39 +305,69 @@ async def compare(
     table is printed to ``out`` if given; fio's text blocks of
     each job to ``text_out`` if given. With ``cpu`` each cell also records the
     CPU time of this process and of the store's processes (``--cpu``).
+
+    ``repeat``: every cell runs that many times, in passes; every other pass runs the
+    workloads, and the stores of each, in the reverse order, so no store (e.g. the
+    blocking kvfs client, listed after the async one) and no workload (e.g. ``get_into``,
+    listed after ``get_many``) always runs after the other: jobs run one after another on
+    one cluster are not alike (bench/RESULTS.md, "position").  A cell is then the pass
+    with the median keys/s (of those that ran; for an even count the lower of the two
+    middle ones), and :attr:`Cell.passes` keeps each pass's keys/s.
     """
     if not factories:
         raise ValueError("compare needs at least one store factory")
+    if not 1 <= repeat <= MAX_REPEAT:
+        raise ValueError(f"repeat must be 1..{MAX_REPEAT}, got {repeat}")
     names = list(factories)
     if fio_dir is not None:
         names.append(FIO_COLUMN)
-    comp = Comparison(stores=names, workloads=list(workloads))
+    comp = Comparison(stores=names, workloads=list(workloads), repeat=repeat)
     unavailable: dict[str, str] = {}
-    total = len(workloads) * len(names)
+    runs: dict[tuple[str, str], list[Cell]] = {}
+    total = repeat * len(workloads) * len(names)
     n = 0
     t0 = time.monotonic()
-    for wl in workloads:
-        for name, factory in factories.items():
-            n += 1
-            if name in unavailable:
-                comp.cells[(wl.name, name)] = Cell(name, skipped=unavailable[name])
-                continue
-            # ETA: the cells still to run at the mean wall time of the cells run so far
-            per_cell = (time.monotonic() - t0) / (n - 1) if n > 1 else wl.ramp_time_s + wl.runtime_s
-            label = f"[{n}/{total}] {name} {wl.rw} {human_bs(wl.bs)}"
-            comp.cells[(wl.name, name)] = cell = await _run_cell(
-                name, factory, wl, progress, label, per_cell * (total - n), cpu)
-            if cell.skipped is not None and cell.unavailable:  # the peer cannot run here at all
-                unavailable[name] = cell.skipped
-            if text_out is not None and cell.result is not None:
-                text_out.write(f"[{name}] " + format_job_text(cell.result.to_json()) + "\n")
-        if fio_dir is not None:
-            n += 1
-            comp.cells[(wl.name, FIO_COLUMN)] = await _fio_cell(wl, Path(fio_dir), unavailable)
+    for p in range(repeat):
+        forward = p % 2 == 0
+        for wl in workloads if forward else workloads[::-1]:
+            if fio_dir is not None and not forward:
+                n += 1
+                runs.setdefault((wl.name, FIO_COLUMN), []).append(
+                    await _fio_cell(wl, Path(fio_dir), unavailable))
+            for name in names[:len(factories)] if forward else names[len(factories) - 1::-1]:
+                n += 1
+                if name in unavailable:
+                    runs.setdefault((wl.name, name), []).append(Cell(name, skipped=unavailable[name]))
+                    continue
+                # ETA: the cells still to run at the mean wall time of the cells run so far
+                per_cell = (time.monotonic() - t0) / (n - 1) if n > 1 else wl.ramp_time_s + wl.runtime_s
+                label = f"[{n}/{total}] {name} {wl.rw} {human_bs(wl.bs)}"
+                cell = await _run_cell(name, factories[name], wl, progress, label,
+                                       per_cell * (total - n), cpu)
+                runs.setdefault((wl.name, name), []).append(cell)
+                if cell.skipped is not None and cell.unavailable:  # the peer cannot run here at all
+                    unavailable[name] = cell.skipped
+                if text_out is not None and cell.result is not None:
+                    text_out.write(f"[{name}] " + format_job_text(cell.result.to_json()) + "\n")
+            if fio_dir is not None and forward:
+                n += 1
+                runs.setdefault((wl.name, FIO_COLUMN), []).append(
+                    await _fio_cell(wl, Path(fio_dir), unavailable))
+    for key, cells in runs.items():
+        comp.cells[key] = median_cell(cells) if repeat > 1 else cells[0]
     if out is not None:
         out.write(comp.table())
         out.flush()
     return comp
+
+
+def median_cell(cells: Sequence[Cell]) -> Cell:
+    """Of one cell's passes, the one with the median keys/s (the lower middle one of an even
+    count), with every pass's keys/s in :attr:`Cell.passes`; the first pass if none ran."""
+    ran = sorted((c for c in cells if c.ios_per_s is not None), key=lambda c: c.ios_per_s or 0.0)
+    chosen = ran[(len(ran) - 1) // 2] if ran else cells[0]
+    return replace(chosen, passes=[c.ios_per_s for c in cells],
+                   passes_cpu=[c.client_us_per_key for c in cells])
 
 
 def store_cpu_probe(store: Store) -> CpuProbe:

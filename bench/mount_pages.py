@@ -18,6 +18,8 @@ and /dev/fuse), then per page size, in one sitting:
 - mount read: each thread reads its pages back with ``readinto`` (unbuffered), bytes checked;
   then "mount re-read", the same again (a value read before, unchanged since: the kernel's
   cached pages are kept, ``--page-cache-files``);
+- mount CPU/file: the ``kvfs mount`` process's CPU time (user + system, ``/proc/PID/stat``)
+  over the write phase, per file written;
 - API write / read: as many coroutines on one ``AsyncClient``, ``put_many`` / ``get_into`` in
   batches of 64.
 
@@ -67,8 +69,15 @@ def _pages(n: int, size: int) -> list[np.ndarray]:
     return out
 
 
+def _cpu_s(pid: int) -> float:
+    """The CPU time (user + system) process ``pid`` has used so far."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str,
-                writer: str = "tofile") -> tuple[float, float, float, float]:
+                writer: str = "tofile", mount_pid: int | None = None
+                ) -> tuple[float, float, float, float, float]:
     d = mnt / tag
     d.mkdir()
     names = [d / f"{i:08d}.bin" for i in range(len(pages))]
@@ -98,6 +107,7 @@ def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str,
         return bad
 
     with ThreadPoolExecutor(threads) as ex:
+        cpu0 = _cpu_s(mount_pid) if mount_pid else 0.0
         t0 = time.perf_counter()
         list(ex.map(write, share))
         tc = time.perf_counter() - t0
@@ -107,6 +117,7 @@ def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str,
         finally:
             os.close(fd)
         tw = time.perf_counter() - t0
+        cpu = _cpu_s(mount_pid) - cpu0 if mount_pid else float("nan")
         t0 = time.perf_counter()
         bad = sum(ex.map(read, share))
         tr = time.perf_counter() - t0
@@ -115,7 +126,7 @@ def mount_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str,
         trr = time.perf_counter() - t0
     if bad:
         raise SystemExit(f"{bad} pages read back wrong through the mount")
-    return len(pages) / tc, len(pages) / tw, len(pages) / tr, len(pages) / trr
+    return len(pages) / tc, len(pages) / tw, len(pages) / tr, len(pages) / trr, cpu / len(pages)
 
 
 async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) -> tuple[float, float]:
@@ -199,21 +210,22 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             pages = _pages(n, size)
             tag = label.replace(" ", "")
-            mc, mw, mr, mrr = mount_round(mnt, pages, ns.threads, "m" + tag, ns.writer)
+            mc, mw, mr, mrr, mcpu = mount_round(mnt, pages, ns.threads, "m" + tag, ns.writer,
+                                                mnt_proc.pid)
             aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
-            rows.append((label, n, mc, mw, aw, mr, ar, mrr))
+            rows.append((label, n, mc, mw, aw, mr, ar, mrr, mcpu))
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"| page | pages | mount closes | mount write | API write | mount/API | mount read | "
               f"API read | "
-              f"mount/API | mount re-read | re-read/API |  ({ns.threads} threads, --writer {ns.writer}, "
+              f"mount/API | mount re-read | re-read/API | mount CPU/file |  ({ns.threads} threads, --writer {ns.writer}, "
               f"{' '.join(ns.mount_arg) or 'default mount'}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load})")
-        print("|---|---|---|---|---|---|---|---|---|---|---|")
-        for label, n, mc, mw, aw, mr, ar, mrr in rows:
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for label, n, mc, mw, aw, mr, ar, mrr, mcpu in rows:
             print(f"| {label} | {n} | {mc:,.0f} files/s | {mw:,.0f} files/s | {aw:,.0f} pages/s | "
                   f"{mw / aw:.2f} | "
                   f"{mr:,.0f} files/s | {ar:,.0f} pages/s | {mr / ar:.2f} | "
-                  f"{mrr:,.0f} files/s | {mrr / ar:.2f} |")
+                  f"{mrr:,.0f} files/s | {mrr / ar:.2f} | {mcpu * 1e6:,.0f} µs |")
     finally:
         if mnt_proc is not None and mnt_proc.poll() is None:
             mnt_proc.send_signal(signal.SIGTERM)

@@ -18,7 +18,7 @@ from kvfs.units import parse_duration, parse_size
 
 from .runner import APIS, RWS
 
-__all__ = ["CLIENTS", "DEFAULT_RUNTIME_S", "PEERS", "add_options", "size_arg"]
+__all__ = ["CLIENTS", "DEFAULT_RUNTIME_S", "MAX_REPEAT", "PEERS", "add_options", "size_arg"]
 
 DEFAULT_RUNTIME_S: Final = 4.0
 #: ``--compare`` peers, in column order.
@@ -58,6 +58,9 @@ _peer_list = _choice_list("peer", PEERS)
 _api_list = _choice_list("api", APIS)
 
 
+#: ``--repeat``: the most passes of a comparison's cells
+MAX_REPEAT: Final = 20
+
 #: ``--client``: kvfs's async client (``AsyncClient``) and/or the blocking one (``kvfs.Client``)
 CLIENTS: Final = ("async", "sync")
 
@@ -79,6 +82,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
     if v < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1: {text!r}")
+    return v
+
+
+def _repeat(text: str) -> int:
+    v = _positive_int(text)
+    if v > MAX_REPEAT:
+        raise argparse.ArgumentTypeError(f"must be <= {MAX_REPEAT}: {text!r}")
     return v
 
 
@@ -120,6 +130,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
       help="run the same jobs against redis, a file-per-key store, the loopback limit and fio")
     a("--peers", type=_peer_list, default=list(PEERS), metavar="LIST",
       help=f"--compare: the peers to run, comma list of {','.join(PEERS)} (default: all)")
+    a("--repeat", type=_repeat, default=1, metavar="N",
+      help=f"--compare: run every cell N times (1..{MAX_REPEAT}), every other pass in the reverse "
+           "order of workloads and stores, and show the median pass of each (default 1)")
     a("--internal", action=argparse.BooleanOptionalAction, default=True,
       help="--compare: also the kvfs-internal comparisons (batcher on/off, prefix chains)")
     a("--cpu", action="store_true",

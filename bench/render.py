@@ -19,6 +19,14 @@ def render_compare(comp: Comparison, internal: Internal | None) -> str:
              f"ratios: {comp.subject} keys/s / peer keys/s (the same as the MB/s ratio)", "",
              comp.ratio_table()]
     lines += sync_lines(comp)
+    passes = comp.passes_table()
+    if passes:
+        lines += [f"each cell above is the median of {comp.repeat} passes; keys/s of every pass in the",
+                  "order they ran (every other pass in reverse order; * = the median)", "", passes]
+    passes_cpu = comp.passes_table(cpu=True)
+    if passes_cpu:
+        lines += ["the client's CPU us per key of every pass (steadier than keys/s on a shared machine)",
+                  "", passes_cpu]
     cpu = cpu_table(comp)
     if cpu:
         lines += ["CPU per key (us) and per GB moved (s), each process's own counters "

@@ -224,7 +224,9 @@ async def test_loopback_pipelines_concurrent_calls() -> None:
 
 @needs_fio
 def test_run_fio_file_returns_fio_json(tmp_path: Path) -> None:
-    res = run_fio_file("4k", "1m", "randread", 0.2, tmp_path, name="fio-check", time_based=False)
+    # not time based: fio stops after the file's 256 reads; the runtime is only a cap, generous
+    # so that a loaded machine still finishes them (0.2 s did 4 of 256 at load 9)
+    res = run_fio_file("4k", "1m", "randread", 60.0, tmp_path, name="fio-check", time_based=False)
     (job,) = res["jobs"]
     assert job["jobname"] == "fio-check"
     rd = job["read"]

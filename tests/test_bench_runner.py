@@ -236,6 +236,57 @@ async def test_compare_table_with_subject_peer_and_skipped() -> None:
     }
 
 
+async def test_compare_repeat_alternates_the_order_and_keeps_the_median_pass() -> None:
+    ran: list[tuple[str, str]] = []  # (workload's key prefix, store), in the order run
+
+    class Logged(MemStore):
+        async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
+            if not self.data:  # the prefill's (or the writes') first call: the cell starts
+                ran.append((items[0][0].split(b"/")[0].decode(), self.name))
+            await super().put_many(items)
+
+    def factory(name: str) -> StoreFactory:
+        async def make() -> Store:
+            return Logged(name)
+        return make
+
+    async def absent() -> Store:
+        raise PeerUnavailable("not here")
+
+    wls = [Workload(name=n, rw=rw, bs=32, batch=4, nkeys=32, time_based=False, key_prefix=f"{n}/".encode())
+           for n, rw in (("r", "randread"), ("w", "randwrite"))]
+    out = io.StringIO()
+    comp = await compare({"a": factory("a"), "b": factory("b"), "gone": absent}, wls, out=out,
+                         repeat=3, progress=False)
+    # every other pass runs the workloads, and the stores of each, in the reverse order
+    assert ran == [("r", "a"), ("r", "b"), ("w", "a"), ("w", "b"),
+                   ("w", "b"), ("w", "a"), ("r", "b"), ("r", "a"),
+                   ("r", "a"), ("r", "b"), ("w", "a"), ("w", "b")]
+    for wl in wls:
+        for store in ("a", "b"):
+            cell = comp.cell(wl, store)
+            assert len(cell.passes) == 3 and all(x is not None for x in cell.passes)
+            assert cell.ios_per_s == sorted(cast(list[float], cell.passes))[1]  # the median pass
+        assert comp.cell(wl, "gone").skipped == "not here" and comp.cell(wl, "gone").passes == [None] * 3
+    data = json.loads(json.dumps(comp.to_json()))
+    assert data["repeat"] == 3 and len(data["passes"]["r"]["a"]) == 3
+    rows = comp.passes_table().splitlines()
+    assert rows[0].split() == ["workload", "store", "pass", "1", "pass", "2", "pass", "3"]
+    assert len(rows) == 1 + 2 * 2 and all(r.count("*") >= 1 for r in rows[1:])
+    assert comp.passes_table(cpu=True) == ""  # measured without --cpu
+    timed = await compare({"a": factory("a")}, wls[:1], repeat=2, cpu=True, progress=False)
+    cell = timed.cell(wls[0], "a")
+    assert len(cell.passes_cpu) == 2 and all(isinstance(x, float) for x in cell.passes_cpu)
+    assert cell.client_us_per_key in cell.passes_cpu  # the median pass's own figure
+    assert len(timed.passes_table(cpu=True).splitlines()) == 2
+    with pytest.raises(ValueError, match="repeat"):
+        await compare({"a": factory("a")}, wls, repeat=0)
+    many = await compare({"a": factory("a")}, wls[:1], repeat=8, progress=False)
+    text = many.passes_table()
+    assert all(len(line) <= 100 for line in text.splitlines())  # passes 1-6, then 7-8
+    assert "pass 6" in text and "pass 7" in text and len(text.split("\n\n")) == 2
+
+
 async def test_compare_records_a_failed_run() -> None:
     class Broken(MemStore):
         async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:

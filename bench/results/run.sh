@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The runs behind bench/RESULTS.md (issue 11), one sitting: the same-run comparisons, then the cost curves.
 # Each command writes its text to <name>.txt and its JSON to <name>.json here.
-# RUNTIME=S seconds per timed job (default 3); CURVES=0: the comparisons only; CMP=0: the cost curves only.
+# RUNTIME=S seconds per timed job (default 3); REPEAT=N passes of every comparison cell, in alternating
+# order, each cell the median pass (default 3); CURVES=0: the comparisons only; CMP=0: the cost curves only.
 set -euo pipefail
 cd "$(dirname "$0")"
 R=${RUNTIME:-3}
+N=${REPEAT:-3}
 common=(--compare --cpu --no-internal --no-progress --runtime "$R" --time-based --peers file,redis,mooncake,loopback,fio
-        --client async,sync)
+        --client async,sync --repeat "$N")
 # each run's command, start time and load average (this machine is shared) go to runs.log
 run() { local name=$1; shift; echo "== $name: kvfs bench $*" | tee -a runs.log >&2
         echo "   start $(date -u '+%F %T UTC'), $(uptime | sed 's/.*load/load/')" | tee -a runs.log >&2
@@ -21,7 +23,8 @@ run cmp-4k   "${common[@]}" --rw randread,write --bs 4k  --batch 128 --iodepth 4
 run cmp-1m   "${common[@]}" --fsync never --rw randread,write --bs 1m  --batch 32 --iodepth 2 --size 128m --api get_many,get_into --plot cmp-1m.png
 run cmp-8m   "${common[@]}" --fsync never --rw randread,write --bs 8m  --batch 8  --iodepth 2 --size 256m --api get_many,get_into
 run cmp-32m  "${common[@]}" --fsync never --rw randread,write --bs 32m --batch 2  --iodepth 2 --size 256m --api get_many,get_into
-durable=(--compare --cpu --no-internal --no-progress --runtime "$R" --time-based --peers fio --fsync batch --rw write --iodepth 2)
+durable=(--compare --cpu --no-internal --no-progress --runtime "$R" --time-based --peers fio --fsync batch --rw write --iodepth 2
+         --repeat "$N")
 run cmp-1m-durable  "${durable[@]}" --bs 1m  --batch 32 --size 128m
 run cmp-8m-durable  "${durable[@]}" --bs 8m  --batch 8  --size 256m
 run cmp-32m-durable "${durable[@]}" --bs 32m --batch 2  --size 256m

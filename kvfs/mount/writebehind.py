@@ -488,7 +488,8 @@ class WriteBehind:
             return False
         oldest = next(iter(self._queue.values()))
         left = oldest.queued + self.delay_s - asyncio.get_running_loop().time()
-        if left <= 0 or sum(e.nbytes for e in self._queue.values()) >= self.max_bytes:
+        if left <= 0 or (self._bytes >= self.max_bytes  # (all held bytes: the queue's bound)
+                         and sum(e.nbytes for e in self._queue.values()) >= self.max_bytes):
             return False
         if self._timer is None:
             self._timer = asyncio.get_running_loop().call_later(left, self._due)
