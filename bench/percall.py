@@ -23,13 +23,16 @@ PATH is one of:
   configured by default), the request decoded and the answer encoded as the server does.
 - ``lookups``: meta's EXISTS, MATCH_PREFIX and LOOKUP handlers on 128 present keys.
 
-Prints ``us/key`` (``time.process_time``: every thread of this process).
+Prints ``us/key`` (``time.process_time``: every thread of this process).  ``--gc`` adds
+``gc``: the CPU Python's cyclic GC took in the measured rounds of every path, per key, and
+its collections by generation (``gc.callbacks``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import hashlib
 import os
 import random
@@ -77,14 +80,44 @@ def _typed(header: bytes, typ: type[Any]) -> Any:
     return decode(msgpack.unpackb(header, raw=False, strict_map_key=False), typ)
 
 
+class GcTimer:
+    """Python's cyclic GC while measuring (``--gc``): CPU seconds (``time.process_time``, as
+    the paths' own figure) and collections by generation, from ``gc.callbacks``."""
+
+    def __init__(self) -> None:
+        self.seconds, self.keys, self.collections, self._start = 0.0, 0, [0, 0, 0], 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.process_time()
+        else:
+            self.seconds += time.process_time() - self._start
+            self.collections[info["generation"]] += 1
+
+    def line(self) -> str:
+        return (f"gc: {self.seconds / max(self.keys, 1) * 1e6:.2f} us/key "
+                f"(collections by generation {'/'.join(map(str, self.collections))})")
+
+
+GC: GcTimer | None = None  # set by --gc
+
+
 async def _measure(one: Callable[[int], Awaitable[object]], calls: int, at_once: int) -> float:
     """CPU us per key of ``calls`` rounds of ``at_once`` concurrent ``one(i)``, after a warm-up."""
     for r in range(8):
         await asyncio.gather(*(one(r * at_once + k) for k in range(at_once)))
+    if GC is not None:
+        # (mypy takes ``gc`` for this repository's gc/ folder, kvfs.gc: the stdlib's here)
+        gc.callbacks.append(GC)  # type: ignore[attr-defined]
+        GC.keys += calls * at_once * N
     t = time.process_time()
-    for r in range(calls):
-        await asyncio.gather(*(one(r * at_once + k) for k in range(at_once)))
-    return (time.process_time() - t) / (calls * at_once * N) * 1e6
+    try:
+        for r in range(calls):
+            await asyncio.gather(*(one(r * at_once + k) for k in range(at_once)))
+        return (time.process_time() - t) / (calls * at_once * N) * 1e6
+    finally:
+        if GC is not None:
+            gc.callbacks.remove(GC)  # type: ignore[attr-defined]
 
 
 async def append_path(calls: int, fsync: FsyncMode, tmp: Path) -> float:
@@ -322,7 +355,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=200, help="measured rounds of calls (default 200)")
     ap.add_argument("--fsync", choices=[m.value for m in FsyncMode], default="batch",
                     help="append: the store's durability (default batch)")
+    ap.add_argument("--gc", action="store_true",
+                    help="also print the CPU per key of Python's cyclic GC in the measured rounds")
     ns = ap.parse_args(argv)
+    global GC
+    GC = GcTimer() if ns.gc else None
     with tempfile.TemporaryDirectory(prefix="kvfs-percall-") as d:
         tmp = Path(d)
         if ns.path == "append":
@@ -339,6 +376,8 @@ def main(argv: list[str] | None = None) -> int:
             res = run(lookup_paths(ns.calls, tmp))
     for name, us in res.items():
         print(f"{name}: {us:.2f}" if "/" in name else f"{name}: {us:.2f} us/key")
+    if GC is not None:
+        print(GC.line())
     return 0
 
 

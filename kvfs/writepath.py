@@ -202,8 +202,13 @@ class WritePath:
         # per server: records and each record's buffers, in call order
         records: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
         parts: dict[int, list[list[memoryview]]] = defaultdict(list)
-        # per value and unit: (length, crc, [(server, index into records[server]), ...])
+        # per value: a value of one unit, its servers (place's tuple, shared by the values of a
+        # run), with the index of its record in each server's APPEND in ``slots``, flat; a
+        # larger (or empty) value, per unit (length, crc, [(server, index), ...]).  No
+        # container per value of one unit: fewer objects for Python's cyclic GC to follow
+        # while the call waits (bench/RESULTS.md, "GC-tracked objects on the put path")
         plans: Plans = []
+        slots: list[int] = []
         crcs: list[int] = []
         sizes = [nbytes(v) for v in views]
         placed = place(sizes, order, replicas=r, stripe_bytes=self.config.stripe_bytes,
@@ -220,13 +225,12 @@ class WritePath:
                 # A plain tuple of RecordHead's fields, in its order: the same msgpack array,
                 # without the NamedTuple's Python constructor (about 1 us a key)
                 head: tuple[Any, ...] = (key, n, c, expires_hint, wid, 0 if stream_unit else n, c, 0, False)
-                where = []
                 for sid in servers:
                     recs = records[sid]
-                    where.append((sid, len(recs)))
+                    slots.append(len(recs))
                     recs.append(head)
                     parts[sid].append(v)
-                plans.append([(n, c, where)])
+                plans.append(servers)
                 crcs.append(c)
                 continue
             plan = []
@@ -281,12 +285,13 @@ class WritePath:
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        return _Written(sizes, crcs, plans, locs)
+        return _Written(sizes, crcs, plans, slots, locs)
 
 
-# where each value went: per value, per unit (length, crc, [(server, index of its record in
-# that server's APPEND), ...])
-Plans = list[list[tuple[int, int, list[tuple[int, int]]]]]
+# where each value went: per value of one unit, the tuple of its servers (the index of its
+# record in each one's APPEND in _Written.slots); per larger value, per unit (length, crc,
+# [(server, index of its record in that server's APPEND), ...])
+Plans = list[tuple[int, ...] | list[tuple[int, int, list[tuple[int, int]]]]]
 
 
 class _Written:
@@ -294,23 +299,28 @@ class _Written:
     went and the chunkservers' locations, made into layouts or, for values of one extent,
     into the COMMIT's packed columns directly (no layout object to build and then stamp)."""
 
-    __slots__ = ("crcs", "locs", "plans", "single", "sizes")
+    __slots__ = ("crcs", "locs", "plans", "single", "sizes", "slots")
 
-    def __init__(self, sizes: list[int], crcs: list[int], plans: Plans,
+    def __init__(self, sizes: list[int], crcs: list[int], plans: Plans, slots: list[int],
                  locs: dict[int, list[rpc.Location]]) -> None:
-        self.sizes, self.crcs, self.plans, self.locs = sizes, crcs, plans, locs
-        self.single = all([len(plan) == 1 for plan in plans])  # every value one extent
+        self.sizes, self.crcs, self.plans, self.slots, self.locs = sizes, crcs, plans, slots, locs
+        self.single = all([type(plan) is tuple for plan in plans])  # every value one extent
 
     def _replicas(self) -> Iterator[tuple[Replica, ...]]:
-        """Each value's replicas (values of one extent)."""
-        locs = self.locs
-        for ((_, _, where),) in self.plans:
-            if len(where) == 1:
-                ((sid, idx),) = where
-                chunk, offset = locs[sid][idx]
+        """The replicas of each value of one unit (in value order; larger values skipped)."""
+        locs, slots = self.locs, self.slots
+        pos = 0
+        for servers in self.plans:
+            if not isinstance(servers, tuple):
+                continue
+            if len(servers) == 1:
+                sid = servers[0]
+                chunk, offset = locs[sid][slots[pos]]
+                pos += 1
                 yield (Replica(sid, chunk, offset),)
             else:
-                yield tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where)
+                yield tuple([Replica(sid, *locs[sid][slots[pos + j]]) for j, sid in enumerate(servers)])
+                pos += len(servers)
 
     def packed(self, keys: list[bytes], metas: list[bytes | None] | None) -> bytes:
         """The COMMIT's packed layouts (:func:`kvfs.packed.pack_single`), values of one extent."""
@@ -318,11 +328,11 @@ class _Written:
         chunk: list[int] = []
         offset: list[int] = []
         nreps: list[int] = []
-        locs = self.locs
-        for ((_, _, where),) in self.plans:
-            nreps.append(len(where))
-            for sid, idx in where:
-                c, o = locs[sid][idx]
+        locs, slots = self.locs, iter(self.slots)
+        for servers in cast(list[tuple[int, ...]], self.plans):
+            nreps.append(len(servers))
+            for sid in servers:
+                c, o = locs[sid][next(slots)]
                 server.append(sid)
                 chunk.append(c)
                 offset.append(o)
@@ -336,8 +346,11 @@ class _Written:
             for n, whole, reps, m in zip(self.sizes, self.crcs, self._replicas(), meta_of, strict=False):
                 yield Layout(n, whole, created, expires_at, (Extent(n, whole, reps),), m)
             return
-        locs = self.locs
+        locs, small = self.locs, self._replicas()
         for n, plan, whole, m in zip(self.sizes, self.plans, self.crcs, meta_of, strict=False):
+            if isinstance(plan, tuple):
+                yield Layout(n, whole, created, expires_at, (Extent(n, whole, next(small)),), m)
+                continue
             yield Layout(n, whole, created, expires_at, tuple(
                 Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
                 for length, c, where in plan), m)

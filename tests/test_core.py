@@ -13,6 +13,7 @@ import pytest
 import kvfs
 from kvfs.buffers import Parts, as_parts, as_parts_many, as_view, nbytes, regions
 from kvfs.client import AsyncClient
+from kvfs.config import ClientConfig
 from kvfs.errors import InvalidArgument
 from kvfs.launcher import LocalCluster
 from kvfs.layout import MAX_KEY_BYTES
@@ -43,6 +44,32 @@ async def test_10k_small_keys(kv: AsyncClient) -> None:
     assert first is not None and second is not None
     r0, r1 = first.extents[0].replicas[0], second.extents[0].replicas[0]
     assert r0.chunk_id == r1.chunk_id and r0.offset < r1.offset
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_put_layouts_built_by_the_client_are_meta_s(cluster: LocalCluster, replicas: int) -> None:
+    """The layouts a put caches (built from where the APPENDs put each record) are the ones
+    meta committed, for a put of small values only (packed COMMIT) and for one mixing small,
+    striped and empty values, with one replica and with two.  Runs of 300 bytes rotate over
+    the servers, so a value's record sits at a different index in each server's APPEND."""
+    kv = cluster.client(ClientConfig(put_group_bytes=300))
+    await kv.open()
+    try:
+        small = {f"s{i}".encode(): os.urandom(100 + i) for i in range(9)}
+        mixed = {b"m0": b"abc", b"big": os.urandom((1 << 20) + 5), b"empty": b"", b"m1": os.urandom(200),
+                 b"m2": os.urandom(200)}
+        for items in (small, mixed):
+            await kv.put_many(items, replicas=replicas, meta=[{"i": i} for i in range(len(items))])
+            for key in items:
+                cached = kv.layout_cache._layouts[key]
+                assert cached == await kv.layout(key)
+                assert all(len({r.server_id for r in e.replicas}) == replicas for e in cached.extents)
+            kv.layout_cache.clear()
+            assert await kv.get_many(list(items)) == list(items.values())
+        big = await kv.layout(b"big")
+        assert big is not None and len(big.extents) == 2  # striped: the mixed put's other form
+    finally:
+        await kv.close()
 
 
 @both_backends
