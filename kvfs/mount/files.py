@@ -280,12 +280,16 @@ class FileIO:
         if layout is None or h.orphan:
             return
         self._saw(h.ino, os.fsencode(path), layout)
-        bound = self.config.page_cache_files
-        if not h.sole or not bound:
-            return
-        self._cached[h.ino] = (layout, h.mtime)
-        self._cached.move_to_end(h.ino)
-        while len(self._cached) > bound:
+        if h.sole and self.config.page_cache_files:
+            self._remember(h.ino, (layout, h.mtime))
+
+    def _remember(self, ino: int, entry: tuple[Layout, float | None] | None) -> None:
+        """``ino`` the most recent of the inodes whose pages' value is known (``entry``: that
+        value now; None: as recorded), at most ``page_cache_files`` of them."""
+        if entry is not None:
+            self._cached[ino] = entry
+        self._cached.move_to_end(ino)
+        while len(self._cached) > self.config.page_cache_files:
             self._cached.popitem(last=False)
 
     def forget_layouts(self) -> None:
@@ -359,11 +363,7 @@ class FileIO:
         seen = self._cached.get(ino)
         h.kept_cache = bound > 0 and seen is not None and seen[0] == layout
         if bound:
-            if not h.kept_cache:
-                self._cached[ino] = (layout, None)
-            self._cached.move_to_end(ino)
-            while len(self._cached) > bound:
-                self._cached.popitem(last=False)
+            self._remember(ino, None if h.kept_cache else (layout, None))
         return h.kept_cache
 
     def _shares_pages(self, h: Handle) -> bool:
