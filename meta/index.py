@@ -61,9 +61,9 @@ from typing import Any
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import ServerError, StaleLayout
-from kvfs.layout import Layout, Replica, encode_layout, server_of_chunk
+from kvfs.layout import Layout, Replica, encode_layout, encode_layout_buffer, server_of_chunk
 from kvfs.meta.repair import readable
-from kvfs.meta.store import MetaStore
+from kvfs.meta.store import NO_EXPIRY, MetaStore
 from kvfs.meta.storeapi import OVERFLOW_HOLDER, Lease
 from kvfs.meta.tombstones import (
     NO_GHOST,
@@ -120,7 +120,7 @@ class PendingCommit:
     """One COMMIT waiting for the next group transaction."""
 
     staged: Sequence[tuple[bytes, Layout]]  # key, stamped layout (if_absent: those to write)
-    rows: list[tuple[bytes, bytes, float | None, float]]  # their SQLite rows (MetaStore.put_many)
+    rows: list[tuple[bytearray, bytearray, float, float]]  # their SQLite rows (store.PUT_KV)
     nbytes: int  # keys + encoded layouts
     now: float
     expires_at: float | None
@@ -513,7 +513,8 @@ class MetaIndex(ServerRegistry):
         is written."""
         if self._wal.failed is not None:
             raise self._wal.failed
-        rows = [(k, encode_layout(lay), expires_at, now) for k, lay in staged]
+        exp = NO_EXPIRY if expires_at is None else expires_at
+        rows = [(bytearray(k), encode_layout_buffer(lay), exp, now) for k, lay in staged]
         loop = asyncio.get_running_loop()
         pending = PendingCommit(staged, rows, sum(len(r[0]) + len(r[1]) for r in rows), now,
                                 expires_at, check, if_absent, [], loop.create_future())

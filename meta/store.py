@@ -60,6 +60,13 @@ PUT_GHOST = "INSERT INTO ghosts(chunk, h, until) VALUES (?,?,?)"
 # keys with an older record that may outlive their current one (kvfs.meta.tombstones, "older
 # records"): ``until`` is the latest expiry among those records (NULL: one never expires)
 OLDER_SCHEMA = "CREATE TABLE older (key BLOB PRIMARY KEY, until REAL) WITHOUT ROWID"
+# a layout row: (key, layout blob, expires_at, last_access); sqlite3 binds a bytearray or a
+# float as it is, but a bytes or None value only after an adapter lookup that raises and drops
+# an AttributeError per value (about 1 us of CPU per row of three, bench/RESULTS.md), so the
+# commit path's rows carry bytearrays and NO_EXPIRY for none (plain rows are taken too)
+NO_EXPIRY = -1.0
+PUT_KV = ("INSERT OR REPLACE INTO kv(key, layout, expires_at, last_access) "
+          f"VALUES (?1, ?2, nullif(?3, {NO_EXPIRY}), ?4)")
 PUT_TOMBSTONE = "INSERT OR REPLACE INTO tombstones(key, layout, horizon) VALUES (?,?,?)"
 PUT_OLDER = "INSERT OR REPLACE INTO older(key, until) VALUES (?,?)"
 
@@ -182,14 +189,13 @@ class MetaStore:
              self.db.execute(f"{cols} WHERE key > ? ORDER BY key LIMIT ?", (after, limit)))
         return [(bytes(k), bytes(b), e, a) for k, b, e, a in q]
 
-    def put_many(self, rows: Iterable[tuple[bytes, bytes, float | None, float]],
+    def put_many(self, rows: Iterable[tuple[bytes | bytearray, bytes | bytearray, float | None, float]],
                  older: Iterable[tuple[bytes, float | None]] = ()) -> None:
-        """Write layouts and, in the same transaction, the keys among them that have older
-        records (key, until: the ``older`` table)."""
+        """Write layout rows (:data:`PUT_KV`) and, in the same transaction, the keys among
+        them that have older records (key, until: the ``older`` table)."""
         with self.db:
             self.db.execute("BEGIN")
-            self.db.executemany(
-                "INSERT OR REPLACE INTO kv(key, layout, expires_at, last_access) VALUES (?,?,?,?)", rows)
+            self.db.executemany(PUT_KV, rows)
             self.db.executemany(PUT_OLDER, older)
 
     def delete_many(self, keys: Iterable[bytes],
