@@ -100,6 +100,7 @@ class MetaStore:
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         self.path = path
+        self._wal = f"{path}-wal"  # (a str: sync_wal opens it after every change)
         self.synchronous = synchronous
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
@@ -145,7 +146,7 @@ class MetaStore:
 
     @property
     def wal_path(self) -> Path:
-        return Path(f"{self.path}-wal")
+        return Path(self._wal)
 
     def sync_wal(self) -> None:
         """``fdatasync`` the WAL file: every transaction written before this call is durable
@@ -162,7 +163,7 @@ class MetaStore:
         locks are on the database and ``-shm`` files), so this descriptor's close
         drops none of them."""
         try:
-            fd = os.open(self.wal_path, os.O_RDONLY)
+            fd = os.open(self._wal, os.O_RDONLY)
         except FileNotFoundError:
             return
         try:
@@ -327,6 +328,7 @@ class Checkpointer:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.shm_path = Path(f"{path}-shm")
+        self._shm = str(self.shm_path)
         self.db: sqlite3.Connection | None = None
         self.checkpoints = 0  # checkpoints run (complete or not)
 
@@ -335,11 +337,14 @@ class Checkpointer:
         wal-index header in the ``-shm`` file (https://www.sqlite.org/walformat.html:
         offsets 16 and 96, native byte order), read without a lock: a trigger, not a count
         anything relies on."""
-        try:
-            with open(self.shm_path, "rb") as f:
-                head = f.read(100)
+        try:  # (os calls on a str path: no file object; this runs after every sync)
+            fd = os.open(self._shm, os.O_RDONLY)
         except FileNotFoundError:
             return 0
+        try:
+            head = os.pread(fd, 100, 0)
+        finally:
+            os.close(fd)
         if len(head) < 100:
             return 0
         mx = int.from_bytes(head[16:20], sys.byteorder)
