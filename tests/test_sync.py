@@ -195,7 +195,22 @@ async def _hold(rpc: object, op: Op = Op.READV) -> Hold:
     return Hold(rpc, op)  # type: ignore[arg-type]
 
 
+@pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt in the main thread, as at a terminal, whatever this
+    process inherited: a pytest started as a background job of a script (``cmd &``) has
+    SIGINT ignored (POSIX shells start such jobs so; Python then installs no handler), and
+    a test of Ctrl-C would wait for an interrupt that never comes."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if previous is not None:  # (None: a handler not set from Python, left as ours)
+            signal.signal(signal.SIGINT, previous)
+
+
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill()")
+@pytest.mark.usefixtures("ctrl_c")
 def test_a_blocking_get_into_interrupted_leaves_the_callers_buffer_alone(one_cs: ThreadCluster) -> None:
     """Ctrl-C (SIGINT) in a thread blocked in ``get_into`` while the answer is landing in its
     buffer: the KeyboardInterrupt is raised only once the call has ended, so a caller that
