@@ -209,6 +209,10 @@ class _Link:
     def bind_loop(self) -> None:
         pass
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:  # the loop it is used on (the layout cache's TOUCH)
+        return asyncio.get_running_loop()
+
     async def call_meta(self, req: Any) -> Any:
         pack_header(req)
         if isinstance(req, rpc.Commit):

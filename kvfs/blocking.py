@@ -1,22 +1,27 @@
-"""The blocking client's own sockets to meta, used in its callers' threads.
+"""The blocking client's own sockets to meta and the chunkservers, used in its callers' threads.
 
 A blocking call that is one meta RPC and nothing more (``exists_many``, ``match_prefix``,
-``release``) is sent and answered in the thread that made it, on a plain blocking socket:
-no hop to the IO loop's thread and back.  That hop costs about three thread wake-ups per
-call (the IO thread for the request, the caller for the answer, the IO thread again for the
-next request), and on a loaded machine each wake-up waits for a CPU; a 128-key lookup
-takes less CPU than those waits (bench/RESULTS.md).  Here the answer wakes one thread, the
-caller, out of its ``recv``.
+``release``), and the common case of ``get_many``/``get_into`` (layouts cached or one
+LOOKUP, then one READV to each chunkserver holding the values: :meth:`kvfs.readpath.
+ReadPath.fetch_now`), are sent and answered in the thread that made them, on plain
+blocking sockets: no hop to the IO loop's thread and back.  That hop costs about three
+thread wake-ups per call (the IO thread for the request, the caller for the answer, the
+IO thread again for the next request), and on a loaded machine each wake-up waits for a
+CPU; a 128-key lookup takes less CPU than those waits (bench/RESULTS.md), and the IO
+thread waking for each READV answer while the callers take the GIL cost a 4 KiB
+``get_many`` about 1 us per key.  Here the answer wakes one thread, the caller, out of
+its ``recv``.
 
 The sockets speak what :mod:`kvfs.transport`'s connections speak, with the same code: the
 connect and TLS errors (:func:`kvfs.transport.connect_failure`, :mod:`kvfs.tls`), the
 token handshake (:func:`kvfs.transport.answer_hello`, :mod:`kvfs.handshake`), the frames
 (:class:`kvfs.protocol.FrameDecoder`) and the typed answers
-(:func:`kvfs.transport.answer_of`, :mod:`kvfs.rpc`).  At most ``most`` of them are open
-(``ClientConfig.meta_sockets``), each carrying one call at a time.  A call that finds none
-free, a meta these sockets cannot reach, or a socket lost before its answer (e.g. meta
-restarted or closed it as idle), goes through the IO loop instead, whose link fails over
-between metas and says why one cannot be reached.
+(:func:`kvfs.transport.answer_of`, :mod:`kvfs.rpc`).  Each carries one call at a time.
+At most ``ClientConfig.meta_sockets`` go to meta (:class:`MetaSockets`) and at most
+``ClientConfig.server_sockets`` to each chunkserver (:class:`ServerSockets`).  A call that
+finds none free, a server these sockets cannot reach, or a socket lost before its answer
+(e.g. the server restarted or closed it as idle), goes through the IO loop instead, whose
+link fails over between metas and replicas and says why one cannot be reached.
 """
 
 from __future__ import annotations
@@ -27,7 +32,11 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
+from kvfs import rpc
+from kvfs.address import parse_addr
 from kvfs.cluster import ClusterLink, Endpoint
 from kvfs.errors import (
     KVFSError,
@@ -38,7 +47,7 @@ from kvfs.errors import (
     from_wire,
 )
 from kvfs.handshake import check_server_proof
-from kvfs.protocol import Frame, FrameDecoder, Limits
+from kvfs.protocol import Frame, FrameDecoder, Limits, PayloadAllocator, SharedReceivePool
 from kvfs.rpc import OP_OF, Auth, Op, R, Request, decode, to_dict
 from kvfs.tls import tls_failure
 from kvfs.transport import (
@@ -52,24 +61,32 @@ from kvfs.transport import (
 )
 
 # a socket's receive buffer to start with: a lookup's answer of 128 keys fits many times;
-# a larger answer grows it, and the socket's next call starts again from this size
+# a larger answer grows it, and the socket's next call starts again from this size (a
+# READV answer's payload over 64 KiB goes to its own buffer: ServerSockets' pool)
 SCRATCH_BYTES = 16 * 1024
 
 
-class MetaSocket:
-    """One authenticated blocking connection to meta: one request at a time."""
+class BlockingSocket:
+    """One authenticated blocking connection to meta or a chunkserver: one request at a
+    time.  ``allocator``: where payloads over 64 KiB are received (default: a fresh buffer)."""
 
-    def __init__(self, sock: socket.socket, name: str, request_timeout_s: float) -> None:
+    def __init__(self, sock: socket.socket, name: str, request_timeout_s: float,
+                 allocator: PayloadAllocator | None = None) -> None:
         self.sock = sock
         self.name = name
         self.request_timeout_s = request_timeout_s
         self._timeout_s = -1.0  # the socket's timeout as last set here (-1: not yet)
         self._ids = itertools.count(1)
-        self._decoder = FrameDecoder(Limits(), scratch_bytes=SCRATCH_BYTES)
+        self._allocator = allocator
+        self._decoder = self._new_decoder()
+
+    def _new_decoder(self) -> FrameDecoder:
+        return FrameDecoder(Limits(), allocator=self._allocator, scratch_bytes=SCRATCH_BYTES)
 
     @classmethod
     def open(cls, ep: Endpoint, token: str, *, connect_timeout_s: float, request_timeout_s: float,
-             tls: ssl.SSLContext | None) -> MetaSocket:
+             tls: ssl.SSLContext | None, allocator: PayloadAllocator | None = None,
+             ) -> BlockingSocket:
         """Connect and authenticate, within ``connect_timeout_s`` for each of the two."""
         host, port, server_name = ep
         name = peer_name(host, port, server_name)
@@ -84,7 +101,7 @@ class MetaSocket:
         except OSError as exc:  # ssl.SSLError is one
             sock.close()
             raise connect_failure(exc, name, tls is not None, connect_timeout_s) from None
-        conn = cls(sock, name, request_timeout_s)
+        conn = cls(sock, name, request_timeout_s, allocator)
         deadline = time.monotonic() + connect_timeout_s
         hello: Frame | None = None
         try:
@@ -93,7 +110,7 @@ class MetaSocket:
                 raise RemoteProtocolError(f"{name} sent op {hello.op} before its HELLO")
             _, auth = answer_hello(token, hello, name, local=sock.getsockname(),
                                    peer=sock.getpeername())
-            reply = conn._exchange(decode(auth, Auth), deadline)
+            reply = answer_of(Op.AUTH, conn._receive(conn.send(decode(auth, Auth)), deadline), name)
             check_server_proof(token, hello.header, auth, to_dict(reply), name)
         except KVFSError:  # (some are OSErrors too) the server's answer, as it is
             conn.close()
@@ -117,22 +134,30 @@ class MetaSocket:
         """Send ``request`` and return its typed answer; an error frame raises its error.
         A timeout (``request_timeout_s``) raises :class:`Timeout`; the connection lost
         raises ``OSError`` (the caller drops this socket either way)."""
+        answer: R = self.answer(OP_OF[type(request)], self.send(request),
+                                time.monotonic() + self.request_timeout_s)[0]
+        return answer
+
+    def send(self, request: Request[R]) -> int:
+        """Send ``request``; returns its id, for :meth:`answer`."""
+        rid = next(self._ids)
+        for part in request_frame(OP_OF[type(request)], rid, request):
+            self.sock.sendall(part)
+        return rid
+
+    def answer(self, op: Op, rid: int, deadline: float) -> tuple[Any, bytes | memoryview]:
+        """The typed answer to request ``rid`` (an ``op``) and its payload, within
+        ``deadline`` (else :class:`Timeout`); an error frame raises its error."""
         try:
-            return self._exchange(request, time.monotonic() + self.request_timeout_s)
+            frame = self._receive(rid, deadline)
         except TimeoutError as exc:
-            if isinstance(exc, KVFSError):  # meta's answer (an error frame), as it is
+            if isinstance(exc, KVFSError):  # the server's answer (an error frame), as it is
                 raise
-            op = OP_OF[type(request)]
             raise Timeout(f"{op.name} to {self.name} got no answer within "
                           f"{self.request_timeout_s}s") from None
-
-    def _exchange(self, request: Request[R], deadline: float) -> R:
-        op = OP_OF[type(request)]
-        rid = next(self._ids)
-        for part in request_frame(op, rid, request):
-            self.sock.sendall(part)
-        answer: R = answer_of(op, self._receive(rid, deadline), self.name)
-        return answer
+        payload = frame.payload
+        return answer_of(op, frame, self.name), (
+            payload if isinstance(payload, (bytes, memoryview)) else memoryview(payload))  # type: ignore[arg-type]
 
     def _receive(self, rid: int, deadline: float) -> Frame:
         """The next frame (answer ``rid``; 0: the server's HELLO), within ``deadline``."""
@@ -161,7 +186,7 @@ class MetaSocket:
             raise RemoteProtocolError(f"{self.name} answered request {ev.request_id}, "
                                       f"expected {rid} (one at a time on this connection)")
         if got > SCRATCH_BYTES and not dec.buffered_bytes:  # a large answer: its memory goes
-            self._decoder = FrameDecoder(Limits(), scratch_bytes=SCRATCH_BYTES)
+            self._decoder = self._new_decoder()
         return ev
 
     def shut(self) -> None:
@@ -176,26 +201,113 @@ class MetaSocket:
         self.sock.close()
 
 
-class MetaSockets:
-    """At most ``most`` :class:`MetaSocket`\\ s to the metas ``link`` knows (opened on
-    demand, in turn over the metas up), each lent to one call at a time.  Fork-safe: a
-    child of ``fork()`` leaves the parent's sockets alone and opens its own."""
+class SocketPool:
+    """At most ``most`` :class:`BlockingSocket`\\ s (opened on demand by :meth:`_open`),
+    each lent to one call at a time.  Fork-safe: a child of ``fork()`` leaves the parent's
+    sockets alone and opens its own."""
+
+    def __init__(self, *, most: int) -> None:
+        self.most = most
+        self._lock = threading.Lock()
+        self._idle: list[BlockingSocket] = []
+        self._busy: set[BlockingSocket] = set()
+        self._opening = 0  # sockets being opened (counted against `most`)
+        self._closed = False
+        self._pid = os.getpid()
+
+    def _endpoint(self) -> Endpoint | None:
+        """Where a new socket goes (under the lock); None: nowhere now."""
+        raise NotImplementedError
+
+    def _open(self, ep: Endpoint) -> BlockingSocket:
+        raise NotImplementedError
+
+    def _failed(self, ep: Endpoint) -> None:
+        """A socket to ``ep`` could not be opened (under the lock)."""
+
+    def close(self) -> None:
+        """Closes the idle sockets and ends the calls on the others at once; nothing is
+        lent any more."""
+        with self._lock:
+            if self._pid != os.getpid():  # (a child's: the parent's sockets are never shut)
+                self._forked()
+            self._closed = True
+            idle, self._idle = self._idle, []
+            busy = list(self._busy)
+        for s in idle:
+            s.close()
+        for s in busy:
+            s.shut()  # its caller closes it (_drop)
+
+    def _forked(self) -> None:
+        """In a child of ``fork()`` (under the lock): the parent's sockets are its own; this
+        process's copies of them are closed (no shutdown: that would end the parent's)."""
+        for s in [*self._idle, *self._busy]:
+            s.close()
+        self._idle, self._busy, self._opening = [], set(), 0
+        self._pid = os.getpid()
+
+    def _take(self) -> BlockingSocket | None:
+        with self._lock:
+            if self._pid != os.getpid():
+                self._forked()
+            if self._closed:
+                return None
+            if self._idle:
+                idle = self._idle.pop()
+                self._busy.add(idle)
+                return idle
+            if len(self._busy) + self._opening >= self.most:
+                return None
+            ep = self._endpoint()
+            if ep is None:
+                return None
+            self._opening += 1
+        s: BlockingSocket | None = None
+        keep = False
+        try:
+            s = self._open(ep)
+        except (KVFSError, OSError):  # the IO loop's link tries it too, and says why it fails
+            with self._lock:
+                self._failed(ep)
+        finally:
+            with self._lock:
+                self._opening -= 1
+                keep = s is not None and not self._closed and self._pid == os.getpid()
+                if keep and s is not None:
+                    self._busy.add(s)
+        if s is not None and not keep:
+            s.close()  # the pool was closed meanwhile
+        return s if keep else None
+
+    def _give(self, s: BlockingSocket) -> None:
+        with self._lock:
+            if s in self._busy:
+                self._busy.discard(s)
+                if not self._closed:
+                    self._idle.append(s)
+                    return
+        s.close()
+
+    def _drop(self, s: BlockingSocket) -> None:
+        with self._lock:
+            self._busy.discard(s)
+        s.close()
+
+
+class MetaSockets(SocketPool):
+    """At most ``most`` sockets to the metas ``link`` knows (opened in turn over the metas
+    up, skipping for ``down_for_s`` one a socket could not be opened to)."""
 
     def __init__(self, link: ClusterLink, *, most: int, connect_timeout_s: float,
                  request_timeout_s: float, down_for_s: float) -> None:
+        super().__init__(most=most)
         self._link = link
-        self.most = most
         self._connect_timeout_s = connect_timeout_s
         self._request_timeout_s = request_timeout_s
         self._down_for_s = down_for_s
-        self._lock = threading.Lock()
-        self._idle: list[MetaSocket] = []
-        self._busy: set[MetaSocket] = set()
-        self._opening = 0  # sockets being opened (counted against `most`)
         self._down_until: dict[Endpoint, float] = {}  # metas a socket could not be opened to
         self._turn = 0
-        self._closed = False
-        self._pid = os.getpid()
 
     def call(self, request: Request[R]) -> R | None:
         """``request``'s answer, or None: not sent here (no socket free, none could be
@@ -225,64 +337,18 @@ class MetaSockets:
         link.meta_calls[ms.name] += 1
         return answer
 
-    def close(self) -> None:
-        """Closes the idle sockets and ends the calls on the others at once; nothing is
-        lent any more."""
-        with self._lock:
-            if self._pid != os.getpid():  # (a child's: the parent's sockets are never shut)
-                self._forked()
-            self._closed = True
-            idle, self._idle = self._idle, []
-            busy = list(self._busy)
-        for ms in idle:
-            ms.close()
-        for ms in busy:
-            ms.shut()  # its caller closes it (_drop)
-
     def _forked(self) -> None:
-        """In a child of ``fork()`` (under the lock): the parent's sockets are its own; this
-        process's copies of them are closed (no shutdown: that would end the parent's)."""
-        for ms in [*self._idle, *self._busy]:
-            ms.close()
-        self._idle, self._busy, self._opening = [], set(), 0
+        super()._forked()
         self._down_until.clear()
-        self._pid = os.getpid()
 
-    def _take(self) -> MetaSocket | None:
-        with self._lock:
-            if self._pid != os.getpid():
-                self._forked()
-            if self._closed:
-                return None
-            if self._idle:
-                idle = self._idle.pop()
-                self._busy.add(idle)
-                return idle
-            if len(self._busy) + self._opening >= self.most:
-                return None
-            ep = self._next_meta()
-            if ep is None:
-                return None
-            self._opening += 1
-        ms: MetaSocket | None = None
-        keep = False
-        try:
-            ms = MetaSocket.open(ep, self._link.token, connect_timeout_s=self._connect_timeout_s,
-                                 request_timeout_s=self._request_timeout_s, tls=self._link.tls)
-        except (KVFSError, OSError):  # the IO loop's link tries it too, and says why it fails
-            with self._lock:
-                self._down_until[ep] = time.monotonic() + self._down_for_s
-        finally:
-            with self._lock:
-                self._opening -= 1
-                keep = ms is not None and not self._closed and self._pid == os.getpid()
-                if keep and ms is not None:
-                    self._busy.add(ms)
-        if ms is not None and not keep:
-            ms.close()  # the pool was closed meanwhile
-        return ms if keep else None
+    def _open(self, ep: Endpoint) -> BlockingSocket:
+        return BlockingSocket.open(ep, self._link.token, connect_timeout_s=self._connect_timeout_s,
+                                   request_timeout_s=self._request_timeout_s, tls=self._link.tls)
 
-    def _next_meta(self) -> Endpoint | None:
+    def _failed(self, ep: Endpoint) -> None:
+        self._down_until[ep] = time.monotonic() + self._down_for_s
+
+    def _endpoint(self) -> Endpoint | None:
         """The meta a new socket goes to: the link's metas up, in turn, skipping those a
         socket could not be opened to within ``down_for_s`` (under the lock)."""
         now = time.monotonic()
@@ -292,17 +358,113 @@ class MetaSockets:
         self._turn += 1
         return eps[self._turn % len(eps)]
 
-    def _give(self, ms: MetaSocket) -> None:
-        with self._lock:
-            if ms in self._busy:
-                self._busy.discard(ms)
-                if not self._closed:
-                    self._idle.append(ms)
-                    return
-        ms.close()
 
-    def _drop(self, ms: MetaSocket) -> None:
-        with self._lock:
-            self._busy.discard(ms)
-        ms.close()
+class _ServerPool(SocketPool):
+    """The sockets to one chunkserver at one address."""
 
+    def __init__(self, owner: ServerSockets, addr: str) -> None:
+        super().__init__(most=owner.most)
+        self._owner = owner
+        self.addr = addr
+        host, port = parse_addr(addr, what="chunkserver address")
+        self._ep: Endpoint = (host, port, None)
+        self.down_until = 0.0  # a socket could not be opened to it until then (monotonic)
+
+    def _endpoint(self) -> Endpoint | None:
+        return self._ep if self.down_until <= time.monotonic() else None
+
+    def _open(self, ep: Endpoint) -> BlockingSocket:
+        o = self._owner
+        return BlockingSocket.open(ep, o._link.token, connect_timeout_s=o._connect_timeout_s,
+                                   request_timeout_s=o._request_timeout_s, tls=o._link.tls,
+                                   allocator=o.rx_pool)
+
+    def _failed(self, ep: Endpoint) -> None:
+        self.down_until = time.monotonic() + self._owner._down_for_s
+
+
+# what a READV's answer is handed to, while its payload's buffer is lent: (server id, answer,
+# payload); the payload is given back to the pool once it returns
+Settle = Callable[[int, rpc.ReadVReply, memoryview], None]
+
+
+class ServerSockets:
+    """At most ``most`` sockets to each chunkserver, for the READVs of reads made in the
+    callers' threads (:meth:`readvs`).  Payloads over 64 KiB are received into one pool of
+    buffers kept for reuse, shared by every socket (``pool_bytes`` at most kept: the
+    ``ClientConfig.read_pool_bytes`` of the IO loop's read path, again)."""
+
+    def __init__(self, link: ClusterLink, *, most: int, connect_timeout_s: float,
+                 request_timeout_s: float, down_for_s: float, pool_bytes: int) -> None:
+        self._link = link
+        self.most = most
+        self._connect_timeout_s = connect_timeout_s
+        self._request_timeout_s = request_timeout_s
+        self._down_for_s = down_for_s
+        self.rx_pool = SharedReceivePool(pool_bytes, min_bytes=0)
+        self._lock = threading.Lock()
+        self._pools: dict[int, _ServerPool] = {}  # by server id (one address each)
+        self._closed = False
+
+    def _pool(self, sid: int, addr: str) -> _ServerPool | None:
+        with self._lock:
+            if self._closed:
+                return None
+            pool = self._pools.get(sid)
+            if pool is not None and pool.addr == addr:
+                return pool
+            fresh = self._pools[sid] = _ServerPool(self, addr)
+        if pool is not None:
+            pool.close()  # the server moved: its old sockets go
+        return fresh
+
+    def readvs(self, reads: Sequence[tuple[int, str, rpc.ReadV, float]], settle: Settle) -> bool:
+        """Each ``(server id, its address, READV, deadline)`` sent on a socket of its own,
+        all of them before any answer is read (the servers work at once); each answer
+        handed to ``settle`` as it is read.  True: every READV was answered and settled.
+        False: not (no socket free, a server these sockets cannot reach, a connection lost,
+        an error answer, a deadline passed): which were settled is undefined, and the
+        caller reads again through the IO loop.  A socket whose answer was not read to its
+        end (those, and an interrupt: ``KeyboardInterrupt`` is raised) is closed."""
+        if self.most <= 0:
+            return False
+        taken: list[tuple[_ServerPool, BlockingSocket | None]] = []
+        counts = self._link.rpc_counts
+        try:
+            for sid, addr, _, _ in reads:
+                pool = self._pool(sid, addr)
+                s = None if pool is None else pool._take()
+                if pool is None or s is None:
+                    return False
+                taken.append((pool, s))
+            rids = []
+            for (_, s), (_, _, request, _) in zip(taken, reads, strict=True):
+                assert s is not None
+                counts["READV"] += 1
+                rids.append(s.send(request))
+            for i, (sid, _, _, deadline) in enumerate(reads):
+                pool, s = taken[i]
+                assert s is not None
+                answer, payload = s.answer(Op.READV, rids[i], deadline)
+                try:
+                    settle(sid, answer, payload if isinstance(payload, memoryview)
+                           else memoryview(payload))
+                finally:
+                    self.rx_pool.give(payload)
+                taken[i] = (pool, None)  # answered: reusable
+                pool._give(s)
+            return True
+        except (KVFSError, OSError):  # lost, shut by close(), timed out, an error answer
+            return False
+        finally:
+            for pool, s in taken:
+                if s is not None:
+                    pool._drop(s)
+
+    def close(self) -> None:
+        """Closes the idle sockets and ends the calls on the others at once."""
+        with self._lock:
+            self._closed = True
+            pools = list(self._pools.values())
+        for pool in pools:
+            pool.close()

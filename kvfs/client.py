@@ -208,19 +208,36 @@ class AsyncClient:
                      lease_s: float | None = None) -> list[Layout | None]:
         """The layouts of normalised keys (None: a miss), from the cache where it holds them.
         ``lease_s``: every key is looked up in meta, which leases the ones it finds."""
+        out, missing, request = self.lookup_request(keys, use_cache=use_cache, lease_s=lease_s)
+        if request is not None:
+            self.looked_up(keys, out, missing, (await self._link.call_meta(request)).layouts)
+        return out
+
+    # lookup() in two halves, the RPC between them: the blocking client sends it from its
+    # callers' threads (kvfs.blocking)
+    def lookup_request(self, keys: Sequence[bytes], *, use_cache: bool = True,
+                       lease_s: float | None = None,
+                       ) -> tuple[list[Layout | None], list[int], rpc.Lookup | None]:
+        """The layouts the cache holds, the indexes of the keys to look up, and the LOOKUP
+        for them (None: none to look up)."""
         if use_cache and lease_s is None:
             out, missing = self.layout_cache.get_many(keys, self.clock())
         else:
             _check_lease(lease_s)
             out, missing = [None] * len(keys), list(range(len(keys)))
-        if missing:
-            h = await self._link.call_meta(rpc.Lookup(keys=[keys[i] for i in missing], lease_s=lease_s,
-                                                      holder=self.lease_holder if lease_s else ""))
-            for i, lay in zip(missing, h.layouts, strict=True):
-                if lay is not None:
-                    out[i] = lay
-                    self.layout_cache.put(keys[i], lay)
-        return out
+        if not missing:
+            return out, missing, None
+        return out, missing, rpc.Lookup(keys=[keys[i] for i in missing], lease_s=lease_s,
+                                        holder=self.lease_holder if lease_s else "")
+
+    def looked_up(self, keys: Sequence[bytes], out: list[Layout | None], missing: list[int],
+                  layouts: Sequence[Layout | None]) -> None:
+        """The LOOKUP's answer into ``out`` and the cache."""
+        if len(layouts) != len(missing):
+            raise RemoteProtocolError(f"LOOKUP of {len(missing)} keys answered {len(layouts)} layouts")
+        for i, lay in zip(missing, layouts, strict=True):
+            out[i] = lay
+        self.layout_cache.put_many([keys[i] for i in missing], layouts)
 
     async def lookup_dirs(self, keys: Sequence[bytes]) -> list[Layout | bool]:
         """Fresh layouts of normalised keys, and for each miss whether keys lie under
@@ -403,11 +420,11 @@ class AsyncClient:
         out: list[bytes | None]
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
-        if not any([lay is not None and len(lay.extents) > 1 for lay in layouts]):
+        whole = many_dests(layouts)
+        if whole is not None:
             # one-extent values (all of them here) become bytes straight from the receive
             # buffer (one copy)
-            out = [None if lay is None else b"" for lay in layouts]
-            dests1: list[Dest] = [None if lay is None or not lay.size else WHOLE for lay in layouts]
+            out, dests1 = whole
             for i in await self.reader.read_into(ks, layouts, dests1, out, failed=failed, lost=lost):
                 out[i] = None
             if failed:
@@ -516,13 +533,9 @@ class AsyncClient:
         another's.  Concurrent calls smaller than a batch share one batch (one LOOKUP,
         one READV per server); each gets its own results.
         """
-        ks = norm_keys(keys)
-        if len(buffers) != len(ks):
-            raise InvalidArgument(f"{len(ks)} keys but {len(buffers)} buffers")
+        ks, views, rooms = into_call(keys, buffers, lease_s)
         if not ks:
             return []
-        views, rooms = as_parts_many(buffers, writable=True, what="buffer")
-        _check_lease(lease_s)
         total = sum(rooms)
         if self._coalesce(len(ks), total):
             return await self._into_batcher.submit((ks, views, rooms, lease_s), total,
@@ -557,21 +570,7 @@ class AsyncClient:
                         lease_s: float | None) -> list[int]:
         """``rooms``: each key's buffer size."""
         layouts = await self.lookup(ks, lease_s=lease_s)
-        result = [MISS if lay is None else lay.size for lay in layouts]
-        dests: Sequence[Dest]
-        if result == rooms:  # the common case, checked in C: every key a hit filling its buffer
-            dests = views
-        else:
-            each: list[Dest] = []
-            dests = each
-            for i, (lay, v, room) in enumerate(zip(layouts, views, rooms, strict=True)):
-                if lay is None:
-                    each.append(None)
-                elif lay.size > room:
-                    result[i] = TOO_SMALL
-                    each.append(None)
-                else:
-                    each.append(v if lay.size == room else cut(v, 0, lay.size))
+        result, dests = into_dests(layouts, views, rooms)
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
         misses = await self.reader.read_into(ks, layouts, dests, failed=failed, lost=lost)
@@ -699,6 +698,46 @@ def _encode_meta(key: bytes, meta: Mapping[str, Any] | None) -> bytes | None:
         raise InvalidArgument(f"meta for key {key[:64]!r} is {len(blob)} bytes encoded; the "
                               f"protocol's limit is {MAX_META_BYTES} (meta's --max-key-meta is lower)")
     return blob
+
+
+def many_dests(layouts: list[Layout | None]) -> tuple[list[bytes | None], list[Dest]] | None:
+    """get_many's results to fill and the read's destinations, when every value found is one
+    extent (each handed back as bytes, ``WHOLE``); None when one is striped."""
+    if any([lay is not None and len(lay.extents) > 1 for lay in layouts]):
+        return None
+    return ([None if lay is None else b"" for lay in layouts],
+            [None if lay is None or not lay.size else WHOLE for lay in layouts])
+
+
+def into_call(keys: Iterable[Key], buffers: Sequence[Any], lease_s: float | None,
+              ) -> tuple[list[bytes], list[list[memoryview]], list[int]]:
+    """A get_into call checked: its keys, each key's buffer views and their sizes."""
+    ks = norm_keys(keys)
+    if len(buffers) != len(ks):
+        raise InvalidArgument(f"{len(ks)} keys but {len(buffers)} buffers")
+    if not ks:
+        return [], [], []
+    views, rooms = as_parts_many(buffers, writable=True, what="buffer")
+    _check_lease(lease_s)
+    return ks, views, rooms
+
+
+def into_dests(layouts: list[Layout | None], views: list[list[memoryview]], rooms: list[int],
+               ) -> tuple[list[int], Sequence[Dest]]:
+    """get_into's results (sizes, ``MISS``, ``TOO_SMALL``) and the read's destinations."""
+    result = [MISS if lay is None else lay.size for lay in layouts]
+    if result == rooms:  # the common case, checked in C: every key a hit filling its buffer
+        return result, views
+    each: list[Dest] = []
+    for i, (lay, v, room) in enumerate(zip(layouts, views, rooms, strict=True)):
+        if lay is None:
+            each.append(None)
+        elif lay.size > room:
+            result[i] = TOO_SMALL
+            each.append(None)
+        else:
+            each.append(v if lay.size == room else cut(v, 0, lay.size))
+    return result, each
 
 
 def _check_lease(lease_s: float | None) -> None:

@@ -149,6 +149,21 @@ class ClusterLink:
         for fn in self.on_rebind:
             fn()
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop this link is bound to (None: not yet)."""
+        return self._loop
+
+    def call_soon_threadsafe(self, fn: Callable[[], object]) -> None:
+        """Run ``fn`` on the loop this link is bound to, from any thread (none bound, or
+        closed: not run)."""
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(fn)
+            except RuntimeError:  # closed meanwhile
+                pass
+
     def connections(self) -> list[Connection]:
         """The open connections, meta's first (a debug hook: e.g. tests checking TLS)."""
         conns = [*self._metas.values(), *self._conns.values()]
@@ -319,6 +334,15 @@ class ClusterLink:
         down here (no RPC)."""
         self._expire_marks(time.monotonic())
         return {s.server_id: s.usable for s in self._servers.values()}
+
+    def usable_addrs(self) -> dict[int, str]:
+        """The address of each server usable now (as :meth:`alive` says; no RPC).  Safe
+        from other threads (the blocking client's reads in its callers' threads,
+        :mod:`kvfs.blocking`): it only reads."""
+        now = time.monotonic()
+        down = self._down_until
+        return {sid: s.addr for sid, s in self._servers.items()
+                if s.alive and down.get(sid, 0.0) <= now}
 
     def mark_down(self, sid: int) -> None:
         """Skip server ``sid`` for ``down_for_s``: a call to it could not reach it.  The mark

@@ -272,10 +272,18 @@ class ClientConfig(TlsConfig):
                             "time in the calling thread, skipping the hop to the client's IO "
                             "thread; calls finding none free take that hop (0: every call "
                             "does)", 4)
+    server_sockets: int = opt("the blocking kvfs.Client's own connections to each chunkserver, "
+                              "opened as needed: each carries one READV of a get_many/get_into "
+                              "made in the calling thread (small values, cached layouts or one "
+                              "LOOKUP), skipping the hop to the client's IO thread; calls finding "
+                              "none free, and reads needing more (failover, striped or large "
+                              "values), take that hop (0: every call does)", 4)
 
     def __post_init__(self) -> None:
         if self.meta_sockets < 0:
             raise ValueError(f"meta_sockets must be >= 0 (0: none), got {self.meta_sockets}")
+        if self.server_sockets < 0:
+            raise ValueError(f"server_sockets must be >= 0 (0: none), got {self.server_sockets}")
         if self.read_pool_bytes < 0:
             raise ValueError(f"read_pool_bytes must be >= 0 (0: none), got {self.read_pool_bytes}")
         h = self.lease_holder

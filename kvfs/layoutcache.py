@@ -5,12 +5,17 @@ Layouts never change once committed, so a cached one stays right until it expire
 ``StaleLayout`` and the reader forgets it).  Keys read through the cache are told to
 meta in one TOUCH now and then (every ``TOUCH_INTERVAL_S`` or 4096 keys), so
 eviction sees them as recently used.
+
+The blocking client reads it from its callers' threads too (:mod:`kvfs.blocking`): its
+changes are made under a lock, and a TOUCH due in such a thread is sent by the IO loop
+(a key read while a TOUCH is being made may miss it: access times are advisory).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -36,6 +41,7 @@ class LayoutCache:
         self._touched: set[bytes] = set()  # keys read via the cache, not yet told to meta
         self._touch_at = time.monotonic()
         self._touch_task: asyncio.Task[None] | None = None
+        self._lock = threading.Lock()  # changes from the IO loop and the blocking callers
 
     def __len__(self) -> int:
         return len(self._layouts)
@@ -52,18 +58,21 @@ class LayoutCache:
         used last."""
         cache = self._layouts
         move = cache.move_to_end
-        for key, layout in zip(keys, layouts, strict=True):
-            if layout is not None:
-                cache[key] = layout
-                move(key)
-        while len(cache) > self.entries:
-            cache.popitem(last=False)
+        with self._lock:
+            for key, layout in zip(keys, layouts, strict=True):
+                if layout is not None:
+                    cache[key] = layout
+                    move(key)
+            while len(cache) > self.entries:
+                cache.popitem(last=False)
 
     def pop(self, key: bytes) -> None:
-        self._layouts.pop(key, None)
+        with self._lock:
+            self._layouts.pop(key, None)
 
     def clear(self) -> None:
-        self._layouts.clear()
+        with self._lock:
+            self._layouts.clear()
 
     def get_many(self, keys: Sequence[bytes], now: float) -> tuple[list[Layout | None], list[int]]:
         """Cached layouts (marked read) and the indexes of the keys to look up.  A cached
@@ -79,7 +88,7 @@ class LayoutCache:
                 if out[i] is None:
                     missing.append(i)
                 else:
-                    cache.pop(keys[i], None)
+                    self.pop(keys[i])
                     out[i] = None
             self._touched.update([k for k, lay in zip(keys, out, strict=True) if lay is not None])
         else:
@@ -90,7 +99,15 @@ class LayoutCache:
         return out, missing
 
     def flush_touches(self) -> None:
-        """Tell meta, in one batch, which keys were read from cached layouts (LRU eviction)."""
+        """Tell meta, in one batch, which keys were read from cached layouts (LRU eviction).
+        Called in another thread than the link's loop's, it asks that loop to."""
+        try:
+            loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            loop = None
+        if loop is None or loop is not self._link.loop:  # e.g. a blocking client's caller
+            self._link.call_soon_threadsafe(self.flush_touches)
+            return
         if not self._touched or self._sending() is not None:
             return
         keys, self._touched = list(self._touched), set()
@@ -102,7 +119,7 @@ class LayoutCache:
             except KVFSError as exc:  # best effort: access times are advisory
                 log.debug("touch of %d keys failed: %s", len(keys), exc)
 
-        self._touch_task = asyncio.get_running_loop().create_task(send())
+        self._touch_task = loop.create_task(send())
 
     def _sending(self) -> asyncio.Task[None] | None:
         """The TOUCH still being sent on this event loop, if any.  One of another loop (the

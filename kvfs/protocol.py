@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import struct
+import threading
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -205,6 +206,23 @@ class ReceivePool:
             return
         self._free.append(buf)
         self.kept_bytes += len(buf)
+
+
+class SharedReceivePool(ReceivePool):
+    """A :class:`ReceivePool` that several threads take buffers from and give them back to
+    (the blocking client's sockets to the chunkservers, :mod:`kvfs.blocking`)."""
+
+    def __init__(self, max_bytes: int, min_bytes: int = 1 << 20) -> None:
+        super().__init__(max_bytes, min_bytes)
+        self._lock = threading.Lock()
+
+    def __call__(self, head: FrameHead) -> bytearray | memoryview:
+        with self._lock:
+            return super().__call__(head)
+
+    def give(self, payload: object) -> None:
+        with self._lock:
+            super().give(payload)
 
 
 _ENCODER = msgspec.msgpack.Encoder()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -58,6 +59,10 @@ WHOLE: Final = _Dest.WHOLE
 # where an extent's (or a value's) bytes go: views filled in order (a value may be scattered
 # over several buffers), WHOLE, or None: not read
 Dest = list[memoryview] | _Dest | None
+# what fetch_now sends its READVs through: (server id, its address, READV, deadline) each, and
+# what each answer is handed to; True once every one was answered and handed over
+ReadVs = Callable[[list[tuple[int, str, rpc.ReadV, float]],
+                   Callable[[int, rpc.ReadVReply, memoryview], None]], bool]
 
 
 @dataclass(slots=True)
@@ -198,26 +203,8 @@ class ReadPath:
         stale: set[int] = set()
         failed: dict[int, KVFSError] = {}
         alive = self._link.alive()
-        # the first pass: an extent with one replica goes to its server with no choice to make
-        by_server: dict[int, list[_Job]] = defaultdict(list)
-        choose: list[_Job] = []
-        for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
-            if lay is None or dest is None:
-                continue
-            if dest is WHOLE or len(lay.extents) == 1:  # one extent: the dest is all of it
-                e = lay.extents[0]
-                reps = e.replicas
-                if len(reps) == 1:
-                    by_server[reps[0].server_id].append(_Job(slot, e, dest, reps[0]))
-                else:
-                    choose.append(_Job(slot, e, dest))
-                continue
-            pos = 0
-            for e in lay.extents:
-                choose.append(_Job(slot, e, cut(dest, pos, e.length)))
-                pos += e.length
         bad: set[int] = set()
-        self._assign(keys, choose, alive, stale, failed, bad, by_server)
+        by_server = self._first_jobs(keys, layouts, dests, alive, stale, failed, bad)
         while by_server:
             hedge = self._hedge_after_s
             results: list[list[_Job] | BaseException]
@@ -252,6 +239,82 @@ class ReadPath:
                 raise next(iter(failed.values()))
             failed_out.update(failed)
         return sorted(stale)
+
+    def _first_jobs(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Dest],
+                    alive: dict[int, bool], stale: set[int], failed: dict[int, KVFSError],
+                    bad: set[int]) -> dict[int, list[_Job]]:
+        """Every extent to read as a job, by the server of its first replica to try."""
+        # an extent with one replica goes to its server with no choice to make
+        by_server: dict[int, list[_Job]] = defaultdict(list)
+        choose: list[_Job] = []
+        for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
+            if lay is None or dest is None:
+                continue
+            if dest is WHOLE or len(lay.extents) == 1:  # one extent: the dest is all of it
+                e = lay.extents[0]
+                reps = e.replicas
+                if len(reps) == 1:
+                    by_server[reps[0].server_id].append(_Job(slot, e, dest, reps[0]))
+                else:
+                    choose.append(_Job(slot, e, dest))
+                continue
+            pos = 0
+            for e in lay.extents:
+                choose.append(_Job(slot, e, cut(dest, pos, e.length)))
+                pos += e.length
+        self._assign(keys, choose, alive, stale, failed, bad, by_server)
+        return by_server
+
+    def fetch_now(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Dest],
+                  out: list[bytes | None] | None, readvs: ReadVs) -> bool:
+        """:meth:`fetch`'s common case, without the event loop (the blocking client's
+        callers' threads): every extent read from the first live replica, one READV per
+        server, all sent through ``readvs`` (:meth:`kvfs.blocking.ServerSockets.readvs`)
+        before any answer is read, each answer checked (CRC-32C) and copied out as
+        :meth:`fetch` does.  True: every extent read and checked.  False: the case is not
+        the common one (a server down or unknown, a READV to split, extents large enough
+        to be received in place, which the IO loop does) or anything failed (a socket, an
+        answer, a range's error, a CRC): nothing is decided, some destinations may hold
+        garbage, and the caller reads again with :meth:`read_into` (failover, fresh
+        lookups, the ``failed``/``lost`` record).  A server that has not answered within
+        ``hedge_after_s`` (when every extent asked of it has another replica) or the
+        request timeout is given up here; the IO loop then asks it again or hedges."""
+        addrs = self._link.usable_addrs()
+        alive = dict.fromkeys(addrs, True)
+        stale: set[int] = set()
+        failed: dict[int, KVFSError] = {}
+        by_server = self._first_jobs(keys, layouts, dests, alive, stale, failed, set())
+        if stale or failed:
+            return False
+        now = time.monotonic()
+        reads: list[tuple[int, str, rpc.ReadV, float]] = []
+        batches: dict[int, tuple[list[_Job], list[tuple[int, int, int]]]] = {}
+        for sid, jobs in by_server.items():
+            addr = addrs.get(sid)
+            if addr is None:
+                return False
+            ranges = [(job.rep.chunk_id, job.rep.offset, job.extent.length)  # type: ignore[union-attr]
+                      for job in jobs]
+            total = sum([r[2] for r in ranges])
+            if (len(ranges) > self._max_ranges or total > self._max_rpc_bytes
+                    or len(set(ranges)) != len(ranges) or self._in_place(jobs, total)):
+                return False
+            wait = self._hedge_after_s if (self._hedge_after_s is not None
+                                           and _can_hedge(jobs)) else self._link.request_timeout_s
+            reads.append((sid, addr, rpc.ReadV(ranges=cast(list[rpc.Range], ranges)), now + wait))
+            batches[sid] = (jobs, ranges)
+        retry: list[_Job] = []
+
+        def settle(sid: int, h: rpc.ReadVReply, payload: memoryview) -> None:
+            jobs, ranges = batches[sid]
+            errors = h.errors
+            want = sum([r[2] for i, r in enumerate(ranges) if i not in errors])
+            if payload.nbytes != want:  # a server that miscounts: not one to trust here
+                retry.append(jobs[0])
+                return
+            self._check(sid, jobs, keys, out, retry, h, payload, ranges)
+
+        return readvs(reads, settle) and not retry
 
     async def _hedged_round(self, by_server: dict[int, list[_Job]], keys: list[bytes],
                             out: list[bytes | None] | None,
@@ -379,8 +442,7 @@ class ReadPath:
 
         # large destinations receive in place; small ones (e.g. 4 KiB values) share one
         # receive into a pooled buffer and are copied out, as values returned as bytes are
-        sink = (scatter if sum([r[2] for r in ranges]) >= SCATTER_MIN_BYTES * len(ranges)
-                and all([job.dest is not WHOLE for job in batch]) else pooled)
+        sink = scatter if self._in_place(batch, sum([r[2] for r in ranges])) else pooled
         try:
             # plain (chunk, offset, length) tuples: msgpack arrays, as rpc.Range encodes
             h, payload = await self._link.call_server(
@@ -392,6 +454,26 @@ class ReadPath:
             payload = memoryview(b"")
             self._rx_give(rx)
             return
+        self._check(sid, batch, keys, out, retry, h, payload, ranges)
+        # drop every view of the receive buffer (the answer's payload is one of its own),
+        # or the pool will not take it back
+        payload = memoryview(b"")
+        self._rx_give(rx)
+
+    @staticmethod
+    def _in_place(batch: list[_Job], total: int) -> bool:
+        """Whether a READV's answer lands straight in its destinations (they average at
+        least ``SCATTER_MIN_BYTES`` and none is handed back as bytes)."""
+        return (total >= SCATTER_MIN_BYTES * len(batch)
+                and all([job.dest is not WHOLE for job in batch]))
+
+    @staticmethod
+    def _check(sid: int, batch: list[_Job], keys: list[bytes], out: list[bytes | None] | None,
+               retry: list[_Job], h: rpc.ReadVReply, payload: memoryview | Scatter,
+               ranges: list[tuple[int, int, int]]) -> None:
+        """One READV's answer: each range's error or CRC-32C mismatch puts its job in
+        ``retry`` (for its next replica); good bytes received apart from their destination
+        are copied there (or handed back as bytes in ``out``)."""
         errors = h.errors
         in_place = isinstance(payload, Scatter)
         view = payload if isinstance(payload, memoryview) else memoryview(b"")
@@ -441,7 +523,3 @@ class ReadPath:
                 for p in dest:
                     p[:] = got[at : at + p.nbytes]
                     at += p.nbytes
-        # drop every view of the receive buffer (the answer's payload is one of its own),
-        # or the pool will not take it back
-        payload = got = view = memoryview(b"")
-        self._rx_give(rx)

@@ -8,7 +8,11 @@ through ``fork()`` notices in the child and reconnects there on its next call.
 A blocking call that is one meta RPC (``exists_many``, ``match_prefix``, ``release``) is
 made in the caller's own thread, on one of the client's few blocking sockets to meta
 (:mod:`kvfs.blocking`), when one is free: the IO thread's hop costs more thread wake-ups
-than such a call costs CPU.
+than such a call costs CPU.  So is the common case of ``get_many`` and ``get_into``
+(cached layouts or one LOOKUP, one READV per chunkserver, small values:
+:meth:`kvfs.readpath.ReadPath.fetch_now`); anything else about such a read (a server down,
+a range's error, a bad CRC, striped or large values, no socket free) makes it again
+through the IO thread, with the async client's failover and records.
 """
 
 from __future__ import annotations
@@ -21,11 +25,11 @@ from collections.abc import Coroutine, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
 from kvfs._loop import new_event_loop
-from kvfs.blocking import MetaSockets
-from kvfs.client import AsyncClient, KeyInfo, Value
+from kvfs.blocking import MetaSockets, ServerSockets
+from kvfs.client import AsyncClient, KeyInfo, Value, into_call, into_dests, many_dests
 from kvfs.config import ClientConfig
 from kvfs.errors import LocalProtocolError
-from kvfs.layout import Key, Layout
+from kvfs.layout import Key, Layout, norm_keys
 from kvfs.rpc import R, Request
 
 T = TypeVar("T")
@@ -205,6 +209,11 @@ class Client:
                                          connect_timeout_s=cfg.connect_timeout_s,
                                          request_timeout_s=cfg.request_timeout_s,
                                          down_for_s=cfg.down_for_s)
+        self._server_sockets = ServerSockets(aio.link, most=cfg.server_sockets,
+                                             connect_timeout_s=cfg.connect_timeout_s,
+                                             request_timeout_s=cfg.request_timeout_s,
+                                             down_for_s=cfg.down_for_s,
+                                             pool_bytes=cfg.read_pool_bytes)
 
     def _start_io(self) -> None:
         self._pid = os.getpid()
@@ -265,21 +274,45 @@ class Client:
         self._admit(call)
         return self._wait(call, loop)
 
-    def _meta(self, request: Request[R]) -> R:
-        """One meta RPC, blocking: sent and answered in this thread on a free blocking
-        socket (:mod:`kvfs.blocking`), else through the IO loop as every other call.
-        close() meanwhile ends it with ``LocalProtocolError`` (closed)."""
+    def _here(self) -> bool:
+        """Whether a call may be made in this thread, on the blocking sockets (not on the
+        IO thread, where ``_run`` says why no blocking call is; refused once closed)."""
         if self._pid != os.getpid():
             self._after_fork()
         if self._closing or self._loop.is_closed():
             raise LocalProtocolError("kvfs.Client is closed")
-        if threading.current_thread() is not self._thread:  # (there: _run says why not)
+        return threading.current_thread() is not self._thread
+
+    def _meta(self, request: Request[R]) -> R:
+        """One meta RPC, blocking: sent and answered in this thread on a free blocking
+        socket (:mod:`kvfs.blocking`), else through the IO loop as every other call.
+        close() meanwhile ends it with ``LocalProtocolError`` (closed)."""
+        if self._here():
             answer = self._meta_sockets.call(request)
             if answer is not None:
                 return answer
             if self._closing:
                 raise LocalProtocolError(_CLOSED)
         return self._run(self.aio.link.call_meta(request))
+
+    def _layouts(self, keys: list[bytes], lease_s: float | None) -> list[Layout | None]:
+        """``AsyncClient.lookup`` made in this thread: the cache, then one LOOKUP (``_meta``)."""
+        aio = self.aio
+        out, missing, request = aio.lookup_request(keys, lease_s=lease_s)
+        if request is not None:
+            aio.looked_up(keys, out, missing, self._meta(request).layouts)
+        return out
+
+    def _read_here(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Any],
+                   out: list[bytes | None] | None) -> bool:
+        """The values read in this thread (``ReadPath.fetch_now``); False: read them again
+        through the IO loop.  close() meanwhile ends it with ``LocalProtocolError``."""
+        if self._server_sockets.most and self.aio.reader.fetch_now(
+                keys, layouts, dests, out, self._server_sockets.readvs):
+            return True
+        if self._closing:
+            raise LocalProtocolError(_CLOSED)
+        return False
 
     @staticmethod
     def _wait(call: _Call, loop: asyncio.AbstractEventLoop) -> Any:
@@ -321,6 +354,7 @@ class Client:
             return
         self._closing = True  # calls made from now on are refused
         self._meta_sockets.close()  # and those on the blocking sockets end now
+        self._server_sockets.close()
         try:
             self._wait(_Call(self._close(), self._calls), self._loop)
         finally:
@@ -351,14 +385,34 @@ class Client:
         return self._run(self.aio.get(key))
 
     def get_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bytes | None]:
-        return self._run(self.aio.get_many(keys, lease_s=lease_s))
+        """In this thread when it can (see the module's doc), else through the IO loop."""
+        ks = norm_keys(keys)
+        if not ks:
+            return []
+        if self._here():
+            layouts = self._layouts(ks, lease_s)
+            whole = many_dests(layouts)
+            if whole is not None:
+                out, dests = whole
+                if self._read_here(ks, layouts, dests, out):
+                    return out
+        return self._run(self.aio.get_many(ks, lease_s=lease_s))
 
     def get_ranges(self, requests: Sequence[tuple[Key, int | None, int | None]]) -> list[bytes | None]:
         return self._run(self.aio.get_ranges(requests))
 
     def get_into(self, keys: Iterable[Key], buffers: Sequence[Any], *,
                  lease_s: float | None = None) -> list[int]:
-        return self._run(self.aio.get_into(keys, buffers, lease_s=lease_s))
+        """In this thread when it can (see the module's doc), else through the IO loop."""
+        ks, views, rooms = into_call(keys, buffers, lease_s)
+        if not ks:
+            return []
+        if self._here():
+            layouts = self._layouts(ks, lease_s)
+            result, dests = into_dests(layouts, views, rooms)
+            if self._read_here(ks, layouts, dests, None):
+                return result
+        return self._run(self.aio.get_into(ks, buffers, lease_s=lease_s))
 
     def exists(self, key: Key) -> bool:
         return self._run(self.aio.exists(key))

@@ -214,6 +214,15 @@ def value_of(key: str, size: int = 4096) -> bytes:
     return (seed * (size // len(seed) + 1))[:size]
 
 
+def flip_byte(path: Path, at: int) -> None:
+    """Fault injection: byte ``at`` of the file at ``path`` inverted (a corrupt record)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
 def hold(cluster: LocalCluster, op: Op) -> Hold:
     """Hold ``op`` in the cluster's meta (the test then picks what meta applies first)."""
     assert cluster.meta is not None
@@ -390,6 +399,26 @@ class ThreadCluster:
             self.thread.join(30)
             self.loop.close()
 
+    def __enter__(self) -> ThreadCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def hold(self, server: RpcServer, op: Op = Op.READV) -> Hold:
+        """A :class:`Hold` of ``op`` in one of this cluster's servers (made on its loop)."""
+        async def make() -> Hold:
+            return Hold(server, op)
+
+        return self.call(make())
+
+
+@pytest.fixture
+def one_cs(tmp_path: Path) -> Iterator[ThreadCluster]:
+    """A threaded cluster of one chunkserver: every READV goes to it."""
+    with ThreadCluster(tmp_path, chunkservers=1) as c:
+        yield c
+
 
 
 @pytest.fixture(scope="module")
@@ -417,7 +446,8 @@ def mount(tcluster: ThreadCluster, tmp_path_factory: pytest.TempPathFactory) -> 
         m.cleanup()
 
 
-__all__ = ["FakeClock", "Hold", "ThreadCluster", "guarded_loop", "hold", "new_event_loop", "value_of"]
+__all__ = ["FakeClock", "Hold", "ThreadCluster", "flip_byte", "guarded_loop", "hold", "new_event_loop",
+           "value_of"]
 
 
 @pytest.fixture(scope="session")

@@ -10,6 +10,7 @@ import signal
 from pathlib import Path
 
 import pytest
+from conftest import flip_byte
 
 import kvfs
 from kvfs import rpc
@@ -39,14 +40,6 @@ async def _replica_file(cluster: LocalCluster, kv: AsyncClient, key: bytes,
     cs = cluster.chunkservers[idx]
     assert cs is not None
     return idx, rep, cs.store.chunk_path(rep.chunk_id)
-
-
-def _flip(path: Path, at: int) -> None:
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)
-        f.seek(at)
-        f.write(bytes([b[0] ^ 0xFF]))
 
 
 @pytest.mark.subprocess
@@ -94,7 +87,7 @@ async def test_corrupt_record_is_a_miss_never_wrong_bytes(cluster: LocalCluster,
     items = {b"victim": os.urandom(10_000), b"n1": os.urandom(3000), b"n2": os.urandom(5000)}
     await kv.put_many(items)
     _, rep, path = await _replica_file(cluster, kv, b"victim")
-    _flip(path, rep.offset + 1234)
+    flip_byte(path, rep.offset + 1234)
     keys = list(items)
     async with cluster.client(RAISE) as strict:
         with pytest.raises(ChecksumMismatch, match="victim"):
@@ -114,7 +107,7 @@ async def test_mount_reads_of_a_lost_value_follow_on_lost(cluster: LocalCluster,
     items = {b"m/victim": os.urandom(10_000), b"m/n1": os.urandom(3000)}
     await kv.put_many(items)
     _, rep, path = await _replica_file(cluster, kv, b"m/victim")
-    _flip(path, rep.offset + 99)
+    flip_byte(path, rep.offset + 99)
     wants: list[tuple[ValueReader | bytes, int]] = [(b"m/victim", 0), (b"m/n1", 0), (b"m/none", 0)]
     async with cluster.client(RAISE) as strict:
         with pytest.raises(ChecksumMismatch, match="victim"):
@@ -130,10 +123,10 @@ async def test_one_corrupt_replica_of_two_reads_the_other(cluster: LocalCluster,
     value = os.urandom(10_000)
     await kv.put(b"twice", value, replicas=2)
     _, rep, path = await _replica_file(cluster, kv, b"twice", 0)
-    _flip(path, rep.offset + 10)
+    flip_byte(path, rep.offset + 10)
     assert await kv.get(b"twice") == value
     _, rep, path = await _replica_file(cluster, kv, b"twice", 1)
-    _flip(path, rep.offset + 10)
+    flip_byte(path, rep.offset + 10)
     kv.layout_cache.clear()
     assert await kv.get_many([b"twice"]) == [None]
 
@@ -158,7 +151,7 @@ async def test_missing_record_is_a_miss(cluster: LocalCluster, kv: AsyncClient) 
 async def test_a_lost_key_is_dropped_from_meta(cluster: LocalCluster, kv: AsyncClient) -> None:
     await kv.put_many({b"bad": os.urandom(8000), b"good": os.urandom(8000)})
     _, rep, path = await _replica_file(cluster, kv, b"bad")
-    _flip(path, rep.offset + 77)
+    flip_byte(path, rep.offset + 77)
     assert await kv.exists_many([b"bad", b"good"]) == [True, True]
     assert await kv.get_many([b"bad", b"good"]) == [None, await kv.get(b"good")]
     assert await kv.exists_many([b"bad", b"good"]) == [False, True]  # meta dropped it
@@ -182,7 +175,7 @@ async def test_a_lost_report_never_drops_an_overwrite(cluster: LocalCluster, kv:
     old = await kv.layout(b"race")
     assert old is not None
     _, rep, path = await _replica_file(cluster, kv, b"race")
-    _flip(path, rep.offset + 5)
+    flip_byte(path, rep.offset + 5)
     async with cluster.client() as writer:
         await writer.put(b"race", b"n" * 8000)
     assert kv.layout_cache.get_many([b"race"], kv.clock())[0] == [old]  # kv still holds the old one

@@ -10,8 +10,7 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 
 import pytest
 from conftest import Hold, ThreadCluster
@@ -144,16 +143,6 @@ def test_client_survives_fork(tcluster: ThreadCluster) -> None:
 BIG = 32 * 1024 * 1024  # far more than the client's socket holds: an answer takes many receives
 
 
-@pytest.fixture
-def one_cs(tmp_path: Path) -> Iterator[ThreadCluster]:
-    """A threaded cluster of one chunkserver: every READV goes to it."""
-    c = ThreadCluster(tmp_path, chunkservers=1)
-    try:
-        yield c
-    finally:
-        c.close()
-
-
 def _read_arriving(c: ThreadCluster, kv: kvfs.Client, value: bytes,
                    ) -> tuple[Hold, bytearray, Callable[[], None], Callable[[], None]]:
     """``value`` stored as b"big"; its READV held at the chunkserver.  Returns the hold, a
@@ -169,7 +158,7 @@ def _read_arriving(c: ThreadCluster, kv: kvfs.Client, value: bytes,
     sock = conn._proto.transport.get_extra_info("socket")  # type: ignore[union-attr]
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 * 1024)
     kv.put(b"big", value)
-    held = c.call(_hold(cs.rpc))
+    held = c.hold(cs.rpc)
     buf = bytearray(len(value))
 
     transport = conn._proto.transport
@@ -195,26 +184,36 @@ def _read_arriving(c: ThreadCluster, kv: kvfs.Client, value: bytes,
     return held, buf, let_go, read_on
 
 
-async def _hold(rpc: object, op: Op = Op.READV) -> Hold:
-    return Hold(rpc, op)  # type: ignore[arg-type]
+def _interrupted_get_into(kv: kvfs.Client, key: bytes, buf: bytearray, when: Callable[[], None]) -> bytes:
+    """``get_into(key, buf)`` in this thread (the main one, where SIGINT is handled),
+    interrupted by SIGINT sent once ``when()`` returns in another thread: it raises
+    KeyboardInterrupt; then the caller reuses its buffer (a marker written, and returned)."""
+    assert threading.current_thread() is threading.main_thread()
 
+    def interrupt() -> None:
+        when()
+        signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
 
-@pytest.fixture
-def ctrl_c() -> Iterator[None]:
-    """SIGINT raises KeyboardInterrupt in the main thread, as at a terminal, whatever this
-    process inherited: a pytest started as a background job of a script (``cmd &``) has
-    SIGINT ignored (POSIX shells start such jobs so; Python then installs no handler), and
-    a test of Ctrl-C would wait for an interrupt that never comes."""
+    # SIGINT raises KeyboardInterrupt here, as at a terminal, whatever this process inherited:
+    # a pytest started as a background job of a script (`cmd &`) has SIGINT ignored (POSIX
+    # shells start such jobs so; Python then installs no handler), and the interrupt would
+    # never come (the call then ran into its request timeout: "DID NOT RAISE")
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    t = threading.Thread(target=interrupt)
+    t.start()
     try:
-        yield
+        with pytest.raises(KeyboardInterrupt):
+            kv.get_into([key], [buf])
+        marker = b"\xa5" * len(buf)
+        buf[:] = marker
     finally:
+        t.join(30)
         if previous is not None:  # (None: a handler not set from Python, left as ours)
             signal.signal(signal.SIGINT, previous)
+    return marker
 
 
 @pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill()")
-@pytest.mark.usefixtures("ctrl_c")
 def test_a_blocking_get_into_interrupted_leaves_the_callers_buffer_alone(one_cs: ThreadCluster) -> None:
     """Ctrl-C (SIGINT) in a thread blocked in ``get_into`` while the answer is landing in its
     buffer: the KeyboardInterrupt is raised only once the call has ended, so a caller that
@@ -223,24 +222,39 @@ def test_a_blocking_get_into_interrupted_leaves_the_callers_buffer_alone(one_cs:
     assert threading.current_thread() is threading.main_thread()  # where SIGINT is handled
     with kvfs.Client(one_cs.addr, token=one_cs.token) as kv:
         held, buf, let_go, read_on = _read_arriving(one_cs, kv, value)
-
-        def interrupt() -> None:
-            let_go()
-            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
-
-        t = threading.Thread(target=interrupt)
-        t.start()
         try:
-            with pytest.raises(KeyboardInterrupt):
-                kv.get_into([b"big"], [buf])
-            marker = b"\xa5" * BIG
-            buf[:] = marker  # the caller reuses its buffer
+            marker = _interrupted_get_into(kv, b"big", buf, let_go)
         finally:
-            t.join(30)
             read_on()
             one_cs.loop.call_soon_threadsafe(held.release)
         one_cs.call(held.drained())
         assert kv.get(b"big") == value  # answered after the cancelled one, same connection
+    assert buf == marker
+
+
+@pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="needs pthread_kill()")
+def test_an_interrupted_read_in_the_callers_thread_leaves_the_buffer_alone(one_cs: ThreadCluster) -> None:
+    """Ctrl-C while a small get_into waits for its READV on the client's own socket (made
+    in the caller's thread): KeyboardInterrupt is raised, the buffer is never written
+    afterwards (the bytes are copied in only once the whole answer is in and checked), the
+    socket with the unread answer is closed, and the next read is answered."""
+    cs = one_cs.cluster.chunkservers[0]
+    assert cs is not None
+    value = os.urandom(4096)
+    with kvfs.Client(one_cs.addr, token=one_cs.token) as kv:
+        kv.put(b"k", value)
+        assert kv.get_many([b"k"]) == [value]
+        (pool,) = kv._server_sockets._pools.values()
+        held = one_cs.hold(cs.rpc)
+        buf = bytearray(4096)
+        try:
+            marker = _interrupted_get_into(kv, b"k", buf,
+                                           lambda: held.reached_from_thread(what="the READV"))
+            assert not pool._busy and not pool._idle  # the socket went
+        finally:
+            one_cs.loop.call_soon_threadsafe(held.release)
+        one_cs.call(held.drained())
+        assert kv.get_many([b"k"]) == [value]
     assert buf == marker
 
 
@@ -329,7 +343,7 @@ def test_close_ends_calls_other_threads_have_in_flight(one_cs: ThreadCluster) ->
     kv = kvfs.Client(one_cs.addr, token=one_cs.token)
     kv.put(b"k", b"v" * 4096)
     kv.aio.layout_cache.clear()
-    held = one_cs.call(_hold(cs.rpc))
+    held = one_cs.hold(cs.rpc)
     outcomes: dict[str, BaseException | object] = {}
 
     def call(name: str, fn: Callable[[], object]) -> None:
@@ -384,7 +398,7 @@ def test_meta_sockets_are_bounded_and_calls_past_them_take_the_io_loop(one_cs: T
     assert one_cs.cluster.meta is not None
     with kvfs.Client(one_cs.addr, token=one_cs.token, config=ClientConfig(meta_sockets=1)) as kv:
         kv.put(b"b/k", b"v")
-        held = one_cs.call(_hold(one_cs.cluster.meta.rpc, Op.MATCH_PREFIX))
+        held = one_cs.hold(one_cs.cluster.meta.rpc, Op.MATCH_PREFIX)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             first = pool.submit(kv.match_prefix, [b"b/k"])
             try:
@@ -448,7 +462,7 @@ def test_a_lookup_on_a_meta_socket_times_out_naming_it(one_cs: ThreadCluster) ->
         kv.put(b"slow/k", b"v")
         assert kv.match_prefix([b"slow/k"]) == 1
         (sock,) = kv._meta_sockets._idle
-        held = one_cs.call(_hold(one_cs.cluster.meta.rpc, Op.EXISTS))
+        held = one_cs.hold(one_cs.cluster.meta.rpc, Op.EXISTS)
         try:
             with pytest.raises(kvfs.Timeout, match=r"EXISTS to .* got no answer within 0\.5s"):
                 kv.exists_many([b"slow/k"])
@@ -463,7 +477,7 @@ def test_a_timeout_meta_answers_on_a_meta_socket_is_raised_as_it_is(one_cs: Thre
     words, not taken for this socket's request timeout."""
     assert one_cs.cluster.meta is not None
     with kvfs.Client(one_cs.addr, token=one_cs.token) as kv:
-        held = one_cs.call(_hold(one_cs.cluster.meta.rpc, Op.EXISTS))
+        held = one_cs.hold(one_cs.cluster.meta.rpc, Op.EXISTS)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             fut = pool.submit(kv.exists_many, [b"t/k"])
             try:
@@ -490,25 +504,36 @@ def test_meta_errors_on_a_meta_socket_name_what_was_wrong(tcluster: ThreadCluste
         assert kv._meta_sockets._idle == [sock]
 
 
-@pytest.mark.parametrize("meta_sockets", [0, 4])
-def test_close_ends_a_lookup_another_thread_has_in_flight(one_cs: ThreadCluster, meta_sockets: int) -> None:
+@pytest.mark.parametrize("what", ["lookup, no meta socket", "lookup", "read"])
+def test_close_ends_a_call_another_thread_has_in_flight_on_its_socket(one_cs: ThreadCluster, what: str) -> None:
     """``close()`` while another thread waits for an exists_many held at meta (on a blocking
-    socket, or through the IO loop): the caller gets an error naming the close, at once."""
+    socket, or through the IO loop) or for a get_into's READV held at the chunkserver (on
+    the client's own socket): the caller gets an error naming the close, at once."""
     assert one_cs.cluster.meta is not None
-    kv = kvfs.Client(one_cs.addr, token=one_cs.token, config=ClientConfig(meta_sockets=meta_sockets))
-    held = one_cs.call(_hold(one_cs.cluster.meta.rpc, Op.EXISTS))
+    cs = one_cs.cluster.chunkservers[0]
+    assert cs is not None
+    kv = kvfs.Client(one_cs.addr, token=one_cs.token,
+                     config=ClientConfig(meta_sockets=0 if "no meta" in what else 4))
+    if what == "read":
+        kv.put(b"k", b"v" * 4096)
+        held = one_cs.hold(cs.rpc, Op.READV)
+    else:
+        held = one_cs.hold(one_cs.cluster.meta.rpc, Op.EXISTS)
     outcome: list[BaseException | object] = []
 
     def call() -> None:
         try:
-            outcome.append(kv.exists_many([b"k"]))
+            outcome.append(kv.get_into([b"k"], [bytearray(4096)]) if what == "read"
+                           else kv.exists_many([b"k"]))
         except BaseException as exc:
             outcome.append(exc)
 
     t = threading.Thread(target=call)
     try:
         t.start()
-        held.reached_from_thread(lambda: t.is_alive(), "the EXISTS")
+        held.reached_from_thread(lambda: t.is_alive(), held.op.name)
+        if what == "read":
+            assert any(p._busy for p in kv._server_sockets._pools.values())  # on its own socket
         kv.close()
         t.join(30)
         assert not t.is_alive(), "the caller still waits after close()"

@@ -18,7 +18,7 @@ import trustme
 
 import kvfs
 from kvfs.address import parse_addr
-from kvfs.blocking import MetaSocket
+from kvfs.blocking import BlockingSocket
 from kvfs.client import AsyncClient
 from kvfs.config import (
     ChunkServerConfig,
@@ -139,16 +139,29 @@ async def test_large_reads_over_tls_are_read_into_a_buffer_not_sendfiled(
 
 async def test_the_blocking_clients_own_meta_sockets_speak_tls(tls_cluster: LocalCluster,
                                                               certs: Certs) -> None:
-    """The blocking client's lookups in its callers' threads (kvfs.blocking) go over TLS
-    too, with the client's certificate (the cluster runs mutual TLS) and its token."""
+    """The blocking client's lookups and reads in its callers' threads (kvfs.blocking) go
+    over TLS too, with the client's certificate (the cluster runs mutual TLS) and its
+    token."""
     def work() -> None:
         with kvfs.Client(tls_cluster.addr, token=tls_cluster.token, config=certs.client()) as kv:
             kv.put(b"t/k", b"v")
+            big = os.urandom(200_000)  # a READV answer over 64 KiB: into the pooled buffer
+            kv.put_many({f"t/{i}".encode(): big[i:] for i in range(3)})
             assert kv.exists_many([b"t/k", b"t/none"]) == [True, False]
             assert kv.match_prefix([b"t/k", b"t/none"]) == 1
             (ms,) = kv._meta_sockets._idle
             assert isinstance(ms.sock, ssl.SSLSocket)
             assert ms.sock.version() in ("TLSv1.2", "TLSv1.3")
+            reads = kv.aio.rpc_counts["READV"]
+            assert kv.get_many([b"t/k", b"t/none"]) == [b"v", None]
+            bufs = [bytearray(200_000) for _ in range(3)]
+            keys = [f"t/{i}".encode() for i in range(3)]
+            assert kv.get_many(keys) == [big[i:] for i in range(3)]
+            assert kv.get_into(keys, bufs) == [200_000 - i for i in range(3)]
+            assert [bytes(b[: 200_000 - i]) for i, b in enumerate(bufs)] == [big[i:] for i in range(3)]
+            assert kv.aio.rpc_counts["READV"] > reads
+            socks = [s for p in kv._server_sockets._pools.values() for s in p._idle]
+            assert socks and all(isinstance(s.sock, ssl.SSLSocket) for s in socks)
 
     await asyncio.to_thread(work)
 
@@ -217,7 +230,7 @@ async def test_the_blocking_clients_socket_closed_before_hello_names_tls(
     a mutual-TLS server (it once said only "lost in the handshake")."""
     def open_socket(addr: str, token: str, tls: ssl.SSLContext | None) -> None:
         host, port = parse_addr(addr)
-        MetaSocket.open((host, port, None), token, connect_timeout_s=30.0,
+        BlockingSocket.open((host, port, None), token, connect_timeout_s=30.0,
                         request_timeout_s=30.0, tls=tls).close()
 
     meta = MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0",

@@ -1,0 +1,194 @@
+"""The blocking client's get_many/get_into made in the caller's thread (kvfs.blocking's
+ServerSockets, ReadPath.fetch_now), and every way such a read goes back to the IO loop."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import random
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from conftest import ThreadCluster, flip_byte
+
+import kvfs
+from kvfs.config import ClientConfig, OnLost
+from kvfs.errors import ChecksumMismatch
+
+# every two 4 KiB values of a put_many go to the next server: a call's keys span them all
+SPREAD = ClientConfig(put_group_bytes=8192)
+
+
+@contextmanager
+def _io_loop_held(kv: kvfs.Client) -> Iterator[None]:
+    """The client's IO loop blocked: a call that hops to it waits (and fails the test's
+    deadline) instead of answering."""
+    gate, done = threading.Event(), threading.Event()
+    waited: list[bool] = []
+
+    def hold() -> None:
+        waited.append(gate.wait(30))
+        done.set()
+
+    kv._loop.call_soon_threadsafe(hold)
+    try:
+        yield
+    finally:
+        gate.set()
+    assert done.wait(30) and waited == [True], "a call waited for the IO loop"
+
+
+def test_get_many_and_get_into_are_made_in_the_callers_thread(tcluster: ThreadCluster) -> None:
+    """With the IO loop held, get_many and get_into still answer: the LOOKUP on a meta
+    socket, one READV per chunkserver on the client's own sockets, every byte checked;
+    misses, empty values and too-small buffers as the async client says them."""
+    vals = {f"here/{i}".encode(): os.urandom(4096) for i in range(60)}
+    vals[b"here/empty"] = b""
+    vals[b"here/odd"] = os.urandom(1000)
+    with kvfs.Client(tcluster.addr, token=tcluster.token, config=SPREAD) as kv:
+        kv.put_many(vals)
+        servers = {kv.layout(k).extents[0].replicas[0].server_id  # type: ignore[union-attr]
+                   for k in vals if vals[k]}
+        assert len(servers) > 1, "every value landed on one server"
+        keys = [*vals, b"here/none"]
+        counts = kv.aio.rpc_counts
+        kv.aio.layout_cache.clear()  # the first call looks them up
+        before = dict(counts)
+        with _io_loop_held(kv):
+            assert kv.get_many(keys) == [*vals.values(), None]
+            assert counts["LOOKUP"] - before.get("LOOKUP", 0) == 1
+            assert counts["READV"] - before.get("READV", 0) == len(servers)
+            bufs = [bytearray(len(v)) for v in vals.values()] + [bytearray(10)]
+            assert kv.get_into(keys, bufs) == [*map(len, vals.values()), kvfs.MISS]
+            assert [bytes(b) for b in bufs[:-1]] == list(vals.values())
+            roomy = [bytearray(5000), bytearray(500), bytearray(0)]
+            assert kv.get_into([b"here/0", b"here/odd", b"here/1"], roomy) == [4096, kvfs.TOO_SMALL,
+                                                                              kvfs.TOO_SMALL]
+            assert bytes(roomy[0][:4096]) == vals[b"here/0"] and roomy[1] == bytearray(500)
+            assert kv.get_many([b"here/none"]) == [None] and kv.get_many([]) == []
+            assert kv.get_into([], []) == []
+        # the rest from the cache, but for the key never found (a miss is not cached)
+        assert counts["LOOKUP"] - before.get("LOOKUP", 0) == 3
+        assert all(len(p._idle) == 1 for p in kv._server_sockets._pools.values())
+
+
+def test_reads_from_many_threads_get_their_own_values(tcluster: ThreadCluster) -> None:
+    """Threads reading at once, each its own and shared keys, get_many and get_into into
+    buffers of their own: every value is the one put."""
+    vals = {f"mt/{i}".encode(): os.urandom(4096 + i) for i in range(200)}
+    with kvfs.Client(tcluster.addr, token=tcluster.token, config=SPREAD) as kv:
+        kv.put_many(vals)
+        keys = list(vals)
+
+        def worker(t: int) -> None:
+            rnd = random.Random(t)
+            for n in range(40):
+                some = rnd.sample(keys, 64)
+                if n % 2:
+                    assert kv.get_many(some) == [vals[k] for k in some]
+                else:
+                    bufs = [bytearray(len(vals[k])) for k in some]
+                    assert kv.get_into(some, bufs) == [len(vals[k]) for k in some]
+                    assert [bytes(b) for b in bufs] == [vals[k] for k in some]
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            for f in [pool.submit(worker, t) for t in range(6)]:
+                f.result(120)
+        assert all(len(p._idle) <= p.most for p in kv._server_sockets._pools.values())
+
+
+def test_a_corrupt_record_read_in_the_callers_thread_is_a_miss(tmp_path: Path) -> None:
+    """A record whose bytes fail their CRC: the read goes again through the IO loop, which
+    makes the key a miss (or raises, ``on_lost="raise"``) and reports it lost; its
+    neighbours in the same READV are read right."""
+    with ThreadCluster(tmp_path) as three_cs:
+        _corrupt_record_is_a_miss(three_cs)
+
+
+def _corrupt_record_is_a_miss(three_cs: ThreadCluster) -> None:
+    vals = {f"bad/{i}".encode(): os.urandom(4096) for i in range(8)}
+    with kvfs.Client(three_cs.addr, token=three_cs.token) as kv:
+        kv.put_many(vals)
+        lay = kv.layout(b"bad/3")
+        assert lay is not None
+        rep = lay.extents[0].replicas[0]
+        cs = three_cs.cluster.chunkservers[three_cs.cluster.index_of(rep.server_id)]
+        assert cs is not None
+        keys = list(vals)
+        assert kv.get_many(keys) == list(vals.values())  # layouts cached, sockets open
+        flip_byte(cs.store.chunk_path(rep.chunk_id), rep.offset + 100)
+        with (kvfs.Client(three_cs.addr, token=three_cs.token,
+                          config=ClientConfig(on_lost=OnLost.RAISE)) as strict,
+              pytest.raises(ChecksumMismatch, match="bad/3")):
+            strict.get_many(keys)
+        bufs = [bytearray(4096) for _ in keys]
+        got = kv.get_into(keys, bufs)
+        assert got == [kvfs.MISS if k == b"bad/3" else 4096 for k in keys]
+        assert [bytes(b) for k, b in zip(keys, bufs, strict=True) if k != b"bad/3"] == \
+            [v for k, v in vals.items() if k != b"bad/3"]
+        assert kv.get_many(keys) == [None if k == b"bad/3" else v for k, v in vals.items()]
+
+
+def test_a_dead_chunkserver_is_read_from_its_replica_or_missed(tmp_path: Path) -> None:
+    """A chunkserver stopped after its sockets were opened: the caller-thread read fails,
+    and the IO loop's read takes the other replica (``replicas=2``) or makes the key a
+    miss (one replica); the other keys are read right."""
+    with ThreadCluster(tmp_path) as three_cs:
+        _dead_server_is_read_from_replica(three_cs)
+
+
+def _dead_server_is_read_from_replica(three_cs: ThreadCluster) -> None:
+    cluster = three_cs.cluster
+    two = {f"two/{i}".encode(): os.urandom(4096) for i in range(6)}
+    one = {f"one/{i}".encode(): os.urandom(4096) for i in range(6)}
+    with kvfs.Client(three_cs.addr, token=three_cs.token, config=SPREAD) as kv:
+        kv.put_many(two, replicas=2)
+        kv.put_many(one, replicas=1)
+        everything = {**two, **one}
+        keys = list(everything)
+        assert kv.get_many(keys) == list(everything.values())  # every server's sockets open
+        victim = kv.layout(b"one/0").extents[0].replicas[0].server_id  # type: ignore[union-attr]
+        three_cs.call(cluster.stop_chunkserver(cluster.index_of(victim)))
+        gone = {k for k in one
+                if kv.layout(k).extents[0].replicas[0].server_id == victim}  # type: ignore[union-attr]
+        want = [None if k in gone else v for k, v in everything.items()]
+        assert kv.get_many(keys) == want
+        bufs = [bytearray(4096) for _ in keys]
+        assert kv.get_into(keys, bufs) == [kvfs.MISS if k in gone else 4096 for k in keys]
+        assert [bytes(b) for k, b in zip(keys, bufs, strict=True) if k not in gone] == \
+            [v for k, v in everything.items() if k not in gone]
+        assert kv.get_many(keys) == want  # again, the server marked down
+
+
+def test_a_read_held_past_the_request_timeout_is_a_miss(one_cs: ThreadCluster) -> None:
+    """A READV on the caller's socket held at the chunkserver past ``request_timeout_s``:
+    that socket is closed (its late answer never taken for another call's) and the read is
+    made again through the IO loop, where it times out too: a miss.  Once the server
+    answers again, so do reads."""
+    cs = one_cs.cluster.chunkservers[0]
+    assert cs is not None
+    with kvfs.Client(one_cs.addr, token=one_cs.token,
+                     config=ClientConfig(request_timeout_s=0.5)) as kv:
+        kv.put(b"slow/k", b"v" * 4096)
+        assert kv.get_many([b"slow/k"]) == [b"v" * 4096]
+        (pool,) = kv._server_sockets._pools.values()
+        (sock,) = pool._idle
+        held = one_cs.hold(cs.rpc)
+        try:
+            assert kv.get_many([b"slow/k"]) == [None]
+            assert sock.sock.fileno() == -1 and sock not in pool._idle
+        finally:
+            one_cs.loop.call_soon_threadsafe(held.release)
+        assert kv.get_many([b"slow/k"]) == [b"v" * 4096]
+
+
+def test_server_sockets_zero_reads_through_the_io_loop(one_cs: ThreadCluster) -> None:
+    with kvfs.Client(one_cs.addr, token=one_cs.token, config=ClientConfig(server_sockets=0)) as kv:
+        kv.put(b"k", b"v")
+        assert kv.get_many([b"k"]) == [b"v"]
+        assert not kv._server_sockets._pools  # none opened
+    with pytest.raises(ValueError, match="server_sockets must be >= 0"):
+        ClientConfig(server_sockets=-1)
