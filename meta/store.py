@@ -331,7 +331,7 @@ class Checkpointer:
         self._shm = str(self.shm_path)
         self.db: sqlite3.Connection | None = None
         self.checkpoints = 0  # checkpoints run (complete or not)
-        self.restarts = 0  # WAL restarts written here (not on the loop)
+        self.restarts = 0  # restart transactions written here (each restarts the WAL unless the loop wrote first)
 
     def frames_waiting(self) -> int:
         """WAL frames not yet copied into the database: ``mxFrame - nBackfill`` from the
