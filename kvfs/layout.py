@@ -125,6 +125,18 @@ def encode_layout(layout: Layout) -> bytes:
     return b
 
 
+def encode_layout_buffer(layout: Layout) -> bytearray:
+    """:func:`encode_layout`'s bytes in a bytearray, made with one copy: what meta's SQLite
+    rows bind (``sqlite3`` binds a bytearray as it is, a bytes value only after an adapter
+    lookup: :data:`kvfs.meta.store.PUT_KV`)."""
+    b = bytearray(_ENCODE.encode(layout))
+    if layout.meta is None:  # (encode_layout's 5-element form, edited in place)
+        assert b[0] == 0x96 and b[-1] == 0xC0
+        b[0] = 0x95
+        del b[-1]
+    return b
+
+
 def decode_layout(blob: bytes) -> Layout:
     """A stored layout, checked field by field (``InvalidArgument`` names the bad field)."""
     try:

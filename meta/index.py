@@ -58,12 +58,14 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Seque
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import ServerError, StaleLayout
-from kvfs.layout import Layout, Replica, encode_layout, server_of_chunk
+from kvfs.layout import Layout, Replica, encode_layout, encode_layout_buffer, server_of_chunk
 from kvfs.meta.repair import readable
-from kvfs.meta.store import MetaStore
+from kvfs.meta.store import NO_EXPIRY, MetaStore
 from kvfs.meta.storeapi import OVERFLOW_HOLDER, Lease
 from kvfs.meta.tombstones import (
     NO_GHOST,
@@ -88,8 +90,10 @@ METRICS_STATE = "metrics"  # the state entry holding GC's counters (Redis: a has
 _UNSET = object()
 
 
-@dataclass(slots=True)
-class Entry:
+class Entry(msgspec.Struct, gc=False):
+    """A key's layout and last access (a C-level struct: one is made per committed key;
+    ``gc=False``: it holds no container that could make a cycle)."""
+
     layout: Layout
     last_access: float
 
@@ -120,7 +124,7 @@ class PendingCommit:
     """One COMMIT waiting for the next group transaction."""
 
     staged: Sequence[tuple[bytes, Layout]]  # key, stamped layout (if_absent: those to write)
-    rows: list[tuple[bytes, bytes, float | None, float]]  # their SQLite rows (MetaStore.put_many)
+    rows: list[tuple[bytearray, bytearray, float, float]]  # their SQLite rows (store.PUT_KV)
     nbytes: int  # keys + encoded layouts
     now: float
     expires_at: float | None
@@ -513,7 +517,8 @@ class MetaIndex(ServerRegistry):
         is written."""
         if self._wal.failed is not None:
             raise self._wal.failed
-        rows = [(k, encode_layout(lay), expires_at, now) for k, lay in staged]
+        exp = NO_EXPIRY if expires_at is None else expires_at
+        rows = [(bytearray(k), encode_layout_buffer(lay), exp, now) for k, lay in staged]
         loop = asyncio.get_running_loop()
         pending = PendingCommit(staged, rows, sum(len(r[0]) + len(r[1]) for r in rows), now,
                                 expires_at, check, if_absent, [], loop.create_future())
@@ -675,21 +680,32 @@ class MetaIndex(ServerRegistry):
             if self.tombstones:  # a put of a deleted key: its new record is newer than the tombstone
                 self.forget_tombstones([k for c in group for k, _ in c.staged if k in self.tombstones])
         self.older.update(older)
-        # the entries and the live bytes per chunk, key by key; seq_high once per chunk the
-        # group names (note_chunks' work, not repeated per key)
+        # the entries and the live bytes per chunk, key by key (add_live's, inlined: this runs
+        # per committed key); seq_high once per chunk the group names (note_chunks' work)
         entries, dirty, live = self.entries, self.dirty_access, self.chunk_live
+        get, chunks = live.get, set()
         for c in group:
             now = c.now
             for key, lay in c.staged:
                 old = entries.get(key)
-                if old is not None:
-                    add_live(live, old.layout, -1, key)
                 entries[key] = Entry(lay, now)
-                add_live(live, lay, +1, key)
-                if dirty:
+                overhead = RECORD_OVERHEAD_BYTES + len(key)
+                if old is not None:
+                    for e in old.layout.extents:
+                        n = e.length + overhead
+                        for r in e.replicas:
+                            live[r.chunk_id] = get(r.chunk_id, 0) - n
+                for e in lay.extents:
+                    n = e.length + overhead
+                    for r in e.replicas:
+                        cid = r.chunk_id
+                        live[cid] = get(cid, 0) + n
+                        chunks.add(cid)
+        if dirty:
+            for c in group:
+                for key, _ in c.staged:
                     dirty.pop(key, None)
-        self.note_chunk_ids({r.chunk_id for c in group for _, lay in c.staged
-                             for e in lay.extents for r in e.replicas})
+        self.note_chunk_ids(chunks)
 
     async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
         """Remove keys; ``tombstones[i]`` (if given): where key ``i``'s tombstone was

@@ -19,7 +19,7 @@ from kvfs.config import ChunkServerConfig
 from kvfs.errors import InvalidArgument
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
-from kvfs.layout import Extent, Layout, Replica, decode_layout, encode_layout
+from kvfs.layout import Extent, Layout, Replica, decode_layout, encode_layout, encode_layout_buffer
 from kvfs.meta.redis_store import RedisMetaStore
 
 # the tests through a cluster run over both meta backends; the Redis store's own once
@@ -114,6 +114,9 @@ def test_a_layout_without_meta_encodes_as_before() -> None:
     old = msgspec.msgpack.encode([10, 7, 1.0, None, [[10, 9, [[1, 1, 0]]]]])
     assert encode_layout(plain) == old and decode_layout(old) == plain
     assert decode_layout(encode_layout(lay(1, b"\x81\xa1k\x01"))) == lay(1, b"\x81\xa1k\x01")
+    for layout in (plain, lay(1, b"\x81\xa1k\x01")):  # meta's SQLite rows: the same bytes
+        buf = encode_layout_buffer(layout)
+        assert isinstance(buf, bytearray) and buf == encode_layout(layout)
 
 
 @pytest.mark.redis

@@ -175,6 +175,26 @@ async def test_the_same_key_twice_in_a_group_keeps_the_later_commit(make_index: 
         reopened.close()
 
 
+async def test_a_commits_rows_store_its_expiry_and_none_for_keys_without_one(
+        make_index: Any, tmp_path: Path) -> None:
+    """The commit path binds no expiry as NO_EXPIRY, written as NULL (kvfs.meta.store.PUT_KV):
+    the GC's expiry query never finds a key without one; in one group with a key that has
+    one, each row keeps its own."""
+    ix = make_index()
+    lasting, expiring = rows("l", 2), rows("e", 2)
+    done = await asyncio.gather(ix.commit(lasting, 100.0, None), ix.commit(expiring, 100.0, 160.0))
+    assert done == [[], []] and ix.commit_groups == 1
+    db = sqlite3.connect(tmp_path / "meta.sqlite3")
+    try:
+        stored = {bytes(k): (typ, e, a) for k, typ, e, a in
+                  db.execute("SELECT key, typeof(key), expires_at, last_access FROM kv")}
+    finally:
+        db.close()
+    assert stored == {b"l0": ("blob", None, 100.0), b"l1": ("blob", None, 100.0),
+                      b"e0": ("blob", 160.0, 100.0), b"e1": ("blob", 160.0, 100.0)}
+    assert ix.store.expired(1e12, 10) == [b"e0", b"e1"] and ix.store.count_expired(1e12) == 2
+
+
 async def test_if_absent_sees_the_keys_of_earlier_commits_in_its_group(make_index: Any, tmp_path: Path) -> None:
     ix = make_index()
     first = rows("a", 2)
