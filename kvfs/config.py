@@ -191,7 +191,8 @@ class ChunkServerConfig(ServerConfig):
     heartbeat_interval_s: float = opt("how often to report to meta", 1.0)
     io_threads: int = opt("threads doing preadv/pwritev", 4)
     merge_gap_bytes: int = opt("read ranges closer than this from disk as one span (page-cache "
-                               "hits merge only where their 4 KiB pages meet)", 64 * 1024)
+                               "hits merge only where their 4 KiB pages meet, and a small "
+                               "read's only with the range asked just before)", 64 * 1024)
     fsync: FsyncMode = opt("when appended bytes reach the disk before the append is answered: "
                            "always (one fdatasync each), batch (group commit: concurrent appends "
                            "share one fdatasync), never (page cache only)", FsyncMode.BATCH)

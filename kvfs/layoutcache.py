@@ -113,7 +113,7 @@ class LayoutCache:
         if loop is None or loop is not self._link.loop:  # e.g. a blocking client's caller
             self._link.call_soon_threadsafe(self.flush_touches)
             return
-        if not self._touched or (self._touch_task is not None and not self._touch_task.done()):
+        if not self._touched or self._sending() is not None:
             return
         keys, self._touched = list(self._touched), set()
         self._touch_at = time.monotonic()
@@ -126,9 +126,21 @@ class LayoutCache:
 
         self._touch_task = loop.create_task(send())
 
+    def _sending(self) -> asyncio.Task[None] | None:
+        """The TOUCH still being sent on this event loop, if any.  One of another loop (the
+        client was closed there and now follows this one, ``kvfs/cluster.py``) is none: a
+        future's callbacks run on its own loop, so while that loop is not running, waiting here
+        for its task, even a finished one, would take the whole timeout, and a task left
+        pending there would hold every later TOUCH back for ever."""
+        task = self._touch_task
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            return None
+        return task
+
     async def close(self, timeout_s: float) -> None:
         """Send what is pending (if meta is still connected) and wait for it."""
         if self._link.meta_open:
             self.flush_touches()
-        if self._touch_task is not None:
-            await asyncio.wait([self._touch_task], timeout=timeout_s)
+        task = self._sending()
+        if task is not None:
+            await asyncio.wait([task], timeout=timeout_s)

@@ -391,6 +391,17 @@ class FrameDecoder:
         self._bounds = list(accumulate(map(_NBYTES, parts), initial=self._big_filled))
         self._seg_i = self._seg_filled = 0
 
+    def arriving(self, request_id: int) -> tuple[int, int] | None:
+        """``(payload bytes received, payload length)`` while frame ``request_id`` is
+        arriving (its header decoded, its payload not whole yet), else None: whether a
+        call's answer began (a timed-out call's error says so)."""
+        head = self._head
+        if head is None or head.request_id != request_id:
+            return None
+        if self._segs is not None:
+            return self._big_filled, head.payload_len
+        return max(0, self._end - self._start - self._head_size), head.payload_len
+
     def receive_data(self, data: Buffer) -> None:
         """Feed bytes from anywhere (tests, non-buffered transports)."""
         view = memoryview(data).cast("B")

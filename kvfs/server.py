@@ -56,6 +56,9 @@ log = logging.getLogger("kvfs.server")
 # handler gives them only where reading them in the event loop would do: never over TLS)
 Reply = tuple[Response, Sequence[Buffer] | FileParts]
 Handler = Callable[[Any, memoryview], Awaitable[Reply]]
+# the roles that may call each op, by the op's number as frames carry it (looked up for every
+# request: no ``Op(...)`` enum lookup on the way)
+_ROLES = {int(op): rpc.roles for op, rpc in RPCS.items()}
 
 
 class PeerLog:
@@ -262,7 +265,7 @@ class _ServerProtocol(FrameProtocol):
             self._bad_request(frame, InvalidArgument(
                 f"op {frame.op} is not served by the {self.server.service.value} service"))
             return
-        roles = RPCS[Op(frame.op)].roles
+        roles = _ROLES[frame.op]
         if self.role not in roles:
             assert self.role is not None
             self._bad_request(frame, AuthError(
@@ -366,7 +369,6 @@ class _ServerProtocol(FrameProtocol):
     async def _serve(self, handler: Handler, request: Request[Any], frame: Frame, charged: int) -> int:
         """Runs one request and writes its answer once the transport can take it; returns
         the bytes charged to this request (grown to the answer's real size)."""
-        name = Op(frame.op).name
         files: FileParts | None = None
         try:
             try:
@@ -381,6 +383,7 @@ class _ServerProtocol(FrameProtocol):
                 reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE,
                                      payload_bytes=None if files is None else files.nbytes)
             except ShortFile as exc:  # a chunk file shrank under the read: nothing sent yet
+                name = Op(frame.op).name
                 self._bad_request(frame, Unavailable(f"{name} failed on the server: {exc}"))
                 return charged
             except KVFSError as exc:
@@ -389,6 +392,7 @@ class _ServerProtocol(FrameProtocol):
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # a bug in the handler: never relabelled as bad input
+                name = Op(frame.op).name
                 log.exception("%s failed", name)
                 self._reply_error(frame, ServerError(f"{name} failed on the server: {type(exc).__name__}: {exc}"))
                 return charged

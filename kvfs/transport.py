@@ -274,12 +274,16 @@ class Connection:
                 frame = await fut
         except TimeoutError:
             proto.pending.pop(rid, None)
+            began = proto.decoder.arriving(rid)
             # the answer may still be arriving into a caller's buffer: stop the stream, now
             # (a close would first flush what is buffered, to a peer that may never read it,
             # and leave the connection half closed meanwhile)
             self.abort()
-            raise Timeout(f"{op.name} to {self.name} got no answer within "
-                          f"{timeout_s or self.request_timeout_s}s") from None
+            waited = timeout_s or self.request_timeout_s
+            if began is None:
+                raise Timeout(f"{op.name} to {self.name} got no answer within {waited}s") from None
+            raise Timeout(f"{op.name} to {self.name}: its answer began but did not end within "
+                          f"{waited}s ({began[0]} of its {began[1]} payload bytes received)") from None
         except BaseException:  # cancelled: the caller may reuse its buffers once this returns
             if sink is not None and rid not in proto.sinks:  # its answer is arriving into them
                 proto.decoder.drop_payload(rid)

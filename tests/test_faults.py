@@ -290,6 +290,32 @@ async def test_corrupt_replica_falls_back_to_a_good_one(cluster: LocalCluster, k
     assert await kv.get(b"two") == value  # the first replica fails its CRC; the second is read
 
 
+async def test_an_answer_cut_short_times_out_saying_it_began(cluster: LocalCluster, kv: AsyncClient,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunkserver that stops in the middle of a READV answer (fault injection: its
+    connections write the answer's header and first 1,000 payload bytes, then nothing of
+    it): the read times out, and the error says the answer began and how much of it came,
+    not that there was no answer."""
+    from kvfs.server import _ServerProtocol
+
+    value = os.urandom(100_000)  # under sendfile_min_bytes: the answer is written, not sendfile'd
+    await kv.put(b"cut", value)
+    write = _ServerProtocol.write
+
+    def cut(self: _ServerProtocol, buffers: list[bytes | bytearray | memoryview]) -> None:
+        data = b"".join(buffers)
+        _, _, op, _, _, hlen, plen = FIXED.unpack_from(data)
+        if op == Op.READV and plen:
+            data = data[:FIXED.size + hlen + 1000]
+        write(self, [data])
+
+    monkeypatch.setattr(_ServerProtocol, "write", cut)
+    async with cluster.client(ClientConfig(on_lost="raise", request_timeout_s=2.0)) as reader:
+        with pytest.raises(Unavailable, match=r"READV to \S+: its answer began but did not end within "
+                                              r"2\.0s \(1000 of its \d+ payload bytes received\)"):
+            await reader.get(b"cut")
+
+
 async def test_calls_to_a_server_that_stops_reading_time_out(cluster: LocalCluster) -> None:
     """A server that stops reading (fault injection: its side of the connection pauses):
     one call's bytes fill the write buffer, so a second call waits for room to write; both

@@ -99,6 +99,25 @@ def test_big_payload_lands_in_allocated_buffer() -> None:
     assert f.payload is target and target == b"\x07" * 300_000
 
 
+@pytest.mark.parametrize("size", [1_000, 300_000], ids=["inline", "own-buffer"])
+def test_arriving_says_how_much_of_a_payload_came(size: int) -> None:
+    """``arriving(request_id)``: none before the frame's header, (received, length) while its
+    payload comes (in scratch or in its own buffer), none once whole or for another id."""
+    dec = FrameDecoder()
+    data = frame_bytes(Op.READV, 7, {"x": 1}, [os.urandom(size)])
+    head = len(data) - size
+    dec.receive_data(data[: head - 1])
+    assert dec.arriving(7) is None
+    dec.receive_data(data[head - 1 : head + 10])
+    assert dec.arriving(7) == (10, size) and dec.arriving(8) is None
+    dec.receive_data(data[head + 10 : -1])
+    assert dec.arriving(7) == (size - 1, size)
+    dec.receive_data(data[-1:])
+    assert dec.arriving(7) is None
+    (f,) = drain(dec)
+    assert f.request_id == 7 and bytes(f.payload) == data[head:]
+
+
 def test_get_buffer_hands_out_payload_buffer() -> None:
     dec = FrameDecoder()
     data = frame_bytes(Op.READV, 1, {}, [b"z" * 1_000_000])

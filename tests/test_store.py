@@ -563,6 +563,31 @@ async def test_spans_not_in_the_page_cache_are_read_in_the_pool(
     assert store.inline_spans == 1  # b from the page cache, a from the pool
 
 
+async def test_cached_reads_join_a_puts_values_in_request_order_and_answer_every_order(
+        store: ChunkStore) -> None:
+    """From the page cache the ranges are taken in request order, nothing sorted: the values of
+    one append asked in order are one span (one preadv); any other order reads the same bytes,
+    one span each; a range not here is stale and the others are still read."""
+    if not store.nowait:
+        pytest.skip("no RWF_NOWAIT here")
+    keys = [b"v%d" % i for i in range(4)]
+    locs = await store.append([(k, 3000, crc32c(value_of(k)), None) for k in keys],
+                              memoryview(b"".join(value_of(k) for k in keys)))
+    ranges = [(c, off, 3000) for c, off in locs]
+    want = [value_of(k) for k in keys]
+    views, stale = await store.readv(ranges)
+    assert not stale and [bytes(v) for v in views if v is not None] == want
+    assert store.inline_spans == 1
+    order = [2, 0, 3, 1]
+    views, stale = await store.readv([ranges[i] for i in order])
+    assert not stale and [bytes(v) for v in views if v is not None] == [want[i] for i in order]
+    assert store.inline_spans == 1 + 4
+    cid = ranges[0][0]
+    views, stale = await store.readv([ranges[1], (cid, store.sizes[cid], 1), ranges[0]])
+    assert list(stale) == [1] and views[1] is None
+    assert bytes(views[0]) == want[1] and bytes(views[2]) == want[0]  # type: ignore[arg-type]
+
+
 async def test_files_pushed_out_of_the_lru_are_closed_once_reads_end(tmp_path: Path) -> None:
     st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK, preallocate=False, max_open_files=2)
     st.server_id = 1
