@@ -63,6 +63,12 @@ class Batcher(Generic[I, R]):
       ``max_bytes`` per batch) when a batch finishes. Idle: no added
       latency; busy: batches as large as the backlog.
 
+    By load, with ``hold`` (the FUSE mount's: whether it is still reading requests the
+    kernel has queued), an item that finds a free slot waits while ``hold()`` is true, at
+    most ``hold_s``, for the items those requests are about to submit; :meth:`release`
+    (the mount, once it has read every queued request) sends what waits, and so does a
+    full batch. Idle: no added latency; a burst of requests: one batch, not one each.
+
     An item may stand for several keys (a whole ``get_into`` or ``put_many``
     call): ``submit(..., count=n)`` counts it as ``n`` towards ``max_items`` in
     the by-time mode (by load, an item counts one).
@@ -77,9 +83,12 @@ class Batcher(Generic[I, R]):
 
     def __init__(self, run: Callable[[list[I]], Awaitable[list[R]]], *, max_items: int,
                  max_bytes: int, window_s: float = 0.0, max_inflight: int | None = None,
-                 cancel_waits: bool = False) -> None:
+                 cancel_waits: bool = False, hold: Callable[[], bool] | None = None,
+                 hold_s: float = 0.0) -> None:
         if max_inflight is not None and max_inflight < 1:
             raise ValueError(f"Batcher: max_inflight must be at least 1, got {max_inflight}")
+        if hold is not None and (max_inflight is None or hold_s <= 0):
+            raise ValueError("Batcher: hold needs max_inflight and a positive hold_s")
         self._run = run
         self._max_items = max_items
         self._max_bytes = max_bytes
@@ -95,6 +104,8 @@ class Batcher(Generic[I, R]):
         # running batches (kept referenced) and their submitters' futures
         self._tasks: dict[asyncio.Task[None], list[asyncio.Future[R]]] = {}
         self._cancel_waits = cancel_waits
+        self._hold = hold
+        self._hold_s = hold_s
         self.inflight = 0
         self.batches = 0
 
@@ -120,7 +131,11 @@ class Batcher(Generic[I, R]):
         self._bytes += nbytes
         self._count += count
         if self._max_inflight is not None:
-            self._pump()
+            if (self._hold is None or self._count >= self._max_items
+                    or self._bytes >= self._max_bytes or not self._hold()):
+                self._pump()
+            elif self._handle is None:
+                self._handle = loop.call_later(self._hold_s, self.release)
         elif self._count >= self._max_items or self._bytes >= self._max_bytes:
             self._flush()
         elif self._handle is None:
@@ -158,11 +173,22 @@ class Batcher(Generic[I, R]):
         if self._items:
             self._send(len(self._items))
 
+    def release(self) -> None:
+        """By load, with ``hold``: the items waiting go out (as many batches as may run;
+        the rest when a batch ends)."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+        self._pump()
+
     def _pump(self) -> None:
         """By load: send batches from the queue while fewer than ``max_inflight`` run."""
         assert self._max_inflight is not None
         while self._items and self.inflight < self._max_inflight:
             self._send(run_end(self._sizes, 0, max_items=self._max_items, max_bytes=self._max_bytes))
+        if self._handle is not None and not self._items:  # hold: none waits any more
+            self._handle.cancel()
+            self._handle = None
 
     def _send(self, n: int) -> None:
         items, futs = self._items[:n], self._futs[:n]

@@ -162,7 +162,6 @@ class BlockingSocket:
     def _receive(self, rid: int, deadline: float) -> Frame:
         """The next frame (answer ``rid``; 0: the server's HELLO), within ``deadline``."""
         dec, sock = self._decoder, self.sock
-        got = 0
         while not isinstance(ev := dec.next_event(), Frame):
             left = deadline - time.monotonic()
             if left <= 0:
@@ -176,7 +175,6 @@ class BlockingSocket:
                 continue  # up to 1 s before the deadline: it decides
             if not n:
                 raise ConnectionResetError(f"{self.name} closed the connection")
-            got += n
             dec.buffer_updated(n)  # RemoteProtocolError on garbage
         if ev.is_error and ev.request_id == 0:
             # the server closed the connection saying why (e.g. idle for its idle_timeout_s,
@@ -185,7 +183,9 @@ class BlockingSocket:
         if ev.request_id != rid:
             raise RemoteProtocolError(f"{self.name} answered request {ev.request_id}, "
                                       f"expected {rid} (one at a time on this connection)")
-        if got > SCRATCH_BYTES and not dec.buffered_bytes:  # a large answer: its memory goes
+        if dec.scratch_size > SCRATCH_BYTES and not dec.buffered_bytes:
+            # a large answer grew the scratch buffer: that memory goes (a payload over 64 KiB
+            # had a buffer of its own, the allocator's: the scratch buffer is kept then)
             self._decoder = self._new_decoder()
         return ev
 

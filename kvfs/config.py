@@ -425,6 +425,11 @@ class MountConfig:
     batches_in_flight: int = opt("batches of reads, and of closes, running at once; more wait in "
                                  "line (held in memory: about batches-in-flight x batch-bytes "
                                  "each)", 2, positive=True)
+    batch_hold_s: float = opt("while the mount is still reading FUSE requests the kernel has "
+                              "queued, a lookup or read that could go to the cluster at once "
+                              "waits up to this long for theirs, to share its batch (it goes as "
+                              "soon as none is left queued, or the batch is full; 0: at once)",
+                              0.001)
     looked_up_layouts: int = opt("layouts of recently looked-up files kept for their open or first read "
                                  "(within --attr-timeout)", 4096)
     page_cache_files: int = opt("files whose pages the kernel may keep cached between opens: a "
@@ -462,7 +467,7 @@ class MountConfig:
                                       "be committed; what is not committed by then is lost", 30.0)
 
     def __post_init__(self) -> None:
-        for name in ("write_buffer_bytes", "read_ahead_units", "looked_up_layouts",
+        for name in ("write_buffer_bytes", "read_ahead_units", "batch_hold_s", "looked_up_layouts",
                      "page_cache_files", "kernel_read_ahead_bytes", "negative_timeout_s", "write_behind_bytes",
                      "write_behind_drain_s", "write_behind_delay_s"):
             if getattr(self, name) < 0:

@@ -425,6 +425,11 @@ class FrameDecoder:
         return bool(self._events) or self._error is not None
 
     @property
+    def scratch_size(self) -> int:
+        """The scratch buffer's size now (it grows for a large header or small payload)."""
+        return len(self._scratch)
+
+    @property
     def buffered_bytes(self) -> int:
         return self._end - self._start + self._big_filled
 

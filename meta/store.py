@@ -316,14 +316,14 @@ class Checkpointer:
     """A PASSIVE checkpoint of the WAL on a second SQLite connection, opened and used by
     one thread only (meta's sync thread: :mod:`kvfs.meta.walsync`), so the loop's
     connection does not run it: :meth:`run_if_due` once :data:`CHECKPOINT_FRAMES` frames
-    wait.
+    wait; and after a checkpoint that copied the whole WAL, its restart (:meth:`_restart`).
 
     Durability is as with the loop's own auto-checkpoint: a checkpoint copies only
-    committed frames, syncs the WAL before copying and the database after (this
-    connection is ``synchronous=FULL``; a checkpoint is synced at FULL and NORMAL alike),
-    and the WAL is reused from its start only after a checkpoint that copied all of it
-    (see :meth:`MetaStore.sync_wal`).  No change is answered on the strength of a
-    checkpoint: answers wait for :meth:`MetaStore.sync_wal`."""
+    committed frames, syncs the WAL before copying and the database after (at NORMAL as at
+    FULL), and the WAL is reused from its start only after a checkpoint that copied all of
+    it, its new header synced before any frame after it is written (see
+    :meth:`MetaStore.sync_wal`).  No change is answered on the strength of a checkpoint:
+    answers wait for :meth:`MetaStore.sync_wal`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -331,6 +331,7 @@ class Checkpointer:
         self._shm = str(self.shm_path)
         self.db: sqlite3.Connection | None = None
         self.checkpoints = 0  # checkpoints run (complete or not)
+        self.restarts = 0  # restart transactions written here (each restarts the WAL unless the loop wrote first)
 
     def frames_waiting(self) -> int:
         """WAL frames not yet copied into the database: ``mxFrame - nBackfill`` from the
@@ -355,10 +356,47 @@ class Checkpointer:
         if self.frames_waiting() < CHECKPOINT_FRAMES:
             return
         if self.db is None:
-            self.db = sqlite3.connect(self.path, isolation_level=None)
-            self.db.execute("PRAGMA synchronous=FULL")
-        self.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
+            # timeout 0: never waits for the loop's writer lock (_restart skips instead);
+            # NORMAL: a checkpoint's syncs as at FULL, and a transaction's commit unsynced
+            self.db = sqlite3.connect(self.path, isolation_level=None, timeout=0)
+            self.db.execute("PRAGMA synchronous=NORMAL")
+        _, log, copied = self.db.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         self.checkpoints += 1
+        if log > 0 and copied == log:
+            self._restart()
+
+    def _restart(self) -> None:
+        """Restart the WAL here, after a checkpoint copied all of it: the first transaction
+        written after such a checkpoint rewinds the WAL to its start, writes a new header
+        and, at ``synchronous=NORMAL`` or FULL, ``fdatasync``s it before writing its frames
+        (https://www.sqlite.org/pragma.html#pragma_synchronous: "the WAL file header is
+        synchronized when a WAL file begins to be reused after a checkpoint"; unsynced, a
+        power loss could keep the old header and some new frames and replay a prefix of
+        the old WAL over the newer database).  Left to the loop's next write, that sync ran
+        on the event loop, holding every lookup (bench/RESULTS.md); so this connection
+        writes that first transaction: page 1 rewritten as it is (``user_version`` set to
+        its value), one frame, synced with the WAL's next :meth:`MetaStore.sync_wal`.
+
+        The writer lock is tried once: held by the loop (writing a change meanwhile, which
+        restarts the WAL itself, as SQLite does), nothing is written.  A change the loop
+        writes while this transaction holds the lock waits in SQLite's busy handler for it
+        (GC's changes, DELETEs, the access-time flush, not a COMMIT's group: none is
+        written before this sync's answer)."""
+        assert self.db is not None
+        try:
+            self.db.execute("BEGIN IMMEDIATE")
+        except sqlite3.OperationalError as exc:
+            if exc.sqlite_errorcode == sqlite3.SQLITE_BUSY:  # the loop is writing
+                return
+            raise
+        try:
+            (version,) = self.db.execute("PRAGMA user_version").fetchone()
+            self.db.execute(f"PRAGMA user_version={int(version)}")
+            self.db.execute("COMMIT")
+        except BaseException:
+            self.db.execute("ROLLBACK")
+            raise
+        self.restarts += 1
 
     def close(self) -> None:
         if self.db is not None:

@@ -9,9 +9,11 @@ and syncs it (:meth:`kvfs.meta.store.MetaStore.sync_wal`).  With ``checkpoint`` 
 SQLite connection of its own (:class:`kvfs.meta.store.Checkpointer`), so lookups are not
 held by them either: after a sync returned and before its answer is handed back, so no
 commit group is written meanwhile (the next waits for the answer), the checkpoint copies
-the whole WAL and the next write reuses it from its start (a checkpoint running beside
-the writes never catches up: measured, bench/RESULTS.md).  The answer waits for the
-checkpoint, as it waited for the loop's.  The loop's connection checkpoints itself only
+the whole WAL, and the thread restarts it too (the first transaction after such a
+checkpoint rewinds the WAL and syncs its new header: :meth:`Checkpointer._restart`), so
+the next write on the loop appends without a sync (a checkpoint running beside the writes
+never catches up: measured, bench/RESULTS.md).  The answer waits for the checkpoint and
+the restart, as it waited for the loop's.  The loop's connection checkpoints itself only
 if the WAL outgrows the bound (:data:`kvfs.meta.store.LOOP_CHECKPOINT_FRAMES`: the thread
 fell behind, or failed).
 """

@@ -348,3 +348,39 @@ async def test_a_cancelled_put_many_never_stores_what_its_buffer_holds_after(
             await asyncio.sleep(0.01)
     kv.layout_cache.clear()
     assert await kv.get(b"reused") in (None, b"given" * 1000)
+
+
+async def test_by_load_with_hold_items_wait_for_release_and_go_together() -> None:
+    """``hold`` (the mount: still reading queued FUSE requests): an item that could go at
+    once waits while hold() is true, until release() sends everything waiting as one
+    batch; a full batch goes at once; without hold() the item goes at once; and an item
+    nobody releases goes after ``hold_s``."""
+    from kvfs._batch import Batcher
+
+    ran: list[list[int]] = []
+    holding = [True]
+
+    async def run(items: list[int]) -> list[int]:
+        ran.append(items)
+        return items
+
+    b: Batcher[int, int] = Batcher(run, max_items=4, max_bytes=1 << 20, max_inflight=2,
+                                   hold=lambda: holding[0], hold_s=60.0)
+    async with asyncio.timeout(30):
+        waiting = [asyncio.ensure_future(b.submit(i)) for i in range(3)]
+        while len(b._items) < 3:  # all three queued, none sent (a slot is free)
+            await asyncio.sleep(0)
+        assert ran == [] and b.inflight == 0
+        b.release()
+        assert await asyncio.gather(*waiting) == [0, 1, 2]
+        assert ran == [[0, 1, 2]]
+        assert await asyncio.gather(*(b.submit(i) for i in range(4, 8))) == [4, 5, 6, 7]
+        assert ran[1:] == [[4, 5, 6, 7]]  # full: sent without a release
+        holding[0] = False
+        assert await b.submit(9) == 9
+        assert ran[2:] == [[9]]
+    late: Batcher[int, int] = Batcher(run, max_items=4, max_bytes=1 << 20, max_inflight=2,
+                                      hold=lambda: True, hold_s=0.01)
+    assert await asyncio.wait_for(late.submit(10), 30) == 10  # never released: sent anyway
+    with pytest.raises(ValueError):
+        Batcher(run, max_items=4, max_bytes=1 << 20, hold=lambda: True, hold_s=0.01)

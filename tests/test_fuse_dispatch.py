@@ -114,3 +114,28 @@ async def test_a_read_lock_handed_to_a_cancelled_waiter_goes_on() -> None:
         await b
     await asyncio.wait_for(c_task, 5)
     assert got == ["c"]
+
+
+async def test_the_idle_callback_runs_as_a_wait_for_a_request_begins(
+        pipe: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """reading() is true from the read of a request until the next wait on /dev/fuse: the
+    mount's batches of lookups and reads wait for the requests queued (--batch-hold), and
+    on_idle sends them as that wait begins, with nothing queued."""
+    r, w = pipe
+    idle: list[bool] = []
+    monkeypatch.setattr(_fuse, "_on_idle", lambda: idle.append(_fuse.reading()))
+    monkeypatch.setattr(_fuse, "_reading", False)
+    os.write(w, b"x")  # queued: read at once, no wait
+    await asyncio.wait_for(_fuse._wait_readable(r), 5)
+    assert idle == [] and _fuse.reading()
+    os.read(r, 1)
+    task = asyncio.ensure_future(_fuse._wait_readable(r))
+    async with asyncio.timeout(5):
+        while not idle:
+            await asyncio.sleep(0)
+    assert idle == [False] and not task.done()  # ran as the wait began, reading() false
+    os.write(w, b"y")
+    await asyncio.wait_for(task, 5)
+    assert _fuse.reading() and idle == [False]
+    _fuse._notify_closing(r)  # unmount: nothing waits for a request that never comes
+    assert idle == [False, False] and not _fuse.reading()

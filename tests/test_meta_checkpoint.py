@@ -2,12 +2,18 @@
 (``kvfs.meta.store.Checkpointer``), so lookups are answered while one runs; a change is
 answered after it; the loop's own connection checkpoints only past the bound
 (``LOOP_CHECKPOINT_FRAMES``), so the WAL stays bounded when the thread's checkpoints fail;
-``--fsync never`` keeps SQLite's auto-checkpoint on the loop; close leaves no WAL."""
+after a checkpoint that copied the whole WAL the thread restarts it too, so no write on
+the loop rewinds the WAL and syncs its new header; ``--fsync never`` keeps SQLite's
+auto-checkpoint on the loop; close leaves no WAL."""
 
 from __future__ import annotations
 
 import asyncio
+import re
+import shutil
 import sqlite3
+import subprocess
+import sys
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -76,14 +82,123 @@ async def test_lookups_are_answered_while_a_checkpoint_runs_in_the_sync_thread(
         go.set()
     assert await first == []
     assert ix._wal.checkpoints == 1
-    # the thread's checkpoint copied the whole WAL, on its own connection
-    assert Checkpointer(tmp_path / "meta.sqlite3").frames_waiting() == 0
+    # the thread's checkpoint copied the whole WAL, on its own connection, and restarted
+    # it: one frame waits, its restart's
+    assert Checkpointer(tmp_path / "meta.sqlite3").frames_waiting() == 1
     assert await ix.commit(rows("b", 2), 100.0, None) == []
     await ix.close()  # the sync thread's connection closed, then the loop's: WAL checkpointed, gone
     assert not (tmp_path / "meta.sqlite3-wal").exists()
     db = sqlite3.connect(tmp_path / "meta.sqlite3")
     assert db.execute("SELECT count(*) FROM kv").fetchone()[0] == 5
     db.close()
+
+
+def wal_generation(wal: Path) -> bytes:
+    """The WAL header's checkpoint sequence and salts (https://www.sqlite.org/walformat.html:
+    bytes 12-23): each restart of the WAL writes new ones."""
+    with open(wal, "rb") as f:
+        return f.read(24)[12:]
+
+
+async def test_the_wal_is_restarted_in_the_sync_thread_never_by_a_write_on_the_loop(
+        make_index: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # SQLite syncs the WAL's new header in the transaction that restarts the WAL (the first
+    # written after a checkpoint that copied all of it); on the loop that sync held lookups
+    monkeypatch.setattr(store_mod, "CHECKPOINT_FRAMES", 1)  # every sync's WAL is due
+    ix = make_index()
+    wal = tmp_path / "meta.sqlite3-wal"
+    real = ix.store.put_many
+    across: list[tuple[bytes, bytes]] = []
+
+    def put_many(*args: Any) -> None:  # observed: the WAL's generation around the loop's write
+        before = wal_generation(wal)
+        real(*args)
+        across.append((before, wal_generation(wal)))
+
+    monkeypatch.setattr(ix.store, "put_many", put_many)
+    generations = {wal_generation(wal)}
+    for i in range(20):
+        assert await ix.commit(rows(f"k{i}-", 20), 100.0, None) == []
+        generations.add(wal_generation(wal))
+    assert len(across) == 20
+    assert [b for b, a in across if b != a] == []  # no group's write restarted the WAL
+    assert ix._wal.checkpoints == 20 and len(generations) >= 20  # the sync thread did, each time
+    # the files as a kill -9 leaves them (no -shm): every answered key is recovered
+    crash = tmp_path / "crash"
+    crash.mkdir()
+    for name in ("meta.sqlite3", "meta.sqlite3-wal"):
+        shutil.copy(tmp_path / name, crash / name)
+    db = sqlite3.connect(crash / "meta.sqlite3")
+    assert db.execute("SELECT count(*) FROM kv").fetchone()[0] == 400
+    assert db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    db.close()
+
+
+# meta's index in a process of its own, every sync's WAL due (a checkpoint and a restart each
+# time): its event loop (the main thread) commits 30 groups between two getppid() markers
+LOOP_SCRIPT = """
+import asyncio, os, sys, time
+from pathlib import Path
+import kvfs.meta.store as store_mod
+from kvfs.config import MetaConfig
+from kvfs.layout import Extent, Layout, Replica
+from kvfs.meta.index import MetaIndex
+from kvfs.meta.store import MetaStore
+store_mod.CHECKPOINT_FRAMES = 1
+
+async def main():
+    d = Path(sys.argv[1])
+    ix = MetaIndex(MetaConfig(data=d), MetaStore(d / "meta.sqlite3"), time.time)
+    lay = Layout(10, 7, 0.0, None, (Extent(10, 7, (Replica(1, 1 << 40, 0),)),))
+    await ix.commit([(b"warm", lay)], 100.0, None)
+    os.getppid()
+    for i in range(30):
+        assert await ix.commit([(f"k{i}-{j}".encode(), lay) for j in range(20)], 100.0, None) == []
+    os.getppid()
+    print(os.getpid(), ix._wal.checkpoints)
+    await ix.close()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace not installed")
+def test_meta_loop_thread_makes_no_sync_syscall_across_wal_checkpoints(tmp_path: Path) -> None:
+    trace = tmp_path / "trace"
+    run = subprocess.run(["strace", "-f", "-qq", "-o", str(trace), "-e", "trace=fdatasync,fsync,getppid",
+                          sys.executable, "-c", LOOP_SCRIPT, str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    if run.returncode != 0 and "ptrace" in run.stderr:
+        pytest.skip(f"strace cannot trace here: {run.stderr.strip()}")
+    assert run.returncode == 0, run.stderr
+    pid, checkpoints = map(int, run.stdout.split())
+    assert checkpoints >= 30
+    calls = [(int(m[1]), m[2]) for m in re.finditer(r"^(\d+) +(\w+)\(", trace.read_text(), re.M)]
+    marks = [i for i, (tid, name) in enumerate(calls) if tid == pid and name == "getppid"]
+    assert len(marks) == 2
+    between = calls[marks[0] + 1:marks[1]]
+    assert [c for c in between if c[0] == pid] == []  # not one fsync/fdatasync on the loop
+    assert sum(1 for tid, _ in between if tid != pid) >= 30  # (the sync thread's, seen)
+
+
+def test_the_restart_is_left_to_the_writer_holding_the_lock(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(store_mod, "CHECKPOINT_FRAMES", 1)
+    store = MetaStore(tmp_path / "meta.sqlite3")
+    store.put_state("x", 1)
+    ckpt = Checkpointer(tmp_path / "meta.sqlite3")
+    wal = tmp_path / "meta.sqlite3-wal"
+    before = wal_generation(wal)
+    store.db.execute("BEGIN IMMEDIATE")  # a write on the loop in progress: the lock is taken
+    ckpt.run_if_due()  # the checkpoint copies the WAL; the restart is not waited for
+    assert (ckpt.checkpoints, ckpt.restarts, wal_generation(wal)) == (1, 0, before)
+    store.db.execute("INSERT INTO gc_state VALUES ('y', x'00')")
+    store.db.execute("COMMIT")  # (it read the WAL from before the checkpoint: appended)
+    ckpt.run_if_due()  # the next checkpoint's restart
+    assert (ckpt.checkpoints, ckpt.restarts) == (2, 1) and wal_generation(wal) != before
+    assert store.get_state("x") == 1 and store.db.execute("SELECT count(*) FROM gc_state").fetchone()[0] == 2
+    ckpt.close()
+    store.close()
 
 
 async def test_the_wal_stays_bounded_when_the_threads_checkpoints_fail(

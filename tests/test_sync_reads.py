@@ -6,7 +6,9 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import random
+import socket
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,8 +17,11 @@ import pytest
 from conftest import ThreadCluster, flip_byte
 
 import kvfs
+from kvfs.blocking import SCRATCH_BYTES, BlockingSocket
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import ChecksumMismatch
+from kvfs.protocol import Flag, ReceivePool, frame_bytes
+from kvfs.rpc import Op
 
 # every two 4 KiB values of a put_many go to the next server: a call's keys span them all
 SPREAD = ClientConfig(put_group_bytes=8192)
@@ -192,3 +197,22 @@ def test_server_sockets_zero_reads_through_the_io_loop(one_cs: ThreadCluster) ->
         assert not kv._server_sockets._pools  # none opened
     with pytest.raises(ValueError, match="server_sockets must be >= 0"):
         ClientConfig(server_sockets=-1)
+
+
+def test_a_blocking_socket_keeps_its_scratch_buffer_small() -> None:
+    """An answer with a large header grows the socket's scratch buffer: the memory goes
+    once the answer is taken; an answer whose large payload went to the allocator's buffer
+    leaves the decoder (and its scratch buffer) as it is, for the next call."""
+    a, b = socket.socketpair()
+    with a, b:
+        pool = ReceivePool(1 << 20, min_bytes=0)
+        s = BlockingSocket(a, "peer", 30.0, allocator=pool)
+        deadline = time.monotonic() + 30
+        b.sendall(frame_bytes(Op.PING, 1, {"pad": "x" * 100_000}, flags=Flag.RESPONSE))
+        assert s._receive(1, deadline).header["pad"] == "x" * 100_000
+        assert s._decoder.scratch_size == SCRATCH_BYTES
+        dec = s._decoder
+        b.sendall(frame_bytes(Op.READV, 2, {}, [b"v" * 200_000], flags=Flag.RESPONSE))
+        frame = s._receive(2, deadline)
+        assert bytes(frame.payload) == b"v" * 200_000  # type: ignore[arg-type]
+        assert s._decoder is dec and pool.reused == 0

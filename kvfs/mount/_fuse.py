@@ -17,6 +17,11 @@ The yield keeps the loop fair (a burst of requests does not hold it) and lets py
 worker queue up for the fd, as it does while a worker waits.  pyfuse3's read lock (one
 acquire per request) is :class:`_ReadLock`, asyncio.Lock's FIFO hand-over without its
 per-acquire scan of the waiters (~1.3 µs of mount CPU a request).
+
+While a worker reads requests the kernel has queued, :func:`reading` is true; once it finds
+none queued and is about to wait, the ``on_idle`` callback given to :func:`enable_asyncio`
+runs first.  The mount's batches of lookups and reads wait for that (``--batch-hold``), so
+a burst of LOOKUPs from many threads shares one LOOKUP to meta instead of one each.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import select
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["IMPORT_ERROR", "Operations", "enable_asyncio", "pyfuse3"]
+__all__ = ["IMPORT_ERROR", "Operations", "enable_asyncio", "pyfuse3", "reading"]
 
 if TYPE_CHECKING:
     import pyfuse3
@@ -49,6 +55,21 @@ else:
 _waiting: dict[Any, set[asyncio.Future[None]]] = {}  # fd -> the waits on it (one, in practice)
 _polls: dict[Any, select.poll] = {}  # fd -> a poll object for it (a queued request, no wait)
 _closing: set[Any] = set()  # fds terminate() was called for (a wait on them ends at once)
+_reading = False  # a request was read since the last wait on /dev/fuse began
+_on_idle: Callable[[], None] | None = None  # run as a wait begins (no request queued)
+
+
+def reading() -> bool:
+    """Whether the mount is reading the requests the kernel queued (none of its waits for
+    ``/dev/fuse`` began since it last read one): what they submit is about to come."""
+    return _reading
+
+
+def _idle() -> None:
+    global _reading
+    _reading = False
+    if _on_idle is not None:
+        _on_idle()
 
 
 def _queued(fd: Any) -> bool:
@@ -61,12 +82,15 @@ def _queued(fd: Any) -> bool:
 
 
 async def _wait_readable(fd: Any) -> None:
+    global _reading
     if _queued(fd):
         await asyncio.sleep(0)  # fair to the loop's other work; the next worker queues up
         if fd in _closing:  # terminate() ran meanwhile: no wait it would end
             raise pyfuse3.asyncio.ClosedResourceError()
         if _queued(fd):
+            _reading = True
             return
+    _idle()  # nothing queued: what the requests read so far submitted goes out
     loop = asyncio.get_running_loop()
     future: asyncio.Future[None] = loop.create_future()
 
@@ -84,6 +108,7 @@ async def _wait_readable(fd: Any) -> None:
         waits.discard(future)
         if not waits:
             _waiting.pop(fd, None)
+    _reading = True
 
 
 class _ReadLock:
@@ -123,17 +148,21 @@ class _ReadLock:
 def _notify_closing(fd: Any) -> None:
     _closing.add(fd)
     _polls.pop(fd, None)
+    _idle()
     for future in list(_waiting.get(fd, ())):
         if not future.done():
             future.set_exception(pyfuse3.asyncio.ClosedResourceError())
 
 
-def enable_asyncio() -> None:
-    """pyfuse3 on the running asyncio loop, its ``/dev/fuse`` wake-ups made safe (see the
-    module docstring)."""
+def enable_asyncio(on_idle: Callable[[], None] | None = None) -> None:
+    """pyfuse3 on the running asyncio loop, its ``/dev/fuse`` wake-ups made safe; ``on_idle``
+    runs whenever no request is left to read (see the module docstring)."""
+    global _reading, _on_idle
     shim = pyfuse3.asyncio
     _closing.clear()  # a new session (its fd may have an old one's number)
     _polls.clear()
+    _reading = False
+    _on_idle = on_idle
     shim.enable()  # pyfuse3 now calls the shim module's functions as trio's
     shim.wait_readable = _wait_readable
     # pyfuse3's only lock: the read lock, made at its first wait

@@ -88,7 +88,7 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
     options = {"fsname=kvfs", "subtype=kvfs"}
     if ns.allow_other:  # others get the kernel's checks of the modes shown; without it only
         options |= {"allow_other", "default_permissions"}  # this user may enter the mount
-    enable_asyncio()
+    enable_asyncio(on_idle=ops.io.send_held)
     try:
         pyfuse3.init(ops, mnt, options)
     except RuntimeError as exc:

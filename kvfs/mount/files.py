@@ -76,7 +76,8 @@ class FileIO:
     """Reads, writes, truncations and commits of the mount's open files."""
 
     def __init__(self, fs: KVFileSystem, table: InodeTable, config: MountConfig, *,
-                 fresh_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+                 fresh_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                 hold: Callable[[], bool] | None = None) -> None:
         self.fs = fs
         self.table = table
         self.config = config
@@ -92,10 +93,15 @@ class FileIO:
         # when a file's mtime changes); absent: not known (an open drops them)
         self._cached: OrderedDict[int, tuple[Layout, float | None]] = OrderedDict()
         self.stripe = fs.client.config.stripe_bytes
-        # FUSE requests reach the loop one at a time, so reads batch by load, not by tick
+        # FUSE requests reach the loop one at a time, so reads batch by load, not by tick;
+        # with ``hold`` (the mount's: still reading queued requests) and --batch-hold, what
+        # a burst of requests submits goes as one batch once none is left queued
+        if config.batch_hold_s <= 0:
+            hold = None
         self.reads: Batcher[tuple[ValueReader | bytes, int], Unit] = Batcher(
             self._read_units, max_items=config.max_batch_items,
-            max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
+            max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight, hold=hold,
+            hold_s=config.batch_hold_s)
         # closes of small files share commits the same way: one put_many (one APPEND per
         # server, one COMMIT) for the files closed while earlier batches were running
         self.puts: Batcher[tuple[bytes, Value], Layout | None] = Batcher(
@@ -105,7 +111,8 @@ class FileIO:
         # in the same round trip whether it is a directory
         self.lookups: Batcher[bytes, Layout | bool] = Batcher(
             fs.client.lookup_dirs, max_items=config.max_batch_items,
-            max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight)
+            max_bytes=config.max_batch_bytes, max_inflight=config.batches_in_flight, hold=hold,
+            hold_s=config.batch_hold_s)
         self._tasks: set[asyncio.Task[Any]] = set()  # read-ahead and listings in flight
         # --negative-timeout: directories' listings (when sent, names; None: over
         # --negative-listing-keys), and those being listed (the names made here meanwhile)
@@ -114,6 +121,12 @@ class FileIO:
         self._listing: dict[str, set[str] | None] = {}
         # --write-behind: closed files held here and committed in batches (off: never used)
         self.wb = WriteBehind(fs.client, config, ttl=fs.ttl, committed=self._behind_committed)
+
+    def send_held(self) -> None:
+        """The mount has read every FUSE request queued: the lookups and reads they
+        submitted go out (``hold``)."""
+        self.lookups.release()
+        self.reads.release()
 
     def _behind_committed(self, e: Held) -> None:
         self.changed(self.table.ino_of(e.path))  # a layout looked up meanwhile is stale

@@ -16,7 +16,7 @@ from kvfs._batch import split_batches
 from kvfs.config import MountConfig
 from kvfs.fs import KVFileSystem, check_path
 from kvfs.layout import MAX_KEY_BYTES, MAX_VALUE_BYTES
-from kvfs.mount._fuse import Operations, pyfuse3
+from kvfs.mount._fuse import Operations, pyfuse3, reading
 from kvfs.mount.files import FileIO
 from kvfs.mount.inodes import ROOT_INODE, Handle, Info, InodeTable
 from kvfs.oserrors import errno_of
@@ -121,7 +121,10 @@ class KVFSOperations(Operations):
         self.gid = os.getgid() if gid is None else gid
         self._started_ns = time.time_ns()
         self.table = InodeTable()
-        self.io = FileIO(fs, self.table, config or MountConfig(), fresh_s=attr_timeout_s)
+        # lookups and reads wait for the requests the kernel queued (--batch-hold): the
+        # mount calls self.io.send_held() once it has read them (kvfs.mount.cli)
+        self.io = FileIO(fs, self.table, config or MountConfig(), fresh_s=attr_timeout_s,
+                         hold=reading)
 
     def _child(self, parent: int, name: bytes, *, limit: int = MAX_KEY_BYTES) -> str:
         pp = self.table.path(parent)
