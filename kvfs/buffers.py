@@ -123,14 +123,14 @@ def as_parts_many(objs: Sequence[Any], *, writable: bool = False,
                   what: str = "value") -> tuple[list[list[memoryview]], list[int]]:
     """:func:`as_parts` of each of ``objs`` (named ``f"{what} {i}"`` in an error), and
     each one's size.  The common case, every object a flat byte view (e.g. per-value views
-    cut out of one region) or a bytearray, is checked for all of them at once: no Python
-    step per object beyond making its one-view list."""
+    cut out of one region), a bytearray, or bytes when not ``writable``, is checked for all
+    of them at once: no Python step per object beyond making its one-view list."""
     kinds = set(map(type, objs))
     if kinds == {memoryview}:
         flags = set(map(_VIEW_FLAGS, objs))
         if flags == _FLAT_RW or (not writable and flags <= _FLAT_ANY):
             return [[v] for v in objs], list(map(_NBYTES, objs))
-    elif kinds == {bytearray}:
+    elif kinds == {bytearray} or (kinds == {bytes} and not writable):
         return [[memoryview(b)] for b in objs], list(map(len, objs))
     try:
         parts = [as_parts(o, writable=writable) for o in objs]

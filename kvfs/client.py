@@ -20,8 +20,11 @@ import logging
 import os
 import secrets
 import time
+from collections import deque
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import is_
 from typing import Any, NamedTuple
 
 import msgspec
@@ -29,7 +32,7 @@ import msgspec
 from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, format_addrs, lookup_token, parse_addrs
-from kvfs.buffers import as_parts, as_parts_many, cut, nbytes
+from kvfs.buffers import as_parts, as_parts_many, cut
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
@@ -63,6 +66,7 @@ class _PutCall(NamedTuple):
 
     keys: list[bytes]
     views: list[list[memoryview]]
+    sizes: list[int]  # each value's bytes
     metas: list[bytes | None] | None  # each key's encoded meta; None: none at all
     replicas: int  # options: calls with the same ones may share a put
     ttl: float | None
@@ -295,15 +299,18 @@ class AsyncClient:
         pairs = list(items.items()) if isinstance(items, Mapping) else list(items)
         if not pairs:
             return []
-        keys = [norm_key(k) for k, _ in pairs]
-        try:
-            views = [as_parts(v) for _, v in pairs]
+        keys = norm_keys([k for k, _ in pairs])
+        values = [v for _, v in pairs]
+        try:  # each value's views and size, checked at once in the common cases
+            views, sizes = as_parts_many(values)
         except InvalidArgument:  # again, naming the key (not built for every good value)
-            views = [as_parts(v, what=f"value for key {k[:64]!r}") for k, (_, v) in zip(keys, pairs, strict=True)]
-        for k, v in zip(keys, views, strict=True):
-            if nbytes(v) > MAX_VALUE_BYTES:
-                raise InvalidArgument(f"value of {nbytes(v)} bytes for key {k[:64]!r} exceeds the "
-                                      f"limit of {MAX_VALUE_BYTES}")
+            for k, v in zip(keys, values, strict=True):
+                as_parts(v, what=f"value for key {k[:64]!r}")
+            raise
+        if max(sizes) > MAX_VALUE_BYTES:
+            i = next(i for i, n in enumerate(sizes) if n > MAX_VALUE_BYTES)
+            raise InvalidArgument(f"value of {sizes[i]} bytes for key {keys[i][:64]!r} exceeds the "
+                                  f"limit of {MAX_VALUE_BYTES}")
         r = self.config.replicas if replicas is None else replicas
         if r < 1:
             raise InvalidArgument(f"replicas must be >= 1, got {r}")
@@ -314,14 +321,15 @@ class AsyncClient:
             if len(meta) != len(keys):
                 raise InvalidArgument(f"{len(keys)} items but {len(meta)} meta entries")
             metas = [_encode_meta(k, m) for k, m in zip(keys, meta, strict=True)]
-        call = _PutCall(keys, views, metas, r, ttl, if_absent)
-        total = sum([nbytes(v) for v in views])
+        call = _PutCall(keys, views, sizes, metas, r, ttl, if_absent)
+        total = sum(sizes)
         loop = asyncio.get_running_loop()
         putting = self._putting
-        earlier = {f for k in keys if (f := putting.get(k)) is not None and f.get_loop() is loop}
+        running = set(map(putting.get, keys))  # (per key in C; per running call below)
+        running.discard(None)
+        earlier = {f for f in running if f is not None and f.get_loop() is loop}
         mine: asyncio.Future[None] = loop.create_future()
-        for k in keys:
-            putting[k] = mine
+        putting.update(dict.fromkeys(keys, mine))
         try:
             if earlier:  # the same key in a put still running: it commits first, then this one
                 await asyncio.wait(earlier)
@@ -333,15 +341,16 @@ class AsyncClient:
                 layouts = await self._put(call)
         finally:
             mine.set_result(None)
-            for k in keys:
-                if putting.get(k) is mine:
-                    del putting[k]
+            # the keys no later call took over (still ``mine``), found and dropped in C
+            deque(map(putting.pop, compress(keys, map(is_, map(putting.get, keys), repeat(mine))),
+                      repeat(None)), maxlen=0)
         return layouts
 
     async def _put(self, call: _PutCall, tried: dict[bytes, Layout] | None = None,
                    ) -> list[Layout | None]:
         layouts = await self.writer.put(call.keys, call.views, replicas=call.replicas, ttl=call.ttl,
-                                        if_absent=call.if_absent, metas=call.metas, tried=tried)
+                                        if_absent=call.if_absent, metas=call.metas, tried=tried,
+                                        sizes=call.sizes)
         self.layout_cache.put_many(call.keys, layouts)
         return layouts
 
@@ -370,7 +379,7 @@ class AsyncClient:
                 metas = (None if all(c.metas is None for c in g) else
                          [m for c in g for m in (c.metas or [None] * len(c.keys))])
                 joined = _PutCall([k for c in g for k in c.keys], [v for c in g for v in c.views],
-                                  metas, *g[0].options)
+                                  [n for c in g for n in c.sizes], metas, *g[0].options)
                 try:
                     layouts = await self._put(joined, tried)
                 except KVFSError:

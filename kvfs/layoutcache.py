@@ -17,8 +17,9 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import cast
 
 from kvfs import rpc
 from kvfs.cluster import ClusterLink
@@ -59,10 +60,14 @@ class LayoutCache:
         cache = self._layouts
         move = cache.move_to_end
         with self._lock:
-            for key, layout in zip(keys, layouts, strict=True):
-                if layout is not None:
-                    cache[key] = layout
-                    move(key)
+            if None not in layouts:  # the common case, every key written: no Python step per key
+                cache.update(zip(keys, cast(Sequence[Layout], layouts), strict=True))
+                deque(map(move, keys), maxlen=0)
+            else:
+                for key, layout in zip(keys, layouts, strict=True):
+                    if layout is not None:
+                        cache[key] = layout
+                        move(key)
             while len(cache) > self.entries:
                 cache.popitem(last=False)
 

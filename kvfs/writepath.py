@@ -17,7 +17,8 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
-from itertools import repeat
+from itertools import chain, repeat
+from operator import getitem, itemgetter
 from typing import Any, cast
 
 import crc32c
@@ -35,6 +36,8 @@ from kvfs.packed import pack_single
 from kvfs.placement import order_by_free, place
 
 log = logging.getLogger("kvfs.client")
+_LENGTH = itemgetter(1)  # a record head's length (RecordHead's field 1, or its plain tuple's)
+_CHUNK, _OFFSET = itemgetter(0), itemgetter(1)  # of an APPEND's location (chunk, offset)
 
 
 class WritePath:
@@ -50,9 +53,11 @@ class WritePath:
     async def put(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
                   ttl: float | None, if_absent: bool = False,
                   metas: list[bytes | None] | None = None,
-                  tried: dict[bytes, Layout] | None = None) -> list[Layout | None]:
+                  tried: dict[bytes, Layout] | None = None,
+                  sizes: list[int] | None = None) -> list[Layout | None]:
         """Store the values; returns their committed layouts (stamped by meta).
-        ``metas``: each key's metadata (encoded), committed in its layout.
+        ``metas``: each key's metadata (encoded), committed in its layout.  ``sizes``: each
+        value's bytes, when the caller has them already (else counted here).
 
         ``if_absent``: one ``EXISTS`` to meta first, and only the absent keys' values are
         appended; their ``COMMIT`` is conditional too, so a writer that raced past the check
@@ -78,8 +83,9 @@ class WritePath:
             if not todo:
                 return out
             keys, views = [keys[i] for i in todo], [views[i] for i in todo]
+            sizes = None if sizes is None else [sizes[i] for i in todo]
         mine = None if metas is None else [metas[i] for i in todo]
-        done = await self._write(keys, views, replicas=replicas, ttl=ttl)
+        done = await self._write(keys, views, replicas=replicas, ttl=ttl, sizes=sizes)
         try:
             written = await self._commit(keys, done, mine, ttl, if_absent)
         except KVFSError:
@@ -97,11 +103,11 @@ class WritePath:
         if done.single:  # one extent per value: packed from columns, each layout built once
             h = await self._link.call_meta(rpc.Commit(packed=done.packed(keys, metas), ttl_s=ttl,
                                                       if_absent=if_absent))
-            written = list(done.layouts(h.created, h.expires_at, metas))
+            written = cast(list[Layout | None], done.layouts(h.created, h.expires_at, metas))
             if h.present:
                 await self._ours(keys, written, h.present)
         else:
-            tried = list(done.layouts(0.0, None, metas))
+            tried = done.layouts(0.0, None, metas)
             written = await self.commit(keys, tried, ttl, if_absent=if_absent)
             if None in written:
                 found = [i for i, lay in enumerate(written) if lay is None]
@@ -118,11 +124,14 @@ class WritePath:
         instead of a random draw, so the units of a stream go round-robin over the
         servers as stripes do (and, not knowing the whole value, its records say so)."""
         done = await self._write(keys, views, replicas=replicas, ttl=ttl, first=first)
-        return list(done.layouts(0.0, None))
+        return done.layouts(0.0, None)
 
     async def _write(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
-                     ttl: float | None, first: int | None = None) -> _Written:
+                     ttl: float | None, first: int | None = None,
+                     sizes: list[int] | None = None) -> _Written:
         """:meth:`append`'s work; where the values went, for their layouts or packed columns."""
+        if sizes is None:
+            sizes = [nbytes(v) for v in views]
         asked = False
         failed: set[int] = set()  # servers this call could not reach: left out of its retries
         for attempt in range(3):
@@ -141,7 +150,7 @@ class WritePath:
                 k = first % len(ids)
                 order = ids[k:] + ids[:k]
             try:
-                return await self._append(keys, views, order, replicas, ttl,
+                return await self._append(keys, views, sizes, order, replicas, ttl,
                                           stream_unit=first is not None, failed=failed)
             except Unavailable as exc:
                 if attempt == 2:
@@ -192,8 +201,9 @@ class WritePath:
         on ``replicas`` servers); returns where each key's went, for DELETE."""
         return await write_tombstones(self._link, keys, self.config.replicas, self.next_write_id())
 
-    async def _append(self, keys: list[bytes], views: list[list[memoryview]], order: list[int],
-                      r: int, ttl: float | None, *, stream_unit: bool, failed: set[int]) -> _Written:
+    async def _append(self, keys: list[bytes], views: list[list[memoryview]], sizes: list[int],
+                      order: list[int], r: int, ttl: float | None, *, stream_unit: bool,
+                      failed: set[int]) -> _Written:
         """Append every value (one APPEND per server); returns where each went.
         Servers that could not be reached (``Unavailable``) are added to ``failed``."""
         expires_hint = None if ttl is None else self._clock() + ttl
@@ -210,9 +220,10 @@ class WritePath:
         plans: Plans = []
         slots: list[int] = []
         crcs: list[int] = []
-        sizes = [nbytes(v) for v in views]
         placed = place(sizes, order, replicas=r, stripe_bytes=self.config.stripe_bytes,
                        group_bytes=self.config.put_group_bytes)
+        last: tuple[int, ...] | None = None  # the run of values placed on the same servers
+        into: list[tuple[list[tuple[Any, ...]], list[list[memoryview]]]] = []  # its servers' lists
         for key, v, n, servers in zip(keys, views, sizes, placed, strict=True):
             if isinstance(servers, tuple):  # one unit, the whole value (the common case): one CRC
                 if len(v) == 1:
@@ -225,11 +236,12 @@ class WritePath:
                 # A plain tuple of RecordHead's fields, in its order: the same msgpack array,
                 # without the NamedTuple's Python constructor (about 1 us a key)
                 head: tuple[Any, ...] = (key, n, c, expires_hint, wid, 0 if stream_unit else n, c, 0, False)
-                for sid in servers:
-                    recs = records[sid]
+                if servers is not last:  # (place shares one tuple per run: looked up per run)
+                    last, into = servers, [(records[sid], parts[sid]) for sid in servers]
+                for recs, ps in into:
                     slots.append(len(recs))
                     recs.append(head)
-                    parts[sid].append(v)
+                    ps.append(v)
                 plans.append(servers)
                 crcs.append(c)
                 continue
@@ -261,7 +273,7 @@ class WritePath:
 
         async def send_run(sid: int, run: range) -> list[rpc.Location]:
             recs, ps = records[sid], parts[sid]
-            payload = [p for rec in ps[run.start : run.stop] for p in rec]  # gathered, never copied
+            payload = list(chain.from_iterable(ps[run.start : run.stop]))  # gathered, never copied
             heads = cast(list[rpc.RecordHead], recs[run.start : run.stop])  # (tuples: same bytes)
             h, _ = await self._link.call_server(sid, rpc.Append(records=heads), payload)
             return h.locations
@@ -269,7 +281,7 @@ class WritePath:
         async def send(sid: int) -> None:
             # APPENDs of at most max_rpc_bytes, all in flight at once: the server writes one
             # while it receives the next (bench/RESULTS.md, "large puts in APPENDs of 4 MiB")
-            runs = split_batches([rec[1] for rec in records[sid]], max_bytes=self.config.max_rpc_bytes)
+            runs = split_batches(list(map(_LENGTH, records[sid])), max_bytes=self.config.max_rpc_bytes)
             if len(runs) == 1:
                 locs[sid] = await send_run(sid, runs[0])
                 return
@@ -279,6 +291,14 @@ class WritePath:
                     raise res
             locs[sid] = [loc for res in got for loc in cast(list[rpc.Location], res)]
 
+        if len(records) == 1:  # one server (a small put's common case): no task to gather
+            (sid,) = records
+            try:
+                await send(sid)
+            except Unavailable:
+                failed.add(sid)
+                raise
+            return _Written(sizes, crcs, plans, slots, locs)
         results = await asyncio.gather(*(send(sid) for sid in records), return_exceptions=True)
         failed.update(sid for sid, res in zip(records, results, strict=True)
                       if isinstance(res, Unavailable))
@@ -322,38 +342,46 @@ class _Written:
                 yield tuple([Replica(sid, *locs[sid][slots[pos + j]]) for j, sid in enumerate(servers)])
                 pos += len(servers)
 
+    def _columns(self) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+        """Values of one extent each: per value its replica count; per replica, in value
+        order, its server and its (chunk, offset).  Built by C loops (``map``), no Python
+        step per value: the 4 KiB put's common case (bench/RESULTS.md, "the async client's
+        put path")."""
+        plans = cast(list[tuple[int, ...]], self.plans)
+        server = list(chain.from_iterable(plans))  # aligned with slots (one per replica)
+        where = list(map(getitem, map(self.locs.__getitem__, server), self.slots))
+        return list(map(len, plans)), server, where
+
     def packed(self, keys: list[bytes], metas: list[bytes | None] | None) -> bytes:
         """The COMMIT's packed layouts (:func:`kvfs.packed.pack_single`), values of one extent."""
-        server: list[int] = []
-        chunk: list[int] = []
-        offset: list[int] = []
-        nreps: list[int] = []
-        locs, slots = self.locs, iter(self.slots)
-        for servers in cast(list[tuple[int, ...]], self.plans):
-            nreps.append(len(servers))
-            for sid in servers:
-                c, o = locs[sid][next(slots)]
-                server.append(sid)
-                chunk.append(c)
-                offset.append(o)
-        return pack_single(keys, self.sizes, self.crcs, nreps, server, chunk, offset, metas)
+        nreps, server, where = self._columns()
+        return pack_single(keys, self.sizes, self.crcs, nreps, server, list(map(_CHUNK, where)),
+                           list(map(_OFFSET, where)), metas)
 
     def layouts(self, created: float, expires_at: float | None,
-                metas: list[bytes | None] | None = None) -> Iterator[Layout]:
+                metas: list[bytes | None] | None = None) -> list[Layout]:
         """The values' layouts, stamped ``created``/``expires_at``, with ``metas[i]``."""
         meta_of: Iterable[bytes | None] = repeat(None) if metas is None else metas
         if self.single:
-            for n, whole, reps, m in zip(self.sizes, self.crcs, self._replicas(), meta_of, strict=False):
-                yield Layout(n, whole, created, expires_at, (Extent(n, whole, reps),), m)
-            return
+            nreps, server, where = self._columns()
+            if len(server) == len(nreps):  # one replica each: every object made by map, in C
+                reps: Iterable[tuple[Replica, ...]] = zip(map(Replica, server, map(_CHUNK, where),
+                                                              map(_OFFSET, where)))
+            else:
+                reps = self._replicas()
+            sizes, crcs = self.sizes, self.crcs
+            return list(map(Layout, sizes, crcs, repeat(created), repeat(expires_at),
+                            zip(map(Extent, sizes, crcs, reps)), meta_of))
+        out: list[Layout] = []
         locs, small = self.locs, self._replicas()
         for n, plan, whole, m in zip(self.sizes, self.plans, self.crcs, meta_of, strict=False):
             if isinstance(plan, tuple):
-                yield Layout(n, whole, created, expires_at, (Extent(n, whole, next(small)),), m)
+                out.append(Layout(n, whole, created, expires_at, (Extent(n, whole, next(small)),), m))
                 continue
-            yield Layout(n, whole, created, expires_at, tuple(
+            out.append(Layout(n, whole, created, expires_at, tuple(
                 Extent(length, c, tuple(Replica(sid, *locs[sid][idx]) for sid, idx in where))
-                for length, c, where in plan), m)
+                for length, c, where in plan), m))
+        return out
 
 
 async def write_tombstones(link: ClusterLink, keys: list[bytes], replicas: int, write_id: int,

@@ -380,3 +380,38 @@ async def test_a_large_put_many_is_spread_in_contiguous_runs(kv: AsyncClient) ->
     assert len(set(servers)) == 3  # 4 runs of 16 MiB over the 3 servers
     runs = [servers[i : i + 64] for i in range(0, 256, 64)]
     assert all(len(set(run)) == 1 for run in runs)  # each run of 64 values on one server
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_put_layouts_are_what_meta_committed(kv: AsyncClient, replicas: int) -> None:
+    """put_many's common case builds each value's views, sizes, key checks and layouts in C
+    loops (no Python step per value): the layouts it returns and caches are meta's, byte for
+    byte, for bytes, bytearray and memoryview values, str keys and a key given twice; the
+    last value of a repeated key stays; no key stays in the running-puts table."""
+    region = bytearray(os.urandom(3 * 4096))
+    items: list[tuple[Any, Any]] = [(f"k{i}", os.urandom(4096)) for i in range(40)]
+    items += [(b"ba", bytearray(b"x" * 100)), (b"mv", memoryview(region)[4096:8192]),
+              (b"k3", b"again")]
+    layouts = await kv.put_layouts(items, replicas=replicas)
+    keys = [k.encode() if isinstance(k, str) else k for k, _ in items]
+    assert not kv._putting
+    got = await kv.lookup(keys, use_cache=False)
+    last = {k: i for i, k in enumerate(keys)}
+    for i, (k, lay) in enumerate(zip(keys, layouts, strict=True)):
+        assert lay is not None and len(lay.extents[0].replicas) == replicas
+        if last[k] == i:
+            assert got[i] == lay
+            assert kv.layout_cache._layouts[k] == lay
+    kv.layout_cache.clear()
+    assert await kv.get_many(keys) == [bytes(items[last[k]][1]) for k in keys]
+
+
+async def test_put_many_names_the_bad_key_or_value(kv: AsyncClient) -> None:
+    with pytest.raises(InvalidArgument, match="empty key"):
+        await kv.put_many([(b"a", b"1"), (b"", b"2")])
+    with pytest.raises(InvalidArgument, match=f"longer than the limit of {MAX_KEY_BYTES}"):
+        await kv.put_many([(b"a", b"1"), (b"k" * (MAX_KEY_BYTES + 1), b"2")])
+    with pytest.raises(InvalidArgument, match="value for key b'bad'"):
+        await kv.put_many([(b"a", b"1"), (b"bad", "a str")])
+    assert not kv._putting
+    assert await kv.get_many([b"a"]) == [None]
