@@ -1,4 +1,4 @@
-"""Event loop helpers: uvloop when installed."""
+"""Event loop helpers: uvloop when installed; a task whose failure nobody may await."""
 
 from __future__ import annotations
 
@@ -21,3 +21,11 @@ def run(coro: Coroutine[Any, Any, T]) -> T:
     """``asyncio.run`` on uvloop."""
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         return runner.run(coro)
+
+
+def retrieve(fut: asyncio.Future[Any]) -> None:
+    """Done-callback of a task or future whose outcome may never be awaited (an abandoned
+    request, a read-ahead nobody reads): its failure is taken here, so asyncio does not log
+    "exception was never retrieved"; whoever does await it still gets the failure."""
+    if not fut.cancelled():
+        fut.exception()

@@ -30,6 +30,7 @@ import crc32c
 
 from kvfs import rpc
 from kvfs._batch import split_batches
+from kvfs._loop import retrieve
 from kvfs.buffers import cut
 from kvfs.cluster import ClusterLink
 from kvfs.errors import (
@@ -89,12 +90,6 @@ class _Watch:
 
     started: bool = False
     abandoned: bool = False
-
-
-def _retrieve(task: asyncio.Future[list[_Job]]) -> None:
-    """Done-callback of an abandoned READV: its outcome is not wanted."""
-    if not task.cancelled():
-        task.exception()
 
 
 def _give_up(keys: list[bytes], sid: int, jobs: list[_Job], error: KVFSError) -> None:
@@ -352,7 +347,7 @@ class ReadPath:
             for js, w, t in zip(by_server.values(), watches, tasks, strict=True):
                 if not t.done() and not w.started and _can_hedge(js):
                     w.abandoned = True
-                    t.add_done_callback(_retrieve)
+                    t.add_done_callback(retrieve)  # abandoned: its outcome is not wanted
                     self.hedged += 1
                     results.append(Timeout(f"no answer within hedge_after_s={hedge:g}; asked "
                                            "the next replica"))

@@ -1063,6 +1063,48 @@ async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> Non
     assert (await io.info(table.ino_for("lk/d"), "lk/d"))["type"] == "directory"
 
 
+async def test_a_failed_read_ahead_nobody_reads_is_a_quiet_miss(kv: AsyncClient) -> None:
+    """Read-ahead units a reader never reads: one whose fetch failed (a server gone, its bytes
+    reclaimed) is a miss, not an asyncio "exception was never retrieved" error once the file
+    is closed and its fetches dropped."""
+    import gc
+
+    from kvfs.config import MountConfig
+    from kvfs.errors import Unavailable
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import Handle, InodeTable
+    from kvfs.stream import ValueReader
+
+    loop = asyncio.get_running_loop()
+    errors: list[dict[str, Any]] = []
+    old_handler = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+    try:
+        table = InodeTable()
+        io = FileIO(KVFileSystem(client=kv, asynchronous=True), table, MountConfig(read_ahead_units=3))
+        await kv.put("ra/f", os.urandom(5 * kv.config.stripe_bytes))
+        run = io.reads._run
+
+        async def unreachable(wants: list[tuple[ValueReader | bytes, int]]) -> list[Any]:
+            if any(off for _, off in wants):  # the first unit is read; the rest are not there
+                raise Unavailable("injected: the servers holding the later units are down")
+            return await run(wants)
+
+        io.reads._run = unreachable  # type: ignore[method-assign]
+        fh = table.open(Handle(table.remember("ra/f"), writable=False))
+        h = table.handle(fh)
+        assert len(await io.read(h, 0, 4096)) == 4096  # in order from 0: reads ahead
+        assert len(h.units) == 4
+        while io._tasks:  # the read-ahead fetches end (failed); nobody reads them
+            await asyncio.wait(set(io._tasks))
+        table.close(fh)
+        del h
+        gc.collect()  # the dropped fetches' finalizers run now
+        assert not [e for e in errors if "never retrieved" in str(e.get("message"))], errors
+    finally:
+        loop.set_exception_handler(old_handler)
+
+
 async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncClient) -> None:
     """--page-cache-files: a read-only open keeps the kernel's cached pages of a file only
     when its LOOKUP found the very value (layout) they were read from, recorded at the last

@@ -43,6 +43,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from kvfs._batch import Batcher
+from kvfs._loop import retrieve
 from kvfs.config import MountConfig
 from kvfs.errors import StaleLayout
 from kvfs.fs import KVFileSystem, path_info
@@ -460,6 +461,7 @@ class FileIO:
         task = asyncio.get_running_loop().create_task(self._fetch_unit(h.reader, pos, nbytes))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(retrieve)  # read ahead and never read: a failure is a miss
         return start, self._keep(h, start, task)
 
     async def _fetch_unit(self, reader: ValueReader, pos: int, nbytes: int) -> bytes | bytearray:

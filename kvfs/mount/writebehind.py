@@ -68,6 +68,7 @@ from typing import TYPE_CHECKING, Any
 
 import crc32c
 
+from kvfs._loop import retrieve
 from kvfs.config import MountConfig
 
 if TYPE_CHECKING:
@@ -79,12 +80,6 @@ log = logging.getLogger("kvfs.mount")
 
 Piece = bytes | bytearray
 Value = Piece | list[Piece]
-
-
-def _quiet(fut: asyncio.Future[None]) -> None:
-    """A failure nobody waited for is logged by the committer, not again by asyncio."""
-    if not fut.cancelled():
-        fut.exception()
 
 
 def _chain(waiter: asyncio.Future[None], source: asyncio.Future[None]) -> None:
@@ -305,7 +300,7 @@ class WriteBehind:
 
     def _new(self, path: str, pieces: list[Piece] | None, nbytes: int) -> Held:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(_quiet)
+        fut.add_done_callback(retrieve)  # a failure is logged by the committer, not by asyncio
         return Held(path, pieces, nbytes, fut, queued=asyncio.get_running_loop().time())
 
     def _add(self, e: Held) -> None:
