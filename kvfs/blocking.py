@@ -418,14 +418,16 @@ class ServerSockets:
             pool.close()  # the server moved: its old sockets go
         return fresh
 
-    def readvs(self, reads: Sequence[tuple[int, str, rpc.ReadV, float]], settle: Settle) -> bool:
+    def readvs(self, reads: Sequence[tuple[int, str, rpc.ReadV, float]], settle: Settle,
+               late: set[int]) -> bool:
         """Each ``(server id, its address, READV, deadline)`` sent on a socket of its own,
         all of them before any answer is read (the servers work at once); each answer
         handed to ``settle`` as it is read.  True: every READV was answered and settled.
         False: not (no socket free, a server these sockets cannot reach, a connection lost,
-        an error answer, a deadline passed): which were settled is undefined, and the
-        caller reads again through the IO loop.  A socket whose answer was not read to its
-        end (those, and an interrupt: ``KeyboardInterrupt`` is raised) is closed."""
+        an error answer, a deadline passed: that server's id is added to ``late``): which
+        were settled is undefined, and the caller reads again through the IO loop.  A
+        socket whose answer was not read to its end (those, and an interrupt:
+        ``KeyboardInterrupt`` is raised) is closed."""
         if self.most <= 0:
             return False
         taken: list[tuple[_ServerPool, BlockingSocket | None]] = []
@@ -445,7 +447,11 @@ class ServerSockets:
             for i, (sid, _, _, deadline) in enumerate(reads):
                 pool, s = taken[i]
                 assert s is not None
-                answer, payload = s.answer(Op.READV, rids[i], deadline)
+                try:
+                    answer, payload = s.answer(Op.READV, rids[i], deadline)
+                except Timeout:
+                    late.add(sid)
+                    raise
                 try:
                     settle(sid, answer, payload if isinstance(payload, memoryview)
                            else memoryview(payload))

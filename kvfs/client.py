@@ -419,9 +419,12 @@ class AsyncClient:
             return await self._get_batcher.submit(k, self.layout_cache.size_of(k))
         return (await self.get_many([k]))[0]
 
-    async def get_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bytes | None]:
+    async def get_many(self, keys: Iterable[Key], *, lease_s: float | None = None,
+                       skip: frozenset[int] | set[int] = frozenset()) -> list[bytes | None]:
         """Values in key order; None for a miss.  ``lease_s``: the keys found are kept
-        from eviction that long, or until :meth:`release` (their lookup goes to meta)."""
+        from eviction that long, or until :meth:`release` (their lookup goes to meta).
+        ``skip``: chunkservers not to ask (``ReadPath.read_into``; the blocking client's
+        read again of a call one of them did not answer in time)."""
         ks = norm_keys(keys)
         if not ks:
             return []
@@ -434,7 +437,8 @@ class AsyncClient:
             # one-extent values (all of them here) become bytes straight from the receive
             # buffer (one copy)
             out, dests1 = whole
-            for i in await self.reader.read_into(ks, layouts, dests1, out, failed=failed, lost=lost):
+            for i in await self.reader.read_into(ks, layouts, dests1, out, failed=failed, lost=lost,
+                                                 skip=skip):
                 out[i] = None
             if failed:
                 await self._unreadable("get_many", ks, failed, lost)
@@ -448,7 +452,8 @@ class AsyncClient:
         dests: list[Dest] = [
             [memoryview(b)] if b is not None else (WHOLE if lay is not None and lay.size else None)
             for b, lay in zip(bufs, layouts, strict=True)]
-        misses = await self.reader.read_into(ks, layouts, dests, out, failed=failed, lost=lost)
+        misses = await self.reader.read_into(ks, layouts, dests, out, failed=failed, lost=lost,
+                                             skip=skip)
         if failed:
             await self._unreadable("get_many", ks, failed, lost)
             misses.update(failed)
@@ -528,7 +533,8 @@ class AsyncClient:
         raise AssertionError("unreachable")
 
     async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any], *,
-                       lease_s: float | None = None) -> list[int]:
+                       lease_s: float | None = None,
+                       skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
         """Read values into caller buffers; one result per key.  ``lease_s``: as for
         :meth:`get_many`.  Large destinations are received in place; destinations under
         64 KiB are received together and copied once (cheaper than a receive each).
@@ -540,16 +546,17 @@ class AsyncClient:
         for a key whose bytes no replica could serve, ``kvfs.MISS`` (``on_lost="miss"``, the
         default) or ``kvfs.FAILED`` (-3, ``on_lost="raise"``).  No key's outcome affects
         another's.  Concurrent calls smaller than a batch share one batch (one LOOKUP,
-        one READV per server); each gets its own results.
+        one READV per server); each gets its own results.  ``skip``: as for
+        :meth:`get_many` (such a call is not batched).
         """
         ks, views, rooms = into_call(keys, buffers, lease_s)
         if not ks:
             return []
         total = sum(rooms)
-        if self._coalesce(len(ks), total):
+        if not skip and self._coalesce(len(ks), total):
             return await self._into_batcher.submit((ks, views, rooms, lease_s), total,
                                                    count=len(ks), eager=True)
-        return await self._get_into(ks, views, rooms, lease_s)
+        return await self._get_into(ks, views, rooms, lease_s, skip)
 
     async def _get_into_calls(self, calls: list[_IntoCall]) -> list[list[int]]:
         """Concurrent get_into calls as one read per ``lease_s`` asked; each call's results
@@ -576,13 +583,15 @@ class AsyncClient:
         return out
 
     async def _get_into(self, ks: list[bytes], views: list[list[memoryview]], rooms: list[int],
-                        lease_s: float | None) -> list[int]:
-        """``rooms``: each key's buffer size."""
+                        lease_s: float | None, skip: frozenset[int] | set[int] = frozenset(),
+                        ) -> list[int]:
+        """``rooms``: each key's buffer size; ``skip``: as for :meth:`get_many`."""
         layouts = await self.lookup(ks, lease_s=lease_s)
         result, dests = into_dests(layouts, views, rooms)
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
-        misses = await self.reader.read_into(ks, layouts, dests, failed=failed, lost=lost)
+        misses = await self.reader.read_into(ks, layouts, dests, failed=failed, lost=lost,
+                                             skip=skip)
         for i in misses:
             result[i] = MISS
         if failed:

@@ -60,10 +60,11 @@ WHOLE: Final = _Dest.WHOLE
 # where an extent's (or a value's) bytes go: views filled in order (a value may be scattered
 # over several buffers), WHOLE, or None: not read
 Dest = list[memoryview] | _Dest | None
-# what fetch_now sends its READVs through: (server id, its address, READV, deadline) each, and
-# what each answer is handed to; True once every one was answered and handed over
+# what fetch_now sends its READVs through: (server id, its address, READV, deadline) each,
+# what each answer is handed to, and the set that gets the id of a server that did not answer
+# by its deadline; True once every one was answered and handed over
 ReadVs = Callable[[list[tuple[int, str, rpc.ReadV, float]],
-                   Callable[[int, rpc.ReadVReply, memoryview], None]], bool]
+                   Callable[[int, rpc.ReadVReply, memoryview], None], set[int]], bool]
 
 
 @dataclass(slots=True)
@@ -89,6 +90,15 @@ class _Watch:
 
     started: bool = False
     abandoned: bool = False
+
+
+def _give_up(keys: list[bytes], sid: int, jobs: list[_Job], error: KVFSError) -> None:
+    """Server ``sid`` failed to answer ``jobs`` (``error``): each goes to its next replica."""
+    for job in jobs:
+        job.tried += (sid,)
+        job.unreachable = True
+        job.error = type(error)(f"key {keys[job.slot][:64]!r}: chunkserver {sid} holding its "
+                                f"bytes failed to answer ({error})")
 
 
 def _can_hedge(jobs: list[_Job]) -> bool:
@@ -138,15 +148,18 @@ class ReadPath:
     async def read_into(self, keys: list[bytes], layouts: list[Layout | None],
                         dests: Sequence[Dest], out: list[bytes | None] | None = None,
                         *, failed: dict[int, KVFSError] | None = None,
-                        lost: dict[int, Layout] | None = None) -> set[int]:
+                        lost: dict[int, Layout] | None = None,
+                        skip: frozenset[int] | set[int] = frozenset()) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
         expired while being read).  With ``failed`` given, a key whose bytes cannot be
         read is recorded there instead of failing the call; with ``lost`` given too, the
         failed keys whose every replica answered without good bytes (CRC mismatch, record
-        gone: not merely an unreachable server) are recorded there with the layout read."""
+        gone: not merely an unreachable server) are recorded there with the layout read.
+        ``skip``: servers not to ask (they just failed to answer this call in time: see
+        :meth:`fetch_now`), taken as timed out: their extents go to another replica, or fail."""
         misses: set[int] = set()
         bad: set[int] = set()
-        stale = await self.fetch(keys, layouts, dests, out, failed, bad)
+        stale = await self.fetch(keys, layouts, dests, out, failed, bad, skip)
         retried: dict[int, Layout] = {}
         bad2: set[int] = set()
         if stale:
@@ -172,7 +185,8 @@ class ReadPath:
                 retry_layouts[i], retry_dests[i] = lay, dests[i]
                 retried[i] = lay
             if retried:
-                for i in await self.fetch(keys, retry_layouts, retry_dests, out, failed, bad2):
+                for i in await self.fetch(keys, retry_layouts, retry_dests, out, failed, bad2,
+                                          skip):
                     err = StaleLayout(f"key {keys[i][:64]!r}: its layout changed twice during one "
                                       "read")
                     if failed is None:
@@ -189,35 +203,38 @@ class ReadPath:
     async def fetch(self, keys: list[bytes], layouts: list[Layout | None],
                     dests: Sequence[Dest], out: list[bytes | None] | None,
                     failed_out: dict[int, KVFSError] | None = None,
-                    bad_out: set[int] | None = None) -> list[int]:
+                    bad_out: set[int] | None = None,
+                    skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
         """Read every extent into its destination; returns the slots whose layout was stale
         (an extent every replica of which answered that its bytes are not there).  A slot no
         replica could serve raises, or lands in ``failed_out`` when given.  ``bad_out``
         collects the stale or failed slots with an extent whose every replica answered
-        without good bytes (no server unreachable)."""
+        without good bytes (no server unreachable).  ``skip``: as for :meth:`read_into`."""
         stale: set[int] = set()
         failed: dict[int, KVFSError] = {}
         alive = self._link.alive()
         bad: set[int] = set()
         by_server = self._first_jobs(keys, layouts, dests, alive, stale, failed, bad)
         while by_server:
+            pending: list[_Job] = []
+            for sid in skip & by_server.keys():
+                js = by_server.pop(sid)
+                _give_up(keys, sid, js, Timeout("no answer within the timeout to this call's "
+                                                "first READV; not asked again"))
+                pending.extend(js)
             hedge = self._hedge_after_s
             results: list[list[_Job] | BaseException]
-            if hedge is not None and any(_can_hedge(js) for js in by_server.values()):
+            if not by_server:
+                results = []
+            elif hedge is not None and any(_can_hedge(js) for js in by_server.values()):
                 results = await self._hedged_round(by_server, keys, out, hedge)
             else:
                 results = await asyncio.gather(
                     *(self._readv(sid, js, keys, out) for sid, js in by_server.items()),
                     return_exceptions=True)
-            pending: list[_Job] = []
             for (sid, js), res in zip(by_server.items(), results, strict=True):
                 if isinstance(res, (Unavailable, ServerError)):
-                    for job in js:
-                        job.tried += (sid,)
-                        job.unreachable = True
-                        job.error = type(res)(
-                            f"key {keys[job.slot][:64]!r}: chunkserver {sid} holding its bytes "
-                            f"failed to answer ({res})")
+                    _give_up(keys, sid, js, res)
                     pending.extend(js)
                 elif isinstance(res, BaseException):
                     raise res
@@ -261,7 +278,7 @@ class ReadPath:
         return by_server
 
     def fetch_now(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Dest],
-                  out: list[bytes | None] | None, readvs: ReadVs) -> bool:
+                  out: list[bytes | None] | None, readvs: ReadVs, late: set[int]) -> bool:
         """:meth:`fetch`'s common case, without the event loop (the blocking client's
         callers' threads): every extent read from the first live replica, one READV per
         server, all sent through ``readvs`` (:meth:`kvfs.blocking.ServerSockets.readvs`)
@@ -273,7 +290,9 @@ class ReadPath:
         garbage, and the caller reads again with :meth:`read_into` (failover, fresh
         lookups, the ``failed``/``lost`` record).  A server that has not answered within
         ``hedge_after_s`` (when every extent asked of it has another replica) or the
-        request timeout is given up here; the IO loop then asks it again or hedges."""
+        request timeout is given up here and its id added to ``late``: the caller's read
+        through the IO loop skips it (``read_into(skip=late)``), so a hung server costs a
+        call one wait, not two."""
         addrs = self._link.usable_addrs()
         alive = dict.fromkeys(addrs, True)
         stale: set[int] = set()
@@ -309,7 +328,7 @@ class ReadPath:
                 return
             self._check(sid, jobs, keys, out, retry, h, payload, ranges)
 
-        return readvs(reads, settle) and not retry
+        return readvs(reads, settle, late) and not retry
 
     async def _hedged_round(self, by_server: dict[int, list[_Job]], keys: list[bytes],
                             out: list[bytes | None] | None,

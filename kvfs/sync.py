@@ -304,11 +304,13 @@ class Client:
         return out
 
     def _read_here(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Any],
-                   out: list[bytes | None] | None) -> bool:
+                   out: list[bytes | None] | None, late: set[int]) -> bool:
         """The values read in this thread (``ReadPath.fetch_now``); False: read them again
-        through the IO loop.  close() meanwhile ends it with ``LocalProtocolError``."""
+        through the IO loop, which skips the servers added to ``late`` (not answering in
+        time: one wait for a hung server, not two).  close() meanwhile ends it with
+        ``LocalProtocolError``."""
         if self._server_sockets.most and self.aio.reader.fetch_now(
-                keys, layouts, dests, out, self._server_sockets.readvs):
+                keys, layouts, dests, out, self._server_sockets.readvs, late):
             return True
         if self._closing:
             raise LocalProtocolError(_CLOSED)
@@ -389,14 +391,15 @@ class Client:
         ks = norm_keys(keys)
         if not ks:
             return []
+        late: set[int] = set()
         if self._here():
             layouts = self._layouts(ks, lease_s)
             whole = many_dests(layouts)
             if whole is not None:
                 out, dests = whole
-                if self._read_here(ks, layouts, dests, out):
+                if self._read_here(ks, layouts, dests, out, late):
                     return out
-        return self._run(self.aio.get_many(ks, lease_s=lease_s))
+        return self._run(self.aio.get_many(ks, lease_s=lease_s, skip=late))
 
     def get_ranges(self, requests: Sequence[tuple[Key, int | None, int | None]]) -> list[bytes | None]:
         return self._run(self.aio.get_ranges(requests))
@@ -407,12 +410,13 @@ class Client:
         ks, views, rooms = into_call(keys, buffers, lease_s)
         if not ks:
             return []
+        late: set[int] = set()
         if self._here():
             layouts = self._layouts(ks, lease_s)
             result, dests = into_dests(layouts, views, rooms)
-            if self._read_here(ks, layouts, dests, None):
+            if self._read_here(ks, layouts, dests, None, late):
                 return result
-        return self._run(self.aio.get_into(ks, buffers, lease_s=lease_s))
+        return self._run(self.aio.get_into(ks, buffers, lease_s=lease_s, skip=late))
 
     def exists(self, key: Key) -> bool:
         return self._run(self.aio.exists(key))

@@ -190,6 +190,55 @@ def test_a_read_held_past_the_request_timeout_is_a_miss(one_cs: ThreadCluster) -
         assert kv.get_many([b"slow/k"]) == [b"v" * 4096]
 
 
+def test_a_hung_chunkserver_costs_one_timeout_not_two(one_cs: ThreadCluster) -> None:
+    """A chunkserver that takes READVs and never answers: the caller-thread READV times
+    out after ``request_timeout_s`` and the IO loop's read does not ask that server again
+    (one READV sent per call, not two), so get_into and get_many answer their miss within
+    about one timeout (the bound is on a hang: well under two timeouts)."""
+    cs = one_cs.cluster.chunkservers[0]
+    assert cs is not None
+    timeout = 1.0
+    with kvfs.Client(one_cs.addr, token=one_cs.token,
+                     config=ClientConfig(request_timeout_s=timeout)) as kv:
+        kv.put(b"hung/k", b"v" * 4096)
+        assert kv.get_many([b"hung/k"]) == [b"v" * 4096]  # layout cached, socket open
+        held = one_cs.hold(cs.rpc)
+        try:
+            for read in (lambda: kv.get_into([b"hung/k"], [bytearray(4096)]),
+                         lambda: kv.get_many([b"hung/k"])):
+                sent = kv.aio.rpc_counts["READV"]
+                start = time.monotonic()
+                assert read() in ([kvfs.MISS], [None])
+                took = time.monotonic() - start
+                assert kv.aio.rpc_counts["READV"] - sent == 1, "the hung server was asked twice"
+                assert took < 1.8 * timeout, f"waited {took:.2f}s for a {timeout}s timeout"
+        finally:
+            one_cs.loop.call_soon_threadsafe(held.release)
+        assert kv.get_many([b"hung/k"]) == [b"v" * 4096]
+
+
+def test_a_hung_chunkserver_is_read_from_its_replica(tmp_path: Path) -> None:
+    """With ``replicas=2``, a value whose first replica's server hangs is read from the
+    other replica by the IO loop's read, which does not ask the hung server again."""
+    with ThreadCluster(tmp_path, chunkservers=2) as two_cs, \
+            kvfs.Client(two_cs.addr, token=two_cs.token,
+                        config=ClientConfig(request_timeout_s=1.0)) as kv:
+        value = os.urandom(4096)
+        kv.put(b"rep/k", value, replicas=2)
+        assert kv.get_many([b"rep/k"]) == [value]
+        first = kv.layout(b"rep/k").extents[0].replicas[0].server_id  # type: ignore[union-attr]
+        cs = two_cs.cluster.chunkservers[two_cs.cluster.index_of(first)]
+        assert cs is not None
+        held = two_cs.hold(cs.rpc)
+        try:
+            sent = kv.aio.rpc_counts["READV"]
+            buf = bytearray(4096)
+            assert kv.get_into([b"rep/k"], [buf]) == [4096] and bytes(buf) == value
+            assert kv.aio.rpc_counts["READV"] - sent == 2  # the hung server once, the replica once
+        finally:
+            two_cs.loop.call_soon_threadsafe(held.release)
+
+
 def test_server_sockets_zero_reads_through_the_io_loop(one_cs: ThreadCluster) -> None:
     with kvfs.Client(one_cs.addr, token=one_cs.token, config=ClientConfig(server_sockets=0)) as kv:
         kv.put(b"k", b"v")
