@@ -384,3 +384,36 @@ async def test_by_load_with_hold_items_wait_for_release_and_go_together() -> Non
     assert await asyncio.wait_for(late.submit(10), 30) == 10  # never released: sent anyway
     with pytest.raises(ValueError):
         Batcher(run, max_items=4, max_bytes=1 << 20, hold=lambda: True, hold_s=0.01)
+
+
+async def test_get_into_sends_what_get_many_sends(cluster: LocalCluster, kv: AsyncClient) -> None:
+    # the bench's 4 KiB x 128, iodepth 4 read: get_into's calls may cost no more RPCs, ranges
+    # or spans read than get_many's of the same keys (issue 11: get_into ran slower)
+    items = {f"r{i}".encode(): os.urandom(4096) for i in range(1024)}
+    for at in range(0, 1024, 256):
+        await kv.put_many(dict(list(items.items())[at : at + 256]))
+    keys = list(items)
+    calls = [keys[q::4][:128] for q in range(4)]  # 4 calls of 128 keys, spread over the puts
+    bufs = [[bytearray(4096) for _ in range(128)] for _ in calls]
+
+    def sent() -> tuple[int, int, int, int]:
+        return (kv.rpc_counts["LOOKUP"], kv.rpc_counts["TOUCH"], _readv_calls(cluster),
+                sum(cs.store.spans_read for cs in cluster.chunkservers if cs is not None))
+
+    costs = []
+    for api in ("get_many", "get_into", "get_many", "get_into"):
+        kv.layout_cache.clear()  # each api's first pass with a cold layout cache, then warm
+        for _ in range(2):
+            before = sent()
+            if api == "get_many":
+                got = await asyncio.gather(*(kv.get_many(ks) for ks in calls))
+                assert [v for vs in got for v in vs] == [items[k] for ks in calls for k in ks]
+            else:
+                sizes = await asyncio.gather(*(kv.get_into(ks, b) for ks, b in zip(calls, bufs, strict=True)))
+                assert sizes == [[4096] * 128] * 4
+                assert [bytes(x) for bs in bufs for x in bs] == [items[k] for ks in calls for k in ks]
+            costs.append((api, tuple(a - b for a, b in zip(sent(), before, strict=True))))
+    many = [c for api, c in costs if api == "get_many"]
+    into = [c for api, c in costs if api == "get_into"]
+    assert into == many, costs
+    assert many[0][0] == 4 and many[1][0] == 0  # cold: a LOOKUP a call; warm: none
