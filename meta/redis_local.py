@@ -18,7 +18,7 @@ directory restarts the same nodes on the same ports, which rejoin as the cluster
 were, with their keys (a node lost at most its last second of writes).  A node that
 exits is started again the same way (:meth:`LocalRedisCluster.restart_dead`; the
 command line does this, with a backoff).  ``die_with_parent``: each ``redis-server``
-gets SIGTERM when the process that started it dies (``PR_SET_PDEATHSIG``; only for a
+is killed when the process that started it dies (``PR_SET_PDEATHSIG``; only for a
 cluster started from the main thread, as the command line does).
 """
 
@@ -260,8 +260,14 @@ class LocalRedisCluster:
 
 
 def _pdeathsig() -> None:
-    """In the forked child, before exec: SIGTERM when the parent dies (kept across exec)."""
-    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    """In the forked child, before exec: SIGKILL when the parent dies (kept across exec).
+
+    Not SIGTERM: a replica writing its first append-only file after a full sync refuses a
+    SIGTERM ("Writing initial AOF, can't exit") and goes on running, an orphan holding its
+    port, so the node could not be started again (seen in test_up's Redis Cluster test, 1
+    run in 3).  A kill loses nothing a node answered: it writes its append-only file before
+    it replies; :meth:`LocalRedisCluster.stop` still stops nodes with SIGTERM first."""
+    ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _field(info: bytes, name: bytes) -> int:
