@@ -79,6 +79,15 @@ async def read_frame(reader: asyncio.StreamReader, timeout_s: float = 10.0) -> F
             dec.receive_data(data)
 
 
+def alive(pid: int) -> bool:
+    """Running (a zombie waiting for its reaper counts as gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def first_line(proc: subprocess.Popen[bytes], what: str, timeout_s: float = 60.0,
                detail: Callable[[], str] = lambda: "") -> str:
     """The first line ``proc`` writes to its stdout pipe (as ``readline`` gives it: ``""``

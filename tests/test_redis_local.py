@@ -10,9 +10,9 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from conftest import alive
 
 # a parent that starts a node the way LocalRedisCluster does (its preexec_fn) and prints its
 # pid; the "node" ignores SIGTERM, as Redis does while it writes its first append-only file
@@ -28,12 +28,6 @@ PARENT = textwrap.dedent("""
 """)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.mark.subprocess
@@ -45,10 +39,10 @@ def test_a_node_that_refuses_sigterm_dies_with_its_parent() -> None:
         os.kill(parent.pid, signal.SIGKILL)
         parent.wait(30)
         deadline = time.monotonic() + 30
-        while _alive(node) and time.monotonic() < deadline:
+        while alive(node) and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert not _alive(node), "the node outlived its parent (an orphan holding its port)"
+        assert not alive(node), "the node outlived its parent (an orphan holding its port)"
     finally:
         parent.stdout.close()
-        if _alive(node):
+        if alive(node):
             os.kill(node, signal.SIGKILL)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from conftest import first_line
+from conftest import alive, first_line
 
 from kvfs.cli import build_parser
 from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig
@@ -30,13 +30,6 @@ def wait_for(cond: Callable[[], bool], what: str, timeout_s: float = DEADLINE_S)
         time.sleep(0.05)
 
 
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting for its reaper counts as gone)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @dataclass
