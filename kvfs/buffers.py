@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from operator import add, attrgetter
-from typing import Any
+from typing import Any, Literal, overload
 
 from kvfs.errors import InvalidArgument
 
@@ -119,18 +119,36 @@ def as_parts(obj: Any, *, writable: bool = False, what: str = "value") -> list[m
     return [as_view(obj, writable=writable, what=what)]
 
 
-def as_parts_many(objs: Sequence[Any], *, writable: bool = False,
-                  what: str = "value") -> tuple[list[list[memoryview]], list[int]]:
+# one value's buffers: its one flat view as it is, or a list of views (as_parts_many(bare=True))
+Views = memoryview | list[memoryview]
+
+
+@overload
+def as_parts_many(objs: Sequence[Any], *, writable: bool = False, what: str = "value",
+                  bare: Literal[False] = False) -> tuple[list[list[memoryview]], list[int]]: ...
+@overload
+def as_parts_many(objs: Sequence[Any], *, writable: bool = False, what: str = "value",
+                  bare: Literal[True]) -> tuple[list[Views], list[int]]: ...
+def as_parts_many(objs: Sequence[Any], *, writable: bool = False, what: str = "value",
+                  bare: bool = False) -> tuple[list[list[memoryview]], list[int]] | tuple[list[Views], list[int]]:
     """:func:`as_parts` of each of ``objs`` (named ``f"{what} {i}"`` in an error), and
     each one's size.  The common case, every object a flat byte view (e.g. per-value views
     cut out of one region), a bytearray, or bytes when not ``writable``, is checked for all
-    of them at once: no Python step per object beyond making its one-view list."""
+    of them at once: no Python step per object beyond making its one-view list, or with
+    ``bare`` none at all: each is its view itself (a list per value would be one more
+    object per value for Python's cyclic GC to track: a get_into of 128 keys made its
+    collections twice as frequent as get_many's)."""
     kinds = set(map(type, objs))
     if kinds == {memoryview}:
         flags = set(map(_VIEW_FLAGS, objs))
         if flags == _FLAT_RW or (not writable and flags <= _FLAT_ANY):
+            if bare:
+                return list(objs), list(map(_NBYTES, objs))
             return [[v] for v in objs], list(map(_NBYTES, objs))
     elif kinds == {bytearray} or (kinds == {bytes} and not writable):
+        if bare:
+            views: list[Views] = [memoryview(b) for b in objs]
+            return views, list(map(len, objs))
         return [[memoryview(b)] for b in objs], list(map(len, objs))
     try:
         parts = [as_parts(o, writable=writable) for o in objs]
@@ -147,8 +165,11 @@ def nbytes(parts: list[memoryview]) -> int:
     return sum(map(_NBYTES, parts))
 
 
-def cut(parts: list[memoryview], start: int, length: int) -> list[memoryview]:
-    """The views covering bytes ``[start, start + length)`` of the concatenation of ``parts``."""
+def cut(parts: Views, start: int, length: int) -> list[memoryview]:
+    """The views covering bytes ``[start, start + length)`` of the concatenation of ``parts``
+    (or of the one view ``parts``)."""
+    if type(parts) is memoryview:
+        return [parts[start : start + length]]
     if len(parts) == 1:
         return [parts[0][start : start + length]]
     out: list[memoryview] = []

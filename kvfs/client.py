@@ -32,7 +32,7 @@ import msgspec
 from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, format_addrs, lookup_token, parse_addrs
-from kvfs.buffers import as_parts, as_parts_many, cut
+from kvfs.buffers import Views, as_parts, as_parts_many, cut
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
@@ -58,7 +58,7 @@ __all__ = ["FAILED", "MISS", "TOO_SMALL", "AsyncClient", "KeyInfo", "ServerEntry
 
 
 # keys, buffers, their sizes, lease_s
-_IntoCall = tuple[list[bytes], list[list[memoryview]], list[int], float | None]
+_IntoCall = tuple[list[bytes], list[Views], list[int], float | None]
 
 
 class _PutCall(NamedTuple):
@@ -582,7 +582,7 @@ class AsyncClient:
                 at += n
         return out
 
-    async def _get_into(self, ks: list[bytes], views: list[list[memoryview]], rooms: list[int],
+    async def _get_into(self, ks: list[bytes], views: list[Views], rooms: list[int],
                         lease_s: float | None, skip: frozenset[int] | set[int] = frozenset(),
                         ) -> list[int]:
         """``rooms``: each key's buffer size; ``skip``: as for :meth:`get_many`."""
@@ -728,19 +728,20 @@ def many_dests(layouts: list[Layout | None]) -> tuple[list[bytes | None], list[D
 
 
 def into_call(keys: Iterable[Key], buffers: Sequence[Any], lease_s: float | None,
-              ) -> tuple[list[bytes], list[list[memoryview]], list[int]]:
-    """A get_into call checked: its keys, each key's buffer views and their sizes."""
+              ) -> tuple[list[bytes], list[Views], list[int]]:
+    """A get_into call checked: its keys, each key's buffer views (a flat buffer's one
+    view as it is) and their sizes."""
     ks = norm_keys(keys)
     if len(buffers) != len(ks):
         raise InvalidArgument(f"{len(ks)} keys but {len(buffers)} buffers")
     if not ks:
         return [], [], []
-    views, rooms = as_parts_many(buffers, writable=True, what="buffer")
+    views, rooms = as_parts_many(buffers, writable=True, what="buffer", bare=True)
     _check_lease(lease_s)
     return ks, views, rooms
 
 
-def into_dests(layouts: list[Layout | None], views: list[list[memoryview]], rooms: list[int],
+def into_dests(layouts: list[Layout | None], views: list[Views], rooms: list[int],
                ) -> tuple[list[int], Sequence[Dest]]:
     """get_into's results (sizes, ``MISS``, ``TOO_SMALL``) and the read's destinations."""
     result = [MISS if lay is None else lay.size for lay in layouts]

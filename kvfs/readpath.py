@@ -19,6 +19,7 @@ in a scratch buffer (:class:`_Watch`).  Wrong bytes are never returned.
 from __future__ import annotations
 
 import asyncio
+import copy
 import enum
 import time
 from collections import defaultdict
@@ -27,11 +28,12 @@ from dataclasses import dataclass
 from typing import Final, cast
 
 import crc32c
+import msgspec
 
 from kvfs import rpc
 from kvfs._batch import split_batches
 from kvfs._loop import retrieve
-from kvfs.buffers import cut
+from kvfs.buffers import Views, cut
 from kvfs.cluster import ClusterLink
 from kvfs.errors import (
     ChecksumMismatch,
@@ -57,9 +59,9 @@ class _Dest(enum.Enum):
 
 # A destination marker: "the extent is the whole value: hand it back as bytes".
 WHOLE: Final = _Dest.WHOLE
-# where an extent's (or a value's) bytes go: views filled in order (a value may be scattered
-# over several buffers), WHOLE, or None: not read
-Dest = list[memoryview] | _Dest | None
+# where an extent's (or a value's) bytes go: one view, views filled in order (a value may be
+# scattered over several buffers), WHOLE, or None: not read
+Dest = Views | _Dest | None
 # what fetch_now sends its READVs through: (server id, its address, READV, deadline) each,
 # what each answer is handed to, and the set that gets the id of a server that did not answer
 # by its deadline; True once every one was answered and handed over
@@ -67,14 +69,19 @@ ReadVs = Callable[[list[tuple[int, str, rpc.ReadV, float]],
                    Callable[[int, rpc.ReadVReply, memoryview], None], set[int]], bool]
 
 
-@dataclass(slots=True)
-class _Job:
+class _Job(msgspec.Struct, gc=False):
     """One extent to read into ``dest`` (one view, or several when the caller scatters a
-    value over several buffers), or handed back as bytes when ``dest`` is ``WHOLE``."""
+    value over several buffers), or handed back as bytes when ``dest`` is ``WHOLE``.
+
+    Not tracked by Python's cyclic GC (``gc=False``): a read makes one per key, and as
+    tracked objects they set off the GC's collections (a pass over every young object)
+    every few calls.  So nothing a job refers to may refer back to it: its ``error`` is
+    never raised itself (:meth:`ReadPath.fetch` raises a copy; a raised one's traceback
+    would hold the frames that hold the job, a cycle the GC could not see, never freed)."""
 
     slot: int
     extent: Extent
-    dest: list[memoryview] | _Dest
+    dest: Views | _Dest
     rep: Replica | None = None  # the replica being read
     tried: tuple[int, ...] = ()  # servers that already failed this extent
     error: KVFSError | None = None
@@ -248,7 +255,7 @@ class ReadPath:
             bad_out.update(bad)
         if failed:
             if failed_out is None:
-                raise next(iter(failed.values()))
+                raise copy.copy(next(iter(failed.values())))  # not a job's own (_Job)
             failed_out.update(failed)
         return sorted(stale)
 
@@ -440,8 +447,15 @@ class ReadPath:
                     return memoryview(bytearray(head.payload_len))
                 watch.started = True
             errs = head.header.get("errors") or {}
-            return Scatter([p for i, job in enumerate(batch) if i not in errs
-                            for p in cast(list[memoryview], job.dest)])  # no dest is WHOLE here
+            parts: list[memoryview] = []
+            for i, job in enumerate(batch):
+                if i not in errs:
+                    dest = cast(Views, job.dest)  # no dest is WHOLE here
+                    if type(dest) is memoryview:
+                        parts.append(dest)
+                    else:
+                        parts.extend(dest)
+            return Scatter(parts)
 
         def pooled(head: FrameHead) -> memoryview:
             # values handed back as bytes are copied out of a reused buffer: no fresh
@@ -513,7 +527,7 @@ class ReadPath:
             if in_place:
                 assert dest is not WHOLE  # scatter is chosen only when no dest is WHOLE
                 c = 0
-                for p in dest:
+                for p in [dest] if type(dest) is memoryview else dest:
                     c = crc(p, c)
             else:
                 got = view[pos : pos + n]
@@ -530,6 +544,9 @@ class ReadPath:
                 assert out is not None
                 out[job.slot] = bytes(got)
             elif not in_place:  # checked in the receive buffer, copied to the caller's
+                if type(dest) is memoryview:
+                    dest[:] = got
+                    continue
                 if len(dest) == 1:
                     dest[0][:] = got
                     continue

@@ -9,6 +9,7 @@ import asyncio
 import gc
 import os
 import socket
+import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -559,3 +560,24 @@ async def test_a_streamed_read_of_a_corrupt_value_raises_naming_the_key(one: Loc
         flip_byte(one, lay.extents[0].replicas[0], 7)
         with pytest.raises(ChecksumMismatch, match=r"^key b'c': bytes from chunkserver"):
             await ValueReader(kv, b"c", lay).read(0, 10)
+
+
+async def test_a_raised_read_error_frees_the_destination(one: LocalCluster) -> None:
+    """The read path's per-extent jobs are not tracked by Python's GC (``_Job``), so the
+    error ``fetch`` raises must not be one a job holds: its traceback holds the frames that
+    hold the jobs, a cycle through an untracked object that the GC never frees (and with it
+    the caller's destination).  The destination is gone once the error is."""
+    async with one.client() as kv:
+        await kv.put(b"c", os.urandom(4096))
+        lay = await _layout(one, b"c")
+        flip_byte(one, lay.extents[0].replicas[0], 7)
+        dest = np.zeros(4096, dtype=np.uint8)
+        alive = weakref.ref(dest)
+        with pytest.raises(ChecksumMismatch, match=r"^key b'c': bytes from chunkserver"):
+            await kv.reader.fetch([b"c"], [lay], [[memoryview(dest)]], None)
+        del dest
+        deadline = asyncio.get_running_loop().time() + 10  # the READV's tasks let go of it
+        while alive() is not None and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.01)
+            gc.collect()
+        assert alive() is None
