@@ -4,7 +4,9 @@
 process) are read when the measured phase starts and when it ends; the
 difference is charged to the keys and bytes the job moved: CPU microseconds
 per key, and CPU seconds per GB (10^9 B) for large values. Linux only; on a
-system without ``/proc`` the probe reports nothing.
+system without ``/proc`` the probe reports nothing.  :func:`run_queue_wait_s` reads how
+long a process's threads waited for a CPU while runnable (``schedstat``), for a process
+that may be CPU-bound on a shared machine.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CpuProbe", "cpu_seconds"]
+__all__ = ["CpuProbe", "cpu_seconds", "run_queue_wait_s"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -27,6 +29,23 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
     return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14 and 15 of the whole line
+
+
+def run_queue_wait_s(pid: int) -> float | None:
+    """Seconds the threads of ``pid`` have spent runnable but waiting for a CPU (the second
+    field of each ``/proc/PID/task/TID/schedstat``, summed), or None if it cannot be read."""
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    ns = 0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat", "rb") as f:
+                ns += int(f.read().split()[1])
+        except (OSError, IndexError, ValueError):  # a thread that ended meanwhile
+            continue
+    return ns / 1e9
 
 
 class CpuProbe:

@@ -2,7 +2,7 @@
 
     python -m kvfs.bench.mount_pages [--pages-128k N] [--pages-2m N] [--threads 8]
                                      [--writer tofile|hicache|write] [--write-behind SIZE]
-                                     [--mount-arg=ARG ...]
+                                     [--rounds N] [--mount-arg=ARG ...]
 
 Starts ``kvfs up`` (3 chunkservers, no GC) in a temp dir and two ``kvfs mount`` of it (needs
 root and /dev/fuse; the second stands for another node), then per page size, in one sitting:
@@ -21,9 +21,17 @@ root and /dev/fuse; the second stands for another node), then per page size, in 
   unchanged since: the kernel's cached pages are kept); then "2nd mount read", the same
   through the second mount, which never saw these files (another node's first read);
 - mount CPU/file: the first ``kvfs mount`` process's CPU time (user + system,
-  ``/proc/PID/stat``) over the write phase, per file written;
+  ``/proc/PID/stat``) over the write phase, per file written; mount wait/file: the time its
+  threads were runnable but waited for a CPU over that phase (``schedstat``), per file (the
+  mount's loop is one thread: when its CPU + wait per file is about the write phase's time
+  per file, the mount is the bottleneck and the machine's other load sets its rate);
 - API write / read: as many coroutines on one ``AsyncClient``, ``put_many`` / ``get_into`` in
   batches of 64.
+
+``--rounds N`` repeats both, alternating (mount, API, mount, API, ...) in the same cluster and
+mounts, one row per round, then a row of the ratios' medians: a ratio taken from two phases a
+few seconds apart on a shared machine moves with the machine's other load, so one round is
+one noisy sample.
 
 Prints a markdown table (pages/s) and the ratios mount/API (issue 12's targets: >= 0.5 at
 128 KiB, >= 0.8 at 2 MiB, writes and reads).
@@ -37,6 +45,7 @@ import os
 import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -49,6 +58,8 @@ import numpy as np
 
 from kvfs.client import AsyncClient
 from kvfs.mount import is_mounted
+
+from .cpu import cpu_seconds, run_queue_wait_s
 
 BATCH = 64
 
@@ -81,15 +92,18 @@ def _pages(n: int, size: int) -> list[np.ndarray]:
     return out
 
 
-def _cpu_s(pid: int) -> float:
-    """The CPU time (user + system) process ``pid`` has used so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+def _cpu_wait_s(pid: int | None) -> tuple[float, float]:
+    """The CPU time process ``pid`` has used so far, and its threads' run-queue wait (NaN
+    where there is no process or no reading)."""
+    if pid is None:
+        return float("nan"), float("nan")
+    cpu, wait = cpu_seconds(pid), run_queue_wait_s(pid)
+    return (float("nan") if cpu is None else cpu), (float("nan") if wait is None else wait)
 
 
 def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, tag: str,
                 writer: str = "tofile", mount_pid: int | None = None
-                ) -> tuple[float, float, float, float, float, float]:
+                ) -> tuple[float, float, float, float, float, float, float]:
     d = mnt / tag
     d.mkdir()
     names = [d / f"{i:08d}.bin" for i in range(len(pages))]
@@ -120,7 +134,7 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
         return bad
 
     with ThreadPoolExecutor(threads) as ex:
-        cpu0 = _cpu_s(mount_pid) if mount_pid else 0.0
+        cpu0, wait0 = _cpu_wait_s(mount_pid)
         t0 = time.perf_counter()
         list(ex.map(write, share))
         tc = time.perf_counter() - t0
@@ -130,7 +144,7 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
         finally:
             os.close(fd)
         tw = time.perf_counter() - t0
-        cpu = _cpu_s(mount_pid) - cpu0 if mount_pid else float("nan")
+        cpu1, wait1 = _cpu_wait_s(mount_pid)
         t0 = time.perf_counter()
         bad = sum(ex.map(read, share))
         tr = time.perf_counter() - t0
@@ -143,7 +157,7 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
     if bad:
         raise SystemExit(f"{bad} pages read back wrong through the mount")
     n = len(pages)
-    return n / tc, n / tw, n / tr, n / trr, n / tcold, cpu / n
+    return n / tc, n / tw, n / tr, n / trr, n / tcold, (cpu1 - cpu0) / n, (wait1 - wait0) / n
 
 
 async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) -> tuple[float, float]:
@@ -186,13 +200,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="how the mount's pages are written: numpy tofile to the page's name (the "
                     "default), HiCacheFile.set's stat + tofile to a tmp name + os.replace, or "
                     "Python's file write")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="mount and API rounds per size, alternating, in one cluster (default 1); "
+                    "over 1, a last row has the ratios' medians")
     ap.add_argument("--write-behind", default=None, metavar="SIZE",
                     help="mount with --write-behind SIZE (closes return once held; default off)")
     ap.add_argument("--mount-arg", action="append", default=[], metavar="ARG",
                     help="an argument for `kvfs mount` (repeat), e.g. --mount-arg=--negative-timeout=1s")
     ns = ap.parse_args(argv)
-    if min(ns.pages_128k, ns.pages_2m) < 0 or ns.threads < 1:
-        ap.error("--pages-128k and --pages-2m must not be negative, --threads at least 1")
+    if min(ns.pages_128k, ns.pages_2m) < 0 or ns.threads < 1 or ns.rounds < 1:
+        ap.error("--pages-128k and --pages-2m must not be negative, --threads and --rounds at "
+                 "least 1")
     if ns.write_behind is not None:
         ns.mount_arg.append(f"--write-behind={ns.write_behind}")
     root = Path(tempfile.mkdtemp(prefix="kvfs-mount-pages-"))
@@ -222,29 +240,40 @@ def main(argv: list[str] | None = None) -> int:
         for m in (mnt, mnt2):
             _mount(m, addr, ns.mount_arg, mounts)
         rows = []
+        medians = []
         for label, n, size in (("128 KiB", ns.pages_128k, 128 * 1024), ("2 MiB", ns.pages_2m, 2 << 20)):
             if not n:  # skipped (there is no page to time)
                 continue
             pages = _pages(n, size)
-            tag = label.replace(" ", "")
-            mc, mw, mr, mrr, cold, mcpu = mount_round(mnt, mnt2, pages, ns.threads, "m" + tag,
-                                                      ns.writer, mounts[0].pid)
-            aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
-            rows.append((label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu))
+            ratios = []
+            for r in range(ns.rounds):
+                tag = label.replace(" ", "") + (f"r{r}" if r else "")
+                mc, mw, mr, mrr, cold, mcpu, mwait = mount_round(
+                    mnt, mnt2, pages, ns.threads, "m" + tag, ns.writer, mounts[0].pid)
+                aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
+                rows.append((label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait))
+                ratios.append((mw / aw, mr / ar, mrr / ar, cold / ar))
+            if ns.rounds > 1:
+                medians.append((label, ns.rounds,
+                                *(statistics.median(x) for x in zip(*ratios, strict=True))))
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"| page | pages | mount closes | mount write | API write | mount/API | mount read | "
               f"API read | "
-              f"mount/API | mount re-read | re-read/API | 2nd mount read | 2nd/API | mount CPU/file |  "
+              f"mount/API | mount re-read | re-read/API | 2nd mount read | 2nd/API | mount CPU/file | "
+              f"mount wait/file |  "
               f"({ns.threads} threads, --writer {ns.writer}, "
               f"{' '.join(ns.mount_arg) or 'default mount'}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load})")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu in rows:
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait in rows:
             print(f"| {label} | {n} | {mc:,.0f} files/s | {mw:,.0f} files/s | {aw:,.0f} pages/s | "
                   f"{mw / aw:.2f} | "
                   f"{mr:,.0f} files/s | {ar:,.0f} pages/s | {mr / ar:.2f} | "
                   f"{mrr:,.0f} files/s | {mrr / ar:.2f} | {cold:,.0f} files/s | {cold / ar:.2f} | "
-                  f"{mcpu * 1e6:,.0f} µs |")
+                  f"{mcpu * 1e6:,.0f} µs | {mwait * 1e6:,.0f} µs |")
+        for label, rounds, w, r, rr, c in medians:
+            print(f"| {label}, median of {rounds} | | | | | {w:.2f} | | | {r:.2f} | | {rr:.2f} | | "
+                  f"{c:.2f} | | |")
     finally:
         for p in mounts:
             if p.poll() is None:

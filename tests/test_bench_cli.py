@@ -159,6 +159,32 @@ def test_cpu_seconds_reads_a_process_own_counters() -> None:
     assert rep["me"]["s_per_gb"] == pytest.approx(rep["me"]["cpu_s"])
 
 
+def test_run_queue_wait_counts_time_runnable_without_a_cpu() -> None:
+    """Two processes spinning on one CPU each wait while the other runs: that wait is read
+    from their threads' schedstat; a process that cannot be read gives None."""
+    import os
+    import subprocess
+    import sys
+
+    from kvfs.bench.cpu import run_queue_wait_s
+
+    assert run_queue_wait_s(-1) is None
+    cpu = min(os.sched_getaffinity(0))
+    spin = (f"import os, sys; os.sched_setaffinity(0, {{{cpu}}}); "
+            "sum(i * i for i in range(3_000_000)); print('done', flush=True); sys.stdin.read()")
+    procs = [subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "done\n"
+        waits = [run_queue_wait_s(p.pid) for p in procs]
+    finally:
+        for p in procs:
+            p.communicate("", timeout=30)
+    assert all(w is not None for w in waits)
+    assert sum(w for w in waits if w is not None) > 0
+
+
 @pytest.mark.subprocess
 async def test_cpu_per_process_of_a_process_cluster(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]

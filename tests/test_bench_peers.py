@@ -141,6 +141,93 @@ async def test_mooncake_roundtrip_over_tcp() -> None:
     await store.close()  # idempotent
 
 
+@needs_mooncake
+@pytest.mark.subprocess
+async def test_mooncake_prefill_shape_over_the_transport_queue() -> None:
+    """The bench's 4 KiB prefill: puts of 1024 keys, 4 in flight, then reads of 128 keys, 4 in
+    flight. Mooncake's TCP transport queues 1024 transfers per peer and fails the rest
+    (TRANSFER_FAIL); the peer keeps its keys in flight within that queue."""
+    import asyncio
+
+    from kvfs.bench.runner import Workload, run_workload
+
+    try:
+        store = await MooncakeStore.open(segment_bytes=64 << 20)
+    except PeerUnavailable as e:
+        pytest.skip(f"mooncake could not start here: {e.reason[:300]}")
+    try:
+        wl = Workload(name="mc-4k", rw="randread", bs=4096, batch=128, iodepth=4, nkeys=4096,
+                      time_based=False, runtime_s=600.0, verify=True)  # prefill: 4 calls of 1024 keys in flight
+        res = await run_workload(store, wl, progress=False)
+        assert (res.missing, res.mismatched) == (0, 0)
+        assert res.read.total_ios == 4096
+        # get_into and get_many of more keys than the queue holds, two calls at once
+        items = [(b"q%05d" % i, os.urandom(4096)) for i in range(2048)]
+        await store.put_many(items)
+        bufs = [store.buffer(4096) for _ in items]
+        keys = [k for k, _ in items]
+        got, values = await asyncio.gather(store.get_into(keys, bufs), store.get_many(keys))
+        assert got == [4096] * len(items)
+        assert [bytes(b) for b in bufs] == [v for _, v in items]
+        assert values == [v for _, v in items]
+        assert store.keys_per_call * store.threads <= store.max_keys_in_flight == 1024
+    finally:
+        await store.close()
+
+
+@needs_mooncake
+@pytest.mark.subprocess
+async def test_mooncake_two_peers_at_once_on_the_same_ports() -> None:
+    """Two peers seeded alike start at once and try the same ports: a process whose port was
+    taken exits, and is started again on other ports; each peer talks to its own processes."""
+    import asyncio
+
+    from kvfs.bench.peers._process import listening_ports
+
+    opened = await asyncio.gather(*(MooncakeStore.open(segment_bytes=32 << 20, seed=4321) for _ in range(2)),
+                                  return_exceptions=True)
+    stores = [s for s in opened if isinstance(s, MooncakeStore)]
+    try:
+        assert len(stores) == 2, opened
+        a, b = stores
+        assert a.master_port != b.master_port
+        for s in stores:
+            assert s.master_port in listening_ports(s.pids()["mooncake_master"])
+        await asyncio.gather(a.put_many([(b"k", b"from a")]), b.put_many([(b"k", b"from b")]))
+        assert await a.get_many([b"k"]) == [b"from a"]
+        assert await b.get_many([b"k"]) == [b"from b"]
+    finally:
+        for s in stores:
+            await s.close()
+
+
+@needs_mooncake
+@pytest.mark.subprocess
+async def test_mooncake_port_taken_before_start_moves_on() -> None:
+    """A foreign socket listening on the master's first port: the peer must not take it for
+    its master (a connect would reach it), and starts the master elsewhere."""
+    import socket
+
+    first = MooncakeStore(seed=99)._ports()[0]
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", first))
+        except OSError:
+            pytest.skip(f"port {first} is taken here already")
+        sock.listen()
+        try:
+            store = await MooncakeStore.open(segment_bytes=32 << 20, seed=99)
+        except PeerUnavailable as e:
+            pytest.fail(f"the peer did not move past a taken port: {e.reason[:500]}")
+        try:
+            assert store.master_port != first
+            await store.put_many([(b"k", b"v")])
+            assert await store.get_many([b"k"]) == [b"v"]
+        finally:
+            await store.close()
+
+
 async def test_mooncake_missing_package_is_unavailable(monkeypatch: pytest.MonkeyPatch) -> None:
     import sys
 

@@ -479,19 +479,26 @@ def test_hicache_style_pages(mnt: Path, fs: KVFileSystem) -> None:
 @pytest.mark.parametrize(("sizes", "rows"), [
     (["--pages-128k", "24", "--pages-2m", "0"], ["128 KiB"]),
     (["--pages-128k", "0", "--pages-2m", "6"], ["2 MiB"]),
+    (["--pages-128k", "12", "--pages-2m", "0", "--rounds", "2"],
+     ["128 KiB", "128 KiB", "128 KiB, median of 2"]),
 ])
 def test_mount_pages_bench_runs_each_size_asked_for(capsys: pytest.CaptureFixture[str],
                                                     sizes: list[str], rows: list[str]) -> None:
     """bench/mount_pages.py on its own cluster and mount: page files written and read back
     through the mount (every byte checked, or it exits) and through the API; a size of 0
-    pages is skipped (it raised IndexError), a negative one refused."""
+    pages is skipped (it raised IndexError), a negative one refused; ``--rounds`` gives a row
+    per round and one of the ratios' medians, every row as many cells as the header."""
     from kvfs.bench import mount_pages
 
     assert mount_pages.main([*sizes, "--threads", "3"]) == 0
     out = capsys.readouterr().out
-    assert [line.split(" | ")[0].strip("| ") for line in out.splitlines()[2:]] == rows
-    with pytest.raises(SystemExit):
-        mount_pages.main(["--pages-2m", "-1"])
+    lines = out.splitlines()
+    assert [line.split(" | ")[0].strip("| ") for line in lines[2:]] == rows
+    header = lines[0][: lines[0].rindex("|") + 1]  # the settings follow the last cell
+    assert {line.count("|") for line in lines[1:]} == {header.count("|")}
+    for bad in (["--pages-2m", "-1"], ["--rounds", "0"]):
+        with pytest.raises(SystemExit):
+            mount_pages.main(bad)
 
 
 # fio ------------------------------------------------------------------------------

@@ -16,13 +16,30 @@ into ``bytes`` (what a caller that wants separate values pays; the size of
 each value is the one this store put, as Mooncake's get needs it up front). A key that was
 already put is rewritten with ``batch_upsert_from`` (Mooncake objects are
 immutable: a plain put of an existing key is a no-op), so repeated write passes
-really move the bytes. The store's calls block; they run on ``threads`` worker
-threads so ``iodepth`` calls can be in flight.
+really move the bytes. The store's calls block;
+they run on ``threads`` worker threads so ``iodepth`` calls can be in flight.
+
+Keys in flight are bounded. Every key of a ``batch_put_from`` / ``batch_get_into``
+is one transfer on Mooncake's TCP transport, which queues at most
+``MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`` (default 1024) transfers per peer, parks
+as many again for at most ``MC_TCP_ADMISSION_TIMEOUT_MS`` (1 s), and fails the
+rest (its log: "TCP lane queue-full rejection"; the key's code: -800,
+TRANSFER_FAIL). So a call of more than ``max_keys_in_flight // threads`` keys is
+split into calls of at most that many, run on the same ``threads`` workers: at
+most ``max_keys_in_flight`` keys (default: that queue's size) are in flight. The
+bench's measured calls (4 KiB x 128 keys, iodepth 4: 512 keys) are not split;
+its prefill's calls (1024 keys of 4 KiB, 4 in flight) are.
 
 Mooncake binds fixed ports (it has no port 0): the master's RPC and metrics
-ports and the client's service port are tried from a random start in
-20000-60000, and a start that fails with "Address already in use" moves on,
-as the Redis peer does. If the package is missing the peer raises
+ports and the client's service port are three consecutive ports from a
+random start in ``PORT_RANGE``, below Linux's ephemeral ports (which
+outgoing connections take) and above Mooncake's own automatic ones. A
+process is ready once it itself listens on its ports (read from ``/proc``:
+a connect could reach another process on the same port). A process that
+exits at start while one of its ports is taken by another socket is started
+again from another port, up to ``port_attempts`` times; a client that fails
+so takes its master with it (the master would keep the segment the client
+mounted before it failed, and hand puts to it). If the package is missing the peer raises
 ``PeerUnavailable`` and the comparison shows why.
 """
 
@@ -30,6 +47,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import random
 import shutil
 import sys
@@ -41,17 +59,37 @@ from pathlib import Path
 from typing import Any, Final
 
 from ..store import PeerUnavailable, leading_present
-from ._process import wait_or_kill
+from ._process import listening_ports, ports_in_use, wait_or_kill
 
 __all__ = ["MooncakeStore"]
 
-PORT_RANGE: Final = (20000, 60000)
-_ADDR_IN_USE: Final = ("Address already in use", "address in use", "bind")
+# below Linux's default ephemeral ports (32768-60999), above Mooncake's automatic ones
+# (its client's 12300-14300, its transfer engine's 15000-17000)
+PORT_RANGE: Final = (20000, 32768)
+_ADDR_IN_USE: Final = ("Address already in use", "address in use")
 POLL_S: Final = 0.02
+# Mooncake's TCP transport: transfers queued per peer (its MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER)
+QUEUED_TRANSFERS_ENV: Final = "MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER"
+QUEUED_TRANSFERS_DEFAULT: Final = 1024
+
+
+def _transport_queue() -> int:
+    """The TCP transport's per-peer queue in this process (its env setting, else its default)."""
+    try:
+        return max(1, int(os.environ[QUEUED_TRANSFERS_ENV]))
+    except (KeyError, ValueError):
+        return QUEUED_TRANSFERS_DEFAULT
 
 
 def _tool(name: str) -> str | None:
-    """A Mooncake console script: on $PATH, else beside this interpreter."""
+    """A Mooncake binary: the package's own, else a console script on $PATH or beside
+    this interpreter (which execs that binary, after starting a Python)."""
+    with contextlib.suppress(ImportError):
+        import mooncake
+
+        own = Path(mooncake.__file__).parent / name
+        if own.is_file() and os.access(own, os.X_OK):
+            return str(own)
     found = shutil.which(name)
     if found is not None:
         return found
@@ -82,6 +120,7 @@ class MooncakeStore:
         *,
         segment_bytes: int = 2 << 30,
         threads: int = 4,
+        max_keys_in_flight: int | None = None,
         start_timeout_s: float = 30.0,
         port_attempts: int = 10,
         seed: int | None = None,
@@ -90,6 +129,10 @@ class MooncakeStore:
         self.name = "mooncake"
         self.segment_bytes = segment_bytes
         self.threads = threads
+        self.max_keys_in_flight = max_keys_in_flight or _transport_queue()
+        if self.max_keys_in_flight < threads:
+            raise ValueError(f"max_keys_in_flight ({self.max_keys_in_flight}) < threads ({threads})")
+        self.keys_per_call = self.max_keys_in_flight // threads
         self.start_timeout_s = start_timeout_s
         self.port_attempts = port_attempts
         self._rng = random.Random(seed)
@@ -125,8 +168,7 @@ class MooncakeStore:
             raise RuntimeError("MooncakeStore already started")
         self._tmp = tempfile.TemporaryDirectory(prefix="kvfs-bench-mooncake-")
         try:
-            self.master_port = await self._launch_master(master)
-            await self._launch_client(client)
+            await self._launch(master, client)
             store = MooncakeDistributedStore()
             rc = await asyncio.to_thread(
                 store.setup, "127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "",
@@ -142,8 +184,9 @@ class MooncakeStore:
         return self
 
     def _ports(self) -> list[int]:
+        """Each start's first port: its master's RPC port; +1 its metrics, +2 its client's."""
         lo, hi = PORT_RANGE
-        return [self._rng.randrange(lo, hi) for _ in range(self.port_attempts)]
+        return [self._rng.randrange(lo, hi - 2) for _ in range(self.port_attempts)]
 
     def _log(self, name: str) -> Path:
         assert self._tmp is not None
@@ -151,7 +194,7 @@ class MooncakeStore:
 
     def _log_tail(self, nbytes: int = 1500) -> str:
         out = []
-        for name in ("master.log", "client.log"):
+        for name in ("mooncake_master.log", "mooncake_client.log"):
             with contextlib.suppress(OSError):
                 out.append(self._log(name).read_bytes()[-nbytes:].decode(errors="replace"))
         return "\n".join(out)
@@ -166,52 +209,57 @@ class MooncakeStore:
         self._procs.append(proc)
         return proc
 
-    async def _wait_ready(self, proc: asyncio.subprocess.Process, port: int, log: str) -> bool:
-        """True once ``port`` accepts; False if the process exited first (see its log)."""
+    async def _wait_ready(self, proc: asyncio.subprocess.Process, ports: Sequence[int], log: str) -> bool:
+        """True once ``proc`` itself listens on every port; False if it exited first."""
         deadline = time.monotonic() + self.start_timeout_s
+        want = set(ports)
         while proc.returncode is None:
-            try:
-                _, w = await asyncio.open_connection("127.0.0.1", port)
-                w.close()
-                with contextlib.suppress(OSError):
-                    await w.wait_closed()
+            if want <= listening_ports(proc.pid):
                 return True
-            except OSError:
-                pass
             if time.monotonic() > deadline:
-                raise PeerUnavailable(f"{log}: port {port} not open within {self.start_timeout_s:g}s")
+                raise PeerUnavailable(f"{log}: ports {sorted(want)} not open within {self.start_timeout_s:g}s")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(proc.wait(), POLL_S)
         return False
 
-    async def _launch_master(self, exe: str) -> int:
-        for port in self._ports():
-            metrics = port + 1 if port + 1 < PORT_RANGE[1] else port - 1
-            proc = await self._spawn([
-                exe, f"-rpc_port={port}", "-rpc_address=127.0.0.1",
-                f"-metrics_port={metrics}", "-metrics_host=127.0.0.1",
-                "-enable_metric_reporting=false", "-logtostderr",
-            ], "master.log")
-            if await self._wait_ready(proc, port, "mooncake_master"):
-                return port
-            self._procs.remove(proc)
-            if not any(s in self._log_tail() for s in _ADDR_IN_USE):
-                raise PeerUnavailable(f"mooncake_master exited at start: {self._log_tail()!r}")
-        raise PeerUnavailable(f"mooncake_master: no free port in {self.port_attempts} attempts")
+    async def _start(self, argv: list[str], ports: list[int]) -> bool:
+        """Start a process; True once it listens on ``ports``, False if it exited while one
+        of them was taken (raises ``PeerUnavailable`` if it exited for another reason)."""
+        name = Path(argv[0]).name
+        proc = await self._spawn(argv, f"{name}.log")
+        if await self._wait_ready(proc, ports, name):
+            return True
+        self._procs.remove(proc)
+        if set(ports) & ports_in_use() or any(s in self._log_tail() for s in _ADDR_IN_USE):
+            return False
+        raise PeerUnavailable(f"{name} exited at start: {self._log_tail()!r}")
 
-    async def _launch_client(self, exe: str) -> None:
+    async def _launch(self, master: str, client: str) -> None:
+        """The master, then the segment client, on three ports from a random start; if the
+        client's port was taken, both again elsewhere (the master would keep the segment the
+        client mounted before it failed, and hand puts to it)."""
         for port in self._ports():
-            proc = await self._spawn([
-                exe, f"-master_server_address=127.0.0.1:{self.master_port}",
-                "-metadata_server=P2PHANDSHAKE", "-host=127.0.0.1", f"-port={port}",
-                f"-global_segment_size={self.segment_bytes}", "-protocol=tcp", "-logtostderr",
-            ], "client.log")
-            if await self._wait_ready(proc, port, "mooncake_client"):
+            if not await self._start([
+                master, f"-rpc_port={port}", "-rpc_address=127.0.0.1", f"-metrics_port={port + 1}",
+                "-metrics_host=127.0.0.1", "-enable_metric_reporting=false", "-logtostderr",
+            ], [port, port + 1]):
+                continue
+            self.master_port = port
+            if await self._start([
+                client, f"-master_server_address=127.0.0.1:{port}", "-metadata_server=P2PHANDSHAKE",
+                "-host=127.0.0.1", f"-port={port + 2}", f"-global_segment_size={self.segment_bytes}",
+                "-protocol=tcp", "-logtostderr",
+            ], [port + 2]):
                 return
-            self._procs.remove(proc)
-            if not any(s in self._log_tail() for s in _ADDR_IN_USE):
-                raise PeerUnavailable(f"mooncake_client exited at start: {self._log_tail()!r}")
-        raise PeerUnavailable(f"mooncake_client: no free port in {self.port_attempts} attempts")
+            await self._stop_processes()
+        raise PeerUnavailable(f"mooncake: no free ports in {self.port_attempts} attempts")
+
+    async def _stop_processes(self) -> None:
+        procs, self._procs = self._procs, []
+        for proc in reversed(procs):  # the segment client first, then the master
+            if proc.returncode is None:
+                proc.terminate()
+                await wait_or_kill(proc, 10.0)
 
     def pids(self) -> dict[str, int]:
         """The peer's own processes (for ``--cpu``)."""
@@ -235,6 +283,18 @@ class MooncakeStore:
             raise RuntimeError("MooncakeStore is closed")
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
+    async def _transfer(self, fn: Any, keys: list[str], ptrs: list[int], sizes: list[int]) -> list[int]:
+        """``fn(keys, ptrs, sizes)`` (a batch put or get) in calls of at most ``keys_per_call``
+        keys on the worker threads, so at most ``max_keys_in_flight`` keys are in flight;
+        each key's code, in order."""
+        n = self.keys_per_call
+        if len(keys) <= n:
+            rcs: list[int] = await self._call(fn, keys, ptrs, sizes)
+            return rcs
+        parts = await asyncio.gather(*(self._call(fn, keys[i : i + n], ptrs[i : i + n], sizes[i : i + n])
+                                       for i in range(0, len(keys), n)))
+        return [rc for part in parts for rc in part]
+
     # -- Store ---------------------------------------------------------------
 
     async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
@@ -254,8 +314,8 @@ class MooncakeStore:
             for idx, fn in ((fresh, self._store.batch_put_from), (again, self._store.batch_upsert_from)):
                 if not idx:
                     continue
-                rcs = await self._call(fn, [keys[i] for i in idx], [ptrs[i] for i in idx],
-                                       [sizes[i] for i in idx])
+                rcs = await self._transfer(fn, [keys[i] for i in idx], [ptrs[i] for i in idx],
+                                           [sizes[i] for i in idx])
                 bad = [rc for rc in rcs if rc != 0]
                 if bad:
                     raise OSError(f"mooncake put: {len(bad)} of {len(idx)} keys failed (code {bad[0]})")
@@ -269,10 +329,10 @@ class MooncakeStore:
         import numpy as np
 
         ptrs = [int(np.frombuffer(b, dtype=np.uint8).ctypes.data) for b in buffers]
-        out: list[int] = await self._call(
-            self._store.batch_get_into, [k.decode("latin-1") for k in keys], ptrs,
-            [len(b) for b in buffers])
-        return out
+        if self._store is None:
+            raise RuntimeError("MooncakeStore is closed")
+        return await self._transfer(self._store.batch_get_into, [k.decode("latin-1") for k in keys], ptrs,
+                                    [len(b) for b in buffers])
 
     async def get_many(self, keys: list[bytes]) -> list[bytes | None]:
         if not keys:
@@ -285,8 +345,8 @@ class MooncakeStore:
             for i in known:
                 ptrs.append(arena.ptr + pos)
                 pos += sizes[i]
-            rcs = await self._call(self._store.batch_get_into, [keys[i].decode("latin-1") for i in known],
-                                   ptrs, [sizes[i] for i in known]) if known else []
+            rcs = await self._transfer(self._store.batch_get_into, [keys[i].decode("latin-1") for i in known],
+                                       ptrs, [sizes[i] for i in known]) if known else []
             out: list[bytes | None] = [None] * len(keys)
             pos = 0
             for i, rc in zip(known, rcs, strict=True):
@@ -317,11 +377,7 @@ class MooncakeStore:
             with contextlib.suppress(Exception):
                 await asyncio.to_thread(store.close)
         self._free.clear()
-        procs, self._procs = self._procs, []
-        for proc in reversed(procs):  # the segment client first, then the master
-            if proc.returncode is None:
-                proc.terminate()
-                await wait_or_kill(proc, 10.0)
+        await self._stop_processes()
         tmp, self._tmp = self._tmp, None
         if tmp is not None:
             tmp.cleanup()
