@@ -102,12 +102,14 @@ class MetaStore:
         self.path = path
         self._wal = f"{path}-wal"  # (a str: sync_wal opens it after every change)
         self.synchronous = synchronous
+        self._level = synchronous  # the connection's PRAGMA synchronous now (see _tx)
+        self._unsynced = 0  # unsynced() blocks open
         self.db = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(f"PRAGMA synchronous={synchronous}")
         self.db.executescript(SCHEMA)
         if self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'older'").fetchone() is None:
-            with self.db:  # a database older than the table: every key may have older records
+            with self._tx():  # a database older than the table: every key may have older records
                 self.db.execute("BEGIN")
                 self.db.execute(OLDER_SCHEMA)
                 self.db.execute("INSERT INTO older(key, until) SELECT key, NULL FROM kv")
@@ -122,27 +124,36 @@ class MetaStore:
         if row is not None:
             return str(row[0])
         cid = create or uuid.uuid4().hex
-        with self.db:
+        with self._tx():
             self.db.execute("INSERT INTO cluster VALUES (?)", (cid,))
         return cid
 
     @contextlib.contextmanager
-    def _synchronous(self, level: str) -> Iterator[None]:
-        if self.synchronous == level:
+    def _tx(self) -> Iterator[None]:
+        """A write transaction (``with self.db``: committed, or rolled back on an error) at
+        this store's level, or at NORMAL inside :meth:`unsynced`.  The connection keeps the
+        level of its last write transaction, and the PRAGMA runs only when it must change: a
+        run of unsynced writes (meta's commit groups with ``--fsync batch``) runs none (a
+        PRAGMA is prepared anew each time it runs: switching there and back cost meta 60-95 us
+        of CPU per group, bench/RESULTS.md).  Every write of this class goes through here."""
+        level = "NORMAL" if self._unsynced else self.synchronous
+        if level != self._level:
+            self.db.execute(f"PRAGMA synchronous={level}")
+            self._level = level
+        with self.db:
             yield
-            return
-        self.db.execute(f"PRAGMA synchronous={level}")
-        try:
-            yield
-        finally:
-            self.db.execute(f"PRAGMA synchronous={self.synchronous}")
 
-    def unsynced(self) -> contextlib.AbstractContextManager[None]:
+    @contextlib.contextmanager
+    def unsynced(self) -> Iterator[None]:
         """Transactions inside are written to the WAL without syncing it
         (synchronous=NORMAL): durable only once a later :meth:`sync_wal` (or a FULL
         transaction, or a checkpoint) has synced the WAL, which covers them and every
         transaction before them (the WAL is written in order)."""
-        return self._synchronous("NORMAL")
+        self._unsynced += 1
+        try:
+            yield
+        finally:
+            self._unsynced -= 1
 
     @property
     def wal_path(self) -> Path:
@@ -194,7 +205,7 @@ class MetaStore:
                  older: Iterable[tuple[bytes, float | None]] = ()) -> None:
         """Write layout rows (:data:`PUT_KV`) and, in the same transaction, the keys among
         them that have older records (key, until: the ``older`` table)."""
-        with self.db:
+        with self._tx():
             self.db.execute("BEGIN")
             self.db.executemany(PUT_KV, rows)
             self.db.executemany(PUT_OLDER, older)
@@ -207,7 +218,7 @@ class MetaStore:
         (key, layout, horizon: :mod:`kvfs.meta.tombstones`), forget the ``older`` rows of
         those that had one, and store the ghosts of those dropped without a tombstone
         (chunk, key hash, expiry)."""
-        with self.db:
+        with self._tx():
             self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM kv WHERE key = ?", ((k,) for k in keys))
             self.db.executemany(PUT_TOMBSTONE, tombstones)
@@ -215,7 +226,7 @@ class MetaStore:
             self.db.executemany(PUT_GHOST, ghosts)
 
     def put_ghosts(self, rows: Iterable[tuple[int, int, float | None]]) -> None:
-        with self.db:
+        with self._tx():
             self.db.execute("BEGIN")
             self.db.executemany(PUT_GHOST, rows)
 
@@ -224,7 +235,7 @@ class MetaStore:
 
     def forget_ghosts(self, chunks: Iterable[int]) -> None:
         """The ghosts in chunks that were deleted."""
-        with self.db:
+        with self._tx():
             self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM ghosts WHERE chunk = ?", ((c,) for c in chunks))
 
@@ -233,7 +244,7 @@ class MetaStore:
             yield bytes(key), until
 
     def forget_older(self, keys: Iterable[bytes]) -> None:
-        with self.db:
+        with self._tx():
             self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM older WHERE key = ?", ((k,) for k in keys))
 
@@ -244,17 +255,17 @@ class MetaStore:
 
     def put_tombstones(self, rows: Iterable[tuple[bytes, bytes, bytes]]) -> None:
         """(key, layout, horizon) rows: moved by compaction, or a horizon raised."""
-        with self.db:
+        with self._tx():
             self.db.execute("BEGIN")
             self.db.executemany(PUT_TOMBSTONE, rows)
 
     def forget_tombstones(self, keys: Iterable[bytes]) -> None:
-        with self.db:
+        with self._tx():
             self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM tombstones WHERE key = ?", ((k,) for k in keys))
 
     def touch_many(self, rows: Iterable[tuple[float, bytes]]) -> None:
-        with self.db:
+        with self._tx():
             self.db.execute("BEGIN")
             self.db.executemany("UPDATE kv SET last_access = ? WHERE key = ?", rows)
 
@@ -272,11 +283,11 @@ class MetaStore:
         return list(self.db.execute("SELECT server_id, addr, capacity, free FROM servers"))
 
     def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None:
-        with self.db:
+        with self._tx():
             self.db.execute("INSERT OR REPLACE INTO servers VALUES (?,?,?,?)", (server_id, addr, capacity, free))
 
     def delete_server(self, server_id: int) -> None:
-        with self.db:
+        with self._tx():
             self.db.execute("DELETE FROM servers WHERE server_id = ?", (server_id,))
 
     # garbage collection ------------------------------------------------------
@@ -295,7 +306,7 @@ class MetaStore:
         return list(self.db.execute("SELECT chunk_id, server_id, retired_at FROM dead_chunks"))
 
     def add_dead(self, rows: Iterable[tuple[int, int, float]]) -> None:
-        with self.db:
+        with self._tx():
             self.db.execute("BEGIN")
             self.db.executemany("INSERT OR IGNORE INTO dead_chunks VALUES (?,?,?)", rows)
 
@@ -307,7 +318,7 @@ class MetaStore:
         return {n: msgpack.unpackb(v, raw=False) for n, v in self.db.execute("SELECT name, value FROM gc_state")}
 
     def put_state(self, name: str, value: Any) -> None:
-        with self.db:
+        with self._tx():
             self.db.execute("INSERT OR REPLACE INTO gc_state VALUES (?,?)",
                             (name, msgpack.packb(value, use_bin_type=True)))
 

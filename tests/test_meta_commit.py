@@ -282,9 +282,9 @@ async def test_a_group_is_written_without_a_sync_and_answered_after_the_wal_is_s
     real_put, real_fdatasync = ix.store.put_many, os.fdatasync
 
     def put_many(batch: Any, older: Any = ()) -> None:
-        (level,) = ix.store.db.execute("PRAGMA synchronous").fetchone()
-        events.append(f"put synchronous={level}")
         real_put(batch, older)
+        (level,) = ix.store.db.execute("PRAGMA synchronous").fetchone()  # its transaction's (kept)
+        events.append(f"put synchronous={level}")
 
     def fdatasync(fd: int) -> None:
         events.append(f"fdatasync {os.readlink(f'/proc/self/fd/{fd}')}")
@@ -300,19 +300,41 @@ async def test_a_group_is_written_without_a_sync_and_answered_after_the_wal_is_s
     await commit()
     wal = tmp_path / "meta.sqlite3-wal"
     assert events == ["put synchronous=1", f"fdatasync {wal}", "answered"]  # NORMAL: no sync of its own
-    assert ix.store.db.execute("PRAGMA synchronous").fetchone()[0] == 2  # FULL again for the rest
+    ix.store.put_state("x", 1)  # a write of the store's own, outside unsynced(): FULL again
+    assert ix.store.db.execute("PRAGMA synchronous").fetchone()[0] == 2
     real_delete = ix.store.delete_many
 
     def delete_many(*args: Any) -> None:
-        events.append(f"delete synchronous={ix.store.db.execute('PRAGMA synchronous').fetchone()[0]}")
         real_delete(*args)
+        events.append(f"delete synchronous={ix.store.db.execute('PRAGMA synchronous').fetchone()[0]}")
 
     monkeypatch.setattr(ix.store, "delete_many", delete_many)
     assert await ix.delete([b"a0"]) == 1
     events.append("answered")
     # a delete, like every other change, is written unsynced and answered after the WAL's sync
     assert events[-3:] == ["delete synchronous=1", f"fdatasync {wal}", "answered"]
+
+
+async def test_unsynced_writes_in_a_row_switch_the_level_once_and_other_writes_run_at_full(
+        make_index: Any) -> None:
+    """The connection keeps the level of its last write: commit groups in a row run no
+    ``PRAGMA synchronous`` between them; a write outside ``unsynced()`` switches back to
+    FULL (its transaction synced at its commit) before it runs."""
+    ix = make_index()
+    traced: list[str] = []
+    ix.store.db.set_trace_callback(traced.append)
+    for i in range(3):
+        await ix.commit(rows(f"g{i}-", 2), 100.0, None)
+    switches = [q for q in traced if q.startswith("PRAGMA synchronous=")]
+    assert switches == ["PRAGMA synchronous=NORMAL"]  # once, before the first group
+    assert sum(q.startswith("INSERT OR REPLACE INTO kv") for q in traced) == 6
+    traced.clear()
+    ix.store.put_state("x", 1)
+    assert [q for q in traced if q.startswith("PRAGMA synchronous=")] == ["PRAGMA synchronous=FULL"]
+    assert traced.index("PRAGMA synchronous=FULL") < next(
+        i for i, q in enumerate(traced) if q.startswith("INSERT OR REPLACE INTO gc_state"))
     assert ix.store.db.execute("PRAGMA synchronous").fetchone()[0] == 2
+    ix.store.db.set_trace_callback(None)
 
 
 async def test_an_if_absent_commit_that_wrote_nothing_is_answered_at_once(
