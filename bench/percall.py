@@ -206,6 +206,9 @@ class _Link:
     def alive(self) -> dict[int, bool]:
         return {1: True, 2: True, 3: True}
 
+    def timed_out(self) -> set[int]:
+        return set()
+
     def bind_loop(self) -> None:
         pass
 

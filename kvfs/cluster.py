@@ -17,7 +17,11 @@ restarts; the server list is re-read from meta every ``servers_refresh_s``.
 A chunkserver a call could not reach (connection refused or lost, timeout) is
 marked down here for ``down_for_s``: placement and reads skip it at once instead
 of waiting for meta to notice, and a refresh from meta does not undo the mark
-(a call to it that succeeds does; see :meth:`ClusterLink.mark_down`).
+(a call to it that succeeds does; see :meth:`ClusterLink.mark_down`).  Reads still
+ask a server marked down for a value it alone holds (a refused connection fails
+fast; a restarted server answers), except one marked because a call *timed out*
+(:meth:`ClusterLink.timed_out`): asking it again would cost the timeout again, so
+its values are misses until the mark ends.
 :mod:`kvfs.transport` is the one connection underneath; this module is the only
 place that pools them (:mod:`kvfs.blocking` keeps the blocking client's few plain
 sockets to meta, for calls made in its callers' threads).
@@ -44,7 +48,7 @@ from typing import TypeVar
 
 from kvfs import rpc
 from kvfs.address import format_addrs, parse_addr
-from kvfs.errors import InvalidArgument, LocalProtocolError, Unavailable
+from kvfs.errors import InvalidArgument, LocalProtocolError, Timeout, Unavailable
 from kvfs.protocol import Buffer, Scatter
 from kvfs.rpc import OP_OF, R, Request
 from kvfs.transport import Connection, Sink
@@ -111,6 +115,7 @@ class ClusterLink:
         self.servers_refresh_s = servers_refresh_s
         self.down_for_s = down_for_s
         self._down_until: dict[int, float] = {}  # server id -> monotonic end of its mark; known ids only
+        self._timed_out: set[int] = set()  # the marked servers whose mark came from a timeout
         self.rpc_counts: dict[str, int] = defaultdict(int)  # calls sent, by op name
         self.on_rebind: list[Callable[[], None]] = []  # users' per-loop state to make anew
         self._pid = os.getpid()
@@ -325,6 +330,7 @@ class ClusterLink:
             for sid in list(self._down_until):  # a forgotten or moved server: its mark goes too
                 if sid not in fresh or fresh[sid].addr != self._servers.get(sid, fresh[sid]).addr:
                     del self._down_until[sid]
+                    self._timed_out.discard(sid)
             self._servers, self._servers_at = fresh, now
         self._expire_marks(now)
         return list(self._servers.values())
@@ -344,14 +350,25 @@ class ClusterLink:
         return {sid: s.addr for sid, s in self._servers.items()
                 if s.alive and down.get(sid, 0.0) <= now}
 
-    def mark_down(self, sid: int) -> None:
-        """Skip server ``sid`` for ``down_for_s``: a call to it could not reach it.  The mark
+    def timed_out(self) -> set[int]:
+        """The servers marked down because a call to them timed out, the mark still holding:
+        reads do not ask them (:meth:`kvfs.readpath.ReadPath.fetch`), not even for a value
+        one of them alone holds.  Safe from other threads: it only reads."""
+        now = time.monotonic()
+        down = self._down_until
+        return {sid for sid in self._timed_out.copy() if down.get(sid, 0.0) > now}
+
+    def mark_down(self, sid: int, *, timed_out: bool = False) -> None:
+        """Skip server ``sid`` for ``down_for_s``: a call to it could not reach it
+        (``timed_out``: it got no answer in time; see :meth:`timed_out`).  The mark
         outlives refreshes from meta (which may still call it alive) and ends early when
         a call to it succeeds or meta moves or forgets it.  One mark per known server."""
         entry = self._servers.get(sid)
         if entry is None:
             return
         self._down_until[sid] = time.monotonic() + self.down_for_s
+        if timed_out:
+            self._timed_out.add(sid)
         entry.down = True
 
     def _expire_marks(self, now: float) -> None:
@@ -359,9 +376,11 @@ class ClusterLink:
             until = self._down_until.get(sid)
             if until is not None and now >= until:
                 del self._down_until[sid]
+                self._timed_out.discard(sid)
             entry.down = sid in self._down_until
 
     def _mark_up(self, sid: int) -> None:
+        self._timed_out.discard(sid)
         if self._down_until.pop(sid, None) is not None and sid in self._servers:
             self._servers[sid].down = False
 
@@ -387,8 +406,8 @@ class ClusterLink:
             host, port = parse_addr(entry.addr, what="chunkserver address")
             try:
                 return await self._open(host, port)
-            except Unavailable as exc:
-                self.mark_down(sid)
+            except Unavailable as exc:  # (a Timeout: connected, no handshake in time)
+                self.mark_down(sid, timed_out=isinstance(exc, Timeout))
                 error = Unavailable(f"chunkserver {sid} at {entry.addr}: {exc}")
         raise error
 
@@ -396,13 +415,13 @@ class ClusterLink:
                           sink: Sink | None = None) -> tuple[R, memoryview | Scatter]:
         """One RPC to chunkserver ``sid``: its answer and raw payload.  A connection that
         fails (refused, lost, timed out: ``Unavailable``) marks the server down
-        (:meth:`mark_down`); an answer clears the mark."""
+        (:meth:`mark_down`; a ``Timeout`` as timed out); an answer clears the mark."""
         self.rpc_counts[OP_OF[type(request)].name] += 1
         conn = await self.server_conn(sid)
         try:
             answer, body = await conn.exchange(request, payload, sink=sink)
         except Unavailable as exc:
-            self.mark_down(sid)
+            self.mark_down(sid, timed_out=isinstance(exc, Timeout))
             raise Unavailable(f"chunkserver {sid} ({conn.name}): {exc}") from None
         self._mark_up(sid)
         return answer, body if isinstance(body, Scatter) else memoryview(body)

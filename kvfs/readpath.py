@@ -216,18 +216,24 @@ class ReadPath:
         (an extent every replica of which answered that its bytes are not there).  A slot no
         replica could serve raises, or lands in ``failed_out`` when given.  ``bad_out``
         collects the stale or failed slots with an extent whose every replica answered
-        without good bytes (no server unreachable).  ``skip``: as for :meth:`read_into`."""
+        without good bytes (no server unreachable).  ``skip``: as for :meth:`read_into`.
+        A server the link marked down after a timeout (:meth:`kvfs.cluster.ClusterLink.
+        timed_out`) is not asked either, while the mark holds: its extents go to another
+        replica, or fail at once (a miss, not one more timeout)."""
         stale: set[int] = set()
         failed: dict[int, KVFSError] = {}
         alive = self._link.alive()
+        hung = self._link.timed_out()
         bad: set[int] = set()
         by_server = self._first_jobs(keys, layouts, dests, alive, stale, failed, bad)
         while by_server:
             pending: list[_Job] = []
-            for sid in skip & by_server.keys():
+            for sid in (skip | hung) & by_server.keys():
                 js = by_server.pop(sid)
-                _give_up(keys, sid, js, Timeout("no answer within the timeout to this call's "
-                                                "first READV; not asked again"))
+                _give_up(keys, sid, js, Timeout(
+                    "no answer within the timeout to this call's first READV; not asked again"
+                    if sid in skip else "a call to it timed out within down_for_s="
+                    f"{self._link.down_for_s:g}s; not asked until then"))
                 pending.extend(js)
             hedge = self._hedge_after_s
             results: list[list[_Job] | BaseException]

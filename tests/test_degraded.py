@@ -26,15 +26,19 @@ async def test_a_down_mark_outlives_a_refresh_and_ends(cluster: LocalCluster, kv
         try:
             sid = (await link.servers())[0].server_id
             link.mark_down(sid)
+            assert not link.timed_out()  # (refused or lost: reads still ask it if only it can)
+            link.mark_down(sid, timed_out=True)
+            link.mark_down(sid)  # a later failure of another kind leaves it timed out
             link.mark_down(10_000)  # not a known server: nothing is kept for it
             entry = next(s for s in await link.servers(refresh=True) if s.server_id == sid)
             assert entry.alive  # meta still says so...
             assert link.alive()[sid] is (down_for_s == 0)  # ...and the mark holds until it ends
+            assert link.timed_out() == ({sid} if down_for_s else set())
             assert entry.down is (down_for_s > 0)
             assert 10_000 not in link.alive() and len(link._down_until) <= 1
             if down_for_s:
                 await link.call_server(sid, rpc.Ping())  # an answer ends the mark at once
-                assert link.alive()[sid]
+                assert link.alive()[sid] and not link.timed_out()
         finally:
             link.close()
 

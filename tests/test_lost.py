@@ -217,6 +217,44 @@ async def test_a_hung_replica_is_hedged(proc_cluster: ProcessCluster) -> None:
             victim.kill(signal.SIGCONT)
 
 
+@pytest.mark.subprocess
+async def test_a_value_only_a_timed_out_server_holds_is_a_miss_at_once(
+        proc_cluster: ProcessCluster) -> None:
+    """A chunkserver stopped (SIGSTOP): the first read of a value only it holds times out
+    (a miss) and marks it down as timed out; later reads do not ask it while the mark
+    holds (no READV, no second timeout: a miss at once), the other servers' values are
+    read; after SIGCONT and the mark's end it is read again."""
+    items = {f"t{i}".encode(): os.urandom(4096) for i in range(24)}
+    cfg = ClientConfig(put_group_bytes=8192, request_timeout_s=1.0, down_for_s=5.0)
+    async with proc_cluster.client(config=cfg) as kv:
+        await kv.put_many(items)
+        where = {k: (await kv.layout(k)).extents[0].replicas[0].server_id  # type: ignore[union-attr]
+                 for k in items}
+        victim_sid = where[b"t0"]
+        mine = [k for k in items if where[k] == victim_sid]
+        others = set(where.values()) - {victim_sid}
+        assert others, "every key landed on one server"
+        assert await kv.get_many(list(items)) == list(items.values())  # connections open
+        addr = next(s.addr for s in await kv.servers() if s.server_id == victim_sid)
+        victim = next(p for p in proc_cluster.chunkservers if addr in p.ready_line)
+        counts = kv.rpc_counts
+        victim.kill(signal.SIGSTOP)
+        try:
+            sent = counts["READV"]
+            assert await kv.get_many(mine) == [None] * len(mine)
+            assert counts["READV"] - sent == 1
+            sent = counts["READV"]
+            assert await kv.get_many(list(items)) == [None if k in mine else v
+                                                      for k, v in items.items()]
+            assert counts["READV"] - sent == len(others), "the stopped server was asked again"
+            assert kv._link.timed_out() == {victim_sid}
+        finally:
+            victim.kill(signal.SIGCONT)
+        async with asyncio.timeout(30):  # read again once the mark ends (down_for_s)
+            while await kv.get_many(mine) != [items[k] for k in mine]:
+                await asyncio.sleep(0.05)
+
+
 def test_hedge_after_is_checked() -> None:
     assert ClientConfig().hedge_after_s == 2.0 and ClientConfig(hedge_after_s=None).hedge_after_s is None
     with pytest.raises(ValueError, match="hedge_after_s must be positive"):
