@@ -21,7 +21,11 @@ At most ``ClientConfig.meta_sockets`` go to meta (:class:`MetaSockets`) and at m
 ``ClientConfig.server_sockets`` to each chunkserver (:class:`ServerSockets`).  A call that
 finds none free, a server these sockets cannot reach, or a socket lost before its answer
 (e.g. the server restarted or closed it as idle), goes through the IO loop instead, whose
-link fails over between metas and replicas and says why one cannot be reached.
+link fails over between metas and replicas and says why one cannot be reached.  A
+chunkserver no socket could be opened to (refused, timed out: as
+:meth:`kvfs.cluster.ClusterLink.call_server` takes it) is marked down on that link, so the
+callers' reads and the IO loop's skip it alike (a lost socket is not: a server closes idle
+ones, and the IO loop's read asks again).
 """
 
 from __future__ import annotations
@@ -222,8 +226,8 @@ class SocketPool:
     def _open(self, ep: Endpoint) -> BlockingSocket:
         raise NotImplementedError
 
-    def _failed(self, ep: Endpoint) -> None:
-        """A socket to ``ep`` could not be opened (under the lock)."""
+    def _failed(self, ep: Endpoint, exc: KVFSError | OSError) -> None:
+        """A socket to ``ep`` could not be opened (``exc``; under the lock)."""
 
     def close(self) -> None:
         """Closes the idle sockets and ends the calls on the others at once; nothing is
@@ -267,9 +271,9 @@ class SocketPool:
         keep = False
         try:
             s = self._open(ep)
-        except (KVFSError, OSError):  # the IO loop's link tries it too, and says why it fails
+        except (KVFSError, OSError) as exc:  # the IO loop's link says why it fails
             with self._lock:
-                self._failed(ep)
+                self._failed(ep, exc)
         finally:
             with self._lock:
                 self._opening -= 1
@@ -345,7 +349,7 @@ class MetaSockets(SocketPool):
         return BlockingSocket.open(ep, self._link.token, connect_timeout_s=self._connect_timeout_s,
                                    request_timeout_s=self._request_timeout_s, tls=self._link.tls)
 
-    def _failed(self, ep: Endpoint) -> None:
+    def _failed(self, ep: Endpoint, exc: KVFSError | OSError) -> None:
         self._down_until[ep] = time.monotonic() + self._down_for_s
 
     def _endpoint(self) -> Endpoint | None:
@@ -360,11 +364,12 @@ class MetaSockets(SocketPool):
 
 
 class _ServerPool(SocketPool):
-    """The sockets to one chunkserver at one address."""
+    """The sockets to chunkserver ``sid`` at one address."""
 
-    def __init__(self, owner: ServerSockets, addr: str) -> None:
+    def __init__(self, owner: ServerSockets, sid: int, addr: str) -> None:
         super().__init__(most=owner.most)
         self._owner = owner
+        self.sid = sid
         self.addr = addr
         host, port = parse_addr(addr, what="chunkserver address")
         self._ep: Endpoint = (host, port, None)
@@ -379,8 +384,10 @@ class _ServerPool(SocketPool):
                                    request_timeout_s=o._request_timeout_s, tls=o._link.tls,
                                    allocator=o.rx_pool)
 
-    def _failed(self, ep: Endpoint) -> None:
+    def _failed(self, ep: Endpoint, exc: KVFSError | OSError) -> None:
         self.down_until = time.monotonic() + self._owner._down_for_s
+        if isinstance(exc, Unavailable):  # (as the IO loop's link marks one it cannot open)
+            self._owner._link.mark_down_soon(self.sid, timed_out=isinstance(exc, Timeout))
 
 
 # what a READV's answer is handed to, while its payload's buffer is lent: (server id, answer,
@@ -413,7 +420,7 @@ class ServerSockets:
             pool = self._pools.get(sid)
             if pool is not None and pool.addr == addr:
                 return pool
-            fresh = self._pools[sid] = _ServerPool(self, addr)
+            fresh = self._pools[sid] = _ServerPool(self, sid, addr)
         if pool is not None:
             pool.close()  # the server moved: its old sockets go
         return fresh

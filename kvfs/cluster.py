@@ -44,6 +44,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import TypeVar
 
 from kvfs import rpc
@@ -341,14 +342,14 @@ class ClusterLink:
         self._expire_marks(time.monotonic())
         return {s.server_id: s.usable for s in self._servers.values()}
 
-    def usable_addrs(self) -> dict[int, str]:
-        """The address of each server usable now (as :meth:`alive` says; no RPC).  Safe
-        from other threads (the blocking client's reads in its callers' threads,
-        :mod:`kvfs.blocking`): it only reads."""
+    def server_addrs(self) -> dict[int, str | None]:
+        """Each known server's address when it is usable now (as :meth:`alive` says), None
+        when not (no RPC).  Safe from other threads (the blocking client's reads in its
+        callers' threads, :mod:`kvfs.blocking`): it only reads."""
         now = time.monotonic()
         down = self._down_until
-        return {sid: s.addr for sid, s in self._servers.items()
-                if s.alive and down.get(sid, 0.0) <= now}
+        return {sid: s.addr if s.alive and down.get(sid, 0.0) <= now else None
+                for sid, s in self._servers.items()}
 
     def timed_out(self) -> set[int]:
         """The servers marked down because a call to them timed out, the mark still holding:
@@ -362,7 +363,8 @@ class ClusterLink:
         """Skip server ``sid`` for ``down_for_s``: a call to it could not reach it
         (``timed_out``: it got no answer in time; see :meth:`timed_out`).  The mark
         outlives refreshes from meta (which may still call it alive) and ends early when
-        a call to it succeeds or meta moves or forgets it.  One mark per known server."""
+        a call to it succeeds or meta moves or forgets it.  One mark per known server.
+        The link's loop's own: other threads call :meth:`mark_down_soon`."""
         entry = self._servers.get(sid)
         if entry is None:
             return
@@ -370,6 +372,11 @@ class ClusterLink:
         if timed_out:
             self._timed_out.add(sid)
         entry.down = True
+
+    def mark_down_soon(self, sid: int, *, timed_out: bool = False) -> None:
+        """:meth:`mark_down` from any thread (the blocking client's callers': its sockets'
+        failures), made on the link's loop before anything queued there after this call."""
+        self.call_soon_threadsafe(partial(self.mark_down, sid, timed_out=timed_out))
 
     def _expire_marks(self, now: float) -> None:
         for sid, entry in self._servers.items():

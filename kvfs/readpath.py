@@ -301,19 +301,25 @@ class ReadPath:
         to be received in place, which the IO loop does) or anything failed (a socket, an
         answer, a range's error, a CRC): nothing is decided, some destinations may hold
         garbage, and the caller reads again with :meth:`read_into` (failover, fresh
-        lookups, the ``failed``/``lost`` record).  A server that has not answered within
-        ``hedge_after_s`` (when every extent asked of it has another replica) or the
-        request timeout is given up here and its id added to ``late``: the caller's read
-        through the IO loop skips it (``read_into(skip=late)``), so a hung server costs a
-        call one wait, not two."""
-        addrs = self._link.usable_addrs()
-        alive = dict.fromkeys(addrs, True)
+        lookups, the ``failed``/``lost`` record).  Servers the link marks down are not picked
+        here (another replica is; a value only they hold goes to the IO loop, which decides
+        as :meth:`fetch` does).  A server that has not answered within the request timeout,
+        or ``hedge_after_s`` when that is sooner and every extent asked of it has another
+        replica, is given up here, its id added to ``late`` and marked down on the IO loop
+        (as :meth:`kvfs.cluster.ClusterLink.call_server` marks one; after the request
+        timeout, as timed out): the caller's read through the IO loop skips it
+        (``read_into(skip=late)``), so a hung server costs a call one wait, not two, and
+        later calls none while the mark holds."""
+        addrs = self._link.server_addrs()
+        alive = {sid: addr is not None for sid, addr in addrs.items()}
         stale: set[int] = set()
         failed: dict[int, KVFSError] = {}
         by_server = self._first_jobs(keys, layouts, dests, alive, stale, failed, set())
         if stale or failed:
             return False
         now = time.monotonic()
+        timeout = self._link.request_timeout_s
+        hedged: set[int] = set()  # servers whose deadline is hedge_after_s
         reads: list[tuple[int, str, rpc.ReadV, float]] = []
         batches: dict[int, tuple[list[_Job], list[tuple[int, int, int]]]] = {}
         for sid, jobs in by_server.items():
@@ -326,8 +332,10 @@ class ReadPath:
             if (len(ranges) > self._max_ranges or total > self._max_rpc_bytes
                     or len(set(ranges)) != len(ranges) or self._in_place(jobs, total)):
                 return False
-            wait = self._hedge_after_s if (self._hedge_after_s is not None
-                                           and _can_hedge(jobs)) else self._link.request_timeout_s
+            wait = timeout
+            if self._hedge_after_s is not None and self._hedge_after_s < timeout and _can_hedge(jobs):
+                wait = self._hedge_after_s
+                hedged.add(sid)
             reads.append((sid, addr, rpc.ReadV(ranges=cast(list[rpc.Range], ranges)), now + wait))
             batches[sid] = (jobs, ranges)
         retry: list[_Job] = []
@@ -341,7 +349,11 @@ class ReadPath:
                 return
             self._check(sid, jobs, keys, out, retry, h, payload, ranges)
 
-        return readvs(reads, settle, late) and not retry
+        if readvs(reads, settle, late):
+            return not retry
+        for sid in late:  # marked on the IO loop, before the caller's read there
+            self._link.mark_down_soon(sid, timed_out=sid not in hedged)
+        return False
 
     async def _hedged_round(self, by_server: dict[int, list[_Job]], keys: list[bytes],
                             out: list[bytes | None] | None,

@@ -3,25 +3,32 @@ ServerSockets, ReadPath.fetch_now), and every way such a read goes back to the I
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import os
 import random
+import signal
 import socket
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from conftest import ThreadCluster, flip_byte
 
 import kvfs
+from kvfs.address import parse_addr
 from kvfs.blocking import SCRATCH_BYTES, BlockingSocket
+from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import ChecksumMismatch
+from kvfs.launcher import ProcessCluster, ServiceProcess
 from kvfs.protocol import Flag, ReceivePool, frame_bytes
 from kvfs.rpc import Op
+from kvfs.transport import Connection
 
 # every two 4 KiB values of a put_many go to the next server: a call's keys span them all
 SPREAD = ClientConfig(put_group_bytes=8192)
@@ -168,50 +175,37 @@ def _dead_server_is_read_from_replica(three_cs: ThreadCluster) -> None:
         assert kv.get_many(keys) == want  # again, the server marked down
 
 
+def _read_again(kv: kvfs.Client, keys: list[bytes], want: list[bytes]) -> None:
+    """Polls (30 s at most) until ``keys`` read as ``want``: a server marked down after a
+    timeout is read again once its mark ends (``down_for_s``)."""
+    deadline = time.monotonic() + 30
+    while kv.get_many(keys) != want:
+        assert time.monotonic() < deadline, "the server was never read again"
+        time.sleep(0.05)
+
+
 def test_a_read_held_past_the_request_timeout_is_a_miss(one_cs: ThreadCluster) -> None:
     """A READV on the caller's socket held at the chunkserver past ``request_timeout_s``:
-    that socket is closed (its late answer never taken for another call's) and the read is
-    made again through the IO loop, where it times out too: a miss.  Once the server
-    answers again, so do reads."""
+    that socket is closed (its late answer never taken for another call's), the server is
+    marked down as timed out, and the read made again through the IO loop does not ask it:
+    a miss.  Once the server answers again and its mark ends, so do reads."""
     cs = one_cs.cluster.chunkservers[0]
     assert cs is not None
     with kvfs.Client(one_cs.addr, token=one_cs.token,
-                     config=ClientConfig(request_timeout_s=0.5)) as kv:
+                     config=ClientConfig(request_timeout_s=0.5, down_for_s=0.5)) as kv:
         kv.put(b"slow/k", b"v" * 4096)
         assert kv.get_many([b"slow/k"]) == [b"v" * 4096]
         (pool,) = kv._server_sockets._pools.values()
         (sock,) = pool._idle
         held = one_cs.hold(cs.rpc)
         try:
+            sent = kv.aio.rpc_counts["READV"]
             assert kv.get_many([b"slow/k"]) == [None]
+            assert kv.aio.rpc_counts["READV"] - sent == 1  # not sent again through the IO loop
             assert sock.sock.fileno() == -1 and sock not in pool._idle
         finally:
             one_cs.loop.call_soon_threadsafe(held.release)
-        assert kv.get_many([b"slow/k"]) == [b"v" * 4096]
-
-
-def test_a_hung_chunkserver_costs_one_timeout_not_two(one_cs: ThreadCluster) -> None:
-    """A chunkserver that takes READVs and never answers: the caller-thread READV times
-    out after ``request_timeout_s`` and the IO loop's read does not ask that server again
-    (one READV sent per call, not two), so get_into and get_many answer their miss after
-    one timeout, not two (counted in READVs: no timing assert)."""
-    cs = one_cs.cluster.chunkservers[0]
-    assert cs is not None
-    timeout = 1.0
-    with kvfs.Client(one_cs.addr, token=one_cs.token,
-                     config=ClientConfig(request_timeout_s=timeout)) as kv:
-        kv.put(b"hung/k", b"v" * 4096)
-        assert kv.get_many([b"hung/k"]) == [b"v" * 4096]  # layout cached, socket open
-        held = one_cs.hold(cs.rpc)
-        try:
-            for read in (lambda: kv.get_into([b"hung/k"], [bytearray(4096)]),
-                         lambda: kv.get_many([b"hung/k"])):
-                sent = kv.aio.rpc_counts["READV"]
-                assert read() in ([kvfs.MISS], [None])
-                assert kv.aio.rpc_counts["READV"] - sent == 1, "the hung server was asked twice"
-        finally:
-            one_cs.loop.call_soon_threadsafe(held.release)
-        assert kv.get_many([b"hung/k"]) == [b"v" * 4096]
+        _read_again(kv, [b"slow/k"], [b"v" * 4096])
 
 
 def test_a_hung_chunkserver_is_read_from_its_replica(tmp_path: Path) -> None:
@@ -234,6 +228,125 @@ def test_a_hung_chunkserver_is_read_from_its_replica(tmp_path: Path) -> None:
             assert kv.aio.rpc_counts["READV"] - sent == 2  # the hung server once, the replica once
         finally:
             two_cs.loop.call_soon_threadsafe(held.release)
+
+
+def _first_server(kv: kvfs.Client, key: bytes, which: int = 0) -> int:
+    lay = kv.layout(key)
+    assert lay is not None
+    return lay.extents[0].replicas[which].server_id
+
+
+def _process_of(kv: kvfs.Client, pc: ProcessCluster, sid: int) -> ServiceProcess:
+    addr = next(s.addr for s in kv._run(kv.aio.servers()) if s.server_id == sid)
+    return next(p for p in pc.chunkservers if addr in p.ready_line)
+
+
+@pytest.mark.subprocess
+async def test_a_stopped_chunkserver_times_out_once_then_misses_at_once(
+        proc_cluster: ProcessCluster) -> None:
+    """A chunkserver process stopped (SIGSTOP: it holds its connections and accepts, it
+    never answers): the first blocking read of its values times out once in the caller's
+    thread, which marks it down as the IO loop's reads do; later reads do not ask it while
+    the mark holds (no READV: its values are misses at once, the other servers' values
+    are read).  After SIGCONT, once the mark ends, its values are read again."""
+    vals = {f"stop1/{i}".encode(): os.urandom(4096) for i in range(24)}
+    cfg = ClientConfig(put_group_bytes=8192, request_timeout_s=1.0, down_for_s=5.0)
+
+    def run() -> None:
+        with kvfs.Client(proc_cluster.addr, token=proc_cluster.token, config=cfg) as kv:
+            kv.put_many(vals)
+            assert kv.get_many(list(vals)) == list(vals.values())  # layouts cached, sockets open
+            victim = _first_server(kv, b"stop1/0")
+            mine = [k for k in vals if _first_server(kv, k) == victim]
+            others = {_first_server(kv, k) for k in vals} - {victim}
+            assert others, "every value landed on one server"
+            proc = _process_of(kv, proc_cluster, victim)
+            counts = kv.aio.rpc_counts
+            proc.kill(signal.SIGSTOP)
+            try:
+                sent = counts["READV"]
+                assert kv.get_into(mine, [bytearray(4096) for _ in mine]) == [kvfs.MISS] * len(mine)
+                assert counts["READV"] - sent == 1  # the caller's, timed out; not sent again
+                sent = counts["READV"]
+                assert kv.get_many(mine) == [None] * len(mine)
+                assert counts["READV"] - sent == 0, "the stopped server was asked again"
+                sent = counts["READV"]
+                assert kv.get_many(list(vals)) == [None if k in mine else v for k, v in vals.items()]
+                assert counts["READV"] - sent == len(others)
+                _no_socket_opens_once(proc_cluster, cfg, victim, mine)
+            finally:
+                proc.kill(signal.SIGCONT)
+            _read_again(kv, mine, [vals[k] for k in mine])
+
+    await asyncio.to_thread(run)
+
+
+def _no_socket_opens_once(pc: ProcessCluster, cfg: ClientConfig, victim: int,
+                          mine: list[bytes]) -> None:
+    """A client that has no socket to the stopped server yet: the caller's thread opens one
+    (no handshake within ``connect_timeout_s``), which marks the server down as timed out,
+    so the IO loop's read does not wait for a handshake again: a miss, no connection
+    opened there."""
+    cfg = replace(cfg, connect_timeout_s=1.0)
+    with kvfs.Client(pc.addr, token=pc.token, config=cfg) as fresh:
+        link = fresh.aio.link
+        port = parse_addr(next(s.addr for s in fresh._run(fresh.aio.servers())
+                               if s.server_id == victim))[1]
+        opened: list[int] = []
+        open_ = link._open
+
+        async def spy(host: str, port: int, server_name: str | None = None) -> Connection:
+            opened.append(port)
+            return await open_(host, port, server_name)
+
+        link._open = spy  # type: ignore[method-assign]
+        assert fresh.get_many(mine) == [None] * len(mine)
+        assert port not in opened, "the IO loop waited for the stopped server's handshake too"
+        assert fresh._run(_timed_out(link)) == {victim}
+
+
+async def _timed_out(link: ClusterLink) -> set[int]:
+    return link.timed_out()  # (on the IO loop: the link's state is its own)
+
+
+@pytest.mark.subprocess
+@pytest.mark.parametrize("hedge_after_s", [None, 0.3])
+async def test_a_stopped_first_replica_costs_one_wait_then_none(
+        proc_cluster: ProcessCluster, hedge_after_s: float | None) -> None:
+    """``replicas=2``, the first replica's server stopped: the first blocking read waits for
+    it once (``request_timeout_s``, or ``hedge_after_s``) and reads the other replica; later
+    reads go to the other replica at once, in the caller's thread (the IO loop held), and
+    never ask the stopped server."""
+    vals = {f"stop2/{i}".encode(): os.urandom(4096) for i in range(24)}
+    cfg = ClientConfig(put_group_bytes=8192, hedge_after_s=hedge_after_s, down_for_s=30.0,
+                       request_timeout_s=1.0 if hedge_after_s is None else 30.0)
+
+    def run() -> None:
+        with kvfs.Client(proc_cluster.addr, token=proc_cluster.token, config=cfg) as kv:
+            kv.put_many(vals, replicas=2)
+            assert kv.get_many(list(vals)) == list(vals.values())  # layouts cached, sockets open
+            victim = _first_server(kv, b"stop2/0")
+            mine = [k for k in vals if _first_server(kv, k) == victim]
+            second = {_first_server(kv, k, 1) for k in mine}
+            want = [vals[k] for k in mine]
+            proc = _process_of(kv, proc_cluster, victim)
+            counts = kv.aio.rpc_counts
+            proc.kill(signal.SIGSTOP)
+            try:
+                sent = counts["READV"]
+                assert kv.get_many(mine) == want
+                assert counts["READV"] - sent == 1 + len(second)  # the stopped one, once
+                sent = counts["READV"]
+                assert kv.get_many(mine) == want
+                assert counts["READV"] - sent == len(second), "the stopped server was asked again"
+                bufs = [bytearray(4096) for _ in mine]
+                with _io_loop_held(kv):
+                    assert kv.get_into(mine, bufs) == [4096] * len(mine)
+                assert [bytes(b) for b in bufs] == want
+            finally:
+                proc.kill(signal.SIGCONT)
+
+    await asyncio.to_thread(run)
 
 
 def test_server_sockets_zero_reads_through_the_io_loop(one_cs: ThreadCluster) -> None:
