@@ -21,7 +21,11 @@ of waiting for meta to notice, and a refresh from meta does not undo the mark
 ask a server marked down for a value it alone holds (a refused connection fails
 fast; a restarted server answers), except one marked because a call *timed out*
 (:meth:`ClusterLink.timed_out`): asking it again would cost the timeout again, so
-its values are misses until the mark ends.
+its values are misses while the mark holds.  Such a mark does not end with time: the
+link's loop probes the server in the background (one ``PING`` on a fresh connection
+every ``down_for_s``, within ``connect_timeout_s``; one probe task per marked server),
+and only an answer ends it (a refused or lost probe turns it into an ordinary mark), so
+no read waits for a server still hung.
 :mod:`kvfs.transport` is the one connection underneath; this module is the only
 place that pools them (:mod:`kvfs.blocking` keeps the blocking client's few plain
 sockets to meta, for calls made in its callers' threads).
@@ -37,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import ipaddress
+import math
 import os
 import socket
 import ssl
@@ -49,7 +54,7 @@ from typing import TypeVar
 
 from kvfs import rpc
 from kvfs.address import format_addrs, parse_addr
-from kvfs.errors import InvalidArgument, LocalProtocolError, Timeout, Unavailable
+from kvfs.errors import InvalidArgument, KVFSError, LocalProtocolError, Timeout, Unavailable
 from kvfs.protocol import Buffer, Scatter
 from kvfs.rpc import OP_OF, R, Request
 from kvfs.transport import Connection, Sink
@@ -117,6 +122,7 @@ class ClusterLink:
         self.down_for_s = down_for_s
         self._down_until: dict[int, float] = {}  # server id -> monotonic end of its mark; known ids only
         self._timed_out: set[int] = set()  # the marked servers whose mark came from a timeout
+        self._probes: dict[int, asyncio.Task[None]] = {}  # timed-out server id -> its probe (on _loop)
         self.rpc_counts: dict[str, int] = defaultdict(int)  # calls sent, by op name
         self.on_rebind: list[Callable[[], None]] = []  # users' per-loop state to make anew
         self._pid = os.getpid()
@@ -144,6 +150,7 @@ class ClusterLink:
         if pid != self._pid:
             self._orphans.append((self._metas, self._conns))
             self._pid = pid
+            self._probes = {}  # the parent's loop's tasks: never touched here
         elif self._loop is not None and (
                 any(not c.is_closed for c in self._metas.values())
                 or any(not c.is_closed for c in self._conns.values())) and not self._loop.is_closed():
@@ -151,6 +158,7 @@ class ClusterLink:
                 f"this AsyncClient has connections open on another event loop ({self._loop!r}) "
                 f"and was called from {loop!r}; close() it first, make one client per loop, "
                 "or use the blocking kvfs.Client (thread-safe, submit_* futures)")
+        self._stop_probes()  # (tasks of the old loop: cancelled there)
         self._reset(loop)
         for fn in self.on_rebind:
             fn()
@@ -180,18 +188,23 @@ class ClusterLink:
         return any(not c.is_closed for c in self._metas.values())
 
     def close(self) -> None:
+        """Close every connection and stop the probes (the link's loop's own; from another
+        thread, :meth:`aclose` on that loop)."""
         for c in [*self._metas.values(), *self._conns.values()]:
             c.close()
         self._metas.clear()
         self._conns.clear()
+        self._stop_probes()
 
     async def aclose(self) -> None:
-        """Close every connection and wait, within ``connect_timeout_s``, until each has closed:
-        a TLS connection's shutdown takes loop turns, and a loop stopped and closed before
-        them still holds their sockets (uvloop's close then fails with EBUSY)."""
+        """Close every connection and wait, within ``connect_timeout_s``, until each has closed
+        and each probe has stopped: a TLS connection's shutdown takes loop turns, and a loop
+        stopped and closed before them still holds their sockets (uvloop's close then fails
+        with EBUSY)."""
         conns = [*self._metas.values(), *self._conns.values()]
+        probes = list(self._probes.values())
         self.close()
-        waits = [asyncio.ensure_future(c.wait_closed()) for c in conns]
+        waits = [asyncio.ensure_future(c.wait_closed()) for c in conns] + probes
         if waits:
             _, pending = await asyncio.wait(waits, timeout=self.connect_timeout_s)
             for w in pending:
@@ -332,6 +345,8 @@ class ClusterLink:
                 if sid not in fresh or fresh[sid].addr != self._servers.get(sid, fresh[sid]).addr:
                     del self._down_until[sid]
                     self._timed_out.discard(sid)
+            for sid in [sid for sid in self._probes if sid not in self._down_until]:
+                self._probes.pop(sid).cancel()  # its server forgotten or moved: not probed
             self._servers, self._servers_at = fresh, now
         self._expire_marks(now)
         return list(self._servers.values())
@@ -352,9 +367,10 @@ class ClusterLink:
                 for sid, s in self._servers.items()}
 
     def timed_out(self) -> set[int]:
-        """The servers marked down because a call to them timed out, the mark still holding:
-        reads do not ask them (:meth:`kvfs.readpath.ReadPath.fetch`), not even for a value
-        one of them alone holds.  Safe from other threads: it only reads."""
+        """The servers marked down because a call to them timed out, the mark still holding
+        (until a probe is answered, :meth:`_probe`): reads do not ask them
+        (:meth:`kvfs.readpath.ReadPath.fetch`), not even for a value one of them alone
+        holds.  Safe from other threads: it only reads."""
         now = time.monotonic()
         down = self._down_until
         return {sid for sid in self._timed_out.copy() if down.get(sid, 0.0) > now}
@@ -364,13 +380,16 @@ class ClusterLink:
         (``timed_out``: it got no answer in time; see :meth:`timed_out`).  The mark
         outlives refreshes from meta (which may still call it alive) and ends early when
         a call to it succeeds or meta moves or forgets it.  One mark per known server.
-        The link's loop's own: other threads call :meth:`mark_down_soon`."""
+        A timed-out mark does not end with ``down_for_s`` while its probe runs
+        (:meth:`_probe`, started here): only an answer ends it.  The link's loop's own:
+        other threads call :meth:`mark_down_soon`."""
         entry = self._servers.get(sid)
         if entry is None:
             return
-        self._down_until[sid] = time.monotonic() + self.down_for_s
         if timed_out:
             self._timed_out.add(sid)
+        probed = sid in self._timed_out and self._start_probe(sid)
+        self._down_until[sid] = math.inf if probed else time.monotonic() + self.down_for_s
         entry.down = True
 
     def mark_down_soon(self, sid: int, *, timed_out: bool = False) -> None:
@@ -390,6 +409,91 @@ class ClusterLink:
         self._timed_out.discard(sid)
         if self._down_until.pop(sid, None) is not None and sid in self._servers:
             self._servers[sid].down = False
+
+    # probes of timed-out servers -------------------------------------------------------
+    def _start_probe(self, sid: int) -> bool:
+        """Whether server ``sid`` is probed (:meth:`_probe`): its probe already runs, or is
+        started now, on the link's loop (none when the link has no loop, or ``down_for_s``
+        is 0)."""
+        if sid in self._probes:
+            return True
+        loop = self._loop  # (mark_down runs on it)
+        if loop is None or loop.is_closed() or self.down_for_s <= 0:
+            return False
+        self._probes[sid] = loop.create_task(self._probe(sid), name=f"kvfs probe of chunkserver {sid}")
+        return True
+
+    def _stop_probes(self) -> None:
+        """Cancel every probe (on its own loop); the marks they held end ``down_for_s`` from
+        now, as any other mark."""
+        probes, self._probes = self._probes, {}
+        until = time.monotonic() + self.down_for_s
+        for sid, task in probes.items():
+            if self._down_until.get(sid) == math.inf:
+                self._down_until[sid] = until
+            loop = task.get_loop()
+            if not loop.is_closed():
+                try:
+                    loop.call_soon_threadsafe(task.cancel)
+                except RuntimeError:  # closed meanwhile
+                    pass
+
+    async def _probe(self, sid: int) -> None:
+        """While server ``sid`` carries a timed-out mark: every ``down_for_s``, one ``PING``
+        on a fresh connection (handshake and answer each within ``connect_timeout_s``).  An
+        answer (even an error) ends the mark; a refused or lost connection makes it an
+        ordinary mark (:meth:`mark_down`: ends after ``down_for_s``; a restarted server
+        answers reads at once); a timeout keeps it.  Ends when the mark ends otherwise (a
+        call answered, meta moved or forgot the server) or the link closes."""
+        me = asyncio.current_task()
+        try:
+            while True:
+                await asyncio.sleep(self.down_for_s)
+                entry = self._servers.get(sid)
+                if entry is None or sid not in self._timed_out:
+                    return
+                answered = await self._ping(entry.addr)
+                now = self._servers.get(sid)
+                if now is None or now.addr != entry.addr or sid not in self._timed_out:
+                    return  # ended meanwhile
+                if answered is None:
+                    continue  # timed out: still hung
+                if answered:
+                    self._mark_up(sid)
+                else:
+                    self._timed_out.discard(sid)
+                    self._down_until[sid] = time.monotonic() + self.down_for_s
+                return
+        finally:
+            if self._probes.get(sid) is me:
+                del self._probes[sid]
+                if self._down_until.get(sid) == math.inf:  # (an error ended it)
+                    self._down_until[sid] = time.monotonic() + self.down_for_s
+
+    async def _ping(self, addr: str) -> bool | None:
+        """One probe of the chunkserver at ``addr``: True when it answered, False when the
+        connection was refused or lost, None when it timed out."""
+        self.rpc_counts[OP_OF[rpc.Ping].name] += 1
+        host, port = parse_addr(addr, what="chunkserver address")
+        try:
+            conn = await self._open(host, port)
+        except Timeout:
+            return None
+        except Unavailable:
+            return False
+        except KVFSError:  # it answered the handshake, with an error
+            return True
+        try:
+            await conn.call(rpc.Ping(), timeout_s=self.connect_timeout_s)
+        except Timeout:
+            return None
+        except Unavailable:
+            return False
+        except KVFSError:
+            return True
+        finally:
+            conn.close()
+        return True
 
     # chunkservers ---------------------------------------------------------------------
     async def server_conn(self, sid: int) -> Connection:

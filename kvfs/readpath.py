@@ -218,8 +218,9 @@ class ReadPath:
         collects the stale or failed slots with an extent whose every replica answered
         without good bytes (no server unreachable).  ``skip``: as for :meth:`read_into`.
         A server the link marked down after a timeout (:meth:`kvfs.cluster.ClusterLink.
-        timed_out`) is not asked either, while the mark holds: its extents go to another
-        replica, or fail at once (a miss, not one more timeout)."""
+        timed_out`) is not asked either, while the mark holds (until it answers the link's
+        probe): its extents go to another replica, or fail at once (a miss, not one more
+        timeout)."""
         stale: set[int] = set()
         failed: dict[int, KVFSError] = {}
         alive = self._link.alive()
@@ -232,8 +233,7 @@ class ReadPath:
                 js = by_server.pop(sid)
                 _give_up(keys, sid, js, Timeout(
                     "no answer within the timeout to this call's first READV; not asked again"
-                    if sid in skip else "a call to it timed out within down_for_s="
-                    f"{self._link.down_for_s:g}s; not asked until then"))
+                    if sid in skip else "a call to it timed out; not asked until it answers a probe"))
                 pending.extend(js)
             hedge = self._hedge_after_s
             results: list[list[_Job] | BaseException]

@@ -43,6 +43,39 @@ async def test_a_down_mark_outlives_a_refresh_and_ends(cluster: LocalCluster, kv
             link.close()
 
 
+async def test_a_timed_out_mark_is_probed_until_it_ends(cluster: LocalCluster, kv: AsyncClient) -> None:
+    """A timed-out mark does not end with ``down_for_s``: the link probes the server (one
+    task per server); a PING answered ends the mark, a refused one leaves an ordinary mark
+    (reads ask the server again); closing the link stops the probes."""
+    host, port = parse_addr(kv.addr)
+    link = ClusterLink([(host, port)], kv.token, down_for_s=0.05)
+    try:
+        sids = [s.server_id for s in await link.servers()]
+        link.mark_down(sids[0], timed_out=True)
+        link.mark_down(sids[0], timed_out=True)  # one probe per server
+        assert list(link._probes) == [sids[0]] and link.timed_out() == {sids[0]}
+        async with asyncio.timeout(30):  # answered: the mark ends
+            while link.timed_out():
+                await asyncio.sleep(0.01)
+        assert link.alive()[sids[0]] and link.rpc_counts["PING"] >= 1 and not link._probes
+
+        addr = await cluster.stop_chunkserver(0)  # refused from now on
+        gone = next(s.server_id for s in await link.servers() if s.addr == addr)
+        pings = link.rpc_counts["PING"]
+        link.mark_down(gone, timed_out=True)
+        async with asyncio.timeout(30):
+            while link.timed_out():
+                await asyncio.sleep(0.01)
+        assert link.rpc_counts["PING"] > pings and not link._probes
+
+        live = next(sid for sid in sids if sid != gone)
+        link.mark_down(live, timed_out=True)
+        probe = link._probes[live]
+    finally:
+        await link.aclose()
+    assert probe.done() and not link._probes
+
+
 async def test_a_failed_call_marks_the_server_down(cluster: LocalCluster) -> None:
     async with cluster.client(ClientConfig(replicas=2, down_for_s=3600)) as kv:
         await kv.put(b"before", b"x" * 1000)

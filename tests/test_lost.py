@@ -7,6 +7,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
@@ -227,32 +229,75 @@ async def test_a_value_only_a_timed_out_server_holds_is_a_miss_at_once(
     items = {f"t{i}".encode(): os.urandom(4096) for i in range(24)}
     cfg = ClientConfig(put_group_bytes=8192, request_timeout_s=1.0, down_for_s=5.0)
     async with proc_cluster.client(config=cfg) as kv:
-        await kv.put_many(items)
-        where = {k: (await kv.layout(k)).extents[0].replicas[0].server_id  # type: ignore[union-attr]
-                 for k in items}
-        victim_sid = where[b"t0"]
-        mine = [k for k in items if where[k] == victim_sid]
-        others = set(where.values()) - {victim_sid}
-        assert others, "every key landed on one server"
-        assert await kv.get_many(list(items)) == list(items.values())  # connections open
-        addr = next(s.addr for s in await kv.servers() if s.server_id == victim_sid)
-        victim = next(p for p in proc_cluster.chunkservers if addr in p.ready_line)
         counts = kv.rpc_counts
-        victim.kill(signal.SIGSTOP)
-        try:
-            sent = counts["READV"]
-            assert await kv.get_many(mine) == [None] * len(mine)
-            assert counts["READV"] - sent == 1
+        async with _stopped_after_one_timeout(proc_cluster, kv, items) as (victim_sid, mine, others):
             sent = counts["READV"]
             assert await kv.get_many(list(items)) == [None if k in mine else v
                                                       for k, v in items.items()]
             assert counts["READV"] - sent == len(others), "the stopped server was asked again"
             assert kv._link.timed_out() == {victim_sid}
-        finally:
-            victim.kill(signal.SIGCONT)
-        async with asyncio.timeout(30):  # read again once the mark ends (down_for_s)
-            while await kv.get_many(mine) != [items[k] for k in mine]:
-                await asyncio.sleep(0.05)
+        await _read_again(kv, mine, [items[k] for k in mine])
+
+
+@pytest.mark.subprocess
+async def test_a_timed_out_server_is_not_asked_again_until_it_answers_a_probe(
+        proc_cluster: ProcessCluster) -> None:
+    """A chunkserver stopped (SIGSTOP), ``down_for_s`` far shorter than the request timeout:
+    after the first read's timeout, reads from several tasks across many ``down_for_s``
+    periods (until two probes of it have timed out) send it no READV and are misses; the
+    mark does not lapse with time.  After SIGCONT a probe is answered and its values are
+    read again."""
+    items = {f"p{i}".encode(): os.urandom(4096) for i in range(24)}
+    cfg = ClientConfig(put_group_bytes=8192, request_timeout_s=3.0, down_for_s=0.2,
+                       connect_timeout_s=1.0)
+    async with proc_cluster.client(config=cfg) as kv:
+        counts = kv.rpc_counts
+        async with _stopped_after_one_timeout(proc_cluster, kv, items) as (victim_sid, mine, _):
+            sent, pings = counts["READV"], counts["PING"]
+            async with asyncio.timeout(60):
+                while counts["PING"] - pings < 2:  # two probes timed out meanwhile
+                    got = await asyncio.gather(*(kv.get_many(mine) for _ in range(4)))
+                    assert got == [[None] * len(mine)] * 4
+                    assert counts["READV"] == sent, "the stopped server was asked again"
+                    await asyncio.sleep(0.02)
+            assert kv._link.timed_out() == {victim_sid}
+        await _read_again(kv, mine, [items[k] for k in mine])  # once a probe is answered
+        assert not kv._link.timed_out()
+
+
+@asynccontextmanager
+async def _stopped_after_one_timeout(pc: ProcessCluster, kv: AsyncClient, items: dict[bytes, bytes],
+                                     ) -> AsyncIterator[tuple[int, list[bytes], set[int]]]:
+    """``items`` put (one replica) and read (connections open), then the server holding the
+    first key's bytes stopped (SIGSTOP) and the keys it holds read once: one READV, timed
+    out (the server marked down as timed out), misses.  Yields that server, its keys, the
+    other servers holding any; SIGCONT on the way out."""
+    await kv.put_many(items)
+    where = {k: (await kv.layout(k)).extents[0].replicas[0].server_id  # type: ignore[union-attr]
+             for k in items}
+    victim_sid = where[next(iter(items))]
+    others = set(where.values()) - {victim_sid}
+    assert others, "every key landed on one server"
+    assert await kv.get_many(list(items)) == list(items.values())
+    addr = next(s.addr for s in await kv.servers() if s.server_id == victim_sid)
+    victim = next(p for p in pc.chunkservers if addr in p.ready_line)
+    mine = [k for k in items if where[k] == victim_sid]
+    victim.kill(signal.SIGSTOP)
+    try:
+        sent = kv.rpc_counts["READV"]
+        assert await kv.get_many(mine) == [None] * len(mine)
+        assert kv.rpc_counts["READV"] - sent == 1
+        yield victim_sid, mine, others
+    finally:
+        victim.kill(signal.SIGCONT)
+
+
+async def _read_again(kv: AsyncClient, keys: list[bytes], want: list[bytes]) -> None:
+    """Polls (30 s at most) until ``keys`` read as ``want``: a server marked down after a
+    timeout is read again once it answers a probe."""
+    async with asyncio.timeout(30):
+        while await kv.get_many(keys) != want:
+            await asyncio.sleep(0.05)
 
 
 def test_hedge_after_is_checked() -> None:

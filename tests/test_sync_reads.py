@@ -177,7 +177,7 @@ def _dead_server_is_read_from_replica(three_cs: ThreadCluster) -> None:
 
 def _read_again(kv: kvfs.Client, keys: list[bytes], want: list[bytes]) -> None:
     """Polls (30 s at most) until ``keys`` read as ``want``: a server marked down after a
-    timeout is read again once its mark ends (``down_for_s``)."""
+    timeout is read again once it answers a probe (or, held by a test, its mark ends)."""
     deadline = time.monotonic() + 30
     while kv.get_many(keys) != want:
         assert time.monotonic() < deadline, "the server was never read again"
@@ -260,13 +260,8 @@ async def test_a_stopped_chunkserver_times_out_once_then_misses_at_once(
             mine = [k for k in vals if _first_server(kv, k) == victim]
             others = {_first_server(kv, k) for k in vals} - {victim}
             assert others, "every value landed on one server"
-            proc = _process_of(kv, proc_cluster, victim)
             counts = kv.aio.rpc_counts
-            proc.kill(signal.SIGSTOP)
-            try:
-                sent = counts["READV"]
-                assert kv.get_into(mine, [bytearray(4096) for _ in mine]) == [kvfs.MISS] * len(mine)
-                assert counts["READV"] - sent == 1  # the caller's, timed out; not sent again
+            with _stopped_after_one_timeout(kv, _process_of(kv, proc_cluster, victim), mine):
                 sent = counts["READV"]
                 assert kv.get_many(mine) == [None] * len(mine)
                 assert counts["READV"] - sent == 0, "the stopped server was asked again"
@@ -274,11 +269,63 @@ async def test_a_stopped_chunkserver_times_out_once_then_misses_at_once(
                 assert kv.get_many(list(vals)) == [None if k in mine else v for k, v in vals.items()]
                 assert counts["READV"] - sent == len(others)
                 _no_socket_opens_once(proc_cluster, cfg, victim, mine)
-            finally:
-                proc.kill(signal.SIGCONT)
             _read_again(kv, mine, [vals[k] for k in mine])
 
     await asyncio.to_thread(run)
+
+
+@pytest.mark.subprocess
+async def test_a_stopped_chunkserver_is_not_asked_again_until_it_answers_a_probe(
+        proc_cluster: ProcessCluster) -> None:
+    """A chunkserver stopped (SIGSTOP), ``down_for_s`` far shorter than the request timeout:
+    the first blocking read times out in the caller's thread and marks it down as timed
+    out; reads from several threads across many ``down_for_s`` periods (until two probes
+    of it have timed out) send it no READV, in the callers' threads or through the IO
+    loop, and are misses.  After SIGCONT a probe is answered and its values are read
+    again."""
+    vals = {f"probe/{i}".encode(): os.urandom(4096) for i in range(24)}
+    cfg = ClientConfig(put_group_bytes=8192, request_timeout_s=3.0, down_for_s=0.2,
+                       connect_timeout_s=1.0)
+
+    def run() -> None:
+        with kvfs.Client(proc_cluster.addr, token=proc_cluster.token, config=cfg) as kv, \
+                concurrent.futures.ThreadPoolExecutor(4) as pool:
+            kv.put_many(vals)
+            assert kv.get_many(list(vals)) == list(vals.values())  # layouts cached, sockets open
+            victim = _first_server(kv, b"probe/0")
+            mine = [k for k in vals if _first_server(kv, k) == victim]
+            counts = kv.aio.rpc_counts
+            with _stopped_after_one_timeout(kv, _process_of(kv, proc_cluster, victim), mine):
+                sent, pings = counts["READV"], counts["PING"]
+                deadline = time.monotonic() + 60
+                while counts["PING"] - pings < 2:  # two probes timed out meanwhile
+                    assert time.monotonic() < deadline, "the stopped server was never probed"
+                    got = list(pool.map(lambda _: kv.get_many(mine), range(4)))
+                    assert got == [[None] * len(mine)] * 4
+                    assert counts["READV"] == sent, "the stopped server was asked again"
+                    time.sleep(0.02)
+                assert kv._run(_timed_out(kv.aio.link)) == {victim}
+            _read_again(kv, mine, [vals[k] for k in mine])
+            assert not kv._run(_timed_out(kv.aio.link))
+
+    await asyncio.to_thread(run)
+
+
+@contextmanager
+def _stopped_after_one_timeout(kv: kvfs.Client, proc: ServiceProcess,
+                               mine: list[bytes]) -> Iterator[None]:
+    """``proc`` stopped (SIGSTOP) and ``mine`` (values only it holds) read once: one READV,
+    in the caller's thread, timed out (the server marked down as timed out), misses;
+    SIGCONT on the way out."""
+    counts = kv.aio.rpc_counts
+    proc.kill(signal.SIGSTOP)
+    try:
+        sent = counts["READV"]
+        assert kv.get_into(mine, [bytearray(4096) for _ in mine]) == [kvfs.MISS] * len(mine)
+        assert counts["READV"] - sent == 1  # the caller's, timed out; not sent again
+        yield
+    finally:
+        proc.kill(signal.SIGCONT)
 
 
 def _no_socket_opens_once(pc: ProcessCluster, cfg: ClientConfig, victim: int,
