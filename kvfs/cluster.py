@@ -19,13 +19,15 @@ marked down here for ``down_for_s``: placement and reads skip it at once instead
 of waiting for meta to notice, and a refresh from meta does not undo the mark
 (a call to it that succeeds does; see :meth:`ClusterLink.mark_down`).  Reads still
 ask a server marked down for a value it alone holds (a refused connection fails
-fast; a restarted server answers), except one marked because a call *timed out*
+fast; a restarted server answers), except one *confirmed hung*
 (:meth:`ClusterLink.timed_out`): asking it again would cost the timeout again, so
-its values are misses while the mark holds.  Such a mark does not end with time: the
-link's loop probes the server in the background (one ``PING`` on a fresh connection
-every ``down_for_s``, within ``connect_timeout_s``; one probe task per marked server),
-and only an answer ends it (a refused or lost probe turns it into an ordinary mark), so
-no read waits for a server still hung.
+its values are misses while that mark holds.  Confirm before condemn: a call that
+times out gives an ordinary mark and starts a probe at once (one ``PING`` on a fresh
+connection, within ``connect_timeout_s``; one probe task per server).  An answer ends
+the mark (one transient stall costs one probe's round trip), a refused or lost probe
+leaves the ordinary mark, and only a probe that times out too makes the server timed
+out; that mark does not end with time: the probe goes on every ``down_for_s`` and only
+an answer ends it, so no read waits for a server still hung.
 :mod:`kvfs.transport` is the one connection underneath; this module is the only
 place that pools them (:mod:`kvfs.blocking` keeps the blocking client's few plain
 sockets to meta, for calls made in its callers' threads).
@@ -121,7 +123,8 @@ class ClusterLink:
         self.servers_refresh_s = servers_refresh_s
         self.down_for_s = down_for_s
         self._down_until: dict[int, float] = {}  # server id -> monotonic end of its mark; known ids only
-        self._timed_out: set[int] = set()  # the marked servers whose mark came from a timeout
+        self._timed_out: set[int] = set()  # servers confirmed hung: a call and its probe timed out
+        self._suspect: set[int] = set()  # servers a call timed out on, their first probe pending
         self._probes: dict[int, asyncio.Task[None]] = {}  # timed-out server id -> its probe (on _loop)
         self.rpc_counts: dict[str, int] = defaultdict(int)  # calls sent, by op name
         self.on_rebind: list[Callable[[], None]] = []  # users' per-loop state to make anew
@@ -345,7 +348,9 @@ class ClusterLink:
                 if sid not in fresh or fresh[sid].addr != self._servers.get(sid, fresh[sid]).addr:
                     del self._down_until[sid]
                     self._timed_out.discard(sid)
-            for sid in [sid for sid in self._probes if sid not in self._down_until]:
+            for sid in [sid for sid in self._probes
+                        if sid not in fresh or fresh[sid].addr != self._servers.get(sid, fresh[sid]).addr]:
+                self._suspect.discard(sid)
                 self._probes.pop(sid).cancel()  # its server forgotten or moved: not probed
             self._servers, self._servers_at = fresh, now
         self._expire_marks(now)
@@ -367,8 +372,8 @@ class ClusterLink:
                 for sid, s in self._servers.items()}
 
     def timed_out(self) -> set[int]:
-        """The servers marked down because a call to them timed out, the mark still holding
-        (until a probe is answered, :meth:`_probe`): reads do not ask them
+        """The servers confirmed hung: a call to them timed out and so did the probe that
+        followed (:meth:`_probe`), the mark holding until a probe is answered: reads do not ask them
         (:meth:`kvfs.readpath.ReadPath.fetch`), not even for a value one of them alone
         holds.  Safe from other threads: it only reads."""
         now = time.monotonic()
@@ -376,20 +381,21 @@ class ClusterLink:
         return {sid for sid in self._timed_out.copy() if down.get(sid, 0.0) > now}
 
     def mark_down(self, sid: int, *, timed_out: bool = False) -> None:
-        """Skip server ``sid`` for ``down_for_s``: a call to it could not reach it
-        (``timed_out``: it got no answer in time; see :meth:`timed_out`).  The mark
-        outlives refreshes from meta (which may still call it alive) and ends early when
-        a call to it succeeds or meta moves or forgets it.  One mark per known server.
-        A timed-out mark does not end with ``down_for_s`` while its probe runs
-        (:meth:`_probe`, started here): only an answer ends it.  The link's loop's own:
-        other threads call :meth:`mark_down_soon`."""
+        """Skip server ``sid`` for ``down_for_s``: a call to it could not reach it.  The
+        mark outlives refreshes from meta (which may still call it alive) and ends early
+        when a call to it succeeds or meta moves or forgets it.  One mark per known server.
+        ``timed_out`` (it got no answer in time): the mark is an ordinary one still, and a
+        probe starts at once (:meth:`_probe`) to confirm the server hung before its values
+        become misses (:meth:`timed_out`).  A confirmed mark does not end with
+        ``down_for_s`` while its probe runs: only an answer ends it.  The link's loop's
+        own: other threads call :meth:`mark_down_soon`."""
         entry = self._servers.get(sid)
         if entry is None:
             return
-        if timed_out:
-            self._timed_out.add(sid)
-        probed = sid in self._timed_out and self._start_probe(sid)
-        self._down_until[sid] = math.inf if probed else time.monotonic() + self.down_for_s
+        if timed_out and sid not in self._timed_out and sid not in self._probes and self._start_probe(sid):
+            self._suspect.add(sid)
+        held = sid in self._timed_out and sid in self._probes
+        self._down_until[sid] = math.inf if held else time.monotonic() + self.down_for_s
         entry.down = True
 
     def mark_down_soon(self, sid: int, *, timed_out: bool = False) -> None:
@@ -407,6 +413,7 @@ class ClusterLink:
 
     def _mark_up(self, sid: int) -> None:
         self._timed_out.discard(sid)
+        self._suspect.discard(sid)
         if self._down_until.pop(sid, None) is not None and sid in self._servers:
             self._servers[sid].down = False
 
@@ -414,7 +421,7 @@ class ClusterLink:
     def _start_probe(self, sid: int) -> bool:
         """Whether server ``sid`` is probed (:meth:`_probe`): its probe already runs, or is
         started now, on the link's loop (none when the link has no loop, or ``down_for_s``
-        is 0)."""
+        is 0: a timeout then gives an ordinary mark only)."""
         if sid in self._probes:
             return True
         loop = self._loop  # (mark_down runs on it)
@@ -427,6 +434,7 @@ class ClusterLink:
         """Cancel every probe (on its own loop); the marks they held end ``down_for_s`` from
         now, as any other mark."""
         probes, self._probes = self._probes, {}
+        self._suspect = set()
         until = time.monotonic() + self.down_for_s
         for sid, task in probes.items():
             if self._down_until.get(sid) == math.inf:
@@ -439,34 +447,43 @@ class ClusterLink:
                     pass
 
     async def _probe(self, sid: int) -> None:
-        """While server ``sid`` carries a timed-out mark: every ``down_for_s``, one ``PING``
-        on a fresh connection (handshake and answer each within ``connect_timeout_s``).  An
-        answer (even an error) ends the mark; a refused or lost connection makes it an
-        ordinary mark (:meth:`mark_down`: ends after ``down_for_s``; a restarted server
-        answers reads at once); a timeout keeps it.  Ends when the mark ends otherwise (a
-        call answered, meta moved or forgot the server) or the link closes."""
+        """After a call to server ``sid`` timed out: one ``PING`` on a fresh connection at
+        once (handshake and answer each within ``connect_timeout_s``), then, while the
+        server stays hung, one every ``down_for_s``.  An answer (even an error) ends the
+        mark; a refused or lost connection leaves an ordinary mark (:meth:`mark_down`:
+        ends after ``down_for_s``; a restarted server answers reads at once); a timeout
+        confirms the server hung (:meth:`timed_out`: its mark holds until an answer).  Ends
+        when the mark ends otherwise (a call answered, meta moved or forgot the server) or
+        the link closes."""
         me = asyncio.current_task()
         try:
             while True:
-                await asyncio.sleep(self.down_for_s)
                 entry = self._servers.get(sid)
-                if entry is None or sid not in self._timed_out:
+                if entry is None or (sid not in self._suspect and sid not in self._timed_out):
                     return
                 answered = await self._ping(entry.addr)
                 now = self._servers.get(sid)
-                if now is None or now.addr != entry.addr or sid not in self._timed_out:
+                if now is None or now.addr != entry.addr or (
+                        sid not in self._suspect and sid not in self._timed_out):
                     return  # ended meanwhile
-                if answered is None:
-                    continue  # timed out: still hung
+                if answered is None:  # timed out: hung (confirmed, or still)
+                    self._suspect.discard(sid)
+                    self._timed_out.add(sid)
+                    self._down_until[sid] = math.inf
+                    now.down = True
+                    await asyncio.sleep(self.down_for_s)
+                    continue
                 if answered:
                     self._mark_up(sid)
                 else:
+                    self._suspect.discard(sid)
                     self._timed_out.discard(sid)
                     self._down_until[sid] = time.monotonic() + self.down_for_s
                 return
         finally:
             if self._probes.get(sid) is me:
                 del self._probes[sid]
+                self._suspect.discard(sid)
                 if self._down_until.get(sid) == math.inf:  # (an error ended it)
                     self._down_until[sid] = time.monotonic() + self.down_for_s
 

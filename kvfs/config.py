@@ -243,9 +243,11 @@ class ClientConfig(TlsConfig):
     down_for_s: float = opt("a chunkserver a call could not reach (refused, lost, timed out) is "
                             "skipped by writes and reads for this long, whatever meta says "
                             "(a call to it that succeeds ends it sooner); reads still ask it "
-                            "for values only it holds, unless the call timed out: then those "
-                            "are misses at once and the mark holds until the server answers a "
-                            "probe (one PING every down_for_s, within connect_timeout_s)", 5.0)
+                            "for values only it holds, unless it is confirmed hung: a call "
+                            "timed out and so did the PING probe that starts at once (within "
+                            "connect_timeout_s; answered, the mark ends); then those are "
+                            "misses at once and the mark holds until a probe, one every "
+                            "down_for_s, is answered", 5.0)
     evict_on_full: bool = opt("when a write finds the cluster full, ask meta for a GC pass and retry once", True)
     batch: bool = opt("coalesce concurrent get()/exists() calls, and get_into()/put_many() calls "
                       "of fewer than batch_max_keys keys, into batches", True)

@@ -27,13 +27,11 @@ async def test_a_down_mark_outlives_a_refresh_and_ends(cluster: LocalCluster, kv
             sid = (await link.servers())[0].server_id
             link.mark_down(sid)
             assert not link.timed_out()  # (refused or lost: reads still ask it if only it can)
-            link.mark_down(sid, timed_out=True)
-            link.mark_down(sid)  # a later failure of another kind leaves it timed out
             link.mark_down(10_000)  # not a known server: nothing is kept for it
             entry = next(s for s in await link.servers(refresh=True) if s.server_id == sid)
             assert entry.alive  # meta still says so...
             assert link.alive()[sid] is (down_for_s == 0)  # ...and the mark holds until it ends
-            assert link.timed_out() == ({sid} if down_for_s else set())
+            assert not link.timed_out()
             assert entry.down is (down_for_s > 0)
             assert 10_000 not in link.alive() and len(link._down_until) <= 1
             if down_for_s:
@@ -44,29 +42,33 @@ async def test_a_down_mark_outlives_a_refresh_and_ends(cluster: LocalCluster, kv
 
 
 async def test_a_timed_out_mark_is_probed_until_it_ends(cluster: LocalCluster, kv: AsyncClient) -> None:
-    """A timed-out mark does not end with ``down_for_s``: the link probes the server (one
-    task per server); a PING answered ends the mark, a refused one leaves an ordinary mark
-    (reads ask the server again); closing the link stops the probes."""
+    """Confirm before condemn: a timeout gives an ordinary mark (the server not timed out:
+    reads still ask it for a value only it holds) and starts a probe at once (one task per
+    server); a PING answered ends the mark, a refused one leaves an ordinary mark; closing
+    the link stops the probes.  (A probe that times out too: tests/test_lost.py,
+    tests/test_sync_reads.py.)"""
     host, port = parse_addr(kv.addr)
-    link = ClusterLink([(host, port)], kv.token, down_for_s=0.05)
+    link = ClusterLink([(host, port)], kv.token, down_for_s=3600.0)
     try:
         sids = [s.server_id for s in await link.servers()]
         link.mark_down(sids[0], timed_out=True)
         link.mark_down(sids[0], timed_out=True)  # one probe per server
-        assert list(link._probes) == [sids[0]] and link.timed_out() == {sids[0]}
-        async with asyncio.timeout(30):  # answered: the mark ends
-            while link.timed_out():
+        assert list(link._probes) == [sids[0]] and not link.timed_out()
+        assert not link.alive()[sids[0]]
+        async with asyncio.timeout(30):  # answered: the mark ends (not after down_for_s)
+            while not link.alive()[sids[0]]:
                 await asyncio.sleep(0.01)
-        assert link.alive()[sids[0]] and link.rpc_counts["PING"] >= 1 and not link._probes
+        assert link.rpc_counts["PING"] >= 1 and not link._probes and not link.timed_out()
 
         addr = await cluster.stop_chunkserver(0)  # refused from now on
         gone = next(s.server_id for s in await link.servers() if s.addr == addr)
         pings = link.rpc_counts["PING"]
         link.mark_down(gone, timed_out=True)
         async with asyncio.timeout(30):
-            while link.timed_out():
+            while link._probes:
                 await asyncio.sleep(0.01)
-        assert link.rpc_counts["PING"] > pings and not link._probes
+        assert link.rpc_counts["PING"] > pings and not link.timed_out()
+        assert not link.alive()[gone]  # the ordinary mark stays (down_for_s)
 
         live = next(sid for sid in sids if sid != gone)
         link.mark_down(live, timed_out=True)

@@ -287,6 +287,9 @@ async def _stopped_after_one_timeout(pc: ProcessCluster, kv: AsyncClient, items:
         sent = kv.rpc_counts["READV"]
         assert await kv.get_many(mine) == [None] * len(mine)
         assert kv.rpc_counts["READV"] - sent == 1
+        async with asyncio.timeout(60):  # its probe timed out too: confirmed timed out
+            while kv._link.timed_out() != {victim_sid}:
+                await asyncio.sleep(0.02)
         yield victim_sid, mine, others
     finally:
         victim.kill(signal.SIGCONT)

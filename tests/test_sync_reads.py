@@ -261,7 +261,7 @@ async def test_a_stopped_chunkserver_times_out_once_then_misses_at_once(
             others = {_first_server(kv, k) for k in vals} - {victim}
             assert others, "every value landed on one server"
             counts = kv.aio.rpc_counts
-            with _stopped_after_one_timeout(kv, _process_of(kv, proc_cluster, victim), mine):
+            with _stopped_after_one_timeout(kv, _process_of(kv, proc_cluster, victim), mine, victim):
                 sent = counts["READV"]
                 assert kv.get_many(mine) == [None] * len(mine)
                 assert counts["READV"] - sent == 0, "the stopped server was asked again"
@@ -295,7 +295,7 @@ async def test_a_stopped_chunkserver_is_not_asked_again_until_it_answers_a_probe
             victim = _first_server(kv, b"probe/0")
             mine = [k for k in vals if _first_server(kv, k) == victim]
             counts = kv.aio.rpc_counts
-            with _stopped_after_one_timeout(kv, _process_of(kv, proc_cluster, victim), mine):
+            with _stopped_after_one_timeout(kv, _process_of(kv, proc_cluster, victim), mine, victim):
                 sent, pings = counts["READV"], counts["PING"]
                 deadline = time.monotonic() + 60
                 while counts["PING"] - pings < 2:  # two probes timed out meanwhile
@@ -313,16 +313,18 @@ async def test_a_stopped_chunkserver_is_not_asked_again_until_it_answers_a_probe
 
 @contextmanager
 def _stopped_after_one_timeout(kv: kvfs.Client, proc: ServiceProcess,
-                               mine: list[bytes]) -> Iterator[None]:
-    """``proc`` stopped (SIGSTOP) and ``mine`` (values only it holds) read once: one READV,
-    in the caller's thread, timed out (the server marked down as timed out), misses;
-    SIGCONT on the way out."""
+                               mine: list[bytes], victim: int) -> Iterator[None]:
+    """``proc`` (server ``victim``) stopped (SIGSTOP) and ``mine`` (values only it holds)
+    read once: one READV, in the caller's thread, timed out, misses; then polled until the
+    probe that timeout started timed out too (the server confirmed timed out); SIGCONT on
+    the way out."""
     counts = kv.aio.rpc_counts
     proc.kill(signal.SIGSTOP)
     try:
         sent = counts["READV"]
         assert kv.get_into(mine, [bytearray(4096) for _ in mine]) == [kvfs.MISS] * len(mine)
         assert counts["READV"] - sent == 1  # the caller's, timed out; not sent again
+        _until_timed_out(kv, kv.aio.link, victim)
         yield
     finally:
         proc.kill(signal.SIGCONT)
@@ -346,14 +348,58 @@ def _no_socket_opens_once(pc: ProcessCluster, cfg: ClientConfig, victim: int,
             opened.append(port)
             return await open_(host, port, server_name)
 
+        assert fresh.get_many(mine) == [None] * len(mine)
+        _until_timed_out(fresh, link, victim)  # its probe timed out too
         link._open = spy  # type: ignore[method-assign]
         assert fresh.get_many(mine) == [None] * len(mine)
-        assert port not in opened, "the IO loop waited for the stopped server's handshake too"
+        assert port not in opened, "the IO loop waited for the stopped server's handshake again"
         assert fresh._run(_timed_out(link)) == {victim}
 
 
 async def _timed_out(link: ClusterLink) -> set[int]:
     return link.timed_out()  # (on the IO loop: the link's state is its own)
+
+
+def _until_timed_out(kv: kvfs.Client, link: ClusterLink, victim: int) -> None:
+    """Polls (60 s at most) until ``victim`` is confirmed timed out on ``link``: the probe
+    its first timeout started timed out too."""
+    deadline = time.monotonic() + 60
+    while kv._run(_timed_out(link)) != {victim}:
+        assert time.monotonic() < deadline, "the stopped server was never confirmed timed out"
+        time.sleep(0.02)
+
+
+def test_a_server_that_times_out_once_but_answers_its_probe_is_not_condemned(
+        one_cs: ThreadCluster) -> None:
+    """Confirm before condemn: a READV held at the chunkserver past ``request_timeout_s``
+    (its PING still answered) marks it down, but only as a refused connection would: the
+    probe that timeout starts at once is answered, the mark ends, and a read of a value
+    only it holds, once the READV is released, is a hit (not a miss until a later probe)."""
+    cs = one_cs.cluster.chunkservers[0]
+    assert cs is not None
+    with kvfs.Client(one_cs.addr, token=one_cs.token,
+                     config=ClientConfig(request_timeout_s=0.5, down_for_s=3600.0)) as kv:
+        kv.put(b"once/k", b"v" * 4096)
+        assert kv.get_many([b"once/k"]) == [b"v" * 4096]
+        (sid,) = kv._server_sockets._pools
+        link = kv.aio.link
+        held = one_cs.hold(cs.rpc)
+        try:
+            pings = kv.aio.rpc_counts["PING"]
+            assert kv.get_many([b"once/k"]) == [None]  # timed out in the caller's thread
+            deadline = time.monotonic() + 60
+            while not kv._run(_alive(link))[sid]:
+                assert time.monotonic() < deadline, "the mark never ended"
+                time.sleep(0.02)
+            assert kv.aio.rpc_counts["PING"] > pings and not kv._run(_timed_out(link))
+        finally:
+            one_cs.loop.call_soon_threadsafe(held.release)
+        assert kv.get_many([b"once/k"]) == [b"v" * 4096]
+        assert not kv._run(_timed_out(link))
+
+
+async def _alive(link: ClusterLink) -> dict[int, bool]:
+    return link.alive()
 
 
 @pytest.mark.subprocess
