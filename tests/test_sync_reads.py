@@ -187,8 +187,8 @@ def _read_again(kv: kvfs.Client, keys: list[bytes], want: list[bytes]) -> None:
 def test_a_read_held_past_the_request_timeout_is_a_miss(one_cs: ThreadCluster) -> None:
     """A READV on the caller's socket held at the chunkserver past ``request_timeout_s``:
     that socket is closed (its late answer never taken for another call's), the server is
-    marked down as timed out, and the read made again through the IO loop does not ask it:
-    a miss.  Once the server answers again and its mark ends, so do reads."""
+    marked down (a timeout: its probe starts), and the read made again through the IO loop
+    does not ask it: a miss.  Once the server answers again and its mark ends, so do reads."""
     cs = one_cs.cluster.chunkservers[0]
     assert cs is not None
     with kvfs.Client(one_cs.addr, token=one_cs.token,
