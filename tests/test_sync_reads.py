@@ -22,6 +22,7 @@ from conftest import ThreadCluster, flip_byte
 import kvfs
 from kvfs.address import parse_addr
 from kvfs.blocking import SCRATCH_BYTES, BlockingSocket
+from kvfs.chunkserver import ChunkServer
 from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import ChecksumMismatch
@@ -184,17 +185,27 @@ def _read_again(kv: kvfs.Client, keys: list[bytes], want: list[bytes]) -> None:
         time.sleep(0.05)
 
 
+@contextmanager
+def _one_value(c: ThreadCluster, key: bytes, *, down_for_s: float,
+               ) -> Iterator[tuple[kvfs.Client, ChunkServer]]:
+    """A blocking client of ``c``'s one chunkserver (``request_timeout_s=0.5``) that has put
+    ``key`` (4 KiB of ``v``) and read it back once in its own thread (its socket there
+    open), and that chunkserver."""
+    cs = c.cluster.chunkservers[0]
+    assert cs is not None
+    with kvfs.Client(c.addr, token=c.token,
+                     config=ClientConfig(request_timeout_s=0.5, down_for_s=down_for_s)) as kv:
+        kv.put(key, b"v" * 4096)
+        assert kv.get_many([key]) == [b"v" * 4096]
+        yield kv, cs
+
+
 def test_a_read_held_past_the_request_timeout_is_a_miss(one_cs: ThreadCluster) -> None:
     """A READV on the caller's socket held at the chunkserver past ``request_timeout_s``:
     that socket is closed (its late answer never taken for another call's), the server is
     marked down (a timeout: its probe starts), and the read made again through the IO loop
     does not ask it: a miss.  Once the server answers again and its mark ends, so do reads."""
-    cs = one_cs.cluster.chunkservers[0]
-    assert cs is not None
-    with kvfs.Client(one_cs.addr, token=one_cs.token,
-                     config=ClientConfig(request_timeout_s=0.5, down_for_s=0.5)) as kv:
-        kv.put(b"slow/k", b"v" * 4096)
-        assert kv.get_many([b"slow/k"]) == [b"v" * 4096]
+    with _one_value(one_cs, b"slow/k", down_for_s=0.5) as (kv, cs):
         (pool,) = kv._server_sockets._pools.values()
         (sock,) = pool._idle
         held = one_cs.hold(cs.rpc)
@@ -375,12 +386,7 @@ def test_a_server_that_times_out_once_but_answers_its_probe_is_not_condemned(
     (its PING still answered) marks it down, but only as a refused connection would: the
     probe that timeout starts at once is answered, the mark ends, and a read of a value
     only it holds, once the READV is released, is a hit (not a miss until a later probe)."""
-    cs = one_cs.cluster.chunkservers[0]
-    assert cs is not None
-    with kvfs.Client(one_cs.addr, token=one_cs.token,
-                     config=ClientConfig(request_timeout_s=0.5, down_for_s=3600.0)) as kv:
-        kv.put(b"once/k", b"v" * 4096)
-        assert kv.get_many([b"once/k"]) == [b"v" * 4096]
+    with _one_value(one_cs, b"once/k", down_for_s=3600.0) as (kv, cs):
         (sid,) = kv._server_sockets._pools
         link = kv.aio.link
         held = one_cs.hold(cs.rpc)
