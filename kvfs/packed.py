@@ -4,9 +4,11 @@
 The nested form (one msgpack array per layout, :mod:`kvfs.layout`) costs meta about
 2 us per key to unpack, check and stamp.  The packed form is columns of fixed-width
 little-endian numbers, read with ``array.frombytes`` (one copy per column, no object per
-number) and checked a column at a time (``min``/``max``/``count`` in C); only the
-:class:`~kvfs.layout.Layout` objects meta's index keeps are built per key, already
-stamped with meta's commit time.  Layout::
+number) and checked a column at a time in C: the common shape (one extent of one replica
+per value, no metadata) on the columns' bytes (counts, and each bound on the numbers' top
+bytes), anything else with ``min``/``max``/``sum`` over the numbers; only the keys (cut by
+one ``struct`` format) and the :class:`~kvfs.layout.Layout` objects meta's index keeps
+are built per key, already stamped with meta's commit time.  Layout::
 
     head      "<4sIIII"  magic b"KVP1", keys n, extents e, replicas r, metadata bytes m
     key_len   u16[n]
