@@ -1257,13 +1257,14 @@ async def test_a_value_committed_here_keeps_the_pages_it_was_written_through(kv:
         table.close(fh)
 
     async def once(cfg: FileIO = io) -> tuple[bool, bytes]:
-        if cfg.unsure(ino):
-            await cfg.info(ino, "wc/a")  # the open's own lookup
         h = Handle(ino, writable=False)
         keep = cfg.opened(h)
+        if keep is None:  # unsure: the open's own lookup
+            await cfg.info(ino, "wc/a")
+            keep = cfg.opened(h, looked=True)
         fh = table.open(h)
         try:
-            return keep, bytes(await cfg.read(h, 0, 100))
+            return bool(keep), bytes(await cfg.read(h, 0, 100))
         finally:
             table.close(fh)
 
@@ -1273,7 +1274,7 @@ async def test_a_value_committed_here_keeps_the_pages_it_was_written_through(kv:
     assert (await io.info(ino, "wc/a"))["created"] == 1234.5  # as the kernel was told
     assert await once() == (True, b"one")
     io._looked_up.clear()  # no lookup lately: the open asks meta, the pages still kept
-    assert io.unsure(ino) and await once() == (True, b"one")
+    assert io.opened(Handle(ino, writable=False)) is None and await once() == (True, b"one")
     await kv.put("wc/a", b"one")  # another client's value, the same bytes
     assert (await io.info(ino, "wc/a"))["created"] != 1234.5
     assert await once() == (False, b"one")
@@ -1285,7 +1286,50 @@ async def test_a_value_committed_here_keeps_the_pages_it_was_written_through(kv:
     assert await once() == (True, b"four")
     off = FileIO(fs, table, MountConfig(page_cache_files=0), fresh_s=60)
     await write(b"five", cfg=off)
-    assert await once(off) == (False, b"five") and not off.unsure(ino)
+    off._looked_up.clear()  # nothing kept: an open never looks it up for that
+    assert off.opened(Handle(ino, writable=False)) is False and await once(off) == (False, b"five")
+
+
+async def test_an_open_as_its_lookups_time_ends_keeps_a_written_files_pages_and_mtime(
+        kv: AsyncClient) -> None:
+    """A read-only open decides on one reading of whether the file's last lookup is recent:
+    the lookup's time ending during the open (the mount's thread preempted between two
+    readings) neither drops the kernel's pages of a file written here, with nothing changed,
+    nor the mtime the kernel was told while it was written (a new one: FUSE drops the pages
+    at the next lookup).  Found by a flake of
+    test_a_file_written_here_is_read_back_from_the_kernels_pages under load."""
+    import pyfuse3
+
+    from kvfs.mount.inodes import ROOT_INODE
+    from kvfs.mount.ops import KVFSOperations
+
+    fs = KVFileSystem(client=kv, asynchronous=True)
+    ops = KVFSOperations(fs, attr_timeout_s=60)
+    ctx = pyfuse3.RequestContext()
+    fi, made = await ops.create(ROOT_INODE, b"lt", 0o644, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, ctx)
+    await ops.write(fi.fh, 0, b"x" * 4096)
+    await ops.flush(fi.fh)  # the close: committed, its layout counts as a lookup
+    await ops.release(fi.fh)
+    ino, io = made.st_ino, ops.io
+    fresh = io._fresh
+
+    def ends_at_once(i: int) -> Any:  # the lookup's time ends right after this reading
+        seen = fresh(i)
+        reader, at = io._looked_up[i]
+        io._looked_up[i] = (reader, at - 2 * io.fresh_s)
+        io._fresh = fresh  # type: ignore[method-assign]
+        return seen
+
+    io._fresh = ends_at_once  # type: ignore[method-assign]
+    opened = await ops.open(ino, os.O_RDONLY, ctx)
+    assert io._fresh == fresh  # the open read it
+    assert opened.keep_cache
+    assert (await ops.getattr(ino, ctx)).st_mtime_ns == made.st_mtime_ns
+    await ops.release(opened.fh)
+    again = await ops.open(ino, os.O_RDONLY, ctx)  # not recent now: looked up, still kept
+    assert again.keep_cache
+    assert (await ops.getattr(ino, ctx)).st_mtime_ns == made.st_mtime_ns
+    await ops.release(again.fh)
 
 
 @pytest.mark.parametrize(("bad", "flag"), [

@@ -310,13 +310,6 @@ class FileIO:
         self._looked_up.clear()
         self._cached.clear()
 
-    def unsure(self, ino: int) -> bool:
-        """Whether a read-only open of ``ino`` should look it up first: the kernel's pages of it
-        may be kept (``--page-cache-files``), but no lookup within ``fresh_s`` says its value is
-        still theirs (the kernel sends none while its entry for the file is valid: one made by a
-        create here, or one whose time ends just as ours does)."""
-        return self.fresh_s > 0 and ino in self._cached and self._fresh(ino) is None
-
     def _fresh(self, ino: int) -> ValueReader | None:
         """The reader of ``ino``'s layout looked up within ``fresh_s`` (not to be read with)."""
         seen = self._looked_up.get(ino)
@@ -337,9 +330,17 @@ class FileIO:
                        "have gone to the cluster already (write large files in order)")
 
     # reading ---------------------------------------------------------------------
-    def opened(self, h: Handle) -> bool:
+    def opened(self, h: Handle, *, looked: bool = False) -> bool | None:
         """A read-only open; whether the kernel may keep its cached pages of the file (and
-        ``h.direct``: whether its reads must bypass them).
+        ``h.direct``: whether its reads must bypass them).  None, with nothing changed, where
+        the open should look the file up first and then call again with ``looked``: the
+        kernel's pages of it may be kept (``--page-cache-files``), but no lookup within
+        ``fresh_s`` says its value is still theirs (the kernel sends none while its entry for
+        the file is valid: one made by a create here, or one whose time ends just as ours
+        does).  Whether a lookup is recent is read once, here, and that one reading decides
+        both (a check before the open and another as it pins could disagree, the lookup's time
+        ending between them: the pages, and the mtime the kernel was told while the file was
+        written here, dropped with nothing changed).
 
         With the layout the kernel's LOOKUP just fetched (within ``fresh_s``) the handle is
         pinned to it now.  The pages are kept when they were read from that same value (the
@@ -357,10 +358,12 @@ class FileIO:
         otherwise it is ``direct`` (``direct_io``: each read a READ, never the pages).  The
         common case, no other open of the file here, is never direct."""
         ino = h.ino
+        reader = self._recent(ino)
+        if reader is None and not looked and self.fresh_s > 0 and ino in self._cached:
+            return None
         others = self.table.handles_of(ino)
         self._alone(ino)
         cached = [o for o in others if not o.writable and not o.direct] if others else ()
-        reader = self._recent(ino)
         if (reader is None or self.wb.get(self.table.path(ino)) is not None
                 or any(o.writable for o in others)):
             self._cached.pop(ino, None)

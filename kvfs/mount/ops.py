@@ -218,9 +218,11 @@ class KVFSOperations(Operations):
         keep = False
         if flags & os.O_ACCMODE == os.O_RDONLY:
             h = Handle(inode, writable=False)
-            if self.io.unsure(inode):
+            sure = self.io.opened(h)  # the kernel's cached pages kept: the same value's
+            if sure is None:  # no recent lookup says so: look it up, then decide
                 await self._look_again(inode)
-            keep = self.io.opened(h)  # the kernel's cached pages kept: the same value's
+                sure = self.io.opened(h, looked=True)
+            keep = bool(sure)
         elif flags & os.O_APPEND:
             raise OSError(errno.EOPNOTSUPP, "kvfs values are immutable: append to an existing file")
         elif flags & os.O_TRUNC:
