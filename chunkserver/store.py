@@ -20,14 +20,14 @@ import shutil
 import socket
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple, ParamSpec, TypeVar, cast
+from typing import Any, NamedTuple, cast
 
 import crc32c
 
 from kvfs.chunkserver.durability import GroupSync, fsync_dir, replace_durably
+from kvfs.chunkserver.iopool import IoPool
 from kvfs.chunkserver.records import (
     Damage,
     ScannedRecord,
@@ -334,25 +334,6 @@ def resident(fd: int, offset: int, length: int) -> bool:
     return pc is not None and pc.resident(fd, offset, length)
 
 
-P = ParamSpec("P")
-T = TypeVar("T")
-
-
-class IoPool(ThreadPoolExecutor):
-    """The store's IO threads, knowing which of their jobs have not ended yet (``jobs``), so
-    a close can wait for them, bounded, before it closes the files they use."""
-
-    def __init__(self, threads: int) -> None:
-        super().__init__(threads, thread_name_prefix="kvfs-io")
-        self.jobs: set[Future[Any]] = set()
-
-    def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
-        fut = super().submit(fn, *args, **kwargs)
-        self.jobs.add(fut)
-        fut.add_done_callback(self.jobs.discard)  # (from an IO thread: one set operation)
-        return fut
-
-
 class ChunkStore:
     """The chunk files of one chunkserver data dir."""
 
@@ -476,11 +457,7 @@ class ChunkStore:
             self._closed = True  # appends still waiting for the lock are refused when they get it
             synced = await self.syncer.close(max(0.0, deadline - loop.time()))
             self.pool.shutdown(wait=False)  # jobs queued still run; none can be added
-            jobs = list(self.pool.jobs)
-            if jobs:
-                await asyncio.wait([asyncio.wrap_future(j) for j in jobs],
-                                   timeout=max(0.0, deadline - loop.time()))
-            running = sum(not j.done() for j in jobs)
+            running = await self.pool.wait_idle(max(0.0, deadline - loop.time()))
             if locked and synced and not running:
                 self.pool.shutdown(wait=True)  # its threads, idle now, end
                 self._close_files()
@@ -634,11 +611,10 @@ class ChunkStore:
     async def _write(self, cid: int, fd: int, bufs: list[bytes | memoryview], base: int, total: int,
                      rolled: bool) -> None:
         """An append's write at ``base`` (the lock held by its caller), then its size; releases the lock."""
-        loop = asyncio.get_running_loop()
         try:
             try:
                 with _full_is_nospace(f"chunkserver {self.server_id} appending {total} bytes"):
-                    await loop.run_in_executor(self.pool, _pwritev_all, fd, bufs, base)
+                    await self.pool.run(_pwritev_all, fd, bufs, base)
             except NoSpace:
                 self.wanted_bytes = total
                 with contextlib.suppress(OSError):
@@ -646,9 +622,9 @@ class ChunkStore:
                 raise
             if self.fsync is FsyncMode.ALWAYS:
                 with _full_is_nospace(f"chunkserver {self.server_id} syncing an append"):
-                    await loop.run_in_executor(self.pool, os.fdatasync, fd)
+                    await self.pool.run(os.fdatasync, fd)
                     if rolled:
-                        await loop.run_in_executor(self.pool, fsync_dir, self.dir)
+                        await self.pool.run(fsync_dir, self.dir)
             self.sizes[cid] = base + total
             self._last_append = time.monotonic()
             self.wanted_bytes = 0
