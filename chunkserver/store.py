@@ -353,7 +353,8 @@ class ChunkStore:
         self.pool = IoPool(io_threads)
         self.close_timeout_s = close_timeout_s
         self.syncer = GroupSync(self.pool, self.dir, fsync_window_s)
-        self.sizes: dict[int, int] = {}
+        self.sizes: dict[int, int] = {}  # set through _set_size only
+        self.used_bytes = 0  # the sum of sizes
         self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
         self._open: int | None = None
         self._lock = asyncio.Lock()
@@ -409,7 +410,7 @@ class ChunkStore:
                 cid = int(p.stem, 16)
             except ValueError:
                 continue
-            self.sizes[cid] = p.stat().st_size
+            self._set_size(cid, p.stat().st_size)
             self.next_seq = max(self.next_seq, (cid & ((1 << 40) - 1)) + 1)
             newest = cid if newest is None or cid > newest else newest
         if newest is not None:
@@ -431,7 +432,7 @@ class ChunkStore:
         if keep < len(data):
             log.warning("chunk %016x: truncating torn tail at %d (file had %d bytes)", chunk_id, keep, len(data))
             os.truncate(path, keep)
-            self.sizes[chunk_id] = keep
+            self._set_size(chunk_id, keep)
 
     async def close(self) -> bool:
         """Stop once every append that holds or waits for the lock has written and counted
@@ -529,9 +530,16 @@ class ChunkStore:
             return None
         return f"{socket.gethostname()}:{os.stat(self.dir).st_dev}"
 
+    def _set_size(self, cid: int, size: int) -> None:
+        """A chunk's size, and ``used_bytes`` (their sum, kept up to date: ``usage()`` runs
+        twice per append, and summing the sizes there cost ~67 us per 10,000 chunks, each
+        time: ~1 us per key of a 4 KiB x 128 APPEND on a server holding 640 GiB)."""
+        self.used_bytes += size - self.sizes.get(cid, 0)
+        self.sizes[cid] = size
+
     def usage(self) -> tuple[int, int, int]:
         """(capacity, free, used) in bytes."""
-        used = sum(self.sizes.values())
+        used = self.used_bytes
         disk = shutil.disk_usage(self.dir)
         capacity = self.capacity_bytes or disk.total
         free = max(0, min(capacity - used, disk.free))
@@ -568,7 +576,7 @@ class ChunkStore:
             # 16 MiB appends ran 2.5x faster here (bench/RESULTS.md). KEEP_SIZE leaves the
             # file's size, so recovery and range checks see only what was written.
             preallocate(fd, self.chunk_bytes)
-        self.sizes[cid] = 0
+        self._set_size(cid, 0)
         self._open = cid
         return cid
 
@@ -625,7 +633,7 @@ class ChunkStore:
                     await self.pool.run(os.fdatasync, fd)
                     if rolled:
                         await self.pool.run(fsync_dir, self.dir)
-            self.sizes[cid] = base + total
+            self._set_size(cid, base + total)
             self._last_append = time.monotonic()
             self.wanted_bytes = 0
         finally:
@@ -991,7 +999,7 @@ class ChunkStore:
 
         with _full_is_nospace(f"chunkserver {self.server_id} compacting into a new chunk"):
             await loop.run_in_executor(self.pool, write)
-        self.sizes[new] = total
+        self._set_size(new, total)
         return new, total, locations
 
     async def scan(self, chunk_id: int) -> list[ScannedRecord]:
@@ -1013,6 +1021,7 @@ class ChunkStore:
             if cid == self._open:
                 continue
             size = self.sizes.pop(cid, None)
+            self.used_bytes -= size or 0
             fd = self._fds.pop(cid, None)
             if fd is not None:
                 self._close_later.append(fd)
