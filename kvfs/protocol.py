@@ -43,11 +43,6 @@ MAGIC = b"KVFS"
 PROTOCOL_VERSION = 2  # 2: typed messages (kvfs.rpc)
 FIXED = struct.Struct("<4sBBHQIQ")
 FIXED_SIZE = FIXED.size  # 28
-# The most one receive between payloads takes into the scratch buffer.  A large payload's
-# bytes that arrive with its header are copied from there into the payload's own buffer;
-# uncapped (256 KiB scratch) that was 238 KB of every 512 KiB APPEND (4 KiB x 128) a
-# chunkserver received, capped ~56 KB; the rest is received in place.
-RECEIVE_BYTES = 64 * 1024
 
 Buffer = bytes | bytearray | memoryview
 
@@ -329,7 +324,7 @@ class FrameDecoder:
             return memoryview(self._scratch)[: self._small_run()]
         if self._end == len(self._scratch):
             self._compact(len(self._scratch))
-        return memoryview(self._scratch)[self._end : self._end + RECEIVE_BYTES]
+        return memoryview(self._scratch)[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:
         if self._error is not None:
