@@ -4,8 +4,9 @@
 Two ways in.  ``await pool.run(fn, *args)`` (the append path: each APPEND's write and each
 group sync) hands the job to a thread through one queue and is answered with one
 ``call_soon_threadsafe`` on the loop: no ``concurrent.futures.Future`` (a condition
-variable each), work item, idle semaphore or chained futures, which cost about twice the CPU
-of the hop itself (bench/RESULTS.md, "the chunkserver's put path").  ``submit`` is an
+variable each), work item, idle semaphore or chained futures, which cost as much CPU again
+as the hop itself (52-56 vs 28-30 us a hop here: bench/RESULTS.md, "Chunkserver CPU per key
+on the 4 KiB put path").  ``submit`` is an
 ``Executor``'s, for ``loop.run_in_executor``.  Both count their jobs until they end, so a
 store's close can wait for them (:meth:`IoPool.wait_idle`), bounded, before it closes the
 files they use.
