@@ -21,11 +21,11 @@ from conftest import ThreadCluster, flip_byte
 
 import kvfs
 from kvfs.address import parse_addr
-from kvfs.blocking import SCRATCH_BYTES, BlockingSocket
+from kvfs.blocking import SCRATCH_BYTES, BlockingSocket, _timeval
 from kvfs.chunkserver import ChunkServer
 from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig, OnLost
-from kvfs.errors import ChecksumMismatch
+from kvfs.errors import ChecksumMismatch, Timeout
 from kvfs.launcher import ProcessCluster, ServiceProcess
 from kvfs.protocol import Flag, ReceivePool, frame_bytes
 from kvfs.rpc import Op
@@ -474,3 +474,23 @@ def test_a_blocking_socket_keeps_its_scratch_buffer_small() -> None:
         frame = s._receive(2, deadline)
         assert bytes(frame.payload) == b"v" * 200_000  # type: ignore[arg-type]
         assert s._decoder is dec and pool.reused == 0
+
+
+def test_a_plain_blocking_socket_waits_in_the_kernel_and_still_times_out() -> None:
+    """After the handshake a plain socket is in blocking mode (no poll before each receive
+    and send: one syscall each), its waits bounded by SO_RCVTIMEO/SO_SNDTIMEO: an answer
+    that never comes still ends in ``Timeout`` at the deadline, and a wait of under a
+    microsecond is never asked of the kernel as 0 (which would mean: wait for ever)."""
+    a, b = socket.socketpair()
+    with a, b:
+        s = BlockingSocket(a, "peer", 0.3)
+        s._wait_in_kernel()
+        assert a.gettimeout() is None
+        assert a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, 16) == _timeval(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(Timeout, match=r"PING to peer got no answer within 0\.3s"):
+            s.answer(Op.PING, 1, t0 + 0.3)
+        b.sendall(frame_bytes(Op.PING, 2, {"n": 2}, flags=Flag.RESPONSE))
+        assert s._receive(2, time.monotonic() + 5).header == {"n": 2}
+    assert _timeval(1e-9) == _timeval(0) != b"\0" * len(_timeval(0))
+    assert _timeval(2.5) == _timeval(2.5000001)
