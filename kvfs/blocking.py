@@ -73,6 +73,7 @@ from kvfs.transport import (
 # READV answer's payload over 64 KiB goes to its own buffer: ServerSockets' pool)
 SCRATCH_BYTES = 16 * 1024
 _TIMEVAL = struct.Struct("@ll")  # struct timeval, for SO_RCVTIMEO / SO_SNDTIMEO
+_WAITALL = socket.MSG_WAITALL
 
 
 def _timeval(seconds: float) -> bytes:
@@ -100,7 +101,12 @@ class BlockingSocket:
         self._decoder = self._new_decoder()
 
     def _new_decoder(self) -> FrameDecoder:
-        return FrameDecoder(Limits(), allocator=self._allocator, scratch_bytes=SCRATCH_BYTES)
+        dec = FrameDecoder(Limits(), allocator=self._allocator, scratch_bytes=SCRATCH_BYTES)
+        # a payload over 64 KiB arrives in its one buffer, the end of it too (not staged in
+        # scratch 16 KiB a receive): with the socket waiting in the kernel, one receive
+        # waits for all of it (MSG_WAITALL, _receive)
+        dec.vectored = True
+        return dec
 
     @classmethod
     def open(cls, ep: Endpoint, token: str, *, connect_timeout_s: float, request_timeout_s: float,
@@ -204,8 +210,9 @@ class BlockingSocket:
                 else:
                     sock.settimeout(left)
                 self._timeout_s = left
-            try:
-                n = sock.recv_into(dec.get_buffer())
+            buf = dec.get_buffer()
+            try:  # (a payload's rest: one receive, woken once it is all there, or the time is up)
+                n = sock.recv_into(buf, 0, _WAITALL if self._kernel_wait and dec.in_payload else 0)
             except (TimeoutError, BlockingIOError):  # (BlockingIOError: SO_RCVTIMEO's)
                 continue  # up to 1 s before the deadline: it decides
             if not n:

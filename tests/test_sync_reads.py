@@ -494,3 +494,47 @@ def test_a_plain_blocking_socket_waits_in_the_kernel_and_still_times_out() -> No
         assert s._receive(2, time.monotonic() + 5).header == {"n": 2}
     assert _timeval(1e-9) == _timeval(0) != b"\0" * len(_timeval(0))
     assert _timeval(2.5) == _timeval(2.5000001)
+
+
+class _CountingSocket(socket.socket):
+    """A socket that notes the flags of every receive, and tells when the first is done."""
+
+    def __init__(self, fileno: int) -> None:
+        super().__init__(fileno=fileno)
+        self.flags: list[int] = []
+        self.first = threading.Event()
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0, flags: int = 0) -> int:  # type: ignore[override]
+        n = super().recv_into(buffer, nbytes, flags)
+        self.flags.append(flags)
+        self.first.set()
+        return n
+
+
+def test_a_large_payload_arriving_in_pieces_is_received_with_one_wait() -> None:
+    """A READV answer's payload over 64 KiB goes to its own buffer; once its header is in,
+    the rest of the payload is one receive that waits for all of it (MSG_WAITALL), not one
+    receive (each letting the GIL go and back) per piece as it arrives."""
+    a, b = socket.socketpair()
+    sock = _CountingSocket(a.detach())
+    with sock, b:
+        s = BlockingSocket(sock, "peer", 30.0, allocator=ReceivePool(1 << 20, min_bytes=0))
+        s._wait_in_kernel()
+        value = bytes(range(256)) * 800  # 204,800 bytes
+        frame = frame_bytes(Op.READV, 1, {}, [value], flags=Flag.RESPONSE)
+        head = len(frame) - len(value) + 1000
+
+        def send() -> None:
+            b.sendall(frame[:head])
+            assert sock.first.wait(30)  # the first receive took the header: the rest in pieces
+            for at in range(head, len(frame), 50_000):
+                b.sendall(frame[at : at + 50_000])
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            got = s._receive(1, time.monotonic() + 30)
+        finally:
+            sender.join(30)
+        assert bytes(got.payload) == value  # type: ignore[arg-type]
+        assert sock.flags == [0, socket.MSG_WAITALL]
