@@ -4,9 +4,11 @@
 The nested form (one msgpack array per layout, :mod:`kvfs.layout`) costs meta about
 2 us per key to unpack, check and stamp.  The packed form is columns of fixed-width
 little-endian numbers, read with ``array.frombytes`` (one copy per column, no object per
-number) and checked a column at a time (``min``/``max``/``count`` in C); only the
-:class:`~kvfs.layout.Layout` objects meta's index keeps are built per key, already
-stamped with meta's commit time.  Layout::
+number) and checked a column at a time in C: the common shape (one extent of one replica
+per value, no metadata) on the columns' bytes (counts, and each bound on the numbers' top
+bytes), anything else with ``min``/``max``/``sum`` over the numbers; only the keys (cut by
+one ``struct`` format) and the :class:`~kvfs.layout.Layout` objects meta's index keeps
+are built per key, already stamped with meta's commit time.  Layout::
 
     head      "<4sIIII"  magic b"KVP1", keys n, extents e, replicas r, metadata bytes m
     key_len   u16[n]
@@ -61,6 +63,8 @@ U63_MAX = 2**63 - 1
 T = TypeVar("T")
 
 _SWAP = sys.byteorder != "little"
+_BYTES_BELOW = {top: bytes(range(top)) for top in (0x04, 0x40, 0x80)}  # for _Reader.below
+_SPLIT_KEYS = 4096  # keys of a blob cut by one struct format at most (compiled per blob, not cached)
 
 
 def _code(width: int) -> str:
@@ -154,6 +158,7 @@ class _Reader:
     def __init__(self, blob: bytes) -> None:
         self.blob = blob
         self.pos = HEAD.size
+        self.raw: dict[str, bytes] = {}  # each column's little-endian bytes, by name
 
     def column(self, name: str, code: str, count: int) -> array[int]:
         col = array(code)
@@ -161,11 +166,17 @@ class _Reader:
         if end > len(self.blob):
             raise _bad(f"the {name} column ({count} x {col.itemsize} bytes at byte {self.pos}) runs "
                        f"past the end of the {len(self.blob)}-byte blob")
-        col.frombytes(self.blob[self.pos:end])
+        raw = self.raw[name] = self.blob[self.pos:end]
+        col.frombytes(raw)
         if _SWAP:
             col.byteswap()
         self.pos = end
         return col
+
+    def below(self, name: str, width: int, top: int) -> bool:
+        """Every number of column ``name`` (``width`` bytes each) has a top byte below
+        ``top``: a bound checked on the bytes, in C, with no int object per number."""
+        return not self.raw[name][width - 1::width].translate(None, _BYTES_BELOW[top])
 
     def section(self, name: str, nbytes: int) -> int:
         """The start of the next ``nbytes`` bytes (checked to fit)."""
@@ -219,7 +230,55 @@ def unpack(blob: bytes, created: float, expires_at: float | None) -> Unpacked:
     server = rd.column("server", U32, nr)
     chunk = rd.column("chunk", U64, nr)
     offset = rd.column("offset", U64, nr)
-    # counts and bounds, a column at a time
+    # counts and bounds, a column at a time: the common case (every key 1 to 1023 bytes, values
+    # under 1 GiB of one extent of one replica, 63-bit ids, no metadata) settled on the
+    # columns' bytes, in C; anything else checked number by number, naming the first bad one
+    one_each = ne == nr == n and next_.count(1) == n and ereps.count(1) == n
+    no_meta = rd.raw["meta_len"] == b"\xff" * (4 * n)
+    if not (one_each and no_meta and nmeta == 0 and klen.count(0) == 0 and rd.below("key_len", 2, 0x04)
+            and rd.below("size", 4, 0x40) and rd.below("ext_len", 4, 0x40)
+            and rd.below("chunk", 8, 0x80) and rd.below("offset", 8, 0x80)):
+        _check(klen, size, next_, ne, elen, ereps, nr, chunk, offset, mlen, nmeta)
+    metas = [] if no_meta else [m for m in mlen if m != NO_META]
+    kat = rd.section("keys", sum(klen))
+    mat = rd.section("metadata", nmeta)
+    if rd.pos != len(blob):
+        raise _bad(f"{len(blob) - rd.pos} bytes follow the end of the packed layouts")
+    keys = _keys(blob, kat, klen)
+    if metas:
+        mpos = list(accumulate((0 if m == NO_META else m for m in mlen), initial=mat))
+        meta_of: Sequence[bytes | None] | repeat[None] = [
+            None if m == NO_META else blob[a:b] for m, (a, b) in zip(mlen, pairwise(mpos), strict=True)]
+    else:
+        meta_of = repeat(None)
+    servers = frozenset(server)
+    max_meta = max(metas, default=0)
+    if one_each and size == elen:
+        # one extent of one replica per value, their sizes checked above: the common case
+        staged = [(k, Layout(s, c, created, expires_at, (Extent(s, ec, (Replica(sv, ch, of),)),), m))
+                  for k, s, c, ec, sv, ch, of, m
+                  in zip(keys, size, crc, ecrc, server, chunk, offset, meta_of, strict=False)]
+        return Unpacked(staged, servers, max_meta)
+    # any shape: each kind of object built by one comprehension, then grouped by the counts
+    reps = [Replica(sv, ch, of) for sv, ch, of in zip(server, chunk, offset, strict=True)]
+    extents = [Extent(ln, c, rs) for ln, c, rs in zip(elen, ecrc, _groups(reps, ereps), strict=True)]
+    try:
+        staged = [(k, Layout(s, c, created, expires_at, ex, m)) for k, s, c, ex, m
+                  in zip(keys, size, crc, _groups(extents, next_), meta_of, strict=False)]
+    except ValueError:  # extents not adding up to their value's size: name the first such item
+        for i, (k, s, ex) in enumerate(zip(keys, size, _groups(extents, next_), strict=True)):
+            total = sum(e.length for e in ex)
+            if total != s:
+                raise _item(i, k, f"layout extents add up to {total}, not {s}") from None
+        raise
+    return Unpacked(staged, servers, max_meta)
+
+
+def _check(klen: array[int], size: array[int], next_: array[int], ne: int, elen: array[int],
+           ereps: array[int], nr: int, chunk: array[int], offset: array[int], mlen: array[int],
+           nmeta: int) -> None:
+    """Every count and bound of a blob's columns, number by number (:func:`unpack`'s checks
+    where its check on the columns' bytes did not settle them)."""
     if min(klen) < 1 or max(klen) > MAX_KEY_BYTES:
         i = _first(klen, lambda v: not 1 <= v <= MAX_KEY_BYTES)
         raise _item(i, None, f"key of {klen[i]} bytes (1 to {MAX_KEY_BYTES} allowed)")
@@ -251,39 +310,18 @@ def unpack(blob: bytes, created: float, expires_at: float | None) -> Unpacked:
         raise _item(i, None, f"metadata of {mlen[i]} bytes (at most {MAX_META_BYTES})")
     if sum(metas) != nmeta:
         raise _bad(f"the keys' metadata add up to {sum(metas)} bytes, the head says {nmeta}")
-    kat = rd.section("keys", sum(klen))
-    mat = rd.section("metadata", nmeta)
-    if rd.pos != len(blob):
-        raise _bad(f"{len(blob) - rd.pos} bytes follow the end of the packed layouts")
-    kpos = list(accumulate(klen, initial=kat))
-    keys = [blob[a:b] for a, b in pairwise(kpos)]
-    if metas:
-        mpos = list(accumulate((0 if m == NO_META else m for m in mlen), initial=mat))
-        meta_of: Sequence[bytes | None] | repeat[None] = [
-            None if m == NO_META else blob[a:b] for m, (a, b) in zip(mlen, pairwise(mpos), strict=True)]
-    else:
-        meta_of = repeat(None)
-    servers = frozenset(server)
-    max_meta = max(metas, default=0)
-    if nr == ne == n and next_.count(1) == n and size == elen:
-        # one extent of one replica per value, their sizes checked above: the common case
-        staged = [(k, Layout(s, c, created, expires_at, (Extent(s, ec, (Replica(sv, ch, of),)),), m))
-                  for k, s, c, ec, sv, ch, of, m
-                  in zip(keys, size, crc, ecrc, server, chunk, offset, meta_of, strict=False)]
-        return Unpacked(staged, servers, max_meta)
-    # any shape: each kind of object built by one comprehension, then grouped by the counts
-    reps = [Replica(sv, ch, of) for sv, ch, of in zip(server, chunk, offset, strict=True)]
-    extents = [Extent(ln, c, rs) for ln, c, rs in zip(elen, ecrc, _groups(reps, ereps), strict=True)]
-    try:
-        staged = [(k, Layout(s, c, created, expires_at, ex, m)) for k, s, c, ex, m
-                  in zip(keys, size, crc, _groups(extents, next_), meta_of, strict=False)]
-    except ValueError:  # extents not adding up to their value's size: name the first such item
-        for i, (k, s, ex) in enumerate(zip(keys, size, _groups(extents, next_), strict=True)):
-            total = sum(e.length for e in ex)
-            if total != s:
-                raise _item(i, k, f"layout extents add up to {total}, not {s}") from None
-        raise
-    return Unpacked(staged, servers, max_meta)
+
+
+def _keys(blob: bytes, at: int, klen: array[int]) -> list[bytes]:
+    """The keys, back to back from ``at`` (their lengths checked): cut in C by one struct
+    format of ``n`` strings, up to :data:`_SPLIT_KEYS` keys (a slice each past that).  Keys
+    of one length, the common case, cost a third of a slice each (bench/RESULTS.md)."""
+    n = len(klen)
+    if n > _SPLIT_KEYS:
+        return [blob[a:b] for a, b in pairwise(accumulate(klen, initial=at))]
+    k0 = klen[0]
+    fmt = f"{k0}s" * n if klen.count(k0) == n else ("%ds" * n) % tuple(klen)
+    return list(struct.Struct("<" + fmt).unpack_from(blob, at))
 
 
 def _groups(items: list[T], counts: array[int]) -> list[tuple[T, ...]]:

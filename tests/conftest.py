@@ -349,9 +349,10 @@ async def kv(cluster: LocalCluster, clock: FakeClock) -> AsyncIterator[AsyncClie
         await client.close()
 
 
-@pytest.fixture
-async def proc_cluster(tmp_path: Path) -> AsyncIterator[ProcessCluster]:
-    c = ProcessCluster(tmp_path / "pcluster", 3, listen="127.0.0.1:0")
+@contextlib.asynccontextmanager
+async def running_proc_cluster(root: Path) -> AsyncIterator[ProcessCluster]:
+    """Meta and 3 chunkservers as child processes on 127.0.0.1 port 0, stopped on exit."""
+    c = ProcessCluster(root, 3, listen="127.0.0.1:0")
     try:
         await c.start()
         yield c
@@ -359,13 +360,52 @@ async def proc_cluster(tmp_path: Path) -> AsyncIterator[ProcessCluster]:
         await c.stop()
 
 
-class ThreadCluster:
+@pytest.fixture
+async def proc_cluster(tmp_path: Path) -> AsyncIterator[ProcessCluster]:
+    async with running_proc_cluster(tmp_path / "pcluster") as c:
+        yield c
+
+
+class LoopThread:
+    """An event loop on a thread of its own, for synchronous callers of async code."""
+
+    def __init__(self, name: str) -> None:
+        self.loop = new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self.thread.start()
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(30)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def module_proc_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ProcessCluster]:
+    """``proc_cluster``, one per test module, for synchronous tests (its children started,
+    watched and stopped on a :class:`LoopThread`).  A test's own code that holds the GIL for
+    seconds (an engine's numpy writes to a FUSE mount of the cluster) stalls the servers of a
+    :class:`ThreadCluster`, which share its process; it cannot stall these."""
+    lt = LoopThread("proc-cluster")
+    try:
+        running = running_proc_cluster(tmp_path_factory.mktemp("pcluster"))
+        c = lt.call(running.__aenter__(), timeout_s=180)  # 4 interpreters start (60 s each at most)
+        try:
+            yield c
+        finally:
+            lt.call(running.__aexit__(None, None, None))
+    finally:
+        lt.close()
+
+
+class ThreadCluster(LoopThread):
     """A LocalCluster on its own event-loop thread, for synchronous callers (fsspec, FUSE)."""
 
     def __init__(self, root: Path, chunkservers: int = 3, tls: TlsConfig | None = None) -> None:
-        self.loop = new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name="cluster", daemon=True)
-        self.thread.start()
+        super().__init__("cluster")
         # the fsspec/FUSE suites test behaviour with thousands of single-file puts; syncing
         # each one (the default, tested in test_durability.py) only makes them slow
         self.cluster = LocalCluster(root, chunkservers,
@@ -376,9 +416,6 @@ class ThreadCluster:
                                     tls=tls)
         self.addr = self.call(self.cluster.start())
         self.token = self.cluster.token
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout_s: float = 60.0) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
 
     def stop_services(self) -> None:
         self.call(self.cluster.stop())
@@ -404,9 +441,7 @@ class ThreadCluster:
         try:
             self.call(self.cluster.stop())
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self.thread.join(30)
-            self.loop.close()
+            super().close()
 
     def __enter__(self) -> ThreadCluster:
         return self
@@ -455,7 +490,7 @@ def mount(tcluster: ThreadCluster, tmp_path_factory: pytest.TempPathFactory) -> 
         m.cleanup()
 
 
-__all__ = ["FakeClock", "Hold", "ThreadCluster", "flip_byte", "guarded_loop", "hold", "new_event_loop",
+__all__ = ["FakeClock", "Hold", "LoopThread", "ThreadCluster", "flip_byte", "guarded_loop", "hold", "new_event_loop",
            "value_of"]
 
 

@@ -24,6 +24,8 @@ from kvfs.mount import is_mounted
 if TYPE_CHECKING:
     from conftest import ThreadCluster
 
+    from kvfs.launcher import ProcessCluster
+
 def _skip_reason() -> str | None:
     if not os.path.exists("/dev/fuse"):
         return "/dev/fuse is missing: this kernel or container has no FUSE"
@@ -47,7 +49,8 @@ def wait_until(pred: Callable[[], bool], timeout_s: float, what: str) -> None:
 class Mount:
     """``python -m kvfs mount`` as a child process; ``cleanup()`` always leaves nothing mounted."""
 
-    def __init__(self, mnt: Path, cluster: ThreadCluster, logs: Path, *args: str) -> None:
+    def __init__(self, mnt: Path, cluster: ThreadCluster | ProcessCluster, logs: Path,
+                 *args: str) -> None:
         self.mnt = mnt
         mnt.mkdir(parents=True, exist_ok=True)
         logs.mkdir(parents=True, exist_ok=True)

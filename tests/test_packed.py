@@ -57,6 +57,28 @@ def test_many_single_extent_layouts_take_the_column_path_and_match() -> None:
     assert out.staged == [(k, lay.stamped(1.0, None)) for k, lay in zip(keys, lays, strict=True)]
 
 
+@pytest.mark.parametrize("n", [1, 300, packed._SPLIT_KEYS + 1])
+@pytest.mark.parametrize("same_length", [True, False])
+def test_keys_of_one_length_or_many_come_back_as_packed(n: int, same_length: bool) -> None:
+    """The keys are cut by one struct format (up to _SPLIT_KEYS of them) or sliced."""
+    keys = [b"k%09d" % i if same_length else b"k%d" % i for i in range(n)]
+    lays = [_lay(10, i % 7, [(10, i % 7, [(1, 1 << 40, 10 * i)])]) for i in range(n)]
+    assert unpack(pack(keys, lays), 1.0, None).staged == [
+        (k, lay.stamped(1.0, None)) for k, lay in zip(keys, lays, strict=True)]
+
+
+def test_the_largest_allowed_values_pass_the_check_on_the_columns_bytes() -> None:
+    """Each bound's largest value in the common shape (one extent of one replica, no
+    metadata), where the check on the columns' top bytes defers to the exact one."""
+    big = MAX_VALUE_BYTES
+    keys = [b"k" * MAX_KEY_BYTES, b"k" * (MAX_KEY_BYTES - 1), b"x"]
+    lays = [_lay(big, 2**32 - 1, [(big, 2**32 - 1, [(2**32 - 1, 2**63 - 1, 2**63 - 1)])]),
+            _lay(big - 1, 0, [(big - 1, 0, [(1, 2**63 - 2, 0)])]),
+            _lay(0, 0, [(0, 0, [(1, 0, 0)])])]
+    assert unpack(pack(keys, lays), 1.0, None).staged == [
+        (k, lay.stamped(1.0, None)) for k, lay in zip(keys, lays, strict=True)]
+
+
 @pytest.mark.parametrize("with_meta", [False, True])
 def test_pack_single_makes_the_blob_pack_makes_of_the_same_single_extent_layouts(
         with_meta: bool) -> None:

@@ -8,7 +8,10 @@ another client of the cluster reads with the same bytes.  HiCacheFile runs on th
 mount and on one with ``--write-behind`` (its closes return before the commit; an fsync of
 the directory waits for it, then another client reads the pages).  Each half runs in its engine's venv
 (the other is skipped there); the mount process runs under ``KVFS_MOUNT_PYTHON``
-(tests/fuse_mount.py), since the engine venvs hold no pyfuse3.
+(tests/fuse_mount.py), since the engine venvs hold no pyfuse3.  The cluster is of real server
+processes (``module_proc_cluster``), apart from the engine's: numpy's ``tofile`` holds the GIL
+through its ``fclose``, whose FUSE flush commits to the cluster, so servers on threads of this
+process (a ``ThreadCluster``) could not answer until the mount's 3 s timeout, for each page.
 """
 
 from __future__ import annotations
@@ -21,11 +24,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import ThreadCluster
 from fuse_mount import Mount
 
 import kvfs
 from kvfs.chunkserver.durability import fsync_dir
+from kvfs.launcher import ProcessCluster
 
 pytestmark = pytest.mark.engines
 PAGES = 16
@@ -35,15 +38,21 @@ def kvfs_key(mount: Mount, path: Path) -> bytes:
     return str(path.relative_to(mount.mnt)).encode()
 
 
+@pytest.fixture(scope="module")
+def tcluster(module_proc_cluster: ProcessCluster) -> ProcessCluster:
+    """The cluster of conftest's ``mount`` in this module: real server processes."""
+    return module_proc_cluster
+
+
 @pytest.fixture(params=["default", "write-behind"])
-def hicache_mount(request: pytest.FixtureRequest, tcluster: ThreadCluster,
+def hicache_mount(request: pytest.FixtureRequest, module_proc_cluster: ProcessCluster,
                   tmp_path: Path) -> Iterator[tuple[Mount, str]]:
     """The module's mount, or one of its own with ``--write-behind``; and a directory name
     for the run (both mounts are of one cluster)."""
     if request.param == "default":
         yield request.getfixturevalue("mount"), "sglang-hicache"
         return
-    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--write-behind", "64MiB")
+    m = Mount(tmp_path / "mnt", module_proc_cluster, tmp_path / "logs", "--write-behind", "64MiB")
     try:
         yield m, "sglang-hicache-wb"
     finally:
@@ -51,7 +60,7 @@ def hicache_mount(request: pytest.FixtureRequest, tcluster: ThreadCluster,
 
 
 @pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="sglang venv only")
-def test_sglang_hicache_file_on_the_mount(tcluster: ThreadCluster,
+def test_sglang_hicache_file_on_the_mount(module_proc_cluster: ProcessCluster,
                                          hicache_mount: tuple[Mount, str],
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     mount, name = hicache_mount
@@ -86,7 +95,7 @@ def test_sglang_hicache_file_on_the_mount(tcluster: ThreadCluster,
     files = sorted(p for p in d.iterdir())
     assert len(files) == PAGES and all(p.suffix == ".bin" for p in files)  # no .tmp left
     fsync_dir(d)  # --write-behind: the pages held by the mount committed (else: no-op)
-    with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+    with kvfs.Client(module_proc_cluster.addr, token=module_proc_cluster.token) as kv:
         for k, want in zip(keys, pages, strict=True):
             path = d / f"{store._get_suffixed_key(k)}.bin"
             value = kv.get(kvfs_key(mount, path))
@@ -96,7 +105,7 @@ def test_sglang_hicache_file_on_the_mount(tcluster: ThreadCluster,
 
 
 @pytest.mark.skipif(importlib.util.find_spec("lmcache") is None, reason="lmcache venv only")
-def test_lmcache_local_disk_on_the_mount(tcluster: ThreadCluster, mount: Mount,
+def test_lmcache_local_disk_on_the_mount(module_proc_cluster: ProcessCluster, mount: Mount,
                                         tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -144,7 +153,7 @@ def test_lmcache_local_disk_on_the_mount(tcluster: ThreadCluster, mount: Mount,
             got = disk.get_blocking(k)
             assert got is not None and bytes(got.byte_array) == w  # bit-exact through the mount
             got.ref_count_down()
-        with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+        with kvfs.Client(module_proc_cluster.addr, token=module_proc_cluster.token) as kv:
             for k, w in zip(keys, want, strict=True):
                 path = Path(disk._key_to_path(k))
                 assert path.is_file() and path.parent == d
