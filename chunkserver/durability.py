@@ -21,9 +21,9 @@ import asyncio
 import contextlib
 import errno
 import os
-from concurrent.futures import Executor
 from pathlib import Path
 
+from kvfs.chunkserver.iopool import IoPool
 from kvfs.errors import Unavailable
 
 
@@ -72,7 +72,7 @@ class GroupSync:
     never waits for a round that will not run.
     """
 
-    def __init__(self, pool: Executor, directory: Path, window_s: float = 0.0) -> None:
+    def __init__(self, pool: IoPool, directory: Path, window_s: float = 0.0) -> None:
         self.pool = pool
         self.directory = directory
         self.window_s = window_s
@@ -107,7 +107,6 @@ class GroupSync:
         await fut
 
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
         try:
             while self._waiters:
                 if self.window_s > 0 and not self._closed:
@@ -118,8 +117,7 @@ class GroupSync:
                 self._waiters, self._fds, self._dir = [], set(), False
                 err: BaseException | None = None
                 try:
-                    await loop.run_in_executor(self.pool, _sync_files, fds,
-                                               self.directory if new_dir else None)
+                    await self.pool.run(_sync_files, fds, self.directory if new_dir else None)
                 except OSError as exc:
                     err = exc
                 except RuntimeError:  # the IO threads were shut down (a close that gave up)

@@ -17,6 +17,9 @@ connect and TLS errors (:func:`kvfs.transport.connect_failure`, :mod:`kvfs.tls`)
 token handshake (:func:`kvfs.transport.answer_hello`, :mod:`kvfs.handshake`), the frames
 (:class:`kvfs.protocol.FrameDecoder`) and the typed answers
 (:func:`kvfs.transport.answer_of`, :mod:`kvfs.rpc`).  Each carries one call at a time.
+A plain (not TLS) socket waits in the kernel, bounded by ``SO_RCVTIMEO``/``SO_SNDTIMEO``:
+a receive or a send is one syscall, where a Python socket timeout polls before each (two
+syscalls, each letting the GIL go to another caller's thread and back).
 At most ``ClientConfig.meta_sockets`` go to meta (:class:`MetaSockets`) and at most
 ``ClientConfig.server_sockets`` to each chunkserver (:class:`ServerSockets`).  A call that
 finds none free, a server these sockets cannot reach, or a socket lost before its answer
@@ -34,6 +37,7 @@ import itertools
 import os
 import socket
 import ssl
+import struct
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -68,6 +72,14 @@ from kvfs.transport import (
 # a larger answer grows it, and the socket's next call starts again from this size (a
 # READV answer's payload over 64 KiB goes to its own buffer: ServerSockets' pool)
 SCRATCH_BYTES = 16 * 1024
+_TIMEVAL = struct.Struct("@ll")  # struct timeval, for SO_RCVTIMEO / SO_SNDTIMEO
+_WAITALL = socket.MSG_WAITALL
+
+
+def _timeval(seconds: float) -> bytes:
+    """``seconds`` as a ``struct timeval``, at least 1 us (0 would mean: wait for ever)."""
+    us = max(1, int(seconds * 1e6))
+    return _TIMEVAL.pack(us // 1_000_000, us % 1_000_000)
 
 
 class BlockingSocket:
@@ -80,12 +92,21 @@ class BlockingSocket:
         self.name = name
         self.request_timeout_s = request_timeout_s
         self._timeout_s = -1.0  # the socket's timeout as last set here (-1: not yet)
+        # after the handshake a plain socket waits in the kernel (SO_RCVTIMEO/SO_SNDTIMEO,
+        # ``_wait_in_kernel``): one syscall per receive or send, where a Python timeout
+        # polls first (two, each letting the GIL go to another thread and back)
+        self._kernel_wait = False
         self._ids = itertools.count(1)
         self._allocator = allocator
         self._decoder = self._new_decoder()
 
     def _new_decoder(self) -> FrameDecoder:
-        return FrameDecoder(Limits(), allocator=self._allocator, scratch_bytes=SCRATCH_BYTES)
+        dec = FrameDecoder(Limits(), allocator=self._allocator, scratch_bytes=SCRATCH_BYTES)
+        # a payload over 64 KiB arrives in its one buffer, the end of it too (not staged in
+        # scratch 16 KiB a receive): with the socket waiting in the kernel, one receive
+        # waits for all of it (MSG_WAITALL, _receive)
+        dec.vectored = True
+        return dec
 
     @classmethod
     def open(cls, ep: Endpoint, token: str, *, connect_timeout_s: float, request_timeout_s: float,
@@ -132,7 +153,20 @@ class BlockingSocket:
         except BaseException:
             conn.close()
             raise
+        if tls is None:
+            conn._wait_in_kernel()
         return conn
+
+    def _wait_in_kernel(self) -> None:
+        """The socket in blocking mode, its waits bounded by the kernel: a send by
+        ``request_timeout_s`` (SO_SNDTIMEO), a receive by what :meth:`_receive` sets
+        (SO_RCVTIMEO); a wait past either ends with ``BlockingIOError``.  (A TLS socket
+        keeps Python's timeouts: its reads would raise ``SSLWantReadError`` instead.)"""
+        sock = self.sock
+        sock.settimeout(None)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, _timeval(self.request_timeout_s))
+        self._timeout_s = -1.0
+        self._kernel_wait = True
 
     def call(self, request: Request[R]) -> R:
         """Send ``request`` and return its typed answer; an error frame raises its error.
@@ -171,11 +205,15 @@ class BlockingSocket:
             if left <= 0:
                 raise TimeoutError
             if not left - 1.0 <= self._timeout_s <= left + 0.01:  # (a syscall: not every call)
-                sock.settimeout(left)
+                if self._kernel_wait:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, _timeval(left))
+                else:
+                    sock.settimeout(left)
                 self._timeout_s = left
-            try:
-                n = sock.recv_into(dec.get_buffer())
-            except TimeoutError:
+            buf = dec.get_buffer()
+            try:  # (a payload's rest: one receive, woken once it is all there, or the time is up)
+                n = sock.recv_into(buf, 0, _WAITALL if self._kernel_wait and dec.in_payload else 0)
+            except (TimeoutError, BlockingIOError):  # (BlockingIOError: SO_RCVTIMEO's)
                 continue  # up to 1 s before the deadline: it decides
             if not n:
                 raise ConnectionResetError(f"{self.name} closed the connection")

@@ -433,6 +433,13 @@ class FrameDecoder:
     def buffered_bytes(self) -> int:
         return self._end - self._start + self._big_filled
 
+    @property
+    def in_payload(self) -> bool:
+        """Whether the buffer :meth:`get_buffer` last handed out is all payload of the
+        frame arriving (a part received in place, not scratch): a receive into it may wait
+        until it is full, as no byte of a later frame can belong there."""
+        return self._segs is not None and not self._staged
+
     # -- internals ---------------------------------------------------------
     def _compact(self, need: int) -> None:
         """Move unparsed bytes to the front; grow so ``need`` bytes fit."""

@@ -172,6 +172,37 @@ async def test_delete_chunks_skips_the_open_chunk_and_unknown_ids(store: ChunkSt
     assert views == [None] and isinstance(stale[0], StaleLayout)
 
 
+# usage -------------------------------------------------------------------------------------
+def on_disk(st: ChunkStore) -> int:
+    return sum(p.stat().st_size for p in st.dir.glob("*.chunk"))
+
+
+async def test_used_bytes_follow_appends_rolls_compaction_deletes_and_recovery(tmp_path: Path) -> None:
+    """The bytes used, kept as they change (not summed per append), are the chunks' bytes
+    after every kind of change, and after a restart that cuts a torn tail."""
+    st = open_store(tmp_path / "cs")
+    try:
+        a, offs = await sealed(st, b"a1", b"a2")
+        keys = [b"r%d" % i for i in range(30)]  # 30 x 3000 bytes: past CHUNK, so a roll
+        for k in keys:
+            await put(st, k, value_of(k))
+        assert len(st.sizes) >= 3 and st.usage()[2] == st.used_bytes == on_disk(st)
+        new, _, _ = await st.compact([(a, [(offs[b"a1"], 3000)])])
+        assert new is not None and st.used_bytes == on_disk(st)
+        st.delete_chunks([a])
+        assert st.used_bytes == on_disk(st) == sum(st.sizes.values())
+        last = max(st.sizes)
+    finally:
+        await st.close()
+    with open(st.chunk_path(last), "ab") as f:
+        f.write(b"KVR2 torn")  # an append cut short
+    again = open_store(tmp_path / "cs")
+    try:
+        assert again.used_bytes == on_disk(again) == sum(again.sizes.values()) == st.used_bytes
+    finally:
+        await again.close()
+
+
 # scan, seal, verify, mtimes ----------------------------------------------------------------
 async def test_scan_reads_only_the_bytes_appends_were_answered_for(store: ChunkStore) -> None:
     cid, _ = await put(store, b"k", value_of(b"k"))

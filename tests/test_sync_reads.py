@@ -21,11 +21,11 @@ from conftest import ThreadCluster, flip_byte
 
 import kvfs
 from kvfs.address import parse_addr
-from kvfs.blocking import SCRATCH_BYTES, BlockingSocket
+from kvfs.blocking import SCRATCH_BYTES, BlockingSocket, _timeval
 from kvfs.chunkserver import ChunkServer
 from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig, OnLost
-from kvfs.errors import ChecksumMismatch
+from kvfs.errors import ChecksumMismatch, Timeout
 from kvfs.launcher import ProcessCluster, ServiceProcess
 from kvfs.protocol import Flag, ReceivePool, frame_bytes
 from kvfs.rpc import Op
@@ -474,3 +474,67 @@ def test_a_blocking_socket_keeps_its_scratch_buffer_small() -> None:
         frame = s._receive(2, deadline)
         assert bytes(frame.payload) == b"v" * 200_000  # type: ignore[arg-type]
         assert s._decoder is dec and pool.reused == 0
+
+
+def test_a_plain_blocking_socket_waits_in_the_kernel_and_still_times_out() -> None:
+    """After the handshake a plain socket is in blocking mode (no poll before each receive
+    and send: one syscall each), its waits bounded by SO_RCVTIMEO/SO_SNDTIMEO: an answer
+    that never comes still ends in ``Timeout`` at the deadline, and a wait of under a
+    microsecond is never asked of the kernel as 0 (which would mean: wait for ever)."""
+    a, b = socket.socketpair()
+    with a, b:
+        s = BlockingSocket(a, "peer", 0.3)
+        s._wait_in_kernel()
+        assert a.gettimeout() is None
+        assert a.getsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, 16) == _timeval(0.3)
+        t0 = time.monotonic()
+        with pytest.raises(Timeout, match=r"PING to peer got no answer within 0\.3s"):
+            s.answer(Op.PING, 1, t0 + 0.3)
+        b.sendall(frame_bytes(Op.PING, 2, {"n": 2}, flags=Flag.RESPONSE))
+        assert s._receive(2, time.monotonic() + 5).header == {"n": 2}
+    assert _timeval(1e-9) == _timeval(0) != b"\0" * len(_timeval(0))
+    assert _timeval(2.5) == _timeval(2.5000001)
+
+
+class _CountingSocket(socket.socket):
+    """A socket that notes the flags of every receive, and tells when the first is done."""
+
+    def __init__(self, fileno: int) -> None:
+        super().__init__(fileno=fileno)
+        self.flags: list[int] = []
+        self.first = threading.Event()
+
+    def recv_into(self, buffer: memoryview, nbytes: int = 0, flags: int = 0) -> int:  # type: ignore[override]
+        n = super().recv_into(buffer, nbytes, flags)
+        self.flags.append(flags)
+        self.first.set()
+        return n
+
+
+def test_a_large_payload_arriving_in_pieces_is_received_with_one_wait() -> None:
+    """A READV answer's payload over 64 KiB goes to its own buffer; once its header is in,
+    the rest of the payload is one receive that waits for all of it (MSG_WAITALL), not one
+    receive (each letting the GIL go and back) per piece as it arrives."""
+    a, b = socket.socketpair()
+    sock = _CountingSocket(a.detach())
+    with sock, b:
+        s = BlockingSocket(sock, "peer", 30.0, allocator=ReceivePool(1 << 20, min_bytes=0))
+        s._wait_in_kernel()
+        value = bytes(range(256)) * 800  # 204,800 bytes
+        frame = frame_bytes(Op.READV, 1, {}, [value], flags=Flag.RESPONSE)
+        head = len(frame) - len(value) + 1000
+
+        def send() -> None:
+            b.sendall(frame[:head])
+            assert sock.first.wait(30)  # the first receive took the header: the rest in pieces
+            for at in range(head, len(frame), 50_000):
+                b.sendall(frame[at : at + 50_000])
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        try:
+            got = s._receive(1, time.monotonic() + 30)
+        finally:
+            sender.join(30)
+        assert bytes(got.payload) == value  # type: ignore[arg-type]
+        assert sock.flags == [0, socket.MSG_WAITALL]
