@@ -110,7 +110,6 @@ class MetaStore:
         self.db.executescript(SCHEMA)
         if self.db.execute("SELECT 1 FROM sqlite_master WHERE name = 'older'").fetchone() is None:
             with self._tx():  # a database older than the table: every key may have older records
-                self.db.execute("BEGIN")
                 self.db.execute(OLDER_SCHEMA)
                 self.db.execute("INSERT INTO older(key, until) SELECT key, NULL FROM kv")
 
@@ -130,7 +129,7 @@ class MetaStore:
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[None]:
-        """A write transaction (``with self.db``: committed, or rolled back on an error) at
+        """A write transaction (``BEGIN`` inside ``with self.db``: committed, or rolled back) at
         this store's level, or at NORMAL inside :meth:`unsynced`.  The connection keeps the
         level of its last write transaction, and the PRAGMA runs only when it must change: a
         run of unsynced writes (meta's commit groups with ``--fsync batch``) runs none (a
@@ -141,6 +140,7 @@ class MetaStore:
             self.db.execute(f"PRAGMA synchronous={level}")
             self._level = level
         with self.db:
+            self.db.execute("BEGIN")
             yield
 
     @contextlib.contextmanager
@@ -206,7 +206,6 @@ class MetaStore:
         """Write layout rows (:data:`PUT_KV`) and, in the same transaction, the keys among
         them that have older records (key, until: the ``older`` table)."""
         with self._tx():
-            self.db.execute("BEGIN")
             self.db.executemany(PUT_KV, rows)
             self.db.executemany(PUT_OLDER, older)
 
@@ -219,7 +218,6 @@ class MetaStore:
         those that had one, and store the ghosts of those dropped without a tombstone
         (chunk, key hash, expiry)."""
         with self._tx():
-            self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM kv WHERE key = ?", ((k,) for k in keys))
             self.db.executemany(PUT_TOMBSTONE, tombstones)
             self.db.executemany("DELETE FROM older WHERE key = ?", ((k,) for k in older))
@@ -227,7 +225,6 @@ class MetaStore:
 
     def put_ghosts(self, rows: Iterable[tuple[int, int, float | None]]) -> None:
         with self._tx():
-            self.db.execute("BEGIN")
             self.db.executemany(PUT_GHOST, rows)
 
     def load_ghosts(self) -> Iterator[tuple[int, int, float | None]]:
@@ -236,7 +233,6 @@ class MetaStore:
     def forget_ghosts(self, chunks: Iterable[int]) -> None:
         """The ghosts in chunks that were deleted."""
         with self._tx():
-            self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM ghosts WHERE chunk = ?", ((c,) for c in chunks))
 
     def load_older(self) -> Iterator[tuple[bytes, float | None]]:
@@ -245,7 +241,6 @@ class MetaStore:
 
     def forget_older(self, keys: Iterable[bytes]) -> None:
         with self._tx():
-            self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM older WHERE key = ?", ((k,) for k in keys))
 
     # tombstones (kvfs.meta.tombstones) ---------------------------------------------
@@ -256,17 +251,14 @@ class MetaStore:
     def put_tombstones(self, rows: Iterable[tuple[bytes, bytes, bytes]]) -> None:
         """(key, layout, horizon) rows: moved by compaction, or a horizon raised."""
         with self._tx():
-            self.db.execute("BEGIN")
             self.db.executemany(PUT_TOMBSTONE, rows)
 
     def forget_tombstones(self, keys: Iterable[bytes]) -> None:
         with self._tx():
-            self.db.execute("BEGIN")
             self.db.executemany("DELETE FROM tombstones WHERE key = ?", ((k,) for k in keys))
 
     def touch_many(self, rows: Iterable[tuple[float, bytes]]) -> None:
         with self._tx():
-            self.db.execute("BEGIN")
             self.db.executemany("UPDATE kv SET last_access = ? WHERE key = ?", rows)
 
     def list(self, prefix: bytes, start_after: bytes | None, limit: int) -> list[tuple[bytes, Layout]]:
@@ -307,7 +299,6 @@ class MetaStore:
 
     def add_dead(self, rows: Iterable[tuple[int, int, float]]) -> None:
         with self._tx():
-            self.db.execute("BEGIN")
             self.db.executemany("INSERT OR IGNORE INTO dead_chunks VALUES (?,?,?)", rows)
 
     def get_state(self, name: str) -> Any:
