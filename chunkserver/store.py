@@ -143,6 +143,15 @@ def _pwritev_all(fd: int, bufs: list[bytes | memoryview], offset: int) -> None:
         bufs.clear()
 
 
+def _write_at(fd: int, bufs: list[bytes | memoryview], offset: int, reserve: int) -> None:
+    """An append's job in an IO thread: ``reserve`` bytes of blocks reserved for the file
+    first (a new chunk's, :func:`preallocate`: KEEP_SIZE leaves the file's size, so recovery
+    and range checks see only what was written; 0: none), then :func:`_pwritev_all`."""
+    if reserve:
+        preallocate(fd, reserve)
+    _pwritev_all(fd, bufs, offset)
+
+
 def _pwritev_rest(fd: int, bufs: list[bytes | memoryview], offset: int) -> None:
     i = 0
     while i < len(bufs):
@@ -166,6 +175,12 @@ def _pwritev_rest(fd: int, bufs: list[bytes | memoryview], offset: int) -> None:
 
 
 INLINE_READ_BYTES = 8 * 1024 * 1024
+# chunk ids reserved by one write of state.json: a new chunk rewrites it (temp file, fsync,
+# rename, directory fsync) once per this many chunks, not once each (the fsync flushes the
+# disk's cache: 100-400 ms under writeback, in the event loop, once per 64 MiB appended:
+# bench/RESULTS.md, "Issue 11: the chunkservers' CPU per GB").  A restart skips the ids
+# reserved and never handed out (at most this many of 2^40).
+SEQ_BLOCK = 1024
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 # what preadv(RWF_NOWAIT) raises where a filesystem refuses the flag (tmpfs: EOPNOTSUPP)
 _NOWAIT_REFUSED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
@@ -364,7 +379,8 @@ class ChunkStore:
         self.server_id: int | None = None
         self.key = ""  # proves to meta that a re-registration comes from this data dir
         self.cluster_id: str | None = None  # the meta's, stored at the first registration
-        self.next_seq = 1
+        self.next_seq = 1  # the next chunk's sequence number
+        self.seq_reserved = 1  # state.json's next_seq: no id at or past it was handed out
         self.spans_read = 0
         self.inline_spans = 0
         self.lent_fds = 0  # fds of answers being sent (readv_files), at most max_open_files
@@ -389,16 +405,20 @@ class ChunkStore:
             return
         self.server_id = st.get("server_id")
         self.cluster_id = st.get("cluster_id")
-        self.next_seq = int(st.get("next_seq", 1))
+        self.next_seq = self.seq_reserved = int(st.get("next_seq", 1))
         self.key = str(st.get("key", ""))
 
-    def save_state(self) -> None:
+    def save_state(self, reserve: int = 0) -> None:
+        """state.json replaced durably; ``reserve``: chunk ids past ``next_seq`` it reserves
+        (handed out later without writing it again)."""
         if not self.key:
             self.key = secrets.token_hex(16)
-        state = json.dumps({"server_id": self.server_id, "next_seq": self.next_seq,
+        reserved = max(self.seq_reserved, self.next_seq + reserve)
+        state = json.dumps({"server_id": self.server_id, "next_seq": reserved,
                             "key": self.key, "cluster_id": self.cluster_id}).encode()
         with _full_is_nospace("writing state.json"):
             replace_durably(self.root / "state.json", state)
+        self.seq_reserved = reserved
 
     def chunk_path(self, chunk_id: int) -> Path:
         return self.dir / f"{chunk_id:016x}.chunk"
@@ -561,21 +581,17 @@ class ChunkStore:
     # append ----------------------------------------------------------------
     def _new_chunk_id(self) -> int:
         assert self.server_id is not None, "chunkserver is not registered yet"
+        if self.next_seq >= self.seq_reserved:  # on disk before the id is used
+            self.save_state(reserve=SEQ_BLOCK)
         cid = make_chunk_id(self.server_id, self.next_seq)
         self.next_seq += 1
-        self.save_state()
         return cid
 
     def _roll(self) -> int:
         if self._open is not None:
-            self._release(self._open)
+            self._release_later(self._open)
         cid = self._new_chunk_id()
-        fd = self._fd(cid)
-        if self.preallocate:
-            # Appends into blocks reserved up front skip the filesystem's block allocation:
-            # 16 MiB appends ran 2.5x faster here (bench/RESULTS.md). KEEP_SIZE leaves the
-            # file's size, so recovery and range checks see only what was written.
-            preallocate(fd, self.chunk_bytes)
+        self._fd(cid)  # created here; its blocks are reserved by its first write's job
         self._set_size(cid, 0)
         self._open = cid
         return cid
@@ -584,6 +600,26 @@ class ChunkStore:
         """A chunk stops taking appends: give back the blocks reserved past its end."""
         if self.preallocate:  # by path: the fd may have left the LRU of open files
             os.truncate(self.chunk_path(cid), self.sizes[cid])
+
+    def _release_later(self, cid: int) -> None:
+        """:meth:`_release` in an IO thread, not waited for: freeing blocks waits for the
+        disk where the filesystem discards them as they are freed (ext4 ``-o discard``
+        without a journal: a synchronous discard, 10-100+ ms under writeback), and in the
+        event loop that stalled every connection of the server at each new chunk
+        (bench/RESULTS.md, "Issue 11: the chunkservers' CPU per GB").  The chunk takes no
+        more appends and its size is final, so nothing waits for the truncate (to that very
+        size: no read or compaction sees other bytes); a close waits for it with the pool's
+        other jobs."""
+        if self.preallocate:
+            self.pool.run(os.truncate, self.chunk_path(cid), self.sizes[cid]).add_done_callback(
+                functools.partial(self._released, cid))
+
+    def _released(self, cid: int, fut: asyncio.Future[None]) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if isinstance(exc, FileNotFoundError):  # deleted meanwhile (GC): nothing to give back
+            return
+        if exc is not None:
+            log.warning("chunk %016x: could not give back its reserved blocks: %s", cid, exc)
 
     async def append(self, records: Sequence[Sequence[Any]], payload: memoryview) -> list[tuple[int, int]]:
         """Write all records with one vectored write; return each value's (chunk_id, offset)."""
@@ -621,8 +657,13 @@ class ChunkStore:
         """An append's write at ``base`` (the lock held by its caller), then its size; releases the lock."""
         try:
             try:
+                # Appends into blocks reserved up front skip the filesystem's block
+                # allocation: 16 MiB appends ran 2.5x faster here (bench/RESULTS.md).  A new
+                # chunk's are reserved in the IO thread, before its first write (in the event
+                # loop a reservation that waits for the disk stalls every connection).
+                reserve = self.chunk_bytes if rolled and self.preallocate else 0
                 with _full_is_nospace(f"chunkserver {self.server_id} appending {total} bytes"):
-                    await self.pool.run(_pwritev_all, fd, bufs, base)
+                    await self.pool.run(_write_at, fd, bufs, base, reserve)
             except NoSpace:
                 self.wanted_bytes = total
                 with contextlib.suppress(OSError):
@@ -654,7 +695,7 @@ class ChunkStore:
             if time.monotonic() - self._last_append < idle_s:
                 return False
             if apply:
-                self._release(chunk_id)
+                self._release_later(chunk_id)
                 self._open = None
             return True
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -63,6 +64,7 @@ async def test_open_chunk_reserves_blocks_and_sealing_releases_them(root: Path) 
         assert os.stat(st.chunk_path(cid)).st_size == st.sizes[cid]  # the size is what was written
         assert _blocks(st, cid) >= CHUNK  # the blocks of the whole chunk are reserved
         assert await st.seal(cid, 0.0)
+        assert not await st.pool.wait_idle(30)  # given back in an IO thread
         assert _blocks(st, cid) < CHUNK // 4  # sealed: the reservation past the end is given back
         views, stale = await st.readv([(cid, off, len(value))])
         assert not stale and bytes(views[0]) == value  # type: ignore[arg-type]
@@ -76,8 +78,35 @@ async def test_rolling_to_a_new_chunk_releases_the_old_one(root: Path) -> None:
         first, _ = await _put(st, b"a", os.urandom(CHUNK // 2))
         second, _ = await _put(st, b"b", os.urandom(CHUNK // 2 + (64 << 10)))  # does not fit: a new chunk
         assert second != first
+        assert not await st.pool.wait_idle(30)  # given back in an IO thread
         assert _blocks(st, first) < CHUNK * 3 // 4  # the unused half went back
         assert _blocks(st, second) >= CHUNK
+
+
+async def test_a_new_chunk_never_waits_for_the_old_one_to_give_its_blocks_back(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Freeing blocks can wait for the disk (ext4 ``-o discard`` without a journal discards
+    them before truncate returns): the old chunk's release runs in an IO thread, never in
+    the event loop, so appends to the new chunk go on meanwhile.  Here it is held until the
+    test lets it go; in the event loop it would never be let go and fails the roll."""
+    gate = threading.Event()
+    real = os.truncate
+
+    def held(path: str | os.PathLike[str], size: int) -> None:
+        if not gate.wait(10):
+            raise OSError("the held truncate was never let go")
+        real(path, size)
+
+    with opened(root) as st:
+        first, _ = await _put(st, b"a", os.urandom(CHUNK // 2))
+        monkeypatch.setattr(os, "truncate", held)
+        second, _ = await _put(st, b"b", os.urandom(CHUNK // 2 + (64 << 10)))  # a new chunk
+        third, _ = await _put(st, b"c", os.urandom(4096))
+        assert second != first and third == second and st.pool.running == 1  # still held
+        gate.set()
+        assert not await st.pool.wait_idle(30)
+        monkeypatch.undo()
+        assert _blocks(st, first) < CHUNK * 3 // 4
 
 
 async def test_close_gives_back_the_reservation_of_the_open_chunk(root: Path) -> None:

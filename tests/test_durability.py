@@ -126,6 +126,31 @@ def test_state_json_is_replaced_whole(tmp_path: Path) -> None:
         st.close_now()
 
 
+async def test_new_chunks_take_their_ids_from_a_block_state_json_reserved_once(tmp_path: Path) -> None:
+    """state.json (replaced durably: two fsyncs, each a flush of the disk's cache) is written
+    once per ``SEQ_BLOCK`` new chunks, not once each; after a restart with every chunk file
+    gone (GC deleted them) the next id is still past every id handed out before."""
+    st = ChunkStore(tmp_path, chunk_bytes=8192)  # a 4 KiB value each: every append a new chunk
+    st.server_id = 1
+    ids: list[int] = []
+    inodes: set[int] = set()
+    for i in range(5):
+        ((cid, _),) = await st.append(*_append_args(b"k%d" % i, b"x" * 4096))
+        ids.append(cid)
+        inodes.add(os.stat(tmp_path / "state.json").st_ino)
+    assert len(set(ids)) == 5 and len(inodes) == 1  # five chunks, state.json replaced once
+    assert await st.close()
+    for cid in ids:
+        os.unlink(st.chunk_path(cid))
+    again = ChunkStore(tmp_path, chunk_bytes=8192)
+    again.server_id = 1
+    try:
+        ((cid, _),) = await again.append(*_append_args(b"after", b"x" * 4096))
+        assert cid > max(ids)
+    finally:
+        await again.close()
+
+
 async def test_meta_gc_transactions_are_synced_in_every_mode(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--fsync never`` (the store at NORMAL): a delete is answered unsynced, a GC change
     (a chunk retirement) only after an ``fdatasync`` of the WAL."""
