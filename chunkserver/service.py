@@ -184,7 +184,7 @@ class ChunkServer:
         if self.store.cluster_id is None or req.cluster_id != self.store.cluster_id:
             raise WrongCluster(f"chunk deletion for cluster {req.cluster_id} refused: "
                                f"this chunkserver belongs to cluster {self.store.cluster_id}")
-        deleted = self.store.delete_chunks(req.chunks)
+        deleted = await self.store.delete_chunks(req.chunks)
         if deleted:
             log.info("deleted %d chunks (%d bytes)", len(deleted), sum(deleted.values()))
         return rpc.ChunksDeleted(deleted=deleted), ()

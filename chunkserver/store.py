@@ -143,6 +143,20 @@ def _pwritev_all(fd: int, bufs: list[bytes | memoryview], offset: int) -> None:
         bufs.clear()
 
 
+def _unlink_chunks(paths: Sequence[Path]) -> list[int | None]:
+    """Each file's size, then the file unlinked (None where it was not there)."""
+    out: list[int | None] = []
+    for path in paths:
+        try:
+            size = path.stat().st_size
+            os.unlink(path)
+        except FileNotFoundError:
+            out.append(None)
+            continue
+        out.append(size)
+    return out
+
+
 def _write_at(fd: int, bufs: list[bytes | memoryview], offset: int, reserve: int) -> None:
     """An append's job in an IO thread: ``reserve`` bytes of blocks reserved for the file
     first (a new chunk's, :func:`preallocate`: KEEP_SIZE leaves the file's size, so recovery
@@ -1055,9 +1069,14 @@ class ChunkStore:
 
         return await asyncio.get_running_loop().run_in_executor(self.pool, read)
 
-    def delete_chunks(self, chunk_ids: Sequence[int]) -> dict[int, int]:
-        """Unlink sealed chunks; reads already running finish on their open fds."""
-        deleted: dict[int, int] = {}
+    async def delete_chunks(self, chunk_ids: Sequence[int]) -> dict[int, int]:
+        """Unlink sealed chunks; reads already running finish on their open fds.  The chunks
+        leave ``sizes`` at once (no read or append starts on them), their files are unlinked
+        in an IO thread (:func:`_unlink_chunks`): an unlink frees the chunk's blocks, which
+        waits for the disk where the filesystem discards them as they are freed, as a sealed
+        chunk's truncate does (:meth:`_release_later`).  Shielded: a caller that goes away
+        does not leave chunks forgotten here and still on disk."""
+        doomed: list[tuple[int, int | None]] = []
         for cid in chunk_ids:
             if cid == self._open:
                 continue
@@ -1067,13 +1086,16 @@ class ChunkStore:
             if fd is not None:
                 self._close_later.append(fd)
                 self._close_idle()
-            try:
-                st = self.chunk_path(cid).stat()
-                os.unlink(self.chunk_path(cid))
-                deleted[cid] = st.st_size
-            except FileNotFoundError:
-                if size is not None:
-                    deleted[cid] = size
+            doomed.append((cid, size))
+        if not doomed:
+            return {}
+        found = await asyncio.shield(self.pool.run(_unlink_chunks, [self.chunk_path(c) for c, _ in doomed]))
+        deleted: dict[int, int] = {}
+        for (cid, size), st_size in zip(doomed, found, strict=True):
+            if st_size is not None:
+                deleted[cid] = st_size
+            elif size is not None:  # already unlinked (a crash between unlink and answer)
+                deleted[cid] = size
         return deleted
 
     async def verify(self, ranges: Sequence[tuple[int, int, int, int]]) -> tuple[list[int], list[int]]:

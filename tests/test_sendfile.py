@@ -366,7 +366,7 @@ async def test_a_chunk_deleted_mid_send_is_still_sent_whole(one: LocalCluster) -
     try:
         assert conn._proto.transport is not None
         store = _cs(one).store
-        assert cid in store.delete_chunks([cid])
+        assert cid in await store.delete_chunks([cid])
         assert not store.chunk_path(cid).exists()
         conn._proto.transport.resume_reading()
         async with asyncio.timeout(30):

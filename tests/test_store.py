@@ -163,13 +163,39 @@ async def test_delete_chunks_skips_the_open_chunk_and_unknown_ids(store: ChunkSt
     assert await read(store, a, a_offs[b"a"], 3000) == value_of(b"a")  # a's fd is open now
     a_size = store.sizes[a]
     o, o_off = await put(store, b"o", value_of(b"o"))
-    deleted = store.delete_chunks([o, a, gone, make_chunk_id(1, 999)])
+    deleted = await store.delete_chunks([o, a, gone, make_chunk_id(1, 999)])
     assert deleted == {a: a_size, gone: gone_size}
     assert not store.chunk_path(a).exists()
     assert not any(str(store.chunk_path(a)) in p for p in open_paths())  # its blocks are freed
     assert await read(store, o, o_off, 3000) == value_of(b"o")  # the open chunk stays
     views, stale = await store.readv([(a, a_offs[b"a"], 3000)])
     assert views == [None] and isinstance(stale[0], StaleLayout)
+
+
+async def test_a_chunk_being_deleted_never_holds_the_event_loop(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unlink frees the chunk's blocks, which can wait for the disk (ext4 ``-o discard``
+    without a journal discards them before unlink returns): it runs in an IO thread, so
+    appends go on meanwhile.  Here it is held until the test lets it go; in the event loop it
+    would never be let go and fails the delete."""
+    a, _ = await sealed(store, b"a")
+    gate = threading.Event()
+    real = os.unlink
+
+    def held(path: str | os.PathLike[str]) -> None:
+        if not gate.wait(10):
+            raise OSError("the held unlink was never let go")
+        real(path)
+
+    monkeypatch.setattr(os, "unlink", held)
+    deleting = asyncio.ensure_future(store.delete_chunks([a]))
+    o, off = await put(store, b"o", value_of(b"o"))  # the loop runs while the unlink is held
+    assert not deleting.done()
+    gate.set()
+    assert list(await deleting) == [a]
+    monkeypatch.undo()
+    assert not store.chunk_path(a).exists() and a not in store.sizes
+    assert await read(store, o, off, 3000) == value_of(b"o")
 
 
 # usage -------------------------------------------------------------------------------------
@@ -189,7 +215,7 @@ async def test_used_bytes_follow_appends_rolls_compaction_deletes_and_recovery(t
         assert len(st.sizes) >= 3 and st.usage()[2] == st.used_bytes == on_disk(st)
         new, _, _ = await st.compact([(a, [(offs[b"a1"], 3000)])])
         assert new is not None and st.used_bytes == on_disk(st)
-        st.delete_chunks([a])
+        await st.delete_chunks([a])
         assert st.used_bytes == on_disk(st) == sum(st.sizes.values())
         last = max(st.sizes)
     finally:
