@@ -217,6 +217,11 @@ def clocked_client(c: LocalCluster, clock: FakeClock) -> AsyncClient:
     return kv
 
 
+def readv_calls(cluster: LocalCluster) -> int:
+    """READV requests ``cluster``'s chunkservers have answered so far."""
+    return sum(cs.readv_calls for cs in cluster.chunkservers if cs is not None)
+
+
 def value_of(key: str, size: int = 4096) -> bytes:
     """``size`` bytes that only ``key`` gives: a wrong or stale read shows as other bytes."""
     seed = hashlib.sha256(key.encode()).digest()

@@ -16,22 +16,18 @@ from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
 from kvfs.errors import Unavailable
 from kvfs.launcher import LocalCluster
-from tests.conftest import ThreadCluster
-
-
-def _readv_calls(cluster: LocalCluster) -> int:
-    return sum(cs.readv_calls for cs in cluster.chunkservers if cs is not None)
+from tests.conftest import ThreadCluster, readv_calls
 
 
 async def test_128_concurrent_gets_share_rpcs(cluster: LocalCluster, kv: AsyncClient) -> None:
     items = {f"b{i}".encode(): os.urandom(4096) for i in range(128)}
     await kv.put_many(items)
     kv.layout_cache.clear()
-    lookups, readvs = kv.rpc_counts["LOOKUP"], _readv_calls(cluster)
+    lookups, readvs = kv.rpc_counts["LOOKUP"], readv_calls(cluster)
     got = await asyncio.gather(*(kv.get(k) for k in items))
     assert got == list(items.values())
     assert kv.rpc_counts["LOOKUP"] - lookups == 1
-    assert _readv_calls(cluster) - readvs == 1  # one put_many -> one server -> one readv
+    assert readv_calls(cluster) - readvs == 1  # one put_many -> one server -> one readv
 
 
 async def test_batch_is_flushed_at_max_keys(cluster: LocalCluster) -> None:
@@ -82,13 +78,13 @@ async def test_concurrent_get_into_calls_share_rpcs(cluster: LocalCluster, kv: A
     kv.layout_cache.clear()
     keys = list(items)
     bufs = [bytearray(4096) for _ in keys]
-    lookups, readvs = kv.rpc_counts["LOOKUP"], _readv_calls(cluster)
+    lookups, readvs = kv.rpc_counts["LOOKUP"], readv_calls(cluster)
     calls = [kv.get_into(keys[i : i + 2], bufs[i : i + 2]) for i in range(0, 32, 2)]
     results = await asyncio.gather(*calls)
     assert results == [[4096, 4096]] * 16
     assert [bytes(b) for b in bufs] == list(items.values())
     assert kv.rpc_counts["LOOKUP"] - lookups == 2  # 16 calls: the first alone, 15 in one
-    assert _readv_calls(cluster) - readvs == 2  # one server holds them all: a readv each
+    assert readv_calls(cluster) - readvs == 2  # one server holds them all: a readv each
 
 
 async def test_coalesced_get_into_calls_keep_their_own_results(kv: AsyncClient) -> None:
@@ -397,7 +393,7 @@ async def test_get_into_sends_what_get_many_sends(cluster: LocalCluster, kv: Asy
     bufs = [[bytearray(4096) for _ in range(128)] for _ in calls]
 
     def sent() -> tuple[int, int, int, int]:
-        return (kv.rpc_counts["LOOKUP"], kv.rpc_counts["TOUCH"], _readv_calls(cluster),
+        return (kv.rpc_counts["LOOKUP"], kv.rpc_counts["TOUCH"], readv_calls(cluster),
                 sum(cs.store.spans_read for cs in cluster.chunkservers if cs is not None))
 
     costs = []

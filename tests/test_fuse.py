@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import ThreadCluster
+from conftest import ThreadCluster, readv_calls
 from fuse_mount import Mount, needs_fuse, wait_until
 
 from kvfs._batch import Batcher
@@ -313,11 +313,6 @@ def test_a_file_read_again_is_answered_from_the_kernels_pages(
         m.cleanup()
 
 
-def _readvs(tcluster: ThreadCluster) -> int:
-    """READV requests the cluster's chunkservers have answered so far."""
-    return sum(cs.readv_calls for cs in tcluster.cluster.chunkservers if cs is not None)
-
-
 @needs_fuse
 def test_a_file_written_here_is_read_back_from_the_kernels_pages(
         tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
@@ -342,10 +337,10 @@ def test_a_file_written_here_is_read_back_from_the_kernels_pages(
         reads = fetched = 0
         while time.monotonic() < until or reads < 4:
             for name, v in values.items():
-                before = _readvs(tcluster)
+                before = readv_calls(tcluster.cluster)
                 with open(d / name, "rb", buffering=0) as f:
                     assert f.readinto(buf) == len(v) and buf[:len(v)] == v
-                fetched += _readvs(tcluster) > before
+                fetched += readv_calls(tcluster.cluster) > before
                 assert os.stat(d / name).st_mtime_ns == mtimes[name]
             reads += 1
         # the kernel may leave a written page out of its cache now and then (one its copy of
@@ -1224,6 +1219,23 @@ async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncC
     table.close(fh)
 
 
+async def _open_and_read(io: Any, ino: int, path: str) -> tuple[bool, bytes]:
+    """A read-only open of ``ino`` through ``io`` (a :class:`FileIO`), looked up first where
+    the open asks for it, and its first 100 bytes: whether the kernel's pages were kept."""
+    from kvfs.mount.inodes import Handle
+
+    h = Handle(ino, writable=False)
+    keep = io.opened(h)
+    if keep is None:  # unsure: the open's own lookup
+        await io.info(ino, path)
+        keep = io.opened(h, looked=True)
+    fh = io.table.open(h)
+    try:
+        return bool(keep), bytes(await io.read(h, 0, 100))
+    finally:
+        io.table.close(fh)
+
+
 async def test_a_value_committed_here_keeps_the_pages_it_was_written_through(kv: AsyncClient) -> None:
     """--page-cache-files: a handle that wrote a file and committed it, with no other open of
     the file here meanwhile (``sole``), leaves the kernel's pages of it as that value's: a
@@ -1257,16 +1269,7 @@ async def test_a_value_committed_here_keeps_the_pages_it_was_written_through(kv:
         table.close(fh)
 
     async def once(cfg: FileIO = io) -> tuple[bool, bytes]:
-        h = Handle(ino, writable=False)
-        keep = cfg.opened(h)
-        if keep is None:  # unsure: the open's own lookup
-            await cfg.info(ino, "wc/a")
-            keep = cfg.opened(h, looked=True)
-        fh = table.open(h)
-        try:
-            return bool(keep), bytes(await cfg.read(h, 0, 100))
-        finally:
-            table.close(fh)
+        return await _open_and_read(cfg, ino, "wc/a")
 
     await write(b"one")
     assert await once() == (True, b"one")  # soon after the commit: no lookup
@@ -1288,6 +1291,68 @@ async def test_a_value_committed_here_keeps_the_pages_it_was_written_through(kv:
     await write(b"five", cfg=off)
     off._looked_up.clear()  # nothing kept: an open never looks it up for that
     assert off.opened(Handle(ino, writable=False)) is False and await once(off) == (False, b"five")
+
+
+async def test_a_held_files_pages_are_its_values_once_committed_and_never_after_a_failure(
+        kv: AsyncClient) -> None:
+    """--write-behind: the close of a file written with no other open of it here holds it;
+    once that version's commit lands, the kernel's pages it was written through are its
+    value's (an open keeps them, a lookup reports the mtime the kernel was told), as after a
+    close that commits.  What the mount remembers of a held version ends with it, whatever
+    its outcome: committed, failed (nothing kept: the older value is read anew), replaced by
+    a newer close before it was sent (the newer one's pages kept), dropped by an unlink."""
+    from kvfs.config import MountConfig
+    from kvfs.errors import ServerError
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import Handle, InodeTable
+
+    table = InodeTable()
+    fs = KVFileSystem(client=kv, asynchronous=True)
+    io = FileIO(fs, table, MountConfig(write_behind_bytes=1 << 20, write_behind_delay_s=0),
+                fresh_s=60)
+    ino = table.remember("hk/a")
+
+    async def close(data: bytes, mtime: float) -> None:
+        h = Handle(ino, writable=True, data=bytearray(), dirty=True, mtime=mtime)
+        h.sole = io.writing(ino)
+        fh = table.open(h)
+        await io.write(h, 0, data)
+        await io.commit(h)  # held
+        table.close(fh)
+        assert list(io._held_pages) == [ino]
+
+    async def once() -> tuple[bool, bytes]:
+        return await _open_and_read(io, ino, "hk/a")
+
+    await close(b"one", 1234.5)
+    await io.wb.sync("hk/a")
+    assert not io._held_pages
+    assert await once() == (True, b"one")  # no READ: the pages it was written through
+    assert (await io.info(ino, "hk/a"))["created"] == 1234.5
+    send = io.wb._send
+
+    async def refused(batch: Any) -> None:
+        raise ServerError("injected: meta refuses the commit")
+
+    io.wb._send = refused  # type: ignore[method-assign]
+    await close(b"two", 99.0)
+    with pytest.raises(OSError):
+        await io.wb.sync("hk/a")
+    assert not io._held_pages
+    assert await once() == (False, b"one")  # the older value, read anew
+    assert (await io.info(ino, "hk/a"))["created"] != 99.0
+    io.wb._send = send  # type: ignore[method-assign]
+    io.wb.delay_s = 60  # held files wait for a batch (until a sync hurries them)
+    await close(b"three", 3.0)
+    await close(b"four", 4.0)  # replaces the held "three" before it was sent
+    await io.wb.sync("hk/a")
+    assert not io._held_pages
+    assert await once() == (True, b"four")
+    assert (await io.info(ino, "hk/a"))["created"] == 4.0
+    await close(b"five", 5.0)
+    io.changed(ino)  # unlinked, as KVFSOperations.unlink does
+    await io.wb.drop("hk/a")
+    assert not io._held_pages
 
 
 async def test_an_open_as_its_lookups_time_ends_keeps_a_written_files_pages_and_mtime(

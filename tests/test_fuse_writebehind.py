@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from conftest import Hold, ThreadCluster
+from conftest import Hold, ThreadCluster, readv_calls
 from fuse_mount import Mount, needs_fuse, wait_until
 
 from kvfs.chunkserver.durability import fsync_dir
@@ -507,3 +508,146 @@ def test_a_streamed_close_waits_for_the_held_version_being_committed(
         fsync_dir(d)
         assert fs.cat_file("sw/f.bin") == big
         assert (d / "f.bin").read_bytes() == big
+
+
+# the kernel's pages of a file written here, across its delayed commit --------------------
+def _read_fetched(p: Path, want: bytes, tcluster: ThreadCluster) -> bool:
+    """``p`` read whole through a new open (bytes checked): whether any READV reached a
+    chunkserver meanwhile (False: answered from the kernel's cached pages)."""
+    before = readv_calls(tcluster.cluster)
+    with open(p, "rb", buffering=0) as f:
+        got = f.read()
+    assert got == want, f"{p.name}: other bytes than its value"
+    return readv_calls(tcluster.cluster) > before
+
+
+def test_a_file_written_here_is_read_back_from_its_pages_after_its_delayed_commit(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """A file written and closed here, committed after its close (meta's COMMIT held
+    meanwhile) with nothing done to it in between, is read back as on the default mount:
+    from the kernel's pages it was written through, so no READV reaches a chunkserver, soon
+    after the commit and after the attribute time; its mtime stays the one the kernel was
+    told while it was written, while held and once committed (a new one would make the
+    kernel drop the pages)."""
+    attr_s = 0.3
+    values = {f"p{i}.bin": os.urandom(128 * 1024) for i in range(3)}
+    values["big.bin"] = os.urandom(2 << 20)
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB",
+                 "--attr-timeout", f"{attr_s}s") as m:
+        d = m.mnt / "wk"
+        d.mkdir()
+        mtimes = {}
+        with commits_held(tcluster) as release:
+            for name, v in values.items():
+                with open(d / name, "wb") as f:
+                    f.write(v)
+                    f.flush()
+                    mtimes[name] = os.fstat(f.fileno()).st_mtime_ns  # while written
+            assert not fs.exists("wk/p0.bin")  # held: none committed yet
+            for name in values:
+                assert os.stat(d / name).st_mtime_ns == mtimes[name]
+            release(None)
+        fsync_dir(d)  # all committed now
+        assert fs.cat([f"wk/{n}" for n in values]) == {f"wk/{n}": v for n, v in values.items()}
+        until = time.monotonic() + 3 * attr_s  # soon after the commit, then looked up again
+        reads = fetched = 0
+        while time.monotonic() < until or reads < 4:
+            for name, v in values.items():
+                fetched += _read_fetched(d / name, v, tcluster)
+                assert os.stat(d / name).st_mtime_ns == mtimes[name]
+            reads += 1
+        # as on the default mount, the kernel may leave a written page out of its cache now
+        # and then (that page alone is read, from the same value); with the pages dropped at
+        # the commit, every file's first read here is fetched
+        assert fetched <= 1, f"{fetched} of {reads * len(values)} reads went to the cluster"
+        assert "Traceback" not in m.stderr()
+
+
+def test_pages_written_before_a_delayed_commit_are_dropped_if_the_file_changed_meanwhile(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """Between a file's close and its delayed commit (meta's COMMIT held), anything done to
+    it here that could make the kernel's pages of it differ from the committed value makes
+    the next open drop them (its reads go to the cluster), as an open on the default mount
+    would: an open for writing (even with nothing written), a read-only open (the pages are
+    dropped at that open, then taken from the held bytes: not trusted afterwards either),
+    a truncate(2), a rename away and back, another file renamed over it.  Every read answers
+    the file's value then, never the pages' bytes: also for a file written anew here, one
+    unlinked and made again, and one another client replaced while its commit was held (the
+    last commit wins; once the attribute time has passed the mount reads it)."""
+    n = 128 * 1024
+    v = {name: os.urandom(n) for name in (
+        "kept.bin", "wopen.bin", "ropen.bin", "trunc.bin", "moved.bin", "over.bin",
+        "rewritten.bin", "unlinked.bin", "elsewhere.bin")}
+    newer = {name: os.urandom(n) for name in ("over.bin", "rewritten.bin", "unlinked.bin",
+                                              "elsewhere.bin")}
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--attr-timeout", "0.3s") as m:
+        d = m.mnt / "ch"
+        d.mkdir()
+        with commits_held(tcluster) as release, ThreadPoolExecutor(2) as ex:
+            for name, data in v.items():
+                _write(d / name, data)  # held; the first batch's COMMIT held at meta
+            os.close(os.open(d / "wopen.bin", os.O_WRONLY))
+            assert (d / "ropen.bin").read_bytes() == v["ropen.bin"]
+            truncated = ex.submit(os.truncate, d / "trunc.bin", n)  # waits for the commit
+            os.rename(d / "moved.bin", d / "moved.tmp")
+            os.rename(d / "moved.tmp", d / "moved.bin")
+            _write(d / ".over.tmp", newer["over.bin"])
+            os.replace(d / ".over.tmp", d / "over.bin")
+            _write(d / "rewritten.bin", newer["rewritten.bin"])
+            os.unlink(d / "unlinked.bin")
+            _write(d / "unlinked.bin", newer["unlinked.bin"])
+            put = ex.submit(fs.pipe_file, "ch/elsewhere.bin", newer["elsewhere.bin"])
+            release(None)
+            truncated.result(30)
+            put.result(30)
+        fsync_dir(d)
+        want = {**v, **newer}
+        for name in ("wopen.bin", "ropen.bin", "trunc.bin", "moved.bin", "over.bin"):
+            assert _read_fetched(d / name, want[name], tcluster), f"{name}: pages kept"
+        for name in ("kept.bin", "rewritten.bin", "unlinked.bin"):
+            _read_fetched(d / name, want[name], tcluster)
+        # whichever COMMIT meta applied last is the value: this mount reads it (its own
+        # commit counts as a lookup for the attribute time), never a mix
+        last = fs.cat_file("ch/elsewhere.bin")
+        assert last in (v["elsewhere.bin"], newer["elsewhere.bin"])
+
+        def reads_last() -> bool:
+            got = (d / "elsewhere.bin").read_bytes()
+            assert got in (v["elsewhere.bin"], newer["elsewhere.bin"])
+            return got == last
+
+        wait_until(reads_last, 10, "the value meta committed last")
+        assert "Traceback" not in m.stderr()
+
+
+def test_a_newer_version_whose_commit_fails_leaves_no_pages_of_it(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """A file written and closed, its COMMIT held at meta, then written again (the same
+    size, other bytes) and closed: the newer version waits for the older one, whose commit
+    lands (the kernel's pages still hold the newer bytes), then its own commit fails.  The
+    file's value is the older version, and this mount reads that, never the newer bytes in
+    the kernel's pages: the older commit keeps no pages (they are not its bytes), and the
+    newer version's record goes with its failure."""
+    n = 256 * 1024
+    v1, v2 = os.urandom(n), os.urandom(n)
+    commits: list[Any] = []
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB", "--attr-timeout", "0.3s") as m:
+        d = m.mnt / "nf"
+        d.mkdir()
+        # the first COMMIT is held (outer), the later ones fail (inner, asked first)
+        with op_held(tcluster, Op.COMMIT) as ([first], release_first), op_held(
+                tcluster, Op.COMMIT, lambda r: commits.append(r) is None and len(commits) > 1
+        ) as (_, release_later):
+            release_later(ServerError("injected: meta refuses the newer version's commit"))
+            _write(d / "f.bin", v1)  # held, sent at once: its COMMIT held at meta
+            first.reached_from_thread(what="the older version's COMMIT")
+            _write(d / "f.bin", v2)  # written through the pages; waits for the older commit
+            release_first(None)
+            with pytest.raises(OSError) as ei:
+                fsync_dir(d)
+            assert ei.value.errno == errno.EIO
+        assert fs.cat_file("nf/f.bin") == v1
+        assert len(commits) == 2
+        for _ in range(3):
+            _read_fetched(d / "f.bin", v1, tcluster)
+        assert "were not committed after their close" in m.stderr()

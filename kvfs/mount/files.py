@@ -20,11 +20,19 @@ Memory per open file is bounded whatever the file's size:
   the file when they hold that very value: read from it, or written through them by the
   handle that committed it with no other open of the file here (``opened``, ``_wrote``; at
   most ``page_cache_files`` inodes remembered); otherwise the first read pins the value's
-  layout (a lookup batched with other files' first reads).  The kernel's pages are per inode: an open while another open of the file
-  here reads another version through them gets ``direct_io`` (``opened``).  Each read
-  fetches the stripe units it overlaps, batched across files, and answers from them
-  without a copy; a sequential reader gets ``read_ahead_units`` units fetched ahead.  An
-  open file keeps at most ``read_ahead_units + 2`` units.
+  layout (a lookup batched with other files' first reads).  With ``--write-behind`` the
+  same holds once a held version's commit lands, for the pages of the handle whose close
+  held it: remembered at that close (``_held_through``: at most one per held version) and
+  made the value's at its commit (``_behind_committed``, with the layout the commit
+  returned and the mtime the kernel was told, which a held file reports too), unless
+  anything that drops the pages happened in between (an open of the file here, a write, a
+  truncation, a rename or unlink, another commit of it: ``_unknown``); a version that
+  fails, is superseded or dropped leaves nothing, and an older version's commit landing
+  leaves a newer one's record as it is.  The kernel's pages are per inode: an open while
+  another open of the file here reads another version through them gets ``direct_io``
+  (``opened``).  Each read fetches the stripe units it overlaps, batched across files, and
+  answers from them without a copy; a sequential reader gets ``read_ahead_units`` units
+  fetched ahead.  An open file keeps at most ``read_ahead_units + 2`` units.
 - **Closes share commits** as reads share batches: the small files closed while
   earlier commits are in flight go out together, one ``put_many``.  With
   ``--write-behind`` a close hands the file to :mod:`kvfs.mount.writebehind` instead
@@ -93,6 +101,13 @@ class FileIO:
         # for that value from then on, so that the kernel keeps the pages: FUSE drops them
         # when a file's mtime changes); absent: not known (an open drops them)
         self._cached: OrderedDict[int, tuple[Layout, float | None]] = OrderedDict()
+        # --write-behind: per inode, the held version a handle that wrote through the
+        # kernel's pages of it alone (``sole``) closed, and the mtime the kernel was told:
+        # its pages hold those bytes only.  Once that version is committed they are its
+        # value's (``_cached``), unless anything that drops ``_cached`` happened meanwhile
+        # (``_unknown`` drops this too).  At most one per held version: gone once it ends,
+        # whatever its outcome (``_behind_ended``), so bounded by --write-behind-files
+        self._held_pages: dict[int, tuple[Held, float]] = {}
         self.stripe = fs.client.config.stripe_bytes
         # FUSE requests reach the loop one at a time, so reads batch by load, not by tick;
         # with ``hold`` (the mount's: still reading queued requests) and --batch-hold, what
@@ -130,9 +145,33 @@ class FileIO:
         self.reads.release()
 
     def _behind_committed(self, e: Held) -> None:
-        self.changed(self.table.ino_of(e.path))  # a layout looked up meanwhile is stale
+        ino = self.table.ino_of(e.path)
+        if ino is not None:
+            written = self._held_pages.get(ino)
+            if written is not None and written[0] is e:  # nothing changed it since its close
+                del self._held_pages[ino]
+                if e.layout is not None:
+                    self._wrote_value(ino, e.path, e.layout, written[1])
+            else:  # a layout looked up meanwhile is stale (a newer version's record stays:
+                # this commit changes neither the pages nor what that version commits)
+                self._looked_up.pop(ino, None)
+                self._cached.pop(ino, None)
         if e.pieces is not None:  # in a listing sent while it was held (meta's lacks it)
             self.made(e.path)
+
+    def _held_through(self, h: Handle, e: Held) -> None:
+        """``h``'s bytes are held as ``e``: if ``h`` wrote through the kernel's pages of its
+        file with no other open of it here since it opened (``sole``, as :meth:`_wrote`
+        asks), they hold ``e``'s bytes only, and are its value's once it is committed."""
+        if h.sole and not h.orphan and self.config.page_cache_files:
+            self._held_pages[h.ino] = (e, h.mtime)
+            e.done.add_done_callback(lambda _: self._behind_ended(h.ino, e))
+
+    def _behind_ended(self, ino: int, e: Held) -> None:
+        """``e`` committed (recorded already), failed, superseded or dropped."""
+        written = self._held_pages.get(ino)
+        if written is not None and written[0] is e:
+            del self._held_pages[ino]
 
     def held(self, path: str) -> Held | None:
         """``path``'s held version (write-behind); FileNotFoundError for a held delete."""
@@ -268,12 +307,17 @@ class FileIO:
         """This mount changed or removed ``ino``'s value: its looked-up layout is stale."""
         if ino is not None:
             self._looked_up.pop(ino, None)
-            self._cached.pop(ino, None)
+            self._unknown(ino)
+
+    def _unknown(self, ino: int) -> None:
+        """What the kernel's pages of ``ino`` hold is not known (an open drops them)."""
+        self._cached.pop(ino, None)
+        self._held_pages.pop(ino, None)
 
     def writing(self, ino: int) -> bool:
         """``ino`` is being opened for writing here: the kernel's pages of it take what is
         written.  Returns whether no other open of it is here (the new handle is ``sole``)."""
-        self._cached.pop(ino, None)
+        self._unknown(ino)
         return self._alone(ino)
 
     def _alone(self, ino: int) -> bool:
@@ -293,9 +337,17 @@ class FileIO:
         while it wrote stays that value's here."""
         if layout is None or h.orphan:
             return
-        self._saw(h.ino, os.fsencode(path), layout)
-        if h.sole and self.config.page_cache_files:
-            self._remember(h.ino, (layout, h.mtime))
+        if h.sole:
+            self._wrote_value(h.ino, path, layout, h.mtime)
+        else:
+            self._saw(h.ino, os.fsencode(path), layout)
+
+    def _wrote_value(self, ino: int, path: str, layout: Layout, mtime: float) -> None:
+        """The kernel's pages of ``ino`` hold bytes of ``path``'s value ``layout`` only, just
+        committed here (as if looked up now), and the kernel was told ``mtime``."""
+        self._saw(ino, os.fsencode(path), layout)
+        if self.config.page_cache_files:
+            self._remember(ino, (layout, mtime))
 
     def _remember(self, ino: int, entry: tuple[Layout, float | None] | None) -> None:
         """``ino`` the most recent of the inodes whose pages' value is known (``entry``: that
@@ -309,6 +361,7 @@ class FileIO:
     def forget_layouts(self) -> None:
         self._looked_up.clear()
         self._cached.clear()
+        self._held_pages.clear()
 
     def _fresh(self, ino: int) -> ValueReader | None:
         """The reader of ``ino``'s layout looked up within ``fresh_s`` (not to be read with)."""
@@ -366,12 +419,12 @@ class FileIO:
         cached = [o for o in others if not o.writable and not o.direct] if others else ()
         if (reader is None or self.wb.get(self.table.path(ino)) is not None
                 or any(o.writable for o in others)):
-            self._cached.pop(ino, None)
+            self._unknown(ino)  # (a version held with pages written through: dropped too)
             h.direct = bool(cached)  # pinned only at its first read: maybe another version
             return False
         layout = reader.layout
         if any(o.reader is None or o.reader.layout != layout for o in cached):
-            self._cached.pop(ino, None)
+            self._unknown(ino)
             h.direct = True  # pages of two versions would mix
             return False
         h.reader = reader
@@ -502,7 +555,7 @@ class FileIO:
         if off + len(buf) > MAX_VALUE_BYTES:
             raise OSError(errno.EFBIG, f"kvfs values are limited to {MAX_VALUE_BYTES} bytes")
         async with h.lock:
-            self._cached.pop(h.ino, None)  # the kernel's pages take bytes not committed yet
+            self._unknown(h.ino)  # the kernel's pages take bytes not committed yet
             self._check(h)
             await self._load(h)
             d = h.data
@@ -525,7 +578,7 @@ class FileIO:
     async def truncate(self, h: Handle, size: int) -> None:
         """``ftruncate`` of an open file."""
         async with h.lock:
-            self._cached.pop(h.ino, None)
+            self._unknown(h.ino)
             if size == 0:  # a new, empty file: whatever was streamed is dropped
                 await self._drop_stream(h)
                 h.data, h.base, h.prefix, h.failed = bytearray(), 0, 0, None
@@ -655,11 +708,14 @@ class FileIO:
                     else [d, *h.tail]
                 path = self.table.path(h.ino)
                 new, h.new = h.new, False
-                if await self.wb.hold(path, value, len(d) + h.tail_bytes,
-                                      wanted=lambda: not h.orphan, new=new):
+                held = await self.wb.hold(path, value, len(d) + h.tail_bytes,
+                                          wanted=lambda: not h.orphan, new=new, created=h.mtime)
+                if held is not False:
                     # the held value owns these buffers now: writing on starts from a copy
                     h.data, h.tail, h.tail_bytes, h.held = None, [], 0, None
                     h.dirty = False
+                    if isinstance(held, Held):
+                        self._held_through(h, held)
                     self.made(path)
                     return
                 layout = await self.put(path, value, len(d) + h.tail_bytes)

@@ -19,7 +19,11 @@ error.  With it:
   the writers wait on); a full batch, an fsync waiting for it and a close waiting for
   room send at once.
 - **This mount sees a held file at once** (lookups, listings, reads answer from the held
-  bytes); other nodes see it once committed.
+  bytes; its mtime is the one the kernel was told while it was written); other nodes see
+  it once committed.  Each commit learns the layout meta committed the file with
+  (:attr:`Held.layout`), so that the kernel's pages a file was written through stay that
+  value's after the commit, as after a close that commits
+  (:meth:`kvfs.mount.files.FileIO._behind_committed`).
 - **One version of a path is committed at a time, in order**: a newer close of a path
   replaces its held version not yet sent (which is then never sent), and waits for one
   being committed.  A newer close that is not held (streamed, or larger than
@@ -73,6 +77,7 @@ from kvfs.config import MountConfig
 
 if TYPE_CHECKING:
     from kvfs.client import AsyncClient
+    from kvfs.layout import Layout
 
 __all__ = ["Held", "WriteBehind"]
 
@@ -111,6 +116,8 @@ class Held:
     # missing (this version and those it replaced were never sent): dropping it, or renaming
     # it away, leaves nothing to delete there
     new: bool = False
+    # the layout meta committed it with (``AsyncClient.put_layouts``), once committed
+    layout: Layout | None = None
     _starts: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -275,13 +282,15 @@ class WriteBehind:
             self._hurry -= 1
 
     async def hold(self, path: str, value: Value, nbytes: int,
-                   wanted: Callable[[], bool] = lambda: True, *, new: bool = False) -> bool:
+                   wanted: Callable[[], bool] = lambda: True, *, new: bool = False,
+                   created: float | None = None) -> Held | bool:
         """Hold ``value`` (``nbytes`` in all; its buffers are not changed afterwards) as
-        ``path``'s newest version, once there is room.  False: not held (larger than the
-        whole buffer, or write-behind is off); commit it now instead.  ``wanted()`` is
-        asked once there is room: false (the file was unlinked meanwhile) holds nothing.
-        ``new``: the file was created here where its name was missing, and not committed
-        since (:attr:`Held.new`, unless a version of ``path`` was sent meanwhile)."""
+        ``path``'s newest version, once there is room, and return that version.  False: not
+        held (larger than the whole buffer, or write-behind is off); commit it now instead.
+        ``wanted()`` is asked once there is room: false (the file was unlinked meanwhile)
+        holds nothing (True).  ``new``: the file was created here where its name was
+        missing, and not committed since (:attr:`Held.new`, unless a version of ``path`` was
+        sent meanwhile).  ``created``: its mtime (default: now)."""
         if not self.enabled or nbytes > self.limit_bytes or self._closed:
             return False
         while True:
@@ -289,19 +298,22 @@ class WriteBehind:
             if self._fits(nbytes - (old.nbytes if old else 0), 0 if old else 1):
                 break
             await self._room()
-        if wanted():
-            pieces = value if isinstance(value, list) else [value]
-            e = self._new(path, pieces, nbytes)
-            old = self._queue.get(path)
-            e.new = new and (old.new if old is not None else path not in self._sent
-                             and path not in self._recent and path not in self._sending)
-            self._add(e)
-        return True
+        if not wanted():
+            return True
+        pieces = value if isinstance(value, list) else [value]
+        e = self._new(path, pieces, nbytes, created)
+        old = self._queue.get(path)
+        e.new = new and (old.new if old is not None else path not in self._sent
+                         and path not in self._recent and path not in self._sending)
+        self._add(e)
+        return e
 
-    def _new(self, path: str, pieces: list[Piece] | None, nbytes: int) -> Held:
+    def _new(self, path: str, pieces: list[Piece] | None, nbytes: int,
+             created: float | None = None) -> Held:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         fut.add_done_callback(retrieve)  # a failure is logged by the committer, not by asyncio
-        return Held(path, pieces, nbytes, fut, queued=asyncio.get_running_loop().time())
+        return Held(path, pieces, nbytes, fut, queued=asyncio.get_running_loop().time(),
+                    created=time.time() if created is None else created)
 
     def _add(self, e: Held) -> None:
         """``e`` queued as its path's newest version (replacing a queued one: never sent)."""
@@ -495,16 +507,23 @@ class WriteBehind:
         self._pump()
 
     async def _send(self, batch: list[Held]) -> None:
-        puts = [(os.fsencode(e.path), e.pieces) for e in batch if e.pieces is not None]
+        puts = [e for e in batch if e.pieces is not None]
         deletes = [os.fsencode(e.path) for e in batch if e.pieces is None]
         calls: list[Coroutine[Any, Any, Any]] = []
         if puts:
-            calls.append(self.client.put_many(puts, ttl=self.ttl))
+            calls.append(self._put(puts))
         if deletes:
             calls.append(self.client.delete_many(deletes))
         for r in await asyncio.gather(*calls, return_exceptions=True):
             if isinstance(r, BaseException):
                 raise r
+
+    async def _put(self, puts: list[Held]) -> None:
+        """One ``put_many`` of held files; each learns the layout it was committed with."""
+        layouts = await self.client.put_layouts(
+            [(os.fsencode(e.path), e.pieces) for e in puts if e.pieces is not None], ttl=self.ttl)
+        for e, layout in zip(puts, layouts, strict=True):
+            e.layout = layout
 
     async def _commit(self, batch: list[Held]) -> None:
         errors: list[BaseException | None] = [None] * len(batch)
