@@ -387,6 +387,51 @@ def test_a_file_written_here_and_replaced_elsewhere_is_read_anew(
 
 
 @needs_fuse
+@pytest.mark.parametrize("earlier", [False, True], ids=["read", "write-fsync-read"])
+@pytest.mark.parametrize("flags", [(), ("--write-behind", "64MiB", "--write-behind-delay", "0")],
+                         ids=["default", "write-behind"])
+def test_a_file_read_then_replaced_elsewhere_then_written_here_reads_as_committed(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path, flags: tuple[str, ...],
+        earlier: bool) -> None:
+    """A file opened read-write and read through the kernel's pages (value A; or A written a
+    little and committed by ``fsync`` first: its pages then read after that commit), then
+    replaced by another client (value B, the same size), then written a little here and
+    committed: every later read here is exactly what the cluster holds, never the bytes read
+    before mixed into the kernel's pages with the value committed.  (Read only: the write
+    starts from B, and the kernel drops A's pages once it sees the handle's new mtime.
+    Written and fsynced first: the write starts from the version that handle committed and
+    read, whose mtime the kernel keeps; with ``--write-behind`` it once started from B.)"""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--attr-timeout", "60s",
+              "--timeout", "30s", *flags)
+    try:
+        n = 16 * 4096  # several pages
+        a, b = b"A" * n, b"B" * n
+        fs.pipe_file("rw/f", a)
+        p = m.mnt / "rw" / "f"
+        fd = os.open(p, os.O_RDWR)
+        try:
+            if earlier:
+                os.pwrite(fd, b"v" * 100, 20_000)
+                os.fsync(fd)
+            seen = os.pread(fd, n, 0)  # the kernel's pages now hold these bytes
+            assert seen == fs.cat_file("rw/f")
+            fs.pipe_file("rw/f", b)  # another client commits B
+            os.pwrite(fd, b"w" * 100, 5000)
+            os.fsync(fd)  # committed (write-behind: held, then committed)
+            assert os.pread(fd, n, 0) == fs.cat_file("rw/f")  # this handle reads it too
+        finally:
+            os.close(fd)
+        value = fs.cat_file("rw/f")
+        assert value[5000:5100] == b"w" * 100 and len(value) == n
+        for _ in range(2):
+            with open(p, "rb", buffering=0) as f:
+                got = f.read()
+            assert got == value, f"A's bytes at {got.find(b'A')}, v's at {got.find(b'v')}"
+        assert "Traceback" not in m.stderr()
+    finally:
+        m.cleanup()
+
+@needs_fuse
 def test_open_handles_of_two_versions_never_share_pages(
         tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
     """A handle reads the value it was opened on, and a later open of the replaced file reads

@@ -14,7 +14,12 @@ Memory per open file is bounded whatever the file's size:
 - **A commit in the middle** (``fsync``, or the close of one of several descriptors
   of the file, e.g. a forked child's) commits what was written so far, as on a
   small file.  Writing on after that streams the committed part again (read back
-  from the cluster) ahead of the new bytes: correct, at the cost of a copy.
+  from the cluster) ahead of the new bytes: correct, at the cost of a copy.  A handle
+  whose small file is held (``--write-behind``) reads and writes on from that held
+  version (``Handle.held``), never from a value another node committed meanwhile: the
+  kernel's pages of the file, and the mtime it was told, are that version's.  (Its
+  first write loads the value there is then, maybe another node's newer one than it
+  read: the kernel drops the pages it read when it sees the handle's new mtime.)
 - **Reading.** A read-only open soon after the kernel's LOOKUP (or this mount's commit
   of the file) pins the layout that lookup fetched, and keeps the kernel's cached pages of
   the file when they hold that very value: read from it, or written through them by the
@@ -598,7 +603,9 @@ class FileIO:
             await self._spill(h)
 
     async def _load(self, h: Handle) -> None:
-        """A writable handle opened without O_TRUNC starts from the committed value (lock held)."""
+        """A writable handle opened without O_TRUNC starts from the committed value (lock held):
+        another open's unflushed bytes here, a version held here (or the one this handle held
+        last, which it reads and its pages hold), or the cluster's value."""
         if h.data is not None:
             return
         for other in self.table.writers(h.ino):  # unflushed data of another open wins
@@ -610,7 +617,9 @@ class FileIO:
                     h.data += piece
                 return
         path = self.table.path(h.ino)
-        held = self.held(path)
+        # a version held here, or the one this handle held last (committed since, maybe
+        # replaced by another node's: this handle reads that version, not the cluster's)
+        held = self.held(path) or h.held
         if held is not None:
             h.data = bytearray(held.value())
             h.reader = h.held = None
@@ -711,8 +720,11 @@ class FileIO:
                 held = await self.wb.hold(path, value, len(d) + h.tail_bytes,
                                           wanted=lambda: not h.orphan, new=new, created=h.mtime)
                 if held is not False:
-                    # the held value owns these buffers now: writing on starts from a copy
-                    h.data, h.tail, h.tail_bytes, h.held = None, [], 0, None
+                    # the held value owns these buffers now: the handle reads on from it and
+                    # writing on starts from a copy of it, whatever is committed meanwhile (the
+                    # kernel's pages of the file hold its bytes, and keep its mtime)
+                    h.data, h.tail, h.tail_bytes = None, [], 0
+                    h.held = held if isinstance(held, Held) else None
                     h.dirty = False
                     if isinstance(held, Held):
                         self._held_through(h, held)
