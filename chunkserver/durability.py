@@ -5,7 +5,9 @@
 - ``always``: each append is ``fdatasync``-ed before it is answered;
 - ``batch`` (default): each append is durable before it is answered, and the
   appends that finish while one ``fdatasync`` runs (or within
-  ``fsync_window_s``) share the next one (:class:`GroupSync`);
+  ``fsync_window_s``) share the next one (:class:`GroupSync`); an append of
+  ``writeback_start_bytes`` or more starts its writeback as soon as it is
+  written (:func:`start_writeback`), so the round it waits for finds it on its way;
 - ``never``: appends are answered from the page cache; a power loss (not a
   process crash) can lose acknowledged values, which then read as misses or
   checksum errors, never as wrong bytes.
@@ -19,9 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import errno
+import functools
 import os
 from pathlib import Path
+from typing import Any
 
 from kvfs.chunkserver.iopool import IoPool
 from kvfs.errors import Unavailable
@@ -49,6 +54,31 @@ def replace_durably(path: Path, data: bytes) -> None:
         os.close(fd)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@functools.cache
+def _sync_file_range() -> Any:
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux: the group fdatasync writes everything
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing ``nbytes`` at ``offset`` of ``fd`` to the disk, not waiting for them
+    (``sync_file_range(SYNC_FILE_RANGE_WRITE)``).  Nothing is promised by it: the group
+    ``fdatasync`` that covers these bytes still makes them durable (and reports a failure), it
+    only finds them written or on their way.  An append that waits for a round already
+    running would otherwise start its writeback only when the next round does
+    (bench/RESULTS.md, "Durable puts ...: writeback started at the write")."""
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)  # (-1: the fdatasync will tell)
 
 
 def _sync_files(fds: set[int], dir_path: Path | None) -> None:

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple, cast
 
 import crc32c
 
-from kvfs.chunkserver.durability import GroupSync, fsync_dir, replace_durably
+from kvfs.chunkserver.durability import GroupSync, fsync_dir, replace_durably, start_writeback
 from kvfs.chunkserver.iopool import IoPool
 from kvfs.chunkserver.records import (
     Damage,
@@ -157,13 +157,17 @@ def _unlink_chunks(paths: Sequence[Path]) -> list[int | None]:
     return out
 
 
-def _write_at(fd: int, bufs: list[bytes | memoryview], offset: int, reserve: int) -> None:
+def _write_at(fd: int, bufs: list[bytes | memoryview], offset: int, reserve: int,
+              writeback: int = 0) -> None:
     """An append's job in an IO thread: ``reserve`` bytes of blocks reserved for the file
     first (a new chunk's, :func:`preallocate`: KEEP_SIZE leaves the file's size, so recovery
-    and range checks see only what was written; 0: none), then :func:`_pwritev_all`."""
+    and range checks see only what was written; 0: none), then :func:`_pwritev_all`; with
+    ``writeback`` (its bytes), their writeback started at once (:func:`start_writeback`)."""
     if reserve:
         preallocate(fd, reserve)
     _pwritev_all(fd, bufs, offset)
+    if writeback:
+        start_writeback(fd, offset, writeback)
 
 
 def _pwritev_rest(fd: int, bufs: list[bytes | memoryview], offset: int) -> None:
@@ -368,6 +372,7 @@ class ChunkStore:
 
     def __init__(self, root: Path, *, chunk_bytes: int, io_threads: int = 4,
                  fsync: FsyncMode = FsyncMode.BATCH, fsync_window_s: float = 0.0,
+                 writeback_start_bytes: int = 1 << 20,
                  capacity_bytes: int | None = None, merge_gap_bytes: int = 64 * 1024,
                  max_open_files: int = 4096, preallocate: bool = True,
                  close_timeout_s: float = 30.0) -> None:
@@ -382,6 +387,8 @@ class ChunkStore:
         self.pool = IoPool(io_threads)
         self.close_timeout_s = close_timeout_s
         self.syncer = GroupSync(self.pool, self.dir, fsync_window_s)
+        # batch: appends of at least this many bytes start their writeback when written (0: none)
+        self.writeback_start = writeback_start_bytes if self.fsync is FsyncMode.BATCH else 0
         self.sizes: dict[int, int] = {}  # set through _set_size only
         self.used_bytes = 0  # the sum of sizes
         self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
@@ -677,7 +684,8 @@ class ChunkStore:
                 # loop a reservation that waits for the disk stalls every connection).
                 reserve = self.chunk_bytes if rolled and self.preallocate else 0
                 with _full_is_nospace(f"chunkserver {self.server_id} appending {total} bytes"):
-                    await self.pool.run(_write_at, fd, bufs, base, reserve)
+                    start = 0 < self.writeback_start <= total
+                    await self.pool.run(_write_at, fd, bufs, base, reserve, total if start else 0)
             except NoSpace:
                 self.wanted_bytes = total
                 with contextlib.suppress(OSError):

@@ -198,6 +198,10 @@ class ChunkServerConfig(ServerConfig):
                            "share one fdatasync), never (page cache only)", FsyncMode.BATCH)
     fsync_window_s: float = opt("batch: wait this long for more appends before a group sync "
                                 "(0: the appends that arrive during a sync share the next)", 0.0)
+    writeback_start_bytes: int = opt("batch: an append of at least this many bytes starts writing "
+                                     "its pages to the disk as soon as it is written "
+                                     "(sync_file_range), so the group fdatasync that covers it "
+                                     "finds them written or on their way; 0: never", 1 * MiB)
     max_ranges: int = opt("most ranges one READV may name", 16384)
     max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
                                "file limit, which is raised to its hard limit at start)", 4096)

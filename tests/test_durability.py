@@ -115,6 +115,48 @@ async def test_a_new_chunk_syncs_its_directory(make_store: object, monkeypatch: 
     assert st.dir not in dirs
 
 
+async def test_a_large_batch_append_starts_its_writeback_before_its_group_sync(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``batch`` an append of ``writeback_start_bytes`` or more starts writing its pages
+    as soon as they are written (sync_file_range WRITE on its range), before the group
+    fdatasync that makes it durable; a smaller one, ``never`` and 0 leave them to the sync."""
+    if durability._sync_file_range() is None:
+        pytest.skip("no sync_file_range here")
+    events: list[tuple[object, ...]] = []
+    real_sfr, real_sync = durability._sync_file_range(), os.fdatasync
+
+    def sfr(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        events.append(("writeback", offset, nbytes, flags))
+        return int(real_sfr(fd, offset, nbytes, flags))
+
+    def sync(fd: int) -> None:
+        events.append(("fdatasync",))
+        real_sync(fd)
+
+    monkeypatch.setattr(durability, "_sync_file_range", lambda: sfr)
+    monkeypatch.setattr(durability.os, "fdatasync", sync)
+    big, small = os.urandom(256 << 10), os.urandom(4096)
+    for mode, start, want in [(FsyncMode.BATCH, 64 << 10, True), (FsyncMode.BATCH, 0, False),
+                              (FsyncMode.NEVER, 64 << 10, False)]:
+        st = ChunkStore(tmp_path / f"cs-{mode}-{start}", chunk_bytes=8 << 20, fsync=mode,
+                        writeback_start_bytes=start)
+        st.server_id = 1
+        try:
+            events.clear()
+            (cid, off), = await st.append(*_append_args(b"big", big))
+            end = st.sizes[cid]
+            if want:  # the whole record (header, key, value), then the sync that covers it
+                assert events == [("writeback", 0, end, 2), ("fdatasync",)]
+                assert off + len(big) == end
+            else:
+                assert not [e for e in events if e[0] == "writeback"]
+            events.clear()
+            await st.append(*_append_args(b"small", small))  # under the threshold: left to the sync
+            assert not [e for e in events if e[0] == "writeback"]
+        finally:
+            await st.close()
+
+
 def test_state_json_is_replaced_whole(tmp_path: Path) -> None:
     st = ChunkStore(tmp_path, chunk_bytes=1 << 20)
     try:
