@@ -194,9 +194,9 @@ def _pwritev_rest(fd: int, bufs: list[bytes | memoryview], offset: int) -> None:
 
 INLINE_READ_BYTES = 8 * 1024 * 1024
 # chunk ids reserved by one write of state.json: a new chunk rewrites it (temp file, fsync,
-# rename, directory fsync) once per this many chunks, not once each (the fsync flushes the
-# disk's cache: 100-400 ms under writeback, in the event loop, once per 64 MiB appended:
-# bench/RESULTS.md, "Issue 11: the chunkservers' CPU per GB").  A restart skips the ids
+# rename, directory fsync) once per this many chunks, not once each (in the event loop, once
+# per 64 MiB appended, it took 20 ms median behind the group syncs: bench/RESULTS.md,
+# "Durable puts (issue 11): where a 1 MiB x 32 put's time goes").  A restart skips the ids
 # reserved and never handed out (at most this many of 2^40).
 SEQ_BLOCK = 1024
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
@@ -625,8 +625,8 @@ class ChunkStore:
     def _release_later(self, cid: int) -> None:
         """:meth:`_release` in an IO thread, not waited for: freeing blocks waits for the
         disk where the filesystem discards them as they are freed (ext4 ``-o discard``
-        without a journal: a synchronous discard, 10-100+ ms under writeback), and in the
-        event loop that stalled every connection of the server at each new chunk
+        without a journal: a synchronous discard, up to 86 ms traced under writeback), and
+        in the event loop that stalled every connection of the server at each new chunk
         (bench/RESULTS.md, "Issue 11: the chunkservers' CPU per GB").  The chunk takes no
         more appends and its size is final, so nothing waits for the truncate (to that very
         size: no read or compaction sees other bytes); a close waits for it with the pool's
