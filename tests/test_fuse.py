@@ -431,6 +431,51 @@ def test_a_file_read_then_replaced_elsewhere_then_written_here_reads_as_committe
     finally:
         m.cleanup()
 
+
+@needs_fuse
+@pytest.mark.parametrize("flags", [(), ("--write-behind", "64MiB", "--write-behind-delay", "0")],
+                         ids=["default", "write-behind"])
+def test_a_read_only_open_beside_a_writer_never_leaves_another_version_in_its_pages(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path, flags: tuple[str, ...]) -> None:
+    """A file opened read-write here and written a little (value A), replaced by another
+    client (value B, the same size), then opened read-only here beside the writer and read
+    whole: that open reads B, through the kernel's pages of the file, which the writer shares.
+    The writer then commits A and its write (the last commit wins).  Every later read here is
+    exactly what the cluster holds: the writer's pages are not recorded as its value's, since
+    B's bytes filled them meanwhile (an open beside a writer makes it ``sole`` no more:
+    ``FileIO._alone`` in ``opened``; without that call the next open keeps B's pages).  Also
+    with ``--write-behind``, whose held commit records a sole writer's pages the same way."""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--attr-timeout", "0.3s",
+              "--timeout", "30s", *flags)
+    try:
+        n = 16 * 4096  # several pages
+        a, b = b"A" * n, b"B" * n
+        fs.pipe_file("rwb/f", a)
+        p = m.mnt / "rwb" / "f"
+        fd = os.open(p, os.O_RDWR)
+        try:
+            os.pwrite(fd, b"w" * 100, 5000)  # starts from A
+            fs.pipe_file("rwb/f", b)  # another client commits B
+
+            def reads_b() -> bool:  # once the mount's lookup of A is no longer recent
+                with open(p, "rb", buffering=0) as f:
+                    return f.read() == b
+
+            wait_until(reads_b, 10, "a read-only open to read B")
+            os.fsync(fd)  # A and the write committed (write-behind: held, then committed)
+        finally:
+            os.close(fd)
+        value = fs.cat_file("rwb/f")
+        assert value == a[:5000] + b"w" * 100 + a[5100:]
+        for _ in range(2):
+            with open(p, "rb", buffering=0) as f:
+                got = f.read()
+            assert got == value, f"B's bytes at {got.find(b'B')}"
+        assert "Traceback" not in m.stderr()
+    finally:
+        m.cleanup()
+
+
 @needs_fuse
 def test_open_handles_of_two_versions_never_share_pages(
         tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
