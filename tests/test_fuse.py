@@ -386,6 +386,15 @@ def test_a_file_written_here_and_replaced_elsewhere_is_read_anew(
         m.cleanup()
 
 
+def _reads_back_as(p: Path, value: bytes, *strays: bytes) -> None:
+    """Two new opens of ``p`` each read exactly ``value`` (the cluster's); a mismatch names
+    where each of ``strays`` (bytes of another version) first shows."""
+    for _ in range(2):
+        with open(p, "rb", buffering=0) as f:
+            got = f.read()
+        assert got == value, ", ".join(f"{x!r} at {got.find(x)}" for x in strays)
+
+
 @needs_fuse
 @pytest.mark.parametrize("earlier", [False, True], ids=["read", "write-fsync-read"])
 @pytest.mark.parametrize("flags", [(), ("--write-behind", "64MiB", "--write-behind-delay", "0")],
@@ -423,10 +432,7 @@ def test_a_file_read_then_replaced_elsewhere_then_written_here_reads_as_committe
             os.close(fd)
         value = fs.cat_file("rw/f")
         assert value[5000:5100] == b"w" * 100 and len(value) == n
-        for _ in range(2):
-            with open(p, "rb", buffering=0) as f:
-                got = f.read()
-            assert got == value, f"A's bytes at {got.find(b'A')}, v's at {got.find(b'v')}"
+        _reads_back_as(p, value, b"A", b"v")
         assert "Traceback" not in m.stderr()
     finally:
         m.cleanup()
@@ -467,10 +473,7 @@ def test_a_read_only_open_beside_a_writer_never_leaves_another_version_in_its_pa
             os.close(fd)
         value = fs.cat_file("rwb/f")
         assert value == a[:5000] + b"w" * 100 + a[5100:]
-        for _ in range(2):
-            with open(p, "rb", buffering=0) as f:
-                got = f.read()
-            assert got == value, f"B's bytes at {got.find(b'B')}"
+        _reads_back_as(p, value, b"B")
         assert "Traceback" not in m.stderr()
     finally:
         m.cleanup()
