@@ -439,6 +439,11 @@ class MountConfig:
                               "waits up to this long for theirs, to share its batch (it goes as "
                               "soon as none is left queued, or the batch is full; 0: at once)",
                               0.001)
+    unit_pool_bytes: int = opt("stripe units of 1 MiB or more read for open files are received "
+                               "into buffers kept for reuse once their file is closed (no fresh "
+                               "pages to zero and fault in per read; a buffer is reused only once "
+                               "no view of it is alive); at most this many bytes of them are kept "
+                               "(0: a fresh buffer each)", 32 * MiB)
     looked_up_layouts: int = opt("layouts of recently looked-up files kept for their open or first read "
                                  "(within --attr-timeout)", 4096)
     page_cache_files: int = opt("files whose pages the kernel may keep cached between opens: a "
@@ -476,7 +481,8 @@ class MountConfig:
                                       "be committed; what is not committed by then is lost", 30.0)
 
     def __post_init__(self) -> None:
-        for name in ("write_buffer_bytes", "read_ahead_units", "batch_hold_s", "looked_up_layouts",
+        for name in ("write_buffer_bytes", "read_ahead_units", "batch_hold_s", "unit_pool_bytes",
+                     "looked_up_layouts",
                      "page_cache_files", "kernel_read_ahead_bytes", "negative_timeout_s", "write_behind_bytes",
                      "write_behind_drain_s", "write_behind_delay_s"):
             if getattr(self, name) < 0:

@@ -173,7 +173,11 @@ class ReceivePool:
         return len(self._free)
 
     def __call__(self, head: FrameHead) -> bytearray | memoryview:
-        n = head.payload_len
+        return self.take(head.payload_len)
+
+    def take(self, n: int) -> bytearray | memoryview:
+        """A buffer of ``n`` bytes: a kept one that fits, or a fresh one (under
+        ``min_bytes``: a fresh bytearray of exactly ``n``)."""
         if n < self.min_bytes or not self.max_bytes:
             return bytearray(n)
         free = self._free

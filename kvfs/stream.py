@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterable, AsyncIterator, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvfs.buffers import as_view
@@ -263,11 +263,13 @@ class StreamPut:
 
 
 async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | bytes, int]],
-                     ) -> list[tuple[ValueReader, int, bytes | bytearray] | None]:
+                     alloc: Callable[[int], bytearray | memoryview] = bytearray,
+                     ) -> list[tuple[ValueReader, int, bytes | bytearray | memoryview] | None]:
     """For each ``(reader or key, offset)``: the stripe unit holding that offset, as
     ``(reader, unit start, bytes)`` (``b""`` at or past the end), or None for a key that is
     missing.  Keys are looked up in one call, to readers pinned to their layouts; every unit
-    is then read in one fetch.  A unit no replica can serve follows the client's
+    is then read in one fetch, into a buffer from ``alloc`` (given its size).  A unit no
+    replica can serve follows the client's
     ``on_lost``: None, as a miss (``miss``), or its error (``raise``); either way it is
     logged and, when every replica answered without good bytes, reported to meta."""
     keys = [w for w, _ in wants if not isinstance(w, ValueReader)]
@@ -281,7 +283,7 @@ async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | by
             readers.append(None if lay is None else ValueReader(client, w, lay))
     slots: list[int] = []
     subs: list[Layout | None] = []
-    bufs: list[bytearray] = []
+    bufs: list[bytearray | memoryview] = []
     starts: list[int] = []
     for i, (r, (_, pos)) in enumerate(zip(readers, wants, strict=True)):
         start, e = (0, None) if r is None else r.unit_at(pos)
@@ -289,8 +291,8 @@ async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | by
         if r is not None and e is not None:
             slots.append(i)
             subs.append(Layout(e.length, 0, r.layout.created, r.layout.expires_at, (e,)))
-            bufs.append(bytearray(e.length))
-    got: dict[int, bytes | bytearray] = {}
+            bufs.append(alloc(e.length))
+    got: dict[int, bytes | bytearray | memoryview] = {}
     lost: set[int] = set()
     if slots:
         ours = [readers[i] for i in slots]
@@ -313,7 +315,7 @@ async def read_units(client: AsyncClient, wants: Sequence[tuple[ValueReader | by
                 got[i] = await r.read(starts[i], starts[i] + len(bufs[j]))
             else:
                 got[i] = bufs[j]  # not copied: nobody writes it again
-    out: list[tuple[ValueReader, int, bytes | bytearray] | None] = []
+    out: list[tuple[ValueReader, int, bytes | bytearray | memoryview] | None] = []
     for i, r in enumerate(readers):
         out.append(None if r is None or i in lost else (r, starts[i], got.get(i, b"")))
     return out

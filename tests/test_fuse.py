@@ -1158,6 +1158,52 @@ async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> Non
     assert (await io.info(table.ino_for("lk/d"), "lk/d"))["type"] == "directory"
 
 
+async def test_a_closed_files_units_are_reused_never_while_viewed(kv: AsyncClient) -> None:
+    """--unit-pool: the whole-MiB stripe units a closed file read are received into again by
+    the next files' reads (no fresh buffer to zero and fault in), each file still reading
+    its own bytes; a unit some view still reads (a read's answer kept) is never received
+    over, and a pool of 0 keeps nothing."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import Handle, InodeTable
+
+    unit = kv.config.stripe_bytes
+    assert unit >= 1 << 20  # whole-MiB units: the ones kept
+    values = {f"up/{i}": os.urandom(2 * unit) for i in range(4)}
+    for k, v in values.items():
+        await kv.put(k, v)
+
+    async def read_whole(io: FileIO, table: InodeTable, path: str
+                         ) -> tuple[bytes, bytes | memoryview]:
+        fh = table.open(Handle(table.remember(path), writable=False))
+        h = table.handle(fh)
+        first = await io.read(h, 0, unit)
+        out = bytes(first) + bytes(await io.read(h, unit, unit))
+        table.close(fh)
+        await io.release(h)
+        io.closed(h)
+        return out, first
+
+    table = InodeTable()
+    io = FileIO(KVFileSystem(client=kv, asynchronous=True), table, MountConfig(read_ahead_units=1))
+    got, kept = await read_whole(io, table, "up/0")  # its first unit stays viewed (kept)
+    assert got == values["up/0"]
+    assert io._unit_pool.buffers == 1  # the other unit: no view of it alive
+    for i in (1, 2, 3):
+        got, _ = await read_whole(io, table, f"up/{i}")
+        assert got == values[f"up/{i}"]
+    assert io._unit_pool.reused >= 2
+    assert bytes(kept) == values["up/0"][:unit]  # never received over while viewed
+
+    table = InodeTable()
+    io = FileIO(KVFileSystem(client=kv, asynchronous=True), table,
+                MountConfig(read_ahead_units=1, unit_pool_bytes=0))
+    for i in (0, 1):
+        got, _ = await read_whole(io, table, f"up/{i}")
+        assert got == values[f"up/{i}"]
+    assert io._unit_pool.buffers == 0 and io._unit_pool.reused == 0
+
+
 async def test_a_failed_read_ahead_nobody_reads_is_a_quiet_miss(kv: AsyncClient) -> None:
     """Read-ahead units a reader never reads: one whose fetch failed (a server gone, its bytes
     reclaimed) is a miss, not an asyncio "exception was never retrieved" error once the file

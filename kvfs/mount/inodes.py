@@ -59,7 +59,8 @@ class Handle:
     reader: ValueReader | None = None
     held: Held | None = None  # or the held (write-behind) version pinned at the first read
     # (a writer: the one it held last, read and written on from then on)
-    units: OrderedDict[int, asyncio.Future[bytes | bytearray]] = field(default_factory=OrderedDict)
+    units: OrderedDict[int, asyncio.Future[bytes | bytearray | memoryview]] = field(
+        default_factory=OrderedDict)
     next_read: int = 0  # where a sequential read goes on (read-ahead)
     # `reader` was pinned at open from a LOOKUP's layout, and no read has answered from it yet
     pinned_at_open: bool = False

@@ -328,6 +328,7 @@ class KVFSOperations(Operations):
         finally:
             self.table.close(fh)
             await self.io.release(h)
+            self.io.closed(h)
 
     def discard_open_writes(self) -> int:
         """At unmount: files still open for writing are not committed; how many."""
