@@ -462,6 +462,8 @@ class FileIO:
         if h.pinned_at_open:
             async with h.lock:
                 if h.pinned_at_open and h.reader is not None and off < h.reader.size:
+                    if off == h.next_read:  # read in order: the units after it are asked for
+                        self._read_ahead(h, off)  # with its own, in one batch
                     try:
                         await self._unit(h, off)
                     except StaleLayout:  # replaced since the lookup, its old bytes gone
