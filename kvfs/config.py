@@ -439,6 +439,11 @@ class MountConfig:
                               "waits up to this long for theirs, to share its batch (it goes as "
                               "soon as none is left queued, or the batch is full; 0: at once)",
                               0.001)
+    idle_workers: int = opt("request workers kept waiting for the kernel's next FUSE request "
+                            "(each keeps libfuse's receive buffer, about 1 MiB); more start "
+                            "while every one is busy (at most 99, pyfuse3's cap) and end as "
+                            "they go idle past this many (1: one made and ended for about "
+                            "every request that waits on the cluster)", 16, positive=True)
     unit_pool_bytes: int = opt("stripe units of 1 MiB or more read for open files are received "
                                "into buffers kept for reuse once their file is closed (no fresh "
                                "pages to zero and fault in per read; a buffer is reused only once "
@@ -487,7 +492,7 @@ class MountConfig:
                      "write_behind_drain_s", "write_behind_delay_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{_flag(name)} must not be negative")
-        for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight",
+        for name in ("max_batch_items", "max_batch_bytes", "batches_in_flight", "idle_workers",
                      "negative_listing_keys", "negative_listing_dirs", "write_behind_files"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be at least 1")

@@ -114,7 +114,7 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
     print(f"kvfs mount ready {mnt} {fs.addr}", flush=True)
     tune = loop.create_task(_tune(mnt, config))
     try:
-        await pyfuse3.main()
+        await pyfuse3.main(min_tasks=config.idle_workers)
     finally:
         tune.cancel()
         for sig in sigs:
