@@ -21,6 +21,7 @@ def pipe() -> Iterator[tuple[int, int]]:
     _fuse._polls.pop(r, None)
     _fuse._closing.discard(r)
     yield r, w
+    _fuse.stop_watching()  # as the mount does before it closes /dev/fuse
     _fuse._polls.pop(r, None)
     _fuse._closing.discard(r)
     os.close(r)
@@ -52,6 +53,61 @@ async def test_a_queued_request_is_read_without_a_reader(pipe: tuple[int, int]) 
         await asyncio.wait_for(task, 5)
     finally:
         del loop.add_reader
+
+
+async def test_the_reader_stays_between_waits_and_goes_with_none_to_wake(
+        pipe: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader registered by a wait stays for the next one (no add and remove per wait);
+    fired with no wait to wake (a request queued while every worker is busy) it goes, so
+    that the loop does not wake at every turn, and the next wait registers it again;
+    terminate() and stop_watching() leave none registered."""
+    r, w = pipe
+    loop = asyncio.get_running_loop()
+    added: list[int] = []
+    removed: list[int] = []
+    add_reader, remove_reader = loop.add_reader, loop.remove_reader
+
+    def counting_add(fd: int, *args: object) -> None:
+        added.append(fd)
+        add_reader(fd, *args)
+
+    def counting_remove(fd: int) -> bool:
+        removed.append(fd)
+        return remove_reader(fd)
+
+    monkeypatch.setattr(loop, "add_reader", counting_add)
+    monkeypatch.setattr(loop, "remove_reader", counting_remove)
+
+    async def worker() -> None:
+        await _fuse._wait_readable(r)
+        os.read(r, 1)  # reads the request as it wakes, as pyfuse3's worker does
+
+    async def wait_for_one() -> None:
+        task = asyncio.ensure_future(worker())
+        async with asyncio.timeout(5):
+            while r not in _fuse._waiting:  # registered its wait
+                await asyncio.sleep(0)
+        os.write(w, b"x")
+        await asyncio.wait_for(task, 5)
+
+    await wait_for_one()
+    await wait_for_one()
+    assert added == [r] and removed == []  # one registration for both waits
+    os.write(w, b"y")  # queued, nobody waiting: the reader goes at its next firing
+    async with asyncio.timeout(5):
+        while r in _fuse._watched:
+            await asyncio.sleep(0)
+    assert removed == [r]
+    os.read(r, 1)
+    await wait_for_one()
+    assert added == [r, r]
+    _fuse._notify_closing(r)  # terminate(): no reader left on the fd
+    assert r not in _fuse._watched and removed == [r, r]
+    _fuse._closing.discard(r)
+    await wait_for_one()
+    _fuse.stop_watching()  # the session ends
+    assert not _fuse._watched and removed == [r, r, r]
+    assert not remove_reader(r)  # nothing registered on the loop either
 
 
 async def test_a_wait_overtaken_by_terminate_ends(pipe: tuple[int, int]) -> None:

@@ -15,7 +15,7 @@ from kvfs.address import TOKEN_FILE_HELP, token_from_file
 from kvfs.config import ClientConfig, MountConfig, TlsConfig, add_options, from_options, tls_fields
 from kvfs.errors import KVFSError
 from kvfs.fs import KVFileSystem
-from kvfs.mount._fuse import IMPORT_ERROR, enable_asyncio, pyfuse3
+from kvfs.mount._fuse import IMPORT_ERROR, enable_asyncio, pyfuse3, stop_watching
 from kvfs.mount.mtab import is_mounted, set_read_ahead
 from kvfs.mount.ops import KVFSOperations
 from kvfs.units import parse_duration
@@ -116,6 +116,7 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
     try:
         await pyfuse3.main(min_tasks=config.idle_workers)
     finally:
+        stop_watching()  # before pyfuse3.close() closes /dev/fuse
         tune.cancel()
         for sig in sigs:
             loop.remove_signal_handler(sig)
