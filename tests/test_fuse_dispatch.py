@@ -58,9 +58,9 @@ async def test_a_queued_request_is_read_without_a_reader(pipe: tuple[int, int]) 
 async def test_the_reader_stays_between_waits_and_goes_with_none_to_wake(
         pipe: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
     """The reader registered by a wait stays for the next one (no add and remove per wait);
-    fired with no wait to wake (a request queued while every worker is busy) it goes, so
-    that the loop does not wake at every turn, and the next wait registers it again;
-    terminate() and stop_watching() leave none registered."""
+    fired twice in a row with no wait to wake (a request queued while every worker is busy)
+    it goes, so that the loop does not wake at every turn, and the next wait registers it
+    again; terminate() and stop_watching() leave none registered."""
     r, w = pipe
     loop = asyncio.get_running_loop()
     added: list[int] = []
@@ -93,7 +93,11 @@ async def test_the_reader_stays_between_waits_and_goes_with_none_to_wake(
     await wait_for_one()
     await wait_for_one()
     assert added == [r] and removed == []  # one registration for both waits
-    os.write(w, b"y")  # queued, nobody waiting: the reader goes at its next firing
+    os.write(w, b"y")  # queued, nobody waiting: the reader goes at its second firing
+    async with asyncio.timeout(5):
+        while r not in _fuse._unheard:
+            await asyncio.sleep(0)
+    assert r in _fuse._watched and removed == []  # once: a worker may read it next step
     async with asyncio.timeout(5):
         while r in _fuse._watched:
             await asyncio.sleep(0)

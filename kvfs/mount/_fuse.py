@@ -6,14 +6,14 @@ future.set_result)`` and removes the reader from a done callback, one loop step 
 ``terminate()`` fails the future (``notify_closing``).  A request arriving in that step
 fires the reader on a future already done: an ``InvalidStateError`` traceback from the
 loop at nearly every unmount by signal (and ``terminate()`` itself raised it when the
-reader had won).  Here the reader is removed as the wait ends and both wake-ups skip a
-future already done.
+reader had won).  Here both wake-ups skip a future already done.
 
 The reader stays registered from one wait to the next (the waiting worker woken through
 :data:`_waiting`): registering it for each wait and removing it after cost uvloop a poll
 handle made and closed and two ``epoll_ctl`` per wait (~4.6 µs, several waits per file
-read).  It is removed when it fires with no wait to wake (a request queued while every
-worker is busy would otherwise wake the loop at every turn), at ``terminate()`` and by
+read).  It is removed when it fires twice in a row with no wait to wake (a request queued
+while every worker is busy would otherwise wake the loop at every turn; once is a request
+queued that a worker reads on its next step, without a wait), at ``terminate()`` and by
 :func:`stop_watching` as the session ends, before its fd is closed.
 
 A worker also skips that wait when a request is queued already (a ``poll`` of the fd with no
@@ -63,6 +63,7 @@ _waiting: dict[Any, set[asyncio.Future[None]]] = {}  # fd -> the waits on it (on
 _polls: dict[Any, select.poll] = {}  # fd -> a poll object for it (a queued request, no wait)
 _closing: set[Any] = set()  # fds terminate() was called for (a wait on them ends at once)
 _watched: dict[Any, asyncio.AbstractEventLoop] = {}  # fds with our reader registered, its loop
+_unheard: set[Any] = set()  # fds whose reader last fired with no wait to wake
 _reading = False  # a request was read since the last wait on /dev/fuse began
 _on_idle: Callable[[], None] | None = None  # run as a wait begins (no request queued)
 
@@ -117,18 +118,23 @@ async def _wait_readable(fd: Any) -> None:
 
 
 def _readable(fd: Any) -> None:
-    """The reader (kept registered): wakes the waits on ``fd``; with none to wake it goes,
-    until the next wait registers it again."""
+    """The reader (kept registered): wakes the waits on ``fd``; with none to wake twice in
+    a row it goes, until the next wait registers it again."""
     woke = False
     for future in _waiting.get(fd, ()):
         if not future.done():
             future.set_result(None)
             woke = True
-    if not woke:
+    if woke:
+        _unheard.discard(fd)
+    elif fd in _unheard:
         _unwatch(fd)
+    else:
+        _unheard.add(fd)
 
 
 def _unwatch(fd: Any) -> None:
+    _unheard.discard(fd)
     loop = _watched.pop(fd, None)
     if loop is not None and not loop.is_closed():
         loop.remove_reader(fd)
