@@ -57,8 +57,9 @@ async def test_a_queued_request_is_read_without_a_reader(pipe: tuple[int, int]) 
 
 async def test_the_reader_stays_between_waits_and_goes_with_none_to_wake(
         pipe: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    """The reader registered by a wait stays for the next one (no add and remove per wait);
-    fired twice in a row with no wait to wake (a request queued while every worker is busy)
+    """The reader registered by a wait stays for the next one (no add and remove per wait),
+    and while pyfuse3's read lock is held (a worker on its way to read); fired twice in a
+    row with no wait to wake and the lock free (a request queued while every worker is busy)
     it goes, so that the loop does not wake at every turn, and the next wait registers it
     again; terminate() and stop_watching() leave none registered."""
     r, w = pipe
@@ -90,10 +91,17 @@ async def test_the_reader_stays_between_waits_and_goes_with_none_to_wake(
         os.write(w, b"x")
         await asyncio.wait_for(task, 5)
 
+    monkeypatch.setattr(_fuse, "_read_lock", None)
     await wait_for_one()
     await wait_for_one()
     assert added == [r] and removed == []  # one registration for both waits
-    os.write(w, b"y")  # queued, nobody waiting: the reader goes at its second firing
+    lock = _fuse._ReadLock()  # pyfuse3's read lock (made at its first wait)
+    await lock.__aenter__()  # held: a worker is on its way to read what is queued
+    os.write(w, b"y")
+    for _ in range(5):  # loop turns, each firing the reader with no wait to wake
+        await asyncio.sleep(0)
+    assert r in _fuse._watched and removed == []
+    await lock.__aexit__(None, None, None)  # free: nobody will read it
     async with asyncio.timeout(5):
         while r not in _fuse._unheard:
             await asyncio.sleep(0)

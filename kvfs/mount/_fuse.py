@@ -11,9 +11,9 @@ reader had won).  Here both wake-ups skip a future already done.
 The reader stays registered from one wait to the next (the waiting worker woken through
 :data:`_waiting`): registering it for each wait and removing it after cost uvloop a poll
 handle made and closed and two ``epoll_ctl`` per wait (~4.6 µs, several waits per file
-read).  It is removed when it fires twice in a row with no wait to wake (a request queued
-while every worker is busy would otherwise wake the loop at every turn; once is a request
-queued that a worker reads on its next step, without a wait), at ``terminate()`` and by
+read).  It is removed when it fires twice in a row with no wait to wake and pyfuse3's read
+lock free, so no worker on its way to read (a request queued while every worker is busy
+would otherwise wake the loop at every turn), at ``terminate()`` and by
 :func:`stop_watching` as the session ends, before its fd is closed.
 
 A worker also skips that wait when a request is queued already (a ``poll`` of the fd with no
@@ -63,7 +63,9 @@ _waiting: dict[Any, set[asyncio.Future[None]]] = {}  # fd -> the waits on it (on
 _polls: dict[Any, select.poll] = {}  # fd -> a poll object for it (a queued request, no wait)
 _closing: set[Any] = set()  # fds terminate() was called for (a wait on them ends at once)
 _watched: dict[Any, asyncio.AbstractEventLoop] = {}  # fds with our reader registered, its loop
-_unheard: set[Any] = set()  # fds whose reader last fired with no wait to wake
+_unheard: set[Any] = set()  # fds whose reader last fired with no wait to wake and no worker
+# about to read (pyfuse3 holds its read lock from a worker's wait to its read of a request)
+_read_lock: _ReadLock | None = None
 _reading = False  # a request was read since the last wait on /dev/fuse began
 _on_idle: Callable[[], None] | None = None  # run as a wait begins (no request queued)
 
@@ -127,6 +129,8 @@ def _readable(fd: Any) -> None:
             woke = True
     if woke:
         _unheard.discard(fd)
+    elif _read_lock is not None and _read_lock.locked():  # a worker is on its way to read
+        _unheard.discard(fd)  # (the lock handed to it, or it found the request queued)
     elif fd in _unheard:
         _unwatch(fd)
     else:
@@ -153,8 +157,14 @@ class _ReadLock:
     acquire (one acquire per request)."""
 
     def __init__(self) -> None:
+        global _read_lock
         self._locked = False
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        _read_lock = self  # pyfuse3 makes one, at its first wait
+
+    def locked(self) -> bool:
+        """Held, or handed to a waiter that has not run yet."""
+        return self._locked
 
     async def __aenter__(self) -> None:
         if not self._locked:
@@ -194,11 +204,12 @@ def _notify_closing(fd: Any) -> None:
 def enable_asyncio(on_idle: Callable[[], None] | None = None) -> None:
     """pyfuse3 on the running asyncio loop, its ``/dev/fuse`` wake-ups made safe; ``on_idle``
     runs whenever no request is left to read (see the module docstring)."""
-    global _reading, _on_idle
+    global _reading, _on_idle, _read_lock
     shim = pyfuse3.asyncio
     _closing.clear()  # a new session (its fd may have an old one's number)
     _polls.clear()
     stop_watching()
+    _read_lock = None
     _reading = False
     _on_idle = on_idle
     shim.enable()  # pyfuse3 now calls the shim module's functions as trio's
