@@ -17,8 +17,8 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from itertools import chain, repeat
-from operator import getitem, itemgetter
+from itertools import chain, compress, repeat
+from operator import getitem, is_not, itemgetter
 from typing import Any, cast
 
 import crc32c
@@ -33,12 +33,18 @@ from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.packed import pack as pack_layouts
 from kvfs.packed import pack_single
-from kvfs.placement import order_by_free, place
+from kvfs.placement import Placed, order_by_free, place
 from kvfs.protocol import Buffer
 
 log = logging.getLogger("kvfs.client")
 _LENGTH = itemgetter(1)  # a record head's length (RecordHead's field 1, or its plain tuple's)
 _CHUNK, _OFFSET = itemgetter(0), itemgetter(1)  # of an APPEND's location (chunk, offset)
+
+
+def _flat_units(placed: list[Placed], views: Sequence[Source]) -> bool:
+    """Every value placed as one unit (a tuple of servers) and given as one flat buffer
+    (not a list of views): checked in C."""
+    return set(map(type, placed)) == {tuple} and not any(map(isinstance, views, repeat(list)))
 
 
 def _listed(v: Source) -> list[memoryview] | tuple[Buffer]:
@@ -231,7 +237,26 @@ class WritePath:
                        group_bytes=self.config.put_group_bytes)
         last: tuple[int, ...] | None = None  # the run of values placed on the same servers
         into: list[tuple[list[tuple[Any, ...]], list[Source]]] = []  # its servers' lists
-        for key, v, n, servers in zip(keys, views, sizes, placed, strict=True):
+        columns = len(placed) == len(views) and _flat_units(placed, views)
+        if columns:
+            # the common case (every value one unit, in one flat buffer): the same records,
+            # slots, plans and CRCs made a column at a time, by C loops, per run of values
+            crcs = list(map(crc, cast("list[Buffer]", views)))
+            total = repeat(0) if stream_unit else sizes
+            heads_all = list(zip(keys, sizes, crcs, repeat(expires_hint), repeat(wid), total, crcs,
+                                 repeat(0), repeat(False), strict=False))
+            count = len(placed)
+            starts = [0, *compress(range(1, count), map(is_not, placed[1:], placed))]
+            for a, b in zip(starts, [*starts[1:], count], strict=True):
+                at = []
+                for sid in cast("tuple[int, ...]", placed[a]):
+                    recs = records[sid]
+                    at.append(range(len(recs), len(recs) + b - a))
+                    recs.extend(heads_all[a:b])
+                    parts[sid].extend(views[a:b])
+                slots.extend(at[0] if len(at) == 1 else chain.from_iterable(zip(*at, strict=True)))
+            plans = cast("Plans", placed)
+        for key, v, n, servers in () if columns else zip(keys, views, sizes, placed, strict=True):
             if isinstance(servers, tuple):  # one unit, the whole value (the common case): one CRC
                 if not isinstance(v, list):  # bytes or one flat view
                     c = crc(v, 0)
