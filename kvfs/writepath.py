@@ -355,12 +355,13 @@ class _Written:
     went and the chunkservers' locations, made into layouts or, for values of one extent,
     into the COMMIT's packed columns directly (no layout object to build and then stamp)."""
 
-    __slots__ = ("crcs", "locs", "plans", "single", "sizes", "slots")
+    __slots__ = ("_cols", "crcs", "locs", "plans", "single", "sizes", "slots")
 
     def __init__(self, sizes: list[int], crcs: list[int], plans: Plans, slots: list[int],
                  locs: dict[int, list[rpc.Location]]) -> None:
         self.sizes, self.crcs, self.plans, self.slots, self.locs = sizes, crcs, plans, slots, locs
         self.single = all([type(plan) is tuple for plan in plans])  # every value one extent
+        self._cols: tuple[list[int], list[int], list[tuple[int, int]]] | None = None
 
     def _replicas(self) -> Iterator[tuple[Replica, ...]]:
         """The replicas of each value of one unit (in value order; larger values skipped)."""
@@ -383,10 +384,12 @@ class _Written:
         order, its server and its (chunk, offset).  Built by C loops (``map``), no Python
         step per value: the 4 KiB put's common case (bench/RESULTS.md, "the async client's
         put path")."""
-        plans = cast(list[tuple[int, ...]], self.plans)
-        server = list(chain.from_iterable(plans))  # aligned with slots (one per replica)
-        where = list(map(getitem, map(self.locs.__getitem__, server), self.slots))
-        return list(map(len, plans)), server, where
+        if self._cols is None:  # (made once: the COMMIT's columns and the layouts both use them)
+            plans = cast(list[tuple[int, ...]], self.plans)
+            server = list(chain.from_iterable(plans))  # aligned with slots (one per replica)
+            where = list(map(getitem, map(self.locs.__getitem__, server), self.slots))
+            self._cols = list(map(len, plans)), server, where
+        return self._cols
 
     def packed(self, keys: list[bytes], metas: list[bytes | None] | None) -> bytes:
         """The COMMIT's packed layouts (:func:`kvfs.packed.pack_single`), values of one extent."""
