@@ -150,6 +150,23 @@ def _give_up(keys: list[bytes], sid: int, jobs: list[_Job], error: KVFSError) ->
                                 f"bytes failed to answer ({error})")
 
 
+def _settle(keys: list[bytes], sids: list[int], jobs_of: Callable[[int], list[_Job]],
+            results: Sequence[list[_Job] | BaseException], pending: list[_Job]) -> None:
+    """A round's READVs answered, per server (``results``, as ``gather(...,
+    return_exceptions=True)`` gives them): the jobs to retry into ``pending``; a server that
+    failed (``Unavailable``, ``ServerError``) gives up all its jobs (``jobs_of(sid)``) for
+    their next replica; any other error raises."""
+    for sid, res in zip(sids, results, strict=True):
+        if isinstance(res, (Unavailable, ServerError)):
+            js = jobs_of(sid)
+            _give_up(keys, sid, js, res)
+            pending.extend(js)
+        elif isinstance(res, BaseException):
+            raise res
+        else:
+            pending.extend(res)
+
+
 def _can_hedge(jobs: list[_Job]) -> bool:
     """Every job has a replica left besides the one being asked."""
     return all(len(job.extent.replicas) > len(job.tried) + 1 for job in jobs)
@@ -293,14 +310,7 @@ class ReadPath:
                 results = await asyncio.gather(
                     *(self._readv(sid, js, keys, out) for sid, js in by_server.items()),
                     return_exceptions=True)
-            for (sid, js), res in zip(by_server.items(), results, strict=True):
-                if isinstance(res, (Unavailable, ServerError)):
-                    _give_up(keys, sid, js, res)
-                    pending.extend(js)
-                elif isinstance(res, BaseException):
-                    raise res
-                else:
-                    pending.extend(res)
+            _settle(keys, list(by_server), by_server.__getitem__, results, pending)
             by_server = defaultdict(list)
             self._assign(keys, pending, alive, stale, failed, bad, by_server)
         for slot in stale:
@@ -382,15 +392,8 @@ class ReadPath:
             *(self._readv_group(sid, g, keys, layouts, dests, out) for sid, g in groups.items()),
             return_exceptions=True)
         pending: list[_Job] = []
-        for (sid, g), res in zip(groups.items(), results, strict=True):
-            if isinstance(res, (Unavailable, ServerError)):
-                js = _jobs(g.slots, layouts, dests)
-                _give_up(keys, sid, js, res)
-                pending.extend(js)
-            elif isinstance(res, BaseException):
-                raise res
-            else:
-                pending.extend(res)
+        _settle(keys, list(groups), lambda sid: _jobs(groups[sid].slots, layouts, dests), results,
+                pending)
         return pending
 
     async def _readv_group(self, sid: int, g: _Group, keys: list[bytes],
