@@ -36,6 +36,17 @@ def _read(views: list[memoryview]) -> list[bytes]:
     return [bytes(v) for v in views]
 
 
+def _mapped(st: ChunkStore, ranges: list[tuple[int, int, int]]) -> list[memoryview] | None:
+    """``readv_mapped``, asked again while it says no, a bounded number of times: cachestat
+    can count a page short while the kernel changes its entry (writeback), and the answer
+    is then read instead (rare: 2 in ~25,000 READVs of 43 ranges at load 14 here)."""
+    for _ in range(50):
+        views = st.readv_mapped(ranges)
+        if views is not None:
+            return views
+    return None
+
+
 async def test_every_range_in_request_order_from_several_chunks(tmp_path: Path) -> None:
     st = await _store(tmp_path, chunk_bytes=64 * 1024)
     try:
@@ -49,7 +60,7 @@ async def test_every_range_in_request_order_from_several_chunks(tmp_path: Path) 
         asked = [ranges[i] for i in order]
         c0, off0, _ = ranges[0]
         asked.insert(7, (c0, off0, 0))  # a zero-length range: an empty view in its place
-        views = st.readv_mapped(asked)
+        views = _mapped(st, asked)
         assert views is not None
         want = [values[i] for i in order]
         want.insert(7, b"")
@@ -65,9 +76,9 @@ async def test_ranges_that_follow_each_other_are_one_view(tmp_path: Path) -> Non
     try:
         ((c, off, _),), (value,) = await _put(st, 1, 100_000)
         parts = [(c, off + a, b - a) for a, b in [(0, 10), (10, 4096), (4096, 50_000), (50_000, 100_000)]]
-        views = st.readv_mapped(parts)
+        views = _mapped(st, parts)
         assert views is not None and len(views) == 1 and bytes(views[0]) == value
-        views = st.readv_mapped(parts[::-1])  # out of order: one view each
+        views = _mapped(st, parts[::-1])  # out of order: one view each
         assert views is not None and len(views) == 4
         assert b"".join(_read(views[::-1])) == value
     finally:
@@ -85,7 +96,7 @@ async def test_what_is_not_all_here_and_cached_is_left_to_readv_into(
         many = [(await _put(st, 1, 10_000, f"m{i}/"))[0][0] for i in range(MAPPED_MAX_CHUNKS + 1)]
         assert len({r[0] for r in many}) == MAPPED_MAX_CHUNKS + 1
         assert st.readv_mapped(many) is None  # too many chunks for one look each
-        assert st.readv_mapped(many[:MAPPED_MAX_CHUNKS]) is not None
+        assert _mapped(st, many[:MAPPED_MAX_CHUNKS]) is not None
         monkeypatch.setattr(store_mod, "MAPPED_CHECK_BYTES", 1000)
         assert st.readv_mapped(ranges) is None  # the stretch to ask about is too long
         monkeypatch.setattr(store_mod, "MAPPED_CHECK_BYTES", 1 << 20)
@@ -120,7 +131,7 @@ async def test_pages_not_in_the_page_cache_are_never_answered_from_the_mapping(
             views, errors = await st.readv(ranges)  # read (from the disk, in the pool)
             assert not errors and [bytes(v) for v in views if v is not None] == values
             assert resident(fd, 0, st.sizes[c])
-            got = st.readv_mapped(ranges)  # cached now
+            got = _mapped(st, ranges)  # cached now
             assert got is not None and _read(got) == values
         finally:
             os.close(fd)
@@ -132,11 +143,11 @@ async def test_the_open_chunk_is_mapped_again_once_reads_pass_its_mapping(tmp_pa
     st = await _store(tmp_path, chunk_bytes=1 << 20)
     try:
         first, v1 = await _put(st, 4, 5000, "a")
-        got = st.readv_mapped(first)
+        got = _mapped(st, first)
         assert got is not None and _read(got) == v1 and st.maps.mapped == 1
         second, v2 = await _put(st, 4, 5000, "b")
         assert second[0][0] == first[0][0]  # the same chunk, grown
-        got2 = st.readv_mapped(first + second)
+        got2 = _mapped(st, first + second)
         assert got2 is not None and _read(got2) == v1 + v2 and st.maps.mapped == 2
         assert _read(got) == v1  # views of the first mapping still read right
     finally:
@@ -152,7 +163,7 @@ async def test_mappings_are_bounded_and_views_outlive_their_chunk(tmp_path: Path
             chunks.append((r, v))
         held = []
         for r, v in chunks:
-            views = st.readv_mapped(r)
+            views = _mapped(st, r)
             assert views is not None and _read(views) == v
             held.append(views)
             assert len(st.maps) <= 2

@@ -59,7 +59,10 @@ async def test_chain_written_together_is_read_with_one_span(cluster: LocalCluste
     assert sum(s.file_spans for s in stores) == 0
     for s, n in zip(stores, maps, strict=True):
         s.maps.max_maps = n
-    assert await kv.get_many(list(chain)) == list(chain.values())
+    for _ in range(20):  # (cachestat can count a page short while the kernel changes it: read)
+        assert await kv.get_many(list(chain)) == list(chain.values())
+        if sum(s.mapped_spans for s in stores):
+            break
     assert sum(s.mapped_spans for s in stores) == 64
     assert sum(s.file_spans for s in stores) == 0
     for cs in servers:
