@@ -998,10 +998,12 @@ class ChunkStore:
         if not maps.max_maps or not ranges:
             return None
         lens = list(map(_LENGTH, ranges))
-        if sum(lens) > INLINE_READ_BYTES:
+        if sum(lens) > INLINE_READ_BYTES or min(lens) < 0:
             return None
         cids = list(map(_CHUNK, ranges))
         offs = list(map(_OFFSET, ranges))
+        if min(offs) < 0:  # (a READV's never are: its ranges were checked)
+            return None
         ends = list(map(operator.add, offs, lens))
         chunks = set(cids)
         if len(chunks) > MAPPED_MAX_CHUNKS:

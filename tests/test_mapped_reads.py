@@ -93,6 +93,7 @@ async def test_what_is_not_all_here_and_cached_is_left_to_readv_into(
         c, off, ln = ranges[0]
         assert st.readv_mapped([(c, off, ln), (c + 1, 0, 1)]) is None  # a chunk not here
         assert st.readv_mapped([(c, off, st.sizes[c])]) is None  # past the chunk's end
+        assert st.readv_mapped([(c, -1, 10)]) is None and st.readv_mapped([(c, 10, -1)]) is None
         many = [(await _put(st, 1, 10_000, f"m{i}/"))[0][0] for i in range(MAPPED_MAX_CHUNKS + 1)]
         assert len({r[0] for r in many}) == MAPPED_MAX_CHUNKS + 1
         assert st.readv_mapped(many) is None  # too many chunks for one look each
