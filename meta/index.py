@@ -58,8 +58,6 @@ from collections.abc import AsyncIterator, Callable, Collection, Iterable, Seque
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgspec
-
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import ServerError, StaleLayout
@@ -88,14 +86,6 @@ log = logging.getLogger("kvfs.meta")
 RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
 METRICS_STATE = "metrics"  # the state entry holding GC's counters (Redis: a hash of their own)
 _UNSET = object()
-
-
-class Entry(msgspec.Struct, gc=False):
-    """A key's layout and last access (a C-level struct: one is made per committed key;
-    ``gc=False``: it holds no container that could make a cycle)."""
-
-    layout: Layout
-    last_access: float
 
 
 @dataclass(slots=True)
@@ -216,7 +206,11 @@ class MetaIndex(ServerRegistry):
     def __init__(self, config: MetaConfig, store: MetaStore, clock: Callable[[], float]) -> None:
         super().__init__(config, clock)
         self.store = store
-        self.entries: dict[bytes, Entry] = {}
+        # key -> layout: the index holds the layout itself, no object per key around it (a
+        # commit makes none but the layout: bench/RESULTS.md); a key's last access (LRU) is
+        # its layout's ``created`` (meta's commit time) unless it was read since: ``accessed``
+        self.entries: dict[bytes, Layout] = {}
+        self.accessed: dict[bytes, float] = {}  # keys read since their commit -> last access
         self.chunk_live: dict[int, int] = {}
         self.tombstones: dict[bytes, Tomb] = {}  # deleted keys' tombstones kept (kvfs.meta.tombstones)
         # keys with older records on the chunks -> the latest expiry among them (None: never);
@@ -241,8 +235,11 @@ class MetaIndex(ServerRegistry):
         self._syncing: asyncio.Future[None] | None = None  # a group waiting for its sync (done: answered)
 
     def load(self) -> None:
+        accessed = self.accessed
         for key, layout, last_access in self.store.load():
-            self.entries[key] = Entry(layout, last_access)
+            self.entries[key] = layout
+            if last_access != layout.created:
+                accessed[key] = last_access
             self.add_live(layout, +1, key)
         self.retired = {c: t for c, _, t in self.store.load_dead()}
         since = time.monotonic()
@@ -303,16 +300,21 @@ class MetaIndex(ServerRegistry):
         await self._settled()
 
     # reading ------------------------------------------------------------------------
-    def get(self, key: bytes, now: float) -> Entry | None:
-        e = self.entries.get(key)
-        if e is None or e.layout.expired(now):
+    def get(self, key: bytes, now: float) -> Layout | None:
+        lay = self.entries.get(key)
+        if lay is None or lay.expired(now):
             return None
-        return e
+        return lay
+
+    def last_access(self, key: bytes) -> float:
+        """When a present key was last read (LOOKUP, TOUCH), or else committed."""
+        t = self.accessed.get(key)
+        return self.entries[key].created if t is None else t
 
     def readable(self, key: bytes, now: float, gone: set[int]) -> bool:
         """Unexpired, and every extent has a replica off the ``gone`` servers."""
-        e = self.get(key, now)
-        return e is not None and readable(e.layout, gone)
+        lay = self.get(key, now)
+        return lay is not None and readable(lay, gone)
 
     # changing -----------------------------------------------------------------------
     def add_live(self, layout: Layout, sign: int, key: bytes, live: dict[int, int] | None = None) -> None:
@@ -353,17 +355,20 @@ class MetaIndex(ServerRegistry):
             if high.get(sid, -1) < seq:
                 high[sid] = seq
 
-    def switch_layouts(self, staged: list[tuple[bytes, Entry, Layout]]) -> None:
-        """Replace the layouts of existing entries: one SQLite transaction (owed a sync:
-        the caller settles), then the index."""
+    def switch_layouts(self, staged: list[tuple[bytes, Layout, Layout]]) -> None:
+        """Replace the layouts (the old, the new) of existing keys, keeping their last
+        access: one SQLite transaction (owed a sync: the caller settles), then the index."""
         if not staged:
             return
         with self._writing(gc=True):
-            self.store.put_many((k, encode_layout(lay), lay.expires_at, e.last_access)
-                                for k, e, lay in staged)
-        for k, e, lay in staged:
-            self.add_live(e.layout, -1, k)
-            e.layout = lay
+            self.store.put_many((k, encode_layout(lay), lay.expires_at, self.last_access(k))
+                                for k, _, lay in staged)
+        accessed, entries = self.accessed, self.entries
+        for k, old, lay in staged:
+            if lay.created != old.created and k not in accessed:
+                accessed[k] = old.created
+            self.add_live(old, -1, k)
+            entries[k] = lay
             self.add_live(lay, +1, k)
 
     def remove(self, keys: Iterable[bytes], tombstones: dict[bytes, Layout] | None = None, *,
@@ -383,7 +388,7 @@ class MetaIndex(ServerRegistry):
         ghosts = []  # (chunk, key hash, expiry): each record of a key dropped without a tombstone
         for k in gone:
             if k not in keep:
-                lay = entries[k].layout
+                lay = entries[k]
                 h, until = ghost_hash(k), lay.expires_at
                 ghosts += [(c, h, until) for c in dict.fromkeys(r.chunk_id for x in lay.extents for r in x.replicas)]
         with self._writing(gc=sync):
@@ -397,9 +402,10 @@ class MetaIndex(ServerRegistry):
             self.add_live(lay, +1, k)
         out = []
         for k in gone:
-            lay = self.entries.pop(k).layout
+            lay = self.entries.pop(k)
             out.append((k, lay))
             self.add_live(lay, -1, k)
+            self.accessed.pop(k, None)
             self.dirty_access.pop(k, None)
             self.leases.pop(k, None)
             older.pop(k, None)
@@ -449,30 +455,27 @@ class MetaIndex(ServerRegistry):
     async def lookup(self, keys: Sequence[bytes], now: float,
                      lease: Lease | None = None) -> list[Layout | None]:
         out: list[Layout | None] = []
-        dirty, entries = self.dirty_access, self.entries
+        dirty, accessed, entries = self.dirty_access, self.accessed, self.entries
         for k in keys:  # (self.get, inlined: this runs per looked-up key)
-            e = entries.get(k)
-            if e is None:
+            lay = entries.get(k)
+            if lay is None:
                 out.append(None)
                 continue
-            lay = e.layout
             exp = lay.expires_at
             if exp is not None and exp <= now:
                 out.append(None)
             else:
                 out.append(lay)
-                e.last_access = now
-                dirty[k] = now
+                accessed[k] = dirty[k] = now
         if lease is not None:
             self.lease([k for k, lay in zip(keys, out, strict=True) if lay is not None], now, lease)
         return out
 
     async def touch(self, keys: Sequence[bytes], now: float) -> None:
+        entries, accessed, dirty = self.entries, self.accessed, self.dirty_access
         for k in keys:
-            e = self.entries.get(k)
-            if e is not None:
-                e.last_access = now
-                self.dirty_access[k] = now
+            if k in entries:
+                accessed[k] = dirty[k] = now
 
     def _present(self, keys: Sequence[bytes], now: float) -> list[bool]:
         """:meth:`readable` of each key, for lookups of many keys: with no server gone (the
@@ -484,11 +487,11 @@ class MetaIndex(ServerRegistry):
         entries = self.entries
         out = []
         for k in keys:
-            e = entries.get(k)
-            if e is None:
+            lay = entries.get(k)
+            if lay is None:
                 out.append(False)
             else:
-                exp = e.layout.expires_at
+                exp = lay.expires_at
                 out.append(exp is None or exp > now)  # (Layout.expired, inlined)
         return out
 
@@ -511,7 +514,9 @@ class MetaIndex(ServerRegistry):
                      if_absent: bool = False) -> list[int]:
         """Store the layouts, durable once it returns; returns the indexes of ``staged`` not
         committed: with ``if_absent``, those whose key is present (readable, earlier in
-        ``staged``, or written by an earlier COMMIT of the same group).  ``check(staged)``
+        ``staged``, or written by an earlier COMMIT of the same group).  The layouts are
+        stamped ``created=now`` (meta's COMMIT handler's stamp): a key's last access is its
+        layout's ``created`` until it is read (``accessed``).  ``check(staged)``
         runs in the step that writes the rows (a chunk may be retired while the commit
         waits for its group); what it raises is this commit's answer, and nothing of it
         is written."""
@@ -640,8 +645,7 @@ class MetaIndex(ServerRegistry):
                     continue  # so (its value is None whatever this row is: not written again)
                 before = last.get(key)
                 if before is None:
-                    e = entries.get(key)
-                    before = None if e is None else e.layout
+                    before = entries.get(key)
                 last[key] = lay
                 ghost: float | None = NO_GHOST
                 if before is None and key not in tombs:
@@ -682,16 +686,15 @@ class MetaIndex(ServerRegistry):
         self.older.update(older)
         # the entries and the live bytes per chunk, key by key (add_live's, inlined: this runs
         # per committed key); seq_high once per chunk the group names (note_chunks' work)
-        entries, dirty, live = self.entries, self.dirty_access, self.chunk_live
+        entries, live = self.entries, self.chunk_live
         get, chunks = live.get, set()
         for c in group:
-            now = c.now
             for key, lay in c.staged:
                 old = entries.get(key)
-                entries[key] = Entry(lay, now)
+                entries[key] = lay
                 overhead = RECORD_OVERHEAD_BYTES + len(key)
                 if old is not None:
-                    for e in old.layout.extents:
+                    for e in old.extents:
                         n = e.length + overhead
                         for r in e.replicas:
                             live[r.chunk_id] = get(r.chunk_id, 0) - n
@@ -701,10 +704,12 @@ class MetaIndex(ServerRegistry):
                         cid = r.chunk_id
                         live[cid] = get(cid, 0) + n
                         chunks.add(cid)
-        if dirty:
+        accessed, dirty = self.accessed, self.dirty_access
+        if accessed:  # (its last access is its commit now: the layout's created)
             for c in group:
                 for key, _ in c.staged:
-                    dirty.pop(key, None)
+                    if accessed.pop(key, None) is not None:
+                        dirty.pop(key, None)
         self.note_chunk_ids(chunks)
 
     async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
@@ -847,11 +852,8 @@ class MetaIndex(ServerRegistry):
     async def drop_lost(self, rows: Sequence[tuple[bytes, Layout]]) -> int:
         """Remove each key that still has the given layout (compare-and-swap: a key
         overwritten since is kept); returns how many were removed."""
-        doomed = []
-        for k, lay in rows:
-            e = self.entries.get(k)
-            if e is not None and e.layout == lay:
-                doomed.append(k)
+        entries = self.entries
+        doomed = [k for k, lay in rows if entries.get(k) == lay]
         n = len(self.remove(doomed))
         await self._settled(gc=True)
         return n
@@ -862,7 +864,7 @@ class MetaIndex(ServerRegistry):
 
     async def key_stats(self, now: float) -> tuple[int, int, int]:
         """(unexpired keys, stored keys, bytes of the unexpired values)."""
-        live = [e.layout.size for e in self.entries.values() if not e.layout.expired(now)]
+        live = [lay.size for lay in self.entries.values() if not lay.expired(now)]
         return len(live), len(self.entries), sum(live)
 
     async def server_live(self) -> dict[int, int]:
@@ -877,21 +879,18 @@ class MetaIndex(ServerRegistry):
         return {c: live[c] for c in chunks if c in live}
 
     async def peek(self, keys: Sequence[bytes], now: float) -> list[Layout | None]:
-        out: list[Layout | None] = []
-        for k in keys:
-            e = self.get(k, now)
-            out.append(None if e is None else e.layout)
-        return out
+        return [self.get(k, now) for k in keys]
 
     # GC's operations (storeapi.GcIndex; SharedIndex has them over its store) ----------
     async def scan(self, batch: int = 10_000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
         keys = list(self.entries)  # the entries may change while the caller awaits
+        entries = self.entries
         for i in range(0, len(keys), batch):
             rows = []
             for k in keys[i:i + batch]:
-                e = self.entries.get(k)
-                if e is not None:
-                    rows.append((k, e.layout))
+                lay = entries.get(k)
+                if lay is not None:
+                    rows.append((k, lay))
             yield rows
 
     async def refs(self, chunks: Collection[int] = (), servers: Collection[int] = (),
@@ -909,16 +908,13 @@ class MetaIndex(ServerRegistry):
             yield [(k, lay) for k, lay in rows if lay.expired(now)]
 
     async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
-        order = sorted(self.entries.items(), key=lambda kv: kv[1].last_access)
+        accessed = self.accessed
+        order = sorted(self.entries.items(), key=lambda kv: accessed.get(kv[0], kv[1].created))
         for i in range(0, len(order), batch):
-            yield [(k, e.layout) for k, e in order[i:i + batch]]
+            yield order[i:i + batch]
 
     async def layouts(self, keys: Sequence[bytes]) -> list[Layout | None]:
-        out: list[Layout | None] = []
-        for k in keys:
-            e = self.entries.get(k)
-            out.append(None if e is None else e.layout)
-        return out
+        return [self.entries.get(k) for k in keys]
 
     async def leased(self, keys: Sequence[bytes], now: float) -> set[bytes]:
         leases = self.leases
@@ -932,11 +928,11 @@ class MetaIndex(ServerRegistry):
         keys = self.store.expired(now, limit)
         gone = []
         for k in keys:
-            e = self.entries.get(k)
-            if e is None or e.layout.expired(now):
+            lay = self.entries.get(k)
+            if lay is None or lay.expired(now):
                 gone.append(k)
         shadowed = await self.shadowed(gone, now)
-        kept = [(k, self.entries[k].layout) for k in gone if k in shadowed]
+        kept = [(k, self.entries[k]) for k in gone if k in shadowed]
         removed = self.remove(k for k in gone if k not in shadowed)
         await self._settled(gc=True)
         return removed, len(keys) == limit, kept
@@ -955,8 +951,7 @@ class MetaIndex(ServerRegistry):
         or unleased), keeping the tombstone the GC wrote for it (the third layout)."""
         keep: dict[bytes, Layout] = {}
         for k, lay, tomb in rows:
-            e = self.entries.get(k)
-            if e is not None and e.layout == lay and (
+            if self.entries.get(k) == lay and (
                     lay.expired(now) or (evict and self.lease_end(k) <= now)):
                 keep[k] = tomb
         removed = self.remove(list(keep), keep)
@@ -966,8 +961,7 @@ class MetaIndex(ServerRegistry):
     async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> list[tuple[bytes, Layout]]:
         doomed = []
         for k, lay in victims:
-            e = self.entries.get(k)
-            if e is not None and e.layout == lay and (
+            if self.entries.get(k) == lay and (
                     self.lease_end(k) <= now or lay.expired(now)):
                 doomed.append(k)
         removed = self.remove(doomed)
@@ -975,15 +969,15 @@ class MetaIndex(ServerRegistry):
         return removed
 
     async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> list[bool]:
-        staged: list[tuple[bytes, Entry, Layout]] = []
+        staged: list[tuple[bytes, Layout, Layout]] = []
         out = []
         for k, old, new in rows:
-            e = self.entries.get(k)
-            ok = e is not None and e.layout == old and self.dead_in(new) is None
+            cur = self.entries.get(k)
+            ok = cur is not None and cur == old and self.dead_in(new) is None
             out.append(ok)
             if ok:
-                assert e is not None
-                staged.append((k, e, new))
+                assert cur is not None
+                staged.append((k, cur, new))
         self.switch_layouts(staged)
         await self._settled(gc=True)
         return out

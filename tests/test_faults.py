@@ -269,12 +269,12 @@ async def test_reads_from_cached_layouts_reach_meta_lru(cluster: LocalCluster, k
     await kv.put(b"hot", b"v")
     meta = cluster.meta
     assert meta is not None
-    before = meta.index.entries[b"hot"].last_access
+    before = meta.index.last_access(b"hot")
     clock.advance(100)  # type: ignore[attr-defined]
     for _ in range(3):
         assert await kv.get_many([b"hot"]) == [b"v"]  # served from the layout cache
     await kv.close()  # flushes pending touches
-    assert meta.index.entries[b"hot"].last_access == before + 100
+    assert meta.index.last_access(b"hot") == before + 100
 
 
 async def test_corrupt_replica_falls_back_to_a_good_one(cluster: LocalCluster, kv: AsyncClient) -> None:

@@ -166,7 +166,7 @@ async def test_the_same_key_twice_in_a_group_keeps_the_later_commit(make_index: 
     first = Layout(10, 1, 0.0, None, (Extent(10, 1, (Replica(1, 1 << 40, 0),)),))
     later = Layout(10, 2, 0.0, None, (Extent(10, 2, (Replica(1, 1 << 40, 64),)),))
     assert await commit_all(ix, [[(b"k", first)], [(b"k", later)]]) == [None, None]
-    assert ix.entries[b"k"].layout == later
+    assert ix.entries[b"k"] == later
     assert ix.chunk_live[1 << 40] == 10 + RECORD_OVERHEAD_BYTES + 1  # only the later one is live
     reopened = MetaStore(tmp_path / "meta.sqlite3")
     try:
@@ -195,6 +195,34 @@ async def test_a_commits_rows_store_its_expiry_and_none_for_keys_without_one(
     assert ix.store.expired(1e12, 10) == [b"e0", b"e1"] and ix.store.count_expired(1e12) == 2
 
 
+async def test_a_keys_last_access_is_its_commit_until_read_and_survives_restart_and_relocation(
+        make_index: Any) -> None:
+    """The index keeps a key's layout alone (no object per key around it): its last access
+    (LRU order) is its layout's ``created``, the commit time, until a lookup or touch; a
+    commit resets it, a restart reads it back, and a GC relocation (a new layout, maybe
+    made at another time) keeps it."""
+    def lay(created: float, offset: int = 0) -> Layout:
+        return Layout(10, 7, created, None, (Extent(10, 7, (Replica(1, 1 << 40, offset),)),))
+
+    ix = make_index()
+    await ix.commit([(b"a", lay(100.0)), (b"b", lay(100.0)), (b"c", lay(100.0))], 100.0, None)
+    await ix.lookup([b"b"], 150.0)
+    await ix.touch([b"c"], 160.0)
+    await ix.commit([(b"c", lay(200.0))], 200.0, None)  # a commit after the read: its time
+    assert [ix.last_access(k) for k in (b"a", b"b", b"c")] == [100.0, 150.0, 200.0]
+    assert [k for rows in [r async for r in ix.lru_order()] for k, _ in rows] == [b"a", b"b", b"c"]
+    await ix.flush()
+    await ix.close()
+    ix = make_index()
+    ix.load()
+    assert [ix.last_access(k) for k in (b"a", b"b", b"c")] == [100.0, 150.0, 200.0]
+    assert ix.accessed == {b"b": 150.0}  # the others' are their layouts' created
+    moved = {k: lay(999.0, 64) for k in (b"a", b"b")}
+    assert await ix.switch([(k, ix.entries[k], new) for k, new in moved.items()]) == [True, True]
+    assert [ix.entries[k] for k in moved] == list(moved.values())
+    assert [ix.last_access(k) for k in (b"a", b"b", b"c")] == [100.0, 150.0, 200.0]
+
+
 async def test_if_absent_sees_the_keys_of_earlier_commits_in_its_group(make_index: Any, tmp_path: Path) -> None:
     ix = make_index()
     first = rows("a", 2)
@@ -203,7 +231,7 @@ async def test_if_absent_sees_the_keys_of_earlier_commits_in_its_group(make_inde
     assert await asyncio.gather(*tasks) == [[], [0]]  # a1 was written by the first commit
     assert ix.commit_groups == 1
     assert stored_keys(tmp_path / "meta.sqlite3") == {b"a0", b"a1", b"a2", b"b0"}
-    assert ix.entries[b"a1"].layout == first[1][1]
+    assert ix.entries[b"a1"] == first[1][1]
 
 
 class HeldSync:
@@ -407,8 +435,8 @@ async def _flush(ix: MetaIndex) -> None:
 CHANGES: dict[str, Callable[[MetaIndex], Awaitable[Any]]] = {
     "delete": lambda ix: ix.delete([b"a0"]),
     "gc expire": lambda ix: ix.expire(200.0, 100),
-    "gc evict": lambda ix: ix.evict([(b"a0", ix.entries[b"a0"].layout)], 100.0),
-    "gc switch": lambda ix: ix.switch([(b"a0", ix.entries[b"a0"].layout, lay(8))]),
+    "gc evict": lambda ix: ix.evict([(b"a0", ix.entries[b"a0"])], 100.0),
+    "gc switch": lambda ix: ix.switch([(b"a0", ix.entries[b"a0"], lay(8))]),
     "gc retire": lambda ix: ix.retire(1, [EMPTY_CHUNK], 100.0),
     "gc ghosts": lambda ix: ix.ghost_copies([(b"gone", CHUNK)]),
     "gc report": lambda ix: ix.add_counts({"passes": 1}, {"last_pass_duration_s": 0.5}),
@@ -510,7 +538,7 @@ async def test_fsync_never_answers_a_delete_at_once_and_still_syncs_gc_changes(
     monkeypatch.setattr(ix.store, "sync_wal", held)
     assert await ix.delete([b"a0"]) == 1 and held.calls == 0
     assert await ix.retire(1, [EMPTY_CHUNK], 100.0) == [EMPTY_CHUNK] and held.calls == 1
-    assert await ix.evict([(b"a1", ix.entries[b"a1"].layout)], 100.0) and held.calls == 2
+    assert await ix.evict([(b"a1", ix.entries[b"a1"])], 100.0) and held.calls == 2
 
 
 # through the RPCs: a cluster in this process (real sockets, real SQLite), and meta SIGKILLed --
