@@ -121,23 +121,30 @@ def as_parts(obj: Any, *, writable: bool = False, what: str = "value") -> list[m
 
 # one value's buffers: its one flat view as it is, or a list of views (as_parts_many(bare=True))
 Views = memoryview | list[memoryview]
+# one value to write: its views, or a bytes value as it is (flat already: as_parts_many(bare=True))
+Source = Views | bytes
 
 
 @overload
 def as_parts_many(objs: Sequence[Any], *, writable: bool = False, what: str = "value",
                   bare: Literal[False] = False) -> tuple[list[list[memoryview]], list[int]]: ...
 @overload
-def as_parts_many(objs: Sequence[Any], *, writable: bool = False, what: str = "value",
+def as_parts_many(objs: Sequence[Any], *, writable: Literal[True], what: str = "value",
                   bare: Literal[True]) -> tuple[list[Views], list[int]]: ...
+@overload
+def as_parts_many(objs: Sequence[Any], *, writable: Literal[False] = False, what: str = "value",
+                  bare: Literal[True]) -> tuple[list[Source], list[int]]: ...
 def as_parts_many(objs: Sequence[Any], *, writable: bool = False, what: str = "value",
-                  bare: bool = False) -> tuple[list[list[memoryview]], list[int]] | tuple[list[Views], list[int]]:
+                  bare: bool = False,
+                  ) -> tuple[list[list[memoryview]], list[int]] | tuple[list[Source], list[int]] \
+        | tuple[list[Views], list[int]]:
     """:func:`as_parts` of each of ``objs`` (named ``f"{what} {i}"`` in an error), and
     each one's size.  The common case, every object a flat byte view (e.g. per-value views
     cut out of one region), a bytearray, or bytes when not ``writable``, is checked for all
     of them at once: no Python step per object beyond making its one-view list, or with
-    ``bare`` none at all: each is its view itself (a list per value would be one more
-    object per value for Python's cyclic GC to track: a get_into of 128 keys made its
-    collections twice as frequent as get_many's)."""
+    ``bare`` none at all: each is its view itself, and bytes are kept as they are (a list
+    or a view per value would be one more object per value for Python's cyclic GC to
+    track: a get_into of 128 keys made its collections twice as frequent as get_many's)."""
     kinds = set(map(type, objs))
     if kinds == {memoryview}:
         flags = set(map(_VIEW_FLAGS, objs))
@@ -147,7 +154,7 @@ def as_parts_many(objs: Sequence[Any], *, writable: bool = False, what: str = "v
             return [[v] for v in objs], list(map(_NBYTES, objs))
     elif kinds == {bytearray} or (kinds == {bytes} and not writable):
         if bare:
-            views: list[Views] = [memoryview(b) for b in objs]
+            views: list[Source] = list(objs) if kinds == {bytes} else [memoryview(b) for b in objs]
             return views, list(map(len, objs))
         return [[memoryview(b)] for b in objs], list(map(len, objs))
     try:
@@ -157,19 +164,21 @@ def as_parts_many(objs: Sequence[Any], *, writable: bool = False, what: str = "v
     return parts, [nbytes(p) for p in parts]
 
 
-def nbytes(parts: list[memoryview]) -> int:
+def nbytes(parts: Source) -> int:
     if type(parts) is Parts:
         return parts.nbytes
+    if not isinstance(parts, list):
+        return parts.nbytes if isinstance(parts, memoryview) else len(parts)
     if len(parts) == 1:
         return parts[0].nbytes
     return sum(map(_NBYTES, parts))
 
 
-def cut(parts: Views, start: int, length: int) -> list[memoryview]:
+def cut(parts: Source, start: int, length: int) -> list[memoryview]:
     """The views covering bytes ``[start, start + length)`` of the concatenation of ``parts``
-    (or of the one view ``parts``)."""
-    if type(parts) is memoryview:
-        return [parts[start : start + length]]
+    (or of the one view, or bytes, ``parts``)."""
+    if not isinstance(parts, list):
+        return [memoryview(parts)[start : start + length]]
     if len(parts) == 1:
         return [parts[0][start : start + length]]
     out: list[memoryview] = []

@@ -32,7 +32,7 @@ import msgspec
 from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, format_addrs, lookup_token, parse_addrs
-from kvfs.buffers import Views, as_parts, as_parts_many, cut
+from kvfs.buffers import Source, Views, as_parts, as_parts_many, cut
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
@@ -65,7 +65,7 @@ class _PutCall(NamedTuple):
     """One put_many call, checked, waiting in the put batcher."""
 
     keys: list[bytes]
-    views: list[list[memoryview]]
+    views: list[Source]
     sizes: list[int]  # each value's bytes
     metas: list[bytes | None] | None  # each key's encoded meta; None: none at all
     replicas: int  # options: calls with the same ones may share a put
@@ -302,7 +302,7 @@ class AsyncClient:
         keys = norm_keys([k for k, _ in pairs])
         values = [v for _, v in pairs]
         try:  # each value's views and size, checked at once in the common cases
-            views, sizes = as_parts_many(values)
+            views, sizes = as_parts_many(values, bare=True)
         except InvalidArgument:  # again, naming the key (not built for every good value)
             for k, v in zip(keys, values, strict=True):
                 as_parts(v, what=f"value for key {k[:64]!r}")

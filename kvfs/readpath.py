@@ -90,6 +90,48 @@ class _Job(msgspec.Struct, gc=False):
 
 
 @dataclass(slots=True)
+class _Group:
+    """One server's share of :meth:`ReadPath.fetch`'s first round as columns
+    (:meth:`ReadPath._groups`): per value its slot, its READV range and its CRC-32C."""
+
+    slots: list[int]
+    ranges: list[tuple[int, int, int]]
+    crcs: list[int]
+    total: int = 0  # bytes of the ranges
+
+
+def _jobs(slots: list[int], layouts: list[Layout | None], dests: Sequence[Dest]) -> list[_Job]:
+    """The jobs of a :class:`_Group`'s values (one extent, one replica each, being read)."""
+    jobs = []
+    for slot in slots:
+        e = cast(Layout, layouts[slot]).extents[0]
+        jobs.append(_Job(slot, e, cast("Views | _Dest", dests[slot]), e.replicas[0]))
+    return jobs
+
+
+def _take(payload: memoryview, g: _Group, dests: Sequence[Dest],
+          out: list[bytes | None] | None) -> bool:
+    """A :class:`_Group`'s answer, every range received: each value's bytes checked against
+    its CRC-32C and copied out (into ``out`` as bytes for ``WHOLE``, else into its view).
+    False at the first bad one (what came before it is copied out already; the caller then
+    checks them all again, one job each)."""
+    pos = 0
+    crc = crc32c.crc32c
+    for slot, r, c in zip(g.slots, g.ranges, g.crcs, strict=True):
+        end = pos + r[2]
+        got = payload[pos:end]
+        pos = end
+        if crc(got) != c:
+            return False
+        dest = dests[slot]
+        if dest is WHOLE:
+            out[slot] = bytes(got)  # type: ignore[index]  # (out is given with WHOLE dests)
+        else:
+            dest[:] = got  # type: ignore[index,assignment]  # (one flat view: _groups checked)
+    return True
+
+
+@dataclass(slots=True)
 class _Watch:
     """One server's READVs of a round, for hedging: ``started`` once an answer's header
     arrived (its bytes are landing in the destinations); ``abandoned`` once the round
@@ -106,6 +148,23 @@ def _give_up(keys: list[bytes], sid: int, jobs: list[_Job], error: KVFSError) ->
         job.unreachable = True
         job.error = type(error)(f"key {keys[job.slot][:64]!r}: chunkserver {sid} holding its "
                                 f"bytes failed to answer ({error})")
+
+
+def _settle(keys: list[bytes], sids: list[int], jobs_of: Callable[[int], list[_Job]],
+            results: Sequence[list[_Job] | BaseException], pending: list[_Job]) -> None:
+    """A round's READVs answered, per server (``results``, as ``gather(...,
+    return_exceptions=True)`` gives them): the jobs to retry into ``pending``; a server that
+    failed (``Unavailable``, ``ServerError``) gives up all its jobs (``jobs_of(sid)``) for
+    their next replica; any other error raises."""
+    for sid, res in zip(sids, results, strict=True):
+        if isinstance(res, (Unavailable, ServerError)):
+            js = jobs_of(sid)
+            _give_up(keys, sid, js, res)
+            pending.extend(js)
+        elif isinstance(res, BaseException):
+            raise res
+        else:
+            pending.extend(res)
 
 
 def _can_hedge(jobs: list[_Job]) -> bool:
@@ -226,7 +285,13 @@ class ReadPath:
         alive = self._link.alive()
         hung = self._link.timed_out()
         bad: set[int] = set()
-        by_server = self._first_jobs(keys, layouts, dests, alive, stale, failed, bad)
+        groups = None if skip or hung else self._groups(layouts, dests)
+        if groups is not None:  # the common case: no job per key unless its read fails
+            first = await self._first_round(groups, keys, layouts, dests, out)
+            by_server: dict[int, list[_Job]] = defaultdict(list)
+            self._assign(keys, first, alive, stale, failed, bad, by_server)
+        else:
+            by_server = self._first_jobs(keys, layouts, dests, alive, stale, failed, bad)
         while by_server:
             pending: list[_Job] = []
             for sid in (skip | hung) & by_server.keys():
@@ -245,14 +310,7 @@ class ReadPath:
                 results = await asyncio.gather(
                     *(self._readv(sid, js, keys, out) for sid, js in by_server.items()),
                     return_exceptions=True)
-            for (sid, js), res in zip(by_server.items(), results, strict=True):
-                if isinstance(res, (Unavailable, ServerError)):
-                    _give_up(keys, sid, js, res)
-                    pending.extend(js)
-                elif isinstance(res, BaseException):
-                    raise res
-                else:
-                    pending.extend(res)
+            _settle(keys, list(by_server), by_server.__getitem__, results, pending)
             by_server = defaultdict(list)
             self._assign(keys, pending, alive, stale, failed, bad, by_server)
         for slot in stale:
@@ -289,6 +347,94 @@ class ReadPath:
                 pos += e.length
         self._assign(keys, choose, alive, stale, failed, bad, by_server)
         return by_server
+
+    def _groups(self, layouts: list[Layout | None], dests: Sequence[Dest],
+                ) -> dict[int, _Group] | None:
+        """:meth:`fetch`'s first round as columns, by server, when every value asked for is
+        one extent with one replica, to be copied out of a pooled receive (handed back as
+        bytes, ``WHOLE``, or into one flat view), and each server's share is one READV of
+        distinct ranges: None otherwise (the jobs of :meth:`_first_jobs` then)."""
+        groups: dict[int, _Group] = {}
+        for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
+            if lay is None or dest is None:
+                continue
+            ext = lay.extents
+            if len(ext) != 1 or (dest is not WHOLE and type(dest) is not memoryview):
+                return None
+            e = ext[0]
+            reps = e.replicas
+            if len(reps) != 1:
+                return None
+            rep = reps[0]
+            g = groups.get(rep.server_id)
+            if g is None:
+                g = groups[rep.server_id] = _Group([], [], [])
+            g.slots.append(slot)
+            g.ranges.append((rep.chunk_id, rep.offset, e.length))
+            g.crcs.append(e.crc)
+        for g in groups.values():
+            ranges = g.ranges
+            g.total = sum([r[2] for r in ranges])
+            if (len(ranges) > self._max_ranges or g.total > self._max_rpc_bytes
+                    or len(set(ranges)) != len(ranges)
+                    or (g.total >= SCATTER_MIN_BYTES * len(ranges)
+                        and all([dests[i] is not WHOLE for i in g.slots]))):
+                return None  # split, or received in place: the jobs' way
+        return groups
+
+    async def _first_round(self, groups: dict[int, _Group], keys: list[bytes],
+                           layouts: list[Layout | None], dests: Sequence[Dest],
+                           out: list[bytes | None] | None) -> list[_Job]:
+        """One READV per server of ``groups`` (:meth:`_groups`), every value checked and
+        copied out; returns the jobs to try again on their next replica (made only for
+        the values of a READV that failed or was not all good)."""
+        results = await asyncio.gather(
+            *(self._readv_group(sid, g, keys, layouts, dests, out) for sid, g in groups.items()),
+            return_exceptions=True)
+        pending: list[_Job] = []
+        _settle(keys, list(groups), lambda sid: _jobs(groups[sid].slots, layouts, dests), results,
+                pending)
+        return pending
+
+    async def _readv_group(self, sid: int, g: _Group, keys: list[bytes],
+                           layouts: list[Layout | None], dests: Sequence[Dest],
+                           out: list[bytes | None] | None) -> list[_Job]:
+        """One READV of a :class:`_Group`, received into a pooled buffer; when every range
+        came back with good bytes they are copied out here, with no job made; else the
+        group's jobs are checked one by one (:meth:`_check`) and those to retry returned."""
+        rx: list[memoryview] = []
+        try:
+            h, payload = await self._link.call_server(
+                sid, rpc.ReadV(ranges=cast(list[rpc.Range], g.ranges)), sink=self._pooled(rx))
+        except BaseException:
+            self._rx_give(rx)
+            raise
+        retry: list[_Job] = []
+        if (h.errors or not isinstance(payload, memoryview) or payload.nbytes != g.total
+                or not _take(payload, g, dests, out)):
+            self._check(sid, _jobs(g.slots, layouts, dests), keys, out, retry, h, payload,
+                        g.ranges)
+        payload = memoryview(b"")  # the receive buffer's last view here: the pool takes it
+        self._rx_give(rx)
+        return retry
+
+    def _pooled(self, rx: list[memoryview], watch: _Watch | None = None,
+                ) -> Callable[[FrameHead], memoryview]:
+        """A READV answer's sink: a buffer of the receive pool (recorded in ``rx``, for
+        :meth:`_rx_give`), or scratch once ``watch`` gave the server up."""
+
+        def pooled(head: FrameHead) -> memoryview:
+            # values handed back as bytes are copied out of a reused buffer: no fresh
+            # pages to fault in for every answer
+            if watch is not None:
+                if watch.abandoned:  # the read went on without this server: bytes discarded
+                    return memoryview(bytearray(head.payload_len))
+                watch.started = True
+            buf = self._rx_pool(head)
+            rx.append(buf if isinstance(buf, memoryview) else memoryview(buf))
+            return rx[0]
+
+        return pooled
 
     def fetch_now(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Dest],
                   out: list[bytes | None] | None, readvs: ReadVs, late: set[int]) -> bool:
@@ -475,20 +621,10 @@ class ReadPath:
                         parts.extend(dest)
             return Scatter(parts)
 
-        def pooled(head: FrameHead) -> memoryview:
-            # values handed back as bytes are copied out of a reused buffer: no fresh
-            # pages to fault in for every answer
-            if watch is not None:
-                if watch.abandoned:
-                    return memoryview(bytearray(head.payload_len))
-                watch.started = True
-            buf = self._rx_pool(head)
-            rx.append(buf if isinstance(buf, memoryview) else memoryview(buf))
-            return rx[0]
-
         # large destinations receive in place; small ones (e.g. 4 KiB values) share one
         # receive into a pooled buffer and are copied out, as values returned as bytes are
-        sink = scatter if self._in_place(batch, sum([r[2] for r in ranges])) else pooled
+        sink = (scatter if self._in_place(batch, sum([r[2] for r in ranges]))
+                else self._pooled(rx, watch))
         try:
             # plain (chunk, offset, length) tuples: msgpack arrays, as rpc.Range encodes
             h, payload = await self._link.call_server(

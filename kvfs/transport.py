@@ -148,6 +148,12 @@ def request_frame(op: Op, rid: int, header: dict[str, Any] | msgspec.Struct | No
         raise LocalProtocolError(f"cannot encode {op.name} request: {exc}") from None
 
 
+def _time_out(fut: asyncio.Future[Frame]) -> None:
+    """A call's deadline passed with no answer: its wait ends in ``TimeoutError``."""
+    if not fut.done():
+        fut.set_exception(TimeoutError())
+
+
 def answer_of(op: Op, frame: Frame, name: str) -> Any:
     """The typed answer (:data:`kvfs.rpc.RPCS`) in a response frame from ``name``; an
     error frame raises its error."""
@@ -261,17 +267,22 @@ class Connection:
             raise proto.error or Unavailable(f"connection to {self.name} is closed")
         rid = next(self._ids)
         frame_out = request_frame(op, rid, header, payload)
-        fut: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[Frame] = loop.create_future()
         proto.pending[rid] = fut
         if sink is not None:
             proto.sinks[rid] = sink
         proto.write(frame_out)
+        deadline = loop.time() + (timeout_s or self.request_timeout_s)
+        # the answer's wait times out by a timer that fails its future (asyncio.timeout's
+        # context manager costs a few us more per call: bench/RESULTS.md, issue 11)
+        timer = loop.call_at(deadline, _time_out, fut)
         try:
             # waiting for room to write counts too: a peer that stops reading never makes it
-            async with asyncio.timeout(timeout_s or self.request_timeout_s):
-                if not proto._can_write.is_set():
+            if not proto._can_write.is_set():
+                async with asyncio.timeout_at(deadline):
                     await proto.drain()
-                frame = await fut
+            frame = await fut
         except TimeoutError:
             proto.pending.pop(rid, None)
             began = proto.decoder.arriving(rid)
@@ -287,8 +298,11 @@ class Connection:
         except BaseException:  # cancelled: the caller may reuse its buffers once this returns
             if sink is not None and rid not in proto.sinks:  # its answer is arriving into them
                 proto.decoder.drop_payload(rid)
+            if fut.done() and not fut.cancelled():
+                fut.exception()  # (timed out as it was cancelled: retrieved, not logged)
             raise
         finally:
+            timer.cancel()
             proto.pending.pop(rid, None)
             proto.sinks.pop(rid, None)
         if frame.is_error:

@@ -16,16 +16,16 @@ import asyncio
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Iterator
-from itertools import chain, repeat
-from operator import getitem, itemgetter
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import chain, compress, repeat
+from operator import getitem, is_not, itemgetter
 from typing import Any, cast
 
 import crc32c
 
 from kvfs import rpc
 from kvfs._batch import split_batches
-from kvfs.buffers import cut, nbytes
+from kvfs.buffers import Source, cut, nbytes
 from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig
 from kvfs.crc import crc32c_combine
@@ -33,11 +33,23 @@ from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.packed import pack as pack_layouts
 from kvfs.packed import pack_single
-from kvfs.placement import order_by_free, place
+from kvfs.placement import Placed, order_by_free, place
+from kvfs.protocol import Buffer
 
 log = logging.getLogger("kvfs.client")
 _LENGTH = itemgetter(1)  # a record head's length (RecordHead's field 1, or its plain tuple's)
 _CHUNK, _OFFSET = itemgetter(0), itemgetter(1)  # of an APPEND's location (chunk, offset)
+
+
+def _flat_units(placed: list[Placed], views: Sequence[Source]) -> bool:
+    """Every value placed as one unit (a tuple of servers) and given as one flat buffer
+    (not a list of views): checked in C."""
+    return set(map(type, placed)) == {tuple} and not any(map(isinstance, views, repeat(list)))
+
+
+def _listed(v: Source) -> list[memoryview] | tuple[Buffer]:
+    """A value's buffers as a sequence (its views, or its one flat buffer alone)."""
+    return v if isinstance(v, list) else (v,)
 
 
 class WritePath:
@@ -50,7 +62,7 @@ class WritePath:
         self._clock = clock
         self._write_id = 0  # last write id handed out (see next_write_id)
 
-    async def put(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
+    async def put(self, keys: list[bytes], views: Sequence[Source], *, replicas: int,
                   ttl: float | None, if_absent: bool = False,
                   metas: list[bytes | None] | None = None,
                   tried: dict[bytes, Layout] | None = None,
@@ -115,7 +127,7 @@ class WritePath:
                 await self._ours(keys, written, found)
         return written
 
-    async def append(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
+    async def append(self, keys: list[bytes], views: Sequence[Source], *, replicas: int,
                      ttl: float | None, first: int | None = None) -> list[Layout]:
         """Write the values' bytes (not yet visible): placement, one MAKE_ROOM when the
         cluster is full, and degraded writes: a server that cannot be reached is left out
@@ -126,7 +138,7 @@ class WritePath:
         done = await self._write(keys, views, replicas=replicas, ttl=ttl, first=first)
         return done.layouts(0.0, None)
 
-    async def _write(self, keys: list[bytes], views: list[list[memoryview]], *, replicas: int,
+    async def _write(self, keys: list[bytes], views: Sequence[Source], *, replicas: int,
                      ttl: float | None, first: int | None = None,
                      sizes: list[int] | None = None) -> _Written:
         """:meth:`append`'s work; where the values went, for their layouts or packed columns."""
@@ -201,7 +213,7 @@ class WritePath:
         on ``replicas`` servers); returns where each key's went, for DELETE."""
         return await write_tombstones(self._link, keys, self.config.replicas, self.next_write_id())
 
-    async def _append(self, keys: list[bytes], views: list[list[memoryview]], sizes: list[int],
+    async def _append(self, keys: list[bytes], views: Sequence[Source], sizes: list[int],
                       order: list[int], r: int, ttl: float | None, *, stream_unit: bool,
                       failed: set[int]) -> _Written:
         """Append every value (one APPEND per server); returns where each went.
@@ -211,7 +223,8 @@ class WritePath:
         crc = crc32c.crc32c
         # per server: records and each record's buffers, in call order
         records: dict[int, list[tuple[Any, ...]]] = defaultdict(list)
-        parts: dict[int, list[list[memoryview]]] = defaultdict(list)
+        parts: dict[int, list[Source]] = defaultdict(list)
+        listed: set[int] = set()  # the servers given a value as a list of views (else flat ones)
         # per value: a value of one unit, its servers (place's tuple, shared by the values of a
         # run), with the index of its record in each server's APPEND in ``slots``, flat; a
         # larger (or empty) value, per unit (length, crc, [(server, index), ...]).  No
@@ -223,12 +236,32 @@ class WritePath:
         placed = place(sizes, order, replicas=r, stripe_bytes=self.config.stripe_bytes,
                        group_bytes=self.config.put_group_bytes)
         last: tuple[int, ...] | None = None  # the run of values placed on the same servers
-        into: list[tuple[list[tuple[Any, ...]], list[list[memoryview]]]] = []  # its servers' lists
-        for key, v, n, servers in zip(keys, views, sizes, placed, strict=True):
+        into: list[tuple[list[tuple[Any, ...]], list[Source]]] = []  # its servers' lists
+        columns = len(placed) == len(views) and _flat_units(placed, views)
+        if columns:
+            # the common case (every value one unit, in one flat buffer): the same records,
+            # slots, plans and CRCs made a column at a time, by C loops, per run of values
+            crcs = list(map(crc, cast("list[Buffer]", views)))
+            total = repeat(0) if stream_unit else sizes
+            heads_all = list(zip(keys, sizes, crcs, repeat(expires_hint), repeat(wid), total, crcs,
+                                 repeat(0), repeat(False), strict=False))
+            count = len(placed)
+            starts = [0, *compress(range(1, count), map(is_not, placed[1:], placed))]
+            for a, b in zip(starts, [*starts[1:], count], strict=True):
+                at = []
+                for sid in cast("tuple[int, ...]", placed[a]):
+                    recs = records[sid]
+                    at.append(range(len(recs), len(recs) + b - a))
+                    recs.extend(heads_all[a:b])
+                    parts[sid].extend(views[a:b])
+                slots.extend(at[0] if len(at) == 1 else chain.from_iterable(zip(*at, strict=True)))
+            plans = cast("Plans", placed)
+        for key, v, n, servers in () if columns else zip(keys, views, sizes, placed, strict=True):
             if isinstance(servers, tuple):  # one unit, the whole value (the common case): one CRC
-                if len(v) == 1:
-                    c = crc(v[0], 0)
+                if not isinstance(v, list):  # bytes or one flat view
+                    c = crc(v, 0)
                 else:
+                    listed.update(servers)
                     c = 0
                     for p in v:
                         c = crc(p, c)
@@ -248,6 +281,7 @@ class WritePath:
             plan = []
             whole = 0
             heads: list[tuple[int, int]] = []  # (server, index) of this value's records
+            listed.update(sid for unit in servers for sid in unit.servers)
             for ui, unit in enumerate(servers):
                 u = cut(v, unit.start, unit.length)
                 c = 0
@@ -273,7 +307,9 @@ class WritePath:
 
         async def send_run(sid: int, run: range) -> list[rpc.Location]:
             recs, ps = records[sid], parts[sid]
-            payload = list(chain.from_iterable(ps[run.start : run.stop]))  # gathered, never copied
+            # gathered, never copied
+            payload: list[Buffer] = (list(chain.from_iterable(map(_listed, ps[run.start : run.stop])))
+                                     if sid in listed else cast(list[Buffer], ps[run.start : run.stop]))
             heads = cast(list[rpc.RecordHead], recs[run.start : run.stop])  # (tuples: same bytes)
             h, _ = await self._link.call_server(sid, rpc.Append(records=heads), payload)
             return h.locations
@@ -319,12 +355,13 @@ class _Written:
     went and the chunkservers' locations, made into layouts or, for values of one extent,
     into the COMMIT's packed columns directly (no layout object to build and then stamp)."""
 
-    __slots__ = ("crcs", "locs", "plans", "single", "sizes", "slots")
+    __slots__ = ("_cols", "crcs", "locs", "plans", "single", "sizes", "slots")
 
     def __init__(self, sizes: list[int], crcs: list[int], plans: Plans, slots: list[int],
                  locs: dict[int, list[rpc.Location]]) -> None:
         self.sizes, self.crcs, self.plans, self.slots, self.locs = sizes, crcs, plans, slots, locs
         self.single = all([type(plan) is tuple for plan in plans])  # every value one extent
+        self._cols: tuple[list[int], list[int], list[tuple[int, int]]] | None = None
 
     def _replicas(self) -> Iterator[tuple[Replica, ...]]:
         """The replicas of each value of one unit (in value order; larger values skipped)."""
@@ -347,10 +384,12 @@ class _Written:
         order, its server and its (chunk, offset).  Built by C loops (``map``), no Python
         step per value: the 4 KiB put's common case (bench/RESULTS.md, "the async client's
         put path")."""
-        plans = cast(list[tuple[int, ...]], self.plans)
-        server = list(chain.from_iterable(plans))  # aligned with slots (one per replica)
-        where = list(map(getitem, map(self.locs.__getitem__, server), self.slots))
-        return list(map(len, plans)), server, where
+        if self._cols is None:  # (made once: the COMMIT's columns and the layouts both use them)
+            plans = cast(list[tuple[int, ...]], self.plans)
+            server = list(chain.from_iterable(plans))  # aligned with slots (one per replica)
+            where = list(map(getitem, map(self.locs.__getitem__, server), self.slots))
+            self._cols = list(map(len, plans)), server, where
+        return self._cols
 
     def packed(self, keys: list[bytes], metas: list[bytes | None] | None) -> bytes:
         """The COMMIT's packed layouts (:func:`kvfs.packed.pack_single`), values of one extent."""

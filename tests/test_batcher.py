@@ -12,10 +12,12 @@ from typing import Any
 import pytest
 
 import kvfs
+from kvfs.buffers import Source
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
 from kvfs.errors import Unavailable
 from kvfs.launcher import LocalCluster
+from kvfs.writepath import _listed
 from tests.conftest import ThreadCluster, readv_calls
 
 
@@ -168,7 +170,7 @@ async def test_a_failed_shared_put_fails_only_its_own_call(kv: AsyncClient,
                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     real = kv.writer.put
 
-    async def refuse_bad(keys: list[bytes], views: list[list[memoryview]], **kw: Any) -> Any:
+    async def refuse_bad(keys: list[bytes], views: list[Source], **kw: Any) -> Any:
         if b"bad" in keys:  # fault injection: this key's write always fails
             raise Unavailable("injected: no server takes key bad")
         return await real(keys, views, **kw)
@@ -236,8 +238,8 @@ async def test_puts_of_one_key_commit_in_call_order_even_when_the_first_is_slow(
     real = kv.writer.put
     wake, second_in, second_done = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
-    async def slow_first(keys: list[bytes], views: list[list[memoryview]], **kw: Any) -> Any:
-        if bytes(views[0][0]) == b"first":  # fault injection: hold the first put back
+    async def slow_first(keys: list[bytes], views: list[Source], **kw: Any) -> Any:
+        if b"".join(_listed(views[0])) == b"first":  # fault injection: hold the first put back
             await wake.wait()  # set by the test, or by the second put starting
             if second_in.is_set():  # the second put was let through: it commits first
                 await second_done.wait()
@@ -311,7 +313,7 @@ async def test_a_cancelled_put_many_never_stores_what_its_buffer_holds_after(
     real = kv.writer.put
     gate, in_put = asyncio.Event(), asyncio.Event()
 
-    async def held(keys: list[bytes], views: list[list[memoryview]], **kw: Any) -> Any:
+    async def held(keys: list[bytes], views: list[Source], **kw: Any) -> Any:
         if b"reused" in keys:
             in_put.set()
         await gate.wait()  # fault injection: every write waits here, before reading its values
