@@ -1000,6 +1000,52 @@ async def test_held_closes_share_commits(kv: AsyncClient) -> None:
     assert not await wb.hold("hb/big", bytes(2 << 20), 2 << 20)  # over the bound: not held
 
 
+async def test_replaced_held_versions_end_with_their_successor(kv: AsyncClient) -> None:
+    """--write-behind: versions of a path replaced before they were sent end as the last one
+    does, with its very outcome (here a failure), each once through the ``ended`` hook, however
+    many there were (no recursion per version); a failure nobody awaits is not logged by
+    asyncio as never retrieved (the committer reports it)."""
+    import gc
+
+    from kvfs.config import MountConfig
+    from kvfs.errors import ServerError
+    from kvfs.mount.writebehind import Held, WriteBehind
+
+    ended: list[Held] = []
+    wb = WriteBehind(kv, MountConfig(write_behind_bytes=1 << 20, write_behind_delay_s=60),
+                     ended=ended.append)
+    versions = []
+    for i in range(3000):  # more than the interpreter's recursion limit
+        v = await wb.hold("rv/a", b"%d" % i, len(b"%d" % i))
+        assert isinstance(v, Held)
+        versions.append(v)
+
+    async def refused(batch: Any) -> None:
+        raise ServerError("injected: meta refuses the commit")
+
+    wb._send = refused  # type: ignore[method-assign]
+    with pytest.raises(OSError, match="injected"):
+        await wb.sync("rv/a")
+    assert len({id(v.done.exception()) for v in versions}) == 1
+    assert sorted(map(id, ended)) == sorted(map(id, versions))
+    loop = asyncio.get_running_loop()
+    logged: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _, context: logged.append(context))
+    try:
+        v = await wb.hold("rv/b", b"b", 1)
+        assert isinstance(v, Held)
+        done = v.done
+        del v, versions
+        async with wb._hurried():  # sent now, as an fsync would ask
+            await asyncio.wait([done])  # (waits without taking its exception)
+        assert ended[-1].path == "rv/b"
+        del done, ended[:]
+        gc.collect()
+        assert not logged
+    finally:
+        loop.set_exception_handler(None)
+
+
 async def test_in_order_writes_keep_the_kernels_buffers(kv: AsyncClient) -> None:
     """Writes of at least 64 KiB in order are kept as the kernel's buffers came and committed
     from them, not copied into one buffer; a write elsewhere, a read or a truncation copies

@@ -19,9 +19,11 @@ pytestmark = pytest.mark.skipif(_fuse.pyfuse3 is None, reason="pyfuse3 is not in
 def pipe() -> Iterator[tuple[int, int]]:
     r, w = os.pipe()
     _fuse._polls.pop(r, None)
+    _fuse._run.pop(r, None)
     _fuse._closing.discard(r)
     yield r, w
     _fuse._polls.pop(r, None)
+    _fuse._run.pop(r, None)
     _fuse._closing.discard(r)
     os.close(r)
     os.close(w)
@@ -52,6 +54,53 @@ async def test_a_queued_request_is_read_without_a_reader(pipe: tuple[int, int]) 
         await asyncio.wait_for(task, 5)
     finally:
         del loop.add_reader
+
+
+async def test_queued_requests_in_a_row_yield_to_the_loop_once_in_yield_every(
+        pipe: tuple[int, int]) -> None:
+    """A worker that finds requests queued while another worker waits for the read lock reads
+    most of them at once: it yields to the loop (as fairness asks) for the first of a run and
+    then once in YIELD_EVERY; a wait that finds none queued starts the count again.  With no
+    other worker waiting, every such read yields (so pyfuse3 starts no worker for the next
+    request)."""
+    r, w = pipe
+    k = _fuse._YIELD_EVERY
+    turns = 0
+
+    async def ticker() -> None:  # one step per loop turn this task gives up
+        nonlocal turns
+        while True:
+            turns += 1
+            await asyncio.sleep(0)
+
+    async def reads(n: int) -> int:
+        start = turns
+        for _ in range(n):
+            await _fuse._wait_readable(r)
+            os.read(r, 1)
+        return turns - start
+
+    tick = asyncio.ensure_future(ticker())
+    lock = _fuse._ReadLock()  # pyfuse3's, as it makes it
+    await lock.__aenter__()  # held by the worker reading
+    try:
+        os.write(w, b"x" * (2 * k))
+        assert await reads(2 * k) == 2 * k  # nobody else waits for the lock: each yields
+        other = asyncio.ensure_future(lock.__aenter__())  # another worker waits for it
+        await asyncio.sleep(0)
+        os.write(w, b"x" * (2 * k))
+        assert await reads(2 * k) == 2  # the 1st and the (k+1)th
+        waiting = asyncio.ensure_future(_fuse._wait_readable(r))  # none queued: a reader
+        await asyncio.sleep(0)
+        assert not waiting.done()
+        os.write(w, b"yz")
+        await asyncio.wait_for(waiting, 5)
+        os.read(r, 1)
+        assert await reads(1) == 1  # a new run: its first read yields again
+        other.cancel()
+    finally:
+        tick.cancel()
+        _fuse._lock = None
 
 
 async def test_a_wait_overtaken_by_terminate_ends(pipe: tuple[int, int]) -> None:

@@ -204,3 +204,51 @@ async def test_a_request_past_the_timeout_answers_eio_and_its_task_goes_on() -> 
     other.cancel()
     with pytest.raises(asyncio.CancelledError):
         await other
+
+
+async def test_requests_deadlines_share_one_timer_and_each_still_comes_due() -> None:
+    """The requests' deadlines are one queue with one loop timer, not a timer each: many
+    requests that end in time arm one timer, and a request that hangs after others that
+    ended (or with others still under way) still answers EIO at its own deadline, not at an
+    earlier one's, and not never."""
+    pyfuse3 = pytest.importorskip("pyfuse3")
+    from kvfs.mount.ops import _op
+
+    class Ops:
+        timeout_s = 0.2
+
+        @_op
+        async def quick(self) -> None:
+            await asyncio.sleep(0)
+
+        @_op
+        async def hang(self, gate: asyncio.Event) -> None:
+            await gate.wait()
+
+    ops = Ops()
+    loop = asyncio.get_running_loop()
+    armed = 0
+    call_at = loop.call_at
+
+    def counting_call_at(*args: object) -> asyncio.TimerHandle:
+        nonlocal armed
+        armed += 1
+        return call_at(*args)  # type: ignore[arg-type]
+
+    loop.call_at = counting_call_at  # type: ignore[method-assign]
+    try:
+        await asyncio.gather(*(ops.quick() for _ in range(100)))
+        assert armed == 1
+        await asyncio.sleep(0.1)  # the first deadline is half gone
+        began = loop.time()
+        hung = [asyncio.ensure_future(ops.hang(asyncio.Event())) for _ in range(3)]
+        await asyncio.sleep(0.05)
+        late = asyncio.ensure_future(ops.hang(asyncio.Event()))
+        for t in [*hung, late]:
+            with pytest.raises(pyfuse3.FUSEError) as ei:
+                await t
+            assert ei.value.errno == errno.EIO
+            assert loop.time() - began >= 0.2 - 0.002  # at its own deadline, not before
+        assert loop.time() - began >= 0.25 - 0.002  # the late one: its own, not the others'
+    finally:
+        del loop.call_at

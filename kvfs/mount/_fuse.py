@@ -14,7 +14,12 @@ timeout, before and after one yield to the loop): under load, when requests queu
 the reader's registration and removal (two ``epoll_ctl``), its future and a loop turn per
 request (IOCTLs answered by libfuse itself, 4 threads: ~14.5 -> ~9.5 µs of mount CPU each).
 The yield keeps the loop fair (a burst of requests does not hold it) and lets pyfuse3's next
-worker queue up for the fd, as it does while a worker waits.  pyfuse3's read lock (one
+worker queue up for the fd, as it does while a worker waits (else pyfuse3 starts a worker
+task for the next request, and ends one that idles later).  While another worker waits for
+the read lock already, the yield comes once in ``_YIELD_EVERY`` requests read that way in a
+row; the others are read at once after the first ``poll`` (a loop turn and a ``poll`` less:
+~1 µs a request; the worker holds the read lock from its ``poll`` to its read, so no other
+worker takes the request meanwhile).  pyfuse3's read lock (one
 acquire per request) is :class:`_ReadLock`, asyncio.Lock's FIFO hand-over without its
 per-acquire scan of the waiters (~1.3 µs of mount CPU a request).
 
@@ -55,7 +60,11 @@ else:
 _waiting: dict[Any, set[asyncio.Future[None]]] = {}  # fd -> the waits on it (one, in practice)
 _polls: dict[Any, select.poll] = {}  # fd -> a poll object for it (a queued request, no wait)
 _closing: set[Any] = set()  # fds terminate() was called for (a wait on them ends at once)
+_run: dict[Any, int] = {}  # fd -> requests read since the wait last yielded (0: yield next)
+_lock: _ReadLock | None = None  # pyfuse3's read lock (the one made last)
 _reading = False  # a request was read since the last wait on /dev/fuse began
+# a worker that finds a request queued yields to the loop once in this many such reads
+_YIELD_EVERY = 4
 _on_idle: Callable[[], None] | None = None  # run as a wait begins (no request queued)
 
 
@@ -84,12 +93,19 @@ def _queued(fd: Any) -> bool:
 async def _wait_readable(fd: Any) -> None:
     global _reading
     if _queued(fd):
+        run = _run.get(fd, 0)
+        if run and _next_reader_waits() and fd not in _closing:  # read at once
+            _run[fd] = run + 1 if run + 1 < _YIELD_EVERY else 0
+            _reading = True
+            return
+        _run[fd] = 1
         await asyncio.sleep(0)  # fair to the loop's other work; the next worker queues up
         if fd in _closing:  # terminate() ran meanwhile: no wait it would end
             raise pyfuse3.asyncio.ClosedResourceError()
         if _queued(fd):
             _reading = True
             return
+    _run.pop(fd, None)
     _idle()  # nothing queued: what the requests read so far submitted goes out
     loop = asyncio.get_running_loop()
     future: asyncio.Future[None] = loop.create_future()
@@ -111,14 +127,22 @@ async def _wait_readable(fd: Any) -> None:
     _reading = True
 
 
+def _next_reader_waits() -> bool:
+    """Whether another pyfuse3 worker waits for the read lock already (so none is started
+    for the next request once this one is read, as when it waits)."""
+    return _lock is not None and bool(_lock._waiters)
+
+
 class _ReadLock:
     """pyfuse3's read lock (it uses ``async with`` only): FIFO, the lock handed to the next
     waiter as asyncio.Lock does, without its scan of the waiters and extra coroutine per
     acquire (one acquire per request)."""
 
     def __init__(self) -> None:
+        global _lock
         self._locked = False
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        _lock = self  # pyfuse3 makes one per session
 
     async def __aenter__(self) -> None:
         if not self._locked:
@@ -148,6 +172,7 @@ class _ReadLock:
 def _notify_closing(fd: Any) -> None:
     _closing.add(fd)
     _polls.pop(fd, None)
+    _run.pop(fd, None)
     _idle()
     for future in list(_waiting.get(fd, ())):
         if not future.done():
@@ -161,6 +186,7 @@ def enable_asyncio(on_idle: Callable[[], None] | None = None) -> None:
     shim = pyfuse3.asyncio
     _closing.clear()  # a new session (its fd may have an old one's number)
     _polls.clear()
+    _run.clear()
     _reading = False
     _on_idle = on_idle
     shim.enable()  # pyfuse3 now calls the shim module's functions as trio's

@@ -113,6 +113,8 @@ class FileIO:
         # (``_unknown`` drops this too).  At most one per held version: gone once it ends,
         # whatever its outcome (``_behind_ended``), so bounded by --write-behind-files
         self._held_pages: dict[int, tuple[Held, float]] = {}
+        self._held_ino: dict[Held, int] = {}  # the inode of each version recorded there
+
         self.stripe = fs.client.config.stripe_bytes
         # FUSE requests reach the loop one at a time, so reads batch by load, not by tick;
         # with ``hold`` (the mount's: still reading queued requests) and --batch-hold, what
@@ -141,7 +143,8 @@ class FileIO:
         self._listings: OrderedDict[str, tuple[float, set[str] | None]] = OrderedDict()
         self._listing: dict[str, set[str] | None] = {}
         # --write-behind: closed files held here and committed in batches (off: never used)
-        self.wb = WriteBehind(fs.client, config, ttl=fs.ttl, committed=self._behind_committed)
+        self.wb = WriteBehind(fs.client, config, ttl=fs.ttl, committed=self._behind_committed,
+                              ended=self._behind_ended)
 
     def send_held(self) -> None:
         """The mount has read every FUSE request queued: the lookups and reads they
@@ -170,13 +173,16 @@ class FileIO:
         asks), they hold ``e``'s bytes only, and are its value's once it is committed."""
         if h.sole and not h.orphan and self.config.page_cache_files:
             self._held_pages[h.ino] = (e, h.mtime)
-            e.done.add_done_callback(lambda _: self._behind_ended(h.ino, e))
+            self._held_ino[e] = h.ino
 
-    def _behind_ended(self, ino: int, e: Held) -> None:
-        """``e`` committed (recorded already), failed, superseded or dropped."""
-        written = self._held_pages.get(ino)
-        if written is not None and written[0] is e:
-            del self._held_pages[ino]
+    def _behind_ended(self, e: Held) -> None:
+        """``e`` committed (recorded already), failed, superseded or dropped (the write-behind's
+        ``ended`` hook, called as it ends)."""
+        ino = self._held_ino.pop(e, None)
+        if ino is not None:
+            written = self._held_pages.get(ino)
+            if written is not None and written[0] is e:
+                del self._held_pages[ino]
 
     def held(self, path: str) -> Held | None:
         """``path``'s held version (write-behind); FileNotFoundError for a held delete."""
@@ -226,6 +232,12 @@ class FileIO:
         if cached is not None and cached[1] is not None and cached[0] == found:
             info["created"] = info["mtime"] = cached[1]  # written here: as the kernel was told
         return info
+
+    def listed_missing(self, path: str) -> bool:
+        """Whether ``path`` is missing as :meth:`info` would find it without asking meta: not
+        held here (nor a directory of held files), and missing from its directory's listing."""
+        return (self.wb.get(path) is None and self._listed_missing(path)
+                and not self.wb.has_under(path + "/"))
 
     def _saw(self, ino: int, key: bytes, layout: Layout) -> None:
         """``ino``'s value is ``layout`` as of now (a lookup found it, or this mount committed
@@ -559,19 +571,17 @@ class FileIO:
     async def write(self, h: Handle, off: int, buf: bytes) -> None:
         if off + len(buf) > MAX_VALUE_BYTES:
             raise OSError(errno.EFBIG, f"kvfs values are limited to {MAX_VALUE_BYTES} bytes")
+        if not h.lock.locked() and h.failed is None and self._append(h, off, buf):
+            return  # (no lock needed: nothing else is under way on h, and this does not wait)
         async with h.lock:
             self._unknown(h.ino)  # the kernel's pages take bytes not committed yet
             self._check(h)
             await self._load(h)
+            if self._append(h, off, buf):
+                return
             d = h.data
             assert d is not None
             end = off + len(buf)
-            if (off == h.base + len(d) + h.tail_bytes and len(buf) >= TAIL_PIECE_BYTES
-                    and end - h.base <= self.config.write_buffer_bytes):  # in order, no spill
-                h.tail.append(buf)
-                h.tail_bytes += len(buf)
-                h.dirty = True
-                return
             self._merge(h)
             if off < h.base:
                 raise self._behind(h, "write", off)
@@ -579,6 +589,19 @@ class FileIO:
             d[off - h.base : end - h.base] = buf
             h.dirty = True
             await self._spill(h)
+
+    def _append(self, h: Handle, off: int, buf: bytes) -> bool:
+        """``buf`` kept as it came if it is a write in order of at least ``TAIL_PIECE_BYTES``
+        that needs no spill (``h`` loaded, no failure); whether it was."""
+        d = h.data
+        if (d is None or off != h.base + len(d) + h.tail_bytes or len(buf) < TAIL_PIECE_BYTES
+                or off + len(buf) - h.base > self.config.write_buffer_bytes):
+            return False
+        self._unknown(h.ino)  # the kernel's pages take bytes not committed yet
+        h.tail.append(buf)
+        h.tail_bytes += len(buf)
+        h.dirty = True
+        return True
 
     async def truncate(self, h: Handle, size: int) -> None:
         """``ftruncate`` of an open file."""
@@ -728,7 +751,8 @@ class FileIO:
                     h.dirty = False
                     if isinstance(held, Held):
                         self._held_through(h, held)
-                    self.made(path)
+                    # (its name is in the listings from its create on, and lookups answer from
+                    # the held version until its commit, which puts it in them again)
                     return
                 layout = await self.put(path, value, len(d) + h.tail_bytes)
                 h.dirty = False
@@ -756,7 +780,8 @@ class FileIO:
 
     async def release(self, h: Handle) -> None:
         """A handle closed: a stream still open (unlinked, failed) commits nothing."""
-        await self._drop_stream(h)
+        if h.stream is not None:
+            await self._drop_stream(h)
 
     # whole values ------------------------------------------------------------------
     async def reader(self, path: str) -> ValueReader | None:

@@ -72,7 +72,6 @@ from typing import TYPE_CHECKING, Any
 
 import crc32c
 
-from kvfs._loop import retrieve
 from kvfs.config import MountConfig
 
 if TYPE_CHECKING:
@@ -87,19 +86,12 @@ Piece = bytes | bytearray
 Value = Piece | list[Piece]
 
 
-def _chain(waiter: asyncio.Future[None], source: asyncio.Future[None]) -> None:
-    """``waiter`` ends as ``source`` does (a replaced version's waiters wait for its successor)."""
-    def done(f: asyncio.Future[None]) -> None:
-        if waiter.done():
-            return
-        if f.cancelled():
-            waiter.cancel()
-        elif f.exception() is not None:
-            waiter.set_exception(f.exception())  # type: ignore[arg-type]
-        else:
-            waiter.set_result(None)
-
-    source.add_done_callback(done)
+def _fail(fut: asyncio.Future[None], exc: BaseException) -> None:
+    """``fut`` failed with ``exc``, taken as retrieved: a version nobody waits for is logged by
+    the committer (``_report``), not by asyncio as "exception was never retrieved"; whoever
+    awaits it still gets the failure.  (No done-callback per held file for that.)"""
+    fut.set_exception(exc)
+    fut.exception()
 
 
 @dataclass(eq=False)
@@ -118,11 +110,11 @@ class Held:
     new: bool = False
     # the layout meta committed it with (``AsyncClient.put_layouts``), once committed
     layout: Layout | None = None
-    _starts: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if self.pieces is not None:
-            self._starts = list(itertools.accumulate((len(p) for p in self.pieces), initial=0))
+    # the versions it replaced before they were sent: they end as it ends (their waiters get
+    # its outcome)
+    replaced: list[Held] | None = None
+    # where each piece starts (and the end), made at the first read (most are never read here)
+    _starts: list[int] | None = None
 
     def read(self, off: int, size: int) -> bytes | memoryview:
         """``size`` bytes from ``off`` (fewer at the end), without a copy when in one piece."""
@@ -130,11 +122,15 @@ class Held:
         end = min(off + size, self.nbytes)
         if off >= end:
             return b""
-        i = bisect.bisect_right(self._starts, off) - 1
+        starts = self._starts
+        if starts is None:
+            starts = self._starts = list(itertools.accumulate((len(p) for p in self.pieces),
+                                                              initial=0))
+        i = bisect.bisect_right(starts, off) - 1
         parts = []
         pos = off
         while pos < end:
-            start = self._starts[i]
+            start = starts[i]
             piece = self.pieces[i]
             parts.append(memoryview(piece)[pos - start : min(end, start + len(piece)) - start])
             pos = start + len(piece)
@@ -158,7 +154,8 @@ class WriteBehind:
     """The mount's held files and their committer (see the module docstring)."""
 
     def __init__(self, client: AsyncClient, config: MountConfig, *, ttl: float | None = None,
-                 committed: Callable[[Held], None] = lambda e: None) -> None:
+                 committed: Callable[[Held], None] = lambda e: None,
+                 ended: Callable[[Held], None] = lambda e: None) -> None:
         self.client = client
         self.ttl = ttl
         self.limit_bytes = config.write_behind_bytes
@@ -168,6 +165,7 @@ class WriteBehind:
         self.in_flight = config.batches_in_flight
         self.delay_s = config.write_behind_delay_s
         self._committed = committed
+        self._ended = ended
         self._queue: OrderedDict[str, Held] = OrderedDict()  # not sent yet, oldest first
         self._sent: dict[str, Held] = {}  # being committed: at most one version per path
         self._sending: Counter[str] = Counter()  # paths committed by a stream or put meanwhile
@@ -310,9 +308,8 @@ class WriteBehind:
 
     def _new(self, path: str, pieces: list[Piece] | None, nbytes: int,
              created: float | None = None) -> Held:
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        fut.add_done_callback(retrieve)  # a failure is logged by the committer, not by asyncio
-        return Held(path, pieces, nbytes, fut, queued=asyncio.get_running_loop().time(),
+        loop = asyncio.get_running_loop()
+        return Held(path, pieces, nbytes, loop.create_future(), queued=loop.time(),
                     created=time.time() if created is None else created)
 
     def _add(self, e: Held) -> None:
@@ -322,7 +319,7 @@ class WriteBehind:
         if old is not None:
             e.queued = old.queued  # its place in the queue, and its wait
             self._count(old, -1)
-            _chain(old.done, e.done)
+            self._chain(old, e)
         self._queue[e.path] = e
         self._count(e, 1)
         self._pump()
@@ -348,7 +345,7 @@ class WriteBehind:
         if queued:
             del self._queue[src]
             self._count(e, -1)
-            _chain(e.done, moved.done)
+            self._chain(e, moved)
         self._add(moved)
         if not (queued and e.new):  # never sent, nothing there before it: nothing to delete
             self._add(self._new(src, None, 0))
@@ -383,8 +380,7 @@ class WriteBehind:
             if committed and e is not None and self._queue.get(path) is e:
                 del self._queue[path]
                 self._count(e, -1)
-                if not e.done.done():
-                    e.done.set_result(None)
+                self._end(e)
             self._freed.set()
             self._pump()
 
@@ -398,8 +394,7 @@ class WriteBehind:
         new = e is not None and e.new and path not in self._sent
         if e is not None:
             self._count(e, -1)
-            if not e.done.done():
-                e.done.set_result(None)
+            self._end(e)
             self._freed.set()
         s = self._sent.get(path)
         if s is not None:
@@ -421,9 +416,14 @@ class WriteBehind:
                 if e.path.startswith(prefix)]
         if not futs:
             return
+        bad: list[BaseException] = []
         async with self._hurried():
-            got = await asyncio.gather(*(asyncio.shield(f) for f in futs), return_exceptions=True)
-        bad = [g for g in got if isinstance(g, BaseException)]
+            for f in futs:  # in turn: most are done by the time the ones before them are
+                if not f.done():
+                    await asyncio.wait((f,))  # (a cancelled wait leaves f as it is)
+                exc = asyncio.CancelledError() if f.cancelled() else f.exception()
+                if exc is not None:
+                    bad.append(exc)
         if bad and check:
             raise OSError(errno.EIO, f"{len(bad)} held file(s) under {prefix or '/'!r} failed to "
                           f"commit (they are misses); the first: {bad[0]}")
@@ -449,8 +449,7 @@ class WriteBehind:
         if self._tasks:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         for e in list(self._queue.values()):
-            if not e.done.done():
-                e.done.set_exception(OSError(errno.EIO, "unmounted before it was committed"))
+            self._end(e, OSError(errno.EIO, "unmounted before it was committed"))
         self._queue.clear()
         if lost:
             log.error("write-behind: %d held file(s) not committed within %ss of unmount are lost "
@@ -560,14 +559,39 @@ class WriteBehind:
             return
         if err is None:
             self.committed += 1
-            e.done.set_result(None)
             self._keep(e)
             self._committed(e)
+            self._end(e)
             return
         if e.pieces is not None and not isinstance(err, asyncio.CancelledError):
             self.failed += 1
-        e.done.set_exception(OSError(errno.EIO, f"{e.path}: its commit after close failed "
-                                     f"({_reason(err)}); the file is a miss"))
+        self._end(e, OSError(errno.EIO, f"{e.path}: its commit after close failed "
+                             f"({_reason(err)}); the file is a miss"))
+
+    def _chain(self, old: Held, new: Held) -> None:
+        """``old`` (not sent) was replaced by ``new``: it ends as ``new`` does, and so do the
+        versions it replaced (one flat list: no recursion however often a path is replaced)."""
+        if new.replaced is None:
+            new.replaced = []
+        new.replaced.append(old)
+        if old.replaced:
+            new.replaced += old.replaced
+            old.replaced = None
+
+    def _end(self, e: Held, exc: BaseException | None = None) -> None:
+        """``e`` ends, and the versions it replaced with it: committed, superseded or dropped
+        (``exc`` None), or failed; then the ``ended`` hook.  Synchronous: no done-callback
+        (a loop callback each) per held file."""
+        if not e.done.done():
+            if exc is None:
+                e.done.set_result(None)
+            else:
+                _fail(e.done, exc)
+            self._ended(e)
+        if e.replaced:
+            replaced, e.replaced = e.replaced, None
+            for r in replaced:
+                self._end(r, exc)  # (their own lists were moved here: flat)
 
     def _report(self, failed: list[tuple[Held, BaseException]]) -> None:
         """One warning per failed batch (naming its first files), not one per file."""
