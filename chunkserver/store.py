@@ -997,17 +997,17 @@ class ChunkStore:
         maps = self.maps
         if not maps.max_maps or not ranges:
             return None
+        cids = list(map(_CHUNK, ranges))
+        chunks = set(cids)
+        if len(chunks) > MAPPED_MAX_CHUNKS:  # known first: random keys of a large server
+            return None
         lens = list(map(_LENGTH, ranges))
         if sum(lens) > INLINE_READ_BYTES or min(lens) < 0:
             return None
-        cids = list(map(_CHUNK, ranges))
         offs = list(map(_OFFSET, ranges))
         if min(offs) < 0:  # (a READV's never are: its ranges were checked)
             return None
         ends = list(map(operator.add, offs, lens))
-        chunks = set(cids)
-        if len(chunks) > MAPPED_MAX_CHUNKS:
-            return None
         views: dict[int, memoryview] = {}
         self._reads_in_flight += 1  # before taking fds: none of them is closed under us
         try:
