@@ -36,13 +36,15 @@ class ChunkServer:
         try:
             self.tokens = dict(tokens) if tokens else service_tokens(config.data)
             open_files = min(config.max_open_chunks, raise_nofile_limit() // 2)
+            mapped = min(config.max_mapped_chunks, open_files // 2)  # each holds an fd too
             self.store = ChunkStore(config.data, chunk_bytes=config.chunk_bytes,
                                     io_threads=config.io_threads, fsync=config.fsync,
                                     fsync_window_s=config.fsync_window_s,
                                     writeback_start_bytes=config.writeback_start_bytes,
                                     capacity_bytes=config.capacity_bytes,
                                     merge_gap_bytes=config.merge_gap_bytes,
-                                    max_open_files=open_files,
+                                    max_open_files=open_files - mapped,
+                                    max_mapped_files=mapped,
                                     preallocate=config.preallocate,
                                     close_timeout_s=config.close_timeout_s)
             self.rpc = RpcServer(self, Service.CHUNKSERVER, self.tokens, config)
@@ -168,6 +170,9 @@ class ChunkServer:
             files, errors = self.store.readv_files(req.ranges, self.config.sendfile_min_bytes)
             if files is not None:  # sent from the page cache into the socket (server.py)
                 return _readv_reply(errors), files
+            views = None if errors else self.store.readv_mapped(req.ranges)
+            if views is not None:  # the page cache's bytes, written with the header at once
+                return rpc.ReadVReply(), views
         payload, _, errors = await self.store.readv_into(req.ranges)
         parts: list[Buffer] = [payload] if payload.nbytes else []
         return _readv_reply(errors), parts

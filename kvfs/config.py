@@ -206,6 +206,11 @@ class ChunkServerConfig(ServerConfig):
     max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
                                "file limit, which is raised to its hard limit at start)", 4096)
     max_read_rpc_bytes: int = opt("most bytes one READV may ask for, in total", 64 * MiB)
+    max_mapped_chunks: int = opt("chunk files kept mapped read-only (an LRU, each holding an fd "
+                                 "of the max_open_chunks'; at most half of them): READV answers "
+                                 "of smaller ranges all in the page cache are written into the "
+                                 "socket from these, not read into a buffer (plain TCP); "
+                                 "0: never", 1024)
     sendfile_min_bytes: int = opt("READV answers whose ranges average at least this many bytes "
                                   "and are all in the page cache go from the chunk files into "
                                   "the socket with sendfile, never copied through a buffer "

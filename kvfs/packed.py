@@ -204,6 +204,7 @@ class Unpacked:
 
     staged: list[tuple[bytes, Layout]]  # (key, layout stamped with meta's times)
     servers: frozenset[int]  # every server id the layouts name
+    chunks: array[int]  # every replica's chunk id (meta's retired-chunk check looks them up)
     max_meta: int  # bytes of the largest key metadata (0: none)
 
 
@@ -258,7 +259,7 @@ def unpack(blob: bytes, created: float, expires_at: float | None) -> Unpacked:
         staged = [(k, Layout(s, c, created, expires_at, (Extent(s, ec, (Replica(sv, ch, of),)),), m))
                   for k, s, c, ec, sv, ch, of, m
                   in zip(keys, size, crc, ecrc, server, chunk, offset, meta_of, strict=False)]
-        return Unpacked(staged, servers, max_meta)
+        return Unpacked(staged, servers, chunk, max_meta)
     # any shape: each kind of object built by one comprehension, then grouped by the counts
     reps = [Replica(sv, ch, of) for sv, ch, of in zip(server, chunk, offset, strict=True)]
     extents = [Extent(ln, c, rs) for ln, c, rs in zip(elen, ecrc, _groups(reps, ereps), strict=True)]
@@ -271,7 +272,7 @@ def unpack(blob: bytes, created: float, expires_at: float | None) -> Unpacked:
             if total != s:
                 raise _item(i, k, f"layout extents add up to {total}, not {s}") from None
         raise
-    return Unpacked(staged, servers, max_meta)
+    return Unpacked(staged, servers, chunk, max_meta)
 
 
 def _check(klen: array[int], size: array[int], next_: array[int], ne: int, elen: array[int],

@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from kvfs import rpc
@@ -176,7 +176,9 @@ class MetaService:
         if req.packed is not None:  # checked and built a column at a time (kvfs.packed)
             batch = unpack_layouts(req.packed, now, expires_at)
             staged, named, max_meta = batch.staged, batch.servers, batch.max_meta
+            chunks: Collection[int] | None = batch.chunks
         else:
+            chunks = None  # (the index walks the layouts for its retired-chunk check)
             named = frozenset(r.server_id for _, wire in req.items for e in wire.extents
                               for r in e.replicas)
             max_meta = max((len(w.meta) for _, w in req.items if w.meta is not None), default=0)
@@ -194,7 +196,7 @@ class MetaService:
             if not named <= self.index.servers.keys():  # (the common case costs one set test)
                 self._check_commit(staged)
 
-        present = await ix.commit(staged, now, expires_at, check, if_absent=req.if_absent)
+        present = await ix.commit(staged, now, expires_at, check, if_absent=req.if_absent, chunks=chunks)
         return rpc.Committed(created=now, expires_at=expires_at, present=present), ()
 
     def _check_commit(self, staged: Sequence[tuple[bytes, Layout]]) -> None:

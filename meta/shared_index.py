@@ -134,12 +134,12 @@ class SharedIndex(ServerRegistry):
 
     async def commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
                      expires_at: float | None, check: CommitCheck | None = None, *,
-                     if_absent: bool = False) -> list[int]:
+                     if_absent: bool = False, chunks: Collection[int] | None = None) -> list[int]:
         """As :meth:`kvfs.meta.index.MetaIndex.commit` (the store refuses a retired chunk
-        itself: StaleLayout).  With ``if_absent`` and dead servers, a key whose stored value
-        is unreadable (an extent with every replica on them) counts as absent: it is
-        overwritten without the condition (a commit racing that overwrite may lose its value,
-        each writer told it wrote)."""
+        itself: StaleLayout; ``chunks`` goes unused).  With ``if_absent`` and dead servers, a
+        key whose stored value is unreadable (an extent with every replica on them) counts as
+        absent: it is overwritten without the condition (a commit racing that overwrite may
+        lose its value, each writer told it wrote)."""
         if check is not None:
             check(staged)
         gone = self.gone_servers() if if_absent else set()

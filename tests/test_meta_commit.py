@@ -16,7 +16,7 @@ import errno
 import os
 import sqlite3
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +28,11 @@ from kvfs.client import AsyncClient
 from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import ServerError, StaleLayout
 from kvfs.launcher import LocalCluster, ProcessCluster
-from kvfs.layout import Extent, Layout, Replica
+from kvfs.layout import Extent, Layout, Replica, make_chunk_id
 from kvfs.meta.index import RECORD_OVERHEAD_BYTES, MetaIndex, ServerInfo
 from kvfs.meta.store import MetaStore
+from kvfs.packed import pack as pack_layouts
+from kvfs.packed import unpack as unpack_layouts
 
 Rows = list[tuple[bytes, Layout]]
 
@@ -146,6 +148,34 @@ async def test_a_commit_refused_when_its_group_is_written_fails_alone(
     assert out[0] is None and out[2] is None and isinstance(out[1], StaleLayout)
     assert stored_keys(tmp_path / "meta.sqlite3") == {b"a0", b"a1", b"c0", b"c1"}
     assert set(ix.entries) == {b"a0", b"a1", b"c0", b"c1"}
+
+
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_a_packed_commit_naming_a_retired_chunk_in_any_replica_is_refused(
+        make_index: Any, tmp_path: Path, replicas: int) -> None:
+    """A packed COMMIT's retired-chunk check looks up its chunk column (``kvfs.packed``), not
+    each layout: a retired chunk named by the last replica of one key in the middle of the
+    batch refuses that COMMIT (StaleLayout naming that key, nothing of it written), and the
+    COMMITs beside it in the group are written; none retired: written."""
+    ix = make_index()
+    live, gone = make_chunk_id(1, 7), make_chunk_id(2, 3)
+    assert await ix.retire(2, [gone], 100.0) == [gone]  # nothing names it: retired
+
+    def packed(tag: str, bad: int | None) -> tuple[Rows, Collection[int]]:
+        keys = [f"{tag}{i}".encode() for i in range(5)]
+        reps = [tuple(Replica(1 + r, gone if i == bad and r == replicas - 1 else live + r, 10 * i)
+                      for r in range(replicas)) for i in range(5)]
+        lays = [Layout(10, 7, 0.0, None, (Extent(10, 7, rs),)) for rs in reps]
+        batch = unpack_layouts(pack_layouts(keys, lays), 100.0, None)
+        return batch.staged, batch.chunks
+
+    batches = [packed("a", None), packed("b", 2), packed("c", None)]
+    out = await asyncio.gather(*(ix.commit(b, 100.0, None, chunks=c) for b, c in batches),
+                               return_exceptions=True)
+    assert out[0] == [] and out[2] == []
+    assert isinstance(out[1], StaleLayout) and "b'b2'" in str(out[1]) and str(gone) in str(out[1])
+    keys = {f"{t}{i}".encode() for t in "ac" for i in range(5)}
+    assert stored_keys(tmp_path / "meta.sqlite3") == keys and set(ix.entries) == keys
 
 
 async def test_a_failed_shared_transaction_is_retried_one_commit_at_a_time(

@@ -1,0 +1,85 @@
+"""Read-only mappings of chunk files: a READV answer of page-cache-resident ranges is sent
+as views of them, written into the socket with the answer's header by one vectored write,
+with no ``preadv`` per range and no copy through a reply buffer
+(:meth:`kvfs.chunkserver.store.ChunkStore.readv_mapped`).
+
+A mapping lives as long as anything holds a view of it: a chunk pushed out of the LRU, or
+deleted, while an answer made of its views is being sent stays mapped until that answer is
+gone (a chunk's records never change once written, so the bytes sent are the ones asked
+for).  The views go only to the socket's ``writev``: the kernel copies them out, and a page
+it cannot read there fails that write (EFAULT: the connection is dropped, as any failed
+send) instead of raising SIGBUS in Python, which never reads them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from collections import OrderedDict
+
+
+class _PyBuffer(ctypes.Structure):  # CPython's Py_buffer (part of the stable ABI since 3.11)
+    _fields_ = [("buf", ctypes.c_void_p), ("obj", ctypes.c_void_p), ("len", ctypes.c_ssize_t),
+                ("itemsize", ctypes.c_ssize_t), ("readonly", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("format", ctypes.c_char_p), ("shape", ctypes.c_void_p),
+                ("strides", ctypes.c_void_p), ("suboffsets", ctypes.c_void_p),
+                ("internal", ctypes.c_void_p)]
+
+
+def _address(obj: object) -> int:
+    """Where a buffer's bytes start in memory (a read-only ``mmap``'s too, which ctypes'
+    ``from_buffer`` refuses)."""
+    buf = _PyBuffer()
+    ctypes.pythonapi.PyObject_GetBuffer(ctypes.py_object(obj), ctypes.byref(buf), ctypes.c_int(0))
+    try:
+        return int(buf.buf or 0)
+    finally:
+        ctypes.pythonapi.PyBuffer_Release(ctypes.byref(buf))
+
+
+class ChunkMaps:
+    """An LRU of at most ``max_maps`` read-only mappings, one per chunk file, each as long as
+    its file was when it was mapped (mapped again, longer, once reads go past it: the open
+    chunk grows).  Each mapping holds a copy of its file's fd (Python's ``mmap`` keeps one)
+    until it is unmapped."""
+
+    def __init__(self, max_maps: int) -> None:
+        self.max_maps = max(0, max_maps)
+        self._maps: OrderedDict[int, tuple[memoryview, int]] = OrderedDict()  # view, address
+        self.mapped = 0  # mappings made (again, longer, included)
+
+    def __len__(self) -> int:
+        return len(self._maps)
+
+    def view(self, chunk_id: int, fd: int, end: int) -> tuple[memoryview, int] | None:
+        """A read-only view of the chunk file ``fd`` from its first byte to at least ``end``,
+        and the address it is mapped at; None where it cannot be mapped (the file shorter
+        than ``end``, no mappings allowed, or the kernel refusing: the caller reads it)."""
+        maps = self._maps
+        got = maps.get(chunk_id)
+        if got is not None and got[0].nbytes >= end:
+            maps.move_to_end(chunk_id)
+            return got
+        if not self.max_maps:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size < end:
+                return None
+            m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
+        except (OSError, ValueError):
+            return None
+        got = maps[chunk_id] = memoryview(m), _address(m)
+        maps.move_to_end(chunk_id)
+        self.mapped += 1
+        while len(maps) > self.max_maps:
+            maps.popitem(last=False)  # unmapped once no answer holds a view of it
+        return got
+
+    def drop(self, chunk_id: int) -> None:
+        """Forget a chunk's mapping (deleted): unmapped once no answer holds a view of it."""
+        self._maps.pop(chunk_id, None)
+
+    def clear(self) -> None:
+        self._maps.clear()
