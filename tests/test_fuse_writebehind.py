@@ -620,6 +620,44 @@ def test_pages_written_before_a_delayed_commit_are_dropped_if_the_file_changed_m
         assert "Traceback" not in m.stderr()
 
 
+def test_a_commit_that_failed_before_the_fsync_is_still_reported_once(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """A held file's commit fails before any fsync asks for it: the next fsync of the file,
+    or of a directory above it, still reports it (EIO), once, as the kernel does a
+    writeback error.  A newer version committed since clears a path's failure."""
+    with mounted(tcluster, tmp_path, "--write-behind", "64MiB") as m:
+        for sub in ("a", "b", "c"):
+            (m.mnt / sub).mkdir()
+        _write(m.mnt / "b" / "f.bin", b"older")
+        fsync_dir(m.mnt / "b")
+        for sub in ("a", "b", "c"):  # each f.bin's commit fails after its close
+            with op_held(tcluster, Op.COMMIT) as ([held], release):
+                _write(m.mnt / sub / "f.bin", sub.encode() * 1000)
+                held.reached_from_thread(what=f"{sub}/f.bin's COMMIT")
+                release(ServerError(f"injected: meta refuses {sub}/f.bin"))
+            wait_until(lambda sub=sub: f"'{sub}/f.bin'" in m.stderr(),  # type: ignore[misc]
+                       30, f"{sub}/f.bin's failure to be logged")
+        _write(m.mnt / "c" / "f.bin", b"newer")  # committed: c's failure is its state no more
+        fsync_dir(m.mnt / "c")
+        assert fs.cat_file("c/f.bin") == b"newer"
+        with pytest.raises(OSError) as ei:  # a's, by its directory's fsync
+            fsync_dir(m.mnt / "a")
+        assert ei.value.errno == errno.EIO
+        fsync_dir(m.mnt / "a")  # once
+        assert _missing(m.mnt / "a" / "f.bin")
+        fd = os.open(m.mnt / "b" / "f.bin", os.O_RDONLY)  # the older value stays
+        try:
+            with pytest.raises(OSError) as ei:
+                os.fsync(fd)
+            assert ei.value.errno == errno.EIO
+            os.fsync(fd)  # reported once: not again by this fd, its directory or the root
+        finally:
+            os.close(fd)
+        fsync_dir(m.mnt / "b")
+        fsync_dir(m.mnt)
+        assert fs.cat_file("b/f.bin") == b"older"
+
+
 def test_a_newer_version_whose_commit_fails_leaves_no_pages_of_it(
         tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
     """A file written and closed, its COMMIT held at meta, then written again (the same

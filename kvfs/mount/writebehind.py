@@ -45,7 +45,9 @@ error.  With it:
 - **unlink** drops the held version and waits for one being committed before it deletes,
   so no commit lands after the delete.
 - ``fsync`` of a file, and of a directory (every held file under it), waits for the
-  commit and reports its failure; fsync of the root is the mount-wide sync.  (``sync``
+  commit and reports its failure; fsync of the root is the mount-wide sync.  A failure
+  that came before the fsync is reported too, once (the last ``write_behind_files``
+  such paths are remembered until an fsync of the file or a directory above it).  (``sync``
   and ``syncfs`` cannot: the kernel sends ``FUSE_SYNCFS`` to virtiofs, not to a
   ``/dev/fuse`` daemon.)
 - **A commit that fails after the close** (retried alone if its batch failed) makes the file
@@ -167,6 +169,10 @@ class WriteBehind:
         self._committed = committed
         self._ended = ended
         self._queue: OrderedDict[str, Held] = OrderedDict()  # not sent yet, oldest first
+        # paths whose commit after close failed, not reported by an fsync yet (at most
+        # ``write_behind_files``, the oldest dropped first): an fsync that comes after the
+        # failure still reports it, once, as the kernel's errseq does for writeback
+        self._failures: OrderedDict[str, OSError] = OrderedDict()
         self._sent: dict[str, Held] = {}  # being committed: at most one version per path
         self._sending: Counter[str] = Counter()  # paths committed by a stream or put meanwhile
         self._bytes = 0  # of everything held, queued or being committed
@@ -403,26 +409,39 @@ class WriteBehind:
         return new
 
     async def sync(self, path: str) -> None:
-        """Wait for the commit of ``path``'s held versions; raise if it failed."""
+        """Wait for the commit of ``path``'s held versions; raise if it failed (or if its
+        last commit failed before this was asked, not reported yet)."""
         async with self._hurried():
             for e in (self._sent.get(path), self._queue.get(path)):
                 if e is not None:
-                    await asyncio.shield(e.done)
+                    try:
+                        await asyncio.shield(e.done)
+                    except OSError as failed:
+                        if self._failures.get(path) is failed:  # reported here: not again
+                            del self._failures[path]
+                        raise
+        exc = self._failures.pop(path, None)
+        if exc is not None:
+            raise OSError(errno.EIO, exc.strerror)
 
     async def sync_under(self, prefix: str, *, check: bool = True) -> None:
         """Wait for the commit of everything held under ``prefix`` (``""``: all) now; with
         ``check``, raise if any of it failed."""
         futs = [e.done for e in itertools.chain(self._queue.values(), self._sent.values())
                 if e.path.startswith(prefix)]
-        if not futs:
-            return
         bad: list[BaseException] = []
-        async with self._hurried():
-            for f in futs:  # in turn: most are done by the time the ones before them are
-                if not f.done():
-                    await asyncio.wait((f,))  # (a cancelled wait leaves f as it is)
-                exc = asyncio.CancelledError() if f.cancelled() else f.exception()
-                if exc is not None:
+        if futs:
+            async with self._hurried():
+                for f in futs:  # in turn: most are done by the time the ones before them are
+                    if not f.done():
+                        await asyncio.wait((f,))  # (a cancelled wait leaves f as it is)
+                    exc = asyncio.CancelledError() if f.cancelled() else f.exception()
+                    if exc is not None:
+                        bad.append(exc)
+        if check and self._failures:  # and those that failed before this fsync came
+            for path in [p for p in self._failures if p.startswith(prefix)]:
+                exc = self._failures.pop(path)
+                if not any(b is exc for b in bad):
                     bad.append(exc)
         if bad and check:
             raise OSError(errno.EIO, f"{len(bad)} held file(s) under {prefix or '/'!r} failed to "
@@ -559,14 +578,20 @@ class WriteBehind:
             return
         if err is None:
             self.committed += 1
+            self._failures.pop(e.path, None)  # its value now is this version's
             self._keep(e)
             self._committed(e)
             self._end(e)
             return
         if e.pieces is not None and not isinstance(err, asyncio.CancelledError):
             self.failed += 1
-        self._end(e, OSError(errno.EIO, f"{e.path}: its commit after close failed "
-                             f"({_reason(err)}); the file is a miss"))
+        exc = OSError(errno.EIO, f"{e.path}: its commit after close failed ({_reason(err)}); "
+                      "the file is a miss")
+        self._failures.pop(e.path, None)
+        self._failures[e.path] = exc
+        while len(self._failures) > self.limit_files:
+            self._failures.popitem(last=False)
+        self._end(e, exc)
 
     def _chain(self, old: Held, new: Held) -> None:
         """``old`` (not sent) was replaced by ``new``: it ends as ``new`` does, and so do the
