@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import itertools
 import logging
 import os
 import re
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 from crc32c import crc32c
 
+from kvfs.chunkserver import store as store_mod
 from kvfs.chunkserver.records import scan_records
 from kvfs.chunkserver.store import ALIGN, ChunkStore, Span, check_ranges, plan_spans
 from kvfs.datadir import FILE_MODE
@@ -282,6 +284,43 @@ async def test_an_append_of_many_records_survives_short_writes(
     views, stale = await store.readv([(c, off, len(v)) for (c, off), v in zip(locs, values, strict=True)])
     assert not stale and [bytes(v) for v in views] == values  # type: ignore[arg-type]
     assert [r.key for r in await store.scan(locs[0][0])] == keys
+
+
+@pytest.mark.parametrize("step", [None, 100_000])
+async def test_large_values_are_written_in_pieces_of_at_most_write_piece_bytes(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch, step: int | None) -> None:
+    """An APPEND of values larger than ``WRITE_PIECE`` (and of sizes that do not divide it)
+    reaches the page cache in pwritev calls of at most ``WRITE_PIECE`` bytes each (large ones
+    cost far more on the benchmark VM, bench/RESULTS.md), at consecutive offsets, short writes
+    (``step`` bytes a call, fault injection) continued; every value reads back whole."""
+    real = os.pwritev
+    calls: list[tuple[int, int]] = []
+
+    def spy(fd: int, bufs: list[bytes | memoryview], offset: int) -> int:
+        size = sum(memoryview(b).nbytes for b in bufs)
+        assert size <= store_mod.WRITE_PIECE, size
+        if step:
+            left, cut = step, []
+            for b in bufs:
+                if not left:
+                    break
+                cut.append(memoryview(b)[:left])
+                left -= cut[-1].nbytes
+            bufs = cut
+        n = real(fd, bufs, offset)
+        calls.append((offset, n))
+        return n
+
+    monkeypatch.setattr(os, "pwritev", spy)
+    keys = [b"a", b"b", b"c", b"d"]
+    values = [os.urandom(n) for n in (3 * store_mod.WRITE_PIECE + 17, 1, 700_001, 1 << 20)]
+    locs = await store.append([(k, len(v), crc32c(v), None) for k, v in zip(keys, values, strict=True)],
+                              memoryview(b"".join(values)))
+    monkeypatch.undo()
+    assert len(calls) > sum(len(v) for v in values) // store_mod.WRITE_PIECE
+    assert all(off + n == nxt for (off, n), (nxt, _) in itertools.pairwise(calls))
+    views, stale = await store.readv([(c, off, len(v)) for (c, off), v in zip(locs, values, strict=True)])
+    assert not stale and [bytes(v) for v in views] == values  # type: ignore[arg-type]
 
 
 async def test_an_append_cancelled_mid_write_finishes_before_the_next_append_writes(
