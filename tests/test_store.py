@@ -320,6 +320,17 @@ async def test_seal_needs_the_open_chunk_to_be_idle(store: ChunkStore) -> None:
     assert cid2 != cid  # a sealed chunk takes no more appends
 
 
+def first_bytes(bufs: list[bytes | memoryview], n: int) -> list[memoryview]:
+    """Views of the first ``n`` bytes of ``bufs``: a write that takes only those (a short write)."""
+    cut: list[memoryview] = []
+    for b in bufs:
+        if not n:
+            break
+        cut.append(memoryview(b)[:n])
+        n -= cut[-1].nbytes
+    return cut
+
+
 @pytest.mark.parametrize("step", [None, 1000])
 async def test_an_append_of_many_records_survives_short_writes(
         store: ChunkStore, monkeypatch: pytest.MonkeyPatch, step: int | None) -> None:
@@ -329,13 +340,8 @@ async def test_an_append_of_many_records_survives_short_writes(
     real = os.pwritev
 
     def short(fd: int, bufs: list[bytes | memoryview], offset: int) -> int:
-        left, cut = step, []
-        for b in bufs:
-            if not left:
-                break
-            cut.append(memoryview(b)[:left])
-            left -= cut[-1].nbytes
-        return real(fd, cut, offset)
+        assert step
+        return real(fd, first_bytes(bufs, step), offset)
 
     if step:
         monkeypatch.setattr(os, "pwritev", short)
@@ -363,15 +369,7 @@ async def test_large_values_are_written_in_pieces_of_at_most_write_piece_bytes(
     def spy(fd: int, bufs: list[bytes | memoryview], offset: int) -> int:
         size = sum(memoryview(b).nbytes for b in bufs)
         assert size <= store_mod.WRITE_PIECE, size
-        if step:
-            left, cut = step, []
-            for b in bufs:
-                if not left:
-                    break
-                cut.append(memoryview(b)[:left])
-                left -= cut[-1].nbytes
-            bufs = cut
-        n = real(fd, bufs, offset)
+        n = real(fd, first_bytes(bufs, step) if step else bufs, offset)
         calls.append((offset, n))
         return n
 
