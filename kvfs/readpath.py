@@ -25,6 +25,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Final, cast
 
 import crc32c
@@ -45,12 +46,15 @@ from kvfs.errors import (
     from_wire,
 )
 from kvfs.layout import Extent, Layout, Replica
+from kvfs.layoutcache import Flat
 from kvfs.protocol import FrameHead, ReceivePool, Scatter
 
 READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
 # a READV answer lands in place in the callers' buffers when its extents average at least
 # this (below it, receiving each in its own buffer costs more than one receive and a copy)
 SCATTER_MIN_BYTES = 64 * 1024
+RANGE_LENGTH = itemgetter(2)  # of a READV range (chunk id, offset, length)
+_NONE = type(None)
 
 
 class _Dest(enum.Enum):
@@ -215,17 +219,21 @@ class ReadPath:
                         dests: Sequence[Dest], out: list[bytes | None] | None = None,
                         *, failed: dict[int, KVFSError] | None = None,
                         lost: dict[int, Layout] | None = None,
-                        skip: frozenset[int] | set[int] = frozenset()) -> set[int]:
+                        skip: frozenset[int] | set[int] = frozenset(),
+                        flat: Sequence[Flat] | None = None) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
         expired while being read).  With ``failed`` given, a key whose bytes cannot be
         read is recorded there instead of failing the call; with ``lost`` given too, the
         failed keys whose every replica answered without good bytes (CRC mismatch, record
         gone: not merely an unreachable server) are recorded there with the layout read.
         ``skip``: servers not to ask (they just failed to answer this call in time: see
-        :meth:`fetch_now`), taken as timed out: their extents go to another replica, or fail."""
+        :meth:`fetch_now`), taken as timed out: their extents go to another replica, or fail.
+        ``flat``: each layout's :data:`~kvfs.layoutcache.Flat` when the caller has them (the
+        layout cache's), for the first READVs (else made from ``layouts`` when they are all
+        one extent of one replica)."""
         misses: set[int] = set()
         bad: set[int] = set()
-        stale = await self.fetch(keys, layouts, dests, out, failed, bad, skip)
+        stale = await self.fetch(keys, layouts, dests, out, failed, bad, skip, flat)
         retried: dict[int, Layout] = {}
         bad2: set[int] = set()
         if stale:
@@ -270,12 +278,14 @@ class ReadPath:
                     dests: Sequence[Dest], out: list[bytes | None] | None,
                     failed_out: dict[int, KVFSError] | None = None,
                     bad_out: set[int] | None = None,
-                    skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
+                    skip: frozenset[int] | set[int] = frozenset(),
+                    flat: Sequence[Flat] | None = None) -> list[int]:
         """Read every extent into its destination; returns the slots whose layout was stale
         (an extent every replica of which answered that its bytes are not there).  A slot no
         replica could serve raises, or lands in ``failed_out`` when given.  ``bad_out``
         collects the stale or failed slots with an extent whose every replica answered
-        without good bytes (no server unreachable).  ``skip``: as for :meth:`read_into`.
+        without good bytes (no server unreachable).  ``skip``, ``flat``: as for
+        :meth:`read_into`.
         A server the link marked down after a timeout (:meth:`kvfs.cluster.ClusterLink.
         timed_out`) is not asked either, while the mark holds (until it answers the link's
         probe): its extents go to another replica, or fail at once (a miss, not one more
@@ -285,7 +295,7 @@ class ReadPath:
         alive = self._link.alive()
         hung = self._link.timed_out()
         bad: set[int] = set()
-        groups = None if skip or hung else self._groups(layouts, dests)
+        groups = None if skip or hung else self._groups(layouts, dests, flat)
         if groups is not None:  # the common case: no job per key unless its read fails
             first = await self._first_round(groups, keys, layouts, dests, out)
             by_server: dict[int, list[_Job]] = defaultdict(list)
@@ -349,38 +359,47 @@ class ReadPath:
         return by_server
 
     def _groups(self, layouts: list[Layout | None], dests: Sequence[Dest],
-                ) -> dict[int, _Group] | None:
+                flat: Sequence[Flat] | None = None) -> dict[int, _Group] | None:
         """:meth:`fetch`'s first round as columns, by server, when every value asked for is
         one extent with one replica, to be copied out of a pooled receive (handed back as
-        bytes, ``WHOLE``, or into one flat view), and each server's share is one READV of
-        distinct ranges: None otherwise (the jobs of :meth:`_first_jobs` then)."""
+        bytes, ``WHOLE``, or into one flat view: the same for every value), and each
+        server's share is one READV of distinct ranges: None otherwise (the jobs of
+        :meth:`_first_jobs` then).  ``flat``: the layouts' :data:`~kvfs.layoutcache.Flat`
+        forms, when the caller has them (else made here)."""
+        kinds = set(map(type, dests))
+        kinds.discard(_NONE)  # values not read (misses, too small)
+        if len(kinds) != 1 or not kinds <= {_Dest, memoryview}:
+            return None  # none read, mixed, or a value scattered over several views
         groups: dict[int, _Group] = {}
-        for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
+        get = groups.get
+        for slot, dest in enumerate(dests):
+            lay = layouts[slot]
             if lay is None or dest is None:
                 continue
-            ext = lay.extents
-            if len(ext) != 1 or (dest is not WHOLE and type(dest) is not memoryview):
-                return None
-            e = ext[0]
-            reps = e.replicas
-            if len(reps) != 1:
-                return None
-            rep = reps[0]
-            g = groups.get(rep.server_id)
+            if flat is not None:  # the cache's: no layout to take apart
+                sid, rng, crc, _, _, _ = flat[slot]
+            else:
+                ext = lay.extents
+                if len(ext) != 1 or len(ext[0].replicas) != 1:
+                    return None
+                e = ext[0]
+                rep = e.replicas[0]
+                sid, rng, crc = rep.server_id, (rep.chunk_id, rep.offset, e.length), e.crc
+            g = get(sid)
             if g is None:
-                g = groups[rep.server_id] = _Group([], [], [])
+                g = groups[sid] = _Group([], [], [])
             g.slots.append(slot)
-            g.ranges.append((rep.chunk_id, rep.offset, e.length))
-            g.crcs.append(e.crc)
+            g.ranges.append(rng)
+            g.crcs.append(crc)
+        whole = kinds == {_Dest}
         for g in groups.values():
             ranges = g.ranges
-            g.total = sum([r[2] for r in ranges])
+            g.total = sum(map(RANGE_LENGTH, ranges))
             if (len(ranges) > self._max_ranges or g.total > self._max_rpc_bytes
                     or len(set(ranges)) != len(ranges)
-                    or (g.total >= SCATTER_MIN_BYTES * len(ranges)
-                        and all([dests[i] is not WHOLE for i in g.slots]))):
+                    or (not whole and g.total >= SCATTER_MIN_BYTES * len(ranges))):
                 return None  # split, or received in place: the jobs' way
-        return groups
+        return groups or None
 
     async def _first_round(self, groups: dict[int, _Group], keys: list[bytes],
                            layouts: list[Layout | None], dests: Sequence[Dest],
