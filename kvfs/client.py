@@ -217,9 +217,10 @@ class AsyncClient:
             self.looked_up(keys, out, missing, (await self._link.call_meta(request)).layouts)
         return out
 
-    def _flat(self, keys: list[bytes], lease_s: float | None) -> list[Flat] | None:
+    def flat(self, keys: list[bytes], lease_s: float | None) -> list[Flat] | None:
         """The layout cache's flat forms of every key's layout (:meth:`LayoutCache.flat_many`),
-        for a read that takes them from the cache (no ``lease_s``); None: :meth:`lookup`."""
+        for a read that takes them from the cache (no ``lease_s``); None: :meth:`lookup`.
+        (The blocking client's reads in its callers' threads take them too.)"""
         return None if lease_s is not None else self.layout_cache.flat_many(keys, self.clock())
 
     # lookup() in two halves, the RPC between them: the blocking client sends it from its
@@ -436,7 +437,7 @@ class AsyncClient:
         out: list[bytes | None]
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
-        flat = self._flat(ks, lease_s)
+        flat = self.flat(ks, lease_s)
         if flat is not None:  # every key cached, one extent of one replica: no step per key
             layouts: list[Layout | None] = list(map(FLAT_LAYOUT, flat))
             whole: tuple[list[bytes | None], list[Dest]] | None = (
@@ -597,7 +598,7 @@ class AsyncClient:
                         lease_s: float | None, skip: frozenset[int] | set[int] = frozenset(),
                         ) -> list[int]:
         """``rooms``: each key's buffer size; ``skip``: as for :meth:`get_many`."""
-        flat = self._flat(ks, lease_s)
+        flat = self.flat(ks, lease_s)
         if flat is not None:  # every key cached, one extent of one replica: no step per key
             layouts: list[Layout | None] = list(map(FLAT_LAYOUT, flat))
             result, dests = into_dests(layouts, views, rooms, list(map(FLAT_SIZE, flat)))

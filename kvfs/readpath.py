@@ -456,7 +456,8 @@ class ReadPath:
         return pooled
 
     def fetch_now(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Dest],
-                  out: list[bytes | None] | None, readvs: ReadVs, late: set[int]) -> bool:
+                  out: list[bytes | None] | None, readvs: ReadVs, late: set[int],
+                  flat: Sequence[Flat] | None = None) -> bool:
         """:meth:`fetch`'s common case, without the event loop (the blocking client's
         callers' threads): every extent read from the first live replica, one READV per
         server, all sent through ``readvs`` (:meth:`kvfs.blocking.ServerSockets.readvs`)
@@ -474,18 +475,35 @@ class ReadPath:
         (as :meth:`kvfs.cluster.ClusterLink.call_server` marks one; after the request
         timeout, as timed out): the caller's read through the IO loop skips it
         (``read_into(skip=late)``), so a hung server costs a call one wait, not two, and
-        later calls none while the mark holds."""
+        later calls none while the mark holds.  ``flat``: as for :meth:`read_into`; values of
+        one extent of one replica are read as :meth:`fetch`'s first round is, no job each."""
         addrs = self._link.server_addrs()
+        now = time.monotonic()
+        timeout = self._link.request_timeout_s
+        reads: list[tuple[int, str, rpc.ReadV, float]] = []
+        groups = self._groups(layouts, dests, flat)
+        if groups is not None:
+            for sid, g in groups.items():
+                addr = addrs.get(sid)
+                if addr is None:
+                    return False
+                reads.append((sid, addr, rpc.ReadV(ranges=cast(list[rpc.Range], g.ranges)),
+                              now + timeout))  # (one replica: nothing to hedge to)
+            good: list[bool] = []
+
+            def take(sid: int, h: rpc.ReadVReply, payload: memoryview) -> None:
+                g = groups[sid]
+                good.append(not h.errors and payload.nbytes == g.total
+                            and _take(payload, g, dests, out))
+
+            return self._send_now(reads, take, readvs, late, set()) and all(good)
         alive = {sid: addr is not None for sid, addr in addrs.items()}
         stale: set[int] = set()
         failed: dict[int, KVFSError] = {}
         by_server = self._first_jobs(keys, layouts, dests, alive, stale, failed, set())
         if stale or failed:
             return False
-        now = time.monotonic()
-        timeout = self._link.request_timeout_s
         hedged: set[int] = set()  # servers whose deadline is hedge_after_s
-        reads: list[tuple[int, str, rpc.ReadV, float]] = []
         batches: dict[int, tuple[list[_Job], list[tuple[int, int, int]]]] = {}
         for sid, jobs in by_server.items():
             addr = addrs.get(sid)
@@ -514,9 +532,17 @@ class ReadPath:
                 return
             self._check(sid, jobs, keys, out, retry, h, payload, ranges)
 
+        return self._send_now(reads, settle, readvs, late, hedged) and not retry
+
+    def _send_now(self, reads: list[tuple[int, str, rpc.ReadV, float]],
+                  settle: Callable[[int, rpc.ReadVReply, memoryview], None], readvs: ReadVs,
+                  late: set[int], hedged: set[int]) -> bool:
+        """:meth:`fetch_now`'s READVs sent and each answer handed to ``settle``; False when
+        one was not answered in time: those servers (``late``) are marked down on the IO
+        loop, before the caller's read there (as timed out unless in ``hedged``)."""
         if readvs(reads, settle, late):
-            return not retry
-        for sid in late:  # marked on the IO loop, before the caller's read there
+            return True
+        for sid in late:
             self._link.mark_down_soon(sid, timed_out=sid not in hedged)
         return False
 

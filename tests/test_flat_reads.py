@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 
+import kvfs
 from kvfs.bench.reliability import flip_byte
 from kvfs.client import MISS, TOO_SMALL, AsyncClient
 from kvfs.launcher import LocalCluster
 from kvfs.layoutcache import LayoutCache
-from tests.conftest import FakeClock, value_of
+from tests.conftest import FakeClock, ThreadCluster, value_of
 
 
 def _flat_keys(kv: AsyncClient) -> set[bytes]:
@@ -100,3 +101,20 @@ def test_the_flat_forms_are_bounded_by_the_cache() -> None:
     assert cache._flatten([b"c"], [None])
     cache.clear()
     assert cache._flat == {} and len(cache) == 0
+
+
+def test_the_blocking_clients_reads_in_its_callers_thread_take_the_flat_forms(
+        tcluster: ThreadCluster) -> None:
+    """``kvfs.Client`` reads cached keys in the caller's thread by their flat forms too
+    (``ReadPath.fetch_now``): the values put, and an overwrite's new value (a corrupt one:
+    tests/test_sync_reads.py)."""
+    keys = [f"bf/{i}".encode() for i in range(30)]
+    with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+        kv.put_many([(k, value_of(k.decode())) for k in keys])
+        assert kv.get_many(keys) == [value_of(k.decode()) for k in keys]
+        assert set(kv.aio.layout_cache._flat) == set(keys)
+        bufs = [bytearray(4096) for _ in keys]
+        assert kv.get_into(keys, bufs) == [4096] * len(keys)
+        assert [bytes(b) for b in bufs] == [value_of(k.decode()) for k in keys]
+        kv.put(b"bf/0", b"new")
+        assert kv.get_many(keys[:2]) == [b"new", value_of("bf/1")]
