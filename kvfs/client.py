@@ -548,8 +548,10 @@ class AsyncClient:
                        lease_s: float | None = None,
                        skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
         """Read values into caller buffers; one result per key.  ``lease_s``: as for
-        :meth:`get_many`.  Large destinations are received in place; destinations under
-        64 KiB are received together and copied once (cheaper than a receive each).
+        :meth:`get_many`.  Destinations are received in place (by vectored receives,
+        many destinations a receive); those under 64 KiB on average that a value does not
+        fill, or fills only in part of several buffers, are received together and copied
+        once (cheaper than a receive each).
 
         A key's buffer may be a list of buffers: its value is scattered over them in order
         (e.g. ``[k_half, v_half]``).  Each result is the value's size (a hit: that many

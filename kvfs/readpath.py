@@ -4,7 +4,10 @@ Every extent of the values asked for goes to one READV per chunkserver (the firs
 live replica; split past ``max_read_rpc_bytes``, a few in flight).  The answer is
 received straight into each destination (:class:`kvfs.protocol.Scatter`), or, for
 values returned as ``bytes`` and destinations averaging under ``SCATTER_MIN_BYTES``,
-into a pooled buffer they are copied out of (after their CRC check).  A bad
+into a pooled buffer they are copied out of (after their CRC check); small
+destinations each holding a whole value of one replica (:meth:`ReadPath._groups`) are
+received in place too, by vectored receives, and checked there (when one is not good,
+read once more the pooled way, which checks before it copies).  A bad
 CRC, a dead server or a ``StaleLayout`` (bytes gone from the named chunk) moves the
 extent to its next replica; when every replica said its bytes are gone, the key gets
 one fresh lookup and retry; a key deleted meanwhile is a miss.  A key no replica can
@@ -417,17 +420,39 @@ class ReadPath:
 
     async def _readv_group(self, sid: int, g: _Group, keys: list[bytes],
                            layouts: list[Layout | None], dests: Sequence[Dest],
-                           out: list[bytes | None] | None) -> list[_Job]:
-        """One READV of a :class:`_Group`, received into a pooled buffer; when every range
-        came back with good bytes they are copied out here, with no job made; else the
-        group's jobs are checked one by one (:meth:`_check`) and those to retry returned."""
+                           out: list[bytes | None] | None, in_place: bool = True) -> list[_Job]:
+        """One READV of a :class:`_Group`: values returned as bytes (``WHOLE``) are received
+        into a pooled buffer and, when every range came back with good bytes, copied out
+        here, with no job made; else the group's jobs are checked one by one
+        (:meth:`_check`) and those to retry returned.  Values read into the caller's views
+        are received straight into them (``in_place``: a vectored receive, no copy) and
+        checked there; when one is not good, the group is read once more the pooled way,
+        which checks before it copies (a caller's views that overlap, or the same view
+        given twice, cannot then pass for a corrupt replica)."""
         rx: list[memoryview] = []
+        in_place = in_place and dests[g.slots[0]] is not WHOLE
+
+        def scatter(head: FrameHead) -> Scatter:
+            # the ranges answered (an errored one has no bytes), in order; exchange() checks
+            # the header once the frame is whole
+            views = cast(Sequence[memoryview], dests)
+            errs = head.header.get("errors")
+            if errs:
+                return Scatter([views[s] for i, s in enumerate(g.slots) if i not in errs])
+            return Scatter(list(map(views.__getitem__, g.slots)))
+
         try:
             h, payload = await self._link.call_server(
-                sid, rpc.ReadV(ranges=cast(list[rpc.Range], g.ranges)), sink=self._pooled(rx))
+                sid, rpc.ReadV(ranges=cast(list[rpc.Range], g.ranges)),
+                sink=scatter if in_place else self._pooled(rx))
         except BaseException:
             self._rx_give(rx)
             raise
+        if isinstance(payload, Scatter):
+            if not h.errors and list(map(crc32c.crc32c, payload.parts)) == g.crcs:
+                return []
+            return await self._readv_group(sid, g, keys, layouts, dests, out, in_place=False)
+        # (a small answer arrives whole, not through the sink: checked and copied out here)
         retry: list[_Job] = []
         if (h.errors or not isinstance(payload, memoryview) or payload.nbytes != g.total
                 or not _take(payload, g, dests, out)):

@@ -86,6 +86,31 @@ async def test_a_corrupt_value_read_through_its_flat_form_is_a_miss_alone(
     assert got[3] is None and got[:3] + got[4:] == values[:3] + values[4:]
 
 
+async def test_get_into_in_place_checks_again_before_it_calls_a_value_lost(
+        cluster: LocalCluster, kv: AsyncClient) -> None:
+    """Values received straight into the caller's views and not all good there are read
+    once more into a pooled buffer, checked before they are copied: a corrupt value is a
+    miss alone, and views given twice (the second value landing over the first) do not
+    pass for a corrupt replica (no key reported lost and dropped)."""
+    keys = [f"ip/{i}".encode() for i in range(64)]  # answers above 64 KiB: through the sink
+    values = [os.urandom(4096) for _ in keys]
+    await kv.put_many(list(zip(keys, values, strict=True)))
+    assert await kv.get_many(keys) == values
+    region = memoryview(bytearray(4096 * len(keys)))
+    views = [region[i * 4096 : (i + 1) * 4096] for i in range(len(keys))]
+    shared = views[:]
+    shared[1] = shared[0]  # keys 0 and 1 into the same view
+    assert await kv.get_into(keys, shared) == [4096] * len(keys)
+    assert bytes(views[0]) in (values[0], values[1])
+    assert await kv.get_many(keys) == values  # nothing reported lost
+    (lay,) = await kv.lookup([keys[5]])
+    assert lay is not None
+    flip_byte(cluster, lay.extents[0].replicas[0], 100)
+    got = await kv.get_into(keys, views)
+    assert got == [MISS if i == 5 else 4096 for i in range(len(keys))]
+    assert [bytes(v) for i, v in enumerate(views) if i != 5] == values[:5] + values[6:]
+
+
 def test_the_flat_forms_are_bounded_by_the_cache() -> None:
     """Only cached layouts have one: evicted, popped or cleared, it goes too."""
     from kvfs.layout import Extent, Layout, Replica
