@@ -9,6 +9,7 @@ import errno
 import logging
 import os
 import re
+import shutil
 import threading
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -16,8 +17,16 @@ from pathlib import Path
 import pytest
 from crc32c import crc32c
 
+from kvfs.chunkserver import store as store_mod
 from kvfs.chunkserver.records import scan_records
-from kvfs.chunkserver.store import ALIGN, ChunkStore, Span, check_ranges, plan_spans
+from kvfs.chunkserver.store import (
+    ALIGN,
+    FREE_MARGIN_CHUNKS,
+    ChunkStore,
+    Span,
+    check_ranges,
+    plan_spans,
+)
 from kvfs.datadir import FILE_MODE
 from kvfs.errors import InvalidArgument, NoSpace, StaleLayout, Unavailable
 from kvfs.layout import MAX_KEY_BYTES, make_chunk_id
@@ -227,6 +236,62 @@ async def test_used_bytes_follow_appends_rolls_compaction_deletes_and_recovery(t
         assert again.used_bytes == on_disk(again) == sum(again.sizes.values()) == st.used_bytes
     finally:
         await again.close()
+
+
+class FakeDisk:
+    """A filesystem's statvfs answer, faked (fault injection): ``free`` less what the store
+    has on disk, counted per call."""
+
+    def __init__(self, st: ChunkStore, free: int) -> None:
+        self.st, self.free, self.calls = st, free, 0
+
+    def __call__(self, path: object) -> shutil._ntuple_diskusage:
+        self.calls += 1
+        free = self.free - on_disk(self.st)
+        return shutil._ntuple_diskusage(1 << 40, (1 << 40) - free, free)
+
+
+async def test_appends_far_from_full_skip_statvfs_and_are_refused_once_what_they_wrote_fills_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The space check counts what the store wrote since its last statvfs (never a stale
+    figure that lets writes past the disk's free bytes), asks again within
+    FREE_MARGIN_CHUNKS chunks of full, and only there: 600 KiB free, values of 3000 bytes."""
+    st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK, preallocate=False, free_check_s=3600.0)
+    st.server_id = 1
+    disk = FakeDisk(st, 600 * 1024)
+    monkeypatch.setattr(store_mod.shutil, "disk_usage", disk)
+    try:
+        appends = 0
+        with pytest.raises(NoSpace, match="is full"):
+            for i in range(1000):
+                await put(st, b"f%d" % i, value_of(b"f%d" % i))
+                appends += 1
+        assert on_disk(st) <= disk.free  # no write past what the disk had free
+        assert disk.free - on_disk(st) < 3000 + 64  # refused only once a record no longer fits
+        margin = FREE_MARGIN_CHUNKS * CHUNK // 3000 + 1  # appends within the margin ask (x2)
+        assert disk.calls <= 2 * margin + 2 < appends
+    finally:
+        await st.close()
+
+
+async def test_space_taken_by_others_is_seen_within_free_check_s(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another writer fills the disk: the store's last statvfs (far from full) is trusted
+    for free_check_s at most, then appends are refused."""
+    st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK, preallocate=False, free_check_s=0.05)
+    st.server_id = 1
+    disk = FakeDisk(st, 1 << 30)
+    monkeypatch.setattr(store_mod.shutil, "disk_usage", disk)
+    try:
+        await put(st, b"a", value_of(b"a"))
+        disk.free = on_disk(st)  # the disk is full now
+        deadline = asyncio.get_running_loop().time() + 10
+        with pytest.raises(NoSpace, match="is full"):
+            while asyncio.get_running_loop().time() < deadline:
+                await put(st, b"b", value_of(b"b"))
+                await asyncio.sleep(0.01)
+    finally:
+        await st.close()
 
 
 # scan, seal, verify, mtimes ----------------------------------------------------------------
