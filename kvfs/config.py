@@ -470,7 +470,9 @@ class MountConfig:
                                     "listing is made in the background, at most once per directory "
                                     "and period); so another node's new file there can stay hidden "
                                     "from lookups this long (a create with O_EXCL, or without "
-                                    "O_TRUNC, asks meta) (0: every lookup asks meta)", 0.0)
+                                    "O_TRUNC, asks meta); lookups walking such a listing in its "
+                                    "order get the next --max-batch-items names looked up ahead, "
+                                    "in one LOOKUP (0: every lookup asks meta)", 0.0)
     negative_listing_keys: int = opt("--negative-timeout: most keys one directory's listing holds (a "
                                      "larger directory is not listed again for a minute, and its "
                                      "lookups ask meta)", 4096, positive=True)

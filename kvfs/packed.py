@@ -76,10 +76,17 @@ U8, U16, U32, U64 = _code(1), _code(2), _code(4), _code(8)
 
 
 def _column(code: str, values: Sequence[int] | map[int] | repeat[int]) -> bytes:
+    if type(values) is array and values.typecode == code and not _SWAP:
+        return values.tobytes()  # (an array of this width already: its bytes, no copy per number)
     col = array(code, values)
     if _SWAP:
         col.byteswap()
     return col.tobytes()
+
+
+def _filled(code: str, value: int, n: int) -> bytes:
+    """A column of ``n`` times ``value`` (one number made, repeated in C)."""
+    return _column(code, (value,)) * n
 
 
 def pack(keys: Sequence[bytes], layouts: Sequence[Layout]) -> bytes:
@@ -134,14 +141,14 @@ def pack_single(keys: Sequence[bytes], sizes: Sequence[int], crcs: Sequence[int]
         raise ValueError(f"replica columns of {len(server)}, {len(chunk)}, {len(offset)} rows for "
                          f"{sum(nreps)} replicas")
     if metas is None:
-        meta_blob, meta_len = b"", _column(U32, repeat(NO_META, n))
+        meta_blob, meta_len = b"", _filled(U32, NO_META, n)
     else:
         meta_blob = b"".join(m for m in metas if m is not None)
         meta_len = _column(U32, [NO_META if m is None else len(m) for m in metas])
     size_col, crc_col = _column(U32, sizes), _column(U32, crcs)
     return b"".join((
         HEAD.pack(MAGIC, n, n, len(server), len(meta_blob)),
-        _column(U16, map(len, keys)), size_col, crc_col, _column(U32, repeat(1, n)), meta_len,
+        _column(U16, map(len, keys)), size_col, crc_col, _filled(U32, 1, n), meta_len,
         size_col, crc_col, _column(U8, nreps),
         _column(U32, server), _column(U64, chunk), _column(U64, offset),
         *keys, meta_blob,

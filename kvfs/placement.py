@@ -55,6 +55,8 @@ def place(sizes: Sequence[int], order: Sequence[int], *, replicas: int, stripe_b
     out: list[Placed] = []
     group, group_used = 0, 0
     small = tuple(order[j % n_srv] for j in range(replicas))
+    if sizes and min(sizes) > 0 and max(sizes) <= stripe_bytes and sum(sizes) <= group_bytes:
+        return [small] * len(sizes)  # every value one unit, all in the first run: no step per value
     rr = 0
     for n in sizes:
         if 0 < n <= stripe_bytes:  # the common case: one unit

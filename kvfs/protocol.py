@@ -251,8 +251,14 @@ def encode_frame(
     ``payload_bytes``: the payload's size when it is not among the buffers (a prefix alone,
     its payload sent from files: :class:`kvfs.fileparts.FileParts`)."""
     hdr = pack_header({} if header is None else header)
-    plen = (sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in payload)
-            if payload_bytes is None else payload_bytes)
+    if payload_bytes is not None:
+        plen = payload_bytes
+    elif memoryview not in (kinds := set(map(type, payload))):  # (in C: no step per part)
+        plen = sum(map(len, payload))
+    elif len(kinds) == 1:
+        plen = sum(map(_NBYTES, payload))
+    else:
+        plen = sum(len(p) if not isinstance(p, memoryview) else p.nbytes for p in payload)
     prefix = FIXED.pack(MAGIC, version, op, int(flags), request_id, len(hdr), plen) + hdr
     return [prefix, *payload]
 

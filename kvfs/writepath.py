@@ -38,13 +38,20 @@ from kvfs.protocol import Buffer
 
 log = logging.getLogger("kvfs.client")
 _LENGTH = itemgetter(1)  # a record head's length (RecordHead's field 1, or its plain tuple's)
-_CHUNK, _OFFSET = itemgetter(0), itemgetter(1)  # of an APPEND's location (chunk, offset)
+
+
+def _units(placed: Sequence[object]) -> bool:
+    """Every value placed as one unit (a tuple of servers): checked in C (the one tuple
+    :func:`~kvfs.placement.place` shares, by identity, when every value went there)."""
+    first = placed[0] if placed else None
+    return ((type(first) is tuple and placed.count(first) == len(placed))
+            or set(map(type, placed)) == {tuple})
 
 
 def _flat_units(placed: list[Placed], views: Sequence[Source]) -> bool:
-    """Every value placed as one unit (a tuple of servers) and given as one flat buffer
-    (not a list of views): checked in C."""
-    return set(map(type, placed)) == {tuple} and not any(map(isinstance, views, repeat(list)))
+    """Every value placed as one unit and given as one flat buffer (not a list of views):
+    checked in C."""
+    return _units(placed) and not any(issubclass(t, list) for t in set(map(type, views)))
 
 
 def _listed(v: Source) -> list[memoryview] | tuple[Buffer]:
@@ -344,6 +351,10 @@ class WritePath:
         return _Written(sizes, crcs, plans, slots, locs)
 
 
+# values of one extent each (_Written._columns): per value its replica count; per replica, in
+# value order, its server, chunk and offset
+_Columns = tuple[list[int], list[int], Sequence[int], Sequence[int]]
+
 # where each value went: per value of one unit, the tuple of its servers (the index of its
 # record in each one's APPEND in _Written.slots); per larger value, per unit (length, crc,
 # [(server, index of its record in that server's APPEND), ...])
@@ -360,8 +371,8 @@ class _Written:
     def __init__(self, sizes: list[int], crcs: list[int], plans: Plans, slots: list[int],
                  locs: dict[int, list[rpc.Location]]) -> None:
         self.sizes, self.crcs, self.plans, self.slots, self.locs = sizes, crcs, plans, slots, locs
-        self.single = all([type(plan) is tuple for plan in plans])  # every value one extent
-        self._cols: tuple[list[int], list[int], list[tuple[int, int]]] | None = None
+        self.single = not plans or _units(plans)  # every value one extent
+        self._cols: _Columns | None = None
 
     def _replicas(self) -> Iterator[tuple[Replica, ...]]:
         """The replicas of each value of one unit (in value order; larger values skipped)."""
@@ -379,33 +390,50 @@ class _Written:
                 yield tuple([Replica(sid, *locs[sid][slots[pos + j]]) for j, sid in enumerate(servers)])
                 pos += len(servers)
 
-    def _columns(self) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    def _columns(self) -> _Columns:
         """Values of one extent each: per value its replica count; per replica, in value
-        order, its server and its (chunk, offset).  Built by C loops (``map``), no Python
+        order, its server, chunk and offset.  Built by C loops (``map``, ``zip``), no Python
         step per value: the 4 KiB put's common case (bench/RESULTS.md, "the async client's
         put path")."""
         if self._cols is None:  # (made once: the COMMIT's columns and the layouts both use them)
             plans = cast(list[tuple[int, ...]], self.plans)
-            server = list(chain.from_iterable(plans))  # aligned with slots (one per replica)
-            where = list(map(getitem, map(self.locs.__getitem__, server), self.slots))
-            self._cols = list(map(len, plans)), server, where
+            only = self._one_server()
+            if only is not None:  # its answer as it is: the records were the values, in order
+                n = len(plans)
+                nreps, server, where = [1] * n, [only] * n, self.locs[only]
+            else:
+                server = list(chain.from_iterable(plans))  # aligned with slots (one per replica)
+                where = list(map(getitem, map(self.locs.__getitem__, server), self.slots))
+                nreps = list(map(len, plans))
+            chunk, offset = zip(*where, strict=True) if where else ((), ())
+            self._cols = nreps, server, chunk, offset
         return self._cols
+
+    def _one_server(self) -> int | None:
+        """The server, when one server took every value, one replica each, and answered one
+        location per value (a small put's common case: its records are the values in call
+        order, so its answer is the values' locations as they are); else None."""
+        plans = self.plans
+        first = plans[0] if plans else None
+        if (len(self.locs) != 1 or type(first) is not tuple or len(first) != 1
+                or plans.count(first) != len(plans)):  # (the one tuple place shares: by identity, in C)
+            return None
+        sid = first[0]
+        where = self.locs.get(sid)
+        return sid if where is not None and len(where) == len(plans) else None
 
     def packed(self, keys: list[bytes], metas: list[bytes | None] | None) -> bytes:
         """The COMMIT's packed layouts (:func:`kvfs.packed.pack_single`), values of one extent."""
-        nreps, server, where = self._columns()
-        return pack_single(keys, self.sizes, self.crcs, nreps, server, list(map(_CHUNK, where)),
-                           list(map(_OFFSET, where)), metas)
+        return pack_single(keys, self.sizes, self.crcs, *self._columns(), metas)
 
     def layouts(self, created: float, expires_at: float | None,
                 metas: list[bytes | None] | None = None) -> list[Layout]:
         """The values' layouts, stamped ``created``/``expires_at``, with ``metas[i]``."""
         meta_of: Iterable[bytes | None] = repeat(None) if metas is None else metas
         if self.single:
-            nreps, server, where = self._columns()
+            nreps, server, chunk, offset = self._columns()
             if len(server) == len(nreps):  # one replica each: every object made by map, in C
-                reps: Iterable[tuple[Replica, ...]] = zip(map(Replica, server, map(_CHUNK, where),
-                                                              map(_OFFSET, where)))
+                reps: Iterable[tuple[Replica, ...]] = zip(map(Replica, server, chunk, offset))
             else:
                 reps = self._replicas()
             sizes, crcs = self.sizes, self.crcs

@@ -1140,6 +1140,64 @@ async def test_misses_from_a_recent_listing_need_no_lookup(kv: AsyncClient, cloc
     assert kv.rpc_counts.get("LOOKUP", 0) - before == 2 and not off._tasks
 
 
+async def test_a_walk_through_a_listed_directory_looks_names_up_ahead(
+        kv: AsyncClient, clock: Any) -> None:
+    """--negative-timeout: lookups that walk a listed directory in its order (as threads
+    reading its files one after another do) get the next --max-batch-items names' layouts
+    in one LOOKUP ahead of them: a name's LOOKUP then answers from there, right, while
+    fresh (within --attr-timeout of when it was asked for, for what is left of that) and
+    nothing was made or changed through the mount since; random lookups ask meta each."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import InodeTable
+
+    n = 200
+    await kv.put_many({f"walk/f{i:03d}": b"x" * i for i in range(n)})
+
+    def mount_io() -> FileIO:
+        return FileIO(KVFileSystem(client=kv, asynchronous=True), InodeTable(),
+                      MountConfig(negative_timeout_s=60.0, max_batch_items=32), fresh_s=60.0,
+                      clock=clock)
+
+    async def sizes(io: FileIO, names: range | list[int]) -> tuple[list[int], int]:
+        """Each file's size by a lookup in turn, and the LOOKUPs they took."""
+        before = kv.rpc_counts.get("LOOKUP", 0)
+        got = []
+        for i in names:
+            info = await io.info(1000 + i, f"walk/f{i:03d}")
+            assert 0 < info.get("valid_s", 60.0) <= 60.0
+            got.append(info["size"])
+            await asyncio.gather(*io._tasks)  # the listing, the look-ahead they started
+        return got, kv.rpc_counts.get("LOOKUP", 0) - before
+
+    io = mount_io()
+    got, lookups = await sizes(io, range(n))
+    assert got == list(range(n))
+    assert lookups <= 2 + n // 16  # one per name without
+    # a look-ahead older than the lookup's freshness is not used
+    io = mount_io()
+    await sizes(io, [0, 1])
+    assert "walk/f005" in io._ahead
+    for e in io._ahead.values():
+        e.at -= 61
+    assert await sizes(io, range(2, 10)) == (list(range(2, 10)), 2)  # meta, then ahead again
+    # a value written through the mount is seen at once, not as looked up ahead before
+    assert "walk/f020" in io._ahead
+    await io.put("walk/f020", b"new")
+    assert await sizes(io, [10, 20]) == ([10, 3], 2)
+    # a change through the mount voids only that name's: the others still answer ahead
+    assert "walk/f030" in io._ahead and "walk/f031" in io._ahead
+    io.changed(None)
+    io.table.remember("walk/f030")
+    io.changed(io.table.ino_of("walk/f030"))
+    assert await sizes(io, [30, 31]) == ([30, 31], 1)
+    # random lookups: none ahead
+    io = mount_io()
+    order = [0, 100, 50, 150, 25, 175, 75, 125]
+    assert await sizes(io, order) == (order, len(order))
+    assert not io._ahead
+
+
 async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> None:
     """A read soon after the kernel's LOOKUP reads the layout that lookup fetched (no second
     lookup); once this mount changes the file, or after the attribute time, it looks up again."""

@@ -47,6 +47,7 @@ Memory per open file is bounded whatever the file's size:
 from __future__ import annotations
 
 import asyncio
+import bisect
 import errno
 import logging
 import os
@@ -80,6 +81,36 @@ UnitBytes = bytes | bytearray | memoryview  # a stripe unit's bytes (a pooled bu
 TAIL_PIECE_BYTES = 64 * 1024
 # a directory over --negative-listing-keys is not listed again for this long
 OVER_CAP_RELIST_S = 60.0
+# a lookup this close (in its directory's listing's order) to the last one there is a walk
+# through the directory: the names after it are looked up ahead (FileIO._walked)
+WALK_NEAR = 16
+
+
+class _Walk:
+    """A directory's names in order (its last listing, --negative-timeout) and how far
+    lookups walked them: the names up to ``end`` (inclusive) were looked up ahead."""
+
+    __slots__ = ("end", "last", "names")
+
+    def __init__(self, names: list[str], end: str) -> None:
+        self.names = names
+        self.last = -WALK_NEAR - 1  # the index of the last name looked up
+        self.end = end
+
+
+class _Ahead:
+    """A name's layout looked up ahead of the kernel's LOOKUP of it: the LOOKUP's answer
+    (``task``'s, at ``index``), sent at ``at`` (loop time) after the mount's change number
+    ``seq`` (:meth:`FileIO._touch`)."""
+
+    __slots__ = ("at", "index", "seq", "task")
+
+    def __init__(self, task: asyncio.Task[list[Layout | bool]], index: int, at: float,
+                 seq: int) -> None:
+        self.task = task
+        self.index = index
+        self.at = at
+        self.seq = seq
 
 
 def _gone() -> OSError:
@@ -147,6 +178,19 @@ class FileIO:
         self.clock = clock
         self._listings: OrderedDict[str, tuple[float, set[str] | None]] = OrderedDict()
         self._listing: dict[str, set[str] | None] = {}
+        # --negative-timeout: a walk through a listed directory (lookups of names near each
+        # other in its order) looks the next --max-batch-items names up ahead, in one LOOKUP
+        # (at most one in flight per directory); a name's layout from there answers its
+        # LOOKUP within fresh_s of when it was asked for, unless the name was changed
+        # through this mount since (``_touched``: its last change's number, counted in
+        # ``_seq`` as a change starts and as it lands; names whose number was dropped, at
+        # most looked_up_layouts kept, count as changed at ``_floor``); at most
+        # looked_up_layouts of them, the oldest dropped
+        self._walks: dict[str, _Walk] = {}
+        self._walking: set[str] = set()  # directories with a look-ahead LOOKUP in flight
+        self._ahead: OrderedDict[str, _Ahead] = OrderedDict()
+        self._touched: OrderedDict[str, int] = OrderedDict()
+        self._seq = self._floor = 0
         # --write-behind: closed files held here and committed in batches (off: never used)
         self.wb = WriteBehind(fs.client, config, ttl=fs.ttl, committed=self._behind_committed,
                               ended=self._behind_ended)
@@ -158,6 +202,7 @@ class FileIO:
         self.reads.release()
 
     def _behind_committed(self, e: Held) -> None:
+        self._touch(e.path)  # (a held delete too)
         ino = self.table.ino_of(e.path)
         if ino is not None:
             written = self._held_pages.get(ino)
@@ -226,13 +271,21 @@ class FileIO:
             self._looked_up.pop(ino, None)
             raise FileNotFoundError(errno.ENOENT, "not in its directory's listing", path)
         key = os.fsencode(path)
-        with builtin_errors(path):
-            found = await self.lookups.submit(key)
+        ahead = await self._looked_ahead(path)
+        if ahead is None:
+            with builtin_errors(path):
+                found = await self.lookups.submit(key)
+            at = None
+        else:
+            found, at = ahead
+        self._walked(path)
         if not isinstance(found, Layout):
             self._looked_up.pop(ino, None)
             return path_info(path, found)
-        self._saw(ino, key, found)
+        self._saw(ino, key, found, at)
         info = path_info(path, found)
+        if at is not None:  # the kernel keeps it no longer than a lookup's answer now
+            info["valid_s"] = max(0.0, self.fresh_s - (asyncio.get_running_loop().time() - at))
         cached = self._cached.get(ino)
         if cached is not None and cached[1] is not None and cached[0] == found:
             info["created"] = info["mtime"] = cached[1]  # written here: as the kernel was told
@@ -244,15 +297,98 @@ class FileIO:
         return (self.wb.get(path) is None and self._listed_missing(path)
                 and not self.wb.has_under(path + "/"))
 
-    def _saw(self, ino: int, key: bytes, layout: Layout) -> None:
-        """``ino``'s value is ``layout`` as of now (a lookup found it, or this mount committed
-        it): an open or first read within ``fresh_s`` reads it without looking up again."""
+    def _saw(self, ino: int, key: bytes, layout: Layout, at: float | None = None) -> None:
+        """``ino``'s value is ``layout`` as of now, or of ``at`` (loop time) (a lookup found
+        it, or this mount committed it): an open or first read within ``fresh_s`` of that
+        reads it without looking up again."""
         if self.fresh_s > 0:
             self._looked_up.pop(ino, None)
             self._looked_up[ino] = (ValueReader(self.fs.client, key, layout),
-                                    asyncio.get_running_loop().time())
+                                    asyncio.get_running_loop().time() if at is None else at)
             if len(self._looked_up) > self.config.looked_up_layouts:
                 del self._looked_up[next(iter(self._looked_up))]
+
+    # lookups ahead of a walk through a listed directory (--negative-timeout) ----------------
+    async def _looked_ahead(self, path: str) -> tuple[Layout | bool, float] | None:
+        """``path``'s lookup answer from a look-ahead, and when it was sent; None where
+        there is none still valid (the caller asks meta; a walk there looks ahead again from
+        ``path`` on)."""
+        e = self._ahead.pop(path, None)
+        if e is None:
+            return None
+        loop = asyncio.get_running_loop()
+        if loop.time() - e.at <= self.fresh_s:
+            try:
+                found = (await asyncio.shield(e.task))[e.index]
+            except Exception:  # meta answers it now
+                found = None
+            if found is not None and loop.time() - e.at <= self.fresh_s:
+                return (found, e.at) if self._unchanged(path, e.seq) else None
+        # too old, or failed: what was looked up after it is too (or may be)
+        d, _, name = path.rpartition("/")
+        w = self._walks.get(d)
+        if w is not None and name < w.end:
+            w.end = name
+        return None
+
+    def _walked(self, path: str) -> None:
+        """``path`` was looked up: if its directory has a listing and the last lookup there
+        was of a name near it in the listing's order, the names after it are looked up
+        ahead, up to --max-batch-items past it (again once fewer than half that are left)."""
+        if self.fresh_s <= 0:
+            return
+        d, _, name = path.rpartition("/")
+        w = self._walks.get(d)
+        if w is None:
+            return
+        names = w.names
+        i = bisect.bisect_left(names, name)
+        if i == len(names) or names[i] != name:
+            return
+        near = abs(i - w.last) <= WALK_NEAR
+        w.last = i
+        width = self.config.max_batch_items
+        if not near or d in self._walking:
+            return
+        start = max(i + 1, bisect.bisect_right(names, w.end))
+        if start - i > width // 2 or start >= len(names):
+            return
+        prefix = d + "/" if d else ""
+        paths = [prefix + n for n in names[start : i + 1 + width]]
+        w.end = names[min(i + width, len(names) - 1)]
+        self._walking.add(d)
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(self._look_ahead(d, [os.fsencode(p) for p in paths]))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(retrieve)
+        at = loop.time()
+        for j, p in enumerate(paths):
+            self._ahead.pop(p, None)
+            self._ahead[p] = _Ahead(task, j, at, self._seq)
+        while len(self._ahead) > self.config.looked_up_layouts:
+            self._ahead.popitem(last=False)
+
+    def _touch(self, path: str) -> None:
+        """This mount starts, or has landed, a change of ``path`` (made, changed, removed,
+        renamed): a look-ahead sent before is not its answer."""
+        self._seq += 1
+        self._ahead.pop(path, None)
+        self._touched.pop(path, None)
+        self._touched[path] = self._seq
+        while len(self._touched) > self.config.looked_up_layouts:
+            self._floor = self._touched.popitem(last=False)[1]
+
+    def _unchanged(self, path: str, seq: int) -> bool:
+        """Whether this mount's last change of ``path`` (start or landing) came before its
+        change number ``seq``."""
+        return max(self._touched.get(path, 0), self._floor) <= seq
+
+    async def _look_ahead(self, d: str, keys: list[bytes]) -> list[Layout | bool]:
+        try:
+            return await self.fs.client.lookup_dirs(keys)
+        finally:
+            self._walking.discard(d)
 
     # listings: misses without a LOOKUP (--negative-timeout) -------------------------------
     def _listed_missing(self, path: str) -> bool:
@@ -300,11 +436,17 @@ class FileIO:
         self._listings[d] = (at, names)
         self._listings.move_to_end(d)
         while len(self._listings) > self.config.negative_listing_dirs:
-            self._listings.popitem(last=False)
+            self._walks.pop(self._listings.popitem(last=False)[0], None)
+        if names is None:
+            self._walks.pop(d, None)
+        else:  # a walk there goes on from where it was
+            old = self._walks.get(d)
+            self._walks[d] = _Walk(sorted(names), "" if old is None else old.end)
 
     def made(self, path: str) -> None:
         """A name this mount made (create, mkdir, a rename's target, a held file's commit) is
         in its listing."""
+        self._touch(path)
         if self.config.negative_timeout_s <= 0:
             return
         cap = self.config.negative_listing_keys
@@ -324,10 +466,16 @@ class FileIO:
         """Names moved in bulk (a directory renamed): no listing is trusted any more."""
         self._listings.clear()
         self._listing.clear()
+        self._walks.clear()
 
     def changed(self, ino: int | None) -> None:
-        """This mount changed or removed ``ino``'s value: its looked-up layout is stale."""
+        """This mount changes or removed ``ino``'s value (called as the change starts, and
+        again where it lands apart from a commit, which calls :meth:`made`): its looked-up
+        layout is stale, and so is one looked up ahead before."""
         if ino is not None:
+            path = self.table.path_or_none(ino)
+            if path is not None:
+                self._touch(path)
             self._looked_up.pop(ino, None)
             self._unknown(ino)
 
@@ -381,6 +529,10 @@ class FileIO:
             self._cached.popitem(last=False)
 
     def forget_layouts(self) -> None:
+        self._seq += 1
+        self._floor = self._seq  # (as if every name changed now)
+        self._touched.clear()
+        self._ahead.clear()
         self._looked_up.clear()
         self._cached.clear()
         self._held_pages.clear()

@@ -192,8 +192,9 @@ class KVFSOperations(Operations):
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
         a.generation = 0
-        a.entry_timeout = self.attr_timeout_s
-        a.attr_timeout = self.attr_timeout_s
+        # (a layout looked up ahead is valid for less: FileIO.info)
+        a.entry_timeout = a.attr_timeout = min(self.attr_timeout_s,
+                                               info.get("valid_s", self.attr_timeout_s))
         if info["type"] == "directory":
             a.st_mode = stat.S_IFDIR | 0o755
             a.st_nlink = 2
@@ -416,6 +417,7 @@ class KVFSOperations(Operations):
             await self.fs._rmdir(path)
         except FileNotFoundError:
             pass  # an implicit directory whose last file went: nothing left to remove
+        self.io.changed(self.table.ino_of(path))  # (not one looked up ahead any more)
         self.table.detach(path)
 
     @_op
@@ -436,6 +438,8 @@ class KVFSOperations(Operations):
         except FileNotFoundError:
             if not pending:
                 raise
+        finally:
+            self.io.changed(self.table.ino_of(path))  # (landed, or maybe: as at its start)
         self.table.detach(path)
 
     @_op
