@@ -37,7 +37,7 @@ from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
 from kvfs.layout import MAX_META_BYTES, MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
-from kvfs.layoutcache import LayoutCache
+from kvfs.layoutcache import FLAT_LAYOUT, FLAT_SIZE, Flat, LayoutCache
 from kvfs.readpath import WHOLE, Dest, ReadPath
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.tls import client_context
@@ -216,6 +216,12 @@ class AsyncClient:
         if request is not None:
             self.looked_up(keys, out, missing, (await self._link.call_meta(request)).layouts)
         return out
+
+    def flat(self, keys: list[bytes], lease_s: float | None) -> list[Flat] | None:
+        """The layout cache's flat forms of every key's layout (:meth:`LayoutCache.flat_many`),
+        for a read that takes them from the cache (no ``lease_s``); None: :meth:`lookup`.
+        (The blocking client's reads in its callers' threads take them too.)"""
+        return None if lease_s is not None else self.layout_cache.flat_many(keys, self.clock())
 
     # lookup() in two halves, the RPC between them: the blocking client sends it from its
     # callers' threads (kvfs.blocking)
@@ -430,17 +436,23 @@ class AsyncClient:
         ks = norm_keys(keys)
         if not ks:
             return []
-        layouts = await self.lookup(ks, lease_s=lease_s)
         out: list[bytes | None]
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
-        whole = many_dests(layouts)
+        flat = self.flat(ks, lease_s)
+        if flat is not None:  # every key cached, one extent of one replica: no step per key
+            layouts: list[Layout | None] = list(map(FLAT_LAYOUT, flat))
+            whole: tuple[list[bytes | None], list[Dest]] | None = (
+                [b""] * len(ks), [WHOLE] * len(ks))
+        else:
+            layouts = await self.lookup(ks, lease_s=lease_s)
+            whole = many_dests(layouts)
         if whole is not None:
             # one-extent values (all of them here) become bytes straight from the receive
             # buffer (one copy)
             out, dests1 = whole
             for i in await self.reader.read_into(ks, layouts, dests1, out, failed=failed, lost=lost,
-                                                 skip=skip):
+                                                 skip=skip, flat=flat):
                 out[i] = None
             if failed:
                 await self._unreadable("get_many", ks, failed, lost)
@@ -538,8 +550,10 @@ class AsyncClient:
                        lease_s: float | None = None,
                        skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
         """Read values into caller buffers; one result per key.  ``lease_s``: as for
-        :meth:`get_many`.  Large destinations are received in place; destinations under
-        64 KiB are received together and copied once (cheaper than a receive each).
+        :meth:`get_many`.  Destinations are received in place (by vectored receives,
+        many destinations a receive); those under 64 KiB on average that a value does not
+        fill, or fills only in part of several buffers, are received together and copied
+        once (cheaper than a receive each).
 
         A key's buffer may be a list of buffers: its value is scattered over them in order
         (e.g. ``[k_half, v_half]``).  Each result is the value's size (a hit: that many
@@ -588,12 +602,17 @@ class AsyncClient:
                         lease_s: float | None, skip: frozenset[int] | set[int] = frozenset(),
                         ) -> list[int]:
         """``rooms``: each key's buffer size; ``skip``: as for :meth:`get_many`."""
-        layouts = await self.lookup(ks, lease_s=lease_s)
-        result, dests = into_dests(layouts, views, rooms)
+        flat = self.flat(ks, lease_s)
+        if flat is not None:  # every key cached, one extent of one replica: no step per key
+            layouts: list[Layout | None] = list(map(FLAT_LAYOUT, flat))
+            result, dests = into_dests(layouts, views, rooms, list(map(FLAT_SIZE, flat)))
+        else:
+            layouts = await self.lookup(ks, lease_s=lease_s)
+            result, dests = into_dests(layouts, views, rooms)
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
         misses = await self.reader.read_into(ks, layouts, dests, failed=failed, lost=lost,
-                                             skip=skip)
+                                             skip=skip, flat=flat)
         for i in misses:
             result[i] = MISS
         if failed:
@@ -744,9 +763,10 @@ def into_call(keys: Iterable[Key], buffers: Sequence[Any], lease_s: float | None
 
 
 def into_dests(layouts: list[Layout | None], views: list[Views], rooms: list[int],
-               ) -> tuple[list[int], Sequence[Dest]]:
-    """get_into's results (sizes, ``MISS``, ``TOO_SMALL``) and the read's destinations."""
-    result = [MISS if lay is None else lay.size for lay in layouts]
+               sizes: list[int] | None = None) -> tuple[list[int], Sequence[Dest]]:
+    """get_into's results (sizes, ``MISS``, ``TOO_SMALL``) and the read's destinations.
+    ``sizes``: the values' sizes when the caller has them (every key a hit)."""
+    result = [MISS if lay is None else lay.size for lay in layouts] if sizes is None else sizes
     if result == rooms:  # the common case, checked in C: every key a hit filling its buffer
         return result, views
     each: list[Dest] = []

@@ -6,6 +6,11 @@ Layouts never change once committed, so a cached one stays right until it expire
 meta in one TOUCH now and then (every ``TOUCH_INTERVAL_S`` or 4096 keys), so
 eviction sees them as recently used.
 
+A layout of one extent with one replica (the common case) is also kept flat, made the
+first time a read asks for it (:meth:`LayoutCache.flat_many`): what a read needs of it in
+one tuple (:data:`Flat`), so a read of many such keys finds them with no Python step per
+key and touches one small object per key, not the five a layout is made of.
+
 The blocking client reads it from its callers' threads too (:mod:`kvfs.blocking`): its
 changes are made under a lock, and a TOUCH due in such a thread is sent by the IO loop
 (a key read while a TOUCH is being made may miss it: access times are advisory).
@@ -15,10 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from itertools import repeat
+from operator import itemgetter
 from typing import cast
 
 from kvfs import rpc
@@ -30,6 +38,28 @@ log = logging.getLogger("kvfs.client")
 TOUCH_INTERVAL_S = 5.0
 TOUCH_BATCH_KEYS = 4096
 
+# A layout of one extent with one replica, as a read takes it: (server id, its READV range
+# (chunk id, offset, length), CRC-32C, expires_at (inf: never), size, the layout)
+Flat = tuple[int, tuple[int, int, int], int, float, int, Layout]
+FLAT_SERVER = itemgetter(0)
+FLAT_RANGE = itemgetter(1)
+FLAT_CRC = itemgetter(2)
+FLAT_EXPIRES = itemgetter(3)
+FLAT_SIZE = itemgetter(4)
+FLAT_LAYOUT = itemgetter(5)
+
+
+def flatten(lay: Layout) -> Flat | None:
+    """``lay`` as a :data:`Flat` when it is one extent of one replica holding the whole
+    value (not empty); None otherwise."""
+    ext = lay.extents
+    if len(ext) != 1 or len(ext[0].replicas) != 1 or not lay.size or ext[0].length != lay.size:
+        return None
+    e = ext[0]
+    rep = e.replicas[0]
+    return (rep.server_id, (rep.chunk_id, rep.offset, e.length), e.crc,
+            math.inf if lay.expires_at is None else lay.expires_at, lay.size, lay)
+
 
 class LayoutCache:
     """An LRU of at most ``entries`` layouts.  :meth:`clear` is the documented hook for
@@ -39,6 +69,9 @@ class LayoutCache:
         self._link = link
         self.entries = entries
         self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
+        # the flat form of cached layouts a read asked for (flat_many): keys of _layouts only
+        self._flat: dict[bytes, Flat] = {}
+        self._flat_expires = False  # whether one was ever of a layout that expires
         self._touched: set[bytes] = set()  # keys read via the cache, not yet told to meta
         self._touch_at = time.monotonic()
         self._touch_task: asyncio.Task[None] | None = None
@@ -59,25 +92,31 @@ class LayoutCache:
         used last."""
         cache = self._layouts
         move = cache.move_to_end
+        flat = self._flat
         with self._lock:
             if None not in layouts:  # the common case, every key written: no Python step per key
                 cache.update(zip(keys, cast(Sequence[Layout], layouts), strict=True))
                 deque(map(move, keys), maxlen=0)
+                if flat:  # a key's flat form is of the layout it replaces
+                    deque(map(flat.pop, keys, repeat(None)), maxlen=0)
             else:
                 for key, layout in zip(keys, layouts, strict=True):
                     if layout is not None:
                         cache[key] = layout
                         move(key)
+                        flat.pop(key, None)
             while len(cache) > self.entries:
-                cache.popitem(last=False)
+                flat.pop(cache.popitem(last=False)[0], None)
 
     def pop(self, key: bytes) -> None:
         with self._lock:
             self._layouts.pop(key, None)
+            self._flat.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:
             self._layouts.clear()
+            self._flat.clear()
 
     def get_many(self, keys: Sequence[bytes], now: float) -> tuple[list[Layout | None], list[int]]:
         """Cached layouts (marked read) and the indexes of the keys to look up.  A cached
@@ -98,10 +137,48 @@ class LayoutCache:
             self._touched.update([k for k, lay in zip(keys, out, strict=True) if lay is not None])
         else:
             self._touched.update(keys)
+        self._flush_due()
+        return out, missing
+
+    def flat_many(self, keys: Sequence[bytes], now: float) -> list[Flat] | None:
+        """The flat forms of the cached layouts of ``keys`` (marked read, as :meth:`get_many`
+        marks them) when every key has one, unexpired; None otherwise (none marked: the
+        caller takes :meth:`get_many`'s way).  A cached layout's flat form is made the first
+        time it is asked for here."""
+        if not keys:
+            return None
+        flat = self._flat
+        recs = list(map(flat.get, keys))
+        if None in recs and not self._flatten(keys, recs):
+            return None
+        full = cast(list[Flat], recs)
+        if self._flat_expires and min(map(FLAT_EXPIRES, full)) <= now:
+            return None  # get_many drops the expired ones
+        self._touched.update(keys)
+        self._flush_due()
+        return full
+
+    def _flatten(self, keys: Sequence[bytes], recs: list[Flat | None]) -> bool:
+        """Fill the Nones of ``recs`` with the flat forms of those keys' cached layouts
+        (kept for the next read); False at the first key with none (not cached, or not one
+        extent of one replica)."""
+        cache, flat = self._layouts, self._flat
+        with self._lock:  # a put replacing a layout meanwhile drops its flat form after this
+            for i, rec in enumerate(recs):
+                if rec is None:
+                    lay = cache.get(keys[i])
+                    rec = None if lay is None else flatten(lay)
+                    if rec is None:
+                        return False
+                    flat[keys[i]] = recs[i] = rec
+                    if rec[3] != math.inf:
+                        self._flat_expires = True
+        return True
+
+    def _flush_due(self) -> None:
         if self._touched and (len(self._touched) >= TOUCH_BATCH_KEYS
                               or time.monotonic() - self._touch_at > TOUCH_INTERVAL_S):
             self.flush_touches()
-        return out, missing
 
     def flush_touches(self) -> None:
         """Tell meta, in one batch, which keys were read from cached layouts (LRU eviction).

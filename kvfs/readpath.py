@@ -4,7 +4,10 @@ Every extent of the values asked for goes to one READV per chunkserver (the firs
 live replica; split past ``max_read_rpc_bytes``, a few in flight).  The answer is
 received straight into each destination (:class:`kvfs.protocol.Scatter`), or, for
 values returned as ``bytes`` and destinations averaging under ``SCATTER_MIN_BYTES``,
-into a pooled buffer they are copied out of (after their CRC check).  A bad
+into a pooled buffer they are copied out of (after their CRC check); small
+destinations each holding a whole value of one replica (:meth:`ReadPath._groups`) are
+received in place too, by vectored receives, and checked there (when one is not good,
+read once more the pooled way, which checks before it copies).  A bad
 CRC, a dead server or a ``StaleLayout`` (bytes gone from the named chunk) moves the
 extent to its next replica; when every replica said its bytes are gone, the key gets
 one fresh lookup and retry; a key deleted meanwhile is a miss.  A key no replica can
@@ -25,6 +28,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Final, cast
 
 import crc32c
@@ -45,12 +49,15 @@ from kvfs.errors import (
     from_wire,
 )
 from kvfs.layout import Extent, Layout, Replica
+from kvfs.layoutcache import Flat
 from kvfs.protocol import FrameHead, ReceivePool, Scatter
 
 READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
 # a READV answer lands in place in the callers' buffers when its extents average at least
 # this (below it, receiving each in its own buffer costs more than one receive and a copy)
 SCATTER_MIN_BYTES = 64 * 1024
+RANGE_LENGTH = itemgetter(2)  # of a READV range (chunk id, offset, length)
+_NONE = type(None)
 
 
 class _Dest(enum.Enum):
@@ -215,17 +222,21 @@ class ReadPath:
                         dests: Sequence[Dest], out: list[bytes | None] | None = None,
                         *, failed: dict[int, KVFSError] | None = None,
                         lost: dict[int, Layout] | None = None,
-                        skip: frozenset[int] | set[int] = frozenset()) -> set[int]:
+                        skip: frozenset[int] | set[int] = frozenset(),
+                        flat: Sequence[Flat] | None = None) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
         expired while being read).  With ``failed`` given, a key whose bytes cannot be
         read is recorded there instead of failing the call; with ``lost`` given too, the
         failed keys whose every replica answered without good bytes (CRC mismatch, record
         gone: not merely an unreachable server) are recorded there with the layout read.
         ``skip``: servers not to ask (they just failed to answer this call in time: see
-        :meth:`fetch_now`), taken as timed out: their extents go to another replica, or fail."""
+        :meth:`fetch_now`), taken as timed out: their extents go to another replica, or fail.
+        ``flat``: each layout's :data:`~kvfs.layoutcache.Flat` when the caller has them (the
+        layout cache's), for the first READVs (else made from ``layouts`` when they are all
+        one extent of one replica)."""
         misses: set[int] = set()
         bad: set[int] = set()
-        stale = await self.fetch(keys, layouts, dests, out, failed, bad, skip)
+        stale = await self.fetch(keys, layouts, dests, out, failed, bad, skip, flat)
         retried: dict[int, Layout] = {}
         bad2: set[int] = set()
         if stale:
@@ -270,12 +281,14 @@ class ReadPath:
                     dests: Sequence[Dest], out: list[bytes | None] | None,
                     failed_out: dict[int, KVFSError] | None = None,
                     bad_out: set[int] | None = None,
-                    skip: frozenset[int] | set[int] = frozenset()) -> list[int]:
+                    skip: frozenset[int] | set[int] = frozenset(),
+                    flat: Sequence[Flat] | None = None) -> list[int]:
         """Read every extent into its destination; returns the slots whose layout was stale
         (an extent every replica of which answered that its bytes are not there).  A slot no
         replica could serve raises, or lands in ``failed_out`` when given.  ``bad_out``
         collects the stale or failed slots with an extent whose every replica answered
-        without good bytes (no server unreachable).  ``skip``: as for :meth:`read_into`.
+        without good bytes (no server unreachable).  ``skip``, ``flat``: as for
+        :meth:`read_into`.
         A server the link marked down after a timeout (:meth:`kvfs.cluster.ClusterLink.
         timed_out`) is not asked either, while the mark holds (until it answers the link's
         probe): its extents go to another replica, or fail at once (a miss, not one more
@@ -285,7 +298,7 @@ class ReadPath:
         alive = self._link.alive()
         hung = self._link.timed_out()
         bad: set[int] = set()
-        groups = None if skip or hung else self._groups(layouts, dests)
+        groups = None if skip or hung else self._groups(layouts, dests, flat)
         if groups is not None:  # the common case: no job per key unless its read fails
             first = await self._first_round(groups, keys, layouts, dests, out)
             by_server: dict[int, list[_Job]] = defaultdict(list)
@@ -349,38 +362,47 @@ class ReadPath:
         return by_server
 
     def _groups(self, layouts: list[Layout | None], dests: Sequence[Dest],
-                ) -> dict[int, _Group] | None:
+                flat: Sequence[Flat] | None = None) -> dict[int, _Group] | None:
         """:meth:`fetch`'s first round as columns, by server, when every value asked for is
         one extent with one replica, to be copied out of a pooled receive (handed back as
-        bytes, ``WHOLE``, or into one flat view), and each server's share is one READV of
-        distinct ranges: None otherwise (the jobs of :meth:`_first_jobs` then)."""
+        bytes, ``WHOLE``, or into one flat view: the same for every value), and each
+        server's share is one READV of distinct ranges: None otherwise (the jobs of
+        :meth:`_first_jobs` then).  ``flat``: the layouts' :data:`~kvfs.layoutcache.Flat`
+        forms, when the caller has them (else made here)."""
+        kinds = set(map(type, dests))
+        kinds.discard(_NONE)  # values not read (misses, too small)
+        if len(kinds) != 1 or not kinds <= {_Dest, memoryview}:
+            return None  # none read, mixed, or a value scattered over several views
         groups: dict[int, _Group] = {}
-        for slot, (lay, dest) in enumerate(zip(layouts, dests, strict=True)):
+        get = groups.get
+        for slot, dest in enumerate(dests):
+            lay = layouts[slot]
             if lay is None or dest is None:
                 continue
-            ext = lay.extents
-            if len(ext) != 1 or (dest is not WHOLE and type(dest) is not memoryview):
-                return None
-            e = ext[0]
-            reps = e.replicas
-            if len(reps) != 1:
-                return None
-            rep = reps[0]
-            g = groups.get(rep.server_id)
+            if flat is not None:  # the cache's: no layout to take apart
+                sid, rng, crc, _, _, _ = flat[slot]
+            else:
+                ext = lay.extents
+                if len(ext) != 1 or len(ext[0].replicas) != 1:
+                    return None
+                e = ext[0]
+                rep = e.replicas[0]
+                sid, rng, crc = rep.server_id, (rep.chunk_id, rep.offset, e.length), e.crc
+            g = get(sid)
             if g is None:
-                g = groups[rep.server_id] = _Group([], [], [])
+                g = groups[sid] = _Group([], [], [])
             g.slots.append(slot)
-            g.ranges.append((rep.chunk_id, rep.offset, e.length))
-            g.crcs.append(e.crc)
+            g.ranges.append(rng)
+            g.crcs.append(crc)
+        whole = kinds == {_Dest}
         for g in groups.values():
             ranges = g.ranges
-            g.total = sum([r[2] for r in ranges])
+            g.total = sum(map(RANGE_LENGTH, ranges))
             if (len(ranges) > self._max_ranges or g.total > self._max_rpc_bytes
                     or len(set(ranges)) != len(ranges)
-                    or (g.total >= SCATTER_MIN_BYTES * len(ranges)
-                        and all([dests[i] is not WHOLE for i in g.slots]))):
+                    or (not whole and g.total >= SCATTER_MIN_BYTES * len(ranges))):
                 return None  # split, or received in place: the jobs' way
-        return groups
+        return groups or None
 
     async def _first_round(self, groups: dict[int, _Group], keys: list[bytes],
                            layouts: list[Layout | None], dests: Sequence[Dest],
@@ -398,17 +420,39 @@ class ReadPath:
 
     async def _readv_group(self, sid: int, g: _Group, keys: list[bytes],
                            layouts: list[Layout | None], dests: Sequence[Dest],
-                           out: list[bytes | None] | None) -> list[_Job]:
-        """One READV of a :class:`_Group`, received into a pooled buffer; when every range
-        came back with good bytes they are copied out here, with no job made; else the
-        group's jobs are checked one by one (:meth:`_check`) and those to retry returned."""
+                           out: list[bytes | None] | None, in_place: bool = True) -> list[_Job]:
+        """One READV of a :class:`_Group`: values returned as bytes (``WHOLE``) are received
+        into a pooled buffer and, when every range came back with good bytes, copied out
+        here, with no job made; else the group's jobs are checked one by one
+        (:meth:`_check`) and those to retry returned.  Values read into the caller's views
+        are received straight into them (``in_place``: a vectored receive, no copy) and
+        checked there; when one is not good, the group is read once more the pooled way,
+        which checks before it copies (a caller's views that overlap, or the same view
+        given twice, cannot then pass for a corrupt replica)."""
         rx: list[memoryview] = []
+        in_place = in_place and dests[g.slots[0]] is not WHOLE
+
+        def scatter(head: FrameHead) -> Scatter:
+            # the ranges answered (an errored one has no bytes), in order; exchange() checks
+            # the header once the frame is whole
+            views = cast(Sequence[memoryview], dests)
+            errs = head.header.get("errors")
+            if errs:
+                return Scatter([views[s] for i, s in enumerate(g.slots) if i not in errs])
+            return Scatter(list(map(views.__getitem__, g.slots)))
+
         try:
             h, payload = await self._link.call_server(
-                sid, rpc.ReadV(ranges=cast(list[rpc.Range], g.ranges)), sink=self._pooled(rx))
+                sid, rpc.ReadV(ranges=cast(list[rpc.Range], g.ranges)),
+                sink=scatter if in_place else self._pooled(rx))
         except BaseException:
             self._rx_give(rx)
             raise
+        if isinstance(payload, Scatter):
+            if not h.errors and list(map(crc32c.crc32c, payload.parts)) == g.crcs:
+                return []
+            return await self._readv_group(sid, g, keys, layouts, dests, out, in_place=False)
+        # (a small answer arrives whole, not through the sink: checked and copied out here)
         retry: list[_Job] = []
         if (h.errors or not isinstance(payload, memoryview) or payload.nbytes != g.total
                 or not _take(payload, g, dests, out)):
@@ -437,7 +481,8 @@ class ReadPath:
         return pooled
 
     def fetch_now(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Dest],
-                  out: list[bytes | None] | None, readvs: ReadVs, late: set[int]) -> bool:
+                  out: list[bytes | None] | None, readvs: ReadVs, late: set[int],
+                  flat: Sequence[Flat] | None = None) -> bool:
         """:meth:`fetch`'s common case, without the event loop (the blocking client's
         callers' threads): every extent read from the first live replica, one READV per
         server, all sent through ``readvs`` (:meth:`kvfs.blocking.ServerSockets.readvs`)
@@ -455,18 +500,35 @@ class ReadPath:
         (as :meth:`kvfs.cluster.ClusterLink.call_server` marks one; after the request
         timeout, as timed out): the caller's read through the IO loop skips it
         (``read_into(skip=late)``), so a hung server costs a call one wait, not two, and
-        later calls none while the mark holds."""
+        later calls none while the mark holds.  ``flat``: as for :meth:`read_into`; values of
+        one extent of one replica are read as :meth:`fetch`'s first round is, no job each."""
         addrs = self._link.server_addrs()
+        now = time.monotonic()
+        timeout = self._link.request_timeout_s
+        reads: list[tuple[int, str, rpc.ReadV, float]] = []
+        groups = self._groups(layouts, dests, flat)
+        if groups is not None:
+            for sid, g in groups.items():
+                addr = addrs.get(sid)
+                if addr is None:
+                    return False
+                reads.append((sid, addr, rpc.ReadV(ranges=cast(list[rpc.Range], g.ranges)),
+                              now + timeout))  # (one replica: nothing to hedge to)
+            good: list[bool] = []
+
+            def take(sid: int, h: rpc.ReadVReply, payload: memoryview) -> None:
+                g = groups[sid]
+                good.append(not h.errors and payload.nbytes == g.total
+                            and _take(payload, g, dests, out))
+
+            return self._send_now(reads, take, readvs, late, set()) and all(good)
         alive = {sid: addr is not None for sid, addr in addrs.items()}
         stale: set[int] = set()
         failed: dict[int, KVFSError] = {}
         by_server = self._first_jobs(keys, layouts, dests, alive, stale, failed, set())
         if stale or failed:
             return False
-        now = time.monotonic()
-        timeout = self._link.request_timeout_s
         hedged: set[int] = set()  # servers whose deadline is hedge_after_s
-        reads: list[tuple[int, str, rpc.ReadV, float]] = []
         batches: dict[int, tuple[list[_Job], list[tuple[int, int, int]]]] = {}
         for sid, jobs in by_server.items():
             addr = addrs.get(sid)
@@ -495,9 +557,17 @@ class ReadPath:
                 return
             self._check(sid, jobs, keys, out, retry, h, payload, ranges)
 
+        return self._send_now(reads, settle, readvs, late, hedged) and not retry
+
+    def _send_now(self, reads: list[tuple[int, str, rpc.ReadV, float]],
+                  settle: Callable[[int, rpc.ReadVReply, memoryview], None], readvs: ReadVs,
+                  late: set[int], hedged: set[int]) -> bool:
+        """:meth:`fetch_now`'s READVs sent and each answer handed to ``settle``; False when
+        one was not answered in time: those servers (``late``) are marked down on the IO
+        loop, before the caller's read there (as timed out unless in ``hedged``)."""
         if readvs(reads, settle, late):
-            return not retry
-        for sid in late:  # marked on the IO loop, before the caller's read there
+            return True
+        for sid in late:
             self._link.mark_down_soon(sid, timed_out=sid not in hedged)
         return False
 

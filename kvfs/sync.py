@@ -30,6 +30,8 @@ from kvfs.client import AsyncClient, KeyInfo, Value, into_call, into_dests, many
 from kvfs.config import ClientConfig
 from kvfs.errors import LocalProtocolError
 from kvfs.layout import Key, Layout, norm_keys
+from kvfs.layoutcache import FLAT_LAYOUT, FLAT_SIZE, Flat
+from kvfs.readpath import WHOLE, Dest
 from kvfs.rpc import R, Request
 
 T = TypeVar("T")
@@ -304,13 +306,14 @@ class Client:
         return out
 
     def _read_here(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Any],
-                   out: list[bytes | None] | None, late: set[int]) -> bool:
+                   out: list[bytes | None] | None, late: set[int],
+                   flat: Sequence[Flat] | None = None) -> bool:
         """The values read in this thread (``ReadPath.fetch_now``); False: read them again
         through the IO loop, which skips the servers added to ``late`` (not answering in
         time: one wait for a hung server, not two).  close() meanwhile ends it with
         ``LocalProtocolError``."""
         if self._server_sockets.most and self.aio.reader.fetch_now(
-                keys, layouts, dests, out, self._server_sockets.readvs, late):
+                keys, layouts, dests, out, self._server_sockets.readvs, late, flat):
             return True
         if self._closing:
             raise LocalProtocolError(_CLOSED)
@@ -393,11 +396,17 @@ class Client:
             return []
         late: set[int] = set()
         if self._here():
-            layouts = self._layouts(ks, lease_s)
-            whole = many_dests(layouts)
+            flat = self.aio.flat(ks, lease_s)
+            if flat is not None:  # every key cached, one extent of one replica
+                layouts: list[Layout | None] = list(map(FLAT_LAYOUT, flat))
+                whole: tuple[list[bytes | None], list[Dest]] | None = (
+                    [b""] * len(ks), [WHOLE] * len(ks))
+            else:
+                layouts = self._layouts(ks, lease_s)
+                whole = many_dests(layouts)
             if whole is not None:
                 out, dests = whole
-                if self._read_here(ks, layouts, dests, out, late):
+                if self._read_here(ks, layouts, dests, out, late, flat):
                     return out
         return self._run(self.aio.get_many(ks, lease_s=lease_s, skip=late))
 
@@ -412,9 +421,14 @@ class Client:
             return []
         late: set[int] = set()
         if self._here():
-            layouts = self._layouts(ks, lease_s)
-            result, dests = into_dests(layouts, views, rooms)
-            if self._read_here(ks, layouts, dests, None, late):
+            flat = self.aio.flat(ks, lease_s)
+            if flat is not None:  # every key cached, one extent of one replica
+                layouts: list[Layout | None] = list(map(FLAT_LAYOUT, flat))
+                result, dests = into_dests(layouts, views, rooms, list(map(FLAT_SIZE, flat)))
+            else:
+                layouts = self._layouts(ks, lease_s)
+                result, dests = into_dests(layouts, views, rooms)
+            if self._read_here(ks, layouts, dests, None, late, flat):
                 return result
         return self._run(self.aio.get_into(ks, buffers, lease_s=lease_s, skip=late))
 

@@ -1196,6 +1196,14 @@ async def test_a_walk_through_a_listed_directory_looks_names_up_ahead(
     order = [0, 100, 50, 150, 25, 175, 75, 125]
     assert await sizes(io, order) == (order, len(order))
     assert not io._ahead
+    # a directory's answer from ahead is kept by the kernel no longer either
+    await kv.put_many({"walk2/a0": b"a", "walk2/a1": b"b", "walk2/d/x": b"c"})
+    io = mount_io()
+    for i, name in enumerate(["a0", "a1", "a1"]):
+        await io.info(3000 + i, f"walk2/{name}")
+        await asyncio.gather(*io._tasks)
+    info = await io.info(3010, "walk2/d")
+    assert info["type"] == "directory" and 0 < info["valid_s"] <= 60.0
 
 
 async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> None:

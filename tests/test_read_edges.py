@@ -204,20 +204,32 @@ async def test_get_into_reads_in_place_and_get_reuses_one_pooled_buffer(one: Loc
         assert kv.rx_pool_buffers == 1
 
 
-async def test_small_get_into_destinations_share_one_pooled_receive(one: LocalCluster) -> None:
-    """Values below 64 KiB on average are received into one pooled buffer per READV answer
-    and copied to the caller's buffers after their CRC check (not one receive each)."""
-    values = {f"s{i}".encode(): os.urandom(4096) for i in range(40)}
+async def test_small_get_into_destinations_are_received_in_place_together(
+        one: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Values of one extent each read into flat views they fill are received straight into
+    them, by vectored receives of many views each (not one receive per value), and checked
+    there: no pooled buffer.  Views a value does not fill (its leading bytes) are received
+    into one pooled buffer per READV answer and copied after their CRC check."""
+    values = {f"s{i}".encode(): os.urandom(4096) for i in range(100)}
     async with one.client() as kv:
         await kv.put_many(values)
+        receives: list[int] = []
+        readv = os.readv
+
+        def counted(fd: int, views: list[memoryview]) -> int:
+            receives.append(len(views))
+            return readv(fd, views)
+
+        monkeypatch.setattr(os, "readv", counted)
         bufs = [bytearray(4096) for _ in values]
-        assert await kv.get_into(list(values), bufs) == [4096] * 40
+        assert await kv.get_into(list(values), bufs) == [4096] * 100
+        monkeypatch.undo()
         assert bufs == list(values.values())
-        assert kv.rx_pool_buffers == 1 and kv.rx_buffers_reused == 0
+        assert kv.rx_pool_buffers == 0 and len(receives) < len(values)
         bufs = [bytearray(5000) for _ in values]  # larger buffers: the value's leading bytes
-        assert await kv.get_into(list(values), bufs) == [4096] * 40
+        assert await kv.get_into(list(values), bufs) == [4096] * 100
         assert [b[:4096] for b in bufs] == list(values.values())
-        assert kv.rx_pool_buffers == 1 and kv.rx_buffers_reused == 1
+        assert kv.rx_pool_buffers == 1 and kv.rx_buffers_reused == 0
 
 
 async def test_read_pool_bytes_bounds_the_kept_receive_buffers(one: LocalCluster) -> None:

@@ -281,14 +281,15 @@ class FileIO:
         self._walked(path)
         if not isinstance(found, Layout):
             self._looked_up.pop(ino, None)
-            return path_info(path, found)
-        self._saw(ino, key, found, at)
-        info = path_info(path, found)
+            info = path_info(path, found)
+        else:
+            self._saw(ino, key, found, at)
+            info = path_info(path, found)
+            cached = self._cached.get(ino)
+            if cached is not None and cached[1] is not None and cached[0] == found:
+                info["created"] = info["mtime"] = cached[1]  # written here: as the kernel was told
         if at is not None:  # the kernel keeps it no longer than a lookup's answer now
             info["valid_s"] = max(0.0, self.fresh_s - (asyncio.get_running_loop().time() - at))
-        cached = self._cached.get(ino)
-        if cached is not None and cached[1] is not None and cached[0] == found:
-            info["created"] = info["mtime"] = cached[1]  # written here: as the kernel was told
         return info
 
     def listed_missing(self, path: str) -> bool:

@@ -1,0 +1,145 @@
+"""Reads of cached one-extent, one-replica layouts through their flat forms
+(:meth:`kvfs.layoutcache.LayoutCache.flat_many`): never a stale or expired value, and the
+same results as the general path."""
+
+from __future__ import annotations
+
+import os
+
+import kvfs
+from kvfs.bench.reliability import flip_byte
+from kvfs.client import MISS, TOO_SMALL, AsyncClient
+from kvfs.launcher import LocalCluster
+from kvfs.layoutcache import LayoutCache
+from tests.conftest import FakeClock, ThreadCluster, value_of
+
+
+def _flat_keys(kv: AsyncClient) -> set[bytes]:
+    return set(kv.layout_cache._flat)
+
+
+async def test_get_many_and_get_into_read_cached_values_through_flat_forms(kv: AsyncClient) -> None:
+    keys = [f"f/{i}".encode() for i in range(40)]
+    await kv.put_many([(k, value_of(k.decode())) for k in keys])
+    assert await kv.get_many(keys) == [value_of(k.decode()) for k in keys]
+    assert _flat_keys(kv) == set(keys)  # made by that read, used by the next ones
+    flat = kv.layout_cache.flat_many(keys, kv.clock())
+    assert flat is not None and [rec[5] for rec in flat] == await kv.lookup(keys)
+    bufs = [bytearray(4096) for _ in keys]
+    assert await kv.get_into(keys, bufs) == [4096] * len(keys)
+    assert [bytes(b) for b in bufs] == [value_of(k.decode()) for k in keys]
+    assert await kv.get_many(keys[::-1] + keys[:3]) == [value_of(k.decode())
+                                                       for k in keys[::-1] + keys[:3]]
+
+
+async def test_an_overwrite_or_delete_is_read_not_the_flat_form_of_before(kv: AsyncClient) -> None:
+    """A put of a key drops its flat form (made of the layout it replaces), as a delete does:
+    the next read sees the new value, or a miss (not by a StaleLayout and a fresh lookup:
+    its flat form is of the new layout)."""
+    keys = [b"o/a", b"o/b", b"o/c"]
+    await kv.put_many([(k, b"old" * 1000) for k in keys])
+    assert await kv.get_many(keys) == [b"old" * 1000] * 3
+    await kv.put(b"o/a", b"new" * 1000)
+    await kv.put_many([(b"o/b", b"two" * 1000)])
+    assert await kv.delete(b"o/c")
+    assert await kv.get_many(keys) == [b"new" * 1000, b"two" * 1000, None]
+    flat = kv.layout_cache.flat_many(keys[:2], kv.clock())  # of the layouts meta holds now
+    assert flat is not None and [rec[5] for rec in flat] == [await kv.layout(k) for k in keys[:2]]
+    bufs = [bytearray(3000) for _ in keys]
+    assert await kv.get_into(keys, bufs) == [3000, 3000, MISS]
+    assert bufs[:2] == [bytearray(b"new" * 1000), bytearray(b"two" * 1000)]
+
+
+async def test_an_expired_value_is_a_miss_through_the_flat_forms(kv: AsyncClient, clock: FakeClock) -> None:
+    await kv.put_many([(b"t/1", b"x" * 100)], ttl=10)
+    await kv.put_many([(b"t/2", b"y" * 100)])
+    assert await kv.get_many([b"t/1", b"t/2"]) == [b"x" * 100, b"y" * 100]
+    clock.advance(11)
+    assert await kv.get_many([b"t/1", b"t/2"]) == [None, b"y" * 100]
+    assert await kv.get_into([b"t/1", b"t/2"], [bytearray(100), bytearray(100)]) == [MISS, 100]
+
+
+async def test_keys_without_a_flat_form_read_as_before(kv: AsyncClient) -> None:
+    """Two replicas, an empty value, a key not cached, a buffer too small: the same call
+    takes the general path, each key its own result."""
+    await kv.put_many([(b"m/1", b"one" * 100)])
+    await kv.put_many([(b"m/2", b"two" * 100)], replicas=2)
+    await kv.put_many([(b"m/3", b"")])
+    keys = [b"m/1", b"m/2", b"m/3", b"m/none"]
+    assert await kv.get_many(keys) == [b"one" * 100, b"two" * 100, b"", None]
+    assert await kv.get_many([b"m/1"]) == [b"one" * 100]
+    bufs = [bytearray(300), bytearray(299), bytearray(0), bytearray(9)]
+    assert await kv.get_into(keys, bufs) == [300, TOO_SMALL, 0, MISS]
+    assert bufs[0] == bytearray(b"one" * 100) and bufs[1] == bytearray(299)
+
+
+async def test_a_corrupt_value_read_through_its_flat_form_is_a_miss_alone(
+        cluster: LocalCluster, kv: AsyncClient) -> None:
+    keys = [f"c/{i}".encode() for i in range(8)]
+    await kv.put_many([(k, os.urandom(4096)) for k in keys])
+    values = await kv.get_many(keys)
+    assert _flat_keys(kv) == set(keys)
+    (lay,) = await kv.lookup([b"c/3"])
+    assert lay is not None
+    flip_byte(cluster, lay.extents[0].replicas[0], 100)
+    got = await kv.get_many(keys)
+    assert got[3] is None and got[:3] + got[4:] == values[:3] + values[4:]
+
+
+async def test_get_into_in_place_checks_again_before_it_calls_a_value_lost(
+        cluster: LocalCluster, kv: AsyncClient) -> None:
+    """Values received straight into the caller's views and not all good there are read
+    once more into a pooled buffer, checked before they are copied: a corrupt value is a
+    miss alone, and views given twice (the second value landing over the first) do not
+    pass for a corrupt replica (no key reported lost and dropped)."""
+    keys = [f"ip/{i}".encode() for i in range(64)]  # answers above 64 KiB: through the sink
+    values = [os.urandom(4096) for _ in keys]
+    await kv.put_many(list(zip(keys, values, strict=True)))
+    assert await kv.get_many(keys) == values
+    region = memoryview(bytearray(4096 * len(keys)))
+    views = [region[i * 4096 : (i + 1) * 4096] for i in range(len(keys))]
+    shared = views[:]
+    shared[1] = shared[0]  # keys 0 and 1 into the same view
+    assert await kv.get_into(keys, shared) == [4096] * len(keys)
+    assert bytes(views[0]) in (values[0], values[1])
+    assert await kv.get_many(keys) == values  # nothing reported lost
+    (lay,) = await kv.lookup([keys[5]])
+    assert lay is not None
+    flip_byte(cluster, lay.extents[0].replicas[0], 100)
+    got = await kv.get_into(keys, views)
+    assert got == [MISS if i == 5 else 4096 for i in range(len(keys))]
+    assert [bytes(v) for i, v in enumerate(views) if i != 5] == values[:5] + values[6:]
+
+
+def test_the_flat_forms_are_bounded_by_the_cache() -> None:
+    """Only cached layouts have one: evicted, popped or cleared, it goes too."""
+    from kvfs.layout import Extent, Layout, Replica
+
+    cache = LayoutCache(None, 2)  # type: ignore[arg-type]  # (no TOUCH is sent here)
+    lays = [Layout(10, 1, 1.0, None, (Extent(10, 1, (Replica(1, 2, i * 10),)),)) for i in range(3)]
+    cache.put_many([b"a", b"b"], lays[:2])
+    assert cache._flatten([b"a", b"b"], [None, None])
+    cache.put_many([b"c"], lays[2:])  # evicts b"a"
+    assert set(cache._flat) == {b"b"}
+    cache.pop(b"b")
+    assert cache._flat == {}
+    assert cache._flatten([b"c"], [None])
+    cache.clear()
+    assert cache._flat == {} and len(cache) == 0
+
+
+def test_the_blocking_clients_reads_in_its_callers_thread_take_the_flat_forms(
+        tcluster: ThreadCluster) -> None:
+    """``kvfs.Client`` reads cached keys in the caller's thread by their flat forms too
+    (``ReadPath.fetch_now``): the values put, and an overwrite's new value (a corrupt one:
+    tests/test_sync_reads.py)."""
+    keys = [f"bf/{i}".encode() for i in range(30)]
+    with kvfs.Client(tcluster.addr, token=tcluster.token) as kv:
+        kv.put_many([(k, value_of(k.decode())) for k in keys])
+        assert kv.get_many(keys) == [value_of(k.decode()) for k in keys]
+        assert set(kv.aio.layout_cache._flat) == set(keys)
+        bufs = [bytearray(4096) for _ in keys]
+        assert kv.get_into(keys, bufs) == [4096] * len(keys)
+        assert [bytes(b) for b in bufs] == [value_of(k.decode()) for k in keys]
+        kv.put(b"bf/0", b"new")
+        assert kv.get_many(keys[:2]) == [b"new", value_of("bf/1")]
