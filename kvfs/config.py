@@ -237,6 +237,11 @@ class ClientConfig(TlsConfig):
     max_rpc_bytes: int = opt("split appends larger than this (at most the servers' "
                              "--max-payload); the APPENDs of one server are sent together, "
                              "so it writes one while it receives the next", 4 * MiB)
+    commit_group_bytes: int = opt("puts whose COMMITs come while one of this client's is in "
+                                  "flight wait for it and then go as one COMMIT (group commit), "
+                                  "of at most this many bytes of packed layouts (at most meta's "
+                                  "--max-header; a put's own larger COMMIT goes alone, and "
+                                  "0 sends each alone)", 4 * MiB)
     max_read_rpc_bytes: int = opt("split reads from one server larger than this (at most the "
                                   "server's --max-read-rpc)", 16 * MiB)
     max_read_ranges: int = opt("split reads from one server naming more ranges than this (at "
@@ -301,6 +306,8 @@ class ClientConfig(TlsConfig):
             raise ValueError(f"server_sockets must be >= 0 (0: none), got {self.server_sockets}")
         if self.read_pool_bytes < 0:
             raise ValueError(f"read_pool_bytes must be >= 0 (0: none), got {self.read_pool_bytes}")
+        if self.commit_group_bytes < 0:
+            raise ValueError(f"commit_group_bytes must be >= 0 (0: none), got {self.commit_group_bytes}")
         h = self.lease_holder
         if h is not None and (len(h) > MAX_HOLDER_CHARS
                               or not re.fullmatch(f"[{HOLDER_CHARS}]*", h)):

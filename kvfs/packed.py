@@ -155,6 +155,34 @@ def pack_single(keys: Sequence[bytes], sizes: Sequence[int], crcs: Sequence[int]
     ))
 
 
+# the columns of a blob in order: (which count of the head sizes it: keys 0, extents 1,
+# replicas 2; bytes per row); the keys and the metadata follow
+_COLUMNS = ((0, 2), (0, 4), (0, 4), (0, 4), (0, 4), (1, 4), (1, 4), (1, 1), (2, 4), (2, 8), (2, 8))
+
+
+def join(blobs: Sequence[bytes]) -> bytes:
+    """One blob of the items of ``blobs`` in order (each made by :func:`pack` or
+    :func:`pack_single`): item ``i`` of the second follows the first's last.  Each column
+    of each blob is cut out as it is and put beside the same column of the others (no
+    number read).  A merged COMMIT's blob (:meth:`kvfs.writepath.WritePath.commit_packed`)."""
+    if len(blobs) == 1:
+        return blobs[0]
+    heads = [HEAD.unpack_from(b) for b in blobs]
+    if any(h[0] != MAGIC for h in heads):
+        raise ValueError("a blob to join is not packed layouts")
+    views = [memoryview(b) for b in blobs]
+    at = [HEAD.size] * len(blobs)
+    parts: list[bytes | memoryview] = [HEAD.pack(MAGIC, *(sum(h[c] for h in heads) for c in (1, 2, 3, 4)))]
+    for count, width in _COLUMNS:
+        for i, h in enumerate(heads):
+            end = at[i] + h[1 + count] * width
+            parts.append(views[i][at[i] : end])
+            at[i] = end
+    parts.extend(v[a : len(v) - h[4]] for v, a, h in zip(views, at, heads, strict=True))  # keys
+    parts.extend(v[len(v) - h[4] :] for v, h in zip(views, heads, strict=True))  # metadata
+    return b"".join(parts)
+
+
 def _bad(what: str) -> InvalidArgument:
     return InvalidArgument(f"packed layouts (`$.packed`): {what}")
 

@@ -15,11 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import chain, compress, repeat
 from operator import getitem, is_not, itemgetter
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import crc32c
 
@@ -31,6 +32,8 @@ from kvfs.config import ClientConfig
 from kvfs.crc import crc32c_combine
 from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.layout import Extent, Layout, Replica
+from kvfs.packed import MAX_KEYS as MAX_PACKED_KEYS
+from kvfs.packed import join as join_packed
 from kvfs.packed import pack as pack_layouts
 from kvfs.packed import pack_single
 from kvfs.placement import Placed, order_by_free, place
@@ -68,6 +71,11 @@ class WritePath:
         self.config = config
         self._clock = clock
         self._write_id = 0  # last write id handed out (see next_write_id)
+        # group commit (commit_packed): the loop whose COMMIT of this writer is in flight
+        # (None: none is), and the COMMITs that came meanwhile, each waiting on its future
+        self._committing: asyncio.AbstractEventLoop | None = None
+        self._commit_queue: list[_Queued] = []
+        self._flushes: set[asyncio.Task[None]] = set()  # (held: a task only weakly referenced may go)
 
     async def put(self, keys: list[bytes], views: Sequence[Source], *, replicas: int,
                   ttl: float | None, if_absent: bool = False,
@@ -120,8 +128,7 @@ class WritePath:
         """:meth:`put`'s COMMIT of the values ``done`` appended."""
         written: list[Layout | None]
         if done.single:  # one extent per value: packed from columns, each layout built once
-            h = await self._link.call_meta(rpc.Commit(packed=done.packed(keys, metas), ttl_s=ttl,
-                                                      if_absent=if_absent))
+            h = await self.commit_packed(done.packed(keys, metas), len(keys), ttl, if_absent)
             written = cast(list[Layout | None], done.layouts(h.created, h.expires_at, metas))
             if h.present:
                 await self._ours(keys, written, h.present)
@@ -189,12 +196,104 @@ class WritePath:
         """Make written values visible: one COMMIT to meta (the linearisation point);
         returns the layouts as meta stamped them, None where ``if_absent`` found the key
         present (its appended bytes are garbage)."""
-        h = await self._link.call_meta(rpc.Commit(packed=pack_layouts(keys, layouts), ttl_s=ttl,
-                                                  if_absent=if_absent))
+        h = await self.commit_packed(pack_layouts(keys, layouts), len(keys), ttl, if_absent)
         out: list[Layout | None] = [lay.stamped(h.created, h.expires_at) for lay in layouts]
         for i in h.present:
             out[i] = None
         return out
+
+    async def commit_packed(self, packed: bytes, count: int, ttl: float | None,
+                            if_absent: bool) -> rpc.Committed:
+        """One COMMIT of ``count`` keys' packed layouts, committed as a group: sent at once
+        when none of this writer's is in flight (a lone put waits for nothing more); else
+        queued, and when the one in flight returns, the queue goes as one COMMIT
+        (:meth:`_flush`; bench/RESULTS.md, "client group commit"): meta's cost per COMMIT (its
+        WAL sync) is shared.  Returns meta's answer for these keys alone (``present``
+        numbered in ``packed``), once they are committed; a merged COMMIT that fails
+        fails each put it carried (one meta refused is sent again alone, so a put's bad
+        item fails that put only)."""
+        loop = asyncio.get_running_loop()
+        limit = self.config.commit_group_bytes
+        if self._committing is loop and len(packed) <= limit:
+            fut: asyncio.Future[rpc.Committed] = loop.create_future()
+            self._commit_queue.append(_Queued(packed, count, ttl, if_absent, fut))
+            return await fut
+        lead = self._committing is None and limit > 0
+        if lead:
+            self._committing = loop
+        try:
+            return await self._link.call_meta(rpc.Commit(packed=packed, ttl_s=ttl, if_absent=if_absent))
+        finally:
+            if lead:
+                self._next_group()
+
+    def _next_group(self) -> None:
+        """The COMMIT in flight has returned: the queued ones of its options, up to
+        ``commit_group_bytes`` (and a blob's keys), go as one (a task); the rest wait for it."""
+        queue = [q for q in self._commit_queue if not q.future.done()]  # (a cancelled put's: dropped)
+        if not queue:
+            self._committing, self._commit_queue = None, []
+            return
+        first = queue[0]
+        group: list[_Queued] = []
+        rest: list[_Queued] = []
+        size = keys = 0
+        for q in queue:
+            if (q.ttl == first.ttl and q.if_absent == first.if_absent
+                    and size + len(q.packed) <= self.config.commit_group_bytes
+                    and keys + q.keys <= MAX_PACKED_KEYS):
+                group.append(q)
+                size += len(q.packed)
+                keys += q.keys
+            else:
+                rest.append(q)
+        self._commit_queue = rest
+        task = asyncio.ensure_future(self._flush(group))
+        self._flushes.add(task)
+        task.add_done_callback(self._flushes.discard)
+
+    async def _flush(self, group: list[_Queued]) -> None:
+        """One COMMIT of the queued puts ``group`` (same ``ttl``/``if_absent``); each gets
+        meta's answer for its own keys, or the error.  A merged COMMIT meta refused
+        (answered with an error: nothing of it applied) is sent again put by put; one
+        not answered (``Unavailable``: it may have been applied) fails them all, as it
+        would each alone (their callers see what a failed COMMIT means for them)."""
+        first = group[0]
+        try:
+            try:
+                h = await self._link.call_meta(rpc.Commit(
+                    packed=join_packed([q.packed for q in group]), ttl_s=first.ttl,
+                    if_absent=first.if_absent))
+            except KVFSError as exc:
+                if len(group) == 1 or isinstance(exc, Unavailable):
+                    raise
+                for q in group:  # put by put: a put's bad item fails that put only
+                    try:
+                        answer = await self._link.call_meta(rpc.Commit(
+                            packed=q.packed, ttl_s=q.ttl, if_absent=q.if_absent))
+                    except KVFSError as one:
+                        _settle(q.future, one)
+                    else:
+                        _settle(q.future, answer)
+                return
+            present = sorted(h.present)
+            at = 0
+            for q in group:
+                end = at + q.keys
+                mine = [i - at for i in present[bisect_left(present, at) : bisect_left(present, end)]]
+                _settle(q.future, h if len(group) == 1 else rpc.Committed(
+                    created=h.created, expires_at=h.expires_at, present=mine))
+                at = end
+        except Exception as exc:
+            for q in group:  # never left waiting
+                _settle(q.future, exc)
+        except BaseException as exc:  # cancelled (its loop closing): the queue fails too, sent no more
+            for q in [*group, *self._commit_queue]:
+                _settle(q.future, Unavailable(f"a COMMIT was stopped ({exc!r})"))
+            self._commit_queue = []
+            raise
+        finally:
+            self._next_group()
 
     async def _ours(self, keys: list[bytes], written: list[Layout | None], present: list[int],
                     ) -> None:
@@ -349,6 +448,26 @@ class WritePath:
             if isinstance(res, BaseException):
                 raise res
         return _Written(sizes, crcs, plans, slots, locs)
+
+
+class _Queued(NamedTuple):
+    """A put's COMMIT waiting for the one in flight (:meth:`WritePath.commit_packed`)."""
+
+    packed: bytes
+    keys: int  # how many
+    ttl: float | None
+    if_absent: bool
+    future: asyncio.Future[rpc.Committed]
+
+
+def _settle(fut: asyncio.Future[rpc.Committed], result: rpc.Committed | BaseException) -> None:
+    """A queued COMMIT's answer or error, unless its put has gone (cancelled)."""
+    if fut.done():
+        return
+    if isinstance(result, BaseException):
+        fut.set_exception(result)
+    else:
+        fut.set_result(result)
 
 
 # values of one extent each (_Written._columns): per value its replica count; per replica, in

@@ -188,7 +188,8 @@ async def test_a_failed_shared_put_fails_only_its_own_call(kv: AsyncClient,
 
 
 async def test_calls_of_a_whole_batch_go_alone(cluster: LocalCluster) -> None:
-    async with cluster.client(replace(ClientConfig(), batch_max_keys=4)) as kv:
+    # (the client's group commit off: each put's own COMMIT counted; tests/test_commit_group.py)
+    async with cluster.client(replace(ClientConfig(), batch_max_keys=4, commit_group_bytes=0)) as kv:
         commits = kv.rpc_counts["COMMIT"]
         await asyncio.gather(*(kv.put_many({f"w{i}{j}".encode(): b"v" for j in range(4)})
                                for i in range(3)))
@@ -200,7 +201,7 @@ async def test_calls_of_a_whole_batch_go_alone(cluster: LocalCluster) -> None:
 
 
 async def test_coalescing_off(cluster: LocalCluster) -> None:
-    async with cluster.client(replace(ClientConfig(), batch=False)) as kv:
+    async with cluster.client(replace(ClientConfig(), batch=False, commit_group_bytes=0)) as kv:
         commits = kv.rpc_counts["COMMIT"]
         await asyncio.gather(*(kv.put_many({f"f{i}".encode(): b"v"}) for i in range(4)))
         assert kv.rpc_counts["COMMIT"] - commits == 4
