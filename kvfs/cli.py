@@ -324,7 +324,12 @@ async def cmd_stat(ns: argparse.Namespace) -> int:
 
 
 # parser -------------------------------------------------------------------------
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
+    """The ``kvfs`` parser.  Given the command line ``argv``, the modules of
+    ``_EXTRA_COMMAND_MODULES`` after the one adding its command are not imported (none for
+    this module's commands: ``chunkserver``, ``meta``, ``up``, ...): a server or the GC
+    daemon does not import the bench (numpy, with its BLAS threads) or the mount
+    (pyfuse3, trio), nor a mount the bench."""
     parser = argparse.ArgumentParser(prog="kvfs", description="kvfs: a file-system-backed KV cache")
     parser.add_argument("-v", "--verbose", action="count", default=0)
     parser.add_argument("--version", action="version", version=f"kvfs {__version__}")
@@ -410,7 +415,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     import importlib
 
+    command = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
     for mod in _EXTRA_COMMAND_MODULES:
+        if command in sub.choices:  # (the modules after the command's are not imported)
+            break
         try:
             module = importlib.import_module(mod)
         except ImportError as exc:  # an optional part missing its extra must not break the rest
@@ -421,13 +429,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Modules that add subcommands: each has ``add_commands(subparsers)`` and sets
-# ``func`` (an ``async def f(ns) -> int``) on its parsers.
-_EXTRA_COMMAND_MODULES = ("kvfs.gc.cli", "kvfs.bench.cli", "kvfs.mount")
+# ``func`` (an ``async def f(ns) -> int``) on its parsers; the bench, which imports the
+# most, last (build_parser)
+_EXTRA_COMMAND_MODULES = ("kvfs.gc.cli", "kvfs.mount", "kvfs.bench.cli")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent()
-    parser = build_parser()
+    if argv is None:
+        argv = sys.argv[1:]
+    parser = build_parser(argv)
     ns = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * ns.verbose,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)

@@ -237,11 +237,13 @@ class ClientConfig(TlsConfig):
     max_rpc_bytes: int = opt("split appends larger than this (at most the servers' "
                              "--max-payload); the APPENDs of one server are sent together, "
                              "so it writes one while it receives the next", 4 * MiB)
-    commit_group_bytes: int = opt("puts whose COMMITs come while one of this client's is in "
+    commit_group_bytes: int = opt("0 (the default): each put sends its COMMIT at once; > 0: "
+                                  "puts whose COMMITs come while one of this client's is in "
                                   "flight wait for it and then go as one COMMIT (group commit), "
                                   "of at most this many bytes of packed layouts (at most meta's "
-                                  "--max-header; a put's own larger COMMIT goes alone, and "
-                                  "0 sends each alone)", 4 * MiB)
+                                  "--max-header; a put's own larger COMMIT goes alone): less "
+                                  "meta CPU per key, a little less put rate from one client "
+                                  "(bench/RESULTS.md, \"client group commit\")", 0)
     max_read_rpc_bytes: int = opt("split reads from one server larger than this (at most the "
                                   "server's --max-read-rpc)", 16 * MiB)
     max_read_ranges: int = opt("split reads from one server naming more ranges than this (at "

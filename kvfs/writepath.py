@@ -204,7 +204,8 @@ class WritePath:
 
     async def commit_packed(self, packed: bytes, count: int, ttl: float | None,
                             if_absent: bool) -> rpc.Committed:
-        """One COMMIT of ``count`` keys' packed layouts, committed as a group: sent at once
+        """One COMMIT of ``count`` keys' packed layouts: with ``commit_group_bytes`` 0 (the
+        default) sent at once; else committed as a group: sent at once
         when none of this writer's is in flight (a lone put waits for nothing more); else
         queued, and when the one in flight returns, the queue goes as one COMMIT
         (:meth:`_flush`; bench/RESULTS.md, "client group commit"): meta's cost per COMMIT (its

@@ -117,6 +117,23 @@ def test_version() -> None:
     assert pkg.__version__.count(".") >= 2
 
 
+@pytest.mark.parametrize(("command", "imported"), [
+    ("chunkserver", []), ("meta", []), ("up", []), ("gc", []), ("mount", ["kvfs.mount", "pyfuse3"])])
+def test_a_service_command_imports_neither_the_bench_nor_the_mount(command: str, imported: list[str],
+                                                                   ) -> None:
+    """The processes ``kvfs up`` starts (and a mount) parse their command line without
+    importing the bench (numpy and its BLAS threads in every server) or, but for a mount,
+    the mount; ``kvfs --help`` still lists every command."""
+    code = ("import sys; from kvfs.cli import build_parser; "
+            f"build_parser(['-v', {command!r}, '--help-me-not']); "
+            "print(sorted(m for m in ('kvfs.bench', 'kvfs.mount', 'numpy', 'pyfuse3') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, check=True)
+    assert out.stdout.decode().strip() == str(imported)
+    usage = subprocess.run([sys.executable, "-m", "kvfs", "--help"], capture_output=True,
+                           timeout=60, check=True).stdout.decode()
+    assert "bench" in usage and "mount" in usage and command in usage
+
+
 def test_a_signal_as_soon_as_a_service_is_ready_stops_it_cleanly() -> None:
     """A launcher may signal a service the moment its ready line is out (``kvfs up`` does
     with --no-restart's children): the handler is in before the line, so the service closes

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import pytest
-from conftest import value_of
+from conftest import FakeClock, value_of
 from test_writepath_columns import _written
 
 from kvfs.client import AsyncClient
@@ -20,6 +20,20 @@ from kvfs.errors import InvalidArgument
 from kvfs.launcher import LocalCluster
 from kvfs.packed import HEAD, join, pack, unpack
 from kvfs.rpc import Commit, Op
+
+GROUP = 4 * 1024 * 1024  # commit_group_bytes: group commit is off by default
+
+
+@pytest.fixture
+async def kv(cluster: LocalCluster, clock: FakeClock) -> AsyncIterator[AsyncClient]:
+    """conftest's ``kv``, with group commit on."""
+    client = cluster.client(ClientConfig(commit_group_bytes=GROUP))
+    client.clock = clock
+    await client.open()
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 def held_commits(c: LocalCluster) -> tuple[asyncio.Event, list[int]]:
@@ -132,7 +146,7 @@ async def test_a_commit_meta_refuses_fails_the_put_it_came_from_only(cluster: Lo
 async def test_commits_of_other_options_and_cancelled_puts(cluster: LocalCluster) -> None:
     release, sizes = held_commits(cluster)
     # not batched: a cancelled call is cancelled where it waits (a batched one waits for its batch)
-    async with cluster.client(ClientConfig(batch=False)) as kv:
+    async with cluster.client(ClientConfig(batch=False, commit_group_bytes=GROUP)) as kv:
         await _other_options_and_cancelled(kv, release, sizes)
 
 
