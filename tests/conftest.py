@@ -22,7 +22,7 @@ import pytest
 from kvfs._loop import new_event_loop
 from kvfs.address import parse_addr
 from kvfs.client import AsyncClient
-from kvfs.config import ChunkServerConfig, FsyncMode, MetaConfig, TlsConfig
+from kvfs.config import ChunkServerConfig, ClientConfig, FsyncMode, MetaConfig, TlsConfig
 from kvfs.launcher import LocalCluster, ProcessCluster, ServiceProcess
 from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
 from kvfs.rpc import Op
@@ -344,8 +344,15 @@ async def cluster(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluste
 
 
 @pytest.fixture
-async def kv(cluster: LocalCluster, clock: FakeClock) -> AsyncIterator[AsyncClient]:
-    client = cluster.client()
+def client_config() -> ClientConfig | None:
+    """``kv``'s client config (None: the cluster's default); a test module overrides it."""
+    return None
+
+
+@pytest.fixture
+async def kv(cluster: LocalCluster, clock: FakeClock, client_config: ClientConfig | None,
+             ) -> AsyncIterator[AsyncClient]:
+    client = cluster.client(client_config)
     client.clock = clock
     await client.open()
     try:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
-from conftest import FakeClock, value_of
+from conftest import value_of
 from test_writepath_columns import _written
 
 from kvfs.client import AsyncClient
@@ -25,15 +25,9 @@ GROUP = 4 * 1024 * 1024  # commit_group_bytes: group commit is off by default
 
 
 @pytest.fixture
-async def kv(cluster: LocalCluster, clock: FakeClock) -> AsyncIterator[AsyncClient]:
-    """conftest's ``kv``, with group commit on."""
-    client = cluster.client(ClientConfig(commit_group_bytes=GROUP))
-    client.clock = clock
-    await client.open()
-    try:
-        yield client
-    finally:
-        await client.close()
+def client_config() -> ClientConfig:
+    """conftest's ``kv`` with group commit on."""
+    return ClientConfig(commit_group_bytes=GROUP)
 
 
 def held_commits(c: LocalCluster) -> tuple[asyncio.Event, list[int]]:
