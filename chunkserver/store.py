@@ -19,9 +19,10 @@ import secrets
 import shutil
 import socket
 import time
+from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from itertools import compress
+from itertools import accumulate, compress
 from pathlib import Path
 from typing import Any, NamedTuple, cast
 
@@ -182,41 +183,29 @@ def _write_at(fd: int, bufs: list[bytes | memoryview], offset: int, reserve: int
 
 def _pwritev_rest(fd: int, bufs: list[bytes | memoryview], offset: int) -> None:
     """``bufs`` written at ``offset``, at most :data:`WRITE_PIECE` bytes (and ``IOV_MAX``
-    buffers) per ``pwritev``: a buffer longer than what a call has room for is cut into views."""
-    batch: list[bytes | memoryview] = []
-    room = WRITE_PIECE
-    try:
-        for b in bufs:
-            n = len(b)
-            if n <= room and len(batch) < IOV_MAX:
-                batch.append(b)
-                room -= n
-                continue
-            v = memoryview(b)
-            while n:
-                if not room or len(batch) >= IOV_MAX:
-                    offset = _pwritev_full(fd, batch, offset)
-                    batch.clear()
-                    room = WRITE_PIECE
-                k = min(room, n)
-                batch.append(v[:k])
-                v = v[k:]
-                n -= k
-                room -= k
-        if batch:
-            _pwritev_full(fd, batch, offset)
-    finally:
-        batch.clear()  # no view of the caller's buffers outlives the call (see _pwritev_all)
+    buffers) per ``pwritev``: a buffer longer than a piece is cut into views of one first;
+    each call's buffers are found by bisecting their running ends (Python per piece, not
+    per buffer: an APPEND of small records has two buffers each)."""
+    if bufs and max(map(len, bufs)) > WRITE_PIECE:  # (large values: few buffers)
+        bufs = [v[k : k + WRITE_PIECE] for b in bufs for v in (memoryview(b),)
+                for k in range(0, len(v), WRITE_PIECE)]
+    ends = list(accumulate(map(len, bufs)))
+    i = done = 0
+    while i < len(bufs):
+        j = min(bisect_right(ends, done + WRITE_PIECE, i), i + IOV_MAX)
+        offset = _pwritev_full(fd, bufs[i:j], offset, ends[j - 1] - done)
+        done, i = ends[j - 1], j
 
 
-def _pwritev_full(fd: int, batch: list[bytes | memoryview], offset: int) -> int:
-    """One ``pwritev`` of ``batch`` at ``offset``, short writes continued; the offset after it."""
+def _pwritev_full(fd: int, batch: list[bytes | memoryview], offset: int, want: int) -> int:
+    """One ``pwritev`` of ``batch`` (``want`` bytes) at ``offset``, short writes continued;
+    the offset after it."""
     while True:
         n = os.pwritev(fd, batch, offset)
         offset += n
-        want = sum(len(b) for b in batch)
         if n == want:
             return offset
+        want -= n
         # short write: drop what was written and go on
         rest: list[bytes | memoryview] = []
         for b in batch:
@@ -1063,7 +1052,8 @@ class ChunkStore:
         if len(chunks) > MAPPED_MAX_CHUNKS:  # known first: random keys of a large server
             return None
         lens = list(map(_LENGTH, ranges))
-        if sum(lens) > INLINE_READ_BYTES or min(lens) < 0:
+        total = sum(lens)
+        if total > INLINE_READ_BYTES or min(lens) < 0:
             return None
         offs = list(map(_OFFSET, ranges))
         if min(offs) < 0:  # (a READV's never are: its ranges were checked)
@@ -1076,7 +1066,7 @@ class ChunkStore:
                 if len(chunks) == 1:
                     lo, hi, n = min(offs), max(ends), len(offs)
                 else:
-                    mine = [c.__eq__(x) for x in cids]
+                    mine = list(map(c.__eq__, cids))
                     lo, hi, n = min(compress(offs, mine)), max(compress(ends, mine)), sum(mine)
                 size = self.sizes.get(c)
                 if size is None or hi > size or hi - lo > MAPPED_CHECK_BYTES * n:
@@ -1098,7 +1088,7 @@ class ChunkStore:
             out = list(map(_sliced, map(views.__getitem__, cids), map(slice, offs, ends)))
         self.spans_read += len(out)
         self.mapped_spans += len(out)
-        self.bytes_read += sum(lens)
+        self.bytes_read += total
         return out
 
     def _fds_back(self, n: int) -> None:
