@@ -1187,10 +1187,30 @@ async def test_a_walk_through_a_listed_directory_looks_names_up_ahead(
     assert await sizes(io, [10, 20]) == ([10, 3], 2)
     # a change through the mount voids only that name's: the others still answer ahead
     assert "walk/f030" in io._ahead and "walk/f031" in io._ahead
-    io.changed(None)
     io.table.remember("walk/f030")
     io.changed(io.table.ino_of("walk/f030"))
     assert await sizes(io, [30, 31]) == ([30, 31], 1)
+
+    # a change that lands while a LOOKUP waits on its look-ahead: meta answers that LOOKUP
+    class Gate(asyncio.Future[list[Any]]):
+        """A look-ahead's answer, held; ``awaited`` is set once a LOOKUP waits on it."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.awaited = asyncio.Event()
+
+        def add_done_callback(self, fn: Any, *, context: Any = None) -> None:
+            self.awaited.set()
+            super().add_done_callback(fn, context=context)
+
+    ahead = io._ahead["walk/f032"]
+    answer, gate = await ahead.task, Gate()
+    ahead.task = gate  # type: ignore[assignment]
+    lookup = asyncio.ensure_future(sizes(io, [32]))
+    await asyncio.wait_for(gate.awaited.wait(), 30)
+    await io.put("walk/f032", b"new32")
+    gate.set_result(answer)
+    assert await lookup == ([5], 1)
     # random lookups: none ahead
     io = mount_io()
     order = [0, 100, 50, 150, 25, 175, 75, 125]

@@ -100,17 +100,14 @@ class _Walk:
 
 class _Ahead:
     """A name's layout looked up ahead of the kernel's LOOKUP of it: the LOOKUP's answer
-    (``task``'s, at ``index``), sent at ``at`` (loop time) after the mount's change number
-    ``seq`` (:meth:`FileIO._touch`)."""
+    (``task``'s, at ``index``), sent at ``at`` (loop time)."""
 
-    __slots__ = ("at", "index", "seq", "task")
+    __slots__ = ("at", "index", "task")
 
-    def __init__(self, task: asyncio.Task[list[Layout | bool]], index: int, at: float,
-                 seq: int) -> None:
+    def __init__(self, task: asyncio.Task[list[Layout | bool]], index: int, at: float) -> None:
         self.task = task
         self.index = index
         self.at = at
-        self.seq = seq
 
 
 def _gone() -> OSError:
@@ -182,15 +179,11 @@ class FileIO:
         # other in its order) looks the next --max-batch-items names up ahead, in one LOOKUP
         # (at most one in flight per directory); a name's layout from there answers its
         # LOOKUP within fresh_s of when it was asked for, unless the name was changed
-        # through this mount since (``_touched``: its last change's number, counted in
-        # ``_seq`` as a change starts and as it lands; names whose number was dropped, at
-        # most looked_up_layouts kept, count as changed at ``_floor``); at most
-        # looked_up_layouts of them, the oldest dropped
+        # through this mount since (a change, as it starts and as it lands, drops the
+        # name's entry: _touch); at most looked_up_layouts of them, the oldest dropped
         self._walks: dict[str, _Walk] = {}
         self._walking: set[str] = set()  # directories with a look-ahead LOOKUP in flight
         self._ahead: OrderedDict[str, _Ahead] = OrderedDict()
-        self._touched: OrderedDict[str, int] = OrderedDict()
-        self._seq = self._floor = 0
         # --write-behind: closed files held here and committed in batches (off: never used)
         self.wb = WriteBehind(fs.client, config, ttl=fs.ttl, committed=self._behind_committed,
                               ended=self._behind_ended)
@@ -202,7 +195,8 @@ class FileIO:
         self.reads.release()
 
     def _behind_committed(self, e: Held) -> None:
-        self._touch(e.path)  # (a held delete too)
+        if e.pieces is None:  # a held delete (a written file's: made(), below)
+            self._touch(e.path)
         ino = self.table.ino_of(e.path)
         if ino is not None:
             written = self._held_pages.get(ino)
@@ -314,17 +308,20 @@ class FileIO:
         """``path``'s lookup answer from a look-ahead, and when it was sent; None where
         there is none still valid (the caller asks meta; a walk there looks ahead again from
         ``path`` on)."""
-        e = self._ahead.pop(path, None)
+        e = self._ahead.get(path)
         if e is None:
             return None
         loop = asyncio.get_running_loop()
+        found = None
         if loop.time() - e.at <= self.fresh_s:
             try:
                 found = (await asyncio.shield(e.task))[e.index]
             except Exception:  # meta answers it now
                 found = None
-            if found is not None and loop.time() - e.at <= self.fresh_s:
-                return (found, e.at) if self._unchanged(path, e.seq) else None
+        if self._ahead.pop(path, None) is not e:
+            return None  # changed through this mount meanwhile (_touch), or looked up again
+        if found is not None and loop.time() - e.at <= self.fresh_s:
+            return found, e.at
         # too old, or failed: what was looked up after it is too (or may be)
         d, _, name = path.rpartition("/")
         w = self._walks.get(d)
@@ -366,24 +363,15 @@ class FileIO:
         at = loop.time()
         for j, p in enumerate(paths):
             self._ahead.pop(p, None)
-            self._ahead[p] = _Ahead(task, j, at, self._seq)
+            self._ahead[p] = _Ahead(task, j, at)
         while len(self._ahead) > self.config.looked_up_layouts:
             self._ahead.popitem(last=False)
 
     def _touch(self, path: str) -> None:
         """This mount starts, or has landed, a change of ``path`` (made, changed, removed,
-        renamed): a look-ahead sent before is not its answer."""
-        self._seq += 1
+        renamed): a look-ahead sent before is not its answer (one being awaited included:
+        :meth:`_looked_ahead` finds its entry gone)."""
         self._ahead.pop(path, None)
-        self._touched.pop(path, None)
-        self._touched[path] = self._seq
-        while len(self._touched) > self.config.looked_up_layouts:
-            self._floor = self._touched.popitem(last=False)[1]
-
-    def _unchanged(self, path: str, seq: int) -> bool:
-        """Whether this mount's last change of ``path`` (start or landing) came before its
-        change number ``seq``."""
-        return max(self._touched.get(path, 0), self._floor) <= seq
 
     async def _look_ahead(self, d: str, keys: list[bytes]) -> list[Layout | bool]:
         try:
@@ -474,9 +462,10 @@ class FileIO:
         again where it lands apart from a commit, which calls :meth:`made`): its looked-up
         layout is stale, and so is one looked up ahead before."""
         if ino is not None:
-            path = self.table.path_or_none(ino)
-            if path is not None:
-                self._touch(path)
+            if self._ahead:
+                path = self.table.path_or_none(ino)
+                if path is not None:
+                    self._touch(path)
             self._looked_up.pop(ino, None)
             self._unknown(ino)
 
@@ -530,9 +519,6 @@ class FileIO:
             self._cached.popitem(last=False)
 
     def forget_layouts(self) -> None:
-        self._seq += 1
-        self._floor = self._seq  # (as if every name changed now)
-        self._touched.clear()
         self._ahead.clear()
         self._looked_up.clear()
         self._cached.clear()
