@@ -76,8 +76,6 @@ U8, U16, U32, U64 = _code(1), _code(2), _code(4), _code(8)
 
 
 def _column(code: str, values: Sequence[int] | map[int] | repeat[int]) -> bytes:
-    if type(values) is array and values.typecode == code and not _SWAP:
-        return values.tobytes()  # (an array of this width already: its bytes, no copy per number)
     col = array(code, values)
     if _SWAP:
         col.byteswap()

@@ -43,7 +43,6 @@ def test_one_server_answer_as_it_is(monkeypatch: pytest.MonkeyPatch) -> None:
     assert fast._one_server() == 2
     packed, layouts = fast.packed(keys, None), fast.layouts(5.0, None)
     general = _general(fast, monkeypatch)
-    assert general._one_server() is None
     assert packed == general.packed(keys, None) == pack(keys, layouts)
     assert layouts == general.layouts(5.0, None)
     assert layouts[7] == Layout(4103, 1007, 5.0, None,
