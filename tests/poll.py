@@ -2,8 +2,9 @@
 
 Shared by the tests that start a second meta or restart one and must wait until it sees
 the chunkservers alive again (tests/test_meta_shared.py, test_if_absent.py, test_key_meta.py),
-by the fork tests waiting for their child (test_sync.py, test_leases.py), and by the tests
-waiting for meta to declare a stopped chunkserver dead (test_repair.py, test_meta_noscan.py)."""
+by the fork tests waiting for their child (test_sync.py, test_leases.py), by the tests
+waiting for meta to declare a stopped chunkserver dead (test_repair.py, test_meta_noscan.py),
+and, for any other condition, :func:`until`."""
 
 from __future__ import annotations
 
@@ -11,9 +12,19 @@ import asyncio
 import os
 import threading
 import time
+from collections.abc import Callable
 
 from kvfs.client import AsyncClient
 from kvfs.launcher import LocalCluster
+
+
+async def until(cond: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    """Return once ``cond()`` holds, polled with a deadline; fail naming ``what`` after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what} ({timeout_s:g} s)"
+        await asyncio.sleep(0.01)
 
 
 async def until_alive(kv: AsyncClient, n: int, who: str = "meta", timeout_s: float = 30.0) -> None:

@@ -6,12 +6,12 @@ meta's COMMIT handler is wrapped to hold the first COMMIT and count what arrives
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
 from conftest import value_of
+from poll import until
 from test_writepath_columns import _written
 
 from kvfs.client import AsyncClient
@@ -52,29 +52,13 @@ def held_commits(c: LocalCluster) -> tuple[asyncio.Event, list[int]]:
     return release, sizes
 
 
-async def until_queued(kv: AsyncClient, n: int, timeout_s: float = 30.0) -> None:
-    """Return once ``n`` COMMITs of ``kv`` wait behind the one in flight."""
-    deadline = time.monotonic() + timeout_s
-    while len(kv.writer._commit_queue) < n:
-        assert time.monotonic() < deadline, f"{len(kv.writer._commit_queue)} of {n} COMMITs queued"
-        await asyncio.sleep(0.01)
-
-
-async def until_held(sizes: list[int], timeout_s: float = 30.0) -> None:
-    """Return once meta got (and holds) the first COMMIT."""
-    deadline = time.monotonic() + timeout_s
-    while not sizes:
-        assert time.monotonic() < deadline, "no COMMIT reached meta"
-        await asyncio.sleep(0.01)
-
-
 async def queued(kv: AsyncClient, *puts: Awaitable[list[bool]]) -> list[asyncio.Future[list[bool]]]:
     """Start each put once the one before has queued its COMMIT (one at a time: calls of
     one loop tick would be one put, batched)."""
     out = []
     for put in puts:
         out.append(asyncio.ensure_future(put))
-        await until_queued(kv, len(out))
+        await until(lambda: len(kv.writer._commit_queue) >= len(out), f"{len(out)} COMMITs queued")
     return out
 
 
@@ -85,7 +69,7 @@ def items(prefix: str, n: int) -> list[tuple[str, bytes]]:
 async def test_puts_in_flight_share_one_commit(cluster: LocalCluster, kv: AsyncClient) -> None:
     release, sizes = held_commits(cluster)
     first = asyncio.ensure_future(kv.put_many(items("a", 5)))
-    await until_held(sizes)
+    await until(lambda: bool(sizes), "meta to get (and hold) the first COMMIT")
     later = await queued(kv, *(kv.put_many(items(p, n)) for p, n in (("b", 3), ("c", 4), ("d", 2))))
     assert sizes == [5]
     release.set()
@@ -105,7 +89,7 @@ async def test_a_present_key_is_false_for_its_put_only(cluster: LocalCluster, kv
     await kv.put_many(items("old", 2))
     release, sizes = held_commits(cluster)
     first = asyncio.ensure_future(kv.put_many(items("x", 2), if_absent=True))
-    await until_held(sizes)
+    await until(lambda: bool(sizes), "meta to get (and hold) the first COMMIT")
     a, b = await queued(kv, kv.put_many([("new0", b"A" * 4096), ("old1", b"A" * 4096),
                                          ("race", b"A" * 4096), ("new1", b"A" * 4096)], if_absent=True),
                         kv.put_many([("new2", b"B" * 4096), ("new3", b"B" * 4096)], if_absent=True))
@@ -124,7 +108,7 @@ async def test_a_commit_meta_refuses_fails_the_put_it_came_from_only(cluster: Lo
                                                                     kv: AsyncClient) -> None:
     release, sizes = held_commits(cluster)
     first = asyncio.ensure_future(kv.put_many(items("f", 2)))
-    await until_held(sizes)
+    await until(lambda: bool(sizes), "meta to get (and hold) the first COMMIT")
     # metadata over meta's max_key_meta_bytes (1 KiB; the client allows 64 KiB): meta refuses
     bad, good = await queued(kv, kv.put_many(items("bad", 2), meta=[None, {"s": "x" * 2000}]),
                              kv.put_many(items("good", 3)))
@@ -146,7 +130,7 @@ async def test_commits_of_other_options_and_cancelled_puts(cluster: LocalCluster
 
 async def _other_options_and_cancelled(kv: AsyncClient, release: asyncio.Event, sizes: list[int]) -> None:
     first = asyncio.ensure_future(kv.put_many(items("g", 1)))
-    await until_held(sizes)
+    await until(lambda: bool(sizes), "meta to get (and hold) the first COMMIT")
     ttl, gone, plain = await queued(kv, kv.put_many(items("t", 2), ttl=60),
                                     kv.put_many(items("gone", 4)), kv.put_many(items("p", 3)))
     gone.cancel()

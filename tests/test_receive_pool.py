@@ -3,13 +3,12 @@ reused only when no view of them is alive, bounded, and every byte of every valu
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import Callable
 from pathlib import Path
 
 import crc32c
 import pytest
+from poll import until
 
 from kvfs import rpc
 from kvfs.address import parse_addr
@@ -130,16 +129,6 @@ def test_receive_pool_option(tmp_path: Path) -> None:
         parse("-1")
 
 
-async def _until(cond: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    """Poll ``cond`` with a deadline (no bare sleep); fail naming ``what``."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not cond():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.01)
-
-
 async def test_a_large_append_from_a_peer_that_dies_mid_payload_writes_nothing(tmp_path: Path) -> None:
     """Half of a 2 MiB APPEND (received into a pooled buffer), then the peer is gone: nothing
     is appended, the connection is dropped, and the next large APPENDs are stored whole."""
@@ -154,10 +143,10 @@ async def test_a_large_append_from_a_peer_that_dies_mid_payload_writes_nothing(t
         transport = conn._proto.transport
         assert transport is not None
         transport.write(frame[: len(frame) // 2])
-        await _until(lambda: any(c.decoder.buffered_bytes >= MiB // 2 for c in server.rpc.connections),
+        await until(lambda: any(c.decoder.buffered_bytes >= MiB // 2 for c in server.rpc.connections),
                      "the server to receive half the payload")
         conn.abort()
-        await _until(lambda: not server.rpc.connections, "the server to drop the connection")
+        await until(lambda: not server.rpc.connections, "the server to drop the connection")
         assert server.append_calls == 0 and server.store.sizes == before  # nothing written
         kv = cluster.client()
         try:

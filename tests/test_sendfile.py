@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from conftest import chunkserver_connection
 from crc32c import crc32c
+from poll import until
 
 from kvfs import rpc
 from kvfs.chunkserver import store as store_mod
@@ -207,13 +208,6 @@ async def _raw(c: LocalCluster) -> tuple[Connection, _ServerProtocol]:
     return conn, proto
 
 
-async def _until(cond: Any, what: str, timeout_s: float = 20.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not cond():
-        assert asyncio.get_running_loop().time() < deadline, f"timed out waiting for {what}"
-        await asyncio.sleep(0.01)
-
-
 async def test_large_reads_are_sent_from_the_chunk_files(one: LocalCluster) -> None:
     values = {f"big{i}": os.urandom(MiB - 1000 * i) for i in range(6)}
     values["striped"] = os.urandom(5 * MiB + 3)
@@ -266,10 +260,10 @@ async def test_a_reader_that_pauses_mid_answer_gets_every_byte_and_frames_stay_w
         assert conn._proto.transport is not None
         conn._proto.transport.pause_reading()
         big = asyncio.ensure_future(conn.exchange(rpc.ReadV(ranges=ranges)))  # type: ignore[arg-type]
-        await _until(lambda: proto._raw_wait is not None, "the server to wait for room")
+        await until(lambda: proto._raw_wait is not None, "the server to wait for room")
         also = asyncio.ensure_future(conn.exchange(rpc.ReadV(ranges=small)))  # type: ignore[arg-type]
         bad = asyncio.ensure_future(conn.exchange(rpc.ReadV(ranges=[[1, 2]])))  # type: ignore[list-item]
-        await _until(lambda: proto.inflight_requests == 2, "the small READV to wait its turn")
+        await until(lambda: proto.inflight_requests == 2, "the small READV to wait its turn")
         assert proto._raw  # still the big answer's turn
         conn._proto.transport.resume_reading()
         async with asyncio.timeout(30):
@@ -318,8 +312,8 @@ async def test_a_reader_that_stops_reading_mid_answer_is_aborted(
             with caplog.at_level(logging.INFO, logger="kvfs.server"):
                 for rid in range(1000, 1004):
                     conn._proto.write([rpc_frame(rid, ranges)])
-                await _until(lambda: proto._raw_wait is not None, "the server to wait for room")
-                await _until(lambda: proto not in _cs(one).rpc.connections and not proto.tasks,
+                await until(lambda: proto._raw_wait is not None, "the server to wait for room")
+                await until(lambda: proto not in _cs(one).rpc.connections and not proto.tasks,
                              "the connection to be aborted")
             assert proto.inflight_requests == 0 and proto.inflight_bytes == 0
             assert any("send_timeout_s" in r.getMessage() for r in caplog.records)
@@ -351,7 +345,7 @@ async def _held_answer(one: LocalCluster, ranges: list[list[int]],
         assert conn._proto.transport is not None
         conn._proto.transport.pause_reading()
         answer = asyncio.ensure_future(conn.exchange(rpc.ReadV(ranges=ranges)))  # type: ignore[arg-type]
-        await _until(lambda: proto._raw_wait is not None, "the server to wait for room")
+        await until(lambda: proto._raw_wait is not None, "the server to wait for room")
     except BaseException:
         conn.abort()
         raise
