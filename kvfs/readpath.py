@@ -6,8 +6,8 @@ received straight into each destination (:class:`kvfs.protocol.Scatter`), or, fo
 values returned as ``bytes`` and destinations averaging under ``SCATTER_MIN_BYTES``,
 into a pooled buffer they are copied out of (after their CRC check); small
 destinations each holding a whole value of one replica (:meth:`ReadPath._groups`) are
-received in place too, by vectored receives, and checked there (when one is not good,
-read once more the pooled way, which checks before it copies).  A bad
+received in place too, by vectored receives, and checked there (when one received is not
+good, read once more the pooled way, which checks before it copies).  A bad
 CRC, a dead server or a ``StaleLayout`` (bytes gone from the named chunk) moves the
 extent to its next replica; when every replica said its bytes are gone, the key gets
 one fresh lookup and retry; a key deleted meanwhile is a miss.  A key no replica can
@@ -426,9 +426,11 @@ class ReadPath:
         here, with no job made; else the group's jobs are checked one by one
         (:meth:`_check`) and those to retry returned.  Values read into the caller's views
         are received straight into them (``in_place``: a vectored receive, no copy) and
-        checked there; when one is not good, the group is read once more the pooled way,
-        which checks before it copies (a caller's views that overlap, or the same view
-        given twice, cannot then pass for a corrupt replica)."""
+        checked there (a range the server answered with an error, e.g. its chunk compacted
+        away, goes on to its next replica or a fresh lookup); when one received is not good,
+        the group is read once more the pooled way, which checks before it copies (a
+        caller's views that overlap, or the same view given twice, cannot then pass for a
+        corrupt replica)."""
         rx: list[memoryview] = []
         in_place = in_place and dests[g.slots[0]] is not WHOLE
 
@@ -448,12 +450,21 @@ class ReadPath:
         except BaseException:
             self._rx_give(rx)
             raise
+        retry: list[_Job] = []
         if isinstance(payload, Scatter):
-            if not h.errors and list(map(crc32c.crc32c, payload.parts)) == g.crcs:
-                return []
+            errs = h.errors
+            got = list(map(crc32c.crc32c, payload.parts))  # of the ranges answered, in order
+            if not errs:
+                if got == g.crcs:
+                    return []
+            elif got == [c for i, c in enumerate(g.crcs) if i not in errs]:
+                # the rest good in place: the ranges in error (e.g. a chunk that compaction
+                # deleted) go to their next replica or a fresh lookup, with no second READV
+                self._check(sid, _jobs(g.slots, layouts, dests), keys, out, retry, h, payload,
+                            g.ranges)
+                return retry
             return await self._readv_group(sid, g, keys, layouts, dests, out, in_place=False)
         # (a small answer arrives whole, not through the sink: checked and copied out here)
-        retry: list[_Job] = []
         if (h.errors or not isinstance(payload, memoryview) or payload.nbytes != g.total
                 or not _take(payload, g, dests, out)):
             self._check(sid, _jobs(g.slots, layouts, dests), keys, out, retry, h, payload,
