@@ -138,6 +138,37 @@ async def test_get_into_in_place_takes_a_range_error_without_reading_again(kv: A
     assert await kv.lookup([keys[5]]) == [lay]
 
 
+def test_the_first_rounds_columns_from_flat_forms_are_those_from_layouts() -> None:
+    """``ReadPath._groups`` from the flat forms (one server: built in C) gives the columns
+    the layouts give, per server, slots in order; a value not read leaves them to the loop."""
+    import random
+
+    from kvfs.layout import Extent, Layout, Replica
+    from kvfs.layoutcache import flatten
+    from kvfs.readpath import WHOLE, ReadPath
+
+    rp = ReadPath(None, max_rpc_bytes=1 << 20, max_ranges=1024,  # type: ignore[arg-type]
+                  relookup=None, forget=lambda key: None)  # type: ignore[arg-type]
+    rng = random.Random(7)
+    region = memoryview(bytearray(100 * 64))
+    for servers in (1, 3):
+        lays: list[Layout | None] = [
+            Layout(100, 0, 1.0, None, (Extent(100, rng.getrandbits(32),
+                                              (Replica(rng.randrange(servers), 9, i * 100),)),))
+            for i in range(64)]
+        flat = [flatten(lay) for lay in lays if lay is not None]
+        assert None not in flat
+        views = [region[i * 100 : (i + 1) * 100] for i in range(64)]
+        some = [None if i % 5 == 0 else WHOLE for i in range(64)]
+        for dests in ([WHOLE] * 64, views, some):
+            want = rp._groups(lays, dests)
+            got = rp._groups(lays, dests, flat)  # type: ignore[arg-type]
+            assert want is not None and got is not None
+            assert len(want) == servers
+            assert {sid: (g.slots, g.ranges, g.crcs, g.total) for sid, g in got.items()} == {
+                sid: (g.slots, g.ranges, g.crcs, g.total) for sid, g in want.items()}
+
+
 def test_the_flat_forms_are_bounded_by_the_cache() -> None:
     """Only cached layouts have one: evicted, popped or cleared, it goes too."""
     from kvfs.layout import Extent, Layout, Replica
