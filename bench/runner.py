@@ -308,10 +308,10 @@ async def _prefill(
 
     Calls of at most ``PREFILL_CALL_BYTES`` (or one batch): kvfs keeps a put_many's small
     values on one server (``put_group_bytes``), a server drawn per call, so a few large
-    calls leave the keys unevenly spread, differently for each job, and a read job's rate
-    (its calls wait for their busiest server) with them: 8192 x 4 KiB in 4 MiB calls put
-    38-62 % of the keys on the busiest of three chunkservers (12 trials), in 512 KiB calls
-    34-45 % (bench/RESULTS.md, "get_into / get_many at 4 KiB")."""
+    calls leave the keys unevenly spread, and differently for each job of one run (e.g. the
+    get_many and get_into jobs compared): 8192 x 4 KiB in 4 MiB calls put 38-62 % of the
+    keys on the busiest of three chunkservers (12 trials), in 512 KiB calls 34-45 %
+    (bench/RESULTS.md, "get_into / get_many at 4 KiB")."""
     per_call = max(wl.batch, min(4096, PREFILL_CALL_BYTES // wl.bs))
     starts = list(range(0, len(keys), per_call))
     cursor = iter(starts)
