@@ -217,11 +217,14 @@ class AsyncClient:
             self.looked_up(keys, out, missing, (await self._link.call_meta(request)).layouts)
         return out
 
-    def flat(self, keys: list[bytes], lease_s: float | None) -> list[Flat] | None:
-        """The layout cache's flat forms of every key's layout (:meth:`LayoutCache.flat_many`),
-        for a read that takes them from the cache (no ``lease_s``); None: :meth:`lookup`.
-        (The blocking client's reads in its callers' threads take them too.)"""
-        return None if lease_s is not None else self.layout_cache.flat_many(keys, self.clock())
+    def cached(self, keys: list[bytes], lease_s: float | None,
+               ) -> tuple[list[Layout | None], list[Flat]] | None:
+        """Every key's cached layout and its flat form (:meth:`LayoutCache.flat_many`: every
+        key cached, one extent of one replica: no step per key), for a read that takes them
+        from the cache (no ``lease_s``); None: :meth:`lookup` them.  (The blocking client's
+        reads in its callers' threads take them too.)"""
+        flat = None if lease_s is not None else self.layout_cache.flat_many(keys, self.clock())
+        return None if flat is None else (list(map(FLAT_LAYOUT, flat)), flat)
 
     # lookup() in two halves, the RPC between them: the blocking client sends it from its
     # callers' threads (kvfs.blocking)
@@ -439,14 +442,9 @@ class AsyncClient:
         out: list[bytes | None]
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
-        flat = self.flat(ks, lease_s)
-        if flat is not None:  # every key cached, one extent of one replica: no step per key
-            layouts: list[Layout | None] = list(map(FLAT_LAYOUT, flat))
-            whole: tuple[list[bytes | None], list[Dest]] | None = (
-                [b""] * len(ks), [WHOLE] * len(ks))
-        else:
-            layouts = await self.lookup(ks, lease_s=lease_s)
-            whole = many_dests(layouts)
+        cached = self.cached(ks, lease_s)
+        layouts, flat = cached or (await self.lookup(ks, lease_s=lease_s), None)
+        whole = many_dests(layouts, flat)
         if whole is not None:
             # one-extent values (all of them here) become bytes straight from the receive
             # buffer (one copy)
@@ -602,13 +600,9 @@ class AsyncClient:
                         lease_s: float | None, skip: frozenset[int] | set[int] = frozenset(),
                         ) -> list[int]:
         """``rooms``: each key's buffer size; ``skip``: as for :meth:`get_many`."""
-        flat = self.flat(ks, lease_s)
-        if flat is not None:  # every key cached, one extent of one replica: no step per key
-            layouts: list[Layout | None] = list(map(FLAT_LAYOUT, flat))
-            result, dests = into_dests(layouts, views, rooms, list(map(FLAT_SIZE, flat)))
-        else:
-            layouts = await self.lookup(ks, lease_s=lease_s)
-            result, dests = into_dests(layouts, views, rooms)
+        cached = self.cached(ks, lease_s)
+        layouts, flat = cached or (await self.lookup(ks, lease_s=lease_s), None)
+        result, dests = into_dests(layouts, views, rooms, flat)
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
         misses = await self.reader.read_into(ks, layouts, dests, failed=failed, lost=lost,
@@ -739,9 +733,13 @@ def _encode_meta(key: bytes, meta: Mapping[str, Any] | None) -> bytes | None:
     return blob
 
 
-def many_dests(layouts: list[Layout | None]) -> tuple[list[bytes | None], list[Dest]] | None:
+def many_dests(layouts: list[Layout | None], flat: list[Flat] | None = None,
+               ) -> tuple[list[bytes | None], list[Dest]] | None:
     """get_many's results to fill and the read's destinations, when every value found is one
-    extent (each handed back as bytes, ``WHOLE``); None when one is striped."""
+    extent (each handed back as bytes, ``WHOLE``); None when one is striped.  ``flat``: the
+    layouts' flat forms (:meth:`AsyncClient.cached`: every key a hit of one extent)."""
+    if flat is not None:  # no step per key
+        return [b""] * len(layouts), [WHOLE] * len(layouts)
     if any([lay is not None and len(lay.extents) > 1 for lay in layouts]):
         return None
     return ([None if lay is None else b"" for lay in layouts],
@@ -763,10 +761,11 @@ def into_call(keys: Iterable[Key], buffers: Sequence[Any], lease_s: float | None
 
 
 def into_dests(layouts: list[Layout | None], views: list[Views], rooms: list[int],
-               sizes: list[int] | None = None) -> tuple[list[int], Sequence[Dest]]:
+               flat: list[Flat] | None = None) -> tuple[list[int], Sequence[Dest]]:
     """get_into's results (sizes, ``MISS``, ``TOO_SMALL``) and the read's destinations.
-    ``sizes``: the values' sizes when the caller has them (every key a hit)."""
-    result = [MISS if lay is None else lay.size for lay in layouts] if sizes is None else sizes
+    ``flat``: as for :func:`many_dests` (the values' sizes taken from them)."""
+    result = ([MISS if lay is None else lay.size for lay in layouts] if flat is None
+              else list(map(FLAT_SIZE, flat)))
     if result == rooms:  # the common case, checked in C: every key a hit filling its buffer
         return result, views
     each: list[Dest] = []

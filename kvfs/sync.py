@@ -30,8 +30,7 @@ from kvfs.client import AsyncClient, KeyInfo, Value, into_call, into_dests, many
 from kvfs.config import ClientConfig
 from kvfs.errors import LocalProtocolError
 from kvfs.layout import Key, Layout, norm_keys
-from kvfs.layoutcache import FLAT_LAYOUT, FLAT_SIZE, Flat
-from kvfs.readpath import WHOLE, Dest
+from kvfs.layoutcache import Flat
 from kvfs.rpc import R, Request
 
 T = TypeVar("T")
@@ -396,14 +395,9 @@ class Client:
             return []
         late: set[int] = set()
         if self._here():
-            flat = self.aio.flat(ks, lease_s)
-            if flat is not None:  # every key cached, one extent of one replica
-                layouts: list[Layout | None] = list(map(FLAT_LAYOUT, flat))
-                whole: tuple[list[bytes | None], list[Dest]] | None = (
-                    [b""] * len(ks), [WHOLE] * len(ks))
-            else:
-                layouts = self._layouts(ks, lease_s)
-                whole = many_dests(layouts)
+            cached = self.aio.cached(ks, lease_s)
+            layouts, flat = cached or (self._layouts(ks, lease_s), None)
+            whole = many_dests(layouts, flat)
             if whole is not None:
                 out, dests = whole
                 if self._read_here(ks, layouts, dests, out, late, flat):
@@ -421,13 +415,9 @@ class Client:
             return []
         late: set[int] = set()
         if self._here():
-            flat = self.aio.flat(ks, lease_s)
-            if flat is not None:  # every key cached, one extent of one replica
-                layouts: list[Layout | None] = list(map(FLAT_LAYOUT, flat))
-                result, dests = into_dests(layouts, views, rooms, list(map(FLAT_SIZE, flat)))
-            else:
-                layouts = self._layouts(ks, lease_s)
-                result, dests = into_dests(layouts, views, rooms)
+            cached = self.aio.cached(ks, lease_s)
+            layouts, flat = cached or (self._layouts(ks, lease_s), None)
+            result, dests = into_dests(layouts, views, rooms, flat)
             if self._read_here(ks, layouts, dests, None, late, flat):
                 return result
         return self._run(self.aio.get_into(ks, buffers, lease_s=lease_s, skip=late))
