@@ -3,7 +3,7 @@ what a kvfs put job costs the chunkservers while it draws on memory the guest le
 while (on this VM's free page reporting, pages the host may have taken back) against pages
 freed lately or reclaimed from the page cache.
 
-Starts ``kvfs up --no-gc`` (``--fsync``) in a temporary directory, then runs ``--jobs`` jobs of
+Starts ``kvfs up --no-gc`` (``--fsync``; ``--gc-interval``: with its GC daemon) in a temporary directory, then runs ``--jobs`` jobs of
 ``--seconds`` each: ``put_many`` of 32 values of 1 MiB over 128 keys, two calls in flight (the
 comparison's ``write 1m b32 qd2`` cell).  ``--client both`` alternates the async client and the
 blocking ``kvfs.Client`` (called from two threads, as ``kvfs bench --client sync`` does) job by
@@ -13,6 +13,7 @@ No GC runs, so every job's bytes stay in the page cache: a run of N jobs draws o
 N x 2-3 GB of free memory, then reclaims.
 
 python bench/results/freemem_puts.py [--fsync never|batch] [--jobs 10] [--seconds 3] [--client async|sync|both]
+    [--gc-interval 1s]
 """
 
 from __future__ import annotations
@@ -129,11 +130,14 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--client", choices=("async", "sync", "both"), default="async")
     p.add_argument("--dir", default=None, help="where the cluster's data goes (default: a temp dir)")
+    p.add_argument("--gc-interval", default=None, metavar="DURATION",
+                   help="run the cluster's GC daemon this often, e.g. 1s (default: no GC)")
     ns = p.parse_args()
     with tempfile.TemporaryDirectory(dir=ns.dir) as tmp:
         log = Path(tmp, "up.log")
         with log.open("w") as out:
-            up = subprocess.Popen([sys.executable, "-m", "kvfs", "up", "--fsync", ns.fsync, "--no-gc",
+            gc = ["--no-gc"] if ns.gc_interval is None else ["--gc-interval", ns.gc_interval]
+            up = subprocess.Popen([sys.executable, "-m", "kvfs", "up", "--fsync", ns.fsync, *gc,
                                    "--data", str(Path(tmp, "data")), "--listen", "127.0.0.1:0"],
                                   stdout=out, stderr=subprocess.STDOUT)
         try:
