@@ -32,6 +32,7 @@ from kvfs.config import ClientConfig
 from kvfs.crc import crc32c_combine
 from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.layout import Extent, Layout, Replica
+from kvfs.layoutcache import Cached, Single
 from kvfs.packed import MAX_KEYS as MAX_PACKED_KEYS
 from kvfs.packed import join as join_packed
 from kvfs.packed import pack as pack_layouts
@@ -81,8 +82,10 @@ class WritePath:
                   ttl: float | None, if_absent: bool = False,
                   metas: list[bytes | None] | None = None,
                   tried: dict[bytes, Layout] | None = None,
-                  sizes: list[int] | None = None) -> list[Layout | None]:
-        """Store the values; returns their committed layouts (stamped by meta).
+                  sizes: list[int] | None = None) -> list[Cached | None]:
+        """Store the values; returns their committed layouts (stamped by meta), a value of one
+        extent with one replica as a :class:`~kvfs.layoutcache.Single` (its layout built when
+        asked: :func:`~kvfs.layoutcache.as_layouts`).
         ``metas``: each key's metadata (encoded), committed in its layout.  ``sizes``: each
         value's bytes, when the caller has them already (else counted here).
 
@@ -96,7 +99,7 @@ class WritePath:
         committed (a put retried after its COMMIT failed without an answer), and where this
         one records what it sends: a key the ``EXISTS`` finds present holding one of them
         is this put's, written (:meth:`_ours`), and is not written again."""
-        out: list[Layout | None] = [None] * len(keys)
+        out: list[Cached | None] = [None] * len(keys)
         todo: list[int] | range = range(len(keys))
         if if_absent:
             present = (await self._link.call_meta(rpc.Exists(keys=keys))).exists
@@ -105,8 +108,8 @@ class WritePath:
             if ours:  # present: maybe by the failed put's COMMIT
                 earlier: list[Layout | None] = [tried[keys[i]] for i in ours] if tried else []
                 await self._ours([keys[i] for i in ours], earlier, list(range(len(ours))))
-                for i, lay in zip(ours, earlier, strict=True):
-                    out[i] = lay
+                for i, found in zip(ours, earlier, strict=True):
+                    out[i] = found
             if not todo:
                 return out
             keys, views = [keys[i] for i in todo], [views[i] for i in todo]
@@ -119,19 +122,22 @@ class WritePath:
             if tried is not None:  # its COMMIT may have been applied: for the retry
                 tried.update(zip(keys, done.layouts(0.0, None, mine), strict=True))
             raise
-        for i, lay in zip(todo, written, strict=True):
-            out[i] = lay
+        if type(todo) is range:  # every key (not if_absent): no step per key
+            return written
+        for i, entry in zip(todo, written, strict=True):
+            out[i] = entry
         return out
 
     async def _commit(self, keys: list[bytes], done: _Written, metas: list[bytes | None] | None,
-                      ttl: float | None, if_absent: bool) -> list[Layout | None]:
+                      ttl: float | None, if_absent: bool) -> list[Cached | None]:
         """:meth:`put`'s COMMIT of the values ``done`` appended."""
         written: list[Layout | None]
-        if done.single:  # one extent per value: packed from columns, each layout built once
+        if done.single:  # one extent per value: packed from columns, no layout built here
             h = await self.commit_packed(done.packed(keys, metas), len(keys), ttl, if_absent)
+            if not h.present:
+                return done.entries(h.created, h.expires_at, metas)
             written = cast(list[Layout | None], done.layouts(h.created, h.expires_at, metas))
-            if h.present:
-                await self._ours(keys, written, h.present)
+            await self._ours(keys, written, h.present)
         else:
             tried = done.layouts(0.0, None, metas)
             written = await self.commit(keys, tried, ttl, if_absent=if_absent)
@@ -139,7 +145,7 @@ class WritePath:
                 found = [i for i, lay in enumerate(written) if lay is None]
                 written = [w if w is not None else t for w, t in zip(written, tried, strict=True)]
                 await self._ours(keys, written, found)
-        return written
+        return cast(list[Cached | None], written)
 
     async def append(self, keys: list[bytes], views: Sequence[Source], *, replicas: int,
                      ttl: float | None, first: int | None = None) -> list[Layout]:
@@ -545,6 +551,19 @@ class _Written:
     def packed(self, keys: list[bytes], metas: list[bytes | None] | None) -> bytes:
         """The COMMIT's packed layouts (:func:`kvfs.packed.pack_single`), values of one extent."""
         return pack_single(keys, self.sizes, self.crcs, *self._columns(), metas)
+
+    def entries(self, created: float, expires_at: float | None,
+                metas: list[bytes | None] | None = None) -> list[Cached | None]:
+        """What the layout cache keeps of the values (:meth:`layouts` stamped so): when each
+        is one extent with one replica, a :class:`~kvfs.layoutcache.Single` each, made by
+        ``map`` in C from the columns the COMMIT was packed from (its Layout is built only
+        when a read asks); else their layouts."""
+        if self.single:
+            nreps, server, chunk, offset = self._columns()
+            if len(server) == len(nreps):  # one replica each
+                return list(map(Single, self.sizes, self.crcs, server, chunk, offset, repeat(created),
+                                repeat(expires_at), repeat(None) if metas is None else metas))
+        return cast(list[Cached | None], self.layouts(created, expires_at, metas))
 
     def layouts(self, created: float, expires_at: float | None,
                 metas: list[bytes | None] | None = None) -> list[Layout]:
