@@ -5,7 +5,8 @@ in one APPEND (split past ``max_rpc_bytes``), the payload being the callers'
 memoryviews, never re-packed.  The COMMIT of every layout in one transaction is the
 linearisation point.  A server refusing for lack of space (``NoSpace``) makes the
 writer ask meta to make room (``MAKE_ROOM``: meta runs one GC pass) and retry once;
-the client itself never runs GC.  A server that cannot be reached mid-write is left
+the client itself never runs GC.  A server that cannot be reached mid-write (or answers
+an APPEND against the protocol, e.g. not one location per record) is left
 out for the rest of the call and the values are placed again on the live others
 (a degraded write; the link also marks it down, :meth:`kvfs.cluster.ClusterLink.mark_down`).
 """
@@ -30,7 +31,7 @@ from kvfs.buffers import Source, cut, nbytes
 from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig
 from kvfs.crc import crc32c_combine
-from kvfs.errors import KVFSError, NoSpace, Unavailable
+from kvfs.errors import KVFSError, NoSpace, RemoteProtocolError, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.layoutcache import Cached, Single
 from kvfs.packed import MAX_KEYS as MAX_PACKED_KEYS
@@ -41,6 +42,9 @@ from kvfs.placement import Placed, order_by_free, place
 from kvfs.protocol import Buffer
 
 log = logging.getLogger("kvfs.client")
+# a chunkserver that failed a write this way is left out of the call's retries: not reached,
+# or an answer that breaks the protocol (e.g. not one location per record)
+_SERVER_FAILED = (Unavailable, RemoteProtocolError)
 _LENGTH = itemgetter(1)  # a record head's length (RecordHead's field 1, or its plain tuple's)
 
 
@@ -184,7 +188,7 @@ class WritePath:
             try:
                 return await self._append(keys, views, sizes, order, replicas, ttl,
                                           stream_unit=first is not None, failed=failed)
-            except Unavailable as exc:
+            except _SERVER_FAILED as exc:
                 if attempt == 2:
                     raise
                 log.info("a write could not reach chunkservers %s (%s): placing it again on the "
@@ -330,7 +334,8 @@ class WritePath:
                       order: list[int], r: int, ttl: float | None, *, stream_unit: bool,
                       failed: set[int]) -> _Written:
         """Append every value (one APPEND per server); returns where each went.
-        Servers that could not be reached (``Unavailable``) are added to ``failed``."""
+        Servers that could not be reached (``Unavailable``) or answered against the protocol
+        (``RemoteProtocolError``: e.g. not one location per record) are added to ``failed``."""
         expires_hint = None if ttl is None else self._clock() + ttl
         wid = self.next_write_id()  # records carry it: a rebuild of meta keeps the newest write
         crc = crc32c.crc32c
@@ -425,6 +430,9 @@ class WritePath:
                                      if sid in listed else cast(list[Buffer], ps[run.start : run.stop]))
             heads = cast(list[rpc.RecordHead], recs[run.start : run.stop])  # (tuples: same bytes)
             h, _ = await self._link.call_server(sid, rpc.Append(records=heads), payload)
+            if len(h.locations) != len(heads):
+                raise RemoteProtocolError(f"chunkserver {sid} answered an APPEND of {len(heads)} "
+                                          f"records with {len(h.locations)} locations")
             return h.locations
 
         async def send(sid: int) -> None:
@@ -444,13 +452,13 @@ class WritePath:
             (sid,) = records
             try:
                 await send(sid)
-            except Unavailable:
+            except _SERVER_FAILED:
                 failed.add(sid)
                 raise
             return _Written(sizes, crcs, plans, slots, locs)
         results = await asyncio.gather(*(send(sid) for sid in records), return_exceptions=True)
         failed.update(sid for sid, res in zip(records, results, strict=True)
-                      if isinstance(res, Unavailable))
+                      if isinstance(res, _SERVER_FAILED))
         for res in results:
             if isinstance(res, BaseException):
                 raise res
