@@ -419,3 +419,14 @@ async def test_put_many_names_the_bad_key_or_value(kv: AsyncClient) -> None:
         await kv.put_many([(b"a", b"1"), (b"bad", "a str")])
     assert not kv._putting
     assert await kv.get_many([b"a"]) == [None]
+
+
+def test_norm_keys_checks_every_key() -> None:
+    longest = b"k" * MAX_KEY_BYTES
+    assert kvfs.layout.norm_keys([b"a", longest, b"bc"]) == [b"a", longest, b"bc"]
+    assert kvfs.layout.norm_keys(iter(["a", bytearray(b"b"), memoryview(b"c"), b"d"])) == [b"a", b"b", b"c", b"d"]
+    assert kvfs.layout.norm_keys([]) == []
+    for bad, what in (([b"a", b""], "empty key"), ([longest + b"k", b"a"], "longer than the limit"),
+                      ([b"a", 3], "must be bytes or str")):
+        with pytest.raises(InvalidArgument, match=what):
+            kvfs.layout.norm_keys(bad)  # type: ignore[arg-type]
