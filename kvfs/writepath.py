@@ -430,10 +430,7 @@ class WritePath:
                                      if sid in listed else cast(list[Buffer], ps[run.start : run.stop]))
             heads = cast(list[rpc.RecordHead], recs[run.start : run.stop])  # (tuples: same bytes)
             h, _ = await self._link.call_server(sid, rpc.Append(records=heads), payload)
-            if len(h.locations) != len(heads):
-                raise RemoteProtocolError(f"chunkserver {sid} answered an APPEND of {len(heads)} "
-                                          f"records with {len(h.locations)} locations")
-            return h.locations
+            return _locations(sid, h, len(heads), "records")
 
         async def send(sid: int) -> None:
             # APPENDs of at most max_rpc_bytes, all in flight at once: the server writes one
@@ -463,6 +460,15 @@ class WritePath:
             if isinstance(res, BaseException):
                 raise res
         return _Written(sizes, crcs, plans, slots, locs)
+
+
+def _locations(sid: int, answer: rpc.Appended, records: int, what: str) -> list[rpc.Location]:
+    """An APPEND's answer's locations, one per record (``RemoteProtocolError`` otherwise: which
+    record went where is not known)."""
+    if len(answer.locations) != records:
+        raise RemoteProtocolError(f"chunkserver {sid} answered an APPEND of {records} {what} with "
+                                  f"{len(answer.locations)} locations")
+    return answer.locations
 
 
 class _Queued(NamedTuple):
@@ -620,7 +626,12 @@ async def write_tombstones(link: ClusterLink, keys: list[bytes], replicas: int, 
         if isinstance(res, BaseException):
             errors.append(res)
             continue
-        for where, loc in zip(out, res[0].locations, strict=True):
+        try:
+            locations = _locations(sid, res[0], len(keys), "tombstones")
+        except RemoteProtocolError as bad:  # that server's tombstones unknown: as if refused
+            errors.append(bad)
+            continue
+        for where, loc in zip(out, locations, strict=True):
             where.append(Replica(sid, *loc))
     for exc in errors:
         if not isinstance(exc, KVFSError) or not out[0]:

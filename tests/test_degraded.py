@@ -186,3 +186,27 @@ async def test_an_append_answered_with_too_few_locations_fails_that_server_alone
         await kv.put_many({b"short/none": b"x" * 100})
     link.call_server = real  # type: ignore[method-assign]
     assert await kv.get_many([b"short/none"]) == [None]
+
+
+async def test_a_delete_whose_tombstones_are_answered_with_too_few_locations_deletes_nothing(
+        kv: AsyncClient) -> None:
+    """A tombstone APPEND answered with fewer locations than keys (fault injection) is a kvfs
+    error of that server, like one refused: no server took the tombstones, so the delete
+    fails and the key stays (not a ValueError half-way through the answer)."""
+    await kv.put_many({b"tomb/a": b"1" * 100, b"tomb/b": b"2" * 100})
+    link = kv.writer._link
+    real = link.call_server
+
+    async def short(sid: int, request: Any, payload: Sequence[Any] = (), **kw: Any) -> Any:
+        h, data = await real(sid, request, payload, **kw)
+        if isinstance(request, rpc.Append):
+            return rpc.Appended(locations=h.locations[:-1]), data
+        return h, data
+
+    link.call_server = short  # type: ignore[method-assign]
+    with pytest.raises(KVFSError, match="locations"):
+        await kv.delete_many([b"tomb/a", b"tomb/b"])
+    link.call_server = real  # type: ignore[method-assign]
+    kv.layout_cache.clear()
+    assert await kv.get_many([b"tomb/a", b"tomb/b"]) == [b"1" * 100, b"2" * 100]
+    assert await kv.delete_many([b"tomb/a", b"tomb/b"]) == 2
