@@ -168,6 +168,11 @@ def _unlink_chunks(paths: Sequence[Path]) -> list[int | None]:
     return out
 
 
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def _write_at(fd: int, bufs: list[bytes | memoryview], offset: int, reserve: int,
               writeback: int = 0) -> None:
     """An append's job in an IO thread: ``reserve`` bytes of blocks reserved for the file
@@ -622,10 +627,30 @@ class ChunkStore:
         return fd
 
     def _close_idle(self) -> None:
+        """Close the files pushed out of the LRU or deleted once no read or append runs,
+        in an IO thread (:meth:`_free_later`): a deleted chunk's fd held by a read past
+        the unlink is the file's last reference, and its close frees the blocks."""
         if self._close_later and not self._reads_in_flight and not self._lock.locked():
-            for fd in self._close_later:
-                os.close(fd)
-            self._close_later.clear()
+            fds, self._close_later = self._close_later, []
+            self._free_later(_close_fds, fds)
+
+    def _free_later(self, fn: Callable[..., object], *args: Any) -> None:
+        """``fn(*args)``, closing a file or a mapping that may be a deleted chunk's last,
+        in an IO thread, not waited for: the last close frees the chunk's blocks, which
+        waits for the disk as the unlink does (:meth:`delete_chunks`), and in the event
+        loop would stall the server.  Right here where the pool takes no more jobs (the
+        store closing) or no event loop runs; a close waits for the pool's jobs."""
+        try:
+            fut = self.pool.run(fn, *args)
+        except RuntimeError:
+            fn(*args)
+            return
+        fut.add_done_callback(self._freed)
+
+    def _freed(self, fut: asyncio.Future[object]) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:
+            log.warning("chunk store %s: closing a chunk file failed: %s", self.dir, exc)
 
     # capacity --------------------------------------------------------------
     @property
