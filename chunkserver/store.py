@@ -460,7 +460,7 @@ class ChunkStore:
         self.free_check_s = free_check_s
         self._disk: tuple[float, int, int, int] = (-1e18, 0, 0, 0)  # statvfs: (when, total, free, grown_bytes then)
         self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
-        self.maps = ChunkMaps(max_mapped_files)  # small cached reads answered from these
+        self.maps = ChunkMaps(max_mapped_files, self._free_later)  # small cached reads answered from these
         self._open: int | None = None
         self._lock = asyncio.Lock()
         self._writes: set[asyncio.Task[None]] = set()  # appends' writes, kept to the end if their callers go
