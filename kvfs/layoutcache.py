@@ -41,6 +41,9 @@ TOUCH_BATCH_KEYS = 4096
 # A layout of one extent with one replica, as a read takes it: (server id, its READV range
 # (chunk id, offset, length), CRC-32C, expires_at (inf: never), size, the layout)
 Flat = tuple[int, tuple[int, int, int], int, float, int, Layout]
+FLAT_SERVER = itemgetter(0)
+FLAT_RANGE = itemgetter(1)
+FLAT_CRC = itemgetter(2)
 FLAT_EXPIRES = itemgetter(3)
 FLAT_SIZE = itemgetter(4)
 FLAT_LAYOUT = itemgetter(5)
