@@ -427,6 +427,44 @@ async def test_large_values_are_written_in_pieces_of_at_most_write_piece_bytes(
     assert not stale and [bytes(v) for v in views] == values  # type: ignore[arg-type]
 
 
+async def test_small_appends_are_written_by_the_loop_and_a_stall_sends_them_to_the_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``inline_write_bytes``, an append that fits is written by the event loop (no IO
+    thread: a job given to one here would fail), but not a new chunk's first (its blocks are
+    reserved in a thread) nor a larger one.  A write that holds the loop past
+    ``inline_stall_s`` sends the appends to the IO threads for INLINE_BACKOFF_S."""
+    st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK, inline_write_bytes=8192)
+    st.server_id = 1
+    jobs: list[str] = []
+    real_run = st.pool.run
+
+    def counted(fn, *args):  # type: ignore[no-untyped-def]
+        jobs.append(fn.__name__)
+        return real_run(fn, *args)
+
+    monkeypatch.setattr(st.pool, "run", counted)
+    try:
+        cid, _ = await put(st, b"k1", value_of(b"k1"))  # a new chunk: reserved and written in a thread
+        assert "_write_at" in jobs and st.inline_writes == 0
+        jobs.clear()
+        got = [await put(st, k, value_of(k)) for k in (b"k2", b"k3")]
+        assert "_write_at" not in jobs and st.inline_writes == 2  # (the group syncs: threads)
+        await put(st, b"k4", value_of(b"k4", 9000))  # over inline_write_bytes
+        assert jobs.count("_write_at") == 1 and st.inline_writes == 2
+        for (c, off), k in zip(got, (b"k2", b"k3"), strict=True):
+            assert c == cid and await read(st, c, off, 3000) == value_of(k)
+        st.inline_stall_s = 0.0  # every write now "held the loop"
+        jobs.clear()
+        await put(st, b"k5", value_of(b"k5"))
+        assert st.inline_writes == 3 and st.inline_stalls == 1 and "_write_at" not in jobs
+        c6, off6 = await put(st, b"k6", value_of(b"k6"))  # backed off: an IO thread writes it
+        assert st.inline_writes == 3 and jobs.count("_write_at") == 1
+        assert await read(st, c6, off6, 3000) == value_of(b"k6")
+        assert [r.key for r in await st.scan(cid)] == [b"k1", b"k2", b"k3", b"k4", b"k5", b"k6"]
+    finally:
+        await st.close()
+
+
 async def test_an_append_cancelled_mid_write_finishes_before_the_next_append_writes(
         store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
     """An append whose caller is cancelled (shutdown, a dropped connection) while its pwritev
@@ -607,10 +645,13 @@ async def test_append_writes_each_records_fields(store: ChunkStore) -> None:
     assert fields[1] == fields[2] != fields[3] == (7, 99, 5, 2, True)
 
 
+@pytest.mark.parametrize("inline", [0, 1 << 20], ids=["io-thread", "inline"])
 async def test_an_append_that_runs_out_of_space_mid_write_is_cut_back(
-        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENOSPC partway through an append: NoSpace naming the server and the size, the chunk
-    file cut back to where the append began, and the size wanted kept for MAKE_ROOM."""
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch, inline: int) -> None:
+    """ENOSPC partway through an append (written in an IO thread, or by the loop itself):
+    NoSpace naming the server and the size, the chunk file cut back to where the append
+    began, and the size wanted kept for MAKE_ROOM."""
+    store.inline_write_bytes = inline
     cid, _ = await put(store, b"k1", value_of(b"k1"))
     size = store.sizes[cid]
     real = os.pwritev
