@@ -168,6 +168,11 @@ def _unlink_chunks(paths: Sequence[Path]) -> list[int | None]:
     return out
 
 
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def _write_at(fd: int, bufs: list[bytes | memoryview], offset: int, reserve: int,
               writeback: int = 0) -> None:
     """An append's job in an IO thread: ``reserve`` bytes of blocks reserved for the file
@@ -471,7 +476,7 @@ class ChunkStore:
         self.inline_stalls = 0  # inline writes that held the loop past inline_stall_s
         self._disk: tuple[float, int, int, int] = (-1e18, 0, 0, 0)  # statvfs: (when, total, free, grown_bytes then)
         self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
-        self.maps = ChunkMaps(max_mapped_files)  # small cached reads answered from these
+        self.maps = ChunkMaps(max_mapped_files, self._free_later)  # small cached reads answered from these
         self._open: int | None = None
         self._lock = asyncio.Lock()
         self._writes: set[asyncio.Task[None]] = set()  # appends' writes, kept to the end if their callers go
@@ -638,10 +643,30 @@ class ChunkStore:
         return fd
 
     def _close_idle(self) -> None:
+        """Close the files pushed out of the LRU or deleted once no read or append runs,
+        in an IO thread (:meth:`_free_later`): a deleted chunk's fd held by a read past
+        the unlink is the file's last reference, and its close frees the blocks."""
         if self._close_later and not self._reads_in_flight and not self._lock.locked():
-            for fd in self._close_later:
-                os.close(fd)
-            self._close_later.clear()
+            fds, self._close_later = self._close_later, []
+            self._free_later(_close_fds, fds)
+
+    def _free_later(self, fn: Callable[..., object], *args: Any) -> None:
+        """``fn(*args)``, closing a file or a mapping that may be a deleted chunk's last,
+        in an IO thread, not waited for: the last close frees the chunk's blocks, which
+        waits for the disk as the unlink does (:meth:`delete_chunks`), and in the event
+        loop would stall the server.  Right here where the pool takes no more jobs (the
+        store closing) or no event loop runs; a close waits for the pool's jobs."""
+        try:
+            fut = self.pool.run(fn, *args)
+        except RuntimeError:
+            fn(*args)
+            return
+        fut.add_done_callback(self._freed)
+
+    def _freed(self, fut: asyncio.Future[object]) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:
+            log.warning("chunk store %s: closing a chunk file failed: %s", self.dir, exc)
 
     # capacity --------------------------------------------------------------
     @property

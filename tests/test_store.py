@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from crc32c import crc32c
+from poll import until
 
 from kvfs.chunkserver import store as store_mod
 from kvfs.chunkserver.records import scan_records
@@ -176,7 +177,8 @@ async def test_delete_chunks_skips_the_open_chunk_and_unknown_ids(store: ChunkSt
     deleted = await store.delete_chunks([o, a, gone, make_chunk_id(1, 999)])
     assert deleted == {a: a_size, gone: gone_size}
     assert not store.chunk_path(a).exists()
-    assert not any(str(store.chunk_path(a)) in p for p in open_paths())  # its blocks are freed
+    await until(lambda: not any(str(store.chunk_path(a)) in p for p in open_paths()),
+                "a's fd to be closed (in an IO thread)")  # its blocks are freed
     assert await read(store, o, o_off, 3000) == value_of(b"o")  # the open chunk stays
     views, stale = await store.readv([(a, a_offs[b"a"], 3000)])
     assert views == [None] and isinstance(stale[0], StaleLayout)
@@ -206,6 +208,46 @@ async def test_a_chunk_being_deleted_never_holds_the_event_loop(
     monkeypatch.undo()
     assert not store.chunk_path(a).exists() and a not in store.sizes
     assert await read(store, o, off, 3000) == value_of(b"o")
+
+
+async def test_a_deleted_chunks_last_fd_is_closed_in_an_io_thread(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read running when its chunk is deleted keeps the chunk's fd open past the unlink;
+    the close after the read is then the file's last, which frees its blocks and can wait
+    for the disk as the unlink does (test above): it runs in an IO thread, never in the
+    event loop."""
+    a, offs = await sealed(store, b"a")
+    assert await read(store, a, offs[b"a"], 3000) == value_of(b"a")  # a's fd is open now
+    fd = store._fds[a]
+    store.nowait = False  # the next read goes to the pool, where it is held
+    started, gate = threading.Event(), threading.Event()
+    real_read, real_close = store_mod._read_scatter, os.close
+
+    def held(*args: object, **kwargs: object) -> list[bool]:
+        started.set()
+        if not gate.wait(10):
+            raise OSError("the held read was never let go")
+        return real_read(*args, **kwargs)  # type: ignore[arg-type]
+
+    closed_in: list[threading.Thread] = []
+
+    def close(n: int) -> None:
+        if n == fd and not closed_in:
+            closed_in.append(threading.current_thread())
+        real_close(n)
+
+    monkeypatch.setattr(store_mod, "_read_scatter", held)
+    monkeypatch.setattr(os, "close", close)
+    reading = asyncio.ensure_future(read(store, a, offs[b"a"], 3000))
+    await until(started.is_set, "the read to start in the pool")
+    assert list(await store.delete_chunks([a])) == [a]
+    assert not store.chunk_path(a).exists() and not closed_in  # the read's fd is open still
+    gate.set()
+    assert await reading == value_of(b"a")
+    await until(lambda: bool(closed_in), "the deleted chunk's fd to be closed")
+    monkeypatch.undo()
+    assert closed_in[0] is not threading.current_thread(), "closed in the event loop"
+    assert not any(str(store.chunk_path(a)) in p for p in open_paths())  # its blocks are freed
 
 
 # usage -------------------------------------------------------------------------------------
@@ -795,7 +837,9 @@ async def test_files_pushed_out_of_the_lru_are_closed_once_reads_end(tmp_path: P
         for cid, offs in chunks:
             ((key, off),) = offs.items()
             assert await read(st, cid, off, 3000) == value_of(key)
-        open_chunks = [p for p in open_paths() if p.startswith(str(st.dir))]
-        assert len(open_chunks) == 2, open_chunks
+        def open_chunks() -> list[str]:
+            return [p for p in open_paths() if p.startswith(str(st.dir))]
+
+        await until(lambda: len(open_chunks()) == 2, "2 chunk files open (closed in an IO thread)")
     finally:
         await st.close()
