@@ -56,6 +56,8 @@ APIS: Final = ("get_many", "get_into", "exists_many", "match_prefix")
 LOOKUP_APIS: Final = ("exists_many", "match_prefix")
 RWS: Final = ("read", "randread", "write", "randwrite", "randrw")
 PROGRESS_INTERVAL_S: Final = 0.5
+# the prefill's calls carry at most this many bytes (or one batch): see _prefill
+PREFILL_CALL_BYTES: Final = 512 * 1024
 
 
 class BenchError(Exception):
@@ -302,8 +304,15 @@ async def _run_all(worker: Callable[[], Coroutine[Any, Any, None]], n: int) -> N
 async def _prefill(
     store: Store, keys: Sequence[bytes], filler: bytes, wl: Workload, progress: _Progress | None
 ) -> float:
-    """Write every key once, ``iodepth`` calls in flight, at most ``prefill_timeout_s``."""
-    per_call = max(wl.batch, min(4096, (4 << 20) // wl.bs))
+    """Write every key once, ``iodepth`` calls in flight, at most ``prefill_timeout_s``.
+
+    Calls of at most ``PREFILL_CALL_BYTES`` (or one batch): kvfs keeps a put_many's small
+    values on one server (``put_group_bytes``), a server drawn per call, so a few large
+    calls leave the keys unevenly spread, and differently for each job of one run (e.g. the
+    get_many and get_into jobs compared): 8192 x 4 KiB in 4 MiB calls put 38-62 % of the
+    keys on the busiest of three chunkservers (12 trials), in 512 KiB calls 34-45 %
+    (bench/RESULTS.md, "get_into / get_many at 4 KiB")."""
+    per_call = max(wl.batch, min(4096, PREFILL_CALL_BYTES // wl.bs))
     starts = list(range(0, len(keys), per_call))
     cursor = iter(starts)
     written = 0

@@ -37,7 +37,7 @@ from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
 from kvfs.layout import MAX_META_BYTES, MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
-from kvfs.layoutcache import FLAT_LAYOUT, FLAT_SIZE, Flat, LayoutCache
+from kvfs.layoutcache import FLAT_LAYOUT, FLAT_SIZE, Cached, Flat, LayoutCache, as_layouts
 from kvfs.readpath import WHOLE, Dest, ReadPath
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.tls import client_context
@@ -154,7 +154,7 @@ class AsyncClient:
         self._into_batcher: Batcher[_IntoCall, list[int]] = Batcher(
             self._get_into_calls, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
             window_s=cfg.batch_window_s, cancel_waits=True)  # a batch writes the callers' buffers
-        self._put_batcher: Batcher[_PutCall, list[Layout | None] | KVFSError] = Batcher(
+        self._put_batcher: Batcher[_PutCall, list[Cached | None] | KVFSError] = Batcher(
             self._put_calls, max_items=cfg.batch_max_keys, max_bytes=cfg.batch_max_bytes,
             window_s=cfg.batch_window_s, cancel_waits=True)  # a batch reads the callers' buffers
         # key -> the last put_many call writing it, still running: a later call of the same
@@ -291,8 +291,8 @@ class AsyncClient:
         Values are read from the caller's buffers, not copied; once a cancellation of this
         call has returned they are not read again (queued: stored nothing; sent: its batch
         has ended, and may have stored them)."""
-        return [lay is not None for lay in await self.put_layouts(
-            items, ttl=ttl, replicas=replicas, if_absent=if_absent, meta=meta)]
+        # (no layout built: the cache keeps what the put had, built when a read asks)
+        return [e is not None for e in await self._put_many(items, ttl, replicas, if_absent, meta)]
 
     async def put_layouts(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
                           ttl: float | None = None, replicas: int | None = None,
@@ -302,6 +302,13 @@ class AsyncClient:
         """:meth:`put_many`, returning per item the layout meta committed it with (what a
         LOOKUP of the key answers until it changes), None where ``if_absent`` kept the key's
         value."""
+        return as_layouts(await self._put_many(items, ttl, replicas, if_absent, meta))
+
+    async def _put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]],
+                        ttl: float | None, replicas: int | None, if_absent: bool,
+                        meta: Sequence[Mapping[str, Any] | None] | None) -> list[Cached | None]:
+        """:meth:`put_many`'s work: what the layout cache now holds of each key written
+        (:class:`~kvfs.layoutcache.Single` or Layout), None where ``if_absent`` kept it."""
         # (a list, the common case, without the ABC's isinstance: a few us a call)
         pairs = list(items) if type(items) is list or not isinstance(items, Mapping) \
             else list(items.items())
@@ -355,14 +362,14 @@ class AsyncClient:
         return layouts
 
     async def _put(self, call: _PutCall, tried: dict[bytes, Layout] | None = None,
-                   ) -> list[Layout | None]:
+                   ) -> list[Cached | None]:
         layouts = await self.writer.put(call.keys, call.views, replicas=call.replicas, ttl=call.ttl,
                                         if_absent=call.if_absent, metas=call.metas, tried=tried,
                                         sizes=call.sizes)
         self.layout_cache.put_many(call.keys, layouts)
         return layouts
 
-    async def _put_calls(self, calls: list[_PutCall]) -> list[list[Layout | None] | KVFSError]:
+    async def _put_calls(self, calls: list[_PutCall]) -> list[list[Cached | None] | KVFSError]:
         """Concurrent put_many calls as few writes as can be: consecutive calls with the same
         options and no key in common are one put (one APPEND per server, one COMMIT); the
         groups go one after another, in call order.  A group that fails is retried call by
@@ -380,7 +387,7 @@ class AsyncClient:
             else:
                 g.append(c)
                 seen.update(c.keys)
-        out: list[list[Layout | None] | KVFSError] = []
+        out: list[list[Cached | None] | KVFSError] = []
         for g in groups:
             tried: dict[bytes, Layout] | None = {} if g[0].if_absent and len(g) > 1 else None
             if len(g) > 1:

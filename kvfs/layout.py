@@ -48,11 +48,18 @@ def norm_key(key: Key) -> bytes:
 def norm_keys(keys: Iterable[Key]) -> list[bytes]:
     """Every key checked; an empty list stays empty (batch calls answer it without an RPC).
     The common case, every key ``bytes`` of an allowed length, is checked in C (no Python
-    step per key); the list returned is always a new one."""
+    step per key): a pass for the types, one for the lengths (a set of them, usually of one
+    length: 128 keys 72 -> 53 ns each against min and max over the keys); the list
+    returned is always a new one."""
     ks = list(keys)
-    if ks and set(map(type, ks)) == {bytes} and min(map(len, ks)) and max(map(len, ks)) <= MAX_KEY_BYTES:
-        return cast(list[bytes], ks)
+    if ks and set(map(type, ks)) == _BYTES:
+        lengths = set(map(len, ks))
+        if min(lengths) and max(lengths) <= MAX_KEY_BYTES:
+            return cast(list[bytes], ks)
     return [norm_key(k) for k in ks]
+
+
+_BYTES = {bytes}
 
 
 U63 = Annotated[int, msgspec.Meta(ge=0, le=2**63 - 1)]

@@ -6,6 +6,12 @@ Layouts never change once committed, so a cached one stays right until it expire
 meta in one TOUCH now and then (every ``TOUCH_INTERVAL_S`` or 4096 keys), so
 eviction sees them as recently used.
 
+A put's value of one extent with one replica (the common case) is cached as a
+:class:`Single`, one small object of what the put already had (made in C, no Layout, Extent
+and Replica built and later freed per key): its :class:`Layout` is built the first time a
+read asks for it (:meth:`LayoutCache.get_many`, :meth:`LayoutCache.flat_many`) and kept in
+its place.
+
 A layout of one extent with one replica (the common case) is also kept flat, made the
 first time a read asks for it (:meth:`LayoutCache.flat_many`): what a read needs of it in
 one tuple (:data:`Flat`), so a read of many such keys finds them with no Python step per
@@ -29,10 +35,12 @@ from itertools import repeat
 from operator import itemgetter
 from typing import cast
 
+import msgspec
+
 from kvfs import rpc
 from kvfs.cluster import ClusterLink
 from kvfs.errors import KVFSError
-from kvfs.layout import Layout
+from kvfs.layout import Extent, Layout, Replica
 
 log = logging.getLogger("kvfs.client")
 TOUCH_INTERVAL_S = 5.0
@@ -41,9 +49,42 @@ TOUCH_BATCH_KEYS = 4096
 # A layout of one extent with one replica, as a read takes it: (server id, its READV range
 # (chunk id, offset, length), CRC-32C, expires_at (inf: never), size, the layout)
 Flat = tuple[int, tuple[int, int, int], int, float, int, Layout]
+FLAT_SERVER = itemgetter(0)
+FLAT_RANGE = itemgetter(1)
+FLAT_CRC = itemgetter(2)
 FLAT_EXPIRES = itemgetter(3)
 FLAT_SIZE = itemgetter(4)
 FLAT_LAYOUT = itemgetter(5)
+
+
+class Single(msgspec.Struct, frozen=True, gc=False):
+    """A written value of one extent with one replica as the cache keeps it until a read asks
+    for its :class:`Layout` (:meth:`layout`): a put makes one per key by ``map`` in C from
+    the columns it has (bench/RESULTS.md, "layouts built only when a read asks").  Not
+    tracked by Python's cyclic GC, as a Layout is not."""
+
+    size: int
+    crc: int
+    server: int
+    chunk: int
+    offset: int
+    created: float
+    expires_at: float | None
+    meta: bytes | None
+
+    def layout(self) -> Layout:
+        return Layout(self.size, self.crc, self.created, self.expires_at,
+                      (Extent(self.size, self.crc, (Replica(self.server, self.chunk, self.offset),)),),
+                      self.meta)
+
+
+Cached = Layout | Single  # what the cache holds per key
+
+
+def as_layouts(entries: Sequence[Cached | None]) -> list[Layout | None]:
+    """Layouts of what a put wrote (:meth:`kvfs.writepath.WritePath.put`): each :class:`Single`
+    built into its Layout, the rest as they are."""
+    return [e.layout() if isinstance(e, Single) else e for e in entries]
 
 
 def flatten(lay: Layout) -> Flat | None:
@@ -65,7 +106,7 @@ class LayoutCache:
     def __init__(self, link: ClusterLink, entries: int) -> None:
         self._link = link
         self.entries = entries
-        self._layouts: OrderedDict[bytes, Layout] = OrderedDict()
+        self._layouts: OrderedDict[bytes, Cached] = OrderedDict()
         # the flat form of cached layouts a read asked for (flat_many): keys of _layouts only
         self._flat: dict[bytes, Flat] = {}
         self._flat_expires = False  # whether one was ever of a layout that expires
@@ -84,15 +125,15 @@ class LayoutCache:
     def put(self, key: bytes, layout: Layout) -> None:
         self.put_many([key], [layout])
 
-    def put_many(self, keys: Sequence[bytes], layouts: Sequence[Layout | None]) -> None:
-        """Cache the layouts of a write (None: a key it did not write), the most recently
-        used last."""
+    def put_many(self, keys: Sequence[bytes], layouts: Sequence[Cached | None]) -> None:
+        """Cache the layouts of a write (None: a key it did not write; a :class:`Single`: its
+        layout built when a read asks), the most recently used last."""
         cache = self._layouts
         move = cache.move_to_end
         flat = self._flat
         with self._lock:
             if None not in layouts:  # the common case, every key written: no Python step per key
-                cache.update(zip(keys, cast(Sequence[Layout], layouts), strict=True))
+                cache.update(zip(keys, cast(Sequence[Cached], layouts), strict=True))
                 deque(map(move, keys), maxlen=0)
                 if flat:  # a key's flat form is of the layout it replaces
                     deque(map(flat.pop, keys, repeat(None)), maxlen=0)
@@ -119,7 +160,10 @@ class LayoutCache:
         """Cached layouts (marked read) and the indexes of the keys to look up.  A cached
         layout that expired is a miss (None), not looked up: expiry is final."""
         cache = self._layouts
-        out: list[Layout | None] = [cache.get(k) for k in keys]
+        got: list[Cached | None] = [cache.get(k) for k in keys]
+        if Single in set(map(type, got)):  # (checked in C) written by a put, not yet read
+            self._build(keys, got)
+        out = cast(list[Layout | None], got)
         # one pass in C for the common case (all cached, none expired); the rest per key
         odd = [i for i, lay in enumerate(out)
                if lay is None or (lay.expires_at is not None and lay.expires_at <= now)]
@@ -136,6 +180,17 @@ class LayoutCache:
             self._touched.update(keys)
         self._flush_due()
         return out, missing
+
+    def _build(self, keys: Sequence[bytes], got: list[Cached | None]) -> None:
+        """Each :class:`Single` of ``got`` (``keys``' cache entries) built into its Layout, kept
+        in its place in the cache (the same LRU position) unless a put replaced it meanwhile."""
+        cache = self._layouts
+        with self._lock:
+            for i, e in enumerate(got):
+                if isinstance(e, Single):
+                    got[i] = lay = e.layout()
+                    if cache.get(keys[i]) is e:
+                        cache[keys[i]] = lay
 
     def flat_many(self, keys: Sequence[bytes], now: float) -> list[Flat] | None:
         """The flat forms of the cached layouts of ``keys`` (marked read, as :meth:`get_many`
@@ -164,6 +219,8 @@ class LayoutCache:
             for i, rec in enumerate(recs):
                 if rec is None:
                     lay = cache.get(keys[i])
+                    if isinstance(lay, Single):  # written by a put, not yet read: built now
+                        lay = cache[keys[i]] = lay.layout()
                     rec = None if lay is None else flatten(lay)
                     if rec is None:
                         return False

@@ -6,8 +6,8 @@ received straight into each destination (:class:`kvfs.protocol.Scatter`), or, fo
 values returned as ``bytes`` and destinations averaging under ``SCATTER_MIN_BYTES``,
 into a pooled buffer they are copied out of (after their CRC check); small
 destinations each holding a whole value of one replica (:meth:`ReadPath._groups`) are
-received in place too, by vectored receives, and checked there (when one is not good,
-read once more the pooled way, which checks before it copies).  A bad
+received in place too, by vectored receives, and checked there (when one received is not
+good, read once more the pooled way, which checks before it copies).  A bad
 CRC, a dead server or a ``StaleLayout`` (bytes gone from the named chunk) moves the
 extent to its next replica; when every replica said its bytes are gone, the key gets
 one fresh lookup and retry; a key deleted meanwhile is a miss.  A key no replica can
@@ -49,7 +49,7 @@ from kvfs.errors import (
     from_wire,
 )
 from kvfs.layout import Extent, Layout, Replica
-from kvfs.layoutcache import Flat
+from kvfs.layoutcache import FLAT_CRC, FLAT_RANGE, FLAT_SERVER, Flat
 from kvfs.protocol import FrameHead, ReceivePool, Scatter
 
 READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
@@ -105,6 +105,20 @@ class _Group:
     ranges: list[tuple[int, int, int]]
     crcs: list[int]
     total: int = 0  # bytes of the ranges
+
+
+def _one_server(flat: Sequence[Flat]) -> dict[int, _Group] | None:
+    """:meth:`ReadPath._groups`' columns, every value read, when the flat forms all name one
+    server (e.g. the values of one put_many, read back together): built in C, no Python
+    step per key; None when they name several (a sort by server and a cut per server cost
+    as much as the loop over the keys)."""
+    sid = FLAT_SERVER(flat[0])
+    if FLAT_SERVER(flat[-1]) != sid:  # (most reads of keys of several servers stop here)
+        return None
+    n = len(flat)
+    if list(map(FLAT_SERVER, flat)).count(sid) != n:
+        return None
+    return {sid: _Group(list(range(n)), list(map(FLAT_RANGE, flat)), list(map(FLAT_CRC, flat)))}
 
 
 def _jobs(slots: list[int], layouts: list[Layout | None], dests: Sequence[Dest]) -> list[_Job]:
@@ -370,30 +384,35 @@ class ReadPath:
         :meth:`_first_jobs` then).  ``flat``: the layouts' :data:`~kvfs.layoutcache.Flat`
         forms, when the caller has them (else made here)."""
         kinds = set(map(type, dests))
+        every = _NONE not in kinds
         kinds.discard(_NONE)  # values not read (misses, too small)
         if len(kinds) != 1 or not kinds <= {_Dest, memoryview}:
             return None  # none read, mixed, or a value scattered over several views
-        groups: dict[int, _Group] = {}
-        get = groups.get
-        for slot, dest in enumerate(dests):
-            lay = layouts[slot]
-            if lay is None or dest is None:
-                continue
-            if flat is not None:  # the cache's: no layout to take apart
-                sid, rng, crc, _, _, _ = flat[slot]
-            else:
-                ext = lay.extents
-                if len(ext) != 1 or len(ext[0].replicas) != 1:
-                    return None
-                e = ext[0]
-                rep = e.replicas[0]
-                sid, rng, crc = rep.server_id, (rep.chunk_id, rep.offset, e.length), e.crc
-            g = get(sid)
-            if g is None:
-                g = groups[sid] = _Group([], [], [])
-            g.slots.append(slot)
-            g.ranges.append(rng)
-            g.crcs.append(crc)
+        one = _one_server(flat) if flat is not None and every else None
+        if one is not None:
+            groups = one
+        else:
+            groups = {}
+            get = groups.get
+            for slot, dest in enumerate(dests):
+                lay = layouts[slot]
+                if lay is None or dest is None:
+                    continue
+                if flat is not None:  # the cache's: no layout to take apart
+                    sid, rng, crc, _, _, _ = flat[slot]
+                else:
+                    ext = lay.extents
+                    if len(ext) != 1 or len(ext[0].replicas) != 1:
+                        return None
+                    e = ext[0]
+                    rep = e.replicas[0]
+                    sid, rng, crc = rep.server_id, (rep.chunk_id, rep.offset, e.length), e.crc
+                g = get(sid)
+                if g is None:
+                    g = groups[sid] = _Group([], [], [])
+                g.slots.append(slot)
+                g.ranges.append(rng)
+                g.crcs.append(crc)
         whole = kinds == {_Dest}
         for g in groups.values():
             ranges = g.ranges
@@ -426,9 +445,11 @@ class ReadPath:
         here, with no job made; else the group's jobs are checked one by one
         (:meth:`_check`) and those to retry returned.  Values read into the caller's views
         are received straight into them (``in_place``: a vectored receive, no copy) and
-        checked there; when one is not good, the group is read once more the pooled way,
-        which checks before it copies (a caller's views that overlap, or the same view
-        given twice, cannot then pass for a corrupt replica)."""
+        checked there (a range the server answered with an error, e.g. its chunk compacted
+        away, goes on to its next replica or a fresh lookup); when one received is not good,
+        the group is read once more the pooled way, which checks before it copies (a
+        caller's views that overlap, or the same view given twice, cannot then pass for a
+        corrupt replica)."""
         rx: list[memoryview] = []
         in_place = in_place and dests[g.slots[0]] is not WHOLE
 
@@ -448,12 +469,21 @@ class ReadPath:
         except BaseException:
             self._rx_give(rx)
             raise
+        retry: list[_Job] = []
         if isinstance(payload, Scatter):
-            if not h.errors and list(map(crc32c.crc32c, payload.parts)) == g.crcs:
-                return []
+            errs = h.errors
+            got = list(map(crc32c.crc32c, payload.parts))  # of the ranges answered, in order
+            if not errs:
+                if got == g.crcs:
+                    return []
+            elif got == [c for i, c in enumerate(g.crcs) if i not in errs]:
+                # the rest good in place: the ranges in error (e.g. a chunk that compaction
+                # deleted) go to their next replica or a fresh lookup, with no second READV
+                self._check(sid, _jobs(g.slots, layouts, dests), keys, out, retry, h, payload,
+                            g.ranges)
+                return retry
             return await self._readv_group(sid, g, keys, layouts, dests, out, in_place=False)
         # (a small answer arrives whole, not through the sink: checked and copied out here)
-        retry: list[_Job] = []
         if (h.errors or not isinstance(payload, memoryview) or payload.nbytes != g.total
                 or not _take(payload, g, dests, out)):
             self._check(sid, _jobs(g.slots, layouts, dests), keys, out, retry, h, payload,

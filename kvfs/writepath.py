@@ -5,7 +5,8 @@ in one APPEND (split past ``max_rpc_bytes``), the payload being the callers'
 memoryviews, never re-packed.  The COMMIT of every layout in one transaction is the
 linearisation point.  A server refusing for lack of space (``NoSpace``) makes the
 writer ask meta to make room (``MAKE_ROOM``: meta runs one GC pass) and retry once;
-the client itself never runs GC.  A server that cannot be reached mid-write is left
+the client itself never runs GC.  A server that cannot be reached mid-write (or answers
+an APPEND against the protocol, e.g. not one location per record) is left
 out for the rest of the call and the values are placed again on the live others
 (a degraded write; the link also marks it down, :meth:`kvfs.cluster.ClusterLink.mark_down`).
 """
@@ -30,8 +31,9 @@ from kvfs.buffers import Source, cut, nbytes
 from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig
 from kvfs.crc import crc32c_combine
-from kvfs.errors import KVFSError, NoSpace, Unavailable
+from kvfs.errors import KVFSError, NoSpace, RemoteProtocolError, Unavailable
 from kvfs.layout import Extent, Layout, Replica
+from kvfs.layoutcache import Cached, Single
 from kvfs.packed import MAX_KEYS as MAX_PACKED_KEYS
 from kvfs.packed import join as join_packed
 from kvfs.packed import pack as pack_layouts
@@ -40,6 +42,9 @@ from kvfs.placement import Placed, order_by_free, place
 from kvfs.protocol import Buffer
 
 log = logging.getLogger("kvfs.client")
+# a chunkserver that failed a write this way is left out of the call's retries: not reached,
+# or an answer that breaks the protocol (e.g. not one location per record)
+_SERVER_FAILED = (Unavailable, RemoteProtocolError)
 _LENGTH = itemgetter(1)  # a record head's length (RecordHead's field 1, or its plain tuple's)
 
 
@@ -81,8 +86,10 @@ class WritePath:
                   ttl: float | None, if_absent: bool = False,
                   metas: list[bytes | None] | None = None,
                   tried: dict[bytes, Layout] | None = None,
-                  sizes: list[int] | None = None) -> list[Layout | None]:
-        """Store the values; returns their committed layouts (stamped by meta).
+                  sizes: list[int] | None = None) -> list[Cached | None]:
+        """Store the values; returns their committed layouts (stamped by meta), a value of one
+        extent with one replica as a :class:`~kvfs.layoutcache.Single` (its layout built when
+        asked: :func:`~kvfs.layoutcache.as_layouts`).
         ``metas``: each key's metadata (encoded), committed in its layout.  ``sizes``: each
         value's bytes, when the caller has them already (else counted here).
 
@@ -96,7 +103,7 @@ class WritePath:
         committed (a put retried after its COMMIT failed without an answer), and where this
         one records what it sends: a key the ``EXISTS`` finds present holding one of them
         is this put's, written (:meth:`_ours`), and is not written again."""
-        out: list[Layout | None] = [None] * len(keys)
+        out: list[Cached | None] = [None] * len(keys)
         todo: list[int] | range = range(len(keys))
         if if_absent:
             present = (await self._link.call_meta(rpc.Exists(keys=keys))).exists
@@ -105,8 +112,8 @@ class WritePath:
             if ours:  # present: maybe by the failed put's COMMIT
                 earlier: list[Layout | None] = [tried[keys[i]] for i in ours] if tried else []
                 await self._ours([keys[i] for i in ours], earlier, list(range(len(ours))))
-                for i, lay in zip(ours, earlier, strict=True):
-                    out[i] = lay
+                for i, found in zip(ours, earlier, strict=True):
+                    out[i] = found
             if not todo:
                 return out
             keys, views = [keys[i] for i in todo], [views[i] for i in todo]
@@ -119,19 +126,22 @@ class WritePath:
             if tried is not None:  # its COMMIT may have been applied: for the retry
                 tried.update(zip(keys, done.layouts(0.0, None, mine), strict=True))
             raise
-        for i, lay in zip(todo, written, strict=True):
-            out[i] = lay
+        if type(todo) is range:  # every key (not if_absent): no step per key
+            return written
+        for i, entry in zip(todo, written, strict=True):
+            out[i] = entry
         return out
 
     async def _commit(self, keys: list[bytes], done: _Written, metas: list[bytes | None] | None,
-                      ttl: float | None, if_absent: bool) -> list[Layout | None]:
+                      ttl: float | None, if_absent: bool) -> list[Cached | None]:
         """:meth:`put`'s COMMIT of the values ``done`` appended."""
         written: list[Layout | None]
-        if done.single:  # one extent per value: packed from columns, each layout built once
+        if done.single:  # one extent per value: packed from columns, no layout built here
             h = await self.commit_packed(done.packed(keys, metas), len(keys), ttl, if_absent)
+            if not h.present:
+                return done.entries(h.created, h.expires_at, metas)
             written = cast(list[Layout | None], done.layouts(h.created, h.expires_at, metas))
-            if h.present:
-                await self._ours(keys, written, h.present)
+            await self._ours(keys, written, h.present)
         else:
             tried = done.layouts(0.0, None, metas)
             written = await self.commit(keys, tried, ttl, if_absent=if_absent)
@@ -139,7 +149,7 @@ class WritePath:
                 found = [i for i, lay in enumerate(written) if lay is None]
                 written = [w if w is not None else t for w, t in zip(written, tried, strict=True)]
                 await self._ours(keys, written, found)
-        return written
+        return cast(list[Cached | None], written)
 
     async def append(self, keys: list[bytes], views: Sequence[Source], *, replicas: int,
                      ttl: float | None, first: int | None = None) -> list[Layout]:
@@ -178,7 +188,7 @@ class WritePath:
             try:
                 return await self._append(keys, views, sizes, order, replicas, ttl,
                                           stream_unit=first is not None, failed=failed)
-            except Unavailable as exc:
+            except _SERVER_FAILED as exc:
                 if attempt == 2:
                     raise
                 log.info("a write could not reach chunkservers %s (%s): placing it again on the "
@@ -324,7 +334,8 @@ class WritePath:
                       order: list[int], r: int, ttl: float | None, *, stream_unit: bool,
                       failed: set[int]) -> _Written:
         """Append every value (one APPEND per server); returns where each went.
-        Servers that could not be reached (``Unavailable``) are added to ``failed``."""
+        Servers that could not be reached (``Unavailable``) or answered against the protocol
+        (``RemoteProtocolError``: e.g. not one location per record) are added to ``failed``."""
         expires_hint = None if ttl is None else self._clock() + ttl
         wid = self.next_write_id()  # records carry it: a rebuild of meta keeps the newest write
         crc = crc32c.crc32c
@@ -419,7 +430,7 @@ class WritePath:
                                      if sid in listed else cast(list[Buffer], ps[run.start : run.stop]))
             heads = cast(list[rpc.RecordHead], recs[run.start : run.stop])  # (tuples: same bytes)
             h, _ = await self._link.call_server(sid, rpc.Append(records=heads), payload)
-            return h.locations
+            return _locations(sid, h, len(heads), "records")
 
         async def send(sid: int) -> None:
             # APPENDs of at most max_rpc_bytes, all in flight at once: the server writes one
@@ -438,17 +449,26 @@ class WritePath:
             (sid,) = records
             try:
                 await send(sid)
-            except Unavailable:
+            except _SERVER_FAILED:
                 failed.add(sid)
                 raise
             return _Written(sizes, crcs, plans, slots, locs)
         results = await asyncio.gather(*(send(sid) for sid in records), return_exceptions=True)
         failed.update(sid for sid, res in zip(records, results, strict=True)
-                      if isinstance(res, Unavailable))
+                      if isinstance(res, _SERVER_FAILED))
         for res in results:
             if isinstance(res, BaseException):
                 raise res
         return _Written(sizes, crcs, plans, slots, locs)
+
+
+def _locations(sid: int, answer: rpc.Appended, records: int, what: str) -> list[rpc.Location]:
+    """An APPEND's answer's locations, one per record (``RemoteProtocolError`` otherwise: which
+    record went where is not known)."""
+    if len(answer.locations) != records:
+        raise RemoteProtocolError(f"chunkserver {sid} answered an APPEND of {records} {what} with "
+                                  f"{len(answer.locations)} locations")
+    return answer.locations
 
 
 class _Queued(NamedTuple):
@@ -546,6 +566,19 @@ class _Written:
         """The COMMIT's packed layouts (:func:`kvfs.packed.pack_single`), values of one extent."""
         return pack_single(keys, self.sizes, self.crcs, *self._columns(), metas)
 
+    def entries(self, created: float, expires_at: float | None,
+                metas: list[bytes | None] | None = None) -> list[Cached | None]:
+        """What the layout cache keeps of the values (:meth:`layouts` stamped so): when each
+        is one extent with one replica, a :class:`~kvfs.layoutcache.Single` each, made by
+        ``map`` in C from the columns the COMMIT was packed from (its Layout is built only
+        when a read asks); else their layouts."""
+        if self.single:
+            nreps, server, chunk, offset = self._columns()
+            if len(server) == len(nreps):  # one replica each
+                return list(map(Single, self.sizes, self.crcs, server, chunk, offset, repeat(created),
+                                repeat(expires_at), repeat(None) if metas is None else metas))
+        return cast(list[Cached | None], self.layouts(created, expires_at, metas))
+
     def layouts(self, created: float, expires_at: float | None,
                 metas: list[bytes | None] | None = None) -> list[Layout]:
         """The values' layouts, stamped ``created``/``expires_at``, with ``metas[i]``."""
@@ -593,7 +626,12 @@ async def write_tombstones(link: ClusterLink, keys: list[bytes], replicas: int, 
         if isinstance(res, BaseException):
             errors.append(res)
             continue
-        for where, loc in zip(out, res[0].locations, strict=True):
+        try:
+            locations = _locations(sid, res[0], len(keys), "tombstones")
+        except RemoteProtocolError as bad:  # that server's tombstones unknown: as if refused
+            errors.append(bad)
+            continue
+        for where, loc in zip(out, locations, strict=True):
             where.append(Replica(sid, *loc))
     for exc in errors:
         if not isinstance(exc, KVFSError) or not out[0]:

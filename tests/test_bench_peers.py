@@ -144,8 +144,8 @@ async def test_mooncake_roundtrip_over_tcp() -> None:
 @needs_mooncake
 @pytest.mark.subprocess
 async def test_mooncake_prefill_shape_over_the_transport_queue() -> None:
-    """The bench's 4 KiB prefill: puts of 1024 keys, 4 in flight, then reads of 128 keys, 4 in
-    flight. Mooncake's TCP transport queues 1024 transfers per peer and fails the rest
+    """The bench's 4 KiB shape: puts and reads of 128 keys, 4 in flight, then puts and reads
+    of 2048 keys. Mooncake's TCP transport queues 1024 transfers per peer and fails the rest
     (TRANSFER_FAIL); the peer keeps its keys in flight within that queue."""
     import asyncio
 
@@ -157,7 +157,7 @@ async def test_mooncake_prefill_shape_over_the_transport_queue() -> None:
         pytest.skip(f"mooncake could not start here: {e.reason[:300]}")
     try:
         wl = Workload(name="mc-4k", rw="randread", bs=4096, batch=128, iodepth=4, nkeys=4096,
-                      time_based=False, runtime_s=600.0, verify=True)  # prefill: 4 calls of 1024 keys in flight
+                      time_based=False, runtime_s=600.0, verify=True)  # prefill: calls of 128 keys
         res = await run_workload(store, wl, progress=False)
         assert (res.missing, res.mismatched) == (0, 0)
         assert res.read.total_ios == 4096

@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -150,3 +152,61 @@ async def test_sigkill_during_put_many_stream_fails_no_put(tmp_path: Path) -> No
             assert [k for k, v in zip(written, got, strict=True) if v != written[k]] == []
     finally:
         await cluster.stop()
+
+
+async def test_an_append_answered_with_too_few_locations_fails_that_server_alone(
+        cluster: LocalCluster, kv: AsyncClient) -> None:
+    """A chunkserver whose APPEND answer has fewer locations than records (fault injection:
+    the answer cut short) is left out of the put like one that cannot be reached: the values
+    are placed again on the others and read back right; when every server answers so, the put
+    fails with a kvfs error naming it (not an IndexError), and nothing is visible."""
+    link = kv.writer._link
+    real = link.call_server
+    broken: set[int] = set()
+
+    async def short(sid: int, request: Any, payload: Sequence[Any] = (), **kw: Any) -> Any:
+        h, data = await real(sid, request, payload, **kw)
+        if isinstance(request, rpc.Append) and (not broken or sid in broken):
+            broken.add(sid)  # the first server asked, or every server
+            return rpc.Appended(locations=h.locations[:-1]), data
+        return h, data
+
+    link.call_server = short  # type: ignore[method-assign]
+    values = {f"short/{i}".encode(): os.urandom(2000 + i) for i in range(8)}
+    await kv.put_many(values)
+    (bad,) = broken
+    for k in values:
+        lay = await kv.layout(k)
+        assert lay is not None and lay.extents[0].replicas[0].server_id != bad
+    kv.layout_cache.clear()
+    assert await kv.get_many(list(values)) == list(values.values())
+
+    broken.update(s.server_id for s in await kv.servers())
+    with pytest.raises(KVFSError, match="locations"):
+        await kv.put_many({b"short/none": b"x" * 100})
+    link.call_server = real  # type: ignore[method-assign]
+    assert await kv.get_many([b"short/none"]) == [None]
+
+
+async def test_a_delete_whose_tombstones_are_answered_with_too_few_locations_deletes_nothing(
+        kv: AsyncClient) -> None:
+    """A tombstone APPEND answered with fewer locations than keys (fault injection) is a kvfs
+    error of that server, like one refused: no server took the tombstones, so the delete
+    fails and the key stays (not a ValueError half-way through the answer)."""
+    await kv.put_many({b"tomb/a": b"1" * 100, b"tomb/b": b"2" * 100})
+    link = kv.writer._link
+    real = link.call_server
+
+    async def short(sid: int, request: Any, payload: Sequence[Any] = (), **kw: Any) -> Any:
+        h, data = await real(sid, request, payload, **kw)
+        if isinstance(request, rpc.Append):
+            return rpc.Appended(locations=h.locations[:-1]), data
+        return h, data
+
+    link.call_server = short  # type: ignore[method-assign]
+    with pytest.raises(KVFSError, match="locations"):
+        await kv.delete_many([b"tomb/a", b"tomb/b"])
+    link.call_server = real  # type: ignore[method-assign]
+    kv.layout_cache.clear()
+    assert await kv.get_many([b"tomb/a", b"tomb/b"]) == [b"1" * 100, b"2" * 100]
+    assert await kv.delete_many([b"tomb/a", b"tomb/b"]) == 2

@@ -111,6 +111,64 @@ async def test_get_into_in_place_checks_again_before_it_calls_a_value_lost(
     assert [bytes(v) for i, v in enumerate(views) if i != 5] == values[:5] + values[6:]
 
 
+async def test_get_into_in_place_takes_a_range_error_without_reading_again(kv: AsyncClient) -> None:
+    """A READV answer received in place that carries a range's error (the key's cached
+    layout names a chunk gone from its server, as after a GC compaction) is settled from
+    that answer: the key is looked up again and read from its fresh layout, the other
+    values stay as received, and no second READV of the group is sent."""
+    import msgspec
+
+    keys = [f"st/{i}".encode() for i in range(64)]  # one put: one server; over 64 KiB: the sink
+    values = [os.urandom(4096) for _ in keys]
+    await kv.put_many(list(zip(keys, values, strict=True)))
+    assert await kv.get_many(keys) == values  # every layout cached, flat forms made
+    (lay,) = await kv.lookup([keys[5]])
+    assert lay is not None
+    e = lay.extents[0]
+    gone = msgspec.structs.replace(e.replicas[0], chunk_id=e.replicas[0].chunk_id + 1000)
+    kv.layout_cache.put(keys[5], msgspec.structs.replace(
+        lay, extents=(msgspec.structs.replace(e, replicas=(gone,)),)))
+    region = memoryview(bytearray(4096 * len(keys)))
+    views = [region[i * 4096 : (i + 1) * 4096] for i in range(len(keys))]
+    readvs, lookups = kv.rpc_counts["READV"], kv.rpc_counts["LOOKUP"]
+    assert await kv.get_into(keys, views) == [4096] * len(keys)
+    assert [bytes(v) for v in views] == values
+    assert kv.rpc_counts["LOOKUP"] - lookups == 1  # the stale key's fresh layout
+    assert kv.rpc_counts["READV"] - readvs == 2  # the group's, then the stale key's again
+    assert await kv.lookup([keys[5]]) == [lay]
+
+
+def test_the_first_rounds_columns_from_flat_forms_are_those_from_layouts() -> None:
+    """``ReadPath._groups`` from the flat forms (one server: built in C) gives the columns
+    the layouts give, per server, slots in order; a value not read leaves them to the loop."""
+    import random
+
+    from kvfs.layout import Extent, Layout, Replica
+    from kvfs.layoutcache import flatten
+    from kvfs.readpath import WHOLE, ReadPath
+
+    rp = ReadPath(None, max_rpc_bytes=1 << 20, max_ranges=1024,  # type: ignore[arg-type]
+                  relookup=None, forget=lambda key: None)  # type: ignore[arg-type]
+    rng = random.Random(7)
+    region = memoryview(bytearray(100 * 64))
+    for servers in (1, 3):
+        lays: list[Layout | None] = [
+            Layout(100, 0, 1.0, None, (Extent(100, rng.getrandbits(32),
+                                              (Replica(rng.randrange(servers), 9, i * 100),)),))
+            for i in range(64)]
+        flat = [flatten(lay) for lay in lays if lay is not None]
+        assert None not in flat
+        views = [region[i * 100 : (i + 1) * 100] for i in range(64)]
+        some = [None if i % 5 == 0 else WHOLE for i in range(64)]
+        for dests in ([WHOLE] * 64, views, some):
+            want = rp._groups(lays, dests)
+            got = rp._groups(lays, dests, flat)  # type: ignore[arg-type]
+            assert want is not None and got is not None
+            assert len(want) == servers
+            assert {sid: (g.slots, g.ranges, g.crcs, g.total) for sid, g in got.items()} == {
+                sid: (g.slots, g.ranges, g.crcs, g.total) for sid, g in want.items()}
+
+
 def test_the_flat_forms_are_bounded_by_the_cache() -> None:
     """Only cached layouts have one: evicted, popped or cleared, it goes too."""
     from kvfs.layout import Extent, Layout, Replica
