@@ -6,17 +6,27 @@ with no ``preadv`` per range and no copy through a reply buffer
 A mapping lives as long as anything holds a view of it: a chunk pushed out of the LRU, or
 deleted, while an answer made of its views is being sent stays mapped until that answer is
 gone (a chunk's records never change once written, so the bytes sent are the ones asked
-for).  The views go only to the socket's ``writev``: the kernel copies them out, and a page
-it cannot read there fails that write (EFAULT: the connection is dropped, as any failed
-send) instead of raising SIGBUS in Python, which never reads them.
+for).  A deleted chunk's mapping is then its file's last reference, and unmapping it frees
+the file's blocks, which can wait for the disk: it is unmapped by the caller's ``free``
+(the store's IO threads), not in the thread that let go of the last view (the event
+loop).  For that the views are of a ``ctypes`` array at the mapping's address, whose end
+(a weak reference's callback) says when the last view is gone; the ``mmap`` itself,
+which has no such callback, is kept until then.  The views go only to the socket's
+``writev``: the kernel copies them out, and a page it cannot read there fails that write
+(EFAULT: the connection is dropped, as any failed send) instead of raising SIGBUS in
+Python, which never reads them.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import mmap
 import os
+import weakref
 from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
 
 
 class _PyBuffer(ctypes.Structure):  # CPython's Py_buffer (part of the stable ABI since 3.11)
@@ -38,15 +48,34 @@ def _address(obj: object) -> int:
         ctypes.pythonapi.PyBuffer_Release(ctypes.byref(buf))
 
 
+@functools.lru_cache(maxsize=64)
+def _pages(nbytes: int) -> Any:
+    """A ``ctypes`` array type of at least ``nbytes`` bytes: a power of two (ctypes keeps
+    every array type it made, so one per length would grow without bound); views of it
+    are cut to the mapping's length at once."""
+    return ctypes.c_char * (1 << max(0, nbytes - 1).bit_length())
+
+
+def _unmap(m: mmap.mmap, free: list[Callable[..., object] | None]) -> None:
+    """The last view of ``m`` is gone: unmapped here, or by ``free[0]`` once dropped."""
+    if free[0] is None:
+        m.close()
+    else:
+        free[0](m.close)
+
+
 class ChunkMaps:
     """An LRU of at most ``max_maps`` read-only mappings, one per chunk file, each as long as
     its file was when it was mapped (mapped again, longer, once reads go past it: the open
     chunk grows).  Each mapping holds a copy of its file's fd (Python's ``mmap`` keeps one)
-    until it is unmapped."""
+    until it is unmapped.  ``free(fn)`` runs ``fn``, the unmap of a dropped (deleted)
+    chunk's mapping, once its last view is gone."""
 
-    def __init__(self, max_maps: int) -> None:
+    def __init__(self, max_maps: int, free: Callable[..., object] | None = None) -> None:
         self.max_maps = max(0, max_maps)
+        self.free = free
         self._maps: OrderedDict[int, tuple[memoryview, int]] = OrderedDict()  # view, address
+        self._free: dict[int, list[Callable[..., object] | None]] = {}  # _unmap's, per mapping in _maps
         self.mapped = 0  # mappings made (again, longer, included)
 
     def __len__(self) -> int:
@@ -70,16 +99,27 @@ class ChunkMaps:
             m = mmap.mmap(fd, size, access=mmap.ACCESS_READ)
         except (OSError, ValueError):
             return None
-        got = maps[chunk_id] = memoryview(m), _address(m)
+        addr = _address(m)
+        pages = _pages(size).from_address(addr)
+        free: list[Callable[..., object] | None] = [None]
+        weakref.finalize(pages, _unmap, m, free).atexit = False  # m kept until the last view goes
+        got = maps[chunk_id] = memoryview(pages).cast("B")[:size].toreadonly(), addr
+        self._free[chunk_id] = free
         maps.move_to_end(chunk_id)
         self.mapped += 1
         while len(maps) > self.max_maps:
-            maps.popitem(last=False)  # unmapped once no answer holds a view of it
+            old, _ = maps.popitem(last=False)  # unmapped once no answer holds a view of it
+            del self._free[old]
         return got
 
     def drop(self, chunk_id: int) -> None:
-        """Forget a chunk's mapping (deleted): unmapped once no answer holds a view of it."""
+        """Forget a chunk's mapping (deleted): unmapped by ``free`` once no answer holds a
+        view of it."""
+        free = self._free.pop(chunk_id, None)
+        if free is not None:
+            free[0] = self.free
         self._maps.pop(chunk_id, None)
 
     def clear(self) -> None:
         self._maps.clear()
+        self._free.clear()

@@ -41,6 +41,7 @@ class ChunkServer:
                                     io_threads=config.io_threads, fsync=config.fsync,
                                     fsync_window_s=config.fsync_window_s,
                                     writeback_start_bytes=config.writeback_start_bytes,
+                                    inline_write_bytes=config.inline_write_bytes,
                                     capacity_bytes=config.capacity_bytes,
                                     merge_gap_bytes=config.merge_gap_bytes,
                                     max_open_files=open_files - mapped,

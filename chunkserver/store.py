@@ -168,6 +168,11 @@ def _unlink_chunks(paths: Sequence[Path]) -> list[int | None]:
     return out
 
 
+def _close_fds(fds: Sequence[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
 def _write_at(fd: int, bufs: list[bytes | memoryview], offset: int, reserve: int,
               writeback: int = 0) -> None:
     """An append's job in an IO thread: ``reserve`` bytes of blocks reserved for the file
@@ -239,6 +244,16 @@ SEQ_BLOCK = 1024
 # within FREE_CHECK_S) is still ENOSPC, answered NoSpace.
 FREE_CHECK_S = 0.1
 FREE_MARGIN_CHUNKS = 2
+# An append of at most ``inline_write_bytes`` (not a new chunk's first, none that starts its
+# writeback, not under --fsync always) is written by the event loop's own pwritev, not handed
+# to an IO thread: the hop there and back cost more CPU than a small write into the page cache
+# (one chunkserver, --fsync never, CPU per APPEND of 1 record ~115 -> ~50 us, of 128 x 4 KiB
+# ~705 -> ~635: bench/RESULTS.md, "small appends written by the event loop").  ext4
+# refuses RWF_NOWAIT for buffered writes, so such a write can still wait (dirty-page
+# throttling, the journal): one that held the loop longer than INLINE_STALL_S sends the
+# appends to the IO threads again for INLINE_BACKOFF_S.
+INLINE_STALL_S = 0.005
+INLINE_BACKOFF_S = 1.0
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
 # what preadv(RWF_NOWAIT) raises where a filesystem refuses the flag (tmpfs: EOPNOTSUPP)
 _NOWAIT_REFUSED = (errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
@@ -435,7 +450,8 @@ class ChunkStore:
                  writeback_start_bytes: int = 1 << 20,
                  capacity_bytes: int | None = None, merge_gap_bytes: int = 64 * 1024,
                  max_open_files: int = 4096, max_mapped_files: int = 0, preallocate: bool = True,
-                 close_timeout_s: float = 30.0, free_check_s: float = FREE_CHECK_S) -> None:
+                 close_timeout_s: float = 30.0, free_check_s: float = FREE_CHECK_S,
+                 inline_write_bytes: int = 0, inline_stall_s: float = INLINE_STALL_S) -> None:
         self.root = root
         self.dir = private_dir(root / "chunks")
         self.max_open_files = max(max_open_files, 2)
@@ -453,9 +469,14 @@ class ChunkStore:
         self.used_bytes = 0  # the sum of sizes
         self.grown_bytes = 0  # bytes chunks grew by (and roll preallocations), ever: _check_space
         self.free_check_s = free_check_s
+        self.inline_write_bytes = 0 if self.fsync is FsyncMode.ALWAYS else inline_write_bytes
+        self.inline_stall_s = inline_stall_s
+        self._inline_after = 0.0  # monotonic: inline writes only from then on (a stall's back-off)
+        self.inline_writes = 0  # appends written by the event loop
+        self.inline_stalls = 0  # inline writes that held the loop past inline_stall_s
         self._disk: tuple[float, int, int, int] = (-1e18, 0, 0, 0)  # statvfs: (when, total, free, grown_bytes then)
         self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
-        self.maps = ChunkMaps(max_mapped_files)  # small cached reads answered from these
+        self.maps = ChunkMaps(max_mapped_files, self._free_later)  # small cached reads answered from these
         self._open: int | None = None
         self._lock = asyncio.Lock()
         self._writes: set[asyncio.Task[None]] = set()  # appends' writes, kept to the end if their callers go
@@ -622,10 +643,30 @@ class ChunkStore:
         return fd
 
     def _close_idle(self) -> None:
+        """Close the files pushed out of the LRU or deleted once no read or append runs,
+        in an IO thread (:meth:`_free_later`): a deleted chunk's fd held by a read past
+        the unlink is the file's last reference, and its close frees the blocks."""
         if self._close_later and not self._reads_in_flight and not self._lock.locked():
-            for fd in self._close_later:
-                os.close(fd)
-            self._close_later.clear()
+            fds, self._close_later = self._close_later, []
+            self._free_later(_close_fds, fds)
+
+    def _free_later(self, fn: Callable[..., object], *args: Any) -> None:
+        """``fn(*args)``, closing a file or a mapping that may be a deleted chunk's last,
+        in an IO thread, not waited for: the last close frees the chunk's blocks, which
+        waits for the disk as the unlink does (:meth:`delete_chunks`), and in the event
+        loop would stall the server.  Right here where the pool takes no more jobs (the
+        store closing) or no event loop runs; a close waits for the pool's jobs."""
+        try:
+            fut = self.pool.run(fn, *args)
+        except RuntimeError:
+            fn(*args)
+            return
+        fut.add_done_callback(self._freed)
+
+    def _freed(self, fut: asyncio.Future[object]) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:
+            log.warning("chunk store %s: closing a chunk file failed: %s", self.dir, exc)
 
     # capacity --------------------------------------------------------------
     @property
@@ -729,6 +770,7 @@ class ChunkStore:
         bufs, rel, total = append_buffers(records, payload)
         self._check_space(total)  # refuse early without waiting for the lock ...
         await self._lock.acquire()
+        inline = False  # written here: the lock is released below, whatever happens
         try:
             if self._closed:
                 raise Unavailable(f"chunkserver {self.server_id} is shutting down; append elsewhere")
@@ -740,47 +782,81 @@ class ChunkStore:
             assert cid is not None
             base = self.sizes[cid]
             fd = self._fd(cid)
+            inline = (total <= self.inline_write_bytes and not (rolled and self.preallocate)
+                      and not 0 < self.writeback_start <= total
+                      and time.monotonic() >= self._inline_after)
+            if inline:
+                try:
+                    self._write_inline(cid, fd, bufs, base, total)
+                finally:
+                    self._lock.release()
+                    self._close_idle()
         except BaseException:
-            self._lock.release()
+            if not inline:
+                self._lock.release()
             raise
-        # The write and its bookkeeping run in a task of their own that holds the lock until
-        # the chunk's size covers them: a caller cancelled mid-write (shutdown, a dropped
-        # connection) leaves no pwritev running that the next append would land on.
-        write = asyncio.get_running_loop().create_task(self._write(cid, fd, bufs, base, total, rolled))
-        self._writes.add(write)
-        write.add_done_callback(self._write_done)
-        await asyncio.shield(write)
+        if not inline:
+            # The write and its bookkeeping run in a task of their own that holds the lock
+            # until the chunk's size covers them: a caller cancelled mid-write (shutdown, a
+            # dropped connection) leaves no pwritev running that the next append would land on.
+            write = asyncio.get_running_loop().create_task(self._write(cid, fd, bufs, base, total, rolled))
+            self._writes.add(write)
+            write.add_done_callback(self._write_done)
+            await asyncio.shield(write)
         if self.fsync is FsyncMode.BATCH:  # outside the lock: later appends join this sync
             with _full_is_nospace(f"chunkserver {self.server_id} syncing an append"):
                 await self.syncer.sync(fd, new_file=rolled)
         return [(cid, base + r) for r in rel]
 
+    @contextlib.contextmanager
+    def _appending(self, fd: int, base: int, total: int) -> Iterator[None]:
+        """Around an append's write: a full disk is :class:`NoSpace`, the chunk cut back to
+        ``base`` (what the half-done write took given back) and ``total`` kept for MAKE_ROOM."""
+        try:
+            with _full_is_nospace(f"chunkserver {self.server_id} appending {total} bytes"):
+                yield
+        except NoSpace:
+            self.wanted_bytes = total
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, base)
+            raise
+
+    def _appended(self, cid: int, size: int, now: float) -> None:
+        self._set_size(cid, size)
+        self._last_append = now
+        self.wanted_bytes = 0
+
+    def _write_inline(self, cid: int, fd: int, bufs: list[bytes | memoryview], base: int,
+                      total: int) -> None:
+        """A small append written here, in the event loop (INLINE_STALL_S), under the lock."""
+        start = time.monotonic()
+        with self._appending(fd, base, total):
+            _pwritev_all(fd, bufs, base)
+        now = time.monotonic()
+        self.inline_writes += 1
+        if now - start > self.inline_stall_s:  # the kernel held the loop: threads for a while
+            self.inline_stalls += 1
+            self._inline_after = now + INLINE_BACKOFF_S
+        self._appended(cid, base + total, now)
+
     async def _write(self, cid: int, fd: int, bufs: list[bytes | memoryview], base: int, total: int,
                      rolled: bool) -> None:
         """An append's write at ``base`` (the lock held by its caller), then its size; releases the lock."""
         try:
-            try:
-                # Appends into blocks reserved up front skip the filesystem's block
-                # allocation: 16 MiB appends ran 2.5x faster here (bench/RESULTS.md).  A new
-                # chunk's are reserved in the IO thread, before its first write (in the event
-                # loop a reservation that waits for the disk stalls every connection).
-                reserve = self.chunk_bytes if rolled and self.preallocate else 0
-                with _full_is_nospace(f"chunkserver {self.server_id} appending {total} bytes"):
-                    start = 0 < self.writeback_start <= total
-                    await self.pool.run(_write_at, fd, bufs, base, reserve, total if start else 0)
-            except NoSpace:
-                self.wanted_bytes = total
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, base)  # give back what the half-done write took
-                raise
+            # Appends into blocks reserved up front skip the filesystem's block
+            # allocation: 16 MiB appends ran 2.5x faster here (bench/RESULTS.md).  A new
+            # chunk's are reserved in the IO thread, before its first write (in the event
+            # loop a reservation that waits for the disk stalls every connection).
+            reserve = self.chunk_bytes if rolled and self.preallocate else 0
+            with self._appending(fd, base, total):
+                start = 0 < self.writeback_start <= total
+                await self.pool.run(_write_at, fd, bufs, base, reserve, total if start else 0)
             if self.fsync is FsyncMode.ALWAYS:
                 with _full_is_nospace(f"chunkserver {self.server_id} syncing an append"):
                     await self.pool.run(os.fdatasync, fd)
                     if rolled:
                         await self.pool.run(fsync_dir, self.dir)
-            self._set_size(cid, base + total)
-            self._last_append = time.monotonic()
-            self.wanted_bytes = 0
+            self._appended(cid, base + total, time.monotonic())
         finally:
             self._lock.release()
             self._close_idle()

@@ -202,6 +202,12 @@ class ChunkServerConfig(ServerConfig):
                                      "its pages to the disk as soon as it is written "
                                      "(sync_file_range), so the group fdatasync that covers it "
                                      "finds them written or on their way; 0: never", 1 * MiB)
+    inline_write_bytes: int = opt("an append of at most this many bytes is written into the page "
+                                  "cache by the event loop's own pwritev, not handed to an IO "
+                                  "thread (the hop cost more CPU than the write); not a new "
+                                  "chunk's first append, none that starts its writeback, not "
+                                  "under --fsync always; a write that held the loop over 5 ms "
+                                  "sends appends to the IO threads for 1 s; 0: never", 1 * MiB)
     max_ranges: int = opt("most ranges one READV may name", 16384)
     max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
                                "file limit, which is raised to its hard limit at start)", 4096)

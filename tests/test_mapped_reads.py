@@ -6,12 +6,16 @@ the server's use of it is in tests/test_readpath.py (a chain read back through a
 
 from __future__ import annotations
 
+import asyncio
 import os
 import random
+import threading
 from pathlib import Path
 
 import pytest
 from crc32c import crc32c
+from poll import until
+from test_store import open_paths
 
 from kvfs.chunkserver import store as store_mod
 from kvfs.chunkserver.store import MAPPED_MAX_CHUNKS, ChunkStore, resident
@@ -175,5 +179,40 @@ async def test_mappings_are_bounded_and_views_outlive_their_chunk(tmp_path: Path
         # an answer being sent still holds its views: the unlinked chunk stays mapped
         assert [_read(v) for v in held] == [v for _, v in chunks]
         assert st.readv_mapped(chunks[0][0]) is None  # gone from this server
+    finally:
+        await st.close()
+
+
+def _mapped_paths() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {line.split(maxsplit=5)[-1].strip() for line in f if line.count(" ") >= 5}
+
+
+async def test_a_deleted_chunks_mapping_is_unmapped_in_an_io_thread(tmp_path: Path) -> None:
+    """The views of an answer being sent keep a deleted chunk's mapping, and with it the
+    file, past the unlink: the unmap once the last view is gone frees the file's blocks,
+    which can wait for the disk, so it runs in an IO thread, not in the event loop that let
+    go of the view.  Here the store's one IO thread is held: the file stays mapped until it
+    is let go."""
+    st = ChunkStore(tmp_path / "cs", chunk_bytes=16 * 1024, preallocate=False, max_mapped_files=8,
+                    fsync=FsyncMode.NEVER, io_threads=1)
+    st.server_id = 1
+    try:
+        r, v = await _put(st, 1, 10_000)
+        await _put(st, 1, 10_000, "next/")  # a new chunk: the first one can be deleted
+        ((c, _, _),) = r
+        path = str(st.chunk_path(c))
+        views = _mapped(st, r)
+        assert views is not None and _read(views) == v
+        assert c in await st.delete_chunks([c])
+        assert f"{path} (deleted)" in _mapped_paths()  # an answer being sent holds its views
+        gate = threading.Event()
+        held = st.pool.submit(gate.wait, 10)  # the IO thread busy
+        del views
+        assert f"{path} (deleted)" in _mapped_paths(), "unmapped in the event loop"
+        gate.set()
+        assert await asyncio.wrap_future(held)
+        await until(lambda: f"{path} (deleted)" not in _mapped_paths(), "the mapping to go")
+        assert not any(p.startswith(path) for p in open_paths())  # its blocks are freed
     finally:
         await st.close()

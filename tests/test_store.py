@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from crc32c import crc32c
+from poll import until
 
 from kvfs.chunkserver import store as store_mod
 from kvfs.chunkserver.records import scan_records
@@ -176,7 +177,8 @@ async def test_delete_chunks_skips_the_open_chunk_and_unknown_ids(store: ChunkSt
     deleted = await store.delete_chunks([o, a, gone, make_chunk_id(1, 999)])
     assert deleted == {a: a_size, gone: gone_size}
     assert not store.chunk_path(a).exists()
-    assert not any(str(store.chunk_path(a)) in p for p in open_paths())  # its blocks are freed
+    await until(lambda: not any(str(store.chunk_path(a)) in p for p in open_paths()),
+                "a's fd to be closed (in an IO thread)")  # its blocks are freed
     assert await read(store, o, o_off, 3000) == value_of(b"o")  # the open chunk stays
     views, stale = await store.readv([(a, a_offs[b"a"], 3000)])
     assert views == [None] and isinstance(stale[0], StaleLayout)
@@ -206,6 +208,46 @@ async def test_a_chunk_being_deleted_never_holds_the_event_loop(
     monkeypatch.undo()
     assert not store.chunk_path(a).exists() and a not in store.sizes
     assert await read(store, o, off, 3000) == value_of(b"o")
+
+
+async def test_a_deleted_chunks_last_fd_is_closed_in_an_io_thread(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read running when its chunk is deleted keeps the chunk's fd open past the unlink;
+    the close after the read is then the file's last, which frees its blocks and can wait
+    for the disk as the unlink does (test above): it runs in an IO thread, never in the
+    event loop."""
+    a, offs = await sealed(store, b"a")
+    assert await read(store, a, offs[b"a"], 3000) == value_of(b"a")  # a's fd is open now
+    fd = store._fds[a]
+    store.nowait = False  # the next read goes to the pool, where it is held
+    started, gate = threading.Event(), threading.Event()
+    real_read, real_close = store_mod._read_scatter, os.close
+
+    def held(*args: object, **kwargs: object) -> list[bool]:
+        started.set()
+        if not gate.wait(10):
+            raise OSError("the held read was never let go")
+        return real_read(*args, **kwargs)  # type: ignore[arg-type]
+
+    closed_in: list[threading.Thread] = []
+
+    def close(n: int) -> None:
+        if n == fd and not closed_in:
+            closed_in.append(threading.current_thread())
+        real_close(n)
+
+    monkeypatch.setattr(store_mod, "_read_scatter", held)
+    monkeypatch.setattr(os, "close", close)
+    reading = asyncio.ensure_future(read(store, a, offs[b"a"], 3000))
+    await until(started.is_set, "the read to start in the pool")
+    assert list(await store.delete_chunks([a])) == [a]
+    assert not store.chunk_path(a).exists() and not closed_in  # the read's fd is open still
+    gate.set()
+    assert await reading == value_of(b"a")
+    await until(lambda: bool(closed_in), "the deleted chunk's fd to be closed")
+    monkeypatch.undo()
+    assert closed_in[0] is not threading.current_thread(), "closed in the event loop"
+    assert not any(str(store.chunk_path(a)) in p for p in open_paths())  # its blocks are freed
 
 
 # usage -------------------------------------------------------------------------------------
@@ -383,6 +425,44 @@ async def test_large_values_are_written_in_pieces_of_at_most_write_piece_bytes(
     assert all(off + n == nxt for (off, n), (nxt, _) in itertools.pairwise(calls))
     views, stale = await store.readv([(c, off, len(v)) for (c, off), v in zip(locs, values, strict=True)])
     assert not stale and [bytes(v) for v in views] == values  # type: ignore[arg-type]
+
+
+async def test_small_appends_are_written_by_the_loop_and_a_stall_sends_them_to_the_threads(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``inline_write_bytes``, an append that fits is written by the event loop (no IO
+    thread: a job given to one here would fail), but not a new chunk's first (its blocks are
+    reserved in a thread) nor a larger one.  A write that holds the loop past
+    ``inline_stall_s`` sends the appends to the IO threads for INLINE_BACKOFF_S."""
+    st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK, inline_write_bytes=8192)
+    st.server_id = 1
+    jobs: list[str] = []
+    real_run = st.pool.run
+
+    def counted(fn, *args):  # type: ignore[no-untyped-def]
+        jobs.append(fn.__name__)
+        return real_run(fn, *args)
+
+    monkeypatch.setattr(st.pool, "run", counted)
+    try:
+        cid, _ = await put(st, b"k1", value_of(b"k1"))  # a new chunk: reserved and written in a thread
+        assert "_write_at" in jobs and st.inline_writes == 0
+        jobs.clear()
+        got = [await put(st, k, value_of(k)) for k in (b"k2", b"k3")]
+        assert "_write_at" not in jobs and st.inline_writes == 2  # (the group syncs: threads)
+        await put(st, b"k4", value_of(b"k4", 9000))  # over inline_write_bytes
+        assert jobs.count("_write_at") == 1 and st.inline_writes == 2
+        for (c, off), k in zip(got, (b"k2", b"k3"), strict=True):
+            assert c == cid and await read(st, c, off, 3000) == value_of(k)
+        st.inline_stall_s = 0.0  # every write now "held the loop"
+        jobs.clear()
+        await put(st, b"k5", value_of(b"k5"))
+        assert st.inline_writes == 3 and st.inline_stalls == 1 and "_write_at" not in jobs
+        c6, off6 = await put(st, b"k6", value_of(b"k6"))  # backed off: an IO thread writes it
+        assert st.inline_writes == 3 and jobs.count("_write_at") == 1
+        assert await read(st, c6, off6, 3000) == value_of(b"k6")
+        assert [r.key for r in await st.scan(cid)] == [b"k1", b"k2", b"k3", b"k4", b"k5", b"k6"]
+    finally:
+        await st.close()
 
 
 async def test_an_append_cancelled_mid_write_finishes_before_the_next_append_writes(
@@ -565,10 +645,13 @@ async def test_append_writes_each_records_fields(store: ChunkStore) -> None:
     assert fields[1] == fields[2] != fields[3] == (7, 99, 5, 2, True)
 
 
+@pytest.mark.parametrize("inline", [0, 1 << 20], ids=["io-thread", "inline"])
 async def test_an_append_that_runs_out_of_space_mid_write_is_cut_back(
-        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
-    """ENOSPC partway through an append: NoSpace naming the server and the size, the chunk
-    file cut back to where the append began, and the size wanted kept for MAKE_ROOM."""
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch, inline: int) -> None:
+    """ENOSPC partway through an append (written in an IO thread, or by the loop itself):
+    NoSpace naming the server and the size, the chunk file cut back to where the append
+    began, and the size wanted kept for MAKE_ROOM."""
+    store.inline_write_bytes = inline
     cid, _ = await put(store, b"k1", value_of(b"k1"))
     size = store.sizes[cid]
     real = os.pwritev
@@ -754,7 +837,9 @@ async def test_files_pushed_out_of_the_lru_are_closed_once_reads_end(tmp_path: P
         for cid, offs in chunks:
             ((key, off),) = offs.items()
             assert await read(st, cid, off, 3000) == value_of(key)
-        open_chunks = [p for p in open_paths() if p.startswith(str(st.dir))]
-        assert len(open_chunks) == 2, open_chunks
+        def open_chunks() -> list[str]:
+            return [p for p in open_paths() if p.startswith(str(st.dir))]
+
+        await until(lambda: len(open_chunks()) == 2, "2 chunk files open (closed in an IO thread)")
     finally:
         await st.close()
