@@ -161,6 +161,9 @@ class AsyncClient:
         # key waits for it, so concurrent puts of one key commit in call order (one entry per
         # key being written, so bounded by the puts in flight)
         self._putting: dict[bytes, asyncio.Future[None]] = {}
+        # the running calls some of whose keys a later call took over in _putting (their
+        # entries there are not all theirs to drop)
+        self._overtaken: set[asyncio.Future[None]] = set()
 
     def _coalesce(self, keys: int, nbytes: int) -> bool:
         """Whether a call of this many keys and bytes joins a batcher (with other calls of
@@ -346,6 +349,8 @@ class AsyncClient:
         running = set(map(putting.get, keys))  # (per key in C; per running call below)
         running.discard(None)
         earlier = {f for f in running if f is not None and f.get_loop() is loop}
+        if running:  # their keys taken over here: they must not drop them when they end
+            self._overtaken.update(f for f in running if f is not None)
         mine: asyncio.Future[None] = loop.create_future()
         putting.update(dict.fromkeys(keys, mine))
         try:
@@ -359,9 +364,12 @@ class AsyncClient:
                 layouts = await self._put(call)
         finally:
             mine.set_result(None)
-            # the keys no later call took over (still ``mine``), found and dropped in C
-            deque(map(putting.pop, compress(keys, map(is_, map(putting.get, keys), repeat(mine))),
-                      repeat(None)), maxlen=0)
+            if mine in self._overtaken:  # the keys no later call took over (still ``mine``)
+                self._overtaken.discard(mine)
+                deque(map(putting.pop, compress(keys, map(is_, map(putting.get, keys), repeat(mine))),
+                          repeat(None)), maxlen=0)
+            else:  # every key still ``mine`` (the common case): dropped in C, one pass
+                deque(map(putting.pop, keys, repeat(None)), maxlen=0)
         return layouts
 
     async def _put(self, call: _PutCall, tried: dict[bytes, Layout] | None = None,

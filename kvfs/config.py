@@ -475,6 +475,14 @@ class MountConfig:
                                 "read-only open keeps them when its LOOKUP found the value those "
                                 "pages were read from (the same layout) and no other open of the "
                                 "file here reads another (0: every open drops them)", 4096)
+    direct_first_open: bool = opt("a read-only open of a value this mount has not opened before "
+                                  "(none of the kernel's pages of it known to be kept) reads past "
+                                  "the kernel's page cache (direct_io: each answer copied straight "
+                                  "into the reader's buffer, no cached pages made, less CPU per "
+                                  "cold read); the next open of that value reads through the pages "
+                                  "and the one after keeps them, as without this (remembered for "
+                                  "--page-cache-files files); a shared mmap of such a first open "
+                                  "fails with ENODEV (a private one works)", False)
     kernel_read_ahead_bytes: int = opt("the kernel's read-ahead for the mount (its "
                                        "/sys/class/bdi/*/read_ahead_kb, set when permitted; 0 "
                                        "leaves the kernel's 128 KiB): a large file's reads reach "

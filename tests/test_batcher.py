@@ -264,6 +264,45 @@ async def test_puts_of_one_key_commit_in_call_order_even_when_the_first_is_slow(
     assert await kv.get(b"order") == b"second"
 
 
+async def test_a_put_that_waited_for_another_of_its_key_is_waited_for_in_turn(
+        kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three puts of one key: the second waits for the first, and when the first ends it
+    leaves the key to the second (its entry in the running-puts table is the second's now),
+    so the third waits for the second: the last call's value stays, and the table empties."""
+    real = kv.writer.put
+    entered: list[bytes] = []
+    gates = {b"1": asyncio.Event(), b"2": asyncio.Event(), b"3": asyncio.Event()}
+    gates[b"3"].set()
+    moved = asyncio.Event()
+
+    async def held(keys: list[bytes], views: list[Source], **kw: Any) -> Any:
+        value = b"".join(_listed(views[0]))
+        entered.append(value)
+        moved.set()
+        await gates[value].wait()  # fault injection: each put held until the test lets it go
+        return await real(keys, views, **kw)
+
+    monkeypatch.setattr(kv.writer, "put", held)
+    async with asyncio.timeout(30):
+        puts = [asyncio.ensure_future(kv.put_many({b"turn": b"1"}))]
+        await moved.wait()
+        moved.clear()
+        puts.append(asyncio.ensure_future(kv.put_many({b"turn": b"2"})))
+        gates[b"1"].set()
+        await moved.wait()  # the second put, once the first has ended
+        assert entered == [b"1", b"2"] and puts[0].done()
+        puts.append(asyncio.ensure_future(kv.put_many({b"turn": b"3"})))
+        for _ in range(50):  # loop turns (no time passes) for the third put to start, were it let
+            await asyncio.sleep(0)
+        assert entered == [b"1", b"2"]  # the third waits for the second
+        gates[b"2"].set()
+        await asyncio.gather(*puts)
+    assert entered == [b"1", b"2", b"3"]
+    assert not kv._putting and not kv._overtaken
+    kv.layout_cache.clear()
+    assert await kv.get(b"turn") == b"3"
+
+
 async def test_a_cancelled_submitter_leaves_its_batch_with_cancel_waits() -> None:
     """``cancel_waits`` (get_into: a batch writes its callers' buffers): a submitter
     cancelled while its item is queued takes it out (it is never run); one cancelled once

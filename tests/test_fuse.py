@@ -277,14 +277,26 @@ def test_lost_file_reads_as_a_miss(mnt: Path, fs: KVFileSystem, tcluster: Thread
     wait_until(lambda: not (mnt / "lost" / "doomed.bin").exists(), 10, "the kernel to drop the name")
 
 
+def _damage_first_replicas(tcluster: ThreadCluster, *keys: bytes) -> None:
+    """Fault injection: a byte of each extent's first replica of ``keys`` flipped (with one
+    replica, a read of them from the cluster fails its CRC: a miss)."""
+    from kvfs.bench.reliability import flip_byte
+
+    async def layout(key: bytes) -> Any:
+        async with tcluster.cluster.client() as kv:
+            return await kv.layout(key)
+
+    for key in keys:
+        for e in tcluster.call(layout(key)).extents:
+            flip_byte(tcluster.cluster, e.replicas[0], 1234)
+
+
 @needs_fuse
 def test_a_file_read_again_is_answered_from_the_kernels_pages(
         tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
     """A file opened again, its LOOKUP finding the value its cached pages were read from,
     keeps them: the read needs no chunkserver (its only replica, damaged after the first
     read, is not read again).  A file this mount writes is read back as written."""
-    from kvfs.bench.reliability import flip_byte
-
     m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--attr-timeout", "60s")
     try:
         page, big = os.urandom(128 * 1024), os.urandom((2 << 20) + 4321)
@@ -293,14 +305,7 @@ def test_a_file_read_again_is_answered_from_the_kernels_pages(
         for name, want in (("page.bin", page), ("big.bin", big)):
             with open(m.mnt / "pc" / name, "rb", buffering=0) as f:
                 assert f.readinto(buf) == len(want) and buf[:len(want)] == want
-
-        async def layout(key: bytes) -> Any:
-            async with tcluster.cluster.client() as kv:
-                return await kv.layout(key)
-
-        for key in (b"pc/page.bin", b"pc/big.bin"):
-            for e in tcluster.call(layout(key)).extents:
-                flip_byte(tcluster.cluster, e.replicas[0], 1234)
+        _damage_first_replicas(tcluster, b"pc/page.bin", b"pc/big.bin")
         for _ in range(2):
             for name, want in (("page.bin", page), ("big.bin", big)):
                 with open(m.mnt / "pc" / name, "rb", buffering=0) as f:
@@ -308,6 +313,43 @@ def test_a_file_read_again_is_answered_from_the_kernels_pages(
         mine = os.urandom(200_000)
         (m.mnt / "pc" / "page.bin").write_bytes(mine)  # this mount's own new value
         assert (m.mnt / "pc" / "page.bin").read_bytes() == mine == fs.cat_file("pc/page.bin")
+        assert "Traceback" not in m.stderr()
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
+def test_direct_first_open_reads_past_the_kernels_pages_then_keeps_them(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """--direct-first-open, through the kernel: a value's first open here is a direct_io one
+    (a shared mmap of it fails with ENODEV, the kernel's rule) and reads the right bytes into
+    a buffer at any alignment (READs that split stripe units); the next open reads through
+    the kernel's pages (a shared mmap of it is made), and the one after is answered from them
+    (its only replica, damaged after that read, is not read again)."""
+    import mmap
+
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--attr-timeout", "60s",
+              "--direct-first-open")
+    try:
+        page, big = os.urandom(128 * 1024), os.urandom((2 << 20) + 4321)
+        fs.pipe({"dfo/page.bin": page, "dfo/big.bin": big})
+        for name, want in (("page.bin", page), ("big.bin", big)):
+            path = m.mnt / "dfo" / name
+            with open(path, "rb", buffering=0) as f:
+                with pytest.raises(OSError) as err:
+                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                assert err.value.errno == errno.ENODEV  # direct_io
+                buf = bytearray(len(want) + 1000)
+                view = memoryview(buf)[1000 - 7:]  # not page aligned: READs split units
+                assert f.readinto(view) == len(want) and view[:len(want)] == want
+            with open(path, "rb", buffering=0) as f:
+                # through the pages: a shared mmap is allowed (not read here: a fault holds
+                # the GIL, which this process's chunkservers need to answer it)
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ).close()
+                assert f.readinto(view) == len(want) and view[:len(want)] == want
+        _damage_first_replicas(tcluster, b"dfo/page.bin", b"dfo/big.bin")
+        for name, want in (("page.bin", page), ("big.bin", big)):
+            assert (m.mnt / "dfo" / name).read_bytes() == want  # the kept pages
         assert "Traceback" not in m.stderr()
     finally:
         m.cleanup()
@@ -1488,6 +1530,55 @@ async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncC
     fh = table.open(h)
     assert await read_(fh) == b"four"
     table.close(fh)
+
+
+async def test_direct_first_open_reads_a_values_first_open_past_the_kernels_pages(
+        kv: AsyncClient) -> None:
+    """--direct-first-open: the first open here of a value (a layout) reads past the kernel's
+    pages (direct_io) and records nothing about them; the next open of that value reads
+    through them, and the one after keeps them.  A new value's first open is direct again;
+    an open beside another of a different version stays direct (as without the flag);
+    remembered for --page-cache-files files (0: every open is direct)."""
+    from kvfs.config import MountConfig
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import Handle, InodeTable
+
+    table = InodeTable()
+    fs = KVFileSystem(client=kv, asynchronous=True)
+    io = FileIO(fs, table, MountConfig(direct_first_open=True), fresh_s=60)
+    await kv.put_many({"df/a": b"one", "df/b": b"bee"})
+    a, b = table.remember("df/a"), table.remember("df/b")
+
+    async def once(ino: int, path: str, cfg: FileIO = io) -> tuple[bool, bool, bytes]:
+        """An open (after the kernel's LOOKUP) and its read: kept, direct, the bytes."""
+        await cfg.info(ino, path)
+        h = Handle(ino, writable=False)
+        keep = cfg.opened(h)
+        fh = table.open(h)
+        try:
+            return bool(keep), h.direct, bytes(await cfg.read(h, 0, 100))
+        finally:
+            table.close(fh)
+
+    assert await once(a, "df/a") == (False, True, b"one")  # first: past the pages
+    assert await once(a, "df/a") == (False, False, b"one")  # through them (dropped first)
+    assert await once(a, "df/a") == (True, False, b"one")  # kept
+    assert await once(a, "df/a") == (True, False, b"one")
+    await kv.put("df/a", b"two")  # another client's new value: its first open here is direct
+    assert await once(a, "df/a") == (False, True, b"two")
+    assert await once(a, "df/a") == (False, False, b"two")
+    assert await once(a, "df/a") == (True, False, b"two")
+    assert await once(b, "df/b") == (False, True, b"bee")
+
+    # bounded: --page-cache-files 1 remembers one file's direct open; 0: every open direct
+    one = FileIO(fs, table, MountConfig(direct_first_open=True, page_cache_files=1), fresh_s=60)
+    assert [(await once(i, p, one))[1] for i, p in ((a, "df/a"), (b, "df/b"), (a, "df/a"),
+                                                    (a, "df/a"))] == [True, True, True, False]
+    off = FileIO(fs, table, MountConfig(direct_first_open=True, page_cache_files=0), fresh_s=60)
+    assert [(await once(a, "df/a", off))[:2] for _ in range(3)] == [(False, True)] * 3
+    # without the flag the first open reads through the pages, as before
+    plain = FileIO(fs, table, MountConfig(), fresh_s=60)
+    assert (await once(b, "df/b", plain))[:2] == (False, False)
 
 
 async def _open_and_read(io: Any, ino: int, path: str) -> tuple[bool, bytes]:

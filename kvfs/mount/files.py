@@ -35,7 +35,8 @@ Memory per open file is bounded whatever the file's size:
   fails, is superseded or dropped leaves nothing, and an older version's commit landing
   leaves a newer one's record as it is.  The kernel's pages are per inode: an open while
   another open of the file here reads another version through them gets ``direct_io``
-  (``opened``).  Each read fetches the stripe units it overlaps, batched across files, and
+  (``opened``); with ``--direct-first-open`` so does the first open here of each value
+  (``_first_open``: the next open of that value reads through the pages).  Each read fetches the stripe units it overlaps, batched across files, and
   answers from them without a copy; a sequential reader gets ``read_ahead_units`` units
   fetched ahead.  An open file keeps at most ``read_ahead_units + 2`` units.
 - **Closes share commits** as reads share batches: the small files closed while
@@ -144,6 +145,10 @@ class FileIO:
         # whatever its outcome (``_behind_ended``), so bounded by --write-behind-files
         self._held_pages: dict[int, tuple[Held, float]] = {}
         self._held_ino: dict[Held, int] = {}  # the inode of each version recorded there
+        # --direct-first-open: per inode, the value (layout) its last direct_io open read, at
+        # most page_cache_files of them: a value's first open here reads past the kernel's
+        # pages, its next one through them (``opened``)
+        self._read_direct: OrderedDict[int, Layout] = OrderedDict()
 
         self.stripe = fs.client.config.stripe_bytes
         # whole-MiB units are received into buffers kept from files closed (--unit-pool):
@@ -520,6 +525,7 @@ class FileIO:
 
     def forget_layouts(self) -> None:
         self._ahead.clear()
+        self._read_direct.clear()
         self._looked_up.clear()
         self._cached.clear()
         self._held_pages.clear()
@@ -570,7 +576,10 @@ class FileIO:
         that read through the pages (not ``direct``) all read one version: an open while such
         a handle is open reads through them only if pinned now to that handle's very layout;
         otherwise it is ``direct`` (``direct_io``: each read a READ, never the pages).  The
-        common case, no other open of the file here, is never direct."""
+        common case, no other open of the file here, is never direct, unless
+        ``--direct-first-open``: then a value's first open here (pages not kept) is direct and
+        records nothing about the pages (they hold nothing of it), and its next open reads
+        through them as above."""
         ino = h.ino
         reader = self._recent(ino)
         if reader is None and not looked and self.fresh_s > 0 and ino in self._cached:
@@ -593,9 +602,25 @@ class FileIO:
         bound = self.config.page_cache_files
         seen = self._cached.get(ino)
         h.kept_cache = bound > 0 and seen is not None and seen[0] == layout
+        if not h.kept_cache and self.config.direct_first_open and self._first_open(ino, layout):
+            h.direct = True  # (the pages are not this value's: not recorded as such)
+            return False
         if bound:
             self._remember(ino, None if h.kept_cache else (layout, None))
         return h.kept_cache
+
+    def _first_open(self, ino: int, layout: Layout) -> bool:
+        """--direct-first-open: whether this is the first open of ``ino``'s value ``layout`` here
+        (its last direct open read another, or none is remembered); recorded as opened now."""
+        d = self._read_direct
+        if d.get(ino) == layout:
+            del d[ino]  # opened before: this open reads through the pages (and records that)
+            return False
+        d[ino] = layout
+        d.move_to_end(ino)
+        while len(d) > self.config.page_cache_files:
+            d.popitem(last=False)
+        return True
 
     def _shares_pages(self, h: Handle) -> bool:
         """Whether ``h`` reads through the kernel's pages of its file while another open of it
