@@ -7,9 +7,11 @@ A mapping lives as long as anything holds a view of it: a chunk pushed out of th
 deleted, while an answer made of its views is being sent stays mapped until that answer is
 gone (a chunk's records never change once written, so the bytes sent are the ones asked
 for).  A deleted chunk's mapping is then its file's last reference, and unmapping it frees
-the file's blocks, which can wait for the disk: it is unmapped by the caller's ``free``
-(the store's IO threads), not in the thread that let go of the last view (the event
-loop).  For that the views are of a ``ctypes`` array at the mapping's address, whose end
+the file's blocks, which can wait for the disk: the caller's ``unmap(chunk_id, close)``
+decides when the last view is gone (the store: a chunk no longer in its sizes is deleted,
+and its mapping is unmapped in an IO thread, not in the thread that let go of the last
+view, the event loop), whether the mapping is still in the LRU, pushed out of it or
+replaced by a longer one.  For that the views are of a ``ctypes`` array at the mapping's address, whose end
 (a weak reference's callback) says when the last view is gone; the ``mmap`` itself,
 which has no such callback, is kept until then.  The views go only to the socket's
 ``writev``: the kernel copies them out, and a page it cannot read there fails that write
@@ -56,26 +58,29 @@ def _pages(nbytes: int) -> Any:
     return ctypes.c_char * (1 << max(0, nbytes - 1).bit_length())
 
 
-def _unmap(m: mmap.mmap, free: list[Callable[..., object] | None]) -> None:
-    """The last view of ``m`` is gone: unmapped here, or by ``free[0]`` once dropped."""
-    if free[0] is None:
+def _unmap(m: mmap.mmap, chunk_id: int, maps: weakref.ref[ChunkMaps]) -> None:
+    """The last view of ``m``, ``chunk_id``'s mapping, is gone: unmapped by the owner's
+    ``unmap``, or here where there is none (or it is gone)."""
+    owner = maps()
+    if owner is None or owner.unmap is None:
         m.close()
     else:
-        free[0](m.close)
+        owner.unmap(chunk_id, m.close)
 
 
 class ChunkMaps:
     """An LRU of at most ``max_maps`` read-only mappings, one per chunk file, each as long as
     its file was when it was mapped (mapped again, longer, once reads go past it: the open
     chunk grows).  Each mapping holds a copy of its file's fd (Python's ``mmap`` keeps one)
-    until it is unmapped.  ``free(fn)`` runs ``fn``, the unmap of a dropped (deleted)
-    chunk's mapping, once its last view is gone."""
+    until it is unmapped.  Once a mapping's last view is gone, ``unmap(chunk_id, close)``
+    runs ``close`` (the unmap), at once or later in another thread (without ``unmap``:
+    at once)."""
 
-    def __init__(self, max_maps: int, free: Callable[..., object] | None = None) -> None:
+    def __init__(self, max_maps: int,
+                 unmap: Callable[[int, Callable[[], None]], object] | None = None) -> None:
         self.max_maps = max(0, max_maps)
-        self.free = free
+        self.unmap = unmap
         self._maps: OrderedDict[int, tuple[memoryview, int]] = OrderedDict()  # view, address
-        self._free: dict[int, list[Callable[..., object] | None]] = {}  # _unmap's, per mapping in _maps
         self.mapped = 0  # mappings made (again, longer, included)
 
     def __len__(self) -> int:
@@ -101,25 +106,17 @@ class ChunkMaps:
             return None
         addr = _address(m)
         pages = _pages(size).from_address(addr)
-        free: list[Callable[..., object] | None] = [None]
-        weakref.finalize(pages, _unmap, m, free).atexit = False  # m kept until the last view goes
+        weakref.finalize(pages, _unmap, m, chunk_id, weakref.ref(self)).atexit = False  # m kept until the last view goes
         got = maps[chunk_id] = memoryview(pages).cast("B")[:size].toreadonly(), addr
-        self._free[chunk_id] = free
         maps.move_to_end(chunk_id)
         self.mapped += 1
         while len(maps) > self.max_maps:
-            old, _ = maps.popitem(last=False)  # unmapped once no answer holds a view of it
-            del self._free[old]
+            maps.popitem(last=False)  # unmapped once no answer holds a view of it
         return got
 
     def drop(self, chunk_id: int) -> None:
-        """Forget a chunk's mapping (deleted): unmapped by ``free`` once no answer holds a
-        view of it."""
-        free = self._free.pop(chunk_id, None)
-        if free is not None:
-            free[0] = self.free
+        """Forget a chunk's mapping (deleted): unmapped once no answer holds a view of it."""
         self._maps.pop(chunk_id, None)
 
     def clear(self) -> None:
         self._maps.clear()
-        self._free.clear()

@@ -476,7 +476,7 @@ class ChunkStore:
         self.inline_stalls = 0  # inline writes that held the loop past inline_stall_s
         self._disk: tuple[float, int, int, int] = (-1e18, 0, 0, 0)  # statvfs: (when, total, free, grown_bytes then)
         self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
-        self.maps = ChunkMaps(max_mapped_files, self._free_later)  # small cached reads answered from these
+        self.maps = ChunkMaps(max_mapped_files, self._unmap)  # small cached reads answered from these
         self._open: int | None = None
         self._lock = asyncio.Lock()
         self._writes: set[asyncio.Task[None]] = set()  # appends' writes, kept to the end if their callers go
@@ -649,6 +649,15 @@ class ChunkStore:
         if self._close_later and not self._reads_in_flight and not self._lock.locked():
             fds, self._close_later = self._close_later, []
             self._free_later(_close_fds, fds)
+
+    def _unmap(self, cid: int, close: Callable[[], None]) -> None:
+        """A chunk mapping's last view is gone: unmapped here, or in an IO thread where the
+        chunk is deleted (out of ``sizes``: :meth:`delete_chunks`), whose last unmap frees
+        its blocks (:meth:`_free_later`)."""
+        if cid in self.sizes:
+            close()
+        else:
+            self._free_later(close)
 
     def _free_later(self, fn: Callable[..., object], *args: Any) -> None:
         """``fn(*args)``, closing a file or a mapping that may be a deleted chunk's last,
