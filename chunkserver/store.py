@@ -169,8 +169,12 @@ def _unlink_chunks(paths: Sequence[Path]) -> list[int | None]:
 
 
 def _close_fds(fds: Sequence[int]) -> None:
+    """Close each fd; one that fails is logged, the rest still closed."""
     for fd in fds:
-        os.close(fd)
+        try:
+            os.close(fd)
+        except OSError as e:
+            log.warning("closing a chunk file (fd %d) failed: %s", fd, e)
 
 
 def _write_at(fd: int, bufs: list[bytes | memoryview], offset: int, reserve: int,
@@ -496,7 +500,7 @@ class ChunkStore:
         self._reads_in_flight = 0
         self._last_append = time.monotonic()
         self.wanted_bytes = 0  # the last append refused for space: GC evicts to make it fit
-        self._close_later: list[int] = []
+        self._close_later: list[tuple[int, int]] = []  # (chunk id, fd): _close_idle
         self._scratch = bytearray(self.merge_gap + 2 * ALIGN)  # the bytes between a span's ranges
         self.nowait = bool(_NOWAIT)  # read page-cache hits inline; off where the filesystem refuses it
         self.damage: dict[int, list[Damage]] = {}  # found by recovery: runs without a valid record
@@ -618,7 +622,7 @@ class ChunkStore:
                 self._release(self._open)
             except OSError as e:
                 log.warning("chunk %016x: could not give back its reserved blocks: %s", self._open, e)
-        for fd in (*self._fds.values(), *self._close_later):
+        for fd in (*self._fds.values(), *(fd for _, fd in self._close_later)):
             os.close(fd)
         self._fds.clear()
         self.maps.clear()
@@ -638,17 +642,22 @@ class ChunkStore:
             victim = next((c for c in fds if c != self._open and c != chunk_id), None)
             if victim is None:
                 break
-            self._close_later.append(fds.pop(victim))
+            self._close_later.append((victim, fds.pop(victim)))
         self._close_idle()
         return fd
 
     def _close_idle(self) -> None:
-        """Close the files pushed out of the LRU or deleted once no read or append runs,
-        in an IO thread (:meth:`_free_later`): a deleted chunk's fd held by a read past
-        the unlink is the file's last reference, and its close frees the blocks."""
+        """Close the files pushed out of the LRU or deleted once no read or append runs:
+        here, or in an IO thread (:meth:`_free_later`) where the chunk is deleted (out of
+        ``sizes``): a deleted chunk's fd held by a read past the unlink is the file's last
+        reference, and its close frees the blocks."""
         if self._close_later and not self._reads_in_flight and not self._lock.locked():
-            fds, self._close_later = self._close_later, []
-            self._free_later(_close_fds, fds)
+            later, self._close_later = self._close_later, []
+            sizes = self.sizes
+            _close_fds([fd for cid, fd in later if cid in sizes])
+            deleted = [fd for cid, fd in later if cid not in sizes]
+            if deleted:
+                self._free_later(_close_fds, deleted)
 
     def _unmap(self, cid: int, close: Callable[[], None]) -> None:
         """A chunk mapping's last view is gone: unmapped here, or in an IO thread where the
@@ -1322,7 +1331,7 @@ class ChunkStore:
             self.maps.drop(cid)
             fd = self._fds.pop(cid, None)
             if fd is not None:
-                self._close_later.append(fd)
+                self._close_later.append((cid, fd))
                 self._close_idle()
             doomed.append((cid, size))
         if not doomed:
