@@ -455,7 +455,7 @@ class ChunkStore:
                  capacity_bytes: int | None = None, merge_gap_bytes: int = 64 * 1024,
                  max_open_files: int = 4096, max_mapped_files: int = 0, preallocate: bool = True,
                  close_timeout_s: float = 30.0, free_check_s: float = FREE_CHECK_S,
-                 inline_write_bytes: int = 0, inline_stall_s: float = INLINE_STALL_S) -> None:
+                 inline_write_bytes: int = 0) -> None:
         self.root = root
         self.dir = private_dir(root / "chunks")
         self.max_open_files = max(max_open_files, 2)
@@ -474,7 +474,9 @@ class ChunkStore:
         self.grown_bytes = 0  # bytes chunks grew by (and roll preallocations), ever: _check_space
         self.free_check_s = free_check_s
         self.inline_write_bytes = 0 if self.fsync is FsyncMode.ALWAYS else inline_write_bytes
-        self.inline_stall_s = inline_stall_s
+        if self.writeback_start:  # none that starts its writeback
+            self.inline_write_bytes = min(self.inline_write_bytes, self.writeback_start - 1)
+        self.inline_stall_s = INLINE_STALL_S
         self._inline_after = 0.0  # monotonic: inline writes only from then on (a stall's back-off)
         self.inline_writes = 0  # appends written by the event loop
         self.inline_stalls = 0  # inline writes that held the loop past inline_stall_s
@@ -801,7 +803,6 @@ class ChunkStore:
             base = self.sizes[cid]
             fd = self._fd(cid)
             inline = (total <= self.inline_write_bytes and not (rolled and self.preallocate)
-                      and not 0 < self.writeback_start <= total
                       and time.monotonic() >= self._inline_after)
             if inline:
                 try:

@@ -207,7 +207,8 @@ class ChunkServerConfig(ServerConfig):
                                   "thread (the hop cost more CPU than the write); not a new "
                                   "chunk's first append, none that starts its writeback, not "
                                   "under --fsync always; a write that held the loop over 5 ms "
-                                  "sends appends to the IO threads for 1 s; 0: never", 1 * MiB)
+                                  "(INLINE_STALL_S) sends appends to the IO threads for 1 s "
+                                  "(INLINE_BACKOFF_S); 0: never", 1 * MiB)
     max_ranges: int = opt("most ranges one READV may name", 16384)
     max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
                                "file limit, which is raised to its hard limit at start)", 4096)
