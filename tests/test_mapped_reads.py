@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from crc32c import crc32c
 from poll import until
-from test_store import open_paths
+from procfs import mapped_paths, open_paths
 
 from kvfs.chunkserver import store as store_mod
 from kvfs.chunkserver.store import MAPPED_MAX_CHUNKS, ChunkStore, resident
@@ -183,11 +183,6 @@ async def test_mappings_are_bounded_and_views_outlive_their_chunk(tmp_path: Path
         await st.close()
 
 
-def _mapped_paths() -> set[str]:
-    with open("/proc/self/maps") as f:
-        return {line.split(maxsplit=5)[-1].strip() for line in f if line.count(" ") >= 5}
-
-
 async def test_a_deleted_chunks_mapping_is_unmapped_in_an_io_thread(tmp_path: Path) -> None:
     """The views of an answer being sent keep a deleted chunk's mapping, and with it the
     file, past the unlink: the unmap once the last view is gone frees the file's blocks,
@@ -205,14 +200,14 @@ async def test_a_deleted_chunks_mapping_is_unmapped_in_an_io_thread(tmp_path: Pa
         views = _mapped(st, r)
         assert views is not None and _read(views) == v
         assert c in await st.delete_chunks([c])
-        assert f"{path} (deleted)" in _mapped_paths()  # an answer being sent holds its views
+        assert f"{path} (deleted)" in mapped_paths()  # an answer being sent holds its views
         gate = threading.Event()
         held = st.pool.submit(gate.wait, 10)  # the IO thread busy
         del views
-        assert f"{path} (deleted)" in _mapped_paths(), "unmapped in the event loop"
+        assert f"{path} (deleted)" in mapped_paths(), "unmapped in the event loop"
         gate.set()
         assert await asyncio.wrap_future(held)
-        await until(lambda: f"{path} (deleted)" not in _mapped_paths(), "the mapping to go")
+        await until(lambda: f"{path} (deleted)" not in mapped_paths(), "the mapping to go")
         assert not any(p.startswith(path) for p in open_paths())  # its blocks are freed
     finally:
         await st.close()
@@ -238,14 +233,14 @@ async def test_a_deleted_chunks_mapping_pushed_out_of_the_lru_is_unmapped_in_an_
         assert other is not None and _read(other) == v2 and len(st.maps) == 1
         del other
         assert c in await st.delete_chunks([c])
-        assert f"{path} (deleted)" in _mapped_paths()  # the answer's views hold it
+        assert f"{path} (deleted)" in mapped_paths()  # the answer's views hold it
         gate = threading.Event()
         held = st.pool.submit(gate.wait, 10)  # the IO thread busy
         del views
-        assert f"{path} (deleted)" in _mapped_paths(), "unmapped in the event loop"
+        assert f"{path} (deleted)" in mapped_paths(), "unmapped in the event loop"
         gate.set()
         assert await asyncio.wrap_future(held)
-        await until(lambda: f"{path} (deleted)" not in _mapped_paths(), "the mapping to go")
+        await until(lambda: f"{path} (deleted)" not in mapped_paths(), "the mapping to go")
         assert not any(p.startswith(path) for p in open_paths())  # its blocks are freed
     finally:
         await st.close()

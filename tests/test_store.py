@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 from crc32c import crc32c
 from poll import until
+from procfs import open_paths
 
 from kvfs.chunkserver import store as store_mod
 from kvfs.chunkserver.records import scan_records
@@ -79,17 +80,6 @@ async def read(st: ChunkStore, cid: int, off: int, length: int) -> bytes:
     view = views[0]
     assert view is not None
     return bytes(view)
-
-
-def open_paths() -> list[str]:
-    """What this process's open file descriptors point at."""
-    out = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            out.append(os.readlink(f"/proc/self/fd/{fd}"))
-        except OSError:
-            continue
-    return out
 
 
 def temp_files(st: ChunkStore) -> list[str]:
@@ -430,7 +420,7 @@ async def test_large_values_are_written_in_pieces_of_at_most_write_piece_bytes(
 async def test_small_appends_are_written_by_the_loop_and_a_stall_sends_them_to_the_threads(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``inline_write_bytes``, an append that fits is written by the event loop (no IO
-    thread: a job given to one here would fail), but not a new chunk's first (its blocks are
+    thread: a job given to one here is counted), but not a new chunk's first (its blocks are
     reserved in a thread) nor a larger one.  A write that holds the loop past
     ``inline_stall_s`` sends the appends to the IO threads for INLINE_BACKOFF_S."""
     st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK, inline_write_bytes=8192)
@@ -453,7 +443,8 @@ async def test_small_appends_are_written_by_the_loop_and_a_stall_sends_them_to_t
         assert jobs.count("_write_at") == 1 and st.inline_writes == 2
         for (c, off), k in zip(got, (b"k2", b"k3"), strict=True):
             assert c == cid and await read(st, c, off, 3000) == value_of(k)
-        st.inline_stall_s = 0.0  # every write now "held the loop"
+        monkeypatch.setattr(store_mod, "INLINE_BACKOFF_S", 3600.0)  # (not over before k6)
+        st.inline_stall_s = -1.0  # every write now "held the loop"
         jobs.clear()
         await put(st, b"k5", value_of(b"k5"))
         assert st.inline_writes == 3 and st.inline_stalls == 1 and "_write_at" not in jobs
@@ -655,8 +646,10 @@ async def test_an_append_that_runs_out_of_space_mid_write_is_cut_back(
     cid, _ = await put(store, b"k1", value_of(b"k1"))
     size = store.sizes[cid]
     real = os.pwritev
+    threads: list[threading.Thread] = []
 
     def full(fd: int, bufs: list[bytes | memoryview], offset: int) -> int:
+        threads.append(threading.current_thread())
         real(fd, [memoryview(bufs[0])[:10]], offset)  # fault injection: 10 bytes land, then ENOSPC
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
@@ -665,6 +658,7 @@ async def test_an_append_that_runs_out_of_space_mid_write_is_cut_back(
     with pytest.raises(NoSpace, match=rf"^chunkserver {store.server_id} appending \d+ bytes: the disk is full"):
         await store.append([(b"k2", len(v), crc32c(v), None)], memoryview(v))
     monkeypatch.undo()
+    assert threads and all((t is threading.main_thread()) == bool(inline) for t in threads)
     assert os.path.getsize(store.chunk_path(cid)) == size == store.sizes[cid]
     assert store.wanted_bytes > len(v)
     assert [r.key for r in await store.scan(cid)] == [b"k1"]
