@@ -248,11 +248,12 @@ SEQ_BLOCK = 1024
 # within FREE_CHECK_S) is still ENOSPC, answered NoSpace.
 FREE_CHECK_S = 0.1
 FREE_MARGIN_CHUNKS = 2
-# An append of at most ``inline_write_bytes`` (not a new chunk's first, none that starts its
-# writeback, not under --fsync always) is written by the event loop's own pwritev, not handed
-# to an IO thread: the hop there and back cost more CPU than a small write into the page cache
-# (one chunkserver, --fsync never, CPU per APPEND of 1 record ~115 -> ~50 us, of 128 x 4 KiB
-# ~705 -> ~635: bench/RESULTS.md, "small appends written by the event loop").  ext4
+# An append of at most ``inline_write_bytes`` (not a new chunk's first when preallocating,
+# none that starts its writeback, not under --fsync always) is written by the event loop's
+# own pwritev, not handed to an IO thread: the hop there and back cost more CPU than a small
+# write into the page cache (one chunkserver, --fsync never, CPU per APPEND of 1 record
+# ~115 -> ~50 us, of 128 x 4 KiB ~705 -> ~635: bench/RESULTS.md, "small appends written by
+# the event loop").  ext4
 # refuses RWF_NOWAIT for buffered writes, so such a write can still wait (dirty-page
 # throttling, the journal): one that held the loop longer than INLINE_STALL_S sends the
 # appends to the IO threads again for INLINE_BACKOFF_S.

@@ -205,10 +205,10 @@ class ChunkServerConfig(ServerConfig):
     inline_write_bytes: int = opt("an append of at most this many bytes is written into the page "
                                   "cache by the event loop's own pwritev, not handed to an IO "
                                   "thread (the hop cost more CPU than the write); not a new "
-                                  "chunk's first append, none that starts its writeback, not "
-                                  "under --fsync always; a write that held the loop over 5 ms "
-                                  "(INLINE_STALL_S) sends appends to the IO threads for 1 s "
-                                  "(INLINE_BACKOFF_S); 0: never", 1 * MiB)
+                                  "chunk's first append when preallocating, none that starts "
+                                  "its writeback, not under --fsync always; a write that held "
+                                  "the loop over 5 ms (INLINE_STALL_S) sends appends to the IO "
+                                  "threads for 1 s (INLINE_BACKOFF_S); 0: never", 1 * MiB)
     max_ranges: int = opt("most ranges one READV may name", 16384)
     max_open_chunks: int = opt("chunk files kept open (an LRU; at most half the process's "
                                "file limit, which is raised to its hard limit at start)", 4096)
