@@ -7,13 +7,13 @@ A mapping lives as long as anything holds a view of it: a chunk pushed out of th
 deleted, while an answer made of its views is being sent stays mapped until that answer is
 gone (a chunk's records never change once written, so the bytes sent are the ones asked
 for).  A deleted chunk's mapping is then its file's last reference, and unmapping it frees
-the file's blocks, which can wait for the disk: the caller's ``unmap(chunk_id, close)``
-decides when the last view is gone (the store: a chunk no longer in its sizes is deleted,
-and its mapping is unmapped in an IO thread, not in the thread that let go of the last
-view, the event loop), whether the mapping is still in the LRU, pushed out of it or
-replaced by a longer one.  For that the views are of a ``ctypes`` array at the mapping's address, whose end
-(a weak reference's callback) says when the last view is gone; the ``mmap`` itself,
-which has no such callback, is kept until then.  The views go only to the socket's
+the file's blocks, which can wait for the disk.  So once the last view is gone, the
+caller's ``unmap(chunk_id, close)`` decides where to unmap, whether the mapping is still
+in the LRU, pushed out of it or replaced by a longer one (the store: a chunk no longer in
+its sizes is deleted, and its mapping is unmapped in an IO thread, not in the event loop
+that let go of the last view).  For that the views are of a ``ctypes`` array at the
+mapping's address, whose end (a weak reference's callback) says when the last view is
+gone; the ``mmap`` itself, which has no such callback, is kept until then.  The views go only to the socket's
 ``writev``: the kernel copies them out, and a page it cannot read there fails that write
 (EFAULT: the connection is dropped, as any failed send) instead of raising SIGBUS in
 Python, which never reads them.
