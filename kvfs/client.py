@@ -363,14 +363,24 @@ class AsyncClient:
             else:
                 layouts = await self._put(call)
         finally:
-            mine.set_result(None)
-            if mine in self._overtaken:  # the keys no later call took over (still ``mine``)
-                self._overtaken.discard(mine)
-                deque(map(putting.pop, compress(keys, map(is_, map(putting.get, keys), repeat(mine))),
-                          repeat(None)), maxlen=0)
-            else:  # every key still ``mine`` (the common case): dropped in C, one pass
-                deque(map(putting.pop, keys, repeat(None)), maxlen=0)
+            waited = [f for f in earlier if not f.done()] if earlier else None
+            if waited:  # cancelled while an earlier put of its keys runs: they stay held until
+                # it ends, so a later put of them waits for it too (commits in call order)
+                asyncio.gather(*waited).add_done_callback(lambda _: self._putting_ended(keys, mine))
+            else:
+                self._putting_ended(keys, mine)
         return layouts
+
+    def _putting_ended(self, keys: list[bytes], mine: asyncio.Future[None]) -> None:
+        """A put_many call's keys let go: a later put of them waiting on ``mine`` goes on."""
+        mine.set_result(None)
+        putting = self._putting
+        if mine in self._overtaken:  # the keys no later call took over (still ``mine``)
+            self._overtaken.discard(mine)
+            deque(map(putting.pop, compress(keys, map(is_, map(putting.get, keys), repeat(mine))),
+                      repeat(None)), maxlen=0)
+        else:  # every key still ``mine`` (the common case): dropped in C, one pass
+            deque(map(putting.pop, keys, repeat(None)), maxlen=0)
 
     async def _put(self, call: _PutCall, tried: dict[bytes, Layout] | None = None,
                    ) -> list[Cached | None]:

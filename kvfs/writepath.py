@@ -42,9 +42,17 @@ from kvfs.placement import Placed, order_by_free, place
 from kvfs.protocol import Buffer
 
 log = logging.getLogger("kvfs.client")
+
+
+class _BadAnswer(RemoteProtocolError):
+    """A chunkserver's APPEND answer against the protocol (not one location per record):
+    that server's fault, unlike the protocol errors it raises about this client's request
+    (``FrameTooLarge``, ``VersionMismatch``), which reach the caller as they are."""
+
+
 # a chunkserver that failed a write this way is left out of the call's retries: not reached,
-# or an answer that breaks the protocol (e.g. not one location per record)
-_SERVER_FAILED = (Unavailable, RemoteProtocolError)
+# or an answer that breaks the protocol (:class:`_BadAnswer`)
+_SERVER_FAILED = (Unavailable, _BadAnswer)
 _LENGTH = itemgetter(1)  # a record head's length (RecordHead's field 1, or its plain tuple's)
 
 
@@ -335,7 +343,7 @@ class WritePath:
                       failed: set[int]) -> _Written:
         """Append every value (one APPEND per server); returns where each went.
         Servers that could not be reached (``Unavailable``) or answered against the protocol
-        (``RemoteProtocolError``: e.g. not one location per record) are added to ``failed``."""
+        (:class:`_BadAnswer`: not one location per record) are added to ``failed``."""
         expires_hint = None if ttl is None else self._clock() + ttl
         wid = self.next_write_id()  # records carry it: a rebuild of meta keeps the newest write
         crc = crc32c.crc32c
@@ -463,10 +471,10 @@ class WritePath:
 
 
 def _locations(sid: int, answer: rpc.Appended, records: int, what: str) -> list[rpc.Location]:
-    """An APPEND's answer's locations, one per record (``RemoteProtocolError`` otherwise: which
+    """An APPEND's answer's locations, one per record (:class:`_BadAnswer` otherwise: which
     record went where is not known)."""
     if len(answer.locations) != records:
-        raise RemoteProtocolError(f"chunkserver {sid} answered an APPEND of {records} {what} with "
+        raise _BadAnswer(f"chunkserver {sid} answered an APPEND of {records} {what} with "
                                   f"{len(answer.locations)} locations")
     return answer.locations
 
@@ -628,7 +636,7 @@ async def write_tombstones(link: ClusterLink, keys: list[bytes], replicas: int, 
             continue
         try:
             locations = _locations(sid, res[0], len(keys), "tombstones")
-        except RemoteProtocolError as bad:  # that server's tombstones unknown: as if refused
+        except _BadAnswer as bad:  # that server's tombstones unknown: as if refused
             errors.append(bad)
             continue
         for where, loc in zip(out, locations, strict=True):

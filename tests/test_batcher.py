@@ -303,6 +303,45 @@ async def test_a_put_that_waited_for_another_of_its_key_is_waited_for_in_turn(
     assert await kv.get(b"turn") == b"3"
 
 
+async def test_a_put_cancelled_while_waiting_for_another_of_its_key_keeps_the_call_order(
+        kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three puts of one key, the second cancelled while it waits for the first: the key stays
+    held until the first ends, so the third still waits for the first and its value stays
+    (not the first's, committed after it)."""
+    real = kv.writer.put
+    entered: list[bytes] = []
+    gate, moved = asyncio.Event(), asyncio.Event()
+
+    async def held(keys: list[bytes], views: list[Source], **kw: Any) -> Any:
+        value = b"".join(_listed(views[0]))
+        entered.append(value)
+        moved.set()
+        if value == b"1":
+            await gate.wait()  # fault injection: the first put held until the test lets it go
+        return await real(keys, views, **kw)
+
+    monkeypatch.setattr(kv.writer, "put", held)
+    async with asyncio.timeout(30):
+        first = asyncio.ensure_future(kv.put_many({b"cancel": b"1"}))
+        await moved.wait()
+        second = asyncio.ensure_future(kv.put_many({b"cancel": b"2"}))
+        for _ in range(50):  # loop turns (no time passes): the second waits for the first
+            await asyncio.sleep(0)
+        second.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await second
+        third = asyncio.ensure_future(kv.put_many({b"cancel": b"3"}))
+        for _ in range(50):  # loop turns for the third put to start, were it let
+            await asyncio.sleep(0)
+        assert entered == [b"1"]  # the third waits for the first
+        gate.set()
+        await asyncio.gather(first, third)
+    assert entered == [b"1", b"3"]
+    assert not kv._putting and not kv._overtaken
+    kv.layout_cache.clear()
+    assert await kv.get(b"cancel") == b"3"
+
+
 async def test_a_cancelled_submitter_leaves_its_batch_with_cancel_waits() -> None:
     """``cancel_waits`` (get_into: a batch writes its callers' buffers): a submitter
     cancelled while its item is queued takes it out (it is never run); one cancelled once

@@ -145,8 +145,8 @@ async def test_mooncake_roundtrip_over_tcp() -> None:
 @pytest.mark.subprocess
 async def test_mooncake_prefill_shape_over_the_transport_queue() -> None:
     """The bench's 4 KiB shape: puts and reads of 128 keys, 4 in flight, then puts and reads
-    of 2048 keys. Mooncake's TCP transport queues 1024 transfers per peer and fails the rest
-    (TRANSFER_FAIL); the peer keeps its keys in flight within that queue."""
+    of 2048 keys, two calls at once. Mooncake's TCP transport queues 1024 transfers per peer
+    and fails the rest (TRANSFER_FAIL); the peer keeps its keys in flight within that queue."""
     import asyncio
 
     from kvfs.bench.runner import Workload, run_workload
@@ -161,9 +161,10 @@ async def test_mooncake_prefill_shape_over_the_transport_queue() -> None:
         res = await run_workload(store, wl, progress=False)
         assert (res.missing, res.mismatched) == (0, 0)
         assert res.read.total_ios == 4096
-        # get_into and get_many of more keys than the queue holds, two calls at once
-        items = [(b"q%05d" % i, os.urandom(4096)) for i in range(2048)]
-        await store.put_many(items)
+        # puts, get_into and get_many of more keys than the queue holds, two calls at once
+        items = [(b"q%05d" % i, os.urandom(4096)) for i in range(4096)]
+        await asyncio.gather(store.put_many(items[:2048]), store.put_many(items[2048:]))
+        items = items[::2]  # 2048 of them, from both puts
         bufs = [store.buffer(4096) for _ in items]
         keys = [k for k, _ in items]
         got, values = await asyncio.gather(store.get_into(keys, bufs), store.get_many(keys))

@@ -17,7 +17,7 @@ from kvfs.address import parse_addr
 from kvfs.client import AsyncClient
 from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig
-from kvfs.errors import KVFSError
+from kvfs.errors import FrameTooLarge, KVFSError
 from kvfs.launcher import LocalCluster, ProcessCluster
 
 
@@ -210,3 +210,26 @@ async def test_a_delete_whose_tombstones_are_answered_with_too_few_locations_del
     kv.layout_cache.clear()
     assert await kv.get_many([b"tomb/a", b"tomb/b"]) == [b"1" * 100, b"2" * 100]
     assert await kv.delete_many([b"tomb/a", b"tomb/b"]) == 2
+
+
+async def test_a_server_refusing_the_clients_append_as_too_large_fails_the_put_at_once(
+        kv: AsyncClient) -> None:
+    """A chunkserver's ``FrameTooLarge`` (this client's request against the server's limit,
+    fault injection) reaches the caller as it is, after one APPEND: it is no fault of that
+    server, so the values are not placed again on the others (which would refuse the same)."""
+    link = kv.writer._link
+    real = link.call_server
+    asked: list[int] = []
+
+    async def refuse(sid: int, request: Any, payload: Sequence[Any] = (), **kw: Any) -> Any:
+        if isinstance(request, rpc.Append):
+            asked.append(sid)
+            raise FrameTooLarge("frame of 9 bytes over the limit of 8")
+        return await real(sid, request, payload, **kw)
+
+    link.call_server = refuse  # type: ignore[method-assign]
+    with pytest.raises(FrameTooLarge, match="over the limit"):
+        await kv.put_many({b"big/a": b"x" * 100})
+    link.call_server = real  # type: ignore[method-assign]
+    assert len(asked) == 1
+    assert await kv.get_many([b"big/a"]) == [None]

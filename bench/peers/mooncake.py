@@ -27,8 +27,8 @@ rest (its log: "TCP lane queue-full rejection"; the key's code: -800,
 TRANSFER_FAIL). So a call of more than ``max_keys_in_flight // threads`` keys is
 split into calls of at most that many, run on the same ``threads`` workers: at
 most ``max_keys_in_flight`` keys (default: that queue's size) are in flight. The
-bench's measured calls (4 KiB x 128 keys, iodepth 4: 512 keys) are not split;
-its prefill's calls (1024 keys of 4 KiB, 4 in flight) are.
+bench's calls (4 KiB x 128 keys, iodepth 4: 512 keys; its prefill's too) are not
+split; a larger call is.
 
 Mooncake binds fixed ports (it has no port 0): the master's RPC and metrics
 ports and the client's service port are three consecutive ports from a

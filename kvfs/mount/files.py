@@ -36,8 +36,9 @@ Memory per open file is bounded whatever the file's size:
   leaves a newer one's record as it is.  The kernel's pages are per inode: an open while
   another open of the file here reads another version through them gets ``direct_io``
   (``opened``); with ``--direct-first-open`` so does the first open here of each value
-  (``_first_open``: the next open of that value reads through the pages).  Each read fetches the stripe units it overlaps, batched across files, and
-  answers from them without a copy; a sequential reader gets ``read_ahead_units`` units
+  (``_first_open``: the next open of that value reads through the pages).  Each read
+  fetches the stripe units it overlaps, batched across files, and answers from them
+  without a copy; a sequential reader gets ``read_ahead_units`` units
   fetched ahead.  An open file keeps at most ``read_ahead_units + 2`` units.
 - **Closes share commits** as reads share batches: the small files closed while
   earlier commits are in flight go out together, one ``put_many``.  With
@@ -613,12 +614,10 @@ class FileIO:
         """--direct-first-open: whether this is the first open of ``ino``'s value ``layout`` here
         (its last direct open read another, or none is remembered); recorded as opened now."""
         d = self._read_direct
-        if d.get(ino) == layout:
-            del d[ino]  # opened before: this open reads through the pages (and records that)
+        if d.pop(ino, None) == layout:  # opened before: this open reads through the pages
             return False
-        d[ino] = layout
-        d.move_to_end(ino)
-        while len(d) > self.config.page_cache_files:
+        d[ino] = layout  # (one in per call: one out at most)
+        if len(d) > self.config.page_cache_files:
             d.popitem(last=False)
         return True
 
