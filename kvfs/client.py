@@ -37,7 +37,7 @@ from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
 from kvfs.layout import MAX_META_BYTES, MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
-from kvfs.layoutcache import FLAT_LAYOUT, FLAT_SIZE, Cached, Flat, LayoutCache, as_layouts
+from kvfs.layoutcache import FLAT_LAYOUT, FLAT_SIZE, Cached, Flat, LayoutCache
 from kvfs.readpath import WHOLE, Dest, ReadPath
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.tls import client_context
@@ -298,7 +298,7 @@ class AsyncClient:
         call has returned they are not read again (queued: stored nothing; sent: its batch
         has ended, and may have stored them)."""
         # (no layout built: the cache keeps what the put had, built when a read asks)
-        return [e is not None for e in await self._put_many(items, ttl, replicas, if_absent, meta)]
+        return [e is not None for e in (await self._put_many(items, ttl, replicas, if_absent, meta))[1]]
 
     async def put_layouts(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,
                           ttl: float | None = None, replicas: int | None = None,
@@ -307,19 +307,22 @@ class AsyncClient:
                           ) -> list[Layout | None]:
         """:meth:`put_many`, returning per item the layout meta committed it with (what a
         LOOKUP of the key answers until it changes), None where ``if_absent`` kept the key's
-        value."""
-        return as_layouts(await self._put_many(items, ttl, replicas, if_absent, meta))
+        value.  A layout built here (a value the cache keeps unbuilt) is the cache's entry too,
+        so a read of the key does not build it again."""
+        return self.layout_cache.build(*await self._put_many(items, ttl, replicas, if_absent, meta))
 
     async def _put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]],
                         ttl: float | None, replicas: int | None, if_absent: bool,
-                        meta: Sequence[Mapping[str, Any] | None] | None) -> list[Cached | None]:
-        """:meth:`put_many`'s work: what the layout cache now holds of each key written
-        (:class:`~kvfs.layoutcache.Single` or Layout), None where ``if_absent`` kept it."""
+                        meta: Sequence[Mapping[str, Any] | None] | None,
+                        ) -> tuple[list[bytes], list[Cached | None]]:
+        """:meth:`put_many`'s work: the normalised keys, and what the layout cache now holds of
+        each key written (:class:`~kvfs.layoutcache.Single` or Layout), None where
+        ``if_absent`` kept it."""
         # (a list, the common case, without the ABC's isinstance: a few us a call)
         pairs = list(items) if type(items) is list or not isinstance(items, Mapping) \
             else list(items.items())
         if not pairs:
-            return []
+            return [], []
         keys = norm_keys([k for k, _ in pairs])
         values = [v for _, v in pairs]
         try:  # each value's views and size, checked at once in the common cases
@@ -369,7 +372,7 @@ class AsyncClient:
                 asyncio.gather(*waited).add_done_callback(lambda _: self._putting_ended(keys, mine))
             else:
                 self._putting_ended(keys, mine)
-        return layouts
+        return keys, layouts
 
     def _putting_ended(self, keys: list[bytes], mine: asyncio.Future[None]) -> None:
         """A put_many call's keys let go: a later put of them waiting on ``mine`` goes on."""

@@ -9,8 +9,8 @@ eviction sees them as recently used.
 A put's value of one extent with one replica (the common case) is cached as a
 :class:`Single`, one small object of what the put already had (made in C, no Layout, Extent
 and Replica built and later freed per key): its :class:`Layout` is built the first time a
-read asks for it (:meth:`LayoutCache.get_many`, :meth:`LayoutCache.flat_many`) and kept in
-its place.
+read asks for it (:meth:`LayoutCache.get_many`, :meth:`LayoutCache.flat_many`), or the put's
+caller does (``AsyncClient.put_layouts``: :meth:`LayoutCache.build`), and kept in its place.
 
 A layout of one extent with one replica (the common case) is also kept flat, made the
 first time a read asks for it (:meth:`LayoutCache.flat_many`): what a read needs of it in
@@ -79,12 +79,6 @@ class Single(msgspec.Struct, frozen=True, gc=False):
 
 
 Cached = Layout | Single  # what the cache holds per key
-
-
-def as_layouts(entries: Sequence[Cached | None]) -> list[Layout | None]:
-    """Layouts of what a put wrote (:meth:`kvfs.writepath.WritePath.put`): each :class:`Single`
-    built into its Layout, the rest as they are."""
-    return [e.layout() if isinstance(e, Single) else e for e in entries]
 
 
 def flatten(lay: Layout) -> Flat | None:
@@ -162,7 +156,7 @@ class LayoutCache:
         cache = self._layouts
         got: list[Cached | None] = [cache.get(k) for k in keys]
         if Single in set(map(type, got)):  # (checked in C) written by a put, not yet read
-            self._build(keys, got)
+            self.build(keys, got)
         out = cast(list[Layout | None], got)
         # one pass in C for the common case (all cached, none expired); the rest per key
         odd = [i for i, lay in enumerate(out)
@@ -181,9 +175,11 @@ class LayoutCache:
         self._flush_due()
         return out, missing
 
-    def _build(self, keys: Sequence[bytes], got: list[Cached | None]) -> None:
-        """Each :class:`Single` of ``got`` (``keys``' cache entries) built into its Layout, kept
-        in its place in the cache (the same LRU position) unless a put replaced it meanwhile."""
+    def build(self, keys: Sequence[bytes], got: list[Cached | None]) -> list[Layout | None]:
+        """``got`` (``keys``' cache entries, as a read found them or a put cached them) with
+        each :class:`Single` built into its Layout in place, and returned; the built Layout is
+        kept in the Single's place in the cache (the same LRU position) unless a put replaced
+        it meanwhile, or it was dropped (evicted, expired, cleared: not put back)."""
         cache = self._layouts
         with self._lock:
             for i, e in enumerate(got):
@@ -191,6 +187,7 @@ class LayoutCache:
                     got[i] = lay = e.layout()
                     if cache.get(keys[i]) is e:
                         cache[keys[i]] = lay
+        return cast(list[Layout | None], got)
 
     def flat_many(self, keys: Sequence[bytes], now: float) -> list[Flat] | None:
         """The flat forms of the cached layouts of ``keys`` (marked read, as :meth:`get_many`

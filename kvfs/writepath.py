@@ -97,7 +97,7 @@ class WritePath:
                   sizes: list[int] | None = None) -> list[Cached | None]:
         """Store the values; returns their committed layouts (stamped by meta), a value of one
         extent with one replica as a :class:`~kvfs.layoutcache.Single` (its layout built when
-        asked: :func:`~kvfs.layoutcache.as_layouts`).
+        asked: :meth:`~kvfs.layoutcache.LayoutCache.build`).
         ``metas``: each key's metadata (encoded), committed in its layout.  ``sizes``: each
         value's bytes, when the caller has them already (else counted here).
 

@@ -9,7 +9,7 @@ import os
 
 from kvfs.client import AsyncClient
 from kvfs.layout import Extent, Layout, Replica
-from kvfs.layoutcache import LayoutCache, Single, as_layouts, flatten
+from kvfs.layoutcache import LayoutCache, Single, flatten
 from tests.conftest import FakeClock, value_of
 
 
@@ -25,8 +25,6 @@ def test_a_single_builds_the_layout_of_its_fields() -> None:
     s = Single(4096, 7, 3, (3 << 40) | 1, 8192, 5.0, 9.0, b"\x80")
     assert s.layout() == Layout(4096, 7, 5.0, 9.0, (Extent(4096, 7, (Replica(3, (3 << 40) | 1, 8192),)),),
                                 b"\x80")
-    lay = Layout(1, 2, 3.0, None, (Extent(1, 2, (Replica(1, 2, 3),)),))
-    assert as_layouts([s, None, lay]) == [s.layout(), None, lay]
 
 
 def test_singles_are_bounded_built_when_read_and_keep_their_place() -> None:
@@ -49,14 +47,17 @@ def test_singles_are_bounded_built_when_read_and_keep_their_place() -> None:
     assert len(cache) == 0 and cache.get_many([b"d"], 0.0) == ([None], [0])
 
 
-def test_a_single_replaced_while_it_was_built_is_not_put_back() -> None:
+def test_a_single_replaced_or_evicted_before_it_was_built_is_not_put_back() -> None:
     cache = _cache(10)
     old, new = _single(1), _single(2)
     cache.put_many([b"k"], [old])
     got: list[Layout | Single | None] = [old]  # what a read found before a put replaced it
     cache.put_many([b"k"], [new])
-    cache._build([b"k"], got)
-    assert got == [old.layout()] and cache._layouts[b"k"] is new
+    assert cache.build([b"k"], got) is got == [old.layout()] and cache._layouts[b"k"] is new
+    small = _cache(1)  # one evicted before it was built is not put back either (bounded)
+    small.put_many([b"k"], [old])
+    small.put_many([b"j"], [new])
+    assert small.build([b"k"], [old]) == [old.layout()] and list(small._layouts) == [b"j"]
 
 
 def test_an_expired_single_is_a_miss() -> None:
