@@ -656,11 +656,16 @@ class ChunkStore:
         reference, and its close frees the blocks."""
         if self._close_later and not self._reads_in_flight and not self._lock.locked():
             later, self._close_later = self._close_later, []
-            sizes = self.sizes
-            _close_fds([fd for cid, fd in later if cid in sizes])
-            deleted = [fd for cid, fd in later if cid not in sizes]
-            if deleted:
-                self._free_later(_close_fds, deleted)
+            self._close_chunk_fds(later)
+
+    def _close_chunk_fds(self, fds: Sequence[tuple[int, int]]) -> None:
+        """Close ``(chunk id, fd)`` pairs: here, or in an IO thread (:meth:`_free_later`)
+        where the chunk is deleted (out of ``sizes``), as its close may be the file's last."""
+        sizes = self.sizes
+        _close_fds([fd for cid, fd in fds if cid in sizes])
+        deleted = [fd for cid, fd in fds if cid not in sizes]
+        if deleted:
+            self._free_later(_close_fds, deleted)
 
     def _unmap(self, cid: int, close: Callable[[], None]) -> None:
         """A chunk mapping's last view is gone: unmapped here, or in an IO thread where the
@@ -1123,7 +1128,8 @@ class ChunkStore:
         self.file_spans += len(segments)
         self.bytes_read += total
         self.lent_fds += len(own)
-        return FileParts(segments, list(own.values()), self._fds_back), errors
+        return FileParts(segments, list(own.values()),
+                         functools.partial(self._fds_back, {fd: c for c, fd in own.items()})), errors
 
     def readv_mapped(self, ranges: Sequence[tuple[int, int, int]]) -> list[memoryview] | None:
         """A READV's answer as views of the chunk files' mappings (:mod:`.maps`), one per
@@ -1187,8 +1193,12 @@ class ChunkStore:
         self.bytes_read += total
         return out
 
-    def _fds_back(self, n: int) -> None:
-        self.lent_fds -= n
+    def _fds_back(self, chunk_of: dict[int, int], fds: list[int]) -> None:
+        """A :meth:`readv_files` answer's close: its ``fds`` (of the chunks ``chunk_of``
+        names) closed as the LRU's are (:meth:`_close_chunk_fds`): a chunk deleted during
+        the send has the file's last fd here."""
+        self.lent_fds -= len(fds)
+        self._close_chunk_fds([(chunk_of[fd], fd) for fd in fds])
 
     def _span_reads(self, spans: Sequence[Span], ok: Sequence[tuple[int, int, int]],
                     dests: Sequence[memoryview]) -> list[SpanRead]:

@@ -18,13 +18,14 @@ class FileParts:
     replace its own meanwhile).  :meth:`send` writes as much as a non-blocking socket takes
     and remembers where it stopped."""
 
-    __slots__ = ("_closed", "_fds", "_i", "_pos", "nbytes", "segments", "sent")
+    __slots__ = ("_close_fds", "_fds", "_i", "_pos", "nbytes", "segments", "sent")
 
     def __init__(self, segments: Sequence[tuple[int, int, int]], fds: Sequence[int],
-                 closed: Callable[[int], None] | None = None) -> None:
-        """``closed(n)``: told once, when :meth:`close` has closed the ``n`` fds."""
+                 close_fds: Callable[[list[int]], None] | None = None) -> None:
+        """``close_fds(fds)``: called once by :meth:`close`, closes the fds in its own way
+        (a chunkserver's: a deleted chunk's in an IO thread); None: each closed here."""
         self._fds = list(fds)
-        self._closed = closed
+        self._close_fds = close_fds
         self.segments = [s for s in segments if s[2]]
         self.nbytes = sum([s[2] for s in self.segments])
         self.sent = 0  # bytes sent so far
@@ -75,11 +76,12 @@ class FileParts:
 
     def close(self) -> None:
         fds, self._fds = self._fds, []
+        close_fds, self._close_fds = self._close_fds, None
+        if close_fds is not None:
+            close_fds(fds)
+            return
         for fd in fds:
             os.close(fd)
-        closed, self._closed = self._closed, None
-        if closed is not None:
-            closed(len(fds))
 
     def __enter__(self) -> FileParts:
         return self

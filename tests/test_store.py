@@ -240,6 +240,36 @@ async def test_a_deleted_chunks_last_fd_is_closed_in_an_io_thread(
     assert not any(str(store.chunk_path(a)) in p for p in open_paths())  # its blocks are freed
 
 
+async def test_a_deleted_chunks_fd_lent_to_a_sendfile_answer_is_closed_in_an_io_thread(
+        store: ChunkStore, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An answer sent with ``sendfile`` (:meth:`ChunkStore.readv_files`) holds fds of its
+    own; where its chunk is deleted during the send, the answer's close is the file's last
+    (the test above): in an IO thread.  A chunk still there has its fd closed at once."""
+    a, a_offs = await sealed(store, b"a")
+    b, b_offs = await sealed(store, b"b")
+    parts, errors = store.readv_files([(a, a_offs[b"a"], 3000), (b, b_offs[b"b"], 3000)], 1)
+    assert parts is not None and not errors and store.lent_fds == 2
+    a_fd, b_fd = (s[0] for s in parts.segments)
+    assert list(await store.delete_chunks([a])) == [a]
+    closed_in: dict[int, threading.Thread] = {}
+    real_close = os.close
+
+    def close(n: int) -> None:
+        if n in (a_fd, b_fd):
+            closed_in.setdefault(n, threading.current_thread())
+        real_close(n)
+
+    monkeypatch.setattr(os, "close", close)
+    parts.close()
+    assert closed_in.get(b_fd) is threading.current_thread() and store.lent_fds == 0
+    await until(lambda: a_fd in closed_in, "the deleted chunk's lent fd to be closed")
+    monkeypatch.undo()
+    assert closed_in[a_fd] is not threading.current_thread(), "closed in the event loop"
+    await until(lambda: not any(str(store.chunk_path(a)) in p for p in open_paths()),
+                "every fd of the deleted chunk to be closed")  # its blocks are freed
+    assert await read(store, b, b_offs[b"b"], 3000) == value_of(b"b")
+
+
 # usage -------------------------------------------------------------------------------------
 def on_disk(st: ChunkStore) -> int:
     return sum(p.stat().st_size for p in st.dir.glob("*.chunk"))
