@@ -25,7 +25,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
 from operator import is_
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import msgspec
 
@@ -349,11 +349,11 @@ class AsyncClient:
         total = sum(sizes)
         loop = asyncio.get_running_loop()
         putting = self._putting
-        running = set(map(putting.get, keys))  # (per key in C; per running call below)
-        running.discard(None)
-        earlier = {f for f in running if f is not None and f.get_loop() is loop}
+        # the calls running with these keys (per key in C; per running call below)
+        running = cast(set[asyncio.Future[None]], set(map(putting.get, keys)) - {None})
+        earlier = {f for f in running if f.get_loop() is loop}
         if running:  # their keys taken over here: they must not drop them when they end
-            self._overtaken.update(f for f in running if f is not None)
+            self._overtaken |= running
         mine: asyncio.Future[None] = loop.create_future()
         putting.update(dict.fromkeys(keys, mine))
         try:
