@@ -253,10 +253,9 @@ FREE_MARGIN_CHUNKS = 2
 # own pwritev, not handed to an IO thread: the hop there and back cost more CPU than a small
 # write into the page cache (one chunkserver, --fsync never, CPU per APPEND of 1 record
 # ~115 -> ~50 us, of 128 x 4 KiB ~705 -> ~635: bench/RESULTS.md, "small appends written by
-# the event loop").  ext4
-# refuses RWF_NOWAIT for buffered writes, so such a write can still wait (dirty-page
-# throttling, the journal): one that held the loop longer than INLINE_STALL_S sends the
-# appends to the IO threads again for INLINE_BACKOFF_S.
+# the event loop").  ext4 refuses RWF_NOWAIT for buffered writes, so such a write can still
+# wait (dirty-page throttling, the journal): one that held the loop longer than
+# INLINE_STALL_S sends the appends to the IO threads again for INLINE_BACKOFF_S.
 INLINE_STALL_S = 0.005
 INLINE_BACKOFF_S = 1.0
 _NOWAIT = getattr(os, "RWF_NOWAIT", 0)
@@ -625,8 +624,7 @@ class ChunkStore:
                 self._release(self._open)
             except OSError as e:
                 log.warning("chunk %016x: could not give back its reserved blocks: %s", self._open, e)
-        for fd in (*self._fds.values(), *(fd for _, fd in self._close_later)):
-            os.close(fd)
+        _close_fds([*self._fds.values(), *(fd for _, fd in self._close_later)])
         self._fds.clear()
         self.maps.clear()
         self._close_later.clear()

@@ -475,7 +475,7 @@ def _locations(sid: int, answer: rpc.Appended, records: int, what: str) -> list[
     record went where is not known)."""
     if len(answer.locations) != records:
         raise _BadAnswer(f"chunkserver {sid} answered an APPEND of {records} {what} with "
-                                  f"{len(answer.locations)} locations")
+                         f"{len(answer.locations)} locations")
     return answer.locations
 
 
