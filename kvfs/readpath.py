@@ -193,6 +193,34 @@ def _can_hedge(jobs: list[_Job]) -> bool:
     return all(len(job.extent.replicas) > len(job.tried) + 1 for job in jobs)
 
 
+def _by_server(layouts: list[Layout | None], dests: Sequence[Dest],
+               flat: Sequence[Flat] | None) -> dict[int, _Group] | None:
+    """:meth:`ReadPath._groups`' columns of the values read (a layout and a destination),
+    key by key; None when one is not one extent with one replica."""
+    groups: dict[int, _Group] = {}
+    get = groups.get
+    for slot, dest in enumerate(dests):
+        lay = layouts[slot]
+        if lay is None or dest is None:
+            continue
+        if flat is not None:  # the cache's: no layout to take apart
+            sid, rng, crc, _, _, _ = flat[slot]
+        else:
+            ext = lay.extents
+            if len(ext) != 1 or len(ext[0].replicas) != 1:
+                return None
+            e = ext[0]
+            rep = e.replicas[0]
+            sid, rng, crc = rep.server_id, (rep.chunk_id, rep.offset, e.length), e.crc
+        g = get(sid)
+        if g is None:
+            g = groups[sid] = _Group([], [], [])
+        g.slots.append(slot)
+        g.ranges.append(rng)
+        g.crcs.append(crc)
+    return groups
+
+
 class ReadPath:
     """Reads extents for :class:`kvfs.client.AsyncClient`.  ``relookup(keys)`` fetches
     fresh layouts from meta, ``forget(key)`` drops a cached one."""
@@ -388,31 +416,10 @@ class ReadPath:
         kinds.discard(_NONE)  # values not read (misses, too small)
         if len(kinds) != 1 or not kinds <= {_Dest, memoryview}:
             return None  # none read, mixed, or a value scattered over several views
-        one = _one_server(flat) if flat is not None and every else None
-        if one is not None:
-            groups = one
-        else:
-            groups = {}
-            get = groups.get
-            for slot, dest in enumerate(dests):
-                lay = layouts[slot]
-                if lay is None or dest is None:
-                    continue
-                if flat is not None:  # the cache's: no layout to take apart
-                    sid, rng, crc, _, _, _ = flat[slot]
-                else:
-                    ext = lay.extents
-                    if len(ext) != 1 or len(ext[0].replicas) != 1:
-                        return None
-                    e = ext[0]
-                    rep = e.replicas[0]
-                    sid, rng, crc = rep.server_id, (rep.chunk_id, rep.offset, e.length), e.crc
-                g = get(sid)
-                if g is None:
-                    g = groups[sid] = _Group([], [], [])
-                g.slots.append(slot)
-                g.ranges.append(rng)
-                g.crcs.append(crc)
+        groups = (_one_server(flat) if flat is not None and every else None) \
+            or _by_server(layouts, dests, flat)
+        if groups is None:
+            return None  # a value of several extents or replicas
         whole = kinds == {_Dest}
         for g in groups.values():
             ranges = g.ranges
