@@ -28,6 +28,13 @@ root and /dev/fuse; the second stands for another node), then per page size, in 
 - API write / read: as many coroutines on one ``AsyncClient``, ``put_many`` / ``get_into`` in
   batches of 64.
 
+Both sides read into buffers made and written once before the reads are timed (a thread's
+one page, a coroutine's batch of 64), as an engine reads into its own long-lived buffers:
+``get_into`` into 64 fresh 2 MiB arrays per coroutine took a page fault per 4 KiB in the
+client's one thread (512 MiB a round), which the mount's threads, each reusing one page,
+did not, and whether glibc handed those arrays out fresh or reused moved the API's 2 MiB
+read 238-873 pages/s between rounds (2026-12-02 17:26 UTC, bench/RESULTS.md).
+
 ``--rounds N`` repeats both, alternating (mount, API, mount, API, ...) in the same cluster and
 mounts, one row per round, then a row of the ratios' medians: a ratio taken from two phases a
 few seconds apart on a shared machine moves with the machine's other load, so one round is
@@ -92,6 +99,11 @@ def _pages(n: int, size: int) -> list[np.ndarray]:
     return out
 
 
+def _buffers(n: int, like: np.ndarray) -> list[np.ndarray]:
+    """``n`` arrays shaped as ``like``, written once (their pages faulted in already)."""
+    return [np.ones_like(like) for _ in range(n)]
+
+
 def _cpu_wait_s(pid: int | None) -> tuple[float, float]:
     """The CPU time process ``pid`` has used so far, and its threads' run-queue wait (NaN
     where there is no process or no reading)."""
@@ -124,8 +136,10 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
                 with open(names[i], "wb") as f:
                     f.write(pages[i].data)
 
+    bufs = _buffers(threads, pages[0])  # a thread's page, made before the reads are timed
+
     def read(ids: range, where: list[Path] = names) -> int:
-        buf = np.empty_like(pages[0])
+        buf = bufs[ids.start]
         bad = 0
         for i in ids:
             with open(where[i], "rb", buffering=0) as f:
@@ -168,12 +182,14 @@ async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) 
             for b in batches[t::threads]:
                 await kv.put_many([(keys[i], pages[i]) for i in b])
 
+        # a coroutine's batch of pages, made before the reads are timed (as the mount's)
+        bufs = {t: _buffers(BATCH, pages[0]) for t in range(min(threads, len(batches)))}
+
         async def reader(t: int) -> int:
-            bufs = [np.empty_like(pages[0]) for _ in range(BATCH)]
             bad = 0
             for b in batches[t::threads]:
-                got = await kv.get_into([keys[i] for i in b], bufs[: len(b)])
-                bad += sum(n != pages[0].nbytes or not np.array_equal(bufs[j], pages[i])
+                got = await kv.get_into([keys[i] for i in b], bufs[t][: len(b)])
+                bad += sum(n != pages[0].nbytes or not np.array_equal(bufs[t][j], pages[i])
                            for j, (i, n) in enumerate(zip(b, got, strict=True)))
             return bad
 
