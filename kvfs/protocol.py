@@ -28,7 +28,7 @@ import struct
 import threading
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from dataclasses import dataclass, field
 from itertools import accumulate
 from operator import attrgetter
@@ -124,6 +124,10 @@ DROP_BUFFER_BYTES = 1024 * 1024
 # one vectored receive is offered the unfilled buffers covering at most this many bytes (a
 # socket rarely holds more): not every buffer of a large answer, each one costing the call
 VECTOR_BYTES = 4 * 1024 * 1024
+# a receive between frames while an answer with a payload place of its own may come next
+# (FrameDecoder.head_first) is offered this much: its header (37 bytes for a READV answer
+# without errors) and a few payload bytes, so the rest of the payload is received in place
+HEAD_PEEK = 128
 _NBYTES = attrgetter("nbytes")
 
 PayloadAllocator = Callable[[FrameHead], "bytearray | memoryview | Scatter"]
@@ -306,6 +310,11 @@ class FrameDecoder:
         # the transport follows each receive with vectored ones (payload_views): a small part
         # is received in place too, no run of them staged in scratch and copied out
         self.vectored = False
+        # while non-empty (a client's pending sinks: answers whose payloads have a place of
+        # their own), and vectored, a receive between frames is offered HEAD_PEEK bytes only:
+        # the next payload lands in its place by the receives after its header, not in scratch
+        # to be copied out (one receive more per frame, a copy of the payload less)
+        self.head_first: Sized = ()
         self._events: deque[Frame] = deque()
         self._error: RemoteProtocolError | None = None
 
@@ -334,6 +343,8 @@ class FrameDecoder:
             return memoryview(self._scratch)[: self._small_run()]
         if self._end == len(self._scratch):
             self._compact(len(self._scratch))
+        if self._start == self._end and self.head_first and self.vectored:  # between frames
+            return memoryview(self._scratch)[self._end : self._end + HEAD_PEEK]
         return memoryview(self._scratch)[self._end :]
 
     def buffer_updated(self, nbytes: int) -> None:

@@ -42,6 +42,7 @@ class _ClientProtocol(FrameProtocol):
         self.tls = tls
         self.pending: dict[int, asyncio.Future[Frame]] = {}
         self.sinks: dict[int, Sink] = {}
+        self.decoder.head_first = self.sinks  # a sink's answer: its header received alone
         self.hello: asyncio.Future[Frame] = asyncio.get_running_loop().create_future()
         self.error: KVFSError | None = None
 

@@ -493,6 +493,38 @@ def test_small_scatter_parts_share_one_receive() -> None:
     assert receives <= 6  # header, the 41 small parts, 200 kB, 3 small, 70 kB, the tail + PING
 
 
+@pytest.mark.parametrize("one_buffer", [False, True])
+def test_with_head_first_a_payload_is_received_in_place_after_its_header(one_buffer: bool) -> None:
+    """A client with answers pending that have a payload place of their own (``head_first``:
+    its sinks) on a vectored transport is offered HEAD_PEEK bytes by a receive between
+    frames: its header arrives alone, and a large payload's bytes after it land in their
+    place (43 values' views, as a 4 KiB x 128 get_into's; or one pooled buffer, as
+    get_many's), not in scratch to be copied out; the next frame still parses."""
+    from kvfs.protocol import HEAD_PEEK, Scatter
+
+    parts = [bytearray(4096) for _ in range(43)]
+    if one_buffer:
+        parts = [bytearray(4096 * 43)]
+    payload = os.urandom(4096 * 43)
+    dec = FrameDecoder(allocator=lambda head: Scatter([memoryview(p) for p in parts]))
+    dec.vectored = True
+    dec.head_first = {5: "a sink"}
+    data = memoryview(frame_bytes(Op.READV, 5, {}, [payload]) + frame_bytes(Op.PING, 6, {}))
+    in_scratch = 0
+    while data.nbytes:  # like a socket holding both frames: each receive fills what it can
+        buf = dec.get_buffer(-1)
+        n = min(buf.nbytes, data.nbytes)
+        buf[:n] = data[:n]
+        if not any(buf.obj is p for p in parts):
+            in_scratch += n
+        data = data[n:]
+        dec.buffer_updated(n)
+    f, g = drain(dec)
+    assert isinstance(f.payload, Scatter) and g.request_id == 6
+    assert b"".join(parts) == payload
+    assert in_scratch <= 2 * HEAD_PEEK  # the two headers (and a few payload bytes): no more
+
+
 def test_scatter_of_the_wrong_size_is_refused() -> None:
     from kvfs.protocol import Scatter
 
