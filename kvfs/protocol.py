@@ -311,10 +311,13 @@ class FrameDecoder:
         # is received in place too, no run of them staged in scratch and copied out
         self.vectored = False
         # while non-empty (a client's pending sinks: answers whose payloads have a place of
-        # their own), and vectored, a receive between frames is offered HEAD_PEEK bytes only:
-        # the next payload lands in its place by the receives after its header, not in scratch
-        # to be copied out (one receive more per frame, a copy of the payload less)
+        # their own), and vectored, a receive between frames after one whose payload had a
+        # place of its own (_big_last: small answers, e.g. one key's, cost no receive more) is
+        # offered HEAD_PEEK bytes only: the next payload lands in its place by the receives
+        # after its header, not in scratch to be copied out (one receive more per frame, a
+        # copy of the payload less)
         self.head_first: Sized = ()
+        self._big_last = False
         self._events: deque[Frame] = deque()
         self._error: RemoteProtocolError | None = None
 
@@ -343,7 +346,7 @@ class FrameDecoder:
             return memoryview(self._scratch)[: self._small_run()]
         if self._end == len(self._scratch):
             self._compact(len(self._scratch))
-        if self._start == self._end and self.head_first and self.vectored:  # between frames
+        if self._start == self._end and self._big_last and self.head_first and self.vectored:
             return memoryview(self._scratch)[self._end : self._end + HEAD_PEEK]
         return memoryview(self._scratch)[self._end :]
 
@@ -536,8 +539,10 @@ class FrameDecoder:
                     return
                 payload = bytes(self._scratch[body_at : body_at + head.payload_len])
                 self._start = body_at + head.payload_len
+                self._big_last = False
                 self._emit(head, payload)
                 continue
+            self._big_last = True
             owner = self.allocator(head)
             segs = owner.parts if isinstance(owner, Scatter) else [memoryview(owner).cast("B")]
             bounds = list(accumulate(map(_NBYTES, segs), initial=0))

@@ -496,33 +496,38 @@ def test_small_scatter_parts_share_one_receive() -> None:
 @pytest.mark.parametrize("one_buffer", [False, True])
 def test_with_head_first_a_payload_is_received_in_place_after_its_header(one_buffer: bool) -> None:
     """A client with answers pending that have a payload place of their own (``head_first``:
-    its sinks) on a vectored transport is offered HEAD_PEEK bytes by a receive between
-    frames: its header arrives alone, and a large payload's bytes after it land in their
-    place (43 values' views, as a 4 KiB x 128 get_into's; or one pooled buffer, as
-    get_many's), not in scratch to be copied out; the next frame still parses."""
+    its sinks) on a vectored transport, after an answer whose payload had a place of its
+    own, is offered HEAD_PEEK bytes by a receive between frames: the next header arrives
+    alone, and a large payload's bytes after it land in their place (43 values' views, as a
+    4 KiB x 128 get_into's; or one pooled buffer, as get_many's), not in scratch to be copied
+    out.  After a small frame (e.g. one key's answer) a receive is offered all of scratch."""
     from kvfs.protocol import HEAD_PEEK, Scatter
 
-    parts = [bytearray(4096) for _ in range(43)]
-    if one_buffer:
-        parts = [bytearray(4096 * 43)]
-    payload = os.urandom(4096 * 43)
-    dec = FrameDecoder(allocator=lambda head: Scatter([memoryview(p) for p in parts]))
+    sizes = [4096 * 43] if one_buffer else [4096] * 43
+    parts = {rid: [bytearray(n) for n in sizes] for rid in (5, 7)}
+    payloads = {rid: os.urandom(4096 * 43) for rid in (5, 7)}
+    dec = FrameDecoder(allocator=lambda head: Scatter([memoryview(p) for p in parts[head.request_id]]))
     dec.vectored = True
-    dec.head_first = {5: "a sink"}
-    data = memoryview(frame_bytes(Op.READV, 5, {}, [payload]) + frame_bytes(Op.PING, 6, {}))
-    in_scratch = 0
-    while data.nbytes:  # like a socket holding both frames: each receive fills what it can
-        buf = dec.get_buffer(-1)
-        n = min(buf.nbytes, data.nbytes)
-        buf[:n] = data[:n]
-        if not any(buf.obj is p for p in parts):
-            in_scratch += n
-        data = data[n:]
-        dec.buffer_updated(n)
-    f, g = drain(dec)
-    assert isinstance(f.payload, Scatter) and g.request_id == 6
-    assert b"".join(parts) == payload
-    assert in_scratch <= 2 * HEAD_PEEK  # the two headers (and a few payload bytes): no more
+    dec.head_first = {7: "a sink"}
+    got: list[Frame] = []
+    in_scratch = 0  # bytes received into scratch after the first answer
+    # like a socket: the first answer arrives, then the second and PING; each receive fills
+    # what it can of what has arrived
+    for data in (memoryview(frame_bytes(Op.READV, 5, {}, [payloads[5]])),
+                 memoryview(frame_bytes(Op.READV, 7, {}, [payloads[7]]) + frame_bytes(Op.PING, 9, {}))):
+        while data.nbytes:
+            buf = dec.get_buffer(-1)
+            n = min(buf.nbytes, data.nbytes)
+            buf[:n] = data[:n]
+            if got and not any(buf.obj is p for p in parts[7]):
+                in_scratch += n
+            data = data[n:]
+            dec.buffer_updated(n)
+            got += drain(dec)
+    assert [f.request_id for f in got] == [5, 7, 9]
+    assert [b"".join(parts[rid]) for rid in (5, 7)] == [payloads[5], payloads[7]]
+    assert in_scratch <= 2 * HEAD_PEEK  # the second header and PING (and a few payload bytes)
+    assert dec.get_buffer(-1).nbytes > HEAD_PEEK  # after PING's small frame: no peek
 
 
 def test_scatter_of_the_wrong_size_is_refused() -> None:
