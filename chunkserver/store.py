@@ -75,7 +75,7 @@ class Span(NamedTuple):
 
 
 _span = functools.partial(tuple.__new__, Span)  # a Span from a tuple, no Python constructor
-_CHUNK, _OFFSET, _LENGTH = map(operator.itemgetter, range(3))  # a range's fields
+_LENGTH = operator.itemgetter(2)  # a range's length
 _sliced = cast("Callable[[memoryview, slice], memoryview]", operator.getitem)  # view[s], in C
 
 
@@ -105,39 +105,14 @@ def check_ranges(raw: Any, max_ranges: int, max_bytes: int) -> tuple[list[tuple[
     if total > max_bytes:
         raise InvalidArgument(f"READV asks for {total} bytes; the limit is {max_bytes} "
                               "(max_read_rpc_bytes): split it")
-    overlap = _overlap(ranges)
-    if overlap is not None:
-        raise InvalidArgument(f"READV ranges overlap in chunk {overlap[0]:016x} at offset {overlap[1]}")
-    return ranges, total
-
-
-def _overlap(ranges: Sequence[tuple[int, int, int]]) -> tuple[int, int] | None:
-    """``(chunk, offset)`` of a range that starts inside another (the first such in
-    (chunk, offset) order), or None; empty ranges overlap nothing.
-
-    The common READV (ranges of one chunk, none empty) is checked by C loops, one step per
-    key (it runs for every READV): ranges are pairwise disjoint exactly where, with their
-    starts and their ends each sorted, no end passes the next start (``E[k] <= S[k+1]``: a
-    byte inside two ranges would have two more starts than ends at or before it).  About
-    half the ~10 us per 43 ranges of sorting them as tuples and walking them in Python,
-    which the others still do."""
-    if not ranges:
-        return None
-    cids, offs, lens = zip(*ranges, strict=True)
-    if 0 not in lens and cids.count(cids[0]) == len(cids):
-        ends = sorted(map(operator.add, offs, lens))
-        later = sorted(offs)
-        del later[0]
-        first = next(compress(later, map(operator.gt, ends, later)), None)
-        return None if first is None else (cids[0], first)
     prev_c, prev_end = -1, 0
     for c, off, ln in sorted(ranges):
         if not ln:
             continue
         if off < prev_end and c == prev_c:
-            return c, off
+            raise InvalidArgument(f"READV ranges overlap in chunk {c:016x} at offset {off}")
         prev_c, prev_end = c, off + ln
-    return None
+    return ranges, total
 
 
 def plan_spans(ranges: Sequence[tuple[int, int, int]], merge_gap: int) -> list[Span]:
@@ -1174,7 +1149,7 @@ class ChunkStore:
             return None
         cids, offs, lens = zip(*ranges, strict=True)  # the columns, in one pass
         chunks = set(cids)
-        if len(chunks) > MAPPED_MAX_CHUNKS:  # random keys of a large server
+        if len(chunks) > MAPPED_MAX_CHUNKS:  # known first: random keys of a large server
             return None
         total = sum(lens)
         if total > INLINE_READ_BYTES or min(lens) < 0:
