@@ -163,6 +163,12 @@ async def cmd_bench(ns: argparse.Namespace) -> int:
         print(f"kvfs bench: --fsync sets the embedded cluster's; the cluster at --addr keeps its "
               f"own (drop --fsync {ns.fsync}, or drop --addr)", file=sys.stderr)
         return 2
+    if ns.reclaim and ns.addr is not None:
+        print("kvfs bench: --reclaim deletes keys and runs a GC pass on the embedded cluster only "
+              "(drop --reclaim, or drop --addr)", file=sys.stderr)
+        return 2
+    if ns.reclaim is None:
+        ns.reclaim = ns.addr is None
     if ns.gc:
         return await _gc_bench(ns)
     if ns.compare and ns.numjobs != 1:
@@ -230,6 +236,7 @@ async def _plain(ns: argparse.Namespace, target: BenchTarget, workloads: list[Wo
             jobs.append(job)
         else:
             jobs.extend(await _run_numjobs(target, wl, ns, i - 1, client))
+        await _reclaim(ns, target)
     report = report_json(jobs, global_options=_options_of(ns))
     if ns.json_out is not None:
         ns.json_out.write_text(json.dumps(report, indent=2) + "\n")
@@ -246,6 +253,12 @@ def _emit(ns: argparse.Namespace, report: dict[str, Any], out: TextIO) -> None:
     else:
         out.write(format_report_text(report))
     out.flush()
+
+
+async def _reclaim(ns: argparse.Namespace, target: BenchTarget) -> None:
+    """``--reclaim``: the bench's keys and the chunks they leave deleted after a kvfs job."""
+    if ns.reclaim:
+        _say(ns, f"  {(await target.reclaim()).text()}")
 
 
 async def _compare(
@@ -267,8 +280,12 @@ async def _compare(
     text_out = sys.stderr if ns.output_format == "normal" else None
     _say(ns, "peers: " + ", ".join(_PEER_TEXT[p] for p in ns.peers)
              + ("" if fio_dir or not want_fio else " (fio not installed: skipped)"))
+    async def after_cell(store: str) -> None:
+        if store in STORE_NAMES.values():
+            await _reclaim(ns, target)
+
     comp = await compare(factories, workloads, fio_dir=fio_dir, progress=ns.progress,
-                         text_out=text_out, cpu=ns.cpu, repeat=ns.repeat)
+                         text_out=text_out, cpu=ns.cpu, repeat=ns.repeat, after_cell=after_cell)
     if want_fio and fio_dir is None:  # show fio as skipped rather than leaving the column out
         comp.stores.append(FIO_COLUMN)
         for wl in workloads:

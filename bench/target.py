@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,7 +21,25 @@ from kvfs.config import (
     tls_fields,
 )
 
-__all__ = ["BenchTarget", "open_target"]
+__all__ = ["RECLAIM_DELETE_BATCH", "BenchTarget", "Reclaimed", "open_target"]
+
+#: keys per ``delete_many`` of :meth:`BenchTarget.reclaim`
+RECLAIM_DELETE_BATCH = 4096
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    """What one :meth:`BenchTarget.reclaim` freed, and how long it took."""
+
+    keys: int
+    chunks: int
+    bytes: int
+    seconds: float
+    mem_free_mib: int | None  # MemFree after it
+
+    def text(self) -> str:
+        return (f"reclaimed {self.keys} keys, {self.chunks} chunks, {self.bytes / 1e6:.0f} MB "
+                f"in {self.seconds:.2f} s; MemFree {self.mem_free_mib} MiB")
 
 
 @dataclass
@@ -58,6 +77,36 @@ class BenchTarget:
         out = {"meta": self.cluster.meta.pid}
         out.update((f"cs{i}", cs.pid) for i, cs in enumerate(self.cluster.chunkservers))
         return out
+
+    async def reclaim(self) -> Reclaimed:
+        """Delete every key of the bench's namespace (``KEY_NAMESPACE``), then the chunks left
+        with no live bytes, at once: one GC pass with no grace (``grace_s=0``: no write is in
+        flight between two jobs; no expiry, eviction or repair), whose chunk deletes free
+        the chunks' page-cache pages.  ``kvfs bench --reclaim`` runs it after each kvfs job, so
+        the next job draws on memory freed moments before, as a cache in steady state reuses
+        what it evicts, rather than on the machine's free memory, walked down job by job.
+        Only for an embedded cluster (``admin_token``)."""
+        from kvfs.gc.driver import GarbageCollector, PassOptions
+
+        from .cpu import mem_free_mib
+        from .runner import KEY_NAMESPACE
+
+        if not self.embedded:
+            raise ValueError("reclaim runs a GC pass on the embedded cluster only")
+        t0 = time.perf_counter()
+        kv = self.client()
+        deleted = 0
+        try:
+            keys = [k.key for k in await kv.list(KEY_NAMESPACE)]
+            for i in range(0, len(keys), RECLAIM_DELETE_BATCH):
+                deleted += await kv.delete_many(keys[i:i + RECLAIM_DELETE_BATCH])
+        finally:
+            await kv.close()
+        async with GarbageCollector(self.addr, token=self.admin_token, tls=self.tls) as gc:
+            rep = await gc.run_pass(PassOptions(apply=True, grace_s=0.0, expire=False, evict=False,
+                                                repair=False))
+        return Reclaimed(deleted, rep.chunks_deleted, rep.bytes_reclaimed, time.perf_counter() - t0,
+                         mem_free_mib())
 
     def server_reads(self) -> list[tuple[int, int]] | None:
         """(spans_read, readv_calls) per chunkserver, for an in-process cluster."""
