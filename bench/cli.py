@@ -206,9 +206,7 @@ async def _gc_bench(ns: argparse.Namespace) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         try:
             async with open_target(ns, workdir) as target:
-                c = target.cluster
-                data = getattr(c, "data", None) or getattr(c, "root", None)
-                report = await run_gc_bench(ns, target.addr, target.admin_token, data,
+                report = await run_gc_bench(ns, target.addr, target.admin_token, target.data_dir(),
                                             child=target.embedded != "inproc")
         except BenchError as e:
             print(f"kvfs bench: {e}", file=sys.stderr)

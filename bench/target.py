@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -82,7 +83,8 @@ class BenchTarget:
         """Delete every key of the bench's namespace (``KEY_NAMESPACE``), then the chunks left
         with no live bytes, at once: one GC pass with no grace (``grace_s=0``: no write is in
         flight between two jobs; no expiry, eviction or repair), whose chunk deletes free
-        the chunks' page-cache pages.  ``kvfs bench --reclaim`` runs it after each kvfs job, so
+        the chunks' page-cache pages; then the cluster's directories are synced (the unlinks
+        committed, their blocks discarded).  ``kvfs bench --reclaim`` runs it after each kvfs job, so
         the next job draws on memory freed moments before, as a cache in steady state reuses
         what it evicts, rather than on the machine's free memory, walked down job by job.
         Only for an embedded cluster (``admin_token``)."""
@@ -105,8 +107,14 @@ class BenchTarget:
         async with GarbageCollector(self.addr, token=self.admin_token, tls=self.tls) as gc:
             rep = await gc.run_pass(PassOptions(apply=True, grace_s=0.0, expire=False, evict=False,
                                                 repair=False))
+        await asyncio.to_thread(_sync_dirs, self.data_dir())
         return Reclaimed(deleted, rep.chunks_deleted, rep.bytes_reclaimed, time.perf_counter() - t0,
                          mem_free_mib())
+
+    def data_dir(self) -> Path | None:
+        """The embedded cluster's directory (meta's and each chunkserver's below it), or None."""
+        c = self.cluster
+        return getattr(c, "data", None) or getattr(c, "root", None)
 
     def server_reads(self) -> list[tuple[int, int]] | None:
         """(spans_read, readv_calls) per chunkserver, for an in-process cluster."""
@@ -114,6 +122,20 @@ class BenchTarget:
         if self.embedded != "inproc" or not css:
             return None
         return [(cs.store.spans_read, cs.readv_calls) for cs in css if cs is not None]
+
+
+def _sync_dirs(root: Path | None) -> None:
+    """fsync ``root``'s directories (meta's, each chunkserver's): the journal commit of the
+    chunks just unlinked, with the discards of their blocks (ext4 ``-o discard``), ends here,
+    not in the next job."""
+    if root is None:
+        return
+    for d in (root, *(p for p in root.iterdir() if p.is_dir())):
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextlib.asynccontextmanager
