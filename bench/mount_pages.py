@@ -25,8 +25,16 @@ root and /dev/fuse; the second stands for another node), then per page size, in 
   threads were runnable but waited for a CPU over that phase (``schedstat``), per file (the
   mount's loop is one thread: when its CPU + wait per file is about the write phase's time
   per file, the mount is the bottleneck and the machine's other load sets its rate);
+  2nd mount CPU/file: the second mount's CPU time over its cold reads, per file read;
 - API write / read: as many coroutines on one ``AsyncClient``, ``put_many`` / ``get_into`` in
   batches of 64.
+
+Both sides read into buffers made and written once before the reads are timed (a thread's
+one page, a coroutine's batch of 64), as an engine reads into its own long-lived buffers:
+``get_into`` into 64 fresh 2 MiB arrays per coroutine took a page fault per 4 KiB in the
+client's one thread (512 MiB a round), which the mount's threads, each reusing one page,
+did not, and whether glibc handed those arrays out fresh or reused moved the API's 2 MiB
+read 238-873 pages/s between rounds (2026-12-02 17:26 UTC, bench/RESULTS.md).
 
 ``--rounds N`` repeats both, alternating (mount, API, mount, API, ...) in the same cluster and
 mounts, one row per round, then a row of the ratios' medians: a ratio taken from two phases a
@@ -92,6 +100,11 @@ def _pages(n: int, size: int) -> list[np.ndarray]:
     return out
 
 
+def _buffers(n: int, like: np.ndarray) -> list[np.ndarray]:
+    """``n`` arrays shaped as ``like``, written once (their pages faulted in already)."""
+    return [np.ones_like(like) for _ in range(n)]
+
+
 def _cpu_wait_s(pid: int | None) -> tuple[float, float]:
     """The CPU time process ``pid`` has used so far, and its threads' run-queue wait (NaN
     where there is no process or no reading)."""
@@ -102,8 +115,8 @@ def _cpu_wait_s(pid: int | None) -> tuple[float, float]:
 
 
 def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, tag: str,
-                writer: str = "tofile", mount_pid: int | None = None
-                ) -> tuple[float, float, float, float, float, float, float]:
+                writer: str = "tofile", mount_pid: int | None = None, other_pid: int | None = None
+                ) -> tuple[float, float, float, float, float, float, float, float]:
     d = mnt / tag
     d.mkdir()
     names = [d / f"{i:08d}.bin" for i in range(len(pages))]
@@ -124,8 +137,10 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
                 with open(names[i], "wb") as f:
                     f.write(pages[i].data)
 
+    bufs = _buffers(threads, pages[0])  # a thread's page, made before the reads are timed
+
     def read(ids: range, where: list[Path] = names) -> int:
-        buf = np.empty_like(pages[0])
+        buf = bufs[ids.start]
         bad = 0
         for i in ids:
             with open(where[i], "rb", buffering=0) as f:
@@ -151,13 +166,16 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
         t0 = time.perf_counter()
         bad += sum(ex.map(read, share))
         trr = time.perf_counter() - t0
+        ocpu0 = _cpu_wait_s(other_pid)[0]
         t0 = time.perf_counter()
         bad += sum(ex.map(read, share, [elsewhere] * threads))
         tcold = time.perf_counter() - t0
+        ocpu1 = _cpu_wait_s(other_pid)[0]
     if bad:
         raise SystemExit(f"{bad} pages read back wrong through the mount")
     n = len(pages)
-    return n / tc, n / tw, n / tr, n / trr, n / tcold, (cpu1 - cpu0) / n, (wait1 - wait0) / n
+    return (n / tc, n / tw, n / tr, n / trr, n / tcold, (cpu1 - cpu0) / n, (wait1 - wait0) / n,
+            (ocpu1 - ocpu0) / n)
 
 
 async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) -> tuple[float, float]:
@@ -168,12 +186,14 @@ async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) 
             for b in batches[t::threads]:
                 await kv.put_many([(keys[i], pages[i]) for i in b])
 
+        # a coroutine's batch of pages, made before the reads are timed (as the mount's)
+        bufs = {t: _buffers(BATCH, pages[0]) for t in range(min(threads, len(batches)))}
+
         async def reader(t: int) -> int:
-            bufs = [np.empty_like(pages[0]) for _ in range(BATCH)]
             bad = 0
             for b in batches[t::threads]:
-                got = await kv.get_into([keys[i] for i in b], bufs[: len(b)])
-                bad += sum(n != pages[0].nbytes or not np.array_equal(bufs[j], pages[i])
+                got = await kv.get_into([keys[i] for i in b], bufs[t][: len(b)])
+                bad += sum(n != pages[0].nbytes or not np.array_equal(bufs[t][j], pages[i])
                            for j, (i, n) in enumerate(zip(b, got, strict=True)))
             return bad
 
@@ -248,10 +268,10 @@ def main(argv: list[str] | None = None) -> int:
             ratios = []
             for r in range(ns.rounds):
                 tag = label.replace(" ", "") + (f"r{r}" if r else "")
-                mc, mw, mr, mrr, cold, mcpu, mwait = mount_round(
-                    mnt, mnt2, pages, ns.threads, "m" + tag, ns.writer, mounts[0].pid)
+                mc, mw, mr, mrr, cold, mcpu, mwait, ocpu = mount_round(
+                    mnt, mnt2, pages, ns.threads, "m" + tag, ns.writer, mounts[0].pid, mounts[1].pid)
                 aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
-                rows.append((label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait))
+                rows.append((label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait, ocpu))
                 ratios.append((mw / aw, mr / ar, mrr / ar, cold / ar))
             if ns.rounds > 1:
                 medians.append((label, ns.rounds,
@@ -260,20 +280,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| page | pages | mount closes | mount write | API write | mount/API | mount read | "
               f"API read | "
               f"mount/API | mount re-read | re-read/API | 2nd mount read | 2nd/API | mount CPU/file | "
-              f"mount wait/file |  "
+              f"mount wait/file | 2nd mount CPU/file |  "
               f"({ns.threads} threads, --writer {ns.writer}, "
               f"{' '.join(ns.mount_arg) or 'default mount'}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load})")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait in rows:
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait, ocpu in rows:
             print(f"| {label} | {n} | {mc:,.0f} files/s | {mw:,.0f} files/s | {aw:,.0f} pages/s | "
                   f"{mw / aw:.2f} | "
                   f"{mr:,.0f} files/s | {ar:,.0f} pages/s | {mr / ar:.2f} | "
                   f"{mrr:,.0f} files/s | {mrr / ar:.2f} | {cold:,.0f} files/s | {cold / ar:.2f} | "
-                  f"{mcpu * 1e6:,.0f} µs | {mwait * 1e6:,.0f} µs |")
+                  f"{mcpu * 1e6:,.0f} µs | {mwait * 1e6:,.0f} µs | {ocpu * 1e6:,.0f} µs |")
         for label, rounds, w, r, rr, c in medians:
             print(f"| {label}, median of {rounds} | | | | | {w:.2f} | | | {r:.2f} | | {rr:.2f} | | "
-                  f"{c:.2f} | | |")
+                  f"{c:.2f} | | | |")
     finally:
         for p in mounts:
             if p.poll() is None:
