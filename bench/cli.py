@@ -225,6 +225,7 @@ async def _plain(ns: argparse.Namespace, target: BenchTarget, workloads: list[Wo
     for i, (wl, client) in enumerate(runs, 1):
         _say(ns, f"[{i}/{len(runs)}] {describe(wl)} size={human_bs(wl.size_bytes)} "
                  f"runtime={wl.runtime_s:g}s" + ("" if client == "async" else f" client={client}"))
+        await _reclaim(ns, target)  # the earlier jobs' keys and chunks (--reclaim)
         # jobs that run one after another are groups of their own (fio sums a group)
         if ns.numjobs == 1:
             label = f"[{i}/{len(runs)}] {STORE_NAMES[client]} {wl.rw} {human_bs(wl.bs)}"
@@ -234,7 +235,6 @@ async def _plain(ns: argparse.Namespace, target: BenchTarget, workloads: list[Wo
             jobs.append(job)
         else:
             jobs.extend(await _run_numjobs(target, wl, ns, i - 1, client))
-        await _reclaim(ns, target)
     report = report_json(jobs, global_options=_options_of(ns))
     if ns.json_out is not None:
         ns.json_out.write_text(json.dumps(report, indent=2) + "\n")
@@ -254,7 +254,7 @@ def _emit(ns: argparse.Namespace, report: dict[str, Any], out: TextIO) -> None:
 
 
 async def _reclaim(ns: argparse.Namespace, target: BenchTarget) -> None:
-    """``--reclaim``: the bench's keys and the chunks they leave deleted after a kvfs job."""
+    """``--reclaim``: the bench's keys and the chunks they leave deleted before a kvfs job."""
     if ns.reclaim:
         _say(ns, f"  {(await target.reclaim()).text()}")
 
@@ -278,12 +278,12 @@ async def _compare(
     text_out = sys.stderr if ns.output_format == "normal" else None
     _say(ns, "peers: " + ", ".join(_PEER_TEXT[p] for p in ns.peers)
              + ("" if fio_dir or not want_fio else " (fio not installed: skipped)"))
-    async def after_cell(store: str) -> None:
+    async def before_cell(store: str) -> None:
         if store in STORE_NAMES.values():
             await _reclaim(ns, target)
 
     comp = await compare(factories, workloads, fio_dir=fio_dir, progress=ns.progress,
-                         text_out=text_out, cpu=ns.cpu, repeat=ns.repeat, after_cell=after_cell)
+                         text_out=text_out, cpu=ns.cpu, repeat=ns.repeat, before_cell=before_cell)
     if want_fio and fio_dir is None:  # show fio as skipped rather than leaving the column out
         comp.stores.append(FIO_COLUMN)
         for wl in workloads:

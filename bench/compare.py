@@ -304,7 +304,7 @@ async def compare(
     text_out: TextIO | None = None,
     cpu: bool = False,
     repeat: int = 1,
-    after_cell: Callable[[str], Awaitable[None]] | None = None,
+    before_cell: Callable[[str], Awaitable[None]] | None = None,
 ) -> Comparison:
     """Run every workload against every store (a fresh store per workload).
 
@@ -317,8 +317,9 @@ async def compare(
     each job to ``text_out`` if given. With ``cpu`` each cell also records the
     CPU time of this process and of the store's processes (``--cpu``).
 
-    ``after_cell(store)`` (if given) is awaited after each cell of a store that could run
-    here (not fio's) before the next one starts (``kvfs bench --reclaim``: the kvfs cells' keys and chunks deleted).
+    ``before_cell(store)`` (if given) is awaited right before each cell of a store (not fio's,
+    nor one found unavailable) (``kvfs bench --reclaim``: what the earlier kvfs cells wrote
+    deleted before a kvfs cell, which so pays for its own reclaim).
 
     ``repeat``: every cell runs that many times, in passes; every other pass runs the
     workloads, and the stores of each, in the reverse order, so no store (e.g. the
@@ -356,6 +357,8 @@ async def compare(
                 # ETA: the cells still to run at the mean wall time of the cells run so far
                 per_cell = (time.monotonic() - t0) / (n - 1) if n > 1 else wl.ramp_time_s + wl.runtime_s
                 label = f"[{n}/{total}] {name} {wl.rw} {human_bs(wl.bs)}"
+                if before_cell is not None:
+                    await before_cell(name)
                 cell = await _run_cell(name, factories[name], wl, progress, label,
                                        per_cell * (total - n), cpu)
                 runs.setdefault((wl.name, name), []).append(cell)
@@ -363,8 +366,6 @@ async def compare(
                     unavailable[name] = cell.skipped
                 if text_out is not None and cell.result is not None:
                     text_out.write(f"[{name}] " + format_job_text(cell.result.to_json()) + "\n")
-                if after_cell is not None and not cell.unavailable:
-                    await after_cell(name)
             if fio_dir is not None and forward:
                 n += 1
                 runs.setdefault((wl.name, FIO_COLUMN), []).append(

@@ -84,9 +84,12 @@ class BenchTarget:
         with no live bytes, at once: one GC pass with no grace (``grace_s=0``: no write is in
         flight between two jobs; no expiry, eviction or repair), whose chunk deletes free
         the chunks' page-cache pages; then the cluster's directories are synced (the unlinks
-        committed, their blocks discarded).  ``kvfs bench --reclaim`` runs it after each kvfs job, so
-        the next job draws on memory freed moments before, as a cache in steady state reuses
-        what it evicts, rather than on the machine's free memory, walked down job by job.
+        committed, their blocks discarded).  ``kvfs bench --reclaim`` runs it before each kvfs job,
+        so the job draws on memory freed moments before, as a cache in steady state reuses what
+        it evicts, rather than on the machine's free memory, walked down job by job; and it is
+        that job, not a peer's that follows, that runs while the disk still works off the
+        deletes (on this VM a synced write job right after 2 GiB were deleted ran about a
+        quarter slower: bench/RESULTS.md).
         Only for an embedded cluster (``admin_token``)."""
         from kvfs.gc.driver import GarbageCollector, PassOptions
 

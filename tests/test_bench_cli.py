@@ -285,10 +285,11 @@ async def test_reclaim_is_refused_against_a_running_cluster(capsys: pytest.Captu
     assert _ns(*TINY).reclaim is None  # default: on for an embedded cluster (cmd_bench decides)
 
 
-async def test_plain_run_reclaims_after_each_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+async def test_plain_run_reclaims_before_each_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     ns = _ns("--cluster", "inproc", "--rw=write,randread", "--bs=4k", "--batch=8", "--cpu",
              "--dir", str(tmp_path), *TINY)
     assert await bench_cli.cmd_bench(ns) == 0
     out = capsys.readouterr()
-    assert out.err.count("reclaimed 64 keys") == 2  # each job's 256k / 4k keys
+    assert out.err.count("  reclaimed ") == 2  # before each job
+    assert out.err.count("reclaimed 64 keys") == 1  # the first job's 256k / 4k keys, before the second
     assert out.out.count("  memory: MemFree ") == 2  # each job's free memory, with --cpu

@@ -238,18 +238,19 @@ async def test_compare_table_with_subject_peer_and_skipped() -> None:
 
 async def test_compare_repeat_alternates_the_order_and_keeps_the_median_pass() -> None:
     ran: list[tuple[str, str]] = []  # (workload's key prefix, store), in the order run
-    after: list[str] = []  # after_cell's calls (the first compare's)
+    before: list[str] = []  # before_cell's calls (the first compare's)
     first = [True]
 
     class Logged(MemStore):
         async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
             if not self.data:  # the prefill's (or the writes') first call: the cell starts
-                assert not first[0] or len(after) == len(ran)  # after_cell ran for each cell before
+                # before_cell ran right before this cell ("gone" never runs one)
+                assert not first[0] or len([x for x in before if x != "gone"]) == len(ran) + 1
                 ran.append((items[0][0].split(b"/")[0].decode(), self.name))
             await super().put_many(items)
 
-    async def after_cell(store: str) -> None:
-        after.append(store)
+    async def before_cell(store: str) -> None:
+        before.append(store)
 
     def factory(name: str) -> StoreFactory:
         async def make() -> Store:
@@ -263,8 +264,9 @@ async def test_compare_repeat_alternates_the_order_and_keeps_the_median_pass() -
            for n, rw in (("r", "randread"), ("w", "randwrite"))]
     out = io.StringIO()
     comp = await compare({"a": factory("a"), "b": factory("b"), "gone": absent}, wls, out=out,
-                         repeat=3, progress=False, after_cell=after_cell)
-    assert after == [store for _, store in ran]  # after each cell that ran, none for "gone"
+                         repeat=3, progress=False, before_cell=before_cell)
+    assert before[:3] == ["a", "b", "gone"]  # "gone": tried once, then known unavailable
+    assert [s for s in before if s != "gone"] == [store for _, store in ran]
     first[0] = False
     # every other pass runs the workloads, and the stores of each, in the reverse order
     assert ran == [("r", "a"), ("r", "b"), ("w", "a"), ("w", "b"),
