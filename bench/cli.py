@@ -40,7 +40,7 @@ from .stats import format_report_text, report_json
 from .store import Store
 from .target import BenchTarget, open_target
 
-__all__ = ["add_commands", "cmd_bench"]
+__all__ = ["add_arguments", "cmd_bench"]
 
 
 #: the store (and --compare column) name of each --client
@@ -55,14 +55,10 @@ _PEER_TEXT = {
 }
 
 
-def add_commands(sub: Any) -> None:
-    """Add ``kvfs bench`` to the ``kvfs`` subcommands."""
-    p = sub.add_parser(
-        "bench",
-        help="fio-style load generator (no --addr: runs an embedded 3-chunkserver cluster)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvfs bench``'s arguments (its line in ``kvfs --help``: kvfs.cli)."""
+    p.description = __doc__
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
     add_options(p)
     p.set_defaults(func=cmd_bench)
 

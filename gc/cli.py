@@ -256,8 +256,8 @@ async def cmd_daemon(ns: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(sub: Any) -> None:
-    gc = sub.add_parser("gc", help="garbage collection: status, run, fsck, scrub, decommission, pause/resume, daemon")
+def add_arguments(gc: argparse.ArgumentParser) -> None:
+    """``kvfs gc``'s subcommands and their arguments (its line in ``kvfs --help``: kvfs.cli)."""
     gsub = gc.add_subparsers(dest="gc_command", required=True)
 
     p = gsub.add_parser("status", help="per chunkserver: capacity, used, live, garbage, expired keys")

@@ -1,49 +1,40 @@
-"""`kvfs` command line: services, the launcher and the everyday client commands."""
+"""`kvfs` command line: its parser (every command's arguments) and ``main()``.
+
+A command's implementation is imported once its command line is parsed, and only its own:
+the core commands' from ``kvfs.commands``; ``gc``, ``mount``/``umount`` and ``bench`` add
+their arguments from their own modules (``_MODULE_COMMANDS``), imported only when that
+command is parsed.  So a server or the GC daemon imports neither the bench (numpy, with
+its BLAS threads) nor the mount (pyfuse3, trio), and ``kvfs --help`` none of them.
+"""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
-import gc
-import json
+import importlib
 import logging
 import os
-import shutil
 import signal
-import stat as stat_mod
 import sys
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from pathlib import Path
-from typing import BinaryIO, Protocol
+from typing import Any
 
 from kvfs import __version__
 from kvfs._loop import run
 from kvfs._parent import die_with_parent
-from kvfs.address import TOKEN_FILE_HELP, lookup_token, token_from_file
-from kvfs.client import AsyncClient
-from kvfs.config import (
-    DURATION,
-    ChunkServerConfig,
-    ClientConfig,
-    MetaConfig,
-    TlsConfig,
-    UpConfig,
-    add_options,
-    from_options,
-    fsync_argv,
-    tls_argv,
-    tls_fields,
-)
+from kvfs.address import TOKEN_FILE_HELP
+from kvfs.config import DURATION, ChunkServerConfig, MetaConfig, TlsConfig, UpConfig, add_options
 from kvfs.errors import KVFSError
-from kvfs.handshake import Role
-from kvfs.tls import server_context
-from kvfs.units import format_size
 
-log = logging.getLogger("kvfs.cli")
+#: what a parser's ``func`` default names: an ``async def f(ns) -> int``, or its
+#: ``"module:function"`` (imported once the command line is parsed)
+Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
 
-Command = Callable[[argparse.Namespace], Awaitable[int]]
+
+def resolve(name: str) -> Any:
+    """The object ``"module:attribute"`` names, its module imported."""
+    module, _, attr = name.partition(":")
+    return getattr(importlib.import_module(module), attr)
 
 
 def _client_options(p: argparse.ArgumentParser) -> None:
@@ -53,298 +44,25 @@ def _client_options(p: argparse.ArgumentParser) -> None:
     add_options(p, TlsConfig)
 
 
-def _stop_event() -> asyncio.Event:
-    """Set on SIGINT, SIGTERM or SIGHUP (a closed terminal stops a service too)."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
-
-
-class _Service(Protocol):
-    async def start(self) -> str: ...
-    async def close(self) -> None: ...
-
-
-async def _serve(svc: _Service, ready_line: Callable[[str], str], *,
-                 started: Callable[[], None] | None = None) -> int:
-    """Start ``svc``, print its ready line (launchers wait for it), serve until a signal.
-    The signal handlers go in first: a signal as soon as the ready line is out (or during
-    start-up) stops the service cleanly, not by the signal's default action.  ``started``
-    runs once it listens, before the ready line."""
-    stop = _stop_event()
-    addr = await svc.start()
-    if started is not None:
-        started()
-    print(ready_line(addr), flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await svc.close()
-    return 0
-
-
-# services ------------------------------------------------------------------------
-async def cmd_meta(ns: argparse.Namespace) -> int:
-    from kvfs.meta import MetaService
-
-    if ns.data is None:
-        raise ValueError("--data is required")
-    svc = MetaService(from_options(MetaConfig, ns))
-    return await _serve(svc, lambda addr: f"kvfs meta ready {addr}")
-
-
-async def cmd_meta_rebuild(ns: argparse.Namespace) -> int:
-    from kvfs.meta.rebuild import rebuild
-
-    addrs = [a.strip() for a in ns.from_chunkservers.split(",") if a.strip()]
-    # reading every chunk's records (CHUNK_SCAN) is an admin operation
-    token = lookup_token(token_from_file(ns.token_file), data_dir=ns.data, role=Role.ADMIN)
-    rep = await rebuild(ns.data, addrs, token, tls=from_options(TlsConfig, ns))
-    print(f"rebuilt {ns.data / 'meta.sqlite3'} from {rep.servers} chunkservers, {rep.chunks} chunks, "
-          f"{rep.records} records: {rep.keys} keys ({format_size(rep.value_bytes)}); skipped "
-          f"{rep.deleted} deleted, {rep.expired} expired, {rep.incomplete} incomplete "
-          f"(no good copy of an extent), {rep.bad_records} records failing their CRC")
-    for key in rep.dropped_keys[:20]:
-        print(f"  dropped {key[:80].decode(errors='backslashreplace')}")
-    return 0
-
-
-async def cmd_meta_backup(ns: argparse.Namespace) -> int:
-    from kvfs.meta.rebuild import backup
-
-    pages = backup(ns.data, ns.file)
-    print(f"backed up {ns.data / 'meta.sqlite3'} to {ns.file} ({pages} pages)")
-    return 0
-
-
-async def cmd_meta_migrate(ns: argparse.Namespace) -> int:
-    from kvfs.meta.migrate import MigrateReport, migrate
-
-    def progress(rep: MigrateReport) -> None:
-        print(f"kvfs meta migrate: {rep.keys} keys in {rep.seconds:.0f} s", file=sys.stderr, flush=True)
-
-    rep = await migrate(ns.src, ns.dst, from_namespace=ns.from_namespace, to_namespace=ns.to_namespace,
-                        batch=ns.batch, progress=progress)
-    resumed = "" if rep.resumed_after is None else f" (resumed after {rep.resumed_after[:60]!r})"
-    print(f"migrated cluster {rep.cluster_id} from {rep.source} to {rep.target}{resumed}: "
-          f"{rep.keys} keys ({rep.expired} expired, not moved), {rep.servers} chunkservers, "
-          f"{rep.retired_chunks} retired chunks, {rep.state} GC state entries in {rep.seconds:.1f} s "
-          f"({rep.keys / max(rep.seconds, 1e-9):.0f} keys/s)")
-    return 0
-
-
-async def cmd_chunkserver(ns: argparse.Namespace) -> int:
-    from kvfs.chunkserver import ChunkServer
-
-    svc = ChunkServer(from_options(ChunkServerConfig, ns))
-    # What start-up made (modules, classes, the config: some 46,000 objects) is never garbage.
-    # Frozen, the cyclic GC's full collections no longer walk it: they come every few hundred
-    # APPENDs (each holds its records across the write) and cost a put about 0.3 us per key
-    # on the chunkserver at 4 KiB x 128 (bench/RESULTS.md, "Chunkserver CPU per key").
-    return await _serve(svc, lambda addr: f"kvfs chunkserver ready id={svc.server_id} {addr}",
-                        # (mypy takes ``gc`` for this repository's gc/ folder, kvfs.gc: the stdlib's here)
-                        started=gc.freeze)  # type: ignore[attr-defined]
-
-
-async def cmd_up(ns: argparse.Namespace) -> int:
-    from kvfs.launcher import ProcessCluster
-
-    cfg = from_options(UpConfig, ns)  # every argument checked before anything starts
-    server_context(cfg, "TLS")  # the TLS files load (the children load them again)
-    meta_args: list[str] = []
-    if cfg.default_ttl_s is not None:
-        meta_args += ["--default-ttl", repr(cfg.default_ttl_s)]
-    cs_args: list[str] = []
-    if cfg.capacity_bytes is not None:
-        cs_args += ["--capacity", str(cfg.capacity_bytes)]
-    gc_args: list[str] = []
-    if cfg.gc_interval_s is not None:
-        gc_args += ["--interval", repr(cfg.gc_interval_s)]
-    tls_args = tls_argv(cfg)  # every child: its server certificate, and its client one
-    meta_args, cs_args, gc_args = meta_args + tls_args, cs_args + tls_args, gc_args + tls_args
-    meta_args, cs_args = meta_args + fsync_argv(cfg), cs_args + fsync_argv(cfg)
-    redis_args: tuple[str, ...] | None = None
-    if cfg.meta_store == "redis-cluster":
-        from kvfs.meta.redis_local import REDIS_SERVER
-
-        if shutil.which(REDIS_SERVER) is None:
-            raise ValueError(f"--meta-store redis-cluster needs {REDIS_SERVER} (Debian: apt-get "
-                             "install redis-server) and the redis extra (pip install 'kvfs[redis]')")
-        redis_args = ("--replicas", "1" if cfg.redis_replicas else "0")
-        if cfg.redis_maxmemory_bytes is not None:
-            redis_args += ("--maxmemory", str(cfg.redis_maxmemory_bytes))
-    cluster = ProcessCluster(cfg.data, cfg.chunkservers, listen=cfg.listen,
-                             meta_args=tuple(meta_args), chunkserver_args=tuple(cs_args),
-                             gc=cfg.gc, gc_args=tuple(gc_args), redis_args=redis_args)
-
-    def report(msg: str) -> None:
-        print(f"kvfs up: {msg}", file=sys.stderr, flush=True)
-
-    stop = _stop_event()  # before anything starts: a signal during start-up stops it cleanly
-    addr = await cluster.start()
-    supervisor: asyncio.Task[None] | None = None
-    try:
-        token_path = cluster.write_user_token()
-        print(addr, flush=True)
-        pids = ", ".join(f"{p.name} {p.pid}" for p in cluster.services())
-        tls = ("no TLS" if cfg.tls_cert is None else
-               f"TLS with {cfg.tls_cert} (clients: --tls-ca or $KVFS_TLS_CA"
-               + (f" {cfg.tls_ca}, and a client certificate it signed: mutual TLS)"
-                  if cfg.tls_ca else ")"))
-        store = ("" if cluster.store_url is None else
-                 f", meta on a {'3+3' if cfg.redis_replicas else '3'}-node Redis Cluster "
-                 f"{cluster.store_url}")
-        report(f"{cfg.chunkservers} chunkservers{' + gc daemon' if cfg.gc else ''}{store}, data in "
-               f"{cluster.data}; token in {token_path} (mode 0600); {tls}; pid {os.getpid()} "
-               f"({pids}). Ctrl-C stops all.")
-        supervisor = asyncio.create_task(cluster.supervise(
-            report, restart=cfg.restart, backoff_s=cfg.restart_backoff_s,
-            backoff_max_s=cfg.restart_backoff_max_s, stable_s=cfg.restart_stable_s))
-        await stop.wait()
-        report("stopping")
-    finally:
-        if supervisor is not None:
-            supervisor.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await supervisor
-        await cluster.stop()
-    return 0
-
-
-# client commands ------------------------------------------------------------------
-def _client(ns: argparse.Namespace) -> AsyncClient:
-    return AsyncClient(ns.addr, token=token_from_file(ns.token_file),
-                       config=ClientConfig(**tls_fields(from_options(TlsConfig, ns))))
-
-
-async def _read_chunks(f: BinaryIO, n: int) -> AsyncIterator[bytes]:
-    """``f`` in pieces of ``n`` bytes, each read in a thread while the loop keeps writing."""
-    while True:
-        piece = await asyncio.to_thread(f.read, n)
-        if not piece:
-            return
-        yield piece
-
-
-async def cmd_put(ns: argparse.Namespace) -> int:
-    """Streams: memory stays a few stripe units, whatever the file's size."""
-    async with _client(ns) as kv:
-        stripe = kv.config.stripe_bytes
-        if ns.file == "-":
-            await kv.put_stream(ns.key, _read_chunks(sys.stdin.buffer, stripe), ttl=ns.ttl,
-                                replicas=ns.replicas)
-            return 0
-        with open(ns.file, "rb") as f:
-            st = os.fstat(f.fileno())
-            size = st.st_size if stat_mod.S_ISREG(st.st_mode) else None
-            await kv.put_stream(ns.key, _read_chunks(f, stripe), size=size, ttl=ns.ttl,
-                                replicas=ns.replicas)
-    return 0
-
-
-async def cmd_get(ns: argparse.Namespace) -> int:
-    """Streams: one stripe unit at a time (a few read ahead) to the file or stdout."""
-    async with _client(ns) as kv:
-        reader = await kv.open_read(ns.key)
-        if reader is None:
-            print(f"kvfs: {ns.key}: not found", file=sys.stderr)
-            return 1
-        to_file = bool(ns.output and ns.output != "-")
-        out = open(ns.output, "wb") if to_file else sys.stdout.buffer  # noqa: SIM115
-        try:
-            async for part in reader.chunks():
-                out.write(part)
-            out.flush()
-        finally:
-            if to_file:
-                out.close()
-    return 0
-
-
-async def cmd_rm(ns: argparse.Namespace) -> int:
-    async with _client(ns) as kv:
-        n = await kv.delete_many(ns.keys)
-    print(f"deleted {n} of {len(ns.keys)}")
-    return 0 if n == len(ns.keys) else 1
-
-
-def _ts(t: float | None) -> str:
-    return "-" if t is None else time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t))
-
-
-async def cmd_ls(ns: argparse.Namespace) -> int:
-    async with _client(ns) as kv:
-        infos = await kv.list(ns.prefix or b"", limit=ns.limit)
-    if ns.json:
-        print(json.dumps([{"key": i.key.decode(errors="backslashreplace"), "size": i.size,
-                           "created": i.created, "expires_at": i.expires_at, "extents": i.extents}
-                          for i in infos]))
-        return 0
-    if ns.long:
-        print(f"{'size':>12}  {'created':<19}  {'expires':<19}  {'extents':>7}  key")
-    for i in infos:
-        key = i.key.decode(errors="backslashreplace")
-        if ns.long:
-            print(f"{i.size:>12}  {_ts(i.created):<19}  {_ts(i.expires_at):<19}  {i.extents:>7}  {key}")
-        else:
-            print(key)
-    return 0
-
-
-async def cmd_stat(ns: argparse.Namespace) -> int:
-    async with _client(ns) as kv:
-        st = await kv.stats()
-    if ns.json:
-        print(json.dumps(st, default=str))
-        return 0
-    print(f"keys: {st['keys']}   bytes: {format_size(st['bytes'])}   "
-          f"overflow leases: {st.get('leases_overflowed', 0)}")
-    from kvfs.gc.cli import format_repair
-
-    print(format_repair(st.get("gc", {}).get("repair"), st.get("gc", {}).get("metrics", {})))
-    print(f"{'id':>3} {'addr':<22} {'alive':<5} {'capacity':>11} {'free':>11} {'chunks':>6} "
-          f"{'written':>11} {'live':>11} {'garbage':>11}")
-    for s in st["servers"]:
-        alive = ("drain" if s.get("draining") else "yes") if s["alive"] else "NO"
-        print(f"{s['server_id']:>3} {s['addr']:<22} {alive:<5} "
-              f"{format_size(s['capacity']):>11} {format_size(s['free']):>11} {s['chunks']:>6} "
-              f"{format_size(s['written']):>11} {format_size(s['live']):>11} "
-              f"{format_size(s['garbage']):>11}")
-    for s in st["servers"]:
-        if s.get("draining"):
-            print(f"# server {s['server_id']} is draining (kvfs gc decommission): {format_size(s['live'])} "
-                  "live left to copy away; then meta forgets it")
-    shared = max((int(s.get("shared_by", 1)) for s in st["servers"]), default=1)
-    if shared > 1:
-        print(f"# chunkservers sharing a disk each show their share of its capacity and free "
-              f"space (up to {shared} share one); totals count each disk once")
-    return 0
-
-
 # parser -------------------------------------------------------------------------
-def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
-    """The ``kvfs`` parser.  Given the command line ``argv``, the modules of
-    ``_EXTRA_COMMAND_MODULES`` after the one adding its command are not imported (none for
-    this module's commands: ``chunkserver``, ``meta``, ``up``, ...): a server or the GC
-    daemon does not import the bench (numpy, with its BLAS threads) or the mount
-    (pyfuse3, trio), nor a mount the bench."""
+def build_parser() -> argparse.ArgumentParser:
+    """The ``kvfs`` parser: no command's implementation imported (``main`` imports the one it runs)."""
     parser = argparse.ArgumentParser(prog="kvfs", description="kvfs: a file-system-backed KV cache")
     parser.add_argument("-v", "--verbose", action="count", default=0)
     parser.add_argument("--version", action="version", version=f"kvfs {__version__}")
+    parser.register("action", "parsers", _Commands)
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("up", help="start meta + N chunkservers + GC on this machine, supervised "
                        "(Ctrl-C stops)")
     add_options(p, UpConfig)
-    p.set_defaults(func=cmd_up)
+    p.set_defaults(func="kvfs.commands:cmd_up")
 
     p = sub.add_parser("meta", help="run the metadata service in the foreground; "
                        "or rebuild / back up its database")
     add_options(p, MetaConfig, skip=("data",))
     p.add_argument("--data", type=Path, default=None, help="data directory (SQLite store, token)")
-    p.set_defaults(func=cmd_meta)
+    p.set_defaults(func="kvfs.commands:cmd_meta")
     msub = p.add_subparsers(dest="meta_command", metavar="{rebuild,backup,migrate}")
     q = msub.add_parser("rebuild", help="write a new meta database from the chunkservers' records "
                         "(after meta's database was lost)")
@@ -354,11 +72,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     q.add_argument("--token-file", default=None,
                    help="the admin token's file (default: $KVFS_ADMIN_TOKEN, else DATA/admin.token)")
     add_options(q, TlsConfig)
-    q.set_defaults(func=cmd_meta_rebuild)
+    q.set_defaults(func="kvfs.commands:cmd_meta_rebuild")
     q = msub.add_parser("backup", help="copy the live database to FILE (SQLite online backup)")
     q.add_argument("file", type=Path)
     q.add_argument("--data", type=Path, required=True, help="meta's data directory")
-    q.set_defaults(func=cmd_meta_backup)
+    q.set_defaults(func="kvfs.commands:cmd_meta_backup")
     q = msub.add_parser("migrate", help="move the index between stores, meta stopped: SQLite to "
                         "Redis Cluster or back, or to another Redis namespace (keys, TTLs, last "
                         "access, cluster id, chunkservers, retired chunks, GC state); resumes a run "
@@ -372,11 +90,11 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     q.add_argument("--to-namespace", default="kvfs", help="a redis target's --store-namespace")
     q.add_argument("--batch", type=int, default=1000,
                    help="keys read and written per step (memory stays about this many layouts)")
-    q.set_defaults(func=cmd_meta_migrate)
+    q.set_defaults(func="kvfs.commands:cmd_meta_migrate")
 
     p = sub.add_parser("chunkserver", help="run one chunkserver in the foreground")
     add_options(p, ChunkServerConfig)
-    p.set_defaults(func=cmd_chunkserver)
+    p.set_defaults(func="kvfs.commands:cmd_chunkserver")
 
     p = sub.add_parser("put", help="store FILE (or - for stdin) under KEY")
     p.add_argument("key")
@@ -385,19 +103,19 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
                    help="time until it expires, e.g. 90, 30s, 5min, 1h (default: the cluster's)")
     p.add_argument("--replicas", type=int, default=None)
     _client_options(p)
-    p.set_defaults(func=cmd_put)
+    p.set_defaults(func="kvfs.commands:cmd_put")
 
     # (duplicates: the sub-parsers below pair up by shape; each declares its own command's arguments)
     p = sub.add_parser("get", help="write the value of KEY to stdout (or -o FILE)")
     p.add_argument("key")
     p.add_argument("-o", "--output", default=None)
     _client_options(p)
-    p.set_defaults(func=cmd_get)
+    p.set_defaults(func="kvfs.commands:cmd_get")
 
     p = sub.add_parser("rm", help="delete keys")
     p.add_argument("keys", nargs="+")
     _client_options(p)
-    p.set_defaults(func=cmd_rm)
+    p.set_defaults(func="kvfs.commands:cmd_rm")
 
     p = sub.add_parser("ls", help="list keys starting with PREFIX")
     p.add_argument("prefix", nargs="?", default="")
@@ -406,44 +124,76 @@ def build_parser(argv: Sequence[str] | None = None) -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--json", action="store_true")
     _client_options(p)
-    p.set_defaults(func=cmd_ls)
+    p.set_defaults(func="kvfs.commands:cmd_ls")
 
     p = sub.add_parser("stat", help="cluster totals and per-chunkserver usage")
     p.add_argument("--json", action="store_true")
     _client_options(p)
-    p.set_defaults(func=cmd_stat)
+    p.set_defaults(func="kvfs.commands:cmd_stat")
 
-    import importlib
-
-    command = next((a for a in argv if not a.startswith("-")), None) if argv is not None else None
-    for mod in _EXTRA_COMMAND_MODULES:
-        if command in sub.choices:  # (the modules after the command's are not imported)
-            break
-        try:
-            module = importlib.import_module(mod)
-        except ImportError as exc:  # an optional part missing its extra must not break the rest
-            log.debug("%s not available: %s", mod, exc)
-            continue
-        module.add_commands(sub)
+    assert isinstance(sub, _Commands)
+    for name, line, adder in _MODULE_COMMANDS:
+        sub.add_later(name, line, adder)
     return parser
 
 
-# Modules that add subcommands: each has ``add_commands(subparsers)`` and sets
-# ``func`` (an ``async def f(ns) -> int``) on its parsers; the bench, which imports the
-# most, last (build_parser)
-_EXTRA_COMMAND_MODULES = ("kvfs.gc.cli", "kvfs.mount", "kvfs.bench.cli")
+# The commands whose arguments (and ``func`` defaults) another module adds, in ``kvfs --help``'s
+# order after the ones above: the name, its line in ``kvfs --help``, and the ``"module:function"``
+# that adds them to its parser, imported only when that command is parsed
+_MODULE_COMMANDS = (
+    ("gc", "garbage collection: status, run, fsck, scrub, decommission, pause/resume, daemon",
+     "kvfs.gc.cli:add_arguments"),
+    ("mount", "mount the cluster as a filesystem (FUSE; runs until unmounted)",
+     "kvfs.mount.cli:add_mount_arguments"),
+    ("umount", "unmount a kvfs mount (also one whose process died)",
+     "kvfs.mount.cli:add_umount_arguments"),
+    ("bench", "fio-style load generator (no --addr: runs an embedded 3-chunkserver cluster)",
+     "kvfs.bench.cli:add_arguments"),
+)
+
+
+class _Commands(argparse._SubParsersAction):
+    """``kvfs``'s subcommands, some of whose arguments are added only once that command is
+    parsed (``add_later``): ``kvfs --help`` lists them without importing their modules."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._later: dict[str, str] = {}
+
+    def add_later(self, name: str, line: str, adder: str) -> None:
+        """Command ``name`` (``line`` in ``kvfs --help``), its arguments added to its parser by
+        the function ``adder`` (``"module:function"``) when it is parsed."""
+        self.add_parser(name, help=line)
+        self._later[name] = adder
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        name = values[0]
+        adder = self._later.pop(name, None)
+        if adder is not None:
+            try:
+                add = resolve(adder)
+            except ImportError as exc:  # an optional part without its extra installed
+                parser.error(f"kvfs {name} is not available: {exc}")
+            add(self.choices[name])
+        super().__call__(parser, namespace, values, option_string)
+
+
+def command_of(ns: argparse.Namespace) -> Command:
+    """The function a parsed command line runs (its module imported)."""
+    func: Command = resolve(ns.func) if isinstance(ns.func, str) else ns.func
+    return func
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent()
     if argv is None:
         argv = sys.argv[1:]
-    parser = build_parser(argv)
-    ns = parser.parse_args(argv)
+    ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * ns.verbose,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)
     try:
-        return run(ns.func(ns))
+        return run(command_of(ns)(ns))
     except BrokenPipeError:
         return _closed_stdout()
     except KVFSError as exc:

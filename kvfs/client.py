@@ -349,8 +349,10 @@ class AsyncClient:
         total = sum(sizes)
         loop = asyncio.get_running_loop()
         putting = self._putting
-        # the calls running with these keys (per key in C; per running call below)
-        running = cast(set[asyncio.Future[None]], set(map(putting.get, keys)) - {None})
+        # the calls running with these keys (per key in C; per running call below): none,
+        # the usual case, found without a set of futures built
+        running = (set() if putting.keys().isdisjoint(keys)
+                   else cast(set[asyncio.Future[None]], set(map(putting.get, keys)) - {None}))
         earlier = {f for f in running if f.get_loop() is loop}
         if running:  # their keys taken over here: they must not drop them when they end
             self._overtaken |= running

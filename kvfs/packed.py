@@ -87,6 +87,13 @@ def _filled(code: str, value: int, n: int) -> bytes:
     return _column(code, (value,)) * n
 
 
+def _col(code: str, values: Sequence[int]) -> bytes:
+    """:func:`_column` of ``values``, made by :func:`_filled` when they are all one number
+    (checked in C: a put's key lengths, sizes, replica counts and server often are)."""
+    n = len(values)
+    return _filled(code, values[0], n) if n and values.count(values[0]) == n else _column(code, values)
+
+
 def pack(keys: Sequence[bytes], layouts: Sequence[Layout]) -> bytes:
     """The packed blob of ``keys[i]``'s ``layouts[i]`` (``created``/``expires_at`` are left
     out: meta stamps them)."""
@@ -143,12 +150,12 @@ def pack_single(keys: Sequence[bytes], sizes: Sequence[int], crcs: Sequence[int]
     else:
         meta_blob = b"".join(m for m in metas if m is not None)
         meta_len = _column(U32, [NO_META if m is None else len(m) for m in metas])
-    size_col, crc_col = _column(U32, sizes), _column(U32, crcs)
+    size_col, crc_col = _col(U32, sizes), _column(U32, crcs)
     return b"".join((
         HEAD.pack(MAGIC, n, n, len(server), len(meta_blob)),
-        _column(U16, map(len, keys)), size_col, crc_col, _filled(U32, 1, n), meta_len,
-        size_col, crc_col, _column(U8, nreps),
-        _column(U32, server), _column(U64, chunk), _column(U64, offset),
+        _col(U16, list(map(len, keys))), size_col, crc_col, _filled(U32, 1, n), meta_len,
+        size_col, crc_col, _col(U8, nreps),
+        _col(U32, server), _col(U64, chunk), _column(U64, offset),
         *keys, meta_blob,
     ))
 

@@ -372,7 +372,10 @@ class WritePath:
             heads_all = list(zip(keys, sizes, crcs, repeat(expires_hint), repeat(wid), total, crcs,
                                  repeat(0), repeat(False), strict=False))
             count = len(placed)
-            starts = [0, *compress(range(1, count), map(is_not, placed[1:], placed))]
+            # where each run of values placed on the same servers starts: one run (every value
+            # on place's one tuple, the usual case) found by one count in C
+            starts = ([0] if placed.count(placed[0]) == count
+                      else [0, *compress(range(1, count), map(is_not, placed[1:], placed))])
             for a, b in zip(starts, [*starts[1:], count], strict=True):
                 at = []
                 for sid in cast("tuple[int, ...]", placed[a]):

@@ -118,20 +118,50 @@ def test_version() -> None:
     assert pkg.__version__.count(".") >= 2
 
 
-@pytest.mark.parametrize(("command", "imported"), [
-    ("chunkserver", []), ("meta", []), ("up", []), ("gc", []), ("mount", ["kvfs.mount"])])
-def test_a_service_command_imports_neither_the_bench_nor_the_mount(command: str, imported: list[str],
-                                                                   ) -> None:
-    """The processes ``kvfs up`` starts (and a mount) parse their command line without
-    importing the bench (numpy and its BLAS threads in every server) or, but for a mount,
-    the mount (pyfuse3 with it, where the ``fuse`` extra installed it)."""
-    code = ("import sys; from kvfs.cli import build_parser; "
-            f"build_parser(['-v', {command!r}, '--help-me-not']); "
-            "print(sorted(m for m in ('kvfs.bench', 'kvfs.mount', 'numpy') if m in sys.modules), "
-            "'pyfuse3' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, check=True)
-    fuse = command == "mount" and importlib.util.find_spec("pyfuse3") is not None
-    assert out.stdout.decode().strip() == f"{imported} {fuse}"
+_HEAVY = ("kvfs.bench", "kvfs.gc", "kvfs.mount", "numpy", "pyfuse3")
+
+
+def _imported(code: str) -> list[str]:
+    """Which of ``_HEAVY`` a fresh interpreter running ``code`` imported."""
+    code += f"\nimport json; print(json.dumps(sorted(m for m in {_HEAVY!r} if m in sys.modules)), file=sys.__stdout__)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+_FUSE = ["pyfuse3"] if importlib.util.find_spec("pyfuse3") is not None else []
+
+
+@pytest.mark.parametrize(("argv", "imported"), [
+    (["chunkserver", "--data", "d"], []), (["meta", "--data", "d"], []), (["up"], []),
+    (["put", "k", "f"], []), (["stat"], []), (["gc", "daemon"], ["kvfs.gc"]),
+    (["mount", "m"], ["kvfs.mount", *_FUSE]), (["bench"], ["kvfs.bench", "numpy"])])
+def test_a_command_imports_only_its_own_parts(argv: list[str], imported: list[str]) -> None:
+    """A command line, parsed and its function imported, brings in only that command's
+    parts: the processes ``kvfs up`` starts neither the bench (numpy and its BLAS threads
+    in every server) nor the mount (pyfuse3), a mount not the GC or the bench, the bench
+    not the mount."""
+    code = f"import sys; from kvfs.cli import build_parser, command_of; command_of(build_parser().parse_args({argv!r}))"
+    assert _imported(code) == imported
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["chunkserver", "--help"], ["up", "--help"]])
+def test_help_imports_no_command_module(argv: list[str]) -> None:
+    """``python -m kvfs --help`` (and a service's) lists every command without importing one."""
+    code = ("import os, runpy, sys\n"
+            f"sys.argv = ['kvfs', *{argv!r}]\nsys.stdout = open(os.devnull, 'w')\n"
+            "try:\n    runpy.run_module('kvfs', run_name='__main__')\n"
+            "except SystemExit as exc:\n    assert exc.code == 0, exc.code")
+    assert _imported(code) == []
+
+
+def test_a_command_whose_module_cannot_be_imported_is_a_usage_error() -> None:
+    """Without numpy (no bench extra), ``kvfs bench`` says what is missing; the rest work."""
+    code = ("import sys; sys.modules['numpy'] = None; from kvfs.cli import main; "
+            "sys.exit(main(['bench']))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "kvfs bench is not available" in res.stderr, res.stderr
+    assert "numpy" in res.stderr
 
 
 def test_help_lists_every_command() -> None:
@@ -147,7 +177,7 @@ def test_a_signal_as_soon_as_a_service_is_ready_stops_it_cleanly() -> None:
     and exits 0 instead of dying by SIGTERM's default action."""
     code = """if True:
         import asyncio, os, signal
-        from kvfs.cli import _serve
+        from kvfs.commands import _serve
 
         class Svc:
             async def start(self):

@@ -97,6 +97,25 @@ def test_pack_single_makes_the_blob_pack_makes_of_the_same_single_extent_layouts
         pack_single(keys, [1] * 7, [0] * 7, [1] * 7, [1], [1], [1], metas)
 
 
+@pytest.mark.parametrize("same", ["all", "key_len", "size", "server", "chunk"])
+def test_pack_single_of_columns_of_one_number_makes_the_blob_pack_makes(same: str) -> None:
+    """A put's usual columns (keys of one length, values of one size, one replica each on
+    one server, in one chunk) are made by repeating one number: the bytes must still be
+    :func:`pack`'s, and a column of one number among columns of many too."""
+    def col(name: str, one: int, many: list[int]) -> list[int]:
+        return [one] * 9 if same in ("all", name) else many
+    sizes = col("size", 4096, [100 + i for i in range(9)])
+    servers = col("server", 2, [1 + i % 3 for i in range(9)])
+    chunks = col("chunk", (3 << 40) + 1, [(i << 40) + 1 for i in range(9)])
+    keys = [b"k%08d" % i if same in ("all", "key_len") else b"k" * (1 + i) for i in range(9)]
+    lays = [_lay(n, 5 * i, [(n, 5 * i, [(s, c, 4160 * i)])])
+            for i, (n, s, c) in enumerate(zip(sizes, servers, chunks, strict=True))]
+    blob = pack_single(keys, sizes, [5 * i for i in range(9)], [1] * 9, servers, chunks,
+                       [4160 * i for i in range(9)])
+    assert blob == pack(keys, lays)
+    assert unpack(blob, 1.0, None).staged == [(k, lay.stamped(1.0, None)) for k, lay in zip(keys, lays, strict=True)]
+
+
 @pytest.mark.parametrize(("replicas", "extents"), [(3, 1), (1, 4), (2, 2)])
 def test_uniform_shapes_round_trip(replicas: int, extents: int) -> None:
     """Every value with the same extent and replica counts (a replicated or striped put)."""

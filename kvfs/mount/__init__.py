@@ -50,8 +50,7 @@ a dead mount point ("Transport endpoint is not connected"): remove it with
 ``kvfs umount MOUNTPOINT`` (``fusermount3 -u``).
 """
 
-from kvfs.mount.cli import add_commands
 from kvfs.mount.mtab import is_mounted
 from kvfs.mount.ops import KVFSOperations
 
-__all__ = ["KVFSOperations", "add_commands", "is_mounted"]
+__all__ = ["KVFSOperations", "is_mounted"]

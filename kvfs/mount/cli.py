@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import sys
-from typing import Any
 
 from kvfs.address import TOKEN_FILE_HELP, token_from_file
 from kvfs.config import ClientConfig, MountConfig, TlsConfig, add_options, from_options, tls_fields
@@ -20,17 +19,17 @@ from kvfs.mount.mtab import is_mounted, set_read_ahead
 from kvfs.mount.ops import KVFSOperations
 from kvfs.units import parse_duration
 
-__all__ = ["add_commands", "cmd_mount", "cmd_umount"]
+__all__ = ["add_mount_arguments", "add_umount_arguments", "cmd_mount", "cmd_umount"]
 
 log = logging.getLogger("kvfs.mount")
 
 
-def add_commands(sub: Any) -> None:
-    p = sub.add_parser("mount", help="mount the cluster as a filesystem (FUSE; runs until unmounted)",
-                       description="Mount a kvfs cluster at MOUNTPOINT. Runs in the foreground; "
-                       "Ctrl-C, SIGTERM or `kvfs umount MOUNTPOINT` unmounts. A file is committed "
-                       "when it is closed (with --write-behind: held, and committed soon after); large files stream (written in order) and are read by "
-                       "stripe units, so memory stays bounded per open file.")
+def add_mount_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvfs mount``'s arguments (its line in ``kvfs --help``: kvfs.cli)."""
+    p.description = ("Mount a kvfs cluster at MOUNTPOINT. Runs in the foreground; "
+                     "Ctrl-C, SIGTERM or `kvfs umount MOUNTPOINT` unmounts. A file is committed "
+                     "when it is closed (with --write-behind: held, and committed soon after); large files stream (written in order) and are read by "
+                     "stripe units, so memory stays bounded per open file.")
     p.add_argument("mountpoint")
     p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
     p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
@@ -45,7 +44,9 @@ def add_commands(sub: Any) -> None:
     add_options(p, TlsConfig)
     p.set_defaults(func=cmd_mount)
 
-    p = sub.add_parser("umount", help="unmount a kvfs mount (also one whose process died)")
+
+def add_umount_arguments(p: argparse.ArgumentParser) -> None:
+    """``kvfs umount``'s arguments (its line in ``kvfs --help``: kvfs.cli)."""
     p.add_argument("mountpoint")
     p.add_argument("-z", "--lazy", action="store_true", help="detach now even if busy")
     p.set_defaults(func=cmd_umount)
