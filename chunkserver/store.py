@@ -75,7 +75,7 @@ class Span(NamedTuple):
 
 
 _span = functools.partial(tuple.__new__, Span)  # a Span from a tuple, no Python constructor
-_CHUNK, _OFFSET, _LENGTH = map(operator.itemgetter, range(3))  # a range's fields
+_LENGTH = operator.itemgetter(2)  # a range's length
 _sliced = cast("Callable[[memoryview, slice], memoryview]", operator.getitem)  # view[s], in C
 
 
@@ -1147,18 +1147,16 @@ class ChunkStore:
         maps = self.maps
         if not maps.max_maps or not ranges:
             return None
-        cids = list(map(_CHUNK, ranges))
+        cids, offs, lens = zip(*ranges, strict=True)  # the columns, in one pass
         chunks = set(cids)
         if len(chunks) > MAPPED_MAX_CHUNKS:  # known first: random keys of a large server
             return None
-        lens = list(map(_LENGTH, ranges))
         total = sum(lens)
         if total > INLINE_READ_BYTES or min(lens) < 0:
             return None
-        offs = list(map(_OFFSET, ranges))
         if min(offs) < 0:  # (a READV's never are: its ranges were checked)
             return None
-        ends = list(map(operator.add, offs, lens))
+        ends = tuple(map(operator.add, offs, lens))
         views: dict[int, memoryview] = {}
         self._reads_in_flight += 1  # before taking fds: none of them is closed under us
         try:

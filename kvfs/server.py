@@ -37,6 +37,7 @@ from kvfs.fileparts import FileParts, ShortFile
 from kvfs.frame_protocol import FrameProtocol
 from kvfs.handshake import Role, endpoint, new_nonce, server_check
 from kvfs.protocol import (
+    FIXED,
     FIXED_SIZE,
     PROTOCOL_VERSION,
     Buffer,
@@ -396,9 +397,7 @@ class _ServerProtocol(FrameProtocol):
                 log.exception("%s failed", name)
                 self._reply_error(frame, ServerError(f"{name} failed on the server: {type(exc).__name__}: {exc}"))
                 return charged
-            size = sum(b.nbytes if isinstance(b, memoryview) else len(b) for b in reply)
-            if files is not None:
-                size += files.nbytes
+            size = len(reply[0]) + FIXED.unpack_from(reply[0])[-1]  # the payload it announces
             if size > charged:
                 self.inflight_bytes += size - charged
                 charged = size
