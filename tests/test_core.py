@@ -386,7 +386,7 @@ async def test_a_large_put_many_is_spread_in_contiguous_runs(kv: AsyncClient) ->
     assert len(set(servers)) == 3  # 16 runs over the 3 servers
     runs = [servers[i : i + per_run] for i in range(0, 256, per_run)]
     assert all(len(set(run)) == 1 for run in runs)  # each run's values on one server
-    assert all(a != b for a, b in zip(runs, runs[1:]))  # the next run on the next server
+    assert all(a != b for a, b in itertools.pairwise(runs))  # the next run on the next server
 
 
 @pytest.mark.parametrize("replicas", [1, 2])
