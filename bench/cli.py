@@ -159,6 +159,12 @@ async def cmd_bench(ns: argparse.Namespace) -> int:
         print(f"kvfs bench: --fsync sets the embedded cluster's; the cluster at --addr keeps its "
               f"own (drop --fsync {ns.fsync}, or drop --addr)", file=sys.stderr)
         return 2
+    if ns.reclaim and ns.addr is not None:
+        print("kvfs bench: --reclaim deletes keys and runs a GC pass on the embedded cluster only "
+              "(drop --reclaim, or drop --addr)", file=sys.stderr)
+        return 2
+    if ns.reclaim is None:
+        ns.reclaim = ns.addr is None
     if ns.gc:
         return await _gc_bench(ns)
     if ns.compare and ns.numjobs != 1:
@@ -196,9 +202,7 @@ async def _gc_bench(ns: argparse.Namespace) -> int:
         workdir.mkdir(parents=True, exist_ok=True)
         try:
             async with open_target(ns, workdir) as target:
-                c = target.cluster
-                data = getattr(c, "data", None) or getattr(c, "root", None)
-                report = await run_gc_bench(ns, target.addr, target.admin_token, data,
+                report = await run_gc_bench(ns, target.addr, target.admin_token, target.data_dir(),
                                             child=target.embedded != "inproc")
         except BenchError as e:
             print(f"kvfs bench: {e}", file=sys.stderr)
@@ -217,6 +221,7 @@ async def _plain(ns: argparse.Namespace, target: BenchTarget, workloads: list[Wo
     for i, (wl, client) in enumerate(runs, 1):
         _say(ns, f"[{i}/{len(runs)}] {describe(wl)} size={human_bs(wl.size_bytes)} "
                  f"runtime={wl.runtime_s:g}s" + ("" if client == "async" else f" client={client}"))
+        await _reclaim(ns, target)  # the earlier jobs' keys and chunks (--reclaim)
         # jobs that run one after another are groups of their own (fio sums a group)
         if ns.numjobs == 1:
             label = f"[{i}/{len(runs)}] {STORE_NAMES[client]} {wl.rw} {human_bs(wl.bs)}"
@@ -244,6 +249,12 @@ def _emit(ns: argparse.Namespace, report: dict[str, Any], out: TextIO) -> None:
     out.flush()
 
 
+async def _reclaim(ns: argparse.Namespace, target: BenchTarget) -> None:
+    """``--reclaim``: the bench's keys and the chunks they leave deleted before a kvfs job."""
+    if ns.reclaim:
+        _say(ns, f"  {(await target.reclaim()).text()}")
+
+
 async def _compare(
     ns: argparse.Namespace, target: BenchTarget, workloads: list[Workload], workdir: Path
 ) -> int:
@@ -263,8 +274,12 @@ async def _compare(
     text_out = sys.stderr if ns.output_format == "normal" else None
     _say(ns, "peers: " + ", ".join(_PEER_TEXT[p] for p in ns.peers)
              + ("" if fio_dir or not want_fio else " (fio not installed: skipped)"))
+    async def before_cell(store: str) -> None:
+        if store in STORE_NAMES.values():
+            await _reclaim(ns, target)
+
     comp = await compare(factories, workloads, fio_dir=fio_dir, progress=ns.progress,
-                         text_out=text_out, cpu=ns.cpu, repeat=ns.repeat)
+                         text_out=text_out, cpu=ns.cpu, repeat=ns.repeat, before_cell=before_cell)
     if want_fio and fio_dir is None:  # show fio as skipped rather than leaving the column out
         comp.stores.append(FIO_COLUMN)
         for wl in workloads:

@@ -24,7 +24,7 @@ from .jobs import API_SUFFIX, human_bs
 from .options import MAX_REPEAT
 from .peers import FilePerKeyStore, LoopbackLimit, MooncakeStore, RedisStore, run_fio_file
 from .runner import LOOKUP_APIS, BenchError, JobResult, Workload, run_workload
-from .stats import format_job_text, num2str, percentile_key, report_json
+from .stats import format_job_text, format_mem_free, num2str, percentile_key, report_json
 from .store import PeerUnavailable, Store
 
 __all__ = [
@@ -56,13 +56,14 @@ def peer_factories(
     """Factories for the baseline stores; each call makes a fresh, empty store.
 
     ``file`` stores its keys under ``workdir/file-per-key-<n>`` (a new dir per
-    call). Add ``"kvfs": <factory>`` in front of these to make kvfs the subject.
+    call, removed when the store closes). Add ``"kvfs": <factory>`` in front of these to make kvfs the subject.
     """
     root = Path(workdir)
     counter = itertools.count()
 
     async def file_store() -> Store:
-        return FilePerKeyStore(root / f"file-per-key-{next(counter)}", threads=file_threads)
+        return FilePerKeyStore(root / f"file-per-key-{next(counter)}", threads=file_threads,
+                               remove_on_close=True)
 
     async def redis_store() -> Store:
         return await RedisStore.open(transport=redis_transport)
@@ -89,6 +90,7 @@ class Cell:
     # did not run it), and (``--cpu``) the client's CPU us per key; the cell is the median pass
     passes: list[float | None] = field(default_factory=list)
     passes_cpu: list[float | None] = field(default_factory=list)
+    passes_mem: list[list[int | None] | None] = field(default_factory=list)  # mem_free_mib's
 
     @property
     def client_us_per_key(self) -> float | None:
@@ -96,6 +98,11 @@ class Cell:
         cpu = self.result.extra.get("cpu") if self.result is not None else None
         client = cpu.get("client") if cpu else None
         return None if not client else client.get("us_per_key")
+
+    @property
+    def mem_free_mib(self) -> list[int | None] | None:
+        """MemFree (MiB) at the start and end of the measured phase (``--cpu``), or None."""
+        return self.result.extra.get("mem_free_mib") if self.result is not None else None
 
     @property
     def ios_per_s(self) -> float | None:
@@ -255,12 +262,15 @@ class Comparison:
                              for wl in self.workloads}
             out["passes_client_us_per_key"] = {
                 wl.name: {s: self.cell(wl, s).passes_cpu for s in self.stores} for wl in self.workloads}
+            out["passes_mem_free_mib"] = {
+                wl.name: {s: self.cell(wl, s).passes_mem for s in self.stores} for wl in self.workloads}
         return out
 
-    def passes_table(self, cpu: bool = False) -> str:
+    def passes_table(self, what: Literal["keys", "cpu", "mem"] = "keys") -> str:
         """With ``repeat`` > 1: each cell's keys/s in every pass, in the order they ran
-        (``*``: the median one, shown in the tables), or with ``cpu`` the client's CPU us per
-        key of every pass (cells measured with ``--cpu`` only); "" otherwise."""
+        (``*``: the median one, shown in the tables), or the client's CPU us per key of every
+        pass (``cpu``), or MemFree at its start and end (``mem``) (cells measured with
+        ``--cpu`` only); "" otherwise."""
         if self.repeat < 2:
             return ""
         blocks = []
@@ -272,12 +282,12 @@ class Comparison:
                 first = True
                 for store in self.stores:
                     cell = self.cell(wl, store)
-                    xs = cell.passes_cpu if cpu else cell.passes
+                    xs: Sequence[Any] = (cell.passes if what == "keys" else cell.passes_cpu
+                                         if what == "cpu" else cell.passes_mem)
                     if not any(x is not None for x in xs):
                         continue
                     rows.append([short_name(wl) if first else "", store, *(
-                        "-" if (x := xs[i]) is None else f"{x:.2f}" if cpu
-                        else num2str(int(x)) + "*" * (x == cell.ios_per_s) for i in cols)])
+                        _pass_text(xs[i], what, cell.ios_per_s) for i in cols)])
                     first = False
             if rows:
                 blocks.append(_grid(head, rows, right=tuple(range(2, len(head)))))
@@ -294,6 +304,7 @@ async def compare(
     text_out: TextIO | None = None,
     cpu: bool = False,
     repeat: int = 1,
+    before_cell: Callable[[str], Awaitable[None]] | None = None,
 ) -> Comparison:
     """Run every workload against every store (a fresh store per workload).
 
@@ -305,6 +316,10 @@ async def compare(
     table is printed to ``out`` if given; fio's text blocks of
     each job to ``text_out`` if given. With ``cpu`` each cell also records the
     CPU time of this process and of the store's processes (``--cpu``).
+
+    ``before_cell(store)`` (if given) is awaited right before each cell of a store (not fio's,
+    nor one found unavailable) (``kvfs bench --reclaim``: what the earlier kvfs cells wrote
+    deleted before a kvfs cell, which so pays for its own reclaim).
 
     ``repeat``: every cell runs that many times, in passes; every other pass runs the
     workloads, and the stores of each, in the reverse order, so no store (e.g. the
@@ -342,6 +357,8 @@ async def compare(
                 # ETA: the cells still to run at the mean wall time of the cells run so far
                 per_cell = (time.monotonic() - t0) / (n - 1) if n > 1 else wl.ramp_time_s + wl.runtime_s
                 label = f"[{n}/{total}] {name} {wl.rw} {human_bs(wl.bs)}"
+                if before_cell is not None:
+                    await before_cell(name)
                 cell = await _run_cell(name, factories[name], wl, progress, label,
                                        per_cell * (total - n), cpu)
                 runs.setdefault((wl.name, name), []).append(cell)
@@ -361,13 +378,25 @@ async def compare(
     return comp
 
 
+def _pass_text(x: Any, what: str, median: float | None) -> str:
+    """One pass's figure in :meth:`Comparison.passes_table`."""
+    if x is None:
+        return "-"
+    if what == "cpu":
+        return f"{x:.2f}"
+    if what == "mem":
+        return format_mem_free(x)
+    return num2str(int(x)) + "*" * (x == median)
+
+
 def median_cell(cells: Sequence[Cell]) -> Cell:
     """Of one cell's passes, the one with the median keys/s (the lower middle one of an even
     count), with every pass's keys/s in :attr:`Cell.passes`; the first pass if none ran."""
     ran = sorted((c for c in cells if c.ios_per_s is not None), key=lambda c: c.ios_per_s or 0.0)
     chosen = ran[(len(ran) - 1) // 2] if ran else cells[0]
     return replace(chosen, passes=[c.ios_per_s for c in cells],
-                   passes_cpu=[c.client_us_per_key for c in cells])
+                   passes_cpu=[c.client_us_per_key for c in cells],
+                   passes_mem=[c.mem_free_mib for c in cells])
 
 
 def store_cpu_probe(store: Store) -> CpuProbe:

@@ -4,7 +4,11 @@
 process) are read when the measured phase starts and when it ends; the
 difference is charged to the keys and bytes the job moved: CPU microseconds
 per key, and CPU seconds per GB (10^9 B) for large values. Linux only; on a
-system without ``/proc`` the probe reports nothing.  :func:`run_queue_wait_s` reads how
+system without ``/proc`` the probe reports nothing.  The probe also reads the guest's free
+memory (``MemFree``, :func:`mem_free_mib`) at both ends: on this VM a put job's CPU per GB
+depends on which free memory it draws on (bench/RESULTS.md, "Issue 11, large puts: ... a kvfs
+put job that draws on memory the guest left free a long while"), so every figure says the
+memory state it ran in.  :func:`run_queue_wait_s` reads how
 long a process's threads waited for a CPU while runnable (``schedstat``), for a process
 that may be CPU-bound on a shared machine.
 """
@@ -15,7 +19,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CpuProbe", "cpu_seconds", "run_queue_wait_s"]
+__all__ = ["CpuProbe", "cpu_seconds", "mem_free_mib", "run_queue_wait_s"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -29,6 +33,19 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
     return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14 and 15 of the whole line
+
+
+def mem_free_mib() -> int | None:
+    """The machine's free memory (``MemFree`` of ``/proc/meminfo``) in MiB, or None if it cannot
+    be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemFree:"):
+                    return int(line.split()[1]) // 1024  # kB
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
 
 
 def run_queue_wait_s(pid: int) -> float | None:
@@ -55,6 +72,7 @@ class CpuProbe:
         self.pids = dict(pids)
         self._start: dict[str, float] = {}
         self._end: dict[str, float] = {}
+        self._mem: list[int | None] = [None, None]  # MemFree MiB at start and at stop
 
     def _snap(self) -> dict[str, float]:
         out = {}
@@ -65,10 +83,16 @@ class CpuProbe:
         return out
 
     def start(self) -> None:
+        self._mem[0] = mem_free_mib()
         self._start = self._snap()
 
     def stop(self) -> None:
         self._end = self._snap()
+        self._mem[1] = mem_free_mib()
+
+    def mem_free(self) -> list[int | None]:
+        """MemFree in MiB when the measured phase started and when it ended (None: unread)."""
+        return list(self._mem)
 
     def report(self, keys: int, nbytes: int) -> dict[str, Any]:
         """Per process: ``cpu_s``, ``us_per_key``, ``s_per_gb`` over the measured phase."""

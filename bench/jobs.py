@@ -6,7 +6,7 @@ import argparse
 from typing import Final
 
 from .options import DEFAULT_RUNTIME_S
-from .runner import RW, Workload
+from .runner import KEY_NAMESPACE, RW, Workload
 
 __all__ = ["API_SUFFIX", "CHAIN_BLOCKS", "CHAIN_BS", "DEFAULT_JOBS", "build_workloads", "describe", "human_bs"]
 
@@ -75,7 +75,7 @@ def _job(
         time_based=time_based,
         ramp_time_s=ns.ramp_time,
         rwmixread=ns.rwmixread,
-        key_prefix=f"kvfs-bench/{name}/".encode(),
+        key_prefix=KEY_NAMESPACE + f"{name}/".encode(),
         prefill_timeout_s=max(120.0, 4 * runtime),
         grace_s=30.0,
         api=api,  # type: ignore[arg-type]

@@ -142,6 +142,12 @@ def add_options(p: argparse.ArgumentParser) -> None:
       help="draw throughput vs value size and latency percentiles (needs matplotlib)")
     a("--progress", action=argparse.BooleanOptionalAction, default=None,
       help="progress line on stderr (default: when stderr is a terminal)")
+    a("--reclaim", action=argparse.BooleanOptionalAction, default=None,
+      help="embedded cluster: before each kvfs job (each kvfs cell of --compare) delete the "
+           "bench's keys and the chunks they leave, at once (a GC pass with no grace), so each job "
+           "draws on the memory the last one used, freed moments before, as a cache in steady state "
+           "reuses what it evicts, not further down the machine's free memory, and pays for its "
+           "own deletes (default: on with an embedded cluster; --addr: refused)")
     a("--cluster", choices=("inproc", "processes"), default="processes",
       help="embedded cluster: meta+chunkservers as child processes, as deployed (default), "
            "or in this process and event loop")

@@ -6,6 +6,7 @@ from typing import Any
 
 from .compare import FIO_COLUMN, Comparison, short_name
 from .internal import Internal
+from .stats import format_mem_free
 
 __all__ = ["render_compare", "render_internal", "sync_lines"]
 
@@ -23,14 +24,19 @@ def render_compare(comp: Comparison, internal: Internal | None) -> str:
     if passes:
         lines += [f"each cell above is the median of {comp.repeat} passes; keys/s of every pass in the",
                   "order they ran (every other pass in reverse order; * = the median)", "", passes]
-    passes_cpu = comp.passes_table(cpu=True)
+    passes_cpu = comp.passes_table("cpu")
     if passes_cpu:
         lines += ["the client's CPU us per key of every pass (steadier than keys/s on a shared machine)",
                   "", passes_cpu]
+    passes_mem = comp.passes_table("mem")
+    if passes_mem:
+        lines += ["the machine's free memory (MemFree, MiB) at the start->end of every pass's measured",
+                  "phase (a put's CPU per GB depends on the free memory it draws on)", "", passes_mem]
     cpu = cpu_table(comp)
     if cpu:
         lines += ["CPU per key (us) and per GB moved (s), each process's own counters "
-                  "(/proc/PID/stat) over the measured phase; client = the bench process", "", cpu]
+                  "(/proc/PID/stat) over the measured phase; client = the bench process;",
+                  "MemFree: the machine's free memory (MiB, /proc/meminfo) at its start->end", "", cpu]
     return "\n".join(lines) + "\n" + (render_internal(internal) if internal is not None else "")
 
 
@@ -69,14 +75,15 @@ def cpu_table(comp: Comparison) -> str:
             if len(cs) > 1:
                 procs["all cs"] = {"us_per_key": _sum(c.get("us_per_key") for c in cs),
                                    "s_per_gb": _sum(c.get("s_per_gb") for c in cs)}
-            for proc, c in procs.items():
+            mem = comp.cell(wl, store).mem_free_mib
+            for j, (proc, c) in enumerate(procs.items()):
                 rows.append([short_name(wl) if first else "", store, proc, _num(c.get("us_per_key")),
-                             _num(c.get("s_per_gb"))])
+                             _num(c.get("s_per_gb")), format_mem_free(mem) if mem and j == 0 else ""])
                 first = False
     if not rows:
         return ""
-    head = ["workload", "store", "process", "us/key", "s/GB"]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+    head = ["workload", "store", "process", "us/key", "s/GB", "MemFree"]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(6)]
     return "\n".join("  ".join(c.rjust(w) if i >= 3 else c.ljust(w)
                                for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
                      for r in [head, *rows]) + "\n"

@@ -36,6 +36,7 @@ from .store import Store
 __all__ = [
     "API",
     "APIS",
+    "KEY_NAMESPACE",
     "RW",
     "RWS",
     "BenchError",
@@ -58,6 +59,8 @@ RWS: Final = ("read", "randread", "write", "randwrite", "randrw")
 PROGRESS_INTERVAL_S: Final = 0.5
 # the prefill's calls carry at most this many bytes (or one batch): see _prefill
 PREFILL_CALL_BYTES: Final = 512 * 1024
+#: every bench key starts with this (the bench's own namespace: ``--reclaim`` deletes it)
+KEY_NAMESPACE: Final = b"kvfs-bench/"
 
 
 class BenchError(Exception):
@@ -80,7 +83,7 @@ class Workload:
     rwmixread: int = 50
     max_ios: int = 1 << 40
     seed: int = 1
-    key_prefix: bytes = b"kvfs-bench/"
+    key_prefix: bytes = KEY_NAMESPACE
     verify: bool = False
     prefill: bool | None = None
     prefill_timeout_s: float = 600.0
@@ -373,7 +376,8 @@ async def run_workload(
     ``<label>: 41%  ETA 1m52s`` (label defaults to the job name; the ETA adds
     ``eta_after_s``, the time the caller expects its later jobs to take).
     With ``cpu``, the processes' CPU time over the run (after the prefill) is
-    charged to its keys and bytes, in ``to_json()["kvfs"]["cpu"]``.
+    charged to its keys and bytes, in ``to_json()["kvfs"]["cpu"]``, and the machine's free
+    memory at both ends in ``["kvfs"]["mem_free_mib"]`` (MiB, ``[start, end]``).
 
     Reads call ``wl.api`` (``get_many``, ``get_into``, ``exists_many`` or
     ``match_prefix``; a key ``exists_many`` denies, or past ``match_prefix``'s
@@ -563,6 +567,7 @@ async def run_workload(
     if cpu is not None:
         extra["cpu"] = cpu.report(read_rec.total_ios + write_rec.total_ios,
                                   read_rec.io_bytes + write_rec.io_bytes)
+        extra["mem_free_mib"] = cpu.mem_free()
     return JobResult(
         extra=extra,
         workload=wl,

@@ -52,6 +52,7 @@ __all__ = [
     "direction_json",
     "empty_direction_json",
     "format_job_text",
+    "format_mem_free",
     "format_report_text",
     "job_json",
     "lat_summary",
@@ -552,10 +553,19 @@ def format_job_text(job: Mapping[str, Any], pid: int | None = None) -> str:
         b = job.get(key)
         if isinstance(b, Mapping):
             out.append(_show_lat_buckets(b, unit))
-    cpu = job.get("kvfs", {}).get("cpu") if isinstance(job.get("kvfs"), Mapping) else None
-    if cpu:
-        out.append(format_cpu(cpu))
+    kv = job.get("kvfs")
+    if not isinstance(kv, Mapping):
+        kv = {}
+    if kv.get("cpu"):
+        out.append(format_cpu(kv["cpu"]))
+    if kv.get("mem_free_mib"):
+        out.append(f"  memory: MemFree {format_mem_free(kv['mem_free_mib'])} MiB (measured phase)\n")
     return "".join(out)
+
+
+def format_mem_free(mem: Sequence[int | None]) -> str:
+    """``19234->16201``: the machine's free memory (MiB) at the start and end of a job."""
+    return "->".join("-" if m is None else str(m) for m in mem)
 
 
 def format_cpu(cpu: Mapping[str, Mapping[str, Any]]) -> str:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -20,7 +22,25 @@ from kvfs.config import (
     tls_fields,
 )
 
-__all__ = ["BenchTarget", "open_target"]
+__all__ = ["RECLAIM_DELETE_BATCH", "BenchTarget", "Reclaimed", "open_target"]
+
+#: keys per ``delete_many`` of :meth:`BenchTarget.reclaim`
+RECLAIM_DELETE_BATCH = 4096
+
+
+@dataclass(frozen=True)
+class Reclaimed:
+    """What one :meth:`BenchTarget.reclaim` freed, and how long it took."""
+
+    keys: int
+    chunks: int
+    bytes: int
+    seconds: float
+    mem_free_mib: int | None  # MemFree after it
+
+    def text(self) -> str:
+        return (f"reclaimed {self.keys} keys, {self.chunks} chunks, {self.bytes / 1e6:.0f} MB "
+                f"in {self.seconds:.2f} s; MemFree {self.mem_free_mib} MiB")
 
 
 @dataclass
@@ -59,12 +79,66 @@ class BenchTarget:
         out.update((f"cs{i}", cs.pid) for i, cs in enumerate(self.cluster.chunkservers))
         return out
 
+    async def reclaim(self) -> Reclaimed:
+        """Delete every key of the bench's namespace (``KEY_NAMESPACE``), then the chunks left
+        with no live bytes, at once: one GC pass with no grace (``grace_s=0``: no write is in
+        flight between two jobs; no expiry, eviction or repair), whose chunk deletes free
+        the chunks' page-cache pages; then the cluster's directories are synced (the unlinks
+        committed, their blocks discarded).  ``kvfs bench --reclaim`` runs it before each kvfs job,
+        so the job draws on memory freed moments before, as a cache in steady state reuses what
+        it evicts, rather than on the machine's free memory, walked down job by job; and it is
+        that job, not a peer's that follows, that runs while the disk still works off the
+        deletes (on this VM a synced write job right after 2 GiB were deleted ran about a
+        quarter slower: bench/RESULTS.md).
+        Only for an embedded cluster (``admin_token``)."""
+        from kvfs.gc.driver import GarbageCollector, PassOptions
+
+        from .cpu import mem_free_mib
+        from .runner import KEY_NAMESPACE
+
+        if not self.embedded:
+            raise ValueError("reclaim runs a GC pass on the embedded cluster only")
+        t0 = time.perf_counter()
+        kv = self.client()
+        deleted = 0
+        try:
+            keys = [k.key for k in await kv.list(KEY_NAMESPACE)]
+            for i in range(0, len(keys), RECLAIM_DELETE_BATCH):
+                deleted += await kv.delete_many(keys[i:i + RECLAIM_DELETE_BATCH])
+        finally:
+            await kv.close()
+        async with GarbageCollector(self.addr, token=self.admin_token, tls=self.tls) as gc:
+            rep = await gc.run_pass(PassOptions(apply=True, grace_s=0.0, expire=False, evict=False,
+                                                repair=False))
+        await asyncio.to_thread(_sync_dirs, self.data_dir())
+        return Reclaimed(deleted, rep.chunks_deleted, rep.bytes_reclaimed, time.perf_counter() - t0,
+                         mem_free_mib())
+
+    def data_dir(self) -> Path | None:
+        """The embedded cluster's directory (meta's and each chunkserver's below it), or None."""
+        c = self.cluster
+        return getattr(c, "data", None) or getattr(c, "root", None)
+
     def server_reads(self) -> list[tuple[int, int]] | None:
         """(spans_read, readv_calls) per chunkserver, for an in-process cluster."""
         css = getattr(self.cluster, "chunkservers", None)
         if self.embedded != "inproc" or not css:
             return None
         return [(cs.store.spans_read, cs.readv_calls) for cs in css if cs is not None]
+
+
+def _sync_dirs(root: Path | None) -> None:
+    """fsync ``root``'s directories (meta's, each chunkserver's): the journal commit of the
+    chunks just unlinked, with the discards of their blocks (ext4 ``-o discard``), ends here,
+    not in the next job."""
+    if root is None:
+        return
+    for d in (root, *(p for p in root.iterdir() if p.is_dir())):
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 @contextlib.asynccontextmanager

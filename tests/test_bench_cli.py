@@ -246,3 +246,50 @@ async def test_blocking_client_plain_run_names_its_jobs(
     assert report["global options"]["client"] == "sync"
     assert all(j["error"] == 0 and j["read" if j["jobname"].startswith("randread") else "write"][
         "total_ios"] == 16 for j in report["jobs"])
+
+
+async def test_reclaim_deletes_the_bench_keys_and_their_chunks(tmp_path: Path) -> None:
+    """--reclaim's step: every key of the bench's namespace goes, and with it the chunks it
+    leaves without live bytes (their files unlinked); a key outside the namespace stays readable."""
+    from kvfs import AsyncClient
+    from kvfs.bench.runner import KEY_NAMESPACE, make_keys
+
+    async with LocalCluster(tmp_path / "c", 3) as cluster:
+        target = BenchTarget(cluster.addr, cluster.token, cluster, "inproc", cluster.admin_token)
+        keys = make_keys(KEY_NAMESPACE + b"w/", 16)
+        value = b"x" * (64 << 10)
+        async with AsyncClient(cluster.addr, token=cluster.token) as kv:
+            for _ in range(3):  # overwritten: older records are garbage already
+                await kv.put_many([(k, value) for k in keys])
+            await kv.put(b"user/k", b"kept")
+
+            def on_disk() -> int:
+                return sum(f.stat().st_size for f in (tmp_path / "c").rglob("*") if f.is_file()
+                           and "meta" not in f.parts[-2:])
+
+            before = on_disk()
+            got = await target.reclaim()
+            assert got.keys == len(keys) and got.chunks >= 1 and got.bytes >= 3 * len(keys) * len(value)
+            assert before > got.bytes // 2 and on_disk() < 64 << 10  # left: "kept", the tombstones
+            assert not any(await kv.exists_many(keys))
+            assert await kv.get(b"user/k") == b"kept"
+        assert (await target.reclaim()).keys == 0  # nothing left to delete
+    with pytest.raises(ValueError, match="embedded"):
+        await BenchTarget("kvfs://127.0.0.1:1", None).reclaim()
+
+
+async def test_reclaim_is_refused_against_a_running_cluster(capsys: pytest.CaptureFixture[str]) -> None:
+    ns = _ns("--reclaim", "--addr", "kvfs://127.0.0.1:1", *TINY)
+    assert await bench_cli.cmd_bench(ns) == 2
+    assert "--reclaim" in capsys.readouterr().err
+    assert _ns(*TINY).reclaim is None  # default: on for an embedded cluster (cmd_bench decides)
+
+
+async def test_plain_run_reclaims_before_each_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ns = _ns("--cluster", "inproc", "--rw=write,randread", "--bs=4k", "--batch=8", "--cpu",
+             "--dir", str(tmp_path), *TINY)
+    assert await bench_cli.cmd_bench(ns) == 0
+    out = capsys.readouterr()
+    assert out.err.count("  reclaimed ") == 2  # before each job
+    assert out.err.count("reclaimed 64 keys") == 1  # the first job's 256k / 4k keys, before the second
+    assert out.out.count("  memory: MemFree ") == 2  # each job's free memory, with --cpu

@@ -93,6 +93,15 @@ async def test_file_per_key_layout(file_store: FilePerKeyStore) -> None:
     assert len(file_store.path_for(b"y" * 1000).name) < 100
 
 
+async def test_file_per_key_removed_on_close(tmp_path: Path) -> None:
+    """A bench cell's store (``remove_on_close``) leaves nothing behind; a plain one keeps its files."""
+    for remove in (True, False):
+        store = FilePerKeyStore(tmp_path / f"s{remove}", remove_on_close=remove)
+        await store.put_many([(b"k", b"v" * 4096)])
+        await store.close()
+        assert (tmp_path / f"s{remove}").exists() is not remove
+
+
 async def test_file_per_key_closed(tmp_path: Path) -> None:
     store = FilePerKeyStore(tmp_path)
     await store.close()

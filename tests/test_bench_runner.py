@@ -238,12 +238,19 @@ async def test_compare_table_with_subject_peer_and_skipped() -> None:
 
 async def test_compare_repeat_alternates_the_order_and_keeps_the_median_pass() -> None:
     ran: list[tuple[str, str]] = []  # (workload's key prefix, store), in the order run
+    before: list[str] = []  # before_cell's calls (the first compare's)
+    first = [True]
 
     class Logged(MemStore):
         async def put_many(self, items: list[tuple[bytes, bytes]]) -> None:
             if not self.data:  # the prefill's (or the writes') first call: the cell starts
+                # before_cell ran right before this cell ("gone" never runs one)
+                assert not first[0] or len([x for x in before if x != "gone"]) == len(ran) + 1
                 ran.append((items[0][0].split(b"/")[0].decode(), self.name))
             await super().put_many(items)
+
+    async def before_cell(store: str) -> None:
+        before.append(store)
 
     def factory(name: str) -> StoreFactory:
         async def make() -> Store:
@@ -257,7 +264,10 @@ async def test_compare_repeat_alternates_the_order_and_keeps_the_median_pass() -
            for n, rw in (("r", "randread"), ("w", "randwrite"))]
     out = io.StringIO()
     comp = await compare({"a": factory("a"), "b": factory("b"), "gone": absent}, wls, out=out,
-                         repeat=3, progress=False)
+                         repeat=3, progress=False, before_cell=before_cell)
+    assert before[:3] == ["a", "b", "gone"]  # "gone": tried once, then known unavailable
+    assert [s for s in before if s != "gone"] == [store for _, store in ran]
+    first[0] = False
     # every other pass runs the workloads, and the stores of each, in the reverse order
     assert ran == [("r", "a"), ("r", "b"), ("w", "a"), ("w", "b"),
                    ("w", "b"), ("w", "a"), ("r", "b"), ("r", "a"),
@@ -273,12 +283,19 @@ async def test_compare_repeat_alternates_the_order_and_keeps_the_median_pass() -
     rows = comp.passes_table().splitlines()
     assert rows[0].split() == ["workload", "store", "pass", "1", "pass", "2", "pass", "3"]
     assert len(rows) == 1 + 2 * 2 and all(r.count("*") >= 1 for r in rows[1:])
-    assert comp.passes_table(cpu=True) == ""  # measured without --cpu
+    assert comp.passes_table("cpu") == ""  # measured without --cpu
     timed = await compare({"a": factory("a")}, wls[:1], repeat=2, cpu=True, progress=False)
     cell = timed.cell(wls[0], "a")
     assert len(cell.passes_cpu) == 2 and all(isinstance(x, float) for x in cell.passes_cpu)
     assert cell.client_us_per_key in cell.passes_cpu  # the median pass's own figure
-    assert len(timed.passes_table(cpu=True).splitlines()) == 2
+    assert len(timed.passes_table("cpu").splitlines()) == 2
+    # the machine's free memory at both ends of every pass's measured phase (--cpu)
+    assert len(cell.passes_mem) == 2 and all(
+        m is not None and len(m) == 2 and all(isinstance(x, int) for x in m) for m in cell.passes_mem)
+    assert cell.mem_free_mib in cell.passes_mem
+    (row,) = timed.passes_table("mem").splitlines()[1:]
+    assert row.count("->") == 2
+    assert comp.passes_table("mem") == ""  # measured without --cpu
     with pytest.raises(ValueError, match="repeat"):
         await compare({"a": factory("a")}, wls, repeat=0)
     many = await compare({"a": factory("a")}, wls[:1], repeat=8, progress=False)

@@ -381,9 +381,12 @@ async def test_a_large_put_many_is_spread_in_contiguous_runs(kv: AsyncClient) ->
         lay = await kv.layout(k)
         assert lay is not None
         servers.append(lay.extents[0].replicas[0].server_id)
-    assert len(set(servers)) == 3  # 4 runs of 16 MiB over the 3 servers
-    runs = [servers[i : i + 64] for i in range(0, 256, 64)]
-    assert all(len(set(run)) == 1 for run in runs)  # each run of 64 values on one server
+    per_run = kv.config.put_group_bytes // (256 * 1024)  # 16 values: runs of 4 MiB
+    assert 1 < per_run < 256
+    assert len(set(servers)) == 3  # 16 runs over the 3 servers
+    runs = [servers[i : i + per_run] for i in range(0, 256, per_run)]
+    assert all(len(set(run)) == 1 for run in runs)  # each run's values on one server
+    assert all(a != b for a, b in itertools.pairwise(runs))  # the next run on the next server
 
 
 @pytest.mark.parametrize("replicas", [1, 2])

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from kvfs import AsyncClient, Client
 from kvfs._loop import run
+from kvfs.bench.cpu import mem_free_mib
 
 BS, BATCH, DEPTH, NKEYS = 1 << 20, 32, 2, 128
 RECLAIM = ("pgscan_kswapd", "pgscan_direct", "allocstall_movable", "allocstall_normal", "compact_stall")
@@ -49,11 +50,6 @@ def vmstat() -> dict[str, int]:
         if k in RECLAIM:
             out[k] = int(v)
     return out
-
-
-def mem_free_mib() -> int:
-    m = re.search(r"^MemFree:\s+(\d+)", Path("/proc/meminfo").read_text(), re.M)
-    return int(m.group(1)) // 1024 if m else -1
 
 
 def batch_at(keys: list[bytes], value: bytes, i: int) -> list[tuple[bytes, bytes]]:

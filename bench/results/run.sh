@@ -9,11 +9,15 @@ R=${RUNTIME:-3}
 N=${REPEAT:-3}
 common=(--compare --cpu --no-internal --no-progress --runtime "$R" --time-based --peers file,redis,mooncake,loopback,fio
         --client async,sync --repeat "$N")
-# each run's command, start time and load average (this machine is shared) go to runs.log
+# each run's command, start time, load average (this machine is shared) and free memory go to
+# runs.log; --cpu puts every job's MemFree in the outputs, and kvfs bench's default --reclaim
+# deletes the bench's keys and chunks after each kvfs cell (each put cell starts with the memory
+# the last one used freed, not further down the guest's free memory: bench/RESULTS.md)
+state() { echo "$(uptime | sed 's/.*load/load/'), MemFree $(awk '/^MemFree/ {print int($2 / 1024)}' /proc/meminfo) MiB"; }
 run() { local name=$1; shift; echo "== $name: kvfs bench $*" | tee -a runs.log >&2
-        echo "   start $(date -u '+%F %T UTC'), $(uptime | sed 's/.*load/load/')" | tee -a runs.log >&2
+        echo "   start $(date -u '+%F %T UTC'), $(state)" | tee -a runs.log >&2
         kvfs bench "$@" --json-out "$name.json" > "$name.txt"
-        echo "   end   $(date -u '+%F %T UTC'), $(uptime | sed 's/.*load/load/')" | tee -a runs.log >&2; }
+        echo "   end   $(date -u '+%F %T UTC'), $(state)" | tee -a runs.log >&2; }
 if [ "${CMP:-1}" = 1 ]; then  # CMP=0: the cost curves only (appended to runs.log)
 : > runs.log
 run cmp-4k   "${common[@]}" --rw randread,write --bs 4k  --batch 128 --iodepth 4 --size 32m  --api get_many,get_into,exists_many,match_prefix --plot cmp-4k.png
@@ -40,10 +44,10 @@ done
 # meta's own cost per key vs batch (its handlers called in one process, SQLite synchronous=FULL; lookups
 # included, which the end-to-end runs below cannot show: the client's layout cache answers them)
 echo "== curve-metastore: python -m kvfs.bench.metastore --store sqlite" | tee -a runs.log >&2
-echo "   start $(date -u '+%F %T UTC'), $(uptime | sed 's/.*load/load/')" | tee -a runs.log >&2
+echo "   start $(date -u '+%F %T UTC'), $(state)" | tee -a runs.log >&2
 python -m kvfs.bench.metastore --store sqlite --keys 100000 --batches 1,8,64,256,1024 --min-s "$R" --json \
     > curve-metastore.json
-echo "   end   $(date -u '+%F %T UTC'), $(uptime | sed 's/.*load/load/')" | tee -a runs.log >&2
+echo "   end   $(date -u '+%F %T UTC'), $(state)" | tee -a runs.log >&2
 for b in 1 8 64 256 1024; do
   run curve-batch$b --rw randread,write --bs 4k --batch $b --iodepth 4 --size 16m --runtime "$R" --time-based --no-progress --cpu \
       --api get_many
