@@ -10,9 +10,9 @@ its BLAS threads) nor the mount (pyfuse3, trio), and ``kvfs --help`` none of the
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
 import os
+import pkgutil
 import signal
 import sys
 from collections.abc import Callable, Coroutine, Sequence
@@ -29,12 +29,6 @@ from kvfs.errors import KVFSError
 #: what a parser's ``func`` default names: an ``async def f(ns) -> int``, or its
 #: ``"module:function"`` (imported once the command line is parsed)
 Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
-
-
-def resolve(name: str) -> Any:
-    """The object ``"module:attribute"`` names, its module imported."""
-    module, _, attr = name.partition(":")
-    return getattr(importlib.import_module(module), attr)
 
 
 def _client_options(p: argparse.ArgumentParser) -> None:
@@ -172,8 +166,10 @@ class _Commands(argparse._SubParsersAction):
         adder = self._later.pop(name, None)
         if adder is not None:
             try:
-                add = resolve(adder)
-            except ImportError as exc:  # an optional part without its extra installed
+                add = pkgutil.resolve_name(adder)
+            except ModuleNotFoundError as exc:  # an optional part without its extra installed
+                if exc.name is None or exc.name.partition(".")[0] == "kvfs":
+                    raise  # kvfs's own import broken: a bug, not a missing extra
                 parser.error(f"kvfs {name} is not available: {exc}")
             add(self.choices[name])
         super().__call__(parser, namespace, values, option_string)
@@ -181,14 +177,12 @@ class _Commands(argparse._SubParsersAction):
 
 def command_of(ns: argparse.Namespace) -> Command:
     """The function a parsed command line runs (its module imported)."""
-    func: Command = resolve(ns.func) if isinstance(ns.func, str) else ns.func
+    func: Command = pkgutil.resolve_name(ns.func) if isinstance(ns.func, str) else ns.func
     return func
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     die_with_parent()
-    if argv is None:
-        argv = sys.argv[1:]
     ns = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.WARNING - 10 * ns.verbose,
                         format="%(asctime)s %(name)s %(levelname)s %(message)s", stream=sys.stderr)

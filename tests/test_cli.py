@@ -118,7 +118,7 @@ def test_version() -> None:
     assert pkg.__version__.count(".") >= 2
 
 
-_HEAVY = ("kvfs.bench", "kvfs.gc", "kvfs.mount", "numpy", "pyfuse3")
+_HEAVY = ("kvfs.bench", "kvfs.commands", "kvfs.gc", "kvfs.mount", "numpy", "pyfuse3")
 
 
 def _imported(code: str) -> list[str]:
@@ -133,8 +133,9 @@ _FUSE = ["pyfuse3"] if importlib.util.find_spec("pyfuse3") is not None else []
 
 
 @pytest.mark.parametrize(("argv", "imported"), [
-    (["chunkserver", "--data", "d"], []), (["meta", "--data", "d"], []), (["up"], []),
-    (["put", "k", "f"], []), (["stat"], []), (["gc", "daemon"], ["kvfs.gc"]),
+    (["chunkserver", "--data", "d"], ["kvfs.commands"]), (["meta", "--data", "d"], ["kvfs.commands"]),
+    (["up"], ["kvfs.commands"]), (["put", "k", "f"], ["kvfs.commands"]),
+    (["stat"], ["kvfs.commands"]), (["gc", "daemon"], ["kvfs.gc"]),
     (["mount", "m"], ["kvfs.mount", *_FUSE]), (["bench"], ["kvfs.bench", "numpy"])])
 def test_a_command_imports_only_its_own_parts(argv: list[str], imported: list[str]) -> None:
     """A command line, parsed and its function imported, brings in only that command's
@@ -162,6 +163,16 @@ def test_a_command_whose_module_cannot_be_imported_is_a_usage_error() -> None:
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert res.returncode == 2 and "kvfs bench is not available" in res.stderr, res.stderr
     assert "numpy" in res.stderr
+
+
+def test_a_broken_kvfs_import_is_raised_not_called_a_missing_extra() -> None:
+    """Only a third-party module missing is a usage error; kvfs's own import failing (a
+    renamed name, a cycle) is a bug and is raised with its traceback."""
+    code = ("import sys; sys.modules['kvfs.bench.cli'] = None; from kvfs.cli import main; "
+            "sys.exit(main(['bench']))")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "ModuleNotFoundError" in res.stderr, res.stderr
+    assert "not available" not in res.stderr
 
 
 def test_help_lists_every_command() -> None:
