@@ -286,6 +286,7 @@ async def _compare(
             comp.cells[(wl.name, FIO_COLUMN)] = Cell(FIO_COLUMN, skipped="fio not installed")
     internal = None
     if ns.internal:
+        await _reclaim(ns, target)  # the compare cells' keys and chunks (--reclaim)
         internal = await run_internal(target, runtime_s=ns.runtime, progress=ns.progress,
                                       say=lambda m: _say(ns, m))
     jobs = [comp.cell(wl, comp.subject).result.to_json()  # type: ignore[union-attr]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import os
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
@@ -41,6 +42,8 @@ __all__ = [
 
 StoreFactory = Callable[[], Awaitable[Store]]
 PASSES_PER_TABLE = 6  # pass columns per block of Comparison.passes_table (100 columns)
+#: passes_table's figures: the Cell field that holds each pass's
+_PASS_FIGURES = {"keys": "passes", "cpu": "passes_cpu", "mem": "passes_mem"}
 #: the real fio on one file (psync, bs = the value size): reads from the page cache, as the other
 #: stores' do; writes fdatasync once per batch of values (``fio_write_args``)
 FIO_COLUMN = "fio"
@@ -55,15 +58,21 @@ def peer_factories(
 ) -> dict[str, StoreFactory]:
     """Factories for the baseline stores; each call makes a fresh, empty store.
 
-    ``file`` stores its keys under ``workdir/file-per-key-<n>`` (a new dir per
-    call, removed when the store closes). Add ``"kvfs": <factory>`` in front of these to make kvfs the subject.
+    ``file`` stores its keys under ``workdir/file-per-key-<n>``, a new dir per call; the
+    dirs of the calls before (their cells over, their stores closed) are removed first, so
+    their unlinks cost the file cell's set-up, not the timed cell of the peer after it (as
+    kvfs's ``--reclaim`` runs before its own cell). Add ``"kvfs": <factory>`` in front of
+    these to make kvfs the subject.
     """
     root = Path(workdir)
     counter = itertools.count()
+    made: list[Path] = []
 
     async def file_store() -> Store:
-        return FilePerKeyStore(root / f"file-per-key-{next(counter)}", threads=file_threads,
-                               remove_on_close=True)
+        while made:
+            await asyncio.to_thread(shutil.rmtree, made.pop(), ignore_errors=True)
+        made.append(root / f"file-per-key-{next(counter)}")
+        return FilePerKeyStore(made[-1], threads=file_threads)
 
     async def redis_store() -> Store:
         return await RedisStore.open(transport=redis_transport)
@@ -282,8 +291,7 @@ class Comparison:
                 first = True
                 for store in self.stores:
                     cell = self.cell(wl, store)
-                    xs: Sequence[Any] = (cell.passes if what == "keys" else cell.passes_cpu
-                                         if what == "cpu" else cell.passes_mem)
+                    xs: Sequence[Any] = getattr(cell, _PASS_FIGURES[what])
                     if not any(x is not None for x in xs):
                         continue
                     rows.append([short_name(wl) if first else "", store, *(

@@ -64,6 +64,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvfs.chunkserver.durability import fsync_dir
 from kvfs.client import AsyncClient
 from kvfs.mount import is_mounted
 
@@ -153,11 +154,7 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
         t0 = time.perf_counter()
         list(ex.map(write, share))
         tc = time.perf_counter() - t0
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)  # write-behind: every file held under it committed
-        finally:
-            os.close(fd)
+        fsync_dir(d)  # write-behind: every file held under it committed
         tw = time.perf_counter() - t0
         cpu1, wait1 = _cpu_wait_s(mount_pid)
         t0 = time.perf_counter()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, replace
@@ -128,17 +127,13 @@ class BenchTarget:
 
 
 def _sync_dirs(root: Path | None) -> None:
-    """fsync ``root``'s directories (meta's, each chunkserver's): the journal commit of the
-    chunks just unlinked, with the discards of their blocks (ext4 ``-o discard``), ends here,
-    not in the next job."""
-    if root is None:
-        return
-    for d in (root, *(p for p in root.iterdir() if p.is_dir())):
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    """fsync each chunkserver's chunk directory (``root/csN/chunks``): the journal commit of
+    the chunks just unlinked there, with the discards of their blocks (ext4 ``-o discard``),
+    ends here, not in the next job."""
+    from kvfs.chunkserver.durability import fsync_dir
+
+    for d in root.glob("cs*/chunks") if root is not None else ():
+        fsync_dir(d)
 
 
 @contextlib.asynccontextmanager

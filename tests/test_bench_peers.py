@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from kvfs.bench.compare import peer_factories
 from kvfs.bench.peers import (
     FilePerKeyStore,
     LoopbackLimit,
@@ -93,13 +94,20 @@ async def test_file_per_key_layout(file_store: FilePerKeyStore) -> None:
     assert len(file_store.path_for(b"y" * 1000).name) < 100
 
 
-async def test_file_per_key_removed_on_close(tmp_path: Path) -> None:
-    """A bench cell's store (``remove_on_close``) leaves nothing behind; a plain one keeps its files."""
-    for remove in (True, False):
-        store = FilePerKeyStore(tmp_path / f"s{remove}", remove_on_close=remove)
-        await store.put_many([(b"k", b"v" * 4096)])
-        await store.close()
-        assert (tmp_path / f"s{remove}").exists() is not remove
+async def test_a_file_cell_removes_the_files_of_the_cells_before_it(tmp_path: Path) -> None:
+    """Each file cell gets a fresh store; the last cell's files go before the next file cell
+    starts (its set-up), not when it closes (where the next peer's timed cell would pay for
+    the unlinks)."""
+    make = peer_factories(tmp_path)["file"]
+    first = await make()
+    assert isinstance(first, FilePerKeyStore)
+    await first.put_many([(b"k", b"v" * 4096)])
+    await first.close()
+    assert first.root.exists()  # closing keeps them
+    second = await make()
+    assert isinstance(second, FilePerKeyStore)
+    assert not first.root.exists() and second.root.exists() and second.root != first.root
+    await second.close()
 
 
 async def test_file_per_key_closed(tmp_path: Path) -> None:

@@ -6,7 +6,6 @@ import asyncio
 import hashlib
 import itertools
 import os
-import shutil
 import zlib
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +28,6 @@ class FilePerKeyStore:
     the final name (atomic replace, like SGLang's HiCacheFile and LMCache's disk
     backend); ``fsync=True`` adds an fsync before the rename. A batch is split
     into up to ``threads`` slices that run in parallel in a small thread pool.
-    ``remove_on_close``: ``close()`` removes ``root`` and every file in it (a bench cell's
-    store: the next cell gets the page cache its files held freed, as kvfs's ``--reclaim``).
     """
 
     def __init__(
@@ -40,7 +37,6 @@ class FilePerKeyStore:
         threads: int = 4,
         fsync: bool = False,
         max_name_bytes: int = 200,
-        remove_on_close: bool = False,
     ) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
@@ -48,7 +44,6 @@ class FilePerKeyStore:
         self.root = Path(root)
         self._fsync = fsync
         self._max_name = max_name_bytes
-        self._remove_on_close = remove_on_close
         self._threads = threads
         self._tmp_ids = itertools.count()
         self.root.mkdir(parents=True, exist_ok=True)
@@ -138,5 +133,3 @@ class FilePerKeyStore:
         pool, self._pool = self._pool, None
         if pool is not None:
             pool.shutdown(wait=True)
-        if self._remove_on_close:
-            await asyncio.to_thread(shutil.rmtree, self.root, ignore_errors=True)
