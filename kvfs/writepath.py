@@ -373,7 +373,8 @@ class WritePath:
                                  repeat(0), repeat(False), strict=False))
             count = len(placed)
             # where each run of values placed on the same servers starts: one run (every value
-            # on place's one tuple, the usual case) found by one count in C
+            # on the same servers, the usual case; equal tuples of runs on one server's
+            # cluster count as one run, which files the same records) found by one count in C
             starts = ([0] if placed.count(placed[0]) == count
                       else [0, *compress(range(1, count), map(is_not, placed[1:], placed))])
             for a, b in zip(starts, [*starts[1:], count], strict=True):

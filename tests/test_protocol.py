@@ -528,6 +528,17 @@ def test_with_head_first_a_payload_is_received_in_place_after_its_header(one_buf
     assert [b"".join(parts[rid]) for rid in (5, 7)] == [payloads[5], payloads[7]]
     assert in_scratch <= 2 * HEAD_PEEK  # the second header and PING (and a few payload bytes)
     assert dec.get_buffer(-1).nbytes > HEAD_PEEK  # after PING's small frame: no peek
+    data = memoryview(frame_bytes(Op.READV, 5, {}, [payloads[5]]))  # another one in place
+    while data.nbytes:
+        buf = dec.get_buffer(-1)
+        n = min(buf.nbytes, data.nbytes)
+        buf[:n] = data[:n]
+        data = data[n:]
+        dec.buffer_updated(n)
+        got += drain(dec)
+    assert dec.get_buffer(-1).nbytes == HEAD_PEEK  # answers with places still pending: a peek
+    dec.head_first = {}
+    assert dec.get_buffer(-1).nbytes > HEAD_PEEK  # none pending (or a server's decoder): no peek
 
 
 def test_scatter_of_the_wrong_size_is_refused() -> None:

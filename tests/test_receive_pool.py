@@ -136,6 +136,7 @@ async def test_a_large_append_from_a_peer_that_dies_mid_payload_writes_nothing(t
         (server,) = cluster.chunkservers
         assert server is not None
         conn = await Connection.open(*parse_addr(server.addr), cluster.token)
+        assert conn._proto.decoder.head_first is conn._proto.sinks  # a client's answers' headers alone
         value = os.urandom(2 * MiB)
         frame = frame_bytes(Op.APPEND, 99, rpc.Append(records=[rpc.RecordHead(
             b"half", len(value), crc32c.crc32c(value), None)]), [value])
@@ -145,6 +146,7 @@ async def test_a_large_append_from_a_peer_that_dies_mid_payload_writes_nothing(t
         transport.write(frame[: len(frame) // 2])
         await until(lambda: any(c.decoder.buffered_bytes >= MiB // 2 for c in server.rpc.connections),
                      "the server to receive half the payload")
+        assert not any(c.decoder.head_first for c in server.rpc.connections)  # servers never peek
         conn.abort()
         await until(lambda: not server.rpc.connections, "the server to drop the connection")
         assert server.append_calls == 0 and server.store.sizes == before  # nothing written
