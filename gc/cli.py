@@ -16,7 +16,7 @@ from typing import Any
 
 from kvfs import rpc
 from kvfs.address import token_from_file
-from kvfs.config import GcConfig, TlsConfig, add_options, from_options
+from kvfs.config import GcConfig, TlsConfig, add_cluster_options, add_options, from_options
 from kvfs.gc.driver import GarbageCollector, PassOptions, PassReport, run_daemon
 from kvfs.gc.repair import repair_step
 from kvfs.gc.scrub import ScrubReport, scrub
@@ -38,11 +38,8 @@ def parse_rate(text: str) -> int:
 
 
 def _options(p: argparse.ArgumentParser, *, json_flag: bool = True) -> None:
-    p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
-    p.add_argument("--token-file", default=None,
-                   help="file holding the admin token (default: $KVFS_ADMIN_TOKEN, else the file "
-                        "kvfs up wrote); tokens never go on a command line")
-    add_options(p, TlsConfig)
+    add_cluster_options(p, token_help="file holding the admin token (default: $KVFS_ADMIN_TOKEN, "
+                        "else the file kvfs up wrote); tokens never go on a command line")
     if json_flag:
         p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 

@@ -22,20 +22,20 @@ from typing import Any
 from kvfs import __version__
 from kvfs._loop import run
 from kvfs._parent import die_with_parent
-from kvfs.address import TOKEN_FILE_HELP
-from kvfs.config import DURATION, ChunkServerConfig, MetaConfig, TlsConfig, UpConfig, add_options
+from kvfs.config import (
+    DURATION,
+    ChunkServerConfig,
+    MetaConfig,
+    TlsConfig,
+    UpConfig,
+    add_cluster_options,
+    add_options,
+)
 from kvfs.errors import KVFSError
 
 #: what a parser's ``func`` default names: an ``async def f(ns) -> int``, or its
 #: ``"module:function"`` (imported once the command line is parsed)
 Command = Callable[[argparse.Namespace], Coroutine[Any, Any, int]]
-
-
-def _client_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070); "
-                   "several metas of one Redis-backed store: kvfs://H1:P1,H2:P2")
-    p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
-    add_options(p, TlsConfig)
 
 
 # parser -------------------------------------------------------------------------
@@ -96,19 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ttl", type=DURATION, default=None, metavar="DURATION",
                    help="time until it expires, e.g. 90, 30s, 5min, 1h (default: the cluster's)")
     p.add_argument("--replicas", type=int, default=None)
-    _client_options(p)
+    add_cluster_options(p)
     p.set_defaults(func="kvfs.commands:cmd_put")
 
     # (duplicates: the sub-parsers below pair up by shape; each declares its own command's arguments)
     p = sub.add_parser("get", help="write the value of KEY to stdout (or -o FILE)")
     p.add_argument("key")
     p.add_argument("-o", "--output", default=None)
-    _client_options(p)
+    add_cluster_options(p)
     p.set_defaults(func="kvfs.commands:cmd_get")
 
     p = sub.add_parser("rm", help="delete keys")
     p.add_argument("keys", nargs="+")
-    _client_options(p)
+    add_cluster_options(p)
     p.set_defaults(func="kvfs.commands:cmd_rm")
 
     p = sub.add_parser("ls", help="list keys starting with PREFIX")
@@ -117,12 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="size, created, expires, extents, key (with a header line)")
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--json", action="store_true")
-    _client_options(p)
+    add_cluster_options(p)
     p.set_defaults(func="kvfs.commands:cmd_ls")
 
     p = sub.add_parser("stat", help="cluster totals and per-chunkserver usage")
     p.add_argument("--json", action="store_true")
-    _client_options(p)
+    add_cluster_options(p)
     p.set_defaults(func="kvfs.commands:cmd_stat")
 
     assert isinstance(sub, _Commands)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar, get_type_hints
 
-from kvfs.address import parse_addr
+from kvfs.address import TOKEN_FILE_HELP, parse_addr
 from kvfs.rpc import HOLDER_CHARS, MAX_HOLDER_CHARS
 from kvfs.units import parse_duration, parse_size
 
@@ -381,6 +381,15 @@ def _choice_arg(typ: type[enum.Enum]) -> Callable[[str], Any]:
 SIZE = arg_type(parse_size, "size")
 DURATION = arg_type(parse_duration, "duration")
 POSITIVE_INT = arg_type(_positive_int, "count")
+
+
+def add_cluster_options(p: argparse.ArgumentParser, *, token_help: str = TOKEN_FILE_HELP) -> None:
+    """``--addr``, ``--token-file`` and the TLS options of a command that talks to a cluster
+    (the client commands, ``kvfs mount``, ``kvfs gc``); ``token_help``: whose token."""
+    p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070); "
+                   "several metas of one Redis-backed store: kvfs://H1:P1,H2:P2")
+    p.add_argument("--token-file", default=None, help=token_help)
+    add_options(p, TlsConfig)
 
 
 def add_options(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tuple[str, ...] = ()) -> None:

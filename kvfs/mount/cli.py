@@ -10,8 +10,16 @@ import shutil
 import signal
 import sys
 
-from kvfs.address import TOKEN_FILE_HELP, token_from_file
-from kvfs.config import ClientConfig, MountConfig, TlsConfig, add_options, from_options, tls_fields
+from kvfs.address import token_from_file
+from kvfs.config import (
+    ClientConfig,
+    MountConfig,
+    TlsConfig,
+    add_cluster_options,
+    add_options,
+    from_options,
+    tls_fields,
+)
 from kvfs.errors import KVFSError
 from kvfs.fs import KVFileSystem
 from kvfs.mount._fuse import IMPORT_ERROR, enable_asyncio, pyfuse3, stop_watching
@@ -31,8 +39,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                      "when it is closed (with --write-behind: held, and committed soon after); large files stream (written in order) and are read by "
                      "stripe units, so memory stays bounded per open file.")
     p.add_argument("mountpoint")
-    p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070)")
-    p.add_argument("--token-file", default=None, help=TOKEN_FILE_HELP)
+    add_cluster_options(p)
     p.add_argument("--timeout", type=parse_duration, default=10.0, metavar="DURATION",
                    help="fail a request with EIO after this long (default 10s)")
     p.add_argument("--attr-timeout", type=parse_duration, default=1.0, metavar="DURATION",
@@ -41,7 +48,6 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
                    help="expiry of files written through the mount (default: the cluster's)")
     p.add_argument("--allow-other", action="store_true", help="let other users use the mount")
     add_options(p, MountConfig)
-    add_options(p, TlsConfig)
     p.set_defaults(func=cmd_mount)
 
 
