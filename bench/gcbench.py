@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from .jobs import human_bs
-from .runner import BenchError, Workload, make_keys, run_workload
+from .runner import KEY_NAMESPACE, BenchError, Workload, make_keys, run_workload
 from .stats import report_json
 
 __all__ = ["ChurnOptions", "ChurnStats", "churn", "reclaim", "render", "run_gc_bench"]
@@ -71,7 +71,7 @@ async def reclaim(addr: str, token: str | None, data: Path | None, bs: int, nkey
     ``overwrite``: each key put without a ttl first (the put then overwrites it)."""
     from kvfs.gc.driver import GarbageCollector, PassOptions
 
-    keys = make_keys(b"kvfs-bench/gc-reclaim/%d/" % bs, nkeys)
+    keys = make_keys(KEY_NAMESPACE + b"gc-reclaim/%d/" % bs, nkeys)
     value = os.urandom(bs)
     client = _client(addr, token)
     try:
@@ -149,7 +149,7 @@ async def churn(addr: str, token: str | None, opts: ChurnOptions, stop: asyncio.
 
     st = ChurnStats()
     value = os.urandom(opts.bs)
-    hot = make_keys(b"kvfs-bench/gc-churn/hot/", opts.hot_keys)
+    hot = make_keys(KEY_NAMESPACE + b"gc-churn/hot/", opts.hot_keys)
     client = _client(addr, token)
 
     async def writer() -> None:
@@ -161,7 +161,7 @@ async def churn(addr: str, token: str | None, opts: ChurnOptions, stop: asyncio.
                 items = [(k, value) for k in hot[i:i + opts.batch]]
                 await client.put_many(items)
             else:
-                items = [(b"kvfs-bench/gc-churn/ttl/%d/%d" % (n, j), value) for j in range(opts.batch)]
+                items = [(KEY_NAMESPACE + b"gc-churn/ttl/%d/%d" % (n, j), value) for j in range(opts.batch)]
                 await client.put_many(items, ttl=opts.ttl)
             n += 1
             st.puts += len(items)
@@ -290,7 +290,7 @@ async def foreground(addr: str, token: str | None, runtime_s: float, child: bool
     )):
         wl = Workload(name=f"gc-fg-{phase.replace(' ', '').replace(',', '-').replace('+', '-')}",
                       rw="randread", bs=FG_BS, batch=FG_BATCH, iodepth=4, nkeys=fg_keys,
-                      runtime_s=runtime_s, key_prefix=b"kvfs-bench/gc-fg/", prefill=i == 0,
+                      runtime_s=runtime_s, key_prefix=KEY_NAMESPACE + b"gc-fg/", prefill=i == 0,
                       prefill_timeout_s=300.0, grace_s=60.0)
         bg = _Background(addr, token, opts, child) if opts is not None else None
         if bg is not None:

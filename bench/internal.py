@@ -9,7 +9,7 @@ from .adapters import ChainReads, ChainStore, CountingStore, SeparatePutStore, S
 from .compare import Cell, Comparison, StoreFactory, compare
 from .jobs import CHAIN_BLOCKS, CHAIN_BS
 from .options import DEFAULT_RUNTIME_S
-from .runner import BenchError, Workload, run_workload
+from .runner import KEY_NAMESPACE, BenchError, Workload, run_workload
 from .store import Store
 from .target import BenchTarget
 
@@ -47,7 +47,7 @@ async def run_internal(
     out = Internal()
     # 1. 128 concurrent single-key get(): batcher on vs off
     wl = Workload(name="get128", rw="randread", bs=4 << 10, batch=128, iodepth=1, nkeys=max(128, get_keys),
-                  runtime_s=runtime, key_prefix=b"kvfs-bench/get128/", prefill_timeout_s=120.0)
+                  runtime_s=runtime, key_prefix=KEY_NAMESPACE + b"get128/", prefill_timeout_s=120.0)
 
     def single(batch: bool) -> StoreFactory:
         async def make() -> Store:
@@ -63,9 +63,9 @@ async def run_internal(
     n = CHAIN_BLOCKS
     nkeys = n * nchains
     chain_wl = Workload(name=f"chains-{n}x64k", rw="read", bs=CHAIN_BS, batch=n, iodepth=1,
-                        nkeys=nkeys, runtime_s=runtime, key_prefix=b"kvfs-bench/chain/",
+                        nkeys=nkeys, runtime_s=runtime, key_prefix=KEY_NAMESPACE + b"chain/",
                         prefill_timeout_s=300.0)
-    sep_wl = replace(chain_wl, rw="randread", key_prefix=b"kvfs-bench/sep/")
+    sep_wl = replace(chain_wl, rw="randread", key_prefix=KEY_NAMESPACE + b"sep/")
     comp = Comparison(stores=["chain put_many", "separate puts"], workloads=[chain_wl])
     say(f"kvfs internal: prefix chains {n} x 64KiB, per-chain put_many+read vs separate puts+random reads")
     for label, w, inner in (
