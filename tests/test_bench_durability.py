@@ -87,9 +87,11 @@ def test_fio_write_args_sync_once_per_batch() -> None:
 def test_fio_write_row_really_syncs(tmp_path: Path) -> None:
     """fio's own counters: one fdatasync per batch of 4 writes, none without the option."""
     w = Workload(name="w", rw="write", bs=64 << 10, batch=4, nkeys=16)
-    synced = run_fio_file("64k", "1m", "write", 0.2, tmp_path, time_based=False,
+    # not time based: each job ends after its 1 MiB; the runtime is only fio's cap (at 0.2 s a
+    # loaded machine's synced job stopped after 4 of its 16 writes)
+    synced = run_fio_file("64k", "1m", "write", 30.0, tmp_path, time_based=False,
                           extra_args=fio_write_args(w))["jobs"][0]
-    plain = run_fio_file("64k", "1m", "write", 0.2, tmp_path, time_based=False)["jobs"][0]
+    plain = run_fio_file("64k", "1m", "write", 30.0, tmp_path, time_based=False)["jobs"][0]
     assert synced["write"]["total_ios"] == 16 == plain["write"]["total_ios"]
     assert synced["sync"]["lat_ns"]["N"] >= 16 // 4 - 1  # fio leaves the last one to close
     assert plain["sync"]["lat_ns"]["N"] == 0
