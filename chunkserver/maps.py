@@ -13,10 +13,10 @@ in the LRU, pushed out of it or replaced by a longer one (the store: a chunk no 
 its sizes is deleted, and its mapping is unmapped in an IO thread, not in the event loop
 that let go of the last view).  For that the views are of a ``ctypes`` array at the
 mapping's address, whose end (a weak reference's callback) says when the last view is
-gone; the ``mmap`` itself, which has no such callback, is kept until then.  The views go only to the socket's
-``writev``: the kernel copies them out, and a page it cannot read there fails that write
-(EFAULT: the connection is dropped, as any failed send) instead of raising SIGBUS in
-Python, which never reads them.
+gone; the ``mmap`` itself, which has no such callback, is kept until then.  The views go
+only to the socket's ``writev``: the kernel copies them out, and a page it cannot read
+there fails that write (EFAULT: the connection is dropped, as any failed send) instead of
+raising SIGBUS in Python, which never reads them.
 """
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def _pages(nbytes: int) -> Any:
 
 def _unmap(m: mmap.mmap, chunk_id: int, maps: weakref.ref[ChunkMaps]) -> None:
     """The last view of ``m``, ``chunk_id``'s mapping, is gone: unmapped by the owner's
-    ``unmap``, or here where there is none (or it is gone)."""
+    ``unmap``, or here once the owner is gone."""
     owner = maps()
-    if owner is None or owner.unmap is None:
+    if owner is None:
         m.close()
     else:
         owner.unmap(chunk_id, m.close)
@@ -73,11 +73,9 @@ class ChunkMaps:
     its file was when it was mapped (mapped again, longer, once reads go past it: the open
     chunk grows).  Each mapping holds a copy of its file's fd (Python's ``mmap`` keeps one)
     until it is unmapped.  Once a mapping's last view is gone, ``unmap(chunk_id, close)``
-    runs ``close`` (the unmap), at once or later in another thread (without ``unmap``:
-    at once)."""
+    runs ``close`` (the unmap), at once or later in another thread."""
 
-    def __init__(self, max_maps: int,
-                 unmap: Callable[[int, Callable[[], None]], object] | None = None) -> None:
+    def __init__(self, max_maps: int, unmap: Callable[[int, Callable[[], None]], object]) -> None:
         self.max_maps = max(0, max_maps)
         self.unmap = unmap
         self._maps: OrderedDict[int, tuple[memoryview, int]] = OrderedDict()  # view, address

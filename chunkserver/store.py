@@ -690,7 +690,8 @@ class ChunkStore:
     def _freed(self, fut: asyncio.Future[object]) -> None:
         exc = None if fut.cancelled() else fut.exception()
         if exc is not None:
-            log.warning("chunk store %s: closing a chunk file failed: %s", self.dir, exc)
+            log.warning("chunk store %s: freeing a deleted chunk's file or mapping failed: %s",
+                        self.dir, exc)
 
     # capacity --------------------------------------------------------------
     @property
@@ -1109,8 +1110,7 @@ class ChunkStore:
             except OSError as exc:  # out of file descriptors: read into a buffer instead
                 log.warning("chunkserver %s: no fd to send chunk bytes from (%s); reading them "
                             "into a buffer", self.server_id, exc)
-                for fd in own.values():
-                    os.close(fd)
+                _close_fds(list(own.values()))
                 return None, errors
         finally:
             self._reads_done()
