@@ -140,11 +140,12 @@ async def copy_extents(gc: GarbageCollector, items: list[RepairItem], report: Re
         try:
             appended = await gc.chunkserver(sid, rpc.Append(records=records),
                                             [got[i][1] for i in idx])
+            locations = appended.one_per_record(len(records), sid, "copies")
         except KVFSError as exc:
             log.warning("repair: writing %d copies to server %d failed: %s", len(idx), sid, exc)
             report.skipped += len(idx)
             continue
-        for i, (cid, off) in zip(idx, appended.locations, strict=True):
+        for i, (cid, off) in zip(idx, locations, strict=True):
             switches.append(rpc.ReplicaSwitch(items[i].key, items[i].extent, items[i].lost,
                                               Replica(sid, cid, off)))
         report.bytes_copied += sum(items[i].length for i in idx)

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Generic, NamedTuple, TypeVar, get_args
 
 import msgspec
 
+from kvfs.errors import RemoteProtocolError
 from kvfs.handshake import NONCE_BYTES, Role
 from kvfs.layout import MAX_KEY_BYTES, MAX_REPLICAS, Crc32, Layout, Replica
 from kvfs.packed import HEAD as PACKED_HEAD
@@ -466,8 +467,22 @@ class RecordHead(NamedTuple):
 Location = tuple[ChunkId, U63]
 
 
+class BadAppendAnswer(RemoteProtocolError):
+    """A chunkserver's APPEND answer with not one location per record: that server's fault
+    (which record went where is not known), unlike the protocol errors it raises about the
+    caller's own request (``FrameTooLarge``, ``VersionMismatch``)."""
+
+
 class Appended(Response, frozen=True, kw_only=True):
     locations: Items[Location]
+
+    def one_per_record(self, records: int, server: int, what: str = "records") -> list[Location]:
+        """The locations, one per record of the APPEND that ``server`` answered
+        (:class:`BadAppendAnswer` otherwise)."""
+        if len(self.locations) != records:
+            raise BadAppendAnswer(f"chunkserver {server} answered an APPEND of {records} {what} "
+                                  f"with {len(self.locations)} locations")
+        return self.locations
 
 
 class Append(Request[Appended], frozen=True, kw_only=True):

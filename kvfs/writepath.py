@@ -31,7 +31,7 @@ from kvfs.buffers import Source, cut, nbytes
 from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig
 from kvfs.crc import crc32c_combine
-from kvfs.errors import KVFSError, NoSpace, RemoteProtocolError, Unavailable
+from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.layoutcache import Cached, Single
 from kvfs.packed import MAX_KEYS as MAX_PACKED_KEYS
@@ -44,15 +44,9 @@ from kvfs.protocol import Buffer
 log = logging.getLogger("kvfs.client")
 
 
-class _BadAnswer(RemoteProtocolError):
-    """A chunkserver's APPEND answer against the protocol (not one location per record):
-    that server's fault, unlike the protocol errors it raises about this client's request
-    (``FrameTooLarge``, ``VersionMismatch``), which reach the caller as they are."""
-
-
 # a chunkserver that failed a write this way is left out of the call's retries: not reached,
-# or an answer that breaks the protocol (:class:`_BadAnswer`)
-_SERVER_FAILED = (Unavailable, _BadAnswer)
+# or an answer that breaks the protocol (:class:`rpc.BadAppendAnswer`)
+_SERVER_FAILED = (Unavailable, rpc.BadAppendAnswer)
 _LENGTH = itemgetter(1)  # a record head's length (RecordHead's field 1, or its plain tuple's)
 
 
@@ -343,7 +337,7 @@ class WritePath:
                       failed: set[int]) -> _Written:
         """Append every value (one APPEND per server); returns where each went.
         Servers that could not be reached (``Unavailable``) or answered against the protocol
-        (:class:`_BadAnswer`: not one location per record) are added to ``failed``."""
+        (:class:`rpc.BadAppendAnswer`: not one location per record) are added to ``failed``."""
         expires_hint = None if ttl is None else self._clock() + ttl
         wid = self.next_write_id()  # records carry it: a rebuild of meta keeps the newest write
         crc = crc32c.crc32c
@@ -442,7 +436,7 @@ class WritePath:
                                      if sid in listed else cast(list[Buffer], ps[run.start : run.stop]))
             heads = cast(list[rpc.RecordHead], recs[run.start : run.stop])  # (tuples: same bytes)
             h, _ = await self._link.call_server(sid, rpc.Append(records=heads), payload)
-            return _locations(sid, h, len(heads), "records")
+            return h.one_per_record(len(heads), sid)
 
         async def send(sid: int) -> None:
             # APPENDs of at most max_rpc_bytes, all in flight at once: the server writes one
@@ -472,15 +466,6 @@ class WritePath:
             if isinstance(res, BaseException):
                 raise res
         return _Written(sizes, crcs, plans, slots, locs)
-
-
-def _locations(sid: int, answer: rpc.Appended, records: int, what: str) -> list[rpc.Location]:
-    """An APPEND's answer's locations, one per record (:class:`_BadAnswer` otherwise: which
-    record went where is not known)."""
-    if len(answer.locations) != records:
-        raise _BadAnswer(f"chunkserver {sid} answered an APPEND of {records} {what} with "
-                         f"{len(answer.locations)} locations")
-    return answer.locations
 
 
 class _Queued(NamedTuple):
@@ -639,8 +624,8 @@ async def write_tombstones(link: ClusterLink, keys: list[bytes], replicas: int, 
             errors.append(res)
             continue
         try:
-            locations = _locations(sid, res[0], len(keys), "tombstones")
-        except _BadAnswer as bad:  # that server's tombstones unknown: as if refused
+            locations = res[0].one_per_record(len(keys), sid, "tombstones")
+        except rpc.BadAppendAnswer as bad:  # that server's tombstones unknown: as if refused
             errors.append(bad)
             continue
         for where, loc in zip(out, locations, strict=True):
