@@ -155,7 +155,7 @@ async def test_sigkill_during_put_many_stream_fails_no_put(tmp_path: Path) -> No
 
 
 async def test_an_append_answered_with_too_few_locations_fails_that_server_alone(
-        cluster: LocalCluster, kv: AsyncClient) -> None:
+        cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunkserver whose APPEND answer has fewer locations than records (fault injection:
     the answer cut short) is left out of the put like one that cannot be reached: the values
     are placed again on the others and read back right; when every server answers so, the put
@@ -171,7 +171,7 @@ async def test_an_append_answered_with_too_few_locations_fails_that_server_alone
             return rpc.Appended(locations=h.locations[:-1]), data
         return h, data
 
-    link.call_server = short  # type: ignore[method-assign]
+    monkeypatch.setattr(link, "call_server", short)
     values = {f"short/{i}".encode(): os.urandom(2000 + i) for i in range(8)}
     await kv.put_many(values)
     (bad,) = broken
@@ -184,12 +184,12 @@ async def test_an_append_answered_with_too_few_locations_fails_that_server_alone
     broken.update(s.server_id for s in await kv.servers())
     with pytest.raises(KVFSError, match="locations"):
         await kv.put_many({b"short/none": b"x" * 100})
-    link.call_server = real  # type: ignore[method-assign]
+    monkeypatch.undo()
     assert await kv.get_many([b"short/none"]) == [None]
 
 
 async def test_a_delete_whose_tombstones_are_answered_with_too_few_locations_deletes_nothing(
-        kv: AsyncClient) -> None:
+        kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A tombstone APPEND answered with fewer locations than keys (fault injection) is a kvfs
     error of that server, like one refused: no server took the tombstones, so the delete
     fails and the key stays (not a ValueError half-way through the answer)."""
@@ -203,17 +203,17 @@ async def test_a_delete_whose_tombstones_are_answered_with_too_few_locations_del
             return rpc.Appended(locations=h.locations[:-1]), data
         return h, data
 
-    link.call_server = short  # type: ignore[method-assign]
+    monkeypatch.setattr(link, "call_server", short)
     with pytest.raises(KVFSError, match="locations"):
         await kv.delete_many([b"tomb/a", b"tomb/b"])
-    link.call_server = real  # type: ignore[method-assign]
+    monkeypatch.undo()
     kv.layout_cache.clear()
     assert await kv.get_many([b"tomb/a", b"tomb/b"]) == [b"1" * 100, b"2" * 100]
     assert await kv.delete_many([b"tomb/a", b"tomb/b"]) == 2
 
 
 async def test_a_server_refusing_the_clients_append_as_too_large_fails_the_put_at_once(
-        kv: AsyncClient) -> None:
+        kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunkserver's ``FrameTooLarge`` (this client's request against the server's limit,
     fault injection) reaches the caller as it is, after one APPEND: it is no fault of that
     server, so the values are not placed again on the others (which would refuse the same)."""
@@ -227,9 +227,9 @@ async def test_a_server_refusing_the_clients_append_as_too_large_fails_the_put_a
             raise FrameTooLarge("frame of 9 bytes over the limit of 8")
         return await real(sid, request, payload, **kw)
 
-    link.call_server = refuse  # type: ignore[method-assign]
+    monkeypatch.setattr(link, "call_server", refuse)
     with pytest.raises(FrameTooLarge, match="over the limit"):
         await kv.put_many({b"big/a": b"x" * 100})
-    link.call_server = real  # type: ignore[method-assign]
+    monkeypatch.undo()
     assert len(asked) == 1
     assert await kv.get_many([b"big/a"]) == [None]
