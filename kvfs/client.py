@@ -368,7 +368,7 @@ class AsyncClient:
             else:
                 layouts = await self._put(call)
         finally:
-            waited = [f for f in earlier if not f.done()] if earlier else None
+            waited = [f for f in earlier if not f.done()]
             if waited:  # cancelled while an earlier put of its keys runs: they stay held until
                 # it ends, so a later put of them waits for it too (commits in call order)
                 asyncio.gather(*waited).add_done_callback(lambda _: self._putting_ended(keys, mine))

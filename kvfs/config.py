@@ -240,8 +240,8 @@ class ClientConfig(TlsConfig):
     layout_cache_entries: int = opt("immutable layouts kept to skip meta lookups", 100_000)
     put_group_bytes: int = opt("small values of one put_many stay together on one server in "
                                "runs up to this size; further runs go to the next servers "
-                               "(4 MiB, as max_rpc_bytes: a run is one APPEND, so a call of "
-                               "32 x 1 MiB is written by up to 8 servers at once)", 4 * MiB)
+                               "(as max_rpc_bytes: a run is one APPEND, so a large call's "
+                               "runs are written by several servers at once)", 4 * MiB)
     max_rpc_bytes: int = opt("split appends larger than this (at most the servers' "
                              "--max-payload); the APPENDs of one server are sent together, "
                              "so it writes one while it receives the next", 4 * MiB)

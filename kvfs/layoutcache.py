@@ -154,7 +154,7 @@ class LayoutCache:
         """Cached layouts (marked read) and the indexes of the keys to look up.  A cached
         layout that expired is a miss (None), not looked up: expiry is final."""
         cache = self._layouts
-        got: list[Cached | None] = [cache.get(k) for k in keys]
+        got: list[Cached | None] = list(map(cache.get, keys))
         if Single in set(map(type, got)):  # (checked in C) written by a put, not yet read
             self.build(keys, got)
         out = cast(list[Layout | None], got)
