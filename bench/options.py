@@ -11,8 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from kvfs.address import TOKEN_FILE_HELP
-from kvfs.config import ClusterFsyncConfig, TlsConfig
+from kvfs.config import ClusterFsyncConfig, add_cluster_options
 from kvfs.config import add_options as add_config_options
 from kvfs.units import parse_duration, parse_size
 
@@ -155,9 +154,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
       help="chunkservers of the embedded cluster (default 3)")
     add_config_options(p, ClusterFsyncConfig)  # --fsync: the embedded cluster's, as kvfs up's
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
-    a("--addr", default=None, help="cluster address (default: start an embedded cluster)")
-    a("--token-file", default=None, help=TOKEN_FILE_HELP)
-    add_config_options(p, TlsConfig)  # --tls-*: the embedded cluster's too
+    # --tls-*: the embedded cluster's too
+    add_cluster_options(p, addr_help="cluster address (default: start an embedded cluster)")
     a("--gc", action="store_true",
       help="GC bench: reclaim rate after keys expire (--bs, --size per run), and randread 4k p99 "
            "with GC idle vs running against a churn (see bench/gcbench.py)")

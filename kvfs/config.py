@@ -383,11 +383,14 @@ DURATION = arg_type(parse_duration, "duration")
 POSITIVE_INT = arg_type(_positive_int, "count")
 
 
-def add_cluster_options(p: argparse.ArgumentParser, *, token_help: str = TOKEN_FILE_HELP) -> None:
+def add_cluster_options(p: argparse.ArgumentParser, *, token_help: str = TOKEN_FILE_HELP,
+                        addr_help: str = "cluster address (default: $KVFS_ADDR or "
+                        "kvfs://127.0.0.1:7070); several metas of one Redis-backed store: "
+                        "kvfs://H1:P1,H2:P2") -> None:
     """``--addr``, ``--token-file`` and the TLS options of a command that talks to a cluster
-    (the client commands, ``kvfs mount``, ``kvfs gc``); ``token_help``: whose token."""
-    p.add_argument("--addr", default=None, help="cluster address (default: $KVFS_ADDR or kvfs://127.0.0.1:7070); "
-                   "several metas of one Redis-backed store: kvfs://H1:P1,H2:P2")
+    (the client commands, ``kvfs mount``, ``kvfs gc``, ``kvfs bench``); ``token_help``:
+    whose token; ``addr_help``: where it goes without one."""
+    p.add_argument("--addr", default=None, help=addr_help)
     p.add_argument("--token-file", default=None, help=token_help)
     add_options(p, TlsConfig)
 

@@ -1537,7 +1537,6 @@ async def test_direct_first_open_reads_a_values_first_open_past_the_kernels_page
     """--direct-first-open: the first open here of a value (a layout) reads past the kernel's
     pages (direct_io) and records nothing about them; the next open of that value reads
     through them, and the one after keeps them.  A new value's first open is direct again;
-    an open beside another of a different version stays direct (as without the flag);
     remembered for --page-cache-files files (0: every open is direct)."""
     from kvfs.config import MountConfig
     from kvfs.mount.files import FileIO
