@@ -193,7 +193,7 @@ class WritePath:
             except _SERVER_FAILED as exc:
                 if attempt == 2:
                     raise
-                log.info("a write could not reach chunkservers %s (%s): placing it again on the "
+                log.info("a write failed on chunkservers %s (unreachable or a bad answer: %s): placing it again on the "
                          "others", sorted(failed), exc)
             except NoSpace:
                 if asked or not self.config.evict_on_full:
