@@ -237,7 +237,9 @@ async def test_a_deleted_chunks_last_fd_is_closed_in_an_io_thread(
     await until(lambda: bool(closed_in), "the deleted chunk's fd to be closed")
     monkeypatch.undo()
     assert closed_in[0] is not threading.current_thread(), "closed in the event loop"
-    assert not any(str(store.chunk_path(a)) in p for p in open_paths())  # its blocks are freed
+    # (recorded just before the close itself, in that thread: polled, as the test below does)
+    await until(lambda: not any(str(store.chunk_path(a)) in p for p in open_paths()),
+                "the deleted chunk's fd to be closed")  # its blocks are freed
 
 
 async def test_a_deleted_chunks_fd_lent_to_a_sendfile_answer_is_closed_in_an_io_thread(
