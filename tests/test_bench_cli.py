@@ -157,6 +157,42 @@ def test_cpu_seconds_reads_a_process_own_counters() -> None:
     assert rep["me"]["cpu_s"] > 0
     assert rep["me"]["us_per_key"] == pytest.approx(rep["me"]["cpu_s"] * 1e6 / 1000)
     assert rep["me"]["s_per_gb"] == pytest.approx(rep["me"]["cpu_s"])
+    # per second of the phase: the CPU it used, and how long it waited for one
+    assert rep["me"]["cpus"] > 0
+    assert rep["me"]["wait_cpus"] is not None and rep["me"]["wait_cpus"] >= 0
+
+
+def test_cpu_probe_reports_the_cpus_a_process_waited_for() -> None:
+    """Two processes spinning on one CPU during the phase: between them they use at most that
+    CPU, and each waits while the other runs; the probe reports both per second of the phase."""
+    import os
+    import subprocess
+    import sys
+
+    from kvfs.bench.cpu import CpuProbe
+
+    cpu = min(os.sched_getaffinity(0))
+    spin = (f"import os, sys; os.sched_setaffinity(0, {{{cpu}}}); sys.stdin.readline(); "
+            "sum(i * i for i in range(3_000_000)); print('done', flush=True); sys.stdin.read()")
+    procs = [subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        probe = CpuProbe({f"p{i}": p.pid for i, p in enumerate(procs)})
+        probe.start()
+        for p in procs:  # both start spinning now, on the same CPU
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "done\n"
+        probe.stop()
+    finally:
+        for p in procs:
+            p.communicate("", timeout=30)
+    rep = probe.report(keys=1, nbytes=1)
+    assert sum(r["cpus"] for r in rep.values()) <= 1.1  # one CPU between them
+    assert all(r["cpus"] > 0 for r in rep.values())
+    assert sum(r["wait_cpus"] for r in rep.values()) > 0.2  # one waited while the other ran
 
 
 def test_run_queue_wait_counts_time_runnable_without_a_cpu() -> None:
@@ -196,7 +232,7 @@ async def test_cpu_per_process_of_a_process_cluster(
     (line,) = [x for x in out.splitlines() if x.startswith("  cpu (per process")]
     for name in ("client=", "meta=", "cs0=", "cs1=", "cs2="):
         assert name in line
-    assert "us/key" in line and "s/GB" in line
+    assert "us/key" in line and "s/GB" in line and "CPU" in line
 
 
 @pytest.mark.subprocess
