@@ -1204,23 +1204,26 @@ class ChunkStore:
     def _resident(self, c: int, fd: int, lo: int, hi: int, addr: int) -> bool:
         """:func:`resident` for bytes ``lo`` to ``hi`` of chunk ``c`` (``fd``, mapped at
         ``addr``), believed without asking for ``resident_keep_s`` after the page cache was
-        found to hold them (a stretch found within that time of an earlier one touching it
-        is joined to it, keeping the earlier one's end of belief)."""
+        found to hold them.  A stretch touching the one believed is asked about only past
+        it (a few pages: the walk costs by the pages asked about) and joined to it, keeping
+        its end of belief."""
         now = time.monotonic()
         held = self._in_cache.get(c)
-        if held is not None and now < held[2]:
-            if held[0] <= lo and hi <= held[1]:
+        if held is not None and now < held[2] and lo <= held[1] and held[0] <= hi:
+            start, end, until = held
+            if start <= lo and hi <= end:
                 return True
-        else:
-            held = None
+            if lo < start and not resident(fd, lo, start - lo, addr):
+                return False
+            if end < hi and not resident(fd, end, hi - end, addr):
+                return False
+            self._in_cache[c] = (min(lo, start), max(hi, end), until)
+            return True
         if not resident(fd, lo, hi - lo, addr):
             return False
-        if held is not None and lo <= held[1] and held[0] <= hi:
-            self._in_cache[c] = (min(lo, held[0]), max(hi, held[1]), held[2])
-        else:
-            if len(self._in_cache) >= max(self.maps.max_maps, 1):
-                self._in_cache.clear()
-            self._in_cache[c] = (lo, hi, now + self.resident_keep_s)
+        if len(self._in_cache) >= max(self.maps.max_maps, 1):
+            self._in_cache.clear()
+        self._in_cache[c] = (lo, hi, now + self.resident_keep_s)
         return True
 
     def _fds_back(self, chunk_of: dict[int, int], fds: list[int]) -> None:

@@ -147,8 +147,8 @@ async def test_pages_not_in_the_page_cache_are_never_answered_from_the_mapping(
 async def test_a_stretch_found_cached_is_believed_for_a_short_time_and_evicted_pages_still_read_right(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The page cache is asked about a chunk's stretch once per ``resident_keep_s``: READVs
-    inside it (or of a stretch touching it, joined) meanwhile are answered from the mapping
-    without asking.  A page evicted in that time is read by the send (here: Python reading
+    inside it meanwhile are answered from the mapping without asking (of a stretch touching
+    it, only the bytes past it are asked about, then joined).  A page evicted in that time is read by the send (here: Python reading
     the view): the right bytes, never a miss or others'.  With no time to believe, each READV
     asks, and evicted pages are left to readv_into."""
     asked: list[int] = []
@@ -171,8 +171,9 @@ async def test_a_stretch_found_cached_is_believed_for_a_short_time_and_evicted_p
         assert n >= 1
         got = st.readv_mapped(ranges[2:6])  # inside: believed
         assert got is not None and _read(got) == values[2:6] and len(asked) == n
-        got = _mapped(st, ranges[7:])  # touching it: asked, then joined
+        got = _mapped(st, ranges[7:])  # touching it: asked only past it, then joined
         assert got is not None and _read(got) == values[7:] and len(asked) > n
+        assert asked[-1] == ranges[-1][1] - ranges[7][1]  # from the end of range 7 to the last's
         n = len(asked)
         del got
         st.maps.clear()  # unmapped (no view left): pages mapped here are never dropped
