@@ -7,9 +7,11 @@ the server's use of it is in tests/test_readpath.py (a chain read back through a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,20 @@ async def _put(st: ChunkStore, n: int, size: int, tag: str = "") -> tuple[list[t
     recs = [(f"{tag}{i}".encode(), size, crc32c(v), None) for i, v in enumerate(values)]
     locs = await st.append(recs, memoryview(b"".join(values)))
     return [(c, off, size) for c, off in locs], values
+
+
+@contextlib.contextmanager
+def _evicted(st: ChunkStore, c: int) -> Iterator[int]:
+    """Chunk ``c``'s pages dropped from the page cache (skipped where the filesystem keeps
+    them: tmpfs); yields an fd of its file.  Pages mapped (by a view) are never dropped."""
+    fd = os.open(st.chunk_path(c), os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if resident(fd, 0, st.sizes[c]):
+            pytest.skip("this filesystem keeps the pages (tmpfs)")
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _read(views: list[memoryview]) -> list[bytes]:
@@ -127,19 +143,13 @@ async def test_pages_not_in_the_page_cache_are_never_answered_from_the_mapping(
     try:
         ranges, values = await _put(st, 16, 8192)
         c = ranges[0][0]
-        fd = os.open(st.chunk_path(c), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            if resident(fd, 0, st.sizes[c]):
-                pytest.skip("this filesystem keeps the pages (tmpfs)")
+        with _evicted(st, c) as fd:
             assert st.readv_mapped(ranges) is None
             views, errors = await st.readv(ranges)  # read (from the disk, in the pool)
             assert not errors and [bytes(v) for v in views if v is not None] == values
             assert resident(fd, 0, st.sizes[c])
             got = _mapped(st, ranges)  # cached now
             assert got is not None and _read(got) == values
-        finally:
-            os.close(fd)
     finally:
         await st.close()
 
@@ -177,12 +187,7 @@ async def test_a_stretch_found_cached_is_believed_for_a_short_time_and_evicted_p
         n = len(asked)
         del got
         st.maps.clear()  # unmapped (no view left): pages mapped here are never dropped
-        c = ranges[0][0]
-        fd = os.open(st.chunk_path(c), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            if resident(fd, 0, st.sizes[c]):
-                pytest.skip("this filesystem keeps the pages (tmpfs)")
+        with _evicted(st, ranges[0][0]) as fd:
             got = st.readv_mapped(ranges[::-1])  # evicted, still believed: read by the copy
             assert got is not None and _read(got) == values[::-1] and len(asked) == n
             del got
@@ -192,8 +197,6 @@ async def test_a_stretch_found_cached_is_believed_for_a_short_time_and_evicted_p
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             assert st.readv_mapped(ranges) is None and len(asked) == n + 1  # asked: not cached
             assert st.readv_mapped(ranges) is None and len(asked) == n + 2  # and asked again
-        finally:
-            os.close(fd)
     finally:
         await st.close()
 
