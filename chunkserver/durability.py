@@ -13,7 +13,8 @@
   checksum errors, never as wrong bytes.
 
 In every mode a new chunk's directory entry is synced before an append to it
-is answered (``never`` excepted), compactions are synced before meta is told,
+is answered (``never`` excepted; a chunk reserved ahead had its entry synced by
+its reservation's job), compactions are synced before meta is told,
 and ``state.json`` is replaced by temp file + fsync + rename.
 """
 

@@ -177,6 +177,30 @@ def _close_fds(fds: Sequence[int]) -> None:
             log.warning("closing a chunk file (fd %d) failed: %s", fd, e)
 
 
+def _reserve_chunk(path: Path, nbytes: int, dir_path: Path | None) -> bool:
+    """The next chunk reserved ahead, in an IO thread (:meth:`ChunkStore._reserve_ahead`): its
+    file made empty, ``nbytes`` of blocks reserved for it (:func:`preallocate`), then with
+    ``dir_path`` its directory entry made durable.  False, the file removed again, where the
+    blocks could not be had (the disk full, no fallocate here); what else fails removes it too."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, FILE_MODE)
+    made = False
+    try:
+        if preallocate(fd, nbytes):
+            if dir_path is not None:
+                fsync_dir(dir_path)
+            made = True
+    finally:
+        os.close(fd)
+        if not made:
+            path.unlink(missing_ok=True)
+    return made
+
+
+def _made(job: asyncio.Future[bool]) -> bool:
+    """Whether a :func:`_reserve_chunk` job has ended with its chunk made."""
+    return job.done() and not job.cancelled() and job.exception() is None and job.result()
+
+
 def _write_at(fd: int, bufs: list[bytes | memoryview], offset: int, reserve: int,
               writeback: int = 0) -> None:
     """An append's job in an IO thread: ``reserve`` bytes of blocks reserved for the file
@@ -255,6 +279,12 @@ SEQ_BLOCK = 1024
 # within FREE_CHECK_S) is still ENOSPC, answered NoSpace.
 FREE_CHECK_S = 0.1
 FREE_MARGIN_CHUNKS = 2
+# Once the open chunk is this full, an IO-thread job makes the next chunk's file and reserves
+# its blocks (and under --fsync batch/always syncs its directory entry): the roll that takes it
+# then waits for no fallocate under the append lock.  A roll's fallocate waited 0.6-0.7 s there
+# behind writeback (ext4 reading block bitmaps), and every append of the server with it
+# (bench/RESULTS.md, "Issue 11, large puts: where a 1 MiB x 32 / 8 MiB x 8 put waits").
+AHEAD_AT = 0.5
 # An append of at most ``inline_write_bytes`` (not a new chunk's first when preallocating,
 # none that starts its writeback, not under --fsync always) is written by the event loop's
 # own pwritev, not handed to an IO thread: the hop there and back cost more CPU than a small
@@ -495,6 +525,14 @@ class ChunkStore:
         self._in_cache: dict[int, tuple[int, int, float]] = {}
         self.resident_keep_s = RESIDENT_KEEP_S
         self._open: int | None = None
+        # the next chunk reserved ahead (AHEAD_AT): (its id, the IO job making it: True once
+        # its file and blocks are there); and one a roll did not wait for, its file removed
+        # when its job ends.  At most one of the two at a time: one chunk reserved per store.
+        self._ahead: tuple[int, asyncio.Future[bool]] | None = None
+        self._dropping: tuple[int, asyncio.Future[bool]] | None = None
+        self._ahead_at = int(chunk_bytes * AHEAD_AT) if preallocate else 1 << 62
+        self.ahead_taken = 0  # rolls that took a chunk reserved ahead
+        self.ahead_missed = 0  # rolls that found none ready (its job running, failed, or none)
         self._lock = asyncio.Lock()
         self._writes: set[asyncio.Task[None]] = set()  # appends' writes, kept to the end if their callers go
         self._closed = False
@@ -548,14 +586,23 @@ class ChunkStore:
         return self.dir / f"{chunk_id:016x}.chunk"
 
     def _scan_dir(self) -> None:
+        """The chunks on disk.  An empty one holds no record (a chunk reserved ahead and
+        never taken, or one whose first write never landed): it is removed, giving its
+        reserved blocks back, never counted, its id still past ``next_seq``; the newest of
+        the others (the one appends went to) has its tail recovered."""
         newest = None
         for p in self.dir.glob("*.chunk"):
             try:
                 cid = int(p.stem, 16)
             except ValueError:
                 continue
-            self._set_size(cid, p.stat().st_size)
             self.next_seq = max(self.next_seq, (cid & ((1 << 40) - 1)) + 1)
+            size = p.stat().st_size
+            if not size:
+                log.info("chunk %016x: empty (reserved, never written); removed", cid)
+                p.unlink(missing_ok=True)
+                continue
+            self._set_size(cid, size)
             newest = cid if newest is None or cid > newest else newest
         if newest is not None:
             self._recover_tail(newest)
@@ -635,6 +682,13 @@ class ChunkStore:
                 self._release(self._open)
             except OSError as e:
                 log.warning("chunk %016x: could not give back its reserved blocks: %s", self._open, e)
+        for ahead in (self._ahead, self._dropping):  # their jobs have ended (no job runs now)
+            if ahead is not None:
+                try:
+                    self.chunk_path(ahead[0]).unlink(missing_ok=True)
+                except OSError as e:
+                    log.warning("chunk %016x (reserved ahead): could not remove it: %s", ahead[0], e)
+        self._ahead = self._dropping = None
         _close_fds([*self._fds.values(), *(fd for _, fd in self._close_later)])
         self._fds.clear()
         self.maps.clear()
@@ -752,6 +806,7 @@ class ChunkStore:
         capacity, free, used = self.usage()
         if nbytes > free:
             self.wanted_bytes = nbytes
+            self._drop_ahead()  # its blocks are the disk's again
             raise NoSpace(f"chunkserver {self.server_id} is full: {nbytes} bytes do not fit "
                           f"({used} of {capacity} used, {free} free), and GC has not freed room for them "
                           f"(`kvfs gc status` shows each server's live and garbage bytes)")
@@ -765,16 +820,82 @@ class ChunkStore:
         self.next_seq += 1
         return cid
 
-    def _roll(self) -> int:
+    def _roll(self) -> tuple[int, bool]:
+        """A new open chunk: ``(its id, fresh)``.  The chunk reserved ahead where its job has
+        ended well (its blocks reserved, its directory entry durable under --fsync
+        batch/always); else, ``fresh``, one made here, whose blocks its first write's job
+        reserves and whose entry its first sync makes durable (a reservation still running
+        is not waited for: its file is removed when it ends)."""
         if self._open is not None:
             self._release_later(self._open)
-        cid = self._new_chunk_id()
-        self._fd(cid)  # created here; its blocks are reserved by its first write's job
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None and _made(ahead[1]):
+            cid = ahead[0]  # its blocks were counted in grown_bytes when asked for
+            self.ahead_taken += 1
+            fresh = False
+        else:
+            if ahead is not None:
+                self._drop(ahead)
+            self.ahead_missed += 1
+            cid = self._new_chunk_id()
+            fresh = True
+            if self.preallocate:  # the disk's free space shrinks by all of it (_check_space)
+                self.grown_bytes += self.chunk_bytes
+        self._fd(cid)  # created here where fresh; its blocks are reserved by its first write's job
         self._set_size(cid, 0)
-        if self.preallocate:  # the disk's free space shrinks by all of it (_check_space)
-            self.grown_bytes += self.chunk_bytes
         self._open = cid
-        return cid
+        return cid, fresh
+
+    def _reserve_ahead(self) -> None:
+        """Start the job that reserves the next chunk (:func:`_reserve_chunk`), unless one is
+        reserved or being made or dropped, or the disk could not spare it with
+        ``FREE_MARGIN_CHUNKS`` chunks still free (then there is none: appends do not miss
+        it).  Its id is taken now, by the rule every chunk's is (on disk before use); its
+        blocks count as used (``grown_bytes``) from now until it is taken or removed."""
+        if self._ahead is not None or self._dropping is not None or self._closed:
+            return
+        if self.usage()[1] < (FREE_MARGIN_CHUNKS + 1) * self.chunk_bytes:
+            return
+        cid = self._new_chunk_id()
+        dir_path = None if self.fsync is FsyncMode.NEVER else self.dir
+        try:
+            fut = self.pool.run(_reserve_chunk, self.chunk_path(cid), self.chunk_bytes, dir_path)
+        except RuntimeError:  # the IO threads are shut down (closing)
+            return
+        self.grown_bytes += self.chunk_bytes
+        self._ahead = (cid, fut)
+        fut.add_done_callback(functools.partial(self._reserved, cid))
+
+    def _reserved(self, cid: int, fut: asyncio.Future[bool]) -> None:
+        exc = None if fut.cancelled() else fut.exception()
+        if exc is not None:  # (a full disk is no news: appends are told)
+            full = isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
+            log.log(logging.INFO if full else logging.WARNING, "chunk %016x: reserving it ahead "
+                    "failed (%s); the roll makes its own", cid, exc)
+
+    def _drop_ahead(self) -> None:
+        """The chunk reserved ahead given back, if any (the disk is full)."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            self._drop(ahead)
+
+    def _drop(self, ahead: tuple[int, asyncio.Future[bool]]) -> None:
+        """A chunk reserved ahead that no roll takes: its file removed in an IO thread (the
+        unlink frees its blocks, which can wait for the disk: :meth:`_free_later`) once its
+        job has ended; until then it is ``_dropping`` and no other is reserved."""
+        self._dropping = ahead
+        fut = ahead[1]
+        if fut.done():
+            self._dropped(ahead, fut)
+        else:
+            fut.add_done_callback(functools.partial(self._dropped, ahead))
+
+    def _dropped(self, ahead: tuple[int, asyncio.Future[bool]], fut: asyncio.Future[bool]) -> None:
+        if self._dropping is not ahead:  # removed by a close meanwhile
+            return
+        self._dropping = None
+        if _made(fut):  # (else no file was left)
+            self._free_later(functools.partial(self.chunk_path(ahead[0]).unlink, missing_ok=True))
 
     def _release(self, cid: int) -> None:
         """A chunk stops taking appends: give back the blocks reserved past its end."""
@@ -812,13 +933,13 @@ class ChunkStore:
                 raise Unavailable(f"chunkserver {self.server_id} is shutting down; append elsewhere")
             self._check_space(total)  # ... and for sure: writes ahead of us took space
             cid = self._open
-            rolled = cid is None or bool(self.sizes[cid] and self.sizes[cid] + total > self.chunk_bytes)
-            if rolled:
-                cid = self._roll()
+            fresh = False  # a chunk made by this roll: blocks to reserve, an entry to sync
+            if cid is None or (self.sizes[cid] and self.sizes[cid] + total > self.chunk_bytes):
+                cid, fresh = self._roll()
             assert cid is not None
             base = self.sizes[cid]
             fd = self._fd(cid)
-            inline = (total <= self.inline_write_bytes and not (rolled and self.preallocate)
+            inline = (total <= self.inline_write_bytes and not (fresh and self.preallocate)
                       and time.monotonic() >= self._inline_after)
             if inline:
                 try:
@@ -834,13 +955,13 @@ class ChunkStore:
             # The write and its bookkeeping run in a task of their own that holds the lock
             # until the chunk's size covers them: a caller cancelled mid-write (shutdown, a
             # dropped connection) leaves no pwritev running that the next append would land on.
-            write = asyncio.get_running_loop().create_task(self._write(cid, fd, bufs, base, total, rolled))
+            write = asyncio.get_running_loop().create_task(self._write(cid, fd, bufs, base, total, fresh))
             self._writes.add(write)
             write.add_done_callback(self._write_done)
             await asyncio.shield(write)
         if self.fsync is FsyncMode.BATCH:  # outside the lock: later appends join this sync
             with _full_is_nospace(f"chunkserver {self.server_id} syncing an append"):
-                await self.syncer.sync(fd, new_file=rolled)
+                await self.syncer.sync(fd, new_file=fresh)
         return [(cid, base + r) for r in rel]
 
     @contextlib.contextmanager
@@ -860,6 +981,8 @@ class ChunkStore:
         self._set_size(cid, size)
         self._last_append = now
         self.wanted_bytes = 0
+        if size >= self._ahead_at and self._ahead is None:
+            self._reserve_ahead()
 
     def _write_inline(self, cid: int, fd: int, bufs: list[bytes | memoryview], base: int,
                       total: int) -> None:
@@ -875,21 +998,23 @@ class ChunkStore:
         self._appended(cid, base + total, now)
 
     async def _write(self, cid: int, fd: int, bufs: list[bytes | memoryview], base: int, total: int,
-                     rolled: bool) -> None:
-        """An append's write at ``base`` (the lock held by its caller), then its size; releases the lock."""
+                     fresh: bool) -> None:
+        """An append's write at ``base`` (the lock held by its caller), then its size; releases
+        the lock.  ``fresh``: the first into a chunk its roll made (:meth:`_roll`)."""
         try:
             # Appends into blocks reserved up front skip the filesystem's block
-            # allocation: 16 MiB appends ran 2.5x faster here (bench/RESULTS.md).  A new
+            # allocation: 16 MiB appends ran 2.5x faster here (bench/RESULTS.md).  A fresh
             # chunk's are reserved in the IO thread, before its first write (in the event
-            # loop a reservation that waits for the disk stalls every connection).
-            reserve = self.chunk_bytes if rolled and self.preallocate else 0
+            # loop a reservation that waits for the disk stalls every connection); a chunk
+            # reserved ahead has them already.
+            reserve = self.chunk_bytes if fresh and self.preallocate else 0
             with self._appending(fd, base, total):
                 start = 0 < self.writeback_start <= total
                 await self.pool.run(_write_at, fd, bufs, base, reserve, total if start else 0)
             if self.fsync is FsyncMode.ALWAYS:
                 with _full_is_nospace(f"chunkserver {self.server_id} syncing an append"):
                     await self.pool.run(os.fdatasync, fd)
-                    if rolled:
+                    if fresh:
                         await self.pool.run(fsync_dir, self.dir)
             self._appended(cid, base + total, time.monotonic())
         finally:

@@ -224,7 +224,8 @@ class ChunkServerConfig(ServerConfig):
                                   "(plain TCP; over TLS every answer is read into a buffer); 0: never",
                                   128 * 1024)
     preallocate: bool = opt("reserve chunk_bytes of disk blocks when a chunk is opened for appends "
-                            "(fallocate KEEP_SIZE; the rest is released when it is sealed)", True)
+                            "(fallocate KEEP_SIZE; the rest is released when it is sealed), and the "
+                            "next chunk's ahead, in an IO thread, once the open one is half full", True)
     close_timeout_s: float = opt("at shutdown, wait at most this long for appends, group syncs "
                                  "and disk reads still running; past it (a disk hanging) they "
                                  "are logged and abandoned, the chunk files left open and the "

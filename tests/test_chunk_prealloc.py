@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import crc32c
 import pytest
+from poll import until
 
-from kvfs.chunkserver.store import ChunkStore, preallocate
+from kvfs.chunkserver import store as store_mod
+from kvfs.chunkserver.records import record_header
+from kvfs.chunkserver.store import ChunkStore, align_up, preallocate
 from kvfs.mount.mtab import unescape
 
 CHUNK = 8 << 20
@@ -99,6 +104,7 @@ async def test_a_new_chunk_never_waits_for_the_old_one_to_give_its_blocks_back(
 
     with opened(root) as st:
         first, _ = await _put(st, b"a", os.urandom(CHUNK // 2))
+        assert not await st.pool.wait_idle(30)  # the next chunk reserved ahead (half full)
         monkeypatch.setattr(os, "truncate", held)
         second, _ = await _put(st, b"b", os.urandom(CHUNK // 2 + (64 << 10)))  # a new chunk
         third, _ = await _put(st, b"c", os.urandom(4096))
@@ -150,3 +156,177 @@ def test_preallocate_works_on_the_filesystems_that_have_fallocate(tmp_path: Path
     if kind not in ("ext4", "xfs", "btrfs"):
         pytest.skip(f"the test dir is on {kind or 'an unknown filesystem'}")
     assert _supported(tmp_path)
+
+
+# the next chunk reserved ahead -----------------------------------------------------------
+
+
+def _unused(st: ChunkStore) -> set[int]:
+    """Chunk files on disk that the store does not count as chunks: one reserved ahead."""
+    return {int(p.stem, 16) for p in st.dir.glob("*.chunk")} - set(st.sizes)
+
+
+async def _past_half(st: ChunkStore) -> tuple[int, int]:
+    """The open chunk filled past half (AHEAD_AT), its next chunk's job let end."""
+    cid, _ = await _put(st, b"half", os.urandom(CHUNK // 2 + 4096))
+    assert not await st.pool.wait_idle(30)
+    (ahead,) = _unused(st)
+    return cid, ahead
+
+
+async def test_a_roll_takes_the_chunk_reserved_ahead_whose_first_write_reserves_nothing(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    reserves: list[int] = []
+    real = store_mod._write_at
+
+    def spy(fd: int, bufs: list[bytes | memoryview], offset: int, reserve: int, writeback: int = 0) -> None:
+        reserves.append(reserve)
+        real(fd, bufs, offset, reserve, writeback)
+
+    monkeypatch.setattr(store_mod, "_write_at", spy)
+    with opened(root) as st:
+        new_files: list[bool] = []
+        sync = st.syncer.sync
+
+        async def sync_spy(fd: int, *, new_file: bool = False) -> None:
+            new_files.append(new_file)
+            await sync(fd, new_file=new_file)
+
+        monkeypatch.setattr(st.syncer, "sync", sync_spy)
+        first, _ = await _put(st, b"a", os.urandom(CHUNK // 4))
+        assert reserves == [CHUNK] and not _unused(st)  # a fresh chunk; under half: none ahead
+        first_again, ahead = await _past_half(st)
+        assert first_again == first and ahead > first
+        # before any roll: an empty file whose blocks are reserved, not a chunk of the store's
+        assert os.stat(st.chunk_path(ahead)).st_size == 0 and _blocks(st, ahead) >= CHUNK
+        value = os.urandom(CHUNK // 2)
+        second, off = await _put(st, b"b", value)  # does not fit: the roll
+        assert second == ahead and st.open_chunk == ahead and st.sizes[ahead] > 0
+        assert reserves[-1] == 0  # its first write's job reserved nothing
+        assert (st.ahead_taken, st.ahead_missed) == (1, 1)  # the first chunk was made fresh
+        assert new_files == [True, False, False]  # under batch, its entry was synced ahead
+        views, stale = await st.readv([(second, off, len(value))])
+        assert not stale and bytes(views[0]) == value  # type: ignore[arg-type]
+        assert not await st.pool.wait_idle(30)
+        assert _blocks(st, first) <= align_up(st.sizes[first]) and _blocks(st, ahead) >= CHUNK
+
+
+async def test_a_reservation_not_ready_at_the_roll_is_not_waited_for_and_is_removed(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate, started = threading.Event(), threading.Event()
+    real = store_mod._reserve_chunk
+
+    def held(path: Path, nbytes: int, dir_path: Path | None) -> bool:
+        started.set()
+        if not gate.wait(10):
+            raise OSError("the held reservation was never let go")
+        return real(path, nbytes, dir_path)
+
+    monkeypatch.setattr(store_mod, "_reserve_chunk", held)
+    with opened(root) as st:
+        first, _ = await _put(st, b"a", os.urandom(CHUNK // 2 + 4096))
+        assert await asyncio.to_thread(started.wait, 10)
+        second, _ = await _put(st, b"b", os.urandom(CHUNK // 2))  # rolls while it is held
+        assert second != first and (st.ahead_taken, st.ahead_missed) == (0, 2)
+        assert _blocks(st, second) >= CHUNK  # reserved by its own first write, as ever
+        gate.set()
+        await until(lambda: not _unused(st) and not st.pool.running, "the dropped reservation removed")
+        assert sorted(p.name for p in st.dir.glob("*.chunk")) == sorted(
+            st.chunk_path(c).name for c in st.sizes)
+
+
+async def test_a_reservation_that_finds_the_disk_full_leaves_appends_working(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """fallocate answering ENOSPC (injected: every reservation, the fresh chunks' too) leaves
+    no file behind and costs no append anything."""
+    calls: list[int] = []
+
+    def full(fd: int, nbytes: int) -> bool:
+        calls.append(nbytes)
+        return False  # what preallocate() answers for ENOSPC
+
+    monkeypatch.setattr(store_mod, "preallocate", full)
+    with opened(root) as st:
+        values = [os.urandom(CHUNK // 2 + 4096) for _ in range(3)]
+        locs = [await _put(st, b"k%d" % i, v) for i, v in enumerate(values)]
+        assert not await st.pool.wait_idle(30)
+        assert len({c for c, _ in locs}) == 3 and len(calls) >= 4  # fresh chunks and reservations
+        assert not _unused(st) and st.ahead_taken == 0
+        views, stale = await st.readv([(c, off, len(v)) for (c, off), v in zip(locs, values, strict=True)])
+        assert not stale and [bytes(v) for v in views] == values  # type: ignore[arg-type]
+
+
+async def test_a_disk_without_room_for_it_gets_no_reservation(root: Path) -> None:
+    st = ChunkStore(root, chunk_bytes=CHUNK, capacity_bytes=3 * CHUNK)  # < 3 chunks free past half
+    st.server_id = 1
+    try:
+        await _put(st, b"a", os.urandom(CHUNK // 2 + 4096))
+        assert not await st.pool.wait_idle(30)
+        assert not _unused(st)
+        cid, _ = await _put(st, b"b", os.urandom(CHUNK // 2))
+        assert st.sizes[cid] > 0 and st.ahead_taken == 0
+    finally:
+        st.close_now()
+
+
+async def test_close_with_a_reservation_in_flight_leaves_nothing_behind(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gate, started = threading.Event(), threading.Event()
+    real = store_mod._reserve_chunk
+
+    def held(path: Path, nbytes: int, dir_path: Path | None) -> bool:
+        started.set()
+        if not gate.wait(10):
+            raise OSError("the held reservation was never let go")
+        return real(path, nbytes, dir_path)
+
+    monkeypatch.setattr(store_mod, "_reserve_chunk", held)
+    st = _store(root, True)
+    cid, _ = await _put(st, b"a", os.urandom(CHUNK // 2 + 4096))
+    assert await asyncio.to_thread(started.wait, 10)
+    closing = asyncio.ensure_future(st.close())
+    await until(lambda: st._closed, "the close under way")
+    assert not closing.done()  # it waits for the reservation's job
+    gate.set()
+    assert await closing
+    assert [p.name for p in st.dir.glob("*.chunk")] == [st.chunk_path(cid).name]
+    assert _blocks(st, cid) < CHUNK * 3 // 4  # the open chunk's own reservation given back too
+
+
+_CRASH = """
+import asyncio, os, sys
+from pathlib import Path
+import crc32c
+from kvfs.chunkserver.store import ChunkStore
+
+async def main() -> None:
+    st = ChunkStore(Path(sys.argv[1]), chunk_bytes=int(sys.argv[2]))
+    st.server_id = 1
+    value = os.urandom(int(sys.argv[2]) // 2 + 4096)
+    await st.append([(b"k", len(value), crc32c.crc32c(value), None)], memoryview(value))
+    assert not await st.pool.wait_idle(30)
+    os._exit(0)  # a crash: no close
+
+asyncio.run(main())
+"""
+
+
+async def test_a_restart_gives_back_an_unused_reserved_chunk_and_never_reuses_its_id(root: Path) -> None:
+    """A store process ends (no close) with the next chunk reserved: the restart removes it
+    (its blocks back), counts nothing of it, hands its id to no chunk, and still recovers
+    the torn tail of the chunk before it (the newest holding records)."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _CRASH, str(root), str(CHUNK))
+    assert await asyncio.wait_for(proc.wait(), 60) == 0
+    chunks = {int(p.stem, 16): p for p in (root / "chunks").glob("*.chunk")}
+    (ahead,) = (c for c, p in chunks.items() if p.stat().st_size == 0)
+    (data,) = set(chunks) - {ahead}
+    assert ahead > data and chunks[ahead].stat().st_blocks * 512 >= CHUNK
+    size = chunks[data].stat().st_size
+    with open(chunks[data], "ab") as f:  # a torn last record: half a header
+        f.write(record_header(b"torn", 4096, 0, None)[:20])
+    with opened(root) as st:
+        assert not chunks[ahead].exists() and ahead not in st.sizes
+        assert st.sizes == {data: size} and st.used_bytes == size
+        assert chunks[data].stat().st_size == size  # the tail cut back
+        new, _ = await _put(st, b"after", os.urandom(4096))
+        assert new > ahead
