@@ -465,10 +465,10 @@ class ReadPath:
         in_place = in_place and dests[g.slots[0]] is not WHOLE
 
         def scatter(head: FrameHead) -> Scatter:
-            # the ranges answered (an errored one has no bytes), in order; exchange() checks
-            # the header once the frame is whole
+            # the ranges answered (an errored one has no bytes), in order (a sink is given
+            # only an answer whose header checked out: kvfs.transport)
             views = cast(Sequence[memoryview], dests)
-            errs = head.header.get("errors")
+            errs = rpc.message(head, rpc.ReadVReply).errors
             if errs:
                 return Scatter([views[s] for i, s in enumerate(g.slots) if i not in errs])
             return Scatter(list(map(views.__getitem__, g.slots)))
@@ -715,13 +715,13 @@ class ReadPath:
         rx: list[memoryview] = []  # a pooled receive buffer, if one was taken
 
         def scatter(head: FrameHead) -> Scatter | memoryview:
-            # the answer lands straight in each destination (e.g. the caller's buffers); this
-            # peeks at the header before it is checked: exchange() checks it once received
+            # the answer lands straight in each destination (e.g. the caller's buffers); a
+            # sink is given only an answer whose header checked out (kvfs.transport)
             if watch is not None:
                 if watch.abandoned:  # the read went on without this server: bytes discarded
                     return memoryview(bytearray(head.payload_len))
                 watch.started = True
-            errs = head.header.get("errors") or {}
+            errs = rpc.message(head, rpc.ReadVReply).errors
             parts: list[memoryview] = []
             for i, job in enumerate(batch):
                 if i not in errs:
