@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping, Sequence
 
 from kvfs import rpc
 from kvfs.address import parse_addr, parse_addrs, service_tokens
@@ -163,9 +163,11 @@ class ChunkServer:
             return check_ranges(req.ranges, cfg.max_ranges, cfg.max_read_rpc_bytes)[1]
         return 0
 
-    async def rpc_readv(self, req: rpc.ReadV, payload: memoryview) -> Reply:
+    def rpc_readv(self, req: rpc.ReadV, payload: memoryview) -> Reply | Awaitable[Reply]:
         """``req.ranges`` were checked once, by :meth:`reply_cost` (the server runs it on
-        every request before dispatching it)."""
+        every request before dispatching it).  An answer from the page cache is returned
+        as it is (the server writes it at once, no task: every small cached READV); one to
+        read comes as a coroutine."""
         self.readv_calls += 1
         if self.rpc.tls is None:  # plain TCP: sendfile can send the page cache's bytes
             files, errors = self.store.readv_files(req.ranges, self.config.sendfile_min_bytes)
@@ -174,7 +176,10 @@ class ChunkServer:
             views = None if errors else self.store.readv_mapped(req.ranges)
             if views is not None:  # the page cache's bytes, written with the header at once
                 return rpc.ReadVReply(), views
-        payload, _, errors = await self.store.readv_into(req.ranges)
+        return self._readv_read(req.ranges)
+
+    async def _readv_read(self, ranges: Sequence[tuple[int, int, int]]) -> Reply:
+        payload, _, errors = await self.store.readv_into(ranges)
         parts: list[Buffer] = [payload] if payload.nbytes else []
         return _readv_reply(errors), parts
 

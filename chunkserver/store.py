@@ -233,6 +233,13 @@ INLINE_READ_BYTES = 8 * 1024 * 1024
 # most, where a preadv of a 4 KiB range costs ~1.1): sparser reads are read with preadv
 MAPPED_CHECK_BYTES = 1024 * 1024
 MAPPED_MAX_CHUNKS = 8  # readv_mapped: more chunks in one READV are read with preadv
+# readv_mapped remembers, per chunk, the stretch the page cache was last found to hold in full
+# (stretches found within this long of each other joined) and asks again only for bytes past
+# it or once this long has passed since it was first asked: a READV's cachestat cost ~16 us of
+# a ~150 us READV of 43 random 4 KiB ranges (bench/RESULTS.md, issue 11).  A page evicted
+# meanwhile is read by the answer's send, in the event loop (at most the READV's own ranges,
+# INLINE_READ_BYTES): the window in which that can happen is this long, not a few us.
+RESIDENT_KEEP_S = 0.05
 # chunk ids reserved by one write of state.json: a new chunk rewrites it (temp file, fsync,
 # rename, directory fsync) once per this many chunks, not once each (in the event loop, once
 # per 64 MiB appended, it took 20 ms median behind the group syncs: bench/RESULTS.md,
@@ -483,6 +490,10 @@ class ChunkStore:
         self._disk: tuple[float, int, int, int] = (-1e18, 0, 0, 0)  # statvfs: (when, total, free, grown_bytes then)
         self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
         self.maps = ChunkMaps(max_mapped_files, self._unmap)  # small cached reads answered from these
+        # chunk id -> (start, end, until): bytes the page cache held in full (readv_mapped's
+        # _resident), believed until then; at most one per mapping (cleared past that)
+        self._in_cache: dict[int, tuple[int, int, float]] = {}
+        self.resident_keep_s = RESIDENT_KEEP_S
         self._open: int | None = None
         self._lock = asyncio.Lock()
         self._writes: set[asyncio.Task[None]] = set()  # appends' writes, kept to the end if their callers go
@@ -1138,9 +1149,10 @@ class ChunkStore:
         cache holds every page from the first byte asked of each chunk to the last (one
         ``cachestat`` per chunk, so no send waits for the disk in the event loop; asked
         only where that stretch is at most ``MAPPED_CHECK_BYTES`` per range: a longer one
-        costs more to ask about than its ranges cost to read).  As with ``sendfile``
-        (:meth:`readv_files`), a page can be evicted between the question and the send; the
-        send then waits for it (rare, one read).
+        costs more to ask about than its ranges cost to read; a stretch found held is
+        believed for ``resident_keep_s``: :meth:`_resident`).  As with ``sendfile``
+        (:meth:`readv_files`), a page can be evicted between the question (or the belief)
+        and the send; the send then waits for it (rare, at most the READV's own ranges).
 
         Each pass over the ranges is a C loop (``map``, ``min``, ``max``): this runs for
         every small READV answered from the page cache, once per key."""
@@ -1171,7 +1183,7 @@ class ChunkStore:
                     return None  # not here (readv_into answers it as stale), or too sparse
                 fd = self._fd(c)
                 got = maps.view(c, fd, hi)
-                if got is None or not resident(fd, lo, hi - lo, got[1]):
+                if got is None or not self._resident(c, fd, lo, hi, got[1]):
                     return None
                 views[c] = got[0]
         finally:
@@ -1188,6 +1200,31 @@ class ChunkStore:
         self.mapped_spans += len(out)
         self.bytes_read += total
         return out
+
+    def _resident(self, c: int, fd: int, lo: int, hi: int, addr: int) -> bool:
+        """:func:`resident` for bytes ``lo`` to ``hi`` of chunk ``c`` (``fd``, mapped at
+        ``addr``), believed without asking for ``resident_keep_s`` after the page cache was
+        found to hold them.  A stretch touching the one believed is asked about only past
+        it (a few pages: the walk costs by the pages asked about) and joined to it, keeping
+        its end of belief."""
+        now = time.monotonic()
+        held = self._in_cache.get(c)
+        if held is not None and now < held[2] and lo <= held[1] and held[0] <= hi:
+            start, end, until = held
+            if start <= lo and hi <= end:
+                return True
+            if lo < start and not resident(fd, lo, start - lo, addr):
+                return False
+            if end < hi and not resident(fd, end, hi - end, addr):
+                return False
+            self._in_cache[c] = (min(lo, start), max(hi, end), until)
+            return True
+        if not resident(fd, lo, hi - lo, addr):
+            return False
+        if len(self._in_cache) >= max(self.maps.max_maps, 1):
+            self._in_cache.clear()
+        self._in_cache[c] = (lo, hi, now + self.resident_keep_s)
+        return True
 
     def _fds_back(self, chunk_of: dict[int, int], fds: list[int]) -> None:
         """A :meth:`readv_files` answer's close: its ``fds`` (of the chunks ``chunk_of``
@@ -1337,6 +1374,7 @@ class ChunkStore:
             size = self.sizes.pop(cid, None)
             self.used_bytes -= size or 0
             self.maps.drop(cid)
+            self._in_cache.pop(cid, None)
             fd = self._fds.pop(cid, None)
             if fd is not None:
                 self._close_later.append((cid, fd))

@@ -6,8 +6,10 @@ proven, bound to the connection); each op then needs a role the RPC table grants
 Each request is decoded and checked against its type in :data:`kvfs.rpc.RPCS`
 before dispatch: a bad request gets ``InvalidArgument`` naming the field and
 the server keeps serving.  It then runs as its own task, so many are in flight
-per connection; an exception other than a :class:`KVFSError` inside a handler
-is a server bug and answers ``ServerError``, never "bad input".  A frame that
+per connection, unless its handler answers at once (a plain function that returns
+its answer rather than an awaitable: written from the receive callback, no task)
+while the connection can take it; an exception other than a :class:`KVFSError`
+inside a handler is a server bug and answers ``ServerError``, never "bad input".  A frame that
 breaks the protocol gets an error frame and closes that connection only.  Every
 close the server starts flushes for at most ``send_timeout_s``, then aborts.
 """
@@ -15,10 +17,12 @@ close the server starts flushes for at most ``send_timeout_s``, then aborts.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
+from typing import Any, cast
 
 import msgspec
 
@@ -56,10 +60,17 @@ log = logging.getLogger("kvfs.server")
 # an answer's header and payload: buffers, or file bytes to ``sendfile`` (plain TCP; a
 # handler gives them only where reading them in the event loop would do: never over TLS)
 Reply = tuple[Response, Sequence[Buffer] | FileParts]
-Handler = Callable[[Any, memoryview], Awaitable[Reply]]
+# an ``async def`` handler, or a plain one that returns its answer where it has it at once
+# (no await: the server writes it without a task) and an awaitable of it where not
+Handler = Callable[[Any, memoryview], Awaitable[Reply] | Reply]
 # the roles that may call each op, by the op's number as frames carry it (looked up for every
 # request: no ``Op(...)`` enum lookup on the way)
 _ROLES = {int(op): rpc.roles for op, rpc in RPCS.items()}
+
+
+async def answer_of(got: Reply | Awaitable[Reply]) -> Reply:
+    """A handler's answer: ``got`` itself, or what it gives once awaited."""
+    return got if type(got) is tuple else await cast("Awaitable[Reply]", got)
 
 
 class PeerLog:
@@ -287,12 +298,54 @@ class _ServerProtocol(FrameProtocol):
             except KVFSError as exc:  # e.g. READV past max_ranges: refused before it runs
                 self._bad_request(frame, exc)
                 return
+        assert not isinstance(frame.payload, Scatter)  # servers receive into one buffer
+        try:
+            got = handler(request, memoryview(frame.payload))
+            if type(got) is tuple:
+                header, payload = got
+                if not isinstance(payload, FileParts) and self.writable():
+                    self._write_now(frame, header, payload, cost)  # answered at once: no task
+                    return
+        except Exception as exc:  # raised before any await: answered as in _serve
+            self._failed(frame, exc)
+            self.server.receive_pool.give(frame.payload)
+            return
         self.inflight_requests += 1
         self.inflight_bytes += cost
         self._check_backpressure()
-        task = self._loop.create_task(self._run(handler, request, frame, cost))
+        self._start(self._run(got, frame, cost), got)
+
+    def _start(self, coro: Coroutine[Any, Any, None], got: object = None) -> None:
+        task = self._loop.create_task(coro)
         self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
+        task.add_done_callback(functools.partial(self._ended, got))
+
+    def _ended(self, got: object, task: asyncio.Task[None]) -> None:
+        self.tasks.discard(task)
+        if task.cancelled() and inspect.iscoroutine(got):
+            got.close()  # cancelled before it began: ``got`` never awaited (no warning)
+
+    def _write_now(self, frame: Frame, header: Response, payload: Sequence[Buffer], cost: int) -> None:
+        """An answer a handler had at once, written now (the connection can take it): the
+        request was never in flight, unless the write leaves the transport past its
+        high-water mark, where it is held (counted) until there is room, as in :meth:`_serve`."""
+        reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE)
+        self.server.requests_served += 1
+        self.write(reply)
+        if self.writable():
+            self.server.receive_pool.give(frame.payload)
+            return
+        size = len(reply[0]) + FIXED.unpack_from(reply[0])[-1]  # the payload it announces
+        self.inflight_requests += 1
+        self.inflight_bytes += max(size, cost)
+        self._check_backpressure()
+        self._start(self._until_room(frame, max(size, cost)))
+
+    async def _until_room(self, frame: Frame, charged: int) -> None:
+        try:
+            await self._room()
+        finally:
+            self._release(frame, charged)
 
     def _check_backpressure(self) -> None:
         cfg = self.server.config
@@ -358,23 +411,38 @@ class _ServerProtocol(FrameProtocol):
         self.write(encode_frame(frame.op, frame.request_id, err.to_wire(),
                                 flags=Flag.RESPONSE | Flag.ERROR))
 
-    async def _run(self, handler: Handler, request: Request[Any], frame: Frame, charged: int) -> None:
+    async def _run(self, got: Reply | Awaitable[Reply], frame: Frame, charged: int) -> None:
         try:
-            charged = await self._serve(handler, request, frame, charged)
+            charged = await self._serve(got, frame, charged)
         finally:
-            self.server.receive_pool.give(frame.payload)
-            self.inflight_requests -= 1
-            self.inflight_bytes -= charged
-            self._check_backpressure()
+            self._release(frame, charged)
 
-    async def _serve(self, handler: Handler, request: Request[Any], frame: Frame, charged: int) -> int:
-        """Runs one request and writes its answer once the transport can take it; returns
-        the bytes charged to this request (grown to the answer's real size)."""
+    def _release(self, frame: Frame, charged: int) -> None:
+        """A request in flight is done: its payload buffer back, its counts off."""
+        self.server.receive_pool.give(frame.payload)
+        self.inflight_requests -= 1
+        self.inflight_bytes -= charged
+        self._check_backpressure()
+
+    def _failed(self, frame: Frame, exc: Exception) -> None:
+        """The answer to a handler that raised ``exc``."""
+        name = Op(frame.op).name
+        if isinstance(exc, ShortFile):  # a chunk file shrank under the read: nothing sent yet
+            self._bad_request(frame, Unavailable(f"{name} failed on the server: {exc}"))
+        elif isinstance(exc, KVFSError):
+            self._bad_request(frame, exc)
+        else:  # a bug in the handler: never relabelled as bad input
+            log.error("%s failed", name, exc_info=exc)
+            self._reply_error(frame, ServerError(f"{name} failed on the server: {type(exc).__name__}: {exc}"))
+
+    async def _serve(self, got: Reply | Awaitable[Reply], frame: Frame, charged: int) -> int:
+        """Waits for a request's answer (``got``: the handler's) and writes it once the
+        transport can take it; returns the bytes charged to this request (grown to the
+        answer's real size)."""
         files: FileParts | None = None
         try:
             try:
-                assert not isinstance(frame.payload, Scatter)  # servers receive into one buffer
-                header, payload = await handler(request, memoryview(frame.payload))
+                header, payload = await answer_of(got)
                 if isinstance(payload, FileParts):
                     files, payload = payload, ()
                     if not self.can_send_files:  # no plain socket (TLS): read them here
@@ -383,19 +451,8 @@ class _ServerProtocol(FrameProtocol):
                         files = None
                 reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE,
                                      payload_bytes=None if files is None else files.nbytes)
-            except ShortFile as exc:  # a chunk file shrank under the read: nothing sent yet
-                name = Op(frame.op).name
-                self._bad_request(frame, Unavailable(f"{name} failed on the server: {exc}"))
-                return charged
-            except KVFSError as exc:
-                self._bad_request(frame, exc)
-                return charged
-            except asyncio.CancelledError:
-                raise
-            except Exception as exc:  # a bug in the handler: never relabelled as bad input
-                name = Op(frame.op).name
-                log.exception("%s failed", name)
-                self._reply_error(frame, ServerError(f"{name} failed on the server: {type(exc).__name__}: {exc}"))
+            except Exception as exc:  # (not CancelledError: a BaseException)
+                self._failed(frame, exc)
                 return charged
             size = len(reply[0]) + FIXED.unpack_from(reply[0])[-1]  # the payload it announces
             if size > charged:

@@ -8,8 +8,10 @@ processes) are in test_hostile.py (marker ``hostile``).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
+import warnings
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,14 +30,16 @@ from kvfs.errors import (
     FrameTooLarge,
     InvalidArgument,
     RemoteProtocolError,
+    ServerError,
+    StaleLayout,
     Timeout,
     Unavailable,
     from_wire,
 )
 from kvfs.launcher import LocalCluster, ProcessCluster
-from kvfs.protocol import FIXED, MAGIC, PROTOCOL_VERSION, frame_bytes
+from kvfs.protocol import FIXED, MAGIC, PROTOCOL_VERSION, Frame, frame_bytes
 from kvfs.rpc import Op
-from kvfs.server import PeerLog
+from kvfs.server import PeerLog, _ServerProtocol
 from kvfs.transport import Connection
 
 MiB = 1024 * 1024
@@ -214,6 +218,108 @@ async def test_a_client_that_never_reads_is_paused_and_others_are_served(
         assert proto.peak_inflight_bytes <= 2 * MiB + 4 * MiB  # the limit + one request's answer
         assert proto.inflight_requests < 100  # the rest wait unread in the socket
         raw.close()
+
+
+async def _small_ranges(kv: AsyncClient, n: int) -> tuple[list[rpc.Range], bytes]:
+    """Put ``n`` values of 4 KiB; their READV ranges on the (one) chunkserver, and their bytes
+    in that order."""
+    values = {f"small{i}": os.urandom(4096) for i in range(n)}
+    await kv.put_many(values)
+    ranges = []
+    for key in values:
+        lay = await kv.layout(key)
+        assert lay is not None
+        rep = lay.extents[0].replicas[0]
+        ranges.append(rpc.Range(rep.chunk_id, rep.offset, 4096))
+    return ranges, b"".join(values.values())
+
+
+async def test_cached_readvs_are_answered_at_once_and_held_once_the_transport_is_full(
+        tight: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A READV of small page-cache ranges is answered from the receive callback, no task.
+    To a client that stops reading, such answers go out until the transport is past its
+    high-water mark; from there each is held, counted against max_inflight_*, until the
+    client reads: reading pauses within the limits and every answer arrives, right."""
+    started: list[str] = []
+    start = _ServerProtocol._start
+
+    def counted(self: _ServerProtocol, coro: Any, got: object = None) -> None:
+        started.append(coro.__qualname__)
+        start(self, coro, got)
+
+    monkeypatch.setattr(_ServerProtocol, "_start", counted)
+    async with tight.client() as kv:
+        ranges, want = await _small_ranges(kv, 64)  # a 256 KiB answer
+        conn, proto, _ = await chunkserver_connection(tight)
+        try:
+            started.clear()
+            _, body = await conn.exchange(rpc.ReadV(ranges=ranges))
+            assert bytes(body) == want
+            assert started == []  # no task
+            assert conn._proto.transport is not None
+            conn._proto.transport.pause_reading()  # reads no answer for now
+            calls = [asyncio.ensure_future(conn.exchange(rpc.ReadV(ranges=ranges)))
+                     for _ in range(200)]  # 50 MiB of answers: past the socket's buffers
+            deadline = asyncio.get_running_loop().time() + 20
+            while not proto.holding:
+                assert asyncio.get_running_loop().time() < deadline, "reading never paused"
+                await asyncio.sleep(0.01)
+            assert "_ServerProtocol._until_room" in started  # the first answer past the mark
+            assert proto.peak_inflight_requests <= 4
+            assert proto.peak_inflight_bytes <= 2 * MiB + 4 * MiB
+            conn._proto.transport.resume_reading()
+            async with asyncio.timeout(30):
+                for call in calls:
+                    assert bytes((await call)[1]) == want
+            assert proto.inflight_requests == 0 and proto.inflight_bytes == 0
+        finally:
+            conn.close()
+
+
+@pytest.mark.parametrize("raised", [StaleLayout("gone meanwhile"), RuntimeError("a bug")])
+async def test_a_readv_that_raises_before_any_await_is_answered_and_the_connection_serves_on(
+        tight: LocalCluster, monkeypatch: pytest.MonkeyPatch, raised: Exception) -> None:
+    """Fault injection: the store's mapped read raises inside the answer made at once.  A
+    KVFSError goes back as itself, anything else as ServerError; the next READV is served."""
+    async with tight.client() as kv:
+        ranges, want = await _small_ranges(kv, 8)
+        cs = tight.chunkservers[0]
+        assert cs is not None
+        conn = await Connection.open(*parse_addr(_cs_addr(tight)), tight.token)
+        try:
+            with monkeypatch.context() as m:
+                def fail(*args: Any) -> None:
+                    raise raised
+                m.setattr(cs.store, "readv_mapped", fail)
+                with pytest.raises(type(raised) if isinstance(raised, StaleLayout) else ServerError,
+                                   match=str(raised)):
+                    await conn.call(rpc.ReadV(ranges=ranges))
+            _, body = await conn.exchange(rpc.ReadV(ranges=ranges))
+            assert bytes(body) == want
+        finally:
+            conn.close()
+
+
+async def test_a_request_cancelled_before_its_task_began_leaves_no_coroutine_unawaited(
+        tight: LocalCluster) -> None:
+    """The server's close cancels the requests in flight, maybe one whose task has not run
+    yet: the handler's coroutine (made as the request arrived) is closed with it, never
+    reported "never awaited"."""
+    conn, proto, _ = await chunkserver_connection(tight)
+    try:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            # no such chunk: not answered at once, read in a task
+            proto.frame_received(Frame(op=Op.READV, request_id=7, header={"ranges": [[12345, 0, 10]]}))
+            (task,) = proto.tasks
+            task.cancel()
+            await asyncio.wait([task])
+            del task
+            gc.collect()
+        assert [str(w.message) for w in seen] == []
+        assert not proto.tasks
+    finally:
+        conn.close()
 
 
 async def test_a_client_that_stops_reading_is_aborted_after_send_timeout(

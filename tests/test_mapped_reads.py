@@ -7,9 +7,11 @@ the server's use of it is in tests/test_readpath.py (a chain read back through a
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import random
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -34,6 +36,20 @@ async def _put(st: ChunkStore, n: int, size: int, tag: str = "") -> tuple[list[t
     recs = [(f"{tag}{i}".encode(), size, crc32c(v), None) for i, v in enumerate(values)]
     locs = await st.append(recs, memoryview(b"".join(values)))
     return [(c, off, size) for c, off in locs], values
+
+
+@contextlib.contextmanager
+def _evicted(st: ChunkStore, c: int) -> Iterator[int]:
+    """Chunk ``c``'s pages dropped from the page cache (skipped where the filesystem keeps
+    them: tmpfs); yields an fd of its file.  Pages mapped (by a view) are never dropped."""
+    fd = os.open(st.chunk_path(c), os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if resident(fd, 0, st.sizes[c]):
+            pytest.skip("this filesystem keeps the pages (tmpfs)")
+        yield fd
+    finally:
+        os.close(fd)
 
 
 def _read(views: list[memoryview]) -> list[bytes]:
@@ -127,19 +143,60 @@ async def test_pages_not_in_the_page_cache_are_never_answered_from_the_mapping(
     try:
         ranges, values = await _put(st, 16, 8192)
         c = ranges[0][0]
-        fd = os.open(st.chunk_path(c), os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            if resident(fd, 0, st.sizes[c]):
-                pytest.skip("this filesystem keeps the pages (tmpfs)")
+        with _evicted(st, c) as fd:
             assert st.readv_mapped(ranges) is None
             views, errors = await st.readv(ranges)  # read (from the disk, in the pool)
             assert not errors and [bytes(v) for v in views if v is not None] == values
             assert resident(fd, 0, st.sizes[c])
             got = _mapped(st, ranges)  # cached now
             assert got is not None and _read(got) == values
-        finally:
-            os.close(fd)
+    finally:
+        await st.close()
+
+
+async def test_a_stretch_found_cached_is_believed_for_a_short_time_and_evicted_pages_still_read_right(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The page cache is asked about a chunk's stretch once per ``resident_keep_s``: READVs
+    inside it meanwhile are answered from the mapping without asking (of a stretch touching
+    it, only the bytes past it are asked about, then joined).  A page evicted in that time is read by the send (here: Python reading
+    the view): the right bytes, never a miss or others'.  With no time to believe, each READV
+    asks, and evicted pages are left to readv_into."""
+    asked: list[int] = []
+    real = store_mod.resident
+
+    def counted(fd: int, offset: int, length: int, addr: int | None = None) -> bool:
+        asked.append(length)
+        return real(fd, offset, length, addr)
+
+    monkeypatch.setattr(store_mod, "resident", counted)
+    st = ChunkStore(tmp_path / "cs", chunk_bytes=1 << 20, preallocate=False, max_mapped_files=4,
+                    fsync=FsyncMode.ALWAYS)  # written back: its pages can be dropped
+    st.server_id = 1
+    st.resident_keep_s = 3600.0
+    try:
+        ranges, values = await _put(st, 16, 8192)
+        got = _mapped(st, ranges[:8])
+        assert got is not None and _read(got) == values[:8]
+        n = len(asked)
+        assert n >= 1
+        got = st.readv_mapped(ranges[2:6])  # inside: believed
+        assert got is not None and _read(got) == values[2:6] and len(asked) == n
+        got = _mapped(st, ranges[7:])  # touching it: asked only past it, then joined
+        assert got is not None and _read(got) == values[7:] and len(asked) > n
+        assert asked[-1] == ranges[-1][1] - ranges[7][1]  # from the end of range 7 to the last's
+        n = len(asked)
+        del got
+        st.maps.clear()  # unmapped (no view left): pages mapped here are never dropped
+        with _evicted(st, ranges[0][0]) as fd:
+            got = st.readv_mapped(ranges[::-1])  # evicted, still believed: read by the copy
+            assert got is not None and _read(got) == values[::-1] and len(asked) == n
+            del got
+            st.maps.clear()
+            st._in_cache.clear()
+            st.resident_keep_s = 0.0
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            assert st.readv_mapped(ranges) is None and len(asked) == n + 1  # asked: not cached
+            assert st.readv_mapped(ranges) is None and len(asked) == n + 2  # and asked again
     finally:
         await st.close()
 
