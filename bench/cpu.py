@@ -10,12 +10,17 @@ depends on which free memory it draws on (bench/RESULTS.md, "Issue 11, large put
 put job that draws on memory the guest left free a long while"), so every figure says the
 memory state it ran in.  :func:`run_queue_wait_s` reads how
 long a process's threads waited for a CPU while runnable (``schedstat``), for a process
-that may be CPU-bound on a shared machine.
+that may be CPU-bound on a shared machine; the probe reads it too, and reports each process's
+CPUs used and CPUs waited for (seconds per second of the phase): a pipeline whose processes
+wait for a CPU as long as they run is short of CPU (on a shared machine, of its share), one
+whose processes neither run nor wait is waiting on something else (bench/RESULTS.md, "Issue
+11, large puts: where a 1 MiB x 32 put waits").
 """
 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,27 +71,31 @@ def run_queue_wait_s(pid: int) -> float | None:
 
 
 class CpuProbe:
-    """Snapshots the CPU time of named processes; ``report`` charges it to keys and bytes."""
+    """Snapshots the CPU time and run-queue wait of named processes; ``report`` charges the CPU
+    to keys and bytes, and gives both per second of the measured phase."""
 
     def __init__(self, pids: Mapping[str, int]) -> None:
         self.pids = dict(pids)
-        self._start: dict[str, float] = {}
-        self._end: dict[str, float] = {}
+        self._start: dict[str, tuple[float, float | None]] = {}
+        self._end: dict[str, tuple[float, float | None]] = {}
+        self._wall = [0.0, 0.0]  # monotonic time at start and at stop
         self._mem: list[int | None] = [None, None]  # MemFree MiB at start and at stop
 
-    def _snap(self) -> dict[str, float]:
+    def _snap(self) -> dict[str, tuple[float, float | None]]:
         out = {}
         for name, pid in self.pids.items():
             t = cpu_seconds(pid)
             if t is not None:
-                out[name] = t
+                out[name] = (t, run_queue_wait_s(pid))
         return out
 
     def start(self) -> None:
         self._mem[0] = mem_free_mib()
         self._start = self._snap()
+        self._wall[0] = time.monotonic()
 
     def stop(self) -> None:
+        self._wall[1] = time.monotonic()
         self._end = self._snap()
         self._mem[1] = mem_free_mib()
 
@@ -95,17 +104,24 @@ class CpuProbe:
         return list(self._mem)
 
     def report(self, keys: int, nbytes: int) -> dict[str, Any]:
-        """Per process: ``cpu_s``, ``us_per_key``, ``s_per_gb`` over the measured phase."""
+        """Per process: ``cpu_s``, ``us_per_key``, ``s_per_gb`` over the measured phase, and per
+        second of it ``cpus`` (CPU used) and ``wait_cpus`` (runnable, waiting for a CPU; None
+        where ``schedstat`` could not be read)."""
         out: dict[str, Any] = {}
-        for name, t1 in self._end.items():
-            t0 = self._start.get(name)
-            if t0 is None:
+        wall = self._wall[1] - self._wall[0]
+        for name, (t1, w1) in self._end.items():
+            start = self._start.get(name)
+            if start is None:
                 continue
+            t0, w0 = start
             cpu = t1 - t0
             out[name] = {
                 "pid": self.pids[name],
                 "cpu_s": cpu,
                 "us_per_key": cpu * 1e6 / keys if keys else None,
                 "s_per_gb": cpu / (nbytes / 1e9) if nbytes else None,
+                "cpus": cpu / wall if wall > 0 else None,
+                "wait_cpus": (w1 - w0) / wall if wall > 0 and w0 is not None and w1 is not None
+                else None,
             }
         return out

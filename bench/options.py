@@ -136,7 +136,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
       help="--compare: also the kvfs-internal comparisons (batcher on/off, prefix chains)")
     a("--cpu", action="store_true",
       help="CPU per key (us) and per GB (s) of the client, each chunkserver and meta (and of each "
-           "peer's processes with --compare), from /proc/PID/stat over each job's measured phase")
+           "peer's processes with --compare), from /proc/PID/stat over each job's measured phase, "
+           "and the CPUs each used and waited for while runnable (schedstat), per second of it")
     a("--plot", type=Path, default=None, metavar="FILE.png",
       help="draw throughput vs value size and latency percentiles (needs matplotlib)")
     a("--progress", action=argparse.BooleanOptionalAction, default=None,

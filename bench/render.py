@@ -36,6 +36,8 @@ def render_compare(comp: Comparison, internal: Internal | None) -> str:
     if cpu:
         lines += ["CPU per key (us) and per GB moved (s), each process's own counters "
                   "(/proc/PID/stat) over the measured phase; client = the bench process;",
+                  "CPUs: CPU seconds per second of the phase; waited: seconds per second its threads "
+                  "were runnable without a CPU (schedstat);",
                   "MemFree: the machine's free memory (MiB, /proc/meminfo) at its start->end", "", cpu]
     return "\n".join(lines) + "\n" + (render_internal(internal) if internal is not None else "")
 
@@ -73,17 +75,18 @@ def cpu_table(comp: Comparison) -> str:
             procs = dict(cpu)
             cs = [v for k, v in cpu.items() if k.startswith("cs")]
             if len(cs) > 1:
-                procs["all cs"] = {"us_per_key": _sum(c.get("us_per_key") for c in cs),
-                                   "s_per_gb": _sum(c.get("s_per_gb") for c in cs)}
+                procs["all cs"] = {k: _sum(c.get(k) for c in cs)
+                                   for k in ("us_per_key", "s_per_gb", "cpus", "wait_cpus")}
             mem = comp.cell(wl, store).mem_free_mib
             for j, (proc, c) in enumerate(procs.items()):
                 rows.append([short_name(wl) if first else "", store, proc, _num(c.get("us_per_key")),
-                             _num(c.get("s_per_gb")), format_mem_free(mem) if mem and j == 0 else ""])
+                             _num(c.get("s_per_gb")), _cpus(c.get("cpus")), _cpus(c.get("wait_cpus")),
+                             format_mem_free(mem) if mem and j == 0 else ""])
                 first = False
     if not rows:
         return ""
-    head = ["workload", "store", "process", "us/key", "s/GB", "MemFree"]
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(6)]
+    head = ["workload", "store", "process", "us/key", "s/GB", "CPUs", "waited", "MemFree"]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) if i >= 3 else c.ljust(w)
                                for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip()
                      for r in [head, *rows]) + "\n"
@@ -96,6 +99,10 @@ def _sum(xs: Any) -> float | None:
 
 def _num(x: Any) -> str:
     return "-" if x is None else f"{x:.3g}"
+
+
+def _cpus(x: Any) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def render_internal(internal: Internal) -> str:

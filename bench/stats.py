@@ -574,9 +574,12 @@ def format_cpu(cpu: Mapping[str, Mapping[str, Any]]) -> str:
     for name, c in cpu.items():
         per_key = c.get("us_per_key")
         per_gb = c.get("s_per_gb")
+        cpus, wait = c.get("cpus"), c.get("wait_cpus")
         parts.append(f"{name}={'-' if per_key is None else f'{per_key:.3g}us/key'}"
-                     + ("" if per_gb is None else f" {per_gb:.3g}s/GB"))
-    return "  cpu (per process, measured phase): " + ", ".join(parts) + "\n"
+                     + ("" if per_gb is None else f" {per_gb:.3g}s/GB")
+                     + ("" if cpus is None or wait is None else f" {cpus:.2f}/{wait:.2f}CPU"))
+    return ("  cpu (per process, measured phase; a/bCPU: CPUs used / CPUs waited for, runnable): "
+            + ", ".join(parts) + "\n")
 
 
 def format_report_text(report: Mapping[str, Any]) -> str:

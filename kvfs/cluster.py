@@ -240,11 +240,17 @@ class ClusterLink:
         return list(dict.fromkeys(out))
 
     async def _meta_order(self) -> list[Endpoint]:
-        """The metas to try for one call: from this call's turn on, those not marked down
-        first (the marked ones last, in case they are back)."""
+        """The metas to try for one call (:meth:`_order`), resolved first if not yet."""
         if not self._endpoints:
             self._endpoints = await self._resolve()
+        return self._order()
+
+    def _order(self) -> list[Endpoint]:
+        """:meth:`_meta_order` once resolved: from this call's turn on, the metas not marked
+        down first (the marked ones last, in case they are back)."""
         eps = self._endpoints
+        if len(eps) == 1:  # one meta: tried whether marked down or not, as below
+            return eps
         start = self._turn % len(eps)
         if self.spread_meta:
             self._turn += 1
@@ -305,16 +311,20 @@ class ClusterLink:
         restarted) is re-opened once first."""
         self.bind_loop()
         self.rpc_counts[OP_OF[type(request)].name] += 1
-        order = await self._meta_order()
+        # (resolved and connected, the usual case: no coroutine made for either)
+        order = self._order() if self._endpoints else await self._meta_order()
         last: Unavailable | None = None
         for ep in order:
             for _ in (0, 1):
-                reused = ep in self._metas and not self._metas[ep].is_closed
-                try:
-                    conn = await self._meta_conn_to(ep)
-                except Unavailable as exc:
-                    last = exc
-                    break
+                conn = self._metas.get(ep)
+                reused = conn is not None and not conn.is_closed
+                if not reused:
+                    try:
+                        conn = await self._meta_conn_to(ep)
+                    except Unavailable as exc:
+                        last = exc
+                        break
+                assert conn is not None
                 try:
                     answer = await conn.call(request)
                 except Unavailable as exc:
@@ -545,7 +555,10 @@ class ClusterLink:
         fails (refused, lost, timed out: ``Unavailable``) marks the server down
         (:meth:`mark_down`; a ``Timeout`` as timed out); an answer clears the mark."""
         self.rpc_counts[OP_OF[type(request)].name] += 1
-        conn = await self.server_conn(sid)
+        self.bind_loop()
+        conn = self._conns.get(sid)  # (open, the usual case: no coroutine made for it)
+        if conn is None or conn.is_closed:
+            conn = await self.server_conn(sid)
         try:
             answer, body = await conn.exchange(request, payload, sink=sink)
         except Unavailable as exc:

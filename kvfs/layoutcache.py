@@ -31,7 +31,7 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
-from itertools import repeat
+from itertools import islice, repeat
 from operator import itemgetter
 from typing import cast
 
@@ -158,8 +158,12 @@ class LayoutCache:
                         cache[key] = layout
                         move(key)
                         flat.pop(key, None)
-            while len(cache) > self.entries:
-                flat.pop(cache.popitem(last=False)[0], None)
+            excess = len(cache) - self.entries
+            if excess > 0:  # the least recently used go, in C (a full cache: every put evicts)
+                old = list(islice(cache, excess))
+                deque(map(cache.pop, old), maxlen=0)
+                if flat:
+                    deque(map(flat.pop, old, repeat(None)), maxlen=0)
 
     def pop(self, key: bytes) -> None:
         with self._lock:

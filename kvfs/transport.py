@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import math
 import ssl
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -149,12 +150,6 @@ def request_frame(op: Op, rid: int, header: dict[str, Any] | msgspec.Struct | No
         raise LocalProtocolError(f"cannot encode {op.name} request: {exc}") from None
 
 
-def _time_out(fut: asyncio.Future[Frame]) -> None:
-    """A call's deadline passed with no answer: its wait ends in ``TimeoutError``."""
-    if not fut.done():
-        fut.set_exception(TimeoutError())
-
-
 def answer_of(op: Op, frame: Frame, name: str) -> Any:
     """The typed answer (:data:`kvfs.rpc.RPCS`) in a response frame from ``name``; an
     error frame raises its error."""
@@ -174,6 +169,12 @@ class Connection:
         self.name = name
         self.request_timeout_s = request_timeout_s
         self._ids = itertools.count(1)
+        # the calls waiting for answers: request id -> (deadline, its wait), timed out by one
+        # timer at the earliest deadline at most (_expire), not one armed and cancelled per
+        # call (about 1.2 us an RPC on uvloop: bench/RESULTS.md, issue 11, put side)
+        self._deadlines: dict[int, tuple[float, asyncio.Future[Frame]]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
         self.service = ""
         self.role: Role | None = None  # what the server granted this connection's token
 
@@ -275,9 +276,11 @@ class Connection:
             proto.sinks[rid] = sink
         proto.write(frame_out)
         deadline = loop.time() + (timeout_s or self.request_timeout_s)
-        # the answer's wait times out by a timer that fails its future (asyncio.timeout's
-        # context manager costs a few us more per call: bench/RESULTS.md, issue 11)
-        timer = loop.call_at(deadline, _time_out, fut)
+        # the answer's wait times out by the connection's timer failing its future
+        # (asyncio.timeout's context manager costs a few us more per call: bench/RESULTS.md)
+        self._deadlines[rid] = (deadline, fut)
+        if deadline < self._timer_at:
+            self._arm(loop, deadline)
         try:
             # waiting for room to write counts too: a peer that stops reading never makes it
             if not proto._can_write.is_set():
@@ -303,12 +306,32 @@ class Connection:
                 fut.exception()  # (timed out as it was cancelled: retrieved, not logged)
             raise
         finally:
-            timer.cancel()
+            del self._deadlines[rid]
             proto.pending.pop(rid, None)
             proto.sinks.pop(rid, None)
         if frame.is_error:
             raise from_wire(frame.header)
         return frame
+
+    def _arm(self, loop: asyncio.AbstractEventLoop, at: float) -> None:
+        """The timer set to fire at ``at`` (no later than any waiting call's deadline)."""
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer, self._timer_at = loop.call_at(at, self._expire, loop), at
+
+    def _expire(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The timer fired: each call whose deadline has passed ends its wait in
+        ``TimeoutError``; the timer is set again for the earliest deadline left, if any."""
+        passed = max(loop.time(), self._timer_at)  # (the timer's own deadline has passed)
+        self._timer, self._timer_at = None, math.inf
+        left = math.inf
+        for at, fut in self._deadlines.values():
+            if at > passed:
+                left = min(left, at)
+            elif not fut.done():
+                fut.set_exception(TimeoutError())
+        if left < math.inf:
+            self._arm(loop, left)
 
     def close(self) -> None:
         if self._proto.transport is not None:

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -97,8 +102,6 @@ async def test_text_output_against_running_cluster(
 async def test_plot_without_matplotlib_is_a_clear_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import sys
-
     monkeypatch.setitem(sys.modules, "matplotlib", None)
     ns = _ns("--plot", str(tmp_path / "p.png"), *TINY)
     assert await bench_cli.cmd_bench(ns) == 2
@@ -142,8 +145,6 @@ async def test_tiny_comparison_json(tmp_path: Path, capsys: pytest.CaptureFixtur
 
 
 def test_cpu_seconds_reads_a_process_own_counters() -> None:
-    import os
-
     from kvfs.bench.cpu import CpuProbe, cpu_seconds
 
     assert cpu_seconds(os.getpid()) is not None
@@ -157,30 +158,61 @@ def test_cpu_seconds_reads_a_process_own_counters() -> None:
     assert rep["me"]["cpu_s"] > 0
     assert rep["me"]["us_per_key"] == pytest.approx(rep["me"]["cpu_s"] * 1e6 / 1000)
     assert rep["me"]["s_per_gb"] == pytest.approx(rep["me"]["cpu_s"])
+    # per second of the phase: the CPU it used, and how long it waited for one
+    assert rep["me"]["cpus"] > 0
+    assert rep["me"]["wait_cpus"] is not None and rep["me"]["wait_cpus"] >= 0
+
+
+@contextlib.contextmanager
+def _spinners(n: int = 2) -> Iterator[tuple[list[int], Callable[[], None]]]:
+    """``n`` processes pinned to one CPU: their pids, and ``run()``, which has them all spin
+    (a bounded count) at once and returns when each has finished; they exit with the block."""
+    cpu = min(os.sched_getaffinity(0))
+    spin = (f"import os, sys; os.sched_setaffinity(0, {{{cpu}}}); sys.stdin.readline(); "
+            "sum(i * i for i in range(3_000_000)); print('done', flush=True); sys.stdin.read()")
+    procs = [subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for _ in range(n)]
+
+    def run() -> None:
+        for p in procs:  # every one starts spinning now, on the same CPU
+            assert p.stdin is not None
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "done\n"
+
+    try:
+        yield [p.pid for p in procs], run
+    finally:
+        for p in procs:
+            p.communicate("", timeout=30)
+
+
+def test_cpu_probe_reports_the_cpus_a_process_waited_for() -> None:
+    """Two processes spinning on one CPU during the phase: between them they use at most that
+    CPU, and each waits while the other runs; the probe reports both per second of the phase."""
+    from kvfs.bench.cpu import CpuProbe
+
+    with _spinners() as (pids, run):
+        probe = CpuProbe({f"p{i}": pid for i, pid in enumerate(pids)})
+        probe.start()
+        run()
+        probe.stop()
+    rep = probe.report(keys=1, nbytes=1)
+    assert sum(r["cpus"] for r in rep.values()) <= 1.1  # one CPU between them
+    assert all(r["cpus"] > 0 for r in rep.values())
+    assert sum(r["wait_cpus"] for r in rep.values()) > 0.2  # one waited while the other ran
 
 
 def test_run_queue_wait_counts_time_runnable_without_a_cpu() -> None:
     """Two processes spinning on one CPU each wait while the other runs: that wait is read
     from their threads' schedstat; a process that cannot be read gives None."""
-    import os
-    import subprocess
-    import sys
-
     from kvfs.bench.cpu import run_queue_wait_s
 
     assert run_queue_wait_s(-1) is None
-    cpu = min(os.sched_getaffinity(0))
-    spin = (f"import os, sys; os.sched_setaffinity(0, {{{cpu}}}); "
-            "sum(i * i for i in range(3_000_000)); print('done', flush=True); sys.stdin.read()")
-    procs = [subprocess.Popen([sys.executable, "-c", spin], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for _ in range(2)]
-    try:
-        for p in procs:
-            assert p.stdout is not None and p.stdout.readline() == "done\n"
-        waits = [run_queue_wait_s(p.pid) for p in procs]
-    finally:
-        for p in procs:
-            p.communicate("", timeout=30)
+    with _spinners() as (pids, run):
+        run()
+        waits = [run_queue_wait_s(pid) for pid in pids]
     assert all(w is not None for w in waits)
     assert sum(w for w in waits if w is not None) > 0
 
@@ -196,7 +228,7 @@ async def test_cpu_per_process_of_a_process_cluster(
     (line,) = [x for x in out.splitlines() if x.startswith("  cpu (per process")]
     for name in ("client=", "meta=", "cs0=", "cs1=", "cs2="):
         assert name in line
-    assert "us/key" in line and "s/GB" in line
+    assert "us/key" in line and "s/GB" in line and "CPU" in line
 
 
 @pytest.mark.subprocess

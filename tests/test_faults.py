@@ -24,6 +24,7 @@ from kvfs.errors import (
     InvalidArgument,
     RemoteProtocolError,
     StaleLayout,
+    Timeout,
     Unavailable,
     VersionMismatch,
     from_wire,
@@ -338,3 +339,32 @@ async def test_calls_to_a_server_that_stops_reading_time_out(cluster: LocalClust
             await conn.call(rpc.Ping())
     finally:
         conn.close()
+
+
+async def test_each_call_times_out_at_its_own_deadline(cluster: LocalCluster) -> None:
+    """A connection's calls share one timer (set for the earliest deadline): a call with a
+    shorter timeout than one already waiting times out at its own, and a call made after an
+    answered one times out when the timer, fired for the answered call's deadline, is set
+    again for it (fault injection: meta's side of the connection stops reading)."""
+    assert cluster.meta is not None
+    host, port = parse_addr(cluster.addr)
+    for first_answered in (False, True):
+        conn = await Connection.open(host, port, cluster.token, request_timeout_s=60.0)
+        try:
+            if first_answered:  # its deadline, 0.3 s on, is where the timer is set
+                await conn.call(rpc.Ping(), timeout_s=0.3)
+            for sc in cluster.meta.rpc.connections:
+                assert sc.transport is not None
+                sc.transport.pause_reading()
+            waiting = asyncio.ensure_future(conn.call(rpc.Ping()))  # the 60 s timeout
+            await asyncio.sleep(0)  # (sent: its deadline is the timer's unless a call's is earlier)
+            async with asyncio.timeout(20):  # a hang (its timer never set) fails here
+                with pytest.raises(Timeout, match=r"PING to \S+ got no answer within 0\.5s"):
+                    await conn.call(rpc.Ping(), timeout_s=0.5)
+                with pytest.raises(Unavailable):  # the timed-out call aborted the connection
+                    await waiting
+        finally:
+            conn.close()
+            for sc in cluster.meta.rpc.connections:
+                if sc.transport is not None and not sc.transport.is_closing():
+                    sc.transport.resume_reading()

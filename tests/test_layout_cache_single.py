@@ -47,6 +47,22 @@ def test_singles_are_bounded_built_when_read_and_keep_their_place() -> None:
     assert len(cache) == 0 and cache.get_many([b"d"], 0.0) == ([None], [0])
 
 
+def test_a_full_cache_evicts_the_least_recently_used_of_a_put_at_once() -> None:
+    """A put into a full cache drops as many of the least recently used keys as it adds (a
+    key put again is the most recent, not evicted), their flat forms with them; a put of
+    more keys than the cache holds keeps its last ones."""
+    cache = _cache(4)
+    cache.put_many([b"a", b"b", b"c", b"d"], [_single(i) for i in range(4)])
+    assert cache.flat_many([b"a", b"b", b"c"], 0.0) is not None  # read: flat forms made
+    cache.put_many([b"a", b"e", b"f"], [_single(i) for i in range(4, 7)])
+    assert list(cache._layouts) == [b"d", b"a", b"e", b"f"] and set(cache._flat) == set()
+    assert cache.flat_many([b"d"], 0.0) is not None
+    cache.put_many([b"g", b"d", b"h"], [_single(7), None, _single(8)])  # None: not written
+    assert list(cache._layouts) == [b"e", b"f", b"g", b"h"] and cache._flat == {}
+    cache.put_many([b"%d" % i for i in range(6)], [_single(i) for i in range(6)])
+    assert list(cache._layouts) == [b"2", b"3", b"4", b"5"] and len(cache) == 4
+
+
 def test_a_single_replaced_or_evicted_before_it_was_built_is_not_put_back() -> None:
     cache = _cache(10)
     old, new = _single(1), _single(2)
