@@ -20,16 +20,18 @@ and ``state.json`` is replaced by temp file + fsync + rename.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import ctypes
 import errno
 import functools
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
 from kvfs.chunkserver.iopool import IoPool
 from kvfs.errors import Unavailable
+
+log = logging.getLogger("kvfs.chunkserver")
 
 
 def fsync_dir(path: Path) -> None:
@@ -100,6 +102,11 @@ class GroupSync:
     appends cost about two syncs, not N.  :meth:`close` ends it: a round waiting out its
     window runs at once, later calls are refused (:class:`Unavailable`), and a caller
     never waits for a round that will not run.
+
+    Driven by callbacks, not a task: a round is one :meth:`IoPool.call`, whose answer
+    (:meth:`_synced`, straight from the IO thread's ``call_soon_threadsafe``) answers its
+    callers and starts the next round, in one pass of the loop (a task waiting on the pool's
+    future took three: the future's callback, the task's step, then its callers').
     """
 
     def __init__(self, pool: IoPool, directory: Path, window_s: float = 0.0) -> None:
@@ -110,15 +117,20 @@ class GroupSync:
         self._fds: set[int] = set()
         self._dir = False
         self._waiters: list[asyncio.Future[None]] = []
-        self._inflight: list[asyncio.Future[None]] = []
-        self._task: asyncio.Task[None] | None = None
-        self._flush = asyncio.Event()  # set by close(): the window ends now
+        self._busy = False  # a round runs or waits out its window
+        self._timer: asyncio.Handle | None = None  # the next round's start, not run yet
+        self._idle: list[asyncio.Future[None]] = []  # close's, answered when no round runs
         self._closed = False
 
     @property
     def waiting(self) -> int:
         """Callers queued for the next round."""
         return len(self._waiters)
+
+    @property
+    def busy(self) -> bool:
+        """A round runs or waits out its window."""
+        return self._busy
 
     def _refused(self) -> Unavailable:
         return Unavailable(f"{self.directory}: the chunkserver is shutting down; an append "
@@ -127,54 +139,70 @@ class GroupSync:
     async def sync(self, fd: int, *, new_file: bool = False) -> None:
         if self._closed:
             raise self._refused()
-        loop = asyncio.get_running_loop()
-        fut: asyncio.Future[None] = loop.create_future()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._fds.add(fd)
         self._dir |= new_file
         self._waiters.append(fut)
-        if self._task is None:
-            self._task = loop.create_task(self._run())
+        if not self._busy:
+            self._next()
         await fut
 
-    async def _run(self) -> None:
+    def _next(self) -> None:
+        """The next round for the callers queued: after the window (if any, and not
+        closing), else in the loop's next pass (every caller of this pass joins it)."""
+        self._busy = True
+        loop = self._waiters[0].get_loop()  # (not get_running_loop: a getpid each in 3.11)
+        if self.window_s > 0 and not self._closed:
+            self._timer = loop.call_later(self.window_s, self._start)
+        else:
+            self._timer = loop.call_soon(self._start)
+
+    def _start(self) -> None:
+        self._timer = None
+        waiters, fds, new_dir = self._waiters, self._fds, self._dir
+        self._waiters, self._fds, self._dir = [], set(), False
         try:
-            while self._waiters:
-                if self.window_s > 0 and not self._closed:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(self._flush.wait(), self.window_s)
-                waiters, fds, new_dir = self._waiters, self._fds, self._dir
-                self._inflight = waiters
-                self._waiters, self._fds, self._dir = [], set(), False
-                err: BaseException | None = None
-                try:
-                    await self.pool.run(_sync_files, fds, self.directory if new_dir else None)
-                except OSError as exc:
-                    err = exc
-                except RuntimeError:  # the IO threads were shut down (a close that gave up)
-                    err = self._refused()
-                if err is not None:
-                    for w in waiters:
-                        if not w.done():
-                            w.set_exception(err)
+            self.pool.call(_sync_files, (fds, self.directory if new_dir else None),
+                           functools.partial(self._synced, waiters))
+        except RuntimeError:  # the IO threads were shut down (a close that gave up)
+            self._synced(waiters, None, self._refused())
+
+    def _synced(self, waiters: list[asyncio.Future[None]], _: object,
+                exc: BaseException | None) -> None:
+        """A round ended: its callers answered (its error, if any), then the next round
+        started, or close's waiters told that none runs."""
+        if exc is not None and not isinstance(exc, (OSError, Unavailable)):  # a bug, not the disk
+            log.error("%s: group sync failed", self.directory, exc_info=exc)
+            exc = Unavailable(f"{self.directory}: the group sync failed ({type(exc).__name__}: "
+                              f"{exc}); an append written but not synced is not acknowledged: "
+                              "append elsewhere")
+        for w in waiters:
+            if not w.done():
+                if exc is None:
+                    w.set_result(None)
                 else:
-                    for w in waiters:
-                        if not w.done():
-                            w.set_result(None)
-                self.rounds += 1
-        finally:
-            self._task = None
-            for w in (*self._inflight, *self._waiters):  # this task cancelled: nobody hangs
-                if not w.done():
-                    w.set_exception(self._refused())
+                    w.set_exception(exc)
+        self.rounds += 1
+        if self._waiters:
+            self._next()
+            return
+        self._busy = False
+        for w in self._idle:
+            if not w.done():
+                w.set_result(None)
+        self._idle.clear()
 
     async def close(self, timeout_s: float) -> bool:
         """Refuse new syncs and run the round queued now (its window cut short); True once
         no round runs, False if one still does after ``timeout_s`` (a sync hanging on the
         disk: its callers wait on with it)."""
         self._closed = True
-        self._flush.set()
-        task = self._task
-        if task is None:
+        if self._timer is not None:  # (in its window)
+            self._timer.cancel()
+            self._start()
+        if not self._busy:
             return True
-        done, _ = await asyncio.wait([task], timeout=timeout_s)
+        idle: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._idle.append(idle)
+        done, _ = await asyncio.wait([idle], timeout=timeout_s)
         return bool(done)

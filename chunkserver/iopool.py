@@ -1,12 +1,14 @@
 """The chunk store's IO threads: the blocking file calls (an append's ``pwritev``, the group
 ``fdatasync``, reads not in the page cache, compactions) run here, off the event loop.
 
-Two ways in.  ``await pool.run(fn, *args)`` (the append path: each APPEND's write and each
-group sync) hands the job to a thread through one queue and is answered with one
-``call_soon_threadsafe`` on the loop: no ``concurrent.futures.Future`` (a condition
-variable each), work item, idle semaphore or chained futures, which cost as much CPU again
-as the hop itself (52-56 vs 28-30 us a hop here: bench/RESULTS.md, "Chunkserver CPU per key
-on the 4 KiB put path").  ``submit`` is an
+Three ways in.  ``await pool.run(fn, *args)`` (an append's write) hands the job to a thread
+through one queue and is answered with one ``call_soon_threadsafe`` on the loop: no
+``concurrent.futures.Future`` (a condition variable each), work item, idle semaphore or
+chained futures, which cost as much CPU again as the hop itself (52-56 vs 28-30 us a hop
+here: bench/RESULTS.md, "Chunkserver CPU per key on the 4 KiB put path").
+``pool.call(fn, args, done)`` (the group sync) is the same hop with no future at all:
+``done(result, exc)`` is that ``call_soon_threadsafe``'s callback, so the answer takes one
+pass of the loop, not two (a future's callbacks run in a later pass).  ``submit`` is an
 ``Executor``'s, for ``loop.run_in_executor``.  Both count their jobs until they end, so a
 store's close can wait for them (:meth:`IoPool.wait_idle`), bounded, before it closes the
 files they use.
@@ -25,8 +27,10 @@ from typing import Any, ParamSpec, TypeVar
 P = ParamSpec("P")
 T = TypeVar("T")
 
-# a job: (fn, args, the loop to answer on and its future) or (fn, args, None, a Future)
+# a job: (fn, args, the loop to answer on, its future or done callback) or (fn, args, None,
+# a Future)
 _Job = tuple[Callable[..., Any], tuple[Any, ...], "asyncio.AbstractEventLoop | None", Any]
+Done = Callable[[Any, "BaseException | None"], object]
 
 
 class IoPool(Executor):
@@ -66,6 +70,14 @@ class IoPool(Executor):
         self._queue.put((fn, args, loop, fut))
         return fut
 
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], done: Done) -> None:
+        """``fn(*args)`` in an IO thread, then ``done(result, None)`` or ``done(None, exc)``
+        in the running loop's thread, straight from the thread's ``call_soon_threadsafe``."""
+        self._start()
+        loop = asyncio.get_running_loop()
+        self.running += 1
+        self._queue.put((fn, args, loop, done))
+
     def submit(self, fn: Callable[P, T], /, *args: P.args, **kwargs: P.kwargs) -> Future[T]:
         self._start()
         fut: Future[T] = Future()
@@ -81,38 +93,42 @@ class IoPool(Executor):
             job = get()
             if job is None:
                 return
-            fn, args, loop, fut = job
+            fn, args, loop, to = job
             del job
             if loop is None:  # submit's
-                if fut.set_running_or_notify_cancel():
+                if to.set_running_or_notify_cancel():
                     try:
-                        fut.set_result(fn(*args))
+                        to.set_result(fn(*args))
                     except BaseException as exc:
-                        fut.set_exception(exc)
+                        to.set_exception(exc)
             else:
                 result: Any = None
                 exc_: BaseException | None = None
-                if not fut.cancelled():
+                if not (isinstance(to, asyncio.Future) and to.cancelled()):  # run's, cancelled: not run
                     try:
                         result = fn(*args)
                     except BaseException as exc:
                         exc_ = exc
                 with contextlib.suppress(RuntimeError):  # its loop closed: nobody waits
-                    loop.call_soon_threadsafe(self._ended, fut, result, exc_)
-            del fn, args, loop, fut  # the job's buffers are not kept alive until the next job
+                    loop.call_soon_threadsafe(self._ended, to, result, exc_)
+            del fn, args, loop, to  # the job's buffers are not kept alive until the next job
 
-    def _ended(self, fut: asyncio.Future[Any], result: Any, exc: BaseException | None) -> None:
+    def _ended(self, to: asyncio.Future[Any] | Done, result: Any, exc: BaseException | None) -> None:
         self.running -= 1
-        if not fut.done():
-            if exc is None:
-                fut.set_result(result)
-            else:
-                fut.set_exception(exc)
-        if not self.running:
-            for w in self._idle:
-                if not w.done():
-                    w.set_result(None)
-            self._idle.clear()
+        try:
+            if not isinstance(to, asyncio.Future):  # call's
+                to(result, exc)
+            elif not to.done():
+                if exc is None:
+                    to.set_result(result)
+                else:
+                    to.set_exception(exc)
+        finally:
+            if not self.running:
+                for w in self._idle:
+                    if not w.done():
+                        w.set_result(None)
+                self._idle.clear()
 
     async def wait_idle(self, timeout_s: float) -> int:
         """Wait, at most ``timeout_s``, until every job given so far has ended; returns

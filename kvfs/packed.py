@@ -82,9 +82,14 @@ def _column(code: str, values: Sequence[int] | map[int] | repeat[int]) -> bytes:
     return col.tobytes()
 
 
+# one number of each column width, little-endian (struct's standard sizes by width)
+_ONE = {code: struct.Struct("<" + {1: "B", 2: "H", 4: "I", 8: "Q"}[array(code).itemsize])
+        for code in (U8, U16, U32, U64)}
+
+
 def _filled(code: str, value: int, n: int) -> bytes:
-    """A column of ``n`` times ``value`` (one number made, repeated in C)."""
-    return _column(code, (value,)) * n
+    """A column of ``n`` times ``value`` (one number packed, repeated in C)."""
+    return _ONE[code].pack(value) * n
 
 
 def _col(code: str, values: Sequence[int]) -> bytes:

@@ -331,11 +331,11 @@ class _ServerProtocol(FrameProtocol):
         high-water mark, where it is held (counted) until there is room, as in :meth:`_serve`."""
         reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE)
         self.server.requests_served += 1
-        self.write(reply)
+        size = len(reply[0]) + FIXED.unpack_from(reply[0])[-1]  # the payload it announces
+        self.write(reply, size)
         if self.writable():
             self.server.receive_pool.give(frame.payload)
             return
-        size = len(reply[0]) + FIXED.unpack_from(reply[0])[-1]  # the payload it announces
         self.inflight_requests += 1
         self.inflight_bytes += max(size, cost)
         self._check_backpressure()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import os
 import threading
@@ -82,6 +83,39 @@ async def test_batch_appends_are_synced_before_they_are_answered_and_share_syncs
     await asyncio.gather(first, *rest)
     assert spy.calls == 2  # 8 appends, 2 fdatasyncs: one for the first, one shared by the 7 others
     assert st.syncer.rounds == 2
+
+
+@pytest.mark.parametrize("fault", [OSError(errno.EIO, os.strerror(errno.EIO)), TypeError("a bug")])
+async def test_a_failed_group_sync_fails_its_appends_and_the_next_round_runs(
+        make_store: object, monkeypatch: pytest.MonkeyPatch, fault: Exception) -> None:
+    """Appends whose round's sync fails are each answered with the failure (the disk's
+    OSError as it is; anything else as Unavailable), none left waiting, none acknowledged;
+    once the disk syncs again the next append gets a round that syncs."""
+    st = make_store(FsyncMode.BATCH)  # type: ignore[operator]
+    await st.append(*_append_args(b"k0", b"v" * 100))
+    synced: list[int] = []
+    failing = True
+    real = os.fdatasync
+
+    def sync(fd: int) -> None:  # fault injection: syncs fail until the test says otherwise
+        synced.append(fd)
+        if failing:
+            raise fault
+        real(fd)
+
+    monkeypatch.setattr(durability.os, "fdatasync", sync)
+    rounds = st.syncer.rounds
+    async with asyncio.timeout(20):
+        got = await asyncio.gather(*(st.append(*_append_args(b"k%d" % i, b"v" * 100))
+                                     for i in (1, 2, 3)), return_exceptions=True)
+    want = type(fault) if isinstance(fault, OSError) else Unavailable
+    assert [type(g) for g in got] == [want] * 3
+    assert st.syncer.rounds == rounds + len(synced) and not st.syncer.busy
+    failing = False
+    failed = len(synced)
+    async with asyncio.timeout(20):
+        await st.append(*_append_args(b"k4", b"w" * 100))
+    assert len(synced) == failed + 1 and st.syncer.rounds == rounds + failed + 1
 
 
 async def test_always_syncs_each_append_and_never_syncs_none(make_store: object,

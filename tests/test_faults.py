@@ -303,7 +303,7 @@ async def test_an_answer_cut_short_times_out_saying_it_began(cluster: LocalClust
     await kv.put(b"cut", value)
     write = _ServerProtocol.write
 
-    def cut(self: _ServerProtocol, buffers: list[bytes | bytearray | memoryview]) -> None:
+    def cut(self: _ServerProtocol, buffers: list[bytes | bytearray | memoryview], nbytes: int = -1) -> None:
         data = b"".join(buffers)
         _, _, op, _, _, hlen, plen = FIXED.unpack_from(data)
         if op == Op.READV and plen:
