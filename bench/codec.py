@@ -8,9 +8,9 @@ of any field; "typed" encodes a :mod:`kvfs.rpc` message and decodes the bytes in
 one, checking every field's type and bounds.
 
 Then meta's side of a COMMIT of the same 128 layouts in each of its two forms, as the
-server runs it (the header unpacked by :class:`kvfs.protocol.FrameDecoder`'s
-``msgpack.unpackb``, checked by :func:`kvfs.rpc.decode`, the layouts stamped, or
-:func:`kvfs.packed.unpack` for the packed form), and the client's encode of each
+server runs it (the header decoded straight from its bytes into a ``Commit`` and
+checked, as :class:`kvfs.protocol.FrameDecoder` does with :data:`kvfs.rpc.REQUESTS`, the
+layouts stamped, or :func:`kvfs.packed.unpack` for the packed form), and the client's encode of each
 (the message built and packed into its header), in µs of this process's CPU per key, for
 three layout shapes: one extent of one replica, one extent of three replicas, four
 extents (a striped value) of one replica.
@@ -29,7 +29,7 @@ import msgspec
 from kvfs import rpc
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.packed import pack, unpack
-from kvfs.protocol import pack_header
+from kvfs.protocol import Flag, header_key, pack_header
 
 BATCH = 128
 
@@ -90,13 +90,16 @@ def measure_commit() -> list[tuple[str, float, float]]:
     """(COMMIT form and layout shape, client encode, meta decode + check + stamp) in µs per key."""
     keys, _ = _batch()
 
+    commit = rpc.REQUESTS[header_key(rpc.Op.COMMIT, Flag.NONE)]
+
     def meta_nested(data: bytes) -> list[tuple[bytes, Layout]]:
-        req = rpc.decode(msgpack.unpackb(data, raw=False, strict_map_key=False), rpc.Commit)
+        req = commit(data)
+        assert isinstance(req, rpc.Commit)
         return [(k, lay.stamped(1.0, None)) for k, lay in req.items]
 
     def meta_packed(data: bytes) -> list[tuple[bytes, Layout]]:
-        req = rpc.decode(msgpack.unpackb(data, raw=False, strict_map_key=False), rpc.Commit)
-        assert req.packed is not None
+        req = commit(data)
+        assert isinstance(req, rpc.Commit) and req.packed is not None
         return unpack(req.packed, 1.0, None).staged
 
     out = []

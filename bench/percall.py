@@ -45,7 +45,6 @@ from statistics import median
 from typing import Any
 
 import crc32c
-import msgpack
 
 from kvfs import rpc
 from kvfs._loop import run
@@ -53,15 +52,17 @@ from kvfs.config import ClientConfig, FsyncMode, MetaConfig
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.packed import pack
 from kvfs.protocol import (
+    Flag,
     Frame,
     FrameDecoder,
     FrameHead,
     ReceivePool,
     Scatter,
     encode_frame,
+    header_key,
     pack_header,
 )
-from kvfs.rpc import Op, decode
+from kvfs.rpc import Op
 
 N = 128  # keys per call
 BS = 4096
@@ -75,9 +76,11 @@ def _frame(op: int, msg: Any, payload: Sequence[memoryview] = ()) -> bytes:
     return b"".join(bytes(b) for b in encode_frame(op, 1, msg, list(payload)))
 
 
-def _typed(header: bytes, typ: type[Any]) -> Any:
-    """A header decoded and checked as the server does (msgpack, then its type)."""
-    return decode(msgpack.unpackb(header, raw=False, strict_map_key=False), typ)
+def _typed(op: Op, header: bytes, flags: Flag = Flag.NONE) -> Any:
+    """A request's header (``flags`` RESPONSE: an answer's) decoded and checked as its
+    receiver does: straight from its bytes into its type (:data:`kvfs.rpc.REQUESTS`,
+    :data:`kvfs.rpc.ANSWERS`)."""
+    return (rpc.ANSWERS if flags else rpc.REQUESTS)[header_key(op, flags)](header)
 
 
 class GcTimer:
@@ -130,7 +133,7 @@ async def append_path(calls: int, fsync: FsyncMode, tmp: Path) -> float:
     store = ChunkStore(tmp, chunk_bytes=64 << 20, fsync=fsync)
     store.server_id = 1
     pool = ReceivePool(128 << 20, min_bytes=0)  # as kvfs.server's
-    decoders = [FrameDecoder(allocator=pool) for _ in range(4)]
+    decoders = [FrameDecoder(allocator=pool, typed=rpc.REQUESTS) for _ in range(4)]
 
     async def one(i: int) -> object:
         dec, view = decoders[i % 4], memoryview(frame)
@@ -142,7 +145,7 @@ async def append_path(calls: int, fsync: FsyncMode, tmp: Path) -> float:
             dec.buffer_updated(n)
         f = dec.next_event()
         assert isinstance(f, Frame) and not isinstance(f.payload, Scatter)
-        req = decode(f.header, rpc.Append)
+        req = rpc.message(f, rpc.Append)
         locs = await store.append(req.records, memoryview(f.payload))
         out = encode_frame(Op.APPEND, 1, rpc.Appended(locations=locs), ())
         pool.give(f.payload)
@@ -167,14 +170,14 @@ async def readv_path(calls: int, tmp: Path) -> float:
     rnd = random.Random(1)
     frames = [_frame(Op.READV, rpc.ReadV(ranges=[rpc.Range(c, o, BS) for c, o in rnd.sample(locs, N)]))
               for _ in range(64)]
-    decoders = [FrameDecoder() for _ in range(4)]
+    decoders = [FrameDecoder(typed=rpc.REQUESTS) for _ in range(4)]
 
     async def one(i: int) -> object:
         dec = decoders[i % 4]
         dec.receive_data(frames[i % 64])
         f = dec.next_event()
         assert isinstance(f, Frame)
-        req = decode(f.header, rpc.ReadV)
+        req = rpc.message(f, rpc.ReadV)
         check_ranges(req.ranges, 4096, 64 << 20)
         payload, _, errors = await store.readv_into(req.ranges)
         reply = rpc.ReadVReply(errors={i: rpc.WireError(e.code, e.message) for i, e in errors.items()})
@@ -219,7 +222,7 @@ class _Link:
     async def call_meta(self, req: Any) -> Any:
         pack_header(req)
         if isinstance(req, rpc.Commit):
-            return _typed(pack_header(rpc.Committed(created=1.0, expires_at=None)), rpc.Committed)
+            return _typed(Op.COMMIT, pack_header(rpc.Committed(created=1.0, expires_at=None)), Flag.RESPONSE)
         return None  # (TOUCH)
 
     async def call_server(self, sid: int, req: Any, payload: Sequence[memoryview] = (),
@@ -227,12 +230,12 @@ class _Link:
         encode_frame(int(rpc.OP_OF[type(req)]), 1, req, list(payload))
         if isinstance(req, rpc.Append):
             locs = [(sid << 40 | 1, 1000 + i * 4200) for i in range(len(req.records))]
-            return _typed(pack_header(rpc.Appended(locations=locs)), rpc.Appended), b""
+            return _typed(Op.APPEND, pack_header(rpc.Appended(locations=locs)), Flag.RESPONSE), b""
         assert sink is not None
-        ranges = _typed(pack_header(req), rpc.ReadV).ranges
+        ranges = _typed(Op.READV, pack_header(req)).ranges
         data = [self.values[(c, o)] for c, o, _ in ranges]
-        header = msgpack.unpackb(pack_header(rpc.ReadVReply()), raw=False)
-        buf = sink(FrameHead(int(Op.READV), 1, 1, header, sum(map(len, data))))  # type: ignore[arg-type]
+        answer = _typed(Op.READV, pack_header(rpc.ReadVReply()), Flag.RESPONSE)
+        buf = sink(FrameHead(int(Op.READV), Flag.RESPONSE, 1, None, sum(map(len, data)), answer))
         if isinstance(buf, Scatter):
             for part, d in zip(buf.parts, data, strict=True):
                 part[:] = d
@@ -241,7 +244,7 @@ class _Link:
             for d in data:
                 buf[pos : pos + len(d)] = d
                 pos += len(d)
-        return decode(header, rpc.ReadVReply), buf
+        return answer, buf
 
 
 async def put_path(calls: int) -> float:
@@ -321,7 +324,7 @@ async def commit_path(calls: int, tmp: Path) -> float:
               for j in range(256)]
 
     async def one(i: int) -> object:
-        out, _ = await meta.rpc_commit(_typed(frames[i % 256], rpc.Commit), memoryview(b""))
+        out, _ = await meta.rpc_commit(_typed(Op.COMMIT, frames[i % 256]), memoryview(b""))
         return pack_header(out)
 
     try:
@@ -344,7 +347,7 @@ async def lookup_paths(calls: int, tmp: Path) -> dict[str, float]:
             frames = [pack_header(typ(keys=keys[j * N : (j + 1) * N])) for j in range(64)]
 
             async def one(i: int, typ: Any = typ, handler: Any = handler, frames: list[bytes] = frames) -> object:
-                answer, _ = await handler(_typed(frames[i % 64], typ), memoryview(b""))
+                answer, _ = await handler(_typed(rpc.OP_OF[typ], frames[i % 64]), memoryview(b""))
                 return pack_header(answer)
 
             out[name] = await _measure(one, calls, 1)

@@ -101,7 +101,8 @@ class BlockingSocket:
         self._decoder = self._new_decoder()
 
     def _new_decoder(self) -> FrameDecoder:
-        dec = FrameDecoder(Limits(), allocator=self._allocator, scratch_bytes=SCRATCH_BYTES)
+        dec = FrameDecoder(Limits(), allocator=self._allocator, scratch_bytes=SCRATCH_BYTES,
+                           typed=rpc.ANSWERS)
         # a payload over 64 KiB arrives in its one buffer, the end of it too (not staged in
         # scratch 16 KiB a receive): with the socket waiting in the kernel, one receive
         # waits for all of it (MSG_WAITALL, _receive)

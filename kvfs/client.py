@@ -37,7 +37,7 @@ from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
 from kvfs.layout import MAX_META_BYTES, MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
-from kvfs.layoutcache import FLAT_LAYOUT, FLAT_SIZE, Cached, Flat, LayoutCache
+from kvfs.layoutcache import FLAT_SIZE, Cached, Flat, FlatLayouts, LayoutCache
 from kvfs.readpath import WHOLE, Dest, ReadPath
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.tls import client_context
@@ -221,13 +221,14 @@ class AsyncClient:
         return out
 
     def cached(self, keys: list[bytes], lease_s: float | None,
-               ) -> tuple[list[Layout | None], list[Flat]] | None:
-        """Every key's cached layout and its flat form (:meth:`LayoutCache.flat_many`: every
+               ) -> tuple[Sequence[Layout | None], list[Flat]] | None:
+        """Every key's cached layout (:class:`~kvfs.layoutcache.FlatLayouts`: each taken from
+        its flat form only when asked) and its flat form (:meth:`LayoutCache.flat_many`: every
         key cached, one extent of one replica: no step per key), for a read that takes them
         from the cache (no ``lease_s``); None: :meth:`lookup` them.  (The blocking client's
         reads in its callers' threads take them too.)"""
         flat = None if lease_s is not None else self.layout_cache.flat_many(keys, self.clock())
-        return None if flat is None else (list(map(FLAT_LAYOUT, flat)), flat)
+        return None if flat is None else (FlatLayouts(flat), flat)
 
     # lookup() in two halves, the RPC between them: the blocking client sends it from its
     # callers' threads (kvfs.blocking)
@@ -763,7 +764,7 @@ def _encode_meta(key: bytes, meta: Mapping[str, Any] | None) -> bytes | None:
     return blob
 
 
-def many_dests(layouts: list[Layout | None], flat: list[Flat] | None = None,
+def many_dests(layouts: Sequence[Layout | None], flat: list[Flat] | None = None,
                ) -> tuple[list[bytes | None], list[Dest]] | None:
     """get_many's results to fill and the read's destinations, when every value found is one
     extent (each handed back as bytes, ``WHOLE``); None when one is striped.  ``flat``: the
@@ -790,7 +791,7 @@ def into_call(keys: Iterable[Key], buffers: Sequence[Any], lease_s: float | None
     return ks, views, rooms
 
 
-def into_dests(layouts: list[Layout | None], views: list[Views], rooms: list[int],
+def into_dests(layouts: Sequence[Layout | None], views: list[Views], rooms: list[int],
                flat: list[Flat] | None = None) -> tuple[list[int], Sequence[Dest]]:
     """get_into's results (sizes, ``MISS``, ``TOO_SMALL``) and the read's destinations.
     ``flat``: as for :func:`many_dests` (the values' sizes taken from them)."""

@@ -11,11 +11,11 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from kvfs.errors import KVFSError, ProtocolError
 from kvfs.fileparts import FileParts
-from kvfs.protocol import Buffer, FrameDecoder, Limits, PayloadAllocator
+from kvfs.protocol import Buffer, FrameDecoder, HeaderDecode, Limits, PayloadAllocator
 
 log = logging.getLogger("kvfs.wire")
 
@@ -39,8 +39,9 @@ class FrameProtocol(asyncio.BufferedProtocol):
     """Receives frames into a :class:`FrameDecoder`; subclasses handle them."""
 
     def __init__(self, limits: Limits | None = None, allocator: PayloadAllocator | None = None,
-                 *, scratch_bytes: int = 256 * 1024):
-        self.decoder = FrameDecoder(limits, allocator=allocator, scratch_bytes=scratch_bytes)
+                 *, scratch_bytes: int = 256 * 1024, typed: Mapping[int, HeaderDecode] | None = None):
+        self.decoder = FrameDecoder(limits, allocator=allocator, scratch_bytes=scratch_bytes,
+                                    typed=typed)
         # called once per receive (per destination part of a scattered read): no wrapper frame
         self.get_buffer = self.decoder.get_buffer  # type: ignore[method-assign]
         self.transport: asyncio.Transport | None = None

@@ -30,7 +30,7 @@ import math
 import threading
 import time
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from itertools import islice, repeat
 from operator import itemgetter
 from typing import cast
@@ -55,6 +55,27 @@ FLAT_CRC = itemgetter(2)
 FLAT_EXPIRES = itemgetter(3)
 FLAT_SIZE = itemgetter(4)
 FLAT_LAYOUT = itemgetter(5)
+
+
+class FlatLayouts(Sequence[Layout]):
+    """The layouts of a read's :data:`Flat` forms, each taken from its flat form when asked
+    (by the read's failover and its lookups again, seldom), not listed up front: a read
+    that goes well touches no key's :class:`Layout` (one object less per key to reach in
+    memory seldom still in the CPU's cache)."""
+
+    __slots__ = ("_flat",)
+
+    def __init__(self, flat: Sequence[Flat]) -> None:
+        self._flat = flat
+
+    def __len__(self) -> int:
+        return len(self._flat)
+
+    def __getitem__(self, i: int) -> Layout:  # type: ignore[override]  # (no slices asked)
+        return self._flat[i][5]
+
+    def __iter__(self) -> Iterator[Layout]:
+        return map(FLAT_LAYOUT, self._flat)
 
 
 class Single(msgspec.Struct, frozen=True, gc=False):

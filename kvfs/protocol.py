@@ -28,8 +28,8 @@ import struct
 import threading
 from bisect import bisect_right
 from collections import deque
-from collections.abc import Callable, Sequence, Sized
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence, Sized
+from dataclasses import dataclass
 from itertools import accumulate
 from operator import attrgetter
 from typing import Any
@@ -70,13 +70,42 @@ class Limits:
     ops: frozenset[int] | None = None
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class Frame:
-    op: int
-    request_id: int
-    flags: Flag = Flag.NONE
-    header: dict[str, Any] = field(default_factory=dict)
-    payload: Buffer | Scatter = b""
+# a frame's header decoded straight from its bytes into its typed message (e.g.
+# ``msgspec.msgpack.Decoder(rpc.ReadV).decode``), by the key :func:`header_key` gives its op
+# and flags (:class:`FrameDecoder`'s ``typed``)
+HeaderDecode = Callable[[Buffer], msgspec.Struct]
+
+
+def header_key(op: int, flags: int) -> int:
+    """The key of a frame's op and flags in a table of :data:`HeaderDecode`\\ s."""
+    return flags << 8 | op
+
+
+class FrameHead:
+    """What the decoder knows once a frame's headers are parsed (what a payload allocator
+    is given).  ``message``: the header decoded into its typed message (:class:`FrameDecoder`'s
+    ``typed`` table knew the frame's type and the header checked out); else None and
+    ``header`` is the plain msgpack map.  ``header`` of a typed frame is the plain map its
+    message encodes to, made when asked."""
+
+    __slots__ = ("_header", "flags", "message", "op", "payload_len", "request_id")
+
+    def __init__(self, op: int, flags: Flag, request_id: int, header: dict[str, Any] | None,
+                 payload_len: int, message: msgspec.Struct | None = None) -> None:
+        self.op = op
+        self.flags = flags
+        self.request_id = request_id
+        self.payload_len = payload_len
+        self.message = message
+        self._header = header if header is not None or message is not None else {}
+
+    @property
+    def header(self) -> dict[str, Any]:
+        header = self._header
+        if header is None:  # (cold: no decoder's path asks) the map the message encodes to
+            assert self.message is not None
+            header = self._header = _plain_header(memoryview(pack_header(self.message)))
+        return header
 
     @property
     def is_response(self) -> bool:
@@ -86,16 +115,24 @@ class Frame:
     def is_error(self) -> bool:
         return bool(int(self.flags) & _ERROR)
 
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(op={self.op}, flags={self.flags!r}, request_id="
+                f"{self.request_id}, header={self.message or self._header!r}, "
+                f"payload_len={self.payload_len})")
 
-@dataclass(frozen=True, slots=True)
-class FrameHead:
-    """What the decoder knows once a frame's headers are parsed."""
 
-    op: int
-    flags: Flag
-    request_id: int
-    header: dict[str, Any]
-    payload_len: int
+class Frame(FrameHead):
+    """A whole frame: its head and its payload.  (The decoder makes one object per frame:
+    its head, given to the payload allocator, becomes the frame once its payload is in.)"""
+
+    __slots__ = ("payload",)
+
+    def __init__(self, op: int, request_id: int, flags: Flag = Flag.NONE,
+                 header: dict[str, Any] | None = None, payload: Buffer | Scatter = b"", *,
+                 message: msgspec.Struct | None = None, payload_len: int | None = None) -> None:
+        super().__init__(op, flags, request_id, header,
+                         len(payload) if payload_len is None else payload_len, message)
+        self.payload = payload
 
 
 class _NeedData:
@@ -272,6 +309,19 @@ def frame_bytes(*args: Any, **kwargs: Any) -> bytes:
     return b"".join(bytes(b) for b in encode_frame(*args, **kwargs))
 
 
+def _plain_header(raw: memoryview) -> dict[str, Any]:
+    """A frame's header as a plain map; a protocol error if it is not msgpack or not a map."""
+    if not raw.nbytes:
+        return {}
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises many types on garbage
+        raise RemoteProtocolError(f"undecodable frame header: {exc}") from None
+    if not isinstance(header, dict):
+        raise RemoteProtocolError(f"frame header must be a map, got {type(header).__name__}")
+    return header
+
+
 class FrameDecoder:
     """Turns a byte stream into :class:`Frame` events.
 
@@ -280,6 +330,15 @@ class FrameDecoder:
     ``allocator`` and :meth:`get_buffer` hands out that buffer directly, so
     bulk bytes are written once, by the kernel, into their final place.
     After an error the decoder is dead: every later call raises it again.
+
+    ``typed``: the frames whose header is decoded straight from its bytes into a typed
+    message (:attr:`Frame.message`), by :func:`header_key` of their op and flags (e.g.
+    :data:`kvfs.rpc.ANSWERS` on a client).  A header that does not decode into its type is
+    decoded as a plain map instead, as every other frame's is: garbage (not msgpack, not a
+    map) stays the protocol error it always was, and a map is the receiver's to check (its
+    check names the field that is wrong).  The one input the typed decode lets pass that the
+    plain one refuses: a string that is not UTF-8 in a field the message does not have (an
+    answer's unknown fields are skipped, unread).
     """
 
     def __init__(
@@ -289,14 +348,16 @@ class FrameDecoder:
         allocator: PayloadAllocator | None = None,
         scratch_bytes: int = 256 * 1024,
         inline_payload_bytes: int = 64 * 1024,
+        typed: Mapping[int, HeaderDecode] | None = None,
     ) -> None:
         self.limits = limits or Limits()
+        self.typed = typed or {}
         self.allocator = allocator or _default_alloc
         self._scratch = bytearray(scratch_bytes)
         self._start = 0
         self._end = 0
         self._inline = inline_payload_bytes
-        self._head: FrameHead | None = None
+        self._head: Frame | None = None
         self._head_size = 0  # fixed + msgpack bytes of the pending head
         # a large payload being received into its own buffer(s)
         self._segs: list[memoryview] | None = None
@@ -476,7 +537,7 @@ class FrameDecoder:
             grown[:avail] = self._scratch[:avail]
             self._scratch = grown
 
-    def _parse_head(self) -> FrameHead | None:
+    def _parse_head(self) -> Frame | None:
         avail = self._end - self._start
         if avail < FIXED_SIZE:
             if len(self._scratch) - self._start < FIXED_SIZE:
@@ -508,19 +569,23 @@ class FrameDecoder:
                 self._compact(size)
             return None
         raw = memoryview(self._scratch)[self._start + FIXED_SIZE : self._start + size]
+        message = header = None
         try:
-            header = msgpack.unpackb(raw, raw=False, strict_map_key=False) if hlen else {}
-        except Exception as exc:  # msgpack raises many types on garbage
-            raise RemoteProtocolError(f"undecodable frame header: {exc}") from None
+            typed = self.typed.get(flags << 8 | op) if hlen and self.typed else None  # header_key
+            if typed is not None:
+                try:
+                    message = typed(raw)
+                except msgspec.DecodeError:  # (its ValidationError too) the plain map's way
+                    pass
+            if message is None:
+                header = _plain_header(raw)
         finally:
             raw.release()
-        if not isinstance(header, dict):
-            raise RemoteProtocolError(f"frame header must be a map, got {type(header).__name__}")
         flag = _FLAG_OF.get(flags)
         if flag is None:
             raise RemoteProtocolError(f"unknown frame flags {flags:#x}")
         self._head_size = size
-        return FrameHead(op, flag, rid, header, plen)
+        return Frame(op, rid, flag, header, b"", message=message, payload_len=plen)
 
     def _parse(self) -> None:
         while True:
@@ -601,11 +666,9 @@ class FrameDecoder:
         self._seg_i = self._seg_filled = self._big_filled = 0
         self._emit(head, owner)
 
-    def _emit(self, head: FrameHead, payload: Buffer | Scatter) -> None:
+    def _emit(self, head: Frame, payload: Buffer | Scatter) -> None:
         self._head = None
         if self._start == self._end:
             self._start = self._end = 0
-        self._events.append(
-            Frame(op=head.op, flags=head.flags, request_id=head.request_id, header=head.header,
-                  payload=payload)
-        )
+        head.payload = payload
+        self._events.append(head)

@@ -26,7 +26,7 @@ import copy
 import enum
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import Final, cast
@@ -124,7 +124,7 @@ def _one_server(flat: Sequence[Flat]) -> dict[int, _Group] | None:
     return {sid: _Group(list(range(n)), list(map(FLAT_RANGE, flat)), list(map(FLAT_CRC, flat)))}
 
 
-def _jobs(slots: list[int], layouts: list[Layout | None], dests: Sequence[Dest]) -> list[_Job]:
+def _jobs(slots: list[int], layouts: Sequence[Layout | None], dests: Sequence[Dest]) -> list[_Job]:
     """The jobs of a :class:`_Group`'s values (one extent, one replica each, being read)."""
     jobs = []
     for slot in slots:
@@ -196,31 +196,48 @@ def _can_hedge(jobs: list[_Job]) -> bool:
     return all(len(job.extent.replicas) > len(job.tried) + 1 for job in jobs)
 
 
-def _by_server(layouts: list[Layout | None], dests: Sequence[Dest],
-               flat: Sequence[Flat] | None) -> dict[int, _Group] | None:
-    """:meth:`ReadPath._groups`' columns of the values read (a layout and a destination),
-    key by key; None when one is not one extent with one replica."""
+def _by_flat(flat: Sequence[Flat], slots: Iterable[int]) -> dict[int, _Group]:
+    """:meth:`ReadPath._groups`' columns of the values of ``slots`` (read, each with its
+    flat form), key by key: of a flat form only its server, range and CRC are taken (not
+    its layout and size: two objects less per key to reach in memory, seldom still in the
+    CPU's cache)."""
     groups: dict[int, _Group] = {}
     get = groups.get
-    for slot, dest in enumerate(dests):
-        lay = layouts[slot]
-        if lay is None or dest is None:
-            continue
-        if flat is not None:  # the cache's: no layout to take apart
-            sid, rng, crc, _, _, _ = flat[slot]
-        else:
-            ext = lay.extents
-            if len(ext) != 1 or len(ext[0].replicas) != 1:
-                return None
-            e = ext[0]
-            rep = e.replicas[0]
-            sid, rng, crc = rep.server_id, (rep.chunk_id, rep.offset, e.length), e.crc
+    for slot in slots:
+        f = flat[slot]
+        sid = f[0]
         g = get(sid)
         if g is None:
             g = groups[sid] = _Group([], [], [])
         g.slots.append(slot)
-        g.ranges.append(rng)
-        g.crcs.append(crc)
+        g.ranges.append(f[1])
+        g.crcs.append(f[2])
+    return groups
+
+
+def _by_server(layouts: Sequence[Layout | None], dests: Sequence[Dest],
+               flat: Sequence[Flat] | None) -> dict[int, _Group] | None:
+    """:meth:`ReadPath._groups`' columns of the values read (a layout and a destination),
+    key by key; None when one is not one extent with one replica."""
+    if flat is not None:  # the cache's (every key a hit): no layout to take apart
+        return _by_flat(flat, [i for i, dest in enumerate(dests) if dest is not None])
+    groups: dict[int, _Group] = {}
+    for slot, dest in enumerate(dests):
+        lay = layouts[slot]
+        if lay is None or dest is None:
+            continue
+        ext = lay.extents
+        if len(ext) != 1 or len(ext[0].replicas) != 1:
+            return None
+        e = ext[0]
+        rep = e.replicas[0]
+        sid = rep.server_id
+        g = groups.get(sid)
+        if g is None:
+            g = groups[sid] = _Group([], [], [])
+        g.slots.append(slot)
+        g.ranges.append((rep.chunk_id, rep.offset, e.length))
+        g.crcs.append(e.crc)
     return groups
 
 
@@ -263,7 +280,7 @@ class ReadPath:
             self._rx_pool.give(view)
         rx.clear()
 
-    async def read_into(self, keys: list[bytes], layouts: list[Layout | None],
+    async def read_into(self, keys: list[bytes], layouts: Sequence[Layout | None],
                         dests: Sequence[Dest], out: list[bytes | None] | None = None,
                         *, failed: dict[int, KVFSError] | None = None,
                         lost: dict[int, Layout] | None = None,
@@ -322,7 +339,7 @@ class ReadPath:
                     lost[i] = lay
         return misses
 
-    async def fetch(self, keys: list[bytes], layouts: list[Layout | None],
+    async def fetch(self, keys: list[bytes], layouts: Sequence[Layout | None],
                     dests: Sequence[Dest], out: list[bytes | None] | None,
                     failed_out: dict[int, KVFSError] | None = None,
                     bad_out: set[int] | None = None,
@@ -381,7 +398,7 @@ class ReadPath:
             failed_out.update(failed)
         return sorted(stale)
 
-    def _first_jobs(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Dest],
+    def _first_jobs(self, keys: list[bytes], layouts: Sequence[Layout | None], dests: Sequence[Dest],
                     alive: dict[int, bool], stale: set[int], failed: dict[int, KVFSError],
                     bad: set[int]) -> dict[int, list[_Job]]:
         """Every extent to read as a job, by the server of its first replica to try."""
@@ -406,7 +423,7 @@ class ReadPath:
         self._assign(keys, choose, alive, stale, failed, bad, by_server)
         return by_server
 
-    def _groups(self, layouts: list[Layout | None], dests: Sequence[Dest],
+    def _groups(self, layouts: Sequence[Layout | None], dests: Sequence[Dest],
                 flat: Sequence[Flat] | None = None) -> dict[int, _Group] | None:
         """:meth:`fetch`'s first round as columns, by server, when every value asked for is
         one extent with one replica, to be copied out of a pooled receive (handed back as
@@ -419,8 +436,11 @@ class ReadPath:
         kinds.discard(_NONE)  # values not read (misses, too small)
         if len(kinds) != 1 or not kinds <= {_Dest, memoryview}:
             return None  # none read, mixed, or a value scattered over several views
-        groups = (_one_server(flat) if flat is not None and every else None) \
-            or _by_server(layouts, dests, flat)
+        groups: dict[int, _Group] | None
+        if flat is not None and every:
+            groups = _one_server(flat) or _by_flat(flat, range(len(flat)))
+        else:
+            groups = _by_server(layouts, dests, flat)
         if groups is None:
             return None  # a value of several extents or replicas
         whole = kinds == {_Dest}
@@ -435,21 +455,29 @@ class ReadPath:
         return groups or None
 
     async def _first_round(self, groups: dict[int, _Group], keys: list[bytes],
-                           layouts: list[Layout | None], dests: Sequence[Dest],
+                           layouts: Sequence[Layout | None], dests: Sequence[Dest],
                            out: list[bytes | None] | None) -> list[_Job]:
         """One READV per server of ``groups`` (:meth:`_groups`), every value checked and
         copied out; returns the jobs to try again on their next replica (made only for
         the values of a READV that failed or was not all good)."""
-        results = await asyncio.gather(
-            *(self._readv_group(sid, g, keys, layouts, dests, out) for sid, g in groups.items()),
-            return_exceptions=True)
+        results: list[list[_Job] | BaseException]
+        if len(groups) == 1:  # one READV (e.g. one key's): awaited here, no task made for it
+            [(sid, g)] = groups.items()
+            try:
+                results = [await self._readv_group(sid, g, keys, layouts, dests, out)]
+            except Exception as exc:  # as gather(return_exceptions=True) gives it: _settle's
+                results = [exc]
+        else:
+            results = await asyncio.gather(
+                *(self._readv_group(sid, g, keys, layouts, dests, out)
+                  for sid, g in groups.items()), return_exceptions=True)
         pending: list[_Job] = []
         _settle(keys, list(groups), lambda sid: _jobs(groups[sid].slots, layouts, dests), results,
                 pending)
         return pending
 
     async def _readv_group(self, sid: int, g: _Group, keys: list[bytes],
-                           layouts: list[Layout | None], dests: Sequence[Dest],
+                           layouts: Sequence[Layout | None], dests: Sequence[Dest],
                            out: list[bytes | None] | None, in_place: bool = True) -> list[_Job]:
         """One READV of a :class:`_Group`: values returned as bytes (``WHOLE``) are received
         into a pooled buffer and, when every range came back with good bytes, copied out
@@ -465,10 +493,10 @@ class ReadPath:
         in_place = in_place and dests[g.slots[0]] is not WHOLE
 
         def scatter(head: FrameHead) -> Scatter:
-            # the ranges answered (an errored one has no bytes), in order; exchange() checks
-            # the header once the frame is whole
+            # the ranges answered (an errored one has no bytes), in order (a sink is given
+            # only an answer whose header checked out: kvfs.transport)
             views = cast(Sequence[memoryview], dests)
-            errs = head.header.get("errors")
+            errs = rpc.message(head, rpc.ReadVReply).errors
             if errs:
                 return Scatter([views[s] for i, s in enumerate(g.slots) if i not in errs])
             return Scatter(list(map(views.__getitem__, g.slots)))
@@ -521,7 +549,7 @@ class ReadPath:
 
         return pooled
 
-    def fetch_now(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Dest],
+    def fetch_now(self, keys: list[bytes], layouts: Sequence[Layout | None], dests: Sequence[Dest],
                   out: list[bytes | None] | None, readvs: ReadVs, late: set[int],
                   flat: Sequence[Flat] | None = None) -> bool:
         """:meth:`fetch`'s common case, without the event loop (the blocking client's
@@ -715,13 +743,13 @@ class ReadPath:
         rx: list[memoryview] = []  # a pooled receive buffer, if one was taken
 
         def scatter(head: FrameHead) -> Scatter | memoryview:
-            # the answer lands straight in each destination (e.g. the caller's buffers); this
-            # peeks at the header before it is checked: exchange() checks it once received
+            # the answer lands straight in each destination (e.g. the caller's buffers); a
+            # sink is given only an answer whose header checked out (kvfs.transport)
             if watch is not None:
                 if watch.abandoned:  # the read went on without this server: bytes discarded
                     return memoryview(bytearray(head.payload_len))
                 watch.started = True
-            errs = head.header.get("errors") or {}
+            errs = rpc.message(head, rpc.ReadVReply).errors
             parts: list[memoryview] = []
             for i, job in enumerate(batch):
                 if i not in errs:

@@ -22,7 +22,7 @@ read bytes) never enter the header.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Generic, NamedTuple, TypeVar, get_args
 
 import msgspec
@@ -31,6 +31,7 @@ from kvfs.errors import RemoteProtocolError
 from kvfs.handshake import NONCE_BYTES, Role
 from kvfs.layout import MAX_KEY_BYTES, MAX_REPLICAS, Crc32, Layout, Replica
 from kvfs.packed import HEAD as PACKED_HEAD
+from kvfs.protocol import Flag, FrameHead, HeaderDecode, header_key
 
 # -- field types and their bounds ---------------------------------------------------------
 MAX_ITEMS = 1 << 20  # keys, records, ranges, moves... in one message
@@ -935,10 +936,11 @@ class Rpc:
     request: type[Request[Any]]
     doc: str
     roles: tuple[Role, ...] = ADMIN  # the token roles that may call it
+    # the answer's type: the request's ``R``, found once (every answer looks it up)
+    response: type[Response] = field(init=False)
 
-    @property
-    def response(self) -> type[Response]:
-        return response_type(self.request)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "response", response_type(self.request))
 
     @property
     def handler(self) -> str:
@@ -1022,10 +1024,32 @@ OP_OF: dict[type[Request[Any]], Op] = {r.request: r.op for r in RPCS.values()}
 
 
 # -- decoding --------------------------------------------------------------------------------------
+def _typed(flags: Flag, types: dict[Op, type[msgspec.Struct]]) -> dict[int, HeaderDecode]:
+    return {header_key(op, flags): msgspec.msgpack.Decoder(typ).decode for op, typ in types.items()}
+
+
+# each frame's header decoded straight from its bytes into its type, once
+# (kvfs.protocol.FrameDecoder's ``typed``): the requests a server receives (AUTH, the
+# connection's first, is checked as a map by the handshake), and the answers a client does
+REQUESTS: dict[int, HeaderDecode] = _typed(
+    Flag.NONE, {op: r.request for op, r in RPCS.items() if op not in (Op.HELLO, Op.AUTH)})
+ANSWERS: dict[int, HeaderDecode] = _typed(Flag.RESPONSE, {op: r.response for op, r in RPCS.items()})
+
+
 def decode(header: dict[str, Any], typ: type[T]) -> T:
     """A decoded msgpack header checked against ``typ``; raises ``msgspec.ValidationError``
     naming the field path (``$.items[3].layout``)."""
     return msgspec.convert(header, typ)
+
+
+def message(frame: FrameHead, typ: type[T]) -> T:
+    """A frame's header as ``typ``: the message its decoder made straight from its bytes
+    (:data:`REQUESTS`, :data:`ANSWERS`), else its plain map checked (:func:`decode`: a
+    header that did not decode into its type names here what is wrong)."""
+    msg = frame.message
+    if type(msg) is typ:
+        return msg
+    return decode(frame.header, typ)
 
 
 def to_dict(msg: msgspec.Struct) -> dict[str, Any]:

@@ -304,7 +304,7 @@ class Client:
             aio.looked_up(keys, out, missing, self._meta(request).layouts)
         return out
 
-    def _read_here(self, keys: list[bytes], layouts: list[Layout | None], dests: Sequence[Any],
+    def _read_here(self, keys: list[bytes], layouts: Sequence[Layout | None], dests: Sequence[Any],
                    out: list[bytes | None] | None, late: set[int],
                    flat: Sequence[Flat] | None = None) -> bool:
         """The values read in this thread (``ReadPath.fetch_now``); False: read them again

@@ -30,7 +30,7 @@ from kvfs.protocol import (
     Scatter,
     encode_frame,
 )
-from kvfs.rpc import OP_OF, RPCS, Auth, Hello, Op, R, Request, decode, to_dict
+from kvfs.rpc import ANSWERS, OP_OF, RPCS, Auth, Hello, Op, R, Request, decode, message, to_dict
 from kvfs.tls import MUTUAL_TLS_HINT, PLAINTEXT_HINT, connect_options, tls_failure
 
 Sink = Callable[[FrameHead], "bytearray | memoryview | Scatter | None"]
@@ -38,7 +38,7 @@ Sink = Callable[[FrameHead], "bytearray | memoryview | Scatter | None"]
 
 class _ClientProtocol(FrameProtocol):
     def __init__(self, name: str, limits: Limits | None, tls: bool = False) -> None:
-        super().__init__(limits, allocator=self._allocate)
+        super().__init__(limits, allocator=self._allocate, typed=ANSWERS)
         self.name = name
         self.tls = tls
         self.pending: dict[int, asyncio.Future[Frame]] = {}
@@ -48,9 +48,11 @@ class _ClientProtocol(FrameProtocol):
         self.error: KVFSError | None = None
 
     def _allocate(self, head: FrameHead) -> bytearray | memoryview | Scatter:
-        """A response's large payload goes where its caller asked (see ``call(sink=)``)."""
+        """A response's large payload goes where its caller asked (see ``call(sink=)``), if
+        its header decoded into its typed answer (:attr:`FrameHead.message`: what a sink
+        reads; a bad answer's payload goes to a buffer of its own, and its call fails)."""
         sink = self.sinks.pop(head.request_id, None)
-        if sink is not None:
+        if sink is not None and head.message is not None:
             where = sink(head)
             if where is not None:
                 return where
@@ -156,7 +158,7 @@ def answer_of(op: Op, frame: Frame, name: str) -> Any:
     if frame.is_error:
         raise from_wire(frame.header)
     try:
-        return decode(frame.header, RPCS[op].response)
+        return message(frame, RPCS[op].response)
     except msgspec.ValidationError as exc:
         raise RemoteProtocolError(f"{name} sent a bad {op.name} answer: {exc}") from None
 

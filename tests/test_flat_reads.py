@@ -5,10 +5,14 @@ same results as the general path."""
 from __future__ import annotations
 
 import os
+from typing import Any
+
+import pytest
 
 import kvfs
 from kvfs.bench.reliability import flip_byte
 from kvfs.client import MISS, TOO_SMALL, AsyncClient
+from kvfs.errors import Unavailable
 from kvfs.launcher import LocalCluster
 from kvfs.layoutcache import LayoutCache
 from tests.conftest import FakeClock, ThreadCluster, value_of
@@ -136,6 +140,25 @@ async def test_get_into_in_place_takes_a_range_error_without_reading_again(kv: A
     assert kv.rpc_counts["LOOKUP"] - lookups == 1  # the stale key's fresh layout
     assert kv.rpc_counts["READV"] - readvs == 2  # the group's, then the stale key's again
     assert await kv.lookup([keys[5]]) == [lay]
+
+
+async def test_a_first_round_of_one_readv_that_fails_is_a_miss_not_its_error(
+        kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A first round of one READV (one key, or keys of one server) is awaited without a
+    task of its own: its server's failure still makes each key a miss (``on_lost="miss"``,
+    no replica left), as a round of several READVs does, not an error raised by the call."""
+    keys = [b"one/a", b"one/b"]  # one put: one server
+    await kv.put_many([(k, os.urandom(4096)) for k in keys])
+    assert None not in await kv.get_many(keys)
+    assert _flat_keys(kv) == set(keys)
+
+    async def refuse(sid: int, request: Any, payload: Any = (), sink: Any = None) -> Any:
+        raise Unavailable(f"chunkserver {sid}: refused (fault injected)")
+
+    monkeypatch.setattr(kv._link, "call_server", refuse)
+    assert await kv.get_many(keys) == [None, None]
+    assert await kv.get_many(keys[:1]) == [None]
+    assert await kv.get_into(keys[:1], [bytearray(4096)]) == [MISS]
 
 
 def test_the_first_rounds_columns_from_flat_forms_are_those_from_layouts() -> None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import os
 import struct
 from typing import Any, get_type_hints
 
 import msgpack
+import msgspec
 import pytest
 from hypothesis import Phase, event, example, given, settings
 from hypothesis import strategies as st
 
+from kvfs import rpc
 from kvfs.chunkserver.service import ChunkServer
 from kvfs.errors import FrameTooLarge, RemoteProtocolError, VersionMismatch
 from kvfs.meta.gc import MetaGc
@@ -24,11 +27,13 @@ from kvfs.protocol import (
     Flag,
     Frame,
     FrameDecoder,
+    FrameHead,
     Limits,
     encode_frame,
     frame_bytes,
 )
 from kvfs.rpc import OP_OF, RPCS, Op, Request, Response, Service
+from kvfs.transport import _ClientProtocol, answer_of
 
 
 def drain(dec: FrameDecoder) -> list[Frame]:
@@ -182,6 +187,84 @@ def test_each_known_flag_combination_is_decoded_as_that_flag(flags: Flag) -> Non
     (frame,) = drain(dec)
     assert frame.flags == flags and isinstance(frame.flags, Flag)
     assert (frame.is_response, frame.is_error) == (Flag.RESPONSE in flags, Flag.ERROR in flags)
+
+
+def test_a_typed_header_is_decoded_once_into_its_message() -> None:
+    """With a table of typed decoders (a client's: :data:`kvfs.rpc.ANSWERS`), an answer's
+    header comes out as its typed message, made straight from the bytes; its plain map is
+    still there when asked; frames the table does not name (an error, a request) come out
+    as plain maps, as before."""
+    dec = FrameDecoder(typed=rpc.ANSWERS)
+    answer = rpc.Appended(locations=[(1 << 40 | 5, 4096 * i) for i in range(3)])
+    dec.receive_data(frame_bytes(Op.APPEND, 1, answer, [], Flag.RESPONSE)
+                     + frame_bytes(Op.APPEND, 2, {"code": 3, "message": "no"}, [],
+                                   Flag.RESPONSE | Flag.ERROR)
+                     + frame_bytes(Op.APPEND, 3, {"records": []}))
+    typed, error, request = drain(dec)
+    assert type(typed.message) is rpc.Appended and typed.message == answer
+    assert rpc.message(typed, rpc.Appended) is typed.message  # no second decode
+    assert typed.header == {"locations": [[1 << 40 | 5, 0], [1 << 40 | 5, 4096], [1 << 40 | 5, 8192]]}
+    assert error.message is None and error.header == {"code": 3, "message": "no"}
+    assert request.message is None and request.header == {"records": []}
+
+
+def test_a_header_not_of_its_type_is_its_plain_map_and_named_as_before() -> None:
+    """A header the typed decode refuses comes out as its plain map, and checking it names
+    what is wrong in the words the plain path always used."""
+    dec = FrameDecoder(typed=rpc.REQUESTS)
+    bad = {"ranges": [[1, "0", 4096]]}
+    dec.receive_data(frame_bytes(Op.READV, 1, bad))
+    (frame,) = drain(dec)
+    assert frame.message is None and frame.header == bad
+    with pytest.raises(msgspec.ValidationError) as typed:
+        rpc.message(frame, rpc.ReadV)
+    with pytest.raises(msgspec.ValidationError) as plain:
+        rpc.decode(bad, rpc.ReadV)
+    assert str(typed.value) == str(plain.value) == "Expected `int`, got `str` - at `$.ranges[0][1]`"
+
+
+async def test_a_sink_is_given_only_an_answer_whose_header_checked_out() -> None:
+    """A client's sink (where a large answer's payload goes: kvfs.readpath's read straight
+    into the caller's buffers) reads the typed answer; an answer whose header is not of its
+    type goes to a buffer of its own instead, and its call fails naming what is wrong."""
+    proto = _ClientProtocol("peer", None)
+    loop = asyncio.get_running_loop()
+    seen: list[rpc.ReadVReply] = []
+
+    def sink(head: FrameHead) -> None:
+        seen.append(rpc.message(head, rpc.ReadVReply))
+        return None  # a buffer of the decoder's
+
+    futs = {rid: loop.create_future() for rid in (1, 2)}
+    proto.pending.update(futs)
+    proto.sinks.update({1: sink, 2: sink})
+    payload = bytes(range(256)) * 400  # past the inline 64 KiB: the sink is asked
+    proto.decoder.receive_data(frame_bytes(Op.READV, 1, rpc.ReadVReply(), [payload], Flag.RESPONSE)
+                               + frame_bytes(Op.READV, 2, {"errors": "a table?"}, [payload],
+                                             Flag.RESPONSE))
+    proto.deliver()
+    assert seen == [rpc.ReadVReply()]
+    good, bad = futs[1].result(), futs[2].result()
+    assert answer_of(Op.READV, good, "peer") == rpc.ReadVReply() and bytes(good.payload) == payload
+    assert bytes(bad.payload) == payload
+    with pytest.raises(RemoteProtocolError, match=r"peer sent a bad READV answer: Expected `object`"):
+        answer_of(Op.READV, bad, "peer")
+
+
+@pytest.mark.parametrize(("header", "error"), [
+    (b"\x93\x01\x02\x03", "frame header must be a map, got list"),
+    (b"\xc1\xc1\xc1", "undecodable frame header"),
+    (b"\x81\xa6ranges\x91\xc1", "undecodable frame header"),  # garbage inside a field
+    (b"\x81\xa6ranges\x91\x93\x01\x00\x01\x01", "undecodable frame header"),  # trailing bytes
+    (b"\x81\xa6ranges\x91\x93\x01\x00\x01\xa2\xff\xfe", "undecodable frame header"),  # not UTF-8
+])
+def test_garbage_is_the_same_protocol_error_with_typed_decoders(header: bytes, error: str) -> None:
+    """A header that is not msgpack, or not a map, is the same protocol error whether or not
+    the decoder knows its frame's type: the typed decode refuses it, the plain one names it."""
+    data = FIXED.pack(MAGIC, PROTOCOL_VERSION, Op.READV, 0, 1, len(header), 0) + header
+    for typed in (None, rpc.REQUESTS):
+        with pytest.raises(RemoteProtocolError, match=error):
+            FrameDecoder(typed=typed).receive_data(data)
 
 
 def test_encode_frame_keeps_payload_buffers() -> None:

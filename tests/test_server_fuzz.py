@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Mapping
 from typing import Any
 
+import msgpack
 import msgspec
 import msgspec.inspect as mi
 import pytest
@@ -17,6 +18,7 @@ from kvfs.address import parse_addr
 from kvfs.errors import InvalidArgument, KVFSError
 from kvfs.handshake import Role
 from kvfs.launcher import LocalCluster
+from kvfs.protocol import FIXED, MAGIC, PROTOCOL_VERSION, Flag, Frame, FrameDecoder
 from kvfs.rpc import RPCS, Op, Service
 from kvfs.transport import Connection
 
@@ -64,6 +66,8 @@ def valid(t: mi.Type) -> Any:
         return [valid(t.item_type)] * max(1, t.min_length or 0)
     if isinstance(t, mi.DictType):
         return {valid(t.key_type): valid(t.value_type)}
+    if isinstance(t, mi.TupleType):  # a fixed-length array (an APPEND answer's location)
+        return [valid(item) for item in t.item_types]
     fields = _fields(t)
     if fields is not None:
         if _is_array(t):
@@ -124,6 +128,12 @@ def mutations(t: mi.Type, depth: int = 8) -> Iterator[tuple[str, Any, Any]]:
             yield "[value]", leaf, {valid(inner.key_type): v}
         key = wrong_type(inner.key_type)
         yield "[key]", key, {key: valid(inner.value_type)}
+    elif isinstance(inner, mi.TupleType):
+        good = valid(inner)
+        yield "", good[:-1], good[:-1]  # an element short
+        for i, item in enumerate(inner.item_types):
+            for path, leaf, v in mutations(item, depth - 1):
+                yield f"[{i}]" + path, leaf, [*good[:i], v, *good[i + 1 :]]
     elif _is_array(inner):
         fields = _fields(inner)
         assert fields is not None
@@ -161,6 +171,58 @@ def test_every_field_is_mutated() -> None:
     assert any(w.startswith("ttl_s = nan") for w in commit)
     release = [w for w, _, _ in bad_requests(rpc.Release)]
     assert any(w.startswith("holder = 'a\\x00'") for w in release)  # outside its pattern
+
+
+def _both_ways(data: bytes, typ: type[Any], typed: Mapping[int, Any], op: Op, flags: Flag,
+               ) -> tuple[str, bool]:
+    """What a header's bytes decode to through a decoder with typed decoders (and
+    :func:`kvfs.rpc.message`), and what the plain way (msgpack map, then its type) makes of
+    them: "" when the same, else both; and whether the typed decode made the message."""
+    def plain() -> str:
+        try:
+            return repr(rpc.decode(msgpack.unpackb(data, raw=False, strict_map_key=False), typ))
+        except msgspec.ValidationError as exc:
+            return f"invalid: {exc}"
+
+    dec = FrameDecoder(typed=typed)
+    dec.receive_data(FIXED.pack(MAGIC, PROTOCOL_VERSION, op, int(flags), 1, len(data), 0) + data)
+    frame = dec.next_event()
+    assert isinstance(frame, Frame)
+    try:
+        got = repr(rpc.message(frame, typ))
+    except msgspec.ValidationError as exc:
+        got = f"invalid: {exc}"
+    want = plain()
+    return ("" if got == want else f"{op.name} {data!r:.80}: typed {got[:200]} / plain {want[:200]}",
+            frame.message is not None)
+
+
+def test_typed_and_plain_decodes_agree_on_every_header() -> None:
+    """Every request and every answer of the table, well formed and with each field missing,
+    mistyped and out of bounds, as a peer's msgpack bytes: decoded straight into its type
+    (:data:`kvfs.rpc.REQUESTS`, :data:`kvfs.rpc.ANSWERS`) it is the same message, or the
+    same error in the same words, as the plain map checked against its type (what a peer of
+    before made of the same bytes: the wire is unchanged)."""
+    differ: list[str] = []
+    checked = made = 0
+    for op, r in RPCS.items():
+        sides = [(r.response, rpc.ANSWERS, Flag.RESPONSE)]
+        if op not in CONNECTION_OPS:
+            sides.append((r.request, rpc.REQUESTS, Flag.NONE))
+        for typ, typed, flags in sides:
+            info = mi.type_info(typ)
+            assert isinstance(info, mi.StructType)
+            good = {f.encode_name: valid(f.type) for f in info.fields if f.required}
+            headers = [good] + [h for _, h, _ in bad_requests(typ)]
+            for header in headers:
+                data = msgpack.packb(header, use_bin_type=True)
+                difference, typed_made = _both_ways(data, typ, typed, op, flags)
+                if difference:
+                    differ.append(difference)
+                checked += 1
+                made += typed_made
+    assert not differ, "\n".join(differ[:20])
+    assert checked > 1000 and made > 2 * len(RPCS)  # (each answer, most requests, some mutations)
 
 
 async def _fuzz(addr: str, tokens: Mapping[Role, str], service: Service) -> tuple[int, list[str]]:
