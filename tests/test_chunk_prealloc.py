@@ -174,6 +174,22 @@ async def _past_half(st: ChunkStore) -> tuple[int, int]:
     return cid, ahead
 
 
+def _hold_reservations(monkeypatch: pytest.MonkeyPatch) -> tuple[threading.Event, threading.Event]:
+    """Each reservation job held until the first event is set; the second is set once one
+    is held."""
+    gate, started = threading.Event(), threading.Event()
+    real = store_mod._reserve_chunk
+
+    def held(path: Path, nbytes: int, dir_path: Path | None) -> bool:
+        started.set()
+        if not gate.wait(10):
+            raise OSError("the held reservation was never let go")
+        return real(path, nbytes, dir_path)
+
+    monkeypatch.setattr(store_mod, "_reserve_chunk", held)
+    return gate, started
+
+
 async def test_a_roll_takes_the_chunk_reserved_ahead_whose_first_write_reserves_nothing(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     reserves: list[int] = []
@@ -213,16 +229,7 @@ async def test_a_roll_takes_the_chunk_reserved_ahead_whose_first_write_reserves_
 
 async def test_a_reservation_not_ready_at_the_roll_is_not_waited_for_and_is_removed(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate, started = threading.Event(), threading.Event()
-    real = store_mod._reserve_chunk
-
-    def held(path: Path, nbytes: int, dir_path: Path | None) -> bool:
-        started.set()
-        if not gate.wait(10):
-            raise OSError("the held reservation was never let go")
-        return real(path, nbytes, dir_path)
-
-    monkeypatch.setattr(store_mod, "_reserve_chunk", held)
+    gate, started = _hold_reservations(monkeypatch)
     with opened(root) as st:
         first, _ = await _put(st, b"a", os.urandom(CHUNK // 2 + 4096))
         assert await asyncio.to_thread(started.wait, 10)
@@ -271,16 +278,7 @@ async def test_a_disk_without_room_for_it_gets_no_reservation(root: Path) -> Non
 
 async def test_close_with_a_reservation_in_flight_leaves_nothing_behind(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate, started = threading.Event(), threading.Event()
-    real = store_mod._reserve_chunk
-
-    def held(path: Path, nbytes: int, dir_path: Path | None) -> bool:
-        started.set()
-        if not gate.wait(10):
-            raise OSError("the held reservation was never let go")
-        return real(path, nbytes, dir_path)
-
-    monkeypatch.setattr(store_mod, "_reserve_chunk", held)
+    gate, started = _hold_reservations(monkeypatch)
     st = _store(root, True)
     cid, _ = await _put(st, b"a", os.urandom(CHUNK // 2 + 4096))
     assert await asyncio.to_thread(started.wait, 10)
