@@ -90,7 +90,7 @@ class FrameHead:
 
     __slots__ = ("_header", "flags", "message", "op", "payload_len", "request_id")
 
-    def __init__(self, op: int, flags: Flag, request_id: int, header: dict[str, Any] | None,
+    def __init__(self, op: int, request_id: int, flags: Flag, header: dict[str, Any] | None,
                  payload_len: int, message: msgspec.Struct | None = None) -> None:
         self.op = op
         self.flags = flags
@@ -130,7 +130,7 @@ class Frame(FrameHead):
     def __init__(self, op: int, request_id: int, flags: Flag = Flag.NONE,
                  header: dict[str, Any] | None = None, payload: Buffer | Scatter = b"", *,
                  message: msgspec.Struct | None = None, payload_len: int | None = None) -> None:
-        super().__init__(op, flags, request_id, header,
+        super().__init__(op, request_id, flags, header,
                          len(payload) if payload_len is None else payload_len, message)
         self.payload = payload
 
