@@ -115,13 +115,15 @@ class CpuProbe:
                 continue
             t0, w0 = start
             cpu = t1 - t0
+            # summed over the threads alive at each end: one that ended in the phase takes
+            # its wait with it, so the difference is floored at 0
+            wait = None if w0 is None or w1 is None else max(0.0, w1 - w0)
             out[name] = {
                 "pid": self.pids[name],
                 "cpu_s": cpu,
                 "us_per_key": cpu * 1e6 / keys if keys else None,
                 "s_per_gb": cpu / (nbytes / 1e9) if nbytes else None,
                 "cpus": cpu / wall if wall > 0 else None,
-                "wait_cpus": (w1 - w0) / wall if wall > 0 and w0 is not None and w1 is not None
-                else None,
+                "wait_cpus": wait / wall if wall > 0 and wait is not None else None,
             }
         return out

@@ -235,7 +235,7 @@ class _Link:
         ranges = _typed(Op.READV, pack_header(req)).ranges
         data = [self.values[(c, o)] for c, o, _ in ranges]
         answer = _typed(Op.READV, pack_header(rpc.ReadVReply()), Flag.RESPONSE)
-        buf = sink(FrameHead(int(Op.READV), Flag.RESPONSE, 1, None, sum(map(len, data)), answer))
+        buf = sink(FrameHead(int(Op.READV), 1, Flag.RESPONSE, None, sum(map(len, data)), answer))
         if isinstance(buf, Scatter):
             for part, d in zip(buf.parts, data, strict=True):
                 part[:] = d

@@ -63,7 +63,8 @@ def sync_lines(comp: Comparison, sync: str = "kvfs-sync", aio: str = "kvfs") -> 
 
 
 def cpu_table(comp: Comparison) -> str:
-    """workload, store, process: us/key and s/GB; "" when the run had no ``--cpu``."""
+    """workload, store, process: us/key, s/GB, CPUs used and waited for (per second of the
+    phase) and MemFree; "" when the run had no ``--cpu``."""
     rows: list[list[str]] = []
     for wl in comp.workloads:
         first = True

@@ -106,8 +106,9 @@ class GroupSync:
 
     Driven by callbacks, not a task: a round is one :meth:`IoPool.call`, whose answer
     (:meth:`_synced`, straight from the IO thread's ``call_soon_threadsafe``) answers its
-    callers and starts the next round, in one pass of the loop (a task waiting on the pool's
-    future took three: the future's callback, the task's step, then its callers').
+    callers in one pass of the loop (a task waiting on the pool's future took three: the
+    future's callback, the task's step, then its callers') and schedules the next round
+    (:meth:`_next`).
     """
 
     def __init__(self, pool: IoPool, directory: Path, window_s: float = 0.0) -> None:

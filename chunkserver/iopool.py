@@ -9,7 +9,7 @@ here: bench/RESULTS.md, "Chunkserver CPU per key on the 4 KiB put path").
 ``pool.call(fn, args, done)`` (the group sync) is the same hop with no future at all:
 ``done(result, exc)`` is that ``call_soon_threadsafe``'s callback, so the answer takes one
 pass of the loop, not two (a future's callbacks run in a later pass).  ``submit`` is an
-``Executor``'s, for ``loop.run_in_executor``.  Both count their jobs until they end, so a
+``Executor``'s, for ``loop.run_in_executor``.  All three count their jobs until they end, so a
 store's close can wait for them (:meth:`IoPool.wait_idle`), bounded, before it closes the
 files they use.
 """
@@ -44,7 +44,7 @@ class IoPool(Executor):
     def __init__(self, threads: int) -> None:
         self.size = max(1, threads)
         self.jobs: set[Future[Any]] = set()  # submit's jobs not ended
-        self.running = 0  # run's jobs not ended (counted in the loop's thread)
+        self.running = 0  # run's and call's jobs not ended (counted in the loop's thread)
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._idle: list[asyncio.Future[None]] = []  # wait_idle's, woken when running is 0

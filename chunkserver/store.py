@@ -258,7 +258,7 @@ INLINE_READ_BYTES = 8 * 1024 * 1024
 MAPPED_CHECK_BYTES = 1024 * 1024
 MAPPED_MAX_CHUNKS = 8  # readv_mapped: more chunks in one READV are read with preadv
 # readv_mapped remembers, per chunk, the stretch the page cache was last found to hold in full
-# (stretches found within this long of each other joined) and asks again only for bytes past
+# (a stretch touching the one believed is joined to it, another replaces it) and asks again only for bytes past
 # it or once this long has passed since it was first asked: a READV's cachestat cost ~16 us of
 # a ~150 us READV of 43 random 4 KiB ranges (bench/RESULTS.md, issue 11).  A page evicted
 # meanwhile is read by the answer's send, in the event loop (at most the READV's own ranges,
@@ -1346,8 +1346,8 @@ class ChunkStore:
             return True
         if not resident(fd, lo, hi - lo, addr):
             return False
-        if len(self._in_cache) >= max(self.maps.max_maps, 1):
-            self._in_cache.clear()
+        if c not in self._in_cache and len(self._in_cache) >= self.maps.max_maps:
+            self._in_cache.clear()  # (bounded as the mappings are: readv_mapped needs one)
         self._in_cache[c] = (lo, hi, now + self.resident_keep_s)
         return True
 

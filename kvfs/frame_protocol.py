@@ -1,8 +1,10 @@
 """The asyncio side of the wire: :class:`FrameProtocol`, the ``asyncio.BufferedProtocol``
 base of client connections (``kvfs/transport.py``) and server connections
 (``kvfs/server.py``) around the sans-IO :class:`kvfs.protocol.FrameDecoder` (the
-handshake's MACs are in :mod:`kvfs.handshake`), and its one way past the transport's
-writes: :meth:`FrameProtocol.send_file`, a frame whose payload is ``sendfile``d."""
+handshake's MACs are in :mod:`kvfs.handshake`), and its two ways past the transport's
+writes: :meth:`FrameProtocol.send_file`, a frame whose payload is ``sendfile``d, and a
+frame of many buffers written by one ``os.writev`` while the transport holds nothing
+(:meth:`FrameProtocol.write` given its size)."""
 
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from kvfs.protocol import Buffer, FrameDecoder, HeaderDecode, Limits, PayloadAll
 
 log = logging.getLogger("kvfs.wire")
 
-IOV_MAX = 1024  # buffers one vectored receive fills at most (Linux's limit)
+IOV_MAX = 1024  # buffers one vectored receive fills, or one writev sends, at most (Linux's limit)
 WRITE_HIGH = 4 * 1024 * 1024  # the transport's write buffer: pause_writing past it
 
 

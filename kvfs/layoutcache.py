@@ -32,7 +32,7 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from itertools import islice, repeat
-from operator import itemgetter
+from operator import index, itemgetter
 from typing import cast
 
 import msgspec
@@ -58,10 +58,11 @@ FLAT_LAYOUT = itemgetter(5)
 
 
 class FlatLayouts(Sequence[Layout]):
-    """The layouts of a read's :data:`Flat` forms, each taken from its flat form when asked
-    (by the read's failover and its lookups again, seldom), not listed up front: a read
-    that goes well touches no key's :class:`Layout` (one object less per key to reach in
-    memory seldom still in the CPU's cache)."""
+    """The layouts of a read's :data:`Flat` forms, each taken from its flat form when asked,
+    not listed up front: a read that goes well the common way (values copied out of one
+    READV per server into buffers of their sizes) touches no key's :class:`Layout` (one
+    object less per key to reach in memory seldom still in the CPU's cache); failover,
+    values read in place and buffers of other sizes still take them, key by key."""
 
     __slots__ = ("_flat",)
 
@@ -72,7 +73,7 @@ class FlatLayouts(Sequence[Layout]):
         return len(self._flat)
 
     def __getitem__(self, i: int) -> Layout:  # type: ignore[override]  # (no slices asked)
-        return self._flat[i][5]
+        return self._flat[index(i)][5]  # a slice is a TypeError, not a wrong object
 
     def __iter__(self) -> Iterator[Layout]:
         return map(FLAT_LAYOUT, self._flat)

@@ -90,7 +90,7 @@ class FrameHead:
 
     __slots__ = ("_header", "flags", "message", "op", "payload_len", "request_id")
 
-    def __init__(self, op: int, flags: Flag, request_id: int, header: dict[str, Any] | None,
+    def __init__(self, op: int, request_id: int, flags: Flag, header: dict[str, Any] | None,
                  payload_len: int, message: msgspec.Struct | None = None) -> None:
         self.op = op
         self.flags = flags
@@ -130,7 +130,7 @@ class Frame(FrameHead):
     def __init__(self, op: int, request_id: int, flags: Flag = Flag.NONE,
                  header: dict[str, Any] | None = None, payload: Buffer | Scatter = b"", *,
                  message: msgspec.Struct | None = None, payload_len: int | None = None) -> None:
-        super().__init__(op, flags, request_id, header,
+        super().__init__(op, request_id, flags, header,
                          len(payload) if payload_len is None else payload_len, message)
         self.payload = payload
 
@@ -335,10 +335,10 @@ class FrameDecoder:
     message (:attr:`Frame.message`), by :func:`header_key` of their op and flags (e.g.
     :data:`kvfs.rpc.ANSWERS` on a client).  A header that does not decode into its type is
     decoded as a plain map instead, as every other frame's is: garbage (not msgpack, not a
-    map) stays the protocol error it always was, and a map is the receiver's to check (its
-    check names the field that is wrong).  The one input the typed decode lets pass that the
-    plain one refuses: a string that is not UTF-8 in a field the message does not have (an
-    answer's unknown fields are skipped, unread).
+    map, nested too deep) stays the protocol error it always was, and a map is the receiver's
+    to check (its check names the field that is wrong).  What the typed decode lets pass that
+    the plain one refuses lies inside a field the message does not have: an answer's unknown
+    fields are skipped unread (e.g. a string that is not UTF-8), not checked as msgpack types.
     """
 
     def __init__(
@@ -575,8 +575,8 @@ class FrameDecoder:
             if typed is not None:
                 try:
                     message = typed(raw)
-                except msgspec.DecodeError:  # (its ValidationError too) the plain map's way
-                    pass
+                except (msgspec.DecodeError, RecursionError):  # (ValidationError too; an
+                    pass  # unknown field nested past msgspec's depth recurses out) the plain way
             if message is None:
                 header = _plain_header(raw)
         finally:

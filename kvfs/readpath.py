@@ -215,12 +215,10 @@ def _by_flat(flat: Sequence[Flat], slots: Iterable[int]) -> dict[int, _Group]:
     return groups
 
 
-def _by_server(layouts: Sequence[Layout | None], dests: Sequence[Dest],
-               flat: Sequence[Flat] | None) -> dict[int, _Group] | None:
+def _by_server(layouts: Sequence[Layout | None], dests: Sequence[Dest]
+               ) -> dict[int, _Group] | None:
     """:meth:`ReadPath._groups`' columns of the values read (a layout and a destination),
     key by key; None when one is not one extent with one replica."""
-    if flat is not None:  # the cache's (every key a hit): no layout to take apart
-        return _by_flat(flat, [i for i, dest in enumerate(dests) if dest is not None])
     groups: dict[int, _Group] = {}
     for slot, dest in enumerate(dests):
         lay = layouts[slot]
@@ -437,10 +435,12 @@ class ReadPath:
         if len(kinds) != 1 or not kinds <= {_Dest, memoryview}:
             return None  # none read, mixed, or a value scattered over several views
         groups: dict[int, _Group] | None
-        if flat is not None and every:
+        if flat is None:
+            groups = _by_server(layouts, dests)
+        elif every:
             groups = _one_server(flat) or _by_flat(flat, range(len(flat)))
-        else:
-            groups = _by_server(layouts, dests, flat)
+        else:  # the cache's (every key a hit): no layout to take apart
+            groups = _by_flat(flat, [i for i, dest in enumerate(dests) if dest is not None])
         if groups is None:
             return None  # a value of several extents or replicas
         whole = kinds == {_Dest}
@@ -472,8 +472,11 @@ class ReadPath:
                 *(self._readv_group(sid, g, keys, layouts, dests, out)
                   for sid, g in groups.items()), return_exceptions=True)
         pending: list[_Job] = []
-        _settle(keys, list(groups), lambda sid: _jobs(groups[sid].slots, layouts, dests), results,
-                pending)
+        try:
+            _settle(keys, list(groups), lambda sid: _jobs(groups[sid].slots, layouts, dests),
+                    results, pending)
+        finally:  # an error caught above holds this frame (its traceback): no cycle kept
+            del results  # through it, so the caller's buffers are free once this returns
         return pending
 
     async def _readv_group(self, sid: int, g: _Group, keys: list[bytes],

@@ -69,7 +69,12 @@ Handler = Callable[[Any, memoryview], Awaitable[Reply] | Reply]
 _ROLES = {int(op): rpc.roles for op, rpc in RPCS.items()}
 
 
-async def answer_of(got: Reply | Awaitable[Reply]) -> Reply:
+def _frame_bytes(frame: Sequence[Buffer]) -> int:
+    """An encoded frame's size: its head (fixed part and header) and the payload it announces."""
+    return len(frame[0]) + FIXED.unpack_from(frame[0])[-1]
+
+
+async def reply_of(got: Reply | Awaitable[Reply]) -> Reply:
     """A handler's answer: ``got`` itself, or what it gives once awaited."""
     return got if type(got) is tuple else await cast("Awaitable[Reply]", got)
 
@@ -335,7 +340,7 @@ class _ServerProtocol(FrameProtocol):
         high-water mark, where it is held (counted) until there is room, as in :meth:`_serve`."""
         reply = encode_frame(frame.op, frame.request_id, header, payload, flags=Flag.RESPONSE)
         self.server.requests_served += 1
-        size = len(reply[0]) + FIXED.unpack_from(reply[0])[-1]  # the payload it announces
+        size = _frame_bytes(reply)
         self.write(reply, size)
         if self.writable():
             self.server.receive_pool.give(frame.payload)
@@ -446,7 +451,7 @@ class _ServerProtocol(FrameProtocol):
         files: FileParts | None = None
         try:
             try:
-                header, payload = await answer_of(got)
+                header, payload = await reply_of(got)
                 if isinstance(payload, FileParts):
                     files, payload = payload, ()
                     if not self.can_send_files:  # no plain socket (TLS): read them here
@@ -458,7 +463,7 @@ class _ServerProtocol(FrameProtocol):
             except Exception as exc:  # (not CancelledError: a BaseException)
                 self._failed(frame, exc)
                 return charged
-            size = len(reply[0]) + FIXED.unpack_from(reply[0])[-1]  # the payload it announces
+            size = _frame_bytes(reply)
             if size > charged:
                 self.inflight_bytes += size - charged
                 charged = size

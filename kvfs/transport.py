@@ -336,13 +336,23 @@ class Connection:
             self._arm(loop, left)
 
     def close(self) -> None:
+        # (the timer stays: a close waits to send what is buffered, and a peer that reads
+        # nothing holds it open; the calls' deadlines still end their waits)
         if self._proto.transport is not None:
             self._proto.transport.close()
 
     def abort(self) -> None:
         """Close at once, dropping unsent bytes: calls still waiting on it fail now."""
+        self._disarm()
         if self._proto.transport is not None:
             self._proto.transport.abort()
+
+    def _disarm(self) -> None:
+        """No timer left holding an aborted connection (and its decoder's buffers) until its
+        last deadline: its calls end with it."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer, self._timer_at = None, math.inf
 
     async def wait_closed(self) -> None:
         await self._proto.closed.wait()

@@ -26,7 +26,7 @@ from kvfs.config import ChunkServerConfig, ClientConfig, FsyncMode, MetaConfig, 
 from kvfs.launcher import LocalCluster, ProcessCluster, ServiceProcess
 from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
 from kvfs.rpc import Op
-from kvfs.server import RpcServer, _ServerProtocol, answer_of
+from kvfs.server import RpcServer, _ServerProtocol, reply_of
 from kvfs.transport import Connection
 
 if TYPE_CHECKING:  # imported in the fixtures: redis-py is a test extra, absent in engine venvs
@@ -149,7 +149,7 @@ class Hold:
 
         async def held(*args: Any) -> Any:
             if when is not None and not when(args[0]):
-                return await answer_of(inner(*args))
+                return await reply_of(inner(*args))
             self.arrived.set()
             self._inside += 1
             self._empty.clear()
@@ -157,7 +157,7 @@ class Hold:
                 await self._open.wait()
                 if self._error is not None:
                     raise self._error
-                return await answer_of(inner(*args))
+                return await reply_of(inner(*args))
             finally:
                 self._inside -= 1
                 if not self._inside:

@@ -15,6 +15,7 @@ import crc32c
 import pytest
 
 from kvfs.chunkserver import durability
+from kvfs.chunkserver.iopool import IoPool
 from kvfs.chunkserver.records import scan_records
 from kvfs.chunkserver.service import ChunkServer
 from kvfs.chunkserver.store import ChunkStore
@@ -116,6 +117,45 @@ async def test_a_failed_group_sync_fails_its_appends_and_the_next_round_runs(
     async with asyncio.timeout(20):
         await st.append(*_append_args(b"k4", b"w" * 100))
     assert len(synced) == failed + 1 and st.syncer.rounds == rounds + failed + 1
+
+
+async def test_a_sync_queued_behind_a_hung_round_when_close_gives_up_is_refused_not_left(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A round whose ``fdatasync`` hangs outlives close's timeout; the IO threads are then
+    shut down (as a store's close does).  When the hung sync returns, its caller is answered
+    (synced), and the caller queued behind it, whose round can no longer be started, is
+    refused as shutting down: never left waiting."""
+    release = threading.Event()
+    entered = threading.Event()
+
+    def hang(fd: int) -> None:  # fault injection: the disk holds the sync until released
+        entered.set()
+        release.wait(30)
+
+    monkeypatch.setattr(durability.os, "fdatasync", hang)
+    pool = IoPool(2)
+    syncer = durability.GroupSync(pool, tmp_path)
+    loop = asyncio.get_running_loop()
+    try:
+        hung = asyncio.ensure_future(syncer.sync(0))
+        deadline = loop.time() + 20
+        while not entered.is_set():  # the round is in fdatasync
+            assert loop.time() < deadline, "the round never reached fdatasync"
+            await asyncio.sleep(0.005)
+        queued = asyncio.ensure_future(syncer.sync(1))
+        await asyncio.sleep(0)  # (queued: waiting for the next round)
+        assert syncer.waiting == 1
+        assert await syncer.close(timeout_s=0.05) is False  # the round still hangs
+        pool.shutdown(wait=False)
+        release.set()
+        async with asyncio.timeout(20):
+            await hung  # its round ended: answered
+            with pytest.raises(Unavailable, match="shutting down"):
+                await queued
+        assert not syncer.busy
+    finally:
+        release.set()
+        pool.shutdown(wait=True)
 
 
 async def test_always_syncs_each_append_and_never_syncs_none(make_store: object,

@@ -187,22 +187,25 @@ async def test_readv_limits(tight: LocalCluster) -> None:
         assert await kv.get_many(list(small)) == list(small.values())
 
 
-async def _four_mib_ranges(kv: AsyncClient) -> list[list[int]]:
-    """Put v0..v3 of 1 MiB each; their READV ranges on the (one) chunkserver."""
-    await kv.put_many({f"v{i}": os.urandom(MiB) for i in range(4)})
+async def _ranges(kv: AsyncClient, n: int, size: int, prefix: str = "v"
+                  ) -> tuple[list[rpc.Range], bytes]:
+    """Put ``prefix``0..``n``-1 of ``size`` bytes each; their READV ranges on the (one)
+    chunkserver, and their bytes in that order."""
+    values = {f"{prefix}{i}": os.urandom(size) for i in range(n)}
+    await kv.put_many(values)
     ranges = []
-    for i in range(4):
-        lay = await kv.layout(f"v{i}")
+    for key in values:
+        lay = await kv.layout(key)
         assert lay is not None
         rep = lay.extents[0].replicas[0]
-        ranges.append([rep.chunk_id, rep.offset, MiB])
-    return ranges
+        ranges.append(rpc.Range(rep.chunk_id, rep.offset, size))
+    return ranges, b"".join(values.values())
 
 
 async def test_a_client_that_never_reads_is_paused_and_others_are_served(
         tight: LocalCluster) -> None:
     async with tight.client() as kv:
-        ranges = await _four_mib_ranges(kv)
+        ranges = (await _ranges(kv, 4, MiB))[0]
         raw, proto, _ = await chunkserver_connection(tight)
         assert raw._proto.transport is not None
         raw._proto.transport.pause_reading()  # never reads a reply
@@ -220,20 +223,6 @@ async def test_a_client_that_never_reads_is_paused_and_others_are_served(
         raw.close()
 
 
-async def _small_ranges(kv: AsyncClient, n: int) -> tuple[list[rpc.Range], bytes]:
-    """Put ``n`` values of 4 KiB; their READV ranges on the (one) chunkserver, and their bytes
-    in that order."""
-    values = {f"small{i}": os.urandom(4096) for i in range(n)}
-    await kv.put_many(values)
-    ranges = []
-    for key in values:
-        lay = await kv.layout(key)
-        assert lay is not None
-        rep = lay.extents[0].replicas[0]
-        ranges.append(rpc.Range(rep.chunk_id, rep.offset, 4096))
-    return ranges, b"".join(values.values())
-
-
 async def test_cached_readvs_are_answered_at_once_and_held_once_the_transport_is_full(
         tight: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
     """A READV of small page-cache ranges is answered from the receive callback, no task.
@@ -249,7 +238,7 @@ async def test_cached_readvs_are_answered_at_once_and_held_once_the_transport_is
 
     monkeypatch.setattr(_ServerProtocol, "_start", counted)
     async with tight.client() as kv:
-        ranges, want = await _small_ranges(kv, 64)  # a 256 KiB answer
+        ranges, want = await _ranges(kv, 64, 4096, "small")  # a 256 KiB answer
         conn, proto, _ = await chunkserver_connection(tight)
         try:
             started.clear()
@@ -282,7 +271,7 @@ async def test_a_readv_that_raises_before_any_await_is_answered_and_the_connecti
     """Fault injection: the store's mapped read raises inside the answer made at once.  A
     KVFSError goes back as itself, anything else as ServerError; the next READV is served."""
     async with tight.client() as kv:
-        ranges, want = await _small_ranges(kv, 8)
+        ranges, want = await _ranges(kv, 8, 4096, "small")
         cs = tight.chunkservers[0]
         assert cs is not None
         conn = await Connection.open(*parse_addr(_cs_addr(tight)), tight.token)
@@ -332,7 +321,7 @@ async def test_a_client_that_stops_reading_is_aborted_after_send_timeout(
         await c.start()
         try:
             async with c.client() as kv:
-                ranges = await _four_mib_ranges(kv)
+                ranges = (await _ranges(kv, 4, MiB))[0]
                 cs = c.chunkservers[0]
                 assert cs is not None
                 raw, proto, port_here = await chunkserver_connection(c)  # authenticated
@@ -372,7 +361,7 @@ async def test_a_broken_stream_from_a_client_that_stops_reading_is_aborted(
         await c.start()
         try:
             async with c.client() as kv:
-                ranges = await _four_mib_ranges(kv)
+                ranges = (await _ranges(kv, 4, MiB))[0]
                 cs = c.chunkservers[0]
                 assert cs is not None
                 raw, proto, _ = await chunkserver_connection(c)

@@ -175,15 +175,30 @@ async def test_a_stretch_found_cached_is_believed_for_a_short_time_and_evicted_p
     st.resident_keep_s = 3600.0
     try:
         ranges, values = await _put(st, 16, 8192)
-        got = _mapped(st, ranges[:8])
-        assert got is not None and _read(got) == values[:8]
+        got = _mapped(st, ranges[4:8])
+        assert got is not None and _read(got) == values[4:8]
         n = len(asked)
         assert n >= 1
-        got = st.readv_mapped(ranges[2:6])  # inside: believed
-        assert got is not None and _read(got) == values[2:6] and len(asked) == n
-        got = _mapped(st, ranges[7:])  # touching it: asked only past it, then joined
+        got = st.readv_mapped(ranges[5:7])  # inside: believed
+        assert got is not None and _read(got) == values[5:7] and len(asked) == n
+        got = _mapped(st, ranges[:5])  # touching it on the left: asked only before it, joined
+        assert got is not None and _read(got) == values[:5] and len(asked) > n
+        assert asked[-1] == ranges[4][1] - ranges[0][1]  # from range 0 to range 4's start
+        n = len(asked)
+        got = _mapped(st, ranges[7:])  # touching it on the right: asked only past it, joined
         assert got is not None and _read(got) == values[7:] and len(asked) > n
         assert asked[-1] == ranges[-1][1] - ranges[7][1]  # from the end of range 7 to the last's
+        n = len(asked)
+        del got
+        st._in_cache.clear()
+        st.resident_keep_s = 0.0  # no time to believe: each READV of cached pages asks
+        for i in (1, 2):
+            got = st.readv_mapped(ranges)
+            assert got is not None and _read(got) == values and len(asked) == n + i
+            del got
+        st.resident_keep_s = 3600.0  # the belief's time passed: asked once more, then believed
+        got = st.readv_mapped(ranges)
+        assert got is not None and len(asked) == n + 3
         n = len(asked)
         del got
         st.maps.clear()  # unmapped (no view left): pages mapped here are never dropped

@@ -267,6 +267,17 @@ def test_garbage_is_the_same_protocol_error_with_typed_decoders(header: bytes, e
             FrameDecoder(typed=typed).receive_data(data)
 
 
+def test_an_answer_nested_past_the_typed_decoders_depth_is_a_protocol_error() -> None:
+    """An answer's unknown field is skipped by its typed decode, but one nested too deep
+    makes msgspec recurse out (RecursionError): that too is the plain map's protocol error,
+    not an exception that escapes the decoder (a hostile server, even before AUTH)."""
+    header = b"\x81\xa3zzz" + b"\x91" * 3000 + b"\x90"
+    data = FIXED.pack(MAGIC, PROTOCOL_VERSION, Op.AUTH, int(Flag.RESPONSE), 1, len(header), 0)
+    for typed in (None, rpc.ANSWERS):
+        with pytest.raises(RemoteProtocolError, match="undecodable frame header"):
+            FrameDecoder(typed=typed).receive_data(data + header)
+
+
 def test_encode_frame_keeps_payload_buffers() -> None:
     payload = memoryview(bytearray(b"abc"))
     bufs = encode_frame(Op.APPEND, 1, {}, [payload])
@@ -376,19 +387,21 @@ def _expected_errors(data: bytes, fields: tuple[int, ...]) -> tuple[set[type], b
 
 @settings(max_examples=400, deadline=None, phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink])
 @given(mutated_frames(), st.one_of(st.none(), st.integers(0, 400)), st.integers(1, 50),
-       st.integers(0, 64))
+       st.integers(0, 64), st.sampled_from([None, rpc.REQUESTS, rpc.ANSWERS]))
 # hlen 1 over an empty header: the header byte the decoder reads is the payload's first (0x80, {})
 @example((FIXED.pack(MAGIC, PROTOCOL_VERSION, 0, 0, 0, 1, 0), (MAGIC, PROTOCOL_VERSION, 0, 0, 0, 1, 0),
-          b"", b"\x80"), None, 1, 0)
+          b"", b"\x80"), None, 1, 0, None)
 def test_fuzz_only_protocol_errors(frame: tuple[bytes, tuple[int, ...], bytes, bytes],
-                                   cut: int | None, step: int, inline: int) -> None:
+                                   cut: int | None, step: int, inline: int,
+                                   typed: dict[int, Any] | None) -> None:
     """Frames with a valid prefix and mutated fields, cut anywhere and fed in pieces: the
     decoder raises exactly the error a broken field calls for (and only once it has the
-    bytes to know), or returns the frame as sent. Nothing else ever comes out."""
+    bytes to know), or returns the frame as sent. Nothing else ever comes out, whether or
+    not it decodes headers into their types (a server's requests, a client's answers)."""
     prefix, fields, header, payload = frame
     data = (prefix + header + payload)[:cut]  # cut None: whole
     allowed, required = _expected_errors(data, fields)
-    dec = FrameDecoder(FUZZ_LIMITS, inline_payload_bytes=inline)
+    dec = FrameDecoder(FUZZ_LIMITS, inline_payload_bytes=inline, typed=typed)
     got: list[Frame] = []
     try:
         for i in range(0, len(data), step):
@@ -409,7 +422,11 @@ def test_fuzz_only_protocol_errors(frame: tuple[bytes, tuple[int, ...], bytes, b
         assert (first.op, first.request_id, first.flags, bytes(first.payload)) == (
             op, rid, flags, body[:plen])
         sent = data[FIXED.size : FIXED.size + hlen]  # hlen may be mutated: the bytes the frame holds
-        assert first.header == (msgpack.unpackb(sent, raw=False, strict_map_key=False) if hlen else {})
+        plain = msgpack.unpackb(sent, raw=False, strict_map_key=False) if hlen else {}
+        if first.message is None:
+            assert first.header == plain
+        else:  # decoded into its type: the message the plain map converts to
+            assert first.message == msgspec.convert(plain, type(first.message))
     else:
         event("incomplete")
         assert got == []  # an incomplete frame is never handed out
