@@ -200,7 +200,9 @@ def test_cpu_probe_reports_the_cpus_a_process_waited_for() -> None:
         run()
         probe.stop()
     rep = probe.report(keys=1, nbytes=1)
-    assert sum(r["cpus"] for r in rep.values()) <= 1.1  # one CPU between them
+    # one CPU between them (two unpinned would use ~2): /proc's tick-sampled CPU times over a
+    # phase of ~0.6 s read up to 1.11 under load here
+    assert sum(r["cpus"] for r in rep.values()) <= 1.3
     assert all(r["cpus"] > 0 for r in rep.values())
     assert sum(r["wait_cpus"] for r in rep.values()) > 0.2  # one waited while the other ran
 

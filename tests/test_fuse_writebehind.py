@@ -557,9 +557,10 @@ def test_a_file_written_here_is_read_back_from_its_pages_after_its_delayed_commi
                 assert os.stat(d / name).st_mtime_ns == mtimes[name]
             reads += 1
         # as on the default mount, the kernel may leave a written page out of its cache now
-        # and then (that page alone is read, from the same value); with the pages dropped at
-        # the commit, every file's first read here is fetched
-        assert fetched <= 1, f"{fetched} of {reads * len(values)} reads went to the cluster"
+        # and then (that page alone is read, from the same value: twice in one run of the
+        # full suite under load); with the pages dropped at the commit, every file's first
+        # read here is fetched (4 at least)
+        assert fetched <= 2, f"{fetched} of {reads * len(values)} reads went to the cluster"
         assert "Traceback" not in m.stderr()
 
 
