@@ -285,7 +285,7 @@ FREE_MARGIN_CHUNKS = 2
 # behind writeback (ext4 reading block bitmaps), and every append of the server with it
 # (bench/RESULTS.md, "Issue 11, large puts: where a 1 MiB x 32 / 8 MiB x 8 put waits").
 AHEAD_AT = 0.5
-# An append of at most ``inline_write_bytes`` (not a new chunk's first when preallocating,
+# An append of at most ``inline_write_bytes`` (not a fresh chunk's first when preallocating,
 # none that starts its writeback, not under --fsync always) is written by the event loop's
 # own pwritev, not handed to an IO thread: the hop there and back cost more CPU than a small
 # write into the page cache (one chunkserver, --fsync never, CPU per APPEND of 1 record
@@ -508,7 +508,7 @@ class ChunkStore:
         self.writeback_start = writeback_start_bytes if self.fsync is FsyncMode.BATCH else 0
         self.sizes: dict[int, int] = {}  # set through _set_size only
         self.used_bytes = 0  # the sum of sizes
-        self.grown_bytes = 0  # bytes chunks grew by (and roll preallocations), ever: _check_space
+        self.grown_bytes = 0  # bytes chunks grew by (and their blocks reserved, at a roll or ahead), ever: _check_space
         self.free_check_s = free_check_s
         self.inline_write_bytes = 0 if self.fsync is FsyncMode.ALWAYS else inline_write_bytes
         if self.writeback_start:  # none that starts its writeback
@@ -531,6 +531,7 @@ class ChunkStore:
         self._ahead: tuple[int, asyncio.Future[bool]] | None = None
         self._dropping: tuple[int, asyncio.Future[bool]] | None = None
         self._ahead_at = int(chunk_bytes * AHEAD_AT) if preallocate else 1 << 62
+        self._ahead_off: int | None = None  # the open chunk whose reservation could take no id
         self.ahead_taken = 0  # rolls that took a chunk reserved ahead
         self.ahead_missed = 0  # rolls that found none ready (its job running, failed, or none)
         self._lock = asyncio.Lock()
@@ -852,11 +853,19 @@ class ChunkStore:
         ``FREE_MARGIN_CHUNKS`` chunks still free (then there is none: appends do not miss
         it).  Its id is taken now, by the rule every chunk's is (on disk before use); its
         blocks count as used (``grown_bytes``) from now until it is taken or removed."""
-        if self._ahead is not None or self._dropping is not None or self._closed:
+        if (self._ahead is not None or self._dropping is not None or self._closed
+                or self._ahead_off == self._open):
             return
         if self.usage()[1] < (FREE_MARGIN_CHUNKS + 1) * self.chunk_bytes:
             return
-        cid = self._new_chunk_id()
+        try:
+            cid = self._new_chunk_id()
+        except OSError as exc:  # state.json not written (NoSpace too): the append that asked
+            # is written and counted, so it must not fail; none for this chunk (not a write
+            # of state.json per append), the roll's own id tries (and reports) it again
+            self._ahead_off = self._open
+            log.warning("chunk store %s: no chunk reserved ahead: %s", self.dir, exc)
+            return
         dir_path = None if self.fsync is FsyncMode.NEVER else self.dir
         try:
             fut = self.pool.run(_reserve_chunk, self.chunk_path(cid), self.chunk_bytes, dir_path)

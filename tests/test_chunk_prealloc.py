@@ -17,6 +17,7 @@ from poll import until
 from kvfs.chunkserver import store as store_mod
 from kvfs.chunkserver.records import record_header
 from kvfs.chunkserver.store import ChunkStore, align_up, preallocate
+from kvfs.errors import NoSpace
 from kvfs.mount.mtab import unescape
 
 CHUNK = 8 << 20
@@ -103,10 +104,11 @@ async def test_a_new_chunk_never_waits_for_the_old_one_to_give_its_blocks_back(
         real(path, size)
 
     with opened(root) as st:
-        first, _ = await _put(st, b"a", os.urandom(CHUNK // 2))
+        first, _ = await _put(st, b"a", os.urandom(CHUNK // 2 + (128 << 10)))
         assert not await st.pool.wait_idle(30)  # the next chunk reserved ahead (half full)
         monkeypatch.setattr(os, "truncate", held)
-        second, _ = await _put(st, b"b", os.urandom(CHUNK // 2 + (64 << 10)))  # a new chunk
+        # a new chunk, left under half full by both puts: no reservation job of its own runs
+        second, _ = await _put(st, b"b", os.urandom(CHUNK // 2 - (64 << 10)))
         third, _ = await _put(st, b"c", os.urandom(4096))
         assert second != first and third == second and st.pool.running == 1  # still held
         gate.set()
@@ -276,19 +278,60 @@ async def test_a_disk_without_room_for_it_gets_no_reservation(root: Path) -> Non
         st.close_now()
 
 
+async def test_an_append_refused_for_room_gives_the_reservation_back(root: Path) -> None:
+    """A store with a chunk reserved ahead refuses an append that does not fit (NoSpace):
+    the reservation's file is removed (its blocks are the disk's again), and appends that
+    fit go on."""
+    st = ChunkStore(root, chunk_bytes=CHUNK, capacity_bytes=5 * CHUNK)  # room for one ahead
+    st.server_id = 1
+    try:
+        cid, _ = await _past_half(st)
+        with pytest.raises(NoSpace):
+            await _put(st, b"big", os.urandom(5 * CHUNK))
+        await until(lambda: not _unused(st), "the reservation removed")
+        assert (await _put(st, b"small", os.urandom(4096)))[0] == cid
+    finally:
+        st.close_now()
+
+
+async def test_a_reservation_that_cannot_write_its_id_fails_no_append(
+        root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reservation's chunk id needs state.json rewritten (once per block of ids): when
+    that write fails, the append that asked (written and counted) is still answered, no
+    reservation is made, and the write is not tried again per append of that chunk."""
+    with opened(root) as st:
+        cid, _ = await _put(st, b"first", os.urandom(4096))  # the open chunk (its id taken)
+        st.seq_reserved = st.next_seq  # the next id needs state.json written
+        tries = []
+
+        def failing(path: Path, data: bytes) -> None:  # fault injection: the disk refuses it
+            tries.append(path)
+            raise OSError(5, "Input/output error")
+
+        monkeypatch.setattr(store_mod, "replace_durably", failing)
+        assert (await _put(st, b"a", os.urandom(CHUNK // 2 + 4096)))[0] == cid  # past half
+        assert (await _put(st, b"b", os.urandom(4096)))[0] == cid
+        assert len(tries) == 1 and not _unused(st) and st._ahead is None
+        monkeypatch.undo()
+
+
 async def test_close_with_a_reservation_in_flight_leaves_nothing_behind(
         root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate, started = _hold_reservations(monkeypatch)
     st = _store(root, True)
-    cid, _ = await _put(st, b"a", os.urandom(CHUNK // 2 + 4096))
-    assert await asyncio.to_thread(started.wait, 10)
-    closing = asyncio.ensure_future(st.close())
-    await until(lambda: st._closed, "the close under way")
-    assert not closing.done()  # it waits for the reservation's job
-    gate.set()
-    assert await closing
-    assert [p.name for p in st.dir.glob("*.chunk")] == [st.chunk_path(cid).name]
-    assert _blocks(st, cid) < CHUNK * 3 // 4  # the open chunk's own reservation given back too
+    try:
+        cid, _ = await _put(st, b"a", os.urandom(CHUNK // 2 + 4096))
+        assert await asyncio.to_thread(started.wait, 10)
+        closing = asyncio.ensure_future(st.close())
+        await until(lambda: st._closed, "the close under way")
+        assert not closing.done()  # it waits for the reservation's job
+        gate.set()
+        assert await closing
+        assert [p.name for p in st.dir.glob("*.chunk")] == [st.chunk_path(cid).name]
+        assert _blocks(st, cid) < CHUNK * 3 // 4  # the open chunk's own reservation given back too
+    finally:
+        gate.set()
+        await st.close()
 
 
 _CRASH = """
