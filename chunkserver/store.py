@@ -285,6 +285,9 @@ FREE_MARGIN_CHUNKS = 2
 # behind writeback (ext4 reading block bitmaps), and every append of the server with it
 # (bench/RESULTS.md, "Issue 11, large puts: where a 1 MiB x 32 / 8 MiB x 8 put waits").
 AHEAD_AT = 0.5
+# A chunk with at least this many bytes of blocks reserved past its size was open (taking
+# appends, preallocated) when its store stopped: a restart recovers its tail (_scan_dir).
+OPEN_SIGN_BYTES = 1 << 20
 # An append of at most ``inline_write_bytes`` (not a fresh chunk's first when preallocating,
 # none that starts its writeback, not under --fsync always) is written by the event loop's
 # own pwritev, not handed to an IO thread: the hop there and back cost more CPU than a small
@@ -589,27 +592,35 @@ class ChunkStore:
     def _scan_dir(self) -> None:
         """The chunks on disk.  An empty one holds no record (a chunk reserved ahead and
         never taken, or one whose first write never landed): it is removed, giving its
-        reserved blocks back, never counted, its id still past ``next_seq``; the newest of
-        the others (the one appends went to) has its tail recovered."""
+        reserved blocks back, never counted, its id still past ``next_seq``.  The others
+        that appends may have been going to when the store stopped have their tails
+        recovered: each with blocks reserved past its end (``OPEN_SIGN_BYTES``: an open
+        chunk's, where chunks are preallocated; a compaction's chunk, whose id can be newer
+        than the open one's, has none), and the newest by id (without preallocation)."""
         newest = None
+        opened: list[int] = []
         for p in self.dir.glob("*.chunk"):
             try:
                 cid = int(p.stem, 16)
             except ValueError:
                 continue
             self.next_seq = max(self.next_seq, (cid & ((1 << 40) - 1)) + 1)
-            size = p.stat().st_size
-            if not size:
+            st = p.stat()
+            if not st.st_size:
                 log.info("chunk %016x: empty (reserved, never written); removed", cid)
                 p.unlink(missing_ok=True)
                 continue
-            self._set_size(cid, size)
+            self._set_size(cid, st.st_size)
             newest = cid if newest is None or cid > newest else newest
-        if newest is not None:
-            self._recover_tail(newest)
+            if st.st_blocks * 512 - align_up(st.st_size) >= OPEN_SIGN_BYTES:
+                opened.append(cid)
+        for cid in sorted({*opened, *(() if newest is None else (newest,))}):
+            self._recover_tail(cid, give_back=cid in opened)
 
-    def _recover_tail(self, chunk_id: int) -> None:
-        """Cut a torn last record of the newest chunk; report damage before it, cut nothing else."""
+    def _recover_tail(self, chunk_id: int, give_back: bool = False) -> None:
+        """Cut a torn last record of a chunk appends may have been going to; report damage
+        before it, cut nothing else.  ``give_back``: its blocks reserved past its records
+        too (no append goes to it again: a restarted store rolls to a new chunk)."""
         path = self.chunk_path(chunk_id)
         data = path.read_bytes()
         keep, damage, bad = recovery_point(data)
@@ -623,6 +634,7 @@ class ChunkStore:
         self.bad_records += len(bad)
         if keep < len(data):
             log.warning("chunk %016x: truncating torn tail at %d (file had %d bytes)", chunk_id, keep, len(data))
+        if keep < len(data) or give_back:
             os.truncate(path, keep)
             self._set_size(chunk_id, keep)
 

@@ -371,3 +371,28 @@ async def test_a_restart_gives_back_an_unused_reserved_chunk_and_never_reuses_it
         assert chunks[data].stat().st_size == size  # the tail cut back
         new, _ = await _put(st, b"after", os.urandom(4096))
         assert new > ahead
+
+
+async def test_a_restart_recovers_the_open_chunk_even_when_a_newer_chunk_holds_records(
+        root: Path) -> None:
+    """Compaction takes a newer chunk id than the chunk appends go to: at a restart the
+    newest chunk by id need not be the open one.  The open chunk (blocks reserved past its
+    end) still has its torn tail cut and its reserved blocks given back; the newer chunk's
+    records are kept as they are."""
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", _CRASH, str(root), str(CHUNK))
+    assert await asyncio.wait_for(proc.wait(), 60) == 0
+    chunks = {int(p.stem, 16): p for p in (root / "chunks").glob("*.chunk")}
+    (ahead,) = (c for c, p in chunks.items() if p.stat().st_size == 0)
+    (data,) = set(chunks) - {ahead}
+    size = chunks[data].stat().st_size
+    with open(chunks[data], "ab") as f:  # a torn last record: half a header
+        f.write(record_header(b"torn", 4096, 0, None)[:20])
+    value = os.urandom(4096)
+    newer = chunks[data].with_name(f"{ahead + 1:016x}.chunk")  # as a compaction writes one
+    newer.write_bytes(record_header(b"kept", len(value), crc32c.crc32c(value), None) + value)
+    kept = newer.stat().st_size
+    with opened(root) as st:
+        assert st.sizes == {data: size, ahead + 1: kept}
+        assert chunks[data].stat().st_size == size  # the open chunk's tail cut back
+        assert _blocks(st, data) < align_up(size) + (1 << 20)  # its reservation given back
+        assert newer.stat().st_size == kept
