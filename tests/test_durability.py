@@ -13,6 +13,7 @@ from pathlib import Path
 
 import crc32c
 import pytest
+from poll import until
 
 from kvfs.chunkserver import durability
 from kvfs.chunkserver.iopool import IoPool
@@ -135,13 +136,9 @@ async def test_a_sync_queued_behind_a_hung_round_when_close_gives_up_is_refused_
     monkeypatch.setattr(durability.os, "fdatasync", hang)
     pool = IoPool(2)
     syncer = durability.GroupSync(pool, tmp_path)
-    loop = asyncio.get_running_loop()
     try:
         hung = asyncio.ensure_future(syncer.sync(0))
-        deadline = loop.time() + 20
-        while not entered.is_set():  # the round is in fdatasync
-            assert loop.time() < deadline, "the round never reached fdatasync"
-            await asyncio.sleep(0.005)
+        await until(entered.is_set, "the round in fdatasync")
         queued = asyncio.ensure_future(syncer.sync(1))
         await asyncio.sleep(0)  # (queued: waiting for the next round)
         assert syncer.waiting == 1
