@@ -144,12 +144,24 @@ NEED_DATA = _NeedData()
 
 class Scatter:
     """A payload received straight into several buffers, in order (e.g. the caller's
-    destination for each range of a READV answer): no intermediate copy."""
+    destination for each range of a READV answer): no intermediate copy.
 
-    __slots__ = ("parts",)
+    ``fold``: a function ``fold(view, acc) -> acc`` the decoder applies to each run of a
+    part's bytes as each receive lands it, while those bytes are still in the CPU's caches
+    (``acc`` starts at 0 for each part), e.g. ``crc32c.crc32c``: a CRC-32C over bytes the
+    kernel's copy has just written ran 1.6x as fast here as over the same bytes once the
+    rest of a 32 MiB answer had pushed them out (bench/RESULTS.md).  Each part's result goes
+    to ``done``, in the parts' order, once its last byte is in; ``done`` holds one for every
+    part once the payload is whole, unless its receive was dropped
+    (:meth:`FrameDecoder.drop_payload`)."""
 
-    def __init__(self, parts: list[memoryview]) -> None:
+    __slots__ = ("done", "fold", "parts")
+
+    def __init__(self, parts: list[memoryview], fold: Callable[[memoryview, Any], Any] | None = None,
+                 ) -> None:
         self.parts = parts
+        self.fold = fold
+        self.done: list[Any] = []
 
     def __len__(self) -> int:
         return sum(p.nbytes for p in self.parts)
@@ -367,6 +379,9 @@ class FrameDecoder:
         self._seg_filled = 0
         self._big_filled = 0
         self._big_owner: bytearray | memoryview | Scatter | None = None
+        self._fold: Scatter | None = None  # the payload's Scatter, if it has a ``fold``
+        self._fold_i = self._fold_at = 0  # the part being folded, its bytes folded so far
+        self._fold_acc: Any = 0  # that part's value so far
         self._staged = False  # the last get_buffer handed out scratch for small parts
         # the transport follows each receive with vectored ones (payload_views): a small part
         # is received in place too, no run of them staged in scratch and copied out
@@ -425,6 +440,8 @@ class FrameDecoder:
                     self._big_filled += nbytes
                 assert self._head is not None
                 if self._big_filled < self._head.payload_len:
+                    if self._fold is not None:
+                        self._fold_upto(self._seg_i, self._seg_filled)
                     return
                 self._finish_big()
             else:
@@ -458,6 +475,8 @@ class FrameDecoder:
             return
         i = bisect_right(bounds, done, self._seg_i) - 1  # the first part not full yet
         self._seg_i, self._seg_filled = i, done - bounds[i]
+        if self._fold is not None:
+            self._fold_upto(i, self._seg_filled)
 
     def drop_payload(self, request_id: int) -> None:
         """If the payload of frame ``request_id`` is arriving into its own buffers now, the
@@ -472,7 +491,7 @@ class FrameDecoder:
         parts = [junk] * (rest // junk.nbytes)  # the same memory again and again
         if rest % junk.nbytes:
             parts.append(junk[: rest % junk.nbytes])
-        self._segs, self._big_owner = parts, Scatter(parts)
+        self._segs, self._big_owner, self._fold = parts, Scatter(parts), None
         self._bounds = list(accumulate(map(_NBYTES, parts), initial=self._big_filled))
         self._seg_i = self._seg_filled = 0
 
@@ -615,10 +634,14 @@ class FrameDecoder:
                 raise RemoteProtocolError("payload allocator returned buffers of the wrong size")
             self._start = body_at
             self._big_owner, self._segs, self._bounds = owner, segs, bounds
+            if isinstance(owner, Scatter) and owner.fold is not None:
+                self._fold, self._fold_i, self._fold_at, self._fold_acc = owner, 0, 0, 0
             self._fill_parts()  # what already arrived with the header
             if self._big_filled == head.payload_len:
                 self._finish_big()
                 continue
+            if self._fold is not None:
+                self._fold_upto(self._seg_i, self._seg_filled)
             return
 
     def _small_run(self) -> int:
@@ -658,9 +681,32 @@ class FrameDecoder:
         self._big_filled += pos - self._start
         self._start, self._seg_i, self._seg_filled = pos, i, filled
 
+    def _fold_upto(self, end: int, filled: int) -> None:
+        """The Scatter's ``fold`` applied to the bytes received since the last call, up to
+        byte ``filled`` of part ``end``; each part whose last byte that passes goes to
+        ``done``."""
+        segs, sc = self._segs, self._fold
+        assert segs is not None and sc is not None and sc.fold is not None
+        fold, done = sc.fold, sc.done
+        i, at, acc = self._fold_i, self._fold_at, self._fold_acc
+        while i < end or (i == end and at < filled):
+            seg = segs[i]
+            stop = seg.nbytes if i < end else filled
+            if stop > at:
+                acc = fold(seg[at:stop], acc)
+            if stop == seg.nbytes:  # the part is whole
+                done.append(acc)
+                i, at, acc = i + 1, 0, 0
+            else:
+                at = stop
+        self._fold_i, self._fold_at, self._fold_acc = i, at, acc
+
     def _finish_big(self) -> None:
         head, owner = self._head, self._big_owner
         assert head is not None and owner is not None
+        if self._fold is not None:
+            self._fold_upto(len(self._segs or ()), 0)
+            self._fold = None
         self._segs = self._big_owner = None
         self._bounds = []
         self._seg_i = self._seg_filled = self._big_filled = 0

@@ -39,6 +39,7 @@ from kvfs._batch import split_batches
 from kvfs._loop import retrieve
 from kvfs.buffers import Views, cut
 from kvfs.cluster import ClusterLink
+from kvfs.crc import crc32c_combine
 from kvfs.errors import (
     ChecksumMismatch,
     KVFSError,
@@ -57,6 +58,7 @@ READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
 # this (below it, receiving each in its own buffer costs more than one receive and a copy)
 SCATTER_MIN_BYTES = 64 * 1024
 RANGE_LENGTH = itemgetter(2)  # of a READV range (chunk id, offset, length)
+_CRC = crc32c.crc32c  # a Scatter's fold: a range's sum taken as its bytes land (hot)
 _NONE = type(None)
 
 
@@ -122,6 +124,13 @@ def _one_server(flat: Sequence[Flat]) -> dict[int, _Group] | None:
     if list(map(FLAT_SERVER, flat)).count(sid) != n:
         return None
     return {sid: _Group(list(range(n)), list(map(FLAT_RANGE, flat)), list(map(FLAT_CRC, flat)))}
+
+
+def _sums(payload: Scatter) -> list[int]:
+    """The CRC-32C of each part of an answer received in place: those the receive took as
+    the bytes landed (:data:`_CRC`), else (a Scatter made without it) summed now."""
+    done = payload.done
+    return done if len(done) == len(payload.parts) else list(map(_CRC, payload.parts))
 
 
 def _jobs(slots: list[int], layouts: Sequence[Layout | None], dests: Sequence[Dest]) -> list[_Job]:
@@ -501,8 +510,8 @@ class ReadPath:
             views = cast(Sequence[memoryview], dests)
             errs = rpc.message(head, rpc.ReadVReply).errors
             if errs:
-                return Scatter([views[s] for i, s in enumerate(g.slots) if i not in errs])
-            return Scatter(list(map(views.__getitem__, g.slots)))
+                return Scatter([views[s] for i, s in enumerate(g.slots) if i not in errs], _CRC)
+            return Scatter(list(map(views.__getitem__, g.slots)), _CRC)
 
         try:
             h, payload = await self._link.call_server(
@@ -514,7 +523,7 @@ class ReadPath:
         retry: list[_Job] = []
         if isinstance(payload, Scatter):
             errs = h.errors
-            got = list(map(crc32c.crc32c, payload.parts))  # of the ranges answered, in order
+            got = _sums(payload)  # of the ranges answered, in order
             if not errs:
                 if got == g.crcs:
                     return []
@@ -761,7 +770,7 @@ class ReadPath:
                         parts.append(dest)
                     else:
                         parts.extend(dest)
-            return Scatter(parts)
+            return Scatter(parts, _CRC)
 
         # large destinations receive in place; small ones (e.g. 4 KiB values) share one
         # receive into a pooled buffer and are copied out, as values returned as bytes are
@@ -801,7 +810,8 @@ class ReadPath:
         errors = h.errors
         in_place = isinstance(payload, Scatter)
         view = payload if isinstance(payload, memoryview) else memoryview(b"")
-        pos = 0
+        sums = _sums(payload) if isinstance(payload, Scatter) else []
+        pos = 0  # in view (received apart) or in sums (in place: a sum per part)
         crc = crc32c.crc32c
         for idx, job in enumerate(batch):
             if errors:
@@ -822,9 +832,14 @@ class ReadPath:
             dest = job.dest
             if in_place:
                 assert dest is not WHOLE  # scatter is chosen only when no dest is WHOLE
-                c = 0
-                for p in [dest] if type(dest) is memoryview else dest:
-                    c = crc(p, c)
+                if type(dest) is memoryview or len(dest) == 1:
+                    c = sums[pos]
+                    pos += 1
+                else:  # a key's views (scatter/gather): their sums joined, the bytes not read again
+                    c = 0
+                    for p in dest:
+                        c = crc32c_combine(c, sums[pos], p.nbytes)
+                        pos += 1
             else:
                 got = view[pos : pos + n]
                 pos += n

@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import os
 import struct
+from itertools import accumulate
 from typing import Any, get_type_hints
 
 import msgpack
@@ -539,7 +540,8 @@ def test_a_dropped_payload_stops_landing_in_its_buffers(vectored: bool) -> None:
     parts = [bytearray(1_500_000), bytearray(3), bytearray(1_200_000)]
     payload = os.urandom(sum(map(len, parts)))
     assert len(payload) > 2 * DROP_BUFFER_BYTES
-    dec = FrameDecoder(allocator=lambda head: Scatter([memoryview(p) for p in parts]))
+    sc = Scatter([memoryview(p) for p in parts], _cat)
+    dec = FrameDecoder(allocator=lambda head: sc)
     data = memoryview(frame_bytes(Op.READV, 5, {"x": 1}, [payload]) + frame_bytes(Op.PING, 6, {}))
     cut = 200_000
     dec.receive_data(data[:cut])  # the header and the first bytes of the payload
@@ -564,6 +566,62 @@ def test_a_dropped_payload_stops_landing_in_its_buffers(vectored: bool) -> None:
     body = cut - (len(data) - len(payload) - len(frame_bytes(Op.PING, 6, {})))  # payload bytes before
     assert bytes(parts[0]) == got and got[:body] == payload[:body]  # the drop landed
     assert not any(parts[0][body:]) and not any(parts[1]) and not any(parts[2])  # nothing after
+    assert sc.done == []  # no part was full before the drop; the throwaway's are not folded
+
+
+def _cat(view: memoryview, acc: bytes | int) -> bytes:
+    """A Scatter's fold for the tests: the part's bytes as they were when folded."""
+    return (acc or b"") + bytes(view)
+
+
+@pytest.mark.parametrize("vectored", [False, True], ids=["plain", "readv"])
+@pytest.mark.parametrize("step", [1000, 65_536, 300_001])
+def test_a_scatters_fold_runs_on_the_bytes_each_receive_lands(vectored: bool, step: int) -> None:
+    """A Scatter's ``fold`` (the client's CRC-32C of a range) runs over the bytes each
+    receive lands, while they are fresh in the CPU's caches, not once the whole payload is
+    in: after every receive, every payload byte in is folded, and ``done`` holds a result
+    for exactly the parts full by then, each over the part's final bytes (small parts
+    staged in scratch and empty ones included)."""
+    from kvfs.protocol import Scatter
+
+    sizes = [100_000, 0, 3, 4096, 4096, 200_000, 70_000, 5]
+    parts = [bytearray(n) for n in sizes]
+    made: list[Scatter] = []
+    folded = [0]
+
+    def fold(view: memoryview, acc: bytes | int) -> bytes:
+        folded[0] += view.nbytes
+        return _cat(view, acc)
+
+    def alloc(head: FrameHead) -> Scatter:
+        made.append(Scatter([memoryview(p) for p in parts], fold))
+        return made[-1]
+
+    payload = os.urandom(sum(sizes))
+    dec = FrameDecoder(allocator=alloc)
+    data = memoryview(frame_bytes(Op.READV, 5, {"x": 1}, [payload]) + frame_bytes(Op.PING, 6, {}))
+    start = len(data) - len(payload) - len(frame_bytes(Op.PING, 6, {}))  # where the payload starts
+    ends = list(accumulate(sizes))
+    pos = 0
+    while pos < len(data):
+        views = dec.payload_views(len(parts)) if vectored else []
+        if views:
+            n = _readv_into(views, data[pos : pos + step])
+            dec.payload_updated(n)
+        else:
+            buf = dec.get_buffer(-1)
+            n = min(buf.nbytes, step, len(data) - pos)
+            buf[:n] = data[pos : pos + n]
+            dec.buffer_updated(n)
+        pos += n
+        if made:
+            got = min(max(pos - start, 0), len(payload))
+            assert folded[0] == got
+            assert len(made[0].done) == sum(1 for e in ends if e <= got)
+    f, g = drain(dec)
+    assert f.payload is made[0] and g.request_id == 6
+    assert [d or b"" for d in made[0].done] == [bytes(p) for p in parts]
+    assert b"".join(parts) == payload
 
 
 def test_small_scatter_parts_share_one_receive() -> None:
