@@ -146,21 +146,23 @@ class Scatter:
     """A payload received straight into several buffers, in order (e.g. the caller's
     destination for each range of a READV answer): no intermediate copy.
 
-    ``fold``: a function ``fold(view, acc) -> acc`` the decoder applies to each run of a
-    part's bytes as each receive lands it, while those bytes are still in the CPU's caches
-    (``acc`` starts at 0 for each part), e.g. ``crc32c.crc32c``: a CRC-32C over bytes the
-    kernel's copy has just written ran 1.6x as fast here as over the same bytes once the
-    rest of a 32 MiB answer had pushed them out (bench/RESULTS.md).  Each part's result goes
-    to ``done``, in the parts' order, once its last byte is in; ``done`` holds one for every
-    part once the payload is whole, unless its receive was dropped
-    (:meth:`FrameDecoder.drop_payload`)."""
+    ``fold``: a function ``fold(view, acc) -> acc`` the decoder applies to the bytes each
+    receive lands, part by part, while they are still in the CPU's caches (``acc`` starts
+    at 0 for each value), e.g. ``crc32c.crc32c``: a CRC-32C over bytes just copied ran
+    about 1.7x as fast here as over bytes copied 16-32 MiB before (bench/RESULTS.md).
+    ``joins``: for each part, whether it continues the value of the part before it (a
+    value received into several views: the fold goes on over them); without it each part
+    is a value of its own.  Each value's result goes to ``done``, in order, once its last
+    byte is in; ``done`` holds one for every value once the payload is whole, unless its
+    receive was dropped (:meth:`FrameDecoder.drop_payload`)."""
 
-    __slots__ = ("done", "fold", "parts")
+    __slots__ = ("done", "fold", "joins", "parts")
 
     def __init__(self, parts: list[memoryview], fold: Callable[[memoryview, Any], Any] | None = None,
-                 ) -> None:
+                 joins: Sequence[bool] | None = None) -> None:
         self.parts = parts
         self.fold = fold
+        self.joins = joins
         self.done: list[Any] = []
 
     def __len__(self) -> int:
@@ -683,22 +685,24 @@ class FrameDecoder:
 
     def _fold_upto(self, end: int, filled: int) -> None:
         """The Scatter's ``fold`` applied to the bytes received since the last call, up to
-        byte ``filled`` of part ``end``; each part whose last byte that passes goes to
-        ``done``."""
+        byte ``filled`` of part ``end``; each value whose last byte that passes (empty
+        parts there included) goes to ``done``."""
         segs, sc = self._segs, self._fold
         assert segs is not None and sc is not None and sc.fold is not None
-        fold, done = sc.fold, sc.done
+        fold, done, joins, n = sc.fold, sc.done, sc.joins, len(segs)
         i, at, acc = self._fold_i, self._fold_at, self._fold_acc
-        while i < end or (i == end and at < filled):
+        while i < n and (i < end or (i == end and at < filled) or (not at and not segs[i].nbytes)):
             seg = segs[i]
-            stop = seg.nbytes if i < end else filled
+            stop = seg.nbytes if i < end else filled if i == end else 0
             if stop > at:
                 acc = fold(seg[at:stop], acc)
-            if stop == seg.nbytes:  # the part is whole
-                done.append(acc)
-                i, at, acc = i + 1, 0, 0
-            else:
+            if stop < seg.nbytes:
                 at = stop
+                continue
+            i, at = i + 1, 0  # the part is whole: so is its value, unless the next part joins it
+            if joins is None or i == n or not joins[i]:
+                done.append(acc)
+                acc = 0
         self._fold_i, self._fold_at, self._fold_acc = i, at, acc
 
     def _finish_big(self) -> None:

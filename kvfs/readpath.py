@@ -28,6 +28,7 @@ import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from operator import itemgetter
 from typing import Final, cast
 
@@ -39,7 +40,6 @@ from kvfs._batch import split_batches
 from kvfs._loop import retrieve
 from kvfs.buffers import Views, cut
 from kvfs.cluster import ClusterLink
-from kvfs.crc import crc32c_combine
 from kvfs.errors import (
     ChecksumMismatch,
     KVFSError,
@@ -126,11 +126,23 @@ def _one_server(flat: Sequence[Flat]) -> dict[int, _Group] | None:
     return {sid: _Group(list(range(n)), list(map(FLAT_RANGE, flat)), list(map(FLAT_CRC, flat)))}
 
 
-def _sums(payload: Scatter) -> list[int]:
-    """The CRC-32C of each part of an answer received in place: those the receive took as
-    the bytes landed (:data:`_CRC`), else (a Scatter made without it) summed now."""
-    done = payload.done
-    return done if len(done) == len(payload.parts) else list(map(_CRC, payload.parts))
+def _fold_for(payload_len: int, parts: int) -> Callable[[memoryview, int], int] | None:
+    """A READV answer's fold (:class:`kvfs.protocol.Scatter`): the CRC-32C taken as the
+    bytes land, for parts averaging ``SCATTER_MIN_BYTES`` or more; smaller ones (an answer
+    the caches hold) are summed after it is in, one C call each, not a step of the
+    decoder's Python loop each."""
+    return _CRC if parts and payload_len >= SCATTER_MIN_BYTES * parts else None
+
+
+def _folded(payload: Scatter) -> list[int] | None:
+    """The CRC-32C of each value of an answer received in place, taken as its bytes
+    landed (one per value: the parts of a key's several views joined), or None: the
+    answer had no fold (summed by the caller now)."""
+    if payload.fold is None:
+        return None
+    assert len(payload.done) == (len(payload.parts) if payload.joins is None
+                                 else payload.joins.count(False))
+    return payload.done
 
 
 def _jobs(slots: list[int], layouts: Sequence[Layout | None], dests: Sequence[Dest]) -> list[_Job]:
@@ -509,9 +521,9 @@ class ReadPath:
             # only an answer whose header checked out: kvfs.transport)
             views = cast(Sequence[memoryview], dests)
             errs = rpc.message(head, rpc.ReadVReply).errors
-            if errs:
-                return Scatter([views[s] for i, s in enumerate(g.slots) if i not in errs], _CRC)
-            return Scatter(list(map(views.__getitem__, g.slots)), _CRC)
+            parts = ([views[s] for i, s in enumerate(g.slots) if i not in errs] if errs
+                     else list(map(views.__getitem__, g.slots)))
+            return Scatter(parts, _fold_for(head.payload_len, len(parts)))
 
         try:
             h, payload = await self._link.call_server(
@@ -523,7 +535,8 @@ class ReadPath:
         retry: list[_Job] = []
         if isinstance(payload, Scatter):
             errs = h.errors
-            got = _sums(payload)  # of the ranges answered, in order
+            # of the ranges answered, in order
+            got = _folded(payload) or list(map(crc32c.crc32c, payload.parts))
             if not errs:
                 if got == g.crcs:
                     return []
@@ -763,14 +776,18 @@ class ReadPath:
                 watch.started = True
             errs = rpc.message(head, rpc.ReadVReply).errors
             parts: list[memoryview] = []
+            joins: list[bool] = []  # a key's views after its first: one value, folded on
             for i, job in enumerate(batch):
                 if i not in errs:
                     dest = cast(Views, job.dest)  # no dest is WHOLE here
                     if type(dest) is memoryview:
                         parts.append(dest)
+                        joins.append(False)
                     else:
-                        parts.extend(dest)
-            return Scatter(parts, _CRC)
+                        parts.extend(dest or [memoryview(b"")])  # (one value each, even empty)
+                        joins.append(False)
+                        joins.extend(repeat(True, len(dest) - 1))
+            return Scatter(parts, _fold_for(head.payload_len, len(parts)), joins)
 
         # large destinations receive in place; small ones (e.g. 4 KiB values) share one
         # receive into a pooled buffer and are copied out, as values returned as bytes are
@@ -810,8 +827,8 @@ class ReadPath:
         errors = h.errors
         in_place = isinstance(payload, Scatter)
         view = payload if isinstance(payload, memoryview) else memoryview(b"")
-        sums = _sums(payload) if isinstance(payload, Scatter) else []
-        pos = 0  # in view (received apart) or in sums (in place: a sum per part)
+        sums = _folded(payload) if isinstance(payload, Scatter) else None
+        pos = 0  # in view (received apart) or in sums (folded in place: a sum per value)
         crc = crc32c.crc32c
         for idx, job in enumerate(batch):
             if errors:
@@ -832,14 +849,13 @@ class ReadPath:
             dest = job.dest
             if in_place:
                 assert dest is not WHOLE  # scatter is chosen only when no dest is WHOLE
-                if type(dest) is memoryview or len(dest) == 1:
+                if sums is not None:  # taken as the bytes landed
                     c = sums[pos]
                     pos += 1
-                else:  # a key's views (scatter/gather): their sums joined, the bytes not read again
+                else:
                     c = 0
-                    for p in dest:
-                        c = crc32c_combine(c, sums[pos], p.nbytes)
-                        pos += 1
+                    for p in [dest] if type(dest) is memoryview else dest:
+                        c = crc(p, c)
             else:
                 got = view[pos : pos + n]
                 pos += n

@@ -116,6 +116,53 @@ async def test_get_into_in_place_checks_again_before_it_calls_a_value_lost(
     assert [bytes(v) for i, v in enumerate(views) if i != 5] == values[:5] + values[6:]
 
 
+async def test_get_into_in_place_sums_large_values_as_their_bytes_land(
+        cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """get_into of 256 KiB values, into one view each or into two halves each (a key's K
+    and V), sums each value's bytes as the receive lands them (the read path's fold, its
+    calls counted: every byte once, one sum per key however many views); 4 KiB values (an
+    answer the caches hold) are summed once the answer is in, without it.  A byte flipped
+    in a key's second half fails that key's sum: a miss for it alone, the others good."""
+    import crc32c
+
+    from kvfs import readpath
+
+    folded: list[int] = []
+
+    def counting(view: memoryview, acc: int) -> int:
+        folded.append(view.nbytes)
+        return crc32c.crc32c(view, acc)
+
+    monkeypatch.setattr(readpath, "_CRC", counting)
+    size = 256 * 1024
+    small = {f"sm/{i}".encode(): os.urandom(4096) for i in range(64)}
+    big = {f"bg/{i}".encode(): os.urandom(size) for i in range(6)}
+    await kv.put_many({**small, **big})
+    bufs = [bytearray(4096) for _ in small]
+    assert await kv.get_into(list(small), bufs) == [4096] * len(small)
+    assert bufs == list(small.values()) and folded == []
+    keys = list(big)
+    whole = [bytearray(size) for _ in keys]
+    assert await kv.get_into(keys, whole) == [size] * len(keys)
+    assert whole == list(big.values()) and sum(folded) == size * len(keys)
+    folded.clear()
+
+    def halves() -> list[list[memoryview]]:
+        return [[memoryview(bytearray(size // 2)), memoryview(bytearray(size // 2))] for _ in keys]
+
+    got = halves()
+    assert await kv.get_into(keys, got) == [size] * len(keys)
+    assert [b"".join(map(bytes, h)) for h in got] == list(big.values())
+    assert sum(folded) == size * len(keys)
+    (lay,) = await kv.lookup([keys[2]])
+    assert lay is not None
+    flip_byte(cluster, lay.extents[0].replicas[0], size - 100)
+    got = halves()
+    assert await kv.get_into(keys, got) == [MISS if i == 2 else size for i in range(len(keys))]
+    assert [b"".join(map(bytes, h)) for i, h in enumerate(got) if i != 2] == [
+        v for i, v in enumerate(big.values()) if i != 2]
+
+
 async def test_get_into_in_place_takes_a_range_error_without_reading_again(kv: AsyncClient) -> None:
     """A READV answer received in place that carries a range's error (the key's cached
     layout names a chunk gone from its server, as after a GC compaction) is settled from
