@@ -151,8 +151,8 @@ class Scatter:
     at 0 for each value), e.g. ``crc32c.crc32c``: a CRC-32C over bytes just copied ran
     about 1.7x as fast here as over bytes copied 16-32 MiB before (bench/RESULTS.md).
     ``joins``: for each part, whether it continues the value of the part before it (a
-    value received into several views: the fold goes on over them); without it each part
-    is a value of its own.  Each value's result goes to ``done``, in order, once its last
+    value received into several views: the fold goes on over them; the first part's is
+    never read), one per part; without it each part is a value of its own.  Each value's result goes to ``done``, in order, once its last
     byte is in; ``done`` holds one for every value once the payload is whole, unless its
     receive was dropped (:meth:`FrameDecoder.drop_payload`)."""
 
@@ -160,6 +160,8 @@ class Scatter:
 
     def __init__(self, parts: list[memoryview], fold: Callable[[memoryview, Any], Any] | None = None,
                  joins: Sequence[bool] | None = None) -> None:
+        if joins is not None and len(joins) != len(parts):
+            raise ValueError(f"Scatter: {len(joins)} joins for {len(parts)} parts")
         self.parts = parts
         self.fold = fold
         self.joins = joins

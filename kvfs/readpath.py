@@ -58,7 +58,7 @@ READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
 # this (below it, receiving each in its own buffer costs more than one receive and a copy)
 SCATTER_MIN_BYTES = 64 * 1024
 RANGE_LENGTH = itemgetter(2)  # of a READV range (chunk id, offset, length)
-_CRC = crc32c.crc32c  # a Scatter's fold: a range's sum taken as its bytes land (hot)
+_CRC = crc32c.crc32c  # a Scatter's fold (_fold_for): a value's sum taken as its bytes land (hot)
 _NONE = type(None)
 
 
@@ -140,8 +140,9 @@ def _folded(payload: Scatter) -> list[int] | None:
     answer had no fold (summed by the caller now)."""
     if payload.fold is None:
         return None
-    assert len(payload.done) == (len(payload.parts) if payload.joins is None
-                                 else payload.joins.count(False))
+    joins = payload.joins
+    assert len(payload.done) == (len(payload.parts) if joins is None
+                                 else 1 + joins[1:].count(False) if joins else 0)
     return payload.done
 
 

@@ -119,11 +119,14 @@ async def test_get_into_in_place_checks_again_before_it_calls_a_value_lost(
 async def test_get_into_in_place_sums_large_values_as_their_bytes_land(
         cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
     """get_into of 256 KiB values, into one view each or into two halves each (a key's K
-    and V), sums each value's bytes as the receive lands them (the read path's fold, its
-    calls counted: every byte once, one sum per key however many views); 4 KiB values (an
-    answer the caches hold) are summed once the answer is in, without it.  A byte flipped
-    in a key's second half fails that key's sum: a miss for it alone, the others good."""
+    and V), sums each value's bytes as the receive lands them (the read path's fold: the
+    bytes it was given counted, every byte once); 4 KiB values (an answer the caches hold)
+    are summed once the answer is in, without it.  A range answered with an error among
+    keys read into halves leaves the others' sums in line (that key is read again from a
+    fresh layout); a byte flipped in a key's second half fails that key's sum: a miss for
+    it alone, the others good."""
     import crc32c
+    import msgspec
 
     from kvfs import readpath
 
@@ -154,6 +157,15 @@ async def test_get_into_in_place_sums_large_values_as_their_bytes_land(
     assert await kv.get_into(keys, got) == [size] * len(keys)
     assert [b"".join(map(bytes, h)) for h in got] == list(big.values())
     assert sum(folded) == size * len(keys)
+    (lay,) = await kv.lookup([keys[1]])  # its cached layout names a chunk gone from its server
+    assert lay is not None
+    e = lay.extents[0]
+    gone = msgspec.structs.replace(e.replicas[0], chunk_id=e.replicas[0].chunk_id + 1000)
+    kv.layout_cache.put(keys[1], msgspec.structs.replace(
+        lay, extents=(msgspec.structs.replace(e, replicas=(gone,)),)))
+    got = halves()
+    assert await kv.get_into(keys, got) == [size] * len(keys)
+    assert [b"".join(map(bytes, h)) for h in got] == list(big.values())
     (lay,) = await kv.lookup([keys[2]])
     assert lay is not None
     flip_byte(cluster, lay.extents[0].replicas[0], size - 100)
