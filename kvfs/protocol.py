@@ -150,11 +150,11 @@ class Scatter:
     receive lands, part by part, while they are still in the CPU's caches (``acc`` starts
     at 0 for each value), e.g. ``crc32c.crc32c``: a CRC-32C over bytes just copied ran
     about 1.7x as fast here as over bytes copied 16-32 MiB before (bench/RESULTS.md).
-    ``joins``: for each part, whether it continues the value of the part before it (a
-    value received into several views: the fold goes on over them; the first part's is
-    never read), one per part; without it each part is a value of its own.  Each value's result goes to ``done``, in order, once its last
-    byte is in; ``done`` holds one for every value once the payload is whole, unless its
-    receive was dropped (:meth:`FrameDecoder.drop_payload`)."""
+    ``joins``: one per part, whether it continues the value of the part before it (a value
+    received into several views: the fold goes on over them; the first part's is never
+    read); without it each part is a value of its own.  Each value's result goes to
+    ``done``, in order, once its last byte is in; ``done`` holds one for every value once
+    the payload is whole, unless its receive was dropped (:meth:`FrameDecoder.drop_payload`)."""
 
     __slots__ = ("done", "fold", "joins", "parts")
 
@@ -385,7 +385,7 @@ class FrameDecoder:
         self._big_owner: bytearray | memoryview | Scatter | None = None
         self._fold: Scatter | None = None  # the payload's Scatter, if it has a ``fold``
         self._fold_i = self._fold_at = 0  # the part being folded, its bytes folded so far
-        self._fold_acc: Any = 0  # that part's value so far
+        self._fold_acc: Any = 0  # the value's result so far (its parts before this one too)
         self._staged = False  # the last get_buffer handed out scratch for small parts
         # the transport follows each receive with vectored ones (payload_views): a small part
         # is received in place too, no run of them staged in scratch and copied out
