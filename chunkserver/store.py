@@ -805,14 +805,19 @@ class ChunkStore:
         """The chunk appends go to; every other chunk is sealed."""
         return self._open
 
-    def _check_space(self, nbytes: int) -> None:
-        """:class:`NoSpace` unless ``nbytes`` fit.  The disk's free bytes are its last
-        ``statvfs`` less what this store wrote since (:attr:`grown_bytes`), asked again
-        (:meth:`usage`) where that answer is older than ``free_check_s`` or leaves less
-        than ``FREE_MARGIN_CHUNKS`` chunks beside ``nbytes``: far from full, no syscall."""
+    def _room(self) -> tuple[int, float]:
+        """``(bytes this store can still take, when the disk was asked)``: the disk's free
+        bytes at its last ``statvfs`` (:meth:`usage`) less what this store wrote or reserved
+        since (:attr:`grown_bytes`), within the capacity; no syscall."""
         at, total, disk_free, grown = self._disk
-        room = min((self.capacity_bytes or total) - self.used_bytes,
-                   disk_free - (self.grown_bytes - grown))
+        return min((self.capacity_bytes or total) - self.used_bytes,
+                   disk_free - (self.grown_bytes - grown)), at
+
+    def _check_space(self, nbytes: int) -> None:
+        """:class:`NoSpace` unless ``nbytes`` fit.  The disk is asked again (:meth:`usage`)
+        where its last answer (:meth:`_room`) is older than ``free_check_s`` or leaves less
+        than ``FREE_MARGIN_CHUNKS`` chunks beside ``nbytes``: far from full, no syscall."""
+        room, at = self._room()
         if (room - nbytes >= FREE_MARGIN_CHUNKS * self.chunk_bytes
                 and time.monotonic() - at <= self.free_check_s):
             return
@@ -863,12 +868,14 @@ class ChunkStore:
         """Start the job that reserves the next chunk (:func:`_reserve_chunk`), unless one is
         reserved or being made or dropped, or the disk could not spare it with
         ``FREE_MARGIN_CHUNKS`` chunks still free (then there is none: appends do not miss
-        it).  Its id is taken now, by the rule every chunk's is (on disk before use); its
-        blocks count as used (``grown_bytes``) from now until it is taken or removed."""
+        it), by the space estimate the append that asks has just checked (:meth:`_room`: no
+        ``statvfs`` of its own, per append where the disk is nearly full).  Its id is taken
+        now, by the rule every chunk's is (on disk before use); its blocks count as used
+        (``grown_bytes``) from now until it is taken or removed."""
         if (self._ahead is not None or self._dropping is not None or self._closed
                 or self._ahead_off == self._open):
             return
-        if self.usage()[1] < (FREE_MARGIN_CHUNKS + 1) * self.chunk_bytes:
+        if self._room()[0] < (FREE_MARGIN_CHUNKS + 1) * self.chunk_bytes:
             return
         try:
             cid = self._new_chunk_id()
