@@ -140,8 +140,7 @@ async def test_a_sync_queued_behind_a_hung_round_when_close_gives_up_is_refused_
         hung = asyncio.ensure_future(syncer.sync(0))
         await until(entered.is_set, "the round in fdatasync")
         queued = asyncio.ensure_future(syncer.sync(1))
-        await asyncio.sleep(0)  # (queued: waiting for the next round)
-        assert syncer.waiting == 1
+        await until(lambda: syncer.waiting == 1, "the second sync queued for the next round")
         assert await syncer.close(timeout_s=0.05) is False  # the round still hangs
         pool.shutdown(wait=False)
         release.set()
