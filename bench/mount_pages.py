@@ -26,6 +26,12 @@ root and /dev/fuse; the second stands for another node), then per page size, in 
   mount's loop is one thread: when its CPU + wait per file is about the write phase's time
   per file, the mount is the bottleneck and the machine's other load sets its rate);
   2nd mount CPU/file: the second mount's CPU time over its cold reads, per file read;
+  MemFree at 2nd mount read: the machine's free memory (``/proc/meminfo``) as they begin.
+  The kernel copies a cold read's answer into page-cache pages it has just allocated (without
+  ``--direct-first-open``), so the second mount's CPU is where memory the machine touches for
+  the first time is paid for: on the 2-vCPU KVM guest of bench/RESULTS.md a first touch cost
+  about 4x once MemFree fell below about 16 GiB (2026-12-03 07:20 UTC, a process touching
+  memory alone), and the second mount's CPU per cold 2 MiB file 3-4x with it;
 - API write / read: as many coroutines on one ``AsyncClient``, ``put_many`` / ``get_into`` in
   batches of 64.
 
@@ -68,7 +74,7 @@ from kvfs.chunkserver.durability import fsync_dir
 from kvfs.client import AsyncClient
 from kvfs.mount import is_mounted
 
-from .cpu import cpu_seconds, run_queue_wait_s
+from .cpu import cpu_seconds, mem_free_mib, run_queue_wait_s
 
 BATCH = 64
 
@@ -117,7 +123,7 @@ def _cpu_wait_s(pid: int | None) -> tuple[float, float]:
 
 def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, tag: str,
                 writer: str = "tofile", mount_pid: int | None = None, other_pid: int | None = None
-                ) -> tuple[float, float, float, float, float, float, float, float]:
+                ) -> tuple[float, float, float, float, float, float, float, float, int | None]:
     d = mnt / tag
     d.mkdir()
     names = [d / f"{i:08d}.bin" for i in range(len(pages))]
@@ -163,6 +169,7 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
         t0 = time.perf_counter()
         bad += sum(ex.map(read, share))
         trr = time.perf_counter() - t0
+        free = mem_free_mib()
         ocpu0 = _cpu_wait_s(other_pid)[0]
         t0 = time.perf_counter()
         bad += sum(ex.map(read, share, [elsewhere] * threads))
@@ -172,7 +179,7 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
         raise SystemExit(f"{bad} pages read back wrong through the mount")
     n = len(pages)
     return (n / tc, n / tw, n / tr, n / trr, n / tcold, (cpu1 - cpu0) / n, (wait1 - wait0) / n,
-            (ocpu1 - ocpu0) / n)
+            (ocpu1 - ocpu0) / n, free)
 
 
 async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) -> tuple[float, float]:
@@ -265,10 +272,10 @@ def main(argv: list[str] | None = None) -> int:
             ratios = []
             for r in range(ns.rounds):
                 tag = label.replace(" ", "") + (f"r{r}" if r else "")
-                mc, mw, mr, mrr, cold, mcpu, mwait, ocpu = mount_round(
+                mc, mw, mr, mrr, cold, mcpu, mwait, ocpu, free = mount_round(
                     mnt, mnt2, pages, ns.threads, "m" + tag, ns.writer, mounts[0].pid, mounts[1].pid)
                 aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
-                rows.append((label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait, ocpu))
+                rows.append((label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait, ocpu, free))
                 ratios.append((mw / aw, mr / ar, mrr / ar, cold / ar))
             if ns.rounds > 1:
                 medians.append((label, ns.rounds,
@@ -277,20 +284,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| page | pages | mount closes | mount write | API write | mount/API | mount read | "
               f"API read | "
               f"mount/API | mount re-read | re-read/API | 2nd mount read | 2nd/API | mount CPU/file | "
-              f"mount wait/file | 2nd mount CPU/file |  "
+              f"mount wait/file | 2nd mount CPU/file | MemFree at 2nd mount read |  "
               f"({ns.threads} threads, --writer {ns.writer}, "
               f"{' '.join(ns.mount_arg) or 'default mount'}, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average {load})")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait, ocpu in rows:
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait, ocpu, free in rows:
             print(f"| {label} | {n} | {mc:,.0f} files/s | {mw:,.0f} files/s | {aw:,.0f} pages/s | "
                   f"{mw / aw:.2f} | "
                   f"{mr:,.0f} files/s | {ar:,.0f} pages/s | {mr / ar:.2f} | "
                   f"{mrr:,.0f} files/s | {mrr / ar:.2f} | {cold:,.0f} files/s | {cold / ar:.2f} | "
-                  f"{mcpu * 1e6:,.0f} µs | {mwait * 1e6:,.0f} µs | {ocpu * 1e6:,.0f} µs |")
+                  f"{mcpu * 1e6:,.0f} µs | {mwait * 1e6:,.0f} µs | {ocpu * 1e6:,.0f} µs | "
+                  f"{'?' if free is None else f'{free:,} MiB'} |")
         for label, rounds, w, r, rr, c in medians:
             print(f"| {label}, median of {rounds} | | | | | {w:.2f} | | | {r:.2f} | | {rr:.2f} | | "
-                  f"{c:.2f} | | | |")
+                  f"{c:.2f} | | | | |")
     finally:
         for p in mounts:
             if p.poll() is None:

@@ -617,7 +617,8 @@ def test_mount_pages_bench_runs_each_size_asked_for(capsys: pytest.CaptureFixtur
     """bench/mount_pages.py on its own cluster and mount: page files written and read back
     through the mount (every byte checked, or it exits) and through the API; a size of 0
     pages is skipped (it raised IndexError), a negative one refused; ``--rounds`` gives a row
-    per round and one of the ratios' medians, every row as many cells as the header."""
+    per round and one of the ratios' medians, every row as many cells as the header, a
+    round's last the free memory as its cold reads began."""
     from kvfs.bench import mount_pages
 
     assert mount_pages.main([*sizes, "--threads", "3"]) == 0
@@ -626,6 +627,8 @@ def test_mount_pages_bench_runs_each_size_asked_for(capsys: pytest.CaptureFixtur
     assert [line.split(" | ")[0].strip("| ") for line in lines[2:]] == rows
     header = lines[0][: lines[0].rindex("|") + 1]  # the settings follow the last cell
     assert {line.count("|") for line in lines[1:]} == {header.count("|")}
+    # each round says how much memory was free as its cold reads began (the last cell)
+    assert all(line.split("|")[-2].strip().endswith(" MiB") for line in lines[2:] if "median" not in line)
     for bad in (["--pages-2m", "-1"], ["--rounds", "0"]):
         with pytest.raises(SystemExit):
             mount_pages.main(bad)
