@@ -8,7 +8,9 @@ system without ``/proc`` the probe reports nothing.  The probe also reads the gu
 memory (``MemFree``, :func:`mem_free_mib`) at both ends: on this VM a put job's CPU per GB
 depends on which free memory it draws on (bench/RESULTS.md, "Issue 11, large puts: ... a kvfs
 put job that draws on memory the guest left free a long while"), so every figure says the
-memory state it ran in.  :func:`run_queue_wait_s` reads how
+memory state it ran in; and how much of it is in blocks too small for the guest to have handed
+back to its host (:func:`small_free_mib`): the part a first touch finds cheap there (bench/
+RESULTS.md, 2026-12-03, "the guest's first touch").  :func:`run_queue_wait_s` reads how
 long a process's threads waited for a CPU while runnable (``schedstat``), for a process
 that may be CPU-bound on a shared machine; the probe reads it too, and reports each process's
 CPUs used and CPUs waited for (seconds per second of the phase): a pipeline whose processes
@@ -24,7 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CpuProbe", "cpu_seconds", "mem_free_mib", "run_queue_wait_s"]
+__all__ = ["CpuProbe", "cpu_seconds", "mem_free_mib", "run_queue_wait_s", "small_free_mib"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -51,6 +53,30 @@ def mem_free_mib() -> int | None:
     except (OSError, IndexError, ValueError):
         return None
     return None
+
+
+_REPORTING_ORDER = "/sys/module/page_reporting/parameters/page_reporting_order"
+_BUDDYINFO = "/proc/buddyinfo"
+
+
+def small_free_mib() -> int | None:
+    """The machine's free memory (MiB) in blocks smaller than free page reporting hands back to
+    a VM's host (``/proc/buddyinfo``, blocks under ``2**page_reporting_order`` pages), or None
+    where the kernel has no free page reporting or it cannot be read.  A guest whose balloon
+    reports free pages (``virtio_balloon``) gives its host the larger free blocks, and touching
+    them again costs it several times as much (on the guest of bench/RESULTS.md about 4x, once
+    these small blocks were used up); on a machine that reports to no one it is just a count."""
+    try:
+        with open(_REPORTING_ORDER, "rb") as f:
+            order = int(f.read())
+        pages = 0
+        with open(_BUDDYINFO, "rb") as f:
+            for line in f:  # b"Node 0, zone   Normal  23397  19116 ...": free blocks per order
+                counts = line.split()[4:]
+                pages += sum(int(n) << o for o, n in enumerate(counts[:order]))
+    except (OSError, ValueError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
 
 
 def run_queue_wait_s(pid: int) -> float | None:
@@ -80,6 +106,7 @@ class CpuProbe:
         self._end: dict[str, tuple[float, float | None]] = {}
         self._wall = [0.0, 0.0]  # monotonic time at start and at stop
         self._mem: list[int | None] = [None, None]  # MemFree MiB at start and at stop
+        self._small: list[int | None] = [None, None]  # small_free_mib at start and at stop
 
     def _snap(self) -> dict[str, tuple[float, float | None]]:
         out = {}
@@ -90,18 +117,22 @@ class CpuProbe:
         return out
 
     def start(self) -> None:
-        self._mem[0] = mem_free_mib()
+        self._mem[0], self._small[0] = mem_free_mib(), small_free_mib()
         self._start = self._snap()
         self._wall[0] = time.monotonic()
 
     def stop(self) -> None:
         self._wall[1] = time.monotonic()
         self._end = self._snap()
-        self._mem[1] = mem_free_mib()
+        self._mem[1], self._small[1] = mem_free_mib(), small_free_mib()
 
     def mem_free(self) -> list[int | None]:
         """MemFree in MiB when the measured phase started and when it ended (None: unread)."""
         return list(self._mem)
+
+    def small_free(self) -> list[int | None]:
+        """:func:`small_free_mib` when the measured phase started and when it ended."""
+        return list(self._small)
 
     def report(self, keys: int, nbytes: int) -> dict[str, Any]:
         """Per process: ``cpu_s``, ``us_per_key``, ``s_per_gb`` over the measured phase, and per

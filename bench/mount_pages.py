@@ -26,12 +26,13 @@ root and /dev/fuse; the second stands for another node), then per page size, in 
   mount's loop is one thread: when its CPU + wait per file is about the write phase's time
   per file, the mount is the bottleneck and the machine's other load sets its rate);
   2nd mount CPU/file: the second mount's CPU time over its cold reads, per file read;
-  MemFree at 2nd mount read: the machine's free memory (``/proc/meminfo``) as they begin.
-  The kernel copies a cold read's answer into page-cache pages it has just allocated (without
-  ``--direct-first-open``), so the second mount's CPU is where memory the machine touches for
-  the first time is paid for: on the 2-vCPU KVM guest of bench/RESULTS.md a first touch cost
-  about 4x once MemFree fell below about 16 GiB (2026-12-03 07:20 UTC, a process touching
-  memory alone), and the second mount's CPU per cold 2 MiB file 3-4x with it;
+  MemFree at 2nd mount read: the machine's free memory (``/proc/meminfo``) as they begin, and
+  of it the part in small blocks (:func:`kvfs.bench.cpu.small_free_mib`, where the kernel has
+  free page reporting).  The kernel copies a cold read's answer into page-cache pages it has
+  just allocated (without ``--direct-first-open``), so the second mount's CPU is where memory
+  the machine touches for the first time is paid for: on the 2-vCPU KVM guest of
+  bench/RESULTS.md a first touch cost about 4x once the small blocks were used up (2026-12-03,
+  a process touching memory alone), and the second mount's CPU per cold 2 MiB file 3-4x with it;
 - API write / read: as many coroutines on one ``AsyncClient``, ``put_many`` / ``get_into`` in
   batches of 64.
 
@@ -74,7 +75,7 @@ from kvfs.chunkserver.durability import fsync_dir
 from kvfs.client import AsyncClient
 from kvfs.mount import is_mounted
 
-from .cpu import cpu_seconds, mem_free_mib, run_queue_wait_s
+from .cpu import cpu_seconds, mem_free_mib, run_queue_wait_s, small_free_mib
 
 BATCH = 64
 
@@ -121,9 +122,15 @@ def _cpu_wait_s(pid: int | None) -> tuple[float, float]:
     return (float("nan") if cpu is None else cpu), (float("nan") if wait is None else wait)
 
 
+def _free_text() -> str:
+    """The machine's free memory now, and of it the part in small blocks where it is read."""
+    free, small = mem_free_mib(), small_free_mib()
+    return ("?" if free is None else f"{free:,} MiB") + ("" if small is None else f", small blocks {small:,} MiB")
+
+
 def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, tag: str,
                 writer: str = "tofile", mount_pid: int | None = None, other_pid: int | None = None
-                ) -> tuple[float, float, float, float, float, float, float, float, int | None]:
+                ) -> tuple[float, float, float, float, float, float, float, float, str]:
     d = mnt / tag
     d.mkdir()
     names = [d / f"{i:08d}.bin" for i in range(len(pages))]
@@ -169,7 +176,7 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
         t0 = time.perf_counter()
         bad += sum(ex.map(read, share))
         trr = time.perf_counter() - t0
-        free = mem_free_mib()
+        free = _free_text()
         ocpu0 = _cpu_wait_s(other_pid)[0]
         t0 = time.perf_counter()
         bad += sum(ex.map(read, share, [elsewhere] * threads))
@@ -295,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{mr:,.0f} files/s | {ar:,.0f} pages/s | {mr / ar:.2f} | "
                   f"{mrr:,.0f} files/s | {mrr / ar:.2f} | {cold:,.0f} files/s | {cold / ar:.2f} | "
                   f"{mcpu * 1e6:,.0f} µs | {mwait * 1e6:,.0f} µs | {ocpu * 1e6:,.0f} µs | "
-                  f"{'?' if free is None else f'{free:,} MiB'} |")
+                  f"{free} |")
         for label, rounds, w, r, rr, c in medians:
             print(f"| {label}, median of {rounds} | | | | | {w:.2f} | | | {r:.2f} | | {rr:.2f} | | "
                   f"{c:.2f} | | | | |")

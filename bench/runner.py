@@ -378,7 +378,8 @@ async def run_workload(
     ``eta_after_s``, the time the caller expects its later jobs to take).
     With ``cpu``, the processes' CPU time over the run (after the prefill) is
     charged to its keys and bytes, in ``to_json()["kvfs"]["cpu"]``, and the machine's free
-    memory at both ends in ``["kvfs"]["mem_free_mib"]`` (MiB, ``[start, end]``).
+    memory at both ends in ``["kvfs"]["mem_free_mib"]`` (MiB, ``[start, end]``), and of it the
+    part in small blocks (:func:`kvfs.bench.cpu.small_free_mib`) in ``["kvfs"]["small_free_mib"]``.
 
     Reads call ``wl.api`` (``get_many``, ``get_into``, ``exists_many`` or
     ``match_prefix``; a key ``exists_many`` denies, or past ``match_prefix``'s
@@ -572,6 +573,8 @@ async def run_workload(
         extra["cpu"] = cpu.report(read_rec.total_ios + write_rec.total_ios,
                                   read_rec.io_bytes + write_rec.io_bytes)
         extra["mem_free_mib"] = cpu.mem_free()
+        if any(m is not None for m in cpu.small_free()):
+            extra["small_free_mib"] = cpu.small_free()
     return JobResult(
         extra=extra,
         workload=wl,

@@ -559,7 +559,10 @@ def format_job_text(job: Mapping[str, Any], pid: int | None = None) -> str:
     if kv.get("cpu"):
         out.append(format_cpu(kv["cpu"]))
     if kv.get("mem_free_mib"):
-        out.append(f"  memory: MemFree {format_mem_free(kv['mem_free_mib'])} MiB (measured phase)\n")
+        small = kv.get("small_free_mib")
+        out.append(f"  memory: MemFree {format_mem_free(kv['mem_free_mib'])} MiB"
+                   + (f", of it in small blocks {format_mem_free(small)} MiB" if small else "")
+                   + " (measured phase)\n")
     return "".join(out)
 
 

@@ -164,6 +164,38 @@ def test_cpu_seconds_reads_a_process_own_counters() -> None:
     assert rep["me"]["wait_cpus"] is not None and rep["me"]["wait_cpus"] >= 0
 
 
+def test_small_free_counts_the_free_blocks_under_the_reporting_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The free memory in blocks smaller than free page reporting hands back (orders below
+    ``page_reporting_order``, every zone summed); None without free page reporting."""
+    from kvfs.bench import cpu
+
+    order, buddy = tmp_path / "order", tmp_path / "buddyinfo"
+    order.write_text("9\n")
+    # 11 orders a zone; only orders 0-8 count: 256 + 2*512 + 3 order-8 blocks of 256 pages
+    buddy.write_text("Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3\n"
+                     "Node 0, zone   Normal    256    256      0      0      0      0      0      0      3    999    999\n")
+    monkeypatch.setattr(cpu, "_REPORTING_ORDER", str(order))
+    monkeypatch.setattr(cpu, "_BUDDYINFO", str(buddy))
+    pages = 256 + 256 * 2 + 3 * 256 + 1 * 256  # the DMA zone's order-8 block too
+    assert cpu.small_free_mib() == pages * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
+    order.write_text("3\n")  # a lower reporting order counts fewer orders
+    assert cpu.small_free_mib() == (256 + 512) * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
+    monkeypatch.setattr(cpu, "_REPORTING_ORDER", str(tmp_path / "none"))  # no free page reporting
+    assert cpu.small_free_mib() is None
+
+
+def test_job_text_says_the_small_free_blocks_when_measured() -> None:
+    from kvfs.bench.stats import format_job_text
+
+    with_small = format_job_text({"jobname": "j", "kvfs": {"mem_free_mib": [20000, 19000],
+                                                          "small_free_mib": [5000, 4100]}})
+    assert "  memory: MemFree 20000->19000 MiB, of it in small blocks 5000->4100 MiB (measured phase)" \
+        in with_small
+    without = format_job_text({"jobname": "j", "kvfs": {"mem_free_mib": [20000, 19000]}})
+    assert "  memory: MemFree 20000->19000 MiB (measured phase)" in without
+
+
 @contextlib.contextmanager
 def _spinners(n: int = 2) -> Iterator[tuple[list[int], Callable[[], None]]]:
     """``n`` processes pinned to one CPU: their pids, and ``run()``, which has them all spin
