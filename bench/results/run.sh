@@ -10,10 +10,12 @@ N=${REPEAT:-3}
 common=(--compare --cpu --no-internal --no-progress --runtime "$R" --time-based --peers file,redis,mooncake,loopback,fio
         --client async,sync --repeat "$N")
 # each run's command, start time, load average (this machine is shared) and free memory go to
-# runs.log; --cpu puts every job's MemFree in the outputs, and kvfs bench's default --reclaim
+# runs.log (MemFree, and the part of it in small blocks: bench/cpu.py's small_free_mib); --cpu puts
+# every job's in the outputs too, and kvfs bench's default --reclaim
 # deletes the bench's keys and chunks after each kvfs cell (each put cell starts with the memory
 # the last one used freed, not further down the guest's free memory: bench/RESULTS.md)
-state() { echo "$(uptime | sed 's/.*load/load/'), MemFree $(awk '/^MemFree/ {print int($2 / 1024)}' /proc/meminfo) MiB"; }
+state() { echo "$(uptime | sed 's/.*load/load/'), MemFree $(awk '/^MemFree/ {print int($2 / 1024)}' /proc/meminfo) MiB," \
+               "in small blocks $(python -c 'from kvfs.bench.cpu import small_free_mib; print(small_free_mib())') MiB"; }
 run() { local name=$1; shift; echo "== $name: kvfs bench $*" | tee -a runs.log >&2
         echo "   start $(date -u '+%F %T UTC'), $(state)" | tee -a runs.log >&2
         kvfs bench "$@" --json-out "$name.json" > "$name.txt"
