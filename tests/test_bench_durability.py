@@ -135,6 +135,20 @@ def test_targets_judge_each_put_target_on_the_run_with_its_durability(tmp_path: 
     assert disk == ("500 vs 800 MB/s: 0.62x", "missed")  # against the synced fio row, not 4000
 
 
+def test_targets_say_the_small_free_blocks_of_the_kvfs_put_job(tmp_path: Path) -> None:
+    """Where the kvfs put job's JSON has the small free blocks it ran with (bench --cpu), the
+    put row against Mooncake says them beside its figures; the verdict is the ratio's alone."""
+    t = _targets()
+    _write_run(tmp_path, "cmp-1m.json", "never", {"kvfs": 500.0, "mooncake": 1000.0})
+    path = tmp_path / "cmp-1m.json"
+    report = json.loads(path.read_text())
+    report["kvfs compare"]["peers"]["stores"]["kvfs"]["report"]["jobs"][0]["kvfs"] = {
+        "small_free_mib": [620, 615]}
+    path.write_text(json.dumps(report))
+    (moon,) = [v for k, v in _put_rows(t.rows(tmp_path)).items() if "Mooncake" in k]
+    assert moon == ("500 vs 1000 MB/s: 0.50x (kvfs's small free blocks 620->615 MiB)", "missed")
+
+
 def test_targets_refuse_a_run_with_the_wrong_durability(tmp_path: Path) -> None:
     t = _targets()
     # no "fsync" recorded: a run from before the option, whose cluster ran the default (batch)
