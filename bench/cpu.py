@@ -62,10 +62,11 @@ _BUDDYINFO = "/proc/buddyinfo"
 def small_free_mib() -> int | None:
     """The machine's free memory (MiB) in blocks smaller than free page reporting hands back to
     a VM's host (``/proc/buddyinfo``, blocks under ``2**page_reporting_order`` pages), or None
-    where the kernel has no free page reporting or it cannot be read.  A guest whose balloon
-    reports free pages (``virtio_balloon``) gives its host the larger free blocks, and touching
-    them again costs it several times as much (on the guest of bench/RESULTS.md about 4x, once
-    these small blocks were used up); on a machine that reports to no one it is just a count."""
+    where the kernel has no free page reporting (not built in, or no driver registered, when
+    the order reads as the kernel's -1, past every order there is) or it cannot be read.  A
+    guest whose balloon reports free pages (``virtio_balloon``) gives its host the larger free
+    blocks, and touching them again costs it several times as much (on the guest of
+    bench/RESULTS.md about 4x, once these small blocks were used up)."""
     try:
         with open(_REPORTING_ORDER, "rb") as f:
             order = int(f.read())
@@ -73,6 +74,8 @@ def small_free_mib() -> int | None:
         with open(_BUDDYINFO, "rb") as f:
             for line in f:  # b"Node 0, zone   Normal  23397  19116 ...": free blocks per order
                 counts = line.split()[4:]
+                if order >= len(counts):  # (unregistered: the kernel's -1 as an unsigned int)
+                    return None
                 pages += sum(int(n) << o for o, n in enumerate(counts[:order]))
     except (OSError, ValueError):
         return None

@@ -17,6 +17,7 @@ import pytest
 from kvfs.bench import cli as bench_cli
 from kvfs.bench import internal, jobs, render
 from kvfs.bench.plot import plot
+from kvfs.bench.stats import format_job_text
 from kvfs.bench.target import BenchTarget
 from kvfs.cli import build_parser
 from kvfs.launcher import LocalCluster
@@ -172,7 +173,8 @@ def test_small_free_counts_the_free_blocks_under_the_reporting_order(
 
     order, buddy = tmp_path / "order", tmp_path / "buddyinfo"
     order.write_text("9\n")
-    # 11 orders a zone; only orders 0-8 count: 256 + 2*512 + 3 order-8 blocks of 256 pages
+    # 11 orders a zone; only orders 0-8 count: 256 order-0 pages, 256 order-1 blocks of 2 pages,
+    # and order-8 blocks of 256 pages (3 in Normal, 1 in DMA)
     buddy.write_text("Node 0, zone      DMA      0      0      0      0      0      0      0      0      1      1      3\n"
                      "Node 0, zone   Normal    256    256      0      0      0      0      0      0      3    999    999\n")
     monkeypatch.setattr(cpu, "_REPORTING_ORDER", str(order))
@@ -183,11 +185,12 @@ def test_small_free_counts_the_free_blocks_under_the_reporting_order(
     assert cpu.small_free_mib() == (256 + 512) * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
     monkeypatch.setattr(cpu, "_REPORTING_ORDER", str(tmp_path / "none"))  # no free page reporting
     assert cpu.small_free_mib() is None
+    monkeypatch.setattr(cpu, "_REPORTING_ORDER", str(order))
+    order.write_text("4294967295\n")  # built in, no driver registered: the kernel's -1
+    assert cpu.small_free_mib() is None
 
 
 def test_job_text_says_the_small_free_blocks_when_measured() -> None:
-    from kvfs.bench.stats import format_job_text
-
     with_small = format_job_text({"jobname": "j", "kvfs": {"mem_free_mib": [20000, 19000],
                                                           "small_free_mib": [5000, 4100]}})
     assert "  memory: MemFree 20000->19000 MiB, of it in small blocks 5000->4100 MiB (measured phase)" \
@@ -349,6 +352,25 @@ async def test_reclaim_is_refused_against_a_running_cluster(capsys: pytest.Captu
     assert await bench_cli.cmd_bench(ns) == 2
     assert "--reclaim" in capsys.readouterr().err
     assert _ns(*TINY).reclaim is None  # default: on for an embedded cluster (cmd_bench decides)
+
+
+async def test_cpu_jobs_carry_the_small_free_blocks(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """With --cpu each job's JSON has the small free blocks at both ends of its measured phase
+    (bench.cpu.small_free_mib, here read from a fixed /proc/buddyinfo), and its text says them."""
+    from kvfs.bench import cpu
+
+    (tmp_path / "order").write_text("1\n")  # only order-0 blocks count: 512 pages
+    (tmp_path / "buddyinfo").write_text("Node 0, zone   Normal    512      7      7\n")
+    monkeypatch.setattr(cpu, "_REPORTING_ORDER", str(tmp_path / "order"))
+    monkeypatch.setattr(cpu, "_BUDDYINFO", str(tmp_path / "buddyinfo"))
+    mib = 512 * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
+    ns = _ns("--cluster", "inproc", "--rw=write", "--bs=4k", "--batch=8", "--cpu",
+             "--output-format=json", "--dir", str(tmp_path / "d"), *TINY)
+    assert await bench_cli.cmd_bench(ns) == 0
+    (job,) = json.loads(capsys.readouterr().out)["jobs"]
+    assert job["kvfs"]["small_free_mib"] == [mib, mib]
+    assert f", of it in small blocks {mib}->{mib} MiB (measured phase)" in format_job_text(job)
 
 
 async def test_plain_run_reclaims_before_each_job(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
