@@ -19,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvfs.bench.stats import format_mem_free
+
 HERE = Path(__file__).parent
 LARGE = (("1m", 32), ("8m", 8), ("32m", 2))
 
@@ -97,10 +99,9 @@ def with_memory(run: Run, row: tuple[str, bool | None], store: str = "kvfs", rw:
     put job that finds them used up pays several times the CPU per GB (bench/RESULTS.md)."""
     job = run.job(store, "", rw)
     small = job.get("kvfs", {}).get("small_free_mib") if job is not None else None
-    if not small:
+    if not small or row[1] is None:  # (a row not judged says why, alone)
         return row
-    text = "->".join("-" if m is None else str(m) for m in small)
-    return f"{row[0]} ({store}'s small free blocks {text} MiB)", row[1]
+    return f"{row[0]} ({store}'s small free blocks {format_mem_free(small)} MiB)", row[1]
 
 
 def verdict(ok: bool | None) -> str:
