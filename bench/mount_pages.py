@@ -98,6 +98,28 @@ def _mount(mnt: Path, addr: str, args: list[str], procs: list[subprocess.Popen[b
         raise SystemExit(f"kvfs mount {mnt} exited with {p.returncode}")
 
 
+def kvfs_up(root: Path, procs: list[subprocess.Popen[bytes]]) -> str:
+    """``kvfs up`` (3 chunkservers, no GC) with its data in ``root``, its process added to
+    ``procs`` (the caller ends it): its address, once it serves."""
+    # its output goes to a file: a pipe nobody reads once the address is found could fill and
+    # block the cluster
+    log = root / "up.log"
+    with log.open("wb") as out:
+        p = subprocess.Popen([sys.executable, "-m", "kvfs", "up", "--data", str(root / "data"),
+                              "--listen", "127.0.0.1:0", "--no-gc"], stdout=out, stderr=subprocess.STDOUT)
+    procs.append(p)
+    found: list[str] = []
+
+    def started() -> bool:
+        found[:] = re.findall(r"^kvfs://\S+", log.read_text(errors="replace"), re.M)[:1]
+        return bool(found) or p.poll() is not None
+
+    _wait(started, 60, "kvfs up")
+    if not found:
+        raise SystemExit(f"kvfs up did not start: {log.read_text(errors='replace')[-2000:]}")
+    return found[0]
+
+
 def _pages(n: int, size: int) -> list[np.ndarray]:
     base = np.frombuffer(os.urandom(size), dtype=np.uint8)
     out = []
@@ -245,29 +267,13 @@ def main(argv: list[str] | None = None) -> int:
     if ns.write_behind is not None:
         ns.mount_arg.append(f"--write-behind={ns.write_behind}")
     root = Path(tempfile.mkdtemp(prefix="kvfs-mount-pages-"))
-    up = None
+    ups: list[subprocess.Popen[bytes]] = []
     mounts: list[subprocess.Popen[bytes]] = []
     mnt, mnt2 = root / "mnt", root / "mnt2"
     mnt.mkdir()
     mnt2.mkdir()
     try:
-        # its output goes to a file: a pipe nobody reads once the address is found could fill
-        # and block the cluster
-        up_log = root / "up.log"
-        with up_log.open("wb") as out:
-            up = subprocess.Popen([sys.executable, "-m", "kvfs", "up", "--data", str(root / "data"),
-                                   "--listen", "127.0.0.1:0", "--no-gc"],
-                                  stdout=out, stderr=subprocess.STDOUT)
-        found: list[str] = []
-
-        def started() -> bool:
-            found[:] = re.findall(r"^kvfs://\S+", up_log.read_text(errors="replace"), re.M)[:1]
-            return bool(found) or up.poll() is not None
-
-        _wait(started, 60, "kvfs up")
-        if not found:
-            raise SystemExit(f"kvfs up did not start: {up_log.read_text(errors='replace')[-2000:]}")
-        addr = found[0]
+        addr = kvfs_up(root, ups)
         for m in (mnt, mnt2):
             _mount(m, addr, ns.mount_arg, mounts)
         rows = []
@@ -312,9 +318,10 @@ def main(argv: list[str] | None = None) -> int:
                 p.send_signal(signal.SIGTERM)
         for p in mounts:
             p.wait(30)
-        if up is not None and up.poll() is None:
-            up.send_signal(signal.SIGTERM)
-            up.wait(60)
+        for p in ups:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                p.wait(60)
         shutil.rmtree(root, ignore_errors=True)
     return 0
 

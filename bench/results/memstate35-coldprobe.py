@@ -2,7 +2,7 @@
 2026-12-03): ``kvfs up`` (no GC) and one ``kvfs mount``; each round puts N new values of SIZE
 bytes through the API under ``rN/``, then 8 threads read them through the mount (which never
 saw them) with ``readinto`` into buffers made once, bytes checked; prints the mount's CPU and
-run-queue wait per file and MemFree after each round.  Every round's files stay (their
+run-queue wait per file, MemFree and the part of it in small blocks after each round.  Every round's files stay (their
 page-cache pages too), so MemFree falls round by round.
 
     python bench/results/memstate35-coldprobe.py
@@ -13,10 +13,8 @@ page-cache pages too), so MemFree falls round by round.
 
 import asyncio
 import os
-import re
 import shutil
 import subprocess
-import sys
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 import kvfs
-from kvfs.bench.cpu import mem_free_mib
-from kvfs.bench.mount_pages import _cpu_wait_s, _mount, _wait
+from kvfs.bench.cpu import mem_free_mib, small_free_mib
+from kvfs.bench.mount_pages import _cpu_wait_s, _mount, kvfs_up
 
 ROUNDS = int(os.environ.get("ROUNDS", "6"))
 N = int(os.environ.get("N", "256"))
@@ -38,20 +36,10 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="coldprobe-"))
     mnt = root / "mnt"
     mnt.mkdir()
-    log = root / "up.log"
-    with log.open("wb") as out:
-        up = subprocess.Popen([sys.executable, "-m", "kvfs", "up", "--data", str(root / "data"),
-                               "--listen", "127.0.0.1:0", "--no-gc"], stdout=out, stderr=subprocess.STDOUT)
-    found: list[str] = []
-
-    def started() -> bool:
-        found[:] = re.findall(r"^kvfs://\S+", log.read_text(errors="replace"), re.M)[:1]
-        return bool(found) or up.poll() is not None
-
+    ups: list[subprocess.Popen[bytes]] = []
     mounts: list[subprocess.Popen[bytes]] = []
     try:
-        _wait(started, 60, "kvfs up")
-        addr = found[0]
+        addr = kvfs_up(root, ups)
         _mount(mnt, addr, os.environ.get("MARGS", "").split(), mounts)
         pid = mounts[0].pid
         rng = np.random.default_rng(1)
@@ -95,13 +83,15 @@ def main() -> None:
             if os.environ.get("RECLAIM"):
                 shutil.rmtree(mnt / tag, ignore_errors=True)
             print(f"round {r}: {N / t:,.0f} files/s, mount CPU/file {(c1 - c0) / N * 1e6:,.0f} us, "
-                  f"wait {(w1 - w0) / N * 1e6:,.0f} us, bad {bad}, MemFree {mem_free_mib()} MiB", flush=True)
+                  f"wait {(w1 - w0) / N * 1e6:,.0f} us, bad {bad}, MemFree {mem_free_mib()} MiB, "
+                  f"small blocks {small_free_mib()} MiB", flush=True)
     finally:
         subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
         for m in mounts:
             m.wait(30)
-        up.terminate()
-        up.wait(30)
+        for p in ups:
+            p.terminate()
+            p.wait(30)
         shutil.rmtree(root, ignore_errors=True)
 
 
