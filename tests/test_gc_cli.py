@@ -136,8 +136,11 @@ async def test_fsck_repair_drops_only_bad_replicas_and_yields_to_racing_writes(
 
 @pytest.mark.subprocess
 async def test_process_cluster_runs_gc_daemon(tmp_path: Path) -> None:
+    # a grace past the test's time: with none, a pass could seal and compact the chunk the put
+    # is writing before its COMMIT, which meta then refuses (StaleLayout; seen under load,
+    # 2026-12-03); the daemon's expiry, which this test is about, does not wait for the grace
     c = ProcessCluster(tmp_path / "up", 1, listen="127.0.0.1:0", gc=True,
-                       gc_args=("--interval", "0.1", "--grace", "0"))
+                       gc_args=("--interval", "0.1", "--grace", "60"))
     await c.start()
     try:
         assert c.gc is not None and c.gc.proc is not None and c.gc.proc.returncode is None
