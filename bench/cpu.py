@@ -26,7 +26,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CpuProbe", "cpu_seconds", "mem_free_mib", "run_queue_wait_s", "small_free_mib"]
+__all__ = ["CpuProbe", "cpu_seconds", "free_text", "mem_free_mib", "run_queue_wait_s", "small_free_mib"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -80,6 +80,13 @@ def small_free_mib() -> int | None:
     except (OSError, ValueError):
         return None
     return pages * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
+
+
+def free_text() -> str:
+    """``21,286 MiB, small blocks 5,758 MiB``: MemFree now, and the part of it in small blocks
+    where it is read (``?`` for MemFree unread)."""
+    free, small = mem_free_mib(), small_free_mib()
+    return ("?" if free is None else f"{free:,} MiB") + ("" if small is None else f", small blocks {small:,} MiB")
 
 
 def run_queue_wait_s(pid: int) -> float | None:
@@ -161,3 +168,4 @@ class CpuProbe:
                 "wait_cpus": wait / wall if wall > 0 and wait is not None else None,
             }
         return out
+

@@ -75,7 +75,7 @@ from kvfs.chunkserver.durability import fsync_dir
 from kvfs.client import AsyncClient
 from kvfs.mount import is_mounted
 
-from .cpu import cpu_seconds, mem_free_mib, run_queue_wait_s, small_free_mib
+from .cpu import cpu_seconds, free_text, run_queue_wait_s
 
 BATCH = 64
 
@@ -144,12 +144,6 @@ def _cpu_wait_s(pid: int | None) -> tuple[float, float]:
     return (float("nan") if cpu is None else cpu), (float("nan") if wait is None else wait)
 
 
-def _free_text() -> str:
-    """The machine's free memory now, and of it the part in small blocks where it is read."""
-    free, small = mem_free_mib(), small_free_mib()
-    return ("?" if free is None else f"{free:,} MiB") + ("" if small is None else f", small blocks {small:,} MiB")
-
-
 def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, tag: str,
                 writer: str = "tofile", mount_pid: int | None = None, other_pid: int | None = None
                 ) -> tuple[float, float, float, float, float, float, float, float, str]:
@@ -198,7 +192,7 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
         t0 = time.perf_counter()
         bad += sum(ex.map(read, share))
         trr = time.perf_counter() - t0
-        free = _free_text()
+        free = free_text()
         ocpu0 = _cpu_wait_s(other_pid)[0]
         t0 = time.perf_counter()
         bad += sum(ex.map(read, share, [elsewhere] * threads))

@@ -182,12 +182,15 @@ def test_small_free_counts_the_free_blocks_under_the_reporting_order(
     pages = 256 + 256 * 2 + 3 * 256 + 1 * 256  # the DMA zone's order-8 block too
     assert cpu.small_free_mib() == pages * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
     order.write_text("3\n")  # a lower reporting order counts fewer orders
-    assert cpu.small_free_mib() == (256 + 512) * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
+    small = (256 + 512) * os.sysconf("SC_PAGE_SIZE") // (1 << 20)
+    assert cpu.small_free_mib() == small
+    assert cpu.free_text().endswith(f" MiB, small blocks {small:,} MiB")
     monkeypatch.setattr(cpu, "_REPORTING_ORDER", str(tmp_path / "none"))  # no free page reporting
     assert cpu.small_free_mib() is None
     monkeypatch.setattr(cpu, "_REPORTING_ORDER", str(order))
     order.write_text("4294967295\n")  # built in, no driver registered: the kernel's -1
     assert cpu.small_free_mib() is None
+    assert cpu.free_text().endswith(" MiB") and "small blocks" not in cpu.free_text()
 
 
 def test_job_text_says_the_small_free_blocks_when_measured() -> None:

@@ -147,6 +147,11 @@ def test_targets_say_the_small_free_blocks_of_the_kvfs_put_job(tmp_path: Path) -
     path.write_text(json.dumps(report))
     (moon,) = [v for k, v in _put_rows(t.rows(tmp_path)).items() if "Mooncake" in k]
     assert moon == ("500 vs 1000 MB/s: 0.50x (kvfs's small free blocks 620->615 MiB)", "missed")
+    # a row not judged (no Mooncake row) says why, and nothing else
+    del report["kvfs compare"]["peers"]["stores"]["mooncake"]
+    path.write_text(json.dumps(report))
+    (moon,) = [v for k, v in _put_rows(t.rows(tmp_path)).items() if "Mooncake" in k]
+    assert moon == ("mooncake: not in the run", "not measured")
 
 
 def test_targets_refuse_a_run_with_the_wrong_durability(tmp_path: Path) -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 import kvfs
-from kvfs.bench.cpu import mem_free_mib, small_free_mib
+from kvfs.bench.cpu import free_text
 from kvfs.bench.mount_pages import _cpu_wait_s, _mount, kvfs_up
 
 ROUNDS = int(os.environ.get("ROUNDS", "6"))
@@ -83,8 +83,7 @@ def main() -> None:
             if os.environ.get("RECLAIM"):
                 shutil.rmtree(mnt / tag, ignore_errors=True)
             print(f"round {r}: {N / t:,.0f} files/s, mount CPU/file {(c1 - c0) / N * 1e6:,.0f} us, "
-                  f"wait {(w1 - w0) / N * 1e6:,.0f} us, bad {bad}, MemFree {mem_free_mib()} MiB, "
-                  f"small blocks {small_free_mib()} MiB", flush=True)
+                  f"wait {(w1 - w0) / N * 1e6:,.0f} us, bad {bad}, MemFree {free_text()}", flush=True)
     finally:
         subprocess.run(["fusermount3", "-u", str(mnt)], check=False)
         for m in mounts:

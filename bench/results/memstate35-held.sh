@@ -6,8 +6,7 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 out=bench/results/memstate35-held.txt
 { echo "# page_reporting_order $(cat /sys/module/page_reporting/parameters/page_reporting_order 2>/dev/null)," \
-       "vm.min_free_kbytes $(cat /proc/sys/vm/min_free_kbytes), main $(git rev-parse --short HEAD)"; } > "$out"
-small() { python -c 'from kvfs.bench.cpu import small_free_mib as s; x = s(); print("-" if x is None else x)'; }
+       "vm.min_free_kbytes $(cat /proc/sys/vm/min_free_kbytes), main $(git describe --always --dirty)"; } > "$out"
 probe() {
   : > /tmp/memstate35-hold.txt  # (emptied here: the last hold's lines must not be read as this one's)
   python bench/results/memstate35-touch.py 6 300 >> /tmp/memstate35-hold.txt 2>&1 &
@@ -15,7 +14,7 @@ probe() {
   for _ in $(seq 150); do grep -q holding /tmp/memstate35-hold.txt && break; sleep 0.2; done
   sed 's/^/   hold: /' /tmp/memstate35-hold.txt >> "$out"
   echo "== $(date -u '+%F %T UTC') ROUNDS=3 MARGS='$1' python bench/results/memstate35-coldprobe.py" \
-       "(6 GiB held; MemFree $(awk '/^MemFree/ {print int($2 / 1024)}' /proc/meminfo) MiB, in small blocks $(small) MiB)" >> "$out"
+       "(6 GiB held; MemFree $(python -c 'from kvfs.bench.cpu import free_text; print(free_text())'))" >> "$out"
   ROUNDS=3 MARGS="$1" python bench/results/memstate35-coldprobe.py >> "$out" 2>&1
   kill -TERM "$pid"; wait "$pid"
 }

@@ -28,8 +28,9 @@ def main() -> None:
             m[off:off + MIB] = src  # a copy into pages touched for the first time
         c, t = time.process_time() - c0, time.perf_counter() - t0
         kept.append(m)
+        small = small_free_mib()
         print(f"round {r}: {c:.3f} s CPU per GiB, {t:.3f} s wall, MemFree after {mem_free_mib()} MiB, "
-              f"of it in small blocks {small_free_mib()} MiB", flush=True)
+              f"of it in small blocks {'-' if small is None else small} MiB", flush=True)
     hold_s = min(float(sys.argv[2]), 600.0) if len(sys.argv) > 2 else 0.0
     if hold_s > 0:
         signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

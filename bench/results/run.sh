@@ -14,8 +14,7 @@ common=(--compare --cpu --no-internal --no-progress --runtime "$R" --time-based 
 # every job's in the outputs too, and kvfs bench's default --reclaim
 # deletes the bench's keys and chunks after each kvfs cell (each put cell starts with the memory
 # the last one used freed, not further down the guest's free memory: bench/RESULTS.md)
-state() { echo "$(uptime | sed 's/.*load/load/'), MemFree $(awk '/^MemFree/ {print int($2 / 1024)}' /proc/meminfo) MiB," \
-               "in small blocks $(python -c 'from kvfs.bench.cpu import small_free_mib as s; x = s(); print("-" if x is None else x)') MiB"; }
+state() { echo "$(uptime | sed 's/.*load/load/'), MemFree $(python -c 'from kvfs.bench.cpu import free_text; print(free_text())')"; }
 run() { local name=$1; shift; echo "== $name: kvfs bench $*" | tee -a runs.log >&2
         echo "   start $(date -u '+%F %T UTC'), $(state)" | tee -a runs.log >&2
         kvfs bench "$@" --json-out "$name.json" > "$name.txt"
