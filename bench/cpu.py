@@ -168,4 +168,3 @@ class CpuProbe:
                 "wait_cpus": wait / wall if wall > 0 and wait is not None else None,
             }
         return out
-
