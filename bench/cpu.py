@@ -9,8 +9,8 @@ memory (``MemFree``, :func:`mem_free_mib`) at both ends: on this VM a put job's 
 depends on which free memory it draws on (bench/RESULTS.md, "Issue 11, large puts: ... a kvfs
 put job that draws on memory the guest left free a long while"), so every figure says the
 memory state it ran in; and how much of it is in blocks too small for the guest to have handed
-back to its host (:func:`small_free_mib`): the part a first touch finds cheap there (bench/
-RESULTS.md, 2026-12-03, "this guest's first touch").  :func:`run_queue_wait_s` reads how
+back to its host (:func:`small_free_mib`): the part a first touch finds cheap there
+(bench/RESULTS.md, 2026-12-03, "this guest's first touch").  :func:`run_queue_wait_s` reads how
 long a process's threads waited for a CPU while runnable (``schedstat``), for a process
 that may be CPU-bound on a shared machine; the probe reads it too, and reports each process's
 CPUs used and CPUs waited for (seconds per second of the phase): a pipeline whose processes
