@@ -2,7 +2,7 @@
 
     python -m kvfs.bench.mount_pages [--pages-128k N] [--pages-2m N] [--threads 8]
                                      [--writer tofile|hicache|write] [--write-behind SIZE]
-                                     [--rounds N] [--mount-arg=ARG ...]
+                                     [--rounds N] [--mount-arg=ARG ...] [--floor]
 
 Starts ``kvfs up`` (3 chunkservers, no GC) in a temp dir and two ``kvfs mount`` of it (needs
 root and /dev/fuse; the second stands for another node), then per page size, in one sitting:
@@ -34,7 +34,11 @@ root and /dev/fuse; the second stands for another node), then per page size, in 
   bench/RESULTS.md a first touch cost about 4x once the small blocks were used up (2026-12-03,
   a process touching memory alone), and the second mount's CPU per cold 2 MiB file 3-4x with it;
 - API write / read: as many coroutines on one ``AsyncClient``, ``put_many`` / ``get_into`` in
-  batches of 64.
+  batches of 64;
+- ``--floor``: after each round's API phase, the same writes and reads (bytes checked) through
+  ``python -m kvfs.bench.memfs`` (:mod:`kvfs.bench.memfs`: files in a dict, run as ``kvfs
+  mount`` runs, each open dropping the kernel's pages), the files deleted after: a second
+  table has its files/s, their ratios to the API's and the mount's, and its CPU per file.
 
 Both sides read into buffers made and written once before the reads are timed (a thread's
 one page, a coroutine's batch of 64), as an engine reads into its own long-lived buffers:
@@ -90,12 +94,18 @@ def _wait(pred: object, timeout_s: float, what: str) -> None:
 
 def _mount(mnt: Path, addr: str, args: list[str], procs: list[subprocess.Popen[bytes]]) -> None:
     """``kvfs mount`` at ``mnt`` (its process added to ``procs``), once it is mounted."""
-    p = subprocess.Popen([sys.executable, "-m", "kvfs", "mount", str(mnt), "--addr", addr, *args],
-                         stdout=subprocess.DEVNULL)
+    _mounted(mnt, ["kvfs", "mount", str(mnt), "--addr", addr, *args], procs)
+
+
+def _mounted(mnt: Path, module_args: list[str], procs: list[subprocess.Popen[bytes]]) -> None:
+    """``python -m MODULE ARGS...`` started (its process added to ``procs``), and returned
+    once ``mnt`` is mounted."""
+    p = subprocess.Popen([sys.executable, "-m", *module_args], stdout=subprocess.DEVNULL)
     procs.append(p)
     _wait(lambda: is_mounted(str(mnt)) or p.poll() is not None, 30, "the mount")
     if p.poll() is not None:
-        raise SystemExit(f"kvfs mount {mnt} exited with {p.returncode}")
+        raise SystemExit(f"{module_args[0]} {' '.join(module_args[1:2])} at {mnt} exited with "
+                         f"{p.returncode}")
 
 
 def kvfs_up(root: Path, procs: list[subprocess.Popen[bytes]]) -> str:
@@ -144,6 +154,33 @@ def _cpu_wait_s(pid: int | None) -> tuple[float, float]:
     return (float("nan") if cpu is None else cpu), (float("nan") if wait is None else wait)
 
 
+def _write_pages(d: Path, names: list[Path], pages: list[np.ndarray], ids: range, writer: str) -> None:
+    """Pages ``ids`` written to ``names`` in directory ``d``, the ``--writer`` way."""
+    for i in ids:
+        if writer == "tofile":
+            pages[i].tofile(names[i])
+        elif writer == "hicache":
+            if os.path.exists(names[i]):
+                continue
+            tmp = d / f".{uuid.uuid4().hex}.tmp"
+            pages[i].tofile(tmp)
+            os.replace(tmp, names[i])
+        else:
+            with open(names[i], "wb") as f:
+                f.write(pages[i].data)
+
+
+def _read_pages(where: list[Path], pages: list[np.ndarray], ids: range, buf: np.ndarray) -> int:
+    """Pages ``ids`` read from ``where`` into ``buf`` (unbuffered ``readinto``); how many
+    came back wrong."""
+    bad = 0
+    for i in ids:
+        with open(where[i], "rb", buffering=0) as f:
+            n = f.readinto(buf.data)
+        bad += n != buf.nbytes or not np.array_equal(buf, pages[i])
+    return bad
+
+
 def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, tag: str,
                 writer: str = "tofile", mount_pid: int | None = None, other_pid: int | None = None
                 ) -> tuple[float, float, float, float, float, float, float, float, str]:
@@ -152,31 +189,13 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
     names = [d / f"{i:08d}.bin" for i in range(len(pages))]
     share = [range(t, len(pages), threads) for t in range(threads)]
     elsewhere = [other / tag / n.name for n in names]  # the same files through the other mount
-
-    def write(ids: range) -> None:
-        for i in ids:
-            if writer == "tofile":
-                pages[i].tofile(names[i])
-            elif writer == "hicache":
-                if os.path.exists(names[i]):
-                    continue
-                tmp = d / f".{uuid.uuid4().hex}.tmp"
-                pages[i].tofile(tmp)
-                os.replace(tmp, names[i])
-            else:
-                with open(names[i], "wb") as f:
-                    f.write(pages[i].data)
-
     bufs = _buffers(threads, pages[0])  # a thread's page, made before the reads are timed
 
+    def write(ids: range) -> None:
+        _write_pages(d, names, pages, ids, writer)
+
     def read(ids: range, where: list[Path] = names) -> int:
-        buf = bufs[ids.start]
-        bad = 0
-        for i in ids:
-            with open(where[i], "rb", buffering=0) as f:
-                n = f.readinto(buf.data)
-            bad += n != buf.nbytes or not np.array_equal(buf, pages[i])
-        return bad
+        return _read_pages(where, pages, ids, bufs[ids.start])
 
     with ThreadPoolExecutor(threads) as ex:
         cpu0, wait0 = _cpu_wait_s(mount_pid)
@@ -203,6 +222,39 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
     n = len(pages)
     return (n / tc, n / tw, n / tr, n / trr, n / tcold, (cpu1 - cpu0) / n, (wait1 - wait0) / n,
             (ocpu1 - ocpu0) / n, free)
+
+
+def floor_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str, writer: str,
+                pid: int) -> tuple[float, float, float, float]:
+    """The same writes and reads through ``python -m kvfs.bench.memfs`` at ``mnt`` (process
+    ``pid``): files/s written, files/s read, its CPU per file written and per file read.
+    The files are deleted after (the floor holds them in its memory)."""
+    names = [mnt / f"{tag}-{i:08d}.bin" for i in range(len(pages))]
+    share = [range(t, len(pages), threads) for t in range(threads)]
+    bufs = _buffers(threads, pages[0])
+
+    def write(ids: range) -> None:
+        _write_pages(mnt, names, pages, ids, writer)
+
+    def read(ids: range) -> int:
+        return _read_pages(names, pages, ids, bufs[ids.start])
+
+    with ThreadPoolExecutor(threads) as ex:
+        cpu0 = _cpu_wait_s(pid)[0]
+        t0 = time.perf_counter()
+        list(ex.map(write, share))
+        tw = time.perf_counter() - t0
+        cpu1 = _cpu_wait_s(pid)[0]
+        t0 = time.perf_counter()
+        bad = sum(ex.map(read, share))
+        tr = time.perf_counter() - t0
+        cpu2 = _cpu_wait_s(pid)[0]
+    for name in names:
+        name.unlink()
+    if bad:
+        raise SystemExit(f"{bad} pages read back wrong through the floor filesystem")
+    n = len(pages)
+    return n / tw, n / tr, (cpu1 - cpu0) / n, (cpu2 - cpu1) / n
 
 
 async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) -> tuple[float, float]:
@@ -254,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="mount with --write-behind SIZE (closes return once held; default off)")
     ap.add_argument("--mount-arg", action="append", default=[], metavar="ARG",
                     help="an argument for `kvfs mount` (repeat), e.g. --mount-arg=--negative-timeout=1s")
+    ap.add_argument("--floor", action="store_true",
+                    help="in each round, the same writes and reads through an in-memory Python "
+                    "filesystem as well (python -m kvfs.bench.memfs: what any pyfuse3 filesystem "
+                    "pays for these requests here); a second table has its rates and ratios")
     ns = ap.parse_args(argv)
     if min(ns.pages_128k, ns.pages_2m) < 0 or ns.threads < 1 or ns.rounds < 1:
         ap.error("--pages-128k and --pages-2m must not be negative, --threads and --rounds at "
@@ -263,20 +319,25 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="kvfs-mount-pages-"))
     ups: list[subprocess.Popen[bytes]] = []
     mounts: list[subprocess.Popen[bytes]] = []
-    mnt, mnt2 = root / "mnt", root / "mnt2"
-    mnt.mkdir()
-    mnt2.mkdir()
+    mnt, mnt2, fmnt = root / "mnt", root / "mnt2", root / "floor"
+    for m in (mnt, mnt2, fmnt):
+        m.mkdir()
     try:
         addr = kvfs_up(root, ups)
         for m in (mnt, mnt2):
             _mount(m, addr, ns.mount_arg, mounts)
+        if ns.floor:
+            _mounted(fmnt, ["kvfs.bench.memfs", str(fmnt)], mounts)
         rows = []
         medians = []
+        floor_rows: list[tuple[str, int, float, float, float, float, float, float, float, float]] = []
+        floor_medians = []
         for label, n, size in (("128 KiB", ns.pages_128k, 128 * 1024), ("2 MiB", ns.pages_2m, 2 << 20)):
             if not n:  # skipped (there is no page to time)
                 continue
             pages = _pages(n, size)
             ratios = []
+            floor_ratios = []
             for r in range(ns.rounds):
                 tag = label.replace(" ", "") + (f"r{r}" if r else "")
                 mc, mw, mr, mrr, cold, mcpu, mwait, ocpu, free = mount_round(
@@ -284,9 +345,17 @@ def main(argv: list[str] | None = None) -> int:
                 aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
                 rows.append((label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait, ocpu, free))
                 ratios.append((mw / aw, mr / ar, mrr / ar, cold / ar))
+                if ns.floor:
+                    fw, fr, fwcpu, frcpu = floor_round(fmnt, pages, ns.threads, "f" + tag, ns.writer,
+                                                       mounts[2].pid)
+                    floor_rows.append((label, n, fw, aw, mw, fr, ar, cold, fwcpu, frcpu))
+                    floor_ratios.append((fw / aw, mw / fw, fr / ar, cold / fr))
             if ns.rounds > 1:
                 medians.append((label, ns.rounds,
                                 *(statistics.median(x) for x in zip(*ratios, strict=True))))
+                if floor_ratios:
+                    floor_medians.append((label, ns.rounds, *(statistics.median(x) for x in
+                                                              zip(*floor_ratios, strict=True))))
         load = " / ".join(f"{x:.1f}" for x in os.getloadavg())
         print(f"| page | pages | mount closes | mount write | API write | mount/API | mount read | "
               f"API read | "
@@ -306,6 +375,20 @@ def main(argv: list[str] | None = None) -> int:
         for label, rounds, w, r, rr, c in medians:
             print(f"| {label}, median of {rounds} | | | | | {w:.2f} | | | {r:.2f} | | {rr:.2f} | | "
                   f"{c:.2f} | | | | |")
+        if ns.floor:
+            print()
+            print("| page | pages | floor write | floor/API write | mount write/floor | floor read | "
+                  "floor/API read | 2nd mount read/floor | floor CPU/file written | "
+                  "floor CPU/file read |  (the floor: python -m kvfs.bench.memfs, the same "
+                  "threads and files, after each round's API phase)")
+            print("|---|---|---|---|---|---|---|---|---|---|")
+            for label, n, fw, aw, mw, fr, ar, cold, fwcpu, frcpu in floor_rows:
+                print(f"| {label} | {n} | {fw:,.0f} files/s | {fw / aw:.2f} | {mw / fw:.2f} | "
+                      f"{fr:,.0f} files/s | {fr / ar:.2f} | {cold / fr:.2f} | {fwcpu * 1e6:,.0f} µs | "
+                      f"{frcpu * 1e6:,.0f} µs |")
+            for label, rounds, fwa, mwf, fra, cf in floor_medians:
+                print(f"| {label}, median of {rounds} | | | {fwa:.2f} | {mwf:.2f} | | {fra:.2f} | "
+                      f"{cf:.2f} | | |")
     finally:
         for p in mounts:
             if p.poll() is None:

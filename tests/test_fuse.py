@@ -634,6 +634,27 @@ def test_mount_pages_bench_runs_each_size_asked_for(capsys: pytest.CaptureFixtur
             mount_pages.main(bad)
 
 
+@needs_fuse
+def test_mount_pages_floor_writes_and_reads_through_memfs(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--floor``: the same page files (HiCacheFile's way: a stat, ``tofile`` to a tmp name,
+    ``os.replace``) written and read back, bytes checked, through ``python -m
+    kvfs.bench.memfs`` too, and deleted after each round (its files are its memory); a second
+    table has a row per round and one of the medians, as many cells as its header."""
+    from kvfs.bench import mount_pages
+
+    assert mount_pages.main(["--pages-128k", "10", "--pages-2m", "0", "--rounds", "2",
+                             "--threads", "3", "--writer", "hicache", "--floor"]) == 0
+    tables = capsys.readouterr().out.split("\n\n")
+    assert len(tables) == 2
+    lines = tables[1].splitlines()
+    assert "floor write" in lines[0]
+    assert [line.split(" | ")[0].strip("| ") for line in lines[2:]] == [
+        "128 KiB", "128 KiB", "128 KiB, median of 2"]
+    header = lines[0][: lines[0].rindex("|") + 1]
+    assert {line.count("|") for line in lines[1:]} == {header.count("|")}
+    assert all(line.split("|")[3].strip().endswith("files/s") for line in lines[2:4])
+
+
 # fio ------------------------------------------------------------------------------
 def _fio(directory: Path, out: Path, *args: str) -> dict[str, Any]:
     res = subprocess.run(["fio", "--ioengine=psync", "--iodepth=1", f"--directory={directory}",
