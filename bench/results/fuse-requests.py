@@ -1,0 +1,107 @@
+"""The FUSE requests the kernel sends a kvfs mount per page file (bench/RESULTS.md,
+2026-12-03): ``kvfs up`` and one ``kvfs mount`` (ARGS: its arguments, e.g. --write-behind
+256MiB); 20 files written with numpy ``tofile``, then read back as HiCacheFile does
+(``open(..., "rb", buffering=0).readinto``), then read the same way through a second mount
+of the cluster (another node's cold read), while ``strace`` logs the mount's reads of
+/dev/fuse; prints each phase's requests by opcode (READ with its sizes).
+
+    python bench/results/fuse-requests.py [--write-behind 256MiB] > bench/results/fuse-requests.txt
+    env: SIZE (page bytes, 131072)
+"""
+
+import collections
+import os
+import re
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from kvfs.bench.mount_pages import _mount, kvfs_up
+
+OPS = {1: "LOOKUP", 2: "FORGET", 3: "GETATTR", 4: "SETATTR", 12: "RENAME", 14: "OPEN", 15: "READ",
+       16: "WRITE", 18: "RELEASE", 20: "FSYNC", 22: "GETXATTR", 25: "FLUSH", 35: "CREATE",
+       39: "IOCTL", 42: "BATCH_FORGET"}
+N = 20
+SIZE = int(os.environ.get("SIZE", str(128 << 10)))
+_BYTES = re.compile(r"\\x([0-9a-f]{2})")
+
+
+def requests(log: Path) -> collections.Counter[str]:
+    """The requests in an ``strace -xx`` log of reads: a read whose first 4 bytes (the
+    request's length) equal its return value is a request from /dev/fuse."""
+    out: collections.Counter[str] = collections.Counter()
+    for line in log.read_text().splitlines():
+        m = re.search(r'read\(\d+, "((?:\\x[0-9a-f]{2})+)".* = (\d+)$', line)
+        if not m:
+            continue
+        head = bytes(int(h, 16) for h in _BYTES.findall(m.group(1)))
+        if len(head) < 8 or int.from_bytes(head[:4], "little") != int(m.group(2)):
+            continue
+        op = OPS.get(int.from_bytes(head[4:8], "little"), str(int.from_bytes(head[4:8], "little")))
+        if op == "READ" and len(head) >= 64:
+            op += f" of {struct.unpack_from('<I', head, 56)[0]} bytes"
+        out[op] += 1
+    return out
+
+
+def traced(pid: int, log: Path, work: object) -> collections.Counter[str]:
+    st = subprocess.Popen(["strace", "-f", "-p", str(pid), "-e", "trace=read", "-xx", "-s", "64",
+                           "-o", str(log)], stderr=subprocess.DEVNULL)
+    time.sleep(1.0)  # (strace attached: it has no signal for that)
+    work()  # type: ignore[operator]
+    time.sleep(1.0)  # (the last requests' lines written)
+    st.terminate()
+    st.wait()
+    return requests(log)
+
+
+def main() -> None:
+    root = Path(tempfile.mkdtemp(prefix="fuse-requests-"))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        addr = kvfs_up(root, procs)
+        mnt = root / "mnt"
+        mnt.mkdir()
+        _mount(mnt, addr, sys.argv[1:], procs)
+        other = root / "mnt2"
+        other.mkdir()
+        _mount(other, addr, sys.argv[1:], procs)
+        (mnt / "d").mkdir()
+        page = np.frombuffer(os.urandom(SIZE), dtype=np.uint8)
+        names = [mnt / "d" / f"{i:04d}.bin" for i in range(N)]
+        buf = np.empty(SIZE, dtype=np.uint8)
+
+        def write() -> None:
+            for n in names:
+                page.tofile(n)
+
+        def read(where: list[Path] = names) -> None:
+            for n in where:
+                with open(n, "rb", buffering=0) as f:
+                    assert f.readinto(buf.data) == SIZE and np.array_equal(buf, page)
+
+        print(f"kvfs mount {' '.join(sys.argv[1:]) or '(default)'}, {N} files of {SIZE} bytes, "
+              f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+        elsewhere = [other / "d" / n.name for n in names]
+        for i, (what, pid, work) in enumerate((
+                ("tofile", procs[1].pid, write),
+                ("readinto (unbuffered)", procs[1].pid, read),
+                ("readinto through the second mount", procs[2].pid, lambda: read(elsewhere)))):
+            got = traced(pid, root / f"{i}.strace", work)
+            print(f"{what}: {sum(got.values())} requests, {sum(got.values()) / N:.1f} per file: "
+                  + ", ".join(f"{k} {v}" for k, v in sorted(got.items(), key=lambda kv: -kv[1])))
+    finally:
+        for m in ("mnt", "mnt2"):
+            subprocess.run(["fusermount3", "-u", str(root / m)], check=False)
+        for p in reversed(procs):
+            p.terminate()
+            p.wait(30)
+
+
+if __name__ == "__main__":
+    main()
