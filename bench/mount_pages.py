@@ -2,7 +2,8 @@
 
     python -m kvfs.bench.mount_pages [--pages-128k N] [--pages-2m N] [--threads 8]
                                      [--writer tofile|hicache|write] [--write-behind SIZE]
-                                     [--rounds N] [--mount-arg=ARG ...] [--floor]
+                                     [--rounds N] [--mount-arg=ARG ...]
+                                     [--floor [--floor-arg=ARG ...]]
 
 Starts ``kvfs up`` (3 chunkservers, no GC) in a temp dir and two ``kvfs mount`` of it (needs
 root and /dev/fuse; the second stands for another node), then per page size, in one sitting:
@@ -37,8 +38,9 @@ root and /dev/fuse; the second stands for another node), then per page size, in 
   batches of 64;
 - ``--floor``: after each round's API phase, the same writes and reads (bytes checked) through
   ``python -m kvfs.bench.memfs`` (:mod:`kvfs.bench.memfs`: files in a dict, run as ``kvfs
-  mount`` runs, each open dropping the kernel's pages), the files deleted after: a second
-  table has its files/s, their ratios to the API's and the mount's, and its CPU per file.
+  mount`` runs with its defaults, each open dropping the kernel's pages, no FLUSH unless
+  ``--floor-arg=--flush``), the files deleted after: a second table has its files/s, their
+  ratios to the API's and the mount's, and its CPU per file.
 
 Both sides read into buffers made and written once before the reads are timed (a thread's
 one page, a coroutine's batch of 64), as an engine reads into its own long-lived buffers:
@@ -97,15 +99,16 @@ def _mount(mnt: Path, addr: str, args: list[str], procs: list[subprocess.Popen[b
     _mounted(mnt, ["kvfs", "mount", str(mnt), "--addr", addr, *args], procs)
 
 
-def _mounted(mnt: Path, module_args: list[str], procs: list[subprocess.Popen[bytes]]) -> None:
-    """``python -m MODULE ARGS...`` started (its process added to ``procs``), and returned
+def _mounted(mnt: Path, module_args: list[str], procs: list[subprocess.Popen[bytes]]
+             ) -> subprocess.Popen[bytes]:
+    """``python -m MODULE ARGS...`` started (its process added to ``procs``, and returned)
     once ``mnt`` is mounted."""
     p = subprocess.Popen([sys.executable, "-m", *module_args], stdout=subprocess.DEVNULL)
     procs.append(p)
     _wait(lambda: is_mounted(str(mnt)) or p.poll() is not None, 30, "the mount")
     if p.poll() is not None:
-        raise SystemExit(f"{module_args[0]} {' '.join(module_args[1:2])} at {mnt} exited with "
-                         f"{p.returncode}")
+        raise SystemExit(f"python -m {' '.join(module_args)} exited with {p.returncode}")
+    return p
 
 
 def kvfs_up(root: Path, procs: list[subprocess.Popen[bytes]]) -> str:
@@ -308,8 +311,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="an argument for `kvfs mount` (repeat), e.g. --mount-arg=--negative-timeout=1s")
     ap.add_argument("--floor", action="store_true",
                     help="in each round, the same writes and reads through an in-memory Python "
-                    "filesystem as well (python -m kvfs.bench.memfs: what any pyfuse3 filesystem "
-                    "pays for these requests here); a second table has its rates and ratios")
+                    "filesystem as well (python -m kvfs.bench.memfs, run as kvfs mount runs with "
+                    "its defaults: what a Python filesystem pays for these requests here); a "
+                    "second table has its rates and ratios")
+    ap.add_argument("--floor-arg", action="append", default=[], metavar="ARG",
+                    help="an argument for the floor (repeat), e.g. --floor-arg=--flush")
     ns = ap.parse_args(argv)
     if min(ns.pages_128k, ns.pages_2m) < 0 or ns.threads < 1 or ns.rounds < 1:
         ap.error("--pages-128k and --pages-2m must not be negative, --threads and --rounds at "
@@ -326,8 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         addr = kvfs_up(root, ups)
         for m in (mnt, mnt2):
             _mount(m, addr, ns.mount_arg, mounts)
-        if ns.floor:
-            _mounted(fmnt, ["kvfs.bench.memfs", str(fmnt)], mounts)
+        floor = _mounted(fmnt, ["kvfs.bench.memfs", str(fmnt), *ns.floor_arg], mounts) if ns.floor else None
         rows = []
         medians = []
         floor_rows: list[tuple[str, int, float, float, float, float, float, float, float, float]] = []
@@ -345,9 +350,9 @@ def main(argv: list[str] | None = None) -> int:
                 aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
                 rows.append((label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait, ocpu, free))
                 ratios.append((mw / aw, mr / ar, mrr / ar, cold / ar))
-                if ns.floor:
+                if floor is not None:
                     fw, fr, fwcpu, frcpu = floor_round(fmnt, pages, ns.threads, "f" + tag, ns.writer,
-                                                       mounts[2].pid)
+                                                       floor.pid)
                     floor_rows.append((label, n, fw, aw, mw, fr, ar, cold, fwcpu, frcpu))
                     floor_ratios.append((fw / aw, mw / fw, fr / ar, cold / fr))
             if ns.rounds > 1:
@@ -375,11 +380,12 @@ def main(argv: list[str] | None = None) -> int:
         for label, rounds, w, r, rr, c in medians:
             print(f"| {label}, median of {rounds} | | | | | {w:.2f} | | | {r:.2f} | | {rr:.2f} | | "
                   f"{c:.2f} | | | | |")
-        if ns.floor:
+        if floor is not None:
             print()
             print("| page | pages | floor write | floor/API write | mount write/floor | floor read | "
                   "floor/API read | 2nd mount read/floor | floor CPU/file written | "
-                  "floor CPU/file read |  (the floor: python -m kvfs.bench.memfs, the same "
+                  "floor CPU/file read |  (the floor: python -m kvfs.bench.memfs "
+                  f"{' '.join(ns.floor_arg)}{' ' if ns.floor_arg else ''}MOUNTPOINT, the same "
                   "threads and files, after each round's API phase)")
             print("|---|---|---|---|---|---|---|---|---|---|")
             for label, n, fw, aw, mw, fr, ar, cold, fwcpu, frcpu in floor_rows:

@@ -634,6 +634,42 @@ def test_mount_pages_bench_runs_each_size_asked_for(capsys: pytest.CaptureFixtur
             mount_pages.main(bad)
 
 
+def test_memfs_floor_keeps_what_a_filesystem_must() -> None:
+    """bench/memfs.py (the floor), driven directly, no mount: a first write kept, a write past
+    the end leaves zeros; a rename over an open file keeps that file's bytes for its handle until
+    its last release; O_TRUNC empties; unlink frees; FLUSH is left to pyfuse3 (ENOSYS, so the
+    kernel stops sending it) unless ``--flush``."""
+    pyfuse3 = pytest.importorskip("pyfuse3")
+    from kvfs.bench.memfs import MemFS, MemFSFlush
+
+    assert MemFS.flush is pyfuse3.Operations.flush and MemFSFlush.flush is not MemFS.flush
+    fs, root, ctx = MemFS(), pyfuse3.ROOT_INODE, None
+
+    async def go() -> None:
+        a, _ = await fs.create(root, b"a", 0o644, os.O_WRONLY, ctx)
+        assert await fs.write(a.fh, 0, b"hello") == 5
+        assert await fs.write(a.fh, 7, b"!") == 1
+        assert bytes(await fs.read(a.fh, 0, 100)) == b"hello\0\0!"
+        assert (await fs.getattr(a.fh, ctx)).st_size == 8
+        await fs.release(a.fh)
+        b, _ = await fs.create(root, b"b", 0o644, os.O_WRONLY, ctx)
+        await fs.write(b.fh, 0, b"bee")
+        await fs.rename(root, b"a", root, b"b", 0, ctx)  # over b, still open
+        assert (await fs.lookup(root, b"b", ctx)).st_ino == a.fh
+        with pytest.raises(pyfuse3.FUSEError):
+            await fs.lookup(root, b"a", ctx)
+        assert bytes(await fs.read(b.fh, 0, 10)) == b"bee"
+        await fs.release(b.fh)
+        assert b.fh not in fs.data
+        t = await fs.open(a.fh, os.O_WRONLY | os.O_TRUNC, ctx)
+        assert (await fs.getattr(a.fh, ctx)).st_size == 0
+        await fs.release(t.fh)
+        await fs.unlink(root, b"b", ctx)
+        assert not fs.data and not fs.names and not fs.opens and not fs.orphans
+
+    asyncio.run(go())
+
+
 @needs_fuse
 def test_mount_pages_floor_writes_and_reads_through_memfs(capsys: pytest.CaptureFixture[str]) -> None:
     """``--floor``: the same page files (HiCacheFile's way: a stat, ``tofile`` to a tmp name,

@@ -5,13 +5,16 @@
 of the cluster (another node's cold read), while ``strace`` logs the mount's reads of
 /dev/fuse; prints each phase's requests by opcode (READ with its sizes).
 
-    python bench/results/fuse-requests.py [--write-behind 256MiB] > bench/results/fuse-requests.txt
+    python bench/results/fuse-requests.py --write-behind 256MiB > bench/results/fuse-requests.txt
+    SIZE=2097152 python bench/results/fuse-requests.py --write-behind 256MiB --direct-first-open \
+        >> bench/results/fuse-requests.txt
     env: SIZE (page bytes, 131072)
 """
 
 import collections
 import os
 import re
+import shutil
 import struct
 import subprocess
 import sys
@@ -50,13 +53,21 @@ def requests(log: Path) -> collections.Counter[str]:
 
 
 def traced(pid: int, log: Path, work: object) -> collections.Counter[str]:
+    """The requests process ``pid`` read from /dev/fuse while ``work()`` ran."""
     st = subprocess.Popen(["strace", "-f", "-p", str(pid), "-e", "trace=read", "-xx", "-s", "64",
-                           "-o", str(log)], stderr=subprocess.DEVNULL)
-    time.sleep(1.0)  # (strace attached: it has no signal for that)
-    work()  # type: ignore[operator]
-    time.sleep(1.0)  # (the last requests' lines written)
-    st.terminate()
-    st.wait()
+                           "-o", str(log)], stderr=subprocess.PIPE, text=True)
+    try:
+        assert st.stderr is not None
+        for line in st.stderr:  # "Process N attached with M threads": every thread traced
+            if "attached" in line:
+                break
+        else:
+            raise SystemExit(f"strace did not attach to {pid}")
+        work()  # type: ignore[operator]
+        time.sleep(1.0)  # the kernel sends RELEASE in the background after close returns
+    finally:
+        st.terminate()  # (it writes out its log as it exits)
+        st.wait()
     return requests(log)
 
 
@@ -101,6 +112,7 @@ def main() -> None:
         for p in reversed(procs):
             p.terminate()
             p.wait(30)
+        shutil.rmtree(root, ignore_errors=True)
 
 
 if __name__ == "__main__":

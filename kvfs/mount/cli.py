@@ -27,9 +27,11 @@ from kvfs.mount.mtab import is_mounted, set_read_ahead
 from kvfs.mount.ops import KVFSOperations
 from kvfs.units import parse_duration
 
-__all__ = ["add_mount_arguments", "add_umount_arguments", "cmd_mount", "cmd_umount"]
+__all__ = ["ATTR_TIMEOUT_S", "add_mount_arguments", "add_umount_arguments", "cmd_mount", "cmd_umount",
+           "tune_read_ahead"]
 
 log = logging.getLogger("kvfs.mount")
+ATTR_TIMEOUT_S = 1.0  # --attr-timeout's default: the kernel's entry and attribute timeouts
 
 
 def add_mount_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,7 +44,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     add_cluster_options(p)
     p.add_argument("--timeout", type=parse_duration, default=10.0, metavar="DURATION",
                    help="fail a request with EIO after this long (default 10s)")
-    p.add_argument("--attr-timeout", type=parse_duration, default=1.0, metavar="DURATION",
+    p.add_argument("--attr-timeout", type=parse_duration, default=ATTR_TIMEOUT_S, metavar="DURATION",
                    help="how long the kernel may cache names and sizes (default 1s)")
     p.add_argument("--ttl", type=parse_duration, default=None, metavar="DURATION",
                    help="expiry of files written through the mount (default: the cluster's)")
@@ -138,13 +140,18 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
     return 0
 
 
-async def _tune(mnt: str, config: MountConfig) -> None:
+async def tune_read_ahead(mnt: str, config: MountConfig) -> str | None:
     """Once the kernel has the mount (a stat of it answered: FUSE's INIT, which sets the
-    read-ahead too, is done), its read-ahead becomes ``--kernel-read-ahead``."""
+    read-ahead too, is done), its read-ahead becomes ``--kernel-read-ahead``; why it was left
+    as it is, None when it was set (or not asked for)."""
     if not config.kernel_read_ahead_bytes:
-        return
+        return None
     await asyncio.to_thread(os.stat, mnt)
-    why = set_read_ahead(mnt, config.kernel_read_ahead_bytes)
+    return set_read_ahead(mnt, config.kernel_read_ahead_bytes)
+
+
+async def _tune(mnt: str, config: MountConfig) -> None:
+    why = await tune_read_ahead(mnt, config)
     if why is not None:
         log.info("kernel read-ahead left as it is: %s", why)
 
