@@ -8,7 +8,9 @@ of the cluster (another node's cold read), while ``strace`` logs the mount's rea
     python bench/results/fuse-requests.py --write-behind 256MiB > bench/results/fuse-requests.txt
     SIZE=2097152 python bench/results/fuse-requests.py --write-behind 256MiB --direct-first-open \
         >> bench/results/fuse-requests.txt
-    env: SIZE (page bytes, 131072)
+    FLOOR=1 python bench/results/fuse-requests.py [--flush] >> bench/results/fuse-requests.txt
+    env: SIZE (page bytes, 131072); FLOOR=1: the floor (python -m kvfs.bench.memfs ARGS) instead,
+    one mount, no cluster
 """
 
 import collections
@@ -24,13 +26,15 @@ from pathlib import Path
 
 import numpy as np
 
-from kvfs.bench.mount_pages import _mount, kvfs_up
+from kvfs.bench.mount_pages import _mounted, kvfs_up
+from kvfs.mount import is_mounted
 
 OPS = {1: "LOOKUP", 2: "FORGET", 3: "GETATTR", 4: "SETATTR", 12: "RENAME", 14: "OPEN", 15: "READ",
        16: "WRITE", 18: "RELEASE", 20: "FSYNC", 22: "GETXATTR", 25: "FLUSH", 35: "CREATE",
        39: "IOCTL", 42: "BATCH_FORGET"}
 N = 20
 SIZE = int(os.environ.get("SIZE", str(128 << 10)))
+FLOOR = os.environ.get("FLOOR") == "1"
 _BYTES = re.compile(r"\\x([0-9a-f]{2})")
 
 
@@ -75,16 +79,20 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="fuse-requests-"))
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        addr = kvfs_up(root, procs)
-        mnt = root / "mnt"
+        mnt, other = root / "mnt", root / "mnt2"
         mnt.mkdir()
-        _mount(mnt, addr, sys.argv[1:], procs)
-        other = root / "mnt2"
         other.mkdir()
-        _mount(other, addr, sys.argv[1:], procs)
-        (mnt / "d").mkdir()
+        if FLOOR:  # the floor alone, in one directory: no cluster, no second mount
+            fs = _mounted(mnt, ["kvfs.bench.memfs", *sys.argv[1:], str(mnt)], procs)
+            d = mnt
+        else:
+            addr = kvfs_up(root, procs)
+            fs = _mounted(mnt, ["kvfs", "mount", str(mnt), "--addr", addr, *sys.argv[1:]], procs)
+            _mounted(other, ["kvfs", "mount", str(other), "--addr", addr, *sys.argv[1:]], procs)
+            d = mnt / "d"
+            d.mkdir()
         page = np.frombuffer(os.urandom(SIZE), dtype=np.uint8)
-        names = [mnt / "d" / f"{i:04d}.bin" for i in range(N)]
+        names = [d / f"{i:04d}.bin" for i in range(N)]
         buf = np.empty(SIZE, dtype=np.uint8)
 
         def write() -> None:
@@ -96,19 +104,21 @@ def main() -> None:
                 with open(n, "rb", buffering=0) as f:
                     assert f.readinto(buf.data) == SIZE and np.array_equal(buf, page)
 
-        print(f"kvfs mount {' '.join(sys.argv[1:]) or '(default)'}, {N} files of {SIZE} bytes, "
+        print(f"{'python -m kvfs.bench.memfs' if FLOOR else 'kvfs mount'} "
+              f"{' '.join(sys.argv[1:]) or '(default)'}, {N} files of {SIZE} bytes, "
               f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
-        elsewhere = [other / "d" / n.name for n in names]
-        for i, (what, pid, work) in enumerate((
-                ("tofile", procs[1].pid, write),
-                ("readinto (unbuffered)", procs[1].pid, read),
-                ("readinto through the second mount", procs[2].pid, lambda: read(elsewhere)))):
+        phases = [("tofile", fs.pid, write), ("readinto (unbuffered)", fs.pid, read)]
+        if not FLOOR:
+            elsewhere = [other / "d" / n.name for n in names]
+            phases.append(("readinto through the second mount", procs[-1].pid, lambda: read(elsewhere)))
+        for i, (what, pid, work) in enumerate(phases):
             got = traced(pid, root / f"{i}.strace", work)
             print(f"{what}: {sum(got.values())} requests, {sum(got.values()) / N:.1f} per file: "
                   + ", ".join(f"{k} {v}" for k, v in sorted(got.items(), key=lambda kv: -kv[1])))
     finally:
         for m in ("mnt", "mnt2"):
-            subprocess.run(["fusermount3", "-u", str(root / m)], check=False)
+            if is_mounted(str(root / m)):
+                subprocess.run(["fusermount3", "-u", str(root / m)], check=False)
         for p in reversed(procs):
             p.terminate()
             p.wait(30)
