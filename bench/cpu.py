@@ -26,7 +26,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["CpuProbe", "cpu_seconds", "free_text", "mem_free_mib", "run_queue_wait_s", "small_free_mib"]
+__all__ = ["CpuProbe", "cpu_seconds", "free_text", "machine_cpu_seconds", "mem_free_mib", "run_queue_wait_s",
+           "small_free_mib"]
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -40,6 +41,21 @@ def cpu_seconds(pid: int) -> float | None:
         return None
     fields = stat[stat.rindex(b")") + 2 :].split()  # after "pid (comm) "; comm may hold spaces
     return (int(fields[11]) + int(fields[12])) / _TICK  # fields 14 and 15 of the whole line
+
+
+def machine_cpu_seconds() -> float | None:
+    """The CPU time every CPU of the machine has spent busy so far (``/proc/stat``'s ``cpu``
+    line: user, nice, system, irq, softirq and steal; guest time is in user), in seconds, or
+    None if it cannot be read."""
+    try:
+        with open("/proc/stat", "rb") as f:
+            fields = f.readline().split()
+        if fields[0] != b"cpu":
+            return None
+        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+    except (OSError, IndexError, ValueError):
+        return None
+    return (user + nice + system + irq + softirq + steal) / _TICK
 
 
 def mem_free_mib() -> int | None:

@@ -40,7 +40,12 @@ root and /dev/fuse; the second stands for another node), then per page size, in 
   ``python -m kvfs.bench.memfs`` (:mod:`kvfs.bench.memfs`: files in a dict, run as ``kvfs
   mount`` runs with its defaults, each open dropping the kernel's pages, no FLUSH unless
   ``--floor-arg=--flush``), the files deleted after: a second table has its files/s, their
-  ratios to the API's and the mount's, and its CPU per file.
+  ratios to the API's and the mount's, and its CPU per file; then the machine's CPU (every
+  process's and the kernel's, ``/proc/stat``) per file written through the floor, per page
+  written through the API and per file written through the mount, and a bound from them: a
+  mount's write does at least the floor's work and the API's (the same client), so on this
+  machine's CPUs it writes at most CPUs / (floor + API) files/s, shown against the API's rate
+  (a bound only where the machine's CPUs are the limit: the phases keep them busy).
 
 Both sides read into buffers made and written once before the reads are timed (a thread's
 one page, a coroutine's batch of 64), as an engine reads into its own long-lived buffers:
@@ -81,7 +86,7 @@ from kvfs.chunkserver.durability import fsync_dir
 from kvfs.client import AsyncClient
 from kvfs.mount import is_mounted
 
-from .cpu import cpu_seconds, free_text, run_queue_wait_s
+from .cpu import cpu_seconds, free_text, machine_cpu_seconds, run_queue_wait_s
 
 BATCH = 64
 
@@ -148,6 +153,13 @@ def _buffers(n: int, like: np.ndarray) -> list[np.ndarray]:
     return [np.ones_like(like) for _ in range(n)]
 
 
+def _machine_s() -> float:
+    """The machine's busy CPU seconds so far (every process and the kernel; NaN where there is
+    no reading)."""
+    busy = machine_cpu_seconds()
+    return float("nan") if busy is None else busy
+
+
 def _cpu_wait_s(pid: int | None) -> tuple[float, float]:
     """The CPU time process ``pid`` has used so far, and its threads' run-queue wait (NaN
     where there is no process or no reading)."""
@@ -186,7 +198,7 @@ def _read_pages(where: list[Path], pages: list[np.ndarray], ids: range, buf: np.
 
 def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, tag: str,
                 writer: str = "tofile", mount_pid: int | None = None, other_pid: int | None = None
-                ) -> tuple[float, float, float, float, float, float, float, float, str]:
+                ) -> tuple[float, float, float, float, float, float, float, float, str, float]:
     d = mnt / tag
     d.mkdir()
     names = [d / f"{i:08d}.bin" for i in range(len(pages))]
@@ -202,12 +214,14 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
 
     with ThreadPoolExecutor(threads) as ex:
         cpu0, wait0 = _cpu_wait_s(mount_pid)
+        busy0 = _machine_s()
         t0 = time.perf_counter()
         list(ex.map(write, share))
         tc = time.perf_counter() - t0
         fsync_dir(d)  # write-behind: every file held under it committed
         tw = time.perf_counter() - t0
         cpu1, wait1 = _cpu_wait_s(mount_pid)
+        busy1 = _machine_s()
         t0 = time.perf_counter()
         bad = sum(ex.map(read, share))
         tr = time.perf_counter() - t0
@@ -224,14 +238,15 @@ def mount_round(mnt: Path, other: Path, pages: list[np.ndarray], threads: int, t
         raise SystemExit(f"{bad} pages read back wrong through the mount")
     n = len(pages)
     return (n / tc, n / tw, n / tr, n / trr, n / tcold, (cpu1 - cpu0) / n, (wait1 - wait0) / n,
-            (ocpu1 - ocpu0) / n, free)
+            (ocpu1 - ocpu0) / n, free, (busy1 - busy0) / n)
 
 
 def floor_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str, writer: str,
-                pid: int) -> tuple[float, float, float, float]:
+                pid: int) -> tuple[float, float, float, float, float]:
     """The same writes and reads through ``python -m kvfs.bench.memfs`` at ``mnt`` (process
-    ``pid``): files/s written, files/s read, its CPU per file written and per file read.
-    The files are deleted after (the floor holds them in its memory)."""
+    ``pid``): files/s written, files/s read, its CPU per file written and per file read, and
+    the machine's CPU per file written (the writers', the kernel's and the floor's).  The
+    files are deleted after (the floor holds them in its memory)."""
     names = [mnt / f"{tag}-{i:08d}.bin" for i in range(len(pages))]
     share = [range(t, len(pages), threads) for t in range(threads)]
     bufs = _buffers(threads, pages[0])
@@ -243,11 +258,11 @@ def floor_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str, writ
         return _read_pages(names, pages, ids, bufs[ids.start])
 
     with ThreadPoolExecutor(threads) as ex:
-        cpu0 = _cpu_wait_s(pid)[0]
+        cpu0, busy0 = _cpu_wait_s(pid)[0], _machine_s()
         t0 = time.perf_counter()
         list(ex.map(write, share))
         tw = time.perf_counter() - t0
-        cpu1 = _cpu_wait_s(pid)[0]
+        cpu1, busy1 = _cpu_wait_s(pid)[0], _machine_s()
         t0 = time.perf_counter()
         bad = sum(ex.map(read, share))
         tr = time.perf_counter() - t0
@@ -257,10 +272,13 @@ def floor_round(mnt: Path, pages: list[np.ndarray], threads: int, tag: str, writ
     if bad:
         raise SystemExit(f"{bad} pages read back wrong through the floor filesystem")
     n = len(pages)
-    return n / tw, n / tr, (cpu1 - cpu0) / n, (cpu2 - cpu1) / n
+    return n / tw, n / tr, (cpu1 - cpu0) / n, (cpu2 - cpu1) / n, (busy1 - busy0) / n
 
 
-async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) -> tuple[float, float]:
+async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str
+                    ) -> tuple[float, float, float]:
+    """Pages/s written and read through the API, and the machine's CPU per page written (the
+    client's, the cluster's and the kernel's)."""
     keys = [f"{tag}/{i:08d}" for i in range(len(pages))]
     batches = [range(s, min(s + BATCH, len(pages))) for s in range(0, len(pages), BATCH)]
     async with AsyncClient(addr) as kv:
@@ -279,15 +297,17 @@ async def api_round(addr: str, pages: list[np.ndarray], threads: int, tag: str) 
                            for j, (i, n) in enumerate(zip(b, got, strict=True)))
             return bad
 
+        busy0 = _machine_s()
         t0 = time.perf_counter()
         await asyncio.gather(*(writer(t) for t in range(threads)))
         tw = time.perf_counter() - t0
+        busy1 = _machine_s()
         t0 = time.perf_counter()
         bad = sum(await asyncio.gather(*(reader(t) for t in range(threads))))
         tr = time.perf_counter() - t0
     if bad:
         raise SystemExit(f"{bad} pages read back wrong through the API")
-    return len(pages) / tw, len(pages) / tr
+    return len(pages) / tw, len(pages) / tr, (busy1 - busy0) / len(pages)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -335,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         floor = _mounted(fmnt, ["kvfs.bench.memfs", str(fmnt), *ns.floor_arg], mounts) if ns.floor else None
         rows = []
         medians = []
-        floor_rows: list[tuple[str, int, float, float, float, float, float, float, float, float]] = []
+        floor_rows: list[tuple[str, int, float, float, float, float, float, float, float, float,
+                               float, float, float, float]] = []
+        cpus = os.cpu_count() or 1
         floor_medians = []
         for label, n, size in (("128 KiB", ns.pages_128k, 128 * 1024), ("2 MiB", ns.pages_2m, 2 << 20)):
             if not n:  # skipped (there is no page to time)
@@ -345,16 +367,18 @@ def main(argv: list[str] | None = None) -> int:
             floor_ratios = []
             for r in range(ns.rounds):
                 tag = label.replace(" ", "") + (f"r{r}" if r else "")
-                mc, mw, mr, mrr, cold, mcpu, mwait, ocpu, free = mount_round(
+                mc, mw, mr, mrr, cold, mcpu, mwait, ocpu, free, mbusy = mount_round(
                     mnt, mnt2, pages, ns.threads, "m" + tag, ns.writer, mounts[0].pid, mounts[1].pid)
-                aw, ar = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
+                aw, ar, abusy = asyncio.run(api_round(addr, pages, ns.threads, "a" + tag))
                 rows.append((label, n, mc, mw, aw, mr, ar, mrr, cold, mcpu, mwait, ocpu, free))
                 ratios.append((mw / aw, mr / ar, mrr / ar, cold / ar))
                 if floor is not None:
-                    fw, fr, fwcpu, frcpu = floor_round(fmnt, pages, ns.threads, "f" + tag, ns.writer,
-                                                       floor.pid)
-                    floor_rows.append((label, n, fw, aw, mw, fr, ar, cold, fwcpu, frcpu))
-                    floor_ratios.append((fw / aw, mw / fw, fr / ar, cold / fr))
+                    fw, fr, fwcpu, frcpu, fbusy = floor_round(fmnt, pages, ns.threads, "f" + tag,
+                                                              ns.writer, floor.pid)
+                    bound = cpus / (fbusy + abusy) / aw  # the floor's work and the API's, per file
+                    floor_rows.append((label, n, fw, aw, mw, fr, ar, cold, fwcpu, frcpu, fbusy, abusy,
+                                       mbusy, bound))
+                    floor_ratios.append((fw / aw, mw / fw, fr / ar, cold / fr, bound))
             if ns.rounds > 1:
                 medians.append((label, ns.rounds,
                                 *(statistics.median(x) for x in zip(*ratios, strict=True))))
@@ -384,17 +408,20 @@ def main(argv: list[str] | None = None) -> int:
             print()
             print("| page | pages | floor write | floor/API write | mount write/floor | floor read | "
                   "floor/API read | 2nd mount read/floor | floor CPU/file written | "
-                  "floor CPU/file read |  (the floor: python -m kvfs.bench.memfs "
+                  "floor CPU/file read | machine CPU/file written: floor | API | mount | "
+                  f"{cpus} CPUs / (floor + API) / API write |  (the floor: python -m kvfs.bench.memfs "
                   f"{' '.join(ns.floor_arg)}{' ' if ns.floor_arg else ''}MOUNTPOINT, the same "
                   "threads and files, after each round's API phase)")
-            print("|---|---|---|---|---|---|---|---|---|---|")
-            for label, n, fw, aw, mw, fr, ar, cold, fwcpu, frcpu in floor_rows:
+            print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+            for (label, n, fw, aw, mw, fr, ar, cold, fwcpu, frcpu, fbusy, abusy, mbusy,
+                 bound) in floor_rows:
                 print(f"| {label} | {n} | {fw:,.0f} files/s | {fw / aw:.2f} | {mw / fw:.2f} | "
                       f"{fr:,.0f} files/s | {fr / ar:.2f} | {cold / fr:.2f} | {fwcpu * 1e6:,.0f} µs | "
-                      f"{frcpu * 1e6:,.0f} µs |")
-            for label, rounds, fwa, mwf, fra, cf in floor_medians:
+                      f"{frcpu * 1e6:,.0f} µs | {fbusy * 1e6:,.0f} µs | {abusy * 1e6:,.0f} µs | "
+                      f"{mbusy * 1e6:,.0f} µs | {bound:.2f} |")
+            for label, rounds, fwa, mwf, fra, cf, bnd in floor_medians:
                 print(f"| {label}, median of {rounds} | | | {fwa:.2f} | {mwf:.2f} | | {fra:.2f} | "
-                      f"{cf:.2f} | | |")
+                      f"{cf:.2f} | | | | | | {bnd:.2f} |")
     finally:
         for p in mounts:
             if p.poll() is None:

@@ -165,6 +165,20 @@ def test_cpu_seconds_reads_a_process_own_counters() -> None:
     assert rep["me"]["wait_cpus"] is not None and rep["me"]["wait_cpus"] >= 0
 
 
+def test_machine_cpu_counts_at_least_this_process_busy() -> None:
+    """The machine's busy CPU seconds (``/proc/stat``) grow by at least what this process
+    spent meanwhile: every process's time is in them."""
+    from kvfs.bench.cpu import cpu_seconds, machine_cpu_seconds
+
+    busy0, mine0 = machine_cpu_seconds(), cpu_seconds(os.getpid())
+    sum(i * i for i in range(3_000_000))  # burn some CPU (bounded by count)
+    busy1, mine1 = machine_cpu_seconds(), cpu_seconds(os.getpid())
+    assert None not in (busy0, busy1, mine0, mine1)
+    assert mine1 > mine0  # type: ignore[operator]
+    # both count clock ticks: one tick of slack for each reading's rounding
+    assert busy1 - busy0 >= mine1 - mine0 - 2 / os.sysconf("SC_CLK_TCK")  # type: ignore[operator]
+
+
 def test_small_free_counts_the_free_blocks_under_the_reporting_order(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The free memory in blocks smaller than free page reporting hands back (orders below
