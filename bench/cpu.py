@@ -45,17 +45,17 @@ def cpu_seconds(pid: int) -> float | None:
 
 def machine_cpu_seconds() -> float | None:
     """The CPU time every CPU of the machine has spent busy so far (``/proc/stat``'s ``cpu``
-    line: user, nice, system, irq, softirq and steal; guest time is in user), in seconds, or
-    None if it cannot be read."""
+    line: user, nice, system, irq and softirq; guest time is in user; not steal, the time a
+    hypervisor ran something else), in seconds, or None if it cannot be read."""
     try:
         with open("/proc/stat", "rb") as f:
             fields = f.readline().split()
         if fields[0] != b"cpu":
             return None
-        user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[1:9])
+        user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in fields[1:8])
     except (OSError, IndexError, ValueError):
         return None
-    return (user + nice + system + irq + softirq + steal) / _TICK
+    return (user + nice + system + irq + softirq) / _TICK
 
 
 def mem_free_mib() -> int | None:

@@ -9,6 +9,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -170,13 +171,15 @@ def test_machine_cpu_counts_at_least_this_process_busy() -> None:
     spent meanwhile: every process's time is in them."""
     from kvfs.bench.cpu import cpu_seconds, machine_cpu_seconds
 
-    busy0, mine0 = machine_cpu_seconds(), cpu_seconds(os.getpid())
+    t0, busy0, mine0 = time.monotonic(), machine_cpu_seconds(), cpu_seconds(os.getpid())
     sum(i * i for i in range(3_000_000))  # burn some CPU (bounded by count)
-    busy1, mine1 = machine_cpu_seconds(), cpu_seconds(os.getpid())
+    busy1, mine1, t1 = machine_cpu_seconds(), cpu_seconds(os.getpid()), time.monotonic()
     assert None not in (busy0, busy1, mine0, mine1)
     assert mine1 > mine0  # type: ignore[operator]
-    # both count clock ticks: one tick of slack for each reading's rounding
-    assert busy1 - busy0 >= mine1 - mine0 - 2 / os.sysconf("SC_CLK_TCK")  # type: ignore[operator]
+    tick = 1 / os.sysconf("SC_CLK_TCK")  # both count clock ticks: one of slack per reading
+    assert busy1 - busy0 >= mine1 - mine0 - 2 * tick  # type: ignore[operator]
+    # and no idle time: at most every CPU busy for the whole while
+    assert busy1 - busy0 <= ((t1 - t0) + 2 * tick) * (os.cpu_count() or 1)  # type: ignore[operator]
 
 
 def test_small_free_counts_the_free_blocks_under_the_reporting_order(

@@ -81,13 +81,13 @@ def main() -> None:
     try:
         mnt, other = root / "mnt", root / "mnt2"
         mnt.mkdir()
-        other.mkdir()
         if FLOOR:  # the floor alone, in one directory: no cluster, no second mount
             fs = _mounted(mnt, ["kvfs.bench.memfs", *sys.argv[1:], str(mnt)], procs)
             d = mnt
         else:
             addr = kvfs_up(root, procs)
             fs = _mounted(mnt, ["kvfs", "mount", str(mnt), "--addr", addr, *sys.argv[1:]], procs)
+            other.mkdir()
             _mounted(other, ["kvfs", "mount", str(other), "--addr", addr, *sys.argv[1:]], procs)
             d = mnt / "d"
             d.mkdir()
