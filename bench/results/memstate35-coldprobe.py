@@ -24,7 +24,7 @@ import numpy as np
 
 import kvfs
 from kvfs.bench.cpu import free_text
-from kvfs.bench.mount_pages import _cpu_wait_s, _mount, kvfs_up
+from kvfs.bench.mount_pages import _cpu_wait_s, _mount, _read_pages, kvfs_up
 
 ROUNDS = int(os.environ.get("ROUNDS", "6"))
 N = int(os.environ.get("N", "256"))
@@ -58,12 +58,7 @@ def main() -> None:
             names = [mnt / tag / f"{i:08d}.bin" for i in range(N)]
 
             def read(t: int, names: list[Path] = names) -> int:
-                bad = 0
-                for i in range(t, N, THREADS):
-                    with open(names[i], "rb", buffering=0) as f:
-                        n = f.readinto(bufs[t].data)
-                    bad += n != SIZE or not np.array_equal(bufs[t], pages[i])
-                return bad
+                return _read_pages(names, pages, range(t, N, THREADS), bufs[t])
 
             perf = None
             if os.environ.get("PERF"):
