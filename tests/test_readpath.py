@@ -67,8 +67,12 @@ async def test_chain_written_together_is_read_with_one_span(cluster: LocalCluste
     assert sum(s.file_spans for s in stores) == 0
     for cs in servers:
         cs.config = replace(cs.config, sendfile_min_bytes=64 * 1024)
-    assert await kv.get_many(list(chain)) == list(chain.values())
-    assert sum(s.file_spans for s in stores) == 64
+    for _ in range(20):  # (a page evicted since: that READV is read into a buffer, and cached)
+        before = [s.file_spans for s in stores]
+        assert await kv.get_many(list(chain)) == list(chain.values())
+        if sum(s.file_spans for s in stores) > sum(before):
+            break
+    assert sum(s.file_spans for s in stores) - sum(before) == 64
     for cs, cfg in zip(servers, configs, strict=True):
         cs.config = cfg
 
