@@ -41,6 +41,7 @@ from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.redis_local import LocalRedisCluster
 from kvfs.meta.redis_store import RedisMetaStore
 from kvfs.packed import pack as pack_layouts
+from kvfs.server import reply_of
 
 NOW = 1_800_000_000.0
 
@@ -82,10 +83,10 @@ class SqliteMeta:
         await self.meta.rpc_commit(self.rpc.Commit(packed=packed), memoryview(b""))
 
     async def lookup(self, keys: list[bytes], now: float) -> Any:
-        return await self.meta.rpc_lookup(self.rpc.Lookup(keys=keys), memoryview(b""))
+        return await reply_of(self.meta.rpc_lookup(self.rpc.Lookup(keys=keys), memoryview(b"")))
 
     async def match_prefix(self, keys: list[bytes], now: float) -> Any:
-        return await self.meta.rpc_match_prefix(self.rpc.MatchPrefix(keys=keys), memoryview(b""))
+        return await reply_of(self.meta.rpc_match_prefix(self.rpc.MatchPrefix(keys=keys), memoryview(b"")))
 
     async def delete(self, keys: list[bytes]) -> Any:
         return await self.meta.rpc_delete(self.rpc.Delete(keys=keys), memoryview(b""))

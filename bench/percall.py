@@ -63,6 +63,7 @@ from kvfs.protocol import (
     pack_header,
 )
 from kvfs.rpc import Op
+from kvfs.server import reply_of
 
 N = 128  # keys per call
 BS = 4096
@@ -347,7 +348,7 @@ async def lookup_paths(calls: int, tmp: Path) -> dict[str, float]:
             frames = [pack_header(typ(keys=keys[j * N : (j + 1) * N])) for j in range(64)]
 
             async def one(i: int, typ: Any = typ, handler: Any = handler, frames: list[bytes] = frames) -> object:
-                answer, _ = await handler(_typed(rpc.OP_OF[typ], frames[i % 64]), memoryview(b""))
+                answer, _ = await reply_of(handler(_typed(rpc.OP_OF[typ], frames[i % 64]), memoryview(b"")))
                 return pack_header(answer)
 
             out[name] = await _measure(one, calls, 1)

@@ -450,6 +450,11 @@ class MetaIndex(ServerRegistry):
         return max(held.values()) if held else 0.0
 
     async def release(self, keys: Sequence[bytes], holder: str) -> int:
+        return self.release_now(keys, holder)
+
+    # The key RPCs' answers, had at once (this index is in memory): meta's service answers
+    # them without a task (``*_now``); the async forms are the MetaStore interface's.
+    def release_now(self, keys: Sequence[bytes], holder: str) -> int:
         """End ``holder``'s leases of keys; returns how many it had one on."""
         n = 0
         leases = self.leases
@@ -463,6 +468,10 @@ class MetaIndex(ServerRegistry):
 
     async def lookup(self, keys: Sequence[bytes], now: float,
                      lease: Lease | None = None) -> list[Layout | None]:
+        return self.lookup_now(keys, now, lease)
+
+    def lookup_now(self, keys: Sequence[bytes], now: float,
+                   lease: Lease | None = None) -> list[Layout | None]:
         out: list[Layout | None] = []
         dirty, accessed, entries = self.dirty_access, self.accessed, self.entries
         for k in keys:  # (self.get, inlined: this runs per looked-up key)
@@ -481,6 +490,9 @@ class MetaIndex(ServerRegistry):
         return out
 
     async def touch(self, keys: Sequence[bytes], now: float) -> None:
+        self.touch_now(keys, now)
+
+    def touch_now(self, keys: Sequence[bytes], now: float) -> None:
         entries, accessed, dirty = self.entries, self.accessed, self.dirty_access
         for k in keys:
             if k in entries:
@@ -506,12 +518,19 @@ class MetaIndex(ServerRegistry):
 
     async def exists(self, keys: Sequence[bytes], now: float,
                      lease: Lease | None = None) -> list[bool]:
+        return self.exists_now(keys, now, lease)
+
+    def exists_now(self, keys: Sequence[bytes], now: float,
+                   lease: Lease | None = None) -> list[bool]:
         out = self._present(keys, now)
         if lease is not None:
             self.lease([k for k, ok in zip(keys, out, strict=True) if ok], now, lease)
         return out
 
     async def match_prefix(self, keys: Sequence[bytes], now: float, lease: Lease | None) -> int:
+        return self.match_prefix_now(keys, now, lease)
+
+    def match_prefix_now(self, keys: Sequence[bytes], now: float, lease: Lease | None) -> int:
         present = self._present(keys, now)
         n = present.index(False) if False in present else len(present)
         if lease is not None:

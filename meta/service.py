@@ -14,8 +14,8 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from typing import TYPE_CHECKING, TypeVar
 
 from kvfs import rpc
 from kvfs.address import parse_addr, service_tokens
@@ -37,6 +37,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvfs.meta")
 
+T = TypeVar("T")
+
+
+async def _answer(make: Callable[[T], rpc.Response], got: Awaitable[T]) -> Reply:
+    """The answer ``make`` makes of what ``got`` gives, once it does."""
+    return make(await got), ()
+
 
 class MetaService:
     def __init__(self, config: MetaConfig, *, clock: Callable[[], float] = time.time,
@@ -48,6 +55,7 @@ class MetaService:
         raise_nofile_limit()
         self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
         self.index: MetaIndex | SharedIndex
+        self.local: MetaIndex | None = None  # the index, where it is in this process's memory
         if config.store is None:
             create_private_file(config.data / "meta.sqlite3")  # SQLite's -wal/-shm copy its mode
             self.store = MetaStore(config.data / "meta.sqlite3",
@@ -55,6 +63,7 @@ class MetaService:
             self.cluster_id = self.store.cluster_id()
             self.index = MetaIndex(config, self.store, clock)
             self.index.load()
+            self.local = self.index
         else:  # opened by start(): the store is async; redis is an optional extra
             from kvfs.meta.redis_store import RedisMetaStore
             from kvfs.meta.shared_index import SharedIndex
@@ -123,9 +132,19 @@ class MetaService:
         holder = self._holder(holder)
         return Lease(holder, now + lease_s, self.config.max_lease_holders) if lease_s else None
 
-    async def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply:
+    # The key queries (LOOKUP without dirs, EXISTS, MATCH_PREFIX, RELEASE, TOUCH): answered
+    # at once by the index in this process's memory, so the server writes the answer in
+    # the step that read the request, with no task per request; a shared store's index
+    # answers them through an awaitable.
+    def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply | Awaitable[Reply]:
         now = self.clock()
-        layouts = await self.index.lookup(req.keys, now, self._lease(now, req.lease_s, req.holder))
+        lease = self._lease(now, req.lease_s, req.holder)
+        if self.local is not None and not req.dirs:
+            return rpc.Layouts(layouts=self.local.lookup_now(req.keys, now, lease)), ()
+        return self._lookup(req, now, lease)
+
+    async def _lookup(self, req: rpc.Lookup, now: float, lease: Lease | None) -> Reply:
+        layouts = await self.index.lookup(req.keys, now, lease)
         if not req.dirs:
             return rpc.Layouts(layouts=layouts), ()
         dirs = [lay is None and await self._has_under(k + b"/", now)
@@ -143,12 +162,17 @@ class MetaService:
                 return False
             after = rows[-1][0]
 
-    async def rpc_release(self, req: rpc.Release, payload: memoryview) -> Reply:
-        return rpc.Released(released=await self.index.release(req.keys, self._holder(req.holder))), ()
+    def rpc_release(self, req: rpc.Release, payload: memoryview) -> Reply | Awaitable[Reply]:
+        holder = self._holder(req.holder)
+        if self.local is not None:
+            return rpc.Released(released=self.local.release_now(req.keys, holder)), ()
+        return _answer(lambda n: rpc.Released(released=n), self.index.release(req.keys, holder))
 
-    async def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply:
-        await self.index.touch(req.keys, self.clock())
-        return rpc.Empty(), ()
+    def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply | Awaitable[Reply]:
+        if self.local is not None:
+            self.local.touch_now(req.keys, self.clock())
+            return rpc.Empty(), ()
+        return _answer(lambda _: rpc.Empty(), self.index.touch(req.keys, self.clock()))
 
     async def rpc_report_lost(self, req: rpc.ReportLost, payload: memoryview) -> Reply:
         n = await self.index.drop_lost([(it.key, it.layout) for it in req.items])
@@ -157,15 +181,19 @@ class MetaService:
                         "e.g. %r", n, req.items[0].key[:64])
         return rpc.LostDropped(dropped=n), ()
 
-    async def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply:
+    def rpc_exists(self, req: rpc.Exists, payload: memoryview) -> Reply | Awaitable[Reply]:
         now = self.clock()
         lease = self._lease(now, req.lease_s, req.holder)
-        return rpc.Existing(exists=await self.index.exists(req.keys, now, lease)), ()
+        if self.local is not None:
+            return rpc.Existing(exists=self.local.exists_now(req.keys, now, lease)), ()
+        return _answer(lambda e: rpc.Existing(exists=e), self.index.exists(req.keys, now, lease))
 
-    async def rpc_match_prefix(self, req: rpc.MatchPrefix, payload: memoryview) -> Reply:
+    def rpc_match_prefix(self, req: rpc.MatchPrefix, payload: memoryview) -> Reply | Awaitable[Reply]:
         now = self.clock()
         lease = self._lease(now, req.lease_s, req.holder)
-        return rpc.Matched(n=await self.index.match_prefix(req.keys, now, lease)), ()
+        if self.local is not None:
+            return rpc.Matched(n=self.local.match_prefix_now(req.keys, now, lease)), ()
+        return _answer(lambda n: rpc.Matched(n=n), self.index.match_prefix(req.keys, now, lease))
 
     async def rpc_commit(self, req: rpc.Commit, payload: memoryview) -> Reply:
         ix = self.index

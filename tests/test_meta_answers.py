@@ -17,6 +17,7 @@ from kvfs.errors import InvalidArgument
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Replica
 from kvfs.meta.index import MetaIndex
+from kvfs.server import reply_of
 
 pytestmark = pytest.mark.usefixtures("meta_backend")  # each test over SQLite and Redis
 
@@ -117,3 +118,33 @@ async def test_lookup_says_which_misses_are_directories(kv: AsyncClient, clock: 
     assert await probe(b"e", b"g", b"d") == ([False] * 3, [True, False, True])
     plain = await kv._link.call_meta(rpc.Lookup(keys=[b"d", b"f"]))
     assert [lay is not None for lay in plain.layouts] == [False, True] and not plain.dirs
+
+
+async def test_key_queries_are_answered_in_the_step_that_read_them_from_an_index_in_memory(
+        cluster: LocalCluster, kv: AsyncClient, meta_backend: str, clock: FakeClock) -> None:
+    """LOOKUP, EXISTS, MATCH_PREFIX, RELEASE and TOUCH: over SQLite (the index in meta's
+    memory) the handler's answer itself, written at once with no task per request; over
+    Redis an awaitable; the same answers either way."""
+    await kv.put_many({b"p0": b"0" * 100, b"p1": b"1" * 200})
+    svc = cluster.meta
+    assert svc is not None
+    asks: list[tuple[Any, Any, Any]] = [
+        (svc.rpc_lookup, rpc.Lookup(keys=[b"p0", b"zz"], lease_s=30.0, holder="h"),
+         lambda r: [None if lay is None else lay.size for lay in r.layouts] == [100, None]),
+        (svc.rpc_exists, rpc.Exists(keys=[b"p1", b"zz", b"p0"]),
+         lambda r: r.exists == [True, False, True]),
+        (svc.rpc_match_prefix, rpc.MatchPrefix(keys=[b"p0", b"p1", b"zz", b"p0"], lease_s=30.0, holder="h"),
+         lambda r: r.n == 2),
+        (svc.rpc_touch, rpc.Touch(keys=[b"p0", b"zz"]), lambda r: isinstance(r, rpc.Empty)),
+        (svc.rpc_release, rpc.Release(keys=[b"p0", b"p1", b"zz"], holder="h"),
+         lambda r: r.released == 2),
+    ]
+    for handler, request, right in asks:
+        got = handler(request, memoryview(b""))
+        if meta_backend == "sqlite":
+            assert type(got) is tuple, f"{request!r} answered through {got!r}"
+        header, payload = await reply_of(got)
+        assert right(header), (request, header)
+        assert not payload
+    with pytest.raises(InvalidArgument, match="longer than this meta's limit"):
+        svc.rpc_exists(rpc.Exists(keys=[b"p0"], lease_s=1.0, holder="h" * 10_000), memoryview(b""))
