@@ -132,23 +132,33 @@ class MetaService:
         holder = self._holder(holder)
         return Lease(holder, now + lease_s, self.config.max_lease_holders) if lease_s else None
 
-    # The key queries (LOOKUP without dirs, EXISTS, MATCH_PREFIX, RELEASE, TOUCH): answered
+    # The key queries (LOOKUP, EXISTS, MATCH_PREFIX, RELEASE, TOUCH): answered
     # at once by the index in this process's memory, so the server writes the answer in
-    # the step that read the request, with no task per request; a shared store's index
-    # answers them through an awaitable.
+    # the step that read the request, with no task per request (a LOOKUP with dirs whose
+    # misses must be looked for under ``key/`` excepted); a shared store's index answers
+    # them through an awaitable.
     def rpc_lookup(self, req: rpc.Lookup, payload: memoryview) -> Reply | Awaitable[Reply]:
         now = self.clock()
         lease = self._lease(now, req.lease_s, req.holder)
-        if self.local is not None and not req.dirs:
-            return rpc.Layouts(layouts=self.local.lookup_now(req.keys, now, lease)), ()
-        return self._lookup(req, now, lease)
+        if self.local is None:
+            return self._lookup(req, now, lease)
+        layouts = self.local.lookup_now(req.keys, now, lease)
+        if not req.dirs:
+            return rpc.Layouts(layouts=layouts), ()
+        if None not in layouts:  # (a mount's LOOKUP of files) no miss: no directory to look for
+            return rpc.Layouts(layouts=layouts, dirs=[False] * len(layouts)), ()
+        return self._dirs(req.keys, layouts, now)
 
     async def _lookup(self, req: rpc.Lookup, now: float, lease: Lease | None) -> Reply:
         layouts = await self.index.lookup(req.keys, now, lease)
         if not req.dirs:
             return rpc.Layouts(layouts=layouts), ()
+        return await self._dirs(req.keys, layouts, now)
+
+    async def _dirs(self, keys: Sequence[bytes], layouts: list[Layout | None], now: float) -> Reply:
+        """``layouts`` with, for each miss, whether it is a directory (keys under ``key/``)."""
         dirs = [lay is None and await self._has_under(k + b"/", now)
-                for k, lay in zip(req.keys, layouts, strict=True)]
+                for k, lay in zip(keys, layouts, strict=True)]
         return rpc.Layouts(layouts=layouts, dirs=dirs), ()
 
     async def _has_under(self, prefix: bytes, now: float) -> bool:

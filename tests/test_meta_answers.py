@@ -122,15 +122,17 @@ async def test_lookup_says_which_misses_are_directories(kv: AsyncClient, clock: 
 
 async def test_key_queries_are_answered_in_the_step_that_read_them_from_an_index_in_memory(
         cluster: LocalCluster, kv: AsyncClient, meta_backend: str, clock: FakeClock) -> None:
-    """LOOKUP, EXISTS, MATCH_PREFIX, RELEASE and TOUCH: over SQLite (the index in meta's
-    memory) the handler's answer itself, written at once with no task per request; over
-    Redis an awaitable; the same answers either way."""
+    """LOOKUP (with dirs too, where every key is found), EXISTS, MATCH_PREFIX, RELEASE and
+    TOUCH: over SQLite (the index in meta's memory) the handler's answer itself, written at
+    once with no task per request; over Redis an awaitable; the same answers either way."""
     await kv.put_many({b"p0": b"0" * 100, b"p1": b"1" * 200})
     svc = cluster.meta
     assert svc is not None
     asks: list[tuple[Any, Any, Any]] = [
         (svc.rpc_lookup, rpc.Lookup(keys=[b"p0", b"zz"], lease_s=30.0, holder="h"),
          lambda r: [None if lay is None else lay.size for lay in r.layouts] == [100, None]),
+        (svc.rpc_lookup, rpc.Lookup(keys=[b"p1", b"p0"], dirs=True),  # a mount's, of files
+         lambda r: r.dirs == [False, False] and [lay.size for lay in r.layouts] == [200, 100]),
         (svc.rpc_exists, rpc.Exists(keys=[b"p1", b"zz", b"p0"]),
          lambda r: r.exists == [True, False, True]),
         (svc.rpc_match_prefix, rpc.MatchPrefix(keys=[b"p0", b"p1", b"zz", b"p0"], lease_s=30.0, holder="h"),
@@ -146,5 +148,9 @@ async def test_key_queries_are_answered_in_the_step_that_read_them_from_an_index
         header, payload = await reply_of(got)
         assert right(header), (request, header)
         assert not payload
+    await kv.put(b"d/x", b"x")  # a miss that is a directory: looked for under "d/"
+    header, _ = await reply_of(svc.rpc_lookup(rpc.Lookup(keys=[b"p0", b"d", b"zz"], dirs=True),
+                                              memoryview(b"")))
+    assert header.dirs == [False, True, False]
     with pytest.raises(InvalidArgument, match="longer than this meta's limit"):
         svc.rpc_exists(rpc.Exists(keys=[b"p0"], lease_s=1.0, holder="h" * 10_000), memoryview(b""))
