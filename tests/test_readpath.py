@@ -52,9 +52,12 @@ async def test_chain_written_together_is_read_with_one_span(cluster: LocalCluste
     for cs in servers:
         cs.config = replace(cs.config, sendfile_min_bytes=0)  # never sendfile
         cs.store.maps.max_maps = 0  # nor views of mapped chunks: read into a buffer
-    before = [s.spans_read for s in stores]
-    assert await kv.get_many(list(chain)) == list(chain.values())
-    assert sum(s.spans_read for s in stores) - sum(before) == 1  # 64 blocks, one sequential read
+    for _ in range(20):  # (a page evicted since it was written: read in the pool, then cached)
+        before = [s.spans_read for s in stores]
+        assert await kv.get_many(list(chain)) == list(chain.values())
+        assert sum(s.spans_read for s in stores) - sum(before) == 1  # 64 blocks, one sequential read
+        if sum(s.inline_spans for s in stores):
+            break
     assert sum(s.inline_spans for s in stores) >= 1  # served from the page cache, no thread hop
     assert sum(s.file_spans for s in stores) == 0
     for s, n in zip(stores, maps, strict=True):
