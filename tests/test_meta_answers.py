@@ -121,7 +121,7 @@ async def test_lookup_says_which_misses_are_directories(kv: AsyncClient, clock: 
 
 
 async def test_key_queries_are_answered_in_the_step_that_read_them_from_an_index_in_memory(
-        cluster: LocalCluster, kv: AsyncClient, meta_backend: str, clock: FakeClock) -> None:
+        cluster: LocalCluster, kv: AsyncClient, meta_backend: str) -> None:
     """LOOKUP (with dirs too, where every key is found), EXISTS, MATCH_PREFIX, RELEASE and
     TOUCH: over SQLite (the index in meta's memory) the handler's answer itself, written at
     once with no task per request; over Redis an awaitable; the same answers either way."""
