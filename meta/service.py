@@ -40,9 +40,10 @@ log = logging.getLogger("kvfs.meta")
 T = TypeVar("T")
 
 
-async def _answer(make: Callable[[T], rpc.Response], got: Awaitable[T]) -> Reply:
-    """The answer ``make`` makes of what ``got`` gives, once it does."""
-    return make(await got), ()
+async def _answer(make: Callable[[T], rpc.Response], call: Callable[[], Awaitable[T]]) -> Reply:
+    """The answer ``make`` makes of what ``call()`` gives, once it does (called in the
+    request's task: one cancelled before its first step never starts the call)."""
+    return make(await call()), ()
 
 
 class MetaService:
@@ -176,13 +177,13 @@ class MetaService:
         holder = self._holder(req.holder)
         if self.local is not None:
             return rpc.Released(released=self.local.release_now(req.keys, holder)), ()
-        return _answer(lambda n: rpc.Released(released=n), self.index.release(req.keys, holder))
+        return _answer(lambda n: rpc.Released(released=n), lambda: self.index.release(req.keys, holder))
 
     def rpc_touch(self, req: rpc.Touch, payload: memoryview) -> Reply | Awaitable[Reply]:
         if self.local is not None:
             self.local.touch_now(req.keys, self.clock())
             return rpc.Empty(), ()
-        return _answer(lambda _: rpc.Empty(), self.index.touch(req.keys, self.clock()))
+        return _answer(lambda _: rpc.Empty(), lambda: self.index.touch(req.keys, self.clock()))
 
     async def rpc_report_lost(self, req: rpc.ReportLost, payload: memoryview) -> Reply:
         n = await self.index.drop_lost([(it.key, it.layout) for it in req.items])
@@ -196,14 +197,14 @@ class MetaService:
         lease = self._lease(now, req.lease_s, req.holder)
         if self.local is not None:
             return rpc.Existing(exists=self.local.exists_now(req.keys, now, lease)), ()
-        return _answer(lambda e: rpc.Existing(exists=e), self.index.exists(req.keys, now, lease))
+        return _answer(lambda e: rpc.Existing(exists=e), lambda: self.index.exists(req.keys, now, lease))
 
     def rpc_match_prefix(self, req: rpc.MatchPrefix, payload: memoryview) -> Reply | Awaitable[Reply]:
         now = self.clock()
         lease = self._lease(now, req.lease_s, req.holder)
         if self.local is not None:
             return rpc.Matched(n=self.local.match_prefix_now(req.keys, now, lease)), ()
-        return _answer(lambda n: rpc.Matched(n=n), self.index.match_prefix(req.keys, now, lease))
+        return _answer(lambda n: rpc.Matched(n=n), lambda: self.index.match_prefix(req.keys, now, lease))
 
     async def rpc_commit(self, req: rpc.Commit, payload: memoryview) -> Reply:
         ix = self.index
