@@ -1,9 +1,9 @@
 """A/B of meta's CPU per RPC (bench/RESULTS.md, 2026-12-03): two `kvfs up --chunkservers 1
---no-gc`, one per checkout in TREES (each with its own .venv); alternating rounds of N
+--no-gc`, one per checkout A and B (each with its own .venv); alternating rounds of N
 exists_many / match_prefix RPCs of K keys from 4 coroutines (async) or 4 threads (blocking),
 meta's CPU from /proc/PID/stat per RPC.
 
-    ROUNDS=8 N=20000 K=1 python bench/results/metanow-drv.py
+    A=CHECKOUT B=CHECKOUT ROUNDS=8 N=20000 K=1 python bench/results/metanow-drv.py
 """
 
 import asyncio
@@ -17,17 +17,18 @@ import time
 from pathlib import Path
 
 import kvfs
+from kvfs.bench.cpu import cpu_seconds
 
-TREES = {"A": "/work/main", "B": "/work/wt/metanow"}
+TREES = {"A": os.environ.get("A", "/work/main"), "B": os.environ.get("B", "/work/wt/metanow")}
 ROUNDS = int(os.environ.get("ROUNDS", "8"))
 N = int(os.environ.get("N", "4000"))
 K = int(os.environ.get("K", "1"))
-TCK = os.sysconf("SC_CLK_TCK")
 
 
 def cpu(pid: int) -> float:
-    f = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / TCK
+    s = cpu_seconds(pid)
+    assert s is not None, f"no CPU reading for meta (pid {pid})"
+    return s
 
 
 def up(tree: str, root: Path) -> tuple[subprocess.Popen[bytes], str, int]:
