@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from crc32c import crc32c
+from pagecache import warm
 from poll import until
 from procfs import mapped_paths, open_paths
 
@@ -59,11 +60,14 @@ def _read(views: list[memoryview]) -> list[bytes]:
 def _mapped(st: ChunkStore, ranges: list[tuple[int, int, int]]) -> list[memoryview] | None:
     """``readv_mapped``, asked again while it says no, a bounded number of times: cachestat
     can count a page short while the kernel changes its entry (writeback), and the answer
-    is then read instead (rare: 2 in ~25,000 READVs of 43 ranges at load 14 here)."""
+    is then read instead (rare: 2 in ~25,000 READVs of 43 ranges at load 14 here); and a
+    loaded machine may have pushed the just-written pages out: the chunks are read back
+    into the page cache before the next ask."""
     for _ in range(50):
         views = st.readv_mapped(ranges)
         if views is not None:
             return views
+        warm(*{st.chunk_path(c) for c, _, _ in ranges})
     return None
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from conftest import chunkserver_connection
 from crc32c import crc32c
+from pagecache import warm
 from poll import until
 
 from kvfs import rpc
@@ -109,9 +110,10 @@ def test_resident_says_whether_the_page_cache_holds_a_range(
         pytest.skip("this kernel refuses cachestat(2)")
     path = tmp_path / "f"
     path.write_bytes(os.urandom(MiB))
+    warm(path)
     fd = os.open(path, os.O_RDONLY)
     try:
-        assert resident(fd, 5, MiB - 5)  # just written: every page cached
+        assert resident(fd, 5, MiB - 5)  # just read: every page cached
         os.fdatasync(fd)
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # clean pages: dropped
         if resident(fd, 0, MiB):
