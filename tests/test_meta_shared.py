@@ -16,6 +16,7 @@ import pytest
 from poll import until_alive
 
 from kvfs.client import AsyncClient
+from kvfs.errors import StaleLayout
 from kvfs.launcher import ProcessCluster, ServiceProcess
 from kvfs.meta.redis_local import LocalRedisCluster
 
@@ -147,15 +148,27 @@ async def test_two_metas_with_gc_lose_and_duplicate_no_commit(tmp_path: Path,
             final: dict[str, dict[bytes, bytes]] = {"a": {}, "b": {}}
             ttl_keys: list[bytes] = []
 
+            async def put(kv: AsyncClient, items: list[tuple[bytes, bytes]], ttl: float | None = None,
+                          ) -> None:
+                # with grace_s=0 a pass may reclaim a put's chunk before its COMMIT (a slow
+                # machine widens that window): refused whole, StaleLayout, "retry the put"
+                for _ in range(5):
+                    try:
+                        await kv.put_many(items, ttl=ttl)
+                        return
+                    except StaleLayout:
+                        continue
+                raise AssertionError("a put was refused StaleLayout 5 times in a row")
+
             async def writer(kv: AsyncClient, name: str, gens: int) -> None:
                 for g in range(gens):
                     own = [(b"%s/%03d" % (name.encode(), i), value(b"%s/%d" % (name.encode(), i), g) * 10)
                            for i in range(40)]
                     shared = [(b"s/%03d" % i, value(b"s%s" % name.encode(), g) * 10) for i in range(20)]
-                    await kv.put_many(own + shared)  # overwrites: the last generation becomes garbage
+                    await put(kv, own + shared)  # overwrites: the last generation becomes garbage
                     final[name].update(own + shared)
                     ttl = [(b"t/%s/%d/%d" % (name.encode(), g, i), b"x" * 3000) for i in range(5)]
-                    await kv.put_many(ttl, ttl=0.5)
+                    await put(kv, ttl, ttl=0.5)
                     ttl_keys.extend(k for k, _ in ttl)
 
             async def manual_passes(stop: asyncio.Event) -> int:
