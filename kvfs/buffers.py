@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 from collections.abc import Sequence
 from operator import add, attrgetter
 from typing import Any, Literal, overload
@@ -16,6 +17,27 @@ _BYTE_FORMATS = frozenset({"<B", ">B", "=B", "!B", "@B"})
 _VIEW_FLAGS = attrgetter("format", "ndim", "c_contiguous", "readonly")
 _FLAT_RW = {("B", 1, True, False)}
 _FLAT_ANY = {("B", 1, True, False), ("B", 1, True, True)}
+
+
+# a bytes object of n bytes not yet filled (CPython's C API: "if v is NULL, the contents of
+# the bytes object are uninitialized"), and the address of its bytes
+_NEW_BYTES = ctypes.pythonapi.PyBytes_FromStringAndSize
+_NEW_BYTES.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
+_NEW_BYTES.restype = ctypes.py_object
+_BYTES_AT = ctypes.pythonapi.PyBytes_AsString
+_BYTES_AT.argtypes = [ctypes.py_object]
+_BYTES_AT.restype = ctypes.c_void_p
+
+
+def fresh_bytes(n: int) -> tuple[bytes, memoryview]:
+    """A new ``bytes`` object of ``n`` (>= 1) bytes, not filled yet, and a writable view of
+    them: a value read straight into the ``bytes`` a call hands back, with no copy out of a
+    buffer.  The view keeps the object alive; the object is never to be handed out, or
+    hashed, before it is filled (a read that fails drops it)."""
+    b = _NEW_BYTES(None, n)
+    region = (ctypes.c_char * n).from_address(_BYTES_AT(b))
+    region.owner = b  # type: ignore[attr-defined]  # (the view holds the region, which holds b)
+    return b, memoryview(region).cast("B")
 
 
 class Parts(list[memoryview]):

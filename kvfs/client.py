@@ -32,13 +32,13 @@ import msgspec
 from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs.address import format_addr, format_addrs, lookup_token, parse_addrs
-from kvfs.buffers import Source, Views, as_parts, as_parts_many, cut
+from kvfs.buffers import Source, Views, as_parts, as_parts_many, cut, fresh_bytes
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
 from kvfs.layout import MAX_META_BYTES, MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
 from kvfs.layoutcache import FLAT_SIZE, Cached, Flat, FlatLayouts, LayoutCache
-from kvfs.readpath import WHOLE, Dest, ReadPath
+from kvfs.readpath import SCATTER_MIN_BYTES, WHOLE, Dest, ReadPath
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.tls import client_context
 from kvfs.transport import Connection
@@ -477,8 +477,8 @@ class AsyncClient:
         layouts, flat = cached or (await self.lookup(ks, lease_s=lease_s), None)
         whole = many_dests(layouts, flat)
         if whole is not None:
-            # one-extent values (all of them here) become bytes straight from the receive
-            # buffer (one copy)
+            # one-extent values (all of them here): small ones become bytes copied out of the
+            # receive buffer, large ones are received into their bytes (many_dests)
             out, dests1 = whole
             for i in await self.reader.read_into(ks, layouts, dests1, out, failed=failed, lost=lost,
                                                  skip=skip, flat=flat):
@@ -488,20 +488,17 @@ class AsyncClient:
                 for i in failed:
                     out[i] = None
             return out
-        # striped values are assembled in a bytearray first
-        bufs: list[bytearray | None] = [
-            None if lay is None or len(lay.extents) < 2 else bytearray(lay.size) for lay in layouts]
-        out = [None if lay is None else b"" for lay in layouts]
-        dests: list[Dest] = [
-            [memoryview(b)] if b is not None else (WHOLE if lay is not None and lay.size else None)
-            for b, lay in zip(bufs, layouts, strict=True)]
+        # a striped value: every value received straight into the bytes handed back, a
+        # striped one extent by extent
+        out, dests = _fresh([-1 if lay is None else lay.size for lay in layouts])
         misses = await self.reader.read_into(ks, layouts, dests, out, failed=failed, lost=lost,
                                              skip=skip)
         if failed:
             await self._unreadable("get_many", ks, failed, lost)
             misses.update(failed)
-        return [None if i in misses else bytes(b) if b is not None else o
-                for i, (b, o) in enumerate(zip(bufs, out, strict=True))]
+        for i in misses:
+            out[i] = None
+        return out
 
     async def _unreadable(self, what: str, keys: list[bytes], failed: dict[int, KVFSError],
                           lost: dict[int, Layout], *, raises: bool = True) -> None:
@@ -767,14 +764,40 @@ def _encode_meta(key: bytes, meta: Mapping[str, Any] | None) -> bytes | None:
 def many_dests(layouts: Sequence[Layout | None], flat: list[Flat] | None = None,
                ) -> tuple[list[bytes | None], list[Dest]] | None:
     """get_many's results to fill and the read's destinations, when every value found is one
-    extent (each handed back as bytes, ``WHOLE``); None when one is striped.  ``flat``: the
-    layouts' flat forms (:meth:`AsyncClient.cached`: every key a hit of one extent)."""
-    if flat is not None:  # no step per key
-        return [b""] * len(layouts), [WHOLE] * len(layouts)
-    if any([lay is not None and len(lay.extents) > 1 for lay in layouts]):
-        return None
-    return ([None if lay is None else b"" for lay in layouts],
-            [None if lay is None or not lay.size else WHOLE for lay in layouts])
+    extent; None when one is striped.  Small values are copied out of a pooled receive
+    (``WHOLE``); when one is ``SCATTER_MIN_BYTES`` or more, every value is received straight
+    into the ``bytes`` handed back (:func:`~kvfs.buffers.fresh_bytes`, already in the
+    results: a READV's answer lands in place only when none of its values is ``WHOLE``).
+    ``flat``: the layouts' flat forms (:meth:`AsyncClient.cached`: every key a hit of one
+    extent)."""
+    if flat is not None:
+        sizes = list(map(FLAT_SIZE, flat))
+        if max(sizes) < SCATTER_MIN_BYTES:  # small values: no step per key
+            return [b""] * len(layouts), [WHOLE] * len(layouts)
+    else:
+        if any([lay is not None and len(lay.extents) > 1 for lay in layouts]):
+            return None
+        sizes = [-1 if lay is None else lay.size for lay in layouts]
+        if max(sizes) < SCATTER_MIN_BYTES:
+            return ([None if n < 0 else b"" for n in sizes],
+                    [WHOLE if n > 0 else None for n in sizes])
+    return _fresh(sizes)
+
+
+def _fresh(sizes: list[int]) -> tuple[list[bytes | None], list[Dest]]:
+    """Values of these sizes (-1: a miss) received straight into new bytes: the results to
+    hand back and the read's destinations (views of them; None for a miss or an empty one)."""
+    out: list[bytes | None] = []
+    dests: list[Dest] = []
+    for n in sizes:
+        if n > 0:
+            value, view = fresh_bytes(n)
+            out.append(value)
+            dests.append(view)
+        else:
+            out.append(None if n < 0 else b"")
+            dests.append(None)
+    return out, dests
 
 
 def into_call(keys: Iterable[Key], buffers: Sequence[Any], lease_s: float | None,

@@ -102,6 +102,19 @@ async def test_corrupt_record_is_a_miss_never_wrong_bytes(cluster: LocalCluster,
     assert [bytes(b) for b in bufs[1:]] == [items[b"n1"], items[b"n2"]]
 
 
+async def test_a_corrupt_large_value_received_into_its_bytes_is_a_miss(cluster: LocalCluster,
+                                                                       kv: AsyncClient) -> None:
+    """A value get_many receives straight into the bytes it returns (300 KB): corrupt, it is
+    None, never the bytes received; its neighbours are read."""
+    items = {b"big/victim": os.urandom(300_000), b"big/n1": os.urandom(300_000),
+             b"big/n2": os.urandom(3000)}
+    await kv.put_many(items)
+    _, rep, path = await _replica_file(cluster, kv, b"big/victim")
+    flip_byte(path, rep.offset + 200_000)
+    assert await kv.get_many(list(items)) == [None, items[b"big/n1"], items[b"big/n2"]]
+    assert await kv.layout(b"big/victim") is None  # reported lost: meta forgot it
+
+
 async def test_mount_reads_of_a_lost_value_follow_on_lost(cluster: LocalCluster,
                                                           kv: AsyncClient) -> None:
     """``read_units`` (the FUSE mount's reads): a unit no replica can serve is a miss (None)

@@ -194,12 +194,17 @@ async def test_get_into_reads_in_place_and_get_reuses_one_pooled_buffer(one: Loc
         assert await kv.get_into(list(values), bufs) == [n] * 3
         assert bufs == list(values.values())
         assert kv.rx_pool_buffers == 0 and kv.rx_buffers_reused == 0  # straight into the caller's
-        for i, (k, v) in enumerate(values.items()):  # one READV each, answered into one buffer
+        for k, v in values.items():  # values of 64 KiB or more: straight into the bytes returned
             assert await kv.get_many([k]) == [v]
+        assert kv.rx_pool_buffers == 0 and kv.rx_buffers_reused == 0
+        small = {f"q{i}".encode(): os.urandom(10_000) for i in range(8)}  # one 80 KB answer
+        await kv.put_many(small)
+        for i in range(3):  # copied out of one pooled buffer, kept for the next answer
+            assert await kv.get_many(list(small)) == list(small.values())
             assert kv.rx_pool_buffers == 1 and kv.rx_buffers_reused == i
-        big = os.urandom(900_000)
-        await kv.put(b"big", big)
-        assert await kv.get_many([b"big"]) == [big]
+        many = {f"r{i}".encode(): os.urandom(9000) for i in range(100)}  # one 900 KB answer
+        await kv.put_many(many)
+        assert await kv.get_many(list(many)) == list(many.values())
         assert kv.rx_buffers_reused == 3  # a pooled buffer holds at least 1 MiB: no new one
         assert kv.rx_pool_buffers == 1
 
@@ -234,8 +239,10 @@ async def test_small_get_into_destinations_are_received_in_place_together(
 
 async def test_read_pool_bytes_bounds_the_kept_receive_buffers(one: LocalCluster) -> None:
     """ClientConfig.read_pool_bytes: 0 keeps no receive buffer (a fresh one per answer);
-    1 MiB keeps one answer's buffer of the two received at once."""
-    values = {f"q{i}".encode(): os.urandom(SIZE) for i in range(2)}
+    1 MiB keeps one answer's buffer of the two received at once.  (Values under 64 KiB,
+    two an answer: larger ones are received straight into the bytes returned.)"""
+    values = {f"q{i}".encode(): os.urandom(40_000) for i in range(4)}
+    pairs = [list(values)[:2], list(values)[2:]]
     with pytest.raises(ValueError, match="read_pool_bytes must be >= 0"):
         ClientConfig(read_pool_bytes=-1)
     async with one.client(ClientConfig(read_pool_bytes=0)) as kv:
@@ -244,8 +251,8 @@ async def test_read_pool_bytes_bounds_the_kept_receive_buffers(one: LocalCluster
             assert await kv.get_many(list(values)) == list(values.values())
         assert kv.rx_pool_buffers == 0 and kv.rx_buffers_reused == 0
     async with one.client(ClientConfig(read_pool_bytes=1 << 20, batch=False)) as kv:
-        got = await asyncio.gather(*(kv.get_many([k]) for k in values))  # two READVs at once
-        assert got == [[v] for v in values.values()]
+        got = await asyncio.gather(*(kv.get_many(p) for p in pairs))  # two READVs at once
+        assert got == [[values[k] for k in p] for p in pairs]
         assert kv.rx_pool_buffers == 1  # the second 1 MiB buffer would pass the bound
 
 

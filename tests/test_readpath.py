@@ -81,10 +81,26 @@ async def test_chain_written_together_is_read_with_one_span(cluster: LocalCluste
 
 
 async def test_receive_buffer_is_reused_for_values_returned_as_bytes(kv: AsyncClient) -> None:
-    values = {f"rx{i}".encode(): os.urandom(300_000) for i in range(4)}
+    values = {f"rx{i}".encode(): os.urandom(30_000) for i in range(8)}  # one answer of 240 KB
     await kv.put_many(values)
     assert await kv.get_many(list(values)) == list(values.values())
     assert kv.rx_pool_buffers  # the answer's buffer went back to the pool
     reused = kv.rx_buffers_reused
     assert await kv.get_many(list(values)) == list(values.values())
     assert kv.rx_buffers_reused > reused  # and was used again
+
+
+async def test_large_values_are_received_into_the_bytes_handed_back(kv: AsyncClient) -> None:
+    """Values of SCATTER_MIN_BYTES or more, one extent or striped, are received straight
+    into the bytes get_many returns: no pooled receive to copy them out of."""
+    values = {f"big{i}".encode(): os.urandom(300_000) for i in range(4)}
+    values[b"striped"] = os.urandom(3 * kv.config.stripe_bytes + 12_345)
+    values[b"small"] = os.urandom(100)
+    await kv.put_many(values)
+    assert len((await kv.layout(b"striped")).extents) > 1  # type: ignore[union-attr]
+    keys = [*values, b"none"]
+    for _ in range(2):
+        got = await kv.get_many(keys)
+        assert got == [*values.values(), None]
+        assert all(type(v) is bytes for v in got[:-1])
+        assert kv.rx_pool_buffers == 0 and kv.rx_buffers_reused == 0
