@@ -1,9 +1,10 @@
-"""Event loop helpers: uvloop when installed; a task whose failure nobody may await."""
+"""Event loop helpers: uvloop when installed; a task whose failure nobody may await; a gather
+that ends only once every awaitable has."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -29,3 +30,16 @@ def retrieve(fut: asyncio.Future[Any]) -> None:
     "exception was never retrieved"; whoever does await it still gets the failure."""
     if not fut.cancelled():
         fut.exception()
+
+
+async def gather_all(*aws: Awaitable[T]) -> list[T]:
+    """``asyncio.gather``, but a failure is raised only once every awaitable has ended (the
+    first failure, in order): none is left running.  For reads that write into buffers a
+    caller gets back (get_into's, get_many's ``bytes``): a READV still landing after the
+    call failed over, or returned, could change them.  Cancelled, it cancels them all and
+    returns once they have ended."""
+    results = await asyncio.gather(*aws, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results  # type: ignore[return-value]  # (no exception among them)

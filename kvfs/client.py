@@ -31,6 +31,7 @@ import msgspec
 
 from kvfs import rpc
 from kvfs._batch import Batcher
+from kvfs._loop import gather_all
 from kvfs.address import format_addr, format_addrs, lookup_token, parse_addrs
 from kvfs.buffers import Source, Views, as_parts, as_parts_many, cut, fresh_bytes
 from kvfs.cluster import ClusterLink, ServerEntry
@@ -615,7 +616,7 @@ class AsyncClient:
                                         [n for i in idx for n in calls[i][2]], lease_s)
 
         out: list[list[int]] = [[] for _ in calls]
-        reads = await asyncio.gather(*(read(ls, idx) for ls, idx in groups.items()))
+        reads = await gather_all(*(read(ls, idx) for ls, idx in groups.items()))
         for idx, results in zip(groups.values(), reads, strict=True):
             at = 0
             for i in idx:

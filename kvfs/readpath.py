@@ -37,7 +37,7 @@ import msgspec
 
 from kvfs import rpc
 from kvfs._batch import split_batches
-from kvfs._loop import retrieve
+from kvfs._loop import gather_all, retrieve
 from kvfs.buffers import Views, cut
 from kvfs.cluster import ClusterLink
 from kvfs.errors import (
@@ -755,7 +755,7 @@ class ReadPath:
             async with gate:
                 await self._readv_batch(sid, batch, keys, out, retry, watch)
 
-        await asyncio.gather(*(one(b) for b in batches))
+        await gather_all(*(one(b) for b in batches))  # none left landing once this returns
         return retry
 
     async def _readv_batch(self, sid: int, batch: list[_Job], keys: list[bytes],

@@ -24,7 +24,7 @@ from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.errors import ChecksumMismatch, ServerError, StaleLayout, Unavailable
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Layout
-from kvfs.rpc import Op
+from kvfs.rpc import Op, ReadV
 from kvfs.stream import ValueReader
 
 SIZE = 100_000  # above 64 KiB: answers go to a sink (get_into: in place)
@@ -264,6 +264,41 @@ async def two(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
     async with LocalCluster(root, 2, clock=clock,
                             chunkserver=ChunkServerConfig(data=root, heartbeat_interval_s=0.2)) as c:
         yield c
+
+
+async def test_a_split_read_that_fails_over_leaves_no_readv_landing(two: LocalCluster) -> None:
+    """A read split into several READVs to one server (``max_read_ranges=1``), the first of
+    them failing: the others are waited for before the values go to the other replica, so
+    none of them can land in the bytes (or buffers) a call has handed back."""
+    values = {f"sp{i}".encode(): os.urandom(SIZE) for i in range(4)}
+    async with two.client(ClientConfig(replicas=2)) as kv:
+        await kv.put_many(values)
+    async with two.client(ClientConfig(replicas=2, max_read_ranges=1)) as kv:
+        link = kv.link
+        real = link.call_server
+        victim: list[int] = []
+        in_flight: list[int] = []
+        gate = asyncio.Event()
+
+        async def faulty(sid: int, request: Any, *args: Any, **kw: Any) -> Any:
+            if not isinstance(request, ReadV):
+                return await real(sid, request, *args, **kw)
+            if not victim:
+                victim.append(sid)
+                asyncio.get_running_loop().call_later(0.3, gate.set)  # (a window, not a wait)
+                raise Unavailable("injected: the first READV of the split read fails")
+            in_flight.append(sid)
+            try:
+                if sid == victim[0]:
+                    await gate.wait()  # the split read's other READVs, still running
+                return await real(sid, request, *args, **kw)
+            finally:
+                in_flight.remove(sid)
+
+        link.call_server = faulty  # type: ignore[method-assign]
+        got = await kv.get_many(list(values))
+        assert not in_flight, "a READV of the call was still running when it returned"
+        assert got == list(values.values()) and victim
 
 
 @pytest.mark.parametrize(("size", "ranges"), [(1000, 4096), (SIZE, 4096), (20_000, 4096), (1000, 1)],
