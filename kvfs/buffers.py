@@ -20,11 +20,13 @@ _FLAT_ANY = {("B", 1, True, False), ("B", 1, True, True)}
 
 
 # a bytes object of n bytes not yet filled (CPython's C API: "if v is NULL, the contents of
-# the bytes object are uninitialized"), and the address of its bytes
-_NEW_BYTES = ctypes.pythonapi.PyBytes_FromStringAndSize
+# the bytes object are uninitialized"), and the address of its bytes; function objects of
+# their own (indexing, not the attribute pythonapi caches and shares with every other user,
+# whose argtypes/restype another library may set)
+_NEW_BYTES = ctypes.pythonapi["PyBytes_FromStringAndSize"]
 _NEW_BYTES.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
 _NEW_BYTES.restype = ctypes.py_object
-_BYTES_AT = ctypes.pythonapi.PyBytes_AsString
+_BYTES_AT = ctypes.pythonapi["PyBytes_AsString"]
 _BYTES_AT.argtypes = [ctypes.py_object]
 _BYTES_AT.restype = ctypes.c_void_p
 

@@ -115,6 +115,30 @@ async def test_a_corrupt_large_value_received_into_its_bytes_is_a_miss(cluster: 
     assert await kv.layout(b"big/victim") is None  # reported lost: meta forgot it
 
 
+async def test_a_corrupt_small_value_beside_a_large_one_is_a_miss(cluster: LocalCluster,
+                                                                  kv: AsyncClient) -> None:
+    """One 100 KB value and 32 small ones in one READV: every value goes straight into the
+    bytes get_many returns (the small ones received in place by the async client, copied
+    from a pooled receive by the blocking one's own sockets); a corrupt small one is None,
+    its neighbours right, through either client."""
+    items = {b"mix/big": os.urandom(100_000)} | {b"mix/%02d" % i: os.urandom(4096) for i in range(32)}
+    await kv.put_many(items)
+    keys = list(items)
+    for victim, read in ((b"mix/03", "async"), (b"mix/17", "blocking")):
+        _, rep, path = await _replica_file(cluster, kv, victim)
+        flip_byte(path, rep.offset + 100)
+        if read == "async":
+            got = await kv.get_many(keys)
+        else:
+            def blocking() -> list[bytes | None]:
+                with kvfs.Client(cluster.addr, token=cluster.token) as c:
+                    return c.get_many(keys)
+
+            got = await asyncio.to_thread(blocking)
+        gone = {b"mix/03", victim}
+        assert got == [None if k in gone else items[k] for k in keys], read
+
+
 async def test_mount_reads_of_a_lost_value_follow_on_lost(cluster: LocalCluster,
                                                           kv: AsyncClient) -> None:
     """``read_units`` (the FUSE mount's reads): a unit no replica can serve is a miss (None)

@@ -151,7 +151,8 @@ async def test_two_metas_with_gc_lose_and_duplicate_no_commit(tmp_path: Path,
             async def put(kv: AsyncClient, items: list[tuple[bytes, bytes]], ttl: float | None = None,
                           ) -> None:
                 # with grace_s=0 a pass may reclaim a put's chunk before its COMMIT (a slow
-                # machine widens that window): refused whole, StaleLayout, "retry the put"
+                # machine widens that window): StaleLayout, "retry the put" (keys on other
+                # Redis nodes may be committed already; the retry overwrites them)
                 for _ in range(5):
                     try:
                         await kv.put_many(items, ttl=ttl)
