@@ -38,7 +38,7 @@ import msgspec
 from kvfs import rpc
 from kvfs._batch import split_batches
 from kvfs._loop import gather_all, retrieve
-from kvfs.buffers import Views, cut
+from kvfs.buffers import Views, cut, fresh_bytes
 from kvfs.cluster import ClusterLink
 from kvfs.errors import (
     ChecksumMismatch,
@@ -341,7 +341,11 @@ class ReadPath:
                     if lay != old:
                         bad.discard(i)  # overwritten meanwhile: not this layout's loss
                     continue
-                retry_layouts[i], retry_dests[i] = lay, dests[i]
+                dest = dests[i]
+                if dest is WHOLE and len(lay.extents) > 1:  # overwritten striped, same size:
+                    # a WHOLE destination reads one extent, so into bytes of its own instead
+                    out[i], dest = fresh_bytes(lay.size)  # type: ignore[index]  # (given with WHOLE)
+                retry_layouts[i], retry_dests[i] = lay, dest
                 retried[i] = lay
             if retried:
                 for i in await self.fetch(keys, retry_layouts, retry_dests, out, failed, bad2,

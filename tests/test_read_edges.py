@@ -266,6 +266,36 @@ async def two(tmp_path: Path, clock: FakeClock) -> AsyncIterator[LocalCluster]:
         yield c
 
 
+async def test_a_small_value_overwritten_striped_at_its_size_is_read_whole(one: LocalCluster) -> None:
+    """A reader's cached layout of a small one-extent value goes stale (its chunk's bytes
+    gone), and the value was overwritten meanwhile, same size, by a writer that stripes at
+    1 KiB: the fresh lookup's layout has three extents, and the value read is all of it,
+    not its first extent."""
+    async with one.client() as kv:
+        await kv.put(b"w", b"W" * 3000)
+    reader = one.client()
+    try:
+        assert await reader.get_many([b"w"]) == [b"W" * 3000]  # the layout cached
+        await one.stop_chunkserver(0)
+        await one.start_chunkserver(0)  # appends go to a new chunk from here
+        new = os.urandom(3000)
+        async with one.client() as kv:
+            chunk_a = (await kv.layout(b"w")).extents[0].replicas[0].chunk_id  # type: ignore[union-attr]
+        async with one.client(ClientConfig(stripe_bytes=1024)) as kv:
+            await kv.put(b"w", new)
+            assert len((await kv.layout(b"w")).extents) == 3  # type: ignore[union-attr]
+        cs = one.chunkservers[0]
+        assert cs is not None
+        path = cs.store.chunk_path(chunk_a)
+        await one.stop_chunkserver(0)
+        os.truncate(path, 0)  # the old chunk's bytes are gone (as after GC)
+        await one.start_chunkserver(0)
+        await reader.servers(refresh=True)
+        assert await reader.get_many([b"w"]) == [new]
+    finally:
+        await reader.close()
+
+
 async def test_a_split_read_that_fails_over_leaves_no_readv_landing(two: LocalCluster) -> None:
     """A read split into several READVs to one server (``max_read_ranges=1``), the first of
     them failing: the others are waited for before the values go to the other replica, so
