@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import random
 import sys
-import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import kvfs
 
@@ -49,12 +49,9 @@ def main() -> None:
             n = len(c.get_into(ks, bufs)) if api == "into" else len(c.get_many(ks))
             counts[t] += n
 
-    threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
     t0 = time.monotonic()
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(work, range(4)))
     elapsed = time.monotonic() - t0
     cpu = sum(os.times()[:2])
     done = sum(counts)
