@@ -6,6 +6,7 @@ and hedged reads (a chunkserver whose READV is held in its dispatch: in-process)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import socket
@@ -299,36 +300,54 @@ async def test_a_small_value_overwritten_striped_at_its_size_is_read_whole(one: 
 async def test_a_split_read_that_fails_over_leaves_no_readv_landing(two: LocalCluster) -> None:
     """A read split into several READVs to one server (``max_read_ranges=1``), the first of
     them failing: the others are waited for before the values go to the other replica, so
-    none of them can land in the bytes (or buffers) a call has handed back."""
+    none of them can land in the bytes (or buffers) a call has handed back.  The others are
+    held until the read fails over (where it does so early) or for 0.3 s (a bound for the
+    read that waits: its fail-over comes only after them)."""
     values = {f"sp{i}".encode(): os.urandom(SIZE) for i in range(4)}
     async with two.client(ClientConfig(replicas=2)) as kv:
         await kv.put_many(values)
+        firsts = {(await kv.layout(k)).extents[0].replicas[0].server_id for k in values}  # type: ignore[union-attr]
+    assert len(firsts) == 1, "the values' first replicas are on both servers"
+    victim = firsts.pop()
     async with two.client(ClientConfig(replicas=2, max_read_ranges=1)) as kv:
         link = kv.link
         real = link.call_server
-        victim: list[int] = []
-        in_flight: list[int] = []
-        gate = asyncio.Event()
+        raised: list[int] = []
+        in_flight: list[int] = []  # the victim's READVs running
+        overlaps: list[int] = []  # of them, how many ran as each READV of the fail-over began
+        gate, failed_over = asyncio.Event(), asyncio.Event()
+
+        async def release() -> None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(failed_over.wait(), 0.3)
+            gate.set()
 
         async def faulty(sid: int, request: Any, *args: Any, **kw: Any) -> Any:
             if not isinstance(request, ReadV):
                 return await real(sid, request, *args, **kw)
-            if not victim:
-                victim.append(sid)
-                asyncio.get_running_loop().call_later(0.3, gate.set)  # (a window, not a wait)
+            if sid != victim:  # the fail-over (every first replica is on the victim)
+                overlaps.append(len(in_flight))
+                failed_over.set()
+                return await real(sid, request, *args, **kw)
+            if not raised:
+                raised.append(sid)
+                releaser.append(asyncio.ensure_future(release()))
                 raise Unavailable("injected: the first READV of the split read fails")
             in_flight.append(sid)
             try:
-                if sid == victim[0]:
-                    await gate.wait()  # the split read's other READVs, still running
+                await gate.wait()  # the split read's other READVs, still running
                 return await real(sid, request, *args, **kw)
             finally:
                 in_flight.remove(sid)
 
+        releaser: list[asyncio.Future[None]] = []
         link.call_server = faulty  # type: ignore[method-assign]
         got = await kv.get_many(list(values))
+        await asyncio.gather(*releaser)
+        assert raised and overlaps, "the read did not fail over"
+        assert not any(overlaps), "the read failed over while READVs to the first server ran"
         assert not in_flight, "a READV of the call was still running when it returned"
-        assert got == list(values.values()) and victim
+        assert got == list(values.values())
 
 
 @pytest.mark.parametrize(("size", "ranges"), [(1000, 4096), (SIZE, 4096), (20_000, 4096), (1000, 1)],
