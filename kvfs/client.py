@@ -634,8 +634,14 @@ class AsyncClient:
         result, dests = into_dests(layouts, views, rooms, flat)
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
+
+        def resized(i: int, lay: Layout) -> Dest:
+            """A value found overwritten at a new size during the read: its destination."""
+            result[i], dest = into_dest(lay.size, views[i], rooms[i])
+            return dest
+
         misses = await self.reader.read_into(ks, layouts, dests, failed=failed, lost=lost,
-                                             skip=skip, flat=flat)
+                                             skip=skip, flat=flat, resized=resized)
         for i in misses:
             result[i] = MISS
         if failed:
@@ -827,12 +833,18 @@ def into_dests(layouts: Sequence[Layout | None], views: list[Views], rooms: list
     for i, (lay, v, room) in enumerate(zip(layouts, views, rooms, strict=True)):
         if lay is None:
             each.append(None)
-        elif lay.size > room:
-            result[i] = TOO_SMALL
-            each.append(None)
         else:
-            each.append(v if lay.size == room else cut(v, 0, lay.size))
+            result[i], dest = into_dest(lay.size, v, room)
+            each.append(dest)
     return result, each
+
+
+def into_dest(size: int, views: Views, room: int) -> tuple[int, Dest]:
+    """A value of ``size`` bytes read into a key's buffers ``views`` of ``room`` bytes: its
+    result (``size``, or ``TOO_SMALL``) and destination (None: nothing to read)."""
+    if size > room:
+        return TOO_SMALL, None
+    return size, views if size == room else cut(views, 0, size)
 
 
 def _check_lease(lease_s: float | None) -> None:

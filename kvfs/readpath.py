@@ -305,9 +305,14 @@ class ReadPath:
                         *, failed: dict[int, KVFSError] | None = None,
                         lost: dict[int, Layout] | None = None,
                         skip: frozenset[int] | set[int] = frozenset(),
-                        flat: Sequence[Flat] | None = None) -> set[int]:
+                        flat: Sequence[Flat] | None = None,
+                        resized: Callable[[int, Layout], Dest] | None = None) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
-        expired while being read).  With ``failed`` given, a key whose bytes cannot be
+        expired while being read).  A key found overwritten meanwhile (its bytes gone, meta
+        naming a new layout) is read again from its new layout; at a new size, into new
+        ``bytes`` in ``out`` (get_many), or into ``resized(slot, new layout)``'s destination
+        (get_into: None where its buffer is too small, which ``resized`` records), else it
+        fails.  With ``failed`` given, a key whose bytes cannot be
         read is recorded there instead of failing the call; with ``lost`` given too, the
         failed keys whose every replica answered without good bytes (CRC mismatch, record
         gone: not merely an unreachable server) are recorded there with the layout read.
@@ -332,7 +337,18 @@ class ReadPath:
                 if lay is None:
                     misses.add(i)
                     continue
-                if old is None or lay.size != old.size or lay == old:
+                dest = dests[i]
+                gone = old is None or lay == old  # the same layout: its bytes are lost
+                if old is not None and not gone and lay.size != old.size:  # overwritten, new size
+                    if out is not None:  # get_many: the new size's bytes
+                        out[i], dest = fresh_bytes(lay.size)
+                    elif resized is None:
+                        gone = True
+                    else:
+                        dest = resized(i, lay)
+                        if dest is None:  # too small for the new size: resized said so
+                            continue
+                if gone:
                     err = StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
                                       "named by its layout (lost or reclaimed)")
                     if failed is None:
@@ -341,7 +357,6 @@ class ReadPath:
                     if lay != old:
                         bad.discard(i)  # overwritten meanwhile: not this layout's loss
                     continue
-                dest = dests[i]
                 if dest is WHOLE and len(lay.extents) > 1:  # overwritten striped, same size:
                     # a WHOLE destination reads one extent, so into bytes of its own instead
                     out[i], dest = fresh_bytes(lay.size)  # type: ignore[index]  # (given with WHOLE)

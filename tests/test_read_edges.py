@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from conftest import FakeClock, Hold
 
+from kvfs import TOO_SMALL
 from kvfs.bench.reliability import flip_byte
 from kvfs.buffers import Parts, regions
 from kvfs.config import ChunkServerConfig, ClientConfig
@@ -27,6 +28,7 @@ from kvfs.launcher import LocalCluster
 from kvfs.layout import Layout
 from kvfs.rpc import Op, ReadV
 from kvfs.stream import ValueReader
+from kvfs.sync import Client
 
 SIZE = 100_000  # above 64 KiB: answers go to a sink (get_into: in place)
 
@@ -295,6 +297,50 @@ async def test_a_small_value_overwritten_striped_at_its_size_is_read_whole(one: 
         assert await reader.get_many([b"w"]) == [new]
     finally:
         await reader.close()
+
+
+@pytest.mark.parametrize("new_size", [2000, 3000, 150_000])
+async def test_a_value_overwritten_at_a_new_size_is_read_at_it(one: LocalCluster, new_size: int) -> None:
+    """Readers' cached layouts of a 2,500-byte value go stale (its chunk's bytes gone, as
+    after the GC), and the value was overwritten meanwhile at another size (smaller, larger,
+    or striped at 64 KiB): the fresh lookup's layout is read at its size, by get_many into
+    new bytes and by get_into into the buffer where it fits (TOO_SMALL where it does not),
+    by the async and the blocking client.  It was a miss each."""
+    async with one.client() as kv:
+        await kv.put(b"r", b"R" * 2500)
+        chunk_a = (await kv.layout(b"r")).extents[0].replicas[0].chunk_id  # type: ignore[union-attr]
+    readers = [one.client() for _ in range(3)]
+    blocking = await asyncio.to_thread(Client, one.addr, token=one.token)
+    try:
+        for r in readers:
+            assert await r.get_many([b"r"]) == [b"R" * 2500]  # the layout cached
+        assert await asyncio.to_thread(blocking.get_many, [b"r"]) == [b"R" * 2500]
+        addr = await one.stop_chunkserver(0)  # restarted on its address: no reader looks it up
+        await one.start_chunkserver(0, addr)  # appends go to a new chunk from here
+        new = os.urandom(new_size)
+        async with one.client(ClientConfig(stripe_bytes=64 * 1024)) as kv:
+            await kv.put(b"r", new)
+        cs = one.chunkservers[0]
+        assert cs is not None
+        path = cs.store.chunk_path(chunk_a)
+        await one.stop_chunkserver(0)
+        os.truncate(path, 0)  # the old chunk's bytes are gone (as after GC)
+        await one.start_chunkserver(0, addr)
+        assert await readers[0].get_many([b"r"]) == [new]
+        fits, short = bytearray(200_000), bytearray(2500)  # short: the old size's buffer
+        assert await readers[1].get_into([b"r"], [[memoryview(fits)[:7], memoryview(fits)[7:]]]) == [new_size]
+        assert fits[:new_size] == new
+        fits_short = new_size <= len(short)
+        assert await readers[2].get_into([b"r"], [short]) == [new_size if fits_short else TOO_SMALL]
+        assert short[:new_size] == new if fits_short else short == bytes(2500)  # TOO_SMALL: unwritten
+        short[:] = bytes(2500)
+        assert await asyncio.to_thread(blocking.get_into, [b"r"], [short]) == [
+            new_size if fits_short else TOO_SMALL]
+        assert short[:new_size] == new if fits_short else short == bytes(2500)
+    finally:
+        for r in readers:
+            await r.close()
+        await asyncio.to_thread(blocking.close)
 
 
 async def test_a_split_read_that_fails_over_leaves_no_readv_landing(two: LocalCluster) -> None:
