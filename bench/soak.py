@@ -1,12 +1,15 @@
 """A bounded soak (issue 10): meta, 4 chunkservers and the GC daemon (repair on) as processes,
 several client processes running the mixed workload of :mod:`kvfs.bench.workload` (every value
-read is compared with the bytes its key determines), and, midway:
+read is compared with the bytes its key and version determine; each process reads through
+``get_many`` and ``get_into``, of its ``AsyncClient`` and of a blocking ``kvfs.Client``, and puts
+some of its keys again as new versions, which every read must see whole), and, midway:
 
 - one bit flipped in a stored value on a live chunkserver (a replica of a seed key),
 - a chunkserver SIGKILLed, kept down until meta declares it dead and the GC daemon has
   repaired its extents onto the others, then restarted on its data dir.
 
-At the end a fresh client reads every committed key once.  Prints the operations done, wrong
+At the end a fresh client reads every committed key once (an overwritten key: its newest
+version a put returned for, or a newer one put after).  Prints the operations done, wrong
 values (must be 0), committed values lost (must be 0 with ``--replicas 2``), read errors,
 failed puts, the longest read, and the seconds from the kill until every extent had its
 replicas again; ``--json FILE`` writes the same figures.  RELIABILITY.md has a run's figures.
@@ -34,6 +37,7 @@ from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
 from kvfs.handshake import Role
 from kvfs.launcher import ProcessCluster
+from kvfs.sync import Client
 
 CHUNKSERVERS = 4
 SEED_KEYS = 64  # written first; every client also reads them; one of them gets the flipped bit
@@ -41,7 +45,8 @@ VALUES = Values(max_small=32 * 1024, large_every=100)
 HEARTBEAT_TIMEOUT_S = 1.5
 DEAD_AFTER_S = 3.0
 RESTORE_DEADLINE_S = 120.0  # the kill's restore time past this: reported as not restored
-SUM_FIELDS = ("puts_ok", "puts_failed", "asked", "reads", "wrong", "misses", "read_errors")
+SUM_FIELDS = ("puts_ok", "puts_failed", "asked", "reads", "wrong", "misses", "read_errors", "overwritten")
+OVERWRITE_EVERY = 4  # every 4th put of a writer puts a batch of its keys again, as new versions
 
 
 def client_config(replicas: int) -> ClientConfig:
@@ -54,15 +59,20 @@ async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out
     """Run the workload for ``seconds`` (a writer and a reader client of its own), then write
     its figures and committed keys to ``out`` (JSON)."""
     cfg = client_config(replicas)
-    async with AsyncClient(addr, config=cfg) as writer, AsyncClient(addr, config=cfg) as reader:
-        load = MixedWorkload(writer, reader, prefix=prefix, values=VALUES, write_pause_s=0.05,
-                             max_keys=50_000)
-        load.committed.extend(seed_keys())
-        load.start()
-        await asyncio.sleep(seconds)  # the soak's length: the workload runs meanwhile
-        fig = await load.stop()
+    blocking = await asyncio.to_thread(Client, addr, config=cfg)  # its own IO thread and sockets
+    try:
+        async with AsyncClient(addr, config=cfg) as writer, AsyncClient(addr, config=cfg) as reader:
+            load = MixedWorkload(writer, reader, prefix=prefix, values=VALUES, write_pause_s=0.05,
+                                 max_keys=50_000, blocking=blocking, overwrite_every=OVERWRITE_EVERY)
+            load.committed.extend(seed_keys())
+            load.start()
+            await asyncio.sleep(seconds)  # the soak's length: the workload runs meanwhile
+            fig = await load.stop()
+    finally:
+        await asyncio.to_thread(blocking.close)
     row = fig.to_dict()
     row["keys"] = [k.decode() for k in load.committed[SEED_KEYS:]]
+    row["versions"] = {k.decode(): span for k, span in load.versions().items()}
     out.write_text(json.dumps(row))
 
 
@@ -150,8 +160,9 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int) -> dict[
                 raise RuntimeError(f"a soak client failed (exit codes {codes})")
             rows = [json.loads(out.read_text()) for out in outs]
             keys = seed_keys() + [k.encode() for r in rows for k in r["keys"]]
+            versions = {k.encode(): (lo, hi) for r in rows for k, (lo, hi) in r["versions"].items()}
         async with AsyncClient(addr, token=cluster.token, config=client_config(replicas)) as fresh:
-            misses, wrong, failed = await verify_all(fresh, keys, VALUES)
+            misses, wrong, failed = await verify_all(fresh, keys, VALUES, versions=versions)
     finally:
         for p in procs:
             if p.returncode is None:
@@ -160,11 +171,15 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int) -> dict[
         await cluster.stop()
     total: dict[str, Any] = {f: sum(r[f] for r in rows) for f in SUM_FIELDS}
     errors: dict[str, int] = {}
+    by_api: dict[str, int] = {}
     for r in rows:
         for k, v in r["errors"].items():
             errors[k] = errors.get(k, 0) + v
+        for k, v in r["by_api"].items():
+            by_api[k] = by_api.get(k, 0) + v
     return {"seconds": round(time.monotonic() - t_start, 1), "clients": clients, "replicas": replicas,
             **total, "longest_read_s": max(r["longest_read_s"] for r in rows), "errors": errors,
+            "by_api": by_api,
             "keys_committed": len(keys), "final_misses": misses, "final_wrong": wrong,
             "final_failed": failed, "wrong_total": total["wrong"] + wrong,
             "values_lost": misses + failed,
@@ -192,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=ns.dir, prefix="kvfs-soak-") as d:
         fig = asyncio.run(soak(Path(d), ns.seconds, ns.clients, ns.replicas))
     print(f"operations: {fig['puts_ok']} put_many calls ok ({fig['puts_failed']} failed), "
-          f"{fig['reads']} values read and checked ({fig['read_errors']} get_many calls failed); "
-          f"{fig['keys_committed']} keys committed")
+          f"{fig['reads']} values read and checked ({fig['read_errors']} reads failed; per API "
+          f"{fig['by_api']}); "
+          f"{fig['keys_committed']} keys committed, {fig['overwritten']} of them put again as new versions")
     print(f"wrong values: {fig['wrong_total']}  committed values lost: {fig['values_lost']}  "
           f"longest read: {fig['longest_read_s']}s  replicas restored {fig['restore_s']}s after the kill")
     line = json.dumps(fig, sort_keys=True)

@@ -1,48 +1,76 @@
 """A mixed read/write workload that checks every byte it reads, for fault tests and the soak.
 
 Writers ``put_many`` new keys in small batches; a key counts as committed only once its
-put returned.  Readers ``get_many`` random committed keys and compare each value with
-the bytes its key determines (:class:`Values`), so a wrong byte can never pass unseen.
-Figures are kept per phase (:meth:`MixedWorkload.phase`): reads, wrong values, misses
-of committed keys, read errors, failed puts, and the longest single read (the stall a
-reader saw).
+put returned.  Readers read random committed keys through each read API in turn
+(:data:`READ_APIS`: ``get_many``, and ``get_into`` into buffers of the value's size, larger,
+one byte too small, or scattered over several pieces; the same two through a blocking
+``kvfs.Client`` when one is given) and compare each value with the bytes its key
+determines (:class:`Values`), so a wrong byte can never pass unseen.  A ``get_into`` that
+writes a byte it should not (past the value, or anything on ``TOO_SMALL``) counts as a
+wrong value too.  Figures are kept per phase (:meth:`MixedWorkload.phase`): reads (in all
+and per API), wrong values, misses of committed keys, read errors, failed puts, and the
+longest single read (the stall a reader saw).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import random
 import time
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvfs.client import AsyncClient
+from kvfs.client import MISS, TOO_SMALL, AsyncClient
 from kvfs.errors import KVFSError
+from kvfs.sync import Client
 
 MiB = 1024 * 1024
+READ_APIS = ("get_many", "get_into", "sync get_many", "sync get_into")  # the sync ones: Client given
+_UNTOUCHED = 0xA5  # what a get_into buffer holds before the read: bytes it must not write stay so
 
 
 @dataclass(frozen=True)
 class Values:
-    """The value each key always holds: 1 KiB to ``max_small`` bytes (from its hash), one
-    key in ``large_every`` 1.5 MiB (striped over two servers), its digest repeated, so
-    any wrong byte is detectable."""
+    """The value each version of a key holds: 1 KiB to ``max_small`` bytes (from a hash of
+    both), one in ``large_every`` 1.5 MiB (striped over two servers).  Its bytes are one
+    block repeated: the version (4 bytes, little-endian) and a digest of the key and the
+    version, so a read tells which version it got and any wrong or mixed byte is detectable."""
 
     max_small: int = 64 * 1024
     large_every: int = 50
 
-    def size(self, key: bytes) -> int:
-        h = int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little")
+    @staticmethod
+    def _hash(key: bytes, version: int, size: int) -> bytes:
+        return hashlib.blake2b(key + b"#%d" % version if version else key, digest_size=size).digest()
+
+    def size(self, key: bytes, version: int = 0) -> int:
+        h = int.from_bytes(self._hash(key, version, 8), "little")
         if self.large_every and h % self.large_every == 0:
             return 3 * MiB // 2
         return 1024 + h % max(self.max_small - 1024, 1)
 
-    def of(self, key: bytes) -> bytes:
-        n = self.size(key)
-        d = hashlib.blake2b(key, digest_size=64).digest()
+    def of(self, key: bytes, version: int = 0) -> bytes:
+        n = self.size(key, version)
+        d = version.to_bytes(4, "little") + self._hash(key, version, 60)
         return (d * (n // len(d) + 1))[:n]
+
+    def largest(self, key: bytes, newest: int) -> int:
+        """The largest size of versions 0 to ``newest``."""
+        return max(self.size(key, v) for v in range(newest + 1))
+
+    def check(self, key: bytes, value: bytes | bytearray | memoryview, oldest: int = 0,
+              newest: int = 0) -> str:
+        """"" when ``value`` is exactly one of the key's versions ``oldest`` to ``newest``;
+        else what is wrong with it."""
+        version = int.from_bytes(value[:4], "little")
+        if not oldest <= version <= newest or value != self.of(key, version):
+            return (f"version {version}, not {oldest} to {newest}"
+                    if len(value) >= 4 and value == self.of(key, version) else "wrong bytes")
+        return ""
 
 
 @dataclass
@@ -54,13 +82,15 @@ class Figures:
     ended: float | None = None
     puts_ok: int = 0
     puts_failed: int = 0
-    asked: int = 0  # values asked for (each key of a get_many, answered or not)
-    reads: int = 0  # values read (each key of a get_many that returned)
-    wrong: int = 0  # values whose bytes differ from what was put: must always be 0
+    asked: int = 0  # values asked for (each key of a read, answered or not)
+    reads: int = 0  # values read (each key of a read that returned)
+    wrong: int = 0  # values whose bytes differ from what was put (or bytes written past them): must always be 0
     misses: int = 0  # committed keys read as missing
-    read_errors: int = 0  # get_many calls that raised
-    longest_read_s: float = 0.0  # the longest single get_many: the stall a reader saw
+    read_errors: int = 0  # reads that raised
+    longest_read_s: float = 0.0  # the longest single read: the stall a reader saw
     errors: Counter[str] = field(default_factory=Counter)
+    by_api: Counter[str] = field(default_factory=Counter)  # values read, per READ_APIS entry
+    overwritten: int = 0  # keys put again as their next version
 
     @property
     def seconds(self) -> float:
@@ -70,25 +100,37 @@ class Figures:
         return {"phase": self.name, "seconds": round(self.seconds, 2), "puts_ok": self.puts_ok,
                 "puts_failed": self.puts_failed, "asked": self.asked, "reads": self.reads, "wrong": self.wrong,
                 "misses": self.misses, "read_errors": self.read_errors,
-                "longest_read_s": round(self.longest_read_s, 3), "errors": dict(self.errors)}
+                "longest_read_s": round(self.longest_read_s, 3), "errors": dict(self.errors),
+                "by_api": dict(self.by_api), "overwritten": self.overwritten}
 
 
 class MixedWorkload:
     """``writers`` + ``readers`` coroutines until :meth:`stop`; ``writer`` and ``reader``
     may be one client or two (a reader with its own layout cache asks meta as a fresh
-    process would)."""
+    process would).  ``blocking``: a ``kvfs.Client`` the readers also read through (its
+    calls run in threads of their own, as an engine's would).  ``overwrite_every``: every
+    that many puts of a writer, a batch of the keys this workload wrote gets each its next
+    version (one writer at a time per key), which a read must see whole: one version, never
+    a newer one than was put, nor a mix."""
 
     def __init__(self, writer: AsyncClient, reader: AsyncClient, *, prefix: str = "w",
                  writers: int = 2, readers: int = 3, batch: int = 8,
                  values: Values = Values(), write_pause_s: float = 0.0,
-                 max_keys: int = 100_000) -> None:
-        self.writer, self.reader = writer, reader
+                 max_keys: int = 100_000, blocking: Client | None = None,
+                 overwrite_every: int = 0) -> None:
+        self.writer, self.reader, self.blocking = writer, reader, blocking
+        self.apis = READ_APIS if blocking is not None else READ_APIS[:2]
         self.prefix = prefix
         self.nwriters, self.nreaders, self.batch = writers, readers, batch
         self.values = values
         self.write_pause_s = write_pause_s  # pacing between a writer's puts
         self.max_keys = max_keys
         self.committed: list[bytes] = []
+        self.overwrite_every = overwrite_every
+        self.own: list[bytes] = []  # the committed keys this workload wrote (the others: never overwritten)
+        self.newest: dict[bytes, int] = {}  # key -> its newest version put, or being put (absent: 0)
+        self.oldest: dict[bytes, int] = {}  # key -> its newest version a put returned for
+        self._busy: set[bytes] = set()  # keys being overwritten
         self.history: list[Figures] = []
         self.now = Figures("start")
         self._seq = 0
@@ -96,6 +138,11 @@ class MixedWorkload:
         self._progress = asyncio.Condition()
         self._tasks: list[asyncio.Task[None]] = []
         self._rng = random.Random(1)
+
+    def versions(self) -> dict[bytes, tuple[int, int]]:
+        """The overwritten keys' (oldest, newest) versions a fresh reader may see now
+        (:func:`verify_all`)."""
+        return {k: (self.oldest.get(k, 0), v) for k, v in self.newest.items()}
 
     def phase(self, name: str) -> Figures:
         """Close the current phase (returned) and start counting a new one."""
@@ -108,7 +155,7 @@ class MixedWorkload:
     def start(self) -> None:
         loop = asyncio.get_running_loop()
         self._tasks = [loop.create_task(self._write_loop(i)) for i in range(self.nwriters)]
-        self._tasks += [loop.create_task(self._read_loop()) for _ in range(self.nreaders)]
+        self._tasks += [loop.create_task(self._read_loop(i)) for i in range(self.nreaders)]
 
     async def stop(self) -> Figures:
         self._stop.set()
@@ -147,7 +194,12 @@ class MixedWorkload:
         return keys
 
     async def _write_loop(self, i: int) -> None:
+        n = 0
         while not self._stop.is_set() and len(self.committed) < self.max_keys:
+            n += 1
+            if self.overwrite_every and n % self.overwrite_every == 0 and len(self.own) > 4 * self.batch:
+                await self._overwrite()
+                continue
             keys = self._new_keys()
             fig = self.now
             try:
@@ -159,42 +211,132 @@ class MixedWorkload:
                 continue
             fig.puts_ok += 1
             self.committed.extend(keys)
+            self.own.extend(keys)
             await self._notify()
             await asyncio.sleep(self.write_pause_s)
 
-    async def _read_loop(self) -> None:
+    async def _overwrite(self) -> None:
+        """Each of a batch of this workload's keys put again, as its next version."""
+        keys = list({k for k in self._rng.sample(self.own, self.batch) if k not in self._busy})
+        self._busy.update(keys)
+        fig = self.now
+        try:
+            for k in keys:
+                self.newest[k] = self.newest.get(k, 0) + 1
+            await self.writer.put_many([(k, self.values.of(k, self.newest[k])) for k in keys])
+        except KVFSError as exc:
+            fig.puts_failed += 1
+            fig.errors[f"overwrite: {type(exc).__name__}"] += 1
+            await asyncio.sleep(0.05)  # pacing after a failure, not a wait for a condition
+            return
+        finally:
+            self._busy.difference_update(keys)
+        fig.puts_ok += 1
+        fig.overwritten += len(keys)
+        for k in keys:
+            self.oldest[k] = self.newest[k]
+        await asyncio.sleep(self.write_pause_s)
+
+    async def _read_loop(self, i: int) -> None:
+        turn = i  # each reader starts at a different API, then takes each in turn
         while not self._stop.is_set():
             if not self.committed:
                 await asyncio.sleep(0.01)
                 continue
             keys = [self._rng.choice(self.committed) for _ in range(self.batch)]
+            api = self.apis[turn % len(self.apis)]
+            turn += 1
             fig = self.now
             t0 = time.monotonic()
             try:
-                got = await self.reader.get_many(keys)
+                if api.endswith("get_many"):
+                    got = await self._get_many(keys, sync=api != "get_many")
+                else:
+                    got = await self._get_into(keys, sync=api != "get_into")
             except KVFSError as exc:
                 fig.asked += len(keys)
                 fig.read_errors += 1
-                fig.errors[f"get: {type(exc).__name__}"] += 1
+                fig.errors[f"{api}: {type(exc).__name__}"] += 1
                 fig.longest_read_s = max(fig.longest_read_s, time.monotonic() - t0)
                 await self._notify()
                 await asyncio.sleep(0.05)
                 continue
             fig.asked += len(keys)
             fig.longest_read_s = max(fig.longest_read_s, time.monotonic() - t0)
-            for k, v in zip(keys, got, strict=True):
+            fig.by_api[api] += len(keys)
+            for outcome in got:
                 fig.reads += 1
-                if v is None:
+                if outcome is None:
                     fig.misses += 1
-                elif v != self.values.of(k):
+                elif outcome:
                     fig.wrong += 1
+                    fig.errors[f"{api}: {outcome}"] += 1
             await self._notify()
+
+    async def _get_many(self, keys: list[bytes], *, sync: bool) -> list[str | None]:
+        """Each key's outcome: None (a miss), "" (one of its versions put so far, whole) or
+        what was wrong.  Any version may come back: a reader's cached layout may name an
+        older one."""
+        if sync:
+            assert self.blocking is not None
+            got = await asyncio.to_thread(self.blocking.get_many, keys)
+        else:
+            got = await self.reader.get_many(keys)
+        return [None if v is None else self.values.check(k, v, 0, self.newest.get(k, 0))
+                for k, v in zip(keys, got, strict=True)]
+
+    async def _get_into(self, keys: list[bytes], *, sync: bool) -> list[str | None]:
+        """As :meth:`_get_many`, through ``get_into``: each key's buffer the size of its
+        newest version, larger, one byte too small, or a list of pieces.  TOO_SMALL is right
+        only where a version put so far is larger than the buffer, and with the buffer as it
+        was; a hit, only with nothing written past the value."""
+        rng = self._rng
+        bufs: list[list[bytearray]] = []
+        for k in keys:
+            n = self.values.size(k, self.newest.get(k, 0))
+            shape = rng.randrange(4)
+            room = n - 1 if shape == 2 else n + rng.randrange(1, 4097) if shape == 1 else n
+            cuts = sorted(rng.sample(range(1, room), 2)) if shape == 3 and room > 2 else []
+            bounds = [0, *cuts, room]
+            bufs.append([bytearray([_UNTOUCHED]) * (b - a) for a, b in itertools.pairwise(bounds)])
+        dests: list[Any] = [b[0] if len(b) == 1 else b for b in bufs]
+        if sync:
+            assert self.blocking is not None
+            got = await asyncio.to_thread(self.blocking.get_into, keys, dests)
+        else:
+            got = await self.reader.get_into(keys, dests)
+        out: list[str | None] = []
+        for k, pieces, n in zip(keys, bufs, got, strict=True):
+            whole = b"".join(pieces)
+            newest = self.newest.get(k, 0)
+            untouched = whole.count(_UNTOUCHED) == len(whole)
+            if n == MISS:
+                out.append(None)
+            elif n == TOO_SMALL:
+                out.append("" if untouched and len(whole) < self.values.largest(k, newest)
+                           else "TOO_SMALL for a buffer as large as every version"
+                           if untouched else "TOO_SMALL with the buffer written")
+            elif not 0 <= n <= len(whole):
+                out.append(f"size {n} for a buffer of {len(whole)}")
+            elif whole[n:].count(_UNTOUCHED) != len(whole) - n:
+                out.append("bytes written past the value")
+            else:
+                out.append(self.values.check(k, whole[:n], 0, newest))
+        return out
 
 
 async def verify_all(client: AsyncClient, keys: list[bytes], values: Values, *,
-                     batch: int = 64) -> tuple[int, int, int]:
-    """Read every key once: (misses, wrong values, keys whose read raised)."""
+                     batch: int = 64, versions: Mapping[bytes, tuple[int, int]] | None = None,
+                     ) -> tuple[int, int, int]:
+    """Read every key once: (misses, wrong values, keys whose read raised).  ``versions``:
+    key -> (the newest version a put returned for, the newest put at all), those a fresh
+    reader may see (absent: 0 alone)."""
     misses = wrong = failed = 0
+    span = versions or {}
+
+    def bad(k: bytes, v: bytes) -> bool:
+        return bool(values.check(k, v, *span.get(k, (0, 0))))
+
     for i in range(0, len(keys), batch):
         part = keys[i:i + batch]
         try:
@@ -207,11 +349,11 @@ async def verify_all(client: AsyncClient, keys: list[bytes], values: Values, *,
                     failed += 1
                     continue
                 misses += v is None
-                wrong += v is not None and v != values.of(k)
+                wrong += v is not None and bad(k, v)
             continue
         for k, v in zip(part, got, strict=True):
             misses += v is None
-            wrong += v is not None and v != values.of(k)
+            wrong += v is not None and bad(k, v)
     return misses, wrong, failed
 
 

@@ -20,10 +20,18 @@ from typing import Any
 import pytest
 from netns import NetLab, NetnsCluster, netns_unavailable
 
-from kvfs.bench.workload import Figures, MixedWorkload, Values, under_replicated, verify_all
+from kvfs.bench.workload import (
+    READ_APIS,
+    Figures,
+    MixedWorkload,
+    Values,
+    under_replicated,
+    verify_all,
+)
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
 from kvfs.layout import Layout
+from kvfs.sync import Client
 
 NO_LAYOUT = Layout(0, 0, 0.0, None, ())
 pytestmark = [pytest.mark.netns, pytest.mark.subprocess, pytest.mark.timeout(600)]
@@ -108,9 +116,11 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
     writer = cluster.client(config=cfg)
     reader = cluster.client(config=cfg)  # its own layout cache: it asks meta as a fresh reader does
     admin = cluster.client(config=cfg)
+    # the blocking client's reads run in its callers' threads, on sockets of its own
+    blocking = await asyncio.to_thread(Client, cluster.addr, token=cluster.token, config=cfg)
     rows: list[dict[str, Any]] = []
     load = MixedWorkload(writer, reader, prefix=f"r{replicas}", values=VALUES, write_pause_s=0.05,
-                         max_keys=20_000)
+                         max_keys=20_000, blocking=blocking)
 
     async def fault(name: str, on: Callable[[], Awaitable[None]],
                     off: Callable[[], Awaitable[None]], *, heals: bool = True) -> None:
@@ -140,6 +150,7 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
         await load.wait_reads(FAULT_READS, timeout_s=120)
         base = load.phase("baseline")
         assert base.reads > 0 and base.wrong == 0 and base.misses == 0 and base.read_errors == 0, base
+        assert set(base.by_api) == set(READ_APIS), base  # every read API is checked
         record({"replicas": replicas, "fault": "none (baseline)", **base.to_dict()})
 
         cs = 1
@@ -182,6 +193,7 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
     finally:
         for c in (writer, reader, admin):
             await c.close()
+        await asyncio.to_thread(blocking.close)
     return load, rows
 
 

@@ -1,5 +1,6 @@
 """The soak's short version (bench/soak.py; `python -m kvfs.bench.soak` runs the long one):
-meta, 4 chunkservers, the GC daemon and 2 client processes for 20 s, a bit flipped in a
+meta, 4 chunkservers, the GC daemon and 2 client processes (reading through get_many and
+get_into, async and blocking, while some keys are put again as new versions) for 20 s, a bit flipped in a
 stored value, a chunkserver SIGKILLed until it is declared dead and repaired, then restarted."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvfs.bench.soak import soak
+from kvfs.bench.workload import READ_APIS
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(300)]
 
@@ -17,6 +19,11 @@ async def test_short_soak_reads_every_byte_right_and_loses_nothing(tmp_path: Pat
     fig = await soak(tmp_path, seconds=20, clients=2, replicas=2)
     print(fig)
     assert fig["reads"] > 0 and fig["puts_ok"] > 0, fig
+    assert set(fig["by_api"]) == set(READ_APIS), fig  # each read API was checked under the faults
+    assert fig["overwritten"] > 0, fig  # and reads raced overwrites
+    # replicas=2: neither the dead server nor the bad copy, nor a value overwritten (its old
+    # bytes reclaimed) under a reader's cached layout, makes a committed key a miss
+    assert fig["misses"] == 0, fig
     assert fig["wrong_total"] == 0, fig
     assert fig["values_lost"] == 0, fig  # replicas=2: one dead server and one bad copy lose nothing
     assert fig["restore_s"] is not None, fig  # the GC daemon repaired the dead server's extents

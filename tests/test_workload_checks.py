@@ -1,0 +1,151 @@
+"""The fault tests' and the soak's checker (kvfs.bench.workload) itself: a reader whose
+``get_into`` misbehaves in each way the checker names is caught, and a right one passes, so a
+broken read path cannot pass the soak or the netns faults unseen."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import pytest
+
+from kvfs.bench.workload import MixedWorkload, Values
+from kvfs.client import MISS, TOO_SMALL, AsyncClient
+
+VALUES = Values(max_small=8192, large_every=0)
+KEYS = [f"k/{i:03d}".encode() for i in range(64)]
+
+
+def _pieces(buf: Any) -> list[memoryview]:
+    return [memoryview(b) for b in (buf if isinstance(buf, list) else [buf])]
+
+
+def _scatter(value: bytes, buf: Any) -> None:
+    at = 0
+    for view in _pieces(buf):
+        n = min(view.nbytes, len(value) - at)
+        view[:n] = value[at:at + n]
+        at += n
+
+
+class Reader:
+    """``get_into`` and ``get_many`` as the client's contract says, but for ``fault``,
+    which is applied to each key's answer."""
+
+    def __init__(self, fault: Callable[[bytes, Any, int], int] | None = None) -> None:
+        self.fault = fault
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return [VALUES.of(k) for k in keys]
+
+    async def get_into(self, keys: Sequence[bytes], buffers: Sequence[Any]) -> list[int]:
+        out = []
+        for k, buf in zip(keys, buffers, strict=True):
+            value = VALUES.of(k)
+            room = sum(v.nbytes for v in _pieces(buf))
+            if room < len(value):
+                n = TOO_SMALL
+            else:
+                _scatter(value, buf)
+                n = len(value)
+            out.append(n if self.fault is None else self.fault(value, buf, n))
+        return out
+
+
+def _past_the_value(value: bytes, buf: Any, n: int) -> int:
+    views = _pieces(buf)
+    if n > 0 and sum(v.nbytes for v in views) > n:
+        _scatter(value + b"\0", buf)
+    return n
+
+
+def _scribble_when_too_small(value: bytes, buf: Any, n: int) -> int:
+    if n == TOO_SMALL:
+        _pieces(buf)[0][0] = 0
+    return n
+
+
+def _short_size(value: bytes, buf: Any, n: int) -> int:
+    return n - 1 if n > 0 else n
+
+
+def _flip(value: bytes, buf: Any, n: int) -> int:
+    if n > 0:
+        first = _pieces(buf)[0]
+        first[0] ^= 1
+    return n
+
+
+def _truncated_into_too_small(value: bytes, buf: Any, n: int) -> int:
+    if n == TOO_SMALL:  # the buffer's bytes of the value, reported as a hit
+        _scatter(value, buf)
+        return sum(v.nbytes for v in _pieces(buf))
+    return n
+
+
+def _workload(reader: Reader) -> MixedWorkload:
+    client = cast(AsyncClient, reader)
+    return MixedWorkload(client, client, values=VALUES)
+
+
+async def _outcomes(reader: Reader) -> list[str | None]:
+    load = _workload(reader)
+    return await load._get_into(KEYS, sync=False)
+
+
+async def test_a_right_reader_passes_every_buffer_shape() -> None:
+    assert await _outcomes(Reader()) == [""] * len(KEYS)
+    load = _workload(Reader())
+    assert await load._get_many(KEYS, sync=False) == [""] * len(KEYS)
+
+
+def _too_small_for_all(value: bytes, buf: Any, n: int) -> int:
+    return TOO_SMALL
+
+
+@pytest.mark.parametrize(("fault", "named"), [
+    (_past_the_value, "bytes written past the value"),
+    (_scribble_when_too_small, "TOO_SMALL with the buffer written"),
+    (_too_small_for_all, "TOO_SMALL"),  # ... for a buffer as large as every version / written
+    # its last byte is past the size it gave (or, where that byte is 0xA5, the value is short)
+    (_short_size, ("bytes written past the value", "wrong bytes")),
+    (_flip, "wrong bytes"),
+    (_truncated_into_too_small, "wrong bytes"),
+])
+async def test_each_wrong_answer_is_caught(fault: Callable[[bytes, Any, int], int],
+                                          named: str | tuple[str, ...]) -> None:
+    got = await _outcomes(Reader(fault))
+    wrong = [o for o in got if o]
+    assert wrong, got  # the 64 keys' random shapes include the one this fault needs
+    assert all(o.startswith(named) for o in wrong), wrong
+    assert None not in got
+
+
+async def test_a_miss_is_a_miss_not_a_wrong_value() -> None:
+    got = await _outcomes(Reader(lambda value, buf, n: MISS))
+    assert got == [None] * len(KEYS)
+
+
+class VersionReader(Reader):
+    """``get_many`` answering each key with ``answer(key)``."""
+
+    def __init__(self, answer: Callable[[bytes], bytes]) -> None:
+        super().__init__()
+        self.answer = answer
+
+    async def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        return [self.answer(k) for k in keys]
+
+
+async def test_any_version_put_so_far_passes_a_newer_one_or_a_mix_does_not() -> None:
+    load = _workload(VersionReader(lambda k: VALUES.of(k, 1)))
+    assert set(await load._get_many(KEYS, sync=False)) == {"version 1, not 0 to 0"}
+    load.newest.update({k: 2 for k in KEYS})  # versions 1 and 2 put: 1 is a right answer
+    assert set(await load._get_many(KEYS, sync=False)) == {""}
+
+    def mixed(k: bytes) -> bytes:
+        old, new = VALUES.of(k, 1), VALUES.of(k, 2)
+        return new[:64] + old[64:len(new)] if len(old) >= len(new) else new[:64] + old[64:] + new[len(old):]
+    load = _workload(VersionReader(mixed))
+    load.newest.update({k: 2 for k in KEYS})
+    assert set(await load._get_many(KEYS, sync=False)) == {"wrong bytes"}
