@@ -1,5 +1,6 @@
 """Meta and 4 chunkservers, each on its own host (network namespace), under a mixed
-read/write workload that checks every byte: a chunkserver SIGKILLed, a host's link cut,
+read/write workload that checks every byte (read through get_many and get_into, async and
+blocking, while some keys are overwritten): a chunkserver SIGKILLed, a host's link cut,
 meta restarted.  Each fault's figures (values lost, wrong bytes, the longest a reader
 waited, the time until every committed key had its replicas again) are printed and, when
 ``$KVFS_FAULT_TABLE`` names a file, appended to it as JSON lines (RELIABILITY.md).
@@ -120,7 +121,7 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
     blocking = await asyncio.to_thread(Client, cluster.addr, token=cluster.token, config=cfg)
     rows: list[dict[str, Any]] = []
     load = MixedWorkload(writer, reader, prefix=f"r{replicas}", values=VALUES, write_pause_s=0.05,
-                         max_keys=20_000, blocking=blocking)
+                         max_keys=20_000, blocking=blocking, overwrite_every=4)
 
     async def fault(name: str, on: Callable[[], Awaitable[None]],
                     off: Callable[[], Awaitable[None]], *, heals: bool = True) -> None:
@@ -208,7 +209,7 @@ async def test_replicas_2_every_committed_value_stays_readable(cluster: NetnsClu
     assert len(rows) == 4
     fresh = cluster.client(config=client_config(2))
     try:
-        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES)
+        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES, versions=load.versions())
     finally:
         await fresh.close()
     record({"replicas": 2, "fault": "final check", "keys_committed": len(load.committed),
@@ -231,7 +232,7 @@ async def test_replicas_1_lost_values_end_within_a_bound(cluster: NetnsCluster) 
                    if any(r.server_id in dead for e in (await fresh.layout(k) or NO_LAYOUT).extents
                           for r in e.replicas)]
         t0 = time.monotonic()
-        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES)
+        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES, versions=load.versions())
         verify_s = time.monotonic() - t0
         exists = await fresh.exists_many(on_dead) if on_dead else []
     finally:
