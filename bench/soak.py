@@ -1,15 +1,16 @@
 """A bounded soak (issue 10): meta, 4 chunkservers and the GC daemon (repair on) as processes,
 several client processes running the mixed workload of :mod:`kvfs.bench.workload` (every value
 read is compared with the bytes its key and version determine; each process reads through
-``get_many`` and ``get_into``, of its ``AsyncClient`` and of a blocking ``kvfs.Client``, and puts
-some of its keys again as new versions, which every read must see whole), and, midway:
+``get_many`` and ``get_into``, of its ``AsyncClient`` and of a blocking ``kvfs.Client``, puts
+some of its keys again as new versions, which every read must see whole, and deletes some),
+and, midway:
 
 - one bit flipped in a stored value on a live chunkserver (a replica of a seed key),
 - a chunkserver SIGKILLed, kept down until meta declares it dead and the GC daemon has
   repaired its extents onto the others, then restarted on its data dir.
 
 At the end a fresh client reads every committed key once (an overwritten key: its newest
-version a put returned for, or a newer one put after).  Prints the operations done, wrong
+version a put returned for, or a newer one put after; a deleted key: a miss, or a wrong value).  Prints the operations done, wrong
 values (must be 0), committed values lost (must be 0 with ``--replicas 2``), read errors,
 failed puts, the longest read, and the seconds from the kill until every extent had its
 replicas again; ``--json FILE`` writes the same figures.  RELIABILITY.md has a run's figures.
@@ -45,8 +46,10 @@ VALUES = Values(max_small=32 * 1024, large_every=100)
 HEARTBEAT_TIMEOUT_S = 1.5
 DEAD_AFTER_S = 3.0
 RESTORE_DEADLINE_S = 120.0  # the kill's restore time past this: reported as not restored
-SUM_FIELDS = ("puts_ok", "puts_failed", "asked", "reads", "wrong", "misses", "read_errors", "overwritten")
+SUM_FIELDS = ("puts_ok", "puts_failed", "asked", "reads", "wrong", "misses", "read_errors", "overwritten",
+              "deleted")
 OVERWRITE_EVERY = 4  # every 4th put of a writer puts a batch of its keys again, as new versions
+DELETE_EVERY = 7  # and every 7th deletes a batch of them
 
 
 def client_config(replicas: int) -> ClientConfig:
@@ -63,7 +66,8 @@ async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out
     try:
         async with AsyncClient(addr, config=cfg) as writer, AsyncClient(addr, config=cfg) as reader:
             load = MixedWorkload(writer, reader, prefix=prefix, values=VALUES, write_pause_s=0.05,
-                                 max_keys=50_000, blocking=blocking, overwrite_every=OVERWRITE_EVERY)
+                                 max_keys=50_000, blocking=blocking, overwrite_every=OVERWRITE_EVERY,
+                                 delete_every=DELETE_EVERY)
             load.committed.extend(seed_keys())
             load.start()
             await asyncio.sleep(seconds)  # the soak's length: the workload runs meanwhile
@@ -73,6 +77,8 @@ async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out
     row = fig.to_dict()
     row["keys"] = [k.decode() for k in load.committed[SEED_KEYS:]]
     row["versions"] = {k.decode(): span for k, span in load.versions().items()}
+    row["deleted_keys"] = sorted(k.decode() for k in load.deleted)
+    row["maybe_deleted"] = sorted(k.decode() for k in load.deleting - load.deleted)
     out.write_text(json.dumps(row))
 
 
@@ -161,8 +167,11 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int) -> dict[
             rows = [json.loads(out.read_text()) for out in outs]
             keys = seed_keys() + [k.encode() for r in rows for k in r["keys"]]
             versions = {k.encode(): (lo, hi) for r in rows for k, (lo, hi) in r["versions"].items()}
+            deleted = {k.encode() for r in rows for k in r["deleted_keys"]}
+            maybe = {k.encode() for r in rows for k in r["maybe_deleted"]}
         async with AsyncClient(addr, token=cluster.token, config=client_config(replicas)) as fresh:
-            misses, wrong, failed = await verify_all(fresh, keys, VALUES, versions=versions)
+            misses, wrong, failed = await verify_all(fresh, keys, VALUES, versions=versions,
+                                                     deleted=deleted, maybe_deleted=maybe)
     finally:
         for p in procs:
             if p.returncode is None:
@@ -209,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"operations: {fig['puts_ok']} put_many calls ok ({fig['puts_failed']} failed), "
           f"{fig['reads']} values read and checked ({fig['read_errors']} reads failed; per API "
           f"{fig['by_api']}); "
-          f"{fig['keys_committed']} keys committed, {fig['overwritten']} of them put again as new versions")
+          f"{fig['keys_committed']} keys committed, {fig['overwritten']} of them put again as new versions, {fig['deleted']} deleted")
     print(f"wrong values: {fig['wrong_total']}  committed values lost: {fig['values_lost']}  "
           f"longest read: {fig['longest_read_s']}s  replicas restored {fig['restore_s']}s after the kill")
     line = json.dumps(fig, sort_keys=True)

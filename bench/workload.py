@@ -20,7 +20,7 @@ import itertools
 import random
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,7 +29,9 @@ from kvfs.errors import KVFSError
 from kvfs.sync import Client
 
 MiB = 1024 * 1024
-READ_APIS = ("get_many", "get_into", "sync get_many", "sync get_into")  # the sync ones: Client given
+# the sync ones: through the blocking Client, when one is given; get_ranges: fsspec's cat paths
+READ_APIS = ("get_many", "get_into", "get_ranges", "sync get_many", "sync get_into")
+_BLOCK = 64  # a value is one block repeated: its version (4 bytes), then a digest
 _UNTOUCHED = 0xA5  # what a get_into buffer holds before the read: bytes it must not write stay so
 
 
@@ -55,7 +57,7 @@ class Values:
 
     def of(self, key: bytes, version: int = 0) -> bytes:
         n = self.size(key, version)
-        d = version.to_bytes(4, "little") + self._hash(key, version, 60)
+        d = version.to_bytes(4, "little") + self._hash(key, version, _BLOCK - 4)
         return (d * (n // len(d) + 1))[:n]
 
     def largest(self, key: bytes, newest: int) -> int:
@@ -71,6 +73,18 @@ class Values:
             return (f"version {version}, not {oldest} to {newest}"
                     if len(value) >= 4 and value == self.of(key, version) else "wrong bytes")
         return ""
+
+    def check_slice(self, key: bytes, got: bytes, start: int, end: int, newest: int) -> str:
+        """"" when ``got`` is ``value[start:end]`` of one of the key's versions 0 to
+        ``newest``; else what is wrong with it."""
+        at = -start % _BLOCK  # where the slice's first whole block (its version field) begins
+        if len(got) >= at + 4:
+            version = int.from_bytes(got[at:at + 4], "little")
+            if version <= newest and got == self.of(key, version)[start:end]:
+                return ""
+        elif any(got == self.of(key, v)[start:end] for v in range(newest + 1)):
+            return ""
+        return "wrong bytes (a slice)"
 
 
 @dataclass
@@ -91,6 +105,7 @@ class Figures:
     errors: Counter[str] = field(default_factory=Counter)
     by_api: Counter[str] = field(default_factory=Counter)  # values read, per READ_APIS entry
     overwritten: int = 0  # keys put again as their next version
+    deleted: int = 0  # keys deleted (the delete returned)
 
     @property
     def seconds(self) -> float:
@@ -101,7 +116,8 @@ class Figures:
                 "puts_failed": self.puts_failed, "asked": self.asked, "reads": self.reads, "wrong": self.wrong,
                 "misses": self.misses, "read_errors": self.read_errors,
                 "longest_read_s": round(self.longest_read_s, 3), "errors": dict(self.errors),
-                "by_api": dict(self.by_api), "overwritten": self.overwritten}
+                "by_api": dict(self.by_api), "overwritten": self.overwritten,
+                "deleted": self.deleted}
 
 
 class MixedWorkload:
@@ -111,15 +127,17 @@ class MixedWorkload:
     calls run in threads of their own, as an engine's would).  ``overwrite_every``: every
     that many puts of a writer, a batch of the keys this workload wrote gets each its next
     version (one writer at a time per key), which a read must see whole: one version, never
-    a newer one than was put, nor a mix."""
+    a newer one than was put, nor a mix.  ``delete_every``: every that many puts, a batch
+    of them is deleted (a read may then miss them; a fresh reader must, once the delete
+    returned)."""
 
     def __init__(self, writer: AsyncClient, reader: AsyncClient, *, prefix: str = "w",
                  writers: int = 2, readers: int = 3, batch: int = 8,
                  values: Values = Values(), write_pause_s: float = 0.0,
                  max_keys: int = 100_000, blocking: Client | None = None,
-                 overwrite_every: int = 0) -> None:
+                 overwrite_every: int = 0, delete_every: int = 0) -> None:
         self.writer, self.reader, self.blocking = writer, reader, blocking
-        self.apis = READ_APIS if blocking is not None else READ_APIS[:2]
+        self.apis = tuple(a for a in READ_APIS if blocking is not None or not a.startswith("sync"))
         self.prefix = prefix
         self.nwriters, self.nreaders, self.batch = writers, readers, batch
         self.values = values
@@ -130,7 +148,10 @@ class MixedWorkload:
         self.own: list[bytes] = []  # the committed keys this workload wrote (the others: never overwritten)
         self.newest: dict[bytes, int] = {}  # key -> its newest version put, or being put (absent: 0)
         self.oldest: dict[bytes, int] = {}  # key -> its newest version a put returned for
-        self._busy: set[bytes] = set()  # keys being overwritten
+        self._busy: set[bytes] = set()  # keys being overwritten or deleted
+        self.delete_every = delete_every
+        self.deleting: set[bytes] = set()  # keys whose delete began: a miss is no miss for them
+        self.deleted: set[bytes] = set()  # of them, those whose delete returned
         self.history: list[Figures] = []
         self.now = Figures("start")
         self._seq = 0
@@ -197,9 +218,13 @@ class MixedWorkload:
         n = 0
         while not self._stop.is_set() and len(self.committed) < self.max_keys:
             n += 1
-            if self.overwrite_every and n % self.overwrite_every == 0 and len(self.own) > 4 * self.batch:
-                await self._overwrite()
-                continue
+            if len(self.own) > 4 * self.batch:
+                if self.overwrite_every and n % self.overwrite_every == 0:
+                    await self._overwrite()
+                    continue
+                if self.delete_every and n % self.delete_every == 0:
+                    await self._delete()
+                    continue
             keys = self._new_keys()
             fig = self.now
             try:
@@ -237,6 +262,22 @@ class MixedWorkload:
             self.oldest[k] = self.newest[k]
         await asyncio.sleep(self.write_pause_s)
 
+    async def _delete(self) -> None:
+        """A batch of this workload's keys deleted (never written again)."""
+        keys = {k for k in self._rng.sample(self.own, self.batch) if k not in self._busy}
+        self.own = [k for k in self.own if k not in keys]
+        self.deleting.update(keys)
+        fig = self.now
+        try:
+            await self.writer.delete_many(keys)
+        except KVFSError as exc:  # deleted or not: either answer is right from now on
+            fig.errors[f"delete: {type(exc).__name__}"] += 1
+            await asyncio.sleep(0.05)  # pacing after a failure, not a wait for a condition
+            return
+        self.deleted.update(keys)
+        fig.deleted += len(keys)
+        await asyncio.sleep(self.write_pause_s)
+
     async def _read_loop(self, i: int) -> None:
         turn = i  # each reader starts at a different API, then takes each in turn
         while not self._stop.is_set():
@@ -251,6 +292,8 @@ class MixedWorkload:
             try:
                 if api.endswith("get_many"):
                     got = await self._get_many(keys, sync=api != "get_many")
+                elif api == "get_ranges":
+                    got = await self._get_ranges(keys)
                 else:
                     got = await self._get_into(keys, sync=api != "get_into")
             except KVFSError as exc:
@@ -274,16 +317,33 @@ class MixedWorkload:
             await self._notify()
 
     async def _get_many(self, keys: list[bytes], *, sync: bool) -> list[str | None]:
-        """Each key's outcome: None (a miss), "" (one of its versions put so far, whole) or
-        what was wrong.  Any version may come back: a reader's cached layout may name an
+        """Each key's outcome: None (a miss of a key not being deleted), "" (one of its
+        versions put so far, whole, or a deleted key's miss) or what was wrong.  Any version may come back: a reader's cached layout may name an
         older one."""
         if sync:
             assert self.blocking is not None
             got = await asyncio.to_thread(self.blocking.get_many, keys)
         else:
             got = await self.reader.get_many(keys)
-        return [None if v is None else self.values.check(k, v, 0, self.newest.get(k, 0))
+        return [self._miss(k) if v is None else self.values.check(k, v, 0, self.newest.get(k, 0))
                 for k, v in zip(keys, got, strict=True)]
+
+    async def _get_ranges(self, keys: list[bytes]) -> list[str | None]:
+        """As :meth:`_get_many`, of a slice of each value: in its first KiB (in every version),
+        or anywhere in its newest version (a slice of an older one may be cut short)."""
+        rng = self._rng
+        spans = []
+        for k in keys:
+            size = self.values.size(k, self.newest.get(k, 0)) if rng.randrange(2) else 1024
+            a = rng.randrange(size - 1)
+            spans.append((a, rng.randrange(a + 1, size + 1)))
+        got = await self.reader.get_ranges([(k, a, b) for k, (a, b) in zip(keys, spans, strict=True)])
+        return [self._miss(k) if v is None else self.values.check_slice(k, v, a, b, self.newest.get(k, 0))
+                for k, (a, b), v in zip(keys, spans, got, strict=True)]
+
+    def _miss(self, key: bytes) -> str | None:
+        """A miss's outcome: None (a miss) for a key that is there, "" for one being deleted."""
+        return "" if key in self.deleting else None
 
     async def _get_into(self, keys: list[bytes], *, sync: bool) -> list[str | None]:
         """As :meth:`_get_many`, through ``get_into``: each key's buffer the size of its
@@ -311,7 +371,7 @@ class MixedWorkload:
             newest = self.newest.get(k, 0)
             untouched = whole.count(_UNTOUCHED) == len(whole)
             if n == MISS:
-                out.append(None)
+                out.append(self._miss(k))
             elif n == TOO_SMALL:
                 out.append("" if untouched and len(whole) < self.values.largest(k, newest)
                            else "TOO_SMALL for a buffer as large as every version"
@@ -327,15 +387,23 @@ class MixedWorkload:
 
 async def verify_all(client: AsyncClient, keys: list[bytes], values: Values, *,
                      batch: int = 64, versions: Mapping[bytes, tuple[int, int]] | None = None,
+                     deleted: Collection[bytes] = (), maybe_deleted: Collection[bytes] = (),
                      ) -> tuple[int, int, int]:
     """Read every key once: (misses, wrong values, keys whose read raised).  ``versions``:
     key -> (the newest version a put returned for, the newest put at all), those a fresh
-    reader may see (absent: 0 alone)."""
+    reader may see (absent: 0 alone).  ``deleted``: keys that must be misses (a value read
+    is a wrong one); ``maybe_deleted``: keys whose delete failed (a miss is right too)."""
     misses = wrong = failed = 0
     span = versions or {}
 
-    def bad(k: bytes, v: bytes) -> bool:
-        return bool(values.check(k, v, *span.get(k, (0, 0))))
+    def tally(k: bytes, v: bytes | None) -> None:
+        nonlocal misses, wrong
+        if k in deleted:
+            wrong += v is not None
+        elif v is None:
+            misses += k not in maybe_deleted
+        else:
+            wrong += bool(values.check(k, v, *span.get(k, (0, 0))))
 
     for i in range(0, len(keys), batch):
         part = keys[i:i + batch]
@@ -348,12 +416,10 @@ async def verify_all(client: AsyncClient, keys: list[bytes], values: Values, *,
                 except KVFSError:
                     failed += 1
                     continue
-                misses += v is None
-                wrong += v is not None and bad(k, v)
+                tally(k, v)
             continue
         for k, v in zip(part, got, strict=True):
-            misses += v is None
-            wrong += v is not None and bad(k, v)
+            tally(k, v)
     return misses, wrong, failed
 
 

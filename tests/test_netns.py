@@ -1,6 +1,6 @@
 """Meta and 4 chunkservers, each on its own host (network namespace), under a mixed
 read/write workload that checks every byte (read through get_many and get_into, async and
-blocking, while some keys are overwritten): a chunkserver SIGKILLed, a host's link cut,
+blocking, while some keys are overwritten and some deleted): a chunkserver SIGKILLed, a host's link cut,
 meta restarted.  Each fault's figures (values lost, wrong bytes, the longest a reader
 waited, the time until every committed key had its replicas again) are printed and, when
 ``$KVFS_FAULT_TABLE`` names a file, appended to it as JSON lines (RELIABILITY.md).
@@ -14,7 +14,7 @@ import asyncio
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -92,14 +92,15 @@ def record(row: dict[str, Any]) -> None:
 
 
 async def restore_time(admin: AsyncClient, keys: list[bytes], replicas: int,
-                       since: float) -> tuple[float, float]:
+                       since: float, gone: Collection[bytes] = ()) -> tuple[float, float]:
     """Seconds from ``since`` until every key in ``keys`` has ``replicas`` copies on servers
     meta reports alive, counted to the end of the poll that saw it (an upper bound; fails the
     test past RESTORE_DEADLINE_S), and the seconds that poll took (it asks meta for every
-    key's layout): the figure's resolution."""
+    key's layout): the figure's resolution.  ``gone``: keys deleted (it may grow meanwhile:
+    the workload runs on), which have no copies to count."""
     while True:
         t0 = time.monotonic()
-        short = await under_replicated(admin, keys, replicas)
+        short = await under_replicated(admin, [k for k in keys if k not in gone], replicas)
         if short == 0:
             end = time.monotonic()
             return end - since, end - t0
@@ -121,7 +122,8 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
     blocking = await asyncio.to_thread(Client, cluster.addr, token=cluster.token, config=cfg)
     rows: list[dict[str, Any]] = []
     load = MixedWorkload(writer, reader, prefix=f"r{replicas}", values=VALUES, write_pause_s=0.05,
-                         max_keys=20_000, blocking=blocking, overwrite_every=4)
+                         max_keys=20_000, blocking=blocking, overwrite_every=4,
+                         delete_every=7)
 
     async def fault(name: str, on: Callable[[], Awaitable[None]],
                     off: Callable[[], Awaitable[None]], *, heals: bool = True) -> None:
@@ -139,7 +141,7 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
         if replicas == 1 and not heals:  # nothing can restore what had its only copy there
             restore_s = poll_s = float("nan")
         else:
-            restore_s, poll_s = await restore_time(admin, keys, replicas, healed)
+            restore_s, poll_s = await restore_time(admin, keys, replicas, healed, load.deleting)
         row = {"replicas": replicas, "fault": name, **during.to_dict(), "keys_committed": len(keys),
                "restore_s": round(restore_s, 2), "restore_poll_s": round(poll_s, 2)}
         record(row)
@@ -209,7 +211,9 @@ async def test_replicas_2_every_committed_value_stays_readable(cluster: NetnsClu
     assert len(rows) == 4
     fresh = cluster.client(config=client_config(2))
     try:
-        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES, versions=load.versions())
+        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES, versions=load.versions(),
+                                                 deleted=load.deleted,
+                                                 maybe_deleted=load.deleting - load.deleted)
     finally:
         await fresh.close()
     record({"replicas": 2, "fault": "final check", "keys_committed": len(load.committed),
@@ -228,11 +232,13 @@ async def test_replicas_1_lost_values_end_within_a_bound(cluster: NetnsCluster) 
     fresh = cluster.client(config=client_config(1))
     try:
         dead = {s.server_id for s in await fresh.servers(refresh=True) if not s.alive}
-        on_dead = [k for k in load.committed
-                   if any(r.server_id in dead for e in (await fresh.layout(k) or NO_LAYOUT).extents
+        on_dead = [k for k in load.committed if k not in load.deleting  # (a miss is right there)
+                   and any(r.server_id in dead for e in (await fresh.layout(k) or NO_LAYOUT).extents
                           for r in e.replicas)]
         t0 = time.monotonic()
-        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES, versions=load.versions())
+        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES, versions=load.versions(),
+                                                 deleted=load.deleted,
+                                                 maybe_deleted=load.deleting - load.deleted)
         verify_s = time.monotonic() - t0
         exists = await fresh.exists_many(on_dead) if on_dead else []
     finally:

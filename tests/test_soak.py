@@ -1,6 +1,7 @@
 """The soak's short version (bench/soak.py; `python -m kvfs.bench.soak` runs the long one):
 meta, 4 chunkservers, the GC daemon and 2 client processes (reading through get_many and
-get_into, async and blocking, while some keys are put again as new versions) for 20 s, a bit flipped in a
+get_into, async and blocking, while some keys are put again as new versions and some
+deleted) for 20 s, a bit flipped in a
 stored value, a chunkserver SIGKILLed until it is declared dead and repaired, then restarted."""
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ async def test_short_soak_reads_every_byte_right_and_loses_nothing(tmp_path: Pat
     print(fig)
     assert fig["reads"] > 0 and fig["puts_ok"] > 0, fig
     assert set(fig["by_api"]) == set(READ_APIS), fig  # each read API was checked under the faults
-    assert fig["overwritten"] > 0, fig  # and reads raced overwrites
+    assert fig["overwritten"] > 0 and fig["deleted"] > 0, fig  # and reads raced overwrites, deletes
     # replicas=2: neither the dead server nor the bad copy, nor a value overwritten (its old
     # bytes reclaimed) under a reader's cached layout, makes a committed key a miss
     assert fig["misses"] == 0, fig

@@ -149,3 +149,23 @@ async def test_any_version_put_so_far_passes_a_newer_one_or_a_mix_does_not() -> 
     load = _workload(VersionReader(mixed))
     load.newest.update({k: 2 for k in KEYS})
     assert set(await load._get_many(KEYS, sync=False)) == {"wrong bytes"}
+
+
+class RangeReader(Reader):
+    """``get_ranges`` answering ``value[start + shift:end + shift]`` of ``version``."""
+
+    def __init__(self, shift: int = 0, version: int = 0) -> None:
+        super().__init__()
+        self.shift, self.version = shift, version
+
+    async def get_ranges(self, requests: Sequence[tuple[bytes, int, int]]) -> list[bytes | None]:
+        return [VALUES.of(k, self.version)[a + self.shift:b + self.shift] for k, a, b in requests]
+
+
+async def test_a_slice_is_checked_against_every_version_put() -> None:
+    assert set(await _workload(RangeReader())._get_ranges(KEYS)) == {""}
+    assert set(await _workload(RangeReader(shift=1))._get_ranges(KEYS)) == {"wrong bytes (a slice)"}
+    load = _workload(RangeReader(version=1))
+    assert "wrong bytes (a slice)" in await load._get_ranges(KEYS)  # version 1 was never put
+    load.newest.update({k: 1 for k in KEYS})
+    assert set(await load._get_ranges(KEYS)) == {""}
