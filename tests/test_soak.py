@@ -13,7 +13,8 @@ import pytest
 from kvfs.bench.soak import soak
 from kvfs.bench.workload import READ_APIS
 
-pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(300)]
+# over both meta backends (conftest's meta_backend: the Redis Cluster half is marker meta_redis)
+pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(300), pytest.mark.usefixtures("meta_backend")]
 
 
 async def test_short_soak_reads_every_byte_right_and_loses_nothing(tmp_path: Path) -> None:
