@@ -2,15 +2,17 @@
 several client processes running the mixed workload of :mod:`kvfs.bench.workload` (every value
 read is compared with the bytes its key and version determine; each process reads through
 ``get_many`` and ``get_into``, of its ``AsyncClient`` and of a blocking ``kvfs.Client``, puts
-some of its keys again as new versions, which every read must see whole, and deletes some),
-and, midway:
+some of its keys again as new versions, which every read must see whole, deletes some, and
+puts some with a TTL, which a read must miss once it ended, and puts present keys with
+``if_absent``, which must change none while a replica is up), and, midway:
 
 - one bit flipped in a stored value on a live chunkserver (a replica of a seed key),
 - a chunkserver SIGKILLed, kept down until meta declares it dead and the GC daemon has
   repaired its extents onto the others, then restarted on its data dir.
 
 At the end a fresh client reads every committed key once (an overwritten key: its newest
-version a put returned for, or a newer one put after; a deleted key: a miss, or a wrong value).  Prints the operations done, wrong
+version a put returned for, or a newer one put after; a deleted or expired key: a miss, or
+a wrong value).  Prints the operations done, wrong
 values (must be 0), committed values lost (must be 0 with ``--replicas 2``), read errors,
 failed puts, the longest read, and the seconds from the kill until every extent had its
 replicas again; ``--json FILE`` writes the same figures.  RELIABILITY.md has a run's figures.
@@ -47,9 +49,11 @@ HEARTBEAT_TIMEOUT_S = 1.5
 DEAD_AFTER_S = 3.0
 RESTORE_DEADLINE_S = 120.0  # the kill's restore time past this: reported as not restored
 SUM_FIELDS = ("puts_ok", "puts_failed", "asked", "reads", "wrong", "misses", "read_errors", "overwritten",
-              "deleted")
+              "deleted", "expiring", "after_ttl", "kept_present", "stored_absent")
 OVERWRITE_EVERY = 4  # every 4th put of a writer puts a batch of its keys again, as new versions
 DELETE_EVERY = 7  # and every 7th deletes a batch of them
+TTL_EVERY = 5  # and every 5th puts its new keys with a 2 s TTL
+IF_ABSENT_EVERY = 6  # and every 6th puts a batch of present keys with if_absent
 
 
 def client_config(replicas: int) -> ClientConfig:
@@ -67,7 +71,8 @@ async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out
         async with AsyncClient(addr, config=cfg) as writer, AsyncClient(addr, config=cfg) as reader:
             load = MixedWorkload(writer, reader, prefix=prefix, values=VALUES, write_pause_s=0.05,
                                  max_keys=50_000, blocking=blocking, overwrite_every=OVERWRITE_EVERY,
-                                 delete_every=DELETE_EVERY)
+                                 delete_every=DELETE_EVERY, ttl_every=TTL_EVERY,
+                                 if_absent_every=IF_ABSENT_EVERY)
             load.committed.extend(seed_keys())
             load.start()
             await asyncio.sleep(seconds)  # the soak's length: the workload runs meanwhile
@@ -76,9 +81,10 @@ async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out
         await asyncio.to_thread(blocking.close)
     row = fig.to_dict()
     row["keys"] = [k.decode() for k in load.committed[SEED_KEYS:]]
-    row["versions"] = {k.decode(): span for k, span in load.versions().items()}
-    row["deleted_keys"] = sorted(k.decode() for k in load.deleted)
-    row["maybe_deleted"] = sorted(k.decode() for k in load.deleting - load.deleted)
+    expect = load.expected(time.time())  # an expiring key still there may be gone by the check
+    row["versions"] = {k.decode(): span for k, span in expect["versions"].items()}
+    row["deleted_keys"] = sorted(k.decode() for k in expect["deleted"])
+    row["maybe_deleted"] = sorted(k.decode() for k in expect["maybe_deleted"])
     out.write_text(json.dumps(row))
 
 
@@ -218,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"operations: {fig['puts_ok']} put_many calls ok ({fig['puts_failed']} failed), "
           f"{fig['reads']} values read and checked ({fig['read_errors']} reads failed; per API "
           f"{fig['by_api']}); "
-          f"{fig['keys_committed']} keys committed, {fig['overwritten']} of them put again as new versions, {fig['deleted']} deleted")
+          f"{fig['keys_committed']} keys committed, {fig['overwritten']} of them put again as new versions, {fig['deleted']} deleted, "
+          f"{fig['expiring']} put with a TTL")
     print(f"wrong values: {fig['wrong_total']}  committed values lost: {fig['values_lost']}  "
           f"longest read: {fig['longest_read_s']}s  replicas restored {fig['restore_s']}s after the kill")
     line = json.dumps(fig, sort_keys=True)

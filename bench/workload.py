@@ -32,6 +32,7 @@ MiB = 1024 * 1024
 # the sync ones: through the blocking Client, when one is given; get_ranges: fsspec's cat paths
 READ_APIS = ("get_many", "get_into", "get_ranges", "sync get_many", "sync get_into")
 _BLOCK = 64  # a value is one block repeated: its version (4 bytes), then a digest
+EXPIRY_SLACK_S = 0.5  # a read this close to a key's expiry may find it or miss it
 _UNTOUCHED = 0xA5  # what a get_into buffer holds before the read: bytes it must not write stay so
 
 
@@ -106,6 +107,10 @@ class Figures:
     by_api: Counter[str] = field(default_factory=Counter)  # values read, per READ_APIS entry
     overwritten: int = 0  # keys put again as their next version
     deleted: int = 0  # keys deleted (the delete returned)
+    expiring: int = 0  # keys put with a TTL
+    after_ttl: int = 0  # of the values read, those of keys whose TTL had surely ended (each must miss)
+    kept_present: int = 0  # present keys a put with if_absent left as they were
+    stored_absent: int = 0  # keys a put with if_absent found absent (unreadable) and stored
 
     @property
     def seconds(self) -> float:
@@ -117,7 +122,9 @@ class Figures:
                 "misses": self.misses, "read_errors": self.read_errors,
                 "longest_read_s": round(self.longest_read_s, 3), "errors": dict(self.errors),
                 "by_api": dict(self.by_api), "overwritten": self.overwritten,
-                "deleted": self.deleted}
+                "deleted": self.deleted, "expiring": self.expiring,
+                "after_ttl": self.after_ttl, "kept_present": self.kept_present,
+                "stored_absent": self.stored_absent}
 
 
 class MixedWorkload:
@@ -129,13 +136,17 @@ class MixedWorkload:
     version (one writer at a time per key), which a read must see whole: one version, never
     a newer one than was put, nor a mix.  ``delete_every``: every that many puts, a batch
     of them is deleted (a read may then miss them; a fresh reader must, once the delete
-    returned)."""
+    returned).  ``ttl_every``: every that many puts, the new keys are put with ``ttl_s``: a
+    read must find them until then and miss them after (``EXPIRY_SLACK_S`` either side).
+    ``if_absent_every``: every that many puts, a batch of present keys is put with
+    ``if_absent=True`` (``Figures.stored_absent`` counts those it stored)."""
 
     def __init__(self, writer: AsyncClient, reader: AsyncClient, *, prefix: str = "w",
                  writers: int = 2, readers: int = 3, batch: int = 8,
                  values: Values = Values(), write_pause_s: float = 0.0,
                  max_keys: int = 100_000, blocking: Client | None = None,
-                 overwrite_every: int = 0, delete_every: int = 0) -> None:
+                 overwrite_every: int = 0, delete_every: int = 0, ttl_every: int = 0,
+                 ttl_s: float = 2.0, if_absent_every: int = 0) -> None:
         self.writer, self.reader, self.blocking = writer, reader, blocking
         self.apis = tuple(a for a in READ_APIS if blocking is not None or not a.startswith("sync"))
         self.prefix = prefix
@@ -152,6 +163,9 @@ class MixedWorkload:
         self.delete_every = delete_every
         self.deleting: set[bytes] = set()  # keys whose delete began: a miss is no miss for them
         self.deleted: set[bytes] = set()  # of them, those whose delete returned
+        self.ttl_every, self.ttl_s = ttl_every, ttl_s
+        self.if_absent_every = if_absent_every
+        self.expiry: dict[bytes, tuple[float, float]] = {}  # key put with a TTL -> its expiry's bounds
         self.history: list[Figures] = []
         self.now = Figures("start")
         self._seq = 0
@@ -225,10 +239,15 @@ class MixedWorkload:
                 if self.delete_every and n % self.delete_every == 0:
                     await self._delete()
                     continue
+                if self.if_absent_every and n % self.if_absent_every == 0:
+                    await self._put_if_absent()
+                    continue
             keys = self._new_keys()
             fig = self.now
+            ttl = self.ttl_s if self.ttl_every and n % self.ttl_every == 0 else None
+            t0 = time.time()  # meta's clock (time.time) makes the expiry during the put
             try:
-                await self.writer.put_many([(k, self.values.of(k)) for k in keys])
+                await self.writer.put_many([(k, self.values.of(k)) for k in keys], ttl=ttl)
             except KVFSError as exc:
                 fig.puts_failed += 1
                 fig.errors[f"put: {type(exc).__name__}"] += 1
@@ -236,7 +255,11 @@ class MixedWorkload:
                 continue
             fig.puts_ok += 1
             self.committed.extend(keys)
-            self.own.extend(keys)
+            if ttl is None:
+                self.own.extend(keys)  # only these are overwritten or deleted
+            else:
+                fig.expiring += len(keys)
+                self.expiry.update(dict.fromkeys(keys, (t0 + ttl, time.time() + ttl)))
             await self._notify()
             await asyncio.sleep(self.write_pause_s)
 
@@ -260,6 +283,32 @@ class MixedWorkload:
         fig.overwritten += len(keys)
         for k in keys:
             self.oldest[k] = self.newest[k]
+        await asyncio.sleep(self.write_pause_s)
+
+    async def _put_if_absent(self) -> None:
+        """A batch of this workload's keys put with ``if_absent``, each as its next version.
+        A key present (unexpired and readable) must keep its value; one with an extent
+        whose every copy is on servers meta counts gone is absent for it, and stored
+        (``stored_absent``: with a replica always up, it must stay 0)."""
+        keys = list({k for k in self._rng.sample(self.own, self.batch) if k not in self._busy})
+        self._busy.update(keys)
+        fig = self.now
+        try:
+            for k in keys:  # the version a read may see from now on, if the key is stored
+                self.newest[k] = self.newest.get(k, 0) + 1
+            stored = await self.writer.put_many([(k, self.values.of(k, self.newest[k])) for k in keys],
+                                                if_absent=True)
+        except KVFSError as exc:
+            fig.errors[f"put if_absent: {type(exc).__name__}"] += 1
+            await asyncio.sleep(0.05)  # pacing after a failure, not a wait for a condition
+            return
+        finally:
+            self._busy.difference_update(keys)
+        for k, new in zip(keys, stored, strict=True):
+            if new:
+                self.oldest[k] = self.newest[k]
+        fig.kept_present += len(keys) - sum(stored)
+        fig.stored_absent += sum(stored)
         await asyncio.sleep(self.write_pause_s)
 
     async def _delete(self) -> None:
@@ -288,7 +337,7 @@ class MixedWorkload:
             api = self.apis[turn % len(self.apis)]
             turn += 1
             fig = self.now
-            t0 = time.monotonic()
+            t0, w0 = time.monotonic(), time.time()
             try:
                 if api.endswith("get_many"):
                     got = await self._get_many(keys, sync=api != "get_many")
@@ -307,6 +356,8 @@ class MixedWorkload:
             fig.asked += len(keys)
             fig.longest_read_s = max(fig.longest_read_s, time.monotonic() - t0)
             fig.by_api[api] += len(keys)
+            if self.expiry:
+                got = self._expiring(keys, got, w0, time.time(), fig)
             for outcome in got:
                 fig.reads += 1
                 if outcome is None:
@@ -340,6 +391,31 @@ class MixedWorkload:
         got = await self.reader.get_ranges([(k, a, b) for k, (a, b) in zip(keys, spans, strict=True)])
         return [self._miss(k) if v is None else self.values.check_slice(k, v, a, b, self.newest.get(k, 0))
                 for k, (a, b), v in zip(keys, spans, got, strict=True)]
+
+    def _expiring(self, keys: list[bytes], got: list[str | None], w0: float, w1: float,
+                  fig: Figures) -> list[str | None]:
+        """The outcomes of a read made from ``w0`` to ``w1`` (wall clock) with the keys put
+        with a TTL judged by it: a miss is right once the key may have expired, a value
+        (or TOO_SMALL: the key found) is wrong once it surely had."""
+        out = list(got)
+        for i, k in enumerate(keys):
+            span = self.expiry.get(k)
+            if span is None:
+                continue
+            ended = w0 > span[1] + EXPIRY_SLACK_S
+            fig.after_ttl += ended
+            if out[i] is None and w1 >= span[0] - EXPIRY_SLACK_S:
+                out[i] = ""
+            elif out[i] is not None and ended:
+                out[i] = "found after its TTL ended"
+        return out
+
+    def expected(self, now: float) -> dict[str, Any]:
+        """What a fresh reader must find at ``now`` (wall clock): :func:`verify_all`'s
+        ``versions``, ``deleted`` (misses: deleted, or expired) and ``maybe_deleted``."""
+        expired = {k for k, (_, hi) in self.expiry.items() if hi + EXPIRY_SLACK_S < now}
+        return {"versions": self.versions(), "deleted": self.deleted | expired,
+                "maybe_deleted": (self.deleting - self.deleted) | (self.expiry.keys() - expired)}
 
     def _miss(self, key: bytes) -> str | None:
         """A miss's outcome: None (a miss) for a key that is there, "" for one being deleted."""

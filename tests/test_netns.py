@@ -1,9 +1,10 @@
 """Meta and 4 chunkservers, each on its own host (network namespace), under a mixed
-read/write workload that checks every byte (read through get_many and get_into, async and
-blocking, while some keys are overwritten and some deleted): a chunkserver SIGKILLed, a host's link cut,
-meta restarted.  Each fault's figures (values lost, wrong bytes, the longest a reader
-waited, the time until every committed key had its replicas again) are printed and, when
-``$KVFS_FAULT_TABLE`` names a file, appended to it as JSON lines (RELIABILITY.md).
+read/write workload that checks every byte (kvfs.bench.workload: every read API, while some
+keys are overwritten, some deleted, some put with a TTL, and present ones put with
+if_absent): a chunkserver SIGKILLed, a host's link cut, meta restarted.  Each fault's
+figures (values lost, wrong bytes, the longest a reader waited, the time until every
+committed key had its replicas again) are printed and, when ``$KVFS_FAULT_TABLE`` names a
+file, appended to it as JSON lines (RELIABILITY.md).
 
 Marker ``netns`` (root; .ci/run runs them); skipped, with the reason, without root or ``ip``.
 """
@@ -123,7 +124,7 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
     rows: list[dict[str, Any]] = []
     load = MixedWorkload(writer, reader, prefix=f"r{replicas}", values=VALUES, write_pause_s=0.05,
                          max_keys=20_000, blocking=blocking, overwrite_every=4,
-                         delete_every=7)
+                         delete_every=7, ttl_every=5, if_absent_every=6)
 
     async def fault(name: str, on: Callable[[], Awaitable[None]],
                     off: Callable[[], Awaitable[None]], *, heals: bool = True) -> None:
@@ -137,7 +138,7 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
         healed = time.monotonic() if heals else t0
         during = load.phase(f"after {name}")
         check(name, during)
-        keys = list(load.committed)
+        keys = [k for k in load.committed if k not in load.expiry]  # (no copies once expired)
         if replicas == 1 and not heals:  # nothing can restore what had its only copy there
             restore_s = poll_s = float("nan")
         else:
@@ -202,8 +203,9 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
 
 async def test_replicas_2_every_committed_value_stays_readable(cluster: NetnsCluster) -> None:
     def check(name: str, f: Figures) -> None:
-        assert f.wrong == 0, (name, f)
+        assert f.wrong == 0, (name, dict(f.errors), f)  # errors first: the repr is cut
         assert f.misses == 0, (name, f)  # a committed value is never a miss with a replica left
+        assert f.stored_absent == 0, (name, f)  # nor absent for put(if_absent=True)
         if "meta" not in name:  # reads of uncached layouts need meta; the others must not fail
             assert f.read_errors == 0, (name, f)
 
@@ -211,9 +213,8 @@ async def test_replicas_2_every_committed_value_stays_readable(cluster: NetnsClu
     assert len(rows) == 4
     fresh = cluster.client(config=client_config(2))
     try:
-        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES, versions=load.versions(),
-                                                 deleted=load.deleted,
-                                                 maybe_deleted=load.deleting - load.deleted)
+        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES,
+                                                 **load.expected(time.time()))
     finally:
         await fresh.close()
     record({"replicas": 2, "fault": "final check", "keys_committed": len(load.committed),
@@ -223,7 +224,7 @@ async def test_replicas_2_every_committed_value_stays_readable(cluster: NetnsClu
 
 async def test_replicas_1_lost_values_end_within_a_bound(cluster: NetnsCluster) -> None:
     def check(name: str, f: Figures) -> None:
-        assert f.wrong == 0, (name, f)
+        assert f.wrong == 0, (name, dict(f.errors), f)  # errors first: the repr is cut
         # a value that cannot be read ends the read (a miss or an error), never a hang
         assert f.longest_read_s < READ_BOUND_S, (name, f)
 
@@ -232,13 +233,12 @@ async def test_replicas_1_lost_values_end_within_a_bound(cluster: NetnsCluster) 
     fresh = cluster.client(config=client_config(1))
     try:
         dead = {s.server_id for s in await fresh.servers(refresh=True) if not s.alive}
-        on_dead = [k for k in load.committed if k not in load.deleting  # (a miss is right there)
+        on_dead = [k for k in load.committed if k not in load.deleting and k not in load.expiry
                    and any(r.server_id in dead for e in (await fresh.layout(k) or NO_LAYOUT).extents
                           for r in e.replicas)]
         t0 = time.monotonic()
-        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES, versions=load.versions(),
-                                                 deleted=load.deleted,
-                                                 maybe_deleted=load.deleting - load.deleted)
+        misses, wrong, failed = await verify_all(fresh, load.committed, VALUES,
+                                                 **load.expected(time.time()))
         verify_s = time.monotonic() - t0
         exists = await fresh.exists_many(on_dead) if on_dead else []
     finally:

@@ -1,7 +1,7 @@
 """The soak's short version (bench/soak.py; `python -m kvfs.bench.soak` runs the long one):
 meta, 4 chunkservers, the GC daemon and 2 client processes (reading through get_many and
-get_into, async and blocking, while some keys are put again as new versions and some
-deleted) for 20 s, a bit flipped in a
+get_into, async and blocking, while some keys are put again as new versions, some deleted
+and some put with a TTL) for 20 s, a bit flipped in a
 stored value, a chunkserver SIGKILLed until it is declared dead and repaired, then restarted."""
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ async def test_short_soak_reads_every_byte_right_and_loses_nothing(tmp_path: Pat
     print(fig)
     assert fig["reads"] > 0 and fig["puts_ok"] > 0, fig
     assert set(fig["by_api"]) == set(READ_APIS), fig  # each read API was checked under the faults
-    assert fig["overwritten"] > 0 and fig["deleted"] > 0, fig  # and reads raced overwrites, deletes
+    # and reads raced overwrites, deletes and expiries
+    assert fig["overwritten"] > 0 and fig["deleted"] > 0 and fig["after_ttl"] > 0, fig
+    assert fig["kept_present"] > 0, fig  # and puts with if_absent of present keys,
+    assert fig["stored_absent"] == 0, fig  # which kept every one (a replica was always up)
     # replicas=2: neither the dead server nor the bad copy, nor a value overwritten (its old
     # bytes reclaimed) under a reader's cached layout, makes a committed key a miss
     assert fig["misses"] == 0, fig

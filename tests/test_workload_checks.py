@@ -4,6 +4,7 @@ broken read path cannot pass the soak or the netns faults unseen."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
@@ -169,3 +170,16 @@ async def test_a_slice_is_checked_against_every_version_put() -> None:
     assert "wrong bytes (a slice)" in await load._get_ranges(KEYS)  # version 1 was never put
     load.newest.update({k: 1 for k in KEYS})
     assert set(await load._get_ranges(KEYS)) == {""}
+
+
+async def test_a_key_found_after_its_ttl_ended_is_caught_and_its_miss_is_not_one() -> None:
+    load = _workload(Reader())
+    now = time.time()
+    load.expiry.update({k: (now - 10, now - 9) for k in KEYS[:8]})  # ended 9 s ago
+    load.expiry.update({k: (now + 60, now + 61) for k in KEYS[8:16]})  # ends in a minute
+    keys = KEYS[:16]
+    got = load._expiring(keys, await load._get_many(keys, sync=False), now, now, load.now)
+    assert got == ["found after its TTL ended"] * 8 + [""] * 8
+    assert load.now.after_ttl == 8
+    missing: list[str | None] = [None] * 16
+    assert load._expiring(keys, missing, now, now, load.now) == [""] * 8 + [None] * 8  # early: a miss
