@@ -585,7 +585,9 @@ class AsyncClient:
         A key's buffer may be a list of buffers: its value is scattered over them in order
         (e.g. ``[k_half, v_half]``).  Each result is the value's size (a hit: that many
         leading bytes of the buffer(s) were written), ``kvfs.MISS`` (-1),
-        ``kvfs.TOO_SMALL`` (-2: the value is larger than the buffers; nothing read) or,
+        ``kvfs.TOO_SMALL`` (-2: the value is larger than the buffers; nothing read, except
+        where the read found the value overwritten at a new size meanwhile: part of the old
+        one may be in the buffers, as after a miss) or,
         for a key whose bytes no replica could serve, ``kvfs.MISS`` (``on_lost="miss"``, the
         default) or ``kvfs.FAILED`` (-3, ``on_lost="raise"``).  No key's outcome affects
         another's.  Concurrent calls smaller than a batch share one batch (one LOOKUP,

@@ -341,7 +341,7 @@ class ReadPath:
                 gone = old is None or lay == old  # the same layout: its bytes are lost
                 if old is not None and not gone and lay.size != old.size:  # overwritten, new size
                     if out is not None:  # get_many: the new size's bytes
-                        out[i], dest = fresh_bytes(lay.size)
+                        out[i], dest = fresh_bytes(lay.size) if lay.size else (b"", None)
                     elif resized is None:
                         gone = True
                     else:

@@ -299,11 +299,11 @@ async def test_a_small_value_overwritten_striped_at_its_size_is_read_whole(one: 
         await reader.close()
 
 
-@pytest.mark.parametrize("new_size", [2000, 3000, 150_000])
+@pytest.mark.parametrize("new_size", [0, 2000, 3000, 150_000])
 async def test_a_value_overwritten_at_a_new_size_is_read_at_it(one: LocalCluster, new_size: int) -> None:
     """Readers' cached layouts of a 2,500-byte value go stale (its chunk's bytes gone, as
-    after the GC), and the value was overwritten meanwhile at another size (smaller, larger,
-    or striped at 64 KiB): the fresh lookup's layout is read at its size, by get_many into
+    after the GC), and the value was overwritten meanwhile at another size (empty, smaller,
+    larger, or striped at 64 KiB): the fresh lookup's layout is read at its size, by get_many into
     new bytes and by get_into into the buffer where it fits (TOO_SMALL where it does not),
     by the async and the blocking client.  It was a miss each."""
     async with one.client() as kv:
@@ -333,6 +333,7 @@ async def test_a_value_overwritten_at_a_new_size_is_read_at_it(one: LocalCluster
         fits_short = new_size <= len(short)
         assert await readers[2].get_into([b"r"], [short]) == [new_size if fits_short else TOO_SMALL]
         assert short[:new_size] == new if fits_short else short == bytes(2500)  # TOO_SMALL: unwritten
+        assert await asyncio.to_thread(blocking.get_many, [b"r"]) == [new]
         short[:] = bytes(2500)
         assert await asyncio.to_thread(blocking.get_into, [b"r"], [short]) == [
             new_size if fits_short else TOO_SMALL]
