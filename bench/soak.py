@@ -1,10 +1,10 @@
 """A bounded soak (issue 10): meta, 4 chunkservers and the GC daemon (repair on) as processes,
 several client processes running the mixed workload of :mod:`kvfs.bench.workload` (every value
-read is compared with the bytes its key and version determine; each process reads through
-``get_many`` and ``get_into``, of its ``AsyncClient`` and of a blocking ``kvfs.Client``, puts
-some of its keys again as new versions, which every read must see whole, deletes some, and
-puts some with a TTL, which a read must miss once it ended, and puts present keys with
-``if_absent``, which must change none while a replica is up), and, midway:
+read is compared with the bytes its key and version determine).  Each process reads through
+``get_many`` and ``get_into`` of its ``AsyncClient`` and of a blocking ``kvfs.Client``, and
+``get_ranges``.  It puts some of its keys again as new versions, which every read must see
+whole; deletes some; puts some with a TTL, which a read must miss once it ended; and puts
+present keys with ``if_absent``, which must change none while a replica is up.  Midway:
 
 - one bit flipped in a stored value on a live chunkserver (a replica of a seed key),
 - a chunkserver SIGKILLed, kept down until meta declares it dead and the GC daemon has
@@ -35,7 +35,7 @@ from typing import Any
 from kvfs._parent import ENV as PARENT_ENV
 from kvfs._parent import die_with_parent
 from kvfs.address import TOKEN_ENV
-from kvfs.bench.workload import MixedWorkload, Values, verify_all
+from kvfs.bench.workload import MixedWorkload, Values, expectations, verify_all
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
 from kvfs.handshake import Role
@@ -81,10 +81,10 @@ async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out
         await asyncio.to_thread(blocking.close)
     row = fig.to_dict()
     row["keys"] = [k.decode() for k in load.committed[SEED_KEYS:]]
-    expect = load.expected(time.time())  # an expiring key still there may be gone by the check
-    row["versions"] = {k.decode(): span for k, span in expect["versions"].items()}
-    row["deleted_keys"] = sorted(k.decode() for k in expect["deleted"])
-    row["maybe_deleted"] = sorted(k.decode() for k in expect["maybe_deleted"])
+    row["versions"] = {k.decode(): span for k, span in load.versions().items()}
+    row["deleted_keys"] = sorted(k.decode() for k in load.deleted)
+    row["maybe_deleted"] = sorted(k.decode() for k in load.deleting - load.deleted)
+    row["expiry"] = {k.decode(): span for k, span in load.expiry.items()}  # judged at the check
     out.write_text(json.dumps(row))
 
 
@@ -175,9 +175,10 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int) -> dict[
             versions = {k.encode(): (lo, hi) for r in rows for k, (lo, hi) in r["versions"].items()}
             deleted = {k.encode() for r in rows for k in r["deleted_keys"]}
             maybe = {k.encode() for r in rows for k in r["maybe_deleted"]}
+            expiry = {k.encode(): (lo, hi) for r in rows for k, (lo, hi) in r["expiry"].items()}
         async with AsyncClient(addr, token=cluster.token, config=client_config(replicas)) as fresh:
-            misses, wrong, failed = await verify_all(fresh, keys, VALUES, versions=versions,
-                                                     deleted=deleted, maybe_deleted=maybe)
+            misses, wrong, failed = await verify_all(
+                fresh, keys, VALUES, **expectations(time.time(), versions, deleted, maybe, expiry))
     finally:
         for p in procs:
             if p.returncode is None:
@@ -224,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"operations: {fig['puts_ok']} put_many calls ok ({fig['puts_failed']} failed), "
           f"{fig['reads']} values read and checked ({fig['read_errors']} reads failed; per API "
           f"{fig['by_api']}); "
-          f"{fig['keys_committed']} keys committed, {fig['overwritten']} of them put again as new versions, {fig['deleted']} deleted, "
+          f"{fig['keys_committed']} keys committed, {fig['overwritten']} overwrites, {fig['deleted']} deleted, "
           f"{fig['expiring']} put with a TTL")
     print(f"wrong values: {fig['wrong_total']}  committed values lost: {fig['values_lost']}  "
           f"longest read: {fig['longest_read_s']}s  replicas restored {fig['restore_s']}s after the kill")

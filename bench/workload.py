@@ -1,13 +1,14 @@
 """A mixed read/write workload that checks every byte it reads, for fault tests and the soak.
 
 Writers ``put_many`` new keys in small batches; a key counts as committed only once its
-put returned.  Readers read random committed keys through each read API in turn
-(:data:`READ_APIS`: ``get_many``, and ``get_into`` into buffers of the value's size, larger,
-one byte too small, or scattered over several pieces; the same two through a blocking
-``kvfs.Client`` when one is given) and compare each value with the bytes its key
-determines (:class:`Values`), so a wrong byte can never pass unseen.  A ``get_into`` that
-writes a byte it should not (past the value, or anything on ``TOO_SMALL``) counts as a
-wrong value too.  Figures are kept per phase (:meth:`MixedWorkload.phase`): reads (in all
+put returned.  Optionally they also overwrite, delete, put with a TTL and put with
+``if_absent`` (:class:`MixedWorkload`).  Readers read random committed keys through each read
+API in turn (:data:`READ_APIS`: ``get_many``; ``get_into`` into buffers of the value's size,
+larger, one byte too small, or three pieces; ``get_ranges`` of a slice; the first two through a
+blocking ``kvfs.Client`` too, when one is given) and compare each value with the bytes its
+key and version determine (:class:`Values`), so a wrong byte can never pass unseen.  A
+``get_into`` that writes a byte it should not (past the value, or anything on ``TOO_SMALL``)
+counts as a wrong value too.  Figures are kept per phase (:meth:`MixedWorkload.phase`): reads (in all
 and per API), wrong values, misses of committed keys, read errors, failed puts, and the
 longest single read (the stall a reader saw).
 """
@@ -307,6 +308,8 @@ class MixedWorkload:
         for k, new in zip(keys, stored, strict=True):
             if new:
                 self.oldest[k] = self.newest[k]
+            else:  # refused: a read of that version from now on is a wrong one
+                self.newest[k] -= 1
         fig.kept_present += len(keys) - sum(stored)
         fig.stored_absent += sum(stored)
         await asyncio.sleep(self.write_pause_s)
@@ -412,10 +415,9 @@ class MixedWorkload:
 
     def expected(self, now: float) -> dict[str, Any]:
         """What a fresh reader must find at ``now`` (wall clock): :func:`verify_all`'s
-        ``versions``, ``deleted`` (misses: deleted, or expired) and ``maybe_deleted``."""
-        expired = {k for k, (_, hi) in self.expiry.items() if hi + EXPIRY_SLACK_S < now}
-        return {"versions": self.versions(), "deleted": self.deleted | expired,
-                "maybe_deleted": (self.deleting - self.deleted) | (self.expiry.keys() - expired)}
+        keyword arguments (:func:`expectations`)."""
+        return expectations(now, self.versions(), self.deleted, self.deleting - self.deleted,
+                            self.expiry)
 
     def _miss(self, key: bytes) -> str | None:
         """A miss's outcome: None (a miss) for a key that is there, "" for one being deleted."""
@@ -423,9 +425,11 @@ class MixedWorkload:
 
     async def _get_into(self, keys: list[bytes], *, sync: bool) -> list[str | None]:
         """As :meth:`_get_many`, through ``get_into``: each key's buffer the size of its
-        newest version, larger, one byte too small, or a list of pieces.  TOO_SMALL is right
+        newest version, larger, one byte too small, or three pieces.  TOO_SMALL is right
         only where a version put so far is larger than the buffer, and with the buffer as it
-        was; a hit, only with nothing written past the value."""
+        was; a hit, only with nothing written past the value.  A key put in more than one
+        version is let off the last two: a read that found it resized (its bytes gone, the
+        new layout another size) may have written part of the old one first."""
         rng = self._rng
         bufs: list[list[bytearray]] = []
         for k in keys:
@@ -448,17 +452,30 @@ class MixedWorkload:
             untouched = whole.count(_UNTOUCHED) == len(whole)
             if n == MISS:
                 out.append(self._miss(k))
-            elif n == TOO_SMALL:
-                out.append("" if untouched and len(whole) < self.values.largest(k, newest)
+            elif n == TOO_SMALL:  # written: a read that found the key resized may leave that
+                resized = newest > 0
+                out.append("" if (untouched or resized) and len(whole) < self.values.largest(k, newest)
                            else "TOO_SMALL for a buffer as large as every version"
-                           if untouched else "TOO_SMALL with the buffer written")
+                           if untouched or resized else "TOO_SMALL with the buffer written")
             elif not 0 <= n <= len(whole):
                 out.append(f"size {n} for a buffer of {len(whole)}")
-            elif whole[n:].count(_UNTOUCHED) != len(whole) - n:
-                out.append("bytes written past the value")
+            elif whole[n:].count(_UNTOUCHED) != len(whole) - n and newest == 0:
+                out.append("bytes written past the value")  # (a resized key's may hold its old)
             else:
                 out.append(self.values.check(k, whole[:n], 0, newest))
         return out
+
+
+def expectations(now: float, versions: Mapping[bytes, tuple[int, int]], deleted: Collection[bytes],
+                 maybe_deleted: Collection[bytes], expiry: Mapping[bytes, tuple[float, float]],
+                 ) -> dict[str, Any]:
+    """:func:`verify_all`'s ``versions``, ``deleted`` and ``maybe_deleted`` for a read at
+    ``now`` (wall clock): the keys put with a TTL (``expiry``: each its expiry's bounds) that
+    surely expired must be misses, those that may have a miss or their value."""
+    expired = {k for k, (_, hi) in expiry.items() if hi + EXPIRY_SLACK_S < now}
+    maybe = {k for k, (lo, _) in expiry.items() if k not in expired and lo - EXPIRY_SLACK_S <= now}
+    return {"versions": versions, "deleted": set(deleted) | expired,
+            "maybe_deleted": set(maybe_deleted) | maybe}
 
 
 async def verify_all(client: AsyncClient, keys: list[bytes], values: Values, *,

@@ -1,7 +1,7 @@
 """The soak's short version (bench/soak.py; `python -m kvfs.bench.soak` runs the long one):
 meta, 4 chunkservers, the GC daemon and 2 client processes (reading through get_many and
-get_into, async and blocking, while some keys are put again as new versions, some deleted
-and some put with a TTL) for 20 s, a bit flipped in a
+get_into, async and blocking, and get_ranges, while some keys are put again as new versions,
+some deleted, some put with a TTL, and present ones put with if_absent) for 20 s, a bit flipped in a
 stored value, a chunkserver SIGKILLed until it is declared dead and repaired, then restarted."""
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import pytest
 
-from kvfs.bench.workload import MixedWorkload, Values
+from kvfs.bench.workload import MixedWorkload, Values, expectations, verify_all
 from kvfs.client import MISS, TOO_SMALL, AsyncClient
 
 VALUES = Values(max_small=8192, large_every=0)
@@ -183,3 +183,54 @@ async def test_a_key_found_after_its_ttl_ended_is_caught_and_its_miss_is_not_one
     assert load.now.after_ttl == 8
     missing: list[str | None] = [None] * 16
     assert load._expiring(keys, missing, now, now, load.now) == [""] * 8 + [None] * 8  # early: a miss
+
+
+class IfAbsentWriter(Reader):
+    """``put_many(if_absent=True)`` answering ``stored`` for every key, storing nothing."""
+
+    def __init__(self, stored: bool) -> None:
+        super().__init__()
+        self.stored = stored
+
+    async def put_many(self, items: Sequence[tuple[bytes, bytes]], *, if_absent: bool = False,
+                       ) -> list[bool]:
+        assert if_absent
+        return [self.stored] * len(items)
+
+
+async def test_a_refused_if_absent_version_is_never_a_right_read() -> None:
+    load = _workload(IfAbsentWriter(stored=False))
+    load.own.extend(KEYS)
+    await load._put_if_absent()
+    assert load.now.kept_present > 0 and load.now.stored_absent == 0
+    assert all(v == 0 for v in load.newest.values())  # the refused version is not counted as put
+    load.reader = cast(AsyncClient, VersionReader(lambda k: VALUES.of(k, 1)))
+    assert "version 1, not 0 to 0" in await load._get_many(KEYS, sync=False)
+
+    load = _workload(IfAbsentWriter(stored=True))  # absent (unreadable): stored, version 1 now right
+    load.own.extend(KEYS)
+    await load._put_if_absent()
+    assert load.now.stored_absent > 0
+    stored = [k for k, v in load.newest.items() if v == 1]
+    assert stored and load.versions()[stored[0]] == (1, 1)
+
+
+async def test_verify_all_counts_a_deleted_or_expired_key_read_back_as_wrong() -> None:
+    keys = KEYS[:6]
+    now = time.time()
+    expiry = {keys[2]: (now - 10, now - 9), keys[3]: (now - 0.1, now + 0.1), keys[4]: (now + 60, now + 61)}
+    expect = expectations(now, {}, {keys[0]}, {keys[1]}, expiry)
+    assert expect["deleted"] == {keys[0], keys[2]}  # deleted; expired for sure
+    assert expect["maybe_deleted"] == {keys[1], keys[3]}  # a failed delete; expiring now
+
+    class Fresh(Reader):  # every key read back with its value
+        async def get_many(self, ks: Sequence[bytes]) -> list[bytes | None]:
+            return [VALUES.of(k) for k in ks]
+
+    class Empty(Reader):  # every key a miss
+        async def get_many(self, ks: Sequence[bytes]) -> list[bytes | None]:
+            return [None] * len(ks)
+
+    assert await verify_all(cast(AsyncClient, Fresh()), keys, VALUES, **expect) == (0, 2, 0)
+    # keys[4] (expires in a minute) and keys[5] must be there: 2 misses; the others may miss
+    assert await verify_all(cast(AsyncClient, Empty()), keys, VALUES, **expect) == (2, 0, 0)
