@@ -35,7 +35,7 @@ from typing import Any
 from kvfs._parent import ENV as PARENT_ENV
 from kvfs._parent import die_with_parent
 from kvfs.address import TOKEN_ENV
-from kvfs.bench.workload import MixedWorkload, Values, expectations, verify_all
+from kvfs.bench.workload import MixedWorkload, Values, verify_all
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
 from kvfs.handshake import Role
@@ -84,7 +84,7 @@ async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out
     row["versions"] = {k.decode(): span for k, span in load.versions().items()}
     row["deleted_keys"] = sorted(k.decode() for k in load.deleted)
     row["maybe_deleted"] = sorted(k.decode() for k in load.deleting - load.deleted)
-    row["expiry"] = {k.decode(): span for k, span in load.expiry.items()}  # judged at the check
+    row["expiry"] = {k.decode(): span for k, span in load.expiry.items()}  # judged at each read
     out.write_text(json.dumps(row))
 
 
@@ -177,8 +177,8 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int) -> dict[
             maybe = {k.encode() for r in rows for k in r["maybe_deleted"]}
             expiry = {k.encode(): (lo, hi) for r in rows for k, (lo, hi) in r["expiry"].items()}
         async with AsyncClient(addr, token=cluster.token, config=client_config(replicas)) as fresh:
-            misses, wrong, failed = await verify_all(
-                fresh, keys, VALUES, **expectations(time.time(), versions, deleted, maybe, expiry))
+            misses, wrong, failed = await verify_all(fresh, keys, VALUES, versions=versions,
+                                                     deleted=deleted, maybe_deleted=maybe, expiry=expiry)
     finally:
         for p in procs:
             if p.returncode is None:

@@ -413,11 +413,10 @@ class MixedWorkload:
                 out[i] = "found after its TTL ended"
         return out
 
-    def expected(self, now: float) -> dict[str, Any]:
-        """What a fresh reader must find at ``now`` (wall clock): :func:`verify_all`'s
-        keyword arguments (:func:`expectations`)."""
-        return expectations(now, self.versions(), self.deleted, self.deleting - self.deleted,
-                            self.expiry)
+    def expected(self) -> dict[str, Any]:
+        """What a fresh reader must find: :func:`verify_all`'s keyword arguments."""
+        return {"versions": self.versions(), "deleted": set(self.deleted),
+                "maybe_deleted": self.deleting - self.deleted, "expiry": dict(self.expiry)}
 
     def _miss(self, key: bytes) -> str | None:
         """A miss's outcome: None (a miss) for a key that is there, "" for one being deleted."""
@@ -466,53 +465,50 @@ class MixedWorkload:
         return out
 
 
-def expectations(now: float, versions: Mapping[bytes, tuple[int, int]], deleted: Collection[bytes],
-                 maybe_deleted: Collection[bytes], expiry: Mapping[bytes, tuple[float, float]],
-                 ) -> dict[str, Any]:
-    """:func:`verify_all`'s ``versions``, ``deleted`` and ``maybe_deleted`` for a read at
-    ``now`` (wall clock): the keys put with a TTL (``expiry``: each its expiry's bounds) that
-    surely expired must be misses, those that may have a miss or their value."""
-    expired = {k for k, (_, hi) in expiry.items() if hi + EXPIRY_SLACK_S < now}
-    maybe = {k for k, (lo, _) in expiry.items() if k not in expired and lo - EXPIRY_SLACK_S <= now}
-    return {"versions": versions, "deleted": set(deleted) | expired,
-            "maybe_deleted": set(maybe_deleted) | maybe}
-
-
 async def verify_all(client: AsyncClient, keys: list[bytes], values: Values, *,
                      batch: int = 64, versions: Mapping[bytes, tuple[int, int]] | None = None,
                      deleted: Collection[bytes] = (), maybe_deleted: Collection[bytes] = (),
+                     expiry: Mapping[bytes, tuple[float, float]] | None = None,
                      ) -> tuple[int, int, int]:
     """Read every key once: (misses, wrong values, keys whose read raised).  ``versions``:
     key -> (the newest version a put returned for, the newest put at all), those a fresh
     reader may see (absent: 0 alone).  ``deleted``: keys that must be misses (a value read
-    is a wrong one); ``maybe_deleted``: keys whose delete failed (a miss is right too)."""
+    is a wrong one); ``maybe_deleted``: keys whose delete failed (a miss is right too).
+    ``expiry``: keys put with a TTL -> their expiry's bounds (wall clock), judged at each
+    read as the workload's readers do: a miss is right once the key may have expired, a
+    value is wrong once it surely had."""
     misses = wrong = failed = 0
     span = versions or {}
+    ttl = expiry or {}
 
-    def tally(k: bytes, v: bytes | None) -> None:
+    def tally(k: bytes, v: bytes | None, w0: float, w1: float) -> None:
         nonlocal misses, wrong
-        if k in deleted:
+        ends = ttl.get(k)
+        if k in deleted or (ends is not None and w0 > ends[1] + EXPIRY_SLACK_S):
             wrong += v is not None
         elif v is None:
-            misses += k not in maybe_deleted
+            misses += k not in maybe_deleted and (ends is None or w1 < ends[0] - EXPIRY_SLACK_S)
         else:
             wrong += bool(values.check(k, v, *span.get(k, (0, 0))))
 
     for i in range(0, len(keys), batch):
         part = keys[i:i + batch]
+        w0 = time.time()
         try:
             got = await client.get_many(part)
         except KVFSError:
             for k in part:  # one by one: which keys cannot be read
+                w0 = time.time()
                 try:
                     v = await client.get(k)
                 except KVFSError:
                     failed += 1
                     continue
-                tally(k, v)
+                tally(k, v, w0, time.time())
             continue
+        w1 = time.time()
         for k, v in zip(part, got, strict=True):
-            tally(k, v)
+            tally(k, v, w0, w1)
     return misses, wrong, failed
 
 

@@ -214,7 +214,7 @@ async def test_replicas_2_every_committed_value_stays_readable(cluster: NetnsClu
     fresh = cluster.client(config=client_config(2))
     try:
         misses, wrong, failed = await verify_all(fresh, load.committed, VALUES,
-                                                 **load.expected(time.time()))
+                                                 **load.expected())
     finally:
         await fresh.close()
     record({"replicas": 2, "fault": "final check", "keys_committed": len(load.committed),
@@ -238,7 +238,7 @@ async def test_replicas_1_lost_values_end_within_a_bound(cluster: NetnsCluster) 
                           for r in e.replicas)]
         t0 = time.monotonic()
         misses, wrong, failed = await verify_all(fresh, load.committed, VALUES,
-                                                 **load.expected(time.time()))
+                                                 **load.expected())
         verify_s = time.monotonic() - t0
         exists = await fresh.exists_many(on_dead) if on_dead else []
     finally:
