@@ -160,7 +160,7 @@ class MixedWorkload:
         self.own: list[bytes] = []  # the committed keys this workload wrote (the others: never overwritten)
         self.newest: dict[bytes, int] = {}  # key -> its newest version put, or being put (absent: 0)
         self.oldest: dict[bytes, int] = {}  # key -> its newest version a put returned for
-        self._busy: set[bytes] = set()  # keys being overwritten or deleted
+        self._busy: set[bytes] = set()  # keys being overwritten, deleted or put with if_absent
         self.delete_every = delete_every
         self.deleting: set[bytes] = set()  # keys whose delete began: a miss is no miss for them
         self.deleted: set[bytes] = set()  # of them, those whose delete returned
