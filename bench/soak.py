@@ -1,8 +1,8 @@
 """A bounded soak (issue 10): meta, 4 chunkservers and the GC daemon (repair on) as processes,
 several client processes running the mixed workload of :mod:`kvfs.bench.workload` (every value
 read is compared with the bytes its key and version determine).  Each process reads through
-``get_many`` and ``get_into`` of its ``AsyncClient`` and of a blocking ``kvfs.Client``, and
-``get_ranges``.  It puts some of its keys again as new versions, which every read must see
+``get_many`` and ``get_into`` of its ``AsyncClient`` and of a blocking ``kvfs.Client``,
+``get_ranges``, and one ``get`` per key at once.  It puts some of its keys again as new versions, which every read must see
 whole; deletes some; puts some with a TTL, which a read must miss once it ended; and puts
 present keys with ``if_absent``, which must change none while a replica is up.  Midway:
 

@@ -4,8 +4,8 @@ Writers ``put_many`` new keys in small batches; a key counts as committed only o
 put returned.  Optionally they also overwrite, delete, put with a TTL and put with
 ``if_absent`` (:class:`MixedWorkload`).  Readers read random committed keys through each read
 API in turn (:data:`READ_APIS`: ``get_many``; ``get_into`` into buffers of the value's size,
-larger, one byte too small, or three pieces; ``get_ranges`` of a slice; the first two through a
-blocking ``kvfs.Client`` too, when one is given) and compare each value with the bytes its
+larger, one byte too small, or three pieces; ``get_ranges`` of a slice; ``get`` of each key at
+once; the first two through a blocking ``kvfs.Client`` too, when one is given) and compare each value with the bytes its
 key and version determine (:class:`Values`), so a wrong byte can never pass unseen.  A
 ``get_into`` that writes a byte it should not (past the value, or anything on ``TOO_SMALL``)
 counts as a wrong value too.  Figures are kept per phase (:meth:`MixedWorkload.phase`): reads (in all
@@ -30,8 +30,9 @@ from kvfs.errors import KVFSError
 from kvfs.sync import Client
 
 MiB = 1024 * 1024
-# the sync ones: through the blocking Client, when one is given; get_ranges: fsspec's cat paths
-READ_APIS = ("get_many", "get_into", "get_ranges", "sync get_many", "sync get_into")
+# the sync ones: through the blocking Client, when one is given; get_ranges: fsspec's cat paths;
+# get: one call per key, all at once (the client batches them and cuts each call's answer out)
+READ_APIS = ("get_many", "get_into", "get_ranges", "get", "sync get_many", "sync get_into")
 _BLOCK = 64  # a value is one block repeated: its version (4 bytes), then a digest
 EXPIRY_SLACK_S = 0.5  # a read this close to a key's expiry may find it or miss it
 _UNTOUCHED = 0xA5  # what a get_into buffer holds before the read: bytes it must not write stay so
@@ -346,6 +347,8 @@ class MixedWorkload:
                     got = await self._get_many(keys, sync=api != "get_many")
                 elif api == "get_ranges":
                     got = await self._get_ranges(keys)
+                elif api == "get":
+                    got = await self._gets(keys)
                 else:
                     got = await self._get_into(keys, sync=api != "get_into")
             except KVFSError as exc:
@@ -379,6 +382,18 @@ class MixedWorkload:
             got = await asyncio.to_thread(self.blocking.get_many, keys)
         else:
             got = await self.reader.get_many(keys)
+        return [self._miss(k) if v is None else self.values.check(k, v, 0, self.newest.get(k, 0))
+                for k, v in zip(keys, got, strict=True)]
+
+    async def _gets(self, keys: list[bytes]) -> list[str | None]:
+        """As :meth:`_get_many`, by one ``get`` per key, all at once; a call that raised
+        raises (the first one's error) once all have ended."""
+        answers = await asyncio.gather(*(self.reader.get(k) for k in keys), return_exceptions=True)
+        got: list[bytes | None] = []
+        for v in answers:
+            if isinstance(v, BaseException):
+                raise v
+            got.append(v)
         return [self._miss(k) if v is None else self.values.check(k, v, 0, self.newest.get(k, 0))
                 for k, v in zip(keys, got, strict=True)]
 

@@ -12,6 +12,7 @@ import pytest
 
 from kvfs.bench.workload import MixedWorkload, Values, verify_all
 from kvfs.client import MISS, TOO_SMALL, AsyncClient
+from kvfs.errors import Unavailable
 
 VALUES = Values(max_small=8192, large_every=0)
 KEYS = [f"k/{i:03d}".encode() for i in range(64)]
@@ -233,3 +234,23 @@ async def test_verify_all_counts_a_deleted_or_expired_key_read_back_as_wrong() -
     assert await verify_all(cast(AsyncClient, Fresh()), keys, VALUES, **expect) == (0, 2, 0)
     # keys[4] (expires in a minute) and keys[5] must be there: 2 misses; the others may miss
     assert await verify_all(cast(AsyncClient, Empty()), keys, VALUES, **expect) == (2, 0, 0)
+
+
+async def test_one_get_per_key_is_checked_each_and_a_raise_is_the_call_s() -> None:
+    class Gets(Reader):
+        async def get(self, k: bytes) -> bytes | None:
+            if k == KEYS[3]:
+                return VALUES.of(KEYS[4])  # another key's value: a mis-cut batch
+            return None if k == KEYS[5] else VALUES.of(k)
+
+    got = await _workload(Gets())._gets(KEYS[:8])
+    assert got == ["", "", "", "wrong bytes", "", None, "", ""]
+
+    class Raises(Reader):
+        async def get(self, k: bytes) -> bytes | None:
+            if k == KEYS[1]:
+                raise Unavailable("down")
+            return VALUES.of(k)
+
+    with pytest.raises(Unavailable, match="down"):
+        await _workload(Raises())._gets(KEYS[:8])
