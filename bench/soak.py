@@ -2,9 +2,10 @@
 several client processes running the mixed workload of :mod:`kvfs.bench.workload` (every value
 read is compared with the bytes its key and version determine).  Each process reads through
 ``get_many`` and ``get_into`` of its ``AsyncClient`` and of a blocking ``kvfs.Client``,
-``get_ranges``, and one ``get`` per key at once.  It puts some of its keys again as new versions, which every read must see
-whole; deletes some; puts some with a TTL, which a read must miss once it ended; and puts
-present keys with ``if_absent``, which must change none while a replica is up.  Midway:
+``get_ranges``, and one ``get`` per key at once.  It puts some of its keys again as new
+versions, which every read must see whole; deletes some; puts some with a TTL, which a read
+must miss once it ended; and puts present keys with ``if_absent``, which must change none
+while a replica is up.  Midway:
 
 - one bit flipped in a stored value on a live chunkserver (a replica of a seed key),
 - a chunkserver SIGKILLed, kept down until meta declares it dead and the GC daemon has
@@ -49,7 +50,7 @@ HEARTBEAT_TIMEOUT_S = 1.5
 DEAD_AFTER_S = 3.0
 RESTORE_DEADLINE_S = 120.0  # the kill's restore time past this: reported as not restored
 SUM_FIELDS = ("puts_ok", "puts_failed", "asked", "reads", "wrong", "misses", "read_errors", "overwritten",
-              "deleted", "expiring", "after_ttl", "kept_present", "stored_absent")
+              "deleted", "expiring", "after_ttl", "kept_present", "stored_absent", "left_old")
 OVERWRITE_EVERY = 4  # every 4th put of a writer puts a batch of its keys again, as new versions
 DELETE_EVERY = 7  # and every 7th deletes a batch of them
 TTL_EVERY = 5  # and every 5th puts its new keys with a 2 s TTL

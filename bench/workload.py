@@ -5,10 +5,12 @@ put returned.  Optionally they also overwrite, delete, put with a TTL and put wi
 ``if_absent`` (:class:`MixedWorkload`).  Readers read random committed keys through each read
 API in turn (:data:`READ_APIS`: ``get_many``; ``get_into`` into buffers of the value's size,
 larger, one byte too small, or three pieces; ``get_ranges`` of a slice; ``get`` of each key at
-once; the first two through a blocking ``kvfs.Client`` too, when one is given) and compare each value with the bytes its
-key and version determine (:class:`Values`), so a wrong byte can never pass unseen.  A
-``get_into`` that writes a byte it should not (past the value, or anything on ``TOO_SMALL``)
-counts as a wrong value too.  Figures are kept per phase (:meth:`MixedWorkload.phase`): reads (in all
+once; the first two through a blocking ``kvfs.Client`` too, when one is given) and compare
+each value with the bytes its key and version determine (:class:`Values`), so a wrong byte can
+never pass unseen.  A ``get_into`` that writes a byte it should not (past the value, or
+anything on ``TOO_SMALL``) counts as a wrong value too, but for bytes of an older version of
+the key at their own offsets, which a read that found the key resized may leave
+(``Figures.left_old``).  Figures are kept per phase (:meth:`MixedWorkload.phase`): reads (in all
 and per API), wrong values, misses of committed keys, read errors, failed puts, and the
 longest single read (the stall a reader saw).
 """
@@ -113,6 +115,7 @@ class Figures:
     after_ttl: int = 0  # of the values read, those of keys whose TTL had surely ended (each must miss)
     kept_present: int = 0  # present keys a put with if_absent left as they were
     stored_absent: int = 0  # keys a put with if_absent found absent (unreadable) and stored
+    left_old: int = 0  # get_into buffers holding part of an older version past the value (or on TOO_SMALL)
 
     @property
     def seconds(self) -> float:
@@ -126,7 +129,7 @@ class Figures:
                 "by_api": dict(self.by_api), "overwritten": self.overwritten,
                 "deleted": self.deleted, "expiring": self.expiring,
                 "after_ttl": self.after_ttl, "kept_present": self.kept_present,
-                "stored_absent": self.stored_absent}
+                "stored_absent": self.stored_absent, "left_old": self.left_old}
 
 
 class MixedWorkload:
@@ -375,8 +378,8 @@ class MixedWorkload:
 
     async def _get_many(self, keys: list[bytes], *, sync: bool) -> list[str | None]:
         """Each key's outcome: None (a miss of a key not being deleted), "" (one of its
-        versions put so far, whole, or a deleted key's miss) or what was wrong.  Any version may come back: a reader's cached layout may name an
-        older one."""
+        versions put so far, whole, or a deleted key's miss) or what was wrong.  Any version
+        may come back: a reader's cached layout may name an older one."""
         if sync:
             assert self.blocking is not None
             got = await asyncio.to_thread(self.blocking.get_many, keys)
@@ -385,17 +388,41 @@ class MixedWorkload:
         return [self._miss(k) if v is None else self.values.check(k, v, 0, self.newest.get(k, 0))
                 for k, v in zip(keys, got, strict=True)]
 
+    def _old_left(self, key: bytes, whole: bytes, start: int, newest: int) -> bool:
+        """Whether every byte of ``whole`` from ``start`` on is as the buffer was or, at its
+        own offset, a byte of one version put so far: what a read that found the key resized
+        (its bytes gone, the new layout another size) may leave of the old version it began
+        with.  Counted in ``Figures.left_old``."""
+        tail = whole[start:]
+        for v in range(newest + 1 if newest else 0):
+            ref = self.values.of(key, v)
+            for at in range(0, len(tail), 4096):
+                seg, pos = tail[at:at + 4096], start + at
+                if seg.count(_UNTOUCHED) == len(seg) or seg == ref[pos:pos + len(seg)]:
+                    continue
+                if not all(b == _UNTOUCHED or (pos + i < len(ref) and b == ref[pos + i])
+                           for i, b in enumerate(seg)):
+                    break
+            else:
+                self.now.left_old += 1
+                return True
+        return False
+
     async def _gets(self, keys: list[bytes]) -> list[str | None]:
         """As :meth:`_get_many`, by one ``get`` per key, all at once; a call that raised
         raises (the first one's error) once all have ended."""
         answers = await asyncio.gather(*(self.reader.get(k) for k in keys), return_exceptions=True)
-        got: list[bytes | None] = []
-        for v in answers:
-            if isinstance(v, BaseException):
-                raise v
-            got.append(v)
-        return [self._miss(k) if v is None else self.values.check(k, v, 0, self.newest.get(k, 0))
-                for k, v in zip(keys, got, strict=True)]
+        out = [None if isinstance(v, BaseException) else self._miss(k) if v is None
+               else self.values.check(k, v, 0, self.newest.get(k, 0))
+               for k, v in zip(keys, answers, strict=True)]
+        raised = [v for v in answers if isinstance(v, BaseException)]
+        if raised:  # the calls that answered are checked all the same
+            for outcome in out:
+                if outcome:
+                    self.now.wrong += 1
+                    self.now.errors[f"get: {outcome}"] += 1
+            raise raised[0]
+        return out
 
     async def _get_ranges(self, keys: list[bytes]) -> list[str | None]:
         """As :meth:`_get_many`, of a slice of each value: in its first KiB (in every version),
@@ -441,9 +468,8 @@ class MixedWorkload:
         """As :meth:`_get_many`, through ``get_into``: each key's buffer the size of its
         newest version, larger, one byte too small, or three pieces.  TOO_SMALL is right
         only where a version put so far is larger than the buffer, and with the buffer as it
-        was; a hit, only with nothing written past the value.  A key put in more than one
-        version is let off the last two: a read that found it resized (its bytes gone, the
-        new layout another size) may have written part of the old one first."""
+        was; a hit, only with nothing written past the value, but for part of an older
+        version at its own offsets (:meth:`_old_left`)."""
         rng = self._rng
         bufs: list[list[bytearray]] = []
         for k in keys:
@@ -466,15 +492,16 @@ class MixedWorkload:
             untouched = whole.count(_UNTOUCHED) == len(whole)
             if n == MISS:
                 out.append(self._miss(k))
-            elif n == TOO_SMALL:  # written: a read that found the key resized may leave that
-                resized = newest > 0
-                out.append("" if (untouched or resized) and len(whole) < self.values.largest(k, newest)
+            elif n == TOO_SMALL:
+                left = untouched or self._old_left(k, whole, 0, newest)
+                out.append("" if left and len(whole) < self.values.largest(k, newest)
                            else "TOO_SMALL for a buffer as large as every version"
-                           if untouched or resized else "TOO_SMALL with the buffer written")
+                           if left else "TOO_SMALL with the buffer written")
             elif not 0 <= n <= len(whole):
                 out.append(f"size {n} for a buffer of {len(whole)}")
-            elif whole[n:].count(_UNTOUCHED) != len(whole) - n and newest == 0:
-                out.append("bytes written past the value")  # (a resized key's may hold its old)
+            elif (whole[n:].count(_UNTOUCHED) != len(whole) - n
+                  and not self._old_left(k, whole, n, newest)):
+                out.append("bytes written past the value")
             else:
                 out.append(self.values.check(k, whole[:n], 0, newest))
         return out

@@ -584,7 +584,9 @@ class AsyncClient:
 
         A key's buffer may be a list of buffers: its value is scattered over them in order
         (e.g. ``[k_half, v_half]``).  Each result is the value's size (a hit: that many
-        leading bytes of the buffer(s) were written), ``kvfs.MISS`` (-1),
+        leading bytes of the buffer(s) were written; where the read found the value
+        overwritten at a smaller size meanwhile, bytes past it may hold part of the old
+        one), ``kvfs.MISS`` (-1),
         ``kvfs.TOO_SMALL`` (-2: the value is larger than the buffers; nothing read, except
         where the read found the value overwritten at a new size meanwhile: part of the old
         one may be in the buffers, as after a miss) or,

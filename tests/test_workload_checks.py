@@ -204,9 +204,10 @@ async def test_a_refused_if_absent_version_is_never_a_right_read() -> None:
     load.own.extend(KEYS)
     await load._put_if_absent()
     assert load.now.kept_present > 0 and load.now.stored_absent == 0
-    assert all(v == 0 for v in load.newest.values())  # the refused version is not counted as put
+    sampled = list(load.newest)
+    assert sampled and all(load.newest[k] == 0 for k in sampled)  # refused: not counted as put
     load.reader = cast(AsyncClient, VersionReader(lambda k: VALUES.of(k, 1)))
-    assert "version 1, not 0 to 0" in await load._get_many(KEYS, sync=False)
+    assert await load._get_many(sampled, sync=False) == ["version 1, not 0 to 0"] * len(sampled)
 
     load = _workload(IfAbsentWriter(stored=True))  # absent (unreadable): stored, version 1 now right
     load.own.extend(KEYS)
@@ -219,7 +220,7 @@ async def test_a_refused_if_absent_version_is_never_a_right_read() -> None:
 async def test_verify_all_counts_a_deleted_or_expired_key_read_back_as_wrong() -> None:
     keys = KEYS[:6]
     now = time.time()
-    expiry = {keys[2]: (now - 10, now - 9), keys[3]: (now - 0.1, now + 0.1), keys[4]: (now + 60, now + 61)}
+    expiry = {keys[2]: (now - 10, now - 9), keys[3]: (now - 1, now + 30), keys[4]: (now + 60, now + 61)}
     expect: dict[str, Any] = {"deleted": {keys[0]}, "maybe_deleted": {keys[1]}, "expiry": expiry}
 
     class Fresh(Reader):  # every key read back with its value
@@ -254,3 +255,35 @@ async def test_one_get_per_key_is_checked_each_and_a_raise_is_the_call_s() -> No
 
     with pytest.raises(Unavailable, match="down"):
         await _workload(Raises())._gets(KEYS[:8])
+
+    class RaisesAndMiscuts(Raises):
+        async def get(self, k: bytes) -> bytes | None:
+            return VALUES.of(KEYS[0]) if k == KEYS[2] else await super().get(k)
+
+    load = _workload(RaisesAndMiscuts())
+    with pytest.raises(Unavailable):
+        await load._gets(KEYS[:8])
+    assert load.now.wrong == 1  # the calls that answered were checked before the raise
+
+
+async def test_an_older_version_left_past_the_value_is_let_off_and_counted_nothing_else() -> None:
+    """A resized key's buffer may hold part of the old version it began with, at its own
+    offsets (past the new value, or on TOO_SMALL); any other byte there is wrong."""
+    load = _workload(Reader())
+    k = next(k for k in KEYS if VALUES.size(k, 0) > VALUES.size(k, 1) + 4096)  # shrunk
+    old, new = VALUES.of(k, 0), VALUES.of(k, 1)
+    room = max(len(old), len(new)) + 100
+    buf = bytearray([0xA5]) * room
+    buf[:len(old)] = old  # the first round: the old version landed
+    buf[:len(new)] = new  # the re-read: the new one over its start
+    load.newest[k] = 1
+    assert bytes(buf[len(new):len(old)]) == old[len(new):]  # the old version's tail is there
+    assert load._old_left(k, bytes(buf), len(new), 1)
+    assert load.now.left_old == 1
+    assert not load._old_left(k, bytes(buf), len(new), 0)  # a key put once: never let off
+    bad = bytearray(buf)
+    bad[-1] = 0  # one byte neither as the buffer was nor the old version's
+    assert not load._old_left(k, bytes(bad), len(new), 1)
+    other = bytearray([0xA5]) * room
+    other[:len(VALUES.of(KEYS[1]))] = VALUES.of(KEYS[1])[:room]  # another key's bytes: not let off
+    assert not load._old_left(k, bytes(other), 0, 1)
