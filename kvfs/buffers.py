@@ -42,6 +42,12 @@ def fresh_bytes(n: int) -> tuple[bytes, memoryview]:
     return b, memoryview(region).cast("B")
 
 
+def fresh_value(n: int) -> tuple[bytes, memoryview | None]:
+    """:func:`fresh_bytes` for a value of ``n`` >= 0 bytes: an empty one is ``b""``, with
+    nothing to read into."""
+    return fresh_bytes(n) if n else (b"", None)
+
+
 class Parts(list[memoryview]):
     """One value's buffers, checked already: flat, C-contiguous byte views (writable ones
     when ``writable``) of ``nbytes`` bytes in all, as :func:`regions` cuts them out of one

@@ -33,7 +33,7 @@ from kvfs import rpc
 from kvfs._batch import Batcher
 from kvfs._loop import gather_all
 from kvfs.address import format_addr, format_addrs, lookup_token, parse_addrs
-from kvfs.buffers import Source, Views, as_parts, as_parts_many, cut, fresh_bytes
+from kvfs.buffers import Source, Views, as_parts, as_parts_many, cut, fresh_value
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
@@ -801,13 +801,9 @@ def _fresh(sizes: list[int]) -> tuple[list[bytes | None], list[Dest]]:
     out: list[bytes | None] = []
     dests: list[Dest] = []
     for n in sizes:
-        if n > 0:
-            value, view = fresh_bytes(n)
-            out.append(value)
-            dests.append(view)
-        else:
-            out.append(None if n < 0 else b"")
-            dests.append(None)
+        value, view = (None, None) if n < 0 else fresh_value(n)
+        out.append(value)
+        dests.append(view)
     return out, dests
 
 

@@ -38,7 +38,7 @@ import msgspec
 from kvfs import rpc
 from kvfs._batch import split_batches
 from kvfs._loop import gather_all, retrieve
-from kvfs.buffers import Views, cut, fresh_bytes
+from kvfs.buffers import Views, cut, fresh_value
 from kvfs.cluster import ClusterLink
 from kvfs.errors import (
     ChecksumMismatch,
@@ -339,10 +339,9 @@ class ReadPath:
                     continue
                 dest = dests[i]
                 gone = old is None or lay == old  # the same layout: its bytes are lost
-                if old is not None and not gone and lay.size != old.size:  # overwritten, new size
-                    if out is not None:  # get_many: the new size's bytes
-                        out[i], dest = fresh_bytes(lay.size) if lay.size else (b"", None)
-                    elif resized is None:
+                new_size = old is not None and not gone and lay.size != old.size
+                if new_size and out is None:  # get_into: the key's buffer at the new size
+                    if resized is None:
                         gone = True
                     else:
                         dest = resized(i, lay)
@@ -357,9 +356,10 @@ class ReadPath:
                     if lay != old:
                         bad.discard(i)  # overwritten meanwhile: not this layout's loss
                     continue
-                if dest is WHOLE and len(lay.extents) > 1:  # overwritten striped, same size:
-                    # a WHOLE destination reads one extent, so into bytes of its own instead
-                    out[i], dest = fresh_bytes(lay.size)  # type: ignore[index]  # (given with WHOLE)
+                if out is not None and (new_size or (dest is WHOLE and len(lay.extents) > 1)):
+                    # get_many: bytes of the new size, or of its own for a value found striped
+                    # (a WHOLE destination reads one extent)
+                    out[i], dest = fresh_value(lay.size)
                 retry_layouts[i], retry_dests[i] = lay, dest
                 retried[i] = lay
             if retried:
