@@ -447,9 +447,9 @@ class MixedWorkload:
             span = self.expiry.get(k)
             if span is None:
                 continue
-            ended = w0 > span[1] + EXPIRY_SLACK_S
+            ended = _ttl_ended(span, w0)
             fig.after_ttl += ended
-            if out[i] is None and w1 >= span[0] - EXPIRY_SLACK_S:
+            if out[i] is None and _ttl_may_have_ended(span, w1):
                 out[i] = ""
             elif out[i] is not None and ended:
                 out[i] = "found after its TTL ended"
@@ -507,6 +507,17 @@ class MixedWorkload:
         return out
 
 
+def _ttl_ended(span: tuple[float, float], w0: float) -> bool:
+    """Whether a key whose expiry lies in ``span`` (wall clock) had surely expired by ``w0``,
+    a read's start."""
+    return w0 > span[1] + EXPIRY_SLACK_S
+
+
+def _ttl_may_have_ended(span: tuple[float, float], w1: float) -> bool:
+    """Whether it may have expired by ``w1``, a read's end (its miss is then right)."""
+    return w1 >= span[0] - EXPIRY_SLACK_S
+
+
 async def verify_all(client: AsyncClient, keys: list[bytes], values: Values, *,
                      batch: int = 64, versions: Mapping[bytes, tuple[int, int]] | None = None,
                      deleted: Collection[bytes] = (), maybe_deleted: Collection[bytes] = (),
@@ -526,10 +537,10 @@ async def verify_all(client: AsyncClient, keys: list[bytes], values: Values, *,
     def tally(k: bytes, v: bytes | None, w0: float, w1: float) -> None:
         nonlocal misses, wrong
         ends = ttl.get(k)
-        if k in deleted or (ends is not None and w0 > ends[1] + EXPIRY_SLACK_S):
+        if k in deleted or (ends is not None and _ttl_ended(ends, w0)):
             wrong += v is not None
         elif v is None:
-            misses += k not in maybe_deleted and (ends is None or w1 < ends[0] - EXPIRY_SLACK_S)
+            misses += k not in maybe_deleted and (ends is None or not _ttl_may_have_ended(ends, w1))
         else:
             wrong += bool(values.check(k, v, *span.get(k, (0, 0))))
 
