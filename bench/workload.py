@@ -239,13 +239,13 @@ class MixedWorkload:
             n += 1
             if len(self.own) > 4 * self.batch:
                 if self.overwrite_every and n % self.overwrite_every == 0:
-                    await self._overwrite()
+                    await self._put_again()
                     continue
                 if self.delete_every and n % self.delete_every == 0:
                     await self._delete()
                     continue
                 if self.if_absent_every and n % self.if_absent_every == 0:
-                    await self._put_if_absent()
+                    await self._put_again(if_absent=True)
                     continue
             keys = self._new_keys()
             fig = self.now
@@ -268,43 +268,22 @@ class MixedWorkload:
             await self._notify()
             await asyncio.sleep(self.write_pause_s)
 
-    async def _overwrite(self) -> None:
-        """Each of a batch of this workload's keys put again, as its next version."""
+    async def _put_again(self, *, if_absent: bool = False) -> None:
+        """A batch of this workload's keys put again, each as its next version: an overwrite,
+        or with ``if_absent``.  Then a key present (unexpired and readable) must keep its
+        value; one with an extent whose every copy is on servers meta counts gone is absent
+        for it, and stored (``stored_absent``: with a replica always up, it must stay 0)."""
         keys = list({k for k in self._rng.sample(self.own, self.batch) if k not in self._busy})
         self._busy.update(keys)
         fig = self.now
         try:
-            for k in keys:
-                self.newest[k] = self.newest.get(k, 0) + 1
-            await self.writer.put_many([(k, self.values.of(k, self.newest[k])) for k in keys])
-        except KVFSError as exc:
-            fig.puts_failed += 1
-            fig.errors[f"overwrite: {type(exc).__name__}"] += 1
-            await asyncio.sleep(0.05)  # pacing after a failure, not a wait for a condition
-            return
-        finally:
-            self._busy.difference_update(keys)
-        fig.puts_ok += 1
-        fig.overwritten += len(keys)
-        for k in keys:
-            self.oldest[k] = self.newest[k]
-        await asyncio.sleep(self.write_pause_s)
-
-    async def _put_if_absent(self) -> None:
-        """A batch of this workload's keys put with ``if_absent``, each as its next version.
-        A key present (unexpired and readable) must keep its value; one with an extent
-        whose every copy is on servers meta counts gone is absent for it, and stored
-        (``stored_absent``: with a replica always up, it must stay 0)."""
-        keys = list({k for k in self._rng.sample(self.own, self.batch) if k not in self._busy})
-        self._busy.update(keys)
-        fig = self.now
-        try:
-            for k in keys:  # the version a read may see from now on, if the key is stored
+            for k in keys:  # the version a read may see from now on
                 self.newest[k] = self.newest.get(k, 0) + 1
             stored = await self.writer.put_many([(k, self.values.of(k, self.newest[k])) for k in keys],
-                                                if_absent=True)
+                                                if_absent=if_absent)
         except KVFSError as exc:
-            fig.errors[f"put if_absent: {type(exc).__name__}"] += 1
+            fig.puts_failed += not if_absent
+            fig.errors[f"{'put if_absent' if if_absent else 'overwrite'}: {type(exc).__name__}"] += 1
             await asyncio.sleep(0.05)  # pacing after a failure, not a wait for a condition
             return
         finally:
@@ -312,10 +291,14 @@ class MixedWorkload:
         for k, new in zip(keys, stored, strict=True):
             if new:
                 self.oldest[k] = self.newest[k]
-            else:  # refused: a read of that version from now on is a wrong one
+            else:  # refused (if_absent): a read of that version from now on is a wrong one
                 self.newest[k] -= 1
-        fig.kept_present += len(keys) - sum(stored)
-        fig.stored_absent += sum(stored)
+        if if_absent:
+            fig.kept_present += len(keys) - sum(stored)
+            fig.stored_absent += sum(stored)
+        else:
+            fig.puts_ok += 1
+            fig.overwritten += len(keys)
         await asyncio.sleep(self.write_pause_s)
 
     async def _delete(self) -> None:

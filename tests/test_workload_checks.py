@@ -202,7 +202,7 @@ class IfAbsentWriter(Reader):
 async def test_a_refused_if_absent_version_is_never_a_right_read() -> None:
     load = _workload(IfAbsentWriter(stored=False))
     load.own.extend(KEYS)
-    await load._put_if_absent()
+    await load._put_again(if_absent=True)
     assert load.now.kept_present > 0 and load.now.stored_absent == 0
     sampled = list(load.newest)
     assert sampled and all(load.newest[k] == 0 for k in sampled)  # refused: not counted as put
@@ -211,7 +211,7 @@ async def test_a_refused_if_absent_version_is_never_a_right_read() -> None:
 
     load = _workload(IfAbsentWriter(stored=True))  # absent (unreadable): stored, version 1 now right
     load.own.extend(KEYS)
-    await load._put_if_absent()
+    await load._put_again(if_absent=True)
     assert load.now.stored_absent > 0
     stored = [k for k, v in load.newest.items() if v == 1]
     assert stored and load.versions()[stored[0]] == (1, 1)
