@@ -571,6 +571,47 @@ def test_open_handles_of_two_versions_never_share_pages(
 
 
 @needs_fuse
+@pytest.mark.parametrize("new_size", [24 * 1024, 160 * 1024])
+def test_a_replaced_files_new_size_never_cuts_the_version_an_open_reads(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path, new_size: int) -> None:
+    """A file replaced by another client at another size, smaller or larger.  While an open
+    reads the old value through the kernel's pages, the mount's lookups and stats give the
+    kernel the old value's size, and a new open reads the new value whole past the pages.
+    Told the new size, the kernel would cut the old value's pages there: a smaller one ends
+    the old open's reads inside it.  And once the old open has closed, a new open within the
+    attribute time reads past the pages while the kernel still has the old size: read
+    through them, a larger value would end there."""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--attr-timeout", "2s")
+    try:
+        n = 64 * 1024
+        v1, v2 = os.urandom(n), os.urandom(new_size)
+        fs.pipe_file("sz/a", v1)
+        p = m.mnt / "sz" / "a"
+        fd1 = os.open(p, os.O_RDONLY)
+        try:
+            assert os.pread(fd1, 2 * n, 0) == v1
+            fs.pipe_file("sz/a", v2)  # another client replaces it
+
+            def reads_v2() -> bool:  # once the attribute time has passed: the new value
+                with open(p, "rb", buffering=0) as f:
+                    return f.readall() == v2
+
+            wait_until(reads_v2, 30, "an open of the new value")
+            assert os.pread(fd1, 2 * n, 0) == v1  # whole, as it was
+            assert os.fstat(fd1).st_size == n
+        finally:
+            os.close(fd1)
+        with open(p, "rb", buffering=0) as f:  # at once, the kernel's size still the old one's
+            assert f.readall() == v2
+        wait_until(lambda: p.stat().st_size == new_size, 30, "the new size")
+        with open(p, "rb", buffering=0) as f:
+            assert f.readall() == v2
+        assert "Traceback" not in m.stderr()
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
 def test_hicache_style_pages(mnt: Path, fs: KVFileSystem) -> None:
     """Thousands of page files, each written to a tmp name and renamed; every byte read back."""
     n, page = 2000, 4096
@@ -1592,6 +1633,68 @@ async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncC
     assert not io.opened(h) and h.reader is None
     fh = table.open(h)
     assert await read_(fh) == b"four"
+    table.close(fh)
+
+
+async def test_an_open_reads_through_the_kernels_pages_only_the_size_it_was_told(kv: AsyncClient) -> None:
+    """The kernel ends reads through its pages of a file at the size it was last told (its
+    attributes: ``InodeTable.told``).  So a read-only open reads through them only a value of
+    that size: one that finds another (the mount looked the file up without the kernel) is
+    ``direct``, and a handle whose first read finds the value replaced at another size, its
+    pinned bytes reclaimed, or pinned only at that read, with no recent lookup), fails (ESTALE)
+    rather than be cut there."""
+    from kvfs.config import MountConfig
+    from kvfs.errors import StaleLayout
+    from kvfs.mount.files import FileIO
+    from kvfs.mount.inodes import Handle, InodeTable
+    from kvfs.stream import ValueReader
+
+    table = InodeTable()
+    fs = KVFileSystem(client=kv, asynchronous=True)
+    io = FileIO(fs, table, MountConfig(), fresh_s=60)
+    await kv.put("ts/a", b"one")
+    a = table.remember("ts/a")
+    table.told(a, 3)  # the kernel's LOOKUP
+    await io.info(a, "ts/a")
+    await kv.put("ts/a", b"longer value")
+    await io.info(a, "ts/a")  # the mount looks it up for an open: the kernel is not told
+    h = Handle(a, writable=False)
+    assert io.opened(h) is False and h.direct  # past the pages, which end at 3 bytes
+    fh = table.open(h)
+    assert bytes(await io.read(h, 0, 100)) == b"longer value"
+    table.close(fh)
+    table.told(a, 12)  # the kernel's next LOOKUP
+    h = Handle(a, writable=False)
+    assert io.opened(h) is False and not h.direct and h.reader is not None  # pinned, pages dropped
+    fh = table.open(h)
+    await kv.put("ts/a", b"two")  # replaced at another size, and (injected) the pinned bytes gone
+    real = io.reads._run
+
+    async def stale(wants: list[tuple[ValueReader | bytes, int]]) -> list[Any]:
+        if any(isinstance(w, ValueReader) for w, _ in wants):
+            raise StaleLayout("the bytes this layout names are gone")  # injected
+        return await real(wants)
+
+    io.reads._run = stale  # type: ignore[method-assign]
+    with pytest.raises(OSError) as err:  # "two" through pages that end at 12 bytes: never
+        await io.read(h, 0, 100)
+    assert err.value.errno == errno.ESTALE
+    io.reads._run = real  # type: ignore[method-assign]
+    table.close(fh)
+    io._looked_up.clear()  # no recent lookup: pinned at the first read, which finds "two"
+    h = Handle(a, writable=False)
+    assert io.opened(h) is False and not h.direct and h.reader is None
+    fh = table.open(h)
+    with pytest.raises(OSError) as err:
+        await io.read(h, 0, 100)
+    assert err.value.errno == errno.ESTALE
+    table.close(fh)
+    table.told(a, 3)  # the kernel's next LOOKUP
+    await io.info(a, "ts/a")
+    h = Handle(a, writable=False)
+    assert io.opened(h) is False and not h.direct
+    fh = table.open(h)
+    assert bytes(await io.read(h, 0, 100)) == b"two"
     table.close(fh)
 
 

@@ -284,9 +284,10 @@ class FileIO:
             info = path_info(path, found)
         else:
             self._saw(ino, key, found, at)
-            info = path_info(path, found)
+            shown = self._pages_layout(ino) or found
+            info = path_info(path, shown)
             cached = self._cached.get(ino)
-            if cached is not None and cached[1] is not None and cached[0] == found:
+            if cached is not None and cached[1] is not None and cached[0] == shown:
                 info["created"] = info["mtime"] = cached[1]  # written here: as the kernel was told
         if at is not None:  # the kernel keeps it no longer than a lookup's answer now
             info["valid_s"] = max(0.0, self.fresh_s - (asyncio.get_running_loop().time() - at))
@@ -580,7 +581,11 @@ class FileIO:
         common case, no other open of the file here, is never direct, unless
         ``--direct-first-open``: then a value's first open here (pages not kept) is direct and
         records nothing about the pages (they hold nothing of it), and its next open reads
-        through them as above."""
+        through them as above.  The kernel ends reads through the pages at the file's size in
+        the last attributes it was sent (``InodeTable.told``), so an open pinned to a value of
+        another size (looked up here without the kernel, or while other opens read an older
+        version: :meth:`_pages_layout`) is direct too, and one pinned only at its first read
+        to a value of another size fails that read (ESTALE, :meth:`read`)."""
         ino = h.ino
         reader = self._recent(ino)
         if reader is None and not looked and self.fresh_s > 0 and ino in self._cached:
@@ -594,9 +599,13 @@ class FileIO:
             h.direct = bool(cached)  # pinned only at its first read: maybe another version
             return False
         layout = reader.layout
-        if any(o.reader is None or o.reader.layout != layout for o in cached):
+        told = self.table.told_size(ino)
+        if ((told is not None and told != layout.size)
+                or any(o.reader is None or o.reader.layout != layout for o in cached)):
             self._unknown(ino)
-            h.direct = True  # pages of two versions would mix
+            # pages of two versions would mix, or the kernel's size is another version's
+            # (its reads through the pages would end there)
+            h.direct = True
             return False
         h.reader = reader
         h.pinned_at_open = True
@@ -609,6 +618,16 @@ class FileIO:
         if bound:
             self._remember(ino, None if h.kept_cache else (layout, None))
         return h.kept_cache
+
+    def _pages_layout(self, ino: int) -> Layout | None:
+        """The value the opens of ``ino`` here that read through the kernel's pages read (they
+        all read one: :meth:`opened`), once one has pinned it; else None.  A lookup of the file
+        answers its attributes while such an open lasts: the kernel cuts its pages at any
+        other size it is told, and a smaller one would end their reads inside the old value."""
+        for o in self.table.handles_of(ino):
+            if not o.writable and not o.direct and o.reader is not None:
+                return o.reader.layout
+        return None
 
     def _first_open(self, ino: int, layout: Layout) -> bool:
         """--direct-first-open: whether this is the first open of ``ino``'s value ``layout`` here
@@ -669,6 +688,13 @@ class FileIO:
                     if unit is None:
                         raise _gone()
                     h.reader, start, data = unit
+                    told = self.table.told_size(h.ino)
+                    if (not h.direct and told is not None and told != h.reader.size
+                            and not self.table.writers(h.ino)):
+                        h.reader = None  # the kernel's size is another version's: its
+                        self.changed(h.ino)  # reads through the pages would end there
+                        raise OSError(errno.ESTALE, "changed since this mount's kernel was told "
+                                      "its size: open it again")
                     self._keep(h, start, asyncio.get_running_loop().create_future()).set_result(data)
         reader = h.reader
         end = min(off + size, reader.size)

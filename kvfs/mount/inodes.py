@@ -103,6 +103,7 @@ class InodeTable:
         self._of_ino: dict[int, list[Handle]] = {}  # the open handles by inode
         self._dirs: dict[int, tuple[str, list[tuple[str, Info]]]] = {}
         self._next_fh = 1
+        self._told: dict[int, int] = {}  # a file's size in the last attributes the kernel was sent
 
     # inodes --------------------------------------------------------------------
     def path(self, ino: int) -> str:
@@ -179,12 +180,25 @@ class InodeTable:
             self._lookups.pop(ino, None)
             self.maybe_drop(ino)
 
+    def told(self, ino: int, size: int) -> None:
+        """The kernel was sent attributes of file ``ino`` with ``size``: the size its cached
+        pages are cut at, and its reads through them end at, until it is sent another."""
+        self._told[ino] = size
+
+    def wrote(self, ino: int, end: int) -> None:
+        """A WRITE to file ``ino`` ending at ``end``: the kernel's size grew to it, if smaller."""
+        self._told[ino] = max(end, self._told.get(ino, 0))
+
+    def told_size(self, ino: int) -> int | None:
+        return self._told.get(ino)
+
     def maybe_drop(self, ino: int) -> None:
         """Forget ``ino`` unless the kernel or an open handle still refers to it."""
         if ino == ROOT_INODE or self._lookups.get(ino, 0) > 0:
             return
         if ino in self._of_ino:
             return
+        self._told.pop(ino, None)
         path = self._paths.pop(ino, None)
         self._unlinked.discard(ino)
         if path is not None and self._inos.get(path) == ino:

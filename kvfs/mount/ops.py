@@ -204,6 +204,7 @@ class KVFSOperations(Operations):
             a.st_mode = stat.S_IFREG | 0o644
             a.st_nlink = 1
             a.st_size = int(info["size"])
+            self.table.told(ino, a.st_size)  # (every attribute reply is made here)
             t = int(float(info.get("created") or 0) * 1e9) or self._started_ns
         a.st_uid = self.uid
         a.st_gid = self.gid
@@ -349,6 +350,7 @@ class KVFSOperations(Operations):
         if not h.writable:
             raise pyfuse3.FUSEError(errno.EBADF)
         await self.io.write(h, off, buf)
+        self.table.wrote(h.ino, off + len(buf))
         return len(buf)
 
     @_local
