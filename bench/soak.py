@@ -2,7 +2,8 @@
 several client processes running the mixed workload of :mod:`kvfs.bench.workload` (every value
 read is compared with the bytes its key and version determine).  Each process reads through
 ``get_many`` and ``get_into`` of its ``AsyncClient`` and of a blocking ``kvfs.Client``,
-``get_ranges``, and one ``get`` per key at once.  It puts some of its keys again as new
+``get_ranges``, one ``get`` per key at once, and with ``--mount`` the keys' files through a
+``kvfs mount`` of the cluster (FUSE, as root), whole or a slice.  It puts some of its keys again as new
 versions, which every read must see whole; deletes some; puts some with a TTL, which a read
 must miss once it ended; and puts present keys with ``if_absent``, which must change none
 while a replica is up.  Midway:
@@ -18,7 +19,7 @@ values (must be 0), committed values lost (must be 0 with ``--replicas 2``), rea
 failed puts, the longest read, and the seconds from the kill until every extent had its
 replicas again; ``--json FILE`` writes the same figures.  RELIABILITY.md has a run's figures.
 
-Usage: python -m kvfs.bench.soak [--seconds 180] [--clients 3] [--replicas 2] [--dir DIR]
+Usage: python -m kvfs.bench.soak [--seconds 180] [--clients 3] [--replicas 2] [--mount] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import argparse
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -40,7 +42,8 @@ from kvfs.bench.workload import MixedWorkload, Values, verify_all
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
 from kvfs.handshake import Role
-from kvfs.launcher import ProcessCluster
+from kvfs.launcher import ProcessCluster, ServiceProcess
+from kvfs.mount import is_mounted
 from kvfs.sync import Client
 
 CHUNKSERVERS = 4
@@ -55,6 +58,7 @@ OVERWRITE_EVERY = 4  # every 4th put of a writer puts a batch of its keys again,
 DELETE_EVERY = 7  # and every 7th deletes a batch of them
 TTL_EVERY = 5  # and every 5th puts its new keys with a 2 s TTL
 IF_ABSENT_EVERY = 6  # and every 6th puts a batch of present keys with if_absent
+MOUNT_ATTR_S = 1.0  # the mount's --attr-timeout: how long it may show a deleted or expired file
 
 
 def client_config(replicas: int) -> ClientConfig:
@@ -63,9 +67,10 @@ def client_config(replicas: int) -> ClientConfig:
 
 
 # one client process -----------------------------------------------------------------
-async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out: Path) -> None:
-    """Run the workload for ``seconds`` (a writer and a reader client of its own), then write
-    its figures and committed keys to ``out`` (JSON)."""
+async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out: Path,
+                      mount: Path | None = None) -> None:
+    """Run the workload for ``seconds`` (a writer and a reader client of its own, and the files
+    under ``mount``), then write its figures and committed keys to ``out`` (JSON)."""
     cfg = client_config(replicas)
     blocking = await asyncio.to_thread(Client, addr, config=cfg)  # its own IO thread and sockets
     try:
@@ -73,7 +78,8 @@ async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out
             load = MixedWorkload(writer, reader, prefix=prefix, values=VALUES, write_pause_s=0.05,
                                  max_keys=50_000, blocking=blocking, overwrite_every=OVERWRITE_EVERY,
                                  delete_every=DELETE_EVERY, ttl_every=TTL_EVERY,
-                                 if_absent_every=IF_ABSENT_EVERY)
+                                 if_absent_every=IF_ABSENT_EVERY, mount=mount,
+                                 mount_stale_s=MOUNT_ATTR_S)
             load.committed.extend(seed_keys())
             load.start()
             await asyncio.sleep(seconds)  # the soak's length: the workload runs meanwhile
@@ -134,24 +140,49 @@ async def restored(admin: AsyncClient, sid: int, since: float) -> float | None:
     return None
 
 
-async def soak(root: Path, seconds: float, clients: int, replicas: int) -> dict[str, Any]:
+async def start_mount(addr: str, env: dict[str, str], mnt: Path) -> ServiceProcess:
+    """``kvfs mount`` of the cluster at ``mnt``, once it reports ready (its reads are another
+    node's: a layout cache and page cache of its own)."""
+    mnt.mkdir()
+    mounter = ServiceProcess("kvfs mount", [
+        sys.executable, "-m", "kvfs", "mount", str(mnt), "--addr", addr, "--timeout", "3s",
+        "--attr-timeout", f"{MOUNT_ATTR_S}s"], env)
+    await mounter.start()
+    return mounter
+
+
+async def stop_mount(mounter: ServiceProcess, mnt: Path) -> None:
+    """End the mount (SIGTERM unmounts; a mount left by a killed one is detached)."""
+    await mounter.stop()
+    if is_mounted(str(mnt)):
+        await asyncio.to_thread(subprocess.run, ["umount", "-l", str(mnt)], check=False,
+                                capture_output=True, timeout=30)
+
+
+async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: bool = False
+               ) -> dict[str, Any]:
     cluster = ProcessCluster(
         root / "data", CHUNKSERVERS, listen="127.0.0.1:0",
         meta_args=("--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S}s", "--dead-after", f"{DEAD_AFTER_S}s"),
         chunkserver_args=("--heartbeat-interval", "250ms"),
         gc=True, gc_args=("--interval", "1s", "--grace", "2s"))
     procs: list[asyncio.subprocess.Process] = []
+    mounter: ServiceProcess | None = None
+    mnt = root / "mnt"
     t_start = time.monotonic()
     try:
         addr = await cluster.start()
         env = {**os.environ, TOKEN_ENV[Role.CLIENT]: cluster.token, PARENT_ENV: str(os.getpid())}
         async with AsyncClient(addr, token=cluster.token, config=client_config(replicas)) as admin:
             await admin.put_many([(k, VALUES.of(k)) for k in seed_keys()])
+            if mount:
+                mounter = await start_mount(addr, env, mnt)
             outs = [root / f"client{i}.json" for i in range(clients)]
             for i, out in enumerate(outs):
                 procs.append(await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "kvfs.bench.soak", "--client-of", addr, "--prefix", f"c{i}",
-                    "--seconds", str(seconds), "--replicas", str(replicas), "--out", str(out), env=env))
+                    "--seconds", str(seconds), "--replicas", str(replicas), "--out", str(out),
+                    *(["--mount-dir", str(mnt)] if mount else []), env=env))
             await asyncio.sleep(seconds * 0.2)  # the workload runs; then the bit flip
             flipped = seed_keys()[SEED_KEYS // 2]
             flipped_on, holders = await flip_bit(cluster, admin, flipped)
@@ -185,6 +216,8 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int) -> dict[
             if p.returncode is None:
                 p.kill()
                 await p.wait()
+        if mounter is not None:
+            await stop_mount(mounter, mnt)
         await cluster.stop()
     total: dict[str, Any] = {f: sum(r[f] for r in rows) for f in SUM_FIELDS}
     errors: dict[str, int] = {}
@@ -209,20 +242,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=180.0, help="how long the clients run")
     p.add_argument("--clients", type=int, default=3, help="client processes")
     p.add_argument("--replicas", type=int, default=2)
+    p.add_argument("--mount", action="store_true",
+                   help="the clients also read their keys' files through a kvfs mount (FUSE; root)")
     p.add_argument("--dir", type=Path, default=None, help="where the cluster's data goes (a temp dir in it)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # one client process
     p.add_argument("--prefix", default="c", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--mount-dir", type=Path, default=None, help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns.seconds <= 0 or ns.clients < 1 or ns.replicas < 1:
         p.error("--seconds must be positive, --clients and --replicas at least 1")
     if ns.client_of:
         die_with_parent()
-        asyncio.run(client_main(ns.client_of, ns.prefix, ns.seconds, ns.replicas, ns.out))
+        asyncio.run(client_main(ns.client_of, ns.prefix, ns.seconds, ns.replicas, ns.out, ns.mount_dir))
         return 0
     with tempfile.TemporaryDirectory(dir=ns.dir, prefix="kvfs-soak-") as d:
-        fig = asyncio.run(soak(Path(d), ns.seconds, ns.clients, ns.replicas))
+        fig = asyncio.run(soak(Path(d), ns.seconds, ns.clients, ns.replicas, ns.mount))
     print(f"operations: {fig['puts_ok']} put_many calls ok ({fig['puts_failed']} failed), "
           f"{fig['reads']} values read and checked ({fig['read_errors']} reads failed; per API "
           f"{fig['by_api']}); "

@@ -5,7 +5,8 @@ put returned.  Optionally they also overwrite, delete, put with a TTL and put wi
 ``if_absent`` (:class:`MixedWorkload`).  Readers read random committed keys through each read
 API in turn (:data:`READ_APIS`: ``get_many``; ``get_into`` into buffers of the value's size,
 larger, one byte too small, or three pieces; ``get_ranges`` of a slice; ``get`` of each key at
-once; the first two through a blocking ``kvfs.Client`` too, when one is given) and compare
+once; the first two through a blocking ``kvfs.Client`` too, when one is given; files, whole
+or a slice, through a kvfs mount, when one is given) and compare
 each value with the bytes its key and version determine (:class:`Values`), so a wrong byte can
 never pass unseen.  A ``get_into`` that writes a byte it should not (past the value, or
 anything on ``TOO_SMALL``) counts as a wrong value too, but for bytes of an older version of
@@ -18,13 +19,16 @@ longest single read (the stall a reader saw).
 from __future__ import annotations
 
 import asyncio
+import errno
 import hashlib
 import itertools
+import os
 import random
 import time
 from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvfs.client import MISS, TOO_SMALL, AsyncClient
@@ -33,8 +37,9 @@ from kvfs.sync import Client
 
 MiB = 1024 * 1024
 # the sync ones: through the blocking Client, when one is given; get_ranges: fsspec's cat paths;
-# get: one call per key, all at once (the client batches them and cuts each call's answer out)
-READ_APIS = ("get_many", "get_into", "get_ranges", "get", "sync get_many", "sync get_into")
+# get: one call per key, all at once (the client batches them and cuts each call's answer out);
+# mount: each key's file through a kvfs mount (FUSE), read whole or a slice (pread)
+READ_APIS = ("get_many", "get_into", "get_ranges", "get", "sync get_many", "sync get_into", "mount")
 _BLOCK = 64  # a value is one block repeated: its version (4 bytes), then a digest
 EXPIRY_SLACK_S = 0.5  # a read this close to a key's expiry may find it or miss it
 _UNTOUCHED = 0xA5  # what a get_into buffer holds before the read: bytes it must not write stay so
@@ -74,10 +79,14 @@ class Values:
         """"" when ``value`` is exactly one of the key's versions ``oldest`` to ``newest``;
         else what is wrong with it."""
         version = int.from_bytes(value[:4], "little")
-        if not oldest <= version <= newest or value != self.of(key, version):
-            return (f"version {version}, not {oldest} to {newest}"
-                    if len(value) >= 4 and value == self.of(key, version) else "wrong bytes")
-        return ""
+        if oldest <= version <= newest and value == self.of(key, version):
+            return ""
+        whole = self.of(key, version)
+        if len(value) >= 4 and value == whole:
+            return f"version {version}, not {oldest} to {newest}"
+        if len(value) >= 4 and whole.startswith(value):  # (a size of another version, say)
+            return f"version {version} cut at {len(value)} of {len(whole)} bytes"
+        return "wrong bytes"
 
     def check_slice(self, key: bytes, got: bytes, start: int, end: int, newest: int) -> str:
         """"" when ``got`` is ``value[start:end]`` of one of the key's versions 0 to
@@ -144,16 +153,23 @@ class MixedWorkload:
     returned).  ``ttl_every``: every that many puts, the new keys are put with ``ttl_s``: a
     read must find them until then and miss them after (``EXPIRY_SLACK_S`` either side).
     ``if_absent_every``: every that many puts, a batch of present keys is put with
-    ``if_absent=True`` (``Figures.stored_absent`` counts those it stored)."""
+    ``if_absent=True`` (``Figures.stored_absent`` counts those it stored).  ``mount``: the
+    directory of a kvfs mount of the same cluster, whose files the readers also read (another
+    node's view: its kernel and its layouts may keep a file for ``mount_stale_s``, its
+    attribute time, after a delete or an expiry; a found file is judged by the TTL that
+    much later)."""
 
     def __init__(self, writer: AsyncClient, reader: AsyncClient, *, prefix: str = "w",
                  writers: int = 2, readers: int = 3, batch: int = 8,
                  values: Values = Values(), write_pause_s: float = 0.0,
                  max_keys: int = 100_000, blocking: Client | None = None,
                  overwrite_every: int = 0, delete_every: int = 0, ttl_every: int = 0,
-                 ttl_s: float = 2.0, if_absent_every: int = 0) -> None:
+                 ttl_s: float = 2.0, if_absent_every: int = 0, mount: Path | None = None,
+                 mount_stale_s: float = 1.0) -> None:
         self.writer, self.reader, self.blocking = writer, reader, blocking
-        self.apis = tuple(a for a in READ_APIS if blocking is not None or not a.startswith("sync"))
+        self.mount, self.mount_stale_s = mount, mount_stale_s
+        self.apis = tuple(a for a in READ_APIS if (blocking is not None or not a.startswith("sync"))
+                          and (mount is not None or a != "mount"))
         self.prefix = prefix
         self.nwriters, self.nreaders, self.batch = writers, readers, batch
         self.values = values
@@ -335,12 +351,14 @@ class MixedWorkload:
                     got = await self._get_ranges(keys)
                 elif api == "get":
                     got = await self._gets(keys)
+                elif api == "mount":
+                    got = await self._mount_reads(keys)
                 else:
                     got = await self._get_into(keys, sync=api != "get_into")
-            except KVFSError as exc:
+            except (KVFSError, OSError) as exc:  # OSError: a file read through the mount
                 fig.asked += len(keys)
                 fig.read_errors += 1
-                fig.errors[f"{api}: {type(exc).__name__}"] += 1
+                fig.errors[f"{api}: {_error_name(exc)}"] += 1
                 fig.longest_read_s = max(fig.longest_read_s, time.monotonic() - t0)
                 await self._notify()
                 await asyncio.sleep(0.05)
@@ -349,7 +367,8 @@ class MixedWorkload:
             fig.longest_read_s = max(fig.longest_read_s, time.monotonic() - t0)
             fig.by_api[api] += len(keys)
             if self.expiry:
-                got = self._expiring(keys, got, w0, time.time(), fig)
+                stale_s = self.mount_stale_s if api == "mount" else 0.0
+                got = self._expiring(keys, got, w0 - stale_s, time.time(), fig)
             for outcome in got:
                 fig.reads += 1
                 if outcome is None:
@@ -398,27 +417,63 @@ class MixedWorkload:
         out = [None if isinstance(v, BaseException) else self._miss(k) if v is None
                else self.values.check(k, v, 0, self.newest.get(k, 0))
                for k, v in zip(keys, answers, strict=True)]
+        return self._unless_raised("get", out, answers)
+
+    def _unless_raised(self, api: str, out: list[str | None], answers: list[Any]) -> list[str | None]:
+        """``out``, the outcomes of one read's keys, where no key's read raised; else the
+        wrong values among those that answered counted, and the first error raised."""
         raised = [v for v in answers if isinstance(v, BaseException)]
-        if raised:  # the calls that answered are checked all the same
+        if raised:  # the keys that answered are checked all the same
             for outcome in out:
                 if outcome:
                     self.now.wrong += 1
-                    self.now.errors[f"get: {outcome}"] += 1
+                    self.now.errors[f"{api}: {outcome}"] += 1
             raise raised[0]
+        return out
+
+    async def _mount_reads(self, keys: list[bytes]) -> list[str | None]:
+        """As :meth:`_get_ranges`, each key's file through the mount, in a thread: read whole
+        (one open, read to its end, close), or a slice with ``pread``; ENOENT is a miss.  Any
+        other error raises, once the files read are checked."""
+        spans = [None if self._rng.randrange(2) else self._span(k) for k in keys]
+        answers = await asyncio.to_thread(self._read_files, keys, spans)
+        out = [None if isinstance(v, BaseException) else self._miss(k) if v is None
+               else self.values.check(k, v, 0, self.newest.get(k, 0)) if span is None
+               else self.values.check_slice(k, v, *span, self.newest.get(k, 0))
+               for k, span, v in zip(keys, spans, answers, strict=True)]
+        return self._unless_raised("mount", out, answers)
+
+    def _read_files(self, keys: list[bytes], spans: list[tuple[int, int] | None]
+                    ) -> list[bytes | OSError | None]:
+        """Each key's file (or its slice) through the mount: bytes, None (ENOENT) or the error."""
+        assert self.mount is not None
+        out: list[bytes | OSError | None] = []
+        for k, span in zip(keys, spans, strict=True):
+            try:
+                with open(self.mount / k.decode(), "rb", buffering=0) as f:
+                    out.append(f.readall() if span is None
+                               else os.pread(f.fileno(), span[1] - span[0], span[0]))
+            except FileNotFoundError:
+                out.append(None)
+            except OSError as exc:
+                out.append(exc)
         return out
 
     async def _get_ranges(self, keys: list[bytes]) -> list[str | None]:
         """As :meth:`_get_many`, of a slice of each value: in its first KiB (in every version),
         or anywhere in its newest version (a slice of an older one may be cut short)."""
-        rng = self._rng
-        spans = []
-        for k in keys:
-            size = self.values.size(k, self.newest.get(k, 0)) if rng.randrange(2) else 1024
-            a = rng.randrange(size - 1)
-            spans.append((a, rng.randrange(a + 1, size + 1)))
+        spans = [self._span(k) for k in keys]
         got = await self.reader.get_ranges([(k, a, b) for k, (a, b) in zip(keys, spans, strict=True)])
         return [self._miss(k) if v is None else self.values.check_slice(k, v, a, b, self.newest.get(k, 0))
                 for k, (a, b), v in zip(keys, spans, got, strict=True)]
+
+    def _span(self, key: bytes) -> tuple[int, int]:
+        """A slice to read of ``key``'s value: in its first KiB (in every version), or anywhere
+        in its newest version."""
+        rng = self._rng
+        size = self.values.size(key, self.newest.get(key, 0)) if rng.randrange(2) else 1024
+        a = rng.randrange(size - 1)
+        return a, rng.randrange(a + 1, size + 1)
 
     def _expiring(self, keys: list[bytes], got: list[str | None], w0: float, w1: float,
                   fig: Figures) -> list[str | None]:
@@ -488,6 +543,13 @@ class MixedWorkload:
             else:
                 out.append(self.values.check(k, whole[:n], 0, newest))
         return out
+
+
+def _error_name(exc: Exception) -> str:
+    """A read error's name in ``Figures.errors``: its type, or an OSError's errno name."""
+    if isinstance(exc, OSError) and not isinstance(exc, KVFSError) and exc.errno:
+        return errno.errorcode.get(exc.errno, str(exc.errno))
+    return type(exc).__name__
 
 
 def _ttl_ended(span: tuple[float, float], w0: float) -> bool:

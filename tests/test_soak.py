@@ -3,13 +3,15 @@ meta, 4 chunkservers, the GC daemon and 2 client processes for 20 s.  They read 
 get_many and get_into, async and blocking, get_ranges and single gets, while some keys are
 put again as new versions, some deleted, some put with a TTL, and present ones put with
 if_absent.  Meanwhile a bit is flipped in a stored value, and a chunkserver is SIGKILLed until
-it is declared dead and repaired, then restarted."""
+it is declared dead and repaired, then restarted.  The second test also reads every key's file
+through a kvfs mount of the cluster (FUSE)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from fuse_mount import needs_fuse
 
 from kvfs.bench.soak import soak
 from kvfs.bench.workload import READ_APIS
@@ -22,7 +24,7 @@ async def test_short_soak_reads_every_byte_right_and_loses_nothing(tmp_path: Pat
     fig = await soak(tmp_path, seconds=20, clients=2, replicas=2)
     print(fig)
     assert fig["reads"] > 0 and fig["puts_ok"] > 0, fig
-    assert set(fig["by_api"]) == set(READ_APIS), fig  # each read API was checked under the faults
+    assert set(fig["by_api"]) == set(READ_APIS) - {"mount"}, fig  # each API was checked under the faults
     # and reads raced overwrites, deletes and expiries
     assert fig["overwritten"] > 0 and fig["deleted"] > 0 and fig["after_ttl"] > 0, fig
     assert fig["kept_present"] > 0, fig  # and puts with if_absent of present keys,
@@ -33,3 +35,19 @@ async def test_short_soak_reads_every_byte_right_and_loses_nothing(tmp_path: Pat
     assert fig["wrong_total"] == 0, fig
     assert fig["values_lost"] == 0, fig  # replicas=2: one dead server and one bad copy lose nothing
     assert fig["restore_s"] is not None, fig  # the GC daemon repaired the dead server's extents
+
+
+@needs_fuse
+@pytest.mark.fuse
+async def test_short_soak_through_a_mount_reads_every_file_right(tmp_path: Path) -> None:
+    """The same, with the readers' files through a ``kvfs mount`` of the cluster as a seventh
+    read API: another node's view, its kernel's pages and sizes included.  Before the mount
+    gave its kernel the size of the version an open reads, about 1 in 800 files read here
+    came back as one version's bytes cut at another's size."""
+    fig = await soak(tmp_path, seconds=20, clients=2, replicas=2, mount=True)
+    print(fig)
+    assert set(fig["by_api"]) == set(READ_APIS), fig
+    assert fig["by_api"]["mount"] > 0 and fig["overwritten"] > 0, fig
+    assert fig["misses"] == 0, fig
+    assert fig["wrong_total"] == 0, fig
+    assert fig["values_lost"] == 0, fig

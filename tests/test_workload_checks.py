@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any, cast
 
 import pytest
@@ -110,9 +111,9 @@ def _too_small_for_all(value: bytes, buf: Any, n: int) -> int:
     (_scribble_when_too_small, "TOO_SMALL with the buffer written"),
     (_too_small_for_all, "TOO_SMALL"),  # ... for a buffer as large as every version / written
     # its last byte is past the size it gave (or, where that byte is 0xA5, the value is short)
-    (_short_size, ("bytes written past the value", "wrong bytes")),
+    (_short_size, ("bytes written past the value", "version 0 cut at")),
     (_flip, "wrong bytes"),
-    (_truncated_into_too_small, "wrong bytes"),
+    (_truncated_into_too_small, "version 0 cut at"),
 ])
 async def test_each_wrong_answer_is_caught(fault: Callable[[bytes, Any, int], int],
                                           named: str | tuple[str, ...]) -> None:
@@ -287,3 +288,36 @@ async def test_an_older_version_left_past_the_value_is_let_off_and_counted_nothi
     other = bytearray([0xA5]) * room
     other[:len(VALUES.of(KEYS[1]))] = VALUES.of(KEYS[1])[:room]  # another key's bytes: not let off
     assert not load._old_left(k, bytes(other), 0, 1)
+
+
+async def test_a_file_read_through_a_mount_is_checked_whole_or_as_a_slice(tmp_path: Path) -> None:
+    """The readers' files through a mount (here a plain directory standing in for one): a
+    right file passes whole and in slices, a missing one is a miss, a version cut short (the
+    size of another version with this one's bytes) is caught by name, and a file that cannot
+    be read raises once the others are checked."""
+    keys = KEYS[:16]
+    for k in keys:
+        (tmp_path / k.decode()).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / k.decode()).write_bytes(VALUES.of(k))
+    load = MixedWorkload(cast(AsyncClient, Reader()), cast(AsyncClient, Reader()), values=VALUES,
+                         mount=tmp_path)
+    assert "mount" in load.apis
+    for _ in range(4):  # whole or a slice, at random
+        assert set(await load._mount_reads(keys)) == {""}
+    (tmp_path / keys[0].decode()).unlink()
+    cut = VALUES.of(keys[1])[:-1]
+    (tmp_path / keys[1].decode()).write_bytes(cut)
+    got = []
+    for _ in range(16):  # until keys[1] was read whole (not as a slice) once
+        got = await load._mount_reads(keys[:2])
+        if got[1] != "":
+            break
+    assert got == [None, f"version 0 cut at {len(cut)} of {len(cut) + 1} bytes"]
+    (tmp_path / keys[2].decode()).write_bytes(b"x" * 2048)  # no version's bytes
+    (tmp_path / keys[3].decode()).unlink()
+    (tmp_path / keys[3].decode()).mkdir()  # a file that cannot be read
+    before = load.now.wrong
+    with pytest.raises(IsADirectoryError):
+        await load._mount_reads(keys[2:4])
+    assert load.now.wrong == before + 1  # keys[2], checked all the same
+    assert _workload(Reader()).apis == ("get_many", "get_into", "get_ranges", "get")  # no mount
