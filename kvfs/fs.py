@@ -666,7 +666,8 @@ def _close_sessions(sessions: dict[int, _Session]) -> None:
 
 
 class KVFile(AbstractBufferedFile):
-    """A kvfs file: ``rb`` fetches the value on the first read; ``wb``/``xb`` buffer until close.
+    """A kvfs file: ``rb`` fetches the value on the first read (a snapshot: its size is the
+    file's from then on, whatever the lookup at open said); ``wb``/``xb`` buffer until close.
 
     ``ab`` is ``wb`` for a new file and ``OSError(EOPNOTSUPP)`` for an existing one.
     """
@@ -685,6 +686,11 @@ class KVFile(AbstractBufferedFile):
         self._staged: bytes | None = None
         super().__init__(fs, key, mode, block_size=block_size, autocommit=autocommit,
                          cache_type=cache_type, cache_options=cache_options, size=size, **kwargs)
+
+    def read(self, length: int = -1) -> bytes:
+        if self.mode == "rb" and self._value is None and not self.closed:
+            self._fetch_range(0, 0)  # the snapshot first: a read's length counts from its size
+        return super().read(length)
 
     def _fetch_range(self, start: int, end: int) -> bytes:
         if self._value is None:
@@ -734,6 +740,11 @@ class KVAsyncFile(AbstractAsyncStreamedFile):
         self._create = mode == "xb"
         super().__init__(fs, path, "wb" if mode in ("ab", "xb") else mode, size=size,
                          cache_type="none", **kwargs)
+
+    async def read(self, length: int = -1) -> bytes:
+        if self.mode == "rb" and self._value is None and not self.closed:
+            await self._fetch_range(0, 0)  # the snapshot first: a read's length counts from its size
+        return await super().read(length)
 
     async def _fetch_range(self, start: int, end: int) -> bytes:
         if self._value is None:

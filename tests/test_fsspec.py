@@ -277,6 +277,41 @@ async def test_key_expiring_mid_read(kv: AsyncClient, clock: Any) -> None:
     await g.close()
 
 
+@pytest.mark.parametrize("new_size", [40, 300])
+async def test_a_value_replaced_between_open_and_first_read_is_read_whole(
+        kv: AsyncClient, new_size: int) -> None:
+    """An open file takes its snapshot of the value at the first read, and that snapshot's
+    size is the file's: a value replaced at another size after the open (whose lookup gave
+    the old size) is read whole, never cut at the old size, through ``read()``, ``read(n)``
+    past it, and the blocking ``fs.open`` (below)."""
+    fs = KVFileSystem(client=kv, asynchronous=True)
+    new = b"b" * new_size
+    for how in ("read()", "read(n)"):
+        await fs._pipe_file("rs/a", b"a" * 100)
+        f = await fs.open_async("rs/a", "rb")
+        await fs._pipe_file("rs/a", new)
+        assert await (f.read() if how == "read()" else f.read(1000)) == new, how
+        assert f.size == new_size
+        await f.close()
+
+
+@pytest.mark.parametrize("new_size", [40, 300])
+def test_a_value_replaced_between_open_and_first_read_is_read_whole_blocking(
+        kvfs_sync: KVFileSystem, new_size: int) -> None:
+    new = b"b" * new_size
+    for how in ("read()", "read(n)", "readinto"):
+        kvfs_sync.pipe_file("rs/b", b"a" * 100)
+        with kvfs_sync.open("rs/b", "rb") as g:
+            kvfs_sync.pipe_file("rs/b", new)
+            if how == "readinto":
+                buf = bytearray(1000)
+                got = bytes(buf[:g.readinto(buf)])
+            else:
+                got = g.read() if how == "read()" else g.read(1000)
+            assert got == new, how
+            assert g.size == new_size
+
+
 async def test_open_async_write_and_create(kv: AsyncClient) -> None:
     fs = KVFileSystem(client=kv, asynchronous=True)
     async with await fs.open_async("oa/f", "wb") as f:
