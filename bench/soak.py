@@ -2,8 +2,9 @@
 several client processes running the mixed workload of :mod:`kvfs.bench.workload` (every value
 read is compared with the bytes its key and version determine).  Each process reads through
 ``get_many`` and ``get_into`` of its ``AsyncClient`` and of a blocking ``kvfs.Client``,
-``get_ranges``, one ``get`` per key at once, and with ``--mount`` the keys' files through a
-``kvfs mount`` of the cluster (FUSE, as root), whole or a slice.  It puts some of its keys again as new
+``get_ranges``, one ``get`` per key at once, each key's file through a blocking fsspec
+``KVFileSystem``'s ``open``, and with ``--mount`` through a ``kvfs mount`` of the cluster too
+(FUSE, as root), whole or a slice.  It puts some of its keys again as new
 versions, which every read must see whole; deletes some; puts some with a TTL, which a read
 must miss once it ended; and puts present keys with ``if_absent``, which must change none
 while a replica is up.  Midway:
@@ -41,6 +42,7 @@ from kvfs.address import TOKEN_ENV
 from kvfs.bench.workload import MixedWorkload, Values, verify_all
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
+from kvfs.fs import KVFileSystem
 from kvfs.handshake import Role
 from kvfs.launcher import ProcessCluster, ServiceProcess
 from kvfs.mount import is_mounted
@@ -73,19 +75,21 @@ async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out
     under ``mount``), then write its figures and committed keys to ``out`` (JSON)."""
     cfg = client_config(replicas)
     blocking = await asyncio.to_thread(Client, addr, config=cfg)  # its own IO thread and sockets
+    files = KVFileSystem(addr, config=cfg, skip_instance_cache=True)  # fsspec's open(): its own loop
     try:
         async with AsyncClient(addr, config=cfg) as writer, AsyncClient(addr, config=cfg) as reader:
             load = MixedWorkload(writer, reader, prefix=prefix, values=VALUES, write_pause_s=0.05,
                                  max_keys=50_000, blocking=blocking, overwrite_every=OVERWRITE_EVERY,
                                  delete_every=DELETE_EVERY, ttl_every=TTL_EVERY,
                                  if_absent_every=IF_ABSENT_EVERY, mount=mount,
-                                 mount_stale_s=MOUNT_ATTR_S)
+                                 mount_stale_s=MOUNT_ATTR_S, files=files)
             load.committed.extend(seed_keys())
             load.start()
             await asyncio.sleep(seconds)  # the soak's length: the workload runs meanwhile
             fig = await load.stop()
     finally:
         await asyncio.to_thread(blocking.close)
+        await asyncio.to_thread(files.close)
     row = fig.to_dict()
     row["keys"] = [k.decode() for k in load.committed[SEED_KEYS:]]
     row["versions"] = {k.decode(): span for k, span in load.versions().items()}

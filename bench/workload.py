@@ -6,7 +6,8 @@ put returned.  Optionally they also overwrite, delete, put with a TTL and put wi
 API in turn (:data:`READ_APIS`: ``get_many``; ``get_into`` into buffers of the value's size,
 larger, one byte too small, or three pieces; ``get_ranges`` of a slice; ``get`` of each key at
 once; the first two through a blocking ``kvfs.Client`` too, when one is given; files, whole
-or a slice, through a kvfs mount, when one is given) and compare
+or a slice, through a kvfs mount and a blocking fsspec filesystem's ``open``, when given) and
+compare
 each value with the bytes its key and version determine (:class:`Values`), so a wrong byte can
 never pass unseen.  A ``get_into`` that writes a byte it should not (past the value, or
 anything on ``TOO_SMALL``) counts as a wrong value too, but for bytes of an older version of
@@ -22,14 +23,15 @@ import asyncio
 import errno
 import hashlib
 import itertools
-import os
 import random
 import time
 from collections import Counter
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
+
+from fsspec import AbstractFileSystem
 
 from kvfs.client import MISS, TOO_SMALL, AsyncClient
 from kvfs.errors import KVFSError
@@ -38,8 +40,10 @@ from kvfs.sync import Client
 MiB = 1024 * 1024
 # the sync ones: through the blocking Client, when one is given; get_ranges: fsspec's cat paths;
 # get: one call per key, all at once (the client batches them and cuts each call's answer out);
-# mount: each key's file through a kvfs mount (FUSE), read whole or a slice (pread)
-READ_APIS = ("get_many", "get_into", "get_ranges", "get", "sync get_many", "sync get_into", "mount")
+# mount: each key's file through a kvfs mount (FUSE); fsspec open: through a blocking fsspec
+# KVFileSystem's open(); each read whole or a slice
+READ_APIS = ("get_many", "get_into", "get_ranges", "get", "sync get_many", "sync get_into", "mount",
+             "fsspec open")
 _BLOCK = 64  # a value is one block repeated: its version (4 bytes), then a digest
 EXPIRY_SLACK_S = 0.5  # a read this close to a key's expiry may find it or miss it
 _UNTOUCHED = 0xA5  # what a get_into buffer holds before the read: bytes it must not write stay so
@@ -157,7 +161,8 @@ class MixedWorkload:
     directory of a kvfs mount of the same cluster, whose files the readers also read (another
     node's view: its kernel and its layouts may keep a file for ``mount_stale_s``, its
     attribute time, after a delete or an expiry; a found file is judged by the TTL that
-    much later)."""
+    much later).  ``files``: a blocking fsspec ``KVFileSystem`` whose ``open`` the readers
+    read each key's file through too."""
 
     def __init__(self, writer: AsyncClient, reader: AsyncClient, *, prefix: str = "w",
                  writers: int = 2, readers: int = 3, batch: int = 8,
@@ -165,11 +170,12 @@ class MixedWorkload:
                  max_keys: int = 100_000, blocking: Client | None = None,
                  overwrite_every: int = 0, delete_every: int = 0, ttl_every: int = 0,
                  ttl_s: float = 2.0, if_absent_every: int = 0, mount: Path | None = None,
-                 mount_stale_s: float = 1.0) -> None:
+                 mount_stale_s: float = 1.0, files: AbstractFileSystem | None = None) -> None:
         self.writer, self.reader, self.blocking = writer, reader, blocking
-        self.mount, self.mount_stale_s = mount, mount_stale_s
+        self.mount, self.mount_stale_s, self.files = mount, mount_stale_s, files
         self.apis = tuple(a for a in READ_APIS if (blocking is not None or not a.startswith("sync"))
-                          and (mount is not None or a != "mount"))
+                          and (mount is not None or a != "mount")
+                          and (files is not None or a != "fsspec open"))
         self.prefix = prefix
         self.nwriters, self.nreaders, self.batch = writers, readers, batch
         self.values = values
@@ -351,11 +357,11 @@ class MixedWorkload:
                     got = await self._get_ranges(keys)
                 elif api == "get":
                     got = await self._gets(keys)
-                elif api == "mount":
-                    got = await self._mount_reads(keys)
+                elif api in ("mount", "fsspec open"):
+                    got = await self._file_reads(keys, api)
                 else:
                     got = await self._get_into(keys, sync=api != "get_into")
-            except (KVFSError, OSError) as exc:  # OSError: a file read through the mount
+            except (KVFSError, OSError) as exc:  # OSError: a file read through the mount or fsspec
                 fig.asked += len(keys)
                 fig.read_errors += 1
                 fig.errors[f"{api}: {_error_name(exc)}"] += 1
@@ -431,33 +437,41 @@ class MixedWorkload:
             raise raised[0]
         return out
 
-    async def _mount_reads(self, keys: list[bytes]) -> list[str | None]:
-        """As :meth:`_get_ranges`, each key's file through the mount, in a thread: read whole
-        (one open, read to its end, close), or a slice with ``pread``; ENOENT is a miss.  Any
-        other error raises, once the files read are checked."""
+    async def _file_reads(self, keys: list[bytes], api: str) -> list[str | None]:
+        """As :meth:`_get_ranges`, each key's file (``api``: through the mount, or fsspec's
+        ``open``), in a thread: read whole (open, read to its end, close), or a slice (a seek,
+        one read); a missing file is a miss.  Any other error raises, once the files read are
+        checked."""
         spans = [None if self._rng.randrange(2) else self._span(k) for k in keys]
-        answers = await asyncio.to_thread(self._read_files, keys, spans)
+        answers = await asyncio.to_thread(self._read_files, keys, spans, api)
         out = [None if isinstance(v, BaseException) else self._miss(k) if v is None
                else self.values.check(k, v, 0, self.newest.get(k, 0)) if span is None
                else self.values.check_slice(k, v, *span, self.newest.get(k, 0))
                for k, span, v in zip(keys, spans, answers, strict=True)]
-        return self._unless_raised("mount", out, answers)
+        return self._unless_raised(api, out, answers)
 
-    def _read_files(self, keys: list[bytes], spans: list[tuple[int, int] | None]
+    def _read_files(self, keys: list[bytes], spans: list[tuple[int, int] | None], api: str
                     ) -> list[bytes | OSError | None]:
-        """Each key's file (or its slice) through the mount: bytes, None (ENOENT) or the error."""
-        assert self.mount is not None
+        """Each key's file (or its slice): bytes, None (not found) or the error."""
         out: list[bytes | OSError | None] = []
         for k, span in zip(keys, spans, strict=True):
             try:
-                with open(self.mount / k.decode(), "rb", buffering=0) as f:
-                    out.append(f.readall() if span is None
-                               else os.pread(f.fileno(), span[1] - span[0], span[0]))
+                with self._open(k, api) as f:
+                    if span is not None:
+                        f.seek(span[0])
+                    out.append(f.read() if span is None else f.read(span[1] - span[0]))
             except FileNotFoundError:
                 out.append(None)
             except OSError as exc:
                 out.append(exc)
         return out
+
+    def _open(self, key: bytes, api: str) -> IO[bytes]:
+        if api == "mount":
+            assert self.mount is not None
+            return open(self.mount / key.decode(), "rb", buffering=0)  # (read(): to its end)
+        assert self.files is not None
+        return cast(IO[bytes], self.files.open(key.decode(), "rb"))
 
     async def _get_ranges(self, keys: list[bytes]) -> list[str | None]:
         """As :meth:`_get_many`, of a slice of each value: in its first KiB (in every version),

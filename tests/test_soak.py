@@ -1,6 +1,6 @@
 """The soak's short version (bench/soak.py; `python -m kvfs.bench.soak` runs the long one):
 meta, 4 chunkservers, the GC daemon and 2 client processes for 20 s.  They read through
-get_many and get_into, async and blocking, get_ranges and single gets, while some keys are
+get_many and get_into, async and blocking, get_ranges, single gets and fsspec's open, while some keys are
 put again as new versions, some deleted, some put with a TTL, and present ones put with
 if_absent.  Meanwhile a bit is flipped in a stored value, and a chunkserver is SIGKILLed until
 it is declared dead and repaired, then restarted.  The second test also reads every key's file

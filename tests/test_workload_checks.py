@@ -290,26 +290,34 @@ async def test_an_older_version_left_past_the_value_is_let_off_and_counted_nothi
     assert not load._old_left(k, bytes(other), 0, 1)
 
 
-async def test_a_file_read_through_a_mount_is_checked_whole_or_as_a_slice(tmp_path: Path) -> None:
-    """The readers' files through a mount (here a plain directory standing in for one): a
-    right file passes whole and in slices, a missing one is a miss, a version cut short (the
-    size of another version with this one's bytes) is caught by name, and a file that cannot
-    be read raises once the others are checked."""
+@pytest.mark.parametrize("api", ["mount", "fsspec open"])
+async def test_a_file_read_through_a_mount_or_fsspec_is_checked_whole_or_as_a_slice(
+        tmp_path: Path, api: str) -> None:
+    """The readers' files through a mount, or a blocking fsspec filesystem's ``open`` (here a
+    plain directory standing in for either): a right file passes whole and in slices, a
+    missing one is a miss, a version cut short (the size of another version with this one's
+    bytes) is caught by name, and a file that cannot be read raises once the others are
+    checked."""
+    from fsspec.implementations.dirfs import DirFileSystem
+    from fsspec.implementations.local import LocalFileSystem
+
     keys = KEYS[:16]
     for k in keys:
         (tmp_path / k.decode()).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / k.decode()).write_bytes(VALUES.of(k))
+    where: dict[str, Any] = ({"mount": tmp_path} if api == "mount" else
+                             {"files": DirFileSystem(str(tmp_path), LocalFileSystem())})
     load = MixedWorkload(cast(AsyncClient, Reader()), cast(AsyncClient, Reader()), values=VALUES,
-                         mount=tmp_path)
-    assert "mount" in load.apis
+                         **where)
+    assert api in load.apis
     for _ in range(4):  # whole or a slice, at random
-        assert set(await load._mount_reads(keys)) == {""}
+        assert set(await load._file_reads(keys, api)) == {""}
     (tmp_path / keys[0].decode()).unlink()
     cut = VALUES.of(keys[1])[:-1]
     (tmp_path / keys[1].decode()).write_bytes(cut)
-    got = []
+    got: list[str | None] = []
     for _ in range(16):  # until keys[1] was read whole (not as a slice) once
-        got = await load._mount_reads(keys[:2])
+        got = await load._file_reads(keys[:2], api)
         if got[1] != "":
             break
     assert got == [None, f"version 0 cut at {len(cut)} of {len(cut) + 1} bytes"]
@@ -318,6 +326,6 @@ async def test_a_file_read_through_a_mount_is_checked_whole_or_as_a_slice(tmp_pa
     (tmp_path / keys[3].decode()).mkdir()  # a file that cannot be read
     before = load.now.wrong
     with pytest.raises(IsADirectoryError):
-        await load._mount_reads(keys[2:4])
+        await load._file_reads(keys[2:4], api)
     assert load.now.wrong == before + 1  # keys[2], checked all the same
-    assert _workload(Reader()).apis == ("get_many", "get_into", "get_ranges", "get")  # no mount
+    assert _workload(Reader()).apis == ("get_many", "get_into", "get_ranges", "get")  # neither
