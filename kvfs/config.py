@@ -235,7 +235,7 @@ class ChunkServerConfig(ServerConfig):
 @dataclass(frozen=True, kw_only=True)
 class ClientConfig(TlsConfig):
     stripe_bytes: int = opt("values larger than this are striped across servers", 1024 * 1024)
-    replicas: int = opt("copies of each extent, on distinct servers", 1)
+    replicas: int = opt("copies of each extent, on distinct servers", 1, positive=True)
     connect_timeout_s: float = opt("give up connecting after this long", 5.0)
     request_timeout_s: float = opt("give up on an RPC after this long", 60.0)
     layout_cache_entries: int = opt("immutable layouts kept to skip meta lookups", 100_000)
@@ -396,10 +396,13 @@ def add_cluster_options(p: argparse.ArgumentParser, *, token_help: str = TOKEN_F
     add_options(p, TlsConfig)
 
 
-def add_options(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tuple[str, ...] = ()) -> None:
+def add_options(parser: argparse.ArgumentParser, cls: type[Any], *, skip: tuple[str, ...] = (),
+                only: tuple[str, ...] | None = None) -> None:
+    """A flag for each field of ``cls`` (but ``skip``; or just ``only``), its help and default
+    the field's."""
     hints = get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        if f.name in skip:
+        if f.name in skip or (only is not None and f.name not in only):
             continue
         typ = hints[f.name]
         required = f.default is dataclasses.MISSING

@@ -277,6 +277,36 @@ def test_lost_file_reads_as_a_miss(mnt: Path, fs: KVFileSystem, tcluster: Thread
     wait_until(lambda: not (mnt / "lost" / "doomed.bin").exists(), 10, "the kernel to drop the name")
 
 
+@needs_fuse
+def test_files_written_through_a_mount_with_replicas_survive_a_bad_copy(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
+    """``kvfs mount --replicas 2``: every extent of a file written through it (a small one,
+    and one striped over servers) has two copies on distinct servers, so a file whose first
+    copies are damaged is still read whole through another mount and through fsspec."""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs", "--replicas", "2")
+    other = Mount(tmp_path / "mnt2", tcluster, tmp_path / "logs")
+    try:
+        small, striped = os.urandom(50_000), os.urandom(3 * 1024 * 1024 + 5000)
+        (m.mnt / "rep").mkdir()
+        (m.mnt / "rep" / "small.bin").write_bytes(small)
+        (m.mnt / "rep" / "striped.bin").write_bytes(striped)
+
+        async def layout(key: bytes) -> Any:
+            async with tcluster.cluster.client() as kv:
+                return await kv.layout(key)
+
+        for key in (b"rep/small.bin", b"rep/striped.bin"):
+            lay = tcluster.call(layout(key))
+            assert [len({r.server_id for r in e.replicas}) for e in lay.extents] == [2] * len(lay.extents)
+        _damage_first_replicas(tcluster, b"rep/small.bin", b"rep/striped.bin")
+        assert (other.mnt / "rep" / "small.bin").read_bytes() == small
+        assert (other.mnt / "rep" / "striped.bin").read_bytes() == striped
+        assert fs.cat_file("rep/small.bin") == small
+    finally:
+        other.cleanup()
+        m.cleanup()
+
+
 def _damage_first_replicas(tcluster: ThreadCluster, *keys: bytes) -> None:
     """Fault injection: a byte of each extent's first replica of ``keys`` flipped (with one
     replica, a read of them from the cluster fails its CRC: a miss)."""

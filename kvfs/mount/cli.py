@@ -49,6 +49,7 @@ def add_mount_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ttl", type=parse_duration, default=None, metavar="DURATION",
                    help="expiry of files written through the mount (default: the cluster's)")
     p.add_argument("--allow-other", action="store_true", help="let other users use the mount")
+    add_options(p, ClientConfig, only=("replicas",))  # of the files written through the mount
     add_options(p, MountConfig)
     p.set_defaults(func=cmd_mount)
 
@@ -74,15 +75,15 @@ async def cmd_mount(ns: argparse.Namespace) -> int:
         print("kvfs mount: /dev/fuse is missing (load the fuse module, or run the container with "
               "--device /dev/fuse)", file=sys.stderr)
         return 2
+    timeout_s = float(ns.timeout)
     try:
         config = from_options(MountConfig, ns)
+        cfg = ClientConfig(connect_timeout_s=min(5.0, timeout_s), request_timeout_s=timeout_s,
+                           layout_cache_entries=0,  # files are overwritten: always look keys up
+                           replicas=ns.replicas, **tls_fields(from_options(TlsConfig, ns)))
     except ValueError as exc:
         print(f"kvfs mount: {exc}", file=sys.stderr)
         return 2
-    timeout_s = float(ns.timeout)
-    cfg = ClientConfig(connect_timeout_s=min(5.0, timeout_s), request_timeout_s=timeout_s,
-                       layout_cache_entries=0,  # files are overwritten: always look keys up
-                       **tls_fields(from_options(TlsConfig, ns)))
     fs = KVFileSystem(ns.addr, token=token_from_file(ns.token_file), config=cfg, ttl=ns.ttl, asynchronous=True,
                       skip_instance_cache=True)
     try:
