@@ -4,7 +4,8 @@ read is compared with the bytes its key and version determine).  Each process re
 ``get_many`` and ``get_into`` of its ``AsyncClient`` and of a blocking ``kvfs.Client``,
 ``get_ranges``, one ``get`` per key at once, each key's file through a blocking fsspec
 ``KVFileSystem``'s ``open``, and with ``--mount`` through a ``kvfs mount`` of the cluster too
-(FUSE, as root), whole or a slice.  It puts some of its keys again as new
+(FUSE, as root), whole or a slice; with ``--mount`` some new keys, and some next versions,
+are written as files through it too.  It puts some of its keys again as new
 versions, which every read must see whole; deletes some; puts some with a TTL, which a read
 must miss once it ended; and puts present keys with ``if_absent``, which must change none
 while a replica is up.  Midway:
@@ -55,12 +56,13 @@ HEARTBEAT_TIMEOUT_S = 1.5
 DEAD_AFTER_S = 3.0
 RESTORE_DEADLINE_S = 120.0  # the kill's restore time past this: reported as not restored
 SUM_FIELDS = ("puts_ok", "puts_failed", "asked", "reads", "wrong", "misses", "read_errors", "overwritten",
-              "deleted", "expiring", "after_ttl", "kept_present", "stored_absent", "left_old")
+              "deleted", "expiring", "after_ttl", "kept_present", "stored_absent", "left_old", "files_written")
 OVERWRITE_EVERY = 4  # every 4th put of a writer puts a batch of its keys again, as new versions
 DELETE_EVERY = 7  # and every 7th deletes a batch of them
 TTL_EVERY = 5  # and every 5th puts its new keys with a 2 s TTL
 IF_ABSENT_EVERY = 6  # and every 6th puts a batch of present keys with if_absent
 MOUNT_ATTR_S = 1.0  # the mount's --attr-timeout: how long it may show a deleted or expired file
+MOUNT_WRITE_EVERY = 3  # with --mount, every 3rd put writes its new keys as files through it
 
 
 def client_config(replicas: int) -> ClientConfig:
@@ -82,7 +84,8 @@ async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out
                                  max_keys=50_000, blocking=blocking, overwrite_every=OVERWRITE_EVERY,
                                  delete_every=DELETE_EVERY, ttl_every=TTL_EVERY,
                                  if_absent_every=IF_ABSENT_EVERY, mount=mount,
-                                 mount_stale_s=MOUNT_ATTR_S, files=files)
+                                 mount_stale_s=MOUNT_ATTR_S, mount_write_every=MOUNT_WRITE_EVERY,
+                                 files=files)
             load.committed.extend(seed_keys())
             load.start()
             await asyncio.sleep(seconds)  # the soak's length: the workload runs meanwhile
@@ -144,13 +147,13 @@ async def restored(admin: AsyncClient, sid: int, since: float) -> float | None:
     return None
 
 
-async def start_mount(addr: str, env: dict[str, str], mnt: Path) -> ServiceProcess:
-    """``kvfs mount`` of the cluster at ``mnt``, once it reports ready (its reads are another
-    node's: a layout cache and page cache of its own)."""
+async def start_mount(addr: str, env: dict[str, str], mnt: Path, replicas: int) -> ServiceProcess:
+    """``kvfs mount`` of the cluster at ``mnt`` (writing ``replicas`` copies), once it reports
+    ready (its reads are another node's: a layout cache and page cache of its own)."""
     mnt.mkdir()
     mounter = ServiceProcess("kvfs mount", [
         sys.executable, "-m", "kvfs", "mount", str(mnt), "--addr", addr, "--timeout", "3s",
-        "--attr-timeout", f"{MOUNT_ATTR_S}s"], env)
+        "--attr-timeout", f"{MOUNT_ATTR_S}s", "--replicas", str(replicas)], env)
     await mounter.start()
     return mounter
 
@@ -180,7 +183,7 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
         async with AsyncClient(addr, token=cluster.token, config=client_config(replicas)) as admin:
             await admin.put_many([(k, VALUES.of(k)) for k in seed_keys()])
             if mount:
-                mounter = await start_mount(addr, env, mnt)
+                mounter = await start_mount(addr, env, mnt, replicas)
             outs = [root / f"client{i}.json" for i in range(clients)]
             for i, out in enumerate(outs):
                 procs.append(await asyncio.create_subprocess_exec(
@@ -267,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{fig['reads']} values read and checked ({fig['read_errors']} reads failed; per API "
           f"{fig['by_api']}); "
           f"{fig['keys_committed']} keys committed, {fig['overwritten']} overwrites, {fig['deleted']} deleted, "
-          f"{fig['expiring']} put with a TTL")
+          f"{fig['expiring']} put with a TTL, {fig['files_written']} written as files through the mount")
     print(f"wrong values: {fig['wrong_total']}  committed values lost: {fig['values_lost']}  "
           f"longest read: {fig['longest_read_s']}s  replicas restored {fig['restore_s']}s after the kill")
     line = json.dumps(fig, sort_keys=True)

@@ -23,6 +23,7 @@ import asyncio
 import errno
 import hashlib
 import itertools
+import os
 import random
 import time
 from collections import Counter
@@ -129,6 +130,7 @@ class Figures:
     kept_present: int = 0  # present keys a put with if_absent left as they were
     stored_absent: int = 0  # keys a put with if_absent found absent (unreadable) and stored
     left_old: int = 0  # get_into buffers holding part of an older version past the value (or on TOO_SMALL)
+    files_written: int = 0  # keys written as files through the mount (new, or as a next version)
 
     @property
     def seconds(self) -> float:
@@ -142,7 +144,8 @@ class Figures:
                 "by_api": dict(self.by_api), "overwritten": self.overwritten,
                 "deleted": self.deleted, "expiring": self.expiring,
                 "after_ttl": self.after_ttl, "kept_present": self.kept_present,
-                "stored_absent": self.stored_absent, "left_old": self.left_old}
+                "stored_absent": self.stored_absent, "left_old": self.left_old,
+                "files_written": self.files_written}
 
 
 class MixedWorkload:
@@ -161,8 +164,12 @@ class MixedWorkload:
     directory of a kvfs mount of the same cluster, whose files the readers also read (another
     node's view: its kernel and its layouts may keep a file for ``mount_stale_s``, its
     attribute time, after a delete or an expiry; a found file is judged by the TTL that
-    much later).  ``files``: a blocking fsspec ``KVFileSystem`` whose ``open`` the readers
-    read each key's file through too."""
+    much later).  ``mount_write_every``: every that many puts of a writer, its new keys are
+    written as files through the mount instead (a temporary file renamed over the name, as
+    SGLang's ``HiCacheFile`` does), and so are about half the overwrites; a file counts as
+    written once its rename returned.  ``files``:
+    a blocking fsspec ``KVFileSystem`` whose ``open`` the readers read each key's file
+    through too."""
 
     def __init__(self, writer: AsyncClient, reader: AsyncClient, *, prefix: str = "w",
                  writers: int = 2, readers: int = 3, batch: int = 8,
@@ -170,9 +177,11 @@ class MixedWorkload:
                  max_keys: int = 100_000, blocking: Client | None = None,
                  overwrite_every: int = 0, delete_every: int = 0, ttl_every: int = 0,
                  ttl_s: float = 2.0, if_absent_every: int = 0, mount: Path | None = None,
-                 mount_stale_s: float = 1.0, files: AbstractFileSystem | None = None) -> None:
+                 mount_stale_s: float = 1.0, mount_write_every: int = 0,
+                 files: AbstractFileSystem | None = None) -> None:
         self.writer, self.reader, self.blocking = writer, reader, blocking
         self.mount, self.mount_stale_s, self.files = mount, mount_stale_s, files
+        self.mount_write_every = mount_write_every if mount is not None else 0
         self.apis = tuple(a for a in READ_APIS if (blocking is not None or not a.startswith("sync"))
                           and (mount is not None or a != "mount")
                           and (files is not None or a != "fsspec open"))
@@ -272,6 +281,10 @@ class MixedWorkload:
             keys = self._new_keys()
             fig = self.now
             ttl = self.ttl_s if self.ttl_every and n % self.ttl_every == 0 else None
+            if (ttl is None and self.mount_write_every and n % self.mount_write_every == 0
+                    and len(self.own) > 4 * self.batch):  # (their directory is there by now)
+                self._committed(await self._put_files(keys), None, 0.0, fig)
+                continue
             t0 = time.time()  # meta's clock (time.time) makes the expiry during the put
             try:
                 await self.writer.put_many([(k, self.values.of(k)) for k in keys], ttl=ttl)
@@ -281,14 +294,37 @@ class MixedWorkload:
                 await asyncio.sleep(0.05)  # pacing after a failure, not a wait for a condition
                 continue
             fig.puts_ok += 1
-            self.committed.extend(keys)
-            if ttl is None:
-                self.own.extend(keys)  # only these are overwritten or deleted
-            else:
-                fig.expiring += len(keys)
-                self.expiry.update(dict.fromkeys(keys, (t0 + ttl, time.time() + ttl)))
+            self._committed(keys, ttl, t0, fig)
             await self._notify()
             await asyncio.sleep(self.write_pause_s)
+
+    def _committed(self, keys: list[bytes], ttl: float | None, t0: float, fig: Figures) -> None:
+        """New keys whose put returned (``ttl``: put with it, from wall clock ``t0``)."""
+        self.committed.extend(keys)
+        if ttl is None:
+            self.own.extend(keys)  # only these are overwritten or deleted
+        else:
+            fig.expiring += len(keys)
+            self.expiry.update(dict.fromkeys(keys, (t0 + ttl, time.time() + ttl)))
+
+    async def _put_files(self, keys: list[bytes]) -> list[bytes]:
+        """Each key's newest version written as its file through the mount (a temporary file
+        renamed over it: :func:`_write_files`), in a thread: the keys whose rename returned.  A batch with a
+        failure counts as a failed put (a failed close may still have committed)."""
+        assert self.mount is not None
+        fig = self.now
+        items = [(self.mount / k.decode(), self.values.of(k, self.newest.get(k, 0))) for k in keys]
+        failed = await asyncio.to_thread(_write_files, items)
+        for exc in failed:
+            if exc is not None:
+                fig.errors[f"mount write: {_error_name(exc)}"] += 1
+        done = [k for k, exc in zip(keys, failed, strict=True) if exc is None]
+        fig.files_written += len(done)
+        if len(done) == len(keys):
+            fig.puts_ok += 1
+        else:
+            fig.puts_failed += 1
+        return done
 
     async def _put_again(self, *, if_absent: bool = False) -> None:
         """A batch of this workload's keys put again, each as its next version: an overwrite,
@@ -301,6 +337,11 @@ class MixedWorkload:
         try:
             for k in keys:  # the version a read may see from now on
                 self.newest[k] = self.newest.get(k, 0) + 1
+            if not if_absent and self.mount_write_every and self._rng.randrange(2):
+                done = await self._put_files(keys)  # (the others: their version may have landed)
+                self.oldest.update((k, self.newest[k]) for k in done)
+                fig.overwritten += len(done)
+                return
             stored = await self.writer.put_many([(k, self.values.of(k, self.newest[k])) for k in keys],
                                                 if_absent=if_absent)
         except KVFSError as exc:
@@ -379,6 +420,8 @@ class MixedWorkload:
                 fig.reads += 1
                 if outcome is None:
                     fig.misses += 1
+                    fig.errors[f"{api}: miss"] += 1
+                    fig.errors[f"{api}: miss"] += 1
                 elif outcome:
                     fig.wrong += 1
                     fig.errors[f"{api}: {outcome}"] += 1
@@ -557,6 +600,24 @@ class MixedWorkload:
             else:
                 out.append(self.values.check(k, whole[:n], 0, newest))
         return out
+
+
+def _write_files(items: list[tuple[Path, bytes]]) -> list[OSError | None]:
+    """Each file written as SGLang's ``HiCacheFile`` writes a page: whole under a temporary
+    name, closed, then renamed over its name (a file truncated and written in place is seen
+    partly written by other opens on the same mount, as on a local disk): None where that
+    returned, else the error."""
+    out: list[OSError | None] = []
+    for path, data in items:
+        tmp = path.with_name(f"{path.name}.tmp")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+            os.replace(tmp, path)
+            out.append(None)
+        except OSError as exc:
+            out.append(exc)
+    return out
 
 
 def _error_name(exc: Exception) -> str:

@@ -329,3 +329,24 @@ async def test_a_file_read_through_a_mount_or_fsspec_is_checked_whole_or_as_a_sl
         await load._file_reads(keys[2:4], api)
     assert load.now.wrong == before + 1  # keys[2], checked all the same
     assert _workload(Reader()).apis == ("get_many", "get_into", "get_ranges", "get")  # neither
+
+
+async def test_files_written_through_a_mount_count_once_renamed_into_place(tmp_path: Path) -> None:
+    """A writer's files through the mount (here a plain directory), each written under a
+    temporary name and renamed over its own: each holds its key's newest version, no
+    temporary file is left; one whose write fails is not counted written, and fails the
+    batch."""
+    (tmp_path / "k").mkdir()
+    load = MixedWorkload(cast(AsyncClient, Reader()), cast(AsyncClient, Reader()), values=VALUES,
+                         mount=tmp_path, mount_write_every=1)
+    keys = KEYS[:4]
+    load.newest[keys[1]] = 2
+    assert await load._put_files(keys) == keys
+    assert [(tmp_path / k.decode()).read_bytes() for k in keys] == [
+        VALUES.of(keys[0]), VALUES.of(keys[1], 2), VALUES.of(keys[2]), VALUES.of(keys[3])]
+    assert (load.now.files_written, load.now.puts_ok, load.now.puts_failed) == (4, 1, 0)
+    assert sorted(p.name for p in (tmp_path / "k").iterdir()) == [k.decode()[2:] for k in keys]
+    lost = b"nowhere/k"  # its directory does not exist: the open fails
+    assert await load._put_files([keys[0], lost]) == [keys[0]]
+    assert (load.now.files_written, load.now.puts_ok, load.now.puts_failed) == (5, 1, 1)
+    assert load.now.errors == {"mount write: ENOENT": 1}
