@@ -1668,11 +1668,12 @@ async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncC
 
 async def test_an_open_reads_through_the_kernels_pages_only_the_size_it_was_told(kv: AsyncClient) -> None:
     """The kernel ends reads through its pages of a file at the size it was last told (its
-    attributes: ``InodeTable.told``).  So a read-only open reads through them only a value of
-    that size: one that finds another (the mount looked the file up without the kernel) is
-    ``direct``, and a handle whose first read finds the value replaced at another size, its
-    pinned bytes reclaimed, or pinned only at that read, with no recent lookup), fails (ESTALE)
-    rather than be cut there."""
+    attributes: ``InodeTable.told``).  So a read-only open reads through them no value
+    larger than that: one that finds one (the mount looked the file up without the kernel)
+    is ``direct``, and a handle whose first read finds one (its pinned bytes reclaimed, or
+    pinned only at that read, with no recent lookup) fails (ESTALE) rather than be cut
+    there.  A smaller value is read through them: its short read ends it, and the kernel
+    takes that size."""
     from kvfs.config import MountConfig
     from kvfs.errors import StaleLayout
     from kvfs.mount.files import FileIO
@@ -1682,22 +1683,6 @@ async def test_an_open_reads_through_the_kernels_pages_only_the_size_it_was_told
     table = InodeTable()
     fs = KVFileSystem(client=kv, asynchronous=True)
     io = FileIO(fs, table, MountConfig(), fresh_s=60)
-    await kv.put("ts/a", b"one")
-    a = table.remember("ts/a")
-    table.told(a, 3)  # the kernel's LOOKUP
-    await io.info(a, "ts/a")
-    await kv.put("ts/a", b"longer value")
-    await io.info(a, "ts/a")  # the mount looks it up for an open: the kernel is not told
-    h = Handle(a, writable=False)
-    assert io.opened(h) is False and h.direct  # past the pages, which end at 3 bytes
-    fh = table.open(h)
-    assert bytes(await io.read(h, 0, 100)) == b"longer value"
-    table.close(fh)
-    table.told(a, 12)  # the kernel's next LOOKUP
-    h = Handle(a, writable=False)
-    assert io.opened(h) is False and not h.direct and h.reader is not None  # pinned, pages dropped
-    fh = table.open(h)
-    await kv.put("ts/a", b"two")  # replaced at another size, and (injected) the pinned bytes gone
     real = io.reads._run
 
     async def stale(wants: list[tuple[ValueReader | bytes, int]]) -> list[Any]:
@@ -1705,27 +1690,69 @@ async def test_an_open_reads_through_the_kernels_pages_only_the_size_it_was_told
             raise StaleLayout("the bytes this layout names are gone")  # injected
         return await real(wants)
 
+    fhs: list[int] = []
+
+    async def open_(*, direct: bool, looked: bool = True) -> Handle:
+        """A read-only open (the handles opened before it closed)."""
+        while fhs:
+            table.close(fhs.pop())
+        if looked:
+            await io.info(a, "ts/a")  # a lookup (the kernel's, or the mount's own)
+        h = Handle(a, writable=False)
+        assert io.opened(h) is not None and h.direct is direct
+        fhs.append(table.open(h))
+        return h
+
+    await kv.put("ts/a", b"one")
+    a = table.remember("ts/a")
+    table.tell(a, 3, 0.0, alone=True)  # the kernel's LOOKUP
+    await io.info(a, "ts/a")
+    await kv.put("ts/a", b"longer value")
+    h = await open_(direct=True)  # the mount's own lookup: past the pages, which end at 3 bytes
+    assert bytes(await io.read(h, 0, 100)) == b"longer value"
+    table.tell(a, 12, 0.0, alone=True, hold=False)  # the kernel's next LOOKUP
+    await kv.put("ts/a", b"two")
+    h = await open_(direct=False)  # smaller than the kernel's 12: through the pages
+    assert bytes(await io.read(h, 0, 100)) == b"two"
+    table.tell(a, 3, 0.0, alone=True, hold=False)
+    h = await open_(direct=False)  # pinned to "two" ...
+    await kv.put("ts/a", b"longer value")  # ... replaced by a larger value, its bytes gone
     io.reads._run = stale  # type: ignore[method-assign]
-    with pytest.raises(OSError) as err:  # "two" through pages that end at 12 bytes: never
+    with pytest.raises(OSError) as err:  # "longer value" through pages that end at 3 bytes: never
         await io.read(h, 0, 100)
     assert err.value.errno == errno.ESTALE
     io.reads._run = real  # type: ignore[method-assign]
-    table.close(fh)
-    io._looked_up.clear()  # no recent lookup: pinned at the first read, which finds "two"
-    h = Handle(a, writable=False)
-    assert io.opened(h) is False and not h.direct and h.reader is None
-    fh = table.open(h)
+    io._looked_up.clear()  # no recent lookup: pinned at the first read, which finds it
+    h = await open_(direct=False, looked=False)
+    assert h.reader is None
     with pytest.raises(OSError) as err:
         await io.read(h, 0, 100)
     assert err.value.errno == errno.ESTALE
-    table.close(fh)
-    table.told(a, 3)  # the kernel's next LOOKUP
-    await io.info(a, "ts/a")
-    h = Handle(a, writable=False)
-    assert io.opened(h) is False and not h.direct
-    fh = table.open(h)
-    assert bytes(await io.read(h, 0, 100)) == b"two"
-    table.close(fh)
+    table.tell(a, 12, 0.0, alone=True, hold=False)  # the kernel's next LOOKUP
+    h = await open_(direct=False)
+    assert bytes(await io.read(h, 0, 100)) == b"longer value"
+
+
+def test_another_size_is_told_the_kernel_only_once_no_other_answer_may_land() -> None:
+    """``InodeTable.tell``: the kernel keeps the first answer it applies of two LOOKUPs or
+    GETATTRs in flight, so a new size goes only with no other in flight and the last answer
+    ``SETTLE_S`` old; until then the last size is sent again (and recorded).  A SETATTR's
+    answer, and a WRITE past the end, change it at once."""
+    from kvfs.mount.inodes import SETTLE_S, InodeTable
+
+    t = InodeTable()
+    ino = t.remember("x")
+    assert t.told_size(ino) is None
+    assert t.tell(ino, 10, 100.0, alone=False) == 10  # the first: nothing to race with
+    assert t.tell(ino, 20, 100.0 + SETTLE_S / 2, alone=True) == 10  # the last may land after
+    assert t.tell(ino, 20, 101.0, alone=False) == 10  # another in flight
+    assert t.told_size(ino) == 10
+    assert t.tell(ino, 20, 102.0, alone=True) == 20
+    assert t.tell(ino, 5, 102.0, alone=False, hold=False) == 5  # a SETATTR's answer
+    t.wrote(ino, 30)
+    assert t.told_size(ino) == 30
+    t.wrote(ino, 5)  # a write inside the file grows nothing
+    assert t.told_size(ino) == 30
 
 
 async def test_direct_first_open_reads_a_values_first_open_past_the_kernels_pages(

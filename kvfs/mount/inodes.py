@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -18,9 +19,12 @@ if TYPE_CHECKING:
     from kvfs.mount.writebehind import Held
     from kvfs.stream import StreamPut, ValueReader
 
-__all__ = ["ROOT_INODE", "Handle", "Info", "InodeTable"]
+__all__ = ["ROOT_INODE", "SETTLE_S", "Handle", "Info", "InodeTable"]
 
 ROOT_INODE = 1
+# how long after an answer to a LOOKUP or GETATTR the kernel surely applied it (its waiting
+# task ran): a request it sent meanwhile was answered after, and may land after, its own
+SETTLE_S = 0.05
 Info = dict[str, Any]
 V = TypeVar("V")
 
@@ -103,7 +107,8 @@ class InodeTable:
         self._of_ino: dict[int, list[Handle]] = {}  # the open handles by inode
         self._dirs: dict[int, tuple[str, list[tuple[str, Info]]]] = {}
         self._next_fh = 1
-        self._told: dict[int, int] = {}  # a file's size in the last attributes the kernel was sent
+        # a file's size in the last attributes the kernel was sent, and when (InodeTable.tell)
+        self._told: dict[int, tuple[int, float]] = {}
 
     # inodes --------------------------------------------------------------------
     def path(self, ino: int) -> str:
@@ -180,17 +185,30 @@ class InodeTable:
             self._lookups.pop(ino, None)
             self.maybe_drop(ino)
 
-    def told(self, ino: int, size: int) -> None:
-        """The kernel was sent attributes of file ``ino`` with ``size``: the size its cached
-        pages are cut at, and its reads through them end at, until it is sent another."""
-        self._told[ino] = size
+    def tell(self, ino: int, size: int, now: float, *, alone: bool, hold: bool = True) -> int:
+        """The size to send the kernel in attributes of file ``ino`` at ``now`` (``size``: its
+        value's), recorded as told: the size the kernel's cached pages are cut at, and its
+        reads through them end at.  The kernel applies the answer to a LOOKUP or GETATTR
+        only if no answer to one it sent later landed first, so of two in flight, answered
+        with two sizes, it may keep either.  So a size other than the last one sent goes
+        only ``alone`` (no other such request in flight) and once that last answer surely
+        landed (``SETTLE_S`` ago); until then the last size is sent again.  ``hold=False``:
+        at once (a SETATTR's answer, the kernel's own change)."""
+        prev = self._told.get(ino)
+        if hold and prev is not None and prev[0] != size and not (alone and now - prev[1] >= SETTLE_S):
+            size = prev[0]
+        self._told[ino] = (size, now)
+        return size
 
     def wrote(self, ino: int, end: int) -> None:
         """A WRITE to file ``ino`` ending at ``end``: the kernel's size grew to it, if smaller."""
-        self._told[ino] = max(end, self._told.get(ino, 0))
+        prev = self._told.get(ino, (0, -math.inf))
+        self._told[ino] = (max(end, prev[0]), prev[1])
 
     def told_size(self, ino: int) -> int | None:
-        return self._told.get(ino)
+        """The size the kernel has for file ``ino`` (None: none was sent)."""
+        told = self._told.get(ino)
+        return None if told is None else told[0]
 
     def maybe_drop(self, ino: int) -> None:
         """Forget ``ino`` unless the kernel or an open handle still refers to it."""

@@ -175,6 +175,7 @@ class KVFSOperations(Operations):
         self.gid = os.getgid() if gid is None else gid
         self._started_ns = time.time_ns()
         self.table = InodeTable()
+        self._asking: collections.Counter[int] = collections.Counter()  # LOOKUPs, GETATTRs in flight
         # lookups and reads wait for the requests the kernel queued (--batch-hold): the
         # mount calls self.io.send_held() once it has read them (kvfs.mount.cli)
         self.io = FileIO(fs, self.table, config or MountConfig(), fresh_s=attr_timeout_s,
@@ -188,7 +189,10 @@ class KVFSOperations(Operations):
         return path
 
     # attributes ----------------------------------------------------------------
-    def _attrs(self, ino: int, info: Info) -> pyfuse3.EntryAttributes:
+    def _attrs(self, ino: int, info: Info, *, hold: bool = True) -> pyfuse3.EntryAttributes:
+        """The attributes sent for ``ino`` (a file's size as ``InodeTable.tell`` says: with
+        ``hold``, the last size sent again while another answer may still land, but for a file
+        being written here, whose size the kernel has from its writes)."""
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
         a.generation = 0
@@ -203,8 +207,9 @@ class KVFSOperations(Operations):
         else:
             a.st_mode = stat.S_IFREG | 0o644
             a.st_nlink = 1
-            a.st_size = int(info["size"])
-            self.table.told(ino, a.st_size)  # (every attribute reply is made here)
+            a.st_size = self.table.tell(ino, int(info["size"]), time.monotonic(),
+                                        alone=not self._asking[ino],  # (a file written here:
+                                        hold=hold and self.table.pending(ino) is None)  # as is)
             t = int(float(info.get("created") or 0) * 1e9) or self._started_ns
         a.st_uid = self.uid
         a.st_gid = self.gid
@@ -241,11 +246,21 @@ class KVFSOperations(Operations):
             raise pyfuse3.FUSEError(errno.ENOENT)
         ino = self.table.ino_for(path)
         try:
-            info = await self._info(ino, path)
+            info = await self._asked(ino, path)
         except BaseException:
             self.table.maybe_drop(ino)  # numbered for nothing: the kernel does not know it
             raise
         return self._attrs(self.table.remember(path), info)
+
+    async def _asked(self, ino: int, path: str) -> Info:
+        """``_info`` for a LOOKUP or GETATTR, counted in flight meanwhile (``_asking``)."""
+        self._asking[ino] += 1
+        try:
+            return await self._info(ino, path)
+        finally:
+            self._asking[ino] -= 1
+            if not self._asking[ino]:
+                del self._asking[ino]
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:
@@ -253,7 +268,7 @@ class KVFSOperations(Operations):
 
     @_op
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(inode, await self._info(inode, self.table.path(inode)))
+        return self._attrs(inode, await self._asked(inode, self.table.path(inode)))
 
     @_op
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -269,7 +284,7 @@ class KVFSOperations(Operations):
             if not writers:  # truncate(2) on a file nobody here has open: a new value now
                 await self.io.resize(path, size)
         # mode, owner and times are not stored: a value has only its creation time
-        return self._attrs(inode, await self._info(inode, path))
+        return self._attrs(inode, await self._info(inode, path), hold=False)
 
     # files -------------------------------------------------------------------
     @_local
