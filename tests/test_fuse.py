@@ -1668,12 +1668,11 @@ async def test_an_open_keeps_the_kernels_pages_only_of_the_same_value(kv: AsyncC
 
 async def test_an_open_reads_through_the_kernels_pages_only_the_size_it_was_told(kv: AsyncClient) -> None:
     """The kernel ends reads through its pages of a file at the size it was last told (its
-    attributes: ``InodeTable.told``).  So a read-only open reads through them no value
-    larger than that: one that finds one (the mount looked the file up without the kernel)
-    is ``direct``, and a handle whose first read finds one (its pinned bytes reclaimed, or
-    pinned only at that read, with no recent lookup) fails (ESTALE) rather than be cut
-    there.  A smaller value is read through them: its short read ends it, and the kernel
-    takes that size."""
+    attributes: ``InodeTable.tell``), and a smaller value's short read need not shrink it.
+    So a read-only open reads through them only a value of that size: one that finds
+    another (the mount looked the file up without the kernel) is ``direct``, an open with
+    no recent lookup looks the file up first, and a handle whose first read finds another
+    size (its pinned bytes reclaimed) fails (ESTALE) rather than be cut there."""
     from kvfs.config import MountConfig
     from kvfs.errors import StaleLayout
     from kvfs.mount.files import FileIO
@@ -1684,37 +1683,37 @@ async def test_an_open_reads_through_the_kernels_pages_only_the_size_it_was_told
     fs = KVFileSystem(client=kv, asynchronous=True)
     io = FileIO(fs, table, MountConfig(), fresh_s=60)
     real = io.reads._run
+    fhs: list[int] = []
 
     async def stale(wants: list[tuple[ValueReader | bytes, int]]) -> list[Any]:
         if any(isinstance(w, ValueReader) for w, _ in wants):
             raise StaleLayout("the bytes this layout names are gone")  # injected
         return await real(wants)
 
-    fhs: list[int] = []
-
-    async def open_(*, direct: bool, looked: bool = True) -> Handle:
-        """A read-only open (the handles opened before it closed)."""
+    async def open_(*, direct: bool) -> Handle:
+        """A read-only open after a lookup (the handles opened before it closed)."""
         while fhs:
             table.close(fhs.pop())
-        if looked:
-            await io.info(a, "ts/a")  # a lookup (the kernel's, or the mount's own)
+        await io.info(a, "ts/a")  # a lookup (the kernel's, or the mount's own)
         h = Handle(a, writable=False)
         assert io.opened(h) is not None and h.direct is direct
         fhs.append(table.open(h))
         return h
 
+    def told(size: int) -> None:  # the kernel's LOOKUP answered with ``size``
+        table.tell(a, size, 0.0, 0.0, force=True)
+
     await kv.put("ts/a", b"one")
     a = table.remember("ts/a")
-    table.tell(a, 3, 0.0, alone=True)  # the kernel's LOOKUP
-    await io.info(a, "ts/a")
+    told(3)
     await kv.put("ts/a", b"longer value")
     h = await open_(direct=True)  # the mount's own lookup: past the pages, which end at 3 bytes
     assert bytes(await io.read(h, 0, 100)) == b"longer value"
-    table.tell(a, 12, 0.0, alone=True, hold=False)  # the kernel's next LOOKUP
+    told(12)  # the kernel's next LOOKUP
     await kv.put("ts/a", b"two")
-    h = await open_(direct=False)  # smaller than the kernel's 12: through the pages
+    h = await open_(direct=True)  # smaller: the kernel may keep 12 past a short read
     assert bytes(await io.read(h, 0, 100)) == b"two"
-    table.tell(a, 3, 0.0, alone=True, hold=False)
+    told(3)
     h = await open_(direct=False)  # pinned to "two" ...
     await kv.put("ts/a", b"longer value")  # ... replaced by a larger value, its bytes gone
     io.reads._run = stale  # type: ignore[method-assign]
@@ -1722,36 +1721,41 @@ async def test_an_open_reads_through_the_kernels_pages_only_the_size_it_was_told
         await io.read(h, 0, 100)
     assert err.value.errno == errno.ESTALE
     io.reads._run = real  # type: ignore[method-assign]
-    io._looked_up.clear()  # no recent lookup: pinned at the first read, which finds it
-    h = await open_(direct=False, looked=False)
-    assert h.reader is None
-    with pytest.raises(OSError) as err:
-        await io.read(h, 0, 100)
-    assert err.value.errno == errno.ESTALE
-    table.tell(a, 12, 0.0, alone=True, hold=False)  # the kernel's next LOOKUP
+    while fhs:
+        table.close(fhs.pop())
+    io._looked_up.clear()  # no recent lookup: looked up first, then past the pages
+    h = Handle(a, writable=False)
+    assert io.opened(h) is None and h.reader is None
+    await io.info(a, "ts/a")
+    assert io.opened(h, looked=True) is False and h.direct
+    told(12)  # the kernel's next LOOKUP
     h = await open_(direct=False)
     assert bytes(await io.read(h, 0, 100)) == b"longer value"
 
 
-def test_another_size_is_told_the_kernel_only_once_no_other_answer_may_land() -> None:
-    """``InodeTable.tell``: the kernel keeps the first answer it applies of two LOOKUPs or
-    GETATTRs in flight, so a new size goes only with no other in flight and the last answer
-    ``SETTLE_S`` old; until then the last size is sent again (and recorded).  A SETATTR's
-    answer, and a WRITE past the end, change it at once."""
+def test_another_size_is_told_the_kernel_only_for_a_request_after_the_last_answer_landed() -> None:
+    """``InodeTable.tell``: the kernel applies an attribute answer only if no attribute
+    change landed after it sent the request, so a new size goes only for a request that
+    came ``SETTLE_S`` after the last answer (or WRITE) was sent; until then the last size is
+    sent again (and recorded).  ``force`` (a SETATTR's answer, an atomic O_TRUNC) changes it
+    at once, ``keep`` (a listing's entries) never."""
     from kvfs.mount.inodes import SETTLE_S, InodeTable
 
     t = InodeTable()
     ino = t.remember("x")
     assert t.told_size(ino) is None
-    assert t.tell(ino, 10, 100.0, alone=False) == 10  # the first: nothing to race with
-    assert t.tell(ino, 20, 100.0 + SETTLE_S / 2, alone=True) == 10  # the last may land after
-    assert t.tell(ino, 20, 101.0, alone=False) == 10  # another in flight
+    assert t.tell(ino, 10, 100.0, 100.0) == 10  # the first: nothing to race with
+    # asked before that answer, answered well after it: the kernel drops it if that landed first
+    assert t.tell(ino, 20, 99.9, 100.2) == 10
+    assert t.tell(ino, 20, 100.2 + SETTLE_S / 2, 100.3) == 10  # asked too soon after the last
     assert t.told_size(ino) == 10
-    assert t.tell(ino, 20, 102.0, alone=True) == 20
-    assert t.tell(ino, 5, 102.0, alone=False, hold=False) == 5  # a SETATTR's answer
-    t.wrote(ino, 30)
+    assert t.tell(ino, 20, 100.3 + 2 * SETTLE_S, 100.4) == 20
+    assert t.tell(ino, 30, 200.0, 200.0, keep=True) == 20  # a listing: the size sent stays
+    assert t.tell(ino, 5, 100.4, 100.5, force=True) == 5  # a SETATTR's answer
+    t.wrote(ino, 30, 101.0)
     assert t.told_size(ino) == 30
-    t.wrote(ino, 5)  # a write inside the file grows nothing
+    assert t.tell(ino, 40, 101.0 + SETTLE_S / 2, 101.1) == 30  # asked too soon after the WRITE
+    t.wrote(ino, 5, 102.0)  # a write inside the file grows nothing
     assert t.told_size(ino) == 30
 
 

@@ -582,39 +582,42 @@ class FileIO:
         ``--direct-first-open``: then a value's first open here (pages not kept) is direct and
         records nothing about the pages (they hold nothing of it), and its next open reads
         through them as above.  The kernel ends reads through the pages at the file's size in
-        the last attributes it was sent (``InodeTable.told``), so an open pinned to a larger
-        value (looked up here without the kernel, or while other opens read an older version:
-        :meth:`_pages_layout`) is direct too, and one pinned only at its first read to a
-        larger value fails that read (ESTALE, :meth:`read`).  A smaller value ends at its short read, where the kernel takes its
-        size (but pages kept at a larger size would show a last page's zeros: not kept)."""
+        the last attributes it was sent (``InodeTable.tell``), so an open pinned to a value of
+        another size (looked up here without the kernel, or while other opens read an older
+        version: :meth:`_pages_layout`) is direct too (a held version's too), and one pinned
+        only at its first read to a value of another size fails that read (ESTALE,
+        :meth:`read`); an open with no recent lookup looks the file up first, unless it is
+        held or written here."""
         ino = h.ino
         reader = self._recent(ino)
-        if reader is None and not looked and self.fresh_s > 0 and ino in self._cached:
-            return None
         others = self.table.handles_of(ino)
+        held = self.wb.get(self.table.path(ino))
+        mine = held is not None or any(o.writable for o in others)
+        told = self.table.told_size(ino)
+        if (reader is None and not looked and self.fresh_s > 0 and not mine
+                and (ino in self._cached or told is not None)):
+            return None
         self._alone(ino)
         cached = [o for o in others if not o.writable and not o.direct] if others else ()
-        if (reader is None or self.wb.get(self.table.path(ino)) is not None
-                or any(o.writable for o in others)):
+        if reader is None or mine:
             self._unknown(ino)  # (a version held with pages written through: dropped too)
-            h.direct = bool(cached)  # pinned only at its first read: maybe another version
+            # pinned only at its first read: maybe another version, or (held) another size
+            h.direct = bool(cached) or (held is not None and held.pieces is not None
+                                        and told not in (None, held.nbytes))
             return False
         layout = reader.layout
-        told = self.table.told_size(ino)
-        if ((told is not None and told < layout.size)
+        if ((told is not None and told != layout.size)
                 or any(o.reader is None or o.reader.layout != layout for o in cached)):
             self._unknown(ino)
-            # pages of two versions would mix, or the kernel's size is smaller (its reads
-            # through the pages would end there; a larger one ends at the value's short read)
+            # pages of two versions would mix, or the kernel's size is another (its reads
+            # through the pages would end there, or past the value's end on zeros)
             h.direct = True
             return False
         h.reader = reader
         h.pinned_at_open = True
         bound = self.config.page_cache_files
         seen = self._cached.get(ino)
-        # (kept pages at a larger size than the value's would read a last page's zeros past it)
-        h.kept_cache = (bound > 0 and seen is not None and seen[0] == layout
-                        and told in (None, layout.size))
+        h.kept_cache = bound > 0 and seen is not None and seen[0] == layout
         if not h.kept_cache and self.config.direct_first_open and self._first_open(ino, layout):
             h.direct = True  # (the pages are not this value's: not recorded as such)
             return False
@@ -692,7 +695,7 @@ class FileIO:
                         raise _gone()
                     h.reader, start, data = unit
                     told = self.table.told_size(h.ino)
-                    if (not h.direct and told is not None and told < h.reader.size
+                    if (not h.direct and told is not None and told != h.reader.size
                             and not self.table.writers(h.ino)):
                         h.reader = None  # the kernel's size is another version's: its
                         self.changed(h.ino)  # reads through the pages would end there

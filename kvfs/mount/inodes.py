@@ -185,25 +185,29 @@ class InodeTable:
             self._lookups.pop(ino, None)
             self.maybe_drop(ino)
 
-    def tell(self, ino: int, size: int, now: float, *, alone: bool, hold: bool = True) -> int:
-        """The size to send the kernel in attributes of file ``ino`` at ``now`` (``size``: its
-        value's), recorded as told: the size the kernel's cached pages are cut at, and its
-        reads through them end at.  The kernel applies the answer to a LOOKUP or GETATTR
-        only if no answer to one it sent later landed first, so of two in flight, answered
-        with two sizes, it may keep either.  So a size other than the last one sent goes
-        only ``alone`` (no other such request in flight) and once that last answer surely
-        landed (``SETTLE_S`` ago); until then the last size is sent again.  ``hold=False``:
-        at once (a SETATTR's answer, the kernel's own change)."""
+    def tell(self, ino: int, size: int, asked: float, now: float, *, force: bool = False,
+             keep: bool = False) -> int:
+        """The size to send the kernel at ``now`` in attributes of file ``ino`` (``size``: its
+        value's), for a request that came at ``asked``; recorded as told: the size the
+        kernel's cached pages are cut at, and its reads through them end at.  The kernel
+        applies such an answer only if no attribute change landed after it sent the request
+        (its ``attr_version``), so a size other than the last one sent goes only for a
+        request that came ``SETTLE_S`` after that last answer (or change) was sent; until
+        then the last size is sent again.  ``force``: at once (a SETATTR's answer, a file
+        being written here, the kernel's own change); ``keep``: never another than one sent
+        (a listing's entries)."""
         prev = self._told.get(ino)
-        if hold and prev is not None and prev[0] != size and not (alone and now - prev[1] >= SETTLE_S):
+        if prev is not None and not force and prev[0] != size and (keep or asked - prev[1] < SETTLE_S):
             size = prev[0]
         self._told[ino] = (size, now)
         return size
 
-    def wrote(self, ino: int, end: int) -> None:
-        """A WRITE to file ``ino`` ending at ``end``: the kernel's size grew to it, if smaller."""
+    def wrote(self, ino: int, end: int, now: float) -> None:
+        """A WRITE to file ``ino`` ending at ``end`` answered at ``now``: the kernel's size
+        grew to it, if smaller (and its attributes changed: a request sent before lands
+        after)."""
         prev = self._told.get(ino, (0, -math.inf))
-        self._told[ino] = (max(end, prev[0]), prev[1])
+        self._told[ino] = (max(end, prev[0]), now)
 
     def told_size(self, ino: int) -> int | None:
         """The size the kernel has for file ``ino`` (None: none was sent)."""

@@ -175,7 +175,6 @@ class KVFSOperations(Operations):
         self.gid = os.getgid() if gid is None else gid
         self._started_ns = time.time_ns()
         self.table = InodeTable()
-        self._asking: collections.Counter[int] = collections.Counter()  # LOOKUPs, GETATTRs in flight
         # lookups and reads wait for the requests the kernel queued (--batch-hold): the
         # mount calls self.io.send_held() once it has read them (kvfs.mount.cli)
         self.io = FileIO(fs, self.table, config or MountConfig(), fresh_s=attr_timeout_s,
@@ -189,10 +188,11 @@ class KVFSOperations(Operations):
         return path
 
     # attributes ----------------------------------------------------------------
-    def _attrs(self, ino: int, info: Info, *, hold: bool = True) -> pyfuse3.EntryAttributes:
-        """The attributes sent for ``ino`` (a file's size as ``InodeTable.tell`` says: with
-        ``hold``, the last size sent again while another answer may still land, but for a file
-        being written here, whose size the kernel has from its writes)."""
+    def _attrs(self, ino: int, info: Info, *, asked: float | None = None, force: bool = False,
+               keep: bool = False) -> pyfuse3.EntryAttributes:
+        """The attributes sent for ``ino``: a file's size as ``InodeTable.tell`` says for a
+        request that came at ``asked`` (None: now), ``force`` or ``keep`` (a file being
+        written here: as it is, the kernel has that size from its writes)."""
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
         a.generation = 0
@@ -207,9 +207,10 @@ class KVFSOperations(Operations):
         else:
             a.st_mode = stat.S_IFREG | 0o644
             a.st_nlink = 1
-            a.st_size = self.table.tell(ino, int(info["size"]), time.monotonic(),
-                                        alone=not self._asking[ino],  # (a file written here:
-                                        hold=hold and self.table.pending(ino) is None)  # as is)
+            now = time.monotonic()
+            a.st_size = self.table.tell(ino, int(info["size"]), now if asked is None else asked, now,
+                                        force=force or self.table.pending(ino) is not None,
+                                        keep=keep)
             t = int(float(info.get("created") or 0) * 1e9) or self._started_ns
         a.st_uid = self.uid
         a.st_gid = self.gid
@@ -245,22 +246,13 @@ class KVFSOperations(Operations):
             # once, without numbering an inode for it and raising through the handlers
             raise pyfuse3.FUSEError(errno.ENOENT)
         ino = self.table.ino_for(path)
+        asked = time.monotonic()
         try:
-            info = await self._asked(ino, path)
+            info = await self._info(ino, path)
         except BaseException:
             self.table.maybe_drop(ino)  # numbered for nothing: the kernel does not know it
             raise
-        return self._attrs(self.table.remember(path), info)
-
-    async def _asked(self, ino: int, path: str) -> Info:
-        """``_info`` for a LOOKUP or GETATTR, counted in flight meanwhile (``_asking``)."""
-        self._asking[ino] += 1
-        try:
-            return await self._info(ino, path)
-        finally:
-            self._asking[ino] -= 1
-            if not self._asking[ino]:
-                del self._asking[ino]
+        return self._attrs(self.table.remember(path), info, asked=asked)
 
     async def forget(self, inode_list: Sequence[tuple[int, int]]) -> None:
         for ino, n in inode_list:
@@ -268,7 +260,8 @@ class KVFSOperations(Operations):
 
     @_op
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        return self._attrs(inode, await self._asked(inode, self.table.path(inode)))
+        asked = time.monotonic()
+        return self._attrs(inode, await self._info(inode, self.table.path(inode)), asked=asked)
 
     @_op
     async def setattr(self, inode: int, attr: pyfuse3.EntryAttributes, fields: pyfuse3.SetattrFields,
@@ -284,7 +277,7 @@ class KVFSOperations(Operations):
             if not writers:  # truncate(2) on a file nobody here has open: a new value now
                 await self.io.resize(path, size)
         # mode, owner and times are not stored: a value has only its creation time
-        return self._attrs(inode, await self._info(inode, path), hold=False)
+        return self._attrs(inode, await self._info(inode, path), force=True)
 
     # files -------------------------------------------------------------------
     @_local
@@ -300,8 +293,10 @@ class KVFSOperations(Operations):
             keep = bool(sure)
         elif flags & os.O_APPEND:
             raise OSError(errno.EOPNOTSUPP, "kvfs values are immutable: append to an existing file")
-        elif flags & os.O_TRUNC:
+        elif flags & os.O_TRUNC:  # (the kernel's size is 0 from now: atomic O_TRUNC)
             h = Handle(inode, writable=True, data=bytearray(), dirty=True, mtime=time.time())
+            now = time.monotonic()
+            self.table.tell(inode, 0, now, now, force=True)
         else:
             h = Handle(inode, writable=True, mtime=time.time())
         if h.writable:
@@ -365,7 +360,7 @@ class KVFSOperations(Operations):
         if not h.writable:
             raise pyfuse3.FUSEError(errno.EBADF)
         await self.io.write(h, off, buf)
-        self.table.wrote(h.ino, off + len(buf))
+        self.table.wrote(h.ino, off + len(buf), time.monotonic())
         return len(buf)
 
     @_local
@@ -615,7 +610,9 @@ class KVFSOperations(Operations):
         for i in range(start_id, len(entries)):
             name, info = entries[i]
             ino = self.table.ino_for(prefix + name)
-            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(ino, info), i + 1):
+            # (a listing's sizes may be older than one sent, or another than an open reads)
+            if not pyfuse3.readdir_reply(token, os.fsencode(name), self._attrs(ino, info, keep=True),
+                                         i + 1):
                 self.table.maybe_drop(ino)
                 break
             self.table.readdir_reply(ino)
