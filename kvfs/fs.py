@@ -666,8 +666,10 @@ def _close_sessions(sessions: dict[int, _Session]) -> None:
 
 
 class KVFile(AbstractBufferedFile):
-    """A kvfs file: ``rb`` fetches the value on the first read (a snapshot: its size is the
-    file's from then on, whatever the lookup at open said); ``wb``/``xb`` buffer until close.
+    """A kvfs file: ``rb`` fetches the value on the first read or seek from the end (a
+    snapshot: its size is the file's from then on, whatever the lookup at open said; the
+    async file's ``seek`` from the end still counts from that lookup's); ``wb``/``xb``
+    buffer until close.
 
     ``ab`` is ``wb`` for a new file and ``OSError(EOPNOTSUPP)`` for an existing one.
     """
@@ -688,9 +690,17 @@ class KVFile(AbstractBufferedFile):
                          cache_type=cache_type, cache_options=cache_options, size=size, **kwargs)
 
     def read(self, length: int = -1) -> bytes:
-        if self.mode == "rb" and self._value is None and not self.closed:
-            self._fetch_range(0, 0)  # the snapshot first: a read's length counts from its size
+        self._snapshot()  # first: a read's length counts from its size
         return super().read(length)
+
+    def seek(self, loc: int, whence: int = 0) -> int:
+        if whence == 2:
+            self._snapshot()  # first: the end is its size's
+        return super().seek(loc, whence)
+
+    def _snapshot(self) -> None:
+        if self.mode == "rb" and self._value is None and not self.closed:
+            self._fetch_range(0, 0)
 
     def _fetch_range(self, start: int, end: int) -> bytes:
         if self._value is None:

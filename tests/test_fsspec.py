@@ -299,11 +299,14 @@ async def test_a_value_replaced_between_open_and_first_read_is_read_whole(
 def test_a_value_replaced_between_open_and_first_read_is_read_whole_blocking(
         kvfs_sync: KVFileSystem, new_size: int) -> None:
     new = b"b" * new_size
-    for how in ("read()", "read(n)", "readinto"):
+    for how in ("read()", "read(n)", "readinto", "seek to the end"):
         kvfs_sync.pipe_file("rs/b", b"a" * 100)
         with kvfs_sync.open("rs/b", "rb") as g:
             kvfs_sync.pipe_file("rs/b", new)
-            if how == "readinto":
+            if how == "seek to the end":
+                assert g.seek(-10, 2) == new_size - 10
+                got = new[:-10] + g.read()
+            elif how == "readinto":
                 buf = bytearray(1000)
                 got = bytes(buf[:g.readinto(buf)])
             else:
