@@ -421,7 +421,6 @@ class MixedWorkload:
                 if outcome is None:
                     fig.misses += 1
                     fig.errors[f"{api}: miss"] += 1
-                    fig.errors[f"{api}: miss"] += 1
                 elif outcome:
                     fig.wrong += 1
                     fig.errors[f"{api}: {outcome}"] += 1

@@ -50,6 +50,11 @@ async def test_short_soak_through_a_mount_reads_every_file_right(tmp_path: Path)
     assert set(fig["by_api"]) == set(READ_APIS), fig
     assert fig["by_api"]["mount"] > 0 and fig["overwritten"] > 0, fig
     assert fig["files_written"] > 0, fig  # and some keys were written through it
+    # no file read or write through it failed, but for the rare documented ESTALE (a first
+    # read finding its file replaced at another size, its pinned bytes reclaimed)
+    failed = {k: n for k, n in fig["errors"].items() if k.startswith("mount")}
+    assert set(failed) <= {"mount: ESTALE"}, fig
+    assert sum(failed.values()) <= max(2, fig["by_api"]["mount"] // 1000), fig
     assert fig["misses"] == 0, fig
     assert fig["wrong_total"] == 0, fig
     assert fig["values_lost"] == 0, fig
