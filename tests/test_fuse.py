@@ -1751,12 +1751,41 @@ def test_another_size_is_told_the_kernel_only_for_a_request_after_the_last_answe
     assert t.told_size(ino) == 10
     assert t.tell(ino, 20, 100.3 + 2 * SETTLE_S, 100.4) == 20
     assert t.tell(ino, 30, 200.0, 200.0, keep=True) == 20  # a listing: the size sent stays
-    assert t.tell(ino, 5, 100.4, 100.5, force=True) == 5  # a SETATTR's answer
-    t.wrote(ino, 30, 101.0)
+    assert t.tell(ino, 5, 201.0, 201.0, force=True) == 5  # a SETATTR's answer
+    t.wrote(ino, 30, 202.0)
     assert t.told_size(ino) == 30
-    assert t.tell(ino, 40, 101.0 + SETTLE_S / 2, 101.1) == 30  # asked too soon after the WRITE
-    t.wrote(ino, 5, 102.0)  # a write inside the file grows nothing
-    assert t.told_size(ino) == 30
+    assert t.tell(ino, 40, 202.0 + SETTLE_S / 2, 202.1) == 30  # asked too soon after the WRITE
+    assert t.tell(ino, 40, 202.1 + 2 * SETTLE_S, 202.3) == 40
+    t.wrote(ino, 5, 203.0)  # a write inside the file grows nothing
+    assert t.told_size(ino) == 40
+
+
+async def test_the_kernels_size_follows_writes_and_o_trunc_not_a_listing(kv: AsyncClient) -> None:
+    """What the mount records as the kernel's size of a file: a WRITE grows it, an open with
+    O_TRUNC makes it 0 (the kernel truncates at the open: atomic O_TRUNC), and a directory
+    listing's entry, taken before, never changes it, not even for a file being written here
+    (whose size the kernel has from the writes)."""
+    import pyfuse3
+
+    from kvfs.mount.inodes import ROOT_INODE
+    from kvfs.mount.ops import KVFSOperations
+
+    ops = KVFSOperations(KVFileSystem(client=kv, asynchronous=True), attr_timeout_s=60)
+    ctx = pyfuse3.RequestContext()
+    fi, made = await ops.create(ROOT_INODE, b"ks", 0o644, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, ctx)
+    ino = made.st_ino
+    await ops.write(fi.fh, 0, b"x" * 4096)
+    assert ops.table.told_size(ino) == 4096
+    listed = {"name": "ks", "size": 10, "type": "file", "created": 1.0}  # (taken at opendir)
+    assert ops._attrs(ino, listed, keep=True).st_size == 4096
+    await ops.flush(fi.fh)
+    await ops.release(fi.fh)
+    assert ops._attrs(ino, listed, keep=True).st_size == 4096
+    for flags in (os.O_WRONLY | os.O_TRUNC, os.O_RDONLY | os.O_TRUNC):
+        fi = await ops.open(ino, flags, ctx)
+        assert ops.table.told_size(ino) == 0, flags
+        await ops.release(fi.fh)
+        ops.table.tell(ino, 4096, 0.0, 0.0, force=True)
 
 
 async def test_direct_first_open_reads_a_values_first_open_past_the_kernels_pages(

@@ -555,11 +555,12 @@ class FileIO:
     def opened(self, h: Handle, *, looked: bool = False) -> bool | None:
         """A read-only open; whether the kernel may keep its cached pages of the file (and
         ``h.direct``: whether its reads must bypass them).  None, with nothing changed, where
-        the open should look the file up first and then call again with ``looked``: the
-        kernel's pages of it may be kept (``--page-cache-files``), but no lookup within
-        ``fresh_s`` says its value is still theirs (the kernel sends none while its entry for
-        the file is valid: one made by a create here, or one whose time ends just as ours
-        does).  Whether a lookup is recent is read once, here, and that one reading decides
+        the open should look the file up first and then call again with ``looked``: no
+        lookup within ``fresh_s`` says which value it is, and the kernel's pages of it may be
+        kept (``--page-cache-files``) or the kernel was told a size of it, which the value
+        must match (the kernel sends no LOOKUP while its entry for the file is valid: one
+        made by a create here, one whose time ends just as ours does, or one of more files
+        than ``--looked-up-layouts``).  Whether a lookup is recent is read once, here, and that one reading decides
         both (a check before the open and another as it pins could disagree, the lookup's time
         ending between them: the pages, and the mtime the kernel was told while the file was
         written here, dropped with nothing changed).

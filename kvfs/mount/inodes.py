@@ -22,8 +22,11 @@ if TYPE_CHECKING:
 __all__ = ["ROOT_INODE", "SETTLE_S", "Handle", "Info", "InodeTable"]
 
 ROOT_INODE = 1
-# how long after an answer to a LOOKUP or GETATTR the kernel surely applied it (its waiting
-# task ran): a request it sent meanwhile was answered after, and may land after, its own
+# how long after an answer to a LOOKUP or GETATTR (or a WRITE) the kernel has applied it (its
+# waiting task ran), and a request it sends later reaches the mount: a request that came
+# sooner may have been sent before, and its answer be dropped.  A bound, not a guarantee: a
+# task descheduled longer, or a request that waited longer in /dev/fuse (the mount busy),
+# breaks it (InodeTable.tell)
 SETTLE_S = 0.05
 Info = dict[str, Any]
 V = TypeVar("V")
@@ -195,7 +198,9 @@ class InodeTable:
         request that came ``SETTLE_S`` after that last answer (or change) was sent; until
         then the last size is sent again.  ``force``: at once (a SETATTR's answer, a file
         being written here, the kernel's own change); ``keep``: never another than one sent
-        (a listing's entries)."""
+        (a listing's entries).  A file looked up or listed more often than every
+        ``SETTLE_S`` keeps its last size meanwhile (its opens of another size read past the
+        pages: slower, never cut)."""
         prev = self._told.get(ino)
         if prev is not None and not force and prev[0] != size and (keep or asked - prev[1] < SETTLE_S):
             size = prev[0]

@@ -192,7 +192,8 @@ class KVFSOperations(Operations):
                keep: bool = False) -> pyfuse3.EntryAttributes:
         """The attributes sent for ``ino``: a file's size as ``InodeTable.tell`` says for a
         request that came at ``asked`` (None: now), ``force`` or ``keep`` (a file being
-        written here: as it is, the kernel has that size from its writes)."""
+        written here: as it is, the kernel has that size from its writes; but a listing's
+        entry for it keeps the size the writes made)."""
         a = pyfuse3.EntryAttributes()
         a.st_ino = ino
         a.generation = 0
@@ -209,7 +210,7 @@ class KVFSOperations(Operations):
             a.st_nlink = 1
             now = time.monotonic()
             a.st_size = self.table.tell(ino, int(info["size"]), now if asked is None else asked, now,
-                                        force=force or self.table.pending(ino) is not None,
+                                        force=force or (not keep and self.table.pending(ino) is not None),
                                         keep=keep)
             t = int(float(info.get("created") or 0) * 1e9) or self._started_ns
         a.st_uid = self.uid
@@ -284,6 +285,9 @@ class KVFSOperations(Operations):
     async def open(self, inode: int, flags: int, ctx: pyfuse3.RequestContext) -> pyfuse3.FileInfo:
         self.table.path(inode)
         keep = False
+        if flags & os.O_TRUNC:  # (the kernel's size is 0 from now: atomic O_TRUNC)
+            now = time.monotonic()
+            self.table.tell(inode, 0, now, now, force=True)
         if flags & os.O_ACCMODE == os.O_RDONLY:
             h = Handle(inode, writable=False)
             sure = self.io.opened(h)  # the kernel's cached pages kept: the same value's
@@ -293,10 +297,8 @@ class KVFSOperations(Operations):
             keep = bool(sure)
         elif flags & os.O_APPEND:
             raise OSError(errno.EOPNOTSUPP, "kvfs values are immutable: append to an existing file")
-        elif flags & os.O_TRUNC:  # (the kernel's size is 0 from now: atomic O_TRUNC)
+        elif flags & os.O_TRUNC:
             h = Handle(inode, writable=True, data=bytearray(), dirty=True, mtime=time.time())
-            now = time.monotonic()
-            self.table.tell(inode, 0, now, now, force=True)
         else:
             h = Handle(inode, writable=True, mtime=time.time())
         if h.writable:
