@@ -552,6 +552,41 @@ def test_a_read_only_open_beside_a_writer_never_leaves_another_version_in_its_pa
 
 
 @needs_fuse
+@pytest.mark.parametrize("writer_first", [True, False])
+def test_an_open_beside_a_writer_never_reads_its_uncommitted_bytes(
+        tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path, writer_first: bool) -> None:
+    """A read-only open and an open for writing of one file on one mount, in either order:
+    the reader reads the committed value whole while the writer writes on, never the
+    writer's uncommitted bytes, though the kernel's pages are per file and take the
+    writes: a written file reports the writer's mtime, so the kernel (auto_inval_data)
+    drops its pages at the reader's next read, which reads its own value from the mount."""
+    m = Mount(tmp_path / "mnt", tcluster, tmp_path / "logs")
+    try:
+        n = 16 * 4096
+        a = os.urandom(n)
+        fs.pipe_file("rw2/f", a)
+        p = m.mnt / "rw2" / "f"
+        first, second = (os.O_RDWR, os.O_RDONLY) if writer_first else (os.O_RDONLY, os.O_RDWR)
+        fd1 = os.open(p, first)
+        try:
+            fd2 = os.open(p, second)
+            w, r = (fd1, fd2) if writer_first else (fd2, fd1)
+            try:
+                assert os.pread(r, n, 0) == a
+                os.pwrite(w, b"x" * 8192, 8192)  # uncommitted, in the middle of a page run
+                assert os.pread(r, n, 0) == a
+            finally:
+                os.close(fd2)
+        finally:
+            os.close(fd1)
+        value = a[:8192] + b"x" * 8192 + a[16384:]
+        assert fs.cat_file("rw2/f") == value  # the writer's close committed it
+        assert "Traceback" not in m.stderr()
+    finally:
+        m.cleanup()
+
+
+@needs_fuse
 def test_open_handles_of_two_versions_never_share_pages(
         tcluster: ThreadCluster, fs: KVFileSystem, tmp_path: Path) -> None:
     """A handle reads the value it was opened on, and a later open of the replaced file reads
