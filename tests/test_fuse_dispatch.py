@@ -256,3 +256,18 @@ async def test_the_idle_callback_runs_as_a_wait_for_a_request_begins(
     assert _fuse.reading() and idle == [False]
     _fuse._notify_closing(r)  # unmount: nothing waits for a request that never comes
     assert idle == [False, False] and not _fuse.reading()
+
+
+def test_requests_are_dated_by_when_the_mount_last_found_none_queued(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``quiet_at``: every request the mount reads was sent by the kernel after the last time
+    a worker found ``/dev/fuse`` empty (a bound however long it waited there); before any
+    wait, now."""
+    import time
+
+    monkeypatch.setattr(_fuse, "_quiet_at", None)
+    monkeypatch.setattr(_fuse, "_on_idle", None)
+    t0 = time.monotonic()
+    assert _fuse.quiet_at() >= t0  # never idle: now
+    _fuse._idle()  # a wait begins: none queued
+    at = _fuse.quiet_at()
+    assert at >= t0 and _fuse.quiet_at() == at  # requests read from now on: sent after it

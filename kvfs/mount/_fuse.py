@@ -41,10 +41,12 @@ from __future__ import annotations
 import asyncio
 import collections
 import select
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-__all__ = ["IMPORT_ERROR", "Operations", "enable_asyncio", "pyfuse3", "reading", "stop_watching"]
+__all__ = ["IMPORT_ERROR", "Operations", "enable_asyncio", "pyfuse3", "quiet_at", "reading",
+           "stop_watching"]
 
 if TYPE_CHECKING:
     import pyfuse3
@@ -77,6 +79,7 @@ _reading = False  # a request was read since the last wait on /dev/fuse began
 # a worker that finds a request queued yields to the loop once in this many such reads
 _YIELD_EVERY = 4
 _on_idle: Callable[[], None] | None = None  # run as a wait begins (no request queued)
+_quiet_at: float | None = None  # time.monotonic() when a worker last found no request queued
 
 
 def reading() -> bool:
@@ -85,9 +88,16 @@ def reading() -> bool:
     return _reading
 
 
+def quiet_at() -> float:
+    """When the mount last found no request queued on ``/dev/fuse`` (now, before it runs):
+    every request it reads was sent by the kernel after that."""
+    return time.monotonic() if _quiet_at is None else _quiet_at
+
+
 def _idle() -> None:
-    global _reading
+    global _reading, _quiet_at
     _reading = False
+    _quiet_at = time.monotonic()
     if _on_idle is not None:
         _on_idle()
 

@@ -23,10 +23,10 @@ __all__ = ["ROOT_INODE", "SETTLE_S", "Handle", "Info", "InodeTable"]
 
 ROOT_INODE = 1
 # how long after an answer to a LOOKUP or GETATTR (or a WRITE) the kernel has applied it (its
-# waiting task ran), and a request it sends later reaches the mount: a request that came
-# sooner may have been sent before, and its answer be dropped.  A bound, not a guarantee: a
-# task descheduled longer, or a request that waited longer in /dev/fuse (the mount busy),
-# breaks it (InodeTable.tell)
+# waiting task ran): a request it sent sooner may have its answer dropped.  Requests are
+# dated by when the mount last found none queued (kvfs.mount._fuse.quiet_at), a bound on
+# when the kernel sent them however long they waited; the kernel's own delay is this bound,
+# not a guarantee (a task descheduled longer breaks it: InodeTable.tell)
 SETTLE_S = 0.05
 Info = dict[str, Any]
 V = TypeVar("V")
@@ -191,11 +191,11 @@ class InodeTable:
     def tell(self, ino: int, size: int, asked: float, now: float, *, force: bool = False,
              keep: bool = False) -> int:
         """The size to send the kernel at ``now`` in attributes of file ``ino`` (``size``: its
-        value's), for a request that came at ``asked``; recorded as told: the size the
+        value's), for a request the kernel sent after ``asked``; recorded as told: the size the
         kernel's cached pages are cut at, and its reads through them end at.  The kernel
         applies such an answer only if no attribute change landed after it sent the request
         (its ``attr_version``), so a size other than the last one sent goes only for a
-        request that came ``SETTLE_S`` after that last answer (or change) was sent; until
+        request sent ``SETTLE_S`` after that last answer (or change) was sent; until
         then the last size is sent again.  ``force``: at once (a SETATTR's answer, a file
         being written here, the kernel's own change); ``keep``: never another than one sent
         (a listing's entries).  A file looked up or listed more often than every

@@ -17,7 +17,7 @@ from kvfs._batch import split_batches
 from kvfs.config import MountConfig
 from kvfs.fs import KVFileSystem, check_path
 from kvfs.layout import MAX_KEY_BYTES, MAX_VALUE_BYTES
-from kvfs.mount._fuse import Operations, pyfuse3, reading
+from kvfs.mount._fuse import Operations, pyfuse3, quiet_at, reading
 from kvfs.mount.files import FileIO
 from kvfs.mount.inodes import ROOT_INODE, Handle, Info, InodeTable
 from kvfs.oserrors import errno_of
@@ -191,7 +191,7 @@ class KVFSOperations(Operations):
     def _attrs(self, ino: int, info: Info, *, asked: float | None = None, force: bool = False,
                keep: bool = False) -> pyfuse3.EntryAttributes:
         """The attributes sent for ``ino``: a file's size as ``InodeTable.tell`` says for a
-        request that came at ``asked`` (None: now), ``force`` or ``keep`` (a file being
+        request the kernel sent after ``asked`` (None: now), ``force`` or ``keep`` (a file being
         written here: as it is, the kernel has that size from its writes; but a listing's
         entry for it keeps the size the writes made)."""
         a = pyfuse3.EntryAttributes()
@@ -247,7 +247,7 @@ class KVFSOperations(Operations):
             # once, without numbering an inode for it and raising through the handlers
             raise pyfuse3.FUSEError(errno.ENOENT)
         ino = self.table.ino_for(path)
-        asked = time.monotonic()
+        asked = quiet_at()  # (the kernel sent it after: a bound however long it waited)
         try:
             info = await self._info(ino, path)
         except BaseException:
@@ -261,7 +261,7 @@ class KVFSOperations(Operations):
 
     @_op
     async def getattr(self, inode: int, ctx: pyfuse3.RequestContext) -> pyfuse3.EntryAttributes:
-        asked = time.monotonic()
+        asked = quiet_at()
         return self._attrs(inode, await self._info(inode, self.table.path(inode)), asked=asked)
 
     @_op
