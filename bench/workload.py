@@ -93,7 +93,7 @@ class Values:
             return f"version {version} cut at {len(value)} of {len(whole)} bytes"
         return "wrong bytes"
 
-    def check_slice(self, key: bytes, got: bytes, start: int, end: int, newest: int) -> str:
+    def check_slice(self, key: bytes, got: bytes | bytearray, start: int, end: int, newest: int) -> str:
         """"" when ``got`` is ``value[start:end]`` of one of the key's versions 0 to
         ``newest``; else what is wrong with it."""
         at = -start % _BLOCK  # where the slice's first whole block (its version field) begins
@@ -435,8 +435,18 @@ class MixedWorkload:
             got = await asyncio.to_thread(self.blocking.get_many, keys)
         else:
             got = await self.reader.get_many(keys)
-        return [self._miss(k) if v is None else self.values.check(k, v, 0, self.newest.get(k, 0))
-                for k, v in zip(keys, got, strict=True)]
+        return [self._judge(k, v) for k, v in zip(keys, got, strict=True)]
+
+    def _judge(self, key: bytes, value: bytes | bytearray | None,
+               span: tuple[int, int] | None = None) -> str | None:
+        """A read's outcome for ``key``: a miss's (:meth:`_miss`), "" for one of its versions
+        put so far (whole, or that version's ``[start:end]`` for a ``span``), else what is
+        wrong with it."""
+        if value is None:
+            return self._miss(key)
+        newest = self.newest.get(key, 0)
+        return (self.values.check(key, value, 0, newest) if span is None
+                else self.values.check_slice(key, value, *span, newest))
 
     def _old_left(self, key: bytes, whole: bytes, start: int, newest: int) -> bool:
         """Whether every byte of ``whole`` from ``start`` on is as the buffer was or, at its
@@ -462,8 +472,7 @@ class MixedWorkload:
         """As :meth:`_get_many`, by one ``get`` per key, all at once; a call that raised
         raises (the first one's error) once all have ended."""
         answers = await asyncio.gather(*(self.reader.get(k) for k in keys), return_exceptions=True)
-        out = [None if isinstance(v, BaseException) else self._miss(k) if v is None
-               else self.values.check(k, v, 0, self.newest.get(k, 0))
+        out = [None if isinstance(v, BaseException) else self._judge(k, v)
                for k, v in zip(keys, answers, strict=True)]
         return self._unless_raised("get", out, answers)
 
@@ -486,9 +495,7 @@ class MixedWorkload:
         checked."""
         spans = [None if self._rng.randrange(2) else self._span(k) for k in keys]
         answers = await asyncio.to_thread(self._read_files, keys, spans, api)
-        out = [None if isinstance(v, BaseException) else self._miss(k) if v is None
-               else self.values.check(k, v, 0, self.newest.get(k, 0)) if span is None
-               else self.values.check_slice(k, v, *span, self.newest.get(k, 0))
+        out = [None if isinstance(v, BaseException) else self._judge(k, v, span)
                for k, span, v in zip(keys, spans, answers, strict=True)]
         return self._unless_raised(api, out, answers)
 
@@ -520,8 +527,7 @@ class MixedWorkload:
         or anywhere in its newest version (a slice of an older one may be cut short)."""
         spans = [self._span(k) for k in keys]
         got = await self.reader.get_ranges([(k, a, b) for k, (a, b) in zip(keys, spans, strict=True)])
-        return [self._miss(k) if v is None else self.values.check_slice(k, v, a, b, self.newest.get(k, 0))
-                for k, (a, b), v in zip(keys, spans, got, strict=True)]
+        return [self._judge(k, v, span) for k, span, v in zip(keys, spans, got, strict=True)]
 
     def _span(self, key: bytes) -> tuple[int, int]:
         """A slice to read of ``key``'s value: in its first KiB (in every version), or anywhere
