@@ -30,7 +30,6 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -162,8 +161,9 @@ async def stop_mount(mounter: ServiceProcess, mnt: Path) -> None:
     """End the mount (SIGTERM unmounts; a mount left by a killed one is detached)."""
     await mounter.stop()
     if is_mounted(str(mnt)):
-        await asyncio.to_thread(subprocess.run, ["umount", "-l", str(mnt)], check=False,
-                                capture_output=True, timeout=30)
+        umount = await asyncio.create_subprocess_exec(sys.executable, "-m", "kvfs", "umount", "--lazy",
+                                                      str(mnt))
+        await umount.wait()
 
 
 async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: bool = False
