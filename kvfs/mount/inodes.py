@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -211,8 +210,7 @@ class InodeTable:
         """A WRITE to file ``ino`` ending at ``end`` answered at ``now``: the kernel's size
         grew to it, if smaller (and its attributes changed: a request sent before lands
         after)."""
-        prev = self._told.get(ino, (0, -math.inf))
-        self._told[ino] = (max(end, prev[0]), now)
+        self._told[ino] = (max(end, self.told_size(ino) or 0), now)
 
     def told_size(self, ino: int) -> int | None:
         """The size the kernel has for file ``ino`` (None: none was sent)."""
