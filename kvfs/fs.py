@@ -665,6 +665,11 @@ def _close_sessions(sessions: dict[int, _Session]) -> None:
     sessions.clear()
 
 
+def _unread(f: KVFile | KVAsyncFile) -> bool:
+    """Whether read-mode file ``f`` has not yet taken its snapshot of the value."""
+    return f.mode == "rb" and f._value is None and not f.closed
+
+
 class KVFile(AbstractBufferedFile):
     """A kvfs file: ``rb`` fetches the value on the first read or seek from the end (a
     snapshot: its size is the file's from then on, whatever the lookup at open said; the
@@ -699,7 +704,7 @@ class KVFile(AbstractBufferedFile):
         return super().seek(loc, whence)
 
     def _snapshot(self) -> None:
-        if self.mode == "rb" and self._value is None and not self.closed:
+        if _unread(self):
             self._fetch_range(0, 0)
 
     def _fetch_range(self, start: int, end: int) -> bytes:
@@ -752,7 +757,7 @@ class KVAsyncFile(AbstractAsyncStreamedFile):
                          cache_type="none", **kwargs)
 
     async def read(self, length: int = -1) -> bytes:
-        if self.mode == "rb" and self._value is None and not self.closed:
+        if _unread(self):
             await self._fetch_range(0, 0)  # the snapshot first: a read's length counts from its size
         return await super().read(length)
 
