@@ -5,7 +5,8 @@ read is compared with the bytes its key and version determine).  Each process re
 ``get_ranges``, one ``get`` per key at once, each key's file through a blocking fsspec
 ``KVFileSystem``'s ``open``, and with ``--mount`` through a ``kvfs mount`` of the cluster too
 (FUSE, as root), whole or a slice; with ``--mount`` some new keys, and some next versions,
-are written as files through it too.  It puts some of its keys again as new
+are written as files through it too (with ``--write-behind``, the mount's, each batch's
+directory fsynced before its keys count as written).  It puts some of its keys again as new
 versions, which every read must see whole; deletes some; puts some with a TTL, which a read
 must miss once it ended; and puts present keys with ``if_absent``, which must change none
 while a replica is up.  Midway:
@@ -21,7 +22,8 @@ values (must be 0), committed values lost (must be 0 with ``--replicas 2``), rea
 failed puts, the longest read, and the seconds from the kill until every extent had its
 replicas again; ``--json FILE`` writes the same figures.  RELIABILITY.md has a run's figures.
 
-Usage: python -m kvfs.bench.soak [--seconds 180] [--clients 3] [--replicas 2] [--mount] [--dir DIR]
+Usage: python -m kvfs.bench.soak [--seconds 180] [--clients 3] [--replicas 2] [--mount [--write-behind SIZE]]
+                                [--dir DIR]
 """
 
 from __future__ import annotations
@@ -146,13 +148,16 @@ async def restored(admin: AsyncClient, sid: int, since: float) -> float | None:
     return None
 
 
-async def start_mount(addr: str, env: dict[str, str], mnt: Path, replicas: int) -> ServiceProcess:
-    """``kvfs mount`` of the cluster at ``mnt`` (writing ``replicas`` copies), once it reports
-    ready (its reads are another node's: a layout cache and page cache of its own)."""
+async def start_mount(addr: str, env: dict[str, str], mnt: Path, replicas: int,
+                      write_behind: str | None = None) -> ServiceProcess:
+    """``kvfs mount`` of the cluster at ``mnt`` (writing ``replicas`` copies; with
+    ``write_behind``, its ``--write-behind``), once it reports ready (its reads are another
+    node's: a layout cache and page cache of its own)."""
     mnt.mkdir()
     mounter = ServiceProcess("kvfs mount", [
         sys.executable, "-m", "kvfs", "mount", str(mnt), "--addr", addr, "--timeout", "3s",
-        "--attr-timeout", f"{MOUNT_ATTR_S}s", "--replicas", str(replicas)], env)
+        "--attr-timeout", f"{MOUNT_ATTR_S}s", "--replicas", str(replicas),
+        *(["--write-behind", write_behind] if write_behind else [])], env)
     await mounter.start()
     return mounter
 
@@ -166,8 +171,8 @@ async def stop_mount(mounter: ServiceProcess, mnt: Path) -> None:
         await umount.wait()
 
 
-async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: bool = False
-               ) -> dict[str, Any]:
+async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: bool = False,
+               write_behind: str | None = None) -> dict[str, Any]:
     cluster = ProcessCluster(
         root / "data", CHUNKSERVERS, listen="127.0.0.1:0",
         meta_args=("--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S}s", "--dead-after", f"{DEAD_AFTER_S}s"),
@@ -183,7 +188,7 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
         async with AsyncClient(addr, token=cluster.token, config=client_config(replicas)) as admin:
             await admin.put_many([(k, VALUES.of(k)) for k in seed_keys()])
             if mount:
-                mounter = await start_mount(addr, env, mnt, replicas)
+                mounter = await start_mount(addr, env, mnt, replicas, write_behind)
             outs = [root / f"client{i}.json" for i in range(clients)]
             for i, out in enumerate(outs):
                 procs.append(await asyncio.create_subprocess_exec(
@@ -251,6 +256,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--mount", action="store_true",
                    help="the clients also read their keys' files through a kvfs mount (FUSE; root)")
+    p.add_argument("--write-behind", default=None, metavar="SIZE",
+                   help="with --mount: the mount's --write-behind (files written through it are "
+                        "committed after their close; the writer fsyncs their directory)")
     p.add_argument("--dir", type=Path, default=None, help="where the cluster's data goes (a temp dir in it)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # one client process
@@ -260,12 +268,14 @@ def main(argv: list[str] | None = None) -> int:
     ns = p.parse_args(argv)
     if ns.seconds <= 0 or ns.clients < 1 or ns.replicas < 1:
         p.error("--seconds must be positive, --clients and --replicas at least 1")
+    if ns.write_behind and not ns.mount:
+        p.error("--write-behind is the mount's: give --mount too")
     if ns.client_of:
         die_with_parent()
         asyncio.run(client_main(ns.client_of, ns.prefix, ns.seconds, ns.replicas, ns.out, ns.mount_dir))
         return 0
     with tempfile.TemporaryDirectory(dir=ns.dir, prefix="kvfs-soak-") as d:
-        fig = asyncio.run(soak(Path(d), ns.seconds, ns.clients, ns.replicas, ns.mount))
+        fig = asyncio.run(soak(Path(d), ns.seconds, ns.clients, ns.replicas, ns.mount, ns.write_behind))
     print(f"operations: {fig['puts_ok']} put_many calls ok ({fig['puts_failed']} failed), "
           f"{fig['reads']} values read and checked ({fig['read_errors']} reads failed; per API "
           f"{fig['by_api']}); "

@@ -167,7 +167,7 @@ class MixedWorkload:
     much later).  ``mount_write_every``: every that many puts of a writer, its new keys are
     written as files through the mount instead (a temporary file renamed over the name, as
     SGLang's ``HiCacheFile`` does), and so are about half the overwrites; a file counts as
-    written once its rename returned.  ``files``:
+    written once its rename and then an fsync of its directory returned.  ``files``:
     a blocking fsspec ``KVFileSystem`` whose ``open`` the readers read each key's file
     through too."""
 
@@ -309,8 +309,9 @@ class MixedWorkload:
 
     async def _put_files(self, keys: list[bytes]) -> list[bytes]:
         """Each key's newest version written as its file through the mount (a temporary file
-        renamed over it: :func:`_write_files`), in a thread: the keys whose rename returned.  A batch with a
-        failure counts as a failed put (a failed close may still have committed)."""
+        renamed over it, its directory fsynced: :func:`_write_files`), in a thread: the keys whose
+        rename and fsync returned.  A batch with a failure counts as a failed put (a failed
+        close or fsync may still have committed)."""
         assert self.mount is not None
         fig = self.now
         items = [(self.mount / k.decode(), self.values.of(k, self.newest.get(k, 0))) for k in keys]
@@ -610,8 +611,9 @@ class MixedWorkload:
 def _write_files(items: list[tuple[Path, bytes]]) -> list[OSError | None]:
     """Each file written as SGLang's ``HiCacheFile`` writes a page: whole under a temporary
     name, closed, then renamed over its name (a file truncated and written in place is seen
-    partly written by other opens on the same mount, as on a local disk): None where that
-    returned, else the error."""
+    partly written by other opens on the same mount, as on a local disk); then their
+    directories fsynced, which returns once they are in the cluster (with ``kvfs mount
+    --write-behind`` a close returns before): None where that returned, else the error."""
     out: list[OSError | None] = []
     for path, data in items:
         tmp = path.with_name(f"{path.name}.tmp")
@@ -622,6 +624,16 @@ def _write_files(items: list[tuple[Path, bytes]]) -> list[OSError | None]:
             out.append(None)
         except OSError as exc:
             out.append(exc)
+    for parent in {path.parent for (path, _), exc in zip(items, out, strict=True) if exc is None}:
+        try:
+            fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as exc:  # a commit under it failed: which is not known
+            out = [exc if e is None and p.parent == parent else e
+                   for (p, _), e in zip(items, out, strict=True)]
     return out
 
 

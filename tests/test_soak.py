@@ -39,13 +39,16 @@ async def test_short_soak_reads_every_byte_right_and_loses_nothing(tmp_path: Pat
 
 @needs_fuse
 @pytest.mark.fuse
-async def test_short_soak_through_a_mount_reads_every_file_right(tmp_path: Path) -> None:
+@pytest.mark.parametrize("write_behind", [None, "64MiB"])
+async def test_short_soak_through_a_mount_reads_every_file_right(tmp_path: Path, write_behind: str | None
+                                                                  ) -> None:
     """The same, with the readers' files through a ``kvfs mount`` of the cluster as another
     read API (another node's view, its kernel's pages and sizes included), and some new keys
-    and next versions written as files through it.  Before the mount
+    and next versions written as files through it (and with ``--write-behind``, held after
+    their close and renamed while held, until their directory's fsync).  Before the mount
     gave its kernel the size of the version an open reads, about 1 in 800 files read here
     came back as one version's bytes cut at another's size."""
-    fig = await soak(tmp_path, seconds=20, clients=2, replicas=2, mount=True)
+    fig = await soak(tmp_path, seconds=20, clients=2, replicas=2, mount=True, write_behind=write_behind)
     print(fig)
     assert set(fig["by_api"]) == set(READ_APIS), fig
     assert fig["by_api"]["mount"] > 0 and fig["overwritten"] > 0, fig
