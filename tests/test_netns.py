@@ -1,12 +1,15 @@
 """Meta and 4 chunkservers, each on its own host (network namespace), under a mixed
 read/write workload that checks every byte (kvfs.bench.workload: every read API, while some
 keys are overwritten, some deleted, some put with a TTL, and present ones put with
-if_absent): a chunkserver SIGKILLed, a host's link cut, meta restarted.  Each fault's
+if_absent; files read through fsspec's open and read and written through a ``kvfs mount``
+of the cluster, here in the root namespace with the test's clients): a chunkserver SIGKILLed,
+a host's link cut, meta restarted.  Each fault's
 figures (values lost, wrong bytes, the longest a reader waited, the time until every
 committed key had its replicas again) are printed and, when ``$KVFS_FAULT_TABLE`` names a
 file, appended to it as JSON lines (RELIABILITY.md).
 
-Marker ``netns`` (root; .ci/run runs them); skipped, with the reason, without root or ``ip``.
+Marker ``netns`` (root; .ci/run runs them); skipped, with the reason, without root, ``ip``
+or FUSE.
 """
 
 from __future__ import annotations
@@ -20,8 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from fuse_mount import needs_fuse
 from netns import NetLab, NetnsCluster, netns_unavailable
 
+from kvfs.address import TOKEN_ENV
+from kvfs.bench.soak import MOUNT_ATTR_S, MOUNT_WRITE_EVERY, start_mount, stop_mount
 from kvfs.bench.workload import (
     Figures,
     MixedWorkload,
@@ -31,11 +37,13 @@ from kvfs.bench.workload import (
 )
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
+from kvfs.fs import KVFileSystem
+from kvfs.handshake import Role
 from kvfs.layout import Layout
 from kvfs.sync import Client
 
 NO_LAYOUT = Layout(0, 0, 0.0, None, ())
-pytestmark = [pytest.mark.netns, pytest.mark.subprocess, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.netns, pytest.mark.subprocess, pytest.mark.timeout(600), needs_fuse]
 
 HEARTBEAT_TIMEOUT_S = 2.0  # meta: a chunkserver silent this long is not placed on or read from
 DEAD_AFTER_S = 4.0  # meta: ... and this long is dead: the GC daemon's repair copies its extents
@@ -120,10 +128,15 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
     admin = cluster.client(config=cfg)
     # the blocking client's reads run in its callers' threads, on sockets of its own
     blocking = await asyncio.to_thread(Client, cluster.addr, token=cluster.token, config=cfg)
+    files = KVFileSystem(cluster.addr, token=cluster.token, config=cfg, skip_instance_cache=True)
+    mnt = cluster.data.parent / "mnt"  # another node's mount (its timeout: 3 s, within READ_BOUND_S)
+    mounter = await start_mount(cluster.addr, {**os.environ, TOKEN_ENV[Role.CLIENT]: cluster.token},
+                                mnt, replicas)
     rows: list[dict[str, Any]] = []
     load = MixedWorkload(writer, reader, prefix=f"r{replicas}", values=VALUES, write_pause_s=0.05,
                          max_keys=20_000, blocking=blocking, overwrite_every=4,
-                         delete_every=7, ttl_every=5, if_absent_every=6)
+                         delete_every=7, ttl_every=5, if_absent_every=6, mount=mnt,
+                         mount_stale_s=MOUNT_ATTR_S, mount_write_every=MOUNT_WRITE_EVERY, files=files)
 
     async def fault(name: str, on: Callable[[], Awaitable[None]],
                     off: Callable[[], Awaitable[None]], *, heals: bool = True) -> None:
@@ -197,6 +210,8 @@ async def run_faults(cluster: NetnsCluster, replicas: int,
         for c in (writer, reader, admin):
             await c.close()
         await asyncio.to_thread(blocking.close)
+        await asyncio.to_thread(files.close)
+        await stop_mount(mounter, mnt)
     return load, rows
 
 
