@@ -22,8 +22,13 @@ values (must be 0), committed values lost (must be 0 with ``--replicas 2``), rea
 failed puts, the longest read, and the seconds from the kill until every extent had its
 replicas again; ``--json FILE`` writes the same figures.  RELIABILITY.md has a run's figures.
 
+With ``--capacity SIZE`` each chunkserver has that capacity, so the cluster fills and the GC
+daemon evicts: a committed key may then miss, but only one meta no longer has after the miss
+(eviction never brings a key back), and never one a lease holds (readers lease batches of the
+oldest keys with ``exists_many`` and read them again halfway through the lease).
+
 Usage: python -m kvfs.bench.soak [--seconds 180] [--clients 3] [--replicas 2] [--mount [--write-behind SIZE]]
-                                [--dir DIR]
+                                [--capacity SIZE] [--dir DIR]
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ from kvfs.handshake import Role
 from kvfs.launcher import ProcessCluster, ServiceProcess
 from kvfs.mount import is_mounted
 from kvfs.sync import Client
+from kvfs.units import parse_size
 
 CHUNKSERVERS = 4
 SEED_KEYS = 64  # written first; every client also reads them; one of them gets the flipped bit
@@ -57,13 +63,16 @@ HEARTBEAT_TIMEOUT_S = 1.5
 DEAD_AFTER_S = 3.0
 RESTORE_DEADLINE_S = 120.0  # the kill's restore time past this: reported as not restored
 SUM_FIELDS = ("puts_ok", "puts_failed", "asked", "reads", "wrong", "misses", "read_errors", "overwritten",
-              "deleted", "expiring", "after_ttl", "kept_present", "stored_absent", "left_old", "files_written")
+              "deleted", "expiring", "after_ttl", "kept_present", "stored_absent", "left_old", "files_written",
+              "leased", "evicted")
 OVERWRITE_EVERY = 4  # every 4th put of a writer puts a batch of its keys again, as new versions
 DELETE_EVERY = 7  # and every 7th deletes a batch of them
 TTL_EVERY = 5  # and every 5th puts its new keys with a 2 s TTL
 IF_ABSENT_EVERY = 6  # and every 6th puts a batch of present keys with if_absent
 MOUNT_ATTR_S = 1.0  # the mount's --attr-timeout: how long it may show a deleted or expired file
 MOUNT_WRITE_EVERY = 3  # with --mount, every 3rd put writes its new keys as files through it
+LEASE_EVERY = 4  # about every 4th async get_many reads with a lease,
+LEASE_S = 3.0  # of this long (with --capacity, a leased key must not be evicted)
 
 
 def client_config(replicas: int) -> ClientConfig:
@@ -73,7 +82,7 @@ def client_config(replicas: int) -> ClientConfig:
 
 # one client process -----------------------------------------------------------------
 async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out: Path,
-                      mount: Path | None = None) -> None:
+                      mount: Path | None = None, evicting: bool = False) -> None:
     """Run the workload for ``seconds`` (a writer and a reader client of its own, and the files
     under ``mount``), then write its figures and committed keys to ``out`` (JSON)."""
     cfg = client_config(replicas)
@@ -86,7 +95,8 @@ async def client_main(addr: str, prefix: str, seconds: float, replicas: int, out
                                  delete_every=DELETE_EVERY, ttl_every=TTL_EVERY,
                                  if_absent_every=IF_ABSENT_EVERY, mount=mount,
                                  mount_stale_s=MOUNT_ATTR_S, mount_write_every=MOUNT_WRITE_EVERY,
-                                 files=files)
+                                 files=files, lease_every=LEASE_EVERY, lease_s=LEASE_S,
+                                 evicting=evicting)
             load.committed.extend(seed_keys())
             load.start()
             await asyncio.sleep(seconds)  # the soak's length: the workload runs meanwhile
@@ -172,11 +182,14 @@ async def stop_mount(mounter: ServiceProcess, mnt: Path) -> None:
 
 
 async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: bool = False,
-               write_behind: str | None = None) -> dict[str, Any]:
+               write_behind: str | None = None, capacity: int | None = None) -> dict[str, Any]:
+    """``capacity``: each chunkserver's (bytes; chunk files of a sixteenth of it), so that
+    the cluster fills and the GC daemon evicts."""
+    full = ("--capacity", str(capacity), "--chunk-bytes", str(capacity // 16)) if capacity else ()
     cluster = ProcessCluster(
         root / "data", CHUNKSERVERS, listen="127.0.0.1:0",
         meta_args=("--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S}s", "--dead-after", f"{DEAD_AFTER_S}s"),
-        chunkserver_args=("--heartbeat-interval", "250ms"),
+        chunkserver_args=("--heartbeat-interval", "250ms", *full),
         gc=True, gc_args=("--interval", "1s", "--grace", "2s"))
     procs: list[asyncio.subprocess.Process] = []
     mounter: ServiceProcess | None = None
@@ -194,7 +207,8 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
                 procs.append(await asyncio.create_subprocess_exec(
                     sys.executable, "-m", "kvfs.bench.soak", "--client-of", addr, "--prefix", f"c{i}",
                     "--seconds", str(seconds), "--replicas", str(replicas), "--out", str(out),
-                    *(["--mount-dir", str(mnt)] if mount else []), env=env))
+                    *(["--mount-dir", str(mnt)] if mount else []),
+                    *(["--evicting"] if capacity else []), env=env))
             await asyncio.sleep(seconds * 0.2)  # the workload runs; then the bit flip
             flipped = seed_keys()[SEED_KEYS // 2]
             flipped_on, holders = await flip_bit(cluster, admin, flipped)
@@ -221,8 +235,13 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
             maybe = {k.encode() for r in rows for k in r["maybe_deleted"]}
             expiry = {k.encode(): (lo, hi) for r in rows for k, (lo, hi) in r["expiry"].items()}
         async with AsyncClient(addr, token=cluster.token, config=client_config(replicas)) as fresh:
+            missed: list[bytes] = []
             misses, wrong, failed = await verify_all(fresh, keys, VALUES, versions=versions,
-                                                     deleted=deleted, maybe_deleted=maybe, expiry=expiry)
+                                                     deleted=deleted, maybe_deleted=maybe, expiry=expiry,
+                                                     missed=missed)
+            # full: a miss is eviction's where meta no longer has the key (nothing writes now)
+            evicted = misses - sum(await fresh.exists_many(missed)) if capacity else 0
+            gc_metrics = (await fresh.stats())["gc"]["metrics"]
     finally:
         for p in procs:
             if p.returncode is None:
@@ -244,7 +263,8 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
             "by_api": by_api,
             "keys_committed": len(keys), "final_misses": misses, "final_wrong": wrong,
             "final_failed": failed, "wrong_total": total["wrong"] + wrong,
-            "values_lost": misses + failed,
+            "final_evicted": evicted, "values_lost": misses - evicted + failed,
+            "gc_keys_evicted": int(gc_metrics.get("keys_evicted", 0)),
             "restore_s": None if restore_s is None else round(restore_s, 2)}
 
 
@@ -259,12 +279,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write-behind", default=None, metavar="SIZE",
                    help="with --mount: the mount's --write-behind (files written through it are "
                         "committed after their close; the writer fsyncs their directory)")
+    p.add_argument("--capacity", type=parse_size, default=None, metavar="SIZE",
+                   help="each chunkserver's capacity (e.g. 24MiB): the cluster fills and the GC daemon "
+                        "evicts; a committed key may then miss, but not while a lease holds it, nor while "
+                        "meta still has it")
     p.add_argument("--dir", type=Path, default=None, help="where the cluster's data goes (a temp dir in it)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--client-of", default=None, help=argparse.SUPPRESS)  # one client process
     p.add_argument("--prefix", default="c", help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--mount-dir", type=Path, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--evicting", action="store_true", help=argparse.SUPPRESS)
     ns = p.parse_args(argv)
     if ns.seconds <= 0 or ns.clients < 1 or ns.replicas < 1:
         p.error("--seconds must be positive, --clients and --replicas at least 1")
@@ -272,23 +297,28 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--write-behind is the mount's: give --mount too")
     if ns.client_of:
         die_with_parent()
-        asyncio.run(client_main(ns.client_of, ns.prefix, ns.seconds, ns.replicas, ns.out, ns.mount_dir))
+        asyncio.run(client_main(ns.client_of, ns.prefix, ns.seconds, ns.replicas, ns.out, ns.mount_dir,
+                                ns.evicting))
         return 0
     with tempfile.TemporaryDirectory(dir=ns.dir, prefix="kvfs-soak-") as d:
-        fig = asyncio.run(soak(Path(d), ns.seconds, ns.clients, ns.replicas, ns.mount, ns.write_behind))
+        fig = asyncio.run(soak(Path(d), ns.seconds, ns.clients, ns.replicas, ns.mount, ns.write_behind,
+                               ns.capacity))
     print(f"operations: {fig['puts_ok']} put_many calls ok ({fig['puts_failed']} failed), "
           f"{fig['reads']} values read and checked ({fig['read_errors']} reads failed; per API "
           f"{fig['by_api']}); "
           f"{fig['keys_committed']} keys committed, {fig['overwritten']} overwrites, {fig['deleted']} deleted, "
-          f"{fig['expiring']} put with a TTL, {fig['files_written']} written as files through the mount")
+          f"{fig['expiring']} put with a TTL, {fig['files_written']} written as files through the mount, "
+          f"{fig['leased']} leased; {fig['gc_keys_evicted']} evicted by GC, found so by {fig['evicted']} "
+          f"reads and {fig['final_evicted']} of the final check")
     print(f"wrong values: {fig['wrong_total']}  committed values lost: {fig['values_lost']}  "
           f"longest read: {fig['longest_read_s']}s  replicas restored {fig['restore_s']}s after the kill")
     line = json.dumps(fig, sort_keys=True)
     print(line)
     if ns.json:
         ns.json.write_text(line + "\n")
-    # wrong bytes are never allowed; with 2 replicas, no committed value may be lost either
-    return 0 if fig["wrong_total"] == 0 and (ns.replicas < 2 or fig["values_lost"] == 0) else 1
+    # wrong bytes are never allowed; with 2 replicas, no committed value may be lost or missed
+    # either (but for eviction's, with --capacity: not of a leased key, nor of one meta had)
+    return 0 if fig["wrong_total"] == 0 and (ns.replicas < 2 or fig["values_lost"] == fig["misses"] == 0) else 1
 
 
 if __name__ == "__main__":

@@ -131,6 +131,8 @@ class Figures:
     stored_absent: int = 0  # keys a put with if_absent found absent (unreadable) and stored
     left_old: int = 0  # get_into buffers holding part of an older version past the value (or on TOO_SMALL)
     files_written: int = 0  # keys written as files through the mount (new, or as a next version)
+    leased: int = 0  # keys leased by an exists_many (``lease_every``), each read again during its lease
+    evicted: int = 0  # misses of committed keys meta no longer had after (``evicting``: eviction's)
 
     @property
     def seconds(self) -> float:
@@ -145,7 +147,7 @@ class Figures:
                 "deleted": self.deleted, "expiring": self.expiring,
                 "after_ttl": self.after_ttl, "kept_present": self.kept_present,
                 "stored_absent": self.stored_absent, "left_old": self.left_old,
-                "files_written": self.files_written}
+                "files_written": self.files_written, "leased": self.leased, "evicted": self.evicted}
 
 
 class MixedWorkload:
@@ -169,7 +171,12 @@ class MixedWorkload:
     SGLang's ``HiCacheFile`` does), and so are about half the overwrites; a file counts as
     written once its rename and then an fsync of its directory returned.  ``files``:
     a blocking fsspec ``KVFileSystem`` whose ``open`` the readers read each key's file
-    through too."""
+    through too.  ``lease_every``: instead of about one read in that many, ``exists_many``
+    takes a lease of ``lease_s`` on a batch of the oldest quarter of the committed keys (the
+    ones eviction takes first, as an engine leases pages it found before it loads them), and
+    a read ``lease_s / 2`` later reads them again.  ``evicting``: the cluster is full and GC
+    evicts, so a committed key may miss (``Figures.evicted``), but not while a lease holds
+    it, nor while meta still has it after the miss (eviction never brings a key back)."""
 
     def __init__(self, writer: AsyncClient, reader: AsyncClient, *, prefix: str = "w",
                  writers: int = 2, readers: int = 3, batch: int = 8,
@@ -178,7 +185,8 @@ class MixedWorkload:
                  overwrite_every: int = 0, delete_every: int = 0, ttl_every: int = 0,
                  ttl_s: float = 2.0, if_absent_every: int = 0, mount: Path | None = None,
                  mount_stale_s: float = 1.0, mount_write_every: int = 0,
-                 files: AbstractFileSystem | None = None) -> None:
+                 files: AbstractFileSystem | None = None, lease_every: int = 0,
+                 lease_s: float = 3.0, evicting: bool = False) -> None:
         self.writer, self.reader, self.blocking = writer, reader, blocking
         self.mount, self.mount_stale_s, self.files = mount, mount_stale_s, files
         self.mount_write_every = mount_write_every if mount is not None else 0
@@ -202,6 +210,9 @@ class MixedWorkload:
         self.ttl_every, self.ttl_s = ttl_every, ttl_s
         self.if_absent_every = if_absent_every
         self.expiry: dict[bytes, tuple[float, float]] = {}  # key put with a TTL -> its expiry's bounds
+        self.lease_every, self.lease_s, self.evicting = lease_every, lease_s, evicting
+        self.leased: dict[bytes, float] = {}  # key -> until when (wall clock) a lease surely keeps it
+        self._lease_reads: list[tuple[float, list[bytes]]] = []  # (when, keys leased): read them then
         self.history: list[Figures] = []
         self.now = Figures("start")
         self._seq = 0
@@ -334,6 +345,8 @@ class MixedWorkload:
         for it, and stored (``stored_absent``: with a replica always up, it must stay 0)."""
         keys = list({k for k in self._rng.sample(self.own, self.batch) if k not in self._busy})
         self._busy.update(keys)
+        for k in keys:  # a lease kept the version read, not the next one
+            self.leased.pop(k, None)
         fig = self.now
         try:
             for k in keys:  # the version a read may see from now on
@@ -387,10 +400,17 @@ class MixedWorkload:
             if not self.committed:
                 await asyncio.sleep(0.01)
                 continue
-            keys = [self._rng.choice(self.committed) for _ in range(self.batch)]
+            fig = self.now
+            if self.lease_every and self._rng.randrange(self.lease_every) == 0:
+                await self._lease(fig)
+                continue
+            if self._lease_reads and self._lease_reads[0][0] <= time.time():
+                keys = self._lease_reads.pop(0)[1]  # leased a while ago: each must be found
+            else:
+                keys = [self._rng.choice(self.committed) for _ in range(self.batch)]
             api = self.apis[turn % len(self.apis)]
             turn += 1
-            fig = self.now
+            before = self._settled(keys)  # to tell a key put again meanwhile
             t0, w0 = time.monotonic(), time.time()
             try:
                 if api.endswith("get_many"):
@@ -411,21 +431,84 @@ class MixedWorkload:
                 await self._notify()
                 await asyncio.sleep(0.05)
                 continue
+            w1 = time.time()
             fig.asked += len(keys)
             fig.longest_read_s = max(fig.longest_read_s, time.monotonic() - t0)
             fig.by_api[api] += len(keys)
             if self.expiry:
                 stale_s = self.mount_stale_s if api == "mount" else 0.0
-                got = self._expiring(keys, got, w0 - stale_s, time.time(), fig)
-            for outcome in got:
-                fig.reads += 1
-                if outcome is None:
-                    fig.misses += 1
-                    fig.errors[f"{api}: miss"] += 1
-                elif outcome:
-                    fig.wrong += 1
-                    fig.errors[f"{api}: {outcome}"] += 1
+                got = self._expiring(keys, got, w0 - stale_s, w1, fig)
+            await self._tally(api, keys, got, before, w1, fig)
             await self._notify()
+
+    async def _tally(self, api: str, keys: list[bytes], got: list[str | None],
+                     before: dict[bytes, int | None], w1: float, fig: Figures) -> None:
+        """Count a read's outcomes (ended at wall clock ``w1``) in ``fig``: values read,
+        wrong ones, and misses (``evicting``: those a lease held, or of keys meta still has
+        after, :meth:`_evicted`)."""
+        unsure = []  # misses eviction may explain
+        for k, outcome in zip(keys, got, strict=True):
+            fig.reads += 1
+            if outcome is None:
+                if self.evicting and self.leased.get(k, 0.0) < w1:
+                    unsure.append(k)
+                    continue
+                fig.misses += 1
+                fig.errors[f"{api}: miss{' while leased' if self.evicting else ''}"] += 1
+            elif outcome:
+                fig.wrong += 1
+                fig.errors[f"{api}: {outcome}"] += 1
+        if unsure:
+            await self._evicted(unsure, before, api, fig)
+
+    def _settled(self, keys: list[bytes]) -> dict[bytes, int | None]:
+        """Each key's newest version, None while it is being put again (or deleted)."""
+        return {k: None if k in self._busy else self.newest.get(k, 0) for k in keys}
+
+    async def _lease(self, fig: Figures) -> None:
+        """A batch of the oldest committed keys leased by ``exists_many``: each found (not
+        being put again, deleted or expiring) is kept from eviction until at least the call's
+        start + ``lease_s`` (less ``EXPIRY_SLACK_S``), so a read that ends before then must
+        find it; one such read is queued for ``lease_s / 2`` later."""
+        old = self.committed[:max(1, len(self.committed) // 4)]
+        keys = list({self._rng.choice(old) for _ in range(self.batch)} - self._busy)
+        before = self._settled(keys)
+        w0 = time.time()
+        try:
+            found = await self.reader.exists_many(keys, lease_s=self.lease_s)
+        except KVFSError as exc:
+            fig.errors[f"lease: {type(exc).__name__}"] += 1
+            await asyncio.sleep(0.05)  # pacing after a failure, not a wait for a condition
+            return
+        until = w0 + self.lease_s - EXPIRY_SLACK_S
+        held = [k for k, there in zip(keys, found, strict=True)
+                if there and k not in self.deleting and k not in self.expiry and self._same(k, before)]
+        for k in held:
+            self.leased[k] = max(self.leased.get(k, 0.0), until)
+        fig.leased += len(held)
+        if held:
+            self._lease_reads.append((w0 + self.lease_s / 2, held))
+
+    def _same(self, key: bytes, before: dict[bytes, int | None]) -> bool:
+        """Whether ``key`` was not put again (nor being put) since ``before`` (:meth:`_settled`)."""
+        return before[key] is not None and key not in self._busy and self.newest.get(key, 0) == before[key]
+
+    async def _evicted(self, keys: list[bytes], before: dict[bytes, int | None], api: str,
+                       fig: Figures) -> None:
+        """``keys`` read as misses, unleased (``evicting``): eviction's if meta does not have
+        them now (eviction never brings a key back), else a miss of a key present throughout,
+        unless it was put again meanwhile."""
+        try:
+            present = await self.reader.exists_many(keys)
+        except KVFSError as exc:
+            fig.errors[f"{api}: miss, not checked ({type(exc).__name__})"] += len(keys)
+            return
+        for k, there in zip(keys, present, strict=True):
+            if not there:
+                fig.evicted += 1
+            elif self._same(k, before):
+                fig.misses += 1
+                fig.errors[f"{api}: miss of a present key"] += 1
 
     async def _get_many(self, keys: list[bytes], *, sync: bool) -> list[str | None]:
         """Each key's outcome: None (a miss of a key not being deleted), "" (one of its
@@ -659,8 +742,9 @@ async def verify_all(client: AsyncClient, keys: list[bytes], values: Values, *,
                      batch: int = 64, versions: Mapping[bytes, tuple[int, int]] | None = None,
                      deleted: Collection[bytes] = (), maybe_deleted: Collection[bytes] = (),
                      expiry: Mapping[bytes, tuple[float, float]] | None = None,
-                     ) -> tuple[int, int, int]:
-    """Read every key once: (misses, wrong values, keys whose read raised).  ``versions``:
+                     missed: list[bytes] | None = None) -> tuple[int, int, int]:
+    """Read every key once: (misses, wrong values, keys whose read raised), the missed keys
+    also appended to ``missed``.  ``versions``:
     key -> (the newest version a put returned for, the newest put at all), those a fresh
     reader may see (absent: 0 alone).  ``deleted``: keys that must be misses (a value read
     is a wrong one); ``maybe_deleted``: keys whose delete failed (a miss is right too).
@@ -677,7 +761,10 @@ async def verify_all(client: AsyncClient, keys: list[bytes], values: Values, *,
         if k in deleted or (ends is not None and _ttl_ended(ends, w0)):
             wrong += v is not None
         elif v is None:
-            misses += k not in maybe_deleted and (ends is None or not _ttl_may_have_ended(ends, w1))
+            if k not in maybe_deleted and (ends is None or not _ttl_may_have_ended(ends, w1)):
+                misses += 1
+                if missed is not None:
+                    missed.append(k)
         else:
             wrong += bool(values.check(k, v, *span.get(k, (0, 0))))
 

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 import pytest
 
-from kvfs.bench.workload import MixedWorkload, Values, verify_all
+from kvfs.bench.workload import EXPIRY_SLACK_S, MixedWorkload, Values, verify_all
 from kvfs.client import MISS, TOO_SMALL, AsyncClient
 from kvfs.errors import Unavailable
 
@@ -350,3 +350,54 @@ async def test_files_written_through_a_mount_count_once_renamed_into_place(tmp_p
     assert await load._put_files([keys[0], lost]) == [keys[0]]
     assert (load.now.files_written, load.now.puts_ok, load.now.puts_failed) == (5, 1, 1)
     assert load.now.errors == {"mount write: ENOENT": 1}
+
+
+class Meta(Reader):
+    """``exists_many`` answering from ``present``, and taking no lease."""
+
+    def __init__(self, present: set[bytes]) -> None:
+        super().__init__()
+        self.present = present
+
+    async def exists_many(self, keys: Sequence[bytes], *, lease_s: float | None = None) -> list[bool]:
+        return [k in self.present for k in keys]
+
+
+async def test_on_a_full_cluster_a_miss_counts_as_evictions_only_if_meta_lost_the_key_and_no_lease_held_it(
+        ) -> None:
+    """``evicting``: a miss of a key meta no longer has is eviction's; one of a key meta still
+    has (not put again meanwhile) is a miss, as is one a lease held until after the read."""
+    meta = Meta(present=set(KEYS[4:8]))
+    load = MixedWorkload(cast(AsyncClient, meta), cast(AsyncClient, meta), values=VALUES, evicting=True)
+    now = time.time()
+    keys = KEYS[:12]
+    load.leased.update({k: now + 1 for k in KEYS[8:10]})  # held past the read's end
+    load.leased.update({k: now - 1 for k in KEYS[10:12]})  # ended before it
+    before = load._settled(keys)
+    await load._tally("get_many", keys, [None] * 12, before, now, load.now)
+    assert load.now.evicted == 4 + 2  # gone from meta, unleased (KEYS[:4], KEYS[10:12])
+    assert load.now.misses == 4 + 2  # meta has them (KEYS[4:8]); leased (KEYS[8:10])
+    assert load.now.errors == {"get_many: miss of a present key": 4, "get_many: miss while leased": 2}
+    load.phase("put again")
+    load._busy.add(KEYS[4])  # put again meanwhile: its miss may have come before the new version
+    load.newest[KEYS[5]] = 1
+    await load._tally("get_many", KEYS[4:8], [None] * 4, before, now, load.now)
+    assert (load.now.misses, load.now.evicted) == (2, 0)  # KEYS[6:8] only
+
+
+async def test_a_lease_is_counted_for_present_keys_and_read_again_halfway(monkeypatch: pytest.MonkeyPatch
+                                                                           ) -> None:
+    """``_lease`` leases a batch of the oldest quarter of the committed keys: those found
+    (not expiring) are held until the call's start + ``lease_s`` less the slack, and queued
+    for a read ``lease_s / 2`` later."""
+    meta = Meta(present=set(KEYS[:8]))
+    load = MixedWorkload(cast(AsyncClient, meta), cast(AsyncClient, meta), values=VALUES,
+                         evicting=True, lease_every=1, lease_s=4.0, batch=64)
+    load.committed.extend(KEYS[:32])  # the oldest quarter: KEYS[:8]
+    load.expiry[KEYS[0]] = (0.0, 1e12)  # expiring: never held
+    monkeypatch.setattr(time, "time", lambda: 1000.0)
+    await load._lease(load.now)
+    assert set(load.leased) == set(KEYS[1:8])
+    assert set(load.leased.values()) == {1000.0 + 4.0 - EXPIRY_SLACK_S}
+    assert load.now.leased == 7
+    assert [(when, sorted(ks)) for when, ks in load._lease_reads] == [(1002.0, sorted(KEYS[1:8]))]
