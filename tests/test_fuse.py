@@ -11,6 +11,7 @@ import asyncio
 import errno
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -1821,6 +1822,32 @@ async def test_the_kernels_size_follows_writes_and_o_trunc_not_a_listing(kv: Asy
         assert ops.table.told_size(ino) == 0, flags
         await ops.release(fi.fh)
         ops.table.tell(ino, 4096, 0.0, 0.0, force=True)
+
+
+async def test_a_commit_that_fails_at_release_is_logged_with_what_happened(
+        kv: AsyncClient, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A written file whose commit still fails at release (its close's failed before) is lost,
+    and the error log says why: a timeout, whose exception says nothing of itself, as the
+    time it ran (the soak on a full cluster logged "the written data is lost: " and nothing)."""
+    import pyfuse3
+
+    from kvfs.mount.inodes import ROOT_INODE
+    from kvfs.mount.ops import KVFSOperations
+
+    ops = KVFSOperations(KVFileSystem(client=kv, asynchronous=True), timeout_s=0.25, attr_timeout_s=60)
+    fi, _ = await ops.create(ROOT_INODE, b"lost", 0o644, os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+                             pyfuse3.RequestContext())
+    await ops.write(fi.fh, 0, b"x" * 4096)
+
+    async def stuck(h: Any) -> None:
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(ops.io, "commit", stuck)
+    with caplog.at_level(logging.ERROR, logger="kvfs.mount"):
+        await ops.release(fi.fh)
+    assert [r.getMessage() for r in caplog.records] == [
+        "release: lost: the written data is lost: TimeoutError: timed out after 0.25s"]
+    assert not await kv.exists("lost")
 
 
 async def test_direct_first_open_reads_a_values_first_open_past_the_kernels_pages(

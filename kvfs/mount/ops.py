@@ -39,11 +39,17 @@ def _fuse_error(fn: Callable[..., Any], args: tuple[Any, ...], exc: Exception, t
     """The errno a handler's failure answers (logged unless it is an everyday one)."""
     code = errno_of(exc)
     if code == errno.EIO:
-        what = f"timed out after {timeout_s}s" if isinstance(exc, TimeoutError) else exc
-        log.warning("%s%r: %s: %s", fn.__name__, args[1:3], type(exc).__name__, what)
+        log.warning("%s%r: %s", fn.__name__, args[1:3], _failure(exc, timeout_s))
     elif code not in (errno.ENOENT, errno.EEXIST, errno.ENOTEMPTY):
         log.info("%s%r: %s", fn.__name__, args[1:3], exc)
     return pyfuse3.FUSEError(code)
+
+
+def _failure(exc: Exception, timeout_s: float) -> str:
+    """A failure as a log line says it: its type and what happened (a request's timeout, which
+    says nothing of itself, as the time it ran)."""
+    what = f"timed out after {timeout_s}s" if isinstance(exc, TimeoutError) else exc
+    return f"{type(exc).__name__}: {what}"
 
 
 class _Deadline:
@@ -397,7 +403,8 @@ class KVFSOperations(Operations):
                 async with asyncio.timeout(self.timeout_s):
                     await self.io.commit(h)
         except Exception as exc:
-            log.error("release: %s: the written data is lost: %s", self.table.path_or_none(h.ino), exc)
+            log.error("release: %s: the written data is lost: %s", self.table.path_or_none(h.ino),
+                      _failure(exc, self.timeout_s))
         finally:
             self.table.close(fh)
             await self.io.release(h)
