@@ -172,7 +172,7 @@ class MixedWorkload:
     written once its rename and then an fsync of its directory returned.  ``files``:
     a blocking fsspec ``KVFileSystem`` whose ``open`` the readers read each key's file
     through too.  ``lease_every``: instead of about one read in that many, ``exists_many``
-    takes a lease of ``lease_s`` on a batch of the oldest quarter of the committed keys (the
+    or ``match_prefix`` takes a lease of ``lease_s`` on a batch of the oldest quarter of the committed keys (the
     ones eviction takes first, as an engine leases pages it found before it loads them), and
     a read ``lease_s / 2`` later reads them again.  ``evicting``: the cluster is full and GC
     evicts, so a committed key may miss (``Figures.evicted``), but not while a lease holds
@@ -466,7 +466,8 @@ class MixedWorkload:
         return {k: None if k in self._busy else self.newest.get(k, 0) for k in keys}
 
     async def _lease(self, fig: Figures) -> None:
-        """A batch of the oldest committed keys leased by ``exists_many``: each found (not
+        """A batch of the oldest committed keys leased by ``exists_many`` or ``match_prefix``
+        (its leading ones found): each found (not
         being put again, deleted or expiring) is kept from eviction until at least the call's
         start + ``lease_s`` (less ``EXPIRY_SLACK_S``), so a read that ends before then must
         find it; one such read is queued for ``lease_s / 2`` later."""
@@ -475,7 +476,11 @@ class MixedWorkload:
         before = self._settled(keys)
         w0 = time.time()
         try:
-            found = await self.reader.exists_many(keys, lease_s=self.lease_s)
+            if self._rng.randrange(2):
+                found = await self.reader.exists_many(keys, lease_s=self.lease_s)
+            else:  # as SGLang's batch_exists: the leading keys present, leased
+                n = await self.reader.match_prefix(keys, lease_s=self.lease_s)
+                found = [i < n for i in range(len(keys))]
         except KVFSError as exc:
             fig.errors[f"lease: {type(exc).__name__}"] += 1
             await asyncio.sleep(0.05)  # pacing after a failure, not a wait for a condition

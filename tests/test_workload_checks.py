@@ -362,6 +362,9 @@ class Meta(Reader):
     async def exists_many(self, keys: Sequence[bytes], *, lease_s: float | None = None) -> list[bool]:
         return [k in self.present for k in keys]
 
+    async def match_prefix(self, keys: Sequence[bytes], *, lease_s: float | None = None) -> int:
+        return next((i for i, k in enumerate(keys) if k not in self.present), len(keys))
+
 
 async def test_on_a_full_cluster_a_miss_counts_as_evictions_only_if_meta_lost_the_key_and_no_lease_held_it(
         ) -> None:
@@ -385,17 +388,22 @@ async def test_on_a_full_cluster_a_miss_counts_as_evictions_only_if_meta_lost_th
     assert (load.now.misses, load.now.evicted) == (2, 0)  # KEYS[6:8] only
 
 
-async def test_a_lease_is_counted_for_present_keys_and_read_again_halfway(monkeypatch: pytest.MonkeyPatch
-                                                                           ) -> None:
+@pytest.mark.parametrize("call", [1, 0])  # exists_many, match_prefix
+async def test_a_lease_is_counted_for_present_keys_and_read_again_halfway(
+        monkeypatch: pytest.MonkeyPatch, call: int) -> None:
     """``_lease`` leases a batch of the oldest quarter of the committed keys: those found
-    (not expiring) are held until the call's start + ``lease_s`` less the slack, and queued
-    for a read ``lease_s / 2`` later."""
+    (by exists_many; or by match_prefix, its leading ones) that are not expiring are held
+    until the call's start + ``lease_s`` less the slack, and queued for a read ``lease_s / 2``
+    later."""
     meta = Meta(present=set(KEYS[:8]))
     load = MixedWorkload(cast(AsyncClient, meta), cast(AsyncClient, meta), values=VALUES,
                          evicting=True, lease_every=1, lease_s=4.0, batch=64)
     load.committed.extend(KEYS[:32])  # the oldest quarter: KEYS[:8]
     load.expiry[KEYS[0]] = (0.0, 1e12)  # expiring: never held
+    monkeypatch.setattr(load._rng, "randrange", lambda n: call)
     monkeypatch.setattr(time, "time", lambda: 1000.0)
+    picked = iter(list(KEYS[:8]) * 8)
+    monkeypatch.setattr(load._rng, "choice", lambda seq: next(picked))
     await load._lease(load.now)
     assert set(load.leased) == set(KEYS[1:8])
     assert set(load.leased.values()) == {1000.0 + 4.0 - EXPIRY_SLACK_S}
