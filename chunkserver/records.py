@@ -67,6 +67,12 @@ def _full(rec: Sequence[Any]) -> tuple[Any, ...]:
             bool(more[4]))
 
 
+def only_tombstones(records: Sequence[Sequence[Any]]) -> bool:
+    """Whether an APPEND's records are all tombstones (a delete's, an eviction's: they free
+    room, so may take the GC reserve)."""
+    return all(len(rec) == 9 and rec[8] for rec in records)
+
+
 def append_buffers(records: Sequence[Sequence[Any]], payload: memoryview
                    ) -> tuple[list[bytes | memoryview], list[int], int]:
     """An APPEND's records as the buffers one vectored write puts at a chunk's tail

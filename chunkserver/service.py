@@ -43,6 +43,7 @@ class ChunkServer:
                                     writeback_start_bytes=config.writeback_start_bytes,
                                     inline_write_bytes=config.inline_write_bytes,
                                     capacity_bytes=config.capacity_bytes,
+                                    gc_reserve_bytes=config.gc_reserve_bytes,
                                     merge_gap_bytes=config.merge_gap_bytes,
                                     max_open_files=open_files - mapped,
                                     max_mapped_files=mapped,

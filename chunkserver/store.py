@@ -36,6 +36,7 @@ from kvfs.chunkserver.records import (
     ScannedRecord,
     append_buffers,
     copy_header,
+    only_tombstones,
     recovery_point,
     scan_records,
 )
@@ -279,6 +280,13 @@ SEQ_BLOCK = 1024
 # within FREE_CHECK_S) is still ENOSPC, answered NoSpace.
 FREE_CHECK_S = 0.1
 FREE_MARGIN_CHUNKS = 2
+# The GC reserve's default (--gc-reserve): this many chunks, at most this share of the
+# capacity (under a high watermark of 0.9, so GC evicts before values reach the reserve).
+# Values are refused that much short of full; compaction's copies and tombstones may fill it.
+# Without it a full server whose chunks were all partly live (eviction takes the least
+# recently used keys, from every chunk) could compact none of them, so freed nothing.
+GC_RESERVE_CHUNKS = 2
+GC_RESERVE_SHARE = 1 / 20
 # Once the open chunk is this full, an IO-thread job makes the next chunk's file and reserves
 # its blocks (and under --fsync batch/always syncs its directory entry): the roll that takes it
 # then waits for no fallocate under the append lock.  A roll's fallocate waited 0.6-0.7 s there
@@ -492,7 +500,8 @@ class ChunkStore:
     def __init__(self, root: Path, *, chunk_bytes: int, io_threads: int = 4,
                  fsync: FsyncMode = FsyncMode.BATCH, fsync_window_s: float = 0.0,
                  writeback_start_bytes: int = 1 << 20,
-                 capacity_bytes: int | None = None, merge_gap_bytes: int = 64 * 1024,
+                 capacity_bytes: int | None = None, gc_reserve_bytes: int | None = None,
+                 merge_gap_bytes: int = 64 * 1024,
                  max_open_files: int = 4096, max_mapped_files: int = 0, preallocate: bool = True,
                  close_timeout_s: float = 30.0, free_check_s: float = FREE_CHECK_S,
                  inline_write_bytes: int = 0) -> None:
@@ -503,6 +512,7 @@ class ChunkStore:
         self.fsync = FsyncMode(fsync)
         self.preallocate = preallocate
         self.capacity_bytes = capacity_bytes
+        self.gc_reserve_bytes = gc_reserve_bytes  # None: GC_RESERVE_CHUNKS, GC_RESERVE_SHARE
         self.merge_gap = merge_gap_bytes
         self.pool = IoPool(io_threads)
         self.close_timeout_s = close_timeout_s
@@ -792,13 +802,20 @@ class ChunkStore:
         self.sizes[cid] = size
 
     def usage(self) -> tuple[int, int, int]:
-        """(capacity, free, used) in bytes, the disk asked now (``statvfs``)."""
+        """(capacity, free, used) in bytes, the disk asked now (``statvfs``); ``free`` is
+        what values may still take, the GC reserve left out (:meth:`gc_reserve`)."""
         used = self.used_bytes
         disk = shutil.disk_usage(self.dir)
         self._disk = (time.monotonic(), disk.total, disk.free, self.grown_bytes)
         capacity = self.capacity_bytes or disk.total
-        free = max(0, min(capacity - used, disk.free))
+        free = max(0, min(capacity - used, disk.free) - self.gc_reserve(capacity))
         return capacity, free, used
+
+    def gc_reserve(self, capacity: int) -> int:
+        """The room, of ``capacity``, that only compaction's copies and tombstones may fill."""
+        if self.gc_reserve_bytes is not None:
+            return self.gc_reserve_bytes
+        return min(GC_RESERVE_CHUNKS * self.chunk_bytes, int(capacity * GC_RESERVE_SHARE))
 
     @property
     def open_chunk(self) -> int | None:
@@ -806,28 +823,37 @@ class ChunkStore:
         return self._open
 
     def _room(self) -> tuple[int, float]:
-        """``(bytes this store can still take, when the disk was asked)``: the disk's free
+        """``(bytes values can still take, when the disk was asked)``: the disk's free
         bytes at its last ``statvfs`` (:meth:`usage`) less what this store wrote or reserved
-        since (:attr:`grown_bytes`), within the capacity; no syscall."""
+        since (:attr:`grown_bytes`), within the capacity, less the GC reserve; no syscall."""
         at, total, disk_free, grown = self._disk
-        return min((self.capacity_bytes or total) - self.used_bytes,
-                   disk_free - (self.grown_bytes - grown)), at
+        capacity = self.capacity_bytes or total
+        return min(capacity - self.used_bytes,
+                   disk_free - (self.grown_bytes - grown)) - self.gc_reserve(capacity), at
 
-    def _check_space(self, nbytes: int) -> None:
-        """:class:`NoSpace` unless ``nbytes`` fit.  The disk is asked again (:meth:`usage`)
-        where its last answer (:meth:`_room`) is older than ``free_check_s`` or leaves less
-        than ``FREE_MARGIN_CHUNKS`` chunks beside ``nbytes``: far from full, no syscall."""
+    def _check_space(self, nbytes: int, *, records: Sequence[Sequence[Any]] = (),
+                     gc: bool = False) -> None:
+        """:class:`NoSpace` unless ``nbytes`` fit: values' outside the GC reserve; ``gc``
+        (compaction's copies) or ``records`` all tombstones (a delete's, an eviction's) may
+        fill it.  The disk is asked again (:meth:`usage`) where its last answer
+        (:meth:`_room`) is older than ``free_check_s`` or leaves less than
+        ``FREE_MARGIN_CHUNKS`` chunks beside ``nbytes``: far from full, no syscall."""
         room, at = self._room()
         if (room - nbytes >= FREE_MARGIN_CHUNKS * self.chunk_bytes
                 and time.monotonic() - at <= self.free_check_s):
             return
         capacity, free, used = self.usage()
-        if nbytes > free:
-            self.wanted_bytes = nbytes
-            self._drop_ahead()  # its blocks are the disk's again
-            raise NoSpace(f"chunkserver {self.server_id} is full: {nbytes} bytes do not fit "
-                          f"({used} of {capacity} used, {free} free), and GC has not freed room for them "
-                          f"(`kvfs gc status` shows each server's live and garbage bytes)")
+        if nbytes <= free:
+            return
+        if (gc or (records and only_tombstones(records))) and nbytes <= min(capacity - used, self._disk[2]):
+            return  # (the disk's free bytes, just asked)
+        reserve = self.gc_reserve(capacity)
+        self.wanted_bytes = nbytes
+        self._drop_ahead()  # its blocks are the disk's again
+        raise NoSpace(f"chunkserver {self.server_id} is full: {nbytes} bytes do not fit "
+                      f"({used} of {capacity} used, {free} free beside the {reserve} kept for GC), "
+                      f"and GC has not freed room for them "
+                      f"(`kvfs gc status` shows each server's live and garbage bytes)")
 
     # append ----------------------------------------------------------------
     def _new_chunk_id(self) -> int:
@@ -953,13 +979,13 @@ class ChunkStore:
     async def append(self, records: Sequence[Sequence[Any]], payload: memoryview) -> list[tuple[int, int]]:
         """Write all records with one vectored write; return each value's (chunk_id, offset)."""
         bufs, rel, total = append_buffers(records, payload)
-        self._check_space(total)  # refuse early without waiting for the lock ...
+        self._check_space(total, records=records)  # refuse early without waiting for the lock ...
         await self._lock.acquire()
         inline = False  # written here: the lock is released below, whatever happens
         try:
             if self._closed:
                 raise Unavailable(f"chunkserver {self.server_id} is shutting down; append elsewhere")
-            self._check_space(total)  # ... and for sure: writes ahead of us took space
+            self._check_space(total, records=records)  # ... and for sure: writes ahead of us took space
             cid = self._open
             fresh = False  # a chunk made by this roll: blocks to reserve, an entry to sync
             if cid is None or (self.sizes[cid] and self.sizes[cid] + total > self.chunk_bytes):
@@ -1478,7 +1504,7 @@ class ChunkStore:
             locations.append(locs)
         if not bufs:
             return None, 0, locations
-        self._check_space(total)
+        self._check_space(total, gc=True)
         new = self._new_chunk_id()
         path = self.chunk_path(new)
         tmp = path.with_suffix(".tmp")

@@ -28,7 +28,7 @@ from kvfs._batch import split_batches
 from kvfs.address import format_addr, lookup_token, parse_addrs
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import GcConfig, TlsConfig
-from kvfs.errors import KVFSError, Unavailable
+from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.gc.pace import Pacer
 from kvfs.gc.repair import RepairReport, repair_step
 from kvfs.handshake import Role
@@ -358,11 +358,16 @@ class GarbageCollector:
                     size = 0
                 batches[-1].append(cid)
                 size += live
-            for batch in batches:
+            for n, batch in enumerate(batches):
                 try:
                     await self._compact_batch(sid, batch, report)
                     if opts.grace_s <= 0:  # no grace: free the space before the next batch
                         await self.delete_chunks([(sid, c) for c in batch], report)
+                except NoSpace as exc:  # its GC reserve is spent until the sources' grace ends
+                    left = sum(map(len, batches[n:]))
+                    log.warning("compaction on server %d stopped for this pass, %d chunks left for "
+                                "the next: %s", sid, left, exc)
+                    break
                 except KVFSError as exc:
                     log.warning("compaction of %d chunks on server %d failed: %s", len(batch), sid, exc)
                     continue

@@ -188,6 +188,10 @@ class ChunkServerConfig(ServerConfig):
     chunk_bytes: int = opt("seal a chunk file at this size", 64 * 1024 * 1024)
     capacity_bytes: int | None = opt("capacity to report (default: the disk's size, which meta "
                                      "splits between the chunkservers on that disk)", None)
+    gc_reserve_bytes: int | None = opt("room only GC may fill: values are refused this much short of "
+                                       "the capacity, and compaction's copies and tombstones may use it, "
+                                       "so a full server can still compact what eviction freed "
+                                       "(default: 2 chunks, at most a twentieth of the capacity)", None)
     heartbeat_interval_s: float = opt("how often to report to meta", 1.0)
     io_threads: int = opt("threads doing preadv/pwritev", 4)
     merge_gap_bytes: int = opt("read ranges closer than this from disk as one span (page-cache "

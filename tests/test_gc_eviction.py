@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -26,10 +28,12 @@ GC = PassOptions(apply=True, grace_s=0, high=0.9, low=0.8)
 DEEP = PassOptions(apply=True, grace_s=0, high=0.5, low=0.4)  # a full server is over it
 
 
-def make(tmp_path: Path, clock: FakeClock, n: int, capacity: int) -> LocalCluster:
+def make(tmp_path: Path, clock: FakeClock, n: int, capacity: int, gc_reserve: int | None = None
+         ) -> LocalCluster:
     root = tmp_path / "evict"
     return LocalCluster(root, n, clock=clock, chunkserver=ChunkServerConfig(
-        data=root, heartbeat_interval_s=0.2, chunk_bytes=64 * 1024, capacity_bytes=capacity))
+        data=root, heartbeat_interval_s=0.2, chunk_bytes=64 * 1024, capacity_bytes=capacity,
+        gc_reserve_bytes=gc_reserve))
 
 
 @pytest.fixture
@@ -354,3 +358,62 @@ async def test_when_every_key_needs_a_tombstone_and_none_can_be_written_writes_f
         assert dropped and max(map(written, dropped)) <= min(map(written, kept))  # LRU first
         assert all(k.encode() in index.tombstones for k in dropped)  # type: ignore[union-attr]
         assert await read_fresh(c, clock, dropped + kept) == [None] * len(dropped) + [b"2" * VALUE] * len(kept)
+
+
+async def test_a_full_server_whose_chunks_are_all_partly_live_is_compacted_into_its_reserve(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """Client values fill a server only up to its GC reserve.  Every other key read (so
+    eviction takes the others, from every chunk), a pass over the high watermark evicts
+    and must then compact those chunks: copying their live halves takes room the values
+    left free, and the room the pass frees takes new values again."""
+    async with (make(tmp_path, clock, 1, 256 * 1024, gc_reserve=64 * 1024) as c,  # a chunk
+                GarbageCollector(c.addr, token=c.admin_token) as gc):
+        kv = c.client(ClientConfig(evict_on_full=False))  # the pass below, not MAKE_ROOM
+        kv.clock = clock
+        async with kv:
+            keys: list[str] = []
+            with pytest.raises(NoSpace):
+                for i in range(64):
+                    clock.advance(1)
+                    await kv.put(f"f{i:02d}", bytes([i]) * VALUE)
+                    keys.append(f"f{i:02d}")
+            clock.advance(1)
+            kept = keys[1::2]
+            assert await read_fresh(c, clock, kept) == [bytes([int(k[1:])]) * VALUE for k in kept]
+            cs = c.chunkservers[0]
+            assert cs is not None
+            _, _, used = cs.store.usage()
+            r = await gc.run_pass(DEEP)
+            assert r.evicted_keys > 0 and r.chunks_compacted > 0, r
+            _, _, after = cs.store.usage()
+            assert after < used, (after, used)  # the evicted halves' room is back
+            clock.advance(1)
+            await kv.put("after", b"A" * VALUE)
+            assert await read_fresh(c, clock, ["after"]) == [b"A" * VALUE]
+
+
+async def test_compaction_on_a_server_stops_for_the_pass_once_its_reserve_is_spent(
+        tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    """With a grace period the chunks compacted stay until it ends, so their copies fill the
+    GC reserve: once a copy does not fit, the server's other chunks wait for the next pass
+    (one warning), rather than each failing in turn."""
+    async with (make(tmp_path, clock, 1, 256 * 1024, gc_reserve=36 * 1024) as c,
+                GarbageCollector(c.addr, token=c.admin_token) as gc):
+        kv = c.client(ClientConfig(evict_on_full=False))
+        kv.clock = clock
+        async with kv:
+            keys: list[str] = []
+            with pytest.raises(NoSpace):
+                for i in range(64):
+                    clock.advance(1)
+                    await kv.put(f"f{i:02d}", bytes([i]) * VALUE)
+                    keys.append(f"f{i:02d}")
+            clock.advance(1)
+            await read_fresh(c, clock, keys[1::2])  # every chunk keeps half its keys
+            with caplog.at_level(logging.WARNING, logger="kvfs.gc"):
+                r = await gc.run_pass(dataclasses.replace(DEEP, grace_s=60))
+            # ~33 KiB copied per chunk, 36 KiB of reserve (and what the values left): some fit
+            assert 0 < r.chunks_compacted < r.compact_candidates, r
+            (stopped,) = [m.getMessage() for m in caplog.records]
+            assert stopped.startswith("compaction on server 1 stopped for this pass, ")
+            assert "chunks left for the next: chunkserver 1 is full" in stopped

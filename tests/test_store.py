@@ -321,7 +321,9 @@ async def test_appends_far_from_full_skip_statvfs_and_are_refused_once_what_they
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The space check counts what the store wrote since its last statvfs (never a stale
     figure that lets writes past the disk's free bytes), asks again within
-    FREE_MARGIN_CHUNKS chunks of full, and only there: 600 KiB free, values of 3000 bytes."""
+    FREE_MARGIN_CHUNKS chunks of full, and only there: 600 KiB free, values of 3000 bytes.
+    Values stop short of the GC reserve (2 chunks here); tombstones, which free room, may
+    still take it."""
     st = ChunkStore(tmp_path / "cs", chunk_bytes=CHUNK, preallocate=False, free_check_s=3600.0)
     st.server_id = 1
     disk = FakeDisk(st, 600 * 1024)
@@ -332,8 +334,14 @@ async def test_appends_far_from_full_skip_statvfs_and_are_refused_once_what_they
             for i in range(1000):
                 await put(st, b"f%d" % i, value_of(b"f%d" % i))
                 appends += 1
-        assert on_disk(st) <= disk.free  # no write past what the disk had free
-        assert disk.free - on_disk(st) < 3000 + 64  # refused only once a record no longer fits
+        reserve = st.gc_reserve(1 << 40)
+        assert reserve == 2 * CHUNK
+        assert on_disk(st) <= disk.free - reserve  # no value written into the reserve
+        assert disk.free - reserve - on_disk(st) < 3000 + 64  # refused only once a record no longer fits
+        tombstones = [(b"t%d" % i, 0, crc32c(b""), None, 1, None, None, 0, True) for i in range(1024)]
+        assert len(await st.append(tombstones, memoryview(b""))) == 1024  # ~40 KiB: into the reserve
+        with pytest.raises(NoSpace, match=f"beside the {reserve} kept for GC"):
+            await put(st, b"v", b"v")
         margin = FREE_MARGIN_CHUNKS * CHUNK // 3000 + 1  # appends within the margin ask (x2)
         assert disk.calls <= 2 * margin + 2 < appends
     finally:
