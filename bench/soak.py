@@ -183,9 +183,10 @@ async def stop_mount(mounter: ServiceProcess, mnt: Path) -> None:
 
 async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: bool = False,
                write_behind: str | None = None, capacity: int | None = None) -> dict[str, Any]:
-    """``capacity``: each chunkserver's (bytes; chunk files of a sixteenth of it), so that
-    the cluster fills and the GC daemon evicts."""
-    full = ("--capacity", str(capacity), "--chunk-bytes", str(capacity // 16)) if capacity else ()
+    """``capacity``: each chunkserver's (bytes), so that the cluster fills and the GC daemon
+    evicts; chunk files of a 64th of it, so that the GC reserve (2 chunks) is within the 10 %
+    over the high watermark."""
+    full = ("--capacity", str(capacity), "--chunk-bytes", str(capacity // 64)) if capacity else ()
     cluster = ProcessCluster(
         root / "data", CHUNKSERVERS, listen="127.0.0.1:0",
         meta_args=("--heartbeat-timeout", f"{HEARTBEAT_TIMEOUT_S}s", "--dead-after", f"{DEAD_AFTER_S}s"),
