@@ -105,7 +105,7 @@ class AsyncClient:
                  config: ClientConfig | None = None) -> None:
         """``token``: the client token (default ``$KVFS_TOKEN`` or the file `kvfs up`
         wrote).  A client never runs GC: a write that finds the cluster full asks meta to
-        make room (MAKE_ROOM) and retries once."""
+        make room (MAKE_ROOM) and retries (again while the passes free something)."""
         metas = parse_addrs(addr)  # several metas of one Redis-backed store: calls spread over them
         self.addr = format_addrs(metas)
         self.token = lookup_token(token, addr=format_addr(*metas[0]))

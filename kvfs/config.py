@@ -277,7 +277,8 @@ class ClientConfig(TlsConfig):
                             "connect_timeout_s; answered, the mark ends); then those are "
                             "misses at once and the mark holds until a probe, one every "
                             "down_for_s, is answered", 5.0)
-    evict_on_full: bool = opt("when a write finds the cluster full, ask meta for a GC pass and retry once", True)
+    evict_on_full: bool = opt("when a write finds the cluster full, ask meta for a GC pass and retry (again "
+                              "while the passes free something; 3 tries in all)", True)
     batch: bool = opt("coalesce concurrent get()/exists() calls, and get_into()/put_many() calls "
                       "of fewer than batch_max_keys keys, into batches", True)
     batch_window_s: float = opt("wait this long for more keys (0: those issued this loop tick)", 0.0)

@@ -4,7 +4,8 @@ Values are placed by :func:`kvfs.placement.place`; each server gets all its reco
 in one APPEND (split past ``max_rpc_bytes``), the payload being the callers'
 memoryviews, never re-packed.  The COMMIT of every layout in one transaction is the
 linearisation point.  A server refusing for lack of space (``NoSpace``) makes the
-writer ask meta to make room (``MAKE_ROOM``: meta runs one GC pass) and retry once;
+writer ask meta to make room (``MAKE_ROOM``: meta runs one GC pass) and retry, again while
+each pass made some (other writers may take it first), within the write's 3 tries;
 the client itself never runs GC.  A server that cannot be reached mid-write (or answers
 an APPEND against the protocol, e.g. not one location per record) is left
 out for the rest of the call and the values are placed again on the live others
@@ -155,8 +156,8 @@ class WritePath:
 
     async def append(self, keys: list[bytes], views: Sequence[Source], *, replicas: int,
                      ttl: float | None, first: int | None = None) -> list[Layout]:
-        """Write the values' bytes (not yet visible): placement, one MAKE_ROOM when the
-        cluster is full, and degraded writes: a server that cannot be reached is left out
+        """Write the values' bytes (not yet visible): placement, MAKE_ROOM when the
+        cluster is full (again while its passes make room), and degraded writes: a server that cannot be reached is left out
         and the values are placed again on the live others (up to 3 tries).  Returns their layouts, to commit.
         ``first``: start at the live server of that index (mod their count, in id order)
         instead of a random draw, so the units of a stream go round-robin over the
@@ -196,11 +197,13 @@ class WritePath:
                 log.info("a write failed on chunkservers %s (unreachable or a bad answer: %s): placing it again on the "
                          "others", sorted(failed), exc)
             except NoSpace:
-                if asked or not self.config.evict_on_full:
+                if asked or not self.config.evict_on_full or attempt == 2:
                     raise
                 log.info("cluster full: asking meta to make room before retrying the write")
-                await self._link.call_meta(rpc.MakeRoom())
-                asked = True
+                made = await self._link.call_meta(rpc.MakeRoom())
+                # a pass that freed room lets the write ask again should other writers take
+                # that room first; one that freed none is the last
+                asked = not (made.evicted_keys or made.expired_keys or made.bytes_reclaimed)
         raise AssertionError("unreachable")
 
     async def commit(self, keys: list[bytes], layouts: list[Layout], ttl: float | None, *,

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -417,3 +418,43 @@ async def test_compaction_on_a_server_stops_for_the_pass_once_its_reserve_is_spe
             (stopped,) = [m.getMessage() for m in caplog.records]
             assert stopped.startswith("compaction on server 1 stopped for this pass, ")
             assert "chunks left for the next: chunkserver 1 is full" in stopped
+
+
+@pytest.mark.parametrize(("made", "fulls", "asks", "fits"), [
+    (1, 2, 2, True),  # each pass made room, which others took first: asked again, then fits
+    (0, 2, 1, False),  # after a pass that made none, the retry is the last
+    (1, 3, 2, False),  # three tries in all: NoSpace, never an AssertionError
+])
+async def test_a_full_write_asks_meta_for_room_again_while_its_passes_make_some(
+        tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch,
+        made: int, fulls: int, asks: int, fits: bool) -> None:
+    """The first ``fulls`` appends find the servers full (fault injection); MAKE_ROOM answers
+    that its pass evicted ``made`` keys."""
+    async with make(tmp_path, clock, 1, CAP) as c:
+        kv = c.client()
+        async with kv:
+            w = kv.writer
+            append, call_meta = w._append, w._link.call_meta
+            left, asked = [fulls], []
+
+            async def full_first(*a: Any, **k: Any) -> Any:
+                if left[0]:
+                    left[0] -= 1
+                    raise NoSpace("chunkserver 1 is full (injected)")
+                return await append(*a, **k)
+
+            async def room(req: Any, *a: Any, **k: Any) -> Any:
+                if isinstance(req, rpc.MakeRoom):
+                    asked.append(req)
+                    return rpc.RoomMade(expired_keys=0, evicted_keys=made, bytes_reclaimed=0)
+                return await call_meta(req, *a, **k)
+
+            monkeypatch.setattr(w, "_append", full_first)
+            monkeypatch.setattr(w._link, "call_meta", room)
+            if fits:
+                await kv.put("k", b"v")
+                assert await kv.get("k") == b"v"
+            else:
+                with pytest.raises(NoSpace, match="injected"):
+                    await kv.put("k", b"v")
+            assert len(asked) == asks
