@@ -531,6 +531,7 @@ class ChunkStore:
         self.inline_writes = 0  # appends written by the event loop
         self.inline_stalls = 0  # inline writes that held the loop past inline_stall_s
         self._disk: tuple[float, int, int, int] = (-1e18, 0, 0, 0)  # statvfs: (when, total, free, grown_bytes then)
+        self._reserve = 0  # gc_reserve() of the capacity at that statvfs
         self._fds: OrderedDict[int, int] = OrderedDict()  # an LRU of open chunk files
         self.maps = ChunkMaps(max_mapped_files, self._unmap)  # small cached reads answered from these
         # chunk id -> (start, end, until): bytes the page cache held in full (readv_mapped's
@@ -808,7 +809,8 @@ class ChunkStore:
         disk = shutil.disk_usage(self.dir)
         self._disk = (time.monotonic(), disk.total, disk.free, self.grown_bytes)
         capacity = self.capacity_bytes or disk.total
-        free = max(0, min(capacity - used, disk.free) - self.gc_reserve(capacity))
+        self._reserve = self.gc_reserve(capacity)
+        free = max(0, min(capacity - used, disk.free) - self._reserve)
         return capacity, free, used
 
     def gc_reserve(self, capacity: int) -> int:
@@ -827,9 +829,8 @@ class ChunkStore:
         bytes at its last ``statvfs`` (:meth:`usage`) less what this store wrote or reserved
         since (:attr:`grown_bytes`), within the capacity, less the GC reserve; no syscall."""
         at, total, disk_free, grown = self._disk
-        capacity = self.capacity_bytes or total
-        return min(capacity - self.used_bytes,
-                   disk_free - (self.grown_bytes - grown)) - self.gc_reserve(capacity), at
+        return min((self.capacity_bytes or total) - self.used_bytes,
+                   disk_free - (self.grown_bytes - grown)) - self._reserve, at
 
     def _check_space(self, nbytes: int, *, records: Sequence[Sequence[Any]] = (),
                      gc: bool = False) -> None:
@@ -847,11 +848,10 @@ class ChunkStore:
             return
         if (gc or (records and only_tombstones(records))) and nbytes <= min(capacity - used, self._disk[2]):
             return  # (the disk's free bytes, just asked)
-        reserve = self.gc_reserve(capacity)
         self.wanted_bytes = nbytes
         self._drop_ahead()  # its blocks are the disk's again
         raise NoSpace(f"chunkserver {self.server_id} is full: {nbytes} bytes do not fit "
-                      f"({used} of {capacity} used, {free} free beside the {reserve} kept for GC), "
+                      f"({used} of {capacity} used, {free} free beside the {self._reserve} kept for GC), "
                       f"and GC has not freed room for them "
                       f"(`kvfs gc status` shows each server's live and garbage bytes)")
 
