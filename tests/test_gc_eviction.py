@@ -14,6 +14,7 @@ from conftest import FakeClock
 from conftest import clocked_client as client
 
 from kvfs import rpc
+from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.errors import NoSpace
 from kvfs.gc import driver
@@ -361,6 +362,19 @@ async def test_when_every_key_needs_a_tombstone_and_none_can_be_written_writes_f
         assert await read_fresh(c, clock, dropped + kept) == [None] * len(dropped) + [b"2" * VALUE] * len(kept)
 
 
+async def fill(kv: AsyncClient, clock: FakeClock) -> list[str]:
+    """Keys put one per tick (the LRU order is the order written) until the servers refuse
+    one (NoSpace, no MAKE_ROOM: ``kv`` has ``evict_on_full`` off): the keys stored."""
+    keys: list[str] = []
+    with pytest.raises(NoSpace):
+        for i in range(64):
+            clock.advance(1)
+            await kv.put(f"f{i:02d}", bytes([i]) * VALUE)
+            keys.append(f"f{i:02d}")
+    clock.advance(1)
+    return keys
+
+
 async def test_a_full_server_whose_chunks_are_all_partly_live_is_compacted_into_its_reserve(
         tmp_path: Path, clock: FakeClock) -> None:
     """Client values fill a server only up to its GC reserve.  Every other key read (so
@@ -372,13 +386,7 @@ async def test_a_full_server_whose_chunks_are_all_partly_live_is_compacted_into_
         kv = c.client(ClientConfig(evict_on_full=False))  # the pass below, not MAKE_ROOM
         kv.clock = clock
         async with kv:
-            keys: list[str] = []
-            with pytest.raises(NoSpace):
-                for i in range(64):
-                    clock.advance(1)
-                    await kv.put(f"f{i:02d}", bytes([i]) * VALUE)
-                    keys.append(f"f{i:02d}")
-            clock.advance(1)
+            keys = await fill(kv, clock)
             kept = keys[1::2]
             assert await read_fresh(c, clock, kept) == [bytes([int(k[1:])]) * VALUE for k in kept]
             cs = c.chunkservers[0]
@@ -403,13 +411,7 @@ async def test_compaction_on_a_server_stops_for_the_pass_once_its_reserve_is_spe
         kv = c.client(ClientConfig(evict_on_full=False))
         kv.clock = clock
         async with kv:
-            keys: list[str] = []
-            with pytest.raises(NoSpace):
-                for i in range(64):
-                    clock.advance(1)
-                    await kv.put(f"f{i:02d}", bytes([i]) * VALUE)
-                    keys.append(f"f{i:02d}")
-            clock.advance(1)
+            keys = await fill(kv, clock)
             await read_fresh(c, clock, keys[1::2])  # every chunk keeps half its keys
             with caplog.at_level(logging.WARNING, logger="kvfs.gc"):
                 r = await gc.run_pass(dataclasses.replace(DEEP, grace_s=60))
