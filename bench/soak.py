@@ -266,6 +266,8 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
             "final_failed": failed, "wrong_total": total["wrong"] + wrong,
             "final_evicted": evicted, "values_lost": misses - evicted + failed,
             "gc_keys_evicted": int(gc_metrics.get("keys_evicted", 0)),
+            # keys meta dropped as lost (every replica corrupt or gone): a miss of one is no eviction's
+            "gc_keys_lost": int(gc_metrics.get("keys_lost", 0)),
             "restore_s": None if restore_s is None else round(restore_s, 2)}
 
 
@@ -318,8 +320,11 @@ def main(argv: list[str] | None = None) -> int:
     if ns.json:
         ns.json.write_text(line + "\n")
     # wrong bytes are never allowed; with 2 replicas, no committed value may be lost or missed
-    # either (but for eviction's, with --capacity: not of a leased key, nor of one meta had)
-    return 0 if fig["wrong_total"] == 0 and (ns.replicas < 2 or fig["values_lost"] == fig["misses"] == 0) else 1
+    # either (but for eviction's, with --capacity: not of a leased key, nor of one meta had,
+    # nor more than GC evicted, and none that meta dropped as lost)
+    kept = (fig["values_lost"] == fig["misses"] == fig["gc_keys_lost"] == 0
+            and fig["final_evicted"] <= fig["gc_keys_evicted"])
+    return 0 if fig["wrong_total"] == 0 and (ns.replicas < 2 or kept) else 1
 
 
 if __name__ == "__main__":

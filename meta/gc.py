@@ -61,7 +61,7 @@ METRIC_NAMES = (
     "keys_expired", "bytes_expired", "keys_evicted", "bytes_evicted", "chunks_compacted",
     "bytes_copied", "keys_relocated", "chunks_deleted", "bytes_reclaimed", "replicas_dropped",
     "passes", "pass_duration_s", "last_pass_duration_s", "extents_repaired", "bytes_repaired",
-    "tombstones_dropped",
+    "tombstones_dropped", "keys_lost",
 )
 DAEMON_LEASE = "gc-daemon"  # the lease GC daemons take turns by (GC_CONTROL's holder)
 MAX_SHADOWED = 4096  # keys left for a tombstone per GC_EXPIRE or GC_EVICT answer (the rest: next call)
@@ -649,7 +649,7 @@ class MetaGc:
         n_deleted = await ix.drop_lost(doomed) if doomed else 0
         dropped = sum(drops[k] for k in done) + sum(drops[k] for k, _ in doomed)
         if dropped:
-            await self._count(replicas_dropped=dropped)
+            await self._count(replicas_dropped=dropped, keys_lost=n_deleted)
         return rpc.Dropped(dropped=dropped, deleted_keys=n_deleted), ()
 
     async def rpc_make_room(self, req: rpc.MakeRoom, payload: memoryview) -> Reply:

@@ -188,6 +188,7 @@ class MetaService:
     async def rpc_report_lost(self, req: rpc.ReportLost, payload: memoryview) -> Reply:
         n = await self.index.drop_lost([(it.key, it.layout) for it in req.items])
         if n:
+            await self.index.add_counts({"keys_lost": n})  # (kvfs gc status: metrics)
             log.warning("dropped %d keys a reader found lost (every replica corrupt or gone), "
                         "e.g. %r", n, req.items[0].key[:64])
         return rpc.LostDropped(dropped=n), ()

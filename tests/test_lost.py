@@ -195,6 +195,7 @@ async def test_a_lost_key_is_dropped_from_meta(cluster: LocalCluster, kv: AsyncC
     assert await kv.get_many([b"bad", b"good"]) == [None, await kv.get(b"good")]
     assert await kv.exists_many([b"bad", b"good"]) == [False, True]  # meta dropped it
     assert await kv.layout(b"bad") is None
+    assert (await kv.stats())["gc"]["metrics"]["keys_lost"] == 1  # and counted it
 
 
 async def test_an_unreachable_key_is_not_dropped(cluster: LocalCluster, kv: AsyncClient) -> None:
