@@ -213,6 +213,9 @@ class MixedWorkload:
         self.lease_every, self.lease_s, self.evicting = lease_every, lease_s, evicting
         self.leased: dict[bytes, float] = {}  # key -> until when (wall clock) a lease surely keeps it
         self._lease_reads: list[tuple[float, list[bytes]]] = []  # (when, keys leased): read them then
+        # one writer's files at a time: a directory's fsync reports (and clears) a failed
+        # write-behind commit under it once, to whichever writer asks first
+        self._files_lock = asyncio.Lock()
         self.history: list[Figures] = []
         self.now = Figures("start")
         self._seq = 0
@@ -326,7 +329,8 @@ class MixedWorkload:
         assert self.mount is not None
         fig = self.now
         items = [(self.mount / k.decode(), self.values.of(k, self.newest.get(k, 0))) for k in keys]
-        failed = await asyncio.to_thread(_write_files, items)
+        async with self._files_lock:
+            failed = await asyncio.to_thread(_write_files, items)
         for exc in failed:
             if exc is not None:
                 fig.errors[f"mount write: {_error_name(exc)}"] += 1
@@ -505,7 +509,8 @@ class MixedWorkload:
         unless it was put again meanwhile."""
         try:
             present = await self.reader.exists_many(keys)
-        except KVFSError as exc:
+        except KVFSError as exc:  # not known to be eviction's: misses
+            fig.misses += len(keys)
             fig.errors[f"{api}: miss, not checked ({type(exc).__name__})"] += len(keys)
             return
         for k, there in zip(keys, present, strict=True):
