@@ -68,9 +68,9 @@ def _full(rec: Sequence[Any]) -> tuple[Any, ...]:
 
 
 def only_tombstones(records: Sequence[Sequence[Any]]) -> bool:
-    """Whether an APPEND's records are all tombstones (a delete's, an eviction's: they free
-    room, so may take the GC reserve)."""
-    return all(len(rec) == 9 and rec[8] for rec in records)
+    """Whether an APPEND's records are all tombstones with no value (a delete's, an
+    eviction's: they free room, so may take the GC reserve)."""
+    return all(len(rec) == 9 and rec[8] and not rec[1] for rec in records)
 
 
 def append_buffers(records: Sequence[Sequence[Any]], payload: memoryview

@@ -48,7 +48,7 @@ def _fuse_error(fn: Callable[..., Any], args: tuple[Any, ...], exc: Exception, t
 def _failure(exc: Exception, timeout_s: float) -> str:
     """A failure as a log line says it: its type and what happened (a request's timeout, which
     says nothing of itself, as the time it ran)."""
-    what = f"timed out after {timeout_s}s" if isinstance(exc, TimeoutError) else exc
+    what = f"timed out after {timeout_s}s" if isinstance(exc, TimeoutError) and not str(exc) else exc
     return f"{type(exc).__name__}: {what}"
 
 
