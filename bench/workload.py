@@ -585,7 +585,7 @@ class MixedWorkload:
     async def _file_reads(self, keys: list[bytes], api: str) -> list[str | None]:
         """As :meth:`_get_ranges`, each key's file (``api``: through the mount, or fsspec's
         ``open``), in a thread: read whole (open, read to its end, close), or a slice (a seek,
-        one read); a missing file is a miss.  Any other error raises, once the files read are
+        then reads to its end: :func:`_read_on`); a missing file is a miss.  Any other error raises, once the files read are
         checked."""
         spans = [None if self._rng.randrange(2) else self._span(k) for k in keys]
         answers = await asyncio.to_thread(self._read_files, keys, spans, api)
@@ -600,9 +600,11 @@ class MixedWorkload:
         for k, span in zip(keys, spans, strict=True):
             try:
                 with self._open(k, api) as f:
-                    if span is not None:
-                        f.seek(span[0])
-                    out.append(f.read() if span is None else f.read(span[1] - span[0]))
+                    if span is None:
+                        out.append(f.read())
+                        continue
+                    f.seek(span[0])
+                    out.append(_read_on(f, span[1] - span[0]))
             except FileNotFoundError:
                 out.append(None)
             except OSError as exc:
@@ -699,6 +701,21 @@ class MixedWorkload:
             else:
                 out.append(self.values.check(k, whole[:n], 0, newest))
         return out
+
+
+def _read_on(f: IO[bytes], n: int) -> bytes:
+    """``n`` bytes from ``f``, read on after a short read, as a buffered reader does: up to
+    its end, or what a later read raises.  (A mount's file is read unbuffered, one read(2)
+    a call: where the kernel holds a file's first pages and a later page cannot be read,
+    it returns the pages it has, a short read, and the error only to the next read.)"""
+    parts = []
+    while n > 0:
+        got = f.read(n)
+        if not got:
+            break
+        parts.append(got)
+        n -= len(got)
+    return b"".join(parts)
 
 
 def _write_files(items: list[tuple[Path, bytes]]) -> list[OSError | None]:

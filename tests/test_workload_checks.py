@@ -4,6 +4,7 @@ broken read path cannot pass the soak or the netns faults unseen."""
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -409,3 +410,29 @@ async def test_a_lease_is_counted_for_present_keys_and_read_again_halfway(
     assert set(load.leased.values()) == {1000.0 + 4.0 - EXPIRY_SLACK_S}
     assert load.now.leased == 7
     assert [(when, sorted(ks)) for when, ks in load._lease_reads] == [(1002.0, sorted(KEYS[1:8]))]
+
+
+def test_a_slice_read_short_is_read_on_and_a_later_error_is_the_reads() -> None:
+    """A mount's file is read unbuffered: the kernel may answer a read(2) short, with the
+    pages it holds, and the error only to the next read (a page it could not read).  The
+    reader reads on, as a buffered reader does: the slice whole, or that error."""
+    from kvfs.bench.workload import _read_on
+
+    class Short(io.RawIOBase):
+        def __init__(self, data: bytes, fail_at: int | None = None) -> None:
+            self.data, self.pos, self.fail_at = data, 0, fail_at
+
+        def readable(self) -> bool:
+            return True
+
+        def read(self, n: int = -1) -> bytes:
+            if self.fail_at is not None and self.pos >= self.fail_at:
+                raise FileNotFoundError(2, "lost since it was opened")
+            end = min(self.pos + n, self.pos + 3, len(self.data))  # 3 bytes a call at most
+            got, self.pos = self.data[self.pos:end], end
+            return got
+
+    assert _read_on(Short(b"abcdefghij"), 8) == b"abcdefgh"
+    assert _read_on(Short(b"abcdefghij"), 20) == b"abcdefghij"  # up to its end
+    with pytest.raises(FileNotFoundError):
+        _read_on(Short(b"abcdefghij", fail_at=6), 8)
