@@ -34,6 +34,7 @@ from typing import IO, Any, cast
 
 from fsspec import AbstractFileSystem
 
+from kvfs.chunkserver.durability import fsync_dir
 from kvfs.client import MISS, TOO_SMALL, AsyncClient
 from kvfs.errors import KVFSError
 from kvfs.sync import Client
@@ -736,11 +737,7 @@ def _write_files(items: list[tuple[Path, bytes]]) -> list[OSError | None]:
             out.append(exc)
     for parent in {path.parent for (path, _), exc in zip(items, out, strict=True) if exc is None}:
         try:
-            fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(parent)
         except OSError as exc:  # a commit under it failed: which is not known
             out = [exc if e is None and p.parent == parent else e
                    for (p, _), e in zip(items, out, strict=True)]
