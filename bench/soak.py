@@ -25,7 +25,8 @@ replicas again; ``--json FILE`` writes the same figures.  RELIABILITY.md has a r
 With ``--capacity SIZE`` each chunkserver has that capacity, so the cluster fills and the GC
 daemon evicts: a committed key may then miss, but only one meta no longer has after the miss
 (eviction never brings a key back), and never one a lease holds (readers lease batches of the
-oldest keys with ``exists_many`` and read them again halfway through the lease).
+oldest keys with ``exists_many`` or ``match_prefix`` and read them again halfway through the
+lease).
 
 Usage: python -m kvfs.bench.soak [--seconds 180] [--clients 3] [--replicas 2] [--mount [--write-behind SIZE]]
                                 [--capacity SIZE] [--dir DIR]
@@ -71,8 +72,8 @@ TTL_EVERY = 5  # and every 5th puts its new keys with a 2 s TTL
 IF_ABSENT_EVERY = 6  # and every 6th puts a batch of present keys with if_absent
 MOUNT_ATTR_S = 1.0  # the mount's --attr-timeout: how long it may show a deleted or expired file
 MOUNT_WRITE_EVERY = 3  # with --mount, every 3rd put writes its new keys as files through it
-LEASE_EVERY = 4  # about every 4th async get_many reads with a lease,
-LEASE_S = 3.0  # of this long (with --capacity, a leased key must not be evicted)
+LEASE_EVERY = 4  # about one read in 4 is instead a lease of the oldest keys, read again halfway
+LEASE_S = 3.0  # through it (with --capacity, a leased key must not be evicted)
 
 
 def client_config(replicas: int) -> ClientConfig:

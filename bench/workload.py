@@ -132,7 +132,7 @@ class Figures:
     stored_absent: int = 0  # keys a put with if_absent found absent (unreadable) and stored
     left_old: int = 0  # get_into buffers holding part of an older version past the value (or on TOO_SMALL)
     files_written: int = 0  # keys written as files through the mount (new, or as a next version)
-    leased: int = 0  # keys leased by an exists_many (``lease_every``), each read again during its lease
+    leased: int = 0  # keys leased by exists_many or match_prefix (``lease_every``), read again during the lease
     evicted: int = 0  # misses of committed keys meta no longer had after (``evicting``: eviction's)
 
     @property
@@ -173,9 +173,9 @@ class MixedWorkload:
     written once its rename and then an fsync of its directory returned.  ``files``:
     a blocking fsspec ``KVFileSystem`` whose ``open`` the readers read each key's file
     through too.  ``lease_every``: instead of about one read in that many, ``exists_many``
-    or ``match_prefix`` takes a lease of ``lease_s`` on a batch of the oldest quarter of the committed keys (the
-    ones eviction takes first, as an engine leases pages it found before it loads them), and
-    a read ``lease_s / 2`` later reads them again.  ``evicting``: the cluster is full and GC
+    or ``match_prefix`` takes a lease of ``lease_s`` on a batch of the oldest quarter of the
+    committed keys (the ones eviction takes first, as an engine leases pages it found before
+    it loads them), and a read ``lease_s / 2`` later reads them again.  ``evicting``: the cluster is full and GC
     evicts, so a committed key may miss (``Figures.evicted``), but not while a lease holds
     it, nor while meta still has it after the miss (eviction never brings a key back)."""
 
@@ -467,15 +467,15 @@ class MixedWorkload:
             await self._evicted(unsure, before, api, fig)
 
     def _settled(self, keys: list[bytes]) -> dict[bytes, int | None]:
-        """Each key's newest version, None while it is being put again (or deleted)."""
+        """Each key's newest version, None while it is being put again."""
         return {k: None if k in self._busy else self.newest.get(k, 0) for k in keys}
 
     async def _lease(self, fig: Figures) -> None:
         """A batch of the oldest committed keys leased by ``exists_many`` or ``match_prefix``
-        (its leading ones found): each found (not
-        being put again, deleted or expiring) is kept from eviction until at least the call's
-        start + ``lease_s`` (less ``EXPIRY_SLACK_S``), so a read that ends before then must
-        find it; one such read is queued for ``lease_s / 2`` later."""
+        (its leading ones found): each found (not being put again, deleted or expiring) is
+        kept from eviction until at least the call's start + ``lease_s`` (less
+        ``EXPIRY_SLACK_S``), so a read that ends before then must find it; one such read is
+        queued for ``lease_s / 2`` later."""
         old = self.committed[:max(1, len(self.committed) // 4)]
         keys = list({self._rng.choice(old) for _ in range(self.batch)} - self._busy)
         before = self._settled(keys)
@@ -586,8 +586,8 @@ class MixedWorkload:
     async def _file_reads(self, keys: list[bytes], api: str) -> list[str | None]:
         """As :meth:`_get_ranges`, each key's file (``api``: through the mount, or fsspec's
         ``open``), in a thread: read whole (open, read to its end, close), or a slice (a seek,
-        then reads to its end: :func:`_read_on`); a missing file is a miss.  Any other error raises, once the files read are
-        checked."""
+        then reads to its end: :func:`_read_on`); a missing file is a miss.  Any other error
+        raises, once the files read are checked."""
         spans = [None if self._rng.randrange(2) else self._span(k) for k in keys]
         answers = await asyncio.to_thread(self._read_files, keys, spans, api)
         out = [None if isinstance(v, BaseException) else self._judge(k, v, span)

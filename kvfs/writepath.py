@@ -157,8 +157,9 @@ class WritePath:
     async def append(self, keys: list[bytes], views: Sequence[Source], *, replicas: int,
                      ttl: float | None, first: int | None = None) -> list[Layout]:
         """Write the values' bytes (not yet visible): placement, MAKE_ROOM when the
-        cluster is full (again while its passes make room), and degraded writes: a server that cannot be reached is left out
-        and the values are placed again on the live others (up to 3 tries).  Returns their layouts, to commit.
+        cluster is full (again while its passes make room), and degraded writes: a server
+        that cannot be reached is left out and the values are placed again on the live
+        others (up to 3 tries).  Returns their layouts, to commit.
         ``first``: start at the live server of that index (mod their count, in id order)
         instead of a random draw, so the units of a stream go round-robin over the
         servers as stripes do (and, not knowing the whole value, its records say so)."""
