@@ -424,9 +424,15 @@ class GarbageCollector:
     async def verify_server(self, sid: int, pacer: Pacer | None = None) -> Verification:
         """Read back every range meta's layouts reference on chunkserver ``sid`` and check its
         CRC-32C there (CHUNK_VERIFY, in batches; ``pacer``: within its byte rate)."""
-        out = Verification()
         refs = (await self.meta(rpc.GcChunkRefs(server_id=sid))).refs
         flat = [(r.key, c, r.offset, r.length, r.crc) for c, rs in refs.items() for r in rs]
+        return await self.verify_ranges(sid, flat, pacer)
+
+    async def verify_ranges(self, sid: int, flat: Sequence[tuple[bytes, int, int, int, int]],
+                            pacer: Pacer | None = None) -> Verification:
+        """Check ranges (key, chunk id, offset, length, CRC-32C) of chunkserver ``sid``
+        there (CHUNK_VERIFY, in batches; ``pacer``: within its byte rate)."""
+        out = Verification()
         for run in split_batches([f[3] for f in flat], max_bytes=VERIFY_BATCH_BYTES):
             batch = flat[run.start : run.stop]
             h = await self.chunkserver(sid, rpc.ChunkVerify(

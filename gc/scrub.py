@@ -11,18 +11,23 @@ chunkserver, within a byte-rate budget, and deal with each one found missing or 
    (``GC_DROP_REPLICAS``, which matches the exact replicas verified, so a racing overwrite
    wins) and reported by name.
 3. A dry run (no ``apply``) verifies and reports what ``apply`` would do, changing nothing.
+
+:func:`check_reported` does steps 1 and 2 for the replicas readers reported failing their
+CRC-32C (REPORT_BAD; meta runs it, as it runs MAKE_ROOM's pass): only those are verified.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import defaultdict
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvfs import rpc
 from kvfs.errors import KVFSError
-from kvfs.gc.driver import GarbageCollector
+from kvfs.gc.driver import GarbageCollector, Verification
 from kvfs.gc.pace import Pacer
 from kvfs.gc.repair import RepairReport, copy_extents
 
@@ -63,12 +68,22 @@ async def scrub(gc: GarbageCollector, *, apply: bool, rate_bytes: int | None = N
     pacer = Pacer(rate_bytes)
     stats = await gc.sync_usage()
     report.servers_skipped = sorted(s.server_id for s in await gc.servers() if s.server_id not in stats)
+    bad = await _verify(report, sorted(stats), lambda sid: gc.verify_server(sid, pacer))
+    await mend(gc, bad, report, pacer)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+async def _verify(report: ScrubReport, servers: Iterable[int],
+                  verify: Callable[[int], Awaitable[Verification]]) -> list[rpc.BadReplica]:
+    """``verify(sid)`` of each server, counted in ``report``; the replicas found bad.  A
+    server whose verification fails is skipped (logged)."""
     bad: list[rpc.BadReplica] = []
-    for sid in sorted(stats):
+    for sid in servers:
         try:
-            v = await gc.verify_server(sid, pacer)
+            v = await verify(sid)
         except KVFSError as exc:
-            log.warning("scrub: verifying server %d failed: %s", sid, exc)
+            log.warning("verifying server %d failed: %s", sid, exc)
             report.servers_skipped.append(sid)
             continue
         report.servers_verified += 1
@@ -77,11 +92,19 @@ async def scrub(gc: GarbageCollector, *, apply: bool, rate_bytes: int | None = N
         report.missing += len(v.missing)
         report.corrupt += len(v.corrupt)
         bad += v.missing + v.corrupt
+    return bad
+
+
+async def mend(gc: GarbageCollector, bad: list[rpc.BadReplica], report: ScrubReport,
+               pacer: Pacer) -> None:
+    """Replicas found bad (missing or corrupt, by CHUNK_VERIFY), against the layouts now
+    (GC_SCRUB_PLAN): with ``report.apply``, each repaired from a good copy, and a key with
+    none dropped; counted in ``report`` either way."""
     for start in range(0, len(bad), PLAN_BATCH):
         plan = await gc.meta(rpc.GcScrubPlan(bad=bad[start:start + PLAN_BATCH]))
         report.repairable += len(plan.items)
         report.lost_keys += plan.lost
-        if not apply:
+        if not report.apply:
             continue
         if plan.items:
             rep = RepairReport()
@@ -95,6 +118,21 @@ async def scrub(gc: GarbageCollector, *, apply: bool, rate_bytes: int | None = N
             report.replicas_dropped += dropped.dropped
             report.keys_dropped += dropped.deleted_keys
     for k in report.lost_keys:
-        log.warning("scrub: key %r has no good copy%s", k, ": dropped" if apply else "")
+        log.warning("key %r has no good copy%s", k, ": dropped" if report.apply else "")
+
+
+async def check_reported(gc: GarbageCollector,
+                         suspects: Mapping[rpc.BadReplica, rpc.VerifyRange]) -> ScrubReport:
+    """Replicas readers reported failing their CRC-32C (REPORT_BAD; each with the range and
+    CRC-32C its layout names): each checked on its own chunkserver, and those found bad
+    there mended (:func:`mend`), as a scrub mends what it finds.  A server that cannot be
+    asked is skipped (its replicas are the repair step's once it is declared dead)."""
+    t0 = time.monotonic()
+    report = ScrubReport(apply=True)
+    by_server: dict[int, list[tuple[bytes, int, int, int, int]]] = defaultdict(list)
+    for b, r in suspects.items():
+        by_server[b.server_id].append((b.key, r.chunk_id, r.offset, r.length, r.crc))
+    bad = await _verify(report, sorted(by_server), lambda sid: gc.verify_ranges(sid, by_server[sid]))
+    await mend(gc, bad, report, Pacer(None))
     report.seconds = time.monotonic() - t0
     return report

@@ -205,6 +205,7 @@ class AsyncClient:
 
     async def close(self) -> None:
         await self.layout_cache.close(self.config.request_timeout_s)
+        await self.reader.close(self.config.request_timeout_s)
         await self._link.aclose()
 
     async def servers(self, *, refresh: bool = False) -> list[ServerEntry]:

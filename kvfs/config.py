@@ -142,6 +142,10 @@ class MetaConfig(ServerConfig):
                                       f"{MAX_HOLDER_CHARS}): a lookup or release naming a longer "
                                       "one is refused", 64, positive=True)
     access_flush_interval_s: float = opt("how often last-access times are written", 5.0)
+    suspect_replicas: int = opt("replicas readers reported failing their CRC-32C (REPORT_BAD) held "
+                                "for meta to check on their chunkservers and repair from a good "
+                                "copy; reports past it are dropped until those are done (0: "
+                                "reports are ignored; a scrub still finds them)", 4096)
     store: str | None = opt("where the index lives: default the SQLite file under --data; "
                             "redis-cluster://HOST:PORT[,HOST:PORT...] keeps it in a Redis Cluster, "
                             "where several meta processes serve one index", None)
@@ -171,6 +175,8 @@ class MetaConfig(ServerConfig):
                      "max_lease_holder_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        if self.suspect_replicas < 0:
+            raise ValueError(f"--suspect-replicas must be at least 0, got {self.suspect_replicas}")
         if self.max_lease_holder_chars > MAX_HOLDER_CHARS:
             raise ValueError(f"--max-lease-holder-chars must be at most {MAX_HOLDER_CHARS} (the "
                              f"protocol's limit), got {self.max_lease_holder_chars}")

@@ -16,7 +16,9 @@ serve fails alone (``failed``: the client makes it a miss or raises, its
 bytes (``lost``: truly lost, not merely unreachable).  With ``hedge_after_s``, a server
 that has not begun to answer by then is given up for the read when every extent it was
 asked for has another replica: they go to their next replica, and its late answer lands
-in a scratch buffer (:class:`_Watch`).  Wrong bytes are never returned.
+in a scratch buffer (:class:`_Watch`).  Wrong bytes are never returned.  Replicas that
+failed their CRC-32C are reported to meta (REPORT_BAD, in a task the read does not wait
+for): meta checks them on their servers and repairs the bad ones from a good copy.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import enum
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
@@ -53,7 +56,10 @@ from kvfs.layout import Extent, Layout, Replica
 from kvfs.layoutcache import FLAT_CRC, FLAT_RANGE, FLAT_SERVER, Flat
 from kvfs.protocol import FrameHead, ReceivePool, Scatter
 
+log = logging.getLogger("kvfs.readpath")
+
 READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
+MAX_SUSPECTS = 1024  # replicas failing their CRC-32C held for one REPORT_BAD (more: not told)
 # a READV answer lands in place in the callers' buffers when its extents average at least
 # this (below it, receiving each in its own buffer costs more than one receive and a copy)
 SCATTER_MIN_BYTES = 64 * 1024
@@ -284,6 +290,8 @@ class ReadPath:
         self._forget = forget
         # values returned as bytes (and small get_into destinations) are copied out of it
         self._rx_pool = ReceivePool(pool_bytes, min_bytes=0)
+        self._suspects: list[rpc.BadReplica] = []  # replicas failing their CRC-32C, to report
+        self._reporting: asyncio.Task[None] | None = None  # sending them (REPORT_BAD)
 
     @property
     def rx_pool_buffers(self) -> int:
@@ -431,11 +439,47 @@ class ReadPath:
             failed.pop(slot, None)  # another extent of it was stale: retried whole
         if bad_out is not None:
             bad_out.update(bad)
+        if self._suspects:
+            self._report_bad()
         if failed:
             if failed_out is None:
                 raise copy.copy(next(iter(failed.values())))  # not a job's own (_Job)
             failed_out.update(failed)
         return sorted(stale)
+
+    def _report_bad(self) -> None:
+        """Tell meta of the replicas found failing their CRC-32C (REPORT_BAD: it checks them
+        on their servers and repairs the bad ones from a good copy), in a task: a read that
+        found a good copy does not wait for meta (which may be down).  Best effort: a scrub
+        finds what a report that failed did not tell."""
+        if self._reporting_here() is not None:
+            return  # that task sends these too, once its report is answered
+
+        async def send() -> None:
+            while self._suspects:
+                items, self._suspects = self._suspects, []
+                try:
+                    await self._link.call_meta(rpc.ReportBad(items=items))
+                except KVFSError as exc:
+                    log.warning("could not report %d replicas failing their CRC-32C to meta: %s",
+                                len(items), exc)
+
+        self._reporting = asyncio.get_running_loop().create_task(send())
+
+    def _reporting_here(self) -> asyncio.Task[None] | None:
+        """The REPORT_BAD task still running on this event loop, if any (one of another loop,
+        where the client was used before, is none: as ``LayoutCache._sending``)."""
+        task = self._reporting
+        if task is None or task.done() or task.get_loop() is not asyncio.get_running_loop():
+            return None
+        return task
+
+    async def close(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for a REPORT_BAD being sent; past it, it is given up."""
+        task = self._reporting_here()
+        if task is not None:
+            await asyncio.wait([task], timeout=timeout_s)
+            task.cancel()
 
     def _first_jobs(self, keys: list[bytes], layouts: Sequence[Layout | None], dests: Sequence[Dest],
                     alive: dict[int, bool], stale: set[int], failed: dict[int, KVFSError],
@@ -564,14 +608,14 @@ class ReadPath:
                 # the rest good in place: the ranges in error (e.g. a chunk that compaction
                 # deleted) go to their next replica or a fresh lookup, with no second READV
                 self._check(sid, _jobs(g.slots, layouts, dests), keys, out, retry, h, payload,
-                            g.ranges)
+                            g.ranges, self._suspects)
                 return retry
             return await self._readv_group(sid, g, keys, layouts, dests, out, in_place=False)
         # (a small answer arrives whole, not through the sink: checked and copied out here)
         if (h.errors or not isinstance(payload, memoryview) or payload.nbytes != g.total
                 or not _take(payload, g, dests, out)):
             self._check(sid, _jobs(g.slots, layouts, dests), keys, out, retry, h, payload,
-                        g.ranges)
+                        g.ranges, self._suspects)
         payload = memoryview(b"")  # the receive buffer's last view here: the pool takes it
         self._rx_give(rx)
         return retry
@@ -824,7 +868,7 @@ class ReadPath:
             payload = memoryview(b"")
             self._rx_give(rx)
             return
-        self._check(sid, batch, keys, out, retry, h, payload, ranges)
+        self._check(sid, batch, keys, out, retry, h, payload, ranges, self._suspects)
         # drop every view of the receive buffer (the answer's payload is one of its own),
         # or the pool will not take it back
         payload = memoryview(b"")
@@ -840,10 +884,12 @@ class ReadPath:
     @staticmethod
     def _check(sid: int, batch: list[_Job], keys: list[bytes], out: list[bytes | None] | None,
                retry: list[_Job], h: rpc.ReadVReply, payload: memoryview | Scatter,
-               ranges: list[tuple[int, int, int]]) -> None:
+               ranges: list[tuple[int, int, int]],
+               suspects: list[rpc.BadReplica] | None = None) -> None:
         """One READV's answer: each range's error or CRC-32C mismatch puts its job in
-        ``retry`` (for its next replica); good bytes received apart from their destination
-        are copied there (or handed back as bytes in ``out``)."""
+        ``retry`` (for its next replica), a mismatch's replica in ``suspects`` too (for
+        meta: REPORT_BAD, at most ``MAX_SUSPECTS`` held); good bytes received apart from
+        their destination are copied there (or handed back as bytes in ``out``)."""
         errors = h.errors
         in_place = isinstance(payload, Scatter)
         view = payload if isinstance(payload, memoryview) else memoryview(b"")
@@ -886,6 +932,8 @@ class ReadPath:
                     f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
                     f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
                 retry.append(job)
+                if suspects is not None and len(suspects) < MAX_SUSPECTS:
+                    suspects.append(rpc.BadReplica(keys[job.slot], sid, *ranges[idx][:2]))
                 continue
             if dest is WHOLE:
                 assert out is not None

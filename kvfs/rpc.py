@@ -107,6 +107,7 @@ class Op(enum.IntEnum):
     EXISTS = 25
     REPORT_LOST = 26
     RELEASE = 27
+    REPORT_BAD = 28
     # chunkserver
     APPEND = 32
     READV = 33
@@ -313,6 +314,19 @@ class ReportLost(Request[LostDropped], frozen=True, kw_only=True):
     record gone), not merely unreachable."""
 
     items: NonEmpty[LostItem]
+
+
+class BadNoted(Response, frozen=True, kw_only=True):
+    queued: Count  # replicas meta will check (the rest: no longer in the key's layout, already
+    # queued, or past meta's --suspect-replicas)
+
+
+class ReportBad(Request[BadNoted], frozen=True, kw_only=True):
+    """Replicas a reader found failing their CRC-32C (the value read from another replica):
+    meta checks each on its chunkserver (CHUNK_VERIFY), and repairs those found bad from a
+    good copy, as a scrub does; a reader's word alone changes nothing."""
+
+    items: NonEmpty[BadReplica]
 
 
 class KeyEntry(NamedTuple):
@@ -982,6 +996,9 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.REPORT_LOST, Service.META, ReportLost,
         "a reader found keys whose every replica is corrupt or gone: meta drops each key "
         "that still has the layout read (an overwrite since is kept)", DATA),
+    Rpc(Op.REPORT_BAD, Service.META, ReportBad,
+        "a reader found replicas failing their CRC-32C: meta checks them on their chunkservers "
+        "and repairs those found bad from a good copy", DATA),
     Rpc(Op.APPEND, Service.CHUNKSERVER, Append,
         "write records (values in the payload) to the open chunk", DATA),
     Rpc(Op.READV, Service.CHUNKSERVER, ReadV, "read many ranges; bytes in the payload", DATA),

@@ -25,9 +25,11 @@ never undo each other's work:
   names them, GC_RELOCATE moves them, and GC_DELETED drops those no older record of
   their key can outlive any more.
 
-MAKE_ROOM (a client's write found the cluster full) is the one exception to
-"driven from outside": meta runs one :mod:`kvfs.gc` pass against itself, the
-same pass the daemon runs, so a client never runs GC.
+MAKE_ROOM (a client's write found the cluster full) and REPORT_BAD (a reader found
+replicas failing their CRC-32C) are the exceptions to "driven from outside": meta runs
+:mod:`kvfs.gc` against itself (MAKE_ROOM: one pass, the one the daemon runs; REPORT_BAD:
+the reported replicas checked on their servers and mended as a scrub mends, in a task of
+its own, the reports held meanwhile up to ``suspect_replicas``), so a client never runs GC.
 
 GC's state (paused, counters, draining servers, retired chunks) lives in the index's
 store, so every meta sharing a store sees one GC.  GC daemons take turns by a lease in
@@ -40,6 +42,7 @@ emptied it, so every meta's grace period covers reads that began before the swit
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Collection, Sequence
@@ -47,7 +50,7 @@ from collections.abc import Collection, Sequence
 import msgspec
 
 from kvfs import rpc
-from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
+from kvfs.errors import InvalidArgument, KVFSError, StaleLayout, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.index import MetaIndex, ServerInfo, add_live, disk_bytes
 from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_replica
@@ -61,7 +64,7 @@ METRIC_NAMES = (
     "keys_expired", "bytes_expired", "keys_evicted", "bytes_evicted", "chunks_compacted",
     "bytes_copied", "keys_relocated", "chunks_deleted", "bytes_reclaimed", "replicas_dropped",
     "passes", "pass_duration_s", "last_pass_duration_s", "extents_repaired", "bytes_repaired",
-    "tombstones_dropped", "keys_lost",
+    "tombstones_dropped", "keys_lost", "replicas_reported_bad",
 )
 DAEMON_LEASE = "gc-daemon"  # the lease GC daemons take turns by (GC_CONTROL's holder)
 MAX_SHADOWED = 4096  # keys left for a tombstone per GC_EXPIRE or GC_EVICT answer (the rest: next call)
@@ -94,6 +97,16 @@ async def tombstone_layouts(ix: GcIndex, keys: Sequence[bytes], where: Sequence[
     return tombs
 
 
+def _range_of(layout: Layout | None, b: rpc.BadReplica) -> rpc.VerifyRange | None:
+    """The range and CRC-32C ``layout`` gives replica ``b`` (None: it names no such replica)."""
+    if layout is not None:
+        for e in layout.extents:
+            for r in e.replicas:
+                if (r.server_id, r.chunk_id, r.offset) == (b.server_id, b.chunk_id, b.offset):
+                    return rpc.VerifyRange(r.chunk_id, r.offset, e.length, e.crc)
+    return None
+
+
 def dead_in(layout: Layout, dead: Collection[int]) -> bool:
     return bool(dead) and any(r.chunk_id in dead for e in layout.extents for r in e.replicas)
 
@@ -112,6 +125,16 @@ class MetaGc:
         self._room_lock = asyncio.Lock()
         self._room_started = 0  # MAKE_ROOM passes started
         self._room_made = rpc.RoomMade(expired_keys=0, evicted_keys=0, bytes_reclaimed=0)
+        # replicas readers reported bad (REPORT_BAD), each with its range, until checked
+        self._suspects: dict[rpc.BadReplica, rpc.VerifyRange] = {}
+        self._checking: asyncio.Task[None] | None = None
+
+    async def close(self) -> None:
+        """Stop checking reported replicas (those not yet checked are forgotten)."""
+        if self._checking is not None:
+            self._checking.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._checking
 
     async def refresh(self) -> None:
         """Read the decommissioning state again (another meta sharing the store may change it)."""
@@ -651,6 +674,53 @@ class MetaGc:
         if dropped:
             await self._count(replicas_dropped=dropped, keys_lost=n_deleted)
         return rpc.Dropped(dropped=dropped, deleted_keys=n_deleted), ()
+
+    async def rpc_report_bad(self, req: rpc.ReportBad, payload: memoryview) -> Reply:
+        """Replicas a reader found failing their CRC-32C: each that its key's layout still
+        names is held (with the range and CRC-32C the layout gives it) for :meth:`_check_reported`,
+        up to ``suspect_replicas``; nothing changes on a reader's word."""
+        ix = self.index
+        room = ix.config.suspect_replicas - len(self._suspects)
+        keys = list(dict.fromkeys(b.key for b in req.items))
+        layouts = dict(zip(keys, await ix.peek(keys, ix.clock()), strict=True))
+        queued = 0
+        for b in req.items:
+            if queued >= room:
+                log.warning("%d replicas reported bad are waiting to be checked "
+                            "(--suspect-replicas): more reports dropped", len(self._suspects))
+                break
+            rng = _range_of(layouts.get(b.key), b)
+            if rng is not None and b not in self._suspects:
+                self._suspects[b] = rng
+                queued += 1
+        if queued and self.home is not None and (self._checking is None or self._checking.done()):
+            self._checking = asyncio.get_running_loop().create_task(self._check_reported())
+        return rpc.BadNoted(queued=queued), ()
+
+    async def _check_reported(self) -> None:
+        """Check the reported replicas on their servers and mend the bad ones
+        (:func:`kvfs.gc.scrub.check_reported`, with the admin token), until none is left."""
+        from kvfs.gc.driver import GarbageCollector
+        from kvfs.gc.scrub import check_reported
+
+        assert self.home is not None
+        addr, token = self.home
+        while self._suspects:
+            batch = dict(self._suspects)
+            try:
+                async with GarbageCollector(addr, token=token, tls=self.index.config) as gc:
+                    r = await check_reported(gc, batch)
+                found = r.missing + r.corrupt
+                if found:
+                    await self._count(replicas_reported_bad=found)
+                log.info("replicas readers reported bad: %d checked, %d found bad, %d repaired "
+                         "from a good copy, %d dropped", r.ranges_checked, found, r.repaired,
+                         r.replicas_dropped)
+            except KVFSError as exc:
+                log.warning("checking %d replicas readers reported bad failed: %s", len(batch), exc)
+            finally:
+                for b in batch:
+                    self._suspects.pop(b, None)
 
     async def rpc_make_room(self, req: rpc.MakeRoom, payload: memoryview) -> Reply:
         """One GC pass (apply, no grace period, no repair: copies would take room, not make

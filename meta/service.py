@@ -98,6 +98,7 @@ class MetaService:
         for t in self._bg:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
+        await self.gc.close()
         await self.rpc.close()
         await self.index.close()
         self.lock.release()
