@@ -53,6 +53,7 @@ from kvfs.config import ClientConfig
 from kvfs.fs import KVFileSystem
 from kvfs.handshake import Role
 from kvfs.launcher import ProcessCluster, ServiceProcess
+from kvfs.layout import Replica
 from kvfs.mount import is_mounted
 from kvfs.sync import Client
 from kvfs.units import parse_size
@@ -128,9 +129,10 @@ def server_index(cluster: ProcessCluster) -> dict[int, int]:
     return out
 
 
-async def flip_bit(cluster: ProcessCluster, admin: AsyncClient, key: bytes) -> tuple[int, set[int]]:
+async def flip_bit(cluster: ProcessCluster, admin: AsyncClient,
+                   key: bytes) -> tuple[int, set[int], Replica]:
     """Flip one bit in the middle of ``key``'s first replica (on its live server); returns
-    that server's index and the indexes of every server holding ``key``."""
+    that server's index, the indexes of every server holding ``key``, and the replica."""
     lay = await admin.layout(key)
     assert lay is not None, key
     rep = lay.extents[0].replicas[0]
@@ -143,7 +145,21 @@ async def flip_bit(cluster: ProcessCluster, admin: AsyncClient, key: bytes) -> t
         b = f.read(1)
         f.seek(at)
         f.write(bytes([b[0] ^ 0x10]))
-    return idx[rep.server_id], holders
+    return idx[rep.server_id], holders, rep
+
+
+async def mended(admin: AsyncClient, key: bytes, rep: Replica, since: float) -> float | None:
+    """Seconds from ``since`` until meta's layout of ``key`` no longer names replica ``rep``
+    (a reader found it corrupt and meta repaired it: read repair; polled), or None when the
+    key is gone or past RESTORE_DEADLINE_S."""
+    while time.monotonic() - since < RESTORE_DEADLINE_S:
+        lay = await admin.layout(key)
+        if lay is None:
+            return None
+        if all(rep not in e.replicas for e in lay.extents):
+            return time.monotonic() - since
+        await asyncio.sleep(0.2)
+    return None
 
 
 async def restored(admin: AsyncClient, sid: int, since: float) -> float | None:
@@ -195,6 +211,7 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
         gc=True, gc_args=("--interval", "1s", "--grace", "2s"))
     procs: list[asyncio.subprocess.Process] = []
     mounter: ServiceProcess | None = None
+    mending: asyncio.Future[float | None] | None = None
     mnt = root / "mnt"
     t_start = time.monotonic()
     try:
@@ -213,7 +230,8 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
                     *(["--evicting"] if capacity else []), env=env))
             await asyncio.sleep(seconds * 0.2)  # the workload runs; then the bit flip
             flipped = seed_keys()[SEED_KEYS // 2]
-            flipped_on, holders = await flip_bit(cluster, admin, flipped)
+            flipped_on, holders, flipped_rep = await flip_bit(cluster, admin, flipped)
+            mending = asyncio.ensure_future(mended(admin, flipped, flipped_rep, time.monotonic()))
             print(f"flipped one bit of {flipped.decode()} on cs{flipped_on}", flush=True)
             await asyncio.sleep(seconds * 0.1)
             # kill a server that holds no copy of the flipped key: its good copy stays readable
@@ -228,6 +246,7 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
                   "the kill; restarting it", flush=True)
             await cluster.restart_chunkserver(victim)
             codes = [await p.wait() for p in procs]
+            mended_s = await mending
             if any(codes):
                 raise RuntimeError(f"a soak client failed (exit codes {codes})")
             rows = [json.loads(out.read_text()) for out in outs]
@@ -245,6 +264,8 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
             evicted = misses - sum(await fresh.exists_many(missed)) if capacity else 0
             gc_metrics = (await fresh.stats())["gc"]["metrics"]
     finally:
+        if mending is not None:
+            mending.cancel()
         for p in procs:
             if p.returncode is None:
                 p.kill()
@@ -269,7 +290,10 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
             "gc_keys_evicted": int(gc_metrics.get("keys_evicted", 0)),
             # keys meta dropped as lost (every replica corrupt or gone): a miss of one is no eviction's
             "gc_keys_lost": int(gc_metrics.get("keys_lost", 0)),
-            "restore_s": None if restore_s is None else round(restore_s, 2)}
+            "restore_s": None if restore_s is None else round(restore_s, 2),
+            # the flipped replica, from the flip until meta's layout named a good copy instead
+            "flip_mended_s": None if mended_s is None else round(mended_s, 2),
+            "gc_replicas_reported_bad": int(gc_metrics.get("replicas_reported_bad", 0))}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,7 +339,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{fig['leased']} leased; {fig['gc_keys_evicted']} evicted by GC, found so by {fig['evicted']} "
           f"reads and {fig['final_evicted']} of the final check")
     print(f"wrong values: {fig['wrong_total']}  committed values lost: {fig['values_lost']}  "
-          f"longest read: {fig['longest_read_s']}s  replicas restored {fig['restore_s']}s after the kill")
+          f"longest read: {fig['longest_read_s']}s  replicas restored {fig['restore_s']}s after the kill  "
+          f"flipped replica mended {fig['flip_mended_s']}s after the flip")
     line = json.dumps(fig, sort_keys=True)
     print(line)
     if ns.json:
