@@ -150,7 +150,8 @@ async def flip_bit(cluster: ProcessCluster, admin: AsyncClient,
 
 async def mended(admin: AsyncClient, key: bytes, rep: Replica, since: float) -> float | None:
     """Seconds from ``since`` until meta's layout of ``key`` no longer names replica ``rep``
-    (a reader found it corrupt and meta repaired it: read repair; polled), or None when the
+    (a reader found it corrupt and meta repaired it, read repair, or the GC daemon's background
+    scrub did; polled), or None when the
     key is gone or past RESTORE_DEADLINE_S."""
     while time.monotonic() - since < RESTORE_DEADLINE_S:
         lay = await admin.layout(key)

@@ -31,6 +31,7 @@ from kvfs.config import GcConfig, TlsConfig
 from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.gc.pace import Pacer
 from kvfs.gc.repair import RepairReport, repair_step
+from kvfs.gc.scrub import ScrubReport, scrub_slice
 from kvfs.handshake import Role
 from kvfs.protocol import Buffer, Scatter
 from kvfs.rpc import R, Request
@@ -62,13 +63,18 @@ class PassOptions:
     expire_batch: int = 10_000
     repair: bool = True
     repair_rate_bytes: int | None = None
+    # background scrub (with apply): about this many bytes of chunks verified on each server,
+    # after where the collector's last pass stopped (GarbageCollector.scrub_cursor); 0: none
+    scrub_bytes: int = 0
 
     @classmethod
     def from_config(cls, config: GcConfig) -> PassOptions:
-        """The daemon's pass (``kvfs gc daemon``, ``kvfs up``): every phase, applied."""
+        """The daemon's pass (``kvfs gc daemon``, ``kvfs up``): every phase, applied, and
+        its share of the background scrub."""
         return cls(apply=True, threshold=config.compact_threshold, high=config.high_watermark,
                    low=config.low_watermark, grace_s=config.grace_s, rate_bytes=config.rate_bytes,
-                   expire_batch=config.expire_batch, repair_rate_bytes=config.repair_rate_bytes)
+                   expire_batch=config.expire_batch, repair_rate_bytes=config.repair_rate_bytes,
+                   scrub_bytes=int((config.scrub_rate_bytes or 0) * config.interval_s))
 
 
 @dataclass(kw_only=True)
@@ -92,13 +98,19 @@ class PassReport:
     reclaimable_bytes: int = 0  # dry run: what compaction + deletion would free
     waiting_grace: int = 0
     repair: RepairReport | None = None
+    scrub: ScrubReport | None = None  # the background scrub's share (PassOptions.scrub_bytes)
 
     def to_dict(self) -> dict[str, Any]:
-        """Flat counters (GC_REPORT); the repair step's as ``repair_*``."""
+        """Flat counters (GC_REPORT); the repair step's as ``repair_*``, the scrub's counts as
+        ``scrub_*``."""
         d = asdict(self)
         rep = d.pop("repair")
         for k, v in (rep or {}).items():
             d[f"repair_{k}"] = v
+        scrub = d.pop("scrub")
+        for k, v in (scrub or {}).items():
+            if isinstance(v, int | float) and not isinstance(v, bool):
+                d[f"scrub_{k}"] = v
         return d
 
 
@@ -151,6 +163,8 @@ class GarbageCollector:
                                  tls=client_context(tls), spread_meta=False)
         self._usage: dict[int, rpc.ChunkStatsReply] = {}
         self._write_id = 0  # the last tombstone write id (drop_shadowed)
+        # per server, the last chunk the background scrub verified (kvfs.gc.scrub.scrub_slice)
+        self.scrub_cursor: dict[int, int] = {}
 
     async def __aenter__(self) -> GarbageCollector:
         await self.meta(rpc.Ping())
@@ -183,6 +197,10 @@ class GarbageCollector:
     async def servers(self) -> list[ServerEntry]:
         """The chunkservers meta knows, read now (and meta's cluster id with them)."""
         return await self._link.servers(refresh=True)
+
+    def usage(self) -> dict[int, rpc.ChunkStatsReply]:
+        """Each live chunkserver's chunk table and usage, as of the last :meth:`sync_usage`."""
+        return dict(self._usage)
 
     def free_bytes(self) -> dict[int, int]:
         """Free space per chunkserver, as of the last :meth:`sync_usage`."""
@@ -224,6 +242,8 @@ class GarbageCollector:
             report.repair = await repair_step(self, apply=opts.apply, rate_bytes=opts.repair_rate_bytes)
         if opts.compact:
             await self.compact(opts, report)
+        if opts.apply and opts.scrub_bytes:
+            report.scrub = await scrub_slice(self, opts.scrub_bytes)
         report.duration_s = time.perf_counter() - t0
         if opts.apply:
             await self.meta(rpc.GcReport(run=report.to_dict()))

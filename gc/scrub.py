@@ -14,22 +14,27 @@ chunkserver, within a byte-rate budget, and deal with each one found missing or 
 
 :func:`check_reported` does steps 1 and 2 for the replicas readers reported failing their
 CRC-32C (REPORT_BAD; meta runs it, as it runs MAKE_ROOM's pass): only those are verified.
+:func:`scrub_slice` does them for a slice of each server's chunks, in each GC daemon pass
+(``GcConfig.scrub_rate_bytes``): the background scrub, which goes round every chunk in turn.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvfs import rpc
 from kvfs.errors import KVFSError
-from kvfs.gc.driver import GarbageCollector, Verification
 from kvfs.gc.pace import Pacer
 from kvfs.gc.repair import RepairReport, copy_extents
+
+if TYPE_CHECKING:  # (the driver runs the background scrub: scrub_slice)
+    from kvfs.gc.driver import GarbageCollector, Verification
 
 log = logging.getLogger("kvfs.gc.scrub")
 
@@ -70,6 +75,37 @@ async def scrub(gc: GarbageCollector, *, apply: bool, rate_bytes: int | None = N
     report.servers_skipped = sorted(s.server_id for s in await gc.servers() if s.server_id not in stats)
     bad = await _verify(report, sorted(stats), lambda sid: gc.verify_server(sid, pacer))
     await mend(gc, bad, report, pacer)
+    report.seconds = time.monotonic() - t0
+    return report
+
+
+async def scrub_slice(gc: GarbageCollector, budget: int) -> ScrubReport:
+    """The GC daemon's background scrub, one pass's share: on each live chunkserver (as of
+    the pass's :meth:`~GarbageCollector.sync_usage`), the chunks after the one
+    ``gc.scrub_cursor`` names (by id; from the first again past the last) until they add
+    up to ``budget`` bytes (at least one); the replicas meta's layouts reference in them
+    verified, and the bad ones mended as :func:`scrub` does with ``apply``."""
+    t0 = time.monotonic()
+    report = ScrubReport(apply=True)
+    by_server: dict[int, list[tuple[bytes, int, int, int, int]]] = {}
+    for sid, st in sorted(gc.usage().items()):
+        chunks = sorted(st.chunks)
+        if not chunks:
+            continue
+        start = bisect_right(chunks, gc.scrub_cursor.get(sid, -1))
+        take: list[int] = []
+        nbytes = 0
+        for c in chunks[start:] + chunks[:start]:
+            if nbytes >= budget or len(take) >= rpc.MAX_REFS_CHUNKS:
+                break
+            take.append(c)
+            nbytes += st.chunks[c]
+        gc.scrub_cursor[sid] = take[-1]
+        refs = (await gc.meta(rpc.GcChunkRefs(chunks=take))).refs
+        by_server[sid] = [(r.key, c, r.offset, r.length, r.crc) for c, rs in refs.items()
+                          for r in rs if r.length]  # (a kept tombstone: no value to check)
+    bad = await _verify(report, sorted(by_server), lambda sid: gc.verify_ranges(sid, by_server[sid]))
+    await mend(gc, bad, report, Pacer(None))
     report.seconds = time.monotonic() - t0
     return report
 

@@ -64,7 +64,8 @@ METRIC_NAMES = (
     "keys_expired", "bytes_expired", "keys_evicted", "bytes_evicted", "chunks_compacted",
     "bytes_copied", "keys_relocated", "chunks_deleted", "bytes_reclaimed", "replicas_dropped",
     "passes", "pass_duration_s", "last_pass_duration_s", "extents_repaired", "bytes_repaired",
-    "tombstones_dropped", "keys_lost", "replicas_reported_bad",
+    "tombstones_dropped", "keys_lost", "replicas_reported_bad", "bytes_scrubbed",
+    "replicas_scrubbed_bad",
 )
 DAEMON_LEASE = "gc-daemon"  # the lease GC daemons take turns by (GC_CONTROL's holder)
 MAX_SHADOWED = 4096  # keys left for a tombstone per GC_EXPIRE or GC_EVICT answer (the rest: next call)
@@ -272,7 +273,12 @@ class MetaGc:
         d = run["duration_s"] = round(float(run.get("duration_s", 0.0)), 6)
         await ix.put_state("last_run", run)
         if run.get("apply"):
-            await ix.add_counts({"passes": 1, "pass_duration_s": d}, {"last_pass_duration_s": d})
+            await ix.add_counts({"passes": 1, "pass_duration_s": d,
+                                 # the background scrub's share of the pass (kvfs.gc.scrub)
+                                 "bytes_scrubbed": int(run.get("scrub_bytes_verified", 0)),
+                                 "replicas_scrubbed_bad": int(run.get("scrub_missing", 0))
+                                 + int(run.get("scrub_corrupt", 0))},
+                                {"last_pass_duration_s": d})
         return rpc.Empty(), ()
 
     async def rpc_gc_status(self, req: rpc.GcStatus, payload: memoryview) -> Reply:

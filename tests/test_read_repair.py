@@ -101,6 +101,8 @@ async def test_a_replica_a_read_finds_corrupt_is_repaired_from_the_good_one(clus
     await checked(cluster)
     m = await metrics(cluster)
     assert (m["replicas_reported_bad"], m["extents_repaired"], m["keys_lost"]) == (1, 1, 0), m
+    rc, out = await kvfs_admin(cluster, "gc", "status")
+    assert rc == 0 and "bad replicas: 1 reported by readers" in out, out
     rc, out = await kvfs_admin(cluster, "gc", "scrub")  # every replica good again
     assert rc == 0 and "0 failing their checksum, 0 missing" in out, out
     async with cluster.client(ClientConfig(replicas=2)) as kv:
