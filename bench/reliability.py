@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from kvfs import rpc
-from kvfs.config import ClientConfig
+from kvfs.config import ClientConfig, GcConfig
 from kvfs.errors import KVFSError
 from kvfs.gc import GarbageCollector, PassOptions
 from kvfs.gc.repair import repair_step
@@ -22,6 +22,8 @@ from kvfs.gc.scrub import scrub
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Replica
 from kvfs.meta.rebuild import rebuild
+
+MEND_DEADLINE_S = 120.0  # bad replicas not mended by then: the run fails
 
 
 async def _check(cluster: LocalCluster, expect: dict[bytes, bytes]) -> tuple[int, int, float]:
@@ -147,6 +149,64 @@ async def scrubbed(root: Path, mib: int) -> None:
              f"repaired {r.repaired}, dropped {r.lost_keys}; the other {mib - 1} read back")
 
 
+async def _mended(c: LocalCluster, bad: dict[bytes, Replica], since: float) -> float:
+    """Seconds from ``since`` until no key's layout names its replica in ``bad`` (polled)."""
+    async with c.client() as kv:
+        while True:
+            lays = [await kv.layout(k) for k in bad]
+            if all(lay is not None and bad[k] not in lay.extents[0].replicas
+                   for k, lay in zip(bad, lays, strict=True)):
+                return time.perf_counter() - since
+            if time.perf_counter() - since > MEND_DEADLINE_S:
+                raise RuntimeError(f"bad replicas not mended within {MEND_DEADLINE_S}s")
+            await asyncio.sleep(0.05)
+
+
+async def _flipped(c: LocalCluster, n: int, prefix: str) -> tuple[dict[bytes, bytes], dict[bytes, Replica]]:
+    """``n`` values of 20 KB (replicas=2), and a byte flipped in the first replica of 4 of them."""
+    items = {f"{prefix}/{i}".encode(): os.urandom(20_000) for i in range(n)}
+    bad: dict[bytes, Replica] = {}
+    async with c.client(ClientConfig(replicas=2)) as kv:
+        await kv.put_many(list(items.items()))
+        for k in list(items)[:: n // 4][:4]:
+            lay = await kv.layout(k)
+            assert lay is not None
+            bad[k] = lay.extents[0].replicas[0]
+            flip_byte(c, bad[k], 99)
+    return items, bad
+
+
+async def read_repaired(root: Path, n: int) -> None:
+    """Read repair: one get_many of every key finds the 4 bad replicas (the values come from
+    the good ones); meta checks and mends them (REPORT_BAD).  Restore: from the read's start
+    until meta's layouts name a good copy instead of each."""
+    async with LocalCluster(root, 3) as c:
+        items, bad = await _flipped(c, n, "r")
+        async with c.client(ClientConfig(replicas=2)) as kv:
+            t0 = time.perf_counter()
+            got = await kv.get_many(list(items))
+            stall = time.perf_counter() - t0
+        wrong = sum(g is not None and g != v for g, v in zip(got, items.values(), strict=True))
+        restore = await _mended(c, bad, t0)
+        lost, wrong2, _ = await _check(c, items)
+        _row(f"a flipped byte in one replica of 4 of {n} keys (20 KB, replicas=2), all read once "
+             "(one get_many)", lost, wrong + wrong2, stall, restore,
+             "read repair: the readers told meta, which checked and mended them")
+
+
+async def background_scrubbed(root: Path, n: int) -> None:
+    """The GC daemon's background scrub (--scrub-rate at its default, --interval 2s): the same 4
+    bad replicas, nobody reading.  Restore: from the flips until all 4 are mended."""
+    async with LocalCluster(root, 3, gc=GcConfig(interval_s=2.0)) as c:
+        items, bad = await _flipped(c, n, "b")
+        t0 = time.perf_counter()
+        restore = await _mended(c, bad, t0)
+        lost, wrong, stall = await _check(c, items)
+        _row(f"a flipped byte in one replica of 4 of {n} keys (20 KB, replicas=2), nobody reading, the "
+             "GC daemon running (--interval 2s, --scrub-rate 8MiB/s)", lost, wrong, stall, restore,
+             "the background scrub found and mended them")
+
+
 async def decommissioned(root: Path, n: int) -> None:
     """``kvfs gc decommission`` of one of 3 chunkservers holding ``n`` replicas=2 values and
     ``n // 10`` replicas=1 values: drained with repair steps, forgotten, then stopped."""
@@ -185,6 +245,8 @@ async def main_async(ns: argparse.Namespace) -> int:
         await flipped_bit(Path(d) / "bit", ns.keys)
         await lost_meta(Path(d) / "meta", ns.keys)
         await scrubbed(Path(d) / "scrub", ns.scrub_mib)
+        await read_repaired(Path(d) / "read-repair", ns.keys)
+        await background_scrubbed(Path(d) / "background-scrub", ns.keys)
         await decommissioned(Path(d) / "decommission", ns.keys)
     return 0
 

@@ -294,7 +294,8 @@ async def soak(root: Path, seconds: float, clients: int, replicas: int, mount: b
             "restore_s": None if restore_s is None else round(restore_s, 2),
             # the flipped replica, from the flip until meta's layout named a good copy instead
             "flip_mended_s": None if mended_s is None else round(mended_s, 2),
-            "gc_replicas_reported_bad": int(gc_metrics.get("replicas_reported_bad", 0))}
+            "gc_replicas_reported_bad": int(gc_metrics.get("replicas_reported_bad", 0)),
+            "gc_replicas_scrubbed_bad": int(gc_metrics.get("replicas_scrubbed_bad", 0))}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -144,6 +144,8 @@ async def cmd_up(ns: argparse.Namespace) -> int:
     gc_args: list[str] = []
     if cfg.gc_interval_s is not None:
         gc_args += ["--interval", repr(cfg.gc_interval_s)]
+    if cfg.gc_scrub_rate_bytes is not None:
+        gc_args += ["--scrub-rate", str(cfg.gc_scrub_rate_bytes)]
     tls_args = tls_argv(cfg)  # every child: its server certificate, and its client one
     meta_args, cs_args, gc_args = meta_args + tls_args, cs_args + tls_args, gc_args + tls_args
     meta_args, cs_args = meta_args + fsync_argv(cfg), cs_args + fsync_argv(cfg)

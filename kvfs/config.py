@@ -576,6 +576,8 @@ class UpConfig(ClusterFsyncConfig, TlsConfig):
     gc: bool = opt("run the GC daemon", True)
     gc_interval_s: float | None = opt("time between GC passes, e.g. 10s (default: the daemon's)",
                                       None)
+    gc_scrub_rate_bytes: int | None = opt("the GC daemon's background scrub rate (its --scrub-rate; "
+                                          "0: none; default: the daemon's)", None)
     restart: bool = opt("restart a service that exits, on the same data dir", True)
     restart_backoff_s: float = opt("wait before the first restart; doubled per quick failure", 0.5)
     restart_backoff_max_s: float = opt("longest wait between restarts", 30.0)

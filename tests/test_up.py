@@ -206,6 +206,16 @@ def test_up_fsync_reaches_meta_and_every_chunkserver(tmp_path: Path, ups: list[U
     assert kvfs(up, "put", "k", "-", stdin=b"v" * 1000).returncode == 0
 
 
+@pytest.mark.subprocess
+def test_up_gc_options_reach_the_gc_daemon(tmp_path: Path, ups: list[Up]) -> None:
+    up = start_up(tmp_path, tmp_path / "data", "--chunkservers", "1", "--gc-interval", "2s",
+                  "--gc-scrub-rate", "0")
+    ups.append(up)
+    argv = Path(f"/proc/{up.children()['gc']}/cmdline").read_bytes().split(b"\0")
+    assert argv[argv.index(b"--interval") + 1] == b"2.0", argv
+    assert argv[argv.index(b"--scrub-rate") + 1] == b"0", argv
+
+
 def test_up_fsync_defaults_to_the_servers_default() -> None:
     assert build_parser().parse_args(["up"]).fsync is FsyncMode.BATCH
     assert ChunkServerConfig.fsync is MetaConfig.fsync is FsyncMode.BATCH
