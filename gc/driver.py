@@ -163,8 +163,9 @@ class GarbageCollector:
                                  tls=client_context(tls), spread_meta=False)
         self._usage: dict[int, rpc.ChunkStatsReply] = {}
         self._write_id = 0  # the last tombstone write id (drop_shadowed)
-        # per server, the last chunk the background scrub verified (kvfs.gc.scrub.scrub_slice)
-        self.scrub_cursor: dict[int, int] = {}
+        # per server, the last replica (chunk id, offset) the background scrub verified
+        # (kvfs.gc.scrub.scrub_slice)
+        self.scrub_cursor: dict[int, tuple[int, int]] = {}
 
     async def __aenter__(self) -> GarbageCollector:
         await self.meta(rpc.Ping())

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_right
+from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -81,10 +81,10 @@ async def scrub(gc: GarbageCollector, *, apply: bool, rate_bytes: int | None = N
 
 async def scrub_slice(gc: GarbageCollector, budget: int) -> ScrubReport:
     """The GC daemon's background scrub, one pass's share: on each live chunkserver (as of
-    the pass's :meth:`~GarbageCollector.sync_usage`), the chunks after the one
-    ``gc.scrub_cursor`` names (by id; from the first again past the last) until they add
-    up to ``budget`` bytes (at least one); the replicas meta's layouts reference in them
-    verified, and the bad ones mended as :func:`scrub` does with ``apply``."""
+    the pass's :meth:`~GarbageCollector.sync_usage`), the replicas meta's layouts reference
+    after the place ``gc.scrub_cursor`` names (chunk id, offset: in that order, from the
+    first chunk again past the last) until ``budget`` bytes of them (at least one) are
+    verified; the bad ones mended as :func:`scrub` does with ``apply``."""
     t0 = time.monotonic()
     report = ScrubReport(apply=True)
     by_server: dict[int, list[tuple[bytes, int, int, int, int]]] = {}
@@ -92,18 +92,32 @@ async def scrub_slice(gc: GarbageCollector, budget: int) -> ScrubReport:
         chunks = sorted(st.chunks)
         if not chunks:
             continue
-        start = bisect_right(chunks, gc.scrub_cursor.get(sid, -1))
-        take: list[int] = []
+        at = gc.scrub_cursor.get(sid, (-1, -1))
+        start = bisect_left(chunks, at[0])
+        ring = chunks[start:] + chunks[:start]  # from the cursor's chunk (or the next) round
+        flat: list[tuple[bytes, int, int, int, int]] = []
         nbytes = 0
-        for c in chunks[start:] + chunks[:start]:
-            if nbytes >= budget or len(take) >= rpc.MAX_REFS_CHUNKS:
-                break
-            take.append(c)
-            nbytes += st.chunks[c]
-        gc.scrub_cursor[sid] = take[-1]
-        refs = (await gc.meta(rpc.GcChunkRefs(chunks=take))).refs
-        by_server[sid] = [(r.key, c, r.offset, r.length, r.crc) for c, rs in refs.items()
-                          for r in rs if r.length]  # (a kept tombstone: no value to check)
+        last = ring[0]
+        while ring and nbytes < budget:  # chunks enough for what is left of the budget, their
+            take: list[int] = []  # sizes counting garbage too, until it is spent or round
+            guess = nbytes
+            while ring and guess < budget and len(take) < rpc.MAX_REFS_CHUNKS:
+                c = ring.pop(0)
+                take.append(c)
+                guess += max(0, st.chunks[c] - (at[1] if c == at[0] else 0))
+            refs = (await gc.meta(rpc.GcChunkRefs(chunks=take))).refs
+            for c in take:
+                for r in sorted(refs.get(c, ()), key=lambda r: r.offset):
+                    if not r.length or (c == at[0] and r.offset <= at[1]):
+                        continue  # a kept tombstone (no value to check), or verified last time
+                    if nbytes >= budget:
+                        break
+                    flat.append((r.key, c, r.offset, r.length, r.crc))
+                    nbytes += r.length
+            last = take[-1]
+        # where this slice ended; a slice with nothing to check moves on past its chunks
+        gc.scrub_cursor[sid] = (flat[-1][1], flat[-1][2]) if flat else (last, 1 << 62)
+        by_server[sid] = flat
     bad = await _verify(report, sorted(by_server), lambda sid: gc.verify_ranges(sid, by_server[sid]))
     await mend(gc, bad, report, Pacer(None))
     report.seconds = time.monotonic() - t0
