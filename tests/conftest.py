@@ -237,6 +237,17 @@ def flip_byte(path: Path, at: int) -> None:
         f.write(bytes([b[0] ^ 0xFF]))
 
 
+async def reports_checked(cluster: LocalCluster, deadline_s: float = 30.0) -> None:
+    """Until ``cluster``'s meta has checked (and mended) every replica readers reported bad
+    to it (read repair: REPORT_BAD), polled with a deadline."""
+    assert cluster.meta is not None
+    gc = cluster.meta.gc
+    deadline = time.monotonic() + deadline_s
+    while gc._suspects or (gc._checking is not None and not gc._checking.done()):
+        assert time.monotonic() < deadline, "meta did not check the reported replicas in time"
+        await asyncio.sleep(0.02)
+
+
 def hold(cluster: LocalCluster, op: Op) -> Hold:
     """Hold ``op`` in the cluster's meta (the test then picks what meta applies first)."""
     assert cluster.meta is not None

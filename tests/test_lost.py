@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import pytest
-from conftest import flip_byte
+from conftest import flip_byte, reports_checked
 
 import kvfs
 from kvfs import rpc
@@ -164,9 +164,11 @@ async def test_one_corrupt_replica_of_two_reads_the_other(cluster: LocalCluster,
     _, rep, path = await _replica_file(cluster, kv, b"twice", 0)
     flip_byte(path, rep.offset + 10)
     assert await kv.get(b"twice") == value
-    _, rep, path = await _replica_file(cluster, kv, b"twice", 1)
-    flip_byte(path, rep.offset + 10)
+    await reports_checked(cluster)  # the get reported the bad copy: meta mended it first
     kv.layout_cache.clear()
+    for which in (0, 1):  # now both copies meta names are damaged
+        _, rep, path = await _replica_file(cluster, kv, b"twice", which)
+        flip_byte(path, rep.offset + 11)
     assert await kv.get_many([b"twice"]) == [None]
 
 

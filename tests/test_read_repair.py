@@ -13,7 +13,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from conftest import TEST_HEARTBEAT_TIMEOUT_S, hold, kvfs_admin
+from conftest import TEST_HEARTBEAT_TIMEOUT_S, hold, kvfs_admin, reports_checked
 
 from kvfs import rpc
 from kvfs.bench.reliability import flip_byte
@@ -52,16 +52,6 @@ async def metrics(cluster: LocalCluster) -> dict[str, float]:
     return json.loads(out)["metrics"]  # type: ignore[no-any-return]
 
 
-async def checked(cluster: LocalCluster) -> None:
-    """Until meta has checked every replica reported to it (polled, with a deadline)."""
-    assert cluster.meta is not None
-    gc = cluster.meta.gc
-    deadline = time.monotonic() + DEADLINE_S
-    while gc._suspects or (gc._checking is not None and not gc._checking.done()):
-        assert time.monotonic() < deadline, "meta did not check the reported replicas in time"
-        await asyncio.sleep(0.02)
-
-
 async def layout_without(kv: AsyncClient, key: str, old: Layout) -> Layout:
     """The key's layout once meta no longer names ``old``'s first replica (polled)."""
     bad = old.extents[0].replicas[0]
@@ -98,7 +88,7 @@ async def test_a_replica_a_read_finds_corrupt_is_repaired_from_the_good_one(clus
         fixed = await layout_without(reader, "k3", old)
     assert len(fixed.extents[0].replicas) == 2
     assert old.extents[0].replicas[1] in fixed.extents[0].replicas  # the good copy stays
-    await checked(cluster)
+    await reports_checked(cluster)
     m = await metrics(cluster)
     assert (m["replicas_reported_bad"], m["extents_repaired"], m["keys_lost"]) == (1, 1, 0), m
     rc, out = await kvfs_admin(cluster, "gc", "status")
@@ -120,7 +110,7 @@ async def test_the_blocking_client_reports_a_corrupt_replica_too(cluster: LocalC
     assert await asyncio.to_thread(read) == value
     async with cluster.client() as kv:
         await layout_without(kv, "b", old)
-    await checked(cluster)
+    await reports_checked(cluster)
     assert (await metrics(cluster))["replicas_reported_bad"] == 1
 
 
@@ -138,7 +128,7 @@ async def test_a_read_does_not_wait_for_its_report(cluster: LocalCluster) -> Non
             assert await reader.get("h") == value
         held.release()
         await layout_without(reader, "h", old)
-    await checked(cluster)
+    await reports_checked(cluster)
     assert (await metrics(cluster))["replicas_reported_bad"] == 1
 
 
@@ -155,7 +145,7 @@ async def test_a_report_of_a_good_replica_or_one_no_layout_names_changes_nothing
             rpc.BadReplica(b"g", r.server_id, r.chunk_id, r.offset + 4096),  # names no replica
             rpc.BadReplica(b"absent", r.server_id, r.chunk_id, r.offset)]))
         assert noted.queued == 1
-        await checked(cluster)
+        await reports_checked(cluster)
         assert await kv.layout("g") == lay
         assert await kv.get("g") == b"good" * 1000
     m = await metrics(cluster)
