@@ -63,8 +63,8 @@ class PassOptions:
     expire_batch: int = 10_000
     repair: bool = True
     repair_rate_bytes: int | None = None
-    # background scrub (with apply): about this many bytes of chunks verified on each server,
-    # after where the collector's last pass stopped (GarbageCollector.scrub_cursor); 0: none
+    # background scrub (with apply): the replicas of the keys after where the collector's
+    # last pass stopped (GarbageCollector.scrub_cursor), about this many bytes a server; 0: none
     scrub_bytes: int = 0
 
     @classmethod
@@ -163,9 +163,9 @@ class GarbageCollector:
                                  tls=client_context(tls), spread_meta=False)
         self._usage: dict[int, rpc.ChunkStatsReply] = {}
         self._write_id = 0  # the last tombstone write id (drop_shadowed)
-        # per server, the last replica (chunk id, offset) the background scrub verified
-        # (kvfs.gc.scrub.scrub_slice)
-        self.scrub_cursor: dict[int, tuple[int, int]] = {}
+        # the last key whose replicas the background scrub verified (None: from the first;
+        # kvfs.gc.scrub.scrub_slice)
+        self.scrub_cursor: bytes | None = None
 
     async def __aenter__(self) -> GarbageCollector:
         await self.meta(rpc.Ping())

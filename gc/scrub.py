@@ -14,17 +14,18 @@ chunkserver, within a byte-rate budget, and deal with each one found missing or 
 
 :func:`check_reported` does steps 1 and 2 for the replicas readers reported failing their
 CRC-32C (REPORT_BAD; meta runs it, as it runs MAKE_ROOM's pass): only those are verified.
-:func:`scrub_slice` does them for a slice of each server's chunks, in each GC daemon pass
-(``GcConfig.scrub_rate_bytes``): the background scrub, which goes round every chunk in turn.
+:func:`scrub_slice` does them for the replicas of a slice of meta's keys, in each GC daemon
+pass (``GcConfig.scrub_rate_bytes``): the background scrub, which walks every key in turn
+(key order, GC_LAYOUTS pages), so each pass costs meta only the keys it checks.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
+from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # (the driver runs the background scrub: scrub_slice)
 log = logging.getLogger("kvfs.gc.scrub")
 
 PLAN_BATCH = 100_000  # bad replicas per GC_SCRUB_PLAN
+SCRUB_PAGE_KEYS = 1000  # keys per GC_LAYOUTS page of the background scrub's walk
 
 
 @dataclass(kw_only=True)
@@ -80,48 +82,54 @@ async def scrub(gc: GarbageCollector, *, apply: bool, rate_bytes: int | None = N
 
 
 async def scrub_slice(gc: GarbageCollector, budget: int) -> ScrubReport:
-    """The GC daemon's background scrub, one pass's share: on each live chunkserver (as of
-    the pass's :meth:`~GarbageCollector.sync_usage`), the replicas meta's layouts reference
-    after the place ``gc.scrub_cursor`` names (chunk id, offset: in that order, from the
-    first chunk again past the last) until ``budget`` bytes of them (at least one) are
-    verified; the bad ones mended as :func:`scrub` does with ``apply``."""
+    """The GC daemon's background scrub, one pass's share: meta's keys walked in key order
+    (GC_LAYOUTS pages) from the one after ``gc.scrub_cursor`` (from the first again past
+    the last), each key's replicas on the live chunkservers (as of the pass's
+    :meth:`~GarbageCollector.sync_usage`) taken until they come to ``budget`` bytes a
+    server (at least one key), then verified there, the bad ones mended as :func:`scrub`
+    does with ``apply``.  The walk costs meta the keys it pages through, never a scan of
+    every key."""
     t0 = time.monotonic()
     report = ScrubReport(apply=True)
-    by_server: dict[int, list[tuple[bytes, int, int, int, int]]] = {}
-    for sid, st in sorted(gc.usage().items()):
-        chunks = sorted(st.chunks)
-        if not chunks:
-            continue
-        at = gc.scrub_cursor.get(sid, (-1, -1))
-        start = bisect_left(chunks, at[0])
-        ring = chunks[start:] + chunks[:start]  # from the cursor's chunk (or the next) round
-        flat: list[tuple[bytes, int, int, int, int]] = []
-        nbytes = 0
-        last = ring[0]
-        while ring and nbytes < budget:  # chunks enough for what is left of the budget, their
-            take: list[int] = []  # sizes counting garbage too, until it is spent or round
-            guess = nbytes
-            while ring and guess < budget and len(take) < rpc.MAX_REFS_CHUNKS:
-                c = ring.pop(0)
-                take.append(c)
-                guess += max(0, st.chunks[c] - (at[1] if c == at[0] else 0))
-            refs = (await gc.meta(rpc.GcChunkRefs(chunks=take))).refs
-            for c in take:
-                for r in sorted(refs.get(c, ()), key=lambda r: r.offset):
-                    if not r.length or (c == at[0] and r.offset <= at[1]):
-                        continue  # a kept tombstone (no value to check), or verified last time
-                    if nbytes >= budget:
-                        break
-                    flat.append((r.key, c, r.offset, r.length, r.crc))
-                    nbytes += r.length
-            last = take[-1]
-        # where this slice ended; a slice with nothing to check moves on past its chunks
-        gc.scrub_cursor[sid] = (flat[-1][1], flat[-1][2]) if flat else (last, 1 << 62)
-        by_server[sid] = flat
+    live = set(gc.usage())
+    by_server: dict[int, list[tuple[bytes, int, int, int, int]]] = defaultdict(list)
+    want = budget * len(live)
+    nbytes = 0
+    after = gc.scrub_cursor
+    async with aclosing(_keys_round(gc, gc.scrub_cursor)) as keys:
+        async for key, lay in keys:
+            if nbytes >= want:  # (no live server: want is 0, nothing taken)
+                break
+            for x in lay.extents:
+                for r in x.replicas:
+                    if x.length and r.server_id in live:
+                        by_server[r.server_id].append((key, r.chunk_id, r.offset, x.length, x.crc))
+                        nbytes += x.length
+            after = key
+    gc.scrub_cursor = after
     bad = await _verify(report, sorted(by_server), lambda sid: gc.verify_ranges(sid, by_server[sid]))
     await mend(gc, bad, report, Pacer(None))
     report.seconds = time.monotonic() - t0
     return report
+
+
+async def _keys_round(gc: GarbageCollector, began: bytes | None) -> AsyncGenerator[rpc.KeyLayout, None]:
+    """Meta's stored keys with their layouts, in key order from the one after ``began``,
+    past the last one to the first and on up to ``began``: each key at most once (pages
+    fetched as the caller goes on)."""
+    after, came_round = began, False
+    while True:
+        page = await gc.meta(rpc.GcLayouts(start_after=after, limit=SCRUB_PAGE_KEYS))
+        for row in page.rows:
+            if came_round and began is not None and row.key >= began:
+                return
+            yield row
+        if page.more:
+            after = page.rows[-1].key
+        elif came_round or began is None:
+            return
+        else:
+            came_round, after = True, None
 
 
 async def _verify(report: ScrubReport, servers: Iterable[int],

@@ -464,11 +464,12 @@ class GcConfig(TlsConfig):
     rate_bytes: int | None = opt("compaction copy rate limit in bytes/s (default: unlimited)", None)
     repair_rate_bytes: int | None = opt("repair (re-replication) copy rate limit in bytes/s",
                                         100 * MiB)
-    scrub_rate_bytes: int | None = opt("background scrub: bytes of chunks per second whose "
-                                       "referenced replicas the daemon verifies on each "
-                                       "chunkserver (each pass takes interval x this, chunk by "
-                                       "chunk after where the last pass stopped, and mends the bad "
-                                       "ones as kvfs gc scrub --apply does; 0: none)", 8 * MiB)
+    scrub_rate_bytes: int | None = opt("background scrub: bytes of replicas per second the "
+                                       "daemon verifies on each chunkserver (each pass takes "
+                                       "about interval x this a server, the replicas of the keys "
+                                       "after where the last pass stopped, in key order, and "
+                                       "mends the bad ones as kvfs gc scrub --apply does; 0: none)",
+                                       8 * MiB)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -138,6 +138,7 @@ class Op(enum.IntEnum):
     # garbage collection: meta, continued (64-)
     GC_DECOMMISSION = 64
     GC_TOMBSTONE = 65
+    GC_LAYOUTS = 66
 
 
 ANYONE = (Role.CLIENT, Role.ADMIN, Role.SERVER)
@@ -769,6 +770,24 @@ class GcChunkRefs(Request[ChunkRefs], frozen=True, kw_only=True):
     server_id: ServerId | None = None
 
 
+class KeyLayout(NamedTuple):
+    key: Key
+    layout: Layout
+
+
+class KeyLayouts(Response, frozen=True, kw_only=True):
+    rows: Annotated[list[KeyLayout], msgspec.Meta(max_length=MAX_LIST)]
+    more: bool  # the page was full: keys after its last may follow
+
+
+class GcLayouts(Request[KeyLayouts], frozen=True, kw_only=True):
+    """One page of the stored keys after ``start_after``, in key order, with their layouts
+    (expired ones included): the background scrub's walk."""
+
+    start_after: Key | None = None
+    limit: Annotated[int, msgspec.Meta(ge=1, le=MAX_LIST)] = 1000
+
+
 class Move(NamedTuple):
     key: Key
     old_chunk: ChunkId
@@ -1009,6 +1028,8 @@ RPCS: dict[Op, Rpc] = _rpcs(
         "remove LRU unleased keys of servers over the high watermark", ADMIN),
     Rpc(Op.GC_PLAN, Service.META, GcPlan, "chunks to compact, delete, seal", ADMIN),
     Rpc(Op.GC_CHUNK_REFS, Service.META, GcChunkRefs, "live references into chunks", ADMIN),
+    Rpc(Op.GC_LAYOUTS, Service.META, GcLayouts,
+        "stored keys after a key, one page in key order, with their layouts (the background scrub)", ADMIN),
     Rpc(Op.GC_RELOCATE, Service.META, GcRelocate,
         "switch layouts to compacted copies (compare-and-swap)", ADMIN),
     Rpc(Op.GC_RETIRE, Service.META, GcRetire, "mark unreferenced chunks dead (compare-and-swap)", ADMIN),

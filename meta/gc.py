@@ -442,6 +442,14 @@ class MetaGc:
             await self._count(tombstones_dropped=dropped)
         return rpc.ChunkRefs(refs=refs), ()
 
+    async def rpc_gc_layouts(self, req: rpc.GcLayouts, payload: memoryview) -> Reply:
+        """A page of the stored keys after ``start_after`` with their layouts, read from
+        the store's key order (SQLite's primary key, Redis's sorted indexes): O(the page),
+        never a walk of every key, so the background scrub's slice costs what it checks."""
+        rows = await self.index.list_keys(b"", req.start_after, req.limit)
+        return rpc.KeyLayouts(rows=[rpc.KeyLayout(k, lay) for k, lay in rows],
+                              more=len(rows) == req.limit), ()
+
     async def rpc_gc_relocate(self, req: rpc.GcRelocate, payload: memoryview) -> Reply:
         """Point each moved replica at its copy, compare-and-swap: only where the layout still
         names the old (chunk, offset), and never into a chunk retired since the copy."""

@@ -195,6 +195,11 @@ class GcIndex(Protocol):
 
     async def refresh(self) -> None: ...
 
+    async def list_keys(self, prefix: bytes, start_after: bytes | None,
+                        limit: int) -> builtins.list[tuple[bytes, Layout]]:
+        """Up to ``limit`` stored keys (expired ones included) under ``prefix`` after
+        ``start_after``, in key order, with their layouts: O(the page) on either store."""
+
     def refs(self, chunks: Collection[int] = (), servers: Collection[int] = (),
              ) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
         """Every stored key (expired ones included) with a replica in one of ``chunks`` or on
