@@ -157,3 +157,12 @@ async def test_the_daemons_background_scrub_goes_round_every_replica_in_slices(
         monkeypatch.undo()  # (kvfs gc scrub, by hand, verifies every server's references)
         rc, out = await kvfs_admin(c, "gc", "scrub")
         assert rc == 0 and "0 failing their checksum, 0 missing" in out, out
+
+
+async def test_the_scrub_walk_bench_times_both_calls() -> None:
+    """``python -m kvfs.bench.scrub_walk``, small (figures: bench/RESULTS.md)."""
+    from kvfs.bench import scrub_walk
+
+    res = await scrub_walk.run(2000, 100, 1)
+    assert res["keys"] == 2000 and res["page"] == 100
+    assert res["gc_chunk_refs_ms"] > 0 and res["gc_layouts_page_ms"] > 0
