@@ -78,8 +78,8 @@ def format_status(st: dict[str, Any]) -> str:
                  f"compacted {int(m['chunks_compacted'])} chunks, deleted {int(m['chunks_deleted'])}, "
                  f"reclaimed {format_size(m['bytes_reclaimed'])} in {int(m['passes'])} passes")
     lines.append(format_repair(st.get("repair"), m))
-    lines.append(f"bad replicas: {int(m.get('replicas_reported_bad', 0))} reported by readers, "
-                 f"{int(m.get('replicas_scrubbed_bad', 0))} found by the background scrub "
+    lines.append(f"bad replicas: {int(m.get('replicas_reported_bad', 0))} found where readers reported them, "
+                 f"{int(m.get('replicas_scrubbed_bad', 0))} by the background scrub "
                  f"({format_size(m.get('bytes_scrubbed', 0))} verified so far)")
     lines.append(f"{'id':>3} {'addr':<21} {'alive':<5} {'capacity':>10} {'used':>10} {'fill':>5} "
                  f"{'live':>10} {'garbage':>10} {'ratio':>5} {'expired':>7} {'chunks':>6}")

@@ -45,6 +45,7 @@ DAEMON_LEASE_INTERVALS = 3  # a daemon's turn lasts this many intervals past its
 MIN_DAEMON_LEASE_S = 10.0
 RELEASED_LEASE_S = 0.001  # a stopping daemon renews its lease for this long: the next takes it
 VERIFY_BATCH_BYTES = 64 * 1024 * 1024
+VERIFY_BATCH_RANGES = 65_536  # a CHUNK_VERIFY's ranges: its header well under the frame limit
 
 Progress = Callable[[str, int, int], None]
 
@@ -199,10 +200,6 @@ class GarbageCollector:
         """The chunkservers meta knows, read now (and meta's cluster id with them)."""
         return await self._link.servers(refresh=True)
 
-    def usage(self) -> dict[int, rpc.ChunkStatsReply]:
-        """Each live chunkserver's chunk table and usage, as of the last :meth:`sync_usage`."""
-        return dict(self._usage)
-
     def free_bytes(self) -> dict[int, int]:
         """Free space per chunkserver, as of the last :meth:`sync_usage`."""
         return {sid: st.free for sid, st in self._usage.items()}
@@ -234,7 +231,7 @@ class GarbageCollector:
     async def run_pass(self, opts: PassOptions) -> PassReport:
         t0 = time.perf_counter()
         report = PassReport(apply=opts.apply)
-        await self.sync_usage()
+        live = await self.sync_usage()
         if opts.expire:
             await self.expire(opts, report)
         if opts.evict:
@@ -244,7 +241,7 @@ class GarbageCollector:
         if opts.compact:
             await self.compact(opts, report)
         if opts.apply and opts.scrub_bytes:
-            report.scrub = await scrub_slice(self, opts.scrub_bytes)
+            report.scrub = await scrub_slice(self, opts.scrub_bytes, set(live))
         report.duration_s = time.perf_counter() - t0
         if opts.apply:
             await self.meta(rpc.GcReport(run=report.to_dict()))
@@ -454,7 +451,8 @@ class GarbageCollector:
         """Check ranges (key, chunk id, offset, length, CRC-32C) of chunkserver ``sid``
         there (CHUNK_VERIFY, in batches; ``pacer``: within its byte rate)."""
         out = Verification()
-        for run in split_batches([f[3] for f in flat], max_bytes=VERIFY_BATCH_BYTES):
+        for run in split_batches([f[3] for f in flat], max_bytes=VERIFY_BATCH_BYTES,
+                                 max_items=VERIFY_BATCH_RANGES):
             batch = flat[run.start : run.stop]
             h = await self.chunkserver(sid, rpc.ChunkVerify(
                 ranges=[rpc.VerifyRange(c, off, ln, crc) for _, c, off, ln, crc in batch]))

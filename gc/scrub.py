@@ -24,7 +24,15 @@ from __future__ import annotations
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Collection,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from contextlib import aclosing
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -41,6 +49,7 @@ log = logging.getLogger("kvfs.gc.scrub")
 
 PLAN_BATCH = 100_000  # bad replicas per GC_SCRUB_PLAN
 SCRUB_PAGE_KEYS = 1000  # keys per GC_LAYOUTS page of the background scrub's walk
+SCRUB_MAX_KEYS = 100_000  # keys a slice takes at most (empty values, replicas on dead servers: no bytes)
 
 
 @dataclass(kw_only=True)
@@ -81,34 +90,32 @@ async def scrub(gc: GarbageCollector, *, apply: bool, rate_bytes: int | None = N
     return report
 
 
-async def scrub_slice(gc: GarbageCollector, budget: int) -> ScrubReport:
+async def scrub_slice(gc: GarbageCollector, budget: int, servers: Collection[int]) -> ScrubReport:
     """The GC daemon's background scrub, one pass's share: meta's keys walked in key order
     (GC_LAYOUTS pages) from the one after ``gc.scrub_cursor`` (from the first again past
-    the last), each key's replicas on the live chunkservers (as of the pass's
-    :meth:`~GarbageCollector.sync_usage`) taken until they come to ``budget`` bytes a
-    server (at least one key), then verified there, the bad ones mended as :func:`scrub`
-    does with ``apply``.  The walk costs meta the keys it pages through, never a scan of
-    every key."""
+    the last), each key's replicas on ``servers`` (those the pass found alive) taken until
+    one server's come to ``budget`` bytes (at least one key, at most
+    ``SCRUB_MAX_KEYS``), then verified there and the bad ones mended as :func:`scrub` does
+    with ``apply``; the cursor moves once they are.  The walk costs meta the keys it pages
+    through, never a scan of every key."""
     t0 = time.monotonic()
     report = ScrubReport(apply=True)
-    live = set(gc.usage())
     by_server: dict[int, list[tuple[bytes, int, int, int, int]]] = defaultdict(list)
-    want = budget * len(live)
-    nbytes = 0
-    after = gc.scrub_cursor
-    async with aclosing(_keys_round(gc, gc.scrub_cursor)) as keys:
-        async for key, lay in keys:
-            if nbytes >= want:  # (no live server: want is 0, nothing taken)
-                break
-            for x in lay.extents:
-                for r in x.replicas:
-                    if x.length and r.server_id in live:
-                        by_server[r.server_id].append((key, r.chunk_id, r.offset, x.length, x.crc))
-                        nbytes += x.length
-            after = key
+    taken: dict[int, int] = defaultdict(int)  # bytes a server
+    after, n = gc.scrub_cursor, 0
+    if servers:
+        async with aclosing(_keys_round(gc, after)) as keys:
+            async for key, lay in keys:
+                if max(taken.values(), default=0) >= budget or n >= SCRUB_MAX_KEYS:
+                    break
+                for x in lay.extents:
+                    for r in x.replicas:
+                        if x.length and r.server_id in servers:
+                            by_server[r.server_id].append((key, r.chunk_id, r.offset, x.length, x.crc))
+                            taken[r.server_id] += x.length
+                after, n = key, n + 1
+    await _verify_and_mend(gc, report, by_server)
     gc.scrub_cursor = after
-    bad = await _verify(report, sorted(by_server), lambda sid: gc.verify_ranges(sid, by_server[sid]))
-    await mend(gc, bad, report, Pacer(None))
     report.seconds = time.monotonic() - t0
     return report
 
@@ -124,8 +131,8 @@ async def _keys_round(gc: GarbageCollector, began: bytes | None) -> AsyncGenerat
             if came_round and began is not None and row.key >= began:
                 return
             yield row
-        if page.more:
-            after = page.rows[-1].key
+        if page.rows:  # (a page may come short while keys follow: Redis's list skips
+            after = page.rows[-1].key  # keys deleted as it reads; the end is an empty page)
         elif came_round or began is None:
             return
         else:
@@ -190,7 +197,14 @@ async def check_reported(gc: GarbageCollector,
     by_server: dict[int, list[tuple[bytes, int, int, int, int]]] = defaultdict(list)
     for b, r in suspects.items():
         by_server[b.server_id].append((b.key, r.chunk_id, r.offset, r.length, r.crc))
-    bad = await _verify(report, sorted(by_server), lambda sid: gc.verify_ranges(sid, by_server[sid]))
-    await mend(gc, bad, report, Pacer(None))
+    await _verify_and_mend(gc, report, by_server)
     report.seconds = time.monotonic() - t0
     return report
+
+
+async def _verify_and_mend(gc: GarbageCollector, report: ScrubReport,
+                           by_server: Mapping[int, Sequence[tuple[bytes, int, int, int, int]]]) -> None:
+    """Ranges (key, chunk id, offset, length, CRC-32C) checked on each server, and the bad
+    ones mended (:func:`mend`, unpaced: a slice or a report is small)."""
+    bad = await _verify(report, sorted(by_server), lambda sid: gc.verify_ranges(sid, by_server[sid]))
+    await mend(gc, bad, report, Pacer(None))

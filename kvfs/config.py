@@ -465,11 +465,11 @@ class GcConfig(TlsConfig):
     repair_rate_bytes: int | None = opt("repair (re-replication) copy rate limit in bytes/s",
                                         100 * MiB)
     scrub_rate_bytes: int | None = opt("background scrub: bytes of replicas per second the "
-                                       "daemon verifies on each chunkserver (each pass takes "
-                                       "about interval x this a server, the replicas of the keys "
-                                       "after where the last pass stopped, in key order, and "
-                                       "mends the bad ones as kvfs gc scrub --apply does; 0: none)",
-                                       8 * MiB)
+                                       "daemon verifies on each chunkserver (each pass, in one "
+                                       "burst: the replicas of the keys after where the last "
+                                       "pass stopped, in key order, until one server's come to "
+                                       "interval x this; the bad ones mended as kvfs gc scrub "
+                                       "--apply does; 0: none)", 8 * MiB)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -59,7 +59,6 @@ from kvfs.protocol import FrameHead, ReceivePool, Scatter
 log = logging.getLogger("kvfs.readpath")
 
 READV_IN_FLIGHT = 4  # READVs in flight to one server when a read is split
-MAX_SUSPECTS = 1024  # replicas failing their CRC-32C held for one REPORT_BAD (more: not told)
 # a READV answer lands in place in the callers' buffers when its extents average at least
 # this (below it, receiving each in its own buffer costs more than one receive and a copy)
 SCATTER_MIN_BYTES = 64 * 1024
@@ -457,10 +456,11 @@ class ReadPath:
 
         async def send() -> None:
             while self._suspects:
-                items, self._suspects = self._suspects, []
+                items = list(dict.fromkeys(self._suspects))  # a replica read twice: told once
+                self._suspects = []
                 try:
                     await self._link.call_meta(rpc.ReportBad(items=items))
-                except KVFSError as exc:
+                except Exception as exc:  # best effort (never an error left unretrieved)
                     log.warning("could not report %d replicas failing their CRC-32C to meta: %s",
                                 len(items), exc)
 
@@ -888,7 +888,7 @@ class ReadPath:
                suspects: list[rpc.BadReplica] | None = None) -> None:
         """One READV's answer: each range's error or CRC-32C mismatch puts its job in
         ``retry`` (for its next replica), a mismatch's replica in ``suspects`` too (for
-        meta: REPORT_BAD, at most ``MAX_SUSPECTS`` held); good bytes received apart from
+        meta: REPORT_BAD, at most ``rpc.MAX_REPORT_BAD`` held); good bytes received apart from
         their destination are copied there (or handed back as bytes in ``out``)."""
         errors = h.errors
         in_place = isinstance(payload, Scatter)
@@ -932,7 +932,7 @@ class ReadPath:
                     f"key {keys[job.slot][:64]!r}: bytes from chunkserver {sid} (chunk "
                     f"{ranges[idx][0]:016x} offset {ranges[idx][1]}) fail their CRC-32C")
                 retry.append(job)
-                if suspects is not None and len(suspects) < MAX_SUSPECTS:
+                if suspects is not None and len(suspects) < rpc.MAX_REPORT_BAD:
                     suspects.append(rpc.BadReplica(keys[job.slot], sid, *ranges[idx][:2]))
                 continue
             if dest is WHOLE:

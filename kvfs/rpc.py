@@ -39,6 +39,7 @@ MAX_SECONDS = 100.0 * 365 * 24 * 3600  # ttl, lease, grace: a century
 MAX_ADDR_CHARS = 256
 MAX_TEXT_CHARS = 4096
 MAX_LIST = 10_000  # keys per LIST page
+MAX_REPORT_BAD = 1024  # replicas per REPORT_BAD (a reader holds at most these to report)
 MAX_REFS_CHUNKS = 4096  # chunks per GC_CHUNK_REFS
 MAX_EXPIRE_BATCH = 1_000_000
 MAX_REPAIR_BATCH_BYTES = 1 << 30  # extent bytes per GC_REPAIR_PLAN
@@ -327,7 +328,7 @@ class ReportBad(Request[BadNoted], frozen=True, kw_only=True):
     meta checks each on its chunkserver (CHUNK_VERIFY), and repairs those found bad from a
     good copy, as a scrub does; a reader's word alone changes nothing."""
 
-    items: NonEmpty[BadReplica]
+    items: Annotated[list[BadReplica], msgspec.Meta(min_length=1, max_length=MAX_REPORT_BAD)]
 
 
 class KeyEntry(NamedTuple):
@@ -776,8 +777,7 @@ class KeyLayout(NamedTuple):
 
 
 class KeyLayouts(Response, frozen=True, kw_only=True):
-    rows: Annotated[list[KeyLayout], msgspec.Meta(max_length=MAX_LIST)]
-    more: bool  # the page was full: keys after its last may follow
+    rows: Annotated[list[KeyLayout], msgspec.Meta(max_length=MAX_LIST)]  # none: past the last key
 
 
 class GcLayouts(Request[KeyLayouts], frozen=True, kw_only=True):

@@ -27,7 +27,7 @@ never undo each other's work:
 
 MAKE_ROOM (a client's write found the cluster full) and REPORT_BAD (a reader found
 replicas failing their CRC-32C) are the exceptions to "driven from outside": meta runs
-:mod:`kvfs.gc` against itself (MAKE_ROOM: one pass, the one the daemon runs; REPORT_BAD:
+:mod:`kvfs.gc` against itself (MAKE_ROOM: one pass, as the daemon runs it less its scrub; REPORT_BAD:
 the reported replicas checked on their servers and mended as a scrub mends, in a task of
 its own, the reports held meanwhile up to ``suspect_replicas``), so a client never runs GC.
 
@@ -50,7 +50,7 @@ from collections.abc import Collection, Sequence
 import msgspec
 
 from kvfs import rpc
-from kvfs.errors import InvalidArgument, KVFSError, StaleLayout, Unavailable
+from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.index import MetaIndex, ServerInfo, add_live, disk_bytes
 from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_replica
@@ -129,9 +129,13 @@ class MetaGc:
         # replicas readers reported bad (REPORT_BAD), each with its range, until checked
         self._suspects: dict[rpc.BadReplica, rpc.VerifyRange] = {}
         self._checking: asyncio.Task[None] | None = None
+        self._dropping = False  # reports are being dropped (--suspect-replicas): logged once
+        self._closed = False
 
     async def close(self) -> None:
-        """Stop checking reported replicas (those not yet checked are forgotten)."""
+        """Stop checking reported replicas (those not yet checked are forgotten); reports
+        that come later are not taken."""
+        self._closed = True
         if self._checking is not None:
             self._checking.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -447,8 +451,7 @@ class MetaGc:
         the store's key order (SQLite's primary key, Redis's sorted indexes): O(the page),
         never a walk of every key, so the background scrub's slice costs what it checks."""
         rows = await self.index.list_keys(b"", req.start_after, req.limit)
-        return rpc.KeyLayouts(rows=[rpc.KeyLayout(k, lay) for k, lay in rows],
-                              more=len(rows) == req.limit), ()
+        return rpc.KeyLayouts(rows=[rpc.KeyLayout(k, lay) for k, lay in rows]), ()
 
     async def rpc_gc_relocate(self, req: rpc.GcRelocate, payload: memoryview) -> Reply:
         """Point each moved replica at its copy, compare-and-swap: only where the layout still
@@ -692,22 +695,29 @@ class MetaGc:
     async def rpc_report_bad(self, req: rpc.ReportBad, payload: memoryview) -> Reply:
         """Replicas a reader found failing their CRC-32C: each that its key's layout still
         names is held (with the range and CRC-32C the layout gives it) for :meth:`_check_reported`,
-        up to ``suspect_replicas``; nothing changes on a reader's word."""
+        up to ``suspect_replicas``; nothing changes on a reader's word.  A report costs at
+        most a lookup of the keys there is room for."""
         ix = self.index
-        room = ix.config.suspect_replicas - len(self._suspects)
-        keys = list(dict.fromkeys(b.key for b in req.items))
+        limit = ix.config.suspect_replicas
+        items = [b for b in dict.fromkeys(req.items) if b not in self._suspects]
+        room = limit - len(self._suspects)
+        if len(items) > room and limit:
+            if not self._dropping:
+                log.warning("%d replicas reported bad are waiting to be checked "
+                            "(--suspect-replicas): more reports dropped until they are", len(self._suspects))
+            self._dropping = True
+        items = items[:max(0, room)]
+        if not items or self._closed or self.home is None:  # (home: set once meta listens)
+            return rpc.BadNoted(queued=0), ()
+        keys = list(dict.fromkeys(b.key for b in items))
         layouts = dict(zip(keys, await ix.peek(keys, ix.clock()), strict=True))
         queued = 0
-        for b in req.items:
-            if queued >= room:
-                log.warning("%d replicas reported bad are waiting to be checked "
-                            "(--suspect-replicas): more reports dropped", len(self._suspects))
-                break
+        for b in items:
             rng = _range_of(layouts.get(b.key), b)
-            if rng is not None and b not in self._suspects:
+            if rng is not None and b not in self._suspects and len(self._suspects) < limit:
                 self._suspects[b] = rng
                 queued += 1
-        if queued and self.home is not None and (self._checking is None or self._checking.done()):
+        if queued and not self._closed and (self._checking is None or self._checking.done()):
             self._checking = asyncio.get_running_loop().create_task(self._check_reported())
         return rpc.BadNoted(queued=queued), ()
 
@@ -730,17 +740,18 @@ class MetaGc:
                 log.info("replicas readers reported bad: %d checked, %d found bad, %d repaired "
                          "from a good copy, %d dropped", r.ranges_checked, found, r.repaired,
                          r.replicas_dropped)
-            except KVFSError as exc:
+            except Exception as exc:  # any failure: these are forgotten (a scrub finds them)
                 log.warning("checking %d replicas readers reported bad failed: %s", len(batch), exc)
             finally:
                 for b in batch:
                     self._suspects.pop(b, None)
+        self._dropping = False
 
     async def rpc_make_room(self, req: rpc.MakeRoom, payload: memoryview) -> Reply:
         """One GC pass (apply, no grace period, no repair: copies would take room, not make
         it) on behalf of a writer that found the cluster full.  Requests that arrive while a pass runs wait for the next one, which they
         share (it starts after their refused appends were reported)."""
-        from kvfs.gc.driver import GarbageCollector, PassOptions  # the pass the daemon runs
+        from kvfs.gc.driver import GarbageCollector, PassOptions  # the daemon's pass (no scrub)
 
         if self.home is None:
             raise Unavailable("meta is not listening yet")

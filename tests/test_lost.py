@@ -163,7 +163,8 @@ async def test_one_corrupt_replica_of_two_reads_the_other(cluster: LocalCluster,
     await kv.put(b"twice", value, replicas=2)
     _, rep, path = await _replica_file(cluster, kv, b"twice", 0)
     flip_byte(path, rep.offset + 10)
-    assert await kv.get(b"twice") == value
+    async with cluster.client() as reader:  # its close waits until its report is answered
+        assert await reader.get(b"twice") == value
     await reports_checked(cluster)  # the get reported the bad copy: meta mended it first
     kv.layout_cache.clear()
     for which in (0, 1):  # now both copies meta names are damaged

@@ -159,6 +159,26 @@ async def test_the_daemons_background_scrub_goes_round_every_replica_in_slices(
         assert rc == 0 and "0 failing their checksum, 0 missing" in out, out
 
 
+async def test_a_slice_takes_only_the_servers_the_pass_found_alive(tmp_path: Path) -> None:
+    """A chunkserver stopped since the collector's last pass: the next slice takes only the
+    live server's replicas (the stopped one's neither asked for nor counted as skipped),
+    up to the budget on that server alone."""
+    root = tmp_path / "cluster"
+    async with LocalCluster(root, 2, chunkserver=ChunkServerConfig(
+            data=root, heartbeat_interval_s=0.2, preallocate=False)) as c:
+        async with c.client(ClientConfig(replicas=2)) as kv:
+            await kv.put_many([(f"a{i}", bytes([i]) * 20_000) for i in range(8)])
+        opts = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=False,
+                           scrub_bytes=40_000)
+        async with GarbageCollector(c.addr, token=c.admin_token) as gc:
+            rep = (await gc.run_pass(opts)).scrub
+            assert rep is not None and (rep.servers_verified, rep.ranges_checked) == (2, 4), rep
+            await c.stop_chunkserver(1)
+            rep = (await gc.run_pass(opts)).scrub
+        assert rep is not None and rep.servers_skipped == [], rep
+        assert (rep.servers_verified, rep.ranges_checked, rep.bytes_verified) == (1, 2, 40_000), rep
+
+
 async def test_the_scrub_walk_bench_times_both_calls() -> None:
     """``python -m kvfs.bench.scrub_walk``, small (figures: bench/RESULTS.md)."""
     from kvfs.bench import scrub_walk
