@@ -14,13 +14,14 @@ import time
 from pathlib import Path
 
 from kvfs import rpc
+from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig, GcConfig
 from kvfs.errors import KVFSError
 from kvfs.gc import GarbageCollector, PassOptions
 from kvfs.gc.repair import repair_step
 from kvfs.gc.scrub import scrub
 from kvfs.launcher import LocalCluster
-from kvfs.layout import Replica
+from kvfs.layout import Layout, Replica
 from kvfs.meta.rebuild import rebuild
 
 MEND_DEADLINE_S = 120.0  # bad replicas not mended by then: the run fails
@@ -149,17 +150,30 @@ async def scrubbed(root: Path, mib: int) -> None:
              f"repaired {r.repaired}, dropped {r.lost_keys}; the other {mib - 1} read back")
 
 
+async def until_mended(kv: AsyncClient, key: bytes | str, rep: Replica, deadline_s: float,
+                       poll_s: float = 0.05) -> Layout | None:
+    """``key``'s layout once it no longer names replica ``rep`` (a bad replica mended: read
+    repair, a scrub), polled; None if the key is gone or ``deadline_s`` passes first."""
+    end = time.monotonic() + deadline_s
+    while True:
+        lay = await kv.layout(key)
+        if lay is None:
+            return None
+        if all(rep not in e.replicas for e in lay.extents):
+            return lay
+        if time.monotonic() >= end:
+            return None
+        await asyncio.sleep(poll_s)
+
+
 async def _mended(c: LocalCluster, bad: dict[bytes, Replica], since: float) -> float:
-    """Seconds from ``since`` until no key's layout names its replica in ``bad`` (polled)."""
+    """Seconds from ``since`` (``time.perf_counter``) until no key's layout names its
+    replica in ``bad`` (polled)."""
     async with c.client() as kv:
-        while True:
-            lays = [await kv.layout(k) for k in bad]
-            if all(lay is not None and bad[k] not in lay.extents[0].replicas
-                   for k, lay in zip(bad, lays, strict=True)):
-                return time.perf_counter() - since
-            if time.perf_counter() - since > MEND_DEADLINE_S:
+        for k, rep in bad.items():
+            if await until_mended(kv, k, rep, MEND_DEADLINE_S - (time.perf_counter() - since)) is None:
                 raise RuntimeError(f"bad replicas not mended within {MEND_DEADLINE_S}s")
-            await asyncio.sleep(0.05)
+    return time.perf_counter() - since
 
 
 async def _flipped(c: LocalCluster, n: int, prefix: str) -> tuple[dict[bytes, bytes], dict[bytes, Replica]]:

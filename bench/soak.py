@@ -47,6 +47,7 @@ from typing import Any
 from kvfs._parent import ENV as PARENT_ENV
 from kvfs._parent import die_with_parent
 from kvfs.address import TOKEN_ENV
+from kvfs.bench.reliability import until_mended
 from kvfs.bench.workload import MixedWorkload, Values, verify_all
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig
@@ -153,14 +154,9 @@ async def mended(admin: AsyncClient, key: bytes, rep: Replica, since: float) -> 
     (a reader found it corrupt and meta repaired it, read repair, or the GC daemon's background
     scrub did; polled), or None when the
     key is gone or past RESTORE_DEADLINE_S."""
-    while time.monotonic() - since < RESTORE_DEADLINE_S:
-        lay = await admin.layout(key)
-        if lay is None:
-            return None
-        if all(rep not in e.replicas for e in lay.extents):
-            return time.monotonic() - since
-        await asyncio.sleep(0.2)
-    return None
+    left = RESTORE_DEADLINE_S - (time.monotonic() - since)
+    lay = await until_mended(admin, key, rep, left, poll_s=0.2)
+    return None if lay is None else time.monotonic() - since
 
 
 async def restored(admin: AsyncClient, sid: int, since: float) -> float | None:

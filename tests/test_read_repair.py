@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 from conftest import TEST_HEARTBEAT_TIMEOUT_S, hold, kvfs_admin, reports_checked
 
 from kvfs import rpc
-from kvfs.bench.reliability import flip_byte
+from kvfs.bench.reliability import flip_byte, until_mended
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig, MetaConfig
 from kvfs.launcher import LocalCluster
@@ -54,15 +53,9 @@ async def metrics(cluster: LocalCluster) -> dict[str, float]:
 
 async def layout_without(kv: AsyncClient, key: str, old: Layout) -> Layout:
     """The key's layout once meta no longer names ``old``'s first replica (polled)."""
-    bad = old.extents[0].replicas[0]
-    deadline = time.monotonic() + DEADLINE_S
-    while True:
-        lay = await kv.layout(key)
-        assert lay is not None
-        if bad not in lay.extents[0].replicas:
-            return lay
-        assert time.monotonic() < deadline, f"{key}: its corrupt replica was not repaired: {lay}"
-        await asyncio.sleep(0.05)
+    lay = await until_mended(kv, key, old.extents[0].replicas[0], DEADLINE_S)
+    assert lay is not None, f"{key}: its corrupt replica was not repaired in {DEADLINE_S}s"
+    return lay
 
 
 async def corrupt_first_replica(cluster: LocalCluster, key: str, value: bytes) -> Layout:
