@@ -165,7 +165,8 @@ class GarbageCollector:
         self._usage: dict[int, rpc.ChunkStatsReply] = {}
         self._write_id = 0  # the last tombstone write id (drop_shadowed)
         # the last key whose replicas the background scrub verified (None: from the first;
-        # kvfs.gc.scrub.scrub_slice)
+        # kvfs.gc.scrub.scrub_slice); each pass reports it to meta, which keeps it for the
+        # next daemon (GC_CONTROL's answer)
         self.scrub_cursor: bytes | None = None
 
     async def __aenter__(self) -> GarbageCollector:
@@ -244,7 +245,8 @@ class GarbageCollector:
             report.scrub = await scrub_slice(self, opts.scrub_bytes, set(live))
         report.duration_s = time.perf_counter() - t0
         if opts.apply:
-            await self.meta(rpc.GcReport(run=report.to_dict()))
+            await self.meta(rpc.GcReport(run=report.to_dict(),
+                                         scrub_cursor=self.scrub_cursor if report.scrub else None))
         return report
 
     async def expire(self, opts: PassOptions, report: PassReport) -> None:
@@ -525,6 +527,7 @@ async def run_daemon(addr: str | None, token: str | None, opts: PassOptions, int
                 if not ctl.granted:
                     log.debug("gc: another daemon holds the lease; not running a pass")
                 elif not ctl.paused:
+                    gc.scrub_cursor = ctl.scrub_cursor  # where the last daemon's scrub stopped
                     report = await gc.run_pass(opts)
                     if report.repair is not None and report.repair.extents_repaired:
                         log.info("gc repair: %d extents copied to live servers (%d bytes)",

@@ -826,6 +826,9 @@ class GcDeleted(Request[Empty], frozen=True, kw_only=True):
 class GcControlled(Response, frozen=True, kw_only=True):
     paused: bool
     granted: bool = True  # the daemon lease is the holder's (always, without a holder)
+    # (to a holder) the last key the background scrub verified, as the last pass reported it:
+    # a daemon taking its turn, or restarted, goes on after it
+    scrub_cursor: Key | None = None
 
 
 class GcControl(Request[GcControlled], frozen=True, kw_only=True):
@@ -836,6 +839,7 @@ class GcControl(Request[GcControlled], frozen=True, kw_only=True):
 
 class GcReport(Request[Empty], frozen=True, kw_only=True):
     run: RunCounters  # a finished pass's counters (kvfs.gc.driver.PassReport)
+    scrub_cursor: Key | None = None  # the last key its background scrub verified (kept by meta)
 
 
 class BadReplica(NamedTuple):

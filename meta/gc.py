@@ -264,10 +264,12 @@ class MetaGc:
             paused = req.paused
             await ix.put_state("paused", paused)
             log.info("gc %s", "paused" if paused else "resumed")
-        granted = True
+        granted, cursor = True, None
         if req.holder is not None:
             granted = await ix.claim(DAEMON_LEASE, req.holder, req.lease_s)
-        return rpc.GcControlled(paused=paused, granted=granted), ()
+            saved = await ix.get_state("scrub_cursor")
+            cursor = bytes.fromhex(saved) if saved else None
+        return rpc.GcControlled(paused=paused, granted=granted, scrub_cursor=cursor), ()
 
     async def rpc_gc_report(self, req: rpc.GcReport, payload: memoryview) -> Reply:
         ix = self.index
@@ -276,6 +278,8 @@ class MetaGc:
         # would no longer equal the pass's own figure
         d = run["duration_s"] = round(float(run.get("duration_s", 0.0)), 6)
         await ix.put_state("last_run", run)
+        if req.scrub_cursor is not None:
+            await ix.put_state("scrub_cursor", req.scrub_cursor.hex())
         if run.get("apply"):
             await ix.add_counts({"passes": 1, "pass_duration_s": d,
                                  # the background scrub's share of the pass (kvfs.gc.scrub)

@@ -3,6 +3,7 @@ repaired from a good copy (compare-and-swap), a key with no good copy is dropped
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -13,11 +14,11 @@ from conftest import kvfs_admin
 from kvfs.bench.reliability import flip_byte
 from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.gc import scrub as scrub_module
-from kvfs.gc.driver import GarbageCollector, PassOptions
+from kvfs.gc.driver import RELEASED_LEASE_S, GarbageCollector, PassOptions, PassReport, run_daemon
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.repair import plan_scrub, replace_replica
-from kvfs.rpc import BadReplica
+from kvfs.rpc import BadReplica, GcControl
 
 
 def lay(*extents: tuple[int, ...]) -> Layout:
@@ -157,6 +158,38 @@ async def test_the_daemons_background_scrub_goes_round_every_replica_in_slices(
         monkeypatch.undo()  # (kvfs gc scrub, by hand, verifies every server's references)
         rc, out = await kvfs_admin(c, "gc", "scrub")
         assert rc == 0 and "0 failing their checksum, 0 missing" in out, out
+
+
+@pytest.mark.usefixtures("meta_backend")
+async def test_a_daemon_goes_on_where_the_last_ones_scrub_stopped(tmp_path: Path) -> None:
+    """Each pass reports the last key its scrub verified; meta keeps it, and a daemon that
+    takes its turn (a restart, or another daemon) goes on after it, not from the first key."""
+    root = tmp_path / "cluster"
+    async with LocalCluster(root, 2, chunkserver=ChunkServerConfig(
+            data=root, heartbeat_interval_s=0.2, preallocate=False)) as c:
+        async with c.client(ClientConfig(replicas=2)) as kv:
+            await kv.put_many([(f"d{i}", bytes([i]) * 20_000) for i in range(8)])
+        opts = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=False,
+                           scrub_bytes=40_000)  # two keys a pass
+        async with GarbageCollector(c.addr, token=c.admin_token) as gc:
+            for _ in range(2):
+                await gc.run_pass(opts)
+            assert gc.scrub_cursor == b"d3"
+            assert (await gc.meta(GcControl(holder="other"))).scrub_cursor == b"d3"
+            await gc.meta(GcControl(holder="other", lease_s=RELEASED_LEASE_S))  # handed on
+        stop = asyncio.Event()
+        passes: list[PassReport] = []
+
+        def one(report: PassReport) -> None:
+            passes.append(report)
+            stop.set()
+
+        async with asyncio.timeout(60):
+            await run_daemon(c.addr, c.admin_token, opts, 0.05, stop, on_pass=one)
+        assert len(passes) == 1 and passes[0].scrub is not None
+        assert passes[0].scrub.ranges_checked == 4
+        async with GarbageCollector(c.addr, token=c.admin_token) as gc:
+            assert (await gc.meta(GcControl(holder="other"))).scrub_cursor == b"d5"  # d4, d5
 
 
 async def test_a_slice_takes_only_the_servers_the_pass_found_alive(tmp_path: Path) -> None:
