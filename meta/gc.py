@@ -284,8 +284,10 @@ class MetaGc:
             await ix.add_counts({"passes": 1, "pass_duration_s": d,
                                  # the background scrub's share of the pass (kvfs.gc.scrub)
                                  "bytes_scrubbed": int(run.get("scrub_bytes_verified", 0)),
-                                 "replicas_scrubbed_bad": int(run.get("scrub_missing", 0))
-                                 + int(run.get("scrub_corrupt", 0))},
+                                 # found bad and still named by their layouts (one a racing
+                                 # compaction or overwrite moved is "missing", not bad)
+                                 "replicas_scrubbed_bad": int(run.get("scrub_repairable", 0))
+                                 + int(run.get("scrub_replicas_dropped", 0))},
                                 {"last_pass_duration_s": d})
         return rpc.Empty(), ()
 
@@ -738,7 +740,7 @@ class MetaGc:
             try:
                 async with GarbageCollector(addr, token=token, tls=self.index.config) as gc:
                     r = await check_reported(gc, batch)
-                found = r.missing + r.corrupt
+                found = r.repairable + r.replicas_dropped  # bad, and still named by a layout
                 if found:
                     await self._count(replicas_reported_bad=found)
                 log.info("replicas readers reported bad: %d checked, %d found bad, %d repaired "

@@ -77,7 +77,9 @@ async def test_short_soak_of_a_full_cluster_misses_only_evicted_keys_and_never_l
     leases, a 40 s run had 61 misses of leased keys.)"""
     fig = await soak(tmp_path, seconds=20, clients=2, replicas=2, capacity=24 * 1024 * 1024)
     print(fig)
-    assert fig["gc_keys_evicted"] > 0 and fig["evicted"] > 0, fig  # it was full, and reads saw it
+    # it was full, and reads saw it: during the run, or in the final check (whether a
+    # reader meets an evicted key before the end is timing: 2 of 7 runs had none)
+    assert fig["gc_keys_evicted"] > 0 and fig["evicted"] + fig["final_evicted"] > 0, fig
     # the final check's misses of keys meta no longer has: no more than GC evicted, and
     # none of them a key meta dropped as lost (a reader finding every replica bad)
     assert fig["final_evicted"] <= fig["gc_keys_evicted"] and fig["gc_keys_lost"] == 0, fig
