@@ -199,30 +199,30 @@ async def test_a_replica_moved_away_while_it_was_verified_is_not_counted_bad(
     damaged: the verification finds that record bad, but no layout names it any more, so
     nothing is mended and replicas_scrubbed_bad stays 0."""
     root = tmp_path / "cluster"
-    async with LocalCluster(root, 2, chunkserver=ChunkServerConfig(
-            data=root, heartbeat_interval_s=0.2, preallocate=False)) as c:
-        async with c.client(ClientConfig(replicas=2)) as kv:
-            await kv.put("m", b"m" * 20_000)
-            old = await kv.layout("m")
-            assert old is not None
-            verify = GarbageCollector.verify_ranges
+    async with (LocalCluster(root, 2, chunkserver=ChunkServerConfig(
+            data=root, heartbeat_interval_s=0.2, preallocate=False)) as c,
+                c.client(ClientConfig(replicas=2)) as kv):
+        await kv.put("m", b"m" * 20_000)
+        old = await kv.layout("m")
+        assert old is not None
+        verify = GarbageCollector.verify_ranges
 
-            async def overwritten_first(gc: GarbageCollector, sid: int, flat: Any,
-                                        pacer: Any = None) -> Any:
-                if await kv.layout("m") == old:  # (fault injection: a racing overwrite)
-                    await kv.put("m", b"n" * 20_000)
-                    flip(c, old.extents[0].replicas[0], 5)
-                return await verify(gc, sid, flat, pacer)
+        async def overwritten_first(gc: GarbageCollector, sid: int, flat: Any,
+                                    pacer: Any = None) -> Any:
+            if await kv.layout("m") == old:  # (fault injection: a racing overwrite)
+                await kv.put("m", b"n" * 20_000)
+                flip(c, old.extents[0].replicas[0], 5)
+            return await verify(gc, sid, flat, pacer)
 
-            monkeypatch.setattr(GarbageCollector, "verify_ranges", overwritten_first)
-            opts = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=False,
-                               scrub_bytes=1 << 20)
-            async with GarbageCollector(c.addr, token=c.admin_token) as gc:
-                rep = (await gc.run_pass(opts)).scrub
-                metrics = (await gc.status())["metrics"]
-            assert rep is not None and rep.corrupt == 1 and rep.repairable == 0, rep
-            assert metrics["replicas_scrubbed_bad"] == 0
-            assert await kv.get("m") == b"n" * 20_000
+        monkeypatch.setattr(GarbageCollector, "verify_ranges", overwritten_first)
+        opts = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=False,
+                           scrub_bytes=1 << 20)
+        async with GarbageCollector(c.addr, token=c.admin_token) as gc:
+            rep = (await gc.run_pass(opts)).scrub
+            metrics = (await gc.status())["metrics"]
+        assert rep is not None and rep.corrupt == 1 and rep.repairable == 0, rep
+        assert metrics["replicas_scrubbed_bad"] == 0
+        assert await kv.get("m") == b"n" * 20_000
 
 
 async def test_a_slice_takes_only_the_servers_the_pass_found_alive(tmp_path: Path) -> None:
