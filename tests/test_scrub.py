@@ -4,6 +4,7 @@ repaired from a good copy (compare-and-swap), a key with no good copy is dropped
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -56,6 +57,11 @@ def test_a_copy_may_replace_a_bad_replica_on_its_own_server() -> None:
     switched = replace_replica(old, 0, lost, new)
     assert switched is not None and switched.extents[0].replicas == (new, Replica(2, 200, 0))
     assert replace_replica(old, 0, lost, Replica(2, 201, 0)) is None  # server 2 holds the other
+
+
+# a pass that only scrubs, 40,000 bytes a server: two 20 KB keys, replicas=2 on 2 servers
+SCRUB_ONLY = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=False,
+                         scrub_bytes=40_000)
 
 
 @pytest.fixture
@@ -137,17 +143,15 @@ async def test_the_daemons_background_scrub_goes_round_every_replica_in_slices(
 
         monkeypatch.setattr(c.meta.index, "refs", no_scan)
         # two keys each pass: each has a replica on both servers, 20,000 bytes a server each
-        opts = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=False,
-                           scrub_bytes=40_000)
         async with GarbageCollector(c.addr, token=c.admin_token) as gc:
             ranges = found = 0
             for _ in range(12):  # 24 replicas a server
-                rep = (await gc.run_pass(opts)).scrub
+                rep = (await gc.run_pass(SCRUB_ONLY)).scrub
                 assert rep is not None and (rep.servers_verified, rep.ranges_checked) == (2, 4), rep
                 ranges += rep.ranges_checked
                 found += rep.corrupt
             assert (ranges, found) == (2 * 24, 1)  # each replica once, the bad one found
-            again = (await gc.run_pass(opts)).scrub  # the next round
+            again = (await gc.run_pass(SCRUB_ONLY)).scrub  # the next round
             assert again is not None and (again.ranges_checked, again.corrupt) == (4, 0)
             metrics = (await gc.status())["metrics"]
         assert metrics["replicas_scrubbed_bad"] == 1
@@ -161,22 +165,27 @@ async def test_the_daemons_background_scrub_goes_round_every_replica_in_slices(
         assert rc == 0 and "0 failing their checksum, 0 missing" in out, out
 
 
-@pytest.mark.usefixtures("meta_backend")
-async def test_a_daemon_goes_on_where_the_last_ones_scrub_stopped(tmp_path: Path) -> None:
-    """Each pass reports the last key its scrub verified; meta keeps it, and a daemon that
-    takes its turn (a restart, or another daemon) goes on after it, not from the first key."""
+@contextlib.asynccontextmanager
+async def eight_keys(tmp_path: Path) -> AsyncIterator[LocalCluster]:
+    """2 chunkservers and 8 keys, k0-k7, of 20,000 bytes each, replicas=2."""
     root = tmp_path / "cluster"
     async with LocalCluster(root, 2, chunkserver=ChunkServerConfig(
             data=root, heartbeat_interval_s=0.2, preallocate=False)) as c:
         async with c.client(ClientConfig(replicas=2)) as kv:
-            await kv.put_many([(f"d{i}", bytes([i]) * 20_000) for i in range(8)])
-        opts = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=False,
-                           scrub_bytes=40_000)  # two keys a pass
+            await kv.put_many([(f"k{i}", bytes([i]) * 20_000) for i in range(8)])
+        yield c
+
+
+@pytest.mark.usefixtures("meta_backend")
+async def test_a_daemon_goes_on_where_the_last_ones_scrub_stopped(tmp_path: Path) -> None:
+    """Each pass reports the last key its scrub verified; meta keeps it, and a daemon that
+    takes its turn (a restart, or another daemon) goes on after it, not from the first key."""
+    async with eight_keys(tmp_path) as c:
         async with GarbageCollector(c.addr, token=c.admin_token) as gc:
-            for _ in range(2):
-                await gc.run_pass(opts)
-            assert gc.scrub_cursor == b"d3"
-            assert (await gc.meta(GcControl(holder="other"))).scrub_cursor == b"d3"
+            for _ in range(2):  # two keys a pass
+                await gc.run_pass(SCRUB_ONLY)
+            assert gc.scrub_cursor == b"k3"
+            assert (await gc.meta(GcControl(holder="other"))).scrub_cursor == b"k3"
             await gc.meta(GcControl(holder="other", lease_s=RELEASED_LEASE_S))  # handed on
         stop = asyncio.Event()
         passes: list[PassReport] = []
@@ -186,11 +195,11 @@ async def test_a_daemon_goes_on_where_the_last_ones_scrub_stopped(tmp_path: Path
             stop.set()
 
         async with asyncio.timeout(60):
-            await run_daemon(c.addr, c.admin_token, opts, 0.05, stop, on_pass=one)
+            await run_daemon(c.addr, c.admin_token, SCRUB_ONLY, 0.05, stop, on_pass=one)
         assert len(passes) == 1 and passes[0].scrub is not None
         assert passes[0].scrub.ranges_checked == 4
         async with GarbageCollector(c.addr, token=c.admin_token) as gc:
-            assert (await gc.meta(GcControl(holder="other"))).scrub_cursor == b"d5"  # d4, d5
+            assert (await gc.meta(GcControl(holder="other"))).scrub_cursor == b"k5"  # k4, k5
 
 
 async def test_a_replica_moved_away_while_it_was_verified_is_not_counted_bad(
@@ -215,10 +224,8 @@ async def test_a_replica_moved_away_while_it_was_verified_is_not_counted_bad(
             return await verify(gc, sid, flat, pacer)
 
         monkeypatch.setattr(GarbageCollector, "verify_ranges", overwritten_first)
-        opts = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=False,
-                           scrub_bytes=1 << 20)
         async with GarbageCollector(c.addr, token=c.admin_token) as gc:
-            rep = (await gc.run_pass(opts)).scrub
+            rep = (await gc.run_pass(SCRUB_ONLY)).scrub
             metrics = (await gc.status())["metrics"]
         assert rep is not None and rep.corrupt == 1 and rep.repairable == 0, rep
         assert metrics["replicas_scrubbed_bad"] == 0
@@ -229,18 +236,12 @@ async def test_a_slice_takes_only_the_servers_the_pass_found_alive(tmp_path: Pat
     """A chunkserver stopped since the collector's last pass: the next slice takes only the
     live server's replicas (the stopped one's neither asked for nor counted as skipped),
     up to the budget on that server alone."""
-    root = tmp_path / "cluster"
-    async with LocalCluster(root, 2, chunkserver=ChunkServerConfig(
-            data=root, heartbeat_interval_s=0.2, preallocate=False)) as c:
-        async with c.client(ClientConfig(replicas=2)) as kv:
-            await kv.put_many([(f"a{i}", bytes([i]) * 20_000) for i in range(8)])
-        opts = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=False,
-                           scrub_bytes=40_000)
+    async with eight_keys(tmp_path) as c:
         async with GarbageCollector(c.addr, token=c.admin_token) as gc:
-            rep = (await gc.run_pass(opts)).scrub
+            rep = (await gc.run_pass(SCRUB_ONLY)).scrub
             assert rep is not None and (rep.servers_verified, rep.ranges_checked) == (2, 4), rep
             await c.stop_chunkserver(1)
-            rep = (await gc.run_pass(opts)).scrub
+            rep = (await gc.run_pass(SCRUB_ONLY)).scrub
         assert rep is not None and rep.servers_skipped == [], rep
         assert (rep.servers_verified, rep.ranges_checked, rep.bytes_verified) == (1, 2, 40_000), rep
 
