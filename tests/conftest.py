@@ -239,13 +239,13 @@ def flip_byte(path: Path, at: int) -> None:
 
 async def reports_checked(cluster: LocalCluster, deadline_s: float = 30.0) -> None:
     """Until ``cluster``'s meta has checked (and mended) every replica readers reported bad
-    to it (read repair: REPORT_BAD), polled with a deadline."""
+    to it (read repair: REPORT_BAD): its checking task awaited, with a deadline."""
     assert cluster.meta is not None
     gc = cluster.meta.gc
-    deadline = time.monotonic() + deadline_s
-    while gc._suspects or (gc._checking is not None and not gc._checking.done()):
-        assert time.monotonic() < deadline, "meta did not check the reported replicas in time"
-        await asyncio.sleep(0.02)
+    async with asyncio.timeout(deadline_s):  # (a report may start a new task as one ends)
+        while gc._checking is not None and not gc._checking.done():
+            await asyncio.wait([gc._checking])
+    assert not gc._suspects, "reported replicas are held with no task checking them"
 
 
 def hold(cluster: LocalCluster, op: Op) -> Hold:
