@@ -74,7 +74,11 @@ async def cmd_meta(ns: argparse.Namespace) -> int:
     if ns.data is None:
         raise ValueError("--data is required")
     svc = MetaService(from_options(MetaConfig, ns))
-    return await _serve(svc, lambda addr: f"kvfs meta ready {addr}")
+    # frozen once it has loaded its keys, as a chunkserver (cmd_chunkserver): start-up's
+    # objects are never garbage, and every full collection walked them, some 25 ms a time
+    # on the 2-vCPU guest (bench/RESULTS.md, "Meta's walks of every key")
+    return await _serve(svc, lambda addr: f"kvfs meta ready {addr}",
+                        started=gc.freeze)  # type: ignore[attr-defined]
 
 
 async def cmd_meta_rebuild(ns: argparse.Namespace) -> int:

@@ -52,7 +52,7 @@ import msgspec
 from kvfs import rpc
 from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
 from kvfs.layout import Extent, Layout, Replica
-from kvfs.meta.index import MetaIndex, ServerInfo, add_live, disk_bytes
+from kvfs.meta.index import MetaIndex, ServerInfo, add_live, disk_bytes, pages
 from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_replica
 from kvfs.meta.storeapi import GcIndex
 from kvfs.meta.tombstones import tomb_layout
@@ -190,9 +190,10 @@ class MetaGc:
                         gone.add(k)
         if evict is not None:
             victims, _, _, _ = await self._evict_victims(evict.high, evict.low, None, now, live_map, gone)
-            for k, lay in victims:
-                add_live(live_map, lay, -1, k)
-                gone.add(k)
+            async for page in pages(victims):
+                for k, lay in page:
+                    add_live(live_map, lay, -1, k)
+                    gone.add(k)
         return live_map, gone
 
     async def _evict_victims(self, high: float, low: float, only: int | None, now: float,
@@ -355,7 +356,9 @@ class MetaGc:
                 shadowed = [rpc.Shadowed(k, lay) for k, lay in victims if k in older][:MAX_SHADOWED]
                 victims = [(k, lay) for k, lay in victims if k not in older]
             victims = await ix.evict(victims, now)  # those still unleased and unchanged
-        n, nbytes = len(victims), sum(disk_bytes(lay) for _, lay in victims)
+        n, nbytes = len(victims), 0
+        async for page in pages(victims):
+            nbytes += sum(disk_bytes(lay) for _, lay in page)
         if req.apply and n:
             await self._count(keys_evicted=n, bytes_evicted=nbytes)
             log.info("evicted %d keys (%d bytes)", n, nbytes)

@@ -51,12 +51,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import heapq
 import itertools
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kvfs.chunkserver.records import RECORD  # the record format: meta counts its bytes
 from kvfs.config import FsyncMode, MetaConfig
@@ -84,6 +85,10 @@ from kvfs.meta.walsync import WalSync
 log = logging.getLogger("kvfs.meta")
 
 RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
+# keys a walk of every key (GC's and STATS's, :meth:`MetaIndex.scan`) takes per loop step:
+# the other clients wait at most one page's work (bench/meta_stall.py)
+WALK_PAGE = 1000
+T = TypeVar("T")
 METRICS_STATE = "metrics"  # the state entry holding GC's counters (Redis: a hash of their own)
 _UNSET = object()
 
@@ -130,6 +135,14 @@ def answer(commits: Iterable[PendingCommit]) -> None:
     for c in commits:
         if not c.done.done():
             c.done.set_result(None)
+
+
+async def pages(rows: Sequence[T]) -> AsyncIterator[Sequence[T]]:
+    """``rows`` :data:`WALK_PAGE` at a time, one page (and what the caller does with it)
+    per loop step: work over every key, or over as many, never holds the loop for all."""
+    for i in range(0, len(rows), WALK_PAGE):
+        yield rows[i:i + WALK_PAGE]
+        await asyncio.sleep(0)  # (the loop serves the others before the next page)
 
 
 def disk_bytes(layout: Layout) -> int:
@@ -892,9 +905,14 @@ class MetaIndex(ServerRegistry):
         return self.store.list(prefix, start_after, limit)
 
     async def key_stats(self, now: float) -> tuple[int, int, int]:
-        """(unexpired keys, stored keys, bytes of the unexpired values)."""
-        live = [lay.size for lay in self.entries.values() if not lay.expired(now)]
-        return len(live), len(self.entries), sum(live)
+        """(unexpired keys, stored keys, bytes of the unexpired values), counted a page of
+        :data:`WALK_PAGE` layouts per loop step."""
+        layouts = list(self.entries.values())
+        keys = nbytes = 0
+        async for page in pages(layouts):
+            live = [lay.size for lay in page if not lay.expired(now)]
+            keys, nbytes = keys + len(live), nbytes + sum(live)
+        return keys, len(layouts), nbytes
 
     async def server_live(self) -> dict[int, int]:
         """Each server's live bytes: its chunk table's chunks' (in memory)."""
@@ -911,16 +929,12 @@ class MetaIndex(ServerRegistry):
         return [self.get(k, now) for k in keys]
 
     # GC's operations (storeapi.GcIndex; SharedIndex has them over its store) ----------
-    async def scan(self, batch: int = 10_000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
-        keys = list(self.entries)  # the entries may change while the caller awaits
+    async def scan(self) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+        """Every key with its layout, a page at a time (:func:`pages`): the keys there when
+        the walk started, each with its layout at its page's step (left out if removed)."""
         entries = self.entries
-        for i in range(0, len(keys), batch):
-            rows = []
-            for k in keys[i:i + batch]:
-                lay = entries.get(k)
-                if lay is not None:
-                    rows.append((k, lay))
-            yield rows
+        async for page in pages(list(entries)):  # (the entries change between the steps)
+            yield [(k, lay) for k in page if (lay := entries.get(k)) is not None]
 
     async def refs(self, chunks: Collection[int] = (), servers: Collection[int] = (),
                    ) -> AsyncIterator[list[tuple[bytes, Layout]]]:
@@ -937,10 +951,20 @@ class MetaIndex(ServerRegistry):
             yield [(k, lay) for k, lay in rows if lay.expired(now)]
 
     async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
-        accessed = self.accessed
-        order = sorted(self.entries.items(), key=lambda kv: accessed.get(kv[0], kv[1].created))
-        for i in range(0, len(order), batch):
-            yield order[i:i + batch]
+        """Least recently used first, without holding the loop: each page of
+        :data:`WALK_PAGE` keys sorted by last access in a step of its own, then the pages
+        merged lazily, ``batch`` keys per step.  A key read or put again after its page was
+        sorted is left out (it is no longer where its page put it), as is one removed."""
+        accessed, entries = self.accessed, self.entries
+        runs = []
+        async for keys in pages(list(entries)):
+            runs.append(sorted((accessed.get(k, lay.created), k) for k in keys
+                               if (lay := entries.get(k)) is not None))
+        merged = heapq.merge(*runs)
+        while oldest := list(itertools.islice(merged, batch)):
+            yield [(k, lay) for t, k in oldest
+                   if (lay := entries.get(k)) is not None and accessed.get(k, lay.created) == t]
+            await asyncio.sleep(0)
 
     async def layouts(self, keys: Sequence[bytes]) -> list[Layout | None]:
         return [self.entries.get(k) for k in keys]
@@ -988,12 +1012,11 @@ class MetaIndex(ServerRegistry):
         return removed
 
     async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> list[tuple[bytes, Layout]]:
-        doomed = []
-        for k, lay in victims:
-            if self.entries.get(k) == lay and (
-                    self.lease_end(k) <= now or lay.expired(now)):
-                doomed.append(k)
-        removed = self.remove(doomed)
+        """Each page of victims checked and removed in a step (and transaction) of its own."""
+        removed = []
+        async for page in pages(victims):
+            removed += self.remove([k for k, lay in page if self.entries.get(k) == lay and (
+                self.lease_end(k) <= now or lay.expired(now))])
         await self._settled(gc=True)
         return removed
 

@@ -1,0 +1,119 @@
+"""How long meta's admin and stats RPCs keep its event loop from everything else, against
+the number of keys.
+
+``python -m kvfs.bench.meta_stall --keys 1000000`` fills a SQLite meta (its RPC handlers
+in this process, as ``kvfs.bench.metastore --store sqlite`` does), tells it one chunkserver
+holds the keys' two chunks in less space than they take (so GC_EVICT has victims to pick),
+and runs each RPC below while a task ticks the loop. For each: the call's wall time, the
+longest the ticker waited for the loop (the longest step the RPC took while other clients
+waited), and how many times the ticker ran during the call (0: one step).
+
+- ``STATS`` (a data RPC: ``kvfs stats``), ``GC_STATUS`` (``kvfs gc status``);
+- ``GC_CHUNK_REFS`` of one chunk (compaction's question) and of one server (fsck's);
+- ``GC_EXPIRE`` and ``GC_EVICT`` dry runs (``kvfs gc expire`` / ``evict`` without
+  ``--apply``), and ``GC_PLAN`` as after both (``kvfs gc run`` without ``--apply``).
+
+Each figure is the worst of ``--tries`` calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from kvfs import rpc
+from kvfs.bench.metastore import SqliteMeta, fill, layout
+from kvfs.server import reply_of
+
+
+async def stalled(call: Callable[[], Awaitable[Any]]) -> tuple[float, float, int]:
+    """(wall ms, longest loop step ms, ticks) of one ``call()``: a task that gives the loop
+    back at once counts the times it ran while the call was in flight (0: the call held
+    the loop from start to end) and the longest it waited."""
+    done = False
+    longest, ticks = 0.0, 0
+    last = time.perf_counter()
+
+    async def tick() -> None:
+        nonlocal longest, ticks, last
+        while not done:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            longest, last, ticks = max(longest, now - last), now, ticks + 1
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # (the ticker's first step)
+    longest, ticks = 0.0, 0
+    t0 = last = time.perf_counter()
+    await call()
+    end = time.perf_counter()
+    done, seen, longest = True, ticks, max(longest, end - last)
+    await ticker
+    return (end - t0) * 1e3, longest * 1e3, seen
+
+
+async def run(keys: int, tries: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        m = SqliteMeta(Path(tmp) / "meta")
+        await m.open()
+        try:
+            filled, _ = await fill(m, keys, 1000, "k")
+            # as ``kvfs meta`` does once it has loaded its keys (kvfs.commands); mypy takes
+            # ``gc`` for this repository's gc/ folder, kvfs.gc: the stdlib's here
+            gc.collect()  # type: ignore[attr-defined]
+            gc.freeze()  # type: ignore[attr-defined]
+            svc, mgc = m.meta, m.meta.gc
+            chunks = sorted({r.chunk_id for i in (0, filled - 1) for e in layout(i).extents for r in e.replicas})
+            held = filled * 200  # the chunks' bytes: more than the capacity's high watermark
+            await svc.rpc_heartbeat(rpc.Heartbeat(server_id=1, addr="127.0.0.1:1", capacity=held,
+                                                  free=0, used=held,
+                                                  chunks={c: held // len(chunks) for c in chunks}),
+                                    memoryview(b""))
+            none = memoryview(b"")
+            calls: dict[str, Callable[[], Awaitable[Any]]] = {
+                "STATS": lambda: reply_of(svc.rpc_stats(rpc.Stats(), none)),
+                "GC_STATUS": lambda: reply_of(mgc.rpc_gc_status(rpc.GcStatus(), none)),
+                "GC_CHUNK_REFS chunk": lambda: reply_of(mgc.rpc_gc_chunk_refs(rpc.GcChunkRefs(chunks=chunks[:1]), none)),
+                "GC_CHUNK_REFS server": lambda: reply_of(mgc.rpc_gc_chunk_refs(rpc.GcChunkRefs(server_id=1), none)),
+                "GC_EXPIRE dry run": lambda: reply_of(mgc.rpc_gc_expire(rpc.GcExpire(apply=False), none)),
+                "GC_EVICT dry run": lambda: reply_of(mgc.rpc_gc_evict(rpc.GcEvict(high=0.5, low=0.4), none)),
+                "GC_PLAN dry run": lambda: reply_of(mgc.rpc_gc_plan(rpc.GcPlan(
+                    after_expire=True, after_evict=rpc.Watermarks(high=0.5, low=0.4)), none)),
+            }
+            out: dict[str, Any] = {}
+            for name, call in calls.items():
+                runs = [await stalled(call) for _ in range(tries)]
+                out[name] = {"wall_ms": max(r[0] for r in runs), "longest_step_ms": max(r[1] for r in runs),
+                             "ticks": min(r[2] for r in runs)}
+        finally:
+            gc.unfreeze()  # type: ignore[attr-defined]
+            await m.close()
+    return {"keys": filled, "rpcs": out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m kvfs.bench.meta_stall", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--keys", type=int, default=100_000)
+    ap.add_argument("--tries", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    res = asyncio.run(run(a.keys, a.tries))
+    if a.json:
+        print(json.dumps(res))
+        return 0
+    print(f"{res['keys']} keys, SQLite meta in process; worst of {a.tries} calls each")
+    print(f"{'rpc':<22} {'wall ms':>9} {'longest step ms':>16} {'ticks':>7}")
+    for name, r in res["rpcs"].items():
+        print(f"{name:<22} {r['wall_ms']:>9.1f} {r['longest_step_ms']:>16.1f} {r['ticks']:>7}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,53 @@
+"""Meta's walks of every key over SQLite (its in-memory index): STATS, GC status,
+compaction's and fsck's chunk references, the expire / evict / plan dry runs and
+eviction's LRU order give the loop back after each page of ``WALK_PAGE`` keys, so a meta
+with millions of keys goes on answering its clients while one runs (it held the loop
+for the whole walk: 6-10 s at 1M keys, bench/RESULTS.md).  ``kvfs.bench.meta_stall``
+times them; here its ticker counts how often another task ran during each call."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from kvfs.bench import meta_stall
+from kvfs.bench.metastore import NOW, SqliteMeta, fill
+from kvfs.meta import index
+
+
+async def test_every_walk_of_every_key_gives_the_loop_back_between_pages(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(index, "WALK_PAGE", 10)
+    res = await meta_stall.run(keys=200, tries=1)
+    assert res["keys"] == 200
+    held = {name: r["ticks"] for name, r in res["rpcs"].items() if r["ticks"] < 200 // 10}
+    assert not held, f"held the loop (other tasks ran fewer times than the walk has pages): {held}"
+
+
+async def test_lru_order_across_pages_is_least_recently_used_first_and_skips_keys_read_since(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(index, "WALK_PAGE", 7)
+    m = SqliteMeta(tmp_path / "meta")
+    await m.open()
+    try:
+        await fill(m, 100, 100, "k")
+        ix = m.meta.index
+        rng = random.Random(5)
+        for k in rng.sample(sorted(ix.entries), 60):  # read since the put, at other times
+            ix.accessed[k] = NOW + rng.uniform(1, 1000)
+        last_use = {k: ix.accessed.get(k, lay.created) for k, lay in ix.entries.items()}
+        walk = ix.lru_order(batch=9)
+        first = await anext(walk)
+        assert len(first) == 9
+        read_now = max(last_use, key=lambda k: last_use[k])  # the walk's last key is read again
+        ix.accessed[read_now] = NOW + 5000
+        gone = sorted(k for k in ix.entries if k not in {k for k, _ in first})[0]
+        ix.remove([gone])  # and one key is gone
+        rest = [row async for page in walk for row in page]
+        order = [k for k, _ in first + rest]
+        assert order == sorted(set(last_use) - {read_now, gone}, key=lambda k: (last_use[k], k))
+        assert all(lay is ix.entries[k] for k, lay in rest)
+    finally:
+        await m.close()
