@@ -2,9 +2,9 @@
 the number of keys.
 
 ``python -m kvfs.bench.meta_stall --keys 1000000`` fills a SQLite meta (its RPC handlers
-in this process, as ``kvfs.bench.metastore --store sqlite`` does), tells it one chunkserver
-holds the keys' two chunks in less space than they take (so GC_EVICT has victims to pick),
-and runs each RPC below while a task ticks the loop. For each: the call's wall time, the
+in this process, as ``kvfs.bench.metastore --store sqlite`` does; ``--per-chunk`` keys a
+chunk), tells it one chunkserver holds the keys' chunks in less space than they take (so
+GC_EVICT has victims to pick), and runs each RPC below while a task ticks the loop. For each: the call's wall time, the
 longest the ticker waited for the loop (the longest step the RPC took while other clients
 waited), and how many times the ticker ran during the call (0: one step).
 
@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfs import rpc
-from kvfs.bench.metastore import SqliteMeta, fill, layout
+from kvfs.bench.metastore import PER_CHUNK, SqliteMeta, fill, layout
 from kvfs.server import reply_of
 
 
@@ -59,18 +59,19 @@ async def stalled(call: Callable[[], Awaitable[Any]]) -> tuple[float, float, int
     return (end - t0) * 1e3, longest * 1e3, seen
 
 
-async def run(keys: int, tries: int) -> dict[str, Any]:
+async def run(keys: int, tries: int, per_chunk: int = PER_CHUNK) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         m = SqliteMeta(Path(tmp) / "meta")
         await m.open()
         try:
-            filled, _ = await fill(m, keys, 1000, "k")
+            filled, _ = await fill(m, keys, 1000, "k", per_chunk=per_chunk)
             # as ``kvfs meta`` does once it has loaded its keys (kvfs.commands); mypy takes
             # ``gc`` for this repository's gc/ folder, kvfs.gc: the stdlib's here
             gc.collect()  # type: ignore[attr-defined]
             gc.freeze()  # type: ignore[attr-defined]
             svc, mgc = m.meta, m.meta.gc
-            chunks = sorted({r.chunk_id for i in (0, filled - 1) for e in layout(i).extents for r in e.replicas})
+            chunks = sorted({r.chunk_id for i in range(0, filled, per_chunk)
+                             for e in layout(i, per_chunk).extents for r in e.replicas})
             held = filled * 200  # the chunks' bytes: more than the capacity's high watermark
             await svc.rpc_heartbeat(rpc.Heartbeat(server_id=1, addr="127.0.0.1:1", capacity=held,
                                                   free=0, used=held,
@@ -102,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvfs.bench.meta_stall", description=__doc__.split("\n\n")[0])
     ap.add_argument("--keys", type=int, default=100_000)
     ap.add_argument("--tries", type=int, default=3)
+    ap.add_argument("--per-chunk", type=int, default=PER_CHUNK,
+                    help="keys a chunk (GC_CHUNK_REFS of one chunk answers that many; 16384: a 64 MiB "
+                         "chunk of 4 KiB values)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    res = asyncio.run(run(a.keys, a.tries))
+    res = asyncio.run(run(a.keys, a.tries, a.per_chunk))
     if a.json:
         print(json.dumps(res))
         return 0
-    print(f"{res['keys']} keys, SQLite meta in process; worst of {a.tries} calls each")
+    print(f"{res['keys']} keys, {a.per_chunk} a chunk, SQLite meta in process; worst of {a.tries} calls each")
     print(f"{'rpc':<22} {'wall ms':>9} {'longest step ms':>16} {'ticks':>7}")
     for name, r in res["rpcs"].items():
         print(f"{name:<22} {r['wall_ms']:>9.1f} {r['longest_step_ms']:>16.1f} {r['ticks']:>7}")

@@ -50,9 +50,13 @@ def key(i: int, tag: str = "k") -> bytes:
     return f"{tag}{i:037d}".encode()[:38]
 
 
-def layout(i: int) -> Layout:
-    chunk = (1 << 40) | (i // 500_000)
-    return Layout(100, 0xABCDEF, NOW, None, (Extent(100, 0x1234567, (Replica(1, chunk, (i % 500_000) * 160),)),))
+PER_CHUNK = 500_000  # layouts per chunk: 160-byte records (the key's and the value's) in a chunk of 80 MB
+
+
+def layout(i: int, per_chunk: int = PER_CHUNK) -> Layout:
+    """Key ``i``'s layout: a 100-byte value on server 1, ``per_chunk`` of them a chunk."""
+    chunk = (1 << 40) | (i // per_chunk)
+    return Layout(100, 0xABCDEF, NOW, None, (Extent(100, 0x1234567, (Replica(1, chunk, (i % per_chunk) * 160),)),))
 
 
 def rss_bytes() -> int:
@@ -104,15 +108,16 @@ async def used_memory(store: RedisMetaStore) -> int:
 
 
 async def fill(store: Any, n: int, batch: int, tag: str, deadline_s: float | None = None,
-               progress: bool = False) -> tuple[int, float]:
-    """Commit ``n`` keys (fewer if ``deadline_s`` passes first); (keys, seconds)."""
+               progress: bool = False, per_chunk: int = PER_CHUNK) -> tuple[int, float]:
+    """Commit ``n`` keys (fewer if ``deadline_s`` passes first), ``per_chunk`` a chunk;
+    (keys, seconds)."""
     t0 = time.perf_counter()
     lo = 0
     while lo < n:
         if deadline_s is not None and time.perf_counter() - t0 > deadline_s:
             break
         hi = min(n, lo + batch)
-        await store.commit([(key(i, tag), layout(i)) for i in range(lo, hi)], NOW)
+        await store.commit([(key(i, tag), layout(i, per_chunk)) for i in range(lo, hi)], NOW)
         if progress and hi // 1_000_000 != lo // 1_000_000:
             print(f"filled {hi} keys in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
         lo = hi

@@ -42,7 +42,9 @@ Invariants:
   until it is restarted: after a failed ``fdatasync`` Linux may have dropped the dirty
   pages, and a later sync can succeed without them;
 - ``chunk_live`` is derived from the layouts and the tombstones kept
-  (:mod:`kvfs.meta.tombstones`; rebuilt at start), never stored;
+  (:mod:`kvfs.meta.tombstones`; rebuilt at start), never stored; so is ``chunk_keys``
+  (the keys whose layout names each chunk) from the layouts, changed with ``entries``
+  in the same steps;
 - an expired key is a miss for every RPC, before GC removes it.
 """
 
@@ -226,6 +228,10 @@ class MetaIndex(ServerRegistry):
         self.entries: dict[bytes, Layout] = {}
         self.accessed: dict[bytes, float] = {}  # keys read since their commit -> last access
         self.chunk_live: dict[int, int] = {}
+        # chunk id -> the keys whose layout names a replica in it (compaction's references,
+        # GC_CHUNK_REFS of chunks: O(those keys), never a walk of every key); derived from the
+        # layouts with ``chunk_live``, the tombstones' own references left to tombstone_refs
+        self.chunk_keys: dict[int, set[bytes]] = {}
         self.tombstones: dict[bytes, Tomb] = {}  # deleted keys' tombstones kept (kvfs.meta.tombstones)
         # keys with older records on the chunks -> the latest expiry among them (None: never);
         # the GC drops these with a tombstone (kvfs.meta.tombstones, "older records")
@@ -255,6 +261,7 @@ class MetaIndex(ServerRegistry):
             if last_access != layout.created:
                 accessed[key] = last_access
             self.add_live(layout, +1, key)
+            self.index_chunks(key, layout, True)
         self.retired = {c: t for c, _, t in self.store.load_dead()}
         since = time.monotonic()
         stale = []  # put again after the delete (the put's own forget did not reach the disk)
@@ -331,6 +338,23 @@ class MetaIndex(ServerRegistry):
         return lay is not None and readable(lay, gone)
 
     # changing -----------------------------------------------------------------------
+    def index_chunks(self, key: bytes, layout: Layout, add: bool) -> None:
+        """``chunk_keys`` as ``key``'s layout ``layout`` is set (``add``) or replaced or
+        removed (not: called first for the old layout, then for a new one)."""
+        keys_in = self.chunk_keys
+        for e in layout.extents:
+            for r in e.replicas:
+                cid = r.chunk_id
+                if add:
+                    try:
+                        keys_in[cid].add(key)
+                    except KeyError:
+                        keys_in[cid] = {key}
+                elif (ks := keys_in.get(cid)) is not None:
+                    ks.discard(key)
+                    if not ks:
+                        del keys_in[cid]
+
     def add_live(self, layout: Layout, sign: int, key: bytes, live: dict[int, int] | None = None) -> None:
         if live is None:
             live = self.chunk_live
@@ -390,8 +414,10 @@ class MetaIndex(ServerRegistry):
             if lay.created != old.created and k not in accessed:
                 accessed[k] = old.created
             self.add_live(old, -1, k)
+            self.index_chunks(k, old, False)
             entries[k] = lay
             self.add_live(lay, +1, k)
+            self.index_chunks(k, lay, True)
 
     def remove(self, keys: Iterable[bytes], tombstones: dict[bytes, Layout] | None = None, *,
                sync: bool = True) -> list[tuple[bytes, Layout]]:
@@ -427,6 +453,7 @@ class MetaIndex(ServerRegistry):
             lay = self.entries.pop(k)
             out.append((k, lay))
             self.add_live(lay, -1, k)
+            self.index_chunks(k, lay, False)
             self.accessed.pop(k, None)
             self.dirty_access.pop(k, None)
             self.leases.pop(k, None)
@@ -728,7 +755,8 @@ class MetaIndex(ServerRegistry):
         self.older.update(older)
         # the entries and the live bytes per chunk, key by key (add_live's, inlined: this runs
         # per committed key); seq_high once per chunk the group names (note_chunks' work)
-        entries, live = self.entries, self.chunk_live
+        # and ``chunk_keys`` (index_chunks's, inlined too)
+        entries, live, keys_in = self.entries, self.chunk_live, self.chunk_keys
         get, chunks = live.get, set()
         for c in group:
             for key, lay in c.staged:
@@ -740,12 +768,17 @@ class MetaIndex(ServerRegistry):
                         n = e.length + overhead
                         for r in e.replicas:
                             live[r.chunk_id] = get(r.chunk_id, 0) - n
+                    self.index_chunks(key, old, False)  # (an overwrite: not the common case)
                 for e in lay.extents:
                     n = e.length + overhead
                     for r in e.replicas:
                         cid = r.chunk_id
                         live[cid] = get(cid, 0) + n
                         chunks.add(cid)
+                        try:
+                            keys_in[cid].add(key)
+                        except KeyError:
+                            keys_in[cid] = {key}
         accessed, dirty = self.accessed, self.dirty_access
         if accessed:  # (its last access is its commit now: the layout's created)
             for c in group:
@@ -938,9 +971,19 @@ class MetaIndex(ServerRegistry):
 
     async def refs(self, chunks: Collection[int] = (), servers: Collection[int] = (),
                    ) -> AsyncIterator[list[tuple[bytes, Layout]]]:
-        """A walk of the keys in memory (:meth:`scan`), keeping those in ``chunks`` or on
-        ``servers``."""
+        """Only ``chunks``: their keys from ``chunk_keys``, a page per step.  With ``servers``
+        (a repair plan, a drain, fsck): a walk of the keys in memory (:meth:`scan`), keeping
+        those in ``chunks`` or on ``servers``."""
         cs, ss = set(chunks), set(servers)
+        if not ss:
+            entries, seen = self.entries, set[bytes]()
+            for c in cs:
+                async for page in pages(list(self.chunk_keys.get(c, ()))):
+                    yield [(k, lay) for k in page if k not in seen and (lay := entries.get(k)) is not None
+                           and any(r.chunk_id in cs for x in lay.extents for r in x.replicas)]
+                    if len(cs) > 1:  # (a key with replicas in two of them: once)
+                        seen.update(page)
+            return
         async for rows in self.scan():
             yield [(k, lay) for k, lay in rows
                    if any(r.chunk_id in cs or r.server_id in ss for x in lay.extents for r in x.replicas)]

@@ -12,9 +12,11 @@ from pathlib import Path
 
 import pytest
 
+from kvfs import rpc
 from kvfs.bench import meta_stall
-from kvfs.bench.metastore import NOW, SqliteMeta, fill
+from kvfs.bench.metastore import NOW, SqliteMeta, fill, key, layout
 from kvfs.meta import index
+from kvfs.server import reply_of
 
 
 async def test_every_walk_of_every_key_gives_the_loop_back_between_pages(
@@ -51,3 +53,42 @@ async def test_lru_order_across_pages_is_least_recently_used_first_and_skips_key
         assert all(lay is ix.entries[k] for k, lay in rest)
     finally:
         await m.close()
+
+
+def derived_chunk_keys(ix: index.MetaIndex) -> dict[int, set[bytes]]:
+    out: dict[int, set[bytes]] = {}
+    for k, lay in ix.entries.items():
+        for e in lay.extents:
+            for r in e.replicas:
+                out.setdefault(r.chunk_id, set()).add(k)
+    return out
+
+
+async def test_chunk_keys_follow_commits_overwrites_deletes_relocations_evictions_and_a_restart(
+        tmp_path: Path) -> None:
+    """Compaction's references (GC_CHUNK_REFS of chunks) come from ``chunk_keys``, not from
+    a walk of every key: a key missing there would have its record dropped by compaction."""
+    m = SqliteMeta(tmp_path / "meta")
+    await m.open()
+    try:
+        await fill(m, 60, 60, "k", per_chunk=10)  # chunks 0-5 of server 1, 10 keys each
+        ix = m.meta.index
+        await m.commit([(key(i, "k"), layout(70 + i, 10)) for i in range(10)], NOW)  # to chunk 7
+        await m.commit([(key(i, "k"), layout(i + 5, 10)) for i in range(10, 15)], NOW)  # within chunk 1
+        await m.delete([key(i, "k") for i in range(20, 25)])
+        moved = [(key(i, "k"), ix.entries[key(i, "k")], layout(60 + i, 10)) for i in range(30, 35)]
+        assert await ix.switch(moved) == [True] * 5  # compaction's relocation, chunk 3 -> 9
+        gone = await ix.evict([(key(i, "k"), ix.entries[key(i, "k")]) for i in range(40, 43)], NOW)
+        assert len(gone) == 3
+        assert ix.chunk_keys == derived_chunk_keys(ix)
+        for c in [*sorted(ix.chunk_keys), (1 << 40) | 99]:  # (and one no key names)
+            refs = (await reply_of(m.meta.gc.rpc_gc_chunk_refs(rpc.GcChunkRefs(chunks=[c]), memoryview(b""))))[0]
+            assert sorted(r.key for r in refs.refs.get(c, [])) == sorted(ix.chunk_keys.get(c, ())), c
+    finally:
+        await m.close()
+    again = SqliteMeta(tmp_path / "meta")  # a restart loads them
+    await again.open()
+    try:
+        assert again.meta.index.chunk_keys == derived_chunk_keys(again.meta.index) != {}
+    finally:
+        await again.close()
