@@ -68,10 +68,12 @@ def format_status(st: dict[str, Any]) -> str:
     lines.append(f"gc: {'PAUSED' if st['paused'] else 'active'}   expired keys not yet swept: "
                  f"{st['expired_keys']}   chunks retired: {st['dead_chunks']}")
     if last:
+        n = {k: int(last.get(k, 0)) for k in  # (GC_REPORT carries them as floats: RunCounters)
+             ("expired_keys", "evicted_keys", "chunks_compacted", "chunks_deleted", "bytes_reclaimed")}
         lines.append(f"last run: {_ts(last.get('started'))} took {last.get('duration_s', 0):.2f}s: "
-                     f"expired {last.get('expired_keys', 0)} keys, evicted {last.get('evicted_keys', 0)}, "
-                     f"compacted {last.get('chunks_compacted', 0)} chunks, deleted "
-                     f"{last.get('chunks_deleted', 0)}, freed {format_size(last.get('bytes_reclaimed', 0))}")
+                     f"expired {n['expired_keys']} keys, evicted {n['evicted_keys']}, "
+                     f"compacted {n['chunks_compacted']} chunks, deleted "
+                     f"{n['chunks_deleted']}, freed {format_size(n['bytes_reclaimed'])}")
     else:
         lines.append("last run: never")
     lines.append(f"totals: expired {int(m['keys_expired'])} keys, evicted {int(m['keys_evicted'])}, "

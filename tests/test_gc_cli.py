@@ -63,6 +63,8 @@ async def test_cli_dry_run_then_apply(cluster: LocalCluster, kv: AsyncClient, cl
     assert st["last_run"]["expired_keys"] == 50
     rc, out = await kvfs(cluster, "gc", "status")
     assert rc == 0 and "garbage" in out and "last run:" in out, out
+    last = next(line for line in out.splitlines() if line.startswith("last run:"))
+    assert ": expired 50 keys, evicted 0, compacted " in last, last  # counts, not 50.0
     rc, out = await kvfs(cluster, "stat", "--json")
     assert json.loads(out)["gc"]["metrics"]["keys_expired"] == 50
     assert du(cluster.root) < before
