@@ -11,7 +11,9 @@ waited), and how many times the ticker ran during the call (0: one step).
 - ``STATS`` (a data RPC: ``kvfs stats``), ``GC_STATUS`` (``kvfs gc status``);
 - ``GC_CHUNK_REFS`` of one chunk (compaction's question) and of one server (fsck's);
 - ``GC_EXPIRE`` and ``GC_EVICT`` dry runs (``kvfs gc expire`` / ``evict`` without
-  ``--apply``), and ``GC_PLAN`` as after both (``kvfs gc run`` without ``--apply``).
+  ``--apply``), and ``GC_PLAN`` as after both (``kvfs gc run`` without ``--apply``);
+- then, the chunkserver made dead: ``GC_STATUS`` (its repair summary plans over every
+  key of that server) and ``GC_REPAIR_PLAN`` (a GC pass's repair step).
 
 Each figure is the worst of ``--tries`` calls.
 """
@@ -87,9 +89,19 @@ async def run(keys: int, tries: int, per_chunk: int = PER_CHUNK) -> dict[str, An
                 "GC_EVICT dry run": lambda: reply_of(mgc.rpc_gc_evict(rpc.GcEvict(high=0.5, low=0.4), none)),
                 "GC_PLAN dry run": lambda: reply_of(mgc.rpc_gc_plan(rpc.GcPlan(
                     after_expire=True, after_evict=rpc.Watermarks(high=0.5, low=0.4)), none)),
+                # then its one chunkserver dead (every key under-replicated): the repair summary
+                # in GC_STATUS, and a repair plan
+                "GC_STATUS, server dead": lambda: reply_of(mgc.rpc_gc_status(rpc.GcStatus(), none)),
+                "GC_REPAIR_PLAN": lambda: reply_of(mgc.rpc_gc_repair_plan(rpc.GcRepairPlan(), none)),
             }
+
+            def server_dead() -> None:  # (fault injection: silent since long before meta started)
+                svc.index.started = svc.index.servers[1].last_heartbeat = -1e18
+
             out: dict[str, Any] = {}
             for name, call in calls.items():
+                if name == "GC_STATUS, server dead":
+                    server_dead()
                 runs = [await stalled(call) for _ in range(tries)]
                 out[name] = {"wall_ms": max(r[0] for r in runs), "longest_step_ms": max(r[1] for r in runs),
                              "ticks": min(r[2] for r in runs)}

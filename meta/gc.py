@@ -165,8 +165,13 @@ class MetaGc:
         if not gone:  # nothing to scan
             return []
         alive = {sid for sid, s in ix.servers.items() if ix.alive(s)}
-        rows = [row async for batch in ix.refs(servers=gone) for row in batch]
-        return plan_repairs(rows, gone, alive, limit_bytes=limit_bytes, now=ix.clock(), summary=summary)
+        now, items, planned = ix.clock(), list[rpc.RepairItem](), 0
+        async for rows in ix.refs(servers=gone):  # (each page planned in its step)
+            more = plan_repairs(rows, gone, alive, limit_bytes=limit_bytes - planned, now=now,
+                                summary=summary, first=not items)
+            items += more
+            planned += sum(it.length for it in more)
+        return items
 
     async def repair_summary(self) -> RepairSummary:
         """Under-replicated extents now (the keys on gone servers, only while one is gone)."""

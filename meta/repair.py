@@ -41,11 +41,13 @@ class RepairSummary:
 
 
 def plan_repairs(entries: Iterable[tuple[bytes, Layout]], gone: set[int], alive: set[int],
-                 *, limit_bytes: int, now: float,
-                 summary: RepairSummary | None = None) -> list[RepairItem]:
+                 *, limit_bytes: int, now: float, summary: RepairSummary | None = None,
+                 first: bool = True) -> list[RepairItem]:
     """Extents of unexpired keys with a replica on a ``gone`` server and one on an
-    ``alive`` server, up to ``limit_bytes`` of them (at least one); ``summary`` counts
-    every under-replicated extent.  Nothing to scan when no server is gone."""
+    ``alive`` server, up to ``limit_bytes`` of them (at least one, unless not ``first``:
+    the keys of one plan coming a page at a time, a later page's plan only what is left
+    of the limit); ``summary`` counts every under-replicated extent.  Nothing to scan
+    when no server is gone."""
     items: list[RepairItem] = []
     if not gone:
         return items
@@ -67,7 +69,7 @@ def plan_repairs(entries: Iterable[tuple[bytes, Layout]], gone: set[int], alive:
                     summary.unrepairable_extents += 1
                     if len(summary.unrepairable_keys) < 20:
                         summary.unrepairable_keys.append(key)
-            if not sources or (items and planned + e.length > limit_bytes):
+            if not sources or ((items or not first) and planned + e.length > limit_bytes):
                 continue
             items.append(RepairItem(key, i, e.length, e.crc, lay.expires_at, list(sources), lost,
                                     [r.server_id for r in e.replicas]))

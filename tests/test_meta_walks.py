@@ -15,7 +15,9 @@ import pytest
 from kvfs import rpc
 from kvfs.bench import meta_stall
 from kvfs.bench.metastore import NOW, SqliteMeta, fill, key, layout
+from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta import index
+from kvfs.meta.repair import RepairSummary, plan_repairs
 from kvfs.server import reply_of
 
 
@@ -92,3 +94,34 @@ async def test_chunk_keys_follow_commits_overwrites_deletes_relocations_eviction
         assert again.meta.index.chunk_keys == derived_chunk_keys(again.meta.index) != {}
     finally:
         await again.close()
+
+
+async def test_a_repair_plan_made_a_page_at_a_time_is_the_plan_of_every_key_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GC_REPAIR_PLAN (and GC_STATUS's repair summary) plan each page of the dead server's
+    keys in its own step: the same items within the same limit, at least one, and the same
+    totals as one plan over every key."""
+    monkeypatch.setattr(index, "WALK_PAGE", 7)
+    m = SqliteMeta(tmp_path / "meta")
+    await m.open()
+    try:
+        svc = m.meta
+        await svc.rpc_register(rpc.Register(server_id=2, addr="127.0.0.1:2"), memoryview(b""))
+        rows = [(key(i, "r"), Layout(100 + i, 0, NOW, None, (
+            Extent(100 + i, i, (Replica(1, (1 << 40) | 1, 300 * i), Replica(2, (2 << 40) | 1, 300 * i))),)))
+                for i in range(60)]
+        rows += [(key(i, "u"), layout(i)) for i in range(10)]  # on the dead server only: unrepairable
+        await m.commit(rows, NOW)
+        ix = svc.index
+        ix.started = ix.servers[1].last_heartbeat = -1e18  # server 1 dead (fault injection)
+        stored = [(k, ix.entries[k]) for k in ix.entries]
+        for limit in (1, 350, 1000, 10_000, 1 << 20):
+            got = (await reply_of(svc.gc.rpc_gc_repair_plan(rpc.GcRepairPlan(limit_bytes=limit), memoryview(b""))))[0]
+            whole = RepairSummary()
+            want = plan_repairs(stored, {1}, {2}, limit_bytes=limit, now=NOW, summary=whole)
+            assert got.items == want and len(want) >= 1, limit
+            assert sum(it.length for it in want[1:]) < limit
+            assert (got.under_replicated_extents, got.unrepairable_extents) == (70, 10)
+            assert (whole.under_replicated_extents, whole.unrepairable_extents) == (70, 10)
+    finally:
+        await m.close()
