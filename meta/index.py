@@ -255,13 +255,25 @@ class MetaIndex(ServerRegistry):
         self._syncing: asyncio.Future[None] | None = None  # a group waiting for its sync (done: answered)
 
     def load(self) -> None:
-        accessed = self.accessed
+        # every stored key: its live bytes and chunk keys as add_live and index_chunks count
+        # them, inlined (per key: a meta's start-up is this loop), seq_high once per chunk
+        entries, accessed, live, keys_in = self.entries, self.accessed, self.chunk_live, self.chunk_keys
+        get = live.get
         for key, layout, last_access in self.store.load():
-            self.entries[key] = layout
+            entries[key] = layout
             if last_access != layout.created:
                 accessed[key] = last_access
-            self.add_live(layout, +1, key)
-            self.index_chunks(key, layout, True)
+            overhead = RECORD_OVERHEAD_BYTES + len(key)
+            for e in layout.extents:
+                n = e.length + overhead
+                for r in e.replicas:
+                    cid = r.chunk_id
+                    live[cid] = get(cid, 0) + n
+                    try:
+                        keys_in[cid].add(key)
+                    except KeyError:
+                        keys_in[cid] = {key}
+        self.note_chunk_ids(list(live))
         self.retired = {c: t for c, _, t in self.store.load_dead()}
         since = time.monotonic()
         stale = []  # put again after the delete (the put's own forget did not reach the disk)

@@ -86,12 +86,16 @@ async def test_chunk_keys_follow_commits_overwrites_deletes_relocations_eviction
         for c in [*sorted(ix.chunk_keys), (1 << 40) | 99]:  # (and one no key names)
             refs = (await reply_of(m.meta.gc.rpc_gc_chunk_refs(rpc.GcChunkRefs(chunks=[c]), memoryview(b""))))[0]
             assert sorted(r.key for r in refs.refs.get(c, [])) == sorted(ix.chunk_keys.get(c, ())), c
+        live = {c: n for c, n in ix.chunk_live.items() if n}
+        high = dict(ix.seq_high)
     finally:
         await m.close()
-    again = SqliteMeta(tmp_path / "meta")  # a restart loads them
+    again = SqliteMeta(tmp_path / "meta")  # a restart loads them, and the live bytes, as they were
     await again.open()
     try:
-        assert again.meta.index.chunk_keys == derived_chunk_keys(again.meta.index) != {}
+        ix = again.meta.index
+        assert ix.chunk_keys == derived_chunk_keys(ix) != {}
+        assert {c: n for c, n in ix.chunk_live.items() if n} == live and ix.seq_high == high == {1: 9}
     finally:
         await again.close()
 
