@@ -258,8 +258,9 @@ class MetaStore:
             self.db.executemany("DELETE FROM tombstones WHERE key = ?", ((k,) for k in keys))
 
     def touch_many(self, rows: Iterable[tuple[float, bytes]]) -> None:
+        """Raise keys' last access (to a time older than a put since, it stays the put's)."""
         with self._tx():
-            self.db.executemany("UPDATE kv SET last_access = ? WHERE key = ?", rows)
+            self.db.executemany("UPDATE kv SET last_access = max(last_access, ?) WHERE key = ?", rows)
 
     def list(self, prefix: bytes, start_after: bytes | None, limit: int) -> list[tuple[bytes, Layout]]:
         lo = max(prefix, start_after + b"\x00") if start_after is not None else prefix

@@ -8,6 +8,7 @@ times them; here its ticker counts how often another task ran during each call."
 from __future__ import annotations
 
 import random
+from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,17 @@ from kvfs.meta.repair import RepairSummary, plan_repairs
 from kvfs.server import reply_of
 
 
+@pytest.fixture
+async def meta(tmp_path: Path) -> AsyncIterator[SqliteMeta]:
+    """A SQLite meta's RPC handlers in this process (kvfs.bench.metastore's), no keys yet."""
+    m = SqliteMeta(tmp_path / "meta")
+    await m.open()
+    try:
+        yield m
+    finally:
+        await m.close()
+
+
 async def test_every_walk_of_every_key_gives_the_loop_back_between_pages(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(index, "WALK_PAGE", 10)
@@ -31,30 +43,25 @@ async def test_every_walk_of_every_key_gives_the_loop_back_between_pages(
 
 
 async def test_lru_order_across_pages_is_least_recently_used_first_and_skips_keys_read_since(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(index, "WALK_PAGE", 7)
-    m = SqliteMeta(tmp_path / "meta")
-    await m.open()
-    try:
-        await fill(m, 100, 100, "k")
-        ix = m.meta.index
-        rng = random.Random(5)
-        for k in rng.sample(sorted(ix.entries), 60):  # read since the put, at other times
-            ix.accessed[k] = NOW + rng.uniform(1, 1000)
-        last_use = {k: ix.accessed.get(k, lay.created) for k, lay in ix.entries.items()}
-        walk = ix.lru_order(batch=9)
-        first = await anext(walk)
-        assert len(first) == 9
-        read_now = max(last_use, key=lambda k: last_use[k])  # the walk's last key is read again
-        ix.accessed[read_now] = NOW + 5000
-        gone = sorted(k for k in ix.entries if k not in {k for k, _ in first})[0]
-        ix.remove([gone])  # and one key is gone
-        rest = [row async for page in walk for row in page]
-        order = [k for k, _ in first + rest]
-        assert order == sorted(set(last_use) - {read_now, gone}, key=lambda k: (last_use[k], k))
-        assert all(lay is ix.entries[k] for k, lay in rest)
-    finally:
-        await m.close()
+    await fill(meta, 100, 100, "k")
+    ix = meta.meta.index
+    rng = random.Random(5)
+    for k in rng.sample(sorted(ix.entries), 60):  # read since the put, at other times
+        ix.accessed[k] = NOW + rng.uniform(1, 1000)
+    last_use = {k: ix.accessed.get(k, lay.created) for k, lay in ix.entries.items()}
+    walk = ix.lru_order(batch=9)
+    first = await anext(walk)
+    assert len(first) == 9
+    read_now = max(last_use, key=lambda k: last_use[k])  # the walk's last key is read again
+    ix.accessed[read_now] = NOW + 5000
+    gone = sorted(k for k in ix.entries if k not in {k for k, _ in first})[0]
+    ix.remove([gone])  # and one key is gone
+    rest = [row async for page in walk for row in page]
+    order = [k for k, _ in first + rest]
+    assert order == sorted(set(last_use) - {read_now, gone}, key=lambda k: (last_use[k], k))
+    assert all(lay is ix.entries[k] for k, lay in rest)
 
 
 def derived_chunk_keys(ix: index.MetaIndex) -> dict[int, set[bytes]]:
@@ -101,31 +108,54 @@ async def test_chunk_keys_follow_commits_overwrites_deletes_relocations_eviction
 
 
 async def test_a_repair_plan_made_a_page_at_a_time_is_the_plan_of_every_key_at_once(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     """GC_REPAIR_PLAN (and GC_STATUS's repair summary) plan each page of the dead server's
     keys in its own step: the same items within the same limit, at least one, and the same
     totals as one plan over every key."""
     monkeypatch.setattr(index, "WALK_PAGE", 7)
-    m = SqliteMeta(tmp_path / "meta")
-    await m.open()
-    try:
-        svc = m.meta
-        await svc.rpc_register(rpc.Register(server_id=2, addr="127.0.0.1:2"), memoryview(b""))
-        rows = [(key(i, "r"), Layout(100 + i, 0, NOW, None, (
-            Extent(100 + i, i, (Replica(1, (1 << 40) | 1, 300 * i), Replica(2, (2 << 40) | 1, 300 * i))),)))
-                for i in range(60)]
-        rows += [(key(i, "u"), layout(i)) for i in range(10)]  # on the dead server only: unrepairable
-        await m.commit(rows, NOW)
-        ix = svc.index
-        ix.started = ix.servers[1].last_heartbeat = -1e18  # server 1 dead (fault injection)
-        stored = [(k, ix.entries[k]) for k in ix.entries]
-        for limit in (1, 350, 1000, 10_000, 1 << 20):
-            got = (await reply_of(svc.gc.rpc_gc_repair_plan(rpc.GcRepairPlan(limit_bytes=limit), memoryview(b""))))[0]
-            whole = RepairSummary()
-            want = plan_repairs(stored, {1}, {2}, limit_bytes=limit, now=NOW, summary=whole)
-            assert got.items == want and len(want) >= 1, limit
-            assert sum(it.length for it in want[1:]) < limit
-            assert (got.under_replicated_extents, got.unrepairable_extents) == (70, 10)
-            assert (whole.under_replicated_extents, whole.unrepairable_extents) == (70, 10)
-    finally:
-        await m.close()
+    svc = meta.meta
+    await svc.rpc_register(rpc.Register(server_id=2, addr="127.0.0.1:2"), memoryview(b""))
+    rows = [(key(i, "r"), Layout(100 + i, 0, NOW, None, (
+        Extent(100 + i, i, (Replica(1, (1 << 40) | 1, 300 * i), Replica(2, (2 << 40) | 1, 300 * i))),)))
+            for i in range(60)]
+    rows += [(key(i, "u"), layout(i)) for i in range(10)]  # on the dead server only: unrepairable
+    await meta.commit(rows, NOW)
+    ix = svc.index
+    ix.started = ix.servers[1].last_heartbeat = -1e18  # server 1 dead (fault injection)
+    stored = [(k, ix.entries[k]) for k in ix.entries]
+    for limit in (1, 350, 1000, 10_000, 1 << 20):
+        got = (await reply_of(svc.gc.rpc_gc_repair_plan(rpc.GcRepairPlan(limit_bytes=limit), memoryview(b""))))[0]
+        whole = RepairSummary()
+        want = plan_repairs(stored, {1}, {2}, limit_bytes=limit, now=NOW, summary=whole)
+        assert got.items == want and len(want) >= 1, limit
+        assert sum(it.length for it in want[1:]) < limit
+        assert (got.under_replicated_extents, got.unrepairable_extents) == (70, 10)
+        assert (whole.under_replicated_extents, whole.unrepairable_extents) == (70, 10)
+
+
+async def test_the_access_times_are_written_a_page_at_a_time_and_never_lowered(
+        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Meta's periodic flush of the keys' last access (LRU order across restarts) writes
+    them in key order, a page per step and transaction; a time older than the row's (a put
+    since) leaves the row's."""
+    monkeypatch.setattr(index, "WALK_PAGE", 5)
+    await fill(meta, 40, 40, "k")
+    ix = meta.meta.index
+    read = {key(i, "k"): NOW + 100 + i for i in range(0, 40, 2)}
+    ix.dirty_access.update(read)
+    ix.dirty_access[key(1, "k")] = NOW - 50  # older than its put (NOW)
+    written: list[list[bytes]] = []
+    touch = ix.store.touch_many
+
+    def touch_many(rows: Iterable[tuple[float, bytes]]) -> None:  # (each transaction's keys)
+        rows = list(rows)
+        written.append([k for _, k in rows])
+        touch(rows)
+
+    monkeypatch.setattr(ix.store, "touch_many", touch_many)
+    _, _, ticks = await meta_stall.stalled(ix.flush)
+    assert [len(w) for w in written] == [5, 5, 5, 5, 1] and ticks >= 5 and not ix.dirty_access
+    assert [k for w in written for k in w] == sorted([*read, key(1, "k")])
+    stored = {k: t for k, _, t in ix.store.load()}
+    assert {k: stored[k] for k in read} == read
+    assert stored[key(1, "k")] == NOW and stored[key(3, "k")] == NOW
