@@ -1039,11 +1039,9 @@ class MetaIndex(ServerRegistry):
         return [self.entries.get(k) for k in keys]
 
     async def leased(self, keys: Sequence[bytes], now: float) -> set[bytes]:
-        leases = self.leases
-        for k, held in list(leases.items()):  # forget keys whose every lease ended
-            if max(held.values()) <= now:
-                del leases[k]
-        return {k for k in keys if self.lease_end(k) > now} if leases else set()
+        """O(``keys``): the keys whose every lease ended are forgotten by :meth:`flush`
+        (here, each of eviction's batches walked every leased key: quadratic)."""
+        return {k for k in keys if self.lease_end(k) > now} if self.leases else set()
 
     async def expire(self, now: float, limit: int) -> tuple[list[tuple[bytes, Layout]], bool,
                                                             list[tuple[bytes, Layout]]]:
@@ -1152,12 +1150,19 @@ class MetaIndex(ServerRegistry):
         return True
 
     async def flush(self) -> None:
-        """Write the access times (``--fsync batch``/``always``: synced in the sync thread,
-        off the loop), a page per step and transaction (:func:`pages`: 100k keys read
-        since the last flush took 1.6 s in one step at 1M keys); a no-op after a failed
-        sync (nothing written since is durable).  A key read again meanwhile is written
-        by the next flush; one put again, whose row's last access is its commit, keeps
-        the later of the two (:meth:`MetaStore.touch_many`)."""
+        """The index's upkeep every ``--access-flush-interval``: forget the keys whose every
+        lease ended, then write the access times (``--fsync batch``/``always``: synced in
+        the sync thread, off the loop), each a page per step (:func:`pages`: 100k keys
+        read since the last flush took 1.6 s in one step at 1M keys), the access times a
+        transaction a page; those are not written after a failed sync (nothing written
+        since is durable).  A key read again meanwhile is written by the next flush; one
+        put again, whose row's last access is its commit, keeps the later of the two
+        (:meth:`MetaStore.touch_many`)."""
+        now, leases = self.clock(), self.leases
+        async for keys in pages(list(leases)):
+            for k in keys:
+                if (held := leases.get(k)) is not None and max(held.values()) <= now:
+                    del leases[k]
         if self._wal.failed is not None:
             return
         dirty, self.dirty_access = self.dirty_access, {}

@@ -19,6 +19,7 @@ from kvfs.bench.metastore import NOW, SqliteMeta, fill, key, layout
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta import index
 from kvfs.meta.repair import RepairSummary, plan_repairs
+from kvfs.meta.storeapi import Lease
 from kvfs.server import reply_of
 
 
@@ -159,3 +160,20 @@ async def test_the_access_times_are_written_a_page_at_a_time_and_never_lowered(
     stored = {k: t for k, _, t in ix.store.load()}
     assert {k: stored[k] for k in read} == read
     assert stored[key(1, "k")] == NOW and stored[key(3, "k")] == NOW
+
+
+async def test_the_keys_whose_every_lease_ended_are_forgotten_by_the_flush(
+        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eviction asks which of its candidates are leased, batch after batch: the answer looks
+    at those keys only, and the leases that ended go at the index's periodic flush."""
+    monkeypatch.setattr(index, "WALK_PAGE", 3)
+    await fill(meta, 20, 20, "k")
+    ix = meta.meta.index
+    ended, live = [key(i, "k") for i in range(10)], [key(i, "k") for i in range(10, 14)]
+    ix.lease(ended, NOW - 10, Lease("a", NOW - 1, 8))
+    ix.lease(live, NOW - 10, Lease("a", NOW - 1, 8))
+    ix.lease(live, NOW - 10, Lease("b", NOW + 60, 8))  # another holder's, still on
+    assert await ix.leased([*ended, *live, key(15, "k")], NOW) == set(live)
+    assert len(ix.leases) == 14  # (forgotten only by the flush)
+    await ix.flush()
+    assert set(ix.leases) == set(live) and await ix.leased(live, NOW) == set(live)
