@@ -3,12 +3,14 @@ the number of keys.
 
 ``python -m kvfs.bench.meta_stall --keys 1000000`` fills a SQLite meta (its RPC handlers
 in this process, as ``kvfs.bench.metastore --store sqlite`` does; ``--per-chunk`` keys a
-chunk), tells it one chunkserver holds the keys' chunks in less space than they take (so
-GC_EVICT has victims to pick), and runs each RPC below while a task ticks the loop. For each: the call's wall time, the
-longest the ticker waited for the loop (the longest step the RPC took while other clients
-waited), and how many times the ticker ran during the call (0: one step).
+chunk; ``--expired`` of them, a tenth by default, past their TTL and not swept yet),
+tells it one chunkserver holds the keys' chunks in less space than they take (so
+GC_EVICT has victims to pick), and runs each RPC below while a task ticks the loop. For
+each: the call's wall time, the longest the ticker waited for the loop (the longest step
+the RPC took while other clients waited), and how many times the ticker ran during the
+call (0: one step).
 
-- ``STATS`` (a data RPC: ``kvfs stats``), ``GC_STATUS`` (``kvfs gc status``);
+- ``STATS`` (a data RPC: ``kvfs stat``, a mount's ``df``), ``GC_STATUS`` (``kvfs gc status``);
 - ``GC_CHUNK_REFS`` of one chunk (compaction's question) and of one server (fsck's);
 - ``GC_EXPIRE`` and ``GC_EVICT`` dry runs (``kvfs gc expire`` / ``evict`` without
   ``--apply``), and ``GC_PLAN`` as after both (``kvfs gc run`` without ``--apply``);
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import itertools
 import json
 import tempfile
 import time
@@ -31,7 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from kvfs import rpc
-from kvfs.bench.metastore import PER_CHUNK, SqliteMeta, fill, layout
+from kvfs.bench.metastore import NOW, PER_CHUNK, SqliteMeta, fill, layout
+from kvfs.meta.index import MetaIndex
 from kvfs.server import reply_of
 
 
@@ -61,12 +65,19 @@ async def stalled(call: Callable[[], Awaitable[Any]]) -> tuple[float, float, int
     return (end - t0) * 1e3, longest * 1e3, seen
 
 
-async def run(keys: int, tries: int, per_chunk: int = PER_CHUNK) -> dict[str, Any]:
+async def run(keys: int, tries: int, per_chunk: int = PER_CHUNK, expired: int | None = None) -> dict[str, Any]:
+    """``expired`` (default a tenth) of the keys past their TTL, not swept yet."""
     with tempfile.TemporaryDirectory() as tmp:
         m = SqliteMeta(Path(tmp) / "meta")
         await m.open()
         try:
             filled, _ = await fill(m, keys, 1000, "k", per_chunk=per_chunk)
+            ix = m.meta.index
+            assert isinstance(ix, MetaIndex)
+            gone = [(k, ix.entries[k].stamped(NOW - 3600, NOW - 1))
+                    for k in itertools.islice(ix.entries, keys // 10 if expired is None else expired)]
+            for i in range(0, len(gone), 1000):  # put again an hour ago, with a TTL that ended
+                await ix.commit(gone[i:i + 1000], NOW - 3600, NOW - 1)
             # as ``kvfs meta`` does once it has loaded its keys (kvfs.commands); mypy takes
             # ``gc`` for this repository's gc/ folder, kvfs.gc: the stdlib's here
             gc.collect()  # type: ignore[attr-defined]
@@ -108,23 +119,26 @@ async def run(keys: int, tries: int, per_chunk: int = PER_CHUNK) -> dict[str, An
         finally:
             gc.unfreeze()  # type: ignore[attr-defined]
             await m.close()
-    return {"keys": filled, "rpcs": out}
+    return {"keys": filled, "expired": len(gone), "rpcs": out}
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvfs.bench.meta_stall", description=__doc__.split("\n\n")[0])
     ap.add_argument("--keys", type=int, default=100_000)
     ap.add_argument("--tries", type=int, default=3)
+    ap.add_argument("--expired", type=int, default=None,
+                    help="keys of them past their TTL, not swept yet (default: a tenth)")
     ap.add_argument("--per-chunk", type=int, default=PER_CHUNK,
                     help="keys a chunk (GC_CHUNK_REFS of one chunk answers that many; 16384: a 64 MiB "
                          "chunk of 4 KiB values)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    res = asyncio.run(run(a.keys, a.tries, a.per_chunk))
+    res = asyncio.run(run(a.keys, a.tries, a.per_chunk, a.expired))
     if a.json:
         print(json.dumps(res))
         return 0
-    print(f"{res['keys']} keys, {a.per_chunk} a chunk, SQLite meta in process; worst of {a.tries} calls each")
+    print(f"{res['keys']} keys ({res['expired']} expired), {a.per_chunk} a chunk, SQLite meta in process; "
+          f"worst of {a.tries} calls each")
     print(f"{'rpc':<22} {'wall ms':>9} {'longest step ms':>16} {'ticks':>7}")
     for name, r in res["rpcs"].items():
         print(f"{name:<22} {r['wall_ms']:>9.1f} {r['longest_step_ms']:>16.1f} {r['ticks']:>7}")

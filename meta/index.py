@@ -42,9 +42,9 @@ Invariants:
   until it is restarted: after a failed ``fdatasync`` Linux may have dropped the dirty
   pages, and a later sync can succeed without them;
 - ``chunk_live`` is derived from the layouts and the tombstones kept
-  (:mod:`kvfs.meta.tombstones`; rebuilt at start), never stored; so is ``chunk_keys``
-  (the keys whose layout names each chunk) from the layouts, changed with ``entries``
-  in the same steps;
+  (:mod:`kvfs.meta.tombstones`; rebuilt at start), never stored; so are ``chunk_keys``
+  (the keys whose layout names each chunk) and ``value_bytes`` from the layouts,
+  changed with ``entries`` in the same steps;
 - an expired key is a miss for every RPC, before GC removes it.
 """
 
@@ -248,6 +248,7 @@ class MetaIndex(ServerRegistry):
         # GC_CHUNK_REFS of chunks: O(those keys), never a walk of every key); derived from the
         # layouts with ``chunk_live``, the tombstones' own references left to tombstone_refs
         self.chunk_keys: dict[int, set[bytes]] = {}
+        self.value_bytes = 0  # the stored values' sizes, summed (STATS: key_stats, no walk)
         self.tombstones: dict[bytes, Tomb] = {}  # deleted keys' tombstones kept (kvfs.meta.tombstones)
         # keys with older records on the chunks -> the latest expiry among them (None: never);
         # the GC drops these with a tombstone (kvfs.meta.tombstones, "older records")
@@ -274,9 +275,10 @@ class MetaIndex(ServerRegistry):
         # every stored key: its live bytes and chunk keys as add_live and index_chunks count
         # them, inlined (per key: a meta's start-up is this loop), seq_high once per chunk
         entries, accessed, live, keys_in = self.entries, self.accessed, self.chunk_live, self.chunk_keys
-        get = live.get
+        get, nbytes = live.get, 0
         for key, layout, last_access in self.store.load():
             entries[key] = layout
+            nbytes += layout.size
             if last_access != layout.created:
                 accessed[key] = last_access
             overhead = RECORD_OVERHEAD_BYTES + len(key)
@@ -290,6 +292,7 @@ class MetaIndex(ServerRegistry):
                     except KeyError:
                         keys_in[cid] = {key}
         self.note_chunk_ids(list(live))
+        self.value_bytes = nbytes
         self.retired = {c: t for c, _, t in self.store.load_dead()}
         since = time.monotonic()
         stale = []  # put again after the delete (the put's own forget did not reach the disk)
@@ -444,6 +447,7 @@ class MetaIndex(ServerRegistry):
             self.add_live(old, -1, k)
             self.index_chunks(k, old, False)
             entries[k] = lay
+            self.value_bytes += lay.size - old.size
             self.add_live(lay, +1, k)
             self.index_chunks(k, lay, True)
 
@@ -480,6 +484,7 @@ class MetaIndex(ServerRegistry):
         for k in gone:
             lay = self.entries.pop(k)
             out.append((k, lay))
+            self.value_bytes -= lay.size
             self.add_live(lay, -1, k)
             self.index_chunks(k, lay, False)
             self.accessed.pop(k, None)
@@ -785,13 +790,15 @@ class MetaIndex(ServerRegistry):
         # per committed key); seq_high once per chunk the group names (note_chunks' work)
         # and ``chunk_keys`` (index_chunks's, inlined too)
         entries, live, keys_in = self.entries, self.chunk_live, self.chunk_keys
-        get, chunks = live.get, set()
+        get, chunks, nbytes = live.get, set(), 0
         for c in group:
             for key, lay in c.staged:
                 old = entries.get(key)
                 entries[key] = lay
+                nbytes += lay.size
                 overhead = RECORD_OVERHEAD_BYTES + len(key)
                 if old is not None:
+                    nbytes -= old.size
                     for e in old.extents:
                         n = e.length + overhead
                         for r in e.replicas:
@@ -807,6 +814,7 @@ class MetaIndex(ServerRegistry):
                             keys_in[cid].add(key)
                         except KeyError:
                             keys_in[cid] = {key}
+        self.value_bytes += nbytes
         accessed, dirty = self.accessed, self.dirty_access
         if accessed:  # (its last access is its commit now: the layout's created)
             for c in group:
@@ -966,14 +974,13 @@ class MetaIndex(ServerRegistry):
         return self.store.list(prefix, start_after, limit)
 
     async def key_stats(self, now: float) -> tuple[int, int, int]:
-        """(unexpired keys, stored keys, bytes of the unexpired values), counted a page of
-        :data:`WALK_PAGE` layouts per loop step."""
-        layouts = list(self.entries.values())
-        keys = nbytes = 0
-        async for page in pages(layouts):
-            live = [lay.size for lay in page if not lay.expired(now)]
-            keys, nbytes = keys + len(live), nbytes + sum(live)
-        return keys, len(layouts), nbytes
+        """(unexpired keys, stored keys, bytes of the unexpired values): the stored ones'
+        counts less the expired ones not swept yet (:meth:`expired_rows`), no walk."""
+        stored, nbytes, gone = len(self.entries), self.value_bytes, 0
+        async for rows in self.expired_rows(now):
+            gone += len(rows)
+            nbytes -= sum(lay.size for _, lay in rows)
+        return stored - gone, stored, nbytes
 
     async def server_live(self) -> dict[int, int]:
         """Each server's live bytes: its chunk table's chunks' (in memory)."""
@@ -1017,9 +1024,15 @@ class MetaIndex(ServerRegistry):
                    if any(r.chunk_id in cs or r.server_id in ss for x in lay.extents for r in x.replicas)]
 
     async def expired_rows(self, now: float) -> AsyncIterator[list[tuple[bytes, Layout]]]:
-        """A walk of the keys in memory (:meth:`scan`), keeping the expired ones."""
-        async for rows in self.scan():
-            yield [(k, lay) for k, lay in rows if lay.expired(now)]
+        """The keys expired at ``now``, with their layouts, from SQLite's expiry index
+        (O(those keys)), a page of :data:`WALK_PAGE` per query and step."""
+        entries, after = self.entries, None
+        while keys := self.store.expired(now, WALK_PAGE, after):
+            last = entries[keys[-1]]  # (the index and SQLite agree in every step)
+            assert last.expires_at is not None
+            after = (last.expires_at, keys[-1])
+            yield [(k, lay) for k in keys if (lay := entries.get(k)) is not None and lay.expired(now)]
+            await asyncio.sleep(0)
 
     async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
         """Least recently used first, without holding the loop: each page of

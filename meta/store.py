@@ -284,10 +284,14 @@ class MetaStore:
             self.db.execute("DELETE FROM servers WHERE server_id = ?", (server_id,))
 
     # garbage collection ------------------------------------------------------
-    def expired(self, now: float, limit: int) -> builtins.list[bytes]:
-        """Keys whose expiry has passed, oldest first (the ``kv_expiry`` index)."""
-        q = self.db.execute("SELECT key FROM kv WHERE expires_at IS NOT NULL AND expires_at <= ? "
-                            "ORDER BY expires_at LIMIT ?", (now, limit))
+    def expired(self, now: float, limit: int, after: tuple[float, bytes] | None = None) -> builtins.list[bytes]:
+        """Up to ``limit`` keys whose expiry has passed, oldest first, after the key
+        ``after`` (its expiry, the key) in that order (the ``kv_expiry`` index: it holds
+        each row's key too, so a page of it is O(the page))."""
+        cols = "SELECT key FROM kv WHERE expires_at IS NOT NULL AND expires_at <= ?1"
+        q = (self.db.execute(f"{cols} ORDER BY expires_at, key LIMIT ?2", (now, limit)) if after is None else
+             self.db.execute(f"{cols} AND (expires_at, key) > (?3, ?4) "  # (a row value: one seek)
+                             "ORDER BY expires_at, key LIMIT ?2", (now, limit, *after)))
         return [bytes(k) for (k,) in q]
 
     def count_expired(self, now: float) -> int:

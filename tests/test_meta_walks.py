@@ -1,6 +1,7 @@
-"""Meta's walks of every key over SQLite (its in-memory index): STATS, GC status,
-compaction's and fsck's chunk references, the expire / evict / plan dry runs and
-eviction's LRU order give the loop back after each page of ``WALK_PAGE`` keys, so a meta
+"""Meta's walks of keys over SQLite (its in-memory index): STATS, GC status,
+compaction's and fsck's chunk references, the expire / evict / plan dry runs,
+eviction's LRU order, the repair plan, the access times' flush give the loop back after
+each page of ``WALK_PAGE`` keys, so a meta
 with millions of keys goes on answering its clients while one runs (it held the loop
 for the whole walk: 6-10 s at 1M keys, bench/RESULTS.md).  ``kvfs.bench.meta_stall``
 times them; here its ticker counts how often another task ran during each call."""
@@ -37,9 +38,11 @@ async def meta(tmp_path: Path) -> AsyncIterator[SqliteMeta]:
 async def test_every_walk_of_every_key_gives_the_loop_back_between_pages(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(index, "WALK_PAGE", 10)
-    res = await meta_stall.run(keys=200, tries=1)
-    assert res["keys"] == 200
-    held = {name: r["ticks"] for name, r in res["rpcs"].items() if r["ticks"] < 200 // 10}
+    res = await meta_stall.run(keys=200, tries=1, expired=100)
+    assert (res["keys"], res["expired"]) == (200, 100)
+    # every call visits at least the 100 expired keys (STATS, GC_STATUS and the expire dry
+    # run: only those, from the expiry index), the others every key, or a server's
+    held = {name: r["ticks"] for name, r in res["rpcs"].items() if r["ticks"] < 100 // 10}
     assert not held, f"held the loop (other tasks ran fewer times than the walk has pages): {held}"
 
 
@@ -74,26 +77,42 @@ def derived_chunk_keys(ix: index.MetaIndex) -> dict[int, set[bytes]]:
     return out
 
 
-async def test_chunk_keys_follow_commits_overwrites_deletes_relocations_evictions_and_a_restart(
-        tmp_path: Path) -> None:
+def key_stats(ix: index.MetaIndex, now: float) -> tuple[int, int, int]:
+    live = [lay.size for lay in ix.entries.values() if not lay.expired(now)]
+    return len(live), len(ix.entries), sum(live)
+
+
+def sized(n: int, chunk: int, offset: int) -> Layout:
+    return Layout(n, 7, NOW, None, (Extent(n, 9, (Replica(1, (1 << 40) | chunk, offset),)),))
+
+
+async def test_chunk_keys_and_stats_follow_commits_overwrites_deletes_relocations_evictions_and_a_restart(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Compaction's references (GC_CHUNK_REFS of chunks) come from ``chunk_keys``, not from
-    a walk of every key: a key missing there would have its record dropped by compaction."""
+    a walk of every key: a key missing there would have its record dropped by compaction.
+    STATS' counts come from ``value_bytes`` less the expired keys, read from the expiry
+    index two at a time (five of one expiry: the pages go by key within it)."""
+    monkeypatch.setattr(index, "WALK_PAGE", 2)
     m = SqliteMeta(tmp_path / "meta")
     await m.open()
     try:
         await fill(m, 60, 60, "k", per_chunk=10)  # chunks 0-5 of server 1, 10 keys each
         ix = m.meta.index
-        await m.commit([(key(i, "k"), layout(70 + i, 10)) for i in range(10)], NOW)  # to chunk 7
+        await m.commit([(key(i, "k"), sized(300 + i, 7, 400 * i)) for i in range(10)], NOW)  # to chunk 7
         await m.commit([(key(i, "k"), layout(i + 5, 10)) for i in range(10, 15)], NOW)  # within chunk 1
         await m.delete([key(i, "k") for i in range(20, 25)])
         moved = [(key(i, "k"), ix.entries[key(i, "k")], layout(60 + i, 10)) for i in range(30, 35)]
         assert await ix.switch(moved) == [True] * 5  # compaction's relocation, chunk 3 -> 9
         gone = await ix.evict([(key(i, "k"), ix.entries[key(i, "k")]) for i in range(40, 43)], NOW)
         assert len(gone) == 3
+        await ix.commit([(key(i, "k"), ix.entries[key(i, "k")].stamped(NOW - 10, NOW - 1))  # (expired)
+                         for i in range(50, 55)], NOW - 10, NOW - 1)
+        assert await ix.key_stats(NOW) == key_stats(ix, NOW) == (47, 52, 3045 + 37 * 100)
         assert ix.chunk_keys == derived_chunk_keys(ix)
         for c in [*sorted(ix.chunk_keys), (1 << 40) | 99]:  # (and one no key names)
             refs = (await reply_of(m.meta.gc.rpc_gc_chunk_refs(rpc.GcChunkRefs(chunks=[c]), memoryview(b""))))[0]
-            assert sorted(r.key for r in refs.refs.get(c, [])) == sorted(ix.chunk_keys.get(c, ())), c
+            named = sorted(k for k in ix.chunk_keys.get(c, ()) if not ix.entries[k].expired(NOW))
+            assert sorted(r.key for r in refs.refs.get(c, [])) == named, c  # (expired ones left out)
         live = {c: n for c, n in ix.chunk_live.items() if n}
         high = dict(ix.seq_high)
     finally:
@@ -104,6 +123,7 @@ async def test_chunk_keys_follow_commits_overwrites_deletes_relocations_eviction
         ix = again.meta.index
         assert ix.chunk_keys == derived_chunk_keys(ix) != {}
         assert {c: n for c, n in ix.chunk_live.items() if n} == live and ix.seq_high == high == {1: 9}
+        assert await ix.key_stats(NOW) == key_stats(ix, NOW) == (47, 52, 3045 + 37 * 100)
     finally:
         await again.close()
 
