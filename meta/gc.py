@@ -131,15 +131,17 @@ class MetaGc:
         self._checking: asyncio.Task[None] | None = None
         self._dropping = False  # reports are being dropped (--suspect-replicas): logged once
         self._closed = False
+        self._counting: asyncio.Future[RepairSummary] | None = None  # repair_summary's, in flight
 
     async def close(self) -> None:
         """Stop checking reported replicas (those not yet checked are forgotten); reports
         that come later are not taken."""
         self._closed = True
-        if self._checking is not None:
-            self._checking.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._checking
+        for task in (self._checking, self._counting):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
 
     async def refresh(self) -> None:
         """Read the decommissioning state again (another meta sharing the store may change it)."""
@@ -174,10 +176,25 @@ class MetaGc:
         return items
 
     async def repair_summary(self) -> RepairSummary:
-        """Under-replicated extents now (the keys on gone servers, only while one is gone)."""
+        """Under-replicated extents now (the keys on gone servers, only while one is gone).
+        The callers that ask while one count is under way share it: each costs O(the gone
+        servers' keys), and ``STATS`` (every ``kvfs stat``, every ``df`` on a mount) and
+        ``GC_STATUS`` ask for one."""
+        if self._counting is None:
+            self._counting = asyncio.ensure_future(self._count_repairs())
+            self._counting.add_done_callback(self._counted)
+        return await asyncio.shield(self._counting)
+
+    async def _count_repairs(self) -> RepairSummary:
         summary = RepairSummary()
         await self._repair_plan(0, summary)
         return summary
+
+    def _counted(self, done: asyncio.Future[RepairSummary]) -> None:
+        if self._counting is done:
+            self._counting = None
+        if not done.cancelled():
+            done.exception()  # (retrieved: every caller may have gone meanwhile)
 
     async def _live_after(self, now: float, *, expire: bool,
                           evict: rpc.Watermarks | None) -> tuple[dict[int, int], set[bytes]]:

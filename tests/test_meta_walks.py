@@ -8,9 +8,11 @@ times them; here its ticker counts how often another task ran during each call."
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator, Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -197,3 +199,28 @@ async def test_the_keys_whose_every_lease_ended_are_forgotten_by_the_flush(
     assert len(ix.leases) == 14  # (forgotten only by the flush)
     await ix.flush()
     assert set(ix.leases) == set(live) and await ix.leased(live, NOW) == set(live)
+
+
+async def test_callers_asking_for_the_repair_summary_meanwhile_share_one_count(
+        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+    """While a server is dead, STATS and GC_STATUS each ask for the repair summary, O(its
+    keys): the calls that arrive while one count pages through them share it."""
+    monkeypatch.setattr(index, "WALK_PAGE", 3)
+    await fill(meta, 30, 30, "k")
+    svc = meta.meta
+    svc.index.started = svc.index.servers[1].last_heartbeat = -1e18  # server 1 dead (fault injection)
+    counts = 0
+    plan = svc.gc._repair_plan
+
+    async def counted(*args: Any, **kw: Any) -> Any:
+        nonlocal counts
+        counts += 1
+        return await plan(*args, **kw)
+
+    monkeypatch.setattr(svc.gc, "_repair_plan", counted)
+    none = memoryview(b"")
+    stats = await asyncio.gather(*(reply_of(svc.rpc_stats(rpc.Stats(), none)) for _ in range(3)))
+    status = (await reply_of(svc.gc.rpc_gc_status(rpc.GcStatus(), none)))[0]
+    assert counts == 2  # (the three STATS shared one; GC_STATUS came after it ended)
+    assert {r.gc.repair for r, _ in stats} == {status.repair}
+    assert status.repair.under_replicated_extents == status.repair.unrepairable_extents == 30
