@@ -1027,11 +1027,9 @@ class MetaIndex(ServerRegistry):
         """The keys expired at ``now``, with their layouts, from SQLite's expiry index
         (O(those keys)), a page of :data:`WALK_PAGE` per query and step."""
         entries, after = self.entries, None
-        while keys := self.store.expired(now, WALK_PAGE, after):
-            last = entries[keys[-1]]  # (the index and SQLite agree in every step)
-            assert last.expires_at is not None
-            after = (last.expires_at, keys[-1])
-            yield [(k, lay) for k in keys if (lay := entries.get(k)) is not None and lay.expired(now)]
+        while rows := self.store.expired_after(now, WALK_PAGE, after):
+            after = rows[-1]  # (SQLite's own order: the cursor moves whatever the index holds)
+            yield [(k, lay) for _, k in rows if (lay := entries.get(k)) is not None and lay.expired(now)]
             await asyncio.sleep(0)
 
     async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
@@ -1092,11 +1090,13 @@ class MetaIndex(ServerRegistry):
         return removed
 
     async def evict(self, victims: Sequence[tuple[bytes, Layout]], now: float) -> list[tuple[bytes, Layout]]:
-        """Each page of victims checked and removed in a step (and transaction) of its own."""
-        removed = []
+        """Each page of victims checked and removed in a step (and transaction) of its own:
+        still that layout, and unleased and not read since ``now`` (when they were chosen,
+        over many steps), or expired."""
+        removed, accessed = [], self.accessed
         async for page in pages(victims):
             removed += self.remove([k for k, lay in page if self.entries.get(k) == lay and (
-                self.lease_end(k) <= now or lay.expired(now))])
+                lay.expired(now) or (self.lease_end(k) <= now and accessed.get(k, lay.created) <= now))])
         await self._settled(gc=True)
         return removed
 
@@ -1166,11 +1166,12 @@ class MetaIndex(ServerRegistry):
         """The index's upkeep every ``--access-flush-interval``: forget the keys whose every
         lease ended, then write the access times (``--fsync batch``/``always``: synced in
         the sync thread, off the loop), each a page per step (:func:`pages`: 100k keys
-        read since the last flush took 1.6 s in one step at 1M keys), the access times a
-        transaction a page; those are not written after a failed sync (nothing written
+        read since the last flush took 1.6-2.1 s in one step at 1M keys), the access times
+        a transaction a page; those are not written after a failed sync (nothing written
         since is durable).  A key read again meanwhile is written by the next flush; one
         put again, whose row's last access is its commit, keeps the later of the two
-        (:meth:`MetaStore.touch_many`)."""
+        (:meth:`MetaStore.touch_many`).  Those not written when it stops (cancelled at
+        close, a failure) are handed back to ``dirty_access``, for close or the next."""
         now, leases = self.clock(), self.leases
         async for keys in pages(list(leases)):
             for k in keys:
@@ -1179,15 +1180,22 @@ class MetaIndex(ServerRegistry):
         if self._wal.failed is not None:
             return
         dirty, self.dirty_access = self.dirty_access, {}
-        with contextlib.suppress(ServerError):  # its sync failed: logged, later changes refused
+        try:
             # in key order: a page updates neighbouring rows, each of SQLite's pages once
             async for page in sorted_pages(list(dirty), lambda keys: ((k, dirty[k]) for k in keys)):
                 with self._writing():
                     self.store.touch_many((t, k) for k, t in page)
+                for k, _ in page:
+                    del dirty[k]
                 # synced before the next page, so the sync thread checkpoints the WAL as it
                 # grows (a page of random keys rewrites some 1,000 of SQLite's pages), never
                 # the loop's connection (LOOP_CHECKPOINT_FRAMES)
                 await self._settled()
+        except ServerError:  # its sync failed: logged, later changes refused
+            pass
+        finally:
+            for k, t in dirty.items():  # (a key read again since keeps its later time)
+                self.dirty_access.setdefault(k, t)
 
     async def close(self) -> None:
         if self._commit_handle is not None:

@@ -284,15 +284,20 @@ class MetaStore:
             self.db.execute("DELETE FROM servers WHERE server_id = ?", (server_id,))
 
     # garbage collection ------------------------------------------------------
-    def expired(self, now: float, limit: int, after: tuple[float, bytes] | None = None) -> builtins.list[bytes]:
-        """Up to ``limit`` keys whose expiry has passed, oldest first, after the key
-        ``after`` (its expiry, the key) in that order (the ``kv_expiry`` index: it holds
-        each row's key too, so a page of it is O(the page))."""
-        cols = "SELECT key FROM kv WHERE expires_at IS NOT NULL AND expires_at <= ?1"
+    def expired(self, now: float, limit: int) -> builtins.list[bytes]:
+        """Up to ``limit`` keys whose expiry has passed, oldest first (the ``kv_expiry`` index)."""
+        return [k for _, k in self.expired_after(now, limit, None)]
+
+    def expired_after(self, now: float, limit: int,
+                      after: tuple[float, bytes] | None) -> builtins.list[tuple[float, bytes]]:
+        """(expiry, key) of up to ``limit`` keys whose expiry has passed, in that order,
+        after ``after`` (the last of the previous page): the ``kv_expiry`` index holds each
+        row's key too, so a page is one seek, O(the page)."""
+        cols = "SELECT expires_at, key FROM kv WHERE expires_at IS NOT NULL AND expires_at <= ?1"
         q = (self.db.execute(f"{cols} ORDER BY expires_at, key LIMIT ?2", (now, limit)) if after is None else
              self.db.execute(f"{cols} AND (expires_at, key) > (?3, ?4) "  # (a row value: one seek)
                              "ORDER BY expires_at, key LIMIT ?2", (now, limit, *after)))
-        return [bytes(k) for (k,) in q]
+        return [(e, bytes(k)) for e, k in q]
 
     def count_expired(self, now: float) -> int:
         (n,) = self.db.execute("SELECT count(*) FROM kv WHERE expires_at IS NOT NULL AND expires_at <= ?",

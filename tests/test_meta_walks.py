@@ -42,9 +42,11 @@ async def test_every_walk_of_every_key_gives_the_loop_back_between_pages(
     monkeypatch.setattr(index, "WALK_PAGE", 10)
     res = await meta_stall.run(keys=200, tries=1, expired=100)
     assert (res["keys"], res["expired"]) == (200, 100)
-    # every call visits at least the 100 expired keys (STATS, GC_STATUS and the expire dry
-    # run: only those, from the expiry index), the others every key, or a server's
-    held = {name: r["ticks"] for name, r in res["rpcs"].items() if r["ticks"] < 100 // 10}
+    # STATS, GC_STATUS and the expire dry run visit the 100 expired keys (the expiry index),
+    # the others every key (all 200 in one chunk and on one server): a page of 10 a step
+    pages = {name: 100 // 10 if name in ("STATS", "GC_STATUS", "GC_EXPIRE dry run") else 200 // 10
+             for name in res["rpcs"]}
+    held = {name: r["ticks"] for name, r in res["rpcs"].items() if r["ticks"] < pages[name]}
     assert not held, f"held the loop (other tasks ran fewer times than the walk has pages): {held}"
 
 
@@ -224,3 +226,40 @@ async def test_callers_asking_for_the_repair_summary_meanwhile_share_one_count(
     assert counts == 2  # (the three STATS shared one; GC_STATUS came after it ended)
     assert {r.gc.repair for r, _ in stats} == {status.repair}
     assert status.repair.under_replicated_extents == status.repair.unrepairable_extents == 30
+
+
+async def test_a_flush_stopped_midway_hands_the_access_times_it_did_not_write_back(
+        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Meta's close cancels the periodic flush, then writes what is left: a flush cancelled
+    after its first page leaves the others' times to that write."""
+    monkeypatch.setattr(index, "WALK_PAGE", 5)
+    await fill(meta, 20, 20, "k")
+    ix = meta.meta.index
+    read = {key(i, "k"): NOW + 100 + i for i in range(20)}
+    ix.dirty_access.update(read)
+    flush = asyncio.ensure_future(ix.flush())
+    touch = ix.store.touch_many
+
+    def first_page_then_cancel(rows: Iterable[tuple[float, bytes]]) -> None:
+        touch(rows)
+        flush.cancel()
+
+    monkeypatch.setattr(ix.store, "touch_many", first_page_then_cancel)
+    with pytest.raises(asyncio.CancelledError):
+        await flush
+    ix.dirty_access[key(19, "k")] = NOW + 500  # read again meanwhile: the later time stays
+    stored = {k: t for k, _, t in ix.store.load()}
+    written = sorted(read)[:5]
+    assert {k: stored[k] for k in written} == {k: read[k] for k in written}
+    assert ix.dirty_access == {**{k: read[k] for k in sorted(read)[5:]}, key(19, "k"): NOW + 500}
+
+
+async def test_eviction_spares_a_victim_read_after_it_was_chosen(meta: SqliteMeta) -> None:
+    """GC_EVICT chooses its victims over many loop steps: one read meanwhile is not removed."""
+    await fill(meta, 6, 6, "k")
+    ix = meta.meta.index
+    victims = [(k, ix.entries[k]) for k in sorted(ix.entries)[:4]]
+    ix.accessed[victims[1][0]] = NOW + 1  # read after NOW, when they were chosen
+    removed = await ix.evict(victims, NOW)
+    assert [k for k, _ in removed] == [victims[i][0] for i in (0, 2, 3)]
+    assert victims[1][0] in ix.entries
