@@ -11,7 +11,8 @@ the RPC took while other clients waited), and how many times the ticker ran duri
 call (0: one step).
 
 - ``STATS`` (a data RPC: ``kvfs stat``, a mount's ``df``), ``GC_STATUS`` (``kvfs gc status``);
-- ``GC_CHUNK_REFS`` of one chunk (compaction's question) and of one server (fsck's);
+- ``GC_CHUNK_REFS`` of one chunk (compaction's question), and ``GC_LAYOUTS`` of 1,000 keys
+  (a page of the scrub's and fsck's walk);
 - ``GC_EXPIRE`` and ``GC_EVICT`` dry runs (``kvfs gc expire`` / ``evict`` without
   ``--apply``), and ``GC_PLAN`` as after both (``kvfs gc run`` without ``--apply``);
 - then, the chunkserver made dead: ``GC_STATUS`` (its repair summary plans over every
@@ -95,7 +96,7 @@ async def run(keys: int, tries: int, per_chunk: int = PER_CHUNK, expired: int | 
                 "STATS": lambda: reply_of(svc.rpc_stats(rpc.Stats(), none)),
                 "GC_STATUS": lambda: reply_of(mgc.rpc_gc_status(rpc.GcStatus(), none)),
                 "GC_CHUNK_REFS chunk": lambda: reply_of(mgc.rpc_gc_chunk_refs(rpc.GcChunkRefs(chunks=chunks[:1]), none)),
-                "GC_CHUNK_REFS server": lambda: reply_of(mgc.rpc_gc_chunk_refs(rpc.GcChunkRefs(server_id=1), none)),
+                "GC_LAYOUTS page": lambda: reply_of(mgc.rpc_gc_layouts(rpc.GcLayouts(limit=1000), none)),
                 "GC_EXPIRE dry run": lambda: reply_of(mgc.rpc_gc_expire(rpc.GcExpire(apply=False), none)),
                 "GC_EVICT dry run": lambda: reply_of(mgc.rpc_gc_evict(rpc.GcEvict(high=0.5, low=0.4), none)),
                 "GC_PLAN dry run": lambda: reply_of(mgc.rpc_gc_plan(rpc.GcPlan(

@@ -185,7 +185,9 @@ def format_scrub(r: ScrubReport) -> str:
            f"verified: {r.ranges_checked} replicas ({format_size(r.bytes_verified)}) on "
            f"{r.servers_verified} servers"
            + (f"; not verified (not alive): servers {', '.join(map(str, r.servers_skipped))}"
-              if r.servers_skipped else ""),
+              if r.servers_skipped else "")
+           + (f"; not verified (its check failed, logged above): servers "
+              f"{', '.join(map(str, r.servers_failed))}" if r.servers_failed else ""),
            f"bad:      {r.corrupt} failing their checksum, {r.missing} missing"]
     if r.apply:
         out.append(f"repaired: {r.repaired} of {r.repairable} from a good copy "
@@ -208,7 +210,7 @@ async def cmd_scrub(ns: argparse.Namespace) -> int:
     if sys.stderr.isatty():
         print(file=sys.stderr)
     print(json.dumps(rep.to_dict()) if ns.json else format_scrub(rep))
-    return 0 if rep.apply or not (rep.missing or rep.corrupt) else 2
+    return 1 if rep.servers_failed else 0 if rep.apply or not (rep.missing or rep.corrupt) else 2
 
 
 def format_drain(st: rpc.DrainState) -> str:

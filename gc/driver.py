@@ -31,7 +31,15 @@ from kvfs.config import GcConfig, TlsConfig
 from kvfs.errors import KVFSError, NoSpace, Unavailable
 from kvfs.gc.pace import Pacer
 from kvfs.gc.repair import RepairReport, repair_step
-from kvfs.gc.scrub import ScrubReport, scrub_slice
+from kvfs.gc.scrub import (
+    VERIFY_BATCH_BYTES,
+    VERIFY_BATCH_RANGES,
+    ScrubReport,
+    Verification,
+    VerifyItem,
+    scrub_slice,
+    verify_all,
+)
 from kvfs.handshake import Role
 from kvfs.protocol import Buffer, Scatter
 from kvfs.rpc import R, Request
@@ -44,8 +52,6 @@ COMPACT_BATCH_BYTES = 64 * 1024 * 1024
 DAEMON_LEASE_INTERVALS = 3  # a daemon's turn lasts this many intervals past its last pass start
 MIN_DAEMON_LEASE_S = 10.0
 RELEASED_LEASE_S = 0.001  # a stopping daemon renews its lease for this long: the next takes it
-VERIFY_BATCH_BYTES = 64 * 1024 * 1024
-VERIFY_BATCH_RANGES = 65_536  # a CHUNK_VERIFY's ranges: its header well under the frame limit
 
 Progress = Callable[[str, int, int], None]
 
@@ -113,16 +119,6 @@ class PassReport:
             if isinstance(v, int | float) and not isinstance(v, bool):
                 d[f"scrub_{k}"] = v
         return d
-
-
-@dataclass(kw_only=True)
-class Verification:
-    """One chunkserver's referenced ranges, read back (:meth:`GarbageCollector.verify_server`)."""
-
-    missing: list[rpc.BadReplica] = field(default_factory=list)
-    corrupt: list[rpc.BadReplica] = field(default_factory=list)
-    ranges: int = 0
-    bytes: int = 0
 
 
 @dataclass(kw_only=True)
@@ -441,14 +437,7 @@ class GarbageCollector:
             self.report_progress("delete", report.chunks_deleted, total)
 
     # verify ----------------------------------------------------------------------
-    async def verify_server(self, sid: int, pacer: Pacer | None = None) -> Verification:
-        """Read back every range meta's layouts reference on chunkserver ``sid`` and check its
-        CRC-32C there (CHUNK_VERIFY, in batches; ``pacer``: within its byte rate)."""
-        refs = (await self.meta(rpc.GcChunkRefs(server_id=sid))).refs
-        flat = [(r.key, c, r.offset, r.length, r.crc) for c, rs in refs.items() for r in rs]
-        return await self.verify_ranges(sid, flat, pacer)
-
-    async def verify_ranges(self, sid: int, flat: Sequence[tuple[bytes, int, int, int, int]],
+    async def verify_ranges(self, sid: int, flat: Sequence[VerifyItem],
                             pacer: Pacer | None = None) -> Verification:
         """Check ranges (key, chunk id, offset, length, CRC-32C) of chunkserver ``sid``
         there (CHUNK_VERIFY, in batches; ``pacer``: within its byte rate)."""
@@ -467,7 +456,6 @@ class GarbageCollector:
             nbytes = sum(f[3] for f in batch)
             out.ranges += len(batch)
             out.bytes += nbytes
-            self.report_progress(f"verify server {sid}", run.stop, len(flat))
             if pacer is not None:
                 await pacer.spent(nbytes)
         return out
@@ -488,8 +476,10 @@ class GarbageCollector:
         rep.garbage_chunks = [[c.server_id, c.chunk_id, c.written - c.live] for c in plan.compact
                               if (c.server_id, c.chunk_id) in old]
         if verify:
-            for sid in stats:
-                v = await self.verify_server(sid)
+            checked, failed = await verify_all(self, stats)
+            if failed:  # (fsck answers for every live server or fails, as it did)
+                raise failed[min(failed)]
+            for v in checked.values():
                 rep.missing_refs += v.missing
                 rep.corrupt_refs += v.corrupt
                 rep.ranges_checked += v.ranges

@@ -1,8 +1,9 @@
 """``kvfs gc scrub``: read back every replica meta's layouts reference, on every live
 chunkserver, within a byte-rate budget, and deal with each one found missing or corrupt.
 
-1. Per live server, :meth:`~kvfs.gc.driver.GarbageCollector.verify_server` (fsck's check:
-   CHUNK_VERIFY in batches) checks each referenced record's value against its CRC-32C.
+1. :func:`verify_all` (fsck's check too) walks meta's keys once, in GC_LAYOUTS pages, and
+   checks each referenced record's value on each live server against its CRC-32C
+   (CHUNK_VERIFY, a batch per server as its ranges fill).
 2. ``GC_SCRUB_PLAN`` (:func:`kvfs.meta.repair.plan_scrub`) sorts the bad replicas against
    the layouts now: one with a good replica on a live server is repaired with the repair
    step's copy (:func:`kvfs.gc.repair.copy_extents`: read and re-check a good record,
@@ -26,10 +27,7 @@ import time
 from collections import defaultdict
 from collections.abc import (
     AsyncGenerator,
-    Awaitable,
-    Callable,
     Collection,
-    Iterable,
     Mapping,
     Sequence,
 )
@@ -42,21 +40,41 @@ from kvfs.errors import KVFSError
 from kvfs.gc.pace import Pacer
 from kvfs.gc.repair import RepairReport, copy_extents
 
-if TYPE_CHECKING:  # (the driver runs the background scrub: scrub_slice)
-    from kvfs.gc.driver import GarbageCollector, Verification
+if TYPE_CHECKING:  # (the driver runs the background scrub, scrub_slice, and fsck's verify_all)
+    from kvfs.gc.driver import GarbageCollector
 
 log = logging.getLogger("kvfs.gc.scrub")
 
 PLAN_BATCH = 100_000  # bad replicas per GC_SCRUB_PLAN
 SCRUB_PAGE_KEYS = 1000  # keys per GC_LAYOUTS page of the background scrub's walk
 SCRUB_MAX_KEYS = 100_000  # keys a slice takes at most (empty values, replicas on dead servers: no bytes)
+VERIFY_BATCH_BYTES = 64 * 1024 * 1024
+VERIFY_BATCH_RANGES = 65_536  # a CHUNK_VERIFY's ranges: its header well under the frame limit
+VerifyItem = tuple[bytes, int, int, int, int]  # a range to check: key, chunk id, offset, length, CRC-32C
+
+
+@dataclass(kw_only=True)
+class Verification:
+    """One chunkserver's ranges, read back (:meth:`GarbageCollector.verify_ranges`)."""
+
+    missing: list[rpc.BadReplica] = field(default_factory=list)
+    corrupt: list[rpc.BadReplica] = field(default_factory=list)
+    ranges: int = 0
+    bytes: int = 0
+
+    def add(self, other: Verification) -> None:
+        self.missing += other.missing
+        self.corrupt += other.corrupt
+        self.ranges += other.ranges
+        self.bytes += other.bytes
 
 
 @dataclass(kw_only=True)
 class ScrubReport:
     apply: bool
     servers_verified: int = 0
-    servers_skipped: list[int] = field(default_factory=list)  # not alive, or failed mid-scrub
+    servers_skipped: list[int] = field(default_factory=list)  # not alive
+    servers_failed: list[int] = field(default_factory=list)  # their check failed (logged)
     ranges_checked: int = 0
     bytes_verified: int = 0
     missing: int = 0  # replicas whose bytes are not on their server
@@ -84,7 +102,7 @@ async def scrub(gc: GarbageCollector, *, apply: bool, rate_bytes: int | None = N
     pacer = Pacer(rate_bytes)
     stats = await gc.sync_usage()
     report.servers_skipped = sorted(s.server_id for s in await gc.servers() if s.server_id not in stats)
-    bad = await _verify(report, sorted(stats), lambda sid: gc.verify_server(sid, pacer))
+    bad = _counted(report, *await verify_all(gc, stats, pacer))
     await mend(gc, bad, report, pacer)
     report.seconds = time.monotonic() - t0
     return report
@@ -100,7 +118,7 @@ async def scrub_slice(gc: GarbageCollector, budget: int, servers: Collection[int
     through, never a scan of every key."""
     t0 = time.monotonic()
     report = ScrubReport(apply=True)
-    by_server: dict[int, list[tuple[bytes, int, int, int, int]]] = defaultdict(list)
+    by_server: dict[int, list[VerifyItem]] = defaultdict(list)
     taken: dict[int, int] = defaultdict(int)  # bytes a server
     after, n = gc.scrub_cursor, 0
     if servers:
@@ -122,15 +140,18 @@ async def scrub_slice(gc: GarbageCollector, budget: int, servers: Collection[int
 
 async def _keys_round(gc: GarbageCollector, began: bytes | None) -> AsyncGenerator[rpc.KeyLayout, None]:
     """Meta's stored keys with their layouts, in key order from the one after ``began``,
-    past the last one to the first and on up to ``began``: each key at most once (pages
-    fetched as the caller goes on)."""
+    past the last one to the first and on up to ``began`` (from the first to the last if
+    ``began`` is None): each key at most once (pages fetched as the caller goes on).  Keys
+    expired by meta's clock as it read their page are passed over: compaction copies no
+    expired record, so theirs may be gone."""
     after, came_round = began, False
     while True:
         page = await gc.meta(rpc.GcLayouts(start_after=after, limit=SCRUB_PAGE_KEYS))
         for row in page.rows:
             if came_round and began is not None and row.key >= began:
                 return
-            yield row
+            if not row.layout.expired(page.time):
+                yield row
         if page.rows:  # (a page may come short while keys follow: Redis's list skips
             after = page.rows[-1].key  # keys deleted as it reads; the end is an empty page)
         elif came_round or began is None:
@@ -139,18 +160,65 @@ async def _keys_round(gc: GarbageCollector, began: bytes | None) -> AsyncGenerat
             came_round, after = True, None
 
 
-async def _verify(report: ScrubReport, servers: Iterable[int],
-                  verify: Callable[[int], Awaitable[Verification]]) -> list[rpc.BadReplica]:
-    """``verify(sid)`` of each server, counted in ``report``; the replicas found bad.  A
-    server whose verification fails is skipped (logged)."""
+async def verify_all(gc: GarbageCollector, servers: Collection[int], pacer: Pacer | None = None,
+                     ) -> tuple[dict[int, Verification], dict[int, KVFSError]]:
+    """Every range meta's layouts reference on ``servers``, read back and checked against its
+    CRC-32C there: one walk of meta's keys in key order (GC_LAYOUTS pages: meta answers a
+    page a step, however many keys it holds, and nothing here holds more than a batch a
+    server), each server's ranges checked a batch at a time as they fill, in chunk order
+    (CHUNK_VERIFY; ``pacer``: within its byte rate).  A server whose check fails is not
+    asked again and its error is returned; the others go on."""
+    done = {sid: Verification() for sid in servers}
+    failed: dict[int, KVFSError] = {}
+    todo: dict[int, list[VerifyItem]] = {sid: [] for sid in servers}
+    held = dict.fromkeys(servers, 0)
+    total, walked = (await gc.meta(rpc.Stats())).keys, 0
+
+    async def check(sid: int) -> None:
+        batch = sorted(todo[sid], key=lambda f: (f[1], f[2]))
+        todo[sid], held[sid] = [], 0
+        if (v := await _checked(gc, sid, batch, pacer, failed)) is None:
+            del todo[sid]
+        else:
+            done[sid].add(v)
+
+    async with aclosing(_keys_round(gc, None)) as keys:
+        async for key, lay in keys:
+            for x in lay.extents:
+                for r in x.replicas:
+                    if x.length and r.server_id in todo:
+                        todo[r.server_id].append((key, r.chunk_id, r.offset, x.length, x.crc))
+                        held[r.server_id] += x.length
+            walked += 1
+            for sid in [s for s, t in todo.items()
+                        if len(t) >= VERIFY_BATCH_RANGES or held[s] >= VERIFY_BATCH_BYTES]:
+                await check(sid)
+            if walked % SCRUB_PAGE_KEYS == 0:
+                gc.report_progress("verify", walked, max(total, walked))
+    for sid in [s for s, t in todo.items() if t]:
+        await check(sid)
+    gc.report_progress("verify", walked, max(total, walked))
+    return {sid: v for sid, v in done.items() if sid not in failed}, failed
+
+
+async def _checked(gc: GarbageCollector, sid: int, ranges: Sequence[VerifyItem], pacer: Pacer | None,
+                   failed: dict[int, KVFSError]) -> Verification | None:
+    """``ranges`` checked on server ``sid``; None if that failed (logged, kept in ``failed``)."""
+    try:
+        return await gc.verify_ranges(sid, ranges, pacer)
+    except KVFSError as exc:
+        log.warning("verifying server %d failed: %s", sid, exc)
+        failed[sid] = exc
+        return None
+
+
+def _counted(report: ScrubReport, checked: Mapping[int, Verification],
+             failed: Mapping[int, KVFSError]) -> list[rpc.BadReplica]:
+    """Each server's verification counted in ``report``, and those that failed; the replicas
+    found bad."""
     bad: list[rpc.BadReplica] = []
-    for sid in servers:
-        try:
-            v = await verify(sid)
-        except KVFSError as exc:
-            log.warning("verifying server %d failed: %s", sid, exc)
-            report.servers_skipped.append(sid)
-            continue
+    report.servers_failed = sorted({*report.servers_failed, *failed})
+    for v in checked.values():
         report.servers_verified += 1
         report.ranges_checked += v.ranges
         report.bytes_verified += v.bytes
@@ -194,7 +262,7 @@ async def check_reported(gc: GarbageCollector,
     asked is skipped (its replicas are the repair step's once it is declared dead)."""
     t0 = time.monotonic()
     report = ScrubReport(apply=True)
-    by_server: dict[int, list[tuple[bytes, int, int, int, int]]] = defaultdict(list)
+    by_server: dict[int, list[VerifyItem]] = defaultdict(list)
     for b, r in suspects.items():
         by_server[b.server_id].append((b.key, r.chunk_id, r.offset, r.length, r.crc))
     await _verify_and_mend(gc, report, by_server)
@@ -203,8 +271,12 @@ async def check_reported(gc: GarbageCollector,
 
 
 async def _verify_and_mend(gc: GarbageCollector, report: ScrubReport,
-                           by_server: Mapping[int, Sequence[tuple[bytes, int, int, int, int]]]) -> None:
+                           by_server: Mapping[int, Sequence[VerifyItem]]) -> None:
     """Ranges (key, chunk id, offset, length, CRC-32C) checked on each server, and the bad
     ones mended (:func:`mend`, unpaced: a slice or a report is small)."""
-    bad = await _verify(report, sorted(by_server), lambda sid: gc.verify_ranges(sid, by_server[sid]))
-    await mend(gc, bad, report, Pacer(None))
+    checked: dict[int, Verification] = {}
+    failed: dict[int, KVFSError] = {}
+    for sid in sorted(by_server):
+        if (v := await _checked(gc, sid, by_server[sid], None, failed)) is not None:
+            checked[sid] = v
+    await mend(gc, _counted(report, checked, failed), report, Pacer(None))

@@ -43,6 +43,9 @@ MAX_REPORT_BAD = 1024  # replicas per REPORT_BAD (a reader holds at most these t
 MAX_REFS_CHUNKS = 4096  # chunks per GC_CHUNK_REFS
 MAX_EXPIRE_BATCH = 1_000_000
 MAX_REPAIR_BATCH_BYTES = 1 << 30  # extent bytes per GC_REPAIR_PLAN
+MAX_REPAIR_PLAN_ITEMS = 16_384  # extents per GC_REPAIR_PLAN answer, whatever their size: under
+#                                 16 MiB of header even with 1 KiB keys (tiny values: 1M of 16 B
+#                                 in a 16 MiB plan made an 88 MB answer, past the frame limit)
 MAX_PACKED_BYTES = 1 << 30  # a COMMIT's packed layouts (in practice: meta's --max-header-bytes)
 SERVER_ID_LIMIT = 1 << 23  # chunk ids embed the server id in their top bits (see kvfs.layout)
 MAX_HOLDER_CHARS = 255  # a lease holder's id (meta's --max-lease-holder-chars is lower)
@@ -765,10 +768,10 @@ class ChunkRefs(Response, frozen=True, kw_only=True):
 
 
 class GcChunkRefs(Request[ChunkRefs], frozen=True, kw_only=True):
-    """References into the given chunks, or (``server_id``) into every chunk of a server."""
+    """References into the given chunks (compaction's question; O(their keys) in meta).
+    Every range of a server is walked with GC_LAYOUTS pages instead (kvfs.gc.scrub)."""
 
-    chunks: Annotated[list[ChunkId], msgspec.Meta(max_length=MAX_REFS_CHUNKS)] = []
-    server_id: ServerId | None = None
+    chunks: Annotated[list[ChunkId], msgspec.Meta(min_length=1, max_length=MAX_REFS_CHUNKS)]
 
 
 class KeyLayout(NamedTuple):
@@ -778,6 +781,7 @@ class KeyLayout(NamedTuple):
 
 class KeyLayouts(Response, frozen=True, kw_only=True):
     rows: Annotated[list[KeyLayout], msgspec.Meta(max_length=MAX_LIST)]  # none: past the last key
+    time: Timestamp  # meta's clock as it read them (a row's key expired by it is dead)
 
 
 class GcLayouts(Request[KeyLayouts], frozen=True, kw_only=True):
@@ -907,12 +911,13 @@ class RepairItem(NamedTuple):
 
 
 class RepairPlan(RepairState, frozen=True, kw_only=True):
-    items: Items[RepairItem]
+    items: Annotated[list[RepairItem], msgspec.Meta(max_length=MAX_REPAIR_PLAN_ITEMS)]
 
 
 class GcRepairPlan(Request[RepairPlan], frozen=True, kw_only=True):
     """Extents with a replica on a dead server and one on a live server, up to
-    ``limit_bytes`` of them (at least one), and the totals of every under-replicated one."""
+    ``limit_bytes`` of them (at least one) and :data:`MAX_REPAIR_PLAN_ITEMS`, and the totals
+    of every under-replicated one."""
 
     limit_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPAIR_BATCH_BYTES)] = 16 * 1024 * 1024
 
@@ -1033,7 +1038,7 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.GC_PLAN, Service.META, GcPlan, "chunks to compact, delete, seal", ADMIN),
     Rpc(Op.GC_CHUNK_REFS, Service.META, GcChunkRefs, "live references into chunks", ADMIN),
     Rpc(Op.GC_LAYOUTS, Service.META, GcLayouts,
-        "stored keys after a key, one page in key order, with their layouts (the background scrub)", ADMIN),
+        "stored keys after a key, one page in key order, with their layouts (the scrub's and fsck's walk)", ADMIN),
     Rpc(Op.GC_RELOCATE, Service.META, GcRelocate,
         "switch layouts to compacted copies (compare-and-swap)", ADMIN),
     Rpc(Op.GC_RETIRE, Service.META, GcRetire, "mark unreferenced chunks dead (compare-and-swap)", ADMIN),

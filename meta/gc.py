@@ -170,7 +170,8 @@ class MetaGc:
         now, items, planned = ix.clock(), list[rpc.RepairItem](), 0
         async for rows in ix.refs(servers=gone):  # (each page planned in its step)
             more = plan_repairs(rows, gone, alive, limit_bytes=limit_bytes - planned, now=now,
-                                summary=summary, first=not items)
+                                summary=summary, first=not items,
+                                limit_items=rpc.MAX_REPAIR_PLAN_ITEMS - len(items))
             items += more
             planned += sum(it.length for it in more)
         return items
@@ -456,20 +457,19 @@ class MetaGc:
 
     async def rpc_gc_chunk_refs(self, req: rpc.GcChunkRefs, payload: memoryview) -> Reply:
         """References into the given chunks (kept tombstones too: length 0, for compaction to
-        copy), or (``server_id``) into every chunk of a server (values only)."""
+        copy): O(their keys), from the per-chunk key index."""
         ix = self.index
         chunks = set(req.chunks)
-        sid = req.server_id
         now = ix.clock()
         refs: dict[int, list[rpc.Ref]] = {c: [] for c in chunks}
-        async for rows in ix.refs(chunks, () if sid is None else (sid,)):
+        async for rows in ix.refs(chunks):
             for k, lay in rows:
                 if lay.expired(now):
                     continue
                 for x in lay.extents:
                     for r in x.replicas:
-                        if r.chunk_id in chunks or r.server_id == sid:
-                            refs.setdefault(r.chunk_id, []).append(rpc.Ref(k, r.offset, x.length, x.crc))
+                        if r.chunk_id in chunks:
+                            refs[r.chunk_id].append(rpc.Ref(k, r.offset, x.length, x.crc))
         tombs, dropped = await ix.tombstone_refs(chunks)
         for cid, k, off in tombs:
             refs[cid].append(rpc.Ref(k, off, 0, 0))
@@ -480,9 +480,11 @@ class MetaGc:
     async def rpc_gc_layouts(self, req: rpc.GcLayouts, payload: memoryview) -> Reply:
         """A page of the stored keys after ``start_after`` with their layouts, read from
         the store's key order (SQLite's primary key, Redis's sorted indexes): O(the page),
-        never a walk of every key, so the background scrub's slice costs what it checks."""
+        never a walk of every key, so the scrub's walks (its background slices, ``kvfs gc
+        scrub``, fsck) cost meta a page a step; ``time``: this meta's clock, for their expiry."""
+        now = self.index.clock()
         rows = await self.index.list_keys(b"", req.start_after, req.limit)
-        return rpc.KeyLayouts(rows=[rpc.KeyLayout(k, lay) for k, lay in rows]), ()
+        return rpc.KeyLayouts(rows=[rpc.KeyLayout(k, lay) for k, lay in rows], time=now), ()
 
     async def rpc_gc_relocate(self, req: rpc.GcRelocate, payload: memoryview) -> Reply:
         """Point each moved replica at its copy, compare-and-swap: only where the layout still

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvfs.layout import Extent, Layout, Replica
-from kvfs.rpc import BadReplica, RepairItem, RepairState
+from kvfs.rpc import MAX_REPAIR_PLAN_ITEMS, BadReplica, RepairItem, RepairState
 
 
 @dataclass(slots=True)
@@ -42,12 +42,12 @@ class RepairSummary:
 
 def plan_repairs(entries: Iterable[tuple[bytes, Layout]], gone: set[int], alive: set[int],
                  *, limit_bytes: int, now: float, summary: RepairSummary | None = None,
-                 first: bool = True) -> list[RepairItem]:
+                 first: bool = True, limit_items: int = MAX_REPAIR_PLAN_ITEMS) -> list[RepairItem]:
     """Extents of unexpired keys with a replica on a ``gone`` server and one on an
-    ``alive`` server, up to ``limit_bytes`` of them (at least one, unless not ``first``:
-    the keys of one plan coming a page at a time, a later page's plan only what is left
-    of the limit); ``summary`` counts every under-replicated extent.  Nothing to scan
-    when no server is gone."""
+    ``alive`` server, up to ``limit_bytes`` and ``limit_items`` of them (at least one,
+    unless not ``first``: the keys of one plan coming a page at a time, a later page's plan
+    only what is left of the limits); ``summary`` counts every under-replicated extent.
+    Nothing to scan when no server is gone."""
     items: list[RepairItem] = []
     if not gone:
         return items
@@ -69,7 +69,8 @@ def plan_repairs(entries: Iterable[tuple[bytes, Layout]], gone: set[int], alive:
                     summary.unrepairable_extents += 1
                     if len(summary.unrepairable_keys) < 20:
                         summary.unrepairable_keys.append(key)
-            if not sources or ((items or not first) and planned + e.length > limit_bytes):
+            if not sources or ((items or not first) and (
+                    planned + e.length > limit_bytes or len(items) >= limit_items)):
                 continue
             items.append(RepairItem(key, i, e.length, e.crc, lay.expires_at, list(sources), lost,
                                     [r.server_id for r in e.replicas]))

@@ -18,6 +18,7 @@ from kvfs import rpc
 from kvfs.client import AsyncClient
 from kvfs.config import ClientConfig, MetaConfig
 from kvfs.gc.driver import GarbageCollector, PassOptions
+from kvfs.gc.scrub import verify_all
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Layout, server_of_chunk
 from kvfs.meta.index import add_live
@@ -98,10 +99,13 @@ async def test_stat_status_refs_and_repair_plan_without_reading_every_key(
                     if (c := r.chunk_id) in chunks}
             got = (await gc.meta(rpc.GcChunkRefs(chunks=sorted(chunks)))).refs
             assert {(c, r.key.decode(), r.offset) for c, rs in got.items() for r in rs} == want
-            got = (await gc.meta(rpc.GcChunkRefs(server_id=some.server_id))).refs
-            assert {(c, r.key.decode(), r.offset) for c, rs in got.items() for r in rs} == {
-                (r.chunk_id, k, r.offset) for k in keep for x in lays[k].extents for r in x.replicas
-                if r.server_id == some.server_id}
+            # fsck's and the scrub's walk (GC_LAYOUTS pages): every unexpired key's range on
+            # the server, nothing else, and none of them bad
+            checked, failed = await verify_all(gc, [some.server_id])
+            v = checked[some.server_id]
+            assert not failed and not v.missing and not v.corrupt
+            assert v.ranges == sum(1 for k in keep for x in lays[k].extents for r in x.replicas
+                                   if r.server_id == some.server_id and x.length)
 
             # a dry GC pass (its expire, evict and compaction dry runs) and a drain's question
             dry_pass = await gc.run_pass(PassOptions(apply=False, grace_s=0.0))

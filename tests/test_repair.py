@@ -54,6 +54,14 @@ def test_plan_lists_extents_with_a_lost_replica_and_a_live_one() -> None:
     # a batch holds at least one item, then stops at the byte limit
     two = [(b"a", lay((1, 2))), (b"e", lay((1, 3)))]
     assert len(plan_repairs(two, gone={1}, alive={2, 3}, limit_bytes=1, now=0.0)) == 1
+    # ... and at the item limit, however small the extents; the summary counts them all
+    many = [(b"k%d" % i, lay((1, 2))) for i in range(50)]
+    summary = RepairSummary()
+    assert len(plan_repairs(many, gone={1}, alive={2}, limit_bytes=1 << 30, now=0.0, summary=summary,
+                            limit_items=7)) == 7
+    assert summary.under_replicated_extents == 50
+    assert plan_repairs(many, gone={1}, alive={2}, limit_bytes=1 << 30, now=0.0, first=False,
+                        limit_items=0) == []  # a later page, the limit used up
 
 
 def test_replace_replica_is_a_compare_and_swap() -> None:

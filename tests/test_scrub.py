@@ -20,7 +20,7 @@ from kvfs.gc.driver import RELEASED_LEASE_S, GarbageCollector, PassOptions, Pass
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.repair import plan_scrub, replace_replica
-from kvfs.rpc import BadReplica, GcControl
+from kvfs.rpc import BadReplica, GcControl, GcLayouts
 
 
 def lay(*extents: tuple[int, ...]) -> Layout:
@@ -116,6 +116,20 @@ async def test_scrub_repairs_one_bad_replica_and_drops_a_key_with_none(cluster: 
     assert rc == 0 and "0 failing their checksum, 0 missing" in out, out
 
 
+@contextlib.asynccontextmanager
+async def twenty_four_keys(tmp_path: Path) -> AsyncIterator[tuple[LocalCluster, dict[str, bytes]]]:
+    """2 chunkservers of 64 KiB chunks and 24 keys, s00-s23, of 20,000 bytes each,
+    replicas=2, each its own APPEND (a chunk takes about three)."""
+    root = tmp_path / "cluster"
+    async with LocalCluster(root, 2, chunkserver=ChunkServerConfig(
+            data=root, heartbeat_interval_s=0.2, chunk_bytes=64 * 1024, preallocate=False)) as c:
+        values = {f"s{i:02}": bytes([i]) * 20_000 for i in range(24)}
+        async with c.client(ClientConfig(replicas=2)) as kv:
+            for k, v in values.items():
+                await kv.put(k, v)
+        yield c, values
+
+
 @pytest.mark.usefixtures("meta_backend")
 async def test_the_daemons_background_scrub_goes_round_every_replica_in_slices(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,15 +138,10 @@ async def test_the_daemons_background_scrub_goes_round_every_replica_in_slices(
     round of passes, mended from its good copy, and counted (bytes_scrubbed,
     replicas_scrubbed_bad); then the slices go on from the first key again.  The walk pages
     through meta's keys (GC_LAYOUTS, here 5 keys a page, so pages end mid-slice): meta never
-    walks every key for it (its index's ``refs``, GC_CHUNK_REFS's scan, is not called)."""
+    walks every key for it (its index's ``refs``, a walk, is not called)."""
     monkeypatch.setattr(scrub_module, "SCRUB_PAGE_KEYS", 5)
-    root = tmp_path / "cluster"
-    async with LocalCluster(root, 2, chunkserver=ChunkServerConfig(
-            data=root, heartbeat_interval_s=0.2, chunk_bytes=64 * 1024, preallocate=False)) as c:
-        values = {f"s{i:02}": bytes([i]) * 20_000 for i in range(24)}
+    async with twenty_four_keys(tmp_path) as (c, values):
         async with c.client(ClientConfig(replicas=2)) as kv:
-            for k, v in values.items():  # one APPEND each: a chunk takes about three
-                await kv.put(k, v)
             last = await kv.layout("s20")  # in one of the last chunks (chunk ids grow)
         assert last is not None
         flip(c, last.extents[0].replicas[0], 5)
@@ -160,9 +169,9 @@ async def test_the_daemons_background_scrub_goes_round_every_replica_in_slices(
             fixed = await kv.layout("s20")
             assert fixed is not None and last.extents[0].replicas[0] not in fixed.extents[0].replicas
             assert await kv.get_many(list(values)) == list(values.values())
-        monkeypatch.undo()  # (kvfs gc scrub, by hand, verifies every server's references)
-        rc, out = await kvfs_admin(c, "gc", "scrub")
+        rc, out = await kvfs_admin(c, "gc", "scrub")  # (by hand: the same walk, every key)
         assert rc == 0 and "0 failing their checksum, 0 missing" in out, out
+        assert "verified: 48 replicas" in out, out
 
 
 @contextlib.asynccontextmanager
@@ -230,6 +239,71 @@ async def test_a_replica_moved_away_while_it_was_verified_is_not_counted_bad(
         assert rep is not None and rep.corrupt == 1 and rep.repairable == 0, rep
         assert metrics["replicas_scrubbed_bad"] == 0
         assert await kv.get("m") == b"n" * 20_000
+
+
+@pytest.mark.usefixtures("meta_backend")
+async def test_scrub_and_fsck_walk_meta_a_page_at_a_time_and_verify_a_batch_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole scrub (and fsck's check) walks meta's keys once in GC_LAYOUTS pages (here 5
+    keys) and checks each server's ranges in CHUNK_VERIFY batches as they fill (here 4, in
+    chunk order), so neither meta nor the collector ever holds, nor one frame carries, every
+    key of a server (1M keys of 64-byte names used to make a 78 MB frame, past the 64 MiB
+    limit, bench/RESULTS.md); meta never walks every key for it.  A chunkserver that dies
+    mid-scrub is named as failed, and the other's ranges are all still checked."""
+    monkeypatch.setattr(scrub_module, "SCRUB_PAGE_KEYS", 5)
+    monkeypatch.setattr(scrub_module, "VERIFY_BATCH_RANGES", 4)
+    async with twenty_four_keys(tmp_path) as (c, _):
+        async with c.client(ClientConfig(replicas=2)) as kv:
+            bad_one = await kv.layout("s13")
+        assert bad_one is not None and c.meta is not None
+        flip(c, bad_one.extents[0].replicas[1], 5)
+
+        def no_scan(*args: object) -> None:
+            raise AssertionError("the scrub made meta walk every key")
+
+        monkeypatch.setattr(c.meta.index, "refs", no_scan)
+        pages: list[int] = []
+        batches: list[tuple[int, list[tuple[int, int]]]] = []
+        verify, ask = GarbageCollector.verify_ranges, GarbageCollector.meta
+
+        async def counted(gc: GarbageCollector, sid: int, flat: Any, pacer: Any = None) -> Any:
+            batches.append((sid, [(f[1], f[2]) for f in flat]))
+            return await verify(gc, sid, flat, pacer)
+
+        async def paged(gc: GarbageCollector, request: Any) -> Any:
+            answer = await ask(gc, request)
+            if isinstance(request, GcLayouts):
+                pages.append(len(answer.rows))
+            return answer
+
+        monkeypatch.setattr(GarbageCollector, "verify_ranges", counted)
+        monkeypatch.setattr(GarbageCollector, "meta", paged)
+        async with GarbageCollector(c.addr, token=c.admin_token) as gc:
+            rep = await scrub_module.scrub(gc, apply=False)
+            assert (rep.servers_verified, rep.ranges_checked, rep.corrupt, rep.missing) == (2, 48, 1, 0), rep
+            assert pages == [5, 5, 5, 5, 4, 0]  # each key once, a page at a time
+            assert sorted(len(b) for _, b in batches) == [4] * 12  # 24 ranges a server
+            assert all(b == sorted(b) for _, b in batches)  # chunk order within a batch
+
+            fsck = await gc.fsck(cutoff_s=3600.0)
+            assert (fsck.ranges_checked, len(fsck.corrupt_refs), len(fsck.missing_refs)) == (48, 1, 0)
+
+            batches.clear()
+            victim = c.chunkservers[1]
+            assert victim is not None
+            dead = victim.server_id
+
+            async def dies_after_its_first_batch(gc: GarbageCollector, sid: int, flat: Any,
+                                                 pacer: Any = None) -> Any:
+                if sid == dead and any(s == dead for s, _ in batches):
+                    await c.stop_chunkserver(1)  # (fault injection: it dies mid-scrub)
+                return await counted(gc, sid, flat, pacer)
+
+            monkeypatch.setattr(GarbageCollector, "verify_ranges", dies_after_its_first_batch)
+            rep = await scrub_module.scrub(gc, apply=False)
+        assert rep.servers_failed == [dead] and rep.servers_verified == 1, rep
+        assert rep.ranges_checked == 24, rep  # every range of the live one
+        assert len([b for s, b in batches if s == dead]) == 2  # not asked again once it failed
 
 
 async def test_a_slice_takes_only_the_servers_the_pass_found_alive(tmp_path: Path) -> None:
