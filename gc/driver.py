@@ -49,6 +49,8 @@ from kvfs.writepath import write_tombstones
 log = logging.getLogger("kvfs.gc")
 
 COMPACT_BATCH_BYTES = 64 * 1024 * 1024
+RELOCATE_BATCH_BYTES = 4 * 1024 * 1024  # a GC_RELOCATE's moves (meta refuses headers past 16 MiB)
+MOVE_OVERHEAD = 32  # a move's msgpack bytes besides its key (3 ids / offsets, framing)
 DAEMON_LEASE_INTERVALS = 3  # a daemon's turn lasts this many intervals past its last pass start
 MIN_DAEMON_LEASE_S = 10.0
 RELEASED_LEASE_S = 0.001  # a stopping daemon renews its lease for this long: the next takes it
@@ -407,11 +409,16 @@ class GarbageCollector:
             for k, span, loc in zip(ks, wanted, locs, strict=True):
                 if loc is not None:
                     moves.append(rpc.Move(k, cid, span.offset, loc))
-        rel = await self.meta(rpc.GcRelocate(server_id=sid, new_chunk=new, new_size=res.size, moves=moves))
+        # (each move compare-and-swaps its own key, so the moves may go in several requests,
+        # each well under meta's request limit: small values make many moves a chunk)
+        for run in split_batches([len(m.key) + MOVE_OVERHEAD for m in moves],
+                                 max_bytes=RELOCATE_BATCH_BYTES, max_items=rpc.MAX_ITEMS):
+            rel = await self.meta(rpc.GcRelocate(server_id=sid, new_chunk=new, new_size=res.size,
+                                                 moves=moves[run.start : run.stop]))
+            report.keys_relocated += rel.moved
+            report.relocations_lost += rel.skipped
         report.chunks_compacted += len(chunks)
         report.bytes_copied += res.size
-        report.keys_relocated += rel.moved
-        report.relocations_lost += rel.skipped
         await self.meta(rpc.GcDeleted(server_id=sid, deleted={}, compacted=len(chunks), copied=res.size))
 
     async def delete_chunks(self, items: Iterable[tuple[int, int]], report: PassReport) -> None:

@@ -2,6 +2,7 @@
 # Admin commands against one chunkserver holding N small values (64-hex names, 16-byte values):
 #   scrub: kvfs gc scrub --rate 0, then kvfs gc fsck
 #   drain: a second chunkserver joins, then kvfs gc decommission 1 --wait --repair-rate 0
+#   compact: every other key deleted, then kvfs gc run --compact --apply --grace 0
 # Usage (bench/RESULTS.md): PY=path/to/venv/bin/python N=1000000 bash bench/results/admin-scale-2026-12-04.sh scrub
 set -u
 MODE=${1:?scrub or drain}
@@ -24,7 +25,28 @@ async def main():
         print("put", n, "in", round(time.time()-t0,1), "s")
 asyncio.run(main())
 PY
-if [ "$MODE" = scrub ]; then
+if [ "$MODE" = compact ]; then
+  $PY - <<PY
+import asyncio, hashlib, kvfs
+async def main():
+    async with kvfs.AsyncClient("$KVFS_ADDR") as c:
+        for s in range(0, $N, 2048):
+            await c.delete_many([hashlib.sha256(str(i).encode()).hexdigest().encode() for i in range(s, min($N, s+2048), 2)])
+asyncio.run(main())
+PY
+  $PY -m kvfs stat | tail -3
+  /usr/bin/time -f "compact %e s maxrss %M KB" $PY -m kvfs gc run --compact --apply --grace 0 2>&1 | tail -12
+  $PY -m kvfs stat | tail -3
+  $PY - <<PY
+import asyncio, hashlib, kvfs
+async def main():
+    async with kvfs.AsyncClient("$KVFS_ADDR") as c:
+        keys = [hashlib.sha256(str(i).encode()).hexdigest().encode() for i in range(1, $N, 2)]
+        got = [v for s in range(0, len(keys), 4096) for v in await c.get_many(keys[s:s + 4096])]
+        print("read back", sum(v == b"v" * 16 for v in got), "of", len(keys), "kept keys intact")
+asyncio.run(main())
+PY
+elif [ "$MODE" = scrub ]; then
   /usr/bin/time -f "scrub %e s maxrss %M KB" $PY -m kvfs gc scrub --rate 0 2>&1 | tail -5
   /usr/bin/time -f "fsck %e s maxrss %M KB" $PY -m kvfs gc fsck 2>&1 | tail -5
 else
