@@ -185,6 +185,11 @@ class Endpoint(NamedTuple):
 class AuthReply(Response, frozen=True, kw_only=True):
     role: Name  # the role of the token the client proved (kvfs.handshake.Role)
     mac: Mac  # the server's proof that it holds the same token
+    # the largest request header and payload this server takes (--max-header,
+    # --max-payload): a client refuses a larger request itself, never sending it (the
+    # server would close the connection, failing every call on it); 0: not said
+    max_header: Count = 0
+    max_payload: Count = 0
 
 
 class Auth(Request[AuthReply], frozen=True, kw_only=True):

@@ -404,6 +404,8 @@ class _ServerProtocol(FrameProtocol):
             return
         self.authed = True
         self.decoder.set_limits(self.server.limits, scratch_bytes=256 * 1024)
+        reply |= {"max_header": self.server.limits.max_header_bytes,
+                  "max_payload": self.server.limits.max_payload_bytes}
         if self._timer is not None:
             self._timer.cancel()
         self._timer = self._loop.call_later(self.server.config.idle_timeout_s, self._expired)

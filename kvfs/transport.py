@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 
 from kvfs.errors import (
+    FrameTooLarge,
     KVFSError,
     LocalProtocolError,
     RemoteProtocolError,
@@ -22,6 +23,7 @@ from kvfs.errors import (
 from kvfs.frame_protocol import FrameProtocol
 from kvfs.handshake import Role, check_server_proof, client_auth, endpoint, new_nonce
 from kvfs.protocol import (
+    FIXED,
     PROTOCOL_VERSION,
     Buffer,
     Frame,
@@ -179,6 +181,8 @@ class Connection:
         self._timer_at = math.inf
         self.service = ""
         self.role: Role | None = None  # what the server granted this connection's token
+        self.max_header = 0  # the largest request header / payload the server takes (0: any)
+        self.max_payload = 0
 
     @classmethod
     async def open(
@@ -216,6 +220,7 @@ class Connection:
                 reply = await conn.call(decode(auth, Auth))
                 conn.role = check_server_proof(token, frame.header, auth, to_dict(reply), name)
                 conn.service = hello.service
+                conn.max_header, conn.max_payload = reply.max_header, reply.max_payload
         except TimeoutError:
             conn.close()
             # lost before its HELLO in the same turn of the loop as the timeout (a client
@@ -255,6 +260,17 @@ class Connection:
         answer: R = answer_of(op, frame, self.name)
         return answer, frame.payload
 
+    def _check_size(self, op: Op, frame: list[Buffer]) -> None:
+        """Refuse, here, a request larger than the server said it takes: sent, it would
+        make the server close the connection, failing every other call on it too."""
+        hlen, plen = FIXED.unpack_from(frame[0])[5:7]
+        for what, size, limit, option in (("header", hlen, self.max_header, "--max-header"),
+                                          ("payload", plen, self.max_payload, "--max-payload")):
+            if limit and size > limit:
+                raise FrameTooLarge(
+                    f"{op.name} request {what} of {size} bytes exceeds the limit of {limit} "
+                    f"that {self.name} takes ({option}); not sent: split the batch")
+
     async def call_raw(
         self,
         op: Op,
@@ -271,6 +287,8 @@ class Connection:
             raise proto.error or Unavailable(f"connection to {self.name} is closed")
         rid = next(self._ids)
         frame_out = request_frame(op, rid, header, payload)
+        if self.max_header or self.max_payload:
+            self._check_size(op, frame_out)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Frame] = loop.create_future()
         proto.pending[rid] = fut

@@ -519,6 +519,8 @@ async def test_a_packed_commit_is_bounded_by_metas_max_header_bytes(tmp_path: Pa
         finally:
             conn.close()
         conn = await Connection.open(host, port, c.token)
+        assert conn.max_header == 64 * 1024  # (meta said so in its AUTH answer)
+        conn.max_header = 0  # as a client that does not check: the server's own check
         try:
             with pytest.raises(FrameTooLarge, match="exceeds the limit of 65536"):
                 await conn.call(commit(2000))
@@ -527,5 +529,46 @@ async def test_a_packed_commit_is_bounded_by_metas_max_header_bytes(tmp_path: Pa
         async with c.client() as kv:  # meta still serves
             await kv.put("after", b"v")
             assert await kv.get("after") == b"v"
+    finally:
+        await c.stop()
+
+
+async def test_a_request_past_the_servers_limit_is_refused_unsent_and_fails_no_other_call(
+        tmp_path: Path) -> None:
+    """A batch call whose request is larger than meta takes (``max_header_bytes``, which it
+    tells each client at AUTH) fails in the caller, naming the RPC, the sizes and what to
+    do, and is never sent: sent, meta would close the shared connection, failing the other
+    calls on it (with 400k keys of 64 bytes, 8 concurrent small calls failed so)."""
+    c = LocalCluster(tmp_path / "c", 1, meta=MetaConfig(data=tmp_path / "c" / "meta",
+                                                        listen="127.0.0.1:0", max_header_bytes=64 * 1024))
+    await c.start()
+    try:
+        async with c.client() as kv:
+            await kv.put_many([(b"small%d" % i, b"x") for i in range(10)])
+            small = [b"small%d" % i for i in range(10)]
+            big = [b"k%063d" % i for i in range(2000)]  # ~132 KB of keys
+            stop = asyncio.Event()
+            answers: list[list[bool]] = []
+
+            async def others() -> None:
+                while not stop.is_set():
+                    answers.append(await kv.exists_many(small))
+
+            task = asyncio.create_task(others())
+            async with asyncio.timeout(30):
+                while not answers:  # (the other calls are under way)
+                    await asyncio.sleep(0)
+                for call in (kv.exists_many, kv.get_many, kv.match_prefix):
+                    with pytest.raises(FrameTooLarge, match=r"request header of \d+ bytes exceeds the "
+                                       r"limit of 65536 that .* takes \(--max-header\); not sent: split "
+                                       r"the batch"):
+                        await call(big)
+                seen = len(answers)
+                while len(answers) < seen + 3:  # more calls on the same connection, answered
+                    await asyncio.sleep(0)
+                stop.set()
+                await task
+            assert all(a == [True] * 10 for a in answers)
+            assert await kv.exists_many(big[:400]) == [False] * 400  # under the limit: sent
     finally:
         await c.stop()
