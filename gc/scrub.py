@@ -3,7 +3,8 @@ chunkserver, within a byte-rate budget, and deal with each one found missing or 
 
 1. :func:`verify_all` (fsck's check too) walks meta's keys once, in GC_LAYOUTS pages, and
    checks each referenced record's value on each live server against its CRC-32C
-   (CHUNK_VERIFY, a batch per server as its ranges fill).
+   (CHUNK_VERIFY, a batch per server as its ranges fill, at most ``VERIFY_HELD_RANGES``
+   waiting in all).
 2. ``GC_SCRUB_PLAN`` (:func:`kvfs.meta.repair.plan_scrub`) sorts the bad replicas against
    the layouts now: one with a good replica on a live server is repaired with the repair
    step's copy (:func:`kvfs.gc.repair.copy_extents`: read and re-check a good record,
@@ -50,6 +51,7 @@ SCRUB_PAGE_KEYS = 1000  # keys per GC_LAYOUTS page of the background scrub's wal
 SCRUB_MAX_KEYS = 100_000  # keys a slice takes at most (empty values, replicas on dead servers: no bytes)
 VERIFY_BATCH_BYTES = 64 * 1024 * 1024
 VERIFY_BATCH_RANGES = 65_536  # a CHUNK_VERIFY's ranges: its header well under the frame limit
+VERIFY_HELD_RANGES = 4 * VERIFY_BATCH_RANGES  # ranges a whole scrub holds unchecked, all servers
 VerifyItem = tuple[bytes, int, int, int, int]  # a range to check: key, chunk id, offset, length, CRC-32C
 
 
@@ -123,35 +125,35 @@ async def scrub_slice(gc: GarbageCollector, budget: int, servers: Collection[int
     after, n = gc.scrub_cursor, 0
     if servers:
         async with aclosing(_keys_round(gc, after)) as keys:
-            async for key, lay in keys:
+            async for (key, lay), live in keys:
                 if max(taken.values(), default=0) >= budget or n >= SCRUB_MAX_KEYS:
                     break
-                for x in lay.extents:
+                for x in lay.extents if live else ():
                     for r in x.replicas:
                         if x.length and r.server_id in servers:
                             by_server[r.server_id].append((key, r.chunk_id, r.offset, x.length, x.crc))
                             taken[r.server_id] += x.length
-                after, n = key, n + 1
+                after, n = key, n + 1  # (an expired key counts: a slice's walk stays bounded)
     await _verify_and_mend(gc, report, by_server)
     gc.scrub_cursor = after
     report.seconds = time.monotonic() - t0
     return report
 
 
-async def _keys_round(gc: GarbageCollector, began: bytes | None) -> AsyncGenerator[rpc.KeyLayout, None]:
+async def _keys_round(gc: GarbageCollector, began: bytes | None,
+                      ) -> AsyncGenerator[tuple[rpc.KeyLayout, bool], None]:
     """Meta's stored keys with their layouts, in key order from the one after ``began``,
     past the last one to the first and on up to ``began`` (from the first to the last if
-    ``began`` is None): each key at most once (pages fetched as the caller goes on).  Keys
-    expired by meta's clock as it read their page are passed over: compaction copies no
-    expired record, so theirs may be gone."""
+    ``began`` is None): each key at most once (pages fetched as the caller goes on), and
+    whether it is live.  A key expired by meta's clock as it read its page is not: its
+    replicas are not to be checked, since compaction copies no expired record."""
     after, came_round = began, False
     while True:
         page = await gc.meta(rpc.GcLayouts(start_after=after, limit=SCRUB_PAGE_KEYS))
         for row in page.rows:
             if came_round and began is not None and row.key >= began:
                 return
-            if not row.layout.expired(page.time):
-                yield row
+            yield row, not row.layout.expired(page.time)
         if page.rows:  # (a page may come short while keys follow: Redis's list skips
             after = page.rows[-1].key  # keys deleted as it reads; the end is an empty page)
         elif came_round or began is None:
@@ -164,35 +166,45 @@ async def verify_all(gc: GarbageCollector, servers: Collection[int], pacer: Pace
                      ) -> tuple[dict[int, Verification], dict[int, KVFSError]]:
     """Every range meta's layouts reference on ``servers``, read back and checked against its
     CRC-32C there: one walk of meta's keys in key order (GC_LAYOUTS pages: meta answers a
-    page a step, however many keys it holds, and nothing here holds more than a batch a
-    server), each server's ranges checked a batch at a time as they fill, in chunk order
-    (CHUNK_VERIFY; ``pacer``: within its byte rate).  A server whose check fails is not
-    asked again and its error is returned; the others go on."""
+    page a step, however many keys it holds), each server's ranges checked a batch at a
+    time as they fill, in chunk order (CHUNK_VERIFY; ``pacer``: within its byte rate).  At
+    most ``VERIFY_HELD_RANGES`` ranges wait in all, however many servers (past it the
+    server with the most is checked early).  A server whose check fails is not asked again
+    and its error is returned; the others go on, and the walk ends once none is left."""
     done = {sid: Verification() for sid in servers}
     failed: dict[int, KVFSError] = {}
     todo: dict[int, list[VerifyItem]] = {sid: [] for sid in servers}
     held = dict.fromkeys(servers, 0)
-    total, walked = (await gc.meta(rpc.Stats())).keys, 0
+    if not todo:
+        return {}, {}
+    total = (await gc.meta(rpc.Stats())).keys if gc.progress is not None else 0
+    walked = waiting = 0
 
     async def check(sid: int) -> None:
+        nonlocal waiting
         batch = sorted(todo[sid], key=lambda f: (f[1], f[2]))
-        todo[sid], held[sid] = [], 0
+        todo[sid], held[sid], waiting = [], 0, waiting - len(batch)
         if (v := await _checked(gc, sid, batch, pacer, failed)) is None:
             del todo[sid]
         else:
             done[sid].add(v)
 
     async with aclosing(_keys_round(gc, None)) as keys:
-        async for key, lay in keys:
-            for x in lay.extents:
+        async for (key, lay), live in keys:
+            for x in lay.extents if live else ():
                 for r in x.replicas:
                     if x.length and r.server_id in todo:
                         todo[r.server_id].append((key, r.chunk_id, r.offset, x.length, x.crc))
                         held[r.server_id] += x.length
+                        waiting += 1
             walked += 1
             for sid in [s for s, t in todo.items()
                         if len(t) >= VERIFY_BATCH_RANGES or held[s] >= VERIFY_BATCH_BYTES]:
                 await check(sid)
+            if waiting >= VERIFY_HELD_RANGES:
+                await check(max(todo, key=lambda s: len(todo[s])))
+            if not todo:  # (every server failed)
+                break
             if walked % SCRUB_PAGE_KEYS == 0:
                 gc.report_progress("verify", walked, max(total, walked))
     for sid in [s for s, t in todo.items() if t]:

@@ -43,9 +43,10 @@ MAX_REPORT_BAD = 1024  # replicas per REPORT_BAD (a reader holds at most these t
 MAX_REFS_CHUNKS = 4096  # chunks per GC_CHUNK_REFS
 MAX_EXPIRE_BATCH = 1_000_000
 MAX_REPAIR_BATCH_BYTES = 1 << 30  # extent bytes per GC_REPAIR_PLAN
-MAX_REPAIR_PLAN_ITEMS = 16_384  # extents per GC_REPAIR_PLAN answer, whatever their size: under
-#                                 16 MiB of header even with 1 KiB keys (tiny values: 1M of 16 B
-#                                 in a 16 MiB plan made an 88 MB answer, past the frame limit)
+MAX_REPAIR_PLAN_ITEMS = 16_384  # extents per GC_REPAIR_PLAN answer, whatever their size: about
+#                                 1.5 MB of header with 64-byte keys, 18 MB with 1 KiB ones, under
+#                                 a client's 64 MiB (tiny values: 1M of 16 B in a 16 MiB plan made
+#                                 an 88 MB answer, past it)
 MAX_PACKED_BYTES = 1 << 30  # a COMMIT's packed layouts (in practice: meta's --max-header-bytes)
 SERVER_ID_LIMIT = 1 << 23  # chunk ids embed the server id in their top bits (see kvfs.layout)
 MAX_HOLDER_CHARS = 255  # a lease holder's id (meta's --max-lease-holder-chars is lower)
@@ -786,7 +787,7 @@ class KeyLayout(NamedTuple):
 
 class KeyLayouts(Response, frozen=True, kw_only=True):
     rows: Annotated[list[KeyLayout], msgspec.Meta(max_length=MAX_LIST)]  # none: past the last key
-    time: Timestamp  # meta's clock as it read them (a row's key expired by it is dead)
+    time: Timestamp = 0.0  # meta's clock as it read them (a key expired by it is dead; 0: none is)
 
 
 class GcLayouts(Request[KeyLayouts], frozen=True, kw_only=True):
@@ -916,7 +917,7 @@ class RepairItem(NamedTuple):
 
 
 class RepairPlan(RepairState, frozen=True, kw_only=True):
-    items: Annotated[list[RepairItem], msgspec.Meta(max_length=MAX_REPAIR_PLAN_ITEMS)]
+    items: Items[RepairItem]  # (at most MAX_REPAIR_PLAN_ITEMS from a meta of this version)
 
 
 class GcRepairPlan(Request[RepairPlan], frozen=True, kw_only=True):

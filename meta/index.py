@@ -1007,7 +1007,7 @@ class MetaIndex(ServerRegistry):
     async def refs(self, chunks: Collection[int] = (), servers: Collection[int] = (),
                    ) -> AsyncIterator[list[tuple[bytes, Layout]]]:
         """Only ``chunks``: their keys from ``chunk_keys``, a page per step.  With ``servers``
-        (a repair plan, a drain, fsck): a walk of the keys in memory (:meth:`scan`), keeping
+        (a repair plan, a drain): a walk of the keys in memory (:meth:`scan`), keeping
         those in ``chunks`` or on ``servers``."""
         cs, ss = set(chunks), set(servers)
         if not ss:

@@ -556,7 +556,7 @@ async def test_a_request_past_the_servers_limit_is_refused_unsent_and_fails_no_o
 
             task = asyncio.create_task(others())
             async with asyncio.timeout(30):
-                while not answers:  # (the other calls are under way)
+                while not answers and not task.done():  # (the other calls are under way)
                     await asyncio.sleep(0)
                 for call in (kv.exists_many, kv.get_many, kv.match_prefix):
                     with pytest.raises(FrameTooLarge, match=r"request header of \d+ bytes exceeds the "
@@ -564,8 +564,9 @@ async def test_a_request_past_the_servers_limit_is_refused_unsent_and_fails_no_o
                                        r"the batch"):
                         await call(big)
                 seen = len(answers)
-                while len(answers) < seen + 3:  # more calls on the same connection, answered
+                while len(answers) < seen + 3 and not task.done():  # more calls, answered
                     await asyncio.sleep(0)
+                assert not task.done(), task  # (an error of the other calls: raised here)
                 stop.set()
                 await task
             assert all(a == [True] * 10 for a in answers)

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import kvfs_admin
+from conftest import FakeClock, clocked_client, kvfs_admin
 
 from kvfs.bench.reliability import flip_byte
 from kvfs.config import ChunkServerConfig, ClientConfig
@@ -288,6 +288,14 @@ async def test_scrub_and_fsck_walk_meta_a_page_at_a_time_and_verify_a_batch_at_a
             fsck = await gc.fsck(cutoff_s=3600.0)
             assert (fsck.ranges_checked, len(fsck.corrupt_refs), len(fsck.missing_refs)) == (48, 1, 0)
 
+            # however many servers, at most VERIFY_HELD_RANGES wait in all: past it the
+            # server with the most is checked early (here each key adds one range to each)
+            monkeypatch.setattr(scrub_module, "VERIFY_HELD_RANGES", 6)
+            batches.clear()
+            rep = await scrub_module.scrub(gc, apply=False)
+            assert (rep.ranges_checked, rep.corrupt) == (48, 1), rep
+            assert 3 in [len(b) for _, b in batches] and max(len(b) for _, b in batches) <= 4
+
             batches.clear()
             victim = c.chunkservers[1]
             assert victim is not None
@@ -304,6 +312,27 @@ async def test_scrub_and_fsck_walk_meta_a_page_at_a_time_and_verify_a_batch_at_a
         assert rep.servers_failed == [dead] and rep.servers_verified == 1, rep
         assert rep.ranges_checked == 24, rep  # every range of the live one
         assert len([b for s, b in batches if s == dead]) == 2  # not asked again once it failed
+
+
+async def test_a_slice_counts_the_expired_keys_it_passes_and_moves_past_them(
+        tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Expired keys (by meta's clock) are not checked (compaction copies none of their
+    records), but a slice counts them against ``SCRUB_MAX_KEYS`` and its cursor moves past
+    them: a run of expired keys neither makes one pass page through every key nor stops
+    the next from going on."""
+    monkeypatch.setattr(scrub_module, "SCRUB_MAX_KEYS", 5)
+    root = tmp_path / "cluster"
+    async with LocalCluster(root, 2, clock=clock, chunkserver=ChunkServerConfig(
+            data=root, heartbeat_interval_s=0.2, preallocate=False)) as c:
+        async with clocked_client(c, clock) as kv:
+            await kv.put_many([(f"e{i}", b"e" * 1000) for i in range(8)], ttl=10)
+            await kv.put_many([(f"k{i}", b"k" * 1000) for i in range(3)])
+        clock.advance(11)
+        async with GarbageCollector(c.addr, token=c.admin_token) as gc:
+            first = (await gc.run_pass(SCRUB_ONLY)).scrub
+            assert first is not None and first.ranges_checked == 0 and gc.scrub_cursor == b"e4"
+            second = (await gc.run_pass(SCRUB_ONLY)).scrub  # e5-e7, then the live keys
+            assert second is not None and second.ranges_checked == 2 and gc.scrub_cursor == b"k1"
 
 
 async def test_a_slice_takes_only_the_servers_the_pass_found_alive(tmp_path: Path) -> None:
