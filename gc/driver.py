@@ -37,6 +37,7 @@ from kvfs.gc.scrub import (
     ScrubReport,
     Verification,
     VerifyItem,
+    plan_batches,
     scrub_slice,
     verify_all,
 )
@@ -494,9 +495,11 @@ class GarbageCollector:
             pr = PassReport(apply=True)
             bad = rep.missing_refs + rep.corrupt_refs
             if bad:
-                dropped = await self.meta(rpc.GcDropReplicas(items=bad))
-                rep.repaired["replicas_dropped"] = dropped.dropped
-                rep.repaired["keys_deleted"] = dropped.deleted_keys
+                rep.repaired["replicas_dropped"] = rep.repaired["keys_deleted"] = 0
+            for batch in plan_batches(bad):  # (GC_DROP_REPLICAS: a key's bad replicas in one)
+                dropped = await self.meta(rpc.GcDropReplicas(items=batch))
+                rep.repaired["replicas_dropped"] += dropped.dropped
+                rep.repaired["keys_deleted"] += dropped.deleted_keys
             by_server: dict[int, list[tuple[int, int]]] = defaultdict(list)
             for sid, cid, _ in rep.garbage_chunks:
                 by_server[sid].append((cid, 0))

@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvfs import rpc
+from kvfs._batch import split_batches
 from kvfs.errors import KVFSError
 from kvfs.gc.pace import Pacer
 from kvfs.gc.repair import RepairReport, copy_extents
@@ -46,7 +47,8 @@ if TYPE_CHECKING:  # (the driver runs the background scrub, scrub_slice, and fsc
 
 log = logging.getLogger("kvfs.gc.scrub")
 
-PLAN_BATCH = 100_000  # bad replicas per GC_SCRUB_PLAN
+PLAN_BATCH_BYTES = 4 * 1024 * 1024  # a GC_SCRUB_PLAN's (or fsck's GC_DROP_REPLICAS') bad replicas
+BAD_REPLICA_OVERHEAD = 32  # a bad replica's msgpack bytes besides its key
 SCRUB_PAGE_KEYS = 1000  # keys per GC_LAYOUTS page of the background scrub's walk
 SCRUB_MAX_KEYS = 100_000  # keys a slice takes at most (empty values, replicas on dead servers: no bytes)
 VERIFY_BATCH_BYTES = 64 * 1024 * 1024
@@ -240,13 +242,26 @@ def _counted(report: ScrubReport, checked: Mapping[int, Verification],
     return bad
 
 
+def plan_batches(bad: Sequence[rpc.BadReplica]) -> list[list[rpc.BadReplica]]:
+    """``bad`` in requests of at most ``PLAN_BATCH_BYTES``, a key's replicas always in one
+    (its plan must see them all: an extent bad on every replica has no good copy, and
+    split, each half would take the other's bad replica for a good one)."""
+    by_key: dict[bytes, list[rpc.BadReplica]] = defaultdict(list)
+    for b in bad:
+        by_key[b.key].append(b)
+    groups = list(by_key.values())
+    runs = split_batches([len(g) * (len(g[0].key) + BAD_REPLICA_OVERHEAD) for g in groups],
+                         max_bytes=PLAN_BATCH_BYTES, max_items=rpc.MAX_ITEMS // 64)
+    return [[b for g in groups[run.start : run.stop] for b in g] for run in runs]
+
+
 async def mend(gc: GarbageCollector, bad: list[rpc.BadReplica], report: ScrubReport,
                pacer: Pacer) -> None:
     """Replicas found bad (missing or corrupt, by CHUNK_VERIFY), against the layouts now
     (GC_SCRUB_PLAN): with ``report.apply``, each repaired from a good copy, and a key with
     none dropped; counted in ``report`` either way."""
-    for start in range(0, len(bad), PLAN_BATCH):
-        plan = await gc.meta(rpc.GcScrubPlan(bad=bad[start:start + PLAN_BATCH]))
+    for batch in plan_batches(bad):
+        plan = await gc.meta(rpc.GcScrubPlan(bad=batch))
         report.repairable += len(plan.items)
         report.lost_keys += plan.lost
         if not report.apply:

@@ -20,7 +20,7 @@ from kvfs.gc.driver import RELEASED_LEASE_S, GarbageCollector, PassOptions, Pass
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta.repair import plan_scrub, replace_replica
-from kvfs.rpc import BadReplica, GcControl, GcLayouts
+from kvfs.rpc import BadReplica, GcControl, GcLayouts, GcScrubPlan
 
 
 def lay(*extents: tuple[int, ...]) -> Layout:
@@ -114,6 +114,39 @@ async def test_scrub_repairs_one_bad_replica_and_drops_a_key_with_none(cluster: 
 
     rc, out = await kvfs_admin(cluster, "gc", "scrub")
     assert rc == 0 and "0 failing their checksum, 0 missing" in out, out
+
+
+async def test_a_keys_bad_replicas_are_planned_together_however_the_scrub_splits_its_plans(
+        cluster: LocalCluster, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GC_SCRUB_PLAN requests are bounded by bytes (``PLAN_BATCH_BYTES``; here 1, so each
+    key goes alone), never splitting a key's bad replicas: a key corrupt on both replicas is
+    still seen to have no good copy and dropped (split, each plan would take the other
+    bad replica for a good source, and the key would stay), and one corrupt replica of
+    another key is repaired."""
+    monkeypatch.setattr(scrub_module, "PLAN_BATCH_BYTES", 1)
+    plans: list[list[bytes]] = []
+    ask = GarbageCollector.meta
+
+    async def counted(gc: GarbageCollector, request: Any) -> Any:
+        if isinstance(request, GcScrubPlan):
+            plans.append(sorted(b.key for b in request.bad))
+        return await ask(gc, request)
+
+    monkeypatch.setattr(GarbageCollector, "meta", counted)
+    async with cluster.client(ClientConfig(replicas=2)) as kv:
+        await kv.put_many([(f"k{i}", bytes([i]) * 5000) for i in range(6)])
+        both, one = await kv.layout("k2"), await kv.layout("k4")
+        assert both is not None and one is not None
+        flip(cluster, both.extents[0].replicas[0], 3)
+        flip(cluster, both.extents[0].replicas[1], 7)
+        flip(cluster, one.extents[0].replicas[1], 9)
+        async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
+            rep = await scrub_module.scrub(gc, apply=True)
+        assert sorted(plans) == [[b"k2", b"k2"], [b"k4"]], plans
+        assert (rep.corrupt, rep.repaired, rep.keys_dropped, rep.lost_keys) == (3, 1, 1, [b"k2"]), rep
+        assert await kv.get("k2") is None
+        assert await kv.get_many([f"k{i}" for i in range(6) if i != 2]) == [
+            bytes([i]) * 5000 for i in range(6) if i != 2]
 
 
 @contextlib.asynccontextmanager
