@@ -50,7 +50,7 @@ from kvfs.writepath import write_tombstones
 log = logging.getLogger("kvfs.gc")
 
 COMPACT_BATCH_BYTES = 64 * 1024 * 1024
-RELOCATE_BATCH_BYTES = 4 * 1024 * 1024  # a GC_RELOCATE's moves (meta refuses headers past 16 MiB)
+RELOCATE_BATCH_BYTES = 4 * 1024 * 1024  # a GC_RELOCATE's moves (and at most half meta's --max-header)
 MOVE_OVERHEAD = 32  # a move's msgpack bytes besides its key (3 ids / offsets, framing)
 DAEMON_LEASE_INTERVALS = 3  # a daemon's turn lasts this many intervals past its last pass start
 MIN_DAEMON_LEASE_S = 10.0
@@ -411,9 +411,11 @@ class GarbageCollector:
                 if loc is not None:
                     moves.append(rpc.Move(k, cid, span.offset, loc))
         # (each move compare-and-swaps its own key, so the moves may go in several requests,
-        # each well under meta's request limit: small values make many moves a chunk)
-        for run in split_batches([len(m.key) + MOVE_OVERHEAD for m in moves],
-                                 max_bytes=RELOCATE_BATCH_BYTES, max_items=rpc.MAX_ITEMS):
+        # each well under meta's request limit, as it told us: small values make many moves)
+        told = (await self._link.meta_conn()).max_header if moves else 0
+        limit = min(RELOCATE_BATCH_BYTES, told // 2) if told else RELOCATE_BATCH_BYTES
+        for run in split_batches([len(m.key) + MOVE_OVERHEAD for m in moves], max_bytes=limit,
+                                 max_items=rpc.MAX_ITEMS):
             rel = await self.meta(rpc.GcRelocate(server_id=sid, new_chunk=new, new_size=res.size,
                                                  moves=moves[run.start : run.stop]))
             report.keys_relocated += rel.moved

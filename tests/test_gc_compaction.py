@@ -15,7 +15,7 @@ from conftest import clocked_client as client
 
 from kvfs import rpc
 from kvfs.client import AsyncClient
-from kvfs.config import ChunkServerConfig, ClientConfig
+from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
 from kvfs.gc import driver
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster, ProcessCluster
@@ -111,6 +111,26 @@ async def test_compaction_relocates_many_small_values_in_requests_meta_accepts(
     async with client(small, clock) as fresh:
         live = [k for k in keys if k not in dead]
         assert await fresh.get_many(live) == [value_of(k) for k in live]
+
+
+async def test_compaction_keeps_its_relocations_under_the_limit_meta_tells(tmp_path: Path) -> None:
+    """A meta run with a small ``--max-header`` (here 64 KiB, which it names at AUTH): a
+    compaction's moves go in requests of at most half of it, so the chunks of 6,000 small
+    values (about 160 KB of moves) are still compacted."""
+    root = tmp_path / "c"
+    async with (LocalCluster(root, 1, meta=MetaConfig(data=root / "meta", listen="127.0.0.1:0",
+                                                      max_header_bytes=64 * 1024),
+                             chunkserver=ChunkServerConfig(data=root, chunk_bytes=256 * 1024)) as c,
+                c.client() as kv):
+        keys = [b"k%05d" % i for i in range(12_000)]
+        for i in range(0, len(keys), 500):  # (calls under meta's limit too)
+            await kv.put_many([(k, b"v") for k in keys[i : i + 500]])
+            await kv.delete_many(keys[i : i + 500 : 2])
+        async with GarbageCollector(c.addr, token=c.admin_token) as gc:
+            r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
+        assert r.chunks_compacted > 0 and r.keys_relocated >= 6_000 and r.relocations_lost == 0, r
+        assert [v for i in range(1, 12_000, 1000)
+                for v in await kv.get_many(keys[i : i + 999 : 2])] == [b"v"] * 6_000
 
 
 async def test_compaction_of_replicated_values_keeps_the_other_replica(small: LocalCluster,
