@@ -61,6 +61,7 @@ from kvfs.tls import tls_failure
 from kvfs.transport import (
     answer_hello,
     answer_of,
+    check_size,
     closed_before_hello,
     connect_failure,
     handshake_timeout,
@@ -99,6 +100,8 @@ class BlockingSocket:
         self._ids = itertools.count(1)
         self._allocator = allocator
         self._decoder = self._new_decoder()
+        self.max_header = 0  # the largest request header / payload the server takes (0: any)
+        self.max_payload = 0
 
     def _new_decoder(self) -> FrameDecoder:
         dec = FrameDecoder(Limits(), allocator=self._allocator, scratch_bytes=SCRATCH_BYTES,
@@ -138,6 +141,7 @@ class BlockingSocket:
                                    peer=sock.getpeername())
             reply = answer_of(Op.AUTH, conn._receive(conn.send(decode(auth, Auth)), deadline), name)
             check_server_proof(token, hello.header, auth, to_dict(reply), name)
+            conn.max_header, conn.max_payload = reply.max_header, reply.max_payload
         except KVFSError:  # (some are OSErrors too) the server's answer, as it is
             conn.close()
             raise
@@ -180,7 +184,11 @@ class BlockingSocket:
     def send(self, request: Request[R]) -> int:
         """Send ``request``; returns its id, for :meth:`answer`."""
         rid = next(self._ids)
-        for part in request_frame(OP_OF[type(request)], rid, request):
+        op = OP_OF[type(request)]
+        frame = request_frame(op, rid, request)
+        if self.max_header or self.max_payload:
+            check_size(self.name, op, frame, self.max_header, self.max_payload)
+        for part in frame:
             self.sock.sendall(part)
         return rid
 

@@ -154,6 +154,18 @@ def request_frame(op: Op, rid: int, header: dict[str, Any] | msgspec.Struct | No
         raise LocalProtocolError(f"cannot encode {op.name} request: {exc}") from None
 
 
+def check_size(name: str, op: Op, frame: Sequence[Buffer], max_header: int, max_payload: int) -> None:
+    """Refuse, here, a request larger than the server ``name`` said it takes (its AUTH
+    answer; 0: not said): sent, it would make the server close the connection, failing
+    every other call on it too."""
+    hlen, plen = FIXED.unpack_from(frame[0])[5:7]
+    for what, size, limit, option in (("header", hlen, max_header, "--max-header"),
+                                      ("payload", plen, max_payload, "--max-payload")):
+        if limit and size > limit:
+            raise FrameTooLarge(f"{op.name} request {what} of {size} bytes exceeds the limit of "
+                                f"{limit} that {name} takes ({option}); not sent: split the batch")
+
+
 def answer_of(op: Op, frame: Frame, name: str) -> Any:
     """The typed answer (:data:`kvfs.rpc.RPCS`) in a response frame from ``name``; an
     error frame raises its error."""
@@ -260,17 +272,6 @@ class Connection:
         answer: R = answer_of(op, frame, self.name)
         return answer, frame.payload
 
-    def _check_size(self, op: Op, frame: list[Buffer]) -> None:
-        """Refuse, here, a request larger than the server said it takes: sent, it would
-        make the server close the connection, failing every other call on it too."""
-        hlen, plen = FIXED.unpack_from(frame[0])[5:7]
-        for what, size, limit, option in (("header", hlen, self.max_header, "--max-header"),
-                                          ("payload", plen, self.max_payload, "--max-payload")):
-            if limit and size > limit:
-                raise FrameTooLarge(
-                    f"{op.name} request {what} of {size} bytes exceeds the limit of {limit} "
-                    f"that {self.name} takes ({option}); not sent: split the batch")
-
     async def call_raw(
         self,
         op: Op,
@@ -288,7 +289,7 @@ class Connection:
         rid = next(self._ids)
         frame_out = request_frame(op, rid, header, payload)
         if self.max_header or self.max_payload:
-            self._check_size(op, frame_out)
+            check_size(self.name, op, frame_out, self.max_header, self.max_payload)
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[Frame] = loop.create_future()
         proto.pending[rid] = fut

@@ -20,6 +20,7 @@ import pytest
 from conftest import chunkserver_connection, raw_connect, read_frame
 from crc32c import crc32c
 
+import kvfs
 from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.chunkserver.store import ChunkStore
@@ -534,11 +535,12 @@ async def test_a_packed_commit_is_bounded_by_metas_max_header_bytes(tmp_path: Pa
 
 
 async def test_a_request_past_the_servers_limit_is_refused_unsent_and_fails_no_other_call(
-        tmp_path: Path) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A batch call whose request is larger than meta takes (``max_header_bytes``, which it
     tells each client at AUTH) fails in the caller, naming the RPC, the sizes and what to
     do, and is never sent: sent, meta would close the shared connection, failing the other
-    calls on it (with 400k keys of 64 bytes, 8 concurrent small calls failed so)."""
+    calls on it (with 400k keys of 64 bytes, 8 concurrent small calls failed so).  The
+    blocking client's own sockets check the same (meta closes none of them either)."""
     c = LocalCluster(tmp_path / "c", 1, meta=MetaConfig(data=tmp_path / "c" / "meta",
                                                         listen="127.0.0.1:0", max_header_bytes=64 * 1024))
     await c.start()
@@ -571,5 +573,17 @@ async def test_a_request_past_the_servers_limit_is_refused_unsent_and_fails_no_o
                 await task
             assert all(a == [True] * 10 for a in answers)
             assert await kv.exists_many(big[:400]) == [False] * 400  # under the limit: sent
+
+        def blocking() -> None:
+            with kvfs.Client(c.addr, token=c.token) as bk:
+                assert bk.exists_many(small) == [True] * 10  # (its own socket to meta, open)
+                with pytest.raises(FrameTooLarge, match="not sent: split the batch"):
+                    bk.exists_many(big)
+                assert bk.exists_many(small) == [True] * 10
+
+        await asyncio.to_thread(blocking)
+        closed = [r.getMessage() for r in caplog.records if "exceeds the limit" in r.getMessage()
+                  and "closing" in r.getMessage()]
+        assert not closed, closed  # meta never had to close a connection for its size
     finally:
         await c.stop()
