@@ -177,8 +177,9 @@ class GcIndex(Protocol):
     """What meta's GC (:class:`kvfs.meta.gc.MetaGc`) works on: an index of keys with the
     chunkserver registry beside it.  Two implement it, so there is one GC for both
     backends: :class:`kvfs.meta.index.MetaIndex` (every key in memory over SQLite; a call
-    that walks every key takes one loop step per page of them, ``WALK_PAGE``) and :class:`kvfs.meta.shared_index.SharedIndex` (a shared
-    :class:`MetaStore`, Redis Cluster: each call one Lua script per involved master).
+    that walks every key takes one loop step per page of them, ``WALK_PAGE``) and
+    :class:`kvfs.meta.shared_index.SharedIndex` (a shared :class:`MetaStore`, Redis
+    Cluster: each call one Lua script per involved master).
     Every destructive call is a compare-and-swap, so several GCs, in one meta or in
     several metas sharing a store, never undo each other's or a writer's change."""
 
