@@ -118,6 +118,22 @@ def server_of_chunk(chunk_id: int) -> int:
     return chunk_id >> 40
 
 
+def misfiled(layout: Layout) -> Replica | None:
+    """The first replica of ``layout`` whose chunk id does not name its server, if any
+    (meta refuses such a layout: its index finds a server's keys by their chunks' ids)."""
+    for e in layout.extents:
+        for r in e.replicas:
+            if server_of_chunk(r.chunk_id) != r.server_id:
+                return r
+    return None
+
+
+def misfiled_why(server_id: int, chunk_id: int) -> str:
+    """Why a replica (``server_id``, ``chunk_id``) :func:`misfiled` is refused."""
+    return (f"chunk id {chunk_id:#x} is chunkserver {server_of_chunk(chunk_id)}'s, not chunkserver "
+            f"{server_id}'s (a chunk id names its server: its top 24 bits)")
+
+
 def make_chunk_id(server_id: int, seq: int) -> int:
     return (server_id << 40) | seq
 

@@ -27,7 +27,7 @@ are built per key, already stamped with meta's commit time.  Layout::
 
 Nothing may follow.  Every bound of the nested form holds here too (key and value sizes,
 extents per value, replicas per extent, 63-bit chunk ids and offsets, extents adding up
-to the value's size); a blob breaking one raises :class:`~kvfs.errors.InvalidArgument`
+to the value's size, each chunk id naming its replica's server); a blob breaking one raises :class:`~kvfs.errors.InvalidArgument`
 naming what and, where it is one item's fault, which item and key.
 """
 
@@ -51,6 +51,8 @@ from kvfs.layout import (
     Extent,
     Layout,
     Replica,
+    misfiled_why,
+    server_of_chunk,
 )
 
 MAGIC = b"KVP1"
@@ -223,6 +225,14 @@ class _Reader:
         ``top``: a bound checked on the bytes, in C, with no int object per number."""
         return not self.raw[name][width - 1::width].translate(None, _BYTES_BELOW[top])
 
+    def chunks_name_servers(self) -> bool:
+        """Every replica's chunk id names its server (:func:`~kvfs.layout.server_of_chunk`:
+        the id's top 24 bits), settled on the columns' bytes in C: the chunk ids' bytes 5-7
+        against the server ids' bytes 0-2, and the servers' top byte zero."""
+        chunk, server = self.raw["chunk"], self.raw["server"]
+        return (chunk[5::8] == server[0::4] and chunk[6::8] == server[1::4]
+                and chunk[7::8] == server[2::4] and not server[3::4].strip(b"\0"))
+
     def section(self, name: str, nbytes: int) -> int:
         """The start of the next ``nbytes`` bytes (checked to fit)."""
         start, self.pos = self.pos, self.pos + nbytes
@@ -285,6 +295,9 @@ def unpack(blob: bytes, created: float, expires_at: float | None) -> Unpacked:
             and rd.below("size", 4, 0x40) and rd.below("ext_len", 4, 0x40)
             and rd.below("chunk", 8, 0x80) and rd.below("offset", 8, 0x80)):
         _check(klen, size, next_, ne, elen, ereps, nr, chunk, offset, mlen, nmeta)
+    if not rd.chunks_name_servers():
+        i = next(i for i, (sv, ch) in enumerate(zip(server, chunk, strict=True)) if server_of_chunk(ch) != sv)
+        raise _bad(f"replica {i}: {misfiled_why(server[i], chunk[i])}")
     metas = [] if no_meta else [m for m in mlen if m != NO_META]
     kat = rd.section("keys", sum(klen))
     mat = rd.section("metadata", nmeta)

@@ -51,7 +51,7 @@ import msgspec
 
 from kvfs import rpc
 from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
-from kvfs.layout import Extent, Layout, Replica
+from kvfs.layout import Extent, Layout, Replica, misfiled_why, server_of_chunk
 from kvfs.meta.index import MetaIndex, ServerInfo, add_live, disk_bytes, pages
 from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_replica
 from kvfs.meta.storeapi import GcIndex
@@ -492,6 +492,8 @@ class MetaGc:
         ix = self.index
         sid, new_chunk, moves = req.server_id, req.new_chunk, req.moves
         now = ix.clock()
+        if server_of_chunk(new_chunk) != sid:
+            raise InvalidArgument(f"GC_RELOCATE to chunkserver {sid}: {misfiled_why(sid, new_chunk)}")
         by_key: dict[bytes, dict[tuple[int, int], int]] = defaultdict(dict)
         for key, old_chunk, old_off, new_off in moves:
             by_key[key][(old_chunk, old_off)] = new_off
@@ -655,7 +657,7 @@ class MetaGc:
         skipped = 0
         for key, extent, lost, new in req.items:
             old = current.get(key)
-            if old is None or new.server_id not in ix.servers:
+            if old is None or new.server_id not in ix.servers or server_of_chunk(new.chunk_id) != new.server_id:
                 skipped += 1
                 continue
             _, cur, n, nb = staged.get(key, (old, old, 0, 0))

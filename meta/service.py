@@ -23,7 +23,7 @@ from kvfs.config import MetaConfig
 from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
 from kvfs.errors import InvalidArgument, Unavailable, WrongCluster
 from kvfs.handshake import Role
-from kvfs.layout import Layout
+from kvfs.layout import Layout, misfiled, misfiled_why
 from kvfs.meta.gc import MetaGc, tombstone_layouts
 from kvfs.meta.index import MetaIndex, ServerInfo
 from kvfs.meta.store import MetaStore
@@ -222,6 +222,9 @@ class MetaService:
             chunks = None  # (the index walks the layouts for its retired-chunk check)
             named = frozenset(r.server_id for _, wire in req.items for e in wire.extents
                               for r in e.replicas)
+            for key, wire in req.items:
+                if (r := misfiled(wire)) is not None:
+                    raise InvalidArgument(f"layout for {key[:64]!r}: {misfiled_why(r.server_id, r.chunk_id)}")
             max_meta = max((len(w.meta) for _, w in req.items if w.meta is not None), default=0)
             staged = [(key, wire.stamped(now, expires_at)) for key, wire in req.items]
         if not named <= ix.servers.keys():

@@ -134,7 +134,10 @@ async def test_malformed_request_gets_error_and_server_keeps_serving(cluster: Lo
         with pytest.raises(InvalidArgument, match="not served"):
             await conn.call_raw(Op.READV, {"ranges": []})
         with pytest.raises(InvalidArgument, match="unknown chunkserver"):
-            await conn.call_raw(Op.COMMIT, {"items": [[b"k", [1, 0, 0.0, None, [[1, 0, [[999, 1, 0]]]]]]]})
+            await conn.call_raw(Op.COMMIT, {"items": [[b"k", [1, 0, 0.0, None, [[1, 0, [[999, 999 << 40, 0]]]]]]]})
+        with pytest.raises(InvalidArgument, match=r"^layout for b'k': chunk id 0x3e70000000001 is "
+                                                  r"chunkserver 999's, not chunkserver 1's"):
+            await conn.call_raw(Op.COMMIT, {"items": [[b"k", [1, 0, 0.0, None, [[1, 0, [[1, 999 << 40 | 1, 0]]]]]]]})
         assert (await conn.call(rpc.Ping())).service == "meta"
     finally:
         conn.close()

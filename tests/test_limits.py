@@ -506,7 +506,7 @@ async def test_a_packed_commit_is_bounded_by_metas_max_header_bytes(tmp_path: Pa
     await c.start()
     try:
         host, port = parse_addr(c.addr)
-        lay = Layout(1, 0, 0.0, None, (Extent(1, 0, (Replica(999, 1, 0),)),))
+        lay = Layout(1, 0, 0.0, None, (Extent(1, 0, (Replica(999, 999 << 40, 0),)),))
 
         def commit(n: int) -> rpc.Commit:
             return rpc.Commit(packed=pack([b"k%063d" % i for i in range(n)], [lay] * n))

@@ -158,12 +158,12 @@ async def test_a_packed_commit_naming_a_retired_chunk_in_any_replica_is_refused(
     batch refuses that COMMIT (StaleLayout naming that key, nothing of it written), and the
     COMMITs beside it in the group are written; none retired: written."""
     ix = make_index()
-    live, gone = make_chunk_id(1, 7), make_chunk_id(2, 3)
-    assert await ix.retire(2, [gone], 100.0) == [gone]  # nothing names it: retired
+    gone = make_chunk_id(replicas, 3)  # on the last replica's server
+    assert await ix.retire(replicas, [gone], 100.0) == [gone]  # nothing names it: retired
 
     def packed(tag: str, bad: int | None) -> tuple[Rows, Collection[int]]:
         keys = [f"{tag}{i}".encode() for i in range(5)]
-        reps = [tuple(Replica(1 + r, gone if i == bad and r == replicas - 1 else live + r, 10 * i)
+        reps = [tuple(Replica(1 + r, gone if i == bad and r == replicas - 1 else make_chunk_id(1 + r, 7), 10 * i)
                       for r in range(replicas)) for i in range(5)]
         lays = [Layout(10, 7, 0.0, None, (Extent(10, 7, rs),)) for rs in reps]
         batch = unpack_layouts(pack_layouts(keys, lays), 100.0, None)

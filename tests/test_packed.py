@@ -20,6 +20,7 @@ from kvfs.layout import (
     Extent,
     Layout,
     Replica,
+    server_of_chunk,
 )
 from kvfs.packed import HEAD, pack, pack_single, unpack
 
@@ -33,10 +34,10 @@ def _lay(size: int, crc: int, extents: list[tuple[int, int, list[tuple[int, int,
 ONE = _lay(4096, 7, [(4096, 7, [(1, (1 << 40) + 3, 8192)])])
 MIXED = [  # one extent of one replica, striped, replicated, metadata, an empty value
     (b"a" * 64, ONE),
-    (b"striped", _lay(3 << 20, 11, [(1 << 20, 1, [(1, 5, 0)]), (1 << 20, 2, [(2, 6, 0)]),
-                                    (1 << 20, 3, [(3, 7, 2**63 - 1)])])),
-    (b"r3", _lay(100, 9, [(100, 9, [(1, 1, 1), (2, 2, 2), (3, 3, 3)])], meta=b"\x81\xa1m\x01")),
-    (b"k" * MAX_KEY_BYTES, _lay(0, 0, [(0, 0, [(1, 9, 4)])])),
+    (b"striped", _lay(3 << 20, 11, [(1 << 20, 1, [(1, (1 << 40) + 5, 0)]), (1 << 20, 2, [(2, (2 << 40) + 6, 0)]),
+                                    (1 << 20, 3, [(3, (3 << 40) + 7, 2**63 - 1)])])),
+    (b"r3", _lay(100, 9, [(100, 9, [(s, (s << 40) + s, s) for s in (1, 2, 3)])], meta=b"\x81\xa1m\x01")),
+    (b"k" * MAX_KEY_BYTES, _lay(0, 0, [(0, 0, [(1, (1 << 40) + 9, 4)])])),
     (b"nothing", _lay(0, 0, [], meta=b"")),
 ]
 
@@ -51,7 +52,7 @@ def test_unpack_gives_the_packed_layouts_stamped(items: list[tuple[bytes, Layout
 
 
 def test_many_single_extent_layouts_take_the_column_path_and_match() -> None:
-    lays = [_lay(4096 + i, i, [(4096 + i, i ^ 5, [(i % 3, (2 << 40) + i, i * 4096)])]) for i in range(300)]
+    lays = [_lay(4096 + i, i, [(4096 + i, i ^ 5, [(i % 3, ((i % 3) << 40) + i, i * 4096)])]) for i in range(300)]
     keys = [b"key%d" % i for i in range(300)]
     out = unpack(pack(keys, lays), 1.0, None)
     assert out.staged == [(k, lay.stamped(1.0, None)) for k, lay in zip(keys, lays, strict=True)]
@@ -72,9 +73,10 @@ def test_the_largest_allowed_values_pass_the_check_on_the_columns_bytes() -> Non
     metadata), where the check on the columns' top bytes defers to the exact one."""
     big = MAX_VALUE_BYTES
     keys = [b"k" * MAX_KEY_BYTES, b"k" * (MAX_KEY_BYTES - 1), b"x"]
-    lays = [_lay(big, 2**32 - 1, [(big, 2**32 - 1, [(2**32 - 1, 2**63 - 1, 2**63 - 1)])]),
-            _lay(big - 1, 0, [(big - 1, 0, [(1, 2**63 - 2, 0)])]),
-            _lay(0, 0, [(0, 0, [(1, 0, 0)])])]
+    top = server_of_chunk(2**63 - 1)  # the largest server id a chunk id can name
+    lays = [_lay(big, 2**32 - 1, [(big, 2**32 - 1, [(top, 2**63 - 1, 2**63 - 1)])]),
+            _lay(big - 1, 0, [(big - 1, 0, [(top, 2**63 - 2, 0)])]),
+            _lay(0, 0, [(0, 0, [(0, 0, 0)])])]
     assert unpack(pack(keys, lays), 1.0, None).staged == [
         (k, lay.stamped(1.0, None)) for k, lay in zip(keys, lays, strict=True)]
 
@@ -85,7 +87,7 @@ def test_pack_single_makes_the_blob_pack_makes_of_the_same_single_extent_layouts
     """The put path packs values of one extent from columns (no layout objects): the bytes
     must be exactly :func:`pack`'s, or meta would stage other layouts than the client's."""
     metas = [None if i % 3 else b"\x81\xa1m%c" % i for i in range(7)] if with_meta else None
-    lays = [_lay(100 + i, i * 7, [(100 + i, i * 7, [(s, 10 + s, i * 4096) for s in range(1 + i % 3)])],
+    lays = [_lay(100 + i, i * 7, [(100 + i, i * 7, [(s, (s << 40) + 10 + s, i * 4096) for s in range(1 + i % 3)])],
                  None if metas is None else metas[i]) for i in range(7)]
     keys = [b"key%d" % i for i in range(7)]
     reps = [r for lay in lays for r in lay.extents[0].replicas]
@@ -105,8 +107,8 @@ def test_pack_single_of_columns_of_one_number_makes_the_blob_pack_makes(same: st
     def col(name: str, one: int, many: list[int]) -> list[int]:
         return [one] * 9 if same in ("all", name) else many
     sizes = col("size", 4096, [100 + i for i in range(9)])
-    servers = col("server", 2, [1 + i % 3 for i in range(9)])
-    chunks = col("chunk", (3 << 40) + 1, [(i << 40) + 1 for i in range(9)])
+    servers = [2] * 9 if same in ("all", "server", "chunk") else [1 + i % 3 for i in range(9)]
+    chunks = [(s << 40) + (1 if same in ("all", "chunk") else 1 + i) for i, s in enumerate(servers)]
     keys = [b"k%08d" % i if same in ("all", "key_len") else b"k" * (1 + i) for i in range(9)]
     lays = [_lay(n, 5 * i, [(n, 5 * i, [(s, c, 4160 * i)])])
             for i, (n, s, c) in enumerate(zip(sizes, servers, chunks, strict=True))]
@@ -209,6 +211,10 @@ BAD: list[tuple[str, Callable[[], bytes], str]] = [
     ("no replicas", lambda: _one(ext_reps=b"\x00"), "extent 0: 0 replicas"),
     ("replicas over the limit", lambda: _one(ext_reps=b"\x11"), "extent 0: 17 replicas"),
     ("chunk id over 63 bits", lambda: _one(chunk=struct.pack("<Q", 2**63)), "replica 0: chunk id"),
+    ("chunk id of another server", lambda: _one(server=struct.pack("<I", 2)),
+     "replica 0: chunk id 0x10000000003 is chunkserver 1's, not chunkserver 2's"),
+    ("server id past what a chunk id names", lambda: _one(server=struct.pack("<I", 1 | 1 << 24)),
+     "not chunkserver 16777217's"),
     ("offset over 63 bits", lambda: _one(offset=struct.pack("<Q", 2**64 - 1)), "replica 0: offset"),
     ("metadata over the limit", lambda: _one(meta_len=struct.pack("<I", MAX_META_BYTES + 1)),
      f"metadata of {MAX_META_BYTES + 1} bytes"),

@@ -298,7 +298,7 @@ async def test_bad_packed_commits_are_named_and_meta_keeps_serving(cluster: Loca
                                             "items": [[b"k", [0, 0, 0.0, None, []]]]})
         with pytest.raises(InvalidArgument, match="names unknown chunkserver 999"):
             await conn.call(rpc.Commit(packed=pack([b"k"], [
-                Layout(1, 0, 0.0, None, (Extent(1, 0, (Replica(999, 1, 0),)),))])))
+                Layout(1, 0, 0.0, None, (Extent(1, 0, (Replica(999, 999 << 40, 0),)),))])))
         limit = cluster.meta_config.max_key_meta_bytes
         big = Layout(0, 0, 0.0, None, (), b"m" * (limit + 1))
         with pytest.raises(InvalidArgument, match=r"metadata of \d+ bytes for key b'km' is larger"):
