@@ -164,7 +164,7 @@ async def repair_step(gc: GarbageCollector, *, apply: bool, rate_bytes: int | No
     report = RepairReport()
     pacer = Pacer(rate_bytes)
     for rnd in range(MAX_ROUNDS):
-        plan = await gc.meta(rpc.GcRepairPlan(limit_bytes=batch_bytes))
+        plan = await gc.meta(rpc.GcRepairPlan(limit_bytes=batch_bytes, totals=rnd == 0))
         if rnd == 0:
             report.under_replicated_extents = plan.under_replicated_extents
             report.under_replicated_bytes = plan.under_replicated_bytes

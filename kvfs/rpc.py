@@ -922,10 +922,12 @@ class RepairPlan(RepairState, frozen=True, kw_only=True):
 
 class GcRepairPlan(Request[RepairPlan], frozen=True, kw_only=True):
     """Extents with a replica on a dead server and one on a live server, up to
-    ``limit_bytes`` of them (at least one) and :data:`MAX_REPAIR_PLAN_ITEMS`, and the totals
-    of every under-replicated one."""
+    ``limit_bytes`` of them (at least one) and :data:`MAX_REPAIR_PLAN_ITEMS`, and with
+    ``totals`` the totals of every under-replicated one (a walk of every key on the gone
+    servers; without, the answer's totals are 0 and meta stops at the plan's bounds)."""
 
     limit_bytes: Annotated[int, msgspec.Meta(ge=1, le=MAX_REPAIR_BATCH_BYTES)] = 16 * 1024 * 1024
+    totals: bool = True
 
 
 class ReplicaSwitch(NamedTuple):

@@ -168,12 +168,15 @@ class MetaGc:
             return []
         alive = {sid for sid, s in ix.servers.items() if ix.alive(s)}
         now, items, planned = ix.clock(), list[rpc.RepairItem](), 0
-        async for rows in ix.refs(servers=gone):  # (each page planned in its step)
-            more = plan_repairs(rows, gone, alive, limit_bytes=limit_bytes - planned, now=now,
-                                summary=summary, first=not items,
-                                limit_items=rpc.MAX_REPAIR_PLAN_ITEMS - len(items))
-            items += more
-            planned += sum(it.length for it in more)
+        async with contextlib.aclosing(ix.refs(servers=gone)) as walk:
+            async for rows in walk:  # (each page planned in its step)
+                more = plan_repairs(rows, gone, alive, limit_bytes=limit_bytes - planned, now=now,
+                                    summary=summary, first=not items,
+                                    limit_items=rpc.MAX_REPAIR_PLAN_ITEMS - len(items))
+                items += more
+                planned += sum(it.length for it in more)
+                if summary is None and (len(items) >= rpc.MAX_REPAIR_PLAN_ITEMS or planned >= limit_bytes):
+                    break  # full, and no totals to count: the rest is for the next plans
         return items
 
     async def repair_summary(self) -> RepairSummary:
@@ -587,6 +590,15 @@ class MetaGc:
                         left[sid][1] += x.length
         return {sid: (n, b) for sid, (n, b) in left.items()}
 
+    async def _referenced(self, sid: int) -> bool:
+        """Whether a stored key (expired ones too) has a replica on server ``sid``: the walk
+        of :meth:`drain_left` up to the first such key (each repair plan asks)."""
+        async with contextlib.aclosing(self.index.refs(servers=[sid])) as walk:
+            async for rows in walk:
+                if rows:
+                    return True
+        return False
+
     async def _save_drains(self) -> None:
         ix = self.index
         await ix.put_state("draining", sorted(self.draining))
@@ -596,8 +608,7 @@ class MetaGc:
         """Forget each draining server nothing references any more; its id is never reused."""
         if not self.draining:
             return []
-        left = await self.drain_left(self.draining)
-        done = [sid for sid in sorted(self.draining) if left[sid][0] == 0]
+        done = [sid for sid in sorted(self.draining) if not await self._referenced(sid)]
         for sid in done:
             self.draining.discard(sid)
             self.decommissioned.add(sid)
@@ -633,9 +644,9 @@ class MetaGc:
         """Extents with a replica on a gone server, readable from a live one (kvfs.meta.repair);
         draining servers that nothing references any more are forgotten first."""
         await self.forget_drained()
-        summary = RepairSummary()
+        summary = RepairSummary() if req.totals else None
         items = await self._repair_plan(req.limit_bytes, summary)
-        st = summary.state()
+        st = (summary or RepairSummary()).state()
         return rpc.RepairPlan(items=items, under_replicated_extents=st.under_replicated_extents,
                               under_replicated_bytes=st.under_replicated_bytes,
                               unrepairable_extents=st.unrepairable_extents), ()

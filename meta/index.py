@@ -57,7 +57,7 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -90,7 +90,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvfs.meta")
 
 RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key follows
-# keys a walk of every key (GC's and STATS's, :meth:`MetaIndex.scan`) takes per loop step:
+# keys a walk of many keys (GC's and STATS's: :func:`pages`) takes per loop step:
 # the other clients wait at most one page's work (bench/meta_stall.py)
 WALK_PAGE = 1000
 S = TypeVar("S", bound="SupportsRichComparison")  # (what sorted_pages sorts)
@@ -997,31 +997,25 @@ class MetaIndex(ServerRegistry):
         return [self.get(k, now) for k in keys]
 
     # GC's operations (storeapi.GcIndex; SharedIndex has them over its store) ----------
-    async def scan(self) -> AsyncIterator[list[tuple[bytes, Layout]]]:
-        """Every key with its layout, a page at a time (:func:`pages`): the keys there when
-        the walk started, each with its layout at its page's step (left out if removed)."""
-        entries = self.entries
-        async for page in pages(list(entries)):  # (the entries change between the steps)
-            yield [(k, lay) for k in page if (lay := entries.get(k)) is not None]
-
     async def refs(self, chunks: Collection[int] = (), servers: Collection[int] = (),
-                   ) -> AsyncIterator[list[tuple[bytes, Layout]]]:
-        """Only ``chunks``: their keys from ``chunk_keys``, a page per step.  With ``servers``
-        (a repair plan, a drain): a walk of the keys in memory (:meth:`scan`), keeping
-        those in ``chunks`` or on ``servers``."""
+                   ) -> AsyncGenerator[list[tuple[bytes, Layout]], None]:
+        """The keys of ``chunks``, and of every chunk on ``servers``, from ``chunk_keys``, a
+        page per step: O(those keys).  A server's chunks are the indexed ones whose ids name
+        it (:func:`~kvfs.layout.server_of_chunk`: meta takes no layout whose chunk id names
+        another server than its replica's, :func:`~kvfs.layout.misfiled`), so a repair plan
+        or a drain visits the keys on the gone servers, and a key repaired away from them
+        leaves their chunks: the next plan does not visit it again.  The chunks are those
+        indexed when the walk starts (a chunk first written to meanwhile is not visited)."""
         cs, ss = set(chunks), set(servers)
-        if not ss:
-            entries, seen = self.entries, set[bytes]()
-            for c in cs:
-                async for page in pages(list(self.chunk_keys.get(c, ()))):
-                    yield [(k, lay) for k in page if k not in seen and (lay := entries.get(k)) is not None
-                           and any(r.chunk_id in cs for x in lay.extents for r in x.replicas)]
-                    if len(cs) > 1:  # (a key with replicas in two of them: once)
-                        seen.update(page)
-            return
-        async for rows in self.scan():
-            yield [(k, lay) for k, lay in rows
-                   if any(r.chunk_id in cs or r.server_id in ss for x in lay.extents for r in x.replicas)]
+        if ss:
+            cs.update(c for c in self.chunk_keys if server_of_chunk(c) in ss)
+        entries, seen = self.entries, set[bytes]()
+        for c in cs:
+            async for page in pages(list(self.chunk_keys.get(c, ()))):
+                yield [(k, lay) for k in page if k not in seen and (lay := entries.get(k)) is not None
+                       and any(r.chunk_id in cs for x in lay.extents for r in x.replicas)]
+                if len(cs) > 1:  # (a key with replicas in two of them: once)
+                    seen.update(page)
 
     async def expired_rows(self, now: float) -> AsyncIterator[list[tuple[bytes, Layout]]]:
         """The keys expired at ``now``, with their layouts, from SQLite's expiry index

@@ -97,7 +97,7 @@ import logging
 import math
 import uuid
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import crc32c
@@ -1224,7 +1224,7 @@ class RedisMetaStore:
                 yield [(k, lay) for k, lay in rows if lay.expired(now)]
 
     async def refs(self, chunks: Iterable[int] = (), servers: Iterable[int] = (),
-                   ) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
+                   ) -> AsyncGenerator[builtins.list[tuple[bytes, Layout]], None]:
         """Every stored key (expired ones included) with a replica in one of ``chunks`` or on
         one of ``servers``, with its layout, each once, read from the chunk index
         (``{NS.B}c<CID>``) and the server index (``{NS.B}s<SID>``): one script per node (for

@@ -22,9 +22,10 @@ indexes, and ``kvfs gc status`` and the dry runs its expiry index.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Collection, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable, Sequence
 from typing import Any
 
 from kvfs.config import MetaConfig
@@ -184,9 +185,10 @@ class SharedIndex(ServerRegistry):
 
     # GC's operations (storeapi.GcIndex) ------------------------------------------------
     async def refs(self, chunks: Collection[int] = (), servers: Collection[int] = (),
-                   ) -> AsyncIterator[list[tuple[bytes, Layout]]]:
-        async for rows in self.store.refs(chunks, servers):
-            yield rows
+                   ) -> AsyncGenerator[list[tuple[bytes, Layout]], None]:
+        async with contextlib.aclosing(self.store.refs(chunks, servers)) as walk:  # (closed early too)
+            async for rows in walk:
+                yield rows
 
     async def expired_rows(self, now: float) -> AsyncIterator[list[tuple[bytes, Layout]]]:
         async for rows in self.store.expired_rows(now):

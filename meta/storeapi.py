@@ -15,7 +15,7 @@ what holds per key rather than per batch).
 from __future__ import annotations
 
 import builtins
-from collections.abc import AsyncIterator, Collection, Iterable, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from kvfs.layout import Layout
@@ -202,7 +202,7 @@ class GcIndex(Protocol):
         ``start_after``, in key order, with their layouts: O(the page) on either store."""
 
     def refs(self, chunks: Collection[int] = (), servers: Collection[int] = (),
-             ) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
+             ) -> AsyncGenerator[builtins.list[tuple[bytes, Layout]], None]:
         """Every stored key (expired ones included) with a replica in one of ``chunks`` or on
         one of ``servers``, with its layout, each once, in batches (compaction's references,
         repair plans, drains).  Over Redis read from its chunk index: O(those keys)."""

@@ -148,7 +148,8 @@ async def test_a_repair_plan_made_a_page_at_a_time_is_the_plan_of_every_key_at_o
     await meta.commit(rows, NOW)
     ix = svc.index
     ix.started = ix.servers[1].last_heartbeat = -1e18  # server 1 dead (fault injection)
-    stored = [(k, ix.entries[k]) for k in ix.entries]
+    stored = [row async for rows in ix.refs(servers={1}) for row in rows]  # (in the plan's order)
+    assert sorted(k for k, _ in stored) == sorted(ix.entries)
     for limit in (1, 350, 1000, 10_000, 1 << 20):
         got = (await reply_of(svc.gc.rpc_gc_repair_plan(rpc.GcRepairPlan(limit_bytes=limit), memoryview(b""))))[0]
         whole = RepairSummary()
