@@ -27,8 +27,9 @@ are built per key, already stamped with meta's commit time.  Layout::
 
 Nothing may follow.  Every bound of the nested form holds here too (key and value sizes,
 extents per value, replicas per extent, 63-bit chunk ids and offsets, extents adding up
-to the value's size, each chunk id naming its replica's server); a blob breaking one raises :class:`~kvfs.errors.InvalidArgument`
-naming what and, where it is one item's fault, which item and key.
+to the value's size, each chunk id naming its replica's server); a blob breaking one
+raises :class:`~kvfs.errors.InvalidArgument` naming what and, where it is one item's
+fault, which item and key.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
 #!/bin/bash
+# Usage: from the repository root; "after" and "before" name worktrees of main, each with its own venv (.venv)
 S=bench/results/admin-scale-2026-12-04.sh
 for spec in "after 200000 /work/main" "after 800000 /work/main" "before 800000 /work/wt/final"; do
   set -- $spec
