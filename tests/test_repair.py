@@ -281,7 +281,6 @@ async def test_a_drain_visits_each_key_of_the_drained_server_a_few_times_not_eve
     monkeypatch.setattr(rpc, "MAX_REPAIR_PLAN_ITEMS", 10)
     monkeypatch.setattr(index, "WALK_PAGE", 5)
     assert cluster.meta is not None and isinstance(cluster.meta.index, MetaIndex)
-    ix = cluster.meta.index
     values = {f"k{i}": bytes([i % 251]) * (100 + i) for i in range(150)}
     async with cluster.client(ClientConfig(replicas=1)) as kv:
         for k, v in values.items():  # (one put each: spread over the servers)
