@@ -16,6 +16,7 @@ from conftest import clocked_client as client
 from kvfs import rpc
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
+from kvfs.errors import InvalidArgument
 from kvfs.gc import driver
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster, ProcessCluster
@@ -281,6 +282,10 @@ async def test_overwrite_and_delete_racing_compaction_win(small: LocalCluster, c
             assert res.chunk_id is not None
             moves = [rpc.Move(r.key, cid, r.offset, loc) for r, loc in zip(refs, res.locations[0], strict=True)
                      if loc is not None]
+            with pytest.raises(InvalidArgument, match=rf"^GC_RELOCATE to chunkserver {sid + 1}: chunk id "
+                                                      rf"\S+ is chunkserver {sid}'s"):  # (its id names sid)
+                await gc.meta(rpc.GcRelocate(server_id=sid + 1, new_chunk=res.chunk_id, new_size=res.size,
+                                             moves=moves))
             rel = await gc.meta(rpc.GcRelocate(server_id=sid, new_chunk=res.chunk_id, new_size=res.size,
                                                moves=moves))
             assert rel.skipped == 2 and rel.moved == len(refs) - 2

@@ -341,19 +341,21 @@ async def test_a_ttl_key_keeps_its_expiry_through_fsck_and_repair(cluster: Local
 async def test_gc_repair_judges_each_switch_on_its_own(cluster: LocalCluster) -> None:
     """One GC_REPAIR holding, in this order: a key deleted since the plan, a copy on a server
     meta does not know, a lost replica the layout no longer holds, a copy in a chunk another
-    GC retired since (found unreferenced: GC_RETIRE first; each skipped), then two extents
+    GC retired since (found unreferenced: GC_RETIRE first), a copy whose chunk id names
+    another server than the copy's (each skipped), then two extents
     of one striped key and a small key (each switched). A skipped item never stops the ones
     after it; two switches of one key both land; the counts are exact.  The copies are named
     by hand (meta checks the layout, not the bytes): no server has to die."""
     async with cluster.client(ClientConfig(replicas=2)) as kv:
-        await kv.put_many([(k, k.encode() * 700) for k in ("gone", "a", "b", "c", "d")])
+        await kv.put_many([(k, k.encode() * 700) for k in ("gone", "a", "b", "c", "d", "e")])
         await kv.put("big", b"B" * (3 * 1024 * 1024 + 5))  # striped: 4 extents
-        lay = {k: await kv.layout(k) for k in ("gone", "a", "b", "c", "d", "big")}
+        lay = {k: await kv.layout(k) for k in ("gone", "a", "b", "c", "d", "e", "big")}
         await kv.delete("gone")
     servers = {cs.server_id for cs in cluster.chunkservers if cs is not None}
     made: list[int] = []
 
-    def switch(key: str, extent: int, *, to: int | None = None, stale: bool = False) -> rpc.ReplicaSwitch:
+    def switch(key: str, extent: int, *, to: int | None = None, stale: bool = False,
+               misfiled: bool = False) -> rpc.ReplicaSwitch:
         layout = lay[key]
         assert layout is not None
         x = layout.extents[extent]
@@ -363,16 +365,17 @@ async def test_gc_repair_judges_each_switch_on_its_own(cluster: LocalCluster) ->
         spare = to if to is not None else (servers - {r.server_id for r in x.replicas}).pop()
         seq = 900 + len(made)  # a chunk of its own: only the one retired below is retired
         made.append(seq)
-        return rpc.ReplicaSwitch(key.encode(), extent, lost, Replica(spare, make_chunk_id(spare, seq), 0))
+        named = lost.server_id if misfiled else spare  # (misfiled: a chunk of the lost replica's server)
+        return rpc.ReplicaSwitch(key.encode(), extent, lost, Replica(spare, make_chunk_id(named, seq), 0))
 
     items = [switch("gone", 0), switch("a", 0, to=99), switch("b", 0, stale=True), switch("d", 0),
-             switch("big", 0), switch("big", 1), switch("c", 0)]
+             switch("e", 0, misfiled=True), switch("big", 0), switch("big", 1), switch("c", 0)]
     retired = items[3].new
     async with GarbageCollector(cluster.addr, token=cluster.admin_token) as gc:
         got = await gc.meta(rpc.GcRetire(server_id=retired.server_id, chunks=[retired.chunk_id]))
         assert list(got.retired) == [retired.chunk_id]
         r = await gc.meta(rpc.GcRepair(items=items))
-        assert (r.repaired, r.skipped) == (3, 4)
+        assert (r.repaired, r.skipped) == (3, 5)
         metrics = (await gc.status())["metrics"]
     big, c = lay["big"], lay["c"]
     assert big is not None and c is not None
@@ -380,14 +383,14 @@ async def test_gc_repair_judges_each_switch_on_its_own(cluster: LocalCluster) ->
         3, big.extents[0].length + big.extents[1].length + c.extents[0].length)
     async with cluster.client(ClientConfig(replicas=2)) as kv:
         assert await kv.layout("gone") is None
-        for k in ("a", "b", "d"):
+        for k in ("a", "b", "d", "e"):
             assert await kv.layout(k) == lay[k], k
         now_big, now_c = await kv.layout("big"), await kv.layout("c")
         assert now_big is not None and now_c is not None
-        for i, it in ((0, items[4]), (1, items[5])):  # the new copy in the lost replica's place
+        for i, it in ((0, items[5]), (1, items[6])):  # the new copy in the lost replica's place
             assert now_big.extents[i].replicas == (it.new, *big.extents[i].replicas[1:])
         assert now_big.extents[2:] == big.extents[2:]
-        assert now_c.extents[0].replicas == (items[6].new, *c.extents[0].replicas[1:])
+        assert now_c.extents[0].replicas == (items[7].new, *c.extents[0].replicas[1:])
 
 
 async def test_keys_deleted_while_their_repair_copies_are_switched_keep_tombstones_covering_them(
