@@ -89,6 +89,8 @@ async def tombstone_layouts(ix: GcIndex, keys: Sequence[bytes], where: Sequence[
         for r in reps:
             if r.server_id not in ix.servers:
                 raise InvalidArgument(f"tombstone of {key[:64]!r} names unknown chunkserver {r.server_id}")
+            if server_of_chunk(r.chunk_id) != r.server_id:
+                raise InvalidArgument(f"tombstone of {key[:64]!r}: {misfiled_why(r.server_id, r.chunk_id)}")
         lay = tomb_layout(reps, now)
         # (only SQLite's index keeps tombstones: the Redis store drops them)
         if isinstance(ix, MetaIndex) and ix.dead_in(lay) is not None:

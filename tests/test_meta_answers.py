@@ -15,7 +15,7 @@ from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, MetaConfig
 from kvfs.errors import InvalidArgument
 from kvfs.launcher import LocalCluster
-from kvfs.layout import Replica
+from kvfs.layout import Replica, make_chunk_id
 from kvfs.meta.index import MetaIndex
 from kvfs.server import reply_of
 
@@ -74,7 +74,7 @@ async def test_the_default_ttl_applies_only_where_a_put_names_none(tmp_path: Pat
 async def test_delete_checks_the_tombstones_it_is_given(cluster: LocalCluster, kv: AsyncClient,
                                                         clock: FakeClock, meta_backend: str) -> None:
     """DELETE's tombstones (where the client wrote them) are checked like a commit's
-    layouts: one per key, each naming known chunkservers once. A refused DELETE removes
+    layouts: one per key, each naming known chunkservers once, in chunks of their own. A refused DELETE removes
     nothing; an accepted one keeps a tombstone for each key it removes."""
     await kv.put_many({b"a": b"A" * 100, b"b": b"B" * 100})
     lay = await kv.layout(b"a")
@@ -88,6 +88,11 @@ async def test_delete_checks_the_tombstones_it_is_given(cluster: LocalCluster, k
     ghost = Replica(999, reps[0].chunk_id, reps[0].offset)
     with pytest.raises(InvalidArgument, match=r"^tombstone of b'a' names unknown chunkserver 999$"):
         await link.call_meta(rpc.Delete(keys=[b"a"], tombstones=[[reps[0], ghost]]))
+    other = next(cs.server_id for cs in cluster.chunkservers if cs is not None and cs.server_id != reps[0].server_id)
+    misfiled = Replica(reps[0].server_id, make_chunk_id(other, 1), 0)  # another server's chunk
+    with pytest.raises(InvalidArgument, match=rf"^tombstone of b'a': chunk id \S+ is chunkserver {other}'s, "
+                                              rf"not chunkserver {reps[0].server_id}'s"):
+        await link.call_meta(rpc.Delete(keys=[b"a"], tombstones=[[misfiled]]))
     assert await kv.get_many([b"a", b"b"]) == [b"A" * 100, b"B" * 100]
     assert (await link.call_meta(rpc.Delete(keys=[b"a", b"b", b"none"], tombstones=[reps] * 3))).deleted == 2
     assert await kv.exists_many([b"a", b"b"]) == [False, False]
