@@ -44,7 +44,8 @@ Invariants:
 - ``chunk_live`` is derived from the layouts and the tombstones kept
   (:mod:`kvfs.meta.tombstones`; rebuilt at start), never stored; so are ``chunk_keys``
   (the keys whose layout names each chunk) and ``value_bytes`` from the layouts,
-  changed with ``entries`` in the same steps;
+  changed with ``entries`` in the same steps, and ``tomb_chunks`` (the keys whose kept
+  tombstone names each chunk), changed with ``tombstones``;
 - an expired key is a miss for every RPC, before GC removes it.
 """
 
@@ -250,6 +251,9 @@ class MetaIndex(ServerRegistry):
         self.chunk_keys: dict[int, set[bytes]] = {}
         self.value_bytes = 0  # the stored values' sizes, summed (STATS: key_stats, no walk)
         self.tombstones: dict[bytes, Tomb] = {}  # deleted keys' tombstones kept (kvfs.meta.tombstones)
+        # chunk id -> the keys whose kept tombstone has a replica in it (tombstone_refs: O(those
+        # tombstones)); derived, changed with ``tombstones`` wherever their live bytes change
+        self.tomb_chunks: dict[int, set[bytes]] = {}
         # keys with older records on the chunks -> the latest expiry among them (None: never);
         # the GC drops these with a tombstone (kvfs.meta.tombstones, "older records")
         self.older: dict[bytes, float | None] = {}
@@ -306,6 +310,7 @@ class MetaIndex(ServerRegistry):
                     self.seq_high[sid] = max(self.seq_high.get(sid, -1), seq)
             self.tombstones[key] = Tomb(layout, h, since)
             self.add_live(layout, +1, key)
+            self.index_chunks(key, layout, True, self.tomb_chunks)
         if stale:
             self.store.forget_tombstones(stale)
         gone = []  # removed, and the row's delete did not reach the disk
@@ -369,10 +374,13 @@ class MetaIndex(ServerRegistry):
         return lay is not None and readable(lay, gone)
 
     # changing -----------------------------------------------------------------------
-    def index_chunks(self, key: bytes, layout: Layout, add: bool) -> None:
-        """``chunk_keys`` as ``key``'s layout ``layout`` is set (``add``) or replaced or
-        removed (not: called first for the old layout, then for a new one)."""
-        keys_in = self.chunk_keys
+    def index_chunks(self, key: bytes, layout: Layout, add: bool,
+                     keys_in: dict[int, set[bytes]] | None = None) -> None:
+        """``chunk_keys`` (or ``keys_in``: ``tomb_chunks``) as ``key``'s layout ``layout``
+        is set (``add``) or replaced or removed (not: called first for the old layout, then
+        for a new one)."""
+        if keys_in is None:
+            keys_in = self.chunk_keys
         for e in layout.extents:
             for r in e.replicas:
                 cid = r.chunk_id
@@ -480,6 +488,7 @@ class MetaIndex(ServerRegistry):
         for k, lay in keep.items():
             self.tombstones[k] = Tomb(lay, dict(horizon), since)
             self.add_live(lay, +1, k)
+            self.index_chunks(k, lay, True, self.tomb_chunks)
         out = []
         for k in gone:
             lay = self.entries.pop(k)
@@ -840,6 +849,7 @@ class MetaIndex(ServerRegistry):
             t = self.tombstones.pop(k, None)
             if t is not None:
                 self.add_live(t.layout, -1, k)
+                self.index_chunks(k, t.layout, False, self.tomb_chunks)
 
     def save_tombstones(self, keys: Iterable[bytes]) -> None:
         """Write moved tombstones, or raised horizons (one transaction, owed a sync: the
@@ -856,32 +866,44 @@ class MetaIndex(ServerRegistry):
         for k, lay in staged:
             t = self.tombstones[k]
             self.add_live(t.layout, -1, k)
+            self.index_chunks(k, t.layout, False, self.tomb_chunks)
             t.layout = lay
             self.add_live(lay, +1, k)
+            self.index_chunks(k, lay, True, self.tomb_chunks)
         self.save_tombstones(k for k, _ in staged)
 
     # tombstones in GC's calls (storeapi.GcIndex; the Redis store keeps none) ------------
     async def tombstone_refs(self, chunks: Collection[int]) -> tuple[list[tuple[int, bytes, int]], int]:
         """(chunk, key, offset) of the kept tombstones in ``chunks`` (compaction copies them
-        forward), after forgetting those no older record can outlive any more (how many)."""
+        forward), after forgetting those no older record can outlive any more (how many).
+        O(those tombstones), from ``tomb_chunks``, a page of :data:`WALK_PAGE` per step (a walk
+        of every tombstone in one step held the loop 260-420 ms at 400k kept, bench/RESULTS.md);
+        each tombstone as it is at its page's step.  The floors are taken once, at the start:
+        a tombstone that passed then has passed for good (chunks only go, heartbeats only come)."""
         refs: list[tuple[int, bytes, int]] = []
         if not chunks or not self.tombstones:
             return refs, 0
         floor = floors(self.servers)
-        done = []
-        for k, t in self.tombstones.items():
-            mine = [r for r in t.layout.extents[0].replicas if r.chunk_id in chunks]
-            if not mine:
-                continue
-            if any(passed(t, floor, compacting=r.chunk_id) for r in mine):
-                done.append(k)  # needed no more: not copied
-                continue
-            refs += [(r.chunk_id, k, r.offset) for r in mine]
-        if done:
+        done: list[tuple[bytes, Tomb]] = []
+        tombs, keys_in = self.tombstones, self.tomb_chunks
+        async for page in pages(list({k for c in chunks for k in keys_in.get(c, ())})):
+            for k in page:
+                t = tombs.get(k)
+                if t is None:  # forgotten since the walk began (a put again)
+                    continue
+                mine = [r for r in t.layout.extents[0].replicas if r.chunk_id in chunks]
+                if not mine:  # (moved out of them since)
+                    continue
+                if any(passed(t, floor, compacting=r.chunk_id) for r in mine):
+                    done.append((k, t))  # needed no more: not copied
+                    continue
+                refs += [(r.chunk_id, k, r.offset) for r in mine]
+        gone = [k for k, t in done if tombs.get(k) is t]  # (not one kept anew since: a delete after a put)
+        if gone:
             with self._writing(gc=True):
-                self.forget_tombstones(done)
+                self.forget_tombstones(gone)
             await self._settled(gc=True)
-        return refs, len(done)
+        return refs, len(gone)
 
     async def tombstoned(self, keys: Iterable[bytes]) -> set[bytes]:
         """Those of ``keys`` deleted with a tombstone kept (and not put again)."""

@@ -13,6 +13,7 @@ from pathlib import Path
 import crc32c
 import msgspec
 import pytest
+from test_meta_walks import derived_tomb_chunks
 
 from kvfs import rpc
 from kvfs.chunkserver.records import scan_records
@@ -275,6 +276,7 @@ async def test_overwrite_delete_and_compact_everything_over_several_passes_never
         def check() -> None:
             view = _disk_view(cluster)
             assert {k for k in churn if k not in expect}.isdisjoint(view), "a deleted key would come back"
+            assert gc_index.tomb_chunks == derived_tomb_chunks(gc_index)  # (compaction's refs read it)
             for k, v in expect.items():
                 assert k in view and (view[k].size, view[k].crc) == (len(v), crc32c.crc32c(v)), k
 
