@@ -14,11 +14,13 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from kvfs import rpc
 from kvfs.bench.meta_stall import stalled
 from kvfs.bench.metastore import NOW, SqliteMeta, fill, key
 from kvfs.layout import Replica, make_chunk_id
+from kvfs.meta.index import MetaIndex
 from kvfs.meta.tombstones import tomb_layout
 from kvfs.server import reply_of
 
@@ -32,6 +34,7 @@ async def main(n: int) -> None:
         try:
             await fill(m, n, 1000, "k", per_chunk=PER_CHUNK)
             svc, ix = m.meta, m.meta.index
+            assert isinstance(ix, MetaIndex)
             await svc.rpc_register(rpc.Register(server_id=1, addr="127.0.0.1:1"), memoryview(b""))
             t0 = time.perf_counter()
             for lo in range(0, n, 2000):
@@ -42,9 +45,12 @@ async def main(n: int) -> None:
             print(f"tombstones kept: {len(ix.tombstones)} (deleted in {time.perf_counter() - t0:.1f} s)")
             for c in (make_chunk_id(1, 0), make_chunk_id(1, 100000)):
                 req = rpc.GcChunkRefs(chunks=[c])
+
+                async def call(req: rpc.GcChunkRefs = req) -> Any:
+                    return await reply_of(svc.gc.rpc_gc_chunk_refs(req, memoryview(b"")))
+
                 for _ in range(3):
-                    wall, longest, ticks = await stalled(
-                        lambda req=req: reply_of(svc.gc.rpc_gc_chunk_refs(req, memoryview(b""))))
+                    wall, longest, ticks = await stalled(call)
                     print(f"GC_CHUNK_REFS chunk {c:#x}: wall {wall:.1f} ms, longest step {longest:.1f} ms, "
                           f"ticks {ticks}")
         finally:
