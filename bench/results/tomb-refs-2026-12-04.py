@@ -6,7 +6,8 @@ A SQLite meta's handlers in this process (kvfs.bench.metastore), N keys 16,384 a
 every key deleted with its tombstone kept (server 1 sent no chunk table since: none
 passes), the tombstones 16,384 a chunk from chunk 100,000 on.  Then GC_CHUNK_REFS, three
 times each, of chunk 0 (its keys deleted, no tombstone in it) and of chunk 100,000 (16,384
-tombstones), timed by kvfs.bench.meta_stall's ticker.
+tombstones), then GC_DELETED's drop of the tombstones once every one has passed, timed by
+kvfs.bench.meta_stall's ticker.
 """
 
 import asyncio
@@ -53,6 +54,18 @@ async def main(n: int) -> None:
                     wall, longest, ticks = await stalled(call)
                     print(f"GC_CHUNK_REFS chunk {c:#x}: wall {wall:.1f} ms, longest step {longest:.1f} ms, "
                           f"ticks {ticks}")
+            # then server 1 sends a chunk table holding none of those chunks: every tombstone
+            # has passed, and GC_DELETED's drop (drop_passed) forgets them all
+            await svc.rpc_heartbeat(rpc.Heartbeat(server_id=1, addr="127.0.0.1:1", capacity=1 << 40,
+                                                  free=1 << 40, used=0, chunks={}), memoryview(b""))
+            dropped = 0
+
+            async def drop() -> None:
+                nonlocal dropped
+                dropped = await ix.drop_passed()
+
+            wall, longest, ticks = await stalled(drop)
+            print(f"drop_passed: {dropped} dropped, wall {wall:.1f} ms, longest step {longest:.1f} ms, ticks {ticks}")
         finally:
             await m.close()
 
