@@ -953,7 +953,7 @@ class MetaIndex(ServerRegistry):
         """Forget the tombstones no older record of their key can outlive any more
         (:func:`kvfs.meta.tombstones.passed`; their bytes become garbage), a page of
         :data:`WALK_PAGE` a step, each forgotten in its page's transaction (a walk of every
-        tombstone in one step held the loop about 260 ms at 400k kept, bench/RESULTS.md); how
+        tombstone in one step held the loop 2.7-3.1 s with 400k passed, bench/RESULTS.md); how
         many.  The floors are taken once: a tombstone that passed then has passed for good."""
         floor = floors(self.servers)
         tombs, n = self.tombstones, 0
