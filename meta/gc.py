@@ -51,7 +51,7 @@ import msgspec
 
 from kvfs import rpc
 from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
-from kvfs.layout import Extent, Layout, Replica, misfiled_why, server_of_chunk
+from kvfs.layout import Extent, Layout, Replica, misfiled, misfiled_why, server_of_chunk
 from kvfs.meta.index import MetaIndex, ServerInfo, add_live, disk_bytes, pages
 from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_replica
 from kvfs.meta.storeapi import GcIndex
@@ -89,9 +89,9 @@ async def tombstone_layouts(ix: GcIndex, keys: Sequence[bytes], where: Sequence[
         for r in reps:
             if r.server_id not in ix.servers:
                 raise InvalidArgument(f"tombstone of {key[:64]!r} names unknown chunkserver {r.server_id}")
-            if server_of_chunk(r.chunk_id) != r.server_id:
-                raise InvalidArgument(f"tombstone of {key[:64]!r}: {misfiled_why(r.server_id, r.chunk_id)}")
         lay = tomb_layout(reps, now)
+        if (bad := misfiled(lay)) is not None:
+            raise InvalidArgument(f"tombstone of {key[:64]!r}: {misfiled_why(bad.server_id, bad.chunk_id)}")
         # (only SQLite's index keeps tombstones: the Redis store drops them)
         if isinstance(ix, MetaIndex) and ix.dead_in(lay) is not None:
             raise StaleLayout(f"tombstone of {key[:64]!r} is in a chunk garbage collection already "
