@@ -393,8 +393,10 @@ class MetaSockets(SocketPool):
         self._down_until.clear()
 
     def _open(self, ep: Endpoint) -> BlockingSocket:
-        return BlockingSocket.open(ep, self._link.token, connect_timeout_s=self._connect_timeout_s,
-                                   request_timeout_s=self._request_timeout_s, tls=self._link.tls)
+        ms = BlockingSocket.open(ep, self._link.token, connect_timeout_s=self._connect_timeout_s,
+                                 request_timeout_s=self._request_timeout_s, tls=self._link.tls)
+        self._link.heard(ms.max_header)  # (batch calls are cut under it: AsyncClient.parts)
+        return ms
 
     def _failed(self, ep: Endpoint, exc: KVFSError | OSError) -> None:
         self._down_until[ep] = time.monotonic() + self._down_for_s
@@ -427,9 +429,11 @@ class _ServerPool(SocketPool):
 
     def _open(self, ep: Endpoint) -> BlockingSocket:
         o = self._owner
-        return BlockingSocket.open(ep, o._link.token, connect_timeout_s=o._connect_timeout_s,
-                                   request_timeout_s=o._request_timeout_s, tls=o._link.tls,
-                                   allocator=o.rx_pool)
+        s = BlockingSocket.open(ep, o._link.token, connect_timeout_s=o._connect_timeout_s,
+                                request_timeout_s=o._request_timeout_s, tls=o._link.tls,
+                                allocator=o.rx_pool)
+        o._link.heard(s.max_header)
+        return s
 
     def _failed(self, ep: Endpoint, exc: KVFSError | OSError) -> None:
         self.down_until = time.monotonic() + self._owner._down_for_s

@@ -30,14 +30,23 @@ from typing import Any, NamedTuple, cast
 import msgspec
 
 from kvfs import rpc
-from kvfs._batch import Batcher
+from kvfs._batch import Batcher, split_batches
 from kvfs._loop import gather_all
 from kvfs.address import format_addr, format_addrs, lookup_token, parse_addrs
 from kvfs.buffers import Source, Views, as_parts, as_parts_many, cut, fresh_value
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
 from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
-from kvfs.layout import MAX_META_BYTES, MAX_VALUE_BYTES, Extent, Key, Layout, norm_key, norm_keys
+from kvfs.layout import (
+    MAX_KEY_BYTES,
+    MAX_META_BYTES,
+    MAX_VALUE_BYTES,
+    Extent,
+    Key,
+    Layout,
+    norm_key,
+    norm_keys,
+)
 from kvfs.layoutcache import FLAT_SIZE, Cached, Flat, FlatLayouts, LayoutCache
 from kvfs.readpath import SCATTER_MIN_BYTES, WHOLE, Dest, ReadPath
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
@@ -57,6 +66,15 @@ FAILED = -3  # its bytes could not be read (server down, corrupt) and on_lost="r
 
 __all__ = ["FAILED", "MISS", "TOO_SMALL", "AsyncClient", "KeyInfo", "ServerEntry", "connect"]
 
+
+# A request's bytes per key besides the key's own, at most (msgpack), for cutting batch calls
+# under ClientConfig.call_max_bytes (AsyncClient.parts): a key's header in a meta query; a
+# put's or delete's record head on a server (APPEND) and its packed columns (COMMIT), plus
+# each replica of each extent or tombstone; and the rest of a request
+_KEY_BYTES = 4
+_RECORD_BYTES = 64
+_REPLICA_BYTES = 24
+_REQUEST_BYTES = 4096
 
 # keys, buffers, their sizes, lease_s
 _IntoCall = tuple[list[bytes], list[Views], list[int], float | None]
@@ -270,6 +288,27 @@ class AsyncClient:
         """Where a value lives (extents, replicas); None on a miss."""
         return (await self.lookup([norm_key(key)], use_cache=False))[0]
 
+    def parts(self, keys: Sequence[bytes], per_key: int = _KEY_BYTES,
+              extra: Sequence[int] | None = None) -> list[range] | None:
+        """Where a batch call of ``keys`` is cut into calls made one after another, each of at
+        most ``call_max_keys`` keys and a request of at most ``call_max_bytes`` (or half the
+        smallest ``--max-header`` a server of the cluster said it takes): a key counts its
+        length, ``per_key`` and its ``extra``.  None: one call takes them all (the usual case,
+        decided without a step per key).  Past a server's limit a request would be refused
+        (:func:`kvfs.transport.check_size`), and too many keys make too large an answer."""
+        cfg = self.config
+        n = len(keys)
+        most = self._link.max_header // 2
+        budget = (min(cfg.call_max_bytes, most) if most else cfg.call_max_bytes) - _REQUEST_BYTES
+        if n <= cfg.call_max_keys and extra is None and (
+                n * (MAX_KEY_BYTES + per_key) <= budget or sum(map(len, keys)) + n * per_key <= budget):
+            return None
+        sizes = [len(k) + per_key for k in keys]
+        if extra is not None:
+            sizes = [a + b for a, b in zip(sizes, extra, strict=True)]
+        runs = split_batches(sizes, max_bytes=budget, max_items=cfg.call_max_keys)
+        return None if len(runs) == 1 else runs
+
     # writes ------------------------------------------------------------------
     async def put(self, key: Key, value: Value, *, ttl: float | None = None,
                   replicas: int | None = None, if_absent: bool = False,
@@ -299,7 +338,11 @@ class AsyncClient:
 
         Values are read from the caller's buffers, not copied; once a cancellation of this
         call has returned they are not read again (queued: stored nothing; sent: its batch
-        has ended, and may have stored them)."""
+        has ended, and may have stored them).
+
+        A call of more than ``call_max_keys`` keys, or of more keys and layouts than a
+        request of ``call_max_bytes`` holds, is made as several in item order
+        (:meth:`parts`): each commits on its own."""
         # (no layout built: the cache keeps what the put had, built when a read asks)
         return [e is not None for e in (await self._put_many(items, ttl, replicas, if_absent, meta))[1]]
 
@@ -334,7 +377,8 @@ class AsyncClient:
             for k, v in zip(keys, values, strict=True):
                 as_parts(v, what=f"value for key {k[:64]!r}")
             raise
-        if max(sizes) > MAX_VALUE_BYTES:
+        biggest = max(sizes)
+        if biggest > MAX_VALUE_BYTES:
             i = next(i for i, n in enumerate(sizes) if n > MAX_VALUE_BYTES)
             raise InvalidArgument(f"value of {sizes[i]} bytes for key {keys[i][:64]!r} exceeds the "
                                   f"limit of {MAX_VALUE_BYTES}")
@@ -348,8 +392,27 @@ class AsyncClient:
             if len(meta) != len(keys):
                 raise InvalidArgument(f"{len(keys)} items but {len(meta)} meta entries")
             metas = [_encode_meta(k, m) for k, m in zip(keys, meta, strict=True)]
-        call = _PutCall(keys, views, sizes, metas, r, ttl, if_absent)
-        total = sum(sizes)
+        stripe = self.config.stripe_bytes
+        extra = None  # each value's extents past its first, and its metadata
+        if metas is not None or biggest > stripe:
+            extra = [_REPLICA_BYTES * r * (n // stripe) + (0 if m is None else len(m))
+                     for n, m in zip(sizes, metas or repeat(None), strict=False)]
+        runs = self.parts(keys, _RECORD_BYTES + _REPLICA_BYTES * r, extra)
+        if runs is None:
+            return keys, await self._put_call(_PutCall(keys, views, sizes, metas, r, ttl, if_absent))
+        out: list[Cached | None] = []
+        for run in runs:
+            part = slice(run.start, run.stop)
+            out += await self._put_call(_PutCall(keys[part], views[part], sizes[part],
+                                                 None if metas is None else metas[part],
+                                                 r, ttl, if_absent))
+        return keys, out
+
+    async def _put_call(self, call: _PutCall) -> list[Cached | None]:
+        """One put_many call (or part of one: :meth:`parts`), checked: in call order after
+        the calls still writing its keys, coalesced with others where it is small."""
+        keys = call.keys
+        total = sum(call.sizes)
         loop = asyncio.get_running_loop()
         putting = self._putting
         # the calls running with these keys (per key in C; per running call below): none,
@@ -377,7 +440,7 @@ class AsyncClient:
                 asyncio.gather(*waited).add_done_callback(lambda _: self._putting_ended(keys, mine))
             else:
                 self._putting_ended(keys, mine)
-        return keys, layouts
+        return layouts
 
     def _putting_ended(self, keys: list[bytes], mine: asyncio.Future[None]) -> None:
         """A put_many call's keys let go: a later put of them waiting on ``mine`` goes on."""
@@ -472,6 +535,9 @@ class AsyncClient:
         ks = norm_keys(keys)
         if not ks:
             return []
+        if (runs := self.parts(ks)) is not None:  # too many for one call: in parts
+            return [v for run in runs
+                    for v in await self.get_many(ks[run.start : run.stop], lease_s=lease_s, skip=skip)]
         out: list[bytes | None]
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
@@ -534,6 +600,8 @@ class AsyncClient:
         keys = norm_keys(k for k, _, _ in requests)
         if not keys:
             return []
+        if (runs := self.parts(keys)) is not None:
+            return [v for run in runs for v in await self.get_ranges(requests[run.start : run.stop])]
         failed: dict[int, KVFSError] = {}
         for attempt in (0, 1):
             layouts = await self.lookup(keys, use_cache=attempt == 0)
@@ -600,6 +668,10 @@ class AsyncClient:
         ks, views, rooms = into_call(keys, buffers, lease_s)
         if not ks:
             return []
+        if (runs := self.parts(ks)) is not None:
+            return [n for run in runs for n in await self._get_into(
+                ks[run.start : run.stop], views[run.start : run.stop], rooms[run.start : run.stop],
+                lease_s, skip)]
         total = sum(rooms)
         if not skip and self._coalesce(len(ks), total):
             return await self._into_batcher.submit((ks, views, rooms, lease_s), total,
@@ -661,7 +733,12 @@ class AsyncClient:
         """Which keys are present (unexpired and readable).  ``lease_s``: those are kept
         from eviction that long, or until :meth:`release`."""
         request = self.exists_request(keys, lease_s)
-        return [] if request is None else (await self._link.call_meta(request)).exists
+        if request is None:
+            return []
+        if (runs := self.parts(request.keys)) is not None:
+            return [e for run in runs for e in await self.exists_many(
+                request.keys[run.start : run.stop], lease_s=lease_s)]
+        return (await self._link.call_meta(request)).exists
 
     # the requests of the calls that are one meta RPC, checked (None: no keys, no RPC); the
     # blocking client sends them from its callers' threads (kvfs.blocking)
@@ -696,6 +773,8 @@ class AsyncClient:
         ks = norm_keys(keys)
         if not ks:
             return []
+        if (runs := self.parts(ks)) is not None:
+            return [m for run in runs for m in await self.get_meta(ks[run.start : run.stop])]
         return [None if lay is None else {} if lay.meta is None else _META_DECODE.decode(lay.meta)
                 for lay in await self.lookup(ks)]
 
@@ -704,7 +783,11 @@ class AsyncClient:
         :attr:`lease_holder`'s) before they expire; returns how many keys it had one on.
         Other holders' leases stay: GC may evict a key again once no holder leases it."""
         request = self.release_request(keys)
-        return 0 if request is None else (await self._link.call_meta(request)).released
+        if request is None:
+            return 0
+        if (runs := self.parts(request.keys)) is not None:
+            return sum([await self.release(request.keys[run.start : run.stop]) for run in runs])
+        return (await self._link.call_meta(request)).released
 
     async def exists(self, key: Key) -> bool:
         k = norm_key(key)
@@ -716,12 +799,24 @@ class AsyncClient:
     async def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         """How many leading keys are present and unexpired (optionally leased)."""
         request = self.match_prefix_request(keys, lease_s)
-        return 0 if request is None else (await self._link.call_meta(request)).n
+        if request is None:
+            return 0
+        if (runs := self.parts(request.keys)) is not None:  # in parts, up to the first miss
+            n = 0
+            for run in runs:
+                got = await self.match_prefix(request.keys[run.start : run.stop], lease_s=lease_s)
+                n += got
+                if got < len(run):
+                    break
+            return n
+        return (await self._link.call_meta(request)).n
 
     async def delete_many(self, keys: Iterable[Key]) -> int:
         ks = norm_keys(keys)
         if not ks:
             return 0
+        if (runs := self.parts(ks, _RECORD_BYTES + _REPLICA_BYTES * self.config.replicas)) is not None:
+            return sum([await self.delete_many(ks[run.start : run.stop]) for run in runs])
         for k in ks:
             self.layout_cache.pop(k)
         # tombstones first: a delete meta made is always on the chunks (kvfs.meta.tombstones)

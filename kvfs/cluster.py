@@ -134,6 +134,9 @@ class ClusterLink:
         self._servers: dict[int, ServerEntry] = {}
         self._servers_at = -1e18
         self.cluster_id: str | None = None  # meta's, as of the last server list
+        # the smallest request header a server this link opened takes (their AUTH answers;
+        # 0: none known): the client's batch calls are cut under it (AsyncClient.parts)
+        self.max_header = 0
 
     def _reset(self, loop: asyncio.AbstractEventLoop | None) -> None:
         """Fresh per-loop state: connections and locks belong to one event loop."""
@@ -214,9 +217,18 @@ class ClusterLink:
                 w.cancel()
 
     async def _open(self, host: str, port: int, server_name: str | None = None) -> Connection:
-        return await Connection.open(host, port, self.token, connect_timeout_s=self.connect_timeout_s,
+        conn = await Connection.open(host, port, self.token, connect_timeout_s=self.connect_timeout_s,
                                      request_timeout_s=self.request_timeout_s, tls=self.tls,
                                      server_name=server_name)
+        self.heard(conn.max_header)
+        return conn
+
+    def heard(self, max_header: int) -> None:
+        """A server said (AUTH) it takes request headers of at most ``max_header`` bytes (0:
+        any); also from the blocking client's own sockets' threads (:mod:`kvfs.blocking`: a
+        race keeps one of the values, and all a cluster's servers usually say the same)."""
+        if max_header and (not self.max_header or max_header < self.max_header):
+            self.max_header = max_header
 
     # meta ----------------------------------------------------------------------------
     async def _resolve(self) -> list[Endpoint]:

@@ -292,6 +292,14 @@ class ClientConfig(TlsConfig):
                               "many keys goes alone)", 128)
     batch_max_bytes: int = opt("flush a batch when its known value (or get_into buffer) sizes reach "
                                "this (a call of this many bytes goes alone)", 64 * 1024 * 1024)
+    call_max_keys: int = opt("a batch call of more keys is made as several calls of at most "
+                             "this many, one after another (each part stores, deletes or "
+                             "leases on its own: a part that fails leaves the earlier ones "
+                             "done); also bounds meta's answer to one part", 16384)
+    call_max_bytes: int = opt("the same for a call whose request (its keys, and a put's or "
+                              "delete's records and layouts) would pass this many bytes, or "
+                              "half the smallest --max-header a server of the cluster takes, "
+                              "whichever is less", 4 * MiB)
     stream_window_units: int = opt("stripe units a streaming put or read keeps in flight (its "
                                    "memory: this many stripe_bytes)", 4)
     on_lost: OnLost = opt("a key whose value no replica can serve (gone, corrupt, its servers "
@@ -330,6 +338,11 @@ class ClientConfig(TlsConfig):
             raise ValueError(f"read_pool_bytes must be >= 0 (0: none), got {self.read_pool_bytes}")
         if self.commit_group_bytes < 0:
             raise ValueError(f"commit_group_bytes must be >= 0 (0: none), got {self.commit_group_bytes}")
+        if self.call_max_keys < 1:
+            raise ValueError(f"call_max_keys must be >= 1, got {self.call_max_keys}")
+        if self.call_max_bytes < 64 * 1024:
+            raise ValueError(f"call_max_bytes must be >= 64 KiB (a request of one largest key), "
+                             f"got {self.call_max_bytes}")
         h = self.lease_holder
         if h is not None and (len(h) > MAX_HOLDER_CHARS
                               or not re.fullmatch(f"[{HOLDER_CHARS}]*", h)):

@@ -394,7 +394,7 @@ class Client:
         if not ks:
             return []
         late: set[int] = set()
-        if self._here():
+        if self._here() and self.aio.parts(ks) is None:  # (a call in parts: the IO loop's)
             cached = self.aio.cached(ks, lease_s)
             layouts, flat = cached or (self._layouts(ks, lease_s), None)
             whole = many_dests(layouts, flat)
@@ -414,7 +414,7 @@ class Client:
         if not ks:
             return []
         late: set[int] = set()
-        if self._here():
+        if self._here() and self.aio.parts(ks) is None:
             cached = self.aio.cached(ks, lease_s)
             layouts, flat = cached or (self._layouts(ks, lease_s), None)
             result, dests = into_dests(layouts, views, rooms, flat)
@@ -427,15 +427,23 @@ class Client:
 
     def exists_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bool]:
         request = self.aio.exists_request(keys, lease_s)
-        return [] if request is None else self._meta(request).exists
+        if request is None or self.aio.parts(request.keys) is not None:  # none, or in parts
+            return [] if request is None else self._run(self.aio.exists_many(request.keys,
+                                                                             lease_s=lease_s))
+        return self._meta(request).exists
 
     def release(self, keys: Iterable[Key]) -> int:
         request = self.aio.release_request(keys)
-        return 0 if request is None else self._meta(request).released
+        if request is None or self.aio.parts(request.keys) is not None:
+            return 0 if request is None else self._run(self.aio.release(request.keys))
+        return self._meta(request).released
 
     def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         request = self.aio.match_prefix_request(keys, lease_s)
-        return 0 if request is None else self._meta(request).n
+        if request is None or self.aio.parts(request.keys) is not None:
+            return 0 if request is None else self._run(self.aio.match_prefix(request.keys,
+                                                                             lease_s=lease_s))
+        return self._meta(request).n
 
     # futures: start now, collect later (from any thread) ---------------------
     def submit_put_many(self, items: Mapping[Key, Value] | Iterable[tuple[Key, Value]], *,

@@ -536,11 +536,13 @@ async def test_a_packed_commit_is_bounded_by_metas_max_header_bytes(tmp_path: Pa
 
 async def test_a_request_past_the_servers_limit_is_refused_unsent_and_fails_no_other_call(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """A batch call whose request is larger than meta takes (``max_header_bytes``, which it
-    tells each client at AUTH) fails in the caller, naming the RPC, the sizes and what to
-    do, and is never sent: sent, meta would close the shared connection, failing the other
-    calls on it (with 400k keys of 64 bytes, 8 concurrent small calls failed so).  The
-    blocking client's own sockets check the same (meta closes none of them either)."""
+    """A request larger than meta takes (``max_header_bytes``, which it tells each client
+    at AUTH) fails in the caller, naming the RPC, the sizes and what to do, and is never
+    sent: sent, meta would close the shared connection, failing the other calls on it
+    (with 400k keys of 64 bytes, 8 concurrent small calls failed so).  The blocking
+    client's own sockets check the same (meta closes none of them either).  (The client's
+    batch calls cut themselves under the limit: the next test; these requests are made
+    whole, past that.)"""
     c = LocalCluster(tmp_path / "c", 1, meta=MetaConfig(data=tmp_path / "c" / "meta",
                                                         listen="127.0.0.1:0", max_header_bytes=64 * 1024))
     await c.start()
@@ -560,11 +562,11 @@ async def test_a_request_past_the_servers_limit_is_refused_unsent_and_fails_no_o
             async with asyncio.timeout(30):
                 while not answers and not task.done():  # (the other calls are under way)
                     await asyncio.sleep(0)
-                for call in (kv.exists_many, kv.get_many, kv.match_prefix):
+                for request in (rpc.Exists(keys=big), rpc.Lookup(keys=big), rpc.MatchPrefix(keys=big)):
                     with pytest.raises(FrameTooLarge, match=r"request header of \d+ bytes exceeds the "
                                        r"limit of 65536 that .* takes \(--max-header\); not sent: split "
                                        r"the batch"):
-                        await call(big)
+                        await kv.link.call_meta(request)
                 seen = len(answers)
                 while len(answers) < seen + 3 and not task.done():  # more calls, answered
                     await asyncio.sleep(0)
@@ -572,18 +574,96 @@ async def test_a_request_past_the_servers_limit_is_refused_unsent_and_fails_no_o
                 stop.set()
                 await task
             assert all(a == [True] * 10 for a in answers)
-            assert await kv.exists_many(big[:400]) == [False] * 400  # under the limit: sent
+            assert await kv.link.call_meta(rpc.Exists(keys=big[:400]))  # under the limit: sent
 
         def blocking() -> None:
             with kvfs.Client(c.addr, token=c.token) as bk:
                 assert bk.exists_many(small) == [True] * 10  # (its own socket to meta, open)
                 with pytest.raises(FrameTooLarge, match="not sent: split the batch"):
-                    bk.exists_many(big)
+                    bk._meta_sockets.call(rpc.Exists(keys=big))
                 assert bk.exists_many(small) == [True] * 10
 
         await asyncio.to_thread(blocking)
         closed = [r.getMessage() for r in caplog.records if "exceeds the limit" in r.getMessage()
                   and "closing" in r.getMessage()]
         assert not closed, closed  # meta never had to close a connection for its size
+    finally:
+        await c.stop()
+
+
+@pytest.mark.parametrize("key_bytes", [64, 1024])
+async def test_batch_calls_past_the_servers_limit_are_made_in_parts(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, key_bytes: int) -> None:
+    """Every batch call whose request would pass the limit the servers told the client
+    (here 64 KiB: 2,000 keys of 64 bytes are about 132 KB of keys) is cut into parts made
+    one after another (``ClientConfig.call_max_bytes``: half the smallest ``--max-header``),
+    and answers as one call would: nothing is refused, no server closes a connection."""
+    tiny = dict(max_header_bytes=64 * 1024)
+    c = LocalCluster(tmp_path / "c", 2,
+                     meta=MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0", **tiny),
+                     chunkserver=ChunkServerConfig(data=tmp_path / "c", heartbeat_interval_s=0.2,
+                                                   **tiny))
+    await c.start()
+    keys = [b"k%0*d" % (key_bytes - 1, i) for i in range(2000)]
+    try:
+        async with c.client(ClientConfig(replicas=2)) as kv:
+            counts = kv.rpc_counts
+            assert await kv.put_many([(k, k[-8:]) for k in keys[:1500]]) == [True] * 1500
+            assert counts["COMMIT"] >= 6, dict(counts)  # (152 bytes a key counted: 28 KiB a part)
+            metas = [{"i": i, "dtype": "bfloat16", "shape": [8, 128]} for i in range(500)]
+            assert await kv.put_many([(k, k[-8:]) for k in keys[1500:]], meta=metas) == [True] * 500
+            assert await kv.put_many([(k, b"again") for k in keys[1000:]], if_absent=True) \
+                == [False] * 1000
+            assert await kv.get_many(keys) == [k[-8:] for k in keys]
+            assert await kv.get_meta(keys[1400:1600]) == [{}] * 100 + metas[:100]
+            assert await kv.get_ranges([(k, 2, 5) for k in keys]) == [k[-6:-3] for k in keys]
+            bufs = [bytearray(8) for _ in keys]
+            assert await kv.get_into(keys + [b"absent"], [*bufs, bytearray(8)]) == [8] * 2000 + [kvfs.MISS]
+            assert [bytes(b) for b in bufs] == [k[-8:] for k in keys]
+            assert await kv.exists_many([*keys, b"absent"]) == [True] * 2000 + [False]
+            assert await kv.match_prefix(keys) == 2000
+            assert await kv.match_prefix([*keys[:1700], b"absent", *keys[1700:]], lease_s=60) == 1700
+            assert await kv.release(keys) == 1700
+            lookups = counts["LOOKUP"]
+            kv.layout_cache.clear()
+            assert await kv.get_many(keys) == [k[-8:] for k in keys]
+            assert counts["LOOKUP"] - lookups >= 4  # (66 bytes a key: 28 KiB a part)
+
+            def blocking() -> None:
+                with kvfs.Client(c.addr, token=c.token) as bk:
+                    assert bk.exists_many(keys) == [True] * 2000
+                    assert bk.match_prefix(keys, lease_s=60) == 2000
+                    assert bk.release(keys) == 2000
+                    assert bk.get_many(keys) == [k[-8:] for k in keys]
+                    out = [bytearray(8) for _ in keys]
+                    assert bk.get_into(keys, out) == [8] * 2000
+                    assert [bytes(b) for b in out] == [k[-8:] for k in keys]
+
+            await asyncio.to_thread(blocking)
+            assert await kv.delete_many(keys[:1800]) == 1800
+            assert await kv.exists_many(keys) == [False] * 1800 + [True] * 200
+        refused = [r.getMessage() for r in caplog.records if "exceeds the limit" in r.getMessage()]
+        assert not refused, refused
+    finally:
+        await c.stop()
+
+
+async def test_a_batch_call_of_more_than_call_max_keys_is_made_in_parts(tmp_path: Path) -> None:
+    """``call_max_keys`` bounds the keys of one request (and so meta's answer to it)."""
+    c = LocalCluster(tmp_path / "c", 1)
+    await c.start()
+    try:
+        async with c.client(ClientConfig(call_max_keys=100, batch=False)) as kv:
+            keys = [b"key%d" % i for i in range(350)]
+            assert await kv.put_many([(k, k) for k in keys]) == [True] * 350
+            assert kv.rpc_counts["COMMIT"] == 4
+            assert await kv.exists_many(keys) == [True] * 350
+            assert kv.rpc_counts["EXISTS"] == 4
+            assert await kv.match_prefix([*keys[:150], b"absent", *keys[150:]]) == 150
+            assert kv.rpc_counts["MATCH_PREFIX"] == 2  # (stopped at the part with the miss)
+        with pytest.raises(ValueError, match="call_max_keys must be >= 1, got 0"):
+            ClientConfig(call_max_keys=0)
+        with pytest.raises(ValueError, match="call_max_bytes must be >= 64 KiB"):
+            ClientConfig(call_max_bytes=1000)
     finally:
         await c.stop()
