@@ -200,6 +200,7 @@ class _Link:
     requests encoded, answers decoded, READV answers into the sink the caller gives."""
 
     meta_open = True
+    max_header = 0  # (no server's limit known: AsyncClient.parts)
 
     def __init__(self, values: dict[tuple[int, int], bytes] | None = None) -> None:
         self.values = values or {}
