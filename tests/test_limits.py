@@ -609,7 +609,7 @@ async def test_batch_calls_past_the_servers_limit_are_made_in_parts(
         async with c.client(ClientConfig(replicas=2)) as kv:
             counts = kv.rpc_counts
             assert await kv.put_many([(k, k[-8:]) for k in keys[:1500]]) == [True] * 1500
-            assert counts["COMMIT"] >= 6, dict(counts)  # (152 bytes a key counted: 28 KiB a part)
+            assert counts["COMMIT"] >= 6, dict(counts)  # (a key counts its bytes + 64 + 24 a replica: 28 KiB a part)
             metas = [{"i": i, "dtype": "bfloat16", "shape": [8, 128]} for i in range(500)]
             assert await kv.put_many([(k, k[-8:]) for k in keys[1500:]], meta=metas) == [True] * 500
             assert await kv.put_many([(k, b"again") for k in keys[1000:]], if_absent=True) \
@@ -627,7 +627,7 @@ async def test_batch_calls_past_the_servers_limit_are_made_in_parts(
             lookups = counts["LOOKUP"]
             kv.layout_cache.clear()
             assert await kv.get_many(keys) == [k[-8:] for k in keys]
-            assert counts["LOOKUP"] - lookups >= 4  # (66 bytes a key: 28 KiB a part)
+            assert counts["LOOKUP"] - lookups >= 4  # (a key counts its bytes + 4: 28 KiB a part)
 
             def blocking() -> None:
                 with kvfs.Client(c.addr, token=c.token) as bk:
