@@ -300,8 +300,9 @@ class AsyncClient:
         n = len(keys)
         most = self._link.max_header // 2
         budget = (min(cfg.call_max_bytes, most) if most else cfg.call_max_bytes) - _REQUEST_BYTES
-        if n <= cfg.call_max_keys and extra is None and (
-                n * (MAX_KEY_BYTES + per_key) <= budget or sum(map(len, keys)) + n * per_key <= budget):
+        fixed = n * per_key + (0 if extra is None else sum(extra))
+        if n <= cfg.call_max_keys and (n * MAX_KEY_BYTES + fixed <= budget
+                                       or sum(map(len, keys)) + fixed <= budget):
             return None
         sizes = [len(k) + per_key for k in keys]
         if extra is not None:
