@@ -83,7 +83,15 @@ async def tombstone_layouts(ix: GcIndex, keys: Sequence[bytes], where: Sequence[
     if not {r.server_id for reps in where for r in reps} <= ix.servers.keys():
         await ix.refresh()
     tombs: list[Layout] = []
-    for key, reps in zip(keys, where, strict=True):
+    async for page in pages(list(zip(keys, where, strict=True))):  # (a page a step)
+        tombs += _tombstone_layouts(ix, page, now)
+    return tombs
+
+
+def _tombstone_layouts(ix: GcIndex, rows: Sequence[tuple[bytes, Sequence[Replica]]],
+                       now: float) -> list[Layout]:
+    tombs: list[Layout] = []
+    for key, reps in rows:
         if len({r.server_id for r in reps}) != len(reps):
             raise InvalidArgument(f"tombstone of {key[:64]!r} names one chunkserver twice")
         for r in reps:
@@ -659,29 +667,38 @@ class MetaGc:
         return {k for (k, _, _), done in zip(rows, ok, strict=True) if done}
 
     async def rpc_gc_repair(self, req: rpc.GcRepair, payload: memoryview) -> Reply:
-        """Switch each lost replica to its new copy, compare-and-swap (kvfs.meta.repair)."""
+        """Switch each lost replica to its new copy, compare-and-swap (kvfs.meta.repair).
+        Planned a page of keys per step, switched a page per step (:meth:`GcIndex.switch`): a
+        plan's 16,384 switches in one step held the loop 0.55-0.7 s at 300k keys
+        (bench/RESULTS.md); a key changed between the two keeps its change."""
         ix = self.index
-        keys = list(dict.fromkeys(it[0] for it in req.items))
-        current = dict(zip(keys, await ix.layouts(keys), strict=True))
-        dead = await ix.retired_among({*(r.chunk_id for lay in current.values() if lay is not None
-                                         for e in lay.extents for r in e.replicas),
-                                       *(it.new.chunk_id for it in req.items)})
+        by_key: dict[bytes, list[rpc.ReplicaSwitch]] = {}
+        for it in req.items:
+            by_key.setdefault(it.key, []).append(it)
         staged: dict[bytes, tuple[Layout, Layout, int, int]] = {}  # key -> old, new, extents, bytes
+        gone: list[tuple[bytes, int]] = []
         skipped = 0
-        for key, extent, lost, new in req.items:
-            old = current.get(key)
-            if old is None or new.server_id not in ix.servers or server_of_chunk(new.chunk_id) != new.server_id:
-                skipped += 1
-                continue
-            _, cur, n, nb = staged.get(key, (old, old, 0, 0))
-            switched = replace_replica(cur, extent, lost, new)
-            if switched is None or dead_in(switched, dead):
-                skipped += 1
-                continue
-            staged[key] = (old, switched, n + 1, nb + switched.extents[extent].length)
+        async for keys in pages(list(by_key)):
+            current = dict(zip(keys, await ix.layouts(keys), strict=True))
+            items = [it for k in keys for it in by_key[k]]
+            dead = await ix.retired_among({*(r.chunk_id for lay in current.values() if lay is not None
+                                             for e in lay.extents for r in e.replicas),
+                                           *(it.new.chunk_id for it in items)})
+            for key, extent, lost, new in items:
+                old = current.get(key)
+                if old is None:  # deleted since the plan: its copy is an older record its
+                    gone.append((key, new.chunk_id))  # tombstone must outlive (below)
+                if (old is None or new.server_id not in ix.servers
+                        or server_of_chunk(new.chunk_id) != new.server_id):
+                    skipped += 1
+                    continue
+                _, cur, n, nb = staged.get(key, (old, old, 0, 0))
+                switched = replace_replica(cur, extent, lost, new)
+                if switched is None or dead_in(switched, dead):
+                    skipped += 1
+                    continue
+                staged[key] = (old, switched, n + 1, nb + switched.extents[extent].length)
         done = await self._switch_by_key([(k, old, new) for k, (old, new, _, _) in staged.items()])
-        # a key deleted since the plan: its copy is an older record its tombstone must outlive
-        gone = [(k, new.chunk_id) for k, _, _, new in req.items if current.get(k) is None]
         await ix.raise_horizons(gone)
         await ix.ghost_copies(gone)  # (or dropped by the GC: a dropped record, if put again)
         repaired = nbytes = 0

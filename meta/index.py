@@ -94,6 +94,9 @@ RECORD_OVERHEAD_BYTES = RECORD.size  # a chunk record's fixed header; its key fo
 # keys a walk of many keys (GC's and STATS's: :func:`pages`) takes per loop step:
 # the other clients wait at most one page's work (bench/meta_stall.py)
 WALK_PAGE = 1000
+# keys one transaction of a large change writes (a DELETE's, a repair's switches), the loop
+# free between them: SQLite writes a random page per key
+WRITE_PAGE = 1000
 S = TypeVar("S", bound="SupportsRichComparison")  # (what sorted_pages sorts)
 T = TypeVar("T")
 METRICS_STATE = "metrics"  # the state entry holding GC's counters (Redis: a hash of their own)
@@ -144,11 +147,13 @@ def answer(commits: Iterable[PendingCommit]) -> None:
             c.done.set_result(None)
 
 
-async def pages(rows: Sequence[T]) -> AsyncIterator[Sequence[T]]:
-    """``rows`` :data:`WALK_PAGE` at a time, one page (and what the caller does with it)
-    per loop step: work over every key, or over as many, never holds the loop for all."""
-    for i in range(0, len(rows), WALK_PAGE):
-        yield rows[i:i + WALK_PAGE]
+async def pages(rows: Sequence[T], size: int | None = None) -> AsyncIterator[Sequence[T]]:
+    """``rows`` ``size`` (default :data:`WALK_PAGE`) at a time, one page (and what the caller
+    does with it) per loop step: work over every key, or over as many, never holds the loop
+    for all."""
+    n = WALK_PAGE if size is None else size
+    for i in range(0, len(rows), n):
+        yield rows[i:i + n]
         await asyncio.sleep(0)  # (the loop serves the others before the next page)
 
 
@@ -463,11 +468,12 @@ class MetaIndex(ServerRegistry):
                sync: bool = True) -> list[tuple[bytes, Layout]]:
         """Delete keys from SQLite (one transaction, owed a sync the caller settles; ``sync``:
         whatever ``--fsync``, as GC's changes are) and the index, keeping the tombstones given
-        for them (:mod:`kvfs.meta.tombstones`); returns the removed ones."""
+        for them (:mod:`kvfs.meta.tombstones`; a key given none goes as a GC drop does, its
+        records noted as ghosts); returns the removed ones."""
         gone = list(dict.fromkeys(k for k in keys if k in self.entries))
         if not gone:
             return []
-        keep = {k: tombstones[k] for k in gone} if tombstones else {}
+        keep = {k: tombstones[k] for k in gone if k in tombstones} if tombstones else {}
         for lay in keep.values():  # the horizon covers the tombstones' own chunks
             self.note_chunks(lay)
         horizon = horizon_now(self.servers, self.seq_high, self.started) if keep else {}
@@ -836,7 +842,17 @@ class MetaIndex(ServerRegistry):
         """Remove keys; ``tombstones[i]`` (if given): where key ``i``'s tombstone was
         written, kept for each key removed (:mod:`kvfs.meta.tombstones`)."""
         where = dict(zip(keys, tombstones, strict=True)) if tombstones else None
-        n = len(self.remove(keys, where, sync=False))
+        n = 0
+        # WRITE_PAGE keys a transaction, the loop free between them (16,384 keys in one held
+        # it 0.7-0.9 s at 300k keys, bench/RESULTS.md); a tombstone whose chunk GC retired
+        # since DELETE checked it is not kept: its key goes as a GC drop does, its records
+        # noted as ghosts
+        async for page in pages(keys, WRITE_PAGE):
+            if where and self.retired:
+                for k in page:
+                    if (lay := where.get(k)) is not None and self.dead_in(lay) is not None:
+                        del where[k]
+            n += len(self.remove(page, where, sync=False))
         await self._settled()  # (every change before it too: a delete of nothing waits for them)
         return n
 
@@ -1118,16 +1134,21 @@ class MetaIndex(ServerRegistry):
         return removed
 
     async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> list[bool]:
-        staged: list[tuple[bytes, Layout, Layout]] = []
+        """Compare-and-swap each key's layout, :data:`WRITE_PAGE` keys a transaction, the loop
+        free between them (a repair's 16,384 switches in one held it 0.55-0.7 s at 300k keys,
+        bench/RESULTS.md), synced once all are written; a key changed meanwhile keeps its
+        change."""
         out = []
-        for k, old, new in rows:
-            cur = self.entries.get(k)
-            ok = cur is not None and cur == old and self.dead_in(new) is None
-            out.append(ok)
-            if ok:
-                assert cur is not None
-                staged.append((k, cur, new))
-        self.switch_layouts(staged)
+        async for page in pages(rows, WRITE_PAGE):
+            staged: list[tuple[bytes, Layout, Layout]] = []
+            for k, old, new in page:
+                cur = self.entries.get(k)
+                ok = cur is not None and cur == old and self.dead_in(new) is None
+                out.append(ok)
+                if ok:
+                    assert cur is not None
+                    staged.append((k, cur, new))
+            self.switch_layouts(staged)
         await self._settled(gc=True)
         return out
 
