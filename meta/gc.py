@@ -669,7 +669,7 @@ class MetaGc:
     async def rpc_gc_repair(self, req: rpc.GcRepair, payload: memoryview) -> Reply:
         """Switch each lost replica to its new copy, compare-and-swap (kvfs.meta.repair).
         Planned a page of keys per step, switched a page per step (:meth:`GcIndex.switch`): a
-        plan's 16,384 switches in one step held the loop 0.55-0.7 s at 300k keys
+        plan's 16,384 switches in one step held the loop 0.55-0.9 s at 300k keys
         (bench/RESULTS.md); a key changed between the two keeps its change."""
         ix = self.index
         by_key: dict[bytes, list[rpc.ReplicaSwitch]] = {}

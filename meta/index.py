@@ -1135,7 +1135,7 @@ class MetaIndex(ServerRegistry):
 
     async def switch(self, rows: Sequence[tuple[bytes, Layout, Layout]]) -> list[bool]:
         """Compare-and-swap each key's layout, :data:`WRITE_PAGE` keys a transaction, the loop
-        free between them (a repair's 16,384 switches in one held it 0.55-0.7 s at 300k keys,
+        free between them (a repair's 16,384 switches in one held it 0.55-0.9 s at 300k keys,
         bench/RESULTS.md), synced once all are written; a key changed meanwhile keeps its
         change."""
         out = []

@@ -415,7 +415,7 @@ async def test_a_large_delete_writes_a_page_a_transaction_with_the_loop_free_bet
 async def test_a_repairs_switches_write_a_page_a_transaction_with_the_loop_free_between(
         meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     """GC_REPAIR plans a page of keys per step and switches ``WRITE_PAGE`` a transaction,
-    the loop free between them (a plan's 16,384 in one step held the loop 0.55-0.7 s at
+    the loop free between them (a plan's 16,384 in one step held the loop 0.55-0.9 s at
     300k keys); a key changed between plan and switch keeps its change."""
     monkeypatch.setattr(index, "WRITE_PAGE", 10)
     monkeypatch.setattr(index, "WALK_PAGE", 10)
