@@ -52,7 +52,7 @@ import msgspec
 from kvfs import rpc
 from kvfs.errors import InvalidArgument, StaleLayout, Unavailable
 from kvfs.layout import Extent, Layout, Replica, misfiled, misfiled_why, server_of_chunk
-from kvfs.meta.index import MetaIndex, ServerInfo, add_live, disk_bytes, pages
+from kvfs.meta.index import WRITE_PAGE, MetaIndex, ServerInfo, add_live, disk_bytes, pages
 from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_replica
 from kvfs.meta.storeapi import GcIndex
 from kvfs.meta.tombstones import tomb_layout
@@ -83,7 +83,7 @@ async def tombstone_layouts(ix: GcIndex, keys: Sequence[bytes], where: Sequence[
     if not {r.server_id for reps in where for r in reps} <= ix.servers.keys():
         await ix.refresh()
     tombs: list[Layout] = []
-    async for page in pages(list(zip(keys, where, strict=True))):  # (a page a step)
+    async for page in pages(list(zip(keys, where, strict=True)), WRITE_PAGE):  # (a page a step)
         tombs += _tombstone_layouts(ix, page, now)
     return tombs
 
@@ -678,7 +678,7 @@ class MetaGc:
         staged: dict[bytes, tuple[Layout, Layout, int, int]] = {}  # key -> old, new, extents, bytes
         gone: list[tuple[bytes, int]] = []
         skipped = 0
-        async for keys in pages(list(by_key)):
+        async for keys in pages(list(by_key), WRITE_PAGE):
             current = dict(zip(keys, await ix.layouts(keys), strict=True))
             items = [it for k in keys for it in by_key[k]]
             dead = await ix.retired_among({*(r.chunk_id for lay in current.values() if lay is not None

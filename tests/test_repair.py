@@ -290,13 +290,14 @@ async def test_a_drain_visits_each_key_of_the_drained_server_a_few_times_not_eve
         victim = where["k0"]
         on = [k for k in values if where[k] == victim]
         assert len(on) >= 20
-        visited = 0  # keys meta's walks looked at (its pages)
-        pages = index.pages
+        visited = 0  # keys meta's walks looked at (its pages; not the pages of a request's
+        pages = index.pages  # own keys, WRITE_PAGE: the copies' switches)
 
-        async def counting(rows: Sequence[Any]) -> AsyncIterator[Sequence[Any]]:
+        async def counting(rows: Sequence[Any], size: int | None = None) -> AsyncIterator[Sequence[Any]]:
             nonlocal visited
-            async for page in pages(rows):
-                visited += len(page)
+            async for page in pages(rows, size):
+                if size is None:
+                    visited += len(page)
                 yield page
 
         monkeypatch.setattr(index, "pages", counting)
