@@ -289,8 +289,8 @@ class AsyncClient:
         return (await self.lookup([norm_key(key)], use_cache=False))[0]
 
     def parts(self, keys: Sequence[bytes], per_key: int = _KEY_BYTES,
-              extra: Sequence[int] | None = None) -> list[range] | None:
-        """Where a batch call of ``keys`` is cut into calls made one after another, each of at
+              extra: Sequence[int] | None = None) -> list[slice] | None:
+        """The slices of ``keys`` a batch call is cut into, made one after another, each of at
         most ``call_max_keys`` keys and a request of at most ``call_max_bytes`` (or half the
         smallest ``--max-header`` a server of the cluster said it takes): a key counts its
         length, ``per_key`` and its ``extra``.  None: one call takes them all (the usual case,
@@ -308,7 +308,7 @@ class AsyncClient:
         if extra is not None:
             sizes = [a + b for a, b in zip(sizes, extra, strict=True)]
         runs = split_batches(sizes, max_bytes=budget, max_items=cfg.call_max_keys)
-        return None if len(runs) == 1 else runs
+        return None if len(runs) == 1 else [slice(r.start, r.stop) for r in runs]
 
     # writes ------------------------------------------------------------------
     async def put(self, key: Key, value: Value, *, ttl: float | None = None,
@@ -398,12 +398,11 @@ class AsyncClient:
         if metas is not None or biggest > stripe:
             extra = [_REPLICA_BYTES * r * (n // stripe) + (0 if m is None else len(m))
                      for n, m in zip(sizes, metas or repeat(None), strict=False)]
-        runs = self.parts(keys, _RECORD_BYTES + _REPLICA_BYTES * r, extra)
-        if runs is None:
+        parts = self.parts(keys, _RECORD_BYTES + _REPLICA_BYTES * r, extra)
+        if parts is None:
             return keys, await self._put_call(_PutCall(keys, views, sizes, metas, r, ttl, if_absent))
         out: list[Cached | None] = []
-        for run in runs:
-            part = slice(run.start, run.stop)
+        for part in parts:
             out += await self._put_call(_PutCall(keys[part], views[part], sizes[part],
                                                  None if metas is None else metas[part],
                                                  r, ttl, if_absent))
@@ -536,9 +535,8 @@ class AsyncClient:
         ks = norm_keys(keys)
         if not ks:
             return []
-        if (runs := self.parts(ks)) is not None:  # too many for one call: in parts
-            return [v for run in runs
-                    for v in await self.get_many(ks[run.start : run.stop], lease_s=lease_s, skip=skip)]
+        if (parts := self.parts(ks)) is not None:  # too many for one call: in parts
+            return [v for part in parts for v in await self.get_many(ks[part], lease_s=lease_s, skip=skip)]
         out: list[bytes | None]
         failed: dict[int, KVFSError] = {}
         lost: dict[int, Layout] = {}
@@ -601,8 +599,8 @@ class AsyncClient:
         keys = norm_keys(k for k, _, _ in requests)
         if not keys:
             return []
-        if (runs := self.parts(keys)) is not None:
-            return [v for run in runs for v in await self.get_ranges(requests[run.start : run.stop])]
+        if (parts := self.parts(keys)) is not None:
+            return [v for part in parts for v in await self.get_ranges(requests[part])]
         failed: dict[int, KVFSError] = {}
         for attempt in (0, 1):
             layouts = await self.lookup(keys, use_cache=attempt == 0)
@@ -669,10 +667,9 @@ class AsyncClient:
         ks, views, rooms = into_call(keys, buffers, lease_s)
         if not ks:
             return []
-        if (runs := self.parts(ks)) is not None:
-            return [n for run in runs for n in await self._get_into(
-                ks[run.start : run.stop], views[run.start : run.stop], rooms[run.start : run.stop],
-                lease_s, skip)]
+        if (parts := self.parts(ks)) is not None:
+            return [n for part in parts
+                    for n in await self._get_into(ks[part], views[part], rooms[part], lease_s, skip)]
         total = sum(rooms)
         if not skip and self._coalesce(len(ks), total):
             return await self._into_batcher.submit((ks, views, rooms, lease_s), total,
@@ -736,9 +733,8 @@ class AsyncClient:
         request = self.exists_request(keys, lease_s)
         if request is None:
             return []
-        if (runs := self.parts(request.keys)) is not None:
-            return [e for run in runs for e in await self.exists_many(
-                request.keys[run.start : run.stop], lease_s=lease_s)]
+        if (parts := self.parts(request.keys)) is not None:
+            return [e for part in parts for e in await self.exists_many(request.keys[part], lease_s=lease_s)]
         return (await self._link.call_meta(request)).exists
 
     # the requests of the calls that are one meta RPC, checked (None: no keys, no RPC); the
@@ -774,8 +770,8 @@ class AsyncClient:
         ks = norm_keys(keys)
         if not ks:
             return []
-        if (runs := self.parts(ks)) is not None:
-            return [m for run in runs for m in await self.get_meta(ks[run.start : run.stop])]
+        if (parts := self.parts(ks)) is not None:
+            return [m for part in parts for m in await self.get_meta(ks[part])]
         return [None if lay is None else {} if lay.meta is None else _META_DECODE.decode(lay.meta)
                 for lay in await self.lookup(ks)]
 
@@ -786,8 +782,8 @@ class AsyncClient:
         request = self.release_request(keys)
         if request is None:
             return 0
-        if (runs := self.parts(request.keys)) is not None:
-            return sum([await self.release(request.keys[run.start : run.stop]) for run in runs])
+        if (parts := self.parts(request.keys)) is not None:
+            return sum([await self.release(request.keys[part]) for part in parts])
         return (await self._link.call_meta(request)).released
 
     async def exists(self, key: Key) -> bool:
@@ -802,12 +798,13 @@ class AsyncClient:
         request = self.match_prefix_request(keys, lease_s)
         if request is None:
             return 0
-        if (runs := self.parts(request.keys)) is not None:  # in parts, up to the first miss
+        if (parts := self.parts(request.keys)) is not None:  # in parts, up to the first miss
             n = 0
-            for run in runs:
-                got = await self.match_prefix(request.keys[run.start : run.stop], lease_s=lease_s)
+            for part in parts:
+                keys_of = request.keys[part]
+                got = await self.match_prefix(keys_of, lease_s=lease_s)
                 n += got
-                if got < len(run):
+                if got < len(keys_of):
                     break
             return n
         return (await self._link.call_meta(request)).n
@@ -816,8 +813,8 @@ class AsyncClient:
         ks = norm_keys(keys)
         if not ks:
             return 0
-        if (runs := self.parts(ks, _RECORD_BYTES + _REPLICA_BYTES * self.config.replicas)) is not None:
-            return sum([await self.delete_many(ks[run.start : run.stop]) for run in runs])
+        if (parts := self.parts(ks, _RECORD_BYTES + _REPLICA_BYTES * self.config.replicas)) is not None:
+            return sum([await self.delete_many(ks[part]) for part in parts])
         for k in ks:
             self.layout_cache.pop(k)
         # tombstones first: a delete meta made is always on the chunks (kvfs.meta.tombstones)

@@ -427,22 +427,26 @@ class Client:
 
     def exists_many(self, keys: Iterable[Key], *, lease_s: float | None = None) -> list[bool]:
         request = self.aio.exists_request(keys, lease_s)
-        if request is None or self.aio.parts(request.keys) is not None:  # none, or in parts
-            return [] if request is None else self._run(self.aio.exists_many(request.keys,
-                                                                             lease_s=lease_s))
+        if request is None:
+            return []
+        if self.aio.parts(request.keys) is not None:  # in parts: through the IO loop
+            return self._run(self.aio.exists_many(request.keys, lease_s=lease_s))
         return self._meta(request).exists
 
     def release(self, keys: Iterable[Key]) -> int:
         request = self.aio.release_request(keys)
-        if request is None or self.aio.parts(request.keys) is not None:
-            return 0 if request is None else self._run(self.aio.release(request.keys))
+        if request is None:
+            return 0
+        if self.aio.parts(request.keys) is not None:
+            return self._run(self.aio.release(request.keys))
         return self._meta(request).released
 
     def match_prefix(self, keys: Iterable[Key], *, lease_s: float | None = None) -> int:
         request = self.aio.match_prefix_request(keys, lease_s)
-        if request is None or self.aio.parts(request.keys) is not None:
-            return 0 if request is None else self._run(self.aio.match_prefix(request.keys,
-                                                                             lease_s=lease_s))
+        if request is None:
+            return 0
+        if self.aio.parts(request.keys) is not None:
+            return self._run(self.aio.match_prefix(request.keys, lease_s=lease_s))
         return self._meta(request).n
 
     # futures: start now, collect later (from any thread) ---------------------
