@@ -76,6 +76,7 @@ class MetaService:
         self.gc = MetaGc(self.index)
         self.rpc = RpcServer([self, self.gc], Service.META, self.tokens, config)
         self._bg: list[asyncio.Task[None]] = []
+        self._closing = False  # (the background loops end at their next look: _every)
 
     # lifecycle ---------------------------------------------------------------
     async def start(self) -> str:
@@ -84,15 +85,17 @@ class MetaService:
         if not isinstance(self.index, MetaIndex):
             await self.index.open()
             self.cluster_id = await self.index.store.cluster_id()
-            self._bg.append(loop.create_task(self._refresh_loop()))
+            self._bg.append(loop.create_task(self._every(self.config.registry_refresh_s, self._refresh)))
         await self.gc.refresh()
         host, port = await self.rpc.start(host, port)
-        self._bg.append(loop.create_task(self._flush_loop()))
+        self._bg.append(loop.create_task(self._every(self.config.access_flush_interval_s,
+                                                     self.index.flush)))
         addr = f"kvfs://{host}:{port}"
         self.gc.home = (addr, self.tokens[Role.ADMIN])
         return addr
 
     async def close(self) -> None:
+        self._closing = True
         for t in self._bg:
             t.cancel()
         for t in self._bg:
@@ -103,18 +106,21 @@ class MetaService:
         await self.index.close()
         self.lock.release()
 
-    async def _flush_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.access_flush_interval_s)
+    async def _every(self, period_s: float, step: Callable[[], Awaitable[None]]) -> None:
+        """``step()`` every ``period_s`` until :meth:`close`, which cancels it.  A step may
+        swallow that cancellation (a Redis call's own timeout expiring as it comes turns it
+        into a ``TimeoutError``, so ``Unavailable``): the loop then ends at its next look at
+        ``_closing``, where it would sleep and step again for ever, and close() with it."""
+        while not self._closing:
+            await asyncio.sleep(period_s)
+            if self._closing:
+                return
             with contextlib.suppress(Unavailable):
-                await self.index.flush()
+                await step()
 
-    async def _refresh_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.registry_refresh_s)
-            with contextlib.suppress(Unavailable):
-                await self.index.refresh()
-                await self.gc.refresh()  # decommissions started through another meta
+    async def _refresh(self) -> None:
+        await self.index.refresh()
+        await self.gc.refresh()  # decommissions started through another meta
 
     # client RPCs -------------------------------------------------------------
     async def rpc_ping(self, req: rpc.Ping, payload: memoryview) -> Reply:

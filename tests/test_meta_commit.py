@@ -638,3 +638,43 @@ async def test_every_answered_put_survives_sigkill_of_meta(proc_cluster: Process
         async with proc_cluster.client() as fresh:
             keys = list(answered)
             assert await fresh.get_many(keys) == [answered[k] for k in keys]
+
+
+async def test_close_ends_a_background_loop_whose_step_swallowed_the_cancellation(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A background step (the access-time flush here; the Redis store's registry read hung
+    a teardown so in the final check: its own timeout, expiring as close()'s cancellation
+    came, turned that into ``Unavailable``, which the loop suppresses) may swallow the
+    cancellation: close() still ends, the loop ending at its next look instead of
+    sleeping and stepping for ever."""
+    from kvfs.errors import Unavailable
+    from kvfs.meta.service import MetaService
+
+    svc = MetaService(MetaConfig(data=tmp_path / "meta", listen="127.0.0.1:0", access_flush_interval_s=0.01))
+    stepping = asyncio.Event()
+    swallowed = 0
+
+    async def flush() -> None:
+        nonlocal swallowed
+        stepping.set()
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:  # (as a Redis call whose timeout expired meanwhile,
+            if swallowed:  # once)
+                raise
+            swallowed += 1
+            raise Unavailable("redis: no answer within 5 s") from None
+
+    monkeypatch.setattr(svc.index, "flush", flush)
+    await svc.start()
+    async with asyncio.timeout(30):
+        await stepping.wait()
+    closing = asyncio.ensure_future(svc.close())
+    try:
+        done, _ = await asyncio.wait([closing], timeout=10)
+        assert closing in done, "close() did not end: a background loop went on after its cancellation"
+    finally:  # (a loop left running ended here: a failure, not a hang)
+        for t in svc._bg:
+            t.cancel()
+        await asyncio.wait([closing], timeout=10)
+    assert swallowed == 1 and all(t.done() for t in svc._bg)
