@@ -108,8 +108,8 @@ class MetaService:
 
     async def _every(self, period_s: float, step: Callable[[], Awaitable[None]]) -> None:
         """``step()`` every ``period_s`` until :meth:`close`, which cancels it.  A step may
-        swallow that cancellation (a Redis call's own timeout expiring as it comes turns it
-        into a ``TimeoutError``, so ``Unavailable``): the loop then ends at its next look at
+        swallow that cancellation (a Redis call did once, seen as ``Unavailable``, which the
+        loop suppresses: a teardown hung for good): the loop then ends at its next look at
         ``_closing``, where it would sleep and step again for ever, and close() with it."""
         while not self._closing:
             await asyncio.sleep(period_s)

@@ -643,10 +643,9 @@ async def test_every_answered_put_survives_sigkill_of_meta(proc_cluster: Process
 async def test_close_ends_a_background_loop_whose_step_swallowed_the_cancellation(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A background step (the access-time flush here; the Redis store's registry read hung
-    a teardown so in the final check: its own timeout, expiring as close()'s cancellation
-    came, turned that into ``Unavailable``, which the loop suppresses) may swallow the
-    cancellation: close() still ends, the loop ending at its next look instead of
-    sleeping and stepping for ever."""
+    a teardown so in a final check, its cancellation seen as ``Unavailable``, which the
+    loop suppresses) may swallow the cancellation: close() still ends, the loop ending at
+    its next look instead of sleeping and stepping for ever."""
     from kvfs.errors import Unavailable
     from kvfs.meta.service import MetaService
 
