@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     q = msub.add_parser("rebuild", help="write a new meta database from the chunkservers' records "
                         "(after meta's database was lost)")
     q.add_argument("--data", type=Path, required=True, help="meta's data directory (the new database)")
+    q.add_argument("--store", choices=("sqlite", "rocksdb"), default="sqlite",
+                   help="the new database's kind: as the meta that will serve it (its --store)")
     q.add_argument("--from-chunkservers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                    help="every chunkserver of the cluster")
     q.add_argument("--token-file", default=None,
@@ -71,14 +73,16 @@ def build_parser() -> argparse.ArgumentParser:
     q.add_argument("file", type=Path)
     q.add_argument("--data", type=Path, required=True, help="meta's data directory")
     q.set_defaults(func="kvfs.commands:cmd_meta_backup")
-    q = msub.add_parser("migrate", help="move the index between stores, meta stopped: SQLite to "
-                        "Redis Cluster or back, or to another Redis namespace (keys, TTLs, last "
+    q = msub.add_parser("migrate", help="move the index between stores, meta stopped: SQLite or "
+                        "RocksDB to Redis Cluster or back, SQLite to RocksDB or back, or to another "
+                        "Redis namespace (keys, TTLs, last "
                         "access, cluster id, chunkservers, retired chunks, GC state); resumes a run "
                         "that stopped")
     q.add_argument("--from", dest="src", required=True, metavar="STORE",
-                   help="sqlite:PATH (meta's data directory) or redis-cluster://HOST:PORT[,...]")
+                   help="sqlite:PATH or rocksdb:PATH (meta's data directory), or "
+                   "redis-cluster://HOST:PORT[,...]")
     q.add_argument("--to", dest="dst", required=True, metavar="STORE",
-                   help="sqlite:PATH or redis-cluster://HOST:PORT[,...]: empty, or holding an "
+                   help="sqlite:PATH, rocksdb:PATH or redis-cluster://HOST:PORT[,...]: empty, or holding an "
                    "unfinished migration of the same cluster")
     q.add_argument("--from-namespace", default="kvfs", help="a redis source's --store-namespace")
     q.add_argument("--to-namespace", default="kvfs", help="a redis target's --store-namespace")

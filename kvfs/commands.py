@@ -82,13 +82,14 @@ async def cmd_meta(ns: argparse.Namespace) -> int:
 
 
 async def cmd_meta_rebuild(ns: argparse.Namespace) -> int:
+    from kvfs.meta.localstore import store_path
     from kvfs.meta.rebuild import rebuild
 
     addrs = [a.strip() for a in ns.from_chunkservers.split(",") if a.strip()]
     # reading every chunk's records (CHUNK_SCAN) is an admin operation
     token = lookup_token(token_from_file(ns.token_file), data_dir=ns.data, role=Role.ADMIN)
-    rep = await rebuild(ns.data, addrs, token, tls=from_options(TlsConfig, ns))
-    print(f"rebuilt {ns.data / 'meta.sqlite3'} from {rep.servers} chunkservers, {rep.chunks} chunks, "
+    rep = await rebuild(ns.data, addrs, token, tls=from_options(TlsConfig, ns), kind=ns.store)
+    print(f"rebuilt {store_path(ns.data, ns.store)} from {rep.servers} chunkservers, {rep.chunks} chunks, "
           f"{rep.records} records: {rep.keys} keys ({format_size(rep.value_bytes)}); skipped "
           f"{rep.deleted} deleted, {rep.expired} expired, {rep.incomplete} incomplete "
           f"(no good copy of an extent), {rep.bad_records} records failing their CRC")
@@ -154,6 +155,8 @@ async def cmd_up(ns: argparse.Namespace) -> int:
     meta_args, cs_args, gc_args = meta_args + tls_args, cs_args + tls_args, gc_args + tls_args
     meta_args, cs_args = meta_args + fsync_argv(cfg), cs_args + fsync_argv(cfg)
     redis_args: tuple[str, ...] | None = None
+    if cfg.meta_store == "rocksdb":
+        meta_args += ["--store", "rocksdb"]
     if cfg.meta_store == "redis-cluster":
         from kvfs.meta.redis_local import REDIS_SERVER
 
@@ -181,7 +184,7 @@ async def cmd_up(ns: argparse.Namespace) -> int:
                f"TLS with {cfg.tls_cert} (clients: --tls-ca or $KVFS_TLS_CA"
                + (f" {cfg.tls_ca}, and a client certificate it signed: mutual TLS)"
                   if cfg.tls_ca else ")"))
-        store = ("" if cluster.store_url is None else
+        store = (", meta on RocksDB" if cfg.meta_store == "rocksdb" else "" if cluster.store_url is None else
                  f", meta on a {'3+3' if cfg.redis_replicas else '3'}-node Redis Cluster "
                  f"{cluster.store_url}")
         report(f"{cfg.chunkservers} chunkservers{' + gc daemon' if cfg.gc else ''}{store}, data in "

@@ -147,8 +147,14 @@ class MetaConfig(ServerConfig):
                                 "copy; reports past it are dropped until those are done (0: "
                                 "reports are ignored; a scrub still finds them)", 4096)
     store: str | None = opt("where the index lives: default the SQLite file under --data; "
+                            "rocksdb keeps it in a RocksDB directory under --data (the rocksdb "
+                            "extra: appends, where SQLite rewrites a random page per key); "
                             "redis-cluster://HOST:PORT[,HOST:PORT...] keeps it in a Redis Cluster, "
                             "where several meta processes serve one index", None)
+    rocksdb_memtable_bytes: int = opt("--store rocksdb: the memtable RocksDB fills before it "
+                                      "writes it out as a sorted file; meta holds at most two "
+                                      "(one filling, one being written), plus RocksDB's 8 MiB "
+                                      "block cache", 64 * MiB, positive=True)
     store_namespace: str = opt("--store redis-cluster: the prefix of this cluster's Redis keys "
                                "(several kvfs clusters can share one Redis Cluster)", "kvfs")
     store_timeout_s: float = opt("--store redis-cluster: the longest one network step to Redis "
@@ -172,11 +178,13 @@ class MetaConfig(ServerConfig):
 
     def __post_init__(self) -> None:
         for name in ("commit_group_max_keys", "commit_group_max_bytes", "max_lease_holders",
-                     "max_lease_holder_chars"):
+                     "max_lease_holder_chars", "rocksdb_memtable_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
         if self.suspect_replicas < 0:
             raise ValueError(f"--suspect-replicas must be at least 0, got {self.suspect_replicas}")
+        if self.store is not None and self.store != "rocksdb" and not self.store.startswith("redis-cluster://"):
+            raise ValueError(f"--store must be rocksdb or redis-cluster://HOST:PORT[,...], got {self.store!r:.200}")
         if self.max_lease_holder_chars > MAX_HOLDER_CHARS:
             raise ValueError(f"--max-lease-holder-chars must be at most {MAX_HOLDER_CHARS} (the "
                              f"protocol's limit), got {self.max_lease_holder_chars}")
@@ -596,7 +604,8 @@ class UpConfig(ClusterFsyncConfig, TlsConfig):
     restart_backoff_s: float = opt("wait before the first restart; doubled per quick failure", 0.5)
     restart_backoff_max_s: float = opt("longest wait between restarts", 30.0)
     restart_stable_s: float = opt("a service up this long counts as healthy (backoff resets)", 10.0)
-    meta_store: str = opt("where meta keeps its index: sqlite (a file under DATA/meta) or "
+    meta_store: str = opt("where meta keeps its index: sqlite (a file under DATA/meta), rocksdb "
+                          "(a RocksDB directory under DATA/meta: meta's --store rocksdb) or "
                           "redis-cluster (a local 3-master Redis Cluster under DATA/redis, "
                           "redis-server from apt, supervised like the other services)", "sqlite")
     redis_replicas: bool = opt("--meta-store redis-cluster: one replica per master (6 redis-server "
@@ -606,8 +615,8 @@ class UpConfig(ClusterFsyncConfig, TlsConfig):
                                             "(default: no limit)", None)
 
     def __post_init__(self) -> None:
-        if self.meta_store not in ("sqlite", "redis-cluster"):
-            raise ValueError(f"--meta-store must be sqlite or redis-cluster, got {self.meta_store!r}")
+        if self.meta_store not in ("sqlite", "rocksdb", "redis-cluster"):
+            raise ValueError(f"--meta-store must be sqlite, rocksdb or redis-cluster, got {self.meta_store!r}")
         if self.meta_store != "redis-cluster" and (self.redis_replicas or self.redis_maxmemory_bytes):
             raise ValueError("--redis-replicas and --redis-maxmemory need --meta-store redis-cluster")
         if self.chunkservers < 1:

@@ -66,8 +66,9 @@ from kvfs.chunkserver.records import RECORD  # the record format: meta counts it
 from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import ServerError, StaleLayout
 from kvfs.layout import Layout, Replica, encode_layout, encode_layout_buffer, server_of_chunk
+from kvfs.meta.localstore import LocalStore
 from kvfs.meta.repair import readable
-from kvfs.meta.store import NO_EXPIRY, MetaStore
+from kvfs.meta.store import NO_EXPIRY
 from kvfs.meta.storeapi import OVERFLOW_HOLDER, Lease
 from kvfs.meta.tombstones import (
     NO_GHOST,
@@ -239,9 +240,10 @@ class ServerRegistry:
 
 
 class MetaIndex(ServerRegistry):
-    """Every key in memory over the SQLite file (the embedded default)."""
+    """Every key in memory over a store in meta's data directory: SQLite (the embedded
+    default) or RocksDB (:mod:`kvfs.meta.localstore`)."""
 
-    def __init__(self, config: MetaConfig, store: MetaStore, clock: Callable[[], float]) -> None:
+    def __init__(self, config: MetaConfig, store: LocalStore, clock: Callable[[], float]) -> None:
         super().__init__(config, clock)
         self.store = store
         # key -> layout: the index holds the layout itself, no object per key around it (a

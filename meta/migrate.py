@@ -1,28 +1,28 @@
-"""``kvfs meta migrate``: move meta's index from one store to another, SQLite to Redis
-Cluster or back, or between two Redis stores (another namespace: how a store made by an
+"""``kvfs meta migrate``: move meta's index from one store to another, SQLite or RocksDB
+to Redis Cluster or back, SQLite to RocksDB or back, or between two Redis stores (another namespace: how a store made by an
 older kvfs, format 1 or 2, is brought to this kvfs's format), with meta stopped.
 
 What moves: every unexpired key with its layout (so its TTL) and its last access (the
 LRU order), the cluster id, the chunkserver registry, the retired chunks (a late commit
 naming one is still refused) and the GC state (paused, metrics, draining and
 decommissioned servers).  Chunkservers' heartbeat times do not: they report again.
-Nor do the delete tombstones a SQLite meta tracks (:mod:`kvfs.meta.tombstones`): the
-Redis store keeps none (README, "No tombstones on Redis"), so a later ``kvfs meta
-rebuild`` may bring back keys deleted before the migration.  Nor does SQLite's
-``older`` set (keys with older records): into SQLite every key is marked as having some
-(the GC then drops each once with a tombstone).
+Nor do the delete tombstones a SQLite or RocksDB meta tracks (:mod:`kvfs.meta.tombstones`):
+the Redis store keeps none (README, "No tombstones on Redis"), so a later ``kvfs meta
+rebuild`` may bring back keys deleted before the migration.  Nor does the ``older`` set
+(keys with older records): into SQLite or RocksDB every key is marked as having some (the
+GC then drops each once with a tombstone).
 
-Memory stays bounded: keys stream in batches of ``batch`` (SQLite pages by key, Redis by
-its LRU index), each batch written before the next is read.
+Memory stays bounded: keys stream in batches of ``batch`` (SQLite and RocksDB page by key,
+Redis by its LRU index), each batch written before the next is read.
 
 A target must be empty, or hold an unfinished migration of the same cluster: the
 migration records its progress in the target's state (``migrated_from``: the source
 cluster id, the last key written, done or not), so a run that stopped (^C, a crash)
-is run again with the same arguments and continues (SQLite to Redis: after the last
-batch written; Redis to SQLite: from the start, every write an idempotent overwrite).
+is run again with the same arguments and continues (from SQLite or RocksDB: after the
+last batch written; from Redis: from the start, every write an idempotent overwrite).
 A target holding keys or a cluster id of anything else is refused by name, and so is
-one whose migration finished.  The source is only read; a SQLite source's data dir is
-locked for the run (a running meta there refuses it, and it refuses a meta).
+one whose migration finished.  The source is only read; a SQLite or RocksDB source's data dir
+is locked for the run (a running meta there refuses it, and it refuses a meta).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from kvfs.datadir import DirLock
 from kvfs.errors import InvalidArgument
 from kvfs.layout import Layout, decode_layout, encode_layout
 from kvfs.meta.index import METRICS_STATE
-from kvfs.meta.store import MetaStore
+from kvfs.meta.localstore import KINDS, open_local, store_path
 
 MARK = "migrated_from"  # the target's state entry recording a migration's progress
 Row = tuple[bytes, Layout, float]  # key, layout, last access
@@ -64,34 +64,42 @@ class MigrateReport:
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
-    """``sqlite:PATH`` -> ("sqlite", PATH); ``redis-cluster://...`` -> ("redis", URL)."""
-    if spec.startswith("sqlite:"):
-        path = spec.removeprefix("sqlite:")
-        if not path:
-            raise InvalidArgument(f"bad store {spec!r}: expected sqlite:PATH (meta's data directory)")
-        return "sqlite", path
+    """``sqlite:PATH`` -> ("sqlite", PATH); ``rocksdb:PATH`` -> ("rocksdb", PATH);
+    ``redis-cluster://...`` -> ("redis", URL)."""
+    for kind in KINDS:
+        if spec.startswith(f"{kind}:"):
+            path = spec.removeprefix(f"{kind}:")
+            if not path:
+                raise InvalidArgument(f"bad store {spec!r}: expected {kind}:PATH (meta's data directory)")
+            return kind, path
     if spec.startswith("redis-cluster://"):
         return "redis", spec
-    raise InvalidArgument(f"bad store {spec!r:.200}: expected sqlite:PATH or redis-cluster://HOST:PORT[,...]")
+    raise InvalidArgument(f"bad store {spec!r:.200}: expected sqlite:PATH, rocksdb:PATH or "
+                          "redis-cluster://HOST:PORT[,...]")
 
 
-def _sqlite_path(path: str) -> tuple[Path, Path]:
-    """(data dir, database): PATH is meta's data dir or its meta.sqlite3."""
+def _local_dir(path: str, kind: str) -> Path:
+    """Meta's data dir: PATH is it, or its store (meta.sqlite3, meta.rocksdb)."""
     p = Path(path)
-    if p.name == "meta.sqlite3":
-        return p.parent, p
-    return p, p / "meta.sqlite3"
+    return p.parent if p.name == store_path(p.parent, kind).name else p
 
 
-class _Sqlite:
-    def __init__(self, path: str, *, source: bool) -> None:
-        self.dir, self.file = _sqlite_path(path)
-        if source and not self.file.exists():
-            raise InvalidArgument(f"no meta database at {self.file}")
+class _Local:
+    """A store in a meta data directory (:mod:`kvfs.meta.localstore`)."""
+
+    def __init__(self, path: str, kind: str, *, source: bool) -> None:
+        self.dir = _local_dir(path, kind)
+        file = store_path(self.dir, kind)
+        if source and not file.exists():
+            raise InvalidArgument(f"no meta database at {file}")
         self.dir.mkdir(parents=True, exist_ok=True)
         self.lock = DirLock(self.dir, "meta", hint="stop meta before migrating its index").acquire()
-        self.store = MetaStore(self.file)
-        self.name = f"sqlite:{self.file}"
+        try:
+            self.store = open_local(self.dir, kind)
+        except BaseException:
+            self.lock.release()
+            raise
+        self.name = f"{kind}:{file}"
 
     async def close(self) -> None:
         self.store.close()
@@ -114,8 +122,7 @@ class _Sqlite:
 
     # writing
     async def count(self) -> int:
-        (n,) = self.store.db.execute("SELECT count(*) FROM kv").fetchone()
-        return int(n)
+        return self.store.count()
 
     async def get_state(self, name: str) -> Any:
         return self.store.get_state(name)
@@ -124,8 +131,7 @@ class _Sqlite:
         self.store.put_state(name, value)
 
     async def existing_cluster_id(self) -> str | None:
-        row = self.store.db.execute("SELECT id FROM cluster").fetchone()
-        return None if row is None else str(row[0])
+        return self.store.stored_cluster_id()
 
     async def write_header(self, cid: str, servers: list[tuple[int, str, int, int]],
                            dead: list[tuple[int, int, float]], state: dict[str, Any]) -> None:
@@ -137,7 +143,8 @@ class _Sqlite:
             self.store.put_state(name, value)
 
     async def write_rows(self, rows: list[Row]) -> None:
-        # the source (a Redis store) tracks no older records: every key may have some
+        # the source (a Redis store, or one whose older records are not moved) tracks none
+        # here: every key may have some
         self.store.put_many(((k, encode_layout(lay), lay.expires_at, a) for k, lay, a in rows),
                             ((k, None) for k, _, _ in rows))
 
@@ -234,12 +241,12 @@ class _Redis:
         await self.store.flush_access()
 
 
-Store = _Sqlite | _Redis
+Store = _Local | _Redis
 
 
 def _open(spec: str, namespace: str, *, source: bool) -> Store:
     kind, where = parse_spec(spec)
-    return _Sqlite(where, source=source) if kind == "sqlite" else _Redis(where, namespace, source=source)
+    return _Redis(where, namespace, source=source) if kind == "redis" else _Local(where, kind, source=source)
 
 
 async def migrate(src_spec: str, dst_spec: str, *, from_namespace: str = "kvfs",
@@ -249,9 +256,11 @@ async def migrate(src_spec: str, dst_spec: str, *, from_namespace: str = "kvfs",
     """Copy the index at ``src_spec`` into ``dst_spec`` (see the module's doc)."""
     if not 1 <= batch <= 100_000:
         raise InvalidArgument(f"--batch must be 1..100000, got {batch}")
-    if parse_spec(src_spec)[0] == parse_spec(dst_spec)[0] == "sqlite":
-        raise InvalidArgument("migrate moves between SQLite and Redis Cluster: --from and --to are "
-                              "the same kind of store (copy a SQLite database with kvfs meta backup)")
+    kinds = parse_spec(src_spec)[0], parse_spec(dst_spec)[0]
+    if kinds[0] == kinds[1] != "redis":
+        raise InvalidArgument(f"migrate moves between kinds of store (SQLite, RocksDB, Redis Cluster): "
+                              f"--from and --to are both {kinds[0]} (copy a SQLite database with "
+                              "kvfs meta backup)")
     if (src_spec, from_namespace) == (dst_spec, to_namespace):
         raise InvalidArgument("--from and --to are the same store: give another --to-namespace")
     t0 = time.perf_counter()
@@ -287,7 +296,7 @@ async def migrate(src_spec: str, dst_spec: str, *, from_namespace: str = "kvfs",
         await dst.write_header(cid, servers, dead, state)
         rep.servers, rep.retired_chunks, rep.state = len(servers), len(dead), len(state)
         after = None  # a SQLite source is read in key order: a second run continues after the last batch
-        if mark is not None and isinstance(src, _Sqlite) and mark.get("after") is not None:
+        if mark is not None and isinstance(src, _Local) and mark.get("after") is not None:
             after = bytes.fromhex(mark["after"])
         rep.resumed_after = after
         keys = int(mark.get("keys", 0)) if after is not None and mark is not None else 0
@@ -302,7 +311,7 @@ async def migrate(src_spec: str, dst_spec: str, *, from_namespace: str = "kvfs",
                 await dst.write_rows(live)
             keys += len(live)
             rep.keys += len(live)
-            if isinstance(src, _Sqlite) and rows:
+            if isinstance(src, _Local) and rows:
                 await dst.put_state(MARK, {"cluster": cid, "source": src.name, "done": False,
                                            "after": rows[-1][0].hex(), "keys": keys})
             if progress is not None and rep.keys >= next_report:

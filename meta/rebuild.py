@@ -37,12 +37,10 @@ from kvfs.address import parse_addr
 from kvfs.config import TlsConfig
 from kvfs.errors import InvalidArgument, WrongCluster
 from kvfs.layout import Extent, Layout, Replica, encode_layout
-from kvfs.meta.store import MetaStore
+from kvfs.meta.localstore import SQLITE_NAME, held_kind, open_local, store_path
 from kvfs.meta.tombstones import Horizon, chunk_seq, encode_horizon, ghost_hash, tomb_layout
 from kvfs.tls import client_context
 from kvfs.transport import Connection
-
-DB_NAME = "meta.sqlite3"
 
 
 class FoundRecord(NamedTuple):
@@ -194,11 +192,13 @@ async def scan_chunkservers(addrs: list[str], token: str, report: RebuildReport,
 
 
 async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None = None,
-                  tls: TlsConfig | None = None) -> RebuildReport:
-    """Write a new meta database in ``data`` from the chunkservers' records."""
-    path = data / DB_NAME
-    if path.exists():
-        raise InvalidArgument(f"{path} exists; move it away first (or back it up: kvfs meta backup)")
+                  tls: TlsConfig | None = None, kind: str = "sqlite") -> RebuildReport:
+    """Write a new meta database in ``data`` from the chunkservers' records: a ``kind`` store
+    (:mod:`kvfs.meta.localstore`)."""
+    held = held_kind(data)
+    if held is not None:
+        raise InvalidArgument(f"{store_path(data, held)} exists; move it away first (or back it up: "
+                              "kvfs meta backup)")
     if not addrs:
         raise InvalidArgument("--from-chunkservers needs at least one HOST:PORT")
     report = RebuildReport()
@@ -211,8 +211,7 @@ async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None
     # the records of keys not kept (expired, incomplete) are dropped ones: a put again marks the key
     ghosts = {(r.chunk_id, ghost_hash(r.key), r.expires_at) for r in records
               if r.key not in layouts and r.key not in tombs}
-    data.mkdir(parents=True, exist_ok=True)
-    store = MetaStore(path)
+    store = open_local(data, kind)
     try:
         store.cluster_id(create=cluster_id)
         store.put_many(((k, encode_layout(lay), lay.expires_at, now) for k, lay in layouts.items()),
@@ -228,7 +227,11 @@ async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None
 
 def backup(data: Path, dest: Path) -> int:
     """Copy ``data``'s live database to ``dest`` with SQLite's online backup; returns its pages."""
-    src_path = data / DB_NAME
+    src_path = data / SQLITE_NAME
+    if held_kind(data) == "rocksdb":
+        raise InvalidArgument(f"{store_path(data, 'rocksdb')} is RocksDB: kvfs meta backup copies a "
+                              "SQLite database; stop meta and copy the directory, or kvfs meta "
+                              f"migrate --from rocksdb:{data} --to sqlite:NEW_DIR")
     if not src_path.exists():
         raise InvalidArgument(f"no meta database at {src_path}")
     if dest.exists():

@@ -20,13 +20,13 @@ from typing import TYPE_CHECKING, TypeVar
 from kvfs import rpc
 from kvfs.address import parse_addr, service_tokens
 from kvfs.config import MetaConfig
-from kvfs.datadir import DirLock, create_private_file, private_dir, raise_nofile_limit
+from kvfs.datadir import DirLock, private_dir, raise_nofile_limit
 from kvfs.errors import InvalidArgument, Unavailable, WrongCluster
 from kvfs.handshake import Role
 from kvfs.layout import Layout, misfiled, misfiled_why
 from kvfs.meta.gc import MetaGc, tombstone_layouts
 from kvfs.meta.index import MetaIndex, ServerInfo
-from kvfs.meta.store import MetaStore
+from kvfs.meta.localstore import open_local
 from kvfs.meta.storeapi import Lease
 from kvfs.packed import unpack as unpack_layouts
 from kvfs.rpc import Service
@@ -57,10 +57,10 @@ class MetaService:
         self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
         self.index: MetaIndex | SharedIndex
         self.local: MetaIndex | None = None  # the index, where it is in this process's memory
-        if config.store is None:
-            create_private_file(config.data / "meta.sqlite3")  # SQLite's -wal/-shm copy its mode
-            self.store = MetaStore(config.data / "meta.sqlite3",
-                                   synchronous="NORMAL" if config.fsync == "never" else "FULL")
+        if config.store in (None, "rocksdb"):
+            self.store = open_local(config.data, config.store or "sqlite",
+                                    synchronous="NORMAL" if config.fsync == "never" else "FULL",
+                                    memtable_bytes=config.rocksdb_memtable_bytes)
             self.cluster_id = self.store.cluster_id()
             self.index = MetaIndex(config, self.store, clock)
             self.index.load()

@@ -119,13 +119,22 @@ class MetaStore:
     def cluster_id(self, *, create: str | None = None) -> str:
         """This cluster's id, made once when the database is created (``create`` gives it,
         e.g. a rebuild adopting the chunkservers' id; default: a fresh random one)."""
-        row = self.db.execute("SELECT id FROM cluster").fetchone()
-        if row is not None:
-            return str(row[0])
+        cid = self.stored_cluster_id()
+        if cid is not None:
+            return cid
         cid = create or uuid.uuid4().hex
         with self._tx():
             self.db.execute("INSERT INTO cluster VALUES (?)", (cid,))
         return cid
+
+    def stored_cluster_id(self) -> str | None:
+        row = self.db.execute("SELECT id FROM cluster").fetchone()
+        return None if row is None else str(row[0])
+
+    def count(self) -> int:
+        """Keys stored."""
+        (n,) = self.db.execute("SELECT count(*) FROM kv").fetchone()
+        return int(n)
 
     @contextlib.contextmanager
     def _tx(self) -> Iterator[None]:

@@ -27,9 +27,13 @@ import logging
 import queue
 import threading
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 from kvfs.errors import ServerError
-from kvfs.meta.store import Checkpointer, MetaStore
+from kvfs.meta.store import Checkpointer
+
+if TYPE_CHECKING:
+    from kvfs.meta.localstore import LocalStore
 
 log = logging.getLogger("kvfs.meta")
 
@@ -96,7 +100,7 @@ class WalSync:
       that succeeds proves nothing.
     """
 
-    def __init__(self, store: MetaStore, *, checkpoint: bool = False) -> None:
+    def __init__(self, store: LocalStore, *, checkpoint: bool = False) -> None:
         self.store = store
         # the WAL's checkpoints in the sync thread (the loop's connection's raised to the bound)
         self._checkpointer = store.checkpoint_off_loop() if checkpoint else None

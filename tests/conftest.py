@@ -546,16 +546,37 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
         yield rc
 
 
-@pytest.fixture(params=["sqlite", pytest.param("redis", marks=[pytest.mark.redis, pytest.mark.meta_redis])])
+@pytest.fixture(params=["sqlite", pytest.param("rocksdb", marks=pytest.mark.meta_rocksdb),
+                        pytest.param("redis", marks=[pytest.mark.redis, pytest.mark.meta_redis])])
 def meta_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test over each meta backend: SQLite (the default), and Redis Cluster, where every
-    :class:`LocalCluster` or :class:`ProcessCluster` the test starts puts its meta on the
-    session's Redis Cluster, in a namespace of its own (kept across that cluster's meta
-    restarts).  A module opts in with ``pytestmark = pytest.mark.usefixtures("meta_backend")``;
-    the Redis half is marker ``meta_redis`` (not in the default run: .ci/run runs it)."""
+    """Run a test over each meta backend: SQLite (the default); RocksDB (``--store rocksdb``),
+    for every :class:`LocalCluster` or :class:`ProcessCluster` the test starts; and Redis
+    Cluster, where each puts its meta on the session's Redis Cluster, in a namespace of its
+    own (kept across that cluster's meta restarts).  A module opts in with
+    ``pytestmark = pytest.mark.usefixtures("meta_backend")``; the RocksDB and Redis halves
+    are markers ``meta_rocksdb`` and ``meta_redis`` (not in the default run: .ci/run runs them)."""
     if request.param == "sqlite":
         return "sqlite"
     from dataclasses import replace
+
+    if request.param == "rocksdb":
+        start_local = LocalCluster.start_meta
+
+        async def on_rocksdb(self: LocalCluster) -> str:
+            if self.meta_config.store is None:
+                self.meta_config = replace(self.meta_config, store="rocksdb")
+            return await start_local(self)
+
+        meta_proc = ProcessCluster._meta_process
+
+        def process_on_rocksdb(self: ProcessCluster, listen: str) -> ServiceProcess:
+            if "--store" not in self.meta_args:
+                self.meta_args = (*self.meta_args, "--store", "rocksdb")
+            return meta_proc(self, listen)
+
+        monkeypatch.setattr(LocalCluster, "start_meta", on_rocksdb)
+        monkeypatch.setattr(ProcessCluster, "_meta_process", process_on_rocksdb)
+        return "rocksdb"
 
     rc: LocalRedisCluster = request.getfixturevalue("redis_cluster")
     start_meta = LocalCluster.start_meta

@@ -144,8 +144,11 @@ def test_cli_refuses_bad_stores_by_name(tmp_path: Path) -> None:
     r = run("--from", f"sqlite:{tmp_path / 'none'}", "--to", "redis-cluster://127.0.0.1:1")
     assert r.returncode == 1 and f"no meta database at {tmp_path / 'none' / 'meta.sqlite3'}" in r.stderr
     r = run("--from", "mysql://x", "--to", "redis-cluster://127.0.0.1:1")
-    assert r.returncode == 1 and "bad store 'mysql://x': expected sqlite:PATH or redis-cluster://" in r.stderr
+    assert r.returncode == 1 and ("bad store 'mysql://x': expected sqlite:PATH, rocksdb:PATH or "
+                                  "redis-cluster://") in r.stderr
     r = run("--from", "sqlite:a", "--to", "sqlite:b")
-    assert r.returncode == 1 and "--from and --to are the same kind of store" in r.stderr
+    assert r.returncode == 1 and "--from and --to are both sqlite" in r.stderr
+    r = run("--from", "rocksdb:a", "--to", "rocksdb:b")
+    assert r.returncode == 1 and "--from and --to are both rocksdb" in r.stderr
     r = run("--from", "redis-cluster://127.0.0.1:1", "--to", "redis-cluster://127.0.0.1:1")
     assert r.returncode == 1 and "--from and --to are the same store" in r.stderr

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ from test_meta_walks import derived_tomb_chunks
 
 from kvfs import rpc
 from kvfs.chunkserver.records import scan_records
-from kvfs.config import ChunkServerConfig, ClientConfig
+from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
 from kvfs.errors import KVFSError
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
@@ -96,8 +97,11 @@ async def _wait_registered(cluster: LocalCluster, *, with_chunks: bool = True) -
         await asyncio.sleep(0.05)
 
 
-async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path) -> None:
-    async with LocalCluster(tmp_path / "c", 3) as cluster:
+@pytest.mark.parametrize("store", ["sqlite", "rocksdb"])
+async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path, store: str) -> None:
+    meta_config = MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0",
+                             store="rocksdb" if store == "rocksdb" else None)
+    async with LocalCluster(tmp_path / "c", 3, meta=meta_config) as cluster:
         items = {f"p/{i}".encode(): os.urandom(1000 + 37 * i) for i in range(200)}
         items[b"striped"] = os.urandom(3 * (1 << 20) + 12345)
         async with cluster.client() as kv:
@@ -119,15 +123,18 @@ async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path
         await cluster.stop_meta()
         for p in (tmp_path / "c" / "meta").glob("meta.sqlite3*"):
             p.unlink()
+        shutil.rmtree(tmp_path / "c" / "meta" / "meta.rocksdb", ignore_errors=True)
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvfs", "meta", "rebuild", "--data", str(tmp_path / "c" / "meta"),
-            "--from-chunkservers", ",".join(addrs),
+            "--from-chunkservers", ",".join(addrs), "--store", store,
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
             env={**os.environ, "KVFS_ADMIN_TOKEN": cluster.admin_token})
         out, err = await proc.communicate()
         assert proc.returncode == 0, err.decode()
         assert f"{len(expect)} keys" in out.decode() and "skipped 2 deleted" in out.decode()
         assert " 0 incomplete" in out.decode()
+        made = tmp_path / "c" / "meta" / ("meta.rocksdb" if store == "rocksdb" else "meta.sqlite3")
+        assert f"rebuilt {made} from" in out.decode()
         await cluster.start_meta()
         assert cluster.meta is not None and cluster.meta.cluster_id == cluster_id
         await _wait_registered(cluster)
@@ -186,6 +193,15 @@ def test_rebuild_refuses_to_overwrite(tmp_path: Path) -> None:
     (tmp_path / "meta.sqlite3").write_bytes(b"")
     with pytest.raises(ValueError, match="exists"):
         asyncio.run(rebuild(tmp_path, ["127.0.0.1:1"], "t"))
+    (tmp_path / "r" / "meta.rocksdb").mkdir(parents=True)
+    with pytest.raises(ValueError, match=r"meta\.rocksdb exists"):
+        asyncio.run(rebuild(tmp_path / "r", ["127.0.0.1:1"], "t", kind="sqlite"))
+
+
+def test_backup_of_a_rocksdb_meta_is_refused_naming_migrate(tmp_path: Path) -> None:
+    (tmp_path / "meta.rocksdb").mkdir()
+    with pytest.raises(ValueError, match=r"meta\.rocksdb is RocksDB: .*kvfs meta migrate --from rocksdb:"):
+        backup(tmp_path, tmp_path / "out.sqlite3")
 
 
 async def test_a_deleted_key_stays_deleted_after_gc_reclaims_its_tombstones_chunk_and_meta_is_rebuilt(

@@ -1,0 +1,52 @@
+"""Which store a meta data directory holds its index in, when meta keeps every key in memory
+(:class:`kvfs.meta.index.MetaIndex`): SQLite (``meta.sqlite3``, the default) or RocksDB
+(``meta.rocksdb/``, ``--store rocksdb``).  Both have the same calls
+(:class:`kvfs.meta.store.MetaStore`, :class:`kvfs.meta.rocks.RocksStore`).  A directory
+holds one: opened as the other, it is refused (an empty index would serve every key as a
+miss), naming ``kvfs meta migrate``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvfs.datadir import create_private_file, private_dir
+from kvfs.errors import InvalidArgument
+from kvfs.meta.rocks import RocksStore
+from kvfs.meta.store import MetaStore
+
+SQLITE_NAME = "meta.sqlite3"
+ROCKSDB_NAME = "meta.rocksdb"
+KINDS = ("sqlite", "rocksdb")
+LocalStore = MetaStore | RocksStore
+
+
+def held_kind(data: Path) -> str | None:
+    """The kind of store ``data`` holds (None: neither yet)."""
+    if (data / ROCKSDB_NAME).exists():
+        return "rocksdb"
+    if (data / SQLITE_NAME).exists():
+        return "sqlite"
+    return None
+
+
+def store_path(data: Path, kind: str) -> Path:
+    return data / (ROCKSDB_NAME if kind == "rocksdb" else SQLITE_NAME)
+
+
+def open_local(data: Path, kind: str, *, synchronous: str = "FULL",
+               memtable_bytes: int = 64 << 20) -> LocalStore:
+    """The ``kind`` store in ``data`` (created if ``data`` holds none), refused if ``data``
+    holds the other kind (``memtable_bytes``: RocksDB's, ``--rocksdb-memtable``)."""
+    if kind not in KINDS:
+        raise InvalidArgument(f"unknown local store {kind!r}: expected one of {', '.join(KINDS)}")
+    held = held_kind(data)
+    if held is not None and held != kind:
+        raise InvalidArgument(
+            f"{store_path(data, held)} holds this meta's index in {held}, not {kind}: start meta "
+            f"with {'--store rocksdb' if held == 'rocksdb' else 'no --store'}, or move the index "
+            f"with kvfs meta migrate --from {held}:{data} --to {kind}:NEW_DIR")
+    private_dir(data)
+    if kind == "rocksdb":
+        return RocksStore(store_path(data, kind), synchronous=synchronous, write_buffer_bytes=memtable_bytes)
+    create_private_file(data / SQLITE_NAME)  # SQLite's -wal/-shm copy its mode
+    return MetaStore(data / SQLITE_NAME, synchronous=synchronous)

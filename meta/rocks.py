@@ -1,0 +1,426 @@
+"""Meta's persistent store on RocksDB (``--store rocksdb``): the SQLite store's calls
+(:class:`kvfs.meta.store.MetaStore`, which :class:`kvfs.meta.index.MetaIndex` keeps every
+key in memory over), each transaction one atomic write batch.
+
+Why: SQLite's ``kv`` table is ordered by key, and keys are hashes, so each committed row
+dirties a random page; the WAL and its checkpoints then write a page per row (meta's CPU
+per committed key 21-30 us at 300k keys, bench/RESULTS.md).  An LSM tree appends its
+writes and sorts them in the background, and keeps key order (``LIST``, migrate's pages).
+
+Durability is SQLite's: a batch is written to RocksDB's WAL in order; inside
+:meth:`unsynced` without a sync, made durable by :meth:`sync_wal` (``FlushWAL(sync)``,
+run in meta's sync thread with the GIL released), which covers every batch written
+before it; outside, a write is synced before it returns (``synchronous=FULL``) or not
+(``NORMAL``).  A crash loses a suffix of the batches, never one in the middle
+(RocksDB's point-in-time WAL recovery).
+
+Layout of the keys (one keyspace, a byte of prefix each; integers big-endian, so byte
+order is numeric order):
+
+- ``k`` key: the key's row, ``expires_at`` and ``last_access`` (doubles, -1: none) then
+  the layout blob;
+- ``x`` expiry key: the expiry index (an expiry as a big-endian double: positive doubles
+  sort as their bytes).  It is not kept exact on every write (a put would read the row it
+  replaces): an entry whose key is gone or expires at another time now is stale, skipped
+  by every read and deleted by :meth:`expired`, GC's sweep, once its time has passed;
+- ``t`` key: a kept tombstone (layout, horizon); ``o`` key: a key's older records'
+  latest expiry; ``g`` chunk hash: dropped records (count, latest expiry); ``s`` server:
+  the registry; ``d`` chunk: a retired chunk; ``n`` name: GC state; ``c``: the cluster id.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import importlib.util
+import math
+import struct
+import uuid
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from kvfs.layout import Layout, decode_layout
+from kvfs.meta.store import NO_EXPIRY, prefix_upper_bound
+
+HAVE_ROCKSDICT = importlib.util.find_spec("rocksdict") is not None  # an optional extra
+if HAVE_ROCKSDICT:
+    from rocksdict import (
+        BlockBasedOptions,
+        Cache,
+        Options,
+        Rdict,
+        ReadOptions,
+        WriteBatch,
+        WriteOptions,
+    )
+
+ROW = struct.Struct(">dd")  # a key's row: expires_at (NO_EXPIRY: none), last_access; the layout follows
+BITS = struct.Struct(">Q")
+ID = struct.Struct(">Q")  # chunk and server ids
+GHOST = struct.Struct(">QI")  # (chunk, key hash)
+KEY, EXP, TOMB, OLDER, GHOSTS, SERVER, DEAD, STATE, CLUSTER = (
+    b"k", b"x", b"t", b"o", b"g", b"s", b"d", b"n", b"c")
+KEY_END = b"l"  # (past every key row)
+BLOCK_CACHE_BYTES = 8 << 20  # RocksDB's cache of blocks read from its sorted files
+MISSING = "--store rocksdb needs the rocksdb extra: pip install 'kvfs[rocksdb]' (rocksdict)"
+
+
+def expiry_key(e: float) -> bytes:
+    """An expiry's 8 bytes, in the order of the numbers (IEEE 754: a positive double's sign
+    bit set, a negative one's bits all flipped)."""
+    (b,) = BITS.unpack(struct.pack(">d", e))
+    return BITS.pack(b ^ 0xFFFF_FFFF_FFFF_FFFF if b >> 63 else b | 1 << 63)
+
+
+def expiry_of(k: bytes, at: int) -> float:
+    (b,) = BITS.unpack_from(k, at)
+    (e,) = struct.unpack(">d", BITS.pack(b & ~(1 << 63) if b >> 63 else b ^ 0xFFFF_FFFF_FFFF_FFFF))
+    return float(e)
+
+
+def _until(v: float | None) -> float:
+    return NO_EXPIRY if v is None else v
+
+
+def _none(v: float) -> float | None:
+    return None if v == NO_EXPIRY else v
+
+
+class RocksStore:
+    """The SQLite store's calls over a RocksDB directory (``synchronous`` as there: FULL
+    syncs each write outside :meth:`unsynced`, NORMAL none).  Bounded memory: one memtable
+    of ``write_buffer_bytes`` being filled and at most one being flushed, and RocksDB's
+    block cache (:data:`BLOCK_CACHE_BYTES`)."""
+
+    def __init__(self, path: Path, *, synchronous: str = "FULL", write_buffer_bytes: int = 64 << 20) -> None:
+        if not HAVE_ROCKSDICT:
+            raise RuntimeError(MISSING)
+        if synchronous not in ("FULL", "NORMAL"):
+            raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
+        self.path = path
+        self.synchronous = synchronous
+        self._unsynced = 0
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(True)
+        opts.set_write_buffer_size(write_buffer_bytes)
+        opts.set_max_write_buffer_number(2)
+        self._cache = Cache(BLOCK_CACHE_BYTES)  # (outlives the db: closed first)
+        table = BlockBasedOptions()
+        table.set_block_cache(self._cache)
+        opts.set_block_based_table_factory(table)
+        self.db = Rdict(str(path), opts)
+        self._closed = False
+        self._nosync = WriteOptions()
+        self._sync = WriteOptions()
+        self._sync.sync = True
+
+    def close(self) -> None:
+        if not self._closed:  # (twice: nothing, as SQLite's)
+            self._closed = True
+            self.db.close()
+
+    # writing ------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def unsynced(self) -> Iterator[None]:
+        """Batches written inside are not synced: durable once a later :meth:`sync_wal`
+        returns (it covers every batch written before it)."""
+        self._unsynced += 1
+        try:
+            yield
+        finally:
+            self._unsynced -= 1
+
+    def _write(self, wb: WriteBatch) -> None:
+        self.db.write(wb, self._nosync if self._unsynced or self.synchronous == "NORMAL" else self._sync)
+
+    @property
+    def wal_path(self) -> Path:
+        return self.path
+
+    def sync_wal(self) -> None:
+        """Every batch written before this call is durable when it returns (meta's sync
+        thread: rocksdict releases the GIL for it)."""
+        self.db.flush_wal(True)
+
+    def checkpoint_off_loop(self) -> None:
+        """RocksDB flushes and compacts in threads of its own: nothing for meta's sync thread."""
+        return None
+
+    # reading ------------------------------------------------------------------------
+    def _scan(self, lo: bytes, hi: bytes | None) -> Iterator[tuple[bytes, bytes]]:
+        """(key, value) from ``lo`` up to ``hi`` (excluded), in key order."""
+        ro = ReadOptions()
+        if hi is not None:
+            ro.set_iterate_upper_bound(hi)
+        it = self.db.iter(ro)
+        it.seek(lo)
+        while it.valid():
+            yield it.key(), it.value()
+            it.next()
+
+    def _get(self, keys: builtins.list[bytes]) -> builtins.list[bytes | None]:
+        """The values of ``keys`` (None: none), in one multi-get."""
+        if not keys:
+            return []
+        got: builtins.list[bytes | None] = self.db.get(keys)  # type: ignore[arg-type,assignment]
+        return got
+
+    def _prefixed(self, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
+        n = len(prefix)
+        for k, v in self._scan(prefix, prefix_upper_bound(prefix)):
+            yield k[n:], v
+
+    def cluster_id(self, *, create: str | None = None) -> str:
+        """This cluster's id, made once (``create`` gives it; default a fresh random one)."""
+        cid = self.stored_cluster_id()
+        if cid is not None:
+            return cid
+        cid = create or uuid.uuid4().hex
+        wb = WriteBatch(raw_mode=True)
+        wb.put(CLUSTER, cid.encode())
+        self._write(wb)
+        return cid
+
+    def stored_cluster_id(self) -> str | None:
+        cid = self.db.get(CLUSTER)
+        return None if cid is None else bytes(cid).decode()
+
+    def count(self) -> int:
+        """Keys stored (a walk of them)."""
+        return sum(1 for _ in self._scan(KEY, KEY_END))
+
+    def load(self) -> Iterator[tuple[bytes, Layout, float]]:
+        unpack = ROW.unpack_from
+        for key, v in self._prefixed(KEY):
+            yield key, decode_layout(v[16:]), unpack(v)[1]
+
+    def rows_after(self, after: bytes | None, limit: int) -> builtins.list[tuple[bytes, bytes, float | None, float]]:
+        """(key, layout blob, expires_at, last_access) of up to ``limit`` keys after ``after``,
+        in key order."""
+        out = []
+        for k, v in self._scan(KEY if after is None else KEY + after + b"\x00", KEY_END):
+            exp, acc = ROW.unpack_from(v)
+            out.append((k[1:], v[16:], _none(exp), acc))
+            if len(out) == limit:
+                break
+        return out
+
+    def list(self, prefix: bytes, start_after: bytes | None, limit: int) -> builtins.list[tuple[bytes, Layout]]:
+        lo = max(prefix, start_after + b"\x00") if start_after is not None else prefix
+        hi = prefix_upper_bound(KEY + prefix)
+        out: builtins.list[tuple[bytes, Layout]] = []
+        if limit <= 0:
+            return out
+        for k, v in self._scan(KEY + lo, hi):
+            out.append((k[1:], decode_layout(v[16:])))
+            if len(out) == limit:
+                break
+        return out
+
+    # keys ----------------------------------------------------------------------------
+    def put_many(self, rows: Iterable[tuple[bytes | bytearray, bytes | bytearray, float | None, float]],
+                 older: Iterable[tuple[bytes, float | None]] = ()) -> None:
+        """Write layout rows (key, layout blob, expires_at, last_access) and, in the same
+        batch, the keys among them that have older records (key, until)."""
+        wb = WriteBatch(raw_mode=True)
+        put, pack, epack = wb.put, ROW.pack, expiry_key
+        for key, blob, exp, acc in rows:
+            e = _until(exp)
+            put(KEY + key, pack(e, acc) + blob)
+            if e != NO_EXPIRY:
+                put(EXP + epack(e) + key, b"")
+        for key, until in older:
+            put(OLDER + key, msgpack.packb(until))
+        self._write(wb)
+
+    def delete_many(self, keys: Iterable[bytes],
+                    tombstones: Iterable[tuple[bytes, bytes, bytes]] = (),
+                    older: Iterable[bytes] = (),
+                    ghosts: Iterable[tuple[int, int, float | None]] = ()) -> None:
+        """Delete keys and, in the same batch, store their kept tombstones (key, layout,
+        horizon), forget the ``older`` of those that had one, and add the ghosts (chunk,
+        key hash, expiry) of those dropped without a tombstone."""
+        wb = WriteBatch(raw_mode=True)
+        for k in keys:
+            wb.delete(KEY + k)
+        for k, blob, horizon in tombstones:
+            wb.put(TOMB + k, msgpack.packb((blob, horizon)))
+        for k in older:
+            wb.delete(OLDER + k)
+        self._add_ghosts(wb, ghosts)
+        self._write(wb)
+
+    def touch_many(self, rows: Iterable[tuple[float, bytes]]) -> None:
+        """Raise keys' last access (to a time older than a put since, it stays the put's)."""
+        rows = builtins.list(rows)
+        wb = WriteBatch(raw_mode=True)
+        for (t, k), v in zip(rows, self._get([KEY + k for _, k in rows]), strict=True):
+            if v is None:
+                continue
+            exp, acc = ROW.unpack_from(v)
+            if t > acc:
+                wb.put(KEY + k, ROW.pack(exp, t) + v[16:])
+        self._write(wb)
+
+    # the expiry index ----------------------------------------------------------------
+    def _expiries(self, now: float, after: tuple[float, bytes] | None,
+                  ) -> Iterator[tuple[float, bytes, bool]]:
+        """(expiry, key, still so) of the index's entries up to ``now``, in that order, after
+        ``after``; an entry is not still so when its key is gone or expires at another time."""
+        lo = EXP if after is None else EXP + expiry_key(after[0]) + after[1] + b"\x00"
+        hi = EXP + expiry_key(math.nextafter(now, math.inf))
+        batch: builtins.list[tuple[float, bytes]] = []
+        for k, _ in self._scan(lo, hi):
+            batch.append((expiry_of(k, 1), k[9:]))
+            if len(batch) == 256:
+                yield from self._checked(batch)
+                batch = []
+        yield from self._checked(batch)
+
+    def _checked(self, batch: builtins.list[tuple[float, bytes]]) -> Iterator[tuple[float, bytes, bool]]:
+        if not batch:
+            return
+        rows = self._get([KEY + k for _, k in batch])
+        for (e, k), v in zip(batch, rows, strict=True):
+            yield e, k, v is not None and ROW.unpack_from(v)[0] == e
+
+    def expired(self, now: float, limit: int) -> builtins.list[bytes]:
+        """Up to ``limit`` keys whose expiry has passed, oldest first; the stale entries met
+        on the way are deleted (unsynced: one lost is met again)."""
+        out: builtins.list[bytes] = []
+        stale = WriteBatch(raw_mode=True)
+        if limit > 0:
+            for e, k, ok in self._expiries(now, None):
+                if ok:
+                    out.append(k)
+                    if len(out) == limit:
+                        break
+                else:
+                    stale.delete(EXP + expiry_key(e) + k)
+        if stale.len():
+            self.db.write(stale, self._nosync)
+        return out
+
+    def expired_after(self, now: float, limit: int,
+                      after: tuple[float, bytes] | None) -> builtins.list[tuple[float, bytes]]:
+        """(expiry, key) of up to ``limit`` keys whose expiry has passed, in that order, after
+        ``after`` (the last of the previous page)."""
+        out: builtins.list[tuple[float, bytes]] = []
+        if limit <= 0:
+            return out
+        for e, k, ok in self._expiries(now, after):
+            if ok:
+                out.append((e, k))
+                if len(out) == limit:
+                    break
+        return out
+
+    def count_expired(self, now: float) -> int:
+        return sum(ok for _, _, ok in self._expiries(now, None))
+
+    # older records, tombstones, ghosts (kvfs.meta.tombstones) ----------------------------
+    def load_older(self) -> Iterator[tuple[bytes, float | None]]:
+        for k, v in self._prefixed(OLDER):
+            yield k, msgpack.unpackb(v)
+
+    def forget_older(self, keys: Iterable[bytes]) -> None:
+        wb = WriteBatch(raw_mode=True)
+        for k in keys:
+            wb.delete(OLDER + k)
+        self._write(wb)
+
+    def load_tombstones(self) -> Iterator[tuple[bytes, Layout, bytes]]:
+        for k, v in self._prefixed(TOMB):
+            blob, horizon = msgpack.unpackb(v)
+            yield k, decode_layout(blob), bytes(horizon)
+
+    def put_tombstones(self, rows: Iterable[tuple[bytes, bytes, bytes]]) -> None:
+        wb = WriteBatch(raw_mode=True)
+        for k, blob, horizon in rows:
+            wb.put(TOMB + k, msgpack.packb((blob, horizon)))
+        self._write(wb)
+
+    def forget_tombstones(self, keys: Iterable[bytes]) -> None:
+        wb = WriteBatch(raw_mode=True)
+        for k in keys:
+            wb.delete(TOMB + k)
+        self._write(wb)
+
+    def _add_ghosts(self, wb: WriteBatch, rows: Iterable[tuple[int, int, float | None]]) -> None:
+        """Count each (chunk, hash) row onto its entry (count, latest expiry: what
+        :class:`kvfs.meta.tombstones.Ghosts` keeps of them), read first."""
+        add: dict[bytes, tuple[int, float | None]] = {}
+        for c, h, until in rows:
+            k = GHOSTS + GHOST.pack(c, h)
+            n, u = add.get(k, (0, -math.inf))
+            add[k] = (n + 1, None if until is None or u is None else max(until, u))
+        if not add:
+            return
+        keys = builtins.list(add)
+        for k, v in zip(keys, self._get(keys), strict=True):
+            n, u = add[k]
+            if v is not None:
+                n0, u0 = msgpack.unpackb(v)
+                n, u = n + n0, None if u is None or u0 is None else max(u, u0)
+            wb.put(k, msgpack.packb((n, u)))
+
+    def put_ghosts(self, rows: Iterable[tuple[int, int, float | None]]) -> None:
+        wb = WriteBatch(raw_mode=True)
+        self._add_ghosts(wb, rows)
+        self._write(wb)
+
+    def load_ghosts(self) -> Iterator[tuple[int, int, float | None]]:
+        for k, v in self._prefixed(GHOSTS):
+            c, h = GHOST.unpack(k)
+            n, until = msgpack.unpackb(v)
+            for _ in range(n):
+                yield c, h, until
+
+    def forget_ghosts(self, chunks: Iterable[int]) -> None:
+        """The ghosts in chunks that were deleted."""
+        wb = WriteBatch(raw_mode=True)
+        for c in chunks:
+            wb.delete_range(GHOSTS + ID.pack(c), GHOSTS + ID.pack(c + 1))
+        self._write(wb)
+
+    # registry and state --------------------------------------------------------------
+    def load_servers(self) -> builtins.list[tuple[int, str, int, int]]:
+        return [(ID.unpack(k)[0], *msgpack.unpackb(v)) for k, v in self._prefixed(SERVER)]
+
+    def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None:
+        wb = WriteBatch(raw_mode=True)
+        wb.put(SERVER + ID.pack(server_id), msgpack.packb((addr, capacity, free)))
+        self._write(wb)
+
+    def delete_server(self, server_id: int) -> None:
+        wb = WriteBatch(raw_mode=True)
+        wb.delete(SERVER + ID.pack(server_id))
+        self._write(wb)
+
+    def load_dead(self) -> builtins.list[tuple[int, int, float]]:
+        return [(ID.unpack(k)[0], *msgpack.unpackb(v)) for k, v in self._prefixed(DEAD)]
+
+    def add_dead(self, rows: Iterable[tuple[int, int, float]]) -> None:
+        """Retired chunks (chunk, server, when); one retired before keeps its time."""
+        rows = builtins.list(rows)
+        keys = [DEAD + ID.pack(c) for c, _, _ in rows]
+        wb = WriteBatch(raw_mode=True)
+        for k, (_, sid, at), v in zip(keys, rows, self._get(keys), strict=True):
+            if v is None:
+                wb.put(k, msgpack.packb((sid, at)))
+        self._write(wb)
+
+    def get_state(self, name: str) -> Any:
+        v = self.db.get(STATE + name.encode())
+        return None if v is None else msgpack.unpackb(v, raw=False)
+
+    def all_state(self) -> dict[str, Any]:
+        return {k.decode(): msgpack.unpackb(v, raw=False) for k, v in self._prefixed(STATE)}
+
+    def put_state(self, name: str, value: Any) -> None:
+        wb = WriteBatch(raw_mode=True)
+        wb.put(STATE + name.encode(), msgpack.packb(value, use_bin_type=True))
+        self._write(wb)

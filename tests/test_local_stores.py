@@ -1,0 +1,185 @@
+"""The two stores meta keeps every key in memory over (kvfs.meta.localstore): SQLite and
+RocksDB answer each call alike, and survive a reopen; a data directory holding one is
+refused as the other."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvfs.config import MetaConfig
+from kvfs.errors import InvalidArgument
+from kvfs.launcher import LocalCluster
+from kvfs.layout import Extent, Layout, Replica, encode_layout
+from kvfs.meta.localstore import LocalStore, open_local
+from kvfs.meta.migrate import migrate
+from kvfs.meta.rocks import expiry_key, expiry_of
+
+
+def lay(chunk: int, created: float = 10.0, expires: float | None = None) -> Layout:
+    return Layout(size=3, crc=0, created=created, expires_at=expires,
+                  extents=(Extent(length=3, crc=0, replicas=(Replica(chunk >> 40, chunk, 0),)),))
+
+
+@pytest.fixture(params=["sqlite", "rocksdb"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def store(tmp_path: Path, kind: str) -> Iterator[LocalStore]:
+    s = open_local(tmp_path / "meta", kind)
+    try:
+        yield s
+    finally:
+        s.close()
+
+
+def reopen(s: LocalStore, tmp_path: Path, kind: str) -> LocalStore:
+    s.close()
+    return open_local(tmp_path / "meta", kind)
+
+
+def row(key: bytes, layout: Layout, access: float | None = None) -> tuple[bytes, bytes, float | None, float]:
+    return key, encode_layout(layout), layout.expires_at, layout.created if access is None else access
+
+
+def test_rows_load_list_and_page_in_key_order_after_a_reopen(store: LocalStore, tmp_path: Path, kind: str) -> None:
+    rows = {b"b/2": lay(1 << 40 | 1), b"a/1": lay(1 << 40 | 2, 11.0, 500.0), b"b/1": lay(2 << 40 | 3, 12.0)}
+    store.put_many([row(k, v) for k, v in rows.items()], [(b"a/1", None)])
+    store.put_many([(bytearray(b"c"), bytearray(encode_layout(lay(5, 13.0))), -1.0, 99.0)])  # (the commit's form)
+    store.touch_many([(50.0, b"b/2"), (1.0, b"a/1"), (60.0, b"nope")])
+    s = reopen(store, tmp_path, kind)
+    try:
+        got = {k: (v, a) for k, v, a in s.load()}
+        assert got == {b"a/1": (rows[b"a/1"], 11.0), b"b/1": (rows[b"b/1"], 12.0),
+                       b"b/2": (rows[b"b/2"], 50.0), b"c": (lay(5, 13.0), 99.0)}
+        assert [k for k, _ in s.list(b"b/", None, 10)] == [b"b/1", b"b/2"]
+        assert [k for k, _ in s.list(b"b/", b"b/1", 10)] == [b"b/2"]
+        assert [k for k, _ in s.list(b"", None, 2)] == [b"a/1", b"b/1"]
+        assert s.list(b"", None, 0) == []
+        page = s.rows_after(b"a/1", 2)
+        assert [(k, e, a) for k, _, e, a in page] == [(b"b/1", None, 12.0), (b"b/2", None, 50.0)]
+        assert [k for k, *_ in s.rows_after(None, 1)] == [b"a/1"]
+        assert s.rows_after(b"c", 5) == []
+        assert dict(s.load_older()) == {b"a/1": None}
+    finally:
+        s.close()
+
+
+def test_expired_keys_oldest_first_an_overwrite_and_a_delete_leave_no_wrong_entry(store: LocalStore) -> None:
+    store.put_many([row(b"k1", lay(1, expires=30.0)), row(b"k2", lay(2, expires=20.0)),
+                    row(b"k3", lay(3, expires=40.0)), row(b"k4", lay(4))])
+    store.put_many([row(b"k3", lay(3, expires=10.0))])  # its expiry now earlier
+    store.put_many([row(b"k1", lay(1, expires=900.0))])  # now later
+    store.delete_many([b"k2"])
+    assert store.expired(35.0, 10) == [b"k3"]
+    assert store.expired_after(35.0, 10, None) == [(10.0, b"k3")]
+    assert store.count_expired(1000.0) == 2
+    assert store.expired(1000.0, 1) == [b"k3"]
+    assert store.expired_after(1000.0, 1, (10.0, b"k3")) == [(900.0, b"k1")]
+    assert store.expired(5.0, 10) == []
+    store.delete_many([b"k3", b"k1"])
+    assert store.expired(1000.0, 10) == [] and store.count_expired(1000.0) == 0
+
+
+def test_tombstones_ghosts_servers_dead_chunks_and_state_after_a_reopen(store: LocalStore, tmp_path: Path,
+                                                                      kind: str) -> None:
+    store.put_many([row(b"x", lay(1)), row(b"y", lay(2))], [(b"x", 5.0), (b"y", 6.0)])
+    store.delete_many([b"x", b"y"], [(b"x", encode_layout(lay(7)), b"\x80")], [b"x"],
+                      [(3, 99, None), (3, 99, 8.0), (4, 98, 9.0)])
+    store.put_ghosts([(3, 99, 7.0), (5, 97, 1.0)])
+    store.forget_ghosts([5])
+    store.put_tombstones([(b"z", encode_layout(lay(8)), b"\x81")])
+    store.forget_tombstones([b"z"])
+    store.put_server(2, "127.0.0.1:1", 100, 50)
+    store.put_server(1, "127.0.0.1:2", 10, 5)
+    store.delete_server(2)
+    store.add_dead([(70, 1, 3.0)])
+    store.add_dead([(70, 1, 4.0), (71, 1, 4.5)])
+    store.put_state("metrics", {"a": 1.5})
+    cid = store.cluster_id(create="abc")
+    s = reopen(store, tmp_path, kind)
+    try:
+        assert list(s.load()) == []
+        assert [(k, lay_, h) for k, lay_, h in s.load_tombstones()] == [(b"x", lay(7), b"\x80")]
+        assert dict(s.load_older()) == {b"y": 6.0}
+        ghosts = sorted(s.load_ghosts(), key=lambda r: (r[0], r[1], r[2] is None, r[2] or 0))
+        # (the same count per (chunk, hash), and the latest expiry, as Ghosts keeps)
+        assert [(c, h) for c, h, _ in ghosts] == [(3, 99)] * 3 + [(4, 98)]
+        assert max((u for c, _, u in ghosts if c == 4), key=lambda u: u or 0) == 9.0
+        assert s.load_servers() == [(1, "127.0.0.1:2", 10, 5)]
+        assert sorted(s.load_dead()) == [(70, 1, 3.0), (71, 1, 4.5)]
+        assert s.get_state("metrics") == {"a": 1.5} and s.get_state("none") is None
+        assert s.all_state() == {"metrics": {"a": 1.5}}
+        assert cid == "abc" and s.cluster_id() == "abc" and s.cluster_id(create="other") == "abc"
+    finally:
+        s.close()
+
+
+def test_unsynced_writes_are_durable_once_synced(store: LocalStore, tmp_path: Path, kind: str) -> None:
+    with store.unsynced():
+        store.put_many([row(b"k", lay(1))])
+    store.sync_wal()
+    s = reopen(store, tmp_path, kind)
+    try:
+        assert [k for k, _, _ in s.load()] == [b"k"]
+    finally:
+        s.close()
+
+
+def test_a_data_directory_holding_one_store_is_refused_as_the_other(tmp_path: Path) -> None:
+    open_local(tmp_path / "a", "sqlite").close()
+    with pytest.raises(InvalidArgument, match=r"meta\.sqlite3 holds this meta's index in sqlite, not rocksdb.*"
+                                              r"kvfs meta migrate --from sqlite:"):
+        open_local(tmp_path / "a", "rocksdb")
+    open_local(tmp_path / "b", "rocksdb").close()
+    with pytest.raises(InvalidArgument, match=r"meta\.rocksdb holds this meta's index in rocksdb, not sqlite"):
+        open_local(tmp_path / "b", "sqlite")
+    with pytest.raises(InvalidArgument, match="unknown local store 'lmdb'"):
+        open_local(tmp_path / "c", "lmdb")
+
+
+def test_expiry_keys_sort_as_their_numbers() -> None:
+    xs = [-5.0, -1.0, -0.5, 0.0, 1e-9, 0.5, 1.0, 1e9, 1.7e9, 1.7e9 + 0.001, 1e300]
+    keys = [expiry_key(x) for x in xs]
+    assert keys == sorted(keys)
+    assert [expiry_of(k, 0) for k in keys] == xs
+
+
+async def test_a_sqlite_index_moves_to_rocksdb_a_meta_there_serves_it_and_it_moves_back(tmp_path: Path) -> None:
+    """kvfs meta migrate between the two local stores; then a meta --store rocksdb on the
+    target, with the same chunkservers, reads every key back, and lists them in order."""
+    root = tmp_path / "c"
+    plain = {b"p/%03d" % i: b"v%d|" % i * (1 + i % 5) for i in range(60)}
+    ttl = {b"t/%03d" % i: b"t%d" % i for i in range(10)}
+    async with LocalCluster(root, 1) as c, c.client() as kv:
+        await kv.put_many(list(plain.items()))
+        await kv.put_many(list(ttl.items()), ttl=3600)
+        layouts = await kv.lookup(list(ttl), use_cache=False)
+        cid = c.meta.cluster_id if c.meta else ""
+    src = open_local(root / "meta", "sqlite")
+    rows = {k: (b, e, a) for k, b, e, a in src.rows_after(None, 1000)}
+    src.close()
+    rep = await migrate(f"sqlite:{root / 'meta'}", f"rocksdb:{root / 'meta-rocks'}", batch=16)
+    assert (rep.keys, rep.cluster_id, rep.servers) == (70, cid, 1)
+    with pytest.raises(InvalidArgument, match="already holds the finished migration"):
+        await migrate(f"sqlite:{root / 'meta'}", f"rocksdb:{root / 'meta-rocks'}")
+
+    meta = MetaConfig(data=root / "meta-rocks", listen="127.0.0.1:0", store="rocksdb")
+    async with LocalCluster(root, 1, meta=meta) as c2, c2.client() as kv:
+        assert await kv.get_many(list(plain)) == list(plain.values())
+        assert await kv.get_many(list(ttl)) == list(ttl.values())
+        assert await kv.lookup(list(ttl), use_cache=False) == layouts
+        assert [e.key for e in await kv.list(b"")] == sorted([*plain, *ttl])
+
+    rep = await migrate(f"rocksdb:{root / 'meta-rocks'}", f"sqlite:{tmp_path / 'back'}")
+    assert rep.keys == 70
+    back = open_local(tmp_path / "back", "sqlite")
+    try:
+        assert {k: (b, e) for k, b, e, _ in back.rows_after(None, 1000)} == {k: (b, e) for k, (b, e, _) in rows.items()}
+        assert back.cluster_id() == cid
+    finally:
+        back.close()
