@@ -140,7 +140,7 @@ async def _child(ns: argparse.Namespace) -> int:
 def _options_of(ns: argparse.Namespace) -> dict[str, str]:
     out = {"numjobs": str(ns.numjobs), "client": ",".join(ns.client)}
     if ns.addr is None:
-        out["cluster"] = f"embedded {ns.cluster}, {ns.chunkservers} chunkservers"
+        out["cluster"] = f"embedded {ns.cluster}, {ns.chunkservers} chunkservers, meta on {ns.meta_store}"
         out["fsync"] = str(ns.fsync)  # the embedded cluster's (targets.py judges by it)
     return out
 

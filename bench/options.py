@@ -153,6 +153,9 @@ def add_options(p: argparse.ArgumentParser) -> None:
            "or in this process and event loop")
     a("--chunkservers", type=_positive_int, default=3,
       help="chunkservers of the embedded cluster (default 3)")
+    a("--meta-store", dest="meta_store", choices=("sqlite", "rocksdb"), default="sqlite",
+      help="embedded cluster: where its meta keeps the index (meta's --store; rocksdb needs the "
+           "rocksdb extra)")
     add_config_options(p, ClusterFsyncConfig)  # --fsync: the embedded cluster's, as kvfs up's
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
     # --tls-*: the embedded cluster's too
