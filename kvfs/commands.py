@@ -156,6 +156,10 @@ async def cmd_up(ns: argparse.Namespace) -> int:
     meta_args, cs_args = meta_args + fsync_argv(cfg), cs_args + fsync_argv(cfg)
     redis_args: tuple[str, ...] | None = None
     if cfg.meta_store == "rocksdb":
+        from kvfs.meta.rocks import HAVE_ROCKSDICT, MISSING
+
+        if not HAVE_ROCKSDICT:  # (checked here: meta would fail at every restart)
+            raise ValueError(MISSING)
         meta_args += ["--store", "rocksdb"]
     if cfg.meta_store == "redis-cluster":
         from kvfs.meta.redis_local import REDIS_SERVER

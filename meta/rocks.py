@@ -65,6 +65,7 @@ KEY, EXP, TOMB, OLDER, GHOSTS, SERVER, DEAD, STATE, CLUSTER = (
     b"k", b"x", b"t", b"o", b"g", b"s", b"d", b"n", b"c")
 KEY_END = b"l"  # (past every key row)
 BLOCK_CACHE_BYTES = 8 << 20  # RocksDB's cache of blocks read from its sorted files
+INFO_LOG_BYTES, INFO_LOGS_KEPT = 8 << 20, 4  # its info log rolled at this size, so many kept
 MISSING = "--store rocksdb needs the rocksdb extra: pip install 'kvfs[rocksdb]' (rocksdict)"
 
 
@@ -93,11 +94,12 @@ class RocksStore:
     """The SQLite store's calls over a RocksDB directory (``synchronous`` as there: FULL
     syncs each write outside :meth:`unsynced`, NORMAL none).  Bounded memory: one memtable
     of ``write_buffer_bytes`` being filled and at most one being flushed, and RocksDB's
-    block cache (:data:`BLOCK_CACHE_BYTES`)."""
+    block cache (:data:`BLOCK_CACHE_BYTES`); on disk, beside the data, RocksDB's info log
+    (:data:`INFO_LOGS_KEPT` files of at most :data:`INFO_LOG_BYTES`)."""
 
     def __init__(self, path: Path, *, synchronous: str = "FULL", write_buffer_bytes: int = 64 << 20) -> None:
         if not HAVE_ROCKSDICT:
-            raise RuntimeError(MISSING)
+            raise ValueError(MISSING)
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
         self.path = path
@@ -107,6 +109,8 @@ class RocksStore:
         opts.create_if_missing(True)
         opts.set_write_buffer_size(write_buffer_bytes)
         opts.set_max_write_buffer_number(2)
+        opts.set_max_log_file_size(INFO_LOG_BYTES)  # RocksDB's own info log (LOG, LOG.old.*)
+        opts.set_keep_log_file_num(INFO_LOGS_KEPT)
         self._cache = Cache(BLOCK_CACHE_BYTES)  # (outlives the db: closed first)
         table = BlockBasedOptions()
         table.set_block_cache(self._cache)

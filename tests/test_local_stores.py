@@ -183,3 +183,13 @@ async def test_a_sqlite_index_moves_to_rocksdb_a_meta_there_serves_it_and_it_mov
         assert back.cluster_id() == cid
     finally:
         back.close()
+
+
+def test_without_rocksdict_the_store_is_refused_naming_the_extra(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvfs.meta import rocks
+
+    monkeypatch.setattr(rocks, "HAVE_ROCKSDICT", False)  # fault injection: the extra not installed
+    with pytest.raises(ValueError, match=r"--store rocksdb needs the rocksdb extra: pip install 'kvfs\[rocksdb\]'"):
+        open_local(tmp_path / "m", "rocksdb")
+    assert not (tmp_path / "m" / "meta.rocksdb").exists()

@@ -80,8 +80,11 @@ async def test_a_bad_store_is_refused_by_name(tmp_path: Path) -> None:
     from kvfs.errors import InvalidArgument, Unavailable
     from kvfs.meta import MetaService
 
-    with pytest.raises(InvalidArgument, match="bad meta store 'sqlite:/x': expected redis-cluster://"):
-        MetaService(MetaConfig(data=tmp_path / "a", store="sqlite:/x"))
+    with pytest.raises(ValueError, match=r"--store must be rocksdb or redis-cluster://HOST:PORT\[,\.\.\.\], "
+                                         r"got 'sqlite:/x'"):
+        MetaConfig(data=tmp_path / "a", store="sqlite:/x")
+    with pytest.raises(InvalidArgument, match="bad meta store 'redis-cluster://': no HOST:PORT after"):
+        MetaService(MetaConfig(data=tmp_path / "a", store="redis-cluster://"))
     meta = MetaService(MetaConfig(data=tmp_path / "b", listen="127.0.0.1:0", store="redis-cluster://127.0.0.1:1"))
     try:
         with pytest.raises(Unavailable, match=r"redis cluster at 127\.0\.0\.1:1 unreachable"):

@@ -300,4 +300,4 @@ def test_up_redis_options_need_the_redis_store(tmp_path: Path) -> None:
     assert b"--redis-replicas and --redis-maxmemory need --meta-store redis-cluster" in r.stderr
     r = subprocess.run([sys.executable, "-m", "kvfs", "up", "--data", str(tmp_path / "d"),
                         "--meta-store", "etcd"], capture_output=True, timeout=60)
-    assert r.returncode == 1 and b"--meta-store must be sqlite or redis-cluster, got 'etcd'" in r.stderr
+    assert r.returncode == 1 and b"--meta-store must be sqlite, rocksdb or redis-cluster, got 'etcd'" in r.stderr
