@@ -1,6 +1,6 @@
 """Meta store cost: bytes per key and per-key cost of commit, lookup and match_prefix
 against batch size, for the Redis Cluster store (:mod:`kvfs.meta.redis_store`) and for
-today's SQLite meta.
+meta's own index over SQLite (the default) or RocksDB (``--store rocksdb``).
 
 ``python -m kvfs.bench.metastore --store redis --keys 1000000`` starts a local 3-master
 Redis Cluster (or uses ``--url redis-cluster://...``), reads ``used_memory`` of every
@@ -11,12 +11,13 @@ keys already there).  It calls the store API in
 this process: no meta RPC in front of it, and the Redis servers share the machine's
 cores with the client.
 
-``--store sqlite`` does the same through meta's own RPC handlers (``MetaService``,
-in this process, no socket; each COMMIT packed as the client sends it, :mod:`kvfs.packed`): its memory is this process's RSS growth (the in-memory
-index), the SQLite file's size is reported beside it.
+``--store sqlite`` (or ``rocksdb``) does the same through meta's own RPC handlers
+(``MetaService``, in this process, no socket; each COMMIT packed as the client sends it,
+:mod:`kvfs.packed`): its memory is this process's RSS growth (the in-memory index), the
+store's size on disk is reported beside it.
 
 ``--restart`` then starts a real ``kvfs meta`` process on the filled store (the SQLite
-file, or the Redis Cluster) and reports the seconds until it prints its ready line and
+file, the RocksDB directory, or the Redis Cluster) and reports the seconds until it prints its ready line and
 its RSS then, beside the same figures for a meta on an empty store (the baseline).
 ``--batches ''`` skips the per-op timings (the 10M runs), ``--fill-deadline-s`` stops
 the fill early (the figures are then for the keys that fit), ``--progress`` prints a
@@ -67,16 +68,17 @@ def rss_bytes() -> int:
 
 
 class SqliteMeta:
-    """Today's meta (SQLite + its in-memory index) driven through its RPC handlers."""
+    """Meta (its in-memory index over SQLite, or ``store="rocksdb"``) driven through its RPC
+    handlers."""
 
-    def __init__(self, data: Path) -> None:
+    def __init__(self, data: Path, store: str | None = None) -> None:
         from kvfs import rpc
         from kvfs.config import MetaConfig
         from kvfs.meta.service import MetaService
 
         self.rpc = rpc
         self.data = data
-        self.meta = MetaService(MetaConfig(data=data), clock=lambda: NOW)
+        self.meta = MetaService(MetaConfig(data=data, store=store), clock=lambda: NOW)
 
     async def open(self) -> None:
         await self.meta.rpc_register(self.rpc.Register(server_id=1, addr="127.0.0.1:1"), memoryview(b""))
@@ -126,10 +128,13 @@ async def fill(store: Any, n: int, batch: int, tag: str, deadline_s: float | Non
 
 def start_meta(data: Path, url: str | None, namespace: str,
                timeout_s: float = 3600.0) -> tuple[float, int]:
-    """Start ``kvfs meta`` on ``data`` (or on ``url``'s Redis Cluster); the seconds until it
-    prints its ready line, and its RSS then.  It is stopped before returning."""
+    """Start ``kvfs meta`` on ``data`` (or on ``url``'s Redis Cluster; ``url`` "rocksdb": its
+    RocksDB store); the seconds until it prints its ready line, and its RSS then.  It is
+    stopped before returning."""
     args = [sys.executable, "-m", "kvfs", "meta", "--data", str(data), "--listen", "127.0.0.1:0"]
-    if url is not None:
+    if url == "rocksdb":
+        args += ["--store", "rocksdb"]
+    elif url is not None:
         args += ["--store", url, "--store-namespace", namespace]
     t0 = time.perf_counter()
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -169,8 +174,9 @@ async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: 
         namespace = f"bench{os.getpid()}"
         rc = None
         store: Any
-        if kind == "sqlite":
-            store = SqliteMeta(Path(tmp) / "meta")
+        local = kind in ("sqlite", "rocksdb")
+        if local:
+            store = SqliteMeta(Path(tmp) / "meta", "rocksdb" if kind == "rocksdb" else None)
             memory: Any = rss_bytes
         else:
             if url is None:
@@ -197,6 +203,8 @@ async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: 
                 "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                 "sqlite_file_bytes": (sum(f.stat().st_size for f in (Path(tmp) / "meta").glob("meta.sqlite3*"))
                                       if kind == "sqlite" else None),
+                "rocksdb_bytes": (sum(f.stat().st_size for f in (Path(tmp) / "meta" / "meta.rocksdb").iterdir())
+                                  if kind == "rocksdb" else None),
                 "used_memory_before": mem0, "used_memory_after": mem1,
                 "bytes_per_key": (mem1 - mem0) / keys if keys else None,
                 "fill_keys_per_s": keys / fill_s if fill_s else None, "ops": []}
@@ -233,9 +241,10 @@ async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: 
                 closed = True
                 del store
                 importlib.import_module("gc").collect()  # (kvfs.gc shadows the name for mypy)
-                empty_s, empty_rss = start_meta(Path(tmp) / "empty", url, namespace + "empty")
-                ready_s, rss = start_meta(Path(tmp) / ("meta" if kind == "sqlite" else "redismeta"),
-                                          url if kind == "redis" else None, namespace)
+                where = "rocksdb" if kind == "rocksdb" else url
+                empty_s, empty_rss = start_meta(Path(tmp) / "empty", where, namespace + "empty")
+                ready_s, rss = start_meta(Path(tmp) / ("meta" if local else "redismeta"),
+                                          None if kind == "sqlite" else where, namespace)
                 out["restart"] = {"empty_ready_s": empty_s, "empty_rss": empty_rss,
                                   "ready_s": ready_s, "rss": rss,
                                   "rss_per_key": (rss - empty_rss) / keys if keys else None}
@@ -249,7 +258,7 @@ async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kvfs.bench.metastore", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--store", choices=("redis", "sqlite"), default="redis")
+    ap.add_argument("--store", choices=("redis", "sqlite", "rocksdb"), default="redis")
     ap.add_argument("--url", help="redis-cluster://h:p,... (default: start a local 3-master cluster)")
     ap.add_argument("--keys", type=int, default=100_000)
     ap.add_argument("--batches", default="1,16,128,1024")
@@ -269,7 +278,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(res, indent=1))
         return 0
     what = (f"{res['buckets']} buckets: Redis used_memory" if res["store"] == "redis" else
-            f"SQLite file {res['sqlite_file_bytes']} B; meta RSS")
+            f"SQLite file {res['sqlite_file_bytes']} B; meta RSS" if res["store"] == "sqlite" else
+            f"RocksDB directory {res['rocksdb_bytes']} B; meta RSS")
     print(f"{res['store']}, {res['keys']} keys, {what} {res['used_memory_before']} -> "
           f"{res['used_memory_after']} = {res['bytes_per_key']:.0f} B/key; "
           f"fill {res['fill_keys_per_s']:.0f} keys/s (batches of 1000)")
