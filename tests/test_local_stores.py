@@ -193,3 +193,25 @@ def test_without_rocksdict_the_store_is_refused_naming_the_extra(tmp_path: Path,
     with pytest.raises(ValueError, match=r"--store rocksdb needs the rocksdb extra: pip install 'kvfs\[rocksdb\]'"):
         open_local(tmp_path / "m", "rocksdb")
     assert not (tmp_path / "m" / "meta.rocksdb").exists()
+
+
+def test_rocksdb_expiry_entries_left_by_an_overwrite_or_a_delete_go_in_the_gc_sweep(tmp_path: Path) -> None:
+    """RocksDB's expiry index is not rewritten on an overwrite or a delete: each such entry is
+    skipped by every read, and the GC's sweep (``expired``) deletes it once its time passed."""
+    from kvfs.meta.rocks import EXP, RocksStore
+
+    s = open_local(tmp_path / "m", "rocksdb")
+    assert isinstance(s, RocksStore)
+    try:
+        def entries() -> int:
+            return sum(1 for _ in s._prefixed(EXP))
+
+        s.put_many([row(b"a", lay(1, expires=10.0)), row(b"b", lay(2, expires=11.0))])
+        s.put_many([row(b"a", lay(1, expires=30.0))])
+        s.delete_many([b"b"])
+        assert entries() == 3
+        assert s.expired_after(20.0, 10, None) == [] and s.count_expired(20.0) == 0 and entries() == 3
+        assert s.expired(20.0, 10) == [] and entries() == 1  # the two passed stale ones went
+        assert s.expired(40.0, 10) == [b"a"]
+    finally:
+        s.close()
