@@ -620,9 +620,9 @@ async def test_a_lookup_rpc_is_answered_while_a_delete_waits_for_its_sync(
 
 
 @pytest.mark.subprocess
-async def test_every_answered_put_survives_sigkill_of_meta(proc_cluster: ProcessCluster) -> None:
+async def test_every_answered_put_survives_sigkill_of_meta(meta_backend: str, proc_cluster: ProcessCluster) -> None:
     """Meta is SIGKILLed right after a put is answered (a second put's COMMIT may be in
-    flight): after the restart every answered key reads back."""
+    flight): after the restart every answered key reads back, on each meta backend."""
     answered: dict[bytes, bytes] = {}
     for round_ in range(2):
         async with proc_cluster.client() as kv:
@@ -638,6 +638,8 @@ async def test_every_answered_put_survives_sigkill_of_meta(proc_cluster: Process
         async with proc_cluster.client() as fresh:
             keys = list(answered)
             assert await fresh.get_many(keys) == [answered[k] for k in keys]
+    held = {p.name for p in (proc_cluster.data / "meta").glob("meta.*")}
+    assert ("meta.rocksdb" in held) == (meta_backend == "rocksdb")
 
 
 async def test_close_ends_a_background_loop_whose_step_swallowed_the_cancellation(
