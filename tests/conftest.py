@@ -546,6 +546,39 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
         yield rc
 
 
+def meta_on_rocksdb(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every :class:`LocalCluster` or :class:`ProcessCluster` the test starts (and restarts)
+    runs its meta with ``--store rocksdb``, unless the test gave it a store."""
+    from dataclasses import replace
+
+    start_local = LocalCluster.start_meta
+
+    async def on_rocksdb(self: LocalCluster) -> str:
+        if self.meta_config.store is None:
+            self.meta_config = replace(self.meta_config, store="rocksdb")
+        return await start_local(self)
+
+    meta_proc = ProcessCluster._meta_process
+
+    def process_on_rocksdb(self: ProcessCluster, listen: str) -> ServiceProcess:
+        if "--store" not in self.meta_args:
+            self.meta_args = (*self.meta_args, "--store", "rocksdb")
+        return meta_proc(self, listen)
+
+    monkeypatch.setattr(LocalCluster, "start_meta", on_rocksdb)
+    monkeypatch.setattr(ProcessCluster, "_meta_process", process_on_rocksdb)
+
+
+@pytest.fixture(params=["sqlite", pytest.param("rocksdb", marks=pytest.mark.meta_rocksdb)])
+def local_meta(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test over each store meta keeps its own index over (:mod:`kvfs.meta.localstore`):
+    SQLite and RocksDB, for what the Redis store does not keep (tombstones, older records,
+    dropped records, rebuilds).  The RocksDB half is marker ``meta_rocksdb``."""
+    if request.param == "rocksdb":
+        meta_on_rocksdb(monkeypatch)
+    return str(request.param)
+
+
 @pytest.fixture(params=["sqlite", pytest.param("rocksdb", marks=pytest.mark.meta_rocksdb),
                         pytest.param("redis", marks=[pytest.mark.redis, pytest.mark.meta_redis])])
 def meta_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -560,22 +593,7 @@ def meta_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
     from dataclasses import replace
 
     if request.param == "rocksdb":
-        start_local = LocalCluster.start_meta
-
-        async def on_rocksdb(self: LocalCluster) -> str:
-            if self.meta_config.store is None:
-                self.meta_config = replace(self.meta_config, store="rocksdb")
-            return await start_local(self)
-
-        meta_proc = ProcessCluster._meta_process
-
-        def process_on_rocksdb(self: ProcessCluster, listen: str) -> ServiceProcess:
-            if "--store" not in self.meta_args:
-                self.meta_args = (*self.meta_args, "--store", "rocksdb")
-            return meta_proc(self, listen)
-
-        monkeypatch.setattr(LocalCluster, "start_meta", on_rocksdb)
-        monkeypatch.setattr(ProcessCluster, "_meta_process", process_on_rocksdb)
+        meta_on_rocksdb(monkeypatch)
         return "rocksdb"
 
     rc: LocalRedisCluster = request.getfixturevalue("redis_cluster")

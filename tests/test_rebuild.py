@@ -18,7 +18,7 @@ from test_meta_walks import derived_tomb_chunks
 
 from kvfs import rpc
 from kvfs.chunkserver.records import scan_records
-from kvfs.config import ChunkServerConfig, ClientConfig, MetaConfig
+from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.errors import KVFSError
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
@@ -97,11 +97,9 @@ async def _wait_registered(cluster: LocalCluster, *, with_chunks: bool = True) -
         await asyncio.sleep(0.05)
 
 
-@pytest.mark.parametrize("store", ["sqlite", "rocksdb"])
-async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path, store: str) -> None:
-    meta_config = MetaConfig(data=tmp_path / "c" / "meta", listen="127.0.0.1:0",
-                             store="rocksdb" if store == "rocksdb" else None)
-    async with LocalCluster(tmp_path / "c", 3, meta=meta_config) as cluster:
+async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path, local_meta: str) -> None:
+    store = local_meta
+    async with LocalCluster(tmp_path / "c", 3) as cluster:
         items = {f"p/{i}".encode(): os.urandom(1000 + 37 * i) for i in range(200)}
         items[b"striped"] = os.urandom(3 * (1 << 20) + 12345)
         async with cluster.client() as kv:
@@ -121,9 +119,7 @@ async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path
         cluster_id, live_before = meta.cluster_id, dict(meta.index.chunk_live)
         addrs = [cs.addr for cs in cluster.chunkservers if cs is not None]
         await cluster.stop_meta()
-        for p in (tmp_path / "c" / "meta").glob("meta.sqlite3*"):
-            p.unlink()
-        shutil.rmtree(tmp_path / "c" / "meta" / "meta.rocksdb", ignore_errors=True)
+        drop_meta_db(tmp_path / "c" / "meta")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvfs", "meta", "rebuild", "--data", str(tmp_path / "c" / "meta"),
             "--from-chunkservers", ",".join(addrs), "--store", store,
@@ -205,7 +201,7 @@ def test_backup_of_a_rocksdb_meta_is_refused_naming_migrate(tmp_path: Path) -> N
 
 
 async def test_a_deleted_key_stays_deleted_after_gc_reclaims_its_tombstones_chunk_and_meta_is_rebuilt(
-        tmp_path: Path) -> None:
+        tmp_path: Path, local_meta: str) -> None:
     """A delete's tombstone lands in a chunk that the GC reclaims (otherwise all garbage) while
     older records of the key live on in an older chunk too live to compact: the GC copies the
     tombstones forward (meta keeps them), so a rebuild of meta from the chunks does not bring
@@ -239,14 +235,20 @@ async def test_a_deleted_key_stays_deleted_after_gc_reclaims_its_tombstones_chun
         assert not cs.store.chunk_path(tomb_chunk).exists()
         assert {b"victim", b"twice"} <= {r.key for r in scan_records(cs.store.chunk_path(old).read_bytes())}
         await cluster.stop_meta()
-        for p in (root / "meta").glob("meta.sqlite3*"):
-            p.unlink()
-        await rebuild(root / "meta", [cs.addr], cluster.admin_token)
+        drop_meta_db(root / "meta")
+        await rebuild(root / "meta", [cs.addr], cluster.admin_token, kind=local_meta)
         await cluster.start_meta()
         await _wait_registered(cluster)
         async with cluster.client(ClientConfig(layout_cache_entries=0)) as kv:
             assert await kv.get_many(list(keep)) == list(keep.values())
             assert await kv.get_many([b"victim", b"twice", junk[0]]) == [None, None, None]
+
+
+def drop_meta_db(meta_dir: Path) -> None:
+    """Lose meta's database, whichever store it is (SQLite's files, RocksDB's directory)."""
+    for p in meta_dir.glob("meta.sqlite3*"):
+        p.unlink()
+    shutil.rmtree(meta_dir / "meta.rocksdb", ignore_errors=True)
 
 
 def _disk_view(cluster: LocalCluster) -> dict[bytes, Layout]:
@@ -272,7 +274,7 @@ def _records_of(cluster: LocalCluster, keys: set[bytes]) -> int:
 
 
 async def test_overwrite_delete_and_compact_everything_over_several_passes_never_resurrects(
-        tmp_path: Path) -> None:
+        tmp_path: Path, local_meta: str) -> None:
     """Keys written, overwritten, deleted (one put again), then GC passes until every chunk
     that held them is compacted or deleted: after every pass the chunks' newest record of each
     key is its current state (what a rebuild would serve: never a deleted key, never an older
@@ -333,10 +335,9 @@ async def test_overwrite_delete_and_compact_everything_over_several_passes_never
             assert (await gc.status())["metrics"]["tombstones_dropped"] == len(churn) - 1
             assert await kv.get_many(list(expect)) == list(expect.values())
         await cluster.stop_meta()
-        for p in (root / "meta").glob("meta.sqlite3*"):
-            p.unlink()
+        drop_meta_db(root / "meta")
         await rebuild(root / "meta", [cs.addr for cs in cluster.chunkservers if cs is not None],
-                      cluster.admin_token)
+                      cluster.admin_token, kind=local_meta)
         await cluster.start_meta()
         await _wait_registered(cluster, with_chunks=False)  # a server may have no chunk left
         async with cluster.client(ClientConfig(layout_cache_entries=0)) as kv:
@@ -397,20 +398,21 @@ def test_a_tombstone_goes_once_no_chunk_at_or_below_its_horizon_is_left() -> Non
     assert decode_horizon(encode_horizon(t.horizon)) == t.horizon
 
 
-async def _lose_meta_and_rebuild(cluster: LocalCluster, now: float) -> None:
-    """Stop meta, delete its database, rebuild it from the chunkservers, start it again."""
+async def _lose_meta_and_rebuild(cluster: LocalCluster, now: float, kind: str) -> None:
+    """Stop meta, delete its database, rebuild it (a ``kind`` store) from the chunkservers,
+    start it again."""
     await cluster.stop_meta()
-    for p in (cluster.root / "meta").glob("meta.sqlite3*"):
-        p.unlink()
+    drop_meta_db(cluster.root / "meta")
     await rebuild(cluster.root / "meta", [cs.addr for cs in cluster.chunkservers if cs is not None],
-                  cluster.admin_token, now=now)
+                  cluster.admin_token, now=now, kind=kind)
     await cluster.start_meta()
     await _wait_registered(cluster)
 
 
 @pytest.mark.parametrize("how", ["expired", "evicted", "put_after_delete", "meta_restarted", "meta_rebuilt",
                                  "put_after_eviction", "put_after_eviction_meta_restarted"])
-async def test_a_key_the_gc_drops_never_comes_back_with_an_older_value(tmp_path: Path, how: str) -> None:
+async def test_a_key_the_gc_drops_never_comes_back_with_an_older_value(tmp_path: Path, how: str,
+                                                                       local_meta: str) -> None:
     """``k`` is put (v1, in a chunk kept by live neighbours), overwritten (v2, in a chunk of
     its own; ``put_after_delete``: deleted first, then put again; ``put_after_eviction``:
     evicted first, no tombstone needed then, and put again while v1's record is there), then
@@ -471,7 +473,7 @@ async def test_a_key_the_gc_drops_never_comes_back_with_an_older_value(tmp_path:
                 await cluster.start_meta()
                 await _wait_registered(cluster)
             elif how == "meta_rebuilt":
-                await _lose_meta_and_rebuild(cluster, clock.now)
+                await _lose_meta_and_rebuild(cluster, clock.now, local_meta)
             if how == "evicted":
                 await evict_k()
             else:
@@ -489,7 +491,7 @@ async def test_a_key_the_gc_drops_never_comes_back_with_an_older_value(tmp_path:
         # the scene: v2's chunk is gone, v1's record is still there
         assert not cs.store.chunk_path(newer).exists()
         assert b"k" in {r.key for r in scan_records(cs.store.chunk_path(old).read_bytes())}
-        await _lose_meta_and_rebuild(cluster, clock.now)
+        await _lose_meta_and_rebuild(cluster, clock.now, local_meta)
         kv = cluster.client(ClientConfig(layout_cache_entries=0))
         kv.clock = clock
         async with kv:
@@ -497,7 +499,8 @@ async def test_a_key_the_gc_drops_never_comes_back_with_an_older_value(tmp_path:
             assert await kv.get(b"k") in (None, v2), "an older value came back"
 
 
-async def test_the_gc_writes_a_tombstone_only_for_keys_whose_older_records_outlive_them(tmp_path: Path) -> None:
+async def test_the_gc_writes_a_tombstone_only_for_keys_whose_older_records_outlive_them(
+        tmp_path: Path, local_meta: str) -> None:
     """Expired together: a key never overwritten, one overwritten (its first value without a
     TTL), one overwritten whose first value expired too, one put again after a delete.  Only
     the second and the fourth get a tombstone (the others have no older record a rebuild
@@ -552,7 +555,7 @@ async def test_the_gc_writes_a_tombstone_only_for_keys_whose_older_records_outli
 
 
 async def test_a_compaction_copy_of_a_key_dropped_meanwhile_counts_as_a_dropped_record(
-        tmp_path: Path) -> None:
+        tmp_path: Path, local_meta: str) -> None:
     """A compaction copies ``k``; before its GC_RELOCATE lands, ``k`` expires and the GC drops
     it (no older record: no tombstone).  The copy is a record of ``k`` in the new chunk that
     no layout names: meta remembers it (a ghost) as it does the dropped original, so ``k``

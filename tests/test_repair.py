@@ -32,6 +32,9 @@ from kvfs.meta.tombstones import chunk_seq
 from kvfs.rpc import Op
 from kvfs.transport import Connection
 
+# every test over each store meta keeps its own index in (the RocksDB half: marker meta_rocksdb)
+pytestmark = pytest.mark.usefixtures("local_meta")
+
 DEAD_AFTER_S = 1.0
 REPAIR_ONLY = PassOptions(apply=True, expire=False, evict=False, compact=False, repair=True)
 
