@@ -6,6 +6,7 @@ Shared by meta's RPC handlers (:mod:`kvfs.meta.service`) and its GC component
 Invariants:
 - every change is answered only once it is durable, the same way
   (:class:`~kvfs.meta.walsync.WalSync`): its transaction is written to SQLite's WAL
+  (``--store rocksdb``: one write batch to RocksDB's, :mod:`kvfs.meta.rocks`)
   without a sync on the event loop (:meth:`MetaStore.unsynced`), then one ``fdatasync``
   of the WAL runs in meta's sync thread (:meth:`MetaStore.sync_wal`) while the loop goes
   on answering lookups, and the change is answered when a sync that started after its
