@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("meta", help="run the metadata service in the foreground; "
                        "or rebuild / back up its database")
     add_options(p, MetaConfig, skip=("data",))
-    p.add_argument("--data", type=Path, default=None, help="data directory (SQLite store, token)")
+    p.add_argument("--data", type=Path, default=None, help="data directory (SQLite or RocksDB store, token)")
     p.set_defaults(func="kvfs.commands:cmd_meta")
     msub = p.add_subparsers(dest="meta_command", metavar="{rebuild,backup,migrate}")
     q = msub.add_parser("rebuild", help="write a new meta database from the chunkservers' records "

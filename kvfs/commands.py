@@ -117,7 +117,9 @@ async def cmd_meta_migrate(ns: argparse.Namespace) -> int:
     resumed = "" if rep.resumed_after is None else f" (resumed after {rep.resumed_after[:60]!r})"
     print(f"migrated cluster {rep.cluster_id} from {rep.source} to {rep.target}{resumed}: "
           f"{rep.keys} keys ({rep.expired} expired, not moved), {rep.servers} chunkservers, "
-          f"{rep.retired_chunks} retired chunks, {rep.state} GC state entries in {rep.seconds:.1f} s "
+          f"{rep.retired_chunks} retired chunks, {rep.state} GC state entries"
+          + (f", {rep.kept} tombstones and older or dropped records" if rep.kept else "")
+          + f" in {rep.seconds:.1f} s "
           f"({rep.keys / max(rep.seconds, 1e-9):.0f} keys/s)")
     return 0
 

@@ -120,7 +120,7 @@ class ServerConfig(TlsConfig):
 
 @dataclass(frozen=True, kw_only=True)
 class MetaConfig(ServerConfig):
-    data: Path = opt("data directory (SQLite store; token files unless $KVFS_TOKEN, "
+    data: Path = opt("data directory (SQLite or RocksDB store; token files unless $KVFS_TOKEN, "
                      "$KVFS_ADMIN_TOKEN, $KVFS_SERVER_TOKEN are set)")
     listen: str = opt("HOST:PORT to listen on (port 0 picks a free one)", "127.0.0.1:7070")
     heartbeat_timeout_s: float = opt("a chunkserver silent this long is not written to or read "

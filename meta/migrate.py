@@ -1,16 +1,18 @@
 """``kvfs meta migrate``: move meta's index from one store to another, SQLite or RocksDB
-to Redis Cluster or back, SQLite to RocksDB or back, or between two Redis stores (another namespace: how a store made by an
-older kvfs, format 1 or 2, is brought to this kvfs's format), with meta stopped.
+to Redis Cluster or back, SQLite to RocksDB or back, or between two Redis stores (another
+namespace: how a store made by an older kvfs, format 1 or 2, is brought to this kvfs's
+format), with meta stopped.
 
 What moves: every unexpired key with its layout (so its TTL) and its last access (the
 LRU order), the cluster id, the chunkserver registry, the retired chunks (a late commit
 naming one is still refused) and the GC state (paused, metrics, draining and
 decommissioned servers).  Chunkservers' heartbeat times do not: they report again.
-Nor do the delete tombstones a SQLite or RocksDB meta tracks (:mod:`kvfs.meta.tombstones`):
-the Redis store keeps none (README, "No tombstones on Redis"), so a later ``kvfs meta
-rebuild`` may bring back keys deleted before the migration.  Nor does the ``older`` set
-(keys with older records): into SQLite or RocksDB every key is marked as having some (the
-GC then drops each once with a tombstone).
+Between SQLite and RocksDB the delete tombstones, the ``older`` set (keys with older
+records) and the dropped records meta keeps (:mod:`kvfs.meta.tombstones`) move too, as
+they are.  To or from Redis they do not: the Redis store keeps none (README, "No
+tombstones on Redis"), so a later ``kvfs meta rebuild`` may bring back keys deleted
+before the migration; from Redis into SQLite or RocksDB every key is marked as having
+older records (the GC then drops each once with a tombstone).
 
 Memory stays bounded: keys stream in batches of ``batch`` (SQLite and RocksDB page by key,
 Redis by its LRU index), each batch written before the next is read.
@@ -28,6 +30,7 @@ is locked for the run (a running meta there refuses it, and it refuses a meta).
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
@@ -60,6 +63,7 @@ class MigrateReport:
     retired_chunks: int = 0
     state: int = 0
     resumed_after: bytes | None = None
+    kept: int = 0  # tombstones, older records and dropped records copied (local to local)
     seconds: float = 0.0
 
 
@@ -142,11 +146,31 @@ class _Local:
         for name, value in state.items():
             self.store.put_state(name, value)
 
-    async def write_rows(self, rows: list[Row]) -> None:
-        # the source (a Redis store, or one whose older records are not moved) tracks none
-        # here: every key may have some
+    async def write_rows(self, rows: list[Row], *, mark_older: bool = True) -> None:
+        # ``mark_older``: the source (a Redis store) tracks no older records, so every key may
+        # have some; a local source's own are copied after the rows instead (copy_kept)
         self.store.put_many(((k, encode_layout(lay), lay.expires_at, a) for k, lay, a in rows),
-                            ((k, None) for k, _, _ in rows))
+                            ((k, None) for k, _, _ in rows) if mark_older else ())
+
+    async def copy_kept(self, src: _Local, batch: int) -> int:
+        """The tombstones, older records and dropped records ``src`` keeps, as they are there,
+        ``batch`` at a time (from one local store to the other: what keeps a deleted key
+        deleted through a later rebuild); how many rows.  Those of keys not moved (expired)
+        are forgotten by meta at its start, as after a crash."""
+        n = 0
+        tombs = ((k, encode_layout(lay), h) for k, lay, h in src.store.load_tombstones())
+        while rows := list(itertools.islice(tombs, batch)):
+            self.store.put_tombstones(rows)
+            n += len(rows)
+        older = src.store.load_older()
+        while olds := list(itertools.islice(older, batch)):
+            self.store.put_many((), olds)
+            n += len(olds)
+        ghosts = src.store.load_ghosts()
+        while dropped := list(itertools.islice(ghosts, batch)):
+            self.store.put_ghosts(dropped)
+            n += len(dropped)
+        return n
 
 
 class _Redis:
@@ -308,7 +332,10 @@ async def migrate(src_spec: str, dst_spec: str, *, from_namespace: str = "kvfs",
             live = [r for r in rows if r[1].expires_at is None or r[1].expires_at > now]
             rep.expired += len(rows) - len(live)
             if live:
-                await dst.write_rows(live)
+                if isinstance(dst, _Local):
+                    await dst.write_rows(live, mark_older=not isinstance(src, _Local))
+                else:
+                    await dst.write_rows(live)
             keys += len(live)
             rep.keys += len(live)
             if isinstance(src, _Local) and rows:
@@ -318,6 +345,8 @@ async def migrate(src_spec: str, dst_spec: str, *, from_namespace: str = "kvfs",
                 rep.seconds = time.perf_counter() - t0
                 progress(rep)
                 next_report += progress_every
+        if isinstance(src, _Local) and isinstance(dst, _Local):
+            rep.kept = await dst.copy_kept(src, batch)
         await dst.put_state(MARK, {"cluster": cid, "source": src.name, "done": True,
                                    "after": None, "keys": keys})
         rep.seconds = time.perf_counter() - t0

@@ -197,8 +197,8 @@ async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None
     (:mod:`kvfs.meta.localstore`)."""
     held = held_kind(data)
     if held is not None:
-        raise InvalidArgument(f"{store_path(data, held)} exists; move it away first (or back it up: "
-                              "kvfs meta backup)")
+        raise InvalidArgument(f"{store_path(data, held)} exists; move it away first"
+                              + (" (or back it up: kvfs meta backup)" if held == "sqlite" else ""))
     if not addrs:
         raise InvalidArgument("--from-chunkservers needs at least one HOST:PORT")
     report = RebuildReport()

@@ -158,13 +158,23 @@ async def test_a_sqlite_index_moves_to_rocksdb_a_meta_there_serves_it_and_it_mov
     async with LocalCluster(root, 1) as c, c.client() as kv:
         await kv.put_many(list(plain.items()))
         await kv.put_many(list(ttl.items()), ttl=3600)
+        await kv.put_many([(b"gone", b"1"), (b"twice", b"1")])
+        await kv.put(b"twice", b"2")  # an older record
+        await kv.delete_many([b"gone"])  # a tombstone kept
         layouts = await kv.lookup(list(ttl), use_cache=False)
         cid = c.meta.cluster_id if c.meta else ""
     src = open_local(root / "meta", "sqlite")
     rows = {k: (b, e, a) for k, b, e, a in src.rows_after(None, 1000)}
+    kept = (list(src.load_tombstones()), dict(src.load_older()))
+    assert [k for k, _, _ in kept[0]] == [b"gone"] and kept[1] == {b"twice": None}
     src.close()
     rep = await migrate(f"sqlite:{root / 'meta'}", f"rocksdb:{root / 'meta-rocks'}", batch=16)
-    assert (rep.keys, rep.cluster_id, rep.servers) == (70, cid, 1)
+    assert (rep.keys, rep.cluster_id, rep.servers, rep.kept) == (71, cid, 1, 2)
+    dst = open_local(root / "meta-rocks", "rocksdb")
+    try:  # the tombstones and older records as they were, not every key marked
+        assert (list(dst.load_tombstones()), dict(dst.load_older())) == kept
+    finally:
+        dst.close()
     with pytest.raises(InvalidArgument, match="already holds the finished migration"):
         await migrate(f"sqlite:{root / 'meta'}", f"rocksdb:{root / 'meta-rocks'}")
 
@@ -173,10 +183,11 @@ async def test_a_sqlite_index_moves_to_rocksdb_a_meta_there_serves_it_and_it_mov
         assert await kv.get_many(list(plain)) == list(plain.values())
         assert await kv.get_many(list(ttl)) == list(ttl.values())
         assert await kv.lookup(list(ttl), use_cache=False) == layouts
-        assert [e.key for e in await kv.list(b"")] == sorted([*plain, *ttl])
+        assert [e.key for e in await kv.list(b"")] == sorted([*plain, *ttl, b"twice"])
+        assert await kv.get_many([b"gone", b"twice"]) == [None, b"2"]
 
     rep = await migrate(f"rocksdb:{root / 'meta-rocks'}", f"sqlite:{tmp_path / 'back'}")
-    assert rep.keys == 70
+    assert (rep.keys, rep.kept) == (71, 2)
     back = open_local(tmp_path / "back", "sqlite")
     try:
         assert {k: (b, e) for k, b, e, _ in back.rows_after(None, 1000)} == {k: (b, e) for k, (b, e, _) in rows.items()}
