@@ -104,6 +104,7 @@ class _Local:
             self.lock.release()
             raise
         self.name = f"{kind}:{file}"
+        self.mark_older = True  # as a target: False when the source is local too (migrate)
 
     async def close(self) -> None:
         self.store.close()
@@ -146,11 +147,11 @@ class _Local:
         for name, value in state.items():
             self.store.put_state(name, value)
 
-    async def write_rows(self, rows: list[Row], *, mark_older: bool = True) -> None:
+    async def write_rows(self, rows: list[Row]) -> None:
         # ``mark_older``: the source (a Redis store) tracks no older records, so every key may
         # have some; a local source's own are copied after the rows instead (copy_kept)
         self.store.put_many(((k, encode_layout(lay), lay.expires_at, a) for k, lay, a in rows),
-                            ((k, None) for k, _, _ in rows) if mark_older else ())
+                            ((k, None) for k, _, _ in rows) if self.mark_older else ())
 
     async def copy_kept(self, src: _Local, batch: int) -> int:
         """The tombstones, older records and dropped records ``src`` keeps, as they are there,
@@ -298,6 +299,8 @@ async def migrate(src_spec: str, dst_spec: str, *, from_namespace: str = "kvfs",
         for s in (src, dst):
             if isinstance(s, _Redis):
                 await s.open()
+        if isinstance(src, _Local) and isinstance(dst, _Local):
+            dst.mark_older = False  # the source's own older records are copied (copy_kept)
         cid = await src.cluster_id()
         rep = MigrateReport(src.name, dst.name, cid)
         mark = await dst.get_state(MARK)
@@ -332,10 +335,7 @@ async def migrate(src_spec: str, dst_spec: str, *, from_namespace: str = "kvfs",
             live = [r for r in rows if r[1].expires_at is None or r[1].expires_at > now]
             rep.expired += len(rows) - len(live)
             if live:
-                if isinstance(dst, _Local):
-                    await dst.write_rows(live, mark_older=not isinstance(src, _Local))
-                else:
-                    await dst.write_rows(live)
+                await dst.write_rows(live)
             keys += len(live)
             rep.keys += len(live)
             if isinstance(src, _Local) and rows:

@@ -58,8 +58,7 @@ if HAVE_ROCKSDICT:
     )
 
 ROW = struct.Struct(">dd")  # a key's row: expires_at (NO_EXPIRY: none), last_access; the layout follows
-BITS = struct.Struct(">Q")
-ID = struct.Struct(">Q")  # chunk and server ids
+U64 = struct.Struct(">Q")  # chunk and server ids; an expiry's bits (expiry_key)
 GHOST = struct.Struct(">QI")  # (chunk, key hash)
 KEY, EXP, TOMB, OLDER, GHOSTS, SERVER, DEAD, STATE, CLUSTER = (
     b"k", b"x", b"t", b"o", b"g", b"s", b"d", b"n", b"c")
@@ -72,18 +71,14 @@ MISSING = "--store rocksdb needs the rocksdb extra: pip install 'kvfs[rocksdb]' 
 def expiry_key(e: float) -> bytes:
     """An expiry's 8 bytes, in the order of the numbers (IEEE 754: a positive double's sign
     bit set, a negative one's bits all flipped)."""
-    (b,) = BITS.unpack(struct.pack(">d", e))
-    return BITS.pack(b ^ 0xFFFF_FFFF_FFFF_FFFF if b >> 63 else b | 1 << 63)
+    (b,) = U64.unpack(struct.pack(">d", e))
+    return U64.pack(b ^ 0xFFFF_FFFF_FFFF_FFFF if b >> 63 else b | 1 << 63)
 
 
 def expiry_of(k: bytes, at: int) -> float:
-    (b,) = BITS.unpack_from(k, at)
-    (e,) = struct.unpack(">d", BITS.pack(b & ~(1 << 63) if b >> 63 else b ^ 0xFFFF_FFFF_FFFF_FFFF))
+    (b,) = U64.unpack_from(k, at)
+    (e,) = struct.unpack(">d", U64.pack(b & ~(1 << 63) if b >> 63 else b ^ 0xFFFF_FFFF_FFFF_FFFF))
     return float(e)
-
-
-def _until(v: float | None) -> float:
-    return NO_EXPIRY if v is None else v
 
 
 def _none(v: float) -> float | None:
@@ -232,7 +227,7 @@ class RocksStore:
         wb = WriteBatch(raw_mode=True)
         put, pack, epack = wb.put, ROW.pack, expiry_key
         for key, blob, exp, acc in rows:
-            e = _until(exp)
+            e = NO_EXPIRY if exp is None else exp
             put(KEY + key, pack(e, acc) + blob)
             if e != NO_EXPIRY:
                 put(EXP + epack(e) + key, b"")
@@ -387,30 +382,30 @@ class RocksStore:
         """The ghosts in chunks that were deleted."""
         wb = WriteBatch(raw_mode=True)
         for c in chunks:
-            wb.delete_range(GHOSTS + ID.pack(c), GHOSTS + ID.pack(c + 1))
+            wb.delete_range(GHOSTS + U64.pack(c), GHOSTS + U64.pack(c + 1))
         self._write(wb)
 
     # registry and state --------------------------------------------------------------
     def load_servers(self) -> builtins.list[tuple[int, str, int, int]]:
-        return [(ID.unpack(k)[0], *msgpack.unpackb(v)) for k, v in self._prefixed(SERVER)]
+        return [(U64.unpack(k)[0], *msgpack.unpackb(v)) for k, v in self._prefixed(SERVER)]
 
     def put_server(self, server_id: int, addr: str, capacity: int, free: int) -> None:
         wb = WriteBatch(raw_mode=True)
-        wb.put(SERVER + ID.pack(server_id), msgpack.packb((addr, capacity, free)))
+        wb.put(SERVER + U64.pack(server_id), msgpack.packb((addr, capacity, free)))
         self._write(wb)
 
     def delete_server(self, server_id: int) -> None:
         wb = WriteBatch(raw_mode=True)
-        wb.delete(SERVER + ID.pack(server_id))
+        wb.delete(SERVER + U64.pack(server_id))
         self._write(wb)
 
     def load_dead(self) -> builtins.list[tuple[int, int, float]]:
-        return [(ID.unpack(k)[0], *msgpack.unpackb(v)) for k, v in self._prefixed(DEAD)]
+        return [(U64.unpack(k)[0], *msgpack.unpackb(v)) for k, v in self._prefixed(DEAD)]
 
     def add_dead(self, rows: Iterable[tuple[int, int, float]]) -> None:
         """Retired chunks (chunk, server, when); one retired before keeps its time."""
         rows = builtins.list(rows)
-        keys = [DEAD + ID.pack(c) for c, _, _ in rows]
+        keys = [DEAD + U64.pack(c) for c, _, _ in rows]
         wb = WriteBatch(raw_mode=True)
         for k, (_, sid, at), v in zip(keys, rows, self._get(keys), strict=True):
             if v is None:

@@ -1,7 +1,8 @@
 """Meta's longest loop step on one large write RPC (16,384 keys): GC_REPAIR's switches, DELETE
-with tombstones, COMMIT, while N random 64-byte keys are stored: a SQLite meta's handlers in
-this process, timed by kvfs.bench.meta_stall's ticker, 3 rounds (bench/RESULTS.md).
-Usage: python bench/results/write-stall-2026-12-04.py 300000"""
+with tombstones, COMMIT, while N random 64-byte keys are stored: a meta's handlers in this
+process (its store STORE: sqlite, the default, or rocksdb), timed by kvfs.bench.meta_stall's
+ticker, 3 rounds (bench/RESULTS.md).
+Usage: python bench/results/write-stall-2026-12-04.py 300000 [STORE]"""
 import asyncio
 import hashlib
 import sys
@@ -28,16 +29,16 @@ def lay(i: int, sid: int = 1, chunk: int | None = None) -> Layout:
     return Layout(100, 0xABCDEF, NOW, None, (Extent(100, 0x1234567, (Replica(sid, c, (i % PER) * 160),)),))
 
 
-async def main(n: int) -> None:
+async def main(n: int, store: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        m = SqliteMeta(Path(tmp) / "meta")
+        m = SqliteMeta(Path(tmp) / "meta", None if store == "sqlite" else store)
         await m.open()
         svc = m.meta
         await svc.rpc_register(rpc.Register(server_id=2, addr="127.0.0.1:2"), memoryview(b""))
         t0 = time.perf_counter()
         for lo in range(0, n, 4096):
             await m.commit([(k(i), lay(i)) for i in range(lo, min(n, lo + 4096))], NOW)
-        print(f"{n} keys committed in {time.perf_counter() - t0:.1f} s", flush=True)
+        print(f"{store}: {n} keys committed in {time.perf_counter() - t0:.1f} s", flush=True)
         for rnd in range(3):
             base = rnd * PER
             items = [rpc.ReplicaSwitch(k(i), 0, Replica(1, make_chunk_id(1, i // PER), (i % PER) * 160),
@@ -65,4 +66,4 @@ async def main(n: int) -> None:
         await m.close()
 
 
-asyncio.run(main(int(sys.argv[1])))
+asyncio.run(main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "sqlite"))
