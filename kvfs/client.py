@@ -36,7 +36,7 @@ from kvfs.address import format_addr, format_addrs, lookup_token, parse_addrs
 from kvfs.buffers import Source, Views, as_parts, as_parts_many, cut, fresh_value
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import ClientConfig, OnLost
-from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError, StaleLayout
+from kvfs.errors import InvalidArgument, KVFSError, RemoteProtocolError
 from kvfs.layout import (
     MAX_KEY_BYTES,
     MAX_META_BYTES,
@@ -48,7 +48,15 @@ from kvfs.layout import (
     norm_keys,
 )
 from kvfs.layoutcache import FLAT_SIZE, Cached, Flat, FlatLayouts, LayoutCache
-from kvfs.readpath import SCATTER_MIN_BYTES, WHOLE, Dest, ReadPath
+from kvfs.readpath import (
+    RELOOKUPS,
+    SCATTER_MIN_BYTES,
+    WHOLE,
+    Dest,
+    ReadPath,
+    bytes_gone,
+    still_moving,
+)
 from kvfs.stream import Chunks, ValueReader, open_read, put_stream
 from kvfs.tls import client_context
 from kvfs.transport import Connection
@@ -601,45 +609,44 @@ class AsyncClient:
             return []
         if (parts := self.parts(keys)) is not None:
             return [v for part in parts for v in await self.get_ranges(requests[part])]
+        layouts = await self.lookup(keys)
+        subs: list[Layout | None] = [None] * len(keys)  # each key's extents in its range
+        dests: list[Dest] = [None] * len(keys)
+        cuts = [(bytearray(), 0, 0)] * len(keys)  # the bytes read, and the range's in them
         failed: dict[int, KVFSError] = {}
-        for attempt in (0, 1):
-            layouts = await self.lookup(keys, use_cache=attempt == 0)
-            subs: list[Layout | None] = []
-            dests: list[Dest] = []
-            cuts: list[tuple[bytearray, int, int]] = []
-            for (_, start, end), lay in zip(requests, layouts, strict=True):
-                if lay is None:
-                    subs.append(None)
-                    dests.append(None)
-                    cuts.append((bytearray(), 0, 0))
-                    continue
-                lo, hi, _ = slice(start, end).indices(lay.size)
-                chosen: list[Extent] = []
-                pos = first = 0
-                for e in lay.extents if hi > lo else ():
-                    if pos < hi and pos + e.length > lo:
-                        if not chosen:
-                            first = pos
-                        chosen.append(e)
-                    pos += e.length
-                size = sum(e.length for e in chosen)
-                buf = bytearray(size)
-                subs.append(Layout(size, 0, lay.created, lay.expires_at, tuple(chosen)))
-                dests.append([memoryview(buf)])
-                cuts.append((buf, lo - first, max(lo, hi) - first))
-            failed.clear()
-            stale = await self.reader.fetch(keys, subs, dests, None, failed)
-            if not stale or attempt:
-                for i in stale:
-                    failed[i] = StaleLayout(f"key {keys[i][:64]!r}: its layout changed twice "
-                                            "during one ranged read")
-                if failed:
-                    await self._unreadable("get_ranges", keys, failed, {})
-                return [None if sub is None or i in failed else bytes(buf[a:b])
-                        for i, (sub, (buf, a, b)) in enumerate(zip(subs, cuts, strict=True))]
+        todo: range | set[int] = range(len(keys))
+        rereads = 0
+        while True:  # as ReadPath.read_into: a stale key is read again at meta's new layout
+            for i in todo:
+                lay, (_, start, end) = layouts[i], requests[i]
+                if lay is not None:
+                    subs[i], dests[i], cuts[i] = _ranged(lay, start, end)
+            stale = await self.reader.fetch(keys, [subs[i] if i in todo else None
+                                                   for i in range(len(keys))],
+                                            dests, None, failed)
+            if not stale:
+                break
             for i in stale:
                 self.layout_cache.pop(keys[i])
-        raise AssertionError("unreachable")
+            fresh = await self.lookup([keys[i] for i in stale], use_cache=False)
+            todo = set()
+            for i, lay in zip(stale, fresh, strict=True):
+                if lay is None:  # a miss
+                    subs[i] = None
+                elif lay == layouts[i]:  # the layout read, still meta's: its bytes are gone
+                    failed[i] = bytes_gone(keys[i])
+                elif rereads == RELOOKUPS:
+                    failed[i] = still_moving(keys[i], "ranged read")
+                else:
+                    layouts[i] = lay
+                    todo.add(i)
+            if not todo:
+                break
+            rereads += 1
+        if failed:
+            await self._unreadable("get_ranges", keys, failed, {})
+        return [None if sub is None or i in failed else bytes(buf[a:b])
+                for i, (sub, (buf, a, b)) in enumerate(zip(subs, cuts, strict=True))]
 
     async def get_into(self, keys: Iterable[Key], buffers: Sequence[Any], *,
                        lease_s: float | None = None,
@@ -887,6 +894,24 @@ def many_dests(layouts: Sequence[Layout | None], flat: list[Flat] | None = None,
             return ([None if n < 0 else b"" for n in sizes],
                     [WHOLE if n > 0 else None for n in sizes])
     return _fresh(sizes)
+
+
+def _ranged(lay: Layout, start: int | None, end: int | None,
+            ) -> tuple[Layout, Dest, tuple[bytearray, int, int]]:
+    """For get_ranges: the layout of ``lay``'s extents that overlap ``value[start:end]``, a
+    destination for them, and (those bytes, the range's start and end in them)."""
+    lo, hi, _ = slice(start, end).indices(lay.size)
+    chosen: list[Extent] = []
+    pos = first = 0
+    for e in lay.extents if hi > lo else ():
+        if pos < hi and pos + e.length > lo:
+            if not chosen:
+                first = pos
+            chosen.append(e)
+        pos += e.length
+    buf = bytearray(sum(e.length for e in chosen))
+    sub = Layout(len(buf), 0, lay.created, lay.expires_at, tuple(chosen))
+    return sub, [memoryview(buf)], (buf, lo - first, max(lo, hi) - first)
 
 
 def _fresh(sizes: list[int]) -> tuple[list[bytes | None], list[Dest]]:

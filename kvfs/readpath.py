@@ -65,6 +65,21 @@ SCATTER_MIN_BYTES = 64 * 1024
 RANGE_LENGTH = itemgetter(2)  # of a READV range (chunk id, offset, length)
 _CRC = crc32c.crc32c  # a Scatter's fold (_fold_for): a value's sum taken as its bytes land (hot)
 _NONE = type(None)
+# a key found moved (its layout stale: overwritten, or moved by the GC's compaction) is read
+# again at meta's new layout at most this many times in one read; moved once more, it fails
+RELOOKUPS = 3
+
+
+def bytes_gone(key: bytes) -> StaleLayout:
+    """A key's error when meta still names the layout whose bytes were just found gone."""
+    return StaleLayout(f"key {key[:64]!r}: its bytes are gone from the chunkserver named by its "
+                       "layout (lost or reclaimed)")
+
+
+def still_moving(key: bytes, read: str = "read") -> StaleLayout:
+    """A key's error when its layout went stale at each of its :data:`RELOOKUPS` re-reads."""
+    return StaleLayout(f"key {key[:64]!r}: its layout changed {RELOOKUPS + 1} times during one "
+                       f"{read}")
 
 
 class _Dest(enum.Enum):
@@ -315,8 +330,9 @@ class ReadPath:
                         flat: Sequence[Flat] | None = None,
                         resized: Callable[[int, Layout], Dest] | None = None) -> set[int]:
         """Fill ``dests``; returns the slots that turned out to be misses (deleted or
-        expired while being read).  A key found overwritten meanwhile (its bytes gone, meta
-        naming a new layout) is read again from its new layout; at a new size, into new
+        expired while being read).  A key found overwritten or moved meanwhile (its bytes
+        gone, meta naming a new layout) is read again from its new layout, up to
+        :data:`RELOOKUPS` times (then it fails: still moving); at a new size, into new
         ``bytes`` in ``out`` (get_many), or into ``resized(slot, new layout)``'s destination
         (get_into: None where its buffer is too small, which ``resized`` records), else it
         fails.  With ``failed`` given, a key whose bytes cannot be
@@ -329,23 +345,32 @@ class ReadPath:
         layout cache's), for the first READVs (else made from ``layouts`` when they are all
         one extent of one replica)."""
         misses: set[int] = set()
-        bad: set[int] = set()
+        bad: set[int] = set()  # slots whose last read found every replica without good bytes
         stale = await self.fetch(keys, layouts, dests, out, failed, bad, skip, flat)
-        retried: dict[int, Layout] = {}
-        bad2: set[int] = set()
-        if stale:
+        last: dict[int, Layout] = {}  # a slot read again: the layout it was read at last
+        last_dest: dict[int, Dest] = {}  # and into what
+        rereads = 0
+        while stale:  # each stale slot's verdict is meta's layout after the stale read
             for i in stale:
                 self._forget(keys[i])
             fresh = await self._relookup([keys[i] for i in stale])
             retry_layouts: list[Layout | None] = [None] * len(keys)
             retry_dests: list[Dest] = [None] * len(keys)
+            again: list[int] = []
             for i, lay in zip(stale, fresh, strict=True):
-                old = layouts[i]
+                old = last.get(i, layouts[i])
                 if lay is None:
                     misses.add(i)
                     continue
-                dest = dests[i]
-                gone = old is None or lay == old  # the same layout: its bytes are lost
+                gone = old is None or lay == old  # the layout read, still meta's: bytes lost
+                if not gone and rereads == RELOOKUPS:
+                    err = still_moving(keys[i])
+                    if failed is None:
+                        raise err
+                    failed[i] = err
+                    bad.discard(i)  # a moving layout is no proof of loss
+                    continue
+                dest = last_dest.get(i, dests[i])
                 new_size = old is not None and not gone and lay.size != old.size
                 if new_size and out is None:  # get_into: the key's buffer at the new size
                     if resized is None:
@@ -355,8 +380,7 @@ class ReadPath:
                         if dest is None:  # too small for the new size: resized said so
                             continue
                 if gone:
-                    err = StaleLayout(f"key {keys[i][:64]!r}: its bytes are gone from the chunkserver "
-                                      "named by its layout (lost or reclaimed)")
+                    err = bytes_gone(keys[i])
                     if failed is None:
                         raise err
                     failed[i] = err
@@ -368,20 +392,17 @@ class ReadPath:
                     # (a WHOLE destination reads one extent)
                     out[i], dest = fresh_value(lay.size)
                 retry_layouts[i], retry_dests[i] = lay, dest
-                retried[i] = lay
-            if retried:
-                for i in await self.fetch(keys, retry_layouts, retry_dests, out, failed, bad2,
-                                          skip):
-                    err = StaleLayout(f"key {keys[i][:64]!r}: its layout changed twice during one "
-                                      "read")
-                    if failed is None:
-                        raise err
-                    failed[i] = err
-                    bad2.discard(i)  # a moving layout is no proof of loss
+                last[i], last_dest[i] = lay, dest
+                again.append(i)
+            if not again:
+                break
+            rereads += 1
+            bad.difference_update(again)
+            stale = await self.fetch(keys, retry_layouts, retry_dests, out, failed, bad, skip)
         if lost is not None and failed:
             for i in failed:
-                lay = retried.get(i, layouts[i])
-                if lay is not None and i in (bad2 if i in retried else bad):
+                lay = last.get(i, layouts[i])
+                if lay is not None and i in bad:
                     lost[i] = lay
         return misses
 

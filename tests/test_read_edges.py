@@ -19,13 +19,14 @@ import numpy as np
 import pytest
 from conftest import FakeClock, Hold, reports_checked
 
-from kvfs import TOO_SMALL
+from kvfs import FAILED, TOO_SMALL
 from kvfs.bench.reliability import flip_byte
 from kvfs.buffers import Parts, regions
 from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.errors import ChecksumMismatch, ServerError, StaleLayout, Unavailable
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Layout
+from kvfs.readpath import RELOOKUPS
 from kvfs.rpc import Op, ReadV
 from kvfs.stream import ValueReader
 from kvfs.sync import Client
@@ -121,13 +122,13 @@ async def test_values_scattered_over_interleaved_regions_arrive_in_place(one: Lo
 async def test_a_layout_that_goes_stale_twice_in_one_read(one: LocalCluster, second: str) -> None:
     """Readers hold k's first layout (chunk A); k is overwritten (chunk B), then A's bytes
     vanish, and B's are gone too or corrupt. A read finds A's stale, looks k up again and
-    reads B: gone again ("changed twice": a moving layout is no proof of loss, meta keeps
-    k), or corrupt (every replica answered bad bytes: reported lost, meta drops k). A miss
-    under on_lost="miss", the error under "raise"."""
+    reads B: gone again, with meta still naming B after it (no move: the bytes are lost), or
+    corrupt (every replica answered bad bytes). Either way reported lost, and meta drops k:
+    the error under on_lost="raise", and a miss for the next reader."""
     async with one.client() as kv:
         await kv.put(b"k", b"1" * SIZE)
         lay_a = await kv.layout(b"k")
-    readers = [one.client(), one.client(ClientConfig(on_lost="raise"))]
+    readers = [one.client(ClientConfig(on_lost="raise")), one.client()]
     try:
         for r in readers:
             assert await r.get(b"k") == b"1" * SIZE  # the first layout cached
@@ -150,19 +151,94 @@ async def test_a_layout_that_goes_stale_twice_in_one_read(one: LocalCluster, sec
         for r in readers:
             await r.servers(refresh=True)
         if second == "gone":
-            assert await readers[0].get(b"k") is None
-            with pytest.raises(StaleLayout, match=r"^key b'k': its layout changed twice during one read$"):
-                await readers[1].get(b"k")
-            async with one.client() as kv:
-                assert await kv.layout(b"k") == lay_b  # kept: its bytes may be on their way
+            with pytest.raises(StaleLayout, match=r"^key b'k': its bytes are gone from the chunkserver "
+                                                  r"named by its layout \(lost or reclaimed\)$"):
+                await readers[0].get(b"k")
         else:
             with pytest.raises(ChecksumMismatch, match=r"^key b'k': bytes from chunkserver"):
-                await readers[1].get(b"k")
-            async with one.client() as kv:
-                assert await kv.layout(b"k") is None  # B's layout reported lost: dropped
+                await readers[0].get(b"k")
+        async with one.client() as kv:
+            assert await kv.layout(b"k") is None  # B's layout reported lost: dropped
+        assert await readers[1].get(b"k") is None
     finally:
         for r in readers:
             await r.close()
+
+
+@pytest.mark.parametrize("how", ["get", "get_into", "get_ranges"])
+@pytest.mark.parametrize("moves", [RELOOKUPS, RELOOKUPS + 1])
+async def test_a_key_that_moves_at_each_re_read(one: LocalCluster, moves: int, how: str,
+                                                caplog: pytest.LogCaptureFixture) -> None:
+    """A reader's cached layout of k goes stale, and so does each layout it looks up next:
+    ``moves`` times in all, the chunk read emptied and k written anew just after meta
+    answered (as when the GC's compaction moves a key again and again). Up to RELOOKUPS
+    re-reads, the read finds k's newest bytes. One move more, it fails as still moving, the
+    error under on_lost="raise", and meta keeps k: a moving key is no proof of loss."""
+    async with one.client() as kv:
+        await kv.put(b"k", b"0" * SIZE)
+    reader = one.client(ClientConfig(on_lost="raise"))
+    writes = 0
+
+    async def move() -> None:  # empty the chunk of k's layout now, and write k anew
+        nonlocal writes
+        lay = await _layout(one, b"k")
+        cs = one.chunkservers[0]
+        assert cs is not None
+        path = cs.store.chunk_path(lay.extents[0].replicas[0].chunk_id)
+        await one.stop_chunkserver(0)
+        os.truncate(path, 0)
+        await one.start_chunkserver(0)  # appends go to a new chunk from here
+        writes += 1
+        async with one.client() as kv:
+            await kv.put(b"k", str(writes).encode() * SIZE)
+        await reader.servers(refresh=True)
+
+    relookup = reader.reader._relookup
+
+    async def moving(keys: list[bytes]) -> list[Layout | None]:  # fault injection
+        got = await relookup(keys)
+        if writes < moves:
+            await move()
+        return got
+
+    try:
+        assert await reader.get(b"k") == b"0" * SIZE  # the first layout cached
+        await move()
+        reader.reader._relookup = moving
+        lookup = reader.lookup
+        if how == "get_ranges":  # its own loop looks up through the client
+
+            async def ranged_moving(keys: Any, **kw: Any) -> list[Layout | None]:
+                got = await lookup(keys, **kw)
+                if not kw.get("use_cache", True) and writes < moves:
+                    await move()
+                return got
+
+            reader.lookup = ranged_moving  # type: ignore[method-assign]
+
+        async def read() -> bytes | None:
+            if how == "get":
+                return await reader.get(b"k")
+            if how == "get_into":  # its failure is a result (FAILED), not an error
+                buf = bytearray(SIZE)
+                if (got := await reader.get_into([b"k"], [buf])) == [FAILED]:
+                    raise StaleLayout(caplog.records[-1].getMessage().partition("first: ")[2])
+                assert got == [SIZE]
+                return bytes(buf)
+            return (await reader.get_ranges([(b"k", None, None)]))[0]
+
+        if moves == RELOOKUPS:
+            assert await read() == str(moves).encode() * SIZE
+        else:
+            word = "ranged read" if how == "get_ranges" else "read"
+            with pytest.raises(StaleLayout, match=rf"^key b'k': its layout changed {moves} times "
+                                                  rf"during one {word}$"):
+                await read()
+            async with one.client() as kv:
+                assert await kv.get(b"k") == str(moves).encode() * SIZE  # kept
+        assert writes == moves
+    finally:
+        await reader.close()
 
 
 async def test_a_lost_key_ahead_of_an_overwritten_one_in_one_read(one: LocalCluster) -> None:

@@ -70,7 +70,7 @@ async def test_short_soak_through_a_mount_reads_every_file_right(tmp_path: Path,
 
 
 async def test_short_soak_of_a_full_cluster_misses_only_evicted_keys_and_never_leased_ones(
-        tmp_path: Path, meta_backend: str) -> None:
+        tmp_path: Path) -> None:
     """The same on a full cluster (16 MiB per chunkserver): the GC daemon evicts as the
     clients write.  A read may then miss a committed key, but only one meta no longer has
     after the miss, never one a lease holds: readers lease batches of the oldest keys with
@@ -78,13 +78,6 @@ async def test_short_soak_of_a_full_cluster_misses_only_evicted_keys_and_never_l
     leases, a 40 s run had 61 misses of leased keys.)"""
     # (24 MiB filled only as fast as the machine wrote: under IO load 2 of 3 runs of
     # 34e2c78 never filled it in 20 s, and the GC evicted nothing)
-    if meta_backend == "rocksdb":
-        # a read looks a moved key up once more, not twice: one the GC's compaction moves
-        # again while it is read again is a miss ("its layout changed twice during one
-        # read", kvfs/readpath.py, the get_ranges loop); on RocksDB's faster meta the GC
-        # moved keys so in 2 of 17 runs of this test (none of 8 on SQLite), 2026-12-04
-        pytest.skip("a key moved twice during one read is a miss (one re-lookup): met in 2 of 17 "
-                    "runs on RocksDB; the read path's limit, not the store's (bench/RESULTS.md)")
     fig = await soak(tmp_path, seconds=20, clients=2, replicas=2, capacity=16 * 1024 * 1024)
     print(fig)
     # it was full, and reads saw it: during the run, or in the final check (whether a
