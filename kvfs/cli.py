@@ -69,8 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the admin token's file (default: $KVFS_ADMIN_TOKEN, else DATA/admin.token)")
     add_options(q, TlsConfig)
     q.set_defaults(func="kvfs.commands:cmd_meta_rebuild")
-    q = msub.add_parser("backup", help="copy the live database to FILE (SQLite online backup)")
-    q.add_argument("file", type=Path)
+    q = msub.add_parser("backup", help="copy meta's live store to DEST while meta serves: a SQLite "
+                        "database to the new file DEST (online backup), a RocksDB one to the new "
+                        "directory DEST (a checkpoint)")
+    q.add_argument("file", type=Path, metavar="DEST")
     q.add_argument("--data", type=Path, required=True, help="meta's data directory")
     q.set_defaults(func="kvfs.commands:cmd_meta_backup")
     q = msub.add_parser("migrate", help="move the index between stores, meta stopped: SQLite or "

@@ -101,8 +101,8 @@ async def cmd_meta_rebuild(ns: argparse.Namespace) -> int:
 async def cmd_meta_backup(ns: argparse.Namespace) -> int:
     from kvfs.meta.rebuild import backup
 
-    pages = backup(ns.data, ns.file)
-    print(f"backed up {ns.data / 'meta.sqlite3'} to {ns.file} ({pages} pages)")
+    done = backup(ns.data, ns.file)
+    print(f"backed up {done.source} to {ns.file} ({done.size})")
     return 0
 
 

@@ -37,7 +37,7 @@ from kvfs.address import parse_addr
 from kvfs.config import TlsConfig
 from kvfs.errors import InvalidArgument, WrongCluster
 from kvfs.layout import Extent, Layout, Replica, encode_layout
-from kvfs.meta.localstore import SQLITE_NAME, held_kind, open_local, store_path
+from kvfs.meta.localstore import held_kind, open_local, store_path
 from kvfs.meta.tombstones import Horizon, chunk_seq, encode_horizon, ghost_hash, tomb_layout
 from kvfs.tls import client_context
 from kvfs.transport import Connection
@@ -225,23 +225,53 @@ async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None
     return report
 
 
-def backup(data: Path, dest: Path) -> int:
-    """Copy ``data``'s live database to ``dest`` with SQLite's online backup; returns its pages."""
-    src_path = data / SQLITE_NAME
-    if held_kind(data) == "rocksdb":
-        raise InvalidArgument(f"{store_path(data, 'rocksdb')} is RocksDB: kvfs meta backup copies a "
-                              "SQLite database; stop meta and copy the directory, or kvfs meta "
-                              f"migrate --from rocksdb:{data} --to sqlite:NEW_DIR")
-    if not src_path.exists():
+class Backup(NamedTuple):
+    source: Path  # the store copied
+    size: str  # what the copy holds, for the operator ("1234 pages", "1000 keys")
+
+
+BACKUP_TRIES = 3  # read-only opens of a RocksDB store, which meta's compaction may change meanwhile
+
+
+def backup(data: Path, dest: Path) -> Backup:
+    """Copy ``data``'s live meta store to ``dest`` while meta serves: SQLite with its online
+    backup (into the new file ``dest``), RocksDB row by row from a read-only open beside
+    meta's (into a new store in the directory ``dest``: meta's writes up to the open, as
+    after a crash there; the open tried again should meta's compaction delete a file it
+    was reading)."""
+    kind = held_kind(data)
+    src_path = store_path(data, kind or "sqlite")
+    if kind is None:
         raise InvalidArgument(f"no meta database at {src_path}")
     if dest.exists():
-        raise InvalidArgument(f"{dest} exists; give a new file")
+        raise InvalidArgument(f"{dest} exists; give a new {'directory' if kind == 'rocksdb' else 'file'}")
+    if kind == "rocksdb":
+        return Backup(src_path, f"{_rocksdb_backup(src_path, dest)} keys")
     src = sqlite3.connect(src_path)
     dst = sqlite3.connect(dest)
     try:
         src.backup(dst)
         (pages,) = dst.execute("PRAGMA page_count").fetchone()
-        return int(pages)
+        return Backup(src_path, f"{pages} pages")
     finally:
         dst.close()
         src.close()
+
+
+def _rocksdb_backup(src: Path, dest: Path) -> int:
+    """:func:`backup` of a RocksDB store; returns the keys copied."""
+    from kvfs.meta.rocks import RocksStore
+
+    for attempt in range(BACKUP_TRIES):
+        try:
+            store = RocksStore(src, read_only=True)
+        except Exception as exc:  # (rocksdict raises plain Exception)
+            if attempt == BACKUP_TRIES - 1:
+                raise InvalidArgument(f"could not open {src} beside meta in {BACKUP_TRIES} tries: "
+                                      f"{exc}") from None
+            continue
+        try:
+            return store.copy_to(dest)
+        finally:
+            store.close()
+    raise AssertionError("unreachable")

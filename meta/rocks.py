@@ -35,6 +35,7 @@ import contextlib
 import importlib.util
 import math
 import struct
+import tempfile
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -48,6 +49,7 @@ from kvfs.meta.store import NO_EXPIRY, prefix_upper_bound
 HAVE_ROCKSDICT = importlib.util.find_spec("rocksdict") is not None  # an optional extra
 if HAVE_ROCKSDICT:
     from rocksdict import (
+        AccessType,
         BlockBasedOptions,
         Cache,
         Options,
@@ -65,6 +67,7 @@ KEY, EXP, TOMB, OLDER, GHOSTS, SERVER, DEAD, STATE, CLUSTER = (
 KEY_END = b"l"  # (past every key row)
 BLOCK_CACHE_BYTES = 8 << 20  # RocksDB's cache of blocks read from its sorted files
 INFO_LOG_BYTES, INFO_LOGS_KEPT = 8 << 20, 4  # its info log rolled at this size, so many kept
+COPY_BATCH = 10_000  # rows a batch of copy_to
 MISSING = "--store rocksdb needs the rocksdb extra: pip install 'kvfs[rocksdb]' (rocksdict)"
 
 
@@ -92,7 +95,11 @@ class RocksStore:
     block cache (:data:`BLOCK_CACHE_BYTES`); on disk, beside the data, RocksDB's info log
     (:data:`INFO_LOGS_KEPT` files of at most :data:`INFO_LOG_BYTES`)."""
 
-    def __init__(self, path: Path, *, synchronous: str = "FULL", write_buffer_bytes: int = 64 << 20) -> None:
+    def __init__(self, path: Path, *, synchronous: str = "FULL", write_buffer_bytes: int = 64 << 20,
+                 read_only: bool = False) -> None:
+        """``read_only``: opened beside the process that writes it (meta's, live), as it was
+        at the open; RocksDB's info log of this open goes to a directory of its own, not
+        beside that process's."""
         if not HAVE_ROCKSDICT:
             raise ValueError(MISSING)
         if synchronous not in ("FULL", "NORMAL"):
@@ -110,7 +117,14 @@ class RocksStore:
         table = BlockBasedOptions()
         table.set_block_cache(self._cache)
         opts.set_block_based_table_factory(table)
-        self.db = Rdict(str(path), opts)
+        self._log_dir: tempfile.TemporaryDirectory[str] | None = None
+        if read_only:
+            self._log_dir = tempfile.TemporaryDirectory(prefix="kvfs-rocksdb-log-")
+            opts.set_db_log_dir(self._log_dir.name)
+            opts.set_max_open_files(-1)  # every file opened now: one meta deletes stays readable
+            self.db = Rdict(str(path), opts, access_type=AccessType.read_only())
+        else:
+            self.db = Rdict(str(path), opts)
         self._closed = False
         self._nosync = WriteOptions()
         self._sync = WriteOptions()
@@ -120,6 +134,28 @@ class RocksStore:
         if not self._closed:  # (twice: nothing, as SQLite's)
             self._closed = True
             self.db.close()
+            if self._log_dir is not None:
+                self._log_dir.cleanup()
+
+    def copy_to(self, dest: Path) -> int:
+        """Every row of the store as this open sees it, into a new store at ``dest``, batches
+        of :data:`COPY_BATCH` rows, each synced; returns the keys copied.  (RocksDB's own
+        checkpoint leaves out the rows a read-only open holds in memory, replayed from meta's
+        WAL: every row since meta's last memtable flush.)"""
+        copy = RocksStore(dest)
+        keys = 0
+        try:
+            wb = WriteBatch(raw_mode=True)
+            for k, v in self._scan(b"", None):
+                wb.put(k, v)
+                keys += k[:1] == KEY
+                if len(wb) == COPY_BATCH:
+                    copy._write(wb)
+                    wb = WriteBatch(raw_mode=True)
+            copy._write(wb)
+        finally:
+            copy.close()
+        return keys
 
     # writing ------------------------------------------------------------------------
     @contextlib.contextmanager
