@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_options(q, TlsConfig)
     q.set_defaults(func="kvfs.commands:cmd_meta_rebuild")
     q = msub.add_parser("backup", help="copy meta's live store to DEST while meta serves: a SQLite "
-                        "database to the new file DEST (online backup), a RocksDB one to the new "
-                        "directory DEST (a checkpoint)")
+                        "database to the new file DEST (online backup), a RocksDB one to a new store "
+                        "in the directory DEST (its rows copied)")
     q.add_argument("file", type=Path, metavar="DEST")
     q.add_argument("--data", type=Path, required=True, help="meta's data directory")
     q.set_defaults(func="kvfs.commands:cmd_meta_backup")

@@ -23,6 +23,7 @@ API (consistent while meta runs).
 
 from __future__ import annotations
 
+import shutil
 import sqlite3
 import ssl
 import time
@@ -35,7 +36,7 @@ from typing import Any, NamedTuple
 from kvfs import rpc
 from kvfs.address import parse_addr
 from kvfs.config import TlsConfig
-from kvfs.errors import InvalidArgument, WrongCluster
+from kvfs.errors import InvalidArgument, ServerError, WrongCluster
 from kvfs.layout import Extent, Layout, Replica, encode_layout
 from kvfs.meta.localstore import held_kind, open_local, store_path
 from kvfs.meta.tombstones import Horizon, chunk_seq, encode_horizon, ghost_hash, tomb_layout
@@ -259,19 +260,19 @@ def backup(data: Path, dest: Path) -> Backup:
 
 
 def _rocksdb_backup(src: Path, dest: Path) -> int:
-    """:func:`backup` of a RocksDB store; returns the keys copied."""
+    """:func:`backup` of a RocksDB store; returns the keys copied.  A try that fails leaves
+    no ``dest``."""
     from kvfs.meta.rocks import RocksStore
 
     for attempt in range(BACKUP_TRIES):
         try:
             store = RocksStore(src, read_only=True)
+            try:
+                return store.copy_to(dest)
+            finally:
+                store.close()
         except Exception as exc:  # (rocksdict raises plain Exception)
+            shutil.rmtree(dest, ignore_errors=True)
             if attempt == BACKUP_TRIES - 1:
-                raise InvalidArgument(f"could not open {src} beside meta in {BACKUP_TRIES} tries: "
-                                      f"{exc}") from None
-            continue
-        try:
-            return store.copy_to(dest)
-        finally:
-            store.close()
+                raise ServerError(f"no copy of {src} in {BACKUP_TRIES} tries: {exc}") from None
     raise AssertionError("unreachable")

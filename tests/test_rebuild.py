@@ -21,7 +21,7 @@ from test_meta_walks import derived_tomb_chunks
 from kvfs import rpc
 from kvfs.chunkserver.records import scan_records
 from kvfs.config import ChunkServerConfig, ClientConfig
-from kvfs.errors import KVFSError
+from kvfs.errors import KVFSError, ServerError
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
@@ -246,6 +246,17 @@ async def test_a_backup_taken_while_puts_go_on_restores_every_key_answered_befor
         got = dict(zip(keys, await fresh.get_many(keys), strict=True))
     assert all(got[k] == answered[k] for k in before)
     assert all(got[k] in (None, answered[k]) for k in keys)
+
+
+def test_a_rocksdb_backup_that_cannot_be_written_fails_naming_why_and_leaves_nothing(tmp_path: Path) -> None:
+    from kvfs.meta.rocks import RocksStore
+
+    RocksStore(tmp_path / "meta.rocksdb").close()
+    (tmp_path / "file").write_bytes(b"")
+    dest = tmp_path / "file" / "backup"  # under a file: no directory can be made there
+    with pytest.raises(ServerError, match=rf"^no copy of {re.escape(str(tmp_path / 'meta.rocksdb'))} in 3 tries: "):
+        backup(tmp_path, dest)
+    assert not dest.exists()
 
 
 def test_rebuild_refuses_to_overwrite(tmp_path: Path) -> None:
