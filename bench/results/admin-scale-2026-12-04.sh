@@ -9,11 +9,7 @@ MODE=${1:?scrub or drain}
 PY=${PY:-python3}
 N=${N:-1000000}
 PORT=${PORT:-7391}
-D=$(mktemp -d /tmp/kvfs-admin.XXXX)
-cd "$D"
-$PY -m kvfs up --data "$D/data" --chunkservers 1 --listen 127.0.0.1:$PORT --no-gc > up.log 2>&1 &
-UP=$!
-for i in $(seq 100); do grep -q "kvfs://" up.log 2>/dev/null && break; sleep 0.2; done
+. "$(dirname "$0")/kvfs-up.sh"; kvfs_up admin
 export KVFS_ADDR=kvfs://127.0.0.1:$PORT
 $PY - <<PY
 import asyncio, hashlib, time, kvfs

@@ -4,10 +4,7 @@
 # Usage: PY=path/to/venv/bin/python N=1000000 bash bench/results/batch-split-up-2026-12-04.sh
 set -u
 PY=${PY:-python3}; N=${N:-1000000}; PORT=${PORT:-7393}
-D=$(mktemp -d /tmp/kvfs-big.XXXX); cd "$D"
-$PY -m kvfs up --data "$D/data" --chunkservers 1 --listen 127.0.0.1:$PORT --no-gc > up.log 2>&1 &
-UP=$!
-for i in $(seq 100); do grep -q "kvfs://" up.log 2>/dev/null && break; sleep 0.2; done
+. "$(dirname "$0")/kvfs-up.sh"; kvfs_up big
 KVFS_ADDR=kvfs://127.0.0.1:$PORT $PY - <<PY
 import asyncio, hashlib, time, gc, kvfs
 async def main():

@@ -6,10 +6,7 @@
 # Usage: PY=path/to/venv/bin/python N=200000 bash bench/results/drain-stall-2026-12-04.sh
 set -u
 PY=${PY:-python3}; N=${N:-200000}; PORT=${PORT:-7398}
-D=$(mktemp -d /tmp/kvfs-dstall.XXXX); cd "$D"
-$PY -m kvfs up --data "$D/data" --chunkservers 1 --listen 127.0.0.1:$PORT --no-gc > up.log 2>&1 &
-UP=$!
-for i in $(seq 100); do grep -q "kvfs://" up.log 2>/dev/null && break; sleep 0.2; done
+. "$(dirname "$0")/kvfs-up.sh"; kvfs_up dstall
 export KVFS_ADDR=kvfs://127.0.0.1:$PORT
 $PY - <<PY
 import asyncio, hashlib, kvfs

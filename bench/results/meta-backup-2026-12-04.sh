@@ -5,10 +5,7 @@ set -u
 # puts during it and in the 2 s before it, and how many keys the restored copy holds (bench/RESULTS.md, 2026-12-04).
 # Usage: N=300000 STORE=rocksdb bash bench/results/meta-backup-2026-12-04.sh
 PY=${PY:-python3}; N=${N:-300000}; STORE=${STORE:-sqlite}; PORT=${PORT:-7397}
-D=$(mktemp -d /tmp/kvfs-mb.XXXX); cd "$D"
-$PY -m kvfs up --data "$D/data" --chunkservers 1 --listen 127.0.0.1:$PORT --no-gc --meta-store "$STORE" > up.log 2>&1 &
-UP=$!
-for i in $(seq 100); do grep -q "kvfs://" up.log 2>/dev/null && break; sleep 0.2; done
+. "$(dirname "$0")/kvfs-up.sh"; kvfs_up mb --meta-store "$STORE"
 $PY - <<PY
 import asyncio, hashlib, sys, time, kvfs
 async def main():

@@ -5,16 +5,10 @@ set -u
 # MetaStore.__init__ (PRAGMA cache_size=$KVFS_XCACHE), not committed (bench/RESULTS.md, 2026-12-04).
 # Usage: N=300000 bash bench/results/meta-putdel-2026-12-04.sh
 PY=${PY:-python3}; N=${N:-300000}; PORT=7395
-D=$(mktemp -d /tmp/kvfs-pd.XXXX); cd "$D"
-$PY -m kvfs up --data "$D/data" --chunkservers 1 --listen 127.0.0.1:$PORT --no-gc > up.log 2>&1 &
-UP=$!
-for i in $(seq 100); do grep -q "kvfs://" up.log 2>/dev/null && break; sleep 0.2; done
-META=$(pgrep -f "kvfs meta --data $D")
+. "$(dirname "$0")/kvfs-up.sh"; kvfs_up pd
 $PY - <<PY
 import asyncio, hashlib, time, kvfs
-def cpu(pid):
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / 100
+from kvfs.bench.cpu import cpu_seconds as cpu
 async def main():
     async with kvfs.AsyncClient("kvfs://127.0.0.1:$PORT") as c:
         keys = [hashlib.sha256(str(i).encode()).hexdigest().encode() for i in range($N)]
@@ -27,4 +21,4 @@ async def main():
         print("cache=${KVFS_XCACHE:-default} delete", round(time.perf_counter() - t, 1), "s meta cpu", round((cpu($META) - m) / $N * 1e6, 1), "us/key", flush=True)
 asyncio.run(main())
 PY
-kill $UP; wait $UP; rm -rf $D
+kvfs_down

@@ -3,19 +3,13 @@ set -u
 # Meta's CPU per key on SQLite and on RocksDB (--meta-store): put_many (1,024 keys a call) of N
 # keys (64 hex chars, 16-byte values), then exists_many of them, then one delete_many, against
 # a real `kvfs up`; meta's CPU from /proc (bench/RESULTS.md, 2026-12-04). meta-putdel-2026-12-04.sh's
-# harness, with --meta-store and an exists phase (a dated record of what ran: not shared).
+# harness, with --meta-store and an exists phase.
 # Usage: N=300000 STORE=rocksdb bash bench/results/meta-rocksdb-2026-12-04.sh
 PY=${PY:-python3}; N=${N:-300000}; STORE=${STORE:-sqlite}; PORT=${PORT:-7396}
-D=$(mktemp -d /tmp/kvfs-mr.XXXX); cd "$D"
-$PY -m kvfs up --data "$D/data" --chunkservers 1 --listen 127.0.0.1:$PORT --no-gc --meta-store "$STORE" > up.log 2>&1 &
-UP=$!
-for i in $(seq 100); do grep -q "kvfs://" up.log 2>/dev/null && break; sleep 0.2; done
-META=$(pgrep -f "kvfs meta --data $D")
+. "$(dirname "$0")/kvfs-up.sh"; kvfs_up mr --meta-store "$STORE"
 $PY - <<PY
 import asyncio, hashlib, time, kvfs
-def cpu(pid):
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / 100
+from kvfs.bench.cpu import cpu_seconds as cpu
 async def main():
     async with kvfs.AsyncClient("kvfs://127.0.0.1:$PORT") as c:
         keys = [hashlib.sha256(str(i).encode()).hexdigest().encode() for i in range($N)]
@@ -35,4 +29,4 @@ async def main():
         line("delete", t, m)
 asyncio.run(main())
 PY
-kill $UP; wait $UP; rm -rf $D
+kvfs_down
