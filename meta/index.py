@@ -453,9 +453,11 @@ class MetaIndex(ServerRegistry):
         access: one SQLite transaction (owed a sync: the caller settles), then the index."""
         if not staged:
             return
+        replaced = [(k, old.expires_at) for k, old, lay in staged
+                    if old.expires_at is not None and old.expires_at != lay.expires_at]
         with self._writing(gc=True):
-            self.store.put_many((k, encode_layout(lay), lay.expires_at, self.last_access(k))
-                                for k, _, lay in staged)
+            self.store.put_many(((k, encode_layout(lay), lay.expires_at, self.last_access(k))
+                                 for k, _, lay in staged), (), replaced)
         accessed, entries = self.accessed, self.entries
         for k, old, lay in staged:
             if lay.created != old.created and k not in accessed:
@@ -488,9 +490,11 @@ class MetaIndex(ServerRegistry):
                 lay = entries[k]
                 h, until = ghost_hash(k), lay.expires_at
                 ghosts += [(c, h, until) for c in dict.fromkeys(r.chunk_id for x in lay.extents for r in x.replicas)]
+        replaced = [(k, exp) for k in gone if (exp := entries[k].expires_at) is not None] \
+            if self.store.expiry_index_by_hand else ()
         with self._writing(gc=sync):
             self.store.delete_many(gone, ((k, encode_layout(lay), blob) for k, lay in keep.items()),
-                                   [k for k in gone if k in older] if older else (), ghosts)
+                                   [k for k in gone if k in older] if older else (), ghosts, replaced)
         if ghosts:
             self.ghosts.add(ghosts)
         since = time.monotonic()
@@ -791,15 +795,35 @@ class MetaIndex(ServerRegistry):
                     out[key] = until
         return out
 
+    def _replaced_expiries(self, group: list[PendingCommit]) -> list[tuple[bytes, float]]:
+        """(key, expiry) of the rows the group's rows replace that expire at another time
+        (for a store that keeps its expiry index by hand: RocksDB's); a key twice in the
+        group: its first row's too."""
+        entries = self.entries
+        out: list[tuple[bytes, float]] = []
+        last: dict[bytes, float | None] = {}
+        for c in group:
+            for key, lay in c.staged:
+                if key in last:
+                    exp = last[key]
+                else:
+                    before = entries.get(key)
+                    exp = None if before is None else before.expires_at
+                new = last[key] = lay.expires_at
+                if exp is not None and exp != new:
+                    out.append((key, exp))
+        return out
+
     def _write_group(self, group: list[PendingCommit]) -> None:
         """One transaction for the group's rows (batch/always: not synced yet), then the
         index, in one step; the caller answers them."""
         rows = [c.rows for c in group if c.rows]  # (if_absent may have left nothing to write)
         older = self._older_after(group) if rows else {}
+        replaced = self._replaced_expiries(group) if rows and self.store.expiry_index_by_hand else ()
         with self._writing():
             if rows:
                 self.store.put_many(rows[0] if len(rows) == 1 else itertools.chain.from_iterable(rows),
-                                    older.items())
+                                    older.items(), replaced)
                 self.commit_groups += 1
             if self.tombstones:  # a put of a deleted key: its new record is newer than the tombstone
                 self.forget_tombstones([k for c in group for k, _ in c.staged if k in self.tombstones])

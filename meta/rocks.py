@@ -20,9 +20,11 @@ order is numeric order):
 - ``k`` key: the key's row, ``expires_at`` and ``last_access`` (doubles, -1: none) then
   the layout blob;
 - ``x`` expiry key: the expiry index (an expiry as a big-endian double: positive doubles
-  sort as their bytes).  It is not kept exact on every write (a put would read the row it
-  replaces): an entry whose key is gone or expires at another time now is stale, skipped
-  by every read and deleted by :meth:`expired`, GC's sweep, once its time has passed;
+  sort as their bytes).  A write deletes the entries of the rows it replaces or deletes
+  as its caller names them (``replaced``: meta's index knows each key's expiry; the
+  store reads no row for it).  One left behind (a key twice in one batch, a store
+  written before these were named) is stale: skipped by every read, and deleted by
+  :meth:`expired`, GC's sweep, once its time has passed;
 - ``t`` key: a kept tombstone (layout, horizon); ``o`` key: a key's older records'
   latest expiry; ``g`` chunk hash: dropped records (count, latest expiry); ``s`` server:
   the registry; ``d`` chunk: a retired chunk; ``n`` name: GC state; ``c``: the cluster id.
@@ -94,6 +96,8 @@ class RocksStore:
     of ``write_buffer_bytes`` being filled and at most one being flushed, and RocksDB's
     block cache (:data:`BLOCK_CACHE_BYTES`); on disk, beside the data, RocksDB's info log
     (:data:`INFO_LOGS_KEPT` files of at most :data:`INFO_LOG_BYTES`)."""
+
+    expiry_index_by_hand = True  # the caller names the expiries its writes replace (``replaced``)
 
     def __init__(self, path: Path, *, synchronous: str = "FULL", write_buffer_bytes: int = 64 << 20,
                  read_only: bool = False) -> None:
@@ -257,11 +261,16 @@ class RocksStore:
 
     # keys ----------------------------------------------------------------------------
     def put_many(self, rows: Iterable[tuple[bytes | bytearray, bytes | bytearray, float | None, float]],
-                 older: Iterable[tuple[bytes, float | None]] = ()) -> None:
+                 older: Iterable[tuple[bytes, float | None]] = (),
+                 replaced: Iterable[tuple[bytes, float]] = ()) -> None:
         """Write layout rows (key, layout blob, expires_at, last_access) and, in the same
-        batch, the keys among them that have older records (key, until)."""
+        batch, the keys among them that have older records (key, until).  ``replaced``:
+        (key, expiry) of the rows these replace that expire at another time: their expiry
+        entries are deleted (first: a later row may put one back)."""
         wb = WriteBatch(raw_mode=True)
         put, pack, epack = wb.put, ROW.pack, expiry_key
+        for k, e in replaced:
+            wb.delete(EXP + epack(e) + k)
         for key, blob, exp, acc in rows:
             e = NO_EXPIRY if exp is None else exp
             put(KEY + key, pack(e, acc) + blob)
@@ -274,11 +283,15 @@ class RocksStore:
     def delete_many(self, keys: Iterable[bytes],
                     tombstones: Iterable[tuple[bytes, bytes, bytes]] = (),
                     older: Iterable[bytes] = (),
-                    ghosts: Iterable[tuple[int, int, float | None]] = ()) -> None:
+                    ghosts: Iterable[tuple[int, int, float | None]] = (),
+                    replaced: Iterable[tuple[bytes, float]] = ()) -> None:
         """Delete keys and, in the same batch, store their kept tombstones (key, layout,
         horizon), forget the ``older`` of those that had one, and add the ghosts (chunk,
-        key hash, expiry) of those dropped without a tombstone."""
+        key hash, expiry) of those dropped without a tombstone.  ``replaced``: (key, expiry)
+        of those that had one, whose expiry entries are deleted."""
         wb = WriteBatch(raw_mode=True)
+        for k, e in replaced:
+            wb.delete(EXP + expiry_key(e) + k)
         for k in keys:
             wb.delete(KEY + k)
         for k, blob, horizon in tombstones:

@@ -96,6 +96,8 @@ class MetaStore:
     :mod:`kvfs.meta.walsync`); GC's changes in every mode, so no chunk is unlinked on the
     strength of a relocation or retirement that is not on disk yet."""
 
+    expiry_index_by_hand = False  # an SQL index keeps the rows' expiries in order
+
     def __init__(self, path: Path, *, synchronous: str = "FULL") -> None:
         if synchronous not in ("FULL", "NORMAL"):
             raise ValueError(f"synchronous must be FULL or NORMAL, got {synchronous!r}")
@@ -211,9 +213,12 @@ class MetaStore:
         return [(bytes(k), bytes(b), e, a) for k, b, e, a in q]
 
     def put_many(self, rows: Iterable[tuple[bytes | bytearray, bytes | bytearray, float | None, float]],
-                 older: Iterable[tuple[bytes, float | None]] = ()) -> None:
+                 older: Iterable[tuple[bytes, float | None]] = (),
+                 replaced: Iterable[tuple[bytes, float]] = ()) -> None:
         """Write layout rows (:data:`PUT_KV`) and, in the same transaction, the keys among
-        them that have older records (key, until: the ``older`` table)."""
+        them that have older records (key, until: the ``older`` table).  ``replaced``: for a
+        store whose expiry index is kept by hand (:attr:`expiry_index_by_hand`), here an
+        SQL index on the rows: unused."""
         with self._tx():
             self.db.executemany(PUT_KV, rows)
             self.db.executemany(PUT_OLDER, older)
@@ -221,11 +226,12 @@ class MetaStore:
     def delete_many(self, keys: Iterable[bytes],
                     tombstones: Iterable[tuple[bytes, bytes, bytes]] = (),
                     older: Iterable[bytes] = (),
-                    ghosts: Iterable[tuple[int, int, float | None]] = ()) -> None:
+                    ghosts: Iterable[tuple[int, int, float | None]] = (),
+                    replaced: Iterable[tuple[bytes, float]] = ()) -> None:
         """Delete keys and, in the same transaction, store the tombstones kept for them
         (key, layout, horizon: :mod:`kvfs.meta.tombstones`), forget the ``older`` rows of
         those that had one, and store the ghosts of those dropped without a tombstone
-        (chunk, key hash, expiry)."""
+        (chunk, key hash, expiry).  ``replaced``: as for :meth:`put_many`."""
         with self._tx():
             self.db.executemany("DELETE FROM kv WHERE key = ?", ((k,) for k in keys))
             self.db.executemany(PUT_TOMBSTONE, tombstones)

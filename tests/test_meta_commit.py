@@ -54,14 +54,15 @@ class Spy:
         self.answered_early = 0
 
     def __call__(self, batch: Iterable[tuple[bytes, bytes, float | None, float]],
-                 older: Iterable[tuple[bytes, float | None]] = ()) -> None:
+                 older: Iterable[tuple[bytes, float | None]] = (),
+                 replaced: Iterable[tuple[bytes, float]] = ()) -> None:
         batch = list(batch)
         keys = [r[0] for r in batch]
         self.calls.append(keys)
         self.answered_early += sum(t.done() for t in self.tasks)
         if self.fail_on in keys:
             raise sqlite3.OperationalError("disk I/O error (injected)")
-        self.real(batch, older)
+        self.real(batch, older, replaced)
 
 
 @pytest.fixture
@@ -339,8 +340,8 @@ async def test_a_group_is_written_without_a_sync_and_answered_after_the_wal_is_s
     events: list[str] = []
     real_put, real_fdatasync = ix.store.put_many, os.fdatasync
 
-    def put_many(batch: Any, older: Any = ()) -> None:
-        real_put(batch, older)
+    def put_many(*args: Any) -> None:
+        real_put(*args)
         (level,) = ix.store.db.execute("PRAGMA synchronous").fetchone()  # its transaction's (kept)
         events.append(f"put synchronous={level}")
 
