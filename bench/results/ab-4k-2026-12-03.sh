@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # 4 KiB x 128 CPU per key, stop 32's main (8e66798) vs this main, alternating, same machine
-out=bench/results/ab-4k-2026-12-03.txt (here: /work/notes/ab4k.txt); : > $out
+out=${OUT:-/tmp/ab-4k.txt}; : > "$out"  # (the run of record wrote /work/notes/ab4k.txt, kept as bench/results/ab-4k-2026-12-03.txt)
 for i in 1 2 3 4; do
   for t in base32 lead; do
     [ $((i % 2)) = 0 ] && t=$([ $t = base32 ] && echo lead || echo base32)

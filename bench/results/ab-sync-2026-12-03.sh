@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # the blocking client at 4 KiB x 128 (get_many, exists_many, put_many), stop 32's main vs this main, alternating
-out=bench/results/ab-sync-2026-12-03.txt (here: /work/notes/absync.txt); : > $out
+out=${OUT:-/tmp/ab-sync.txt}; : > "$out"  # (the run of record wrote /work/notes/absync.txt, kept as bench/results/ab-sync-2026-12-03.txt)
 for i in 1 2 3 4; do
   for t in base32 lead; do
     [ $((i % 2)) = 0 ] && t=$([ $t = base32 ] && echo lead || echo base32)
