@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfs import rpc
-from kvfs.bench.metastore import NOW, PER_CHUNK, SqliteMeta, fill, layout
+from kvfs.bench.metastore import NOW, PER_CHUNK, LocalMeta, fill, layout
 from kvfs.meta.index import MetaIndex
 from kvfs.server import reply_of
 
@@ -69,7 +69,7 @@ async def stalled(call: Callable[[], Awaitable[Any]]) -> tuple[float, float, int
 async def run(keys: int, tries: int, per_chunk: int = PER_CHUNK, expired: int | None = None) -> dict[str, Any]:
     """``expired`` (default a tenth) of the keys past their TTL, not swept yet."""
     with tempfile.TemporaryDirectory() as tmp:
-        m = SqliteMeta(Path(tmp) / "meta")
+        m = LocalMeta(Path(tmp) / "meta")
         await m.open()
         try:
             filled, _ = await fill(m, keys, 1000, "k", per_chunk=per_chunk)

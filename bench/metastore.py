@@ -67,7 +67,7 @@ def rss_bytes() -> int:
     return 0
 
 
-class SqliteMeta:
+class LocalMeta:
     """Meta (its in-memory index over SQLite, or ``store="rocksdb"``) driven through its RPC
     handlers."""
 
@@ -176,7 +176,7 @@ async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: 
         store: Any
         local = kind in ("sqlite", "rocksdb")
         if local:
-            store = SqliteMeta(Path(tmp) / "meta", "rocksdb" if kind == "rocksdb" else None)
+            store = LocalMeta(Path(tmp) / "meta", "rocksdb" if kind == "rocksdb" else None)
             memory: Any = rss_bytes
         else:
             if url is None:

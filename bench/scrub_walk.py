@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from kvfs import rpc
-from kvfs.bench.metastore import SqliteMeta, fill
+from kvfs.bench.metastore import LocalMeta, fill
 from kvfs.server import reply_of
 
 UNREFERENCED_CHUNK = 12345  # metastore's layouts name chunks (1 << 40) | n
@@ -41,7 +41,7 @@ async def best_ms(call: Callable[[], Awaitable[Any]], tries: int) -> float:
 
 async def run(keys: int, page: int, tries: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        m = SqliteMeta(Path(tmp) / "meta")
+        m = LocalMeta(Path(tmp) / "meta")
         await m.open()
         try:
             filled, _ = await fill(m, keys, 1000, "k")

@@ -39,7 +39,7 @@ async def test_metastore_bench_reports_every_op(store: str) -> None:
 async def test_sqlite_bench_commits_the_packed_form_the_client_sends(tmp_path: Path) -> None:
     """The SQLite half drives meta's COMMIT handler with the request a client sends
     (WritePath.commit: layouts packed in columns), not the nested items form."""
-    store = metastore.SqliteMeta(tmp_path)
+    store = metastore.LocalMeta(tmp_path)
     seen: list[rpc.Commit] = []
     handler = store.meta.rpc_commit
 

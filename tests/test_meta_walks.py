@@ -18,7 +18,7 @@ import pytest
 
 from kvfs import rpc
 from kvfs.bench import meta_stall
-from kvfs.bench.metastore import NOW, SqliteMeta, fill, key, layout
+from kvfs.bench.metastore import NOW, LocalMeta, fill, key, layout
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.meta import index
 from kvfs.meta.repair import RepairSummary, plan_repairs
@@ -28,9 +28,9 @@ from kvfs.server import reply_of
 
 
 @pytest.fixture
-async def meta(tmp_path: Path) -> AsyncIterator[SqliteMeta]:
+async def meta(tmp_path: Path) -> AsyncIterator[LocalMeta]:
     """A SQLite meta's RPC handlers in this process (kvfs.bench.metastore's), no keys yet."""
-    m = SqliteMeta(tmp_path / "meta")
+    m = LocalMeta(tmp_path / "meta")
     await m.open()
     try:
         yield m
@@ -53,7 +53,7 @@ async def test_every_walk_of_every_key_gives_the_loop_back_between_pages(
 
 
 async def test_lru_order_across_pages_is_least_recently_used_first_and_skips_keys_read_since(
-        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+        meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(index, "WALK_PAGE", 7)
     await fill(meta, 100, 100, "k")
     ix = meta.meta.index
@@ -99,7 +99,7 @@ async def test_chunk_keys_and_stats_follow_commits_overwrites_deletes_relocation
     STATS' counts come from ``value_bytes`` less the expired keys, read from the expiry
     index two at a time (five of one expiry: the pages go by key within it)."""
     monkeypatch.setattr(index, "WALK_PAGE", 2)
-    m = SqliteMeta(tmp_path / "meta")
+    m = LocalMeta(tmp_path / "meta")
     await m.open()
     try:
         await fill(m, 60, 60, "k", per_chunk=10)  # chunks 0-5 of server 1, 10 keys each
@@ -123,7 +123,7 @@ async def test_chunk_keys_and_stats_follow_commits_overwrites_deletes_relocation
         high = dict(ix.seq_high)
     finally:
         await m.close()
-    again = SqliteMeta(tmp_path / "meta")  # a restart loads them, and the live bytes, as they were
+    again = LocalMeta(tmp_path / "meta")  # a restart loads them, and the live bytes, as they were
     await again.open()
     try:
         ix = again.meta.index
@@ -148,7 +148,7 @@ async def test_a_chunks_tombstones_come_from_its_index_through_puts_moves_and_a_
     from ``tomb_chunks``, not from a walk of every tombstone kept (400k of them held meta's
     loop 260-420 ms on every call, bench/RESULTS.md): a put again forgets one, a
     relocation moves one, a restart loads them."""
-    m = SqliteMeta(tmp_path / "meta")
+    m = LocalMeta(tmp_path / "meta")
     await m.open()
     t1, t2, t3 = ((1 << 40) | c for c in (20, 21, 22))
 
@@ -174,7 +174,7 @@ async def test_a_chunks_tombstones_come_from_its_index_through_puts_moves_and_a_
         assert ix.tomb_chunks == derived_tomb_chunks(ix)
     finally:
         await m.close()
-    again = SqliteMeta(tmp_path / "meta")
+    again = LocalMeta(tmp_path / "meta")
     await again.open()
     try:  # (the tombstones' chunks named by no chunk table yet: not asked for, they would pass)
         ix = again.meta.index
@@ -186,7 +186,7 @@ async def test_a_chunks_tombstones_come_from_its_index_through_puts_moves_and_a_
 
 
 async def test_passed_tombstones_are_dropped_a_page_at_a_time(
-        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+        meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     """GC_DELETED's drop of the tombstones that passed walks them a page a step (it walked
     every kept tombstone in one step: 2.7-3.1 s with 400k passed, bench/RESULTS.md), and forgets
     each, with its index entries, once no chunk at or below its horizon is left."""
@@ -214,7 +214,7 @@ async def test_passed_tombstones_are_dropped_a_page_at_a_time(
 
 
 async def test_a_repair_plan_made_a_page_at_a_time_is_the_plan_of_every_key_at_once(
-        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+        meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     """GC_REPAIR_PLAN (and GC_STATUS's repair summary) plan each page of the dead server's
     keys in its own step: the same items within the same limit, at least one, and the same
     totals as one plan over every key."""
@@ -247,7 +247,7 @@ async def test_a_repair_plan_made_a_page_at_a_time_is_the_plan_of_every_key_at_o
 
 
 async def test_the_access_times_are_written_a_page_at_a_time_and_never_lowered(
-        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+        meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     """Meta's periodic flush of the keys' last access (LRU order across restarts) writes
     them in key order, a page per step and transaction; a time older than the row's (a put
     since) leaves the row's."""
@@ -275,7 +275,7 @@ async def test_the_access_times_are_written_a_page_at_a_time_and_never_lowered(
 
 
 async def test_the_keys_whose_every_lease_ended_are_forgotten_by_the_flush(
-        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+        meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     """Eviction asks which of its candidates are leased, batch after batch: the answer looks
     at those keys only, and the leases that ended go at the index's periodic flush."""
     monkeypatch.setattr(index, "WALK_PAGE", 3)
@@ -292,7 +292,7 @@ async def test_the_keys_whose_every_lease_ended_are_forgotten_by_the_flush(
 
 
 async def test_callers_asking_for_the_repair_summary_meanwhile_share_one_count(
-        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+        meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     """While a server is dead, STATS and GC_STATUS each ask for the repair summary, O(its
     keys): the calls that arrive while one count pages through them share it."""
     monkeypatch.setattr(index, "WALK_PAGE", 3)
@@ -317,7 +317,7 @@ async def test_callers_asking_for_the_repair_summary_meanwhile_share_one_count(
 
 
 async def test_a_flush_stopped_midway_hands_the_access_times_it_did_not_write_back(
-        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+        meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     """Meta's close cancels the periodic flush, then writes what is left: a flush cancelled
     after its first page leaves the others' times to that write."""
     monkeypatch.setattr(index, "WALK_PAGE", 5)
@@ -342,7 +342,7 @@ async def test_a_flush_stopped_midway_hands_the_access_times_it_did_not_write_ba
     assert ix.dirty_access == {**{k: read[k] for k in sorted(read)[5:]}, key(19, "k"): NOW + 500}
 
 
-async def test_eviction_spares_a_victim_read_after_it_was_chosen(meta: SqliteMeta) -> None:
+async def test_eviction_spares_a_victim_read_after_it_was_chosen(meta: LocalMeta) -> None:
     """GC_EVICT chooses its victims over many loop steps: one read meanwhile is not removed."""
     await fill(meta, 6, 6, "k")
     ix = meta.meta.index
@@ -380,7 +380,7 @@ class _Ticker:
 
 
 async def test_a_large_delete_writes_a_page_a_transaction_with_the_loop_free_between(
-        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+        meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     """A DELETE of many keys writes ``WRITE_PAGE`` of them a transaction, the loop free
     between them (16,384 in one held meta's loop 0.7-0.9 s at 300k keys,
     bench/RESULTS.md); a tombstone whose chunk GC retired meanwhile is not kept, its key
@@ -413,7 +413,7 @@ async def test_a_large_delete_writes_a_page_a_transaction_with_the_loop_free_bet
 
 
 async def test_a_repairs_switches_write_a_page_a_transaction_with_the_loop_free_between(
-        meta: SqliteMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+        meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
     """GC_REPAIR plans a page of keys per step and switches ``WRITE_PAGE`` a transaction,
     the loop free between them (a plan's 16,384 in one step held the loop 0.55-0.9 s at
     300k keys); a key changed between plan and switch keeps its change."""

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvfs import rpc
 from kvfs.bench.meta_stall import stalled
-from kvfs.bench.metastore import NOW, SqliteMeta, fill, key
+from kvfs.bench.metastore import NOW, LocalMeta, fill, key
 from kvfs.layout import Replica, make_chunk_id
 from kvfs.meta.index import MetaIndex
 from kvfs.meta.tombstones import tomb_layout
@@ -30,7 +30,7 @@ PER_CHUNK = 16384
 
 async def main(n: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        m = SqliteMeta(Path(tmp) / "meta")
+        m = LocalMeta(Path(tmp) / "meta")
         await m.open()
         try:
             await fill(m, n, 1000, "k", per_chunk=PER_CHUNK)

@@ -13,7 +13,7 @@ from typing import Any
 
 from kvfs import rpc
 from kvfs.bench.meta_stall import stalled
-from kvfs.bench.metastore import NOW, SqliteMeta
+from kvfs.bench.metastore import NOW, LocalMeta
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
 from kvfs.server import reply_of
 
@@ -31,7 +31,7 @@ def lay(i: int, sid: int = 1, chunk: int | None = None) -> Layout:
 
 async def main(n: int, store: str) -> None:
     with tempfile.TemporaryDirectory() as tmp:
-        m = SqliteMeta(Path(tmp) / "meta", None if store == "sqlite" else store)
+        m = LocalMeta(Path(tmp) / "meta", None if store == "sqlite" else store)
         await m.open()
         svc = m.meta
         await svc.rpc_register(rpc.Register(server_id=2, addr="127.0.0.1:2"), memoryview(b""))
