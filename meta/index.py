@@ -796,22 +796,35 @@ class MetaIndex(ServerRegistry):
         return out
 
     def _replaced_expiries(self, group: list[PendingCommit]) -> list[tuple[bytes, float]]:
-        """(key, expiry) of the rows the group's rows replace that expire at another time
-        (for a store that keeps its expiry index by hand: RocksDB's); a key twice in the
-        group: its first row's too."""
+        """(key, expiry) of the expiry entries the group's rows leave stale, for a store that
+        keeps its expiry index by hand (RocksDB's): each key's entry before the group and
+        the entries of its earlier rows in the group, but not its last row's."""
+        final: dict[bytes, float | None] = {}
+        rows = 0
+        for c in group:
+            rows += len(c.staged)
+            for key, lay in c.staged:
+                final[key] = lay.expires_at
         entries = self.entries
         out: list[tuple[bytes, float]] = []
-        last: dict[bytes, float | None] = {}
+        if rows == len(final):  # each key once: the common case
+            for key, new in final.items():
+                before = entries.get(key)
+                if before is not None and (exp := before.expires_at) is not None and exp != new:
+                    out.append((key, exp))
+            return out
+        met: dict[bytes, set[float]] = {}  # a key's expiries before the group and in it
         for c in group:
             for key, lay in c.staged:
-                if key in last:
-                    exp = last[key]
-                else:
-                    before = entries.get(key)
-                    exp = None if before is None else before.expires_at
-                new = last[key] = lay.expires_at
-                if exp is not None and exp != new:
-                    out.append((key, exp))
+                if lay.expires_at is not None:
+                    met.setdefault(key, set()).add(lay.expires_at)
+        for key, new in final.items():
+            before = entries.get(key)
+            olds = met.get(key, set())
+            if before is not None and before.expires_at is not None:
+                olds.add(before.expires_at)
+            olds.discard(new)
+            out += [(key, e) for e in olds]
         return out
 
     def _write_group(self, group: list[PendingCommit]) -> None:

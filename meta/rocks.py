@@ -22,9 +22,9 @@ order is numeric order):
 - ``x`` expiry key: the expiry index (an expiry as a big-endian double: positive doubles
   sort as their bytes).  A write deletes the entries of the rows it replaces or deletes
   as its caller names them (``replaced``: meta's index knows each key's expiry; the
-  store reads no row for it).  One left behind (a key twice in one batch, a store
-  written before these were named) is stale: skipped by every read, and deleted by
-  :meth:`expired`, GC's sweep, once its time has passed;
+  store reads no row for it).  One left behind (by a store written before these were
+  named) is stale: skipped by every read, and deleted by :meth:`expired`, GC's sweep,
+  once its time has passed;
 - ``t`` key: a kept tombstone (layout, horizon); ``o`` key: a key's older records'
   latest expiry; ``g`` chunk hash: dropped records (count, latest expiry); ``s`` server:
   the registry; ``d`` chunk: a retired chunk; ``n`` name: GC state; ``c``: the cluster id.
@@ -265,17 +265,17 @@ class RocksStore:
                  replaced: Iterable[tuple[bytes, float]] = ()) -> None:
         """Write layout rows (key, layout blob, expires_at, last_access) and, in the same
         batch, the keys among them that have older records (key, until).  ``replaced``:
-        (key, expiry) of the rows these replace that expire at another time: their expiry
-        entries are deleted (first: a later row may put one back)."""
+        (key, expiry) of expiry entries these rows leave stale (the rows they replace, and a
+        key's earlier rows here; never a key's last row's): deleted, after the rows."""
         wb = WriteBatch(raw_mode=True)
         put, pack, epack = wb.put, ROW.pack, expiry_key
-        for k, e in replaced:
-            wb.delete(EXP + epack(e) + k)
         for key, blob, exp, acc in rows:
             e = NO_EXPIRY if exp is None else exp
             put(KEY + key, pack(e, acc) + blob)
             if e != NO_EXPIRY:
                 put(EXP + epack(e) + key, b"")
+        for k, e in replaced:
+            wb.delete(EXP + epack(e) + k)
         for key, until in older:
             put(OLDER + key, msgpack.packb(until))
         self._write(wb)

@@ -4,6 +4,7 @@ refused as the other."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -251,3 +252,28 @@ async def test_a_rocksdb_meta_leaves_no_expiry_entry_for_the_rows_it_replaces_or
             expiring = [e.key for e in await kv.list(b"k") if e.expires_at is not None]
         assert expiring == keys[20:]
         assert sorted(k[8:] for k, _ in store._prefixed(EXP)) == keys[20:]
+
+
+async def test_a_group_that_puts_a_key_twice_leaves_one_expiry_entry_for_it(tmp_path: Path) -> None:
+    """Three COMMITs written as one group put a at 200, then 300, then 200 again, and b at
+    200 (both were at 100): RocksDB's expiry index holds a's and b's last expiries only,
+    the 200 of a's last row kept although an earlier row's was the same entry."""
+    from kvfs.meta.index import MetaIndex
+    from kvfs.meta.rocks import EXP
+
+    store = open_local(tmp_path / "m", "rocksdb")
+    ix = MetaIndex(MetaConfig(data=tmp_path / "m"), store, lambda: 10.0)
+    try:
+        def at(exp: float, *keys: bytes) -> list[tuple[bytes, Layout]]:
+            return [(k, lay(1 << 40 | 1, expires=exp)) for k in keys]
+
+        await ix.commit(at(100.0, b"a", b"b"), 10.0, 100.0)
+        groups = ix.commit_groups
+        await asyncio.gather(ix.commit(at(200.0, b"a", b"b"), 10.0, 200.0),
+                             ix.commit(at(300.0, b"a"), 10.0, 300.0),
+                             ix.commit(at(200.0, b"a"), 10.0, 200.0))
+        assert ix.commit_groups == groups + 1  # one group
+        assert sorted((expiry_of(k, 0), k[8:]) for k, _ in store._prefixed(EXP)) == [(200.0, b"a"), (200.0, b"b")]
+        assert store.expired(250.0, 10) == [b"a", b"b"]
+    finally:
+        await ix.close()
