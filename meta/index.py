@@ -454,7 +454,8 @@ class MetaIndex(ServerRegistry):
         if not staged:
             return
         replaced = [(k, old.expires_at) for k, old, lay in staged
-                    if old.expires_at is not None and old.expires_at != lay.expires_at]
+                    if old.expires_at is not None and old.expires_at != lay.expires_at] \
+            if self.store.expiry_index_by_hand else ()
         with self._writing(gc=True):
             self.store.put_many(((k, encode_layout(lay), lay.expires_at, self.last_access(k))
                                  for k, _, lay in staged), (), replaced)
