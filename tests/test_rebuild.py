@@ -190,8 +190,8 @@ def test_backup_while_meta_runs(tcluster: object, tmp_path: Path) -> None:
 @pytest.mark.subprocess
 async def test_a_backup_taken_while_puts_go_on_restores_every_key_answered_before_it(
         local_meta: str, proc_cluster: ProcessCluster, tmp_path: Path) -> None:
-    """``kvfs meta backup`` of a live meta (SQLite: its online backup; RocksDB: a checkpoint
-    from a read-only open beside meta's) while a writer keeps putting.  Meta restored from
+    """``kvfs meta backup`` of a live meta (SQLite: its online backup; RocksDB: its rows
+    copied from a read-only open beside meta's) while a writer keeps putting.  Meta restored from
     it (stopped, its store replaced by the copy) reads back every key answered before the
     backup began, and each of the writer's later keys right or as a miss."""
     data = proc_cluster.data / "meta"
