@@ -241,9 +241,12 @@ def backup(data: Path, dest: Path) -> Backup:
     after a crash there; the open tried again should meta's compaction delete a file it
     was reading)."""
     kind = held_kind(data)
-    src_path = store_path(data, kind or "sqlite")
     if kind is None:
-        raise InvalidArgument(f"no meta database at {src_path}")
+        raise InvalidArgument(
+            f"no meta database in {data}: neither {store_path(data, 'sqlite').name} nor "
+            f"{store_path(data, 'rocksdb').name} (a meta on Redis Cluster keeps its index in Redis: "
+            "back that up with Redis's own persistence, or kvfs meta migrate it to a local store)")
+    src_path = store_path(data, kind)
     if dest.exists():
         raise InvalidArgument(f"{dest} exists; give a new {'directory' if kind == 'rocksdb' else 'file'}")
     if kind == "rocksdb":

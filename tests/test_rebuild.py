@@ -248,6 +248,14 @@ async def test_a_backup_taken_while_puts_go_on_restores_every_key_answered_befor
     assert all(got[k] in (None, answered[k]) for k in keys)
 
 
+def test_a_backup_of_a_directory_holding_no_meta_store_says_what_it_looked_for(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=rf"^no meta database in {re.escape(str(tmp_path))}: neither "
+                                         r"meta\.sqlite3 nor meta\.rocksdb \(a meta on Redis Cluster .*kvfs meta "
+                                         r"migrate it to a local store\)$"):
+        backup(tmp_path, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_rocksdb_backup_that_cannot_be_written_fails_naming_why_and_leaves_nothing(tmp_path: Path) -> None:
     from kvfs.meta.rocks import RocksStore
 
