@@ -602,7 +602,9 @@ class AsyncClient:
         """Byte ranges ``value[start:end]`` (Python slice rules) of many keys in one batch.
 
         Only the extents that overlap a range are read (each whole, so its CRC-32C is
-        verified): a 4 KiB range of a 1 GiB value reads one stripe unit, not 1 GiB.
+        verified): a 4 KiB range of a 1 GiB value reads one stripe unit, not 1 GiB.  A key
+        no replica can serve is a miss or raises (``on_lost``), and is reported lost with its
+        whole layout when every replica answered without good bytes, as :meth:`get_many`'s.
         """
         keys = norm_keys(k for k, _, _ in requests)
         if not keys:
@@ -614,6 +616,7 @@ class AsyncClient:
         dests: list[Dest] = [None] * len(keys)
         cuts = [(bytearray(), 0, 0)] * len(keys)  # the bytes read, and the range's in them
         failed: dict[int, KVFSError] = {}
+        bad: set[int] = set()  # keys whose last read found every replica without good bytes
         todo: range | set[int] = range(len(keys))
         rereads = 0
         while True:  # as ReadPath.read_into: a stale key is read again at meta's new layout
@@ -621,9 +624,10 @@ class AsyncClient:
                 lay, (_, start, end) = layouts[i], requests[i]
                 if lay is not None:
                     subs[i], dests[i], cuts[i] = _ranged(lay, start, end)
+            bad.difference_update(todo)
             stale = await self.reader.fetch(keys, [subs[i] if i in todo else None
                                                    for i in range(len(keys))],
-                                            dests, None, failed)
+                                            dests, None, failed, bad)
             if not stale:
                 break
             for i in stale:
@@ -637,14 +641,16 @@ class AsyncClient:
                     failed[i] = bytes_gone(keys[i])
                 elif rereads == RELOOKUPS:
                     failed[i] = still_moving(keys[i], "ranged read")
+                    bad.discard(i)  # a moving layout is no proof of loss
                 else:
                     layouts[i] = lay
                     todo.add(i)
             if not todo:
                 break
             rereads += 1
-        if failed:
-            await self._unreadable("get_ranges", keys, failed, {})
+        if failed:  # the lost ones reported with the whole layout read, as the mount's reads do
+            await self._unreadable("get_ranges", keys, failed,
+                                   {i: lay for i in failed if i in bad and (lay := layouts[i]) is not None})
         return [None if sub is None or i in failed else bytes(buf[a:b])
                 for i, (sub, (buf, a, b)) in enumerate(zip(subs, cuts, strict=True))]
 
