@@ -296,8 +296,10 @@ async def cmd_stat(ns: argparse.Namespace) -> int:
     if ns.json:
         print(json.dumps(st, default=str))
         return 0
+    store = st.get("store") or "?"
+    on_disk = f", {format_size(st['store_bytes'])} on disk" if st.get("store_bytes") else ""
     print(f"keys: {st['keys']}   bytes: {format_size(st['bytes'])}   "
-          f"overflow leases: {st.get('leases_overflowed', 0)}")
+          f"overflow leases: {st.get('leases_overflowed', 0)}   meta: {store}{on_disk}")
     from kvfs.gc.cli import format_repair
 
     print(format_repair(st.get("gc", {}).get("repair"), st.get("gc", {}).get("metrics", {})))

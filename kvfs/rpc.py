@@ -408,6 +408,9 @@ class StatsReply(Response, frozen=True, kw_only=True):
     gc: GcSummary
     leases_overflowed: Count = 0  # leases this meta gave the overflow holder (past
     #                               --max-lease-holders on a key) since it started
+    store: Annotated[str, msgspec.Meta(max_length=32)] = ""  # where the index lives: sqlite,
+    #                               rocksdb or redis-cluster
+    store_bytes: Count = 0  # a local store's files on meta's disk (0: in Redis)
 
 
 class Stats(Request[StatsReply], frozen=True, kw_only=True):
@@ -1023,7 +1026,7 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.DELETE, Service.META, Delete, "forget keys (keeping the tombstones named); their bytes become garbage", DATA),
     Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease (the holder's)", DATA),
     Rpc(Op.LIST, Service.META, ListKeys, "keys under a prefix, one page in key order", DATA),
-    Rpc(Op.STATS, Service.META, Stats, "keys, bytes, per-server usage, GC summary, leases past --max-lease-holders", DATA),
+    Rpc(Op.STATS, Service.META, Stats, "keys, bytes, per-server usage, GC summary, leases past --max-lease-holders, meta's store and its bytes on disk", DATA),
     Rpc(Op.REGISTER, Service.META, Register, "a chunkserver joins (or rejoins) the cluster", SERVER),
     Rpc(Op.HEARTBEAT, Service.META, Heartbeat, "a chunkserver's usage and chunk table", SERVER_OR_ADMIN),
     Rpc(Op.SERVERS, Service.META, Servers, "the chunkservers meta knows", DATA),

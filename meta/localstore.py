@@ -7,6 +7,7 @@ miss), naming ``kvfs meta migrate``."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from kvfs.datadir import create_private_file, private_dir
@@ -31,6 +32,20 @@ def held_kind(data: Path) -> str | None:
 
 def store_path(data: Path, kind: str) -> Path:
     return data / (ROCKSDB_NAME if kind == "rocksdb" else SQLITE_NAME)
+
+
+def store_bytes(data: Path, kind: str) -> int:
+    """The bytes the ``kind`` store in ``data`` holds on disk: SQLite's file with its WAL and
+    shared memory, or every file of the RocksDB directory (RocksDB's info log included)."""
+    path = store_path(data, kind)
+    files = (path.rglob("*") if kind == "rocksdb"
+             else (path.with_name(path.name + s) for s in ("", "-wal", "-shm")))
+    total = 0
+    for f in files:
+        with contextlib.suppress(OSError):  # (gone meanwhile: compacted, checkpointed)
+            if f.is_file():
+                total += f.stat().st_size
+    return total
 
 
 def open_local(data: Path, kind: str, *, synchronous: str = "FULL",

@@ -26,7 +26,7 @@ from kvfs.handshake import Role
 from kvfs.layout import Layout, misfiled, misfiled_why
 from kvfs.meta.gc import MetaGc, tombstone_layouts
 from kvfs.meta.index import MetaIndex, ServerInfo
-from kvfs.meta.localstore import open_local
+from kvfs.meta.localstore import open_local, store_bytes
 from kvfs.meta.storeapi import Lease
 from kvfs.packed import unpack as unpack_layouts
 from kvfs.rpc import Service
@@ -57,6 +57,7 @@ class MetaService:
         self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
         self.index: MetaIndex | SharedIndex
         self.local: MetaIndex | None = None  # the index, where it is in this process's memory
+        self.store_kind = (config.store or "sqlite") if config.store in (None, "rocksdb") else "redis-cluster"
         if config.store in (None, "rocksdb"):
             self.store = open_local(config.data, config.store or "sqlite",
                                     synchronous="NORMAL" if config.fsync == "never" else "FULL",
@@ -302,6 +303,8 @@ class MetaService:
             time=now,
             gc=await self.gc.summary(),
             leases_overflowed=ix.leases_overflowed,
+            store=self.store_kind,
+            store_bytes=0 if self.local is None else store_bytes(self.config.data, self.store_kind),
         ), ()
 
     # chunkserver RPCs ----------------------------------------------------------

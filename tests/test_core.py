@@ -338,6 +338,15 @@ async def test_torch_tensors_in_and_out(torch: Any, kv: AsyncClient) -> None:
     assert torch.equal(src, dst)
 
 
+@both_backends
+async def test_stats_name_meta_store_and_its_bytes_on_disk(meta_backend: str, kv: AsyncClient) -> None:
+    await kv.put_many([(f"s{i}", b"v" * 100) for i in range(50)])
+    st = await kv.stats()
+    kind = {"sqlite": "sqlite", "rocksdb": "rocksdb", "redis": "redis-cluster"}[meta_backend]
+    assert st["store"] == kind and st["keys"] == 50
+    assert (st["store_bytes"] > 0) == (kind != "redis-cluster")  # Redis holds it elsewhere
+
+
 async def test_get_ranges_reads_only_covering_extents(cluster: LocalCluster, kv: AsyncClient) -> None:
     big = os.urandom(5 << 20)  # 5 stripe units
     await kv.put_many({b"big": big, b"small": b"0123456789"})
