@@ -624,10 +624,12 @@ class AsyncClient:
                 lay, (_, start, end) = layouts[i], requests[i]
                 if lay is not None:
                     subs[i], dests[i], cuts[i] = _ranged(lay, start, end)
-            bad.difference_update(todo)
-            stale = await self.reader.fetch(keys, [subs[i] if i in todo else None
-                                                   for i in range(len(keys))],
-                                            dests, None, failed, bad)
+            if rereads:  # only the keys read again: their last read's verdict is replaced
+                bad.difference_update(todo)
+                reading = [subs[i] if i in todo else None for i in range(len(keys))]
+            else:
+                reading = subs
+            stale = await self.reader.fetch(keys, reading, dests, None, failed, bad)
             if not stale:
                 break
             for i in stale:
