@@ -114,9 +114,30 @@ class MetaStore:
             with self._tx():  # a database older than the table: every key may have older records
                 self.db.execute(OLDER_SCHEMA)
                 self.db.execute("INSERT INTO older(key, until) SELECT key, NULL FROM kv")
+        # The -shm file, opened once (SQLite made it above) and closed only after the
+        # connection: SQLite's locks on it are POSIX record locks, which the close of *any*
+        # descriptor of the file in this process drops.  A close while the connection is
+        # open let another process's connection (kvfs meta backup's) take the wal-index for
+        # its own, truncate it and map it anew: meta died of SIGBUS (bench/RESULTS.md).
+        self._shm_fd = os.open(f"{path}-shm", os.O_RDONLY | os.O_CLOEXEC)
 
     def close(self) -> None:
         self.db.close()
+        if self._shm_fd >= 0:
+            os.close(self._shm_fd)  # (after the connection: see __init__)
+            self._shm_fd = -1
+
+    def frames_waiting(self) -> int:
+        """WAL frames not yet copied into the database: ``mxFrame - nBackfill`` from the
+        wal-index header in the ``-shm`` file (https://www.sqlite.org/walformat.html:
+        offsets 16 and 96, native byte order), read without a lock through the descriptor
+        kept open: a trigger, not a count anything relies on.  Safe from any thread."""
+        head = os.pread(self._shm_fd, 100, 0)
+        if len(head) < 100:
+            return 0
+        mx = int.from_bytes(head[16:20], sys.byteorder)
+        backfilled = int.from_bytes(head[96:100], sys.byteorder)
+        return max(0, mx - backfilled)
 
     def cluster_id(self, *, create: str | None = None) -> str:
         """This cluster's id, made once when the database is created (``create`` gives it,
@@ -198,7 +219,7 @@ class MetaStore:
         bound) and return the :class:`Checkpointer` the sync thread runs the checkpoints
         with, at :data:`CHECKPOINT_FRAMES`."""
         self.db.execute(f"PRAGMA wal_autocheckpoint={LOOP_CHECKPOINT_FRAMES}")
-        return Checkpointer(self.path)
+        return Checkpointer(self)
 
     def load(self) -> Iterator[tuple[bytes, Layout, float]]:
         for key, blob, last_access in self.db.execute("SELECT key, layout, last_access FROM kv"):
@@ -352,35 +373,15 @@ class Checkpointer:
     :meth:`MetaStore.sync_wal`).  No change is answered on the strength of a checkpoint:
     answers wait for :meth:`MetaStore.sync_wal`."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.shm_path = Path(f"{path}-shm")
-        self._shm = str(self.shm_path)
+    def __init__(self, store: MetaStore) -> None:
+        self.store = store  # (its frames_waiting: read through its -shm descriptor)
+        self.path = store.path
         self.db: sqlite3.Connection | None = None
         self.checkpoints = 0  # checkpoints run (complete or not)
         self.restarts = 0  # restart transactions written here (each restarts the WAL unless the loop wrote first)
 
-    def frames_waiting(self) -> int:
-        """WAL frames not yet copied into the database: ``mxFrame - nBackfill`` from the
-        wal-index header in the ``-shm`` file (https://www.sqlite.org/walformat.html:
-        offsets 16 and 96, native byte order), read without a lock: a trigger, not a count
-        anything relies on."""
-        try:  # (os calls on a str path: no file object; this runs after every sync)
-            fd = os.open(self._shm, os.O_RDONLY)
-        except FileNotFoundError:
-            return 0
-        try:
-            head = os.pread(fd, 100, 0)
-        finally:
-            os.close(fd)
-        if len(head) < 100:
-            return 0
-        mx = int.from_bytes(head[16:20], sys.byteorder)
-        backfilled = int.from_bytes(head[96:100], sys.byteorder)
-        return max(0, mx - backfilled)
-
     def run_if_due(self) -> None:
-        if self.frames_waiting() < CHECKPOINT_FRAMES:
+        if self.store.frames_waiting() < CHECKPOINT_FRAMES:
             return
         if self.db is None:
             # timeout 0: never waits for the loop's writer lock (_restart skips instead);

@@ -84,7 +84,7 @@ async def test_lookups_are_answered_while_a_checkpoint_runs_in_the_sync_thread(
     assert ix._wal.checkpoints == 1
     # the thread's checkpoint copied the whole WAL, on its own connection, and restarted
     # it: one frame waits, its restart's
-    assert Checkpointer(tmp_path / "meta.sqlite3").frames_waiting() == 1
+    assert ix.store.frames_waiting() == 1
     assert await ix.commit(rows("b", 2), 100.0, None) == []
     await ix.close()  # the sync thread's connection closed, then the loop's: WAL checkpointed, gone
     assert not (tmp_path / "meta.sqlite3-wal").exists()
@@ -186,7 +186,7 @@ def test_the_restart_is_left_to_the_writer_holding_the_lock(tmp_path: Path,
     monkeypatch.setattr(store_mod, "CHECKPOINT_FRAMES", 1)
     store = MetaStore(tmp_path / "meta.sqlite3")
     store.put_state("x", 1)
-    ckpt = Checkpointer(tmp_path / "meta.sqlite3")
+    ckpt = Checkpointer(store)
     wal = tmp_path / "meta.sqlite3-wal"
     before = wal_generation(wal)
     store.db.execute("BEGIN IMMEDIATE")  # a write on the loop in progress: the lock is taken
@@ -212,11 +212,10 @@ async def test_the_wal_stays_bounded_when_the_threads_checkpoints_fail(
         raise sqlite3.OperationalError("disk I/O error (injected)")
 
     monkeypatch.setattr(Checkpointer, "run_if_due", broken)
-    ckpt = Checkpointer(tmp_path / "meta.sqlite3")
     seen = []
     for i in range(40):
         assert await ix.commit(rows(f"k{i}-", 20), 100.0, None) == []  # answered: nothing lost
-        seen.append(ckpt.frames_waiting())
+        seen.append(ix.store.frames_waiting())
     assert max(seen) < 8 + 20  # the loop's connection checkpointed past its bound
     assert min(seen[10:]) < max(seen)  # (and did: it fell back)
     assert ix._wal.checkpoints == 0 and len(ix.entries) == 800
@@ -225,3 +224,33 @@ async def test_the_wal_stays_bounded_when_the_threads_checkpoints_fail(
 async def test_fsync_never_keeps_sqlites_checkpoint_on_the_loop(make_index: Any) -> None:
     ix = make_index(fsync=FsyncMode.NEVER)
     assert autocheckpoint(ix) == 1000 and ix._wal.checkpoints == 0
+
+
+DMS_PROBE = """
+import fcntl, os, sys
+fd = os.open(sys.argv[1], os.O_RDWR)
+try:  # SQLite's unix VFS: byte 128 of the -shm file (UNIX_SHM_DMS), read-locked by each connection
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, 128)
+except OSError:
+    print("held")
+else:
+    print("free")
+"""
+
+
+def test_reading_the_wal_index_keeps_sqlites_locks_on_it(tmp_path: Path) -> None:
+    """``frames_waiting`` reads the ``-shm`` file through a descriptor kept open until the
+    connection closes.  It opened and closed one each time: the close dropped SQLite's POSIX
+    locks on the file, so another process's connection (``kvfs meta backup``'s) took the
+    wal-index for the only one, truncated it under meta's mapping, and meta died of SIGBUS
+    (1 backup test in about 8)."""
+    store = MetaStore(tmp_path / "meta.sqlite3")
+    try:
+        store.put_state("x", 1)
+        assert store.frames_waiting() >= 1
+        assert store.frames_waiting() >= 1
+        out = subprocess.run([sys.executable, "-c", DMS_PROBE, f"{tmp_path / 'meta.sqlite3'}-shm"],
+                             capture_output=True, text=True, check=True, timeout=60)
+        assert out.stdout.strip() == "held"  # another connection sees this one: no reset
+    finally:
+        store.close()
