@@ -43,7 +43,7 @@ build() {
     stamp="$(cat "$0" "$PIP_CONSTRAINT" | sha256sum | cut -c1-16)"
     if [[ -f "$venv/.kvfs-stamp" && "$(cat "$venv/.kvfs-stamp")" == "$stamp" ]]; then
         echo "== $name: $venv is up to date"
-        "$venv/bin/python" -m pip install -q --no-deps -e "$root"   # this tree's kvfs
+        "$venv/bin/python" -m pip install -q -e "$root"   # this tree's kvfs, and a dependency it gained
         return
     fi
     echo "== $name: building $venv"

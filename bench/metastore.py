@@ -68,8 +68,8 @@ def rss_bytes() -> int:
 
 
 class LocalMeta:
-    """Meta (its in-memory index over SQLite, or ``store="rocksdb"``) driven through its RPC
-    handlers."""
+    """Meta (its in-memory index over its local store: meta's ``--store``, default RocksDB)
+    driven through its RPC handlers."""
 
     def __init__(self, data: Path, store: str | None = None) -> None:
         from kvfs import rpc
@@ -128,12 +128,12 @@ async def fill(store: Any, n: int, batch: int, tag: str, deadline_s: float | Non
 
 def start_meta(data: Path, url: str | None, namespace: str,
                timeout_s: float = 3600.0) -> tuple[float, int]:
-    """Start ``kvfs meta`` on ``data`` (or on ``url``'s Redis Cluster; ``url`` "rocksdb": its
-    RocksDB store); the seconds until it prints its ready line, and its RSS then.  It is
-    stopped before returning."""
+    """Start ``kvfs meta`` on ``data`` (or on ``url``'s Redis Cluster; ``url`` "rocksdb" or
+    "sqlite": that store in ``data``); the seconds until it prints its ready line, and its RSS
+    then.  It is stopped before returning."""
     args = [sys.executable, "-m", "kvfs", "meta", "--data", str(data), "--listen", "127.0.0.1:0"]
-    if url == "rocksdb":
-        args += ["--store", "rocksdb"]
+    if url in ("rocksdb", "sqlite"):
+        args += ["--store", url]
     elif url is not None:
         args += ["--store", url, "--store-namespace", namespace]
     t0 = time.perf_counter()
@@ -176,7 +176,7 @@ async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: 
         store: Any
         local = kind in ("sqlite", "rocksdb")
         if local:
-            store = LocalMeta(Path(tmp) / "meta", "rocksdb" if kind == "rocksdb" else None)
+            store = LocalMeta(Path(tmp) / "meta", kind)
             memory: Any = rss_bytes
         else:
             if url is None:
@@ -241,10 +241,10 @@ async def run(kind: str, url: str | None, keys: int, batches: list[int], min_s: 
                 closed = True
                 del store
                 importlib.import_module("gc").collect()  # (kvfs.gc shadows the name for mypy)
-                where = "rocksdb" if kind == "rocksdb" else url
+                where = kind if local else url
                 empty_s, empty_rss = start_meta(Path(tmp) / "empty", where, namespace + "empty")
                 ready_s, rss = start_meta(Path(tmp) / ("meta" if local else "redismeta"),
-                                          None if kind == "sqlite" else where, namespace)
+                                          where, namespace)
                 out["restart"] = {"empty_ready_s": empty_s, "empty_rss": empty_rss,
                                   "ready_s": ready_s, "rss": rss,
                                   "rss_per_key": (rss - empty_rss) / keys if keys else None}

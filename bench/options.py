@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from kvfs.config import ClusterFsyncConfig, add_cluster_options
+from kvfs.config import LOCAL_STORES, ClusterFsyncConfig, add_cluster_options
 from kvfs.config import add_options as add_config_options
 from kvfs.units import parse_duration, parse_size
 
@@ -153,9 +153,8 @@ def add_options(p: argparse.ArgumentParser) -> None:
            "or in this process and event loop")
     a("--chunkservers", type=_positive_int, default=3,
       help="chunkservers of the embedded cluster (default 3)")
-    a("--meta-store", dest="meta_store", choices=("sqlite", "rocksdb"), default="sqlite",
-      help="embedded cluster: where its meta keeps the index (meta's --store; rocksdb needs the "
-           "rocksdb extra)")
+    a("--meta-store", dest="meta_store", choices=LOCAL_STORES, default=LOCAL_STORES[0],
+      help=f"embedded cluster: where its meta keeps the index (meta's --store; default {LOCAL_STORES[0]})")
     add_config_options(p, ClusterFsyncConfig)  # --fsync: the embedded cluster's, as kvfs up's
     a("--dir", type=Path, default=None, help="work dir for the embedded cluster and peers")
     # --tls-*: the embedded cluster's too

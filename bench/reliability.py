@@ -22,6 +22,7 @@ from kvfs.gc.repair import repair_step
 from kvfs.gc.scrub import scrub
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Layout, Replica
+from kvfs.meta.localstore import drop_stores
 from kvfs.meta.rebuild import rebuild
 
 MEND_DEADLINE_S = 120.0  # bad replicas not mended by then: the run fails
@@ -84,18 +85,16 @@ async def lost_meta(root: Path, n: int) -> None:
             await kv.put_many(list(items.items()))
         files = {p: p.stat().st_size for p in root.glob("cs*/chunks/*.chunk")}
         await c.stop_meta()
-        for p in (root / "meta").glob("meta.sqlite3*"):
-            p.unlink()
+        drop_stores(root / "meta")
         await c.start_meta()  # fresh: another cluster id, refused by the chunkservers
         async with GarbageCollector(c.addr, token=c.admin_token) as gc:
             for _ in range(3):
                 await gc.run_pass(PassOptions(apply=True, grace_s=0.0))
         kept = sum(1 for p in files if p.exists())
-        _row(f"meta.sqlite3 deleted, fresh meta, 3 GC passes (grace 0) ({n} keys)", 0, 0, 0.0, 0.0,
+        _row(f"meta's database deleted, fresh meta, 3 GC passes (grace 0) ({n} keys)", 0, 0, 0.0, 0.0,
              f"chunk files kept: {kept} of {len(files)} (was: all deleted)")
         await c.stop_meta()
-        for p in (root / "meta").glob("meta.sqlite3*"):
-            p.unlink()
+        drop_stores(root / "meta")
         t0 = time.perf_counter()
         await rebuild(root / "meta", [s.addr for s in c.chunkservers if s], c.admin_token)
         await c.start_meta()

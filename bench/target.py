@@ -148,9 +148,8 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
         from kvfs.launcher import ProcessCluster
 
         args = (*tls_argv(tls), *fsync_argv(from_options(ClusterFsyncConfig, ns)))
-        store = ("--store", "rocksdb") if ns.meta_store == "rocksdb" else ()
         pc = ProcessCluster(workdir / "cluster", ns.chunkservers, listen="127.0.0.1:0",
-                            meta_args=(*args, *store), chunkserver_args=args)
+                            meta_args=(*args, "--store", ns.meta_store), chunkserver_args=args)
         await pc.start()
         try:
             yield BenchTarget(pc.addr, pc.token, pc, "processes", pc.admin_token, tls)
@@ -162,7 +161,7 @@ async def open_target(ns: argparse.Namespace, workdir: Path) -> AsyncIterator[Be
     lc = LocalCluster(workdir / "cluster", ns.chunkservers,
                       tls=tls if tls.tls_cert is not None else None)
     lc.meta_config = replace(lc.meta_config, fsync=ns.fsync,
-                             store="rocksdb" if ns.meta_store == "rocksdb" else None)
+                             store=ns.meta_store)
     lc.cs_template = replace(lc.cs_template, fsync=ns.fsync)
     await lc.start()
     try:

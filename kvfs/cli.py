@@ -24,6 +24,7 @@ from kvfs._loop import run
 from kvfs._parent import die_with_parent
 from kvfs.config import (
     DURATION,
+    LOCAL_STORES,
     ChunkServerConfig,
     MetaConfig,
     TlsConfig,
@@ -61,8 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     q = msub.add_parser("rebuild", help="write a new meta database from the chunkservers' records "
                         "(after meta's database was lost)")
     q.add_argument("--data", type=Path, required=True, help="meta's data directory (the new database)")
-    q.add_argument("--store", choices=("sqlite", "rocksdb"), default="sqlite",
-                   help="the new database's kind: as the meta that will serve it (its --store)")
+    q.add_argument("--store", choices=LOCAL_STORES, default=LOCAL_STORES[0],
+                   help=f"the new database's kind (default {LOCAL_STORES[0]}; a meta started with no "
+                   "--store opens the kind its --data holds)")
     q.add_argument("--from-chunkservers", required=True, metavar="HOST:PORT[,HOST:PORT...]",
                    help="every chunkserver of the cluster")
     q.add_argument("--token-file", default=None,

@@ -73,6 +73,7 @@ async def cmd_meta(ns: argparse.Namespace) -> int:
 
     if ns.data is None:
         raise ValueError("--data is required")
+    os.umask(0o077)  # what meta's store creates is its own: RocksDB's files take the umask's mode
     svc = MetaService(from_options(MetaConfig, ns))
     # frozen once it has loaded its keys, as a chunkserver (cmd_chunkserver): start-up's
     # objects are never garbage, and every full collection walked them, some 25 ms a time
@@ -157,12 +158,16 @@ async def cmd_up(ns: argparse.Namespace) -> int:
     meta_args, cs_args, gc_args = meta_args + tls_args, cs_args + tls_args, gc_args + tls_args
     meta_args, cs_args = meta_args + fsync_argv(cfg), cs_args + fsync_argv(cfg)
     redis_args: tuple[str, ...] | None = None
-    if cfg.meta_store == "rocksdb":
+    kind = cfg.meta_store
+    if kind != "redis-cluster":
+        from kvfs.meta.localstore import chosen_kind
         from kvfs.meta.rocks import HAVE_ROCKSDICT, MISSING
 
-        if not HAVE_ROCKSDICT:  # (checked here: meta would fail at every restart)
+        # settled once, here: each restart opens the same kind, even if the store went away
+        kind = chosen_kind(cfg.data / "meta", None if cfg.meta_store == "auto" else cfg.meta_store)
+        if kind == "rocksdb" and not HAVE_ROCKSDICT:  # (checked here: meta would fail at every restart)
             raise ValueError(MISSING)
-        meta_args += ["--store", "rocksdb"]
+        meta_args += ["--store", kind]
     if cfg.meta_store == "redis-cluster":
         from kvfs.meta.redis_local import REDIS_SERVER
 
@@ -190,7 +195,7 @@ async def cmd_up(ns: argparse.Namespace) -> int:
                f"TLS with {cfg.tls_cert} (clients: --tls-ca or $KVFS_TLS_CA"
                + (f" {cfg.tls_ca}, and a client certificate it signed: mutual TLS)"
                   if cfg.tls_ca else ")"))
-        store = (", meta on RocksDB" if cfg.meta_store == "rocksdb" else "" if cluster.store_url is None else
+        store = ({"rocksdb": ", meta on RocksDB", "sqlite": ", meta on SQLite"}.get(kind) or
                  f", meta on a {'3+3' if cfg.redis_replicas else '3'}-node Redis Cluster "
                  f"{cluster.store_url}")
         report(f"{cfg.chunkservers} chunkservers{' + gc daemon' if cfg.gc else ''}{store}, data in "

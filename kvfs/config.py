@@ -118,6 +118,10 @@ class ServerConfig(TlsConfig):
                                             "often", 60.0)
 
 
+# the stores meta keeps in its own --data (kvfs.meta.localstore); a new directory gets the first
+LOCAL_STORES = ("rocksdb", "sqlite")
+
+
 @dataclass(frozen=True, kw_only=True)
 class MetaConfig(ServerConfig):
     data: Path = opt("data directory (SQLite or RocksDB store; token files unless $KVFS_TOKEN, "
@@ -146,11 +150,12 @@ class MetaConfig(ServerConfig):
                                 "for meta to check on their chunkservers and repair from a good "
                                 "copy; reports past it are dropped until those are done (0: "
                                 "reports are ignored; a scrub still finds them)", 4096)
-    store: str | None = opt("where the index lives: default the SQLite file under --data; "
-                            "rocksdb keeps it in a RocksDB directory under --data (the rocksdb "
-                            "extra: appends, where SQLite rewrites a random page per key); "
-                            "redis-cluster://HOST:PORT[,HOST:PORT...] keeps it in a Redis Cluster, "
-                            "where several meta processes serve one index", None)
+    store: str | None = opt("where the index lives: default the store --data holds, and a "
+                            "RocksDB directory under a new --data; rocksdb or sqlite (a SQLite "
+                            "file under --data: rewrites a random page per key, where RocksDB "
+                            "appends) ask for one; redis-cluster://HOST:PORT[,HOST:PORT...] keeps "
+                            "it in a Redis Cluster, where several meta processes serve one index",
+                            None)
     rocksdb_memtable_bytes: int = opt("--store rocksdb: the memtable RocksDB fills before it "
                                       "writes it out as a sorted file; meta holds at most two "
                                       "(one filling, one being written), plus RocksDB's 8 MiB "
@@ -164,17 +169,18 @@ class MetaConfig(ServerConfig):
     registry_refresh_s: float = opt("--store redis-cluster: how often the chunkservers other metas "
                                     "registered, and their heartbeats, are read again", 1.0)
     fsync: FsyncMode = opt("always/batch: a commit is on disk before it is answered (its "
-                           "transaction, then an fdatasync of SQLite's WAL in a thread: "
+                           "write, then an fdatasync of its store's WAL in a thread: "
                            "lookups are served meanwhile); never: synchronous=NORMAL, a power "
                            "loss can undo the last commits (GC transactions are FULL in every "
                            "mode)",
                            FsyncMode.BATCH)
-    commit_group_max_keys: int = opt("group commit: most keys written by one SQLite transaction "
+    commit_group_max_keys: int = opt("group commit: most keys written by one write of meta's "
+                                     "store, a transaction (SQLite) or write batch (RocksDB) "
                                      "(the COMMITs that arrive while one is synced share the "
                                      "next; a larger COMMIT is written alone; --fsync always: one "
                                      "COMMIT per transaction)", 16384, positive=True)
     commit_group_max_bytes: int = opt("group commit: most bytes (keys + encoded layouts) written "
-                                      "by one SQLite transaction", 16 * MiB, positive=True)
+                                      "by one write of meta's store", 16 * MiB, positive=True)
 
     def __post_init__(self) -> None:
         for name in ("commit_group_max_keys", "commit_group_max_bytes", "max_lease_holders",
@@ -183,8 +189,10 @@ class MetaConfig(ServerConfig):
                 raise ValueError(f"{_flag(name)} must be at least 1, got {getattr(self, name)}")
         if self.suspect_replicas < 0:
             raise ValueError(f"--suspect-replicas must be at least 0, got {self.suspect_replicas}")
-        if self.store is not None and self.store != "rocksdb" and not self.store.startswith("redis-cluster://"):
-            raise ValueError(f"--store must be rocksdb or redis-cluster://HOST:PORT[,...], got {self.store!r:.200}")
+        if (self.store is not None and self.store not in LOCAL_STORES
+                and not self.store.startswith("redis-cluster://")):
+            raise ValueError("--store must be rocksdb, sqlite or redis-cluster://HOST:PORT[,...], "
+                             f"got {self.store!r:.200}")
         if self.max_lease_holder_chars > MAX_HOLDER_CHARS:
             raise ValueError(f"--max-lease-holder-chars must be at most {MAX_HOLDER_CHARS} (the "
                              f"protocol's limit), got {self.max_lease_holder_chars}")
@@ -604,10 +612,11 @@ class UpConfig(ClusterFsyncConfig, TlsConfig):
     restart_backoff_s: float = opt("wait before the first restart; doubled per quick failure", 0.5)
     restart_backoff_max_s: float = opt("longest wait between restarts", 30.0)
     restart_stable_s: float = opt("a service up this long counts as healthy (backoff resets)", 10.0)
-    meta_store: str = opt("where meta keeps its index: sqlite (a file under DATA/meta), rocksdb "
-                          "(a RocksDB directory under DATA/meta: meta's --store rocksdb) or "
-                          "redis-cluster (a local 3-master Redis Cluster under DATA/redis, "
-                          "redis-server from apt, supervised like the other services)", "sqlite")
+    meta_store: str = opt("where meta keeps its index: auto (the store DATA/meta holds; "
+                          "rocksdb for a new DATA), rocksdb (a RocksDB directory under "
+                          "DATA/meta), sqlite (a SQLite file under DATA/meta) or redis-cluster "
+                          "(a local 3-master Redis Cluster under DATA/redis, redis-server from "
+                          "apt, supervised like the other services)", "auto")
     redis_replicas: bool = opt("--meta-store redis-cluster: one replica per master (6 redis-server "
                                "processes), so a master that dies fails over to its replica", False)
     redis_maxmemory_bytes: int | None = opt("--meta-store redis-cluster: each redis-server's "
@@ -615,8 +624,9 @@ class UpConfig(ClusterFsyncConfig, TlsConfig):
                                             "(default: no limit)", None)
 
     def __post_init__(self) -> None:
-        if self.meta_store not in ("sqlite", "rocksdb", "redis-cluster"):
-            raise ValueError(f"--meta-store must be sqlite, rocksdb or redis-cluster, got {self.meta_store!r}")
+        if self.meta_store not in ("auto", *LOCAL_STORES, "redis-cluster"):
+            raise ValueError("--meta-store must be auto, rocksdb, sqlite or redis-cluster, got "
+                             f"{self.meta_store!r}")
         if self.meta_store != "redis-cluster" and (self.redis_replicas or self.redis_maxmemory_bytes):
             raise ValueError("--redis-replicas and --redis-maxmemory need --meta-store redis-cluster")
         if self.chunkservers < 1:

@@ -38,7 +38,7 @@ from kvfs.address import parse_addr
 from kvfs.config import TlsConfig
 from kvfs.errors import InvalidArgument, ServerError, WrongCluster
 from kvfs.layout import Extent, Layout, Replica, encode_layout
-from kvfs.meta.localstore import held_kind, open_local, store_path
+from kvfs.meta.localstore import NEW_KIND, held_kind, open_local, store_path
 from kvfs.meta.tombstones import Horizon, chunk_seq, encode_horizon, ghost_hash, tomb_layout
 from kvfs.tls import client_context
 from kvfs.transport import Connection
@@ -193,13 +193,13 @@ async def scan_chunkservers(addrs: list[str], token: str, report: RebuildReport,
 
 
 async def rebuild(data: Path, addrs: list[str], token: str, *, now: float | None = None,
-                  tls: TlsConfig | None = None, kind: str = "sqlite") -> RebuildReport:
+                  tls: TlsConfig | None = None, kind: str = NEW_KIND) -> RebuildReport:
     """Write a new meta database in ``data`` from the chunkservers' records: a ``kind`` store
     (:mod:`kvfs.meta.localstore`)."""
     held = held_kind(data)
     if held is not None:
-        raise InvalidArgument(f"{store_path(data, held)} exists; move it away first"
-                              + (" (or back it up: kvfs meta backup)" if held == "sqlite" else ""))
+        raise InvalidArgument(f"{store_path(data, held)} exists; move it away first (a copy of a "
+                              "live one: kvfs meta backup)")
     if not addrs:
         raise InvalidArgument("--from-chunkservers needs at least one HOST:PORT")
     report = RebuildReport()

@@ -45,10 +45,11 @@ from typing import Any
 
 import msgpack
 
+from kvfs.datadir import private_dir
 from kvfs.layout import Layout, decode_layout
 from kvfs.meta.store import NO_EXPIRY, prefix_upper_bound
 
-HAVE_ROCKSDICT = importlib.util.find_spec("rocksdict") is not None  # an optional extra
+HAVE_ROCKSDICT = importlib.util.find_spec("rocksdict") is not None  # (missing: --no-deps installs)
 if HAVE_ROCKSDICT:
     from rocksdict import (
         AccessType,
@@ -70,7 +71,8 @@ KEY_END = b"l"  # (past every key row)
 BLOCK_CACHE_BYTES = 8 << 20  # RocksDB's cache of blocks read from its sorted files
 INFO_LOG_BYTES, INFO_LOGS_KEPT = 8 << 20, 4  # its info log rolled at this size, so many kept
 COPY_BATCH = 10_000  # rows a batch of copy_to
-MISSING = "--store rocksdb needs the rocksdb extra: pip install 'kvfs[rocksdb]' (rocksdict)"
+MISSING = ("meta's RocksDB store needs rocksdict, a dependency of kvfs missing here (installed "
+           "with --no-deps?): pip install rocksdict, or run meta with --store sqlite")
 
 
 def expiry_key(e: float) -> bytes:
@@ -128,6 +130,7 @@ class RocksStore:
             opts.set_max_open_files(-1)  # every file opened now: one meta deletes stays readable
             self.db = Rdict(str(path), opts, access_type=AccessType.read_only())
         else:
+            private_dir(path)  # (its files take the process's umask: ``kvfs meta`` sets 077)
             self.db = Rdict(str(path), opts)
         self._closed = False
         self._nosync = WriteOptions()

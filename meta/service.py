@@ -26,7 +26,7 @@ from kvfs.handshake import Role
 from kvfs.layout import Layout, misfiled, misfiled_why
 from kvfs.meta.gc import MetaGc, tombstone_layouts
 from kvfs.meta.index import MetaIndex, ServerInfo
-from kvfs.meta.localstore import open_local, store_bytes
+from kvfs.meta.localstore import KINDS, chosen_kind, open_local, store_bytes
 from kvfs.meta.storeapi import Lease
 from kvfs.packed import unpack as unpack_layouts
 from kvfs.rpc import Service
@@ -57,9 +57,9 @@ class MetaService:
         self.tokens = dict(tokens) if tokens else service_tokens(config.data, create=True)
         self.index: MetaIndex | SharedIndex
         self.local: MetaIndex | None = None  # the index, where it is in this process's memory
-        self.store_kind = (config.store or "sqlite") if config.store in (None, "rocksdb") else "redis-cluster"
-        if config.store in (None, "rocksdb"):
-            self.store = open_local(config.data, config.store or "sqlite",
+        if config.store is None or config.store in KINDS:
+            self.store_kind = chosen_kind(config.data, config.store)
+            self.store = open_local(config.data, self.store_kind,
                                     synchronous="NORMAL" if config.fsync == "never" else "FULL",
                                     memtable_bytes=config.rocksdb_memtable_bytes)
             self.cluster_id = self.store.cluster_id()
@@ -67,6 +67,7 @@ class MetaService:
             self.index.load()
             self.local = self.index
         else:  # opened by start(): the store is async; redis is an optional extra
+            self.store_kind = "redis-cluster"
             from kvfs.meta.redis_store import RedisMetaStore
             from kvfs.meta.shared_index import SharedIndex
 

@@ -546,55 +546,54 @@ def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRed
         yield rc
 
 
-def meta_on_rocksdb(monkeypatch: pytest.MonkeyPatch) -> None:
+def meta_on(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Every :class:`LocalCluster` or :class:`ProcessCluster` the test starts (and restarts)
-    runs its meta with ``--store rocksdb``, unless the test gave it a store."""
+    runs its meta with ``--store kind`` (``rocksdb``, ``sqlite``), unless the test gave it a
+    store."""
     from dataclasses import replace
 
     start_local = LocalCluster.start_meta
 
-    async def on_rocksdb(self: LocalCluster) -> str:
+    async def on_kind(self: LocalCluster) -> str:
         if self.meta_config.store is None:
-            self.meta_config = replace(self.meta_config, store="rocksdb")
+            self.meta_config = replace(self.meta_config, store=kind)
         return await start_local(self)
 
     meta_proc = ProcessCluster._meta_process
 
-    def process_on_rocksdb(self: ProcessCluster, listen: str) -> ServiceProcess:
+    def process_on_kind(self: ProcessCluster, listen: str) -> ServiceProcess:
         if "--store" not in self.meta_args:
-            self.meta_args = (*self.meta_args, "--store", "rocksdb")
+            self.meta_args = (*self.meta_args, "--store", kind)
         return meta_proc(self, listen)
 
-    monkeypatch.setattr(LocalCluster, "start_meta", on_rocksdb)
-    monkeypatch.setattr(ProcessCluster, "_meta_process", process_on_rocksdb)
+    monkeypatch.setattr(LocalCluster, "start_meta", on_kind)
+    monkeypatch.setattr(ProcessCluster, "_meta_process", process_on_kind)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("rocksdb", marks=pytest.mark.meta_rocksdb)])
+@pytest.fixture(params=["rocksdb", pytest.param("sqlite", marks=pytest.mark.meta_sqlite)])
 def local_meta(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Run a test over each store meta keeps its own index over (:mod:`kvfs.meta.localstore`):
     SQLite and RocksDB, for what the Redis store does not keep (tombstones, older records,
-    dropped records, rebuilds).  The RocksDB half is marker ``meta_rocksdb``."""
-    if request.param == "rocksdb":
-        meta_on_rocksdb(monkeypatch)
+    dropped records, rebuilds).  The SQLite half is marker ``meta_sqlite``."""
+    meta_on(request.param, monkeypatch)
     return str(request.param)
 
 
-@pytest.fixture(params=["sqlite", pytest.param("rocksdb", marks=pytest.mark.meta_rocksdb),
+@pytest.fixture(params=["rocksdb", pytest.param("sqlite", marks=pytest.mark.meta_sqlite),
                         pytest.param("redis", marks=[pytest.mark.redis, pytest.mark.meta_redis])])
 def meta_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Run a test over each meta backend: SQLite (the default); RocksDB (``--store rocksdb``),
-    for every :class:`LocalCluster` or :class:`ProcessCluster` the test starts; and Redis
+    """Run a test over each meta backend: SQLite (``--store sqlite``) and RocksDB (``--store
+    rocksdb``, the default), for every :class:`LocalCluster` or :class:`ProcessCluster` the
+    test starts; and Redis
     Cluster, where each puts its meta on the session's Redis Cluster, in a namespace of its
     own (kept across that cluster's meta restarts).  A module opts in with
-    ``pytestmark = pytest.mark.usefixtures("meta_backend")``; the RocksDB and Redis halves
-    are markers ``meta_rocksdb`` and ``meta_redis`` (not in the default run: .ci/run runs them)."""
-    if request.param == "sqlite":
-        return "sqlite"
+    ``pytestmark = pytest.mark.usefixtures("meta_backend")``; the SQLite and Redis halves
+    are markers ``meta_sqlite`` and ``meta_redis`` (not in the default run: .ci/run runs them)."""
+    if request.param in ("sqlite", "rocksdb"):
+        meta_on(request.param, monkeypatch)
+        return str(request.param)
     from dataclasses import replace
 
-    if request.param == "rocksdb":
-        meta_on_rocksdb(monkeypatch)
-        return "rocksdb"
 
     rc: LocalRedisCluster = request.getfixturevalue("redis_cluster")
     start_meta = LocalCluster.start_meta

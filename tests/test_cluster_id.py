@@ -16,6 +16,7 @@ from kvfs.errors import InvalidArgument, Unavailable, WrongCluster
 from kvfs.gc import GarbageCollector, PassOptions
 from kvfs.handshake import Role
 from kvfs.launcher import LocalCluster
+from kvfs.meta.localstore import drop_stores
 from kvfs.transport import Connection
 
 
@@ -34,7 +35,7 @@ async def _register_again(cs: ChunkServer) -> None:
 
 
 async def test_a_fresh_meta_cannot_make_chunkservers_delete(tmp_path: Path) -> None:
-    """Before cluster ids: meta.sqlite3 deleted + restart, and GC deleted every chunk file."""
+    """Before cluster ids: meta's database deleted + restart, and GC deleted every chunk file."""
     async with LocalCluster(tmp_path / "c", 3) as cluster:
         async with cluster.client() as kv:
             await kv.put_many({f"k{i}".encode(): os.urandom(20_000) for i in range(60)})
@@ -42,8 +43,7 @@ async def test_a_fresh_meta_cannot_make_chunkservers_delete(tmp_path: Path) -> N
         assert files
         old_id = cluster.meta.cluster_id  # type: ignore[union-attr]
         await cluster.stop_meta()
-        for p in (tmp_path / "c" / "meta").glob("meta.sqlite3*"):
-            p.unlink()
+        drop_stores(tmp_path / "c" / "meta")
         await cluster.start_meta()  # a fresh database: a new cluster id
         assert cluster.meta is not None and cluster.meta.cluster_id != old_id
         for cs in cluster.chunkservers:
@@ -125,8 +125,7 @@ async def test_a_refused_chunkserver_start_leaves_nothing_running(tmp_path: Path
     try:
         await cluster.stop_chunkserver(1)
         await cluster.stop_meta()
-        for p in (tmp_path / "c" / "meta").glob("meta.sqlite3*"):
-            p.unlink()
+        drop_stores(tmp_path / "c" / "meta")
         await cluster.start_meta()  # a fresh database: a new cluster id, so cs1 is refused
         with pytest.raises(WrongCluster, match="rebuild"):
             await cluster.start_chunkserver(1)

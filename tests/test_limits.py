@@ -440,9 +440,10 @@ def test_bad_requests_are_logged_once_per_peer_per_interval(
 
 
 @pytest.mark.subprocess
-async def test_everything_kvfs_up_creates_is_private(tmp_path: Path,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Data dirs 0700; chunk files, meta's SQLite files, state, locks and tokens 0600."""
+async def test_everything_kvfs_up_creates_is_private(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       local_meta: str) -> None:
+    """Data dirs 0700; chunk files, meta's store (RocksDB's files, or SQLite's), state, locks
+    and tokens 0600."""
     monkeypatch.setenv("KVFS_CONFIG_DIR", str(tmp_path / "config"))
     pc = ProcessCluster(tmp_path / "data", 2, listen="127.0.0.1:0", gc=True)
     await pc.start()
@@ -452,7 +453,8 @@ async def test_everything_kvfs_up_creates_is_private(tmp_path: Path,
             await kv.put_many({f"k{i}": os.urandom(4096) for i in range(10)})
     finally:
         await pc.stop()
-    seen = {".chunk": 0, ".sqlite3": 0, "token": 0}
+    store = "CURRENT" if local_meta == "rocksdb" else ".sqlite3"  # (one file of each store)
+    seen = {".chunk": 0, store: 0, "token": 0}
     for root in (tmp_path / "data", tmp_path / "config" / "tokens"):
         for p in [root, *root.rglob("*")]:
             mode = p.stat().st_mode & 0o777
@@ -462,7 +464,7 @@ async def test_everything_kvfs_up_creates_is_private(tmp_path: Path,
                 assert mode == 0o600, f"{p} is {mode:o}"
                 for end in seen:
                     seen[end] += p.name.endswith(end)
-    assert seen[".chunk"] >= 1 and seen[".sqlite3"] == 1 and seen["token"] == 3
+    assert seen[".chunk"] >= 1 and seen[store] == 1 and seen["token"] == 3
 
 
 def test_chunk_files_are_kept_open_in_an_lru(tmp_path: Path) -> None:

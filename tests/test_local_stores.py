@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,9 +15,9 @@ from kvfs.config import MetaConfig
 from kvfs.errors import InvalidArgument
 from kvfs.launcher import LocalCluster
 from kvfs.layout import Extent, Layout, Replica, encode_layout
-from kvfs.meta.localstore import LocalStore, open_local
+from kvfs.meta.localstore import LocalStore, chosen_kind, open_local
 from kvfs.meta.migrate import migrate
-from kvfs.meta.rocks import expiry_key, expiry_of
+from kvfs.meta.rocks import RocksStore, expiry_key, expiry_of
 
 
 def lay(chunk: int, created: float = 10.0, expires: float | None = None) -> Layout:
@@ -156,7 +157,8 @@ async def test_a_sqlite_index_moves_to_rocksdb_a_meta_there_serves_it_and_it_mov
     root = tmp_path / "c"
     plain = {b"p/%03d" % i: b"v%d|" % i * (1 + i % 5) for i in range(60)}
     ttl = {b"t/%03d" % i: b"t%d" % i for i in range(10)}
-    async with LocalCluster(root, 1) as c, c.client() as kv:
+    on_sqlite = MetaConfig(data=root / "meta", listen="127.0.0.1:0", store="sqlite")
+    async with LocalCluster(root, 1, meta=on_sqlite) as c, c.client() as kv:
         await kv.put_many(list(plain.items()))
         await kv.put_many(list(ttl.items()), ttl=3600)
         await kv.put_many([(b"gone", b"1"), (b"twice", b"1")])
@@ -197,20 +199,42 @@ async def test_a_sqlite_index_moves_to_rocksdb_a_meta_there_serves_it_and_it_mov
         back.close()
 
 
-def test_without_rocksdict_the_store_is_refused_naming_the_extra(tmp_path: Path,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_without_rocksdict_the_store_is_refused_naming_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from kvfs.meta import rocks
 
-    monkeypatch.setattr(rocks, "HAVE_ROCKSDICT", False)  # fault injection: the extra not installed
-    with pytest.raises(ValueError, match=r"--store rocksdb needs the rocksdb extra: pip install 'kvfs\[rocksdb\]'"):
+    monkeypatch.setattr(rocks, "HAVE_ROCKSDICT", False)  # fault injection: installed with --no-deps
+    with pytest.raises(ValueError, match=r"needs rocksdict, a dependency of kvfs missing here .*: pip "
+                                         r"install rocksdict, or run meta with --store sqlite"):
         open_local(tmp_path / "m", "rocksdb")
     assert not (tmp_path / "m" / "meta.rocksdb").exists()
+
+
+async def test_meta_with_no_store_opens_the_kind_its_directory_holds_and_a_new_one_gets_rocksdb(
+        tmp_path: Path) -> None:
+    """The default ``--store``: a directory made by a SQLite meta (an earlier kvfs's default)
+    is served from its SQLite file, keys and all; a new directory gets RocksDB; a directory
+    holding both is refused until ``--store`` picks one."""
+    root = tmp_path / "c"
+    cfg = MetaConfig(data=root / "meta", listen="127.0.0.1:0")
+    async with LocalCluster(root, 1, meta=replace(cfg, store="sqlite")) as c, c.client() as kv:
+        await kv.put(b"old", b"kept")
+    async with LocalCluster(root, 1, meta=cfg) as c, c.client() as kv:
+        assert c.meta is not None and c.meta.store_kind == "sqlite"
+        assert await kv.get(b"old") == b"kept"
+    assert not (root / "meta" / "meta.rocksdb").exists()
+    assert chosen_kind(tmp_path / "new", None) == "rocksdb"
+    RocksStore(root / "meta" / "meta.rocksdb").close()  # the other kind beside it (by hand)
+    with pytest.raises(InvalidArgument, match=r"holds two meta stores, meta.sqlite3 and meta.rocksdb: "
+                                              r"start meta with --store sqlite or --store rocksdb"):
+        chosen_kind(root / "meta", None)
+    async with LocalCluster(root, 1, meta=replace(cfg, store="sqlite")) as c, c.client() as kv:
+        assert await kv.get(b"old") == b"kept"  # asked for: the other is left alone
 
 
 def test_rocksdb_expiry_entries_left_by_an_overwrite_or_a_delete_go_in_the_gc_sweep(tmp_path: Path) -> None:
     """RocksDB's expiry index is not rewritten on an overwrite or a delete: each such entry is
     skipped by every read, and the GC's sweep (``expired``) deletes it once its time passed."""
-    from kvfs.meta.rocks import EXP, RocksStore
+    from kvfs.meta.rocks import EXP
 
     s = open_local(tmp_path / "m", "rocksdb")
     assert isinstance(s, RocksStore)
@@ -234,7 +258,7 @@ async def test_a_rocksdb_meta_leaves_no_expiry_entry_for_the_rows_it_replaces_or
     and deletes leave no stale entry in RocksDB's expiry index: one entry per key that
     expires.  (Before, each entry stayed until its time passed and the GC's sweep ran: here
     151 entries for 30 keys.)"""
-    from kvfs.meta.rocks import EXP, RocksStore
+    from kvfs.meta.rocks import EXP
 
     root = tmp_path / "c"
     meta = MetaConfig(data=root / "meta", listen="127.0.0.1:0", store="rocksdb")

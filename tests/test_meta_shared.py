@@ -80,7 +80,7 @@ async def test_a_bad_store_is_refused_by_name(tmp_path: Path) -> None:
     from kvfs.errors import InvalidArgument, Unavailable
     from kvfs.meta import MetaService
 
-    with pytest.raises(ValueError, match=r"--store must be rocksdb or redis-cluster://HOST:PORT\[,\.\.\.\], "
+    with pytest.raises(ValueError, match=r"--store must be rocksdb, sqlite or redis-cluster://HOST:PORT\[,\.\.\.\], "
                                          r"got 'sqlite:/x'"):
         MetaConfig(data=tmp_path / "a", store="sqlite:/x")
     with pytest.raises(InvalidArgument, match="bad meta store 'redis-cluster://': no HOST:PORT after"):

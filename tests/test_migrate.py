@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 import uuid
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,8 @@ async def test_sqlite_index_moves_to_redis_and_back(tmp_path: Path, redis_cluste
     root = tmp_path / "c"
     plain, ttl, gone = values(120, b"p"), values(30, b"t"), values(10, b"x")
     # meta's clock an hour behind: a 60 s TTL is past already when the migration runs
-    async with LocalCluster(root, 2, clock=lambda: time.time() - HOUR) as c:
+    on_sqlite = MetaConfig(data=root / "meta", listen="127.0.0.1:0", store="sqlite")
+    async with LocalCluster(root, 2, meta=on_sqlite, clock=lambda: time.time() - HOUR) as c:
         async with c.client() as kv:
             await kv.put_many(list(plain.items()))
             await kv.put_many(list(ttl.items()), ttl=4 * HOUR)
@@ -97,7 +99,7 @@ async def test_sqlite_index_moves_to_redis_and_back(tmp_path: Path, redis_cluste
     with pytest.raises(MigrationRefused, match="already holds the finished migration"):
         await migrate(f"sqlite:{root / 'meta'}", url, to_namespace=ns)
     other = tmp_path / "other"
-    async with LocalCluster(other, 1) as c3, c3.client() as kv:
+    async with LocalCluster(other, 1, meta=replace(on_sqlite, data=other / "meta")) as c3, c3.client() as kv:
         await kv.put(b"k", b"v")
     with pytest.raises(MigrationRefused, match=r"holds a migration of cluster .*, not of sqlite:"):
         await migrate(f"sqlite:{other / 'meta'}", url, to_namespace=ns)

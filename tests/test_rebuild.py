@@ -26,7 +26,9 @@ from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
 from kvfs.meta.index import MetaIndex, disk_bytes
+from kvfs.meta.localstore import drop_stores, held_kind
 from kvfs.meta.rebuild import FoundRecord, RebuildReport, backup, pick_layouts, rebuild
+from kvfs.meta.rocks import RocksStore
 from kvfs.meta.tombstones import (
     Tomb,
     decode_horizon,
@@ -121,7 +123,7 @@ async def test_delete_the_meta_db_rebuild_and_read_every_key_back(tmp_path: Path
         cluster_id, live_before = meta.cluster_id, dict(meta.index.chunk_live)
         addrs = [cs.addr for cs in cluster.chunkservers if cs is not None]
         await cluster.stop_meta()
-        drop_meta_db(tmp_path / "c" / "meta")
+        drop_stores(tmp_path / "c" / "meta")
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvfs", "meta", "rebuild", "--data", str(tmp_path / "c" / "meta"),
             "--from-chunkservers", ",".join(addrs), "--store", store,
@@ -167,16 +169,27 @@ async def test_records_carry_write_id_size_and_index(cluster: LocalCluster) -> N
 
 
 def test_backup_while_meta_runs(tcluster: object, tmp_path: Path) -> None:
+    """``kvfs meta backup`` of the threaded cluster's meta, whichever store it runs: a copy
+    that opens and names the cluster; a DEST that exists is refused."""
     data = tcluster.cluster.meta_config.data  # type: ignore[attr-defined]
-    dest = tmp_path / "backup.sqlite3"
-    assert backup(data, dest).size.endswith(" pages")
+    kind = held_kind(data)
+    dest = tmp_path / "backup"
+    assert backup(data, dest).size.endswith(" keys" if kind == "rocksdb" else " pages")
     out = subprocess.run([sys.executable, "-m", "kvfs", "meta", "backup", str(dest), "--data", str(data)],
                          capture_output=True, text=True, check=False)
-    assert out.returncode == 1 and f"{dest} exists; give a new file" in out.stderr
-    dest.unlink()
+    new = "directory" if kind == "rocksdb" else "file"
+    assert out.returncode == 1 and f"{dest} exists; give a new {new}" in out.stderr
+    shutil.rmtree(dest) if kind == "rocksdb" else dest.unlink()
     out = subprocess.run([sys.executable, "-m", "kvfs", "meta", "backup", str(dest), "--data", str(data)],
                          capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
+    if kind == "rocksdb":
+        copy = RocksStore(dest, read_only=True)
+        try:
+            assert copy.stored_cluster_id() == tcluster.cluster.meta.cluster_id  # type: ignore[attr-defined]
+        finally:
+            copy.close()
+        return
     import sqlite3
 
     db = sqlite3.connect(dest)
@@ -257,8 +270,6 @@ def test_a_backup_of_a_directory_holding_no_meta_store_says_what_it_looked_for(t
 
 
 def test_a_rocksdb_backup_that_cannot_be_written_fails_naming_why_and_leaves_nothing(tmp_path: Path) -> None:
-    from kvfs.meta.rocks import RocksStore
-
     RocksStore(tmp_path / "meta.rocksdb").close()
     (tmp_path / "file").write_bytes(b"")
     dest = tmp_path / "file" / "backup"  # under a file: no directory can be made there
@@ -311,20 +322,13 @@ async def test_a_deleted_key_stays_deleted_after_gc_reclaims_its_tombstones_chun
         assert not cs.store.chunk_path(tomb_chunk).exists()
         assert {b"victim", b"twice"} <= {r.key for r in scan_records(cs.store.chunk_path(old).read_bytes())}
         await cluster.stop_meta()
-        drop_meta_db(root / "meta")
+        drop_stores(root / "meta")
         await rebuild(root / "meta", [cs.addr], cluster.admin_token, kind=local_meta)
         await cluster.start_meta()
         await _wait_registered(cluster)
         async with cluster.client(ClientConfig(layout_cache_entries=0)) as kv:
             assert await kv.get_many(list(keep)) == list(keep.values())
             assert await kv.get_many([b"victim", b"twice", junk[0]]) == [None, None, None]
-
-
-def drop_meta_db(meta_dir: Path) -> None:
-    """Lose meta's database, whichever store it is (SQLite's files, RocksDB's directory)."""
-    for p in meta_dir.glob("meta.sqlite3*"):
-        p.unlink()
-    shutil.rmtree(meta_dir / "meta.rocksdb", ignore_errors=True)
 
 
 def _disk_view(cluster: LocalCluster) -> dict[bytes, Layout]:
@@ -411,7 +415,7 @@ async def test_overwrite_delete_and_compact_everything_over_several_passes_never
             assert (await gc.status())["metrics"]["tombstones_dropped"] == len(churn) - 1
             assert await kv.get_many(list(expect)) == list(expect.values())
         await cluster.stop_meta()
-        drop_meta_db(root / "meta")
+        drop_stores(root / "meta")
         await rebuild(root / "meta", [cs.addr for cs in cluster.chunkservers if cs is not None],
                       cluster.admin_token, kind=local_meta)
         await cluster.start_meta()
@@ -478,7 +482,7 @@ async def _lose_meta_and_rebuild(cluster: LocalCluster, now: float, kind: str) -
     """Stop meta, delete its database, rebuild it (a ``kind`` store) from the chunkservers,
     start it again."""
     await cluster.stop_meta()
-    drop_meta_db(cluster.root / "meta")
+    drop_stores(cluster.root / "meta")
     await rebuild(cluster.root / "meta", [cs.addr for cs in cluster.chunkservers if cs is not None],
                   cluster.admin_token, now=now, kind=kind)
     await cluster.start_meta()

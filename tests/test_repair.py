@@ -32,7 +32,7 @@ from kvfs.meta.tombstones import chunk_seq
 from kvfs.rpc import Op
 from kvfs.transport import Connection
 
-# every test over each store meta keeps its own index in (the RocksDB half: marker meta_rocksdb)
+# every test over each store meta keeps its own index in (the SQLite half: marker meta_sqlite)
 pytestmark = pytest.mark.usefixtures("local_meta")
 
 DEAD_AFTER_S = 1.0

@@ -17,8 +17,8 @@ from fuse_mount import needs_fuse
 from kvfs.bench.soak import soak
 from kvfs.bench.workload import READ_APIS
 
-# over every meta backend (conftest's meta_backend: the RocksDB and Redis Cluster halves are
-# markers meta_rocksdb and meta_redis)
+# over every meta backend (conftest's meta_backend: the SQLite and Redis Cluster halves are
+# markers meta_sqlite and meta_redis)
 pytestmark = [pytest.mark.subprocess, pytest.mark.timeout(300), pytest.mark.usefixtures("meta_backend")]
 
 

@@ -207,6 +207,26 @@ def test_up_fsync_reaches_meta_and_every_chunkserver(tmp_path: Path, ups: list[U
 
 
 @pytest.mark.subprocess
+def test_up_keeps_the_store_a_data_dir_holds_and_gives_a_new_one_rocksdb(tmp_path: Path, ups: list[Up]) -> None:
+    """``--meta-store auto`` (the default): a data dir made with SQLite (an earlier kvfs's
+    default) goes on with SQLite, its keys read back; a new one gets RocksDB.  The kind is
+    printed and given to meta (its ``--store``)."""
+    old = start_up(tmp_path, tmp_path / "old", "--chunkservers", "1", "--no-gc", "--meta-store", "sqlite")
+    ups.append(old)
+    assert kvfs(old, "put", "k", "-", stdin=b"v" * 1000).returncode == 0
+    old.proc.send_signal(signal.SIGTERM)
+    assert old.proc.wait(30) == 0
+    for data, kind, name in ((tmp_path / "old", b"sqlite", "SQLite"), (tmp_path / "new", b"rocksdb", "RocksDB")):
+        up = start_up(tmp_path, data, "--chunkservers", "1", "--no-gc")
+        ups.append(up)
+        assert f", meta on {name}, data in " in up.stderr()
+        argv = Path(f"/proc/{up.children()['meta']}/cmdline").read_bytes().split(b"\0")
+        assert argv[argv.index(b"--store") + 1] == kind, argv
+    assert kvfs(ups[1], "get", "k").stdout == b"v" * 1000
+    assert not (tmp_path / "old" / "meta" / "meta.rocksdb").exists()
+
+
+@pytest.mark.subprocess
 def test_up_gc_options_reach_the_gc_daemon(tmp_path: Path, ups: list[Up]) -> None:
     up = start_up(tmp_path, tmp_path / "data", "--chunkservers", "1", "--gc-interval", "2s",
                   "--gc-scrub-rate", "0")
@@ -300,4 +320,4 @@ def test_up_redis_options_need_the_redis_store(tmp_path: Path) -> None:
     assert b"--redis-replicas and --redis-maxmemory need --meta-store redis-cluster" in r.stderr
     r = subprocess.run([sys.executable, "-m", "kvfs", "up", "--data", str(tmp_path / "d"),
                         "--meta-store", "etcd"], capture_output=True, timeout=60)
-    assert r.returncode == 1 and b"--meta-store must be sqlite, rocksdb or redis-cluster, got 'etcd'" in r.stderr
+    assert r.returncode == 1 and b"--meta-store must be auto, rocksdb, sqlite or redis-cluster, got 'etcd'" in r.stderr
