@@ -43,7 +43,8 @@ def chosen_kind(data: Path, asked: str | None) -> str:
     if all(store_path(data, k).exists() for k in KINDS):
         raise InvalidArgument(
             f"{data} holds two meta stores, {SQLITE_NAME} and {ROCKSDB_NAME}: start meta with "
-            "--store sqlite or --store rocksdb (the other is left alone), or move one away")
+            "--store sqlite or --store rocksdb (kvfs up: --meta-store; the other is left alone), "
+            "or move one away")
     return held_kind(data) or NEW_KIND
 
 
