@@ -30,6 +30,8 @@ from kvfs.errors import ServerError, StaleLayout
 from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
 from kvfs.meta.index import RECORD_OVERHEAD_BYTES, MetaIndex, ServerInfo
+from kvfs.meta.localstore import LocalStore, open_local
+from kvfs.meta.rocks import RocksStore
 from kvfs.meta.store import MetaStore
 from kvfs.packed import pack as pack_layouts
 from kvfs.packed import unpack as unpack_layouts
@@ -46,7 +48,7 @@ class Spy:
     """Records each ``put_many`` transaction's keys and which commits were answered while it
     ran; ``fail_on`` makes a transaction holding that key raise (a fault, e.g. a disk error)."""
 
-    def __init__(self, store: MetaStore, tasks: list[asyncio.Task[None]], fail_on: bytes | None = None):
+    def __init__(self, store: LocalStore, tasks: list[asyncio.Task[None]], fail_on: bytes | None = None):
         self.real = store.put_many
         self.tasks = tasks
         self.fail_on = fail_on
@@ -65,13 +67,11 @@ class Spy:
         self.real(batch, older, replaced)
 
 
-@pytest.fixture
-async def make_index(tmp_path: Path, clock: FakeClock) -> AsyncIterator[Any]:
+async def _indexes(tmp_path: Path, clock: FakeClock, kind: str) -> AsyncIterator[Any]:
     made: list[MetaIndex] = []
 
     def make(**cfg: Any) -> MetaIndex:
-        store = MetaStore(tmp_path / "meta.sqlite3")
-        ix = MetaIndex(MetaConfig(data=tmp_path, **cfg), store, clock)
+        ix = MetaIndex(MetaConfig(data=tmp_path, **cfg), open_local(tmp_path, kind), clock)
         made.append(ix)
         return ix
 
@@ -80,8 +80,31 @@ async def make_index(tmp_path: Path, clock: FakeClock) -> AsyncIterator[Any]:
         await ix.close()  # (again, for a test that closed it: a no-op) ends its sync thread
 
 
-def stored_keys(path: Path) -> set[bytes]:
-    """What a fresh connection finds in the file: what is durable, not what is cached."""
+@pytest.fixture(params=["rocksdb", pytest.param("sqlite", marks=pytest.mark.meta_sqlite)])
+async def make_index(tmp_path: Path, clock: FakeClock, request: pytest.FixtureRequest) -> AsyncIterator[Any]:
+    """``make_index(**MetaConfig fields)``: a :class:`MetaIndex` over each local store, RocksDB
+    (the default) and SQLite (marker ``meta_sqlite``)."""
+    async for make in _indexes(tmp_path, clock, request.param):
+        yield make
+
+
+@pytest.fixture
+async def make_sqlite_index(tmp_path: Path, clock: FakeClock) -> AsyncIterator[Any]:
+    """The same over SQLite only, for what only SQLite has (its PRAGMAs, its WAL file)."""
+    async for make in _indexes(tmp_path, clock, "sqlite"):
+        yield make
+
+
+def stored_keys(ix: MetaIndex) -> set[bytes]:
+    """What a second open of the store finds (SQLite: a fresh connection; RocksDB: a
+    read-only open, which replays the WAL): what was written, not what is cached."""
+    path = ix.store.path
+    if isinstance(ix.store, RocksStore):
+        other = RocksStore(path, read_only=True)
+        try:
+            return {k for k, _, _, _ in other.rows_after(None, 1 << 30)}
+        finally:
+            other.close()
     db = sqlite3.connect(path)
     try:
         return {bytes(k) for (k,) in db.execute("SELECT key FROM kv")}
@@ -109,7 +132,7 @@ async def test_concurrent_commits_share_one_transaction_answered_after_it(
     assert spy.calls[0] == [k for b in batches for k, _ in b]  # arrival order
     assert spy.answered_early == 0
     every = {k for b in batches for k, _ in b}
-    assert stored_keys(tmp_path / "meta.sqlite3") == every
+    assert stored_keys(ix) == every
     assert set(ix.entries) == every
 
 
@@ -120,6 +143,7 @@ async def test_a_group_is_bounded_by_keys_and_bytes_and_a_larger_commit_goes_alo
     monkeypatch.setattr(ix.store, "put_many", spy)
     assert await commit_all(ix, [rows("a", 6), rows("b", 4), rows("c", 6), rows("d", 25)], spy) == [None] * 4
     assert [len(c) for c in spy.calls] == [10, 6, 25]
+    await ix.close()  # (RocksDB: one open of a store at a time)
 
     ix2 = make_index(commit_group_max_bytes=100)  # a row here is 2 key bytes + a 20-byte layout
     spy2 = Spy(ix2.store, [])
@@ -147,7 +171,7 @@ async def test_a_commit_refused_when_its_group_is_written_fails_alone(
 
     out = await commit_all(ix, [rows("a", 2), rows("b", 2), rows("c", 2)], check=check)
     assert out[0] is None and out[2] is None and isinstance(out[1], StaleLayout)
-    assert stored_keys(tmp_path / "meta.sqlite3") == {b"a0", b"a1", b"c0", b"c1"}
+    assert stored_keys(ix) == {b"a0", b"a1", b"c0", b"c1"}
     assert set(ix.entries) == {b"a0", b"a1", b"c0", b"c1"}
 
 
@@ -176,7 +200,7 @@ async def test_a_packed_commit_naming_a_retired_chunk_in_any_replica_is_refused(
     assert out[0] == [] and out[2] == []
     assert isinstance(out[1], StaleLayout) and "b'b2'" in str(out[1]) and str(gone) in str(out[1])
     keys = {f"{t}{i}".encode() for t in "ac" for i in range(5)}
-    assert stored_keys(tmp_path / "meta.sqlite3") == keys and set(ix.entries) == keys
+    assert stored_keys(ix) == keys and set(ix.entries) == keys
 
 
 async def test_a_failed_shared_transaction_is_retried_one_commit_at_a_time(
@@ -188,7 +212,7 @@ async def test_a_failed_shared_transaction_is_retried_one_commit_at_a_time(
     assert out[0] is None and out[2] is None
     assert isinstance(out[1], sqlite3.OperationalError)
     assert [len(c) for c in spy.calls] == [6, 2, 2, 2]
-    assert stored_keys(tmp_path / "meta.sqlite3") == {b"a0", b"a1", b"c0", b"c1"}
+    assert stored_keys(ix) == {b"a0", b"a1", b"c0", b"c1"}
     assert b"b0" not in ix.entries
 
 
@@ -199,7 +223,9 @@ async def test_the_same_key_twice_in_a_group_keeps_the_later_commit(make_index: 
     assert await commit_all(ix, [[(b"k", first)], [(b"k", later)]]) == [None, None]
     assert ix.entries[b"k"] == later
     assert ix.chunk_live[1 << 40] == 10 + RECORD_OVERHEAD_BYTES + 1  # only the later one is live
-    reopened = MetaStore(tmp_path / "meta.sqlite3")
+    # a second open of the store (RocksDB: read-only, beside the index's)
+    reopened = (RocksStore(ix.store.path, read_only=True) if isinstance(ix.store, RocksStore)
+                else MetaStore(ix.store.path))
     try:
         assert [lay for k, lay, _ in reopened.load()] == [later]
     finally:
@@ -207,11 +233,11 @@ async def test_the_same_key_twice_in_a_group_keeps_the_later_commit(make_index: 
 
 
 async def test_a_commits_rows_store_its_expiry_and_none_for_keys_without_one(
-        make_index: Any, tmp_path: Path) -> None:
+        make_sqlite_index: Any, tmp_path: Path) -> None:
     """The commit path binds no expiry as NO_EXPIRY, written as NULL (kvfs.meta.store.PUT_KV):
     the GC's expiry query never finds a key without one; in one group with a key that has
     one, each row keeps its own."""
-    ix = make_index()
+    ix = make_sqlite_index()
     lasting, expiring = rows("l", 2), rows("e", 2)
     done = await asyncio.gather(ix.commit(lasting, 100.0, None), ix.commit(expiring, 100.0, 160.0))
     assert done == [[], []] and ix.commit_groups == 1
@@ -261,7 +287,7 @@ async def test_if_absent_sees_the_keys_of_earlier_commits_in_its_group(make_inde
              asyncio.ensure_future(ix.commit([*rows("a", 3)[1:], *rows("b", 1)], 100.0, None, if_absent=True))]
     assert await asyncio.gather(*tasks) == [[], [0]]  # a1 was written by the first commit
     assert ix.commit_groups == 1
-    assert stored_keys(tmp_path / "meta.sqlite3") == {b"a0", b"a1", b"a2", b"b0"}
+    assert stored_keys(ix) == {b"a0", b"a1", b"a2", b"b0"}
     assert ix.entries[b"a1"] == first[1][1]
 
 
@@ -269,7 +295,7 @@ class HeldSync:
     """Fault injection for ``MetaStore.sync_wal``: each call waits for :attr:`go`, then syncs
     for real, or raises ``fail``."""
 
-    def __init__(self, store: MetaStore, fail: OSError | None = None) -> None:
+    def __init__(self, store: LocalStore, fail: OSError | None = None) -> None:
         self.real = store.sync_wal
         self.fail = fail
         self.entered = threading.Event()
@@ -297,7 +323,7 @@ def hold() -> Iterator[Callable[..., HeldSync]]:
     one held: the index's or cluster's close, torn down after this, would wait for it)."""
     made: list[HeldSync] = []
 
-    def make(store: MetaStore, fail: OSError | None = None) -> HeldSync:
+    def make(store: LocalStore, fail: OSError | None = None) -> HeldSync:
         made.append(HeldSync(store, fail))
         return made[-1]
 
@@ -335,8 +361,8 @@ async def test_lookups_are_answered_while_a_commit_sync_runs_and_the_commit_wait
 
 
 async def test_a_group_is_written_without_a_sync_and_answered_after_the_wal_is_synced(
-        make_index: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    ix = make_index()
+        make_sqlite_index: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    ix = make_sqlite_index()
     events: list[str] = []
     real_put, real_fdatasync = ix.store.put_many, os.fdatasync
 
@@ -375,11 +401,11 @@ async def test_a_group_is_written_without_a_sync_and_answered_after_the_wal_is_s
 
 
 async def test_unsynced_writes_in_a_row_switch_the_level_once_and_other_writes_run_at_full(
-        make_index: Any) -> None:
+        make_sqlite_index: Any) -> None:
     """The connection keeps the level of its last write: commit groups in a row run no
     ``PRAGMA synchronous`` between them; a write outside ``unsynced()`` switches back to
     FULL (its transaction synced at its commit) before it runs."""
-    ix = make_index()
+    ix = make_sqlite_index()
     traced: list[str] = []
     ix.store.db.set_trace_callback(traced.append)
     for i in range(3):
@@ -417,7 +443,7 @@ async def test_a_failed_sync_fails_its_commits_and_meta_refuses_commits_after_it
     await asyncio.sleep(0)
     held.go.set()
     for task in (covered, queued):
-        with pytest.raises(ServerError, match=r"fdatasync of .*meta\.sqlite3-wal\) failed: .*Input/output"):
+        with pytest.raises(ServerError, match=r"fdatasync of .*meta\.(sqlite3-wal|rocksdb)\) failed: .*Input/output"):
             await task
     with pytest.raises(ServerError, match="refuses every commit, delete and GC change until it is restarted"):
         await ix.commit(rows("c", 1), 100.0, None)
@@ -441,7 +467,7 @@ async def test_close_waits_for_the_sync_in_flight_and_writes_the_queued_commits(
     await closing
     assert await first == [] and await queued == []  # the queued one was written and synced too
     assert held.calls == 2
-    assert stored_keys(tmp_path / "meta.sqlite3") == {b"a0", b"a1", b"b0", b"b1"}
+    assert stored_keys(ix) == {b"a0", b"a1", b"b0", b"b1"}
     assert not [t for t in threading.enumerate() if t.name.startswith("kvfs-meta-sync")]  # no thread left
 
 
@@ -517,7 +543,7 @@ async def test_a_deleted_key_is_a_miss_at_once_and_its_delete_is_answered_once_o
     held.go.set()
     assert await deleting == 2 and await asyncio.gather(*later) == [1, []]
     assert held.calls == 2  # the changes written while the first sync ran shared the next one
-    assert stored_keys(tmp_path / "meta.sqlite3") == {b"b0"}
+    assert stored_keys(ix) == {b"b0"}
 
 
 async def test_a_change_is_answered_only_once_every_change_before_it_is_durable(
@@ -547,7 +573,7 @@ async def test_a_failed_delete_sync_fails_it_and_meta_refuses_every_change_after
     held = hold(ix.store, fail=OSError(errno.EIO, "Input/output error (injected)"))
     held.go.set()
     monkeypatch.setattr(ix.store, "sync_wal", held)
-    with pytest.raises(ServerError, match=r"fdatasync of .*meta\.sqlite3-wal\) failed: .*Input/output"):
+    with pytest.raises(ServerError, match=r"fdatasync of .*meta\.(sqlite3-wal|rocksdb)\) failed: .*Input/output"):
         await ix.delete([b"a0"])
     refused = "refuses every commit, delete and GC change until it is restarted"
     with pytest.raises(ServerError, match=refused):
