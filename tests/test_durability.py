@@ -25,6 +25,7 @@ from kvfs.datadir import DataDirInUse
 from kvfs.errors import Unavailable
 from kvfs.launcher import LocalCluster
 from kvfs.meta.index import MetaIndex
+from kvfs.meta.localstore import open_local
 from kvfs.meta.store import MetaStore
 
 
@@ -289,6 +290,29 @@ async def test_meta_gc_transactions_are_synced_in_every_mode(tmp_path: Path, mon
         await ix.close()
     with pytest.raises(ValueError, match="synchronous"):
         MetaStore(tmp_path / "c.sqlite3", synchronous="OFF")
+
+
+async def test_meta_gc_changes_are_synced_in_every_mode_on_rocksdb(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same on RocksDB, the default store: under ``--fsync never`` (every batch written
+    unsynced) a delete is answered with no sync of the WAL, a GC change after one."""
+    ms = open_local(tmp_path, "rocksdb", synchronous="NORMAL")
+    ix = MetaIndex(MetaConfig(data=tmp_path, fsync=FsyncMode.NEVER), ms, time.time)
+    synced: list[int] = []
+    real = ms.sync_wal
+
+    def sync_wal() -> None:
+        synced.append(1)
+        real()
+
+    monkeypatch.setattr(ms, "sync_wal", sync_wal)
+    try:
+        assert await ix.delete([b"absent"]) == 0 and synced == []
+        assert await ix.retire(1, [5], 0.0) == [5]
+        assert synced == [1]
+        assert ms.load_dead() == [(5, 1, 0.0)]
+    finally:
+        await ix.close()
 
 
 async def test_a_chunkserver_stopped_over_a_hanging_write_keeps_its_data_dir_locked(
