@@ -1291,5 +1291,11 @@ class MetaIndex(ServerRegistry):
             else:
                 self._write_commits()
         await self._wal.close()  # the syncs other changes wait for too; no thread left
-        self.flush_access()
+        try:
+            self.flush_access()
+        except Exception as exc:  # (rocksdict raises plain Exception) e.g. the disk is full
+            # a key's last access is an LRU hint: lost, its commit time orders it; the store
+            # is still closed and the data directory unlocked
+            log.warning("meta closes without writing %d keys' last access: %r",
+                        len(self.dirty_access), exc)
         self.store.close()

@@ -35,6 +35,7 @@ from __future__ import annotations
 import builtins
 import contextlib
 import importlib.util
+import logging
 import math
 import struct
 import tempfile
@@ -71,6 +72,7 @@ KEY_END = b"l"  # (past every key row)
 BLOCK_CACHE_BYTES = 8 << 20  # RocksDB's cache of blocks read from its sorted files
 INFO_LOG_BYTES, INFO_LOGS_KEPT = 8 << 20, 4  # its info log rolled at this size, so many kept
 COPY_BATCH = 10_000  # rows a batch of copy_to
+log = logging.getLogger("kvfs.meta")
 MISSING = ("meta's RocksDB store needs rocksdict, a dependency of kvfs missing here (installed "
            "with --no-deps?): pip install rocksdict, or run meta with --store sqlite")
 
@@ -140,7 +142,13 @@ class RocksStore:
     def close(self) -> None:
         if not self._closed:  # (twice: nothing, as SQLite's)
             self._closed = True
-            self.db.close()
+            try:
+                self.db.close()
+            except Exception as exc:  # (rocksdict raises plain Exception)
+                # a store whose WAL writer failed (a full disk) fails its close too ("Writer
+                # has previous error"): what the WAL holds is what a reopen finds
+                log.warning("closing %s: %r", self.path, exc)
+            del self.db  # (the last reference: RocksDB's handle, and its LOCK, go with it)
             if self._log_dir is not None:
                 self._log_dir.cleanup()
 

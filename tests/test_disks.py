@@ -15,7 +15,7 @@ import pytest
 
 from kvfs.chunkserver import store as store_mod
 from kvfs.config import ClientConfig, MetaConfig
-from kvfs.errors import NoSpace
+from kvfs.errors import NoSpace, ServerError
 from kvfs.launcher import LocalCluster
 
 
@@ -30,14 +30,13 @@ def shm_dir() -> Iterator[Path]:
         shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.fixture
-def small_fs(tmp_path: Path) -> Iterator[Path]:
-    """A 64 MiB tmpfs mounted for this test (needs root; skips with the reason otherwise)."""
+def _tmpfs(mnt: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``mnt`` for this test (needs root; skips with the reason
+    otherwise)."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a 64 MiB tmpfs needs root")
-    mnt = tmp_path / "small"
+        pytest.skip(f"mounting a {size} tmpfs needs root")
     mnt.mkdir()
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mnt)],
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)],
                        capture_output=True, text=True, check=False)
     if r.returncode:
         pytest.skip(f"cannot mount a tmpfs: {r.stderr.strip()}")
@@ -45,6 +44,18 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 64 MiB tmpfs for the chunkservers."""
+    yield from _tmpfs(tmp_path / "small", "64m")
+
+
+@pytest.fixture
+def meta_fs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs for meta's data directory."""
+    yield from _tmpfs(tmp_path / "metafs", "8m")
 
 
 async def test_a_data_dir_on_tmpfs_serves_reads(shm_dir: Path, tmp_path: Path) -> None:
@@ -106,3 +117,36 @@ async def test_full_disk_under_8_writers_is_always_nospace(small_fs: Path, tmp_p
         assert all(isinstance(e, NoSpace) for e in errors), {repr(e)[:200] for e in errors}
         assert stored
         assert await kv.get_many(stored) == [value] * len(stored)
+
+
+async def test_a_full_disk_under_a_rocksdb_meta_fails_changes_not_reads_and_a_restart_keeps_every_answered_key(
+        meta_fs: Path, tmp_path: Path) -> None:
+    """Meta's own disk full, on RocksDB (the default store): the put that does not fit fails
+    naming the disk, reads go on, and RocksDB keeps its writer's error, so every change is
+    refused until meta is restarted, even once there is room.  Meta still closes (it failed
+    to: its last-access flush and RocksDB's close raised), and restarted with room it has
+    every key it answered and takes puts."""
+    meta = MetaConfig(data=meta_fs / "meta", listen="127.0.0.1:0", store="rocksdb")
+    (meta_fs / "filler").write_bytes(b"\0" * (7 << 20))  # (the disk fills after ~1 MiB of meta)
+    answered: list[bytes] = []
+    async with LocalCluster(tmp_path / "c", 1, meta=meta) as c, c.client() as kv:
+        for i in range(1000):  # (~1 MiB of WAL is ~40 batches of 256 keys)
+            batch = [b"k%d-%d" % (i, j) for j in range(256)]
+            try:
+                await kv.put_many({k: b"v%d" % i for k in batch})
+            except ServerError as exc:
+                assert "No space left on device" in str(exc)
+                break
+            answered += batch
+        else:
+            raise AssertionError("8 MiB never filled up")
+        assert answered
+        assert await kv.get_many([answered[0], answered[-1]]) == [b"v0", b"v%d" % (i - 1)]
+        (meta_fs / "filler").unlink()  # room again: RocksDB still refuses, until a restart
+        with pytest.raises(ServerError, match=r"previous error|No space left"):
+            await kv.put(b"after", b"x")
+    async with LocalCluster(tmp_path / "c", 1, meta=meta) as c, c.client() as kv:
+        assert c.meta is not None and set(answered) <= set(c.meta.index.entries)
+        assert await kv.get_many([answered[0], answered[-1]]) == [b"v0", b"v%d" % (i - 1)]
+        await kv.put(b"after", b"x")
+        assert await kv.get(b"after") == b"x"
