@@ -184,7 +184,13 @@ class RocksStore:
             self._unsynced -= 1
 
     def _write(self, wb: WriteBatch) -> None:
-        self.db.write(wb, self._nosync if self._unsynced or self.synchronous == "NORMAL" else self._sync)
+        try:
+            self.db.write(wb, self._nosync if self._unsynced or self.synchronous == "NORMAL" else self._sync)
+        except Exception as exc:  # (rocksdict raises plain Exception)
+            if "IO error" not in str(exc):
+                raise
+            raise OSError(f"{exc} (meta's RocksDB store, {self.path}: after an IO error RocksDB "
+                          "refuses every write until meta is restarted)") from exc
 
     @property
     def wal_path(self) -> Path:
