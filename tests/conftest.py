@@ -594,7 +594,6 @@ def meta_backend(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
         return str(request.param)
     from dataclasses import replace
 
-
     rc: LocalRedisCluster = request.getfixturevalue("redis_cluster")
     start_meta = LocalCluster.start_meta
 
