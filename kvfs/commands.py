@@ -168,7 +168,7 @@ async def cmd_up(ns: argparse.Namespace) -> int:
         if kind == "rocksdb" and not HAVE_ROCKSDICT:  # (checked here: meta would fail at every restart)
             raise ValueError(MISSING)
         meta_args += ["--store", kind]
-    if cfg.meta_store == "redis-cluster":
+    else:
         from kvfs.meta.redis_local import REDIS_SERVER
 
         if shutil.which(REDIS_SERVER) is None:

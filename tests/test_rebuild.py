@@ -179,7 +179,10 @@ def test_backup_while_meta_runs(tcluster: object, tmp_path: Path) -> None:
                          capture_output=True, text=True, check=False)
     new = "directory" if kind == "rocksdb" else "file"
     assert out.returncode == 1 and f"{dest} exists; give a new {new}" in out.stderr
-    shutil.rmtree(dest) if kind == "rocksdb" else dest.unlink()
+    if kind == "rocksdb":
+        shutil.rmtree(dest)
+    else:
+        dest.unlink()
     out = subprocess.run([sys.executable, "-m", "kvfs", "meta", "backup", str(dest), "--data", str(data)],
                          capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stderr
