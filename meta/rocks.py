@@ -14,6 +14,15 @@ before it; outside, a write is synced before it returns (``synchronous=FULL``) o
 (``NORMAL``).  A crash loses a suffix of the batches, never one in the middle
 (RocksDB's point-in-time WAL recovery).
 
+A full disk costs the writes that do not fit, as on SQLite.  RocksDB keeps its writer's
+error (every later write fails, even once there is room, and ``FlushWAL`` too), so the
+store reopens itself: at the first write once the disk has room for its WAL to be flushed,
+at most every :data:`NOSPACE_RETRY_S` (a reopen that fails leaves a read-only open, so
+reads go on).  Until then a sync covers the batches written before the failed append by
+``fdatasync`` of the WAL files (the append that failed left them whole; its own batch is
+cut off, and RocksDB's recovery drops it).  Any other IO error stays, a failed sync among
+them (after one, a later sync proves nothing): writes are refused until meta is restarted.
+
 Layout of the keys (one keyspace, a byte of prefix each; integers big-endian, so byte
 order is numeric order):
 
@@ -34,11 +43,16 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import errno
 import importlib.util
 import logging
 import math
+import os
+import shutil
 import struct
 import tempfile
+import threading
+import time
 import uuid
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -72,6 +86,9 @@ KEY_END = b"l"  # (past every key row)
 BLOCK_CACHE_BYTES = 8 << 20  # RocksDB's cache of blocks read from its sorted files
 INFO_LOG_BYTES, INFO_LOGS_KEPT = 8 << 20, 4  # its info log rolled at this size, so many kept
 COPY_BATCH = 10_000  # rows a batch of copy_to
+NOSPACE_RETRY_S = 1.0  # after a full disk: the store reopened at most this often (at a write)
+NOSPACE_ROOM = 1 << 20  # ... and only with this much room free beyond its WAL's bytes
+FAILED_WRITE_WAIT_S = 5.0  # a sync told "previous error" waits this long to learn the cause
 log = logging.getLogger("kvfs.meta")
 MISSING = ("meta's RocksDB store needs rocksdict, a dependency of kvfs missing here (installed "
            "with --no-deps?): pip install rocksdict, or run meta with --store sqlite")
@@ -126,29 +143,50 @@ class RocksStore:
         table.set_block_cache(self._cache)
         opts.set_block_based_table_factory(table)
         self._log_dir: tempfile.TemporaryDirectory[str] | None = None
+        self._opts = opts
+        # the open in use (``_opens``: how many so far; the one whose writer found the disk
+        # full, ``_full``, writes no more; ``_failed``: set when its writer fails), and the
+        # lock that a reopen and a sync take (the sync thread's handle)
+        self._lock = threading.Lock()
+        self._opens, self._full, self._failed = 0, -1, threading.Event()
+        self._full_error = ""
+        self._reopen_at = 0.0
         if read_only:
             self._log_dir = tempfile.TemporaryDirectory(prefix="kvfs-rocksdb-log-")
             opts.set_db_log_dir(self._log_dir.name)
             opts.set_max_open_files(-1)  # every file opened now: one meta deletes stays readable
-            self.db = Rdict(str(path), opts, access_type=AccessType.read_only())
+            self.db = self._open(read_only=True)
         else:
             private_dir(path)  # (its files take the process's umask: ``kvfs meta`` sets 077)
-            self.db = Rdict(str(path), opts)
+            self.db = self._open()
         self._closed = False
         self._nosync = WriteOptions()
         self._sync = WriteOptions()
         self._sync.sync = True
 
+    def _open(self, *, read_only: bool = False) -> Rdict:
+        db = Rdict(str(self.path), self._opts,
+                   access_type=AccessType.read_only() if read_only else AccessType.read_write())
+        self._opens += 1
+        self._failed = threading.Event()
+        return db
+
+    def _close_db(self) -> None:
+        if not hasattr(self, "db"):  # (a reopen failed, and its read-only fallback too)
+            return
+        try:
+            self.db.close()
+        except Exception as exc:  # (rocksdict raises plain Exception)
+            # a store whose WAL writer failed (a full disk) fails its close too ("Writer
+            # has previous error"): what the WAL holds is what a reopen finds
+            log.warning("closing %s: %r", self.path, exc)
+        del self.db  # (the last reference: RocksDB's handle, and its LOCK, go with it)
+
     def close(self) -> None:
         if not self._closed:  # (twice: nothing, as SQLite's)
             self._closed = True
-            try:
-                self.db.close()
-            except Exception as exc:  # (rocksdict raises plain Exception)
-                # a store whose WAL writer failed (a full disk) fails its close too ("Writer
-                # has previous error"): what the WAL holds is what a reopen finds
-                log.warning("closing %s: %r", self.path, exc)
-            del self.db  # (the last reference: RocksDB's handle, and its LOCK, go with it)
+            with self._lock:
+                self._close_db()
             if self._log_dir is not None:
                 self._log_dir.cleanup()
 
@@ -183,14 +221,51 @@ class RocksStore:
         finally:
             self._unsynced -= 1
 
-    def _write(self, wb: WriteBatch) -> None:
+    def _write(self, wb: WriteBatch, *, sync: bool = True) -> None:
+        """Write ``wb`` (synced unless inside :meth:`unsynced`, at ``synchronous=NORMAL``, or
+        not ``sync``); raises :class:`OSError` on an IO error (``ENOSPC``: the disk is full)."""
+        if self._full == self._opens:
+            self._reopen_with_room()
         try:
-            self.db.write(wb, self._nosync if self._unsynced or self.synchronous == "NORMAL" else self._sync)
+            self.db.write(wb, self._sync if sync and not self._unsynced and self.synchronous == "FULL"
+                          else self._nosync)
         except Exception as exc:  # (rocksdict raises plain Exception)
             if "IO error" not in str(exc):
                 raise
+            failed = self._failed
+            if "No space left on device: While appending" in str(exc):  # (not a failed sync)
+                self._full, self._full_error = self._opens, str(exc)
+                failed.set()
+                raise self._nospace() from exc
+            failed.set()
             raise OSError(f"{exc} (meta's RocksDB store, {self.path}: after an IO error RocksDB "
                           "refuses every write until meta is restarted)") from exc
+
+    def _nospace(self) -> OSError:
+        return OSError(errno.ENOSPC, f"{self._full_error} (meta's RocksDB store, {self.path}: "
+                       "writes resume by themselves once its disk has room)")
+
+    def _reopen_with_room(self) -> None:
+        """The open's writer found the disk full, and RocksDB refuses its writes for good:
+        reopen the store (its WAL replayed and flushed) once the disk has room for that, at
+        most every :data:`NOSPACE_RETRY_S`; raises ``ENOSPC`` while it cannot."""
+        now = time.monotonic()
+        if now < self._reopen_at or shutil.disk_usage(self.path).free < self._wal_bytes() + NOSPACE_ROOM:
+            raise self._nospace()
+        self._reopen_at = now + NOSPACE_RETRY_S
+        with self._lock:
+            self._close_db()
+            try:
+                self.db = self._open()
+            except Exception as exc:  # (no room after all: reads go on from a read-only open)
+                self._full_error = str(exc)
+                self.db = self._open(read_only=True)
+                self._full = self._opens
+                raise self._nospace() from exc
+        log.warning("meta's RocksDB store %s takes writes again: its disk has room", self.path)
+
+    def _wal_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.path.glob("*.log"))
 
     @property
     def wal_path(self) -> Path:
@@ -198,8 +273,33 @@ class RocksStore:
 
     def sync_wal(self) -> None:
         """Every batch written before this call is durable when it returns (meta's sync
-        thread: rocksdict releases the GIL for it)."""
-        self.db.flush_wal(True)
+        thread: rocksdict releases the GIL for it).  After the open's writer found the disk
+        full, ``fdatasync`` of its WAL files does it: RocksDB's ``FlushWAL`` refuses."""
+        error: Exception | None = None
+        with self._lock:
+            opens, failed = self._opens, self._failed
+            if self._full != opens:
+                try:
+                    self.db.flush_wal(True)
+                    return
+                except Exception as exc:  # (rocksdict raises plain Exception)
+                    if "previous error" not in str(exc):
+                        raise
+                    error = exc
+        if error is not None:  # a write failed before this sync: was the disk full?
+            failed.wait(FAILED_WRITE_WAIT_S)
+            if self._full != opens:
+                raise error
+        with self._lock:
+            for wal in self.path.glob("*.log"):
+                try:
+                    fd = os.open(wal, os.O_RDONLY)
+                except FileNotFoundError:  # (flushed and deleted by a reopen since: synced)
+                    continue
+                try:
+                    os.fdatasync(fd)
+                finally:
+                    os.close(fd)
 
     def checkpoint_off_loop(self) -> None:
         """RocksDB flushes and compacts in threads of its own: nothing for meta's sync thread."""
@@ -366,7 +466,7 @@ class RocksStore:
                 else:
                     stale.delete(EXP + expiry_key(e) + k)
         if stale.len():
-            self.db.write(stale, self._nosync)
+            self._write(stale, sync=False)
         return out
 
     def expired_after(self, now: float, limit: int,

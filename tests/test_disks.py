@@ -17,6 +17,8 @@ from kvfs.chunkserver import store as store_mod
 from kvfs.config import ClientConfig, MetaConfig
 from kvfs.errors import NoSpace, ServerError
 from kvfs.launcher import LocalCluster
+from kvfs.meta import rocks
+from kvfs.meta.rocks import RocksStore
 
 
 @pytest.fixture
@@ -119,13 +121,48 @@ async def test_full_disk_under_8_writers_is_always_nospace(small_fs: Path, tmp_p
         assert await kv.get_many(stored) == [value] * len(stored)
 
 
-async def test_a_full_disk_under_a_rocksdb_meta_fails_changes_not_reads_and_a_restart_keeps_every_answered_key(
+def test_a_rocksdb_store_that_found_its_disk_full_syncs_what_it_wrote_and_reopens_once_there_is_room(
+        meta_fs: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """RocksDB keeps its writer's error after a full disk (every write and ``FlushWAL``
+    fail, even with room).  The store syncs the batches written before by ``fdatasync``,
+    refuses writes naming the disk while it is full, falls back to a read-only open when a
+    reopen finds no room, and takes writes again once there is room, without a restart."""
+    store = RocksStore(meta_fs / "meta.rocksdb", synchronous="NORMAL")
+    (meta_fs / "filler").write_bytes(b"\0" * (7 << 20))
+    written: list[bytes] = []
+    with pytest.raises(OSError) as full, store.unsynced():
+        for i in range(1000):
+            batch = [b"k%d-%d" % (i, j) for j in range(256)]
+            store.put_many((k, b"v" * 64, None, 0.0) for k in batch)
+            written += batch
+    assert full.value.errno == errno.ENOSPC and written
+    assert "writes resume by themselves once its disk has room" in str(full.value)
+    store.sync_wal()  # (RocksDB's own: "Writer has previous error")
+    with pytest.raises(OSError, match="No space left on device"):  # still full: no reopen tried
+        store.put_many([(b"after", b"v", None, 0.0)])
+    monkeypatch.setattr(rocks, "NOSPACE_ROOM", -(64 << 20))  # a reopen tried: finds no room
+    with pytest.raises(OSError, match="No space left on device"):
+        store.put_many([(b"after", b"v", None, 0.0)])
+    assert [r[0] for r in store.rows_after(None, len(written) + 1)] == sorted(written)  # read-only
+    monkeypatch.setattr(rocks, "NOSPACE_ROOM", 1 << 20)
+    monkeypatch.setattr(rocks, "NOSPACE_RETRY_S", 0.0)
+    (meta_fs / "filler").unlink()
+    store.put_many([(b"after", b"v", None, 0.0)])
+    store.sync_wal()
+    store.close()
+    reopened = RocksStore(meta_fs / "meta.rocksdb")
+    try:
+        assert [r[0] for r in reopened.rows_after(None, len(written) + 2)] == sorted([*written, b"after"])
+    finally:
+        reopened.close()
+
+
+async def test_a_full_disk_under_a_rocksdb_meta_fails_changes_not_reads_and_writes_resume_once_there_is_room(
         meta_fs: Path, tmp_path: Path) -> None:
     """Meta's own disk full, on RocksDB (the default store): the put that does not fit fails
-    naming the disk, reads go on, and RocksDB keeps its writer's error, so every change is
-    refused until meta is restarted, even once there is room.  Meta still closes (it failed
-    to: its last-access flush and RocksDB's close raised), and restarted with room it has
-    every key it answered and takes puts."""
+    naming the disk, reads go on, and once there is room meta takes puts again without a
+    restart (RocksDB keeps its writer's error: the store reopens itself).  Restarted, it has
+    every key it answered."""
     meta = MetaConfig(data=meta_fs / "meta", listen="127.0.0.1:0", store="rocksdb")
     (meta_fs / "filler").write_bytes(b"\0" * (7 << 20))  # (the disk fills after ~1 MiB of meta)
     answered: list[bytes] = []
@@ -142,12 +179,11 @@ async def test_a_full_disk_under_a_rocksdb_meta_fails_changes_not_reads_and_a_re
             raise AssertionError("8 MiB never filled up")
         assert answered
         assert await kv.get_many([answered[0], answered[-1]]) == [b"v0", b"v%d" % (i - 1)]
-        (meta_fs / "filler").unlink()  # room again: RocksDB still refuses, until a restart
-        with pytest.raises(ServerError, match="after an IO error RocksDB refuses every write until "
-                                              "meta is restarted"):
+        with pytest.raises(ServerError, match="writes resume by themselves once its disk has room"):
             await kv.put(b"after", b"x")
-    async with LocalCluster(tmp_path / "c", 1, meta=meta) as c, c.client() as kv:
-        assert c.meta is not None and set(answered) <= set(c.meta.index.entries)
-        assert await kv.get_many([answered[0], answered[-1]]) == [b"v0", b"v%d" % (i - 1)]
+        (meta_fs / "filler").unlink()
         await kv.put(b"after", b"x")
         assert await kv.get(b"after") == b"x"
+    async with LocalCluster(tmp_path / "c", 1, meta=meta) as c, c.client() as kv:
+        assert c.meta is not None and {*answered, b"after"} <= set(c.meta.index.entries)
+        assert await kv.get_many([answered[0], answered[-1], b"after"]) == [b"v0", b"v%d" % (i - 1), b"x"]
