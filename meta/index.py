@@ -99,6 +99,11 @@ WALK_PAGE = 1000
 # keys one transaction of a large change writes (a DELETE's, a repair's switches), the loop
 # free between them: SQLite writes a random page per key
 WRITE_PAGE = 1000
+# The keys of a chunk (``chunk_keys``, ``tomb_chunks``), each mapped to None: a set of them,
+# made after start-up's gc.freeze(), is tracked by the cycle collector, and every full
+# collection walked every key in it (37 ms at 1M keys committed since start, 2026-12-05,
+# bench/RESULTS.md); a dict of bytes to None is untracked by the first collection that sees it
+KeySet = dict[bytes, None]
 S = TypeVar("S", bound="SupportsRichComparison")  # (what sorted_pages sorts)
 T = TypeVar("T")
 METRICS_STATE = "metrics"  # the state entry holding GC's counters (Redis: a hash of their own)
@@ -256,12 +261,12 @@ class MetaIndex(ServerRegistry):
         # chunk id -> the keys whose layout names a replica in it (compaction's references,
         # GC_CHUNK_REFS of chunks: O(those keys), never a walk of every key); derived from the
         # layouts with ``chunk_live``, the tombstones' own references left to tombstone_refs
-        self.chunk_keys: dict[int, set[bytes]] = {}
+        self.chunk_keys: dict[int, KeySet] = {}
         self.value_bytes = 0  # the stored values' sizes, summed (STATS: key_stats, no walk)
         self.tombstones: dict[bytes, Tomb] = {}  # deleted keys' tombstones kept (kvfs.meta.tombstones)
         # chunk id -> the keys whose kept tombstone has a replica in it (tombstone_refs: O(those
         # tombstones)); derived, changed with ``tombstones`` wherever their live bytes change
-        self.tomb_chunks: dict[int, set[bytes]] = {}
+        self.tomb_chunks: dict[int, KeySet] = {}
         # keys with older records on the chunks -> the latest expiry among them (None: never);
         # the GC drops these with a tombstone (kvfs.meta.tombstones, "older records")
         self.older: dict[bytes, float | None] = {}
@@ -300,9 +305,9 @@ class MetaIndex(ServerRegistry):
                     cid = r.chunk_id
                     live[cid] = get(cid, 0) + n
                     try:
-                        keys_in[cid].add(key)
+                        keys_in[cid][key] = None
                     except KeyError:
-                        keys_in[cid] = {key}
+                        keys_in[cid] = {key: None}
         self.note_chunk_ids(list(live))
         self.value_bytes = nbytes
         self.retired = {c: t for c, _, t in self.store.load_dead()}
@@ -383,7 +388,7 @@ class MetaIndex(ServerRegistry):
 
     # changing -----------------------------------------------------------------------
     def index_chunks(self, key: bytes, layout: Layout, add: bool,
-                     keys_in: dict[int, set[bytes]] | None = None) -> None:
+                     keys_in: dict[int, KeySet] | None = None) -> None:
         """``chunk_keys`` (or ``keys_in``: ``tomb_chunks``) as ``key``'s layout ``layout``
         is set (``add``) or replaced or removed (not: called first for the old layout, then
         for a new one)."""
@@ -394,11 +399,11 @@ class MetaIndex(ServerRegistry):
                 cid = r.chunk_id
                 if add:
                     try:
-                        keys_in[cid].add(key)
+                        keys_in[cid][key] = None
                     except KeyError:
-                        keys_in[cid] = {key}
+                        keys_in[cid] = {key: None}
                 elif (ks := keys_in.get(cid)) is not None:
-                    ks.discard(key)
+                    ks.pop(key, None)
                     if not ks:
                         del keys_in[cid]
 
@@ -867,9 +872,9 @@ class MetaIndex(ServerRegistry):
                         live[cid] = get(cid, 0) + n
                         chunks.add(cid)
                         try:
-                            keys_in[cid].add(key)
+                            keys_in[cid][key] = None
                         except KeyError:
-                            keys_in[cid] = {key}
+                            keys_in[cid] = {key: None}
         self.value_bytes += nbytes
         accessed, dirty = self.accessed, self.dirty_access
         if accessed:  # (its last access is its commit now: the layout's created)
