@@ -177,8 +177,9 @@ class MetaConfig(ServerConfig):
     commit_group_max_keys: int = opt("group commit: most keys written by one write of meta's "
                                      "store, a transaction (SQLite) or write batch (RocksDB) "
                                      "(the COMMITs that arrive while one is synced share the "
-                                     "next; a larger COMMIT is written alone; --fsync always: one "
-                                     "COMMIT per transaction)", 16384, positive=True)
+                                     "next; a larger COMMIT is written in parts of this many keys, "
+                                     "a write and a sync each, meta's loop free between them; "
+                                     "--fsync always: one COMMIT per transaction)", 2048, positive=True)
     commit_group_max_bytes: int = opt("group commit: most bytes (keys + encoded layouts) written "
                                       "by one write of meta's store", 16 * MiB, positive=True)
 

@@ -1021,8 +1021,9 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.PING, Service.ANY, Ping, "liveness; names the service", ANYONE),
     Rpc(Op.LOOKUP, Service.META, Lookup, "layouts of many keys (None: miss), optional lease (the holder's); "
         "with `dirs`, which misses have keys under `key/`", DATA),
-    Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction (layouts as `items` or as `packed` "
-        "columns, kvfs.packed); if_absent: only keys not present", DATA),
+    Rpc(Op.COMMIT, Service.META, Commit, "make appended values visible, in one transaction (past meta's "
+        "--commit-group-max-keys: in parts of that many, in order) (layouts as `items` or as "
+        "`packed` columns, kvfs.packed); if_absent: only keys not present", DATA),
     Rpc(Op.DELETE, Service.META, Delete, "forget keys (keeping the tombstones named); their bytes become garbage", DATA),
     Rpc(Op.MATCH_PREFIX, Service.META, MatchPrefix, "count of leading keys present, optional lease (the holder's)", DATA),
     Rpc(Op.LIST, Service.META, ListKeys, "keys under a prefix, one page in key order", DATA),

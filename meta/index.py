@@ -33,8 +33,10 @@ Invariants:
   that is not durable;
 - group commit: the COMMITs that arrive while one group is synced are written
   after that sync returned, by the next group, together, in one transaction and
-  one sync, in arrival order (``commit_group_max_keys``/``_bytes`` bound a group;
-  ``--fsync always`` writes one COMMIT per transaction).  No group is written while
+  one sync, in arrival order (``commit_group_max_keys``/``_bytes`` bound a group; a
+  larger COMMIT is queued in parts of ``commit_group_max_keys``, a group each, so a
+  crash may keep a prefix of them; ``--fsync always`` writes one COMMIT per
+  transaction).  No group is written while
   a group waits for its sync, so when one is written every earlier group is durable (a
   group that wrote nothing, every key present, is answered at once).  Each is checked
   (unknown server, retired chunk) in the step that writes it;
@@ -652,6 +654,28 @@ class MetaIndex(ServerRegistry):
         check looks these up: :meth:`check_not_dead`)."""
         if self._wal.failed is not None:
             raise self._wal.failed
+        n = self.config.commit_group_max_keys
+        if len(staged) <= n:
+            pending = self._queue_commit(staged, now, expires_at, check, if_absent, chunks)
+            await pending.done
+            return pending.present
+        # Past a group's keys: in parts of a group's keys, each queued once the one before
+        # is written and synced, so the loop is free between them and the COMMITs that
+        # arrive meanwhile go in between (one group of 16,384 keys held it 38-68 ms on
+        # RocksDB, bench/RESULTS.md).  As a DELETE's pages, a crash may keep a prefix of the
+        # parts; a part that fails is the COMMIT's answer, and the parts after it are not
+        # written.
+        present: list[int] = []
+        for i in range(0, len(staged), n):
+            pending = self._queue_commit(staged[i:i + n], now, expires_at, check, if_absent, chunks)
+            await pending.done
+            present += [i + j for j in pending.present]
+        return present
+
+    def _queue_commit(self, staged: Sequence[tuple[bytes, Layout]], now: float,
+                      expires_at: float | None, check: CommitCheck | None, if_absent: bool,
+                      chunks: Collection[int] | None) -> PendingCommit:
+        """A COMMIT (or a part of one) queued for the next group."""
         exp = NO_EXPIRY if expires_at is None else expires_at
         rows = [(bytearray(k), encode_layout_buffer(lay), exp, now) for k, lay in staged]
         loop = asyncio.get_running_loop()
@@ -660,8 +684,7 @@ class MetaIndex(ServerRegistry):
         self._commits.append(pending)
         if self._commit_handle is None and self._syncing is None:  # (a sync's end writes the queue)
             self._commit_handle = loop.call_soon(self._write_commits)  # after this step's COMMITs
-        await pending.done
-        return pending.present
+        return pending
 
     def _take_group(self) -> list[PendingCommit]:
         """The next group: whole COMMITs in arrival order, up to the bounds (at least one)."""

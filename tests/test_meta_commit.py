@@ -136,13 +136,15 @@ async def test_concurrent_commits_share_one_transaction_answered_after_it(
     assert set(ix.entries) == every
 
 
-async def test_a_group_is_bounded_by_keys_and_bytes_and_a_larger_commit_goes_alone(
+async def test_a_group_is_bounded_by_keys_and_bytes_and_a_larger_commit_goes_in_parts(
         make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     ix = make_index(commit_group_max_keys=10)
     spy = Spy(ix.store, [])
     monkeypatch.setattr(ix.store, "put_many", spy)
     assert await commit_all(ix, [rows("a", 6), rows("b", 4), rows("c", 6), rows("d", 25)], spy) == [None] * 4
-    assert [len(c) for c in spy.calls] == [10, 6, 25]
+    assert [len(c) for c in spy.calls] == [10, 6, 10, 10, 5]  # d: parts of the bound, in order
+    assert spy.calls[2:] == [[k for k, _ in rows("d", 25)[i:i + 10]] for i in (0, 10, 20)]
+    assert stored_keys(ix) == set(ix.entries) == {k for t, n in zip("abcd", (6, 4, 6, 25), strict=True) for k, _ in rows(t, n)}
     await ix.close()  # (RocksDB: one open of a store at a time)
 
     ix2 = make_index(commit_group_max_bytes=100)  # a row here is 2 key bytes + a 20-byte layout
@@ -150,6 +152,44 @@ async def test_a_group_is_bounded_by_keys_and_bytes_and_a_larger_commit_goes_alo
     monkeypatch.setattr(ix2.store, "put_many", spy2)
     assert await commit_all(ix2, [rows("e", 3), rows("f", 3), rows("g", 3)], spy2) == [None] * 3
     assert [len(c) for c in spy2.calls] == [3, 3, 3]
+
+
+async def test_a_commit_in_parts_leaves_the_loop_free_between_them_and_numbers_present_keys_as_sent(
+        make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A COMMIT past ``commit_group_max_keys`` is written a part per group, each synced and
+    the loop free between them (another COMMIT arriving meanwhile is written between two
+    parts); with ``if_absent`` the indexes of its present keys are those of the whole."""
+    ix = make_index(commit_group_max_keys=10)
+    assert await ix.commit(rows("d", 30)[12:14] + rows("d", 30)[25:26], 100.0, None) == []
+    spy = Spy(ix.store, [])
+    monkeypatch.setattr(ix.store, "put_many", spy)
+    big = asyncio.ensure_future(ix.commit(rows("d", 30), 100.0, None, if_absent=True))
+    for _ in range(100):  # (loop steps until its first part is written: then a COMMIT waits)
+        if spy.calls:
+            break
+        await asyncio.sleep(0)
+    assert len(spy.calls) == 1
+    small = await ix.commit(rows("x", 2), 100.0, None)
+    assert await big == [12, 13, 25] and small == []
+    assert [c[0][:1] for c in spy.calls] == [b"d", b"x", b"d", b"d"]  # x between two parts
+    assert [len(c) for c in spy.calls] == [10, 2, 8, 9]
+    assert ix.commit_syncs >= 4
+
+
+async def test_a_part_refused_fails_its_commit_and_the_parts_after_it_are_not_written(
+        make_index: Any) -> None:
+    ix = make_index(commit_group_max_keys=10)
+
+    def check(staged: Rows) -> None:  # e.g. a chunk of the second part retired meanwhile
+        if staged[0][0] == b"d10":
+            raise StaleLayout("chunk retired")
+
+    with pytest.raises(StaleLayout, match="chunk retired"):
+        await ix.commit(rows("d", 25), 100.0, None, check)
+    first = {k for k, _ in rows("d", 10)}
+    assert stored_keys(ix) == set(ix.entries) == first  # (a crash may keep a prefix too)
+    assert await ix.commit(rows("e", 1), 100.0, None) == []  # the queue goes on
+    assert set(ix.entries) == first | {b"e0"}
 
 
 async def test_fsync_always_writes_each_commit_alone(make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
