@@ -2,8 +2,10 @@
 handlers in this process (its store STORE: rocksdb, the default, or sqlite), gc.freeze()
 at start as ``kvfs meta`` does, N random 64-byte keys committed 4,096 a COMMIT (chunks of
 16,384 keys), then two timed gc.collect() (the pause a full collection puts in meta's loop),
-the tracked objects left, meta's VmRSS, and the fill's rate (bench/RESULTS.md).
-Usage: python bench/results/gc-walk-2026-12-05.py N [STORE]"""
+the tracked objects left, meta's VmRSS, and the fill's rate (bench/RESULTS.md).  With
+TOMBS, that many of the keys are then deleted with a tombstone each (kept: no chunk table
+came), 4,096 a DELETE, before the collections.
+Usage: python bench/results/gc-walk-2026-12-05.py N [STORE [TOMBS]]"""
 import asyncio
 import gc
 import hashlib
@@ -15,6 +17,8 @@ from pathlib import Path
 from kvfs import rpc
 from kvfs.bench.metastore import NOW, LocalMeta
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
+from kvfs.meta.index import MetaIndex
+from kvfs.meta.tombstones import tomb_layout
 
 PER = 16384
 
@@ -33,7 +37,7 @@ def rss_mib() -> float:
     return int(line.split()[1]) / 1024
 
 
-async def main(n: int, store: str) -> None:
+async def main(n: int, store: str, tombs: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         m = LocalMeta(Path(tmp) / "meta", store)
         await m.open()
@@ -45,15 +49,23 @@ async def main(n: int, store: str) -> None:
         for lo in range(0, n, 4096):
             await m.commit([(k(i), lay(i)) for i in range(lo, min(n, lo + 4096))], NOW)
         fill = time.perf_counter() - t0
+        ix = m.meta.index
+        assert isinstance(ix, MetaIndex)  # (a local store)
+        for lo in range(0, tombs, 4096):
+            hi = min(tombs, lo + 4096)
+            await ix.delete([k(i) for i in range(lo, hi)],
+                            [tomb_layout([Replica(1, make_chunk_id(1, 10_000 + i // PER), (i % PER) * 64)], NOW)
+                             for i in range(lo, hi)])
         pauses = []
         for _ in range(2):
             t = time.perf_counter()
             gc.collect()  # type: ignore[attr-defined]
             pauses.append((time.perf_counter() - t) * 1000)
-        print(f"{store} {n} keys: filled at {n / fill / 1000:.1f}k keys/s; full collections "
+        print(f"{store} {n} keys, {len(ix.tombstones)} tombstones: filled at {n / fill / 1000:.1f}k keys/s; full collections "
               f"{pauses[0]:.2f} / {pauses[1]:.2f} ms; tracked objects {len(gc.get_objects())}; "  # type: ignore[attr-defined]
               f"VmRSS {rss_mib():.0f} MiB", flush=True)
         await m.close()
 
 
-asyncio.run(main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "rocksdb"))
+asyncio.run(main(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else "rocksdb",
+                 int(sys.argv[3]) if len(sys.argv) > 3 else 0))
