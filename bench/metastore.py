@@ -1,6 +1,6 @@
 """Meta store cost: bytes per key and per-key cost of commit, lookup and match_prefix
 against batch size, for the Redis Cluster store (:mod:`kvfs.meta.redis_store`) and for
-meta's own index over SQLite (the default) or RocksDB (``--store rocksdb``).
+meta's own index over RocksDB (meta's default, ``--store rocksdb``) or SQLite.
 
 ``python -m kvfs.bench.metastore --store redis --keys 1000000`` starts a local 3-master
 Redis Cluster (or uses ``--url redis-cluster://...``), reads ``used_memory`` of every
