@@ -1,4 +1,5 @@
-"""A service's data directory: private (0700 / 0600) and held by one process (flock)."""
+"""A service's data directory: private (0700 / 0600) and held by one process (flock); a
+file in it synced by path."""
 
 from __future__ import annotations
 
@@ -33,6 +34,19 @@ def create_private_file(path: Path) -> None:
     os.close(fd)
     if path.stat().st_mode & 0o777 != FILE_MODE:
         os.chmod(path, FILE_MODE)
+
+
+def sync_file(path: Path | str) -> None:
+    """``fdatasync`` of the file at ``path``, through a descriptor of its own (one no lock is
+    taken on); none there: nothing to sync."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return
+    try:
+        os.fdatasync(fd)
+    finally:
+        os.close(fd)
 
 
 class DirLock:

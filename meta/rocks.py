@@ -47,7 +47,6 @@ import errno
 import importlib.util
 import logging
 import math
-import os
 import shutil
 import struct
 import tempfile
@@ -60,7 +59,7 @@ from typing import Any
 
 import msgpack
 
-from kvfs.datadir import private_dir
+from kvfs.datadir import private_dir, sync_file
 from kvfs.layout import Layout, decode_layout
 from kvfs.meta.store import NO_EXPIRY, prefix_upper_bound
 
@@ -291,15 +290,8 @@ class RocksStore:
             if self._full != opens:
                 raise error
         with self._lock:
-            for wal in self.path.glob("*.log"):
-                try:
-                    fd = os.open(wal, os.O_RDONLY)
-                except FileNotFoundError:  # (flushed and deleted by a reopen since: synced)
-                    continue
-                try:
-                    os.fdatasync(fd)
-                finally:
-                    os.close(fd)
+            for wal in self.path.glob("*.log"):  # (one a reopen flushed and deleted: synced)
+                sync_file(wal)
 
     def checkpoint_off_loop(self) -> None:
         """RocksDB flushes and compacts in threads of its own: nothing for meta's sync thread."""

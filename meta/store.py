@@ -14,6 +14,7 @@ from typing import Any
 
 import msgpack
 
+from kvfs.datadir import sync_file
 from kvfs.layout import Layout, decode_layout
 
 SCHEMA = """
@@ -205,14 +206,7 @@ class MetaStore:
         checkpoint-and-delete at a close).  SQLite takes no lock on the WAL file (its
         locks are on the database and ``-shm`` files), so this descriptor's close
         drops none of them."""
-        try:
-            fd = os.open(self._wal, os.O_RDONLY)
-        except FileNotFoundError:
-            return
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
+        sync_file(self._wal)
 
     def checkpoint_off_loop(self) -> Checkpointer:
         """Raise this connection's auto-checkpoint to :data:`LOOP_CHECKPOINT_FRAMES` (the
