@@ -8,7 +8,8 @@ import os
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -155,6 +156,44 @@ def test_a_rocksdb_store_that_found_its_disk_full_syncs_what_it_wrote_and_reopen
         assert [r[0] for r in reopened.rows_after(None, len(written) + 2)] == sorted([*written, b"after"])
     finally:
         reopened.close()
+
+
+def test_a_sync_that_meets_a_failed_append_learns_its_cause_before_it_answers(meta_fs: Path) -> None:
+    """The sync thread's ``FlushWAL`` can fail ("Writer has previous error") before the
+    loop has seen why its append failed.  The sync waits for the loop's word: a full disk,
+    and it syncs the WAL files itself; any other failure, and it fails (meta then refuses
+    changes until restarted)."""
+    store = RocksStore(meta_fs / "meta.rocksdb", synchronous="NORMAL")
+    (meta_fs / "filler").write_bytes(b"\0" * (7 << 20))
+    with pytest.raises(OSError), store.unsynced():
+        for i in range(1000):
+            store.put_many((b"k%d-%d" % (i, j), b"v" * 64, None, 0.0) for j in range(256))
+    opens = store._opens
+    for full in (True, False):
+        store._full, store._failed = -1, threading.Event()  # (the loop has not said yet)
+        outcome: list[BaseException | None] = []
+        sync = threading.Thread(target=lambda out=outcome: out.append(_raised(store.sync_wal)))
+        sync.start()
+        sync.join(0.2)
+        assert sync.is_alive()  # waiting for the loop's word
+        if full:
+            store._full = opens
+        store._failed.set()
+        sync.join(10)
+        assert not sync.is_alive() and len(outcome) == 1
+        if full:
+            assert outcome[0] is None
+        else:
+            assert outcome[0] is not None and "previous error" in str(outcome[0])
+    store.close()
+
+
+def _raised(fn: Callable[[], object]) -> BaseException | None:
+    try:
+        fn()
+    except Exception as exc:
+        return exc
+    return None
 
 
 async def test_a_full_disk_under_a_rocksdb_meta_fails_changes_not_reads_and_writes_resume_once_there_is_room(
