@@ -303,8 +303,11 @@ async def cmd_stat(ns: argparse.Namespace) -> int:
         return 0
     store = st.get("store") or "?"
     on_disk = f", {format_size(st['store_bytes'])} on disk" if st.get("store_bytes") else ""
+    free = f" ({format_size(st['store_free'])} free there)" if st.get("store_free") else ""
     print(f"keys: {st['keys']}   bytes: {format_size(st['bytes'])}   "
-          f"overflow leases: {st.get('leases_overflowed', 0)}   meta: {store}{on_disk}")
+          f"overflow leases: {st.get('leases_overflowed', 0)}   meta: {store}{on_disk}{free}")
+    if st.get("refusing"):
+        print(f"# meta refuses every change (puts, deletes, GC): {st['refusing']}")
     from kvfs.gc.cli import format_repair
 
     print(format_repair(st.get("gc", {}).get("repair"), st.get("gc", {}).get("metrics", {})))

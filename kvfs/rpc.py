@@ -411,6 +411,10 @@ class StatsReply(Response, frozen=True, kw_only=True):
     store: Annotated[str, msgspec.Meta(max_length=32)] = ""  # where the index lives: sqlite,
     #                               rocksdb or redis-cluster
     store_bytes: Count = 0  # a local store's files on meta's disk (0: in Redis)
+    store_free: Count = 0  # free bytes on the disk of meta's data directory (0: in Redis)
+    refusing: Annotated[str, msgspec.Meta(max_length=4096)] = ""  # why meta refuses every
+    #                               change now (a failed WAL sync: until it is restarted; its
+    #                               store's disk full: until there is room); "": it takes them
 
 
 class Stats(Request[StatsReply], frozen=True, kw_only=True):

@@ -365,6 +365,13 @@ class MetaIndex(ServerRegistry):
         if gc or self._sync_after:
             await self._wal.settle()
 
+    @property
+    def refusing(self) -> str:
+        """Why every change is refused now ("": none is): a failed WAL sync (until meta is
+        restarted), or the store's own refusal (:attr:`RocksStore.refusing`)."""
+        failed = self._wal.failed
+        return str(failed) if failed is not None else self.store.refusing
+
     async def _write(self, write: Callable[..., object], *args: Any) -> None:
         """``write(*args)``: one change of meta's own (not GC's), answered once durable."""
         with self._writing():

@@ -240,6 +240,12 @@ class RocksStore:
             raise OSError(f"{exc} (meta's RocksDB store, {self.path}: after an IO error RocksDB "
                           "refuses every write until meta is restarted)") from exc
 
+    @property
+    def refusing(self) -> str:
+        """Why writes are refused now ("": they are not): the disk found full, until a write
+        finds room (``kvfs stat``)."""
+        return str(self._nospace()) if self._full == self._opens else ""
+
     def _nospace(self) -> OSError:
         return OSError(errno.ENOSPC, f"{self._full_error} (meta's RocksDB store, {self.path}: "
                        "writes resume by themselves once its disk has room)")

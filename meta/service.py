@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, TypeVar
@@ -306,6 +307,8 @@ class MetaService:
             leases_overflowed=ix.leases_overflowed,
             store=self.store_kind,
             store_bytes=0 if self.local is None else store_bytes(self.config.data, self.store_kind),
+            store_free=0 if self.local is None else shutil.disk_usage(self.config.data).free,
+            refusing="" if self.local is None else self.local.refusing,
         ), ()
 
     # chunkserver RPCs ----------------------------------------------------------

@@ -97,6 +97,7 @@ class MetaStore:
     :mod:`kvfs.meta.walsync`); GC's changes in every mode, so no chunk is unlinked on the
     strength of a relocation or retirement that is not on disk yet."""
 
+    refusing = ""  # why writes are refused now: never (SQLite takes them again once a full disk has room)
     expiry_index_by_hand = False  # an SQL index keeps the rows' expiries in order
 
     def __init__(self, path: Path, *, synchronous: str = "FULL") -> None:

@@ -85,10 +85,12 @@ def test_up_put_get_ls_stat_rm(up: tuple[str, dict[str, str], subprocess.Popen[b
     r = kvfs("stat", "--json", env=env)
     st = json.loads(r.stdout)
     assert st["keys"] == 2 and len(st["servers"]) == 3 and st["leases_overflowed"] == 0
-    assert st["store"] == "rocksdb" and st["store_bytes"] > 0
+    assert st["store"] == "rocksdb" and st["store_bytes"] > 0 and st["store_free"] > 0
+    assert st["refusing"] == ""
     out = kvfs("stat", env=env).stdout.decode()
     assert "garbage" in out and "overflow leases: 0" in out
-    assert re.search(r"   meta: rocksdb, [\d.]+ [KMG]iB on disk\n", out), out
+    assert re.search(r"   meta: rocksdb, [\d.]+ [KMG]iB on disk \([\d.]+ [KMGT]iB free there\)\n", out), out
+    assert "refuses" not in out
     r = kvfs("get", "nope", env=env)
     assert r.returncode == 1 and b"not found" in r.stderr
     assert kvfs("rm", "mykey", env=env).returncode == 0

@@ -220,9 +220,13 @@ async def test_a_full_disk_under_a_rocksdb_meta_fails_changes_not_reads_and_writ
         assert await kv.get_many([answered[0], answered[-1]]) == [b"v0", b"v%d" % (i - 1)]
         with pytest.raises(ServerError, match="writes resume by themselves once its disk has room"):
             await kv.put(b"after", b"x")
+        st = await kv.stats()  # (kvfs stat prints it)
+        assert "No space left on device" in st["refusing"] and st["store_free"] < 1 << 20
         (meta_fs / "filler").unlink()
         await kv.put(b"after", b"x")
         assert await kv.get(b"after") == b"x"
+        st = await kv.stats()
+        assert st["refusing"] == "" and st["store_free"] > 6 << 20
     async with LocalCluster(tmp_path / "c", 1, meta=meta) as c, c.client() as kv:
         assert c.meta is not None and {*answered, b"after"} <= set(c.meta.index.entries)
         assert await kv.get_many([answered[0], answered[-1], b"after"]) == [b"v0", b"v%d" % (i - 1), b"x"]

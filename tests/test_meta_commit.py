@@ -477,6 +477,7 @@ async def test_a_failed_sync_fails_its_commits_and_meta_refuses_commits_after_it
     ix = make_index()
     held = hold(ix.store, fail=OSError(errno.EIO, "Input/output error (injected)"))
     monkeypatch.setattr(ix.store, "sync_wal", held)
+    assert ix.refusing == ""
     covered = asyncio.ensure_future(ix.commit(rows("a", 2), 100.0, None))
     await held.started()
     queued = asyncio.ensure_future(ix.commit(rows("b", 2), 100.0, None))  # waits for the sync
@@ -488,6 +489,7 @@ async def test_a_failed_sync_fails_its_commits_and_meta_refuses_commits_after_it
     with pytest.raises(ServerError, match="refuses every commit, delete and GC change until it is restarted"):
         await ix.commit(rows("c", 1), 100.0, None)
     assert held.calls == 1 and b"b0" not in ix.entries and b"c0" not in ix.entries
+    assert "Input/output error (injected)" in ix.refusing  # (STATS: kvfs stat prints it)
 
 
 async def test_close_waits_for_the_sync_in_flight_and_writes_the_queued_commits(
