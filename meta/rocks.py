@@ -150,6 +150,7 @@ class RocksStore:
         self._opens, self._full, self._failed = 0, -1, threading.Event()
         self._full_error = ""
         self._reopen_at = 0.0
+        self._stuck = ""  # any other IO error of its writer: until meta is restarted
         if read_only:
             self._log_dir = tempfile.TemporaryDirectory(prefix="kvfs-rocksdb-log-")
             opts.set_db_log_dir(self._log_dir.name)
@@ -237,14 +238,15 @@ class RocksStore:
                 failed.set()
                 raise self._nospace() from exc
             failed.set()
-            raise OSError(f"{exc} (meta's RocksDB store, {self.path}: after an IO error RocksDB "
-                          "refuses every write until meta is restarted)") from exc
+            self._stuck = (f"{exc} (meta's RocksDB store, {self.path}: after an IO error RocksDB "
+                           "refuses every write until meta is restarted)")
+            raise OSError(self._stuck) from exc
 
     @property
     def refusing(self) -> str:
-        """Why writes are refused now ("": they are not): the disk found full, until a write
-        finds room (``kvfs stat``)."""
-        return str(self._nospace()) if self._full == self._opens else ""
+        """Why writes are refused now ("": they are not): an IO error of the writer, until
+        meta is restarted; the disk found full, until a write finds room (``kvfs stat``)."""
+        return self._stuck or (str(self._nospace()) if self._full == self._opens else "")
 
     def _nospace(self) -> OSError:
         return OSError(errno.ENOSPC, f"{self._full_error} (meta's RocksDB store, {self.path}: "

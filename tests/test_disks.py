@@ -188,6 +188,29 @@ def test_a_sync_that_meets_a_failed_append_learns_its_cause_before_it_answers(me
     store.close()
 
 
+def test_any_other_io_error_of_a_rocksdb_writer_is_refused_until_a_restart_and_said(tmp_path: Path) -> None:
+    """An IO error that is not a full disk (injected: RocksDB's writer failing with EIO) is
+    kept by RocksDB until a reopen, and the store tries none: its refusal says a restart is
+    needed, and so does ``refusing`` (STATS, ``kvfs stat``)."""
+    store = RocksStore(tmp_path / "meta.rocksdb")
+    real = store.db
+
+    class Failing:  # (the fault: every write fails as RocksDB's does after an EIO)
+        def write(self, *args: object) -> None:
+            raise Exception("IO error: Input/output error: While appending to file: 000004.log")
+
+        def __getattr__(self, name: str) -> object:
+            return getattr(real, name)
+
+    assert store.refusing == ""
+    store.db = Failing()  # type: ignore[assignment]
+    with pytest.raises(OSError, match=r"Input/output error.*refuses every write until meta is restarted"):
+        store.put_many([(b"k", b"v", None, 0.0)])
+    assert "Input/output error" in store.refusing and "until meta is restarted" in store.refusing
+    store.db = real
+    store.close()
+
+
 def _raised(fn: Callable[[], object]) -> BaseException | None:
     try:
         fn()
