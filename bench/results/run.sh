@@ -42,11 +42,12 @@ done
 for j in 1 2 4; do
   run curve-jobs$j --numjobs $j --rw read,write --bs 1m --batch 32 --iodepth 2 --size 64m --runtime "$R" --time-based --no-progress
 done
-# meta's own cost per key vs batch (its handlers called in one process, SQLite synchronous=FULL; lookups
-# included, which the end-to-end runs below cannot show: the client's layout cache answers them)
-echo "== curve-metastore: python -m kvfs.bench.metastore --store sqlite" | tee -a runs.log >&2
+# meta's own cost per key vs batch (its handlers called in one process, on meta's default store,
+# RocksDB, synced per write; lookups included, which the end-to-end runs below cannot show: the
+# client's layout cache answers them)
+echo "== curve-metastore: python -m kvfs.bench.metastore --store rocksdb" | tee -a runs.log >&2
 echo "   start $(date -u '+%F %T UTC'), $(state)" | tee -a runs.log >&2
-python -m kvfs.bench.metastore --store sqlite --keys 100000 --batches 1,8,64,256,1024 --min-s "$R" --json \
+python -m kvfs.bench.metastore --store rocksdb --keys 100000 --batches 1,8,64,256,1024 --min-s "$R" --json \
     > curve-metastore.json
 echo "   end   $(date -u '+%F %T UTC'), $(state)" | tee -a runs.log >&2
 for b in 1 8 64 256 1024; do

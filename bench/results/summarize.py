@@ -62,8 +62,9 @@ def _metastore_curve() -> list[tuple[int, dict[str, float]]]:
     for r in rep["ops"]:
         by.setdefault(int(r["batch"]), {})[r["op"]] = float(r["us_per_key"])
     rows = sorted(by.items())
+    store = rep.get("store", "sqlite")
     print("\nmeta cost per key vs batch size, its handlers called in one process (python -m "
-          "kvfs.bench.metastore --store sqlite; wall us per key, SQLite synchronous=FULL)\n"
+          f"kvfs.bench.metastore --store {store}; wall us per key, each write synced)\n"
           "| batch | commit us/key | lookup us/key | match_prefix us/key |\n|---|---|---|---|")
     for b, ops in rows:
         print(f"| {b} | {ops.get('commit', 0):.1f} | {ops.get('lookup', 0):.2f} | {ops.get('match_prefix', 0):.2f} |")
@@ -71,18 +72,18 @@ def _metastore_curve() -> list[tuple[int, dict[str, float]]]:
 
 
 def _meta_scale() -> list[tuple[str, int, float, float, float]]:
-    """metastore-{sqlite,redis}-{N}.json (``kvfs.bench.metastore --restart``): per store and
-    key count, the memory per key a meta needs (SQLite: the restarted meta's RSS per key;
-    Redis: used_memory per key, one copy, the meta itself holds no keys), the restarted
-    meta's start-up seconds, and its RSS in MB."""
+    """metastore-{rocksdb,sqlite,redis}-{N}.json (``kvfs.bench.metastore --restart``): per
+    store and key count, the memory per key a meta needs (RocksDB, SQLite: the restarted
+    meta's RSS per key; Redis: used_memory per key, one copy, the meta itself holds no keys),
+    the restarted meta's start-up seconds, and its RSS in MB."""
     rows = []
-    for store in ("sqlite", "redis"):
+    for store in ("rocksdb", "sqlite", "redis"):
         for n in (1_000_000, 10_000_000):
             rep = _load(f"metastore-{store}-{n}")
             if rep is None or "restart" not in rep:
                 continue
             r = rep["restart"]
-            per_key = r["rss_per_key"] if store == "sqlite" else rep["bytes_per_key"]
+            per_key = rep["bytes_per_key"] if store == "redis" else r["rss_per_key"]
             rows.append((store, n, float(per_key), float(r["ready_s"]), r["rss"] / 1e6))
     print("\nmeta memory per key and start-up vs keys (python -m kvfs.bench.metastore --restart)\n"
           "| store | keys | bytes per key | meta start-up (s) | meta RSS after start-up (MB) |\n"
@@ -141,13 +142,14 @@ def main() -> int:
     scale = _meta_scale()
     if scale:
         fig, (mem, start) = plt.subplots(1, 2, figsize=(10, 4))
-        for store, label in (("sqlite", "SQLite meta (restarted meta's RSS)"),
-                             ("redis", "Redis Cluster store (used_memory, one copy)")):
+        for store, label, started in (
+                ("rocksdb", "RocksDB meta, the default (restarted meta's RSS)", "RocksDB meta (reads every key)"),
+                ("sqlite", "SQLite meta (restarted meta's RSS)", "SQLite meta (reads every key)"),
+                ("redis", "Redis Cluster store (used_memory, one copy)", "meta on Redis (holds no keys)")):
             pts = [r for r in scale if r[0] == store]
-            mem.plot([r[1] for r in pts], [r[2] for r in pts], marker="o", label=label)
-            start.plot([r[1] for r in pts], [r[3] for r in pts], marker="o",
-                       label="SQLite meta (reads every key)" if store == "sqlite"
-                       else "meta on Redis (holds no keys)")
+            if pts:
+                mem.plot([r[1] for r in pts], [r[2] for r in pts], marker="o", label=label)
+                start.plot([r[1] for r in pts], [r[3] for r in pts], marker="o", label=started)
         mem.set(xscale="log", xlabel="keys (log)", ylabel="bytes per key", ylim=(0, None),
                 title="memory per key")
         start.set(xscale="log", yscale="log", xlabel="keys (log)", ylabel="seconds (log)",
