@@ -26,7 +26,7 @@ from pathlib import Path
 
 import conftest
 import pytest
-from conftest import FakeClock, hold
+from conftest import FakeClock, Hold, hold
 from conftest import clocked_client as client
 
 from kvfs import rpc
@@ -195,12 +195,12 @@ async def test_commit_refuses_a_layout_naming_a_retired_chunk(one: LocalCluster,
             assert await fresh.get("k") == value_of("k")
 
 
-async def test_delete_refuses_a_tombstone_in_a_retired_chunk(one: LocalCluster, clock: FakeClock,
-                                                             meta_backend: str) -> None:
+async def test_delete_refuses_a_tombstone_in_a_retired_chunk_and_the_client_writes_it_again(
+        one: LocalCluster, clock: FakeClock, meta_backend: str) -> None:
     """delete appends its tombstone (alone in a chunk: the server restarted since the put);
-    a whole GC pass retires and deletes that unreferenced chunk; then the DELETE arrives: it
-    must be refused (StaleLayout), never keep a tombstone whose bytes are gone, and the key
-    stays readable."""
+    a whole GC pass retires and deletes that unreferenced chunk; then the DELETE arrives: meta
+    must refuse it (StaleLayout), never keep a tombstone whose bytes are gone.  The client
+    then writes the tombstone again, into a chunk that is there, and the key is deleted."""
     if meta_backend == "redis":
         pytest.skip("tombstones are SQLite's (kvfs.meta.tombstones): a meta on Redis keeps none, "
                     "so its DELETE has no tombstone to refuse")
@@ -208,7 +208,9 @@ async def test_delete_refuses_a_tombstone_in_a_retired_chunk(one: LocalCluster, 
         await kv.put("k", value_of("k"))
     await one.stop_chunkserver(0)
     await one.start_chunkserver(0)  # appends go to a new chunk from here
-    delete = hold(one, Op.DELETE)
+    sent: list[rpc.Delete] = []
+    assert one.meta is not None
+    delete = Hold(one.meta.rpc, Op.DELETE, when=lambda req: sent.append(req) is None)
     async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
         gone = asyncio.create_task(kv.delete("k"))
         await delete.reached(gone)  # the tombstone is appended, meta has not seen it
@@ -216,9 +218,28 @@ async def test_delete_refuses_a_tombstone_in_a_retired_chunk(one: LocalCluster, 
         report = await gc.run_pass(NOW)
         assert report.chunks_deleted == 1 and len(chunk_files(one)) == len(files) - 1
         delete.release()
-        with pytest.raises(StaleLayout, match=r"^tombstone of b'k' is in a chunk garbage collection already "
-                           r"reclaimed \(the delete took longer than the GC grace period\); retry the delete$"):
-            await gone
+        assert await gone is True
+        assert len(sent) == 2  # refused (the first tombstone's chunk was retired), then again
+        first, again = (req.tombstones[0][0].chunk_id for req in sent)
+        assert first != again and one.meta.index.tombstones[b"k"].layout.extents[0].replicas[0].chunk_id == again
+        assert await kv.get("k") is None
+
+
+async def test_a_delete_refused_twice_for_retired_tombstone_chunks_says_so(
+        one: LocalCluster, clock: FakeClock, meta_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client writes a refused delete's tombstones again once: refused again (injected:
+    meta finds every tombstone's chunk retired), the StaleLayout reaches the caller, and the
+    key stays."""
+    if meta_backend == "redis":
+        pytest.skip("a meta on Redis keeps no tombstones, so its DELETE has none to refuse")
+    assert one.meta is not None
+    ix = one.meta.index
+    monkeypatch.setattr(ix, "dead_in", lambda lay: lay.extents[0].replicas[0].chunk_id)
+    async with client(one, clock) as kv:
+        await kv.put("k", value_of("k"))
+        with pytest.raises(StaleLayout, match="retry the delete"):
+            await kv.delete("k")
+        monkeypatch.undo()
         assert await kv.get("k") == value_of("k")
 
 
