@@ -668,7 +668,7 @@ class MetaIndex(ServerRegistry):
             return pending.present
         # Past a group's keys: in parts of a group's keys, each queued once the one before
         # is written and synced, so the loop is free between them and the COMMITs that
-        # arrive meanwhile go in between (one group of 16,384 keys held it 38-68 ms on
+        # arrive meanwhile go in between (one group of 16,384 keys held it 38-71 ms on
         # RocksDB, bench/RESULTS.md).  As a DELETE's pages, a crash may keep a prefix of the
         # parts; a part that fails is the COMMIT's answer, and the parts after it are not
         # written.
