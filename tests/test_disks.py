@@ -170,15 +170,16 @@ def test_a_sync_that_meets_a_failed_append_learns_its_cause_before_it_answers(me
             store.put_many((b"k%d-%d" % (i, j), b"v" * 64, None, 0.0) for j in range(256))
     opens = store._opens
     for full in (True, False):
-        store._full, store._failed = -1, threading.Event()  # (the loop has not said yet)
+        told = _Told()
+        store._full, store._failed = -1, told  # (the loop has not said yet)
         outcome: list[BaseException | None] = []
         sync = threading.Thread(target=lambda out=outcome: out.append(_raised(store.sync_wal)))
         sync.start()
-        sync.join(0.2)
-        assert sync.is_alive()  # waiting for the loop's word
+        assert told.waiting.wait(10)  # FlushWAL failed, and the sync waits for the loop's word
+        assert not outcome
         if full:
             store._full = opens
-        store._failed.set()
+        told.set()
         sync.join(10)
         assert not sync.is_alive() and len(outcome) == 1
         if full:
@@ -209,6 +210,18 @@ def test_any_other_io_error_of_a_rocksdb_writer_is_refused_until_a_restart_and_s
     assert "Input/output error" in store.refusing and "until meta is restarted" in store.refusing
     store.db = real
     store.close()
+
+
+class _Told(threading.Event):
+    """The store's event for its writer's failure, saying when a sync starts to wait on it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waiting = threading.Event()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        self.waiting.set()
+        return super().wait(timeout)
 
 
 def _raised(fn: Callable[[], object]) -> BaseException | None:
