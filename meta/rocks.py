@@ -224,6 +224,8 @@ class RocksStore:
     def _write(self, wb: WriteBatch, *, sync: bool = True) -> None:
         """Write ``wb`` (synced unless inside :meth:`unsynced`, at ``synchronous=NORMAL``, or
         not ``sync``); raises :class:`OSError` on an IO error (``ENOSPC``: the disk is full)."""
+        if self._stuck:  # (RocksDB would say only "Writer has previous error")
+            raise OSError(self._stuck)
         if self._full == self._opens:
             self._reopen_with_room()
         try:

@@ -196,8 +196,13 @@ def test_any_other_io_error_of_a_rocksdb_writer_is_refused_until_a_restart_and_s
     store = RocksStore(tmp_path / "meta.rocksdb")
     real = store.db
 
-    class Failing:  # (the fault: every write fails as RocksDB's does after an EIO)
+    class Failing:  # (the fault: RocksDB's writer meets an EIO, then keeps its error)
+        failed = False
+
         def write(self, *args: object) -> None:
+            if self.failed:
+                raise Exception("IO error: Writer has previous error.")
+            self.failed = True
             raise Exception("IO error: Input/output error: While appending to file: 000004.log")
 
         def __getattr__(self, name: str) -> object:
@@ -208,6 +213,9 @@ def test_any_other_io_error_of_a_rocksdb_writer_is_refused_until_a_restart_and_s
     with pytest.raises(OSError, match=r"Input/output error.*refuses every write until meta is restarted"):
         store.put_many([(b"k", b"v", None, 0.0)])
     assert "Input/output error" in store.refusing and "until meta is restarted" in store.refusing
+    with pytest.raises(OSError, match=r"Input/output error.*until meta is restarted"):  # the cause kept
+        store.put_many([(b"k", b"v", None, 0.0)])
+    assert "Input/output error" in store.refusing
     store.db = real
     store.close()
 
