@@ -32,7 +32,7 @@ from kvfs.buffers import Source, cut, nbytes
 from kvfs.cluster import ClusterLink
 from kvfs.config import ClientConfig
 from kvfs.crc import crc32c_combine
-from kvfs.errors import KVFSError, NoSpace, Unavailable
+from kvfs.errors import KVFSError, NoSpace, StaleLayout, Unavailable
 from kvfs.layout import Extent, Layout, Replica
 from kvfs.layoutcache import Cached, Single
 from kvfs.packed import MAX_KEYS as MAX_PACKED_KEYS
@@ -105,7 +105,25 @@ class WritePath:
         ``tried`` (with ``if_absent``): the layouts a failed put of these values may have
         committed (a put retried after its COMMIT failed without an answer), and where this
         one records what it sends: a key the ``EXISTS`` finds present holding one of them
-        is this put's, written (:meth:`_ours`), and is not written again."""
+        is this put's, written (:meth:`_ours`), and is not written again.
+
+        A COMMIT that meta refuses with ``StaleLayout`` (a chunk the values went to was
+        reclaimed by the GC meanwhile: a pass that makes room on a full cluster waits no grace
+        period) is retried once, values appended again: a key an applied part of the refused
+        COMMIT stored is this put's (``tried``)."""
+        if if_absent and tried is None:
+            tried = {}
+        try:
+            return await self._put(keys, views, replicas, ttl, if_absent, metas, tried, sizes)
+        except StaleLayout as exc:
+            log.info("a put's COMMIT named a chunk the GC reclaimed meanwhile (%s): writing its "
+                     "%d values again", exc, len(keys))
+        return await self._put(keys, views, replicas, ttl, if_absent, metas, tried, sizes)
+
+    async def _put(self, keys: list[bytes], views: Sequence[Source], replicas: int,
+                   ttl: float | None, if_absent: bool, metas: list[bytes | None] | None,
+                   tried: dict[bytes, Layout] | None, sizes: list[int] | None) -> list[Cached | None]:
+        """One try of :meth:`put`."""
         out: list[Cached | None] = [None] * len(keys)
         todo: list[int] | range = range(len(keys))
         if if_absent:

@@ -23,6 +23,7 @@ import functools
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import conftest
 import pytest
@@ -35,7 +36,8 @@ from kvfs.config import ChunkServerConfig
 from kvfs.errors import StaleLayout
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
-from kvfs.meta.index import RECORD_OVERHEAD_BYTES
+from kvfs.meta.index import RECORD_OVERHEAD_BYTES, stale
+from kvfs.packed import unpack
 from kvfs.rpc import Op
 from kvfs.transport import Connection
 
@@ -176,23 +178,60 @@ async def test_a_retired_chunk_still_listed_is_planned_for_deletion_again(
     assert plan.waiting == 0
 
 
-async def test_commit_refuses_a_layout_naming_a_retired_chunk(one: LocalCluster, clock: FakeClock) -> None:
+async def test_commit_refuses_a_layout_naming_a_retired_chunk_and_the_client_writes_it_again(
+        one: LocalCluster, clock: FakeClock) -> None:
     """put appends; a whole GC pass retires and deletes the unreferenced chunk; then the commit
-    arrives: it must be refused (StaleLayout), never make a key whose bytes are gone."""
-    commit = hold(one, Op.COMMIT)
+    arrives: meta must refuse it (StaleLayout), never make a key whose bytes are gone.  The
+    client then appends the value again, into a chunk that is there, and commits it."""
+    assert one.meta is not None
+    sent: list[rpc.Commit] = []
+    commit = Hold(one.meta.rpc, Op.COMMIT, when=lambda req: sent.append(req) is None and len(sent) == 1)
     async with client(one, clock) as kv, GarbageCollector(one.addr, token=one.admin_token) as gc:
         put = asyncio.create_task(kv.put("k", value_of("k")))
         await commit.reached(put)
         report = await gc.run_pass(NOW)
         assert report.chunks_deleted == 1 and chunk_files(one) == set()
         commit.release()
-        with pytest.raises(StaleLayout, match="retry the put"):
-            await put
+        assert await put is True
+        assert len(sent) == 2  # refused (its chunk was retired), then again
+        first, again = (unpack(req.packed, 0.0, None).staged[0][1].extents[0].replicas[0].chunk_id
+                         for req in sent)
+        assert first != again and chunk_files(one) != set()
         async with client(one, clock) as fresh:
-            assert await fresh.get("k") is None
-            assert await fresh.exists("k") is False
-            await kv.put("k", value_of("k"))  # the retried put lands in a fresh chunk
             assert await fresh.get("k") == value_of("k")
+            assert (await fresh.layout("k")).extents[0].replicas[0].chunk_id == again  # type: ignore[union-attr]
+
+
+async def test_a_put_refused_twice_for_retired_chunks_says_so(
+        one: LocalCluster, clock: FakeClock, meta_backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client writes a refused put's values again once: refused again (injected: meta
+    finds every layout's chunk retired), the StaleLayout reaches the caller, the key's
+    value before stays, and an if_absent put of a new key stores nothing."""
+    if meta_backend == "redis":
+        pytest.skip("injected into the local index's check (a meta on Redis checks in its COMMIT script)")
+    assert one.meta is not None
+    ix = one.meta.index
+    commits = 0
+
+    def all_dead(rows: Any, chunks: Any = None) -> None:
+        nonlocal commits
+        commits += 1
+        for key, lay in rows:
+            raise stale(key, lay.extents[0].replicas[0].chunk_id)
+
+    async with client(one, clock) as kv:
+        await kv.put("k", value_of("k"))
+        monkeypatch.setattr(ix, "check_not_dead", all_dead)
+        with pytest.raises(StaleLayout, match="retry the put"):
+            await kv.put("k", value_of("other"))
+        assert commits == 2
+        with pytest.raises(StaleLayout, match="retry the put"):
+            await kv.put("new", value_of("new"), if_absent=True)
+        assert commits == 4
+        monkeypatch.undo()
+        assert await kv.get("k") == value_of("k")
+        assert await kv.get("new") is None
+        assert await kv.put("new", value_of("new"), if_absent=True) is True
 
 
 async def test_delete_refuses_a_tombstone_in_a_retired_chunk_and_the_client_writes_it_again(
