@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import timeit
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -97,7 +97,7 @@ def measure_commit() -> list[tuple[str, float, float]]:
         assert isinstance(req, rpc.Commit)
         return [(k, lay.stamped(1.0, None)) for k, lay in req.items]
 
-    def meta_packed(data: bytes) -> list[tuple[bytes, Layout]]:
+    def meta_packed(data: bytes) -> Sequence[tuple[bytes, Layout]]:
         req = commit(data)
         assert isinstance(req, rpc.Commit) and req.packed is not None
         return unpack(req.packed, 1.0, None).staged

@@ -37,10 +37,11 @@ from __future__ import annotations
 import struct
 import sys
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import accumulate, pairwise, repeat
-from typing import TypeVar
+from operator import index
+from typing import TypeVar, overload
 
 from kvfs.errors import InvalidArgument
 from kvfs.layout import (
@@ -57,6 +58,7 @@ from kvfs.layout import (
 )
 
 MAGIC = b"KVP1"
+LAZY_PAGE = 2048  # rows a LazyStaged builds at a time while iterated whole
 HEAD = struct.Struct("<4sIIII")
 NO_META = 0xFFFFFFFF
 MAX_KEYS = 1 << 20  # keys in one blob: kvfs.rpc.MAX_ITEMS, the rows of any message
@@ -255,17 +257,88 @@ def _first(col: array[int], bad: object) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class _SingleColumns:
+    """The columns of a batch of one extent of one replica per value, and meta's stamp."""
+
+    size: array[int]
+    crc: array[int]
+    ext_crc: array[int]
+    server: array[int]
+    chunk: array[int]
+    offset: array[int]
+    created: float
+    expires_at: float | None
+
+    def rows(self, keys: list[bytes], i: int, j: int,
+             meta_of: Sequence[bytes | None] | repeat[None]) -> list[tuple[bytes, Layout]]:
+        """(key, layout) of items ``i`` to ``j`` (``keys`` and ``meta_of`` are theirs)."""
+        created, expires_at = self.created, self.expires_at
+        whole = i == 0 and j == len(self.size)
+        cols = ((self.size, self.crc, self.ext_crc, self.server, self.chunk, self.offset) if whole
+                else (c[i:j] for c in (self.size, self.crc, self.ext_crc, self.server, self.chunk, self.offset)))
+        return [(k, Layout(s, c, created, expires_at, (Extent(s, ec, (Replica(sv, ch, of),)),), m))
+                for k, s, c, ec, sv, ch, of, m in zip(keys, *cols, meta_of, strict=False)]
+
+
+class LazyStaged(Sequence[tuple[bytes, Layout]]):
+    """A checked batch's (key, layout) rows, built when asked, a slice at a time (a list):
+    a COMMIT meta writes in parts (``--commit-group-max-keys``) builds each part in the step
+    that queues it, so its first step is not the whole batch's keys and layouts (16,384 of
+    them took 11-15 ms, bench/RESULTS.md).  Each ask builds anew: take a slice once."""
+
+    __slots__ = ("_at", "_blob", "_cols", "_klen", "_metas")
+
+    def __init__(self, blob: bytes, at: int, klen: array[int], cols: _SingleColumns,
+                 metas: list[bytes | None] | None) -> None:
+        self._blob, self._at, self._klen, self._cols, self._metas = blob, at, klen, cols, metas
+
+    def __len__(self) -> int:
+        return len(self._klen)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[bytes, Layout]: ...
+    @overload
+    def __getitem__(self, i: slice) -> list[tuple[bytes, Layout]]: ...
+
+    def __getitem__(self, i: int | slice) -> tuple[bytes, Layout] | list[tuple[bytes, Layout]]:
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                raise ValueError("LazyStaged slices go in steps of 1")
+            return self._rows(start, max(start, stop))
+        n = len(self)
+        k = index(i) + n if index(i) < 0 else index(i)
+        if not 0 <= k < n:
+            raise IndexError(f"item {i} of {n}")
+        return self._rows(k, k + 1)[0]
+
+    def __iter__(self) -> Iterator[tuple[bytes, Layout]]:
+        for i in range(0, len(self), LAZY_PAGE):
+            yield from self._rows(i, min(len(self), i + LAZY_PAGE))
+
+    def _rows(self, i: int, j: int) -> list[tuple[bytes, Layout]]:
+        klen = self._klen
+        keys = _keys(self._blob, self._at + sum(klen[:i]), klen[i:j]) if j > i else []
+        return self._cols.rows(keys, i, j, repeat(None) if self._metas is None else self._metas[i:j])
+
+
+@dataclass(frozen=True, slots=True)
 class Unpacked:
     """A packed batch checked and turned into what meta's index takes."""
 
-    staged: list[tuple[bytes, Layout]]  # (key, layout stamped with meta's times)
+    staged: Sequence[tuple[bytes, Layout]]  # (key, layout stamped with meta's times); a list
+    # unless built when asked (unpack's lazy_over: LazyStaged)
     servers: frozenset[int]  # every server id the layouts name
     chunks: array[int]  # every replica's chunk id (meta's retired-chunk check looks them up)
     max_meta: int  # bytes of the largest key metadata (0: none)
 
 
-def unpack(blob: bytes, created: float, expires_at: float | None) -> Unpacked:
-    """Check a packed blob and build its layouts, stamped ``created``/``expires_at``."""
+def unpack(blob: bytes, created: float, expires_at: float | None, *,
+           lazy_over: int | None = None) -> Unpacked:
+    """Check a packed blob and build its layouts, stamped ``created``/``expires_at``.
+    ``lazy_over``: a batch of more keys than that, of one extent of one replica each, is
+    checked whole but its keys and layouts are built a slice at a time, when asked
+    (:class:`LazyStaged`)."""
     if len(blob) < HEAD.size:
         raise _bad(f"{len(blob)} bytes is shorter than its {HEAD.size}-byte head")
     magic, n, ne, nr, nmeta = HEAD.unpack_from(blob)
@@ -304,7 +377,6 @@ def unpack(blob: bytes, created: float, expires_at: float | None) -> Unpacked:
     mat = rd.section("metadata", nmeta)
     if rd.pos != len(blob):
         raise _bad(f"{len(blob) - rd.pos} bytes follow the end of the packed layouts")
-    keys = _keys(blob, kat, klen)
     if metas:
         mpos = list(accumulate((0 if m == NO_META else m for m in mlen), initial=mat))
         meta_of: Sequence[bytes | None] | repeat[None] = [
@@ -315,10 +387,12 @@ def unpack(blob: bytes, created: float, expires_at: float | None) -> Unpacked:
     max_meta = max(metas, default=0)
     if one_each and size == elen:
         # one extent of one replica per value, their sizes checked above: the common case
-        staged = [(k, Layout(s, c, created, expires_at, (Extent(s, ec, (Replica(sv, ch, of),)),), m))
-                  for k, s, c, ec, sv, ch, of, m
-                  in zip(keys, size, crc, ecrc, server, chunk, offset, meta_of, strict=False)]
-        return Unpacked(staged, servers, chunk, max_meta)
+        cols = _SingleColumns(size, crc, ecrc, server, chunk, offset, created, expires_at)
+        if lazy_over is not None and n > lazy_over:
+            meta_list = None if isinstance(meta_of, repeat) else list(meta_of)
+            return Unpacked(LazyStaged(blob, kat, klen, cols, meta_list), servers, chunk, max_meta)
+        return Unpacked(cols.rows(_keys(blob, kat, klen), 0, n, meta_of), servers, chunk, max_meta)
+    keys = _keys(blob, kat, klen)
     # any shape: each kind of object built by one comprehension, then grouped by the counts
     reps = [Replica(sv, ch, of) for sv, ch, of in zip(server, chunk, offset, strict=True)]
     extents = [Extent(ln, c, rs) for ln, c, rs in zip(elen, ecrc, _groups(reps, ereps), strict=True)]

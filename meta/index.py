@@ -88,6 +88,7 @@ from kvfs.meta.tombstones import (
     tomb_layout,
 )
 from kvfs.meta.walsync import WalSync
+from kvfs.packed import LazyStaged
 
 if TYPE_CHECKING:
     from _typeshed import SupportsRichComparison
@@ -663,13 +664,16 @@ class MetaIndex(ServerRegistry):
             raise self._wal.failed
         n = self.config.commit_group_max_keys
         if len(staged) <= n:
+            if isinstance(staged, LazyStaged):  # (built once: the group walks its rows more than once)
+                staged = staged[:]
             pending = self._queue_commit(staged, now, expires_at, check, if_absent, chunks)
             await pending.done
             return pending.present
         # Past a group's keys: in parts of a group's keys, each queued once the one before
         # is written and synced, so the loop is free between them and the COMMITs that
         # arrive meanwhile go in between (one group of 16,384 keys held it 38-71 ms on
-        # RocksDB, bench/RESULTS.md).  As a DELETE's pages, a crash may keep a prefix of the
+        # RocksDB, bench/RESULTS.md); a packed COMMIT's part is built as it is queued (a
+        # slice of :class:`~kvfs.packed.LazyStaged`).  As a DELETE's pages, a crash may keep a prefix of the
         # parts; a part that fails is the COMMIT's answer, and the parts after it are not
         # written.
         present: list[int] = []

@@ -222,9 +222,11 @@ class MetaService:
         ttl = self.config.default_ttl_s if req.ttl_s is None else req.ttl_s
         now = self.clock()
         expires_at = None if ttl is None else now + float(ttl)
-        staged: list[tuple[bytes, Layout]]
+        staged: Sequence[tuple[bytes, Layout]]
         if req.packed is not None:  # checked and built a column at a time (kvfs.packed)
-            batch = unpack_layouts(req.packed, now, expires_at)
+            # a COMMIT the local index writes in parts: each part's layouts built as it is queued
+            lazy = None if self.local is None else self.local.config.commit_group_max_keys
+            batch = unpack_layouts(req.packed, now, expires_at, lazy_over=lazy)
             staged, named, max_meta = batch.staged, batch.servers, batch.max_meta
             chunks: Collection[int] | None = batch.chunks
         else:

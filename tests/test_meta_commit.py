@@ -17,6 +17,7 @@ import os
 import sqlite3
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,7 @@ import pytest
 from conftest import FakeClock
 from poll import until_alive
 
+from kvfs import packed
 from kvfs.client import AsyncClient
 from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import ServerError, StaleLayout
@@ -174,6 +176,38 @@ async def test_a_commit_in_parts_leaves_the_loop_free_between_them_and_numbers_p
     assert [c[0][:1] for c in spy.calls] == [b"d", b"x", b"d", b"d"]  # x between two parts
     assert [len(c) for c in spy.calls] == [10, 2, 8, 9]
     assert ix.commit_syncs >= 4
+
+
+async def test_a_packed_commit_in_parts_builds_each_parts_layouts_as_it_is_queued(
+        make_index: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A packed COMMIT past the group bound, unpacked lazily (as meta's COMMIT handler does for
+    its local index): each part's keys and layouts are built after the part before was
+    written, not all in the first step; what is stored is the whole batch."""
+    ix = make_index(commit_group_max_keys=10)
+    events: list[tuple[Any, ...]] = []
+    spy = Spy(ix.store, [])
+
+    def put_many(batch: Iterable[Any], *rest: Any) -> None:
+        spy(batch, *rest)
+        events.append(("written", len(spy.calls[-1])))
+
+    built = packed._SingleColumns.rows
+
+    def rows_of(self: Any, keys: list[bytes], i: int, j: int, meta_of: Any) -> Any:
+        events.append(("built", i, j))
+        return built(self, keys, i, j, meta_of)
+
+    monkeypatch.setattr(ix.store, "put_many", put_many)
+    monkeypatch.setattr(packed._SingleColumns, "rows", rows_of)
+    want = [(k, Layout(10, 7, 0.0, None, (Extent(10, 7, (Replica(1, (1 << 40) + i, i),)),)))
+            for i, (k, _) in enumerate(rows("d", 25))]
+    staged = unpack_layouts(pack_layouts([k for k, _ in want], [lay for _, lay in want]), 100.0, None,
+                            lazy_over=10).staged
+    assert events == []  # checked, nothing built
+    assert await ix.commit(staged, 100.0, None, chunks=[]) == []
+    assert events == [("built", 0, 10), ("written", 10), ("built", 10, 20), ("written", 10),
+                      ("built", 20, 25), ("written", 5)]
+    assert {k: ix.entries[k] for k, _ in want} == {k: lay.stamped(100.0, None) for k, lay in want}
 
 
 async def test_a_part_refused_fails_its_commit_and_the_parts_after_it_are_not_written(
@@ -655,6 +689,24 @@ async def test_a_lookup_rpc_is_answered_while_a_put_waits_for_its_sync(
         held.go.set()
         await put
         assert await other.get(b"b") == b"y" * 1000
+
+
+async def test_meta_builds_a_large_packed_commits_layouts_a_part_at_a_time(
+        cluster: LocalCluster, kv: AsyncClient, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put of more keys than a group holds: meta's COMMIT handler unpacks it lazily, and
+    its parts' layouts are built one part at a time (here 25 keys, parts of 10)."""
+    assert cluster.meta is not None and cluster.meta.local is not None
+    ix = cluster.meta.local
+    monkeypatch.setattr(ix, "config", replace(ix.config, commit_group_max_keys=10))
+    built: list[tuple[int, int]] = []
+    rows_of = packed._SingleColumns.rows
+    monkeypatch.setattr(packed._SingleColumns, "rows",
+                        lambda self, keys, i, j, m: built.append((i, j)) or rows_of(self, keys, i, j, m))
+    items = [(b"p%02d" % i, b"v%d" % i * 50) for i in range(25)]
+    assert await kv.put_many(items) == [True] * 25
+    assert built == [(0, 10), (10, 20), (20, 25)]
+    async with cluster.client() as other:
+        assert await other.get_many([k for k, _ in items]) == [v for _, v in items]
 
 
 async def test_a_put_whose_commit_sync_failed_fails(

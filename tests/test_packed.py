@@ -58,6 +58,42 @@ def test_many_single_extent_layouts_take_the_column_path_and_match() -> None:
     assert out.staged == [(k, lay.stamped(1.0, None)) for k, lay in zip(keys, lays, strict=True)]
 
 
+@pytest.mark.parametrize("meta", [False, True], ids=["plain", "with-metadata"])
+def test_a_lazy_batch_builds_the_same_rows_a_slice_at_a_time(meta: bool) -> None:
+    """Past ``lazy_over`` keys a batch of single-extent layouts is checked whole, but its rows
+    are built when asked: every slice, index and the whole walk give what the eager unpack
+    gives; at or under it, a plain list."""
+    n = packed.LAZY_PAGE + 700
+    lays = [_lay(4096 + i, i, [(4096 + i, i ^ 5, [(i % 3, ((i % 3) << 40) + i, i * 4096)])],
+                 meta=(b"\x81\xa1m%c" % (i % 100)) if meta and i % 3 else None) for i in range(n)]
+    keys = [b"key%d" % i + b"x" * (i % 7) for i in range(n)]  # (keys of many lengths)
+    blob = pack(keys, lays)
+    eager = unpack(blob, 2.0, 9.0).staged
+    assert eager == [(k, lay.stamped(2.0, 9.0)) for k, lay in zip(keys, lays, strict=True)]
+    assert type(unpack(blob, 2.0, 9.0, lazy_over=n).staged) is list
+    out = unpack(blob, 2.0, 9.0, lazy_over=10)
+    lazy = out.staged
+    assert isinstance(lazy, packed.LazyStaged) and len(lazy) == n
+    assert out.servers == {0, 1, 2} and list(out.chunks) == [r.chunk_id for _, lay in eager
+                                                            for r in lay.extents[0].replicas]
+    for a, b in [(0, 10), (10, 20), (5, 2100), (n - 3, n + 5), (7, 7), (None, None)]:
+        assert lazy[a:b] == eager[a:b]
+    assert lazy[0] == eager[0] and lazy[-1] == eager[-1] and lazy[1234] == eager[1234]
+    assert list(lazy) == eager
+    with pytest.raises(IndexError):
+        lazy[n]
+    with pytest.raises(ValueError, match="steps of 1"):
+        lazy[::2]
+
+
+def test_a_lazy_batch_is_still_checked_whole() -> None:
+    """A bad item past the first slice is refused by unpack itself, before any row is built."""
+    lays = [_lay(10, 1, [(10, 1, [(1, (1 << 40) + i, 0)])]) for i in range(50)]
+    lays[40] = _lay(10, 1, [(10, 1, [(1, (2 << 40) + 1, 0)])])  # a chunk of another server
+    with pytest.raises(InvalidArgument, match="replica 40"):
+        unpack(pack([b"k%d" % i for i in range(50)], lays), 1.0, None, lazy_over=10)
+
+
 @pytest.mark.parametrize("n", [1, 300, packed._SPLIT_KEYS + 1])
 @pytest.mark.parametrize("same_length", [True, False])
 def test_keys_of_one_length_or_many_come_back_as_packed(n: int, same_length: bool) -> None:
