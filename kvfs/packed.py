@@ -306,8 +306,9 @@ class LazyStaged(Sequence[tuple[bytes, Layout]]):
             if step != 1:
                 raise ValueError("LazyStaged slices go in steps of 1")
             return self._rows(start, max(start, stop))
-        n = len(self)
-        k = index(i) + n if index(i) < 0 else index(i)
+        n, k = len(self), index(i)
+        if k < 0:
+            k += n
         if not 0 <= k < n:
             raise IndexError(f"item {i} of {n}")
         return self._rows(k, k + 1)[0]
