@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# A meta's start-up on RocksDB through rocksdict's iterator of pairs (bench/RESULTS.md): seconds to
+# the ready line of `kvfs meta` on a store of 1M and of 10M keys (filled once, 64-byte keys, one
+# extent of one replica each), the worktree BEFORE (its own venv) and main alternated, 3 rounds.
+# Usage: BEFORE=/work/wt/before bash bench/results/meta-start-2026-12-05.sh DIR_1M DIR_10M > OUT
+set -u
+MAIN=$(cd "$(dirname "$0")/../.." && pwd)
+for r in 1 2 3; do
+  for t in before main; do
+    d=$BEFORE; [ $t = main ] && d=$MAIN
+    echo "== round $r, $t ($(git -C "$d" log --oneline -1 | cut -c1-7))"
+    for data in "$@"; do
+      (cd "$d" && .venv/bin/python "$MAIN/bench/results/meta-start-2026-12-05.py" "$data")
+    done
+  done
+done
