@@ -1,7 +1,8 @@
 """Meta's lookup latency while other clients put, delete or run GC: what meta's syncs cost the readers.
 
 ``python -m kvfs.bench.lookup_during_puts [--during puts|delete|gc] [--seconds 5]
-[--writers 1] [--iodepth 4] [--batch 128] [--bs 4096] [--prefill 100000] [--keys seq|hashed]`` (from a tree
+[--writers 1] [--iodepth 4] [--batch 128] [--bs 4096] [--prefill 100000] [--keys seq|hashed]
+[--meta-arg=ARG ...]`` (from a tree
 whose kvfs lacks this module: ``python PATH/bench/lookup_during_puts.py``) starts a
 process cluster (``kvfs meta`` and 3 chunkservers, each its own process, default
 ``--fsync batch``), fills 1,000 keys, then runs two phases of ``--seconds`` each and
@@ -128,7 +129,7 @@ def summary(lat: list[float]) -> dict[str, float]:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
-        cluster = ProcessCluster(Path(tmp) / "c", 3, listen="127.0.0.1:0")
+        cluster = ProcessCluster(Path(tmp) / "c", 3, listen="127.0.0.1:0", meta_args=tuple(args.meta_arg))
         await cluster.start()
         try:
             async with cluster.client() as kv:
@@ -161,7 +162,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if k in loads[0]:
             out[k] = sum(x[k] for x in loads)
     return {**out, "writers": args.writers, "iodepth": args.iodepth, "batch": args.batch, "bs": args.bs,
-            "keys": args.keys}
+            "keys": args.keys, "meta_args": args.meta_arg}
 
 
 
@@ -179,6 +180,8 @@ def main() -> None:
                     help="--during delete: keys each writer puts first, then deletes (default 100000)")
     ap.add_argument("--keys", choices=("seq", "hashed"), default="seq",
                     help="--during puts: the writers' keys, sequential names or random hex (default seq)")
+    ap.add_argument("--meta-arg", action="append", default=[], metavar="ARG",
+                    help="an argument for `kvfs meta` (repeat it; e.g. --meta-arg=--commit-group-max-keys=1024)")
     args = ap.parse_args()
     print(json.dumps(asyncio.run(run(args))), flush=True)
 

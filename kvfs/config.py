@@ -179,7 +179,7 @@ class MetaConfig(ServerConfig):
                                      "(the COMMITs that arrive while one is synced share the "
                                      "next; a larger COMMIT is written in parts of this many keys, "
                                      "a write and a sync each, meta's loop free between them; "
-                                     "--fsync always: one COMMIT per transaction)", 2048, positive=True)
+                                     "--fsync always: one COMMIT per transaction)", 1024, positive=True)
     commit_group_max_bytes: int = opt("group commit: most bytes (keys + encoded layouts) written "
                                       "by one write of meta's store", 16 * MiB, positive=True)
 

@@ -1,12 +1,14 @@
 """Meta's longest loop step on one 16,384-key COMMIT, its blob packed before the timed call
 (meta's work alone: write-stall-2026-12-04.py packs in the step it times), on RocksDB (meta's
 default) with N random 64-byte keys stored; 6 rounds (bench/RESULTS.md, "a large COMMIT's
-layouts built a part at a time").  Usage: python bench/results/commit-lazy-2026-12-05.py 300000 [KEYS PER COMMIT: 16384]"""
+layouts built a part at a time").  Usage: python bench/results/commit-lazy-2026-12-05.py 300000
+[KEYS PER COMMIT: 16384] [--commit-group-max-keys: meta's default]"""
 import asyncio
 import hashlib
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,9 @@ def lay(i: int, chunk: int | None = None) -> Layout:
 async def main(n: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         m = LocalMeta(Path(tmp) / "meta", "rocksdb")
+        if len(sys.argv) > 3:
+            ix = m.meta.index
+            ix.config = replace(ix.config, commit_group_max_keys=int(sys.argv[3]))
         await m.open()
         t0 = time.perf_counter()
         for lo in range(0, n, 4096):
@@ -41,7 +46,7 @@ async def main(n: int) -> None:
             async def commit(blob: bytes = blob) -> Any:
                 return await m.meta.rpc_commit(m.rpc.Commit(packed=blob), memoryview(b""))
             wall, longest, ticks = await stalled(commit)
-            print(f"COMMIT {PER} (packed before): wall {wall:.0f} ms, longest step {longest:.1f} ms, "
+            print(f"COMMIT {PER} (packed before, groups of {m.meta.index.config.commit_group_max_keys}): wall {wall:.0f} ms, longest step {longest:.1f} ms, "
                   f"ticks {ticks}", flush=True)
 
 
