@@ -67,7 +67,7 @@ DEAD_AFTER_S = 3.0
 RESTORE_DEADLINE_S = 120.0  # the kill's restore time past this: reported as not restored
 SUM_FIELDS = ("puts_ok", "puts_failed", "asked", "reads", "wrong", "misses", "read_errors", "overwritten",
               "deleted", "expiring", "after_ttl", "kept_present", "stored_absent", "left_old", "files_written",
-              "leased", "evicted")
+              "leased", "evicted", "rewritten")
 OVERWRITE_EVERY = 4  # every 4th put of a writer puts a batch of its keys again, as new versions
 DELETE_EVERY = 7  # and every 7th deletes a batch of them
 TTL_EVERY = 5  # and every 5th puts its new keys with a 2 s TTL
@@ -335,7 +335,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{fig['keys_committed']} keys committed, {fig['overwritten']} overwrites, {fig['deleted']} deleted, "
           f"{fig['expiring']} put with a TTL, {fig['files_written']} written as files through the mount, "
           f"{fig['leased']} leased; {fig['gc_keys_evicted']} evicted by GC, found so by {fig['evicted']} "
-          f"reads and {fig['final_evicted']} of the final check")
+          f"reads and {fig['final_evicted']} of the final check; {fig['rewritten']} puts and deletes "
+          f"written again after meta refused their COMMIT for a reclaimed chunk")
     print(f"wrong values: {fig['wrong_total']}  committed values lost: {fig['values_lost']}  "
           f"longest read: {fig['longest_read_s']}s  replicas restored {fig['restore_s']}s after the kill  "
           f"flipped replica mended {fig['flip_mended_s']}s after the flip")

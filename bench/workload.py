@@ -134,6 +134,7 @@ class Figures:
     files_written: int = 0  # keys written as files through the mount (new, or as a next version)
     leased: int = 0  # keys leased by exists_many or match_prefix (``lease_every``), read again during the lease
     evicted: int = 0  # misses of committed keys meta no longer had after (``evicting``: eviction's)
+    rewritten: int = 0  # the writer's puts and deletes written again after a refused COMMIT (its counter)
 
     @property
     def seconds(self) -> float:
@@ -148,7 +149,14 @@ class Figures:
                 "deleted": self.deleted, "expiring": self.expiring,
                 "after_ttl": self.after_ttl, "kept_present": self.kept_present,
                 "stored_absent": self.stored_absent, "left_old": self.left_old,
-                "files_written": self.files_written, "leased": self.leased, "evicted": self.evicted}
+                "files_written": self.files_written, "leased": self.leased, "evicted": self.evicted,
+                "rewritten": self.rewritten}
+
+
+def _rewritten(client: AsyncClient) -> int:
+    """The client's count of puts and deletes written again (``WritePath.rewritten``); 0 for a
+    stand-in client without a write path (the harness's own tests)."""
+    return int(getattr(getattr(client, "writer", None), "rewritten", 0))
 
 
 class MixedWorkload:
@@ -189,6 +197,7 @@ class MixedWorkload:
                  files: AbstractFileSystem | None = None, lease_every: int = 0,
                  lease_s: float = 3.0, evicting: bool = False) -> None:
         self.writer, self.reader, self.blocking = writer, reader, blocking
+        self._rewritten = _rewritten(writer)  # its count when this phase began
         self.mount, self.mount_stale_s, self.files = mount, mount_stale_s, files
         self.mount_write_every = mount_write_every if mount is not None else 0
         self.apis = tuple(a for a in READ_APIS if (blocking is not None or not a.startswith("sync"))
@@ -234,6 +243,8 @@ class MixedWorkload:
         """Close the current phase (returned) and start counting a new one."""
         done = self.now
         done.ended = time.monotonic()
+        rewritten = _rewritten(self.writer)  # (the client's counter: this phase's part)
+        done.rewritten, self._rewritten = rewritten - self._rewritten, rewritten
         self.history.append(done)
         self.now = Figures(name)
         return done

@@ -838,6 +838,7 @@ class AsyncClient:
             # meta refused the whole DELETE, before deleting any key: a tombstone landed in a
             # chunk the GC reclaimed meanwhile (a full cluster compacts fast: 1 of 4,230
             # deletes in the full-cluster soak of 2026-12-05). Written again, once
+            self.writer.rewritten += 1
             return await self._delete(ks)
 
     async def _delete(self, ks: list[bytes]) -> int:

@@ -84,6 +84,9 @@ class WritePath:
         self._committing: asyncio.AbstractEventLoop | None = None
         self._commit_queue: list[_Queued] = []
         self._flushes: set[asyncio.Task[None]] = set()  # (held: a task only weakly referenced may go)
+        # puts (and deletes' tombstones) written again after meta refused their COMMIT for a
+        # chunk the GC reclaimed meanwhile (public counter)
+        self.rewritten = 0
 
     async def put(self, keys: list[bytes], views: Sequence[Source], *, replicas: int,
                   ttl: float | None, if_absent: bool = False,
@@ -118,6 +121,7 @@ class WritePath:
         except StaleLayout as exc:
             log.info("a put's COMMIT named a chunk the GC reclaimed meanwhile (%s): writing its "
                      "%d values again", exc, len(keys))
+            self.rewritten += 1
         return await self._put(keys, views, replicas, ttl, if_absent, metas, tried, sizes)
 
     async def _put(self, keys: list[bytes], views: Sequence[Source], replicas: int,

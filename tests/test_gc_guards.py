@@ -194,7 +194,7 @@ async def test_commit_refuses_a_layout_naming_a_retired_chunk_and_the_client_wri
         assert report.chunks_deleted == 1 and chunk_files(one) == set()
         commit.release()
         assert await put is True
-        assert len(sent) == 2  # refused (its chunk was retired), then again
+        assert len(sent) == 2 and kv.writer.rewritten == 1  # refused (its chunk was retired), then again
         first, again = (unpack(req.packed, 0.0, None).staged[0][1].extents[0].replicas[0].chunk_id
                          for req in sent)
         assert first != again and chunk_files(one) != set()
@@ -225,10 +225,10 @@ async def test_a_put_refused_twice_for_retired_chunks_says_so(
         monkeypatch.setattr(ix, "check_not_dead", all_dead)
         with pytest.raises(StaleLayout, match="retry the put"):
             await kv.put("k", value_of("other"))
-        assert commits == 2
+        assert commits == 2 and kv.writer.rewritten == 1
         with pytest.raises(StaleLayout, match="retry the put"):
             await kv.put("new", value_of("new"), if_absent=True)
-        assert commits == 4
+        assert commits == 4 and kv.writer.rewritten == 2
         monkeypatch.undo()
         assert await kv.get("k") == value_of("k")
         assert await kv.get("new") is None
@@ -289,7 +289,7 @@ async def test_delete_refuses_a_tombstone_in_a_retired_chunk_and_the_client_writ
         assert report.chunks_deleted == 1 and len(chunk_files(one)) == len(files) - 1
         delete.release()
         assert await gone is True
-        assert len(sent) == 2  # refused (the first tombstone's chunk was retired), then again
+        assert len(sent) == 2 and kv.writer.rewritten == 1  # refused (the first tombstone's chunk was retired), then again
         first, again = (req.tombstones[0][0].chunk_id for req in sent)
         assert first != again and one.meta.index.tombstones[b"k"].layout.extents[0].replicas[0].chunk_id == again
         assert await kv.get("k") is None
