@@ -4,16 +4,12 @@
 # then 4 KiB x 128 puts end to end (the common COMMIT, not lazy: no change expected), the
 # worktree BEFORE (its own venv) and main alternated, 2 rounds.
 # Usage: BEFORE=/work/wt/before bash bench/results/commit-lazy-2026-12-05.sh > OUT
-set -u
-MAIN=$(cd "$(dirname "$0")/../.." && pwd)
-for r in 1 2; do
-  for t in before main; do
-    d=$BEFORE; [ $t = main ] && d=$MAIN
-    echo "== round $r, $t ($(git -C "$d" log --oneline -1 | cut -c1-7))"
-    for per in 16384 131072; do
-      (cd "$d" && .venv/bin/python "$MAIN/bench/results/commit-lazy-2026-12-05.py" 300000 $per | grep COMMIT)
-    done
-    (cd "$d" && timeout 300 .venv/bin/kvfs bench --rw write --bs 4k --batch 128 --iodepth 4 --size 32m \
-      --time_based --runtime 6 --cpu --cluster processes 2>&1 | grep -E "IOPS=|cpu \(")
+. "$(dirname "$0")/alternate.sh"
+step() {
+  for per in 16384 131072; do
+    .venv/bin/python "$MAIN/bench/results/commit-lazy-2026-12-05.py" 300000 $per | grep COMMIT
   done
-done
+  timeout 300 .venv/bin/kvfs bench --rw write --bs 4k --batch 128 --iodepth 4 --size 32m \
+    --time_based --runtime 6 --cpu --cluster processes 2>&1 | grep -E "IOPS=|cpu \("
+}
+alternate 2 step

@@ -4,14 +4,10 @@
 # then large client COMMITs end to end (4 KiB x 512, 8 calls in flight: the client's group
 # commit merges them), the worktree BEFORE (its own venv) and main alternated, 2 rounds.
 # Usage: BEFORE=/work/wt/before bash bench/results/commit-parts-2026-12-05.sh > OUT
-set -u
-MAIN=$(cd "$(dirname "$0")/../.." && pwd)
-for r in 1 2; do
-  for t in before main; do
-    d=$BEFORE; [ $t = main ] && d=$MAIN
-    echo "== round $r, $t ($(git -C "$d" log --oneline -1 | cut -c1-7))"
-    (cd "$d" && .venv/bin/python "$MAIN/bench/results/write-stall-2026-12-04.py" 300000 rocksdb | grep COMMIT)
-    (cd "$d" && timeout 300 .venv/bin/kvfs bench --rw write --bs 4k --batch 512 --iodepth 8 --size 1g \
-      --time_based --runtime 6 --cpu --cluster processes 2>&1 | grep -E "IOPS=|cpu \(")
-  done
-done
+. "$(dirname "$0")/alternate.sh"
+step() {
+  .venv/bin/python "$MAIN/bench/results/write-stall-2026-12-04.py" 300000 rocksdb | grep COMMIT
+  timeout 300 .venv/bin/kvfs bench --rw write --bs 4k --batch 512 --iodepth 8 --size 1g \
+    --time_based --runtime 6 --cpu --cluster processes 2>&1 | grep -E "IOPS=|cpu \("
+}
+alternate 2 step

@@ -4,14 +4,11 @@
 # extent of one replica each), the worktree BEFORE (its own venv) and main alternated, 3 rounds.
 # Stores: python bench/results/meta-fill-2026-12-05.py 1000000 DIR_1M (and 10000000 DIR_10M).
 # Usage: BEFORE=/work/wt/before bash bench/results/meta-start-2026-12-05.sh DIR_1M DIR_10M > OUT
-set -u
-MAIN=$(cd "$(dirname "$0")/../.." && pwd)
-for r in 1 2 3; do
-  for t in before main; do
-    d=$BEFORE; [ $t = main ] && d=$MAIN
-    echo "== round $r, $t ($(git -C "$d" log --oneline -1 | cut -c1-7))"
-    for data in "$@"; do
-      (cd "$d" && .venv/bin/python "$MAIN/bench/results/meta-start-2026-12-05.py" "$data")
-    done
+. "$(dirname "$0")/alternate.sh"
+step() {
+  local data
+  for data in "$@"; do
+    .venv/bin/python "$MAIN/bench/results/meta-start-2026-12-05.py" "$data"
   done
-done
+}
+alternate 3 step "$@"
