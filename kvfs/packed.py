@@ -339,7 +339,8 @@ def unpack(blob: bytes, created: float, expires_at: float | None, *,
     """Check a packed blob and build its layouts, stamped ``created``/``expires_at``.
     ``lazy_over``: a batch of more keys than that, of one extent of one replica each, is
     checked whole but its keys and layouts are built a slice at a time, when asked
-    (:class:`LazyStaged`)."""
+    (:class:`LazyStaged`); meta passes its part size (``--commit-group-max-keys``), so a
+    lazy batch is always taken a part, a slice, at a time."""
     if len(blob) < HEAD.size:
         raise _bad(f"{len(blob)} bytes is shorter than its {HEAD.size}-byte head")
     magic, n, ne, nr, nmeta = HEAD.unpack_from(blob)

@@ -88,7 +88,6 @@ from kvfs.meta.tombstones import (
     tomb_layout,
 )
 from kvfs.meta.walsync import WalSync
-from kvfs.packed import LazyStaged
 
 if TYPE_CHECKING:
     from _typeshed import SupportsRichComparison
@@ -664,8 +663,6 @@ class MetaIndex(ServerRegistry):
             raise self._wal.failed
         n = self.config.commit_group_max_keys
         if len(staged) <= n:
-            if isinstance(staged, LazyStaged):  # (built once: the group walks its rows more than once)
-                staged = staged[:]
             pending = self._queue_commit(staged, now, expires_at, check, if_absent, chunks)
             await pending.done
             return pending.present
