@@ -286,11 +286,12 @@ class LazyStaged(Sequence[tuple[bytes, Layout]]):
     that queues it, so its first step is not the whole batch's keys and layouts (16,384 of
     them took 11-15 ms, bench/RESULTS.md).  Each ask builds anew: take a slice once."""
 
-    __slots__ = ("_at", "_blob", "_cols", "_klen", "_metas")
+    __slots__ = ("_at", "_blob", "_cols", "_klen", "_metas", "_next")
 
     def __init__(self, blob: bytes, at: int, klen: array[int], cols: _SingleColumns,
                  metas: list[bytes | None] | None) -> None:
         self._blob, self._at, self._klen, self._cols, self._metas = blob, at, klen, cols, metas
+        self._next = (0, at)  # (item, where its key starts) after the last slice built
 
     def __len__(self) -> int:
         return len(self._klen)
@@ -319,7 +320,12 @@ class LazyStaged(Sequence[tuple[bytes, Layout]]):
 
     def _rows(self, i: int, j: int) -> list[tuple[bytes, Layout]]:
         klen = self._klen
-        keys = _keys(self._blob, self._at + sum(klen[:i]), klen[i:j]) if j > i else []
+        item, at = self._next  # (slices in order, the common case: no sum of the keys before)
+        if item != i:
+            at = self._at + sum(klen[:i])
+        part = klen[i:j]
+        self._next = (j, at + sum(part))
+        keys = _keys(self._blob, at, part) if j > i else []
         return self._cols.rows(keys, i, j, repeat(None) if self._metas is None else self._metas[i:j])
 
 
