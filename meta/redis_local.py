@@ -219,13 +219,17 @@ class LocalRedisCluster:
         raise Unavailable(f"redis-server would not start in {d} {where}: {last}")
 
     def _wait_listening(self, node: RedisNode) -> bool:
-        """True once the node answers PING; False if it exited (a port in use)."""
+        """True once the node answers PING; False if it exited, or if the server answering on
+        its port is another process (the port was in use: this one is about to exit on it,
+        and a cluster made with the other would find it "not empty")."""
         deadline = time.monotonic() + self.ready_timeout_s
         while time.monotonic() < deadline:
             if node.proc.poll() is not None:
                 return False
             if _command(node.port, b"PING") in (b"+PONG", b"-LOADING Redis is loading the dataset in memory"):
-                return True  # listening (a persistent node may still be reading its file)
+                # listening (a persistent node may still be reading its file): but whose?
+                info = _command(node.port, b"INFO", b"server") or b""
+                return b"process_id:%d\r\n" % node.proc.pid in info
             time.sleep(0.02)
         raise Unavailable(f"redis-server on port {node.port} did not answer within "
                           f"{self.ready_timeout_s} s: {_tail(node.dir / 'redis.log')}")
