@@ -69,6 +69,7 @@ from kvfs.chunkserver.records import RECORD  # the record format: meta counts it
 from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import ServerError, StaleLayout
 from kvfs.layout import Layout, Replica, encode_layout, encode_layout_buffer, server_of_chunk
+from kvfs.meta.keymap import KeyMap
 from kvfs.meta.localstore import LocalStore
 from kvfs.meta.repair import readable
 from kvfs.meta.store import NO_EXPIRY
@@ -256,9 +257,11 @@ class MetaIndex(ServerRegistry):
         self.store = store
         # key -> layout: the index holds the layout itself, no object per key around it (a
         # commit makes none but the layout: bench/RESULTS.md); a key's last access (LRU) is
-        # its layout's ``created`` (meta's commit time) unless it was read since: ``accessed``
-        self.entries: dict[bytes, Layout] = {}
-        self.accessed: dict[bytes, float] = {}  # keys read since their commit -> last access
+        # its layout's ``created`` (meta's commit time) unless it was read since: ``accessed``;
+        # both, and ``dirty_access``, split over many dicts, the same key in the same shard of
+        # each (a dict's growth copies it whole in one step: kvfs.meta.keymap)
+        self.entries: KeyMap[Layout] = KeyMap()
+        self.accessed: KeyMap[float] = KeyMap()  # keys read since their commit -> last access
         self.chunk_live: dict[int, int] = {}
         # chunk id -> the keys whose layout names a replica in it (compaction's references,
         # GC_CHUNK_REFS of chunks: O(those keys), never a walk of every key); derived from the
@@ -275,7 +278,7 @@ class MetaIndex(ServerRegistry):
         self.ghosts = Ghosts()  # records of keys dropped without a tombstone, chunks still there
         self.seq_high: dict[int, int] = {}  # server id -> highest chunk seq a layout named
         self.leases: dict[bytes, dict[str, float]] = {}  # key -> holder -> lease end (storeapi.Lease)
-        self.dirty_access: dict[bytes, float] = {}  # last_access not yet written to SQLite
+        self.dirty_access: KeyMap[float] = KeyMap()  # last_access not yet written to the store
         self.retired: dict[int, float] = {}  # retired chunks: refused by commit and switch forever
         self.claims: dict[str, tuple[str, float]] = {}  # lease name -> (holder, monotonic end)
         self.leases_overflowed = 0  # leases given the overflow holder since start (STATS)
@@ -293,13 +296,15 @@ class MetaIndex(ServerRegistry):
     def load(self) -> None:
         # every stored key: its live bytes and chunk keys as add_live and index_chunks count
         # them, inlined (per key: a meta's start-up is this loop), seq_high once per chunk
-        entries, accessed, live, keys_in = self.entries, self.accessed, self.chunk_live, self.chunk_keys
+        entries, accessed, mask = self.entries.shards, self.accessed.shards, self.entries.mask
+        live, keys_in = self.chunk_live, self.chunk_keys
         get, nbytes = live.get, 0
         for key, layout, last_access in self.store.load():
-            entries[key] = layout
+            i = hash(key) & mask  # (the shard: KeyMap's, inlined, as in every per-key loop here)
+            entries[i][key] = layout
             nbytes += layout.size
             if last_access != layout.created:
-                accessed[key] = last_access
+                accessed[i][key] = last_access
             overhead = RECORD_OVERHEAD_BYTES + len(key)
             for e in layout.extents:
                 n = e.length + overhead
@@ -583,9 +588,10 @@ class MetaIndex(ServerRegistry):
     def lookup_now(self, keys: Sequence[bytes], now: float,
                    lease: Lease | None = None) -> list[Layout | None]:
         out: list[Layout | None] = []
-        dirty, accessed, entries = self.dirty_access, self.accessed, self.entries
+        dirty, accessed, entries, mask = self.dirty_access.shards, self.accessed.shards, self.entries.shards, self.entries.mask
         for k in keys:  # (self.get, inlined: this runs per looked-up key)
-            lay = entries.get(k)
+            i = hash(k) & mask
+            lay = entries[i].get(k)
             if lay is None:
                 out.append(None)
                 continue
@@ -594,7 +600,7 @@ class MetaIndex(ServerRegistry):
                 out.append(None)
             else:
                 out.append(lay)
-                accessed[k] = dirty[k] = now
+                accessed[i][k] = dirty[i][k] = now
         if lease is not None:
             self.lease([k for k, lay in zip(keys, out, strict=True) if lay is not None], now, lease)
         return out
@@ -603,10 +609,11 @@ class MetaIndex(ServerRegistry):
         self.touch_now(keys, now)
 
     def touch_now(self, keys: Sequence[bytes], now: float) -> None:
-        entries, accessed, dirty = self.entries, self.accessed, self.dirty_access
+        entries, accessed, dirty, mask = self.entries.shards, self.accessed.shards, self.dirty_access.shards, self.entries.mask
         for k in keys:
-            if k in entries:
-                accessed[k] = dirty[k] = now
+            i = hash(k) & mask
+            if k in entries[i]:
+                accessed[i][k] = dirty[i][k] = now
 
     def _present(self, keys: Sequence[bytes], now: float) -> list[bool]:
         """:meth:`readable` of each key, for lookups of many keys: with no server gone (the
@@ -615,10 +622,10 @@ class MetaIndex(ServerRegistry):
         gone = self.gone_servers()
         if gone:
             return [self.readable(k, now, gone) for k in keys]
-        entries = self.entries
+        entries, mask = self.entries.shards, self.entries.mask
         out = []
         for k in keys:
-            lay = entries.get(k)
+            lay = entries[hash(k) & mask].get(k)
             if lay is None:
                 out.append(False)
             else:
@@ -797,7 +804,8 @@ class MetaIndex(ServerRegistry):
         overwritten (the record replaced, and those before it), put again after a delete
         whose tombstone meta kept (records before the delete: their expiry unknown), or
         put again while a record of it dropped without a tombstone is there (``ghosts``)."""
-        entries, older, tombs, ghosts = self.entries, self.older, self.tombstones, self.ghosts
+        entries, older, tombs, ghosts = self.entries.shards, self.older, self.tombstones, self.ghosts
+        mask = self.entries.mask
         out: dict[bytes, float | None] = {}
         last: dict[bytes, Layout] = {}  # a key twice in the group: its first row is older
         for c in group:
@@ -806,7 +814,7 @@ class MetaIndex(ServerRegistry):
                     continue  # so (its value is None whatever this row is: not written again)
                 before = last.get(key)
                 if before is None:
-                    before = entries.get(key)
+                    before = entries[hash(key) & mask].get(key)
                 last[key] = lay
                 ghost: float | None = NO_GHOST
                 if before is None and key not in tombs:
@@ -842,11 +850,11 @@ class MetaIndex(ServerRegistry):
             rows += len(c.staged)
             for key, lay in c.staged:
                 final[key] = lay.expires_at
-        entries = self.entries
+        entries, mask = self.entries.shards, self.entries.mask
         out: list[tuple[bytes, float]] = []
         if rows == len(final):  # each key once: the common case
             for key, new in final.items():
-                before = entries.get(key)
+                before = entries[hash(key) & mask].get(key)
                 if before is not None and (exp := before.expires_at) is not None and exp != new:
                     out.append((key, exp))
             return out
@@ -856,7 +864,7 @@ class MetaIndex(ServerRegistry):
                 if lay.expires_at is not None:
                     met.setdefault(key, set()).add(lay.expires_at)
         for key, new in final.items():
-            before = entries.get(key)
+            before = entries[hash(key) & mask].get(key)
             olds = met.get(key, set())
             if before is not None and before.expires_at is not None:
                 olds.add(before.expires_at)
@@ -881,12 +889,13 @@ class MetaIndex(ServerRegistry):
         # the entries and the live bytes per chunk, key by key (add_live's, inlined: this runs
         # per committed key); seq_high once per chunk the group names (note_chunks' work)
         # and ``chunk_keys`` (index_chunks's, inlined too)
-        entries, live, keys_in = self.entries, self.chunk_live, self.chunk_keys
+        entries, live, keys_in, mask = self.entries.shards, self.chunk_live, self.chunk_keys, self.entries.mask
         get, chunks, nbytes = live.get, set(), 0
         for c in group:
             for key, lay in c.staged:
-                old = entries.get(key)
-                entries[key] = lay
+                shard = entries[hash(key) & mask]
+                old = shard.get(key)
+                shard[key] = lay
                 nbytes += lay.size
                 overhead = RECORD_OVERHEAD_BYTES + len(key)
                 if old is not None:
@@ -907,12 +916,13 @@ class MetaIndex(ServerRegistry):
                         except KeyError:
                             keys_in[cid] = {key: None}
         self.value_bytes += nbytes
-        accessed, dirty = self.accessed, self.dirty_access
-        if accessed:  # (its last access is its commit now: the layout's created)
+        if self.accessed:  # (its last access is its commit now: the layout's created)
+            accessed, dirty = self.accessed.shards, self.dirty_access.shards
             for c in group:
                 for key, _ in c.staged:
-                    if accessed.pop(key, None) is not None:
-                        dirty.pop(key, None)
+                    i = hash(key) & mask
+                    if accessed[i].pop(key, None) is not None:
+                        dirty[i].pop(key, None)
         self.note_chunk_ids(chunks)
 
     async def delete(self, keys: Sequence[bytes], tombstones: Sequence[Layout] = ()) -> int:
@@ -1294,7 +1304,7 @@ class MetaIndex(ServerRegistry):
                     del leases[k]
         if self._wal.failed is not None:
             return
-        dirty, self.dirty_access = self.dirty_access, {}
+        dirty, self.dirty_access = self.dirty_access, KeyMap()
         try:
             # in key order: a page updates neighbouring rows, each of SQLite's pages once
             async for page in sorted_pages(list(dirty), lambda keys: ((k, dirty[k]) for k in keys)):

@@ -347,7 +347,7 @@ async def test_a_keys_last_access_is_its_commit_until_read_and_survives_restart_
     ix = make_index()
     ix.load()
     assert [ix.last_access(k) for k in (b"a", b"b", b"c")] == [100.0, 150.0, 200.0]
-    assert ix.accessed == {b"b": 150.0}  # the others' are their layouts' created
+    assert dict(ix.accessed.items()) == {b"b": 150.0}  # the others' are their layouts' created
     moved = {k: lay(999.0, 64) for k in (b"a", b"b")}
     assert await ix.switch([(k, ix.entries[k], new) for k, new in moved.items()]) == [True, True]
     assert [ix.entries[k] for k in moved] == list(moved.values())

@@ -365,7 +365,7 @@ async def test_a_flush_stopped_midway_hands_the_access_times_it_did_not_write_ba
     stored = {k: t for k, _, t in ix.store.load()}
     written = sorted(read)[:5]
     assert {k: stored[k] for k in written} == {k: read[k] for k in written}
-    assert ix.dirty_access == {**{k: read[k] for k in sorted(read)[5:]}, key(19, "k"): NOW + 500}
+    assert dict(ix.dirty_access.items()) == {**{k: read[k] for k in sorted(read)[5:]}, key(19, "k"): NOW + 500}
 
 
 async def test_eviction_spares_a_victim_read_after_it_was_chosen(meta: LocalMeta) -> None:

@@ -1,0 +1,98 @@
+"""Meta's dict of every key, split over many (kvfs.meta.keymap): the same answers as one
+dict under any sequence of changes, its keys spread evenly, and the index keeps no dict
+of every key, so growing it never copies more than a shard's."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+
+from conftest import FakeClock
+
+from kvfs.config import MetaConfig
+from kvfs.layout import Extent, Layout, Replica, make_chunk_id
+from kvfs.meta.index import MetaIndex
+from kvfs.meta.keymap import SHARDS, KeyMap
+from kvfs.meta.localstore import open_local
+
+
+def key(i: int) -> bytes:
+    return hashlib.sha256(b"%d" % i).hexdigest().encode()
+
+
+def test_a_keymap_answers_as_one_dict_under_random_changes() -> None:
+    rng = random.Random(7)
+    model: dict[bytes, int] = {}
+    km: KeyMap[int] = KeyMap()
+    pool = [key(i) for i in range(300)] + [b"", b"\x00", b"k" * 300]
+    for step in range(6000):
+        k, op = rng.choice(pool), rng.random()
+        if op < 0.4:
+            model[k] = km[k] = step
+        elif op < 0.55:
+            assert km.pop(k, None) == model.pop(k, None)
+        elif op < 0.6 and k in model:
+            del model[k]
+            del km[k]
+        elif op < 0.9:
+            assert km.get(k) == model.get(k)
+            assert km.get(k, -1) == model.get(k, -1)
+            assert (k in km) == (k in model)
+        elif op < 0.999:
+            assert len(km) == len(model) and bool(km) == bool(model)
+            assert sorted(km) == sorted(model) == sorted(km.keys())
+            assert sorted(km.items()) == sorted(model.items())
+            assert sorted(km.values()) == sorted(model.values())
+        else:
+            km.clear()
+            model.clear()
+    for k in pool:
+        if k in model:
+            assert km[k] == model[k] and km.pop(k) == model.pop(k)
+        else:
+            try:
+                km[k]
+            except KeyError:
+                pass
+            else:
+                raise AssertionError(f"{k!r} read from a KeyMap that does not hold it")
+    assert not km and len(km) == 0 and dict(KeyMap([(b"a", 1)]).items()) == {b"a": 1}
+
+
+def test_a_keymaps_keys_spread_over_its_shards() -> None:
+    """No shard holds more than twice its share: a shard's growth copies at most that."""
+    n = SHARDS * 256
+    km = KeyMap((key(i), i) for i in range(n))
+    assert len(km) == n
+    assert max(map(len, km.shards)) <= 2 * n // SHARDS
+    assert all(k in km.shard(k) for k in (key(0), key(n - 1)))
+
+
+async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeClock) -> None:
+    """Committed, read (so each key has an access time, not yet written) and loaded again at a restart: the
+    index's per-key maps hold every key and answer for it, and no one dict of them holds
+    more than twice a shard's share of the keys."""
+    n = SHARDS * 64
+
+    def lay(i: int) -> Layout:
+        return Layout(10, 7, 100.0, None, (Extent(10, 7, (Replica(1, make_chunk_id(1, i // 4096), i * 50),)),))
+
+    keys = [key(i) for i in range(n)]
+    ix = MetaIndex(MetaConfig(data=tmp_path), open_local(tmp_path, "rocksdb"), clock)
+    try:
+        await ix.commit([(k, lay(i)) for i, k in enumerate(keys)], 100.0, None)
+        assert all(lay is not None for lay in await ix.lookup(keys, 150.0))
+        assert len(ix.dirty_access) == n and max(map(len, ix.dirty_access.shards)) <= 2 * n // SHARDS
+        await ix.flush()
+    finally:
+        await ix.close()
+    ix = MetaIndex(MetaConfig(data=tmp_path), open_local(tmp_path, "rocksdb"), clock)
+    try:
+        ix.load()
+        for m in (ix.entries, ix.accessed):
+            assert len(m) == n and max(map(len, m.shards)) <= 2 * n // SHARDS
+        assert [ix.last_access(k) for k in keys] == [150.0] * n
+        assert await ix.exists([*keys, key(n)], 160.0) == [True] * n + [False]
+    finally:
+        await ix.close()
