@@ -274,7 +274,7 @@ class MetaIndex(ServerRegistry):
         self.tomb_chunks: dict[int, KeySet] = {}
         # keys with older records on the chunks -> the latest expiry among them (None: never);
         # the GC drops these with a tombstone (kvfs.meta.tombstones, "older records")
-        self.older: dict[bytes, float | None] = {}
+        self.older: KeyMap[float | None] = KeyMap()  # (as ``entries``: overwrites can reach every key)
         self.ghosts = Ghosts()  # records of keys dropped without a tombstone, chunks still there
         self.seq_high: dict[int, int] = {}  # server id -> highest chunk seq a layout named
         self.leases: dict[bytes, dict[str, float]] = {}  # key -> holder -> lease end (storeapi.Lease)
@@ -804,17 +804,19 @@ class MetaIndex(ServerRegistry):
         overwritten (the record replaced, and those before it), put again after a delete
         whose tombstone meta kept (records before the delete: their expiry unknown), or
         put again while a record of it dropped without a tombstone is there (``ghosts``)."""
-        entries, older, tombs, ghosts = self.entries.shards, self.older, self.tombstones, self.ghosts
+        entries, olders, tombs, ghosts = self.entries.shards, self.older.shards, self.tombstones, self.ghosts
         mask = self.entries.mask
         out: dict[bytes, float | None] = {}
         last: dict[bytes, Layout] = {}  # a key twice in the group: its first row is older
         for c in group:
             for key, lay in c.staged:
+                i = hash(key) & mask
+                older = olders[i]  # (the key's shard: KeyMap's, inlined)
                 if older.get(key, _UNSET) is None:  # an older record that never expires: stays
                     continue  # so (its value is None whatever this row is: not written again)
                 before = last.get(key)
                 if before is None:
-                    before = entries[hash(key) & mask].get(key)
+                    before = entries[i].get(key)
                 last[key] = lay
                 ghost: float | None = NO_GHOST
                 if before is None and key not in tombs:

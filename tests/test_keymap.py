@@ -70,9 +70,9 @@ def test_a_keymaps_keys_spread_over_its_shards() -> None:
 
 
 async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeClock) -> None:
-    """Committed, read (so each key has an access time, not yet written) and loaded again at a restart: the
-    index's per-key maps hold every key and answer for it, and no one dict of them holds
-    more than twice a shard's share of the keys."""
+    """Committed twice (so each key has an older record), read (so each has an access time,
+    not yet written) and loaded again at a restart: the index's per-key maps hold every key
+    and answer for it, and no one dict of them holds more than twice a shard's share."""
     n = SHARDS * 64
 
     def lay(i: int) -> Layout:
@@ -82,6 +82,7 @@ async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeC
     ix = MetaIndex(MetaConfig(data=tmp_path), open_local(tmp_path, "rocksdb"), clock)
     try:
         await ix.commit([(k, lay(i)) for i, k in enumerate(keys)], 100.0, None)
+        await ix.commit([(k, lay(n + i)) for i, k in enumerate(keys)], 110.0, None)  # (each key: an older record)
         assert all(lay is not None for lay in await ix.lookup(keys, 150.0))
         assert len(ix.dirty_access) == n and max(map(len, ix.dirty_access.shards)) <= 2 * n // SHARDS
         await ix.flush()
@@ -90,7 +91,7 @@ async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeC
     ix = MetaIndex(MetaConfig(data=tmp_path), open_local(tmp_path, "rocksdb"), clock)
     try:
         ix.load()
-        for m in (ix.entries, ix.accessed):
+        for m in (ix.entries, ix.accessed, ix.older):
             assert len(m) == n and max(map(len, m.shards)) <= 2 * n // SHARDS
         assert [ix.last_access(k) for k in keys] == [150.0] * n
         assert await ix.exists([*keys, key(n)], 160.0) == [True] * n + [False]
