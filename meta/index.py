@@ -268,7 +268,7 @@ class MetaIndex(ServerRegistry):
         # layouts with ``chunk_live``, the tombstones' own references left to tombstone_refs
         self.chunk_keys: dict[int, KeySet] = {}
         self.value_bytes = 0  # the stored values' sizes, summed (STATS: key_stats, no walk)
-        self.tombstones: dict[bytes, Tomb] = {}  # deleted keys' tombstones kept (kvfs.meta.tombstones)
+        self.tombstones: KeyMap[Tomb] = KeyMap()  # deleted keys' tombstones kept (kvfs.meta.tombstones)
         # chunk id -> the keys whose kept tombstone has a replica in it (tombstone_refs: O(those
         # tombstones)); derived, changed with ``tombstones`` wherever their live bytes change
         self.tomb_chunks: dict[int, KeySet] = {}
@@ -804,7 +804,7 @@ class MetaIndex(ServerRegistry):
         overwritten (the record replaced, and those before it), put again after a delete
         whose tombstone meta kept (records before the delete: their expiry unknown), or
         put again while a record of it dropped without a tombstone is there (``ghosts``)."""
-        entries, olders, tombs, ghosts = self.entries.shards, self.older.shards, self.tombstones, self.ghosts
+        entries, olders, tombs, ghosts = self.entries.shards, self.older.shards, self.tombstones.shards, self.ghosts
         mask = self.entries.mask
         out: dict[bytes, float | None] = {}
         last: dict[bytes, Layout] = {}  # a key twice in the group: its first row is older
@@ -819,7 +819,7 @@ class MetaIndex(ServerRegistry):
                     before = entries[i].get(key)
                 last[key] = lay
                 ghost: float | None = NO_GHOST
-                if before is None and key not in tombs:
+                if before is None and key not in tombs[i]:
                     if not ghosts.records:
                         continue
                     ghost = ghosts.until_of(ghost_hash(key))  # dropped, its record still there?
@@ -886,7 +886,8 @@ class MetaIndex(ServerRegistry):
                                     older.items(), replaced)
                 self.commit_groups += 1
             if self.tombstones:  # a put of a deleted key: its new record is newer than the tombstone
-                self.forget_tombstones([k for c in group for k, _ in c.staged if k in self.tombstones])
+                tombs, mask = self.tombstones.shards, self.tombstones.mask
+                self.forget_tombstones([k for c in group for k, _ in c.staged if k in tombs[hash(k) & mask]])
         self.older.update(older)
         # the entries and the live bytes per chunk, key by key (add_live's, inlined: this runs
         # per committed key); seq_high once per chunk the group names (note_chunks' work)

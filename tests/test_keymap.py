@@ -15,6 +15,7 @@ from kvfs.layout import Extent, Layout, Replica, make_chunk_id
 from kvfs.meta.index import MetaIndex
 from kvfs.meta.keymap import SHARDS, KeyMap
 from kvfs.meta.localstore import open_local
+from kvfs.meta.tombstones import tomb_layout
 
 
 def key(i: int) -> bytes:
@@ -71,8 +72,9 @@ def test_a_keymaps_keys_spread_over_its_shards() -> None:
 
 async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeClock) -> None:
     """Committed twice (so each key has an older record), read (so each has an access time,
-    not yet written) and loaded again at a restart: the index's per-key maps hold every key
-    and answer for it, and no one dict of them holds more than twice a shard's share."""
+    not yet written), loaded again at a restart, and half deleted with tombstones: the
+    index's per-key maps hold every key and answer for it, and no one dict of them holds
+    more than twice a shard's share."""
     n = SHARDS * 64
 
     def lay(i: int) -> Layout:
@@ -95,5 +97,10 @@ async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeC
             assert len(m) == n and max(map(len, m.shards)) <= 2 * n // SHARDS
         assert [ix.last_access(k) for k in keys] == [150.0] * n
         assert await ix.exists([*keys, key(n)], 160.0) == [True] * n + [False]
+        gone = keys[: n // 2]  # deleted, each keeping its tombstone
+        assert await ix.delete(gone, [tomb_layout([Replica(1, make_chunk_id(1, 9), 64 * i)], 170.0)
+                                      for i in range(len(gone))]) == len(gone)
+        assert len(ix.tombstones) == len(gone) and max(map(len, ix.tombstones.shards)) <= 2 * len(gone) // SHARDS
+        assert await ix.exists(keys, 180.0) == [False] * len(gone) + [True] * (n - len(gone))
     finally:
         await ix.close()
