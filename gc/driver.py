@@ -29,6 +29,7 @@ from kvfs.address import format_addr, lookup_token, parse_addrs
 from kvfs.cluster import ClusterLink, ServerEntry
 from kvfs.config import GcConfig, TlsConfig
 from kvfs.errors import KVFSError, NoSpace, Unavailable
+from kvfs.gc.logs import server_warnings
 from kvfs.gc.pace import Pacer
 from kvfs.gc.repair import RepairReport, repair_step
 from kvfs.gc.scrub import (
@@ -48,6 +49,7 @@ from kvfs.tls import client_context
 from kvfs.writepath import write_tombstones
 
 log = logging.getLogger("kvfs.gc")
+warn = server_warnings(log)  # (the same trouble on every pass: kvfs.gc.logs)
 
 COMPACT_BATCH_BYTES = 64 * 1024 * 1024
 RELOCATE_BATCH_BYTES = 4 * 1024 * 1024  # a GC_RELOCATE's moves (and at most half meta's --max-header)
@@ -162,6 +164,10 @@ class GarbageCollector:
         self._link = ClusterLink(metas, self.token, request_timeout_s=request_timeout_s,
                                  tls=client_context(tls), spread_meta=False)
         self._usage: dict[int, rpc.ChunkStatsReply] = {}
+        # the chunkservers the last sync_usage reached (None: none asked yet): a pass seals,
+        # compacts and deletes only on these, so a dead or unreachable server costs it one
+        # call, not one per step (its chunks wait for a pass that reaches it)
+        self._reached: set[int] | None = None
         self._write_id = 0  # the last tombstone write id (drop_shadowed)
         # the last key whose replicas the background scrub verified (None: from the first;
         # kvfs.gc.scrub.scrub_slice); each pass reports it to meta, which keeps it for the
@@ -214,10 +220,11 @@ class GarbageCollector:
             try:
                 st = await self.chunkserver(sid, rpc.ChunkStats(mtimes=mtimes))
             except Unavailable as exc:
-                log.warning("chunkserver %d (%s) unavailable: %s", sid, addr, exc)
+                warn.warning(sid, "chunkserver %d (%s) unavailable: %s", sid, addr, exc)
                 continue
             out[sid] = self._usage[sid] = st
             await self.meta(rpc.Heartbeat.of(st, server_id=sid, addr=addr))
+        self._reached = set(out)
         return out
 
     # admin ---------------------------------------------------------------------
@@ -300,7 +307,7 @@ class GarbageCollector:
         try:
             where = await write_tombstones(self._link, keys, replicas, self._write_id)
         except KVFSError as exc:
-            log.warning("cannot write the tombstones of %d keys to drop, kept for now: %s", len(keys), exc)
+            warn.warning(None, "cannot write the tombstones of %d keys to drop, kept for now: %s", len(keys), exc)
             return rpc.Tombstoned(keys=0, bytes=0)
         return await self.meta(rpc.GcTombstone(
             items=[rpc.TombstoneDrop(s.key, s.layout, w) for s, w in zip(shadowed, where, strict=True)],
@@ -313,6 +320,16 @@ class GarbageCollector:
             threshold=opts.threshold if threshold is None else threshold, grace_s=opts.grace_s,
             high=opts.high, after_expire=dry and opts.expire,
             after_evict=rpc.Watermarks(opts.high, opts.low) if dry and opts.evict else None))
+
+    def _on_reached(self, plan: rpc.Plan) -> rpc.Plan:
+        """``plan`` less the chunks on servers the last :meth:`sync_usage` did not reach."""
+        on = self._reached
+        if on is None:
+            return plan
+        return msgspec.structs.replace(
+            plan, seal=[c for c in plan.seal if c.server_id in on],
+            compact=[c for c in plan.compact if c.server_id in on],
+            delete=[d for d in plan.delete if d.server_id in on])
 
     async def _would_seal(self, plan: rpc.Plan, opts: PassOptions) -> None:
         """Dry run: count the open chunks ``--apply`` would seal as what they then become
@@ -330,7 +347,7 @@ class GarbageCollector:
 
     async def compact(self, opts: PassOptions, report: PassReport) -> None:
         # a dry run skipped the expire and evict phases: plan as if they had run, as --apply would
-        plan = await self._plan(opts, dry=not opts.apply)
+        plan = self._on_reached(await self._plan(opts, dry=not opts.apply))
         if not opts.apply and plan.seal:
             await self._would_seal(plan, opts)
         if opts.apply and plan.seal:
@@ -340,10 +357,10 @@ class GarbageCollector:
                     h = await self.chunkserver(sid, rpc.ChunkSeal(chunk_id=cid, idle_s=opts.grace_s))
                     sealed += h.sealed
                 except Unavailable as exc:
-                    log.warning("cannot seal chunk %016x on server %d: %s", cid, sid, exc)
+                    warn.warning(sid, "cannot seal chunk %016x on server %d: %s", cid, sid, exc)
             if sealed:
                 await self.sync_usage()
-                plan = await self._plan(opts)
+                plan = self._on_reached(await self._plan(opts))
         report.compact_candidates = len(plan.compact)
         report.delete_candidates = len(plan.delete)
         report.waiting_grace = plan.waiting
@@ -355,7 +372,7 @@ class GarbageCollector:
         for c in plan.compact:
             by_server[c.server_id].append((c.chunk_id, c.live))
         await self.compact_chunks(by_server, opts, report)
-        plan = await self._plan(opts)
+        plan = self._on_reached(await self._plan(opts))
         report.waiting_grace = plan.waiting
         await self.delete_chunks([(d.server_id, d.chunk_id) for d in plan.delete], report)
 
@@ -384,11 +401,11 @@ class GarbageCollector:
                         await self.delete_chunks([(sid, c) for c in batch], report)
                 except NoSpace as exc:  # its GC reserve is spent until the sources' grace ends
                     left = sum(map(len, batches[n:]))
-                    log.warning("compaction on server %d stopped for this pass, %d chunks left for "
-                                "the next: %s", sid, left, exc)
+                    warn.warning(sid, "compaction on server %d stopped for this pass, %d chunks left "
+                                 "for the next: %s", sid, left, exc)
                     break
                 except KVFSError as exc:
-                    log.warning("compaction of %d chunks on server %d failed: %s", len(batch), sid, exc)
+                    warn.warning(sid, "compaction of %d chunks on server %d failed: %s", len(batch), sid, exc)
                     continue
                 self.report_progress("compact", report.chunks_compacted, todo)
                 await pacer.spent(report.bytes_copied - pacer.bytes)
@@ -439,7 +456,7 @@ class GarbageCollector:
                 deleted = (await self.chunkserver(sid, rpc.ChunkDelete(
                     chunks=retired, cluster_id=self._link.cluster_id))).deleted
             except Unavailable as exc:
-                log.warning("cannot delete %d chunks on server %d now: %s", len(retired), sid, exc)
+                warn.warning(sid, "cannot delete %d chunks on server %d now: %s", len(retired), sid, exc)
                 continue
             await self.meta(rpc.GcDeleted(server_id=sid, deleted=deleted))
             report.chunks_deleted += len(deleted)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from kvfs import rpc
 from kvfs.chunkserver.records import RECORD, ScannedRecord, parse_record
 from kvfs.errors import KVFSError
+from kvfs.gc.logs import server_warnings
 from kvfs.gc.pace import Pacer
 from kvfs.layout import Replica
 from kvfs.protocol import Scatter
@@ -29,6 +30,7 @@ if TYPE_CHECKING:
     from kvfs.gc.driver import GarbageCollector
 
 log = logging.getLogger("kvfs.gc.repair")
+warn = server_warnings(log)  # (the same trouble on every pass: kvfs.gc.logs)
 
 REPAIR_BATCH_BYTES = 16 * 1024 * 1024  # per plan: one READV per source server at most this much
 MAX_ROUNDS = 10_000  # batches per step; a round that repairs nothing ends the step
@@ -79,7 +81,7 @@ async def _read(gc: GarbageCollector, items: list[RepairItem],
             try:
                 answer, body = await gc.chunkserver_exchange(sid, rpc.ReadV(ranges=ranges))
             except KVFSError as exc:
-                log.warning("repair: reading %d records from server %d failed: %s", len(idx), sid, exc)
+                warn.warning(sid, "repair: reading %d records from server %d failed: %s", len(idx), sid, exc)
                 report.bad_sources += len(idx)
                 continue
             errors = set(answer.errors)
@@ -142,7 +144,7 @@ async def copy_extents(gc: GarbageCollector, items: list[RepairItem], report: Re
                                             [got[i][1] for i in idx])
             locations = appended.one_per_record(len(records), sid, "copies")
         except KVFSError as exc:
-            log.warning("repair: writing %d copies to server %d failed: %s", len(idx), sid, exc)
+            warn.warning(sid, "repair: writing %d copies to server %d failed: %s", len(idx), sid, exc)
             report.skipped += len(idx)
             continue
         for i, (cid, off) in zip(idx, locations, strict=True):

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from kvfs import rpc
 from kvfs._batch import split_batches
 from kvfs.errors import KVFSError
+from kvfs.gc.logs import server_warnings
 from kvfs.gc.pace import Pacer
 from kvfs.gc.repair import RepairReport, copy_extents
 
@@ -46,6 +47,7 @@ if TYPE_CHECKING:  # (the driver runs the background scrub, scrub_slice, and fsc
     from kvfs.gc.driver import GarbageCollector
 
 log = logging.getLogger("kvfs.gc.scrub")
+warn = server_warnings(log)  # (the same trouble on every pass: kvfs.gc.logs)
 
 PLAN_BATCH_BYTES = 4 * 1024 * 1024  # a GC_SCRUB_PLAN's (or fsck's GC_DROP_REPLICAS') bad replicas
 BAD_REPLICA_OVERHEAD = 32  # a bad replica's msgpack bytes besides its key
@@ -221,7 +223,7 @@ async def _checked(gc: GarbageCollector, sid: int, ranges: Sequence[VerifyItem],
     try:
         return await gc.verify_ranges(sid, ranges, pacer)
     except KVFSError as exc:
-        log.warning("verifying server %d failed: %s", sid, exc)
+        warn.warning(sid, "verifying server %d failed: %s", sid, exc)
         failed[sid] = exc
         return None
 

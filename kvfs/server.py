@@ -20,7 +20,6 @@ import asyncio
 import functools
 import inspect
 import logging
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Mapping, Sequence
 from typing import Any, cast
 
@@ -53,6 +52,7 @@ from kvfs.protocol import (
     encode_frame,
     header_key,
 )
+from kvfs.ratelog import RateLimitedLog
 from kvfs.rpc import REQUESTS, RPCS, Auth, Hello, Op, Request, Response, Service, decode, message
 from kvfs.tls import server_context, server_options
 
@@ -77,31 +77,6 @@ def _frame_bytes(frame: Sequence[Buffer]) -> int:
 async def reply_of(got: Reply | Awaitable[Reply]) -> Reply:
     """A handler's answer: ``got`` itself, or what it gives once awaited."""
     return got if type(got) is tuple else await cast("Awaitable[Reply]", got)
-
-
-class PeerLog:
-    """Logs trouble from one peer host at most once per ``interval_s`` (with a count of
-    what it held back), never once per frame."""
-
-    def __init__(self, interval_s: float, max_peers: int = 10_000) -> None:
-        self.interval_s = interval_s
-        self.max_peers = max_peers
-        self._last: dict[str, tuple[float, int]] = {}  # host -> (logged at, held back since)
-
-    def warning(self, host: str, msg: str, *args: object) -> bool:
-        now = time.monotonic()
-        last, held = self._last.get(host, (-1e18, 0))
-        if now - last < self.interval_s:
-            self._last[host] = (last, held + 1)
-            return False
-        if len(self._last) >= self.max_peers:
-            self._last = {h: v for h, v in self._last.items() if now - v[0] < self.interval_s}
-        self._last[host] = (now, 0)
-        if held:
-            msg += " (%d more from this host since the last message)"
-            args = (*args, held)
-        log.warning(msg, *args)
-        return True
 
 
 class RpcServer:
@@ -136,7 +111,7 @@ class RpcServer:
         # the requests of the ops served, decoded straight into their types (kvfs.rpc.REQUESTS)
         keys = [header_key(op, Flag.NONE) for op in self.handlers]
         self.typed = {k: REQUESTS[k] for k in keys if k in REQUESTS}
-        self.peer_log = PeerLog(config.bad_request_log_interval_s)
+        self.peer_log = RateLimitedLog(log, config.bad_request_log_interval_s)  # per peer host
         # request payloads past the decoder's inline 64 KiB land in reused buffers, shared by
         # every connection: a fresh one costs zeroing and a page fault per 4 KiB, about 4 us
         # per key of a 4 KiB x 128 APPEND (bench/RESULTS.md, "per-key CPU at 4 KiB")

@@ -23,6 +23,9 @@ from kvfs._loop import new_event_loop
 from kvfs.address import parse_addr
 from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, ClientConfig, FsyncMode, MetaConfig, TlsConfig
+from kvfs.gc import driver as gc_driver
+from kvfs.gc import repair as gc_repair
+from kvfs.gc import scrub as gc_scrub
 from kvfs.launcher import LocalCluster, ProcessCluster, ServiceProcess
 from kvfs.protocol import NEED_DATA, Frame, FrameDecoder
 from kvfs.rpc import Op
@@ -349,6 +352,14 @@ def pytest_asyncio_loop_factories(config: pytest.Config, item: pytest.Item) -> d
 @pytest.fixture
 def clock() -> FakeClock:
     return FakeClock()
+
+
+@pytest.fixture(autouse=True)
+def _gc_warnings_fresh() -> None:
+    """The GC's per-server warnings are held back per process (kvfs.gc.logs): each test sees
+    its own first ones, as a fresh process would."""
+    for module in (gc_driver, gc_repair, gc_scrub):
+        module.warn.forget()
 
 
 # A test that blocks the event loop (importing torch, building a 1 GiB array: 10 s each on a

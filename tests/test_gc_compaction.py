@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import random
 from collections.abc import AsyncIterator
@@ -295,6 +296,47 @@ async def test_overwrite_and_delete_racing_compaction_win(small: LocalCluster, c
             assert await fresh.get(gone) is None
             rest = [k for k in keys[1:] if k not in (over, gone) and k not in keys[::3]]
             assert await fresh.get_many(rest) == [value_of(k) for k in rest]
+
+
+async def test_a_pass_seals_compacts_and_deletes_only_on_the_servers_it_reached(
+        small: LocalCluster, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
+    """A chunkserver that is down (meta has not declared it dead yet) costs a pass its failed
+    CHUNK_STATS: the pass seals, compacts and deletes on the others, and sends it none of
+    those (each failed, and logged, again on every pass; meta's MAKE_ROOM passes on a full
+    cluster run back to back).  It is said once: the next pass's warning about it is held
+    back (kvfs.gc.logs).  Once it is back, a pass compacts its chunks too."""
+    async with client(small, clock) as kv:
+        keys = await fill(kv)
+        await kv.delete_many(keys[::3] + keys[1::3])
+    down = small.chunkservers[0]
+    assert down is not None
+    sid = down.server_id
+    async with GarbageCollector(small.addr, token=small.admin_token) as gc:
+        await gc.sync_usage()  # meta knows each server's chunks as the deletes left them
+        plan = await gc._plan(PassOptions(apply=True, grace_s=0))
+        assert any(c.server_id == sid for c in (*plan.seal, *plan.compact, *plan.delete))
+    await small.stop_chunkserver(0)
+    sent: list[tuple[int, str]] = []
+    async with GarbageCollector(small.addr, token=small.admin_token) as gc:
+        real = gc.chunkserver
+
+        async def spy(server_id: int, request: Any, *args: Any, **kw: Any) -> Any:
+            sent.append((server_id, type(request).__name__))
+            return await real(server_id, request, *args, **kw)
+
+        gc.chunkserver = spy  # type: ignore[method-assign]
+        with caplog.at_level(logging.WARNING, logger="kvfs.gc"):
+            r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
+            assert r.chunks_compacted > 0 and r.chunks_deleted > 0  # on the servers it reached
+            assert {op for s, op in sent if s == sid} <= {"ChunkStats"}, sent  # (none once meta says it is dead)
+            await gc.run_pass(PassOptions(apply=True, grace_s=0))  # the same again: held back
+        said = [m.getMessage() for m in caplog.records if m.name.startswith("kvfs.gc")]
+        assert len(said) == 1 and said[0].startswith(f"chunkserver {sid} ("), said
+        await small.start_chunkserver(0)
+        sent.clear()
+        r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
+        assert r.chunks_compacted > 0
+        assert {"ChunkStats", "ChunkCompact"} <= {op for s, op in sent if s == sid}, sent
 
 
 async def test_gc_abandoned_after_copy_leaves_reclaimable_leftover(small: LocalCluster, clock: FakeClock) -> None:

@@ -39,8 +39,9 @@ from kvfs.errors import (
 )
 from kvfs.launcher import LocalCluster, ProcessCluster
 from kvfs.protocol import FIXED, MAGIC, PROTOCOL_VERSION, Frame, frame_bytes
+from kvfs.ratelog import RateLimitedLog
 from kvfs.rpc import Op
-from kvfs.server import PeerLog, _ServerProtocol
+from kvfs.server import _ServerProtocol
 from kvfs.transport import Connection
 
 MiB = 1024 * 1024
@@ -426,7 +427,7 @@ async def test_a_broken_stream_from_a_server_that_stops_reading_is_aborted(
 
 def test_bad_requests_are_logged_once_per_peer_per_interval(
         caplog: pytest.LogCaptureFixture) -> None:
-    plog = PeerLog(interval_s=60.0)
+    plog = RateLimitedLog(logging.getLogger("kvfs.server"), 60.0)
     with caplog.at_level(logging.WARNING, logger="kvfs.server"):
         for _ in range(1000):
             plog.warning("10.0.0.1", "bad request from %s", "10.0.0.1:1234")
