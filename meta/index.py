@@ -167,6 +167,18 @@ async def pages(rows: Sequence[T], size: int | None = None) -> AsyncIterator[Seq
         await asyncio.sleep(0)  # (the loop serves the others before the next page)
 
 
+async def listed(keys: KeyMap[Any]) -> list[bytes]:
+    """Every key of ``keys``, a shard per loop step: ``list()`` of a KeyMap is one step for
+    every key (47-49 ms at 1M keys; 14-23 ms for one dict), this at most a shard's (0.2 ms;
+    bench/RESULTS.md).  A key put meanwhile into a shard already listed is left out, one removed is kept:
+    the walks that take it look each key up again."""
+    out: list[bytes] = []
+    for shard in keys.shards:
+        out.extend(shard)
+        await asyncio.sleep(0)
+    return out
+
+
 async def sorted_pages(rows: Sequence[T], made: Callable[[Sequence[T]], Iterable[S]],
                        batch: int | None = None) -> AsyncIterator[list[S]]:
     """What ``made`` makes of ``rows``, in sorted order, ``batch`` (default a page) at a
@@ -1063,7 +1075,7 @@ class MetaIndex(ServerRegistry):
         many.  The floors are taken once: a tombstone that passed then has passed for good."""
         floor = floors(self.servers)
         tombs, n = self.tombstones, 0
-        async for page in pages(list(tombs)):
+        async for page in pages(await listed(tombs)):
             done = [k for k in page if (t := tombs.get(k)) is not None and passed(t, floor)]
             if done:
                 with self._writing(gc=True):
@@ -1165,7 +1177,7 @@ class MetaIndex(ServerRegistry):
         def last_use(keys: Sequence[bytes]) -> Iterable[tuple[float, bytes]]:
             return ((accessed.get(k, lay.created), k) for k in keys if (lay := entries.get(k)) is not None)
 
-        async for oldest in sorted_pages(list(entries), last_use, batch):
+        async for oldest in sorted_pages(await listed(entries), last_use, batch):
             yield [(k, lay) for t, k in oldest
                    if (lay := entries.get(k)) is not None and accessed.get(k, lay.created) == t]
 
@@ -1310,7 +1322,7 @@ class MetaIndex(ServerRegistry):
         dirty, self.dirty_access = self.dirty_access, KeyMap()
         try:
             # in key order: a page updates neighbouring rows, each of SQLite's pages once
-            async for page in sorted_pages(list(dirty), lambda keys: ((k, dirty[k]) for k in keys)):
+            async for page in sorted_pages(await listed(dirty), lambda keys: ((k, dirty[k]) for k in keys)):
                 with self._writing():
                     self.store.touch_many((t, k) for k, t in page)
                 for k, _ in page:

@@ -3,17 +3,17 @@
 A CPython dict grows by copying every entry into a table twice as large (or more), in the
 one insert that crosses two thirds of its slots; with inserts and deletes it does the same
 once it has used its slots, even at a steady size.  Meta's index held every key in one dict,
-and that insert held meta's event loop for as long as the copy took: 16 ms at 350k keys,
-66 ms at 1.4M, 289 ms at 5.6M (bench/RESULTS.md, "meta stops while its dict of keys
-grows"), doubling with the keys.
+and that insert held meta's event loop for as long as the copy took: 66 ms as 3M keys went
+in passed 1.4M, 136-139 ms at 2.8M, doubling with the keys (bench/RESULTS.md, "Meta's keys
+split over 256 dicts").
 
 A :class:`KeyMap` keeps its keys in :data:`SHARDS` dicts, a key in the one its hash
 picks, so no insert copies more than one shard's entries: a 256th of the keys.
 
 The index's per-key loops (a COMMIT's keys, a LOOKUP's) pick the shard themselves,
-``shards[hash(key) & mask]``, rather than call a method per key: a method call costs
-about twice the dict call it wraps (bench/RESULTS.md).  Every other use goes through the
-dict-like methods here.
+``shards[hash(key) & mask]``, rather than call a method per key, which costs more than the
+dict call it wraps; its walks of every key list them a shard a loop step
+(:func:`kvfs.meta.index.listed`).  Every other use goes through the dict-like methods here.
 """
 
 from __future__ import annotations

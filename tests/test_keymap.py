@@ -4,6 +4,7 @@ of every key, so growing it never copies more than a shard's."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import random
 from pathlib import Path
@@ -12,7 +13,7 @@ from conftest import FakeClock
 
 from kvfs.config import MetaConfig
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
-from kvfs.meta.index import MetaIndex
+from kvfs.meta.index import MetaIndex, listed
 from kvfs.meta.keymap import SHARDS, KeyMap
 from kvfs.meta.localstore import open_local
 from kvfs.meta.tombstones import tomb_layout
@@ -104,3 +105,27 @@ async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeC
         assert await ix.exists(keys, 180.0) == [False] * len(gone) + [True] * (n - len(gone))
     finally:
         await ix.close()
+
+
+async def test_a_keymap_is_listed_a_shard_per_loop_step() -> None:
+    """``listed`` (the walks of every key: eviction's LRU order, the access-time flush, the
+    tombstones' drop) hands back every key once, and the loop runs other tasks between
+    shards: ``list()`` of the map would hold it for every key at once."""
+    n = SHARDS * 40
+    km = KeyMap((key(i), i) for i in range(n))
+    ticks = 0
+    done = False
+
+    async def tick() -> None:
+        nonlocal ticks
+        while not done:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)
+    got = await listed(km)
+    done = True
+    await ticker
+    assert sorted(got) == sorted(key(i) for i in range(n))
+    assert ticks >= SHARDS - 1
