@@ -170,8 +170,8 @@ async def pages(rows: Sequence[T], size: int | None = None) -> AsyncIterator[Seq
 async def listed(keys: KeyMap[Any]) -> list[bytes]:
     """Every key of ``keys``, a shard per loop step: ``list()`` of a KeyMap is one step for
     every key (47-49 ms at 1M keys; 14-23 ms for one dict), this at most a shard's (0.2 ms;
-    bench/RESULTS.md).  A key put meanwhile into a shard already listed is left out, one removed is kept:
-    the walks that take it look each key up again."""
+    bench/RESULTS.md).  A key put meanwhile into a shard already listed is left out, and
+    one removed is kept: the walks that take it look each key up again."""
     out: list[bytes] = []
     for shard in keys.shards:
         out.extend(shard)

@@ -438,6 +438,10 @@ def test_bad_requests_are_logged_once_per_peer_per_interval(
     with caplog.at_level(logging.WARNING, logger="kvfs.server"):
         plog.warning("10.0.0.1", "bad request from %s", "x")
     assert "999 more from this host" in caplog.records[-1].getMessage()
+    few = RateLimitedLog(logging.getLogger("kvfs.server"), 60.0, max_subjects=3)
+    for i in range(50):  # each within the interval: the oldest forgotten, never more than 3
+        few.warning(f"10.0.1.{i}", "bad request from %s", i)
+        assert len(few._last) <= 3
 
 
 @pytest.mark.subprocess
