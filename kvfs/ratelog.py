@@ -2,7 +2,7 @@
 
 A server meets the same trouble from one peer on every frame, and a GC pass meets a full or
 unreachable chunkserver on every pass (meta's MAKE_ROOM passes on a full cluster run back to
-back: the soak logged some 57 warnings a second so).  :class:`RateLimitedLog` logs the first,
+back: a soak logged some 58 warnings a second so).  :class:`RateLimitedLog` logs the first,
 holds back the rest for ``interval_s``, and the next one it logs says how many it held back.
 """
 
