@@ -17,8 +17,8 @@ class RateLimitedLog:
     """``warning(subject, msg, *args)`` through ``logger``, at most once per ``interval_s``
     for each subject (``per_message``: each subject and ``msg``, the format string), never
     once per frame or pass.  At most ``max_subjects`` are remembered: past that, those whose
-    interval ended are forgotten, then the oldest (an unauthenticated peer's hosts cost
-    bounded memory)."""
+    interval ended are forgotten, and if that is not enough the oldest quarter (an
+    unauthenticated peer's hosts cost bounded memory and bounded work)."""
 
     def __init__(self, logger: logging.Logger, interval_s: float, *, held: str = "from this host",
                  per_message: bool = False, max_subjects: int = 10_000) -> None:
@@ -42,9 +42,12 @@ class RateLimitedLog:
             self._last[key] = (last, held + 1)
             return False
         if key not in self._last and len(self._last) >= self.max_subjects:
-            self._last = {k: v for k, v in self._last.items() if now - v[0] < self.interval_s}
-            while len(self._last) >= self.max_subjects:  # all still held: the oldest goes
-                del self._last[next(iter(self._last))]
+            kept = [(k, v) for k, v in self._last.items() if now - v[0] < self.interval_s]
+            # still full: the oldest quarter goes, so a flood of new subjects prunes once per
+            # quarter of them, not once each
+            if len(kept) >= self.max_subjects:
+                kept = kept[len(kept) - self.max_subjects * 3 // 4:]
+            self._last = dict(kept)
         self._last[key] = (now, 0)
         if held:
             msg += f" (%d more {self.held} since the last message)"
