@@ -18,4 +18,4 @@ REPEAT_S = 60.0
 
 def server_warnings(logger: logging.Logger) -> RateLimitedLog:
     """``.warning(server_id, msg, *args)`` through ``logger``, rate-limited as above."""
-    return RateLimitedLog(logger, REPEAT_S, held="like it", per_message=True)
+    return RateLimitedLog(logger, REPEAT_S, per_message=True)

@@ -20,7 +20,7 @@ class RateLimitedLog:
     interval ended are forgotten, and if that is not enough the oldest quarter (an
     unauthenticated peer's hosts cost bounded memory and bounded work)."""
 
-    def __init__(self, logger: logging.Logger, interval_s: float, *, held: str = "from this host",
+    def __init__(self, logger: logging.Logger, interval_s: float, *, held: str = "like it",
                  per_message: bool = False, max_subjects: int = 10_000) -> None:
         self.logger = logger
         self.interval_s = interval_s

@@ -111,7 +111,7 @@ class RpcServer:
         # the requests of the ops served, decoded straight into their types (kvfs.rpc.REQUESTS)
         keys = [header_key(op, Flag.NONE) for op in self.handlers]
         self.typed = {k: REQUESTS[k] for k in keys if k in REQUESTS}
-        self.peer_log = RateLimitedLog(log, config.bad_request_log_interval_s)  # per peer host
+        self.peer_log = RateLimitedLog(log, config.bad_request_log_interval_s, held="from this host")
         # request payloads past the decoder's inline 64 KiB land in reused buffers, shared by
         # every connection: a fresh one costs zeroing and a page fault per 4 KiB, about 4 us
         # per key of a 4 KiB x 128 APPEND (bench/RESULTS.md, "per-key CPU at 4 KiB")

@@ -42,10 +42,6 @@ class KeyMap(Generic[V]):
         for k, v in items:
             self[k] = v
 
-    def shard(self, key: bytes) -> dict[bytes, V]:
-        """The dict that holds ``key`` if the map does."""
-        return self.shards[hash(key) & self.mask]
-
     def __getitem__(self, key: bytes) -> V:
         return self.shards[hash(key) & self.mask][key]
 
@@ -88,9 +84,6 @@ class KeyMap(Generic[V]):
 
     def __iter__(self) -> Iterator[bytes]:
         return itertools.chain.from_iterable(self.shards)
-
-    def keys(self) -> Iterator[bytes]:
-        return iter(self)
 
     def values(self) -> Iterator[V]:
         return itertools.chain.from_iterable(s.values() for s in self.shards)

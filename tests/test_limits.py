@@ -427,7 +427,7 @@ async def test_a_broken_stream_from_a_server_that_stops_reading_is_aborted(
 
 def test_bad_requests_are_logged_once_per_peer_per_interval(
         caplog: pytest.LogCaptureFixture) -> None:
-    plog = RateLimitedLog(logging.getLogger("kvfs.server"), 60.0)
+    plog = RateLimitedLog(logging.getLogger("kvfs.server"), 60.0, held="from this host")
     with caplog.at_level(logging.WARNING, logger="kvfs.server"):
         for _ in range(1000):
             plog.warning("10.0.0.1", "bad request from %s", "10.0.0.1:1234")
