@@ -1490,6 +1490,9 @@ async def test_first_read_uses_the_layout_its_lookup_saw(kv: AsyncClient) -> Non
     await io.info(ino, "lk/f")
     assert await read_once() == b"three" and isinstance(sent[-1], ValueReader)
     await io.info(ino, "lk/f")
+    io.fresh_s = 0.0  # a window of 0 s holds nothing, even at once: in the loop's same tick
+    assert io._fresh(ino) is None  # (uvloop's clock moves by the millisecond)
+    io.fresh_s = 60.0
     await kv.delete("lk/f")  # another client's delete, seen once the attribute time is past
     io.fresh_s = 0.0
     with pytest.raises(FileNotFoundError):

@@ -320,14 +320,14 @@ class FileIO:
             return None
         loop = asyncio.get_running_loop()
         found = None
-        if loop.time() - e.at <= self.fresh_s:
+        if loop.time() - e.at < self.fresh_s:  # (strictly: as _fresh)
             try:
                 found = (await asyncio.shield(e.task))[e.index]
             except Exception:  # meta answers it now
                 found = None
         if self._ahead.pop(path, None) is not e:
             return None  # changed through this mount meanwhile (_touch), or looked up again
-        if found is not None and loop.time() - e.at <= self.fresh_s:
+        if found is not None and loop.time() - e.at < self.fresh_s:
             return found, e.at
         # too old, or failed: what was looked up after it is too (or may be)
         d, _, name = path.rpartition("/")
@@ -535,7 +535,9 @@ class FileIO:
     def _fresh(self, ino: int) -> ValueReader | None:
         """The reader of ``ino``'s layout looked up within ``fresh_s`` (not to be read with)."""
         seen = self._looked_up.get(ino)
-        if seen is None or asyncio.get_running_loop().time() - seen[1] > self.fresh_s:
+        # (within: strictly, so a window of 0 s holds nothing in the tick it was seen, uvloop's
+        # clock moving by the millisecond)
+        if seen is None or asyncio.get_running_loop().time() - seen[1] >= self.fresh_s:
             return None
         return seen[0]
 
