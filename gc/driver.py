@@ -179,6 +179,10 @@ class GarbageCollector:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        """Close the connections (a later call opens them again)."""
         await self._link.aclose()
 
     def close(self) -> None:

@@ -46,6 +46,7 @@ import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -57,6 +58,9 @@ from kvfs.meta.repair import RepairSummary, plan_repairs, plan_scrub, replace_re
 from kvfs.meta.storeapi import GcIndex
 from kvfs.meta.tombstones import tomb_layout
 from kvfs.server import Reply
+
+if TYPE_CHECKING:
+    from kvfs.gc.driver import GarbageCollector
 
 log = logging.getLogger("kvfs.meta.gc")
 
@@ -136,6 +140,9 @@ class MetaGc:
         self._room_lock = asyncio.Lock()
         self._room_started = 0  # MAKE_ROOM passes started
         self._room_made = rpc.RoomMade(expired_keys=0, evicted_keys=0, bytes_reclaimed=0)
+        # the MAKE_ROOM passes' collector, kept from one pass to the next with its connections
+        # (to meta itself and each chunkserver); dropped when a pass fails, made at the next
+        self._room_gc: GarbageCollector | None = None
         # replicas readers reported bad (REPORT_BAD), each with its range, until checked
         self._suspects: dict[rpc.BadReplica, rpc.VerifyRange] = {}
         self._checking: asyncio.Task[None] | None = None
@@ -145,13 +152,16 @@ class MetaGc:
 
     async def close(self) -> None:
         """Stop checking reported replicas (those not yet checked are forgotten); reports
-        that come later are not taken."""
+        that come later are not taken; close the MAKE_ROOM passes' connections."""
         self._closed = True
         for task in (self._checking, self._counting):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+        gc, self._room_gc = self._room_gc, None
+        if gc is not None:  # (a pass in flight fails, as it did when its connections were its own)
+            await gc.aclose()
 
     async def refresh(self) -> None:
         """Read the decommissioning state again (another meta sharing the store may change it)."""
@@ -814,8 +824,11 @@ class MetaGc:
 
     async def rpc_make_room(self, req: rpc.MakeRoom, payload: memoryview) -> Reply:
         """One GC pass (apply, no grace period, no repair: copies would take room, not make
-        it) on behalf of a writer that found the cluster full.  Requests that arrive while a pass runs wait for the next one, which they
-        share (it starts after their refused appends were reported)."""
+        it) on behalf of a writer that found the cluster full.  Requests that arrive while a
+        pass runs wait for the next one, which they share (it starts after their refused
+        appends were reported).  The passes share one collector and its connections: a new
+        one per pass cost meta some 4 ms of CPU and a connection to itself and to each
+        chunkserver (bench/RESULTS.md)."""
         from kvfs.gc.driver import GarbageCollector, PassOptions  # the daemon's pass (no scrub)
 
         if self.home is None:
@@ -823,11 +836,20 @@ class MetaGc:
         ticket = self._room_started
         async with self._room_lock:
             if self._room_started == ticket:  # no pass started since this request arrived
+                if self._closed:  # (no collector made that close() would not close)
+                    raise Unavailable("meta is shutting down")
                 self._room_started += 1
                 addr, token = self.home
                 log.info("cluster full: a GC pass on a writer's request")
-                async with GarbageCollector(addr, token=token, tls=self.index.config) as gc:
+                gc = self._room_gc
+                if gc is None:
+                    gc = self._room_gc = GarbageCollector(addr, token=token, tls=self.index.config)
+                try:
                     r = await gc.run_pass(PassOptions(apply=True, grace_s=0.0, repair=False))
+                except BaseException:
+                    self._room_gc = None
+                    gc.close()
+                    raise
                 self._room_made = rpc.RoomMade(expired_keys=r.expired_keys, evicted_keys=r.evicted_keys,
                                                bytes_reclaimed=r.bytes_reclaimed)
         return self._room_made, ()

@@ -12,6 +12,7 @@ import msgspec
 import pytest
 from conftest import FakeClock
 from conftest import clocked_client as client
+from poll import until
 
 from kvfs import rpc
 from kvfs.client import AsyncClient
@@ -152,6 +153,60 @@ async def test_write_to_full_cluster_evicts_instead_of_failing(tmp_path: Path, c
     finally:
         await c.stop()
 
+
+
+class CountedSet(set[Any]):
+    """A server's set of open connections that keeps those added (accepted) to it."""
+
+    def __init__(self, items: set[Any]) -> None:
+        super().__init__(items)
+        self.added: list[Any] = []
+
+    def add(self, item: Any) -> None:
+        self.added.append(item)
+        super().add(item)
+
+
+async def test_meta_s_make_room_passes_share_their_connections(tmp_path: Path, clock: FakeClock) -> None:
+    """Meta runs its MAKE_ROOM passes with one collector, kept from pass to pass: the
+    passes open no connection to the chunkserver or to meta each (they did, and closed it
+    after: some 4 ms of meta's CPU a pass, bench/RESULTS.md).  Once the server dropped
+    every connection, the next pass opens its own again, and once meta closes, it is
+    closed."""
+    c = make(tmp_path, clock, 1, 256 * 1024)
+    await c.start()
+    try:
+        assert c.meta is not None
+        cs = c.chunkservers[0]
+        assert cs is not None
+        meta_gc = c.meta.gc
+        async with client(c, clock) as kv:
+            await kv.put("first", b"F")
+            for server in (cs.rpc, c.meta.rpc):
+                server.connections = CountedSet(server.connections)
+
+            async def fill(n: int) -> None:
+                for i in range(n):  # n x 4 x 8 KiB through 256 KiB of capacity
+                    clock.advance(1)
+                    await kv.put_many([(f"w{i}-{j}", bytes([i % 256]) * VALUE) for j in range(4)])
+
+            await fill(60)
+            assert meta_gc._room_started >= 3, meta_gc._room_started
+            # the collector's one connection to each (the writer's were open already)
+            assert len(cs.rpc.connections.added) == 1, (cs.rpc.connections.added, meta_gc._room_started)
+            assert len(c.meta.rpc.connections.added) == 1, c.meta.rpc.connections.added
+            passes = meta_gc._room_started
+            (collector,) = cs.rpc.connections.added
+            collector.transport.close()  # the server drops the collector's connection
+            await fill(60)
+            assert meta_gc._room_started > passes
+            assert len(cs.rpc.connections.added) == 2, cs.rpc.connections.added  # one new one
+            assert meta_gc._room_gc is not None
+        await meta_gc.close()
+        assert meta_gc._room_gc is None
+        await until(lambda: len(cs.rpc.connections) == 0, "the collector's connection closed")
+    finally:
+        await c.stop()
 
 
 async def test_evict_takes_exactly_what_the_server_over_its_watermark_needs(
