@@ -70,10 +70,11 @@ from kvfs.config import FsyncMode, MetaConfig
 from kvfs.errors import ServerError, StaleLayout
 from kvfs.layout import Layout, Replica, encode_layout, encode_layout_buffer, server_of_chunk
 from kvfs.meta.keymap import KeyMap
+from kvfs.meta.leases import Leases
 from kvfs.meta.localstore import LocalStore
 from kvfs.meta.repair import readable
 from kvfs.meta.store import NO_EXPIRY
-from kvfs.meta.storeapi import OVERFLOW_HOLDER, Lease
+from kvfs.meta.storeapi import Lease
 from kvfs.meta.tombstones import (
     NO_GHOST,
     Ghosts,
@@ -177,6 +178,28 @@ async def listed(keys: KeyMap[Any]) -> list[bytes]:
         out.extend(shard)
         await asyncio.sleep(0)
     return out
+
+
+async def walked(keys: KeyMap[Any]) -> AsyncIterator[Sequence[bytes]]:
+    """Every key of ``keys``, a page (:func:`pages`) per loop step, listed a shard at a
+    time: for the walks that take the keys in no order (the drop of passed tombstones, of
+    ended leases), no list of every key (the flush's forgetting of 3M ended leases through
+    :func:`listed` had one step of 31-33 ms, through this none over 4 ms; bench/RESULTS.md).
+    As :func:`listed`, a key put meanwhile may be left out and one removed kept: the walks
+    look each key up again."""
+    n = WALK_PAGE
+    left: list[bytes] = []
+    for shard in keys.shards:
+        left += shard
+        if len(left) >= n:
+            full = len(left) - len(left) % n
+            for i in range(0, full, n):
+                yield left[i:i + n]
+                await asyncio.sleep(0)
+            left = left[full:]
+    if left:
+        yield left
+        await asyncio.sleep(0)
 
 
 async def sorted_pages(rows: Sequence[T], made: Callable[[Sequence[T]], Iterable[S]],
@@ -289,7 +312,7 @@ class MetaIndex(ServerRegistry):
         self.older: KeyMap[float | None] = KeyMap()  # (as ``entries``: overwrites can reach every key)
         self.ghosts = Ghosts()  # records of keys dropped without a tombstone, chunks still there
         self.seq_high: dict[int, int] = {}  # server id -> highest chunk seq a layout named
-        self.leases: dict[bytes, dict[str, float]] = {}  # key -> holder -> lease end (storeapi.Lease)
+        self.leases = Leases()  # key -> holder -> lease end (storeapi.Lease)
         self.dirty_access: KeyMap[float] = KeyMap()  # last_access not yet written to the store
         self.retired: dict[int, float] = {}  # retired chunks: refused by commit and switch forever
         self.claims: dict[str, tuple[str, float]] = {}  # lease name -> (holder, monotonic end)
@@ -543,7 +566,7 @@ class MetaIndex(ServerRegistry):
             self.index_chunks(k, lay, False)
             self.accessed.pop(k, None)
             self.dirty_access.pop(k, None)
-            self.leases.pop(k, None)
+            self.leases.forget(k)
             older.pop(k, None)
         return out
 
@@ -556,25 +579,11 @@ class MetaIndex(ServerRegistry):
     def lease(self, keys: Iterable[bytes], now: float, lease: Lease) -> None:
         """Keep keys from eviction by ``lease``: its holder's, only ever lengthened; past
         ``max_holders`` unexpired others on a key, the overflow holder's (storeapi.Lease)."""
-        leases = self.leases
-        holder, until, cap = lease
-        for k in keys:
-            held = leases.setdefault(k, {})
-            h = holder
-            if h not in held and len(held) - (OVERFLOW_HOLDER in held) >= cap:
-                for other, end in list(held.items()):
-                    if end <= now:
-                        del held[other]
-                if len(held) - (OVERFLOW_HOLDER in held) >= cap:
-                    h = OVERFLOW_HOLDER
-                    self.leases_overflowed += 1
-            if held.get(h, 0.0) < until:
-                held[h] = until
+        self.leases_overflowed += self.leases.lease(keys, now, lease)
 
     def lease_end(self, key: bytes) -> float:
         """The latest end of the key's leases, any holder's (0: none)."""
-        held = self.leases.get(key)
-        return max(held.values()) if held else 0.0
+        return self.leases.end(key)
 
     async def release(self, keys: Sequence[bytes], holder: str) -> int:
         return self.release_now(keys, holder)
@@ -583,15 +592,7 @@ class MetaIndex(ServerRegistry):
     # them without a task (``*_now``); the async forms are the MetaStore interface's.
     def release_now(self, keys: Sequence[bytes], holder: str) -> int:
         """End ``holder``'s leases of keys; returns how many it had one on."""
-        n = 0
-        leases = self.leases
-        for k in keys:
-            held = leases.get(k)
-            if held is not None and held.pop(holder, None) is not None:
-                n += 1
-                if not held:
-                    del leases[k]
-        return n
+        return self.leases.release(keys, holder)
 
     async def lookup(self, keys: Sequence[bytes], now: float,
                      lease: Lease | None = None) -> list[Layout | None]:
@@ -1075,7 +1076,7 @@ class MetaIndex(ServerRegistry):
         many.  The floors are taken once: a tombstone that passed then has passed for good."""
         floor = floors(self.servers)
         tombs, n = self.tombstones, 0
-        async for page in pages(await listed(tombs)):
+        async for page in walked(tombs):
             done = [k for k in page if (t := tombs.get(k)) is not None and passed(t, floor)]
             if done:
                 with self._writing(gc=True):
@@ -1313,10 +1314,8 @@ class MetaIndex(ServerRegistry):
         (:meth:`MetaStore.touch_many`).  Those not written when it stops (cancelled at
         close, a failure) are handed back to ``dirty_access``, for close or the next."""
         now, leases = self.clock(), self.leases
-        async for keys in pages(list(leases)):
-            for k in keys:
-                if (held := leases.get(k)) is not None and max(held.values()) <= now:
-                    del leases[k]
+        async for keys in walked(leases.ends):
+            leases.forget_ended(keys, now)
         if self._wal.failed is not None:
             return
         dirty, self.dirty_access = self.dirty_access, KeyMap()

@@ -14,9 +14,11 @@ from conftest import FakeClock
 from kvfs.bench.meta_stall import stalled
 from kvfs.config import MetaConfig
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
-from kvfs.meta.index import MetaIndex, listed
+from kvfs.meta import index
+from kvfs.meta.index import MetaIndex, listed, walked
 from kvfs.meta.keymap import SHARDS, KeyMap
 from kvfs.meta.localstore import open_local
+from kvfs.meta.storeapi import Lease
 from kvfs.meta.tombstones import tomb_layout
 
 
@@ -69,8 +71,8 @@ def test_a_keymaps_keys_spread_over_its_shards() -> None:
 
 
 async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeClock) -> None:
-    """Committed twice (so each key has an older record), read (so each has an access time,
-    not yet written), loaded again at a restart, and half deleted with tombstones: the
+    """Committed twice (so each key has an older record), read with a lease (so each has an
+    access time, not yet written, and a lease; half of them released), loaded again at a restart, and half deleted with tombstones: the
     index's per-key maps hold every key and answer for it, and no one dict of them holds
     more than twice a shard's share."""
     n = SHARDS * 64
@@ -83,8 +85,12 @@ async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeC
     try:
         await ix.commit([(k, lay(i)) for i, k in enumerate(keys)], 100.0, None)
         await ix.commit([(k, lay(n + i)) for i, k in enumerate(keys)], 110.0, None)  # (each key: an older record)
-        assert all(lay is not None for lay in await ix.lookup(keys, 150.0))
+        assert all(lay is not None for lay in await ix.lookup(keys, 150.0, Lease("h", 1e9, 8)))
         assert len(ix.dirty_access) == n and max(map(len, ix.dirty_access.shards)) <= 2 * n // SHARDS
+        assert len(ix.leases) == n and max(map(len, ix.leases.ends.shards)) <= 2 * n // SHARDS
+        assert await ix.leased(keys, 150.0) == set(keys)
+        assert await ix.release(keys[::2], "h") == n // 2
+        assert await ix.leased(keys, 150.0) == set(keys[1::2]) and len(ix.leases) == n // 2
         await ix.flush()
     finally:
         await ix.close()
@@ -105,8 +111,8 @@ async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeC
 
 
 async def test_a_keymap_is_listed_a_shard_per_loop_step() -> None:
-    """``listed`` (the walks of every key: eviction's LRU order, the access-time flush, the
-    tombstones' drop) hands back every key once, and the loop runs other tasks between
+    """``listed`` (the walks of every key in an order: eviction's LRU order, the access-time
+    flush) hands back every key once, and the loop runs other tasks between
     shards: ``list()`` of the map would hold it for every key at once."""
     n = SHARDS * 40
     km = KeyMap((key(i), i) for i in range(n))
@@ -118,3 +124,24 @@ async def test_a_keymap_is_listed_a_shard_per_loop_step() -> None:
     _, _, ticks = await stalled(walk)  # (the steps other tasks had while it ran)
     assert sorted(got) == sorted(key(i) for i in range(n))
     assert ticks >= SHARDS - 1
+
+
+async def test_a_keymap_is_walked_a_page_per_loop_step_with_no_list_of_every_key(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``walked`` (the walks of every key in no order: the drop of passed tombstones, of
+    ended leases) hands back every key once, a page at a time, and other tasks run
+    between pages."""
+    monkeypatch.setattr(index, "WALK_PAGE", 16)
+    n = SHARDS * 40
+    km = KeyMap((key(i), i) for i in range(n))
+    got: list[bytes] = []
+    longest = [0]
+
+    async def walk() -> None:
+        async for page in walked(km):
+            got.extend(page)
+            longest[0] = max(longest[0], len(page))
+
+    _, _, ticks = await stalled(walk)
+    assert sorted(got) == sorted(key(i) for i in range(n))
+    assert longest[0] == 16 and ticks >= n // 16

@@ -159,6 +159,33 @@ async def test_the_per_key_state_made_since_start_up_is_left_out_of_the_cycle_co
         await m.close()
 
 
+
+async def test_the_leases_of_keys_with_one_holder_are_left_out_of_the_cycle_collectors_walks(
+        tmp_path: Path) -> None:
+    """A key leased by one holder (an engine's lookups lease every key they find) is held
+    by no container the cycle collector tracks: a dict of key to holder-to-end dicts was,
+    and every full collection walked every leased key (bench/RESULTS.md, "meta's
+    leases").  Only a key with several holders has a tracked dict of them."""
+    m = LocalMeta(tmp_path / "meta")
+    await m.open()
+    try:
+        ix = m.meta.index
+        await fill(m, 60, 60, "k")
+        keys = [key(i, "k") for i in range(60)]
+        ix.lease(keys[:20], NOW, Lease("a", NOW + 60, 8))
+        gc.collect()
+        ix.lease(keys[20:], NOW, Lease("a", NOW + 60, 8))  # new keys, after the collection
+        ix.lease(keys[:5], NOW, Lease("b", NOW + 90, 8))  # a second holder on these
+        for k in keys[5:]:  # (what holds them: the per-key maps, this test's list)
+            held = [r for r in gc.get_referrers(k) if isinstance(r, dict)]
+            assert not held, (k, [len(d) for d in held])
+        for k in keys[:5]:
+            assert [r for r in gc.get_referrers(k) if isinstance(r, dict)] == [ix.leases.shared], k
+        assert [ix.lease_end(k) for k in keys] == [NOW + 90] * 5 + [NOW + 60] * 55
+    finally:
+        await m.close()
+
+
 def derived_tomb_chunks(ix: index.MetaIndex) -> dict[int, index.KeySet]:
     out: dict[int, index.KeySet] = {}
     for k, t in ix.tombstones.items():

@@ -93,7 +93,7 @@ def test_storage_manager_round_trip_bit_exact(tcluster: ThreadCluster, tmp_path:
         async def holders() -> set[str]:
             assert tcluster.cluster.meta is not None
             leases = tcluster.cluster.meta.index.leases
-            return {h for k in keys for h in leases.get(conn._key(k), {})}
+            return {h for k in keys for h in leases.holders(conn._key(k))}
 
         assert tcluster.call(holders()) == {conn.aclient.lease_holder}
         got = remote.batched_get_blocking(keys)
