@@ -160,7 +160,7 @@ class MetaGc:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         gc, self._room_gc = self._room_gc, None
-        if gc is not None:  # (a pass in flight fails, as it did when its connections were its own)
+        if gc is not None:  # (a pass in flight fails; meta's RPC server, closed next, cancels it)
             await gc.aclose()
 
     async def refresh(self) -> None:

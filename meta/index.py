@@ -181,8 +181,8 @@ async def listed(keys: KeyMap[Any]) -> list[bytes]:
 
 
 async def walked(keys: KeyMap[Any]) -> AsyncIterator[Sequence[bytes]]:
-    """Every key of ``keys``, a page (:func:`pages`) per loop step, listed a shard at a
-    time: for the walks that take the keys in no order (the drop of passed tombstones, of
+    """Every key of ``keys``, a page of :data:`WALK_PAGE` per loop step, listed a shard at
+    a time: for the walks that take the keys in no order (the drop of passed tombstones, of
     ended leases), no list of every key (the flush's forgetting of 3M ended leases through
     :func:`listed` had one step of 31-33 ms, through this none over 4 ms; bench/RESULTS.md).
     As :func:`listed`, a key put meanwhile may be left out and one removed kept: the walks

@@ -125,6 +125,3 @@ class Leases:
 
     def __iter__(self) -> Iterator[bytes]:
         return iter(self.ends)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self.ends

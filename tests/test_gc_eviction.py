@@ -170,8 +170,8 @@ class CountedSet(set[Any]):
 async def test_meta_s_make_room_passes_share_their_connections(tmp_path: Path, clock: FakeClock) -> None:
     """Meta runs its MAKE_ROOM passes with one collector, kept from pass to pass: the
     passes open no connection to the chunkserver or to meta each (they did, and closed it
-    after: some 4 ms of meta's CPU a pass, bench/RESULTS.md).  Once the server dropped
-    every connection, the next pass opens its own again, and once meta closes, it is
+    after: some 4 ms of meta's CPU a pass, bench/RESULTS.md).  Once the server dropped the
+    collector's connection, the next pass opens one again, and once meta closes, it is
     closed."""
     c = make(tmp_path, clock, 1, 256 * 1024)
     await c.start()

@@ -72,9 +72,9 @@ def test_a_keymaps_keys_spread_over_its_shards() -> None:
 
 async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeClock) -> None:
     """Committed twice (so each key has an older record), read with a lease (so each has an
-    access time, not yet written, and a lease; half of them released), loaded again at a restart, and half deleted with tombstones: the
-    index's per-key maps hold every key and answer for it, and no one dict of them holds
-    more than twice a shard's share."""
+    access time, not yet written, and a lease; half of them released), loaded again at a
+    restart, and half deleted with tombstones: the index's per-key maps hold every key and
+    answer for it, and no one dict of them holds more than twice a shard's share."""
     n = SHARDS * 64
 
     def lay(i: int) -> Layout:
@@ -112,8 +112,8 @@ async def test_the_index_keeps_no_dict_of_every_key(tmp_path: Path, clock: FakeC
 
 async def test_a_keymap_is_listed_a_shard_per_loop_step() -> None:
     """``listed`` (the walks of every key in an order: eviction's LRU order, the access-time
-    flush) hands back every key once, and the loop runs other tasks between
-    shards: ``list()`` of the map would hold it for every key at once."""
+    flush) hands back every key once, and the loop runs other tasks between shards:
+    ``list()`` of the map would hold it for every key at once."""
     n = SHARDS * 40
     km = KeyMap((key(i), i) for i in range(n))
     got: list[bytes] = []
@@ -126,7 +126,7 @@ async def test_a_keymap_is_listed_a_shard_per_loop_step() -> None:
     assert ticks >= SHARDS - 1
 
 
-async def test_a_keymap_is_walked_a_page_per_loop_step_with_no_list_of_every_key(
+async def test_a_keymap_is_walked_a_page_per_loop_step(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """``walked`` (the walks of every key in no order: the drop of passed tombstones, of
     ended leases) hands back every key once, a page at a time, and other tasks run

@@ -159,7 +159,6 @@ async def test_the_per_key_state_made_since_start_up_is_left_out_of_the_cycle_co
         await m.close()
 
 
-
 async def test_the_leases_of_keys_with_one_holder_are_left_out_of_the_cycle_collectors_walks(
         tmp_path: Path) -> None:
     """A key leased by one holder (an engine's lookups lease every key they find) is held
