@@ -109,8 +109,10 @@ def format_pass(r: PassReport) -> str:
     out = [f"{'applied' if r.apply else 'dry run (add --apply to act)'}, {r.duration_s:.2f}s",
            f"expire:  {r.expired_keys} keys ({format_size(r.expired_bytes)} become garbage)",
            f"evict:   {r.evicted_keys} keys ({format_size(r.evicted_bytes)}); {r.leased_skipped} leased keys kept",
-           f"compact: {r.compact_candidates} chunks over the threshold, {r.delete_candidates} with no live "
-           f"bytes, {r.waiting_grace} waiting out the grace period"]
+           f"compact: {r.compact_candidates} chunks over the threshold or on a server under pressure"
+           + (f" ({r.compact_deferred} more left for a later pass: the server is at its low watermark "
+              "without them)" if r.compact_deferred else "")
+           + f", {r.delete_candidates} with no live bytes, {r.waiting_grace} waiting out the grace period"]
     if r.repair is not None:
         rp = r.repair
         out.append(f"repair:  {rp.under_replicated_extents} extents under-replicated "

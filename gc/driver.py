@@ -75,6 +75,9 @@ class PassOptions:
     expire_batch: int = 10_000
     repair: bool = True
     repair_rate_bytes: int | None = None
+    # compact, most garbage first, only the chunks that bring each server under pressure to
+    # its low watermark, those over the threshold too (MAKE_ROOM's pass: a writer waits for it)
+    only_needed: bool = False
     # background scrub (with apply): the replicas of the keys after where the collector's
     # last pass stopped (GarbageCollector.scrub_cursor), about this many bytes a server; 0: none
     scrub_bytes: int = 0
@@ -106,6 +109,9 @@ class PassReport:
     chunks_deleted: int = 0
     bytes_reclaimed: int = 0
     compact_candidates: int = 0
+    # candidates left to a later pass: past what brings their server to its low watermark,
+    # those only its pressure made (under the garbage threshold; with only_needed, any)
+    compact_deferred: int = 0
     delete_candidates: int = 0
     reclaimable_bytes: int = 0  # dry run: what compaction + deletion would free
     waiting_grace: int = 0
@@ -335,6 +341,43 @@ class GarbageCollector:
             compact=[c for c in plan.compact if c.server_id in on],
             delete=[d for d in plan.delete if d.server_id in on])
 
+    def _enough(self, plan: rpc.Plan, opts: PassOptions) -> tuple[rpc.Plan, int]:
+        """``plan`` with only as many of the chunks a server's pressure alone made candidates
+        (their garbage under ``opts.threshold``) as bring its used bytes down to ``opts.low``
+        of its capacity and free what its writers wanted, most garbage first, with what the
+        chunks over the threshold and the deletions free counted first (``opts.only_needed``:
+        the chunks over the threshold taken the same way); and how many it left for a later
+        pass.  Under pressure meta plans every chunk with any garbage, and a pass copied
+        them all: a writer's MAKE_ROOM pass on a full cluster copied 65-115 chunks, up to
+        2-3 s, while the writer waited (bench/RESULTS.md)."""
+        need: dict[int, int] = {}
+        for sid, st in self._usage.items():
+            if st.capacity > 0:
+                need[sid] = max(st.wanted, st.used - int(opts.low * st.capacity))
+        for d in plan.delete:
+            if d.server_id in need:
+                need[d.server_id] -= d.written
+        over: list[rpc.CompactCandidate] = []
+        under: list[rpc.CompactCandidate] = []
+        for c in plan.compact:
+            if c.written - c.live > opts.threshold * c.written and not opts.only_needed:
+                over.append(c)
+            else:
+                under.append(c)
+        for c in over:
+            if c.server_id in need:
+                need[c.server_id] -= c.written - c.live
+        taken = over
+        for c in under:  # (most garbage first, as meta plans them)
+            if need.get(c.server_id, 1) > 0:  # (a server of no known usage: as planned)
+                taken.append(c)
+                if c.server_id in need:
+                    need[c.server_id] -= c.written - c.live
+        if len(taken) == len(plan.compact):
+            return plan, 0
+        taken.sort(key=lambda c: c.live - c.written)
+        return msgspec.structs.replace(plan, compact=taken), len(plan.compact) - len(taken)
+
     async def _would_seal(self, plan: rpc.Plan, opts: PassOptions) -> None:
         """Dry run: count the open chunks ``--apply`` would seal as what they then become
         (meta plans them as compact candidates if they hold live bytes, else as deletes)."""
@@ -365,6 +408,7 @@ class GarbageCollector:
             if sealed:
                 await self.sync_usage()
                 plan = self._on_reached(await self._plan(opts))
+        plan, report.compact_deferred = self._enough(plan, opts)
         report.compact_candidates = len(plan.compact)
         report.delete_candidates = len(plan.delete)
         report.waiting_grace = plan.waiting

@@ -845,7 +845,7 @@ class MetaGc:
                 if gc is None:
                     gc = self._room_gc = GarbageCollector(addr, token=token, tls=self.index.config)
                 try:
-                    r = await gc.run_pass(PassOptions(apply=True, grace_s=0.0, repair=False))
+                    r = await gc.run_pass(PassOptions(apply=True, grace_s=0.0, repair=False, only_needed=True))
                 except BaseException:
                     self._room_gc = None
                     gc.close()
