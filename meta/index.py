@@ -77,6 +77,7 @@ from kvfs.meta.store import NO_EXPIRY
 from kvfs.meta.storeapi import Lease
 from kvfs.meta.tombstones import (
     NO_GHOST,
+    Floor,
     Ghosts,
     Tomb,
     chunk_seq,
@@ -304,6 +305,11 @@ class MetaIndex(ServerRegistry):
         self.chunk_keys: dict[int, KeySet] = {}
         self.value_bytes = 0  # the stored values' sizes, summed (STATS: key_stats, no walk)
         self.tombstones: KeyMap[Tomb] = KeyMap()  # deleted keys' tombstones kept (kvfs.meta.tombstones)
+        # the servers' floors the last walk of drop_passed took (None: none yet), and the
+        # tombstones made since the oldest chunk table in them, oldest first: those a chunk
+        # table heard since can let pass (the others wait for a chunk to go)
+        self._dropped_at: dict[int, Floor] | None = None
+        self._young: collections.deque[tuple[float, bytes]] = collections.deque()
         # chunk id -> the keys whose kept tombstone has a replica in it (tombstone_refs: O(those
         # tombstones)); derived, changed with ``tombstones`` wherever their live bytes change
         self.tomb_chunks: dict[int, KeySet] = {}
@@ -555,6 +561,7 @@ class MetaIndex(ServerRegistry):
         since = time.monotonic()
         for k, lay in keep.items():
             self.tombstones[k] = Tomb(lay, dict(horizon), since)
+            self._young.append((since, k))
             self.add_live(lay, +1, k)
             self.index_chunks(k, lay, True, self.tomb_chunks)
         out = []
@@ -1073,15 +1080,38 @@ class MetaIndex(ServerRegistry):
         (:func:`kvfs.meta.tombstones.passed`; their bytes become garbage), a page of
         :data:`WALK_PAGE` a step, each forgotten in its page's transaction (a walk of every
         tombstone in one step held the loop 2.7-3.1 s with 400k passed, bench/RESULTS.md); how
-        many.  The floors are taken once: a tombstone that passed then has passed for good."""
-        floor = floors(self.servers)
+        many.  The floors are taken once: a tombstone that passed then has passed for good.
+        GC_DELETED asks after every batch a pass compacts, and a walk of every tombstone for
+        each was 10 % of meta's CPU in the full-cluster soak (bench/RESULTS.md), so only what
+        may have passed since the last walk is walked: every tombstone once a server's lowest
+        chunks changed (or the servers did); once only chunk tables were heard, the
+        tombstones younger than the oldest of those the last walk took (the others had been
+        heard of then, and wait for a chunk to go); nothing when nothing changed.  No
+        tombstone is ever moved below a floor; one whose horizon on a server is still open
+        (that server unheard of at the delete) gets it at the walk that next checks it, at
+        that server's highest chunk then, later than it might have: it passes no sooner."""
+        floor, last = floors(self.servers), self._dropped_at
+        if floor == last:
+            return 0
         tombs, n = self.tombstones, 0
-        async for page in walked(tombs):
+        todo: AsyncIterator[Sequence[bytes]]
+        if last is None or last.keys() != floor.keys() or any(
+                f.lowest != last[sid].lowest for sid, f in floor.items()):
+            todo = walked(tombs)
+        else:
+            heard = min((f.heard for f in last.values()), default=0.0)
+            todo = pages([k for since, k in self._young if since >= heard])
+        async for page in todo:
             done = [k for k in page if (t := tombs.get(k)) is not None and passed(t, floor)]
             if done:
                 with self._writing(gc=True):
                     self.forget_tombstones(done)
                 n += len(done)
+        self._dropped_at = floor
+        heard = min((f.heard for f in floor.values()), default=float("inf"))
+        young = self._young
+        while young and young[0][0] < heard:  # heard of by every server: a chunk must go first
+            young.popleft()
         await self._settled(gc=True)
         return n
 

@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvfs import rpc
@@ -263,6 +264,47 @@ async def test_passed_tombstones_are_dropped_a_page_at_a_time(
     assert await ix.drop_passed() == 12
     assert forgotten == [5, 5, 2] and not ix.tombstones and not ix.tomb_chunks
     assert not list(ix.store.load_tombstones())
+
+
+
+async def test_the_drop_of_passed_tombstones_walks_only_what_may_have_passed_since_its_last_walk(
+        meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GC_DELETED asks for the drop after every batch a pass compacts (a walk of every
+    tombstone each time was 10 % of meta's CPU in the full-cluster soak, bench/RESULTS.md).
+    With the chunk tables as the last walk found them, nothing is walked; with only chunk
+    tables heard since, the tombstones younger than those; with a chunk gone, every one,
+    and what passed goes."""
+    await fill(meta, 15, 15, "k", per_chunk=10)
+    ix = meta.meta.index
+    await meta.meta.rpc_register(rpc.Register(server_id=1, addr="127.0.0.1:1"), memoryview(b""))
+
+    async def delete(ids: range) -> None:
+        await ix.delete([key(i, "k") for i in ids],
+                        [tomb_layout([Replica(1, (1 << 40) | 20, 64 * i)], NOW) for i in ids])
+
+    await delete(range(12))
+    checked: list[int] = []
+    real = index.passed
+
+    def counted(t: Any, floor: Any, compacting: int | None = None) -> bool:
+        checked.append(t.layout.extents[0].replicas[0].offset // 64)
+        return real(t, floor, compacting)
+
+    monkeypatch.setattr(index, "passed", counted)
+    assert await ix.drop_passed() == 0 and len(checked) == 12  # no chunk table since the deletes
+    assert await ix.drop_passed() == 0 and len(checked) == 12  # nothing changed: no walk
+    hb = rpc.Heartbeat(server_id=1, addr="127.0.0.1:1", capacity=1 << 30, free=1 << 30, used=0,
+                       chunks={(1 << 40) | 1: 1000, (1 << 40) | 20: 12 * 64})  # (20: the horizon)
+    await meta.meta.rpc_heartbeat(hb, memoryview(b""))  # a table: every one walked, none passed
+    assert await ix.drop_passed() == 0 and len(checked) == 24
+    await delete(range(12, 15))
+    await meta.meta.rpc_heartbeat(hb, memoryview(b""))  # the same table heard again
+    del checked[:]
+    assert await ix.drop_passed() == 0 and sorted(checked) == [12, 13, 14]  # the younger ones
+    later = msgspec.structs.replace(hb, chunks={(1 << 40) | 30: 100})  # every chunk to 20 gone
+    await meta.meta.rpc_heartbeat(later, memoryview(b""))
+    assert await ix.drop_passed() == 15 and len(checked) == 18
+    assert not ix.tombstones
 
 
 async def test_a_repair_plan_made_a_page_at_a_time_is_the_plan_of_every_key_at_once(
