@@ -50,7 +50,6 @@ async def fill(kv: AsyncClient, n: int = 400, batch: int = 20) -> list[str]:
     return keys
 
 
-
 @pytest.mark.parametrize(("dead", "only_needed", "trimmed"), [
     (1, False, True),  # under the threshold (1 of 7 values): only while the server needs room
     (3, False, False),  # over it (3 of 7): every one, as before
