@@ -14,8 +14,7 @@ import time
 from pathlib import Path
 
 from kvfs import rpc
-from kvfs.bench.metastore import NOW, LocalMeta
-from kvfs.layout import Extent, Layout, Replica, make_chunk_id
+from kvfs.bench.metastore import NOW, LocalMeta, layout
 from kvfs.meta.index import MetaIndex
 from kvfs.packed import pack
 
@@ -26,11 +25,6 @@ def k(i: int) -> bytes:
     return hashlib.sha256(b"%d" % i).hexdigest().encode()
 
 
-def lay(i: int) -> Layout:
-    return Layout(100, 0xABCDEF, NOW, None,
-                  (Extent(100, 0x1234567, (Replica(1, make_chunk_id(1, i // CHUNK), (i % CHUNK) * 160),)),))
-
-
 async def main(n: int) -> None:
     keys = [k(i) for i in range(n)]
     with tempfile.TemporaryDirectory() as tmp:
@@ -39,7 +33,7 @@ async def main(n: int) -> None:
         ix = m.meta.index
         assert isinstance(ix, MetaIndex)
         for lo in range(0, n, PER):
-            blob = pack(keys[lo:lo + PER], [lay(i) for i in range(lo, min(n, lo + PER))])
+            blob = pack(keys[lo:lo + PER], [layout(i, CHUNK) for i in range(lo, min(n, lo + PER))])
             await m.meta.rpc_commit(rpc.Commit(packed=blob), memoryview(b""))
         gc.collect()  # type: ignore[attr-defined]  # (mypy takes it for kvfs.gc)
         gc.freeze()  # type: ignore[attr-defined]  # (as `kvfs meta` does once started)
