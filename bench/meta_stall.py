@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import itertools
 import json
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,33 @@ async def stalled(call: Callable[[], Awaitable[Any]]) -> tuple[float, float, int
     done, seen, longest = True, ticks, max(longest, end - last)
     await ticker
     return (end - t0) * 1e3, longest * 1e3, seen
+
+
+@contextlib.asynccontextmanager
+async def long_steps(count: Callable[[], int], over_s: float = 0.004
+                     ) -> AsyncIterator[list[tuple[float, int]]]:
+    """While the body runs, a task that gives the loop back at once records each loop step
+    it waited over ``over_s`` for: (seconds, ``count()`` then), in the list yielded (the
+    harnesses of meta's longest steps against its key count, bench/results)."""
+    steps: list[tuple[float, int]] = []
+    done = False
+
+    async def tick() -> None:
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0)
+            now = time.perf_counter()
+            if now - last > over_s:
+                steps.append((now - last, count()))
+            last = now
+
+    ticker = asyncio.create_task(tick())
+    await asyncio.sleep(0)  # (the ticker's first step)
+    try:
+        yield steps
+    finally:
+        done = True
+        await ticker
 
 
 async def run(keys: int, tries: int, per_chunk: int = PER_CHUNK, expired: int | None = None) -> dict[str, Any]:

@@ -12,6 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from kvfs.bench.meta_stall import long_steps
 from kvfs.bench.metastore import NOW, LocalMeta
 from kvfs.layout import Extent, Layout, Replica, make_chunk_id
 from kvfs.meta.index import MetaIndex
@@ -36,32 +37,18 @@ async def main(n: int) -> None:
         m = LocalMeta(Path(tmp) / "meta", "rocksdb")
         await m.open()
         gc.freeze()  # type: ignore[attr-defined]  # (as `kvfs meta` does once started: the cycle collector skips what is there)
-        done, steps = False, []
         ix = m.meta.index
         assert isinstance(ix, MetaIndex)
-
-        async def tick() -> None:
-            last = time.perf_counter()
-            while not done:
-                await asyncio.sleep(0)
-                now = time.perf_counter()
-                if now - last > 0.004:
-                    steps.append((now - last, len(ix.entries)))
-                last = now
-
-        ticker = asyncio.create_task(tick())
-        await asyncio.sleep(0)
         todo = iter(blobs)
 
         async def writer() -> None:
             for blob in todo:
                 await m.meta.rpc_commit(m.rpc.Commit(packed=blob), memoryview(b""))
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(writer() for _ in range(FLIGHT)))
-        fill = time.perf_counter() - t0
-        done = True
-        await ticker
+        async with long_steps(lambda: len(ix.entries)) as steps:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(writer() for _ in range(FLIGHT)))
+            fill = time.perf_counter() - t0
         top = sorted(steps, reverse=True)[:5]
         print(f"fill {n} keys: {fill:.1f} s, {n / fill / 1e3:.1f}k keys/s; longest steps: "
               + ", ".join(f"{s * 1e3:.1f} ms @{c}" for s, c in top), flush=True)

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from kvfs import rpc
+from kvfs.bench.meta_stall import long_steps
 from kvfs.bench.metastore import NOW, LocalMeta, layout
 from kvfs.meta.index import MetaIndex
 from kvfs.packed import pack
@@ -37,19 +38,6 @@ async def main(n: int) -> None:
             await m.meta.rpc_commit(rpc.Commit(packed=blob), memoryview(b""))
         gc.collect()  # type: ignore[attr-defined]  # (mypy takes it for kvfs.gc)
         gc.freeze()  # type: ignore[attr-defined]  # (as `kvfs meta` does once started)
-        done, steps = False, []
-
-        async def tick() -> None:
-            last = time.perf_counter()
-            while not done:
-                await asyncio.sleep(0)
-                now = time.perf_counter()
-                if now - last > 0.004:
-                    steps.append((now - last, len(ix.leases)))
-                last = now
-
-        ticker = asyncio.create_task(tick())
-        await asyncio.sleep(0)
         todo = iter(range(0, n, ASK))
 
         async def asker() -> None:
@@ -59,19 +47,18 @@ async def main(n: int) -> None:
                 assert isinstance(answer, tuple) and isinstance(answer[0], rpc.Existing) and all(answer[0].exists)
                 await asyncio.sleep(0)  # (another request's turn, as meta's loop gives it)
 
-        t0 = time.perf_counter()
-        await asyncio.gather(*(asker() for _ in range(FLIGHT)))
-        took = time.perf_counter() - t0
+        async with long_steps(lambda: len(ix.leases)) as steps:
+            t0 = time.perf_counter()
+            await asyncio.gather(*(asker() for _ in range(FLIGHT)))
+            took = time.perf_counter() - t0
         top = sorted(steps, reverse=True)[:5]
         print(f"leasing lookups of {n} keys: {took:.1f} s, {n / took / 1e3:.1f}k keys/s; longest steps: "
               + ", ".join(f"{s * 1e3:.1f} ms @{c}" for s, c in top), flush=True)
-        steps.clear()
         ix.clock = lambda: NOW + 3600  # (every lease has ended: the flush forgets them all)
-        t0 = time.perf_counter()
-        await ix.flush()
-        took = time.perf_counter() - t0
-        done = True
-        await ticker
+        async with long_steps(lambda: len(ix.leases)) as steps:
+            t0 = time.perf_counter()
+            await ix.flush()
+            took = time.perf_counter() - t0
         print(f"flush forgetting {n} leases: {took:.2f} s; longest step "
               f"{max((s for s, _ in steps), default=0) * 1e3:.1f} ms; leases left {len(ix.leases)}", flush=True)
         await m.close()
