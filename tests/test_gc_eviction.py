@@ -282,10 +282,56 @@ async def test_evict_takes_exactly_what_the_server_over_its_watermark_needs(
         assert got == [k.encode().ljust(VALUE, b".") for k in keys]
 
 
+@pytest.mark.parametrize("hot", [False, True])
+async def test_eviction_empties_the_chunk_its_victims_left_partly_live(
+        tmp_path: Path, clock: FakeClock, hot: bool) -> None:
+    """Keys written in order fill chunks in order.  GC_EVICT short of the first chunk and half
+    the second takes the rest of the second too, as they come next in the LRU order, so a
+    pass deletes both chunks and copies nothing (before, it left the second chunk half live,
+    for compaction to copy).  With one key of the second chunk read since (``hot``: the most
+    recently used), that chunk cannot be emptied: the eviction takes just what was short."""
+    async with make(tmp_path, clock, 1, CAP) as c, GarbageCollector(c.addr, token=c.admin_token) as gc:
+        kv = client(c, clock)
+        async with kv:
+            keys = [f"k{i:02d}" for i in range(40)]
+            chunk = {}
+            for k in keys:  # one per tick: the LRU order is the order written
+                clock.advance(1)
+                await kv.put(k, k.encode().ljust(VALUE, b"."))
+                lay = await kv.layout(k)
+                assert lay is not None
+                chunk[k] = lay.extents[0].replicas[0].chunk_id
+            first, second = sorted(set(chunk.values()))[:2]
+            in_first = [k for k in keys if chunk[k] == first]
+            in_second = [k for k in keys if chunk[k] == second]
+            assert len(in_first) >= 4 and len(in_second) >= 4, (in_first, in_second)
+            if hot:
+                clock.advance(1)
+                assert await read_fresh(c, clock, in_second[-1:]) == [in_second[-1].encode().ljust(VALUE, b".")]
+            clock.advance(1)
+            await gc.sync_usage()
+            (st,) = (await gc.status())["servers"]
+            taken = len(in_first) + 2  # what is short: the first chunk and two of the second
+            low = (st["live"] - (taken - 1) * VALUE - 1) / CAP  # exact: CAP is a power of two
+            r = await gc.meta(rpc.GcEvict(high=low, low=low))
+            gone = in_first + in_second[:2] if hot else in_first + in_second
+            assert r.keys == len(gone), (r, len(in_first), len(in_second))
+            r = await gc.run_pass(PassOptions(apply=True, grace_s=0, high=low, low=low))
+            assert r.evicted_keys == len(gone)
+            if hot:
+                assert r.chunks_compacted >= 1 and r.bytes_copied > 0, r  # the rest of the second
+            else:
+                assert r.chunks_compacted == 0 and r.bytes_copied == 0, r
+                assert r.chunks_deleted >= 2, r
+        assert await read_fresh(c, clock, keys) == [None if k in gone else k.encode().ljust(VALUE, b".")
+                                                    for k in keys]
+
+
 async def test_evicting_a_striped_value_counts_all_its_extents_on_the_server(
         tmp_path: Path, clock: FakeClock) -> None:
     """A value striped into three extents on one server frees all three: GC_EVICT short of two
-    extents' bytes takes that one value, not the next key too."""
+    extents' bytes takes that one value, not the next key too (larger than what was short, it
+    is not taken to empty the chunk either: :class:`kvfs.meta.gc._Finishing`)."""
     async with make(tmp_path, clock, 1, CAP) as c, GarbageCollector(c.addr, token=c.admin_token) as gc:
         kv = c.client(ClientConfig(stripe_bytes=VALUE))
         kv.clock = clock
@@ -294,14 +340,14 @@ async def test_evicting_a_striped_value_counts_all_its_extents_on_the_server(
             striped = await kv.layout("striped")
             assert striped is not None and len(striped.extents) == 3
             clock.advance(1)  # "next" is the more recently used (a lookup counts as a use)
-            await kv.put("next", b"N" * VALUE)
+            await kv.put("next", b"N" * (3 * VALUE))
             (sid,) = {r.server_id for x in striped.extents for r in x.replicas}
             await gc.sync_usage()
             (st,) = (await gc.status())["servers"]
             low = (st["live"] - 2 * VALUE) / CAP  # exact: CAP is a power of two
             r = await gc.meta(rpc.GcEvict(high=low, low=low, server_id=sid, apply=True))
             assert (r.keys, r.bytes) == (1, 3 * VALUE)
-        assert await read_fresh(c, clock, ["striped", "next"]) == [None, b"N" * VALUE]
+        assert await read_fresh(c, clock, ["striped", "next"]) == [None, b"N" * (3 * VALUE)]
 
 
 async def test_a_server_of_unknown_capacity_is_not_evicted_from_for_a_writers_wanted_bytes(
@@ -467,7 +513,8 @@ async def test_compaction_on_a_server_stops_for_the_pass_once_its_reserve_is_spe
         kv.clock = clock
         async with kv:
             keys = await fill(kv, clock)
-            await read_fresh(c, clock, keys[1::2])  # every chunk keeps half its keys
+            # every chunk keeps half its keys: leased, so eviction cannot empty a chunk instead
+            assert await kv.match_prefix(keys[1::2], lease_s=600) == len(keys[1::2])
             with caplog.at_level(logging.WARNING, logger="kvfs.gc"):
                 r = await gc.run_pass(dataclasses.replace(DEEP, grace_s=60))
             # ~33 KiB copied per chunk, 36 KiB of reserve (and what the values left): some fit
