@@ -61,6 +61,7 @@ import heapq
 import itertools
 import logging
 import time
+from array import array
 from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -72,6 +73,7 @@ from kvfs.layout import Layout, Replica, encode_layout, encode_layout_buffer, se
 from kvfs.meta.keymap import KeyMap
 from kvfs.meta.leases import Leases
 from kvfs.meta.localstore import LocalStore
+from kvfs.meta.lruorder import LruOrder
 from kvfs.meta.repair import readable
 from kvfs.meta.store import NO_EXPIRY
 from kvfs.meta.storeapi import Lease
@@ -298,6 +300,7 @@ class MetaIndex(ServerRegistry):
         # each (a dict's growth copies it whole in one step: kvfs.meta.keymap)
         self.entries: KeyMap[Layout] = KeyMap()
         self.accessed: KeyMap[float] = KeyMap()  # keys read since their commit -> last access
+        self._lru = LruOrder()  # eviction's order, kept from one walk to the next
         self.chunk_live: dict[int, int] = {}
         # chunk id -> the keys whose layout names a replica in it (compaction's references,
         # GC_CHUNK_REFS of chunks: O(those keys), never a walk of every key); derived from the
@@ -1199,18 +1202,31 @@ class MetaIndex(ServerRegistry):
             await asyncio.sleep(0)
 
     async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
-        """Least recently used first, without holding the loop: each page of
-        :data:`WALK_PAGE` keys sorted by last access in a step of its own, then the pages
-        merged lazily, ``batch`` keys per step.  A key read or put again after its page was
-        sorted is left out (it is no longer where its page put it), as is one removed."""
+        """Least recently used first, ``batch`` keys per step, going on from the order the
+        last sort made (:class:`kvfs.meta.lruorder.LruOrder`: a walk that needs a few keys
+        sorts none): a key read or put again since that sort comes after the keys it saw,
+        as does one put since.  A sort takes each page of :data:`WALK_PAGE` keys by last
+        access in a step of its own; the pages are merged as walks need them.  A key read
+        or put again after its page was sorted is left out of that order (it is no longer
+        where its page put it), as is one removed."""
         accessed, entries = self.accessed, self.entries
 
-        def last_use(keys: Sequence[bytes]) -> Iterable[tuple[float, bytes]]:
-            return ((accessed.get(k, lay.created), k) for k in keys if (lay := entries.get(k)) is not None)
+        def last_use(k: bytes) -> float | None:
+            lay = entries.get(k)
+            return None if lay is None else accessed.get(k, lay.created)
 
-        async for oldest in sorted_pages(await listed(entries), last_use, batch):
-            yield [(k, lay) for t, k in oldest
-                   if (lay := entries.get(k)) is not None and accessed.get(k, lay.created) == t]
+        async for keys in self._lru.walk(last_use, self._lru_pages, batch, WALK_PAGE):
+            yield [(k, entries[k]) for k in keys]
+
+    async def _lru_pages(self) -> list[tuple[array[float], list[bytes]]]:
+        """Every key's last use and the key, a page of :data:`WALK_PAGE` at a time, each
+        page sorted in a step of its own (:meth:`lru_order`'s sort, merged as walks need)."""
+        accessed, entries = self.accessed, self.entries
+        out: list[tuple[array[float], list[bytes]]] = []
+        async for page in pages(await listed(entries)):
+            rows = sorted((accessed.get(k, lay.created), k) for k in page if (lay := entries.get(k)) is not None)
+            out.append((array("d", [t for t, _ in rows]), [k for _, k in rows]))
+        return out
 
     async def layouts(self, keys: Sequence[bytes]) -> list[Layout | None]:
         return [self.entries.get(k) for k in keys]

@@ -76,6 +76,46 @@ async def test_lru_order_across_pages_is_least_recently_used_first_and_skips_key
     assert all(lay is ix.entries[k] for k, lay in rest)
 
 
+async def test_lru_order_goes_on_from_the_last_sort(meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Eviction's walks go on from the order the last sort made (kvfs.meta.lruorder): a walk
+    that needs the first keys sorts none; a key gone, or read since, is passed over where the
+    sort put it; the keys read or put since come after every key the sort saw, in a second
+    sort once the walk has gone through the first's order, and no key is yielded twice."""
+    monkeypatch.setattr(index, "WALK_PAGE", 7)
+    await fill(meta, 100, 100, "k")
+    ix = meta.meta.index
+    rng = random.Random(7)
+    keys = sorted(ix.entries)
+    rng.shuffle(keys)
+    for i, k in enumerate(keys):  # the LRU order: this one
+        ix.accessed[k] = NOW + 1 + i
+
+    async def first_rows(n: int) -> list[bytes]:
+        got: list[bytes] = []
+        walk = ix.lru_order(batch=5)
+        async for rows in walk:
+            got += [k for k, _ in rows]
+            if len(got) >= n:
+                break
+        await walk.aclose()
+        return got
+
+    assert await first_rows(10) == keys[:10] and ix._lru.sorts == 1
+    assert await first_rows(10) == keys[:10] and ix._lru.sorts == 1  # no sort again
+    ix.remove([keys[0], keys[50]])
+    read = keys[3]
+    ix.accessed[read] = NOW + 1000  # read since: the most recent
+    await fill(meta, 1, 1, "new")
+    (new,) = [k for k in ix.entries if k.startswith(b"new")]
+    ix.accessed[new] = NOW + 2000
+    assert await first_rows(10) == [k for k in keys if k not in (keys[0], keys[50], read)][:10]
+    assert ix._lru.sorts == 1
+    whole = [k for rows in [r async for r in ix.lru_order(batch=5)] for k, _ in rows]
+    assert whole == [k for k in keys if k not in (keys[0], keys[50], read)] + [read, new]
+    assert ix._lru.sorts == 2
+    assert ix._lru.order.at == 0  # (the second sort's order, all of it there)
+
+
 def derived_chunk_keys(ix: index.MetaIndex) -> dict[int, index.KeySet]:
     out: dict[int, index.KeySet] = {}
     for k, lay in ix.entries.items():

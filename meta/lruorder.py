@@ -1,0 +1,101 @@
+"""Eviction's LRU order, kept from one walk to the next.
+
+Meta's index (:class:`kvfs.meta.index.MetaIndex`) keeps each key's last use (its commit, or
+its last read), not an order.  Eviction walks the keys least recently used first, and each
+walk sorted every key: a GC_EVICT that needed 1,000 victims cost 0.9-1.4 s of meta's time at
+1M keys (bench/RESULTS.md), and a full cluster runs one every pass.
+
+:class:`LruOrder` keeps the order the last sort made (:class:`Sorted`), each key with the last
+use it had then, merged from the sort's pages only as far as walks have needed.  A walk goes
+on from it: an entry whose key is gone, or whose last use changed (read, or put anew, since),
+is passed over, as the key is no longer where the sort put it.  The keys used since the sort
+(and the new ones) used it later than every key the sort saw, so they come after all the
+entries left: once a walk has gone through them all, the keys it has not yielded are sorted
+again, once a walk.  The entries at the front that no walk needs any more (gone or used
+since) are stepped over for good.  An order costs some 32 bytes a key while it lasts (its
+pages and what was merged of them: a pointer and a float each), and holds the keys it names
+until the next sort.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+from array import array
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+
+# every key's last use and the key, a page of them at a time, each page sorted
+Pages = Callable[[], Awaitable[list[tuple["array[float]", list[bytes]]]]]
+
+
+class Sorted:
+    """One sort's order: its pages, merged as walks need them (``keys``/``times`` so far)."""
+
+    __slots__ = ("at", "keys", "merged", "times")
+
+    def __init__(self, pages: list[tuple[array[float], list[bytes]]]) -> None:
+        self.keys: list[bytes] = []
+        self.times: array[float] = array("d")
+        self.merged: Iterator[tuple[float, bytes]] | None = heapq.merge(*(zip(t, k, strict=True) for t, k in pages))
+        self.at = 0  # the entries before this are gone or used since: no walk looks at them
+
+    def more(self, n: int) -> bool:
+        """Merge up to ``n`` entries more; False once there are none."""
+        if self.merged is None:
+            return False
+        got = list(itertools.islice(self.merged, n))
+        if len(got) < n:
+            self.merged = None
+        for t, k in got:
+            self.times.append(t)
+            self.keys.append(k)
+        return bool(got)
+
+
+class LruOrder:
+    """The keys least recently used first as of the last sort; :meth:`walk` goes on from it."""
+
+    __slots__ = ("order", "sorts")
+
+    def __init__(self) -> None:
+        self.order = Sorted([])
+        self.sorts = 0  # sorts made (tests)
+
+    async def walk(self, last_use: Callable[[bytes], float | None], pages: Pages, batch: int,
+                   page: int) -> AsyncIterator[list[bytes]]:
+        """The keys, least recently used first, ``batch`` at a time; ``last_use(key)``: the
+        key's last use now (None: gone); ``pages()``: every key with its last use, in pages
+        each sorted.  The loop is given back every ``page`` entries looked at."""
+        seen: set[bytes] = set()
+        for again in (False, True):
+            if again:
+                self.order = Sorted(await pages())
+                self.sorts += 1
+            o = self.order
+            keys, times, i = o.keys, o.times, o.at
+            front = True  # every entry so far gone or used since: stepped over for good
+            out: list[bytes] = []
+            looked = 0
+            while i < len(keys) or o.more(page):
+                k = keys[i]
+                if last_use(k) == times[i]:
+                    front = False
+                    if k not in seen:  # (else the walk's first part yielded it)
+                        out.append(k)
+                        if not again:
+                            seen.add(k)
+                elif front:
+                    o.at = max(o.at, i + 1)
+                i += 1
+                looked += 1
+                if len(out) >= batch:  # a batch a step
+                    yield out
+                    out = []
+                    looked = 0
+                    await asyncio.sleep(0)
+                elif looked >= page:  # (entries passed over: the loop given back too)
+                    looked = 0
+                    await asyncio.sleep(0)
+            if out:
+                yield out
