@@ -1218,14 +1218,15 @@ class MetaIndex(ServerRegistry):
         async for keys in self._lru.walk(last_use, self._lru_pages, batch, WALK_PAGE):
             yield [(k, entries[k]) for k in keys]
 
-    async def _lru_pages(self) -> list[tuple[array[float], list[bytes]]]:
+    async def _lru_pages(self) -> list[tuple[array[float], tuple[bytes, ...]]]:
         """Every key's last use and the key, a page of :data:`WALK_PAGE` at a time, each
         page sorted in a step of its own (:meth:`lru_order`'s sort, merged as walks need)."""
         accessed, entries = self.accessed, self.entries
-        out: list[tuple[array[float], list[bytes]]] = []
+        out: list[tuple[array[float], tuple[bytes, ...]]] = []
         async for page in pages(await listed(entries)):
             rows = sorted((accessed.get(k, lay.created), k) for k in page if (lay := entries.get(k)) is not None)
-            out.append((array("d", [t for t, _ in rows]), [k for _, k in rows]))
+            # (a tuple of bytes: the cycle collector untracks it at its first look, a list it walks)
+            out.append((array("d", [t for t, _ in rows]), tuple([k for _, k in rows])))
         return out
 
     async def layouts(self, keys: Sequence[bytes]) -> list[Layout | None]:

@@ -26,7 +26,7 @@ from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 
 # every key's last use and the key, a page of them at a time, each page sorted
-Pages = Callable[[], Awaitable[list[tuple["array[float]", list[bytes]]]]]
+Pages = Callable[[], Awaitable[list[tuple["array[float]", tuple[bytes, ...]]]]]
 
 
 class Sorted:
@@ -34,7 +34,7 @@ class Sorted:
 
     __slots__ = ("at", "keys", "merged", "times")
 
-    def __init__(self, pages: list[tuple[array[float], list[bytes]]]) -> None:
+    def __init__(self, pages: list[tuple[array[float], tuple[bytes, ...]]]) -> None:
         self.keys: list[bytes] = []
         self.times: array[float] = array("d")
         self.merged: Iterator[tuple[float, bytes]] | None = heapq.merge(*(zip(t, k, strict=True) for t, k in pages))
