@@ -30,7 +30,7 @@ step() {
   m1=$(metrics)
   b=$(for p in $pids; do awk -v p=$p '{print p, $14+$15}' /proc/$p/stat; done)
   grep -E "^  write:|call lat \(msec\)" "$dir/run.txt" | sed 's/^ *//'
-  grep -A3 "call lat percentiles" "$dir/run.txt" | tail -3 | sed 's/^ *//'
+  grep -A5 "call lat percentiles" "$dir/run.txt" | tail -5 | sed 's/^ *//'
   .venv/bin/python - "$m0" "$m1" "$RUN" <<'PY'
 import sys
 a, b, run = [int(x) for x in sys.argv[1].split()], [int(x) for x in sys.argv[2].split()], float(sys.argv[3])
