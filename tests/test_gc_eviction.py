@@ -285,10 +285,10 @@ async def test_evict_takes_exactly_what_the_server_over_its_watermark_needs(
 @pytest.mark.parametrize("hot", [False, True])
 async def test_eviction_empties_the_chunk_its_victims_left_partly_live(
         tmp_path: Path, clock: FakeClock, hot: bool) -> None:
-    """Keys written in order fill chunks in order.  GC_EVICT short of the first chunk and half
-    the second takes the rest of the second too, as they come next in the LRU order, so a
-    pass deletes both chunks and copies nothing (before, it left the second chunk half live,
-    for compaction to copy).  With one key of the second chunk read since (``hot``: the most
+    """Keys written in order fill chunks in order.  GC_EVICT short of the first chunk and two
+    keys of the second takes the rest of the second too, as they come next in the LRU order,
+    so a pass deletes both chunks and copies nothing (before, it left the second chunk partly
+    live, for compaction to copy).  With one key of the second chunk read since (``hot``: the most
     recently used), that chunk cannot be emptied: the eviction takes just what was short."""
     async with make(tmp_path, clock, 1, CAP) as c, GarbageCollector(c.addr, token=c.admin_token) as gc:
         kv = client(c, clock)
