@@ -15,7 +15,7 @@ from kvfs.config import LOCAL_STORES, ClusterFsyncConfig, add_cluster_options
 from kvfs.config import add_options as add_config_options
 from kvfs.units import parse_duration, parse_size
 
-from .runner import APIS, RWS
+from .runner import APIS, RWS, parse_distribution
 
 __all__ = ["CLIENTS", "DEFAULT_RUNTIME_S", "MAX_REPEAT", "PEERS", "add_options", "size_arg"]
 
@@ -84,6 +84,14 @@ def _positive_int(text: str) -> int:
     return v
 
 
+def _distribution(text: str) -> str:
+    try:
+        parse_distribution(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def _repeat(text: str) -> int:
     v = _positive_int(text)
     if v > MAX_REPEAT:
@@ -111,6 +119,11 @@ def add_options(p: argparse.ArgumentParser) -> None:
     a("--ramp_time", "--ramp-time", dest="ramp_time", type=_seconds, default=0.0,
       help="seconds run before measuring")
     a("--rwmixread", type=int, default=50, help="randrw: percent of calls that read")
+    a("--random_distribution", "--random-distribution", dest="random_distribution", type=_distribution,
+      default="random",
+      help="rand* jobs' keys: random (fio's default: every key once a pass, in a fresh order) or "
+           "zipf:THETA (keys drawn by popularity, the i-th most popular with weight 1/i^THETA, as a "
+           "cache's keys are asked for; e.g. zipf:1.2)")
     a("--batch", type=_positive_int, default=None, help="keys per call (default 128 <=4k, 32 <=64k, ...)")
     a("--api", type=_api_list, default=None,
       help="reads: get_many (values returned as bytes, default), get_into (into "

@@ -90,6 +90,9 @@ class Workload:
     prefill_timeout_s: float = 600.0
     grace_s: float = 60.0
     api: API = "get_many"
+    # rand* jobs' key choice (fio's --random_distribution): "random", every key once a pass in
+    # a fresh order; or "zipf:THETA", keys drawn by popularity (parse_distribution)
+    random_distribution: str = "random"
 
     def __post_init__(self) -> None:
         if self.rw not in RWS:
@@ -109,6 +112,7 @@ class Workload:
             raise ValueError(f"api must be one of {APIS}, got {self.api!r}")
         if self.verify and self.bs < 8:
             raise ValueError("verify needs bs >= 8 (an 8-byte key tag starts each value)")
+        parse_distribution(self.random_distribution)
 
     @property
     def size_bytes(self) -> int:
@@ -146,6 +150,8 @@ class Workload:
             opts["rwmixread"] = str(self.rwmixread)
         if self.api != "get_many":
             opts["api"] = self.api
+        if self.random_distribution != "random":
+            opts["random_distribution"] = self.random_distribution
         return opts
 
 
@@ -216,10 +222,30 @@ def make_keys(prefix: bytes, n: int) -> list[bytes]:
     return [prefix + b"%016x" % i for i in range(n)]
 
 
-class _KeyStream:
-    """Batches of key indices in fio order: sequential, or a fresh permutation per pass."""
+def parse_distribution(text: str) -> float | None:
+    """fio's ``random_distribution`` as this bench takes it: ``random`` (None) or
+    ``zipf:THETA`` (THETA > 0: the key of popularity rank i drawn with weight 1/i^THETA)."""
+    if text == "random":
+        return None
+    kind, _, arg = text.partition(":")
+    if kind != "zipf" or not arg:
+        raise ValueError(f"random_distribution must be random or zipf:THETA (e.g. zipf:1.2), got {text!r}")
+    try:
+        theta = float(arg)
+    except ValueError:
+        raise ValueError(f"random_distribution zipf:THETA needs a number, got {arg!r}") from None
+    if not theta > 0 or theta == float("inf"):
+        raise ValueError(f"random_distribution zipf:THETA needs 0 < THETA, got {arg!r}")
+    return theta
 
-    def __init__(self, nkeys: int, batch: int, rand: bool, seed: int) -> None:
+
+class _KeyStream:
+    """Batches of key indices in fio order: sequential, or a fresh permutation per pass; or,
+    with ``zipf`` (a rand* job's ``zipf:THETA``), drawn by popularity, as a cache's keys are
+    asked for: the key of rank i (ranks spread over the keys by one permutation) with weight
+    1/i^THETA, each batch's keys distinct (a call names a key once)."""
+
+    def __init__(self, nkeys: int, batch: int, rand: bool, seed: int, zipf: float | None = None) -> None:
         self._n = nkeys
         self._batch = batch
         self._rand = rand
@@ -228,8 +254,31 @@ class _KeyStream:
             self._rng.permutation(nkeys) if rand else np.arange(nkeys)
         )
         self._pos = 0
+        self._cdf: np.ndarray[Any, np.dtype[np.float64]] | None = None
+        if rand and zipf is not None:
+            weights = np.arange(1, nkeys + 1, dtype=np.float64) ** -zipf
+            cdf = np.cumsum(weights)
+            self._cdf = cdf / cdf[-1]
+
+    def _drawn(self) -> list[int]:
+        """A batch of distinct keys by popularity (past 8 draws short of distinct keys, the
+        most popular keys not drawn yet fill the batch)."""
+        assert self._cdf is not None
+        got: dict[int, None] = {}
+        for _ in range(8):
+            ranks = np.searchsorted(self._cdf, self._rng.random(2 * self._batch), side="right")
+            got.update(dict.fromkeys(np.minimum(ranks, self._n - 1).tolist()))
+            if len(got) >= self._batch:
+                break
+        rank = 0
+        while len(got) < self._batch:
+            got.setdefault(rank)
+            rank += 1
+        return self._order[list(got)[: self._batch]].tolist()
 
     def next(self) -> list[int]:
+        if self._cdf is not None:
+            return self._drawn()
         end = self._pos + self._batch
         if end <= self._n:
             idx = self._order[self._pos : end]
@@ -404,7 +453,7 @@ async def run_workload(
         prefill_s = await _prefill(store, keys, filler, wl, prog)
 
     rand = wl.rw in ("randread", "randwrite", "randrw")
-    stream_keys = _KeyStream(wl.nkeys, wl.batch, rand, wl.seed)
+    stream_keys = _KeyStream(wl.nkeys, wl.batch, rand, wl.seed, parse_distribution(wl.random_distribution))
     mix = random.Random(wl.seed)
     read_rec = LatencyRecorder()
     write_rec = LatencyRecorder()

@@ -53,6 +53,11 @@ def test_fio_option_names_parse() -> None:
     assert all(w.batch == 4 and w.rw == "read" and w.nkeys % 4 == 0 for w in reads)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "--rw=sideways"])
+    assert {w.random_distribution for w in wls} == {"random"}
+    (w,) = jobs.build_workloads(_ns("--rw=randrw", "--bs=4k", "--random_distribution=zipf:1.1"))
+    assert w.random_distribution == "zipf:1.1"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "--random_distribution=zipf:x"])
 
 
 def test_default_job_set() -> None:

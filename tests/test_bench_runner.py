@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import re
+from collections import Counter
 from typing import Any, cast
 
 import pytest
@@ -16,6 +17,7 @@ from kvfs.bench.runner import (
     RW,
     BenchError,
     Workload,
+    _KeyStream,
     format_eta,
     make_keys,
     progress_text,
@@ -66,6 +68,25 @@ def test_workload_validation() -> None:
     with pytest.raises(ValueError, match="runtime_s"):
         Workload(name="x", runtime_s=0)
     assert Workload(name="x", bs=4096, nkeys=10).size_bytes == 40960
+
+
+def test_zipf_draws_keys_by_popularity_and_random_each_once_a_pass() -> None:
+    """``random`` (fio's): every key once a pass, in a fresh order.  ``zipf:1.2``: a few keys
+    asked for again and again, as a cache sees them, each call's keys distinct."""
+    uniform = _KeyStream(1000, 8, True, seed=3)
+    one_pass = [i for _ in range(125) for i in uniform.next()]
+    assert sorted(one_pass) == list(range(1000))
+    zipf = _KeyStream(1000, 8, True, seed=3, zipf=1.2)
+    batches = [zipf.next() for _ in range(500)]
+    assert all(len(set(b)) == 8 and all(0 <= i < 1000 for i in b) for b in batches)
+    counts = sorted(Counter(i for b in batches for i in b).values(), reverse=True)
+    assert sum(counts[:10]) > 0.25 * 4000, counts[:10]  # the top 1 % of keys: over a quarter
+    assert len(counts) < 900  # many keys never asked for
+    with pytest.raises(ValueError, match="THETA"):
+        Workload(name="x", random_distribution="zipf:0")
+    with pytest.raises(ValueError, match="random or zipf"):
+        Workload(name="x", random_distribution="pareto:0.5")
+    assert Workload(name="x", random_distribution="zipf:1.2").job_options()["random_distribution"] == "zipf:1.2"
 
 
 def test_keys_are_distinct() -> None:

@@ -2,12 +2,13 @@
 # A full cluster's hit rate under random reads and writes: for each tree (alternated,
 # bench/results/alternate.sh), a fresh `kvfs up --capacity $CAP`, $FILL s of random 1 MiB puts
 # over a key space of $SIZE (larger than the cluster), then $RUN s of `--rw randrw` (half reads,
-# half puts, the same keys; `kvfs bench` first puts every key once): the reads' misses (keys
+# half puts, the same keys, chosen as DIST says: random or zipf:THETA, the bench's
+# --random_distribution; `kvfs bench` first puts every key once): the reads' misses (keys
 # evicted) over the reads.
 # Usage: BEFORE=/path/to/worktree OUT=dir bash bench/results/full-hits-2026-12-05.sh [ROUNDS]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/alternate.sh"
-CAP=${CAP:-1GiB} FILL=${FILL:-10} RUN=${RUN:-20} BS=${BS:-1m} SIZE=${SIZE:-6g}
+CAP=${CAP:-1GiB} FILL=${FILL:-10} RUN=${RUN:-20} BS=${BS:-1m} SIZE=${SIZE:-6g} DIST=${DIST:-random}
 OUT=${OUT:-/tmp/full-hits}
 mkdir -p "$OUT"
 step() {
@@ -20,7 +21,8 @@ step() {
   .venv/bin/kvfs bench --addr $addr --rw randwrite --bs $BS --runtime "$FILL" --time_based --size $SIZE \
     --no-progress > "$dir/fill.txt" 2>&1
   .venv/bin/kvfs bench --addr $addr --rw randrw --bs $BS --runtime "$RUN" --time_based --size $SIZE \
-    --no-progress --output-format json > "$dir/run.json" 2> "$dir/run.err"
+    --no-progress --output-format json $([ "$DIST" = random ] || echo --random_distribution "$DIST") \
+    > "$dir/run.json" 2> "$dir/run.err"
   .venv/bin/python - "$dir/run.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
