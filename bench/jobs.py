@@ -75,7 +75,7 @@ def _job(
         time_based=time_based,
         ramp_time_s=ns.ramp_time,
         rwmixread=ns.rwmixread,
-        random_distribution=getattr(ns, "random_distribution", "random"),
+        random_distribution=ns.random_distribution,
         key_prefix=KEY_NAMESPACE + f"{name}/".encode(),
         prefill_timeout_s=max(120.0, 4 * runtime),
         grace_s=30.0,
