@@ -1216,7 +1216,8 @@ class MetaIndex(ServerRegistry):
             return None if lay is None else accessed.get(k, lay.created)
 
         async for keys in self._lru.walk(last_use, self._lru_pages, batch, WALK_PAGE):
-            yield [(k, entries[k]) for k in keys]
+            # (a key removed while the walk gave the loop back, its batch not yet whole: left out)
+            yield [(k, lay) for k in keys if (lay := entries.get(k)) is not None]
 
     async def _lru_pages(self) -> list[tuple[array[float], tuple[bytes, ...]]]:
         """Every key's last use and the key, a page of :data:`WALK_PAGE` at a time, each
