@@ -8,22 +8,21 @@
 # Usage: BEFORE=/path/to/worktree OUT=dir bash bench/results/full-hits-2026-12-05.sh [ROUNDS]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/alternate.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/kvfs-up.sh"
 CAP=${CAP:-1GiB} FILL=${FILL:-10} RUN=${RUN:-20} BS=${BS:-1m} SIZE=${SIZE:-6g} DIST=${DIST:-random}
 OUT=${OUT:-/tmp/full-hits}
 mkdir -p "$OUT"
 step() {
-  local dir port up
-  dir=$(mktemp -d "$OUT/run.XXXX") port=$((7300 + RANDOM % 500))
-  .venv/bin/kvfs up --data "$dir/d" --capacity "$CAP" --listen 127.0.0.1:$port > "$dir/up.log" 2>&1 &
-  up=$!
-  for _ in $(seq 100); do grep -q "Ctrl-C" "$dir/up.log" && break; sleep 0.1; done
-  local addr=kvfs://127.0.0.1:$port
-  .venv/bin/kvfs bench --addr $addr --rw randwrite --bs $BS --runtime "$FILL" --time_based --size $SIZE \
+  local dir addr
+  dir=$(mktemp -d "$OUT/run.XXXX") PY=$PWD/.venv/bin/python PORT=$((7300 + RANDOM % 500))
+  kvfs_up full --chunkservers 3 --gc --capacity "$CAP"  # (a cluster as `kvfs up` starts one, sized)
+  addr=kvfs://127.0.0.1:$PORT
+  $PY -m kvfs bench --addr $addr --rw randwrite --bs $BS --runtime "$FILL" --time_based --size $SIZE \
     --no-progress > "$dir/fill.txt" 2>&1
-  .venv/bin/kvfs bench --addr $addr --rw randrw --bs $BS --runtime "$RUN" --time_based --size $SIZE \
+  $PY -m kvfs bench --addr $addr --rw randrw --bs $BS --runtime "$RUN" --time_based --size $SIZE \
     --no-progress --output-format json $([ "$DIST" = random ] || echo --random_distribution "$DIST") \
     > "$dir/run.json" 2> "$dir/run.err"
-  .venv/bin/python - "$dir/run.json" <<'PY'
+  $PY - "$dir/run.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 for job in d["jobs"]:
@@ -33,7 +32,6 @@ for job in d["jobs"]:
           f"{r['bw_bytes'] / 2**20:.0f} MiB/s read, {w['bw_bytes'] / 2**20:.0f} MiB/s written; "
           f"wrong bytes {job['kvfs']['mismatched']}")
 PY
-  kill $up; wait $up 2>/dev/null || true
-  rm -rf "$dir/d"
+  kvfs_down
 }
 alternate "${1:-2}" step

@@ -7,31 +7,30 @@
 # Usage: BEFORE=/path/to/worktree OUT=dir bash bench/results/full-steady-2026-12-05.sh [ROUNDS]
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/alternate.sh"
+source "$(dirname "${BASH_SOURCE[0]}")/kvfs-up.sh"
 CAP=${CAP:-1GiB} FILL=${FILL:-8} RUN=${RUN:-20} BS=${BS:-1m} SIZE=${SIZE:-8g}
 OUT=${OUT:-/tmp/full-steady}
 mkdir -p "$OUT"
 step() {
-  local dir port up metrics
-  dir=$(mktemp -d "$OUT/run.XXXX") port=$((7300 + RANDOM % 500))
-  .venv/bin/kvfs up --data "$dir/d" --capacity "$CAP" --listen 127.0.0.1:$port > "$dir/up.log" 2>&1 &
-  up=$!
-  for _ in $(seq 100); do grep -q "Ctrl-C" "$dir/up.log" && break; sleep 0.1; done
-  local addr=kvfs://127.0.0.1:$port
-  .venv/bin/kvfs bench --addr $addr --rw write --bs $BS --runtime "$FILL" --time_based --size $SIZE \
+  local dir addr
+  dir=$(mktemp -d "$OUT/run.XXXX") PY=$PWD/.venv/bin/python PORT=$((7300 + RANDOM % 500))
+  kvfs_up full --chunkservers 3 --gc --capacity "$CAP"  # (a cluster as `kvfs up` starts one, sized)
+  addr=kvfs://127.0.0.1:$PORT
+  $PY -m kvfs bench --addr $addr --rw write --bs $BS --runtime "$FILL" --time_based --size $SIZE \
     --no-progress > "$dir/fill.txt" 2>&1
-  metrics() { .venv/bin/kvfs gc status --addr $addr --json | .venv/bin/python -c \
+  metrics() { $PY -m kvfs gc status --addr $addr --json | $PY -c \
     'import json,sys; m=json.load(sys.stdin)["metrics"]; print(" ".join(str(int(m[k])) for k in ("bytes_copied","chunks_compacted","chunks_deleted","passes","bytes_evicted")))'; }
   local pids a b m0 m1
-  pids="$up $(pgrep -P $up | tr '\n' ' ')"
+  pids="$UP $(pgrep -P "$UP" | tr '\n' ' ')"
   a=$(for p in $pids; do awk -v p=$p '{print p, $14+$15}' /proc/$p/stat; done)
   m0=$(metrics)
-  .venv/bin/kvfs bench --addr $addr --rw write --bs $BS --runtime "$RUN" --time_based --size $SIZE \
+  $PY -m kvfs bench --addr $addr --rw write --bs $BS --runtime "$RUN" --time_based --size $SIZE \
     --no-progress > "$dir/run.txt" 2>&1
   m1=$(metrics)
   b=$(for p in $pids; do awk -v p=$p '{print p, $14+$15}' /proc/$p/stat; done)
   grep -E "^  write:|call lat \(msec\)" "$dir/run.txt" | sed 's/^ *//'
   grep -A5 "call lat percentiles" "$dir/run.txt" | tail -5 | sed 's/^ *//'
-  .venv/bin/python - "$m0" "$m1" "$RUN" <<'PY'
+  $PY - "$m0" "$m1" "$RUN" <<'PY'
 import sys
 a, b, run = [int(x) for x in sys.argv[1].split()], [int(x) for x in sys.argv[2].split()], float(sys.argv[3])
 d = [y - x for x, y in zip(a, b)]
@@ -41,7 +40,6 @@ PY
   join <(echo "$a" | sort) <(echo "$b" | sort) | while read -r p x y; do
     echo "cpu $(tr '\0' ' ' < /proc/$p/cmdline | awk '{print $4}') $(awk -v x=$x -v y=$y -v r=$RUN 'BEGIN{printf "%.2f", (y-x)/100/r}') CPUs"
   done
-  kill $up; wait $up 2>/dev/null || true
-  rm -rf "$dir/d"
+  kvfs_down
 }
 alternate "${1:-2}" step
