@@ -140,7 +140,6 @@ class _Finishing:
         self.need = need  # server id -> bytes still short (the walk's own, updated by it)
         self.live = live
         self.freed: dict[int, int] = {}  # chunk id -> its live bytes the victims take (add_live's)
-        self.server: dict[int, int] = {}  # chunk id -> its server
         # server id -> bytes it may still evict past its need, and walk past
         self.budget = {sid: min(n, max(servers[sid].chunks.values(), default=0)) for sid, n in need.items()}
         self.walk = {sid: 2 * n for sid, n in self.budget.items()}
@@ -151,16 +150,15 @@ class _Finishing:
     def add(self, key: bytes, lay: Layout) -> None:
         """A victim: the bytes it frees in each chunk."""
         add_live(self.freed, lay, +1, key)
-        for x in lay.extents:
-            for r in x.replicas:
-                self.server[r.chunk_id] = r.server_id
 
     def _emptying(self, cid: int) -> bool:
         """A chunk the victims started on, on a server whose need is met, with live bytes
         left and not given up (its left bytes within twice the server's budget: a first
         filter, in ``live``'s units; :meth:`take` holds each key to the budget exactly)."""
-        sid = self.server.get(cid)
-        if sid is None or cid in self.given_up or self.need.get(sid, 1) > 0:
+        if cid not in self.freed or cid in self.given_up:
+            return False
+        sid = server_of_chunk(cid)
+        if self.need.get(sid, 1) > 0:
             return False
         left = self.live.get(cid, 0) - self.freed.get(cid, 0)
         return 0 < left <= 2 * self.budget.get(sid, 0)
@@ -201,7 +199,7 @@ class _Finishing:
             return []
         self.budget[sid] -= spent  # the chunk's last key: they all go
         for k, kl in keys:
-            add_live(self.freed, kl, +1, k)
+            self.add(k, kl)
         return keys
 
 
