@@ -707,8 +707,10 @@ class Evicted(Response, frozen=True, kw_only=True):
     bytes: Count
     leased: Count
     servers: Table[ServerId, EvictTarget]
-    short: Table[ServerId, Count]  # bytes still to free after eviction
-    shadowed: Items[Shadowed] = []  # chosen, not removed: write their tombstones, then GC_TOMBSTONE
+    short: Table[ServerId, Count]  # bytes still to free after eviction (and its shadowed)
+    # chosen, not removed: write their tombstones, then GC_TOMBSTONE; then GC_EVICT again (with
+    # some, the call stopped choosing there, short or not)
+    shadowed: Items[Shadowed] = []
 
 
 class GcEvict(Request[Evicted], frozen=True, kw_only=True):

@@ -321,7 +321,7 @@ class MetaGc:
 
     async def _evict_victims(self, high: float, low: float, only: int | None, now: float,
                              live_map: dict[int, int] | None = None, gone: Collection[bytes] = (),
-                             *, older: bool = True,
+                             *, older: bool = True, stop_at_shadowed: int | None = None,
                              ) -> tuple[list[tuple[bytes, Layout]], int, dict[int, rpc.EvictTarget],
                                         dict[int, int]]:
         """Least recently used, unleased keys of the servers over ``high`` until they fit under
@@ -329,6 +329,12 @@ class MetaGc:
         bytes still short).  ``live_map`` and ``gone``: a dry run's view after the expire phase.
         ``older=False``: the keys with older records (:meth:`GcIndex.shadowed`) are passed
         over, not chosen: those the GC could not write tombstones for.
+        ``stop_at_shadowed``: the walk stops once that many of its victims have older records
+        (they go with tombstones first, a call's worth at a time: GC_EVICT's answer holds
+        :data:`MAX_SHADOWED`), need met or not; the next call goes on from there.  Choosing
+        every victim each call, to answer with a few thousand, made the calls of one
+        eviction quadratic: 11 of them for 42k keys of 4 KiB, 0.2-1.3 s each, while a
+        writer's MAKE_ROOM waited (bench/RESULTS.md).
 
         Then whole chunks: the chunks the victims left partly live (on a server that needed
         room) are emptied too where the keys left in them come next in the LRU order
@@ -358,9 +364,11 @@ class MetaGc:
 
         if need:
             whole = _Finishing(need, live, ix.servers)
+            with_older = 0  # victims so far with older records (counted with stop_at_shadowed)
             async for rows in ix.lru_order():
                 if whole.done():
                     break
+                start = len(victims)
                 candidates = []
                 for k, lay in rows:
                     if k in gone:
@@ -388,6 +396,10 @@ class MetaGc:
                     for sid, n in per.items():
                         if sid in need:
                             need[sid] -= n
+                if stop_at_shadowed is not None and len(victims) > start:
+                    with_older += len(await ix.shadowed((k for k, _ in victims[start:]), now))
+                    if with_older >= stop_at_shadowed:
+                        break
         return victims, leased, report, need
 
     # RPCs ------------------------------------------------------------------------
@@ -480,8 +492,9 @@ class MetaGc:
         now = ix.clock()
         live_map, gone = (await self._live_after(now, expire=True, evict=None)  # as --apply would see it
                           if not req.apply and req.after_expire else (None, set()))
-        victims, leased, report, need = await self._evict_victims(req.high, req.low, req.server_id, now,
-                                                                  live_map, gone, older=req.older)
+        victims, leased, report, need = await self._evict_victims(
+            req.high, req.low, req.server_id, now, live_map, gone, older=req.older,
+            stop_at_shadowed=MAX_SHADOWED if req.apply else None)
         shadowed: list[rpc.Shadowed] = []
         if req.apply:
             older = await ix.shadowed((k for k, _ in victims), now)
