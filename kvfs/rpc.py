@@ -904,6 +904,11 @@ class RoomMade(Response, frozen=True, kw_only=True):
     evicted_keys: Count
     bytes_reclaimed: Count
 
+    @property
+    def freed(self) -> bool:
+        """The pass freed something (a write may fit now, or another took that room)."""
+        return bool(self.expired_keys or self.evicted_keys or self.bytes_reclaimed)
+
 
 class MakeRoom(Request[RoomMade], frozen=True, kw_only=True):
     """A write found the cluster full: meta runs one GC pass (expire, evict to the low

@@ -226,7 +226,7 @@ class WritePath:
                 made = await self._link.call_meta(rpc.MakeRoom())
                 # a pass that freed room lets the write ask again should other writers take
                 # that room first; one that freed none is the last
-                asked = not (made.evicted_keys or made.expired_keys or made.bytes_reclaimed)
+                asked = not made.freed
         raise AssertionError("unreachable")
 
     async def commit(self, keys: list[bytes], layouts: list[Layout], ttl: float | None, *,

@@ -72,6 +72,7 @@ METRIC_NAMES = (
     "replicas_scrubbed_bad",
 )
 DAEMON_LEASE = "gc-daemon"  # the lease GC daemons take turns by (GC_CONTROL's holder)
+NO_ROOM = rpc.RoomMade(expired_keys=0, evicted_keys=0, bytes_reclaimed=0)
 MAX_SHADOWED = 4096  # keys left for a tombstone per GC_EXPIRE or GC_EVICT answer (the rest: next call)
 
 
@@ -216,7 +217,8 @@ class MetaGc:
         self.home: tuple[str, str] | None = None  # (meta's address, token), set once it listens
         self._room_lock = asyncio.Lock()
         self._room_started = 0  # MAKE_ROOM passes started
-        self._room_made = rpc.RoomMade(expired_keys=0, evicted_keys=0, bytes_reclaimed=0)
+        self._room_running = False  # one of them runs now
+        self._room_made = NO_ROOM  # the last pass's answer
         # the MAKE_ROOM passes' collector, kept from one pass to the next with its connections
         # (to meta itself and each chunkserver); dropped when a pass fails, made at the next
         self._room_gc: GarbageCollector | None = None
@@ -925,20 +927,27 @@ class MetaGc:
     async def rpc_make_room(self, req: rpc.MakeRoom, payload: memoryview) -> Reply:
         """One GC pass (apply, no grace period, no repair: copies would take room, not make
         it) on behalf of a writer that found the cluster full.  Requests that arrive while a
-        pass runs wait for the next one, which they share (it starts after their refused
-        appends were reported).  The passes share one collector and its connections: a new
+        pass runs wait for it and have its answer if it made room (the writer tries again,
+        and asks again should others have taken that room: a pass already under way
+        usually frees more than a write needs, as it evicts to the low watermark); if it made
+        none, they wait for the next one, which they share (it starts after their refused
+        appends were reported: meta knows the room they want).  Each waited for a whole pass
+        more before: a writer's MAKE_ROOM took up to two (bench/RESULTS.md).  The passes
+        share one collector and its connections: a new
         one per pass cost meta some 4 ms of CPU and a connection to itself and to each
         chunkserver (bench/RESULTS.md)."""
         from kvfs.gc.driver import GarbageCollector, PassOptions  # the daemon's pass (no scrub)
 
         if self.home is None:
             raise Unavailable("meta is not listening yet")
-        ticket = self._room_started
+        ticket, running = self._room_started, self._room_running
         async with self._room_lock:
-            if self._room_started == ticket:  # no pass started since this request arrived
+            # no pass started since this request arrived, and the one running then made no room
+            if self._room_started == ticket and not (running and self._room_made.freed):
                 if self._closed:  # (no collector made that close() would not close)
                     raise Unavailable("meta is shutting down")
                 self._room_started += 1
+                self._room_running = True
                 addr, token = self.home
                 log.info("cluster full: a GC pass on a writer's request")
                 gc = self._room_gc
@@ -948,8 +957,11 @@ class MetaGc:
                     r = await gc.run_pass(PassOptions(apply=True, grace_s=0.0, repair=False, only_needed=True))
                 except BaseException:
                     self._room_gc = None
+                    self._room_made = NO_ROOM  # (those waiting for it run the next)
                     gc.close()
                     raise
+                finally:
+                    self._room_running = False
                 self._room_made = rpc.RoomMade(expired_keys=r.expired_keys, evicted_keys=r.evicted_keys,
                                                bytes_reclaimed=r.bytes_reclaimed)
         return self._room_made, ()

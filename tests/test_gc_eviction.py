@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -153,6 +154,43 @@ async def test_write_to_full_cluster_evicts_instead_of_failing(tmp_path: Path, c
     finally:
         await c.stop()
 
+
+
+@pytest.mark.parametrize("full", [True, False])
+async def test_a_make_room_that_arrives_while_a_pass_runs_has_that_pass_if_it_made_room(
+        tmp_path: Path, clock: FakeClock, monkeypatch: pytest.MonkeyPatch, full: bool) -> None:
+    """A second MAKE_ROOM, sent while the first one's pass runs (held at its start, then let
+    go): on a ``full`` server that pass evicts, and the second request is answered with its
+    answer, no pass of its own (it waited for a whole pass more before).  On a server with
+    nothing to evict, that pass makes no room, and the second request runs the next pass."""
+    async with make(tmp_path, clock, 1, 256 * 1024) as c:
+        assert c.meta is not None
+        meta_gc = c.meta.gc
+        if full:
+            kv = c.client(ClientConfig(evict_on_full=False))
+            kv.clock = clock
+            async with kv:
+                await fill(kv, clock)
+        entered, gate = asyncio.Event(), asyncio.Event()
+        run_pass = driver.GarbageCollector.run_pass
+
+        async def held(self: GarbageCollector, opts: PassOptions) -> Any:
+            entered.set()
+            await gate.wait()
+            return await run_pass(self, opts)
+
+        monkeypatch.setattr(driver.GarbageCollector, "run_pass", held)
+        first = asyncio.create_task(meta_gc.rpc_make_room(rpc.MakeRoom(), memoryview(b"")))
+        await entered.wait()  # the first request's pass runs
+        second = asyncio.create_task(meta_gc.rpc_make_room(rpc.MakeRoom(), memoryview(b"")))
+        await until(lambda: bool(meta_gc._room_lock._waiters), "the second request waits")  # type: ignore[attr-defined]
+        gate.set()
+        (a, _), (b, _) = await asyncio.gather(first, second)
+    assert a.freed is full and b.freed is full
+    if full:
+        assert a.evicted_keys > 0 and b == a and meta_gc._room_started == 1
+    else:
+        assert meta_gc._room_started == 2
 
 
 class CountedSet(set[Any]):
