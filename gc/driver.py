@@ -298,7 +298,7 @@ class GarbageCollector:
                 h = await self.meta(msgspec.structs.replace(req, older=False))
                 n, nbytes = n + h.keys, nbytes + h.bytes
                 break
-            h = await self.meta(req)
+            h = await self.meta(msgspec.structs.replace(req, after=h.stopped_at))  # (on from there)
             n, nbytes = n + h.keys, nbytes + h.bytes
         report.evicted_keys += n
         report.evicted_bytes += nbytes

@@ -697,6 +697,13 @@ class GcExpire(Request[Expired], frozen=True, kw_only=True):
     apply: bool = False
 
 
+class LruAt(NamedTuple):
+    """A place in eviction's LRU order: a key's last use (meta's clock, in seconds) and the key."""
+
+    last_use: float
+    key: Key
+
+
 class EvictTarget(NamedTuple):
     live: Count  # live bytes before eviction
     target: Count  # the low watermark in bytes
@@ -711,6 +718,8 @@ class Evicted(Response, frozen=True, kw_only=True):
     # chosen, not removed: write their tombstones, then GC_TOMBSTONE; then GC_EVICT again (with
     # some, the call stopped choosing there, short or not)
     shadowed: Items[Shadowed] = []
+    # where the walk stopped with those: the next GC_EVICT of this eviction goes on after it
+    stopped_at: LruAt | None = None
 
 
 class GcEvict(Request[Evicted], frozen=True, kw_only=True):
@@ -722,6 +731,9 @@ class GcEvict(Request[Evicted], frozen=True, kw_only=True):
     # False: pass over the keys with older records (each goes only with a tombstone, which no
     # chunkserver took): choose among the keys that go without one
     older: bool = True
+    # go on from where the last GC_EVICT of this eviction stopped (its stopped_at): the keys
+    # before it that it passed over are not walked again
+    after: LruAt | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low <= self.high:

@@ -314,7 +314,7 @@ class MetaGc:
                         add_live(live_map, lay, -1, k)
                         gone.add(k)
         if evict is not None:
-            victims, _, _, _ = await self._evict_victims(evict.high, evict.low, None, now, live_map, gone)
+            victims, *_ = await self._evict_victims(evict.high, evict.low, None, now, live_map, gone)
             async for page in pages(victims):
                 for k, lay in page:
                     add_live(live_map, lay, -1, k)
@@ -324,8 +324,9 @@ class MetaGc:
     async def _evict_victims(self, high: float, low: float, only: int | None, now: float,
                              live_map: dict[int, int] | None = None, gone: Collection[bytes] = (),
                              *, older: bool = True, stop_at_shadowed: int | None = None,
+                             after: tuple[float, bytes] | None = None,
                              ) -> tuple[list[tuple[bytes, Layout]], int, dict[int, rpc.EvictTarget],
-                                        dict[int, int]]:
+                                        dict[int, int], tuple[float, bytes] | None]:
         """Least recently used, unleased keys of the servers over ``high`` until they fit under
         ``low``: (victims with their layouts, leased keys skipped, live and target per server,
         bytes still short).  ``live_map`` and ``gone``: a dry run's view after the expire phase.
@@ -333,10 +334,15 @@ class MetaGc:
         over, not chosen: those the GC could not write tombstones for.
         ``stop_at_shadowed``: the walk stops once that many of its victims have older records
         (they go with tombstones first, a call's worth at a time: GC_EVICT's answer holds
-        :data:`MAX_SHADOWED`), need met or not; the next call goes on from there.  Choosing
-        every victim each call, to answer with a few thousand, made the calls of one
-        eviction quadratic: 11 of them for 42k keys of 4 KiB, 0.2-1.3 s each, while a
-        writer's MAKE_ROOM waited (bench/RESULTS.md).
+        :data:`MAX_SHADOWED`), need met or not; the next call goes on from there: the last
+        item is where (the last use and key of the last key of the LRU batch before the one
+        it stopped in, or ``after`` if that was the first; None: it did not stop), which the
+        next call's ``after`` names, so that it walks only what comes after it, not again the
+        keys it passed over (on servers that needed no room).  Choosing every victim each
+        call, to answer with a few thousand, made the calls of one eviction quadratic: 11 of
+        them for 42k keys of 4 KiB, 0.2-1.3 s each, while a writer's MAKE_ROOM waited; walking
+        again from the start each time, 6,000 to 28,000 keys a call for some 4,400 victims
+        (bench/RESULTS.md).
 
         Then whole chunks: the chunks the victims left partly live (on a server that needed
         room) are emptied too where the keys left in them come next in the LRU order
@@ -360,6 +366,7 @@ class MetaGc:
                     need[s.server_id] = short
         victims: list[tuple[bytes, Layout]] = []
         leased = 0
+        stopped_at: tuple[float, bytes] | None = None
 
         def needed(per: dict[int, int]) -> bool:
             return any(need.get(sid, 0) > 0 for sid in per)
@@ -367,12 +374,13 @@ class MetaGc:
         if need:
             whole = _Finishing(need, live, ix.servers)
             with_older = 0  # victims so far with older records (counted with stop_at_shadowed)
-            async for rows in ix.lru_order():
+            walked = after  # the last key of the batches walked whole
+            async for rows in ix.lru_order(after=after):
                 if whole.done():
                     break
                 start = len(victims)
                 candidates = []
-                for k, lay in rows:
+                for k, lay, _ in rows:
                     if k in gone:
                         continue
                     per: dict[int, int] = defaultdict(int)
@@ -401,8 +409,11 @@ class MetaGc:
                 if stop_at_shadowed is not None and len(victims) > start:
                     with_older += len(await ix.shadowed((k for k, _ in victims[start:]), now))
                     if with_older >= stop_at_shadowed:
+                        stopped_at = walked
                         break
-        return victims, leased, report, need
+                if rows:
+                    walked = (rows[-1][2], rows[-1][0])
+        return victims, leased, report, need, stopped_at
 
     # RPCs ------------------------------------------------------------------------
     async def rpc_gc_control(self, req: rpc.GcControl, payload: memoryview) -> Reply:
@@ -494,9 +505,9 @@ class MetaGc:
         now = ix.clock()
         live_map, gone = (await self._live_after(now, expire=True, evict=None)  # as --apply would see it
                           if not req.apply and req.after_expire else (None, set()))
-        victims, leased, report, need = await self._evict_victims(
+        victims, leased, report, need, stopped_at = await self._evict_victims(
             req.high, req.low, req.server_id, now, live_map, gone, older=req.older,
-            stop_at_shadowed=MAX_SHADOWED if req.apply else None)
+            stop_at_shadowed=MAX_SHADOWED if req.apply else None, after=req.after)
         shadowed: list[rpc.Shadowed] = []
         if req.apply:
             older = await ix.shadowed((k for k, _ in victims), now)
@@ -511,7 +522,8 @@ class MetaGc:
             await self._count(keys_evicted=n, bytes_evicted=nbytes)
             log.info("evicted %d keys (%d bytes)", n, nbytes)
         return rpc.Evicted(keys=n, bytes=nbytes, leased=leased, servers=report,
-                           short={sid: v for sid, v in need.items() if v > 0}, shadowed=shadowed), ()
+                           short={sid: v for sid, v in need.items() if v > 0}, shadowed=shadowed,
+                           stopped_at=None if stopped_at is None or not shadowed else rpc.LruAt(*stopped_at)), ()
 
     async def rpc_gc_tombstone(self, req: rpc.GcTombstone, payload: memoryview) -> Reply:
         """Remove the keys GC_EXPIRE or GC_EVICT left for a tombstone, each keeping the

@@ -1201,8 +1201,10 @@ class MetaIndex(ServerRegistry):
             yield [(k, lay) for _, k in rows if (lay := entries.get(k)) is not None and lay.expired(now)]
             await asyncio.sleep(0)
 
-    async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
-        """Least recently used first, ``batch`` keys per step, going on from the order the
+    async def lru_order(self, batch: int = 1000, after: tuple[float, bytes] | None = None,
+                        ) -> AsyncIterator[list[tuple[bytes, Layout, float]]]:
+        """Least recently used first (key, layout, last use), ``batch`` keys per step (only
+        those after ``after``, a last use and key), going on from the order the
         last sort made (:class:`kvfs.meta.lruorder.LruOrder`: a walk that needs a few keys
         sorts none): a key read or put again since that sort comes after the keys it saw,
         as does one put since.  A sort takes each page of :data:`WALK_PAGE` keys by last
@@ -1215,9 +1217,9 @@ class MetaIndex(ServerRegistry):
             lay = entries.get(k)
             return None if lay is None else accessed.get(k, lay.created)
 
-        async for keys in self._lru.walk(last_use, self._lru_pages, batch, WALK_PAGE):
+        async for keys in self._lru.walk(last_use, self._lru_pages, batch, WALK_PAGE, after):
             # (a key removed while the walk gave the loop back, its batch not yet whole: left out)
-            yield [(k, lay) for k in keys if (lay := entries.get(k)) is not None]
+            yield [(k, lay, t) for k, t in keys if (lay := entries.get(k)) is not None]
 
     async def _lru_pages(self) -> list[tuple[array[float], tuple[bytes, ...]]]:
         """Every key's last use and the key, a page of :data:`WALK_PAGE` at a time, each

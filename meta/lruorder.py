@@ -84,29 +84,37 @@ class LruOrder:
         self.sorts = 0  # sorts made (tests)
 
     async def walk(self, last_use: Callable[[bytes], float | None], pages: Pages, batch: int,
-                   page: int) -> AsyncIterator[list[bytes]]:
-        """The keys, least recently used first, ``batch`` at a time; ``last_use(key)``: the
-        key's last use now (None: gone); ``pages()``: every key with its last use, in pages
-        each sorted.  The loop is given back every ``page`` entries looked at."""
+                   page: int, after: tuple[float, bytes] | None = None,
+                   ) -> AsyncIterator[list[tuple[bytes, float]]]:
+        """The keys with their last use, least recently used first, ``batch`` at a time;
+        ``last_use(key)``: the key's last use now (None: gone); ``pages()``: every key with its
+        last use, in pages each sorted; ``after``: only the keys after that (last use, key),
+        where an earlier walk stopped.  The loop is given back every ``page`` entries looked
+        at."""
         seen: set[bytes] = set()
         for again in (False, True):
             if again:
                 self.order = Sorted(await pages())
                 self.sorts += 1
             o = self.order
-            front = True  # every entry so far gone or used since: stepped over for good
-            out: list[bytes] = []
+            # every entry so far gone or used since: stepped over for good (not known of the
+            # entries before ``after``, which this walk does not look at)
+            front = after is None
+            start = o.at if after is None else bisect.bisect_left(o.times, after[0], lo=o.at)
+            out: list[tuple[bytes, float]] = []
             looked = 0
-            for i, k, t in o.entries(o.at, page):
-                if last_use(k) == t:
+            for i, k, t in o.entries(start, page):
+                looked += 1
+                if after is not None and (t, k) <= after:
+                    pass  # (before where the walk is to start: merged after the bisect, or a tie)
+                elif last_use(k) == t:
                     front = False
                     if k not in seen:  # (else the walk's first part yielded it)
-                        out.append(k)
+                        out.append((k, t))
                         if not again:
                             seen.add(k)
                 elif front:
                     o.at = max(o.at, i + 1)
-                looked += 1
                 if len(out) >= batch:  # a batch a step
                     yield out
                     out = []

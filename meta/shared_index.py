@@ -194,19 +194,19 @@ class SharedIndex(ServerRegistry):
         async for rows in self.store.expired_rows(now):
             yield rows
 
-    async def lru_order(self, batch: int = 1000) -> AsyncIterator[list[tuple[bytes, Layout]]]:
+    async def lru_order(self, batch: int = 1000, after: tuple[float, bytes] | None = None,
+                        ) -> AsyncIterator[list[tuple[bytes, Layout, float]]]:
         """Least recently used first, by the access times in the store: this meta's buffered
         ones are written first; another meta's reach it within its ``access_flush_interval_s``
         (until then a key it served counts as read when it last flushed)."""
         await self.store.flush_access()
-        after: tuple[float, bytes] | None = None
         while True:
             page = await self.store.lru(batch, after)
             if not page:
                 return
             after = (page[-1][1], page[-1][0])
             keys = [k for k, _ in page]
-            yield [(k, lay) for k, lay in zip(keys, await self.store.get(keys), strict=True)
+            yield [(k, lay, t) for (k, t), lay in zip(page, await self.store.get(keys), strict=True)
                    if lay is not None]
             if len(page) < batch:
                 return

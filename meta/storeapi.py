@@ -215,8 +215,10 @@ class GcIndex(Protocol):
         """(unexpired keys, stored keys, bytes of the unexpired values); over Redis from
         counters, plus the keys expired but not swept yet."""
 
-    def lru_order(self, batch: int = 1000) -> AsyncIterator[builtins.list[tuple[bytes, Layout]]]:
-        """Every key with its layout, least recently used first, in batches."""
+    def lru_order(self, batch: int = 1000, after: tuple[float, bytes] | None = None,
+                  ) -> AsyncIterator[builtins.list[tuple[bytes, Layout, float]]]:
+        """Every key with its layout and last use, least recently used first, in batches
+        (``after``: only those after that last use and key)."""
 
     async def layouts(self, keys: Sequence[bytes]) -> builtins.list[Layout | None]:
         """Stored layouts (expired ones included), recording no access."""

@@ -68,12 +68,34 @@ async def test_lru_order_across_pages_is_least_recently_used_first_and_skips_key
     assert len(first) == 9
     read_now = max(last_use, key=lambda k: last_use[k])  # the walk's last key is read again
     ix.accessed[read_now] = NOW + 5000
-    gone = sorted(k for k in ix.entries if k not in {k for k, _ in first})[0]
+    gone = sorted(k for k in ix.entries if k not in {k for k, *_ in first})[0]
     ix.remove([gone])  # and one key is gone
     rest = [row async for page in walk for row in page]
-    order = [k for k, _ in first + rest]
+    order = [k for k, *_ in first + rest]
     assert order == sorted(set(last_use) - {read_now, gone}, key=lambda k: (last_use[k], k))
-    assert all(lay is ix.entries[k] for k, lay in rest)
+    assert all(lay is ix.entries[k] and t == last_use[k] for k, lay, t in rest)
+
+
+@pytest.mark.parametrize("sorted_first", [True, False])
+async def test_an_lru_walk_after_a_place_in_the_order_walks_only_the_keys_after_it(
+        meta: LocalMeta, monkeypatch: pytest.MonkeyPatch, sorted_first: bool) -> None:
+    """``lru_order(after=(last use, key))``, where a GC_EVICT stopped: the keys after that
+    place, in order, and none before it, whether the kept order has merged that far already
+    (``sorted_first``: a walk went through it) or not yet; a tie in last use is ordered by key."""
+    monkeypatch.setattr(index, "WALK_PAGE", 7)
+    await fill(meta, 100, 100, "k")
+    ix = meta.meta.index
+    rng = random.Random(7)
+    for k in rng.sample(sorted(ix.entries), 60):  # read since the put, at other times
+        ix.accessed[k] = NOW + rng.randint(1, 20)  # (whole seconds: many ties)
+    everything = sorted(ix.entries, key=lambda k: (ix.accessed.get(k, ix.entries[k].created), k))
+    if sorted_first:
+        assert [k async for rows in ix.lru_order(batch=9) for k, *_ in rows] == everything
+    for cut in (0, 1, 37, 63, 99):
+        k = everything[cut]
+        at = (ix.accessed.get(k, ix.entries[k].created), k)
+        got = [k async for rows in ix.lru_order(batch=9, after=at) for k, *_ in rows]
+        assert got == everything[cut + 1:], cut
 
 
 async def test_lru_order_goes_on_from_the_last_sort(meta: LocalMeta, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -94,7 +116,7 @@ async def test_lru_order_goes_on_from_the_last_sort(meta: LocalMeta, monkeypatch
         got: list[bytes] = []
         walk = ix.lru_order(batch=5)
         async for rows in walk:
-            got += [k for k, _ in rows]
+            got += [k for k, *_ in rows]
             if len(got) >= n:
                 break
         await walk.aclose()
@@ -110,7 +132,7 @@ async def test_lru_order_goes_on_from_the_last_sort(meta: LocalMeta, monkeypatch
     ix.accessed[new] = NOW + 2000
     assert await first_rows(10) == [k for k in keys if k not in (keys[0], keys[50], read)][:10]
     assert ix._lru.sorts == 1
-    whole = [k for rows in [r async for r in ix.lru_order(batch=5)] for k, _ in rows]
+    whole = [k for rows in [r async for r in ix.lru_order(batch=5)] for k, *_ in rows]
     assert whole == [k for k in keys if k not in (keys[0], keys[50], read)] + [read, new]
     assert ix._lru.sorts == 2
     assert ix._lru.order.at == 0  # (the second sort's order: its first key is still there)
@@ -125,7 +147,7 @@ async def test_a_key_removed_while_the_lru_walk_gives_the_loop_back_is_left_out(
     await fill(meta, 100, 100, "k")
     ix = meta.meta.index
     sorting = ix.lru_order(batch=5)
-    (oldest, _), *_ = await anext(sorting)  # (the order sorted, kept)
+    (oldest, *_), *_ = await anext(sorting)  # (the order sorted, kept)
     await sorting.aclose()
     walk = ix.lru_order(batch=50)
     batch = asyncio.ensure_future(anext(walk))
@@ -134,7 +156,7 @@ async def test_a_key_removed_while_the_lru_walk_gives_the_loop_back_is_left_out(
     ix.remove([oldest])  # found by the walk, not yet handed out
     rows = await batch
     await walk.aclose()
-    assert [k for k, _ in rows] == sorted(ix.entries)[:49]  # (every key put at once: ties in key order)
+    assert [k for k, *_ in rows] == sorted(ix.entries)[:49]  # (every key put at once: ties in key order)
 
 
 def derived_chunk_keys(ix: index.MetaIndex) -> dict[int, index.KeySet]:
