@@ -714,7 +714,7 @@ class Evicted(Response, frozen=True, kw_only=True):
     bytes: Count
     leased: Count
     servers: Table[ServerId, EvictTarget]
-    short: Table[ServerId, Count]  # bytes still to free after eviction (and its shadowed)
+    short: Table[ServerId, Count]  # bytes still to free once these keys and the shadowed go
     # chosen, not removed: write their tombstones, then GC_TOMBSTONE; then GC_EVICT again (with
     # some, the call stopped choosing there, short or not)
     shadowed: Items[Shadowed] = []

@@ -338,7 +338,7 @@ class MetaGc:
         item is where (the last use and key of the last key of the LRU batch before the one
         it stopped in, or ``after`` if that was the first; None: it did not stop), which the
         next call's ``after`` names, so that it walks only what comes after it, not again the
-        keys it passed over (on servers that needed no room).  Choosing every victim each
+        keys it passed over (leased, or on servers that needed no room).  Choosing every victim each
         call, to answer with a few thousand, made the calls of one eviction quadratic: 11 of
         them for 42k keys of 4 KiB, 0.2-1.3 s each, while a writer's MAKE_ROOM waited; walking
         again from the start each time, 6,000 to 28,000 keys a call for some 4,400 victims
