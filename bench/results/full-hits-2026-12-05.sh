@@ -13,12 +13,8 @@ CAP=${CAP:-1GiB} FILL=${FILL:-10} RUN=${RUN:-20} BS=${BS:-1m} SIZE=${SIZE:-6g} D
 OUT=${OUT:-/tmp/full-hits}
 mkdir -p "$OUT"
 step() {
-  local dir addr
-  dir=$(mktemp -d "$OUT/run.XXXX") PY=$PWD/.venv/bin/python PORT=$((7300 + RANDOM % 500))
-  kvfs_up full --chunkservers 3 --gc --capacity "$CAP"  # (a cluster as `kvfs up` starts one, sized)
-  addr=kvfs://127.0.0.1:$PORT
-  $PY -m kvfs bench --addr $addr --rw randwrite --bs $BS --runtime "$FILL" --time_based --size $SIZE \
-    --no-progress > "$dir/fill.txt" 2>&1
+  kvfs_full_up randwrite  # (the cluster, then the fill)
+  local dir=$RUN_DIR addr=$ADDR
   $PY -m kvfs bench --addr $addr --rw randrw --bs $BS --runtime "$RUN" --time_based --size $SIZE \
     --no-progress --output-format json $([ "$DIST" = random ] || echo --random_distribution "$DIST") \
     > "$dir/run.json" 2> "$dir/run.err"

@@ -12,12 +12,8 @@ CAP=${CAP:-1GiB} FILL=${FILL:-8} RUN=${RUN:-20} BS=${BS:-1m} SIZE=${SIZE:-8g}
 OUT=${OUT:-/tmp/full-steady}
 mkdir -p "$OUT"
 step() {
-  local dir addr
-  dir=$(mktemp -d "$OUT/run.XXXX") PY=$PWD/.venv/bin/python PORT=$((7300 + RANDOM % 500))
-  kvfs_up full --chunkservers 3 --gc --capacity "$CAP"  # (a cluster as `kvfs up` starts one, sized)
-  addr=kvfs://127.0.0.1:$PORT
-  $PY -m kvfs bench --addr $addr --rw write --bs $BS --runtime "$FILL" --time_based --size $SIZE \
-    --no-progress > "$dir/fill.txt" 2>&1
+  kvfs_full_up write  # (the cluster, then the fill)
+  local dir=$RUN_DIR addr=$ADDR
   metrics() { $PY -m kvfs gc status --addr $addr --json | $PY -c \
     'import json,sys; m=json.load(sys.stdin)["metrics"]; print(" ".join(str(int(m[k])) for k in ("bytes_copied","chunks_compacted","chunks_deleted","passes","bytes_evicted")))'; }
   local pids a b m0 m1
