@@ -108,7 +108,9 @@ def format_pass(r: PassReport) -> str:
     verb = "freed" if r.apply else "would free"
     out = [f"{'applied' if r.apply else 'dry run (add --apply to act)'}, {r.duration_s:.2f}s",
            f"expire:  {r.expired_keys} keys ({format_size(r.expired_bytes)} become garbage)",
-           f"evict:   {r.evicted_keys} keys ({format_size(r.evicted_bytes)}); {r.leased_skipped} leased keys kept",
+           f"evict:   {r.evicted_keys} keys ({format_size(r.evicted_bytes)}); {r.leased_skipped} leased keys kept"
+           + (f"; {r.chunks_emptied} chunks emptied whole (no room on their server to copy their "
+              "live bytes)" if r.chunks_emptied else ""),
            f"compact: {r.compact_candidates} chunks over the threshold or on a server under pressure"
            + (f" ({r.compact_deferred} more left for a later pass: the server is at its low watermark "
               "without them)" if r.compact_deferred else "")

@@ -53,6 +53,7 @@ warn = server_warnings(log)  # (the same trouble on every pass: kvfs.gc.logs)
 
 COMPACT_BATCH_BYTES = 64 * 1024 * 1024
 RELOCATE_BATCH_BYTES = 4 * 1024 * 1024  # a GC_RELOCATE's moves (and at most half meta's --max-header)
+EMPTY_TRIES = 4  # chunks a pass tries to empty on a server with no room to copy (_stuck), one emptied
 MOVE_OVERHEAD = 32  # a move's msgpack bytes besides its key (3 ids / offsets, framing)
 DAEMON_LEASE_INTERVALS = 3  # a daemon's turn lasts this many intervals past its last pass start
 MIN_DAEMON_LEASE_S = 10.0
@@ -102,6 +103,9 @@ class PassReport:
     evicted_keys: int = 0
     evicted_bytes: int = 0
     leased_skipped: int = 0
+    # chunks whose keys were evicted whole: their server had no room to copy their live bytes
+    chunks_emptied: int = 0
+    tombstones_refused: int = 0  # evictions' tombstone writes no chunkserver took (then none is tried)
     chunks_compacted: int = 0
     bytes_copied: int = 0
     keys_relocated: int = 0
@@ -285,18 +289,25 @@ class GarbageCollector:
 
     async def evict(self, opts: PassOptions, report: PassReport) -> None:
         # a dry run skipped the expire phase: pick as if it had run, as --apply would
-        req = rpc.GcEvict(high=opts.high, low=opts.low, apply=opts.apply,
-                          after_expire=not opts.apply and opts.expire)
+        await self._evict(rpc.GcEvict(high=opts.high, low=opts.low, apply=opts.apply,
+                                      after_expire=not opts.apply and opts.expire), report)
+
+    async def _evict(self, req: rpc.GcEvict, report: PassReport) -> bool:
+        """One eviction: GC_EVICT, and again while it leaves keys for tombstones; whether it
+        took every key it chose (none leased, every tombstone written)."""
         h = await self.meta(req)
-        report.leased_skipped += h.leased
+        if req.chunk is None:  # (a chunk's leased keys: the eviction before counted them)
+            report.leased_skipped += h.leased
+        whole = not h.leased
         n, nbytes = h.keys, h.bytes
         while h.shadowed:  # then the keys it left go with tombstones, and it chooses again
             t = await self.drop_shadowed(h.shadowed, evict=True)
             n, nbytes = n + t.keys, nbytes + t.bytes
             if not t.keys:  # none went (no server took the tombstones): once more, choosing
                 # among the keys that go without one (none left: the writes fail as full)
+                report.tombstones_refused += 1
                 h = await self.meta(msgspec.structs.replace(req, older=False))
-                n, nbytes = n + h.keys, nbytes + h.bytes
+                n, nbytes, whole = n + h.keys, nbytes + h.bytes, False
                 break
             h = await self.meta(msgspec.structs.replace(req, after=h.stopped_at))  # (on from there)
             n, nbytes = n + h.keys, nbytes + h.bytes
@@ -304,6 +315,7 @@ class GarbageCollector:
         report.evicted_bytes += nbytes
         if n:
             self.report_progress("evict", n, n)
+        return whole
 
     async def drop_shadowed(self, shadowed: Sequence[rpc.Shadowed], *, evict: bool) -> rpc.Tombstoned:
         """Keys GC_EXPIRE or GC_EVICT left for a tombstone (an older record of each may outlive
@@ -341,6 +353,41 @@ class GarbageCollector:
             compact=[c for c in plan.compact if c.server_id in on],
             delete=[d for d in plan.delete if d.server_id in on])
 
+    def _need(self, opts: PassOptions) -> dict[int, int]:
+        """Server id -> the bytes it needs freed (positive: it needs room): its used bytes
+        over ``opts.low`` of its capacity, or what its writers wanted, at the last
+        :meth:`sync_usage`; servers of unknown capacity left out."""
+        return {sid: max(st.wanted, st.used - int(opts.low * st.capacity))
+                for sid, st in self._usage.items() if st.capacity > 0}
+
+    def _stuck(self, plan: rpc.Plan, opts: PassOptions) -> dict[int, list[int]]:
+        """The chunks to empty (GC_EVICT's ``chunk``), by server: on each server that needs
+        room and has too little to copy the live bytes of any chunk planned for compaction
+        there (with the chunks planned for deletion deleted), those chunks, fewest live bytes
+        first (:meth:`compact` empties the first it can: the others hold leased keys).
+        Compaction copies a chunk's live bytes before it frees the chunk, into room only GC
+        may fill (the GC reserve, 5 % of a small server's capacity, and what values left);
+        eviction stops at the low watermark of live bytes, leaving the garbage spread over
+        partly live chunks.  A 256 MiB server with 64 MiB chunks, 1 MiB puts: 36 MiB of
+        garbage, no chunk with under 28 MiB live, 16 MiB of room, and every write failed as
+        full for good (bench/RESULTS.md).  Only in a pass without a grace period (a writer's
+        MAKE_ROOM, ``kvfs gc run --apply --grace 0``), which deletes the emptied chunk at
+        once: a pass with one would empty another chunk each time until the first one's
+        grace ended."""
+        need = self._need(opts)
+        room = {sid: st.capacity - st.used for sid, st in self._usage.items()}
+        for d in plan.delete:  # (deleted before compaction copies)
+            room[d.server_id] = room.get(d.server_id, 0) + d.written
+        by_server: dict[int, list[rpc.CompactCandidate]] = defaultdict(list)
+        for c in plan.compact:
+            by_server[c.server_id].append(c)
+        out: dict[int, list[int]] = {}
+        for sid, cs in by_server.items():
+            cs.sort(key=lambda c: c.live)
+            if need.get(sid, 0) > 0 and cs[0].live > room.get(sid, 0):
+                out[sid] = [c.chunk_id for c in cs[:EMPTY_TRIES]]
+        return out
+
     def _enough(self, plan: rpc.Plan, opts: PassOptions) -> tuple[rpc.Plan, int]:
         """``plan`` with only as many of the chunks a server's pressure alone made candidates
         (their garbage under ``opts.threshold``) as bring its used bytes down to ``opts.low``
@@ -350,10 +397,7 @@ class GarbageCollector:
         pass.  Under pressure meta plans every chunk with any garbage, and a pass copied
         them all: a writer's MAKE_ROOM pass on a full cluster copied 65-115 chunks, up to
         2-3 s, while the writer waited (bench/RESULTS.md)."""
-        need: dict[int, int] = {}
-        for sid, st in self._usage.items():
-            if st.capacity > 0:
-                need[sid] = max(st.wanted, st.used - int(opts.low * st.capacity))
+        need = self._need(opts)
         for d in plan.delete:
             if d.server_id in need:
                 need[d.server_id] -= d.written
@@ -409,6 +453,16 @@ class GarbageCollector:
                 await self.sync_usage()
                 plan = self._on_reached(await self._plan(opts))
         plan, report.compact_deferred = self._enough(plan, opts)
+        stuck = (self._stuck(plan, opts) if opts.apply and opts.evict and opts.grace_s <= 0
+                 and not report.tombstones_refused else {})
+        if stuck:  # no room to copy: a chunk's keys go instead, and the chunk with them
+            for chunks in stuck.values():
+                for cid in chunks:
+                    if await self._evict(rpc.GcEvict(apply=True, chunk=cid), report):
+                        report.chunks_emptied += 1
+                        break
+            plan = self._on_reached(await self._plan(opts))
+            plan, report.compact_deferred = self._enough(plan, opts)
         report.compact_candidates = len(plan.compact)
         report.delete_candidates = len(plan.delete)
         report.waiting_grace = plan.waiting
@@ -416,6 +470,8 @@ class GarbageCollector:
             report.reclaimable_bytes = (sum(c.written - c.live for c in plan.compact)
                                         + sum(d.written for d in plan.delete))
             return
+        # the chunks with nothing live first: their room takes compaction's copies
+        await self.delete_chunks([(d.server_id, d.chunk_id) for d in plan.delete], report)
         by_server: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for c in plan.compact:
             by_server[c.server_id].append((c.chunk_id, c.live))

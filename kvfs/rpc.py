@@ -734,6 +734,10 @@ class GcEvict(Request[Evicted], frozen=True, kw_only=True):
     # go on from where the last GC_EVICT of this eviction stopped (its stopped_at): the keys
     # before it that it passed over are not walked again
     after: LruAt | None = None
+    # empty this chunk instead (the watermarks unused): every key with a replica in it, or
+    # none if one is leased, so it is deleted, not copied; the GC's way out where a server
+    # needs room and has too little to copy the live bytes of any chunk it could compact
+    chunk: ChunkId | None = None
 
     def __post_init__(self) -> None:
         if not 0.0 < self.low <= self.high:
@@ -1069,7 +1073,7 @@ RPCS: dict[Op, Rpc] = _rpcs(
     Rpc(Op.GC_STATUS, Service.META, GcStatus, "garbage per server, metrics, last pass", ADMIN),
     Rpc(Op.GC_EXPIRE, Service.META, GcExpire, "remove keys whose TTL passed (dry run unless apply)", ADMIN),
     Rpc(Op.GC_EVICT, Service.META, GcEvict,
-        "remove LRU unleased keys of servers over the high watermark", ADMIN),
+        "remove LRU unleased keys of servers over the high watermark, or of one chunk", ADMIN),
     Rpc(Op.GC_PLAN, Service.META, GcPlan, "chunks to compact, delete, seal", ADMIN),
     Rpc(Op.GC_CHUNK_REFS, Service.META, GcChunkRefs, "live references into chunks", ADMIN),
     Rpc(Op.GC_LAYOUTS, Service.META, GcLayouts,

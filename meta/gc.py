@@ -415,6 +415,23 @@ class MetaGc:
                     walked = (rows[-1][2], rows[-1][0])
         return victims, leased, report, need, stopped_at
 
+    async def _chunk_victims(self, cid: int, now: float, *, older: bool) -> tuple[list[tuple[bytes, Layout]], int]:
+        """GC_EVICT's ``chunk``: every key with a replica in that chunk (``older=False``: less
+        those with older records, :meth:`GcIndex.shadowed`), or none if any of them is
+        leased (the chunk could not be emptied: the GC tries another); and how many were
+        leased.  O(the chunk's keys), from the per-chunk key index."""
+        ix = self.index
+        rows: list[tuple[bytes, Layout]] = []
+        async for page in ix.refs([cid]):
+            rows += page
+        keys = [k for k, _ in rows]
+        held = await ix.leased(keys, now) if rows else set()
+        leased = sum(1 for k, lay in rows if k in held and not lay.expired(now))
+        if leased:
+            return [], leased
+        passed = await ix.shadowed(keys, now) if rows and not older else set()
+        return [(k, lay) for k, lay in rows if k not in passed], 0
+
     # RPCs ------------------------------------------------------------------------
     async def rpc_gc_control(self, req: rpc.GcControl, payload: memoryview) -> Reply:
         ix = self.index
@@ -503,11 +520,17 @@ class MetaGc:
     async def rpc_gc_evict(self, req: rpc.GcEvict, payload: memoryview) -> Reply:
         ix = self.index
         now = ix.clock()
-        live_map, gone = (await self._live_after(now, expire=True, evict=None)  # as --apply would see it
-                          if not req.apply and req.after_expire else (None, set()))
-        victims, leased, report, need, stopped_at = await self._evict_victims(
-            req.high, req.low, req.server_id, now, live_map, gone, older=req.older,
-            stop_at_shadowed=MAX_SHADOWED if req.apply else None, after=req.after)
+        if req.chunk is not None:
+            victims, leased = await self._chunk_victims(req.chunk, now, older=req.older)
+            report: dict[int, rpc.EvictTarget] = {}
+            need: dict[int, int] = {}
+            stopped_at = None
+        else:
+            live_map, gone = (await self._live_after(now, expire=True, evict=None)  # as --apply would see it
+                              if not req.apply and req.after_expire else (None, set()))
+            victims, leased, report, need, stopped_at = await self._evict_victims(
+                req.high, req.low, req.server_id, now, live_map, gone, older=req.older,
+                stop_at_shadowed=MAX_SHADOWED if req.apply else None, after=req.after)
         shadowed: list[rpc.Shadowed] = []
         if req.apply:
             older = await ix.shadowed((k for k, _ in victims), now)

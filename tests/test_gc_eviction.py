@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncIterator
@@ -569,30 +570,86 @@ async def fill(kv: AsyncClient, clock: FakeClock) -> list[str]:
     return keys
 
 
+@contextlib.asynccontextmanager
+async def filled(tmp_path: Path, clock: FakeClock, gc_reserve: int
+                 ) -> AsyncIterator[tuple[LocalCluster, GarbageCollector, AsyncClient, list[str]]]:
+    """One 256 KiB server of 64 KiB chunks with that GC reserve, filled (:func:`fill`) by a
+    client that never asks meta for room (the passes the test runs make it); the cluster, a
+    collector, that client and the keys stored."""
+    async with (make(tmp_path, clock, 1, 256 * 1024, gc_reserve=gc_reserve) as c,
+                GarbageCollector(c.addr, token=c.admin_token) as gc):
+        kv = c.client(ClientConfig(evict_on_full=False))
+        kv.clock = clock
+        async with kv:
+            yield c, gc, kv, await fill(kv, clock)
+
+
 async def test_a_full_server_whose_chunks_are_all_partly_live_is_compacted_into_its_reserve(
         tmp_path: Path, clock: FakeClock) -> None:
     """Client values fill a server only up to its GC reserve.  Every other key read (so
     eviction takes the others, from every chunk), a pass over the high watermark evicts
     and must then compact those chunks: copying their live halves takes room the values
     left free, and the room the pass frees takes new values again."""
-    async with (make(tmp_path, clock, 1, 256 * 1024, gc_reserve=64 * 1024) as c,  # a chunk
-                GarbageCollector(c.addr, token=c.admin_token) as gc):
-        kv = c.client(ClientConfig(evict_on_full=False))  # the pass below, not MAKE_ROOM
-        kv.clock = clock
-        async with kv:
-            keys = await fill(kv, clock)
-            kept = keys[1::2]
-            assert await read_fresh(c, clock, kept) == [bytes([int(k[1:])]) * VALUE for k in kept]
-            cs = c.chunkservers[0]
-            assert cs is not None
-            _, _, used = cs.store.usage()
-            r = await gc.run_pass(DEEP)
-            assert r.evicted_keys > 0 and r.chunks_compacted > 0, r
-            _, _, after = cs.store.usage()
-            assert after < used, (after, used)  # the evicted halves' room is back
-            clock.advance(1)
+    async with filled(tmp_path, clock, 64 * 1024) as (c, gc, kv, keys):  # a chunk
+        kept = keys[1::2]
+        assert await read_fresh(c, clock, kept) == [bytes([int(k[1:])]) * VALUE for k in kept]
+        cs = c.chunkservers[0]
+        assert cs is not None
+        _, _, used = cs.store.usage()
+        r = await gc.run_pass(DEEP)
+        assert r.evicted_keys > 0 and r.chunks_compacted > 0, r
+        _, _, after = cs.store.usage()
+        assert after < used, (after, used)  # the evicted halves' room is back
+        clock.advance(1)
+        await kv.put("after", b"A" * VALUE)
+        assert await read_fresh(c, clock, ["after"]) == [b"A" * VALUE]
+
+
+@pytest.mark.parametrize("by", ["pass", "writer", "leased"])
+async def test_a_full_server_with_no_room_to_copy_any_chunk_empties_one_and_takes_writes_again(
+        tmp_path: Path, clock: FakeClock, by: str) -> None:
+    """A GC reserve smaller than the live bytes eviction leaves in any chunk: compaction
+    could copy none of them, so the room eviction made stayed garbage, and every write failed
+    as full for good (a 256 MiB server of 64 MiB chunks, bench/RESULTS.md).  Now the pass
+    evicts the rest of the chunk with the fewest live bytes, deletes it, and writes fit
+    again: through a pass (``pass``), or a writer's MAKE_ROOM (``writer``); with a key of
+    that chunk leased (``leased``), none of its keys goes, and another chunk is emptied.
+    The keys of the emptied chunk read as misses; every other key reads its own bytes."""
+    async with filled(tmp_path, clock, 8 * 1024) as (c, gc, kv, keys):
+        chunk: dict[str, int] = {k: (await kv.layout(k)).extents[0].replicas[0].chunk_id for k in keys}
+        firsts = [k for i, k in enumerate(keys) if i == 0 or chunk[k] != chunk[keys[i - 1]]]
+        assert len(firsts) >= 4, chunk  # (7 values a chunk)
+        # the first key of each chunk is the least recently used: eviction takes those (and
+        # the last, open chunk's other key, emptying it), which leaves four chunks mostly live
+        read = [k for k in keys if k not in firsts]
+        clock.advance(1)  # (after the layouts' lookups)
+        assert await read_fresh(c, clock, read) == [bytes([int(k[1:])]) * VALUE for k in read]
+        if by == "leased":  # the first chunk's last key
+            assert await kv.match_prefix([[k for k in keys if chunk[k] == chunk[keys[0]]][-1]], lease_s=600) == 1
+        cs = c.chunkservers[0]
+        assert cs is not None
+        _, _, used = cs.store.usage()
+        if by == "writer":
+            async with client(c, clock) as w:  # (MAKE_ROOM on a full write, the default)
+                await w.put("after", b"A" * VALUE)
+        else:
+            r = await gc.run_pass(GC)
+            assert r.chunks_emptied == 1 and r.leased_skipped == 0, r
             await kv.put("after", b"A" * VALUE)
-            assert await read_fresh(c, clock, ["after"]) == [b"A" * VALUE]
+        _, _, now = cs.store.usage()
+        assert now < used, (now, used)
+        got = dict(zip([*keys, "after"], await read_fresh(c, clock, [*keys, "after"]), strict=True))
+        assert got.pop("after") == b"A" * VALUE
+        assert all(v == bytes([int(k[1:])]) * VALUE for k, v in got.items() if v is not None)
+        # the chunks emptied, of the first four (the last, open one: its eviction's)
+        emptied = {chunk[f] for f in firsts[:4]} - {chunk[k] for k, v in got.items() if v is not None}
+        if by == "leased":  # the first chunk's last key leased: another chunk went instead
+            assert len(emptied) == 1 and chunk[keys[0]] not in emptied, emptied
+        else:
+            assert emptied == {chunk[keys[0]]}
+        # the others keep all but their first keys
+        kept = [k for k in keys if chunk[k] in {chunk[f] for f in firsts[:4]} - emptied and k not in firsts]
+        assert [got[k] for k in kept] == [bytes([int(k[1:])]) * VALUE for k in kept]
 
 
 async def test_compaction_on_a_server_stops_for_the_pass_once_its_reserve_is_spent(
@@ -600,21 +657,16 @@ async def test_compaction_on_a_server_stops_for_the_pass_once_its_reserve_is_spe
     """With a grace period the chunks compacted stay until it ends, so their copies fill the
     GC reserve: once a copy does not fit, the server's other chunks wait for the next pass
     (one warning), rather than each failing in turn."""
-    async with (make(tmp_path, clock, 1, 256 * 1024, gc_reserve=36 * 1024) as c,
-                GarbageCollector(c.addr, token=c.admin_token) as gc):
-        kv = c.client(ClientConfig(evict_on_full=False))
-        kv.clock = clock
-        async with kv:
-            keys = await fill(kv, clock)
-            # every chunk keeps half its keys: leased, so eviction cannot empty a chunk instead
-            assert await kv.match_prefix(keys[1::2], lease_s=600) == len(keys[1::2])
-            with caplog.at_level(logging.WARNING, logger="kvfs.gc"):
-                r = await gc.run_pass(dataclasses.replace(DEEP, grace_s=60))
-            # ~33 KiB copied per chunk, 36 KiB of reserve (and what the values left): some fit
-            assert 0 < r.chunks_compacted < r.compact_candidates, r
-            (stopped,) = [m.getMessage() for m in caplog.records]
-            assert stopped.startswith("compaction on server 1 stopped for this pass, ")
-            assert "chunks left for the next: chunkserver 1 is full" in stopped
+    async with filled(tmp_path, clock, 36 * 1024) as (_, gc, kv, keys):
+        # every chunk keeps half its keys: leased, so eviction cannot empty a chunk instead
+        assert await kv.match_prefix(keys[1::2], lease_s=600) == len(keys[1::2])
+        with caplog.at_level(logging.WARNING, logger="kvfs.gc"):
+            r = await gc.run_pass(dataclasses.replace(DEEP, grace_s=60))
+        # ~33 KiB copied per chunk, 36 KiB of reserve (and what the values left): some fit
+        assert 0 < r.chunks_compacted < r.compact_candidates, r
+        (stopped,) = [m.getMessage() for m in caplog.records]
+        assert stopped.startswith("compaction on server 1 stopped for this pass, ")
+        assert "chunks left for the next: chunkserver 1 is full" in stopped
 
 
 @pytest.mark.parametrize(("made", "fulls", "asks", "fits"), [
