@@ -310,7 +310,7 @@ class GarbageCollector:
                 n, nbytes, whole = n + h.keys, nbytes + h.bytes, False
                 break
             h = await self.meta(msgspec.structs.replace(req, after=h.stopped_at))  # (on from there)
-            n, nbytes = n + h.keys, nbytes + h.bytes
+            n, nbytes, whole = n + h.keys, nbytes + h.bytes, whole and not h.leased
         report.evicted_keys += n
         report.evicted_bytes += nbytes
         if n:
