@@ -482,7 +482,17 @@ class GarbageCollector:
 
     async def compact_chunks(self, by_server: dict[int, list[tuple[int, int]]], opts: PassOptions,
                              report: PassReport) -> None:
-        """Copy live records of each chunk into new chunks, then switch layouts (CAS)."""
+        """Copy live records of each chunk (chunk id, live bytes; in the order given, most
+        garbage first) into new chunks, then switch layouts (CAS).  On a server the chunks
+        whose live bytes do not fit the room GC may fill there (its capacity less its used
+        bytes, at the last :meth:`sync_usage`, less what this pass copied, plus what it
+        deleted) wait while those that fit go first: a batch needs its live bytes free, and
+        without a grace period each batch's sources are deleted before the next, so the
+        room grows.  The chunk with the most garbage was tried first whatever its size: on a
+        full 256 MiB server its 33 MiB copy was refused, and the server's other chunks,
+        which fit, waited for a later pass that did the same, while every write failed as
+        full (bench/RESULTS.md).  None fits any more, or a copy is refused: the server's
+        chunks left wait for the next pass."""
         todo = sum(len(v) for v in by_server.values())
         pacer = Pacer(opts.rate_bytes)
         for sid, chunks in by_server.items():
@@ -490,27 +500,40 @@ class GarbageCollector:
             usage = self._usage.get(sid)
             free = COMPACT_BATCH_BYTES if usage is None else usage.free
             cap = max(1, min(COMPACT_BATCH_BYTES, free // 2))
-            batches: list[list[int]] = [[]]
-            size = 0
-            for cid, live in chunks:
-                if batches[-1] and size + live > cap:
-                    batches.append([])
-                    size = 0
-                batches[-1].append(cid)
-                size += live
-            for n, batch in enumerate(batches):
+            room = None if usage is None or usage.capacity <= 0 else usage.capacity - usage.used
+            left = list(chunks)
+            while left:
+                batch: list[int] = []
+                size = 0
+                for cid, live in left:
+                    if room is not None and size + live > room:
+                        continue  # (waits for the room the batches before free)
+                    if batch and size + live > cap:
+                        break
+                    batch.append(cid)
+                    size += live
+                if not batch:
+                    warn.warning(sid, "compaction on server %d stopped for this pass, %d chunks left for "
+                                 "the next: the fewest live bytes of them, %d, do not fit the %d bytes GC "
+                                 "may fill there", sid, len(left), min(live for _, live in left), room)
+                    break
+                taken = set(batch)
+                left = [c for c in left if c[0] not in taken]
+                copied, freed = report.bytes_copied, report.bytes_reclaimed
                 try:
                     await self._compact_batch(sid, batch, report)
                     if opts.grace_s <= 0:  # no grace: free the space before the next batch
                         await self.delete_chunks([(sid, c) for c in batch], report)
                 except NoSpace as exc:  # its GC reserve is spent until the sources' grace ends
-                    left = sum(map(len, batches[n:]))
                     warn.warning(sid, "compaction on server %d stopped for this pass, %d chunks left "
-                                 "for the next: %s", sid, left, exc)
+                                 "for the next: %s", sid, len(left) + len(batch), exc)
                     break
                 except KVFSError as exc:
                     warn.warning(sid, "compaction of %d chunks on server %d failed: %s", len(batch), sid, exc)
                     continue
+                finally:
+                    if room is not None:
+                        room += (report.bytes_reclaimed - freed) - (report.bytes_copied - copied)
                 self.report_progress("compact", report.chunks_compacted, todo)
                 await pacer.spent(report.bytes_copied - pacer.bytes)
 
