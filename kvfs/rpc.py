@@ -161,9 +161,13 @@ class Response(msgspec.Struct, frozen=True, kw_only=True):
 R = TypeVar("R", bound=Response)
 
 
-class Request(msgspec.Struct, Generic[R], frozen=True, kw_only=True, forbid_unknown_fields=True):
+class Request(msgspec.Struct, Generic[R], frozen=True, kw_only=True, forbid_unknown_fields=True,
+              omit_defaults=True):
     """A request's header; ``R`` is the type of its answer.  Unknown fields are refused:
-    a misspelled field is an error, not a silent default."""
+    a misspelled field is an error, not a silent default.  Fields at their defaults are not
+    sent, so a request that uses none of a newer field is read by a server that predates
+    it (a GC daemon upgraded before its meta: every ``GC_EVICT`` carried ``after: None``,
+    which such a meta refused); one that uses it is refused, naming the field."""
 
 
 class Empty(Response, frozen=True, kw_only=True):

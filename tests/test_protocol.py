@@ -279,6 +279,26 @@ def test_an_answer_nested_past_the_typed_decoders_depth_is_a_protocol_error() ->
             FrameDecoder(typed=typed).receive_data(data + header)
 
 
+def test_a_request_is_read_by_a_server_that_predates_its_optional_fields_unless_it_uses_them() -> None:
+    """A request's fields at their defaults are not sent: a server whose request type lacks
+    them (an older meta's ``GcEvict``, before ``after`` and ``chunk``) reads it; one that
+    uses such a field is refused, the field named."""
+    class OlderGcEvict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+        high: float = 0.9
+        low: float = 0.8
+        apply: bool = False
+        server_id: int | None = None
+        after_expire: bool = False
+        older: bool = True
+
+    older = msgspec.msgpack.Decoder(OlderGcEvict)
+    sent = msgspec.msgpack.encode(rpc.GcEvict(high=0.95, apply=True))
+    assert older.decode(sent) == OlderGcEvict(high=0.95, apply=True)
+    assert msgspec.msgpack.decode(sent) == {"high": 0.95, "apply": True}
+    with pytest.raises(msgspec.ValidationError, match="chunk"):
+        older.decode(msgspec.msgpack.encode(rpc.GcEvict(apply=True, chunk=7)))
+
+
 def test_encode_frame_keeps_payload_buffers() -> None:
     payload = memoryview(bytearray(b"abc"))
     bufs = encode_frame(Op.APPEND, 1, {}, [payload])
