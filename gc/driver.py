@@ -471,7 +471,10 @@ class GarbageCollector:
                                         + sum(d.written for d in plan.delete))
             return
         # the chunks with nothing live first: their room takes compaction's copies
+        deleted = report.chunks_deleted
         await self.delete_chunks([(d.server_id, d.chunk_id) for d in plan.delete], report)
+        if report.chunks_deleted > deleted:
+            await self.sync_usage()  # (the room they freed, which compact_chunks counts from)
         by_server: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for c in plan.compact:
             by_server[c.server_id].append((c.chunk_id, c.live))

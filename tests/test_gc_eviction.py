@@ -671,13 +671,18 @@ async def test_compaction_on_a_server_stops_for_the_pass_once_its_reserve_is_spe
         assert "do not fit the " in stopped and " bytes GC may fill there" in stopped, stopped
 
 
+@pytest.mark.parametrize(("first_gone", "second_gone", "last_gone", "compacted"), [
+    (4, 0, 3, 2),  # the first chunk and the open one (sealed by the pass) to compact
+    (3, 7, 0, 1),  # the first chunk to compact, the second to delete
+])
 async def test_compaction_copies_first_the_chunks_that_fit_and_then_those_their_room_lets_fit(
-        tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture) -> None:
-    """A full server, two chunks to compact: the one with the most garbage has more live
-    bytes than the room GC may fill there, the other (the open chunk, sealed by the pass)
-    fewer.  The first was tried first, refused, and the server's compaction stopped for
-    the pass: nothing freed, pass after pass (a 256 MiB server, bench/RESULTS.md).  Now the
-    one that fits is copied first; deleting it (no grace period) makes room for the other."""
+        tmp_path: Path, clock: FakeClock, caplog: pytest.LogCaptureFixture,
+        first_gone: int, second_gone: int, last_gone: int, compacted: int) -> None:
+    """A full server, and a chunk to compact with more live bytes than the room GC may fill
+    there.  Tried first (the most garbage), it was refused, and the server's compaction
+    stopped for the pass: nothing freed, pass after pass (a 256 MiB server, bench/RESULTS.md).
+    Now what makes room goes first: a chunk whose live bytes fit, copied and deleted (no
+    grace period), or a chunk with nothing live, deleted; then the first is copied."""
     async with (make(tmp_path, clock, 1, 160 * 1024, gc_reserve=8 * 1024) as c,
                 GarbageCollector(c.addr, token=c.admin_token) as gc):
         kv = c.client(ClientConfig(evict_on_full=False))
@@ -689,14 +694,14 @@ async def test_compaction_copies_first_the_chunks_that_fit_and_then_those_their_
                 chunks.setdefault((await kv.layout(k)).extents[0].replicas[0].chunk_id, []).append(k)
             first, second, last = chunks.values()
             assert (len(first), len(second), len(last)) == (7, 7, 4), chunks
-            gone = first[:4] + last[:3]  # the first chunk: 4 of 7 garbage; the open one 3 of 4
+            gone = first[:first_gone] + second[:second_gone] + last[:last_gone]
             await kv.delete_many(gone)
             cs = c.chunkservers[0]
             assert cs is not None
             _, _, used = cs.store.usage()
             with caplog.at_level(logging.WARNING, logger="kvfs.gc"):
                 r = await gc.run_pass(PassOptions(apply=True, grace_s=0, evict=False))
-            assert r.chunks_compacted == 2 and r.chunks_deleted == 2, r
+            assert r.chunks_compacted == compacted and r.chunks_deleted == 2, r
             assert not caplog.records, [m.getMessage() for m in caplog.records]
             _, _, now = cs.store.usage()
             assert now < used - 40 * 1024, (now, used)
