@@ -375,18 +375,25 @@ class GarbageCollector:
         once: a pass with one would empty another chunk each time until the first one's
         grace ended."""
         need = self._need(opts)
-        room = {sid: st.capacity - st.used for sid, st in self._usage.items()}
-        for d in plan.delete:  # (deleted before compaction copies)
-            room[d.server_id] = room.get(d.server_id, 0) + d.written
+        freeing: dict[int, int] = defaultdict(int)  # (deleted before compaction copies)
+        for d in plan.delete:
+            freeing[d.server_id] += d.written
         by_server: dict[int, list[rpc.CompactCandidate]] = defaultdict(list)
         for c in plan.compact:
             by_server[c.server_id].append(c)
         out: dict[int, list[int]] = {}
         for sid, cs in by_server.items():
             cs.sort(key=lambda c: c.live)
-            if need.get(sid, 0) > 0 and cs[0].live > room.get(sid, 0):
+            if need.get(sid, 0) > 0 and cs[0].live > (self._gc_room(sid) or 0) + freeing[sid]:
                 out[sid] = [c.chunk_id for c in cs[:EMPTY_TRIES]]
         return out
+
+    def _gc_room(self, sid: int) -> int | None:
+        """The bytes compaction's copies may still fill on a server: its capacity less its
+        used bytes (the GC reserve and what values left), at the last :meth:`sync_usage`;
+        None where its capacity is unknown."""
+        st = self._usage.get(sid)
+        return None if st is None or st.capacity <= 0 else st.capacity - st.used
 
     def _enough(self, plan: rpc.Plan, opts: PassOptions) -> tuple[rpc.Plan, int]:
         """``plan`` with only as many of the chunks a server's pressure alone made candidates
@@ -503,7 +510,7 @@ class GarbageCollector:
             usage = self._usage.get(sid)
             free = COMPACT_BATCH_BYTES if usage is None else usage.free
             cap = max(1, min(COMPACT_BATCH_BYTES, free // 2))
-            room = None if usage is None or usage.capacity <= 0 else usage.capacity - usage.used
+            room = self._gc_room(sid)
             left = list(chunks)
             while left:
                 batch: list[int] = []
