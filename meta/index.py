@@ -558,7 +558,8 @@ class MetaIndex(ServerRegistry):
             if self.store.expiry_index_by_hand else ()
         with self._writing(gc=sync):
             self.store.delete_many(gone, ((k, encode_layout(lay), blob) for k, lay in keep.items()),
-                                   [k for k in gone if k in older] if older else (), ghosts, replaced)
+                                   [k for k in gone if k in older] if older else (), ghosts, replaced,
+                                   ghost_absent=self.ghosts.absent)
         if ghosts:
             self.ghosts.add(ghosts)
         since = time.monotonic()
@@ -1124,7 +1125,7 @@ class MetaIndex(ServerRegistry):
         rows = [(c, ghost_hash(k), None) for k, c in copies if k not in self.tombstones]
         if rows:
             with self._writing(gc=True):
-                self.store.put_ghosts(rows)
+                self.store.put_ghosts(rows, self.ghosts.absent)
             self.ghosts.add(rows)
         await self._settled(gc=True)
 

@@ -53,7 +53,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any, cast
 
@@ -404,11 +404,13 @@ class RocksStore:
                     tombstones: Iterable[tuple[bytes, bytes, bytes]] = (),
                     older: Iterable[bytes] = (),
                     ghosts: Iterable[tuple[int, int, float | None]] = (),
-                    replaced: Iterable[tuple[bytes, float]] = ()) -> None:
+                    replaced: Iterable[tuple[bytes, float]] = (),
+                    ghost_absent: Callable[[int], bool] | None = None) -> None:
         """Delete keys and, in the same batch, store their kept tombstones (key, layout,
         horizon), forget the ``older`` of those that had one, and add the ghosts (chunk,
-        key hash, expiry) of those dropped without a tombstone.  ``replaced``: (key, expiry)
-        of those that had one, whose expiry entries are deleted."""
+        key hash, expiry) of those dropped without a tombstone (``ghost_absent``: as for
+        :meth:`put_ghosts`).  ``replaced``: (key, expiry) of those that had one, whose expiry
+        entries are deleted."""
         wb = WriteBatch(raw_mode=True)
         for k, e in replaced:
             wb.delete(EXP + expiry_key(e) + k)
@@ -418,7 +420,7 @@ class RocksStore:
             wb.put(TOMB + k, msgpack.packb((blob, horizon)))
         for k in older:
             wb.delete(OLDER + k)
-        self._add_ghosts(wb, ghosts)
+        self._add_ghosts(wb, ghosts, ghost_absent)
         self._write(wb)
 
     def touch_many(self, rows: Iterable[tuple[float, bytes]]) -> None:
@@ -517,27 +519,38 @@ class RocksStore:
             wb.delete(TOMB + k)
         self._write(wb)
 
-    def _add_ghosts(self, wb: WriteBatch, rows: Iterable[tuple[int, int, float | None]]) -> None:
+    def _add_ghosts(self, wb: WriteBatch, rows: Iterable[tuple[int, int, float | None]],
+                    absent: Callable[[int], bool] | None = None) -> None:
         """Count each (chunk, hash) row onto its entry (count, latest expiry: what
-        :class:`kvfs.meta.tombstones.Ghosts` keeps of them), read first."""
+        :class:`kvfs.meta.tombstones.Ghosts` keeps of them), read first unless ``absent``
+        says of its hash that the store holds none."""
         add: dict[bytes, tuple[int, float | None]] = {}
+        held: builtins.list[bytes] = []  # (the entries that may be there: read)
         for c, h, until in rows:
             k = GHOSTS + GHOST.pack(c, h)
-            n, u = add.get(k, (0, -math.inf))
+            got = add.get(k)
+            if got is None:
+                got = (0, -math.inf)
+                if absent is None or not absent(h):
+                    held.append(k)
+            n, u = got
             add[k] = (n + 1, None if until is None or u is None else max(until, u))
-        if not add:
-            return
-        keys = builtins.list(add)
-        for k, v in zip(keys, self._get(keys), strict=True):
-            n, u = add[k]
+        for k, v in zip(held, self._get(held), strict=True):
             if v is not None:
+                n, u = add[k]
                 n0, u0 = msgpack.unpackb(v)
-                n, u = n + n0, None if u is None or u0 is None else max(u, u0)
+                add[k] = (n + n0, None if u is None or u0 is None else max(u, u0))
+        for k, (n, u) in add.items():
             wb.put(k, msgpack.packb((n, u)))
 
-    def put_ghosts(self, rows: Iterable[tuple[int, int, float | None]]) -> None:
+    def put_ghosts(self, rows: Iterable[tuple[int, int, float | None]],
+                   absent: Callable[[int], bool] | None = None) -> None:
+        """Add ghost rows (chunk, key hash, expiry).  ``absent(hash)``: True where the store
+        is known to hold no row of that hash (meta's :meth:`kvfs.meta.tombstones.Ghosts.absent`),
+        so the row is written without reading the one it adds to: that read was 5.5 % of
+        meta's samples while a full cluster evicted small values (bench/RESULTS.md)."""
         wb = WriteBatch(raw_mode=True)
-        self._add_ghosts(wb, rows)
+        self._add_ghosts(wb, rows, absent)
         self._write(wb)
 
     def load_ghosts(self) -> Iterator[tuple[int, int, float | None]]:

@@ -8,7 +8,7 @@ import os
 import sqlite3
 import sys
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -243,18 +243,22 @@ class MetaStore:
                     tombstones: Iterable[tuple[bytes, bytes, bytes]] = (),
                     older: Iterable[bytes] = (),
                     ghosts: Iterable[tuple[int, int, float | None]] = (),
-                    replaced: Iterable[tuple[bytes, float]] = ()) -> None:
+                    replaced: Iterable[tuple[bytes, float]] = (),
+                    ghost_absent: Callable[[int], bool] | None = None) -> None:
         """Delete keys and, in the same transaction, store the tombstones kept for them
         (key, layout, horizon: :mod:`kvfs.meta.tombstones`), forget the ``older`` rows of
         those that had one, and store the ghosts of those dropped without a tombstone
-        (chunk, key hash, expiry).  ``replaced``: as for :meth:`put_many`."""
+        (chunk, key hash, expiry).  ``replaced``: as for :meth:`put_many`.  ``ghost_absent``:
+        unused (an upsert counts each ghost row on without a read)."""
         with self._tx():
             self.db.executemany("DELETE FROM kv WHERE key = ?", ((k,) for k in keys))
             self.db.executemany(PUT_TOMBSTONE, tombstones)
             self.db.executemany("DELETE FROM older WHERE key = ?", ((k,) for k in older))
             self.db.executemany(PUT_GHOST, ghosts)
 
-    def put_ghosts(self, rows: Iterable[tuple[int, int, float | None]]) -> None:
+    def put_ghosts(self, rows: Iterable[tuple[int, int, float | None]],
+                   absent: Callable[[int], bool] | None = None) -> None:
+        """``absent``: unused, as :meth:`delete_many`'s ``ghost_absent``."""
         with self._tx():
             self.db.executemany(PUT_GHOST, rows)
 

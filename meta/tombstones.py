@@ -247,6 +247,14 @@ class Ghosts:
         self.records -= n
         return n
 
+    def absent(self, h: int) -> bool:
+        """No dropped record of this key hash is held (nor of another in its slot), so the
+        store holds no ghost row of it in any chunk: a new one is written without reading
+        one first (:meth:`kvfs.meta.rocks.RocksStore.delete_many`).  Exact while the store
+        changes only as this does: its rows are loaded into it at start, and each write of
+        them is added to it (or forgotten) once the store has them."""
+        return self.count is None or not self.count[h % GHOST_SLOTS]
+
     def until_of(self, h: int) -> float | None:
         """The latest expiry of the dropped records in the key's slot (None: one never
         expires), or :data:`NO_GHOST`."""
