@@ -79,6 +79,12 @@ def format_status(st: dict[str, Any]) -> str:
     lines.append(f"totals: expired {int(m['keys_expired'])} keys, evicted {int(m['keys_evicted'])}, "
                  f"compacted {int(m['chunks_compacted'])} chunks, deleted {int(m['chunks_deleted'])}, "
                  f"reclaimed {format_size(m['bytes_reclaimed'])} in {int(m['passes'])} passes")
+    asked = int(m.get("room_requests", 0))  # (absent from an older meta's answer)
+    waited = float(m.get("room_wait_s", 0.0))
+    lines.append(f"writers on a full cluster: asked for room {asked} times, waited {waited:.2f}s in all"
+                 + (f" ({waited / asked:.2f}s each)" if asked else "")
+                 + f"; {int(m.get('room_passes', 0))} passes ran for them; "
+                 f"{int(m.get('room_refused', 0))} told none was made (NoSpace)")
     lines.append(format_repair(st.get("repair"), m))
     lines.append(f"bad replicas: {int(m.get('replicas_reported_bad', 0))} found where readers reported them, "
                  f"{int(m.get('replicas_scrubbed_bad', 0))} by the background scrub "

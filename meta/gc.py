@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import defaultdict
 from collections.abc import Collection, Sequence
 from typing import TYPE_CHECKING
@@ -70,6 +71,10 @@ METRIC_NAMES = (
     "passes", "pass_duration_s", "last_pass_duration_s", "extents_repaired", "bytes_repaired",
     "tombstones_dropped", "keys_lost", "replicas_reported_bad", "bytes_scrubbed",
     "replicas_scrubbed_bad",
+    # writers that found the cluster full (MAKE_ROOM): their requests, the seconds they
+    # waited in all, those answered that no room was made (the write fails as full), and
+    # the passes run for them
+    "room_requests", "room_wait_s", "room_refused", "room_passes",
 )
 DAEMON_LEASE = "gc-daemon"  # the lease GC daemons take turns by (GC_CONTROL's holder)
 NO_ROOM = rpc.RoomMade(expired_keys=0, evicted_keys=0, bytes_reclaimed=0)
@@ -970,9 +975,28 @@ class MetaGc:
         more before: a writer's MAKE_ROOM took up to two (bench/RESULTS.md).  The passes
         share one collector and its connections: a new
         one per pass cost meta some 4 ms of CPU and a connection to itself and to each
-        chunkserver (bench/RESULTS.md)."""
+        chunkserver (bench/RESULTS.md).
+
+        Each request is counted (``kvfs gc status``: how often writers found the cluster
+        full, how long they waited, and how many were told no room was made, so their
+        writes failed as full), with the passes run for them."""
+        start = time.monotonic()
+        try:
+            made, ran = await self._make_room()
+        except Exception:
+            with contextlib.suppress(Exception):  # (the request's own error is the one to raise)
+                await self._count(room_requests=1, room_wait_s=round(time.monotonic() - start, 6),
+                                  room_refused=1)
+            raise
+        await self._count(room_requests=1, room_wait_s=round(time.monotonic() - start, 6),
+                          room_refused=0 if made.freed else 1, room_passes=int(ran))
+        return made, ()
+
+    async def _make_room(self) -> tuple[rpc.RoomMade, bool]:
+        """MAKE_ROOM's answer, and whether this request ran the pass (else it shared one)."""
         from kvfs.gc.driver import GarbageCollector, PassOptions  # the daemon's pass (no scrub)
 
+        ran = False
         if self.home is None:
             raise Unavailable("meta is not listening yet")
         ticket, running = self._room_started, self._room_running
@@ -999,4 +1023,5 @@ class MetaGc:
                     self._room_running = False
                 self._room_made = rpc.RoomMade(expired_keys=r.expired_keys, evicted_keys=r.evicted_keys,
                                                bytes_reclaimed=r.bytes_reclaimed)
-        return self._room_made, ()
+                ran = True
+        return self._room_made, ran

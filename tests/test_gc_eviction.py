@@ -21,6 +21,7 @@ from kvfs.client import AsyncClient
 from kvfs.config import ChunkServerConfig, ClientConfig
 from kvfs.errors import NoSpace
 from kvfs.gc import driver
+from kvfs.gc.cli import format_status
 from kvfs.gc.driver import GarbageCollector, PassOptions
 from kvfs.launcher import LocalCluster
 from kvfs.meta.index import RECORD_OVERHEAD_BYTES, disk_bytes
@@ -163,7 +164,9 @@ async def test_a_make_room_that_arrives_while_a_pass_runs_has_that_pass_if_it_ma
     """A second MAKE_ROOM, sent while the first one's pass runs (held at its start, then let
     go): on a ``full`` server that pass evicts, and the second request is answered with its
     answer, no pass of its own (it waited for a whole pass more before).  On a server with
-    nothing to evict, that pass makes no room, and the second request runs the next pass."""
+    nothing to evict, that pass makes no room, and the second request runs the next pass.
+    Either way ``kvfs gc status`` counts both requests, their wait, the passes run for them,
+    and, with nothing to evict, both answered that no room was made."""
     async with make(tmp_path, clock, 1, 256 * 1024) as c:
         assert c.meta is not None
         meta_gc = c.meta.gc
@@ -187,6 +190,13 @@ async def test_a_make_room_that_arrives_while_a_pass_runs_has_that_pass_if_it_ma
         await until(lambda: bool(meta_gc._room_lock._waiters), "the second request waits")  # type: ignore[attr-defined]
         gate.set()
         (a, _), (b, _) = await asyncio.gather(first, second)
+        st, _ = await meta_gc.rpc_gc_status(rpc.GcStatus(), memoryview(b""))
+    m = st.metrics
+    assert (m["room_requests"], m["room_passes"], m["room_refused"]) == ((2, 1, 0) if full else (2, 2, 2)), m
+    assert m["room_wait_s"] > 0, m
+    line = next(x for x in format_status(rpc.to_dict(st)).splitlines() if x.startswith("writers on a full"))
+    assert (f"asked for room 2 times, waited {m['room_wait_s']:.2f}s in all" in line
+            and f"{m['room_passes']} passes ran for them; {m['room_refused']} told none was made" in line), line
     assert a.freed is full and b.freed is full
     if full:
         assert a.evicted_keys > 0 and b == a and meta_gc._room_started == 1
