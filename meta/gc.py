@@ -366,7 +366,14 @@ class MetaGc:
             if ix.used(s) > high * s.capacity or wanted:
                 have, target = server_live(s, live), int(low * s.capacity)
                 report[s.server_id] = rpc.EvictTarget(have, target)
-                short = max(have - target, have + wanted - s.capacity)
+                # a write it refused fits once its live bytes are down to its written bytes
+                # and the room it said values have beside its GC reserve (``--gc-reserve``),
+                # less what the write wanted (the garbage compacted away).  Counted against
+                # the capacity, with a reserve larger than the room over the low watermark
+                # (37.5 % in the test) a server refused every write with its live bytes under
+                # that watermark, and no pass evicted: every write failed as full, for good
+                room = min(s.capacity, ix.used(s) + s.free)
+                short = max(have - target, have + wanted - room)
                 if short > 0:
                     need[s.server_id] = short
         victims: list[tuple[bytes, Layout]] = []

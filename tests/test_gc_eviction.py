@@ -137,10 +137,17 @@ async def test_full_cluster_nothing_evictable_raises_nospace(tmp_path: Path, clo
         assert await kv.get("after") == b"A" * VALUE
 
 
-async def test_write_to_full_cluster_evicts_instead_of_failing(tmp_path: Path, clock: FakeClock) -> None:
+@pytest.mark.parametrize("reserve", [None, 96 * 1024])
+async def test_write_to_full_cluster_evicts_instead_of_failing(tmp_path: Path, clock: FakeClock,
+                                                               reserve: int | None) -> None:
     """No GC daemon: a server refuses a write for lack of space, the writer asks meta to make
-    room (MAKE_ROOM: meta runs one GC pass) and retries once."""
-    c = make(tmp_path, clock, 1, 256 * 1024)
+    room (MAKE_ROOM: meta runs one GC pass) and retries once.  Also with a GC reserve larger
+    than the room between the low watermark and the capacity (``--gc-reserve``, 37.5 % here):
+    eviction counted the room a write wanted against the capacity, not against what values may
+    fill (the capacity less the reserve), so a server refused every write while its live
+    bytes were under 80 % of its capacity, and no pass evicted anything: every write failed as
+    full, for good."""
+    c = make(tmp_path, clock, 1, 256 * 1024, reserve)
     await c.start()
     try:
         async with client(c, clock) as kv:
