@@ -363,16 +363,22 @@ class MetaGc:
             if s.capacity <= 0 or (only is not None and s.server_id != only):
                 continue
             wanted = s.wanted
-            if ix.used(s) > high * s.capacity or wanted:
-                have, target = server_live(s, live), int(low * s.capacity)
+            # the room values have: its written bytes and the room it said values have beside
+            # its GC reserve (``--gc-reserve``), at most its capacity.  A reserve larger than
+            # the room above the high watermark stops values short of it, and the daemon's
+            # passes never evicted ahead: each write waited for a pass that made its own room,
+            # and many writers at once failed as full (bench/RESULTS.md); the watermarks of
+            # such a server are of its room
+            room = min(s.capacity, ix.used(s) + s.free)
+            basis = s.capacity if room >= high * s.capacity else room
+            if ix.used(s) > high * basis or wanted:
+                have, target = server_live(s, live), int(low * basis)
                 report[s.server_id] = rpc.EvictTarget(have, target)
-                # a write it refused fits once its live bytes are down to its written bytes
-                # and the room it said values have beside its GC reserve (``--gc-reserve``),
-                # less what the write wanted (the garbage compacted away).  Counted against
-                # the capacity, with a reserve larger than the room over the low watermark
-                # (37.5 % in the test) a server refused every write with its live bytes under
-                # that watermark, and no pass evicted: every write failed as full, for good
-                room = min(s.capacity, ix.used(s) + s.free)
+                # a write it refused fits once its live bytes are down to that room less
+                # what the write wanted (the garbage compacted away).  Counted against the
+                # capacity, with a reserve larger than the room over the low watermark (37.5 %
+                # in the test) a server refused every write with its live bytes under that
+                # watermark, and no pass evicted: every write failed as full, for good
                 short = max(have - target, have + wanted - room)
                 if short > 0:
                     need[s.server_id] = short

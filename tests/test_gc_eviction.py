@@ -622,6 +622,27 @@ async def test_a_full_server_whose_chunks_are_all_partly_live_is_compacted_into_
         assert await read_fresh(c, clock, ["after"]) == [b"A" * VALUE]
 
 
+async def test_the_watermarks_of_a_server_whose_gc_reserve_stops_values_under_them_are_of_its_room(
+        tmp_path: Path, clock: FakeClock) -> None:
+    """A GC reserve larger than the room above the high watermark (96 KiB of 256 KiB here)
+    stops values at 62.5 % of the capacity, under the high watermark (90 %): the daemon's
+    passes never evicted ahead, so each write waited for a pass that made room for itself
+    alone, and many writers at once failed as full (bench/RESULTS.md).  Such a server's
+    watermarks are now of the room values have: a pass evicts it to 80 % of that room."""
+    room = (256 - 96) * 1024
+    async with filled(tmp_path, clock, 96 * 1024) as (c, gc, kv, _):
+        await gc.sync_usage()
+        (target,) = (await gc.meta(rpc.GcEvict())).servers.values()  # (a dry run)
+        assert target.target <= int(0.8 * room) < target.live, target  # (0.8 x the capacity before)
+        r = await gc.run_pass(PassOptions(apply=True, grace_s=0))
+        assert r.evicted_keys > 0, r
+        st = await gc.status()
+        assert st["servers"][0]["live"] <= target.target, (st["servers"][0], target)
+        clock.advance(1)
+        await kv.put("after", b"A" * VALUE)  # (kv never asks meta for room)
+        assert await read_fresh(c, clock, ["after"]) == [b"A" * VALUE]
+
+
 @pytest.mark.parametrize("by", ["pass", "writer", "leased"])
 async def test_a_full_server_with_no_room_to_copy_any_chunk_empties_one_and_takes_writes_again(
         tmp_path: Path, clock: FakeClock, by: str) -> None:
