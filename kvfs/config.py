@@ -488,8 +488,10 @@ class GcConfig(TlsConfig):
     interval_s: float = opt("time between background GC passes", 10.0)
     expire_batch: int = opt("expired keys removed per meta transaction", 10_000)
     compact_threshold: float = opt("compact a sealed chunk whose garbage ratio passes this", 0.3)
-    high_watermark: float = opt("evict when a chunkserver's used/capacity passes this", 0.9)
-    low_watermark: float = opt("evict least recently used keys down to this used/capacity", 0.8)
+    high_watermark: float = opt("evict when a chunkserver's used/capacity passes this (of the room "
+                                "values have, where that is less)", 0.9)
+    low_watermark: float = opt("evict least recently used keys down to this used/capacity (of "
+                               "the room values have, where the high watermark is)", 0.8)
     grace_s: float = opt("keep an unreferenced chunk this long so in-flight reads finish", 30.0)
     rate_bytes: int | None = opt("compaction copy rate limit in bytes/s (default: unlimited)", None)
     repair_rate_bytes: int | None = opt("repair (re-replication) copy rate limit in bytes/s",
